@@ -1,0 +1,105 @@
+"""Build tiny Hugging Face causal LMs and a character-level tokenizer locally.
+
+This machine (and CI) cannot download weights, so tests, benchmarks and the CPU demo create their models
+here. The result is an ordinary HF folder (config.json, model.safetensors, tokenizer.json, chat template)
+that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load like any real
+checkpoint, so the code paths under test are the ones real models take.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+# Characters cover printable ASCII so any prompt of ours tokenizes without <unk>.
+CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of a tiny model; the defaults train in seconds on two CPU cores."""
+
+    family: str = "qwen2"
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character, so decoding is exact and vocab stays ~106."""
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
+    if spec.family not in ARCHITECTURES:
+        raise ValueError(f"tiny model family {spec.family!r} unknown; choose one of {sorted(ARCHITECTURES)}")
+    config = AutoConfig.for_model(
+        spec.family,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=[ARCHITECTURES[spec.family]],
+    )
+    if spec.family == "qwen3":
+        config.head_dim = spec.hidden_size // spec.num_attention_heads
+    torch.manual_seed(spec.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def create_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a tiny model and its tokenizer to `path` (an HF folder) and return the path."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(spec, tokenizer)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Create the model once per spec under `cache_dir`; later calls reuse the folder."""
+    key = "-".join(str(value) for value in spec.__dict__.values())
+    path = Path(cache_dir) / f"tiny-{key}"
+    if not (path / "config.json").exists():
+        staging = path.with_name(path.name + ".partial")
+        create_tiny_model(staging, spec)
+        staging.rename(path)
+    return path
