@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) launcher.py demo
+	$(PY) tools/demo.py
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,0 +1,382 @@
+"""The actor base class: one asyncio process with a mailbox, a place in the roster and a heartbeat.
+
+A role subclasses `Actor`, declares handlers with `@handles` / `@serves` / `@on_broadcast`, and writes its
+story in `run()`. The base class owns everything else: binding the inbound stream and request/reply sockets
+the handlers need, registering with the controller and re-registering if the controller forgets us,
+heartbeats carrying the counters, following roster and control broadcasts, decoding and dispatch, counting
+what was dropped and why, and a stop that drains before it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ClassVar
+
+import structlog
+import zmq.asyncio
+
+from actors.context import ActorContext
+from actors.handlers import HandlerTable, collect_handlers
+from actors.peers import PeerRpc, PeerStream, alive_members
+from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber
+from bus.schema import Ack, Control, Error, Heartbeat, Leave, Member, Register, Registered, Roster, RunState
+
+CONTROL_TOPICS = ("roster", "control", "run")
+
+
+class ControllerUnreachable(RuntimeError):
+    """The head address did not answer within the registration deadline."""
+
+
+class Actor:
+    """Base of every role. Subclasses set `role` and write `run()`; see the module docstring."""
+
+    role: ClassVar[str] = "custom"
+    register_timeout: ClassVar[float] = 60.0
+    drain_timeout: ClassVar[float] = 10.0
+    _handlers: ClassVar[HandlerTable] = HandlerTable(stream={}, rpc={}, broadcast={})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._handlers = collect_handlers(cls)
+
+    def __init__(self, context: ActorContext) -> None:
+        self.context = context
+        self.actor_id = context.actor_id
+        self.settings = context.settings
+        self.log = structlog.get_logger().bind(actor_id=context.actor_id, role=context.role)
+        self.counters: Counter[str] = Counter()
+        self.zmq = zmq.asyncio.Context()
+        self.security = self._make_security()
+        self.roster: dict[str, Member] = {}
+        self.roster_generation = -1
+        self.run_state = "starting"
+        self.inbox: StreamReceiver | None = None
+        self.rpc_server: RpcServer | None = None
+        self._controller: RpcClient | None = None
+        self._subscriber: Subscriber | None = None
+        self._peer_links: list[PeerStream | PeerRpc] = []
+        self._roster_changed = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._stop_reason = ""
+        self._background: set[asyncio.Task[Any]] = set()
+        self.stream_concurrency: dict[str, int] = {}  # handler name -> override of its declared concurrency
+        self._started_at = time.monotonic()
+
+    # ----------------------------------------------------------------------------------------------- story
+    async def run(self) -> None:
+        """The role's story. The default serves the declared handlers until the run is told to stop."""
+        await self._stop_requested.wait()
+
+    async def on_start(self) -> None:
+        """Hook: after registration, before `run()`; create engines, peer links, state."""
+
+    async def on_stop(self) -> None:
+        """Hook: drain what is in hand (finish or hand back work) before sockets close."""
+
+    async def on_control(self, control: Control) -> None:
+        """Hook: pause/resume broadcasts. Stop and drain are handled by the base class."""
+
+    async def on_roster(self, roster: Roster) -> None:
+        """Hook: called after each roster update (joins, deaths, returns)."""
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    async def main(self) -> int:
+        """Start, run the story, stop. Returns the process exit code: 0 when stopped on purpose."""
+        exit_code = 0
+        try:
+            await self.start()
+            story = asyncio.create_task(self.run(), name=f"{self.actor_id}.run")
+            stop = asyncio.create_task(self._stop_requested.wait())
+            await asyncio.wait({story, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not story.done():
+                # Give the story the drain window to notice `self.stopping` and finish its current unit.
+                await asyncio.wait({story}, timeout=self.drain_timeout)
+            if not story.done():
+                story.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await story
+            stop.cancel()
+        except ControllerUnreachable as error:
+            self.log.error("controller unreachable", error=str(error))
+            exit_code = 3
+        except Exception:
+            self.log.exception("actor failed")
+            exit_code = 1
+        finally:
+            await self.stop()
+        return exit_code
+
+    async def start(self) -> None:
+        self._bind_inbound()
+        await self._register()
+        self._spawn(self._heartbeat_loop())
+        self._spawn(self._broadcast_loop())
+        if self.inbox is not None:
+            self._spawn(self._stream_loop())
+        if self.rpc_server is not None:
+            self._spawn(self.rpc_server.serve(self._dispatch_rpc))
+        await self.on_start()
+        self.log.info("actor started", endpoints=self.endpoints())
+
+    def request_stop(self, reason: str) -> None:
+        if not self._stop_requested.is_set():
+            self._stop_reason = reason
+            self.log.info("stop requested", reason=reason)
+            self._stop_requested.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested.is_set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop_requested.wait()
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.wait_for(self.on_stop(), self.drain_timeout)
+        except Exception:
+            self.log.exception("on_stop failed")
+        await self._leave()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for link in self._peer_links:
+            link.close()
+        for closable in (self.inbox, self.rpc_server, self._subscriber, self._controller):
+            if closable is not None:
+                closable.close()
+        self.zmq.destroy(linger=0)
+        self.log.info("actor stopped", reason=self._stop_reason, counters=dict(self.counters))
+
+    # ------------------------------------------------------------------------------------------- peers
+    def peer_stream(self, role: str, endpoint_name: str = "inbox") -> PeerStream:
+        """A stream to every live member of `role`, kept in step with the roster."""
+        link = PeerStream(self.zmq, sender_id=self.actor_id, role=role, endpoint_name=endpoint_name,
+                          security=self.security)
+        link.sync(self.roster)
+        self._peer_links.append(link)
+        return link
+
+    def peer_rpc(self, role: str, endpoint_name: str = "rpc") -> PeerRpc:
+        """A request/reply client to the live member of `role`, reconnecting when it moves."""
+        link = PeerRpc(self.zmq, client_id=self.actor_id, role=role, endpoint_name=endpoint_name,
+                       security=self.security)
+        link.sync(self.roster)
+        self._peer_links.append(link)
+        return link
+
+    def members(self, role: str) -> list[Member]:
+        return alive_members(self.roster, role)
+
+    async def wait_for_members(self, role: str, count: int = 1, timeout: float = 60.0) -> list[Member]:
+        """Block until `count` members of `role` are alive (peers start in any order)."""
+        async def until_enough() -> list[Member]:
+            while len(self.members(role)) < count:
+                self._roster_changed.clear()
+                await self._roster_changed.wait()
+            return self.members(role)
+
+        try:
+            return await asyncio.wait_for(until_enough(), timeout)
+        except asyncio.TimeoutError:
+            have = len(self.members(role))
+            raise TimeoutError(f"{self.actor_id}: waited {timeout}s for {count} live {role!r}, have {have}") from None
+
+    def endpoints(self) -> dict[str, str]:
+        found = {}
+        if self.inbox is not None:
+            found["inbox"] = self.inbox.endpoint
+        if self.rpc_server is not None:
+            found["rpc"] = self.rpc_server.endpoint
+        return found
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+        """Run a background task owned by the actor: cancelled at stop, and a crash stops the actor."""
+        return self._spawn(coroutine, name=name)
+
+    # --------------------------------------------------------------------------------------- internals
+    def _make_security(self) -> Any:
+        if self.context.curve_keys_dir is None:
+            return None
+        from bus.security import Security
+
+        return Security.from_keys_dir(self.zmq, self.context.curve_keys_dir)
+
+    def _bind_address(self, name: str) -> str:
+        if self.context.transport == "ipc":
+            self.context.sockets_dir.mkdir(parents=True, exist_ok=True)
+            return f"ipc://{self.context.sockets_dir}/{self.actor_id}-{name}.sock"
+        return f"tcp://{self.context.host}:0"
+
+    def _bind_inbound(self) -> None:
+        if self._handlers.stream:
+            window = int(self.settings.get("stream_window", 16))
+            self.inbox = StreamReceiver(self.zmq, self._bind_address("inbox"), window=window,
+                                        security=self.security)
+        if self._handlers.rpc:
+            self.rpc_server = RpcServer(self.zmq, self._bind_address("rpc"), security=self.security)
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coroutine, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._on_background_done)
+        return task
+
+    def _on_background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not self.stopping:
+            self.log.error("background task crashed", task=task.get_name(), error=repr(error),
+                           exc_info=error)
+            self.request_stop(f"task {task.get_name()} crashed: {error!r}")
+
+    def _registration(self) -> Register:
+        return Register(actor_id=self.actor_id, role=self.context.role, node=self.context.node_rank,
+                        pid=os.getpid(), endpoints=self.endpoints(), meta={"class": self.context.actor_class})
+
+    async def _register(self) -> None:
+        if self._controller is None:
+            self._controller = RpcClient(self.zmq, self.context.head_address, client_id=self.actor_id,
+                                         security=self.security)
+        deadline = time.monotonic() + self.register_timeout
+        while True:
+            try:
+                reply = await self._controller.call(self._registration(), timeout=2.0, retries=0)
+                break
+            except RpcTimeout:
+                if time.monotonic() > deadline:
+                    raise ControllerUnreachable(
+                        f"head {self.context.head_address} did not answer for {self.register_timeout:.0f}s"
+                    ) from None
+        if not isinstance(reply, Registered):
+            raise RuntimeError(f"controller refused registration of {self.actor_id}: {reply!r}")
+        await self._apply_roster(reply.roster)
+        if self._subscriber is None:
+            topics = list(CONTROL_TOPICS) + [t for t in self._handlers.broadcast if t not in CONTROL_TOPICS]
+            self._subscriber = Subscriber(self.zmq, reply.publish_endpoint, topics, security=self.security)
+        self.log.info("registered", head=self.context.head_address, members=len(self.roster))
+
+    async def _leave(self) -> None:
+        if self._controller is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._controller.call(Leave(actor_id=self.actor_id, reason=self._stop_reason), timeout=1.0,
+                                        retries=0)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._controller is not None
+        interval = self.context.heartbeat_interval
+        sequence = 0
+        missed = 0
+        while True:
+            await asyncio.sleep(interval)
+            sequence += 1
+            try:
+                reply = await self._controller.call(
+                    Heartbeat(actor_id=self.actor_id, seq=sequence, counters=self.metrics()),
+                    timeout=interval, retries=0,
+                )
+            except RpcTimeout:
+                missed += 1
+                self.counters["heartbeat.missed"] += 1
+                if missed in (3, 10) or missed % 60 == 0:
+                    self.log.warning("controller not answering heartbeats", missed=missed)
+                continue
+            missed = 0
+            if isinstance(reply, Error) and reply.reason == "unknown_actor":
+                self.log.warning("controller forgot us; registering again")
+                await self._register()
+
+    def metrics(self) -> dict[str, float]:
+        """Counters sent with each heartbeat; roles extend this with gauges."""
+        found = {key: float(value) for key, value in self.counters.items()}
+        if self.inbox is not None:
+            for reason, count in self.inbox.dropped.items():
+                found[f"dropped.{reason}"] = float(count)
+        found["uptime_s"] = time.monotonic() - self._started_at
+        return found
+
+    async def _broadcast_loop(self) -> None:
+        assert self._subscriber is not None
+        while True:
+            topic, message = await self._subscriber.recv()
+            if topic == "roster" and isinstance(message, Roster):
+                await self._apply_roster(message)
+            elif topic == "control" and isinstance(message, Control):
+                await self._apply_control(message)
+            elif topic == "run" and isinstance(message, RunState):
+                self.run_state = message.state
+            handler_name = self._handlers.broadcast.get(topic)
+            if handler_name is not None:
+                await self._call_handler(handler_name, topic, message)
+
+    async def _apply_roster(self, roster: Roster) -> None:
+        if roster.generation <= self.roster_generation:
+            return
+        self.roster_generation = roster.generation
+        self.roster = {member.actor_id: member for member in roster.members}
+        for link in self._peer_links:
+            link.sync(self.roster)
+        for event in roster.events:
+            if event.actor_id != self.actor_id:
+                self.log.info(f"peer {event.kind}", peer=event.actor_id, reason=event.reason)
+        self._roster_changed.set()
+        await self.on_roster(roster)
+
+    async def _apply_control(self, control: Control) -> None:
+        if control.command in ("stop", "drain"):
+            self.request_stop(f"controller: {control.command} ({control.reason})")
+        else:
+            await self.on_control(control)
+
+    async def _stream_loop(self) -> None:
+        assert self.inbox is not None
+        limits: dict[str, asyncio.Semaphore] = {}
+        while True:
+            sender, message = await self.inbox.recv()
+            entry = self._handlers.stream.get(type(message))
+            if entry is None:
+                self.counters[f"dropped.unhandled.{type(message).__name__}"] += 1
+                continue
+            name, declared = entry
+            concurrency = self.stream_concurrency.get(name, declared)
+            if concurrency == 1:
+                await self._call_handler(name, sender, message)
+                continue
+            semaphore = limits.setdefault(name, asyncio.Semaphore(concurrency))
+            await semaphore.acquire()
+            task = self._spawn(self._call_handler(name, sender, message))
+            task.add_done_callback(lambda _task, s=semaphore: s.release())
+
+    async def _dispatch_rpc(self, sender: str, request: Any) -> Any:
+        name = self._handlers.rpc.get(type(request))
+        if name is None:
+            self.counters[f"dropped.unhandled.{type(request).__name__}"] += 1
+            return Error(reason="unhandled", detail=f"{self.actor_id} does not serve {type(request).__name__}")
+        handler: Callable[[str, Any], Awaitable[Any]] = getattr(self, name)
+        try:
+            reply = await handler(sender, request)
+        except Exception as error:
+            self.counters[f"handler_errors.{name}"] += 1
+            self.log.exception("request handler failed", handler=name, sender=sender)
+            return Error(reason="handler_error", detail=f"{type(error).__name__}: {error}")
+        return reply if reply is not None else Ack(ok=True, error=None)
+
+    async def _call_handler(self, name: str, origin: str, message: Any) -> None:
+        handler: Callable[[str, Any], Awaitable[None]] = getattr(self, name)
+        try:
+            await handler(origin, message)
+        except Exception:
+            # A bad message or a bug in one handler must not take the actor down; it is counted and logged.
+            self.counters[f"handler_errors.{name}"] += 1
+            self.log.exception("handler failed", handler=name, origin=origin)
+
+

@@ -1,0 +1,182 @@
+"""Buffer: the prompt source, the groups in flight, the pool of scored samples, and the staleness gate.
+
+The bookkeeping lives in `BufferCore`; this actor connects it to the bus. Rollout workers pull leases,
+reward workers push scored groups, the learner long-polls for its next batch, the controller's roster
+tells us which workers died (their leases are re-issued at once) and its version broadcasts move the
+admission window forward without waiting for the learner's next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from actors.base import Actor
+from actors.buffer_core import BufferCore
+from actors.buffer_log import BufferLog
+from actors.config import RunConfig
+from actors.eval_rounds import EvalRounds
+from actors.handlers import handles, on_broadcast, serves
+from actors.metrics import MetricsWriter
+from actors.prompt_data import PromptSource, load_prompts
+from bus.schema import (
+    Ack,
+    Batch,
+    BatchRequest,
+    Lease,
+    LeaseRenew,
+    LeaseRequest,
+    Roster,
+    ScoredGroup,
+    VersionAnnouncement,
+)
+from policies.filters import FilterGroup, apply_filters
+from policies.registry import resolve_filter
+
+BATCH_POLL_SECONDS = 2.0
+
+
+class Buffer(Actor):
+    role = "buffer"
+
+    async def on_start(self) -> None:
+        config = self.config = RunConfig(**self.settings["run"])
+        if config.prompt_data is None:
+            raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
+        records, report = load_prompts(config.prompt_data, input_key=config.input_key, label_key=config.label_key,
+                                       metadata_key=config.metadata_key, skip_bad=config.skip_bad_data)
+        for problem in report.skipped:
+            self.log.warning("skipped dataset record", problem=problem)
+        self.counters["data.skipped_records"] = len(report.skipped)
+        log_path = buffer_log_path(self.context.run_dir)
+        group_filter = make_group_filter(config.dynamic_sampling_filter_path)
+        self.core = BufferCore(
+            source=PromptSource(records, seed=config.seed), n_samples=config.n_samples_per_prompt,
+            groups_per_batch=config.rollout_batch_size, max_staleness=config.max_staleness,
+            lease_timeout=config.lease_timeout, group_filter=group_filter,
+        )
+        if log_path.exists():
+            replayed = self.core.restore(log_path)
+            self.log.info("buffer restored from its log", records=replayed, pool=len(self.core.pool),
+                          in_flight=len(self.core.in_flight), uncommitted_batches=len(self.core.served))
+        self.core.log = BufferLog(log_path)
+        self.batch_ready = asyncio.Condition()
+        self.metrics_writer = MetricsWriter(self.context.run_dir, "buffer", tensorboard=False)
+        self.eval_rounds = EvalRounds(config, self.core, self.metrics_writer, self.log)
+        self.eval_rounds.maybe_start(self.core.learner_version)  # a baseline before any training
+
+    async def run(self) -> None:
+        """Expire leases as time passes; everything else is a reply to a message."""
+        while not self.stopping:
+            await asyncio.sleep(min(1.0, self.config.lease_timeout / 4))
+            reissued = self.core.expire_leases()
+            if reissued:
+                self.log.warning("leases expired; groups re-issued", groups=len(reissued))
+
+    @serves(LeaseRequest)
+    async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
+        leased = self.core.lease(request.worker_id, request.max_groups)
+        if leased is None:
+            return Lease(lease_id="", worker_id=request.worker_id, groups=[], expires_at=0.0,
+                         version=self.core.learner_version)
+        lease_id, groups = leased
+        self.counters["groups.leased"] += len(groups)
+        return Lease(lease_id=lease_id, worker_id=request.worker_id, groups=groups,
+                     expires_at=time.time() + self.config.lease_timeout, version=self.core.learner_version)
+
+    @serves(LeaseRenew)
+    async def on_lease_renew(self, sender: str, request: LeaseRenew) -> Ack:
+        renewed = self.core.renew(request.lease_id)
+        return Ack(ok=renewed, error=None if renewed else f"lease {request.lease_id} is not held")
+
+    @handles(ScoredGroup)
+    async def on_scored(self, sender: str, group: ScoredGroup) -> None:
+        outcome = self.core.accept(group)
+        self.counters[f"groups.{outcome}"] += 1
+        if outcome == "eval":
+            self.eval_rounds.record(group)
+        elif outcome.startswith("dropped"):
+            self.log.info("group dropped", group=group.group_id, reason=outcome.split(".", 1)[1])
+        elif outcome == "accepted":
+            async with self.batch_ready:
+                self.batch_ready.notify_all()
+
+    @serves(BatchRequest)
+    async def on_batch_request(self, sender: str, request: BatchRequest) -> Batch:
+        """Long-poll: answer with the batch once it can be assembled, or an empty batch after a while."""
+        if request.commit_only:
+            self.core.commit_through(request.checkpointed_batch)
+            return Batch(batch_id=request.trained_batch, samples=[], staleness=[], reserved=False)
+        deadline = asyncio.get_running_loop().time() + BATCH_POLL_SECONDS
+        while True:
+            assembled = self.core.next_batch(learner_version=request.learner_version,
+                                             trained_batch=request.trained_batch,
+                                             checkpointed_batch=request.checkpointed_batch)
+            if assembled is not None:
+                break
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return Batch(batch_id=request.trained_batch + 1, samples=[], staleness=[], reserved=False)
+            async with self.batch_ready:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.batch_ready.wait(), remaining)
+        samples = [sample for group in assembled.groups for sample in group.samples]
+        self.counters["batches.served"] += 1
+        if assembled.reserved:
+            self.counters["batches.reserved"] += 1
+        staleness = np.asarray(assembled.staleness or [0], dtype=np.int64)
+        self.metrics_writer.write(assembled.batch_id, {
+            **self.core.gauges(), "staleness.max": float(staleness.max()), "staleness.mean": float(staleness.mean()),
+        })
+        return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
+                     reserved=assembled.reserved)
+
+    @on_broadcast("version")
+    async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
+        self.core.learner_version = max(self.core.learner_version, announcement.version)
+        self.eval_rounds.maybe_start(announcement.version)
+
+    async def on_roster(self, roster: Roster) -> None:
+        for event in roster.events:
+            if event.kind in ("died", "left") and event.actor_id.startswith("rollout"):
+                reissued = self.core.worker_gone(event.actor_id)
+                if reissued:
+                    self.log.warning("worker gone; its groups re-issued", worker=event.actor_id,
+                                     groups=len(reissued))
+
+    def metrics(self) -> dict[str, float]:
+        found = super().metrics()
+        if hasattr(self, "core"):
+            found.update(self.core.gauges())
+        return found
+
+    async def on_stop(self) -> None:
+        if hasattr(self, "core") and self.core.log is not None:
+            self.core.log.close()
+        if hasattr(self, "metrics_writer"):
+            self.metrics_writer.close()
+
+
+def make_group_filter(spec: str | None) -> Callable[[ScoredGroup], str | None] | None:
+    """The dynamic-sampling filter as the buffer core wants it: a drop reason, or None to keep."""
+    if spec is None:
+        return None
+    resolve_filter(spec)  # fail at start-up on a bad name or path, not on the first group
+
+    def group_filter(group: ScoredGroup) -> str | None:
+        verdict = apply_filters([spec], FilterGroup(
+            rewards=[s.reward for s in group.samples], statuses=[s.status for s in group.samples],
+            samples=group.samples, metadata=group.samples[0].metadata if group.samples else {},
+        ))
+        return None if verdict.keep else (verdict.reason or "filtered")
+
+    return group_filter
+
+
+def buffer_log_path(run_dir: Path) -> Path:
+    return run_dir / "buffer" / "log.msgpack"

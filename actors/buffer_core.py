@@ -1,0 +1,321 @@
+"""The buffer's bookkeeping, free of sockets so every rule is testable: leases, admission, groups in flight,
+the pool of scored groups, batch assembly with the staleness re-check, and exactly-once training.
+
+Exactly once: batch k is assembled once and kept until a learner checkpoint covers it. A learner that
+restarts from the checkpoint after batch c asks for batch c+1 and receives the very same groups again, so the
+final model's lineage trains every accepted group once, and a batch is only forgotten when a checkpoint makes
+it durable. Groups leased to a worker that dies or goes silent are re-issued when the lease expires (or at
+once, when the controller announces the death); a result arriving under a revoked lease is ignored, never
+double-counted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from actors.buffer_log import BufferLog
+from actors.prompt_data import Cursor, PromptSource
+from bus.codec import decode, encode
+from bus.schema import PromptGroup, ScoredGroup
+from policies.staleness import AdmissionController
+
+GroupFilter = Callable[[ScoredGroup], "str | None"]  # returns a drop reason, or None to keep
+
+
+@dataclass
+class LeaseRecord:
+    lease_id: str
+    worker_id: str
+    group_ids: set[str]
+    expires_at: float
+
+
+@dataclass
+class AssembledBatch:
+    batch_id: int
+    groups: list[ScoredGroup]
+    staleness: list[int]  # per sample, at the learner version the batch was requested for
+    reserved: bool = False  # served before (the learner restarted from a checkpoint)
+
+
+@dataclass
+class BufferStats:
+    started: int = 0  # distinct training groups ever started (admission counts these)
+    accepted: int = 0
+    trained_groups: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    reissued: int = 0
+    ignored: Counter[str] = field(default_factory=Counter)
+
+
+def group_staleness(group: ScoredGroup, learner_version: int) -> list[int]:
+    """Per sample: learner version minus the oldest version that produced any of its tokens."""
+    values = []
+    for sample in group.samples:
+        versions = sample.token_versions
+        oldest = int(np.min(versions)) if versions is not None and len(versions) else learner_version
+        values.append(max(0, learner_version - oldest))
+    return values
+
+
+class BufferCore:
+    def __init__(self, *, source: PromptSource, n_samples: int, groups_per_batch: int, max_staleness: int,
+                 lease_timeout: float, group_filter: GroupFilter | None = None, log: BufferLog | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.source = source
+        self.n_samples = n_samples
+        self.groups_per_batch = groups_per_batch
+        self.max_staleness = max_staleness
+        self.lease_timeout = lease_timeout
+        self.group_filter = group_filter
+        self.log = log
+        self.clock = clock
+        self.admission = AdmissionController(max_staleness=max_staleness, groups_per_batch=groups_per_batch)
+        self.learner_version = 0
+        self.stats = BufferStats()
+        self.live_started = 0  # started minus dropped: the groups that will count toward batches
+        self.reissue: deque[PromptGroup] = deque()
+        self.eval_queue: deque[PromptGroup] = deque()
+        self.in_flight: dict[str, tuple[PromptGroup, str]] = {}
+        self.prompt_groups: dict[str, PromptGroup] = {}  # every training group not yet committed
+        self.leases: dict[str, LeaseRecord] = {}
+        self.pool: dict[str, ScoredGroup] = {}
+        self.served: dict[int, AssembledBatch] = {}
+        self.committed_batch = 0
+
+    # ----------------------------------------------------------------------------------------- leases
+    def lease(self, worker_id: str, max_groups: int) -> tuple[str, list[PromptGroup]] | None:
+        """Up to `max_groups` groups: evaluation first, then re-issues, then new prompts while admitted."""
+        self.expire_leases()
+        groups: list[PromptGroup] = []
+        while len(groups) < max_groups and self.eval_queue:
+            groups.append(self.eval_queue.popleft())
+        while len(groups) < max_groups and self.reissue:
+            groups.append(self.reissue.popleft())
+            self.stats.reissued += 1
+        new_groups = []
+        allowance = self.admission.capacity(learner_version=self.learner_version, started_groups=self.live_started)
+        while len(groups) < max_groups and allowance > 0:
+            group = self._next_prompt_group()
+            groups.append(group)
+            new_groups.append(group)
+            allowance -= 1
+            self.live_started += 1
+            self.stats.started += 1
+        if not groups:
+            return None
+        lease_id = uuid.uuid4().hex[:12]
+        self.leases[lease_id] = LeaseRecord(lease_id, worker_id, {g.group_id for g in groups},
+                                            self.clock() + self.lease_timeout)
+        for group in groups:
+            self.in_flight[group.group_id] = (group, lease_id)
+            if not group.is_eval:
+                self.prompt_groups[group.group_id] = group
+        if self.log is not None:
+            training = [g for g in groups if not g.is_eval]
+            if training:
+                cursor = self.source.cursor
+                self.log.append("lease", lease_id=lease_id, worker_id=worker_id,
+                                groups=[encode(g) for g in training], new=[g.group_id for g in new_groups],
+                                cursor=[cursor.epoch, cursor.position])
+        return lease_id, groups
+
+    def _next_prompt_group(self) -> PromptGroup:
+        record, cursor = self.source.next()
+        return PromptGroup(group_id=f"{cursor.epoch}:{cursor.position - 1}", prompt=record.prompt,
+                           label=record.label, metadata=record.metadata, n_samples=self.n_samples,
+                           data_index=record.data_index, is_eval=False)
+
+    def renew(self, lease_id: str) -> bool:
+        record = self.leases.get(lease_id)
+        if record is None:
+            return False
+        record.expires_at = self.clock() + self.lease_timeout
+        return True
+
+    def expire_leases(self) -> list[str]:
+        now = self.clock()
+        expired = [lease_id for lease_id, r in self.leases.items() if r.expires_at <= now]
+        return [gid for lease_id in expired for gid in self._revoke(lease_id, "lease_expired")]
+
+    def worker_gone(self, worker_id: str) -> list[str]:
+        """Re-issue at once what a dead worker held, instead of waiting for its leases to expire."""
+        mine = [lease_id for lease_id, r in self.leases.items() if r.worker_id == worker_id]
+        return [gid for lease_id in mine for gid in self._revoke(lease_id, "worker_died")]
+
+    def _revoke(self, lease_id: str, reason: str) -> list[str]:
+        record = self.leases.pop(lease_id)
+        reissued = []
+        for group_id in sorted(record.group_ids):
+            group, _ = self.in_flight.pop(group_id)
+            (self.eval_queue if group.is_eval else self.reissue).append(group)
+            reissued.append(group_id)
+        self.stats.ignored[f"revoked.{reason}"] += len(reissued)
+        return reissued
+
+    # ------------------------------------------------------------------------------------------ results
+    def accept(self, scored: ScoredGroup) -> str:
+        """Take a scored group back. Returns "accepted", "eval", "dropped.<reason>" or "ignored.<reason>"."""
+        entry = self.in_flight.get(scored.group_id)
+        if entry is None or entry[1] != scored.lease_id:
+            self.stats.ignored["stale_lease"] += 1
+            return "ignored.stale_lease"
+        group, lease_id = self.in_flight.pop(scored.group_id)
+        record = self.leases.get(lease_id)
+        if record is not None:
+            record.group_ids.discard(scored.group_id)
+            if not record.group_ids:
+                del self.leases[lease_id]
+        if group.is_eval:
+            return "eval"
+        reason = self._drop_reason(scored)
+        if reason is not None:
+            self._drop(scored.group_id, reason)
+            return f"dropped.{reason}"
+        self.pool[scored.group_id] = scored
+        self.stats.accepted += 1
+        if self.log is not None:
+            self.log.append("accept", group_id=scored.group_id, group=encode(scored))
+        return "accepted"
+
+    def _drop_reason(self, scored: ScoredGroup) -> str | None:
+        if len(scored.samples) != self.n_samples:
+            return "incomplete_group"
+        if any(s.status == "failed" or s.reward is None for s in scored.samples):
+            return "failed_samples"
+        if any(s.reward is not None and not np.isfinite(s.reward) for s in scored.samples):
+            return "non_finite_reward"
+        if self.group_filter is not None:
+            return self.group_filter(scored)
+        return None
+
+    def _drop(self, group_id: str, reason: str) -> None:
+        self.live_started -= 1
+        self.prompt_groups.pop(group_id, None)
+        self.stats.dropped[reason] += 1
+        if self.log is not None:
+            self.log.append("drop", group_id=group_id, reason=reason)
+
+    # ------------------------------------------------------------------------------------------ batches
+    def next_batch(self, *, learner_version: int, trained_batch: int,
+                   checkpointed_batch: int) -> AssembledBatch | None:
+        """The batch the learner trains next (trained_batch + 1), or None until enough groups are scored."""
+        self.learner_version = learner_version
+        self.commit_through(checkpointed_batch)
+        wanted = trained_batch + 1
+        if wanted <= self.committed_batch:
+            raise ValueError(f"learner asked for batch {wanted}, but batches up to {self.committed_batch} are "
+                             f"already committed by a checkpoint; is it resuming from an old checkpoint?")
+        if wanted in self.served:
+            batch = self.served[wanted]
+            batch.reserved = True
+            return batch
+        if wanted != max(self.served, default=self.committed_batch) + 1:
+            raise ValueError(f"learner asked for batch {wanted}; the next new batch is "
+                             f"{max(self.served, default=self.committed_batch) + 1}")
+        self._evict_stale()
+        if len(self.pool) < self.groups_per_batch:
+            return None
+        chosen = [self.pool.pop(gid) for gid in list(self.pool)[: self.groups_per_batch]]
+        staleness = [s for g in chosen for s in group_staleness(g, learner_version)]
+        batch = AssembledBatch(batch_id=wanted, groups=chosen, staleness=staleness)
+        self.served[wanted] = batch
+        self.stats.trained_groups += len(chosen)
+        if self.log is not None:
+            self.log.append("batch", batch_id=wanted, group_ids=[g.group_id for g in chosen], sync=True)
+        return batch
+
+    def _evict_stale(self) -> None:
+        """Consumption re-check: a group whose oldest token is past the bound is regenerated, not trained."""
+        for group_id, scored in list(self.pool.items()):
+            if max(group_staleness(scored, self.learner_version)) > self.max_staleness:
+                del self.pool[group_id]
+                group = self.prompt_groups[group_id]
+                self.reissue.append(group)
+                self.stats.dropped["stale_evicted"] += 1
+                if self.log is not None:
+                    self.log.append("evict", group_id=group_id, group=encode(group))
+
+    def commit_through(self, checkpointed_batch: int) -> None:
+        for batch_id in sorted(b for b in self.served if b <= checkpointed_batch):
+            for group in self.served.pop(batch_id).groups:
+                self.prompt_groups.pop(group.group_id, None)
+            if self.log is not None:
+                self.log.append("commit", batch_id=batch_id, sync=True)
+        self.committed_batch = max(self.committed_batch, checkpointed_batch)
+
+    # ---------------------------------------------------------------------------------------- recovery
+    def restore(self, log_path: str | Path) -> dict[str, int]:
+        """Rebuild state from a durable log written by an earlier incarnation of this buffer."""
+        replayed = Counter()
+        cursor: Cursor | None = None
+        for record in BufferLog.replay(Path(log_path)):
+            kind = record["kind"]
+            replayed[kind] += 1
+            if kind == "lease":
+                for raw in record["groups"]:
+                    group = decode(raw)
+                    self.prompt_groups[group.group_id] = group
+                    self.in_flight[group.group_id] = (group, record["lease_id"])
+                    self.leases.setdefault(record["lease_id"], LeaseRecord(
+                        record["lease_id"], record["worker_id"], set(), self.clock() + self.lease_timeout,
+                    )).group_ids.add(group.group_id)
+                self.live_started += len(record["new"])
+                self.stats.started += len(record["new"])
+                cursor = Cursor(*record["cursor"])
+            elif kind == "accept":
+                self._forget_in_flight(record["group_id"])
+                self.pool[record["group_id"]] = decode(record["group"])
+                self.stats.accepted += 1
+            elif kind == "drop":
+                self._forget_in_flight(record["group_id"])
+                self.prompt_groups.pop(record["group_id"], None)
+                self.live_started -= 1
+                self.stats.dropped[record["reason"]] += 1
+            elif kind == "evict":
+                self.pool.pop(record["group_id"], None)
+                self.reissue.append(decode(record["group"]))
+            elif kind == "batch":
+                groups = [self.pool.pop(gid) for gid in record["group_ids"]]
+                self.served[record["batch_id"]] = AssembledBatch(record["batch_id"], groups, [])
+                self.stats.trained_groups += len(groups)
+            elif kind == "commit":
+                for group in self.served.pop(record["batch_id"], AssembledBatch(0, [], [])).groups:
+                    self.prompt_groups.pop(group.group_id, None)
+                self.committed_batch = max(self.committed_batch, record["batch_id"])
+        # A re-issued group may have been leased again after its eviction: keep one copy in flight.
+        self.reissue = deque(g for g in self.reissue if g.group_id not in self.in_flight)
+        if cursor is not None:
+            self.source.cursor = cursor
+            self.source._order = self.source._permutation(cursor.epoch)
+        return dict(replayed)
+
+    def _forget_in_flight(self, group_id: str) -> None:
+        entry = self.in_flight.pop(group_id, None)
+        if entry is None:
+            return
+        record = self.leases.get(entry[1])
+        if record is not None:
+            record.group_ids.discard(group_id)
+            if not record.group_ids:
+                del self.leases[entry[1]]
+
+    # ------------------------------------------------------------------------------------------- gauges
+    def gauges(self) -> dict[str, float]:
+        return {
+            "buffer.pool_groups": float(len(self.pool)),
+            "buffer.in_flight_groups": float(len(self.in_flight)),
+            "buffer.reissue_queue": float(len(self.reissue)),
+            "buffer.started": float(self.stats.started),
+            "buffer.accepted": float(self.stats.accepted),
+            "buffer.served_uncommitted": float(len(self.served)),
+            **{f"buffer.dropped.{k}": float(v) for k, v in self.stats.dropped.items()},
+        }
+

@@ -1,0 +1,50 @@
+"""The buffer's durable log: what was leased, accepted, dropped, served and committed, in order.
+
+Append-only msgpack records, flushed (and fsynced at batch boundaries) as they happen, so a buffer that is
+killed and restarted replays the log into exactly the state it had: groups leased but never returned are
+re-issued, accepted groups not yet trained go back to the pool, and batches served but not yet covered by a
+learner checkpoint are served again identically. A torn last record (kill -9 mid-write) is ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+
+class BufferLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "ab")  # noqa: SIM115 - held open for the buffer's lifetime
+
+    def append(self, kind: str, *, sync: bool = False, **fields: Any) -> None:
+        self._file.write(msgpack.packb({"kind": kind, **fields}, use_bin_type=True))
+        self._file.flush()
+        if sync:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+    @staticmethod
+    def replay(path: Path) -> Iterator[dict[str, Any]]:
+        if not path.exists():
+            return
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                unpacker.feed(chunk)
+                while True:
+                    try:
+                        record = unpacker.unpack()
+                    except msgpack.OutOfData:
+                        break
+                    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+                        return  # a torn or corrupt tail: everything before it is intact
+                    if isinstance(record, dict) and "kind" in record:
+                        yield record

@@ -1,0 +1,246 @@
+"""The run's configuration: one typed model, validated once, from which the command-line flags are made.
+
+Flags follow slime's names (`--rollout-batch-size`, `--n-samples-per-prompt`, `--eps-clip-high`, ...). A YAML
+file (`--config run.yaml`, keys in snake_case) sets any field; flags override the file; an unknown key or flag
+is an error that names it. The effective configuration is written to the run directory, and every actor
+receives it whole, so no process reads settings from anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from policies.config import PolicyLossConfig
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- model and engines
+    hf_checkpoint: str | None = Field(None, description="HF model folder (policy, reference and engines)")
+    ref_checkpoint: str | None = Field(None, description="HF folder of the reference model (default: hf_checkpoint)")
+    train_backend: Literal["torch", "megatron"] = Field("torch", description="training engine")
+    rollout_engine: Literal["torch", "sglang"] = Field("torch", description="inference engine")
+    torch_threads: int = Field(1, description="torch CPU threads per actor process")
+    seed: int = Field(1234, description="seed of data order, sampling and initialisation")
+
+    # ---- data
+    prompt_data: str | None = Field(None, description="training prompts, .jsonl or .parquet")
+    input_key: str = Field("input", description="prompt field of each record")
+    label_key: str | None = Field("label", description="label field of each record")
+    metadata_key: str | None = Field("metadata", description="metadata field of each record")
+    apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    skip_bad_data: bool = Field(True, description="skip (and report) malformed dataset lines instead of stopping")
+    eval_prompt_data: list[str] = Field(default_factory=list,
+                                        description="NAME PATH pairs of evaluation sets")
+    eval_interval: int | None = Field(None, description="evaluate every N learner versions")
+    n_samples_per_eval_prompt: int = Field(1, description="samples per eval prompt (pass@k uses them)")
+    eval_temperature: float = Field(0.0, description="eval sampling temperature (0 = greedy)")
+
+    # ---- rollout
+    rollout_batch_size: int = Field(8, description="prompts (groups) per training batch")
+    n_samples_per_prompt: int = Field(4, description="responses generated per prompt")
+    global_batch_size: int | None = Field(None,
+                                          description="samples per optimizer step (default: one step per batch)")
+    num_rollout: int = Field(20, description="training batches to consume (learner steps)")
+    rollout_temperature: float = Field(1.0, description="sampling temperature")
+    rollout_top_p: float = Field(1.0, description="top-p sampling")
+    rollout_top_k: int = Field(0, description="top-k sampling (0 = off)")
+    rollout_max_response_len: int = Field(32, description="max new tokens per response")
+    rollout_stop: list[str] = Field(default_factory=list, description="stop strings")
+    rollout_max_batch_size: int = Field(64, description="sequences decoded together per engine")
+    custom_generate_function_path: str | None = Field(None, description="module:function for multi-turn rollouts")
+    lease_timeout: float = Field(120.0, description="seconds before an unfinished prompt lease is re-issued")
+
+    # ---- staleness and off-policy correction (the algorithm itself is in `policy`)
+    max_staleness: int = Field(2, description="hard bound on learner_version - min(token versions); 0 = on-policy")
+    use_decoupled_ppo: bool = Field(False, description="recompute proximal log-probs before the update")
+    update_weights_interval: int = Field(1, description="push weights to engines every N learner steps")
+    dynamic_sampling_filter_path: str | None = Field(None, description="module:function or built-in filter name")
+    policy: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig(off_policy_correction="tis"),
+                                     description="advantages, loss, KL and off-policy correction")
+
+    # ---- rewards
+    rm_type: str = Field("exact_match", description="built-in reward name")
+    custom_rm_path: str | None = Field(None, description="module:function reward (sync or async)")
+    group_rm: bool = Field(False, description="the reward function scores whole groups")
+    reward_concurrency: int = Field(4, description="groups scored at once per reward worker")
+
+    # ---- optimizer
+    lr: float = Field(1e-4, description="learning rate")
+    lr_decay_style: Literal["constant", "cosine"] = Field("constant", description="LR schedule")
+    lr_warmup_iters: int = Field(0, description="LR warmup steps")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, description="AdamW beta2")
+    clip_grad: float = Field(1.0, description="gradient norm clip")
+    micro_batch_tokens: int = Field(8192, description="token budget of one packed micro-batch")
+
+    # ---- checkpoints and state
+    save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
+    save_interval: int | None = Field(None, description="checkpoint every N learner steps")
+    load: str | None = Field(None, description="resume from this checkpoint directory")
+
+    # ---- debug
+    debug_rollout_only: bool = Field(False, description="generate and score, never train")
+    debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
+    save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
+    load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+
+    # ---- reporting
+    use_tensorboard: bool = Field(True, description="write TensorBoard events to RUN_DIR/tensorboard")
+    use_wandb: bool = Field(False, description="log to Weights & Biases (needs wandb installed)")
+    plots: bool = Field(True, description="write PNG plots at the end of the run")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        problems = []
+        if self.n_samples_per_prompt < 1:
+            problems.append("n_samples_per_prompt must be >= 1")
+        if self.rollout_batch_size < 1:
+            problems.append("rollout_batch_size must be >= 1")
+        if self.max_staleness < 0:
+            problems.append("max_staleness must be >= 0")
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if self.global_batch_size is not None and (self.global_batch_size < 1 or samples % self.global_batch_size):
+            problems.append(f"global_batch_size {self.global_batch_size} must divide rollout_batch_size x "
+                            f"n_samples_per_prompt = {samples}")
+        if len(self.eval_prompt_data) % 2:
+            problems.append("eval_prompt_data takes NAME PATH pairs")
+        if self.eval_prompt_data and not self.eval_interval:
+            problems.append("eval_prompt_data needs eval_interval")
+        if self.debug_rollout_only and self.debug_train_only:
+            problems.append("debug_rollout_only and debug_train_only are exclusive")
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            problems.append("debug_train_only needs load_debug_rollout_data")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def eval_sets(self) -> dict[str, str]:
+        pairs = self.eval_prompt_data
+        return {pairs[i]: pairs[i + 1] for i in range(0, len(pairs), 2)}
+
+
+# ------------------------------------------------------------------------------------- flags <-> fields
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+# slime's negative switches for policy fields, accepted as flags and YAML keys.
+POLICY_SWITCHES = {
+    "disable_grpo_std_normalization": "Dr.GRPO: centre rewards per group without dividing by their std",
+    "disable_rewards_normalization": "use raw rewards as advantages (no group baseline)",
+}
+# Where Slipstream's default differs from PolicyLossConfig's: the fully-async mode corrects with TIS.
+POLICY_DEFAULTS = {"off_policy_correction": "tis"}
+
+
+def _policy_fields() -> dict[str, Any]:
+    return {name: field for name, field in PolicyLossConfig.model_fields.items()}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; defaults stay None so only flags given on the command line override."""
+    group = parser.add_argument_group("training run (also settable in --config YAML)")
+    group.add_argument("--config", type=Path, default=None, help="YAML file of run settings (snake_case keys)")
+    run_fields = {n: f for n, f in RunConfig.model_fields.items() if n != "policy"}
+    _add_model_flags(group, run_fields)
+    algorithm = parser.add_argument_group("algorithm: advantages, loss, KL, off-policy correction")
+    _add_model_flags(algorithm, _policy_fields(), defaults=POLICY_DEFAULTS)
+    for name, help_text in POLICY_SWITCHES.items():
+        algorithm.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
+
+
+def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
+    for name, field in fields.items():
+        annotation, _ = _unwrap_optional(field.annotation)
+        default = field.default if field.default_factory is None else field.default_factory()
+        default = (defaults or {}).get(name, default)
+        help_text = f"{field.description or name.replace('_', ' ')} (default: {default})"
+        if annotation is bool:
+            group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        elif typing.get_origin(annotation) is list:
+            group.add_argument(_flag(name), dest=name, nargs="*", default=None, help=help_text)
+        elif typing.get_origin(annotation) is Literal:
+            group.add_argument(_flag(name), dest=name, choices=typing.get_args(annotation), default=None,
+                               help=help_text)
+        else:
+            kind = annotation if annotation in (int, float) else str
+            group.add_argument(_flag(name), dest=name, type=kind, default=None, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """YAML first, then every flag the user gave; errors name the file, key or flag that is wrong."""
+    values: dict[str, Any] = {}
+    source = "command line"
+    if args.config is not None:
+        source = str(args.config)
+        try:
+            loaded = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f"--config {args.config}: {error}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {args.config}: expected a mapping of settings, got {type(loaded).__name__}")
+        unknown = sorted(set(loaded) - _known_keys())
+        if unknown:
+            raise ValueError(f"--config {args.config}: unknown key(s) {', '.join(unknown)}")
+        values.update(loaded)
+    for name in _known_keys():
+        given = getattr(args, name, None)
+        if given is not None:
+            values[name] = given
+    return build_config(values, source=source)
+
+
+def _known_keys() -> set[str]:
+    return (set(RunConfig.model_fields) - {"policy"}) | set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
+
+
+def build_config(values: dict[str, Any], *, source: str = "settings") -> RunConfig:
+    """Flat settings (run and algorithm keys mixed, as in YAML and flags) -> a validated RunConfig."""
+    policy_keys = set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
+    policy_flags = {**POLICY_DEFAULTS, **{k: v for k, v in values.items() if k in policy_keys}}
+    run_values = {k: v for k, v in values.items() if k not in policy_keys}
+    try:
+        policy = PolicyLossConfig.from_flags(policy_flags)
+    except (ValidationError, ValueError) as error:
+        raise ValueError(f"invalid algorithm settings ({source}): {_describe(error)}") from None
+    try:
+        return RunConfig(**run_values, policy=policy)
+    except ValidationError as error:
+        raise ValueError(f"invalid run settings ({source}): {_describe(error)}") from None
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in error.errors())
+    return str(error)
+
+
+def write_effective_config(config: RunConfig, run_dir: Path) -> Path:
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    return path

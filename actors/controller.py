@@ -1,0 +1,194 @@
+"""The controller: who is alive, what state the run is in, and the broadcasts everyone follows.
+
+It sits at the head address. Actors register there and learn the roster (every member's endpoints) and the
+broadcast endpoint; heartbeats keep them alive in the registry; a member silent past the deadline is declared
+dead and the new roster is broadcast, so peers reconnect or re-lease without asking anyone. The controller
+keeps no training state: a restarted controller rebuilds its registry from re-registrations (actors whose
+heartbeat it does not recognise register again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.base import Actor
+from actors.handlers import serves
+from bus import Publisher, RpcServer
+from bus.schema import (
+    Ack,
+    Control,
+    Error,
+    Heartbeat,
+    Leave,
+    Member,
+    Register,
+    Registered,
+    Roster,
+    RosterEvent,
+    RunState,
+    VersionAnnouncement,
+)
+
+
+@dataclass
+class MemberRecord:
+    member: Member
+    last_seen: float
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+class Controller(Actor):
+    role = "controller"
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        self.heartbeat_deadline = float(self.settings.get("heartbeat_deadline", 5 * context.heartbeat_interval))
+        self.expected: dict[str, int] = dict(self.settings.get("expected_roles", {}))
+        self.records: dict[str, MemberRecord] = {}
+        self.generation = 0
+        self.publisher: Publisher | None = None
+        self.latest_version: VersionAnnouncement | None = None
+
+    async def run(self) -> None:
+        """Watch liveness until the run stops; everything else happens in the request handlers."""
+        while not self.stopping:
+            await asyncio.sleep(self.context.heartbeat_interval / 2)
+            self._declare_silent_members_dead(time.monotonic())
+
+    # The controller is the head: it binds the fixed head address and registers with no one.
+    async def start(self) -> None:
+        self.rpc_server = RpcServer(self.zmq, self.context.head_address, security=self.security)
+        self.publisher = Publisher(self.zmq, self._bind_address("publish"), security=self.security)
+        self._publish_run_state()
+        self.spawn(self.rpc_server.serve(self._dispatch_rpc), name="controller.rpc")
+        self.log.info("controller listening", head=self.rpc_server.endpoint, publish=self.publisher.endpoint,
+                      expected=self.expected)
+
+    async def stop(self) -> None:
+        self._set_state("stopped")
+        if self.publisher is not None:
+            self.publisher.publish("control", Control(command="stop", reason=self._stop_reason or "run stopped"))
+            await asyncio.sleep(0.2)  # let the last broadcasts leave before the socket closes
+            self.publisher.close()
+        await super().stop()
+
+    async def _leave(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------------------------------ handlers
+    @serves(Register)
+    async def on_register(self, sender: str, request: Register) -> Registered:
+        previous = self.records.get(request.actor_id)
+        incarnation = previous.member.incarnation + 1 if previous else 0
+        if previous is None:
+            kind = "joined"
+        elif previous.member.alive and previous.member.pid == request.pid:
+            kind = ""  # a retried registration of the same process: nothing changed
+        else:
+            kind = "returned"
+        member = Member(actor_id=request.actor_id, role=request.role, node=request.node, pid=request.pid,
+                        endpoints=dict(request.endpoints), alive=True,
+                        incarnation=incarnation if kind else previous.member.incarnation)  # type: ignore[union-attr]
+        self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic())
+        if kind:
+            self.log.info(f"member {kind}", member=request.actor_id, role=request.role, node=request.node,
+                          pid=request.pid)
+            self._publish_roster([RosterEvent(kind=kind, actor_id=request.actor_id, reason="registered")])
+        self._maybe_start_running()
+        assert self.publisher is not None
+        return Registered(roster=self._roster([]), publish_endpoint=self.publisher.endpoint,
+                          heartbeat_interval=self.context.heartbeat_interval, deadline=self.heartbeat_deadline)
+
+    @serves(Heartbeat)
+    async def on_heartbeat(self, sender: str, request: Heartbeat) -> Ack | Error:
+        record = self.records.get(request.actor_id)
+        if record is None or not record.member.alive:
+            # Unknown (we restarted) or declared dead (it was only slow): it must register again so that
+            # its endpoints are current and its return is announced.
+            return Error(reason="unknown_actor", detail=f"{request.actor_id} is not registered here")
+        record.last_seen = time.monotonic()
+        record.counters = dict(request.counters)
+        return Ack(ok=True, error=None)
+
+    @serves(Leave)
+    async def on_leave(self, sender: str, request: Leave) -> Ack:
+        record = self.records.get(request.actor_id)
+        if record is not None and record.member.alive:
+            record.member = _with_alive(record.member, False)
+            self._publish_roster([RosterEvent(kind="left", actor_id=request.actor_id, reason=request.reason)])
+        return Ack(ok=True, error=None)
+
+    @serves(Control)
+    async def on_control_request(self, sender: str, request: Control) -> Ack:
+        """Launchers, the learner or an operator ask for pause/resume/drain/stop; everyone hears it."""
+        assert self.publisher is not None
+        self.log.info("control", command=request.command, reason=request.reason, origin=sender)
+        self.publisher.publish("control", request)
+        if request.command in ("drain", "stop"):
+            self._set_state("draining")
+            self.request_stop(f"{request.command} requested by {sender}: {request.reason}")
+        return Ack(ok=True, error=None)
+
+    @serves(VersionAnnouncement)
+    async def on_version(self, sender: str, request: VersionAnnouncement) -> Ack:
+        assert self.publisher is not None
+        self.latest_version = request
+        self.publisher.publish("version", request)
+        return Ack(ok=True, error=None)
+
+    @serves(RunState)
+    async def on_run_state_query(self, sender: str, request: RunState) -> RunState:
+        return self._run_state()
+
+    # --------------------------------------------------------------------------------------- internals
+    def _declare_silent_members_dead(self, now: float) -> None:
+        events = []
+        for record in self.records.values():
+            silent_for = now - record.last_seen
+            if record.member.alive and silent_for > self.heartbeat_deadline:
+                record.member = _with_alive(record.member, False)
+                events.append(RosterEvent(kind="died", actor_id=record.member.actor_id,
+                                          reason=f"no heartbeat for {silent_for:.1f}s"))
+                self.log.warning("member died", member=record.member.actor_id, silent_s=round(silent_for, 1))
+        if events:
+            self._publish_roster(events)
+
+    def _roster(self, events: list[RosterEvent]) -> Roster:
+        return Roster(generation=self.generation, members=[r.member for r in self.records.values()], events=events)
+
+    def _publish_roster(self, events: list[RosterEvent]) -> None:
+        assert self.publisher is not None
+        self.generation += 1
+        self.publisher.publish("roster", self._roster(events))
+
+    def _maybe_start_running(self) -> None:
+        if self.run_state != "starting":
+            return
+        alive: dict[str, int] = {}
+        for record in self.records.values():
+            if record.member.alive:
+                alive[record.member.role] = alive.get(record.member.role, 0) + 1
+        if all(alive.get(role, 0) >= count for role, count in self.expected.items()):
+            self._set_state("running")
+
+    def _set_state(self, state: str) -> None:
+        if state != self.run_state:
+            self.run_state = state
+            self.log.info("run state", state=state)
+            self._publish_run_state()
+
+    def _run_state(self) -> RunState:
+        return RunState(state=self.run_state)
+
+    def _publish_run_state(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish("run", self._run_state())
+
+
+def _with_alive(member: Member, alive: bool) -> Member:
+    import msgspec
+
+    return msgspec.structs.replace(member, alive=alive)

@@ -1,0 +1,92 @@
+"""Evaluation rounds run by the rollout workers between training work, scored like any group.
+
+Every `--eval-interval` learner versions (and once before training) the buffer queues each eval set's
+prompts ahead of training prompts; eval groups bypass admission and never enter the training pool. When a
+round's last group returns, the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actors.buffer_core import BufferCore
+from actors.config import RunConfig
+from actors.metrics import MetricsWriter
+from actors.prompt_data import PromptRecord, load_prompts
+from bus.schema import PromptGroup, ScoredGroup
+
+
+@dataclass
+class EvalRound:
+    version: int
+    name: str
+    expected: int
+    rewards: dict[str, list[float]] = field(default_factory=dict)
+    failed: int = 0
+
+
+def pass_at_k(rewards_per_prompt: list[list[float]], threshold: float = 1.0) -> float:
+    """Fraction of prompts with at least one sample at or above the success threshold."""
+    if not rewards_per_prompt:
+        return float("nan")
+    return float(np.mean([any(r >= threshold for r in rewards) for rewards in rewards_per_prompt]))
+
+
+class EvalRounds:
+    def __init__(self, config: RunConfig, core: BufferCore, writer: MetricsWriter, log: Any) -> None:
+        self.config = config
+        self.core = core
+        self.writer = writer
+        self.log = log
+        self.sets: dict[str, list[PromptRecord]] = {}
+        for name, path in config.eval_sets.items():
+            records, report = load_prompts(path, input_key=config.input_key, label_key=config.label_key,
+                                           metadata_key=config.metadata_key, skip_bad=config.skip_bad_data)
+            self.sets[name] = records
+            for problem in report.skipped:
+                log.warning("skipped eval record", problem=problem)
+        self.rounds: dict[tuple[int, str], EvalRound] = {}
+        self.started_versions: set[int] = set()
+
+    def maybe_start(self, version: int) -> None:
+        interval = self.config.eval_interval
+        if not self.sets or not interval or version % interval or version in self.started_versions:
+            return
+        self.started_versions.add(version)
+        for name, records in self.sets.items():
+            self.rounds[(version, name)] = EvalRound(version=version, name=name, expected=len(records))
+            for record in records:
+                self.core.eval_queue.append(PromptGroup(
+                    group_id=f"eval:{name}:{version}:{record.data_index}", prompt=record.prompt, label=record.label,
+                    metadata=record.metadata, n_samples=self.config.n_samples_per_eval_prompt,
+                    data_index=record.data_index, is_eval=True,
+                ))
+
+    def record(self, group: ScoredGroup) -> None:
+        _, name, version, _ = group.group_id.split(":", 3)
+        current = self.rounds.get((int(version), name))
+        if current is None:
+            return
+        rewards = [s.reward for s in group.samples if s.reward is not None]
+        current.failed += len(group.samples) - len(rewards)
+        current.rewards[group.group_id] = [float(r) for r in rewards]
+        if len(current.rewards) == current.expected:
+            self._finish(current)
+
+    def _finish(self, current: EvalRound) -> None:
+        del self.rounds[(current.version, current.name)]
+        per_prompt = list(current.rewards.values())
+        flat = [r for rewards in per_prompt for r in rewards]
+        k = self.config.n_samples_per_eval_prompt
+        metrics = {
+            f"eval/{current.name}/mean_reward": float(np.mean(flat)) if flat else float("nan"),
+            f"eval/{current.name}/accuracy": float(np.mean([r >= 1.0 for r in flat])) if flat else float("nan"),
+            f"eval/{current.name}/pass@{k}": pass_at_k(per_prompt),
+            f"eval/{current.name}/failed_samples": current.failed,
+        }
+        self.writer.write(current.version, metrics)
+        self.log.info("eval round done", version=current.version, set=current.name,
+                      **{key.rsplit("/", 1)[1]: round(value, 4) for key, value in metrics.items()})

@@ -1,0 +1,208 @@
+"""Learner: pull a batch, train, publish the new version and weights, checkpoint; until `--num-rollout` batches.
+
+The learner never waits for generation except when the buffer has no batch ready: rollouts of the next
+batches run while it trains (bounded by `--max-staleness`). Exactly-once training rests on two numbers kept in
+the checkpoint, `trained_batch` and the version: a restarted learner loads them and asks the buffer for the
+batch after the checkpoint, which re-serves it identically if it was served before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from actors.base import Actor
+from actors.config import RunConfig
+from actors.learner_step import TrainingStep
+from actors.metrics import MetricsWriter
+from actors.weights_client import LearnerWeightPublisher
+from bus.codec import decode, encode
+from bus.schema import Batch, BatchRequest, Control, VersionAnnouncement
+
+
+class Learner(Actor):
+    role = "learner"
+    drain_timeout = 120.0  # a stop lets the step in hand finish and the checkpoint land
+
+    async def on_start(self) -> None:
+        import torch
+
+        self.config = config = RunConfig(**self.settings["run"])
+        torch.set_num_threads(config.torch_threads)
+        self.trainer = await asyncio.to_thread(build_trainer, config)
+        self.step = TrainingStep(self.trainer, config)
+        self.buffer = self.peer_rpc("buffer")
+        self.checkpoint_dir = Path(config.save) if config.save else self.context.run_dir / "checkpoints"
+        self.trained_batch = 0
+        self.checkpointed_batch = 0
+        await self._restore()
+        self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.use_tensorboard)
+        self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.weights = LearnerWeightPublisher(self, config)
+        self.busy_seconds = 0.0
+        self.started_at = time.monotonic()
+
+    async def run(self) -> None:
+        """pull → train → publish → checkpoint, until num_rollout batches are trained."""
+        if not self.config.debug_train_only:
+            await self.publish_weights()  # engines start from our weights, which matters on resume
+        while self.trained_batch < self.config.num_rollout and not self.stopping:
+            batch = await self.next_batch()
+            if batch is None:
+                continue
+            report = await self.train(batch)
+            await self.announce_version()
+            if self.trainer.version % self.config.update_weights_interval == 0:
+                await self.publish_weights()
+            if self.config.save_interval and self.trained_batch % self.config.save_interval == 0:
+                await self.save_checkpoint()
+            self.log_step(batch, report)
+        if self.trained_batch >= self.config.num_rollout:
+            await self.finish()
+
+    # --------------------------------------------------------------------------------------------- steps
+    async def next_batch(self) -> Batch | None:
+        if self.config.load_debug_rollout_data:
+            return self._load_debug_batch(self.trained_batch + 1)
+        request = BatchRequest(learner_version=self.trainer.version, trained_batch=self.trained_batch,
+                               checkpointed_batch=self.checkpointed_batch)
+        try:
+            reply = await self.buffer.call(request, timeout=10.0, retries=1)
+        except (TimeoutError, asyncio.TimeoutError):
+            self.counters["batch.unanswered"] += 1
+            return None
+        if not isinstance(reply, Batch) or not reply.samples:
+            return None
+        if self.config.save_debug_rollout_data:
+            self._save_debug_batch(reply)
+        return reply
+
+    async def train(self, batch: Batch) -> Any:
+        started = time.monotonic()
+        if self.config.debug_rollout_only:
+            report = None
+            self._debug_versions = getattr(self, "_debug_versions", 0) + 1
+        else:
+            report = await asyncio.to_thread(self.step.train, batch.samples, batch.staleness)
+        self.busy_seconds += time.monotonic() - started
+        self.trained_batch = batch.batch_id
+        self.audit.write(json.dumps({"batch_id": batch.batch_id, "version": self.version,
+                                     "sample_ids": [s.sample_id for s in batch.samples]}) + "\n")
+        return report
+
+    @property
+    def version(self) -> int:
+        if self.config.debug_rollout_only:
+            return getattr(self, "_debug_versions", 0)
+        return self.trainer.version
+
+    async def announce_version(self) -> None:
+        assert self._controller is not None
+        announcement = VersionAnnouncement(version=self.version, weights_version=self.weights.committed_version,
+                                           step=self.trained_batch, timestamp=time.time())
+        try:
+            await self._controller.call(announcement, timeout=2.0, retries=2)
+        except Exception as error:  # the next announcement carries the same information
+            self.log.warning("version announcement failed", error=repr(error))
+
+    async def publish_weights(self) -> None:
+        if self.config.debug_rollout_only:
+            return
+        await self.weights.publish(self.trainer.version)
+
+    async def save_checkpoint(self) -> None:
+        extra = {"trained_batch": self.trained_batch, "run_dir": str(self.context.run_dir)}
+        target = self.checkpoint_dir / f"step_{self.trained_batch:06d}"
+        await asyncio.to_thread(self.trainer.save_checkpoint, target, extra)
+        (self.checkpoint_dir / "latest").write_text(target.name, encoding="utf-8")
+        self.checkpointed_batch = self.trained_batch
+        self.log.info("checkpoint saved", path=str(target), version=self.trainer.version)
+
+    async def finish(self) -> None:
+        """Make the result durable, export it, and end the run for everyone."""
+        if not self.config.debug_rollout_only:
+            await self.save_checkpoint()
+            await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
+        # Commit the last batches in the buffer's log: they are covered by the checkpoint just written.
+        if not self.config.load_debug_rollout_data:
+            try:
+                await self.buffer.call(BatchRequest(learner_version=self.version, trained_batch=self.trained_batch,
+                                                    checkpointed_batch=self.checkpointed_batch, commit_only=True),
+                                       timeout=5.0, retries=1)
+            except Exception as error:
+                self.log.warning("final commit to the buffer failed", error=repr(error))
+        assert self._controller is not None
+        await self._controller.call(Control(command="stop", reason=f"trained {self.trained_batch} batches"),
+                                    timeout=5.0, retries=2)
+        self.log.info("run finished", batches=self.trained_batch, version=self.version)
+
+    async def _restore(self) -> None:
+        source = Path(self.config.load) if self.config.load else self.checkpoint_dir
+        latest = source / "latest"
+        if not latest.exists():
+            return
+        directory = source / latest.read_text(encoding="utf-8").strip()
+        extra = await asyncio.to_thread(self.trainer.load_checkpoint, directory)
+        self.trained_batch = self.checkpointed_batch = int(extra.get("trained_batch", 0))
+        self.log.info("resumed from checkpoint", path=str(directory), version=self.trainer.version,
+                      trained_batch=self.trained_batch)
+
+    # ------------------------------------------------------------------------------------------ reporting
+    def log_step(self, batch: Batch, report: Any) -> None:
+        elapsed = time.monotonic() - self.started_at
+        metrics: dict[str, Any] = {"version": self.version, "batch_id": batch.batch_id,
+                                   "learner/busy_fraction": self.busy_seconds / max(elapsed, 1e-9),
+                                   "weights/committed_version": self.weights.committed_version}
+        if report is not None:
+            metrics.update(report.metrics)
+            metrics["train/grad_norm"] = report.result.grad_norm
+            metrics["train/skipped"] = float(report.result.skipped)
+            if report.result.skipped:
+                self.counters["steps.skipped"] += 1
+                self.log.warning("step skipped", reason=report.result.skip_reason, batch=batch.batch_id)
+        metrics["throughput/samples_per_s"] = self.counters["samples.trained"] / max(elapsed, 1e-9)
+        self.counters["samples.trained"] += len(batch.samples)
+        self.metrics_writer.write(self.trained_batch, metrics)
+
+    def _save_debug_batch(self, batch: Batch) -> None:
+        directory = Path(self.config.save_debug_rollout_data or "")
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"batch_{batch.batch_id:06d}.msgpack").write_bytes(encode(batch))
+
+    def _load_debug_batch(self, batch_id: int) -> Batch | None:
+        path = Path(self.config.load_debug_rollout_data or "") / f"batch_{batch_id:06d}.msgpack"
+        if not path.exists():
+            raise FileNotFoundError(f"--load-debug-rollout-data: {path} missing (batch {batch_id})")
+        batch = decode(path.read_bytes())
+        if not isinstance(batch, Batch):
+            raise ValueError(f"{path}: expected a Batch, found {type(batch).__name__}")
+        return batch
+
+    async def on_stop(self) -> None:
+        for name in ("audit", "metrics_writer"):
+            if hasattr(self, name):
+                getattr(self, name).close()
+        if hasattr(self, "weights"):
+            self.weights.close()
+
+
+def build_trainer(config: RunConfig) -> Any:
+    if config.train_backend != "torch":
+        raise NotImplementedError(f"--train-backend {config.train_backend}: not available in this build")
+    from engines.training.config import TorchTrainerConfig
+    from engines.training.torch_trainer import TorchTrainer
+
+    if config.hf_checkpoint is None:
+        raise ValueError("--hf-checkpoint is required for the learner")
+    needs_ref = config.policy.use_kl_loss or config.policy.kl_coef > 0
+    return TorchTrainer(TorchTrainerConfig(
+        model_path=Path(config.hf_checkpoint),
+        ref_model_path=Path(config.ref_checkpoint or config.hf_checkpoint) if needs_ref else None,
+        lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay,
+        lr_schedule=config.lr_decay_style, warmup_steps=config.lr_warmup_iters,
+        total_steps=config.num_rollout if config.lr_decay_style == "cosine" else None,
+        grad_clip=config.clip_grad, micro_batch_tokens=config.micro_batch_tokens, seed=config.seed,
+    ))

@@ -1,0 +1,71 @@
+"""Entry point of one actor process: `python -m actors.main CONTEXT.json`.
+
+The launcher starts every actor this way; a developer can start one by hand with the same file to debug it.
+The process runs on uvloop where available, turns SIGTERM/SIGINT into a graceful stop, and a second signal
+into an immediate exit. Its exit code tells the launcher what happened: 0 stopped on purpose, 1 crashed,
+2 bad configuration, 3 controller unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+from actors.context import ActorContext
+from actors.logs import configure_logging
+from actors.roles import resolve_actor_class
+
+
+def _install_signal_handlers(actor: object) -> None:
+    loop = asyncio.get_running_loop()
+    signals_seen = {"count": 0}
+
+    def on_signal(signum: int) -> None:
+        signals_seen["count"] += 1
+        if signals_seen["count"] > 1:
+            os._exit(128 + signum)
+        actor.request_stop(f"signal {signal.Signals(signum).name}")  # type: ignore[attr-defined]
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+
+async def _serve(context: ActorContext) -> int:
+    actor_class = resolve_actor_class(context.actor_class)
+    actor = actor_class(context)
+    _install_signal_handlers(actor)
+    return await actor.main()
+
+
+def run_actor(context: ActorContext) -> int:
+    configure_logging(role=context.role, actor_id=context.actor_id, node=context.node_rank,
+                      log_dir=context.log_dir, file_level=str(context.settings.get("log_level", "info")),
+                      console_level=str(context.settings.get("console_log_level", "info")))
+    try:
+        import uvloop
+
+        return uvloop.run(_serve(context))
+    except ImportError:
+        return asyncio.run(_serve(context))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m actors.main CONTEXT.json", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    try:
+        context = ActorContext.from_json(path.read_text(encoding="utf-8"), source=str(path))
+        resolve_actor_class(context.actor_class)
+    except (OSError, ValueError, TypeError, ImportError, AttributeError) as error:
+        print(f"actor context {path}: {error}", file=sys.stderr)
+        return 2
+    return run_actor(context)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Connections to other actors that follow the roster.
+
+Actors name peers by role, never by address: a rollout worker streams to "reward", asks "buffer" for leases.
+When a peer dies and comes back on a new port, the next roster carries its new endpoint and these objects
+reconnect, so no actor code handles restarts of its neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq.asyncio
+
+from bus import RpcClient, StreamSender
+from bus.schema import Member
+
+
+def alive_members(roster: dict[str, Member], role: str) -> list[Member]:
+    return sorted((m for m in roster.values() if m.role == role and m.alive), key=lambda m: m.actor_id)
+
+
+class PeerStream:
+    """A stream to every live member of one role, load-balanced by the credits each receiver grants."""
+
+    def __init__(self, zmq_context: zmq.asyncio.Context, *, sender_id: str, role: str, endpoint_name: str,
+                 security: Any = None) -> None:
+        self.role = role
+        self.endpoint_name = endpoint_name
+        self._sender = StreamSender(zmq_context, sender_id=sender_id, security=security)
+        self._connected: dict[str, str] = {}  # actor id -> endpoint
+        self._changed = asyncio.Event()
+
+    def sync(self, roster: dict[str, Member]) -> None:
+        wanted = {m.actor_id: m.endpoints[self.endpoint_name] for m in alive_members(roster, self.role)
+                  if self.endpoint_name in m.endpoints}
+        for actor_id, endpoint in list(self._connected.items()):
+            if wanted.get(actor_id) != endpoint:
+                self._sender.disconnect(actor_id)
+                del self._connected[actor_id]
+        for actor_id, endpoint in wanted.items():
+            if actor_id not in self._connected:
+                self._sender.connect(actor_id, endpoint)
+                self._connected[actor_id] = endpoint
+        self._changed.set()
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._connected)
+
+    async def send(self, message: Any, *, peer: str | None = None, timeout: float | None = None) -> str:
+        """Send to `peer`, or to whichever live member has credit; waits while the role has no members."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self._connected:
+            self._changed.clear()
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait_for(self._changed.wait(), remaining)
+        remaining = None if deadline is None else max(0.0, deadline - loop.time())
+        return await self._sender.send(message, peer=peer, timeout=remaining)
+
+    def close(self) -> None:
+        self._sender.close()
+
+
+class PeerRpc:
+    """A request/reply client to the single live member of a role (the buffer, the controller's delegate)."""
+
+    def __init__(self, zmq_context: zmq.asyncio.Context, *, client_id: str, role: str, endpoint_name: str,
+                 security: Any = None) -> None:
+        self.role = role
+        self.endpoint_name = endpoint_name
+        self._zmq = zmq_context
+        self._client_id = client_id
+        self._security = security
+        self._client: RpcClient | None = None
+        self._endpoint: str | None = None
+        self._available = asyncio.Event()
+
+    def sync(self, roster: dict[str, Member]) -> None:
+        members = [m for m in alive_members(roster, self.role) if self.endpoint_name in m.endpoints]
+        endpoint = members[0].endpoints[self.endpoint_name] if members else None
+        if endpoint == self._endpoint:
+            return
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._endpoint = endpoint
+        if endpoint is None:
+            self._available.clear()
+            return
+        self._client = RpcClient(self._zmq, endpoint, client_id=self._client_id, security=self._security)
+        self._available.set()
+
+    async def call(self, message: Any, *, timeout: float = 5.0, retries: int = 3) -> Any:
+        """Call the role's member; waits up to `timeout` for one to exist first."""
+        await asyncio.wait_for(self._available.wait(), timeout)
+        assert self._client is not None
+        return await self._client.call(message, timeout=timeout, retries=retries)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,62 @@
+"""The launcher's live progress line, read from the learner's metrics file.
+
+Actors write metrics; the launcher only reads them, so the progress display costs the run nothing and works
+the same when the learner is on another node with a shared run directory. On a terminal it is a rich progress
+bar; elsewhere (CI, a log file) it prints one plain line per learner step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def describe(record: dict[str, Any]) -> str:
+    def number(key: str, fmt: str = ".3f") -> str:
+        value = record.get(key)
+        return "-" if value is None else format(value, fmt)
+
+    return (f"step {record.get('step')} v{record.get('version', '-')} "
+            f"reward {number('rollout/reward_mean')} acc {number('rollout/accuracy')} "
+            f"stale max {number('staleness/max', '.0f')} mean {number('staleness/mean', '.2f')} "
+            f"{number('throughput/samples_per_s', '.1f')} samples/s")
+
+
+async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event) -> None:
+    path = run_dir / "metrics" / "train.jsonl"
+    offset = 0
+    interactive = sys.stderr.isatty()
+    progress = task = None
+    if interactive:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.description}"), transient=False)
+        progress.start()
+        task = progress.add_task("waiting for the first batch", total=total_steps)
+    try:
+        while not stop.is_set():
+            if path.exists():
+                with path.open(encoding="utf-8") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read()
+                complete = chunk[: chunk.rfind("\n") + 1]
+                offset += len(complete.encode("utf-8"))
+                for line in complete.splitlines():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if progress is not None:
+                        progress.update(task, completed=record.get("step", 0), description=describe(record))
+                    else:
+                        print(f"[progress] {describe(record)}", file=sys.stderr, flush=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+    finally:
+        if progress is not None:
+            progress.stop()

@@ -1,0 +1,131 @@
+"""Prompt datasets: JSONL or Parquet records, a deterministic order per epoch, and a cursor that resumes exactly.
+
+The order of epoch e is a permutation seeded by (seed, e), so the cursor (epoch, position) is all the state
+a resumed run needs to continue with the very next prompt. Malformed lines are reported with file and line
+and either skipped (counted, the run goes on) or raised, by `--skip-bad-data`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used: the message names the file, the line and what is wrong."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    data_index: int  # position in the file's valid records, stable across epochs
+    prompt: str | list[dict[str, Any]]
+    label: Any
+    metadata: dict[str, Any]
+
+
+@dataclass
+class LoadReport:
+    path: str
+    records: int = 0
+    skipped: list[str] = field(default_factory=list)  # "line N: reason"
+
+
+def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+        return
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield number, DatasetError(f"not valid JSON ({error.msg} at column {error.colno})")
+
+
+def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str | None = "label",
+                 metadata_key: str | None = "metadata",
+                 skip_bad: bool = True) -> tuple[list[PromptRecord], LoadReport]:
+    """Read every usable record; with skip_bad=False the first bad one raises DatasetError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise DatasetError(f"{path}: unsupported format {path.suffix!r}; use .jsonl or .parquet")
+    report = LoadReport(path=str(path))
+    records: list[PromptRecord] = []
+    unit = "row" if path.suffix == ".parquet" else "line"
+    for number, row in _raw_rows(path):
+        problem = _check_row(row, input_key, metadata_key)
+        if problem is not None:
+            message = f"{path} {unit} {number}: {problem}"
+            if not skip_bad:
+                raise DatasetError(message)
+            report.skipped.append(message)
+            continue
+        metadata = row.get(metadata_key) if metadata_key else None
+        records.append(PromptRecord(
+            data_index=len(records), prompt=row[input_key],
+            label=row.get(label_key) if label_key else None, metadata=dict(metadata or {}),
+        ))
+    report.records = len(records)
+    if not records:
+        raise DatasetError(f"{path}: no usable records ({len(report.skipped)} skipped)")
+    return records, report
+
+
+def _check_row(row: Any, input_key: str, metadata_key: str | None) -> str | None:
+    if isinstance(row, DatasetError):
+        return str(row)
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    if input_key not in row:
+        return f"key {input_key!r} missing"
+    prompt = row[input_key]
+    if isinstance(prompt, list):
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            return f"key {input_key!r}: chat messages need 'role' and 'content'"
+    elif not isinstance(prompt, str) or not prompt:
+        return f"key {input_key!r}: expected a non-empty string or a list of chat messages"
+    if metadata_key and row.get(metadata_key) is not None and not isinstance(row[metadata_key], dict):
+        return f"key {metadata_key!r}: expected an object"
+    return None
+
+
+@dataclass(frozen=True)
+class Cursor:
+    epoch: int = 0
+    position: int = 0
+
+
+class PromptSource:
+    """Endless, deterministic, resumable stream of prompts over epochs."""
+
+    def __init__(self, records: list[PromptRecord], *, seed: int, cursor: Cursor = Cursor(), shuffle: bool = True):
+        self.records = records
+        self.seed = seed
+        self.shuffle = shuffle
+        self.cursor = cursor
+        self._order = self._permutation(cursor.epoch)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.records))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+    def next(self) -> tuple[PromptRecord, Cursor]:
+        """The next prompt and the cursor that points just past it."""
+        if self.cursor.position >= len(self.records):
+            self.cursor = Cursor(self.cursor.epoch + 1, 0)
+            self._order = self._permutation(self.cursor.epoch)
+        record = self.records[int(self._order[self.cursor.position])]
+        self.cursor = Cursor(self.cursor.epoch, self.cursor.position + 1)
+        return record, self.cursor

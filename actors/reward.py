@@ -1,0 +1,60 @@
+"""Reward worker: score generated groups and pass them to the buffer.
+
+Scoring runs several groups at once (`--reward-concurrency`), which matters for remote reward models and
+LLM judges that spend their time waiting. A reward function that raises, times out or returns NaN marks that
+sample failed with the reason; the group still goes to the buffer, which drops it and counts why, so
+nothing disappears silently and the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.base import Actor
+from actors.config import RunConfig
+from actors.handlers import handles
+from bus.schema import GeneratedGroup, Sample, ScoredGroup
+from policies.registry import resolve_group_reward, resolve_reward
+from policies.rewards import RewardInput, score, score_group
+
+
+class RewardWorker(Actor):
+    role = "reward"
+
+    async def on_start(self) -> None:
+        self.config = RunConfig(**self.settings["run"])
+        name = self.config.custom_rm_path or self.config.rm_type
+        self.reward_fn = resolve_group_reward(name) if self.config.group_rm else resolve_reward(name)
+        self.buffer = self.peer_stream("buffer")
+        self.stream_concurrency["on_generated"] = self.config.reward_concurrency
+
+    @handles(GeneratedGroup, concurrency=4)
+    async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
+        scored = await self.score_samples(group.samples)
+        self.counters["samples.scored"] += len(scored)
+        self.counters["samples.reward_failed"] += sum(s.status == "failed" for s in scored)
+        await self.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
+                                           worker_id=group.worker_id))
+
+    async def score_samples(self, samples: list[Sample]) -> list[Sample]:
+        inputs = [RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label,
+                              metadata=dict(s.metadata)) for s in samples]
+        if self.config.group_rm:
+            outcomes = await score_group(self.reward_fn, inputs)
+        else:
+            outcomes = await score(self.reward_fn, inputs)
+        scored = []
+        for sample, outcome in zip(samples, outcomes, strict=True):
+            if outcome.status == "ok":
+                scored.append(msgspec.structs.replace(sample, reward=float(outcome.reward)))
+            else:
+                self.log.warning("reward failed", sample=sample.sample_id, reason=outcome.reason)
+                scored.append(msgspec.structs.replace(sample, reward=None, status="failed",
+                                                      error=f"reward: {outcome.reason}"))
+        return scored
+
+
+def _prompt_text(prompt: str | list[dict]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(message.get("content", "")) for message in prompt)

@@ -1,0 +1,23 @@
+"""Built-in roles and the classes that play them; custom actors are named by dotted path instead."""
+
+from __future__ import annotations
+
+from policies.plugins import load_object
+
+BUILTIN_ROLES: dict[str, str] = {
+    "controller": "actors.controller:Controller",
+    "buffer": "actors.buffer:Buffer",
+    "learner": "actors.learner:Learner",
+    "rollout": "actors.rollout:RolloutWorker",
+    "reward": "actors.reward:RewardWorker",
+}
+
+
+def resolve_actor_class(path: str) -> type:
+    """Load an actor class from `package.module:ClassName` and check that it is an Actor."""
+    from actors.base import Actor
+
+    cls = load_object(path, what="actor class")
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"actor class {path!r} is {cls!r}, not a subclass of actors.base.Actor")
+    return cls

@@ -1,0 +1,132 @@
+"""Rollout worker: lease prompt groups from the buffer, generate, send the samples on to the reward workers.
+
+It asks for work only when its engine has room (credit-based pull), so a slow engine never holds prompts
+another worker could be generating. Every sample leaves tagged with the per-token policy versions and the
+engine's log-probs. Weight updates arrive as orders from the learner and are applied by the engine between
+two decode steps, so generation never stops for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from actors.base import Actor
+from actors.config import RunConfig
+from actors.handlers import serves
+from actors.rollout_generate import RolloutContext, choose_generate_function
+from actors.weights_client import EngineWeightReceiver
+from bus.schema import Ack, GeneratedGroup, Lease, LeaseRenew, LeaseRequest, PromptGroup, WeightUpdateOrder
+
+
+class RolloutWorker(Actor):
+    role = "rollout"
+
+    async def on_start(self) -> None:
+        import torch
+
+        self.config = RunConfig(**self.settings["run"])
+        torch.set_num_threads(self.config.torch_threads)
+        self.engine, self.tokenizer = await asyncio.to_thread(_load_engine, self.config)
+        self.buffer = self.peer_rpc("buffer")
+        self.rewards = self.peer_stream("reward")
+        self.capacity = max(1, self.config.rollout_max_batch_size // self.config.n_samples_per_prompt)
+        self.groups_in_flight = 0
+        self._room = asyncio.Condition()
+        self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
+        self.generate_fn = choose_generate_function(self.config)
+        self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log)
+        self.spawn(self._renew_leases(), name="rollout.renew")
+
+    async def run(self) -> None:
+        """lease → generate → send, for as long as the run lasts."""
+        while not self.stopping:
+            async with self._room:
+                await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
+            lease = await self._request_lease(self.capacity - self.groups_in_flight)
+            if lease is None or not lease.groups:
+                await asyncio.sleep(0.05 if lease is not None else 0.5)
+                continue
+            self.groups_in_flight += len(lease.groups)
+            self.held_leases[lease.lease_id] = len(lease.groups)
+            for group in lease.groups:
+                self.spawn(self._rollout_group(lease, group), name=f"rollout.{group.group_id}")
+
+    async def _rollout_group(self, lease: Lease, group: PromptGroup) -> None:
+        try:
+            context = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.config,
+                                     worker_id=self.actor_id)
+            samples = await self.generate_fn(context, group)
+            self.counters["samples.generated"] += len(samples)
+            self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
+            await self.rewards.send(GeneratedGroup(lease_id=lease.lease_id, group_id=group.group_id,
+                                                   samples=samples, worker_id=self.actor_id))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            # The lease will expire and the group be re-issued; say what happened instead of dying.
+            self.counters["groups.failed"] += 1
+            self.log.exception("rollout of a group failed", group=group.group_id, error=repr(error))
+        finally:
+            async with self._room:
+                self.groups_in_flight -= 1
+                self._room.notify_all()
+            remaining = self.held_leases.get(lease.lease_id, 1) - 1
+            if remaining <= 0:
+                self.held_leases.pop(lease.lease_id, None)
+            else:
+                self.held_leases[lease.lease_id] = remaining
+
+    async def _request_lease(self, max_groups: int) -> Lease | None:
+        try:
+            reply = await self.buffer.call(LeaseRequest(worker_id=self.actor_id, max_groups=max_groups),
+                                           timeout=5.0, retries=2)
+        except (TimeoutError, asyncio.TimeoutError) as error:
+            self.counters["lease.unanswered"] += 1
+            self.log.warning("buffer did not answer a lease request", error=str(error))
+            return None
+        if not isinstance(reply, Lease):
+            self.log.warning("unexpected lease reply", reply=repr(reply)[:200])
+            return None
+        return reply
+
+    async def _renew_leases(self) -> None:
+        interval = max(0.5, self.config.lease_timeout / 3)
+        while True:
+            await asyncio.sleep(interval)
+            for lease_id in list(self.held_leases):
+                with contextlib.suppress(Exception):
+                    await self.buffer.call(LeaseRenew(lease_id=lease_id), timeout=2.0, retries=0)
+
+    @serves(WeightUpdateOrder)
+    async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack:
+        """Join the learner's broadcast and load the new weights in place; the reply is the acknowledgement."""
+        await self.weights.apply(order)
+        self.counters["weights.updates"] += 1
+        return Ack(ok=True, error=None)
+
+    def metrics(self) -> dict[str, float]:
+        found = super().metrics()
+        found["engine.version"] = float(self.engine.version)
+        found["rollout.groups_in_flight"] = float(self.groups_in_flight)
+        return found
+
+    async def on_stop(self) -> None:
+        if hasattr(self, "engine"):
+            await self.engine.abort(None)
+            await self.engine.close()
+        if hasattr(self, "weights"):
+            self.weights.close()
+
+
+def _load_engine(config: RunConfig) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    from engines.inference.torch_engine import TorchEngine
+
+    if config.hf_checkpoint is None:
+        raise ValueError("--hf-checkpoint is required for the torch rollout engine")
+    engine = TorchEngine.from_pretrained(config.hf_checkpoint, max_batch_size=config.rollout_max_batch_size)
+    return engine, AutoTokenizer.from_pretrained(config.hf_checkpoint)
+

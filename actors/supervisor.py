@@ -1,0 +1,190 @@
+"""Supervising this node's actor processes: start, restart with bounded backoff, stop without orphans.
+
+Each actor is its own process (`python -m actors.main CONTEXT.json`) in its own session, so a Ctrl-C in the
+terminal reaches only the launcher, which then stops the children in order; children also get SIGTERM if
+the launcher itself dies (PR_SET_PDEATHSIG), so no actor outlives its supervisor. An actor that exits 0 is
+done; one that crashes is restarted after a growing delay until it has crashed `max_restarts` times within
+`window_s`, and then the whole run is failed, because a permanently broken role would otherwise leave the
+others waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from actors.context import ActorContext
+
+EXIT_BAD_CONFIG = 2
+EXIT_CONTROLLER_UNREACHABLE = 3
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = 5
+    window_s: float = 300.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def backoff(self, consecutive_crashes: int) -> float:
+        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, consecutive_crashes - 1))
+
+
+@dataclass
+class Child:
+    context: ActorContext
+    context_path: Path
+    process: asyncio.subprocess.Process | None = None
+    crashes: deque[float] = field(default_factory=deque)
+    consecutive_crashes: int = 0
+    restarts: int = 0
+    done: bool = False
+    exit_code: int | None = None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: deliver SIGTERM to it if the launcher dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Supervisor:
+    def __init__(self, contexts: list[ActorContext], *, run_dir: Path, policy: RestartPolicy = RestartPolicy(),
+                 stop_grace_s: float = 15.0) -> None:
+        self.run_dir = run_dir
+        self.policy = policy
+        self.stop_grace_s = stop_grace_s
+        self.children = [Child(context=c, context_path=self._write_context(c)) for c in contexts]
+        self.log = structlog.get_logger().bind(role="launcher")
+        self.failure: str | None = None
+        self.stop_signal: int | None = None
+        self._stopping = asyncio.Event()
+
+    def _write_context(self, context: ActorContext) -> Path:
+        directory = self.run_dir / "actors"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{context.actor_id}.json"
+        path.write_text(context.to_json(), encoding="utf-8")
+        return path
+
+    async def run(self) -> int:
+        """Start every child, supervise until all are done, and return the launcher's exit code."""
+        for child in self.children:
+            await self._start(child)
+        watchers = [asyncio.create_task(self._watch(child)) for child in self.children]
+        stopper = asyncio.create_task(self._stop_when_requested())
+        await asyncio.gather(*watchers)
+        stopper.cancel()
+        self._remove_stale_sockets()
+        if self.failure is not None:
+            self.log.error("run failed", reason=self.failure)
+            return 1
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        return 0
+
+    def request_stop(self, reason: str, *, signum: int | None = None) -> None:
+        if signum is not None and self.stop_signal is None:
+            self.stop_signal = signum
+        if not self._stopping.is_set():
+            self.log.info("stopping actors", reason=reason)
+            self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def pids(self) -> dict[str, int]:
+        return {c.context.actor_id: c.process.pid for c in self.children
+                if c.process is not None and c.process.returncode is None}
+
+    async def _start(self, child: Child) -> None:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        child.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "actors.main", str(child.context_path),
+            start_new_session=True, preexec_fn=_die_with_parent, env=env,
+        )
+        self.log.info("actor process started", actor=child.context.actor_id, pid=child.process.pid,
+                      restarts=child.restarts)
+
+    async def _watch(self, child: Child) -> None:
+        while True:
+            assert child.process is not None
+            code = await child.process.wait()
+            child.exit_code = code
+            actor = child.context.actor_id
+            if self.stopping or code == 0:
+                child.done = True
+                self.log.info("actor exited", actor=actor, code=code)
+                if code == 0 and child.context.role == "controller" and not self.stopping:
+                    self.request_stop("the controller finished the run")
+                return
+            if code == EXIT_BAD_CONFIG:
+                self._fail(f"{actor} exited with code {code}: bad configuration (see its log)")
+                child.done = True
+                return
+            if not self._may_restart(child):
+                self._fail(f"{actor} crashed {len(child.crashes)} times within {self.policy.window_s:.0f}s "
+                           f"(last exit code {code})")
+                child.done = True
+                return
+            delay = self.policy.backoff(child.consecutive_crashes)
+            self.log.warning("actor crashed; restarting", actor=actor, code=code, delay_s=delay,
+                             restarts=child.restarts + 1)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+                child.done = True
+                return
+            except asyncio.TimeoutError:
+                pass
+            child.restarts += 1
+            await self._start(child)
+
+    def _may_restart(self, child: Child) -> bool:
+        now = time.monotonic()
+        child.crashes.append(now)
+        while child.crashes and now - child.crashes[0] > self.policy.window_s:
+            child.crashes.popleft()
+        child.consecutive_crashes += 1
+        return len(child.crashes) <= self.policy.max_restarts
+
+    def _fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+        self.request_stop(reason)
+
+    async def _stop_when_requested(self) -> None:
+        await self._stopping.wait()
+        running = [c for c in self.children if c.process is not None and c.process.returncode is None]
+        for child in running:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + self.stop_grace_s
+        for child in running:
+            assert child.process is not None
+            try:
+                await asyncio.wait_for(child.process.wait(), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.log.warning("actor ignored SIGTERM; killing", actor=child.context.actor_id)
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+                await child.process.wait()
+
+    def _remove_stale_sockets(self) -> None:
+        sockets = self.run_dir / "sockets"
+        if sockets.is_dir():
+            for path in sockets.glob("*.sock"):
+                with contextlib.suppress(OSError):
+                    path.unlink()

@@ -1,0 +1,261 @@
+"""Start and supervise this node's Slipstream actors: `python launcher.py --head ...` on the first node,
+`python launcher.py --head-address tcp://HOST:PORT --node-rank N ...` on every other.
+
+Each actor runs as its own process; the launcher restarts crashed ones with backoff, turns SIGINT/SIGTERM
+into an orderly stop of all of them, and exits 0 when the run finished, 1 when it failed, 128+signal when it
+was interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from actors.config import RunConfig, add_config_flags, config_from_args, write_effective_config
+from actors.context import ActorContext
+from actors.progress import follow_progress
+from actors.roles import BUILTIN_ROLES, resolve_actor_class
+from actors.supervisor import RestartPolicy, Supervisor
+
+SINGLETON_ROLES = ("controller", "buffer", "learner")
+SCALED_ROLES = {"rollout": "rollout_workers", "reward": "reward_workers"}  # role -> its count's argument
+CUSTOM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class LaunchError(Exception):
+    """A problem with the command line or this node, reported as one line before anything starts."""
+
+
+def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launcher.py",
+        description="Run this node's Slipstream actors (controller, buffer, learner, rollout and reward "
+                    "workers, custom actors) and supervise them.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--head", action="store_true",
+                         help="this node is the head: it runs the controller at --head-address")
+    cluster.add_argument("--head-address", default=None,
+                         help="controller endpoint tcp://HOST:PORT (head: where to bind, default a free port on "
+                              "127.0.0.1; other nodes: where to connect, required)")
+    cluster.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 on the head")
+    cluster.add_argument("--host", default="127.0.0.1", help="address this node's actors bind and advertise")
+    cluster.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
+                         help="transport of this node's actor endpoints (ipc only when every peer is local)")
+    cluster.add_argument("--curve-keys", type=Path, default=None,
+                         help="directory made by tools/keygen.py: authenticate and encrypt the bus with CURVE")
+    cluster.add_argument("--connect-timeout", type=float, default=30.0,
+                         help="seconds to wait for the head before giving up (non-head nodes)")
+    cluster.add_argument("--heartbeat-interval", type=float, default=1.0,
+                         help="seconds between heartbeats; a member silent for 5 intervals is declared dead")
+
+    actors = parser.add_argument_group("actors")
+    actors.add_argument("--roles", default=None,
+                        help="comma-separated roles to run on this node (default: all built-in roles on the "
+                             "head, the scaled roles elsewhere)")
+    actors.add_argument("--rollout-workers", type=int, default=1, help="rollout workers on this node")
+    actors.add_argument("--reward-workers", type=int, default=1, help="reward workers on this node")
+    actors.add_argument("--custom-actor", action="append", default=[], metavar="NAME=MODULE:CLASS",
+                        help="run a custom actor class under role NAME; scale it with --NAME-workers")
+    for name in custom_names:
+        actors.add_argument(f"--{name.replace('_', '-')}-workers", type=int, default=1, dest=f"{name}_workers",
+                            help=f"number of custom {name!r} actors on this node")
+    actors.add_argument("--max-restarts", type=int, default=5,
+                        help="crashes of one actor within --restart-window before the run fails")
+    actors.add_argument("--restart-window", type=float, default=300.0, help="seconds")
+    actors.add_argument("--restart-backoff", type=float, default=0.5,
+                        help="first restart delay in seconds; it doubles per consecutive crash up to 30s")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--run-dir", type=Path, default=None,
+                     help="where logs, metrics, checkpoints and actor configs go (default runs/<timestamp>)")
+    run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    run.add_argument("--console-log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                     help="what the actors print to this terminal (their full logs are in RUN_DIR/logs)")
+    run.add_argument("--no-progress", action="store_true", help="no live progress line")
+    add_config_flags(parser)
+    return parser
+
+
+def parse_custom_actors(argv: Sequence[str]) -> dict[str, str]:
+    """First pass over argv: the custom actors decide which `--NAME-workers` flags exist."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--custom-actor", action="append", default=[])
+    known, _ = pre.parse_known_args(list(argv))
+    customs: dict[str, str] = {}
+    for item in known.custom_actor:
+        name, sep, path = item.partition("=")
+        if not sep or ":" not in path:
+            raise LaunchError(f"--custom-actor {item!r}: expected NAME=package.module:ClassName")
+        if not CUSTOM_NAME.match(name):
+            raise LaunchError(f"--custom-actor {item!r}: NAME must match {CUSTOM_NAME.pattern}")
+        if name in BUILTIN_ROLES:
+            raise LaunchError(f"--custom-actor {item!r}: {name!r} is a built-in role")
+        customs[name] = path
+    return customs
+
+
+def check_head_address(address: str, *, binding: bool) -> tuple[str, int]:
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+        raise LaunchError(f"--head-address {address!r}: expected tcp://HOST:PORT")
+    if binding:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((parts.hostname, parts.port))
+            except OSError as error:
+                raise LaunchError(f"--head-address {address}: cannot bind ({error.strerror}); is another run "
+                                  f"using port {parts.port}?") from None
+    return parts.hostname, parts.port
+
+
+def wait_for_head(address: str, timeout: float) -> None:
+    """Non-head nodes: fail early with a clear message instead of actors timing out one by one."""
+    host, port = check_head_address(address, binding=False)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"head {address} unreachable after {timeout:.0f}s ({error})") from None
+            time.sleep(0.5)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address: str, run_dir: Path,
+                config: RunConfig) -> list[ActorContext]:
+    """The actors this node runs, in start order (the controller first)."""
+    default_roles = list(BUILTIN_ROLES) if args.head else list(SCALED_ROLES)
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else default_roles
+    roles += [name for name in customs if name not in roles]
+    known = set(BUILTIN_ROLES) | set(customs)
+    for role in roles:
+        if role not in known:
+            raise LaunchError(f"--roles: unknown role {role!r}; known: {', '.join(sorted(known))}")
+    if "controller" in roles and not args.head:
+        raise LaunchError("--roles controller needs --head (the controller lives on the head node)")
+
+    counts: dict[str, int] = {}
+    for role in roles:
+        if role in customs:
+            counts[role] = getattr(args, f"{role}_workers")
+        elif role in SCALED_ROLES:
+            counts[role] = getattr(args, SCALED_ROLES[role])
+        else:
+            counts[role] = 1
+        if counts[role] < 0:
+            raise LaunchError(f"number of {role} actors must be >= 0, got {counts[role]}")
+
+    contexts = []
+    for role in roles:
+        path = customs.get(role) or BUILTIN_ROLES[role]
+        try:
+            resolve_actor_class(path)
+        except (ImportError, AttributeError, TypeError, ValueError) as error:
+            raise LaunchError(f"role {role!r}: {error}") from None
+        for index in range(counts[role]):
+            actor_id = role if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
+            settings: dict[str, object] = {"log_level": args.log_level, "console_log_level": args.console_log_level,
+                                           "run": config.model_dump(mode="json")}
+            if role == "controller":
+                settings["expected_roles"] = {r: n for r, n in counts.items() if r != "controller" and n > 0}
+            contexts.append(ActorContext(
+                actor_id=actor_id, role=role, actor_class=path, node_rank=args.node_rank,
+                head_address=head_address, run_dir=run_dir, host=args.host, transport=args.transport,
+                curve_keys_dir=args.curve_keys, heartbeat_interval=args.heartbeat_interval, settings=settings,
+            ))
+    return contexts
+
+
+def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace, Path]:
+    customs = parse_custom_actors(argv)
+    args = build_parser(list(customs)).parse_args(list(argv))
+    if args.head:
+        head_address = args.head_address or f"tcp://{args.host}:{free_port(args.host)}"
+        check_head_address(head_address, binding=True)
+    else:
+        if not args.head_address:
+            raise LaunchError("--head-address is required on a node without --head")
+        head_address = args.head_address
+        wait_for_head(head_address, args.connect_timeout)
+    if args.curve_keys is not None and not args.curve_keys.is_dir():
+        raise LaunchError(f"--curve-keys {args.curve_keys}: no such directory (make one with tools/keygen.py)")
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    contexts = plan_actors(args, customs, head_address, run_dir, config)
+    write_effective_config(config, run_dir)
+    return contexts, args, run_dir
+
+
+async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_dir: Path) -> int:
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                           backoff_initial_s=args.restart_backoff)
+    supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, supervisor.request_stop, f"signal {signal.Signals(signum).name}", signum)
+    runs_learner = any(c.role == "learner" for c in contexts)
+    stop_progress = asyncio.Event()
+    progress = None
+    if runs_learner and not args.no_progress:
+        num_rollout = int(contexts[0].settings["run"]["num_rollout"])  # type: ignore[index]
+        progress = asyncio.create_task(follow_progress(run_dir, num_rollout, stop_progress))
+    code = await supervisor.run()
+    stop_progress.set()
+    if progress is not None:
+        await progress
+    if runs_learner:
+        report_run(run_dir)
+    return code
+
+
+def report_run(run_dir: Path) -> None:
+    """Plots and a summary at the end of a run; a failure here never changes the run's exit code."""
+    from tools.plot_run import plot_run, summarize
+
+    try:
+        plots = plot_run(run_dir)
+        print(summarize(run_dir), file=sys.stderr)
+        print("plots: " + ", ".join(str(p) for p in plots), file=sys.stderr)
+    except Exception as error:
+        print(f"launcher.py: could not plot the run: {error!r}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from actors.logs import configure_logging
+
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        contexts, args, run_dir = prepare(arguments)
+    except LaunchError as error:
+        print(f"launcher.py: error: {error}", file=sys.stderr)
+        return 2
+    configure_logging(role="launcher", actor_id=f"launcher-{args.node_rank}", node=args.node_rank,
+                      log_dir=run_dir / "logs", file_level=args.log_level, console_level="info")
+    print(f"run directory: {run_dir}  head: {contexts[0].head_address if contexts else '-'}", file=sys.stderr)
+    return asyncio.run(supervise(contexts, args, run_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The buffer's rules without sockets: admission, leases, drops, the staleness re-check, exactly-once batches,
+and recovery from the durable log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.buffer_core import BufferCore
+from actors.buffer_log import BufferLog
+from actors.prompt_data import PromptRecord, PromptSource
+from bus.schema import PromptGroup, Sample, ScoredGroup
+
+N = 2  # samples per group
+B = 3  # groups per batch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_core(max_staleness: int = 1, *, log: BufferLog | None = None, clock: Clock | None = None,
+              records: int = 50, group_filter=None) -> BufferCore:
+    data = [PromptRecord(i, f"{i}+1=", str(i + 1), {}) for i in range(records)]
+    return BufferCore(source=PromptSource(data, seed=7), n_samples=N, groups_per_batch=B,
+                      max_staleness=max_staleness, lease_timeout=10.0, group_filter=group_filter, log=log,
+                      clock=clock or Clock())
+
+
+def scored(group: PromptGroup, lease_id: str, *, version: int = 0, rewards=(1.0, 0.0), status="completed"):
+    samples = []
+    for index, reward in enumerate(rewards):
+        samples.append(Sample(
+            sample_id=f"{group.group_id}/{index}", group_id=group.group_id, index=index, prompt=group.prompt,
+            prompt_tokens=2, tokens=np.array([5, 6, 7, 8], dtype=np.int32), response="x", response_length=2,
+            label=group.label, reward=reward, loss_mask=np.ones(2, dtype=np.int8),
+            rollout_log_probs=np.zeros(2, dtype=np.float32),
+            token_versions=np.array([version, version + 1], dtype=np.int32), status=status,
+        ))
+    return ScoredGroup(lease_id=lease_id, group_id=group.group_id, samples=samples, worker_id="w")
+
+
+def lease_all(core: BufferCore, worker: str = "w", max_groups: int = 100) -> tuple[str, list[PromptGroup]]:
+    leased = core.lease(worker, max_groups)
+    assert leased is not None
+    return leased
+
+
+@pytest.mark.unit
+def test_synchronous_bound_admits_exactly_one_batch_per_version() -> None:
+    core = make_core(max_staleness=0)
+    _, groups = lease_all(core)
+    assert len(groups) == B
+    assert core.lease("w", 100) is None  # nothing more until the learner moves
+    core.learner_version = 1
+    _, more = lease_all(core)
+    assert len(more) == B
+
+
+@pytest.mark.unit
+def test_staleness_bound_admits_eta_plus_one_batches_ahead() -> None:
+    core = make_core(max_staleness=2)
+    _, groups = lease_all(core)
+    assert len(groups) == (2 + 1) * B
+
+
+@pytest.mark.unit
+def test_expired_lease_is_reissued_and_late_result_ignored() -> None:
+    clock = Clock()
+    core = make_core(clock=clock)
+    lease_id, groups = lease_all(core, "slow", max_groups=1)
+    clock.now = 11.0
+    assert core.expire_leases() == [groups[0].group_id]
+    new_lease, again = lease_all(core, "fast", max_groups=1)
+    assert again[0].group_id == groups[0].group_id
+    assert core.accept(scored(groups[0], lease_id)) == "ignored.stale_lease"
+    assert core.accept(scored(again[0], new_lease)) == "accepted"
+    assert core.accept(scored(again[0], new_lease)) == "ignored.stale_lease"  # a duplicate delivery
+    assert core.stats.accepted == 1
+
+
+@pytest.mark.unit
+def test_renewed_lease_does_not_expire() -> None:
+    clock = Clock()
+    core = make_core(clock=clock)
+    lease_id, _ = lease_all(core, max_groups=1)
+    clock.now = 8.0
+    assert core.renew(lease_id)
+    clock.now = 15.0
+    assert core.expire_leases() == []
+
+
+@pytest.mark.unit
+def test_dead_worker_groups_are_reissued_at_once() -> None:
+    core = make_core()
+    _, groups = lease_all(core, "dead", max_groups=2)
+    assert sorted(core.worker_gone("dead")) == sorted(g.group_id for g in groups)
+    _, again = lease_all(core, "alive", max_groups=2)
+    assert {g.group_id for g in again} == {g.group_id for g in groups}
+
+
+@pytest.mark.unit
+def test_failed_samples_drop_the_group_and_free_admission() -> None:
+    core = make_core(max_staleness=0)
+    lease_id, groups = lease_all(core)
+    outcome = core.accept(scored(groups[0], lease_id, rewards=(1.0, None), status="failed"))
+    assert outcome == "dropped.failed_samples"
+    assert core.stats.dropped["failed_samples"] == 1
+    _, replacement = lease_all(core)
+    assert len(replacement) == 1  # the dropped group's slot is started again
+
+
+@pytest.mark.unit
+def test_group_filter_reason_is_counted() -> None:
+    core = make_core(group_filter=lambda g: "zero_std" if len({s.reward for s in g.samples}) == 1 else None)
+    lease_id, groups = lease_all(core)
+    assert core.accept(scored(groups[0], lease_id, rewards=(1.0, 1.0))) == "dropped.zero_std"
+    assert core.accept(scored(groups[1], lease_id, rewards=(1.0, 0.0))) == "accepted"
+    assert core.stats.dropped == {"zero_std": 1}
+
+
+@pytest.mark.unit
+def test_batch_waits_for_enough_groups_then_reports_staleness() -> None:
+    core = make_core(max_staleness=1)
+    lease_id, groups = lease_all(core)
+    for group in groups[: B - 1]:
+        core.accept(scored(group, lease_id, version=0))
+    assert core.next_batch(learner_version=1, trained_batch=0, checkpointed_batch=0) is None
+    core.accept(scored(groups[B - 1], lease_id, version=0))
+    batch = core.next_batch(learner_version=1, trained_batch=0, checkpointed_batch=0)
+    assert batch is not None and batch.batch_id == 1 and len(batch.groups) == B
+    assert batch.staleness == [1] * (B * N)  # learner version 1 minus the oldest token version 0
+
+
+@pytest.mark.unit
+def test_stale_group_is_released_not_trained() -> None:
+    core = make_core(max_staleness=1)
+    lease_id, groups = lease_all(core)
+    for group in groups[:B]:
+        core.accept(scored(group, lease_id, version=0))
+    assert core.next_batch(learner_version=2, trained_batch=0, checkpointed_batch=0) is None
+    assert core.stats.dropped["stale_evicted"] == B
+    _, again = lease_all(core)
+    assert {g.group_id for g in groups[:B]} <= {g.group_id for g in again}
+
+
+@pytest.mark.unit
+def test_restarted_learner_gets_the_same_batch_again() -> None:
+    core = make_core(max_staleness=2)
+    lease_id, groups = lease_all(core)
+    for group in groups:
+        core.accept(scored(group, lease_id))
+    first = core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    second = core.next_batch(learner_version=1, trained_batch=1, checkpointed_batch=0)
+    assert first is not None and second is not None
+    # The learner crashed after batch 2 and resumed from its checkpoint after batch 0: batch 1 again, same groups.
+    again = core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    assert again is not None and again.reserved
+    assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
+    # A checkpoint covering batch 1 commits it; asking for it again is then an error, not a silent retrain.
+    core.next_batch(learner_version=1, trained_batch=1, checkpointed_batch=1)
+    with pytest.raises(ValueError, match="already committed"):
+        core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=1)
+
+
+@pytest.mark.unit
+def test_restore_from_log_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(max_staleness=2, log=BufferLog(log_path))
+    lease_id, groups = lease_all(core)  # 9 groups in flight
+    for group in groups[:5]:
+        core.accept(scored(group, lease_id))
+    core.accept(scored(groups[5], lease_id, rewards=(1.0, None), status="failed"))
+    batch = core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    assert batch is not None
+    core.log.close()
+
+    revived = make_core(max_staleness=2)
+    revived.restore(log_path)
+    assert set(revived.pool) == {g.group_id for g in groups[3:5]}  # accepted, not yet in a batch
+    assert set(revived.in_flight) == {g.group_id for g in groups[6:]}  # still being generated
+    assert revived.stats.dropped["failed_samples"] == 1
+    same = revived.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    assert same is not None and [g.group_id for g in same.groups] == [g.group_id for g in batch.groups]
+    # The data cursor continues after the last leased prompt instead of starting over.
+    _, fresh = lease_all(revived)
+    assert not {g.group_id for g in fresh} & {g.group_id for g in groups}
+
+
+@pytest.mark.unit
+def test_torn_log_tail_is_ignored(tmp_path: Path) -> None:
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(log=BufferLog(log_path))
+    lease_id, groups = lease_all(core)
+    core.accept(scored(groups[0], lease_id))
+    core.log.close()
+    with open(log_path, "ab") as handle:
+        handle.write(b"\x85\xa4kind\xa6accept\xa8grou")  # a record cut short by kill -9
+    revived = make_core()
+    revived.restore(log_path)
+    assert list(revived.pool) == [groups[0].group_id]

@@ -1,0 +1,61 @@
+"""The run config: YAML, flags over YAML, slime switches, errors that name the key."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from actors.config import add_config_flags, build_config, config_from_args
+
+
+def parse(argv: list[str]):
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+@pytest.mark.unit
+def test_flags_override_the_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout_batch_size: 16\nlr: 0.001\neps_clip_high: 0.28\n", encoding="utf-8")
+    config = parse(["--config", str(path), "--lr", "0.01"])
+    assert config.rollout_batch_size == 16
+    assert config.lr == 0.01
+    assert config.policy.eps_clip_high == 0.28
+
+
+@pytest.mark.unit
+def test_unknown_yaml_key_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout_batch_size: 16\nlearning_rate: 0.1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="unknown key.*learning_rate"):
+        parse(["--config", str(path)])
+
+
+@pytest.mark.unit
+def test_slime_switches_reach_the_policy() -> None:
+    config = parse(["--disable-grpo-std-normalization", "--advantage-estimator", "grpo"])
+    assert config.policy.grpo_std_normalization is False
+    assert parse([]).policy.off_policy_correction == "tis"  # the fully-async default
+    assert parse(["--off-policy-correction", "none"]).policy.off_policy_correction == "none"
+
+
+@pytest.mark.unit
+def test_cross_field_errors_name_the_fields() -> None:
+    with pytest.raises(ValueError, match="global_batch_size 5 must divide"):
+        build_config({"rollout_batch_size": 4, "n_samples_per_prompt": 2, "global_batch_size": 5})
+    with pytest.raises(ValueError, match="kl_coef"):
+        build_config({"kl_coef": 0.1, "use_kl_loss": True, "kl_loss_coef": 0.1})
+    with pytest.raises(ValueError, match="rollout_batch_size"):
+        build_config({"rollout_batch_size": "many"})
+
+
+@pytest.mark.unit
+def test_config_round_trips_through_the_actor_settings() -> None:
+    from actors.config import RunConfig
+
+    config = parse(["--eps-clip-high", "0.3", "--max-staleness", "0"])
+    again = RunConfig(**config.model_dump(mode="json"))
+    assert again == config

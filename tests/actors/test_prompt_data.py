@@ -1,0 +1,74 @@
+"""Prompt datasets: errors that name file and line, deterministic epochs, exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.prompt_data import Cursor, DatasetError, PromptSource, load_prompts
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.unit
+def test_broken_lines_are_named_and_skipped(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "p.jsonl", [
+        json.dumps({"input": "1+1=", "label": "2"}),
+        "{not json",
+        json.dumps({"question": "no input key"}),
+        json.dumps({"input": "2+2=", "label": "4", "metadata": {"level": 1}}),
+    ])
+    records, report = load_prompts(path)
+    assert [r.prompt for r in records] == ["1+1=", "2+2="]
+    assert records[1].metadata == {"level": 1}
+    assert len(report.skipped) == 2
+    assert report.skipped[0].startswith(f"{path} line 2: not valid JSON")
+    assert report.skipped[1] == f"{path} line 3: key 'input' missing"
+
+
+@pytest.mark.unit
+def test_broken_line_stops_the_load_when_asked(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": "1+1="}), json.dumps({"input": 3})])
+    with pytest.raises(DatasetError, match=r"p.jsonl line 2: key 'input': expected a non-empty string"):
+        load_prompts(path, skip_bad=False)
+
+
+@pytest.mark.unit
+def test_parquet_prompts_load_like_jsonl(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"input": ["a", "b"], "label": ["1", "2"]}), path)
+    records, _ = load_prompts(path)
+    assert [(r.prompt, r.label) for r in records] == [("a", "1"), ("b", "2")]
+
+
+@pytest.mark.unit
+def test_each_epoch_is_a_permutation_fixed_by_the_seed(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": str(i)}) for i in range(20)])
+    records, _ = load_prompts(path)
+    first = PromptSource(records, seed=3)
+    epoch0 = [first.next()[0].prompt for _ in range(20)]
+    epoch1 = [first.next()[0].prompt for _ in range(20)]
+    assert sorted(epoch0) == sorted(epoch1) == sorted(str(i) for i in range(20))
+    assert epoch0 != epoch1
+    again = PromptSource(records, seed=3)
+    assert [again.next()[0].prompt for _ in range(20)] == epoch0
+
+
+@pytest.mark.unit
+def test_cursor_resumes_with_the_very_next_prompt(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": str(i)}) for i in range(7)])
+    records, _ = load_prompts(path)
+    source = PromptSource(records, seed=1)
+    for _ in range(10):
+        _, cursor = source.next()
+    expected = [source.next()[0].prompt for _ in range(6)]
+    resumed = PromptSource(records, seed=1, cursor=Cursor(cursor.epoch, cursor.position))
+    assert [resumed.next()[0].prompt for _ in range(6)] == expected

@@ -1,0 +1,52 @@
+"""Make the demo's verifiable task locally: integer addition prompts with their answers, as JSONL.
+
+`python tools/make_arithmetic_data.py OUT_DIR --max-operand 49` writes train.jsonl, eval.jsonl (held-out
+operand pairs never seen in training) and sft.jsonl (a small labelled subset for the warm start). Each line is
+`{"input": "12+7=", "label": "19"}`; the reward is an exact match of the response with the label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+
+def addition_problems(max_operand: int) -> list[dict[str, str]]:
+    return [{"input": f"{a}+{b}=", "label": str(a + b)}
+            for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+def write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def make_arithmetic_data(out_dir: Path, *, max_operand: int = 49, eval_size: int = 200, sft_size: int = 600,
+                         seed: int = 0) -> dict[str, Path]:
+    problems = addition_problems(max_operand)
+    random.Random(seed).shuffle(problems)
+    held_out, train = problems[:eval_size], problems[eval_size:]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl", "sft": out_dir / "sft.jsonl"}
+    write_jsonl(paths["train"], train)
+    write_jsonl(paths["eval"], held_out)
+    write_jsonl(paths["sft"], train[:sft_size])
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--max-operand", type=int, default=49)
+    parser.add_argument("--eval-size", type=int, default=200)
+    parser.add_argument("--sft-size", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for name, path in make_arithmetic_data(args.out_dir, max_operand=args.max_operand, eval_size=args.eval_size,
+                                           sft_size=args.sft_size, seed=args.seed).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
