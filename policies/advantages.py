@@ -1,0 +1,302 @@
+"""Advantages and returns from scalar rewards (``--advantage-estimator``), in the packed layout.
+
+Inputs (``B`` samples, ``T`` packed response tokens):
+
+- ``rewards: Tensor[B]``: one scalar per sample (the reward worker's output).
+- ``group_ids: LongTensor[B]``: samples of one prompt share an id; groups need not be contiguous or equal-sized.
+- ``response_lengths: LongTensor[B]``, ``loss_mask: Tensor[T]`` (bool or float, 1 = trained).
+- ``values: Tensor[T]`` (critic, ``ppo`` only), ``log_probs``/``ref_log_probs: Tensor[T]`` (only when
+  ``kl_coef != 0``, for the KL reward penalty).
+
+Outputs: ``(advantages: Tensor[T], returns: Tensor[T])``, zero at masked positions, in float32 (float64 if the
+rewards are float64).
+
+Decisions worth knowing:
+
+- Group normalisation uses the unbiased (n - 1) std, like ``torch.std``. A group of one sample
+  (``n_samples_per_prompt = 1``) has no baseline: its centred reward is exactly 0, so its advantage is 0 for
+  grpo/gspo/cispo/rloo/reinforce_plus_plus_baseline, with or without std division, instead of the NaN an
+  unbiased std of one value would give. Use ``reinforce_plus_plus`` (or disable rewards normalisation) to learn
+  from single samples.
+- ``kl_coef`` (KL as a reward penalty) applies to every estimator: per token for the token-level estimators
+  (reinforce_plus_plus, reinforce_plus_plus_baseline, ppo, exactly as slime), and as the sequence's summed KL
+  subtracted from its reward before group normalisation for the sequence-level ones (grpo, gspo, cispo, rloo),
+  where slime silently ignores it.
+- Terminal rewards are placed on each sample's last *masked-in* token (slime's ppo uses the last token; they
+  coincide unless a response ends in untrained tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from policies.config import PolicyLossConfig
+from policies.kl import compute_kl
+from policies.packing import (
+    as_compute_dtype,
+    as_float_mask,
+    check_finite,
+    check_lengths,
+    check_packed,
+    discounted_cumsum,
+    group_index,
+    last_masked_index,
+    per_sample_sum,
+    to_tokens,
+    zero_masked,
+)
+from policies.registry import register_advantage_estimator, resolve_advantage_estimator
+
+__all__ = [
+    "AdvantageInputs",
+    "compute_advantages",
+    "gae",
+    "group_normalize",
+    "leave_one_out",
+    "terminal_token_rewards",
+    "whiten",
+]
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator (built-in or user plugin) receives; all tensors already validated and upcast.
+
+    ``token_kl`` is the per-token KL penalty source (zeros when ``kl_coef == 0``), masked positions zeroed.
+    """
+
+    rewards: Tensor  # [B]
+    group_ids: Tensor  # [B]
+    response_lengths: Tensor  # [B], int64
+    loss_mask: Tensor  # [T], 0/1 float
+    token_kl: Tensor  # [T]
+    values: Tensor | None  # [T]
+
+
+def compute_advantages(
+    config: PolicyLossConfig,
+    *,
+    rewards: Tensor,
+    group_ids: Tensor,
+    response_lengths: Tensor,
+    loss_mask: Tensor,
+    values: Tensor | None = None,
+    log_probs: Tensor | None = None,
+    ref_log_probs: Tensor | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Run the configured estimator, then optional masked whitening (across ``process_group`` when given)."""
+    inputs = _prepare_inputs(
+        config,
+        rewards=rewards,
+        group_ids=group_ids,
+        response_lengths=response_lengths,
+        loss_mask=loss_mask,
+        values=values,
+        log_probs=log_probs,
+        ref_log_probs=ref_log_probs,
+    )
+    estimator = resolve_advantage_estimator(config.advantage_estimator)
+    advantages, returns = estimator(config, inputs)
+    check_packed(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.response_lengths)
+    check_finite(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.loss_mask)
+    advantages = zero_masked(advantages, inputs.loss_mask)
+    if config.normalize_advantages:
+        advantages = whiten(advantages, inputs.loss_mask, process_group=process_group)
+    return advantages, zero_masked(returns, inputs.loss_mask)
+
+
+def _prepare_inputs(
+    config: PolicyLossConfig,
+    *,
+    rewards: Tensor,
+    group_ids: Tensor,
+    response_lengths: Tensor,
+    loss_mask: Tensor,
+    values: Tensor | None,
+    log_probs: Tensor | None,
+    ref_log_probs: Tensor | None,
+) -> AdvantageInputs:
+    lengths = check_lengths(response_lengths)
+    batch = lengths.numel()
+    if rewards.dim() != 1 or rewards.numel() != batch:
+        raise ValueError(f"rewards: expected shape [{batch}] (one per sample), got {tuple(rewards.shape)}")
+    if group_ids.dim() != 1 or group_ids.numel() != batch:
+        raise ValueError(f"group_ids: expected shape [{batch}] (one per sample), got {tuple(group_ids.shape)}")
+    check_finite("rewards", rewards)
+    rewards = as_compute_dtype(rewards)
+    dtype = rewards.dtype
+    check_packed("loss_mask", loss_mask, lengths)
+    mask = as_float_mask(loss_mask, dtype)
+    if values is not None:
+        check_packed("values", values, lengths)
+        check_finite("values", values)  # GAE reads values at every position, masked or not
+        values = as_compute_dtype(values).to(dtype)
+    token_kl = torch.zeros(mask.numel(), dtype=dtype, device=mask.device)
+    if config.kl_coef != 0:
+        if log_probs is None or ref_log_probs is None:
+            raise ValueError(f"kl_coef={config.kl_coef} needs log_probs and ref_log_probs for the KL reward penalty")
+        check_packed("log_probs", log_probs, lengths)
+        check_packed("ref_log_probs", ref_log_probs, lengths)
+        check_finite("log_probs", log_probs, mask)
+        check_finite("ref_log_probs", ref_log_probs, mask)
+        kl = compute_kl(config.kl_loss_type, log_probs.detach(), ref_log_probs.detach()).to(dtype)
+        token_kl = zero_masked(kl, mask)
+    return AdvantageInputs(
+        rewards=rewards,
+        group_ids=group_ids,
+        response_lengths=lengths,
+        loss_mask=mask,
+        token_kl=token_kl,
+        values=values,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building blocks (public so user estimators can compose them)
+
+
+def group_normalize(rewards: Tensor, group_ids: Tensor, *, divide_by_std: bool, eps: float) -> Tensor:
+    """``r - mean_g`` or ``(r - mean_g) / (std_g + eps)`` with the unbiased std; ``[B] -> [B]``.
+
+    A singleton group gives exactly 0 (its centred reward is 0; its std is taken as 0 rather than NaN).
+    """
+    inverse, n_groups = group_index(group_ids)
+    zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(rewards))
+    mean = zeros.index_add(0, inverse, rewards) / count
+    centred = rewards - mean[inverse]
+    if not divide_by_std:
+        return centred
+    squares = zeros.index_add(0, inverse, centred**2)
+    std = (squares / (count - 1).clamp_min(1)).sqrt()
+    return centred / (std[inverse] + eps)
+
+
+def leave_one_out(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO: ``r_i - mean(r_j for j != i in the group)``; ``[B] -> [B]``; 0 for a singleton group."""
+    inverse, n_groups = group_index(group_ids)
+    zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(rewards))[inverse]
+    total = zeros.index_add(0, inverse, rewards)[inverse]
+    baseline = (total - rewards) / (count - 1).clamp_min(1)
+    return torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
+
+
+def terminal_token_rewards(
+    rewards: Tensor, token_kl: Tensor, kl_coef: float, loss_mask: Tensor, response_lengths: Tensor
+) -> Tensor:
+    """Per-token rewards ``[T]``: ``-kl_coef * kl`` everywhere, plus each sample's reward on its last trained token."""
+    token_rewards = -kl_coef * token_kl
+    last = last_masked_index(loss_mask, response_lengths)
+    has_tokens = last >= 0
+    return token_rewards.index_add(0, last[has_tokens], rewards[has_tokens])
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, response_lengths: Tensor, *, gamma: float, lambd: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation per sample; the value after the last token is 0 (episode ends).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = sum_k (gamma * lambd)**k * delta_{t+k}``, returns ``A + V``.
+    """
+    next_values = torch.zeros_like(values)
+    if values.numel() > 1:
+        next_values[:-1] = values[1:]
+    ends = torch.cumsum(response_lengths, 0) - 1
+    next_values[ends[response_lengths > 0]] = 0
+    deltas = token_rewards + gamma * next_values - values
+    advantages = discounted_cumsum(deltas, response_lengths, gamma * lambd)
+    return advantages, advantages + values
+
+
+def whiten(
+    advantages: Tensor, loss_mask: Tensor, *, process_group: dist.ProcessGroup | None = None, eps: float = 1e-8
+) -> Tensor:
+    """Masked whitening ``(A - mean) / sqrt(var + eps)`` with population statistics over all masked tokens.
+
+    With ``process_group`` the statistics span every data-parallel rank (two all-reduces: sum/count, then the
+    centred sum of squares, which avoids the cancellation of ``E[x^2] - E[x]^2``). Every rank must call this,
+    even one that holds no tokens. An entirely masked batch returns zeros.
+    """
+    mask = as_float_mask(loss_mask, advantages.dtype)
+    stats = torch.stack([(advantages * mask).sum(), mask.sum()])
+    if process_group is not None:
+        dist.all_reduce(stats, group=process_group)
+    total, count = stats[0], stats[1]
+    mean = total / count.clamp_min(1)
+    centred = (advantages - mean) * mask
+    square_sum = (centred**2).sum().reshape(1)
+    if process_group is not None:
+        dist.all_reduce(square_sum, group=process_group)
+    var = square_sum[0] / count.clamp_min(1)
+    return centred * torch.rsqrt(var + eps)
+
+
+def _sequence_rewards_with_kl(config: PolicyLossConfig, inputs: AdvantageInputs) -> Tensor:
+    if config.kl_coef == 0:
+        return inputs.rewards
+    return inputs.rewards - config.kl_coef * per_sample_sum(inputs.token_kl, inputs.response_lengths)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Registered estimators: fn(config, AdvantageInputs) -> (advantages [T], returns [T])
+
+
+@register_advantage_estimator("grpo")
+@register_advantage_estimator("gspo")
+@register_advantage_estimator("cispo")
+def group_relative(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """GRPO-family: one group-normalised sequence advantage broadcast to every token (gspo/cispo differ in loss)."""
+    rewards = _sequence_rewards_with_kl(config, inputs)
+    if config.rewards_normalization:
+        rewards = group_normalize(
+            rewards, inputs.group_ids, divide_by_std=config.grpo_std_normalization, eps=config.reward_norm_eps
+        )
+    advantages = to_tokens(rewards, inputs.response_lengths) * inputs.loss_mask
+    return advantages, advantages
+
+
+@register_advantage_estimator("rloo")
+def rloo(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """REINFORCE leave-one-out: baseline is the mean reward of the other samples of the same prompt."""
+    rewards = _sequence_rewards_with_kl(config, inputs)
+    if config.rewards_normalization:
+        rewards = leave_one_out(rewards, inputs.group_ids)
+    advantages = to_tokens(rewards, inputs.response_lengths) * inputs.loss_mask
+    return advantages, advantages
+
+
+@register_advantage_estimator("reinforce_plus_plus")
+def reinforce_plus_plus(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: per-token ``-kl_coef * kl`` plus the reward on the last token, discounted returns with gamma."""
+    token_rewards = terminal_token_rewards(
+        inputs.rewards, inputs.token_kl, config.kl_coef, inputs.loss_mask, inputs.response_lengths
+    )
+    returns = discounted_cumsum(token_rewards, inputs.response_lengths, config.gamma)
+    return returns, returns
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline: ``(r - mean_g) - kl_coef * kl_t`` per token (then batch whitening)."""
+    rewards = inputs.rewards
+    if config.rewards_normalization:
+        rewards = group_normalize(rewards, inputs.group_ids, divide_by_std=False, eps=config.reward_norm_eps)
+    advantages = (to_tokens(rewards, inputs.response_lengths) - config.kl_coef * inputs.token_kl) * inputs.loss_mask
+    return advantages, advantages
+
+
+@register_advantage_estimator("ppo")
+def ppo(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """PPO with a critic: GAE(gamma, lambd) over per-token rewards; returns = advantages + values."""
+    if inputs.values is None:
+        raise ValueError("advantage_estimator='ppo' needs values (the critic's per-token value estimates)")
+    token_rewards = terminal_token_rewards(
+        inputs.rewards, inputs.token_kl, config.kl_coef, inputs.loss_mask, inputs.response_lengths
+    )
+    return gae(token_rewards, inputs.values, inputs.response_lengths, gamma=config.gamma, lambd=config.lambd)

@@ -1,0 +1,153 @@
+"""The one typed, validated-once algorithm config the learner and the advantage step share.
+
+Field names are slime's flag names with dashes turned into underscores (``--eps-clip-high`` -> ``eps_clip_high``),
+so a slime command line maps over one to one through :meth:`PolicyLossConfig.from_flags`. Every name-valued field
+(estimator, loss, KL type, correction) is resolved against the registry at construction, so a typo or a broken
+plugin path fails at start-up, not at step 1000.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from policies.registry import (
+    resolve_advantage_estimator,
+    resolve_correction,
+    resolve_kl,
+    resolve_policy_loss,
+)
+
+__all__ = ["AggregationMode", "ISLevel", "PolicyLossConfig"]
+
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+ISLevel = Literal["token", "sequence", "geometric"]
+
+# Loss implied by the advantage estimator when --loss-type is not given (slime picks the loss the same way).
+_LOSS_FOR_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
+# slime's --loss-type spellings.
+_LOSS_ALIASES = {"policy_loss": None, "sft_loss": "sft"}
+_ESTIMATORS_NEEDING_WHITENING = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+class PolicyLossConfig(BaseModel):
+    """Everything that decides advantages and the training loss. Frozen: build once, pass everywhere."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # --- advantages and returns ---
+    advantage_estimator: str = "grpo"
+    rewards_normalization: bool = True  # --disable-rewards-normalization sets False
+    grpo_std_normalization: bool = True  # --disable-grpo-std-normalization (Dr.GRPO) sets False
+    reward_norm_eps: float = Field(1e-6, gt=0)
+    normalize_advantages: bool = False
+    gamma: float = Field(1.0, ge=0, le=1)
+    lambd: float = Field(1.0, ge=0, le=1)
+
+    # --- loss ---
+    loss_type: str | None = None  # None: implied by the estimator (gspo -> gspo, cispo -> cispo, else ppo)
+    loss_agg_mode: AggregationMode = "seq-mean-token-mean"
+    eps_clip: float = Field(0.2, ge=0)
+    eps_clip_high: float | None = Field(None, ge=0)  # None: same as eps_clip
+    eps_clip_c: float | None = None  # dual-clip bound for negative advantages, > 1
+    value_clip: float = Field(0.2, gt=0)
+    value_loss_coef: float = Field(1.0, ge=0)
+    entropy_coef: float = 0.0
+
+    # --- KL ---
+    kl_coef: float = Field(0.0, ge=0)  # KL as a reward penalty
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.0, ge=0)  # KL as a loss term
+    kl_loss_type: str = "k1"
+    use_unbiased_kl: bool = False
+
+    # --- off-policy corrections ---
+    off_policy_correction: str = "none"
+    tis_level: ISLevel = "token"
+    tis_clip: float = Field(2.0, gt=0)
+    tis_clip_low: float = Field(0.0, ge=0)
+    mis_level: ISLevel = "token"
+    mis_upper_bound: float = Field(2.0, gt=0)
+    mis_lower_bound: float | None = Field(None, ge=0)  # None: 1 / mis_upper_bound
+    mis_veto_threshold: float | None = Field(None, gt=0)
+    use_opsm: bool = False
+    opsm_delta: float = Field(1e-4, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyLossConfig:
+        # Fill the derived defaults (frozen models are mutated through object.__setattr__ during validation only).
+        if self.eps_clip_high is None:
+            object.__setattr__(self, "eps_clip_high", self.eps_clip)
+        if self.loss_type in _LOSS_ALIASES:
+            object.__setattr__(self, "loss_type", _LOSS_ALIASES[self.loss_type])
+        if self.loss_type is None:
+            object.__setattr__(self, "loss_type", _LOSS_FOR_ESTIMATOR.get(self.advantage_estimator, "ppo"))
+        if self.mis_lower_bound is None:
+            object.__setattr__(self, "mis_lower_bound", 1.0 / self.mis_upper_bound)
+
+        if self.kl_coef != 0 and self.use_kl_loss and self.kl_loss_coef != 0:
+            raise ValueError(
+                f"kl_coef={self.kl_coef} (KL as reward penalty) and use_kl_loss with kl_loss_coef={self.kl_loss_coef} "
+                "(KL as loss term) are both set; choose one"
+            )
+        if self.kl_loss_coef != 0 and not self.use_kl_loss:
+            raise ValueError(f"kl_loss_coef={self.kl_loss_coef} has no effect without use_kl_loss=True")
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            raise ValueError(f"eps_clip_c: dual-clip bound must be > 1, got {self.eps_clip_c}")
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(f"tis_clip_low={self.tis_clip_low} exceeds tis_clip={self.tis_clip}")
+        assert self.mis_lower_bound is not None
+        if self.mis_lower_bound >= self.mis_upper_bound:
+            raise ValueError(
+                f"mis_lower_bound={self.mis_lower_bound} must be < mis_upper_bound={self.mis_upper_bound}"
+            )
+        if self.advantage_estimator in _ESTIMATORS_NEEDING_WHITENING and not self.normalize_advantages:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} is defined with batch whitening; "
+                "set normalize_advantages=True (--normalize-advantages)"
+            )
+        # Resolve every name now: unknown names and broken plugin paths fail here, at start-up.
+        resolve_advantage_estimator(self.advantage_estimator)
+        resolve_policy_loss(self.loss_type)
+        resolve_kl(self.kl_loss_type)
+        resolve_correction(self.off_policy_correction)
+        return self
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> PolicyLossConfig:
+        """Build from slime-style flags: keys may be ``--eps-clip-high`` or ``eps_clip_high``.
+
+        Also understands slime's negative and legacy switches: ``disable_grpo_std_normalization``,
+        ``disable_rewards_normalization``, ``calculate_per_token_loss`` (-> token-mean), ``use_tis``
+        (-> off_policy_correction="tis"), ``custom_tis_function_path``, ``custom_loss_function_path``.
+        Unknown keys are an error that lists what is accepted.
+        """
+        fields: dict[str, Any] = {}
+        overrides: dict[str, Any] = {}
+        switches = {
+            "disable_grpo_std_normalization": ("grpo_std_normalization", False),
+            "disable_rewards_normalization": ("rewards_normalization", False),
+            "calculate_per_token_loss": ("loss_agg_mode", "token-mean"),
+            "use_tis": ("off_policy_correction", "tis"),
+        }
+        renames = {"custom_tis_function_path": "off_policy_correction", "custom_loss_function_path": "loss_type"}
+        for raw_key, value in flags.items():
+            key = raw_key.lstrip("-").replace("-", "_")
+            if key in switches:
+                if value:
+                    field, switched = switches[key]
+                    fields.setdefault(field, switched)
+            elif key in renames:
+                if value is not None:
+                    overrides[renames[key]] = value
+            elif key in cls.model_fields:
+                fields[key] = value
+            else:
+                accepted = sorted([*cls.model_fields, *switches, *renames])
+                raise ValueError(f"unknown policy flag {raw_key!r}; accepted: {', '.join(accepted)}")
+        fields.update(overrides)  # a custom function path wins over the switch that enables the feature
+        if fields.get("loss_type") == "custom_loss":
+            raise ValueError("loss_type='custom_loss' needs custom_loss_function_path (a dotted path to the loss)")
+        return cls(**fields)

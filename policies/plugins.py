@@ -1,0 +1,49 @@
+"""Load a user object named by a dotted path, with errors that say which part failed.
+
+Accepted spellings: ``package.module:attr`` (preferred, unambiguous; ``attr`` may itself be dotted, e.g.
+``pkg.mod:Class.method``) and slime's ``package.module.attr`` (the last dotted component is the attribute).
+Actors reuse this for every ``--custom-*-path`` flag, so a typo fails at start-up with the module and attribute
+named, not deep inside a training step.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["PluginError", "is_dotted_path", "load_object"]
+
+
+class PluginError(ValueError):
+    """A dotted path that cannot be imported or does not name the expected object."""
+
+
+def is_dotted_path(name: str) -> bool:
+    """True when ``name`` looks like a user path rather than a registered name (registered names have no dots)."""
+    return ":" in name or "." in name
+
+
+def load_object(path: str, *, what: str) -> object:
+    """Import ``path`` and return the object it names; ``what`` (e.g. "reward function") prefixes every error."""
+    if not isinstance(path, str) or not path.strip():
+        raise PluginError(f"{what}: expected a dotted path 'package.module:attr', got {path!r}")
+    path = path.strip()
+    if ":" in path:
+        module_name, _, attr_path = path.partition(":")
+    else:
+        module_name, _, attr_path = path.rpartition(".")
+    if not module_name or not attr_path:
+        raise PluginError(f"{what} {path!r}: expected 'package.module:attr' (module and attribute both required)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is reported the same way
+        raise PluginError(
+            f"{what} {path!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    obj: object = module
+    walked = module_name
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{what} {path!r}: {walked!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+        walked = f"{walked}.{part}" if walked != module_name else f"{module_name}:{part}"
+    return obj

@@ -1,0 +1,114 @@
+"""The one safe way to run reward functions: ``await score(fn, inputs)`` never raises.
+
+A reward function that raises, returns NaN/inf, returns the wrong type, or exceeds ``timeout_s`` yields a
+:class:`RewardOutcome` with ``status="error"`` and a reason; a reward worker keeps serving. Sync functions run in
+worker threads (``asyncio.to_thread``) so a slow sympy check does not stall the worker's event loop; a timed-out
+thread cannot be killed and finishes in the background, its result discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from policies.rewards.types import RewardInput, RewardOutcome
+
+__all__ = ["outcome_from_value", "score", "score_group"]
+
+
+async def score(
+    fn: Callable[[RewardInput], Any],
+    inputs: Sequence[RewardInput],
+    *,
+    timeout_s: float | None = None,
+    max_concurrency: int | None = None,
+    sync_in_thread: bool = True,
+) -> list[RewardOutcome]:
+    """Score each input with ``fn`` concurrently; outcomes are in input order."""
+    limiter = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(inp: RewardInput) -> RewardOutcome:
+        if limiter is None:
+            return await _guarded(fn, inp, timeout_s, sync_in_thread, outcome_from_value)
+        async with limiter:
+            return await _guarded(fn, inp, timeout_s, sync_in_thread, outcome_from_value)
+
+    return list(await asyncio.gather(*(one(inp) for inp in inputs)))
+
+
+async def score_group(
+    fn: Callable[[list[RewardInput]], Any],
+    inputs: Sequence[RewardInput],
+    *,
+    timeout_s: float | None = None,
+    sync_in_thread: bool = True,
+) -> list[RewardOutcome]:
+    """Score one group with a group reward function: one call, one outcome per input.
+
+    If the call fails (raises, times out, wrong length) every sample gets the error; a single NaN entry only errors
+    its own sample.
+    """
+    batch = list(inputs)
+
+    def unpack(value: Any) -> list[RewardOutcome]:
+        if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+            return [RewardOutcome.error(f"group reward returned {type(value).__name__}, expected a list")] * len(batch)
+        if len(value) != len(batch):
+            return [RewardOutcome.error(f"group reward returned {len(value)} rewards for {len(batch)} samples")] * len(
+                batch
+            )
+        return [outcome_from_value(v) for v in value]
+
+    result = await _guarded(fn, batch, timeout_s, sync_in_thread, unpack)
+    return result if isinstance(result, list) else [result] * len(batch)
+
+
+def outcome_from_value(value: Any) -> RewardOutcome:
+    """Normalise what a reward function returned: a real number, a bool, or a dict with a ``"reward"`` number."""
+    extras: dict[str, Any] = {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            return RewardOutcome.error(f"returned a dict without 'reward' (keys: {sorted(value)})")
+        extras = {k: v for k, v in value.items() if k != "reward"}
+        value = value["reward"]
+    if isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, numbers.Real):
+        return RewardOutcome.error(f"returned {type(value).__name__}, expected a number or a dict with 'reward'")
+    reward = float(value)
+    if not math.isfinite(reward):
+        return RewardOutcome.error(f"returned non-finite reward {reward}")
+    return RewardOutcome.ok(reward, extras)
+
+
+async def _guarded(
+    fn: Callable[[Any], Any],
+    arg: Any,
+    timeout_s: float | None,
+    sync_in_thread: bool,
+    convert: Callable[[Any], Any],
+) -> Any:
+    try:
+        value = await asyncio.wait_for(_call(fn, arg, sync_in_thread), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        return RewardOutcome.error(f"timed out after {timeout_s}s")
+    except Exception as exc:  # the whole point: a reward bug marks the sample, never kills the worker
+        return RewardOutcome.error(f"raised {type(exc).__name__}: {exc}")
+    return convert(value)
+
+
+async def _call(fn: Callable[[Any], Any], arg: Any, sync_in_thread: bool) -> Any:
+    if _is_async(fn):
+        return await fn(arg)
+    value = await asyncio.to_thread(fn, arg) if sync_in_thread else fn(arg)
+    if inspect.isawaitable(value):  # a sync wrapper that hands back a coroutine
+        value = await value
+    return value
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004

@@ -1,0 +1,53 @@
+"""Pick the reward function from slime's flags: ``--rm-type``, ``--custom-rm-path``, ``--group-rm``, ``--rm-url``.
+
+Precedence: ``custom_rm_path`` (a dotted path to the user's function) wins over ``rm_type``. With ``group_rm`` the
+function is called once per prompt group with ``list[RewardInput]``; a built-in per-sample ``rm_type`` under
+``group_rm`` is simply scored per sample (slime's group mode batches built-ins, it does not change them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from policies.registry import GROUP_REWARDS, resolve_group_reward, resolve_reward
+from policies.rewards.remote import RemoteRewardModel
+
+__all__ = ["RewardSpec", "build_reward"]
+
+REMOTE_RM_TYPE = "remote_rm"
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """The chosen function and how to run it: ``score_group`` when ``is_group``, else ``score``."""
+
+    name: str
+    fn: Callable[..., Any]
+    is_group: bool
+
+
+def build_reward(
+    rm_type: str | None = None,
+    *,
+    custom_rm_path: str | None = None,
+    group_rm: bool = False,
+    rm_url: str | None = None,
+    remote_timeout_s: float = 30.0,
+    remote_max_retries: int = 3,
+) -> RewardSpec:
+    if custom_rm_path:
+        if group_rm:
+            return RewardSpec(name=custom_rm_path, fn=resolve_group_reward(custom_rm_path), is_group=True)
+        return RewardSpec(name=custom_rm_path, fn=resolve_reward(custom_rm_path), is_group=False)
+    if not rm_type:
+        raise ValueError("reward: set rm_type (--rm-type) or custom_rm_path (--custom-rm-path)")
+    if rm_type == REMOTE_RM_TYPE:
+        if not rm_url:
+            raise ValueError("rm_type='remote_rm' needs rm_url (--rm-url)")
+        model = RemoteRewardModel(rm_url, timeout_s=remote_timeout_s, max_retries=remote_max_retries)
+        return RewardSpec(name=rm_type, fn=model, is_group=False)
+    if group_rm and rm_type in GROUP_REWARDS.names():
+        return RewardSpec(name=rm_type, fn=resolve_group_reward(rm_type), is_group=True)
+    return RewardSpec(name=rm_type, fn=resolve_reward(rm_type), is_group=False)

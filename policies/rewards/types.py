@@ -1,0 +1,51 @@
+"""The reward function contract, shared by the reward worker, built-ins and user plugins.
+
+A reward function is ``fn(RewardInput) -> float`` or ``async fn(RewardInput) -> float``; it may instead return a
+dict with a ``"reward"`` number plus extra fields (logged, e.g. ``{"reward": 1.0, "format_ok": True}``). A group
+reward function takes ``list[RewardInput]`` (one prompt's samples) and returns ``list[float | dict]`` of the same
+length, for rewards that compare samples (pairwise judges, diversity bonuses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["GroupRewardFn", "RewardFn", "RewardInput", "RewardOutcome", "RewardValue"]
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One generated sample to score. ``label`` is the dataset's answer field, in whatever form the task uses."""
+
+    prompt: str
+    response: str
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+RewardValue = float | int | bool | dict[str, Any]
+RewardFn = Callable[[RewardInput], RewardValue | Awaitable[RewardValue]]
+GroupRewardFn = Callable[[list[RewardInput]], Sequence[RewardValue] | Awaitable[Sequence[RewardValue]]]
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    """The result for one sample: ``status == "ok"`` with a finite ``reward``, or ``"error"`` with a ``reason``.
+
+    An errored sample is never given a made-up reward; the buffer decides (drop the group, or re-score).
+    """
+
+    reward: float | None
+    status: Literal["ok", "error"]
+    reason: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def ok(cls, reward: float, extras: dict[str, Any] | None = None) -> RewardOutcome:
+        return cls(reward=reward, status="ok", extras=extras or {})
+
+    @classmethod
+    def error(cls, reason: str) -> RewardOutcome:
+        return cls(reward=None, status="error", reason=reason)
