@@ -1,0 +1,142 @@
+"""A continuous batch's KV cache on top of an unmodified Hugging Face model.
+
+HF models decode a rectangular batch: one cache tensor [rows, kv_heads, columns, head_dim] per layer. To let
+requests leave and join at any step we keep the batch *left-padded*: every row's newest token sits in the
+last column, a per-row attention mask hides the padding, and explicit position ids give each row its own
+positions (so padding never shifts RoPE). Then
+
+* a finished row leaves by an index-select on the batch dimension, after which leading columns that are
+  padding in every remaining row are cut off (the columns are always `max(row lengths)`);
+* a newly prefilled group joins by left-padding the narrower of the two caches and stacking the rows.
+
+The model is never patched: we only hand it `past_key_values`, `attention_mask` and `position_ids`, which is
+why any HF causal LM with full attention works (Llama, Qwen2, Qwen3, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+
+class KVBatch:
+    """The running rows' cache, mask and next positions; row order is the caller's row order."""
+
+    def __init__(self, cache: DynamicCache | None, attention_mask: torch.Tensor, next_positions: torch.Tensor) -> None:
+        self.cache = cache
+        self.attention_mask = attention_mask  # [rows, columns] int64, 1 = real token
+        self.next_positions = next_positions  # [rows] int64, position id of each row's next token
+
+    @classmethod
+    def empty(cls, device: torch.device) -> KVBatch:
+        return cls(
+            None,
+            torch.zeros(0, 0, dtype=torch.int64, device=device),
+            torch.zeros(0, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.attention_mask.shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.attention_mask.shape[1]
+
+    @classmethod
+    def prefill(cls, model: nn.Module, sequences: list[list[int]], pad_token_id: int) -> tuple[KVBatch, torch.Tensor]:
+        """Run the sequences through the model in one left-padded forward; returns the batch and its last logits.
+
+        The logits ([rows, vocab]) are those after each sequence's final token, i.e. the distribution of the
+        next token; the batch caches every token of every sequence.
+        """
+        device = model.device
+        width = max(len(sequence) for sequence in sequences)
+        input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.int64)
+        attention_mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, width - len(sequence) :] = torch.tensor(sequence, dtype=torch.int64)
+            attention_mask[row, width - len(sequence) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_(min=0)
+        cache = DynamicCache()
+        output = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch = cls(cache, attention_mask, attention_mask.sum(dim=-1))
+        return batch, output.logits[:, -1, :]
+
+    def decode(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row ([rows] int64) and return the next-token logits [rows, vocab]."""
+        ones = torch.ones((self.rows, 1), dtype=self.attention_mask.dtype, device=self.attention_mask.device)
+        self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)
+        output = model(
+            input_ids=input_ids.unsqueeze(-1),
+            attention_mask=self.attention_mask,
+            position_ids=self.next_positions.unsqueeze(-1),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.next_positions = self.next_positions + 1
+        return output.logits[:, -1, :]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep `rows` (int64 indices into the current rows, in the new order; repeats allowed).
+
+        Repeats are how n samples of one prompt get their own copy of a prompt prefilled once.
+        """
+        if rows.numel() == 0:
+            self.cache = None
+            self.attention_mask = self.attention_mask[:0, :0]
+            self.next_positions = self.next_positions[:0]
+            return
+        mask = self.attention_mask.index_select(0, rows)
+        first = int(mask.any(dim=0).to(torch.int8).argmax())  # leading columns that are padding in every row
+        self.attention_mask = mask[:, first:]
+        self.next_positions = self.next_positions.index_select(0, rows)
+        for layer in self._layers():
+            layer.keys = layer.keys.index_select(0, rows)[:, :, first:]
+            layer.values = layer.values.index_select(0, rows)[:, :, first:]
+
+    def extend(self, other: KVBatch) -> None:
+        """Append `other`'s rows after ours, left-padding whichever cache is narrower."""
+        if other.rows == 0:
+            return
+        if self.rows == 0:
+            self.cache, self.attention_mask = other.cache, other.attention_mask
+            self.next_positions = other.next_positions
+            return
+        columns = max(self.columns, other.columns)
+        self.attention_mask = _stack_right_aligned(self.attention_mask, other.attention_mask, columns)
+        self.next_positions = torch.cat([self.next_positions, other.next_positions])
+        for mine, theirs in zip(self._layers(), other._layers(), strict=True):
+            mine.keys = _stack_right_aligned(mine.keys, theirs.keys, columns)
+            mine.values = _stack_right_aligned(mine.values, theirs.values, columns)
+
+    def _layers(self) -> list:
+        return [] if self.cache is None else list(self.cache.layers)
+
+
+def _stack_right_aligned(first: torch.Tensor, second: torch.Tensor, columns: int) -> torch.Tensor:
+    """Stack on dim 0, each input right-aligned in `columns` (dim 2 for KV tensors, dim 1 for masks); zero pad.
+
+    One allocation and two copies, instead of padding both and concatenating (three allocations).
+    """
+    column_dim = 1 if first.dim() == 2 else 2
+    shape = list(first.shape)
+    shape[0] = first.shape[0] + second.shape[0]
+    shape[column_dim] = columns
+    stacked = first.new_zeros(shape)
+    stacked[: first.shape[0]].narrow(column_dim, columns - first.shape[column_dim], first.shape[column_dim]).copy_(
+        first
+    )
+    stacked[first.shape[0] :].narrow(column_dim, columns - second.shape[column_dim], second.shape[column_dim]).copy_(
+        second
+    )
+    return stacked

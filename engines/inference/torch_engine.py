@@ -1,0 +1,472 @@
+"""The embedded torch inference engine: a Hugging Face causal LM behind the `InferenceEngine` interface.
+
+It is the default on machines without CUDA and the reference the SGLang engine is checked against, so it
+favours exactness (greedy output equals `model.generate()`, log-probs equal the trainer's) and then speed
+(continuous batching with a KV cache, see `batcher.py`).
+
+Threading: one decode thread per engine runs every forward. torch releases the GIL inside its kernels, so
+the owning actor's asyncio loop keeps answering heartbeats and messages while the model computes. The
+async methods only put a command on a queue and await an asyncio future that the decode thread resolves
+through `loop.call_soon_threadsafe`; the thread applies commands (new requests, aborts, pause/resume,
+weight updates, close) between two steps, which is what makes "a weight update lands between two decode
+steps" literally true. The engine never calls `torch.set_num_threads`: the decode thread inherits the
+process-wide setting chosen by the caller.
+
+Weight updates and the KV cache: by default (`recompute_kv_on_update=True`) an update also drops the KV
+cache, and the in-flight samples are re-prefilled with the new weights before their next token, so every
+token tagged with version v was computed entirely by version-v weights, exactly what the trainer
+recomputes. With False the cache computed by older weights is kept (cheaper, slightly off-policy keys and
+values), as SGLang does when it updates weights without flushing its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from engines.inference.base import (
+    PAUSE_MODES,
+    GenerateOutput,
+    GenerateRequest,
+    InferenceEngine,
+    PauseMode,
+    derive_sample_seed,
+)
+from engines.inference.batcher import BatchLimits, ContinuousBatcher, Sample, StepRecord
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[StepRecord], None]
+
+
+class TorchEngine(InferenceEngine):
+    """Batched generation with a KV cache and continuous batching on one HF model, driven by one thread.
+
+    `step_listener`, if given, is called on the decode thread after every step with a `StepRecord` (which
+    rows decoded, joined and left): use it for tracing and metrics; it must be quick, and what it raises is
+    logged and ignored.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        max_batch_size: int = 64,
+        max_batch_tokens: int = 131_072,
+        max_prefill_tokens: int = 16_384,
+        max_model_len: int | None = None,
+        version: int = 0,
+        seed: int | None = None,
+        recompute_kv_on_update: bool = True,
+        step_listener: StepListener | None = None,
+    ) -> None:
+        _check_supported(model)
+        self._model = model.eval()
+        self._tokenizer = tokenizer
+        self._limits = BatchLimits(max_batch_size, max_batch_tokens, max_prefill_tokens)
+        self._max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._eos_token_ids = _eos_token_ids(model, tokenizer)
+        self._parameters = model.state_dict(keep_vars=True)
+        self._recompute_kv_on_update = recompute_kv_on_update
+        self._step_listener = step_listener
+        rng = torch.Generator()
+        if seed is None:
+            rng.seed()
+        else:
+            rng.manual_seed(seed)
+        self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng)
+
+        # Written by the decode thread only; read anywhere (single attribute reads are atomic).
+        self._version = version
+        self._paused = False
+        self._closed = False
+        self._generated_tokens = 0
+        self._last_error: str | None = None
+        self._pending: dict[str, _Pending] = {}
+
+        self._closing = False  # set by close() on the caller's side, so no command is queued after it
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="torch-engine-decode", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        version: int = 0,
+        max_batch_tokens: int = 131_072,
+        max_prefill_tokens: int = 16_384,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        recompute_kv_on_update: bool = True,
+        step_listener: StepListener | None = None,
+    ) -> TorchEngine:
+        """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no config.json; expected a local Hugging Face model folder")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(
+            model,
+            tokenizer,
+            max_batch_size=max_batch_size,
+            max_batch_tokens=max_batch_tokens,
+            max_prefill_tokens=max_prefill_tokens,
+            max_model_len=max_model_len,
+            version=version,
+            seed=seed,
+            recompute_kv_on_update=recompute_kv_on_update,
+            step_listener=step_listener,
+        )
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self._tokenizer
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        samples = self._samples_for(request)
+        try:
+            return await self._call(_Submit(request, samples))
+        except asyncio.CancelledError:
+            if not self._closing:
+                self._commands.put(_Abort(frozenset([request.request_id])))
+            raise
+
+    async def abort(self, request_id: str | None = None) -> None:
+        await self._call(_Abort(None if request_id is None else frozenset([request_id])))
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._call(_Pause(mode))
+
+    async def resume(self) -> None:
+        await self._call(_Resume())
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
+        await self._call(_UpdateWeights(named_tensors, version))
+
+    async def health(self) -> dict[str, object]:
+        return {
+            "engine": "torch",
+            "healthy": self._thread.is_alive() and not self._closing,
+            "version": self._version,
+            "paused": self._paused,
+            "running": len(self._batcher.running),
+            "waiting": len(self._batcher.waiting),
+            "requests": len(self._pending),
+            "steps": self._batcher.steps,
+            "generated_tokens": self._generated_tokens,
+            "last_error": self._last_error,
+        }
+
+    async def close(self) -> None:
+        if self._closing:
+            return
+        await self._call(_Close())
+        self._closing = True
+        await asyncio.to_thread(self._thread.join)
+
+    # ----- caller side -----------------------------------------------------------------------------------
+
+    async def _call(self, command: _Command) -> Any:
+        if self._closing or not self._thread.is_alive():
+            raise RuntimeError("torch engine is closed")
+        loop = asyncio.get_running_loop()
+        command.reply = _Reply(loop, loop.create_future())
+        self._commands.put(command)
+        return await command.reply.future
+
+    def _samples_for(self, request: GenerateRequest) -> list[Sample]:
+        """Validate a request against this model and build its samples; raises here, in the caller."""
+        rid, params, prompt = request.request_id, request.params, request.input_ids
+        if max(prompt) >= self._vocab_size:
+            raise ValueError(f"request {rid!r}: input_ids holds {max(prompt)}, the vocabulary has {self._vocab_size}")
+        if len(prompt) >= self._max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room in the model's context of "
+                f"{self._max_model_len} tokens"
+            )
+        if params.stop and self._tokenizer is None:
+            raise ValueError(f"request {rid!r}: stop strings need a tokenizer; this engine was built without one")
+        max_new_tokens = min(params.max_new_tokens, self._max_model_len - len(prompt))
+        if len(prompt) + max_new_tokens > self._limits.max_batch_tokens:
+            raise ValueError(
+                f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
+                f"max_batch_tokens={self._limits.max_batch_tokens}"
+            )
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_token_ids)
+        return [
+            Sample(
+                request_id=rid,
+                sample_index=index,
+                prompt_ids=list(prompt),
+                params=params,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_ids,
+                generator=None
+                if params.seed is None
+                else torch.Generator().manual_seed(derive_sample_seed(params.seed, index)),
+            )
+            for index in range(params.n)
+        ]
+
+    # ----- decode thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._closed:
+                idle = self._paused or not self._batcher.has_work()
+                self._apply_commands(block=idle)
+                if not self._closed and not self._paused and self._batcher.has_work():
+                    self._step()
+        self._refuse_leftover_commands()
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            if self._closed:
+                return
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: _Command) -> None:
+        try:
+            result = command.apply(self)
+        except Exception as exc:  # a bad command fails its caller, never the engine
+            command.fail(exc)
+        else:
+            command.succeed(result)
+
+    def _step(self) -> None:
+        try:
+            result = self._batcher.step(self._version)
+        except Exception as exc:
+            logger.exception("torch engine step failed; failing every request in flight")
+            self._last_error = repr(exc)
+            self._batcher.reset()
+            failure = RuntimeError(f"torch engine step failed: {exc!r}")
+            for pending in self._pending.values():
+                pending.reply.fail(failure)
+            self._pending.clear()
+            return
+        self._generated_tokens += result.new_tokens
+        for request_id in {sample.request_id for sample in result.finished}:
+            self._resolve_if_done(request_id)
+        if self._step_listener is not None:
+            try:
+                self._step_listener(result.record)
+            except Exception:
+                logger.exception("torch engine step listener raised; ignored")
+
+    def _resolve_if_done(self, request_id: str) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None and all(sample.finish_reason is not None for sample in pending.samples):
+            del self._pending[request_id]
+            pending.reply.succeed([sample.to_output() for sample in pending.samples])
+
+    def _abort(self, request_ids: frozenset[str] | None) -> None:
+        aborted = self._batcher.abort(None if request_ids is None else set(request_ids))
+        for request_id in {sample.request_id for sample in aborted}:
+            self._resolve_if_done(request_id)
+
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Validate every tensor first, then copy: a bad bucket changes nothing (no half-applied update)."""
+        updates = list(named_tensors)
+        for name, tensor in updates:
+            target = self._parameters.get(name)
+            if target is None:
+                raise ValueError(f"update_weights: {name!r} is not a weight of this model")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, expected a tensor")
+            if tensor.shape != target.shape:
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in updates:
+                self._parameters[name].copy_(tensor)
+        self._version = version
+        if self._recompute_kv_on_update:
+            self._batcher.drop_cache()
+
+    def _refuse_leftover_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command.fail(RuntimeError("torch engine is closed"))
+
+
+def _check_supported(model: nn.Module) -> None:
+    """Only full-attention decoders: sliding-window and linear-attention layers need caches we do not batch."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config; the torch engine needs a Hugging Face model")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(
+            f"{type(model).__name__}: layer types {sorted(layer_types)} are not supported; the torch engine "
+            "batches full-attention KV caches only"
+        )
+
+
+def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The ids that end a sample unless ignore_eos: the model's generation config, as `generate()` uses."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
+# ----- commands: what the async side asks the decode thread to do at the next step boundary ---------------
+
+
+@dataclass
+class _Reply:
+    """An asyncio future owned by the caller's loop, resolved from the decode thread."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def succeed(self, value: object) -> None:
+        self._post(_set_result, value)
+
+    def fail(self, exc: BaseException) -> None:
+        self._post(_set_exception, exc)
+
+    def _post(self, setter: Callable[[asyncio.Future, Any], None], value: object) -> None:
+        # A closed caller loop raises RuntimeError: nobody is waiting any more, so there is nothing to tell.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(setter, self.future, value)
+
+
+def _set_result(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+@dataclass
+class _Pending:
+    reply: _Reply
+    samples: list[Sample]
+
+
+@dataclass
+class _Command:
+    reply: _Reply | None = field(default=None, init=False)
+
+    def apply(self, engine: TorchEngine) -> object:
+        raise NotImplementedError
+
+    def succeed(self, result: object) -> None:
+        if self.reply is not None and result is not _DEFERRED:
+            self.reply.succeed(result)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.reply is not None:
+            self.reply.fail(exc)
+
+
+_DEFERRED = object()  # a generate command is answered later, when its samples finish
+
+
+@dataclass
+class _Submit(_Command):
+    request: GenerateRequest
+    samples: list[Sample]
+
+    def apply(self, engine: TorchEngine) -> object:
+        request_id = self.request.request_id
+        if request_id in engine._pending:
+            raise ValueError(f"request {request_id!r} is already in flight on this engine")
+        assert self.reply is not None
+        engine._pending[request_id] = _Pending(self.reply, self.samples)
+        engine._batcher.add(self.samples)
+        return _DEFERRED
+
+
+@dataclass
+class _Abort(_Command):
+    request_ids: frozenset[str] | None
+
+    def apply(self, engine: TorchEngine) -> object:
+        engine._abort(self.request_ids)
+        return None
+
+
+@dataclass
+class _Pause(_Command):
+    mode: PauseMode
+
+    def apply(self, engine: TorchEngine) -> object:
+        if self.mode == "abort":
+            engine._abort(None)
+        engine._paused = True
+        return None
+
+
+@dataclass
+class _Resume(_Command):
+    def apply(self, engine: TorchEngine) -> object:
+        engine._paused = False
+        return None
+
+
+@dataclass
+class _UpdateWeights(_Command):
+    named_tensors: Iterable[tuple[str, torch.Tensor]]
+    version: int
+
+    def apply(self, engine: TorchEngine) -> object:
+        engine._load_weights(self.named_tensors, self.version)
+        return None
+
+
+@dataclass
+class _Close(_Command):
+    def apply(self, engine: TorchEngine) -> object:
+        engine._abort(None)
+        engine._closed = True
+        return None

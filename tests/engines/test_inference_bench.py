@@ -1,0 +1,31 @@
+"""The engine benchmark still runs end to end (smoke only: speed is shown by the benchmark, not tested)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tools import bench_engine
+
+
+@pytest.mark.integration
+def test_bench_engine_quick_run_writes_its_figures(tmp_path: Path, tiny_model_cache: Path) -> None:
+    figures_path = tmp_path / "bench.json"
+    argv = ["--quick", "--prompts", "12", "--batch-size", "4", "--longest", "12"]
+    assert bench_engine.main([*argv, "--model-cache", str(tiny_model_cache), "--json", str(figures_path)]) == 0
+    figures = json.loads(figures_path.read_text())
+    assert figures["prompts"] == 12 and figures["batch_size"] == 4
+    assert figures["engine_median"] > 0 and figures["baseline_median"] > 0
+    assert figures["length_max"] <= 12
+
+
+@pytest.mark.unit
+def test_heavy_tailed_lengths_are_mostly_short_with_a_long_tail() -> None:
+    lengths = bench_engine.heavy_tailed_lengths(5000, shortest=8, longest=512, alpha=1.1, rng=random.Random(0))
+    lengths.sort()
+    assert lengths[0] >= 8 and lengths[-1] == 512
+    assert lengths[len(lengths) // 2] < 24  # median stays short
+    assert lengths[int(len(lengths) * 0.99)] > 200  # the top percent is long

@@ -1,0 +1,69 @@
+"""Left-padded KV batches: rows that leave and join must not change any row's next-token logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.inference.kv_batch import KVBatch
+
+SEQUENCES = [[5, 9, 14, 20, 33, 41, 7], [60, 61], [12, 13, 14, 15]]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def _next_logits(model: torch.nn.Module, sequence: list[int]) -> torch.Tensor:
+    """What the trainer sees: a plain unpadded forward of the whole sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([sequence])).logits[0, -1]
+
+
+@pytest.mark.unit
+def test_prefill_of_different_lengths_gives_each_row_its_unpadded_logits(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        batch, logits = KVBatch.prefill(model, SEQUENCES, pad_token_id=0)
+    assert batch.columns == max(len(sequence) for sequence in SEQUENCES)
+    for row, sequence in enumerate(SEQUENCES):
+        torch.testing.assert_close(logits[row], _next_logits(model, sequence), rtol=0, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_decoding_after_a_row_left_and_a_row_joined_matches_unpadded_forwards(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        batch, _ = KVBatch.prefill(model, SEQUENCES[:2], pad_token_id=0)
+        batch.decode(model, torch.tensor([3, 4]))
+        batch.select(torch.tensor([1]))  # the long row leaves: its padding columns must go with it
+        assert batch.columns == len(SEQUENCES[1]) + 1
+        joined, _ = KVBatch.prefill(model, [SEQUENCES[2]], pad_token_id=0)
+        batch.extend(joined)
+        logits = batch.decode(model, torch.tensor([8, 9]))
+    torch.testing.assert_close(logits[0], _next_logits(model, [*SEQUENCES[1], 4, 8]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[1], _next_logits(model, [*SEQUENCES[2], 9]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_repeated_rows_get_independent_copies_of_a_shared_prefill(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        batch, _ = KVBatch.prefill(model, [SEQUENCES[0]], pad_token_id=0)
+        batch.select(torch.tensor([0, 0]))
+        logits = batch.decode(model, torch.tensor([10, 11]))
+    torch.testing.assert_close(logits[0], _next_logits(model, [*SEQUENCES[0], 10]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[1], _next_logits(model, [*SEQUENCES[0], 11]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_selecting_no_rows_leaves_an_empty_batch_that_can_be_refilled(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        batch, _ = KVBatch.prefill(model, SEQUENCES[:1], pad_token_id=0)
+        batch.select(torch.tensor([], dtype=torch.int64))
+        assert (batch.rows, batch.columns) == (0, 0)
+        refill, _ = KVBatch.prefill(model, [SEQUENCES[1]], pad_token_id=0)
+        batch.extend(refill)
+        logits = batch.decode(model, torch.tensor([2]))
+    torch.testing.assert_close(logits[0], _next_logits(model, [*SEQUENCES[1], 2]), rtol=0, atol=1e-5)
