@@ -217,6 +217,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--longest", type=int, help="cap on response length (default 512; 64 with --quick)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats (default 3; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads for both sides (default: torch's own choice); 1 is steadier on a shared CPU",
+    )
     parser.add_argument("--model-cache", type=Path, help="where the benchmark model is built (default: tmp)")
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (64 if args.quick else 256)
@@ -227,6 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     figures = benchmark(args)
     print_table(figures)
     if args.json:

@@ -191,6 +191,9 @@ class TorchEngine(InferenceEngine):
     async def close(self) -> None:
         if self._closing:
             return
+        if not self._thread.is_alive():
+            self._closing = True
+            return
         await self._call(_Close())
         self._closing = True
         await asyncio.to_thread(self._thread.join)
@@ -242,13 +245,19 @@ class TorchEngine(InferenceEngine):
     # ----- decode thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        with torch.inference_mode():
-            while not self._closed:
-                idle = self._paused or not self._batcher.has_work()
-                self._apply_commands(block=idle)
-                if not self._closed and not self._paused and self._batcher.has_work():
-                    self._step()
-        self._refuse_leftover_commands()
+        try:
+            with torch.inference_mode():
+                while not self._closed:
+                    idle = self._paused or not self._batcher.has_work()
+                    self._apply_commands(block=idle)
+                    if not self._closed and not self._paused and self._batcher.has_work():
+                        self._step()
+        except BaseException as exc:  # a bug here must not leave awaiters hanging on a dead thread
+            logger.exception("torch engine decode thread died")
+            self._last_error = repr(exc)
+            self._fail_pending(RuntimeError(f"torch engine decode thread died: {exc!r}"))
+        finally:
+            self._refuse_leftover_commands()
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -279,10 +288,7 @@ class TorchEngine(InferenceEngine):
             logger.exception("torch engine step failed; failing every request in flight")
             self._last_error = repr(exc)
             self._batcher.reset()
-            failure = RuntimeError(f"torch engine step failed: {exc!r}")
-            for pending in self._pending.values():
-                pending.reply.fail(failure)
-            self._pending.clear()
+            self._fail_pending(RuntimeError(f"torch engine step failed: {exc!r}"))
             return
         self._generated_tokens += result.new_tokens
         for request_id in {sample.request_id for sample in result.finished}:
@@ -292,6 +298,11 @@ class TorchEngine(InferenceEngine):
                 self._step_listener(result.record)
             except Exception:
                 logger.exception("torch engine step listener raised; ignored")
+
+    def _fail_pending(self, failure: Exception) -> None:
+        for pending in self._pending.values():
+            pending.reply.fail(failure)
+        self._pending.clear()
 
     def _resolve_if_done(self, request_id: str) -> None:
         pending = self._pending.get(request_id)
