@@ -1,0 +1,62 @@
+"""Typed, validated-once configuration of the embedded torch trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class TorchTrainerConfig(BaseModel):
+    """Everything `TorchTrainer` needs; cross-field rules are checked here, at start-up, not mid-run.
+
+    `dtype` is the COMPUTE dtype. Master weights and AdamW moments always stay float32: at RL learning rates
+    (~1e-6) a bfloat16 parameter cannot represent most updates, so training purely in bf16 silently stalls.
+    `micro_batch_tokens` bounds the tokens (prompt + response) of one packed forward pass; a sample longer than
+    the budget runs alone in its own micro-batch rather than failing the step.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: Path
+    ref_model_path: Path | None = None
+    lr: float = Field(default=1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.0, ge=0)
+    eps: float = Field(default=1e-8, gt=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(default=None, gt=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    micro_batch_tokens: int = Field(default=8192, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    device: str = "cpu"
+    attn_implementation: str = "sdpa"
+    check_packing: bool = True
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> TorchTrainerConfig:
+        for index, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas[{index}]={beta} must be in [0, 1)")
+        if self.lr_schedule == "cosine":
+            if self.total_steps is None:
+                raise ValueError("lr_schedule='cosine' needs total_steps")
+            if self.total_steps <= self.warmup_steps:
+                raise ValueError(
+                    f"total_steps={self.total_steps} must exceed warmup_steps={self.warmup_steps} for a cosine decay"
+                )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device {self.device!r} unsupported; use 'cpu' or 'cuda[:N]'")
+        return self
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

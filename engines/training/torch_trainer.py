@@ -1,0 +1,389 @@
+"""The embedded torch trainer: a Hugging Face causal LM, AdamW, packed micro-batches, DDP over torch.distributed.
+
+Data parallelism. Several learner processes each call the same methods with their own shard of samples; the
+caller initialises the default process group (gloo on CPU, NCCL on GPU). Losses are normalised by counts of
+the whole step (see `engines.training.base`), so the gradients of all micro-batches of all ranks must be
+SUMMED; DDP averages by default, so a communication hook replaces its all-reduce with a plain sum. Only the
+last micro-batch of a step synchronises (`no_sync` before), so ranks may hold different numbers of
+micro-batches.
+
+Determinism of the policy: dropout is switched off at load. RL needs the learner's log-probs to be the
+behaviour policy's log-probs up to off-policyness; random masks would add noise to every importance ratio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_model, save_model
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoModelForCausalLM
+
+from engines.training import checkpoint
+from engines.training.base import (
+    LossFn,
+    LossNormalizer,
+    ModelOutputs,
+    ModelRole,
+    StepResult,
+    Trainer,
+    TrainSample,
+)
+from engines.training.config import TorchTrainerConfig
+from engines.training.logprobs import token_log_probs
+from engines.training.packing import (
+    check_packing_isolation,
+    collate,
+    count_loss_tokens,
+    forward_packed,
+    pack_inputs,
+    plan_micro_batches,
+)
+from engines.training.schedule import lr_multiplier
+
+_DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
+
+
+class TorchTrainer(Trainer):
+    """See the module docstring. Construct on every learner rank after `torch.distributed` is initialised."""
+
+    def __init__(self, config: TorchTrainerConfig) -> None:
+        self.config = config
+        self._device = _resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        self._model = _load_model(config.model_path, self._device, config.attn_implementation)
+        self._ref = None
+        if config.ref_model_path is not None:
+            self._ref = _load_model(config.ref_model_path, self._device, config.attn_implementation)
+            self._ref.requires_grad_(False)
+        if config.check_packing:
+            for model in (self._model, self._ref):
+                if model is not None:
+                    check_packing_isolation(model.eval(), self._device)
+        if config.gradient_checkpointing:
+            self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._param_names, groups = _param_groups(self._model, config.weight_decay)
+        self._optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+        self._train_module: nn.Module = self._model
+        if _world_size() > 1:
+            self._train_module = _wrap_ddp(self._model, self._device)
+        self._version = 0
+
+    # -- Trainer ---------------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def compute_log_probs(
+        self,
+        samples: Sequence[TrainSample],
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        model: ModelRole = "policy",
+    ) -> ModelOutputs:
+        """Packed in sample order, returned on the CPU (where samples live), computed without gradients."""
+        network = self._select_model(model)
+        _validate(samples)
+        if not samples:
+            empty = torch.empty(0)
+            return ModelOutputs(log_probs=empty, entropy=empty if with_entropy else None)
+        network.eval()
+        per_sample: list[ModelOutputs | None] = [None] * len(samples)
+        with torch.no_grad(), self._autocast():
+            for members in self._plan(samples):
+                chunk = [samples[index] for index in members]
+                inputs = pack_inputs(chunk).to(self._device)
+                outputs = token_log_probs(
+                    forward_packed(network, inputs),
+                    inputs.targets,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                )
+                lengths = inputs.response_lengths.tolist()
+                log_probs = outputs.log_probs.cpu().split(lengths)
+                entropy = outputs.entropy.cpu().split(lengths) if outputs.entropy is not None else [None] * len(chunk)
+                for index, lp, ent in zip(members, log_probs, entropy, strict=True):
+                    per_sample[index] = ModelOutputs(lp, ent)
+        return ModelOutputs(
+            log_probs=torch.cat([out.log_probs for out in per_sample]),
+            entropy=torch.cat([out.entropy for out in per_sample]) if with_entropy else None,
+        )
+
+    def train_step(
+        self, samples: Sequence[TrainSample], loss_fn: LossFn, *, temperature: float, with_entropy: bool = False
+    ) -> StepResult:
+        started = time.perf_counter()
+        _validate(samples)
+        normalizer = self._global_normalizer(samples)
+        plan = self._plan(samples)
+        self._model.train()
+        self._optimizer.zero_grad(set_to_none=True)
+        metric_sums: dict[str, float] = {}
+        loss_sum, nonfinite_loss = 0.0, False
+        for position, members in enumerate(plan):
+            chunk = [samples[index] for index in members]
+            inputs = pack_inputs(chunk).to(self._device)
+            batch = collate(chunk, self._device)
+            synchronise = position == len(plan) - 1
+            with self._gradient_sync(synchronise):
+                with self._autocast():
+                    outputs = token_log_probs(
+                        forward_packed(self._train_module, inputs),
+                        inputs.targets,
+                        temperature=temperature,
+                        with_entropy=with_entropy,
+                    )
+                    loss, metrics = loss_fn(outputs, batch, normalizer)
+                _check_loss(loss)
+                # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
+                loss.backward()
+            loss_value = float(loss.detach())
+            nonfinite_loss |= not torch.isfinite(torch.tensor(loss_value)).item()
+            loss_sum += loss_value
+            for key, value in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+        loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(loss_sum, nonfinite_loss, metric_sums)
+        return self._apply_update(loss_sum, nonfinite_loss, metric_sums, normalizer, len(plan), started)
+
+    def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
+        """Rank 0 writes (all ranks hold identical weights and moments); every rank waits for it to finish."""
+        if _rank() == 0:
+            with checkpoint.atomic_directory(directory) as staging:
+                save_model(self._model, str(staging / checkpoint.WEIGHTS_FILE))
+                optimizer_meta = checkpoint.save_optimizer(
+                    staging / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names
+                )
+                checkpoint.write_state(
+                    staging,
+                    {
+                        "version": self._version,
+                        "optimizer": optimizer_meta,
+                        "config": self.config.model_dump(mode="json"),
+                        "extra_state": extra_state,
+                    },
+                )
+        _barrier()
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        directory = Path(directory)
+        state = checkpoint.read_state(directory)
+        weights = directory / checkpoint.WEIGHTS_FILE
+        if not weights.is_file():
+            raise FileNotFoundError(f"{directory}: checkpoint has no {checkpoint.WEIGHTS_FILE}")
+        missing, unexpected = load_model(self._model, str(weights), strict=False, device=str(self._device))
+        if missing or unexpected:
+            raise ValueError(
+                f"{weights}: weights do not match this model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
+        checkpoint.load_optimizer(
+            directory / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names, state["optimizer"]
+        )
+        self._version = int(state["version"])
+        return state["extra_state"]
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The float32 master weights, not copies: send them before the next step changes them.
+
+        Tied weights appear once (under the first name, as `named_parameters` lists them); a receiving HF model
+        ties the alias itself. Cast to the engine's dtype on the way (the weight sender does it per bucket).
+        """
+        for name, parameter in self._model.named_parameters():
+            yield name, parameter.detach()
+
+    def export_hf(self, directory: str | Path) -> None:
+        if _rank() == 0:
+            with checkpoint.atomic_directory(directory) as staging:
+                checkpoint.copy_auxiliary_files(Path(self.config.model_path), staging)
+                self._model.save_pretrained(staging)
+        _barrier()
+
+    # -- step internals ---------------------------------------------------------------------------------------
+
+    def _apply_update(
+        self,
+        loss_sum: float,
+        nonfinite_loss: bool,
+        metric_sums: dict[str, float],
+        normalizer: LossNormalizer,
+        micro_batches: int,
+        started: float,
+    ) -> StepResult:
+        """Clip, then step unless something is non-finite. The decision is identical on every rank: the loss
+        flag was all-reduced and the gradient norm is computed from already-summed gradients."""
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm))
+        lr = self.config.lr * lr_multiplier(
+            self._version,
+            schedule=self.config.lr_schedule,
+            warmup_steps=self.config.warmup_steps,
+            total_steps=self.config.total_steps,
+            min_lr_ratio=self.config.min_lr_ratio,
+        )
+        skip_reason = None
+        if nonfinite_loss:
+            skip_reason = f"non-finite loss ({loss_sum})"
+        elif not torch.isfinite(torch.tensor(grad_norm)).item():
+            skip_reason = f"non-finite gradient norm ({grad_norm})"
+        if skip_reason is None:
+            for group in self._optimizer.param_groups:
+                group["lr"] = lr
+            self._optimizer.step()
+            self._version += 1
+        self._optimizer.zero_grad(set_to_none=True)
+        metrics = {
+            **metric_sums,
+            "loss": loss_sum,
+            "lr": lr if skip_reason is None else 0.0,
+            "grad_norm": grad_norm,
+            "loss_tokens": float(normalizer.loss_tokens),
+            "sequences": float(normalizer.sequences),
+            "micro_batches": float(micro_batches),
+            "step_seconds": time.perf_counter() - started,
+        }
+        return StepResult(
+            version=self._version,
+            metrics=metrics,
+            grad_norm=grad_norm,
+            skipped=skip_reason is not None,
+            skip_reason=skip_reason,
+        )
+
+    def _global_normalizer(self, samples: Sequence[TrainSample]) -> LossNormalizer:
+        """All-reduce the step's counts once; an empty shard on any rank fails every rank alike (no hang)."""
+        counts = torch.tensor([count_loss_tokens(samples), len(samples), int(not samples)], dtype=torch.int64)
+        if _world_size() > 1:
+            counts = counts.to(self._device)
+            dist.all_reduce(counts)
+            counts = counts.cpu()
+        loss_tokens, sequences, empty_ranks = counts.tolist()
+        if empty_ranks:
+            raise ValueError(f"train_step: {empty_ranks} data-parallel rank(s) got no samples; every rank needs some")
+        return LossNormalizer(loss_tokens=loss_tokens, sequences=sequences)
+
+    def _reduce_step_stats(
+        self, loss_sum: float, nonfinite_loss: bool, metric_sums: dict[str, float]
+    ) -> tuple[float, bool, dict[str, float]]:
+        if _world_size() == 1:
+            return loss_sum, nonfinite_loss, metric_sums
+        keys = sorted(metric_sums)
+        values = [loss_sum, float(nonfinite_loss), *(metric_sums[key] for key in keys)]
+        stats = torch.tensor(values, dtype=torch.float64, device=self._device)
+        dist.all_reduce(stats)
+        reduced = stats.cpu().tolist()
+        return reduced[0], reduced[1] > 0, dict(zip(keys, reduced[2:], strict=True))
+
+    def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        return plan_micro_batches([int(s.tokens.numel()) for s in samples], self.config.micro_batch_tokens)
+
+    def _select_model(self, role: ModelRole) -> nn.Module:
+        if role == "policy":
+            return self._model
+        if role == "ref":
+            if self._ref is None:
+                raise ValueError("compute_log_probs(model='ref') needs ref_model_path in the trainer config")
+            return self._ref
+        raise ValueError(f"model must be 'policy' or 'ref', got {role!r}")
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        dtype = self.config.compute_dtype
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self._device.type, dtype=dtype)
+
+    def _gradient_sync(self, synchronise: bool) -> contextlib.AbstractContextManager[Any]:
+        if synchronise or not isinstance(self._train_module, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self._train_module.no_sync()
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+
+
+def _load_model(path: Path, device: torch.device, attn_implementation: str) -> nn.Module:
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"model path {path}: no config.json (expected a Hugging Face model folder)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    for field_name in _DROPOUT_CONFIG_FIELDS:
+        if isinstance(getattr(model.config, field_name, None), float):
+            setattr(model.config, field_name, 0.0)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> tuple[list[str], list[dict[str, Any]]]:
+    """Decay matrices only: decaying biases and norm gains pulls them toward 0, which no one wants.
+
+    Returns the parameter names in the optimizer's own flattened order (decay group first), which is how
+    checkpoints key the optimizer state.
+    """
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (decay if parameter.ndim >= 2 else no_decay).append((name, parameter))
+    groups = [
+        {"params": [p for _, p in decay], "weight_decay": weight_decay},
+        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+    ]
+    return [name for name, _ in decay + no_decay], groups
+
+
+def _wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False
+    )
+    ddp.register_comm_hook(state=None, hook=_sum_gradients_hook)
+    return ddp
+
+
+def _sum_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP's all-reduce without its division by world size (losses are already globally normalised)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+# DDP validates a hook's annotations by identity; postponed (string) annotations would fail that check.
+_sum_gradients_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn returned a loss with no gradient path to outputs.log_probs")
+
+
+def _validate(samples: Sequence[TrainSample]) -> None:
+    for index, sample in enumerate(samples):
+        sample.validate(index)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if _world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,116 @@
+"""Checkpoints resume exactly (weights, optimizer moments, version), are written atomically, and export to HF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+
+
+def _samples(seed: int) -> list[TrainSample]:
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(4):
+        length = int(torch.randint(6, 30, (1,), generator=generator))
+        response = int(torch.randint(1, length, (1,), generator=generator))
+        tokens = torch.randint(6, 100, (length,), generator=generator)
+        samples.append(TrainSample(tokens, response, {"advantages": torch.randn(response, generator=generator)}))
+    return samples
+
+
+def loss_fn(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
+    return -(batch.token_fields["advantages"] * outputs.log_probs).sum() / normalizer.loss_tokens, {}
+
+
+def _config(model_path: Path) -> TorchTrainerConfig:
+    return TorchTrainerConfig(
+        model_path=model_path,
+        lr=1e-3,
+        weight_decay=0.01,
+        lr_schedule="cosine",
+        warmup_steps=1,
+        total_steps=10,
+        micro_batch_tokens=48,
+        check_packing=False,
+    )
+
+
+def _optimizer_tensors(trainer: TorchTrainer) -> dict[str, Tensor]:
+    state = trainer._optimizer.state_dict()["state"]
+    names = trainer._param_names
+    return {f"{names[i]}/{key}": value for i, entries in state.items() for key, value in entries.items()}
+
+
+@pytest.mark.unit
+def test_resumed_step_equals_the_uninterrupted_step(tiny_model_path: Path, tmp_path: Path) -> None:
+    uninterrupted = TorchTrainer(_config(tiny_model_path))
+    uninterrupted.train_step(_samples(0), loss_fn, temperature=1.0)
+    uninterrupted.save_checkpoint(tmp_path / "step1", {"cursor": 17, "note": "after step 1"})
+    uninterrupted.train_step(_samples(1), loss_fn, temperature=1.0)
+
+    resumed = TorchTrainer(_config(tiny_model_path))
+    extra = resumed.load_checkpoint(tmp_path / "step1")
+    assert extra == {"cursor": 17, "note": "after step 1"}
+    assert resumed.version == 1
+    resumed.train_step(_samples(1), loss_fn, temperature=1.0)
+
+    assert resumed.version == uninterrupted.version == 2
+    expected = dict(uninterrupted.named_tensors())
+    for name, tensor in resumed.named_tensors():
+        assert torch.equal(tensor, expected[name]), name
+    expected_moments = _optimizer_tensors(uninterrupted)
+    resumed_moments = _optimizer_tensors(resumed)
+    assert resumed_moments.keys() == expected_moments.keys()
+    for key, tensor in resumed_moments.items():
+        assert torch.equal(tensor, expected_moments[key]), key
+
+
+@pytest.mark.unit
+def test_saving_over_a_checkpoint_replaces_it_and_leaves_no_staging(tiny_model_path: Path, tmp_path: Path) -> None:
+    trainer = TorchTrainer(_config(tiny_model_path))
+    target = tmp_path / "latest"
+    trainer.save_checkpoint(target, {"cursor": 1})
+    trainer.train_step(_samples(0), loss_fn, temperature=1.0)
+    trainer.save_checkpoint(target, {"cursor": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    assert TorchTrainer(_config(tiny_model_path)).load_checkpoint(target) == {"cursor": 2}
+
+
+@pytest.mark.unit
+def test_failed_save_keeps_the_previous_checkpoint(tiny_model_path: Path, tmp_path: Path) -> None:
+    trainer = TorchTrainer(_config(tiny_model_path))
+    target = tmp_path / "latest"
+    trainer.save_checkpoint(target, {"cursor": 1})
+    with pytest.raises(ValueError, match="JSON-serialisable"):
+        trainer.save_checkpoint(target, {"cursor": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    assert TorchTrainer(_config(tiny_model_path)).load_checkpoint(target) == {"cursor": 1}
+
+
+@pytest.mark.unit
+def test_loading_a_folder_that_is_not_a_checkpoint_names_it(tiny_model_path: Path, tmp_path: Path) -> None:
+    trainer = TorchTrainer(_config(tiny_model_path))
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}: not a trainer checkpoint"):
+        trainer.load_checkpoint(tmp_path)
+
+
+@pytest.mark.unit
+def test_exported_folder_loads_in_transformers_with_the_trained_weights(tiny_model_path: Path, tmp_path: Path) -> None:
+    trainer = TorchTrainer(_config(tiny_model_path))
+    trainer.train_step(_samples(0), loss_fn, temperature=1.0)
+    trainer.export_hf(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    loaded = dict(model.named_parameters())
+    for name, tensor in trainer.named_tensors():
+        assert torch.equal(loaded[name], tensor), name
+    exported, original = (AutoTokenizer.from_pretrained(path) for path in (tmp_path / "hf", tiny_model_path))
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert exported.apply_chat_template(messages, tokenize=False) == original.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert exported.encode("hi there") == original.encode("hi there")

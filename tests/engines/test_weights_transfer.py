@@ -1,0 +1,131 @@
+"""Weights arrive bit-identical at every receiver: fp32 and bf16, several bucket layouts, staged or in place."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import queue
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender
+
+# (bucket_bytes, direct_bytes): buckets smaller than the largest tensor (10 KB); small buckets with large
+# tensors alone; one bucket for everything.
+LAYOUTS = [(1000, 10**9), (4096, 2048), (1 << 20, 1 << 20)]
+DTYPES = [None, torch.bfloat16]  # None: as held (float32 and int64); bf16: floating tensors cast on the way
+TIMEOUT_S = 60.0
+
+
+def _model(version: int) -> list[tuple[str, Tensor]]:
+    """Different values at every version, so stale weights at a receiver cannot pass for new ones."""
+    generator = torch.Generator().manual_seed(version)
+    return [
+        ("model.embed_tokens.weight", torch.randn(64, 40, generator=generator)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(40, generator=generator)),
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(40, 40, generator=generator)),
+        ("model.layers.0.self_attn.q_proj.bias", torch.randn(40, generator=generator)),
+        ("model.layers.0.mlp.down_proj.weight", torch.randn(40, 24, generator=generator)),
+        ("model.rotary.scale", torch.randn((), generator=generator)),
+        ("model.step_counter", torch.tensor([3, 1, 4, 1, 5], dtype=torch.int64) + version),
+        ("lm_head.weight", torch.randn(64, 40, generator=generator)),
+    ]
+
+
+def digest(tensor: Tensor) -> str:
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{tensor.dtype}:{tuple(tensor.shape)}:{hashlib.sha256(raw).hexdigest()}"
+
+
+def _receiver_main(spec: dict[str, Any], name: str, transfers: int, results: mp.Queue) -> None:
+    """An engine: odd transfers offer its live tensors as destinations, even ones load through load_fn."""
+    torch.set_num_threads(1)
+    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), name, timeout_s=TIMEOUT_S)
+    live: dict[str, Tensor] = {}
+
+    def load(items: Any) -> None:
+        for key, tensor in items:
+            if key not in live or live[key].dtype != tensor.dtype or live[key].shape != tensor.shape:
+                live[key] = torch.empty_like(tensor)
+            live[key].copy_(tensor)
+
+    for transfer in range(transfers):
+        in_place = transfer % 2 == 1
+        pointers = {key: tensor.data_ptr() for key, tensor in live.items()}
+        version = receiver.receive(load, timeout=TIMEOUT_S, destinations=live if in_place else None)
+        kept_storage = all(live[key].data_ptr() == pointer for key, pointer in pointers.items())
+        results.put((name, version, in_place, kept_storage, {key: digest(t) for key, t in live.items()}))
+    receiver.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("receivers", [1, 2])
+def test_weights_arrive_bit_identical_at_every_receiver(receivers: int) -> None:
+    context = mp.get_context("spawn")
+    sender = TorchDistributedWeightSender(timeout_s=TIMEOUT_S)
+    names = [f"engine-{index}" for index in range(receivers)]
+    spec = sender.open_group(["learner", *names])
+    results = context.Queue()
+    transfers = len(DTYPES) * len(LAYOUTS)
+    processes = [
+        context.Process(target=_receiver_main, args=(spec.to_dict(), name, transfers, results), daemon=True)
+        for name in names
+    ]
+    for process in processes:
+        process.start()
+    try:
+        sender.wait_for_receivers()
+        version = 0
+        for dtype in DTYPES:
+            for bucket_bytes, direct_bytes in LAYOUTS:
+                version += 1
+                model = _model(version)
+                expected = {
+                    name: digest(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+                    for name, t in model
+                }
+                sender.bucket_bytes, sender.direct_bytes = bucket_bytes, direct_bytes
+                report = sender.send(model, version, dtype=dtype)
+                assert report.receivers == tuple(names)
+                assert sender.committed_version == version
+                arrived = [results.get(timeout=TIMEOUT_S) for _ in names]
+                assert sorted(name for name, *_ in arrived) == names
+                for name, got_version, in_place, kept_storage, digests in arrived:
+                    assert got_version == version, name
+                    assert digests == expected, (name, dtype, bucket_bytes, direct_bytes)
+                    if in_place and dtype is None:
+                        assert kept_storage, f"{name}: destinations were replaced instead of written in place"
+    finally:
+        for process in processes:
+            process.join(timeout=TIMEOUT_S)
+        sender.close()
+    assert all(process.exitcode == 0 for process in processes)
+
+
+@pytest.mark.integration
+def test_receive_without_a_transfer_times_out_cleanly() -> None:
+    sender = TorchDistributedWeightSender(timeout_s=TIMEOUT_S)
+    spec = sender.open_group(["learner", "engine-0"])
+    context = mp.get_context("spawn")
+    errors = context.Queue()
+    process = context.Process(target=_idle_receiver_main, args=(spec.to_dict(), errors), daemon=True)
+    process.start()
+    try:
+        sender.wait_for_receivers()
+        assert "no weight transfer started within 0.5s" in errors.get(timeout=TIMEOUT_S)
+    except queue.Empty:
+        pytest.fail("the idle receiver never reported")
+    finally:
+        process.join(timeout=TIMEOUT_S)
+        sender.close()
+
+
+def _idle_receiver_main(spec: dict[str, Any], errors: mp.Queue) -> None:
+    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), "engine-0", timeout_s=TIMEOUT_S)
+    try:
+        receiver.receive(lambda items: None, timeout=0.5)
+    except TimeoutError as error:
+        errors.put(str(error))
