@@ -88,7 +88,8 @@ def global_denominator(
     if rollout_ids is None:
         return float(trained.sum())
     inverse, n_rollouts = group_index(rollout_ids)
-    rollout_trained = torch.zeros(n_rollouts, dtype=torch.float64).index_add(0, inverse, trained.double())
+    rollout_trained = torch.zeros(n_rollouts, dtype=torch.float64, device=mask.device)
+    rollout_trained = rollout_trained.index_add(0, inverse.to(mask.device), trained.double())
     return float((rollout_trained > 0).sum())
 
 
@@ -96,6 +97,6 @@ def rollout_token_denominators(loss_mask: Tensor, response_lengths: Tensor, roll
     """``Tensor[B]``: for each sample, the trained-token total of its whole rollout (shared by sibling samples)."""
     mask = as_float_mask(loss_mask, torch.float64)
     counts = per_sample_count(mask, response_lengths)
-    inverse, n_rollouts = group_index(rollout_ids)
+    inverse, n_rollouts = group_index(rollout_ids.to(counts.device))
     totals = torch.zeros(n_rollouts, dtype=counts.dtype, device=counts.device).index_add(0, inverse, counts)
     return totals[inverse]

@@ -101,7 +101,7 @@ class PolicyLossConfig(BaseModel):
         assert self.mis_lower_bound is not None
         if self.mis_lower_bound >= self.mis_upper_bound:
             raise ValueError(
-                f"mis_lower_bound={self.mis_lower_bound} must be < mis_upper_bound={self.mis_upper_bound}"
+                f"mis_lower_bound={self.mis_lower_bound} must be below mis_upper_bound={self.mis_upper_bound}"
             )
         if self.advantage_estimator in _ESTIMATORS_NEEDING_WHITENING and not self.normalize_advantages:
             raise ValueError(

@@ -244,9 +244,10 @@ def discounted_cumsum(values: Tensor, response_lengths: Tensor, discount: float,
     width = n_chunks * chunk
     padded = torch.nn.functional.pad(padded, (0, width - max_len))
     idx = torch.arange(chunk, device=values.device)
+    base = torch.tensor(discount, dtype=values.dtype, device=values.device)
     power = (idx.unsqueeze(0) - idx.unsqueeze(1)).to(values.dtype)  # power[i, j] = j - i
-    within = torch.where(power >= 0, torch.pow(torch.tensor(discount, dtype=values.dtype), power.clamp_min(0)), 0)
-    carry_scale = torch.pow(torch.tensor(discount, dtype=values.dtype), (chunk - idx).to(values.dtype))
+    within = torch.where(power >= 0, torch.pow(base, power.clamp_min(0)), 0)
+    carry_scale = torch.pow(base, (chunk - idx).to(values.dtype))
     out = torch.empty_like(padded)
     carry = torch.zeros(batch, dtype=values.dtype, device=values.device)
     for c in reversed(range(n_chunks)):

@@ -1,0 +1,122 @@
+import asyncio
+import math
+import time
+
+import pytest
+
+from policies.rewards import RewardInput, build_reward, score, score_group
+from policies.rewards.types import RewardOutcome
+
+
+def _inputs(*responses: str) -> list[RewardInput]:
+    return [RewardInput(prompt="p", response=r, label="x") for r in responses]
+
+
+def length_reward(inp: RewardInput) -> float:
+    if inp.response == "boom":
+        raise RuntimeError("judge crashed")
+    if inp.response == "nan":
+        return math.nan
+    if inp.response == "inf":
+        return math.inf
+    if inp.response == "text":
+        return "high"  # type: ignore[return-value]
+    return float(len(inp.response))
+
+
+@pytest.mark.unit
+async def test_raising_and_non_finite_rewards_become_error_outcomes_with_reasons() -> None:
+    outcomes = await score(length_reward, _inputs("ok", "boom", "nan", "inf", "text"))
+    assert outcomes[0] == RewardOutcome.ok(2.0)
+    assert [o.status for o in outcomes[1:]] == ["error"] * 4
+    assert outcomes[1].reason == "raised RuntimeError: judge crashed"
+    assert "non-finite reward nan" in outcomes[2].reason and "non-finite reward inf" in outcomes[3].reason
+    assert "returned str" in outcomes[4].reason
+    assert all(o.reward is None for o in outcomes[1:])
+
+
+@pytest.mark.unit
+async def test_async_reward_functions_run_concurrently() -> None:
+    async def slow(inp: RewardInput) -> float:
+        await asyncio.sleep(0.2)
+        return 1.0
+
+    start = time.perf_counter()
+    outcomes = await score(slow, _inputs(*["a"] * 10))
+    assert [o.reward for o in outcomes] == [1.0] * 10
+    assert time.perf_counter() - start < 1.0  # 10 x 0.2 s sequentially would take 2 s
+
+
+@pytest.mark.unit
+async def test_slow_reward_times_out_into_an_error_outcome() -> None:
+    async def hangs(inp: RewardInput) -> float:
+        await asyncio.sleep(30)
+        return 1.0
+
+    (outcome,) = await score(hangs, _inputs("a"), timeout_s=0.1)
+    assert outcome.status == "error" and outcome.reason == "timed out after 0.1s"
+
+
+@pytest.mark.unit
+async def test_sync_reward_runs_off_the_event_loop() -> None:
+    def blocking(inp: RewardInput) -> float:
+        time.sleep(0.3)
+        return 1.0
+
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.02)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    await score(blocking, _inputs("a"))
+    task.cancel()
+    assert ticks >= 5  # the loop kept running while the sync function slept
+
+
+@pytest.mark.unit
+async def test_dict_result_keeps_extra_fields() -> None:
+    (outcome,) = await score(lambda inp: {"reward": True, "format_ok": False}, _inputs("a"))
+    assert outcome == RewardOutcome.ok(1.0, {"format_ok": False})
+    (missing,) = await score(lambda inp: {"score": 1.0}, _inputs("a"))
+    assert missing.status == "error" and "without 'reward'" in missing.reason
+
+
+@pytest.mark.unit
+async def test_group_reward_scores_the_whole_group_in_one_call() -> None:
+    calls = []
+
+    def rank_by_length(group: list[RewardInput]) -> list[float]:
+        calls.append(len(group))
+        longest = max(len(i.response) for i in group)
+        return [float(len(i.response) == longest) for i in group]
+
+    outcomes = await score_group(rank_by_length, _inputs("a", "abc", "ab"))
+    assert calls == [3] and [o.reward for o in outcomes] == [0.0, 1.0, 0.0]
+
+
+@pytest.mark.unit
+async def test_group_reward_failures_mark_every_sample_but_a_nan_only_its_own() -> None:
+    wrong_length = await score_group(lambda group: [1.0], _inputs("a", "b"))
+    assert [o.reason for o in wrong_length] == ["group reward returned 1 rewards for 2 samples"] * 2
+    one_nan = await score_group(lambda group: [1.0, math.nan], _inputs("a", "b"))
+    assert [o.status for o in one_nan] == ["ok", "error"]
+
+    def broken(group: list[RewardInput]) -> list[float]:
+        raise ValueError("judge offline")
+
+    assert {o.reason for o in await score_group(broken, _inputs("a", "b"))} == {"raised ValueError: judge offline"}
+
+
+@pytest.mark.unit
+def test_build_reward_prefers_custom_path_and_requires_a_url_for_remote() -> None:
+    spec = build_reward("math", custom_rm_path="test_policy_reward_runner:length_reward")
+    assert spec.fn is length_reward and not spec.is_group
+    assert build_reward("exact_match").name == "exact_match"
+    with pytest.raises(ValueError, match="needs rm_url"):
+        build_reward("remote_rm")
+    with pytest.raises(ValueError, match="unknown reward function 'maths'"):
+        build_reward("maths")

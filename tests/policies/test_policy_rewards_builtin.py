@@ -1,0 +1,88 @@
+import pytest
+
+from policies.registry import resolve_reward
+from policies.rewards.math_answers import extract_boxed
+from policies.rewards.text import extract_choice_letter, token_f1
+from policies.rewards.types import RewardInput
+
+
+def _score(name: str, response: str, label: object) -> float:
+    return resolve_reward(name)(RewardInput(prompt="q", response=response, label=label))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+        ("first \\boxed{3}, finally \\boxed{4}", "4"),
+        ("\\fbox{x^{2}}", "x^{2}"),
+        ("\\boxed 7$", "7"),
+        ("unclosed \\boxed{12", None),
+        ("no box at all", None),
+    ],
+)
+def test_extract_boxed_takes_the_last_complete_box(text: str, expected: str | None) -> None:
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.unit
+def test_math_reward_accepts_latex_equivalent_answers_and_rejects_wrong_ones() -> None:
+    assert _score("math", "The answer is \\boxed{\\frac12}.", "0.5") == 1.0
+    assert _score("math", "The answer is \\boxed{\\frac13}.", "0.5") == 0.0
+    assert _score("math", "The answer is 0.5", "0.5") == 0.0  # unboxed answers do not count
+
+
+@pytest.mark.unit
+def test_deepscaler_requires_think_close_then_boxed_correct_answer() -> None:
+    assert _score("deepscaler", "<think>2+2</think> so \\boxed{4}", "4") == {
+        "reward": 1.0,
+        "format_ok": True,
+        "correct": True,
+    }
+    assert _score("deepscaler", "2+2 so \\boxed{4}", "4")["format_ok"] is False
+    assert _score("deepscaler", "<think>\\boxed{4}</think> four", "4")["reward"] == 0.0  # box inside the thinking
+
+
+@pytest.mark.unit
+def test_exact_match_normalizes_case_punctuation_and_articles() -> None:
+    assert _score("exact_match", "<think>hmm</think> The Eiffel Tower.", "eiffel tower") == 1.0
+    assert _score("exact_match", "Paris", ["London", "paris"]) == 1.0
+    assert _score("exact_match", "Paris, France", "Paris") == 0.0
+
+
+@pytest.mark.unit
+def test_f1_is_token_overlap_harmonic_mean() -> None:
+    # predicted {cat, sat}, gold {cat, sat, down}: precision 1, recall 2/3, F1 0.8
+    assert token_f1("the cat sat", "cat sat down") == pytest.approx(0.8)
+    assert _score("f1", "the cat sat", ["dog", "cat sat down"]) == pytest.approx(0.8)
+    assert _score("f1", "nothing shared", "cat") == 0.0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("response", "letter"),
+    [
+        ("Reasoning... The answer is (C).", "C"),
+        ("Answer: b", "B"),
+        ("I pick \\boxed{D}", "D"),
+        ("Between (A) and (B), I choose (B)", "B"),
+        ("A", "A"),
+        ("I cannot decide", None),
+    ],
+)
+def test_multiple_choice_letter_extraction(response: str, letter: str | None) -> None:
+    assert extract_choice_letter(response) == letter
+
+
+@pytest.mark.unit
+def test_gpqa_reward_accepts_letter_or_index_labels() -> None:
+    assert _score("gpqa", "The answer is (C)", "C") == 1.0
+    assert _score("gpqa", "The answer is (C)", 2) == 1.0
+    assert _score("gpqa", "The answer is (C)", "(A)") == 0.0
+
+
+@pytest.mark.unit
+def test_malformed_label_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="label: multiple-choice reward expects a letter or an option index"):
+        _score("gpqa", "(A)", "banana")
