@@ -214,7 +214,8 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, supervisor.request_stop, f"signal {signal.Signals(signum).name}", signum)
+        loop.add_signal_handler(signum, lambda s=signum: supervisor.request_stop(f"signal {signal.Signals(s).name}",
+                                                                                signum=s))
     runs_learner = any(c.role == "learner" for c in contexts)
     stop_progress = asyncio.Event()
     progress = None

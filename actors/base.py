@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -24,9 +25,23 @@ from actors.context import ActorContext
 from actors.handlers import HandlerTable, collect_handlers
 from actors.peers import PeerRpc, PeerStream, alive_members
 from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber
-from bus.schema import Ack, Control, Error, Heartbeat, Leave, Member, Register, Registered, Roster, RunState
+from bus.schema import (
+    TOPIC_CONTROL,
+    TOPIC_ROSTER,
+    TOPIC_RUN_STATE,
+    Ack,
+    Control,
+    Error,
+    Heartbeat,
+    Leave,
+    Member,
+    Register,
+    Registered,
+    Roster,
+    RunState,
+)
 
-CONTROL_TOPICS = ("roster", "control", "run")
+CONTROL_TOPICS = (TOPIC_ROSTER, TOPIC_CONTROL, TOPIC_RUN_STATE)
 
 
 class ControllerUnreachable(RuntimeError):
@@ -74,7 +89,8 @@ class Actor:
         await self._stop_requested.wait()
 
     async def on_start(self) -> None:
-        """Hook: after registration, before `run()`; create engines, peer links, state."""
+        """Hook: before registration; load engines, create peer links and state. Peers learn our endpoints only
+        after it returns, so handlers never run on a half-built actor."""
 
     async def on_stop(self) -> None:
         """Hook: drain what is in hand (finish or hand back work) before sockets close."""
@@ -109,11 +125,16 @@ class Actor:
             self.log.exception("actor failed")
             exit_code = 1
         finally:
-            await self.stop()
+            try:
+                await asyncio.wait_for(self.stop(), self.drain_timeout + 15.0)
+            except asyncio.TimeoutError:
+                self.log.error("stop did not finish in time; exiting anyway")
         return exit_code
 
     async def start(self) -> None:
+        """Bind, prepare, then register: a member in the roster is ready to serve its handlers."""
         self._bind_inbound()
+        await self.on_start()
         await self._register()
         self._spawn(self._heartbeat_loop())
         self._spawn(self._broadcast_loop())
@@ -121,7 +142,6 @@ class Actor:
             self._spawn(self._stream_loop())
         if self.rpc_server is not None:
             self._spawn(self.rpc_server.serve(self._dispatch_rpc))
-        await self.on_start()
         self.log.info("actor started", endpoints=self.endpoints())
 
     def request_stop(self, reason: str) -> None:
@@ -138,14 +158,17 @@ class Actor:
         await self._stop_requested.wait()
 
     async def stop(self) -> None:
+        """Drain, stop the background loops, say goodbye, close. Every step is bounded in time."""
         try:
             await asyncio.wait_for(self.on_stop(), self.drain_timeout)
         except Exception:
             self.log.exception("on_stop failed")
-        await self._leave()
+        # Loops first: a heartbeat answered after our Leave would otherwise register us again.
         for task in list(self._background):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5.0)
+        await self._leave()
         for link in self._peer_links:
             link.close()
         for closable in (self.inbox, self.rpc_server, self._subscriber, self._controller):
@@ -206,7 +229,7 @@ class Actor:
             return None
         from bus.security import Security
 
-        return Security.from_keys_dir(self.zmq, self.context.curve_keys_dir)
+        return Security.from_directory(self.context.curve_keys_dir)
 
     def _bind_address(self, name: str) -> str:
         if self.context.transport == "ipc":
@@ -239,8 +262,9 @@ class Actor:
             self.request_stop(f"task {task.get_name()} crashed: {error!r}")
 
     def _registration(self) -> Register:
-        return Register(actor_id=self.actor_id, role=self.context.role, node=self.context.node_rank,
-                        pid=os.getpid(), endpoints=self.endpoints(), meta={"class": self.context.actor_class})
+        return Register(actor_id=self.actor_id, role=self.context.role,
+                        node=f"{socket.gethostname()}#{self.context.node_rank}", pid=os.getpid(),
+                        endpoints=self.endpoints(), meta={"class": self.context.actor_class})
 
     async def _register(self) -> None:
         if self._controller is None:
@@ -268,8 +292,8 @@ class Actor:
         if self._controller is None:
             return
         with contextlib.suppress(Exception):
-            await self._controller.call(Leave(actor_id=self.actor_id, reason=self._stop_reason), timeout=1.0,
-                                        retries=0)
+            await asyncio.wait_for(self._controller.call(Leave(actor_id=self.actor_id, reason=self._stop_reason),
+                                                         timeout=1.0, retries=0), 2.0)
 
     async def _heartbeat_loop(self) -> None:
         assert self._controller is not None
@@ -280,8 +304,13 @@ class Actor:
             await asyncio.sleep(interval)
             sequence += 1
             try:
+                counters = self.metrics()
+            except Exception as error:  # a gauge of a half-started role must not stop its heartbeat
+                counters = {key: float(value) for key, value in self.counters.items()}
+                self.log.debug("metrics unavailable", error=repr(error))
+            try:
                 reply = await self._controller.call(
-                    Heartbeat(actor_id=self.actor_id, seq=sequence, counters=self.metrics()),
+                    Heartbeat(actor_id=self.actor_id, seq=sequence, counters=counters),
                     timeout=interval, retries=0,
                 )
             except RpcTimeout:
@@ -308,11 +337,11 @@ class Actor:
         assert self._subscriber is not None
         while True:
             topic, message = await self._subscriber.recv()
-            if topic == "roster" and isinstance(message, Roster):
+            if topic == TOPIC_ROSTER and isinstance(message, Roster):
                 await self._apply_roster(message)
-            elif topic == "control" and isinstance(message, Control):
+            elif topic == TOPIC_CONTROL and isinstance(message, Control):
                 await self._apply_control(message)
-            elif topic == "run" and isinstance(message, RunState):
+            elif topic == TOPIC_RUN_STATE and isinstance(message, RunState):
                 self.run_state = message.state
             handler_name = self._handlers.broadcast.get(topic)
             if handler_name is not None:

@@ -25,6 +25,7 @@ from actors.handlers import handles, on_broadcast, serves
 from actors.metrics import MetricsWriter
 from actors.prompt_data import PromptSource, load_prompts
 from bus.schema import (
+    TOPIC_VERSION,
     Ack,
     Batch,
     BatchRequest,
@@ -136,7 +137,7 @@ class Buffer(Actor):
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
                      reserved=assembled.reserved)
 
-    @on_broadcast("version")
+    @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
         self.core.learner_version = max(self.core.learner_version, announcement.version)
         self.eval_rounds.maybe_start(announcement.version)

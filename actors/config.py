@@ -71,6 +71,8 @@ class RunConfig(BaseModel):
     rm_type: str = Field("exact_match", description="built-in reward name")
     custom_rm_path: str | None = Field(None, description="module:function reward (sync or async)")
     group_rm: bool = Field(False, description="the reward function scores whole groups")
+    rm_url: str | None = Field(None, description="URL of a remote reward model (--rm-type remote_rm)")
+    reward_timeout: float = Field(60.0, description="seconds before one reward call counts as failed")
     reward_concurrency: int = Field(4, description="groups scored at once per reward worker")
 
     # ---- optimizer
@@ -153,7 +155,8 @@ POLICY_SWITCHES = {
     "disable_grpo_std_normalization": "Dr.GRPO: centre rewards per group without dividing by their std",
     "disable_rewards_normalization": "use raw rewards as advantages (no group baseline)",
 }
-# Where Slipstream's default differs from PolicyLossConfig's: the fully-async mode corrects with TIS.
+# Where Slipstream's default differs from PolicyLossConfig's: the fully-async mode corrects with TIS (RL losses
+# only; SFT has no behaviour policy to correct for).
 POLICY_DEFAULTS = {"off_policy_correction": "tis"}
 
 
@@ -222,7 +225,9 @@ def _known_keys() -> set[str]:
 def build_config(values: dict[str, Any], *, source: str = "settings") -> RunConfig:
     """Flat settings (run and algorithm keys mixed, as in YAML and flags) -> a validated RunConfig."""
     policy_keys = set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
-    policy_flags = {**POLICY_DEFAULTS, **{k: v for k, v in values.items() if k in policy_keys}}
+    given = {k: v for k, v in values.items() if k in policy_keys}
+    defaults = POLICY_DEFAULTS if given.get("loss_type") not in ("sft", "sft_loss") else {}
+    policy_flags = {**defaults, **given}
     run_values = {k: v for k, v in values.items() if k not in policy_keys}
     try:
         policy = PolicyLossConfig.from_flags(policy_flags)

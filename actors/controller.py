@@ -18,6 +18,10 @@ from actors.base import Actor
 from actors.handlers import serves
 from bus import Publisher, RpcServer
 from bus.schema import (
+    TOPIC_CONTROL,
+    TOPIC_ROSTER,
+    TOPIC_RUN_STATE,
+    TOPIC_VERSION,
     Ack,
     Control,
     Error,
@@ -70,7 +74,7 @@ class Controller(Actor):
     async def stop(self) -> None:
         self._set_state("stopped")
         if self.publisher is not None:
-            self.publisher.publish("control", Control(command="stop", reason=self._stop_reason or "run stopped"))
+            self.publisher.publish(TOPIC_CONTROL, Control(command="stop", reason=self._stop_reason or "run stopped"))
             await asyncio.sleep(0.2)  # let the last broadcasts leave before the socket closes
             self.publisher.close()
         await super().stop()
@@ -82,25 +86,33 @@ class Controller(Actor):
     @serves(Register)
     async def on_register(self, sender: str, request: Register) -> Registered:
         previous = self.records.get(request.actor_id)
-        incarnation = previous.member.incarnation + 1 if previous else 0
+        events: list[RosterEvent] = []
         if previous is None:
-            kind = "joined"
+            events.append(RosterEvent(kind="joined", actor_id=request.actor_id, reason="registered"))
+            incarnation = 0
         elif previous.member.alive and previous.member.pid == request.pid:
-            kind = ""  # a retried registration of the same process: nothing changed
+            incarnation = previous.member.incarnation  # a retried registration of the same process
         else:
-            kind = "returned"
+            if previous.member.alive:
+                # Restarted faster than the heartbeat deadline: the old process is gone all the same, and its
+                # peers (the buffer re-issuing its leases) must hear so before they hear of the new one.
+                events.append(RosterEvent(kind="died", actor_id=request.actor_id,
+                                          reason=f"replaced by a new process (pid {request.pid})"))
+            events.append(RosterEvent(kind="returned", actor_id=request.actor_id, reason="registered again"))
+            incarnation = previous.member.incarnation + 1
         member = Member(actor_id=request.actor_id, role=request.role, node=request.node, pid=request.pid,
-                        endpoints=dict(request.endpoints), alive=True,
-                        incarnation=incarnation if kind else previous.member.incarnation)  # type: ignore[union-attr]
+                        endpoints=dict(request.endpoints), alive=True, incarnation=incarnation)
         self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic())
-        if kind:
-            self.log.info(f"member {kind}", member=request.actor_id, role=request.role, node=request.node,
-                          pid=request.pid)
-            self._publish_roster([RosterEvent(kind=kind, actor_id=request.actor_id, reason="registered")])
+        for event in events:
+            self.log.info(f"member {event.kind}", member=request.actor_id, role=request.role, node=request.node,
+                          pid=request.pid, reason=event.reason)
+        if events:
+            self._publish_roster(events)
         self._maybe_start_running()
         assert self.publisher is not None
         return Registered(roster=self._roster([]), publish_endpoint=self.publisher.endpoint,
-                          heartbeat_interval=self.context.heartbeat_interval, deadline=self.heartbeat_deadline)
+                          heartbeat_interval=self.context.heartbeat_interval, deadline=self.heartbeat_deadline,
+                          incarnation=incarnation)
 
     @serves(Heartbeat)
     async def on_heartbeat(self, sender: str, request: Heartbeat) -> Ack | Error:
@@ -126,7 +138,7 @@ class Controller(Actor):
         """Launchers, the learner or an operator ask for pause/resume/drain/stop; everyone hears it."""
         assert self.publisher is not None
         self.log.info("control", command=request.command, reason=request.reason, origin=sender)
-        self.publisher.publish("control", request)
+        self.publisher.publish(TOPIC_CONTROL, request)
         if request.command in ("drain", "stop"):
             self._set_state("draining")
             self.request_stop(f"{request.command} requested by {sender}: {request.reason}")
@@ -136,7 +148,7 @@ class Controller(Actor):
     async def on_version(self, sender: str, request: VersionAnnouncement) -> Ack:
         assert self.publisher is not None
         self.latest_version = request
-        self.publisher.publish("version", request)
+        self.publisher.publish(TOPIC_VERSION, request)
         return Ack(ok=True, error=None)
 
     @serves(RunState)
@@ -162,7 +174,7 @@ class Controller(Actor):
     def _publish_roster(self, events: list[RosterEvent]) -> None:
         assert self.publisher is not None
         self.generation += 1
-        self.publisher.publish("roster", self._roster(events))
+        self.publisher.publish(TOPIC_ROSTER, self._roster(events))
 
     def _maybe_start_running(self) -> None:
         if self.run_state != "starting":
@@ -185,7 +197,7 @@ class Controller(Actor):
 
     def _publish_run_state(self) -> None:
         if self.publisher is not None:
-            self.publisher.publish("run", self._run_state())
+            self.publisher.publish(TOPIC_RUN_STATE, self._run_state())
 
 
 def _with_alive(member: Member, alive: bool) -> Member:

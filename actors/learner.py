@@ -20,7 +20,7 @@ from actors.learner_step import TrainingStep
 from actors.metrics import MetricsWriter
 from actors.weights_client import LearnerWeightPublisher
 from bus.codec import decode, encode
-from bus.schema import Batch, BatchRequest, Control, VersionAnnouncement
+from bus.schema import Batch, BatchRequest, Control, Roster, VersionAnnouncement
 
 
 class Learner(Actor):
@@ -42,6 +42,7 @@ class Learner(Actor):
         self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.use_tensorboard)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
         self.weights = LearnerWeightPublisher(self, config)
+        self.engines_joined = False
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
 
@@ -50,6 +51,9 @@ class Learner(Actor):
         if not self.config.debug_train_only:
             await self.publish_weights()  # engines start from our weights, which matters on resume
         while self.trained_batch < self.config.num_rollout and not self.stopping:
+            if self.engines_joined:
+                self.engines_joined = False
+                await self.publish_weights()  # a new or restarted engine must not wait for the next step
             batch = await self.next_batch()
             if batch is None:
                 continue
@@ -149,6 +153,11 @@ class Learner(Actor):
         self.trained_batch = self.checkpointed_batch = int(extra.get("trained_batch", 0))
         self.log.info("resumed from checkpoint", path=str(directory), version=self.trainer.version,
                       trained_batch=self.trained_batch)
+
+    async def on_roster(self, roster: Roster) -> None:
+        if any(e.kind in ("joined", "returned") and self.roster.get(e.actor_id, None) is not None
+               and self.roster[e.actor_id].role == "rollout" for e in roster.events):
+            self.engines_joined = True
 
     # ------------------------------------------------------------------------------------------ reporting
     def log_step(self, batch: Batch, report: Any) -> None:

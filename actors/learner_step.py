@@ -64,7 +64,8 @@ class TrainingStep:
         lengths = [s.response_length for s in train_samples]
         response_lengths = torch.tensor(lengths, dtype=torch.long)
         loss_mask = _packed(train_samples, "loss_mask")
-        temperature = self.config.rollout_temperature
+        # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
+        temperature = self.config.rollout_temperature or 1.0
         needs_ref = self.policy.use_kl_loss or self.policy.kl_coef > 0
 
         if needs_ref:

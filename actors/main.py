@@ -9,6 +9,7 @@ into an immediate exit. Its exit code tells the launcher what happened: 0 stoppe
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import signal
 import sys
@@ -41,6 +42,8 @@ async def _serve(context: ActorContext) -> int:
 
 
 def run_actor(context: ActorContext) -> int:
+    # `kill -USR1 PID` prints every thread's stack to the actor's stderr: the first tool for a stuck actor.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     configure_logging(role=context.role, actor_id=context.actor_id, node=context.node_rank,
                       log_dir=context.log_dir, file_level=str(context.settings.get("log_level", "info")),
                       console_level=str(context.settings.get("console_log_level", "info")))

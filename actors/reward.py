@@ -14,8 +14,7 @@ from actors.base import Actor
 from actors.config import RunConfig
 from actors.handlers import handles
 from bus.schema import GeneratedGroup, Sample, ScoredGroup
-from policies.registry import resolve_group_reward, resolve_reward
-from policies.rewards import RewardInput, score, score_group
+from policies.rewards import RewardInput, build_reward, score, score_group
 
 
 class RewardWorker(Actor):
@@ -23,8 +22,9 @@ class RewardWorker(Actor):
 
     async def on_start(self) -> None:
         self.config = RunConfig(**self.settings["run"])
-        name = self.config.custom_rm_path or self.config.rm_type
-        self.reward_fn = resolve_group_reward(name) if self.config.group_rm else resolve_reward(name)
+        self.reward = build_reward(self.config.rm_type, custom_rm_path=self.config.custom_rm_path,
+                                   group_rm=self.config.group_rm, rm_url=self.config.rm_url,
+                                   remote_timeout_s=self.config.reward_timeout)
         self.buffer = self.peer_stream("buffer")
         self.stream_concurrency["on_generated"] = self.config.reward_concurrency
 
@@ -39,10 +39,10 @@ class RewardWorker(Actor):
     async def score_samples(self, samples: list[Sample]) -> list[Sample]:
         inputs = [RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label,
                               metadata=dict(s.metadata)) for s in samples]
-        if self.config.group_rm:
-            outcomes = await score_group(self.reward_fn, inputs)
+        if self.reward.is_group:
+            outcomes = await score_group(self.reward.fn, inputs, timeout_s=self.config.reward_timeout)
         else:
-            outcomes = await score(self.reward_fn, inputs)
+            outcomes = await score(self.reward.fn, inputs, timeout_s=self.config.reward_timeout)
         scored = []
         for sample, outcome in zip(samples, outcomes, strict=True):
             if outcome.status == "ok":

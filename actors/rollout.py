@@ -14,14 +14,25 @@ from typing import Any
 
 from actors.base import Actor
 from actors.config import RunConfig
-from actors.handlers import serves
+from actors.handlers import on_broadcast, serves
 from actors.rollout_generate import RolloutContext, choose_generate_function
 from actors.weights_client import EngineWeightReceiver
-from bus.schema import Ack, GeneratedGroup, Lease, LeaseRenew, LeaseRequest, PromptGroup, WeightUpdateOrder
+from bus.schema import (
+    TOPIC_VERSION,
+    Ack,
+    GeneratedGroup,
+    Lease,
+    LeaseRenew,
+    LeaseRequest,
+    PromptGroup,
+    VersionAnnouncement,
+    WeightUpdateOrder,
+)
 
 
 class RolloutWorker(Actor):
     role = "rollout"
+    drain_timeout = 2.0  # unfinished groups are re-issued by the buffer; nothing here is worth waiting for
 
     async def on_start(self) -> None:
         import torch
@@ -37,11 +48,17 @@ class RolloutWorker(Actor):
         self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
         self.generate_fn = choose_generate_function(self.config)
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log)
+        self.learner_version = 0
         self.spawn(self._renew_leases(), name="rollout.renew")
 
     async def run(self) -> None:
         """lease → generate → send, for as long as the run lasts."""
         while not self.stopping:
+            if self.engine.version + self.config.max_staleness < self.learner_version:
+                # Our weights are older than anything the buffer would accept (we just restarted): wait for the
+                # learner's push instead of generating samples that would be evicted.
+                await asyncio.sleep(0.2)
+                continue
             async with self._room:
                 await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
             lease = await self._request_lease(self.capacity - self.groups_in_flight)
@@ -99,6 +116,10 @@ class RolloutWorker(Actor):
                 with contextlib.suppress(Exception):
                     await self.buffer.call(LeaseRenew(lease_id=lease_id), timeout=2.0, retries=0)
 
+    @on_broadcast(TOPIC_VERSION)
+    async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
+        self.learner_version = max(self.learner_version, announcement.version)
+
     @serves(WeightUpdateOrder)
     async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack:
         """Join the learner's broadcast and load the new weights in place; the reply is the acknowledgement."""
@@ -108,8 +129,9 @@ class RolloutWorker(Actor):
 
     def metrics(self) -> dict[str, float]:
         found = super().metrics()
-        found["engine.version"] = float(self.engine.version)
-        found["rollout.groups_in_flight"] = float(self.groups_in_flight)
+        if hasattr(self, "engine"):
+            found["engine.version"] = float(self.engine.version)
+            found["rollout.groups_in_flight"] = float(self.groups_in_flight)
         return found
 
     async def on_stop(self) -> None:

@@ -70,6 +70,7 @@ class Supervisor:
         self.failure: str | None = None
         self.stop_signal: int | None = None
         self._stopping = asyncio.Event()
+        self._signal_after = 0.0
 
     def _write_context(self, context: ActorContext) -> Path:
         directory = self.run_dir / "actors"
@@ -94,11 +95,13 @@ class Supervisor:
             return 128 + self.stop_signal
         return 0
 
-    def request_stop(self, reason: str, *, signum: int | None = None) -> None:
+    def request_stop(self, reason: str, *, signum: int | None = None, grace_s: float = 0.0) -> None:
+        """Stop every child: SIGTERM after `grace_s` (time to exit on their own), SIGKILL after stop_grace_s more."""
         if signum is not None and self.stop_signal is None:
             self.stop_signal = signum
         if not self._stopping.is_set():
             self.log.info("stopping actors", reason=reason)
+            self._signal_after = grace_s
             self._stopping.set()
 
     @property
@@ -129,7 +132,8 @@ class Supervisor:
                 child.done = True
                 self.log.info("actor exited", actor=actor, code=code)
                 if code == 0 and child.context.role == "controller" and not self.stopping:
-                    self.request_stop("the controller finished the run")
+                    # The controller broadcast "stop" before it exited: let the actors leave on their own first.
+                    self.request_stop("the controller finished the run", grace_s=self.stop_grace_s)
                 return
             if code == EXIT_BAD_CONFIG:
                 self._fail(f"{actor} exited with code {code}: bad configuration (see its log)")
@@ -168,6 +172,10 @@ class Supervisor:
     async def _stop_when_requested(self) -> None:
         await self._stopping.wait()
         running = [c for c in self.children if c.process is not None and c.process.returncode is None]
+        if self._signal_after > 0 and running:
+            await asyncio.wait([asyncio.ensure_future(c.process.wait()) for c in running],  # type: ignore[union-attr]
+                               timeout=self._signal_after)
+            running = [c for c in running if c.process.returncode is None]  # type: ignore[union-attr]
         for child in running:
             with contextlib.suppress(ProcessLookupError):
                 child.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]

@@ -30,13 +30,16 @@ MAX_OPERAND = 19
 
 COMMON = ["--rollout-max-response-len", "4", "--rollout-stop", "</s>", "--torch-threads", "1",
           "--console-log-level", "warning", "--no-use-tensorboard"]
-SFT = ["--loss-type", "sft", "--n-samples-per-prompt", "1", "--rollout-batch-size", "32", "--num-rollout", "60",
-       "--lr", "3e-3", "--max-staleness", "4", "--rm-type", "exact_match", "--rollout-workers", "1",
-       "--reward-workers", "1"]
-GRPO = ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "8", "--rollout-batch-size", "8",
-        "--num-rollout", "40", "--lr", "5e-4", "--max-staleness", "2", "--off-policy-correction", "tis",
-        "--rm-type", "exact_match", "--rollout-temperature", "1.0", "--rollout-workers", "2",
-        "--reward-workers", "1", "--eval-interval", "10", "--n-samples-per-eval-prompt", "1"]
+# Measured in-process on this machine: 350 SFT steps leave ~30% held-out accuracy, and GRPO at lr 3e-4 adds
+# 20-40 points within 500 steps; a higher RL learning rate (2e-3) collapses the policy.
+SFT = ["--loss-type", "sft", "--loss-agg-mode", "token-mean", "--n-samples-per-prompt", "1",
+       "--rollout-batch-size", "32", "--num-rollout", "350", "--lr", "2e-3", "--max-staleness", "4",
+       "--rm-type", "exact_match", "--rollout-workers", "1", "--reward-workers", "1"]
+GRPO = ["--advantage-estimator", "grpo", "--loss-agg-mode", "token-mean", "--n-samples-per-prompt", "8",
+        "--rollout-batch-size", "8", "--num-rollout", "500", "--lr", "3e-4", "--max-staleness", "2",
+        "--off-policy-correction", "tis", "--rm-type", "exact_match", "--rollout-temperature", "1.0",
+        "--rollout-workers", "2", "--reward-workers", "1", "--eval-interval", "50",
+        "--n-samples-per-eval-prompt", "1"]
 
 
 def run_launcher(arguments: list[str]) -> None:
@@ -60,7 +63,7 @@ def main() -> None:
     started = time.monotonic()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     model = cached_tiny_model(REPO / ".cache" / "models", MODEL_SPEC)
-    data = make_arithmetic_data(args.workdir / "data", max_operand=MAX_OPERAND, eval_size=80, sft_size=200)
+    data = make_arithmetic_data(args.workdir / "data", max_operand=MAX_OPERAND, eval_size=80, sft_size=320)
     print(f"model: {model}\ndata: {data['train'].parent}", flush=True)
 
     sft_dir = args.workdir / f"{stamp}-sft"

@@ -30,7 +30,7 @@ def test_flags_override_the_yaml_file(tmp_path: Path) -> None:
 def test_unknown_yaml_key_is_named(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("rollout_batch_size: 16\nlearning_rate: 0.1\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="unknown key.*learning_rate"):
+    with pytest.raises(ValueError, match=r"unknown key.*learning_rate"):
         parse(["--config", str(path)])
 
 

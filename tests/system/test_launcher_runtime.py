@@ -1,0 +1,168 @@
+"""launcher.py with real processes and sockets: restarts, death announcements, shutdown, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"
+FAST = ["--heartbeat-interval", "0.2", "--restart-backoff", "0.2", "--no-progress", "--log-level", "debug"]
+
+
+def launcher_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def start(run_dir: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir), *FAST,
+                             *args], cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def run_to_end(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "launcher.py"), *args], cwd=REPO, env=launcher_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def actor_pids(run_dir: Path) -> dict[str, list[int]]:
+    pids: dict[str, list[int]] = {}
+    for record in jsonl(run_dir / "logs" / "launcher-0.jsonl"):
+        if record.get("event") == "actor process started":
+            pids.setdefault(record["actor"], []).append(record["pid"])
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop(process: subprocess.Popen[str]) -> str:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        output, _ = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()  # its actors get SIGTERM through PDEATHSIG
+        output, _ = process.communicate()
+        raise AssertionError(f"launcher ignored SIGTERM:\n{output[-3000:]}") from None
+    return output
+
+
+@pytest.mark.system
+def test_killed_actor_is_restarted_and_its_death_and_return_announced(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "--roles", "controller", "--custom-actor", "rec=runtime_actors:RosterRecorder",
+                    "--custom-actor", "victim=runtime_actors:RosterRecorder")
+    events = run_dir / "roster_events.jsonl"
+    try:
+        members = run_dir / "roster_members.json"
+        wait_until(lambda: members.exists() and "victim-0-0" in members.read_text(), 60, "victim to join")
+        victim_pid = actor_pids(run_dir)["victim-0-0"][0]
+        os.kill(victim_pid, signal.SIGKILL)
+        wait_until(lambda: len(actor_pids(run_dir)["victim-0-0"]) == 2, 30, "the launcher to restart the victim")
+        kinds = wait_until(
+            lambda: [e["kind"] for e in jsonl(events) if e["actor_id"] == "victim-0-0"
+                     and e["kind"] in ("died", "returned")][:2] == ["died", "returned"], 30,
+            "death and return announcements")
+        assert kinds
+    finally:
+        output = stop(process)
+    assert process.returncode == 128 + signal.SIGTERM, output
+
+
+@pytest.mark.system
+def test_stream_flows_between_processes_and_sigterm_leaves_no_process_or_socket(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "--roles", "controller", "--transport", "ipc",
+                    "--custom-actor", "producer=runtime_actors:Producer", "--producer-workers", "2",
+                    "--custom-actor", "consumer=runtime_actors:Consumer")
+
+    def both_producers_delivered() -> bool:
+        for path in run_dir.glob("consumed-*.json"):
+            try:
+                counts = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                continue
+            if len(counts) == 2 and min(counts.values()) >= 5:
+                return True
+        return False
+
+    try:
+        wait_until(both_producers_delivered, 60, "samples from both producers at the consumer")
+    finally:
+        output = stop(process)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    pids = [pid for started in actor_pids(run_dir).values() for pid in started]
+    assert len(pids) == 4
+    assert not [pid for pid in pids if alive(pid)]
+    assert not list((run_dir / "sockets").glob("*.sock"))
+
+
+@pytest.mark.system
+def test_actor_that_keeps_crashing_fails_the_run(tmp_path: Path) -> None:
+    result = run_to_end("--head", "--run-dir", str(tmp_path / "run"), *FAST, "--roles", "controller",
+                        "--custom-actor", "boom=runtime_actors:Crasher", "--max-restarts", "2", timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "boom-0-0 crashed 3 times" in result.stderr
+
+
+@pytest.mark.integration
+def test_launcher_errors_name_what_is_wrong(tmp_path: Path) -> None:
+    unknown = run_to_end("--head", "--no-such-flag")
+    assert unknown.returncode == 2 and "unrecognized arguments: --no-such-flag" in unknown.stderr
+
+    bad_plugin = run_to_end("--head", "--run-dir", str(tmp_path / "a"), "--roles", "controller",
+                            "--custom-actor", "x=runtime_actors:NoSuchClass")
+    assert bad_plugin.returncode == 2
+    assert "'runtime_actors' has no attribute 'NoSuchClass'" in bad_plugin.stderr
+
+    missing_module = run_to_end("--head", "--run-dir", str(tmp_path / "b"), "--custom-actor", "x=nowhere.mod:A")
+    assert missing_module.returncode == 2 and "cannot import module 'nowhere.mod'" in missing_module.stderr
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        in_use = run_to_end("--head", "--head-address", f"tcp://127.0.0.1:{port}", "--run-dir", str(tmp_path / "c"))
+    assert in_use.returncode == 2 and "cannot bind" in in_use.stderr and str(port) in in_use.stderr
+
+    unreachable = run_to_end("--head-address", f"tcp://127.0.0.1:{port}", "--connect-timeout", "1",
+                             "--run-dir", str(tmp_path / "d"))
+    assert unreachable.returncode == 2 and "unreachable after 1s" in unreachable.stderr
+
+    help_text = run_to_end("--help")
+    assert help_text.returncode == 0
+    for flag in ("--rollout-workers", "--max-staleness", "--eps-clip-high", "--custom-actor", "--head-address"):
+        assert flag in help_text.stdout
