@@ -18,6 +18,9 @@ class TorchTrainerConfig(BaseModel):
     (~1e-6) a bfloat16 parameter cannot represent most updates, so training purely in bf16 silently stalls.
     `micro_batch_tokens` bounds the tokens (prompt + response) of one packed forward pass; a sample longer than
     the budget runs alone in its own micro-batch rather than failing the step.
+    `attn_implementation` defaults to `packed_sdpa` (per-sequence attention inside a packed row, see
+    `engines.training.attention`); "flash_attention_2" is the faster choice where it is installed, "sdpa" the
+    conservative one (correct, but it computes masked cross-sequence scores).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -38,7 +41,7 @@ class TorchTrainerConfig(BaseModel):
     seed: int = 0
     gradient_checkpointing: bool = False
     device: str = "cpu"
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "packed_sdpa"
     check_packing: bool = True
 
     @model_validator(mode="after")

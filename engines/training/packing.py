@@ -1,11 +1,12 @@
 """Sequence packing: micro-batches by token budget, one padding-free row per micro-batch.
 
 A micro-batch is ONE row: the samples' tokens concatenated, `position_ids` restarting at 0 for each sample
-and no attention mask. transformers (5.x) reads restarting position_ids as packed sequences and builds a
-block-diagonal causal mask for sdpa/eager (flash-attention takes the varlen path), so no token attends across
-samples and no compute goes to padding. That inference is implicit, and a model that ignores it would
-silently mix samples, so `check_packing_isolation` verifies it on the live model at start-up. `use_cache=False`
-is not optional: with a cache object present transformers skips the packed-sequence detection.
+and no attention mask. The attention implementation turns the restarts into sequence boundaries: our
+`packed_sdpa` and flash-attention's varlen path attend within each sequence only, and transformers' own
+sdpa/eager build a block-diagonal causal mask. Either way no token attends across samples and nothing is
+spent on padding. That contract is implicit, and a model that ignores it would silently mix samples, so
+`check_packing_isolation` verifies it on the live model at start-up. `use_cache=False` is not optional: with a
+cache object present transformers skips the packed-sequence detection.
 
 Only the logits that predict response tokens are computed (`logits_to_keep` with explicit positions): with a
 150k vocabulary the prompt's logits would otherwise dominate memory.
@@ -37,26 +38,47 @@ class PackedInputs:
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices into micro-batches of at most `token_budget` tokens (first-fit decreasing).
+    """Group sample indices into as few micro-batches of at most `token_budget` tokens as first-fit decreasing
+    finds, then spread the samples evenly over that many micro-batches.
 
-    FFD leaves at most a few percent of each budget unused on heavy-tailed lengths, so the number of forward
-    passes is close to total_tokens / budget. A sample longer than the budget gets a micro-batch to itself.
-    Indices inside a micro-batch are ascending so packing is deterministic.
+    The count decides the number of forward passes; the balance decides the peak activation memory and, with
+    data parallelism, how long ranks wait for each other. Balancing uses longest-first onto the least-loaded
+    micro-batch that still has room; if that ever fails to fit, the first-fit plan is kept. A sample longer
+    than the budget gets a micro-batch to itself. Indices inside a micro-batch are ascending (deterministic).
     """
     if token_budget <= 0:
         raise ValueError(f"token_budget must be positive, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    first_fit = _first_fit(order, lengths, token_budget)
+    balanced = _least_loaded(order, lengths, token_budget, len(first_fit))
+    return [sorted(members) for members in (balanced or first_fit)]
+
+
+def _first_fit(order: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
     bins: list[list[int]] = []
     free: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        length = lengths[index]
-        target = next((b for b, room in enumerate(free) if room >= length), None)
+    for index in order:
+        target = next((b for b, room in enumerate(free) if room >= lengths[index]), None)
         if target is None:
             bins.append([index])
-            free.append(token_budget - length)
+            free.append(budget - lengths[index])
         else:
             bins[target].append(index)
-            free[target] -= length
-    return [sorted(members) for members in bins]
+            free[target] -= lengths[index]
+    return bins
+
+
+def _least_loaded(order: list[int], lengths: Sequence[int], budget: int, count: int) -> list[list[int]] | None:
+    bins: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for index in order:
+        fitting = [b for b in range(count) if loads[b] + lengths[index] <= budget or not bins[b]]
+        if not fitting:
+            return None
+        target = min(fitting, key=lambda b: (loads[b], b))
+        bins[target].append(index)
+        loads[target] += lengths[index]
+    return bins
 
 
 def pack_inputs(samples: Sequence[TrainSample]) -> PackedInputs:
@@ -129,15 +151,15 @@ def forward_packed(model: nn.Module, inputs: PackedInputs) -> Tensor:
     return output.logits[0]
 
 
-def padded_fraction(lengths: Sequence[int], plan: Sequence[Sequence[int]], token_budget: int) -> float:
-    """Share of a fixed [micro-batches x budget] grid that would be padding under `plan`.
+def padded_fraction(lengths: Sequence[int], plan: Sequence[Sequence[int]]) -> float:
+    """Share of a [micro-batches x longest micro-batch] grid that would be padding under `plan`.
 
-    Packed rows are never padded here, so this is the cost only a fixed-shape backend would pay; it measures how
-    well the plan fills its budget (and so how few forward passes it needs).
+    Packed rows are never padded here; this is what a fixed-shape backend would pay for the plan, and a
+    measure of how evenly it spreads the tokens.
     """
-    capacity = len(plan) * token_budget
-    used = sum(lengths)
-    return 0.0 if capacity == 0 else max(0.0, 1.0 - used / capacity)
+    loads = [sum(lengths[i] for i in members) for members in plan]
+    capacity = len(loads) * max(loads, default=0)
+    return 0.0 if capacity == 0 else 1.0 - sum(loads) / capacity
 
 
 def check_packing_isolation(model: nn.Module, device: torch.device | str, *, tolerance: float = 1e-4) -> None:
@@ -158,5 +180,5 @@ def check_packing_isolation(model: nn.Module, device: torch.device | str, *, tol
         raise RuntimeError(
             f"{type(model).__name__} with attn_implementation={model.config._attn_implementation!r} does not "
             f"isolate packed sequences (max logit difference {difference:.3g} > {tolerance}); use an attention "
-            "implementation that honours packed position_ids (sdpa, eager, flash_attention_2)"
+            "implementation that honours packed position_ids (packed_sdpa, sdpa, eager, flash_attention_2)"
         )

@@ -14,6 +14,7 @@ behaviour policy's log-probs up to off-policyness; random masks would add noise 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
 from engines.training import checkpoint
+from engines.training.attention import register_packed_attention
 from engines.training.base import (
     LossFn,
     LossNormalizer,
@@ -148,7 +150,7 @@ class TorchTrainer(Trainer):
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
                 loss.backward()
             loss_value = float(loss.detach())
-            nonfinite_loss |= not torch.isfinite(torch.tensor(loss_value)).item()
+            nonfinite_loss |= not math.isfinite(loss_value)
             loss_sum += loss_value
             for key, value in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
@@ -232,7 +234,7 @@ class TorchTrainer(Trainer):
         skip_reason = None
         if nonfinite_loss:
             skip_reason = f"non-finite loss ({loss_sum})"
-        elif not torch.isfinite(torch.tensor(grad_norm)).item():
+        elif not math.isfinite(grad_norm):
             skip_reason = f"non-finite gradient norm ({grad_norm})"
         if skip_reason is None:
             for group in self._optimizer.param_groups:
@@ -310,6 +312,7 @@ class TorchTrainer(Trainer):
 
 
 def _load_model(path: Path, device: torch.device, attn_implementation: str) -> nn.Module:
+    register_packed_attention()
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model path {path}: no config.json (expected a Hugging Face model folder)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)

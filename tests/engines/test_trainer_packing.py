@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -41,11 +42,13 @@ def test_plan_gives_an_oversized_sample_its_own_micro_batch() -> None:
 
 
 @pytest.mark.unit
-def test_plan_fills_budgets_on_heavy_tailed_lengths() -> None:
+@pytest.mark.parametrize(("samples", "budget"), [(64, 4096), (2000, 8192)])
+def test_plan_uses_few_micro_batches_and_spreads_tokens_evenly(samples: int, budget: int) -> None:
     rng = random.Random(0)
-    lengths = [min(4096, int(rng.lognormvariate(5.0, 1.0)) + 1) for _ in range(2000)]
-    plan = plan_micro_batches(lengths, token_budget=8192)
-    assert padded_fraction(lengths, plan, 8192) < 0.05
+    lengths = [min(2048, int(rng.lognormvariate(5.0, 1.0)) + 1) for _ in range(samples)]
+    plan = plan_micro_batches(lengths, token_budget=budget)
+    assert len(plan) <= math.ceil(sum(lengths) / budget) + 1
+    assert padded_fraction(lengths, plan) < 0.05
 
 
 @pytest.mark.unit

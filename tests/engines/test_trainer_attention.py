@@ -1,0 +1,53 @@
+"""`packed_sdpa`: per-sequence attention inside a packed row, checked against HF's own sdpa path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from engines.training.attention import packed_sdpa_attention, register_packed_attention, sequence_spans
+from engines.training.base import TrainSample
+from engines.training.packing import forward_packed, pack_inputs
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_packed_row_logits_equal_each_sequence_run_alone_under_sdpa(family: str) -> None:
+    register_packed_attention()
+    model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer()).eval()
+    generator = torch.Generator().manual_seed(0)
+    samples = [TrainSample(torch.randint(6, 100, (n,), generator=generator), n - 1) for n in (9, 2, 17, 5)]
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        alone = torch.cat([forward_packed(model, pack_inputs([sample])) for sample in samples])
+        model.config._attn_implementation = "packed_sdpa"
+        packed = forward_packed(model, pack_inputs(samples))
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.unit
+def test_spans_start_wherever_positions_restart() -> None:
+    positions = torch.tensor([[0, 1, 2, 0, 0, 1, 0, 1, 2, 3]])
+    assert sequence_spans(positions, 10) == [(0, 3), (3, 4), (4, 6), (6, 10)]
+    assert sequence_spans(None, 4) == [(0, 4)]
+
+
+@pytest.mark.unit
+def test_sliding_window_limits_how_far_back_a_token_attends() -> None:
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 8, 4, generator=generator) for _ in range(3))
+    rows = torch.arange(8)
+    band = (rows[:, None] >= rows[None, :]) & (rows[:, None] - rows[None, :] < 3)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=band).transpose(1, 2)
+    output, _ = packed_sdpa_attention(nn.Module().eval(), query, key, value, None, sliding_window=3)
+    torch.testing.assert_close(output, expected)
+
+
+@pytest.mark.unit
+def test_padded_batches_are_refused_rather_than_silently_unmasked() -> None:
+    tensor = torch.zeros(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="one packed row; got a batch of 2 rows"):
+        packed_sdpa_attention(nn.Module(), tensor, tensor, tensor, None)

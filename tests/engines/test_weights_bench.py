@@ -1,0 +1,37 @@
+"""The weight-transfer benchmark still runs end to end (its figures are not asserted beyond sanity)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.integration
+def test_weight_transfer_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
+    output = tmp_path / "weights.json"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_weights.py"),
+            "--quick",
+            "--receivers",
+            "1",
+            "--json",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert {(row["dtype"], row["receivers"]) for row in rows} == {("fp32", 1), ("bf16", 1), ("fp32>bf16", 1)}
+    assert all(row["raw_gbps"] > 0 and row["transfer_gbps"] > 0 for row in rows)
+    assert "ours/raw" in completed.stdout

@@ -1,0 +1,84 @@
+"""The CUDA paths of weight transfer: NCCL between two GPUs, gloo with CUDA tensors on one."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender
+
+TIMEOUT_S = 120.0
+
+
+def _weights(device: str) -> list[tuple[str, Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    cpu = [
+        ("embed.weight", torch.randn(512, 256, generator=generator)),
+        ("layer.weight", torch.randn(256, 256, generator=generator)),
+        ("layer.bias", torch.randn(256, generator=generator)),
+        ("norm.weight", torch.randn(256, generator=generator)),
+    ]
+    return [(name, tensor.to(device)) for name, tensor in cpu]
+
+
+def _digests(items: Any) -> dict[str, str]:
+    return {
+        name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for name, t in items
+    }
+
+
+def _receiver_main(spec: dict[str, Any], device: str, results: mp.Queue) -> None:
+    receiver = TorchDistributedWeightReceiver.join(
+        GroupSpec.from_dict(spec), "engine-0", timeout_s=TIMEOUT_S, device=device
+    )
+    live = {name: torch.zeros_like(tensor) for name, tensor in _weights(device)}
+    live_bf16 = {name: tensor.to(torch.bfloat16) for name, tensor in live.items()}
+
+    def load(items: Any) -> None:
+        for name, tensor in items:
+            (live if tensor.dtype == torch.float32 else live_bf16)[name].copy_(tensor)
+
+    first = receiver.receive(load, timeout=TIMEOUT_S, destinations=live)
+    second = receiver.receive(load, timeout=TIMEOUT_S)
+    results.put((first, _digests(live.items()), second, _digests(live_bf16.items())))
+
+
+def _run(backend: str, sender_device: str, receiver_device: str) -> None:
+    context = mp.get_context("spawn")
+    sender = TorchDistributedWeightSender(
+        backend=backend, device=sender_device, bucket_bytes=300_000, direct_bytes=200_000, timeout_s=TIMEOUT_S
+    )
+    spec = sender.open_group(["learner", "engine-0"])
+    results = context.Queue()
+    process = context.Process(target=_receiver_main, args=(spec.to_dict(), receiver_device, results), daemon=True)
+    process.start()
+    try:
+        sender.wait_for_receivers()
+        weights = _weights(sender_device)
+        sender.send(weights, version=1)
+        sender.send(weights, version=2, dtype=torch.bfloat16)
+        first, fp32, second, bf16 = results.get(timeout=TIMEOUT_S)
+        assert (first, second) == (1, 2)
+        assert fp32 == _digests(weights)
+        assert bf16 == _digests((name, t.to(torch.bfloat16)) for name, t in weights)
+        assert sender.committed_version == 2
+    finally:
+        process.join(timeout=TIMEOUT_S)
+        sender.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one per rank)")
+def test_nccl_transfer_between_two_gpus_is_bit_identical() -> None:
+    _run("nccl", "cuda:0", "cuda:1")
+
+
+@pytest.mark.gpu
+def test_gloo_transfer_of_cuda_tensors_is_bit_identical() -> None:
+    _run("gloo", "cuda:0", "cuda:0")
