@@ -56,12 +56,16 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
         raise
 
 
-def write_state(directory: Path, state: dict[str, Any]) -> None:
+def check_json(extra_state: dict[str, Any]) -> None:
+    """Fail before anything is written (and on every rank alike) if the caller's state cannot be stored."""
     try:
-        text = json.dumps(state, indent=2, sort_keys=True)
-    except TypeError as error:
+        json.dumps(extra_state)
+    except (TypeError, ValueError) as error:
         raise ValueError(f"checkpoint extra_state must be JSON-serialisable: {error}") from error
-    (directory / STATE_FILE).write_text(text)
+
+
+def write_state(directory: Path, state: dict[str, Any]) -> None:
+    (directory / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
 
 
 def read_state(directory: Path) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ class TorchTrainer(Trainer):
                 if model is not None:
                     check_packing_isolation(model.eval(), self._device)
         if config.gradient_checkpointing:
-            self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_activation_checkpointing(self._model)
         self._param_names, groups = _param_groups(self._model, config.weight_decay)
         self._optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
         self._train_module: nn.Module = self._model
@@ -158,8 +158,10 @@ class TorchTrainer(Trainer):
         return self._apply_update(loss_sum, nonfinite_loss, metric_sums, normalizer, len(plan), started)
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
-        """Rank 0 writes (all ranks hold identical weights and moments); every rank waits for it to finish."""
-        if _rank() == 0:
+        """Rank 0 writes (all ranks hold identical weights and moments); every rank returns or raises together."""
+        checkpoint.check_json(extra_state)
+
+        def write() -> None:
             with checkpoint.atomic_directory(directory) as staging:
                 save_model(self._model, str(staging / checkpoint.WEIGHTS_FILE))
                 optimizer_meta = checkpoint.save_optimizer(
@@ -174,7 +176,8 @@ class TorchTrainer(Trainer):
                         "extra_state": extra_state,
                     },
                 )
-        _barrier()
+
+        self._on_rank_zero(write, f"saving checkpoint {directory}")
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         directory = Path(directory)
@@ -203,11 +206,12 @@ class TorchTrainer(Trainer):
             yield name, parameter.detach()
 
     def export_hf(self, directory: str | Path) -> None:
-        if _rank() == 0:
+        def write() -> None:
             with checkpoint.atomic_directory(directory) as staging:
                 checkpoint.copy_auxiliary_files(Path(self.config.model_path), staging)
                 self._model.save_pretrained(staging)
-        _barrier()
+
+        self._on_rank_zero(write, f"exporting {directory}")
 
     # -- step internals ---------------------------------------------------------------------------------------
 
@@ -284,6 +288,23 @@ class TorchTrainer(Trainer):
         reduced = stats.cpu().tolist()
         return reduced[0], reduced[1] > 0, dict(zip(keys, reduced[2:], strict=True))
 
+    def _on_rank_zero(self, write: Callable[[], None], what: str) -> None:
+        """Run `write` on rank 0 only, then agree on the outcome, so a failure there (disk full) raises on every
+        rank instead of leaving the others waiting at a barrier."""
+        failure: BaseException | None = None
+        if _rank() == 0:
+            try:
+                write()
+            except Exception as error:  # re-raised below, after the other ranks heard about it
+                failure = error
+        if _world_size() > 1:
+            failed = torch.tensor([int(failure is not None)], device=self._device)
+            dist.all_reduce(failed)
+            if failed.item() and failure is None:
+                raise RuntimeError(f"{what} failed on rank 0")
+        if failure is not None:
+            raise failure
+
     def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
         return plan_micro_batches([int(s.tokens.numel()) for s in samples], self.config.micro_batch_tokens)
 
@@ -324,6 +345,15 @@ def _load_model(path: Path, device: torch.device, attn_implementation: str) -> n
             module.p = 0.0
     model.config.use_cache = False
     return model.to(device)
+
+
+def _enable_activation_checkpointing(model: nn.Module) -> None:
+    """transformers 5 renamed gradient checkpointing; 4.x only has the old name."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> tuple[list[str], list[dict[str, Any]]]:
@@ -385,8 +415,3 @@ def _world_size() -> int:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if _world_size() > 1:
-        dist.barrier()

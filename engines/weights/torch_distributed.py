@@ -323,7 +323,11 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         prefix = f"xfer/{self._sequence}/"
         if groups.missing_keys(self._keys, [prefix + "manifest"], timeout):
             raise TimeoutError(f"{self.name}: no weight transfer started within {timeout:g}s")
-        manifest = Manifest.decode(self._keys.get(prefix + "manifest"))
+        try:
+            manifest = Manifest.decode(self._keys.get(prefix + "manifest"))
+        except ValueError as error:  # never ready: the sender names us and aborts the transfer for everyone
+            self._group = None
+            raise WeightTransferError(f"{self.name}: unreadable manifest: {error}") from error
         self._keys.set(f"{prefix}ready/{self.rank}", b"1")
         # Twice the sender's wait for readiness, so its verdict on a missing peer always arrives first.
         if groups.missing_keys(self._keys, [prefix + "go"], 2 * self._timeout_s):

@@ -56,6 +56,7 @@ def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
     try:
         trainer = TorchTrainer(_config(model_path))
         result = trainer.train_step(_shard(_samples(), rank), policy_loss, temperature=TEMPERATURE)
+        trainer.save_checkpoint(out_dir / "checkpoint", {"cursor": 7})  # collective: rank 0 writes
         if rank == 0:
             save_file({name: t.contiguous() for name, t in trainer.named_tensors()}, str(out_dir / "weights.st"))
             summary = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}
@@ -70,11 +71,18 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One two-process step (and a collective checkpoint) shared by the tests below: spawning costs seconds."""
+    out_dir = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_ddp_worker, args=(_free_port(), tiny_model_path, out_dir), nprocs=WORLD, join=True)
+    return out_dir
+
+
 @pytest.mark.integration
-def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Path, tmp_path: Path) -> None:
-    mp.spawn(_ddp_worker, args=(_free_port(), tiny_model_path, tmp_path), nprocs=WORLD, join=True)
-    ddp = json.loads((tmp_path / "result.json").read_text())
-    ddp_weights = load_file(str(tmp_path / "weights.st"))
+def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Path, ddp_run: Path) -> None:
+    ddp = json.loads((ddp_run / "result.json").read_text())
+    ddp_weights = load_file(str(ddp_run / "weights.st"))
 
     single = TorchTrainer(_config(tiny_model_path))
     result = single.train_step(_samples(), policy_loss, temperature=TEMPERATURE)
@@ -86,3 +94,13 @@ def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Pa
     assert ddp["metrics"]["token_term"] == pytest.approx(result.metrics["token_term"], rel=1e-5)
     for name, tensor in single.named_tensors():
         torch.testing.assert_close(ddp_weights[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.integration
+def test_checkpoint_saved_by_ddp_ranks_resumes_in_one_process(tiny_model_path: Path, ddp_run: Path) -> None:
+    resumed = TorchTrainer(_config(tiny_model_path))
+    assert resumed.load_checkpoint(ddp_run / "checkpoint") == {"cursor": 7}
+    assert resumed.version == 1
+    ddp_weights = load_file(str(ddp_run / "weights.st"))
+    for name, tensor in resumed.named_tensors():
+        assert torch.equal(tensor, ddp_weights[name]), name

@@ -174,3 +174,32 @@ def test_constant_schedule_is_flat_after_warmup() -> None:
 def test_cosine_without_total_steps_is_rejected_at_config_time(tiny_model_path: Path) -> None:
     with pytest.raises(pydantic.ValidationError, match="needs total_steps"):
         TorchTrainerConfig(model_path=tiny_model_path, lr_schedule="cosine")
+
+
+@pytest.mark.unit
+def test_gradient_checkpointing_takes_the_same_step(tiny_model_path: Path) -> None:
+    results = {}
+    for checkpointing in (False, True):
+        config = TorchTrainerConfig(
+            model_path=tiny_model_path, gradient_checkpointing=checkpointing, check_packing=False, **OPTIMIZER
+        )
+        trainer = TorchTrainer(config)
+        assert trainer._model.is_activation_checkpointing == checkpointing
+        trainer.train_step(_samples(), policy_loss, temperature=TEMPERATURE)
+        results[checkpointing] = dict(trainer.named_tensors())
+    for name, tensor in results[True].items():
+        torch.testing.assert_close(tensor, results[False][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.unit
+def test_bf16_compute_keeps_float32_master_weights_and_close_log_probs(tiny_model_path: Path) -> None:
+    exact = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, check_packing=False))
+    mixed = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, dtype="bfloat16", check_packing=False))
+    samples = _samples()
+    reference = exact.compute_log_probs(samples, temperature=1.0).log_probs
+    approximate = mixed.compute_log_probs(samples, temperature=1.0).log_probs
+    assert approximate.dtype == torch.float32
+    torch.testing.assert_close(approximate, reference, atol=0.05, rtol=0)
+    result = mixed.train_step(samples, policy_loss, temperature=1.0)
+    assert not result.skipped
+    assert all(tensor.dtype == torch.float32 for _, tensor in mixed.named_tensors())
