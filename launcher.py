@@ -226,7 +226,7 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     stop_progress.set()
     if progress is not None:
         await progress
-    if runs_learner:
+    if runs_learner and contexts[0].settings["run"]["plots"]:  # type: ignore[index]
         report_run(run_dir)
     return code
 

@@ -112,10 +112,9 @@ class BufferCore:
         if not groups:
             return None
         lease_id = uuid.uuid4().hex[:12]
-        self.leases[lease_id] = LeaseRecord(lease_id, worker_id, {g.group_id for g in groups},
-                                            self.clock() + self.lease_timeout)
+        self.leases[lease_id] = LeaseRecord(lease_id, worker_id, set(), self.clock() + self.lease_timeout)
         for group in groups:
-            self.in_flight[group.group_id] = (group, lease_id)
+            self._assign(group, lease_id)
             if not group.is_eval:
                 self.prompt_groups[group.group_id] = group
         if self.log is not None:
@@ -126,6 +125,12 @@ class BufferCore:
                                 groups=[encode(g) for g in training], new=[g.group_id for g in new_groups],
                                 cursor=[cursor.epoch, cursor.position])
         return lease_id, groups
+
+    def _assign(self, group: PromptGroup, lease_id: str) -> None:
+        """Put `group` in flight under `lease_id`, taking it out of any lease that held it before."""
+        self._forget_in_flight(group.group_id)
+        self.in_flight[group.group_id] = (group, lease_id)
+        self.leases[lease_id].group_ids.add(group.group_id)
 
     def _next_prompt_group(self) -> PromptGroup:
         record, cursor = self.source.next()
@@ -154,6 +159,9 @@ class BufferCore:
         record = self.leases.pop(lease_id)
         reissued = []
         for group_id in sorted(record.group_ids):
+            entry = self.in_flight.get(group_id)
+            if entry is None or entry[1] != lease_id:
+                continue  # already back, or leased again elsewhere
             group, _ = self.in_flight.pop(group_id)
             (self.eval_queue if group.is_eval else self.reissue).append(group)
             reissued.append(group_id)
@@ -260,13 +268,13 @@ class BufferCore:
             kind = record["kind"]
             replayed[kind] += 1
             if kind == "lease":
+                self.leases.setdefault(record["lease_id"], LeaseRecord(
+                    record["lease_id"], record["worker_id"], set(), self.clock() + self.lease_timeout))
                 for raw in record["groups"]:
                     group = decode(raw)
                     self.prompt_groups[group.group_id] = group
-                    self.in_flight[group.group_id] = (group, record["lease_id"])
-                    self.leases.setdefault(record["lease_id"], LeaseRecord(
-                        record["lease_id"], record["worker_id"], set(), self.clock() + self.lease_timeout,
-                    )).group_ids.add(group.group_id)
+                    self.reissue = deque(g for g in self.reissue if g.group_id != group.group_id)
+                    self._assign(group, record["lease_id"])
                 self.live_started += len(record["new"])
                 self.stats.started += len(record["new"])
                 cursor = Cursor(*record["cursor"])

@@ -63,6 +63,8 @@ class RunConfig(BaseModel):
     max_staleness: int = Field(2, description="hard bound on learner_version - min(token versions); 0 = on-policy")
     use_decoupled_ppo: bool = Field(False, description="recompute proximal log-probs before the update")
     update_weights_interval: int = Field(1, description="push weights to engines every N learner steps")
+    weight_transfer_timeout: float = Field(30.0, description="seconds a weight transfer waits for an engine "
+                                           "(to join, be ready, acknowledge) before it fails and is retried")
     dynamic_sampling_filter_path: str | None = Field(None, description="module:function or built-in filter name")
     policy: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig(off_policy_correction="tis"),
                                      description="advantages, loss, KL and off-policy correction")

@@ -75,8 +75,8 @@ class Learner(Actor):
                                checkpointed_batch=self.checkpointed_batch)
         try:
             reply = await self.buffer.call(request, timeout=10.0, retries=1)
-        except (TimeoutError, asyncio.TimeoutError):
-            self.counters["batch.unanswered"] += 1
+        except (TimeoutError, asyncio.TimeoutError, ConnectionError):
+            self.counters["batch.unanswered"] += 1  # the buffer is restarting; ask again
             return None
         if not isinstance(reply, Batch) or not reply.samples:
             return None
@@ -191,6 +191,13 @@ class Learner(Actor):
         return batch
 
     async def on_stop(self) -> None:
+        """A stop on purpose keeps what was trained: checkpoint whatever the last checkpoint does not cover."""
+        trained_more = getattr(self, "trained_batch", 0) > getattr(self, "checkpointed_batch", 0)
+        if trained_more and not self.config.debug_rollout_only and self.trained_batch < self.config.num_rollout:
+            try:
+                await self.save_checkpoint()
+            except Exception:
+                self.log.exception("checkpoint at stop failed; the run resumes from the previous one")
         for name in ("audit", "metrics_writer"):
             if hasattr(self, name):
                 getattr(self, name).close()

@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from bus import RpcClient, StreamSender
+from bus import RpcClient, RpcClosed, StreamSender
 from bus.schema import Member
 
 
@@ -93,10 +93,17 @@ class PeerRpc:
         self._available.set()
 
     async def call(self, message: Any, *, timeout: float = 5.0, retries: int = 3) -> Any:
-        """Call the role's member; waits up to `timeout` for one to exist first."""
-        await asyncio.wait_for(self._available.wait(), timeout)
-        assert self._client is not None
-        return await self._client.call(message, timeout=timeout, retries=retries)
+        """Call the role's member; waits up to `timeout` for one to exist first. A call cut short because the
+        member moved (restart, new endpoint) is sent again to where it is now."""
+        for attempt in range(3):
+            await asyncio.wait_for(self._available.wait(), timeout)
+            assert self._client is not None
+            try:
+                return await self._client.call(message, timeout=timeout, retries=retries)
+            except RpcClosed:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._client is not None:

@@ -99,7 +99,7 @@ class RolloutWorker(Actor):
         try:
             reply = await self.buffer.call(LeaseRequest(worker_id=self.actor_id, max_groups=max_groups),
                                            timeout=5.0, retries=2)
-        except (TimeoutError, asyncio.TimeoutError) as error:
+        except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
             self.counters["lease.unanswered"] += 1
             self.log.warning("buffer did not answer a lease request", error=str(error))
             return None

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from actors.learner import Learner
 
 SENDER_NAME = "learner"
-TRANSFER_TIMEOUT_S = 120.0
 
 
 class LearnerWeightPublisher:
@@ -50,7 +49,7 @@ class LearnerWeightPublisher:
             self._spec = sender.open_group([SENDER_NAME, *engines])
         spec = self._spec
         assert spec is not None
-        order = WeightUpdateOrder(version=version, group=spec.to_dict(), timeout_s=TRANSFER_TIMEOUT_S)
+        order = WeightUpdateOrder(version=version, group=spec.to_dict(), timeout_s=self.config.weight_transfer_timeout)
         replies = [asyncio.create_task(self._order(actor_id, order)) for actor_id in engines]
         try:
             if new_group:
@@ -82,7 +81,7 @@ class LearnerWeightPublisher:
             return False
         client = self._client(actor_id, member.endpoints["rpc"])
         try:
-            reply = await client.call(order, timeout=TRANSFER_TIMEOUT_S * 2, retries=0)
+            reply = await client.call(order, timeout=order.timeout_s * 3, retries=0)
         except Exception as error:
             self.log.warning("weight order unanswered", engine=actor_id, error=repr(error))
             return False
@@ -107,7 +106,7 @@ class LearnerWeightPublisher:
         if self._sender is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             self._sender = TorchDistributedWeightSender(host=self.learner.context.host, backend=backend,
-                                                        timeout_s=TRANSFER_TIMEOUT_S)
+                                                        timeout_s=self.config.weight_transfer_timeout)
         return self._sender
 
     def close(self) -> None:

@@ -205,3 +205,23 @@ def test_torn_log_tail_is_ignored(tmp_path: Path) -> None:
     revived = make_core()
     revived.restore(log_path)
     assert list(revived.pool) == [groups[0].group_id]
+
+
+@pytest.mark.unit
+def test_restore_after_a_re_lease_keeps_one_lease_per_group(tmp_path: Path) -> None:
+    clock = Clock()
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(log=BufferLog(log_path), clock=clock)
+    _, groups = lease_all(core, "slow", max_groups=1)
+    clock.now = 11.0
+    core.expire_leases()
+    second_lease, again = lease_all(core, "fast", max_groups=1)
+    core.accept(scored(again[0], second_lease))
+    core.log.close()
+
+    revived = make_core(clock=clock)
+    revived.restore(log_path)
+    clock.now = 100.0
+    assert revived.expire_leases() == []  # nothing is in flight any more, under either lease
+    assert list(revived.pool) == [groups[0].group_id]
+    assert not revived.reissue

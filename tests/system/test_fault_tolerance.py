@@ -1,0 +1,106 @@
+"""Faults in a real fully-async run: kill -9 of each role mid-run, and stopping and restarting the whole run.
+
+Each test ends with the audit of the run directory: every accepted sample trained once or still pending in
+the buffer's log, none trained twice in the final model's lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.audit_run import audit
+from tools.make_arithmetic_data import make_arithmetic_data
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(run_dir: Path, model: Path, data: Path, num_rollout: int) -> subprocess.Popen[str]:
+    command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
+               "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(num_rollout),
+               "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
+               "--max-staleness", "2", "--save-interval", "4", "--lease-timeout", "20", "--lr", "1e-4",
+               "--rollout-workers", "2", "--reward-workers", "1", "--heartbeat-interval", "0.25",
+               "--restart-backoff", "0.2", "--weight-transfer-timeout", "5", "--no-progress", "--no-use-tensorboard", "--no-plots"]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def trained_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics" / "train.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+def wait_for_step(process: subprocess.Popen[str], run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while trained_steps(run_dir) < step:
+        if process.poll() is not None or time.monotonic() > deadline:
+            output = process.communicate(timeout=30)[0] if process.poll() is not None else ""
+            raise AssertionError(f"run did not reach step {step} (at {trained_steps(run_dir)}):\n{output[-4000:]}")
+        time.sleep(0.2)
+
+
+def current_pid(run_dir: Path, actor: str) -> int:
+    pids = [json.loads(line)["pid"] for line in (run_dir / "logs" / "launcher-0.jsonl").read_text().splitlines()
+            if f'"actor": "{actor}"' in line and "actor process started" in line]
+    return pids[-1]
+
+
+def finish(process: subprocess.Popen[str], timeout: float = 240) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+        raise AssertionError(f"run did not finish:\n{output[-4000:]}") from None
+    return output
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    return make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(900)
+def test_killed_roles_and_a_stopped_run_lose_nothing_and_train_nothing_twice(
+    tmp_path: Path, tiny_model_path: Path, task: Path
+) -> None:
+    """One run, every fault: kill -9 of each role mid-run (the launcher restarts it), then SIGTERM of the whole
+    run, then the same command again, which resumes from the learner's checkpoint and the buffer's log."""
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, tiny_model_path, task, num_rollout=40)
+    try:
+        for step, victim in ((4, "rollout-0-0"), (8, "reward-0-0"), (14, "learner"), (18, "buffer")):
+            wait_for_step(first, run_dir, step)
+            os.kill(current_pid(run_dir, victim), signal.SIGKILL)
+        wait_for_step(first, run_dir, 22)
+        first.send_signal(signal.SIGTERM)
+        output = finish(first)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 128 + signal.SIGTERM, output[-4000:]
+    launcher_log = (run_dir / "logs" / "launcher-0.jsonl").read_text()
+    for victim in ("rollout-0-0", "reward-0-0", "learner", "buffer"):
+        assert f'"actor": "{victim}", "code": -9' in launcher_log, f"{victim} was not restarted after kill -9"
+    assert trained_steps(run_dir) < 40
+
+    second = launch(run_dir, tiny_model_path, task, num_rollout=40)
+    output = finish(second)
+    assert second.returncode == 0, output[-4000:]
+    assert (run_dir / "logs" / "learner.jsonl").read_text().count("resumed from checkpoint") >= 2
+    assert "buffer restored from its log" in (run_dir / "logs" / "buffer.jsonl").read_text()
+    report = audit(run_dir)
+    assert report.ok, report.problems
+    assert report.trained_batches == 40
+    assert report.retrained_batches >= 1  # the killed learner redid the batches after its checkpoint
