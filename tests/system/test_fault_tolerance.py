@@ -28,7 +28,8 @@ def launch(run_dir: Path, model: Path, data: Path, num_rollout: int) -> subproce
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
                "--max-staleness", "2", "--save-interval", "4", "--lease-timeout", "20", "--lr", "1e-4",
                "--rollout-workers", "2", "--reward-workers", "1", "--heartbeat-interval", "0.25",
-               "--restart-backoff", "0.2", "--weight-transfer-timeout", "5", "--no-progress", "--no-use-tensorboard", "--no-plots"]
+               "--restart-backoff", "0.2", "--weight-transfer-timeout", "5", "--no-progress",
+               "--no-use-tensorboard", "--no-plots"]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
