@@ -100,7 +100,6 @@ class RunConfig(BaseModel):
 
     # ---- reporting
     use_tensorboard: bool = Field(True, description="write TensorBoard events to RUN_DIR/tensorboard")
-    use_wandb: bool = Field(False, description="log to Weights & Biases (needs wandb installed)")
     plots: bool = Field(True, description="write PNG plots at the end of the run")
 
     @model_validator(mode="after")

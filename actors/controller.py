@@ -16,6 +16,7 @@ from typing import Any
 
 from actors.base import Actor
 from actors.handlers import serves
+from actors.metrics import MetricsWriter
 from bus import Publisher, RpcServer
 from bus.schema import (
     TOPIC_CONTROL,
@@ -35,6 +36,8 @@ from bus.schema import (
     RunState,
     VersionAnnouncement,
 )
+
+ACTOR_METRICS_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -57,10 +60,21 @@ class Controller(Actor):
         self.latest_version: VersionAnnouncement | None = None
 
     async def run(self) -> None:
-        """Watch liveness until the run stops; everything else happens in the request handlers."""
-        while not self.stopping:
-            await asyncio.sleep(self.context.heartbeat_interval / 2)
-            self._declare_silent_members_dead(time.monotonic())
+        """Watch liveness until the run stops, and record every actor's counters (queue depths, drops, idle
+        fractions) to metrics/actors.jsonl; everything else happens in the request handlers."""
+        writer = MetricsWriter(self.context.run_dir, "actors")
+        last_written = time.monotonic()
+        try:
+            while not self.stopping:
+                await asyncio.sleep(self.context.heartbeat_interval / 2)
+                self._declare_silent_members_dead(time.monotonic())
+                if time.monotonic() - last_written >= ACTOR_METRICS_INTERVAL_S:
+                    last_written = time.monotonic()
+                    version = self.latest_version.version if self.latest_version else 0
+                    writer.write(version, {f"{actor_id}/{key}": value for actor_id, record in self.records.items()
+                                           if record.member.alive for key, value in record.counters.items()})
+        finally:
+            writer.close()
 
     # The controller is the head: it binds the fixed head address and registers with no one.
     async def start(self) -> None:

@@ -172,8 +172,10 @@ class Learner(Actor):
             if report.result.skipped:
                 self.counters["steps.skipped"] += 1
                 self.log.warning("step skipped", reason=report.result.skip_reason, batch=batch.batch_id)
-        metrics["throughput/samples_per_s"] = self.counters["samples.trained"] / max(elapsed, 1e-9)
         self.counters["samples.trained"] += len(batch.samples)
+        self.counters["tokens.trained"] += sum(int(s.response_length) for s in batch.samples)
+        metrics["throughput/samples_per_s"] = self.counters["samples.trained"] / max(elapsed, 1e-9)
+        metrics["throughput/response_tokens_per_s"] = self.counters["tokens.trained"] / max(elapsed, 1e-9)
         self.metrics_writer.write(self.trained_batch, metrics)
 
     def _save_debug_batch(self, batch: Batch) -> None:

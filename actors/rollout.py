@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from actors.base import Actor
@@ -45,6 +46,9 @@ class RolloutWorker(Actor):
         self.capacity = max(1, self.config.rollout_max_batch_size // self.config.n_samples_per_prompt)
         self.groups_in_flight = 0
         self._room = asyncio.Condition()
+        self._idle_since: float | None = time.monotonic()
+        self._idle_seconds = 0.0
+        self._started = time.monotonic()
         self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
         self.generate_fn = choose_generate_function(self.config)
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log)
@@ -65,7 +69,7 @@ class RolloutWorker(Actor):
             if lease is None or not lease.groups:
                 await asyncio.sleep(0.05 if lease is not None else 0.5)
                 continue
-            self.groups_in_flight += len(lease.groups)
+            self._mark_busy(len(lease.groups))
             self.held_leases[lease.lease_id] = len(lease.groups)
             for group in lease.groups:
                 self.spawn(self._rollout_group(lease, group), name=f"rollout.{group.group_id}")
@@ -87,13 +91,28 @@ class RolloutWorker(Actor):
             self.log.exception("rollout of a group failed", group=group.group_id, error=repr(error))
         finally:
             async with self._room:
-                self.groups_in_flight -= 1
+                self._mark_busy(-1)
                 self._room.notify_all()
             remaining = self.held_leases.get(lease.lease_id, 1) - 1
             if remaining <= 0:
                 self.held_leases.pop(lease.lease_id, None)
             else:
                 self.held_leases[lease.lease_id] = remaining
+
+    def _mark_busy(self, delta: int) -> None:
+        """Track the time with nothing to generate: the rollout idle fraction a user tunes staleness against."""
+        now = time.monotonic()
+        if self._idle_since is not None and delta > 0:
+            self._idle_seconds += now - self._idle_since
+            self._idle_since = None
+        self.groups_in_flight += delta
+        if self.groups_in_flight == 0 and self._idle_since is None:
+            self._idle_since = now
+
+    def idle_fraction(self) -> float:
+        now = time.monotonic()
+        idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
+        return idle / max(now - self._started, 1e-9)
 
     async def _request_lease(self, max_groups: int) -> Lease | None:
         try:
@@ -132,6 +151,7 @@ class RolloutWorker(Actor):
         if hasattr(self, "engine"):
             found["engine.version"] = float(self.engine.version)
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
+            found["rollout.idle_fraction"] = self.idle_fraction()
         return found
 
     async def on_stop(self) -> None:
