@@ -1,0 +1,53 @@
+"""Bind addresses: port 0 reports the real port, ipc paths are checked, wildcards become reachable hosts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import zmq
+
+from bus.address import bind, bind_address, connectable
+
+
+@pytest.mark.unit
+def test_binding_port_zero_reports_the_port_the_os_chose() -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    endpoint = bind(sock, bind_address("127.0.0.1"))
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    other = ctx.socket(zmq.DEALER)
+    other.connect(endpoint)  # the reported endpoint is connectable
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.unit
+def test_ipc_address_lives_in_the_run_directory(tmp_path: Path) -> None:
+    run_dir = Path("/tmp") / f"bus-addr-{tmp_path.name[-6:]}"
+    assert bind_address(transport="ipc", run_dir=run_dir, name="inbox") == f"ipc://{run_dir}/inbox.sock"
+    assert run_dir.is_dir()
+    run_dir.rmdir()
+
+
+@pytest.mark.unit
+def test_ipc_path_over_the_os_limit_is_refused_with_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="the OS limit is 107"):
+        bind_address(transport="ipc", run_dir=tmp_path / ("d" * 120))
+
+
+@pytest.mark.unit
+def test_bad_transport_and_bad_bind_address_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="transport must be 'tcp' or 'ipc'"):
+        bind_address(transport="udp")  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    with pytest.raises(ValueError, match=r"expected tcp://HOST:PORT"):
+        bind(ctx.socket(zmq.ROUTER), "127.0.0.1:5555")
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.unit
+def test_wildcard_binds_are_advertised_under_a_concrete_host() -> None:
+    advertised = connectable("tcp://0.0.0.0:5555")
+    assert advertised.endswith(":5555") and "0.0.0.0" not in advertised
+    assert connectable("ipc:///tmp/x.sock") == "ipc:///tmp/x.sock"
