@@ -179,6 +179,9 @@ class Trainer(ABC):
     def export_hf(self, directory: str | Path) -> None:
         """Write the policy as a Hugging Face folder that `from_pretrained` loads (weights, config, tokenizer)."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook, most trainers hold nothing to release
+        """Release distributed resources; call before tearing down torch.distributed."""
+
 
 def _describe(value: Any) -> str:
     if isinstance(value, Tensor):

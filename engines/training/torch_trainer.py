@@ -14,6 +14,7 @@ behaviour policy's log-probs up to off-policyness; random masks would add noise 
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import time
@@ -212,6 +213,18 @@ class TorchTrainer(Trainer):
                 self._model.save_pretrained(staging)
 
         self._on_rank_zero(write, f"exporting {directory}")
+
+    def close(self) -> None:
+        """Drop the DDP wrapper while the process group is still alive; call before destroy_process_group().
+
+        A DDP reducer that outlives the group's other references destroys the group itself, from Python's
+        garbage collector, with the GIL held, while gloo's worker threads wait for the GIL to release tensors:
+        the process then hangs at exit. Releasing the reducer first leaves the group's destruction to
+        torch.distributed, which drops the GIL for it.
+        """
+        if isinstance(self._train_module, DistributedDataParallel):
+            self._train_module = self._model
+            gc.collect()
 
     # -- step internals ---------------------------------------------------------------------------------------
 

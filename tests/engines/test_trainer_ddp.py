@@ -61,6 +61,7 @@ def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
             save_file({name: t.contiguous() for name, t in trainer.named_tensors()}, str(out_dir / "weights.st"))
             summary = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}
             (out_dir / "result.json").write_text(json.dumps(summary))
+        trainer.close()
     finally:
         dist.destroy_process_group()
 
