@@ -155,4 +155,5 @@ class Subscriber:
             return name.decode("utf-8", "replace"), message
 
     def close(self) -> None:
+        """Close the socket; a ``recv()`` waiting at that moment raises ``asyncio.CancelledError``."""
         self._sock.close(linger=0)

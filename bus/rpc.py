@@ -195,6 +195,7 @@ class RpcServer:
             try_send(self._sock, [key[0], key[1], frame])  # a vanished client will retry or has given up
 
     def close(self) -> None:
+        """Stop: ``serve()`` returns, running handlers are cancelled and their replies never sent."""
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
@@ -290,6 +291,7 @@ class RpcClient:
                 future.set_exception(exc)
 
     def close(self) -> None:
+        """Close the socket; a ``call()`` waiting at that moment raises ``asyncio.CancelledError``."""
         if self._reader is not None:
             self._reader.cancel()
         for future in self._pending.values():

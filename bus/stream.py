@@ -1,27 +1,26 @@
 """Stream channel: many producers push messages to a consumer, paced by credits the consumer hands out.
 
-Protocol (every zmq message is one msgpack frame; see docs/wire-protocol.md, "Stream"):
+Protocol (every zmq message is one msgpack frame; docs/wire-protocol.md, section 4, is the reference):
 
 1. The sender connects a DEALER (routing id = its sender id) to the receiver's ROUTER and sends
    ``StreamHello(sender_id, session)``; ``session`` is fresh for every connection.
 2. The receiver answers ``StreamCredit(limit, window, incarnation, session)``: the sender may have sent
    ``limit`` data frames *in total* during ``session``. The first limit is ``window``.
-3. Every other frame the sender sends is data. Each time the application takes a message out of
-   ``StreamReceiver.recv()``, that sender's ``consumed`` count grows; once it is ``window // 2`` ahead of
-   the last grant the receiver sends ``limit = consumed + window``.
+3. Every other frame the sender sends is data. A message counts as consumed when the application asks
+   ``StreamReceiver.recv()`` for the next one; once ``consumed`` is ``window // 2`` ahead of the last grant
+   the receiver sends ``limit = consumed + window``.
 
 So at most ``window`` messages per sender exist anywhere between the producer's ``send`` and the consumer's
-``recv`` (socket buffers, kernel, the wire), and a slow consumer blocks its producers instead of growing a
-queue. Limits are cumulative, not increments, so a lost or repeated credit is harmless and a repeated
-hello is idempotent: a starved sender re-sends its hello (0.5 s, doubling to 5 s) and gets the current
-limit back. A receiver restart shows up as a new ``incarnation``: the sender drops its count for the dead
-receiver and starts over from the new grant (frames in flight to the dead receiver are lost; the lease
-layer above re-issues work). When a sender reconnects with a new session, frames its previous connection
-left in the receiver's queue are still delivered, so the window can be exceeded once, by at most one window.
-
-While a receiver is down, frames a sender sends on credit it still had wait in its socket and reach the
-receiver's next incarnation, which delivers them (it counts them as from a sender it has no session with,
-and tells that sender to say hello; see ``_consumed``).
+application (socket buffers, kernel, the wire, the message being processed), and a slow consumer blocks its
+producers instead of growing a queue. Limits are cumulative, not increments, so a lost or repeated credit
+is harmless and a repeated hello is idempotent: a starved sender re-sends its hello (0.5 s, doubling to
+5 s) and gets the current limit back. A receiver restart shows up as a new ``incarnation`` (the sender
+drops its count and starts over from the new grant); a receiver that gets data from a sender it has no
+session for delivers it and answers with an empty-session credit, and the sender starts a new session.
+Frames sent while a receiver is down wait in the sender's socket and reach the next incarnation; frames
+inside the dead receiver are lost (the lease layer above re-issues that work). When a sender restarts or
+reconnects, frames its previous session left in the receiver's queue are still delivered, so the window can
+be exceeded once, by at most one window.
 """
 
 from __future__ import annotations
@@ -111,10 +110,12 @@ class StreamReceiver:
             # I/O thread) never sits between a message's arrival and the application.
             self._consumed(self._handed_out)
             self._handed_out = None
+        sync = self._sync
         while True:
-            try:
-                frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # Ask before receiving: a failed non-blocking recv costs a Python exception, far more than this.
+            if sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            else:
                 frames = await self._sock.recv_multipart(copy=False)
             ident = frames[0].bytes
             if len(frames) != 2:
@@ -183,6 +184,7 @@ class StreamReceiver:
             self._sync.send_multipart([ident, encode(credit)], zmq.NOBLOCK)
 
     def close(self) -> None:
+        """Close the socket; a ``recv()`` waiting at that moment raises ``asyncio.CancelledError``."""
         self._sock.close(linger=0)
 
 
@@ -194,8 +196,8 @@ class _Peer:
     endpoint: str
     sock: zmq.asyncio.Socket
     sync: zmq.Socket  # synchronous view of ``sock`` for non-blocking operations
-    hello: bytes
-    session: str
+    hello: bytes = b""
+    session: str = ""
     incarnation: str | None = None
     sent: int = 0
     limit: int = 0
@@ -262,17 +264,9 @@ class StreamSender:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise ValueError(f"cannot connect to stream receiver {peer_id} at {endpoint!r}: {exc}") from exc
-        session = secrets.token_hex(8)
-        peer = _Peer(
-            peer_id=peer_id,
-            endpoint=endpoint,
-            sock=sock,
-            sync=zmq.Socket.shadow(sock.underlying),
-            hello=encode(StreamHello(sender_id=self.sender_id, session=session)),
-            session=session,
-        )
+        peer = _Peer(peer_id=peer_id, endpoint=endpoint, sock=sock, sync=zmq.Socket.shadow(sock.underlying))
         self._peers[peer_id] = peer
-        self._say_hello(peer)  # queued by libzmq until the connection is up
+        self._new_session(peer)  # the hello is queued by libzmq until the connection is up
         self._start_tasks()
 
     def disconnect(self, peer_id: str) -> None:
@@ -359,13 +353,13 @@ class StreamSender:
         self._drain(peer)
 
     def _drain(self, peer: _Peer) -> None:
-        """Apply every frame the receiver has sent, without waiting."""
-        while True:
-            try:
-                frame = peer.sync.recv(zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:  # EAGAIN: nothing more; anything else: closed, reported by the next send
-                return
-            self._on_frame(peer, frame)
+        """Apply every frame the receiver has sent, without waiting (EVENTS first: exceptions are costly)."""
+        sync = peer.sync
+        try:
+            while sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._on_frame(peer, sync.recv(zmq.NOBLOCK, copy=False))
+        except zmq.ZMQError:
+            return  # closed under us; the caller's next send reports it
 
     def _start_tasks(self) -> None:
         try:
@@ -392,9 +386,18 @@ class StreamSender:
         if type(credit) is not StreamCredit:
             self._drops("unexpected", f"{type(credit).__name__} from receiver {peer.peer_id}")
             return
-        self._apply_credit(peer, credit)
         if credit.session == "":
-            self._say_hello(peer)  # the receiver does not know us (it restarted): introduce ourselves
+            # The receiver has no session for us (it restarted, or forgot us): whatever we counted is void.
+            peer.incarnation = credit.incarnation
+            self._new_session(peer)
+            return
+        self._apply_credit(peer, credit)
+
+    def _new_session(self, peer: _Peer) -> None:
+        peer.session = secrets.token_hex(8)
+        peer.hello = encode(StreamHello(sender_id=self.sender_id, session=peer.session))
+        peer.sent = peer.limit = 0
+        self._say_hello(peer)
 
     def _apply_credit(self, peer: _Peer, credit: StreamCredit) -> None:
         if credit.incarnation != peer.incarnation:

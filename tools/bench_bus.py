@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import shutil
 import statistics
 import sys
 import tempfile
@@ -123,23 +124,24 @@ def _stamp_of(message: Message) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-async def _bus_receive(conn: Connection, bind: str, mode: str, n: int, warmup: int) -> dict[str, Any]:
+async def _bus_receive(conn: Connection, bind: str, mode: str, n: int, warmup: int, window: int) -> dict[str, Any]:
     import zmq.asyncio
 
     from bus.stream import StreamReceiver
 
     ctx = zmq.asyncio.Context()
-    receiver = StreamReceiver(ctx, bind, window=16 if mode == "throughput" else 1)
+    receiver = StreamReceiver(ctx, bind, window=window if mode == "throughput" else 1)
     conn.send(receiver.endpoint)
     try:
         for _ in range(warmup):
             await receiver.recv()
         if mode == "throughput":
             await receiver.recv()
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.process_time()
             for _ in range(n - 1):
                 await receiver.recv()
-            return {"rate": (n - 1) / (time.monotonic() - start), "dropped": sum(receiver.dropped.values())}
+            elapsed, cpu = time.monotonic() - start, time.process_time() - cpu
+            return {"rate": (n - 1) / elapsed, "cpu_us": cpu / (n - 1) * 1e6}
         latencies = []
         for _ in range(n):
             _, message = await receiver.recv()
@@ -159,18 +161,19 @@ async def _bus_send(conn: Connection, endpoint: str, payload: str, count: int, m
     sender = StreamSender(ctx, sender_id="bench-sender")
     sender.connect("receiver", endpoint)
     message = make_message(payload)
+    cpu = time.process_time()
     for _ in range(count):
         if mode == "latency":
             await sender.wait_for_credit()  # window 1: the previous message has been decoded
         _stamp(message, time.monotonic())
         await sender.send(message)
-    conn.send("sent")
+    conn.send({"cpu_us": (time.process_time() - cpu) / count * 1e6})
     conn.recv()  # the receiver has everything: only now may the socket close (linger 0 drops unsent frames)
     sender.close()
     ctx.destroy(linger=0)
 
 
-def _raw_receive(conn: Connection, bind: str, mode: str, n: int, warmup: int) -> dict[str, Any]:
+def _raw_receive(conn: Connection, bind: str, mode: str, n: int, warmup: int, window: int) -> dict[str, Any]:
     import zmq
 
     ctx = zmq.Context()
@@ -183,10 +186,11 @@ def _raw_receive(conn: Connection, bind: str, mode: str, n: int, warmup: int) ->
             for _ in range(warmup):
                 msgpack.unpackb(pull.recv(copy=False).buffer)
             msgpack.unpackb(pull.recv(copy=False).buffer)
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.process_time()
             for _ in range(n - 1):
                 msgpack.unpackb(pull.recv(copy=False).buffer)
-            return {"rate": (n - 1) / (time.monotonic() - start), "dropped": 0}
+            elapsed, cpu = time.monotonic() - start, time.process_time() - cpu
+            return {"rate": (n - 1) / elapsed, "cpu_us": cpu / (n - 1) * 1e6}
         latencies = []
         for i in range(warmup + n):
             message = msgpack.unpackb(pull.recv(copy=False).buffer)
@@ -206,12 +210,13 @@ def _raw_send(conn: Connection, endpoints: tuple[str, str], payload: str, count:
     push.connect(endpoints[0])
     acks.connect(endpoints[1])
     message = make_raw(payload)
+    cpu = time.process_time()
     for _ in range(count):
         message["t"] = time.monotonic()
         push.send(msgpack.packb(message), copy=False)
         if mode == "latency":
             acks.recv()
-    conn.send("sent")
+    conn.send({"cpu_us": (time.process_time() - cpu) / count * 1e6})
     conn.recv()
     ctx.destroy(linger=0)
 
@@ -249,17 +254,25 @@ class Pair:
         for process in self.processes:
             process.start()
 
-    def trial(self, system: str, transport: str, payload: str, mode: str, n: int, warmup: int) -> dict[str, Any]:
-        run_dir = tempfile.mkdtemp(prefix="bb-", dir="/tmp")
-        bind = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{run_dir}/r.sock"
-        self.receiver.send((f"{system}_receive", {"bind": bind, "mode": mode, "n": n, "warmup": warmup}))
-        endpoint = self.receiver.recv()
-        args: dict[str, Any] = {"endpoint" if system == "bus" else "endpoints": endpoint}
-        args.update(payload=payload, count=n + warmup, mode=mode)
-        self.sender.send((f"{system}_send", args))
-        result = self.receiver.recv()
-        self.sender.recv()  # "sent"
-        self.sender.send("close")
+    def trial(
+        self, system: str, transport: str, payload: str, mode: str, n: int, warmup: int, window: int
+    ) -> dict[str, Any]:
+        run_dir = tempfile.mkdtemp(prefix="bb-", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+        try:
+            bind = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{run_dir}/r.sock"
+            receive = {"bind": bind, "mode": mode, "n": n, "warmup": warmup, "window": window}
+            self.receiver.send((f"{system}_receive", receive))
+            endpoint = self.receiver.recv()
+            args: dict[str, Any] = {"endpoint" if system == "bus" else "endpoints": endpoint}
+            args.update(payload=payload, count=n + warmup, mode=mode)
+            self.sender.send((f"{system}_send", args))
+            result = self.receiver.recv()
+            sender = self.sender.recv()
+            self.sender.send("close")
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if "cpu_us" in result:
+            result["cpu_us"] += sender["cpu_us"]
         return result
 
     def close(self) -> None:
@@ -399,9 +412,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 n, n_lat, warmup = _counts(payload, args.quick)
                 for transport in transports:
                     for system in order:
-                        entry = samples.setdefault((payload, transport, system), {"rate": [], "p50": [], "p99": []})
-                        entry["rate"].append(pair.trial(system, transport, payload, "throughput", n, warmup)["rate"])
-                        lat = pair.trial(system, transport, payload, "latency", n_lat, warmup)["latencies"]
+                        entry = samples.setdefault(
+                            (payload, transport, system), {"rate": [], "cpu": [], "p50": [], "p99": []}
+                        )
+                        result = pair.trial(system, transport, payload, "throughput", n, warmup, args.window)
+                        entry["rate"].append(result["rate"])
+                        entry["cpu"].append(result["cpu_us"])
+                        lat = pair.trial(system, transport, payload, "latency", n_lat, warmup, 1)["latencies"]
                         entry["p50"].append(_percentile(lat, 0.50) * 1e6)
                         entry["p99"].append(_percentile(lat, 0.99) * 1e6)
     finally:
@@ -416,7 +433,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for payload in payloads:
                     n, n_lat, warmup = _counts(payload, quick=True if payload == "1KB" else args.quick)
                     n = max(n, 200)
-                    entry = samples.setdefault((payload, "ray", "ray"), {"rate": [], "p50": [], "p99": []})
+                    entry = samples.setdefault((payload, "ray", "ray"), {"rate": [], "cpu": [], "p50": [], "p99": []})
                     entry["rate"].append(ray.trial(payload, "throughput", n, warmup)["rate"])
                     lat = ray.trial(payload, "latency", n_lat, warmup)["latencies"]
                     entry["p50"].append(_percentile(lat, 0.50) * 1e6)
@@ -437,6 +454,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "frame_bytes": frame_bytes[payload],
                 "msgs_per_s": rate,
                 "mb_per_s": rate * frame_bytes[payload] / 1e6,
+                "cpu_us_per_msg": statistics.median(entry["cpu"]) if entry["cpu"] else None,
                 "p50_us": statistics.median(entry["p50"]),
                 "p99_us": statistics.median(entry["p99"]),
             }
@@ -453,6 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "repeats": args.repeats,
             "quick": args.quick,
             "event_loop": "asyncio" if args.no_uvloop else "uvloop",
+            "window": args.window,
             "ray": ray_status,
         },
         "stream": sorted(rows, key=lambda r: (PAYLOADS.index(r["payload"]), r["transport"], r["system"])),
@@ -477,18 +496,20 @@ def _targets(by_key: dict[tuple[str, str, str], dict[str, Any]]) -> dict[str, An
 def render(result: dict[str, Any]) -> str:
     config = result["config"]
     lines = [
-        f"bus stream vs raw pyzmq+msgpack vs Ray (medians of {config['repeats']} repeats; "
-        f"event loop {config['event_loop']}; Ray: {config['ray']})",
+        f"bus stream (credit window {config['window']}) vs raw pyzmq+msgpack vs Ray; medians of "
+        f"{config['repeats']} repeats; event loop {config['event_loop']}; Ray: {config['ray']}",
+        "cpu = CPU microseconds per message of sender + receiver processes (all threads); latency: one in flight",
         "",
-        f"{'payload':<8} {'transport':<9} {'system':<6} {'frame B':>9} {'msgs/s':>9} {'MB/s':>8} "
+        f"{'payload':<8} {'transport':<9} {'system':<6} {'frame B':>9} {'msgs/s':>9} {'MB/s':>8} {'cpu us':>7} "
         f"{'p50 us':>8} {'p99 us':>8} {'vs raw':>7} {'vs Ray':>7}",
     ]
     for r in result["stream"]:
         vs_raw = f"{r['vs_raw']:.2f}" if r["vs_raw"] is not None else "-"
         vs_ray = f"{r['vs_ray']:.1f}x" if r["vs_ray"] is not None else "-"
+        cpu = f"{r['cpu_us_per_msg']:.0f}" if r["cpu_us_per_msg"] is not None else "-"
         lines.append(
             f"{r['payload']:<8} {r['transport']:<9} {r['system']:<6} {r['frame_bytes']:>9} {r['msgs_per_s']:>9.0f} "
-            f"{r['mb_per_s']:>8.1f} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {vs_raw:>7} {vs_ray:>7}"
+            f"{r['mb_per_s']:>8.1f} {cpu:>7} {r['p50_us']:>8.0f} {r['p99_us']:>8.0f} {vs_raw:>7} {vs_ray:>7}"
         )
     lines += [
         "",
@@ -518,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated subset of tcp,ipc")
     parser.add_argument("--no-ray", action="store_true", help="skip Ray even when installed")
     parser.add_argument("--no-uvloop", action="store_true", help="run the bus on the default asyncio loop")
+    parser.add_argument("--window", type=int, default=16, help="the bus stream's credit window (default 16)")
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 5
