@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import msgpack
@@ -10,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from bus.codec import DecodeLimits, decode
+from bus.codec import DecodeLimits, decode, encode
 from bus.schema import Heartbeat, StreamCredit
 from bus.stream import StreamReceiver, StreamSender
 
@@ -175,3 +176,45 @@ async def test_connecting_to_a_bad_endpoint_is_a_clear_error(zctx: zmq.asyncio.C
         await sender.send(_beat(0), peer="ghost", timeout=0.1)
     with pytest.raises(ValueError, match="window must be a positive int"):
         StreamReceiver(zctx, "tcp://127.0.0.1:0", window=0)
+
+
+@pytest.mark.integration
+async def test_a_flood_of_fuzzed_and_hostile_frames_is_counted_and_survived(zctx: zmq.asyncio.Context) -> None:
+    rng = random.Random(7)
+    valid = encode(Heartbeat(actor_id="fuzz", seq=1, counters={"x": 1.0}))
+    frames = [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64))) for _ in range(150)]
+    for _ in range(150):
+        mutated = bytearray(valid)
+        for _ in range(rng.randint(1, 3)):
+            mutated[rng.randrange(len(mutated))] = rng.getrandbits(8)
+        frames.append(bytes(mutated))
+    frames += [
+        b"\x81\xa1x\xdd\xff\xff\xff\xff",  # an array claiming 4 billion items
+        b"\x81\xa8metadata" + b"\x91" * 100_000 + b"\xc0",  # nesting far past the interpreter's limit
+        msgpack.packb(
+            {
+                "type": "Sample",
+                "v": 1,
+                "sample_id": "s",
+                "group_id": "g",
+                "index": 0,
+                "prompt": "p",
+                "metadata": {"t": msgpack.ExtType(1, b"\x05int32\x01" + b"\xff" * 8)},
+            }
+        ),
+    ]
+    receiver = StreamReceiver(zctx, "tcp://127.0.0.1:0")
+    raw = zctx.socket(zmq.DEALER)
+    raw.connect(receiver.endpoint)
+    for frame in frames:
+        await raw.send(frame)
+    await raw.send(encode(Heartbeat(actor_id="fuzz", seq=999)))  # same pipe: arrives after all of them
+    delivered = 0
+    while True:
+        _, message = await asyncio.wait_for(receiver.recv(), 10)
+        if isinstance(message, Heartbeat) and message.seq == 999:
+            break
+        delivered += 1  # a mutation that still spells a valid message is delivered, not dropped
+    assert delivered + sum(receiver.dropped.values()) == len(frames)
+    assert receiver.dropped["too_deep"] >= 1 and receiver.dropped["bad_tensor"] >= 1
+    raw.close(linger=0)
