@@ -240,7 +240,7 @@ class RpcClient:
 
         Each attempt waits ``timeout`` seconds; up to ``retries`` more attempts reuse the request id, so the
         server runs the handler once. Raises ``RpcTimeout`` when every attempt timed out, ``DecodeError``
-        if the reply was malformed.
+        if the reply was malformed, ``RpcClosed`` if the client was closed meanwhile.
         """
         if timeout <= 0 or retries < 0:
             raise ValueError(f"RpcClient.call: need timeout > 0 and retries >= 0, got {timeout}, {retries}")
@@ -291,7 +291,7 @@ class RpcClient:
                 future.set_exception(exc)
 
     def close(self) -> None:
-        """Close the socket; a ``call()`` waiting at that moment raises ``asyncio.CancelledError``."""
+        """Close the socket; a ``call()`` waiting at that moment raises ``RpcClosed``."""
         if self._reader is not None:
             self._reader.cancel()
         for future in self._pending.values():
