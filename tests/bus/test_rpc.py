@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from bus.codec import decode
-from bus.rpc import RpcClient, RpcServer, RpcTimeout
+from bus.rpc import RpcClient, RpcClosed, RpcServer, RpcTimeout
 from bus.schema import Ack, Error, Heartbeat, LeaseRenew, Message
 
 
@@ -160,4 +160,18 @@ async def test_client_survives_a_server_restart_on_the_same_address(zctx: zmq.as
     assert (await client.call(LeaseRenew(lease_id="b"), timeout=0.5, retries=8)).error == "c:b"
     client.close()
     second.close()
+    await serving
+
+
+@pytest.mark.integration
+async def test_closing_the_client_fails_a_waiting_call_as_closed_not_cancelled(zctx: zmq.asyncio.Context) -> None:
+    server, handler = RpcServer(zctx, "tcp://127.0.0.1:0"), Echo(delay=5.0)
+    serving = asyncio.create_task(server.serve(handler))
+    client = RpcClient(zctx, server.endpoint, client_id="c")
+    waiting = asyncio.create_task(client.call(LeaseRenew(lease_id="slow"), timeout=5, retries=0))
+    await asyncio.sleep(0.2)
+    client.close()
+    with pytest.raises(RpcClosed, match=r"RPC client c to tcp://127\.0\.0\.1:[0-9]+ was closed"):
+        await asyncio.wait_for(waiting, 5)
+    server.close()
     await serving
