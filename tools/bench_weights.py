@@ -29,6 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.weights import (
+    DEFAULT_BUCKET_BYTES,
     DEFAULT_DIRECT_BYTES,
     GroupSpec,
     TorchDistributedWeightReceiver,
@@ -95,12 +96,12 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     print(
         f"synthetic model: {shape.parameters / 1e6:.0f}M parameters in {len(shape.tensor_shapes())} tensors; "
-        f"bucket {args.bucket_mb} MiB, alone from {args.direct_mb:g} MiB; {repeats} repeats (medians)"
+        f"bucket {args.bucket_mb:g} MiB, alone from {args.direct_mb:g} MiB; {repeats} repeats (medians)"
     )
     rows = [
         row
         for count in receiver_counts
-        for row in _run_group(shape, count, dtypes, repeats, args.bucket_mb * 2**20, int(args.direct_mb * 2**20))
+        for row in _run_group(shape, count, dtypes, repeats, int(args.bucket_mb * 2**20), int(args.direct_mb * 2**20))
     ]
     _print_table(rows)
     if args.json:
@@ -225,7 +226,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--dtypes", default="fp32,bf16,fp32>bf16", help=f"comma-separated rows among {', '.join(VARIANTS)}"
     )
-    parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB (default 256)")
+    parser.add_argument(
+        "--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="bucket size in MiB (the default)"
+    )
     parser.add_argument(
         "--direct-mb", type=float, default=DEFAULT_DIRECT_BYTES / 2**20, help="tensors this large travel alone"
     )

@@ -55,7 +55,12 @@ class WeightSender(ABC):
 
     @abstractmethod
     def send(
-        self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        version: int,
+        *,
+        dtype: torch.dtype | None = None,
+        timeout_s: float | None = None,
     ) -> TransferReport:
         """Broadcast `named_tensors` (cast to `dtype` if given) and commit `version` once all receivers acked."""
 

@@ -49,6 +49,7 @@ def _copying_loader(live: dict[str, Tensor]) -> Any:
 def _rejoining_receiver(spec: dict[str, Any], name: str, next_specs: mp.Queue, events: mp.Queue) -> None:
     """Joins a generation that is aborted, then joins the next one it is given and receives once."""
     torch.set_num_threads(1)
+    events.put(("joining", ""))
     try:
         TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), name, timeout_s=LONG_S)
         events.put(("joined", ""))
@@ -73,6 +74,7 @@ def test_receiver_that_never_joins_is_named_and_the_sender_regroups() -> None:
     )
     present.start()
     try:
+        assert events.get(timeout=LONG_S) == ("joining", "")  # started: process start-up is not what is timed
         with pytest.raises(WeightTransferError, match="generation 0 not formed") as failure:
             sender.wait_for_receivers(timeout_s=SHORT_S)
         assert list(failure.value.failed) == ["engine-1"]
@@ -152,7 +154,7 @@ def test_failed_load_is_named_not_committed_and_the_group_keeps_working() -> Non
 
 def _dying_receiver(spec: dict[str, Any], name: str, events: mp.Queue) -> None:
     torch.set_num_threads(1)
-    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), name, timeout_s=SHORT_S)
+    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), name, timeout_s=LONG_S)
     receiver.receive(lambda items: None, timeout=LONG_S)
     if name == "engine-1":
         os._exit(0)  # the engine crashes between two updates
@@ -166,7 +168,7 @@ def _dying_receiver(spec: dict[str, Any], name: str, events: mp.Queue) -> None:
 @pytest.mark.integration
 def test_receiver_that_died_since_the_last_transfer_is_named_before_bytes_move() -> None:
     context = mp.get_context("spawn")
-    sender = TorchDistributedWeightSender(timeout_s=SHORT_S)
+    sender = TorchDistributedWeightSender(timeout_s=LONG_S)
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
     events = context.Queue()
     processes = [
@@ -176,12 +178,12 @@ def test_receiver_that_died_since_the_last_transfer_is_named_before_bytes_move()
     for process in processes:
         process.start()
     try:
-        sender.wait_for_receivers(timeout_s=LONG_S)
+        sender.wait_for_receivers()
         sender.send(_weights(1), version=1)
         processes[1].join(timeout=LONG_S)
         started = time.monotonic()
         with pytest.raises(WeightTransferError, match="version 2 not started") as failure:
-            sender.send(_weights(2), version=2)
+            sender.send(_weights(2), version=2, timeout_s=SHORT_S)
         assert time.monotonic() - started < SHORT_S + 5
         assert list(failure.value.failed) == ["engine-1"]
         assert sender.committed_version == 1
