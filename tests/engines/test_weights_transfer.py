@@ -1,5 +1,5 @@
-"""Weights arrive bit-identical at every receiver: fp32 and bf16, several bucket layouts, staged or in place;
-and a receiver waiting for a transfer that never comes times out cleanly."""
+"""Weights arrive bit-identical at every receiver: fp32, bf16 and fp32 cast to bf16, several bucket layouts,
+staged or in place; and a receiver waiting for a transfer that never comes times out cleanly."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDist
 # (bucket_bytes, direct_bytes): buckets smaller than the largest tensor (10 KB); small buckets with large
 # tensors alone; one bucket for everything.
 LAYOUTS = [(1000, 10**9), (4096, 2048), (1 << 20, 1 << 20)]
-DTYPES = [None, torch.bfloat16]  # None: as held (float32 and int64); bf16: floating tensors cast on the way
+# (dtype the sender holds its floating tensors in, dtype it is asked to send): fp32 as held, bf16 as held, and
+# fp32 master weights cast to bf16 on the way (the trainer's case). None: unchanged.
+VARIANTS = [(None, None), (torch.bfloat16, None), (None, torch.bfloat16)]
 TIMEOUT_S = 60.0
 
 
@@ -33,6 +35,10 @@ def _model(version: int) -> list[tuple[str, Tensor]]:
         ("model.step_counter", torch.tensor([3, 1, 4, 1, 5], dtype=torch.int64) + version),
         ("lm_head.weight", torch.randn(64, 40, generator=generator)),
     ]
+
+
+def _as(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def digest(tensor: Tensor) -> str:
@@ -74,7 +80,7 @@ def test_weights_arrive_bit_identical_at_every_receiver(receivers: int) -> None:
     names = [f"engine-{index}" for index in range(receivers)]
     spec = sender.open_group(["learner", *names])
     results = context.Queue()
-    transfers = len(DTYPES) * len(LAYOUTS)
+    transfers = len(VARIANTS) * len(LAYOUTS)
     processes = [
         context.Process(target=_receiver_main, args=(spec.to_dict(), name, transfers, results), daemon=True)
         for name in names
@@ -83,26 +89,25 @@ def test_weights_arrive_bit_identical_at_every_receiver(receivers: int) -> None:
         process.start()
     try:
         sender.wait_for_receivers()
-        version = 0
-        for dtype in DTYPES:
+        version, previous_wire = 0, None
+        for held, dtype in VARIANTS:
             for bucket_bytes, direct_bytes in LAYOUTS:
                 version += 1
-                model = _model(version)
-                expected = {
-                    name: digest(t.to(dtype) if dtype is not None and t.is_floating_point() else t)
-                    for name, t in model
-                }
+                model = [(name, _as(t, held)) for name, t in _model(version)]
+                expected = {name: digest(_as(t, dtype)) for name, t in model}
                 sender.bucket_bytes, sender.direct_bytes = bucket_bytes, direct_bytes
                 report = sender.send(model, version, dtype=dtype)
                 assert report.receivers == tuple(names)
                 assert sender.committed_version == version
                 arrived = [results.get(timeout=TIMEOUT_S) for _ in names]
                 assert sorted(name for name, *_ in arrived) == names
+                wire = dtype or held
                 for name, got_version, in_place, kept_storage, digests in arrived:
                     assert got_version == version, name
-                    assert digests == expected, (name, dtype, bucket_bytes, direct_bytes)
-                    if in_place and dtype is None:
+                    assert digests == expected, (name, held, dtype, bucket_bytes, direct_bytes)
+                    if in_place and wire == previous_wire:  # live tensors already had the wire dtype
                         assert kept_storage, f"{name}: destinations were replaced instead of written in place"
+                previous_wire = wire
         idle = dict(results.get(timeout=TIMEOUT_S) for _ in names)
         assert idle == {name: f"{name}: no weight transfer started within 0.3s" for name in names}
     finally:
