@@ -7,7 +7,7 @@ Protocol (every zmq message is one msgpack frame; docs/wire-protocol.md, section
 2. The receiver answers ``StreamCredit(limit, window, incarnation, session)``: the sender may have sent
    ``limit`` data frames *in total* during ``session``. The first limit is ``window``.
 3. Every other frame the sender sends is data. A message counts as consumed when the application asks
-   ``StreamReceiver.recv()`` for the next one; once ``consumed`` is ``window // 2`` ahead of the last grant
+   ``StreamReceiver.recv()`` for the next one; once ``consumed`` is ``window // 4`` ahead of the last grant
    the receiver sends ``limit = consumed + window``.
 
 So at most ``window`` messages per sender exist anywhere between the producer's ``send`` and the consumer's
@@ -77,7 +77,7 @@ class StreamReceiver:
         self.incarnation = secrets.token_hex(8)
         self.received = 0
         self._decoder = decoder_for(limits)
-        self._credit_every = max(1, window // 2)
+        self._credit_every = max(1, window // 4)
         self._accounts: OrderedDict[bytes, _Account] = OrderedDict()
         self._sock = make_socket(
             ctx, zmq.ROUTER, security=security, server=True, max_frame_bytes=limits.max_frame_bytes
