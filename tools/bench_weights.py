@@ -9,7 +9,8 @@ untied head), so bucketing sees many tensors of very different sizes. The sender
 as the trainer does; the bf16 rows therefore include the cast the sender performs on the way. Receivers load
 into preallocated tensors in place, as an engine does. The baseline is one broadcast of a flat buffer with the
 same number of bytes over the same kind of standalone group, then a barrier (our transfer's time likewise ends
-at the last receiver's acknowledgement). Baseline and transfer alternate within each repeat; medians are shown.
+at the last receiver's acknowledgement). Baseline and transfer alternate within each repeat; times are medians,
+and ours/raw is the median over repeats of each adjacent pair's ratio, which shared machines need.
 """
 
 from __future__ import annotations
@@ -140,8 +141,11 @@ def _run_group(
                         report = sender.send(master, version=repeat + 1, dtype=wire)
                         transfer_times.append(report.seconds)
             gigabytes = flat.numel() / 1e9
-            raw, ours = statistics.median(raw_times[1:]), statistics.median(transfer_times[1:])
-            rows.append(Row(variant, count, gigabytes, raw, gigabytes / raw, ours, gigabytes / ours, raw / ours))
+            raw_times, transfer_times = raw_times[1:], transfer_times[1:]
+            raw, ours = statistics.median(raw_times), statistics.median(transfer_times)
+            # The ratio is the median of the PAIRED ratios (adjacent runs): robust to load drifting between pairs.
+            ratio = statistics.median(r / t for r, t in zip(raw_times, transfer_times, strict=True))
+            rows.append(Row(variant, count, gigabytes, raw, gigabytes / raw, ours, gigabytes / ours, ratio))
             del flat, master
         return rows
     finally:
