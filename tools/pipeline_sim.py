@@ -40,6 +40,7 @@ import numpy as np
 from actors.base import Actor
 from actors.config import RunConfig
 from actors.handlers import on_broadcast
+from actors.metrics import read_metrics
 from bus.schema import (
     TOPIC_RUN_STATE,
     TOPIC_VERSION,
@@ -416,7 +417,7 @@ class SyntheticLearner(SyntheticActor):
 
 def read_steps(run_dir: Path) -> list[dict[str, Any]]:
     """The learner's records of one run, in order."""
-    return _read_jsonl(run_dir / "metrics" / STEPS_FILE)
+    return read_metrics(run_dir / "metrics" / STEPS_FILE)
 
 
 def read_busy_log(run_dir: Path) -> list[dict[str, float]]:
@@ -424,17 +425,6 @@ def read_busy_log(run_dir: Path) -> list[dict[str, float]]:
     generation and `sent`, when the reward stream took it (a late `sent` is a back-pressured stream)."""
     records = []
     for path in sorted((run_dir / "metrics").glob(BUSY_FILE.format(actor_id="*"))):
-        records += _read_jsonl(path)
+        records += read_metrics(path)
     return records
 
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line torn by a kill or still being written; the rest is good
-    return records
