@@ -68,7 +68,8 @@ class Buffer(Actor):
         self.core.log = BufferLog(log_path)
         self.batch_ready = asyncio.Condition()
         self.metrics_writer = MetricsWriter(self.context.run_dir, "buffer", tensorboard=False)
-        self.eval_rounds = EvalRounds(config, self.core, self.metrics_writer, self.log)
+        self.eval_writer = MetricsWriter(self.context.run_dir, "eval", tensorboard=False)
+        self.eval_rounds = EvalRounds(config, self.core, self.eval_writer, self.log)
         self.eval_rounds.maybe_start(self.core.learner_version)  # a baseline before any training
 
     async def run(self) -> None:
@@ -159,8 +160,9 @@ class Buffer(Actor):
     async def on_stop(self) -> None:
         if hasattr(self, "core") and self.core.log is not None:
             self.core.log.close()
-        if hasattr(self, "metrics_writer"):
-            self.metrics_writer.close()
+        for name in ("metrics_writer", "eval_writer"):
+            if hasattr(self, name):
+                getattr(self, name).close()
 
 
 def make_group_filter(spec: str | None) -> Callable[[ScoredGroup], str | None] | None:

@@ -61,7 +61,8 @@ class RunConfig(BaseModel):
 
     # ---- staleness and off-policy correction (the algorithm itself is in `policy`)
     max_staleness: int = Field(2, description="hard bound on learner_version - min(token versions); 0 = on-policy")
-    use_decoupled_ppo: bool = Field(False, description="recompute proximal log-probs before the update")
+    use_decoupled_ppo: bool = Field(False, description="recompute proximal log-probs before the update (always "
+                                    "done when --off-policy-correction is not none)")
     update_weights_interval: int = Field(1, description="push weights to engines every N learner steps")
     weight_transfer_timeout: float = Field(30.0, description="seconds a weight transfer waits for an engine "
                                            "(to join, be ready, acknowledge) before it fails and is retried")

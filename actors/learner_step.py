@@ -33,14 +33,13 @@ class StepReport:
 
 
 def to_train_sample(sample: Sample) -> TrainSample:
+    """Copies out of the decoded frame: bus arrays are read-only views that must not outlive the message."""
     length = int(sample.response_length)
-    fields = {
-        "loss_mask": torch.as_tensor(np.asarray(sample.loss_mask if sample.loss_mask is not None else np.ones(length)),
-                                     dtype=torch.float32),
-    }
+    mask = sample.loss_mask if sample.loss_mask is not None else np.ones(length)
+    fields = {"loss_mask": torch.tensor(np.asarray(mask), dtype=torch.float32)}
     if sample.rollout_log_probs is not None:
-        fields["rollout_log_probs"] = torch.as_tensor(np.asarray(sample.rollout_log_probs), dtype=torch.float32)
-    return TrainSample(tokens=torch.as_tensor(np.asarray(sample.tokens), dtype=torch.long), response_length=length,
+        fields["rollout_log_probs"] = torch.tensor(np.asarray(sample.rollout_log_probs), dtype=torch.float32)
+    return TrainSample(tokens=torch.tensor(np.asarray(sample.tokens), dtype=torch.long), response_length=length,
                        token_fields=fields, sample_fields={"reward": float(sample.reward or 0.0)})
 
 
@@ -58,6 +57,10 @@ class TrainingStep:
         self.config = config
         self.policy = config.policy
         self.is_sft = self.policy.loss_type == "sft"
+        # pi_old must come from the learner whenever a correction is on: with pi_old := mu (the engine's
+        # log-probs) the behaviour weight pi_old / mu is identically 1 and TIS/MIS/IcePop would do nothing.
+        self.recompute_old = not self.is_sft and (config.use_decoupled_ppo
+                                                  or self.policy.off_policy_correction != "none")
 
     def train(self, samples: Sequence[Sample], staleness: Sequence[int]) -> StepReport:
         train_samples = [to_train_sample(s) for s in samples]
@@ -72,7 +75,7 @@ class TrainingStep:
             ref = self.trainer.compute_log_probs(train_samples, temperature=temperature, model="ref").log_probs
             for sample, values in zip(train_samples, _split(ref, lengths), strict=True):
                 sample.token_fields["ref_log_probs"] = values
-        if self.config.use_decoupled_ppo and not self.is_sft:
+        if self.recompute_old:
             old = self.trainer.compute_log_probs(train_samples, temperature=temperature).log_probs
             for sample, values in zip(train_samples, _split(old, lengths), strict=True):
                 sample.token_fields["old_log_probs"] = values
@@ -84,7 +87,7 @@ class TrainingStep:
             advantages, _returns = compute_advantages(
                 self.policy, rewards=rewards, group_ids=group_ids, response_lengths=response_lengths,
                 loss_mask=loss_mask, log_probs=_packed(train_samples, "old_log_probs")
-                if self.config.use_decoupled_ppo else behaviour,
+                if self.recompute_old else behaviour,
                 ref_log_probs=_packed(train_samples, "ref_log_probs") if needs_ref else None,
             )
             for sample, values in zip(train_samples, _split(advantages.float(), lengths), strict=True):
@@ -92,7 +95,7 @@ class TrainingStep:
 
         keep_mask = effective_loss_mask(
             self.policy, loss_mask=loss_mask, response_lengths=response_lengths,
-            old_log_probs=_packed(train_samples, "old_log_probs") if self.config.use_decoupled_ppo else None,
+            old_log_probs=_packed(train_samples, "old_log_probs") if self.recompute_old else None,
             rollout_log_probs=None if self.is_sft else _packed(train_samples, "rollout_log_probs"),
         )
         denominator = global_denominator(self.policy.loss_agg_mode, keep_mask, response_lengths)

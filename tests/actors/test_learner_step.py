@@ -75,3 +75,19 @@ def test_sft_step_raises_the_likelihood_of_the_labels(tiny_model_path: Path) -> 
     for _ in range(5):
         last = step.train(samples, staleness=[0, 0, 0]).metrics["loss"]
     assert last < first
+
+
+@pytest.mark.integration
+def test_tis_weights_samples_from_older_weights(tiny_model_path: Path) -> None:
+    """With a correction on, pi_old comes from the learner, so stale samples get weights != 1."""
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4,
+                           "rollout_max_response_len": 5, "off_policy_correction": "tis", "lr": 5e-2})
+    samples = generate(tiny_model_path, config, groups(4))
+    samples = [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "reward": float(i % 2)})
+               for i, s in enumerate(samples)]
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=5e-2))
+    step = TrainingStep(trainer, config)
+    fresh = step.train(samples, staleness=[0] * len(samples)).metrics
+    stale = step.train(samples, staleness=[1] * len(samples)).metrics  # the policy moved since generation
+    assert fresh["is_weight_abs_dev"] < 1e-4
+    assert stale["is_weight_abs_dev"] > 1e-3
