@@ -109,9 +109,8 @@ def _ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
     return (log_probs - old_log_probs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
 
 
-@register_policy_loss("ppo")
-def ppo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms:
-    ratio = _ratio(inputs.log_probs, inputs.old_log_probs)
+def _clipped_terms(config: PolicyLossConfig, ratio: Tensor, inputs: PolicyLossInputs) -> PolicyLossTerms:
+    """The clipped surrogate shared by PPO and GSPO; they differ only in how the ratio is formed."""
     assert config.eps_clip_high is not None
     loss, clipped, dual = clipped_surrogate(
         ratio,
@@ -122,6 +121,12 @@ def ppo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTe
     )
     extra = {"pg_dual_clipfrac": masked_mean(dual, inputs.loss_mask)} if config.eps_clip_c is not None else {}
     return PolicyLossTerms(per_token_loss=loss, clipped=clipped, ratio=ratio.detach(), extra_metrics=extra)
+
+
+@register_policy_loss("ppo")
+def ppo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms:
+    ratio = _ratio(inputs.log_probs, inputs.old_log_probs)
+    return _clipped_terms(config, ratio, inputs)
 
 
 @register_policy_loss("gspo")
@@ -131,16 +136,7 @@ def gspo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossT
         to_tokens(seq_log_ratio.detach(), inputs.response_lengths) + inputs.log_probs - inputs.log_probs.detach()
     )
     ratio = token_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
-    assert config.eps_clip_high is not None
-    loss, clipped, dual = clipped_surrogate(
-        ratio,
-        inputs.advantages,
-        eps_clip=config.eps_clip,
-        eps_clip_high=config.eps_clip_high,
-        eps_clip_c=config.eps_clip_c,
-    )
-    extra = {"pg_dual_clipfrac": masked_mean(dual, inputs.loss_mask)} if config.eps_clip_c is not None else {}
-    return PolicyLossTerms(per_token_loss=loss, clipped=clipped, ratio=ratio.detach(), extra_metrics=extra)
+    return _clipped_terms(config, ratio, inputs)
 
 
 @register_policy_loss("cispo")
