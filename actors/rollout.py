@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 
 from actors.base import Actor
 from actors.config import RunConfig
+from actors.engine_factory import load_engine
 from actors.handlers import on_broadcast, serves
 from actors.rollout_generate import RolloutContext, choose_generate_function
 from actors.weights_client import EngineWeightReceiver
@@ -40,7 +40,7 @@ class RolloutWorker(Actor):
 
         self.config = RunConfig(**self.settings["run"])
         torch.set_num_threads(self.config.torch_threads)
-        self.engine, self.tokenizer = await asyncio.to_thread(_load_engine, self.config)
+        self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config)
         self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
         self.capacity = max(1, self.config.rollout_max_batch_size // self.config.n_samples_per_prompt)
@@ -160,15 +160,4 @@ class RolloutWorker(Actor):
             await self.engine.close()
         if hasattr(self, "weights"):
             self.weights.close()
-
-
-def _load_engine(config: RunConfig) -> tuple[Any, Any]:
-    from transformers import AutoTokenizer
-
-    from engines.inference.torch_engine import TorchEngine
-
-    if config.hf_checkpoint is None:
-        raise ValueError("--hf-checkpoint is required for the torch rollout engine")
-    engine = TorchEngine.from_pretrained(config.hf_checkpoint, max_batch_size=config.rollout_max_batch_size)
-    return engine, AutoTokenizer.from_pretrained(config.hf_checkpoint)
 
