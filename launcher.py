@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from actors.config import RunConfig, add_config_flags, config_from_args, write_effective_config
+from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.context import ActorContext
 from actors.progress import follow_progress
 from actors.roles import BUILTIN_ROLES, resolve_actor_class
@@ -186,7 +186,9 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
 
 def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace, Path]:
     customs = parse_custom_actors(argv)
-    args = build_parser(list(customs)).parse_args(list(argv))
+    remaining, sglang_passthrough = split_sglang_args(list(argv))
+    args = build_parser(list(customs)).parse_args(remaining)
+    args.sglang_passthrough = sglang_passthrough
     if args.head:
         head_address = args.head_address or f"tcp://{args.host}:{free_port(args.host)}"
         check_head_address(head_address, binding=True)

@@ -31,6 +31,23 @@ class RunConfig(BaseModel):
     torch_threads: int = Field(1, description="torch CPU threads per actor process")
     seed: int = Field(1234, description="seed of data order, sampling and initialisation")
 
+    # ---- learner parallelism: learner_ranks = TP x PP x DP (the torch backend is data-parallel only)
+    learner_ranks: int = Field(1, description="learner processes (torch.distributed ranks) started by the learner")
+    tensor_model_parallel_size: int = Field(1, description="Megatron tensor parallel size")
+    pipeline_model_parallel_size: int = Field(1, description="Megatron pipeline parallel size")
+    use_distributed_optimizer: bool = Field(True, description="Megatron: shard optimizer state over data parallel")
+    megatron_checkpoint: str | None = Field(None, description="Megatron distributed checkpoint to start from "
+                                            "(default: convert --hf-checkpoint)")
+
+    # ---- SGLang rollout engine (--rollout-engine sglang)
+    sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "
+                                  "(one per rollout worker, in worker order) instead of launching them")
+    sglang_server_module: str = Field("sglang.launch_server", description="python -m module that starts a server")
+    rollout_num_gpus_per_engine: int = Field(1, description="GPUs (tensor parallel ranks) per SGLang server")
+    sglang_startup_timeout: float = Field(600.0, description="seconds to wait for a launched server's health")
+    sglang_args: dict[str, str] = Field(default_factory=dict, description="extra SGLang server arguments; on the "
+                                        "command line as --sglang-NAME VALUE, passed on as --NAME VALUE")
+
     # ---- data
     prompt_data: str | None = Field(None, description="training prompts, .jsonl or .parquet")
     input_key: str = Field("input", description="prompt field of each record")
@@ -124,6 +141,12 @@ class RunConfig(BaseModel):
             problems.append("debug_rollout_only and debug_train_only are exclusive")
         if self.debug_train_only and not self.load_debug_rollout_data:
             problems.append("debug_train_only needs load_debug_rollout_data")
+        parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if self.learner_ranks < 1 or self.learner_ranks % parallel:
+            problems.append(f"learner_ranks {self.learner_ranks} must be a positive multiple of "
+                            f"tensor_model_parallel_size x pipeline_model_parallel_size = {parallel}")
+        if parallel > 1 and self.train_backend != "megatron":
+            problems.append("tensor/pipeline parallelism needs --train-backend megatron")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -184,6 +207,8 @@ def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any
         default = field.default if field.default_factory is None else field.default_factory()
         default = (defaults or {}).get(name, default)
         help_text = f"{field.description or name.replace('_', ' ')} (default: {default})"
+        if typing.get_origin(annotation) is dict:
+            continue  # set in YAML, or by a pass-through flag family (see split_sglang_args)
         if annotation is bool:
             group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
@@ -217,7 +242,41 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         given = getattr(args, name, None)
         if given is not None:
             values[name] = given
+    passed_through = getattr(args, "sglang_passthrough", None)
+    if passed_through:
+        values["sglang_args"] = {**values.get("sglang_args", {}), **passed_through}
     return build_config(values, source=source)
+
+
+SGLANG_PREFIX = "--sglang-"
+
+
+def split_sglang_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Take `--sglang-NAME VALUE` (or `--sglang-NAME=VALUE`, or a bare switch) out of argv for the SGLang server.
+
+    SGLang has hundreds of server arguments; forwarding a prefixed family keeps them out of our flag list while
+    letting a user set any of them. A bare switch is forwarded as the value "true".
+    """
+    rest: list[str] = []
+    found: dict[str, str] = {}
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if not token.startswith(SGLANG_PREFIX) or token == SGLANG_PREFIX:
+            rest.append(token)
+            index += 1
+            continue
+        name, has_value, value = token[len(SGLANG_PREFIX):].partition("=")
+        if not has_value:
+            following = argv[index + 1] if index + 1 < len(argv) else None
+            if following is not None and not following.startswith("--"):
+                value = following
+                index += 1
+            else:
+                value = "true"
+        found[name.replace("_", "-")] = value
+        index += 1
+    return rest, found
 
 
 def _known_keys() -> set[str]:

@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import add_config_flags, build_config, config_from_args
+from actors.config import add_config_flags, build_config, config_from_args, split_sglang_args
 
 
 def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
-    return config_from_args(parser.parse_args(argv))
+    remaining, passthrough = split_sglang_args(argv)
+    args = parser.parse_args(remaining)
+    args.sglang_passthrough = passthrough
+    return config_from_args(args)
 
 
 @pytest.mark.unit
@@ -59,3 +62,24 @@ def test_config_round_trips_through_the_actor_settings() -> None:
     config = parse(["--eps-clip-high", "0.3", "--max-staleness", "0"])
     again = RunConfig(**config.model_dump(mode="json"))
     assert again == config
+
+
+@pytest.mark.unit
+def test_sglang_prefixed_flags_reach_the_server_arguments(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("sglang_args:\n  mem-fraction-static: '0.5'\n  log-level: warning\n", encoding="utf-8")
+    config = parse(["--config", str(path), "--sglang-mem-fraction-static", "0.7", "--sglang-enable_torch_compile",
+                    "--sglang-chunked-prefill-size=512", "--lr", "0.01"])
+    assert config.sglang_args == {"mem-fraction-static": "0.7", "log-level": "warning",
+                                  "enable-torch-compile": "true", "chunked-prefill-size": "512"}
+    assert config.lr == 0.01
+
+
+@pytest.mark.unit
+def test_model_parallel_sizes_must_divide_the_learner_ranks() -> None:
+    with pytest.raises(ValueError, match="learner_ranks 3 must be a positive multiple"):
+        build_config({"train_backend": "megatron", "learner_ranks": 3, "tensor_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="needs --train-backend megatron"):
+        build_config({"learner_ranks": 2, "tensor_model_parallel_size": 2})
+    config = build_config({"train_backend": "megatron", "learner_ranks": 4, "tensor_model_parallel_size": 2})
+    assert config.learner_ranks // config.tensor_model_parallel_size == 2
