@@ -113,6 +113,8 @@ class Buffer(Actor):
         """Long-poll: answer with the batch once it can be assembled, or an empty batch after a while."""
         if request.commit_only:
             self.core.commit_through(request.checkpointed_batch)
+            if request.trained_batch >= self.config.num_rollout:
+                await self._final_eval(request.learner_version)
             return Batch(batch_id=request.trained_batch, samples=[], staleness=[], reserved=False)
         deadline = asyncio.get_running_loop().time() + BATCH_POLL_SECONDS
         while True:
@@ -137,6 +139,24 @@ class Buffer(Actor):
         })
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
                      reserved=assembled.reserved)
+
+    async def _final_eval(self, version: int) -> None:
+        """The run's last word on quality: evaluate the final version before the learner ends the run.
+
+        The learner's final commit waits on this reply, and the rollout workers still run, so the round is
+        generated like any other; a round that cannot finish in time is reported as cut off, not waited for.
+        """
+        limit = self.config.final_eval_timeout
+        if limit <= 0 or not self.eval_rounds.sets:
+            return
+        self.eval_rounds.maybe_start(version, final=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while self.eval_rounds.pending and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        if self.eval_rounds.pending:
+            self.counters["eval.rounds_cut_off"] += 1
+            self.log.warning("final eval round did not finish in time", version=version, timeout_s=limit)
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:

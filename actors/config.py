@@ -60,6 +60,8 @@ class RunConfig(BaseModel):
     eval_interval: int | None = Field(None, description="evaluate every N learner versions")
     n_samples_per_eval_prompt: int = Field(1, description="samples per eval prompt (pass@k uses them)")
     eval_temperature: float = Field(0.0, description="eval sampling temperature (0 = greedy)")
+    final_eval_timeout: float = Field(300.0, description="seconds the end of a run waits for the eval round of "
+                                      "the final version (0 = no final round)")
 
     # ---- rollout
     rollout_batch_size: int = Field(8, description="prompts (groups) per training batch")

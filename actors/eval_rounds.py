@@ -1,8 +1,9 @@
 """Evaluation rounds run by the rollout workers between training work, scored like any group.
 
-Every `--eval-interval` learner versions (and once before training) the buffer queues each eval set's
-prompts ahead of training prompts; eval groups bypass admission and never enter the training pool. When a
-round's last group returns, the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
+Every `--eval-interval` learner versions, once before training and once for the final version (the run waits
+for that one, up to `--final-eval-timeout`), the buffer queues each eval set's prompts ahead of training
+prompts; eval groups bypass admission and never enter the training pool. When a round's last group returns,
+the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ class EvalRounds:
         self.rounds: dict[tuple[int, str], EvalRound] = {}
         self.started_versions: set[int] = set()
 
-    def maybe_start(self, version: int) -> None:
+    def maybe_start(self, version: int, *, final: bool = False) -> None:
+        """Queue a round at every interval-th version, and for the final version whatever the interval."""
         interval = self.config.eval_interval
-        if not self.sets or not interval or version % interval or version in self.started_versions:
+        due = final or bool(interval and version % interval == 0)
+        if not self.sets or not due or version in self.started_versions:
             return
         self.started_versions.add(version)
         for name, records in self.sets.items():
@@ -64,6 +67,11 @@ class EvalRounds:
                     metadata=record.metadata, n_samples=self.config.n_samples_per_eval_prompt,
                     data_index=record.data_index, is_eval=True,
                 ))
+
+    @property
+    def pending(self) -> bool:
+        """A round is queued or generating: the run should not end before it reports."""
+        return bool(self.rounds)
 
     def record(self, group: ScoredGroup) -> None:
         _, name, version, _ = group.group_id.split(":", 3)

@@ -131,12 +131,16 @@ class Learner(Actor):
         if not self.config.debug_rollout_only:
             await self.save_checkpoint()
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
-        # Commit the last batches in the buffer's log: they are covered by the checkpoint just written.
+            if self.weights.committed_version != self.trainer.version and not self.config.debug_train_only:
+                await self.publish_weights()  # the final eval round must see the final weights
+        # Commit the last batches in the buffer's log (they are covered by the checkpoint just written); the
+        # buffer answers once the final version's eval round has reported.
         if not self.config.load_debug_rollout_data:
+            wait = self.config.final_eval_timeout if self.config.eval_prompt_data else 0.0
             try:
                 await self.buffer.call(BatchRequest(learner_version=self.version, trained_batch=self.trained_batch,
                                                     checkpointed_batch=self.checkpointed_batch, commit_only=True),
-                                       timeout=5.0, retries=1)
+                                       timeout=5.0 + wait, retries=1)
             except Exception as error:
                 self.log.warning("final commit to the buffer failed", error=repr(error))
         assert self._controller is not None

@@ -1,0 +1,60 @@
+"""Debug modes through launcher.py: record rollouts without training, then train on the recording alone.
+
+This is how a user separates "is generation right?" from "is training right?": the second run must train on
+exactly the batches the first run recorded, with no rollout worker or reward worker running. The first run
+also checks that the run waits for the final version's eval round instead of cutting it off.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bus.codec import decode
+from tools.make_arithmetic_data import make_arithmetic_data
+
+REPO = Path(__file__).resolve().parents[2]
+COMMON = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+          "--no-progress", "--no-use-tensorboard", "--no-plots", "--heartbeat-interval", "0.25"]
+
+
+def run(arguments: list[str], timeout: float = 180) -> None:
+    completed = subprocess.run([sys.executable, str(REPO / "launcher.py"), "--head", *arguments, *COMMON],
+                               cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.mark.system
+def test_recorded_rollouts_replay_into_a_training_only_run(tiny_model_path: Path, tmp_path: Path) -> None:
+    data = make_arithmetic_data(tmp_path / "data", max_operand=5, eval_size=6, sft_size=4)
+    recording = tmp_path / "recording"
+    rollout_run = tmp_path / "rollout-only"
+    run(["--run-dir", str(rollout_run), "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data["train"]),
+         "--num-rollout", "3", "--debug-rollout-only", "--save-debug-rollout-data", str(recording),
+         "--eval-prompt-data", "heldout", str(data["eval"]), "--eval-interval", "100"])
+
+    recorded = {int(path.stem.split("_")[1]): decode(path.read_bytes()) for path in recording.glob("batch_*.msgpack")}
+    assert sorted(recorded) == [1, 2, 3]
+    assert not (rollout_run / "final_model").exists(), "a rollout-only run must not train or export a model"
+    eval_versions = sorted(row["step"] for row in jsonl(rollout_run / "metrics" / "eval.jsonl"))
+    assert eval_versions == [0, 3], "the baseline and the final version are evaluated even off the interval"
+
+    train_run = tmp_path / "train-only"
+    run(["--run-dir", str(train_run), "--hf-checkpoint", str(tiny_model_path), "--num-rollout", "3",
+         "--debug-train-only", "--load-debug-rollout-data", str(recording), "--rollout-workers", "0",
+         "--reward-workers", "0"])
+
+    trained = {row["batch_id"]: row["sample_ids"] for row in jsonl(train_run / "metrics" / "trained_samples.jsonl")}
+    assert trained == {batch_id: [s.sample_id for s in batch.samples] for batch_id, batch in recorded.items()}
+    assert [row["version"] for row in jsonl(train_run / "metrics" / "train.jsonl")] == [1, 2, 3]
+    assert (train_run / "final_model" / "config.json").exists()
+    launched = (train_run / "logs" / "launcher-0.jsonl").read_text(encoding="utf-8")
+    assert "rollout-0-0" not in launched and "reward-0-0" not in launched
