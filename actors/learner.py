@@ -16,6 +16,7 @@ from typing import Any
 
 from actors.base import Actor
 from actors.config import RunConfig
+from actors.learner_ranks import CollectiveTrainer, LearnerRanks
 from actors.learner_step import TrainingStep
 from actors.metrics import MetricsWriter
 from actors.trainer_factory import build_trainer
@@ -33,8 +34,12 @@ class Learner(Actor):
 
         self.config = config = RunConfig(**self.settings["run"])
         torch.set_num_threads(config.torch_threads)
-        self.trainer = await asyncio.to_thread(build_trainer, config)
-        self.step = TrainingStep(self.trainer, config)
+        self.ranks = LearnerRanks(config, self.context.run_dir, self.context.host, self.log)
+        self.ranks.spawn()
+        await asyncio.to_thread(self.ranks.join)
+        local_trainer = await asyncio.to_thread(build_trainer, config)
+        self.step = TrainingStep(local_trainer, config)
+        self.trainer = CollectiveTrainer(local_trainer, self.ranks)
         self.buffer = self.peer_rpc("buffer")
         self.checkpoint_dir = Path(config.save) if config.save else self.context.run_dir / "checkpoints"
         self.trained_batch = 0
@@ -91,7 +96,7 @@ class Learner(Actor):
             report = None
             self._debug_versions = getattr(self, "_debug_versions", 0) + 1
         else:
-            report = await asyncio.to_thread(self.step.train, batch.samples, batch.staleness)
+            report = await asyncio.to_thread(self.trainer.train, self.step, batch)
         self.busy_seconds += time.monotonic() - started
         self.trained_batch = batch.batch_id
         self.audit.write(json.dumps({"batch_id": batch.batch_id, "version": self.version,
@@ -210,4 +215,6 @@ class Learner(Actor):
                 getattr(self, name).close()
         if hasattr(self, "weights"):
             self.weights.close()
+        if hasattr(self, "trainer"):
+            await asyncio.to_thread(self.trainer.close)
 

@@ -63,6 +63,13 @@ class TrainingStep:
                                                   or self.policy.off_policy_correction != "none")
 
     def train(self, samples: Sequence[Sample], staleness: Sequence[int]) -> StepReport:
+        """Every learner rank calls this with the whole batch; a data-parallel rank trains its share of groups."""
+        batch_metrics = rollout_metrics(samples, staleness)
+        parallel = self.trainer.data_parallel()
+        if parallel.size > 1:
+            samples = [samples[i] for i in data_parallel_shard([s.group_id for s in samples],
+                                                               [int(s.response_length) for s in samples],
+                                                               rank=parallel.rank, size=parallel.size)]
         train_samples = [to_train_sample(s) for s in samples]
         lengths = [s.response_length for s in train_samples]
         response_lengths = torch.tensor(lengths, dtype=torch.long)
@@ -89,6 +96,7 @@ class TrainingStep:
                 loss_mask=loss_mask, log_probs=_packed(train_samples, "old_log_probs")
                 if self.recompute_old else behaviour,
                 ref_log_probs=_packed(train_samples, "ref_log_probs") if needs_ref else None,
+                process_group=parallel.group if parallel.size > 1 else None,
             )
             for sample, values in zip(train_samples, _split(advantages.float(), lengths), strict=True):
                 sample.token_fields["advantages"] = values
@@ -98,8 +106,11 @@ class TrainingStep:
             old_log_probs=_packed(train_samples, "old_log_probs") if self.recompute_old else None,
             rollout_log_probs=None if self.is_sft else _packed(train_samples, "rollout_log_probs"),
         )
-        denominator = global_denominator(self.policy.loss_agg_mode, keep_mask, response_lengths)
-        total_tokens = max(1.0, float(loss_mask.sum()))
+        counts = torch.tensor([global_denominator(self.policy.loss_agg_mode, keep_mask, response_lengths),
+                               float(loss_mask.sum())], dtype=torch.float64)
+        if parallel.size > 1:  # whole-step denominators: every rank's shard counts
+            torch.distributed.all_reduce(counts, group=parallel.group)
+        denominator, total_tokens = float(counts[0]), max(1.0, float(counts[1]))
 
         def loss_fn(outputs: ModelOutputs, batch: PackedBatch, _normalizer: LossNormalizer):
             fields = batch.token_fields
@@ -115,7 +126,32 @@ class TrainingStep:
 
         result = self.trainer.train_step(train_samples, loss_fn, temperature=temperature,
                                          with_entropy=self.policy.entropy_coef != 0)
-        return StepReport(result=result, metrics={**result.metrics, **rollout_metrics(samples, staleness)})
+        return StepReport(result=result, metrics={**result.metrics, **batch_metrics})
+
+
+def data_parallel_shard(group_ids: Sequence[str], lengths: Sequence[int], *, rank: int, size: int) -> list[int]:
+    """Indices of the samples rank `rank` of `size` trains on: whole groups, dealt to balance response tokens.
+
+    Whole groups keep group-relative advantages computable on each rank alone. Groups go largest first to the
+    rank with the fewest tokens so far (ties to the lower rank), which every rank computes identically.
+    """
+    members: dict[str, list[int]] = {}
+    for index, group_id in enumerate(group_ids):
+        members.setdefault(group_id, []).append(index)
+    if len(members) < size:
+        raise ValueError(f"a batch of {len(members)} groups cannot feed {size} data-parallel ranks; "
+                         f"raise --rollout-batch-size to at least {size}")
+    load = [0] * size
+    held = [0] * size
+    mine: list[int] = []
+    order = sorted(members.values(), key=lambda indices: (-sum(lengths[i] for i in indices), indices[0]))
+    for indices in order:
+        target = min(range(size), key=lambda r: (load[r], held[r], r))
+        load[target] += sum(lengths[i] for i in indices)
+        held[target] += 1
+        if target == rank:
+            mine.extend(indices)
+    return sorted(mine)
 
 
 def _group_indices(group_ids: Sequence[str]) -> torch.Tensor:

@@ -134,6 +134,15 @@ class StepResult:
     skip_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """A rank's place among the ranks that receive different samples; `group` None is the default group."""
+
+    rank: int
+    size: int
+    group: Any = None
+
+
 class Trainer(ABC):
     """A policy (and optional frozen reference) model with its optimizer, seen as a versioned function.
 
@@ -178,6 +187,15 @@ class Trainer(ABC):
     @abstractmethod
     def export_hf(self, directory: str | Path) -> None:
         """Write the policy as a Hugging Face folder that `from_pretrained` loads (weights, config, tokenizer)."""
+
+    def data_parallel(self) -> DataParallel:
+        """Which share of a batch this rank trains on, and the group that sums what the shares count.
+
+        A trainer that splits the batch itself (e.g. Megatron, whose data-parallel ranks are not the whole world)
+        keeps this default: every rank receives the whole batch. The torch trainer's ranks are all
+        data-parallel, so it reports its rank and world and expects each rank to pass its own shard.
+        """
+        return DataParallel(rank=0, size=1, group=None)
 
     def close(self) -> None:  # noqa: B027 - optional hook, most trainers hold nothing to release
         """Release distributed resources; call before tearing down torch.distributed."""

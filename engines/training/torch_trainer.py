@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from engines.training import checkpoint
 from engines.training.attention import register_packed_attention
 from engines.training.base import (
+    DataParallel,
     LossFn,
     LossNormalizer,
     ModelOutputs,
@@ -213,6 +214,9 @@ class TorchTrainer(Trainer):
                 self._model.save_pretrained(staging)
 
         self._on_rank_zero(write, f"exporting {directory}")
+
+    def data_parallel(self) -> DataParallel:
+        return DataParallel(rank=_rank(), size=_world_size(), group=None)
 
     def close(self) -> None:
         """Drop the DDP wrapper while the process group is still alive; call before destroy_process_group().

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.config import build_config
-from actors.learner_step import TrainingStep
+from actors.learner_step import TrainingStep, data_parallel_shard
 from actors.rollout_generate import RolloutContext, default_generate, sft_generate
 from bus.schema import PromptGroup, Sample
 from engines.inference.torch_engine import TorchEngine
@@ -91,3 +91,24 @@ def test_tis_weights_samples_from_older_weights(tiny_model_path: Path) -> None:
     stale = step.train(samples, staleness=[1] * len(samples)).metrics  # the policy moved since generation
     assert fresh["is_weight_abs_dev"] < 1e-4
     assert stale["is_weight_abs_dev"] > 1e-3
+
+
+@pytest.mark.unit
+def test_data_parallel_shards_partition_the_batch_into_whole_balanced_groups() -> None:
+    group_ids = ["a", "a", "b", "b", "c", "c", "d", "d", "e", "e"]
+    lengths = [9, 9, 1, 1, 4, 4, 3, 3, 2, 2]
+    shards = [data_parallel_shard(group_ids, lengths, rank=rank, size=2) for rank in range(2)]
+    assert sorted(shards[0] + shards[1]) == list(range(len(group_ids)))
+    for shard in shards:
+        groups = {group_ids[i] for i in shard}
+        assert sorted(shard) == sorted(i for i, g in enumerate(group_ids) if g in groups), "a group was split"
+    tokens = [sum(lengths[i] for i in shard) for shard in shards]
+    assert abs(tokens[0] - tokens[1]) <= 2 * max(lengths), tokens
+    # a (18 tokens) fills rank 0; c, d, e (18) fill rank 1; b goes to the rank holding fewer groups at the tie.
+    assert [{group_ids[i] for i in shard} for shard in shards] == [{"a", "b"}, {"c", "d", "e"}]
+
+
+@pytest.mark.unit
+def test_too_few_groups_for_the_data_parallel_ranks_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="2 groups cannot feed 4 data-parallel ranks"):
+        data_parallel_shard(["a", "b"], [1, 1], rank=0, size=4)
