@@ -66,8 +66,8 @@ class RunConfig(BaseModel):
     # ---- rollout
     rollout_batch_size: int = Field(8, description="prompts (groups) per training batch")
     n_samples_per_prompt: int = Field(4, description="responses generated per prompt")
-    global_batch_size: int | None = Field(None,
-                                          description="samples per optimizer step (default: one step per batch)")
+    global_batch_size: int | None = Field(None, description="samples per optimizer step; must equal "
+                                          "rollout_batch_size x n_samples_per_prompt (one step per batch)")
     num_rollout: int = Field(20, description="training batches to consume (learner steps)")
     rollout_temperature: float = Field(1.0, description="sampling temperature")
     rollout_top_p: float = Field(1.0, description="top-p sampling")
@@ -132,9 +132,10 @@ class RunConfig(BaseModel):
         if self.max_staleness < 0:
             problems.append("max_staleness must be >= 0")
         samples = self.rollout_batch_size * self.n_samples_per_prompt
-        if self.global_batch_size is not None and (self.global_batch_size < 1 or samples % self.global_batch_size):
-            problems.append(f"global_batch_size {self.global_batch_size} must divide rollout_batch_size x "
-                            f"n_samples_per_prompt = {samples}")
+        if self.global_batch_size is not None and self.global_batch_size != samples:
+            problems.append(f"global_batch_size {self.global_batch_size}: several optimizer steps per batch are not "
+                            f"supported yet; leave it unset or set it to rollout_batch_size x n_samples_per_prompt "
+                            f"= {samples}")
         if len(self.eval_prompt_data) % 2:
             problems.append("eval_prompt_data takes NAME PATH pairs")
         if self.eval_prompt_data and not self.eval_interval:
