@@ -1,0 +1,189 @@
+"""Start, health-wait, stop and restart one SGLang server process (a real `sglang.launch_server` or ours).
+
+The server is a child in its own process group (so stopping it takes its scheduler and detokenizer
+processes too) that also dies with its parent on Linux, so a rollout worker killed with SIGKILL does not leave a
+GPU server behind. Its output goes to a log file whose tail is quoted when it fails to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+HEALTH_PATHS = ("/health_generate", "/health")
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or stayed unhealthy during start-up; the message quotes its log."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What to start: `python -m {module} --model-path ... --host ... --port ... --tp-size ...` plus `extra`.
+
+    `extra` holds SGLang arguments by name without dashes (`{"mem-fraction-static": "0.8"}`); the value "true"
+    makes a bare switch (`--enable-metrics`), as `--sglang-NAME` without a value does on our command line.
+    """
+
+    model_path: str
+    module: str = "sglang.launch_server"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port is chosen at each start
+    tp_size: int = 1
+    random_seed: int | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def command(self, port: int) -> list[str]:
+        command = [
+            sys.executable,
+            "-m",
+            self.module,
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(self.tp_size),
+        ]
+        if self.random_seed is not None:
+            command += ["--random-seed", str(self.random_seed)]
+        for name, value in self.extra.items():
+            flag = "--" + name.removeprefix("--")
+            command += [flag] if value == "true" else [flag, value]
+        return command
+
+
+class ServerProcess:
+    """One server process; `start` returns once it answers a health check."""
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        *,
+        startup_timeout: float = 600.0,
+        log_dir: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.startup_timeout = startup_timeout
+        self.log_dir = log_dir or Path(tempfile.gettempdir()) / "slipstream-sglang"
+        self.env = dict(env) if env is not None else None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+        self.log_path: Path | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"http://{self.spec.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> str:
+        """Start the server and wait for its health; returns its URL. Raises ServerStartError with its log tail."""
+        if self.alive():
+            raise RuntimeError(f"server already running at {self.url}")
+        self.port = self.spec.port or free_port(self.spec.host)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"server-{self.spec.host}-{self.port}.log"
+        command = self.spec.command(self.port)
+        logger.info("starting SGLang server: %s (log %s)", " ".join(command), self.log_path)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env=self.env,
+            )
+        self.starts += 1
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def restart(self) -> str:
+        self.stop()
+        return self.start()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after `grace_s`; safe to call twice."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self.process.returncode if self.process is not None else None
+                raise ServerStartError(
+                    f"SGLang server {self.url} exited with code {code} during start-up; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if any(probe(self.url + path, timeout=5.0) for path in HEALTH_PATHS):
+                logger.info("SGLang server %s is healthy", self.url)
+                return
+            time.sleep(0.25)
+        raise ServerStartError(
+            f"SGLang server {self.url} not healthy after {self.startup_timeout:g}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def probe(url: str, timeout: float) -> bool:
+    """True if GET `url` answers 200 within `timeout`."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

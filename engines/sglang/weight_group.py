@@ -1,0 +1,73 @@
+"""The weight-update process group exactly as an SGLang server builds it, for both ends of the transfer.
+
+SGLang's `/init_weights_update_group` makes each server rank join a group of `world_size` members through the
+`tcp://master_address:master_port` rendezvous (rank 0, the trainer, hosts the store there), with the store
+wrapped in a prefix of the group name and the group created under that name. Tensors then arrive by
+broadcast from rank 0. Our learner-side sender and our compatible server both call `join_weight_group`, so
+the store keys, the rank layout and the backend match what a real SGLang server expects; the group is not
+the process's default group (neither end needs one), and it is destroyed by name before a new one forms.
+
+Rank layout (as SGLang computes it): rank = rank_offset + tp_rank, and engine i takes the ranks from
+`1 + i * gpus_per_engine`; rank 0 is the learner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+@dataclass
+class WeightGroup:
+    """A joined group and the rendezvous store under it (rank 0 hosts that store; others are its clients)."""
+
+    name: str
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup
+    store: dist.Store
+
+    def destroy(self) -> None:
+        if self.group in c10d._world.pg_map:
+            dist.destroy_process_group(self.group)
+
+
+def join_weight_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+) -> WeightGroup:
+    """Join (rank 0: host) the group; blocks until all `world_size` members joined or `timeout_s` passed."""
+    if not group_name:
+        raise ValueError("weight update group name must not be empty")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"weight update group {group_name!r}: rank {rank} outside world size {world_size}")
+    if group_name in c10d._world.pg_names.values():
+        raise ValueError(f"weight update group {group_name!r} already exists in this process; destroy it first")
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{_bracket_ipv6(master_address)}:{master_port}"
+    store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        dist.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[group] = {member: member for member in range(world_size)}
+    return WeightGroup(group_name, rank, world_size, group, store)
+
+
+def _bracket_ipv6(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,398 @@
+"""Weights from the learner to SGLang servers: the learner's sender and the rollout worker's loader.
+
+With SGLang the SERVER process receives the weights, so the transfer has three parties: the learner (rank 0 of
+the weight-update group, `SglangWeightSender`), each server (ranks `rank_offset .. rank_offset + tp - 1`,
+joined through its `/init_weights_update_group`) and each rollout worker, which drives its server's HTTP
+calls (`SglangWeightLoader`). The group is built exactly as SGLang builds it (`weight_group.py`) and tensors
+travel exactly as SGLang receives them: per `/update_weights_from_distributed` call, one broadcast from rank 0
+per tensor, in `names` order, each in its own dtype. SGLang 0.5.x also offers `load_format="flattened_bucket"`
+(one broadcast of all of a call's tensors flattened together); we do not use it because its buffer layout is
+an SGLang implementation detail that has changed between releases, while per-tensor broadcasts are the stable
+contract, and on NCCL the per-collective cost is small next to the bytes of a large model.
+
+Coordination travels through the rendezvous store the learner hosts (the same `tcp://` address the servers
+joined), under a key prefix of our own, mirroring `engines/weights/torch_distributed.py`:
+
+1. The learner publishes the manifest (names, dtypes, shapes, how they split into calls) under the version.
+2. Each loader reads it, pauses its server's generation (our "keep", SGLang's "retract") and says "ready";
+   the learner waits for all of them (naming the missing ones and telling the others to stop) and says "go".
+3. For each bucket the loader posts `/update_weights_from_distributed` (the last one with `flush_cache`) while
+   the learner broadcasts the bucket's tensors; then the loader continues generation and acknowledges with the
+   outcome of every HTTP call. The learner commits the version only when every acknowledgement is "ok".
+
+A broken broadcast (a server died) breaks the group: the learner forms a new one (a new group name, which a
+restarted server can join and an old one is told to destroy) at the next update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engines.sglang import protocol
+from engines.sglang.client import SglangEngine, SglangError
+from engines.sglang.launch import free_port
+from engines.sglang.weight_group import WeightGroup, join_weight_group
+from engines.weights.base import TransferReport, WeightSender, WeightTransferError
+from engines.weights.manifest import Manifest, TensorSpec, plan_buckets
+
+# One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+KEY_PREFIX = "slipstream-xfer/"
+OK = b"ok"
+ERROR_PREFIX = b"error:"
+GO = b"go"
+ABORT_PREFIX = b"abort:"
+GROUP_KIND = "sglang"
+
+
+@dataclass(frozen=True)
+class SglangGroupSpec:
+    """One group generation, as it travels to the rollout workers inside `WeightUpdateOrder.group`."""
+
+    master_address: str
+    master_port: int
+    group_name: str
+    generation: int
+    members: tuple[str, ...]  # members[0] is the learner; then the engines in rank order
+    gpus_per_engine: int = 1
+    backend: str = "gloo"
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        return self.members[1:]
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.receivers) * self.gpus_per_engine
+
+    def rank_offset(self, engine: str) -> int:
+        """SGLang's layout: engine i takes the ranks from 1 + i * gpus_per_engine."""
+        if engine not in self.receivers:
+            raise ValueError(f"{engine!r} is not an engine of weight group {self.group_name}: {self.receivers}")
+        return 1 + self.receivers.index(engine) * self.gpus_per_engine
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": GROUP_KIND, **self.__dict__, "members": list(self.members)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SglangGroupSpec:
+        fields = {key: value for key, value in raw.items() if key != "kind"}
+        return cls(**{**fields, "members": tuple(fields["members"])})
+
+
+def is_sglang_group(raw: dict[str, Any]) -> bool:
+    return raw.get("kind") == GROUP_KIND
+
+
+class SglangWeightSender(WeightSender):
+    """Learner rank 0. `open_group(members)`, hand the spec to the rollout workers, `wait_for_receivers()`,
+    then `send(...)` per version; after a WeightTransferError, `open_group` again."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        backend: str = "gloo",
+        gpus_per_engine: int = 1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 120.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if bucket_bytes <= 0 or gpus_per_engine < 1:
+            raise ValueError(
+                f"bucket_bytes and gpus_per_engine must be positive, got {bucket_bytes}, {gpus_per_engine}"
+            )
+        self.host, self.backend, self.gpus_per_engine = host, backend, gpus_per_engine
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"))
+        )
+        self._run_token = secrets.token_hex(4)  # group names never repeat, even across learner restarts
+        self._generation = -1
+        self._spec: SglangGroupSpec | None = None
+        self._group: WeightGroup | None = None
+        self._broken: str | None = None
+        self._committed: int | None = None
+
+    @property
+    def committed_version(self) -> int | None:
+        return self._committed
+
+    @property
+    def spec(self) -> SglangGroupSpec | None:
+        return self._spec
+
+    def open_group(self, members: Sequence[str]) -> SglangGroupSpec:
+        if len(members) < 2:
+            raise ValueError(f"a weight group needs the learner and at least one engine, got {list(members)}")
+        self.close_group()
+        self._generation += 1
+        self._spec = SglangGroupSpec(
+            master_address=self.host,
+            master_port=free_port(self.host),
+            group_name=f"slipstream-{self._run_token}-g{self._generation}",
+            generation=self._generation,
+            members=tuple(members),
+            gpus_per_engine=self.gpus_per_engine,
+            backend=self.backend,
+        )
+        self._broken = None
+        return self._spec
+
+    def wait_for_receivers(self, timeout_s: float | None = None) -> None:
+        """Host the rendezvous and block until every server rank joined (their `/init_weights_update_group`)."""
+        spec = self._require_spec()
+        try:
+            self._group = join_weight_group(
+                backend=spec.backend,
+                master_address=spec.master_address,
+                master_port=spec.master_port,
+                rank=0,
+                world_size=spec.world_size,
+                group_name=spec.group_name,
+                timeout_s=timeout_s or self.timeout_s,
+            )
+        except (RuntimeError, ValueError, dist.DistError) as error:
+            self._broken = f"formation failed: {error}"
+            raise WeightTransferError(
+                f"weight group {spec.group_name}: servers did not all join within {timeout_s or self.timeout_s:g}s",
+                dict.fromkeys(spec.receivers, str(error)[:200]),
+            ) from error
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        version: int,
+        *,
+        dtype: torch.dtype | None = None,
+        timeout_s: float | None = None,
+    ) -> TransferReport:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        spec = self._require_spec()
+        if self._group is None or self._broken is not None:
+            raise WeightTransferError(
+                f"weight group {spec.group_name} is not usable "
+                f"({self._broken or 'wait_for_receivers() not called'}); open a new one"
+            )
+        started = time.perf_counter()
+        tensors = [(name, _wire_tensor(tensor, dtype, self.device)) for name, tensor in named_tensors]
+        manifest = Manifest(
+            version=version,
+            bucket_bytes=self.bucket_bytes,
+            direct_bytes=self.bucket_bytes,
+            tensors=tuple(TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors),
+        )
+        keys = _keys(self._group.store, spec, version)
+        keys.set("manifest", manifest.encode())
+        missing = _missing(keys, [f"ready/{engine}" for engine in spec.receivers], timeout_s)
+        if missing:
+            failed = {key.split("/", 1)[1]: "not ready to receive (died or stalled)" for key in missing}
+            keys.set("go", ABORT_PREFIX + f" not ready: {', '.join(failed)}".encode())
+            self._broken = f"engines {sorted(failed)} missing at version {version}"
+            raise WeightTransferError(f"weight transfer of version {version} not started", failed)
+        keys.set("go", GO)
+        buckets = manifest.buckets()
+        try:
+            for bucket in buckets:
+                work = [
+                    dist.broadcast(tensors[index][1], src=0, group=self._group.group, async_op=True)
+                    for index, _ in bucket.entries
+                ]
+                for handle in work:
+                    handle.wait()
+        except (RuntimeError, dist.DistError) as error:
+            self._broken = f"broadcast failed: {error}"
+            failed = _acks(keys, spec, min(timeout_s, 5.0)) or dict.fromkeys(spec.receivers, "unknown")
+            raise WeightTransferError(
+                f"weight transfer of version {version} broke mid-way: {error}", failed
+            ) from error
+        failed = _acks(keys, spec, timeout_s)
+        if failed:
+            raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
+        self._committed = version
+        return TransferReport(
+            version=version,
+            receivers=spec.receivers,
+            num_tensors=len(tensors),
+            num_buckets=len(buckets),
+            num_bytes=manifest.total_bytes,
+            seconds=time.perf_counter() - started,
+        )
+
+    def close_group(self) -> None:
+        if self._group is not None:
+            with contextlib.suppress(Exception):
+                self._group.destroy()
+        self._group, self._spec = None, None
+
+    def close(self) -> None:
+        self.close_group()
+
+    def _require_spec(self) -> SglangGroupSpec:
+        if self._spec is None:
+            raise WeightTransferError("no weight group is open; call open_group() first")
+        return self._spec
+
+
+class SglangWeightLoader:
+    """A rollout worker's end: joins its server to each new group and drives the per-bucket HTTP calls."""
+
+    def __init__(self, engine: SglangEngine, engine_name: str) -> None:
+        self.engine = engine
+        self.engine_name = engine_name
+        self._group_name: str | None = None
+        self._server_starts: int | None = None
+
+    async def apply(self, raw_spec: dict[str, Any], version: int, timeout_s: float) -> None:
+        """Receive `version` on the engine's server; raises WeightTransferError naming what failed."""
+        spec = SglangGroupSpec.from_dict(raw_spec)
+        await self._join(spec, timeout_s)
+        keys = await asyncio.to_thread(_connect_keys, spec, version, timeout_s)
+        manifest = await asyncio.to_thread(_read_manifest, keys, timeout_s, self.engine_name)
+        await self.engine.pause("keep")
+        try:
+            await asyncio.to_thread(keys.set, f"ready/{self.engine_name}", b"1")
+            go = await asyncio.to_thread(_wait_go, keys, 2 * timeout_s, self.engine_name, version)
+            if go != GO:
+                self._group_name = None
+                raise WeightTransferError(
+                    f"{self.engine_name}: transfer of version {version} aborted: "
+                    f"{go.removeprefix(ABORT_PREFIX).decode(errors='replace').strip()}"
+                )
+            outcome = await self._load_buckets(manifest, spec, version, timeout_s)
+        finally:
+            with contextlib.suppress(SglangError):
+                await self.engine.resume()
+        await asyncio.to_thread(
+            keys.set, f"ack/{self.engine_name}", OK if outcome is None else ERROR_PREFIX + outcome.encode()
+        )
+        if outcome is not None:
+            self._group_name = None
+            raise WeightTransferError(f"{self.engine_name}: server refused version {version}: {outcome}")
+        self.engine.set_version(version)
+
+    async def _join(self, spec: SglangGroupSpec, timeout_s: float) -> None:
+        starts = self.engine.restarts
+        if self._group_name == spec.group_name and self._server_starts == starts:
+            return
+        if self._group_name is not None and self._server_starts == starts:
+            with contextlib.suppress(SglangError):  # an old group the server may still hold
+                await self.engine.destroy_weights_update_group(self._group_name)
+        self._group_name = None
+        try:
+            await self.engine.init_weights_update_group(
+                master_address=spec.master_address,
+                master_port=spec.master_port,
+                rank_offset=spec.rank_offset(self.engine_name),
+                world_size=spec.world_size,
+                group_name=spec.group_name,
+                backend=spec.backend,
+                timeout=timeout_s + 10,
+            )
+        except SglangError as error:
+            raise WeightTransferError(
+                f"{self.engine_name}: could not join weight group {spec.group_name}: {error}",
+                {self.engine_name: str(error)},
+            ) from error
+        self._group_name, self._server_starts = spec.group_name, starts
+
+    async def _load_buckets(
+        self, manifest: Manifest, spec: SglangGroupSpec, version: int, timeout_s: float
+    ) -> str | None:
+        buckets = plan_buckets(manifest.tensors, manifest.bucket_bytes, manifest.direct_bytes)
+        for position, bucket in enumerate(buckets):
+            specs = [manifest.tensors[index] for index, _ in bucket.entries]
+            try:
+                await self.engine.update_weights_from_distributed(
+                    names=[s.name for s in specs],
+                    dtypes=[protocol.dtype_name(s.dtype) for s in specs],
+                    shapes=[list(s.shape) for s in specs],
+                    group_name=spec.group_name,
+                    weight_version=str(version),
+                    flush_cache=position == len(buckets) - 1,
+                    timeout=timeout_s + 10,
+                )
+            except SglangError as error:
+                return str(error)[:500]
+        return None
+
+
+# ---- store keys (the learner hosts the store; loaders connect as plain clients) ------------------------------
+
+
+def _keys(store: dist.Store, spec: SglangGroupSpec, version: int) -> dist.PrefixStore:
+    return dist.PrefixStore(f"{KEY_PREFIX}{spec.group_name}/v{version}/", store)
+
+
+def _connect_keys(spec: SglangGroupSpec, version: int, timeout_s: float) -> dist.PrefixStore:
+    try:
+        store = dist.TCPStore(
+            spec.master_address,
+            spec.master_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as error:
+        raise WeightTransferError(
+            f"cannot reach the learner's weight store at {spec.master_address}:{spec.master_port}: {error}"
+        ) from error
+    return _keys(store, spec, version)
+
+
+def _missing(keys: dist.Store, wanted: list[str], timeout_s: float) -> list[str]:
+    try:
+        keys.wait(wanted, timedelta(seconds=max(timeout_s, 0.001)))
+        return []
+    except (RuntimeError, dist.DistError):
+        return [key for key in wanted if not keys.check([key])]
+
+
+def _read_manifest(keys: dist.Store, timeout_s: float, engine: str) -> Manifest:
+    if _missing(keys, ["manifest"], timeout_s):
+        raise WeightTransferError(f"{engine}: the learner published no manifest within {timeout_s:g}s")
+    try:
+        return Manifest.decode(keys.get("manifest"))
+    except ValueError as error:
+        raise WeightTransferError(f"{engine}: unreadable weight manifest: {error}") from error
+
+
+def _wait_go(keys: dist.Store, timeout_s: float, engine: str, version: int) -> bytes:
+    if _missing(keys, ["go"], timeout_s):
+        raise WeightTransferError(f"{engine}: the learner never started the transfer of version {version}")
+    return keys.get("go")
+
+
+def _acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
+    wanted = [f"ack/{engine}" for engine in spec.receivers]
+    missing = set(_missing(keys, wanted, timeout_s))
+    failed: dict[str, str] = {}
+    for engine, key in zip(spec.receivers, wanted, strict=True):
+        if key in missing:
+            failed[engine] = f"no acknowledgement within {timeout_s:g}s (died or stalled)"
+            continue
+        ack = keys.get(key)
+        if ack != OK:
+            failed[engine] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
+    return failed
+
+
+def _wire_tensor(tensor: Tensor, dtype: torch.dtype | None, device: torch.device) -> Tensor:
+    """What goes on the wire: contiguous, on the transfer device, floating tensors cast to `dtype` if given."""
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor.to(device).contiguous()

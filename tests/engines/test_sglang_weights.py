@@ -1,0 +1,135 @@
+"""Weights into an SGLang(-compatible) server over gloo, the way SGLang receives them, and server restarts.
+
+Real processes throughout: the compatible server in its own process joins the group the learner-side sender
+hosts in this one, and receives one broadcast per tensor per `/update_weights_from_distributed` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.inference.base import GenerateRequest, SamplingParams
+from engines.inference.torch_engine import TorchEngine
+from engines.sglang.client import SglangEngine
+from engines.sglang.launch import ServerProcess, ServerSpec
+from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
+from engines.weights.base import WeightTransferError
+
+PROMPT = [7, 21, 33, 4, 18]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+ENGINE = "rollout-0-0"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    spec = ServerSpec(
+        model_path=str(tiny_model_path),
+        module="engines.sglang.server",
+        extra={"torch-threads": "1", "weight-group-timeout": "20"},
+    )
+    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))
+    process.start()
+    yield process
+    process.stop()
+
+
+def perturbed_weights(path: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items()]
+
+
+async def push(sender: SglangWeightSender, loader: SglangWeightLoader, named: list, version: int, fresh: bool) -> None:
+    spec = sender.spec if not fresh else sender.open_group(["learner", ENGINE])
+    assert spec is not None
+    receiving = asyncio.create_task(loader.apply(spec.to_dict(), version, 20.0))
+    try:
+        if fresh:
+            await asyncio.to_thread(sender.wait_for_receivers)
+        await asyncio.to_thread(sender.send, named, version)
+    finally:
+        await asyncio.gather(receiving, return_exceptions=True)
+    if receiving.exception() is not None:
+        raise receiving.exception()
+
+
+@pytest.mark.integration
+async def test_weight_update_over_gloo_reaches_the_server_and_tags_later_tokens(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    client = SglangEngine(server.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024, timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    named = perturbed_weights(tiny_model_path, seed=1)
+    reference = TorchEngine.from_pretrained(tiny_model_path)
+    try:
+        before = (await client.generate(GenerateRequest("before", PROMPT, GREEDY)))[0]
+        await push(sender, loader, named, version=1, fresh=True)
+        assert sender.committed_version == 1 and client.version == 1
+        await reference.update_weights(named, 1)
+        expected = (await reference.generate(GenerateRequest("after", PROMPT, GREEDY)))[0]
+        after = (await client.generate(GenerateRequest("after", PROMPT, GREEDY)))[0]
+        assert after.output_ids == expected.output_ids != before.output_ids
+        assert after.log_probs == pytest.approx(expected.log_probs, abs=1e-5)
+        assert after.versions == [1] * len(after.output_ids)
+        assert await client.server_weight_version() == 1
+
+        # The same group carries the next version: no new rendezvous.
+        await push(sender, loader, perturbed_weights(tiny_model_path, seed=2), version=2, fresh=False)
+        assert sender.committed_version == 2 and await client.server_weight_version() == 2
+    finally:
+        sender.close()
+        await reference.close()
+        await client.close()
+
+
+@pytest.mark.integration
+async def test_weights_the_server_refuses_are_not_committed(server: ServerProcess, tiny_model_path: Path) -> None:
+    client = SglangEngine(server.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    named = [("model.no_such_layer.weight", torch.zeros(4, 4))]
+    try:
+        with pytest.raises(WeightTransferError, match=rf"{ENGINE}.*no_such_layer"):
+            await push(sender, loader, named, version=7, fresh=True)
+        assert sender.committed_version is None
+        assert await client.server_weight_version() != 7
+    finally:
+        sender.close()
+        await client.close()
+
+
+@pytest.mark.integration
+async def test_killed_server_is_restarted_and_its_in_flight_request_returns_aborted(server: ServerProcess) -> None:
+    """Last in this module: the server it leaves behind is the restarted one."""
+    client = SglangEngine(server.url, server=server, health_interval=0.3)
+    try:
+        await client.generate(GenerateRequest("warm", PROMPT, SamplingParams(max_new_tokens=1)))  # starts the watch
+        long = GenerateRequest("long", PROMPT, SamplingParams(temperature=0, max_new_tokens=4000, ignore_eos=True))
+        task = asyncio.create_task(client.generate(long))
+        await asyncio.sleep(0.5)
+        assert server.process is not None
+        os.killpg(server.process.pid, signal.SIGKILL)
+        outputs = await asyncio.wait_for(task, 30)
+        assert outputs[0].finish_reason == "abort"
+        for _ in range(600):
+            if client.restarts == 1 and server.alive():
+                break
+            await asyncio.sleep(0.1)
+        assert client.restarts == 1 and client.version == 0
+        again = await asyncio.wait_for(client.generate(GenerateRequest("again", PROMPT, GREEDY)), 30)
+        assert len(again[0].output_ids) == GREEDY.max_new_tokens
+    finally:
+        client.server = None  # the module fixture stops the server
+        await client.close()
