@@ -113,10 +113,16 @@ class Actor:
             if not story.done():
                 # Give the story the drain window to notice `self.stopping` and finish its current unit.
                 await asyncio.wait({story}, timeout=self.drain_timeout)
-            if not story.done():
+            cancelled_here = not story.done()
+            if cancelled_here:
                 story.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await story
+            except asyncio.CancelledError:
+                if not cancelled_here and not self.stopping:
+                    # A cancellation escaped run() with nobody asking us to stop: exiting 0 would read as "done"
+                    # and the launcher would not restart us.
+                    raise RuntimeError("run() ended by a stray cancellation") from None
             stop.cancel()
         except ControllerUnreachable as error:
             self.log.error("controller unreachable", error=str(error))

@@ -60,6 +60,7 @@ class Buffer(Actor):
             source=PromptSource(records, seed=config.seed), n_samples=config.n_samples_per_prompt,
             groups_per_batch=config.rollout_batch_size, max_staleness=config.max_staleness,
             lease_timeout=config.lease_timeout, group_filter=group_filter,
+            compact_log_bytes=int(config.buffer_log_compact_mb * 2**20),
         )
         if log_path.exists():
             replayed = self.core.restore(log_path)

@@ -17,6 +17,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def group_staleness(group: ScoredGroup, learner_version: int) -> list[int]:
 class BufferCore:
     def __init__(self, *, source: PromptSource, n_samples: int, groups_per_batch: int, max_staleness: int,
                  lease_timeout: float, group_filter: GroupFilter | None = None, log: BufferLog | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, compact_log_bytes: int = 0) -> None:
         self.source = source
         self.n_samples = n_samples
         self.groups_per_batch = groups_per_batch
@@ -77,6 +78,7 @@ class BufferCore:
         self.group_filter = group_filter
         self.log = log
         self.clock = clock
+        self.compact_log_bytes = compact_log_bytes  # 0: never compact
         self.admission = AdmissionController(max_staleness=max_staleness, groups_per_batch=groups_per_batch)
         self.learner_version = 0
         self.stats = BufferStats()
@@ -258,6 +260,49 @@ class BufferCore:
             if self.log is not None:
                 self.log.append("commit", batch_id=batch_id, sync=True)
         self.committed_batch = max(self.committed_batch, checkpointed_batch)
+        if self.log is not None and self.compact_log_bytes and self.log.size() > self.compact_log_bytes:
+            self.log.compact(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything `restore` rebuilds, as one log record (evaluation state is not kept, as in the log)."""
+        cursor = self.source.cursor
+        stats = self.stats
+        return {
+            "cursor": [cursor.epoch, cursor.position],
+            "counters": {"started": stats.started, "accepted": stats.accepted, "trained_groups": stats.trained_groups,
+                         "reissued": stats.reissued, "dropped": dict(stats.dropped), "ignored": dict(stats.ignored),
+                         "live_started": self.live_started, "committed_batch": self.committed_batch},
+            "prompt_groups": [encode(g) for g in self.prompt_groups.values()],
+            "leases": [{"lease_id": r.lease_id, "worker_id": r.worker_id,
+                        "group_ids": sorted(g for g, (_, held_by) in self.in_flight.items()
+                                            if held_by == r.lease_id and g in self.prompt_groups)}
+                       for r in self.leases.values()],
+            "reissue": [g.group_id for g in self.reissue],
+            "pool": [encode(g) for g in self.pool.values()],
+            "served": [{"batch_id": b.batch_id, "groups": [encode(g) for g in b.groups], "staleness": b.staleness}
+                       for b in self.served.values()],
+        }
+
+    def _restore_snapshot(self, record: dict[str, Any]) -> Cursor:
+        counters = record["counters"]
+        self.stats = BufferStats(started=counters["started"], accepted=counters["accepted"],
+                                 trained_groups=counters["trained_groups"], dropped=Counter(counters["dropped"]),
+                                 reissued=counters["reissued"], ignored=Counter(counters["ignored"]))
+        self.live_started = counters["live_started"]
+        self.committed_batch = counters["committed_batch"]
+        self.prompt_groups = {g.group_id: g for g in map(decode, record["prompt_groups"])}
+        self.leases, self.in_flight = {}, {}
+        for lease in record["leases"]:
+            self.leases[lease["lease_id"]] = LeaseRecord(lease["lease_id"], lease["worker_id"], set(),
+                                                         self.clock() + self.lease_timeout)
+            for group_id in lease["group_ids"]:
+                self._assign(self.prompt_groups[group_id], lease["lease_id"])
+        self.leases = {lease_id: r for lease_id, r in self.leases.items() if r.group_ids}
+        self.reissue = deque(self.prompt_groups[group_id] for group_id in record["reissue"])
+        self.pool = {g.group_id: g for g in map(decode, record["pool"])}
+        self.served = {b["batch_id"]: AssembledBatch(b["batch_id"], [decode(g) for g in b["groups"]],
+                                                     list(b["staleness"])) for b in record["served"]}
+        return Cursor(*record["cursor"])
 
     # ---------------------------------------------------------------------------------------- recovery
     def restore(self, log_path: str | Path) -> dict[str, int]:
@@ -267,7 +312,9 @@ class BufferCore:
         for record in BufferLog.replay(Path(log_path)):
             kind = record["kind"]
             replayed[kind] += 1
-            if kind == "lease":
+            if kind == "snapshot":
+                cursor = self._restore_snapshot(record)
+            elif kind == "lease":
                 self.leases.setdefault(record["lease_id"], LeaseRecord(
                     record["lease_id"], record["worker_id"], set(), self.clock() + self.lease_timeout))
                 for raw in record["groups"]:

@@ -76,6 +76,8 @@ class RunConfig(BaseModel):
     rollout_stop: list[str] = Field(default_factory=list, description="stop strings")
     rollout_max_batch_size: int = Field(64, description="sequences decoded together per engine")
     custom_generate_function_path: str | None = Field(None, description="module:function for multi-turn rollouts")
+    buffer_log_compact_mb: float = Field(256.0, description="compact the buffer's durable log into a snapshot "
+                                         "once it passes this size (0 = never)")
     lease_timeout: float = Field(120.0, description="seconds before an unfinished prompt lease is re-issued")
 
     # ---- staleness and off-policy correction (the algorithm itself is in `policy`)

@@ -264,6 +264,12 @@ class RpcClient:
                     if self._sock.closed:
                         raise RpcClosed(f"RPC client {self.client_id} to {self.endpoint} was closed") from exc
                     raise
+                except asyncio.CancelledError:
+                    # pyzmq cancels a pending send when its socket closes; that is a closed client, not a
+                    # cancellation of the caller, which must not end the caller's task as if asked to stop.
+                    if self._sock.closed and not _being_cancelled():
+                        raise RpcClosed(f"RPC client {self.client_id} to {self.endpoint} was closed") from None
+                    raise
             raise RpcTimeout(self.endpoint, type(message).__name__, retries + 1, timeout)
         finally:
             self._pending.pop(request_id, None)
@@ -299,3 +305,10 @@ class RpcClient:
                 future.set_exception(RpcClosed(f"RPC client {self.client_id} to {self.endpoint} was closed"))
                 future.exception()  # retrieved here, so a call already gone does not warn "never retrieved"
         self._sock.close(linger=0)
+
+
+def _being_cancelled() -> bool:
+    """True when someone cancelled the running task (as opposed to a future it awaited being cancelled)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return task is None or cancelling is None or cancelling() > 0

@@ -1,8 +1,9 @@
 """Audit a run directory: was every accepted sample trained exactly once? `python tools/audit_run.py RUN_DIR`.
 
-Sources: the buffer's durable log (what was accepted, evicted, put in which batch, committed) and the learner's
-`metrics/trained_samples.jsonl` (what it trained, batch by batch; a learner that resumed from a checkpoint
-trains the batches after it again, and the last record of a batch id is the one in the final model's lineage).
+Sources: the buffer's durable log with its archived segments (what was accepted, evicted, put in which batch,
+committed) and the learner's `metrics/trained_samples.jsonl` (what it trained, batch by batch; a learner that
+resumed from a checkpoint trains the batches after it again, and the last record of a batch id is the one in the
+final model's lineage).
 
 A run passes when the lineage trains batches 1..N once each, every trained batch holds exactly the groups the
 buffer put in it, no sample appears in two batches, and every accepted group is either trained or still
@@ -17,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.buffer_log import BufferLog
+from actors.buffer_log import BufferLog, archived_logs
 
 
 @dataclass
@@ -39,7 +40,9 @@ def audit(run_dir: Path) -> AuditReport:
     accepted: set[str] = set()
     ever_accepted: set[str] = set()
     batches: dict[int, list[str]] = {}
-    for record in BufferLog.replay(run_dir / "buffer" / "log.msgpack"):
+    log_path = run_dir / "buffer" / "log.msgpack"
+    history = (record for path in [*archived_logs(log_path), log_path] for record in BufferLog.replay(path))
+    for record in history:
         kind = record["kind"]
         if kind == "accept":
             accepted.add(record["group_id"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import msgpack
@@ -175,3 +176,20 @@ async def test_closing_the_client_fails_a_waiting_call_as_closed_not_cancelled(z
         await asyncio.wait_for(waiting, 5)
     server.close()
     await serving
+
+
+@pytest.mark.integration
+async def test_closing_the_client_mid_send_fails_the_call_as_closed_not_cancelled(zctx: zmq.asyncio.Context) -> None:
+    """A DEALER with no connected server blocks in send; closing it then cancels pyzmq's send future, which must
+    surface as RpcClosed: a bare CancelledError would end the caller's task as if it had been told to stop."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    client = RpcClient(zctx, nobody, client_id="c")
+    waiting = asyncio.create_task(client.call(LeaseRenew(lease_id="never"), timeout=5, retries=0))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    client.close()
+    with pytest.raises(RpcClosed, match="was closed"):
+        await asyncio.wait_for(waiting, 5)
+    assert not waiting.cancelled()

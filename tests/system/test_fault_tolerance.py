@@ -29,7 +29,10 @@ def launch(run_dir: Path, model: Path, data: Path, num_rollout: int) -> subproce
                "--max-staleness", "2", "--save-interval", "4", "--lease-timeout", "20", "--lr", "1e-4",
                "--rollout-workers", "2", "--reward-workers", "1", "--heartbeat-interval", "0.25",
                "--restart-backoff", "0.2", "--weight-transfer-timeout", "5", "--no-progress",
-               "--no-use-tensorboard", "--no-plots"]
+               "--no-use-tensorboard", "--no-plots",
+               # Compact the buffer's log every few batches, so restarts also replay from snapshots and the audit
+               # reads archived segments.
+               "--buffer-log-compact-mb", "0.05"]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
