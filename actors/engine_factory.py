@@ -1,18 +1,119 @@
-"""Which inference engine a rollout worker drives: `--rollout-engine` picks the `InferenceEngine` behind it."""
+"""Which inference engine a rollout worker drives: `--rollout-engine` picks the `InferenceEngine` behind it.
+
+`torch`: the embedded engine in the worker's own process. `sglang`: an SGLang server driven over HTTP, either
+attached (`--sglang-url`, one per rollout worker: the worker with index i on its node takes the i-th URL, so
+each node's command line lists its own workers' servers) or launched here as a child process
+(`python -m {--sglang-server-module} --model-path ... --tp-size {--rollout-num-gpus-per-engine} ...` plus every
+`--sglang-NAME VALUE`), which the engine restarts when it fails its health checks and stops on `close()`.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from actors.config import RunConfig
 
+COMPAT_SERVER_MODULE = "engines.sglang.server"
+# Our own --sglang-* settings. `split_sglang_args` forwards every `--sglang-NAME` to the server, these included;
+# they are taken back here so they act as our settings and never reach SGLang's argument parser.
+OWN_SGLANG_SETTINGS = {
+    "server-module": "sglang_server_module",
+    "url": "sglang_url",
+    "startup-timeout": "sglang_startup_timeout",
+}
 
-def load_engine(config: RunConfig) -> tuple[Any, Any]:
+
+def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Any, Any]:
+    """Build the engine and the tokenizer; blocking (the rollout worker calls it in a thread)."""
     from transformers import AutoTokenizer
 
+    if config.hf_checkpoint is None:
+        raise ValueError(
+            f"--hf-checkpoint is required for the {config.rollout_engine} rollout engine (its tokenizer, "
+            "and the weights the engine starts from)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
+    if config.rollout_engine == "sglang":
+        return load_sglang_engine(own_sglang_settings(config), actor_id), tokenizer
     from engines.inference.torch_engine import TorchEngine
 
-    if config.hf_checkpoint is None:
-        raise ValueError("--hf-checkpoint is required for the torch rollout engine")
     engine = TorchEngine.from_pretrained(config.hf_checkpoint, max_batch_size=config.rollout_max_batch_size)
-    return engine, AutoTokenizer.from_pretrained(config.hf_checkpoint)
+    return engine, tokenizer
+
+
+def load_sglang_engine(config: RunConfig, actor_id: str | None) -> Any:
+    from engines.sglang.client import SglangEngine
+    from engines.sglang.launch import ServerProcess, ServerSpec
+
+    if config.sglang_url:
+        engine = SglangEngine(attached_url(config.sglang_url, actor_id))
+        # An attached server may already serve updated weights (this worker restarted): start from its version.
+        engine.set_version(server_weight_version(engine.url, timeout=config.sglang_startup_timeout))
+        return engine
+    assert config.hf_checkpoint is not None
+    extra = dict(config.sglang_args)
+    extra.setdefault("max-running-requests", str(config.rollout_max_batch_size))
+    if config.sglang_server_module == COMPAT_SERVER_MODULE:
+        # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
+        extra.setdefault("torch-threads", str(config.torch_threads))
+        extra.setdefault("weight-group-timeout", str(config.weight_transfer_timeout))
+    spec = ServerSpec(
+        model_path=config.hf_checkpoint,
+        module=config.sglang_server_module,
+        tp_size=config.rollout_num_gpus_per_engine,
+        random_seed=config.seed,
+        extra=extra,
+    )
+    server = ServerProcess(spec, startup_timeout=config.sglang_startup_timeout)
+    return SglangEngine(server.start(), server=server)
+
+
+def own_sglang_settings(config: RunConfig) -> RunConfig:
+    """`config` with our own settings that arrived among the pass-through `sglang_args` moved to their fields."""
+    passed = dict(config.sglang_args)
+    updates: dict[str, Any] = {}
+    for name, field_name in OWN_SGLANG_SETTINGS.items():
+        if name in passed:
+            value = passed.pop(name)
+            updates[field_name] = value.split(",") if field_name == "sglang_url" else value
+    if not updates:
+        return config
+    return RunConfig.model_validate({**config.model_dump(), **updates, "sglang_args": passed})
+
+
+def attached_url(urls: list[str], actor_id: str | None) -> str:
+    """The URL of this worker's server: `rollout-<node>-<index>` takes `urls[index]`."""
+    if actor_id is None:
+        if len(urls) == 1:
+            return urls[0]
+        raise ValueError(
+            f"--sglang-url lists {len(urls)} servers but the rollout worker's id is unknown; "
+            "load_engine(config, actor_id) picks by the worker's index"
+        )
+    match = re.search(r"(\d+)$", actor_id)
+    if match is None:
+        raise ValueError(f"rollout worker id {actor_id!r} does not end in its index")
+    index = int(match.group(1))
+    if index >= len(urls):
+        raise ValueError(
+            f"--sglang-url lists {len(urls)} servers, too few for rollout worker {actor_id} "
+            f"(index {index}); give one per rollout worker on this node"
+        )
+    return urls[index]
+
+
+def server_weight_version(url: str, *, timeout: float) -> int:
+    """GET {url}/get_weight_version, blocking; "default" (never updated) reads as 0."""
+    import json
+    import urllib.request
+
+    from engines.sglang.protocol import parse_weight_version
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/get_weight_version", timeout=timeout) as reply:
+            body = json.loads(reply.read())
+    except (OSError, ValueError) as error:
+        raise ConnectionError(f"--sglang-url {url}: /get_weight_version failed: {error}") from error
+    version = parse_weight_version(body.get("weight_version") if isinstance(body, dict) else None)
+    return version if version is not None else 0

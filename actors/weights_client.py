@@ -6,6 +6,11 @@ it broadcasts the tensors. Each engine joins the generation if it is new to it, 
 decode steps, loads every bucket in place, resumes, and replies; the version counts as committed only when
 every engine acknowledged it. A failed transfer is logged and retried at the next update with the engines that
 are alive then; the learner's own state is never touched by it.
+
+With `--rollout-engine sglang` the same flow runs with SGLang's receive side: the learner's sender is
+`SglangWeightSender` (a group built the way SGLang builds it, one broadcast per tensor) and each rollout worker
+has its SGLang server join the group and receive the buckets over HTTP (`SglangWeightLoader`); the order's
+`group` then carries the SGLang group spec (`"kind": "sglang"`) and the worker acknowledges the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bus.schema import Ack, Error, WeightUpdateOrder
+from engines.sglang.weights import SglangGroupSpec, SglangWeightLoader, SglangWeightSender, is_sglang_group
 from engines.weights.base import WeightTransferError
 from engines.weights.group import GroupSpec
 from engines.weights.torch_distributed import TorchDistributedWeightReceiver, TorchDistributedWeightSender
@@ -33,14 +39,15 @@ class LearnerWeightPublisher:
         self.learner = learner
         self.config = config
         self.log = learner.log
-        self._sender: TorchDistributedWeightSender | None = None
-        self._spec: GroupSpec | None = None
+        self._sender: TorchDistributedWeightSender | SglangWeightSender | None = None
+        self._spec: GroupSpec | SglangGroupSpec | None = None
         self._clients: dict[str, Any] = {}
         self.committed_version: int | None = None
 
     async def publish(self, version: int) -> bool:
         """Push the learner's current weights as `version`; True once every live engine acknowledged."""
-        engines = [m.actor_id for m in self.learner.members("rollout") if "rpc" in m.endpoints]
+        # Sorted, so an engine's rank in the group (SGLang: its rank_offset) depends only on who is alive.
+        engines = sorted(m.actor_id for m in self.learner.members("rollout") if "rpc" in m.endpoints)
         if not engines:
             return False
         sender = self._ensure_sender()
@@ -71,8 +78,13 @@ class LearnerWeightPublisher:
             return False
         self.committed_version = sender.committed_version
         self.learner.counters["weights.pushed"] += 1
-        self.log.info("weights pushed", version=version, engines=len(engines), seconds=round(report.seconds, 3),
-                      mb=round(report.num_bytes / 1e6, 1))
+        self.log.info(
+            "weights pushed",
+            version=version,
+            engines=len(engines),
+            seconds=round(report.seconds, 3),
+            mb=round(report.num_bytes / 1e6, 1),
+        )
         return True
 
     async def _order(self, actor_id: str, order: WeightUpdateOrder) -> bool:
@@ -97,16 +109,26 @@ class LearnerWeightPublisher:
             return known[1]
         if known is not None:
             known[1].close()
-        client = RpcClient(self.learner.zmq, endpoint, client_id=f"{self.learner.actor_id}.weights",
-                           security=self.learner.security)
+        client = RpcClient(
+            self.learner.zmq, endpoint, client_id=f"{self.learner.actor_id}.weights", security=self.learner.security
+        )
         self._clients[actor_id] = (endpoint, client)
         return client
 
-    def _ensure_sender(self) -> TorchDistributedWeightSender:
+    def _ensure_sender(self) -> TorchDistributedWeightSender | SglangWeightSender:
         if self._sender is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            self._sender = TorchDistributedWeightSender(host=self.learner.context.host, backend=backend,
-                                                        timeout_s=self.config.weight_transfer_timeout)
+            if self.config.rollout_engine == "sglang":
+                self._sender = SglangWeightSender(
+                    host=self.learner.context.host,
+                    backend=backend,
+                    gpus_per_engine=self.config.rollout_num_gpus_per_engine,
+                    timeout_s=self.config.weight_transfer_timeout,
+                )
+                return self._sender
+            self._sender = TorchDistributedWeightSender(
+                host=self.learner.context.host, backend=backend, timeout_s=self.config.weight_transfer_timeout
+            )
         return self._sender
 
     def close(self) -> None:
@@ -124,24 +146,37 @@ class EngineWeightReceiver:
         self.actor_id = actor_id
         self.log = log
         self._receiver: TorchDistributedWeightReceiver | None = None
+        self._sglang: SglangWeightLoader | None = None
         self._lock = asyncio.Lock()
 
     async def apply(self, order: WeightUpdateOrder) -> None:
+        if is_sglang_group(dict(order.group)):
+            async with self._lock:
+                if self._sglang is None:
+                    self._sglang = SglangWeightLoader(self.engine, self.actor_id)
+                await self._sglang.apply(dict(order.group), order.version, order.timeout_s)
+                self.log.info(
+                    "weights loaded by the SGLang server", version=order.version, group=order.group.get("group_name")
+                )
+            return
         async with self._lock:
             spec = GroupSpec.from_dict(dict(order.group))
-            if self._receiver is None or self._receiver.spec.generation != spec.generation \
-                    or self._receiver.spec.port != spec.port:
+            if (
+                self._receiver is None
+                or self._receiver.spec.generation != spec.generation
+                or self._receiver.spec.port != spec.port
+            ):
                 self.close()
                 self._receiver = await asyncio.to_thread(
-                    TorchDistributedWeightReceiver.join, spec, self.actor_id, timeout_s=order.timeout_s)
+                    TorchDistributedWeightReceiver.join, spec, self.actor_id, timeout_s=order.timeout_s
+                )
             loop = asyncio.get_running_loop()
             receiver = self._receiver
 
             def load(named: Iterable[tuple[str, torch.Tensor]]) -> None:
                 # The engine copies in place between two decode steps; waiting here keeps the receive buffer
                 # alive until it has, and makes the acknowledgement mean "loaded".
-                asyncio.run_coroutine_threadsafe(self.engine.update_weights(list(named), order.version),
-                                                 loop).result()
+                asyncio.run_coroutine_threadsafe(self.engine.update_weights(list(named), order.version), loop).result()
 
             await self.engine.pause("keep")
             try:

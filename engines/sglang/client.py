@@ -56,6 +56,7 @@ class SglangEngine(InferenceEngine):
         control_timeout: float = 120.0,
         health_interval: float = 2.0,
         health_failures_before_restart: int = 3,
+        stop_grace_s: float = 1.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.server = server
@@ -63,6 +64,7 @@ class SglangEngine(InferenceEngine):
         self.control_timeout = control_timeout
         self.health_interval = health_interval
         self.health_failures_before_restart = health_failures_before_restart
+        self.stop_grace_s = stop_grace_s
         self.restarts = 0
         self.failed_requests = 0
         self._version = 0
@@ -176,7 +178,9 @@ class SglangEngine(InferenceEngine):
         if self._session is not None:
             await self._session.close()
         if self.server is not None:
-            await asyncio.to_thread(self.server.stop)
+            # Short grace: callers bound their shutdown (the rollout worker's is 2 s), and the server keeps nothing
+            # worth a graceful exit; SIGKILL of its process group frees its memory all the same.
+            await asyncio.to_thread(self.server.stop, self.stop_grace_s)
 
     # ---- SGLang endpoints beyond the interface (used by the weight loader)
 

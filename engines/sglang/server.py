@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     server = CompatServer(engine, args)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     # handle_signals: SIGTERM and SIGINT shut the app down, which closes the engine and the groups.
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True, shutdown_timeout=1.0)
 
 
 if __name__ == "__main__":
