@@ -1,0 +1,62 @@
+"""Starting SGLang servers: the command line, our own --sglang-* settings, attaching, failed starts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.config import build_config, split_sglang_args
+from actors.engine_factory import attached_url, own_sglang_settings
+from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError
+
+
+@pytest.mark.unit
+def test_command_forwards_sglang_arguments_and_true_as_a_bare_switch() -> None:
+    spec = ServerSpec(
+        model_path="/m", tp_size=2, random_seed=5, extra={"mem-fraction-static": "0.7", "enable-metrics": "true"}
+    )
+    command = spec.command(port=31000)
+    assert command[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    joined = " ".join(command[3:])
+    assert "--model-path /m --host 127.0.0.1 --port 31000 --tp-size 2 --random-seed 5" in joined
+    assert joined.endswith("--mem-fraction-static 0.7 --enable-metrics")
+
+
+@pytest.mark.unit
+def test_our_own_sglang_flags_become_settings_and_are_not_forwarded() -> None:
+    _, passed = split_sglang_args(
+        [
+            "--sglang-server-module",
+            "engines.sglang.server",
+            "--sglang-url",
+            "http://a:1,http://b:2",
+            "--sglang-mem-fraction-static",
+            "0.5",
+        ]
+    )
+    config = own_sglang_settings(build_config({"rollout_engine": "sglang", "sglang_args": passed}))
+    assert config.sglang_server_module == "engines.sglang.server"
+    assert config.sglang_url == ["http://a:1", "http://b:2"]
+    assert config.sglang_args == {"mem-fraction-static": "0.5"}
+
+
+@pytest.mark.unit
+def test_attached_worker_takes_the_url_at_its_index_and_too_few_urls_is_an_error() -> None:
+    urls = ["http://a:1", "http://b:2"]
+    assert attached_url(urls, "rollout-0-1") == "http://b:2"
+    with pytest.raises(ValueError, match="too few for rollout worker rollout-0-2"):
+        attached_url(urls, "rollout-0-2")
+    with pytest.raises(ValueError, match="id is unknown"):
+        attached_url(urls, None)
+
+
+@pytest.mark.integration
+def test_server_that_exits_during_start_up_fails_with_its_log(tmp_path: Path) -> None:
+    process = ServerProcess(
+        ServerSpec(model_path=str(tmp_path), module="no_such_sglang_module"), startup_timeout=30, log_dir=tmp_path
+    )
+    with pytest.raises(ServerStartError, match=r"exited with code 1 during start-up(?s:.)*no_such_sglang_module"):
+        process.start()
+    assert not process.alive()
