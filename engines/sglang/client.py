@@ -89,8 +89,9 @@ class SglangEngine(InferenceEngine):
         self._ensure_health_loop()
         if request.request_id in self._inflight:
             raise ValueError(f"request {request.request_id!r} is already in flight on {self.url}")
-        if self._restarting is not None:
-            await asyncio.shield(self._restarting)  # requests wait for the server instead of failing meanwhile
+        if self._restarting is not None:  # requests wait for the server instead of failing meanwhile
+            with contextlib.suppress(Exception):  # a failed restart shows as this request's connection failure
+                await asyncio.shield(self._restarting)
         rids = protocol.wire_request_ids(request)
         started_version = self._version
         self._inflight[request.request_id] = rids
@@ -333,6 +334,8 @@ class SglangEngine(InferenceEngine):
             self._restarting = asyncio.get_running_loop().create_task(self._restart())
             try:
                 await self._restarting
+            except Exception as error:  # a failed start is retried at the next check, never fatal to the worker
+                logger.error("restarting SGLang server %s failed: %s", self.url, error)
             finally:
                 self._restarting = None
 

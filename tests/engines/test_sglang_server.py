@@ -7,7 +7,7 @@ directly (token for token, log-probs within 1e-5).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,7 @@ def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture
-async def client(server: ServerProcess) -> SglangEngine:
+async def client(server: ServerProcess) -> AsyncIterator[SglangEngine]:
     engine = SglangEngine(server.url)
     yield engine
     await engine.close()
