@@ -260,18 +260,20 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Take `--sglang-NAME VALUE` (or `--sglang-NAME=VALUE`, or a bare switch) out of argv for the SGLang server.
 
     SGLang has hundreds of server arguments; forwarding a prefixed family keeps them out of our flag list while
-    letting a user set any of them. A bare switch is forwarded as the value "true".
+    letting a user set any of them. A bare switch is forwarded as the value "true". Our own `sglang_*` settings
+    (`--sglang-url`, `--sglang-server-module`, ...) stay in argv for the ordinary flag parser.
     """
     rest: list[str] = []
     found: dict[str, str] = {}
     index = 0
     while index < len(argv):
         token = argv[index]
-        if not token.startswith(SGLANG_PREFIX) or token == SGLANG_PREFIX:
+        name, has_value, value = token[len(SGLANG_PREFIX):].partition("=")
+        own_setting = "sglang_" + name.replace("-", "_") in RunConfig.model_fields  # --sglang-url etc. are ours
+        if not token.startswith(SGLANG_PREFIX) or token == SGLANG_PREFIX or own_setting:
             rest.append(token)
             index += 1
             continue
-        name, has_value, value = token[len(SGLANG_PREFIX):].partition("=")
         if not has_value:
             following = argv[index + 1] if index + 1 < len(argv) else None
             if following is not None and not following.startswith("--"):

@@ -15,13 +15,6 @@ from typing import Any
 from actors.config import RunConfig
 
 COMPAT_SERVER_MODULE = "engines.sglang.server"
-# Our own --sglang-* settings. `split_sglang_args` forwards every `--sglang-NAME` to the server, these included;
-# they are taken back here so they act as our settings and never reach SGLang's argument parser.
-OWN_SGLANG_SETTINGS = {
-    "server-module": "sglang_server_module",
-    "url": "sglang_url",
-    "startup-timeout": "sglang_startup_timeout",
-}
 
 
 def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Any, Any]:
@@ -35,7 +28,7 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Any, An
         )
     tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
     if config.rollout_engine == "sglang":
-        return load_sglang_engine(own_sglang_settings(config), actor_id), tokenizer
+        return load_sglang_engine(config, actor_id), tokenizer
     from engines.inference.torch_engine import TorchEngine
 
     engine = TorchEngine.from_pretrained(config.hf_checkpoint, max_batch_size=config.rollout_max_batch_size)
@@ -67,19 +60,6 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> Any:
     )
     server = ServerProcess(spec, startup_timeout=config.sglang_startup_timeout)
     return SglangEngine(server.start(), server=server)
-
-
-def own_sglang_settings(config: RunConfig) -> RunConfig:
-    """`config` with our own settings that arrived among the pass-through `sglang_args` moved to their fields."""
-    passed = dict(config.sglang_args)
-    updates: dict[str, Any] = {}
-    for name, field_name in OWN_SGLANG_SETTINGS.items():
-        if name in passed:
-            value = passed.pop(name)
-            updates[field_name] = value.split(",") if field_name == "sglang_url" else value
-    if not updates:
-        return config
-    return RunConfig.model_validate({**config.model_dump(), **updates, "sglang_args": passed})
 
 
 def attached_url(urls: list[str], actor_id: str | None) -> str:

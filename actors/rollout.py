@@ -40,7 +40,7 @@ class RolloutWorker(Actor):
 
         self.config = RunConfig(**self.settings["run"])
         torch.set_num_threads(self.config.torch_threads)
-        self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config)
+        self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
         self.capacity = max(1, self.config.rollout_max_batch_size // self.config.n_samples_per_prompt)

@@ -83,3 +83,14 @@ def test_model_parallel_sizes_must_divide_the_learner_ranks() -> None:
         build_config({"learner_ranks": 2, "tensor_model_parallel_size": 2})
     config = build_config({"train_backend": "megatron", "learner_ranks": 4, "tensor_model_parallel_size": 2})
     assert config.learner_ranks // config.tensor_model_parallel_size == 2
+
+
+@pytest.mark.unit
+def test_our_own_sglang_settings_are_flags_not_server_arguments() -> None:
+    config = parse(["--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+                    "--sglang-url", "http://a:1", "http://b:2", "--sglang-startup-timeout=30",
+                    "--sglang-mem-fraction-static", "0.5"])
+    assert config.sglang_server_module == "engines.sglang.server"
+    assert config.sglang_url == ["http://a:1", "http://b:2"]
+    assert config.sglang_startup_timeout == 30.0
+    assert config.sglang_args == {"mem-fraction-static": "0.5"}

@@ -1,4 +1,4 @@
-"""Starting SGLang servers: the command line, our own --sglang-* settings, attaching, failed starts."""
+"""Starting SGLang servers: the command line, attaching, failed starts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import build_config, split_sglang_args
-from actors.engine_factory import attached_url, own_sglang_settings
+from actors.engine_factory import attached_url
 from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError
 
 
@@ -22,24 +21,6 @@ def test_command_forwards_sglang_arguments_and_true_as_a_bare_switch() -> None:
     joined = " ".join(command[3:])
     assert "--model-path /m --host 127.0.0.1 --port 31000 --tp-size 2 --random-seed 5" in joined
     assert joined.endswith("--mem-fraction-static 0.7 --enable-metrics")
-
-
-@pytest.mark.unit
-def test_our_own_sglang_flags_become_settings_and_are_not_forwarded() -> None:
-    _, passed = split_sglang_args(
-        [
-            "--sglang-server-module",
-            "engines.sglang.server",
-            "--sglang-url",
-            "http://a:1,http://b:2",
-            "--sglang-mem-fraction-static",
-            "0.5",
-        ]
-    )
-    config = own_sglang_settings(build_config({"rollout_engine": "sglang", "sglang_args": passed}))
-    assert config.sglang_server_module == "engines.sglang.server"
-    assert config.sglang_url == ["http://a:1", "http://b:2"]
-    assert config.sglang_args == {"mem-fraction-static": "0.5"}
 
 
 @pytest.mark.unit
