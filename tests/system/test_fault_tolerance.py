@@ -107,4 +107,5 @@ def test_killed_roles_and_a_stopped_run_lose_nothing_and_train_nothing_twice(
     report = audit(run_dir)
     assert report.ok, report.problems
     assert report.trained_batches == 40
-    assert report.retrained_batches >= 1  # the killed learner redid the batches after its checkpoint
+    # Whether the killed learner had to redo batches depends on where the kill landed relative to its last
+    # checkpoint (steps take ~0.1 s here), so only exactly-once, checked by the audit above, is asserted.
