@@ -1,0 +1,232 @@
+"""The Megatron trainer takes the torch trainer's step: same log-probs, loss, gradient norm and updated weights.
+
+Each layout (TP=1, TP=2, PP=2, DP=2 with the distributed optimizer) runs once in freshly spawned gloo ranks on
+CPU (megatron through `engines.megatron.cpu_compat`), writing what rank 0 saw; the reference is the torch
+trainer on the same HF model in this process. AdamW runs with eps=1 so its first update stays proportional to
+the gradient: equal weights after the step then mean equal gradients (plus equal clipping and weight decay).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from engines.tiny_model import TinyModelSpec, cached_tiny_model
+from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+TEMPERATURE = 0.9
+OPTIMIZER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1.0, "weight_decay": 0.1, "grad_clip": 0.05}
+MICRO_BATCH_TOKENS = 60
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    world: int = 1
+    tied: bool = False
+    distributed_optimizer: bool = True
+    resume_at_tp: int | None = None  # save after step 1, resume in a fresh trainer at this TP size, step 2
+
+
+LAYOUTS = {
+    "tp1-tied": Layout(tied=True),
+    "tp2": Layout(tensor_parallel=2, world=2),
+    "pp2-tied": Layout(pipeline_parallel=2, world=2, tied=True),
+    "dp2": Layout(world=2),
+    "dp2-resume": Layout(world=2, distributed_optimizer=False, resume_at_tp=1),
+}
+
+
+def samples() -> list[TrainSample]:
+    generator = torch.Generator().manual_seed(3)
+    batch = []
+    for _ in range(7):
+        length = int(torch.randint(5, 40, (1,), generator=generator))
+        response = int(torch.randint(1, length, (1,), generator=generator))
+        mask = (torch.rand(response, generator=generator) > 0.3).float()
+        tokens = torch.randint(6, 100, (length,), generator=generator)
+        batch.append(
+            TrainSample(
+                tokens, response, {"advantages": torch.randn(response, generator=generator), "loss_mask": mask}
+            )
+        )
+    return batch
+
+
+def policy_loss(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
+    """Token-mean, sequence-mean and entropy terms: every normalisation path of `LossNormalizer` takes part."""
+    mask = batch.token_fields["loss_mask"]
+    token_term = -(batch.token_fields["advantages"] * outputs.log_probs * mask).sum() / normalizer.loss_tokens
+    sequence_term = (outputs.log_probs * mask).sum() / normalizer.sequences
+    assert outputs.entropy is not None
+    entropy_term = (outputs.entropy * mask).sum() / normalizer.loss_tokens
+    return token_term + 0.05 * sequence_term - 0.01 * entropy_term, {"token_term": float(token_term.detach())}
+
+
+def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | None = None):
+    from engines.megatron import MegatronTrainerConfig
+
+    return MegatronTrainerConfig(
+        model_path=model_path,
+        tensor_model_parallel_size=tensor_parallel or layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        micro_batch_tokens=MICRO_BATCH_TOKENS,
+        use_distributed_optimizer=layout.distributed_optimizer,
+        **OPTIMIZER,
+    )
+
+
+def _worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+    from engines.megatron import MegatronTrainer
+
+    layout = Layout(**layout_fields)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=layout.world)
+    try:
+        trainer = MegatronTrainer(_megatron_config(model_path, layout))
+        batch = samples()
+        outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+        result = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
+        summary = {"step1": {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}}
+        weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+        if layout.resume_at_tp is not None:
+            trainer.save_checkpoint(out_dir / "checkpoint", {"cursor": 7})
+            uninterrupted = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
+            expected = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+            trainer.close()
+            resumed_trainer = MegatronTrainer(_megatron_config(model_path, layout, layout.resume_at_tp))
+            extra_state = resumed_trainer.load_checkpoint(out_dir / "checkpoint")
+            resumed = resumed_trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
+            actual = {name: tensor.contiguous().clone() for name, tensor in resumed_trainer.named_tensors()}
+            summary["resume"] = {
+                "extra_state": extra_state,
+                "versions": [uninterrupted.version, resumed.version],
+                "grad_norms": [uninterrupted.grad_norm, resumed.grad_norm],
+            }
+            if rank == 0:
+                save_file(expected, str(out_dir / "uninterrupted.safetensors"))
+                save_file(actual, str(out_dir / "resumed.safetensors"))
+            trainer = resumed_trainer
+        if rank == 0:
+            save_file(
+                {"log_probs": outputs.log_probs, "entropy": outputs.entropy}, str(out_dir / "outputs.safetensors")
+            )
+            save_file(weights, str(out_dir / "weights.safetensors"))
+            (out_dir / "summary.json").write_text(json.dumps(summary))
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    cache = tmp_path_factory.mktemp("megatron-models")
+    return {
+        tied: cached_tiny_model(cache, TinyModelSpec(family="qwen2", tie_word_embeddings=tied))
+        for tied in (False, True)
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(model_paths: dict[bool, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each layout is spawned once, lazily, and shared by the tests that look at it."""
+    done: dict[str, Path] = {}
+
+    class Runs(dict):
+        def __missing__(self, name: str) -> Path:
+            layout = LAYOUTS[name]
+            out_dir = tmp_path_factory.mktemp(name)
+            args = (_free_port(), model_paths[layout.tied], out_dir, asdict(layout))
+            mp.spawn(_worker, args=args, nprocs=layout.world, join=True)
+            self[name] = out_dir
+            return out_dir
+
+    return Runs(done)
+
+
+@pytest.fixture(scope="module")
+def reference(model_paths: dict[bool, Path]) -> dict[bool, dict]:
+    """The torch trainer's log-probs, step and weights, per tied/untied model."""
+    results = {}
+    for tied, path in model_paths.items():
+        config = TorchTrainerConfig(
+            model_path=path, micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False, **OPTIMIZER
+        )
+        trainer = TorchTrainer(config)
+        batch = samples()
+        outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+        step = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
+        weights = {name: tensor.clone() for name, tensor in trainer.named_tensors()}
+        results[tied] = {"outputs": outputs, "step": step, "weights": weights}
+    return results
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["tp1-tied", "tp2", "pp2-tied"])
+def test_log_probs_and_entropy_match_the_torch_trainer(layout: str, runs: dict, reference: dict) -> None:
+    saved = load_file(str(runs[layout] / "outputs.safetensors"))
+    expected = reference[LAYOUTS[layout].tied]["outputs"]
+    torch.testing.assert_close(saved["log_probs"], expected.log_probs, rtol=0, atol=2e-5)
+    torch.testing.assert_close(saved["entropy"], expected.entropy, rtol=0, atol=2e-5)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["tp1-tied", "tp2", "pp2-tied", "dp2", "dp2-resume"])
+def test_train_step_loss_and_gradient_norm_match_the_torch_trainer(layout: str, runs: dict, reference: dict) -> None:
+    step = json.loads((runs[layout] / "summary.json").read_text())["step1"]
+    expected = reference[LAYOUTS[layout].tied]["step"]
+    assert step["version"] == expected.version == 1
+    assert step["metrics"]["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
+    assert step["metrics"]["token_term"] == pytest.approx(expected.metrics["token_term"], rel=1e-5)
+    assert step["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)
+    assert expected.grad_norm > OPTIMIZER["grad_clip"]  # so clipping took part in the comparison
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["tp1-tied", "tp2", "pp2-tied", "dp2", "dp2-resume"])
+def test_exported_weights_after_a_step_equal_the_torch_trainers(layout: str, runs: dict, reference: dict) -> None:
+    exported = load_file(str(runs[layout] / "weights.safetensors"))
+    expected = reference[LAYOUTS[layout].tied]["weights"]
+    assert {name: tuple(t.shape) for name, t in exported.items()} == {
+        name: tuple(t.shape) for name, t in expected.items()
+    }
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_checkpoint_resumed_in_a_fresh_trainer_takes_the_uninterrupted_step(runs: dict) -> None:
+    """Saved at DP=2, loaded by a new trainer: weights, Adam moments and version
+    survive (the second step would differ if any of them did not)."""
+    out_dir = runs["dp2-resume"]
+    resume = json.loads((out_dir / "summary.json").read_text())["resume"]
+    assert resume["extra_state"] == {"cursor": 7}
+    assert resume["versions"] == [2, 2]
+    assert resume["grad_norms"][1] == pytest.approx(resume["grad_norms"][0], rel=1e-5)
+    uninterrupted = load_file(str(out_dir / "uninterrupted.safetensors"))
+    resumed = load_file(str(out_dir / "resumed.safetensors"))
+    for name, tensor in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
