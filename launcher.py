@@ -24,6 +24,7 @@ from actors.context import ActorContext
 from actors.progress import follow_progress
 from actors.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.supervisor import RestartPolicy, Supervisor
+from bus.address import free_port
 
 SINGLETON_ROLES = ("controller", "buffer", "learner")
 SCALED_ROLES = {"rollout": "rollout_workers", "reward": "reward_workers"}  # role -> its count's argument
@@ -131,12 +132,6 @@ def wait_for_head(address: str, timeout: float) -> None:
             if time.monotonic() > deadline:
                 raise LaunchError(f"head {address} unreachable after {timeout:.0f}s ({error})") from None
             time.sleep(0.5)
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address: str, run_dir: Path,

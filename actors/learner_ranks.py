@@ -35,6 +35,7 @@ from actors.config import RunConfig
 from actors.learner_step import StepReport, TrainingStep
 from actors.supervisor import _die_with_parent
 from actors.trainer_factory import build_trainer
+from bus.address import free_port
 from bus.codec import decode, encode
 from bus.schema import Batch
 from engines.training.base import Trainer
@@ -67,8 +68,6 @@ class LearnerRanks:
         """Start the followers; from the event loop's thread, because PDEATHSIG follows the spawning thread."""
         if self.world == 1:
             return
-        from launcher import free_port
-
         self._init_method = f"tcp://{self.host}:{free_port(self.host)}"
         config_path = self.run_dir / "actors" / "learner-ranks.json"
         config_path.parent.mkdir(parents=True, exist_ok=True)

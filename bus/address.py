@@ -73,3 +73,10 @@ def connectable(endpoint: str) -> str:
         except OSError:
             host = "127.0.0.1"
     return f"tcp://{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it); whoever binds it next may still race us for it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

@@ -12,7 +12,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bus.address import free_port
 
 logger = logging.getLogger(__name__)
 HEALTH_PATHS = ("/health_generate", "/health")
@@ -175,11 +176,6 @@ def probe(url: str, timeout: float) -> bool:
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from bus.address import free_port
 from engines.sglang import protocol
 from engines.sglang.client import SglangEngine, SglangError
-from engines.sglang.launch import free_port
 from engines.sglang.weight_group import WeightGroup, join_weight_group
 from engines.weights.base import TransferReport, WeightSender, WeightTransferError
 from engines.weights.manifest import Manifest, TensorSpec, plan_buckets
