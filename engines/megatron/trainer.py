@@ -174,6 +174,21 @@ class MegatronTrainer(Trainer):
         with maybe_cpu_compat():
             _on_all_ranks_atomically(Path(directory), lambda staging: self._save_into(staging, state))
 
+    def save_model_only(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
+        """Weights only, as a distributed checkpoint that `initial_checkpoint` (or another layout) loads."""
+        from megatron.core import dist_checkpointing
+
+        checkpoint.check_json(extra_state)
+        state = {"version": self._version, "format": "megatron-dist-model", "extra_state": extra_state}
+
+        def write(staging: Path) -> None:
+            dist_checkpointing.save({"model": self._stage.sharded_state_dict()}, str(staging))
+            if dist.get_rank() == 0:
+                checkpoint.write_state(staging, state)
+
+        with maybe_cpu_compat():
+            _on_all_ranks_atomically(Path(directory), write)
+
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         directory = Path(directory)
         state = checkpoint.read_state(directory)
@@ -350,7 +365,8 @@ class MegatronTrainer(Trainer):
 
         if not directory.is_dir():
             raise FileNotFoundError(f"initial checkpoint {directory}: no such directory")
-        loaded = dist_checkpointing.load({"model": self._stage.sharded_state_dict()}, str(directory))
+        model_state = self._stage.sharded_state_dict(metadata=_CHECKPOINT_METADATA)
+        loaded = dist_checkpointing.load({"model": model_state}, str(directory))
         self._stage.load_state_dict(loaded["model"])
 
     def _build_frozen(self, path: Path, dtype: torch.dtype) -> nn.Module:
