@@ -1,5 +1,6 @@
-"""A full fully-async run with `--train-backend megatron` (TP=1, one learner rank, megatron on the CPU via
-`engines.megatron.cpu_compat`): it trains every batch, pushes weights and checkpoints like the torch backend."""
+"""A full fully-async run with `--train-backend megatron` (megatron on the CPU via `engines.megatron.cpu_compat`):
+it trains every batch, pushes weights and checkpoints like the torch backend, with one learner rank and with two
+tensor-parallel ranks (the second started and driven by the learner actor, `actors/learner_ranks.py`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ STEPS = 4
 
 @pytest.mark.system
 @pytest.mark.timeout(400)
-def test_megatron_backend_runs_the_whole_loop(tmp_path: Path, tiny_model_path: Path) -> None:
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_megatron_backend_runs_the_whole_loop(tmp_path: Path, tiny_model_path: Path, tensor_parallel: int) -> None:
     data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
     run_dir = tmp_path / "run"
     command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
@@ -30,7 +32,8 @@ def test_megatron_backend_runs_the_whole_loop(tmp_path: Path, tiny_model_path: P
                "--train-backend", "megatron", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
                "--rollout-max-response-len", "4", "--max-staleness", "1", "--save-interval", "2", "--lr", "1e-4",
                "--rollout-workers", "1", "--reward-workers", "1", "--no-progress", "--no-use-tensorboard",
-               "--no-plots"]  # fmt: skip
+               "--no-plots", "--learner-ranks", str(tensor_parallel),
+               "--tensor-model-parallel-size", str(tensor_parallel)]  # fmt: skip
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=360)
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     lines = (run_dir / "metrics" / "train.jsonl").read_text().splitlines()
@@ -38,3 +41,6 @@ def test_megatron_backend_runs_the_whole_loop(tmp_path: Path, tiny_model_path: P
     assert max(record["step"] for record in records) == STEPS
     assert all(math.isfinite(record["loss"]) for record in records)
     assert any((run_dir / "checkpoints").rglob("trainer_state.json")), "no Megatron checkpoint was written"
+    pushed = [json.loads(line) for line in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()
+              if '"weights pushed"' in line]
+    assert max(record["version"] for record in pushed) == STEPS, "the engines never received the final weights"
