@@ -116,9 +116,13 @@ async def test_killed_server_is_restarted_and_its_in_flight_request_returns_abor
     client = SglangEngine(server.url, server=server, health_interval=0.3)
     try:
         await client.generate(GenerateRequest("warm", PROMPT, SamplingParams(max_new_tokens=1)))  # starts the watch
-        long = GenerateRequest("long", PROMPT, SamplingParams(temperature=0, max_new_tokens=4000, ignore_eos=True))
+        # Paused with "keep", the server holds the request, so it is certainly in flight when the server dies
+        # (unpaused, a fast machine finished it before the kill).
+        await client.pause("keep")
+        long = GenerateRequest("long", PROMPT, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
         task = asyncio.create_task(client.generate(long))
         await asyncio.sleep(0.5)
+        assert not task.done()
         assert server.process is not None
         os.killpg(server.process.pid, signal.SIGKILL)
         outputs = await asyncio.wait_for(task, 30)
@@ -128,6 +132,7 @@ async def test_killed_server_is_restarted_and_its_in_flight_request_returns_abor
                 break
             await asyncio.sleep(0.1)
         assert client.restarts == 1 and client.version == 0
+        await client.resume()
         again = await asyncio.wait_for(client.generate(GenerateRequest("again", PROMPT, GREEDY)), 30)
         assert len(again[0].output_ids) == GREEDY.max_new_tokens
     finally:
