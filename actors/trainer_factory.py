@@ -25,25 +25,29 @@ def _needs_ref(config: RunConfig) -> bool:
     return config.policy.use_kl_loss or config.policy.kl_coef > 0
 
 
+def _shared_settings(config: RunConfig) -> dict[str, Any]:
+    """The `TrainerOptimizerConfig` fields, which every backend's config takes from the same flags."""
+    assert config.hf_checkpoint is not None  # build_trainer checked it
+    return {
+        "model_path": Path(config.hf_checkpoint),
+        "ref_model_path": Path(config.ref_checkpoint or config.hf_checkpoint) if _needs_ref(config) else None,
+        "lr": config.lr,
+        "betas": (config.adam_beta1, config.adam_beta2),
+        "weight_decay": config.weight_decay,
+        "lr_schedule": config.lr_decay_style,
+        "warmup_steps": config.lr_warmup_iters,
+        "total_steps": config.num_rollout if config.lr_decay_style == "cosine" else None,
+        "grad_clip": config.clip_grad,
+        "micro_batch_tokens": config.micro_batch_tokens,
+        "seed": config.seed,
+    }
+
+
 def _build_torch_trainer(config: RunConfig) -> Any:
     from engines.training.config import TorchTrainerConfig
     from engines.training.torch_trainer import TorchTrainer
 
-    return TorchTrainer(
-        TorchTrainerConfig(
-            model_path=Path(config.hf_checkpoint),
-            ref_model_path=Path(config.ref_checkpoint or config.hf_checkpoint) if _needs_ref(config) else None,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay,
-            lr_schedule=config.lr_decay_style,
-            warmup_steps=config.lr_warmup_iters,
-            total_steps=config.num_rollout if config.lr_decay_style == "cosine" else None,
-            grad_clip=config.clip_grad,
-            micro_batch_tokens=config.micro_batch_tokens,
-            seed=config.seed,
-        )
-    )
+    return TorchTrainer(TorchTrainerConfig(**_shared_settings(config)))
 
 
 def _build_megatron_trainer(config: RunConfig) -> Any:
@@ -58,20 +62,10 @@ def _build_megatron_trainer(config: RunConfig) -> Any:
 
     return MegatronTrainer(
         MegatronTrainerConfig(
-            model_path=Path(config.hf_checkpoint),
-            ref_model_path=Path(config.ref_checkpoint or config.hf_checkpoint) if _needs_ref(config) else None,
+            **_shared_settings(config),
             initial_checkpoint=Path(config.megatron_checkpoint) if config.megatron_checkpoint else None,
             tensor_model_parallel_size=config.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.pipeline_model_parallel_size,
             use_distributed_optimizer=config.use_distributed_optimizer,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay,
-            lr_schedule=config.lr_decay_style,
-            warmup_steps=config.lr_warmup_iters,
-            total_steps=config.num_rollout if config.lr_decay_style == "cosine" else None,
-            grad_clip=config.clip_grad,
-            micro_batch_tokens=config.micro_batch_tokens,
-            seed=config.seed,
         )
     )

@@ -51,6 +51,7 @@ from engines.training.base import (
     StepResult,
     Trainer,
     TrainSample,
+    step_result,
 )
 from engines.training.packing import count_loss_tokens
 from engines.training.schedule import lr_multiplier
@@ -331,23 +332,9 @@ class MegatronTrainer(Trainer):
             self._version += 1
         self._module.zero_grad_buffer()
         self._optimizer.zero_grad()
-        metrics = {
-            **metric_sums,
-            "loss": loss_sum,
-            "lr": lr if skip_reason is None else 0.0,
-            "grad_norm": grad_norm,
-            "loss_tokens": float(normalizer.loss_tokens),
-            "sequences": float(normalizer.sequences),
-            "micro_batches": float(micro_batches),
-            "step_seconds": time.perf_counter() - started,
-        }
-        return StepResult(
-            version=self._version,
-            metrics=metrics,
-            grad_norm=grad_norm,
-            skipped=skip_reason is not None,
-            skip_reason=skip_reason,
-        )
+        return step_result(self._version, metric_sums, loss=loss_sum, lr=lr, grad_norm=grad_norm,
+                           normalizer=normalizer, micro_batches=micro_batches, started=started,
+                           skip_reason=skip_reason)
 
     def _save_into(self, staging: Path, state: dict[str, Any]) -> None:
         from megatron.core import dist_checkpointing

@@ -16,6 +16,7 @@ over micro-batches and ranks, so report each as this micro-batch's share of the 
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -199,6 +200,33 @@ class Trainer(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most trainers hold nothing to release
         """Release distributed resources; call before tearing down torch.distributed."""
+
+
+def step_result(
+    version: int,
+    metric_sums: dict[str, float],
+    *,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    normalizer: LossNormalizer,
+    micro_batches: int,
+    started: float,
+    skip_reason: str | None,
+) -> StepResult:
+    """The `StepResult` every trainer reports, with the same metric names whatever the backend."""
+    metrics = {
+        **metric_sums,
+        "loss": loss,
+        "lr": lr if skip_reason is None else 0.0,
+        "grad_norm": grad_norm,
+        "loss_tokens": float(normalizer.loss_tokens),
+        "sequences": float(normalizer.sequences),
+        "micro_batches": float(micro_batches),
+        "step_seconds": time.perf_counter() - started,
+    }
+    return StepResult(version=version, metrics=metrics, grad_norm=grad_norm, skipped=skip_reason is not None,
+                      skip_reason=skip_reason)
 
 
 def _describe(value: Any) -> str:

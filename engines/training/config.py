@@ -11,16 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class TorchTrainerConfig(BaseModel):
-    """Everything `TorchTrainer` needs; cross-field rules are checked here, at start-up, not mid-run.
+class TrainerOptimizerConfig(BaseModel):
+    """What every trainer shares: the model to load, AdamW, the LR schedule, clipping, micro-batch budget, seed.
 
-    `dtype` is the COMPUTE dtype. Master weights and AdamW moments always stay float32: at RL learning rates
-    (~1e-6) a bfloat16 parameter cannot represent most updates, so training purely in bf16 silently stalls.
-    `micro_batch_tokens` bounds the tokens (prompt + response) of one packed forward pass; a sample longer than
-    the budget runs alone in its own micro-batch rather than failing the step.
-    `attn_implementation` defaults to `packed_sdpa` (per-sequence attention inside a packed row, see
-    `engines.training.attention`); "flash_attention_2" is the faster choice where it is installed, "sdpa" the
-    conservative one (correct, but it computes masked cross-sequence scores).
+    One definition, so a schedule rule (cosine needs total_steps) cannot differ between training backends.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -39,13 +33,9 @@ class TorchTrainerConfig(BaseModel):
     micro_batch_tokens: int = Field(default=8192, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
-    gradient_checkpointing: bool = False
-    device: str = "cpu"
-    attn_implementation: str = "packed_sdpa"
-    check_packing: bool = True
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> TorchTrainerConfig:
+    def _check_schedule(self) -> TrainerOptimizerConfig:
         for index, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
                 raise ValueError(f"betas[{index}]={beta} must be in [0, 1)")
@@ -56,6 +46,28 @@ class TorchTrainerConfig(BaseModel):
                 raise ValueError(
                     f"total_steps={self.total_steps} must exceed warmup_steps={self.warmup_steps} for a cosine decay"
                 )
+        return self
+
+
+class TorchTrainerConfig(TrainerOptimizerConfig):
+    """Everything `TorchTrainer` needs; cross-field rules are checked here, at start-up, not mid-run.
+
+    `dtype` is the COMPUTE dtype. Master weights and AdamW moments always stay float32: at RL learning rates
+    (~1e-6) a bfloat16 parameter cannot represent most updates, so training purely in bf16 silently stalls.
+    `micro_batch_tokens` bounds the tokens (prompt + response) of one packed forward pass; a sample longer than
+    the budget runs alone in its own micro-batch rather than failing the step.
+    `attn_implementation` defaults to `packed_sdpa` (per-sequence attention inside a packed row, see
+    `engines.training.attention`); "flash_attention_2" is the faster choice where it is installed, "sdpa" the
+    conservative one (correct, but it computes masked cross-sequence scores).
+    """
+
+    gradient_checkpointing: bool = False
+    device: str = "cpu"
+    attn_implementation: str = "packed_sdpa"
+    check_packing: bool = True
+
+    @model_validator(mode="after")
+    def _check_device(self) -> TorchTrainerConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device {self.device!r} unsupported; use 'cpu' or 'cuda[:N]'")
         return self

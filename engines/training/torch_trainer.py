@@ -40,6 +40,7 @@ from engines.training.base import (
     StepResult,
     Trainer,
     TrainSample,
+    step_result,
 )
 from engines.training.config import TorchTrainerConfig
 from engines.training.logprobs import token_log_probs
@@ -263,23 +264,9 @@ class TorchTrainer(Trainer):
             self._optimizer.step()
             self._version += 1
         self._optimizer.zero_grad(set_to_none=True)
-        metrics = {
-            **metric_sums,
-            "loss": loss_sum,
-            "lr": lr if skip_reason is None else 0.0,
-            "grad_norm": grad_norm,
-            "loss_tokens": float(normalizer.loss_tokens),
-            "sequences": float(normalizer.sequences),
-            "micro_batches": float(micro_batches),
-            "step_seconds": time.perf_counter() - started,
-        }
-        return StepResult(
-            version=self._version,
-            metrics=metrics,
-            grad_norm=grad_norm,
-            skipped=skip_reason is not None,
-            skip_reason=skip_reason,
-        )
+        return step_result(self._version, metric_sums, loss=loss_sum, lr=lr, grad_norm=grad_norm,
+                           normalizer=normalizer, micro_batches=micro_batches, started=started,
+                           skip_reason=skip_reason)
 
     def _global_normalizer(self, samples: Sequence[TrainSample]) -> LossNormalizer:
         """All-reduce the step's counts once; an empty shard on any rank fails every rank alike (no hang)."""
