@@ -518,7 +518,7 @@ def _on_all_ranks_atomically(target: Path, write: Callable[[Path], None]) -> Non
         failure = error
     if _any_rank_failed(failure) is False and rank == 0:
         try:
-            _publish(staging, target)
+            checkpoint.publish_directory(staging, target)
         except Exception as error:
             failure = error
     failed = _any_rank_failed(failure)
@@ -528,17 +528,6 @@ def _on_all_ranks_atomically(target: Path, write: Callable[[Path], None]) -> Non
         raise failure
     if failed:
         raise RuntimeError(f"writing checkpoint {target} failed on another rank")
-
-
-def _publish(staging: Path, target: Path) -> None:
-    checkpoint._fsync_tree(staging)
-    if target.exists():
-        retired = target.parent / f".{target.name}.retired-{uuid.uuid4().hex[:8]}"
-        target.rename(retired)
-        staging.rename(target)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(target)
 
 
 def _any_rank_failed(failure: BaseException | None) -> bool:

@@ -43,17 +43,23 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     staging.mkdir()
     try:
         yield staging
-        _fsync_tree(staging)
-        if target.exists():
-            retired = target.parent / f".{target.name}.retired-{token}"
-            target.rename(retired)
-            staging.rename(target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            staging.rename(target)
+        publish_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def publish_directory(staging: Path, target: Path) -> None:
+    """Make a fully written `staging` directory become `target`: synced first, swapped by renames, so a crash
+    leaves either the old or the new checkpoint under `target`, never a mix."""
+    _fsync_tree(staging)
+    if target.exists():
+        retired = target.parent / f".{target.name}.retired-{uuid.uuid4().hex[:8]}"
+        target.rename(retired)
+        staging.rename(target)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(target)
 
 
 def check_json(extra_state: dict[str, Any]) -> None:
