@@ -206,6 +206,7 @@ class MegatronTrainer(Trainer):
             self._stage.load_state_dict(loaded["model"])
             with _step_tolerant_state_loading(self._optimizer):
                 self._optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(self._optimizer)
         self._version = int(state["version"])
         return state["extra_state"]
 
@@ -332,9 +333,17 @@ class MegatronTrainer(Trainer):
             self._version += 1
         self._module.zero_grad_buffer()
         self._optimizer.zero_grad()
-        return step_result(self._version, metric_sums, loss=loss_sum, lr=lr, grad_norm=grad_norm,
-                           normalizer=normalizer, micro_batches=micro_batches, started=started,
-                           skip_reason=skip_reason)
+        return step_result(
+            self._version,
+            metric_sums,
+            loss=loss_sum,
+            lr=lr,
+            grad_norm=grad_norm,
+            normalizer=normalizer,
+            micro_batches=micro_batches,
+            started=started,
+            skip_reason=skip_reason,
+        )
 
     def _save_into(self, staging: Path, state: dict[str, Any]) -> None:
         from megatron.core import dist_checkpointing
@@ -491,6 +500,24 @@ def _step_tolerant_state_loading(optimizer: Any) -> Iterator[None]:
     finally:
         for inner in patched:
             del inner._set_main_param_and_optimizer_states
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own AdamW `step` tensor again after a distributed-optimizer load.
+
+    megatron-core 0.16 (without apex/transformer-engine) restores `step` by assigning ONE tensor to every
+    parameter's state. torch's AdamW increments each parameter's step in place, so the shared tensor advanced
+    once per parameter on the first resumed step and later parameters got the wrong bias correction: the
+    resumed step differed from the uninterrupted one by up to 3e-5 (found by the DP=2 resume parity test).
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if not isinstance(torch_optimizer, torch.optim.Optimizer):
+            continue
+        for state in torch_optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, Tensor):
+                state["step"] = step.detach().clone()
 
 
 def _finalize_summed_grads(model: list[nn.Module], num_tokens: Tensor | None = None, **kwargs: Any) -> None:
