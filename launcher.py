@@ -35,12 +35,22 @@ class LaunchError(Exception):
     """A problem with the command line or this node, reported as one line before anything starts."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Append argparse's default only where it means something: run settings default to None on the command line
+    (so a YAML file can set them) and carry their real default in their own help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launcher.py",
         description="Run this node's Slipstream actors (controller, buffer, learner, rollout and reward "
                     "workers, custom actors) and supervise them.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )
     cluster = parser.add_argument_group("cluster")

@@ -211,7 +211,9 @@ def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any
         annotation, _ = _unwrap_optional(field.annotation)
         default = field.default if field.default_factory is None else field.default_factory()
         default = (defaults or {}).get(name, default)
-        help_text = f"{field.description or name.replace('_', ' ')} (default: {default})"
+        help_text = field.description or name.replace("_", " ")
+        if default is not None and "(default:" not in help_text:
+            help_text += f" (default: {default})"
         if typing.get_origin(annotation) is dict:
             continue  # set in YAML, or by a pass-through flag family (see split_sglang_args)
         if annotation is bool:
