@@ -103,6 +103,7 @@ class RunConfig(BaseModel):
     lr: float = Field(1e-4, description="learning rate")
     lr_decay_style: Literal["constant", "cosine"] = Field("constant", description="LR schedule")
     lr_warmup_iters: int = Field(0, description="LR warmup steps")
+    min_lr: float = Field(0.0, description="where the cosine schedule ends")
     weight_decay: float = Field(0.0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, description="AdamW beta1")
     adam_beta2: float = Field(0.999, description="AdamW beta2")
@@ -138,6 +139,8 @@ class RunConfig(BaseModel):
             problems.append(f"global_batch_size {self.global_batch_size}: several optimizer steps per batch are not "
                             f"supported yet; leave it unset or set it to rollout_batch_size x n_samples_per_prompt "
                             f"= {samples}")
+        if not 0 <= self.min_lr <= self.lr:
+            problems.append(f"min_lr {self.min_lr} must be in [0, lr={self.lr}]")
         if len(self.eval_prompt_data) % 2:
             problems.append("eval_prompt_data takes NAME PATH pairs")
         if self.eval_prompt_data and not self.eval_interval:

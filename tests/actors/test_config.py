@@ -94,3 +94,19 @@ def test_our_own_sglang_settings_are_flags_not_server_arguments() -> None:
     assert config.sglang_url == ["http://a:1", "http://b:2"]
     assert config.sglang_startup_timeout == 30.0
     assert config.sglang_args == {"mem-fraction-static": "0.5"}
+
+
+@pytest.mark.unit
+def test_min_lr_is_where_the_cosine_schedule_ends(tmp_path: Path) -> None:
+    from actors.trainer_factory import _shared_settings
+    from engines.training.config import TrainerOptimizerConfig
+    from engines.training.schedule import lr_multiplier
+
+    config = parse(["--hf-checkpoint", str(tmp_path), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style",
+                    "cosine", "--num-rollout", "100"])
+    trainer_config = TrainerOptimizerConfig(**_shared_settings(config))
+    final = config.lr * lr_multiplier(100, schedule="cosine", total_steps=trainer_config.total_steps,
+                                      min_lr_ratio=trainer_config.min_lr_ratio)
+    assert final == pytest.approx(1e-5)
+    with pytest.raises(ValueError, match=r"min_lr 0.001 must be in \[0, lr=0.0001\]"):
+        parse(["--lr", "1e-4", "--min-lr", "1e-3"])
