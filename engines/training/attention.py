@@ -3,8 +3,9 @@
 transformers handles a packed row (position_ids restarting at 0) under `sdpa` by building a block-diagonal
 [T, T] mask, so the kernel still computes every cross-sequence score and throws it away; on a 4k-token row of
 heavy-tailed samples that is most of the attention work (measured 3x slower end to end on CPU). This
-implementation cuts the row at the restarts and runs causal sdpa on each sequence alone: only Σ L_i² scores,
-no mask tensor at all. It is what flash-attention's varlen path does, for machines without flash-attention.
+implementation cuts the row at the restarts and runs causal sdpa on the sequences alone, those of equal length
+batched into one call: only Σ L_i² scores, no mask tensor at all. It is what flash-attention's varlen path does,
+for machines without flash-attention.
 
 Scope: one packed row (batch size 1), as the trainer produces. transformers builds no mask for a custom
 attention name, so a padded batch would silently lose its padding mask; that case is refused loudly instead.
@@ -43,20 +44,40 @@ def packed_sdpa_attention(
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{NAME} does not support logit soft-capping or attention sinks; use 'sdpa'")
     length = query.shape[2]
-    outputs = []
-    for start, end in sequence_spans(position_ids, length):
-        outputs.append(
-            _causal_attention(
-                query[:, :, start:end],
-                key[:, :, start:end],
-                value[:, :, start:end],
-                dropout=dropout if module.training else 0.0,
-                scaling=scaling,
-                sliding_window=sliding_window,
-            )
+    spans = sequence_spans(position_ids, length)
+    dropout = dropout if module.training else 0.0
+    if len(spans) == 1:
+        output = _causal_attention(query, key, value, dropout=dropout, scaling=scaling, sliding_window=sliding_window)
+        return output.transpose(1, 2).contiguous(), None
+    output: Tensor | None = None
+    for index in _equal_length_groups(spans, query.device):
+        # [n, L] token positions of n sequences of one length L: one batched kernel call for all of them.
+        def take(tensor: Tensor, index: Tensor = index) -> Tensor:
+            return tensor[0][:, index].transpose(0, 1)  # [H, n, L, D] -> [n, H, L, D]
+
+        attended = _causal_attention(
+            take(query), take(key), take(value), dropout=dropout, scaling=scaling, sliding_window=sliding_window
         )
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return output.transpose(1, 2).contiguous(), None
+        if output is None:  # the kernel's dtype, which autocast may have changed from the inputs'
+            output = attended.new_empty(attended.shape[1], length, attended.shape[-1])
+        output[:, index.reshape(-1)] = attended.transpose(0, 1).reshape(output.shape[0], -1, output.shape[-1])
+    assert output is not None
+    return output.unsqueeze(0).transpose(1, 2).contiguous(), None
+
+
+def _equal_length_groups(spans: list[tuple[int, int]], device: torch.device) -> list[Tensor]:
+    """The spans' token positions, one [n, L] index per distinct length L.
+
+    RL batches hold many short samples of few distinct lengths; one kernel call per sequence would spend its time
+    in dispatch (256 calls per layer for a 256-sample CPU batch), one call per length group does not.
+    """
+    starts_by_length: dict[int, list[int]] = {}
+    for start, end in spans:
+        starts_by_length.setdefault(end - start, []).append(start)
+    return [
+        torch.tensor(starts, device=device)[:, None] + torch.arange(span_length, device=device)
+        for span_length, starts in starts_by_length.items()
+    ]
 
 
 def sequence_spans(position_ids: Tensor | None, length: int) -> list[tuple[int, int]]:

@@ -19,13 +19,39 @@ def test_packed_row_logits_equal_each_sequence_run_alone_under_sdpa(family: str)
     register_packed_attention()
     model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer()).eval()
     generator = torch.Generator().manual_seed(0)
-    samples = [TrainSample(torch.randint(6, 100, (n,), generator=generator), n - 1) for n in (9, 2, 17, 5)]
+    samples = [TrainSample(torch.randint(6, 100, (n,), generator=generator), n - 1) for n in (9, 2, 17, 5, 9, 2, 9)]
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
         alone = torch.cat([forward_packed(model, pack_inputs([sample])) for sample in samples])
         model.config._attn_implementation = "packed_sdpa"
         packed = forward_packed(model, pack_inputs(samples))
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.unit
+def test_sequences_of_equal_length_batched_together_give_each_sequences_own_attention_and_gradients() -> None:
+    """Equal-length sequences share one kernel call; outputs and q/k/v gradients must equal per-sequence calls."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = [3, 5, 3, 1, 5, 3]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    total = int(positions.shape[1])
+    query = torch.randn(1, 4, total, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(1, 2, total, 8, generator=generator, requires_grad=True) for _ in range(2))
+    output, _ = packed_sdpa_attention(nn.Module().eval(), query, key, value, None, position_ids=positions)
+    weights = torch.randn(output.shape, generator=generator)
+    packed_grads = torch.autograd.grad((output * weights).sum(), (query, key, value))
+
+    pieces = []
+    for start, end in sequence_spans(positions, total):
+        attended = F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, enable_gqa=True
+        )
+        pieces.append(attended.transpose(1, 2))
+    expected = torch.cat(pieces, dim=1)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (query, key, value))
+    torch.testing.assert_close(output, expected)
+    for packed_grad, expected_grad in zip(packed_grads, expected_grads, strict=True):
+        torch.testing.assert_close(packed_grad, expected_grad)
 
 
 @pytest.mark.unit
