@@ -1,6 +1,7 @@
 """Benchmark: sequence packing against naive padding, on heavy-tailed sequence lengths.
 
     python tools/bench_packing.py               # 64 samples, lognormal lengths, 4k-token budget, 3 repeats
+    python tools/bench_packing.py --workload short --padded-batch 256   # the CPU demo's RL batch
     python tools/bench_packing.py --quick       # a few samples on a tiny model, for the smoke test
     python tools/bench_packing.py --json out.json
 
@@ -61,6 +62,17 @@ FULL = Workload(
         max_position_embeddings=4096,
     ),
 )
+# The CPU demo's RL batch: 32 groups x 8 samples of 5-11 tokens (a prompt like "12+7=" and a short answer).
+SHORT = Workload(
+    samples=256,
+    log_mean=1.6,
+    log_sigma=0.3,
+    max_length=12,
+    budget=8192,
+    model=TinyModelSpec(
+        hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+    ),
+)
 QUICK = Workload(samples=8, log_mean=3.0, log_sigma=0.8, max_length=128, budget=256, model=TinyModelSpec())
 
 
@@ -82,7 +94,7 @@ class SpeedRow:
 
 def main() -> None:
     args = _parse_args()
-    workload = QUICK if args.quick else FULL
+    workload = QUICK if args.quick else {"long": FULL, "short": SHORT}[args.workload]
     repeats = 1 if args.quick else args.repeats
     samples = _samples(workload, seed=args.seed)
     lengths = [int(s.tokens.numel()) for s in samples]
@@ -213,6 +225,12 @@ def _print_speed(rows: list[SpeedRow], repeats: int) -> None:
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few samples on a tiny model: a smoke run")
+    parser.add_argument(
+        "--workload",
+        choices=["long", "short"],
+        default="long",
+        help="long: 64 heavy-tailed samples up to 2k tokens; short: the CPU demo's 256 samples of ~10 tokens",
+    )
     parser.add_argument("--padded-batch", type=int, default=8, help="samples per padded micro-batch (baseline)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
