@@ -50,34 +50,46 @@ def packed_sdpa_attention(
         output = _causal_attention(query, key, value, dropout=dropout, scaling=scaling, sliding_window=sliding_window)
         return output.transpose(1, 2).contiguous(), None
     output: Tensor | None = None
-    for index in _equal_length_groups(spans, query.device):
-        # [n, L] token positions of n sequences of one length L: one batched kernel call for all of them.
-        def take(tensor: Tensor, index: Tensor = index) -> Tensor:
-            return tensor[0][:, index].transpose(0, 1)  # [H, n, L, D] -> [n, H, L, D]
-
-        attended = _causal_attention(
-            take(query), take(key), take(value), dropout=dropout, scaling=scaling, sliding_window=sliding_window
-        )
+    for span_length, starts in _starts_by_length(spans).items():
+        if len(starts) == 1:  # a length of its own: slice views, no gather
+            positions: slice | Tensor = slice(starts[0], starts[0] + span_length)
+            attended = _causal_attention(
+                query[:, :, positions],
+                key[:, :, positions],
+                value[:, :, positions],
+                dropout=dropout,
+                scaling=scaling,
+                sliding_window=sliding_window,
+            )[0]
+        else:  # n sequences of one length: gathered into [n, H, L, D], one kernel call, scattered back
+            index = torch.tensor(starts, device=query.device)[:, None] + torch.arange(span_length, device=query.device)
+            positions = index.reshape(-1)
+            attended = _causal_attention(
+                query[0][:, index].transpose(0, 1),
+                key[0][:, index].transpose(0, 1),
+                value[0][:, index].transpose(0, 1),
+                dropout=dropout,
+                scaling=scaling,
+                sliding_window=sliding_window,
+            )
+            attended = attended.transpose(0, 1).reshape(attended.shape[1], -1, attended.shape[-1])
         if output is None:  # the kernel's dtype, which autocast may have changed from the inputs'
-            output = attended.new_empty(attended.shape[1], length, attended.shape[-1])
-        output[:, index.reshape(-1)] = attended.transpose(0, 1).reshape(output.shape[0], -1, output.shape[-1])
+            output = attended.new_empty(attended.shape[0], length, attended.shape[-1])
+        output[:, positions] = attended
     assert output is not None
     return output.unsqueeze(0).transpose(1, 2).contiguous(), None
 
 
-def _equal_length_groups(spans: list[tuple[int, int]], device: torch.device) -> list[Tensor]:
-    """The spans' token positions, one [n, L] index per distinct length L.
+def _starts_by_length(spans: list[tuple[int, int]]) -> dict[int, list[int]]:
+    """Where the sequences of each length start.
 
     RL batches hold many short samples of few distinct lengths; one kernel call per sequence would spend its time
-    in dispatch (256 calls per layer for a 256-sample CPU batch), one call per length group does not.
+    in dispatch (256 calls per layer for a 256-sample CPU batch), one call per length does not.
     """
-    starts_by_length: dict[int, list[int]] = {}
+    starts: dict[int, list[int]] = {}
     for start, end in spans:
-        starts_by_length.setdefault(end - start, []).append(start)
-    return [
-        torch.tensor(starts, device=device)[:, None] + torch.arange(span_length, device=device)
-        for span_length, starts in starts_by_length.items()
-    ]
+        starts.setdefault(end - start, []).append(start)
+    return starts
 
 
 def sequence_spans(position_ids: Tensor | None, length: int) -> list[tuple[int, int]]:
