@@ -26,8 +26,9 @@ Decisions worth knowing when reading the numbers:
   steps) is the second metric because it is far less noisy than a small held-out set (64 samples per step
   against 80 greedy answers per round). It is measured on samples from the behaviour policy, which lags the
   learner by the staleness, so it is conservative for the async cells.
-- Every run uses `--use-decoupled-ppo` by default. Without it the learner takes pi_old := mu (the engine's
-  log-probs), the TIS weight pi_old/mu is identically 1, and `none` and `tis` would be the same run.
+- Every run uses `--use-decoupled-ppo` by default, so every cell recomputes pi_old on the learner and `none`
+  and `tis` differ only in the TIS weight pi_old/mu. (With a correction on, the learner recomputes pi_old
+  anyway; without one and without decoupled PPO it would take pi_old := mu, a second difference between cells.)
 - Cells run seed-major (every cell of seed 1, then of seed 2, ...) so slow drift in background load on a
   shared machine lands on all cells alike rather than on whichever cells ran last. The mean 1-minute load
   average during each run is recorded, `--max-load` waits (bounded) for a calmer machine before each run,
