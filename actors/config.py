@@ -124,6 +124,12 @@ class RunConfig(BaseModel):
     # ---- reporting
     use_tensorboard: bool = Field(True, description="write TensorBoard events to RUN_DIR/tensorboard")
     plots: bool = Field(True, description="write PNG plots at the end of the run")
+    use_wandb: bool = Field(False, description="mirror the run's metrics into a Weights & Biases run "
+                                               "(key: WANDB_API_KEY or `wandb login`)")
+    wandb_project: str = Field("slipstream", description="W&B project")
+    wandb_group: str | None = Field(None, description="W&B group, e.g. to gather the seeds of one experiment")
+    wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write RUN_DIR/wandb only, "
+                                                                            "`wandb sync` it later")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

@@ -17,6 +17,7 @@ from typing import Any
 from actors.base import Actor
 from actors.handlers import serves
 from actors.metrics import MetricsWriter
+from actors.wandb_mirror import WandbMirror
 from bus import Publisher, RpcServer
 from bus.schema import (
     TOPIC_CONTROL,
@@ -61,8 +62,10 @@ class Controller(Actor):
 
     async def run(self) -> None:
         """Watch liveness until the run stops, and record every actor's counters (queue depths, drops, idle
-        fractions) to metrics/actors.jsonl; everything else happens in the request handlers."""
+        fractions) to metrics/actors.jsonl; everything else happens in the request handlers. With --use-wandb
+        the metrics files are mirrored into W&B on the same beat (see `actors.wandb_mirror`)."""
         writer = MetricsWriter(self.context.run_dir, "actors")
+        mirror = await self._open_wandb_mirror()
         last_written = time.monotonic()
         try:
             while not self.stopping:
@@ -73,8 +76,34 @@ class Controller(Actor):
                     version = self.latest_version.version if self.latest_version else 0
                     writer.write(version, {f"{actor_id}/{key}": value for actor_id, record in self.records.items()
                                            if record.member.alive for key, value in record.counters.items()})
+                    mirror = await self._pump_wandb(mirror, mirror.pump if mirror else None)
         finally:
             writer.close()
+            if mirror is not None:
+                await self._pump_wandb(mirror, mirror.close)
+
+    async def _open_wandb_mirror(self) -> WandbMirror | None:
+        run = self.settings.get("run") or {}
+        if not run.get("use_wandb"):
+            return None
+        try:
+            return await asyncio.to_thread(
+                WandbMirror, self.context.run_dir, project=run["wandb_project"], group=run.get("wandb_group"),
+                mode=run["wandb_mode"], config=run,
+            )
+        except Exception as error:  # W&B is a view of the run, never a reason to stop it
+            self.log.warning("W&B disabled: could not start the run", error=repr(error))
+            return None
+
+    async def _pump_wandb(self, mirror: WandbMirror | None, call: Any) -> WandbMirror | None:
+        if mirror is None:
+            return None
+        try:
+            await asyncio.to_thread(call)
+            return mirror
+        except Exception as error:
+            self.log.warning("W&B disabled: mirroring failed; metrics/*.jsonl stay complete", error=repr(error))
+            return None
 
     # The controller is the head: it binds the fixed head address and registers with no one.
     async def start(self) -> None:

@@ -7,6 +7,7 @@ also checks that the run waits for the final version's eval round instead of cut
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -25,6 +26,7 @@ COMMON = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout
 # The tiny untrained model earns no reward, so GRPO advantages would be zero and nothing would move; an SFT loss
 # on the recorded responses always has a gradient, which is what the comparison of the two learners needs.
 SFT_ON_RECORDING = ["--loss-type", "sft", "--lr", "1e-3"]
+WANDB_OFFLINE = ["--use-wandb", "--wandb-mode", "offline"] if importlib.util.find_spec("wandb") else []
 
 
 def run(arguments: list[str], timeout: float = 180) -> None:
@@ -55,7 +57,7 @@ def test_recorded_rollouts_replay_into_a_training_only_run(tiny_model_path: Path
     train_run = tmp_path / "train-only"
     run(["--run-dir", str(train_run), "--hf-checkpoint", str(tiny_model_path), "--num-rollout", "3",
          "--debug-train-only", "--load-debug-rollout-data", str(recording), "--rollout-workers", "0",
-         "--reward-workers", "0", *SFT_ON_RECORDING])
+         "--reward-workers", "0", *SFT_ON_RECORDING, *WANDB_OFFLINE])
 
     trained = {row["batch_id"]: row["sample_ids"] for row in jsonl(train_run / "metrics" / "trained_samples.jsonl")}
     assert trained == {batch_id: [s.sample_id for s in batch.samples] for batch_id, batch in recorded.items()}
@@ -63,6 +65,9 @@ def test_recorded_rollouts_replay_into_a_training_only_run(tiny_model_path: Path
     assert (train_run / "final_model" / "config.json").exists()
     launched = (train_run / "logs" / "launcher-0.jsonl").read_text(encoding="utf-8")
     assert "rollout-0-0" not in launched and "reward-0-0" not in launched
+    if WANDB_OFFLINE:  # the controller mirrored the learner's metrics into an offline W&B run
+        mirrored = b"".join(path.read_bytes() for path in (train_run / "wandb").rglob("*.wandb"))
+        assert b"train/loss" in mirrored and b"train/step" in mirrored
 
     # The same recording on a two-process learner: each rank trains half the groups, and the summed gradients
     # must give the single-process model.
