@@ -38,6 +38,7 @@ class Layout:
     world: int = 1
     tied: bool = False
     distributed_optimizer: bool = True
+    dtype: str = "float32"
     resume_at_tp: int | None = None  # save after step 1; a fresh process loads at this TP size, step 2
 
 
@@ -46,6 +47,7 @@ LAYOUTS = {
     "tp2": Layout(tensor_parallel=2, world=2),
     "pp2-tied": Layout(pipeline_parallel=2, world=2, tied=True),
     "dp2-resume-at-tp2": Layout(world=2, resume_at_tp=2),
+    "tp1-bf16": Layout(dtype="bfloat16"),
 }
 
 
@@ -84,6 +86,7 @@ def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | No
         pipeline_model_parallel_size=layout.pipeline_parallel,
         micro_batch_tokens=MICRO_BATCH_TOKENS,
         use_distributed_optimizer=layout.distributed_optimizer,
+        dtype=layout.dtype,
         **OPTIMIZER,
     )
 
@@ -243,3 +246,30 @@ def test_checkpoint_resumed_at_another_layout_takes_the_uninterrupted_step(runs:
     resumed = load_file(str(out_dir / "resumed.safetensors"))
     for name, tensor in uninterrupted.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_bf16_step_tracks_the_torch_trainers_bf16_step(runs: dict, model_paths: dict[bool, Path]) -> None:
+    """bf16 compute on both sides (fp32 master weights): equal up to bf16 rounding, not bit for bit."""
+    out_dir = runs["tp1-bf16"]
+    config = TorchTrainerConfig(
+        model_path=model_paths[False], micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False,
+        dtype="bfloat16", **OPTIMIZER,
+    )
+    trainer = TorchTrainer(config)
+    batch = samples()
+    expected_outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    expected_step = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
+    expected_weights = dict(trainer.named_tensors())
+
+    saved = load_file(str(out_dir / "outputs.safetensors"))
+    torch.testing.assert_close(saved["log_probs"], expected_outputs.log_probs, rtol=0, atol=1e-2)  # seen: 2.2e-3
+    step = json.loads((out_dir / "summary.json").read_text())["step1"]
+    assert step["metrics"]["loss"] == pytest.approx(expected_step.metrics["loss"], rel=1e-3)  # seen: 8e-5
+    assert step["grad_norm"] == pytest.approx(expected_step.grad_norm, rel=2e-3)  # seen: 4e-4
+    exported = load_file(str(out_dir / "weights.safetensors"))
+    for name, tensor in expected_weights.items():
+        assert exported[name].dtype == torch.bfloat16, name
+        # one bf16 step at 1.0 is 2^-7; seen: 3.2e-4
+        torch.testing.assert_close(exported[name].float(), tensor.float(), rtol=0, atol=2**-7, msg=name)
