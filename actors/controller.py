@@ -76,11 +76,10 @@ class Controller(Actor):
                     version = self.latest_version.version if self.latest_version else 0
                     writer.write(version, {f"{actor_id}/{key}": value for actor_id, record in self.records.items()
                                            if record.member.alive for key, value in record.counters.items()})
-                    mirror = await self._pump_wandb(mirror, mirror.pump if mirror else None)
+                    mirror = await self._advance_wandb(mirror)
         finally:
             writer.close()
-            if mirror is not None:
-                await self._pump_wandb(mirror, mirror.close)
+            await self._advance_wandb(mirror, closing=True)
 
     async def _open_wandb_mirror(self) -> WandbMirror | None:
         run = self.settings.get("run") or {}
@@ -95,11 +94,13 @@ class Controller(Actor):
             self.log.warning("W&B disabled: could not start the run", error=repr(error))
             return None
 
-    async def _pump_wandb(self, mirror: WandbMirror | None, call: Any) -> WandbMirror | None:
+    async def _advance_wandb(self, mirror: WandbMirror | None, *, closing: bool = False) -> WandbMirror | None:
+        """Send what the metrics files gained (and finish the W&B run when closing), off the event loop; a
+        failure drops the mirror for the rest of the run."""
         if mirror is None:
             return None
         try:
-            await asyncio.to_thread(call)
+            await asyncio.to_thread(mirror.close if closing else mirror.pump)
             return mirror
         except Exception as error:
             self.log.warning("W&B disabled: mirroring failed; metrics/*.jsonl stay complete", error=repr(error))

@@ -37,7 +37,7 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
         "lr_schedule": config.lr_decay_style,
         "warmup_steps": config.lr_warmup_iters,
         "total_steps": config.num_rollout if config.lr_decay_style == "cosine" else None,
-        "min_lr_ratio": config.min_lr / config.lr,
+        "min_lr_ratio": config.min_lr / config.lr if config.lr > 0 else 0.0,
         "grad_clip": config.clip_grad,
         "micro_batch_tokens": config.micro_batch_tokens,
         "seed": config.seed,
