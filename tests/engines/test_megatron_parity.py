@@ -9,7 +9,6 @@ the gradient: equal weights after the step then mean equal gradients (plus equal
 from __future__ import annotations
 
 import json
-import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from bus.address import free_port
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 
@@ -143,11 +143,6 @@ def _resume_worker(rank: int, port: int, model_path: Path, out_dir: Path, layout
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
@@ -167,10 +162,10 @@ def runs(model_paths: dict[bool, Path], tmp_path_factory: pytest.TempPathFactory
         def __missing__(self, name: str) -> Path:
             layout = LAYOUTS[name]
             out_dir = tmp_path_factory.mktemp(name)
-            args = (_free_port(), model_paths[layout.tied], out_dir, asdict(layout))
+            args = (free_port(), model_paths[layout.tied], out_dir, asdict(layout))
             mp.spawn(_worker, args=args, nprocs=layout.world, join=True)
             if layout.resume_at_tp is not None:
-                args = (_free_port(), model_paths[layout.tied], out_dir, asdict(layout))
+                args = (free_port(), model_paths[layout.tied], out_dir, asdict(layout))
                 mp.spawn(_resume_worker, args=args, nprocs=layout.world, join=True)
             self[name] = out_dir
             return out_dir

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from bus.address import free_port
 from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 
 TEMPERATURE = 0.9
@@ -66,17 +66,12 @@ def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ddp_run(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One two-process step (and a collective checkpoint) shared by the tests below: spawning costs seconds."""
     out_dir = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(_free_port(), tiny_model_path, out_dir), nprocs=WORLD, join=True)
+    mp.spawn(_ddp_worker, args=(free_port(), tiny_model_path, out_dir), nprocs=WORLD, join=True)
     return out_dir
 
 

@@ -1,6 +1,5 @@
 """Advantage whitening across data-parallel ranks, with real processes and a real gloo process group."""
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bus.address import free_port
 from policies.advantages import compute_advantages
 from policies.config import PolicyLossConfig
 
@@ -49,16 +49,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.integration
 def test_whitening_across_ranks_equals_whitening_the_whole_batch(tmp_path: Path) -> None:
     # spawn, not fork: forking a pytest process that already runs worker threads (asyncio, gloo) can deadlock
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
     sharded = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD_SIZE)])
     config = PolicyLossConfig(rewards_normalization=False, normalize_advantages=True)
     whole, _ = compute_advantages(config, **_batch())
