@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import signal
 import socket
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.context import ActorContext
+from actors.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.progress import follow_progress
 from actors.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.supervisor import RestartPolicy, Supervisor
@@ -74,7 +76,9 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
     actors.add_argument("--roles", default=None,
                         help="comma-separated roles to run on this node (default: all built-in roles on the "
                              "head, the scaled roles elsewhere)")
-    actors.add_argument("--rollout-workers", type=int, default=1, help="rollout workers on this node")
+    actors.add_argument("--rollout-workers", type=int, default=None,
+                        help="rollout workers on this node (default: 1, or on the head --rollout-num-gpus / "
+                             "--rollout-num-gpus-per-engine when that is given)")
     actors.add_argument("--reward-workers", type=int, default=1, help="reward workers on this node")
     actors.add_argument("--custom-actor", action="append", default=[], metavar="NAME=MODULE:CLASS",
                         help="run a custom actor class under role NAME; scale it with --NAME-workers")
@@ -145,8 +149,9 @@ def wait_for_head(address: str, timeout: float) -> None:
 
 
 def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address: str, run_dir: Path,
-                config: RunConfig) -> list[ActorContext]:
-    """The actors this node runs, in start order (the controller first)."""
+                config: RunConfig) -> tuple[list[ActorContext], RunConfig]:
+    """The actors this node runs, in start order (the controller first), and the config they all get: on the
+    head, the weight transport is resolved here from the placement, so every actor sees the same one."""
     default_roles = list(BUILTIN_ROLES) if args.head else list(SCALED_ROLES)
     roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else default_roles
     roles += [name for name in customs if name not in roles]
@@ -168,6 +173,22 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
         if counts[role] < 0:
             raise LaunchError(f"number of {role} actors must be >= 0, got {counts[role]}")
 
+    placement = place_actors(config, learner_ranks=config.learner_ranks if "learner" in roles else 0,
+                             rollout_workers=counts.get("rollout", 0))
+    if args.head and config.weight_transport == "auto":
+        config = config.model_copy(
+            update={"weight_transport": weight_transport(cuda=placement.gpus > 0, placement=placement)})
+    parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def devices_of(role: str, index: int) -> str | None:
+        if not placement.gpus or role in customs:
+            return None  # no GPU here, or a custom actor: it sees what the launcher sees
+        if role == "learner":
+            return visible_devices(placement.learner, parent_visible)
+        if role == "rollout":
+            return visible_devices(placement.rollout[index], parent_visible)
+        return ""  # controller, buffer, reward workers: no CUDA context on anyone's GPU
+
     contexts = []
     for role in roles:
         path = customs.get(role) or BUILTIN_ROLES[role]
@@ -185,8 +206,28 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
                 actor_id=actor_id, role=role, actor_class=path, node_rank=args.node_rank,
                 head_address=head_address, run_dir=run_dir, host=args.host, transport=args.transport,
                 curve_keys_dir=args.curve_keys, heartbeat_interval=args.heartbeat_interval, settings=settings,
+                cuda_visible_devices=devices_of(role, index),
             ))
-    return contexts
+    if placement.gpus:
+        print(f"placement (node {args.node_rank}): {placement.describe()}", file=sys.stderr)
+    return contexts, config
+
+
+def visible_gpus() -> int:
+    """GPUs this launcher sees (its CUDA_VISIBLE_DEVICES applies); 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int) -> NodePlacement:
+    seen = visible_gpus()
+    gpus = seen if config.num_gpus_per_node is None else min(config.num_gpus_per_node, seen)
+    try:
+        return place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=rollout_workers,
+                          gpus_per_engine=config.rollout_num_gpus_per_engine, rollout_engine=config.rollout_engine)
+    except PlacementError as error:
+        raise LaunchError(f"placement: {error}") from None
 
 
 def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace, Path]:
@@ -208,9 +249,12 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
         config = config_from_args(args)
     except ValueError as error:
         raise LaunchError(str(error)) from None
+    if args.rollout_workers is None:
+        from_gpus = args.head and config.rollout_num_gpus is not None
+        args.rollout_workers = config.rollout_num_gpus // config.rollout_num_gpus_per_engine if from_gpus else 1
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    contexts = plan_actors(args, customs, head_address, run_dir, config)
+    contexts, config = plan_actors(args, customs, head_address, run_dir, config)
     write_effective_config(config, run_dir)
     return contexts, args, run_dir
 

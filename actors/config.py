@@ -38,6 +38,23 @@ class RunConfig(BaseModel):
     use_distributed_optimizer: bool = Field(True, description="Megatron: shard optimizer state over data parallel")
     megatron_checkpoint: str | None = Field(None, description="Megatron distributed checkpoint to start from "
                                             "(default: convert --hf-checkpoint)")
+    bf16: bool = Field(False, description="train in bfloat16 (float32 master weights and optimizer state), run the "
+                       "engines in bfloat16 and push bfloat16 weights")
+
+    # ---- placement (slime's flags); see actors/placement.py
+    actor_num_nodes: int = Field(1, description="nodes of the learner (its ranks all run on the head for now)")
+    actor_num_gpus_per_node: int | None = Field(None, description="learner GPUs per node: one learner rank each "
+                                                "(sets --learner-ranks)")
+    rollout_num_gpus: int | None = Field(None, description="GPUs of all inference engines; on the head, "
+                                         "--rollout-workers defaults to rollout_num_gpus / "
+                                         "rollout_num_gpus_per_engine")
+    num_gpus_per_node: int | None = Field(None, description="GPUs a node may use (default: every GPU its "
+                                          "launcher sees)")
+    colocate: bool = Field(False, description="learner and engines on the same GPUs, taking turns (not available "
+                           "yet: on one GPU the torch engine already shares the learner's device)")
+    weight_transport: Literal["auto", "gloo", "nccl", "cuda_ipc"] = Field(
+        "auto", description="how weights reach the engines; auto: gloo without CUDA, cuda_ipc when engines share "
+        "the learner's GPU, nccl otherwise")
 
     # ---- SGLang rollout engine (--rollout-engine sglang)
     sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "
@@ -131,6 +148,20 @@ class RunConfig(BaseModel):
     wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write RUN_DIR/wandb only, "
                                                                             "`wandb sync` it later")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _learner_ranks_from_actor_gpus(cls, values: Any) -> Any:
+        """slime sizes the learner by --actor-num-nodes x --actor-num-gpus-per-node; both spellings must agree."""
+        if not isinstance(values, dict) or values.get("actor_num_gpus_per_node") is None:
+            return values
+        ranks = int(values.get("actor_num_nodes") or 1) * int(values["actor_num_gpus_per_node"])
+        given = values.get("learner_ranks")
+        if given is not None and int(given) != ranks:
+            raise ValueError(
+                f"learner_ranks {given} disagrees with actor_num_nodes x actor_num_gpus_per_node = {ranks}"
+            )
+        return {**values, "learner_ranks": ranks}
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         problems = []
@@ -159,6 +190,21 @@ class RunConfig(BaseModel):
         if self.learner_ranks < 1 or self.learner_ranks % parallel:
             problems.append(f"learner_ranks {self.learner_ranks} must be a positive multiple of "
                             f"tensor_model_parallel_size x pipeline_model_parallel_size = {parallel}")
+        if self.actor_num_nodes != 1:
+            problems.append(f"actor_num_nodes {self.actor_num_nodes}: the learner's ranks all run on the head node "
+                            "for now; use --actor-num-nodes 1 with --actor-num-gpus-per-node N")
+        if self.colocate:
+            problems.append("colocate: not available yet; on a single GPU, --rollout-engine torch shares the "
+                            "learner's GPU without it (weights over CUDA IPC)")
+        if self.rollout_num_gpus is not None and self.rollout_num_gpus_per_engine >= 1 and (
+            self.rollout_num_gpus < 0 or self.rollout_num_gpus % self.rollout_num_gpus_per_engine
+        ):
+            problems.append(f"rollout_num_gpus {self.rollout_num_gpus} must be a non-negative multiple of "
+                            f"rollout_num_gpus_per_engine {self.rollout_num_gpus_per_engine}")
+        if self.rollout_num_gpus_per_engine < 1:
+            problems.append("rollout_num_gpus_per_engine must be >= 1")
+        if self.num_gpus_per_node is not None and self.num_gpus_per_node < 0:
+            problems.append("num_gpus_per_node must be >= 0")
         if parallel > 1 and self.train_backend != "megatron":
             problems.append("tensor/pipeline parallelism needs --train-backend megatron")
         if problems:

@@ -26,6 +26,9 @@ class ActorContext:
     curve_keys_dir: Path | None = None
     heartbeat_interval: float = 1.0
     settings: dict[str, Any] = field(default_factory=dict)  # the role's own configuration
+    # The GPUs this process owns, as its CUDA_VISIBLE_DEVICES (set by the supervisor and again by actors.main, so a
+    # process started by hand gets the same devices); None leaves the variable as the launcher found it.
+    cuda_visible_devices: str | None = None
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+
 from actors.config import RunConfig
 
 COMPAT_SERVER_MODULE = "engines.sglang.server"
@@ -31,8 +33,18 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Any, An
         return load_sglang_engine(config, actor_id), tokenizer
     from engines.inference.torch_engine import TorchEngine
 
-    engine = TorchEngine.from_pretrained(config.hf_checkpoint, max_batch_size=config.rollout_max_batch_size)
+    engine = TorchEngine.from_pretrained(
+        config.hf_checkpoint,
+        max_batch_size=config.rollout_max_batch_size,
+        device=engine_device(),
+        dtype=torch.bfloat16 if config.bf16 else torch.float32,
+    )
     return engine, tokenizer
+
+
+def engine_device() -> torch.device:
+    """The worker's own GPU when it has one: the launcher made it this process's only visible device, cuda:0."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def load_sglang_engine(config: RunConfig, actor_id: str | None) -> Any:
@@ -55,11 +67,22 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> Any:
         model_path=config.hf_checkpoint,
         module=config.sglang_server_module,
         tp_size=config.rollout_num_gpus_per_engine,
-        random_seed=config.seed,
+        random_seed=engine_seed(config.seed, actor_id),
+        # The launcher made this worker's GPUs its only visible ones, so its server starts at the first of them.
+        base_gpu_id=0 if torch.cuda.is_available() else None,
         extra=extra,
     )
     server = ServerProcess(spec, startup_timeout=config.sglang_startup_timeout)
     return SglangEngine(server.start(), server=server)
+
+
+def engine_seed(seed: int, actor_id: str | None) -> int:
+    """A distinct sampling seed per server (`rollout-<node>-<index>`), so two engines never draw the same samples."""
+    match = re.search(r"-(\d+)-(\d+)$", actor_id or "")
+    if match is None:
+        return seed
+    node, index = int(match.group(1)), int(match.group(2))
+    return seed + 1000 * node + index
 
 
 def attached_url(urls: list[str], actor_id: str | None) -> str:
@@ -84,16 +107,19 @@ def attached_url(urls: list[str], actor_id: str | None) -> str:
 
 
 def server_weight_version(url: str, *, timeout: float) -> int:
-    """GET {url}/get_weight_version, blocking; "default" (never updated) reads as 0."""
+    """GET {url}/model_info's `weight_version`, blocking; "default" (never updated) reads as 0.
+
+    SGLang removed `/get_weight_version` (0.5.15.post1 answers it with 404, 0.5.23 has no such route).
+    """
     import json
     import urllib.request
 
-    from engines.sglang.protocol import parse_weight_version
+    from engines.sglang.protocol import MODEL_INFO, parse_weight_version
 
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/get_weight_version", timeout=timeout) as reply:
+        with urllib.request.urlopen(url.rstrip("/") + MODEL_INFO.path, timeout=timeout) as reply:
             body = json.loads(reply.read())
     except (OSError, ValueError) as error:
-        raise ConnectionError(f"--sglang-url {url}: /get_weight_version failed: {error}") from error
+        raise ConnectionError(f"--sglang-url {url}: {MODEL_INFO.path} failed: {error}") from error
     version = parse_weight_version(body.get("weight_version") if isinstance(body, dict) else None)
     return version if version is not None else 0

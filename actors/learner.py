@@ -16,7 +16,7 @@ from typing import Any
 
 from actors.base import Actor
 from actors.config import RunConfig
-from actors.learner_ranks import CollectiveTrainer, LearnerRanks
+from actors.learner_ranks import CollectiveTrainer, LearnerRanks, bind_device
 from actors.learner_step import TrainingStep
 from actors.metrics import MetricsWriter
 from actors.trainer_factory import build_trainer
@@ -37,7 +37,7 @@ class Learner(Actor):
         self.ranks = LearnerRanks(config, self.context.run_dir, self.context.host, self.log)
         self.ranks.spawn()
         await asyncio.to_thread(self.ranks.join)
-        local_trainer = await asyncio.to_thread(build_trainer, config)
+        local_trainer = await asyncio.to_thread(_bound_to_rank_zero, build_trainer, config)
         self.step = TrainingStep(local_trainer, config)
         self.trainer = CollectiveTrainer(local_trainer, self.ranks)
         self.buffer = self.peer_rpc("buffer")
@@ -218,3 +218,8 @@ class Learner(Actor):
         if hasattr(self, "trainer"):
             await asyncio.to_thread(self.trainer.close)
 
+
+def _bound_to_rank_zero(function: Any, *args: Any) -> Any:
+    """CUDA's current device is per thread: whatever thread builds or drives the trainer uses rank 0's GPU."""
+    bind_device(0)
+    return function(*args)

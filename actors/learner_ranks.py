@@ -46,7 +46,26 @@ Result = TypeVar("Result")
 
 
 def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL for CUDA tensors and gloo for CPU ones on GPU machines (checkpoint loaders scatter CPU tensors)."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def rank_device(rank: int) -> torch.device | None:
+    """Binds an NCCL world to the rank's GPU, so barriers and object collectives know their device."""
+    return torch.device("cuda", rank) if torch.cuda.is_available() else None
+
+
+def bind_device(rank: int) -> None:
+    """Learner rank r owns cuda:r of the learner's GPUs (the launcher made exactly those visible); set before any
+    collective so NCCL never sees two ranks on one device. LOCAL_RANK is what the trainers read."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    if torch.cuda.is_available():
+        if rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"learner rank {rank} has no GPU: this process sees {torch.cuda.device_count()} "
+                "(give the learner one GPU per rank)"
+            )
+        torch.cuda.set_device(rank)
 
 
 class LearnerRanks:
@@ -87,10 +106,11 @@ class LearnerRanks:
 
     def join(self) -> None:
         """Blocking: form the world as rank 0 (call in a thread, after `spawn`)."""
+        bind_device(0)
         if self.world == 1:
             return
         dist.init_process_group(backend(), init_method=self._init_method, rank=0, world_size=self.world,
-                                timeout=COLLECTIVE_TIMEOUT)
+                                timeout=COLLECTIVE_TIMEOUT, device_id=rank_device(0))
         self.commands = join_command_group()
 
     def run(self, operation: str, payload: Any, local: Callable[[], Result]) -> Result:
@@ -170,8 +190,9 @@ class CollectiveTrainer:
 def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
     """A follower's whole life: join the world, build the same trainer, mirror rank 0's operations."""
     torch.set_num_threads(config.torch_threads)
+    bind_device(rank)
     dist.init_process_group(backend(), init_method=init_method, rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
+                            timeout=COLLECTIVE_TIMEOUT, device_id=rank_device(rank))
     commands = join_command_group()
     trainer = build_trainer(config)
     step = TrainingStep(trainer, config)

@@ -42,6 +42,8 @@ async def _serve(context: ActorContext) -> int:
 
 
 def run_actor(context: ActorContext) -> int:
+    if context.cuda_visible_devices is not None:  # before anything initialises CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = context.cuda_visible_devices
     # `kill -USR1 PID` prints every thread's stack to the actor's stderr: the first tool for a stuck actor.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     configure_logging(role=context.role, actor_id=context.actor_id, node=context.node_rank,

@@ -115,6 +115,8 @@ class Supervisor:
     async def _start(self, child: Child) -> None:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if child.context.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = child.context.cuda_visible_devices
         child.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.main", str(child.context_path),
             start_new_session=True, preexec_fn=_die_with_parent, env=env,

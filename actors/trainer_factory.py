@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from actors.config import RunConfig
 
 
@@ -40,6 +42,7 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
         "min_lr_ratio": config.min_lr / config.lr if config.lr > 0 else 0.0,
         "grad_clip": config.clip_grad,
         "micro_batch_tokens": config.micro_batch_tokens,
+        "dtype": "bfloat16" if config.bf16 else "float32",
         "seed": config.seed,
     }
 
@@ -48,7 +51,9 @@ def _build_torch_trainer(config: RunConfig) -> Any:
     from engines.training.config import TorchTrainerConfig
     from engines.training.torch_trainer import TorchTrainer
 
-    return TorchTrainer(TorchTrainerConfig(**_shared_settings(config)))
+    # "cuda" resolves to cuda:LOCAL_RANK in the trainer; each learner rank sets LOCAL_RANK (actors/learner_ranks.py).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return TorchTrainer(TorchTrainerConfig(**_shared_settings(config), device=device))
 
 
 def _build_megatron_trainer(config: RunConfig) -> Any:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from actors.config import RunConfig
 from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.sglang.weights import SglangGroupSpec, SglangWeightLoader, SglangWeightSender, is_sglang_group
 from engines.weights.base import WeightTransferError
@@ -28,7 +29,6 @@ from engines.weights.group import GroupSpec
 from engines.weights.torch_distributed import TorchDistributedWeightReceiver, TorchDistributedWeightSender
 
 if TYPE_CHECKING:
-    from actors.config import RunConfig
     from actors.learner import Learner
 
 SENDER_NAME = "learner"
@@ -62,7 +62,7 @@ class LearnerWeightPublisher:
             if new_group:
                 await asyncio.to_thread(sender.wait_for_receivers)
             named = [(name, tensor.detach()) for name, tensor in self.learner.trainer.named_tensors()]
-            report = await asyncio.to_thread(sender.send, named, version)
+            report = await asyncio.to_thread(sender.send, named, version, dtype=push_dtype(self.config))
             acks = await asyncio.gather(*replies)
         except WeightTransferError as error:
             self._spec = None  # form a fresh generation next time
@@ -117,7 +117,7 @@ class LearnerWeightPublisher:
 
     def _ensure_sender(self) -> TorchDistributedWeightSender | SglangWeightSender:
         if self._sender is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = transport_of(self.config)
             if self.config.rollout_engine == "sglang":
                 self._sender = SglangWeightSender(
                     host=self.learner.context.host,
@@ -136,6 +136,18 @@ class LearnerWeightPublisher:
             client.close()
         if self._sender is not None:
             self._sender.close()
+
+
+def transport_of(config: RunConfig) -> str:
+    """The launcher resolves `auto` on the head; a learner started another way decides the same way here."""
+    if config.weight_transport != "auto":
+        return config.weight_transport
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def push_dtype(config: RunConfig) -> torch.dtype | None:
+    """With --bf16 the engines serve bfloat16, so the bytes travel as bfloat16 (half of float32's)."""
+    return torch.bfloat16 if config.bf16 else None
 
 
 class EngineWeightReceiver:

@@ -99,7 +99,7 @@ class _StopAtLength(StoppingCriteria):
         self.lengths = torch.tensor(lengths)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: object) -> torch.Tensor:
-        return (input_ids.shape[1] - self.prompt_width) >= self.lengths
+        return (input_ids.shape[1] - self.prompt_width) >= self.lengths.to(input_ids.device)
 
 
 def run_baseline(model: torch.nn.Module, workload: Workload, batch_size: int, pad_id: int) -> tuple[float, int]:

@@ -10,6 +10,14 @@ and takes an explicit mask. We therefore give each sample its own row, right-pad
 sample. Under a causal mask padding at the END of a row can never influence the real tokens before it, so no
 padding mask is needed, the default causal mask is exact, and rotary positions 0..L-1 match the HF model's.
 The price is the padding itself; micro-batches group samples of similar length (longest first) to keep it small.
+With sequence parallelism megatron splits each row's sequence over the TP ranks, so rows are padded to a multiple
+of the TP size (`pad_multiple`); the extra padding sits at the end too, so it changes nothing either.
+
+Device. Every tensor of a micro-batch (model inputs, the logit selectors, the targets and the loss-side fields)
+lives on `device`, the model's device: megatron's embedding indexes its CUDA weight with `input_ids`, the logit
+selection indexes CUDA logits, and the loss multiplies CUDA log-probs with the loss-side fields. The rows are
+assembled on the CPU (cheap, many tiny tensors) and moved in one copy per tensor. Only `response_lengths`, which
+the host uses to split results, stays a Python tuple.
 """
 
 from __future__ import annotations
@@ -36,8 +44,23 @@ class PaddedMicroBatch:
     logit_rows: Tensor  # [N]
     logit_columns: Tensor  # [N]: (row, column) of the logits that predict the N response tokens
     targets: Tensor  # [N]
-    response_lengths: Tensor  # [B]
+    response_lengths: tuple[int, ...]  # [B], on the host: how the caller splits the N results per sample
     batch: PackedBatch | None  # loss-side fields (training only)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor the model or the loss reads (what must sit on the model's device)."""
+        fields = {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "logit_rows": self.logit_rows,
+            "logit_columns": self.logit_columns,
+            "targets": self.targets,
+        }
+        if self.batch is not None:
+            fields.update({f"batch.token_fields.{k}": v for k, v in self.batch.token_fields.items()})
+            fields.update({f"batch.sample_fields.{k}": v for k, v in self.batch.sample_fields.items()})
+            fields["batch.response_lengths"] = self.batch.response_lengths
+        return fields
 
 
 def shard_for_rank(lengths: Sequence[int], ranks: int, rank: int) -> list[int]:
@@ -53,10 +76,19 @@ def shard_for_rank(lengths: Sequence[int], ranks: int, rank: int) -> list[int]:
 
 
 def plan_padded_micro_batches(
-    samples: Sequence[TrainSample], members: Sequence[int], token_budget: int, *, with_batch: bool
+    samples: Sequence[TrainSample],
+    members: Sequence[int],
+    token_budget: int,
+    *,
+    with_batch: bool,
+    device: torch.device | str = "cpu",
+    pad_multiple: int = 1,
 ) -> list[PaddedMicroBatch]:
-    """Split `members` into micro-batches whose padded size (rows x longest row) stays within `token_budget`."""
-    lengths = [int(samples[index].tokens.numel()) for index in members]
+    """Split `members` into micro-batches whose padded size (rows x longest row) stays within `token_budget`,
+    their tensors on `device`, each row's width rounded up to a multiple of `pad_multiple`."""
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+    lengths = [_round_up(int(samples[index].tokens.numel()), pad_multiple) for index in members]
     plans: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -69,12 +101,19 @@ def plan_padded_micro_batches(
         longest = candidate
     if current:
         plans.append(current)
-    return [_pad([members[p] for p in sorted(plan)], samples, with_batch) for plan in plans]
+    device = torch.device(device)
+    return [_pad([members[p] for p in sorted(plan)], samples, with_batch, device, pad_multiple) for plan in plans]
 
 
-def _pad(members: list[int], samples: Sequence[TrainSample], with_batch: bool) -> PaddedMicroBatch:
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _pad(
+    members: list[int], samples: Sequence[TrainSample], with_batch: bool, device: torch.device, pad_multiple: int
+) -> PaddedMicroBatch:
     chunk = [samples[index] for index in members]
-    width = max(int(sample.tokens.numel()) for sample in chunk)
+    width = _round_up(max(int(sample.tokens.numel()) for sample in chunk), pad_multiple)
     input_ids = torch.full((len(chunk), width), PAD_TOKEN, dtype=torch.long)
     rows, columns, targets = [], [], []
     for row, sample in enumerate(chunk):
@@ -86,11 +125,11 @@ def _pad(members: list[int], samples: Sequence[TrainSample], with_batch: bool) -
         targets.append(sample.tokens[sample.prompt_length :].long())
     return PaddedMicroBatch(
         members=members,
-        input_ids=input_ids,
-        position_ids=torch.arange(width).expand(len(chunk), width).contiguous(),
-        logit_rows=torch.cat(rows),
-        logit_columns=torch.cat(columns),
-        targets=torch.cat(targets),
-        response_lengths=torch.tensor([sample.response_length for sample in chunk], dtype=torch.long),
-        batch=collate(chunk) if with_batch else None,
+        input_ids=input_ids.to(device),
+        position_ids=torch.arange(width).expand(len(chunk), width).contiguous().to(device),
+        logit_rows=torch.cat(rows).to(device),
+        logit_columns=torch.cat(columns).to(device),
+        targets=torch.cat(targets).to(device),
+        response_lengths=tuple(sample.response_length for sample in chunk),
+        batch=collate(chunk, device=device) if with_batch else None,
     )

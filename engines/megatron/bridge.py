@@ -7,23 +7,28 @@ transformer-engine (CUDA-only, builds against torch at install time) and pins tr
 install next to our stack. We therefore use mbridge for the name and layout mapping and its load/export
 routines, and add only what our configuration differs in:
 
-- the LOCAL layer spec (plain megatron modules, no transformer-engine): its norms are separate modules
-  (`input_layernorm`, `pre_mlp_layernorm`) instead of being fused into `linear_qkv`/`linear_fc1`, so two
-  name mappings are added;
+- the layer spec: transformer-engine's (`get_gpt_layer_with_transformer_engine_spec`: fused layernorm-linear,
+  flash/cuDNN attention) wherever TE imports on a CUDA machine, which is the layout mbridge maps natively; else
+  megatron's LOCAL spec with `engines.megatron.attention.SdpaAttention` as its core attention (torch's fused
+  SDPA instead of a materialised score matrix). The local spec's norms are separate modules (`input_layernorm`,
+  `pre_mlp_layernorm`) instead of being fused into `linear_qkv`/`linear_fc1`, so two name mappings are added;
+  both specs share one distributed-checkpoint layout (the local spec maps its norm keys onto TE's);
 - tied embeddings: mbridge's Qwen2 bridge rewrites a CLASS-level mapping dict for tied models (leaking into
   later untied instances in the same process), and its Llama bridge does not handle ties at all; we keep the
   mapping per instance;
 - rope parameters: transformers 5 moved `rope_theta` into `rope_parameters`, which mbridge does not read;
-- the TransformerConfig: no sequence parallelism, no fused kernels, no dropout, per-token loss scaling (see
-  `engines.megatron.trainer`).
+- the TransformerConfig: no dropout, per-token loss scaling (see `engines.megatron.trainer`), and the kernels
+  the runtime has (`Runtime`, `config_overrides`): on a GPU sequence parallelism (TP > 1, TE spec) and the fused
+  kernels megatron's own training enables; on the CPU (`cpu_compat`) none of them, since they are CUDA kernels.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -36,13 +41,42 @@ _LOCAL_SPEC_NORMS = {
 }
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """What the machine offers megatron: CUDA, transformer-engine, apex's fused weight-gradient kernel."""
+
+    cuda: bool
+    transformer_engine: bool
+    apex_gradient_fusion: bool
+
+    @classmethod
+    def detect(cls) -> Runtime:
+        cuda = torch.cuda.is_available()
+        transformer_engine = False
+        if cuda:
+            from megatron.core.models.gpt import gpt_layer_specs
+
+            transformer_engine = bool(gpt_layer_specs.HAVE_TE)  # megatron's own import of TE succeeded
+        from megatron.core.tensor_parallel import layers
+
+        # The flag megatron's linears check before accepting gradient_accumulation_fusion.
+        apex = cuda and bool(layers._grad_accum_fusion_available)
+        return cls(cuda=cuda, transformer_engine=transformer_engine, apex_gradient_fusion=apex)
+
+    @property
+    def layer_spec(self) -> Literal["transformer_engine", "local"]:
+        return "transformer_engine" if self.cuda and self.transformer_engine else "local"
+
+
 class HFBridge:
     """One HF architecture seen from megatron: its TransformerConfig, its GPTModel stages, and its weights.
 
     Construct after megatron's parallel state is initialised (mbridge reads TP/PP ranks from it).
     """
 
-    def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, model_path: str | Path, *, dtype: torch.dtype = torch.float32, runtime: Runtime | None = None
+    ) -> None:
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"model path {self.model_path}: no config.json (expected a Hugging Face folder)")
@@ -64,7 +98,8 @@ class HFBridge:
             dtype=dtype,
             make_vocab_size_divisible_by=tensor_parallel if vocab % tensor_parallel else None,
         )
-        self._bridge.set_extra_args(**_config_overrides(dtype))
+        self.runtime = Runtime.detect() if runtime is None else runtime
+        self._bridge.set_extra_args(**config_overrides(dtype, self.runtime, tensor_parallel))
         self.vocab_size = vocab
         self.padded_vocab_size = math.ceil(vocab / tensor_parallel) * tensor_parallel
 
@@ -72,14 +107,18 @@ class HFBridge:
     def transformer_config(self) -> Any:
         return self._bridge.config
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether megatron splits rows over the TP ranks (their width must then be a multiple of TP)."""
+        return bool(self._bridge.config.sequence_parallel)
+
     def build_stage(self) -> nn.Module:
-        """This rank's pipeline stage of the GPT model, with the local (transformer-engine-free) layer spec."""
+        """This rank's pipeline stage of the GPT model, with the layer spec `Runtime.layer_spec` names."""
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         config = self._bridge.config
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+        spec = layer_spec(self.runtime, qk_layernorm=config.qk_layernorm)
         # mbridge pads the vocabulary in its load/export only once its provider has recorded the sizes.
         self._bridge.vocab_size, self._bridge.padded_vocab_size = self.vocab_size, self.padded_vocab_size
         model = GPTModel(
@@ -139,16 +178,31 @@ def _bridge_class(family: str) -> type:
     return LocalSpecBridge
 
 
-def _config_overrides(dtype: torch.dtype) -> dict[str, Any]:
-    """TransformerConfig settings that differ from mbridge's (which targets transformer-engine on GPUs)."""
-    return {
-        "sequence_parallel": False,
-        "masked_softmax_fusion": False,
-        "bias_activation_fusion": False,
-        "bias_dropout_fusion": False,
-        "gradient_accumulation_fusion": False,
-        "apply_rope_fusion": False,
-        "persist_layer_norm": False,
+def layer_spec(runtime: Runtime, *, qk_layernorm: bool) -> Any:
+    """transformer-engine's GPT layer spec where TE runs, else megatron's local spec with SDPA attention."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if runtime.layer_spec == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    from engines.megatron.attention import SdpaAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
+
+
+def config_overrides(dtype: torch.dtype, runtime: Runtime, tensor_parallel: int) -> dict[str, Any]:
+    """TransformerConfig settings that differ from mbridge's defaults, for this runtime.
+
+    Always: no dropout (log-probs must be a function of the weights), per-token loss scaling and variable row
+    lengths (module docstring of `engines.megatron.trainer`), the compute dtype. On the CPU every fused kernel
+    and sequence parallelism are off: they are CUDA kernels (`cpu_compat` maps devices, not kernels). On a GPU
+    the fusions megatron's training turns on by default are on where their kernels exist: bias-SwiGLU and
+    bias-dropout-add (megatron's jit fusions), RoPE fusion (transformer-engine's kernel) and weight-gradient
+    accumulation into `main_grad` (apex's kernel). Sequence parallelism follows mbridge (TP > 1) under the TE spec;
+    the local spec's torch norms refuse it.
+    """
+    overrides: dict[str, Any] = {
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         # Initialisation is wasted work (HF weights overwrite it) but not skippable: megatron marks the
@@ -160,6 +214,27 @@ def _config_overrides(dtype: torch.dtype) -> dict[str, Any]:
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         "bf16": dtype == torch.bfloat16,
+    }
+    if not runtime.cuda:
+        return overrides | {
+            "sequence_parallel": False,
+            "masked_softmax_fusion": False,
+            "bias_activation_fusion": False,
+            "bias_dropout_fusion": False,
+            "gradient_accumulation_fusion": False,
+            "apply_rope_fusion": False,
+            "persist_layer_norm": False,
+        }
+    te = runtime.layer_spec == "transformer_engine"
+    return overrides | {
+        "sequence_parallel": te and tensor_parallel > 1,
+        "bias_activation_fusion": True,
+        "bias_dropout_fusion": True,
+        "apply_rope_fusion": te,
+        # megatron's own linears (the output layer, even under the TE spec) refuse this flag without apex's
+        # `fused_weight_gradient_mlp_cuda`: TE alone is not enough.
+        "gradient_accumulation_fusion": runtime.apex_gradient_fusion,
+        "persist_layer_norm": False,  # apex's persistent LayerNorm; our models use RMSNorm
     }
 
 

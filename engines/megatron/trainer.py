@@ -12,8 +12,17 @@ count and megatron's DDP from averaging over DP, and our `finalize_model_grads` 
 rescaling that flag would otherwise apply. The optimizer step is megatron's own (distributed optimizer
 optional), split open so that a non-finite loss or gradient norm skips the update like the torch trainer does.
 
+Devices. The model lives where megatron puts it (`parallel.compute_device()`: the current GPU, else the CPU);
+every micro-batch tensor is built on the model's device (`batches`), every tensor of our own collectives on the
+device the default group's backend carries (`collectives`), and the world this trainer creates when there is
+none is NCCL on CUDA, gloo on the CPU (`parallel`). Results handed back (log-probs) are on the CPU.
+
 CPU. Without CUDA every call into megatron runs inside `cpu_compat()` (see that module); with CUDA it is never
 entered.
+
+Precision. `dtype="bfloat16"` builds the model in bf16 inside megatron's `Float16Module` with float32 master
+weights in megatron's optimizer (`OptimizerConfig(bf16=True)`), as megatron's own training does; `named_tensors()`
+then yields the bf16 model weights the inference engines serve.
 
 Checkpoints are megatron distributed checkpoints (resharding: save at one TP/PP/DP layout, load at another) plus
 `trainer_state.json` (version, extra state), written to a staging directory and renamed into place.
@@ -21,12 +30,10 @@ Checkpoints are megatron distributed checkpoints (resharding: save at one TP/PP/
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +43,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from engines.megatron import parallel
+from engines.megatron import collectives, optimizer, parallel
 from engines.megatron.batches import PaddedMicroBatch, plan_padded_micro_batches, shard_for_rank
 from engines.megatron.bridge import HFBridge
 from engines.megatron.config import MegatronTrainerConfig
@@ -67,7 +74,7 @@ class MegatronTrainer(Trainer):
 
     def __init__(self, config: MegatronTrainerConfig) -> None:
         self.config = config
-        self._owns_world = parallel.ensure_default_group()
+        self._owns_world = parallel.ensure_default_group(parallel.compute_device())
         self._version = 0
         with maybe_cpu_compat():
             parallel.initialize_model_parallel(
@@ -78,8 +85,9 @@ class MegatronTrainer(Trainer):
             stage = self._bridge.build_stage()
             self._bridge.load_hf_weights([stage])
             self._stage = stage
+            self._device = next(stage.parameters()).device
             self._module = _wrap_ddp(_maybe_float16(stage, self._bridge.transformer_config), config)
-            self._optimizer = _build_optimizer(config, self._module)
+            self._optimizer = optimizer.build(config, self._module)
             transformer_config = self._bridge.transformer_config
             transformer_config.finalize_model_grads_func = _finalize_summed_grads
             transformer_config.no_sync_func = self._module.no_sync
@@ -103,20 +111,23 @@ class MegatronTrainer(Trainer):
         with_entropy: bool = False,
         model: ModelRole = "policy",
     ) -> ModelOutputs:
-        """The whole batch's log-probs on every rank, packed in sample order, on the CPU, without gradients."""
+        """The whole batch's log-probs on every rank, packed in sample order, on the CPU, without gradients.
+
+        Gathered on the model's device and summed over the world on the collective device (one copy to the CPU
+        at the end), so NCCL never sees a CPU tensor."""
         network = self._select_model(model)
         _validate(samples)
         offsets = _response_offsets(samples)
-        log_probs = torch.zeros(offsets[-1], dtype=torch.float32)
-        entropy = torch.zeros(offsets[-1], dtype=torch.float32) if with_entropy else None
+        log_probs = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device)
+        entropy = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device) if with_entropy else None
 
         def collect(micro_batch: PaddedMicroBatch, outputs: ModelOutputs) -> Tensor:
-            lengths = micro_batch.response_lengths.tolist()
+            lengths = list(micro_batch.response_lengths)
             for index, values in zip(micro_batch.members, outputs.log_probs.split(lengths), strict=True):
-                log_probs[offsets[index] : offsets[index + 1]] = values.float().cpu()
+                log_probs[offsets[index] : offsets[index + 1]] = values.float()
             if entropy is not None and outputs.entropy is not None:
                 for index, values in zip(micro_batch.members, outputs.entropy.split(lengths), strict=True):
-                    entropy[offsets[index] : offsets[index + 1]] = values.float().cpu()
+                    entropy[offsets[index] : offsets[index + 1]] = values.float()
             return outputs.log_probs.sum() * 0.0
 
         with maybe_cpu_compat(), torch.no_grad():
@@ -129,9 +140,8 @@ class MegatronTrainer(Trainer):
                 log_probs.zero_()
                 if entropy is not None:
                     entropy.zero_()
-            for values in (log_probs, entropy):
-                if values is not None and dist.get_world_size() > 1:
-                    dist.all_reduce(values)
+            log_probs = collectives.sum_over_world(log_probs).cpu()
+            entropy = None if entropy is None else collectives.sum_over_world(entropy).cpu()
         return ModelOutputs(log_probs=log_probs, entropy=entropy)
 
     def train_step(
@@ -173,7 +183,7 @@ class MegatronTrainer(Trainer):
             "extra_state": extra_state,
         }
         with maybe_cpu_compat():
-            _on_all_ranks_atomically(Path(directory), lambda staging: self._save_into(staging, state))
+            collectives.on_all_ranks_atomically(Path(directory), lambda staging: self._save_into(staging, state))
 
     def save_model_only(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """Weights only, as a distributed checkpoint that `initial_checkpoint` (or another layout) loads."""
@@ -188,7 +198,7 @@ class MegatronTrainer(Trainer):
                 checkpoint.write_state(staging, state)
 
         with maybe_cpu_compat():
-            _on_all_ranks_atomically(Path(directory), write)
+            collectives.on_all_ranks_atomically(Path(directory), write)
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         directory = Path(directory)
@@ -196,17 +206,17 @@ class MegatronTrainer(Trainer):
         from megatron.core import dist_checkpointing
 
         with maybe_cpu_compat():
-            _prime_adam_state(self._optimizer)
+            optimizer.prime(self._optimizer)
             model_state = self._stage.sharded_state_dict(metadata=_CHECKPOINT_METADATA)
-            optimizer_state = self._optimizer.sharded_state_dict(
+            optimizer_shards = self._optimizer.sharded_state_dict(
                 model_state, is_loading=True, metadata=_CHECKPOINT_METADATA
             )
-            sharded = {"model": model_state, "optimizer": optimizer_state}
+            sharded = {"model": model_state, "optimizer": optimizer_shards}
             loaded = dist_checkpointing.load(sharded, str(directory))
             self._stage.load_state_dict(loaded["model"])
-            with _step_tolerant_state_loading(self._optimizer):
+            with optimizer.step_tolerant_loading(self._optimizer):
                 self._optimizer.load_state_dict(loaded["optimizer"])
-            _unshare_adam_steps(self._optimizer)
+            optimizer.after_load(self._optimizer)
         self._version = int(state["version"])
         return state["extra_state"]
 
@@ -233,7 +243,7 @@ class MegatronTrainer(Trainer):
                         shutil.copy2(source / name, staging / name)
                 save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
 
-        _on_rank_zero(write, f"exporting {directory}")
+        collectives.on_rank_zero(write, f"exporting {directory}")
 
     def close(self) -> None:
         """Tear down megatron's groups (and the world, if this trainer created it)."""
@@ -247,7 +257,14 @@ class MegatronTrainer(Trainer):
     def _micro_batches(self, samples: Sequence[TrainSample], *, with_batch: bool) -> list[PaddedMicroBatch]:
         rank, ranks = parallel.dp_rank_and_size()
         members = shard_for_rank([int(s.tokens.numel()) for s in samples], ranks, rank)
-        return plan_padded_micro_batches(samples, members, self.config.micro_batch_tokens, with_batch=with_batch)
+        return plan_padded_micro_batches(
+            samples,
+            members,
+            self.config.micro_batch_tokens,
+            with_batch=with_batch,
+            device=self._device,
+            pad_multiple=parallel.tp_size() if self._bridge.sequence_parallel else 1,
+        )
 
     def _run_schedule(
         self,
@@ -263,6 +280,10 @@ class MegatronTrainer(Trainer):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         vocab_size = self._bridge.vocab_size
+        one_token = torch.ones((), dtype=torch.int, device=self._device)  # per-token loss scaling is bypassed
+        # bf16 (Float16Module): keep the logits in bf16 rather than upcasting the whole [B, S, V / TP] tensor;
+        # `vocab_parallel_log_probs` upcasts the selected rows it reads, so the numbers are the same.
+        model_kwargs = {"fp32_output": False} if self._bridge.transformer_config.bf16 else {}
 
         def loss_func(micro_batch: PaddedMicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
             selected = logits[micro_batch.logit_rows, micro_batch.logit_columns]
@@ -273,11 +294,11 @@ class MegatronTrainer(Trainer):
                 with_entropy=with_entropy,
                 vocab_size=vocab_size,
             )
-            return on_outputs(micro_batch, outputs), torch.tensor(1, dtype=torch.int), {}
+            return on_outputs(micro_batch, outputs), one_token, {}
 
         def forward_step(data: Iterator[PaddedMicroBatch], model: nn.Module) -> tuple[Tensor, Callable[..., Any]]:
             micro_batch = next(data)
-            output = model(micro_batch.input_ids, micro_batch.position_ids, None)
+            output = model(micro_batch.input_ids, micro_batch.position_ids, None, **model_kwargs)
             return output, functools.partial(loss_func, micro_batch)
 
         if not micro_batches:
@@ -325,8 +346,8 @@ class MegatronTrainer(Trainer):
                 # wd_mult=0 (no decay, as in the torch trainer) and leave the product to the scheduler.
                 group["lr"] = lr
                 group["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
-            for optimizer in getattr(self._optimizer, "chained_optimizers", [self._optimizer]):
-                parameters = optimizer.get_parameters()
+            for inner in optimizer.inner_optimizers(self._optimizer):
+                parameters = inner.get_parameters()
                 if config.grad_clip is not None and parameters:
                     clip_grad_by_total_norm_fp32(parameters, max_norm=config.grad_clip, total_norm=grad_norm)
             self._optimizer.step_with_ready_grads()
@@ -366,7 +387,7 @@ class MegatronTrainer(Trainer):
         self._stage.load_state_dict(loaded["model"])
 
     def _build_frozen(self, path: Path, dtype: torch.dtype) -> nn.Module:
-        bridge = HFBridge(path, dtype=dtype)
+        bridge = HFBridge(path, dtype=dtype, runtime=self._bridge.runtime)
         stage = bridge.build_stage()
         bridge.load_hf_weights([stage])
         stage.requires_grad_(False)
@@ -435,145 +456,12 @@ def _maybe_float16(stage: nn.Module, transformer_config: Any) -> nn.Module:
     return Float16Module(transformer_config, stage)
 
 
-def _build_optimizer(config: MegatronTrainerConfig, module: nn.Module) -> Any:
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    optimizer_config = OptimizerConfig(
-        optimizer="adam",
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        adam_beta1=config.betas[0],
-        adam_beta2=config.betas[1],
-        adam_eps=config.eps,
-        clip_grad=0.0,  # clipping is applied in MegatronTrainer._apply_update, after the finiteness check
-        use_distributed_optimizer=config.use_distributed_optimizer,
-        params_dtype=torch.float32,
-        bf16=config.dtype == "bfloat16",
-    )
-    return get_megatron_optimizer(optimizer_config, [module])
-
-
-def _prime_adam_state(optimizer: Any) -> None:
-    """Give every parameter of a fresh torch AdamW its state (zero moments, step 0) before a checkpoint loads.
-
-    megatron-core 0.16 falls back to torch's AdamW without transformer-engine/apex, but its state initialiser
-    only creates the moments, not the `step` entry its own distributed-optimizer `state_dict()` then requires;
-    loading into a trainer that has not stepped yet would fail. The values are overwritten by the load.
-    """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if not isinstance(torch_optimizer, torch.optim.AdamW):
-            continue
-        for group in torch_optimizer.param_groups:
-            for parameter in group["params"]:
-                state = torch_optimizer.state[parameter]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(parameter)
-                    state["exp_avg_sq"] = torch.zeros_like(parameter)
-                    state["step"] = torch.tensor(0.0)
-
-
-@contextlib.contextmanager
-def _step_tolerant_state_loading(optimizer: Any) -> Iterator[None]:
-    """Work around megatron-core 0.16 loading a fully-reshardable distributed-optimizer checkpoint into torch's
-    AdamW: it first sets every parameter's `step` from the checkpoint's param groups, then copies each state
-    entry from the per-parameter tensors, which carry no `step` (KeyError). We let the copy keep the `step` it
-    just set."""
-    patched = []
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        original = getattr(inner, "_set_main_param_and_optimizer_states", None)
-        if original is None:
-            continue
-
-        def tolerant(
-            model_param: Any, tensors: dict[str, Tensor], inner: Any = inner, original: Any = original
-        ) -> None:
-            group_index, group_order = inner.model_param_group_index_map[model_param]
-            main_param = inner.optimizer.param_groups[group_index]["params"][group_order]
-            step = inner.optimizer.state[main_param].get("step")
-            original(model_param, tensors if step is None or "step" in tensors else {**tensors, "step": step})
-
-        inner._set_main_param_and_optimizer_states = tolerant
-        patched.append(inner)
-    try:
-        yield
-    finally:
-        for inner in patched:
-            del inner._set_main_param_and_optimizer_states
-
-
-def _unshare_adam_steps(optimizer: Any) -> None:
-    """Give every parameter its own AdamW `step` tensor again after a distributed-optimizer load.
-
-    megatron-core 0.16 (without apex/transformer-engine) restores `step` by assigning ONE tensor to every
-    parameter's state. torch's AdamW increments each parameter's step in place, so the shared tensor advanced
-    once per parameter on the first resumed step and later parameters got the wrong bias correction: the
-    resumed step differed from the uninterrupted one by up to 3e-5 (found by the DP=2 resume parity test).
-    """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if not isinstance(torch_optimizer, torch.optim.Optimizer):
-            continue
-        for state in torch_optimizer.state.values():
-            step = state.get("step")
-            if isinstance(step, Tensor):
-                state["step"] = step.detach().clone()
-
-
 def _finalize_summed_grads(model: list[nn.Module], num_tokens: Tensor | None = None, **kwargs: Any) -> None:
     """megatron's gradient finalisation (DP reduction, tied-embedding sync) without the division by the token
     count that `calculate_per_token_loss` implies: our losses are already normalised (module docstring)."""
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, num_tokens=None, **kwargs)
-
-
-def _on_all_ranks_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """All ranks write into one staging directory that rank 0 renames into place once everyone finished; a
-    failure anywhere raises on every rank and leaves any previous checkpoint under `target` untouched."""
-    rank = dist.get_rank()
-    names = [f".{target.name}.staging-{uuid.uuid4().hex[:12]}"]
-    dist.broadcast_object_list(names, src=0)
-    staging = target.parent / names[0]
-    failure: BaseException | None = None
-    try:
-        if rank == 0:
-            staging.mkdir(parents=True)
-        dist.barrier()
-        write(staging)
-    except Exception as error:  # re-raised below, after every rank heard about it
-        failure = error
-    if _any_rank_failed(failure) is False and rank == 0:
-        try:
-            checkpoint.publish_directory(staging, target)
-        except Exception as error:
-            failure = error
-    failed = _any_rank_failed(failure)
-    if rank == 0 and failed:
-        shutil.rmtree(staging, ignore_errors=True)
-    if failure is not None:
-        raise failure
-    if failed:
-        raise RuntimeError(f"writing checkpoint {target} failed on another rank")
-
-
-def _any_rank_failed(failure: BaseException | None) -> bool:
-    flag = torch.tensor([int(failure is not None)])
-    dist.all_reduce(flag)
-    return bool(flag.item())
-
-
-def _on_rank_zero(write: Callable[[], None], what: str) -> None:
-    failure: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            write()
-        except Exception as error:  # re-raised below, after the other ranks heard about it
-            failure = error
-    if _any_rank_failed(failure) and failure is None:
-        raise RuntimeError(f"{what} failed on rank 0")
-    if failure is not None:
-        raise failure
 
 
 def _response_offsets(samples: Sequence[TrainSample]) -> list[int]:

@@ -2,46 +2,113 @@
 
 Generation is `/generate` with token ids in and `return_logprob`, one HTTP call per request (a batch of
 one-sample items when `n > 1`, see `protocol.py`). Token ids and log-probs come from
-`meta_info.output_token_logprobs`, the finish reason from `meta_info.finish_reason`.
+`meta_info.output_token_logprobs`, the finish reason from `meta_info.finish_reason`. Every endpoint is called
+through its row of `protocol.ENDPOINTS`, the table the contract tests check against SGLang's source.
 
-Versions: SGLang tags a whole response with one `weight_version`, the server's version when the response was
-built, not per token. A weight update may have landed during the request, so that number can be newer than
-some of the tokens. Staleness is measured from the oldest token version, so every token of a response is
+Versions: SGLang 0.5.23 says which weights produced each token (`meta_info.weight_versions` spans), and those
+are used as they are. Older releases tag a whole response with one `weight_version`, the server's version when
+the response was built; a weight update may have landed during the request, so that number can be newer than
+some of the tokens. Staleness is measured from the oldest token version, so then every token of a response is
 tagged with the smaller of (the version this client knew the server had when the request started, the reported
-one). That overestimates the staleness of tokens produced after a mid-request update and never underestimates
+one), which overestimates the staleness of tokens produced after a mid-request update and never underestimates
 it.
 
-Failures: a request the server aborts returns its partial output with finish reason "abort", like the torch
-engine. A server that dies takes its in-flight requests with it: they return empty outputs marked "abort"
-(the rollout worker treats them like any aborted sample). When this engine launched the server
-(`ServerProcess`), a health loop restarts it after a failed check, counts the restart and resets the known
-version to 0, because a restarted server serves the initial checkpoint until the learner's next push.
+Pausing: every pause goes on the wire as SGLang's "abort" mode (slime's choice). "retract" keeps requests in
+the scheduler's queue, and then SGLang 0.5.15 cannot flush its cache after a weight update (its weight updater
+asserts the flush succeeded and the scheduler takes the server down), while 0.5.23 fails the update instead.
+Our interface's "keep" (requests hold their state and continue after `resume`) is kept by this client: a
+request the server returns as aborted while a "keep" pause was in effect is resumed here, as a continuation
+(prompt + the tokens so far, the remaining budget, see `continuation_request`), and the caller receives one
+output whose tokens carry their own log-probs and versions. Requests sent while the server is paused wait in the
+server, as they do on SGLang.
+
+Context length: the server's `/server_info` gives its context length and the longest prompt it accepts. As the
+torch engine does, a prompt that leaves no room is a ValueError naming the request, and `max_new_tokens` is
+clamped to the room left, so SGLang never answers HTTP 400 for a long multi-turn prompt.
+
+Failures: a request the server aborts (outside a "keep" pause) returns its partial output with finish reason
+"abort", like the torch engine. A server that dies takes its in-flight requests with it: they return empty
+outputs marked "abort" (the rollout worker treats them like any aborted sample). When this engine launched the
+server (`ServerProcess`), a health loop restarts it after failed checks, counts the restart and resets the known
+version to 0, because a restarted server serves the initial checkpoint until the learner's next push. While
+generation is paused the loop only checks that the process lives and answers `/model_info`: SGLang's `/health`
+generates one token, which waits for `continue_generation` like any request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 import torch
 
-from engines.inference.base import PAUSE_MODES, GenerateOutput, GenerateRequest, InferenceEngine, PauseMode
+from engines.inference.base import (
+    PAUSE_MODES,
+    GenerateOutput,
+    GenerateRequest,
+    InferenceEngine,
+    PauseMode,
+    continuation_request,
+)
 from engines.sglang import protocol
 from engines.sglang.launch import ServerProcess
+from engines.sglang.protocol import Endpoint
 
 logger = logging.getLogger(__name__)
 
-# Our "keep" is SGLang's "retract": in-flight requests wait in the queue and are re-prefilled after
-# continue_generation, which lets a weight update flush the KV cache (SGLang refuses to flush in "in_place").
-PAUSE_MODE_ON_WIRE = {"abort": "abort", "keep": "retract"}
-
 
 class SglangError(RuntimeError):
-    """An SGLang endpoint failed; the message names the URL, the endpoint and what the server said."""
+    """An SGLang endpoint failed; the message names the URL, the endpoint and what the server said.
+
+    `status` is the HTTP status when the server answered (None when it did not).
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What `/server_info` says about request sizes (and seeding), as far as the server reports it.
+
+    `context_length`: prompt + new tokens must fit in it (SGLang refuses more with HTTP 400).
+    `input_limit`: a prompt must be shorter than this (SGLang refuses a prompt of `context_length` tokens or
+    more, and its scheduler aborts one of `max_req_input_len` or more).
+    """
+
+    context_length: int | None
+    input_limit: int | None
+    deterministic: bool | None
+
+    @classmethod
+    def from_server_info(cls, info: dict[str, Any]) -> ServerLimits:
+        context, max_input = _positive_int(info.get("context_length")), _positive_int(info.get("max_req_input_len"))
+        if context is None and max_input is not None:
+            # SGLang sets max_req_input_len = min(context_len - 1, kv_capacity - 1) - 5 (tp_worker.py), so this
+            # is a lower bound of the context length when the server does not report it (0.5.15 reports only a
+            # --context-length given on its command line).
+            context = max_input + 6
+        limits = [value for value in (context, max_input) if value is not None]
+        deterministic = info.get("enable_deterministic_inference")
+        deterministic = deterministic if isinstance(deterministic, bool) else None
+        return cls(context, min(limits) if limits else None, deterministic)
+
+
+@dataclass
+class _Flight:
+    """One `generate` call in flight: the wire rids its segments occupy now, and how it may end."""
+
+    rids: set[str] = field(default_factory=set)
+    caller_aborted: bool = False  # abort(id), abort(None) or pause("abort"): the caller wants the partial output
+    lost: bool = False  # the server went away: nothing to resume on
 
 
 class SglangEngine(InferenceEngine):
@@ -67,18 +134,31 @@ class SglangEngine(InferenceEngine):
         self.stop_grace_s = stop_grace_s
         self.restarts = 0
         self.failed_requests = 0
+        self.resumed_requests = 0  # continuations sent for samples a "keep" pause aborted
         self._version = 0
         self._session: aiohttp.ClientSession | None = None
-        self._inflight: dict[str, list[str]] = {}
+        self._inflight: dict[str, _Flight] = {}
         self._health_task: asyncio.Task[None] | None = None
         self._restarting: asyncio.Task[None] | None = None
         self._closed = False
+        self._paused = False
+        self._keep_paused = False
+        self._keep_epoch = 0  # counts "keep" pauses: an abort that came back across one was caused by it
+        self._limits: ServerLimits | None = None
+        self._limits_lock = asyncio.Lock()
+        self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not known yet)
+        self._warned_seed = False
 
     # ---- InferenceEngine
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def paused(self) -> bool:
+        """True between a `pause` and the `resume` that ends it."""
+        return self._paused
 
     def set_version(self, version: int) -> None:
         """Record the version the server now serves (called after a weight update it acknowledged)."""
@@ -92,62 +172,45 @@ class SglangEngine(InferenceEngine):
         if self._restarting is not None:  # requests wait for the server instead of failing meanwhile
             with contextlib.suppress(Exception):  # a failed restart shows as this request's connection failure
                 await asyncio.shield(self._restarting)
-        rids = protocol.wire_request_ids(request)
-        started_version = self._version
-        self._inflight[request.request_id] = rids
+        request = await self._fit_to_context(request)
+        flight = _Flight()
+        self._inflight[request.request_id] = flight
         try:
-            body = await self._post_generate(request)
-        except asyncio.CancelledError:
-            # Free the server's slots: the abort must outlive this cancelled task.
-            asyncio.get_running_loop().create_task(self._abort_rids(rids))
-            raise
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, TimeoutError) as error:
-            self.failed_requests += 1
-            logger.warning(
-                "%s/generate failed (%r); request %s returns as aborted", self.url, error, request.request_id
-            )
-            return [_aborted(request, index) for index in range(request.params.n)]
+            outputs, epoch = await self._generate_once(request, flight)
+            return list(await asyncio.gather(*(self._resume_kept(request, out, flight, epoch) for out in outputs)))
         finally:
             self._inflight.pop(request.request_id, None)
-        items = body if isinstance(body, list) else [body]
-        if len(items) != request.params.n:
-            raise SglangError(f"{self.url}/generate returned {len(items)} outputs for n={request.params.n}")
-        outputs = []
-        for index, item in enumerate(items):
-            parsed = protocol.parse_output_json(item, where=f"{self.url}/generate output {index}")
-            version = started_version if parsed.weight_version is None else min(started_version, parsed.weight_version)
-            outputs.append(
-                GenerateOutput(
-                    request_id=request.request_id,
-                    output_ids=parsed.output_ids,
-                    log_probs=parsed.log_probs,
-                    versions=[version] * len(parsed.output_ids),
-                    finish_reason=parsed.finish_reason,
-                    sample_index=index,
-                    prompt_len=len(request.input_ids),
-                    matched_stop=parsed.matched_stop,
-                )
-            )
-        return outputs
 
     async def abort(self, request_id: str | None = None) -> None:
         self._require_open()
         if request_id is None:
-            await self._post("/abort_request", {"rid": "", "abort_all": True})
+            for flight in self._inflight.values():
+                flight.caller_aborted = True
+            await self._call(protocol.ABORT, rid="", abort_all=True)
             return
-        rids = self._inflight.get(request_id)
-        if rids:
-            await self._abort_rids(rids)
+        flight = self._inflight.get(request_id)
+        if flight is not None:
+            flight.caller_aborted = True
+            await self._abort_rids(list(flight.rids))
 
     async def pause(self, mode: PauseMode = "keep") -> None:
+        """Pause the server with SGLang's "abort" mode; "keep" is kept by resuming the aborted requests here."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._require_open()
-        await self._post("/pause_generation", {"mode": PAUSE_MODE_ON_WIRE[mode]})
+        if mode == "keep":
+            self._keep_epoch += 1
+            self._keep_paused = True
+        else:
+            for flight in self._inflight.values():
+                flight.caller_aborted = True
+        self._paused = True
+        await self._call(protocol.PAUSE, mode=protocol.WIRE_PAUSE_MODE)
 
     async def resume(self) -> None:
         self._require_open()
-        await self._post("/continue_generation", {})
+        await self._call(protocol.CONTINUE)
+        self._paused = self._keep_paused = False
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         raise NotImplementedError(
@@ -161,10 +224,12 @@ class SglangEngine(InferenceEngine):
             "engine": "sglang",
             "url": self.url,
             "healthy": healthy,
+            "paused": self._paused,
             "version": self._version,
             "restarts": self.restarts,
             "requests": len(self._inflight),
             "failed_requests": self.failed_requests,
+            "resumed_requests": self.resumed_requests,
         }
 
     async def close(self) -> None:
@@ -196,21 +261,52 @@ class SglangEngine(InferenceEngine):
         backend: str,
         timeout: float,
     ) -> None:
-        await self._post(
-            "/init_weights_update_group",
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            },
+        await self._call(
+            protocol.INIT_WEIGHTS_GROUP,
             timeout=timeout,
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
         )
 
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        await self._post("/destroy_weights_update_group", {"group_name": group_name})
+    async def destroy_weights_update_group(self, group_name: str, *, timeout: float | None = None) -> None:
+        await self._call(protocol.DESTROY_WEIGHTS_GROUP, timeout=timeout, group_name=group_name)
+
+    async def begin_weight_update(self) -> bool:
+        """Open SGLang's weight-update session; False when the server has none (it predates them: HTTP 404).
+
+        SGLang 0.5.23 refuses `/update_weights_from_distributed` outside a session. A session left open by an
+        update that failed half-way (its end never arrived) makes begin fail; it is ended and begun once more.
+        """
+        if self._sessions is False:
+            return False
+        try:
+            await self._call(protocol.BEGIN_WEIGHT_UPDATE, selector="all")
+        except SglangError as error:
+            if error.status == 404:
+                self._sessions = False
+                logger.info(
+                    "%s has no %s (an SGLang release before weight-update sessions): updating weights without one",
+                    self.url,
+                    protocol.BEGIN_WEIGHT_UPDATE.path,
+                )
+                return False
+            if error.status is None:
+                raise
+            logger.warning("%s: %s; ending the open session and beginning again", self.url, error)
+            with contextlib.suppress(SglangError):
+                await self._call(protocol.END_WEIGHT_UPDATE)
+            await self._call(protocol.BEGIN_WEIGHT_UPDATE, selector="all")
+        if self._sessions is None:
+            logger.info("%s has weight-update sessions: each update runs between begin and end", self.url)
+        self._sessions = True
+        return True
+
+    async def end_weight_update(self) -> None:
+        await self._call(protocol.END_WEIGHT_UPDATE)
 
     async def update_weights_from_distributed(
         self,
@@ -223,24 +319,46 @@ class SglangEngine(InferenceEngine):
         flush_cache: bool,
         timeout: float,
     ) -> None:
-        await self._post(
-            "/update_weights_from_distributed",
-            {
-                "names": names,
-                "dtypes": dtypes,
-                "shapes": shapes,
-                "group_name": group_name,
-                "weight_version": weight_version,
-                "flush_cache": flush_cache,
-            },
+        await self._call(
+            protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
             timeout=timeout,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
         )
 
-    async def flush_cache(self) -> None:
-        await self._post("/flush_cache", None)
+    async def flush_cache(self, deadline_s: float) -> None:
+        """GET /flush_cache until it succeeds; SGLang refuses while any request runs or waits in its scheduler.
+
+        After a pause in "abort" mode the aborted requests leave the scheduler within a few steps, so the flush
+        succeeds soon; a server that stays busy for `deadline_s` is an SglangError naming the endpoint.
+        """
+        deadline = time.monotonic() + deadline_s
+        delay, last = 0.02, ""
+        while True:
+            try:
+                await self._call(protocol.FLUSH_CACHE, timeout=max(1.0, min(self.control_timeout, deadline_s)))
+                return
+            except SglangError as error:
+                if error.status is None:
+                    raise
+                last = str(error)
+            if time.monotonic() + delay > deadline:
+                raise SglangError(
+                    f"{self.url}{protocol.FLUSH_CACHE.path}: the server did not become idle within {deadline_s:g}s; "
+                    f"last answer: {last}"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     async def server_weight_version(self) -> int | None:
-        body = await self._get_json("/get_weight_version")
+        """The server's weight version from `/model_info` (SGLang removed `/get_weight_version`)."""
+        body = await self._call(protocol.MODEL_INFO)
+        if not isinstance(body, dict):
+            raise SglangError(f"{self.url}{protocol.MODEL_INFO.path}: expected a JSON object, got {str(body)[:200]!r}")
         return protocol.parse_weight_version(body.get("weight_version"))
 
     async def sync_version(self) -> int:
@@ -249,56 +367,160 @@ class SglangEngine(InferenceEngine):
         self._version = version if version is not None else 0
         return self._version
 
+    async def server_limits(self) -> ServerLimits | None:
+        """The server's request-size limits from `/server_info`, fetched once; None if it does not answer."""
+        async with self._limits_lock:
+            if self._limits is None:
+                try:
+                    info = await self._call(protocol.SERVER_INFO)
+                except SglangError as error:
+                    logger.warning("%s: context length unknown (%s); requests are sent unclamped", self.url, error)
+                    return None
+                if not isinstance(info, dict):
+                    return None
+                self._limits = ServerLimits.from_server_info(info)
+                if self._limits.context_length is None:
+                    logger.warning("%s/server_info reports no context length; requests are sent unclamped", self.url)
+            return self._limits
+
+    # ---- generation
+
+    async def _fit_to_context(self, request: GenerateRequest) -> GenerateRequest:
+        """The torch engine's rule: a prompt that leaves no room is an error, max_new_tokens is clamped to the room."""
+        limits = await self.server_limits()
+        if limits is None:
+            return request
+        if request.params.seed is not None and limits.deterministic is False and not self._warned_seed:
+            self._warned_seed = True
+            logger.warning(
+                "%s runs without --enable-deterministic-inference: SGLang ignores sampling_seed there, so seeded "
+                "samples are not reproducible",
+                self.url,
+            )
+        prompt = len(request.input_ids)
+        if limits.input_limit is not None and prompt >= limits.input_limit:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {prompt} tokens leaves no room in the context of SGLang "
+                f"server {self.url} (context {limits.context_length} tokens, prompts shorter than "
+                f"{limits.input_limit} accepted)"
+            )
+        if limits.context_length is None or prompt + request.params.max_new_tokens <= limits.context_length:
+            return request
+        params = replace(request.params, max_new_tokens=limits.context_length - prompt)
+        return replace(request, params=params)
+
+    async def _generate_once(self, request: GenerateRequest, flight: _Flight) -> tuple[list[GenerateOutput], int]:
+        """One `/generate` call for `request`; returns its outputs and the "keep" pause count when it was sent."""
+        rids = protocol.wire_request_ids(request)
+        started_version, epoch = self._version, self._keep_epoch
+        flight.rids.update(rids)
+        try:
+            body = await self._post_generate(request)
+        except asyncio.CancelledError:
+            # Free the server's slots: the abort must outlive this cancelled task.
+            asyncio.get_running_loop().create_task(self._abort_rids(rids))
+            raise
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, TimeoutError) as error:
+            self.failed_requests += 1
+            flight.lost = True
+            logger.warning(
+                "%s/generate failed (%r); request %s returns as aborted", self.url, error, request.request_id
+            )
+            return [_aborted(request, index) for index in range(request.params.n)], epoch
+        finally:
+            flight.rids.difference_update(rids)
+        items = body if isinstance(body, list) else [body]
+        if len(items) != request.params.n:
+            raise SglangError(f"{self.url}/generate returned {len(items)} outputs for n={request.params.n}")
+        outputs = []
+        for index, item in enumerate(items):
+            parsed = protocol.parse_output_json(item, where=f"{self.url}/generate output {index}")
+            whole = started_version if parsed.weight_version is None else min(started_version, parsed.weight_version)
+            versions = (
+                [whole] * len(parsed.output_ids)
+                if parsed.token_versions is None
+                else [whole if version is None else version for version in parsed.token_versions]
+            )
+            outputs.append(
+                GenerateOutput(
+                    request_id=request.request_id,
+                    output_ids=parsed.output_ids,
+                    log_probs=parsed.log_probs,
+                    versions=versions,
+                    finish_reason=parsed.finish_reason,
+                    sample_index=index,
+                    prompt_len=len(request.input_ids),
+                    matched_stop=parsed.matched_stop,
+                )
+            )
+        return outputs, epoch
+
+    async def _resume_kept(
+        self, request: GenerateRequest, output: GenerateOutput, flight: _Flight, epoch: int
+    ) -> GenerateOutput:
+        """Continue a sample that a "keep" pause aborted, until it finishes for its own reasons."""
+        while output.finish_reason == "abort" and self._aborted_by_keep_pause(flight, epoch):
+            if len(output.output_ids) >= request.params.max_new_tokens:
+                return replace(output, finish_reason="length")
+            more, epoch = await self._generate_once(continuation_request(request, output), flight)
+            self.resumed_requests += 1
+            rest = more[0]
+            output = replace(
+                output,
+                output_ids=output.output_ids + rest.output_ids,
+                log_probs=output.log_probs + rest.log_probs,
+                versions=output.versions + rest.versions,
+                finish_reason=rest.finish_reason,
+                matched_stop=rest.matched_stop,
+            )
+        return output
+
+    def _aborted_by_keep_pause(self, flight: _Flight, epoch: int) -> bool:
+        return not flight.caller_aborted and not flight.lost and (self._keep_paused or self._keep_epoch != epoch)
+
     # ---- HTTP
 
     async def _post_generate(self, request: GenerateRequest) -> Any:
         session = self._client()
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
         async with session.post(
-            self.url + "/generate", json=protocol.generate_json(request), timeout=timeout
+            self.url + protocol.GENERATE.path, json=protocol.generate_json(request), timeout=timeout
         ) as reply:
             if reply.status != 200:
                 raise SglangError(
-                    f"{self.url}/generate: HTTP {reply.status} for request {request.request_id!r}: "
-                    f"{(await reply.text())[:500]}"
+                    f"{self.url}{protocol.GENERATE.path}: HTTP {reply.status} for request {request.request_id!r}: "
+                    f"{(await reply.text())[:500]}",
+                    reply.status,
                 )
             return await reply.json(content_type=None)
 
-    async def _post(self, path: str, body: dict[str, Any] | None, *, timeout: float | None = None) -> Any:
+    async def _call(self, endpoint: Endpoint, *, timeout: float | None = None, **fields: Any) -> Any:
+        """One control call through its protocol row: the row's method, a body of the row's fields only."""
         session = self._client()
+        where = f"{self.url}{endpoint.path}"
         limit = aiohttp.ClientTimeout(total=timeout or self.control_timeout)
+        body = protocol.request_body(endpoint, **fields) if endpoint.method == "POST" else None
         try:
-            async with session.post(self.url + path, json=body, timeout=limit) as reply:
+            async with session.request(endpoint.method, self.url + endpoint.path, json=body, timeout=limit) as reply:
                 text = await reply.text()
                 if reply.status != 200:
-                    raise SglangError(f"{self.url}{path}: HTTP {reply.status}: {text[:500]}")
+                    raise SglangError(f"{where}: HTTP {reply.status}: {text[:500]}", reply.status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            raise SglangError(f"{self.url}{path}: {type(error).__name__}: {error}") from error
-        return _json_or_text(text, f"{self.url}{path}")
-
-    async def _get_json(self, path: str) -> dict[str, Any]:
-        session = self._client()
-        try:
-            async with session.get(
-                self.url + path, timeout=aiohttp.ClientTimeout(total=self.control_timeout)
-            ) as reply:
-                if reply.status != 200:
-                    raise SglangError(f"{self.url}{path}: HTTP {reply.status}: {(await reply.text())[:500]}")
-                body = await reply.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            raise SglangError(f"{self.url}{path}: {type(error).__name__}: {error}") from error
-        if not isinstance(body, dict):
-            raise SglangError(f"{self.url}{path}: expected a JSON object, got {str(body)[:200]!r}")
-        return body
+            raise SglangError(f"{where}: {type(error).__name__}: {error}") from error
+        return _json_or_text(text, where)
 
     async def _abort_rids(self, rids: list[str]) -> None:
         for rid in rids:
             with contextlib.suppress(SglangError):
-                await self._post("/abort_request", {"rid": rid})
+                await self._call(protocol.ABORT, rid=rid)
 
     async def _healthy(self, timeout: float) -> bool:
+        """`/health` generates a token on SGLang, which waits out a pause; while paused, `/model_info` answers."""
+        endpoint = protocol.MODEL_INFO if self._paused else protocol.HEALTH
         try:
-            async with self._client().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
+            async with self._client().get(
+                self.url + endpoint.path, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as reply:
                 return reply.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
@@ -348,6 +570,9 @@ class SglangEngine(InferenceEngine):
         self.url = url.rstrip("/")
         self.restarts += 1
         self._version = 0
+        # A fresh server is not paused, has no session open and may have been started differently.
+        self._paused = self._keep_paused = False
+        self._limits, self._sessions = None, None
         logger.warning(
             "SGLang server restarted at %s; serving the initial checkpoint until the next weight push", self.url
         )
@@ -365,9 +590,11 @@ def _aborted(request: GenerateRequest, index: int) -> GenerateOutput:
     )
 
 
-def _json_or_text(text: str, where: str) -> Any:
-    import json
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
+
+def _json_or_text(text: str, where: str) -> Any:
     if not text:
         return None
     try:

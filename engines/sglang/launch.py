@@ -7,6 +7,7 @@ GPU server behind. Its output goes to a log file whose tail is quoted when it fa
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import logging
@@ -23,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus.address import free_port
+from engines.sglang import protocol
 
 logger = logging.getLogger(__name__)
-HEALTH_PATHS = ("/health_generate", "/health")
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-spawner")
+HEALTH_PATHS = (protocol.HEALTH_GENERATE.path, protocol.HEALTH.path)
 
 
 class ServerStartError(RuntimeError):
@@ -46,7 +49,12 @@ class ServerSpec:
     port: int = 0  # 0: a free port is chosen at each start
     tp_size: int = 1
     random_seed: int | None = None
+    base_gpu_id: int | None = None  # the first GPU of this server's tp_size GPUs (SGLang's --base-gpu-id)
     extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.base_gpu_id is not None and (isinstance(self.base_gpu_id, bool) or self.base_gpu_id < 0):
+            raise ValueError(f"ServerSpec.base_gpu_id must be an int >= 0 or None, got {self.base_gpu_id!r}")
 
     def command(self, port: int) -> list[str]:
         command = [
@@ -64,6 +72,8 @@ class ServerSpec:
         ]
         if self.random_seed is not None:
             command += ["--random-seed", str(self.random_seed)]
+        if self.base_gpu_id is not None:
+            command += ["--base-gpu-id", str(self.base_gpu_id)]
         for name, value in self.extra.items():
             flag = "--" + name.removeprefix("--")
             command += [flag] if value == "true" else [flag, value]
@@ -109,7 +119,10 @@ class ServerProcess:
         command = self.spec.command(self.port)
         logger.info("starting SGLang server: %s (log %s)", " ".join(command), self.log_path)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
+            # Linux sends the parent-death signal when the THREAD that forked the child exits, and restarts run in
+            # short-lived executor threads (asyncio.to_thread): fork from one thread that lives as long as we do.
+            self.process = _SPAWNER.submit(
+                subprocess.Popen,
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -117,7 +130,7 @@ class ServerProcess:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
                 env=self.env,
-            )
+            ).result()
         self.starts += 1
         try:
             self._wait_healthy()
@@ -175,7 +188,6 @@ def probe(url: str, timeout: float) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
 
 
 def _die_with_parent() -> None:

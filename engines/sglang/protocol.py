@@ -1,9 +1,12 @@
 """The JSON both ends of SGLang's HTTP API exchange, in one place: our types <-> SGLang 0.5.x request fields.
 
 Field names follow SGLang's `io_struct` (`GenerateReqInput`, `PauseGenerationReqInput`,
-`InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput`) and the sampling-parameter names of
-its `SamplingParams`. The client (`client.py`) builds requests and parses responses with these functions; the
-compatible server (`server.py`) parses requests and builds responses with them, so the two cannot drift apart.
+`InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput`, ...) and the sampling-parameter names of
+its `SamplingParams`. Every endpoint the client calls is a row of `ENDPOINTS` below (method, path, SGLang's
+request class, the body fields we send, the response fields we read). The client (`client.py`) builds requests
+and parses responses with these functions and calls endpoints through these rows; the compatible server
+(`server.py`) registers its routes from the same rows; and `tests/engines/test_sglang_contract.py` checks every
+row against the source of the SGLang releases we support (`SUPPORTED_SGLANG`), so the three cannot drift apart.
 
 Conventions of the mapping:
 
@@ -11,20 +14,28 @@ Conventions of the mapping:
 * Outputs must be token-exact for RL, so requests ask for `no_stop_trim` (a matched stop string stays in the
   output, as in our engines) and `skip_special_tokens=False`; token ids and log-probs are read from
   `meta_info.output_token_logprobs` (`[logprob, token_id, text]` triples), which SGLang fills for every
-  generated token when `return_logprob` is true.
+  generated token when `return_logprob` is true. A request SGLang aborts before its prefill comes back without
+  them; that is an aborted sample with no tokens, not a protocol error.
+* Request ids: SGLang aborts by PREFIX (`/abort_request {"rid": r}` ends every request whose rid starts with
+  `r`), so our ids go on the wire in a prefix-free form (`wire_rid`): aborting one request never touches
+  `id/10` when it meant `id/1`, nor the request's own resumptions.
 * Seeds: SGLang's `sampling_seed` seeds ONE sample's random stream, and SGLang gives every copy of an `n > 1`
   request the same one (so the copies would be identical). A seeded request with `n > 1` is therefore sent as a
   batch of `n` one-sample items, item `i` seeded with `derive_sample_seed(seed, i)`; with `n == 1` the seed is
-  sent as is, so a seeded single sample through the compatible server equals the torch engine's exactly.
-* Weight versions: SGLang tags a whole response with the server's `weight_version` string when the response
-  is built. The initial version is the string "default", which we read as version 0.
+  sent as is. SGLang honours `sampling_seed` only on a server started with `--enable-deterministic-inference`
+  (`sampling_batch_info.py` builds the seed tensor only then); elsewhere seeded samples are not reproducible.
+* Weight versions: the server's `weight_version` string is what the last update set; "default" (never updated)
+  reads as version 0. SGLang 0.5.23 also returns `meta_info.weight_versions`, spans
+  `{"version", "start", "end"}` over the output tokens (end exclusive) saying which weights produced each token;
+  `token_versions` turns them into one version per token. Older releases tag the whole response with one
+  `weight_version`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -56,12 +67,157 @@ class ProtocolError(ValueError):
     """A request or response that does not have the shape SGLang's API gives it; the message says where."""
 
 
+# ----------------------------------------------------------------------------------------------- the table
+
+# The SGLang releases the client is tested against (contract tests read both wheels' source); pyproject's
+# `sglang` extra allows exactly this range.
+SUPPORTED_SGLANG: tuple[str, ...] = ("0.5.15.post1", "0.5.23")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One SGLang HTTP endpoint as we use it.
+
+    `request_class` is the SGLang class its JSON body is parsed into (`io_struct.py`; None: no body), `sends`
+    the body fields we send, `reads` the response fields we read. `optional` endpoints are missing from some
+    supported release (their `since`); the client detects the 404 and falls back, and says so in its log.
+    """
+
+    method: Literal["GET", "POST"]
+    path: str
+    request_class: str | None = None
+    sends: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    optional: bool = False
+    since: str | None = None
+
+
+GENERATE = Endpoint(
+    "POST",
+    "/generate",
+    "GenerateReqInput",
+    sends=("rid", "input_ids", "sampling_params", "return_logprob", "stream"),
+    reads=("output_ids", "meta_info"),
+)
+ABORT = Endpoint("POST", "/abort_request", "AbortReq", sends=("rid", "abort_all"))
+PAUSE = Endpoint("POST", "/pause_generation", "PauseGenerationReqInput", sends=("mode",))
+CONTINUE = Endpoint("POST", "/continue_generation", "ContinueGenerationReqInput")
+FLUSH_CACHE = Endpoint("GET", "/flush_cache")
+HEALTH = Endpoint("GET", "/health")
+HEALTH_GENERATE = Endpoint("GET", "/health_generate")
+MODEL_INFO = Endpoint("GET", "/model_info", reads=("weight_version",))
+SERVER_INFO = Endpoint(
+    "GET",
+    "/server_info",
+    reads=("context_length", "max_req_input_len", "enable_deterministic_inference"),
+)
+INIT_WEIGHTS_GROUP = Endpoint(
+    "POST",
+    "/init_weights_update_group",
+    "InitWeightsUpdateGroupReqInput",
+    sends=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+    reads=("success", "message"),
+)
+DESTROY_WEIGHTS_GROUP = Endpoint(
+    "POST",
+    "/destroy_weights_update_group",
+    "DestroyWeightsUpdateGroupReqInput",
+    sends=("group_name",),
+    reads=("success", "message"),
+)
+BEGIN_WEIGHT_UPDATE = Endpoint(
+    "POST",
+    "/begin_weight_update",
+    "BeginWeightUpdateReqInput",
+    sends=("selector",),
+    reads=("success", "message"),
+    optional=True,
+    since="0.5.23",
+)
+END_WEIGHT_UPDATE = Endpoint(
+    "POST",
+    "/end_weight_update",
+    "EndWeightUpdateReqInput",
+    reads=("success", "message"),
+    optional=True,
+    since="0.5.23",
+)
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
+    "POST",
+    "/update_weights_from_distributed",
+    "UpdateWeightsFromDistributedReqInput",
+    sends=("names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache"),
+    reads=("success", "message"),
+)
+ENDPOINTS: tuple[Endpoint, ...] = (
+    GENERATE,
+    ABORT,
+    PAUSE,
+    CONTINUE,
+    FLUSH_CACHE,
+    HEALTH,
+    HEALTH_GENERATE,
+    MODEL_INFO,
+    SERVER_INFO,
+    INIT_WEIGHTS_GROUP,
+    DESTROY_WEIGHTS_GROUP,
+    BEGIN_WEIGHT_UPDATE,
+    END_WEIGHT_UPDATE,
+    UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+)
+# The keys of one `sampling_params` object we send (SGLang's `SamplingParams` fields).
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "ignore_eos",
+    "no_stop_trim",
+    "skip_special_tokens",
+    "stop",
+    "stop_token_ids",
+    "sampling_seed",
+)
+# What we read from a `/generate` item's `meta_info`; `weight_versions` only where the server sends it.
+META_FIELDS: tuple[str, ...] = ("finish_reason", "output_token_logprobs", "weight_version", "prompt_tokens")
+OPTIONAL_META_FIELDS: tuple[str, ...] = ("weight_versions",)
+# The pause mode we put on the wire for every pause (see client.py: SGLang's "abort", slime's choice).
+WIRE_PAUSE_MODE = "abort"
+
+
+def request_body(endpoint: Endpoint, **fields: Any) -> dict[str, Any]:
+    """The JSON body for `endpoint`; a field the table does not list is a bug here, not at the server."""
+    unknown = sorted(set(fields) - set(endpoint.sends))
+    if unknown:
+        raise ProtocolError(f"{endpoint.path}: fields {unknown} are not in the protocol table ({endpoint.sends})")
+    return fields
+
+
+# -------------------------------------------------------------------------------------------- request ids
+
+_RID_END = "#"
+
+
+def wire_rid(request_id: str, sample_index: int) -> str:
+    """The SGLang `rid` of sample `sample_index` of our request `request_id`, prefix-free.
+
+    SGLang's scheduler aborts every request whose rid STARTS WITH the rid it is given. Our ids nest (a
+    resumption is `id/resume...`, sample i of `id/1` vs `id/10`), so they cannot go on the wire as they are.
+    `%` and `#` inside the id are escaped and the wire rid is `<escaped id>#<index>#`: every wire rid holds
+    exactly two `#`, the last at its end, so none is a proper prefix of another, and the mapping is one-to-one.
+    """
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+    escaped = request_id.replace("%", "%25").replace(_RID_END, "%23")
+    return f"{escaped}{_RID_END}{sample_index}{_RID_END}"
+
+
 # ----------------------------------------------------------------------------------------------- requests
 
 
 def sampling_params_json(params: SamplingParams, *, seed: int | None) -> dict[str, Any]:
     """One sample's SGLang `sampling_params` (n is always 1 here: see the module docstring on seeds)."""
-    body: dict[str, Any] = {
+    fields: dict[str, Any] = {
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else -1,
@@ -71,42 +227,43 @@ def sampling_params_json(params: SamplingParams, *, seed: int | None) -> dict[st
         "skip_special_tokens": False,
     }
     if params.stop:
-        body["stop"] = list(params.stop)
+        fields["stop"] = list(params.stop)
     if params.stop_token_ids:
-        body["stop_token_ids"] = list(params.stop_token_ids)
+        fields["stop_token_ids"] = list(params.stop_token_ids)
     if seed is not None:
-        body["sampling_seed"] = seed
-    return body
+        fields["sampling_seed"] = seed
+    return fields
 
 
 def wire_request_ids(request: GenerateRequest) -> list[str]:
-    """The SGLang `rid` of each sample: the request id itself for one sample, `id/i` for sample i of several."""
-    if request.params.n == 1:
-        return [request.request_id]
-    return [f"{request.request_id}/{index}" for index in range(request.params.n)]
+    """The SGLang `rid` of each sample of `request` (see `wire_rid`)."""
+    return [wire_rid(request.request_id, index) for index in range(request.params.n)]
 
 
 def generate_json(request: GenerateRequest) -> dict[str, Any]:
     """The `/generate` body for `request`: one item for n == 1, a batch of n one-sample items otherwise."""
     params, seed = request.params, request.params.seed
+    rids = wire_request_ids(request)
     if params.n == 1:
-        return {
-            "rid": request.request_id,
-            "input_ids": list(request.input_ids),
-            "sampling_params": sampling_params_json(params, seed=seed),
-            "return_logprob": True,
-            "stream": False,
-        }
-    return {
-        "rid": wire_request_ids(request),
-        "input_ids": [list(request.input_ids) for _ in range(params.n)],
-        "sampling_params": [
+        return request_body(
+            GENERATE,
+            rid=rids[0],
+            input_ids=list(request.input_ids),
+            sampling_params=sampling_params_json(params, seed=seed),
+            return_logprob=True,
+            stream=False,
+        )
+    return request_body(
+        GENERATE,
+        rid=rids,
+        input_ids=[list(request.input_ids) for _ in range(params.n)],
+        sampling_params=[
             sampling_params_json(params, seed=None if seed is None else derive_sample_seed(seed, index))
             for index in range(params.n)
         ],
-        "return_logprob": True,
-        "stream": False,
-    }
+        return_logprob=True,
+        stream=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -189,7 +346,14 @@ def parse_sampling_params(raw: Any, *, where: str) -> SamplingParams:
 # ---------------------------------------------------------------------------------------------- responses
 
 
-def output_json(output: GenerateOutput, *, rid: str, weight_version: str, text: str) -> dict[str, Any]:
+def output_json(
+    output: GenerateOutput,
+    *,
+    rid: str,
+    weight_version: str,
+    text: str,
+    weight_versions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One generated sample as SGLang's `/generate` returns it (with `return_logprob`)."""
     finish: dict[str, Any] = {"type": output.finish_reason}
     if output.finish_reason == "stop" and output.matched_stop is not None:
@@ -198,25 +362,39 @@ def output_json(output: GenerateOutput, *, rid: str, weight_version: str, text: 
         finish["length"] = len(output.output_ids)
     elif output.finish_reason == "abort":
         finish["message"] = "aborted"
-    return {
-        "text": text,
-        "output_ids": list(output.output_ids),
-        "meta_info": {
-            "id": rid,
-            "finish_reason": finish,
-            "prompt_tokens": output.prompt_len,
-            "completion_tokens": len(output.output_ids),
-            "output_token_logprobs": [
-                [log_prob, token, None] for log_prob, token in zip(output.log_probs, output.output_ids, strict=True)
-            ],
-            "weight_version": weight_version,
-        },
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": output.prompt_len,
+        "completion_tokens": len(output.output_ids),
+        "output_token_logprobs": [
+            [log_prob, token, None] for log_prob, token in zip(output.log_probs, output.output_ids, strict=True)
+        ],
+        "weight_version": weight_version,
     }
+    if weight_versions is not None:
+        meta["weight_versions"] = weight_versions
+    return {"text": text, "output_ids": list(output.output_ids), "meta_info": meta}
+
+
+def version_spans(versions: list[str]) -> list[dict[str, Any]]:
+    """Per-token version names -> SGLang 0.5.23's `weight_versions` spans (end exclusive, runs merged)."""
+    spans: list[dict[str, Any]] = []
+    for index, name in enumerate(versions):
+        if spans and spans[-1]["version"] == name:
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": name, "start": index, "end": index + 1})
+    return spans
 
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    """One sample of a `/generate` response, before versions are assigned."""
+    """One sample of a `/generate` response, before versions are assigned.
+
+    `token_versions` is one entry per output token when the server sent `weight_versions` spans (an entry is
+    None where a span's version is not one of ours), else None.
+    """
 
     output_ids: list[int]
     log_probs: list[float]
@@ -224,14 +402,23 @@ class ParsedOutput:
     matched_stop: str | int | None
     weight_version: int | None
     prompt_tokens: int
+    token_versions: list[int | None] | None = None
 
 
 def parse_output_json(item: Any, *, where: str) -> ParsedOutput:
-    """One item of SGLang's `/generate` response -> tokens, log-probs, finish reason and weight version."""
+    """One item of SGLang's `/generate` response -> tokens, log-probs, finish reason and weight versions."""
     if not isinstance(item, dict) or not isinstance(item.get("meta_info"), dict):
         raise ProtocolError(f"{where}: expected an object with 'meta_info', got {str(item)[:200]!r}")
     meta = item["meta_info"]
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in FINISH_TYPES:
+        raise ProtocolError(f"{where}: finish_reason {finish!r} is none of {FINISH_TYPES}")
     triples = meta.get("output_token_logprobs")
+    if triples is None and kind == "abort":
+        # Aborted before its prefill (or before any log-prob was recorded): SGLang sends no log-probs, and
+        # tokens without log-probs are no use to RL, so this is an aborted sample with nothing generated.
+        return ParsedOutput([], [], "abort", None, parse_weight_version(meta.get("weight_version")), 0, None)
     if not isinstance(triples, list):
         raise ProtocolError(f"{where}: meta_info.output_token_logprobs missing (was return_logprob sent?)")
     try:
@@ -244,11 +431,8 @@ def parse_output_json(item: Any, *, where: str) -> ParsedOutput:
     listed = item.get("output_ids")
     if isinstance(listed, list) and listed[: len(ids)] != ids:
         raise ProtocolError(f"{where}: output_ids disagree with the token ids of output_token_logprobs")
-    finish = meta.get("finish_reason")
-    kind = finish.get("type") if isinstance(finish, dict) else finish
-    if kind not in FINISH_TYPES:
-        raise ProtocolError(f"{where}: finish_reason {finish!r} is none of {FINISH_TYPES}")
     matched = finish.get("matched") if isinstance(finish, dict) else None
+    spans = meta.get("weight_versions")
     return ParsedOutput(
         output_ids=ids,
         log_probs=log_probs,
@@ -256,7 +440,35 @@ def parse_output_json(item: Any, *, where: str) -> ParsedOutput:
         matched_stop=matched if isinstance(matched, (str, int)) else None,
         weight_version=parse_weight_version(meta.get("weight_version")),
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        token_versions=None if spans is None else token_versions(spans, len(ids), where=where),
     )
+
+
+def token_versions(spans: Any, num_tokens: int, *, where: str) -> list[int | None]:
+    """SGLang's `weight_versions` spans -> one version per output token.
+
+    The spans must be `{"version": str, "start": int, "end": int}` objects, in order, starting at 0, each
+    starting where the previous ended. Tokens past the last span (SGLang clips spans to the tokens it returned,
+    so there should be none) and spans whose version is not ours read as None.
+    """
+    if not isinstance(spans, list):
+        raise ProtocolError(f"{where}: meta_info.weight_versions must be a list, got {type(spans).__name__}")
+    versions: list[int | None] = []
+    for position, span in enumerate(spans):
+        if (
+            not isinstance(span, dict)
+            or not isinstance(span.get("start"), int)
+            or not isinstance(span.get("end"), int)
+            or not isinstance(span.get("version"), str)
+        ):
+            raise ProtocolError(f"{where}: meta_info.weight_versions[{position}] is not a span object: {span!r}")
+        start, end = span["start"], min(span["end"], num_tokens)
+        if start != len(versions) and not (start >= num_tokens and len(versions) == num_tokens):
+            raise ProtocolError(
+                f"{where}: meta_info.weight_versions[{position}] starts at {start}, expected {len(versions)}"
+            )
+        versions.extend([parse_weight_version(span["version"])] * max(0, end - start))
+    return versions + [None] * (num_tokens - len(versions))
 
 
 def parse_weight_version(raw: Any) -> int | None:

@@ -1,17 +1,35 @@
 """An SGLang-compatible HTTP server over the embedded torch engine: `python -m engines.sglang.server`.
 
-SGLang needs a GPU. This server speaks the subset of SGLang's HTTP API that Slipstream drives (generate with
-log-probs, abort, pause/continue, flush, health, the weight-update group and the per-tensor broadcast
-receive) over a `TorchEngine`, so the SGLang client, the launcher and the learner's sender run and are
-tested for real on a CPU. It takes SGLang's core launch arguments (`--model-path --host --port --tp-size
---random-seed --max-running-requests --context-length --dtype`) and ignores any other `--flag [value]` with a
-warning, so a command line written for `sglang.launch_server` starts it unchanged.
+SGLang needs a GPU. This server speaks the subset of SGLang's HTTP API that Slipstream drives (the rows of
+`protocol.ENDPOINTS`: generate with log-probs, abort, pause/continue, flush, health, model and server info, the
+weight-update group, the weight-update session and the per-tensor broadcast receive) over a `TorchEngine`, so
+the SGLang client, the launcher and the learner's sender run and are tested for real on a CPU. It takes
+SGLang's core launch arguments (`--model-path --host --port --tp-size --random-seed --max-running-requests
+--context-length --dtype`) and ignores any other `--flag [value]` with a warning, so a command line written for
+`sglang.launch_server` starts it unchanged.
+
+It behaves as SGLang does where a client can get it wrong, so the tests catch such a client:
+
+* `--sglang-api 0.5.23` (the default): `/update_weights_from_distributed` outside a `/begin_weight_update` ..
+  `/end_weight_update` session is refused before any tensor is received, and responses carry per-token
+  `weight_versions` spans. `--sglang-api 0.5.15.post1`: no sessions (those paths answer 404), no spans, and a
+  weight update with `flush_cache` while requests are still in the engine takes the server down, as that
+  release's weight updater asserts the flush succeeded.
+* `/flush_cache` succeeds only when no request runs (requests waiting out a pause do not count).
+* `/health` and `/health_generate` generate one token, so while generation is paused they wait, and answer 503
+  after `SGLANG_HEALTH_CHECK_TIMEOUT` seconds (20 by default), as SGLang's do.
+* `/abort_request` with a `rid` aborts every request whose rid starts with it, if that rid is one in flight.
+* `/generate` answers HTTP 400 when the prompt is not shorter than the context length, or the prompt plus
+  `max_new_tokens` exceed it, with SGLang's message.
+* `/get_weight_version` does not exist (0.5.15.post1 answers 404, 0.5.23 has no such route): the version is in
+  `/model_info`.
 
 Weight updates are received the way SGLang receives them: the group is joined through the tcp:// rendezvous
 with the group-name store prefix (`weight_group.py`), then each `/update_weights_from_distributed` call
 allocates one tensor per name in the given dtype and shape and receives it by broadcast from rank 0, in
-`names` order, before loading the bucket into the engine between two decode steps. The server holds one
-rank: with `--tp-size N > 1` it serves generation but refuses to join a weight group (it cannot fill N ranks).
+`names` order, before loading the bucket into the engine between two decode steps. A failed receive leaves the
+group in place, as on SGLang: the client destroys it. The server holds one rank: with `--tp-size N > 1` it
+serves generation but refuses to join a weight group (it cannot fill N ranks).
 """
 
 from __future__ import annotations
@@ -20,12 +38,14 @@ import argparse
 import asyncio
 import itertools
 import logging
+import os
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from aiohttp import web
+from transformers import AutoConfig
 
 from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
@@ -34,6 +54,7 @@ from engines.sglang.weight_group import WeightGroup, join_weight_group
 
 logger = logging.getLogger("engines.sglang.server")
 COMPAT_VERSION = "slipstream-compat"
+SGLANG_APIS = protocol.SUPPORTED_SGLANG
 DTYPES = {
     "auto": torch.float32,
     "float32": torch.float32,
@@ -42,60 +63,71 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+# SGLang's tp_worker keeps 5 tokens of a request's length for itself: max_req_input_len = max_req_len - 5.
+RESERVED_INPUT_TOKENS = 5
 
 
 class CompatServer:
-    """The HTTP routes over one engine; state besides the engine is the weight version and the groups."""
+    """The HTTP routes over one engine; state besides the engine: weight version, groups, the open session."""
 
-    def __init__(self, engine: TorchEngine, args: argparse.Namespace) -> None:
+    def __init__(self, engine: TorchEngine, args: argparse.Namespace, *, context_length: int) -> None:
         self.engine = engine
         self.args = args
+        self.context_length = context_length
+        self.sessions = args.sglang_api != "0.5.15.post1"
         self.weight_version = args.weight_version
         self.groups: dict[str, WeightGroup] = {}
+        self.session_open = False
+        self._version_names = {protocol.parse_weight_version(args.weight_version) or 0: args.weight_version}
         self._rids = itertools.count()
+        self._inflight: set[str] = set()
         self._weights_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
-        get, post = web.get, web.post
-        app.add_routes(
-            [
-                get("/health", self.health),
-                get("/health_generate", self.health_generate),
-                get("/get_model_info", self.model_info),
-                get("/model_info", self.model_info),
-                get("/get_server_info", self.server_info),
-                get("/server_info", self.server_info),
-                get("/get_weight_version", self.get_weight_version),
-                post("/update_weight_version", self.update_weight_version),
-                post("/generate", self.generate),
-                post("/abort_request", self.abort_request),
-                post("/pause_generation", self.pause_generation),
-                post("/continue_generation", self.continue_generation),
-                get("/flush_cache", self.flush_cache),
-                post("/flush_cache", self.flush_cache),
-                post("/init_weights_update_group", self.init_weights_update_group),
-                post("/destroy_weights_update_group", self.destroy_weights_update_group),
-                post("/update_weights_from_distributed", self.update_weights_from_distributed),
-            ]
-        )
+        handlers = {
+            protocol.GENERATE: self.generate,
+            protocol.ABORT: self.abort_request,
+            protocol.PAUSE: self.pause_generation,
+            protocol.CONTINUE: self.continue_generation,
+            protocol.FLUSH_CACHE: self.flush_cache,
+            protocol.HEALTH: self.health_generate,  # SGLang's /health generates too (its default environment)
+            protocol.HEALTH_GENERATE: self.health_generate,
+            protocol.MODEL_INFO: self.model_info,
+            protocol.SERVER_INFO: self.server_info,
+            protocol.INIT_WEIGHTS_GROUP: self.init_weights_update_group,
+            protocol.DESTROY_WEIGHTS_GROUP: self.destroy_weights_update_group,
+            protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.update_weights_from_distributed,
+        }
+        if self.sessions:
+            handlers[protocol.BEGIN_WEIGHT_UPDATE] = self.begin_weight_update
+            handlers[protocol.END_WEIGHT_UPDATE] = self.end_weight_update
+        routes = [web.route(endpoint.method, endpoint.path, handler) for endpoint, handler in handlers.items()]
+        # SGLang's older spellings and extras we serve too (not called by our client).
+        routes += [
+            web.get("/get_model_info", self.model_info),
+            web.get("/get_server_info", self.server_info),
+            web.post("/flush_cache", self.flush_cache),
+            web.post("/update_weight_version", self.update_weight_version),
+        ]
+        app.add_routes(routes)
         app.on_shutdown.append(self._shutdown)
         return app
 
     # ---- health and information
 
-    async def health(self, request: web.Request) -> web.Response:
-        healthy = bool((await self.engine.health())["healthy"])
-        return web.Response(status=200 if healthy else 503)
-
     async def health_generate(self, request: web.Request) -> web.Response:
-        """One greedy token end to end, as SGLang does; while paused the engine cannot generate, so liveness."""
-        status = await self.engine.health()
-        if not status["healthy"]:
+        """One greedy token end to end, as SGLang does; paused, it waits like any request, then 503."""
+        if not (await self.engine.health())["healthy"]:
             return web.Response(status=503)
-        if not status["paused"]:
-            probe = GenerateRequest(f"health-{next(self._rids)}", [0], SamplingParams(temperature=0, max_new_tokens=1))
-            await asyncio.wait_for(self.engine.generate(probe), timeout=20)
+        greedy_token = SamplingParams(temperature=0, max_new_tokens=1)
+        probe = GenerateRequest(f"HEALTH_CHECK_{next(self._rids)}", [0], greedy_token)
+        timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+        try:
+            await asyncio.wait_for(self.engine.generate(probe), timeout=timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            logger.error("health check failed: no token within %gs", timeout)
+            return web.Response(status=503)
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -115,13 +147,14 @@ class CompatServer:
                 "tp_size": self.args.tp_size,
                 "random_seed": self.args.random_seed,
                 "max_running_requests": self.args.max_running_requests,
-                "version": COMPAT_VERSION,
+                "context_length": self.context_length,
+                "max_req_input_len": self.context_length - 1 - RESERVED_INPUT_TOKENS,
+                # Reported as given, like SGLang's arguments; seeds are honoured here either way.
+                "enable_deterministic_inference": self.args.enable_deterministic_inference,
+                "version": f"{COMPAT_VERSION} ({self.args.sglang_api})",
                 "weight_version": self.weight_version,
             }
         )
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -139,26 +172,45 @@ class CompatServer:
         try:
             items, batch = protocol.parse_generate_json(await _json(request), new_rid=self._new_rid)
             requests = [self._engine_request(item) for item in items]
+            for engine_request in requests:
+                self._check_context(engine_request)
         except ValueError as error:
             return _error(400, str(error))
+        live = [r.request_id for r in requests if r.request_id in self._inflight]
+        if live:
+            return _error(400, f"/generate: rid {live[0]!r} is already in flight")
+        self._inflight.update(r.request_id for r in requests)
         try:
             results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
         except ValueError as error:
             return _error(400, str(error))
+        finally:
+            self._inflight.difference_update(r.request_id for r in requests)
         tokenizer = self.engine.tokenizer
         body = []
         for item, outputs in zip(items, results, strict=True):
             for output in outputs:
                 text = tokenizer.decode(output.output_ids) if tokenizer is not None else ""
-                body.append(protocol.output_json(output, rid=item.rid, weight_version=self.weight_version, text=text))
+                spans = (
+                    protocol.version_spans([self._version_name(v) for v in output.versions]) if self.sessions else None
+                )
+                body.append(
+                    protocol.output_json(
+                        output, rid=item.rid, weight_version=self.weight_version, text=text, weight_versions=spans
+                    )
+                )
         return web.json_response(body if batch or len(body) > 1 else body[0])
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        """As SGLang: `abort_all`, or every request whose rid STARTS WITH `rid`, if `rid` itself is in flight."""
         body = await _json(request)
+        rid = body.get("rid")
         if body.get("abort_all"):
             await self.engine.abort(None)
-        elif isinstance(body.get("rid"), str) and body["rid"]:
-            await self.engine.abort(body["rid"])
+        elif isinstance(rid, str) and rid:
+            if rid in self._inflight:
+                for other in [other for other in self._inflight if other.startswith(rid)]:
+                    await self.engine.abort(other)
         else:
             return _error(400, "/abort_request: give a non-empty 'rid' or 'abort_all': true")
         return web.Response(status=200)
@@ -169,14 +221,16 @@ class CompatServer:
         if mode not in ("abort", "in_place", "retract"):
             return _error(400, f"/pause_generation: mode {mode!r} is not 'abort', 'retract' or 'in_place'")
         await self.engine.pause("abort" if mode == "abort" else "keep")
-        return web.json_response({"success": True, "message": f"generation paused ({mode})"})
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self.engine.resume()
-        return web.json_response({"success": True, "message": "generation continued"})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """The torch engine keeps no prefix cache across requests, so there is nothing to flush."""
+        """The torch engine keeps no prefix cache across requests; like SGLang, refuse while requests run."""
+        if not await self._idle():
+            return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
         return web.Response(text="Cache flushed.\n")
 
     # ---- weights
@@ -226,6 +280,21 @@ class CompatServer:
             group.destroy()
         return web.json_response({"success": True, "message": f"destroyed group {name}"})
 
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        selector = (await _json(request)).get("selector", "all")
+        if selector not in ("target", "draft", "all"):
+            return _failure(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+        if self.session_open:
+            return _failure("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        if not self.session_open:
+            return _failure("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return web.json_response({"success": True, "message": "Success"})
+
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _json(request)
         try:
@@ -244,6 +313,11 @@ class CompatServer:
                 f"/update_weights_from_distributed: load_format {body['load_format']!r} is not supported; "
                 "send one broadcast per tensor (load_format omitted)"
             )
+        if self.sessions and not self.session_open:
+            # SGLang 0.5.23 answers before receiving anything, so the sender's broadcast finds no receiver.
+            return _failure(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         async with self._weights_lock:
             group = self.groups.get(name)
             if group is None:
@@ -252,9 +326,8 @@ class CompatServer:
                 await self.engine.abort(None)
             try:
                 tensors = await asyncio.to_thread(_receive, group, specs)
-            except Exception as error:  # the group is broken now; the sender forms a new one
-                self.groups.pop(name, None)
-                return _failure(f"Failed to update parameter online: {error}.")
+            except Exception as error:  # the group stays, as on SGLang; the client destroys it
+                return _failure(f"Failed to receive weights: {error}")
             version = body.get("weight_version")
             number = protocol.parse_weight_version(version)
             try:
@@ -263,12 +336,53 @@ class CompatServer:
                 return _failure(f"Failed to update parameter online: {error}.")
             if isinstance(version, str):
                 self.weight_version = version
+                if number is not None:
+                    self._version_names[number] = version
+        if body.get("flush_cache", True) and not await self._idle():
+            if not self.sessions:
+                logger.critical(
+                    "AssertionError: Cache flush failed after updating weights (SGLang 0.5.15 takes its server down "
+                    "here: the requests paused with retract/in_place are still in the scheduler)"
+                )
+                os._exit(134)
+            return _failure(
+                "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+                "Retract or finish them, then call /flush_cache."
+            )
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     # ---- helpers
 
     def _new_rid(self) -> str:
         return f"compat-{next(self._rids)}"
+
+    def _version_name(self, version: int) -> str:
+        return self._version_names.get(version, str(version))
+
+    async def _idle(self) -> bool:
+        """SGLang's flush condition: nothing running (requests held by an abort-mode pause never got in)."""
+        status = await self.engine.health()
+        return not status["running"] and (bool(status["paused"]) or not status["requests"])
+
+    def _check_context(self, request: GenerateRequest) -> None:
+        """SGLang's tokenizer-manager and scheduler checks, with SGLang's words; each is an HTTP 400 there."""
+        prompt, context = len(request.input_ids), self.context_length
+        if prompt >= context:
+            raise ValueError(
+                f"The input ({prompt} tokens) is longer than the model's context length ({context} tokens)."
+            )
+        total = prompt + request.params.max_new_tokens
+        if total > context:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                f"requested a total of {total} tokens: {prompt} tokens from the input messages and "
+                f"{request.params.max_new_tokens} tokens for the completion."
+            )
+        max_input = context - 1 - RESERVED_INPUT_TOKENS
+        if prompt >= max_input:
+            raise ValueError(
+                f"Input length ({prompt} tokens) exceeds the maximum allowed length ({max_input} tokens)."
+            )
 
     def _engine_request(self, item: protocol.GenerateItem) -> GenerateRequest:
         ids = item.input_ids
@@ -332,6 +446,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     parser.add_argument("--weight-version", default=protocol.INITIAL_WEIGHT_VERSION)
     parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="reported in /server_info as SGLang does; this server honours sampling_seed with or without it",
+    )
+    parser.add_argument(
+        "--sglang-api",
+        choices=SGLANG_APIS,
+        default=SGLANG_APIS[-1],
+        help="which SGLang release's behaviour to serve (weight-update sessions, per-token version spans)",
+    )
+    parser.add_argument(
         "--weight-group-timeout", type=float, default=120.0, help="seconds a weight update group waits for all members"
     )
     parser.add_argument("--torch-threads", type=int, default=None)
@@ -348,16 +473,21 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("ignoring SGLang arguments this server does not implement: %s", " ".join(args.ignored))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    context_length = args.context_length or getattr(
+        AutoConfig.from_pretrained(args.model_path), "max_position_embeddings", None
+    )
+    if not context_length:
+        raise SystemExit(f"{args.model_path}: config.json has no max_position_embeddings; pass --context-length")
     engine = TorchEngine.from_pretrained(
         args.model_path,
         dtype=DTYPES[args.dtype],
         max_batch_size=args.max_running_requests,
-        max_model_len=args.context_length,
+        max_model_len=context_length,
         seed=args.random_seed,
         version=protocol.parse_weight_version(args.weight_version) or 0,
     )
-    server = CompatServer(engine, args)
-    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    server = CompatServer(engine, args, context_length=context_length)
+    logger.info("serving %s on http://%s:%d (SGLang %s API)", args.model_path, args.host, args.port, args.sglang_api)
     # handle_signals: SIGTERM and SIGINT shut the app down, which closes the engine and the groups.
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True, shutdown_timeout=1.0)
 

@@ -13,6 +13,7 @@ Rank layout (as SGLang computes it): rank = rank_offset + tp_rank, and engine i 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,6 +35,21 @@ class WeightGroup:
         if self.group in c10d._world.pg_map:
             dist.destroy_process_group(self.group)
 
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group)) if self.group in c10d._world.pg_map else "destroyed"
+
+    def abort(self) -> None:
+        """NCCL: abort the communicator (a stuck collective then ends, instead of the watchdog ending the process
+        at the group timeout), then destroy the group. Destroying a gloo group waits for its pending work."""
+        if self.group not in c10d._world.pg_map:
+            return
+        if dist.get_backend(self.group) == dist.Backend.NCCL:
+            with contextlib.suppress(RuntimeError, ValueError):
+                c10d._abort_process_group(self.group)
+        with contextlib.suppress(RuntimeError, ValueError):
+            self.destroy()
+
 
 def join_weight_group(
     *,
@@ -44,8 +60,14 @@ def join_weight_group(
     world_size: int,
     group_name: str,
     timeout_s: float,
+    collective_timeout_s: float | None = None,
 ) -> WeightGroup:
-    """Join (rank 0: host) the group; blocks until all `world_size` members joined or `timeout_s` passed."""
+    """Join (rank 0: host) the group; blocks until all `world_size` members joined or `timeout_s` passed.
+
+    `collective_timeout_s` (default `timeout_s`) is the group's own timeout for a collective. The learner sets it
+    well past its own per-bucket deadline: on NCCL a collective that outlives the group timeout is torn down by
+    the watchdog, which by default takes the process with it, so the learner must give up first.
+    """
     if not group_name:
         raise ValueError("weight update group name must not be empty")
     if not 0 <= rank < world_size:
@@ -53,6 +75,7 @@ def join_weight_group(
     if group_name in c10d._world.pg_names.values():
         raise ValueError(f"weight update group {group_name!r} already exists in this process; destroy it first")
     timeout = timedelta(seconds=timeout_s)
+    collective_timeout = timedelta(seconds=timeout_s if collective_timeout_s is None else collective_timeout_s)
     url = f"tcp://{_bracket_ipv6(master_address)}:{master_port}"
     store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
@@ -63,7 +86,7 @@ def join_weight_group(
         dist.Backend(backend),
         dist.PrefixStore(group_name, store),
         group_name=group_name,
-        timeout=timeout,
+        timeout=collective_timeout,
     )
     c10d._world.pg_group_ranks[group] = {member: member for member in range(world_size)}
     return WeightGroup(group_name, rank, world_size, group, store)

@@ -14,14 +14,23 @@ Coordination travels through the rendezvous store the learner hosts (the same `t
 joined), under a key prefix of our own, mirroring `engines/weights/torch_distributed.py`:
 
 1. The learner publishes the manifest (names, dtypes, shapes, how they split into calls) under the version.
-2. Each loader reads it, pauses its server's generation (our "keep", SGLang's "retract") and says "ready";
-   the learner waits for all of them (naming the missing ones and telling the others to stop) and says "go".
-3. For each bucket the loader posts `/update_weights_from_distributed` (the last one with `flush_cache`) while
-   the learner broadcasts the bucket's tensors; then the loader continues generation and acknowledges with the
-   outcome of every HTTP call. The learner commits the version only when every acknowledgement is "ok".
+2. Each loader reads it, pauses its server's generation (SGLang's "abort" mode; the client resumes the aborted
+   requests afterwards, see `client.py`), flushes the server's cache (`GET /flush_cache`, retried until the
+   aborted requests have left the scheduler), opens SGLang's weight-update session (`/begin_weight_update`,
+   where the server has one) and says "ready" (or why it is not); the learner waits for all of them (naming
+   the missing ones and telling the others to stop) and says "go".
+3. For each bucket the loader posts `/update_weights_from_distributed` (always `flush_cache=False`: the cache
+   was flushed before, and SGLang 0.5.15 takes its server down when a flush it was asked for fails) while the
+   learner broadcasts the bucket's tensors and waits for that bucket, with a deadline, before posting the
+   next. A refused call is acknowledged as an error at once, so the learner stops waiting for a broadcast
+   nobody receives. Then the loader ends the session, continues generation and acknowledges with the outcome
+   of every HTTP call. The learner commits the version only when every acknowledgement is "ok".
 
-A broken broadcast (a server died) breaks the group: the learner forms a new one (a new group name, which a
-restarted server can join and an old one is told to destroy) at the next update.
+A transfer that failed in any way breaks the group: the learner tears its end down and forms a new one (a new
+group name) at the next update, and each loader destroys the old group on its server, so communicators do not
+pile up there. The learner never relies on a collective raising: on NCCL `wait()` does not block the host and a
+collective that outlives the group timeout makes the watchdog end the process, so it polls each bucket's
+completion against its own deadline (set well inside the group's timeout) and aborts the group when it passes.
 """
 
 from __future__ import annotations
@@ -52,7 +61,10 @@ KEY_PREFIX = "slipstream-xfer/"
 OK = b"ok"
 ERROR_PREFIX = b"error:"
 GO = b"go"
+READY = b"1"
 ABORT_PREFIX = b"abort:"
+STORE_POLL_S = 0.05  # how often the sender looks for a refusal while a bucket is in flight
+DESTROY_TIMEOUT_S = 10.0  # a destroy waits behind a receive the server may be stuck in; give up and retry later
 GROUP_KIND = "sglang"
 
 
@@ -91,6 +103,11 @@ class SglangGroupSpec:
         return cls(**{**fields, "members": tuple(fields["members"])})
 
 
+def collective_timeout(timeout_s: float) -> float:
+    """The weight group's own collective timeout for a sender whose deadlines are `timeout_s`: well past them."""
+    return 2 * timeout_s + 60
+
+
 def is_sglang_group(raw: dict[str, Any]) -> bool:
     return raw.get("kind") == GROUP_KIND
 
@@ -126,6 +143,7 @@ class SglangWeightSender(WeightSender):
         self._group: WeightGroup | None = None
         self._broken: str | None = None
         self._committed: int | None = None
+        self._parked: list[tuple[WeightGroup, list[dist.Work]]] = []  # abandoned groups with work still pending
 
     @property
     def committed_version(self) -> int | None:
@@ -155,6 +173,7 @@ class SglangWeightSender(WeightSender):
     def wait_for_receivers(self, timeout_s: float | None = None) -> None:
         """Host the rendezvous and block until every server rank joined (their `/init_weights_update_group`)."""
         spec = self._require_spec()
+        timeout_s = timeout_s or self.timeout_s
         try:
             self._group = join_weight_group(
                 backend=spec.backend,
@@ -163,12 +182,13 @@ class SglangWeightSender(WeightSender):
                 rank=0,
                 world_size=spec.world_size,
                 group_name=spec.group_name,
-                timeout_s=timeout_s or self.timeout_s,
+                timeout_s=timeout_s,
+                collective_timeout_s=collective_timeout(self.timeout_s),
             )
         except (RuntimeError, ValueError, dist.DistError) as error:
             self._broken = f"formation failed: {error}"
             raise WeightTransferError(
-                f"weight group {spec.group_name}: servers did not all join within {timeout_s or self.timeout_s:g}s",
+                f"weight group {spec.group_name}: servers did not all join within {timeout_s:g}s",
                 dict.fromkeys(spec.receivers, str(error)[:200]),
             ) from error
 
@@ -180,6 +200,7 @@ class SglangWeightSender(WeightSender):
         dtype: torch.dtype | None = None,
         timeout_s: float | None = None,
     ) -> TransferReport:
+        """Broadcast bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spec = self._require_spec()
         if self._group is None or self._broken is not None:
@@ -197,30 +218,32 @@ class SglangWeightSender(WeightSender):
         )
         keys = _keys(self._group.store, spec, version)
         keys.set("manifest", manifest.encode())
-        missing = _missing(keys, [f"ready/{engine}" for engine in spec.receivers], timeout_s)
-        if missing:
-            failed = {key.split("/", 1)[1]: "not ready to receive (died or stalled)" for key in missing}
-            keys.set("go", ABORT_PREFIX + f" not ready: {', '.join(failed)}".encode())
-            self._broken = f"engines {sorted(failed)} missing at version {version}"
-            raise WeightTransferError(f"weight transfer of version {version} not started", failed)
+        not_ready = _not_ready(keys, spec, timeout_s)
+        if not_ready:
+            keys.set("go", ABORT_PREFIX + f" not ready: {', '.join(not_ready)}".encode())
+            self._broken = f"engines {sorted(not_ready)} not ready at version {version}"
+            raise WeightTransferError(f"weight transfer of version {version} not started", not_ready)
         keys.set("go", GO)
         buckets = manifest.buckets()
-        try:
-            for bucket in buckets:
+        for position, bucket in enumerate(buckets):
+            where = f"weight transfer of version {version}, bucket {position + 1}/{len(buckets)}"
+            try:
                 work = [
                     dist.broadcast(tensors[index][1], src=0, group=self._group.group, async_op=True)
                     for index, _ in bucket.entries
                 ]
-                for handle in work:
-                    handle.wait()
-        except (RuntimeError, dist.DistError) as error:
-            self._broken = f"broadcast failed: {error}"
-            failed = _acks(keys, spec, min(timeout_s, 5.0)) or dict.fromkeys(spec.receivers, "unknown")
-            raise WeightTransferError(
-                f"weight transfer of version {version} broke mid-way: {error}", failed
-            ) from error
+            except (RuntimeError, dist.DistError) as error:
+                failed = _early_failures(keys, spec) or dict.fromkeys(spec.receivers, f"broadcast failed: {error}")
+                self._abandon_group(f"{where}: broadcast failed: {error}", [])
+                raise WeightTransferError(f"{where} broke: {error}", failed) from error
+            # Inside the group's own timeout, so this deadline, not the NCCL watchdog, ends a stuck bucket.
+            failed = _await_bucket(work, keys, spec, min(timeout_s, 0.8 * collective_timeout(self.timeout_s)), where)
+            if failed:
+                self._abandon_group(f"{where} failed: {failed}", work)
+                raise WeightTransferError(f"{where} failed", failed)
         failed = _acks(keys, spec, timeout_s)
         if failed:
+            self._broken = f"version {version} not acknowledged: {failed}"
             raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
         self._committed = version
         return TransferReport(
@@ -232,11 +255,39 @@ class SglangWeightSender(WeightSender):
             seconds=time.perf_counter() - started,
         )
 
+    def _abandon_group(self, reason: str, work: list[dist.Work]) -> None:
+        """A collective may still be pending on a peer that will never take part: let go of the group, don't wait.
+
+        NCCL: the communicator is aborted at once. Gloo has no abort, and destroying a group whose collective is
+        pending blocks until the peer goes away, so the group is parked and destroyed once its work completed
+        (the loader destroys the server's end, which fails the pending send).
+        """
+        self._broken = reason
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if group.backend == "nccl":
+            group.abort()
+        else:
+            self._parked.append((group, work))
+        self._reap_parked()
+
+    def _reap_parked(self) -> None:
+        still = []
+        for group, work in self._parked:
+            if all(handle.is_completed() for handle in work):
+                with contextlib.suppress(RuntimeError, ValueError):
+                    group.destroy()
+            else:
+                still.append((group, work))
+        self._parked = still
+
     def close_group(self) -> None:
         if self._group is not None:
             with contextlib.suppress(Exception):
                 self._group.destroy()
         self._group, self._spec = None, None
+        self._reap_parked()
 
     def close(self) -> None:
         self.close_group()
@@ -255,24 +306,51 @@ class SglangWeightLoader:
         self.engine_name = engine_name
         self._group_name: str | None = None
         self._server_starts: int | None = None
+        self._stale_groups: set[str] = set()  # groups of failed transfers the server may still hold
 
     async def apply(self, raw_spec: dict[str, Any], version: int, timeout_s: float) -> None:
         """Receive `version` on the engine's server; raises WeightTransferError naming what failed."""
         spec = SglangGroupSpec.from_dict(raw_spec)
         await self._join(spec, timeout_s)
+        try:
+            await self._receive(spec, version, timeout_s)
+        except BaseException:
+            await self._forget_group(timeout_s)
+            raise
+        self.engine.set_version(version)
+
+    async def _receive(self, spec: SglangGroupSpec, version: int, timeout_s: float) -> None:
         keys = await asyncio.to_thread(_connect_keys, spec, version, timeout_s)
         manifest = await asyncio.to_thread(_read_manifest, keys, timeout_s, self.engine_name)
         await self.engine.pause("keep")
         try:
-            await asyncio.to_thread(keys.set, f"ready/{self.engine_name}", b"1")
-            go = await asyncio.to_thread(_wait_go, keys, 2 * timeout_s, self.engine_name, version)
-            if go != GO:
-                self._group_name = None
+            try:
+                await self.engine.flush_cache(deadline_s=timeout_s)
+                session = await self.engine.begin_weight_update()
+            except SglangError as error:
+                await asyncio.to_thread(keys.set, f"ready/{self.engine_name}", ERROR_PREFIX + str(error).encode())
                 raise WeightTransferError(
-                    f"{self.engine_name}: transfer of version {version} aborted: "
-                    f"{go.removeprefix(ABORT_PREFIX).decode(errors='replace').strip()}"
-                )
-            outcome = await self._load_buckets(manifest, spec, version, timeout_s)
+                    f"{self.engine_name}: server not ready for version {version}: {error}",
+                    {self.engine_name: str(error)},
+                ) from error
+            try:
+                await asyncio.to_thread(keys.set, f"ready/{self.engine_name}", READY)
+                go = await asyncio.to_thread(_wait_go, keys, 2 * timeout_s, self.engine_name, version)
+                if go != GO:
+                    raise WeightTransferError(
+                        f"{self.engine_name}: transfer of version {version} aborted: "
+                        f"{go.removeprefix(ABORT_PREFIX).decode(errors='replace').strip()}"
+                    )
+                outcome = await self._load_buckets(manifest, spec, version, timeout_s)
+                if outcome is not None:
+                    # At once: the learner is waiting for a broadcast this server will not receive.
+                    await asyncio.to_thread(keys.set, f"ack/{self.engine_name}", ERROR_PREFIX + outcome.encode())
+            finally:
+                if session:
+                    try:
+                        await self.engine.end_weight_update()
+                    except SglangError as error:
+                        outcome = f"{protocol.END_WEIGHT_UPDATE.path} failed: {error}"
         finally:
             with contextlib.suppress(SglangError):
                 await self.engine.resume()
@@ -280,18 +358,19 @@ class SglangWeightLoader:
             keys.set, f"ack/{self.engine_name}", OK if outcome is None else ERROR_PREFIX + outcome.encode()
         )
         if outcome is not None:
-            self._group_name = None
             raise WeightTransferError(f"{self.engine_name}: server refused version {version}: {outcome}")
-        self.engine.set_version(version)
 
     async def _join(self, spec: SglangGroupSpec, timeout_s: float) -> None:
         starts = self.engine.restarts
+        if self._server_starts != starts:
+            self._stale_groups.clear()  # a restarted server holds no group
         if self._group_name == spec.group_name and self._server_starts == starts:
             return
         if self._group_name is not None and self._server_starts == starts:
-            with contextlib.suppress(SglangError):  # an old group the server may still hold
-                await self.engine.destroy_weights_update_group(self._group_name)
+            self._stale_groups.add(self._group_name)
         self._group_name = None
+        for name in sorted(self._stale_groups):
+            await self._destroy(name, timeout_s)
         try:
             await self.engine.init_weights_update_group(
                 master_address=spec.master_address,
@@ -303,17 +382,33 @@ class SglangWeightLoader:
                 timeout=timeout_s + 10,
             )
         except SglangError as error:
+            self._stale_groups.add(spec.group_name)  # a join that timed out here may still complete there
             raise WeightTransferError(
                 f"{self.engine_name}: could not join weight group {spec.group_name}: {error}",
                 {self.engine_name: str(error)},
             ) from error
         self._group_name, self._server_starts = spec.group_name, starts
 
+    async def _forget_group(self, timeout_s: float) -> None:
+        """After a failed transfer the learner forms a new group; free this one on the server now."""
+        name, self._group_name = self._group_name, None
+        if name is not None and self._server_starts == self.engine.restarts:
+            self._stale_groups.add(name)
+            await self._destroy(name, timeout_s)
+
+    async def _destroy(self, name: str, timeout_s: float) -> None:
+        try:
+            await self.engine.destroy_weights_update_group(name, timeout=min(timeout_s, DESTROY_TIMEOUT_S))
+        except SglangError as error:
+            if error.status is None:  # no answer (the server may be stuck in a receive): try again next join
+                return
+        self._stale_groups.discard(name)
+
     async def _load_buckets(
         self, manifest: Manifest, spec: SglangGroupSpec, version: int, timeout_s: float
     ) -> str | None:
         buckets = plan_buckets(manifest.tensors, manifest.bucket_bytes, manifest.direct_bytes)
-        for position, bucket in enumerate(buckets):
+        for bucket in buckets:
             specs = [manifest.tensors[index] for index, _ in bucket.entries]
             try:
                 await self.engine.update_weights_from_distributed(
@@ -322,7 +417,7 @@ class SglangWeightLoader:
                     shapes=[list(s.shape) for s in specs],
                     group_name=spec.group_name,
                     weight_version=str(version),
-                    flush_cache=position == len(buckets) - 1,
+                    flush_cache=False,
                     timeout=timeout_s + 10,
                 )
             except SglangError as error:
@@ -359,6 +454,64 @@ def _missing(keys: dist.Store, wanted: list[str], timeout_s: float) -> list[str]
         return []
     except (RuntimeError, dist.DistError):
         return [key for key in wanted if not keys.check([key])]
+
+
+def _not_ready(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
+    """Engines that did not say "ready" within `timeout_s`, or said why they cannot be, with the reason."""
+    wanted = [f"ready/{engine}" for engine in spec.receivers]
+    missing = set(_missing(keys, wanted, timeout_s))
+    failed: dict[str, str] = {}
+    for engine, key in zip(spec.receivers, wanted, strict=True):
+        if key in missing:
+            failed[engine] = "not ready to receive (died or stalled)"
+            continue
+        value = keys.get(key)
+        if value != READY:
+            failed[engine] = value.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
+    return failed
+
+
+def _early_failures(keys: dist.Store, spec: SglangGroupSpec) -> dict[str, str]:
+    """Error acknowledgements already written (a loader acks before the last bucket only when refused)."""
+    failed: dict[str, str] = {}
+    for engine in spec.receivers:
+        key = f"ack/{engine}"
+        if keys.check([key]):
+            ack = keys.get(key)
+            if ack != OK:
+                failed[engine] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
+    return failed
+
+
+def _await_bucket(
+    work: list[dist.Work], keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, where: str
+) -> dict[str, str]:
+    """Poll the bucket's broadcasts until they complete, a loader reports a refusal, or `timeout_s` passes.
+
+    Only completed work is waited on (it returns at once, raising what the collective hit): a blocking `wait()`
+    would hang on gloo until the group timeout and, on NCCL, not block at all. Returns the failed engines.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay, next_store_check = 0.0005, 0.0
+    while True:
+        if all(handle.is_completed() for handle in work):
+            try:
+                for handle in work:
+                    handle.wait()
+            except (RuntimeError, dist.DistError) as error:
+                return _early_failures(keys, spec) or dict.fromkeys(spec.receivers, f"broadcast failed: {error}")
+            return {}
+        now = time.monotonic()
+        if now >= next_store_check:
+            failed = _early_failures(keys, spec)
+            if failed:
+                return failed
+            next_store_check = now + STORE_POLL_S
+        if now > deadline:
+            pending = dict.fromkeys(spec.receivers, f"{where}: not received within {timeout_s:g}s")
+            return {**pending, **_early_failures(keys, spec)}
+        time.sleep(delay)
+        delay = min(delay * 2, STORE_POLL_S)
 
 
 def _read_manifest(keys: dist.Store, timeout_s: float, engine: str) -> Manifest:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from engines.weights.base import WeightTransferError
 
-Backend = Literal["gloo", "nccl"]
+Backend = Literal["gloo", "nccl", "cuda_ipc"]
 KEY_ROOT = "slipstream/weights"
 STATUS_GO = b"go"
 ABORT_PREFIX = b"abort:"
@@ -45,8 +45,8 @@ class GroupSpec:
             raise ValueError(f"a transfer group needs the sender and at least one receiver, got {self.members}")
         if len(set(self.members)) != len(self.members):
             raise ValueError(f"transfer group member names must be unique, got {self.members}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend not in ("gloo", "nccl", "cuda_ipc"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or 'cuda_ipc', got {self.backend!r}")
 
     @property
     def receivers(self) -> tuple[str, ...]:
@@ -100,6 +100,10 @@ def create_process_group(
     """Build the group object (blocks until all `size` members construct theirs, or raises on timeout)."""
     timeout = timedelta(seconds=timeout_s)
     pg_store = dist.PrefixStore("pg/", store)
+    if backend == "cuda_ipc":
+        from engines.weights.cuda_ipc import CudaIpcGroup
+
+        return CudaIpcGroup(pg_store, rank, size, timeout_s)  # type: ignore[return-value]  # broadcast() alike
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise RuntimeError("backend 'nccl' requested but this torch build has no NCCL")
@@ -122,10 +126,10 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
 
 
 def transfer_device(backend: Backend, device: torch.device | str | None) -> torch.device:
-    """Where buffers live: the caller's CUDA device for NCCL (current one by default), the CPU for gloo."""
+    """Where buffers live: the CUDA device (current one by default) for NCCL and CUDA IPC, the CPU for gloo."""
     if device is not None:
         return torch.device(device)
-    if backend == "nccl":
+    if backend in ("nccl", "cuda_ipc"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -4,11 +4,14 @@ Each layout (TP=1, TP=2, PP=2, DP=2 with the distributed optimizer) runs once in
 CPU (megatron through `engines.megatron.cpu_compat`), writing what rank 0 saw; the reference is the torch
 trainer on the same HF model in this process. AdamW runs with eps=1 so its first update stays proportional to
 the gradient: equal weights after the step then mean equal gradients (plus equal clipping and weight decay).
+The ranks hide any GPU (`_cpu_only`), so this stays the CPU path on a CUDA machine too; `test_megatron_gpu.py` is
+the GPU counterpart.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,7 +94,13 @@ def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | No
     )
 
 
+def _cpu_only() -> None:
+    """Before CUDA initialises in this spawned rank: no GPU, so megatron takes the CPU path on gloo."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+    _cpu_only()
     from engines.megatron import MegatronTrainer
 
     layout = Layout(**layout_fields)
@@ -124,6 +133,7 @@ def _worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields
 
 def _resume_worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
     """A fresh process, as after a learner restart, loads the checkpoint at `resume_at_tp` and takes step 2."""
+    _cpu_only()
     from engines.megatron import MegatronTrainer
 
     layout = Layout(**layout_fields)

@@ -27,6 +27,16 @@ pytestmark = [
 ]
 PROMPT = [7, 21, 33, 4, 18]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+# Checked against both supported releases' server arguments by test_sglang_contract.py. `--disable-cuda-graph`
+# is deprecated there in favour of the per-phase switches (`--cuda-graph-backend-{decode,prefill}=disabled`).
+GPU_SERVER_ARGS: dict[str, str] = {
+    "dtype": "float32",
+    "mem-fraction-static": "0.3",
+    "disable-decode-cuda-graph": "true",
+    "disable-prefill-cuda-graph": "true",
+    "attention-backend": "torch_native",
+    "skip-server-warmup": "true",
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +45,7 @@ def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         model_path=str(tiny_model_path),
         module="sglang.launch_server",
         random_seed=1,
-        extra={
-            "dtype": "float32",
-            "mem-fraction-static": "0.3",
-            "disable-cuda-graph": "true",
-            "attention-backend": "torch_native",
-            "skip-server-warmup": "true",
-        },
+        extra=GPU_SERVER_ARGS,
     )
     process = ServerProcess(spec, startup_timeout=600, log_dir=tmp_path_factory.mktemp("sglang-logs"))
     process.start()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,29 @@ def test_server_that_exits_during_start_up_fails_with_its_log(tmp_path: Path) ->
     with pytest.raises(ServerStartError, match=r"exited with code 1 during start-up(?s:.)*no_such_sglang_module"):
         process.start()
     assert not process.alive()
+
+
+@pytest.mark.unit
+def test_base_gpu_id_is_passed_as_sglangs_flag_and_must_not_be_negative() -> None:
+    assert "--base-gpu-id 3" in " ".join(ServerSpec(model_path="/m", base_gpu_id=3).command(port=1))
+    assert "--base-gpu-id" not in ServerSpec(model_path="/m").command(port=1)
+    with pytest.raises(ValueError, match="base_gpu_id"):
+        ServerSpec(model_path="/m", base_gpu_id=-1)
+
+
+@pytest.mark.integration
+def test_server_started_from_a_thread_that_exits_keeps_running(tiny_model_path: Path, tmp_path: Path) -> None:
+    """The parent-death signal follows the forking THREAD; a restart runs in a short-lived executor thread."""
+    process = ServerProcess(
+        ServerSpec(model_path=str(tiny_model_path), module="engines.sglang.server", extra={"torch-threads": "1"}),
+        startup_timeout=120,
+        log_dir=tmp_path,
+    )
+    starter = threading.Thread(target=process.start)
+    starter.start()
+    starter.join()
+    try:
+        time.sleep(1.0)
+        assert process.alive(), process.log_tail()
+    finally:
+        process.stop()

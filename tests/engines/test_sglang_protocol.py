@@ -14,14 +14,14 @@ def test_top_k_off_is_sent_as_sglang_minus_one_and_outputs_are_asked_untrimmed()
     params = body["sampling_params"]
     assert params["top_k"] == -1
     assert params["no_stop_trim"] is True and params["skip_special_tokens"] is False
-    assert body["return_logprob"] is True and body["rid"] == "r" and params["stop"] == ["x"]
+    assert body["return_logprob"] is True and body["rid"] == protocol.wire_rid("r", 0) and params["stop"] == ["x"]
     assert protocol.parse_sampling_params(params, where="x").top_k == 0
 
 
 @pytest.mark.unit
 def test_seeded_request_of_several_samples_is_a_batch_with_one_seed_per_sample() -> None:
     body = protocol.generate_json(GenerateRequest("r", [5], SamplingParams(n=3, seed=7)))
-    assert body["rid"] == ["r/0", "r/1", "r/2"]
+    assert body["rid"] == [protocol.wire_rid("r", index) for index in range(3)]
     assert body["input_ids"] == [[5], [5], [5]]
     seeds = [params["sampling_seed"] for params in body["sampling_params"]]
     assert seeds == [derive_sample_seed(7, index) for index in range(3)]
@@ -76,3 +76,53 @@ def test_server_side_parse_expands_a_batch_and_names_bad_items() -> None:
     assert [item.input_ids for item in items] == [[1], [2]]
     with pytest.raises(protocol.ProtocolError, match="item 1"):
         protocol.parse_generate_json({"input_ids": [[1], []]}, new_rid=lambda: "x")
+
+
+@pytest.mark.unit
+def test_wire_rids_are_prefix_free_so_an_abort_by_prefix_hits_one_request() -> None:
+    """SGLang aborts every rid that STARTS WITH the one given: ours must never be a prefix of another."""
+    ids = ["w/g/1", "w/g/10", "w/g/1/resume0-5", "a#b", "a", "a%23b", "a%b", "#", "%"]
+    rids = [protocol.wire_rid(request_id, index) for request_id in ids for index in (0, 1, 10)]
+    assert len(set(rids)) == len(rids)
+    for rid in rids:
+        assert [other for other in rids if other.startswith(rid)] == [rid]
+    with pytest.raises(ValueError, match="request id"):
+        protocol.wire_rid("", 0)
+
+
+@pytest.mark.unit
+def test_request_bodies_hold_only_fields_of_the_protocol_table() -> None:
+    body = protocol.generate_json(GenerateRequest("r", [1], SamplingParams(stop=("x",), stop_token_ids=(3,), seed=1)))
+    assert set(body) <= set(protocol.GENERATE.sends)
+    assert set(body["sampling_params"]) <= set(protocol.SAMPLING_FIELDS)
+    with pytest.raises(protocol.ProtocolError, match="not in the protocol table"):
+        protocol.request_body(protocol.PAUSE, mode="abort", retract=True)
+
+
+@pytest.mark.unit
+def test_abort_before_prefill_without_log_probs_is_an_aborted_sample_not_an_error() -> None:
+    """Older 0.5.x answer a request aborted before its prefill with no log-probs and no weight_version."""
+    item = {"text": "", "output_ids": [], "meta_info": {"id": "r", "finish_reason": {"type": "abort", "message": "x"}}}
+    parsed = protocol.parse_output_json(item, where="test")
+    assert parsed.finish_reason == "abort" and parsed.output_ids == [] and parsed.log_probs == []
+    assert parsed.weight_version is None
+
+
+@pytest.mark.unit
+def test_weight_version_spans_give_each_token_its_own_version() -> None:
+    """SGLang 0.5.23: meta_info.weight_versions = [{version, start, end}] over the output tokens, end exclusive."""
+    item = {
+        "output_ids": [1, 2, 3, 4],
+        "meta_info": {
+            "finish_reason": {"type": "length", "length": 4},
+            "output_token_logprobs": [[-0.1, 1, None], [-0.2, 2, None], [-0.3, 3, None], [-0.4, 4, None]],
+            "weight_version": "3",
+            "weight_versions": [{"version": "default", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 4}],
+        },
+    }
+    parsed = protocol.parse_output_json(item, where="test")
+    assert parsed.token_versions == [0, 3, 3, 3] and parsed.weight_version == 3
+    assert protocol.version_spans(["default", "3", "3", "3"]) == item["meta_info"]["weight_versions"]
+    with pytest.raises(protocol.ProtocolError, match=r"weight_versions\[1\] starts at 2, expected 1"):
+        protocol.token_versions([{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 4}], 4,
+                                where="test")

@@ -7,15 +7,19 @@ directly (token for token, log-probs within 1e-5).
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
+from actors.engine_factory import server_weight_version
 from engines.inference.base import GenerateRequest, SamplingParams, continuation_request
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang.client import SglangEngine, SglangError
-from engines.sglang.launch import ServerProcess, ServerSpec
+from engines.sglang.launch import ServerProcess, ServerSpec, probe
 
 PROMPT = [3, 14, 15, 9, 26, 5]
 
@@ -136,3 +140,112 @@ async def test_bad_request_error_names_the_server_and_endpoint(client: SglangEng
 def test_unknown_sglang_arguments_are_ignored_with_a_warning(server: ServerProcess) -> None:
     assert "ignoring SGLang arguments" in server.log_tail(200)
     assert "--mem-fraction-static 0.8 --enable-metrics" in server.log_tail(200)
+
+
+@pytest.mark.integration
+async def test_abort_of_one_request_leaves_a_request_whose_id_extends_it_running(client: SglangEngine) -> None:
+    """SGLang aborts by rid PREFIX: aborting `x/1` must not end `x/10` (our wire rids are prefix-free)."""
+    params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+    await client.pause("keep")  # both wait in the server, so both are certainly in flight at the abort
+    try:
+        short = asyncio.create_task(client.generate(GenerateRequest("x/1", PROMPT, params)))
+        long = asyncio.create_task(client.generate(GenerateRequest("x/10", PROMPT, params)))
+        await asyncio.sleep(0.3)
+        await client.abort("x/1")
+    finally:
+        await client.resume()
+    aborted, finished = await asyncio.wait_for(asyncio.gather(short, long), 60)
+    assert aborted[0].finish_reason == "abort"
+    assert finished[0].finish_reason == "length" and len(finished[0].output_ids) == 200
+
+
+@pytest.mark.integration
+async def test_prompt_near_the_context_length_is_clamped_and_one_without_room_is_an_error(
+    client: SglangEngine, tiny_model_path: Path
+) -> None:
+    """As the torch engine: max_new_tokens shrinks to the room left; SGLang would answer HTTP 400 instead."""
+    limits = await client.server_limits()
+    assert limits is not None and limits.context_length == 512 and limits.input_limit == 512 - 6
+    prompt = [5 + index % 50 for index in range(500)]
+    params = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    (output,) = await client.generate(GenerateRequest("near-the-end", prompt, params))
+    reference = TorchEngine.from_pretrained(tiny_model_path)
+    try:
+        (expected,) = await reference.generate(GenerateRequest("near-the-end", prompt, params))
+    finally:
+        await reference.close()
+    assert output.finish_reason == expected.finish_reason == "length"
+    assert output.output_ids == expected.output_ids and len(output.output_ids) == 12
+    with pytest.raises(ValueError, match=r"request 'no-room': prompt of 506 tokens leaves no room"):
+        await client.generate(GenerateRequest("no-room", [5] * 506, params))
+
+
+@pytest.mark.integration
+async def test_weight_version_is_read_from_model_info(client: SglangEngine, server: ServerProcess) -> None:
+    """`/get_weight_version` is gone from SGLang (404 on 0.5.15.post1, absent on 0.5.23)."""
+    assert await client.server_weight_version() == 0
+    assert await asyncio.to_thread(server_weight_version, server.url, timeout=10) == 0
+    assert not await asyncio.to_thread(probe, server.url + "/get_weight_version", 5.0)
+
+
+@pytest.mark.integration
+async def test_seeded_request_to_a_server_without_deterministic_inference_warns(
+    client: SglangEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    limits = await client.server_limits()
+    assert limits is not None and limits.deterministic is False
+    with caplog.at_level(logging.WARNING, logger="engines.sglang.client"):
+        await client.generate(GenerateRequest("seeded", PROMPT, SamplingParams(seed=3, max_new_tokens=2)))
+    assert "ignores sampling_seed" in caplog.text
+
+
+@pytest.mark.integration
+async def test_flush_cache_is_retried_until_the_server_is_idle_and_fails_by_name_at_its_deadline(
+    client: SglangEngine, server: ServerProcess
+) -> None:
+    """SGLang refuses to flush while a request runs; a "retract" pause (sent here by hand) keeps it running."""
+    params = SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True)
+    running = asyncio.create_task(client.generate(GenerateRequest("busy", PROMPT, params)))
+    await asyncio.sleep(0.05)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url + "/pause_generation", json={"mode": "retract"}) as reply:
+            assert reply.status == 200
+        try:
+            with pytest.raises(SglangError, match=r"/flush_cache: the server did not become idle within 0.5s"):
+                await client.flush_cache(deadline_s=0.5)
+        finally:
+            async with http.post(server.url + "/continue_generation", json={}) as reply:
+                assert reply.status == 200
+    await client.flush_cache(deadline_s=60)  # retried until the request finished
+    assert running.done() and (await running)[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def quick_health_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A compatible server whose generate-based health check gives up after 1 s (SGLang's default is 20 s)."""
+    spec = ServerSpec(model_path=str(tiny_model_path), module="engines.sglang.server", extra={"torch-threads": "1"})
+    env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1"}
+    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"), env=env)
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.mark.integration
+async def test_paused_server_fails_generate_health_checks_but_is_not_restarted(
+    quick_health_server: ServerProcess,
+) -> None:
+    """SGLang's /health generates a token, which waits out a pause: the health loop must not call that a death."""
+    client = SglangEngine(quick_health_server.url, server=quick_health_server, health_interval=0.2)
+    try:
+        await client.generate(GenerateRequest("warm", PROMPT, SamplingParams(max_new_tokens=1)))  # starts the watch
+        await client.pause("keep")
+        for path in ("/health", "/health_generate"):
+            assert not await asyncio.to_thread(probe, quick_health_server.url + path, 5.0)
+        await asyncio.sleep(3.0)  # 15 health intervals
+        assert client.restarts == 0 and quick_health_server.alive()
+        await client.resume()
+        assert await asyncio.to_thread(probe, quick_health_server.url + "/health", 5.0)
+    finally:
+        client.server = None  # the fixture stops the server
+        await client.close()

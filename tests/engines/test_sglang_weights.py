@@ -7,6 +7,7 @@ hosts in this one, and receives one broadcast per tensor per `/update_weights_fr
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
-from engines.sglang.client import SglangEngine
+from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
 from engines.weights.base import WeightTransferError
@@ -51,6 +52,7 @@ def perturbed_weights(path: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 async def push(sender: SglangWeightSender, loader: SglangWeightLoader, named: list, version: int, fresh: bool) -> None:
+    """One version from `sender` to `loader`'s server; `fresh`: in a new group (else the open one, joined or not)."""
     spec = sender.spec if not fresh else sender.open_group(["learner", ENGINE])
     assert spec is not None
     receiving = asyncio.create_task(loader.apply(spec.to_dict(), version, 20.0))
@@ -105,6 +107,10 @@ async def test_weights_the_server_refuses_are_not_committed(server: ServerProces
             await push(sender, loader, named, version=7, fresh=True)
         assert sender.committed_version is None
         assert await client.server_weight_version() != 7
+        # The loader destroyed the failed group on the server (SGLang keeps a group until told otherwise).
+        assert sender.spec is not None
+        with pytest.raises(SglangError, match="no group"):
+            await client.destroy_weights_update_group(sender.spec.group_name)
     finally:
         sender.close()
         await client.close()
@@ -138,3 +144,86 @@ async def test_killed_server_is_restarted_and_its_in_flight_request_returns_abor
     finally:
         client.server = None  # the module fixture stops the server
         await client.close()
+
+
+@pytest.mark.integration
+async def test_request_in_flight_during_an_update_finishes_with_each_tokens_own_version(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """The loader pauses with SGLang's "abort" mode; the client resumes the request, and 0.5.23's per-token
+    `weight_versions` spans tag the tokens before the update with the old version and after it with the new."""
+    client = SglangEngine(server.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    long = GenerateRequest("long", PROMPT, SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True))
+    try:
+        await push(sender, loader, perturbed_weights(tiny_model_path, seed=3), version=1, fresh=True)
+        task = asyncio.create_task(client.generate(long))
+        await asyncio.sleep(0.1)
+        await push(sender, loader, perturbed_weights(tiny_model_path, seed=4), version=2, fresh=False)
+        (output,) = await asyncio.wait_for(task, 60)
+    finally:
+        sender.close()
+        await client.close()
+    assert output.finish_reason == "length" and len(output.output_ids) == 480
+    assert client.resumed_requests >= 1
+    first_new = output.versions.index(2)
+    assert first_new > 0 and output.versions == [1] * first_new + [2] * (480 - first_new)
+
+
+@pytest.mark.integration
+async def test_a_session_left_open_by_a_failed_update_is_ended_before_the_next(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    client = SglangEngine(server.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    try:
+        assert await client.begin_weight_update()  # and never ended, as by an update that died half-way
+        await push(sender, loader, perturbed_weights(tiny_model_path, seed=5), version=3, fresh=True)
+        assert sender.committed_version == 3 and await client.server_weight_version() == 3
+    finally:
+        sender.close()
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def server_0_5_15(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The compatible server as SGLang 0.5.15.post1 behaves: no weight-update sessions, and a weight update
+    asked to flush the cache while requests are still in the scheduler takes the server down."""
+    spec = ServerSpec(
+        model_path=str(tiny_model_path),
+        module="engines.sglang.server",
+        extra={"torch-threads": "1", "weight-group-timeout": "20", "sglang-api": "0.5.15.post1"},
+    )
+    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.mark.integration
+async def test_update_on_a_release_without_sessions_keeps_the_server_and_its_request_alive(
+    server_0_5_15: ServerProcess, tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """0.5.15: /begin_weight_update answers 404 (logged fallback); pausing in "retract" mode and flushing with
+    the last bucket would kill this server, so the request in flight would never finish."""
+    client = SglangEngine(server_0_5_15.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    long = GenerateRequest("long", PROMPT, SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True))
+    try:
+        with caplog.at_level(logging.INFO, logger="engines.sglang.client"):
+            await push(sender, loader, perturbed_weights(tiny_model_path, seed=6), version=1, fresh=True)
+        assert "updating weights without one" in caplog.text
+        task = asyncio.create_task(client.generate(long))
+        await asyncio.sleep(0.1)
+        await push(sender, loader, perturbed_weights(tiny_model_path, seed=7), version=2, fresh=False)
+        (output,) = await asyncio.wait_for(task, 60)
+        assert server_0_5_15.alive() and await client.server_weight_version() == 2
+    finally:
+        sender.close()
+        await client.close()
+    assert output.finish_reason == "length" and len(output.output_ids) == 480
+    # No spans from this release: every token carries the oldest version the request may have seen.
+    assert set(output.versions) == {1}

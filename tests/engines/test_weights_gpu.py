@@ -1,4 +1,4 @@
-"""The CUDA paths of weight transfer: NCCL between two GPUs, gloo with CUDA tensors on one."""
+"""The CUDA paths of weight transfer: NCCL between two GPUs, gloo with CUDA tensors and CUDA IPC on one."""
 
 from __future__ import annotations
 
@@ -82,3 +82,9 @@ def test_nccl_transfer_between_two_gpus_is_bit_identical() -> None:
 @pytest.mark.gpu
 def test_gloo_transfer_of_cuda_tensors_is_bit_identical() -> None:
     _run("gloo", "cuda:0", "cuda:0")
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_transfer_on_one_gpu_is_bit_identical() -> None:
+    """The one-GPU machine's path: learner and engine share the device, which NCCL refuses."""
+    _run("cuda_ipc", "cuda:0", "cuda:0")

@@ -1,0 +1,122 @@
+"""Which GPUs each actor process of a node owns, decided once by that node's launcher.
+
+Every process is handed its devices explicitly, the way a scheduler would: the launcher computes this node's
+placement, writes each actor's share into its context as a `CUDA_VISIBLE_DEVICES` string, and the actor process
+sets that variable before anything touches CUDA. Inside a process, devices are therefore always numbered from 0:
+learner rank r uses `cuda:r`, a rollout worker's engine uses `cuda:0`, and an SGLang server it launches gets
+`--base-gpu-id 0` with the worker's GPUs as its tensor-parallel ranks. The indices used here are positions in
+the launcher's own `CUDA_VISIBLE_DEVICES` (a Slurm allocation of GPUs 4-7 stays GPUs 4-7).
+
+Layout on a node, as slime lays out its placement groups when not colocated: the learner ranks take the first
+GPUs, then each rollout worker takes `--rollout-num-gpus-per-engine` consecutive GPUs. A node with too few GPUs
+for that is an error that gives the numbers, with one exception for the smallest machines: with the torch
+rollout engine, rollout workers on the head may all share learner rank 0's GPU. Their weights then move over
+CUDA IPC (`engines/weights/cuda_ipc.py`), because NCCL refuses two ranks on one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+WeightTransport = Literal["gloo", "nccl", "cuda_ipc"]
+
+
+class PlacementError(ValueError):
+    """This node cannot host the actors it was asked to run; the message gives the counts."""
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """GPU indices (positions in the launcher's visible devices) of this node's learner ranks and rollout workers.
+
+    Empty tuples everywhere on a machine without GPUs.
+    """
+
+    gpus: int
+    learner: tuple[int, ...]
+    rollout: tuple[tuple[int, ...], ...]
+    shared: bool = False  # rollout workers share learner rank 0's GPU
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return "no GPU on this node: every actor runs on the CPU"
+        parts = []
+        if self.learner:
+            parts.append(f"learner ranks on GPU {_span(self.learner)}")
+        for index, devices in enumerate(self.rollout):
+            parts.append(f"rollout worker {index} on GPU {_span(devices)}")
+        text = "; ".join(parts) or "no GPU actor on this node"
+        if self.shared:
+            text += " (rollout workers share the learner's GPU: weights move over CUDA IPC)"
+        return text
+
+
+def place_node(
+    *,
+    gpus: int,
+    learner_ranks: int,
+    rollout_workers: int,
+    gpus_per_engine: int,
+    rollout_engine: str,
+) -> NodePlacement:
+    """Lay this node's GPU actors out; `learner_ranks` is 0 on a node that runs no learner."""
+    if gpus < 0 or learner_ranks < 0 or rollout_workers < 0 or gpus_per_engine < 1:
+        raise PlacementError(
+            f"placement needs non-negative counts and gpus_per_engine >= 1, got gpus={gpus}, "
+            f"learner_ranks={learner_ranks}, rollout_workers={rollout_workers}, gpus_per_engine={gpus_per_engine}"
+        )
+    if gpus == 0:
+        return NodePlacement(0, (), tuple(() for _ in range(rollout_workers)))
+    if learner_ranks > gpus:
+        raise PlacementError(
+            f"the learner needs {learner_ranks} GPUs (one per rank) but this node has {gpus}; "
+            "lower --learner-ranks / --actor-num-gpus-per-node"
+        )
+    learner = tuple(range(learner_ranks))
+    needed = learner_ranks + rollout_workers * gpus_per_engine
+    if needed <= gpus:
+        rollout = tuple(
+            tuple(range(learner_ranks + i * gpus_per_engine, learner_ranks + (i + 1) * gpus_per_engine))
+            for i in range(rollout_workers)
+        )
+        return NodePlacement(gpus, learner, rollout)
+    if learner_ranks and rollout_engine == "torch" and gpus_per_engine == 1:
+        return NodePlacement(gpus, learner, tuple((0,) for _ in range(rollout_workers)), shared=True)
+    raise PlacementError(
+        f"this node has {gpus} GPUs but its actors need {needed}: {learner_ranks} for the learner and "
+        f"{rollout_workers} rollout workers x {gpus_per_engine} GPUs per engine"
+        + (
+            "; an SGLang server needs GPUs of its own (use --rollout-engine torch to share the learner's GPU)"
+            if rollout_engine == "sglang"
+            else ""
+        )
+    )
+
+
+def weight_transport(*, cuda: bool, placement: NodePlacement | None) -> WeightTransport:
+    """How weights travel: gloo without CUDA, CUDA IPC when the engines share the learner's GPU, else NCCL."""
+    if not cuda:
+        return "gloo"
+    if placement is not None and placement.shared:
+        return "cuda_ipc"
+    return "nccl"
+
+
+def visible_devices(indices: tuple[int, ...], parent: str | None) -> str:
+    """The `CUDA_VISIBLE_DEVICES` value for a process owning `indices`, relative to the launcher's own value."""
+    if parent is None or not parent.strip():
+        return ",".join(str(index) for index in indices)
+    listed = [item.strip() for item in parent.split(",") if item.strip()]
+    for index in indices:
+        if index >= len(listed):
+            raise PlacementError(
+                f"GPU {index} asked for, but CUDA_VISIBLE_DEVICES={parent!r} lists only {len(listed)} devices"
+            )
+    return ",".join(listed[index] for index in indices)
+
+
+def _span(devices: tuple[int, ...]) -> str:
+    if len(devices) > 1 and devices == tuple(range(devices[0], devices[-1] + 1)):
+        return f"{devices[0]}-{devices[-1]}"
+    return ",".join(str(d) for d in devices)

@@ -1,0 +1,119 @@
+"""GPU placement: every process gets its devices, slime's placement flags mean what they mean in slime."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import launcher
+from actors.config import build_config
+from actors.placement import PlacementError, place_node, visible_devices, weight_transport
+
+
+@pytest.mark.unit
+def test_exclusive_layout_gives_learner_the_first_gpus_and_each_engine_its_own() -> None:
+    placement = place_node(gpus=8, learner_ranks=4, rollout_workers=2, gpus_per_engine=2, rollout_engine="sglang")
+    assert placement.learner == (0, 1, 2, 3)
+    assert placement.rollout == ((4, 5), (6, 7))
+    assert not placement.shared
+    assert weight_transport(cuda=True, placement=placement) == "nccl"
+
+
+@pytest.mark.unit
+def test_one_gpu_shares_the_learners_device_with_torch_engines_over_cuda_ipc() -> None:
+    placement = place_node(gpus=1, learner_ranks=1, rollout_workers=2, gpus_per_engine=1, rollout_engine="torch")
+    assert placement.learner == (0,)
+    assert placement.rollout == ((0,), (0,))
+    assert placement.shared
+    assert weight_transport(cuda=True, placement=placement) == "cuda_ipc"
+    assert "CUDA IPC" in placement.describe()
+
+
+@pytest.mark.unit
+def test_too_few_gpus_is_an_error_that_gives_the_counts() -> None:
+    with pytest.raises(PlacementError, match=r"has 1 GPUs but its actors need 2.*SGLang server needs GPUs"):
+        place_node(gpus=1, learner_ranks=1, rollout_workers=1, gpus_per_engine=1, rollout_engine="sglang")
+    with pytest.raises(PlacementError, match=r"learner needs 4 GPUs.*has 2"):
+        place_node(gpus=2, learner_ranks=4, rollout_workers=0, gpus_per_engine=1, rollout_engine="torch")
+    with pytest.raises(PlacementError, match=r"has 2 GPUs but its actors need 3"):  # worker node: nothing to share
+        place_node(gpus=2, learner_ranks=0, rollout_workers=3, gpus_per_engine=1, rollout_engine="torch")
+
+
+@pytest.mark.unit
+def test_no_gpu_means_everything_on_the_cpu_over_gloo() -> None:
+    placement = place_node(gpus=0, learner_ranks=2, rollout_workers=3, gpus_per_engine=4, rollout_engine="sglang")
+    assert placement.learner == () and placement.rollout == ((), (), ())
+    assert weight_transport(cuda=False, placement=placement) == "gloo"
+
+
+@pytest.mark.unit
+def test_visible_devices_follow_the_launchers_own_allocation() -> None:
+    assert visible_devices((0, 1), None) == "0,1"
+    assert visible_devices((1, 2), "4,5,6,7") == "5,6"  # a Slurm allocation of GPUs 4-7
+    with pytest.raises(PlacementError, match=r"GPU 2 asked for.*lists only 2"):
+        visible_devices((2,), "4,5")
+
+
+@pytest.mark.unit
+def test_slime_actor_gpus_set_the_learner_ranks_and_must_agree_with_them() -> None:
+    assert build_config({"actor_num_nodes": 1, "actor_num_gpus_per_node": 4}).learner_ranks == 4
+    with pytest.raises(ValueError, match=r"learner_ranks 2 disagrees.*= 4"):
+        build_config({"actor_num_gpus_per_node": 4, "learner_ranks": 2})
+    with pytest.raises(ValueError, match=r"actor_num_nodes 2"):
+        build_config({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1})
+    with pytest.raises(ValueError, match=r"rollout_num_gpus 3 must be a non-negative multiple"):
+        build_config({"rollout_num_gpus": 3, "rollout_num_gpus_per_engine": 2})
+    with pytest.raises(ValueError, match=r"colocate: not available yet"):
+        build_config({"colocate": True})
+
+
+def _prepare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int, *flags: str) -> tuple[list, Path]:
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    contexts, _, run_dir = launcher.prepare(["--head", "--run-dir", str(tmp_path / "run"), *flags])
+    return contexts, run_dir
+
+
+@pytest.mark.unit
+def test_launcher_hands_each_actor_its_gpus_and_records_the_transport(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    contexts, run_dir = _prepare(tmp_path, monkeypatch, 8, "--actor-num-gpus-per-node", "2", "--rollout-num-gpus",
+                                 "4", "--rollout-num-gpus-per-engine", "2", "--rollout-engine", "sglang")
+    devices = {context.actor_id: context.cuda_visible_devices for context in contexts}
+    assert devices == {"controller": "", "buffer": "", "learner": "0,1", "rollout-0-0": "2,3",
+                       "rollout-0-1": "4,5", "reward-0-0": ""}
+    settings = json.loads(contexts[0].to_json())["settings"]["run"]
+    assert settings["learner_ranks"] == 2 and settings["weight_transport"] == "nccl"
+    assert "weight_transport: nccl" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.unit
+def test_launcher_on_one_gpu_shares_it_and_on_none_leaves_cuda_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    contexts, _ = _prepare(tmp_path, monkeypatch, 1, "--rollout-workers", "2")
+    assert {c.actor_id: c.cuda_visible_devices for c in contexts if c.role in ("learner", "rollout")} == {
+        "learner": "0", "rollout-0-0": "0", "rollout-0-1": "0"}
+    assert contexts[0].settings["run"]["weight_transport"] == "cuda_ipc"
+    contexts, _ = _prepare(tmp_path, monkeypatch, 0, "--rollout-workers", "2")
+    assert all(c.cuda_visible_devices is None for c in contexts)
+    assert contexts[0].settings["run"]["weight_transport"] == "gloo"
+
+
+@pytest.mark.unit
+def test_launcher_refuses_a_placement_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(launcher.LaunchError, match=r"placement: .*SGLang server needs GPUs of its own"):
+        _prepare(tmp_path, monkeypatch, 1, "--rollout-engine", "sglang")
+
+
+@pytest.mark.unit
+def test_every_sglang_server_gets_its_own_seed() -> None:
+    from actors.engine_factory import engine_seed
+
+    ids = [f"rollout-{node}-{index}" for node in range(3) for index in range(8)]
+    seeds = [engine_seed(1234, actor_id) for actor_id in ids]
+    assert len(set(seeds)) == len(ids)
+    assert engine_seed(1234, "rollout-0-0") == 1234

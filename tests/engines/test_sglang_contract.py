@@ -1,0 +1,287 @@
+"""Our SGLang client against the SOURCE of every SGLang release we support, on a CPU, without importing sglang.
+
+The two pinned wheels (`protocol.SUPPORTED_SGLANG`) are fetched once into `.cache/sglang-wheels` with
+`pip download --no-deps` and read as zip files; `ast` parses SGLang's route table (`entrypoints/http_server.py`),
+its request structs (`managers/io_struct.py`), its `SamplingParams`, its server arguments and the code that
+builds responses. Every row of `protocol.ENDPOINTS` must exist with its method and request class, every field we
+send must be a field of that class, and every response field we read must be produced somewhere the source
+shows. Without a registry the tests skip and say so, unless SLIPSTREAM_REQUIRE_SGLANG_CONTRACT=1 (CI), where a
+missing wheel is a failure.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from engines.sglang import protocol
+from engines.sglang.launch import ServerSpec
+from engines.sglang.server import CompatServer, parse_args
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+WHEEL_DIR = REPO / ".cache" / "sglang-wheels"
+# Messages pip prints when it cannot reach a package index at all (as opposed to any other failure).
+UNREACHABLE = (
+    "NewConnectionError",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Network is unreachable",
+    "ConnectTimeoutError",
+    "ProxyError",
+    "No route to host",
+)
+# Where SGLang builds the responses whose fields we read, when not in the route function itself.
+PRODUCERS = {
+    "/generate": ("sglang/srt/managers/tokenizer_manager.py", "sglang/srt/utils/weight_versions.py"),
+    "/server_info": (
+        "sglang/srt/server_args.py",
+        "sglang/srt/arg_groups/fields/*.py",
+        "sglang/srt/managers/scheduler.py",
+    ),
+}
+SERVER_ARGS_FILES = ("sglang/srt/server_args.py", "sglang/srt/arg_groups/fields/*.py")
+
+
+def fetch_wheel(version: str) -> Path:
+    """The wheel of sglang==`version` in .cache/sglang-wheels, downloaded by pip the first time."""
+    WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+    found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+    if found:
+        return found[0]
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+        # The source is all we read; the interpreter running the tests need not be one SGLang supports.
+        "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+        f"sglang=={version}", "-d", str(WHEEL_DIR),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+    if done.returncode == 0 and found:
+        return found[0]
+    output = done.stdout + done.stderr
+    if any(marker in output for marker in UNREACHABLE) and os.environ.get("SLIPSTREAM_REQUIRE_SGLANG_CONTRACT") != "1":
+        pytest.skip(f"pip cannot reach a package index to download sglang=={version}: {output.strip()[-300:]}")
+    raise RuntimeError(f"`{' '.join(command)}` failed (exit {done.returncode}):\n{output[-2000:]}")
+
+
+class SglangSource:
+    """One SGLang wheel's Python source, read without importing it."""
+
+    def __init__(self, version: str, wheel: Path) -> None:
+        self.version = version
+        self.zip = zipfile.ZipFile(wheel)
+        self.names = self.zip.namelist()
+
+    def tree(self, path: str) -> ast.Module:
+        return ast.parse(self.zip.read(path).decode(), filename=f"sglang-{self.version}/{path}")
+
+    def matching(self, pattern: str) -> list[str]:
+        return [name for name in self.names if fnmatch.fnmatch(name, pattern)]
+
+    @cached_property
+    def http_server(self) -> ast.Module:
+        return self.tree("sglang/srt/entrypoints/http_server.py")
+
+    @cached_property
+    def routes(self) -> dict[str, tuple[set[str], ast.AsyncFunctionDef | ast.FunctionDef]]:
+        """Every `@app.get/post/put/api_route("/path")` of http_server.py: path -> (methods, handler)."""
+        routes: dict[str, tuple[set[str], ast.AsyncFunctionDef | ast.FunctionDef]] = {}
+        for node in ast.walk(self.http_server):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for decorator in node.decorator_list:
+                if not (
+                    isinstance(decorator, ast.Call)
+                    and isinstance(decorator.func, ast.Attribute)
+                    and isinstance(decorator.func.value, ast.Name)
+                    and decorator.func.value.id == "app"
+                    and decorator.args
+                    and isinstance(decorator.args[0], ast.Constant)
+                ):
+                    continue
+                kind, path = decorator.func.attr, decorator.args[0].value
+                if kind == "api_route":
+                    methods = next(
+                        ({item.value for item in keyword.value.elts} for keyword in decorator.keywords
+                         if keyword.arg == "methods"),
+                        {"GET"},
+                    )  # fmt: skip
+                else:
+                    methods = {kind.upper()}
+                known, _ = routes.get(path, (set(), node))
+                routes[path] = (known | methods, node)
+        return routes
+
+    def class_fields(self, path: str, name: str) -> set[str]:
+        """Annotated fields of class `name` in `path`, with those of its bases defined in the same file."""
+        classes = {node.name: node for node in self.tree(path).body if isinstance(node, ast.ClassDef)}
+        fields: set[str] = set()
+        pending = [name]
+        while pending:
+            node = classes[pending.pop()]
+            fields |= {
+                s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+            pending += [base.id for base in node.bases if isinstance(base, ast.Name) and base.id in classes]
+        return fields
+
+    def produced_keys(self, nodes: list[ast.AST]) -> set[str]:
+        """String keys the code builds: dict-literal keys, `x["key"] = ...` targets, annotated class fields."""
+        keys: set[str] = set()
+        for root in nodes:
+            for node in ast.walk(root):
+                if isinstance(node, ast.Dict):
+                    keys |= {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+                elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+                    if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                        keys.add(node.slice.value)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    keys.add(node.target.id)
+        return keys
+
+    @cached_property
+    def server_arg_fields(self) -> set[str]:
+        files = [name for pattern in SERVER_ARGS_FILES for name in self.matching(pattern)]
+        return self.produced_keys([self.tree(name) for name in files])
+
+    @cached_property
+    def deprecated_flags(self) -> set[str]:
+        """Flags registered with one of SGLang's Deprecated* argparse actions."""
+        flags: set[str] = set()
+        for node in ast.walk(self.tree("sglang/srt/server_args.py")):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            action = next((k.value for k in node.keywords if k.arg == "action"), None)
+            if node.func.attr == "add_argument" and action is not None and "Deprecated" in ast.unparse(action):
+                flags |= {a.value for a in node.args if isinstance(a, ast.Constant)}
+        return flags
+
+
+@pytest.fixture(scope="module", params=protocol.SUPPORTED_SGLANG)
+def sglang(request: pytest.FixtureRequest) -> Iterator[SglangSource]:
+    source = SglangSource(request.param, fetch_wheel(request.param))
+    yield source
+    source.zip.close()
+
+
+def test_every_endpoint_we_call_exists_with_its_method_and_request_class(sglang: SglangSource) -> None:
+    for endpoint in protocol.ENDPOINTS:
+        if endpoint.path not in sglang.routes:
+            assert endpoint.optional, f"sglang {sglang.version} has no route {endpoint.path} (and we need it)"
+            assert endpoint.since is not None and Version(sglang.version) < Version(endpoint.since)
+            continue
+        methods, handler = sglang.routes[endpoint.path]
+        assert endpoint.method in methods, f"sglang {sglang.version} {endpoint.path} takes {methods}"
+        if endpoint.request_class is not None:
+            annotations = " ".join(ast.unparse(arg.annotation) for arg in handler.args.args if arg.annotation)
+            assert endpoint.request_class in annotations.replace("[", " ").replace(",", " ").split(), (
+                f"sglang {sglang.version} {endpoint.path} parses its body as {annotations}, "
+                f"not {endpoint.request_class}"
+            )
+
+
+def test_every_field_we_send_is_a_field_of_sglangs_request_class(sglang: SglangSource) -> None:
+    for endpoint in protocol.ENDPOINTS:
+        if endpoint.request_class is None or endpoint.path not in sglang.routes:
+            continue
+        fields = sglang.class_fields("sglang/srt/managers/io_struct.py", endpoint.request_class)
+        missing = set(endpoint.sends) - fields
+        assert not missing, f"sglang {sglang.version} {endpoint.request_class} has no {sorted(missing)}"
+    sampling = sglang.class_fields("sglang/srt/sampling/sampling_params.py", "SamplingParams")
+    assert set(protocol.SAMPLING_FIELDS) <= sampling, sorted(set(protocol.SAMPLING_FIELDS) - sampling)
+
+
+def test_every_response_field_we_read_is_produced(sglang: SglangSource) -> None:
+    for endpoint in protocol.ENDPOINTS:
+        if endpoint.path not in sglang.routes:
+            continue
+        _, handler = sglang.routes[endpoint.path]
+        files = [name for pattern in PRODUCERS.get(endpoint.path, ()) for name in sglang.matching(pattern)]
+        produced = sglang.produced_keys([handler, *(sglang.tree(name) for name in files)])
+        missing = set(endpoint.reads) - produced
+        assert not missing, f"sglang {sglang.version} {endpoint.path} never produces {sorted(missing)}"
+    generate = sglang.produced_keys([sglang.tree(name) for name in sglang.matching(PRODUCERS["/generate"][0])])
+    missing = set(protocol.META_FIELDS) - generate
+    assert not missing, f"sglang {sglang.version} /generate meta_info never holds {sorted(missing)}"
+
+
+def test_the_generate_schema_of_newer_releases_knows_our_fields(sglang: SglangSource) -> None:
+    """0.5.23 gates /generate bodies through a generated schema (`api/v1/api_types.py`) before serving them."""
+    schema = "sglang/api/v1/api_types.py"
+    if schema not in sglang.names:
+        pytest.skip(f"sglang {sglang.version} has no /generate schema gate")
+    assert set(protocol.GENERATE.sends) <= sglang.class_fields(schema, "GenerateRequest")
+    assert set(protocol.SAMPLING_FIELDS) <= sglang.class_fields(schema, "SamplingParams")
+    meta = sglang.class_fields(schema, "GenerateMetaInfo")
+    assert set(protocol.META_FIELDS) | set(protocol.OPTIONAL_META_FIELDS) <= meta
+    assert sglang.class_fields(schema, "WeightVersionSpan") == {"version", "start", "end"}
+
+
+def test_weight_updates_need_a_session_exactly_where_sessions_exist(sglang: SglangSource) -> None:
+    """Where /begin_weight_update exists, the scheduler refuses updates outside a session: we must call it."""
+    updater = "sglang/srt/managers/scheduler_components/weight_updater.py"
+    text = sglang.zip.read(updater).decode() if updater in sglang.names else ""
+    has_sessions = protocol.BEGIN_WEIGHT_UPDATE.path in sglang.routes
+    assert has_sessions == ("must run between" in text)
+    assert has_sessions == (protocol.END_WEIGHT_UPDATE.path in sglang.routes)
+
+
+def gpu_test_server_args() -> dict[str, str]:
+    """`GPU_SERVER_ARGS` of test_sglang_gpu.py, read from its source (that module needs a GPU to run)."""
+    tree = ast.parse((Path(__file__).parent / "test_sglang_gpu.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "GPU_SERVER_ARGS":
+            assert node.value is not None
+            return ast.literal_eval(node.value)
+    raise AssertionError("test_sglang_gpu.py defines no GPU_SERVER_ARGS")
+
+
+def test_launch_flags_exist_and_are_not_deprecated(sglang: SglangSource) -> None:
+    """Our launch command and the GPU test's flags (`--disable-cuda-graph` is deprecated in both releases)."""
+    extra = gpu_test_server_args()
+    command = ServerSpec(model_path="/m", random_seed=1, base_gpu_id=0, extra=extra).command(port=1)
+    flags = [part for part in command if part.startswith("--")]
+    unknown = [flag for flag in flags if flag[2:].replace("-", "_") not in sglang.server_arg_fields]
+    assert not unknown, f"sglang {sglang.version} has no server arguments {unknown}"
+    deprecated = sorted(set(flags) & sglang.deprecated_flags)
+    assert not deprecated, f"sglang {sglang.version} deprecates {deprecated}"
+
+
+def test_pyproject_allows_exactly_the_tested_sglang_range() -> None:
+    # tomllib is 3.11+ and we allow 3.10: the extra is one line of [project.optional-dependencies].
+    match = re.search(r"^sglang = (\[.*\])$", (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert match is not None, "pyproject.toml has no `sglang = [...]` optional dependency"
+    (line,) = ast.literal_eval(match.group(1))
+    requirement = Requirement(line)
+    lowest, highest = protocol.SUPPORTED_SGLANG[0], protocol.SUPPORTED_SGLANG[-1]
+    assert requirement.name == "sglang"
+    assert all(requirement.specifier.contains(version) for version in protocol.SUPPORTED_SGLANG)
+    assert not requirement.specifier.contains("0.5.14") and not requirement.specifier.contains("0.5.24")
+    assert f">={lowest}" in line and f"<={highest}" in line
+    assert requirement.marker is not None
+    assert not requirement.marker.evaluate({"python_version": "3.10"})
+    assert requirement.marker.evaluate({"python_version": "3.11"})
+
+
+def test_the_compatible_server_registers_every_endpoint_of_the_table() -> None:
+    for api in protocol.SUPPORTED_SGLANG:
+        args = parse_args(["--model-path", "/m", "--sglang-api", api])
+        app = CompatServer(engine=None, args=args, context_length=512).app()  # type: ignore[arg-type]  # routes only
+        served = {(route.method, route.resource.canonical) for route in app.router.routes()}
+        for endpoint in protocol.ENDPOINTS:
+            expected = not endpoint.optional or Version(api) >= Version(endpoint.since or "0")
+            assert ((endpoint.method, endpoint.path) in served) == expected, (api, endpoint.path)

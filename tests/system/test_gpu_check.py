@@ -1,0 +1,29 @@
+"""`tools/gpu_check.py --cpu` in CI: the GPU machine's one command must not rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
+    report = tmp_path / "gpu_check.json"
+    completed = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--cpu", "--quick", "--json", str(report)],
+        cwd=REPO, capture_output=True, text=True, timeout=580, check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = {row["check"]: row for row in json.loads(report.read_text())["rows"]}
+    assert len(rows) == 6, sorted(rows)
+    assert all(row["status"] in ("ok", "skipped") for row in rows.values()), rows
+    assert rows["run: torch engine + torch trainer"]["status"] == "ok"
+    assert "weights over gloo" in rows["run: torch engine + torch trainer"]["result"]
+    assert "Slipstream GPU check on CPU" in completed.stdout
