@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from actors.config import RunConfig
+from actors.placement import weight_transport
 from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.sglang.weights import SglangGroupSpec, SglangWeightLoader, SglangWeightSender, is_sglang_group
 from engines.weights.base import WeightTransferError
@@ -142,7 +143,7 @@ def transport_of(config: RunConfig) -> str:
     """The launcher resolves `auto` on the head; a learner started another way decides the same way here."""
     if config.weight_transport != "auto":
         return config.weight_transport
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return weight_transport(cuda=torch.cuda.is_available(), placement=None)
 
 
 def push_dtype(config: RunConfig) -> torch.dtype | None:
