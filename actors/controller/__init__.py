@@ -1,0 +1,1 @@
+"""The controller role: the roster, the run's lifecycle, eval rounds and the W&B mirror."""

@@ -1,0 +1,1 @@
+"""The reward role: scores generated samples with the configured reward functions."""
