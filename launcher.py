@@ -21,11 +21,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
-from actors.context import ActorContext
-from actors.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
-from actors.progress import follow_progress
-from actors.roles import BUILTIN_ROLES, resolve_actor_class
-from actors.supervisor import RestartPolicy, Supervisor
+from actors.runtime.context import ActorContext
+from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
+from actors.runtime.progress import follow_progress
+from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
+from actors.runtime.supervisor import RestartPolicy, Supervisor
 from bus.address import free_port
 
 SINGLETON_ROLES = ("controller", "buffer", "learner")
@@ -295,7 +295,7 @@ def report_run(run_dir: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from actors.logs import configure_logging
+    from actors.runtime.logs import configure_logging
 
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -15,9 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from policies.config import PolicyLossConfig
+
+# Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
+ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
+                                              "rollout_engine": ("torch", "sglang")}
 
 
 class RunConfig(BaseModel):
@@ -26,8 +30,21 @@ class RunConfig(BaseModel):
     # ---- model and engines
     hf_checkpoint: str | None = Field(None, description="HF model folder (policy, reference and engines)")
     ref_checkpoint: str | None = Field(None, description="HF folder of the reference model (default: hf_checkpoint)")
-    train_backend: Literal["torch", "megatron"] = Field("torch", description="training engine")
-    rollout_engine: Literal["torch", "sglang"] = Field("torch", description="inference engine")
+    train_backend: str = Field("torch", description="training engine: torch, megatron, or module:attr of a "
+                               "factory (config) -> Trainer")
+    rollout_engine: str = Field("torch", description="inference engine: torch, sglang, or module:attr of a "
+                                "factory (config, actor_id) -> (InferenceEngine, tokenizer)")
+
+    @field_validator("train_backend", "rollout_engine")
+    @classmethod
+    def _builtin_or_plugin_path(cls, value: str, info: ValidationInfo) -> str:
+        """A built-in name, or a plugin's `module:attr` (loaded by the actor that uses it, which checks its type)."""
+        builtins = ENGINE_CHOICES[info.field_name or ""]
+        module, colon, attr = value.partition(":")
+        if value in builtins or (colon and module.strip() and attr.strip()):
+            return value
+        raise ValueError(f"{value!r}: expected one of {', '.join(builtins)}, or a plugin factory path "
+                         "'package.module:attr'")
     torch_threads: int = Field(1, description="torch CPU threads per actor process")
     seed: int = Field(1234, description="seed of data order, sampling and initialisation")
 
@@ -41,7 +58,7 @@ class RunConfig(BaseModel):
     bf16: bool = Field(False, description="train in bfloat16 (float32 master weights and optimizer state), run the "
                        "engines in bfloat16 and push bfloat16 weights")
 
-    # ---- placement (slime's flags); see actors/placement.py
+    # ---- placement (slime's flags); see actors/runtime/placement.py
     actor_num_nodes: int = Field(1, description="nodes of the learner (its ranks all run on the head for now)")
     actor_num_gpus_per_node: int | None = Field(None, description="learner GPUs per node: one learner rank each "
                                                 "(sets --learner-ranks)")
@@ -52,9 +69,19 @@ class RunConfig(BaseModel):
                                           "launcher sees)")
     colocate: bool = Field(False, description="learner and engines on the same GPUs, taking turns (not available "
                            "yet: on one GPU the torch engine already shares the learner's device)")
-    weight_transport: Literal["auto", "gloo", "nccl", "cuda_ipc"] = Field(
-        "auto", description="how weights reach the engines; auto: gloo without CUDA, cuda_ipc when engines share "
-        "the learner's GPU, nccl otherwise")
+    weight_transport: str = Field(
+        "auto", description="how weights reach the engines: auto (gloo without CUDA, cuda_ipc when engines share "
+        "the learner's GPU, nccl otherwise), gloo, nccl, cuda_ipc, or module:attr of a WeightTransport plugin")
+
+    @field_validator("weight_transport")
+    @classmethod
+    def _backend_or_transport_path(cls, value: str) -> str:
+        """A backend of the built-in mechanisms, or a plugin's `module:attr` (the learner loads and type-checks it)."""
+        module, colon, attr = value.partition(":")
+        if value in ("auto", "gloo", "nccl", "cuda_ipc") or (colon and module.strip() and attr.strip()):
+            return value
+        raise ValueError(f"{value!r}: expected auto, gloo, nccl, cuda_ipc, or a weight transport path "
+                         "'package.module:attr'")
 
     # ---- SGLang rollout engine (--rollout-engine sglang)
     sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "

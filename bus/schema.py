@@ -187,13 +187,6 @@ class LeaseRenew(Message):
     lease_id: Annotated[str, doc("lease to extend")]
 
 
-class LeaseDone(Message):
-    """Rollout worker -> buffer (RPC): these groups of the lease are finished (sent downstream)."""
-
-    lease_id: Annotated[str, doc("lease the groups belong to")]
-    group_ids: Annotated[list[str], doc("groups whose samples were all sent on")]
-
-
 class GeneratedGroup(Message):
     """Rollout worker -> reward worker (stream): the generated samples of one group, not yet scored."""
 
@@ -223,30 +216,48 @@ class BatchRequest(Message):
     learner_version: Annotated[int, doc("the learner's current policy version (optimizer steps applied)")]
     trained_batch: Annotated[int, doc("id of the last batch the learner trained (0 before the first)")] = 0
     checkpointed_batch: Annotated[int, doc("id of the last batch covered by a durable learner checkpoint")] = 0
-    commit_only: Annotated[bool, doc("only record checkpointed_batch; reply with an empty Batch")] = False
 
 
 class Batch(Message):
     """Buffer -> learner (RPC reply): a training batch of complete groups within the staleness bound.
 
     An empty `samples` list means "not ready yet, ask again" (the buffer answers a long-poll after a while).
+    A replayed batch (the learner restarted from a checkpoint and asked again) is the first serving unchanged:
+    the same samples, and the staleness and learner_version they were assembled with.
     """
 
     batch_id: Annotated[int, doc("sequence number from 1; the learner trains batches in this order")]
     samples: Annotated[list[Sample], doc("scored samples, whole groups")]
-    staleness: Annotated[list[int], doc("per sample: learner_version - min(token_versions)")]
-    reserved: Annotated[bool, doc("this batch was served before (the learner restarted from a checkpoint)")] = False
-    learner_version: Annotated[int, doc("version the staleness was computed against")] = 0
-    stats: Annotated[dict[str, float], doc("buffer statistics at assembly (filtered groups, pool size, ...)")] = (
-        msgspec.field(default_factory=dict)
-    )
+    staleness: Annotated[
+        list[int],
+        doc("per sample: the largest |learner_version - v| over its token versions v (normally learner_version - "
+            "min(token_versions); tokens newer than a learner restarted from a checkpoint count their distance)"),
+    ]
+    replayed: Annotated[bool, doc("served before: the learner restarted from a checkpoint and asked again")] = False
+    learner_version: Annotated[
+        int, doc("the learner version the batch was first requested at, which `staleness` is measured against")
+    ] = 0
+
+
+class FinalCommit(Message):
+    """Learner -> buffer (RPC) once, after the last batch and its checkpoint; reply Ack.
+
+    The buffer commits every batch the checkpoint covers (they are never served again) and answers only after the
+    final version's evaluation round has reported or run out of time (--final-eval-timeout), so the run ends
+    with its last evaluation written.
+    """
+
+    learner_version: Annotated[int, doc("the final policy version (optimizer steps applied)")]
+    trained_batch: Annotated[int, doc("id of the last batch the learner trained")]
+    checkpointed_batch: Annotated[int, doc("id of the last batch covered by the final durable checkpoint")]
 
 
 class VersionAnnouncement(Message):
     """Controller -> everyone (broadcast, topic "version"): the learner finished a step."""
 
     version: Annotated[int, doc("policy version: optimizer steps applied by the learner")]
-    weights_version: Annotated[int, doc("version of the weights every engine has acknowledged loading")] = 0
+    weights_version: Annotated[int | None, doc("version of the weights every engine has acknowledged loading; "
+                                               "null until the first acknowledged push")] = None
     step: Annotated[int, doc("training step counter (equals version unless steps were skipped)")] = 0
     timestamp: Annotated[float, doc("unix time the version was committed (controller clock)")] = 0.0
 
@@ -397,11 +408,11 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         LeaseRequest,
         Lease,
         LeaseRenew,
-        LeaseDone,
         GeneratedGroup,
         ScoredGroup,
         BatchRequest,
         Batch,
+        FinalCommit,
         VersionAnnouncement,
         WeightUpdateOrder,
         Register,

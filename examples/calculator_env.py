@@ -6,7 +6,7 @@ environment's tokens are part of the sequence the learner sees but carry loss ma
 trained on what it wrote itself; they carry the version of the token before them, so they never make a sample
 look staler than the policy tokens around it.
 
-Use it with `--custom-generate-function-path actors.rollout_tools:calculator_generate`. It doubles as the
+Use it with `--custom-generate-function-path examples.calculator_env:calculator_generate`. It doubles as the
 template for other environments: replace `run_tool` and the tags.
 """
 
@@ -18,7 +18,7 @@ import operator
 import re
 from dataclasses import replace
 
-from actors.rollout_generate import STATUS_BY_FINISH, RolloutContext, make_sample
+from actors.rollout.generate import STATUS_BY_FINISH, RolloutContext, make_sample
 from bus.schema import PromptGroup, Sample
 from engines.inference.base import GenerateRequest
 

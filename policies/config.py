@@ -13,12 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.registry import (
-    resolve_advantage_estimator,
-    resolve_correction,
-    resolve_kl,
-    resolve_policy_loss,
-)
+from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
 
 __all__ = ["AggregationMode", "ISLevel", "PolicyLossConfig"]
 
@@ -108,12 +103,22 @@ class PolicyLossConfig(BaseModel):
                 f"advantage_estimator={self.advantage_estimator!r} is defined with batch whitening; "
                 "set normalize_advantages=True (--normalize-advantages)"
             )
-        # Resolve every name now: unknown names and broken plugin paths fail here, at start-up.
-        resolve_advantage_estimator(self.advantage_estimator)
-        resolve_policy_loss(self.loss_type)
-        resolve_kl(self.kl_loss_type)
-        resolve_correction(self.off_policy_correction)
+        # Check every name now: unknown names and broken plugin paths fail here, at start-up (without importing
+        # the built-ins' torch code: every actor validates this config, and a rollout worker never runs a loss).
+        ADVANTAGE_ESTIMATORS.check(self.advantage_estimator)
+        POLICY_LOSSES.check(self.loss_type)
+        KL_ESTIMATORS.check(self.kl_loss_type)
+        CORRECTIONS.check(self.off_policy_correction)
         return self
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether a frozen reference model's log-probs take part: KL as a loss term or as a reward penalty.
+
+        The one place that decides it: the trainer factory loads a reference model exactly when this holds, and
+        the learner step computes reference log-probs exactly when this holds, so the two cannot disagree.
+        """
+        return self.use_kl_loss or self.kl_coef > 0
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> PolicyLossConfig:

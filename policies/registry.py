@@ -51,9 +51,10 @@ class Registry(Generic[F]):
     the kind of bug that costs a training run).
     """
 
-    def __init__(self, kind: str, builtin_modules: tuple[str, ...]) -> None:
+    def __init__(self, kind: str, builtin_modules: tuple[str, ...], builtin_names: tuple[str, ...] = ()) -> None:
         self.kind = kind
         self._builtin_modules = builtin_modules
+        self.builtin_names = frozenset(builtin_names)  # what those modules register: checkable without importing
         self._entries: dict[str, F] = {}
         self._loaded = False
 
@@ -95,18 +96,35 @@ class Registry(Generic[F]):
                 "or give a dotted path 'package.module:attr'"
             ) from None
 
+    def check(self, name_or_path: str) -> None:
+        """Raise as `resolve` would for an unknown name or a broken path, but accept a declared built-in name
+        without importing its module: validating a config (every actor does) must not import torch, which the
+        built-in implementations need, in a process that never calls them (a rollout worker)."""
+        if isinstance(name_or_path, str) and name_or_path in self.builtin_names:
+            return
+        self.resolve(name_or_path)
+
     def _load_builtins(self) -> None:
         if self._loaded:
             return
         self._loaded = True
         for module in self._builtin_modules:
             importlib.import_module(module)
+        undeclared = sorted(self.builtin_names - set(self._entries))
+        if undeclared:
+            raise RuntimeError(f"{self.kind}: {', '.join(undeclared)} declared built-in but not registered by "
+                               f"{', '.join(self._builtin_modules)}")
 
 
-ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator", ("policies.advantages",))
-POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss", ("policies.losses",))
-KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator", ("policies.kl",))
-CORRECTIONS: Registry[Callable[..., Any]] = Registry("off-policy correction", ("policies.corrections",))
+ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry(
+    "advantage estimator", ("policies.advantages",),
+    ("cispo", "grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"))
+POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss", ("policies.losses",),
+                                                       ("cispo", "gspo", "ppo", "sft"))
+KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator", ("policies.kl",),
+                                                       ("k1", "k2", "k3", "low_var_kl"))
+CORRECTIONS: Registry[Callable[..., Any]] = Registry("off-policy correction", ("policies.corrections",),
+                                                     ("icepop", "mis", "none", "tis"))
 REWARDS: Registry[Callable[..., Any]] = Registry("reward function", ("policies.rewards.builtin",))
 GROUP_REWARDS: Registry[Callable[..., Any]] = Registry("group reward function", ("policies.rewards.builtin",))
 FILTERS: Registry[Callable[..., Any]] = Registry("sample filter", ("policies.filters",))

@@ -2,7 +2,9 @@
 
 Definitions (DESIGN.md): a policy version is the number of optimizer steps applied; every generated token carries
 the version of the weights that produced it; a sample's staleness when consumed is
-``learner_version - min(token versions)``.
+``learner_version - min(token versions)``, or more generally the largest distance ``|learner_version - t|`` over its
+token versions ``t``, which also covers tokens newer than a learner that restarted from a checkpoint
+(:func:`token_staleness` says why).
 
 Admission. Batch ``k`` (``B`` groups) is trained while the learner is at version ``k``. If groups are accepted
 in the order they start, the group that starts ``n``-th (0-based) lands in batch ``n // B``; starting it while the
@@ -18,11 +20,13 @@ later; the consumption check (:func:`split_by_staleness`) is the backstop that k
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from torch import Tensor
 
 from policies.packing import check_lengths, check_packed, sample_index
@@ -34,6 +38,7 @@ __all__ = [
     "sample_staleness",
     "split_by_staleness",
     "staleness_histogram",
+    "staleness_of_samples",
     "token_staleness",
 ]
 
@@ -78,28 +83,47 @@ class AdmissionController:
 
 
 def token_staleness(learner_version: int, token_versions: Tensor) -> Tensor:
-    """``learner_version - token_versions`` elementwise; a token from a future version is an error."""
+    """Per token: how many optimizer steps separate the weights that produced it from the learner's, ``|v - t|``.
+
+    Normally every token is older than the learner (``t <= v``) and this is ``v - t``. A token *newer* than the
+    learner happens for real: a learner restarted from its last checkpoint (``Learner._restore`` loads the version
+    the checkpoint was taken at) while the engines still serve, and the buffer's pool still holds samples from, the
+    newer weights it published before it died. Those weights belong to the lineage the restart abandoned, and they
+    are ``t - v`` optimizer steps away from the weights the learner will now compute its importance ratios with:
+    exactly as off-policy as weights ``t - v`` steps older. So the distance counts, in both directions. Clamping it
+    to 0 would pass samples from arbitrarily distant weights through the bound as fresh; raising would crash the
+    buffer on a restart the failure model promises to survive.
+    """
     if token_versions.dtype.is_floating_point:
         raise ValueError(f"token_versions: expected an integer tensor, got {token_versions.dtype}")
-    staleness = learner_version - token_versions.long()
-    if staleness.numel() and int(staleness.min()) < 0:
-        raise ValueError(
-            f"token_versions: version {int(token_versions.max())} is newer than learner_version {learner_version}"
-        )
-    return staleness
+    return (learner_version - token_versions.long()).abs()
 
 
 def sample_staleness(learner_version: int, token_versions: Tensor, response_lengths: Tensor) -> Tensor:
-    """``LongTensor[B]``: ``learner_version - min(token versions)`` per sample, over packed ``token_versions [T]``.
+    """``LongTensor[B]``: the largest :func:`token_staleness` of each sample, over packed ``token_versions [T]``.
 
-    The oldest token decides: a weight update landing mid-generation does not make the earlier tokens fresher.
-    A zero-length sample has staleness 0.
+    The farthest token decides, which for ordinary samples is ``learner_version - min(token versions)``: a weight
+    update landing mid-generation does not make the earlier tokens fresher. A zero-length sample has staleness 0.
+    This is the one definition of a sample's staleness; the buffer's batch assembly and consumption check call it
+    through :func:`staleness_of_samples`.
     """
     lengths = check_lengths(response_lengths)
     check_packed("token_versions", token_versions, lengths)
     per_token = token_staleness(learner_version, token_versions)
     out = torch.zeros(lengths.numel(), dtype=torch.long, device=per_token.device)
     return out.scatter_reduce(0, sample_index(lengths), per_token, reduce="amax", include_self=True)
+
+
+def staleness_of_samples(learner_version: int, token_versions: Sequence[ArrayLike | None]) -> list[int]:
+    """:func:`sample_staleness` for samples that hold their own ``token_versions`` (None: no tokens, staleness 0).
+
+    The arrays are copied (received ones are read-only views of a frame, which torch will not wrap).
+    """
+    parts = [torch.from_numpy(np.array([] if v is None else v, dtype=np.int64)) for v in token_versions]
+    if not parts:
+        return []
+    lengths = torch.tensor([part.numel() for part in parts], dtype=torch.long)
+    return sample_staleness(learner_version, torch.cat(parts), lengths).tolist()
 
 
 class StaleAction(str, Enum):

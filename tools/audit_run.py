@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.buffer_log import BufferLog, archived_logs
+from actors.buffer.log import BufferLog, archived_logs
 
 
 @dataclass

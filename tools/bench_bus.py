@@ -41,11 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bus.codec import decode, encode
 from bus.schema import AnyMessage, Batch, Message, Sample
 from bus.tensors import decode_tensor
+from tools.bench_bus_ray import ray_available, run_ray
 
 PAYLOADS = ("1KB", "100KB", "4MB")
 TRANSPORTS = ("tcp", "ipc")
-RAY_WINDOW = 16
-RAY_COUNTS = {"1KB": (1000, 200, 20), "100KB": (600, 100, 10), "4MB": (60, 20, 4)}  # throughput, latency, warm-up
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,7 +81,7 @@ def make_message(payload: str) -> Message:
         return _sample(0, 512, 7680)
     if payload == "4MB":
         samples = [_sample(i, 512, 7680) for i in range(40)]
-        return Batch(batch_id=1, samples=samples, staleness=[1] * 40, learner_version=8, stats={"t": 0.0})
+        return Batch(batch_id=1, samples=samples, staleness=[1] * 40, learner_version=8)
     raise ValueError(f"unknown payload {payload!r}; choose from {', '.join(PAYLOADS)}")
 
 
@@ -109,15 +108,17 @@ def make_ray_payload(payload: str) -> dict[str, Any]:
     return {"samples": as_dicts, "t": 0.0}
 
 
+def _stamp_carrier(message: Message) -> dict[str, Any]:
+    """Where the send time rides: a sample's metadata (a Batch's first sample), already part of the payload."""
+    return (message.samples[0] if isinstance(message, Batch) else message).metadata
+
+
 def _stamp(message: Message, t: float) -> None:
-    if isinstance(message, Batch):
-        message.stats["t"] = t
-    else:
-        message.metadata["t"] = t
+    _stamp_carrier(message)["t"] = t
 
 
 def _stamp_of(message: Message) -> float:
-    return message.stats["t"] if isinstance(message, Batch) else message.metadata["t"]
+    return _stamp_carrier(message)["t"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,66 +285,6 @@ class Pair:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Ray
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _ray_available() -> bool:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-class RayBench:
-    def __init__(self) -> None:
-        import ray
-
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-
-        @ray.remote(num_cpus=0)
-        class Receiver:
-            def receive(self, payload: dict[str, Any]) -> float:
-                return time.monotonic() - payload["t"]
-
-        @ray.remote(num_cpus=0)
-        class Sender:
-            def throughput(self, receiver: Any, payload: dict[str, Any], n: int, warmup: int) -> float:
-                ray.get([receiver.receive.remote(payload) for _ in range(warmup)])
-                in_flight: list[Any] = []
-                start = time.monotonic()
-                for _ in range(n):
-                    in_flight.append(receiver.receive.remote(payload))
-                    if len(in_flight) >= RAY_WINDOW:
-                        _, in_flight = ray.wait(in_flight, num_returns=1)
-                ray.get(in_flight)
-                return n / (time.monotonic() - start)
-
-            def latency(self, receiver: Any, payload: dict[str, Any], n: int, warmup: int) -> list[float]:
-                out = []
-                for i in range(warmup + n):
-                    payload["t"] = time.monotonic()
-                    latency = ray.get(receiver.receive.remote(payload))
-                    if i >= warmup:
-                        out.append(latency)
-                return out
-
-        self.ray = ray
-        self.receiver = Receiver.remote()
-        self.sender = Sender.remote()
-
-    def trial(self, payload: str, mode: str, n: int, warmup: int) -> dict[str, Any]:
-        data = make_ray_payload(payload)
-        call = self.sender.throughput if mode == "throughput" else self.sender.latency
-        result = self.ray.get(call.remote(self.receiver, data, n, warmup))
-        return {"rate": result} if mode == "throughput" else {"latencies": result}
-
-    def close(self) -> None:
-        self.ray.shutdown()
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Codec microbenchmark
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -388,28 +329,6 @@ def codec_rows(payloads: tuple[str, ...], budget_s: float, repeats: int) -> list
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _run_ray(
-    payloads: tuple[str, ...], repeats: int, samples: dict[tuple[str, str, str], dict[str, list[float]]]
-) -> str:
-    """Ray rows (fewer calls: Ray is two orders of magnitude slower); a Ray that cannot start is reported."""
-    try:
-        ray = RayBench()
-    except Exception as exc:  # e.g. the raylet timing out on an overloaded machine
-        return f"failed to start ({type(exc).__name__}: {str(exc)[:80]})"
-    try:
-        for _ in range(repeats):
-            for payload in payloads:
-                n, n_lat, warmup = RAY_COUNTS[payload]
-                entry = samples.setdefault((payload, "ray", "ray"), {"rate": [], "cpu": [], "p50": [], "p99": []})
-                entry["rate"].append(ray.trial(payload, "throughput", n, warmup)["rate"])
-                lat = ray.trial(payload, "latency", n_lat, warmup)["latencies"]
-                entry["p50"].append(_percentile(lat, 0.50) * 1e6)
-                entry["p99"].append(_percentile(lat, 0.99) * 1e6)
-    finally:
-        ray.close()
-    return "measured"
-
-
 def _counts(payload: str, quick: bool) -> tuple[int, int, int]:
     """(throughput messages, latency messages, warm-up messages)."""
     full = {"1KB": (20_000, 2_000, 500), "100KB": (4_000, 1_000, 200), "4MB": (200, 60, 10)}
@@ -448,9 +367,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pair.close()
 
     ray_status = "not installed"
-    if _ray_available() and not args.quick and not args.no_ray:
-        ray_status = _run_ray(payloads, args.repeats, samples)
-    elif _ray_available():
+    if ray_available() and not args.quick and not args.no_ray:
+        ray_status = run_ray(payloads, args.repeats, samples, make_ray_payload, _percentile)
+    elif ray_available():
         ray_status = "skipped (--quick or --no-ray)"
 
     rows = []

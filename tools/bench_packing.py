@@ -34,7 +34,7 @@ from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from engines.training.attention import register_packed_attention
 from engines.training.base import TrainSample
 from engines.training.logprobs import token_log_probs
-from engines.training.packing import forward_packed, pack_inputs, padded_fraction, plan_micro_batches
+from engines.training.micro_batches import forward_packed, pack_inputs, padded_fraction, plan_micro_batches
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,17 @@
 """Benchmark: pipeline throughput of fully-async and synchronous training against the ideal bound (issue #5).
 
-    python tools/bench_pipeline.py                      # 1, 4, 16, 64 rollout workers (~16 min on 2 cores)
+    python tools/bench_pipeline.py                      # 1, 4, 16, 64 rollout workers
     python tools/bench_pipeline.py --quick              # 1 and 4 workers, short windows: the smoke run
     python tools/bench_pipeline.py --workers 16 --repeats 3 --json out.json
-    python tools/bench_pipeline.py --workers 64 --modes async --lease-retry-ms 500   # an experiment
 
-Every figure comes from a real run through launcher.py: controller, buffer, reward workers and the bus are the
-real ones, each in its own process; only the compute is synthetic (tools/pipeline_sim.py): rollout engines sleep
-per generated token with heavy-tailed response lengths, the learner sleeps per trained sample. So the gap
-between a run and its bound is what the orchestration costs (leasing, the bus, the buffer's bookkeeping and
-durable log, admission, scheduling 60+ processes on this machine's cores), plus the pipeline's own queueing.
+Every figure comes from a real run through launcher.py with the REAL actors: controller, buffer, reward workers,
+rollout workers (`actors/rollout/actor.py`) and the learner (`actors/learner/actor.py`), each in its own process,
+talking over the bus. Only the compute behind their seams sleeps (tools/pipeline_sim.py): the rollout engine
+sleeps per generated token with heavy-tailed response lengths, the trainer per trained sample, and weights
+travel as version numbers only (`--weight-transport tools.pipeline_sim:VERSION_ONLY`). So the gap between a
+run and its bound is what the orchestration costs (leasing and lease renewal, the bus, the buffer's bookkeeping
+and durable log, admission, the learner's step preparation, version announcements and weight-publish round
+trips, scheduling 60+ processes on this machine's cores), plus the pipeline's own queueing.
 
 Per scale it runs, interleaved within each repeat:
 - async: `--max-staleness 2` (fully asynchronous, the default mode);
@@ -17,27 +19,31 @@ Per scale it runs, interleaved within each repeat:
 - rollout alone: the same workers with a free trainer and no staleness limit, i.e. the rollout stage's
   measured standalone throughput through the real buffer and reward workers;
 and once per repeat, trainer alone: free generation (staleness 2), i.e. the trainer's measured standalone
-throughput including the buffer's batch service.
+throughput including the buffer's batch service and the learner's own work around a step.
 
 The ideal bound is the slowest stage's standalone throughput, computed analytically from the synthetic costs
 (rollout: workers x groups per worker x n / mean group time, where a group takes as long as its longest
 sample; trainer: 1 / per-sample cost) and measured (the two "alone" runs). samples/s counts trained samples over
-the steady-state window: from the end of the learner's warm-up batches to the end of its last batch; process
-start-up (until every actor has registered) and the warm-up batches are excluded. Medians over repeats.
+the steady-state window: it opens once the controller reports the run "running" (every actor registered) and
+the learner finished its warm-up batches after that, and closes at the end of the learner's last batch; the
+benchmark then stops the run (SIGTERM to the launcher). Medians over repeats.
 
 The default costs balance the two stages at 16 workers (rollout-bound below, trainer-bound above), where
 overlapping generation with training matters most. A training step (0.64 s) is twice a group's mean generation
 time and 0.8x the longest (truncated) one, so with `--max-staleness 2` a group is evicted for staleness only
 when groups leased after it finish first and take its place in the batches.
 
-The second table says where a run's time went. learner waits: share of the window the learner spent waiting
-for its next batch. engines busy: share of the engines' group slots generating (a rollout-bound run below 100%
-lost time to leasing or sending). send p99: a finished group's wait for the reward stream (back-pressure).
-learner step: per-step medians of fetch (BatchRequest -> decoded Batch, waiting for data included), timer
-(lateness of the simulated training's sleep) and announce (VersionAnnouncement round trip); when the trainer is
-the bottleneck, fetch + timer + announce over the step time is exactly the shortfall. staleness and evicted
-groups (trained too late, regenerated) come from the learner and the buffer; CPU cores per role are sampled
-from /proc over the window. Runs share the machine with whatever else it runs: compare rows of one invocation.
+The second table says where a run's time went, read from the actors' own outputs: the learner's metrics file
+(metrics/train.jsonl; the sleeping trainer reports when its compute started and ended) and the rollout workers'
+heartbeat gauges that the controller records (metrics/actors.jsonl, every 5 s). learner waits: share of the
+window from the end of one step to the start of the next one's compute. engines busy: share of the engines'
+group slots in flight (a rollout-bound run below 100% lost time to leasing or admission). send ms: a finished
+group's mean wait for the reward stream (back-pressure). learner step: per-step medians of fetch (end of the
+previous step -> compute starts: the batch request, waiting for data, decoding and preparing the step), timer
+(lateness of the simulated compute's sleep) and after (announce, weight publish and its acknowledgements,
+bookkeeping). staleness and evicted groups come from the learner and the buffer; CPU cores per role are
+sampled from /proc over the window. Runs share the machine with whatever else it runs: compare rows of one
+invocation.
 """
 
 from __future__ import annotations
@@ -60,16 +66,25 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.pipeline_sim import SimSpec, read_busy_log, read_steps  # noqa: E402
+from tools.bench_pipeline_measure import (  # noqa: E402
+    CPU_ROLES,
+    RunResult,
+    Window,
+    cpu_seconds,
+    measure,
+    started_actor_pids,
+    steady_window,
+)
+from tools.pipeline_sim import SPEC_ENV, SimSpec  # noqa: E402
 
-ROLLOUT_ROLE = "sim_rollout"
-LEARNER_ROLE = "sim_learner"
+SLEEPING_FLAGS = ("--rollout-engine", "tools.pipeline_sim:sleeping_engine",
+                  "--train-backend", "tools.pipeline_sim:sleeping_trainer",
+                  "--weight-transport", "tools.pipeline_sim:VERSION_ONLY")
 NO_STALENESS_LIMIT = 1_000_000  # admission never binds: "rollout alone" must not wait for versions
 MODES = ("async", "sync", "rollout_alone", "trainer_alone")
-CPU_ROLES = ("buffer", "reward", "controller", LEARNER_ROLE, ROLLOUT_ROLE, "launcher")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 QUICK_SPEEDUP = 3.0  # --quick divides both costs by this: same balance point, shorter runs
 MIN_WINDOW_SAMPLES = 640
+STOPPED_BY_US = (0, 128 + signal.SIGTERM)  # the launcher's exit codes once the benchmark ended the run
 
 
 @dataclass(frozen=True)
@@ -96,28 +111,6 @@ class Scenario:
 
 
 @dataclass
-class RunResult:
-    mode: str
-    workers: int
-    max_staleness: int
-    samples_per_s: float
-    window_s: float
-    measured_batches: int
-    learner_wait_fraction: float  # share of the window the learner spent waiting for its next batch
-    rollout_busy_fraction: float  # share of the engines' group slots that were generating during the window
-    fetch_ms: float  # median per step: BatchRequest sent -> Batch decoded (includes waiting for the data)
-    timer_ms: float  # median per step: how much longer the simulated training took than its cost (timer lateness)
-    announce_ms: float  # median per step: the VersionAnnouncement round trip to the controller
-    send_p99_ms: float  # 99th percentile of a generated group's wait for the reward stream (back-pressure)
-    staleness_mean: float
-    staleness_max: int
-    groups_evicted: int  # trained-too-late groups the buffer re-issued (wasted generation)
-    cpu_cores: dict[str, float]  # CPU cores used per role during the window (2.0 = this whole machine)
-    wall_s: float  # the whole run, start-up and shutdown included
-    run_dir: str
-
-
-@dataclass
 class Row:
     workers: int
     rollout_bound: float
@@ -132,12 +125,12 @@ class Row:
 
 # ------------------------------------------------------------------------------------------ one run
 def launch_command(scenario: Scenario, shape: PipelineShape, run_dir: Path, prompts: Path) -> list[str]:
+    spec = scenario.spec
     return [
         sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
-        "--roles", "controller,buffer,reward", "--reward-workers", str(shape.reward_workers),
-        "--custom-actor", f"{ROLLOUT_ROLE}=tools.pipeline_sim:SyntheticRollout",
-        f"--{ROLLOUT_ROLE.replace('_', '-')}-workers", str(scenario.workers),
-        "--custom-actor", f"{LEARNER_ROLE}=tools.pipeline_sim:SyntheticLearner",
+        "--reward-workers", str(shape.reward_workers), "--rollout-workers", str(scenario.workers), *SLEEPING_FLAGS,
+        "--rollout-max-batch-size", str(spec.groups_per_worker * shape.n_samples),
+        "--rollout-max-response-len", str(spec.length_max),
         "--transport", shape.transport, "--no-progress", "--console-log-level", "error",
         "--prompt-data", str(prompts), "--rollout-batch-size", str(shape.groups_per_batch),
         "--n-samples-per-prompt", str(shape.n_samples), "--max-staleness", str(scenario.max_staleness),
@@ -146,30 +139,30 @@ def launch_command(scenario: Scenario, shape: PipelineShape, run_dir: Path, prom
 
 
 class Launch:
-    """One launcher process. A run is measured once its learner recorded "finish"; the processes then wind
-    down (a few seconds of drain and leave timeouts, almost no CPU) while the next run starts."""
+    """One launcher process. A run is measured once its window is complete; the benchmark then stops it, and it
+    winds down (a few seconds of drain and leave timeouts, little CPU) while the next run starts."""
 
     def __init__(self, scenario: Scenario, shape: PipelineShape, run_dir: Path, prompts: Path) -> None:
         self.scenario = scenario
         self.run_dir = run_dir
-        scenario.spec.write(run_dir)
         env = dict(os.environ)
+        env[SPEC_ENV] = str(scenario.spec.write(run_dir))  # the sleeping engines and trainer read their costs here
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         self.started = time.monotonic()
         with open(run_dir / "launcher_output.txt", "w", encoding="utf-8") as output:
             self.process = subprocess.Popen(launch_command(scenario, shape, run_dir, prompts), cwd=REPO, env=env,
                                             stdout=output, stderr=subprocess.STDOUT)
 
-    def finished(self) -> bool:
-        return any(r["event"] == "finish" for r in read_steps(self.run_dir))
+    def window(self) -> Window | None:
+        return steady_window(self.run_dir, self.scenario.spec)
 
     def reap(self, timeout_s: float = 60.0) -> None:
-        """Wait for the launcher to exit; a failed run raises with the tail of its output."""
+        """Wait for the launcher to exit; a run that failed (not stopped by us) raises with its output's tail."""
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _stop(self.process)
-        if self.process.returncode != 0:
+        if self.process.returncode not in STOPPED_BY_US:
             tail = (self.run_dir / "launcher_output.txt").read_text(encoding="utf-8", errors="replace")[-3000:]
             raise RuntimeError(f"{self.scenario.mode} run with {self.scenario.workers} workers: launcher exited "
                                f"with {self.process.returncode} (run dir {self.run_dir}):\n{tail}")
@@ -177,60 +170,22 @@ class Launch:
 
 def run_scenario(scenario: Scenario, shape: PipelineShape, run_dir: Path, prompts: Path, timeout_s: float,
                  winding_down: Launch | None = None) -> tuple[RunResult, Launch]:
-    """Launch one run, sample the actors' CPU while it goes, and measure its steady-state window. The previous
-    run (`winding_down`) must be gone before this one's learner starts; the returned launch is still exiting."""
+    """Launch one run, sample the actors' CPU while it goes, measure its steady-state window, and stop it. The
+    previous run (`winding_down`) must be gone before this one's learner starts; the returned launch is still
+    exiting."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     launch = Launch(scenario, shape, run_dir, prompts)
     try:
         if winding_down is not None:
             winding_down.reap()
-        cpu_samples = _sample_cpu_until_finished(launch, launch.started + timeout_s)
+        window, cpu_samples = _sample_cpu_until_measured(launch, launch.started + timeout_s)
     except BaseException:
         _stop(launch.process)
         raise
-    return measure(scenario, run_dir, cpu_samples, time.monotonic() - launch.started), launch
-
-
-def measure(scenario: Scenario, run_dir: Path, cpu_samples: list[tuple[float, dict[str, float]]],
-            wall_s: float) -> RunResult:
-    records = read_steps(run_dir)
-    start = next((r for r in records if r["event"] == "start"), None)
-    steps = [r for r in records if r["event"] == "step"]
-    warmup = scenario.spec.warmup_batches
-    if start is None or len(steps) <= warmup:
-        raise RuntimeError(f"{run_dir}: the learner recorded {len(steps)} steps, need more than {warmup} warm-up")
-    window_start = start["wall"] if warmup == 0 else steps[warmup - 1]["done"]
-    measured = steps[warmup:]
-    window_s = measured[-1]["done"] - window_start
-    window_end = measured[-1]["done"]
-    waited = sum(s["received"] - max(s["asked"], window_start) for s in measured)
-    groups = read_busy_log(run_dir)
-    busy = sum(max(0.0, min(g["end"], window_end) - max(g["start"], window_start)) for g in groups)
-    sends = sorted(g["sent"] - g["end"] for g in groups if window_start <= g["end"] <= window_end)
-    slots = scenario.workers * scenario.spec.groups_per_worker
-    cost = scenario.spec.train_sample_seconds
-    staleness = [s["staleness_mean"] for s in measured]
-    return RunResult(
-        mode=scenario.mode, workers=scenario.workers, max_staleness=scenario.max_staleness,
-        samples_per_s=sum(s["samples"] for s in measured) / window_s, window_s=window_s,
-        measured_batches=len(measured), learner_wait_fraction=waited / window_s,
-        rollout_busy_fraction=busy / (slots * window_s),
-        fetch_ms=1e3 * statistics.median(s["received"] - s["asked"] for s in measured),
-        timer_ms=1e3 * statistics.median(s["trained"] - s["received"] - s["samples"] * cost for s in measured),
-        announce_ms=1e3 * statistics.median(s["done"] - s["trained"] for s in measured),
-        send_p99_ms=1e3 * sends[int(0.99 * (len(sends) - 1))] if sends else math.nan,
-        staleness_mean=statistics.fmean(staleness), staleness_max=max(s["staleness_max"] for s in measured),
-        groups_evicted=_groups_evicted(run_dir),
-        cpu_cores=_cores_by_role(cpu_samples, window_start, window_end), wall_s=wall_s,
-        run_dir=str(run_dir),
-    )
-
-
-def _groups_evicted(run_dir: Path) -> int:
-    path = run_dir / "metrics" / "buffer.jsonl"
-    if not path.exists():
-        return 0
-    last = path.read_text(encoding="utf-8").strip().splitlines()[-1:]
-    return int(json.loads(last[0]).get("buffer.dropped.stale_evicted", 0)) if last else 0
+    launch.process.send_signal(signal.SIGTERM)
+    wall_s = time.monotonic() - launch.started
+    return measure(scenario.mode, scenario.workers, scenario.max_staleness, run_dir, window, cpu_samples,
+                   wall_s), launch
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -245,63 +200,25 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-# ------------------------------------------------------------------------------------------- CPU use
-def _actor_pids(run_dir: Path) -> dict[str, int]:
-    pids = {}
-    path = run_dir / "logs" / "launcher-0.jsonl"
-    if not path.exists():
-        return pids
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            record = json.loads(line)
-            if record.get("event") == "actor process started":
-                pids[record["actor"]] = record["pid"]
-    return pids
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
-
-
-def _role_of(actor_id: str) -> str:
-    return actor_id.split("-", 1)[0]
-
-
-def _sample_cpu_until_finished(launch: Launch, deadline: float) -> list[tuple[float, dict[str, float]]]:
-    """Every half second, CPU seconds used so far per actor: the window's share is taken afterwards."""
+def _sample_cpu_until_measured(launch: Launch, deadline: float
+                               ) -> tuple[Window, list[tuple[float, dict[str, float]]]]:
+    """Every half second, CPU seconds used so far per actor (the window's share is taken afterwards), until the
+    steady-state window is complete."""
     samples: list[tuple[float, dict[str, float]]] = []
     pids: dict[str, int] = {}
-    while not launch.finished():
+    while (window := launch.window()) is None:
         if launch.process.poll() is not None:
-            launch.reap()  # raises: it exited without finishing
-            raise RuntimeError(f"run in {launch.run_dir} ended before its learner finished")
+            launch.reap()  # raises if it failed
+            raise RuntimeError(f"run in {launch.run_dir} ended before its window was measured")
         if time.monotonic() > deadline:
             raise TimeoutError(f"run in {launch.run_dir} did not finish in time; see its launcher_output.txt")
         if len(pids) < 3 or len(samples) % 10 == 0:
-            pids = _actor_pids(launch.run_dir)
-        used = {"launcher": _cpu_seconds(launch.process.pid)}
-        used.update({actor: _cpu_seconds(pid) for actor, pid in pids.items()})
+            pids = started_actor_pids(launch.run_dir)
+        used = {"launcher": cpu_seconds(launch.process.pid)}
+        used.update({actor: cpu_seconds(pid) for actor, pid in pids.items()})
         samples.append((time.time(), {k: v for k, v in used.items() if v is not None}))
         time.sleep(0.5)
-    return samples
-
-
-def _cores_by_role(samples: list[tuple[float, dict[str, float]]], start: float, end: float) -> dict[str, float]:
-    inside = [s for s in samples if start <= s[0] <= end]
-    if len(inside) < 2:
-        return {}
-    (t0, first), (t1, last) = inside[0], inside[-1]
-    cores = dict.fromkeys(CPU_ROLES, 0.0)
-    for actor, seconds in last.items():
-        if actor in first:
-            role = _role_of(actor)
-            cores[role] = cores.get(role, 0.0) + (seconds - first[actor]) / (t1 - t0)
-    cores["total"] = sum(cores.values())
-    return cores
+    return window, samples
 
 
 # ----------------------------------------------------------------------------------------- the plan
@@ -420,13 +337,13 @@ def throughput_table(rows: list[Row], trainer_measured: float) -> str:
 
 def diagnostics_table(rows: list[Row], trainer_runs: list[RunResult]) -> str:
     """Per run (the median one of its scenario): who waited, how stale, what was wasted, who used the CPU."""
-    roles = ("buffer", "reward", "controller", LEARNER_ROLE, ROLLOUT_ROLE, "launcher", "total")
+    roles = (*CPU_ROLES, "total")
     names = ("buffer", "reward", "contrl", "learnr", "rollts", "launch", "total")
     lines = [
         f"{'':>7} {'':>13} | {'learner':>7} {'engines':>7} {'send':>6} | {'learner step, ms':^20} | "
         f"{'staleness':^11} {'evicted':>7} | {'CPU cores used in the window':^48}",
-        f"{'workers':>7} {'mode':>13} | {'waits':>7} {'busy':>7} {'p99ms':>6} | {'fetch':>6} {'timer':>6} "
-        f"{'announ':>6} | {'mean':>5} {'max':>5} {'groups':>7} | " + " ".join(f"{n:>6}" for n in names),
+        f"{'workers':>7} {'mode':>13} | {'waits':>7} {'busy':>7} {'ms':>6} | {'fetch':>6} {'timer':>6} "
+        f"{'after':>6} | {'mean':>5} {'max':>5} {'groups':>7} | " + " ".join(f"{n:>6}" for n in names),
     ]
     lines.append("-" * len(lines[1]))
     results = [(r.workers, m, runs) for r in rows for m, runs in r.runs.items()]
@@ -436,9 +353,9 @@ def diagnostics_table(rows: list[Row], trainer_runs: list[RunResult]) -> str:
         run = sorted(runs, key=lambda r: r.samples_per_s)[len(runs) // 2]
         cores = " ".join(f"{run.cpu_cores.get(role, math.nan):6.2f}" for role in roles)
         lines.append(f"{workers:>7} {mode:>13} | {100 * run.learner_wait_fraction:6.1f}% "
-                     f"{100 * run.rollout_busy_fraction:6.1f}% {run.send_p99_ms:6.1f} | {run.fetch_ms:6.1f} "
+                     f"{100 * run.rollout_busy_fraction:6.1f}% {run.send_ms:6.1f} | {run.fetch_ms:6.0f} "
                      f"{run.timer_ms:6.1f} "
-                     f"{run.announce_ms:6.1f} | {run.staleness_mean:5.2f} {run.staleness_max:5d} "
+                     f"{run.after_ms:6.1f} | {run.staleness_mean:5.2f} {run.staleness_max:5d} "
                      f"{run.groups_evicted:7d} | {cores}")
     return "\n".join(lines)
 
@@ -499,9 +416,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep every run directory under this path")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="which runs to make (an experiment may need only async)")
-    parser.add_argument("--lease-retry-ms", type=float, default=None,
-                        help="experiment: an idle worker's wait after an empty lease (default 50 as in "
-                             "actors/rollout.py)")
     defaults = SimSpec()
     parser.add_argument("--token-ms", type=float, default=None,
                         help=f"simulated decode time per token (default {defaults.token_seconds * 1e3:g}, "
@@ -549,8 +463,6 @@ def configure(args: argparse.Namespace) -> tuple[list[int], SimSpec, PipelineSha
         spec = replace(spec, warmup_batches=1, measure_seconds=1.5)
     if args.measure_seconds is not None:
         spec = replace(spec, measure_seconds=args.measure_seconds)
-    if args.lease_retry_ms is not None:
-        spec = replace(spec, lease_retry_seconds=args.lease_retry_ms / 1e3)
     return scales, spec, shape
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.prompt_data import load_prompts
+from actors.buffer.prompt_data import load_prompts
 from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
 from policies.registry import resolve_reward

@@ -160,7 +160,6 @@ def check_train_step(device: str, quick: bool) -> Row:
 
     from engines.tiny_model import TinyModelSpec, cached_tiny_model
     from engines.training import (
-        LossNormalizer,
         ModelOutputs,
         PackedBatch,
         TorchTrainer,
@@ -173,10 +172,11 @@ def check_train_step(device: str, quick: bool) -> Row:
     generator = torch.Generator().manual_seed(0)
     count, length = (16, 96) if quick else (64, 256)
     samples = [TrainSample(torch.randint(6, 100, (length,), generator=generator), length // 2,
-                           {"advantages": torch.randn(length // 2, generator=generator)}) for _ in range(count)]
+                           advantages=torch.randn(length // 2, generator=generator)) for _ in range(count)]
+    loss_tokens = count * (length // 2)  # the whole step's count: the loss carries its own denominator
 
-    def loss_fn(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Any, dict]:
-        return -(batch.token_fields["advantages"] * outputs.log_probs).sum() / normalizer.loss_tokens, {}
+    def loss_fn(outputs: ModelOutputs, batch: PackedBatch) -> tuple[Any, dict]:
+        return -(batch.advantages * outputs.log_probs).sum() / loss_tokens, {}
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     trainer = TorchTrainer(TorchTrainerConfig(model_path=path, lr=1e-5, device=device, dtype=dtype,

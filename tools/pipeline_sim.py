@@ -1,26 +1,27 @@
-"""Synthetic compute for the pipeline benchmark: a rollout worker and a learner that cost time, not CPU.
+"""Sleeping compute behind the real seams, for the pipeline benchmark and the actors' in-process tests.
 
-`tools/bench_pipeline.py` runs the real orchestration (launcher, controller, buffer, reward workers, the bus)
-with these two actors standing in for the engines, so what it measures is the orchestration itself:
+`tools/bench_pipeline.py` runs a real run through launcher.py: controller, buffer, reward workers, the REAL
+`RolloutWorker` and `Learner`, and the bus. Only the compute is simulated, by implementations of the same
+interfaces the real engines implement, selected with the ordinary plugin flags:
 
-- `SyntheticRollout` speaks the real rollout worker's protocol (credit-based `LeaseRequest` -> `Lease`, one
-  `GeneratedGroup` per group to the reward role) with the same lease loop as `actors/rollout.py`. Its engine
-  "decodes" by `asyncio.sleep`: simulated accelerator time per token, so 64 workers fit on 2 CPU cores. The
-  n samples of a group decode together, so a group takes as long as its longest sample; response lengths are
-  heavy-tailed (a log-normal clipped to [min, max], the clip standing in for truncation at max length).
-- `SyntheticLearner` speaks the real learner's protocol (long-poll `BatchRequest` -> `Batch`, a
-  `VersionAnnouncement` to the controller after each step) and "trains" by sleeping per sample. It pushes no
-  weights: weight transfer is free here, so the synthetic engines run the newest version the moment it exists.
-  An engine learns of it from the version broadcast or from a lease stamped with a newer version, whichever
-  arrives first, and tags every token with the version in force when the token was produced, so the buffer's
-  admission and staleness checks work exactly as in a real run.
+    --rollout-engine tools.pipeline_sim:sleeping_engine      # SleepingEngine + SleepingTokenizer
+    --train-backend tools.pipeline_sim:sleeping_trainer      # SleepingTrainer (tools/pipeline_sim_learner.py)
+    --weight-transport tools.pipeline_sim:VERSION_ONLY       # versions travel, bytes do not
 
-Neither class imports torch or transformers (64 processes each importing torch would need ~20 GB). Their costs
-come from `RUN_DIR/pipeline_sim.json` (`SimSpec`), written by the benchmark before it launches the run: the
-launcher hands actors only the run configuration, and the run directory is the one other thing every actor
-knows. Both actors start work only once the controller reports the run "running" (every expected actor
-registered), so start-up is not part of what they record: the learner its steps in
-`RUN_DIR/metrics/sim_learner_steps.jsonl`, each worker when its engine was busy in `sim_rollout_busy-<id>.jsonl`.
+- `SleepingEngine` "decodes" by `asyncio.sleep`: simulated accelerator time per token, so 64 workers fit on 2 CPU
+  cores. The n samples of a request decode together, so a request takes as long as its longest sample; response
+  lengths are heavy-tailed (a log-normal clipped to [min, max], the clip standing in for truncation at max length).
+  Every token carries the version in force when it was produced (a weight update can land mid-generation) and a
+  log-prob, as a real engine returns them.
+- `SleepingTrainer` sleeps per trained sample and writes small checkpoint files, so the learner's whole loop
+  (batch service, announce, weight publish, checkpoint, export) runs for real.
+- `VERSION_ONLY` keeps the model "weight transfer is free": its sender moves no bytes and its loader only sets the
+  engine's version, so the real publish/acknowledge round trip is what remains of a transfer.
+
+This module never imports torch (a rollout worker imports it to build its engine and to resolve the transport,
+and 64 workers each importing torch would need ~20 GB); the torch side lives in tools/pipeline_sim_learner.py.
+Costs come from a `SimSpec` file whose path the benchmark puts in `$SLIPSTREAM_PIPELINE_SIM` before it starts the
+launcher (actor processes inherit the environment; an engine factory is given only the config and its id).
 """
 
 from __future__ import annotations
@@ -29,62 +30,52 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import re
 import time
 import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from actors.base import Actor
 from actors.config import RunConfig
-from actors.handlers import on_broadcast
-from actors.metrics import read_metrics
-from bus.schema import (
-    TOPIC_RUN_STATE,
-    TOPIC_VERSION,
-    Batch,
-    BatchRequest,
-    Control,
-    GeneratedGroup,
-    Lease,
-    LeaseRequest,
-    PromptGroup,
-    RunState,
-    Sample,
-    VersionAnnouncement,
-)
+from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, PauseMode
+from engines.weights.transport import SenderOptions, WeightTransport
+
+if TYPE_CHECKING:
+    from engines.training.base import Trainer
+    from engines.weights.base import WeightSender
 
 SPEC_FILE = "pipeline_sim.json"
-STEPS_FILE = "sim_learner_steps.jsonl"
-BUSY_FILE = "sim_rollout_busy-{actor_id}.jsonl"  # one line per generated group: when its engine slot was busy
-CHARS_PER_TOKEN = 4  # response text is as long as a real one, so messages weigh what real ones weigh
-VOCAB_SIZE = 32_000
+SPEC_ENV = "SLIPSTREAM_PIPELINE_SIM"  # path of the SimSpec file every sleeping implementation reads
+BYTE_TOKENS = 256  # token ids below this are single bytes (prompts, answers); the rest are filler word pieces
+PIECES = ("step", " so ", "then", " we ", "add ", "the ", "sum ", "next")  # 4 characters each, like a real token
+ARITHMETIC = re.compile(r"What is (\d+) \+ (\d+)\?")
 
 
 @dataclass(frozen=True)
 class SimSpec:
-    """The synthetic costs and the learner's stopping rule; one file shared by every synthetic actor."""
+    """The synthetic costs and the benchmark's measuring rule; one file shared by every sleeping implementation."""
 
-    token_seconds: float = 0.75e-3  # simulated decode time per token of one sequence (a group decodes together)
+    token_seconds: float = 0.75e-3  # simulated decode time per token of one sequence (a request decodes together)
     train_sample_seconds: float = 5e-3  # simulated training time per sample
     groups_per_worker: int = 1  # groups one engine decodes at once (its batch is this x n_samples sequences)
     length_median: float = 128.0  # response length distribution: log-normal, clipped to [length_min, length_max]
     length_sigma: float = 1.0
     length_min: int = 16
     length_max: int = 1024
-    prompt_tokens: int = 64
-    correct_fraction: float = 0.5  # share of responses whose boxed answer matches the label
-    lease_retry_seconds: float = 0.05  # an idle worker asks again after an empty lease (0.05 in actors/rollout.py)
-    warmup_batches: int = 2  # the learner's first batches, excluded from the steady-state window
-    measure_seconds: float = 20.0  # the learner stops once the window is this long ...
-    min_measured_batches: int = 3  # ... and holds at least this many batches (num_rollout caps both)
+    correct_fraction: float = 0.5  # share of responses whose boxed answer is right
+    warmup_batches: int = 2  # the learner's first batches after start-up, excluded from the steady-state window
+    measure_seconds: float = 20.0  # the benchmark stops a run once the window is this long ...
+    min_measured_batches: int = 3  # ... and holds at least this many batches
     seed: int = 0
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("token_seconds", "train_sample_seconds", "measure_seconds", "lease_retry_seconds"):
+        for name in ("token_seconds", "train_sample_seconds", "measure_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("groups_per_worker", "length_min", "min_measured_batches"):
@@ -96,8 +87,8 @@ class SimSpec:
             problems.append("length_median and length_sigma must be > 0")
         if not 0.0 <= self.correct_fraction <= 1.0:
             problems.append(f"correct_fraction must be in [0, 1], got {self.correct_fraction}")
-        if self.warmup_batches < 0 or self.prompt_tokens < 0:
-            problems.append("warmup_batches and prompt_tokens must be >= 0")
+        if self.warmup_batches < 0:
+            problems.append(f"warmup_batches must be >= 0, got {self.warmup_batches}")
         if problems:
             raise ValueError("SimSpec: " + "; ".join(problems))
 
@@ -110,7 +101,10 @@ class SimSpec:
 
     @classmethod
     def read(cls, run_dir: Path) -> SimSpec:
-        path = run_dir / SPEC_FILE
+        return cls.read_file(run_dir / SPEC_FILE)
+
+    @classmethod
+    def read_file(cls, path: Path) -> SimSpec:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -123,6 +117,15 @@ class SimSpec:
         if unknown:
             raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}")
         return cls(**data)
+
+    @classmethod
+    def from_env(cls) -> SimSpec:
+        """The spec of this run: `$SLIPSTREAM_PIPELINE_SIM` names its file."""
+        path = os.environ.get(SPEC_ENV)
+        if not path:
+            raise ValueError(f"${SPEC_ENV} is not set: it must name the SimSpec file of the sleeping engine/trainer "
+                             "(tools/bench_pipeline.py sets it before it starts the launcher)")
+        return cls.read_file(Path(path))
 
     # -------------------------------------------------------------------------------------- analytics
     def length_distribution(self) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +160,7 @@ class SimSpec:
 
 
 class LengthSampler:
-    """Draws response lengths from the spec's distribution with a generator of its own (one per worker)."""
+    """Draws response lengths from the spec's distribution with a generator of its own (one per engine)."""
 
     def __init__(self, spec: SimSpec, seed: int | list[int]) -> None:
         self.lengths, probabilities = spec.length_distribution()
@@ -169,9 +172,34 @@ class LengthSampler:
         return self.lengths[np.minimum(picks, len(self.lengths) - 1)]
 
 
-class SyntheticEngine:
-    """Decodes by sleeping. Keeps the times at which new policy versions became available, so that every
-    token is tagged with the version in force when it was produced (a version can land mid-generation)."""
+class SleepingTokenizer:
+    """Bytes in, bytes (and 4-character filler pieces) out: enough of a tokenizer for the rollout path, so a
+    response's text is about as long as a real one and the reward worker's exact-match scoring runs on it."""
+
+    eos_token_id: int | None = None
+
+    def __call__(self, text: str, *, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                            tokenize: bool) -> list[int]:
+        text = "".join(f"<{m.get('role', 'user')}>{m.get('content', '')}\n" for m in messages)
+        return self(text + ("<assistant>" if add_generation_prompt else ""))["input_ids"]
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        text = bytearray()
+        for token in token_ids:
+            text += bytes([token]) if token < BYTE_TOKENS else PIECES[(token - BYTE_TOKENS) % len(PIECES)].encode()
+        return text.decode("utf-8", errors="replace")
+
+
+class SleepingEngine(InferenceEngine):
+    """Decodes by sleeping. Keeps the times at which each weight version came into force, so that every token is
+    tagged with the version of the weights "in the engine" when it was produced.
+
+    A pause holds back new requests until `resume`; requests in flight run on (there are no weights to tear).
+    Aborting a request ends it at once with the tokens its elapsed time paid for, marked "abort".
+    """
 
     def __init__(self, spec: SimSpec, *, seed: list[int]) -> None:
         self.spec = spec
@@ -179,252 +207,130 @@ class SyntheticEngine:
         self.rng = np.random.default_rng([*seed, 1])
         self._since: list[float] = [-math.inf]  # monotonic time from which _versions[i] was in force
         self._versions: list[int] = [0]
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._aborts: dict[str, asyncio.Event] = {}
+        self._closed = False
+        self.generated_requests = 0
 
     @property
     def version(self) -> int:
         return self._versions[-1]
 
-    def observe_version(self, version: int) -> None:
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        if self._closed:
+            raise RuntimeError("SleepingEngine: generate after close")
+        if request.request_id in self._aborts:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        await self._resumed.wait()
+        params = request.params
+        lengths = np.minimum(self.lengths.draw(params.n), params.max_new_tokens)
+        longest = int(lengths.max())
+        aborted = self._aborts[request.request_id] = asyncio.Event()
+        started = time.monotonic()
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(aborted.wait(), longest * self.spec.token_seconds)
+        finally:
+            self._aborts.pop(request.request_id, None)
+        produced = longest
+        if aborted.is_set() and self.spec.token_seconds > 0:
+            produced = min(longest, int((time.monotonic() - started) / self.spec.token_seconds))
+        versions = self._versions_of_tokens(started, produced)
+        answer = self._answer(request.input_ids)
+        self.generated_requests += 1
+        return [self._output(request, index, int(min(length, produced)), versions, answer,
+                             aborted=int(length) > produced) for index, length in enumerate(lengths)]
+
+    def _versions_of_tokens(self, started: float, count: int) -> np.ndarray:
+        since, versions = np.asarray(self._since), np.asarray(self._versions, dtype=np.int64)
+        token_times = started + self.spec.token_seconds * np.arange(1, count + 1)
+        return versions[np.searchsorted(since, token_times, side="right") - 1]
+
+    def _answer(self, input_ids: Sequence[int]) -> str | None:
+        """The right answer to one of the benchmark's arithmetic prompts (None for any other prompt)."""
+        prompt = bytes(t for t in input_ids if t < BYTE_TOKENS).decode("utf-8", errors="replace")
+        match = ARITHMETIC.search(prompt)
+        return str(int(match.group(1)) + int(match.group(2))) if match else None
+
+    def _output(self, request: GenerateRequest, index: int, length: int, versions: np.ndarray, answer: str | None,
+                *, aborted: bool) -> GenerateOutput:
+        right = answer is not None and self.rng.random() < self.spec.correct_fraction
+        boxed = list(f"\\boxed{{{answer if right else 'unsure'}}}".encode())[:length]
+        filler = self.rng.integers(BYTE_TOKENS, BYTE_TOKENS + len(PIECES), length - len(boxed))
+        finish = "abort" if aborted else ("length" if length >= request.params.max_new_tokens else "stop")
+        return GenerateOutput(
+            request_id=request.request_id, output_ids=[*filler.tolist(), *boxed],
+            log_probs=(-self.rng.exponential(1.0, length)).tolist(), versions=versions[:length].tolist(),
+            finish_reason=finish, sample_index=index, prompt_len=len(request.input_ids),
+        )
+
+    async def abort(self, request_id: str | None = None) -> None:
+        for rid, event in list(self._aborts.items()):
+            if request_id is None or rid == request_id:
+                event.set()
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        self._resumed.clear()
+        if mode == "abort":
+            await self.abort(None)
+
+    async def resume(self) -> None:
+        self._resumed.set()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """No weights to copy; from now on tokens carry `version` (an older version never replaces a newer)."""
+        for _ in named_tensors:
+            pass
         if version > self._versions[-1]:
             self._since.append(time.monotonic())
             self._versions.append(version)
 
-    async def generate(self, group: PromptGroup) -> list[Sample]:
-        lengths = self.lengths.draw(group.n_samples)
-        started = time.monotonic()
-        await asyncio.sleep(float(lengths.max()) * self.spec.token_seconds)
-        since, versions = np.asarray(self._since), np.asarray(self._versions, dtype=np.int32)
-        token_times = started + self.spec.token_seconds * np.arange(1, int(lengths.max()) + 1)
-        token_versions = versions[np.searchsorted(since, token_times, side="right") - 1]
-        return [self._sample(group, index, int(length), token_versions[:length])
-                for index, length in enumerate(lengths)]
+    async def health(self) -> dict[str, object]:
+        return {"healthy": not self._closed, "version": self.version, "in_flight": len(self._aborts)}
 
-    def _sample(self, group: PromptGroup, index: int, length: int, token_versions: np.ndarray) -> Sample:
-        correct = self.rng.random() < self.spec.correct_fraction
-        answer = str(group.label) if correct else f"not {group.label}"
-        filler = "step " * (length * CHARS_PER_TOKEN // 5)
-        return Sample(
-            sample_id=f"{group.group_id}/{index}", group_id=group.group_id, index=index, prompt=group.prompt,
-            prompt_tokens=self.spec.prompt_tokens,
-            tokens=self.rng.integers(0, VOCAB_SIZE, self.spec.prompt_tokens + length, dtype=np.int32),
-            response=f"{filler}\\boxed{{{answer}}}", response_length=length, label=group.label,
-            loss_mask=np.ones(length, dtype=np.int8),
-            rollout_log_probs=-self.rng.exponential(1.0, length).astype(np.float32),
-            token_versions=np.ascontiguousarray(token_versions, dtype=np.int32),
-            status="truncated" if length >= self.spec.length_max else "completed",
-            metadata={**group.metadata, "data_index": group.data_index},
-        )
+    async def close(self) -> None:
+        await self.abort(None)
+        self._closed = True
+        self._resumed.set()
 
 
-class SyntheticActor(Actor):
-    """Starts its work only once the run is "running": every expected actor registered, start-up is over."""
+# ------------------------------------------------------------------------------------------ weights
+class VersionOnlyLoader:
+    """The engine side of VERSION_ONLY: an update is the new version number, applied between two decode steps."""
 
-    def __init__(self, context: Any) -> None:
-        super().__init__(context)
-        self._running = asyncio.Event()
+    def __init__(self, engine: InferenceEngine, actor_id: str, log: Any) -> None:
+        self.engine = engine
+        self.actor_id = actor_id
+        self.log = log
 
-    @on_broadcast(TOPIC_RUN_STATE)
-    async def on_run_state(self, topic: str, state: RunState) -> None:
-        if state.state == "running":
-            self._running.set()
+    async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float) -> None:
+        await self.engine.update_weights([], version)
 
-    async def wait_until_running(self, poll_seconds: float = 1.0) -> None:
-        """Heard by broadcast, and asked by request too: the last actor to register subscribes after the
-        "running" broadcast went out. The requests are rare because 64 workers asking often would slow the
-        very registrations they wait for."""
-        assert self._controller is not None, "call after start(): the actor registers before its story runs"
-        while not self.stopping and not self._running.is_set():
-            with contextlib.suppress(Exception):  # the controller is busy registering 60 actors; ask again
-                reply = await self._controller.call(RunState(state="starting"), timeout=2.0, retries=0)
-                if isinstance(reply, RunState) and reply.state == "running":
-                    self._running.set()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._running.wait(), poll_seconds)
+    def close(self) -> None:
+        """Holds nothing."""
 
 
-class SyntheticRollout(SyntheticActor):
-    """lease -> generate (sleep) -> send, with the real rollout worker's lease loop and message flow."""
+def _version_only_sender(options: SenderOptions) -> WeightSender:
+    from tools.pipeline_sim_learner import VersionOnlySender  # the learner's side: torch is there anyway
 
-    drain_timeout = 0.5  # nothing in hand is worth waiting for: the run is over when a synthetic worker stops
-
-    async def on_start(self) -> None:
-        self.config = RunConfig(**self.settings["run"])
-        self.spec = SimSpec.read(self.context.run_dir)
-        self.engine = SyntheticEngine(self.spec, seed=[self.spec.seed, zlib.crc32(self.actor_id.encode())])
-        self.buffer = self.peer_rpc("buffer")
-        self.rewards = self.peer_stream("reward")
-        self.capacity = self.spec.groups_per_worker
-        self.groups_in_flight = 0
-        self._room = asyncio.Condition()
-        busy_path = self.context.run_dir / "metrics" / BUSY_FILE.format(actor_id=self.actor_id)
-        busy_path.parent.mkdir(parents=True, exist_ok=True)
-        self.busy_log = open(busy_path, "a", buffering=1)  # noqa: SIM115 - one line per group, read after the run
-
-    async def run(self) -> None:
-        """The loop of `RolloutWorker.run` (actors/rollout.py), minus the real engine's weight wait; the retry
-        delay after an empty lease is the spec's, 0.05 s like the real worker unless an experiment changes it."""
-        await self.wait_until_running()
-        while not self.stopping:
-            async with self._room:
-                await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
-            lease = await self._request_lease(self.capacity - self.groups_in_flight)
-            if lease is None or not lease.groups:
-                await asyncio.sleep(self.spec.lease_retry_seconds if lease is not None else 0.5)
-                continue
-            self.engine.observe_version(lease.version)
-            self.groups_in_flight += len(lease.groups)
-            for group in lease.groups:
-                self.spawn(self._rollout_group(lease, group), name=f"rollout.{group.group_id}")
-
-    async def _rollout_group(self, lease: Lease, group: PromptGroup) -> None:
-        try:
-            started = time.time()
-            samples = await self.engine.generate(group)
-            generated = time.time()
-            self.counters["samples.generated"] += len(samples)
-            self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
-            await self.rewards.send(GeneratedGroup(lease_id=lease.lease_id, group_id=group.group_id,
-                                                   samples=samples, worker_id=self.actor_id))
-            if not self.busy_log.closed:  # on_stop closes it while the last groups may still be finishing
-                self.busy_log.write(json.dumps({"start": started, "end": generated, "sent": time.time()}) + "\n")
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # the lease expires and the group is re-issued; say why, do not die
-            self.counters["groups.failed"] += 1
-            self.log.exception("synthetic rollout of a group failed", group=group.group_id, error=repr(error))
-        finally:
-            async with self._room:
-                self.groups_in_flight -= 1
-                self._room.notify_all()
-
-    async def _request_lease(self, max_groups: int) -> Lease | None:
-        try:
-            reply = await self.buffer.call(LeaseRequest(worker_id=self.actor_id, max_groups=max_groups),
-                                           timeout=5.0, retries=2)
-        except (TimeoutError, asyncio.TimeoutError):
-            self.counters["lease.unanswered"] += 1
-            return None
-        return reply if isinstance(reply, Lease) else None
-
-    @on_broadcast(TOPIC_VERSION)
-    async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
-        self.engine.observe_version(announcement.version)
-
-    async def on_stop(self) -> None:
-        if hasattr(self, "busy_log"):
-            self.busy_log.close()
+    return VersionOnlySender(VERSION_ONLY.name)
 
 
-class SyntheticLearner(SyntheticActor):
-    """pull -> train (sleep) -> announce, recording every step, until the steady-state window is long enough."""
-
-    drain_timeout = 5.0
-
-    async def on_start(self) -> None:
-        self.config = RunConfig(**self.settings["run"])
-        self.spec = SimSpec.read(self.context.run_dir)
-        self.buffer = self.peer_rpc("buffer")
-        self.version = 0
-        self.trained_batch = 0
-        (self.context.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        self.steps = open(self.context.run_dir / "metrics" / STEPS_FILE, "a", buffering=1)  # noqa: SIM115
-        self.window_started: float | None = None
-
-    async def run(self) -> None:
-        """pull -> train -> announce, as `Learner.run` (actors/learner.py) without weights or checkpoints."""
-        await self.wait_until_running()
-        started = time.time()
-        self._record({"event": "start", "wall": started})
-        if self.spec.warmup_batches == 0:
-            self.window_started = started
-        while not self.stopping and not self._done():
-            asked = time.time()
-            batch = await self.next_batch()
-            if batch is None:
-                continue
-            received = time.time()
-            await asyncio.sleep(len(batch.samples) * self.spec.train_sample_seconds)
-            trained = time.time()
-            self.version += 1
-            self.trained_batch = batch.batch_id
-            await self.announce_version()
-            self._record_step(batch, asked=asked, received=received, trained=trained)
-        if self._done():
-            await self.finish()
-
-    def _done(self) -> bool:
-        if self.trained_batch >= self.config.num_rollout:
-            return True
-        measured = self.trained_batch - self.spec.warmup_batches
-        return (self.window_started is not None and measured >= self.spec.min_measured_batches
-                and time.time() - self.window_started >= self.spec.measure_seconds)
-
-    async def next_batch(self) -> Batch | None:
-        request = BatchRequest(learner_version=self.version, trained_batch=self.trained_batch,
-                               checkpointed_batch=self._checkpointed())
-        try:
-            reply = await self.buffer.call(request, timeout=10.0, retries=1)
-        except (TimeoutError, asyncio.TimeoutError):
-            self.counters["batch.unanswered"] += 1
-            return None
-        if not isinstance(reply, Batch) or not reply.samples:
-            return None
-        return reply
-
-    def _checkpointed(self) -> int:
-        """What a real learner with this run's --save-interval would have made durable (lets the buffer forget)."""
-        interval = self.config.save_interval
-        return 0 if not interval else (self.trained_batch // interval) * interval
-
-    async def announce_version(self) -> None:
-        assert self._controller is not None
-        announcement = VersionAnnouncement(version=self.version, weights_version=self.version,
-                                           step=self.trained_batch, timestamp=time.time())
-        try:
-            await self._controller.call(announcement, timeout=2.0, retries=2)
-        except Exception as error:  # the next announcement carries the same information
-            self.log.warning("version announcement failed", error=repr(error))
-
-    async def finish(self) -> None:
-        """Commit what was trained in the buffer, then end the run for everyone, as the real learner does."""
-        try:
-            await self.buffer.call(BatchRequest(learner_version=self.version, trained_batch=self.trained_batch,
-                                                checkpointed_batch=self.trained_batch, commit_only=True),
-                                   timeout=5.0, retries=1)
-        except Exception as error:
-            self.log.warning("final commit to the buffer failed", error=repr(error))
-        assert self._controller is not None
-        self._record({"event": "finish", "wall": time.time(), "batches": self.trained_batch})
-        await self._controller.call(Control(command="stop", reason=f"trained {self.trained_batch} batches"),
-                                    timeout=5.0, retries=2)
-
-    def _record_step(self, batch: Batch, *, asked: float, received: float, trained: float) -> None:
-        done = time.time()
-        if self.trained_batch == self.spec.warmup_batches:
-            self.window_started = done
-        staleness = np.asarray(batch.staleness or [0])
-        self._record({"event": "step", "batch_id": batch.batch_id, "version": self.version,
-                      "samples": len(batch.samples), "asked": asked, "received": received, "trained": trained,
-                      "done": done, "staleness_max": int(staleness.max()), "staleness_mean": float(staleness.mean())})
-
-    def _record(self, record: dict[str, Any]) -> None:
-        self.steps.write(json.dumps(record) + "\n")
-
-    async def on_stop(self) -> None:
-        if hasattr(self, "steps"):
-            self.steps.close()
+VERSION_ONLY = WeightTransport(name="tools.pipeline_sim:VERSION_ONLY", make_sender=_version_only_sender,
+                               make_loader=VersionOnlyLoader)
 
 
-def read_steps(run_dir: Path) -> list[dict[str, Any]]:
-    """The learner's records of one run, in order."""
-    return read_metrics(run_dir / "metrics" / STEPS_FILE)
+# ---------------------------------------------------------------------------------------- factories
+def sleeping_engine(config: RunConfig, actor_id: str | None) -> tuple[SleepingEngine, SleepingTokenizer]:
+    """`--rollout-engine tools.pipeline_sim:sleeping_engine`: one engine per worker, seeded by its id."""
+    spec = SimSpec.from_env()
+    seed = [spec.seed, zlib.crc32((actor_id or "").encode())]
+    return SleepingEngine(spec, seed=seed), SleepingTokenizer()
 
 
-def read_busy_log(run_dir: Path) -> list[dict[str, float]]:
-    """Every group generated by any synthetic rollout worker of the run: wall times `start` and `end` of its
-    generation and `sent`, when the reward stream took it (a late `sent` is a back-pressured stream)."""
-    records = []
-    for path in sorted((run_dir / "metrics").glob(BUSY_FILE.format(actor_id="*"))):
-        records += read_metrics(path)
-    return records
+def sleeping_trainer(config: RunConfig) -> Trainer:
+    """`--train-backend tools.pipeline_sim:sleeping_trainer`."""
+    from tools.pipeline_sim_learner import SleepingTrainer
 
+    return SleepingTrainer(SimSpec.from_env().train_sample_seconds)

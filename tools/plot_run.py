@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from actors.metrics import read_metrics
+from actors.runtime.metrics import read_metrics
 
 
 def _series(records: list[dict[str, Any]], key: str, x: str) -> tuple[list[float], list[float]]:

@@ -16,19 +16,20 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.base import Actor
-from actors.buffer_core import BufferCore
-from actors.buffer_log import BufferLog
+from actors.buffer.core import BufferCore
+from actors.buffer.log import BufferLog
+from actors.buffer.prompt_data import PromptSource, load_prompts
 from actors.config import RunConfig
-from actors.eval_rounds import EvalRounds
-from actors.handlers import handles, on_broadcast, serves
-from actors.metrics import MetricsWriter
-from actors.prompt_data import PromptSource, load_prompts
+from actors.controller.eval_rounds import EvalRounds
+from actors.runtime.base import Actor
+from actors.runtime.handlers import handles, on_broadcast, serves
+from actors.runtime.metrics import MetricsWriter
 from bus.schema import (
     TOPIC_VERSION,
     Ack,
     Batch,
     BatchRequest,
+    FinalCommit,
     Lease,
     LeaseRenew,
     LeaseRequest,
@@ -112,11 +113,6 @@ class Buffer(Actor):
     @serves(BatchRequest)
     async def on_batch_request(self, sender: str, request: BatchRequest) -> Batch:
         """Long-poll: answer with the batch once it can be assembled, or an empty batch after a while."""
-        if request.commit_only:
-            self.core.commit_through(request.checkpointed_batch)
-            if request.trained_batch >= self.config.num_rollout:
-                await self._final_eval(request.learner_version)
-            return Batch(batch_id=request.trained_batch, samples=[], staleness=[], reserved=False)
         deadline = asyncio.get_running_loop().time() + BATCH_POLL_SECONDS
         while True:
             assembled = self.core.next_batch(learner_version=request.learner_version,
@@ -126,25 +122,34 @@ class Buffer(Actor):
                 break
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
-                return Batch(batch_id=request.trained_batch + 1, samples=[], staleness=[], reserved=False)
+                return Batch(batch_id=request.trained_batch + 1, samples=[], staleness=[],
+                             learner_version=request.learner_version)
             async with self.batch_ready:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.batch_ready.wait(), remaining)
         samples = [sample for group in assembled.groups for sample in group.samples]
         self.counters["batches.served"] += 1
-        if assembled.reserved:
-            self.counters["batches.reserved"] += 1
+        if assembled.replayed:
+            self.counters["batches.replayed"] += 1
         staleness = np.asarray(assembled.staleness or [0], dtype=np.int64)
         self.metrics_writer.write(assembled.batch_id, {
             **self.core.gauges(), "staleness.max": float(staleness.max()), "staleness.mean": float(staleness.mean()),
         })
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
-                     reserved=assembled.reserved)
+                     replayed=assembled.replayed, learner_version=assembled.learner_version)
+
+    @serves(FinalCommit)
+    async def on_final_commit(self, sender: str, commit: FinalCommit) -> Ack:
+        """The learner's last word: commit what its final checkpoint covers, then let the final eval report."""
+        self.core.commit_through(commit.checkpointed_batch)
+        if commit.trained_batch >= self.config.num_rollout:
+            await self._final_eval(commit.learner_version)
+        return Ack()
 
     async def _final_eval(self, version: int) -> None:
         """The run's last word on quality: evaluate the final version before the learner ends the run.
 
-        The learner's final commit waits on this reply, and the rollout workers still run, so the round is
+        The learner's FinalCommit waits on this reply, and the rollout workers still run, so the round is
         generated like any other; a round that cannot finish in time is reported as cut off, not waited for.
         """
         limit = self.config.final_eval_timeout

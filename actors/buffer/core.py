@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from actors.buffer_log import BufferLog
-from actors.prompt_data import Cursor, PromptSource
+from actors.buffer.log import BufferLog
+from actors.buffer.prompt_data import Cursor, PromptSource
 from bus.codec import decode, encode
 from bus.schema import PromptGroup, ScoredGroup
-from policies.staleness import AdmissionController
+from policies.staleness import AdmissionController, staleness_of_samples
 
 GroupFilter = Callable[[ScoredGroup], "str | None"]  # returns a drop reason, or None to keep
 
@@ -40,10 +40,13 @@ class LeaseRecord:
 
 @dataclass
 class AssembledBatch:
+    """A batch as first assembled; a replay serves this very object again, metrics included."""
+
     batch_id: int
     groups: list[ScoredGroup]
-    staleness: list[int]  # per sample, at the learner version the batch was requested for
-    reserved: bool = False  # served before (the learner restarted from a checkpoint)
+    staleness: list[int]  # per sample, against learner_version
+    learner_version: int = 0  # the version the batch was first requested at
+    replayed: bool = False  # served before (the learner restarted from a checkpoint)
 
 
 @dataclass
@@ -57,13 +60,8 @@ class BufferStats:
 
 
 def group_staleness(group: ScoredGroup, learner_version: int) -> list[int]:
-    """Per sample: learner version minus the oldest version that produced any of its tokens."""
-    values = []
-    for sample in group.samples:
-        versions = sample.token_versions
-        oldest = int(np.min(versions)) if versions is not None and len(versions) else learner_version
-        values.append(max(0, learner_version - oldest))
-    return values
+    """Per sample, by the one definition in policies.staleness (a token newer than the learner counts too)."""
+    return staleness_of_samples(learner_version, [sample.token_versions for sample in group.samples])
 
 
 class BufferCore:
@@ -225,7 +223,7 @@ class BufferCore:
                              f"already committed by a checkpoint; is it resuming from an old checkpoint?")
         if wanted in self.served:
             batch = self.served[wanted]
-            batch.reserved = True
+            batch.replayed = True
             return batch
         if wanted != max(self.served, default=self.committed_batch) + 1:
             raise ValueError(f"learner asked for batch {wanted}; the next new batch is "
@@ -235,11 +233,12 @@ class BufferCore:
             return None
         chosen = [self.pool.pop(gid) for gid in list(self.pool)[: self.groups_per_batch]]
         staleness = [s for g in chosen for s in group_staleness(g, learner_version)]
-        batch = AssembledBatch(batch_id=wanted, groups=chosen, staleness=staleness)
+        batch = AssembledBatch(batch_id=wanted, groups=chosen, staleness=staleness, learner_version=learner_version)
         self.served[wanted] = batch
         self.stats.trained_groups += len(chosen)
         if self.log is not None:
-            self.log.append("batch", batch_id=wanted, group_ids=[g.group_id for g in chosen], sync=True)
+            self.log.append("batch", batch_id=wanted, group_ids=[g.group_id for g in chosen], staleness=staleness,
+                            learner_version=learner_version, sync=True)
         return batch
 
     def _evict_stale(self) -> None:
@@ -279,8 +278,8 @@ class BufferCore:
                        for r in self.leases.values()],
             "reissue": [g.group_id for g in self.reissue],
             "pool": [encode(g) for g in self.pool.values()],
-            "served": [{"batch_id": b.batch_id, "groups": [encode(g) for g in b.groups], "staleness": b.staleness}
-                       for b in self.served.values()],
+            "served": [{"batch_id": b.batch_id, "groups": [encode(g) for g in b.groups], "staleness": b.staleness,
+                        "learner_version": b.learner_version} for b in self.served.values()],
         }
 
     def _restore_snapshot(self, record: dict[str, Any]) -> Cursor:
@@ -301,7 +300,8 @@ class BufferCore:
         self.reissue = deque(self.prompt_groups[group_id] for group_id in record["reissue"])
         self.pool = {g.group_id: g for g in map(decode, record["pool"])}
         self.served = {b["batch_id"]: AssembledBatch(b["batch_id"], [decode(g) for g in b["groups"]],
-                                                     list(b["staleness"])) for b in record["served"]}
+                                                     list(b["staleness"]), b.get("learner_version", 0))
+                       for b in record["served"]}
         return Cursor(*record["cursor"])
 
     # ---------------------------------------------------------------------------------------- recovery
@@ -339,7 +339,7 @@ class BufferCore:
                 self.reissue.append(decode(record["group"]))
             elif kind == "batch":
                 groups = [self.pool.pop(gid) for gid in record["group_ids"]]
-                self.served[record["batch_id"]] = AssembledBatch(record["batch_id"], groups, [])
+                self.served[record["batch_id"]] = _replayed_batch(record, groups)
                 self.stats.trained_groups += len(groups)
             elif kind == "commit":
                 for group in self.served.pop(record["batch_id"], AssembledBatch(0, [], [])).groups:
@@ -374,3 +374,9 @@ class BufferCore:
             **{f"buffer.dropped.{k}": float(v) for k, v in self.stats.dropped.items()},
         }
 
+
+
+def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> AssembledBatch:
+    """A logged batch as it was first served, staleness and version included (older logs had neither)."""
+    return AssembledBatch(record["batch_id"], groups, list(record.get("staleness", [])),
+                          record.get("learner_version", 0))

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.base import Actor
-from actors.handlers import serves
-from actors.metrics import MetricsWriter
-from actors.wandb_mirror import WandbMirror
+from actors.controller.wandb_mirror import WandbMirror
+from actors.runtime.base import Actor
+from actors.runtime.handlers import serves
+from actors.runtime.metrics import MetricsWriter
 from bus import Publisher, RpcServer
 from bus.schema import (
     TOPIC_CONTROL,
@@ -63,7 +63,7 @@ class Controller(Actor):
     async def run(self) -> None:
         """Watch liveness until the run stops, and record every actor's counters (queue depths, drops, idle
         fractions) to metrics/actors.jsonl; everything else happens in the request handlers. With --use-wandb
-        the metrics files are mirrored into W&B on the same beat (see `actors.wandb_mirror`)."""
+        the metrics files are mirrored into W&B on the same beat (see `actors.controller.wandb_mirror`)."""
         writer = MetricsWriter(self.context.run_dir, "actors")
         mirror = await self._open_wandb_mirror()
         last_written = time.monotonic()
@@ -109,7 +109,7 @@ class Controller(Actor):
     # The controller is the head: it binds the fixed head address and registers with no one.
     async def start(self) -> None:
         self.rpc_server = RpcServer(self.zmq, self.context.head_address, security=self.security)
-        self.publisher = Publisher(self.zmq, self._bind_address("publish"), security=self.security)
+        self.publisher = Publisher(self.zmq, self.context.bind_address("publish"), security=self.security)
         self._publish_run_state()
         self.spawn(self.rpc_server.serve(self._dispatch_rpc), name="controller.rpc")
         self.log.info("controller listening", head=self.rpc_server.endpoint, publish=self.publisher.endpoint,

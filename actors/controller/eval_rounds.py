@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from actors.buffer_core import BufferCore
+from actors.buffer.core import BufferCore
+from actors.buffer.prompt_data import PromptRecord, load_prompts
 from actors.config import RunConfig
-from actors.metrics import MetricsWriter
-from actors.prompt_data import PromptRecord, load_prompts
+from actors.runtime.metrics import MetricsWriter
 from bus.schema import PromptGroup, ScoredGroup
 
 

@@ -14,15 +14,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.base import Actor
 from actors.config import RunConfig
-from actors.learner_ranks import CollectiveTrainer, LearnerRanks, bind_device
-from actors.learner_step import TrainingStep
-from actors.metrics import MetricsWriter
-from actors.trainer_factory import build_trainer
-from actors.weights_client import LearnerWeightPublisher
-from bus.codec import decode, encode
-from bus.schema import Batch, BatchRequest, Control, Roster, VersionAnnouncement
+from actors.learner.modes import Progress, pick_source, pick_training
+from actors.learner.publish import live_engines, publisher_for
+from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
+from actors.learner.step import StepReport, TrainingStep
+from actors.learner.trainer_factory import build_trainer
+from actors.runtime.base import Actor
+from actors.runtime.metrics import MetricsWriter
+from bus.schema import Batch, Control, Roster, VersionAnnouncement
 
 
 class Learner(Actor):
@@ -38,34 +38,37 @@ class Learner(Actor):
         self.ranks.spawn()
         await asyncio.to_thread(self.ranks.join)
         local_trainer = await asyncio.to_thread(_bound_to_rank_zero, build_trainer, config)
-        self.step = TrainingStep(local_trainer, config)
         self.trainer = CollectiveTrainer(local_trainer, self.ranks)
-        self.buffer = self.peer_rpc("buffer")
+        # The debug modes are these two choices, made once: where batches come from, and what training means.
+        self.source = pick_source(config, self.peer_rpc("buffer"), self.counters, self.log)
+        self.training = pick_training(config, self.trainer, TrainingStep(local_trainer, config))
         self.checkpoint_dir = Path(config.save) if config.save else self.context.run_dir / "checkpoints"
         self.trained_batch = 0
         self.checkpointed_batch = 0
         await self._restore()
         self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.use_tensorboard)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.weights = LearnerWeightPublisher(self, config)
+        self.weights = publisher_for(
+            config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
+            tensors=self.trainer.named_tensors, zmq=self.zmq, security=self.security,
+            client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log)
         self.engines_joined = False
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
 
     async def run(self) -> None:
-        """pull → train → publish → checkpoint, until num_rollout batches are trained."""
-        if not self.config.debug_train_only:
-            await self.publish_weights()  # engines start from our weights, which matters on resume
+        """pull → train → announce → publish → checkpoint, until num_rollout batches are trained."""
+        await self.publish_weights()  # engines start from our weights, which matters on resume
         while self.trained_batch < self.config.num_rollout and not self.stopping:
             if self.engines_joined:
                 self.engines_joined = False
                 await self.publish_weights()  # a new or restarted engine must not wait for the next step
-            batch = await self.next_batch()
+            batch = await self.source.next(self.progress())
             if batch is None:
                 continue
             report = await self.train(batch)
             await self.announce_version()
-            if self.trainer.version % self.config.update_weights_interval == 0:
+            if self.version % self.config.update_weights_interval == 0:
                 await self.publish_weights()
             if self.config.save_interval and self.trained_batch % self.config.save_interval == 0:
                 await self.save_checkpoint()
@@ -74,29 +77,13 @@ class Learner(Actor):
             await self.finish()
 
     # --------------------------------------------------------------------------------------------- steps
-    async def next_batch(self) -> Batch | None:
-        if self.config.load_debug_rollout_data:
-            return self._load_debug_batch(self.trained_batch + 1)
-        request = BatchRequest(learner_version=self.trainer.version, trained_batch=self.trained_batch,
-                               checkpointed_batch=self.checkpointed_batch)
-        try:
-            reply = await self.buffer.call(request, timeout=10.0, retries=1)
-        except (TimeoutError, asyncio.TimeoutError, ConnectionError):
-            self.counters["batch.unanswered"] += 1  # the buffer is restarting; ask again
-            return None
-        if not isinstance(reply, Batch) or not reply.samples:
-            return None
-        if self.config.save_debug_rollout_data:
-            self._save_debug_batch(reply)
-        return reply
+    def progress(self) -> Progress:
+        return Progress(learner_version=self.version, trained_batch=self.trained_batch,
+                        checkpointed_batch=self.checkpointed_batch)
 
-    async def train(self, batch: Batch) -> Any:
+    async def train(self, batch: Batch) -> StepReport | None:
         started = time.monotonic()
-        if self.config.debug_rollout_only:
-            report = None
-            self._debug_versions = getattr(self, "_debug_versions", 0) + 1
-        else:
-            report = await asyncio.to_thread(self.trainer.train, self.step, batch)
+        report = await self.training.train(batch)
         self.busy_seconds += time.monotonic() - started
         self.trained_batch = batch.batch_id
         self.audit.write(json.dumps({"batch_id": batch.batch_id, "version": self.version,
@@ -105,9 +92,7 @@ class Learner(Actor):
 
     @property
     def version(self) -> int:
-        if self.config.debug_rollout_only:
-            return getattr(self, "_debug_versions", 0)
-        return self.trainer.version
+        return self.training.version
 
     async def announce_version(self) -> None:
         assert self._controller is not None
@@ -119,9 +104,8 @@ class Learner(Actor):
             self.log.warning("version announcement failed", error=repr(error))
 
     async def publish_weights(self) -> None:
-        if self.config.debug_rollout_only:
-            return
-        await self.weights.publish(self.trainer.version)
+        if self.training.publishes:
+            await self.weights.publish(self.version)
 
     async def save_checkpoint(self) -> None:
         extra = {"trained_batch": self.trained_batch, "run_dir": str(self.context.run_dir)}
@@ -133,21 +117,12 @@ class Learner(Actor):
 
     async def finish(self) -> None:
         """Make the result durable, export it, and end the run for everyone."""
-        if not self.config.debug_rollout_only:
+        if self.training.keeps_model:
             await self.save_checkpoint()
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
-            if self.weights.committed_version != self.trainer.version and not self.config.debug_train_only:
+            if self.weights.committed_version != self.version:
                 await self.publish_weights()  # the final eval round must see the final weights
-        # Commit the last batches in the buffer's log (they are covered by the checkpoint just written); the
-        # buffer answers once the final version's eval round has reported.
-        if not self.config.load_debug_rollout_data:
-            wait = self.config.final_eval_timeout if self.config.eval_prompt_data else 0.0
-            try:
-                await self.buffer.call(BatchRequest(learner_version=self.version, trained_batch=self.trained_batch,
-                                                    checkpointed_batch=self.checkpointed_batch, commit_only=True),
-                                       timeout=5.0 + wait, retries=1)
-            except Exception as error:
-                self.log.warning("final commit to the buffer failed", error=repr(error))
+        await self.source.finish(self.progress())  # the buffer answers once the final eval round reported
         assert self._controller is not None
         await self._controller.call(Control(command="stop", reason=f"trained {self.trained_batch} batches"),
                                     timeout=5.0, retries=2)
@@ -170,7 +145,7 @@ class Learner(Actor):
             self.engines_joined = True
 
     # ------------------------------------------------------------------------------------------ reporting
-    def log_step(self, batch: Batch, report: Any) -> None:
+    def log_step(self, batch: Batch, report: StepReport | None) -> None:
         elapsed = time.monotonic() - self.started_at
         metrics: dict[str, Any] = {"version": self.version, "batch_id": batch.batch_id,
                                    "learner/busy_fraction": self.busy_seconds / max(elapsed, 1e-9),
@@ -188,24 +163,11 @@ class Learner(Actor):
         metrics["throughput/response_tokens_per_s"] = self.counters["tokens.trained"] / max(elapsed, 1e-9)
         self.metrics_writer.write(self.trained_batch, metrics)
 
-    def _save_debug_batch(self, batch: Batch) -> None:
-        directory = Path(self.config.save_debug_rollout_data or "")
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"batch_{batch.batch_id:06d}.msgpack").write_bytes(encode(batch))
-
-    def _load_debug_batch(self, batch_id: int) -> Batch | None:
-        path = Path(self.config.load_debug_rollout_data or "") / f"batch_{batch_id:06d}.msgpack"
-        if not path.exists():
-            raise FileNotFoundError(f"--load-debug-rollout-data: {path} missing (batch {batch_id})")
-        batch = decode(path.read_bytes())
-        if not isinstance(batch, Batch):
-            raise ValueError(f"{path}: expected a Batch, found {type(batch).__name__}")
-        return batch
-
     async def on_stop(self) -> None:
         """A stop on purpose keeps what was trained: checkpoint whatever the last checkpoint does not cover."""
         trained_more = getattr(self, "trained_batch", 0) > getattr(self, "checkpointed_batch", 0)
-        if trained_more and not self.config.debug_rollout_only and self.trained_batch < self.config.num_rollout:
+        keeps_model = hasattr(self, "training") and self.training.keeps_model
+        if trained_more and keeps_model and self.trained_batch < self.config.num_rollout:
             try:
                 await self.save_checkpoint()
             except Exception:

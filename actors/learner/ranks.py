@@ -10,7 +10,7 @@ watchdog ends rank 0 at once instead; the launcher restarts the learner, which r
 fresh followers (the old ones die with rank 0 through PR_SET_PDEATHSIG). That is the same recovery as a crash
 of a one-process learner, so the failure model does not grow a new case.
 
-`python -m actors.learner_ranks --rank R --world W --init-method tcp://HOST:PORT --config FILE` runs a follower;
+`python -m actors.learner.ranks --rank R --world W --init-method tcp://HOST:PORT --config FILE` runs a follower;
 only rank 0 starts them.
 """
 
@@ -28,16 +28,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from actors.config import RunConfig
-from actors.learner_step import StepReport, TrainingStep
-from actors.supervisor import _die_with_parent
-from actors.trainer_factory import build_trainer
+from actors.learner.stages import data_parallel_shard
+from actors.learner.step import StepReport, TrainingStep
+from actors.learner.trainer_factory import build_trainer
 from bus.address import free_port
 from bus.codec import decode, encode
 from bus.schema import Batch
+from engines.process import die_with_parent as _die_with_parent
 from engines.training.base import Trainer
 
 STOP = "stop"
@@ -96,10 +98,10 @@ class LearnerRanks:
         for rank in range(1, self.world):
             with open(logs / f"learner-rank-{rank}.log", "ab") as output:
                 self.followers.append(subprocess.Popen(
-                    [sys.executable, "-m", "actors.learner_ranks", "--rank", str(rank), "--world", str(self.world),
+                    [sys.executable, "-m", "actors.learner.ranks", "--rank", str(rank), "--world", str(self.world),
                      "--init-method", self._init_method, "--config", str(config_path)],
                     stdout=output, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                    cwd=Path(__file__).resolve().parent.parent,
+                    cwd=Path(__file__).resolve().parents[2],
                 ))
         self.log.info("learner ranks started", world=self.world, pids=[p.pid for p in self.followers])
         threading.Thread(target=self._watch, name="learner-ranks-watchdog", daemon=True).start()
@@ -118,6 +120,16 @@ class LearnerRanks:
         with self._lock:
             if self.world > 1:
                 dist.broadcast_object_list([(operation, payload)], src=0, group=self.commands)
+            return local()
+
+    def run_scattered(self, operation: str, payloads: list[Any], local: Callable[[], Result]) -> Result:
+        """Like `run`, but follower r receives only `payloads[r]` (rank 0's own share is `payloads[0]`)."""
+        if len(payloads) != self.world:
+            raise ValueError(f"{operation}: {len(payloads)} payloads for a world of {self.world} ranks")
+        with self._lock:
+            if self.world > 1:
+                dist.broadcast_object_list([(operation, None)], src=0, group=self.commands)
+                dist.scatter_object_list([None], payloads, src=0, group=self.commands)
             return local()
 
     def close(self) -> None:
@@ -166,7 +178,14 @@ class CollectiveTrainer:
         return self.local.version
 
     def train(self, step: TrainingStep, batch: Batch) -> StepReport:
-        return self.ranks.run("train", encode(batch), lambda: step.train(batch.samples, batch.staleness))
+        """A data-parallel trainer's follower receives only its share of the batch, cut here at rank 0; one that
+        shards itself (Megatron) gets the whole batch. Rank 0 trains its share of the whole batch, whose rollout
+        metrics it reports."""
+        parallel = self.local.data_parallel()
+        if parallel.size == 1 or parallel.size != self.ranks.world:
+            return self.ranks.run("train", encode(batch), lambda: step.train(batch.samples, batch.staleness))
+        shares = [encode(share) for share in data_parallel_shares(batch, parallel.size)]
+        return self.ranks.run_scattered("train_share", shares, lambda: step.train(batch.samples, batch.staleness))
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         self.ranks.run("save_checkpoint", (str(directory), extra_state),
@@ -176,8 +195,24 @@ class CollectiveTrainer:
         return self.ranks.run("load_checkpoint", str(directory), lambda: self.local.load_checkpoint(directory))
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # Gathering shards is collective, so the followers iterate alongside; materialise while holding the lock.
-        return iter(self.ranks.run("named_tensors", None, lambda: list(self.local.named_tensors())))
+        """Rank 0's tensors one at a time, as the consumer asks, with no list of them kept here.
+
+        Gathering shards is collective, so the followers iterate alongside, and the ranks' lock is held until
+        the end so no other operation interleaves. Closed early (a transfer that failed), it still runs the
+        iteration to its end: the followers are inside the same collectives and must reach it too.
+        """
+        with self.ranks._lock:
+            if self.ranks.world > 1:
+                dist.broadcast_object_list([("named_tensors", None)], src=0, group=self.ranks.commands)
+            tensors = self.local.named_tensors()
+            try:
+                # Not `yield from`, which would close `tensors` on our close, before the finally can drain it.
+                for item in tensors:  # noqa: UP028
+                    yield item
+            finally:
+                if self.ranks.world > 1:
+                    for _ in tensors:
+                        pass
 
     def export_hf(self, directory: str | Path) -> None:
         self.ranks.run("export_hf", str(directory), lambda: self.local.export_hf(directory))
@@ -185,6 +220,18 @@ class CollectiveTrainer:
     def close(self) -> None:
         self.local.close()  # drops DDP state first: it must not outlive the process group
         self.ranks.close()
+
+
+def data_parallel_shares(batch: Batch, size: int) -> list[Batch]:
+    """The batch cut into each data-parallel rank's share, by the same rule every rank's step applies."""
+    lengths = [int(s.response_length) for s in batch.samples]
+    group_ids = [s.group_id for s in batch.samples]
+    shares = []
+    for rank in range(size):
+        mine = data_parallel_shard(group_ids, lengths, rank=rank, size=size)
+        shares.append(msgspec.structs.replace(batch, samples=[batch.samples[i] for i in mine],
+                                              staleness=[batch.staleness[i] for i in mine] if batch.staleness else []))
+    return shares
 
 
 def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
@@ -207,6 +254,11 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
             if operation == "train":
                 batch = decode(payload)
                 step.train(batch.samples, batch.staleness)
+            elif operation == "train_share":
+                box = [None]
+                dist.scatter_object_list(box, None, src=0, group=commands)
+                share = decode(box[0])
+                step.train(share.samples, share.staleness, shard=False)
             elif operation == "save_checkpoint":
                 trainer.save_checkpoint(payload[0], payload[1])
             elif operation == "load_checkpoint":

@@ -1,9 +1,10 @@
-"""One learner step on a batch of samples: advantages, the loss from `policies/`, one optimizer step, metrics.
+"""One learner step on a batch of samples: a short pipeline of named stages, then one optimizer step.
 
-Kept apart from the learner actor so it runs (and is tested) without any socket. Denominators are computed
-once on the whole batch, with the off-policy correction's rejections applied, so the trainer's micro-batches
-add up to exactly the full-batch loss; per-micro-batch diagnostic means are weighted by their token share
-for the same reason (the trainer sums metrics over micro-batches).
+to typed batch -> this rank's shard -> reference log-probs (when the policy needs them) -> pi_old (when it
+differs from the training forward) -> advantages -> loss with the step's global denominators -> the trainer's
+step. The stages live in `actors.learner.stages`, the loss in `policies.step_loss`; the trainer gets the batch
+and the loss object and never calls back into the learner. Kept apart from the learner actor so it runs (and is
+tested) without any socket.
 """
 
 from __future__ import annotations
@@ -12,18 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from actors.config import RunConfig
+from actors.learner import stages
 from bus.schema import Sample
-from engines.training.base import LossNormalizer, ModelOutputs, PackedBatch, StepResult, Trainer, TrainSample
-from policies.advantages import compute_advantages
-from policies.aggregation import global_denominator
-from policies.losses import compute_policy_loss, effective_loss_mask
+from engines.training.base import StepResult, Trainer
 from policies.staleness import staleness_histogram
-
-# Loss terms already use the global denominators; every other metric is a local mean to be token-weighted.
-ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
+from policies.step_loss import PiOldSource, pi_old_source
 
 
 @dataclass
@@ -32,131 +28,34 @@ class StepReport:
     metrics: dict[str, float]
 
 
-def to_train_sample(sample: Sample) -> TrainSample:
-    """Copies out of the decoded frame: bus arrays are read-only views that must not outlive the message."""
-    length = int(sample.response_length)
-    mask = sample.loss_mask if sample.loss_mask is not None else np.ones(length)
-    fields = {"loss_mask": torch.tensor(np.asarray(mask), dtype=torch.float32)}
-    if sample.rollout_log_probs is not None:
-        fields["rollout_log_probs"] = torch.tensor(np.asarray(sample.rollout_log_probs), dtype=torch.float32)
-    return TrainSample(tokens=torch.tensor(np.asarray(sample.tokens), dtype=torch.long), response_length=length,
-                       token_fields=fields, sample_fields={"reward": float(sample.reward or 0.0)})
-
-
-def _packed(samples: Sequence[TrainSample], name: str) -> torch.Tensor:
-    return torch.cat([s.token_fields[name] for s in samples]) if samples else torch.zeros(0)
-
-
-def _split(packed: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(packed, lengths))
-
-
 class TrainingStep:
-    def __init__(self, trainer: Trainer, config: RunConfig) -> None:
+    def __init__(self, trainer: Trainer, config: RunConfig, *, pi_old: PiOldSource | None = None) -> None:
+        """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
         self.trainer = trainer
-        self.config = config
         self.policy = config.policy
-        self.is_sft = self.policy.loss_type == "sft"
-        # pi_old must come from the learner whenever a correction is on: with pi_old := mu (the engine's
-        # log-probs) the behaviour weight pi_old / mu is identically 1 and TIS/MIS/IcePop would do nothing.
-        self.recompute_old = not self.is_sft and (config.use_decoupled_ppo
-                                                  or self.policy.off_policy_correction != "none")
+        # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
+        self.temperature = config.rollout_temperature or 1.0
+        self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.use_decoupled_ppo)
 
-    def train(self, samples: Sequence[Sample], staleness: Sequence[int]) -> StepReport:
-        """Every learner rank calls this with the whole batch; a data-parallel rank trains its share of groups."""
+    def train(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> StepReport:
+        """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
+        whole batch, or already cut at rank 0 (`shard=False`, and the rollout metrics are then the share's)."""
         batch_metrics = rollout_metrics(samples, staleness)
         parallel = self.trainer.data_parallel()
-        if parallel.size > 1:
-            samples = [samples[i] for i in data_parallel_shard([s.group_id for s in samples],
-                                                               [int(s.response_length) for s in samples],
-                                                               rank=parallel.rank, size=parallel.size)]
-        train_samples = [to_train_sample(s) for s in samples]
-        lengths = [s.response_length for s in train_samples]
-        response_lengths = torch.tensor(lengths, dtype=torch.long)
-        loss_mask = _packed(train_samples, "loss_mask")
-        # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
-        temperature = self.config.rollout_temperature or 1.0
-        needs_ref = self.policy.use_kl_loss or self.policy.kl_coef > 0
-
-        if needs_ref:
-            ref = self.trainer.compute_log_probs(train_samples, temperature=temperature, model="ref").log_probs
-            for sample, values in zip(train_samples, _split(ref, lengths), strict=True):
-                sample.token_fields["ref_log_probs"] = values
-        if self.recompute_old:
-            old = self.trainer.compute_log_probs(train_samples, temperature=temperature).log_probs
-            for sample, values in zip(train_samples, _split(old, lengths), strict=True):
-                sample.token_fields["old_log_probs"] = values
-
-        if not self.is_sft:
-            group_ids = _group_indices([s.group_id for s in samples])
-            rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
-            behaviour = _packed(train_samples, "rollout_log_probs")
-            advantages, _returns = compute_advantages(
-                self.policy, rewards=rewards, group_ids=group_ids, response_lengths=response_lengths,
-                loss_mask=loss_mask, log_probs=_packed(train_samples, "old_log_probs")
-                if self.recompute_old else behaviour,
-                ref_log_probs=_packed(train_samples, "ref_log_probs") if needs_ref else None,
-                process_group=parallel.group if parallel.size > 1 else None,
-            )
-            for sample, values in zip(train_samples, _split(advantages.float(), lengths), strict=True):
-                sample.token_fields["advantages"] = values
-
-        keep_mask = effective_loss_mask(
-            self.policy, loss_mask=loss_mask, response_lengths=response_lengths,
-            old_log_probs=_packed(train_samples, "old_log_probs") if self.recompute_old else None,
-            rollout_log_probs=None if self.is_sft else _packed(train_samples, "rollout_log_probs"),
-        )
-        counts = torch.tensor([global_denominator(self.policy.loss_agg_mode, keep_mask, response_lengths),
-                               float(loss_mask.sum())], dtype=torch.float64)
-        if parallel.size > 1:  # whole-step denominators: every rank's shard counts
-            torch.distributed.all_reduce(counts, group=parallel.group)
-        denominator, total_tokens = float(counts[0]), max(1.0, float(counts[1]))
-
-        def loss_fn(outputs: ModelOutputs, batch: PackedBatch, _normalizer: LossNormalizer):
-            fields = batch.token_fields
-            loss, metrics = compute_policy_loss(
-                self.policy, log_probs=outputs.log_probs, old_log_probs=fields.get("old_log_probs"),
-                rollout_log_probs=None if self.is_sft else fields.get("rollout_log_probs"),
-                advantages=fields.get("advantages"), loss_mask=fields["loss_mask"],
-                response_lengths=batch.response_lengths, entropy=outputs.entropy,
-                ref_log_probs=fields.get("ref_log_probs"), denominator=denominator,
-            )
-            share = float(fields["loss_mask"].sum()) / total_tokens
-            return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}
-
-        result = self.trainer.train_step(train_samples, loss_fn, temperature=temperature,
-                                         with_entropy=self.policy.entropy_coef != 0)
+        batch = stages.to_step_batch(samples)
+        if shard:
+            batch = stages.own_shard(batch, parallel)
+        if self.policy.needs_ref:
+            stages.add_ref_log_probs(self.trainer, batch, temperature=self.temperature)
+        if self.pi_old == "separate_forward":
+            stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
+        if self.policy.loss_type != "sft":
+            stages.add_advantages(self.policy, batch, parallel)
+        loss = stages.build_loss(self.policy, batch, parallel,
+                                 pi_old_from_forward=self.pi_old == "training_forward")
+        result = self.trainer.train_step(batch.samples, loss, temperature=self.temperature,
+                                         with_entropy=loss.needs_entropy)
         return StepReport(result=result, metrics={**result.metrics, **batch_metrics})
-
-
-def data_parallel_shard(group_ids: Sequence[str], lengths: Sequence[int], *, rank: int, size: int) -> list[int]:
-    """Indices of the samples rank `rank` of `size` trains on: whole groups, dealt to balance response tokens.
-
-    Whole groups keep group-relative advantages computable on each rank alone. Groups go largest first to the
-    rank with the fewest tokens so far (ties to the lower rank), which every rank computes identically.
-    """
-    members: dict[str, list[int]] = {}
-    for index, group_id in enumerate(group_ids):
-        members.setdefault(group_id, []).append(index)
-    if len(members) < size:
-        raise ValueError(f"a batch of {len(members)} groups cannot feed {size} data-parallel ranks; "
-                         f"raise --rollout-batch-size to at least {size}")
-    load = [0] * size
-    held = [0] * size
-    mine: list[int] = []
-    order = sorted(members.values(), key=lambda indices: (-sum(lengths[i] for i in indices), indices[0]))
-    for indices in order:
-        target = min(range(size), key=lambda r: (load[r], held[r], r))
-        load[target] += sum(lengths[i] for i in indices)
-        held[target] += 1
-        if target == rank:
-            mine.extend(indices)
-    return sorted(mine)
-
-
-def _group_indices(group_ids: Sequence[str]) -> torch.Tensor:
-    index: dict[str, int] = {}
-    return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
 
 
 def rollout_metrics(samples: Sequence[Sample], staleness: Sequence[int]) -> dict[str, float]:

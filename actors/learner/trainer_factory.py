@@ -1,30 +1,49 @@
 """Which trainer a learner runs: `--train-backend` picks the implementation behind the `Trainer` interface.
 
-Kept apart from the learner so a backend (and its heavy imports) loads only when chosen.
+Kept apart from the learner so a backend (and its heavy imports) loads only when chosen. `--train-backend` is
+`torch`, `megatron`, or `module:attr`: a plugin factory with `build_trainer`'s signature (the pipeline
+benchmark's sleeping trainer is one).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from actors.config import RunConfig
+from engines.training.base import Trainer
+from policies.plugins import load_object
+
+BUILTIN_BACKENDS = ("torch", "megatron")
+TrainerFactory = Callable[[RunConfig], Trainer]
 
 
-def build_trainer(config: RunConfig) -> Any:
+def build_trainer(config: RunConfig) -> Trainer:
+    if config.train_backend not in BUILTIN_BACKENDS:
+        return build_plugin_trainer(config.train_backend, config)
     if config.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is required for the learner")
     if config.train_backend == "torch":
         return _build_torch_trainer(config)
-    if config.train_backend == "megatron":
-        return _build_megatron_trainer(config)
-    raise NotImplementedError(f"--train-backend {config.train_backend}: not available in this build")
+    return _build_megatron_trainer(config)
+
+
+def build_plugin_trainer(path: str, config: RunConfig) -> Trainer:
+    """Call the factory `path` names; anything but a `Trainer` back is an error naming the flag and the path."""
+    factory = load_object(path, what="--train-backend")
+    if not callable(factory):
+        raise TypeError(f"--train-backend {path!r}: {type(factory).__name__} is not callable; expected a factory "
+                        "(config) -> Trainer")
+    trainer = factory(config)
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"--train-backend {path!r}: the factory returned a {type(trainer).__name__}, not an "
+                        "engines.training.base.Trainer")
+    return trainer
 
 
 def _needs_ref(config: RunConfig) -> bool:
-    return config.policy.use_kl_loss or config.policy.kl_coef > 0
+    return config.policy.needs_ref  # the policy config decides; the learner step reads the same property
 
 
 def _shared_settings(config: RunConfig) -> dict[str, Any]:
@@ -47,16 +66,18 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
     }
 
 
-def _build_torch_trainer(config: RunConfig) -> Any:
+def _build_torch_trainer(config: RunConfig) -> Trainer:
+    import torch
+
     from engines.training.config import TorchTrainerConfig
     from engines.training.torch_trainer import TorchTrainer
 
-    # "cuda" resolves to cuda:LOCAL_RANK in the trainer; each learner rank sets LOCAL_RANK (actors/learner_ranks.py).
+    # "cuda" resolves to cuda:LOCAL_RANK in the trainer; each learner rank sets LOCAL_RANK (actors/learner/ranks.py).
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return TorchTrainer(TorchTrainerConfig(**_shared_settings(config), device=device))
 
 
-def _build_megatron_trainer(config: RunConfig) -> Any:
+def _build_megatron_trainer(config: RunConfig) -> Trainer:
     """Every learner rank builds one; the trainer makes its own world-size-1 group if none exists yet.
 
     Unlike the torch trainer, the Megatron trainer wants the WHOLE batch on every rank (it shards itself).

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.base import Actor
 from actors.config import RunConfig
-from actors.handlers import handles
+from actors.runtime.base import Actor
+from actors.runtime.handlers import handles
 from bus.schema import GeneratedGroup, Sample, ScoredGroup
 from policies.rewards import RewardInput, build_reward, score, score_group
 

@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import time
 
-from actors.base import Actor
 from actors.config import RunConfig
-from actors.engine_factory import load_engine
-from actors.handlers import on_broadcast, serves
-from actors.rollout_generate import RolloutContext, choose_generate_function
-from actors.weights_client import EngineWeightReceiver
+from actors.rollout.engine_factory import load_engine
+from actors.rollout.generate import RolloutContext, choose_generate_function
+from actors.rollout.weights import EngineWeightReceiver
+from actors.runtime.base import Actor
+from actors.runtime.handlers import on_broadcast, serves
 from bus.schema import (
     TOPIC_VERSION,
     Ack,
@@ -36,10 +36,7 @@ class RolloutWorker(Actor):
     drain_timeout = 2.0  # unfinished groups are re-issued by the buffer; nothing here is worth waiting for
 
     async def on_start(self) -> None:
-        import torch
-
         self.config = RunConfig(**self.settings["run"])
-        torch.set_num_threads(self.config.torch_threads)
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
@@ -49,18 +46,24 @@ class RolloutWorker(Actor):
         self._idle_since: float | None = time.monotonic()
         self._idle_seconds = 0.0
         self._started = time.monotonic()
+        self._slot_seconds = 0.0  # integral of groups in flight over time: what the engine's slots were busy with
+        self._slots_since = self._started
+        self._send_seconds = 0.0
         self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
         self.generate_fn = choose_generate_function(self.config)
-        self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log)
-        self.learner_version = 0
+        self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
+                                            plugin=self.config.weight_transport)
+        self.pushed_version = 0  # the newest weights the learner has pushed to every engine
         self.spawn(self._renew_leases(), name="rollout.renew")
 
     async def run(self) -> None:
         """lease → generate → send, for as long as the run lasts."""
         while not self.stopping:
-            if self.engine.version + self.config.max_staleness < self.learner_version:
+            if self.engine.version + self.config.max_staleness < self.pushed_version:
                 # Our weights are older than anything the buffer would accept (we just restarted): wait for the
-                # learner's push instead of generating samples that would be evicted.
+                # learner's push instead of generating samples that would be evicted. Measured against the weights
+                # the learner has pushed, not its version: a run that never pushes (--debug-rollout-only) has
+                # nothing to wait for.
                 await asyncio.sleep(0.2)
                 continue
             async with self._room:
@@ -81,8 +84,11 @@ class RolloutWorker(Actor):
             samples = await self.generate_fn(context, group)
             self.counters["samples.generated"] += len(samples)
             self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
+            handed = time.monotonic()
             await self.rewards.send(GeneratedGroup(lease_id=lease.lease_id, group_id=group.group_id,
                                                    samples=samples, worker_id=self.actor_id))
+            self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
+            self.counters["groups.sent"] += 1
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -102,12 +108,19 @@ class RolloutWorker(Actor):
     def _mark_busy(self, delta: int) -> None:
         """Track the time with nothing to generate: the rollout idle fraction a user tunes staleness against."""
         now = time.monotonic()
+        self._slot_seconds += self.groups_in_flight * (now - self._slots_since)
+        self._slots_since = now
         if self._idle_since is not None and delta > 0:
             self._idle_seconds += now - self._idle_since
             self._idle_since = None
         self.groups_in_flight += delta
         if self.groups_in_flight == 0 and self._idle_since is None:
             self._idle_since = now
+
+    def busy_slot_seconds(self) -> float:
+        """Seconds of group slots in flight (generating or handing to the reward stream), summed over slots and
+        cumulative: a reader takes the difference over its own window and divides by slots x window length."""
+        return self._slot_seconds + self.groups_in_flight * (time.monotonic() - self._slots_since)
 
     def idle_fraction(self) -> float:
         now = time.monotonic()
@@ -137,7 +150,8 @@ class RolloutWorker(Actor):
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
-        self.learner_version = max(self.learner_version, announcement.version)
+        if announcement.weights_version is not None:
+            self.pushed_version = max(self.pushed_version, announcement.weights_version)
 
     @serves(WeightUpdateOrder)
     async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack:
@@ -152,6 +166,9 @@ class RolloutWorker(Actor):
             found["engine.version"] = float(self.engine.version)
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
             found["rollout.idle_fraction"] = self.idle_fraction()
+            found["rollout.busy_slot_seconds"] = self.busy_slot_seconds()
+            found["rollout.capacity_groups"] = float(self.capacity)
+            found["rollout.send_seconds"] = self._send_seconds
         return found
 
     async def on_stop(self) -> None:

@@ -5,29 +5,49 @@ attached (`--sglang-url`, one per rollout worker: the worker with index i on its
 each node's command line lists its own workers' servers) or launched here as a child process
 (`python -m {--sglang-server-module} --model-path ... --tp-size {--rollout-num-gpus-per-engine} ...` plus every
 `--sglang-NAME VALUE`), which the engine restarts when it fails its health checks and stops on `close()`.
+`module:attr`: a plugin factory with `load_engine`'s signature (the pipeline benchmark's sleeping engine is one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-from typing import Any
-
-import torch
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
+from actors.rollout.generate import Tokenizer
+from engines.inference.base import InferenceEngine
+from policies.plugins import load_object
+
+if TYPE_CHECKING:
+    import torch
+
+    from engines.sglang.client import SglangEngine
 
 COMPAT_SERVER_MODULE = "engines.sglang.server"
+BUILTIN_ENGINES = ("torch", "sglang")
+EngineFactory = Callable[[RunConfig, "str | None"], "tuple[InferenceEngine, Tokenizer]"]
+"""`--rollout-engine module:attr` names one: `(config, actor_id) -> (engine, tokenizer)`, blocking."""
 
 
-def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Any, Any]:
-    """Build the engine and the tokenizer; blocking (the rollout worker calls it in a thread)."""
-    from transformers import AutoTokenizer
+def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[InferenceEngine, Tokenizer]:
+    """Build the engine and the tokenizer; blocking (the rollout worker calls it in a thread).
 
+    torch and transformers are imported only by the built-in engines, here: a worker whose engine is a plugin
+    (or a remote server) never loads them.
+    """
+    if config.rollout_engine not in BUILTIN_ENGINES:
+        return load_plugin_engine(config.rollout_engine, config, actor_id)
     if config.hf_checkpoint is None:
         raise ValueError(
             f"--hf-checkpoint is required for the {config.rollout_engine} rollout engine (its tokenizer, "
             "and the weights the engine starts from)"
         )
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(config.torch_threads)
     tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
     if config.rollout_engine == "sglang":
         return load_sglang_engine(config, actor_id), tokenizer
@@ -42,19 +62,44 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Any, An
     return engine, tokenizer
 
 
+def load_plugin_engine(path: str, config: RunConfig, actor_id: str | None) -> tuple[InferenceEngine, Tokenizer]:
+    """Call the factory `path` names and check what it returns, so a wrong plugin fails at start-up by name."""
+    factory = load_object(path, what="--rollout-engine")
+    if not callable(factory):
+        raise TypeError(f"--rollout-engine {path!r}: {type(factory).__name__} is not callable; expected a factory "
+                        "(config, actor_id) -> (InferenceEngine, tokenizer)")
+    built = factory(config, actor_id)
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise TypeError(f"--rollout-engine {path!r}: the factory returned {type(built).__name__}, expected a pair "
+                        "(InferenceEngine, tokenizer)")
+    engine, tokenizer = built
+    if not isinstance(engine, InferenceEngine):
+        raise TypeError(f"--rollout-engine {path!r}: the factory's engine is a {type(engine).__name__}, not an "
+                        "engines.inference.base.InferenceEngine")
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"--rollout-engine {path!r}: the factory's tokenizer ({type(tokenizer).__name__}) lacks "
+                        "what actors.rollout.generate.Tokenizer declares (__call__, decode, apply_chat_template, "
+                        "eos_token_id)")
+    return engine, tokenizer
+
+
 def engine_device() -> torch.device:
     """The worker's own GPU when it has one: the launcher made it this process's only visible device, cuda:0."""
+    import torch
+
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_sglang_engine(config: RunConfig, actor_id: str | None) -> Any:
+def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
+    import torch
+
     from engines.sglang.client import SglangEngine
     from engines.sglang.launch import ServerProcess, ServerSpec
 
     if config.sglang_url:
         engine = SglangEngine(attached_url(config.sglang_url, actor_id))
         # An attached server may already serve updated weights (this worker restarted): start from its version.
-        engine.set_version(server_weight_version(engine.url, timeout=config.sglang_startup_timeout))
+        engine.set_version(attached_server_version(engine.url, timeout=config.sglang_startup_timeout))
         return engine
     assert config.hf_checkpoint is not None
     extra = dict(config.sglang_args)
@@ -106,20 +151,23 @@ def attached_url(urls: list[str], actor_id: str | None) -> str:
     return urls[index]
 
 
-def server_weight_version(url: str, *, timeout: float) -> int:
-    """GET {url}/model_info's `weight_version`, blocking; "default" (never updated) reads as 0.
+def attached_server_version(url: str, *, timeout: float) -> int:
+    """The weight version an attached server already serves, blocking; "default" (never updated) reads as 0.
 
-    SGLang removed `/get_weight_version` (0.5.15.post1 answers it with 404, 0.5.23 has no such route).
+    The reading itself is `SglangEngine.server_weight_version` (the one place that knows `/model_info`); this runs
+    it on a short-lived client of its own, since the factory runs in a worker thread without an event loop.
     """
-    import json
-    import urllib.request
+    from engines.sglang.client import SglangEngine, SglangError
 
-    from engines.sglang.protocol import MODEL_INFO, parse_weight_version
+    async def read() -> int | None:
+        probe = SglangEngine(url, control_timeout=timeout)
+        try:
+            return await probe.server_weight_version()
+        finally:
+            await probe.close()
 
     try:
-        with urllib.request.urlopen(url.rstrip("/") + MODEL_INFO.path, timeout=timeout) as reply:
-            body = json.loads(reply.read())
-    except (OSError, ValueError) as error:
-        raise ConnectionError(f"--sglang-url {url}: {MODEL_INFO.path} failed: {error}") from error
-    version = parse_weight_version(body.get("weight_version") if isinstance(body, dict) else None)
+        version = asyncio.run(read())
+    except SglangError as error:
+        raise ConnectionError(f"--sglang-url {url}: {error}") from error
     return version if version is not None else 0

@@ -9,9 +9,9 @@ tokens the policy did not produce (tool outputs), and the versions/log-probs of 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -25,10 +25,27 @@ STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborte
 _request_ids = itertools.count()
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the rollout path uses of a tokenizer: a Hugging Face tokenizer satisfies it, and so does any small
+    stand-in (tools/pipeline_sim.py), so an engine factory never has to pull in transformers to be typed."""
+
+    eos_token_id: int | None
+
+    def __call__(self, text: str, *, add_special_tokens: bool = ...) -> Mapping[str, Any]:
+        """`{"input_ids": [...]}` for one text."""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                            tokenize: bool) -> Any:
+        """Token ids of a chat (a list, or a mapping with "input_ids")."""
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = ...) -> str: ...
+
+
 @dataclass
 class RolloutContext:
     engine: InferenceEngine
-    tokenizer: Any
+    tokenizer: Tokenizer
     config: RunConfig
     worker_id: str
 

@@ -1,1 +1,1 @@
-"""The actor runtime every role stands on: the base class, its handlers, the process entry point, the supervisor, placement."""
+"""The actor runtime every role stands on: base class, handlers, process entry point, supervisor, placement."""

@@ -16,14 +16,14 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import structlog
 import zmq.asyncio
 
-from actors.context import ActorContext
-from actors.handlers import HandlerTable, collect_handlers
-from actors.peers import PeerRpc, PeerStream, alive_members
+from actors.runtime.context import ActorContext
+from actors.runtime.handlers import HandlerTable, collect_handlers
+from actors.runtime.peers import PeerRpc, PeerStream, alive_members
 from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber
 from bus.schema import (
     TOPIC_CONTROL,
@@ -42,6 +42,7 @@ from bus.schema import (
 )
 
 CONTROL_TOPICS = (TOPIC_ROSTER, TOPIC_CONTROL, TOPIC_RUN_STATE)
+PeerLink = TypeVar("PeerLink", PeerStream, PeerRpc)
 
 
 class ControllerUnreachable(RuntimeError):
@@ -76,7 +77,6 @@ class Actor:
         self._controller: RpcClient | None = None
         self._subscriber: Subscriber | None = None
         self._peer_links: list[PeerStream | PeerRpc] = []
-        self._roster_changed = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._stop_reason = ""
         self._background: set[asyncio.Task[Any]] = set()
@@ -160,9 +160,6 @@ class Actor:
     def stopping(self) -> bool:
         return self._stop_requested.is_set()
 
-    async def wait_stopped(self) -> None:
-        await self._stop_requested.wait()
-
     async def stop(self) -> None:
         """Drain, stop the background loops, say goodbye, close. Every step is bounded in time."""
         try:
@@ -186,36 +183,22 @@ class Actor:
     # ------------------------------------------------------------------------------------------- peers
     def peer_stream(self, role: str, endpoint_name: str = "inbox") -> PeerStream:
         """A stream to every live member of `role`, kept in step with the roster."""
-        link = PeerStream(self.zmq, sender_id=self.actor_id, role=role, endpoint_name=endpoint_name,
-                          security=self.security)
-        link.sync(self.roster)
-        self._peer_links.append(link)
-        return link
+        return self._follow(PeerStream(self.zmq, sender_id=self.actor_id, role=role, endpoint_name=endpoint_name,
+                                       security=self.security))
 
     def peer_rpc(self, role: str, endpoint_name: str = "rpc") -> PeerRpc:
         """A request/reply client to the live member of `role`, reconnecting when it moves."""
-        link = PeerRpc(self.zmq, client_id=self.actor_id, role=role, endpoint_name=endpoint_name,
-                       security=self.security)
+        return self._follow(PeerRpc(self.zmq, client_id=self.actor_id, role=role, endpoint_name=endpoint_name,
+                                    security=self.security))
+
+    def _follow(self, link: PeerLink) -> PeerLink:
+        """Point a new peer link at the current roster; every later roster update re-syncs it, stop closes it."""
         link.sync(self.roster)
         self._peer_links.append(link)
         return link
 
     def members(self, role: str) -> list[Member]:
         return alive_members(self.roster, role)
-
-    async def wait_for_members(self, role: str, count: int = 1, timeout: float = 60.0) -> list[Member]:
-        """Block until `count` members of `role` are alive (peers start in any order)."""
-        async def until_enough() -> list[Member]:
-            while len(self.members(role)) < count:
-                self._roster_changed.clear()
-                await self._roster_changed.wait()
-            return self.members(role)
-
-        try:
-            return await asyncio.wait_for(until_enough(), timeout)
-        except asyncio.TimeoutError:
-            have = len(self.members(role))
-            raise TimeoutError(f"{self.actor_id}: waited {timeout}s for {count} live {role!r}, have {have}") from None
 
     def endpoints(self) -> dict[str, str]:
         found = {}
@@ -237,19 +220,13 @@ class Actor:
 
         return Security.from_directory(self.context.curve_keys_dir)
 
-    def _bind_address(self, name: str) -> str:
-        if self.context.transport == "ipc":
-            self.context.sockets_dir.mkdir(parents=True, exist_ok=True)
-            return f"ipc://{self.context.sockets_dir}/{self.actor_id}-{name}.sock"
-        return f"tcp://{self.context.host}:0"
-
     def _bind_inbound(self) -> None:
         if self._handlers.stream:
             window = int(self.settings.get("stream_window", 16))
-            self.inbox = StreamReceiver(self.zmq, self._bind_address("inbox"), window=window,
+            self.inbox = StreamReceiver(self.zmq, self.context.bind_address("inbox"), window=window,
                                         security=self.security)
         if self._handlers.rpc:
-            self.rpc_server = RpcServer(self.zmq, self._bind_address("rpc"), security=self.security)
+            self.rpc_server = RpcServer(self.zmq, self.context.bind_address("rpc"), security=self.security)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
         task = asyncio.create_task(coroutine, name=name)
@@ -363,7 +340,6 @@ class Actor:
         for event in roster.events:
             if event.actor_id != self.actor_id:
                 self.log.info(f"peer {event.kind}", peer=event.actor_id, reason=event.reason)
-        self._roster_changed.set()
         await self.on_roster(roster)
 
     async def _apply_control(self, control: Control) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
+
+from bus.address import bind_address
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,8 @@ class ActorContext:
     curve_keys_dir: Path | None = None
     heartbeat_interval: float = 1.0
     settings: dict[str, Any] = field(default_factory=dict)  # the role's own configuration
-    # The GPUs this process owns, as its CUDA_VISIBLE_DEVICES (set by the supervisor and again by actors.main, so a
-    # process started by hand gets the same devices); None leaves the variable as the launcher found it.
+    # The GPUs this process owns, as its CUDA_VISIBLE_DEVICES (set by the supervisor and again by
+    # actors.runtime.main, so a process started by hand gets the same devices); None leaves the variable as is.
     cuda_visible_devices: str | None = None
 
     def to_json(self) -> str:
@@ -57,6 +59,12 @@ class ActorContext:
     @property
     def sockets_dir(self) -> Path:
         return self.run_dir / "sockets"
+
+    def bind_address(self, channel: str) -> str:
+        """Where this actor binds `channel` ("inbox", "rpc", ...): bus.address's rule (IPv6 brackets, ipc path
+        limits) applied to this actor's host, transport and sockets folder."""
+        transport = cast(Literal["tcp", "ipc"], self.transport)  # bus.address rejects anything else, by name
+        return bind_address(self.host, transport, self.sockets_dir, f"{self.actor_id}-{channel}")
 
     @property
     def log_dir(self) -> Path:

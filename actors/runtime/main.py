@@ -1,4 +1,4 @@
-"""Entry point of one actor process: `python -m actors.main CONTEXT.json`.
+"""Entry point of one actor process: `python -m actors.runtime.main CONTEXT.json`.
 
 The launcher starts every actor this way; a developer can start one by hand with the same file to debug it.
 The process runs on uvloop where available, turns SIGTERM/SIGINT into a graceful stop, and a second signal
@@ -15,9 +15,9 @@ import signal
 import sys
 from pathlib import Path
 
-from actors.context import ActorContext
-from actors.logs import configure_logging
-from actors.roles import resolve_actor_class
+from actors.runtime.context import ActorContext
+from actors.runtime.logs import configure_logging
+from actors.runtime.roles import resolve_actor_class
 
 
 def _install_signal_handlers(actor: object) -> None:
@@ -60,7 +60,7 @@ def run_actor(context: ActorContext) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m actors.main CONTEXT.json", file=sys.stderr)
+        print("usage: python -m actors.runtime.main CONTEXT.json", file=sys.stderr)
         return 2
     path = Path(args[0])
     try:

@@ -5,19 +5,19 @@ from __future__ import annotations
 from policies.plugins import load_object
 
 BUILTIN_ROLES: dict[str, str] = {
-    "controller": "actors.controller:Controller",
-    "buffer": "actors.buffer:Buffer",
-    "learner": "actors.learner:Learner",
-    "rollout": "actors.rollout:RolloutWorker",
-    "reward": "actors.reward:RewardWorker",
+    "controller": "actors.controller.actor:Controller",
+    "buffer": "actors.buffer.actor:Buffer",
+    "learner": "actors.learner.actor:Learner",
+    "rollout": "actors.rollout.actor:RolloutWorker",
+    "reward": "actors.reward.actor:RewardWorker",
 }
 
 
 def resolve_actor_class(path: str) -> type:
     """Load an actor class from `package.module:ClassName` and check that it is an Actor."""
-    from actors.base import Actor
+    from actors.runtime.base import Actor
 
     cls = load_object(path, what="actor class")
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
-        raise TypeError(f"actor class {path!r} is {cls!r}, not a subclass of actors.base.Actor")
+        raise TypeError(f"actor class {path!r} is {cls!r}, not a subclass of actors.runtime.base.Actor")
     return cls

@@ -1,6 +1,6 @@
 """Supervising this node's actor processes: start, restart with bounded backoff, stop without orphans.
 
-Each actor is its own process (`python -m actors.main CONTEXT.json`) in its own session, so a Ctrl-C in the
+Each actor is its own process (`python -m actors.runtime.main CONTEXT.json`) in its own session, so a Ctrl-C in the
 terminal reaches only the launcher, which then stops the children in order; children also get SIGTERM if
 the launcher itself dies (PR_SET_PDEATHSIG), so no actor outlives its supervisor. An actor that exits 0 is
 done; one that crashes is restarted after a growing delay until it has crashed `max_restarts` times within
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -23,11 +22,11 @@ from pathlib import Path
 
 import structlog
 
-from actors.context import ActorContext
+from actors.runtime.context import ActorContext
+from engines.process import die_with_parent
 
 EXIT_BAD_CONFIG = 2
 EXIT_CONTROLLER_UNREACHABLE = 3
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -51,12 +50,6 @@ class Child:
     restarts: int = 0
     done: bool = False
     exit_code: int | None = None
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: deliver SIGTERM to it if the launcher dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Supervisor:
@@ -118,8 +111,8 @@ class Supervisor:
         if child.context.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = child.context.cuda_visible_devices
         child.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "actors.main", str(child.context_path),
-            start_new_session=True, preexec_fn=_die_with_parent, env=env,
+            sys.executable, "-m", "actors.runtime.main", str(child.context_path),
+            start_new_session=True, preexec_fn=die_with_parent, env=env,
         )
         self.log.info("actor process started", actor=child.context.actor_id, pid=child.process.pid,
                       restarts=child.restarts)

@@ -29,9 +29,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # a rollout worker process imports this module and must not pay for torch unless its engine does
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "keep"]

@@ -53,7 +53,7 @@ class BatchLimits:
 
 
 @dataclass(eq=False)
-class Sample:
+class DecodingSequence:
     """One sequence being generated: sample `sample_index` of request `request_id`.
 
     Invariant while running: the KV cache holds every token of `prompt_ids + output_ids` except the last
@@ -115,7 +115,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class StepResult:
-    finished: list[Sample]
+    finished: list[DecodingSequence]
     new_tokens: int
     record: StepRecord
 
@@ -137,15 +137,15 @@ class ContinuousBatcher:
         self.rng = rng
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
-        self.waiting: deque[Sample] = deque()
-        self.running: list[Sample] = []
+        self.waiting: deque[DecodingSequence] = deque()
+        self.running: list[DecodingSequence] = []
         self.kv = KVBatch.empty(self.device)
         self.steps = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, samples: list[Sample]) -> None:
+    def add(self, samples: list[DecodingSequence]) -> None:
         self.waiting.extend(samples)
 
     def step(self, version: int) -> StepResult:
@@ -172,10 +172,10 @@ class ContinuousBatcher:
         )
         return StepResult(finished=finished, new_tokens=len(decoded) + len(admitted), record=record)
 
-    def abort(self, request_ids: set[str] | None) -> list[Sample]:
+    def abort(self, request_ids: set[str] | None) -> list[DecodingSequence]:
         """Remove the samples of `request_ids` (all with None), mark them aborted and return them."""
 
-        def doomed(sample: Sample) -> bool:
+        def doomed(sample: DecodingSequence) -> bool:
             return request_ids is None or sample.request_id in request_ids
 
         aborted = [sample for sample in self.waiting if doomed(sample)]
@@ -185,7 +185,7 @@ class ContinuousBatcher:
             sample.finish("abort")
         return aborted
 
-    def reset(self) -> list[Sample]:
+    def reset(self) -> list[DecodingSequence]:
         """Abandon everything (after a failed step, when the cache may be half-updated); returns the samples."""
         dropped = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()
@@ -205,9 +205,9 @@ class ContinuousBatcher:
         self.running = []
         self.kv = KVBatch.empty(self.device)
 
-    def _admit(self) -> list[Sample]:
+    def _admit(self) -> list[DecodingSequence]:
         limits = self.limits
-        admitted: list[Sample] = []
+        admitted: list[DecodingSequence] = []
         worst_columns = max((sample.worst_case_length for sample in self.running), default=0)
         prefill_width = 0
         while self.waiting and len(self.running) + len(admitted) < limits.max_batch_size:
@@ -224,7 +224,7 @@ class ContinuousBatcher:
             worst_columns, prefill_width = columns, width
         return admitted
 
-    def _prefill(self, admitted: list[Sample], version: int) -> KVBatch:
+    def _prefill(self, admitted: list[DecodingSequence], version: int) -> KVBatch:
         """Prefill each distinct token sequence once (n samples of a prompt share it), then fan rows out."""
         unique: dict[tuple[int, ...], int] = {}
         sequences: list[list[int]] = []
@@ -244,7 +244,7 @@ class ContinuousBatcher:
         self._append_sampled(admitted, logits, version)
         return batch
 
-    def _append_sampled(self, samples: list[Sample], logits: torch.Tensor, version: int) -> None:
+    def _append_sampled(self, samples: list[DecodingSequence], logits: torch.Tensor, version: int) -> None:
         params = RowParams.build(
             [sample.params.temperature for sample in samples],
             [sample.params.top_p for sample in samples],
@@ -257,7 +257,7 @@ class ContinuousBatcher:
             sample.log_probs.append(log_prob)
             sample.versions.append(version)
 
-    def _uniforms(self, samples: list[Sample], params: RowParams) -> torch.Tensor | None:
+    def _uniforms(self, samples: list[DecodingSequence], params: RowParams) -> torch.Tensor | None:
         """One uniform per row: from the sample's own generator when seeded, else from the engine's."""
         if not params.any_sampled:
             return None
@@ -273,7 +273,7 @@ class ContinuousBatcher:
             uniforms.index_copy_(0, rows, draws)
         return uniforms.to(self.device)
 
-    def _check_stop(self, sample: Sample) -> bool:
+    def _check_stop(self, sample: DecodingSequence) -> bool:
         token = sample.output_ids[-1]
         if token in sample.stop_token_ids:
             sample.finish("stop", token)
@@ -283,14 +283,14 @@ class ContinuousBatcher:
             sample.finish("length")
         return sample.finish_reason is not None
 
-    def _matched_stop_string(self, sample: Sample) -> str | None:
+    def _matched_stop_string(self, sample: DecodingSequence) -> str | None:
         if self.tokenizer is None:
             raise RuntimeError("stop strings need a tokenizer; this engine was built without one")
         window = TOKENS_PER_CHARACTER_BOUND * max(len(stop) for stop in sample.params.stop) + 1
         tail = self.tokenizer.decode(sample.output_ids[-window:], skip_special_tokens=False)
         return next((stop for stop in sample.params.stop if stop in tail), None)
 
-    def _evict(self, leaves: Callable[[Sample], bool]) -> list[Sample]:
+    def _evict(self, leaves: Callable[[DecodingSequence], bool]) -> list[DecodingSequence]:
         """Drop running rows for which `leaves(sample)` is true; returns them."""
         keep = [row for row, sample in enumerate(self.running) if not leaves(sample)]
         if len(keep) == len(self.running):

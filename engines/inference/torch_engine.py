@@ -43,7 +43,7 @@ from engines.inference.base import (
     PauseMode,
     derive_sample_seed,
 )
-from engines.inference.batcher import BatchLimits, ContinuousBatcher, Sample, StepRecord
+from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class TorchEngine(InferenceEngine):
         self._commands.put(command)
         return await command.reply.future
 
-    def _samples_for(self, request: GenerateRequest) -> list[Sample]:
+    def _samples_for(self, request: GenerateRequest) -> list[DecodingSequence]:
         """Validate a request against this model and build its samples; raises here, in the caller."""
         rid, params, prompt = request.request_id, request.params, request.input_ids
         if max(prompt) >= self._vocab_size:
@@ -228,7 +228,7 @@ class TorchEngine(InferenceEngine):
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_token_ids)
         return [
-            Sample(
+            DecodingSequence(
                 request_id=rid,
                 sample_index=index,
                 prompt_ids=list(prompt),
@@ -401,7 +401,7 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 @dataclass
 class _Pending:
     reply: _Reply
-    samples: list[Sample]
+    samples: list[DecodingSequence]
 
 
 @dataclass
@@ -426,7 +426,7 @@ _DEFERRED = object()  # a generate command is answered later, when its samples f
 @dataclass
 class _Submit(_Command):
     request: GenerateRequest
-    samples: list[Sample]
+    samples: list[DecodingSequence]
 
     def apply(self, engine: TorchEngine) -> object:
         request_id = self.request.request_id

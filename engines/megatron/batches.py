@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from engines.training.base import PackedBatch, TrainSample
-from engines.training.packing import collate
+from engines.training.micro_batches import collate
 
 PAD_TOKEN = 0  # any id works: right padding is never attended to by real tokens
 
@@ -57,9 +57,7 @@ class PaddedMicroBatch:
             "targets": self.targets,
         }
         if self.batch is not None:
-            fields.update({f"batch.token_fields.{k}": v for k, v in self.batch.token_fields.items()})
-            fields.update({f"batch.sample_fields.{k}": v for k, v in self.batch.sample_fields.items()})
-            fields["batch.response_lengths"] = self.batch.response_lengths
+            fields.update({f"batch.{name}": tensor for name, tensor in self.batch.tensors().items()})
         return fields
 
 

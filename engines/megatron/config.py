@@ -23,7 +23,3 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
     tensor_model_parallel_size: int = Field(default=1, ge=1)
     pipeline_model_parallel_size: int = Field(default=1, ge=1)
     use_distributed_optimizer: bool = True
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size

@@ -5,8 +5,8 @@ trainer takes its data-parallel shard itself (`engines.megatron.batches`). Resul
 (log-probs of the whole batch, the step's metrics), so the caller never needs to know the parallel layout.
 
 Step. One megatron pipeline schedule per step runs this rank's micro-batches (padded rows, see `batches`);
-the loss of each micro-batch comes from `policies/` through `LossFn`, already normalised by the step's global
-counts (`LossNormalizer`, computed from the whole batch every rank holds). So gradients must be SUMMED over
+the loss of each micro-batch is the `Loss` object built in `policies/`, already normalised by the step's global
+counts (its denominators come from the whole batch, which every rank holds). So gradients must be SUMMED over
 micro-batches and DP ranks: `calculate_per_token_loss` stops the schedule from dividing by the micro-batch
 count and megatron's DDP from averaging over DP, and our `finalize_model_grads` wrapper drops the token-count
 rescaling that flag would otherwise apply. The optimizer step is megatron's own (distributed optimizer
@@ -51,8 +51,7 @@ from engines.megatron.cpu_compat import maybe_cpu_compat
 from engines.megatron.logprobs import vocab_parallel_log_probs
 from engines.training import checkpoint
 from engines.training.base import (
-    LossFn,
-    LossNormalizer,
+    Loss,
     ModelOutputs,
     ModelRole,
     StepResult,
@@ -60,7 +59,7 @@ from engines.training.base import (
     TrainSample,
     step_result,
 )
-from engines.training.packing import count_loss_tokens
+from engines.training.micro_batches import count_loss_tokens
 from engines.training.schedule import lr_multiplier
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -145,7 +144,7 @@ class MegatronTrainer(Trainer):
         return ModelOutputs(log_probs=log_probs, entropy=entropy)
 
     def train_step(
-        self, samples: Sequence[TrainSample], loss_fn: LossFn, *, temperature: float, with_entropy: bool = False
+        self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False
     ) -> StepResult:
         started = time.perf_counter()
         _validate(samples)
@@ -154,15 +153,15 @@ class MegatronTrainer(Trainer):
             raise ValueError(
                 f"train_step: {len(samples)} sample(s) cannot be split over {data_parallel} data-parallel ranks"
             )
-        normalizer = LossNormalizer(loss_tokens=count_loss_tokens(samples), sequences=len(samples))
+        counts = (count_loss_tokens(samples), len(samples))  # the whole batch: every rank holds it
         stats = _StepStats()
 
         def loss_of(micro_batch: PaddedMicroBatch, outputs: ModelOutputs) -> Tensor:
             assert micro_batch.batch is not None
-            loss, metrics = loss_fn(outputs, micro_batch.batch, normalizer)
-            _check_loss(loss)
-            stats.add(float(loss.detach()), metrics)
-            return loss
+            value, metrics = loss(outputs, micro_batch.batch)
+            _check_loss(value)
+            stats.add(float(value.detach()), metrics)
+            return value
 
         with maybe_cpu_compat():
             self._module.train()
@@ -171,7 +170,7 @@ class MegatronTrainer(Trainer):
             micro_batches = self._micro_batches(samples, with_batch=True)
             self._run_schedule(self._module, micro_batches, loss_of, temperature, with_entropy, forward_only=False)
             reduced = stats.reduce(contributes=parallel.is_last_stage() and parallel.tp_rank() == 0)
-            return self._apply_update(reduced, normalizer, len(micro_batches), started)
+            return self._apply_update(reduced, counts, len(micro_batches), started)
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """Every rank writes its shards into one staging directory; rank 0 adds the state file and renames."""
@@ -316,7 +315,7 @@ class MegatronTrainer(Trainer):
     def _apply_update(
         self,
         reduced: tuple[float, bool, dict[str, float]],
-        normalizer: LossNormalizer,
+        counts: tuple[int, int],
         micro_batches: int,
         started: float,
     ) -> StepResult:
@@ -360,7 +359,8 @@ class MegatronTrainer(Trainer):
             loss=loss_sum,
             lr=lr,
             grad_norm=grad_norm,
-            normalizer=normalizer,
+            loss_tokens=counts[0],
+            sequences=counts[1],
             micro_batches=micro_batches,
             started=started,
             skip_reason=skip_reason,
@@ -473,9 +473,9 @@ def _response_offsets(samples: Sequence[TrainSample]) -> list[int]:
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__}")
+        raise TypeError(f"the loss must return a scalar tensor as its loss, got {type(loss).__name__}")
     if not loss.requires_grad:
-        raise ValueError("loss_fn returned a loss with no gradient path to outputs.log_probs")
+        raise ValueError("the loss returned a value with no gradient path to outputs.log_probs")
 
 
 def _validate(samples: Sequence[TrainSample]) -> None:

@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -58,21 +57,12 @@ from engines.inference.base import (
     continuation_request,
 )
 from engines.sglang import protocol
+from engines.sglang.errors import SglangError
 from engines.sglang.launch import ServerProcess
 from engines.sglang.protocol import Endpoint
+from engines.sglang.weight_endpoints import WeightUpdateEndpoints
 
 logger = logging.getLogger(__name__)
-
-
-class SglangError(RuntimeError):
-    """An SGLang endpoint failed; the message names the URL, the endpoint and what the server said.
-
-    `status` is the HTTP status when the server answered (None when it did not).
-    """
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -111,7 +101,7 @@ class _Flight:
     lost: bool = False  # the server went away: nothing to resume on
 
 
-class SglangEngine(InferenceEngine):
+class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
     """One SGLang server. `server` is given when this engine launched it (then it restarts and stops it)."""
 
     def __init__(
@@ -248,124 +238,12 @@ class SglangEngine(InferenceEngine):
             # worth a graceful exit; SIGKILL of its process group frees its memory all the same.
             await asyncio.to_thread(self.server.stop, self.stop_grace_s)
 
-    # ---- SGLang endpoints beyond the interface (used by the weight loader)
-
-    async def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-        timeout: float,
-    ) -> None:
-        await self._call(
-            protocol.INIT_WEIGHTS_GROUP,
-            timeout=timeout,
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
-
-    async def destroy_weights_update_group(self, group_name: str, *, timeout: float | None = None) -> None:
-        await self._call(protocol.DESTROY_WEIGHTS_GROUP, timeout=timeout, group_name=group_name)
-
-    async def begin_weight_update(self) -> bool:
-        """Open SGLang's weight-update session; False when the server has none (it predates them: HTTP 404).
-
-        SGLang 0.5.23 refuses `/update_weights_from_distributed` outside a session. A session left open by an
-        update that failed half-way (its end never arrived) makes begin fail; it is ended and begun once more.
-        """
-        if self._sessions is False:
-            return False
-        try:
-            await self._call(protocol.BEGIN_WEIGHT_UPDATE, selector="all")
-        except SglangError as error:
-            if error.status == 404:
-                self._sessions = False
-                logger.info(
-                    "%s has no %s (an SGLang release before weight-update sessions): updating weights without one",
-                    self.url,
-                    protocol.BEGIN_WEIGHT_UPDATE.path,
-                )
-                return False
-            if error.status is None:
-                raise
-            logger.warning("%s: %s; ending the open session and beginning again", self.url, error)
-            with contextlib.suppress(SglangError):
-                await self._call(protocol.END_WEIGHT_UPDATE)
-            await self._call(protocol.BEGIN_WEIGHT_UPDATE, selector="all")
-        if self._sessions is None:
-            logger.info("%s has weight-update sessions: each update runs between begin and end", self.url)
-        self._sessions = True
-        return True
-
-    async def end_weight_update(self) -> None:
-        await self._call(protocol.END_WEIGHT_UPDATE)
-
-    async def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str,
-        flush_cache: bool,
-        timeout: float,
-    ) -> None:
-        await self._call(
-            protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
-            timeout=timeout,
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-        )
-
-    async def flush_cache(self, deadline_s: float) -> None:
-        """GET /flush_cache until it succeeds; SGLang refuses while any request runs or waits in its scheduler.
-
-        After a pause in "abort" mode the aborted requests leave the scheduler within a few steps, so the flush
-        succeeds soon; a server that stays busy for `deadline_s` is an SglangError naming the endpoint.
-        """
-        deadline = time.monotonic() + deadline_s
-        delay, last = 0.02, ""
-        while True:
-            try:
-                await self._call(protocol.FLUSH_CACHE, timeout=max(1.0, min(self.control_timeout, deadline_s)))
-                return
-            except SglangError as error:
-                if error.status is None:
-                    raise
-                last = str(error)
-            if time.monotonic() + delay > deadline:
-                raise SglangError(
-                    f"{self.url}{protocol.FLUSH_CACHE.path}: the server did not become idle within {deadline_s:g}s; "
-                    f"last answer: {last}"
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
     async def server_weight_version(self) -> int | None:
         """The server's weight version from `/model_info` (SGLang removed `/get_weight_version`)."""
         body = await self._call(protocol.MODEL_INFO)
         if not isinstance(body, dict):
             raise SglangError(f"{self.url}{protocol.MODEL_INFO.path}: expected a JSON object, got {str(body)[:200]!r}")
         return protocol.parse_weight_version(body.get("weight_version"))
-
-    async def sync_version(self) -> int:
-        """Adopt the server's own weight version (when attaching to a server that may already be updated)."""
-        version = await self.server_weight_version()
-        self._version = version if version is not None else 0
-        return self._version
 
     async def server_limits(self) -> ServerLimits | None:
         """The server's request-size limits from `/server_info`, fetched once; None if it does not answer."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus.address import free_port
+from engines.process import die_with_parent
 from engines.sglang import protocol
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 env=self.env,
             ).result()
         self.starts += 1
@@ -188,10 +188,3 @@ def probe(url: str, timeout: float) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
-
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -46,20 +46,8 @@ FINISH_TYPES: tuple[str, ...] = ("stop", "length", "abort")
 # SGLang names dtypes as torch attribute names; these are the ones a weight update may carry.
 WIRE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
-    for name in (
-        "float32",
-        "bfloat16",
-        "float16",
-        "float64",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-    )
+    for name in ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2",
+                 "int64", "int32", "int16", "int8", "uint8", "bool")
 }
 
 

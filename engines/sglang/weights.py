@@ -11,7 +11,7 @@ an SGLang implementation detail that has changed between releases, while per-ten
 contract, and on NCCL the per-collective cost is small next to the bytes of a large model.
 
 Coordination travels through the rendezvous store the learner hosts (the same `tcp://` address the servers
-joined), under a key prefix of our own, mirroring `engines/weights/torch_distributed.py`:
+joined), under a key prefix of our own (`weight_store.py`), mirroring `engines/weights/torch_distributed.py`:
 
 1. The learner publishes the manifest (names, dtypes, shapes, how they split into calls) under the version.
 2. Each loader reads it, pauses its server's generation (SGLang's "abort" mode; the client resumes the aborted
@@ -39,9 +39,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,67 +47,22 @@ import torch.distributed as dist
 from torch import Tensor
 
 from bus.address import free_port
-from engines.sglang import protocol
+from engines.sglang import protocol, weight_store
 from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.weight_group import WeightGroup, join_weight_group
+from engines.sglang.weight_store import ABORT_PREFIX, ERROR_PREFIX, GO, OK, READY, SglangGroupSpec
 from engines.weights.base import TransferReport, WeightSender, WeightTransferError
+from engines.weights.group import transfer_device
 from engines.weights.manifest import Manifest, TensorSpec, plan_buckets
 
 # One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-KEY_PREFIX = "slipstream-xfer/"
-OK = b"ok"
-ERROR_PREFIX = b"error:"
-GO = b"go"
-READY = b"1"
-ABORT_PREFIX = b"abort:"
-STORE_POLL_S = 0.05  # how often the sender looks for a refusal while a bucket is in flight
 DESTROY_TIMEOUT_S = 10.0  # a destroy waits behind a receive the server may be stuck in; give up and retry later
-GROUP_KIND = "sglang"
-
-
-@dataclass(frozen=True)
-class SglangGroupSpec:
-    """One group generation, as it travels to the rollout workers inside `WeightUpdateOrder.group`."""
-
-    master_address: str
-    master_port: int
-    group_name: str
-    generation: int
-    members: tuple[str, ...]  # members[0] is the learner; then the engines in rank order
-    gpus_per_engine: int = 1
-    backend: str = "gloo"
-
-    @property
-    def receivers(self) -> tuple[str, ...]:
-        return self.members[1:]
-
-    @property
-    def world_size(self) -> int:
-        return 1 + len(self.receivers) * self.gpus_per_engine
-
-    def rank_offset(self, engine: str) -> int:
-        """SGLang's layout: engine i takes the ranks from 1 + i * gpus_per_engine."""
-        if engine not in self.receivers:
-            raise ValueError(f"{engine!r} is not an engine of weight group {self.group_name}: {self.receivers}")
-        return 1 + self.receivers.index(engine) * self.gpus_per_engine
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": GROUP_KIND, **self.__dict__, "members": list(self.members)}
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> SglangGroupSpec:
-        fields = {key: value for key, value in raw.items() if key != "kind"}
-        return cls(**{**fields, "members": tuple(fields["members"])})
 
 
 def collective_timeout(timeout_s: float) -> float:
     """The weight group's own collective timeout for a sender whose deadlines are `timeout_s`: well past them."""
     return 2 * timeout_s + 60
-
-
-def is_sglang_group(raw: dict[str, Any]) -> bool:
-    return raw.get("kind") == GROUP_KIND
 
 
 class SglangWeightSender(WeightSender):
@@ -132,11 +85,7 @@ class SglangWeightSender(WeightSender):
             )
         self.host, self.backend, self.gpus_per_engine = host, backend, gpus_per_engine
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
-        self.device = (
-            torch.device(device)
-            if device is not None
-            else (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"))
-        )
+        self.device = transfer_device(backend, device)  # type: ignore[arg-type]  # SGLang takes gloo or nccl
         self._run_token = secrets.token_hex(4)  # group names never repeat, even across learner restarts
         self._generation = -1
         self._spec: SglangGroupSpec | None = None
@@ -200,7 +149,13 @@ class SglangWeightSender(WeightSender):
         dtype: torch.dtype | None = None,
         timeout_s: float | None = None,
     ) -> TransferReport:
-        """Broadcast bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only."""
+        """Broadcast bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only.
+
+        One pass over `named_tensors`, keeping references: the manifest (every name, dtype and shape) must reach
+        the loaders before the first byte, so it is built from the tensors' metadata, and each tensor is cast and
+        moved to the transfer device only when its bucket goes out (a bucket's wire copies at most, never the
+        whole model a second time).
+        """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spec = self._require_spec()
         if self._group is None or self._broken is not None:
@@ -209,16 +164,16 @@ class SglangWeightSender(WeightSender):
                 f"({self._broken or 'wait_for_receivers() not called'}); open a new one"
             )
         started = time.perf_counter()
-        tensors = [(name, _wire_tensor(tensor, dtype, self.device)) for name, tensor in named_tensors]
+        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # views: nothing is copied
         manifest = Manifest(
             version=version,
             bucket_bytes=self.bucket_bytes,
             direct_bytes=self.bucket_bytes,
-            tensors=tuple(TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors),
+            tensors=tuple(TensorSpec(n, _wire_dtype(t, dtype), tuple(t.shape)) for n, t in tensors),
         )
-        keys = _keys(self._group.store, spec, version)
+        keys = weight_store.keys_of(self._group.store, spec, version)
         keys.set("manifest", manifest.encode())
-        not_ready = _not_ready(keys, spec, timeout_s)
+        not_ready = weight_store.not_ready(keys, spec, timeout_s)
         if not_ready:
             keys.set("go", ABORT_PREFIX + f" not ready: {', '.join(not_ready)}".encode())
             self._broken = f"engines {sorted(not_ready)} not ready at version {version}"
@@ -227,21 +182,23 @@ class SglangWeightSender(WeightSender):
         buckets = manifest.buckets()
         for position, bucket in enumerate(buckets):
             where = f"weight transfer of version {version}, bucket {position + 1}/{len(buckets)}"
+            # Kept until the bucket completed: an asynchronous broadcast reads its tensor until then.
+            wire = [_wire_tensor(tensors[index][1], dtype, self.device) for index, _ in bucket.entries]
             try:
-                work = [
-                    dist.broadcast(tensors[index][1], src=0, group=self._group.group, async_op=True)
-                    for index, _ in bucket.entries
-                ]
+                work = [dist.broadcast(tensor, src=0, group=self._group.group, async_op=True) for tensor in wire]
             except (RuntimeError, dist.DistError) as error:
-                failed = _early_failures(keys, spec) or dict.fromkeys(spec.receivers, f"broadcast failed: {error}")
+                failed = weight_store.early_failures(keys, spec) or dict.fromkeys(
+                    spec.receivers, f"broadcast failed: {error}"
+                )
                 self._abandon_group(f"{where}: broadcast failed: {error}", [])
                 raise WeightTransferError(f"{where} broke: {error}", failed) from error
             # Inside the group's own timeout, so this deadline, not the NCCL watchdog, ends a stuck bucket.
-            failed = _await_bucket(work, keys, spec, min(timeout_s, 0.8 * collective_timeout(self.timeout_s)), where)
+            deadline_s = min(timeout_s, 0.8 * collective_timeout(self.timeout_s))
+            failed = weight_store.await_bucket(work, keys, spec, deadline_s, where)
             if failed:
                 self._abandon_group(f"{where} failed: {failed}", work)
                 raise WeightTransferError(f"{where} failed", failed)
-        failed = _acks(keys, spec, timeout_s)
+        failed = weight_store.acks(keys, spec, timeout_s)
         if failed:
             self._broken = f"version {version} not acknowledged: {failed}"
             raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
@@ -301,16 +258,17 @@ class SglangWeightSender(WeightSender):
 class SglangWeightLoader:
     """A rollout worker's end: joins its server to each new group and drives the per-bucket HTTP calls."""
 
-    def __init__(self, engine: SglangEngine, engine_name: str) -> None:
+    def __init__(self, engine: SglangEngine, engine_name: str, *, log: Any = None) -> None:
         self.engine = engine
         self.engine_name = engine_name
+        self.log = log
         self._group_name: str | None = None
         self._server_starts: int | None = None
         self._stale_groups: set[str] = set()  # groups of failed transfers the server may still hold
 
-    async def apply(self, raw_spec: dict[str, Any], version: int, timeout_s: float) -> None:
+    async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float) -> None:
         """Receive `version` on the engine's server; raises WeightTransferError naming what failed."""
-        spec = SglangGroupSpec.from_dict(raw_spec)
+        spec = SglangGroupSpec.from_dict(group)
         await self._join(spec, timeout_s)
         try:
             await self._receive(spec, version, timeout_s)
@@ -318,10 +276,15 @@ class SglangWeightLoader:
             await self._forget_group(timeout_s)
             raise
         self.engine.set_version(version)
+        if self.log is not None:
+            self.log.info("weights loaded by the SGLang server", version=version, group=spec.group_name)
+
+    def close(self) -> None:
+        """Nothing to release here: the server's groups are destroyed at the next join, or go with the server."""
 
     async def _receive(self, spec: SglangGroupSpec, version: int, timeout_s: float) -> None:
-        keys = await asyncio.to_thread(_connect_keys, spec, version, timeout_s)
-        manifest = await asyncio.to_thread(_read_manifest, keys, timeout_s, self.engine_name)
+        keys = await asyncio.to_thread(weight_store.connect_keys, spec, version, timeout_s)
+        manifest = await asyncio.to_thread(weight_store.read_manifest, keys, timeout_s, self.engine_name)
         await self.engine.pause("keep")
         try:
             try:
@@ -335,7 +298,7 @@ class SglangWeightLoader:
                 ) from error
             try:
                 await asyncio.to_thread(keys.set, f"ready/{self.engine_name}", READY)
-                go = await asyncio.to_thread(_wait_go, keys, 2 * timeout_s, self.engine_name, version)
+                go = await asyncio.to_thread(weight_store.wait_go, keys, 2 * timeout_s, self.engine_name, version)
                 if go != GO:
                     raise WeightTransferError(
                         f"{self.engine_name}: transfer of version {version} aborted: "
@@ -425,127 +388,10 @@ class SglangWeightLoader:
         return None
 
 
-# ---- store keys (the learner hosts the store; loaders connect as plain clients) ------------------------------
-
-
-def _keys(store: dist.Store, spec: SglangGroupSpec, version: int) -> dist.PrefixStore:
-    return dist.PrefixStore(f"{KEY_PREFIX}{spec.group_name}/v{version}/", store)
-
-
-def _connect_keys(spec: SglangGroupSpec, version: int, timeout_s: float) -> dist.PrefixStore:
-    try:
-        store = dist.TCPStore(
-            spec.master_address,
-            spec.master_port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    except (RuntimeError, dist.DistError) as error:
-        raise WeightTransferError(
-            f"cannot reach the learner's weight store at {spec.master_address}:{spec.master_port}: {error}"
-        ) from error
-    return _keys(store, spec, version)
-
-
-def _missing(keys: dist.Store, wanted: list[str], timeout_s: float) -> list[str]:
-    try:
-        keys.wait(wanted, timedelta(seconds=max(timeout_s, 0.001)))
-        return []
-    except (RuntimeError, dist.DistError):
-        return [key for key in wanted if not keys.check([key])]
-
-
-def _not_ready(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
-    """Engines that did not say "ready" within `timeout_s`, or said why they cannot be, with the reason."""
-    wanted = [f"ready/{engine}" for engine in spec.receivers]
-    missing = set(_missing(keys, wanted, timeout_s))
-    failed: dict[str, str] = {}
-    for engine, key in zip(spec.receivers, wanted, strict=True):
-        if key in missing:
-            failed[engine] = "not ready to receive (died or stalled)"
-            continue
-        value = keys.get(key)
-        if value != READY:
-            failed[engine] = value.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
-    return failed
-
-
-def _early_failures(keys: dist.Store, spec: SglangGroupSpec) -> dict[str, str]:
-    """Error acknowledgements already written (a loader acks before the last bucket only when refused)."""
-    failed: dict[str, str] = {}
-    for engine in spec.receivers:
-        key = f"ack/{engine}"
-        if keys.check([key]):
-            ack = keys.get(key)
-            if ack != OK:
-                failed[engine] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
-    return failed
-
-
-def _await_bucket(
-    work: list[dist.Work], keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, where: str
-) -> dict[str, str]:
-    """Poll the bucket's broadcasts until they complete, a loader reports a refusal, or `timeout_s` passes.
-
-    Only completed work is waited on (it returns at once, raising what the collective hit): a blocking `wait()`
-    would hang on gloo until the group timeout and, on NCCL, not block at all. Returns the failed engines.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay, next_store_check = 0.0005, 0.0
-    while True:
-        if all(handle.is_completed() for handle in work):
-            try:
-                for handle in work:
-                    handle.wait()
-            except (RuntimeError, dist.DistError) as error:
-                return _early_failures(keys, spec) or dict.fromkeys(spec.receivers, f"broadcast failed: {error}")
-            return {}
-        now = time.monotonic()
-        if now >= next_store_check:
-            failed = _early_failures(keys, spec)
-            if failed:
-                return failed
-            next_store_check = now + STORE_POLL_S
-        if now > deadline:
-            pending = dict.fromkeys(spec.receivers, f"{where}: not received within {timeout_s:g}s")
-            return {**pending, **_early_failures(keys, spec)}
-        time.sleep(delay)
-        delay = min(delay * 2, STORE_POLL_S)
-
-
-def _read_manifest(keys: dist.Store, timeout_s: float, engine: str) -> Manifest:
-    if _missing(keys, ["manifest"], timeout_s):
-        raise WeightTransferError(f"{engine}: the learner published no manifest within {timeout_s:g}s")
-    try:
-        return Manifest.decode(keys.get("manifest"))
-    except ValueError as error:
-        raise WeightTransferError(f"{engine}: unreadable weight manifest: {error}") from error
-
-
-def _wait_go(keys: dist.Store, timeout_s: float, engine: str, version: int) -> bytes:
-    if _missing(keys, ["go"], timeout_s):
-        raise WeightTransferError(f"{engine}: the learner never started the transfer of version {version}")
-    return keys.get("go")
-
-
-def _acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
-    wanted = [f"ack/{engine}" for engine in spec.receivers]
-    missing = set(_missing(keys, wanted, timeout_s))
-    failed: dict[str, str] = {}
-    for engine, key in zip(spec.receivers, wanted, strict=True):
-        if key in missing:
-            failed[engine] = f"no acknowledgement within {timeout_s:g}s (died or stalled)"
-            continue
-        ack = keys.get(key)
-        if ack != OK:
-            failed[engine] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
-    return failed
+def _wire_dtype(tensor: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
 def _wire_tensor(tensor: Tensor, dtype: torch.dtype | None, device: torch.device) -> Tensor:
     """What goes on the wire: contiguous, on the transfer device, floating tensors cast to `dtype` if given."""
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor.to(device).contiguous()
+    return tensor.detach().to(device=device, dtype=_wire_dtype(tensor, dtype)).contiguous()

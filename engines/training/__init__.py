@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engines.training.base import (
-    LossFn,
-    LossNormalizer,
+    Loss,
     ModelOutputs,
     PackedBatch,
     StepResult,
@@ -23,8 +22,7 @@ if TYPE_CHECKING:
     from engines.training.torch_trainer import TorchTrainer
 
 __all__ = [
-    "LossFn",
-    "LossNormalizer",
+    "Loss",
     "ModelOutputs",
     "PackedBatch",
     "StepResult",

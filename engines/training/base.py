@@ -4,24 +4,24 @@ Layout. A sample is its full token sequence (prompt + response) and the number o
 Everything per-token that the loss needs lives only on RESPONSE tokens, and a batch carries it as ONE packed
 1-D tensor (responses concatenated in sample order) plus `response_lengths`. The trainer returns its
 log-probs in exactly that layout, so a loss is elementwise arithmetic on aligned tensors: no padding, no masks
-for padding, no reshapes.
+for padding, no reshapes. The fields are typed attributes, not string keys: a misspelt field fails at once.
 
 Normalisation. A step is split into micro-batches (token budget) and, with several learner processes, into
-data-parallel shards. The trainer sums the gradients of every micro-batch of every rank, so a loss function
-must divide by the counts of the WHOLE step, which `LossNormalizer` carries (all-reduced once per step). A
-token-mean loss is then `sum(per_token * mask) / normalizer.loss_tokens` on every micro-batch, and the summed
-gradient equals the full-batch gradient exactly. Metrics follow the same rule: the trainer SUMS each metric
-over micro-batches and ranks, so report each as this micro-batch's share of the step's value.
+data-parallel shards. The trainer SUMS the gradients of every micro-batch of every rank, so a loss must divide
+by the counts of the WHOLE step. The trainer does not know which counts a loss needs (tokens kept after an
+off-policy rejection, sequences, rollouts), so it computes none: the `Loss` object is built before the step with
+its denominators already global (see `policies.step_loss.PolicyLoss`). Metrics follow the same rule: the trainer
+SUMS each metric over micro-batches and ranks, so a loss reports each as this micro-batch's share of the step.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -29,24 +29,37 @@ from torch import Tensor
 ModelRole = Literal["policy", "ref"]
 
 
+TOKEN_FIELDS = ("loss_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "advantages")
+"""The per-token fields a sample may carry, each with exactly `response_length` entries when present."""
+
+
 @dataclass
 class TrainSample:
     """One sequence to score or train on.
 
     `tokens` are the prompt followed by the response; the last `response_length` of them are the response.
-    Every tensor in `token_fields` has exactly `response_length` entries ("advantages", "loss_mask",
-    "rollout_log_probs", "old_log_probs", "ref_log_probs", ...); `sample_fields` holds per-sequence scalars
-    ("reward", "staleness", ...).
+    Every per-token field (`TOKEN_FIELDS`) is None or a 1-D tensor of `response_length` entries: `loss_mask`
+    (1 = trained; None trains every token), `rollout_log_probs` (mu, the engine's), `old_log_probs` (pi_old, the
+    learner's before the step), `ref_log_probs` (the frozen reference model's), `advantages`. `reward` is the
+    sample's scalar reward.
     """
 
     tokens: Tensor
     response_length: int
-    token_fields: dict[str, Tensor] = field(default_factory=dict)
-    sample_fields: dict[str, float] = field(default_factory=dict)
+    loss_mask: Tensor | None = None
+    rollout_log_probs: Tensor | None = None
+    old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None
+    advantages: Tensor | None = None
+    reward: float | None = None
 
     @property
     def prompt_length(self) -> int:
         return int(self.tokens.numel()) - self.response_length
+
+    def present_fields(self) -> tuple[str, ...]:
+        """Names of the per-token fields and of `reward` that this sample carries (not None)."""
+        return tuple(name for name in (*TOKEN_FIELDS, "reward") if getattr(self, name) is not None)
 
     def validate(self, index: int) -> None:
         """Raise a ValueError naming sample `index` and the field at fault; the trainer calls this on entry."""
@@ -60,21 +73,33 @@ class TrainSample:
                 f"{where}: response_length {self.response_length} must be in [0, {self.tokens.numel() - 1}] "
                 f"(len(tokens)={self.tokens.numel()}; the first response token needs at least one prompt token)"
             )
-        for name, values in self.token_fields.items():
+        for name in TOKEN_FIELDS:
+            values = getattr(self, name)
+            if values is None:
+                continue
             if not isinstance(values, Tensor) or values.dim() != 1 or values.numel() != self.response_length:
                 raise ValueError(
                     f"{where}: token field {name!r} must be a 1-D tensor of response_length={self.response_length}"
                     f" entries, got {_describe(values)}"
                 )
+        if self.reward is not None and not isinstance(self.reward, int | float):
+            raise ValueError(f"{where}: reward must be a number, got {_describe(self.reward)}")
 
 
 @dataclass
 class PackedBatch:
-    """Samples in the packed layout: per-token fields concatenated over responses, per-sample fields stacked."""
+    """Samples in the packed layout: per-token fields concatenated over responses, `reward` stacked per sample.
 
-    token_fields: dict[str, Tensor]
-    sample_fields: dict[str, Tensor]
+    A field is None when the samples do not carry it (every sample of a batch carries the same fields).
+    """
+
     response_lengths: Tensor
+    loss_mask: Tensor | None = None
+    rollout_log_probs: Tensor | None = None
+    old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None
+    advantages: Tensor | None = None
+    reward: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -90,10 +115,14 @@ class PackedBatch:
             torch.arange(self.num_samples, device=self.response_lengths.device), self.response_lengths
         )
 
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor the batch holds, by field name (what must sit on the model's device)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
 
 @dataclass
 class ModelOutputs:
-    """What the model says about the response tokens, packed like `PackedBatch.token_fields`.
+    """What the model says about the response tokens, packed like the per-token fields of `PackedBatch`.
 
     `log_probs[i]` is log p(token_i | prefix) under softmax(logits / temperature); `entropy[i]` is the entropy
     of that same distribution (None unless asked for, since it costs another vocabulary-sized pass).
@@ -103,25 +132,17 @@ class ModelOutputs:
     entropy: Tensor | None = None
 
 
-@dataclass(frozen=True)
-class LossNormalizer:
-    """Counts over the whole optimizer step: every micro-batch of every data-parallel rank.
+class Loss(Protocol):
+    """What `Trainer.train_step` calls on each micro-batch: `(outputs, batch) -> (scalar loss, metrics)`.
 
-    `loss_tokens` is the number of response tokens with loss_mask != 0 (all response tokens when the batch has
-    no "loss_mask"); `sequences` is the number of samples. Divide by these, never by a micro-batch's own count.
+    Structural, so `policies/` builds losses without importing the engines. The loss must already be divided by
+    the whole step's counts and report metrics as this micro-batch's share (module docstring).
     """
 
-    loss_tokens: int
-    sequences: int
-
-    def __post_init__(self) -> None:
-        if self.loss_tokens < 0 or self.sequences < 0:
-            raise ValueError(f"LossNormalizer counts must be non-negative, got {self}")
+    def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict[str, float]]: ...
 
 
-LossFn = Callable[[ModelOutputs, PackedBatch, LossNormalizer], tuple[Tensor, dict[str, float]]]
-"""(outputs, batch, normalizer) -> (scalar loss to backpropagate, metrics). See the module docstring for the
-normalisation rule that makes micro-batched, data-parallel steps equal the full-batch step."""
+LossFn = Loss  # the earlier name, kept while tools/pipeline_sim_learner.py (being written alongside) still uses it
 
 
 @dataclass(frozen=True)
@@ -169,7 +190,7 @@ class Trainer(ABC):
 
     @abstractmethod
     def train_step(
-        self, samples: Sequence[TrainSample], loss_fn: LossFn, *, temperature: float, with_entropy: bool = False
+        self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False
     ) -> StepResult:
         """One optimizer step on `samples`. A non-finite loss or gradient norm skips the update and says so."""
 
@@ -209,19 +230,23 @@ def step_result(
     loss: float,
     lr: float,
     grad_norm: float,
-    normalizer: LossNormalizer,
+    loss_tokens: int,
+    sequences: int,
     micro_batches: int,
     started: float,
     skip_reason: str | None,
 ) -> StepResult:
-    """The `StepResult` every trainer reports, with the same metric names whatever the backend."""
+    """The `StepResult` every trainer reports, with the same metric names whatever the backend.
+
+    `loss_tokens` (response tokens with loss_mask != 0) and `sequences` are the step's totals over every rank,
+    reported for the record; the loss never reads them (it carries its own denominators)."""
     metrics = {
         **metric_sums,
         "loss": loss,
         "lr": lr if skip_reason is None else 0.0,
         "grad_norm": grad_norm,
-        "loss_tokens": float(normalizer.loss_tokens),
-        "sequences": float(normalizer.sequences),
+        "loss_tokens": float(loss_tokens),
+        "sequences": float(sequences),
         "micro_batches": float(micro_batches),
         "step_seconds": time.perf_counter() - started,
     }

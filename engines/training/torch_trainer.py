@@ -2,10 +2,10 @@
 
 Data parallelism. Several learner processes each call the same methods with their own shard of samples; the
 caller initialises the default process group (gloo on CPU, NCCL on GPU). Losses are normalised by counts of
-the whole step (see `engines.training.base`), so the gradients of all micro-batches of all ranks must be
-SUMMED; DDP averages by default, so a communication hook replaces its all-reduce with a plain sum. Only the
-last micro-batch of a step synchronises (`no_sync` before), so ranks may hold different numbers of
-micro-batches.
+the whole step, which the `Loss` object carries (see `engines.training.base`), so the gradients of all
+micro-batches of all ranks must be SUMMED; DDP averages by default, so a communication hook replaces its
+all-reduce with a plain sum. Only the last micro-batch of a step synchronises (`no_sync` before), so ranks may
+hold different numbers of micro-batches.
 
 Determinism of the policy: dropout is switched off at load. RL needs the learner's log-probs to be the
 behaviour policy's log-probs up to off-policyness; random masks would add noise to every importance ratio.
@@ -33,8 +33,7 @@ from engines.training import checkpoint
 from engines.training.attention import register_packed_attention
 from engines.training.base import (
     DataParallel,
-    LossFn,
-    LossNormalizer,
+    Loss,
     ModelOutputs,
     ModelRole,
     StepResult,
@@ -44,7 +43,7 @@ from engines.training.base import (
 )
 from engines.training.config import TorchTrainerConfig
 from engines.training.logprobs import token_log_probs
-from engines.training.packing import (
+from engines.training.micro_batches import (
     check_packing_isolation,
     collate,
     count_loss_tokens,
@@ -125,11 +124,11 @@ class TorchTrainer(Trainer):
         )
 
     def train_step(
-        self, samples: Sequence[TrainSample], loss_fn: LossFn, *, temperature: float, with_entropy: bool = False
+        self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False
     ) -> StepResult:
         started = time.perf_counter()
         _validate(samples)
-        normalizer = self._global_normalizer(samples)
+        counts = self._step_counts(samples)
         plan = self._plan(samples)
         self._model.train()
         self._optimizer.zero_grad(set_to_none=True)
@@ -148,17 +147,17 @@ class TorchTrainer(Trainer):
                         temperature=temperature,
                         with_entropy=with_entropy,
                     )
-                    loss, metrics = loss_fn(outputs, batch, normalizer)
-                _check_loss(loss)
+                    value, metrics = loss(outputs, batch)
+                _check_loss(value)
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
-                loss.backward()
-            loss_value = float(loss.detach())
+                value.backward()
+            loss_value = float(value.detach())
             nonfinite_loss |= not math.isfinite(loss_value)
             loss_sum += loss_value
             for key, value in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
         loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(loss_sum, nonfinite_loss, metric_sums)
-        return self._apply_update(loss_sum, nonfinite_loss, metric_sums, normalizer, len(plan), started)
+        return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started)
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """Rank 0 writes (all ranks hold identical weights and moments); every rank returns or raises together."""
@@ -238,7 +237,7 @@ class TorchTrainer(Trainer):
         loss_sum: float,
         nonfinite_loss: bool,
         metric_sums: dict[str, float],
-        normalizer: LossNormalizer,
+        counts: tuple[int, int],
         micro_batches: int,
         started: float,
     ) -> StepResult:
@@ -265,11 +264,12 @@ class TorchTrainer(Trainer):
             self._version += 1
         self._optimizer.zero_grad(set_to_none=True)
         return step_result(self._version, metric_sums, loss=loss_sum, lr=lr, grad_norm=grad_norm,
-                           normalizer=normalizer, micro_batches=micro_batches, started=started,
-                           skip_reason=skip_reason)
+                           loss_tokens=counts[0], sequences=counts[1], micro_batches=micro_batches,
+                           started=started, skip_reason=skip_reason)
 
-    def _global_normalizer(self, samples: Sequence[TrainSample]) -> LossNormalizer:
-        """All-reduce the step's counts once; an empty shard on any rank fails every rank alike (no hang)."""
+    def _step_counts(self, samples: Sequence[TrainSample]) -> tuple[int, int]:
+        """The step's (loss tokens, sequences) over every rank, for the metrics; all-reduced once, so an empty
+        shard on any rank fails every rank alike instead of leaving the others in a collective (no hang)."""
         counts = torch.tensor([count_loss_tokens(samples), len(samples), int(not samples)], dtype=torch.int64)
         if _world_size() > 1:
             counts = counts.to(self._device)
@@ -278,7 +278,7 @@ class TorchTrainer(Trainer):
         loss_tokens, sequences, empty_ranks = counts.tolist()
         if empty_ranks:
             raise ValueError(f"train_step: {empty_ranks} data-parallel rank(s) got no samples; every rank needs some")
-        return LossNormalizer(loss_tokens=loss_tokens, sequences=sequences)
+        return loss_tokens, sequences
 
     def _reduce_step_stats(
         self, loss_sum: float, nonfinite_loss: bool, metric_sums: dict[str, float]
@@ -397,9 +397,9 @@ _sum_gradients_hook.__annotations__.update({"bucket": dist.GradBucket, "return":
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__}")
+        raise TypeError(f"the loss must return a scalar tensor as its loss, got {type(loss).__name__}")
     if not loss.requires_grad:
-        raise ValueError("loss_fn returned a loss with no gradient path to outputs.log_probs")
+        raise ValueError("the loss returned a value with no gradient path to outputs.log_probs")
 
 
 def _validate(samples: Sequence[TrainSample]) -> None:

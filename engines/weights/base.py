@@ -9,8 +9,9 @@ A receiver that is missing, dies or fails to load is named in a `WeightTransferE
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -40,18 +41,39 @@ class TransferReport:
     num_bytes: int
     seconds: float
 
+
+class GroupHandle(Protocol):
+    """What `open_group` returns: who must receive, and the spec the engines' loaders need, as plain values.
+
+    `to_dict()` travels in `WeightUpdateOrder.group` and MUST carry `"transport"`, the mechanism's name in
+    `engines.weights.transport`, so the engine side builds the loader for it by name.
+    """
+
     @property
-    def gigabytes_per_second(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+    def receivers(self) -> tuple[str, ...]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 class WeightSender(ABC):
-    """Learner rank 0's end of the transfer group."""
+    """Learner rank 0's end of the transfer group.
+
+    Use: `spec = open_group([sender, *engines])`, hand `spec.to_dict()` to the engines, `wait_for_receivers()`,
+    then `send(...)` per version; after a WeightTransferError, `open_group` again with the live engines.
+    """
 
     @property
     @abstractmethod
     def committed_version(self) -> int | None:
         """The last version every receiver acknowledged (None before the first success)."""
+
+    @abstractmethod
+    def open_group(self, members: Sequence[str]) -> GroupHandle:
+        """Start a new group generation of `members` (members[0] is the sender), dropping the current one."""
+
+    @abstractmethod
+    def wait_for_receivers(self, timeout_s: float | None = None) -> None:
+        """Block until every receiver of the open generation joined; raise WeightTransferError naming the rest."""
 
     @abstractmethod
     def send(
@@ -62,7 +84,11 @@ class WeightSender(ABC):
         dtype: torch.dtype | None = None,
         timeout_s: float | None = None,
     ) -> TransferReport:
-        """Broadcast `named_tensors` (cast to `dtype` if given) and commit `version` once all receivers acked."""
+        """Broadcast `named_tensors` (cast to `dtype` if given) and commit `version` once all receivers acked.
+
+        `named_tensors` may be a generator (the learner's holds its ranks' lock until exhausted or closed): it is
+        iterated once, and its tensors are read, never modified.
+        """
 
     @abstractmethod
     def close(self) -> None: ...

@@ -1,7 +1,7 @@
 """Same-GPU weight transfer: CUDA IPC buffers in place of an NCCL broadcast.
 
 NCCL refuses a communicator with two ranks on one device, so when the engines share the learner's GPU (one GPU
-for everything: see `actors/placement.py`) the bytes cannot be broadcast. They do not need to be: the learner
+for everything: see `actors/runtime/placement.py`) the bytes cannot be broadcast. They do not need to be: the learner
 copies each bucket into one of two staging buffers it shares once per receiver through CUDA IPC, announces it
 in the rendezvous store, and every receiver copies it straight from that buffer into its own tensor (a
 device-to-device copy, no host round trip). A receiver's "done" tells the learner the staging slot may be

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engines.weights.base import WeightTransferError
+from engines.weights.names import TORCH_DISTRIBUTED
 
 Backend = Literal["gloo", "nccl", "cuda_ipc"]
 KEY_ROOT = "slipstream/weights"
@@ -60,11 +61,13 @@ class GroupSpec:
         return self.members.index(name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "members": list(self.members)}
+        """Carries the mechanism's name, by which a rollout worker picks the loader for it."""
+        return {"transport": TORCH_DISTRIBUTED, **self.__dict__, "members": list(self.members)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GroupSpec:
-        return cls(**{**raw, "members": tuple(raw["members"])})
+        fields = {key: value for key, value in raw.items() if key != "transport"}
+        return cls(**{**fields, "members": tuple(fields["members"])})
 
 
 def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:

@@ -134,6 +134,11 @@ class TorchDistributedWeightSender(WeightSender):
 
         `timeout_s` (default: the sender's) bounds the wait for every receiver to be ready and to acknowledge.
         The tensors are read, never modified or retained; they must not change until this returns.
+
+        One pass over `named_tensors`, keeping references only: the manifest (every name, dtype and shape) must
+        reach the receivers before the first byte, so it is built from the tensors the iterator yields, then
+        the buckets are cast and packed one at a time. Nothing is copied whole: a trainer that yields its live
+        parameters costs no memory here, one that gathers shards (Megatron) holds its gathered tensors once.
         """
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         spec, keys = self._require_spec()
@@ -143,7 +148,7 @@ class TorchDistributedWeightSender(WeightSender):
                 f"({self._broken or 'wait_for_receivers() not called'}); call open_group() again"
             )
         started = time.perf_counter()
-        tensors = list(named_tensors)
+        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # views: nothing is copied
         manifest = _manifest(tensors, version, self.bucket_bytes, self.direct_bytes, dtype)
         prefix = f"xfer/{self._sequence}/"
         receivers = spec.receivers

@@ -1,17 +1,21 @@
 """The buffer's rules without sockets: admission, leases, drops, the staleness re-check, exactly-once batches,
-and recovery from the durable log."""
+recovery from the durable log, and the Buffer actor's final commit (its handler called in-process)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from actors.buffer_core import BufferCore
-from actors.buffer_log import BufferLog, archived_logs
-from actors.prompt_data import PromptRecord, PromptSource
-from bus.schema import PromptGroup, Sample, ScoredGroup
+from actors.buffer.actor import Buffer
+from actors.buffer.core import BufferCore
+from actors.buffer.log import BufferLog, archived_logs
+from actors.buffer.prompt_data import PromptRecord, PromptSource
+from actors.runtime.context import ActorContext
+from bus.schema import Ack, FinalCommit, PromptGroup, Sample, ScoredGroup
 
 N = 2  # samples per group
 B = 3  # groups per batch
@@ -161,7 +165,8 @@ def test_restarted_learner_gets_the_same_batch_again() -> None:
     assert first is not None and second is not None
     # The learner crashed after batch 2 and resumed from its checkpoint after batch 0: batch 1 again, same groups.
     again = core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
-    assert again is not None and again.reserved
+    assert again is not None and again.replayed
+    assert again.staleness == first.staleness and again.learner_version == first.learner_version == 0
     assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
     # A checkpoint covering batch 1 commits it; asking for it again is then an error, not a silent retrain.
     core.next_batch(learner_version=1, trained_batch=1, checkpointed_batch=1)
@@ -191,6 +196,40 @@ def test_restore_from_log_loses_nothing_and_trains_nothing_twice(tmp_path: Path)
     # The data cursor continues after the last leased prompt instead of starting over.
     _, fresh = lease_all(revived)
     assert not {g.group_id for g in fresh} & {g.group_id for g in groups}
+
+
+@pytest.mark.unit
+def test_a_batch_replayed_after_a_buffer_restart_keeps_its_staleness_and_version(tmp_path: Path) -> None:
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(max_staleness=2, log=BufferLog(log_path))
+    lease_id, groups = lease_all(core)
+    for group in groups[:B]:
+        core.accept(scored(group, lease_id, version=0))
+    first = core.next_batch(learner_version=2, trained_batch=0, checkpointed_batch=0)
+    assert first is not None and first.staleness == [2] * (B * N) and first.learner_version == 2
+    core.log.close()
+
+    revived = make_core(max_staleness=2)
+    revived.restore(log_path)
+    again = revived.next_batch(learner_version=2, trained_batch=0, checkpointed_batch=0)
+    assert again is not None and again.replayed
+    assert again.staleness == first.staleness and again.learner_version == 2
+
+
+@pytest.mark.unit
+def test_groups_from_weights_newer_than_a_restarted_learner_count_their_distance() -> None:
+    # The learner restarted from its checkpoint at version 0 while the pool holds groups generated at versions 2-3
+    # by the weights it had published before dying: 3 steps away from its own, so past a bound of 2.
+    core = make_core(max_staleness=2)
+    lease_id, groups = lease_all(core)
+    for group in groups[:B]:
+        core.accept(scored(group, lease_id, version=2))
+    assert core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0) is None
+    assert core.stats.dropped["stale_evicted"] == B
+    for group in groups[B : 2 * B]:
+        core.accept(scored(group, lease_id, version=1))  # tokens at versions 1 and 2: distance 2, within the bound
+    batch = core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    assert batch is not None and batch.staleness == [2] * (B * N)
 
 
 @pytest.mark.unit
@@ -272,3 +311,45 @@ def test_compacted_log_restores_the_same_state_and_keeps_the_history(tmp_path: P
         k: v for k, v in _state(revived_compacted).items() if k not in ("leases", "reissue", "in_flight")}
     same = revived_compacted.next_batch(learner_version=1, trained_batch=1, checkpointed_batch=1)
     assert same is not None and [g.group_id for g in same.groups] == [g.group_id for g in plain.served[2].groups]
+
+
+def _buffer_actor(tmp_path: Path) -> Buffer:
+    for name in ("train", "eval"):
+        rows = [{"input": f"{i}+1=", "label": str(i + 1)} for i in range(2 if name == "eval" else 20)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    run = {"prompt_data": str(tmp_path / "train.jsonl"), "eval_prompt_data": ["probe", str(tmp_path / "eval.jsonl")],
+           "eval_interval": 100, "num_rollout": 1, "rollout_batch_size": B, "n_samples_per_prompt": N,
+           "max_staleness": 1, "final_eval_timeout": 30.0}
+    context = ActorContext(actor_id="buffer-0", role="buffer", actor_class="actors.buffer.actor:Buffer", node_rank=0,
+                           head_address="tcp://127.0.0.1:1", run_dir=tmp_path / "run", settings={"run": run})
+    return Buffer(context)
+
+
+@pytest.mark.integration
+def test_final_commit_commits_the_checkpointed_batches_and_answers_after_the_final_eval(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        buffer = _buffer_actor(tmp_path)
+        await buffer.on_start()
+        core = buffer.core
+        core.eval_queue.clear()  # the baseline round before training is not what this test is about
+        buffer.eval_rounds.rounds.clear()
+        lease_id, groups = lease_all(core)
+        for group in groups[:B]:
+            core.accept(scored(group, lease_id))
+        assert core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0) is not None
+
+        commit = asyncio.create_task(buffer.on_final_commit(
+            "learner-0", FinalCommit(learner_version=1, trained_batch=1, checkpointed_batch=1)))
+        await asyncio.sleep(0.3)
+        assert core.committed_batch == 1 and not core.served  # recorded at once
+        assert not commit.done(), "the reply must wait for the final version's eval round"
+        eval_lease, eval_groups = lease_all(core, "w2")
+        assert {g.group_id for g in eval_groups} == {"eval:probe:1:0", "eval:probe:1:1"}
+        for group in eval_groups:
+            await buffer.on_scored("w2", scored(group, eval_lease, rewards=(1.0,)))
+        assert await asyncio.wait_for(commit, 5.0) == Ack(ok=True)
+        assert buffer.counters["eval.rounds_cut_off"] == 0
+        await buffer.on_stop()
+        buffer.zmq.destroy(linger=0)
+
+    asyncio.run(scenario())

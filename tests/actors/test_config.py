@@ -98,7 +98,7 @@ def test_our_own_sglang_settings_are_flags_not_server_arguments() -> None:
 
 @pytest.mark.unit
 def test_min_lr_is_where_the_cosine_schedule_ends(tmp_path: Path) -> None:
-    from actors.trainer_factory import _shared_settings
+    from actors.learner.trainer_factory import _shared_settings
     from engines.training.config import TrainerOptimizerConfig
     from engines.training.schedule import lr_multiplier
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,12 +11,17 @@ import pytest
 import torch
 
 from actors.config import build_config
-from actors.learner_step import TrainingStep, data_parallel_shard
-from actors.rollout_generate import RolloutContext, default_generate, sft_generate
-from bus.schema import PromptGroup, Sample
+from actors.learner.ranks import data_parallel_shares
+from actors.learner.stages import StepBatch, add_advantages, data_parallel_shard, own_shard
+from actors.learner.step import TrainingStep
+from actors.rollout.generate import RolloutContext, default_generate, sft_generate
+from bus.address import free_port
+from bus.schema import Batch, PromptGroup, Sample
 from engines.inference.torch_engine import TorchEngine
+from engines.training.base import DataParallel, ModelOutputs, ModelRole, TrainSample
 from engines.training.config import TorchTrainerConfig
 from engines.training.torch_trainer import TorchTrainer
+from policies.config import PolicyLossConfig
 
 
 def generate(model: Path, config, groups: list[PromptGroup], *, sft: bool = False) -> list[Sample]:
@@ -112,3 +118,114 @@ def test_data_parallel_shards_partition_the_batch_into_whole_balanced_groups() -
 def test_too_few_groups_for_the_data_parallel_ranks_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="2 groups cannot feed 4 data-parallel ranks"):
         data_parallel_shard(["a", "b"], [1, 1], rank=0, size=4)
+
+
+class CountingTrainer(TorchTrainer):
+    """The real trainer, recording which no-grad forwards the step asks for."""
+
+    def __init__(self, config: TorchTrainerConfig) -> None:
+        super().__init__(config)
+        self.forwards: list[str] = []
+
+    def compute_log_probs(self, samples: Sequence[TrainSample], *, temperature: float, with_entropy: bool = False,
+                          model: ModelRole = "policy") -> ModelOutputs:
+        self.forwards.append(model)
+        return super().compute_log_probs(samples, temperature=temperature, with_entropy=with_entropy, model=model)
+
+
+@pytest.fixture(scope="module")
+def scored_samples(tiny_model_path: Path) -> list[Sample]:
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4,
+                           "rollout_max_response_len": 5})
+    samples = generate(tiny_model_path, config, groups(4))
+    return [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "reward": float(i % 2)})
+            for i, s in enumerate(samples)]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("flags", [{"off_policy_correction": "tis", "tis_clip": 1.001},
+                                   {"use_decoupled_ppo": True, "off_policy_correction": "none"}],
+                         ids=["tis", "decoupled-ppo"])
+def test_pi_old_from_the_training_forward_takes_the_same_steps_as_a_separate_forward(
+        tiny_model_path: Path, scored_samples: list[Sample], flags: dict) -> None:
+    """Two steps on the same samples (the second on samples one version stale, so ratios and clipping bite)."""
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4, "lr": 1e-2, **flags})
+    updated = {}
+    for pi_old in ("separate_forward", None):
+        trainer = CountingTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2, eps=1.0,
+                                                     check_packing=False))
+        step = TrainingStep(trainer, config, pi_old=pi_old)
+        metrics = [step.train(scored_samples, staleness=[s] * len(scored_samples)).metrics for s in (0, 1)]
+        assert trainer.version == 2
+        assert trainer.forwards == (["policy", "policy"] if pi_old else []), trainer.forwards
+        updated[step.pi_old] = (weights(trainer), metrics[1])
+    assert set(updated) == {"separate_forward", "training_forward"}  # the rule picked the cheap path by itself
+    (separate, separate_metrics), (reused, reused_metrics) = updated["separate_forward"], updated["training_forward"]
+    if "is_clipfrac" in separate_metrics:  # TIS: the stale step's weights were clipped, so pi_old / mu mattered
+        assert separate_metrics["is_clipfrac"] > 0
+    assert reused_metrics["loss"] == pytest.approx(separate_metrics["loss"], rel=1e-5, abs=1e-7)
+    for name, tensor in separate.items():
+        torch.testing.assert_close(reused[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.integration
+def test_mis_still_computes_pi_old_before_the_step(tiny_model_path: Path, scored_samples: list[Sample]) -> None:
+    """MIS rejects tokens by pi_old / mu, which changes the denominators every micro-batch divides by."""
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4,
+                           "off_policy_correction": "mis"})
+    trainer = CountingTrainer(TorchTrainerConfig(model_path=tiny_model_path, check_packing=False))
+    step = TrainingStep(trainer, config)
+    assert step.pi_old == "separate_forward"
+    step.train(scored_samples, staleness=[0] * len(scored_samples))
+    assert trainer.forwards == ["policy"]
+
+
+@pytest.mark.integration
+def test_rank_zero_cuts_each_data_parallel_rank_only_its_share(scored_samples: list[Sample]) -> None:
+    batch = Batch(batch_id=4, samples=scored_samples, staleness=list(range(len(scored_samples))))
+    shares = data_parallel_shares(batch, 2)
+    group_ids = [s.group_id for s in scored_samples]
+    lengths = [int(s.response_length) for s in scored_samples]
+    for rank, share in enumerate(shares):
+        mine = data_parallel_shard(group_ids, lengths, rank=rank, size=2)
+        assert [s.sample_id for s in share.samples] == [scored_samples[i].sample_id for i in mine]
+        assert share.staleness == mine  # each sample keeps its own staleness
+        assert share.batch_id == 4
+    assert sum(len(share.samples) for share in shares) == len(scored_samples)
+
+
+def _whitening_batch() -> StepBatch:
+    generator = torch.Generator().manual_seed(5)
+    samples, group_ids = [], []
+    for index in range(8):
+        response = 2 + index % 3
+        samples.append(TrainSample(torch.randint(6, 100, (response + 3,), generator=generator), response,
+                                   loss_mask=torch.ones(response), reward=float(torch.rand((), generator=generator))))
+        group_ids.append(f"g{index // 2}")
+    return StepBatch(samples=samples, group_ids=group_ids)
+
+
+WHITENED = PolicyLossConfig(advantage_estimator="grpo", normalize_advantages=True)
+
+
+def _whiten_on_rank(rank: int, port: int, out_dir: Path) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        batch = _whitening_batch()
+        ids = {id(sample): index for index, sample in enumerate(batch.samples)}
+        share = own_shard(batch, DataParallel(rank=rank, size=2, group=None))  # the torch trainer's default group
+        add_advantages(WHITENED, share, DataParallel(rank=rank, size=2, group=None))
+        torch.save({ids[id(s)]: s.advantages for s in share.samples}, out_dir / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_advantage_whitening_spans_the_data_parallel_ranks(tmp_path: Path) -> None:
+    torch.multiprocessing.spawn(_whiten_on_rank, args=(free_port(), tmp_path), nprocs=2, join=True)
+    whole = _whitening_batch()
+    add_advantages(WHITENED, whole, DataParallel(rank=0, size=1))
+    sharded = {**torch.load(tmp_path / "rank0.pt"), **torch.load(tmp_path / "rank1.pt")}
+    assert sorted(sharded) == list(range(len(whole.samples)))
+    for index, sample in enumerate(whole.samples):
+        torch.testing.assert_close(sharded[index], sample.advantages, atol=1e-6, rtol=1e-5)

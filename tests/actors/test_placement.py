@@ -9,7 +9,7 @@ import pytest
 
 import launcher
 from actors.config import build_config
-from actors.placement import PlacementError, place_node, visible_devices, weight_transport
+from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
 
 
 @pytest.mark.unit
@@ -111,7 +111,7 @@ def test_launcher_refuses_a_placement_that_does_not_fit(tmp_path: Path, monkeypa
 
 @pytest.mark.unit
 def test_every_sglang_server_gets_its_own_seed() -> None:
-    from actors.engine_factory import engine_seed
+    from actors.rollout.engine_factory import engine_seed
 
     ids = [f"rollout-{node}-{index}" for node in range(3) for index in range(8)]
     seeds = [engine_seed(1234, actor_id) for actor_id in ids]

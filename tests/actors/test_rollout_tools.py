@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from actors.config import build_config
-from actors.learner_step import TrainingStep
-from actors.rollout_generate import RolloutContext, make_sample
-from actors.rollout_tools import ToolError, calculator_generate, evaluate_arithmetic, run_tool
+from actors.learner.step import TrainingStep
+from actors.rollout.generate import RolloutContext, make_sample
 from bus.schema import PromptGroup
 from engines.inference.torch_engine import TorchEngine
 from engines.training.config import TorchTrainerConfig
 from engines.training.torch_trainer import TorchTrainer
+from examples.calculator_env import ToolError, calculator_generate, evaluate_arithmetic, run_tool
 
 
 @pytest.mark.unit

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.metrics import MetricsWriter
-from actors.wandb_mirror import WandbMirror
+from actors.controller.wandb_mirror import WandbMirror
+from actors.runtime.metrics import MetricsWriter
 
 pytest.importorskip("wandb")
 

@@ -51,3 +51,23 @@ def test_wildcard_binds_are_advertised_under_a_concrete_host() -> None:
     advertised = connectable("tcp://0.0.0.0:5555")
     assert advertised.endswith(":5555") and "0.0.0.0" not in advertised
     assert connectable("ipc:///tmp/x.sock") == "ipc:///tmp/x.sock"
+
+
+@pytest.mark.unit
+def test_an_actor_binds_by_the_bus_rule_ipv6_host_and_ipc_limit_included(tmp_path: Path) -> None:
+    from actors.runtime.context import ActorContext  # the one caller outside bus/ that names its own endpoints
+
+    def context(**overrides: object) -> ActorContext:
+        return ActorContext(actor_id="rollout-0", role="rollout", actor_class="x:Y", node_rank=0,
+                            head_address="tcp://127.0.0.1:1", run_dir=tmp_path, **overrides)  # type: ignore[arg-type]
+
+    ctx = zmq.Context()
+    try:
+        endpoint = bind(ctx.socket(zmq.ROUTER), context(host="::1").bind_address("rpc"))
+    finally:
+        ctx.destroy(linger=0)
+    assert endpoint.startswith("tcp://[::1]:")
+    assert context(transport="ipc").bind_address("inbox") == f"ipc://{tmp_path}/sockets/rollout-0-inbox.sock"
+    with pytest.raises(ValueError, match="the OS limit is 107"):
+        ActorContext(actor_id="rollout-0", role="rollout", actor_class="x:Y", node_rank=0, head_address="tcp://h:1",
+                     run_dir=tmp_path / ("d" * 120), transport="ipc").bind_address("inbox")

@@ -149,3 +149,14 @@ def test_decode_accepts_bytes_bytearray_and_memoryview_alike() -> None:
     assert all(messages_equal(d, decoded[0]) for d in decoded)
     with pytest.raises(DecodeError):
         decode("not bytes")  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+def test_version_announcement_before_any_weight_push_decodes() -> None:
+    """A learner that resumed and has not pushed weights yet announces weights_version None; the controller must
+    accept it (it used to reject the frame, and that announcement was lost)."""
+    from bus.schema import VersionAnnouncement
+
+    decoded = decode(encode(VersionAnnouncement(version=7, weights_version=None, step=7)))
+    assert isinstance(decoded, VersionAnnouncement)
+    assert decoded.version == 7 and decoded.weights_version is None

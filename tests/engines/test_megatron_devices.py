@@ -29,8 +29,8 @@ def _samples() -> list[TrainSample]:
     for length in (9, 23, 14, 5):
         response = length // 2
         tokens = torch.randint(6, 100, (length,), generator=generator)
-        fields = {"advantages": torch.randn(response, generator=generator), "loss_mask": torch.ones(response)}
-        batch.append(TrainSample(tokens, response, fields, {"reward": 1.0}))
+        batch.append(TrainSample(tokens, response, advantages=torch.randn(response, generator=generator),
+                                 loss_mask=torch.ones(response), reward=1.0))
     return batch
 
 
@@ -82,7 +82,7 @@ def test_every_micro_batch_tensor_is_built_on_the_requested_device() -> None:
         assert len(micro_batches) > 1
         for micro_batch in micro_batches:
             tensors = micro_batch.tensors()
-            assert ("batch.token_fields.advantages" in tensors) is with_batch
+            assert ("batch.advantages" in tensors) is with_batch
             assert {name: t.device for name, t in tensors.items()} == {name: meta for name in tensors}
 
 

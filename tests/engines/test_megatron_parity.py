@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from torch import Tensor
 
 from bus.address import free_port
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
-from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
+from tests.support.losses import step_loss
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
@@ -62,22 +62,12 @@ def samples() -> list[TrainSample]:
         response = int(torch.randint(1, length, (1,), generator=generator))
         mask = (torch.rand(response, generator=generator) > 0.3).float()
         tokens = torch.randint(6, 100, (length,), generator=generator)
-        batch.append(
-            TrainSample(
-                tokens, response, {"advantages": torch.randn(response, generator=generator), "loss_mask": mask}
-            )
-        )
+        advantages = torch.randn(response, generator=generator)
+        batch.append(TrainSample(tokens, response, loss_mask=mask, advantages=advantages))
     return batch
 
 
-def policy_loss(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
-    """Token-mean, sequence-mean and entropy terms: every normalisation path of `LossNormalizer` takes part."""
-    mask = batch.token_fields["loss_mask"]
-    token_term = -(batch.token_fields["advantages"] * outputs.log_probs * mask).sum() / normalizer.loss_tokens
-    sequence_term = (outputs.log_probs * mask).sum() / normalizer.sequences
-    assert outputs.entropy is not None
-    entropy_term = (outputs.entropy * mask).sum() / normalizer.loss_tokens
-    return token_term + 0.05 * sequence_term - 0.01 * entropy_term, {"token_term": float(token_term.detach())}
+policy_loss = step_loss(samples())  # every step of these tests trains on this one batch
 
 
 def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | None = None):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine_factory import attached_url
+from actors.rollout.engine_factory import attached_url
 from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError
 
 

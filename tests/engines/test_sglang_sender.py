@@ -26,13 +26,13 @@ REPO = Path(__file__).resolve().parents[2]
 PEER = """
 import json, sys, time
 from engines.sglang.weight_group import join_weight_group
-from engines.sglang.weights import ERROR_PREFIX, READY, SglangGroupSpec, _connect_keys
+from engines.sglang.weight_store import ERROR_PREFIX, READY, SglangGroupSpec, connect_keys
 args = json.loads(sys.argv[1])
 spec = SglangGroupSpec.from_dict(args["spec"])
 group = join_weight_group(backend="gloo", master_address=spec.master_address, master_port=spec.master_port,
                           rank=spec.rank_offset(args["engine"]), world_size=spec.world_size,
                           group_name=spec.group_name, timeout_s=60)
-keys = _connect_keys(spec, args["version"], 60)
+keys = connect_keys(spec, args["version"], 60)
 keys.set("ready/" + args["engine"], READY)
 keys.wait(["go"])
 if args["refuse"]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from actors.engine_factory import server_weight_version
+from actors.rollout.engine_factory import attached_server_version
 from engines.inference.base import GenerateRequest, SamplingParams, continuation_request
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang.client import SglangEngine, SglangError
@@ -184,7 +184,7 @@ async def test_prompt_near_the_context_length_is_clamped_and_one_without_room_is
 async def test_weight_version_is_read_from_model_info(client: SglangEngine, server: ServerProcess) -> None:
     """`/get_weight_version` is gone from SGLang (404 on 0.5.15.post1, absent on 0.5.23)."""
     assert await client.server_weight_version() == 0
-    assert await asyncio.to_thread(server_weight_version, server.url, timeout=10) == 0
+    assert await asyncio.to_thread(attached_server_version, server.url, timeout=10) == 0
     assert not await asyncio.to_thread(probe, server.url + "/get_weight_version", 5.0)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from engines.training.attention import packed_sdpa_attention, register_packed_attention, sequence_spans
 from engines.training.base import TrainSample
-from engines.training.packing import forward_packed, pack_inputs
+from engines.training.micro_batches import forward_packed, pack_inputs
 
 
 @pytest.mark.unit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from bus.address import free_port
-from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training import ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 
 TEMPERATURE = 0.9
 WORLD = 2
@@ -27,8 +28,8 @@ def _samples() -> list[TrainSample]:
         response = int(torch.randint(1, length, (1,), generator=generator))
         mask = (torch.rand(response, generator=generator) > 0.3).float()
         tokens = torch.randint(6, 100, (length,), generator=generator)
-        fields = {"advantages": torch.randn(response, generator=generator), "loss_mask": mask}
-        samples.append(TrainSample(tokens, response, fields))
+        advantages = torch.randn(response, generator=generator)
+        samples.append(TrainSample(tokens, response, loss_mask=mask, advantages=advantages))
     return samples
 
 
@@ -37,11 +38,24 @@ def _shard(samples: list[TrainSample], rank: int) -> list[TrainSample]:
     return samples[:5] if rank == 0 else samples[5:]
 
 
-def policy_loss(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
-    mask = batch.token_fields["loss_mask"]
-    token_term = -(batch.token_fields["advantages"] * outputs.log_probs * mask).sum() / normalizer.loss_tokens
-    sequence_term = (outputs.log_probs * mask).sum() / normalizer.sequences
-    return token_term + 0.05 * sequence_term, {"token_term": float(token_term.detach())}
+@dataclass(frozen=True)
+class StepLoss:
+    """Divided by the counts of the WHOLE step (both ranks' shards), as the learner's loss is."""
+
+    loss_tokens: int
+    sequences: int
+
+    def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
+        assert batch.loss_mask is not None and batch.advantages is not None
+        mask = batch.loss_mask
+        token_term = -(batch.advantages * outputs.log_probs * mask).sum() / self.loss_tokens
+        sequence_term = (outputs.log_probs * mask).sum() / self.sequences
+        return token_term + 0.05 * sequence_term, {"token_term": float(token_term.detach())}
+
+
+def policy_loss() -> StepLoss:
+    samples = _samples()
+    return StepLoss(loss_tokens=sum(int((s.loss_mask != 0).sum()) for s in samples), sequences=len(samples))
 
 
 def _config(model_path: Path) -> TorchTrainerConfig:
@@ -55,7 +69,7 @@ def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         trainer = TorchTrainer(_config(model_path))
-        result = trainer.train_step(_shard(_samples(), rank), policy_loss, temperature=TEMPERATURE)
+        result = trainer.train_step(_shard(_samples(), rank), policy_loss(), temperature=TEMPERATURE)
         trainer.save_checkpoint(out_dir / "checkpoint", {"cursor": 7})  # collective: rank 0 writes
         if rank == 0:
             save_file({name: t.contiguous() for name, t in trainer.named_tensors()}, str(out_dir / "weights.st"))
@@ -81,7 +95,7 @@ def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Pa
     ddp_weights = load_file(str(ddp_run / "weights.st"))
 
     single = TorchTrainer(_config(tiny_model_path))
-    result = single.train_step(_samples(), policy_loss, temperature=TEMPERATURE)
+    result = single.train_step(_samples(), policy_loss(), temperature=TEMPERATURE)
 
     assert ddp["version"] == result.version == 1
     assert ddp["metrics"]["sequences"] == 7

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
 
-from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
+from tests.support.losses import loss_fn
 
 
 def _samples() -> list[TrainSample]:
@@ -17,12 +17,10 @@ def _samples() -> list[TrainSample]:
     for length in (12, 30, 7, 21):
         response = length // 2
         tokens = torch.randint(6, 100, (length,), generator=generator)
-        samples.append(TrainSample(tokens, response, {"advantages": torch.randn(response, generator=generator)}))
+        samples.append(TrainSample(tokens, response, advantages=torch.randn(response, generator=generator)))
     return samples
 
 
-def loss_fn(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
-    return -(batch.token_fields["advantages"] * outputs.log_probs).sum() / normalizer.loss_tokens, {}
 
 
 @pytest.mark.gpu
@@ -35,7 +33,7 @@ def test_cuda_step_matches_the_cpu_step(tiny_model_path: Path) -> None:
     log_probs = {d: t.compute_log_probs(_samples(), temperature=0.7).log_probs for d, t in trainers.items()}
     torch.testing.assert_close(log_probs["cuda"], log_probs["cpu"], atol=1e-4, rtol=0)
     for trainer in trainers.values():
-        assert not trainer.train_step(_samples(), loss_fn, temperature=0.7).skipped
+        assert not trainer.train_step(_samples(), loss_fn(_samples()), temperature=0.7).skipped
     cpu = dict(trainers["cpu"].named_tensors())
     for name, tensor in trainers["cuda"].named_tensors():
         assert tensor.is_cuda
@@ -45,6 +43,6 @@ def test_cuda_step_matches_the_cpu_step(tiny_model_path: Path) -> None:
 @pytest.mark.gpu
 def test_bf16_autocast_step_trains_float32_master_weights(tiny_model_path: Path) -> None:
     trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, device="cuda", dtype="bfloat16"))
-    result = trainer.train_step(_samples(), loss_fn, temperature=1.0)
+    result = trainer.train_step(_samples(), loss_fn(_samples()), temperature=1.0)
     assert not result.skipped and result.version == 1
     assert all(tensor.dtype == torch.float32 for _, tensor in trainer.named_tensors())

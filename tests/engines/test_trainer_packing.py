@@ -11,7 +11,7 @@ from torch import nn
 
 from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from engines.training.base import TrainSample
-from engines.training.packing import (
+from engines.training.micro_batches import (
     check_packing_isolation,
     collate,
     count_loss_tokens,
@@ -21,9 +21,9 @@ from engines.training.packing import (
 )
 
 
-def _sample(length: int, response: int, seed: int = 0, **token_fields: torch.Tensor) -> TrainSample:
+def _sample(length: int, response: int, seed: int = 0, **fields: torch.Tensor | float) -> TrainSample:
     tokens = torch.randint(6, 100, (length,), generator=torch.Generator().manual_seed(seed))
-    return TrainSample(tokens=tokens, response_length=response, token_fields=dict(token_fields))
+    return TrainSample(tokens=tokens, response_length=response, **fields)
 
 
 @pytest.mark.unit
@@ -70,13 +70,14 @@ def test_zero_length_response_contributes_no_positions() -> None:
 
 
 @pytest.mark.unit
-def test_collate_concatenates_token_fields_and_stacks_sample_fields() -> None:
-    first = _sample(5, 2, advantages=torch.tensor([1.0, 2.0]))
-    second = _sample(4, 1, advantages=torch.tensor([3.0]))
-    first.sample_fields["reward"], second.sample_fields["reward"] = 0.5, -1.0
+def test_collate_concatenates_token_fields_and_stacks_rewards() -> None:
+    first = _sample(5, 2, advantages=torch.tensor([1.0, 2.0]), reward=0.5)
+    second = _sample(4, 1, advantages=torch.tensor([3.0]), reward=-1.0)
     batch = collate([first, second])
-    assert batch.token_fields["advantages"].tolist() == [1.0, 2.0, 3.0]
-    assert batch.sample_fields["reward"].tolist() == [0.5, -1.0]
+    assert batch.advantages is not None and batch.reward is not None
+    assert batch.advantages.tolist() == [1.0, 2.0, 3.0]
+    assert batch.reward.tolist() == [0.5, -1.0]
+    assert batch.loss_mask is None and batch.old_log_probs is None  # absent fields stay absent
     assert batch.sample_index().tolist() == [0, 0, 1]
 
 
@@ -84,7 +85,7 @@ def test_collate_concatenates_token_fields_and_stacks_sample_fields() -> None:
 def test_collate_names_the_sample_whose_fields_differ() -> None:
     first = _sample(5, 2, advantages=torch.zeros(2))
     second = _sample(4, 1)
-    with pytest.raises(ValueError, match=r"sample 1: token fields differ.*missing \['advantages'\]"):
+    with pytest.raises(ValueError, match=r"sample 1: fields differ.*missing \['advantages'\]"):
         collate([first, second])
 
 
@@ -101,7 +102,7 @@ def test_loss_tokens_count_only_unmasked_response_tokens() -> None:
     [(5, 5, "response_length 5 must be in"), (2, 3, "token field 'advantages' must be a 1-D tensor of")],
 )
 def test_invalid_sample_is_named(response_length: int, field_length: int, message: str) -> None:
-    sample = TrainSample(torch.arange(5), response_length, {"advantages": torch.zeros(field_length)})
+    sample = TrainSample(torch.arange(5), response_length, advantages=torch.zeros(field_length))
     with pytest.raises(ValueError, match=f"sample 7: {message}"):
         sample.validate(7)
 

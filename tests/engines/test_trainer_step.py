@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pydantic
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from engines.training import LossNormalizer, ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training import ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 from engines.training.schedule import lr_multiplier
 
 TEMPERATURE = 0.8
@@ -32,21 +33,34 @@ def _samples(count: int = 7, seed: int = 0) -> list[TrainSample]:
             TrainSample(
                 tokens=torch.randint(6, 100, (length,), generator=generator),
                 response_length=response,
-                token_fields={"advantages": torch.randn(response, generator=generator), "loss_mask": mask},
-                sample_fields={"weight": float(index % 3)},
+                advantages=torch.randn(response, generator=generator),
+                loss_mask=mask,
+                reward=float(index % 3),
             )
         )
     return samples
 
 
-def policy_loss(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
-    """A token-mean term and a sequence-mean term, each divided by the step's global counts."""
-    mask = batch.token_fields["loss_mask"]
-    token_term = -(batch.token_fields["advantages"] * outputs.log_probs * mask).sum() / normalizer.loss_tokens
-    per_sequence = torch.zeros(batch.num_samples).index_add(0, batch.sample_index(), outputs.log_probs * mask)
-    sequence_term = (batch.sample_fields["weight"] * per_sequence).sum() / normalizer.sequences
-    loss = token_term + 0.1 * sequence_term
-    return loss, {"token_term": float(token_term.detach())}
+@dataclass(frozen=True)
+class StepLoss:
+    """A token-mean term and a reward-weighted sequence-mean term, each divided by the step's global counts."""
+
+    loss_tokens: int
+    sequences: int
+
+    def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
+        assert batch.loss_mask is not None and batch.advantages is not None and batch.reward is not None
+        mask = batch.loss_mask
+        token_term = -(batch.advantages * outputs.log_probs * mask).sum() / self.loss_tokens
+        per_sequence = torch.zeros(batch.num_samples).index_add(0, batch.sample_index(), outputs.log_probs * mask)
+        sequence_term = (batch.reward * per_sequence).sum() / self.sequences
+        loss = token_term + 0.1 * sequence_term
+        return loss, {"token_term": float(token_term.detach())}
+
+
+def policy_loss(samples: list[TrainSample]) -> StepLoss:
+    """The loss of a step on `samples`, its denominators counted on all of them before the step."""
+    return StepLoss(loss_tokens=int(sum((s.loss_mask != 0).sum() for s in samples)), sequences=len(samples))
 
 
 def _reference_step(model_path: Path, samples: list[TrainSample]) -> tuple[dict[str, Tensor], float]:
@@ -65,12 +79,12 @@ def _reference_step(model_path: Path, samples: list[TrainSample]) -> tuple[dict[
         distribution = torch.log_softmax(logits[row, end - 1 - sample.response_length : end - 1], dim=-1)
         log_probs.append(distribution.gather(-1, sample.tokens[-sample.response_length :, None]).squeeze(-1))
     batch = PackedBatch(
-        token_fields={k: torch.cat([s.token_fields[k] for s in samples]) for k in ("advantages", "loss_mask")},
-        sample_fields={"weight": torch.tensor([s.sample_fields["weight"] for s in samples])},
         response_lengths=torch.tensor([s.response_length for s in samples]),
+        advantages=torch.cat([s.advantages for s in samples]),
+        loss_mask=torch.cat([s.loss_mask for s in samples]),
+        reward=torch.tensor([s.reward for s in samples]),
     )
-    loss_tokens = int(sum((s.token_fields["loss_mask"] != 0).sum() for s in samples))
-    loss, _ = policy_loss(ModelOutputs(torch.cat(log_probs)), batch, LossNormalizer(loss_tokens, len(samples)))
+    loss, _ = policy_loss(samples)(ModelOutputs(torch.cat(log_probs)), batch)
     loss.backward()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -89,7 +103,7 @@ def _reference_step(model_path: Path, samples: list[TrainSample]) -> tuple[dict[
 def test_packed_micro_batched_step_equals_one_padded_full_batch_step(tiny_model_path: Path) -> None:
     samples = _samples()
     trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, micro_batch_tokens=60, **OPTIMIZER))
-    result = trainer.train_step(samples, policy_loss, temperature=TEMPERATURE)
+    result = trainer.train_step(samples, policy_loss(samples), temperature=TEMPERATURE)
     expected, expected_norm = _reference_step(tiny_model_path, samples)
     assert result.metrics["micro_batches"] > 1
     assert not result.skipped
@@ -105,7 +119,7 @@ def test_non_finite_loss_skips_the_update_and_says_why(tiny_model_path: Path) ->
     trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, check_packing=False))
     before = {name: tensor.clone() for name, tensor in trainer.named_tensors()}
 
-    def nan_loss(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
+    def nan_loss(outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
         return outputs.log_probs.sum() * float("nan"), {}
 
     result = trainer.train_step(_samples(count=3), nan_loss, temperature=1.0)
@@ -130,13 +144,13 @@ class _InfiniteGradient(torch.autograd.Function):
 def test_non_finite_gradient_skips_the_update_and_the_next_step_trains(tiny_model_path: Path) -> None:
     trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, check_packing=False))
 
-    def exploding(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
+    def exploding(outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
         return _InfiniteGradient.apply(outputs.log_probs).mean(), {}
 
     skipped = trainer.train_step(_samples(count=3), exploding, temperature=1.0)
     assert skipped.skipped and "non-finite gradient norm" in skipped.skip_reason
     assert math.isfinite(skipped.metrics["loss"])
-    trained = trainer.train_step(_samples(count=3), policy_loss, temperature=1.0)
+    trained = trainer.train_step(_samples(count=3), policy_loss(_samples(count=3)), temperature=1.0)
     assert not trained.skipped and trained.version == 1
 
 
@@ -144,7 +158,7 @@ def test_non_finite_gradient_skips_the_update_and_the_next_step_trains(tiny_mode
 def test_loss_without_gradient_path_is_a_clear_error(tiny_model_path: Path) -> None:
     trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, check_packing=False))
 
-    def detached(outputs: ModelOutputs, batch: PackedBatch, normalizer: LossNormalizer) -> tuple[Tensor, dict]:
+    def detached(outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
         return outputs.log_probs.detach().sum(), {}
 
     with pytest.raises(ValueError, match="no gradient path"):
@@ -185,7 +199,7 @@ def test_gradient_checkpointing_takes_the_same_step(tiny_model_path: Path) -> No
         )
         trainer = TorchTrainer(config)
         assert trainer._model.is_activation_checkpointing == checkpointing
-        trainer.train_step(_samples(), policy_loss, temperature=TEMPERATURE)
+        trainer.train_step(_samples(), policy_loss(_samples()), temperature=TEMPERATURE)
         results[checkpointing] = dict(trainer.named_tensors())
     for name, tensor in results[True].items():
         torch.testing.assert_close(tensor, results[False][name], atol=1e-6, rtol=1e-5, msg=name)
@@ -200,6 +214,6 @@ def test_bf16_compute_keeps_float32_master_weights_and_close_log_probs(tiny_mode
     approximate = mixed.compute_log_probs(samples, temperature=1.0).log_probs
     assert approximate.dtype == torch.float32
     torch.testing.assert_close(approximate, reference, atol=0.05, rtol=0)
-    result = mixed.train_step(samples, policy_loss, temperature=1.0)
+    result = mixed.train_step(samples, policy_loss(samples), temperature=1.0)
     assert not result.skipped
     assert all(tensor.dtype == torch.float32 for _, tensor in mixed.named_tensors())

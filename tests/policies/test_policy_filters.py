@@ -1,6 +1,6 @@
 import pytest
 
-from policies.filters import FilterGroup, FilterVerdict, OverSampler, apply_filters
+from policies.filters import FilterGroup, FilterVerdict, apply_filters
 
 
 @pytest.mark.unit
@@ -36,27 +36,3 @@ def test_filter_that_raises_drops_the_group_instead_of_crashing() -> None:
         raise KeyError("score")
 
     assert apply_filters([broken], FilterGroup(rewards=[1.0, 0.0])) == FilterVerdict(False, "filter_error:broken")
-
-
-@pytest.mark.unit
-def test_over_sampler_requests_the_shortfall_in_over_sampling_batches() -> None:
-    sampler = OverSampler(target_groups=8, over_sampling_batch_size=4)
-    assert sampler.groups_to_request(in_flight=0) == 8
-    for verdict in [FilterVerdict(True)] * 5 + [FilterVerdict(False, "zero_std")] * 3:
-        sampler.record(verdict)
-    assert sampler.groups_to_request(in_flight=1) == 4  # shortfall 2, rounded up to one batch of 4
-    assert sampler.groups_to_request(in_flight=3) == 0
-    assert OverSampler(target_groups=8).groups_to_request(in_flight=5) == 3
-
-
-@pytest.mark.unit
-def test_over_sampler_reports_drop_counts_by_reason() -> None:
-    sampler = OverSampler(target_groups=2)
-    for verdict in [FilterVerdict(False, "zero_std"), FilterVerdict(True), FilterVerdict(False, "zero_std")]:
-        sampler.record(verdict)
-    metrics = sampler.metrics()
-    assert metrics["filter/dropped/zero_std"] == 2.0 and metrics["filter/kept"] == 1.0
-    assert metrics["filter/keep_rate"] == pytest.approx(1 / 3)
-    assert not sampler.done
-    sampler.next_batch()
-    assert sampler.metrics()["filter/judged"] == 0.0

@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from policies.staleness import (
     sample_staleness,
     split_by_staleness,
     staleness_histogram,
+    staleness_of_samples,
     token_staleness,
 )
 
@@ -113,9 +115,24 @@ def test_sample_staleness_is_decided_by_the_oldest_token() -> None:
 
 
 @pytest.mark.unit
-def test_token_from_a_future_version_is_an_error() -> None:
-    with pytest.raises(ValueError, match="version 7 is newer than learner_version 5"):
-        token_staleness(5, torch.tensor([4, 7]))
+def test_a_token_newer_than_a_restarted_learner_is_as_stale_as_its_distance() -> None:
+    # the learner restarted from the checkpoint at version 5; the engines had already served version 7
+    assert token_staleness(5, torch.tensor([4, 7, 5])).tolist() == [1, 2, 0]
+    assert sample_staleness(5, torch.tensor([7, 7, 4, 6]), torch.tensor([2, 2])).tolist() == [2, 1]
+
+
+@pytest.mark.unit
+def test_staleness_of_samples_takes_each_samples_own_versions() -> None:
+    old, mixed, future = np.array([3, 4], dtype=np.int32), np.array([5, 4, 5], dtype=np.int32), np.array([8], np.int32)
+    future.setflags(write=False)  # as received from the wire
+    assert staleness_of_samples(5, [old, mixed, None, future]) == [2, 1, 0, 3]
+    assert staleness_of_samples(5, []) == []
+
+
+@pytest.mark.unit
+def test_float_token_versions_are_refused() -> None:
+    with pytest.raises(ValueError, match="expected an integer tensor"):
+        token_staleness(5, torch.tensor([4.0]))
 
 
 @pytest.mark.unit

@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from actors.base import Actor
-from actors.handlers import handles
+from actors.runtime.base import Actor
+from actors.runtime.handlers import handles
 from bus.schema import GeneratedGroup, Roster, Sample
 
 

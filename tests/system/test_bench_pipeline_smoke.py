@@ -1,4 +1,5 @@
-"""tools/bench_pipeline.py --quick through real launcher runs, and the synthetic costs its bound rests on."""
+"""tools/bench_pipeline.py --quick through real launcher runs of the real actors, and the synthetic costs its
+bound rests on."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     """One `--quick` benchmark (async and sync at 1 and 4 workers, each stage alone once), shared by the tests."""
-    out = tmp_path_factory.mktemp("bench_pipeline") / "figures.json"
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "bench_pipeline.py"), "--quick", "--json", str(out)],
-                            cwd=REPO, capture_output=True, text=True, timeout=280)
+    work = tmp_path_factory.mktemp("bench_pipeline")
+    out = work / "figures.json"
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "bench_pipeline.py"), "--quick", "--json", str(out),
+                             "--keep-runs", str(work / "runs")], cwd=REPO, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     return json.loads(out.read_text(encoding="utf-8")), result.stdout
 
@@ -40,6 +42,23 @@ def test_quick_benchmark_measures_both_modes_and_both_bounds(quick_run: tuple[di
     assert four["measured_bound"] == min(four["rollout_alone"], figures["trainer_alone"]["samples_per_s"])
     assert one["rollout_alone"] is None  # --quick measures the rollout stage alone at its largest scale only
     assert "fully-async" in table and "CPU cores" in table
+
+
+@pytest.mark.system
+@pytest.mark.timeout(300)
+def test_the_runs_are_the_real_rollout_workers_and_learner_behind_sleeping_seams(
+        quick_run: tuple[dict[str, Any], str]) -> None:
+    figures, _ = quick_run
+    run_dir = Path(_runs(figures, "async")[-1]["run_dir"])
+    contexts = {path.stem: json.loads(path.read_text()) for path in (run_dir / "actors").glob("*.json")}
+    assert contexts["learner"]["actor_class"] == "actors.learner.actor:Learner"
+    assert {c["actor_class"] for name, c in contexts.items() if name.startswith("rollout-")} == {
+        "actors.rollout.actor:RolloutWorker"}
+    run = contexts["learner"]["settings"]["run"]
+    assert (run["rollout_engine"], run["train_backend"], run["weight_transport"]) == (
+        "tools.pipeline_sim:sleeping_engine", "tools.pipeline_sim:sleeping_trainer", "tools.pipeline_sim:VERSION_ONLY")
+    steps = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert all(step["weights/committed_version"] == step["version"] for step in steps)  # every version was published
 
 
 @pytest.mark.system

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.experiment_staleness import (
+from tools.experiment_staleness import override_flags, parse_arguments
+from tools.staleness_results import (
     RunResult,
     load_results,
     mean_curve,
-    override_flags,
-    parse_arguments,
     split_by_load,
     summarize,
     time_to_reach,

@@ -1,6 +1,6 @@
 """A full fully-async run with `--train-backend megatron` (megatron on the CPU via `engines.megatron.cpu_compat`):
 it trains every batch, pushes weights and checkpoints like the torch backend, with one learner rank and with two
-tensor-parallel ranks (the second started and driven by the learner actor, `actors/learner_ranks.py`)."""
+tensor-parallel ranks (the second started and driven by the learner actor, `actors/learner/ranks.py`)."""
 
 from __future__ import annotations
 

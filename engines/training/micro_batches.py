@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from engines.training.base import PackedBatch, TrainSample
+from engines.training.base import TOKEN_FIELDS, PackedBatch, TrainSample
 
 
 @dataclass(frozen=True)
@@ -105,37 +105,32 @@ def pack_inputs(samples: Sequence[TrainSample]) -> PackedInputs:
 
 
 def collate(samples: Sequence[TrainSample], device: torch.device | str = "cpu") -> PackedBatch:
-    """The loss-side view of `samples`: token fields concatenated, sample fields stacked.
+    """The loss-side view of `samples`: per-token fields concatenated, `reward` stacked.
 
-    Every sample must carry the same field names, otherwise the packed tensors would misalign silently.
+    Every sample must carry the same fields, otherwise the packed tensors would misalign silently.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
-    token_keys, sample_keys = set(samples[0].token_fields), set(samples[0].sample_fields)
+    expected = set(samples[0].present_fields())
     for index, sample in enumerate(samples):
-        for kind, expected, present in (
-            ("token field", token_keys, set(sample.token_fields)),
-            ("sample field", sample_keys, set(sample.sample_fields)),
-        ):
-            if present != expected:
-                missing, extra = sorted(expected - present), sorted(present - expected)
-                raise ValueError(
-                    f"sample {index}: {kind}s differ from sample 0 (missing {missing}, unexpected {extra})"
-                )
-    return PackedBatch(
-        token_fields={key: torch.cat([s.token_fields[key] for s in samples]).to(device) for key in token_keys},
-        sample_fields={
-            key: torch.tensor([float(s.sample_fields[key]) for s in samples], device=device) for key in sample_keys
-        },
-        response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.long, device=device),
-    )
+        present = set(sample.present_fields())
+        if present != expected:
+            missing, extra = sorted(expected - present), sorted(present - expected)
+            raise ValueError(f"sample {index}: fields differ from sample 0 (missing {missing}, unexpected {extra})")
+    packed = {
+        name: torch.cat([getattr(s, name) for s in samples]).to(device) for name in TOKEN_FIELDS if name in expected
+    }
+    if "reward" in expected:
+        packed["reward"] = torch.tensor([float(s.reward) for s in samples], device=device)
+    lengths = torch.tensor([s.response_length for s in samples], dtype=torch.long, device=device)
+    return PackedBatch(response_lengths=lengths, **packed)
 
 
 def count_loss_tokens(samples: Sequence[TrainSample]) -> int:
     """Response tokens that carry loss: loss_mask != 0 where a mask is given, every response token otherwise."""
     total = 0
     for sample in samples:
-        mask = sample.token_fields.get("loss_mask")
+        mask = sample.loss_mask
         total += sample.response_length if mask is None else int((mask != 0).sum())
     return total
 

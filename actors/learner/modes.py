@@ -1,0 +1,174 @@
+"""Where the learner's batches come from and what training them means, as small strategies picked once.
+
+Sources: the buffer (the normal run), a directory of recorded batches (`--load-debug-rollout-data`), and a
+recorder around either (`--save-debug-rollout-data`). Trainings: the real one, and `--debug-rollout-only`'s,
+which trains nothing and only counts versions so the rest of the run (evaluation rounds, staleness) moves on.
+The learner's loop is the same whatever was picked; the debug modes live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from actors.config import RunConfig
+from actors.learner.ranks import CollectiveTrainer
+from actors.learner.step import StepReport, TrainingStep
+from bus.codec import decode, encode
+from bus.schema import Batch, BatchRequest, FinalCommit
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the learner tells its source: its version, the last batch trained, the last batch checkpointed."""
+
+    learner_version: int
+    trained_batch: int
+    checkpointed_batch: int
+
+
+class BatchSource(Protocol):
+    async def next(self, progress: Progress) -> Batch | None:
+        """The batch after `progress.trained_batch`, or None to ask again later."""
+
+    async def finish(self, progress: Progress) -> None:
+        """After the last batch and its checkpoint: make the end durable at the source."""
+
+
+class BufferSource:
+    """The buffer actor, over RPC. A buffer that does not answer is restarting: count it and ask again."""
+
+    def __init__(self, buffer: Any, counters: Counter[str], log: Any, final_wait: float) -> None:
+        self.buffer = buffer
+        self.counters = counters
+        self.log = log
+        self.final_wait = final_wait  # the buffer answers the final commit once the last eval round reported
+
+    async def next(self, progress: Progress) -> Batch | None:
+        request = BatchRequest(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
+                               checkpointed_batch=progress.checkpointed_batch)
+        try:
+            reply = await self.buffer.call(request, timeout=10.0, retries=1)
+        except (TimeoutError, asyncio.TimeoutError, ConnectionError):
+            self.counters["batch.unanswered"] += 1
+            return None
+        if not isinstance(reply, Batch) or not reply.samples:
+            return None
+        return reply
+
+    async def finish(self, progress: Progress) -> None:
+        """Commit the last batches in the buffer's log (the checkpoint just written covers them)."""
+        commit = FinalCommit(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
+                             checkpointed_batch=progress.checkpointed_batch)
+        try:
+            await self.buffer.call(commit, timeout=5.0 + self.final_wait, retries=1)
+        except Exception as error:
+            self.log.warning("final commit to the buffer failed", error=repr(error))
+
+
+class RecordedBatches:
+    """`--load-debug-rollout-data`: batch N is `batch_{N:06d}.msgpack` in the directory; a gap is an error."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    async def next(self, progress: Progress) -> Batch | None:
+        batch_id = progress.trained_batch + 1
+        path = self.directory / f"batch_{batch_id:06d}.msgpack"
+        if not path.exists():
+            raise FileNotFoundError(f"--load-debug-rollout-data: {path} missing (batch {batch_id})")
+        batch = decode(path.read_bytes())
+        if not isinstance(batch, Batch):
+            raise ValueError(f"{path}: expected a Batch, found {type(batch).__name__}")
+        return batch
+
+    async def finish(self, progress: Progress) -> None:
+        """Nothing to commit: the recording is read-only."""
+
+
+class Recording:
+    """`--save-debug-rollout-data`: every batch the inner source yields is also written, for a later replay."""
+
+    def __init__(self, inner: BatchSource, directory: Path) -> None:
+        self.inner = inner
+        self.directory = directory
+
+    async def next(self, progress: Progress) -> Batch | None:
+        batch = await self.inner.next(progress)
+        if batch is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / f"batch_{batch.batch_id:06d}.msgpack").write_bytes(encode(batch))
+        return batch
+
+    async def finish(self, progress: Progress) -> None:
+        await self.inner.finish(progress)
+
+
+class Training(Protocol):
+    """`keeps_model`: the run's result is the model (final checkpoint and export); `publishes`: engines get it."""
+
+    keeps_model: bool
+    publishes: bool
+
+    @property
+    def version(self) -> int: ...
+
+    async def train(self, batch: Batch) -> StepReport | None: ...
+
+
+class RealTraining:
+    """One optimizer step per batch on every learner rank. With `--debug-train-only` no engine runs, so no
+    weights are published."""
+
+    keeps_model = True
+
+    def __init__(self, trainer: CollectiveTrainer, step: TrainingStep, *, publishes: bool) -> None:
+        self.trainer = trainer
+        self.step = step
+        self.publishes = publishes
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    async def train(self, batch: Batch) -> StepReport | None:
+        return await asyncio.to_thread(self.trainer.train, self.step, batch)
+
+
+class CountingOnly:
+    """`--debug-rollout-only`: no training; each batch bumps the version so the run proceeds as if trained."""
+
+    keeps_model = False
+    publishes = False
+
+    def __init__(self) -> None:
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def train(self, batch: Batch) -> StepReport | None:
+        self._version += 1
+        return None
+
+
+def pick_source(config: RunConfig, buffer: Any, counters: Counter[str], log: Any) -> BatchSource:
+    source: BatchSource
+    if config.load_debug_rollout_data:
+        source = RecordedBatches(Path(config.load_debug_rollout_data))
+    else:
+        final_wait = config.final_eval_timeout if config.eval_prompt_data else 0.0
+        source = BufferSource(buffer, counters, log, final_wait)
+    if config.save_debug_rollout_data:
+        source = Recording(source, Path(config.save_debug_rollout_data))
+    return source
+
+
+def pick_training(config: RunConfig, trainer: CollectiveTrainer, step: TrainingStep) -> Training:
+    if config.debug_rollout_only:
+        return CountingOnly()
+    return RealTraining(trainer, step, publishes=not config.debug_train_only)

@@ -1,0 +1,153 @@
+"""The stages of one learner step before the trainer, each a small function on a `StepBatch`.
+
+to typed batch -> this rank's shard -> reference log-probs -> pi_old -> advantages -> loss (denominators); the
+step (`actors.learner.step`) chains them and hands the trainer the batch and the loss. Each stage fills typed
+fields of the `TrainSample`s; none of them runs the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bus.schema import Sample
+from engines.training.base import DataParallel, Trainer, TrainSample
+from policies.advantages import compute_advantages
+from policies.config import PolicyLossConfig
+from policies.step_loss import PolicyLoss, step_denominators
+
+
+@dataclass
+class StepBatch:
+    """This rank's samples in the trainer's types, with what the stages need beside them (group ids)."""
+
+    samples: list[TrainSample]
+    group_ids: list[str]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.response_length for s in self.samples]
+
+    def response_lengths(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.long)
+
+    def packed(self, name: str) -> torch.Tensor | None:
+        """One per-token field concatenated over the samples; None when the samples do not carry it."""
+        values = [getattr(s, name) for s in self.samples]
+        if not values or any(v is None for v in values):
+            return None
+        return torch.cat(values)
+
+    def scatter(self, name: str, packed: torch.Tensor) -> None:
+        """Set a per-token field of every sample from its packed form."""
+        for sample, values in zip(self.samples, torch.split(packed, self.lengths), strict=True):
+            setattr(sample, name, values)
+
+
+def to_train_sample(sample: Sample) -> TrainSample:
+    """Copies out of the decoded frame: bus arrays are read-only views that must not outlive the message."""
+    length = int(sample.response_length)
+    mask = sample.loss_mask if sample.loss_mask is not None else np.ones(length)
+    rollout = sample.rollout_log_probs
+    return TrainSample(
+        tokens=torch.tensor(np.asarray(sample.tokens), dtype=torch.long),
+        response_length=length,
+        loss_mask=torch.tensor(np.asarray(mask), dtype=torch.float32),
+        rollout_log_probs=None if rollout is None else torch.tensor(np.asarray(rollout), dtype=torch.float32),
+        reward=float(sample.reward or 0.0),
+    )
+
+
+def to_step_batch(samples: Sequence[Sample]) -> StepBatch:
+    return StepBatch(samples=[to_train_sample(s) for s in samples], group_ids=[s.group_id for s in samples])
+
+
+def own_shard(batch: StepBatch, parallel: DataParallel) -> StepBatch:
+    """This data-parallel rank's whole groups (the whole batch for a trainer that shards itself)."""
+    if parallel.size == 1:
+        return batch
+    mine = data_parallel_shard(batch.group_ids, batch.lengths, rank=parallel.rank, size=parallel.size)
+    return StepBatch(samples=[batch.samples[i] for i in mine], group_ids=[batch.group_ids[i] for i in mine])
+
+
+def data_parallel_shard(group_ids: Sequence[str], lengths: Sequence[int], *, rank: int, size: int) -> list[int]:
+    """Indices of the samples rank `rank` of `size` trains on: whole groups, dealt to balance response tokens.
+
+    Whole groups keep group-relative advantages computable on each rank alone. Groups go largest first to the
+    rank with the fewest tokens so far (ties to the lower rank), which every rank computes identically.
+    """
+    members: dict[str, list[int]] = {}
+    for index, group_id in enumerate(group_ids):
+        members.setdefault(group_id, []).append(index)
+    if len(members) < size:
+        raise ValueError(f"a batch of {len(members)} groups cannot feed {size} data-parallel ranks; "
+                         f"raise --rollout-batch-size to at least {size}")
+    load = [0] * size
+    held = [0] * size
+    mine: list[int] = []
+    order = sorted(members.values(), key=lambda indices: (-sum(lengths[i] for i in indices), indices[0]))
+    for indices in order:
+        target = min(range(size), key=lambda r: (load[r], held[r], r))
+        load[target] += sum(lengths[i] for i in indices)
+        held[target] += 1
+        if target == rank:
+            mine.extend(indices)
+    return sorted(mine)
+
+
+def add_ref_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float) -> None:
+    ref = trainer.compute_log_probs(batch.samples, temperature=temperature, model="ref").log_probs
+    batch.scatter("ref_log_probs", ref)
+
+
+def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float) -> None:
+    """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when)."""
+    old = trainer.compute_log_probs(batch.samples, temperature=temperature).log_probs
+    batch.scatter("old_log_probs", old)
+
+
+def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel) -> None:
+    """Advantages of this shard; whole groups are on one rank, so only whitening spans ranks.
+
+    `DataParallel.group` None means the default group, but `compute_advantages` reads None as "this process
+    only", so the world group is named explicitly: otherwise each rank would whiten by its own statistics.
+    """
+    group = None
+    if parallel.size > 1:
+        group = parallel.group if parallel.group is not None else torch.distributed.group.WORLD
+    index: dict[str, int] = {}
+    group_ids = torch.tensor([index.setdefault(g, len(index)) for g in batch.group_ids], dtype=torch.long)
+    old = batch.packed("old_log_probs")
+    advantages, _returns = compute_advantages(
+        policy,
+        rewards=torch.tensor([float(s.reward or 0.0) for s in batch.samples], dtype=torch.float32),
+        group_ids=group_ids,
+        response_lengths=batch.response_lengths(),
+        loss_mask=batch.packed("loss_mask"),
+        log_probs=old if old is not None else batch.packed("rollout_log_probs"),  # read only for kl_coef
+        ref_log_probs=batch.packed("ref_log_probs"),
+        process_group=group,
+    )
+    batch.scatter("advantages", advantages.float())
+
+
+def build_loss(
+    policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *, pi_old_from_forward: bool
+) -> PolicyLoss:
+    """The step's loss with whole-step denominators: every rank's shard counts (one all-reduce when sharded)."""
+    loss_mask = batch.packed("loss_mask")
+    assert loss_mask is not None  # to_train_sample always sets one
+    counts = step_denominators(
+        policy,
+        loss_mask=loss_mask,
+        response_lengths=batch.response_lengths(),
+        old_log_probs=batch.packed("old_log_probs"),
+        rollout_log_probs=batch.packed("rollout_log_probs"),
+    )
+    if parallel.size > 1:
+        torch.distributed.all_reduce(counts, group=parallel.group)
+    return PolicyLoss(policy, denominator=float(counts[0]), total_tokens=max(1.0, float(counts[1])),
+                      pi_old_from_forward=pi_old_from_forward)

@@ -1,0 +1,51 @@
+"""The rollout worker's end of weight transfer: one loader per mechanism, picked by the name in each order.
+
+The learner's sender names its mechanism in every group spec (`order.group["transport"]`); the loader for
+that name is built on first use and kept, since it holds the group it joined. Orders are applied one at a
+time: two loads racing into one engine would leave it serving a mix of versions.
+
+A plugin mechanism is loaded only if it is the one this run was configured with (`--weight-transport
+module:attr`): an order names code to import, so a worker never imports a path it was not told to expect.
+Torch is imported only by the mechanisms that use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from bus.schema import WeightUpdateOrder
+from engines.weights.transport import BUILTIN, EngineLoader, is_plugin, resolve_transport
+
+
+class EngineWeightReceiver:
+    def __init__(self, engine: Any, *, actor_id: str, log: Any, plugin: str | None = None) -> None:
+        self.engine = engine
+        self.actor_id = actor_id
+        self.log = log
+        self._accepted = set(BUILTIN) | ({plugin} if plugin is not None and is_plugin(plugin) else set())
+        self._loaders: dict[str, EngineLoader] = {}
+        self._lock = asyncio.Lock()
+
+    async def apply(self, order: WeightUpdateOrder) -> None:
+        """Load `order.version` through the order's mechanism; raises what the loader raised."""
+        async with self._lock:
+            loader = self._loader(order)
+            await loader.apply(dict(order.group), order.version, order.timeout_s)
+
+    def _loader(self, order: WeightUpdateOrder) -> EngineLoader:
+        name = order.group.get("transport")
+        if not isinstance(name, str) or name not in self._accepted:
+            raise ValueError(
+                f"weight update order for version {order.version}: transport {name!r} is not one this worker "
+                f"accepts ({sorted(self._accepted)})"
+            )
+        loader = self._loaders.get(name)
+        if loader is None:
+            loader = self._loaders[name] = resolve_transport(name).make_loader(self.engine, self.actor_id, self.log)
+        return loader
+
+    def close(self) -> None:
+        for loader in self._loaders.values():
+            loader.close()
+        self._loaders.clear()

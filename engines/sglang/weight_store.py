@@ -1,0 +1,179 @@
+"""The SGLang weight group's spec and the store protocol both ends of a transfer follow (see `weights.py`).
+
+The learner hosts the rendezvous store; loaders connect to it as plain clients. Keys live under a prefix of our
+own, per group and version: the manifest, each engine's "ready" (or why not), the learner's "go" (or "abort"),
+and each engine's acknowledgement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from engines.weights.base import WeightTransferError
+from engines.weights.manifest import Manifest
+from engines.weights.names import SGLANG
+
+KEY_PREFIX = "slipstream-xfer/"
+OK = b"ok"
+ERROR_PREFIX = b"error:"
+GO = b"go"
+READY = b"1"
+ABORT_PREFIX = b"abort:"
+STORE_POLL_S = 0.05  # how often the sender looks for a refusal while a bucket is in flight
+
+
+@dataclass(frozen=True)
+class SglangGroupSpec:
+    """One group generation, as it travels to the rollout workers inside `WeightUpdateOrder.group`."""
+
+    master_address: str
+    master_port: int
+    group_name: str
+    generation: int
+    members: tuple[str, ...]  # members[0] is the learner; then the engines in rank order
+    gpus_per_engine: int = 1
+    backend: str = "gloo"
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        return self.members[1:]
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.receivers) * self.gpus_per_engine
+
+    def rank_offset(self, engine: str) -> int:
+        """SGLang's layout: engine i takes the ranks from 1 + i * gpus_per_engine."""
+        if engine not in self.receivers:
+            raise ValueError(f"{engine!r} is not an engine of weight group {self.group_name}: {self.receivers}")
+        return 1 + self.receivers.index(engine) * self.gpus_per_engine
+
+    def to_dict(self) -> dict[str, Any]:
+        """Carries the mechanism's name, by which a rollout worker picks `SglangWeightLoader` for it."""
+        return {"transport": SGLANG, **self.__dict__, "members": list(self.members)}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> SglangGroupSpec:
+        fields = {key: value for key, value in raw.items() if key != "transport"}
+        return cls(**{**fields, "members": tuple(fields["members"])})
+
+
+def keys_of(store: dist.Store, spec: SglangGroupSpec, version: int) -> dist.PrefixStore:
+    return dist.PrefixStore(f"{KEY_PREFIX}{spec.group_name}/v{version}/", store)
+
+
+def connect_keys(spec: SglangGroupSpec, version: int, timeout_s: float) -> dist.PrefixStore:
+    try:
+        store = dist.TCPStore(
+            spec.master_address,
+            spec.master_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as error:
+        raise WeightTransferError(
+            f"cannot reach the learner's weight store at {spec.master_address}:{spec.master_port}: {error}"
+        ) from error
+    return keys_of(store, spec, version)
+
+
+def missing_keys(keys: dist.Store, wanted: list[str], timeout_s: float) -> list[str]:
+    try:
+        keys.wait(wanted, timedelta(seconds=max(timeout_s, 0.001)))
+        return []
+    except (RuntimeError, dist.DistError):
+        return [key for key in wanted if not keys.check([key])]
+
+
+def not_ready(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
+    """Engines that did not say "ready" within `timeout_s`, or said why they cannot be, with the reason."""
+    wanted = [f"ready/{engine}" for engine in spec.receivers]
+    missing = set(missing_keys(keys, wanted, timeout_s))
+    failed: dict[str, str] = {}
+    for engine, key in zip(spec.receivers, wanted, strict=True):
+        if key in missing:
+            failed[engine] = "not ready to receive (died or stalled)"
+            continue
+        value = keys.get(key)
+        if value != READY:
+            failed[engine] = value.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
+    return failed
+
+
+def early_failures(keys: dist.Store, spec: SglangGroupSpec) -> dict[str, str]:
+    """Error acknowledgements already written (a loader acks before the last bucket only when refused)."""
+    failed: dict[str, str] = {}
+    for engine in spec.receivers:
+        key = f"ack/{engine}"
+        if keys.check([key]):
+            ack = keys.get(key)
+            if ack != OK:
+                failed[engine] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
+    return failed
+
+
+def await_bucket(
+    work: list[dist.Work], keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, where: str
+) -> dict[str, str]:
+    """Poll the bucket's broadcasts until they complete, a loader reports a refusal, or `timeout_s` passes.
+
+    Only completed work is waited on (it returns at once, raising what the collective hit): a blocking `wait()`
+    would hang on gloo until the group timeout and, on NCCL, not block at all. Returns the failed engines.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay, next_store_check = 0.0005, 0.0
+    while True:
+        if all(handle.is_completed() for handle in work):
+            try:
+                for handle in work:
+                    handle.wait()
+            except (RuntimeError, dist.DistError) as error:
+                return early_failures(keys, spec) or dict.fromkeys(spec.receivers, f"broadcast failed: {error}")
+            return {}
+        now = time.monotonic()
+        if now >= next_store_check:
+            failed = early_failures(keys, spec)
+            if failed:
+                return failed
+            next_store_check = now + STORE_POLL_S
+        if now > deadline:
+            pending = dict.fromkeys(spec.receivers, f"{where}: not received within {timeout_s:g}s")
+            return {**pending, **early_failures(keys, spec)}
+        time.sleep(delay)
+        delay = min(delay * 2, STORE_POLL_S)
+
+
+def read_manifest(keys: dist.Store, timeout_s: float, engine: str) -> Manifest:
+    if missing_keys(keys, ["manifest"], timeout_s):
+        raise WeightTransferError(f"{engine}: the learner published no manifest within {timeout_s:g}s")
+    try:
+        return Manifest.decode(keys.get("manifest"))
+    except ValueError as error:
+        raise WeightTransferError(f"{engine}: unreadable weight manifest: {error}") from error
+
+
+def wait_go(keys: dist.Store, timeout_s: float, engine: str, version: int) -> bytes:
+    if missing_keys(keys, ["go"], timeout_s):
+        raise WeightTransferError(f"{engine}: the learner never started the transfer of version {version}")
+    return keys.get("go")
+
+
+def acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
+    wanted = [f"ack/{engine}" for engine in spec.receivers]
+    missing = set(missing_keys(keys, wanted, timeout_s))
+    failed: dict[str, str] = {}
+    for engine, key in zip(spec.receivers, wanted, strict=True):
+        if key in missing:
+            failed[engine] = f"no acknowledgement within {timeout_s:g}s (died or stalled)"
+            continue
+        ack = keys.get(key)
+        if ack != OK:
+            failed[engine] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
+    return failed

@@ -1,0 +1,5 @@
+"""The built-in weight transports' names, apart so the mechanisms can stamp them on their group specs without
+importing the registry (which imports the mechanisms)."""
+
+TORCH_DISTRIBUTED = "torch_distributed"
+SGLANG = "sglang"

@@ -1,0 +1,57 @@
+"""The engine side of the bucketed torch.distributed broadcast: join each generation, load each transfer.
+
+The engine pauses between two decode steps for the receive ("keep": requests in flight continue afterwards with
+the new weights) and resumes whatever happens, so a failed transfer never leaves generation stopped. Any
+failure drops the receiver: the learner forms a new generation and this loader joins it at the next order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import Tensor
+
+from engines.weights.group import GroupSpec
+from engines.weights.torch_distributed import TorchDistributedWeightReceiver
+
+
+class TorchDistributedLoader:
+    def __init__(self, engine: Any, actor_id: str, log: Any) -> None:
+        self.engine = engine
+        self.actor_id = actor_id
+        self.log = log
+        self._receiver: TorchDistributedWeightReceiver | None = None
+
+    async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float) -> None:
+        """Join `group`'s generation if it is new to us, then receive `version` into the engine."""
+        spec = GroupSpec.from_dict(dict(group))
+        receiver = self._receiver
+        if receiver is None or receiver.spec.generation != spec.generation or receiver.spec.port != spec.port:
+            self.close()
+            receiver = await asyncio.to_thread(
+                TorchDistributedWeightReceiver.join, spec, self.actor_id, timeout_s=timeout_s
+            )
+            self._receiver = receiver
+        loop = asyncio.get_running_loop()
+
+        def load(named: Iterable[tuple[str, Tensor]]) -> None:
+            # The engine copies in place between two decode steps; waiting here keeps the receive buffer alive
+            # until it has, and makes the acknowledgement mean "loaded".
+            asyncio.run_coroutine_threadsafe(self.engine.update_weights(list(named), version), loop).result()
+
+        await self.engine.pause("keep")
+        try:
+            received = await asyncio.to_thread(receiver.receive, load, timeout_s)
+        except Exception:
+            self.close()
+            raise
+        finally:
+            await self.engine.resume()
+        self.log.info("weights loaded", version=received, generation=spec.generation)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None

@@ -1,0 +1,117 @@
+"""The weight-transfer mechanisms by name: each pairs a learner-side sender with an engine-side loader.
+
+The learner picks a mechanism once, by name, and every group spec its sender hands out carries that name under
+`"transport"`; a rollout worker resolves the same name here to build the matching loader. So neither side
+branches on a mechanism: adding one (a plugin named `package.module:attr`, resolving to a `WeightTransport`)
+touches neither the learner nor the rollout worker.
+
+Nothing here imports torch or a mechanism at module level: a rollout worker that never loads a torch mechanism
+(an SGLang server receives the bytes itself) must not pay for importing torch. The built-in factories import
+their mechanism when first called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from engines.weights.names import SGLANG, TORCH_DISTRIBUTED
+from policies.plugins import load_object
+
+if TYPE_CHECKING:
+    from engines.weights.base import WeightSender
+
+__all__ = ["SGLANG", "TORCH_DISTRIBUTED", "EngineLoader", "SenderOptions", "WeightTransport", "resolve_transport"]
+
+
+@dataclass(frozen=True)
+class SenderOptions:
+    """What any sender needs, filled once by the learner from the run's configuration."""
+
+    host: str  # the address engines reach the learner's rendezvous store at
+    backend: str  # "gloo" | "nccl" | "cuda_ipc" (ignored by mechanisms that need none)
+    timeout_s: float  # how long a transfer waits for an engine before naming it as failed
+    gpus_per_engine: int = 1  # ranks each engine occupies in the group (SGLang's tensor-parallel servers)
+
+
+class EngineLoader(Protocol):
+    """The engine side of one mechanism, one per rollout worker; `group` is the sender's spec as a dict."""
+
+    async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class WeightTransport:
+    name: str
+    make_sender: Callable[[SenderOptions], WeightSender]  # learner rank 0, built once
+    make_loader: Callable[[Any, str, Any], EngineLoader]  # (engine, actor_id, log) on each rollout worker
+
+
+def is_plugin(name: str) -> bool:
+    """A `module:attr` path names a user's transport; built-in names have no colon."""
+    return ":" in name
+
+
+def resolve_transport(name: str) -> WeightTransport:
+    """The built-in mechanism called `name`, or the `WeightTransport` a `module:attr` path names.
+
+    A plugin comes back named by its path, whatever name it gave itself, because that path is what engines
+    receive in the group spec and resolve again on their side.
+    """
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if not is_plugin(name):
+        raise ValueError(f"weight transport {name!r}: unknown; built-ins are {sorted(BUILTIN)}, or 'module:attr'")
+    found = load_object(name, what="weight transport")
+    if not isinstance(found, WeightTransport):
+        raise TypeError(
+            f"weight transport {name!r}: expected an engines.weights.transport.WeightTransport, "
+            f"got {type(found).__name__}"
+        )
+    return found if found.name == name else dataclasses.replace(found, name=name)
+
+
+# ---- built-ins: each imports its mechanism only when used ------------------------------------------------------
+
+
+def _torch_distributed_sender(options: SenderOptions) -> WeightSender:
+    from engines.weights.torch_distributed import TorchDistributedWeightSender
+
+    return TorchDistributedWeightSender(
+        host=options.host,
+        backend=options.backend,  # type: ignore[arg-type]  # GroupSpec validates it
+        timeout_s=options.timeout_s,
+    )
+
+
+def _torch_distributed_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
+    from engines.weights.torch_loader import TorchDistributedLoader
+
+    return TorchDistributedLoader(engine, actor_id, log)
+
+
+def _sglang_sender(options: SenderOptions) -> WeightSender:
+    from engines.sglang.weights import SglangWeightSender
+
+    return SglangWeightSender(
+        host=options.host,
+        backend=options.backend,
+        gpus_per_engine=options.gpus_per_engine,
+        timeout_s=options.timeout_s,
+    )
+
+
+def _sglang_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
+    from engines.sglang.weights import SglangWeightLoader
+
+    return SglangWeightLoader(engine, actor_id, log=log)
+
+
+BUILTIN: dict[str, WeightTransport] = {
+    TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader),
+    SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader),
+}

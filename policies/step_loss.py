@@ -1,0 +1,134 @@
+"""The learner step's loss as one object: built before the step with the whole step's denominators, then called
+by the trainer on every micro-batch as ``loss(outputs, batch) -> (scalar, metrics)``.
+
+Why an object. The trainer splits a step into micro-batches and data-parallel shards and SUMS their gradients,
+so each micro-batch's loss must be divided by counts of the WHOLE step, after the off-policy correction's
+rejections. Only the policy knows which count (trained tokens, trained sequences) and which rejections apply,
+so it computes them once up front (:func:`step_denominators`) and the loss carries them: the trainer counts
+nothing and calls nothing outside the loss it is handed.
+
+No engine imports: the trainer's batch and model outputs are seen through the small structural protocols below
+(``policies`` never imports ``engines``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from policies.aggregation import global_denominator
+from policies.config import PolicyLossConfig
+from policies.losses import compute_policy_loss, effective_loss_mask
+
+__all__ = ["ADDITIVE_METRICS", "PiOldSource", "PolicyLoss", "pi_old_source", "step_denominators"]
+
+# Loss terms already use the global denominators; every other metric is a local mean to be token-weighted.
+ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
+# Corrections whose keep mask is all ones whatever pi_old is: the loss's denominators do not depend on pi_old.
+# (mis rejects tokens by pi_old / mu, and a user correction may do the same, so neither is listed.)
+_CORRECTIONS_WITHOUT_REJECTION = ("none", "tis", "icepop")
+
+PiOldSource = Literal["rollout", "training_forward", "separate_forward"]
+
+
+class LossBatch(Protocol):
+    """The packed per-token fields a policy loss reads (``engines.training.base.PackedBatch`` has them)."""
+
+    response_lengths: Tensor
+    loss_mask: Tensor | None
+    rollout_log_probs: Tensor | None
+    old_log_probs: Tensor | None
+    ref_log_probs: Tensor | None
+    advantages: Tensor | None
+
+
+class LossOutputs(Protocol):
+    """The training forward's packed log-probs (with gradient) and optional entropy."""
+
+    log_probs: Tensor
+    entropy: Tensor | None
+
+
+def pi_old_source(config: PolicyLossConfig, *, decoupled: bool) -> PiOldSource:
+    """Where the step's proximal policy pi_old comes from; the one rule, used by the learner step.
+
+    - ``rollout``: no decoupling and no correction: pi_old := mu, the engine's log-probs (SFT never reads it).
+    - ``training_forward``: pi_old is the learner's policy before this step's update. With one optimizer step per
+      batch that is exactly the policy of the training forward, so ``sg(log pi_theta)`` of that forward IS pi_old
+      and a separate no-grad forward (about a third of a step) is wasted. This holds only when nothing must know
+      pi_old BEFORE the training forward: the loss's denominators (a correction that rejects tokens by
+      ``pi_old / mu``, i.e. mis or a user correction, changes the token count that every micro-batch divides by)
+      and the advantages (``kl_coef`` puts ``KL(pi_old || ref)`` into the rewards).
+    - ``separate_forward``: otherwise; pi_old is computed by a no-grad forward before the step.
+    """
+    if config.loss_type == "sft" or (not decoupled and config.off_policy_correction == "none"):
+        return "rollout"
+    if config.kl_coef != 0 or config.off_policy_correction not in _CORRECTIONS_WITHOUT_REJECTION:
+        return "separate_forward"
+    return "training_forward"
+
+
+def step_denominators(
+    config: PolicyLossConfig,
+    *,
+    loss_mask: Tensor,
+    response_lengths: Tensor,
+    old_log_probs: Tensor | None,
+    rollout_log_probs: Tensor | None,
+) -> Tensor:
+    """``float64 [2]``: this shard's (loss denominator after rejections, trained tokens), to be summed over ranks.
+
+    Sum over the data-parallel ranks before building :class:`PolicyLoss`; a single process uses them as they are.
+    """
+    keep = effective_loss_mask(
+        config,
+        loss_mask=loss_mask,
+        response_lengths=response_lengths,
+        old_log_probs=old_log_probs,
+        rollout_log_probs=None if config.loss_type == "sft" else rollout_log_probs,
+    )
+    return torch.tensor(
+        [global_denominator(config.loss_agg_mode, keep, response_lengths), float(loss_mask.sum())],
+        dtype=torch.float64,
+    )
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The configured policy loss of one step, with that step's global denominators.
+
+    ``denominator``: the aggregation denominator of the whole step (all ranks, after rejections);
+    ``total_tokens``: trained tokens of the whole step, the weight of each micro-batch's diagnostic means;
+    ``pi_old_from_forward``: take pi_old as ``sg(log pi_theta)`` of the training forward (see :func:`pi_old_source`).
+    """
+
+    config: PolicyLossConfig
+    denominator: float
+    total_tokens: float
+    pi_old_from_forward: bool = False
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.config.entropy_coef != 0
+
+    def __call__(self, outputs: LossOutputs, batch: LossBatch) -> tuple[Tensor, dict[str, float]]:
+        if batch.loss_mask is None:
+            raise ValueError("PolicyLoss: the batch has no loss_mask (the learner step always sets one)")
+        old = outputs.log_probs.detach() if self.pi_old_from_forward else batch.old_log_probs
+        loss, metrics = compute_policy_loss(
+            self.config,
+            log_probs=outputs.log_probs,
+            old_log_probs=old,
+            rollout_log_probs=None if self.config.loss_type == "sft" else batch.rollout_log_probs,
+            advantages=batch.advantages,
+            loss_mask=batch.loss_mask,
+            response_lengths=batch.response_lengths,
+            entropy=outputs.entropy,
+            ref_log_probs=batch.ref_log_probs,
+            denominator=self.denominator,
+        )
+        share = float(batch.loss_mask.sum()) / max(1.0, self.total_tokens)
+        return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}

@@ -1,0 +1,91 @@
+"""The real Learner, in process, with the sleeping trainer: it trains served batches, announces, publishes,
+checkpoints, and resumes from its checkpoint.
+
+Controller, buffer, reward worker and rollout worker (sleeping engine) are the real actors on real sockets in the
+same process, so a batch the learner trains was leased, generated, scored and assembled for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.config import build_config
+from actors.learner.trainer_factory import build_trainer
+from actors.runtime.metrics import read_metrics
+from engines.training.base import Trainer
+from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
+from tools.pipeline_sim import SimSpec
+
+ROLES = {"controller": "controller", "buffer": "buffer", "reward": "reward", "rollout": "rollout",
+         "learner": "learner"}
+SPEC = SimSpec(token_seconds=2e-3, train_sample_seconds=0.01, length_min=16, length_max=48)
+
+
+def _settings(tmp_path: Path, **overrides: object) -> dict[str, object]:
+    prompts = tmp_path / "prompts.jsonl"
+    if not prompts.exists():
+        write_prompts(prompts)
+    return {**SLEEPING, "prompt_data": str(prompts), "rollout_batch_size": 2, "n_samples_per_prompt": 2,
+            "rollout_max_batch_size": 4, "rollout_max_response_len": 48, "num_rollout": 2, "max_staleness": 1,
+            "use_tensorboard": False, "plots": False, **overrides}
+
+
+async def _run_to_the_end(run_dir: Path, settings: dict[str, object]) -> dict[str, object]:
+    """Until the learner ends the run (it stops every actor); returns what the test reads inside the actors."""
+    async with actor_system(run_dir, settings, ROLES) as system:
+        await system.wait_for(lambda: all(task.done() for task in system.tasks.values()), 15, "the run to end")
+        return {"announced": system["controller"].latest_version.version,
+                "engine_version": system["rollout-0-0"].engine.version,
+                "exit_codes": {actor_id: task.result() for actor_id, task in system.tasks.items()}}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_learner_trains_served_batches_announces_publishes_and_checkpoints(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_spec(SPEC, tmp_path, monkeypatch)
+    seen = await _run_to_the_end(tmp_path, _settings(tmp_path))
+    assert set(seen["exit_codes"].values()) == {0}  # type: ignore[union-attr]
+    steps = read_metrics(tmp_path / "metrics" / "train.jsonl")
+    assert [(s["batch_id"], s["version"], s["rollout/samples"]) for s in steps] == [(1, 1, 4.0), (2, 2, 4.0)]
+    assert all(s["sim/compute_end"] - s["sim/compute_start"] >= 4 * SPEC.train_sample_seconds for s in steps)
+    assert seen["announced"] == 2  # the controller heard every version
+    assert seen["engine_version"] == 2  # ... and the engine serves it: weights were published and acknowledged
+    checkpoint = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((checkpoint / "sleeping_trainer.json").read_text())
+    assert state["version"] == 2 and state["extra_state"]["trained_batch"] == 2
+    assert json.loads((tmp_path / "final_model" / "config.json").read_text())["version"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_learner_resumes_from_its_checkpoint_and_trains_only_the_next_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_spec(SPEC, tmp_path, monkeypatch)
+    await _run_to_the_end(tmp_path, _settings(tmp_path, num_rollout=1))
+    seen = await _run_to_the_end(tmp_path, _settings(tmp_path, num_rollout=2))
+    steps = read_metrics(tmp_path / "metrics" / "train.jsonl")
+    assert [(s["batch_id"], s["version"]) for s in steps] == [(1, 1), (2, 2)]
+    assert seen["announced"] == 2
+
+
+@pytest.mark.unit
+def test_plugin_trainer_factory_builds_a_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_spec(SPEC, tmp_path, monkeypatch)
+    trainer = build_trainer(build_config(SLEEPING))  # no --hf-checkpoint: a plugin needs none
+    assert isinstance(trainer, Trainer) and trainer.version == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("path", "error", "message"), [
+    ("builtins:repr", TypeError, r"--train-backend 'builtins:repr': the factory returned a str, not an "
+                                 r"engines.training.base.Trainer"),
+    ("tools.pipeline_sim:SPEC_ENV", TypeError, r"--train-backend 'tools.pipeline_sim:SPEC_ENV': str is not callable"),
+    ("tools.nowhere:factory", ValueError, r"--train-backend 'tools.nowhere:factory': cannot import module"),
+])
+def test_a_wrong_trainer_plugin_is_named_by_flag_and_path(path: str, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        build_trainer(build_config({"train_backend": path}))

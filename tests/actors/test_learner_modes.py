@@ -1,0 +1,70 @@
+"""The learner's debug modes as strategies: recording and replaying batches, and training that only counts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from actors.config import build_config
+from actors.learner.modes import CountingOnly, Progress, RecordedBatches, Recording, pick_source
+from bus.schema import Batch
+
+
+class Fixed:
+    """A source that yields given batches in order (stands in for the buffer, which needs sockets)."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+        self.finished = False
+
+    async def next(self, progress: Progress) -> Batch | None:
+        return self.batches[progress.trained_batch] if progress.trained_batch < len(self.batches) else None
+
+    async def finish(self, progress: Progress) -> None:
+        self.finished = True
+
+
+def at(trained_batch: int) -> Progress:
+    return Progress(learner_version=trained_batch, trained_batch=trained_batch, checkpointed_batch=0)
+
+
+@pytest.mark.unit
+def test_a_recording_replays_batch_for_batch_and_a_gap_names_the_missing_file(tmp_path: Path) -> None:
+    batches = [Batch(batch_id=i, samples=[], staleness=[], learner_version=i - 1) for i in (1, 2)]
+    inner = Fixed(batches)
+    recorder = Recording(inner, tmp_path / "recording")
+
+    async def scenario() -> list[Batch | None]:
+        seen = [await recorder.next(at(i)) for i in range(3)]
+        await recorder.finish(at(2))
+        replay = RecordedBatches(tmp_path / "recording")
+        replayed = [await replay.next(at(i)) for i in range(2)]
+        with pytest.raises(FileNotFoundError, match=r"batch_000003\.msgpack missing \(batch 3\)"):
+            await replay.next(at(2))
+        return seen + replayed
+
+    seen = asyncio.run(scenario())
+    assert seen == [*batches, None, *batches]
+    assert inner.finished, "the recorder passes the final commit on to the source it wraps"
+
+
+@pytest.mark.unit
+def test_rollout_only_training_counts_versions_and_keeps_no_model() -> None:
+    training = CountingOnly()
+    batch = Batch(batch_id=1, samples=[], staleness=[])
+    assert asyncio.run(training.train(batch)) is None
+    assert asyncio.run(training.train(batch)) is None
+    assert training.version == 2
+    assert not training.keeps_model and not training.publishes
+
+
+@pytest.mark.unit
+def test_sources_are_picked_once_from_the_debug_flags(tmp_path: Path) -> None:
+    config = build_config({"hf_checkpoint": str(tmp_path), "debug_train_only": True,
+                           "load_debug_rollout_data": str(tmp_path / "in"),
+                           "save_debug_rollout_data": str(tmp_path / "out")})
+    source = pick_source(config, buffer=None, counters=None, log=None)
+    assert isinstance(source, Recording) and isinstance(source.inner, RecordedBatches)
+    assert source.directory == tmp_path / "out" and source.inner.directory == tmp_path / "in"

@@ -1,0 +1,159 @@
+"""The real RolloutWorker, in process, with the sleeping engine: leases, generation, renewal, weight orders.
+
+The controller and the buffer are the real actors on real sockets in the same process; the reward side is a
+small recording actor (tests/support/inprocess.py), so a test sees exactly what the worker sent on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.config import build_config
+from actors.rollout.engine_factory import load_engine
+from bus import RpcClient
+from bus.schema import Ack, WeightUpdateOrder
+from engines.inference.base import InferenceEngine
+from policies.plugins import PluginError
+from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
+from tests.support.inprocess import SLEEPING, GroupRecorder, actor_system, use_spec, write_prompts
+from tools.pipeline_sim import VERSION_ONLY, SimSpec, SleepingEngine, SleepingTokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES = {"controller": "controller", "buffer": "buffer", "reward": GroupRecorder, "rollout": "rollout"}
+
+
+def _settings(tmp_path: Path, **overrides: object) -> dict[str, object]:
+    return {**SLEEPING, "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "rollout_batch_size": 2,
+            "n_samples_per_prompt": 2, "rollout_max_batch_size": 2, "rollout_max_response_len": 64,
+            "use_tensorboard": False, "plots": False, **overrides}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_leased_group_is_generated_and_sent_on_with_versions_and_log_probs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_spec(SimSpec(token_seconds=1e-3, length_min=16, length_max=64, correct_fraction=1.0), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+        recorder = system["reward-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "two generated groups")
+        buffer, worker = system["buffer"], system["rollout-0-0"]
+        assert isinstance(worker.engine, SleepingEngine)
+        assert buffer.counters["groups.leased"] >= 2
+    group = recorder.groups[0]
+    assert group.worker_id == "rollout-0-0" and len(group.samples) == 2
+    for sample in group.samples:
+        length = sample.response_length
+        assert 16 <= length <= 64 and len(sample.tokens) == sample.prompt_tokens + length
+        assert sample.token_versions.tolist() == [0] * length
+        assert len(sample.rollout_log_probs) == length and np.all(sample.rollout_log_probs <= 0)
+        assert sample.response.endswith(f"\\boxed{{{sample.label}}}")  # the tokenizer decoded the engine's ids
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_weight_order_mid_generation_tags_later_tokens_with_the_new_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every response is 40 tokens of 50 ms: the order lands about a quarter of the way in.
+    use_spec(SimSpec(token_seconds=0.05, length_min=40, length_max=40), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path, rollout_max_batch_size=2), ROLES) as system:
+        worker, recorder = system["rollout-0-0"], system["reward-0-0"]
+        await system.wait_for(lambda: worker.groups_in_flight > 0, 10, "a group in generation")
+        await asyncio.sleep(0.5)
+        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
+        try:
+            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
+                                      timeout_s=5.0)
+            reply = await client.call(order, timeout=5.0, retries=0)
+        finally:
+            client.close()
+        assert isinstance(reply, Ack) and reply.ok
+        assert worker.engine.version == 1 and worker.counters["weights.updates"] == 1
+        await system.wait_for(lambda: len(recorder.groups) >= 1, 10, "the group in generation")
+    versions = recorder.groups[0].samples[0].token_versions.tolist()
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_a_lease_held_longer_than_its_timeout_is_renewed_not_reissued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A group takes 2.4 s; a lease lasts 1.2 s unless renewed (every 0.5 s by the worker).
+    use_spec(SimSpec(token_seconds=0.08, length_min=30, length_max=30), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path, lease_timeout=1.2, rollout_max_batch_size=2),
+                            ROLES) as system:
+        worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
+        await system.wait_for(lambda: bool(worker.held_leases), 10, "a held lease")
+        lease_id = next(iter(worker.held_leases))
+        first_expiry = buffer.core.leases[lease_id].expires_at
+        await asyncio.sleep(1.6)  # past the unrenewed expiry, while the group is still generating
+        assert lease_id in buffer.core.leases, "the buffer let the lease expire: it was not renewed"
+        assert buffer.core.leases[lease_id].expires_at > first_expiry
+        await system.wait_for(lambda: len(recorder.groups) >= 1, 10, "the long group")
+        gauges = worker.metrics()  # what the pipeline benchmark reads: slot-seconds in flight, groups handed on
+        assert 2.4 <= gauges["rollout.busy_slot_seconds"] <= gauges["uptime_s"]
+        assert gauges["groups.sent"] == 1 and gauges["rollout.capacity_groups"] == 1
+    assert recorder.groups[0].lease_id == lease_id
+
+
+@pytest.mark.unit
+def test_plugin_engine_factory_builds_the_engine_and_its_tokenizer(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    use_spec(SimSpec(), tmp_path, monkeypatch)
+    engine, tokenizer = load_engine(build_config(SLEEPING), "rollout-0-3")
+    assert isinstance(engine, InferenceEngine) and isinstance(tokenizer, SleepingTokenizer)
+    assert tokenizer.decode(tokenizer("What is 1 + 2?")["input_ids"]) == "What is 1 + 2?"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("path", "message"), [
+    ("builtins:slice", r"--rollout-engine 'builtins:slice': the factory returned slice, expected a pair"),
+    ("tools.pipeline_sim:SPEC_FILE", r"--rollout-engine 'tools.pipeline_sim:SPEC_FILE': str is not callable"),
+    ("tools.pipeline_sim:VERSION_ONLY", r"--rollout-engine 'tools.pipeline_sim:VERSION_ONLY': WeightTransport is "
+                                        r"not callable"),
+])
+def test_a_wrong_engine_plugin_is_named_by_flag_and_path(path: str, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        load_engine(build_config({"rollout_engine": path}), "rollout-0-0")
+
+
+@pytest.mark.unit
+def test_a_missing_engine_plugin_is_named_by_flag_and_path() -> None:
+    with pytest.raises(PluginError, match=r"--rollout-engine 'tools.pipeline_sim:nowhere'.*no attribute 'nowhere'"):
+        load_engine(build_config({"rollout_engine": "tools.pipeline_sim:nowhere"}), "rollout-0-0")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("registry", [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS, CORRECTIONS])
+def test_policy_names_checked_without_importing_are_exactly_the_registered_built_ins(registry: Registry) -> None:
+    assert registry.builtin_names == set(registry.names())
+    with pytest.raises(ValueError, match=f"unknown {registry.kind} 'nonesuch'"):
+        registry.check("nonesuch")
+
+
+@pytest.mark.unit
+def test_an_engine_that_is_neither_built_in_nor_a_path_is_refused_by_the_config() -> None:
+    with pytest.raises(ValueError, match=r"rollout_engine: .*'vllm': expected one of torch, sglang, or a plugin"):
+        build_config({"rollout_engine": "vllm"})
+
+
+@pytest.mark.unit
+def test_a_rollout_worker_process_loads_neither_torch_nor_transformers_until_its_engine_does() -> None:
+    # What a worker process does before its engine factory runs: import its class, validate the run's config
+    # (which checks every policy name), build the sleeping engine and resolve the weight transport's loader.
+    code = ("import sys; from actors.runtime.roles import resolve_actor_class; "
+            "resolve_actor_class('actors.rollout.actor:RolloutWorker'); "
+            "from actors.config import build_config; "
+            "build_config({'advantage_estimator': 'grpo', 'loss_type': 'ppo', 'kl_loss_type': 'k3', "
+            "'off_policy_correction': 'icepop'}); "
+            "from engines.weights.transport import resolve_transport; "
+            "resolve_transport('tools.pipeline_sim:VERSION_ONLY').make_loader(None, 'rollout-0-0', None); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

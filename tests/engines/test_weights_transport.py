@@ -1,0 +1,194 @@
+"""The weight-transport registry: built-ins and plugins by name, a real torch_distributed push through it into a
+torch engine, the rollout worker's loader chosen by the order's transport name, and no torch where none is used."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+from structlog.testing import capture_logs
+from transformers import AutoModelForCausalLM
+
+from actors.config import RunConfig
+from actors.learner.publish import transfer_backend, transport_name
+from actors.learner.ranks import CollectiveTrainer, LearnerRanks
+from actors.rollout.weights import EngineWeightReceiver
+from bus.schema import WeightUpdateOrder
+from engines.inference.torch_engine import TorchEngine
+from engines.training.config import TorchTrainerConfig
+from engines.training.torch_trainer import TorchTrainer
+from engines.weights.transport import SenderOptions, WeightTransport, resolve_transport
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PLUGIN_MODULE = '''
+from engines.weights.transport import WeightTransport
+
+APPLIED = []
+
+
+class RecordingLoader:
+    """A loader that keeps what it was asked to apply, so a test can see which loader an order reached."""
+
+    def __init__(self, engine, actor_id, log):
+        self.actor_id = actor_id
+
+    async def apply(self, group, version, timeout_s):
+        APPLIED.append((self.actor_id, dict(group), version))
+
+    def close(self):
+        pass
+
+
+def no_sender(options):
+    raise RuntimeError("this plugin has no learner side")
+
+
+TRANSPORT = WeightTransport("my-transport", no_sender, RecordingLoader)
+NOT_A_TRANSPORT = {"name": "my-transport"}
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    (tmp_path / "weights_plugin_for_test.py").write_text(PLUGIN_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "weights_plugin_for_test"
+    sys.modules.pop("weights_plugin_for_test", None)
+
+
+@pytest.mark.unit
+def test_built_in_names_resolve_to_their_transports() -> None:
+    assert resolve_transport("torch_distributed").name == "torch_distributed"
+    assert resolve_transport("sglang").name == "sglang"
+
+
+@pytest.mark.unit
+def test_unknown_built_in_name_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"'nccl'.*torch_distributed"):
+        resolve_transport("nccl")
+
+
+@pytest.mark.unit
+def test_plugin_path_resolves_and_is_named_by_its_path(plugin: str) -> None:
+    transport = resolve_transport(f"{plugin}:TRANSPORT")
+    assert isinstance(transport, WeightTransport)
+    assert transport.name == f"{plugin}:TRANSPORT"  # what engines receive and resolve again
+    assert transport.make_loader.__name__ == "RecordingLoader"
+
+
+@pytest.mark.unit
+def test_plugin_path_to_something_else_is_a_type_error_naming_the_path(plugin: str) -> None:
+    with pytest.raises(TypeError, match=f"'{plugin}:NOT_A_TRANSPORT'.*got dict"):
+        resolve_transport(f"{plugin}:NOT_A_TRANSPORT")
+
+
+@pytest.mark.unit
+def test_run_config_chooses_the_mechanism_once() -> None:
+    assert transport_name(RunConfig()) == "torch_distributed"
+    assert transport_name(RunConfig(rollout_engine="sglang", weight_transport="nccl")) == "sglang"
+    assert transport_name(RunConfig(weight_transport="pkg.mod:TRANSPORT")) == "pkg.mod:TRANSPORT"
+    assert transfer_backend(RunConfig(weight_transport="cuda_ipc")) == "cuda_ipc"
+    expected = "nccl" if torch.cuda.is_available() else "gloo"
+    assert transfer_backend(RunConfig()) == expected
+    assert transfer_backend(RunConfig(weight_transport="pkg.mod:TRANSPORT")) == expected
+
+
+@pytest.mark.unit
+def test_weight_transport_setting_refuses_a_name_that_is_neither_backend_nor_path() -> None:
+    with pytest.raises(ValueError, match="'ncl'"):
+        RunConfig(weight_transport="ncl")
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """New values for every parameter (tied ones once, as a trainer sends them)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (name, tensor.detach() + torch.randn(tensor.shape, generator=generator) * 0.05)
+        for name, tensor in model.named_parameters()
+    ]
+
+
+@pytest.mark.integration
+async def test_torch_distributed_transport_lands_new_weights_in_a_torch_engine(tiny_model_path: Path) -> None:
+    transport = resolve_transport("torch_distributed")
+    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=30.0))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    pushed = _perturbed(model, seed=3)
+    try:
+        async with TorchEngine(model, None) as engine:
+            loader = transport.make_loader(engine, "rollout-0", structlog.get_logger())
+            group = sender.open_group(["learner", "rollout-0"]).to_dict()
+            assert group["transport"] == "torch_distributed"
+            with capture_logs() as logs:
+                loading = asyncio.create_task(loader.apply(group, 7, 30.0))
+                await asyncio.to_thread(sender.wait_for_receivers)
+                # A generator, as the learner hands it over: the sender iterates it once.
+                report = await asyncio.to_thread(sender.send, (item for item in pushed), 7)
+                await loading
+            loader.close()
+            assert sender.committed_version == 7 and report.num_tensors == len(pushed)
+            assert (await engine.health())["version"] == 7
+            live = model.state_dict()
+            for name, tensor in pushed:
+                assert torch.equal(live[name], tensor), name
+            assert [entry["version"] for entry in logs if entry["event"] == "weights loaded"] == [7]
+    finally:
+        sender.close()
+
+
+@pytest.mark.integration
+async def test_rollout_receiver_picks_the_loader_the_order_names(plugin: str) -> None:
+    path = f"{plugin}:TRANSPORT"
+    receiver = EngineWeightReceiver(object(), actor_id="rollout-0", log=structlog.get_logger(), plugin=path)
+    await receiver.apply(WeightUpdateOrder(version=4, group={"transport": path, "x": 1}, timeout_s=5.0))
+    applied = sys.modules[plugin].APPLIED
+    assert applied == [("rollout-0", {"transport": path, "x": 1}, 4)]
+    receiver.close()
+
+
+@pytest.mark.unit
+async def test_rollout_receiver_refuses_a_plugin_it_was_not_configured_with(plugin: str) -> None:
+    receiver = EngineWeightReceiver(object(), actor_id="rollout-0", log=structlog.get_logger(), plugin="auto")
+    order = WeightUpdateOrder(version=4, group={"transport": f"{plugin}:TRANSPORT"}, timeout_s=5.0)
+    with pytest.raises(ValueError, match=r"version 4: transport .*TRANSPORT.* not one this worker accepts"):
+        await receiver.apply(order)
+    assert plugin not in sys.modules  # refused before anything was imported
+
+
+@pytest.mark.integration
+def test_learner_tensors_stream_under_the_ranks_lock(tiny_model_path: Path, tmp_path: Path) -> None:
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=str(tiny_model_path), lr=1e-2))
+    ranks = LearnerRanks(RunConfig(), tmp_path, "127.0.0.1", structlog.get_logger())
+    collective = CollectiveTrainer(trainer, ranks)
+    tensors = collective.named_tensors()
+    name, first = next(tensors)
+    assert ranks._lock.locked()  # no other operation may interleave while the sender consumes
+    assert first.data_ptr() == dict(trainer.named_tensors())[name].data_ptr()  # the live tensor, not a copy
+    tensors.close()
+    assert not ranks._lock.locked()
+    assert len(list(collective.named_tensors())) == len(list(trainer.named_tensors()))
+    assert not ranks._lock.locked()
+
+
+@pytest.mark.unit
+def test_transport_registry_and_rollout_receiver_import_without_torch() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        import engines.weights.transport, actors.rollout.weights
+        engines.weights.transport.resolve_transport("sglang")
+        print("torch" in sys.modules)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "False", result.stderr

@@ -1,0 +1,44 @@
+"""Small losses the trainer tests share: each divides by counts of the whole step, known before it starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from engines.training.base import ModelOutputs, PackedBatch, TrainSample
+
+
+@dataclass(frozen=True)
+class AdvantageLoss:
+    """-A * log p summed over the step's response tokens, divided by their count (known before the step)."""
+
+    tokens: int
+
+    def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
+        assert batch.advantages is not None
+        return -(batch.advantages * outputs.log_probs).sum() / self.tokens, {}
+
+
+def loss_fn(samples: list[TrainSample]) -> AdvantageLoss:
+    return AdvantageLoss(tokens=sum(s.response_length for s in samples))
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """Token-mean, sequence-mean and entropy terms, each divided by the whole step's counts (known up front)."""
+
+    loss_tokens: int
+    sequences: int
+
+    def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
+        assert batch.loss_mask is not None and batch.advantages is not None and outputs.entropy is not None
+        mask = batch.loss_mask
+        token_term = -(batch.advantages * outputs.log_probs * mask).sum() / self.loss_tokens
+        sequence_term = (outputs.log_probs * mask).sum() / self.sequences
+        entropy_term = (outputs.entropy * mask).sum() / self.loss_tokens
+        return token_term + 0.05 * sequence_term - 0.01 * entropy_term, {"token_term": float(token_term.detach())}
+
+
+def step_loss(batch: list[TrainSample]) -> StepLoss:
+    return StepLoss(loss_tokens=sum(int((s.loss_mask != 0).sum()) for s in batch), sequences=len(batch))

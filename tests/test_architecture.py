@@ -1,0 +1,117 @@
+"""The shape of the house, checked: layers import one way, no module imports itself back, no module grows past
+500 lines. Read from the source with `ast`, so a TYPE_CHECKING-only import counts too: it is still a cycle a
+reader has to untangle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("actors", "bus", "engines", "policies", "examples", "tools")
+MAX_LINES = 500
+# Which of our packages each layer may import (itself always allowed). `launcher.py` may import anything.
+ALLOWED = {
+    "bus": set(),
+    "policies": {"bus"},
+    "engines": {"bus", "policies"},
+    "actors": {"bus", "engines", "policies"},
+    "examples": {"actors", "bus", "engines", "policies"},
+    "tools": {"actors", "bus", "engines", "policies", "examples"},
+}
+
+pytestmark = pytest.mark.unit
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    return modules
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """Our modules that `path` imports: `from a.b import c` names a.b.c when that is a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            candidates = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in candidates:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    known = set(modules)
+    return {name: imported_modules(path, known) - {name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path a -> b -> ... -> a, or None. Package `__init__` edges to their own children
+    are skipped: re-exporting a submodule is not a cycle anyone has to reason about."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target.startswith(node + "."):
+                continue
+            if state.get(target) == 1:
+                return [*stack[stack.index(target):], target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycle_among_project_modules() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_layers_import_only_downwards() -> None:
+    wrong = []
+    for module, targets in import_graph().items():
+        layer = module.split(".")[0]
+        for target in targets:
+            target_layer = target.split(".")[0]
+            if target_layer != layer and target_layer not in ALLOWED[layer]:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "layering broken:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_over_500_lines() -> None:
+    long = {name: n for name, path in project_modules().items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    """The checker itself: a planted two-module cycle is reported, a package re-exporting its child is not."""
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert find_cycle({"pkg": {"pkg.child"}, "pkg.child": {"pkg"}}) is None
