@@ -30,8 +30,8 @@ from torch import Tensor
 
 from bus.address import free_port
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
-from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
-from tests.support.losses import step_loss
+from engines.training import TorchTrainer, TorchTrainerConfig
+from tests.support.training import seeded_batch, step_loss
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
@@ -53,20 +53,7 @@ class Run:
 RUNS = {"fp32": Run(resume=True), "bf16": Run(dtype="bfloat16"), "dp2": Run(world=2)}
 
 
-def samples() -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(3)
-    batch = []
-    for _ in range(7):
-        length = int(torch.randint(5, 40, (1,), generator=generator))
-        response = int(torch.randint(1, length, (1,), generator=generator))
-        mask = (torch.rand(response, generator=generator) > 0.3).float()
-        tokens = torch.randint(6, 100, (length,), generator=generator)
-        advantages = torch.randn(response, generator=generator)
-        batch.append(TrainSample(tokens, response, loss_mask=mask, advantages=advantages))
-    return batch
-
-
-policy_loss = step_loss(samples())  # every step of these tests trains on this one batch
+policy_loss = step_loss(seeded_batch())  # every step of these tests trains on this one batch
 
 
 def _config(model_path: Path, run: Run):
@@ -106,7 +93,7 @@ def _worker(rank: int, port: int, model_path: Path, out_dir: Path, run_fields: d
     run = Run(**run_fields)
     trainer = _start(rank, port, model_path, run)
     try:
-        batch = samples()
+        batch = seeded_batch()
         summary: dict = {
             "backend": dist.get_backend(),
             "world": dist.get_world_size(),
@@ -146,7 +133,7 @@ def _resume_worker(rank: int, port: int, model_path: Path, out_dir: Path, run_fi
     trainer = _start(rank, port, model_path, run)
     try:
         extra_state = trainer.load_checkpoint(out_dir / "checkpoint")
-        step2 = trainer.train_step(samples(), policy_loss, temperature=TEMPERATURE, with_entropy=True)
+        step2 = trainer.train_step(seeded_batch(), policy_loss, temperature=TEMPERATURE, with_entropy=True)
         resumed, _ = _exported(trainer)
         if rank == 0:
             save_file(resumed, str(out_dir / "resumed.st"))
@@ -199,8 +186,8 @@ def reference(model_path: Path) -> dict[str, dict]:
         )
         trainer = TorchTrainer(config)
         initial = {name: tensor.detach().float().clone() for name, tensor in trainer.named_tensors()}
-        outputs = trainer.compute_log_probs(samples(), temperature=TEMPERATURE, with_entropy=True)
-        step = trainer.train_step(samples(), policy_loss, temperature=TEMPERATURE, with_entropy=True)
+        outputs = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE, with_entropy=True)
+        step = trainer.train_step(seeded_batch(), policy_loss, temperature=TEMPERATURE, with_entropy=True)
         weights = {name: tensor.detach().float().clone() for name, tensor in trainer.named_tensors()}
         results[dtype] = {"outputs": outputs, "step": step, "initial": initial, "weights": weights}
     return results

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from bus.address import free_port
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
-from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
-from tests.support.losses import step_loss
+from engines.training import TorchTrainer, TorchTrainerConfig
+from tests.support.training import seeded_batch, step_loss
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
@@ -54,20 +54,7 @@ LAYOUTS = {
 }
 
 
-def samples() -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(3)
-    batch = []
-    for _ in range(7):
-        length = int(torch.randint(5, 40, (1,), generator=generator))
-        response = int(torch.randint(1, length, (1,), generator=generator))
-        mask = (torch.rand(response, generator=generator) > 0.3).float()
-        tokens = torch.randint(6, 100, (length,), generator=generator)
-        advantages = torch.randn(response, generator=generator)
-        batch.append(TrainSample(tokens, response, loss_mask=mask, advantages=advantages))
-    return batch
-
-
-policy_loss = step_loss(samples())  # every step of these tests trains on this one batch
+policy_loss = step_loss(seeded_batch())  # every step of these tests trains on this one batch
 
 
 def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | None = None):
@@ -98,7 +85,7 @@ def _worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=layout.world)
     try:
         trainer = MegatronTrainer(_megatron_config(model_path, layout))
-        batch = samples()
+        batch = seeded_batch()
         outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
         result = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
         summary = {"step1": {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}}
@@ -132,7 +119,7 @@ def _resume_worker(rank: int, port: int, model_path: Path, out_dir: Path, layout
     try:
         trainer = MegatronTrainer(_megatron_config(model_path, layout, layout.resume_at_tp))
         extra_state = trainer.load_checkpoint(out_dir / "checkpoint")
-        resumed = trainer.train_step(samples(), policy_loss, temperature=TEMPERATURE, with_entropy=True)
+        resumed = trainer.train_step(seeded_batch(), policy_loss, temperature=TEMPERATURE, with_entropy=True)
         actual = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
         if rank == 0:
             save_file(actual, str(out_dir / "resumed.safetensors"))
@@ -182,7 +169,7 @@ def reference(model_paths: dict[bool, Path]) -> dict[bool, dict]:
             model_path=path, micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False, **OPTIMIZER
         )
         trainer = TorchTrainer(config)
-        batch = samples()
+        batch = seeded_batch()
         outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
         step = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
         weights = {name: tensor.clone() for name, tensor in trainer.named_tensors()}
@@ -253,7 +240,7 @@ def test_bf16_step_tracks_the_torch_trainers_bf16_step(runs: dict, model_paths: 
         dtype="bfloat16", **OPTIMIZER,
     )
     trainer = TorchTrainer(config)
-    batch = samples()
+    batch = seeded_batch()
     expected_outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
     expected_step = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
     expected_weights = dict(trainer.named_tensors())

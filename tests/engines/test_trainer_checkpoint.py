@@ -10,7 +10,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
-from tests.support.losses import loss_fn
+from tests.support.training import loss_fn
 
 
 def _samples(seed: int) -> list[TrainSample]:

@@ -15,22 +15,10 @@ from torch import Tensor
 
 from bus.address import free_port
 from engines.training import ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+from tests.support.training import seeded_batch
 
 TEMPERATURE = 0.9
 WORLD = 2
-
-
-def _samples() -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(3)
-    samples = []
-    for _ in range(7):
-        length = int(torch.randint(5, 40, (1,), generator=generator))
-        response = int(torch.randint(1, length, (1,), generator=generator))
-        mask = (torch.rand(response, generator=generator) > 0.3).float()
-        tokens = torch.randint(6, 100, (length,), generator=generator)
-        advantages = torch.randn(response, generator=generator)
-        samples.append(TrainSample(tokens, response, loss_mask=mask, advantages=advantages))
-    return samples
 
 
 def _shard(samples: list[TrainSample], rank: int) -> list[TrainSample]:
@@ -54,7 +42,7 @@ class StepLoss:
 
 
 def policy_loss() -> StepLoss:
-    samples = _samples()
+    samples = seeded_batch()
     return StepLoss(loss_tokens=sum(int((s.loss_mask != 0).sum()) for s in samples), sequences=len(samples))
 
 
@@ -69,7 +57,7 @@ def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         trainer = TorchTrainer(_config(model_path))
-        result = trainer.train_step(_shard(_samples(), rank), policy_loss(), temperature=TEMPERATURE)
+        result = trainer.train_step(_shard(seeded_batch(), rank), policy_loss(), temperature=TEMPERATURE)
         trainer.save_checkpoint(out_dir / "checkpoint", {"cursor": 7})  # collective: rank 0 writes
         if rank == 0:
             save_file({name: t.contiguous() for name, t in trainer.named_tensors()}, str(out_dir / "weights.st"))
@@ -95,7 +83,7 @@ def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Pa
     ddp_weights = load_file(str(ddp_run / "weights.st"))
 
     single = TorchTrainer(_config(tiny_model_path))
-    result = single.train_step(_samples(), policy_loss(), temperature=TEMPERATURE)
+    result = single.train_step(seeded_batch(), policy_loss(), temperature=TEMPERATURE)
 
     assert ddp["version"] == result.version == 1
     assert ddp["metrics"]["sequences"] == 7

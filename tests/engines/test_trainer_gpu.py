@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
-from tests.support.losses import loss_fn
+from tests.support.training import loss_fn
 
 
 def _samples() -> list[TrainSample]:

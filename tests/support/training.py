@@ -1,9 +1,11 @@
-"""Small losses the trainer tests share: each divides by counts of the whole step, known before it starts."""
+"""What the trainer tests share: one seeded batch, and small losses that divide by counts of the whole step
+(known before it starts)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from engines.training.base import ModelOutputs, PackedBatch, TrainSample
@@ -42,3 +44,17 @@ class StepLoss:
 
 def step_loss(batch: list[TrainSample]) -> StepLoss:
     return StepLoss(loss_tokens=sum(int((s.loss_mask != 0).sum()) for s in batch), sequences=len(batch))
+
+
+def seeded_batch() -> list[TrainSample]:
+    """Seven samples of mixed lengths with a sparse loss mask and random advantages, identical on every call."""
+    generator = torch.Generator().manual_seed(3)
+    batch = []
+    for _ in range(7):
+        length = int(torch.randint(5, 40, (1,), generator=generator))
+        response = int(torch.randint(1, length, (1,), generator=generator))
+        mask = (torch.rand(response, generator=generator) > 0.3).float()
+        tokens = torch.randint(6, 100, (length,), generator=generator)
+        advantages = torch.randn(response, generator=generator)
+        batch.append(TrainSample(tokens, response, loss_mask=mask, advantages=advantages))
+    return batch
