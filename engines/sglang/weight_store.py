@@ -16,12 +16,11 @@ from typing import Any
 import torch.distributed as dist
 
 from engines.weights.base import WeightTransferError
+from engines.weights.group import ERROR_PREFIX, OK, failed_replies, missing_keys
 from engines.weights.manifest import Manifest
 from engines.weights.names import SGLANG
 
 KEY_PREFIX = "slipstream-xfer/"
-OK = b"ok"
-ERROR_PREFIX = b"error:"
 GO = b"go"
 READY = b"1"
 ABORT_PREFIX = b"abort:"
@@ -84,27 +83,10 @@ def connect_keys(spec: SglangGroupSpec, version: int, timeout_s: float) -> dist.
     return keys_of(store, spec, version)
 
 
-def missing_keys(keys: dist.Store, wanted: list[str], timeout_s: float) -> list[str]:
-    try:
-        keys.wait(wanted, timedelta(seconds=max(timeout_s, 0.001)))
-        return []
-    except (RuntimeError, dist.DistError):
-        return [key for key in wanted if not keys.check([key])]
-
-
 def not_ready(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
     """Engines that did not say "ready" within `timeout_s`, or said why they cannot be, with the reason."""
-    wanted = [f"ready/{engine}" for engine in spec.receivers]
-    missing = set(missing_keys(keys, wanted, timeout_s))
-    failed: dict[str, str] = {}
-    for engine, key in zip(spec.receivers, wanted, strict=True):
-        if key in missing:
-            failed[engine] = "not ready to receive (died or stalled)"
-            continue
-        value = keys.get(key)
-        if value != READY:
-            failed[engine] = value.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
-    return failed
+    wanted = {engine: f"ready/{engine}" for engine in spec.receivers}
+    return failed_replies(keys, wanted, timeout_s, expected=READY, silent="not ready to receive (died or stalled)")
 
 
 def early_failures(keys: dist.Store, spec: SglangGroupSpec) -> dict[str, str]:
@@ -166,14 +148,6 @@ def wait_go(keys: dist.Store, timeout_s: float, engine: str, version: int) -> by
 
 
 def acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
-    wanted = [f"ack/{engine}" for engine in spec.receivers]
-    missing = set(missing_keys(keys, wanted, timeout_s))
-    failed: dict[str, str] = {}
-    for engine, key in zip(spec.receivers, wanted, strict=True):
-        if key in missing:
-            failed[engine] = f"no acknowledgement within {timeout_s:g}s (died or stalled)"
-            continue
-        ack = keys.get(key)
-        if ack != OK:
-            failed[engine] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
-    return failed
+    wanted = {engine: f"ack/{engine}" for engine in spec.receivers}
+    return failed_replies(keys, wanted, timeout_s, expected=OK,
+                          silent=f"no acknowledgement within {timeout_s:g}s (died or stalled)")

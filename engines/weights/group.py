@@ -15,6 +15,7 @@ not in the middle of the first transfer.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -29,6 +30,8 @@ Backend = Literal["gloo", "nccl", "cuda_ipc"]
 KEY_ROOT = "slipstream/weights"
 STATUS_GO = b"go"
 ABORT_PREFIX = b"abort:"
+OK = b"ok"  # a member's reply when all went well; otherwise ERROR_PREFIX and why
+ERROR_PREFIX = b"error:"
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,23 @@ def missing_keys(store: dist.Store, keys: list[str], timeout_s: float) -> list[s
         return []
     except (RuntimeError, dist.DistError):
         return [key for key in keys if not store.check([key])]
+
+
+def failed_replies(
+    store: dist.Store, key_by_member: Mapping[str, str], timeout_s: float, *, expected: bytes, silent: str
+) -> dict[str, str]:
+    """Members whose reply key did not appear within `timeout_s` (reason `silent`) or holds something other than
+    `expected` (the reason they wrote after ERROR_PREFIX); empty when every member answered as expected."""
+    missing = set(missing_keys(store, list(key_by_member.values()), timeout_s))
+    failed: dict[str, str] = {}
+    for member, key in key_by_member.items():
+        if key in missing:
+            failed[member] = silent
+            continue
+        value = store.get(key)
+        if value != expected:
+            failed[member] = value.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
+    return failed
 
 
 def create_process_group(

@@ -43,8 +43,7 @@ from engines.weights.manifest import Bucket, Manifest, TensorSpec
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 DEFAULT_DIRECT_BYTES = 1024 * 1024
 IN_FLIGHT = 2
-OK = b"ok"
-ERROR_PREFIX = b"error:"
+OK, ERROR_PREFIX = groups.OK, groups.ERROR_PREFIX
 
 
 class TorchDistributedWeightSender(WeightSender):
@@ -251,19 +250,9 @@ class TorchDistributedWeightSender(WeightSender):
         return self._buffers[slot][:nbytes]
 
     def _collect_acks(self, spec: groups.GroupSpec, prefix: str, timeout_s: float) -> dict[str, str]:
-        keys = self._keys
-        ack_keys = [f"{prefix}ack/{rank}" for rank in range(1, len(spec.members))]
-        missing = set(groups.missing_keys(keys, ack_keys, timeout_s))
-        failed: dict[str, str] = {}
-        for rank, key in enumerate(ack_keys, start=1):
-            name = spec.members[rank]
-            if key in missing:
-                failed[name] = f"no acknowledgement within {timeout_s:g}s (died or stalled)"
-                continue
-            ack = keys.get(key)
-            if ack != OK:
-                failed[name] = ack.removeprefix(ERROR_PREFIX).decode(errors="replace").strip()
-        return failed
+        keys = {spec.members[rank]: f"{prefix}ack/{rank}" for rank in range(1, len(spec.members))}
+        return groups.failed_replies(self._keys, keys, timeout_s, expected=OK,
+                                     silent=f"no acknowledgement within {timeout_s:g}s (died or stalled)")
 
     @staticmethod
     def _clear_keys(keys: dist.PrefixStore, prefix: str, size: int) -> None:
