@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
-from actors.runtime.context import ActorContext
+from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
@@ -173,11 +173,10 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
         if counts[role] < 0:
             raise LaunchError(f"number of {role} actors must be >= 0, got {counts[role]}")
 
-    placement = place_actors(config, learner_ranks=config.learner_ranks if "learner" in roles else 0,
+    placement = place_actors(config, learner_ranks=config.trainer.learner_ranks if "learner" in roles else 0,
                              rollout_workers=counts.get("rollout", 0))
-    if args.head and config.weight_transport == "auto":
-        config = config.model_copy(
-            update={"weight_transport": weight_transport(cuda=placement.gpus > 0, placement=placement)})
+    if args.head and config.weights.weight_transport == "auto":
+        config = config.with_settings(weight_transport=weight_transport(cuda=placement.gpus > 0, placement=placement))
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def devices_of(role: str, index: int) -> str | None:
@@ -198,10 +197,9 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
             raise LaunchError(f"role {role!r}: {error}") from None
         for index in range(counts[role]):
             actor_id = role if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
-            settings: dict[str, object] = {"log_level": args.log_level, "console_log_level": args.console_log_level,
-                                           "run": config.model_dump(mode="json")}
-            if role == "controller":
-                settings["expected_roles"] = {r: n for r, n in counts.items() if r != "controller" and n > 0}
+            expected = {r: n for r, n in counts.items() if r != "controller" and n > 0} if role == "controller" else {}
+            settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level, run=config,
+                                     expected_roles=expected)
             contexts.append(ActorContext(
                 actor_id=actor_id, role=role, actor_class=path, node_rank=args.node_rank,
                 head_address=head_address, run_dir=run_dir, host=args.host, transport=args.transport,
@@ -222,10 +220,11 @@ def visible_gpus() -> int:
 
 def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int) -> NodePlacement:
     seen = visible_gpus()
-    gpus = seen if config.num_gpus_per_node is None else min(config.num_gpus_per_node, seen)
+    gpus = seen if config.placement.num_gpus_per_node is None else min(config.placement.num_gpus_per_node, seen)
     try:
         return place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=rollout_workers,
-                          gpus_per_engine=config.rollout_num_gpus_per_engine, rollout_engine=config.rollout_engine)
+                          gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
+                          rollout_engine=config.engine.rollout_engine)
     except PlacementError as error:
         raise LaunchError(f"placement: {error}") from None
 
@@ -250,8 +249,9 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     except ValueError as error:
         raise LaunchError(str(error)) from None
     if args.rollout_workers is None:
-        from_gpus = args.head and config.rollout_num_gpus is not None
-        args.rollout_workers = config.rollout_num_gpus // config.rollout_num_gpus_per_engine if from_gpus else 1
+        rollout_gpus = config.placement.rollout_num_gpus
+        from_gpus = args.head and rollout_gpus is not None
+        args.rollout_workers = rollout_gpus // config.engine.rollout_num_gpus_per_engine if from_gpus else 1
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     contexts, config = plan_actors(args, customs, head_address, run_dir, config)
@@ -271,13 +271,13 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     stop_progress = asyncio.Event()
     progress = None
     if runs_learner and not args.no_progress:
-        num_rollout = int(contexts[0].settings["run"]["num_rollout"])  # type: ignore[index]
+        num_rollout = contexts[0].settings.run.learner.num_rollout
         progress = asyncio.create_task(follow_progress(run_dir, num_rollout, stop_progress))
     code = await supervisor.run()
     stop_progress.set()
     if progress is not None:
         await progress
-    if runs_learner and contexts[0].settings["run"]["plots"]:  # type: ignore[index]
+    if runs_learner and contexts[0].settings.run.logging.plots:
         report_run(run_dir)
     return code
 

@@ -107,7 +107,7 @@ def check_run(backend: str, cpu: bool, quick: bool, workdir: Path) -> Row:
                                check=False)
     seconds = time.monotonic() - started
     name = "run: torch engine + torch trainer" if backend == "torch" else "run: megatron TP=1"
-    transport = _effective(run_dir, "weight_transport")
+    transport = _effective(run_dir, "weights", "weight_transport")
     trained = _trained_steps(run_dir)
     placement = next((line for line in completed.stderr.splitlines() if line.startswith("placement")), "")
     summary = f"{trained}/{steps} steps in {seconds:.0f}s, weights over {transport}"
@@ -330,11 +330,12 @@ class _on_device:
             self.model.generate = self.original
 
 
-def _effective(run_dir: Path, key: str) -> str:
+def _effective(run_dir: Path, section: str, key: str) -> str:
+    """A setting as the run recorded it (RUN_DIR/config.yaml is written by section)."""
     import yaml
 
     path = run_dir / "config.yaml"
-    return str(yaml.safe_load(path.read_text()).get(key)) if path.exists() else "?"
+    return str(yaml.safe_load(path.read_text()).get(section, {}).get(key)) if path.exists() else "?"
 
 
 def _trained_steps(run_dir: Path) -> int:

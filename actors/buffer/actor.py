@@ -19,7 +19,6 @@ import numpy as np
 from actors.buffer.core import BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import PromptSource, load_prompts
-from actors.config import RunConfig
 from actors.controller.eval_rounds import EvalRounds
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles, on_broadcast, serves
@@ -47,21 +46,22 @@ class Buffer(Actor):
     role = "buffer"
 
     async def on_start(self) -> None:
-        config = self.config = RunConfig(**self.settings["run"])
-        if config.prompt_data is None:
+        config = self.config = self.settings.run
+        data = config.data
+        if data.prompt_data is None:
             raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
-        records, report = load_prompts(config.prompt_data, input_key=config.input_key, label_key=config.label_key,
-                                       metadata_key=config.metadata_key, skip_bad=config.skip_bad_data)
+        records, report = load_prompts(data.prompt_data, input_key=data.input_key, label_key=data.label_key,
+                                       metadata_key=data.metadata_key, skip_bad=data.skip_bad_data)
         for problem in report.skipped:
             self.log.warning("skipped dataset record", problem=problem)
         self.counters["data.skipped_records"] = len(report.skipped)
         log_path = buffer_log_path(self.context.run_dir)
-        group_filter = make_group_filter(config.dynamic_sampling_filter_path)
+        group_filter = make_group_filter(config.buffer.dynamic_sampling_filter_path)
         self.core = BufferCore(
-            source=PromptSource(records, seed=config.seed), n_samples=config.n_samples_per_prompt,
-            groups_per_batch=config.rollout_batch_size, max_staleness=config.max_staleness,
-            lease_timeout=config.lease_timeout, group_filter=group_filter,
-            compact_log_bytes=int(config.buffer_log_compact_mb * 2**20),
+            source=PromptSource(records, seed=config.seed), n_samples=config.rollout.n_samples_per_prompt,
+            groups_per_batch=config.rollout.rollout_batch_size, max_staleness=config.buffer.max_staleness,
+            lease_timeout=config.buffer.lease_timeout, group_filter=group_filter,
+            compact_log_bytes=int(config.buffer.buffer_log_compact_mb * 2**20),
         )
         if log_path.exists():
             replayed = self.core.restore(log_path)
@@ -77,7 +77,7 @@ class Buffer(Actor):
     async def run(self) -> None:
         """Expire leases as time passes; everything else is a reply to a message."""
         while not self.stopping:
-            await asyncio.sleep(min(1.0, self.config.lease_timeout / 4))
+            await asyncio.sleep(min(1.0, self.config.buffer.lease_timeout / 4))
             reissued = self.core.expire_leases()
             if reissued:
                 self.log.warning("leases expired; groups re-issued", groups=len(reissued))
@@ -91,7 +91,7 @@ class Buffer(Actor):
         lease_id, groups = leased
         self.counters["groups.leased"] += len(groups)
         return Lease(lease_id=lease_id, worker_id=request.worker_id, groups=groups,
-                     expires_at=time.time() + self.config.lease_timeout, version=self.core.learner_version)
+                     expires_at=time.time() + self.config.buffer.lease_timeout, version=self.core.learner_version)
 
     @serves(LeaseRenew)
     async def on_lease_renew(self, sender: str, request: LeaseRenew) -> Ack:
@@ -142,7 +142,7 @@ class Buffer(Actor):
     async def on_final_commit(self, sender: str, commit: FinalCommit) -> Ack:
         """The learner's last word: commit what its final checkpoint covers, then let the final eval report."""
         self.core.commit_through(commit.checkpointed_batch)
-        if commit.trained_batch >= self.config.num_rollout:
+        if commit.trained_batch >= self.config.learner.num_rollout:
             await self._final_eval(commit.learner_version)
         return Ack()
 
@@ -152,7 +152,7 @@ class Buffer(Actor):
         The learner's FinalCommit waits on this reply, and the rollout workers still run, so the round is
         generated like any other; a round that cannot finish in time is reported as cut off, not waited for.
         """
-        limit = self.config.final_eval_timeout
+        limit = self.config.eval.final_eval_timeout
         if limit <= 0 or not self.eval_rounds.sets:
             return
         self.eval_rounds.maybe_start(version, final=True)

@@ -53,8 +53,8 @@ class Controller(Actor):
 
     def __init__(self, context: Any) -> None:
         super().__init__(context)
-        self.heartbeat_deadline = float(self.settings.get("heartbeat_deadline", 5 * context.heartbeat_interval))
-        self.expected: dict[str, int] = dict(self.settings.get("expected_roles", {}))
+        self.heartbeat_deadline = self.settings.heartbeat_deadline or 5 * context.heartbeat_interval
+        self.expected: dict[str, int] = dict(self.settings.expected_roles)
         self.records: dict[str, MemberRecord] = {}
         self.generation = 0
         self.publisher: Publisher | None = None
@@ -82,13 +82,13 @@ class Controller(Actor):
             await self._advance_wandb(mirror, closing=True)
 
     async def _open_wandb_mirror(self) -> WandbMirror | None:
-        run = self.settings.get("run") or {}
-        if not run.get("use_wandb"):
+        logging = self.settings.run.logging
+        if not logging.use_wandb:
             return None
         try:
             return await asyncio.to_thread(
-                WandbMirror, self.context.run_dir, project=run["wandb_project"], group=run.get("wandb_group"),
-                mode=run["wandb_mode"], config=run,
+                WandbMirror, self.context.run_dir, project=logging.wandb_project, group=logging.wandb_group,
+                mode=logging.wandb_mode, config=self.settings.run.model_dump(mode="json"),
             )
         except Exception as error:  # W&B is a view of the run, never a reason to stop it
             self.log.warning("W&B disabled: could not start the run", error=repr(error))

@@ -43,9 +43,9 @@ class EvalRounds:
         self.writer = writer
         self.log = log
         self.sets: dict[str, list[PromptRecord]] = {}
-        for name, path in config.eval_sets.items():
-            records, report = load_prompts(path, input_key=config.input_key, label_key=config.label_key,
-                                           metadata_key=config.metadata_key, skip_bad=config.skip_bad_data)
+        for name, path in config.eval.sets.items():
+            records, report = load_prompts(path, input_key=config.data.input_key, label_key=config.data.label_key,
+                                           metadata_key=config.data.metadata_key, skip_bad=config.data.skip_bad_data)
             self.sets[name] = records
             for problem in report.skipped:
                 log.warning("skipped eval record", problem=problem)
@@ -54,7 +54,7 @@ class EvalRounds:
 
     def maybe_start(self, version: int, *, final: bool = False) -> None:
         """Queue a round at every interval-th version, and for the final version whatever the interval."""
-        interval = self.config.eval_interval
+        interval = self.config.eval.eval_interval
         due = final or bool(interval and version % interval == 0)
         if not self.sets or not due or version in self.started_versions:
             return
@@ -64,7 +64,7 @@ class EvalRounds:
             for record in records:
                 self.core.eval_queue.append(PromptGroup(
                     group_id=f"eval:{name}:{version}:{record.data_index}", prompt=record.prompt, label=record.label,
-                    metadata=record.metadata, n_samples=self.config.n_samples_per_eval_prompt,
+                    metadata=record.metadata, n_samples=self.config.eval.n_samples_per_eval_prompt,
                     data_index=record.data_index, is_eval=True,
                 ))
 
@@ -88,7 +88,7 @@ class EvalRounds:
         del self.rounds[(current.version, current.name)]
         per_prompt = list(current.rewards.values())
         flat = [r for rewards in per_prompt for r in rewards]
-        k = self.config.n_samples_per_eval_prompt
+        k = self.config.eval.n_samples_per_eval_prompt
         metrics = {
             f"eval/{current.name}/mean_reward": float(np.mean(flat)) if flat else float("nan"),
             f"eval/{current.name}/accuracy": float(np.mean([r >= 1.0 for r in flat])) if flat else float("nan"),

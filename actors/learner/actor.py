@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.config import RunConfig
 from actors.learner.modes import Progress, pick_source, pick_training
 from actors.learner.publish import live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
@@ -32,7 +31,7 @@ class Learner(Actor):
     async def on_start(self) -> None:
         import torch
 
-        self.config = config = RunConfig(**self.settings["run"])
+        self.config = config = self.settings.run
         torch.set_num_threads(config.torch_threads)
         self.ranks = LearnerRanks(config, self.context.run_dir, self.context.host, self.log)
         self.ranks.spawn()
@@ -42,11 +41,12 @@ class Learner(Actor):
         # The debug modes are these two choices, made once: where batches come from, and what training means.
         self.source = pick_source(config, self.peer_rpc("buffer"), self.counters, self.log)
         self.training = pick_training(config, self.trainer, TrainingStep(local_trainer, config))
-        self.checkpoint_dir = Path(config.save) if config.save else self.context.run_dir / "checkpoints"
+        save = config.learner.save
+        self.checkpoint_dir = Path(save) if save else self.context.run_dir / "checkpoints"
         self.trained_batch = 0
         self.checkpointed_batch = 0
         await self._restore()
-        self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.use_tensorboard)
+        self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.logging.use_tensorboard)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
         self.weights = publisher_for(
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
@@ -59,7 +59,7 @@ class Learner(Actor):
     async def run(self) -> None:
         """pull → train → announce → publish → checkpoint, until num_rollout batches are trained."""
         await self.publish_weights()  # engines start from our weights, which matters on resume
-        while self.trained_batch < self.config.num_rollout and not self.stopping:
+        while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
             if self.engines_joined:
                 self.engines_joined = False
                 await self.publish_weights()  # a new or restarted engine must not wait for the next step
@@ -68,12 +68,12 @@ class Learner(Actor):
                 continue
             report = await self.train(batch)
             await self.announce_version()
-            if self.version % self.config.update_weights_interval == 0:
+            if self.version % self.config.weights.update_weights_interval == 0:
                 await self.publish_weights()
-            if self.config.save_interval and self.trained_batch % self.config.save_interval == 0:
+            if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
                 await self.save_checkpoint()
             self.log_step(batch, report)
-        if self.trained_batch >= self.config.num_rollout:
+        if self.trained_batch >= self.config.learner.num_rollout:
             await self.finish()
 
     # --------------------------------------------------------------------------------------------- steps
@@ -129,7 +129,7 @@ class Learner(Actor):
         self.log.info("run finished", batches=self.trained_batch, version=self.version)
 
     async def _restore(self) -> None:
-        source = Path(self.config.load) if self.config.load else self.checkpoint_dir
+        source = Path(self.config.learner.load) if self.config.learner.load else self.checkpoint_dir
         latest = source / "latest"
         if not latest.exists():
             return
@@ -167,7 +167,7 @@ class Learner(Actor):
         """A stop on purpose keeps what was trained: checkpoint whatever the last checkpoint does not cover."""
         trained_more = getattr(self, "trained_batch", 0) > getattr(self, "checkpointed_batch", 0)
         keeps_model = hasattr(self, "training") and self.training.keeps_model
-        if trained_more and keeps_model and self.trained_batch < self.config.num_rollout:
+        if trained_more and keeps_model and self.trained_batch < self.config.learner.num_rollout:
             try:
                 await self.save_checkpoint()
             except Exception:

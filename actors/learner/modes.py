@@ -158,17 +158,17 @@ class CountingOnly:
 
 def pick_source(config: RunConfig, buffer: Any, counters: Counter[str], log: Any) -> BatchSource:
     source: BatchSource
-    if config.load_debug_rollout_data:
-        source = RecordedBatches(Path(config.load_debug_rollout_data))
+    if config.learner.load_debug_rollout_data:
+        source = RecordedBatches(Path(config.learner.load_debug_rollout_data))
     else:
-        final_wait = config.final_eval_timeout if config.eval_prompt_data else 0.0
+        final_wait = config.eval.final_eval_timeout if config.eval.eval_prompt_data else 0.0
         source = BufferSource(buffer, counters, log, final_wait)
-    if config.save_debug_rollout_data:
-        source = Recording(source, Path(config.save_debug_rollout_data))
+    if config.learner.save_debug_rollout_data:
+        source = Recording(source, Path(config.learner.save_debug_rollout_data))
     return source
 
 
 def pick_training(config: RunConfig, trainer: CollectiveTrainer, step: TrainingStep) -> Training:
-    if config.debug_rollout_only:
+    if config.learner.debug_rollout_only:
         return CountingOnly()
-    return RealTraining(trainer, step, publishes=not config.debug_train_only)
+    return RealTraining(trainer, step, publishes=not config.learner.debug_train_only)

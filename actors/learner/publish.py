@@ -38,9 +38,9 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 def transport_name(config: RunConfig) -> str:
     """The mechanism for this run: a `module:attr` in --weight-transport is a plugin; else the engine decides."""
-    if is_plugin(config.weight_transport):
-        return config.weight_transport
-    return SGLANG if config.rollout_engine == "sglang" else TORCH_DISTRIBUTED
+    if is_plugin(config.weights.weight_transport):
+        return config.weights.weight_transport
+    return SGLANG if config.engine.rollout_engine == "sglang" else TORCH_DISTRIBUTED
 
 
 def transfer_backend(config: RunConfig) -> str:
@@ -48,8 +48,8 @@ def transfer_backend(config: RunConfig) -> str:
 
     The launcher resolves `auto` on the head; a learner started another way decides the same way here.
     """
-    if config.weight_transport in ("gloo", "nccl", "cuda_ipc"):
-        return config.weight_transport
+    if config.weights.weight_transport in ("gloo", "nccl", "cuda_ipc"):
+        return config.weights.weight_transport
     return weight_transport(cuda=torch.cuda.is_available(), placement=None)
 
 
@@ -57,14 +57,14 @@ def sender_options(config: RunConfig, host: str) -> SenderOptions:
     return SenderOptions(
         host=host,
         backend=transfer_backend(config),
-        timeout_s=config.weight_transfer_timeout,
-        gpus_per_engine=config.rollout_num_gpus_per_engine,
+        timeout_s=config.weights.weight_transfer_timeout,
+        gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
     )
 
 
 def push_dtype(config: RunConfig) -> torch.dtype | None:
     """With --bf16 the engines serve bfloat16, so the bytes travel as bfloat16 (half of float32's)."""
-    return torch.bfloat16 if config.bf16 else None
+    return torch.bfloat16 if config.model.bf16 else None
 
 
 def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublisher:

@@ -75,7 +75,7 @@ class LearnerRanks:
 
     def __init__(self, config: RunConfig, run_dir: Path, host: str, log: Any) -> None:
         self.config = config
-        self.world = config.learner_ranks
+        self.world = config.trainer.learner_ranks
         self.run_dir = run_dir
         self.host = host
         self.log = log

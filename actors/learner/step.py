@@ -34,8 +34,8 @@ class TrainingStep:
         self.trainer = trainer
         self.policy = config.policy
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
-        self.temperature = config.rollout_temperature or 1.0
-        self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.use_decoupled_ppo)
+        self.temperature = config.rollout.rollout_temperature or 1.0
+        self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.learner.use_decoupled_ppo)
 
     def train(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> StepReport:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the

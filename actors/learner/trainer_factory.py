@@ -20,11 +20,11 @@ TrainerFactory = Callable[[RunConfig], Trainer]
 
 
 def build_trainer(config: RunConfig) -> Trainer:
-    if config.train_backend not in BUILTIN_BACKENDS:
-        return build_plugin_trainer(config.train_backend, config)
-    if config.hf_checkpoint is None:
+    if config.trainer.train_backend not in BUILTIN_BACKENDS:
+        return build_plugin_trainer(config.trainer.train_backend, config)
+    if config.model.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is required for the learner")
-    if config.train_backend == "torch":
+    if config.trainer.train_backend == "torch":
         return _build_torch_trainer(config)
     return _build_megatron_trainer(config)
 
@@ -48,20 +48,21 @@ def _needs_ref(config: RunConfig) -> bool:
 
 def _shared_settings(config: RunConfig) -> dict[str, Any]:
     """The `TrainerOptimizerConfig` fields, which every backend's config takes from the same flags."""
-    assert config.hf_checkpoint is not None  # build_trainer checked it
+    model, trainer = config.model, config.trainer
+    assert model.hf_checkpoint is not None  # build_trainer checked it
     return {
-        "model_path": Path(config.hf_checkpoint),
-        "ref_model_path": Path(config.ref_checkpoint or config.hf_checkpoint) if _needs_ref(config) else None,
-        "lr": config.lr,
-        "betas": (config.adam_beta1, config.adam_beta2),
-        "weight_decay": config.weight_decay,
-        "lr_schedule": config.lr_decay_style,
-        "warmup_steps": config.lr_warmup_iters,
-        "total_steps": config.num_rollout if config.lr_decay_style == "cosine" else None,
-        "min_lr_ratio": config.min_lr / config.lr if config.lr > 0 else 0.0,
-        "grad_clip": config.clip_grad,
-        "micro_batch_tokens": config.micro_batch_tokens,
-        "dtype": "bfloat16" if config.bf16 else "float32",
+        "model_path": Path(model.hf_checkpoint),
+        "ref_model_path": Path(model.ref_checkpoint or model.hf_checkpoint) if _needs_ref(config) else None,
+        "lr": trainer.lr,
+        "betas": (trainer.adam_beta1, trainer.adam_beta2),
+        "weight_decay": trainer.weight_decay,
+        "lr_schedule": trainer.lr_decay_style,
+        "warmup_steps": trainer.lr_warmup_iters,
+        "total_steps": config.learner.num_rollout if trainer.lr_decay_style == "cosine" else None,
+        "min_lr_ratio": trainer.min_lr / trainer.lr if trainer.lr > 0 else 0.0,
+        "grad_clip": trainer.clip_grad,
+        "micro_batch_tokens": trainer.micro_batch_tokens,
+        "dtype": "bfloat16" if model.bf16 else "float32",
         "seed": config.seed,
     }
 
@@ -87,12 +88,13 @@ def _build_megatron_trainer(config: RunConfig) -> Trainer:
     except ImportError as error:  # pragma: no cover - depends on the install
         raise ImportError(f"--train-backend megatron needs the megatron extra installed: {error}") from error
 
+    trainer = config.trainer
     return MegatronTrainer(
         MegatronTrainerConfig(
             **_shared_settings(config),
-            initial_checkpoint=Path(config.megatron_checkpoint) if config.megatron_checkpoint else None,
-            tensor_model_parallel_size=config.tensor_model_parallel_size,
-            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-            use_distributed_optimizer=config.use_distributed_optimizer,
+            initial_checkpoint=Path(trainer.megatron_checkpoint) if trainer.megatron_checkpoint else None,
+            tensor_model_parallel_size=trainer.tensor_model_parallel_size,
+            pipeline_model_parallel_size=trainer.pipeline_model_parallel_size,
+            use_distributed_optimizer=trainer.use_distributed_optimizer,
         )
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.config import RunConfig
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
 from bus.schema import GeneratedGroup, Sample, ScoredGroup
@@ -21,12 +20,12 @@ class RewardWorker(Actor):
     role = "reward"
 
     async def on_start(self) -> None:
-        self.config = RunConfig(**self.settings["run"])
-        self.reward = build_reward(self.config.rm_type, custom_rm_path=self.config.custom_rm_path,
-                                   group_rm=self.config.group_rm, rm_url=self.config.rm_url,
-                                   remote_timeout_s=self.config.reward_timeout)
+        self.config = self.settings.run
+        self.reward = build_reward(self.config.reward.rm_type, custom_rm_path=self.config.reward.custom_rm_path,
+                                   group_rm=self.config.reward.group_rm, rm_url=self.config.reward.rm_url,
+                                   remote_timeout_s=self.config.reward.reward_timeout)
         self.buffer = self.peer_stream("buffer")
-        self.stream_concurrency["on_generated"] = self.config.reward_concurrency
+        self.stream_concurrency["on_generated"] = self.config.reward.reward_concurrency
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
@@ -40,9 +39,9 @@ class RewardWorker(Actor):
         inputs = [RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label,
                               metadata=dict(s.metadata)) for s in samples]
         if self.reward.is_group:
-            outcomes = await score_group(self.reward.fn, inputs, timeout_s=self.config.reward_timeout)
+            outcomes = await score_group(self.reward.fn, inputs, timeout_s=self.config.reward.reward_timeout)
         else:
-            outcomes = await score(self.reward.fn, inputs, timeout_s=self.config.reward_timeout)
+            outcomes = await score(self.reward.fn, inputs, timeout_s=self.config.reward.reward_timeout)
         scored = []
         for sample, outcome in zip(samples, outcomes, strict=True):
             if outcome.status == "ok":

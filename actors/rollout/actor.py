@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import time
 
-from actors.config import RunConfig
 from actors.rollout.engine_factory import load_engine
 from actors.rollout.generate import RolloutContext, choose_generate_function
 from actors.rollout.weights import EngineWeightReceiver
@@ -36,11 +35,11 @@ class RolloutWorker(Actor):
     drain_timeout = 2.0  # unfinished groups are re-issued by the buffer; nothing here is worth waiting for
 
     async def on_start(self) -> None:
-        self.config = RunConfig(**self.settings["run"])
+        self.config = self.settings.run
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
-        self.capacity = max(1, self.config.rollout_max_batch_size // self.config.n_samples_per_prompt)
+        self.capacity = max(1, self.config.engine.rollout_max_batch_size // self.config.rollout.n_samples_per_prompt)
         self.groups_in_flight = 0
         self._room = asyncio.Condition()
         self._idle_since: float | None = time.monotonic()
@@ -52,14 +51,14 @@ class RolloutWorker(Actor):
         self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
         self.generate_fn = choose_generate_function(self.config)
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
-                                            plugin=self.config.weight_transport)
+                                            plugin=self.config.weights.weight_transport)
         self.pushed_version = 0  # the newest weights the learner has pushed to every engine
         self.spawn(self._renew_leases(), name="rollout.renew")
 
     async def run(self) -> None:
         """lease → generate → send, for as long as the run lasts."""
         while not self.stopping:
-            if self.engine.version + self.config.max_staleness < self.pushed_version:
+            if self.engine.version + self.config.buffer.max_staleness < self.pushed_version:
                 # Our weights are older than anything the buffer would accept (we just restarted): wait for the
                 # learner's push instead of generating samples that would be evicted. Measured against the weights
                 # the learner has pushed, not its version: a run that never pushes (--debug-rollout-only) has
@@ -141,7 +140,7 @@ class RolloutWorker(Actor):
         return reply
 
     async def _renew_leases(self) -> None:
-        interval = max(0.5, self.config.lease_timeout / 3)
+        interval = max(0.5, self.config.buffer.lease_timeout / 3)
         while True:
             await asyncio.sleep(interval)
             for lease_id in list(self.held_leases):

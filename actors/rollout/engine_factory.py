@@ -37,27 +37,27 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
     torch and transformers are imported only by the built-in engines, here: a worker whose engine is a plugin
     (or a remote server) never loads them.
     """
-    if config.rollout_engine not in BUILTIN_ENGINES:
-        return load_plugin_engine(config.rollout_engine, config, actor_id)
-    if config.hf_checkpoint is None:
+    if config.engine.rollout_engine not in BUILTIN_ENGINES:
+        return load_plugin_engine(config.engine.rollout_engine, config, actor_id)
+    if config.model.hf_checkpoint is None:
         raise ValueError(
-            f"--hf-checkpoint is required for the {config.rollout_engine} rollout engine (its tokenizer, "
+            f"--hf-checkpoint is required for the {config.engine.rollout_engine} rollout engine (its tokenizer, "
             "and the weights the engine starts from)"
         )
     import torch
     from transformers import AutoTokenizer
 
     torch.set_num_threads(config.torch_threads)
-    tokenizer = AutoTokenizer.from_pretrained(config.hf_checkpoint)
-    if config.rollout_engine == "sglang":
+    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    if config.engine.rollout_engine == "sglang":
         return load_sglang_engine(config, actor_id), tokenizer
     from engines.inference.torch_engine import TorchEngine
 
     engine = TorchEngine.from_pretrained(
-        config.hf_checkpoint,
-        max_batch_size=config.rollout_max_batch_size,
+        config.model.hf_checkpoint,
+        max_batch_size=config.engine.rollout_max_batch_size,
         device=engine_device(),
-        dtype=torch.bfloat16 if config.bf16 else torch.float32,
+        dtype=torch.bfloat16 if config.model.bf16 else torch.float32,
     )
     return engine, tokenizer
 
@@ -96,28 +96,29 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     from engines.sglang.client import SglangEngine
     from engines.sglang.launch import ServerProcess, ServerSpec
 
-    if config.sglang_url:
-        engine = SglangEngine(attached_url(config.sglang_url, actor_id))
+    engine_config = config.engine
+    if engine_config.sglang_url:
+        engine = SglangEngine(attached_url(engine_config.sglang_url, actor_id))
         # An attached server may already serve updated weights (this worker restarted): start from its version.
-        engine.set_version(attached_server_version(engine.url, timeout=config.sglang_startup_timeout))
+        engine.set_version(attached_server_version(engine.url, timeout=engine_config.sglang_startup_timeout))
         return engine
-    assert config.hf_checkpoint is not None
-    extra = dict(config.sglang_args)
-    extra.setdefault("max-running-requests", str(config.rollout_max_batch_size))
-    if config.sglang_server_module == COMPAT_SERVER_MODULE:
+    assert config.model.hf_checkpoint is not None
+    extra = dict(engine_config.sglang_args)
+    extra.setdefault("max-running-requests", str(engine_config.rollout_max_batch_size))
+    if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:
         # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
         extra.setdefault("torch-threads", str(config.torch_threads))
-        extra.setdefault("weight-group-timeout", str(config.weight_transfer_timeout))
+        extra.setdefault("weight-group-timeout", str(config.weights.weight_transfer_timeout))
     spec = ServerSpec(
-        model_path=config.hf_checkpoint,
-        module=config.sglang_server_module,
-        tp_size=config.rollout_num_gpus_per_engine,
+        model_path=config.model.hf_checkpoint,
+        module=engine_config.sglang_server_module,
+        tp_size=engine_config.rollout_num_gpus_per_engine,
         random_seed=engine_seed(config.seed, actor_id),
         # The launcher made this worker's GPUs its only visible ones, so its server starts at the first of them.
         base_gpu_id=0 if torch.cuda.is_available() else None,
         extra=extra,
     )
-    server = ServerProcess(spec, startup_timeout=config.sglang_startup_timeout)
+    server = ServerProcess(spec, startup_timeout=engine_config.sglang_startup_timeout)
     return SglangEngine(server.start(), server=server)
 
 

@@ -51,18 +51,18 @@ class RolloutContext:
 
     def sampling_params(self, group: PromptGroup, *, n: int | None = None) -> SamplingParams:
         config = self.config
-        eval_greedy = group.is_eval and config.eval_temperature == 0
+        eval_greedy = group.is_eval and config.eval.eval_temperature == 0
         return SamplingParams(
-            temperature=config.eval_temperature if group.is_eval else config.rollout_temperature,
-            top_p=1.0 if eval_greedy else config.rollout_top_p,
-            top_k=0 if eval_greedy else config.rollout_top_k,
-            max_new_tokens=config.rollout_max_response_len,
-            stop=tuple(config.rollout_stop),
+            temperature=config.eval.eval_temperature if group.is_eval else config.rollout.rollout_temperature,
+            top_p=1.0 if eval_greedy else config.rollout.rollout_top_p,
+            top_k=0 if eval_greedy else config.rollout.rollout_top_k,
+            max_new_tokens=config.rollout.rollout_max_response_len,
+            stop=tuple(config.rollout.rollout_stop),
             n=group.n_samples if n is None else n,
         )
 
     def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
-        if self.config.apply_chat_template or isinstance(prompt, list):
+        if self.config.data.apply_chat_template or isinstance(prompt, list):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -125,7 +125,7 @@ async def sft_generate(context: RolloutContext, group: PromptGroup) -> list[Samp
 
 
 def choose_generate_function(config: RunConfig) -> GenerateFunction:
-    custom = load_generate_function(config.custom_generate_function_path)
+    custom = load_generate_function(config.rollout.custom_generate_function_path)
     if custom is not None:
         return custom
     return sft_generate if config.policy.loss_type == "sft" else default_generate

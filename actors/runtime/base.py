@@ -222,9 +222,8 @@ class Actor:
 
     def _bind_inbound(self) -> None:
         if self._handlers.stream:
-            window = int(self.settings.get("stream_window", 16))
-            self.inbox = StreamReceiver(self.zmq, self.context.bind_address("inbox"), window=window,
-                                        security=self.security)
+            self.inbox = StreamReceiver(self.zmq, self.context.bind_address("inbox"),
+                                        window=self.settings.stream_window, security=self.security)
         if self._handlers.rpc:
             self.rpc_server = RpcServer(self.zmq, self.context.bind_address("rpc"), security=self.security)
 

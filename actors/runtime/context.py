@@ -12,7 +12,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.config import RunConfig
 from bus.address import bind_address
+
+
+class ActorSettings(BaseModel):
+    """What the launcher tells an actor beyond who and where it is: typed, so a misspelt or mistyped setting fails
+    when the context is read, not when the one code path that reads it runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    log_level: str = "info"  # the actor's log file
+    console_log_level: str = "info"
+    run: RunConfig = Field(default_factory=RunConfig)  # the whole run's configuration; each role reads its sections
+    expected_roles: dict[str, int] = Field(default_factory=dict)  # controller: role -> actors it waits for
+    heartbeat_deadline: float | None = Field(None, gt=0)  # controller: silence before a member counts as dead
+    stream_window: int = Field(16, ge=1)  # credits of this actor's inbound stream
+    custom: dict[str, Any] = Field(default_factory=dict)  # a user-written actor's own settings, as given
 
 
 @dataclass(frozen=True)
@@ -27,13 +45,18 @@ class ActorContext:
     transport: str = "tcp"  # "tcp" or "ipc" for this actor's inbound endpoints
     curve_keys_dir: Path | None = None
     heartbeat_interval: float = 1.0
-    settings: dict[str, Any] = field(default_factory=dict)  # the role's own configuration
+    settings: ActorSettings = field(default_factory=ActorSettings)  # a mapping is validated into ActorSettings
     # The GPUs this process owns, as its CUDA_VISIBLE_DEVICES (set by the supervisor and again by
     # actors.runtime.main, so a process started by hand gets the same devices); None leaves the variable as is.
     cuda_visible_devices: str | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.settings, ActorSettings):
+            object.__setattr__(self, "settings", ActorSettings.model_validate(self.settings))
+
     def to_json(self) -> str:
         data = asdict(self)
+        data["settings"] = self.settings.model_dump(mode="json")
         data["run_dir"] = str(self.run_dir)
         data["curve_keys_dir"] = str(self.curve_keys_dir) if self.curve_keys_dir else None
         return json.dumps(data, indent=2, sort_keys=True)

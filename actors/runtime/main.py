@@ -47,8 +47,8 @@ def run_actor(context: ActorContext) -> int:
     # `kill -USR1 PID` prints every thread's stack to the actor's stderr: the first tool for a stuck actor.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     configure_logging(role=context.role, actor_id=context.actor_id, node=context.node_rank,
-                      log_dir=context.log_dir, file_level=str(context.settings.get("log_level", "info")),
-                      console_level=str(context.settings.get("console_log_level", "info")))
+                      log_dir=context.log_dir, file_level=context.settings.log_level,
+                      console_level=context.settings.console_log_level)
     try:
         import uvloop
 

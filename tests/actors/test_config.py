@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import add_config_flags, build_config, config_from_args, split_sglang_args
+from actors.config import (
+    RunConfig,
+    add_config_flags,
+    build_config,
+    config_from_args,
+    split_sglang_args,
+    write_effective_config,
+)
+from actors.runtime.context import ActorContext, ActorSettings
 
 
 def parse(argv: list[str]):
@@ -24,8 +32,8 @@ def test_flags_override_the_yaml_file(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("rollout_batch_size: 16\nlr: 0.001\neps_clip_high: 0.28\n", encoding="utf-8")
     config = parse(["--config", str(path), "--lr", "0.01"])
-    assert config.rollout_batch_size == 16
-    assert config.lr == 0.01
+    assert config.rollout.rollout_batch_size == 16
+    assert config.trainer.lr == 0.01
     assert config.policy.eps_clip_high == 0.28
 
 
@@ -57,11 +65,49 @@ def test_cross_field_errors_name_the_fields() -> None:
 
 @pytest.mark.unit
 def test_config_round_trips_through_the_actor_settings() -> None:
-    from actors.config import RunConfig
-
     config = parse(["--eps-clip-high", "0.3", "--max-staleness", "0"])
-    again = RunConfig(**config.model_dump(mode="json"))
-    assert again == config
+    context = ActorContext(actor_id="buffer", role="buffer", actor_class="x:Y", node_rank=0,
+                           head_address="tcp://127.0.0.1:1", run_dir=Path("run"), settings=ActorSettings(run=config))
+    again = ActorContext.from_json(context.to_json())
+    assert again.settings.run == config and again.settings.run.buffer.max_staleness == 0
+
+
+@pytest.mark.unit
+def test_actor_settings_refuse_a_misspelt_or_mistyped_setting() -> None:
+    with pytest.raises(ValueError, match="stream_windw"):
+        ActorSettings.model_validate({"stream_windw": 8})
+    with pytest.raises(ValueError, match="stream_window"):
+        ActorSettings.model_validate({"stream_window": 0})
+
+
+@pytest.mark.unit
+def test_each_setting_lives_in_the_section_of_the_component_that_reads_it() -> None:
+    config = build_config({"lr": 1e-5, "max_staleness": 0, "rollout_top_p": 0.9, "weight_transport": "gloo"})
+    assert (config.trainer.lr, config.buffer.max_staleness, config.rollout.rollout_top_p,
+            config.weights.weight_transport) == (1e-5, 0, 0.9, "gloo")
+    assert RunConfig(lr=1e-5) == RunConfig(trainer={"lr": 1e-5})  # flat names are routed to their section
+    assert config.with_settings(lr=2e-5).trainer.lr == 2e-5 and config.trainer.lr == 1e-5
+    with pytest.raises(ValueError, match=r"min_lr 0\.1 must be in"):
+        config.with_settings(min_lr=0.1)  # a copy is validated like a new config
+
+
+@pytest.mark.unit
+def test_a_field_constraint_names_the_section_and_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"rollout\.rollout_top_p: Input should be less than or equal to 1"):
+        build_config({"rollout_top_p": 1.5})
+    with pytest.raises(ValueError, match=r"buffer\.max_staleness: Input should be greater than or equal to 0"):
+        build_config({"max_staleness": -1})
+
+
+@pytest.mark.unit
+def test_the_written_config_yaml_starts_the_same_run_again(tmp_path: Path) -> None:
+    config = parse(["--lr", "0.003", "--rollout-batch-size", "3", "--kl-coef", "0.01"])
+    path = write_effective_config(config, tmp_path)
+    assert "trainer:" in path.read_text()  # written by section
+    assert parse(["--config", str(path)]) == config
+    path.write_text("trainer:\n  lr: 0.1\n  learning_rate: 0.2\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) in section 'trainer': learning_rate"):
+        parse(["--config", str(path)])
 
 
 @pytest.mark.unit
@@ -70,9 +116,9 @@ def test_sglang_prefixed_flags_reach_the_server_arguments(tmp_path: Path) -> Non
     path.write_text("sglang_args:\n  mem-fraction-static: '0.5'\n  log-level: warning\n", encoding="utf-8")
     config = parse(["--config", str(path), "--sglang-mem-fraction-static", "0.7", "--sglang-enable_torch_compile",
                     "--sglang-chunked-prefill-size=512", "--lr", "0.01"])
-    assert config.sglang_args == {"mem-fraction-static": "0.7", "log-level": "warning",
+    assert config.engine.sglang_args == {"mem-fraction-static": "0.7", "log-level": "warning",
                                   "enable-torch-compile": "true", "chunked-prefill-size": "512"}
-    assert config.lr == 0.01
+    assert config.trainer.lr == 0.01
 
 
 @pytest.mark.unit
@@ -82,7 +128,7 @@ def test_model_parallel_sizes_must_divide_the_learner_ranks() -> None:
     with pytest.raises(ValueError, match="needs --train-backend megatron"):
         build_config({"learner_ranks": 2, "tensor_model_parallel_size": 2})
     config = build_config({"train_backend": "megatron", "learner_ranks": 4, "tensor_model_parallel_size": 2})
-    assert config.learner_ranks // config.tensor_model_parallel_size == 2
+    assert config.trainer.learner_ranks // config.trainer.tensor_model_parallel_size == 2
 
 
 @pytest.mark.unit
@@ -90,10 +136,10 @@ def test_our_own_sglang_settings_are_flags_not_server_arguments() -> None:
     config = parse(["--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
                     "--sglang-url", "http://a:1", "http://b:2", "--sglang-startup-timeout=30",
                     "--sglang-mem-fraction-static", "0.5"])
-    assert config.sglang_server_module == "engines.sglang.server"
-    assert config.sglang_url == ["http://a:1", "http://b:2"]
-    assert config.sglang_startup_timeout == 30.0
-    assert config.sglang_args == {"mem-fraction-static": "0.5"}
+    assert config.engine.sglang_server_module == "engines.sglang.server"
+    assert config.engine.sglang_url == ["http://a:1", "http://b:2"]
+    assert config.engine.sglang_startup_timeout == 30.0
+    assert config.engine.sglang_args == {"mem-fraction-static": "0.5"}
 
 
 @pytest.mark.unit
@@ -105,7 +151,7 @@ def test_min_lr_is_where_the_cosine_schedule_ends(tmp_path: Path) -> None:
     config = parse(["--hf-checkpoint", str(tmp_path), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style",
                     "cosine", "--num-rollout", "100"])
     trainer_config = TrainerOptimizerConfig(**_shared_settings(config))
-    final = config.lr * lr_multiplier(100, schedule="cosine", total_steps=trainer_config.total_steps,
+    final = config.trainer.lr * lr_multiplier(100, schedule="cosine", total_steps=trainer_config.total_steps,
                                       min_lr_ratio=trainer_config.min_lr_ratio)
     assert final == pytest.approx(1e-5)
     with pytest.raises(ValueError, match=r"min_lr 0.001 must be in \[0, lr=0.0001\]"):

@@ -58,12 +58,12 @@ def test_visible_devices_follow_the_launchers_own_allocation() -> None:
 
 @pytest.mark.unit
 def test_slime_actor_gpus_set_the_learner_ranks_and_must_agree_with_them() -> None:
-    assert build_config({"actor_num_nodes": 1, "actor_num_gpus_per_node": 4}).learner_ranks == 4
+    assert build_config({"actor_num_nodes": 1, "actor_num_gpus_per_node": 4}).trainer.learner_ranks == 4
     with pytest.raises(ValueError, match=r"learner_ranks 2 disagrees.*= 4"):
         build_config({"actor_num_gpus_per_node": 4, "learner_ranks": 2})
     with pytest.raises(ValueError, match=r"actor_num_nodes 2"):
         build_config({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1})
-    with pytest.raises(ValueError, match=r"rollout_num_gpus 3 must be a non-negative multiple"):
+    with pytest.raises(ValueError, match=r"rollout_num_gpus 3 must be a multiple"):
         build_config({"rollout_num_gpus": 3, "rollout_num_gpus_per_engine": 2})
     with pytest.raises(ValueError, match=r"colocate: not available yet"):
         build_config({"colocate": True})
@@ -85,8 +85,8 @@ def test_launcher_hands_each_actor_its_gpus_and_records_the_transport(
     devices = {context.actor_id: context.cuda_visible_devices for context in contexts}
     assert devices == {"controller": "", "buffer": "", "learner": "0,1", "rollout-0-0": "2,3",
                        "rollout-0-1": "4,5", "reward-0-0": ""}
-    settings = json.loads(contexts[0].to_json())["settings"]["run"]
-    assert settings["learner_ranks"] == 2 and settings["weight_transport"] == "nccl"
+    run = json.loads(contexts[0].to_json())["settings"]["run"]
+    assert run["trainer"]["learner_ranks"] == 2 and run["weights"]["weight_transport"] == "nccl"
     assert "weight_transport: nccl" in (run_dir / "config.yaml").read_text()
 
 
@@ -97,10 +97,10 @@ def test_launcher_on_one_gpu_shares_it_and_on_none_leaves_cuda_alone(
     contexts, _ = _prepare(tmp_path, monkeypatch, 1, "--rollout-workers", "2")
     assert {c.actor_id: c.cuda_visible_devices for c in contexts if c.role in ("learner", "rollout")} == {
         "learner": "0", "rollout-0-0": "0", "rollout-0-1": "0"}
-    assert contexts[0].settings["run"]["weight_transport"] == "cuda_ipc"
+    assert contexts[0].settings.run.weights.weight_transport == "cuda_ipc"
     contexts, _ = _prepare(tmp_path, monkeypatch, 0, "--rollout-workers", "2")
     assert all(c.cuda_visible_devices is None for c in contexts)
-    assert contexts[0].settings["run"]["weight_transport"] == "gloo"
+    assert contexts[0].settings.run.weights.weight_transport == "gloo"
 
 
 @pytest.mark.unit

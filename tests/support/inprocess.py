@@ -19,7 +19,7 @@ from typing import Any
 
 from actors.config import build_config
 from actors.runtime.base import Actor
-from actors.runtime.context import ActorContext
+from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.handlers import handles
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus.address import free_port
@@ -116,11 +116,10 @@ async def actor_system(run_dir: Path, settings: Mapping[str, Any], roles: Mappin
             else:
                 path, actor_class = f"{kind.__module__}:{kind.__qualname__}", kind
             actor_id = role if role in ("controller", "buffer", "learner") else f"{role}-0-0"
-            run = {"log_level": "warning", "console_log_level": "error", "run": config.model_dump(mode="json")}
-            if role == "controller":
-                run["expected_roles"] = expected
+            settings = ActorSettings(log_level="warning", console_log_level="error", run=config,
+                                     expected_roles=expected if role == "controller" else {})
             context = ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=head,
-                                   run_dir=run_dir, heartbeat_interval=0.5, settings=run)
+                                   run_dir=run_dir, heartbeat_interval=0.5, settings=settings)
             actor = actor_class(context)
             system.actors[actor_id] = actor
             system.tasks[actor_id] = asyncio.create_task(actor.main(), name=actor_id)

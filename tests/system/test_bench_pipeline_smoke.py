@@ -55,7 +55,7 @@ def test_the_runs_are_the_real_rollout_workers_and_learner_behind_sleeping_seams
     assert {c["actor_class"] for name, c in contexts.items() if name.startswith("rollout-")} == {
         "actors.rollout.actor:RolloutWorker"}
     run = contexts["learner"]["settings"]["run"]
-    assert (run["rollout_engine"], run["train_backend"], run["weight_transport"]) == (
+    assert (run["engine"]["rollout_engine"], run["trainer"]["train_backend"], run["weights"]["weight_transport"]) == (
         "tools.pipeline_sim:sleeping_engine", "tools.pipeline_sim:sleeping_trainer", "tools.pipeline_sim:VERSION_ONLY")
     steps = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
     assert all(step["weights/committed_version"] == step["version"] for step in steps)  # every version was published

@@ -1,0 +1,192 @@
+"""Flat slime-style flags and YAML keys <-> the sectioned `RunConfig`.
+
+Flags follow slime's names (`--rollout-batch-size`, `--n-samples-per-prompt`, `--eps-clip-high`, ...). A YAML
+file (`--config run.yaml`) sets any field, either flat (`lr: 1e-5`, as on the command line) or by section
+(`trainer: {lr: 1e-5}`, as in the `config.yaml` a run writes); flags override the file; an unknown key or flag is
+an error that names it. `--help` lists the flags grouped by the section that owns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import ValidationError
+
+from actors.config.run import OWNER, SECTIONS, RunConfig
+from policies.config import PolicyLossConfig
+
+# slime's negative switches for policy fields, accepted as flags and YAML keys.
+POLICY_SWITCHES = {
+    "disable_grpo_std_normalization": "Dr.GRPO: centre rewards per group without dividing by their std",
+    "disable_rewards_normalization": "use raw rewards as advantages (no group baseline)",
+}
+# Where Slipstream's default differs from PolicyLossConfig's: the fully-async mode corrects with TIS (RL losses
+# only; SFT has no behaviour policy to correct for).
+POLICY_DEFAULTS = {"off_policy_correction": "tis"}
+RUN_WIDE = ("seed", "torch_threads")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, grouped by section; defaults stay None so only flags given on the command line
+    override the YAML file."""
+    run = parser.add_argument_group("run (every setting is also a --config YAML key)")
+    run.add_argument("--config", type=Path, default=None, help="YAML file of run settings (snake_case keys, flat "
+                     "or by section)")
+    _add_model_flags(run, {name: RunConfig.model_fields[name] for name in RUN_WIDE})
+    for section, model in SECTIONS.items():
+        group = parser.add_argument_group(f"{section}: {(model.__doc__ or '').strip().splitlines()[0]}")
+        _add_model_flags(group, dict(model.model_fields))
+    algorithm = parser.add_argument_group("policy: advantages, loss, KL, off-policy correction")
+    _add_model_flags(algorithm, dict(PolicyLossConfig.model_fields), defaults=POLICY_DEFAULTS)
+    for name, help_text in POLICY_SWITCHES.items():
+        algorithm.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
+
+
+def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
+    for name, field in fields.items():
+        annotation = _unwrap_optional(field.annotation)
+        default = field.default if field.default_factory is None else field.default_factory()
+        default = (defaults or {}).get(name, default)
+        help_text = field.description or name.replace("_", " ")
+        if default is not None and "(default:" not in help_text:
+            help_text += f" (default: {default})"
+        if typing.get_origin(annotation) is dict:
+            continue  # set in YAML, or by a pass-through flag family (see split_sglang_args)
+        if annotation is bool:
+            group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        elif typing.get_origin(annotation) is list:
+            group.add_argument(_flag(name), dest=name, nargs="*", default=None, help=help_text)
+        elif typing.get_origin(annotation) is Literal:
+            group.add_argument(_flag(name), dest=name, choices=typing.get_args(annotation), default=None,
+                               help=help_text)
+        else:
+            kind = annotation if annotation in (int, float) else str
+            group.add_argument(_flag(name), dest=name, type=kind, default=None, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """YAML first, then every flag the user gave; errors name the file, key or flag that is wrong."""
+    values: dict[str, Any] = {}
+    source = "command line"
+    if args.config is not None:
+        source = str(args.config)
+        values.update(_flatten(_read_yaml(args.config), source=source))
+    for name in _flat_keys():
+        given = getattr(args, name, None)
+        if given is not None:
+            values[name] = given
+    passed_through = getattr(args, "sglang_passthrough", None)
+    if passed_through:
+        values["sglang_args"] = {**values.get("sglang_args", {}), **passed_through}
+    return build_config(values, source=source)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: {error}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
+    return loaded
+
+
+def _flatten(loaded: dict[str, Any], *, source: str) -> dict[str, Any]:
+    """Section mappings (`trainer: {lr: ...}`, `policy: {...}`) become flat keys; flat keys pass as they are."""
+    flat: dict[str, Any] = {}
+    for key, value in loaded.items():
+        if key in (*SECTIONS, "policy") and isinstance(value, dict):
+            fields = PolicyLossConfig.model_fields if key == "policy" else SECTIONS[key].model_fields
+            strays = sorted(set(value) - set(fields))
+            if strays:
+                raise ValueError(f"--config {source}: unknown key(s) in section {key!r}: {', '.join(strays)}")
+            flat.update(value)
+        else:
+            flat[key] = value
+    unknown = sorted(set(flat) - _flat_keys())
+    if unknown:
+        raise ValueError(f"--config {source}: unknown key(s) {', '.join(unknown)}")
+    return flat
+
+
+SGLANG_PREFIX = "--sglang-"
+
+
+def split_sglang_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Take `--sglang-NAME VALUE` (or `--sglang-NAME=VALUE`, or a bare switch) out of argv for the SGLang server.
+
+    SGLang has hundreds of server arguments; forwarding a prefixed family keeps them out of our flag list while
+    letting a user set any of them. A bare switch is forwarded as the value "true". Our own `sglang_*` settings
+    (`--sglang-url`, `--sglang-server-module`, ...) stay in argv for the ordinary flag parser.
+    """
+    rest: list[str] = []
+    found: dict[str, str] = {}
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        name, has_value, value = token[len(SGLANG_PREFIX):].partition("=")
+        own_setting = "sglang_" + name.replace("-", "_") in OWNER  # --sglang-url etc. are ours
+        if not token.startswith(SGLANG_PREFIX) or token == SGLANG_PREFIX or own_setting:
+            rest.append(token)
+            index += 1
+            continue
+        if not has_value:
+            following = argv[index + 1] if index + 1 < len(argv) else None
+            if following is not None and not following.startswith("--"):
+                value = following
+                index += 1
+            else:
+                value = "true"
+        found[name.replace("_", "-")] = value
+        index += 1
+    return rest, found
+
+
+def _flat_keys() -> set[str]:
+    return set(OWNER) | set(RUN_WIDE) | set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
+
+
+def build_config(values: dict[str, Any], *, source: str = "settings") -> RunConfig:
+    """Flat settings (run and algorithm keys mixed, as in YAML and flags) -> a validated RunConfig."""
+    policy_keys = set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
+    given = {k: v for k, v in values.items() if k in policy_keys}
+    defaults = POLICY_DEFAULTS if given.get("loss_type") not in ("sft", "sft_loss") else {}
+    run_values = {k: v for k, v in values.items() if k not in policy_keys}
+    try:
+        policy = PolicyLossConfig.from_flags({**defaults, **given})
+    except (ValidationError, ValueError) as error:
+        raise ValueError(f"invalid algorithm settings ({source}): {_describe(error)}") from None
+    try:
+        return RunConfig(**run_values, policy=policy)
+    except ValidationError as error:
+        raise ValueError(f"invalid run settings ({source}): {_describe(error)}") from None
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in error.errors())
+    return str(error)
+
+
+def write_effective_config(config: RunConfig, run_dir: Path) -> Path:
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    return path

@@ -1,0 +1,138 @@
+"""The whole run's configuration: one section per component, plus the rules that tie sections together.
+
+Every actor receives the whole `RunConfig` (it is small and the run directory keeps it), but reads only its own
+sections; engines and trainers get their own option objects built from these, never the run config itself.
+Settings arrive flat (flags and YAML keys are slime's names); `RunConfig` routes each name to the one section
+that owns it, so `RunConfig(lr=1e-5)` and `RunConfig(trainer={"lr": 1e-5})` are the same run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.config.sections import (
+    BufferConfig,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    LearnerConfig,
+    LoggingConfig,
+    ModelConfig,
+    PlacementConfig,
+    RewardConfig,
+    RolloutConfig,
+    Section,
+    TrainerConfig,
+    WeightsConfig,
+)
+from policies.config import PolicyLossConfig
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "buffer": BufferConfig,
+    "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig, "engine": EngineConfig,
+    "weights": WeightsConfig, "placement": PlacementConfig, "logging": LoggingConfig,
+}
+# Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
+OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = Field(1234, description="seed of data order, sampling and initialisation")
+    torch_threads: int = Field(1, ge=1, description="torch CPU threads per actor process")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    policy: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig(off_policy_correction="tis"),
+                                     description="advantages, loss, KL and off-policy correction")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _route_flat_settings(cls, values: Any) -> Any:
+        """Move each flat setting into its section (a flat name overrides the same name given inside a section)."""
+        if not isinstance(values, dict):
+            return values
+        routed: dict[str, Any] = {}
+        for name, value in values.items():
+            if name in SECTIONS and isinstance(value, BaseModel):
+                value = value.model_dump()
+            if name in SECTIONS:
+                routed[name] = {**routed.get(name, {}), **value} if isinstance(value, dict) else value
+        for name, value in values.items():
+            if name in OWNER:
+                section = routed.setdefault(OWNER[name], {})
+                if not isinstance(section, dict):
+                    raise ValueError(f"{name}: section {OWNER[name]!r} must be a mapping")
+                section[name] = value
+            elif name not in SECTIONS:
+                routed[name] = value  # run-wide fields, and unknown names for extra="forbid" to name
+        return _learner_ranks_from_actor_gpus(routed)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        """Rules that involve more than one section; each message names every setting involved."""
+        problems = []
+        samples = self.rollout.samples_per_batch
+        if self.learner.global_batch_size is not None and self.learner.global_batch_size != samples:
+            problems.append(f"global_batch_size {self.learner.global_batch_size}: several optimizer steps per batch "
+                            "are not supported yet; leave it unset or set it to rollout_batch_size x "
+                            f"n_samples_per_prompt = {samples}")
+        if self.trainer.min_lr > self.trainer.lr:
+            problems.append(f"min_lr {self.trainer.min_lr} must be in [0, lr={self.trainer.lr}]")
+        if self.eval.eval_prompt_data and not self.eval.eval_interval:
+            problems.append("eval_prompt_data needs eval_interval")
+        if self.learner.debug_rollout_only and self.learner.debug_train_only:
+            problems.append("debug_rollout_only and debug_train_only are exclusive")
+        if self.learner.debug_train_only and not self.learner.load_debug_rollout_data:
+            problems.append("debug_train_only needs load_debug_rollout_data")
+        trainer = self.trainer
+        parallel = trainer.tensor_model_parallel_size * trainer.pipeline_model_parallel_size
+        if trainer.learner_ranks % parallel:
+            problems.append(f"learner_ranks {trainer.learner_ranks} must be a positive multiple of "
+                            f"tensor_model_parallel_size x pipeline_model_parallel_size = {parallel}")
+        if parallel > 1 and trainer.train_backend != "megatron":
+            problems.append("tensor/pipeline parallelism needs --train-backend megatron")
+        placement = self.placement
+        if placement.actor_num_nodes != 1:
+            problems.append(f"actor_num_nodes {placement.actor_num_nodes}: the learner's ranks all run on the head "
+                            "node for now; use --actor-num-nodes 1 with --actor-num-gpus-per-node N")
+        if placement.colocate:
+            problems.append("colocate: not available yet; on a single GPU, --rollout-engine torch shares the "
+                            "learner's GPU without it (weights over CUDA IPC)")
+        per_engine = self.engine.rollout_num_gpus_per_engine
+        if placement.rollout_num_gpus is not None and placement.rollout_num_gpus % per_engine:
+            problems.append(f"rollout_num_gpus {placement.rollout_num_gpus} must be a multiple of "
+                            f"rollout_num_gpus_per_engine {per_engine}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def with_settings(self, **flat: Any) -> RunConfig:
+        """A validated copy with some flat settings changed (`model_copy` would skip validation and routing)."""
+        return RunConfig(**{**self.model_dump(), **flat})
+
+
+def _learner_ranks_from_actor_gpus(values: dict[str, Any]) -> dict[str, Any]:
+    """slime sizes the learner by --actor-num-nodes x --actor-num-gpus-per-node; both spellings must agree."""
+    placement = values.get("placement")
+    if not isinstance(placement, dict) or placement.get("actor_num_gpus_per_node") is None:
+        return values
+    ranks = int(placement.get("actor_num_nodes") or 1) * int(placement["actor_num_gpus_per_node"])
+    trainer = values.get("trainer")
+    trainer = dict(trainer) if isinstance(trainer, dict) else {}
+    given = trainer.get("learner_ranks")
+    if given is not None and int(given) != ranks:
+        raise ValueError(f"learner_ranks {given} disagrees with actor_num_nodes x actor_num_gpus_per_node = {ranks}")
+    return {**values, "trainer": {**trainer, "learner_ranks": ranks}}

@@ -1,0 +1,232 @@
+"""The run's settings, one model per component that reads them.
+
+Each section is what one part of the system needs and nothing else: the buffer reads `buffer` and `data`, the
+trainer factory `trainer`, the engine factory `engine`. Field names stay slime's flag names (`--rollout-top-p` is
+`rollout.rollout_top_p`), so a flag, a YAML key and the attribute that reads it are the same word. Constraints that
+concern one field live on the field; rules that tie sections together live on `RunConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+# Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
+ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
+                                              "rollout_engine": ("torch", "sglang")}
+WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
+
+
+def _is_plugin_path(value: str) -> bool:
+    module, colon, attr = value.partition(":")
+    return bool(colon and module.strip() and attr.strip())
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    """Which weights the run starts from and in what precision: the learner, the reference and the engines agree."""
+
+    hf_checkpoint: str | None = Field(None, description="HF model folder (policy, reference and engines)")
+    ref_checkpoint: str | None = Field(None, description="HF folder of the reference model (default: hf_checkpoint)")
+    bf16: bool = Field(False, description="train in bfloat16 (float32 master weights and optimizer state), run the "
+                       "engines in bfloat16 and push bfloat16 weights")
+
+
+class DataConfig(Section):
+    """Where prompts come from and how a record is read (the buffer and the eval rounds use the same reader)."""
+
+    prompt_data: str | None = Field(None, description="training prompts, .jsonl or .parquet")
+    input_key: str = Field("input", description="prompt field of each record")
+    label_key: str | None = Field("label", description="label field of each record")
+    metadata_key: str | None = Field("metadata", description="metadata field of each record")
+    apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    skip_bad_data: bool = Field(True, description="skip (and report) malformed dataset lines instead of stopping")
+
+
+class EvalConfig(Section):
+    """Evaluation rounds the controller schedules between training versions."""
+
+    eval_prompt_data: list[str] = Field(default_factory=list, description="NAME PATH pairs of evaluation sets")
+    eval_interval: int | None = Field(None, ge=1, description="evaluate every N learner versions")
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k uses them)")
+    eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0 = greedy)")
+    final_eval_timeout: float = Field(300.0, ge=0, description="seconds the end of a run waits for the eval round "
+                                      "of the final version (0 = no final round)")
+
+    @field_validator("eval_prompt_data")
+    @classmethod
+    def _pairs(cls, value: list[str]) -> list[str]:
+        if len(value) % 2:
+            raise ValueError(f"takes NAME PATH pairs, got {len(value)} value(s)")
+        return value
+
+    @property
+    def sets(self) -> dict[str, str]:
+        pairs = self.eval_prompt_data
+        return {pairs[i]: pairs[i + 1] for i in range(0, len(pairs), 2)}
+
+
+class RolloutConfig(Section):
+    """What a rollout worker generates per prompt and how it samples."""
+
+    rollout_batch_size: int = Field(8, ge=1, description="prompts (groups) per training batch")
+    n_samples_per_prompt: int = Field(4, ge=1, description="responses generated per prompt")
+    rollout_temperature: float = Field(1.0, ge=0, description="sampling temperature")
+    rollout_top_p: float = Field(1.0, gt=0, le=1, description="top-p sampling")
+    rollout_top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
+    rollout_stop: list[str] = Field(default_factory=list, description="stop strings")
+    custom_generate_function_path: str | None = Field(None, description="module:function for multi-turn rollouts")
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+class BufferConfig(Section):
+    """Admission, leases and durability of the buffer: the one place staleness is enforced."""
+
+    max_staleness: int = Field(2, ge=0, description="hard bound on learner_version - min(token versions); "
+                               "0 = on-policy")
+    lease_timeout: float = Field(120.0, gt=0, description="seconds before an unfinished prompt lease is re-issued")
+    buffer_log_compact_mb: float = Field(256.0, ge=0, description="compact the buffer's durable log into a "
+                                         "snapshot once it passes this size (0 = never)")
+    dynamic_sampling_filter_path: str | None = Field(None, description="module:function or built-in filter name")
+
+
+class RewardConfig(Section):
+    """How reward workers score a group."""
+
+    rm_type: str = Field("exact_match", description="built-in reward name")
+    custom_rm_path: str | None = Field(None, description="module:function reward (sync or async)")
+    group_rm: bool = Field(False, description="the reward function scores whole groups")
+    rm_url: str | None = Field(None, description="URL of a remote reward model (--rm-type remote_rm)")
+    reward_timeout: float = Field(60.0, gt=0, description="seconds before one reward call counts as failed")
+    reward_concurrency: int = Field(4, ge=1, description="groups scored at once per reward worker")
+
+
+class LearnerConfig(Section):
+    """How long the learner trains, what it saves, and its debug modes."""
+
+    num_rollout: int = Field(20, ge=0, description="training batches to consume (learner steps)")
+    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step; must equal "
+                                          "rollout_batch_size x n_samples_per_prompt (one step per batch)")
+    use_decoupled_ppo: bool = Field(False, description="recompute proximal log-probs before the update (always "
+                                    "done when --off-policy-correction is not none)")
+    save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
+    save_interval: int | None = Field(None, ge=1, description="checkpoint every N learner steps")
+    load: str | None = Field(None, description="resume from this checkpoint directory")
+    debug_rollout_only: bool = Field(False, description="generate and score, never train")
+    debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
+    save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
+    load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+
+
+class TrainerConfig(Section):
+    """The training backend, its parallelism and its optimizer."""
+
+    train_backend: str = Field("torch", description="training engine: torch, megatron, or module:attr of a "
+                               "factory (config) -> Trainer")
+    learner_ranks: int = Field(1, ge=1, description="learner processes (torch.distributed ranks) started by the "
+                               "learner: TP x PP x DP (the torch backend is data-parallel only)")
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallel size")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Megatron pipeline parallel size")
+    use_distributed_optimizer: bool = Field(True, description="Megatron: shard optimizer state over data "
+                                            "parallel")
+    megatron_checkpoint: str | None = Field(None, description="Megatron distributed checkpoint to start from "
+                                            "(default: convert --hf-checkpoint)")
+    lr: float = Field(1e-4, ge=0, description="learning rate")
+    lr_decay_style: Literal["constant", "cosine"] = Field("constant", description="LR schedule")
+    lr_warmup_iters: int = Field(0, ge=0, description="LR warmup steps")
+    min_lr: float = Field(0.0, ge=0, description="where the cosine schedule ends")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    clip_grad: float = Field(1.0, ge=0, description="gradient norm clip")
+    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one packed micro-batch")
+
+    @field_validator("train_backend")
+    @classmethod
+    def _backend(cls, value: str, info: ValidationInfo) -> str:
+        return _builtin_or_plugin(value, info)
+
+
+class EngineConfig(Section):
+    """The inference engine each rollout worker drives (SGLang's settings apply to --rollout-engine sglang)."""
+
+    rollout_engine: str = Field("torch", description="inference engine: torch, sglang, or module:attr of a "
+                                "factory (config, actor_id) -> (InferenceEngine, tokenizer)")
+    rollout_max_batch_size: int = Field(64, ge=1, description="sequences decoded together per engine")
+    rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs (tensor parallel ranks) per SGLang server")
+    sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "
+                                  "(one per rollout worker, in worker order) instead of launching them")
+    sglang_server_module: str = Field("sglang.launch_server", description="python -m module that starts a server")
+    sglang_startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for a launched server's health")
+    sglang_args: dict[str, str] = Field(default_factory=dict, description="extra SGLang server arguments; on the "
+                                        "command line as --sglang-NAME VALUE, passed on as --NAME VALUE")
+
+    @field_validator("rollout_engine")
+    @classmethod
+    def _engine(cls, value: str, info: ValidationInfo) -> str:
+        return _builtin_or_plugin(value, info)
+
+
+class WeightsConfig(Section):
+    """How and how often new weights travel from the learner to the engines."""
+
+    weight_transport: str = Field(
+        "auto", description="how weights reach the engines: auto (gloo without CUDA, cuda_ipc when engines share "
+        "the learner's GPU, nccl otherwise), gloo, nccl, cuda_ipc, or module:attr of a WeightTransport plugin")
+    update_weights_interval: int = Field(1, ge=1, description="push weights to engines every N learner steps")
+    weight_transfer_timeout: float = Field(30.0, gt=0, description="seconds a weight transfer waits for an engine "
+                                           "(to join, be ready, acknowledge) before it fails and is retried")
+
+    @field_validator("weight_transport")
+    @classmethod
+    def _backend_or_transport_path(cls, value: str) -> str:
+        """A backend of the built-in mechanisms, or a plugin's `module:attr` (the learner loads and type-checks it)."""
+        if value in WEIGHT_BACKENDS or _is_plugin_path(value):
+            return value
+        raise ValueError(f"{value!r}: expected {', '.join(WEIGHT_BACKENDS)}, or a weight transport path "
+                         "'package.module:attr'")
+
+
+class PlacementConfig(Section):
+    """slime's placement flags; see actors/runtime/placement.py for what the launcher does with them."""
+
+    actor_num_nodes: int = Field(1, ge=1, description="nodes of the learner (its ranks all run on the head for now)")
+    actor_num_gpus_per_node: int | None = Field(None, ge=1, description="learner GPUs per node: one learner rank "
+                                                "each (sets --learner-ranks)")
+    rollout_num_gpus: int | None = Field(None, ge=0, description="GPUs of all inference engines; on the head, "
+                                         "--rollout-workers defaults to rollout_num_gpus / "
+                                         "rollout_num_gpus_per_engine")
+    num_gpus_per_node: int | None = Field(None, ge=0, description="GPUs a node may use (default: every GPU its "
+                                          "launcher sees)")
+    colocate: bool = Field(False, description="learner and engines on the same GPUs, taking turns (not available "
+                           "yet: on one GPU the torch engine already shares the learner's device)")
+
+
+class LoggingConfig(Section):
+    """Where the run's metrics go besides the console and the run directory's JSONL."""
+
+    use_tensorboard: bool = Field(True, description="write TensorBoard events to RUN_DIR/tensorboard")
+    plots: bool = Field(True, description="write PNG plots at the end of the run")
+    use_wandb: bool = Field(False, description="mirror the run's metrics into a Weights & Biases run "
+                                               "(key: WANDB_API_KEY or `wandb login`)")
+    wandb_project: str = Field("slipstream", description="W&B project")
+    wandb_group: str | None = Field(None, description="W&B group, e.g. to gather the seeds of one experiment")
+    wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write RUN_DIR/wandb only, "
+                                                                            "`wandb sync` it later")
+
+
+def _builtin_or_plugin(value: str, info: ValidationInfo) -> str:
+    """A built-in name, or a plugin's `module:attr` (loaded by the actor that uses it, which checks its type)."""
+    builtins = ENGINE_CHOICES[info.field_name or ""]
+    if value in builtins or _is_plugin_path(value):
+        return value
+    raise ValueError(f"{value!r}: expected one of {', '.join(builtins)}, or a plugin factory path "
+                     "'package.module:attr'")
