@@ -22,8 +22,11 @@ Decisions worth knowing:
   (reinforce_plus_plus, reinforce_plus_plus_baseline, ppo, exactly as slime), and as the sequence's summed KL
   subtracted from its reward before group normalisation for the sequence-level ones (grpo, gspo, cispo, rloo),
   where slime silently ignores it.
-- Terminal rewards are placed on each sample's last *masked-in* token (slime's ppo uses the last token; they
-  coincide unless a response ends in untrained tokens).
+- Terminal rewards are placed on each sample's last *masked-in* token, and the per-token KL penalty only on
+  trained tokens (slime's ppo uses the last token and penalises every token; they coincide unless a response has
+  untrained tokens). ``untrained_token_rewards='keep'`` gives slime's placement.
+- Whitening (``normalize_advantages``) divides by the unbiased (n - 1) variance, like slime
+  (``whiten_unbiased=False``: population variance).
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ __all__ = [
 class AdvantageInputs:
     """What an estimator (built-in or user plugin) receives; all tensors already validated and upcast.
 
-    ``token_kl`` is the per-token KL penalty source (zeros when ``kl_coef == 0``), masked positions zeroed.
+    ``token_kl`` is the per-token KL penalty source (zeros when ``kl_coef == 0``), masked positions zeroed unless
+    ``untrained_token_rewards == 'keep'`` (then it is the KL at every response token, as slime's ppo uses it).
     """
 
     rewards: Tensor  # [B]
@@ -106,7 +110,7 @@ def compute_advantages(
     check_finite(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.loss_mask)
     advantages = zero_masked(advantages, inputs.loss_mask)
     if config.normalize_advantages:
-        advantages = whiten(advantages, inputs.loss_mask, process_group=process_group)
+        advantages = whiten(advantages, inputs.loss_mask, process_group=process_group, unbiased=config.whiten_unbiased)
     return advantages, zero_masked(returns, inputs.loss_mask)
 
 
@@ -142,10 +146,11 @@ def _prepare_inputs(
             raise ValueError(f"kl_coef={config.kl_coef} needs log_probs and ref_log_probs for the KL reward penalty")
         check_packed("log_probs", log_probs, lengths)
         check_packed("ref_log_probs", ref_log_probs, lengths)
-        check_finite("log_probs", log_probs, mask)
-        check_finite("ref_log_probs", ref_log_probs, mask)
+        keep_untrained = config.untrained_token_rewards == "keep"
+        check_finite("log_probs", log_probs, None if keep_untrained else mask)
+        check_finite("ref_log_probs", ref_log_probs, None if keep_untrained else mask)
         kl = compute_kl(config.kl_loss_type, log_probs.detach(), ref_log_probs.detach()).to(dtype)
-        token_kl = zero_masked(kl, mask)
+        token_kl = kl if keep_untrained else zero_masked(kl, mask)
     return AdvantageInputs(
         rewards=rewards,
         group_ids=group_ids,
@@ -215,9 +220,17 @@ def gae(
 
 
 def whiten(
-    advantages: Tensor, loss_mask: Tensor, *, process_group: dist.ProcessGroup | None = None, eps: float = 1e-8
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    eps: float = 1e-8,
+    unbiased: bool = True,
 ) -> Tensor:
-    """Masked whitening ``(A - mean) / sqrt(var + eps)`` with population statistics over all masked tokens.
+    """Masked whitening ``(A - mean) / sqrt(var + eps)`` over all masked tokens.
+
+    ``unbiased``: the variance divides by ``n - 1`` (Bessel; slime's choice, and the same convention as the group
+    std of :func:`group_normalize`), by ``n`` when there is a single token; otherwise by ``n``.
 
     With ``process_group`` the statistics span every data-parallel rank (two all-reduces: sum/count, then the
     centred sum of squares, which avoids the cancellation of ``E[x^2] - E[x]^2``). Every rank must call this,
@@ -233,14 +246,14 @@ def whiten(
     square_sum = (centred**2).sum().reshape(1)
     if process_group is not None:
         dist.all_reduce(square_sum, group=process_group)
-    var = square_sum[0] / count.clamp_min(1)
+    var = square_sum[0] / ((count - 1) if unbiased else count).clamp_min(1)
     return centred * torch.rsqrt(var + eps)
 
 
 def _sequence_rewards_with_kl(config: PolicyLossConfig, inputs: AdvantageInputs) -> Tensor:
     if config.kl_coef == 0:
         return inputs.rewards
-    return inputs.rewards - config.kl_coef * per_sample_sum(inputs.token_kl, inputs.response_lengths)
+    return inputs.rewards - config.kl_coef * per_sample_sum(inputs.token_kl, inputs.response_lengths, inputs.loss_mask)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -274,8 +287,9 @@ def rloo(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Ten
 @register_advantage_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++: per-token ``-kl_coef * kl`` plus the reward on the last token, discounted returns with gamma."""
+    token_kl = zero_masked(inputs.token_kl, inputs.loss_mask)  # slime masks the KL here too, whatever the flag
     token_rewards = terminal_token_rewards(
-        inputs.rewards, inputs.token_kl, config.kl_coef, inputs.loss_mask, inputs.response_lengths
+        inputs.rewards, token_kl, config.kl_coef, inputs.loss_mask, inputs.response_lengths
     )
     returns = discounted_cumsum(token_rewards, inputs.response_lengths, config.gamma)
     return returns, returns
@@ -296,7 +310,13 @@ def ppo(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tens
     """PPO with a critic: GAE(gamma, lambd) over per-token rewards; returns = advantages + values."""
     if inputs.values is None:
         raise ValueError("advantage_estimator='ppo' needs values (the critic's per-token value estimates)")
-    token_rewards = terminal_token_rewards(
-        inputs.rewards, inputs.token_kl, config.kl_coef, inputs.loss_mask, inputs.response_lengths
-    )
+    if config.untrained_token_rewards == "keep":
+        # slime's placement: the penalty on every response token, the reward on the response's very last token.
+        ends = torch.cumsum(inputs.response_lengths, 0) - 1
+        present = inputs.response_lengths > 0
+        token_rewards = (-config.kl_coef * inputs.token_kl).index_add(0, ends[present], inputs.rewards[present])
+    else:
+        token_rewards = terminal_token_rewards(
+            inputs.rewards, inputs.token_kl, config.kl_coef, inputs.loss_mask, inputs.response_lengths
+        )
     return gae(token_rewards, inputs.values, inputs.response_lengths, gamma=config.gamma, lambd=config.lambd)

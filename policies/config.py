@@ -38,6 +38,14 @@ class PolicyLossConfig(BaseModel):
     grpo_std_normalization: bool = True  # --disable-grpo-std-normalization (Dr.GRPO) sets False
     reward_norm_eps: float = Field(1e-6, gt=0)
     normalize_advantages: bool = False
+    whiten_unbiased: bool = Field(
+        True, description="whitening divides the variance by n - 1 (Bessel), as slime; False: by n (population)"
+    )
+    untrained_token_rewards: Literal["skip", "keep"] = Field(
+        "skip",
+        description="ppo (GAE): 'skip' puts the KL penalty only on trained tokens and the reward on the last trained "
+        "token; 'keep' (slime) puts the penalty on every response token and the reward on the last token",
+    )
     gamma: float = Field(1.0, ge=0, le=1)
     lambd: float = Field(1.0, ge=0, le=1)
 
@@ -50,6 +58,22 @@ class PolicyLossConfig(BaseModel):
     value_clip: float = Field(0.2, gt=0)
     value_loss_coef: float = Field(1.0, ge=0)
     entropy_coef: float = 0.0
+    log_ratio_clamp: float | None = Field(
+        20.0,
+        gt=0,
+        description="clamp |log pi_theta - log pi_old| to this before exp (ppo/gspo/cispo, unbiased KL); "
+        "None: no clamp (slime)",
+    )
+    count_empty_samples: bool = Field(
+        False,
+        description="a sample with no trained token still counts in the loss denominators: 1 token (token-mean) or "
+        "1 sequence (seq-mean-*), as slime; False: it counts for nothing",
+    )
+    rejected_tokens_in_denominator: bool = Field(
+        False,
+        description="tokens an off-policy correction rejects (mis) leave the loss numerators but stay in the "
+        "denominators, as slime; False: they leave both",
+    )
 
     # --- KL ---
     kl_coef: float = Field(0.0, ge=0)  # KL as a reward penalty
@@ -57,6 +81,11 @@ class PolicyLossConfig(BaseModel):
     kl_loss_coef: float = Field(0.0, ge=0)  # KL as a loss term
     kl_loss_type: str = "k1"
     use_unbiased_kl: bool = False
+    low_var_kl_clamp_after_weight: bool = Field(
+        False,
+        description="with use_unbiased_kl, clamp low_var_kl to +-10 after the importance weight (slime) instead of "
+        "before it",
+    )
 
     # --- off-policy corrections ---
     off_policy_correction: str = "none"
@@ -69,6 +98,16 @@ class PolicyLossConfig(BaseModel):
     mis_veto_threshold: float | None = Field(None, gt=0)
     use_opsm: bool = False
     opsm_delta: float = Field(1e-4, ge=0)
+    opsm_token_advantage: bool = Field(
+        True,
+        description="OPSM masks a token when ITS advantage is negative (slime, DeepSeek-V3.2); False: when its "
+        "sequence's mean advantage is negative (the whole sequence)",
+    )
+    opsm_reference: Literal["rollout", "old"] = Field(
+        "rollout",
+        description="OPSM's sequence KL is taken from the engine's log-probs ('rollout') or from the learner's "
+        "recomputed pi_old ('old', slime without --use-rollout-logprobs)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PolicyLossConfig:

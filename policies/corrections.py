@@ -26,6 +26,7 @@ packed ``[T]`` detached tensors and a 0/1 float ``loss_mask``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,44 @@ class CorrectionResult:
     metrics: dict[str, Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What the built-ins read: ``log_w = log pi_old - log mu`` per token, the 0/1 mask and the lengths."""
+
+    log_w: Tensor
+    loss_mask: Tensor
+    response_lengths: Tensor
+
+
+_BuiltinCorrection = Callable[[PolicyLossConfig, _Inputs], CorrectionResult]
+
+
+def _builtin(name: str) -> Callable[[_BuiltinCorrection], Callable[..., CorrectionResult]]:
+    """Give a built-in the plugin signature (the one place that spells it out) and register it under ``name``."""
+
+    def register(fn: _BuiltinCorrection) -> Callable[..., CorrectionResult]:
+        def correction(
+            config: PolicyLossConfig,
+            *,
+            old_log_probs: Tensor,
+            rollout_log_probs: Tensor,
+            loss_mask: Tensor,
+            response_lengths: Tensor,
+        ) -> CorrectionResult:
+            return fn(config, _Inputs(old_log_probs - rollout_log_probs, loss_mask, response_lengths))
+
+        correction.__name__ = correction.__qualname__ = fn.__name__
+        correction.__doc__ = fn.__doc__
+        return register_correction(name)(correction)
+
+    return register
+
+
+def _log_band(low: float, high: float) -> tuple[float, float]:
+    """``(log low, log high)`` of a ratio band; a lower bound of 0 is no bound."""
+    return (math.log(low) if low > 0 else -math.inf), math.log(high)
+
+
 def level_log_weights(log_w: Tensor, loss_mask: Tensor, response_lengths: Tensor, level: str) -> Tensor:
     """Per-token log-weights ``[T]`` at a level: the token's own, its sequence's sum, or its sequence's mean."""
     if level == "token":
@@ -81,32 +120,18 @@ def mismatch_metrics(old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask
     }
 
 
-@register_correction("none")
-def no_correction(
-    config: PolicyLossConfig,
-    *,
-    old_log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    loss_mask: Tensor,
-    response_lengths: Tensor,
-) -> CorrectionResult:
-    ones = torch.ones_like(loss_mask)
+@_builtin("none")
+def no_correction(config: PolicyLossConfig, inputs: _Inputs) -> CorrectionResult:
+    ones = torch.ones_like(inputs.loss_mask)
     return CorrectionResult(weights=ones, keep_mask=ones)
 
 
-@register_correction("tis")
-def tis(
-    config: PolicyLossConfig,
-    *,
-    old_log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    loss_mask: Tensor,
-    response_lengths: Tensor,
-) -> CorrectionResult:
+@_builtin("tis")
+def tis(config: PolicyLossConfig, inputs: _Inputs) -> CorrectionResult:
     """Truncated importance sampling: ``clamp(w, tis_clip_low, tis_clip)`` at ``tis_level``."""
-    log_w = level_log_weights(old_log_probs - rollout_log_probs, loss_mask, response_lengths, config.tis_level)
-    log_high = math.log(config.tis_clip)
-    log_low = math.log(config.tis_clip_low) if config.tis_clip_low > 0 else -math.inf
+    loss_mask = inputs.loss_mask
+    log_w = level_log_weights(inputs.log_w, loss_mask, inputs.response_lengths, config.tis_level)
+    log_low, log_high = _log_band(config.tis_clip_low, config.tis_clip)
     weights = log_w.clamp(max=log_high).exp().clamp_min(config.tis_clip_low)
     clipped = ((log_w > log_high) | (log_w < log_low)).to(loss_mask.dtype)
     return CorrectionResult(
@@ -116,21 +141,13 @@ def tis(
     )
 
 
-@register_correction("mis")
-def mis(
-    config: PolicyLossConfig,
-    *,
-    old_log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    loss_mask: Tensor,
-    response_lengths: Tensor,
-) -> CorrectionResult:
+@_builtin("mis")
+def mis(config: PolicyLossConfig, inputs: _Inputs) -> CorrectionResult:
     """Masked importance sampling: reject tokens or sequences whose ratio leaves the band; optional veto."""
-    token_log_w = old_log_probs - rollout_log_probs
+    token_log_w, loss_mask, response_lengths = inputs.log_w, inputs.loss_mask, inputs.response_lengths
     log_w = level_log_weights(token_log_w, loss_mask, response_lengths, config.mis_level)
     assert config.mis_lower_bound is not None  # filled in by the config validator
-    log_low = math.log(config.mis_lower_bound) if config.mis_lower_bound > 0 else -math.inf
-    log_high = math.log(config.mis_upper_bound)
+    log_low, log_high = _log_band(config.mis_lower_bound, config.mis_upper_bound)
     rejected = (log_w < log_low) | (log_w > log_high)
     metrics: dict[str, Tensor] = {}
     if config.mis_veto_threshold is not None:
@@ -146,19 +163,11 @@ def mis(
     return CorrectionResult(weights=weights, keep_mask=keep, metrics=metrics)
 
 
-@register_correction("icepop")
-def icepop(
-    config: PolicyLossConfig,
-    *,
-    old_log_probs: Tensor,
-    rollout_log_probs: Tensor,
-    loss_mask: Tensor,
-    response_lengths: Tensor,
-) -> CorrectionResult:
+@_builtin("icepop")
+def icepop(config: PolicyLossConfig, inputs: _Inputs) -> CorrectionResult:
     """IcePop: token weight ``w`` inside ``[tis_clip_low, tis_clip]``, 0 outside; denominators unchanged."""
-    log_w = old_log_probs - rollout_log_probs
-    log_high = math.log(config.tis_clip)
-    log_low = math.log(config.tis_clip_low) if config.tis_clip_low > 0 else -math.inf
+    log_w, loss_mask = inputs.log_w, inputs.loss_mask
+    log_low, log_high = _log_band(config.tis_clip_low, config.tis_clip)
     outside = (log_w < log_low) | (log_w > log_high)
     weights = torch.where(outside, torch.zeros_like(log_w), log_w.clamp(max=log_high).exp())
     return CorrectionResult(
@@ -179,17 +188,25 @@ def opsm_keep_mask(
     loss_mask: Tensor,
     response_lengths: Tensor,
     delta: float,
+    per_token: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Off-policy sequence masking (DeepSeek-V3.2): ``(keep [T], fraction of trained sequences masked)``.
+    """Off-policy sequence masking (DeepSeek-V3.2): ``(keep [T], fraction of trained sequences with a masked token)``.
 
-    A sequence is masked when its mean advantage is negative AND its mean ``log mu - log pi_theta`` (the sampled
-    sequence's KL from the behaviour policy, on detached current log-probs) exceeds ``delta``: pushing down
-    already-unlikely off-policy samples is where negative updates do the most damage. Masked sequences keep their
-    place in the denominator (slime's behaviour).
+    A sequence is off-policy when its mean ``log mu - log pi_theta`` over trained tokens (the sampled sequence's KL
+    from the behaviour policy, on detached current log-probs) exceeds ``delta``. In it, a token is masked when its
+    advantage is negative (``per_token``, the paper's ``M_{i,t}`` and slime's rule), or every token when the
+    sequence's mean advantage is negative (``per_token=False``); the two agree for sequence-level advantages
+    (GRPO). Pushing down already-unlikely off-policy samples is where negative updates do the most damage. Masked
+    tokens keep their place in the denominator (slime's behaviour).
     """
     seq_kl = per_sample_mean(rollout_log_probs - log_probs.detach(), response_lengths, loss_mask)
-    seq_adv = per_sample_mean(advantages, response_lengths, loss_mask)
-    masked = (seq_adv < 0) & (seq_kl > delta)
+    off_policy = to_tokens(seq_kl > delta, response_lengths)
+    if per_token:
+        negative = advantages < 0
+    else:
+        negative = to_tokens(per_sample_mean(advantages, response_lengths, loss_mask) < 0, response_lengths)
+    masked = (negative & off_policy).to(loss_mask.dtype)
+    hit = per_sample_sum(masked, response_lengths, loss_mask) > 0
     trained = per_sample_count(loss_mask, response_lengths) > 0
-    fraction = (masked & trained).to(loss_mask.dtype).sum() / trained.sum().clamp_min(1)
-    return to_tokens((~masked).to(loss_mask.dtype), response_lengths), fraction
+    fraction = hit.to(loss_mask.dtype).sum() / trained.sum().clamp_min(1)
+    return 1 - masked, fraction

@@ -6,7 +6,8 @@ With ``log_ratio = log pi - log pi_ref`` and samples drawn from pi:
 - ``k2 = log_ratio**2 / 2``: biased, low variance, always >= 0.
 - ``k3 = exp(-log_ratio) - 1 + log_ratio``: unbiased and always >= 0 (the GRPO paper's estimator).
 - ``low_var_kl``: k3 clamped to [-10, 10], so one token with a collapsed reference probability cannot blow up
-  the loss (the clamp is on the estimate itself, before any importance weight; slime clamps after weighting).
+  the loss (the clamp is on the estimate itself, before any importance weight, so the weight's gradient survives;
+  slime clamps after weighting: ``low_var_kl_clamp_after_weight``).
 
 The importance-weighted form (``use_unbiased_kl``, DeepSeek-V3.2) multiplies by ``pi_theta / pi_old``: tokens were
 sampled from pi_old, not pi_theta, so the plain estimate is biased once pi_theta moves; the weight is NOT
@@ -50,9 +51,20 @@ def low_var_kl(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
 
 
 def compute_kl(
-    kind: str, log_probs: Tensor, ref_log_probs: Tensor, *, importance_ratio: Tensor | None = None
+    kind: str,
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    *,
+    importance_ratio: Tensor | None = None,
+    clamp_after_weight: bool = False,
 ) -> Tensor:
-    """Per-token KL estimate ``[T]`` by registered name or dotted path, optionally importance-weighted."""
+    """Per-token KL estimate ``[T]`` by registered name or dotted path, optionally importance-weighted.
+
+    ``clamp_after_weight`` (``low_var_kl`` only): clamp the weighted estimate instead of the estimate (slime's order).
+    """
+    if clamp_after_weight and kind == "low_var_kl" and importance_ratio is not None:
+        weighted = k3(log_probs, ref_log_probs) * as_compute_dtype(importance_ratio)
+        return weighted.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
     kl = resolve_kl(kind)(log_probs, ref_log_probs)
     if importance_ratio is not None:
         kl = kl * as_compute_dtype(importance_ratio)

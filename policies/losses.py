@@ -13,8 +13,9 @@ Per-token policy losses (registered; a user loss has the same signature
   ``log pi_theta``, so clipped tokens still contribute (canonical CISPO: ``eps_clip >= 1``, no lower bound).
 - ``sft``: ``-log pi_theta`` (advantages ignored).
 
-The PPO log-ratio is clamped to +-20 before ``exp`` so a single diverged token gives a large but finite ratio
-instead of ``inf * 0 = NaN``.
+The log-ratio ``log pi_theta - log pi_old`` is clamped to +-``log_ratio_clamp`` (20) before ``exp`` (ppo, gspo's
+sequence ratio, cispo, the unbiased-KL weight) so a single diverged token gives a large but finite ratio instead of
+``inf`` and ``inf * 0 = NaN``; slime does not clamp (``log_ratio_clamp=None``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ __all__ = [
     "value_loss_terms",
 ]
 
-MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0  # the default of PolicyLossConfig.log_ratio_clamp
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,12 @@ def clipped_surrogate(
     return loss, clipped, dual_clipped
 
 
-def _ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
-    return (log_probs - old_log_probs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+def _exp_clamped(log_ratio: Tensor, clamp: float | None) -> Tensor:
+    return (log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp)).exp()
+
+
+def _ratio(config: PolicyLossConfig, log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+    return _exp_clamped(log_probs - old_log_probs, config.log_ratio_clamp)
 
 
 def _clipped_terms(config: PolicyLossConfig, ratio: Tensor, inputs: PolicyLossInputs) -> PolicyLossTerms:
@@ -125,7 +130,7 @@ def _clipped_terms(config: PolicyLossConfig, ratio: Tensor, inputs: PolicyLossIn
 
 @register_policy_loss("ppo")
 def ppo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms:
-    ratio = _ratio(inputs.log_probs, inputs.old_log_probs)
+    ratio = _ratio(config, inputs.log_probs, inputs.old_log_probs)
     return _clipped_terms(config, ratio, inputs)
 
 
@@ -135,13 +140,13 @@ def gspo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossT
     token_log_ratio = (
         to_tokens(seq_log_ratio.detach(), inputs.response_lengths) + inputs.log_probs - inputs.log_probs.detach()
     )
-    ratio = token_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    ratio = _exp_clamped(token_log_ratio, config.log_ratio_clamp)
     return _clipped_terms(config, ratio, inputs)
 
 
 @register_policy_loss("cispo")
 def cispo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms:
-    ratio = _ratio(inputs.log_probs, inputs.old_log_probs).detach()
+    ratio = _ratio(config, inputs.log_probs, inputs.old_log_probs).detach()
     assert config.eps_clip_high is not None
     truncated = ratio.clamp(1 - config.eps_clip, 1 + config.eps_clip_high)
     loss = -truncated * inputs.advantages * inputs.log_probs
@@ -185,20 +190,8 @@ def compute_value_loss(
     lengths = check_lengths(response_lengths)
     dtype = as_compute_dtype(values).dtype
     mask = as_float_mask(_checked("loss_mask", loss_mask, lengths), dtype)
-    values = zero_masked(_checked_finite("values", values, lengths, mask, dtype), mask)
-    returns = zero_masked(_checked_finite("returns", returns, lengths, mask, dtype), mask)
-    if old_values is not None:
-        old_values = zero_masked(_checked_finite("old_values", old_values, lengths, mask, dtype), mask).detach()
-    per_token, clipped = value_loss_terms(values, returns.detach(), old_values, config.value_clip)
-    loss = aggregate(
-        per_token,
-        mask,
-        lengths,
-        config.loss_agg_mode,
-        denominator=denominator,
-        sample_denominators=sample_denominators,
-    )
-    metrics = {"value_loss": loss.detach(), "value_clipfrac": masked_mean(clipped, mask)}
+    reduce = _reducer(config, mask, mask, lengths, denominator, sample_denominators)
+    loss, metrics = _value_term(config, values, returns, old_values, mask, lengths, dtype, reduce)
     return loss, _to_floats(metrics)
 
 
@@ -249,6 +242,7 @@ def compute_policy_loss(
 
     correction = _apply_correction(config, proximal, behaviour, original_mask, lengths)
     mask = original_mask * correction.keep_mask
+    count_mask = original_mask if config.rejected_tokens_in_denominator else mask
 
     if advantages is None:
         if config.loss_type != "sft":
@@ -265,27 +259,21 @@ def compute_policy_loss(
 
     metrics: dict[str, Tensor] = {}
     if config.use_opsm:
-        if behaviour is None:
-            raise ValueError("use_opsm needs rollout_log_probs (the engine's log-probs)")
+        reference = behaviour if config.opsm_reference == "rollout" else proximal
+        if reference is None:
+            raise ValueError("use_opsm with opsm_reference='rollout' needs rollout_log_probs (the engine's log-probs)")
         keep, metrics["opsm_seqfrac"] = opsm_keep_mask(
             advantages=advantages,
             log_probs=log_probs,
-            rollout_log_probs=behaviour,
+            rollout_log_probs=reference,
             loss_mask=mask,
             response_lengths=lengths,
             delta=config.opsm_delta,
+            per_token=config.opsm_token_advantage,
         )
         pg_per_token = pg_per_token * keep
 
-    def reduce(per_token: Tensor) -> Tensor:
-        return aggregate(
-            per_token,
-            mask,
-            lengths,
-            config.loss_agg_mode,
-            denominator=denominator,
-            sample_denominators=sample_denominators,
-        )
+    reduce = _reducer(config, mask, count_mask, lengths, denominator, sample_denominators)
 
     pg_loss = reduce(pg_per_token)
     loss = pg_loss
@@ -303,8 +291,15 @@ def compute_policy_loss(
         if ref_log_probs is None:
             raise ValueError("use_kl_loss needs ref_log_probs (the reference model's log-probs)")
         ref = zero_masked(_checked_finite("ref_log_probs", ref_log_probs, lengths, original_mask, dtype), mask)
-        weight = _ratio(log_probs, proximal) if config.use_unbiased_kl else None
-        kl_loss = reduce(compute_kl(config.kl_loss_type, log_probs, ref.detach(), importance_ratio=weight))
+        weight = _ratio(config, log_probs, proximal) if config.use_unbiased_kl else None
+        kl = compute_kl(
+            config.kl_loss_type,
+            log_probs,
+            ref.detach(),
+            importance_ratio=weight,
+            clamp_after_weight=config.low_var_kl_clamp_after_weight,
+        )
+        kl_loss = reduce(kl)
         loss = loss + config.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
 
@@ -340,13 +335,38 @@ def effective_loss_mask(
     mask = as_float_mask(_checked("loss_mask", loss_mask, lengths), torch.float64)
     behaviour = _optional_constant("rollout_log_probs", rollout_log_probs, lengths, mask, torch.float64)
     proximal = _optional_constant("old_log_probs", old_log_probs, lengths, mask, torch.float64)
-    if behaviour is None:
+    if behaviour is None or config.rejected_tokens_in_denominator:
         return mask
     proximal = behaviour if proximal is None else proximal
     return mask * _apply_correction(config, proximal, behaviour, mask, lengths).keep_mask
 
 
 # --------------------------------------------------------------------------------------------------------------
+
+
+def _reducer(
+    config: PolicyLossConfig,
+    mask: Tensor,
+    count_mask: Tensor,
+    lengths: Tensor,
+    denominator: float | Tensor | None,
+    sample_denominators: Tensor | None,
+) -> Callable[[Tensor], Tensor]:
+    """The one aggregation every loss term uses: numerators over ``mask``, local counts over ``count_mask``."""
+
+    def reduce(per_token: Tensor) -> Tensor:
+        return aggregate(
+            per_token,
+            mask,
+            lengths,
+            config.loss_agg_mode,
+            denominator=denominator,
+            sample_denominators=sample_denominators,
+            count_empty_samples=config.count_empty_samples,
+            count_mask=count_mask,
+        )
+
+    return reduce
 
 
 def _apply_correction(

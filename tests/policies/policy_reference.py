@@ -133,7 +133,7 @@ def gae(token_rewards: list[float], values: list[float], gamma: float, lambd: fl
 def whiten(values: list[list[float]], masks: list[list[float]], eps: float = 1e-8) -> list[list[float]]:
     kept = [v for row, mrow in zip(values, masks, strict=True) for v, m in zip(row, mrow, strict=True) if m > 0]
     mean = sum(kept) / len(kept)
-    var = sum((v - mean) ** 2 for v in kept) / len(kept)
+    var = sum((v - mean) ** 2 for v in kept) / max(len(kept) - 1, 1)  # unbiased (Bessel), as slime
     return [
         [((v - mean) / math.sqrt(var + eps)) if m > 0 else 0.0 for v, m in zip(row, mrow, strict=True)]
         for row, mrow in zip(values, masks, strict=True)
