@@ -52,21 +52,28 @@ class LossOutputs(Protocol):
     entropy: Tensor | None
 
 
-def pi_old_source(config: PolicyLossConfig, *, decoupled: bool) -> PiOldSource:
+def pi_old_source(config: PolicyLossConfig, *, decoupled: bool, steps_per_batch: int = 1) -> PiOldSource:
     """Where the step's proximal policy pi_old comes from; the one rule, used by the learner step.
 
     - ``rollout``: no decoupling and no correction: pi_old := mu, the engine's log-probs (SFT never reads it).
-    - ``training_forward``: pi_old is the learner's policy before this step's update. With one optimizer step per
+      mu does not change while a batch trains, so this holds for any number of optimizer steps per batch.
+    - ``training_forward``: pi_old is the learner's policy before the batch's update. With one optimizer step per
       batch that is exactly the policy of the training forward, so ``sg(log pi_theta)`` of that forward IS pi_old
       and a separate no-grad forward (about a third of a step) is wasted. This holds only when nothing must know
       pi_old BEFORE the training forward: the loss's denominators (a correction that rejects tokens by
       ``pi_old / mu``, i.e. mis or a user correction, changes the token count that every micro-batch divides by)
-      and the advantages (``kl_coef`` puts ``KL(pi_old || ref)`` into the rewards).
-    - ``separate_forward``: otherwise; pi_old is computed by a no-grad forward before the step.
+      and the advantages (``kl_coef`` puts ``KL(pi_old || ref)`` into the rewards); and only with ONE step per
+      batch (``steps_per_batch``): the second step's forward runs the already updated policy, while pi_old stays
+      the policy before the batch's first step (PPO's several epochs over one rollout).
+    - ``separate_forward``: otherwise; pi_old is computed by a no-grad forward once per batch, before its first
+      optimizer step.
     """
+    if steps_per_batch < 1:
+        raise ValueError(f"steps_per_batch must be >= 1, got {steps_per_batch}")
     if config.loss_type == "sft" or (not decoupled and config.off_policy_correction == "none"):
         return "rollout"
-    if config.kl_coef != 0 or config.off_policy_correction not in _CORRECTIONS_WITHOUT_REJECTION:
+    if (config.kl_coef != 0 or config.off_policy_correction not in _CORRECTIONS_WITHOUT_REJECTION
+            or steps_per_batch > 1):
         return "separate_forward"
     return "training_forward"
 
@@ -91,7 +98,8 @@ def step_denominators(
         rollout_log_probs=None if config.loss_type == "sft" else rollout_log_probs,
     )
     return torch.tensor(
-        [global_denominator(config.loss_agg_mode, keep, response_lengths), float(loss_mask.sum())],
+        [global_denominator(config.loss_agg_mode, keep, response_lengths,
+                            count_empty_samples=config.count_empty_samples), float(loss_mask.sum())],
         dtype=torch.float64,
     )
 

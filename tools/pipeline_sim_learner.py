@@ -47,12 +47,12 @@ class SleepingTrainer(Trainer):
         return ModelOutputs(log_probs=torch.zeros(total), entropy=torch.zeros(total) if with_entropy else None)
 
     def train_step(self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float,
-                   with_entropy: bool = False) -> StepResult:
+                   with_entropy: bool = False, ends_batch: bool = True) -> StepResult:
         cost = len(samples) * self.train_sample_seconds
         started = time.time()
         time.sleep(cost)
         ended = time.time()
-        self._version += 1
+        self._version += 1 if ends_batch else 0  # the version counts rollout batches, not optimizer steps
         metrics = {"sim/compute_start": started, "sim/compute_end": ended, "sim/timer_late_s": ended - started - cost,
                    "sequences": float(len(samples))}
         return StepResult(version=self._version, metrics=metrics, grad_norm=0.0)

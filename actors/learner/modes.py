@@ -120,8 +120,8 @@ class Training(Protocol):
 
 
 class RealTraining:
-    """One optimizer step per batch on every learner rank. With `--debug-train-only` no engine runs, so no
-    weights are published."""
+    """The batch's optimizer steps (one, or `--num-steps-per-rollout`) on every learner rank; the version moves
+    once per batch either way. With `--debug-train-only` no engine runs, so no weights are published."""
 
     keeps_model = True
 
@@ -139,7 +139,8 @@ class RealTraining:
 
 
 class CountingOnly:
-    """`--debug-rollout-only`: no training; each batch bumps the version so the run proceeds as if trained."""
+    """`--debug-rollout-only`: no training; each batch bumps the version so the run proceeds as if trained (a
+    version is one rollout batch whatever the optimizer steps per batch, as for `RealTraining`)."""
 
     keeps_model = False
     publishes = False

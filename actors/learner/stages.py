@@ -1,7 +1,8 @@
 """The stages of one learner step before the trainer, each a small function on a `StepBatch`.
 
-to typed batch -> this rank's shard -> reference log-probs -> pi_old -> advantages -> loss (denominators); the
-step (`actors.learner.step`) chains them and hands the trainer the batch and the loss. Each stage fills typed
+to typed batch -> this rank's shard -> reference log-probs -> pi_old -> advantages (once per rollout batch) ->
+mini-batches (one per optimizer step) -> loss (each mini-batch's denominators); the step
+(`actors.learner.step`) chains them and hands the trainer each mini-batch and its loss. Each stage fills typed
 fields of the `TrainSample`s; none of them runs the optimizer.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -134,10 +136,36 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
     batch.scatter("advantages", advantages.float())
 
 
+def mini_batches(batch: StepBatch, steps: int, parallel: DataParallel) -> list[StepBatch]:
+    """This rank's batch cut into `steps` consecutive, near-equal mini-batches, one per optimizer step.
+
+    Cut after the advantages (they need whole groups), so a group may span two steps, as in slime, which cuts
+    each data-parallel rank's samples in order. Each rank cuts its own shard, so step k trains every rank's k-th
+    piece: about batch / steps samples over all ranks (exactly that with a trainer that shards itself, e.g.
+    Megatron, which receives the whole batch). One step returns the batch itself.
+    """
+    if steps == 1:
+        return [batch]
+    fewest = len(batch.samples)
+    if parallel.size > 1:  # agreed over the ranks, so a short shard fails every rank alike instead of a hang
+        count = torch.tensor([fewest], dtype=torch.int64, device=_collective_device(parallel))
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=parallel.group)
+        fewest = int(count.item())
+    if fewest < steps:
+        where = "" if parallel.size == 1 else f" on some data-parallel rank (of {parallel.size})"
+        raise ValueError(f"{fewest} samples{where} cannot make {steps} optimizer steps "
+                         "(--num-steps-per-rollout / --global-batch-size): each step needs at least one sample")
+    bounds = [k * len(batch.samples) // steps for k in range(steps + 1)]
+    return [StepBatch(samples=batch.samples[start:end], group_ids=batch.group_ids[start:end])
+            for start, end in pairwise(bounds)]
+
+
 def build_loss(
     policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *, pi_old_from_forward: bool
 ) -> PolicyLoss:
-    """The step's loss with whole-step denominators: every rank's shard counts (one all-reduce when sharded)."""
+    """One optimizer step's loss with that step's denominators: its mini-batch on every rank counts (one
+    all-reduce when sharded). With several steps per rollout batch each step divides by its own counts, as slime
+    normalises per step (per token of the step with --calculate-per-token-loss, else per sample of the step)."""
     loss_mask = batch.packed("loss_mask")
     assert loss_mask is not None  # to_train_sample always sets one
     counts = step_denominators(
@@ -148,6 +176,15 @@ def build_loss(
         rollout_log_probs=batch.packed("rollout_log_probs"),
     )
     if parallel.size > 1:
+        counts = counts.to(_collective_device(parallel))
         torch.distributed.all_reduce(counts, group=parallel.group)
+        counts = counts.cpu()
     return PolicyLoss(policy, denominator=float(counts[0]), total_tokens=max(1.0, float(counts[1])),
                       pi_old_from_forward=pi_old_from_forward)
+
+
+def _collective_device(parallel: DataParallel) -> torch.device:
+    """Where a tensor of our own collectives must sit: NCCL carries only CUDA tensors, gloo CPU ones."""
+    if torch.distributed.get_backend(parallel.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

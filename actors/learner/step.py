@@ -1,10 +1,17 @@
-"""One learner step on a batch of samples: a short pipeline of named stages, then one optimizer step.
+"""One learner step on a rollout batch: a short pipeline of named stages, then one or more optimizer steps.
 
 to typed batch -> this rank's shard -> reference log-probs (when the policy needs them) -> pi_old (when it
-differs from the training forward) -> advantages -> loss with the step's global denominators -> the trainer's
-step. The stages live in `actors.learner.stages`, the loss in `policies.step_loss`; the trainer gets the batch
-and the loss object and never calls back into the learner. Kept apart from the learner actor so it runs (and is
-tested) without any socket.
+differs from the training forward) -> advantages -> per optimizer step: its mini-batch, its loss with that
+step's global denominators, the trainer's step. The stages live in `actors.learner.stages`, the loss in
+`policies.step_loss`; the trainer gets the batch and the loss object and never calls back into the learner.
+Kept apart from the learner actor so it runs (and is tested) without any socket.
+
+Several optimizer steps per batch (`--num-steps-per-rollout N`, or `--global-batch-size` = batch / N), as slime:
+reference log-probs, pi_old and advantages are computed ONCE for the whole batch, before the first step (so
+pi_old is the policy before the batch's first update, never an intermediate one); each step then trains its
+mini-batch with its own denominators. The policy version advances once per batch (`VersionCounter` in
+`engines.training.base`). The batch's row in train.jsonl keeps its metric names, as aggregates over the steps
+(`combine_steps`), and adds `step_{k}/loss`, `step_{k}/lr`, `step_{k}/grad_norm` for each step k = 1..N.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import numpy as np
 from actors.config import RunConfig
 from actors.learner import stages
 from bus.schema import Sample
-from engines.training.base import StepResult, Trainer
+from engines.training.base import DataParallel, StepResult, Trainer
 from policies.staleness import staleness_histogram
 from policies.step_loss import PiOldSource, pi_old_source
 
@@ -35,7 +42,11 @@ class TrainingStep:
         self.policy = config.policy
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
         self.temperature = config.rollout.rollout_temperature or 1.0
-        self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.learner.use_decoupled_ppo)
+        self.steps = config.optimizer_steps_per_batch
+        self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.learner.use_decoupled_ppo,
+                                              steps_per_batch=self.steps)
+        if self.pi_old == "training_forward" and self.steps > 1:
+            raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
 
     def train(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> StepReport:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
@@ -51,11 +62,49 @@ class TrainingStep:
             stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
         if self.policy.loss_type != "sft":
             stages.add_advantages(self.policy, batch, parallel)
-        loss = stages.build_loss(self.policy, batch, parallel,
-                                 pi_old_from_forward=self.pi_old == "training_forward")
-        result = self.trainer.train_step(batch.samples, loss, temperature=self.temperature,
-                                         with_entropy=loss.needs_entropy)
+        parts = stages.mini_batches(batch, self.steps, parallel)
+        results = [self._optimizer_step(part, parallel, last=index == len(parts) - 1)
+                   for index, part in enumerate(parts)]
+        result = combine_steps(results)
         return StepReport(result=result, metrics={**result.metrics, **batch_metrics})
+
+    def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
+        loss = stages.build_loss(self.policy, part, parallel, pi_old_from_forward=self.pi_old == "training_forward")
+        # `ends_batch` only with several steps: a trainer written for one step per batch need not know it.
+        extra = {} if self.steps == 1 else {"ends_batch": last}
+        return self.trainer.train_step(part.samples, loss, temperature=self.temperature,
+                                       with_entropy=loss.needs_entropy, **extra)
+
+
+# Metrics of a step that are totals of its work; the batch's value is their sum over steps, others are means.
+_SUMMED_METRICS = ("loss_tokens", "sequences", "micro_batches", "step_seconds")
+_PER_STEP_METRICS = ("loss", "lr", "grad_norm")
+
+
+def combine_steps(results: Sequence[StepResult]) -> StepResult:
+    """One batch's result from its optimizer steps' (the one step's own result when there is one).
+
+    Same metric names as one step: totals summed, everything else (loss, lr, grad_norm, the loss's diagnostics,
+    each already a per-step mean) averaged over the steps; plus each step's loss, lr and grad norm. `skipped`
+    means no step of the batch applied an update (the version did not move); a partial skip is counted in
+    `skipped_steps` and explained in `skip_reason`.
+    """
+    if len(results) == 1:
+        return results[0]
+    metrics: dict[str, float] = {}
+    for key in dict.fromkeys(key for result in results for key in result.metrics):
+        values = [result.metrics[key] for result in results if key in result.metrics]
+        metrics[key] = float(np.sum(values)) if key in _SUMMED_METRICS else float(np.mean(values))
+    for index, result in enumerate(results, start=1):
+        for key in _PER_STEP_METRICS:
+            metrics[f"step_{index}/{key}"] = result.metrics.get(key, float("nan"))
+    skipped = [index for index, result in enumerate(results, start=1) if result.skipped]
+    metrics["optimizer_steps"] = float(len(results))
+    metrics["skipped_steps"] = float(len(skipped))
+    reasons = "; ".join(f"step {index}: {results[index - 1].skip_reason}" for index in skipped)
+    return StepResult(version=results[-1].version, metrics=metrics,
+                      grad_norm=float(np.mean([result.grad_norm for result in results])),
+                      skipped=len(skipped) == len(results), skip_reason=reasons or None)
 
 
 def rollout_metrics(samples: Sequence[Sample], staleness: Sequence[int]) -> dict[str, float]:

@@ -57,8 +57,11 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
         "betas": (trainer.adam_beta1, trainer.adam_beta2),
         "weight_decay": trainer.weight_decay,
         "lr_schedule": trainer.lr_decay_style,
-        "warmup_steps": trainer.lr_warmup_iters,
-        "total_steps": config.learner.num_rollout if trainer.lr_decay_style == "cosine" else None,
+        "warmup_steps": _warmup_steps(config),
+        "eps": config.megatron.adam_eps,
+        # The schedule counts optimizer steps (several per batch with --num-steps-per-rollout), as slime's does.
+        "total_steps": (config.learner.num_rollout * config.optimizer_steps_per_batch
+                        if trainer.lr_decay_style == "cosine" else None),
         "min_lr_ratio": trainer.min_lr / trainer.lr if trainer.lr > 0 else 0.0,
         "grad_clip": trainer.clip_grad,
         "micro_batch_tokens": trainer.micro_batch_tokens,
@@ -75,7 +78,50 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
 
     # "cuda" resolves to cuda:LOCAL_RANK in the trainer; each learner rank sets LOCAL_RANK (actors/learner/ranks.py).
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return TorchTrainer(TorchTrainerConfig(**_shared_settings(config), device=device))
+    flags = _checked_megatron_flags(config)
+    # Megatron's activation recompute, on this backend: HF gradient checkpointing (every layer).
+    recompute = flags.get("recompute_granularity") is not None
+    settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute)
+    return TorchTrainer(settings)
+
+
+def _checked_megatron_flags(config: RunConfig) -> dict[str, Any]:
+    """A slime script's Megatron flags on the torch backend: its model-shape flags must match the checkpoint (the
+    same check the Megatron backend makes), what changes the computation and cannot happen here is refused, and
+    Megatron-only performance settings have nothing to act on."""
+    from transformers import AutoConfig
+
+    from engines.megatron.model_flags import check_against_hf, refuse_unsupported
+
+    flags = config.megatron.set_flags()
+    refuse_unsupported(flags, backend="torch")
+    assert config.model.hf_checkpoint is not None  # build_trainer checked it
+    check_against_hf(flags, AutoConfig.from_pretrained(config.model.hf_checkpoint))
+    return flags
+
+
+def _warmup_steps(config: RunConfig) -> int:
+    """--lr-warmup-iters, or Megatron's --lr-warmup-fraction of the run's optimizer steps (one or the other)."""
+    fraction, iters = config.megatron.lr_warmup_fraction, config.trainer.lr_warmup_iters
+    if fraction is None:
+        return iters
+    if iters:
+        raise ValueError(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters {iters}: set one of them")
+    return int(fraction * config.learner.num_rollout * config.optimizer_steps_per_batch)
+
+
+def _megatron_flags(config: RunConfig) -> Any:
+    """The `megatron` section as the Megatron trainer takes it: plain values, and the init hook's namespace (slime
+    calls it with its whole argument namespace; ours holds every flat setting of the run)."""
+    from actors.config.run import SECTIONS
+    from engines.megatron.model_flags import MegatronFlags
+
+    hook_args: dict[str, Any] = {"seed": config.seed, "torch_threads": config.torch_threads,
+                                 **config.policy.model_dump(mode="json")}
+    for section in SECTIONS:
+        hook_args.update(getattr(config, section).model_dump(mode="json"))
+    return MegatronFlags(flags=config.megatron.set_flags(), init_hook_path=config.megatron.custom_megatron_init_path,
+                         hook_args=hook_args)
 
 
 def _build_megatron_trainer(config: RunConfig) -> Trainer:
@@ -96,5 +142,6 @@ def _build_megatron_trainer(config: RunConfig) -> Trainer:
             tensor_model_parallel_size=trainer.tensor_model_parallel_size,
             pipeline_model_parallel_size=trainer.pipeline_model_parallel_size,
             use_distributed_optimizer=trainer.use_distributed_optimizer,
+            model_flags=_megatron_flags(config),
         )
     )

@@ -31,7 +31,6 @@ Checkpoints are megatron distributed checkpoints (resharding: save at one TP/PP/
 from __future__ import annotations
 
 import functools
-import math
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -55,12 +54,18 @@ from engines.training.base import (
     ModelOutputs,
     ModelRole,
     StepResult,
+    StepStats,
     Trainer,
     TrainSample,
+    VersionCounter,
+    check_loss,
+    scheduled_lr,
+    select_model,
+    skip_reason,
     step_result,
+    validate_samples,
 )
 from engines.training.micro_batches import count_loss_tokens
-from engines.training.schedule import lr_multiplier
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _HF_CONFIG_FILES = ("config.json", "generation_config.json")
@@ -74,13 +79,13 @@ class MegatronTrainer(Trainer):
     def __init__(self, config: MegatronTrainerConfig) -> None:
         self.config = config
         self._owns_world = parallel.ensure_default_group(parallel.compute_device())
-        self._version = 0
+        self._counter = VersionCounter()
         with maybe_cpu_compat():
             parallel.initialize_model_parallel(
                 config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed
             )
             dtype = _DTYPES[config.dtype]
-            self._bridge = HFBridge(config.model_path, dtype=dtype)
+            self._bridge = HFBridge(config.model_path, dtype=dtype, flags=config.model_flags)
             stage = self._bridge.build_stage()
             self._bridge.load_hf_weights([stage])
             self._stage = stage
@@ -100,7 +105,7 @@ class MegatronTrainer(Trainer):
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._counter.version
 
     def compute_log_probs(
         self,
@@ -114,8 +119,8 @@ class MegatronTrainer(Trainer):
 
         Gathered on the model's device and summed over the world on the collective device (one copy to the CPU
         at the end), so NCCL never sees a CPU tensor."""
-        network = self._select_model(model)
-        _validate(samples)
+        network = select_model(model, self._module, self._ref)
+        validate_samples(samples)
         offsets = _response_offsets(samples)
         log_probs = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device)
         entropy = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device) if with_entropy else None
@@ -144,10 +149,16 @@ class MegatronTrainer(Trainer):
         return ModelOutputs(log_probs=log_probs, entropy=entropy)
 
     def train_step(
-        self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False
+        self,
+        samples: Sequence[TrainSample],
+        loss: Loss,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        ends_batch: bool = True,
     ) -> StepResult:
         started = time.perf_counter()
-        _validate(samples)
+        validate_samples(samples)
         _, data_parallel = parallel.dp_rank_and_size()
         if len(samples) < data_parallel:
             raise ValueError(
@@ -159,7 +170,7 @@ class MegatronTrainer(Trainer):
         def loss_of(micro_batch: PaddedMicroBatch, outputs: ModelOutputs) -> Tensor:
             assert micro_batch.batch is not None
             value, metrics = loss(outputs, micro_batch.batch)
-            _check_loss(value)
+            check_loss(value)
             stats.add(float(value.detach()), metrics)
             return value
 
@@ -170,13 +181,13 @@ class MegatronTrainer(Trainer):
             micro_batches = self._micro_batches(samples, with_batch=True)
             self._run_schedule(self._module, micro_batches, loss_of, temperature, with_entropy, forward_only=False)
             reduced = stats.reduce(contributes=parallel.is_last_stage() and parallel.tp_rank() == 0)
-            return self._apply_update(reduced, counts, len(micro_batches), started)
+            return self._apply_update(reduced, counts, len(micro_batches), started, ends_batch)
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """Every rank writes its shards into one staging directory; rank 0 adds the state file and renames."""
         checkpoint.check_json(extra_state)
         state = {
-            "version": self._version,
+            **self._counter.state(),
             "config": self.config.model_dump(mode="json"),
             "format": "megatron-dist",
             "extra_state": extra_state,
@@ -189,7 +200,7 @@ class MegatronTrainer(Trainer):
         from megatron.core import dist_checkpointing
 
         checkpoint.check_json(extra_state)
-        state = {"version": self._version, "format": "megatron-dist-model", "extra_state": extra_state}
+        state = {**self._counter.state(), "format": "megatron-dist-model", "extra_state": extra_state}
 
         def write(staging: Path) -> None:
             dist_checkpointing.save({"model": self._stage.sharded_state_dict()}, str(staging))
@@ -216,7 +227,7 @@ class MegatronTrainer(Trainer):
             with optimizer.step_tolerant_loading(self._optimizer):
                 self._optimizer.load_state_dict(loaded["optimizer"])
             optimizer.after_load(self._optimizer)
-        self._version = int(state["version"])
+        self._counter.restore(state)
         return state["extra_state"]
 
     def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
@@ -318,6 +329,7 @@ class MegatronTrainer(Trainer):
         counts: tuple[int, int],
         micro_batches: int,
         started: float,
+        ends_batch: bool,
     ) -> StepResult:
         """Megatron's optimizer step, opened up: gradients are prepared and measured first so a non-finite norm
         skips the update (megatron would apply it for fp32/bf16, which have no loss scaler to catch it)."""
@@ -327,19 +339,9 @@ class MegatronTrainer(Trainer):
         self._optimizer.prepare_grads()
         grad_norm = float(self._optimizer.get_grad_norm())
         config = self.config
-        lr = config.lr * lr_multiplier(
-            self._version,
-            schedule=config.lr_schedule,
-            warmup_steps=config.warmup_steps,
-            total_steps=config.total_steps,
-            min_lr_ratio=config.min_lr_ratio,
-        )
-        skip_reason = None
-        if nonfinite_loss:
-            skip_reason = f"non-finite loss ({loss_sum})"
-        elif not math.isfinite(grad_norm):
-            skip_reason = f"non-finite gradient norm ({grad_norm})"
-        if skip_reason is None:
+        lr = scheduled_lr(config, self._counter.optimizer_steps)
+        reason = skip_reason(nonfinite_loss, loss_sum, grad_norm)
+        if reason is None:
             for group in self._optimizer.param_groups:
                 # megatron's scheduler normally applies these; its groups mark biases and norm gains with
                 # wd_mult=0 (no decay, as in the torch trainer) and leave the product to the scheduler.
@@ -350,11 +352,11 @@ class MegatronTrainer(Trainer):
                 if config.grad_clip is not None and parameters:
                     clip_grad_by_total_norm_fp32(parameters, max_norm=config.grad_clip, total_norm=grad_norm)
             self._optimizer.step_with_ready_grads()
-            self._version += 1
+        self._counter.after_step(applied=reason is None, ends_batch=ends_batch)
         self._module.zero_grad_buffer()
         self._optimizer.zero_grad()
         return step_result(
-            self._version,
+            self._counter.version,
             metric_sums,
             loss=loss_sum,
             lr=lr,
@@ -363,7 +365,7 @@ class MegatronTrainer(Trainer):
             sequences=counts[1],
             micro_batches=micro_batches,
             started=started,
-            skip_reason=skip_reason,
+            skip_reason=reason,
         )
 
     def _save_into(self, staging: Path, state: dict[str, Any]) -> None:
@@ -393,29 +395,9 @@ class MegatronTrainer(Trainer):
         stage.requires_grad_(False)
         return _maybe_float16(stage, bridge.transformer_config)
 
-    def _select_model(self, role: ModelRole) -> nn.Module:
-        if role == "policy":
-            return self._module
-        if role == "ref":
-            if self._ref is None:
-                raise ValueError("compute_log_probs(model='ref') needs ref_model_path in the trainer config")
-            return self._ref
-        raise ValueError(f"model must be 'policy' or 'ref', got {role!r}")
 
-
-class _StepStats:
+class _StepStats(StepStats):
     """Loss and metric sums of this rank's micro-batches, combined over the ranks that computed them."""
-
-    def __init__(self) -> None:
-        self.loss_sum = 0.0
-        self.nonfinite = False
-        self.metric_sums: dict[str, float] = {}
-
-    def add(self, loss: float, metrics: dict[str, float]) -> None:
-        self.loss_sum += loss
-        self.nonfinite |= not math.isfinite(loss)
-        for key, value in metrics.items():
-            self.metric_sums[key] = self.metric_sums.get(key, 0.0) + float(value)
 
     def reduce(self, *, contributes: bool) -> tuple[float, bool, dict[str, float]]:
         """Only the last pipeline stage computes losses, and its TP ranks compute identical ones: exactly one
@@ -469,15 +451,3 @@ def _response_offsets(samples: Sequence[TrainSample]) -> list[int]:
     for sample in samples:
         offsets.append(offsets[-1] + sample.response_length)
     return offsets
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise TypeError(f"the loss must return a scalar tensor as its loss, got {type(loss).__name__}")
-    if not loss.requires_grad:
-        raise ValueError("the loss returned a value with no gradient path to outputs.log_probs")
-
-
-def _validate(samples: Sequence[TrainSample]) -> None:
-    for index, sample in enumerate(samples):
-        sample.validate(index)

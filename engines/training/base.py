@@ -16,15 +16,19 @@ SUMS each metric over micro-batches and ranks, so a loss reports each as this mi
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
+
+from engines.training.config import TrainerOptimizerConfig
+from engines.training.schedule import lr_multiplier
 
 ModelRole = Literal["policy", "ref"]
 
@@ -168,7 +172,8 @@ class DataParallel:
 class Trainer(ABC):
     """A policy (and optional frozen reference) model with its optimizer, seen as a versioned function.
 
-    `version` is the number of optimizer steps applied: the policy version every generated token is tagged with.
+    `version` is the policy version every generated token is tagged with: the number of rollout batches whose
+    training applied an update (equal to the optimizer steps applied with one step per batch; `VersionCounter`).
     Methods that touch the model are collective when the trainer spans several data-parallel processes: every
     rank calls them, each with its own shard of samples.
     """
@@ -190,9 +195,20 @@ class Trainer(ABC):
 
     @abstractmethod
     def train_step(
-        self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False
+        self,
+        samples: Sequence[TrainSample],
+        loss: Loss,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        ends_batch: bool = True,
     ) -> StepResult:
-        """One optimizer step on `samples`. A non-finite loss or gradient norm skips the update and says so."""
+        """One optimizer step on `samples`. A non-finite loss or gradient norm skips the update and says so.
+
+        `ends_batch` False: more optimizer steps of the same rollout batch follow, so the policy version does
+        not advance yet (see `VersionCounter`). The learner passes it only when a batch takes several steps,
+        so a trainer written for one step per batch keeps working without it.
+        """
 
     @abstractmethod
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
@@ -221,6 +237,104 @@ class Trainer(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most trainers hold nothing to release
         """Release distributed resources; call before tearing down torch.distributed."""
+
+
+@dataclass
+class VersionCounter:
+    """The policy version and the optimizer-step count of a trainer, which differ once a rollout batch takes
+    several optimizer steps (`--num-steps-per-rollout`, or `--global-batch-size` below the batch).
+
+    Decision: the VERSION advances once per rollout batch, after its last optimizer step, if any of the batch's
+    steps applied an update. That is slime's meaning (weights are pushed after the whole rollout's training and
+    samples are tagged by rollout id) and what the staleness accounting assumes: the buffer admits
+    `(learner_version + max_staleness + 1) * groups_per_batch` groups, so a version must be worth one batch, and
+    `--max-staleness` keeps counting batches whatever the steps per batch. The weights published between two
+    versions are never an intermediate step's. `optimizer_steps` counts every applied update and drives the
+    learning-rate schedule (warmup and decay are in optimizer steps, as in slime). A skipped step (non-finite
+    loss or gradient) advances neither.
+    """
+
+    version: int = 0
+    optimizer_steps: int = 0
+    updated_in_batch: bool = False
+
+    def after_step(self, *, applied: bool, ends_batch: bool) -> None:
+        if applied:
+            self.optimizer_steps += 1
+            self.updated_in_batch = True
+        if ends_batch and self.updated_in_batch:
+            self.version += 1
+            self.updated_in_batch = False
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint stores (written between batches, so no update is ever pending)."""
+        return {"version": self.version, "optimizer_steps": self.optimizer_steps}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """From a checkpoint's state; one written before steps were counted apart has steps == version."""
+        self.version = int(state["version"])
+        self.optimizer_steps = int(state.get("optimizer_steps", self.version))
+        self.updated_in_batch = False
+
+
+@dataclass
+class StepStats:
+    """A step's loss and metric sums over the micro-batches one rank ran; each backend sums them over ranks."""
+
+    loss_sum: float = 0.0
+    nonfinite: bool = False
+    metric_sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, loss: float, metrics: dict[str, float]) -> None:
+        self.loss_sum += loss
+        self.nonfinite |= not math.isfinite(loss)
+        for key, value in metrics.items():
+            self.metric_sums[key] = self.metric_sums.get(key, 0.0) + float(value)
+
+
+def scheduled_lr(config: TrainerOptimizerConfig, optimizer_steps: int) -> float:
+    """The learning rate of the update after `optimizer_steps` applied ones, under `config`'s schedule."""
+    return config.lr * lr_multiplier(
+        optimizer_steps,
+        schedule=config.lr_schedule,
+        warmup_steps=config.warmup_steps,
+        total_steps=config.total_steps,
+        min_lr_ratio=config.min_lr_ratio,
+    )
+
+
+def skip_reason(nonfinite_loss: bool, loss_sum: float, grad_norm: float) -> str | None:
+    """Why an update must not be applied, or None; the same rule for every backend."""
+    if nonfinite_loss:
+        return f"non-finite loss ({loss_sum})"
+    if not math.isfinite(grad_norm):
+        return f"non-finite gradient norm ({grad_norm})"
+    return None
+
+
+def check_loss(loss: Any) -> None:
+    """A loss must hand back a scalar with a gradient path; say so before backward() fails obscurely."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise TypeError(f"the loss must return a scalar tensor as its loss, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError("the loss returned a value with no gradient path to outputs.log_probs")
+
+
+def validate_samples(samples: Sequence[TrainSample]) -> None:
+    """Every sample's layout, checked on entry so an error names the sample and the field."""
+    for index, sample in enumerate(samples):
+        sample.validate(index)
+
+
+def select_model(role: ModelRole, policy: Any, ref: Any) -> Any:
+    """The network `compute_log_probs(model=role)` runs: the policy, or the frozen reference if configured."""
+    if role == "policy":
+        return policy
+    if role == "ref":
+        if ref is None:
+            raise ValueError("compute_log_probs(model='ref') needs ref_model_path in the trainer config")
+        return ref
+    raise ValueError(f"model must be 'policy' or 'ref', got {role!r}")
 
 
 def step_result(

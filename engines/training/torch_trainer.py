@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,9 +36,16 @@ from engines.training.base import (
     ModelOutputs,
     ModelRole,
     StepResult,
+    StepStats,
     Trainer,
     TrainSample,
+    VersionCounter,
+    check_loss,
+    scheduled_lr,
+    select_model,
+    skip_reason,
     step_result,
+    validate_samples,
 )
 from engines.training.config import TorchTrainerConfig
 from engines.training.logprobs import token_log_probs
@@ -51,7 +57,6 @@ from engines.training.micro_batches import (
     pack_inputs,
     plan_micro_batches,
 )
-from engines.training.schedule import lr_multiplier
 
 _DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
 
@@ -79,13 +84,13 @@ class TorchTrainer(Trainer):
         self._train_module: nn.Module = self._model
         if _world_size() > 1:
             self._train_module = _wrap_ddp(self._model, self._device)
-        self._version = 0
+        self._counter = VersionCounter()
 
     # -- Trainer ---------------------------------------------------------------------------------------------
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._counter.version
 
     def compute_log_probs(
         self,
@@ -96,8 +101,8 @@ class TorchTrainer(Trainer):
         model: ModelRole = "policy",
     ) -> ModelOutputs:
         """Packed in sample order, returned on the CPU (where samples live), computed without gradients."""
-        network = self._select_model(model)
-        _validate(samples)
+        network = select_model(model, self._model, self._ref)
+        validate_samples(samples)
         if not samples:
             empty = torch.empty(0)
             return ModelOutputs(log_probs=empty, entropy=empty if with_entropy else None)
@@ -124,16 +129,21 @@ class TorchTrainer(Trainer):
         )
 
     def train_step(
-        self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False
+        self,
+        samples: Sequence[TrainSample],
+        loss: Loss,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        ends_batch: bool = True,
     ) -> StepResult:
         started = time.perf_counter()
-        _validate(samples)
+        validate_samples(samples)
         counts = self._step_counts(samples)
         plan = self._plan(samples)
         self._model.train()
         self._optimizer.zero_grad(set_to_none=True)
-        metric_sums: dict[str, float] = {}
-        loss_sum, nonfinite_loss = 0.0, False
+        stats = StepStats()
         for position, members in enumerate(plan):
             chunk = [samples[index] for index in members]
             inputs = pack_inputs(chunk).to(self._device)
@@ -148,16 +158,12 @@ class TorchTrainer(Trainer):
                         with_entropy=with_entropy,
                     )
                     value, metrics = loss(outputs, batch)
-                _check_loss(value)
+                check_loss(value)
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
                 value.backward()
-            loss_value = float(value.detach())
-            nonfinite_loss |= not math.isfinite(loss_value)
-            loss_sum += loss_value
-            for key, value in metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
-        loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(loss_sum, nonfinite_loss, metric_sums)
-        return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started)
+            stats.add(float(value.detach()), metrics)
+        loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(stats)
+        return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started, ends_batch)
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """Rank 0 writes (all ranks hold identical weights and moments); every rank returns or raises together."""
@@ -172,7 +178,7 @@ class TorchTrainer(Trainer):
                 checkpoint.write_state(
                     staging,
                     {
-                        "version": self._version,
+                        **self._counter.state(),
                         "optimizer": optimizer_meta,
                         "config": self.config.model_dump(mode="json"),
                         "extra_state": extra_state,
@@ -195,7 +201,7 @@ class TorchTrainer(Trainer):
         checkpoint.load_optimizer(
             directory / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names, state["optimizer"]
         )
-        self._version = int(state["version"])
+        self._counter.restore(state)
         return state["extra_state"]
 
     def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
@@ -240,32 +246,23 @@ class TorchTrainer(Trainer):
         counts: tuple[int, int],
         micro_batches: int,
         started: float,
+        ends_batch: bool,
     ) -> StepResult:
         """Clip, then step unless something is non-finite. The decision is identical on every rank: the loss
         flag was all-reduced and the gradient norm is computed from already-summed gradients."""
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm))
-        lr = self.config.lr * lr_multiplier(
-            self._version,
-            schedule=self.config.lr_schedule,
-            warmup_steps=self.config.warmup_steps,
-            total_steps=self.config.total_steps,
-            min_lr_ratio=self.config.min_lr_ratio,
-        )
-        skip_reason = None
-        if nonfinite_loss:
-            skip_reason = f"non-finite loss ({loss_sum})"
-        elif not math.isfinite(grad_norm):
-            skip_reason = f"non-finite gradient norm ({grad_norm})"
-        if skip_reason is None:
+        lr = scheduled_lr(self.config, self._counter.optimizer_steps)
+        reason = skip_reason(nonfinite_loss, loss_sum, grad_norm)
+        if reason is None:
             for group in self._optimizer.param_groups:
                 group["lr"] = lr
             self._optimizer.step()
-            self._version += 1
+        self._counter.after_step(applied=reason is None, ends_batch=ends_batch)
         self._optimizer.zero_grad(set_to_none=True)
-        return step_result(self._version, metric_sums, loss=loss_sum, lr=lr, grad_norm=grad_norm,
+        return step_result(self._counter.version, metric_sums, loss=loss_sum, lr=lr, grad_norm=grad_norm,
                            loss_tokens=counts[0], sequences=counts[1], micro_batches=micro_batches,
-                           started=started, skip_reason=skip_reason)
+                           started=started, skip_reason=reason)
 
     def _step_counts(self, samples: Sequence[TrainSample]) -> tuple[int, int]:
         """The step's (loss tokens, sequences) over every rank, for the metrics; all-reduced once, so an empty
@@ -280,13 +277,12 @@ class TorchTrainer(Trainer):
             raise ValueError(f"train_step: {empty_ranks} data-parallel rank(s) got no samples; every rank needs some")
         return loss_tokens, sequences
 
-    def _reduce_step_stats(
-        self, loss_sum: float, nonfinite_loss: bool, metric_sums: dict[str, float]
-    ) -> tuple[float, bool, dict[str, float]]:
+    def _reduce_step_stats(self, stats: StepStats) -> tuple[float, bool, dict[str, float]]:
+        """Every rank runs every metric's loss terms, so the keys agree and one all-reduce sums them."""
         if _world_size() == 1:
-            return loss_sum, nonfinite_loss, metric_sums
-        keys = sorted(metric_sums)
-        values = [loss_sum, float(nonfinite_loss), *(metric_sums[key] for key in keys)]
+            return stats.loss_sum, stats.nonfinite, stats.metric_sums
+        keys = sorted(stats.metric_sums)
+        values = [stats.loss_sum, float(stats.nonfinite), *(stats.metric_sums[key] for key in keys)]
         stats = torch.tensor(values, dtype=torch.float64, device=self._device)
         dist.all_reduce(stats)
         reduced = stats.cpu().tolist()
@@ -311,15 +307,6 @@ class TorchTrainer(Trainer):
 
     def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
         return plan_micro_batches([int(s.tokens.numel()) for s in samples], self.config.micro_batch_tokens)
-
-    def _select_model(self, role: ModelRole) -> nn.Module:
-        if role == "policy":
-            return self._model
-        if role == "ref":
-            if self._ref is None:
-                raise ValueError("compute_log_probs(model='ref') needs ref_model_path in the trainer config")
-            return self._ref
-        raise ValueError(f"model must be 'policy' or 'ref', got {role!r}")
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = self.config.compute_dtype
@@ -393,18 +380,6 @@ def _sum_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures
 
 # DDP validates a hook's annotations by identity; postponed (string) annotations would fail that check.
 _sum_gradients_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise TypeError(f"the loss must return a scalar tensor as its loss, got {type(loss).__name__}")
-    if not loss.requires_grad:
-        raise ValueError("the loss returned a value with no gradient path to outputs.log_probs")
-
-
-def _validate(samples: Sequence[TrainSample]) -> None:
-    for index, sample in enumerate(samples):
-        sample.validate(index)
 
 
 def _resolve_device(name: str) -> torch.device:
