@@ -19,7 +19,8 @@ routines, and add only what our configuration differs in:
 - rope parameters: transformers 5 moved `rope_theta` into `rope_parameters`, which mbridge does not read;
 - the TransformerConfig: no dropout, per-token loss scaling (see `engines.megatron.trainer`), and the kernels
   the runtime has (`Runtime`, `config_overrides`): on a GPU sequence parallelism (TP > 1, TE spec) and the fused
-  kernels megatron's own training enables; on the CPU (`cpu_compat`) none of them, since they are CUDA kernels.
+  kernels megatron's own training enables; on the CPU (`cpu_compat`) none of them, since they are CUDA kernels;
+  then the Megatron flags the run gave (`engines.megatron.model_flags`: recompute, dropout, ...), which win.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
+
+from engines.megatron.model_flags import MegatronFlags, check_against_hf, run_init_hook, transformer_overrides
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 _LOCAL_SPEC_NORMS = {
@@ -75,8 +78,15 @@ class HFBridge:
     """
 
     def __init__(
-        self, model_path: str | Path, *, dtype: torch.dtype = torch.float32, runtime: Runtime | None = None
+        self,
+        model_path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        runtime: Runtime | None = None,
+        flags: MegatronFlags | None = None,
     ) -> None:
+        """`flags`: Megatron's flags from the run (checked against the checkpoint, mapped onto the
+        TransformerConfig) and the init hook, which runs here: megatron is initialised, no model is built yet."""
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"model path {self.model_path}: no config.json (expected a Hugging Face folder)")
@@ -91,6 +101,10 @@ class HFBridge:
         from megatron.core import parallel_state
 
         tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+        flags = flags or MegatronFlags()
+        check_against_hf(flags.flags, self.hf_config, tensor_parallel=tensor_parallel)
+        if flags.init_hook_path:
+            run_init_hook(flags.init_hook_path, flags.hook_args)
         vocab = self.hf_config.vocab_size
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         self._bridge = _bridge_class(family)(
@@ -99,7 +113,10 @@ class HFBridge:
             make_vocab_size_divisible_by=tensor_parallel if vocab % tensor_parallel else None,
         )
         self.runtime = Runtime.detect() if runtime is None else runtime
-        self._bridge.set_extra_args(**config_overrides(dtype, self.runtime, tensor_parallel))
+        overrides = config_overrides(dtype, self.runtime, tensor_parallel)
+        # Flags the user gave win over our defaults (recompute, dropout, fusions turned off, ...).
+        overrides |= transformer_overrides(flags.flags, layer_spec=self.runtime.layer_spec)
+        self._bridge.set_extra_args(**overrides)
         self.vocab_size = vocab
         self.padded_vocab_size = math.ceil(vocab / tensor_parallel) * tensor_parallel
 

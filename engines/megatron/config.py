@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from engines.megatron.model_flags import MegatronFlags, refuse_unsupported
 from engines.training.config import TrainerOptimizerConfig
 
 
@@ -17,9 +18,17 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
     bounds the padded tokens (rows x longest row) of one forward pass. `initial_checkpoint` is a Megatron
     distributed checkpoint (from `tools/convert_checkpoint.py` or a trainer checkpoint) whose weights replace
     the Hugging Face ones at start-up; `model_path` still provides the architecture, tokenizer and export config.
+    `model_flags` are Megatron's own flags as a slime script passes them (`engines.megatron.model_flags`): what
+    this trainer cannot honour is refused here, the model-shape ones are checked when the checkpoint is read.
     """
 
     initial_checkpoint: Path | None = None
     tensor_model_parallel_size: int = Field(default=1, ge=1)
     pipeline_model_parallel_size: int = Field(default=1, ge=1)
     use_distributed_optimizer: bool = True
+    model_flags: MegatronFlags = Field(default_factory=MegatronFlags)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_flags(self) -> MegatronTrainerConfig:
+        refuse_unsupported(self.model_flags.flags, backend="megatron")
+        return self

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -11,19 +9,6 @@ from engines.megatron import parallel
 from engines.megatron.cpu_compat import maybe_cpu_compat
 
 pytest.importorskip("megatron.core")
-
-
-@pytest.fixture
-def megatron_world() -> Iterator[None]:
-    owns = parallel.ensure_default_group(parallel.compute_device())
-    with maybe_cpu_compat():
-        parallel.initialize_model_parallel(1, 1, seed=0)
-    try:
-        yield
-    finally:
-        parallel.destroy_model_parallel()
-        if owns:
-            torch.distributed.destroy_process_group()
 
 
 def _pair(query_groups: int) -> tuple[torch.nn.Module, torch.nn.Module]:
