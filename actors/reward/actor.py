@@ -12,8 +12,9 @@ import msgspec
 
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
+from actors.slime_compat.plugins import load_slime_reward
 from bus.schema import GeneratedGroup, Sample, ScoredGroup
-from policies.rewards import RewardInput, build_reward, score, score_group
+from policies.rewards import RewardInput, RewardSpec, build_reward, score, score_group
 
 
 class RewardWorker(Actor):
@@ -24,6 +25,10 @@ class RewardWorker(Actor):
         self.reward = build_reward(self.config.reward.rm_type, custom_rm_path=self.config.reward.custom_rm_path,
                                    group_rm=self.config.reward.group_rm, rm_url=self.config.reward.rm_url,
                                    remote_timeout_s=self.config.reward.reward_timeout)
+        slime_rm = load_slime_reward(self.config)  # slime's rm(args, sample) / rm(args, samples), by signature
+        if slime_rm is not None:
+            self.reward = RewardSpec(self.reward.name, slime_rm, is_group=self.config.reward.group_rm)
+        self.takes_samples = slime_rm is not None
         self.buffer = self.peer_stream("buffer")
         self.stream_concurrency["on_generated"] = self.config.reward.reward_concurrency
 
@@ -36,8 +41,9 @@ class RewardWorker(Actor):
                                            worker_id=group.worker_id))
 
     async def score_samples(self, samples: list[Sample]) -> list[Sample]:
-        inputs = [RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label,
-                              metadata=dict(s.metadata)) for s in samples]
+        inputs: list = list(samples) if self.takes_samples else [
+            RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label, metadata=dict(s.metadata))
+            for s in samples]
         if self.reward.is_group:
             outcomes = await score_group(self.reward.fn, inputs, timeout_s=self.config.reward.reward_timeout)
         else:

@@ -4,6 +4,8 @@ A custom generate function (`--custom-generate-function-path pkg.mod:fn`) has th
 `async def fn(context: RolloutContext, group: PromptGroup) -> list[Sample]` and may call the engine several
 times (multi-turn, tool calls). It builds samples with `make_sample`, passing a loss mask that zeroes the
 tokens the policy did not produce (tool outputs), and the versions/log-probs of the tokens it did.
+A slime-style `async def generate(args, sample, sampling_params) -> Sample` is detected by its signature and
+adapted (`actors.slime_compat`); it reaches the engine over HTTP, so it needs `--rollout-engine sglang`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from actors.config import RunConfig
+from actors.slime_compat.plugins import adapt_generate, is_slime_style
 from bus.schema import PromptGroup, Sample
 from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
 from policies.plugins import load_object
@@ -126,6 +129,12 @@ async def sft_generate(context: RolloutContext, group: PromptGroup) -> list[Samp
 
 def choose_generate_function(config: RunConfig) -> GenerateFunction:
     custom = load_generate_function(config.rollout.custom_generate_function_path)
+    path = config.rollout.custom_generate_function_path
+    if custom is not None and is_slime_style(custom, 3):  # slime's generate(args, sample, sampling_params)
+        return adapt_generate(custom, config, path or "")
+    if config.rollout.rollout_sample_hook_path:
+        raise ValueError("--rollout-sample-hook-path applies to a slime-style --custom-generate-function-path "
+                         "(args, sample, sampling_params); with ours, edit the samples in the generate function")
     if custom is not None:
         return custom
     return sft_generate if config.policy.loss_type == "sft" else default_generate

@@ -1,0 +1,16 @@
+"""Run plugins written for slime: a slime-style ``Sample``, ``args``, HTTP helpers and signature adapters.
+
+The change a slime plugin needs is its imports: ``from slime.utils.types import Sample`` becomes
+``from actors.slime_compat import Sample`` (likewise ``post`` from ``slime.utils.http_utils``, ``GenerateState``
+from ``slime.rollout.sglang_rollout``, ``DynamicFilterOutput`` from ``slime.rollout.filter_hub.base_types``).
+Signatures stay slime's; ``plugins`` detects them and adapts them onto the actors' seams.
+"""
+
+from actors.slime_compat.args import build_args, sampling_params
+from actors.slime_compat.http import get, post
+from actors.slime_compat.plugins import DynamicFilterOutput, is_slime_style
+from actors.slime_compat.sample import Sample
+from actors.slime_compat.state import GenerateState, load_tokenizer
+
+__all__ = ["DynamicFilterOutput", "GenerateState", "Sample", "build_args", "get", "is_slime_style",
+           "load_tokenizer", "post", "sampling_params"]

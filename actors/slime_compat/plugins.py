@@ -1,0 +1,146 @@
+"""Load slime-style plugins next to ours: detection by signature, and adapters onto our seams.
+
+slime's plugins take ``args`` first: ``async generate(args, sample, sampling_params) -> Sample``,
+``async rm(args, sample, **kw) -> float`` (``rm(args, samples, **kw) -> list[float]`` under ``--group-rm``),
+filters ``(args, samples, **kw) -> DynamicFilterOutput | bool`` and rollout sample hooks
+``hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None``. Ours take one typed context object
+(generate: ``(context, group)``; reward: ``(RewardInput)``; filter: ``(FilterGroup)``). A function is slime-style
+when its first parameter is named ``args`` and it takes slime's count of positional parameters; anything else
+loads as ours, unchanged. A user's plugin changes only its ``slime.*`` imports to ``actors.slime_compat``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from actors.config import RunConfig
+from actors.slime_compat.args import build_args, sampling_params
+from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire
+from bus.schema import PromptGroup
+from bus.schema import Sample as WireSample
+from policies.filters import FilterGroup, FilterVerdict
+from policies.plugins import load_object
+
+__all__ = ["DynamicFilterOutput", "adapt_filter", "adapt_generate", "adapt_reward", "is_slime_style",
+           "load_slime_reward"]
+
+
+@dataclass
+class DynamicFilterOutput:
+    """What a slime dynamic-sampling filter returns. ``keep_when_insufficient`` reads as a drop here: admission
+    refills the batch group by group, so there is never a shortfall that keeping a rejected group would cover."""
+
+    keep: bool
+    reason: str | None = None
+    keep_when_insufficient: bool = False
+
+
+def is_slime_style(fn: Callable[..., Any], positional: int) -> bool:
+    """True for ``fn(args, ...)`` taking at least ``positional`` positional parameters (slime's convention)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional_params = [p for p in params if p.kind in kinds]
+    return bool(positional_params) and positional_params[0].name == "args" and len(positional_params) >= positional
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(fn).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Callable[..., Any]:
+    """Our ``generate(context, group)`` around a slime ``generate(args, sample, sampling_params)``.
+
+    Each of the group's ``n_samples`` responses is one plugin call, run concurrently as slime does. The plugin
+    reaches the engine over HTTP, so it needs a server: refused at start-up with ``--rollout-engine torch``.
+    """
+    if config.engine.rollout_engine == "torch":
+        raise ValueError(
+            f"--custom-generate-function-path {path}: a slime-style generate(args, sample, sampling_params) calls "
+            "the engine over HTTP (args.sglang_router_ip/port), and --rollout-engine torch serves none; use "
+            "--rollout-engine sglang (on CPU add --sglang-server-module engines.sglang.server)"
+        )
+    hooks = [load_object(p, what="--rollout-sample-hook-path") for p in config.rollout.rollout_sample_hook_path]
+    namespaces: dict[str, Any] = {}
+
+    async def generate(context: Any, group: PromptGroup) -> list[WireSample]:
+        url = getattr(context.engine, "url", None)
+        if url is None:
+            raise RuntimeError(f"{path}: the rollout engine has no HTTP server for a slime-style generate plugin")
+        args = namespaces.setdefault(url, build_args(config, server_url=url))
+        start = context.engine.version
+        produced = await asyncio.gather(*(_one(args, group, index, start) for index in range(group.n_samples)))
+        return list(produced)
+
+    async def _one(args: Any, group: PromptGroup, index: int, start: int) -> WireSample:
+        sample = from_group(group, index)
+        extra = {"evaluation": group.is_eval}
+        result = await fn(args, sample, sampling_params(config, evaluation=group.is_eval), **_accepted(fn, extra))
+        if not isinstance(result, Sample):
+            raise TypeError(f"{path} returned {type(result).__name__}; expected one actors.slime_compat.Sample "
+                            "(several samples per call are not supported: a group holds n_samples responses)")
+        for hook in hooks:
+            hooked = await _maybe_await(hook(args, result, **_accepted(hook, {"rollout_id": None, **extra})))
+            if hooked is not None:
+                if not isinstance(hooked, Sample):
+                    raise TypeError(f"--rollout-sample-hook-path {hook!r} returned {type(hooked).__name__}")
+                result = hooked
+        return to_wire(result, group, index, start_version=start)
+
+    return generate
+
+
+def adapt_reward(fn: Callable[..., Any], config: RunConfig, *, group: bool) -> Callable[..., Any]:
+    """A reward callable over our wire samples (one, or a group's list) around a slime ``rm(args, sample(s))``."""
+    args = build_args(config)
+
+    async def reward(samples: WireSample | list[WireSample]) -> Any:
+        converted = [from_wire(s) for s in samples] if group else from_wire(samples)  # type: ignore[union-attr]
+        return await _maybe_await(fn(args, converted))
+
+    return reward
+
+
+def load_slime_reward(config: RunConfig) -> Callable[..., Any] | None:
+    """The adapted ``--custom-rm-path`` function when it is slime-style, else None (ours loads as before)."""
+    path = config.reward.custom_rm_path
+    if not path:
+        return None
+    fn = load_object(path, what="--custom-rm-path")
+    if not callable(fn) or not is_slime_style(fn, 2):
+        return None
+    return adapt_reward(fn, config, group=config.reward.group_rm)
+
+
+def adapt_filter(spec: str, config: RunConfig) -> Callable[[FilterGroup], FilterVerdict] | None:
+    """Our filter around a slime dynamic-sampling filter ``(args, samples, **kw)``; None when ``spec`` is ours."""
+    if "." not in spec and ":" not in spec:
+        return None  # a built-in filter name
+    fn = load_object(spec, what="--dynamic-sampling-filter-path")
+    if not callable(fn) or not is_slime_style(fn, 2):
+        return None
+    args = build_args(config)
+
+    def group_filter(group: FilterGroup) -> FilterVerdict:
+        output = fn(args, [from_wire(s) for s in group.samples])
+        if isinstance(output, bool):
+            return FilterVerdict(keep=output)
+        if not hasattr(output, "keep"):
+            raise TypeError(f"{spec} returned {type(output).__name__}; expected DynamicFilterOutput or bool")
+        return FilterVerdict(keep=bool(output.keep), reason=str(output.reason or ""))
+
+    group_filter.__name__ = spec
+    return group_filter

@@ -1,0 +1,148 @@
+"""slime plugin compatibility: signature detection, Sample conversion, and the reward/filter/generate adapters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from actors.buffer.actor import make_group_filter
+from actors.config.flags import build_config
+from actors.rollout.generate import choose_generate_function, default_generate
+from actors.slime_compat import DynamicFilterOutput, Sample, build_args, is_slime_style
+from actors.slime_compat.plugins import adapt_reward
+from actors.slime_compat.sample import from_group, from_wire, to_wire
+from bus.schema import PromptGroup, ScoredGroup
+from bus.schema import Sample as WireSample
+from examples.slime_style import group_rm
+from examples.slime_style.retool_generate import run_python
+
+pytestmark = pytest.mark.unit
+GROUP = PromptGroup(group_id="g1", prompt="2+3=", label="5", n_samples=2, data_index=7)
+
+
+async def slime_generate(args, sample, sampling_params):
+    return sample
+
+
+async def our_generate(context, group):
+    return []
+
+
+def slime_filter(args, samples, **kwargs):
+    rewards = [s.reward for s in samples]
+    return DynamicFilterOutput(keep=len(set(rewards)) > 1, reason="same_reward")
+
+
+def test_signatures_are_told_apart() -> None:
+    assert is_slime_style(slime_generate, 3)
+    assert not is_slime_style(our_generate, 3)
+    assert is_slime_style(group_rm.rm, 2)
+    assert not is_slime_style(lambda inp: 1.0, 2)
+
+
+def test_a_slime_sample_built_with_tool_turns_reaches_the_wire_intact() -> None:
+    sample = from_group(GROUP, 1)
+    sample.tokens = [5, 6, 7]
+    spans = [{"version": "3", "start": 0, "end": 2}]
+    sample.append_response_tokens(None, tokens=[10, 11], log_probs=[-0.5, -0.25], trainable=True,
+                                  meta_info={"finish_reason": {"type": "stop"}, "weight_versions": spans,
+                                             "weight_version": "3"}, text="ab")
+    sample.append_response_tokens(None, tokens=[12, 13, 14], trainable=False, text="out")
+    sample.append_response_tokens(None, tokens=[15], log_probs=[-1.0], trainable=True, text="c")
+    wire = to_wire(sample, GROUP, 1, start_version=2)
+    assert wire.prompt_tokens == 3 and wire.tokens.tolist() == [5, 6, 7, 10, 11, 12, 13, 14, 15]
+    assert wire.loss_mask.tolist() == [1, 1, 0, 0, 0, 1]
+    assert wire.rollout_log_probs.tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    # Per-token spans are kept; tokens without a recorded version take the version at the call's start.
+    assert wire.token_versions.tolist() == [3, 3, 2, 2, 2, 2]
+    assert wire.status == "completed" and wire.response == "aboutc" and wire.sample_id == "g1/1"
+    back = from_wire(wire)
+    assert back.tokens == wire.tokens.tolist() and back.loss_mask == [1, 1, 0, 0, 0, 1]
+    assert back.status is Sample.Status.COMPLETED and back.label == "5"
+
+
+def test_a_hand_built_sample_without_versions_gets_the_start_version_and_removed_samples_train_nothing() -> None:
+    sample = Sample(tokens=[1, 2, 3, 4], response_length=2, rollout_log_probs=[-1.0, -2.0], remove_sample=True,
+                    status=Sample.Status.TRUNCATED)
+    wire = to_wire(sample, GROUP, 0, start_version=4)
+    assert wire.token_versions.tolist() == [4, 4] and wire.loss_mask.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="loss_mask has 1 entries"):
+        to_wire(Sample(tokens=[1, 2], response_length=2, loss_mask=[1]), GROUP, 0, start_version=0)
+
+
+def test_args_namespace_has_slime_names_and_points_at_the_workers_server() -> None:
+    config = build_config({"n_samples_per_prompt": 3, "rollout_max_response_len": 40})
+    args = build_args(config, server_url="http://127.0.0.1:31000")
+    assert (args.sglang_router_ip, args.sglang_router_port) == ("127.0.0.1", 31000)
+    assert args.n_samples_per_prompt == 3 and args.rollout_max_response_len == 40 and args.rollout_top_k == -1
+    assert args.partial_rollout is False
+
+
+def test_batched_group_rm_scores_wire_samples() -> None:
+    config = build_config({"group_rm": True})
+    samples = [WireSample(sample_id=f"g/{i}", group_id="g", index=i, prompt="2+3=", label="5", response=text)
+               for i, text in enumerate(["5", "5", "4"])]
+    reward = adapt_reward(group_rm.rm, config, group=True)
+    assert asyncio.run(reward(samples)) == [0.75, 0.75, 0.0]
+
+
+def test_slime_filter_drops_a_group_with_its_reason() -> None:
+    config = build_config({})
+    group_filter = make_group_filter(f"{__name__}:slime_filter", config)
+    same = [WireSample(sample_id=f"g/{i}", group_id="g", index=i, prompt="p", reward=1.0) for i in range(2)]
+    mixed = [WireSample(sample_id="g/0", group_id="g", index=0, prompt="p", reward=1.0),
+             WireSample(sample_id="g/1", group_id="g", index=1, prompt="p", reward=0.0)]
+    assert group_filter(ScoredGroup(lease_id="l", group_id="g", samples=same, worker_id="w")) == "same_reward"
+    assert group_filter(ScoredGroup(lease_id="l", group_id="g", samples=mixed, worker_id="w")) is None
+
+
+def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:
+    config = build_config({"custom_generate_function_path": f"{__name__}:slime_generate", "rollout_engine": "torch"})
+    with pytest.raises(ValueError, match="--rollout-engine sglang"):
+        choose_generate_function(config)
+    config = build_config({"custom_generate_function_path": f"{__name__}:slime_generate", "rollout_engine": "sglang"})
+    assert choose_generate_function(config) is not slime_generate
+    assert choose_generate_function(build_config({"custom_generate_function_path": f"{__name__}:our_generate"})) \
+        is our_generate
+    assert choose_generate_function(build_config({})) is default_generate
+
+
+@pytest.mark.parametrize("flag", ["rollout_function_path", "buffer_filter_path", "custom_reward_post_process_path",
+                                  "custom_advantage_function_path", "custom_convert_samples_to_train_data_path"])
+def test_hooks_without_a_seam_are_refused_by_name(flag: str) -> None:
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} is not supported"):
+        build_config({flag: "my.module:fn"})
+
+
+def test_retool_sandbox_runs_code_and_times_out() -> None:
+    assert asyncio.run(run_python("print(6 * 7)")) == "42"
+    assert asyncio.run(run_python("while True: pass", timeout_s=0.5)) == "timeout"
+
+
+def test_wire_arrays_keep_their_dtypes() -> None:
+    wire = to_wire(Sample(tokens=[1, 2, 3], response_length=1, rollout_log_probs=[-0.1]), GROUP, 0, start_version=0)
+    assert wire.tokens.dtype == np.int32 and wire.token_versions.dtype == np.int32
+
+
+def test_slime_custom_loss_gives_slimes_scaled_loss_and_gradient() -> None:
+    import torch
+
+    from policies.config import PolicyLossConfig
+    from policies.losses import compute_policy_loss
+
+    config = PolicyLossConfig(loss_type="examples.slime_style.custom_loss:reinforce_loss",
+                              off_policy_correction="none")
+    lengths = torch.tensor([3, 2])
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])
+    log_probs = torch.tensor([-1.0, -2.0, -0.5, -0.3, -0.7], requires_grad=True)
+    advantages = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5])
+    loss, _ = compute_policy_loss(config, log_probs=log_probs, old_log_probs=log_probs.detach(),
+                                  rollout_log_probs=None, advantages=advantages, loss_mask=mask,
+                                  response_lengths=lengths, denominator=2.0)
+    loss.backward()
+    # slime's default (per-sample token means, summed, over the step's samples): weight 1 at pi_old.
+    expected = -((-1.0 - 0.5) / 2 * 1.0 + (-0.3 - 0.7) / 2 * -0.5) / 2
+    assert float(loss.detach()) == pytest.approx(expected)
+    assert log_probs.grad.tolist() == pytest.approx([-0.25, 0.0, -0.25, 0.125, 0.125])

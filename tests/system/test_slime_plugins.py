@@ -1,0 +1,64 @@
+"""A short real run with slime-style plugins: a search-augmented generate(args, sample, sampling_params) over the
+SGLang-compatible CPU server and a batched group rm(args, samples), loaded by signature."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from actors.slime_compat.sample import from_wire
+from bus.codec import decode
+from examples.slime_style import group_rm
+from examples.slime_style.search_generate import CORPUS, information
+from tools.make_arithmetic_data import make_arithmetic_data
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+
+
+@pytest.mark.system
+@pytest.mark.timeout(150)
+def test_slime_style_generate_and_group_rm_drive_a_training_run(tmp_path: Path, tiny_model_path: Path) -> None:
+    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir, debug_dir = tmp_path / "run", tmp_path / "batches"
+    command = [
+        sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
+        "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "96",
+        "--rollout-max-batch-size", "4", "--max-staleness", "0", "--rollout-workers", "1", "--reward-workers", "1",
+        "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+        "--custom-generate-function-path", "examples.slime_style.search_generate:generate",
+        "--custom-rm-path", "examples.slime_style.group_rm:rm", "--group-rm",
+        "--save-debug-rollout-data", str(debug_dir), "--final-eval-timeout", "0", "--heartbeat-interval", "0.25",
+        "--weight-transfer-timeout", "20", "--no-progress", "--no-use-tensorboard", "--no-plots",
+    ]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=140)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    batches = sorted(debug_dir.glob("batch_*.msgpack"))
+    assert len(batches) == STEPS
+    for path in batches:
+        samples = decode(path.read_bytes()).samples
+        for sample in samples:
+            response = sample.tokens[sample.prompt_tokens:]
+            mask = np.asarray(sample.loss_mask)
+            # The plugin's retrieved passage opens every response, untrained; the model's tokens follow, trained.
+            question = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1]["content"]
+            block = len(tokenizer(information(question, CORPUS), add_special_tokens=False)["input_ids"])
+            assert block < len(response)
+            assert not mask[:block].any(), "retrieved passage was trained on"
+            assert mask[block:].all(), "model tokens were masked"
+            assert sample.rollout_log_probs is not None and np.all(sample.rollout_log_probs[block:] < 0)
+        groups: dict[str, list] = {}
+        for sample in samples:
+            groups.setdefault(sample.group_id, []).append(sample)
+        for members in groups.values():
+            expected = asyncio.run(group_rm.rm(None, [from_wire(s) for s in members]))
+            assert [s.reward for s in members] == pytest.approx(expected)
