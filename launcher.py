@@ -248,6 +248,10 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
         config = config_from_args(args)
     except ValueError as error:
         raise LaunchError(str(error)) from None
+    slime = args.slime_translation
+    os.environ.update(slime.env)  # inherited by every actor this launcher starts
+    if slime.note():
+        print(f"launcher.py: {slime.note()}", file=sys.stderr)
     if args.rollout_workers is None:
         rollout_gpus = config.placement.rollout_num_gpus
         from_gpus = args.head and rollout_gpus is not None

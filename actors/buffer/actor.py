@@ -19,10 +19,12 @@ import numpy as np
 from actors.buffer.core import BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import PromptSource, load_prompts
+from actors.config import RunConfig
 from actors.controller.eval_rounds import EvalRounds
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
+from actors.slime_compat.plugins import adapt_filter
 from bus.schema import (
     TOPIC_VERSION,
     Ack,
@@ -56,9 +58,10 @@ class Buffer(Actor):
             self.log.warning("skipped dataset record", problem=problem)
         self.counters["data.skipped_records"] = len(report.skipped)
         log_path = buffer_log_path(self.context.run_dir)
-        group_filter = make_group_filter(config.buffer.dynamic_sampling_filter_path)
+        group_filter = make_group_filter(config.buffer.dynamic_sampling_filter_path, config)
         self.core = BufferCore(
-            source=PromptSource(records, seed=config.seed), n_samples=config.rollout.n_samples_per_prompt,
+            source=PromptSource(records, seed=config.seed if data.rollout_seed is None else data.rollout_seed,
+                                shuffle=data.rollout_shuffle), n_samples=config.rollout.n_samples_per_prompt,
             groups_per_batch=config.rollout.rollout_batch_size, max_staleness=config.buffer.max_staleness,
             lease_timeout=config.buffer.lease_timeout, group_filter=group_filter,
             compact_log_bytes=int(config.buffer.buffer_log_compact_mb * 2**20),
@@ -191,14 +194,18 @@ class Buffer(Actor):
                 getattr(self, name).close()
 
 
-def make_group_filter(spec: str | None) -> Callable[[ScoredGroup], str | None] | None:
-    """The dynamic-sampling filter as the buffer core wants it: a drop reason, or None to keep."""
+def make_group_filter(spec: str | None, config: RunConfig | None = None) -> Callable[[ScoredGroup], str | None] | None:
+    """The dynamic-sampling filter as the buffer core wants it: a drop reason, or None to keep.
+
+    A slime-style filter ``(args, samples, **kwargs)`` is detected by signature and adapted (needs ``config``).
+    """
     if spec is None:
         return None
     resolve_filter(spec)  # fail at start-up on a bad name or path, not on the first group
+    slime_filter = adapt_filter(spec, config) if config is not None else None
 
     def group_filter(group: ScoredGroup) -> str | None:
-        verdict = apply_filters([spec], FilterGroup(
+        verdict = apply_filters([slime_filter or spec], FilterGroup(
             rewards=[s.reward for s in group.samples], statuses=[s.status for s in group.samples],
             samples=group.samples, metadata=group.samples[0].metadata if group.samples else {},
         ))

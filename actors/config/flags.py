@@ -18,6 +18,8 @@ import yaml
 from pydantic import ValidationError
 
 from actors.config.run import OWNER, SECTIONS, RunConfig
+from actors.config.slime_flags import add_slime_flags, apply_slime_flags
+from actors.config.slime_table import SLIME_FLAGS
 from policies.config import PolicyLossConfig
 
 # slime's negative switches for policy fields, accepted as flags and YAML keys.
@@ -46,17 +48,18 @@ def _unwrap_optional(annotation: Any) -> Any:
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, grouped by section; defaults stay None so only flags given on the command line
     override the YAML file."""
-    run = parser.add_argument_group("run (every setting is also a --config YAML key)")
-    run.add_argument("--config", type=Path, default=None, help="YAML file of run settings (snake_case keys, flat "
-                     "or by section)")
-    _add_model_flags(run, {name: RunConfig.model_fields[name] for name in RUN_WIDE})
+    settings = parser.add_argument_group("settings", "Every setting below is also a --config YAML key.")
+    settings.add_argument("--config", type=Path, default=None, help="YAML file of run settings (snake_case keys, "
+                          "flat or by section)")
+    _add_model_flags(settings, {name: RunConfig.model_fields[name] for name in RUN_WIDE})
     for section, model in SECTIONS.items():
-        group = parser.add_argument_group(f"{section}: {(model.__doc__ or '').strip().splitlines()[0]}")
+        group = parser.add_argument_group(f"{section} settings", (model.__doc__ or "").strip().splitlines()[0])
         _add_model_flags(group, dict(model.model_fields))
-    algorithm = parser.add_argument_group("policy: advantages, loss, KL, off-policy correction")
+    algorithm = parser.add_argument_group("policy settings", "Advantages, loss, KL, off-policy correction.")
     _add_model_flags(algorithm, dict(PolicyLossConfig.model_fields), defaults=POLICY_DEFAULTS)
     for name, help_text in POLICY_SWITCHES.items():
         algorithm.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
+    add_slime_flags(parser)  # last: only slime's flags that no section defines
 
 
 def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
@@ -69,7 +72,11 @@ def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any
             help_text += f" (default: {default})"
         if typing.get_origin(annotation) is dict:
             continue  # set in YAML, or by a pass-through flag family (see split_sglang_args)
-        if annotation is bool:
+        if annotation is bool and name.startswith("no_"):
+            # A negative switch of Megatron's (--no-rope-fusion): BooleanOptionalAction would read the name's own
+            # "--no-" as its negation and store False.
+            group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
+        elif annotation is bool:
             group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         elif typing.get_origin(annotation) is list:
@@ -83,7 +90,11 @@ def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """YAML first, then every flag the user gave; errors name the file, key or flag that is wrong."""
+    """YAML first, then every flag the user gave; errors name the file, key or flag that is wrong.
+
+    slime's flags are first rewritten into ours; the environment and start-up note they imply are left on
+    `args.slime_translation` for the launcher."""
+    args.slime_translation = apply_slime_flags(args)
     values: dict[str, Any] = {}
     source = "command line"
     if args.config is not None:
@@ -130,7 +141,7 @@ def _flatten(loaded: dict[str, Any], *, source: str) -> dict[str, Any]:
 SGLANG_PREFIX = "--sglang-"
 
 
-def split_sglang_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+def split_sglang_args(argv: list[str]) -> tuple[list[str], dict[str, str | list[str]]]:
     """Take `--sglang-NAME VALUE` (or `--sglang-NAME=VALUE`, or a bare switch) out of argv for the SGLang server.
 
     SGLang has hundreds of server arguments; forwarding a prefixed family keeps them out of our flag list while
@@ -138,23 +149,24 @@ def split_sglang_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     (`--sglang-url`, `--sglang-server-module`, ...) stay in argv for the ordinary flag parser.
     """
     rest: list[str] = []
-    found: dict[str, str] = {}
+    found: dict[str, str | list[str]] = {}
     index = 0
     while index < len(argv):
         token = argv[index]
-        name, has_value, value = token[len(SGLANG_PREFIX):].partition("=")
-        own_setting = "sglang_" + name.replace("-", "_") in OWNER  # --sglang-url etc. are ours
+        name, has_value, text = token[len(SGLANG_PREFIX):].partition("=")
+        value: str | list[str] = text
+        # --sglang-url etc. are ours; --sglang-router-ip, --sglang-config etc. are slime's own, not the server's
+        own_setting = "sglang_" + name.replace("-", "_") in OWNER or SGLANG_PREFIX + name in SLIME_FLAGS
         if not token.startswith(SGLANG_PREFIX) or token == SGLANG_PREFIX or own_setting:
             rest.append(token)
             index += 1
             continue
         if not has_value:
-            following = argv[index + 1] if index + 1 < len(argv) else None
-            if following is not None and not following.startswith("--"):
-                value = following
+            values = []  # SGLang's list flags (--cuda-graph-bs 1 2 4) take every value up to the next flag
+            while index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+                values.append(argv[index + 1])
                 index += 1
-            else:
-                value = "true"
+            value = (values[0] if len(values) == 1 else values) if values else "true"
         found[name.replace("_", "-")] = value
         index += 1
     return rest, found

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.config.megatron import MegatronConfig
 from actors.config.sections import (
     BufferConfig,
     DataConfig,
@@ -32,7 +33,7 @@ from policies.config import PolicyLossConfig
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "buffer": BufferConfig,
     "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig, "engine": EngineConfig,
-    "weights": WeightsConfig, "placement": PlacementConfig, "logging": LoggingConfig,
+    "weights": WeightsConfig, "placement": PlacementConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -55,6 +56,7 @@ class RunConfig(BaseModel):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     policy: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig(off_policy_correction="tis"),
                                      description="advantages, loss, KL and off-policy correction")
 
@@ -80,15 +82,39 @@ class RunConfig(BaseModel):
                 routed[name] = value  # run-wide fields, and unknown names for extra="forbid" to name
         return _learner_ranks_from_actor_gpus(routed)
 
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """Optimizer steps per rollout batch: --num-steps-per-rollout, else the batch / --global-batch-size, else 1.
+
+        slime's rule: num_steps_per_rollout sets global_batch_size = samples per batch // N, and a
+        global_batch_size given as well must agree (`_batch_split_problems` refuses a mismatch)."""
+        learner = self.learner
+        if learner.num_steps_per_rollout is not None:
+            return learner.num_steps_per_rollout
+        if learner.global_batch_size is not None:
+            return max(1, self.rollout.samples_per_batch // learner.global_batch_size)
+        return 1
+
+    def _batch_split_problems(self) -> list[str]:
+        """Each optimizer step takes an equal share of the batch, so the share must be a whole number of samples."""
+        samples, learner = self.rollout.samples_per_batch, self.learner
+        where = f"rollout_batch_size x n_samples_per_prompt = {samples}"
+        steps, size = learner.num_steps_per_rollout, learner.global_batch_size
+        if steps is not None:
+            if samples % steps:
+                return [f"num_steps_per_rollout {steps} must divide {where}"]
+            if size is not None and size != samples // steps:
+                return [f"global_batch_size {size} disagrees with num_steps_per_rollout {steps}: {where} / {steps} "
+                        f"= {samples // steps}; set one of them"]
+        elif size is not None and (size > samples or samples % size):
+            return [f"global_batch_size {size} must divide {where} (one optimizer step per {size} samples)"]
+        return []
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         """Rules that involve more than one section; each message names every setting involved."""
         problems = []
-        samples = self.rollout.samples_per_batch
-        if self.learner.global_batch_size is not None and self.learner.global_batch_size != samples:
-            problems.append(f"global_batch_size {self.learner.global_batch_size}: several optimizer steps per batch "
-                            "are not supported yet; leave it unset or set it to rollout_batch_size x "
-                            f"n_samples_per_prompt = {samples}")
+        problems += self._batch_split_problems()
         if self.trainer.min_lr > self.trainer.lr:
             problems.append(f"min_lr {self.trainer.min_lr} must be in [0, lr={self.trainer.lr}]")
         if self.eval.eval_prompt_data and not self.eval.eval_interval:

@@ -18,6 +18,13 @@ ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatr
 WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
 
 
+def _refused_plugin(flag: str, instead: str, value: str | None) -> str | None:
+    """A slime plugin flag whose hook has no seam here: an error naming the flag and what to use instead."""
+    if value is not None:
+        raise ValueError(f"--{flag} is not supported: {instead}")
+    return value
+
+
 def _is_plugin_path(value: str) -> bool:
     module, colon, attr = value.partition(":")
     return bool(colon and module.strip() and attr.strip())
@@ -45,6 +52,9 @@ class DataConfig(Section):
     metadata_key: str | None = Field("metadata", description="metadata field of each record")
     apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
     skip_bad_data: bool = Field(True, description="skip (and report) malformed dataset lines instead of stopping")
+    rollout_shuffle: bool = Field(True, description="visit the prompts in a seeded random order each epoch "
+                                  "(slime's default is file order: --no-rollout-shuffle)")
+    rollout_seed: int | None = Field(None, description="seed of the prompt order (default: --seed)")
 
 
 class EvalConfig(Section):
@@ -56,6 +66,9 @@ class EvalConfig(Section):
     eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0 = greedy)")
     final_eval_timeout: float = Field(300.0, ge=0, description="seconds the end of a run waits for the eval round "
                                       "of the final version (0 = no final round)")
+    skip_eval_before_train: bool = Field(False, description="no eval round for version 0 (before training)")
+    eval_input_key: str | None = Field(None, description="prompt field of eval records (default: --input-key)")
+    eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key)")
 
     @field_validator("eval_prompt_data")
     @classmethod
@@ -80,7 +93,25 @@ class RolloutConfig(Section):
     rollout_top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
     rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
     rollout_stop: list[str] = Field(default_factory=list, description="stop strings")
-    custom_generate_function_path: str | None = Field(None, description="module:function for multi-turn rollouts")
+    custom_generate_function_path: str | None = Field(None, description="module:function for multi-turn rollouts; "
+                                                      "ours (context, group) or slime's (args, sample, "
+                                                      "sampling_params), detected by signature")
+    rollout_sample_hook_path: list[str] = Field(default_factory=list, description="slime-style hooks "
+                                                "hook(args, sample, *, rollout_id, evaluation) -> Sample | None "
+                                                "applied to each sample of a slime-style generate function")
+    rollout_function_path: str | None = Field(None, description="slime's whole-rollout replacement "
+                                              "generate_rollout(args, rollout_id, data_buffer, evaluation): refused")
+
+    @field_validator("rollout_function_path")
+    @classmethod
+    def _no_rollout_function(cls, value: str | None) -> str | None:
+        if value == "slime.rollout.sglang_rollout.generate_rollout":
+            return None  # slime's default spelled out: our rollout workers are that function
+        return _refused_plugin(
+            "rollout-function-path", "it replaces slime's whole rollout manager, which here is the buffer (leases, "
+            "filters, batches) plus the rollout workers; put per-sample logic in --custom-generate-function-path "
+            "(slime's generate(args, sample, sampling_params) signature loads as is) and group selection in "
+            "--dynamic-sampling-filter-path", value)
 
     @property
     def samples_per_batch(self) -> int:
@@ -95,14 +126,36 @@ class BufferConfig(Section):
     lease_timeout: float = Field(120.0, gt=0, description="seconds before an unfinished prompt lease is re-issued")
     buffer_log_compact_mb: float = Field(256.0, ge=0, description="compact the buffer's durable log into a "
                                          "snapshot once it passes this size (0 = never)")
-    dynamic_sampling_filter_path: str | None = Field(None, description="module:function or built-in filter name")
+    dynamic_sampling_filter_path: str | None = Field(None, description="module:function or built-in filter name; "
+                                                     "ours (group) or slime's (args, samples, **kwargs)")
+    buffer_filter_path: str | None = Field(None, description="slime's selection from its data buffer: refused")
+
+    @field_validator("buffer_filter_path")
+    @classmethod
+    def _no_buffer_filter(cls, value: str | None) -> str | None:
+        return _refused_plugin(
+            "buffer-filter-path", "slime picks which stored groups form the next rollout; here the buffer admits "
+            "and batches groups as they finish, oldest first under the staleness bound, so there is no stored list "
+            "to choose from; drop groups with --dynamic-sampling-filter-path", value)
 
 
 class RewardConfig(Section):
     """How reward workers score a group."""
 
     rm_type: str = Field("exact_match", description="built-in reward name")
-    custom_rm_path: str | None = Field(None, description="module:function reward (sync or async)")
+    custom_rm_path: str | None = Field(None, description="module:function reward (sync or async); ours "
+                                       "(RewardInput) or slime's (args, sample, **kwargs), batched (args, samples) "
+                                       "with --group-rm")
+    custom_reward_post_process_path: str | None = Field(None, description="slime's reward post-processing "
+                                                        "(args, samples) -> (raw, shaped): refused")
+
+    @field_validator("custom_reward_post_process_path")
+    @classmethod
+    def _no_reward_post_process(cls, value: str | None) -> str | None:
+        return _refused_plugin(
+            "custom-reward-post-process-path", "group normalisation is part of the advantage estimator here; give "
+            "your own as --advantage-estimator module:function (see docs/policies.md), or shape rewards in "
+            "--custom-rm-path with --group-rm", value)
     group_rm: bool = Field(False, description="the reward function scores whole groups")
     rm_url: str | None = Field(None, description="URL of a remote reward model (--rm-type remote_rm)")
     reward_timeout: float = Field(60.0, gt=0, description="seconds before one reward call counts as failed")
@@ -113,8 +166,11 @@ class LearnerConfig(Section):
     """How long the learner trains, what it saves, and its debug modes."""
 
     num_rollout: int = Field(20, ge=0, description="training batches to consume (learner steps)")
-    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step; must equal "
-                                          "rollout_batch_size x n_samples_per_prompt (one step per batch)")
+    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step; must divide "
+                                          "rollout_batch_size x n_samples_per_prompt (default: all of them, one "
+                                          "step per batch)")
+    num_steps_per_rollout: int | None = Field(None, ge=1, description="optimizer steps per rollout batch, i.e. "
+                                              "global_batch_size = rollout_batch_size x n_samples_per_prompt / N")
     use_decoupled_ppo: bool = Field(False, description="recompute proximal log-probs before the update (always "
                                     "done when --off-policy-correction is not none)")
     save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
@@ -124,6 +180,26 @@ class LearnerConfig(Section):
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
     load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+    custom_advantage_function_path: str | None = Field(None, description="slime's in-place advantage hook "
+                                                       "(args, rollout_data): refused")
+    custom_convert_samples_to_train_data_path: str | None = Field(None, description="slime's samples -> "
+                                                                  "train-data dict hook: refused")
+
+    @field_validator("custom_advantage_function_path")
+    @classmethod
+    def _no_advantage_hook(cls, value: str | None) -> str | None:
+        return _refused_plugin(
+            "custom-advantage-function-path", "slime's hook edits Megatron's rollout_data in place; here an "
+            "advantage estimator is a pure function, given as --advantage-estimator module:function "
+            "(see docs/policies.md)", value)
+
+    @field_validator("custom_convert_samples_to_train_data_path")
+    @classmethod
+    def _no_convert_hook(cls, value: str | None) -> str | None:
+        return _refused_plugin(
+            "custom-convert-samples-to-train-data-path", "the learner packs wire samples itself; set per-token "
+            "training data on the sample (loss_mask, tokens) in the generate function or a "
+            "--rollout-sample-hook-path hook", value)
 
 
 class TrainerConfig(Section):
@@ -166,8 +242,9 @@ class EngineConfig(Section):
                                   "(one per rollout worker, in worker order) instead of launching them")
     sglang_server_module: str = Field("sglang.launch_server", description="python -m module that starts a server")
     sglang_startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for a launched server's health")
-    sglang_args: dict[str, str] = Field(default_factory=dict, description="extra SGLang server arguments; on the "
-                                        "command line as --sglang-NAME VALUE, passed on as --NAME VALUE")
+    sglang_args: dict[str, str | list[str]] = Field(
+        default_factory=dict, description="extra SGLang server arguments; on the command line as --sglang-NAME "
+        "VALUE [VALUE ...], passed on as --NAME VALUE [VALUE ...]")
 
     @field_validator("rollout_engine")
     @classmethod

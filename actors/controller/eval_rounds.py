@@ -44,7 +44,8 @@ class EvalRounds:
         self.log = log
         self.sets: dict[str, list[PromptRecord]] = {}
         for name, path in config.eval.sets.items():
-            records, report = load_prompts(path, input_key=config.data.input_key, label_key=config.data.label_key,
+            records, report = load_prompts(path, input_key=config.eval.eval_input_key or config.data.input_key,
+                                           label_key=config.eval.eval_label_key or config.data.label_key,
                                            metadata_key=config.data.metadata_key, skip_bad=config.data.skip_bad_data)
             self.sets[name] = records
             for problem in report.skipped:
@@ -56,6 +57,8 @@ class EvalRounds:
         """Queue a round at every interval-th version, and for the final version whatever the interval."""
         interval = self.config.eval.eval_interval
         due = final or bool(interval and version % interval == 0)
+        if version == 0 and not final and self.config.eval.skip_eval_before_train:
+            due = False
         if not self.sets or not due or version in self.started_versions:
             return
         self.started_versions.add(version)

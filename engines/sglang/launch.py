@@ -50,7 +50,7 @@ class ServerSpec:
     tp_size: int = 1
     random_seed: int | None = None
     base_gpu_id: int | None = None  # the first GPU of this server's tp_size GPUs (SGLang's --base-gpu-id)
-    extra: Mapping[str, str] = field(default_factory=dict)
+    extra: Mapping[str, str | list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.base_gpu_id is not None and (isinstance(self.base_gpu_id, bool) or self.base_gpu_id < 0):
@@ -76,7 +76,10 @@ class ServerSpec:
             command += ["--base-gpu-id", str(self.base_gpu_id)]
         for name, value in self.extra.items():
             flag = "--" + name.removeprefix("--")
-            command += [flag] if value == "true" else [flag, value]
+            if value == "true":
+                command.append(flag)
+            else:  # a list-valued argument (`--sglang-cuda-graph-bs 1 2 4`) passes one token per value
+                command += [flag, *([value] if isinstance(value, str) else value)]
         return command
 
 

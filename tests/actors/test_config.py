@@ -55,8 +55,8 @@ def test_slime_switches_reach_the_policy() -> None:
 
 @pytest.mark.unit
 def test_cross_field_errors_name_the_fields() -> None:
-    with pytest.raises(ValueError, match="global_batch_size 4: several optimizer steps per batch are not"):
-        build_config({"rollout_batch_size": 4, "n_samples_per_prompt": 2, "global_batch_size": 4})
+    with pytest.raises(ValueError, match="global_batch_size 3 must divide rollout_batch_size x n_samples_per_prompt"):
+        build_config({"rollout_batch_size": 4, "n_samples_per_prompt": 2, "global_batch_size": 3})
     with pytest.raises(ValueError, match="kl_coef"):
         build_config({"kl_coef": 0.1, "use_kl_loss": True, "kl_loss_coef": 0.1})
     with pytest.raises(ValueError, match="rollout_batch_size"):

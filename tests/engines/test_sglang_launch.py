@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.config import split_sglang_args
 from actors.rollout.engine_factory import attached_url
 from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError
 
@@ -23,6 +24,17 @@ def test_command_forwards_sglang_arguments_and_true_as_a_bare_switch() -> None:
     joined = " ".join(command[3:])
     assert "--model-path /m --host 127.0.0.1 --port 31000 --tp-size 2 --random-seed 5" in joined
     assert joined.endswith("--mem-fraction-static 0.7 --enable-metrics")
+
+
+@pytest.mark.unit
+def test_a_list_valued_sglang_argument_reaches_the_server_one_token_per_value() -> None:
+    rest, extra = split_sglang_args(["--sglang-cuda-graph-bs", "1", "2", "4", "--sglang-json-model-override-args",
+                                     '{"rope_scaling": {"factor": 2}}', "--lr", "0.1"])
+    assert rest == ["--lr", "0.1"]
+    command = ServerSpec(model_path="/m", extra=extra).command(port=1)
+    at = command.index("--cuda-graph-bs")
+    assert command[at + 1: at + 4] == ["1", "2", "4"]
+    assert command[command.index("--json-model-override-args") + 1] == '{"rope_scaling": {"factor": 2}}'
 
 
 @pytest.mark.unit

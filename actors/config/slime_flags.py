@@ -1,0 +1,208 @@
+"""A slime command line, read with slime's meaning: aliases translated, Ray-only flags explained, the rest refused.
+
+`add_slime_flags` adds a "slime compatibility" group for every slime flag that is not one of our own settings
+(`actors/config/slime_table.py` says what each one becomes), each read as slime declares it so a value is always
+consumed. `apply_slime_flags` then rewrites the parsed namespace into our settings before the config is built:
+the aliases set our names, the explained flags become one start-up note, and the refused ones become one error
+that names every refused flag and why. Nothing slime accepts is dropped without a word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
+
+ENTRY_POINTS = ("train", "train_async")
+_EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
+    "--offload-train": lambda v, a: v is False,
+    "--offload-rollout": lambda v, a: v is False,
+    "--update-weight-mode": lambda v, a: v == "full",
+    "--rollout-data-transport": lambda v, a: v == "object-store",
+    "--apply-chat-template-kwargs": lambda v, a: not json.loads(v),
+    "--disable-compute-advantages-and-returns": lambda v, a: a.loss_type in ("sft", "sft_loss"),
+    "--eval-top-p": lambda v, a: v == _given(a, "rollout_top_p", 1.0),
+    "--eval-top-k": lambda v, a: (0 if v == -1 else v) == _given(a, "rollout_top_k", 0),
+    "--eval-max-response-len": lambda v, a: v == _given(a, "rollout_max_response_len", 32),
+}
+_ENV_ALIASES = {"--wandb-key": ("WANDB_API_KEY",), "--wandb-host": ("WANDB_BASE_URL",),
+                "--wandb-team": ("WANDB_ENTITY",), "--http-proxy": ("http_proxy", "https_proxy")}
+
+
+def _dest(flag: str) -> str:
+    return "slime_" + flag[2:].replace("-", "_")
+
+
+def _given(args: argparse.Namespace, name: str, default: Any) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def add_slime_flags(parser: argparse.ArgumentParser) -> None:
+    """Every slime flag the parser lacks, read as slime declares it; call after every section added its flags."""
+    group = parser.add_argument_group("slime compatibility (slime's flags that are not our own settings; see "
+                                      "actors/config/slime_table.py)")
+    group.add_argument("--slime-entry", choices=ENTRY_POINTS, default=None,
+                       help="the slime entry point this command line was written for: train (train.py: generate, "
+                            "then train on that batch: --max-staleness 0) or train_async (train_async.py: the next "
+                            "batch is generated while this one trains, weights pushed every "
+                            "--update-weights-interval: --max-staleness = that interval); either sets "
+                            "--train-backend megatron, slime's only backend, unless given")
+    own = parser._option_string_actions
+    if "--wandb-mode" in own and own["--wandb-mode"].choices is not None:
+        own["--wandb-mode"].choices = (*own["--wandb-mode"].choices, "disabled")
+    for flag, row in SLIME_FLAGS.items():
+        if flag in own:
+            continue
+        _add(group, flag, row)
+
+
+def _add(group: Any, flag: str, row: SlimeFlag) -> None:
+    prefix = {"alias": "slime alias", "explained": "accepted, no effect here", "refused": "refused",
+              "owned": "not available yet (owned by: " + row.why + ")", "same": "slime flag"}[row.fate]
+    help_text = f"{prefix}: {row.why}" if row.fate != "owned" else prefix
+    kwargs: dict[str, Any] = {"dest": _dest(flag), "default": None, "help": help_text.replace("%", "%%")}
+    if row.shape == "switch":
+        group.add_argument(flag, action="store_const", const=True, **kwargs)
+    elif row.shape == "optional_bool":
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+    elif row.shape == "append":
+        group.add_argument(flag, action="append", **kwargs)
+    elif row.shape in ("list", "list0"):
+        group.add_argument(flag, nargs="+" if row.shape == "list" else "*", type=row.type, **kwargs)
+    else:
+        group.add_argument(flag, type=row.type, **kwargs)
+
+
+@dataclass
+class SlimeTranslation:
+    """What a slime command line adds besides settings: environment for the actors, and the start-up note."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def note(self) -> str | None:
+        if not self.notes:
+            return None
+        return "slime flags accepted with no effect here: " + "; ".join(self.notes)
+
+
+def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
+    """Rewrite slime's flags in `args` into our settings (in place) and return the environment and notes.
+
+    Raises ValueError naming every refused flag with its reason, and any alias that disagrees with our own flag
+    given on the same command line.
+    """
+    result = SlimeTranslation()
+    refused: list[str] = []
+    _same_name_values(args)
+    for flag, row in SLIME_FLAGS.items():
+        value = getattr(args, _dest(flag), None)
+        if value is None:
+            continue
+        if row.fate == "alias":
+            _translate(flag, value, args, result)
+        elif row.fate == "explained":
+            result.notes.append(f"{flag} ({row.why})")
+        elif flag in _EXPLAIN_WHEN and _EXPLAIN_WHEN[flag](value, args):
+            shown = "" if isinstance(value, bool) else f" {value}"
+            result.notes.append(f"{flag}{shown} (what Slipstream does anyway)")
+        elif row.fate == "owned":
+            refused.append(f"{flag}: not available yet (owned by {row.why}, which does not define it)")
+        else:
+            refused.append(f"{flag}: {row.why}")
+    _entry_point(args)
+    if refused:
+        raise ValueError("slime flag(s) not supported: " + "; ".join(refused))
+    return result
+
+
+def _same_name_values(args: argparse.Namespace) -> None:
+    """slime spellings of values our own flags read differently."""
+    if getattr(args, "rollout_top_k", None) == -1:
+        args.rollout_top_k = 0  # slime's "off"
+    if getattr(args, "wandb_mode", None) == "disabled":
+        args.wandb_mode = None
+        _set(args, "use_wandb", False, "--wandb-mode disabled")
+    for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and "{" in value:
+            setattr(args, name, os.path.dirname(value.split("{", 1)[0].rstrip("/") + "/") or ".")
+
+
+def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTranslation) -> None:
+    if flag in _ENV_ALIASES:
+        for name in _ENV_ALIASES[flag]:
+            result.env[name] = str(value)
+    elif flag == "--train-env-vars":
+        try:
+            variables = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--train-env-vars {value!r}: not JSON ({error})") from None
+        if not isinstance(variables, dict):
+            raise ValueError(f"--train-env-vars {value!r}: expected a JSON object of NAME: VALUE")
+        result.env.update({str(k): str(v) for k, v in variables.items()})
+    elif flag == "--ref-load":
+        _set(args, "ref_checkpoint", value, flag)
+    elif flag == "--max-tokens-per-gpu":
+        _set(args, "micro_batch_tokens", value, flag)
+    elif flag == "--use-dynamic-batch-size":
+        pass  # always on here; --max-tokens-per-gpu (or --micro-batch-tokens) sets the budget
+    elif flag == "--calculate-per-token-loss":
+        _set(args, "loss_agg_mode", "token-mean", flag)
+    elif flag == "--use-tis":
+        _set(args, "off_policy_correction", "tis", flag)
+    elif flag == "--custom-loss-function-path":
+        if getattr(args, "loss_type", None) not in (None, "custom_loss", value):
+            raise ValueError(f"--custom-loss-function-path {value} needs --loss-type custom_loss (or none), "
+                             f"not --loss-type {args.loss_type}")
+        args.loss_type = value  # slime's pair (--loss-type custom_loss + the path) is one setting here
+    elif flag == "--custom-tis-function-path":
+        _set(args, "off_policy_correction", value, flag)
+    elif flag == "--rollout-external-engine-addrs":
+        _set(args, "sglang_url", list(value), flag)
+        _set(args, "rollout_engine", "sglang", flag)
+    elif flag == "--sglang-server-concurrency":
+        _set(args, "rollout_max_batch_size", value, flag)
+    elif flag == "--update-weight-transport":
+        if value != "nccl":
+            raise ValueError(f"--update-weight-transport {value}: {SLIME_FLAGS[flag].why.split('; ', 1)[1]}")
+        _set(args, "weight_transport", "nccl", flag)
+    else:  # a row marked alias without a translation is a bug of this module, never a silent drop
+        raise AssertionError(f"{flag}: alias without a translation")
+
+
+def _set(args: argparse.Namespace, name: str, value: Any, flag: str) -> None:
+    """Set our setting from a slime flag; our own flag given with another value is a conflict, not an override."""
+    current = getattr(args, name, None)
+    if current is not None and current != value and name != "use_wandb":
+        raise ValueError(f"{flag} sets --{name.replace('_', '-')} {value!r}, but --{name.replace('_', '-')} "
+                         f"{current!r} was also given")
+    setattr(args, name, value)
+
+
+def _entry_point(args: argparse.Namespace) -> None:
+    """--slime-entry: the staleness slime's entry point implies (unless --max-staleness says otherwise).
+
+    train.py generates a batch with the current weights and then trains on it: on-policy, staleness 0.
+    train_async.py starts generating batch N+1 before training on batch N and pushes weights every
+    --update-weights-interval steps, so a batch is at most that many versions old."""
+    entry = getattr(args, "slime_entry", None)
+    if entry is None:
+        return
+    interval = _given(args, "update_weights_interval", 1)
+    implied = 0 if entry == "train" else interval
+    given = getattr(args, "max_staleness", None)
+    if entry == "train" and given not in (None, 0):
+        raise ValueError(f"--slime-entry train is synchronous (max_staleness 0), but --max-staleness {given} was "
+                         "given; use --slime-entry train_async")
+    if given is None:
+        args.max_staleness = implied
+    if getattr(args, "train_backend", None) is None:
+        args.train_backend = "megatron"  # slime's only training backend
+    if getattr(args, "off_policy_correction", None) is None:
+        args.off_policy_correction = "none"  # slime corrects only when asked (--use-tis, translated above)

@@ -1,0 +1,370 @@
+"""Every flag slime declares (`slime/utils/arguments.py` and slime's own SGLang router/engine flags), and what
+Slipstream does with it.
+
+One row per flag: how argparse must read it (so a flag that takes a value consumes it, as slime declares it), and
+its fate here:
+
+- `same`: one of our own settings by the same name and meaning; nothing to do.
+- `alias`: accepted and translated into our settings (`actors/config/slime_flags.py` holds the translations).
+- `explained`: accepted; it has no effect here, and the start-up note says why (Ray-only, or what we do instead).
+- `refused`: an error that names the flag and the missing feature or hardware.
+- `owned`: another section's setting (plugin paths, Megatron's own flags, batching); while that section lacks
+  it the flag is refused with "not available yet", never dropped.
+
+A conditional row (`when`) is accepted only for the values that mean what Slipstream does anyway (an off switch,
+slime's default); any other value is refused with the row's reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Fate = Literal["same", "alias", "explained", "refused", "owned"]
+Shape = Literal["switch", "value", "list", "list0", "optional_bool", "append"]
+
+
+@dataclass(frozen=True)
+class SlimeFlag:
+    """One slime flag: how it is read (`shape`, `type`) and what happens to it (`fate`, `why`)."""
+
+    fate: Fate
+    shape: Shape = "value"
+    why: str = ""
+    type: type = str
+
+
+def _same(shape: Shape = "value", why: str = "") -> SlimeFlag:
+    return SlimeFlag("same", shape, why)
+
+
+def _alias(why: str, shape: Shape = "value", kind: type = str) -> SlimeFlag:
+    return SlimeFlag("alias", shape, why, kind)
+
+
+def _explained(why: str, shape: Shape = "switch", kind: type = str) -> SlimeFlag:
+    return SlimeFlag("explained", shape, why, kind)
+
+
+def _refused(why: str, shape: Shape = "switch", kind: type = str) -> SlimeFlag:
+    return SlimeFlag("refused", shape, why, kind)
+
+
+def _owned(owner: str, shape: Shape = "value") -> SlimeFlag:
+    return SlimeFlag("owned", shape, owner)
+
+
+RAY = "Ray-only: there is no Ray here (launcher.py starts the actors; samples travel over the bus)"
+NO_COLOCATE = "colocated mode (learner and engines taking turns on the same GPUs) is not available"
+NO_DISK_SYNC = "weight sync over disk and delta-encoded updates are not available (weights travel over gloo, " \
+               "NCCL or CUDA IPC)"
+NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
+NO_PROFILING = "slime's profiling and memory-snapshot hooks are not available; use torch.profiler around the learner"
+NO_OPD = "on-policy distillation is not available"
+NO_EVAL_SAMPLING = "eval rounds sample with the rollout's settings (only --eval-temperature differs); a separate " \
+                   "eval value is not available yet"
+CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
+
+SLIME_FLAGS: dict[str, SlimeFlag] = {
+    # --- cluster / placement ---
+    "--actor-num-nodes": _same(),
+    "--actor-num-gpus-per-node": _same(),
+    "--rollout-num-gpus": _same(),
+    "--rollout-num-gpus-per-engine": _same(),
+    "--num-gpus-per-node": _same(),
+    "--colocate": _same("switch", "refused by the config check: " + NO_COLOCATE),
+    "--offload": _refused("moving learner/engine memory off the GPU between phases belongs to colocated mode; "
+                          + NO_COLOCATE),
+    "--offload-train": _refused(NO_COLOCATE + " (--no-offload-train is accepted)", "optional_bool"),
+    "--offload-rollout": _refused(NO_COLOCATE + " (--no-offload-rollout is accepted)", "optional_bool"),
+    "--distributed-backend": _explained("the learner picks its torch.distributed backend: NCCL on GPUs, gloo on "
+                                        "CPUs", "value"),
+    "--distributed-timeout-minutes": _explained("every cross-actor wait has its own deadline (e.g. "
+                                                "--weight-transfer-timeout, --lease-timeout)", "value", int),
+    "--train-env-vars": _alias("JSON object of environment variables, set for every actor this launcher starts "
+                               "(slime: the training actors)"),
+    # --- training engine ---
+    "--train-backend": _same(),
+    "--qwen-gdn-backend": _refused("Gated DeltaNet (Qwen3-Next) layers are not supported by our trainers", "value"),
+    "--custom-model-provider-path": _owned("megatron"),
+    "--recompute-loss-function": _explained("a Megatron memory saving with identical results; our trainers bound "
+                                            "memory with --micro-batch-tokens"),
+    "--log-probs-chunk-size": _explained("a memory saving with identical results; log-prob passes are bounded by "
+                                         "--micro-batch-tokens", "value", int),
+    "--log-probs-max-tokens-per-gpu": _explained("log-prob passes use the training token budget "
+                                                 "(--micro-batch-tokens)", "value", int),
+    "--only-train-params-name-list": _refused("parameter freezing is not available", "list0"),
+    "--freeze-params-name-list": _refused("parameter freezing is not available", "list0"),
+    "--freeze-indexer": _refused("DSA indexer models (DeepSeek-V3.2) and parameter freezing are not available"),
+    "--allgather-cp": _refused("context parallelism's all-gather layout is not available"),
+    "--micro-batch-size": _owned("megatron"),
+    "--padded-vocab-size": _owned("megatron"),
+    "--mtp-num-layers": _owned("megatron"),
+    "--mtp-loss-scaling-factor": _owned("megatron"),
+    "--enable-mtp-training": _refused("multi-token-prediction layers are not trained here"),
+    "--megatron-config-path": _refused("per-role Megatron configs (a separate critic) are not available", "value"),
+    "--megatron-deepgemm-forward-layers": _refused("DeepGEMM FP8 kernels are not available", "list"),
+    "--megatron-deepgemm-forward-modules": _refused("DeepGEMM FP8 kernels are not available", "list"),
+    "--megatron-deepgemm-moe-forward-layers": _refused("DeepGEMM FP8 kernels are not available", "list"),
+    "--megatron-deepgemm-moe-forward-modules": _refused("DeepGEMM FP8 kernels are not available", "list"),
+    "--custom-megatron-init-path": _owned("megatron"),
+    "--custom-megatron-before-log-prob-hook-path": _owned("megatron"),
+    "--custom-megatron-before-train-step-hook-path": _owned("megatron"),
+    # --- weight sync ---
+    "--update-weights-interval": _same(),
+    "--update-weight-mode": _refused(NO_DISK_SYNC + " (--update-weight-mode full is accepted)", "value"),
+    "--update-weight-transport": _alias("nccl -> --weight-transport nccl; disk is refused: " + NO_DISK_SYNC),
+    "--update-weight-buffer-size": _explained("weights travel in buckets sized by the transport", "value", int),
+    "--release-train": _refused("releasing the learner's GPU memory between steps belongs to colocated mode; "
+                                + NO_COLOCATE),
+    "--update-weight-disk-dir": _refused(NO_DISK_SYNC, "value"),
+    "--update-weight-disk-keep-files": _refused(NO_DISK_SYNC),
+    "--update-weight-delta-encoding": _refused(NO_DISK_SYNC, "value"),
+    "--update-weight-delta-checksum": _refused(NO_DISK_SYNC, "value"),
+    "--update-weight-local-checkpoint-dir": _refused(NO_DISK_SYNC, "value"),
+    "--custom-update-weight-post-write-path": _refused(NO_DISK_SYNC, "value"),
+    "--keep-old-actor": _refused("a second resident actor copy for pi_old is not kept; the proximal policy is "
+                                 "recomputed with --use-decoupled-ppo (or any --off-policy-correction)"),
+    "--check-weight-update-equal": _refused("the engine-vs-checkpoint weight comparison is not available"),
+    # --- rollout ---
+    "--hf-checkpoint": _same(),
+    "--model-name": _explained("the architecture and weight names are read from the HF checkpoint's config",
+                               "value"),
+    "--rollout-function-path": _owned("plugins (slime rollout functions)"),
+    "--custom-generate-function-path": _same(),
+    "--rollout-sample-hook-path": _owned("plugins (slime rollout sample hooks)", "append"),
+    "--custom-rollout-log-function-path": _refused("custom rollout logging hooks are not available; metrics go to "
+                                                   "RUN_DIR/metrics, TensorBoard and W&B", "value"),
+    "--custom-eval-rollout-log-function-path": _refused("custom eval logging hooks are not available; eval metrics "
+                                                        "go to RUN_DIR/metrics/eval.jsonl", "value"),
+    "--buffer-filter-path": _owned("plugins (slime buffer filters)"),
+    "--dynamic-sampling-filter-path": _same(),
+    "--rollout-data-postprocess-path": _refused("rollout data post-process hooks are not available", "value"),
+    "--rollout-temperature": _same(),
+    "--rollout-top-p": _same(),
+    "--rollout-top-k": _same("value", "-1 (slime's off) is read as 0 (off)"),
+    "--rollout-max-context-len": _refused("a prompt+response length cap is not available; bound responses with "
+                                          "--rollout-max-response-len", "value", int),
+    "--rollout-max-prompt-len": _refused("filtering long prompts at load time is not available", "value", int),
+    "--rollout-max-response-len": _same(),
+    "--rollout-skip-special-tokens": _refused("decoding options of the response text are not available"),
+    "--rollout-stop": _same("list"),
+    "--rollout-stop-token-ids": _refused("stop token ids are not available; use --rollout-stop strings", "list"),
+    "--rollout-shuffle": _same("switch"),
+    "--rollout-seed": _same("value"),
+    "--over-sampling-batch-size": _explained("the buffer keeps leasing prompts until a batch's groups pass the "
+                                             "dynamic-sampling filter, so over-sampling is implicit", "value", int),
+    "--partial-rollout": _explained("a weight update never aborts generation here: requests in flight continue "
+                                    "under the new weights, each token tagged with its version, so there is "
+                                    "nothing to recycle"),
+    "--mask-offpolicy-in-partial-rollout": _refused("masking the older-policy prefix of a sample is not "
+                                                    "available; correct for it with --off-policy-correction"),
+    "--rollout-data-transport": _refused("NIXL is not available; samples travel over the bus (msgpack on ZeroMQ) "
+                                         "(object-store, Ray's, is accepted: " + RAY + ")", "value"),
+    "--rollout-external-engine-addrs": _alias("-> --rollout-engine sglang --sglang-url ADDR... (attach to running "
+                                              "servers)", "list"),
+    # --- SGLang router and engine deployment (slime's own, not the server's) ---
+    "--sglang-router-ip": _refused("requests go to each SGLang server directly (one per rollout worker); a router "
+                                   "in front is not supported: give the servers with --sglang-url", "value"),
+    "--sglang-router-port": _refused("requests go to each SGLang server directly (one per rollout worker); a "
+                                     "router in front is not supported: give the servers with --sglang-url",
+                                     "value", int),
+    "--sglang-router-request-timeout-secs": _explained("no router is started; generation requests have no "
+                                                       "deadline of their own", "value", int),
+    "--sglang-server-concurrency": _alias("-> --rollout-max-batch-size (sequences in flight per engine)", "value",
+                                          int),
+    "--sglang-config": _refused("engine groups from a YAML file (PD disaggregation, placeholders) are not "
+                                "available", "value"),
+    "--prefill-num-servers": _refused("prefill/decode disaggregation is not available", "value", int),
+    # --- fault tolerance ---
+    "--use-fault-tolerance": _explained("always on: heartbeats detect dead actors and the launcher restarts them "
+                                        "(--max-restarts)"),
+    "--rollout-health-check-interval": _explained("engines are watched by actor heartbeats "
+                                                  "(--heartbeat-interval)", "value", float),
+    "--rollout-health-check-timeout": _explained("engines are watched by actor heartbeats (dead after 5 missed "
+                                                 "intervals)", "value", float),
+    "--rollout-health-check-first-wait": _explained("a launched SGLang server is awaited for "
+                                                    "--sglang-startup-timeout", "value", float),
+    # --- data ---
+    "--num-rollout": _same(),
+    "--num-epoch": _refused("training length is given in batches: use --num-rollout", "value", int),
+    "--disable-rollout-global-dataset": _refused("the buffer always owns the prompt dataset and its cursor"),
+    "--data-source-path": _refused("custom data-source classes are not available; the buffer reads --prompt-data",
+                                   "value"),
+    "--prompt-data": _same(),
+    "--apply-chat-template": _same("switch"),
+    "--apply-chat-template-kwargs": _refused("extra chat-template arguments are not available yet ('{}' is "
+                                            "accepted)", "value"),
+    "--input-key": _same(),
+    "--label-key": _same(),
+    "--metadata-key": _same(),
+    "--multimodal-keys": _refused("multimodal inputs are not supported", "value"),
+    "--tool-key": _refused("tool specs from the dataset are not passed to the chat template; multi-turn tool use "
+                           "goes through --custom-generate-function-path", "value"),
+    "--start-rollout-id": _explained("the learner resumes its step count from the checkpoint in --load", "value",
+                                     int),
+    "--rollout-batch-size": _same(),
+    "--n-samples-per-prompt": _same(),
+    "--global-batch-size": _same(),
+    "--num-steps-per-rollout": _owned("learner (several optimizer steps per rollout)"),
+    "--balance-data": _explained("always done: learner ranks get micro-batches balanced by tokens"),
+    "--balance-by-flops": _explained("learner ranks are balanced by tokens, not by estimated FLOPs"),
+    "--use-dynamic-batch-size": _alias("micro-batches are always packed to a token budget: with "
+                                       "--max-tokens-per-gpu it sets --micro-batch-tokens", "switch"),
+    "--max-tokens-per-gpu": _alias("-> --micro-batch-tokens", "value", int),
+    # --- eval ---
+    "--eval-function-path": _refused("custom eval rollout functions are not available; eval rounds use the "
+                                     "rollout path", "value"),
+    "--eval-prompt-data": _same("list"),
+    "--eval-config": _refused("a YAML of per-dataset eval settings is not available; use --eval-prompt-data NAME "
+                              "PATH pairs", "value"),
+    "--eval-interval": _same(),
+    "--skip-eval-before-train": _same("switch"),
+    "--eval-input-key": _same(),
+    "--eval-label-key": _same(),
+    "--eval-tool-key": _refused("tool specs from the dataset are not passed to the chat template", "value"),
+    "--n-samples-per-eval-prompt": _same(),
+    "--eval-temperature": _same(),
+    "--eval-top-p": _refused(NO_EVAL_SAMPLING + " (a value equal to the rollout's is accepted)", "value", float),
+    "--eval-top-k": _refused(NO_EVAL_SAMPLING + " (a value equal to the rollout's is accepted)", "value", int),
+    "--eval-max-response-len": _refused(NO_EVAL_SAMPLING + " (a value equal to the rollout's is accepted)",
+                                        "value", int),
+    "--eval-max-prompt-len": _refused("filtering long prompts at load time is not available", "value", int),
+    "--eval-min-new-tokens": _refused("a minimum response length is not available", "value", int),
+    "--eval-max-context-len": _refused("a prompt+response length cap is not available", "value", int),
+    "--eval-reward-key": _refused("rewards are numbers here; picking a key of a dict reward is not available",
+                                  "value"),
+    # --- checkpoints ---
+    "--load": _same(),
+    "--save": _same(),
+    "--save-interval": _same(),
+    "--ref-load": _alias("-> --ref-checkpoint (a Hugging Face folder here; slime's torch_dist folders are "
+                         "Megatron-only)"),
+    "--ref-ckpt-step": _refused("reference checkpoints are HF folders here; there is no step to pick", "value",
+                                int),
+    "--async-save": _owned("megatron", "switch"),
+    "--no-save-optim": _refused("checkpoints always hold the optimizer state, so that every one is resumable"),
+    "--save-hf": _refused("periodic HF exports are not available; the final model is exported to "
+                          "RUN_DIR/final_model", "value"),
+    "--seed": _same(),
+    # --- algorithm ---
+    "--lr": _same(),
+    "--clip-grad": _same(),
+    "--calculate-per-token-loss": _alias("-> --loss-agg-mode token-mean", "switch"),
+    "--num-critic-only-steps": _refused("critic-only warm-up steps are not available (PPO with a critic is "
+                                        "partial)", "value", int),
+    "--eps-clip": _same(),
+    "--eps-clip-high": _same(),
+    "--eps-clip-c": _same(),
+    "--value-clip": _same(),
+    "--kl-coef": _same(),
+    "--loss-type": _same(),
+    "--custom-loss-function-path": _alias("-> --loss-type PATH (slime's custom loss signature is detected and "
+                                          "adapted; with --loss-type custom_loss or no --loss-type)"),
+    "--kl-loss-type": _same(),
+    "--advantage-estimator": _same(),
+    "--disable-compute-advantages-and-returns": _refused("advantages are always computed (accepted with "
+                                                         "--loss-type sft_loss, which does not use them)"),
+    "--custom-advantage-function-path": _owned("plugins (slime advantage functions)"),
+    "--use-kl-loss": _same("switch"),
+    "--kl-loss-coef": _same(),
+    "--use-unbiased-kl": _same("switch"),
+    "--ref-update-interval": _refused("refreshing the reference model during training is not available", "value",
+                                      int),
+    "--entropy-coef": _same(),
+    "--gamma": _same(),
+    "--lambd": _same(),
+    "--normalize-advantages": _same("switch"),
+    "--disable-grpo-std-normalization": _same("switch"),
+    "--disable-rewards-normalization": _same("switch"),
+    "--use-rollout-entropy": _refused("entropy from the engine's distribution is not available"),
+    "--get-mismatch-metrics": _explained("train/rollout log-prob mismatch is logged whenever the learner "
+                                         "recomputes log-probs (--use-decoupled-ppo or an --off-policy-correction)"),
+    "--reset-optimizer-states": _refused("resetting the optimizer state each rollout is not available"),
+    "--use-stateless-adam": _refused("stateless Adam is not available"),
+    "--use-rollout-logprobs": _refused("pi_old is chosen by --off-policy-correction / --use-decoupled-ppo here"),
+    "--use-tis": _alias("-> --off-policy-correction tis", "switch"),
+    "--tis-clip": _same(),
+    "--tis-clip-low": _same(),
+    "--custom-tis-function-path": _alias("-> --off-policy-correction PATH (a registered correction)"),
+    "--custom-pg-loss-reducer-function-path": _refused("custom loss reducers are not available; choose "
+                                                       "--loss-agg-mode", "value"),
+    "--use-routing-replay": _refused("MoE routing replay is not available"),
+    "--use-rollout-routing-replay": _refused("MoE routing replay is not available"),
+    "--use-opsm": _same("switch"),
+    "--opsm-delta": _same(),
+    # --- on-policy distillation ---
+    "--use-opd": _refused(NO_OPD),
+    "--opd-type": _refused(NO_OPD, "value"),
+    "--opd-kl-coef": _refused(NO_OPD, "value", float),
+    "--opd-teacher-load": _refused(NO_OPD, "value"),
+    "--opd-teacher-ckpt-step": _refused(NO_OPD, "value", int),
+    # --- logging ---
+    "--use-wandb": _same("switch"),
+    "--wandb-mode": _same("value", "'disabled' turns W&B off"),
+    "--wandb-dir": _explained("W&B's files live in RUN_DIR/wandb", "value"),
+    "--wandb-key": _alias("-> WANDB_API_KEY in every actor's environment"),
+    "--wandb-host": _alias("-> WANDB_BASE_URL in every actor's environment"),
+    "--wandb-team": _alias("-> WANDB_ENTITY in every actor's environment"),
+    "--wandb-group": _same(),
+    "--wandb-project": _same(),
+    "--disable-wandb-random-suffix": _explained("W&B runs are named after the run directory, without a suffix"),
+    "--wandb-always-use-train-step": _explained("every metric is logged against the learner step"),
+    "--wandb-run-id": _refused("resuming a W&B run by id is not available", "value"),
+    "--log-multi-turn": _refused("multi-turn rollout metrics are not available"),
+    "--log-passrate": _explained("eval rounds always log pass@k (with --n-samples-per-eval-prompt > 1)"),
+    "--log-reward-category": _refused("per-category reward metrics are not available", "value"),
+    "--log-correct-samples": _refused("logging correct samples separately is not available"),
+    "--use-tensorboard": _same("switch"),
+    "--tb-project-name": _explained("TensorBoard events go to RUN_DIR/tensorboard", "value"),
+    "--tb-experiment-name": _explained("TensorBoard events go to RUN_DIR/tensorboard", "value"),
+    # --- debug and profiling ---
+    "--debug-rollout-only": _same("switch"),
+    "--debug-train-only": _same("switch"),
+    "--save-debug-rollout-data": _same("value", "slime's {rollout_id} template names a file per batch; here the "
+                                       "template's folder receives batch_NNNNNN.msgpack files"),
+    "--load-debug-rollout-data": _same("value", "a {rollout_id} template is read as its folder, as for "
+                                       "--save-debug-rollout-data"),
+    "--load-forge-rollout-data": _refused("replaying Forge rollout dumps is not available", "value"),
+    "--load-debug-rollout-data-subsample": _refused("subsampling replayed batches is not available", "value",
+                                                    float),
+    "--save-debug-train-data": _refused("dumping the learner's train data is not available; "
+                                        "--save-debug-rollout-data records every batch", "value"),
+    "--dump-details": _refused("detail dumps are not available; use --save-debug-rollout-data", "value"),
+    "--memory-snapshot-dir": _refused(NO_PROFILING, "value"),
+    "--memory-snapshot-num-steps": _refused(NO_PROFILING, "value", int),
+    "--profile-target": _refused(NO_PROFILING, "list"),
+    "--memory-recorder": _refused(NO_PROFILING, "value"),
+    "--record-memory-history": _refused(NO_PROFILING),
+    # --- network ---
+    "--http-proxy": _alias("-> http_proxy / https_proxy in every actor's environment"),
+    "--use-distributed-post": _explained(RAY + "; reward calls are spread over reward workers "
+                                         "(--reward-workers)"),
+    # --- reward ---
+    "--rm-type": _same(),
+    "--reward-key": _refused("rewards are numbers here; picking a key of a dict reward is not available", "value"),
+    "--group-rm": _same("switch"),
+    "--rm-url": _same(),
+    "--custom-rm-path": _same(),
+    "--custom-reward-post-process-path": _owned("plugins (slime reward post-processing)"),
+    "--custom-convert-samples-to-train-data-path": _owned("plugins (slime sample conversion)"),
+    # --- slime's external rollout buffer (agent framework) ---
+    "--rollout-buffer-url": _refused(NO_AGENT_BUFFER, "value"),
+    "--fetch-trajectory-retry-times": _refused(NO_AGENT_BUFFER, "value", int),
+    "--min-batch-collection-ratio": _refused(NO_AGENT_BUFFER, "value", float),
+    "--rollout-task-type": _refused(NO_AGENT_BUFFER, "value"),
+    "--loss-mask-type": _refused("chat-template-specific multi-turn loss masks are not available; a generate "
+                                 "plugin sets the loss mask", "value"),
+    "--data-pad-size-multiplier": _explained("packing chooses its own padding", "value", int),
+    "--rollout-sample-filter-path": _refused(NO_AGENT_BUFFER, "value"),
+    "--rollout-all-samples-process-path": _refused(NO_AGENT_BUFFER, "value"),
+    # --- CI ---
+    "--ci-test": _explained(CI),
+    "--ci-disable-kl-checker": _explained(CI),
+    "--ci-train-rollout-logprob-abs-diff-threshold": _explained(CI, "value", float),
+    "--ci-save-grad-norm": _explained(CI, "value"),
+    "--ci-load-grad-norm": _explained(CI, "value"),
+    # --- plugin configuration ---
+    "--custom-config-path": _refused("slime merges this YAML into its args namespace for plugins; there is no "
+                                     "such namespace here (plugins read their own settings)", "value"),
+}

@@ -1,0 +1,332 @@
+"""Every slime flag is accepted with slime's meaning, explained, or refused with a reason; slime run scripts parse.
+
+`tests/data/slime_flags.txt` lists the flags slime declares at HEAD 624b824a (2026-08-21): every `add_argument` and
+`reset_arg` call with a `--flag` in `slime/utils/arguments.py`, plus the slime-own router/engine flags of
+`slime/backends/sglang_utils/arguments.py` (`--sglang-router-*`, `--sglang-server-concurrency`, `--sglang-config`,
+`--prefill-num-servers`; the rest of that file forwards SGLang's server flags). It was made once with a short
+script that walks the file's AST (`ast.walk`, calls named add_argument/reset_arg) and writes "FLAG KIND" per line,
+KIND being the argparse action (store_true, store_false, append, bool_optional), nargs=+ / nargs=*, or value.
+
+The run scripts in `tests/data/slime_scripts/` are written for these tests from slime's scripts and docs (a dense
+Qwen3-4B-shaped GRPO run, a 30B-A3B MoE run, a fully async 0.5B run); `read_slime_script` expands their
+`NAME=( ... )` arrays and variables as bash would and returns the argv after `python3 train[_async].py`
+(tests/support/slime_scripts.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from actors.config import config_from_args, split_sglang_args
+from actors.config.run import RunConfig
+from actors.config.slime_table import SLIME_FLAGS
+from launcher import build_parser
+from tests.support.slime_scripts import SCRIPTS, read_slime_script
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+SLIME_KINDS = dict(line.split() for line in (DATA / "slime_flags.txt").read_text().splitlines() if line.strip())
+def parse(argv: list[str]) -> argparse.Namespace:
+    rest, passthrough = split_sglang_args(argv)
+    args = build_parser().parse_args(["--head", *rest])
+    args.sglang_passthrough = passthrough
+    return args
+
+
+def configure(argv: list[str]) -> tuple[RunConfig, argparse.Namespace]:
+    args = parse(argv)
+    return config_from_args(args), args
+
+
+def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return parser._option_string_actions[flag]
+
+
+@pytest.mark.unit
+def test_every_slime_flag_at_head_has_a_row() -> None:
+    assert len(SLIME_KINDS) == 229
+    assert sorted(set(SLIME_KINDS) - set(SLIME_FLAGS)) == []
+    assert sorted(set(SLIME_FLAGS) - set(SLIME_KINDS)) == []
+
+
+@pytest.mark.unit
+def test_every_slime_flag_is_read_as_slime_declares_it() -> None:
+    """A switch takes no value, a value flag exactly one, a list flag one or more: the next flag is never eaten."""
+    parser = build_parser()
+    wrong = []
+    for flag, kind in SLIME_KINDS.items():
+        action = _action(parser, flag)
+        if kind in ("store_true", "store_false"):
+            ok = action.nargs == 0
+        elif kind == "bool_optional":
+            ok = isinstance(action, argparse.BooleanOptionalAction)
+        elif kind.startswith("nargs="):
+            ok = action.nargs in ("+", "*")
+        elif kind == "append":
+            ok = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
+        else:
+            ok = action.nargs is None and action.const is None
+        if not ok:
+            wrong.append(f"{flag} ({kind}: nargs={action.nargs})")
+    assert wrong == []
+
+
+@pytest.mark.unit
+def test_same_name_rows_are_our_own_settings() -> None:
+    parser = build_parser()
+    for flag, row in SLIME_FLAGS.items():
+        dest = _action(parser, flag).dest
+        if row.fate == "same":
+            assert not dest.startswith("slime_"), flag
+        elif row.fate != "owned":
+            assert dest.startswith("slime_"), f"{flag} is now one of our settings: mark its row 'same'"
+
+
+def _sample_argv(flag: str) -> list[str]:
+    """A value for the flag that is not one of the accepted 'means what we do anyway' values."""
+    row, kind = SLIME_FLAGS[flag], SLIME_KINDS[flag]
+    if kind in ("store_true", "store_false", "bool_optional"):
+        return [flag]
+    value = {int: "3", float: "0.5"}.get(row.type, "x")
+    value = {"--update-weight-mode": "delta", "--rollout-data-transport": "nixl",
+             "--apply-chat-template-kwargs": '{"enable_thinking": false}'}.get(flag, value)
+    return [flag, value]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flag", sorted(f for f, row in SLIME_FLAGS.items() if row.fate == "refused"))
+def test_refused_flag_names_itself_and_the_reason(flag: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        configure(_sample_argv(flag))
+    assert flag in str(raised.value)
+    assert SLIME_FLAGS[flag].why.split(" (")[0] in str(raised.value)
+
+
+@pytest.mark.unit
+def test_owned_flag_is_refused_until_its_section_defines_it() -> None:
+    parser = build_parser()
+    for flag, row in SLIME_FLAGS.items():
+        if row.fate != "owned" or not _action(parser, flag).dest.startswith("slime_"):
+            continue
+        with pytest.raises(ValueError, match=re.escape(flag) + ".*not available yet"):
+            configure(_sample_argv(flag))
+
+
+@pytest.mark.unit
+def test_explained_flags_are_accepted_and_listed_in_one_note() -> None:
+    explained = [f for f, row in SLIME_FLAGS.items() if row.fate == "explained"]
+    argv = [token for flag in explained for token in _sample_argv(flag)]
+    config, args = configure(argv)
+    note = args.slime_translation.note()
+    assert config.buffer.max_staleness == RunConfig().buffer.max_staleness
+    assert all(flag in note for flag in explained)
+    assert "--use-distributed-post (Ray-only" in note
+
+
+@pytest.mark.unit
+def test_values_that_mean_what_we_do_anyway_are_accepted() -> None:
+    config, args = configure(["--no-offload-train", "--no-offload-rollout", "--update-weight-mode", "full",
+                              "--rollout-data-transport", "object-store", "--apply-chat-template-kwargs", "{}",
+                              "--rollout-top-p", "0.9", "--eval-top-p", "0.9", "--rollout-top-k", "-1",
+                              "--eval-top-k", "-1", "--rollout-max-response-len", "64",
+                              "--eval-max-response-len", "64"])
+    assert config.rollout.rollout_top_k == 0
+    assert "--offload-train" in args.slime_translation.note()
+    sft, _ = configure(["--loss-type", "sft_loss", "--disable-compute-advantages-and-returns"])
+    assert sft.policy.loss_type == "sft"
+
+
+@pytest.mark.unit
+def test_aliases_translate_into_our_settings() -> None:
+    config, args = configure([
+        "--ref-load", "/ckpt/ref", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--use-tis",
+        "--calculate-per-token-loss", "--rollout-external-engine-addrs", "http://a:1", "http://b:2",
+        "--sglang-server-concurrency", "128", "--update-weight-transport", "nccl", "--wandb-key", "k",
+        "--wandb-team", "team", "--http-proxy", "http://proxy:3128", "--train-env-vars", '{"NCCL_DEBUG": "INFO"}',
+    ])
+    assert config.model.ref_checkpoint == "/ckpt/ref"
+    assert config.trainer.micro_batch_tokens == 4096
+    assert config.policy.off_policy_correction == "tis"
+    assert config.policy.loss_agg_mode == "token-mean"
+    assert config.engine.sglang_url == ["http://a:1", "http://b:2"] and config.engine.rollout_engine == "sglang"
+    assert config.engine.rollout_max_batch_size == 128
+    assert config.weights.weight_transport == "nccl"
+    assert args.slime_translation.env == {"WANDB_API_KEY": "k", "WANDB_ENTITY": "team", "NCCL_DEBUG": "INFO",
+                                          "http_proxy": "http://proxy:3128", "https_proxy": "http://proxy:3128"}
+
+
+@pytest.mark.unit
+def test_custom_tis_function_path_becomes_the_correction() -> None:
+    config, _ = configure(["--custom-tis-function-path", "icepop"])
+    assert config.policy.off_policy_correction == "icepop"
+
+
+@pytest.mark.unit
+def test_slime_entry_points_keep_slimes_correction_default() -> None:
+    assert configure(["--slime-entry", "train_async"])[0].policy.off_policy_correction == "none"
+    assert configure(["--slime-entry", "train_async", "--use-tis"])[0].policy.off_policy_correction == "tis"
+    assert configure([])[0].policy.off_policy_correction == "tis"  # Slipstream's own fully-async default
+
+
+@pytest.mark.unit
+def test_slime_custom_loss_pair_becomes_our_loss_type() -> None:
+    path = "examples.slime_style.custom_loss:reinforce_loss"
+    config, _ = configure(["--loss-type", "custom_loss", "--custom-loss-function-path", path])
+    assert config.policy.loss_type == path
+    assert configure(["--custom-loss-function-path", path])[0].policy.loss_type == path
+    with pytest.raises(ValueError, match=r"--custom-loss-function-path .* needs --loss-type custom_loss"):
+        configure(["--loss-type", "gspo", "--custom-loss-function-path", path])
+
+
+@pytest.mark.unit
+def test_alias_that_disagrees_with_our_own_flag_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"--ref-load.*--ref-checkpoint"):
+        configure(["--ref-load", "/a", "--ref-checkpoint", "/b"])
+    with pytest.raises(ValueError, match="--update-weight-transport disk"):
+        configure(["--update-weight-transport", "disk"])
+
+
+@pytest.mark.unit
+def test_slime_spellings_of_our_own_flags() -> None:
+    config, _ = configure(["--use-wandb", "--wandb-mode", "disabled", "--rollout-top-k", "-1",
+                           "--save-debug-rollout-data", "/tmp/dbg/{rollout_id}.pt"])
+    assert config.logging.use_wandb is False
+    assert config.rollout.rollout_top_k == 0
+    assert config.learner.save_debug_rollout_data == "/tmp/dbg"
+
+
+@pytest.mark.unit
+def test_slimes_own_sglang_flags_are_not_forwarded_to_the_server() -> None:
+    rest, forwarded = split_sglang_args(["--sglang-router-ip", "10.0.0.1", "--sglang-mem-fraction-static", "0.7",
+                                         "--sglang-server-concurrency", "64", "--sglang-config", "g.yaml"])
+    assert forwarded == {"mem-fraction-static": "0.7"}
+    assert rest == ["--sglang-router-ip", "10.0.0.1", "--sglang-server-concurrency", "64", "--sglang-config",
+                    "g.yaml"]
+    with pytest.raises(ValueError, match="--sglang-router-ip: requests go to each SGLang server directly"):
+        configure(["--sglang-router-ip", "10.0.0.1"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("argv", "staleness"), [
+    (["--slime-entry", "train"], 0),
+    (["--slime-entry", "train_async"], 1),
+    (["--slime-entry", "train_async", "--update-weights-interval", "2"], 2),
+    (["--slime-entry", "train_async", "--max-staleness", "4"], 4),
+])
+def test_slime_entry_point_sets_the_staleness_bound(argv: list[str], staleness: int) -> None:
+    config, _ = configure(argv)
+    assert config.buffer.max_staleness == staleness
+
+
+@pytest.mark.unit
+def test_synchronous_entry_point_refuses_a_staleness_bound() -> None:
+    with pytest.raises(ValueError, match="--slime-entry train is synchronous"):
+        configure(["--slime-entry", "train", "--max-staleness", "2"])
+
+
+@pytest.mark.unit
+def test_help_has_a_slime_compatibility_group() -> None:
+    text = build_parser().format_help()
+    assert "slime compatibility" in text and "--slime-entry" in text and "--use-opd" in text
+
+
+def _megatron_section_exists() -> bool:
+    return (Path(__file__).resolve().parents[2] / "actors" / "config" / "megatron.py").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("script", ["dense-qwen3-4b-grpo.sh", "moe-qwen3-30b-a3b.sh", "fully-async-qwen2.5-0.5b.sh"])
+def test_slime_run_script_parses_and_builds_a_config(script: str) -> None:
+    if not _megatron_section_exists():
+        pytest.xfail("Megatron's model flags need the megatron section (actors/config/megatron.py)")
+    entry, argv = read_slime_script(SCRIPTS / script)
+    assert entry in ("train", "train_async") and len(argv) > 40
+    config, _ = configure(["--slime-entry", entry, *argv])
+    assert config.buffer.max_staleness == (0 if entry == "train" else 1)
+    assert config.model.ref_checkpoint == config.model.hf_checkpoint
+    assert config.trainer.train_backend == "megatron"
+    for setting, expected in SCRIPT_EXPECTATIONS[script].items():
+        section, name = setting.split(".")
+        assert getattr(getattr(config, section), name) == expected, setting
+
+
+SCRIPT_EXPECTATIONS = {
+    "dense-qwen3-4b-grpo.sh": {"trainer.micro_batch_tokens": 8192, "policy.off_policy_correction": "tis",
+                               "policy.loss_agg_mode": "token-mean", "data.rollout_seed": 7,
+                               "eval.skip_eval_before_train": True, "engine.rollout_max_batch_size": 256,
+                               "rollout.rollout_top_k": 0, "megatron.num_layers": 36},
+    "moe-qwen3-30b-a3b.sh": {"megatron.num_experts": 128, "megatron.expert_model_parallel_size": 8,
+                             "logging.use_wandb": False, "weights.weight_transport": "nccl",
+                             "trainer.micro_batch_tokens": 20480},
+    "fully-async-qwen2.5-0.5b.sh": {"learner.save_debug_rollout_data": "/tmp/slime_fully_async/debug",
+                                    "trainer.learner_ranks": 1, "placement.rollout_num_gpus": 1},
+}
+
+
+@pytest.mark.unit
+def test_script_reader_expands_arrays_and_variables() -> None:
+    entry, argv = read_slime_script(SCRIPTS / "moe-qwen3-30b-a3b.sh", overrides={"MODEL": "/m"})
+    assert entry == "train"
+    assert argv[argv.index("--hf-checkpoint") + 1] == "/m"
+    assert argv[argv.index("--moe-layer-freq") + 1] == "[1]*48"
+    assert argv[argv.index("--sglang-cuda-graph-bs") + 1: argv.index("--sglang-cuda-graph-bs") + 6] == [
+        "1", "2", "4", "8", "16"]
+    assert "mixture" not in argv  # comments inside arrays are dropped
+
+
+@pytest.mark.unit
+def test_eval_rounds_honour_skip_eval_before_train_and_eval_keys(tmp_path: Path) -> None:
+    """--skip-eval-before-train drops only the version-0 round; --eval-input-key/--eval-label-key read eval sets."""
+    from actors.buffer.core import BufferCore
+    from actors.buffer.prompt_data import PromptRecord, PromptSource
+    from actors.controller.eval_rounds import EvalRounds
+
+    eval_set = tmp_path / "aime.jsonl"
+    eval_set.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
+    config, _ = configure(["--eval-prompt-data", "aime", str(eval_set), "--eval-interval", "2",
+                           "--skip-eval-before-train", "--eval-input-key", "question", "--eval-label-key", "answer"])
+    core = BufferCore(source=PromptSource([PromptRecord(0, "0+1=", "1", {})], seed=1), n_samples=1,
+                      groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
+    rounds = EvalRounds(config, core, writer=None, log=None)
+    rounds.maybe_start(0)
+    assert list(core.eval_queue) == []
+    rounds.maybe_start(2)
+    assert [(g.prompt, g.label) for g in core.eval_queue] == [("1+1=", "2"), ("2+2=", "4")]
+
+
+@pytest.mark.integration
+def test_no_rollout_shuffle_leases_prompts_in_file_order(tmp_path: Path) -> None:
+    """slime's default order (file order) with --no-rollout-shuffle; shuffled with --rollout-shuffle --rollout-seed."""
+    import asyncio
+    import json
+
+    from actors.buffer.actor import Buffer
+    from actors.runtime.context import ActorContext
+
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(20)))
+
+    async def first_prompts(shuffle: bool, seed: int) -> list[str]:
+        run = {"prompt_data": str(prompts), "rollout_batch_size": 20, "n_samples_per_prompt": 1,
+               "rollout_shuffle": shuffle, "rollout_seed": seed}
+        context = ActorContext(actor_id="buffer-0", role="buffer", actor_class="actors.buffer.actor:Buffer",
+                               node_rank=0, head_address="tcp://127.0.0.1:1",
+                               run_dir=tmp_path / f"run-{len(list(tmp_path.iterdir()))}", settings={"run": run})
+        buffer = Buffer(context)
+        await buffer.on_start()
+        try:
+            leased = buffer.core.lease("w", 20)
+            assert leased is not None
+            return [group.prompt for group in leased[1]]
+        finally:
+            await buffer.on_stop()
+
+    in_order = asyncio.run(first_prompts(False, 1))
+    assert in_order == [f"{i}+1=" for i in range(20)]
+    seeded = asyncio.run(first_prompts(True, 5))
+    assert seeded != in_order and sorted(seeded) == sorted(in_order)
+    assert asyncio.run(first_prompts(True, 5)) == seeded
+    assert asyncio.run(first_prompts(True, 6)) != seeded

@@ -1,0 +1,47 @@
+"""Read slime run scripts (bash arrays of flags) into the argv their `python3 train.py` line passes."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "data" / "slime_scripts"
+ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
+
+
+def read_slime_script(path: Path, overrides: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """(entry point, argv) of a slime run script: arrays `NAME=( ... )`, plain `VAR=value` and the final
+    `python3 train.py ... ${NAME[@]}` command, expanded; `overrides` replaces variables (paths, sizes)."""
+    variables: dict[str, str] = {}
+    arrays: dict[str, list[str]] = {}
+    lines = iter(path.read_text(encoding="utf-8").splitlines())
+    entry, command = "", ""
+
+    def expand(text: str) -> str:
+        return re.sub(r"\$\{?([A-Z_][A-Z0-9_]*)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
+
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#") or not stripped:
+            continue
+        match = ASSIGNMENT.match(stripped)
+        if match and match.group(2) == "(":
+            body = []
+            for inner in lines:
+                if inner.strip() == ")":
+                    break
+                body.append(inner)
+            arrays[match.group(1)] = shlex.split(expand("\n".join(body)), comments=True)
+        elif match:
+            variables[match.group(1)] = (overrides or {}).get(match.group(1), " ".join(shlex.split(match.group(2))))
+        elif re.match(r"python3? (train|train_async)\.py", stripped):
+            entry = stripped.split()[1].removesuffix(".py")
+            command = stripped
+            while command.endswith("\\"):
+                command = command[:-1] + " " + next(lines).strip()
+    argv: list[str] = []
+    for token in shlex.split(command)[2:]:
+        array = re.fullmatch(r"\$\{([A-Z_][A-Z0-9_]*)\[@\]\}", token)
+        argv.extend(arrays[array.group(1)] if array else [expand(token)])
+    return entry, argv
