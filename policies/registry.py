@@ -214,7 +214,10 @@ def _slime_loss(fn: Callable[..., Any]) -> Callable[..., Any]:
         value, log = fn(SimpleNamespace(**config.model_dump()), batch, None, sum_of_sample_mean)
         ones = sum_of_sample_mean(torch.ones_like(inputs.log_probs)).clamp_min(1e-12)
         per_token = (value / ones) * torch.ones_like(inputs.log_probs)
-        extra = {k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in log.items()}
+        # slime's log values are sums over samples (sum_of_sample_mean) that its logger divides by the sample
+        # count; divided by the same count here, they read as the per-sample means slime shows.
+        extra = {k: (v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v))) / ones.detach()
+                 for k, v in log.items()}
         # policies.losses.PolicyLossTerms' fields, without importing it (losses imports this module).
         return SimpleNamespace(per_token_loss=per_token, clipped=torch.zeros_like(per_token),
                                ratio=torch.ones_like(per_token), extra_metrics=extra)

@@ -4,6 +4,7 @@ SGLang-compatible CPU server and a batched group rm(args, samples), loaded by si
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,31 @@ def test_slime_style_generate_and_group_rm_drive_a_training_run(tmp_path: Path, 
         for members in groups.values():
             expected = asyncio.run(group_rm.rm(None, [from_wire(s) for s in members]))
             assert [s.reward for s in members] == pytest.approx(expected)
+
+
+@pytest.mark.system
+@pytest.mark.timeout(150)
+def test_slime_style_tool_generate_and_custom_loss_train(tmp_path: Path, tiny_model_path: Path) -> None:
+    """The retool-like generate (its sandbox runs only when the model writes <code>, which a tiny random model
+    rarely does) and slime's custom-loss pair train a real run; the loss's own metric reaches train.jsonl."""
+    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
+        "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "24",
+        "--rollout-max-batch-size", "4", "--max-staleness", "0", "--rollout-workers", "1", "--reward-workers", "1",
+        "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+        "--custom-generate-function-path", "examples.slime_style.retool_generate:generate",
+        "--loss-type", "custom_loss", "--custom-loss-function-path", "examples.slime_style.custom_loss:reinforce_loss",
+        "--off-policy-correction", "none", "--final-eval-timeout", "0", "--heartbeat-interval", "0.25",
+        "--weight-transfer-timeout", "20", "--no-progress", "--no-use-tensorboard", "--no-plots",
+    ]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=140)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == STEPS
+    for row in rows:
+        # pi_old is the training forward here, so the loss's importance weight is exactly 1 on every token.
+        assert row["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert np.isfinite(row["loss"])
