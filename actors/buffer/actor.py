@@ -21,6 +21,7 @@ from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import PromptSource, load_prompts
 from actors.config import RunConfig
 from actors.controller.eval_rounds import EvalRounds
+from actors.rollout.prompt_tokens import prompt_length_counter
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
@@ -52,11 +53,19 @@ class Buffer(Actor):
         data = config.data
         if data.prompt_data is None:
             raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
+        context = config.rollout.rollout_max_context_len
+        max_prompt = data.rollout_max_prompt_len or (context - 1 if context is not None else None)
         records, report = load_prompts(data.prompt_data, input_key=data.input_key, label_key=data.label_key,
-                                       metadata_key=data.metadata_key, skip_bad=data.skip_bad_data)
+                                       metadata_key=data.metadata_key, skip_bad=data.skip_bad_data,
+                                       max_prompt_len=max_prompt,
+                                       count_tokens=prompt_length_counter(config) if max_prompt else None)
         for problem in report.skipped:
             self.log.warning("skipped dataset record", problem=problem)
         self.counters["data.skipped_records"] = len(report.skipped)
+        if report.too_long:
+            self.counters["data.skipped_long_prompts"] = report.too_long
+            self.log.warning("skipped long prompts", count=report.too_long, max_prompt_tokens=max_prompt,
+                             kept=report.records)
         log_path = buffer_log_path(self.context.run_dir)
         group_filter = make_group_filter(config.buffer.dynamic_sampling_filter_path, config)
         self.core = BufferCore(

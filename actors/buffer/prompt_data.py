@@ -2,13 +2,14 @@
 
 The order of epoch e is a permutation seeded by (seed, e), so the cursor (epoch, position) is all the state
 a resumed run needs to continue with the very next prompt. Malformed lines are reported with file and line
-and either skipped (counted, the run goes on) or raised, by `--skip-bad-data`.
+and either skipped (counted, the run goes on) or raised, by `--skip-bad-data`. Prompts over a token cap
+(`--rollout-max-prompt-len`, `--eval-max-prompt-len`) are dropped at load and counted apart from bad lines.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class LoadReport:
     path: str
     records: int = 0
     skipped: list[str] = field(default_factory=list)  # "line N: reason"
+    too_long: int = 0  # valid records dropped for exceeding the prompt token cap
 
 
 def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -52,9 +54,14 @@ def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str | None = "label",
-                 metadata_key: str | None = "metadata",
-                 skip_bad: bool = True) -> tuple[list[PromptRecord], LoadReport]:
-    """Read every usable record; with skip_bad=False the first bad one raises DatasetError."""
+                 metadata_key: str | None = "metadata", skip_bad: bool = True, max_prompt_len: int | None = None,
+                 count_tokens: Callable[[Any], int] | None = None) -> tuple[list[PromptRecord], LoadReport]:
+    """Read every usable record; with skip_bad=False the first bad one raises DatasetError.
+
+    With `max_prompt_len`, records whose prompt `count_tokens` finds longer are left out (counted in
+    `report.too_long`), as slime filters long prompts when it loads a dataset."""
+    if max_prompt_len is not None and count_tokens is None:
+        raise ValueError("max_prompt_len needs count_tokens (the tokenizer's prompt length)")
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
@@ -71,6 +78,9 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
                 raise DatasetError(message)
             report.skipped.append(message)
             continue
+        if max_prompt_len is not None and count_tokens is not None and count_tokens(row[input_key]) > max_prompt_len:
+            report.too_long += 1
+            continue
         metadata = row.get(metadata_key) if metadata_key else None
         records.append(PromptRecord(
             data_index=len(records), prompt=row[input_key],
@@ -78,7 +88,8 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
         ))
     report.records = len(records)
     if not records:
-        raise DatasetError(f"{path}: no usable records ({len(report.skipped)} skipped)")
+        longer = f", {report.too_long} over {max_prompt_len} prompt tokens" if report.too_long else ""
+        raise DatasetError(f"{path}: no usable records ({len(report.skipped)} skipped{longer})")
     return records, report
 
 

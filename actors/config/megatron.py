@@ -165,10 +165,15 @@ class MegatronConfig(Section):
     custom_megatron_init_path: str | None = Field(None, description="module:function called as fn(args) on every "
                                                   "learner rank once megatron is initialised, before the model is "
                                                   "built (args: a namespace of the run's flat settings)")
-    custom_megatron_before_log_prob_hook_path: str | None = Field(None, description="module:function before each "
-                                                                  "log-prob pass (not supported yet)")
-    custom_megatron_before_train_step_hook_path: str | None = Field(None, description="module:function before each "
-                                                                    "train step (not supported yet)")
+    custom_megatron_before_log_prob_hook_path: str | None = Field(
+        None, description="module:function called as fn(args, model, store_prefix) on every learner rank before "
+        "each log-prob pass (model: the list of model chunks; store_prefix: '' for old, 'ref_' for reference "
+        "log-probs); --train-backend megatron only")
+    custom_megatron_before_train_step_hook_path: str | None = Field(
+        None, description="module:function called as fn(args, rollout_id, step_id, model, optimizer, "
+        "opt_param_scheduler) on every learner rank before each optimizer step, gradients zeroed (step_id: the "
+        "step within the rollout batch; opt_param_scheduler: None, the trainer schedules the lr itself); "
+        "--train-backend megatron only")
 
     def set_flags(self) -> dict[str, object]:
         """The flags as `engines.megatron.model_flags` reads them: unset ones (None) left out."""

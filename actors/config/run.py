@@ -110,6 +110,18 @@ class RunConfig(BaseModel):
             return [f"global_batch_size {size} must divide {where} (one optimizer step per {size} samples)"]
         return []
 
+    def _length_problems(self) -> list[str]:
+        """A prompt cap must leave at least one response token inside the context cap (as slime asserts)."""
+        problems = []
+        context = self.rollout.rollout_max_context_len
+        pairs = [("rollout", self.data.rollout_max_prompt_len, context),
+                 ("eval", self.eval.eval_max_prompt_len, self.eval.eval_max_context_len or context)]
+        for kind, prompt, limit in pairs:
+            if prompt is not None and limit is not None and prompt > limit - 1:
+                problems.append(f"{kind}_max_prompt_len {prompt} must be at most {kind}_max_context_len - 1 = "
+                                f"{limit - 1} (room for one response token)")
+        return problems
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         """Rules that involve more than one section; each message names every setting involved."""
@@ -119,6 +131,7 @@ class RunConfig(BaseModel):
             problems.append(f"min_lr {self.trainer.min_lr} must be in [0, lr={self.trainer.lr}]")
         if self.eval.eval_prompt_data and not self.eval.eval_interval:
             problems.append("eval_prompt_data needs eval_interval")
+        problems += self._length_problems()
         if self.learner.debug_rollout_only and self.learner.debug_train_only:
             problems.append("debug_rollout_only and debug_train_only are exclusive")
         if self.learner.debug_train_only and not self.learner.load_debug_rollout_data:

@@ -8,7 +8,8 @@ concern one field live on the field; rules that tie sections together live on `R
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -55,6 +56,25 @@ class DataConfig(Section):
     rollout_shuffle: bool = Field(True, description="visit the prompts in a seeded random order each epoch "
                                   "(slime's default is file order: --no-rollout-shuffle)")
     rollout_seed: int | None = Field(None, description="seed of the prompt order (default: --seed)")
+    rollout_max_prompt_len: int | None = Field(None, ge=1, description="drop training prompts longer than this "
+                                               "many tokens (after the chat template) when the dataset loads; "
+                                               "counted and logged (default: --rollout-max-context-len - 1)")
+    apply_chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword arguments of the tokenizer's apply_chat_template, e.g. "
+        "{\"enable_thinking\": false}; on the command line a JSON object")
+
+    @field_validator("apply_chat_template_kwargs", mode="before")
+    @classmethod
+    def _json_kwargs(cls, value: Any) -> Any:
+        """slime passes a JSON string on the command line; YAML gives a mapping."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{value!r} is not JSON ({error.msg})") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"expected a JSON object of keyword arguments, got {type(value).__name__}")
+        return value
 
 
 class EvalConfig(Section):
@@ -69,6 +89,16 @@ class EvalConfig(Section):
     skip_eval_before_train: bool = Field(False, description="no eval round for version 0 (before training)")
     eval_input_key: str | None = Field(None, description="prompt field of eval records (default: --input-key)")
     eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key)")
+    eval_top_p: float | None = Field(None, gt=0, le=1, description="eval top-p (default: --rollout-top-p)")
+    eval_top_k: int | None = Field(None, ge=-1, description="eval top-k, 0 or -1 = off (default: --rollout-top-k)")
+    eval_max_response_len: int | None = Field(None, ge=1, description="max new tokens per eval response "
+                                              "(default: --rollout-max-response-len)")
+    eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
+                                            "tokens when the set loads; counted and logged")
+    eval_max_context_len: int | None = Field(None, ge=2, description="cap on eval prompt + response tokens "
+                                             "(default: --rollout-max-context-len)")
+    eval_reward_key: str | None = Field(None, description="key of a dict reward that scores eval samples "
+                                        "(default: --reward-key)")
 
     @field_validator("eval_prompt_data")
     @classmethod
@@ -76,6 +106,11 @@ class EvalConfig(Section):
         if len(value) % 2:
             raise ValueError(f"takes NAME PATH pairs, got {len(value)} value(s)")
         return value
+
+    @field_validator("eval_top_k")
+    @classmethod
+    def _top_k_off(cls, value: int | None) -> int | None:
+        return 0 if value == -1 else value  # slime's "off"
 
     @property
     def sets(self) -> dict[str, str]:
@@ -93,6 +128,14 @@ class RolloutConfig(Section):
     rollout_top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
     rollout_max_response_len: int = Field(32, ge=1, description="max new tokens per response")
     rollout_stop: list[str] = Field(default_factory=list, description="stop strings")
+    rollout_stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a response "
+                                              "(besides the model's end-of-sequence)")
+    rollout_skip_special_tokens: bool = Field(True, description="leave special tokens out of the response text "
+                                              "(token ids keep them; slime's default keeps them in the text: "
+                                              "--no-rollout-skip-special-tokens)")
+    rollout_max_context_len: int | None = Field(None, ge=2, description="cap on prompt + response tokens: a "
+                                                "request's max new tokens shrink to fit, and a prompt that leaves "
+                                                "no room fails its samples (counted and logged)")
     custom_generate_function_path: str | None = Field(None, description="module:function for multi-turn rollouts; "
                                                       "ours (context, group) or slime's (args, sample, "
                                                       "sampling_params), detected by signature")
@@ -143,6 +186,8 @@ class RewardConfig(Section):
     """How reward workers score a group."""
 
     rm_type: str = Field("exact_match", description="built-in reward name")
+    reward_key: str | None = Field(None, description="the reward function returns a dict and this key holds the "
+                                   "reward (default: a number, or a dict's 'reward')")
     custom_rm_path: str | None = Field(None, description="module:function reward (sync or async); ours "
                                        "(RewardInput) or slime's (args, sample, **kwargs), batched (args, samples) "
                                        "with --group-rm")

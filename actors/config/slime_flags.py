@@ -23,11 +23,7 @@ _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does
     "--offload-rollout": lambda v, a: v is False,
     "--update-weight-mode": lambda v, a: v == "full",
     "--rollout-data-transport": lambda v, a: v == "object-store",
-    "--apply-chat-template-kwargs": lambda v, a: not json.loads(v),
     "--disable-compute-advantages-and-returns": lambda v, a: a.loss_type in ("sft", "sft_loss"),
-    "--eval-top-p": lambda v, a: v == _given(a, "rollout_top_p", 1.0),
-    "--eval-top-k": lambda v, a: (0 if v == -1 else v) == _given(a, "rollout_top_k", 0),
-    "--eval-max-response-len": lambda v, a: v == _given(a, "rollout_max_response_len", 32),
 }
 _ENV_ALIASES = {"--wandb-key": ("WANDB_API_KEY",), "--wandb-host": ("WANDB_BASE_URL",),
                 "--wandb-team": ("WANDB_ENTITY",), "--http-proxy": ("http_proxy", "https_proxy")}
@@ -146,6 +142,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         if not isinstance(variables, dict):
             raise ValueError(f"--train-env-vars {value!r}: expected a JSON object of NAME: VALUE")
         result.env.update({str(k): str(v) for k, v in variables.items()})
+    elif flag == "--apply-chat-template-kwargs":
+        _set(args, "apply_chat_template_kwargs", value, flag)  # the JSON string; the data section parses it
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":

@@ -61,8 +61,6 @@ NO_DISK_SYNC = "weight sync over disk and delta-encoded updates are not availabl
 NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
 NO_PROFILING = "slime's profiling and memory-snapshot hooks are not available; use torch.profiler around the learner"
 NO_OPD = "on-policy distillation is not available"
-NO_EVAL_SAMPLING = "eval rounds sample with the rollout's settings (only --eval-temperature differs); a separate " \
-                   "eval value is not available yet"
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
 
 SLIME_FLAGS: dict[str, SlimeFlag] = {
@@ -143,13 +141,13 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--rollout-temperature": _same(),
     "--rollout-top-p": _same(),
     "--rollout-top-k": _same("value", "-1 (slime's off) is read as 0 (off)"),
-    "--rollout-max-context-len": _refused("a prompt+response length cap is not available; bound responses with "
-                                          "--rollout-max-response-len", "value", int),
-    "--rollout-max-prompt-len": _refused("filtering long prompts at load time is not available", "value", int),
+    "--rollout-max-context-len": _same(),
+    "--rollout-max-prompt-len": _same(),
     "--rollout-max-response-len": _same(),
-    "--rollout-skip-special-tokens": _refused("decoding options of the response text are not available"),
+    "--rollout-skip-special-tokens": _same("switch", "on by default here (--no-rollout-skip-special-tokens for "
+                                          "slime's default)"),
     "--rollout-stop": _same("list"),
-    "--rollout-stop-token-ids": _refused("stop token ids are not available; use --rollout-stop strings", "list"),
+    "--rollout-stop-token-ids": _same("list"),
     "--rollout-shuffle": _same("switch"),
     "--rollout-seed": _same("value"),
     "--over-sampling-batch-size": _explained("the buffer keeps leasing prompts until a batch's groups pass the "
@@ -193,8 +191,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                    "value"),
     "--prompt-data": _same(),
     "--apply-chat-template": _same("switch"),
-    "--apply-chat-template-kwargs": _refused("extra chat-template arguments are not available yet ('{}' is "
-                                            "accepted)", "value"),
+    "--apply-chat-template-kwargs": _alias("-> apply_chat_template_kwargs (the JSON object read into the data "
+                                           "section; a mapping in YAML)"),
     "--input-key": _same(),
     "--label-key": _same(),
     "--metadata-key": _same(),
@@ -225,15 +223,14 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--eval-tool-key": _refused("tool specs from the dataset are not passed to the chat template", "value"),
     "--n-samples-per-eval-prompt": _same(),
     "--eval-temperature": _same(),
-    "--eval-top-p": _refused(NO_EVAL_SAMPLING + " (a value equal to the rollout's is accepted)", "value", float),
-    "--eval-top-k": _refused(NO_EVAL_SAMPLING + " (a value equal to the rollout's is accepted)", "value", int),
-    "--eval-max-response-len": _refused(NO_EVAL_SAMPLING + " (a value equal to the rollout's is accepted)",
-                                        "value", int),
-    "--eval-max-prompt-len": _refused("filtering long prompts at load time is not available", "value", int),
-    "--eval-min-new-tokens": _refused("a minimum response length is not available", "value", int),
-    "--eval-max-context-len": _refused("a prompt+response length cap is not available", "value", int),
-    "--eval-reward-key": _refused("rewards are numbers here; picking a key of a dict reward is not available",
-                                  "value"),
+    "--eval-top-p": _same(),
+    "--eval-top-k": _same("value", "-1 (slime's off) is read as 0 (off)"),
+    "--eval-max-response-len": _same(),
+    "--eval-max-prompt-len": _same(),
+    "--eval-min-new-tokens": _refused("a minimum response length is not available: neither the torch engine nor "
+                                      "the SGLang client's sampling parameters carry one", "value", int),
+    "--eval-max-context-len": _same(),
+    "--eval-reward-key": _same(),
     # --- checkpoints ---
     "--load": _same(),
     "--save": _same(),
@@ -342,7 +339,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                          "(--reward-workers)"),
     # --- reward ---
     "--rm-type": _same(),
-    "--reward-key": _refused("rewards are numbers here; picking a key of a dict reward is not available", "value"),
+    "--reward-key": _same(),
     "--group-rm": _same("switch"),
     "--rm-url": _same(),
     "--custom-rm-path": _same(),

@@ -16,6 +16,7 @@ import numpy as np
 from actors.buffer.core import BufferCore
 from actors.buffer.prompt_data import PromptRecord, load_prompts
 from actors.config import RunConfig
+from actors.rollout.prompt_tokens import prompt_length_counter
 from actors.runtime.metrics import MetricsWriter
 from bus.schema import PromptGroup, ScoredGroup
 
@@ -37,19 +38,28 @@ def pass_at_k(rewards_per_prompt: list[list[float]], threshold: float = 1.0) -> 
 
 
 class EvalRounds:
-    def __init__(self, config: RunConfig, core: BufferCore, writer: MetricsWriter, log: Any) -> None:
+    def __init__(self, config: RunConfig, core: BufferCore, writer: MetricsWriter, log: Any,
+                 tokenizer: Any | None = None) -> None:
         self.config = config
         self.core = core
         self.writer = writer
         self.log = log
         self.sets: dict[str, list[PromptRecord]] = {}
+        self.skipped_long: dict[str, int] = {}  # eval prompts over --eval-max-prompt-len, per set
+        max_prompt = config.eval.eval_max_prompt_len
+        count_tokens = prompt_length_counter(config, tokenizer) if max_prompt and config.eval.sets else None
         for name, path in config.eval.sets.items():
             records, report = load_prompts(path, input_key=config.eval.eval_input_key or config.data.input_key,
                                            label_key=config.eval.eval_label_key or config.data.label_key,
-                                           metadata_key=config.data.metadata_key, skip_bad=config.data.skip_bad_data)
+                                           metadata_key=config.data.metadata_key, skip_bad=config.data.skip_bad_data,
+                                           max_prompt_len=max_prompt, count_tokens=count_tokens)
             self.sets[name] = records
             for problem in report.skipped:
                 log.warning("skipped eval record", problem=problem)
+            if report.too_long:
+                self.skipped_long[name] = report.too_long
+                log.warning("skipped long eval prompts", set=name, count=report.too_long,
+                            max_prompt_tokens=max_prompt, kept=report.records)
         self.rounds: dict[tuple[int, str], EvalRound] = {}
         self.started_versions: set[int] = set()
 

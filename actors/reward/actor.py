@@ -34,20 +34,24 @@ class RewardWorker(Actor):
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
-        scored = await self.score_samples(group.samples)
+        scored = await self.score_samples(group.samples, is_eval=group.group_id.startswith("eval:"))
         self.counters["samples.scored"] += len(scored)
         self.counters["samples.reward_failed"] += sum(s.status == "failed" for s in scored)
         await self.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
                                            worker_id=group.worker_id))
 
-    async def score_samples(self, samples: list[Sample]) -> list[Sample]:
+    async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
+        if any(s.status == "failed" for s in samples):  # failed in generation (e.g. no room under the context
+            return list(samples)  # cap): nothing to score, the buffer drops the group and counts it
         inputs: list = list(samples) if self.takes_samples else [
             RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label, metadata=dict(s.metadata))
             for s in samples]
+        reward = self.config.reward
+        key = (self.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
         if self.reward.is_group:
-            outcomes = await score_group(self.reward.fn, inputs, timeout_s=self.config.reward.reward_timeout)
+            outcomes = await score_group(self.reward.fn, inputs, timeout_s=reward.reward_timeout, key=key)
         else:
-            outcomes = await score(self.reward.fn, inputs, timeout_s=self.config.reward.reward_timeout)
+            outcomes = await score(self.reward.fn, inputs, timeout_s=reward.reward_timeout, key=key)
         scored = []
         for sample, outcome in zip(samples, outcomes, strict=True):
             if outcome.status == "ok":

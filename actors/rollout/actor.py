@@ -82,6 +82,10 @@ class RolloutWorker(Actor):
                                      worker_id=self.actor_id)
             samples = await self.generate_fn(context, group)
             self.counters["samples.generated"] += len(samples)
+            no_room = [s for s in samples if s.status == "failed"]
+            if no_room:  # e.g. a prompt over the context cap: the buffer drops the group and counts it
+                self.counters["samples.failed"] += len(no_room)
+                self.log.warning("samples failed before scoring", group=group.group_id, reason=no_room[0].error)
             self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
             handed = time.monotonic()
             await self.rewards.send(GeneratedGroup(lease_id=lease.lease_id, group_id=group.group_id,

@@ -15,9 +15,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
 import numpy as np
 
 from actors.config import RunConfig
+from actors.rollout.prompt_tokens import encode_prompt
 from actors.slime_compat.plugins import adapt_generate, is_slime_style
 from bus.schema import PromptGroup, Sample
 from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
@@ -39,7 +41,7 @@ class Tokenizer(Protocol):
         """`{"input_ids": [...]}` for one text."""
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                            tokenize: bool) -> Any:
+                            tokenize: bool, **kwargs: Any) -> Any:
         """Token ids of a chat (a list, or a mapping with "input_ids")."""
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = ...) -> str: ...
@@ -52,24 +54,55 @@ class RolloutContext:
     config: RunConfig
     worker_id: str
 
-    def sampling_params(self, group: PromptGroup, *, n: int | None = None) -> SamplingParams:
-        config = self.config
-        eval_greedy = group.is_eval and config.eval.eval_temperature == 0
+    def sampling_params(self, group: PromptGroup, *, n: int | None = None,
+                        prompt_tokens: int | None = None) -> SamplingParams:
+        """The group's sampling; eval groups use the --eval-* values where given. With `prompt_tokens`, max new
+        tokens shrink to fit the context cap (`NoRoomError` when the prompt alone fills it)."""
+        config, rollout, evaluation = self.config, self.config.rollout, self.config.eval
+        is_eval = group.is_eval
+        eval_greedy = is_eval and evaluation.eval_temperature == 0
+        top_p = evaluation.eval_top_p if is_eval and evaluation.eval_top_p is not None else rollout.rollout_top_p
+        top_k = evaluation.eval_top_k if is_eval and evaluation.eval_top_k is not None else rollout.rollout_top_k
+        max_new = rollout.rollout_max_response_len
+        if is_eval and evaluation.eval_max_response_len is not None:
+            max_new = evaluation.eval_max_response_len
+        if prompt_tokens is not None:
+            max_new = self.fit_context(group, prompt_tokens, max_new)
         return SamplingParams(
-            temperature=config.eval.eval_temperature if group.is_eval else config.rollout.rollout_temperature,
-            top_p=1.0 if eval_greedy else config.rollout.rollout_top_p,
-            top_k=0 if eval_greedy else config.rollout.rollout_top_k,
-            max_new_tokens=config.rollout.rollout_max_response_len,
+            temperature=evaluation.eval_temperature if is_eval else rollout.rollout_temperature,
+            top_p=1.0 if eval_greedy else top_p,
+            top_k=0 if eval_greedy else top_k,
+            max_new_tokens=max_new,
             stop=tuple(config.rollout.rollout_stop),
+            stop_token_ids=tuple(rollout.rollout_stop_token_ids),
             n=group.n_samples if n is None else n,
         )
 
+    def context_limit(self, group: PromptGroup) -> tuple[str, int | None]:
+        """The flag and value capping prompt + response tokens for this group (eval falls back to rollout's)."""
+        if group.is_eval and self.config.eval.eval_max_context_len is not None:
+            return "--eval-max-context-len", self.config.eval.eval_max_context_len
+        return "--rollout-max-context-len", self.config.rollout.rollout_max_context_len
+
+    def fit_context(self, group: PromptGroup, prompt_tokens: int, max_new_tokens: int) -> int:
+        """`max_new_tokens` cut to what the context cap leaves after the prompt."""
+        flag, limit = self.context_limit(group)
+        if limit is None:
+            return max_new_tokens
+        room = limit - prompt_tokens
+        if room < 1:
+            raise NoRoomError(f"prompt of {prompt_tokens} tokens leaves no room for a response under {flag} "
+                              f"{limit}")
+        return min(max_new_tokens, room)
+
     def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
-        if self.config.data.apply_chat_template or isinstance(prompt, list):
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        data = self.config.data
+        return encode_prompt(self.tokenizer, prompt, chat_template=data.apply_chat_template,
+                             chat_template_kwargs=data.apply_chat_template_kwargs)
+
+    def decode_response(self, token_ids: Sequence[int]) -> str:
+        """The response text; --rollout-skip-special-tokens decides whether special tokens appear in it."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.config.rollout.rollout_skip_special_tokens)
 
     def request_id(self, group: PromptGroup) -> str:
         return f"{self.worker_id}/{group.group_id}/{next(_request_ids)}"
@@ -91,16 +124,30 @@ def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_
     )
 
 
+class NoRoomError(ValueError):
+    """A prompt that fills the context cap by itself: its samples fail (and are counted), the worker goes on."""
+
+
+def failed_samples(group: PromptGroup, prompt_ids: list[int], reason: str) -> list[Sample]:
+    """The group's samples marked failed with `reason`, no response: the buffer drops the group and counts it."""
+    return [msgspec.structs.replace(make_sample(group, index, prompt_ids, [], [], [], response="", status="failed"),
+                                    error=reason)
+            for index in range(group.n_samples)]
+
+
 async def default_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
     """One turn: the prompt in, `n_samples` completions out."""
     prompt_ids = context.prompt_ids(group.prompt)
+    try:
+        params = context.sampling_params(group, prompt_tokens=len(prompt_ids))
+    except NoRoomError as error:
+        return failed_samples(group, prompt_ids, str(error))
     outputs: list[GenerateOutput] = await context.engine.generate(
-        GenerateRequest(request_id=context.request_id(group), input_ids=prompt_ids,
-                        params=context.sampling_params(group))
+        GenerateRequest(request_id=context.request_id(group), input_ids=prompt_ids, params=params)
     )
     return [
         make_sample(group, index, prompt_ids, out.output_ids, out.log_probs, out.versions,
-                    response=context.tokenizer.decode(out.output_ids, skip_special_tokens=True),
+                    response=context.decode_response(out.output_ids),
                     status=STATUS_BY_FINISH[out.finish_reason])
         for index, out in enumerate(outputs)
     ]

@@ -51,16 +51,19 @@ def build_args(config: RunConfig, *, server_url: str | None = None) -> SimpleNam
 
 def sampling_params(config: RunConfig, *, evaluation: bool = False) -> dict[str, Any]:
     """The SGLang sampling-params dict slime hands a generate plugin (the plugin may edit its own copy)."""
-    rollout = config.rollout
-    temperature = config.eval.eval_temperature if evaluation else rollout.rollout_temperature
+    rollout, ev = config.rollout, config.eval
+    temperature = ev.eval_temperature if evaluation else rollout.rollout_temperature
+    top_p = ev.eval_top_p if evaluation and ev.eval_top_p is not None else rollout.rollout_top_p
+    top_k = ev.eval_top_k if evaluation and ev.eval_top_k is not None else rollout.rollout_top_k
+    max_new = ev.eval_max_response_len if evaluation and ev.eval_max_response_len else rollout.rollout_max_response_len
     return {
         "temperature": temperature,
-        "top_p": rollout.rollout_top_p,
-        "top_k": rollout.rollout_top_k or -1,
-        "max_new_tokens": rollout.rollout_max_response_len,
+        "top_p": top_p,
+        "top_k": top_k or -1,
+        "max_new_tokens": max_new,
         "stop": list(rollout.rollout_stop) or None,
-        "stop_token_ids": None,
-        "skip_special_tokens": False,
+        "stop_token_ids": list(rollout.rollout_stop_token_ids) or None,
+        "skip_special_tokens": rollout.rollout_skip_special_tokens,
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
     }

@@ -104,7 +104,7 @@ class HFBridge:
         flags = flags or MegatronFlags()
         check_against_hf(flags.flags, self.hf_config, tensor_parallel=tensor_parallel)
         if flags.init_hook_path:
-            run_init_hook(flags.init_hook_path, flags.hook_args)
+            run_init_hook(flags.init_hook_path, flags.namespace())  # the one namespace the step hooks get too
         vocab = self.hf_config.vocab_size
         self.tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         self._bridge = _bridge_class(family)(

@@ -19,10 +19,12 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 BACKENDS = ("megatron", "torch")
-HOOKS_NOT_YET = ("custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path")
+# slime's hooks into its Megatron backend: the Megatron trainer runs them (`bridge`, `hooks`), the torch one cannot.
+MEGATRON_HOOKS = ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
+                  "custom_megatron_before_train_step_hook_path")
 # Families whose HF layout we know well enough to state what a flag must be when the config has no field for it.
 _GATED_SILU_ROPE_FAMILIES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral")
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "olmo2")
@@ -30,13 +32,29 @@ _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "olmo2")
 
 class MegatronFlags(BaseModel):
     """What the Megatron trainer receives from the run's `megatron` section: the flags the user set, and the
-    init hook with the flat settings it is called with (slime calls it with its whole `args` namespace)."""
+    init hook with the flat settings its hooks are called with (slime calls them with its whole `args`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     flags: dict[str, Any] = Field(default_factory=dict)
     init_hook_path: str | None = None
     hook_args: dict[str, Any] = Field(default_factory=dict)
+    _namespace: argparse.Namespace | None = PrivateAttr(default=None)
+
+    @property
+    def before_log_prob_hook_path(self) -> str | None:
+        return self.flags.get("custom_megatron_before_log_prob_hook_path")
+
+    @property
+    def before_train_step_hook_path(self) -> str | None:
+        return self.flags.get("custom_megatron_before_train_step_hook_path")
+
+    def namespace(self) -> argparse.Namespace:
+        """`hook_args` as slime's `args`: built once, then the same object for every hook call that is given it,
+        since slime's hooks share one namespace and may keep state on it (a copy: `hook_args` stays plain JSON)."""
+        if self._namespace is None:
+            self._namespace = argparse.Namespace(**self.hook_args)
+        return self._namespace
 
 
 # -- checks against the Hugging Face config ---------------------------------------------------------------------
@@ -189,15 +207,12 @@ def refuse_unsupported(flags: Mapping[str, Any], *, backend: str) -> None:
         if backend == "torch" and flags.get(name):
             refuse(name, "the torch backend takes dropout from the HF config; use --train-backend megatron")
     if backend == "torch":
-        for name in ("custom_megatron_init_path", "custom_model_provider_path", *HOOKS_NOT_YET):
+        for name in (*MEGATRON_HOOKS, "custom_model_provider_path"):
             if flags.get(name):
-                refuse(name, "a Megatron hook needs --train-backend megatron")
+                refuse(name, "a Megatron hook needs --train-backend megatron (only the Megatron backend runs it)")
         if problems:
             raise ValueError("; ".join(problems))
         return
-    for name in HOOKS_NOT_YET:
-        if flags.get(name):
-            refuse(name, "not yet supported by the Megatron trainer (only --custom-megatron-init-path is)")
     if flags.get("custom_model_provider_path"):
         refuse("custom_model_provider_path", "the Megatron backend builds the model from the HF checkpoint (mbridge)")
     if flags.get("num_experts"):
@@ -260,12 +275,13 @@ def transformer_overrides(flags: Mapping[str, Any], *, layer_spec: str) -> dict[
     return overrides
 
 
-def run_init_hook(path: str, hook_args: Mapping[str, Any]) -> None:
+def run_init_hook(path: str, hook_args: Mapping[str, Any] | argparse.Namespace) -> None:
     """slime's --custom-megatron-init-path: `hook(args)` once megatron's parallel state exists, before the model
-    is built; `args` is a namespace of the run's flat settings (slime passes its whole argument namespace)."""
+    is built; `args` is a namespace of the run's flat settings (slime passes its whole argument namespace): the
+    given one (`MegatronFlags.namespace()`, the one the step hooks get), or one built from a mapping."""
     from policies.plugins import load_object
 
     hook = load_object(path, what="--custom-megatron-init-path")
     if not callable(hook):
         raise TypeError(f"--custom-megatron-init-path {path!r}: {type(hook).__name__} is not callable")
-    hook(argparse.Namespace(**hook_args))
+    hook(hook_args if isinstance(hook_args, argparse.Namespace) else argparse.Namespace(**hook_args))

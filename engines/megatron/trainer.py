@@ -24,6 +24,9 @@ Precision. `dtype="bfloat16"` builds the model in bf16 inside megatron's `Float1
 weights in megatron's optimizer (`OptimizerConfig(bf16=True)`), as megatron's own training does; `named_tensors()`
 then yields the bf16 model weights the inference engines serve.
 
+Hooks. slime's --custom-megatron-before-log-prob-hook-path and --custom-megatron-before-train-step-hook-path run
+at slime's call points: once per log-prob pass, once per optimizer step before its first forward (`hooks`).
+
 Checkpoints are megatron distributed checkpoints (resharding: save at one TP/PP/DP layout, load at another) plus
 `trainer_state.json` (version, extra state), written to a staging directory and renamed into place.
 """
@@ -47,6 +50,7 @@ from engines.megatron.batches import PaddedMicroBatch, plan_padded_micro_batches
 from engines.megatron.bridge import HFBridge
 from engines.megatron.config import MegatronTrainerConfig
 from engines.megatron.cpu_compat import maybe_cpu_compat
+from engines.megatron.hooks import StepHooks
 from engines.megatron.logprobs import vocab_parallel_log_probs
 from engines.training import checkpoint
 from engines.training.base import (
@@ -78,6 +82,7 @@ class MegatronTrainer(Trainer):
 
     def __init__(self, config: MegatronTrainerConfig) -> None:
         self.config = config
+        self._hooks = StepHooks(config.model_flags)  # slime's per-step hooks: a bad path fails before any build
         self._owns_world = parallel.ensure_default_group(parallel.compute_device())
         self._counter = VersionCounter()
         with maybe_cpu_compat():
@@ -135,8 +140,9 @@ class MegatronTrainer(Trainer):
             return outputs.log_probs.sum() * 0.0
 
         with maybe_cpu_compat(), torch.no_grad():
+            network.eval()
+            self._hooks.before_log_prob([network], ref=model == "ref")
             if samples:
-                network.eval()
                 micro_batches = self._micro_batches(samples, with_batch=False)
                 self._run_schedule(network, micro_batches, collect, temperature, with_entropy, forward_only=True)
             # Exactly one rank (last stage, TP rank 0) wrote each position; a sum over the world spreads them.
@@ -178,16 +184,20 @@ class MegatronTrainer(Trainer):
             self._module.train()
             self._module.zero_grad_buffer()
             self._optimizer.zero_grad()
+            self._hooks.before_train_step([self._module], self._optimizer)
             micro_batches = self._micro_batches(samples, with_batch=True)
             self._run_schedule(self._module, micro_batches, loss_of, temperature, with_entropy, forward_only=False)
             reduced = stats.reduce(contributes=parallel.is_last_stage() and parallel.tp_rank() == 0)
-            return self._apply_update(reduced, counts, len(micro_batches), started, ends_batch)
+            result = self._apply_update(reduced, counts, len(micro_batches), started, ends_batch)
+        self._hooks.after_train_step(ends_batch=ends_batch)
+        return result
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """Every rank writes its shards into one staging directory; rank 0 adds the state file and renames."""
         checkpoint.check_json(extra_state)
         state = {
             **self._counter.state(),
+            **self._hooks.state(),
             "config": self.config.model_dump(mode="json"),
             "format": "megatron-dist",
             "extra_state": extra_state,
@@ -228,6 +238,7 @@ class MegatronTrainer(Trainer):
                 self._optimizer.load_state_dict(loaded["optimizer"])
             optimizer.after_load(self._optimizer)
         self._counter.restore(state)
+        self._hooks.restore(state)
         return state["extra_state"]
 
     def named_tensors(self) -> Iterator[tuple[str, Tensor]]:

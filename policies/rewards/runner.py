@@ -9,6 +9,7 @@ thread cannot be killed and finishes in the background, its result discarded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import numbers
@@ -27,15 +28,17 @@ async def score(
     timeout_s: float | None = None,
     max_concurrency: int | None = None,
     sync_in_thread: bool = True,
+    key: str | None = None,
 ) -> list[RewardOutcome]:
-    """Score each input with ``fn`` concurrently; outcomes are in input order."""
+    """Score each input with ``fn`` concurrently; outcomes are in input order. ``key``: see outcome_from_value."""
     limiter = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    convert = functools.partial(outcome_from_value, key=key)
 
     async def one(inp: RewardInput) -> RewardOutcome:
         if limiter is None:
-            return await _guarded(fn, inp, timeout_s, sync_in_thread, outcome_from_value)
+            return await _guarded(fn, inp, timeout_s, sync_in_thread, convert)
         async with limiter:
-            return await _guarded(fn, inp, timeout_s, sync_in_thread, outcome_from_value)
+            return await _guarded(fn, inp, timeout_s, sync_in_thread, convert)
 
     return list(await asyncio.gather(*(one(inp) for inp in inputs)))
 
@@ -46,6 +49,7 @@ async def score_group(
     *,
     timeout_s: float | None = None,
     sync_in_thread: bool = True,
+    key: str | None = None,
 ) -> list[RewardOutcome]:
     """Score one group with a group reward function: one call, one outcome per input.
 
@@ -61,20 +65,25 @@ async def score_group(
             return [RewardOutcome.error(f"group reward returned {len(value)} rewards for {len(batch)} samples")] * len(
                 batch
             )
-        return [outcome_from_value(v) for v in value]
+        return [outcome_from_value(v, key=key) for v in value]
 
     result = await _guarded(fn, batch, timeout_s, sync_in_thread, unpack)
     return result if isinstance(result, list) else [result] * len(batch)
 
 
-def outcome_from_value(value: Any) -> RewardOutcome:
-    """Normalise what a reward function returned: a real number, a bool, or a dict with a ``"reward"`` number."""
+def outcome_from_value(value: Any, *, key: str | None = None) -> RewardOutcome:
+    """Normalise what a reward function returned: a real number, a bool, or a dict with a ``"reward"`` number.
+
+    With ``key`` (slime's --reward-key) a dict's reward is read from that key instead: a function that returns
+    several scores names the one to train on; a dict without it is an error naming the key and the dict's keys.
+    """
     extras: dict[str, Any] = {}
     if isinstance(value, dict):
-        if "reward" not in value:
-            return RewardOutcome.error(f"returned a dict without 'reward' (keys: {sorted(value)})")
-        extras = {k: v for k, v in value.items() if k != "reward"}
-        value = value["reward"]
+        wanted = key or "reward"
+        if wanted not in value:
+            return RewardOutcome.error(f"returned a dict without {wanted!r} (keys: {sorted(map(str, value))})")
+        extras = {k: v for k, v in value.items() if k != wanted}
+        value = value[wanted]
     if isinstance(value, bool):
         value = float(value)
     if not isinstance(value, numbers.Real):

@@ -129,10 +129,7 @@ def test_explained_flags_are_accepted_and_listed_in_one_note() -> None:
 @pytest.mark.unit
 def test_values_that_mean_what_we_do_anyway_are_accepted() -> None:
     config, args = configure(["--no-offload-train", "--no-offload-rollout", "--update-weight-mode", "full",
-                              "--rollout-data-transport", "object-store", "--apply-chat-template-kwargs", "{}",
-                              "--rollout-top-p", "0.9", "--eval-top-p", "0.9", "--rollout-top-k", "-1",
-                              "--eval-top-k", "-1", "--rollout-max-response-len", "64",
-                              "--eval-max-response-len", "64"])
+                              "--rollout-data-transport", "object-store", "--rollout-top-k", "-1"])
     assert config.rollout.rollout_top_k == 0
     assert "--offload-train" in args.slime_translation.note()
     sft, _ = configure(["--loss-type", "sft_loss", "--disable-compute-advantages-and-returns"])

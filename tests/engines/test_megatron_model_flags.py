@@ -120,8 +120,6 @@ def test_vocab_size_is_compared_after_megatrons_padding(hf_config: Any) -> None:
         (["--spec", "plugin.models", "get_spec"], "--spec ['plugin.models', 'get_spec']: the Megatron backend picks"),
         (["--decoder-last-pipeline-num-layers", "3"], "--decoder-last-pipeline-num-layers 3: uneven pipeline"),
         (["--no-accumulate-allreduce-grads-in-fp32"], "always accumulated and reduced in float32"),
-        (["--custom-megatron-before-train-step-hook-path", "m:f"], "not yet supported by the Megatron trainer"),
-        (["--custom-megatron-before-log-prob-hook-path", "m:f"], "not yet supported by the Megatron trainer"),
         (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
         (["--recompute-method", "block"], "need --recompute-granularity full"),
         (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token-prediction training is not available"),
