@@ -191,16 +191,9 @@ class RewardConfig(Section):
     custom_rm_path: str | None = Field(None, description="module:function reward (sync or async); ours "
                                        "(RewardInput) or slime's (args, sample, **kwargs), batched (args, samples) "
                                        "with --group-rm")
-    custom_reward_post_process_path: str | None = Field(None, description="slime's reward post-processing "
-                                                        "(args, samples) -> (raw, shaped): refused")
-
-    @field_validator("custom_reward_post_process_path")
-    @classmethod
-    def _no_reward_post_process(cls, value: str | None) -> str | None:
-        return _refused_plugin(
-            "custom-reward-post-process-path", "group normalisation is part of the advantage estimator here; give "
-            "your own as --advantage-estimator module:function (see docs/policies.md), or shape rewards in "
-            "--custom-rm-path with --group-rm", value)
+    custom_reward_post_process_path: str | None = Field(
+        None, description="slime's reward post-process (args, samples) -> (raw_rewards, rewards): the learner calls "
+        "it on each whole batch before the advantages and trains on `rewards` as they are (no group normalisation)")
     group_rm: bool = Field(False, description="the reward function scores whole groups")
     rm_url: str | None = Field(None, description="URL of a remote reward model (--rm-type remote_rm)")
     reward_timeout: float = Field(60.0, gt=0, description="seconds before one reward call counts as failed")

@@ -23,6 +23,7 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.learner import stages
+from actors.slime_compat.plugins import load_reward_post_process
 from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
 from policies.staleness import staleness_histogram
@@ -40,6 +41,9 @@ class TrainingStep:
         """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
         self.trainer = trainer
         self.policy = config.policy
+        self.post_process_rewards = load_reward_post_process(config)
+        if self.post_process_rewards is not None:  # slime trains on the hook's rewards as they are
+            self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
         self.temperature = config.rollout.rollout_temperature or 1.0
         self.steps = config.optimizer_steps_per_batch
@@ -52,6 +56,9 @@ class TrainingStep:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
         whole batch, or already cut at rank 0 (`shard=False`, and the rollout metrics are then the share's)."""
         batch_metrics = rollout_metrics(samples, staleness)
+        if self.post_process_rewards is not None:  # on the whole batch (each rank alike), before any cut
+            samples = self.post_process_rewards(list(samples))
+            batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
         parallel = self.trainer.data_parallel()
         batch = stages.to_step_batch(samples)
         if shard:

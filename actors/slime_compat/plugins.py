@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from actors.config import RunConfig
 from actors.slime_compat.args import build_args, sampling_params
 from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire
@@ -26,6 +28,7 @@ from policies.filters import FilterGroup, FilterVerdict
 from policies.plugins import load_object
 
 __all__ = ["DynamicFilterOutput", "adapt_filter", "adapt_generate", "adapt_reward", "is_slime_style",
+           "load_reward_post_process",
            "load_slime_reward"]
 
 
@@ -101,6 +104,31 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
         return to_wire(result, group, index, start_version=start)
 
     return generate
+
+
+def load_reward_post_process(config: RunConfig) -> Callable[[list[WireSample]], list[WireSample]] | None:
+    """slime's ``--custom-reward-post-process-path`` as a step over a whole batch of wire samples, or None.
+
+    slime calls it on the whole rollout batch in place of its own group normalisation and trains on the returned
+    ``rewards``; so does the learner (which then turns its normalisation off). ``raw_rewards`` stay what the
+    reward workers gave, which the batch's reward metrics already report.
+    """
+    path = config.reward.custom_reward_post_process_path
+    if not path:
+        return None
+    fn = load_object(path, what="--custom-reward-post-process-path")
+    if not callable(fn):
+        raise TypeError(f"--custom-reward-post-process-path {path!r}: {type(fn).__name__} is not callable")
+    args = build_args(config)
+
+    def post_process(samples: list[WireSample]) -> list[WireSample]:
+        output = fn(args, [from_wire(s) for s in samples])
+        if not (isinstance(output, tuple) and len(output) == 2 and len(output[1]) == len(samples)):
+            raise TypeError(f"--custom-reward-post-process-path {path!r}: expected (raw_rewards, rewards) with one "
+                            f"reward per sample ({len(samples)}), got {type(output).__name__}")
+        return [msgspec.structs.replace(s, reward=float(r)) for s, r in zip(samples, output[1], strict=True)]
+
+    return post_process
 
 
 def adapt_reward(fn: Callable[..., Any], config: RunConfig, *, group: bool) -> Callable[..., Any]:

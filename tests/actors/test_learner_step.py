@@ -229,3 +229,22 @@ def test_advantage_whitening_spans_the_data_parallel_ranks(tmp_path: Path) -> No
     assert sorted(sharded) == list(range(len(whole.samples)))
     for index, sample in enumerate(whole.samples):
         torch.testing.assert_close(sharded[index], sample.advantages, atol=1e-6, rtol=1e-5)
+
+
+def slime_post_process(args, samples):
+    """slime's `(args, samples) -> (raw_rewards, rewards)`: here a reward by position in the group."""
+    return [s.reward for s in samples], [float(s.index) - 1.5 for s in samples]
+
+
+@pytest.mark.integration
+def test_a_slime_reward_post_process_gives_the_rewards_the_step_trains_on_as_they_are(tiny_model_path: Path) -> None:
+    flags = {"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4, "rollout_max_response_len": 5,
+             "lr": 1e-2, "off_policy_correction": "none"}
+    samples = generate(tiny_model_path, build_config(flags), groups(4))
+    config = build_config({**flags, "custom_reward_post_process_path": f"{__name__}:slime_post_process"})
+    report = TrainingStep(TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2)), config).train(
+        samples, staleness=[0] * len(samples))
+    assert report.metrics["rollout/reward_mean"] == 0.0  # the reward workers' (raw) rewards: none were given
+    assert report.metrics["rollout/post_processed_reward_mean"] == pytest.approx(0.0)
+    # -1.5 .. 1.5 per group, trained as they are: a group baseline with std normalisation would give +-1.16.
+    assert (report.metrics["advantage_min"], report.metrics["advantage_max"]) == pytest.approx((-1.5, 1.5))

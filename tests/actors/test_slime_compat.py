@@ -109,7 +109,7 @@ def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:
     assert choose_generate_function(build_config({})) is default_generate
 
 
-@pytest.mark.parametrize("flag", ["rollout_function_path", "buffer_filter_path", "custom_reward_post_process_path",
+@pytest.mark.parametrize("flag", ["rollout_function_path", "buffer_filter_path",
                                   "custom_advantage_function_path", "custom_convert_samples_to_train_data_path"])
 def test_hooks_without_a_seam_are_refused_by_name(flag: str) -> None:
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} is not supported"):
