@@ -216,6 +216,19 @@ def _correction_row(slime: Any, b: Batch, kind: str, flags: dict[str, Any]) -> t
     return ours, theirs, b.loss_mask
 
 
+
+def _slime_mis(slime: Any, b: Any, level: str) -> tuple[Any, Any]:
+    """slime's example MIS in mask mode with the bounds every row uses: (per-sample weights, per-sample masks)."""
+    args = argparse.Namespace(
+        use_tis=True, tis_mode="mask", tis_level=level, tis_upper_bound=2.0, tis_lower_bound=0.5,
+        rs_lower_bound=None, rs_upper_bound=None, use_rs=False, rs_veto_threshold=None, tis_batch_normalize=False,
+    )  # fmt: skip
+    weights, masks, _ = slime.mis.compute_mis_weights(
+        args, train_log_probs=b.split(b.old_log_probs), rollout_log_probs=b.split(b.rollout_log_probs),
+        loss_masks=b.masks,
+    )  # fmt: skip
+    return weights, masks
+
 def _mis_row(slime: Any, b: Batch, level: str, part: str) -> tuple:
     cfg = PolicyLossConfig(off_policy_correction="mis", mis_level=level, mis_upper_bound=2.0, mis_lower_bound=0.5)
     result = mis(
@@ -225,14 +238,7 @@ def _mis_row(slime: Any, b: Batch, level: str, part: str) -> tuple:
         loss_mask=b.loss_mask,
         response_lengths=b.response_lengths,
     )
-    args = argparse.Namespace(
-        use_tis=True, tis_mode="mask", tis_level=level, tis_upper_bound=2.0, tis_lower_bound=0.5,
-        rs_lower_bound=None, rs_upper_bound=None, use_rs=False, rs_veto_threshold=None, tis_batch_normalize=False,
-    )  # fmt: skip
-    weights, masks, _ = slime.mis.compute_mis_weights(
-        args, train_log_probs=b.split(b.old_log_probs), rollout_log_probs=b.split(b.rollout_log_probs),
-        loss_masks=b.masks,
-    )  # fmt: skip
+    weights, masks = _slime_mis(slime, b, level)
     keep = torch.cat(masks)
     if part == "keep":
         return result.keep_mask, keep, b.loss_mask
@@ -334,14 +340,7 @@ def _mis_loss_row(slime: Any, b: Batch, flags: dict[str, Any]) -> tuple:
         loss_mask=b.loss_mask,
         response_lengths=b.response_lengths,
     )
-    args = argparse.Namespace(
-        use_tis=True, tis_mode="mask", tis_level="token", tis_upper_bound=2.0, tis_lower_bound=0.5,
-        rs_lower_bound=None, rs_upper_bound=None, use_rs=False, rs_veto_threshold=None, tis_batch_normalize=False,
-    )  # fmt: skip
-    weights, masks, _ = slime.mis.compute_mis_weights(
-        args, train_log_probs=b.split(b.old_log_probs), rollout_log_probs=b.split(b.rollout_log_probs),
-        loss_masks=b.masks,
-    )  # fmt: skip
+    weights, masks = _slime_mis(slime, b, "token")
     per_token, _ = slime.ppo.compute_policy_loss(b.old_log_probs - b.log_probs, adv, cfg.eps_clip, 0.28, None)
     reduce = slime.sum_of_sample_mean(
         [n + 10 for n in b.lengths], b.lengths, masks, [m.sum() for m in b.masks], False

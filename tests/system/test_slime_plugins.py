@@ -23,24 +23,32 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 
-@pytest.mark.system
-@pytest.mark.timeout(150)
-def test_slime_style_generate_and_group_rm_drive_a_training_run(tmp_path: Path, tiny_model_path: Path) -> None:
+def _run(tmp_path: Path, model: Path, *plugin_flags: str) -> Path:
+    """A short real run over the SGLang-compatible CPU server with `plugin_flags`; returns its run directory."""
     data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
-    run_dir, debug_dir = tmp_path / "run", tmp_path / "batches"
+    run_dir = tmp_path / "run"
     command = [
         sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
-        "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "96",
-        "--rollout-max-batch-size", "4", "--max-staleness", "0", "--rollout-workers", "1", "--reward-workers", "1",
+        "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(STEPS),
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-batch-size", "4",
+        "--max-staleness", "0", "--rollout-workers", "1", "--reward-workers", "1",
         "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
-        "--custom-generate-function-path", "examples.slime_style.search_generate:generate",
-        "--custom-rm-path", "examples.slime_style.group_rm:rm", "--group-rm",
-        "--save-debug-rollout-data", str(debug_dir), "--final-eval-timeout", "0", "--heartbeat-interval", "0.25",
-        "--weight-transfer-timeout", "20", "--no-progress", "--no-use-tensorboard", "--no-plots",
+        "--final-eval-timeout", "0", "--heartbeat-interval", "0.25", "--weight-transfer-timeout", "20",
+        "--no-progress", "--no-use-tensorboard", "--no-plots", *plugin_flags,
     ]
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=140)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.system
+@pytest.mark.timeout(150)
+def test_slime_style_generate_and_group_rm_drive_a_training_run(tmp_path: Path, tiny_model_path: Path) -> None:
+    debug_dir = tmp_path / "batches"
+    _run(tmp_path, tiny_model_path, "--rollout-max-response-len", "96",
+         "--custom-generate-function-path", "examples.slime_style.search_generate:generate",
+         "--custom-rm-path", "examples.slime_style.group_rm:rm", "--group-rm",
+         "--save-debug-rollout-data", str(debug_dir))
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     batches = sorted(debug_dir.glob("batch_*.msgpack"))
@@ -70,21 +78,11 @@ def test_slime_style_generate_and_group_rm_drive_a_training_run(tmp_path: Path, 
 def test_slime_style_tool_generate_and_custom_loss_train(tmp_path: Path, tiny_model_path: Path) -> None:
     """The retool-like generate (its sandbox runs only when the model writes <code>, which a tiny random model
     rarely does) and slime's custom-loss pair train a real run; the loss's own metric reaches train.jsonl."""
-    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
-    run_dir = tmp_path / "run"
-    command = [
-        sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
-        "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "24",
-        "--rollout-max-batch-size", "4", "--max-staleness", "0", "--rollout-workers", "1", "--reward-workers", "1",
-        "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
-        "--custom-generate-function-path", "examples.slime_style.retool_generate:generate",
-        "--loss-type", "custom_loss", "--custom-loss-function-path", "examples.slime_style.custom_loss:reinforce_loss",
-        "--off-policy-correction", "none", "--final-eval-timeout", "0", "--heartbeat-interval", "0.25",
-        "--weight-transfer-timeout", "20", "--no-progress", "--no-use-tensorboard", "--no-plots",
-    ]
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=140)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    run_dir = _run(tmp_path, tiny_model_path, "--rollout-max-response-len", "24",
+                   "--custom-generate-function-path", "examples.slime_style.retool_generate:generate",
+                   "--loss-type", "custom_loss",
+                   "--custom-loss-function-path", "examples.slime_style.custom_loss:reinforce_loss",
+                   "--off-policy-correction", "none")
     rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
     assert len(rows) == STEPS
     for row in rows:
