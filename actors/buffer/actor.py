@@ -25,6 +25,7 @@ from actors.rollout.prompt_tokens import prompt_length_counter
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
+from actors.slime_compat.buffer_filter import load_buffer_filter
 from actors.slime_compat.plugins import adapt_filter
 from bus.schema import (
     TOPIC_VERSION,
@@ -74,6 +75,8 @@ class Buffer(Actor):
             groups_per_batch=config.rollout.rollout_batch_size, max_staleness=config.buffer.max_staleness,
             lease_timeout=config.buffer.lease_timeout, group_filter=group_filter,
             compact_log_bytes=int(config.buffer.buffer_log_compact_mb * 2**20),
+            batch_selector=load_buffer_filter(config),
+            on_selection_error=lambda problem: self.log.error("buffer filter answer unusable", problem=problem),
         )
         if log_path.exists():
             replayed = self.core.restore(log_path)

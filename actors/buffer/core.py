@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import Cursor, PromptSource
@@ -28,6 +29,16 @@ from bus.schema import PromptGroup, ScoredGroup
 from policies.staleness import AdmissionController, staleness_of_samples
 
 GroupFilter = Callable[[ScoredGroup], "str | None"]  # returns a drop reason, or None to keep
+# (pool groups in admission order, groups wanted, batch id) -> the chosen group ids; the oldest fill any shortfall.
+BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
+
+
+class SelectionError(ValueError):
+    """A batch selector's answer that cannot be used; ``reason`` names the kind in the fallback counter."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -57,6 +68,7 @@ class BufferStats:
     dropped: Counter[str] = field(default_factory=Counter)
     reissued: int = 0
     ignored: Counter[str] = field(default_factory=Counter)
+    selection_fallbacks: Counter[str] = field(default_factory=Counter)  # batches taken oldest-first, by reason
 
 
 def group_staleness(group: ScoredGroup, learner_version: int) -> list[int]:
@@ -67,18 +79,23 @@ def group_staleness(group: ScoredGroup, learner_version: int) -> list[int]:
 class BufferCore:
     def __init__(self, *, source: PromptSource, n_samples: int, groups_per_batch: int, max_staleness: int,
                  lease_timeout: float, group_filter: GroupFilter | None = None, log: BufferLog | None = None,
-                 clock: Callable[[], float] = time.monotonic, compact_log_bytes: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, compact_log_bytes: int = 0,
+                 batch_selector: BatchSelector | None = None,
+                 on_selection_error: Callable[[str], None] | None = None) -> None:
         self.source = source
         self.n_samples = n_samples
         self.groups_per_batch = groups_per_batch
         self.max_staleness = max_staleness
         self.lease_timeout = lease_timeout
         self.group_filter = group_filter
+        self.batch_selector = batch_selector
+        self.on_selection_error = on_selection_error or structlog.get_logger().error
         self.log = log
         self.clock = clock
         self.compact_log_bytes = compact_log_bytes  # 0: never compact
         self.admission = AdmissionController(max_staleness=max_staleness, groups_per_batch=groups_per_batch)
         self.learner_version = 0
+        self.trained_batches = 0  # batches the learner has consumed; ahead of its version after a skipped step
         self.stats = BufferStats()
         self.live_started = 0  # started minus dropped: the groups that will count toward batches
         self.reissue: deque[PromptGroup] = deque()
@@ -101,7 +118,11 @@ class BufferCore:
             groups.append(self.reissue.popleft())
             self.stats.reissued += 1
         new_groups = []
-        allowance = self.admission.capacity(learner_version=self.learner_version, started_groups=self.live_started)
+        # The window moves with consumption, not with the version: a step that skipped its update (a NaN, or a batch
+        # with no trained token) consumed its batch but left the version where it was, and a synchronous run would
+        # otherwise never admit the groups of the next batch. Staleness stays bounded by the check at consumption.
+        window = max(self.learner_version, self.trained_batches)
+        allowance = self.admission.capacity(learner_version=window, started_groups=self.live_started)
         while len(groups) < max_groups and allowance > 0:
             group = self._next_prompt_group()
             groups.append(group)
@@ -216,6 +237,7 @@ class BufferCore:
                    checkpointed_batch: int) -> AssembledBatch | None:
         """The batch the learner trains next (trained_batch + 1), or None until enough groups are scored."""
         self.learner_version = learner_version
+        self.trained_batches = max(self.trained_batches, trained_batch)
         self.commit_through(checkpointed_batch)
         wanted = trained_batch + 1
         if wanted <= self.committed_batch:
@@ -231,7 +253,10 @@ class BufferCore:
         self._evict_stale()
         if len(self.pool) < self.groups_per_batch:
             return None
-        chosen = [self.pool.pop(gid) for gid in list(self.pool)[: self.groups_per_batch]]
+        # In the order the groups were first leased, not the order they finished: which worker was faster must not
+        # change the batch, or two runs with the same seed would train the same groups in a different order.
+        started = {group_id: index for index, group_id in enumerate(self.prompt_groups)}
+        chosen = [self.pool.pop(gid) for gid in sorted(self._choose(wanted), key=started.__getitem__)]
         staleness = [s for g in chosen for s in group_staleness(g, learner_version)]
         batch = AssembledBatch(batch_id=wanted, groups=chosen, staleness=staleness, learner_version=learner_version)
         self.served[wanted] = batch
@@ -240,6 +265,28 @@ class BufferCore:
             self.log.append("batch", batch_id=wanted, group_ids=[g.group_id for g in chosen], staleness=staleness,
                             learner_version=learner_version, sync=True)
         return batch
+
+    def _choose(self, batch_id: int) -> list[str]:
+        """The batch's group ids: the selector's picks (when one is set), then the oldest groups for the rest."""
+        picked = self._selected(batch_id) if self.batch_selector is not None else []
+        taken = set(picked)
+        rest = [gid for gid in self.pool if gid not in taken]
+        return picked + rest[: self.groups_per_batch - len(picked)]
+
+    def _selected(self, batch_id: int) -> list[str]:
+        """The selector's picks, checked; a bad answer is counted and reported, never fatal: the batch then
+        forms oldest-first, as it would without a selector."""
+        try:
+            picked = self.batch_selector(list(self.pool.values()), self.groups_per_batch, batch_id)
+            return _checked_selection(picked, self.pool, self.groups_per_batch)
+        except SelectionError as error:
+            reason, problem = error.reason, str(error)
+        except Exception as error:  # a user's plugin: whatever it raises, the run goes on
+            reason, problem = "raised", f"raised {type(error).__name__}: {error}"
+        self.stats.selection_fallbacks[reason] += 1
+        name = getattr(self.batch_selector, "__name__", repr(self.batch_selector))
+        self.on_selection_error(f"batch selector {name}: {problem}; batch {batch_id} taken oldest-first")
+        return []
 
     def _evict_stale(self) -> None:
         """Consumption re-check: a group whose oldest token is past the bound is regenerated, not trained."""
@@ -372,8 +419,23 @@ class BufferCore:
             "buffer.accepted": float(self.stats.accepted),
             "buffer.served_uncommitted": float(len(self.served)),
             **{f"buffer.dropped.{k}": float(v) for k, v in self.stats.dropped.items()},
+            **{f"buffer.selection_fallback.{k}": float(v) for k, v in self.stats.selection_fallbacks.items()},
         }
 
+
+
+def _checked_selection(picked: Any, pool: dict[str, ScoredGroup], count: int) -> list[str]:
+    if not isinstance(picked, list) or not all(isinstance(gid, str) for gid in picked):
+        raise SelectionError("not_a_list", f"returned {type(picked).__name__}; expected a list of group ids")
+    if len(picked) > count:
+        raise SelectionError("too_many", f"returned {len(picked)} groups; at most {count} were asked for")
+    repeated = sorted(gid for gid, seen in Counter(picked).items() if seen > 1)
+    if repeated:
+        raise SelectionError("duplicate", f"returned group(s) {repeated} more than once")
+    unknown = [gid for gid in picked if gid not in pool]
+    if unknown:
+        raise SelectionError("not_offered", f"returned group(s) {unknown} that were not offered")
+    return picked
 
 
 def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> AssembledBatch:

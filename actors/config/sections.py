@@ -19,13 +19,6 @@ ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatr
 WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
 
 
-def _refused_plugin(flag: str, instead: str, value: str | None) -> str | None:
-    """A slime plugin flag whose hook has no seam here: an error naming the flag and what to use instead."""
-    if value is not None:
-        raise ValueError(f"--{flag} is not supported: {instead}")
-    return value
-
-
 def _is_plugin_path(value: str) -> bool:
     module, colon, attr = value.partition(":")
     return bool(colon and module.strip() and attr.strip())
@@ -142,19 +135,17 @@ class RolloutConfig(Section):
     rollout_sample_hook_path: list[str] = Field(default_factory=list, description="slime-style hooks "
                                                 "hook(args, sample, *, rollout_id, evaluation) -> Sample | None "
                                                 "applied to each sample of a slime-style generate function")
-    rollout_function_path: str | None = Field(None, description="slime's whole-rollout replacement "
-                                              "generate_rollout(args, rollout_id, data_buffer, evaluation): refused")
+    rollout_function_path: str | None = Field(None, description="slime's whole-rollout function "
+                                              "generate_rollout(args, rollout_id, data_source, evaluation): each "
+                                              "rollout worker calls it once per rollout batch, its data source "
+                                              "leasing prompt groups from the buffer")
 
     @field_validator("rollout_function_path")
     @classmethod
-    def _no_rollout_function(cls, value: str | None) -> str | None:
+    def _default_rollout_function(cls, value: str | None) -> str | None:
         if value == "slime.rollout.sglang_rollout.generate_rollout":
             return None  # slime's default spelled out: our rollout workers are that function
-        return _refused_plugin(
-            "rollout-function-path", "it replaces slime's whole rollout manager, which here is the buffer (leases, "
-            "filters, batches) plus the rollout workers; put per-sample logic in --custom-generate-function-path "
-            "(slime's generate(args, sample, sampling_params) signature loads as is) and group selection in "
-            "--dynamic-sampling-filter-path", value)
+        return value
 
     @property
     def samples_per_batch(self) -> int:
@@ -171,15 +162,9 @@ class BufferConfig(Section):
                                          "snapshot once it passes this size (0 = never)")
     dynamic_sampling_filter_path: str | None = Field(None, description="module:function or built-in filter name; "
                                                      "ours (group) or slime's (args, samples, **kwargs)")
-    buffer_filter_path: str | None = Field(None, description="slime's selection from its data buffer: refused")
-
-    @field_validator("buffer_filter_path")
-    @classmethod
-    def _no_buffer_filter(cls, value: str | None) -> str | None:
-        return _refused_plugin(
-            "buffer-filter-path", "slime picks which stored groups form the next rollout; here the buffer admits "
-            "and batches groups as they finish, oldest first under the staleness bound, so there is no stored list "
-            "to choose from; drop groups with --dynamic-sampling-filter-path", value)
+    buffer_filter_path: str | None = Field(None, description="slime's buffer filter (args, rollout_id, buffer, "
+                                           "num_samples) -> groups: picks which finished groups form the next "
+                                           "training batch (the rest are taken oldest first)")
 
 
 class RewardConfig(Section):
@@ -218,26 +203,12 @@ class LearnerConfig(Section):
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
     load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
-    custom_advantage_function_path: str | None = Field(None, description="slime's in-place advantage hook "
-                                                       "(args, rollout_data): refused")
-    custom_convert_samples_to_train_data_path: str | None = Field(None, description="slime's samples -> "
-                                                                  "train-data dict hook: refused")
-
-    @field_validator("custom_advantage_function_path")
-    @classmethod
-    def _no_advantage_hook(cls, value: str | None) -> str | None:
-        return _refused_plugin(
-            "custom-advantage-function-path", "slime's hook edits Megatron's rollout_data in place; here an "
-            "advantage estimator is a pure function, given as --advantage-estimator module:function "
-            "(see docs/policies.md)", value)
-
-    @field_validator("custom_convert_samples_to_train_data_path")
-    @classmethod
-    def _no_convert_hook(cls, value: str | None) -> str | None:
-        return _refused_plugin(
-            "custom-convert-samples-to-train-data-path", "the learner packs wire samples itself; set per-token "
-            "training data on the sample (loss_mask, tokens) in the generate function or a "
-            "--rollout-sample-hook-path hook", value)
+    custom_advantage_function_path: str | None = Field(None, description="slime's advantage hook "
+                                                       "(args, rollout_data) that fills rollout_data['advantages'] "
+                                                       "and ['returns'] in place of --advantage-estimator")
+    custom_convert_samples_to_train_data_path: str | None = Field(None, description="slime's (args, samples) -> "
+                                                                  "train-data dict: the learner trains on the "
+                                                                  "tokens, masks and rewards it returns")
 
 
 class TrainerConfig(Section):

@@ -128,14 +128,14 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--hf-checkpoint": _same(),
     "--model-name": _explained("the architecture and weight names are read from the HF checkpoint's config",
                                "value"),
-    "--rollout-function-path": _owned("plugins (slime rollout functions)"),
+    "--rollout-function-path": _same(),
     "--custom-generate-function-path": _same(),
     "--rollout-sample-hook-path": _owned("plugins (slime rollout sample hooks)", "append"),
     "--custom-rollout-log-function-path": _refused("custom rollout logging hooks are not available; metrics go to "
                                                    "RUN_DIR/metrics, TensorBoard and W&B", "value"),
     "--custom-eval-rollout-log-function-path": _refused("custom eval logging hooks are not available; eval metrics "
                                                         "go to RUN_DIR/metrics/eval.jsonl", "value"),
-    "--buffer-filter-path": _owned("plugins (slime buffer filters)"),
+    "--buffer-filter-path": _same(),
     "--dynamic-sampling-filter-path": _same(),
     "--rollout-data-postprocess-path": _refused("rollout data post-process hooks are not available", "value"),
     "--rollout-temperature": _same(),
@@ -262,7 +262,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--advantage-estimator": _same(),
     "--disable-compute-advantages-and-returns": _refused("advantages are always computed (accepted with "
                                                          "--loss-type sft_loss, which does not use them)"),
-    "--custom-advantage-function-path": _owned("plugins (slime advantage functions)"),
+    "--custom-advantage-function-path": _same(),
     "--use-kl-loss": _same("switch"),
     "--kl-loss-coef": _same(),
     "--use-unbiased-kl": _same("switch"),
@@ -344,7 +344,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--rm-url": _same(),
     "--custom-rm-path": _same(),
     "--custom-reward-post-process-path": _owned("plugins (slime reward post-processing)"),
-    "--custom-convert-samples-to-train-data-path": _owned("plugins (slime sample conversion)"),
+    "--custom-convert-samples-to-train-data-path": _same(),
     # --- slime's external rollout buffer (agent framework) ---
     "--rollout-buffer-url": _refused(NO_AGENT_BUFFER, "value"),
     "--fetch-trajectory-retry-times": _refused(NO_AGENT_BUFFER, "value", int),

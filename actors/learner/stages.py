@@ -15,6 +15,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
+from actors.slime_compat.advantages import SlimeAdvantageFunction
 from bus.schema import Sample
 from engines.training.base import DataParallel, Trainer, TrainSample
 from policies.advantages import compute_advantages
@@ -111,17 +112,22 @@ def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float)
     batch.scatter("old_log_probs", old)
 
 
-def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel) -> None:
+def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *,
+                   custom: SlimeAdvantageFunction | None = None) -> None:
     """Advantages of this shard; whole groups are on one rank, so only whitening spans ranks.
 
     `DataParallel.group` None means the default group, but `compute_advantages` reads None as "this process
     only", so the world group is named explicitly: otherwise each rank would whiten by its own statistics.
+    `custom` (slime's --custom-advantage-function-path) replaces the estimator; masking and whitening stay.
     """
     group = None
     if parallel.size > 1:
         group = parallel.group if parallel.group is not None else torch.distributed.group.WORLD
     index: dict[str, int] = {}
     group_ids = torch.tensor([index.setdefault(g, len(index)) for g in batch.group_ids], dtype=torch.long)
+    if custom is not None:
+        batch.scatter("advantages", custom(policy, batch.samples, group_ids, process_group=group))
+        return
     old = batch.packed("old_log_probs")
     advantages, _returns = compute_advantages(
         policy,

@@ -23,7 +23,9 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.learner import stages
+from actors.slime_compat.advantages import load_custom_advantages
 from actors.slime_compat.plugins import load_reward_post_process
+from actors.slime_compat.train_data import load_convert_samples
 from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
 from policies.staleness import staleness_histogram
@@ -41,8 +43,12 @@ class TrainingStep:
         """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
         self.trainer = trainer
         self.policy = config.policy
-        self.post_process_rewards = load_reward_post_process(config)
-        if self.post_process_rewards is not None:  # slime trains on the hook's rewards as they are
+        # slime's convert hook replaces its reward post-process too: with both set, only the conversion runs.
+        self.convert_samples = load_convert_samples(config)
+        self.post_process_rewards = load_reward_post_process(config) if self.convert_samples is None else None
+        self.custom_advantages = load_custom_advantages(config)
+        if self.post_process_rewards is not None or self.convert_samples is not None:
+            # slime trains on the hook's rewards as they are
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
         self.temperature = config.rollout.rollout_temperature or 1.0
@@ -56,6 +62,9 @@ class TrainingStep:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
         whole batch, or already cut at rank 0 (`shard=False`, and the rollout metrics are then the share's)."""
         batch_metrics = rollout_metrics(samples, staleness)
+        if self.convert_samples is not None:  # on the whole batch (each rank alike), before any cut
+            samples = self.convert_samples(list(samples))
+            batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
         if self.post_process_rewards is not None:  # on the whole batch (each rank alike), before any cut
             samples = self.post_process_rewards(list(samples))
             batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
@@ -68,7 +77,7 @@ class TrainingStep:
         if self.pi_old == "separate_forward":
             stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
         if self.policy.loss_type != "sft":
-            stages.add_advantages(self.policy, batch, parallel)
+            stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
         parts = stages.mini_batches(batch, self.steps, parallel)
         results = [self._optimizer_step(part, parallel, last=index == len(parts) - 1)
                    for index, part in enumerate(parts)]

@@ -8,6 +8,8 @@ nothing disappears silently and the worker keeps serving.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from actors.runtime.base import Actor
@@ -43,6 +45,19 @@ class RewardWorker(Actor):
     async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
         if any(s.status == "failed" for s in samples):  # failed in generation (e.g. no room under the context
             return list(samples)  # cap): nothing to score, the buffer drops the group and counts it
+        # A reward already set (slime's rollout functions and generate plugins may score their own samples) is kept,
+        # as slime's generate_and_rm does; a group reward needs the whole group, so it rescores all if any lacks one.
+        unscored = [s for s in samples if not _has_reward(s)]
+        if not unscored:
+            self.counters["samples.prescored"] += len(samples)
+            return list(samples)
+        if self.reward.is_group:
+            return await self._score(samples, is_eval=is_eval)
+        self.counters["samples.prescored"] += len(samples) - len(unscored)
+        rescored = iter(await self._score(unscored, is_eval=is_eval))
+        return [sample if _has_reward(sample) else next(rescored) for sample in samples]
+
+    async def _score(self, samples: list[Sample], *, is_eval: bool) -> list[Sample]:
         inputs: list = list(samples) if self.takes_samples else [
             RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label, metadata=dict(s.metadata))
             for s in samples]
@@ -61,6 +76,10 @@ class RewardWorker(Actor):
                 scored.append(msgspec.structs.replace(sample, reward=None, status="failed",
                                                       error=f"reward: {outcome.reason}"))
         return scored
+
+
+def _has_reward(sample: Sample) -> bool:
+    return sample.reward is not None and math.isfinite(sample.reward)
 
 
 def _prompt_text(prompt: str | list[dict]) -> str:

@@ -17,6 +17,7 @@ from actors.rollout.generate import RolloutContext, choose_generate_function
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime.base import Actor
 from actors.runtime.handlers import on_broadcast, serves
+from actors.slime_compat.rollout_function import RolloutFunctionRunner, check_rollout_function
 from bus.schema import (
     TOPIC_VERSION,
     Ack,
@@ -25,6 +26,7 @@ from bus.schema import (
     LeaseRenew,
     LeaseRequest,
     PromptGroup,
+    Sample,
     VersionAnnouncement,
     WeightUpdateOrder,
 )
@@ -36,6 +38,7 @@ class RolloutWorker(Actor):
 
     async def on_start(self) -> None:
         self.config = self.settings.run
+        check_rollout_function(self.config)  # before the engine loads: a refused flag combination fails fast
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
@@ -50,6 +53,8 @@ class RolloutWorker(Actor):
         self._send_seconds = 0.0
         self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
         self.generate_fn = choose_generate_function(self.config)
+        # slime's --rollout-function-path: the user's generate_rollout leases and generates, this worker sends.
+        self.rollout_function = RolloutFunctionRunner.load(self) if self.config.rollout.rollout_function_path else None
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
                                             plugin=self.config.weights.weight_transport)
         self.pushed_version = 0  # the newest weights the learner has pushed to every engine
@@ -57,41 +62,43 @@ class RolloutWorker(Actor):
 
     async def run(self) -> None:
         """lease → generate → send, for as long as the run lasts."""
+        if self.rollout_function is not None:
+            await self.rollout_function.run()
+            return
         while not self.stopping:
-            if self.engine.version + self.config.buffer.max_staleness < self.pushed_version:
-                # Our weights are older than anything the buffer would accept (we just restarted): wait for the
-                # learner's push instead of generating samples that would be evicted. Measured against the weights
-                # the learner has pushed, not its version: a run that never pushes (--debug-rollout-only) has
-                # nothing to wait for.
+            if self.weights_too_old():
                 await asyncio.sleep(0.2)
                 continue
             async with self._room:
                 await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
-            lease = await self._request_lease(self.capacity - self.groups_in_flight)
+            lease = await self.request_lease(self.capacity - self.groups_in_flight)
             if lease is None or not lease.groups:
                 await asyncio.sleep(0.05 if lease is not None else 0.5)
                 continue
-            self._mark_busy(len(lease.groups))
-            self.held_leases[lease.lease_id] = len(lease.groups)
+            self.hold(lease)
             for group in lease.groups:
-                self.spawn(self._rollout_group(lease, group), name=f"rollout.{group.group_id}")
+                self.generate_group(lease, group)
+
+    def weights_too_old(self) -> bool:
+        """Our weights are older than anything the buffer would accept (we just restarted): wait for the learner's
+        push instead of generating samples that would be evicted. Measured against the weights the learner has
+        pushed, not its version: a run that never pushes (--debug-rollout-only) has nothing to wait for."""
+        return self.engine.version + self.config.buffer.max_staleness < self.pushed_version
+
+    def hold(self, lease: Lease) -> None:
+        """Count a new lease's groups as in flight, and renew the lease until each is released."""
+        self._mark_busy(len(lease.groups))
+        self.held_leases[lease.lease_id] = len(lease.groups)
+
+    def generate_group(self, lease: Lease, group: PromptGroup) -> None:
+        self.spawn(self._rollout_group(lease, group), name=f"rollout.{group.group_id}")
 
     async def _rollout_group(self, lease: Lease, group: PromptGroup) -> None:
         try:
             context = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.config,
                                      worker_id=self.actor_id)
             samples = await self.generate_fn(context, group)
-            self.counters["samples.generated"] += len(samples)
-            no_room = [s for s in samples if s.status == "failed"]
-            if no_room:  # e.g. a prompt over the context cap: the buffer drops the group and counts it
-                self.counters["samples.failed"] += len(no_room)
-                self.log.warning("samples failed before scoring", group=group.group_id, reason=no_room[0].error)
-            self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
-            handed = time.monotonic()
-            await self.rewards.send(GeneratedGroup(lease_id=lease.lease_id, group_id=group.group_id,
-                                                   samples=samples, worker_id=self.actor_id))
-            self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
-            self.counters["groups.sent"] += 1
+            await self.send_generated(lease.lease_id, group.group_id, samples)
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -99,14 +106,32 @@ class RolloutWorker(Actor):
             self.counters["groups.failed"] += 1
             self.log.exception("rollout of a group failed", group=group.group_id, error=repr(error))
         finally:
-            async with self._room:
-                self._mark_busy(-1)
-                self._room.notify_all()
-            remaining = self.held_leases.get(lease.lease_id, 1) - 1
-            if remaining <= 0:
-                self.held_leases.pop(lease.lease_id, None)
-            else:
-                self.held_leases[lease.lease_id] = remaining
+            await self.release(lease.lease_id)
+
+    async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample]) -> None:
+        """Hand one generated group to the reward workers, counting what was generated."""
+        self.counters["samples.generated"] += len(samples)
+        no_room = [s for s in samples if s.status == "failed"]
+        if no_room:  # e.g. a prompt over the context cap: the buffer drops the group and counts it
+            self.counters["samples.failed"] += len(no_room)
+            self.log.warning("samples failed before scoring", group=group_id, reason=no_room[0].error)
+        self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
+        handed = time.monotonic()
+        await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id, samples=samples,
+                                               worker_id=self.actor_id))
+        self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
+        self.counters["groups.sent"] += 1
+
+    async def release(self, lease_id: str) -> None:
+        """One group of `lease_id` is done with (sent or given up): free its slot; the last one ends renewal."""
+        async with self._room:
+            self._mark_busy(-1)
+            self._room.notify_all()
+        remaining = self.held_leases.get(lease_id, 1) - 1
+        if remaining <= 0:
+            self.held_leases.pop(lease_id, None)
+        else:
+            self.held_leases[lease_id] = remaining
 
     def _mark_busy(self, delta: int) -> None:
         """Track the time with nothing to generate: the rollout idle fraction a user tunes staleness against."""
@@ -130,7 +155,7 @@ class RolloutWorker(Actor):
         idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
         return idle / max(now - self._started, 1e-9)
 
-    async def _request_lease(self, max_groups: int) -> Lease | None:
+    async def request_lease(self, max_groups: int) -> Lease | None:
         try:
             reply = await self.buffer.call(LeaseRequest(worker_id=self.actor_id, max_groups=max_groups),
                                            timeout=5.0, retries=2)
@@ -172,6 +197,8 @@ class RolloutWorker(Actor):
             found["rollout.busy_slot_seconds"] = self.busy_slot_seconds()
             found["rollout.capacity_groups"] = float(self.capacity)
             found["rollout.send_seconds"] = self._send_seconds
+        if getattr(self, "rollout_function", None) is not None:
+            found.update(self.rollout_function.metrics())
         return found
 
     async def on_stop(self) -> None:

@@ -58,6 +58,7 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         max_batch_size=config.engine.rollout_max_batch_size,
         device=engine_device(),
         dtype=torch.bfloat16 if config.model.bf16 else torch.float32,
+        seed=engine_seed(config.seed, actor_id),  # requests carry their own seeds; this covers unseeded ones
     )
     return engine, tokenizer
 

@@ -10,9 +10,10 @@ adapted (`actors.slime_compat`); it reaches the engine over HTTP, so it needs `-
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -53,6 +54,7 @@ class RolloutContext:
     tokenizer: Tokenizer
     config: RunConfig
     worker_id: str
+    engine_calls: int = field(default=0, init=False)  # sampling-params requests so far for this group
 
     def sampling_params(self, group: PromptGroup, *, n: int | None = None,
                         prompt_tokens: int | None = None) -> SamplingParams:
@@ -76,7 +78,19 @@ class RolloutContext:
             stop=tuple(config.rollout.rollout_stop),
             stop_token_ids=tuple(rollout.rollout_stop_token_ids),
             n=group.n_samples if n is None else n,
+            seed=self.request_seed(group),
         )
+
+    def request_seed(self, group: PromptGroup) -> int:
+        """The sampling seed of this group's next engine call, from --seed, the group and the call's position.
+
+        Keyed by the group, not by the worker or the clock, so the same run seed draws the same samples from the
+        same weights whichever worker leases the group and whatever else the engine is batching; a multi-turn
+        generate's later calls get seeds of their own. A re-issued group draws as it would have the first time.
+        """
+        self.engine_calls += 1
+        key = f"{self.config.seed}/{group.group_id}/{self.engine_calls}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
     def context_limit(self, group: PromptGroup) -> tuple[str, int | None]:
         """The flag and value capping prompt + response tokens for this group (eval falls back to rollout's)."""

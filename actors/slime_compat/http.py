@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["get", "post"]
+__all__ = ["close_session", "get", "post"]
 
 _sessions: dict[int, aiohttp.ClientSession] = {}
 
@@ -22,6 +22,13 @@ def _session() -> aiohttp.ClientSession:
     if session is None or session.closed:
         session = _sessions[loop_id] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
     return session
+
+
+async def close_session() -> None:
+    """Close this event loop's session (a loop that ends with an open one leaves "Unclosed client session")."""
+    session = _sessions.pop(id(asyncio.get_running_loop()), None)
+    if session is not None:
+        await session.close()
 
 
 async def post(url: str, payload: dict[str, Any], max_retries: int = 3, headers: dict[str, str] | None = None) -> Any:

@@ -351,7 +351,7 @@ class MegatronTrainer(Trainer):
         grad_norm = float(self._optimizer.get_grad_norm())
         config = self.config
         lr = scheduled_lr(config, self._counter.optimizer_steps)
-        reason = skip_reason(nonfinite_loss, loss_sum, grad_norm)
+        reason = skip_reason(nonfinite_loss, loss_sum, grad_norm, loss_tokens=counts[0])
         if reason is None:
             for group in self._optimizer.param_groups:
                 # megatron's scheduler normally applies these; its groups mark biases and norm gains with

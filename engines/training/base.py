@@ -303,8 +303,12 @@ def scheduled_lr(config: TrainerOptimizerConfig, optimizer_steps: int) -> float:
     )
 
 
-def skip_reason(nonfinite_loss: bool, loss_sum: float, grad_norm: float) -> str | None:
-    """Why an update must not be applied, or None; the same rule for every backend."""
+def skip_reason(nonfinite_loss: bool, loss_sum: float, grad_norm: float, loss_tokens: int | None = None) -> str | None:
+    """Why an update must not be applied, or None; the same rule for every backend. A step with no trained token
+    (every loss mask 0, e.g. a sample filter that masked every response) has nothing to learn: its 0/0 loss is
+    reported as what it is, not as a NaN, and Adam's momentum must not move the weights on zero gradients."""
+    if loss_tokens == 0:
+        return "no trained tokens (every loss mask is 0)"
     if nonfinite_loss:
         return f"non-finite loss ({loss_sum})"
     if not math.isfinite(grad_norm):

@@ -253,7 +253,7 @@ class TorchTrainer(Trainer):
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm))
         lr = scheduled_lr(self.config, self._counter.optimizer_steps)
-        reason = skip_reason(nonfinite_loss, loss_sum, grad_norm)
+        reason = skip_reason(nonfinite_loss, loss_sum, grad_norm, loss_tokens=counts[0])
         if reason is None:
             for group in self._optimizer.param_groups:
                 group["lr"] = lr

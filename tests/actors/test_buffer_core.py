@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -63,6 +64,32 @@ def test_synchronous_bound_admits_exactly_one_batch_per_version() -> None:
     assert len(groups) == B
     assert core.lease("w", 100) is None  # nothing more until the learner moves
     core.learner_version = 1
+    _, more = lease_all(core)
+    assert len(more) == B
+
+
+@pytest.mark.unit
+def test_a_batch_lists_its_groups_in_lease_order_whatever_order_they_finished_in() -> None:
+    """Which worker finished first must not reorder a batch: the same seed has to train the same sequence."""
+    core = make_core()
+    lease_id, groups = lease_all(core, max_groups=B)
+    for group in reversed(groups):
+        assert core.accept(scored(group, lease_id)) == "accepted"
+    batch = core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    assert batch is not None and [g.group_id for g in batch.groups] == [g.group_id for g in groups]
+
+
+@pytest.mark.unit
+def test_a_step_that_skipped_its_update_still_opens_the_next_batch_in_a_synchronous_run() -> None:
+    """The learner consumed batch 1 but its version stayed 0 (non-finite loss): batch 2 must still be generated."""
+    core = make_core(max_staleness=0)
+    lease_id, groups = lease_all(core)
+    for group in groups:
+        result = scored(group, lease_id)
+        on_policy = [msgspec.structs.replace(s, token_versions=np.zeros(2, dtype=np.int32)) for s in result.samples]
+        assert core.accept(msgspec.structs.replace(result, samples=on_policy)) == "accepted"
+    assert core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0) is not None
+    assert core.next_batch(learner_version=0, trained_batch=1, checkpointed_batch=0) is None  # nothing scored yet
     _, more = lease_all(core)
     assert len(more) == B
 

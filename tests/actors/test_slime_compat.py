@@ -109,13 +109,6 @@ def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:
     assert choose_generate_function(build_config({})) is default_generate
 
 
-@pytest.mark.parametrize("flag", ["rollout_function_path", "buffer_filter_path",
-                                  "custom_advantage_function_path", "custom_convert_samples_to_train_data_path"])
-def test_hooks_without_a_seam_are_refused_by_name(flag: str) -> None:
-    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} is not supported"):
-        build_config({flag: "my.module:fn"})
-
-
 def test_retool_sandbox_runs_code_and_times_out() -> None:
     assert asyncio.run(run_python("print(6 * 7)")) == "42"
     assert asyncio.run(run_python("while True: pass", timeout_s=0.5)) == "timeout"
@@ -146,3 +139,19 @@ def test_slime_custom_loss_gives_slimes_scaled_loss_and_gradient() -> None:
     expected = -((-1.0 - 0.5) / 2 * 1.0 + (-0.3 - 0.7) / 2 * -0.5) / 2
     assert float(loss.detach()) == pytest.approx(expected)
     assert log_probs.grad.tolist() == pytest.approx([-0.25, 0.0, -0.25, 0.125, 0.125])
+
+
+
+@pytest.mark.unit
+def test_run_keeps_one_background_loop_so_http_sessions_are_reused() -> None:
+    """slime's `run(coro)`: a ported sync rollout function calls it per batch; one loop means one HTTP session."""
+    from actors.slime_compat import run
+    from actors.slime_compat.http import _session
+
+    async def loop_and_session() -> tuple[object, object]:
+        return asyncio.get_running_loop(), _session()
+
+    first_loop, first_session = run(loop_and_session())
+    second_loop, second_session = run(loop_and_session())
+    assert first_loop is second_loop and first_session is second_session
+    assert run(asyncio.sleep(0, result=42)) == 42

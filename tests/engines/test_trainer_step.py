@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -128,6 +129,20 @@ def test_non_finite_loss_skips_the_update_and_says_why(tiny_model_path: Path) ->
     for name, tensor in trainer.named_tensors():
         assert torch.equal(tensor, before[name]), name
     assert all(p.grad is None for p in trainer._model.parameters())
+
+
+@pytest.mark.unit
+def test_a_batch_with_no_trained_token_skips_the_update_and_says_so(tiny_model_path: Path) -> None:
+    """0/0 is not a NaN to report, and Adam's momentum from an earlier step must not move the weights on it."""
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, check_packing=False))
+    trainer.train_step(_samples(count=3), policy_loss(_samples(count=3)), temperature=1.0)  # momentum to spend
+    before = {name: tensor.clone() for name, tensor in trainer.named_tensors()}
+    masked = [dataclasses.replace(s, loss_mask=torch.zeros_like(s.loss_mask)) for s in _samples(count=3)]
+    result = trainer.train_step(masked, policy_loss(masked), temperature=1.0)
+    assert result.skipped and result.skip_reason == "no trained tokens (every loss mask is 0)"
+    assert result.version == trainer.version == 1
+    for name, tensor in trainer.named_tensors():
+        assert torch.equal(tensor, before[name]), name
 
 
 class _InfiniteGradient(torch.autograd.Function):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,15 @@ def test_megatron_backend_runs_the_whole_loop(tmp_path: Path, tiny_model_path: P
                "--rollout-workers", "1", "--reward-workers", "1", "--no-progress", "--no-use-tensorboard",
                "--no-plots", "--learner-ranks", str(tensor_parallel),
                "--tensor-model-parallel-size", str(tensor_parallel)]  # fmt: skip
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=360)
+    trace = tmp_path / "hooks.jsonl"
+    if tensor_parallel == 1:  # slime's three Megatron hooks, loaded by their slime flags, in a real run
+        command += ["--custom-megatron-init-path", "examples.slime_style.megatron_hooks.init",
+                    "--custom-megatron-before-log-prob-hook-path",
+                    "examples.slime_style.megatron_hooks.before_log_prob",
+                    "--custom-megatron-before-train-step-hook-path",
+                    "examples.slime_style.megatron_hooks.before_train_step"]
+    environment = {**os.environ, "MEGATRON_HOOK_TRACE": str(trace)}
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=360, env=environment)
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     lines = (run_dir / "metrics" / "train.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
@@ -44,3 +53,10 @@ def test_megatron_backend_runs_the_whole_loop(tmp_path: Path, tiny_model_path: P
     pushed = [json.loads(line) for line in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()
               if '"weights pushed"' in line]
     assert max(record["version"] for record in pushed) == STEPS, "the engines never received the final weights"
+    if tensor_parallel == 1:
+        calls = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert calls[0]["hook"] == "init" and sum(call["hook"] == "init" for call in calls) == 1
+        steps = [(call["rollout_id"], call["step_id"]) for call in calls if call["hook"] == "train_step"]
+        assert steps == [(batch, 0) for batch in range(STEPS)]
+        assert all(math.isfinite(call["param_norm"]) for call in calls if call["hook"] == "train_step")
+        assert {call["store_prefix"] for call in calls if call["hook"] == "log_prob"} <= {"", "ref_"}
