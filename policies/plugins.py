@@ -9,6 +9,8 @@ named, not deep inside a training step.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["PluginError", "is_dotted_path", "load_object"]
 
@@ -46,4 +48,12 @@ def load_object(path: str, *, what: str) -> object:
             raise PluginError(f"{what} {path!r}: {walked!r} has no attribute {part!r}")
         obj = getattr(obj, part)
         walked = f"{walked}.{part}" if walked != module_name else f"{module_name}:{part}"
+    return obj
+
+
+def load_callable(path: str, *, what: str) -> Callable[..., Any]:
+    """``load_object`` for a plugin that must be a function (or any callable): a data object is refused by name."""
+    obj = load_object(path, what=what)
+    if not callable(obj):
+        raise TypeError(f"{what} {path!r}: {type(obj).__name__} is not callable")
     return obj

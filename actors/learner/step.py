@@ -43,12 +43,11 @@ class TrainingStep:
         """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
         self.trainer = trainer
         self.policy = config.policy
-        # slime's convert hook replaces its reward post-process too: with both set, only the conversion runs.
-        self.convert_samples = load_convert_samples(config)
-        self.post_process_rewards = load_reward_post_process(config) if self.convert_samples is None else None
+        # slime's whole-batch hooks: its samples -> train-data conversion, which replaces its reward post-process
+        # too (with both set, only the conversion runs), or the reward post-process alone.
+        self.rewrite_batch = load_convert_samples(config) or load_reward_post_process(config)
         self.custom_advantages = load_custom_advantages(config)
-        if self.post_process_rewards is not None or self.convert_samples is not None:
-            # slime trains on the hook's rewards as they are
+        if self.rewrite_batch is not None:  # slime trains on the hook's rewards as they are
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
         self.temperature = config.rollout.rollout_temperature or 1.0
@@ -62,11 +61,8 @@ class TrainingStep:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
         whole batch, or already cut at rank 0 (`shard=False`, and the rollout metrics are then the share's)."""
         batch_metrics = rollout_metrics(samples, staleness)
-        if self.convert_samples is not None:  # on the whole batch (each rank alike), before any cut
-            samples = self.convert_samples(list(samples))
-            batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
-        if self.post_process_rewards is not None:  # on the whole batch (each rank alike), before any cut
-            samples = self.post_process_rewards(list(samples))
+        if self.rewrite_batch is not None:  # on the whole batch (each rank alike), before any cut
+            samples = self.rewrite_batch(list(samples))
             batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
         parallel = self.trainer.data_parallel()
         batch = stages.to_step_batch(samples)

@@ -35,7 +35,7 @@ from policies.advantages import group_normalize, whiten
 from policies.config import PolicyLossConfig
 from policies.kl import compute_kl
 from policies.packing import zero_masked
-from policies.plugins import load_object
+from policies.plugins import load_callable
 
 __all__ = ["FLAG", "SlimeAdvantageFunction", "load_custom_advantages", "slime_rewards"]
 
@@ -50,9 +50,7 @@ def load_custom_advantages(config: RunConfig) -> SlimeAdvantageFunction | None:
     path = config.learner.custom_advantage_function_path
     if not path:
         return None
-    fn = load_object(path, what=FLAG)
-    if not callable(fn):
-        raise TypeError(f"{FLAG} {path!r}: {type(fn).__name__} is not callable")
+    fn = load_callable(path, what=FLAG)
     return SlimeAdvantageFunction(fn=fn, args=build_args(config), path=path)
 
 

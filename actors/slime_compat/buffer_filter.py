@@ -22,7 +22,7 @@ from actors.slime_compat.args import build_args
 from actors.slime_compat.data_source import pop_first
 from actors.slime_compat.sample import Sample, from_wire
 from bus.schema import ScoredGroup
-from policies.plugins import load_object
+from policies.plugins import load_callable
 
 __all__ = ["GROUP_ID_KEY", "adapt_buffer_filter", "load_buffer_filter", "pop_first"]
 
@@ -35,9 +35,7 @@ def load_buffer_filter(config: RunConfig) -> BatchSelector | None:
     path = config.buffer.buffer_filter_path
     if not path or path == SLIME_DEFAULT:
         return None
-    fn = load_object(path, what="--buffer-filter-path")
-    if not callable(fn):
-        raise TypeError(f"--buffer-filter-path {path!r}: {type(fn).__name__} is not callable")
+    fn = load_callable(path, what="--buffer-filter-path")
     try:
         inspect.signature(fn).bind(None, 0, [], 1)
     except TypeError as error:

@@ -130,7 +130,7 @@ class LeasedDataSource:
     async def take(self, num_samples: int) -> list[list[Sample]]:
         if not isinstance(num_samples, int) or num_samples < 0:
             raise ValueError(f"{FLAG} {self.path}: data_source.get_samples({num_samples!r}) needs a count >= 0")
-        taken = self._from_pending(num_samples)
+        taken = pop_first(self.args, None, self.pending, num_samples)  # put-back groups first, oldest first
         fresh = await self._lease(num_samples - len(taken)) if num_samples > len(taken) else []
         return taken + [self._samples(held) for held in fresh]
 
@@ -166,10 +166,6 @@ class LeasedDataSource:
         waiting = {group_id_of(group[0]) for group in self.pending}
         return [self.held.pop(group_id) for group_id in [g for g in self.held if g not in waiting]]
 
-    def _from_pending(self, wanted: int) -> list[list[Sample]]:
-        """Put-back groups, oldest first (slime's default ``pop_first``, which takes them out of ``pending``)."""
-        return pop_first(self.args, None, self.pending, wanted)
-
     async def _lease(self, wanted: int) -> list[Held]:
         deadline = time.monotonic() + self.lease_timeout
         got: list[Held] = []
@@ -186,7 +182,7 @@ class LeasedDataSource:
                 raise TimeoutError(
                     f"{FLAG} {self.path}: data_source.get_samples asked the buffer for {wanted} groups and obtained "
                     f"{len(got)} within --lease-timeout {self.lease_timeout:g}s (those are kept for the next call). "
-                    "The buffer admits at most (learner version + --max-staleness + 1) x --rollout-batch-size groups, "
+                    "The buffer admits at most (batches trained + --max-staleness + 1) x --rollout-batch-size groups, "
                     "so a function that takes more groups than it returns waits on the learner: raise "
                     "--max-staleness, or take fewer")
             await asyncio.sleep(0.05 if fresh else 0.2)

@@ -25,7 +25,7 @@ from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire
 from bus.schema import PromptGroup
 from bus.schema import Sample as WireSample
 from policies.filters import FilterGroup, FilterVerdict
-from policies.plugins import load_object
+from policies.plugins import load_callable, load_object
 
 __all__ = ["DynamicFilterOutput", "adapt_filter", "adapt_generate", "adapt_reward", "is_slime_style",
            "load_reward_post_process",
@@ -57,7 +57,8 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of ``kwargs`` that ``fn`` takes (all of them for ``**kwargs``): slime passes optional ones so."""
     params = inspect.signature(fn).parameters
     if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
@@ -91,12 +92,13 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
     async def _one(args: Any, group: PromptGroup, index: int, start: int) -> WireSample:
         sample = from_group(group, index)
         extra = {"evaluation": group.is_eval}
-        result = await fn(args, sample, sampling_params(config, evaluation=group.is_eval), **_accepted(fn, extra))
+        params = sampling_params(config, evaluation=group.is_eval)
+        result = await fn(args, sample, params, **accepted_kwargs(fn, extra))
         if not isinstance(result, Sample):
             raise TypeError(f"{path} returned {type(result).__name__}; expected one actors.slime_compat.Sample "
                             "(several samples per call are not supported: a group holds n_samples responses)")
         for hook in hooks:
-            hooked = await _maybe_await(hook(args, result, **_accepted(hook, {"rollout_id": None, **extra})))
+            hooked = await _maybe_await(hook(args, result, **accepted_kwargs(hook, {"rollout_id": None, **extra})))
             if hooked is not None:
                 if not isinstance(hooked, Sample):
                     raise TypeError(f"--rollout-sample-hook-path {hook!r} returned {type(hooked).__name__}")
@@ -116,9 +118,7 @@ def load_reward_post_process(config: RunConfig) -> Callable[[list[WireSample]], 
     path = config.reward.custom_reward_post_process_path
     if not path:
         return None
-    fn = load_object(path, what="--custom-reward-post-process-path")
-    if not callable(fn):
-        raise TypeError(f"--custom-reward-post-process-path {path!r}: {type(fn).__name__} is not callable")
+    fn = load_callable(path, what="--custom-reward-post-process-path")
     args = build_args(config)
 
     def post_process(samples: list[WireSample]) -> list[WireSample]:

@@ -39,9 +39,10 @@ from actors.slime_compat.data_source import (
     WorkerStopping,
     group_id_of,
 )
+from actors.slime_compat.plugins import accepted_kwargs
 from actors.slime_compat.sample import Sample, to_wire
 from bus.schema import Sample as WireSample
-from policies.plugins import load_object
+from policies.plugins import load_callable
 
 __all__ = ["FunctionThread", "RolloutFnEvalOutput", "RolloutFnTrainOutput", "RolloutFunctionRunner",
            "check_rollout_function", "flatten_output", "sort_output", "wire_group"]
@@ -176,17 +177,13 @@ class FunctionThread:
             try:
                 result = call()
                 if inspect.isawaitable(result):
-                    result = loop.run_until_complete(_awaited(result))
+                    result = loop.run_until_complete(result)
             except Exception as error:
                 future.set_exception(error)
             except BaseException as error:  # SystemExit in a plugin must not end the worker's loop
                 future.set_exception(RuntimeError(f"rollout function raised {error!r}"))
             else:
                 future.set_result(result)
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 class RolloutFunctionRunner:
@@ -204,18 +201,16 @@ class RolloutFunctionRunner:
         vars(self.args).setdefault("over_sampling_batch_size", config.rollout.rollout_batch_size)
         self.source = LeasedDataSource(worker, asyncio.get_running_loop(), args=self.args, path=path,
                                        lease_timeout=config.buffer.lease_timeout)
-        self.takes_evaluation = _accepts(fn, "evaluation")
+        self.call_kwargs = accepted_kwargs(fn, {"evaluation": False})  # slime passes it only to functions that take it
         self.thread = FunctionThread(name=f"rollout-function:{path}")
         self.reported: dict[str, float] = {}
 
     @classmethod
     def load(cls, worker: RolloutHost) -> RolloutFunctionRunner:
-        """The runner for ``config.rollout.rollout_function_path``; call on the worker's loop after its engine."""
-        check_rollout_function(worker.config)
+        """The runner for ``config.rollout.rollout_function_path``; call on the worker's loop after its engine (the
+        worker has already run ``check_rollout_function``, before loading the engine)."""
         path = worker.config.rollout.rollout_function_path or ""
-        fn = load_object(path, what=FLAG)
-        if not callable(fn):
-            raise TypeError(f"{FLAG} {path!r}: {type(fn).__name__} is not callable")
+        fn = load_callable(path, what=FLAG)
         return cls(worker, fn, path)
 
     async def run(self) -> None:
@@ -246,8 +241,7 @@ class RolloutFunctionRunner:
             rollout_id += 1
 
     async def _call(self, rollout_id: int) -> Any:
-        extra = {"evaluation": False} if self.takes_evaluation else {}
-        future = self.thread.submit(lambda: self.fn(self.args, rollout_id, self.source, **extra))
+        future = self.thread.submit(lambda: self.fn(self.args, rollout_id, self.source, **self.call_kwargs))
         self.worker.counters["rollout_fn.calls"] += 1
         return await asyncio.wrap_future(future)
 
@@ -289,10 +283,3 @@ class RolloutFunctionRunner:
         """The numeric metrics of the function's last ``RolloutFnTrainOutput``, and the groups it has put back."""
         return {**self.reported, "rollout_fn.groups_put_back": float(len(self.source.pending))}
 
-
-def _accepts(fn: Callable[..., Any], name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return any(p.name == name or p.kind == inspect.Parameter.VAR_KEYWORD for p in params)

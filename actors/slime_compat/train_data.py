@@ -30,7 +30,7 @@ from actors.config import RunConfig
 from actors.slime_compat.args import build_args
 from actors.slime_compat.sample import from_wire
 from bus.schema import Sample as WireSample
-from policies.plugins import load_object
+from policies.plugins import load_callable
 
 __all__ = ["FLAG", "convert_samples", "load_convert_samples"]
 
@@ -43,9 +43,7 @@ def load_convert_samples(config: RunConfig) -> Callable[[list[WireSample]], list
     path = config.learner.custom_convert_samples_to_train_data_path
     if not path:
         return None
-    fn = load_object(path, what=FLAG)
-    if not callable(fn):
-        raise TypeError(f"{FLAG} {path!r}: {type(fn).__name__} is not callable")
+    fn = load_callable(path, what=FLAG)
     args = build_args(config)
 
     def convert(samples: list[WireSample]) -> list[WireSample]:

@@ -37,13 +37,10 @@ class _Hook:
     """One loaded hook and the flag that named it."""
 
     def __init__(self, flag: str, path: str) -> None:
-        from policies.plugins import load_object
+        from policies.plugins import load_callable
 
         self.flag, self.path = flag, path
-        function = load_object(path, what=flag)
-        if not callable(function):
-            raise TypeError(f"{flag} {path!r}: {type(function).__name__} is not callable")
-        self._function: Callable[..., Any] = function
+        self._function: Callable[..., Any] = load_callable(path, what=flag)
 
     def __call__(self, *args: Any) -> None:
         try:

@@ -279,9 +279,7 @@ def run_init_hook(path: str, hook_args: Mapping[str, Any] | argparse.Namespace) 
     """slime's --custom-megatron-init-path: `hook(args)` once megatron's parallel state exists, before the model
     is built; `args` is a namespace of the run's flat settings (slime passes its whole argument namespace): the
     given one (`MegatronFlags.namespace()`, the one the step hooks get), or one built from a mapping."""
-    from policies.plugins import load_object
+    from policies.plugins import load_callable
 
-    hook = load_object(path, what="--custom-megatron-init-path")
-    if not callable(hook):
-        raise TypeError(f"--custom-megatron-init-path {path!r}: {type(hook).__name__} is not callable")
+    hook = load_callable(path, what="--custom-megatron-init-path")
     hook(hook_args if isinstance(hook_args, argparse.Namespace) else argparse.Namespace(**hook_args))
