@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.runtime.context import ActorContext, ActorSettings
+from actors.runtime.cpu_budget import CpuShare, plan_cpu_budget, usable_cores
+from actors.runtime.cpu_budget import describe as describe_cpu_budget
 from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
@@ -90,6 +92,11 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
     actors.add_argument("--restart-window", type=float, default=300.0, help="seconds")
     actors.add_argument("--restart-backoff", type=float, default=0.5,
                         help="first restart delay in seconds; it doubles per consecutive crash up to 30s")
+    actors.add_argument("--fork-actors", action=argparse.BooleanOptionalAction,
+                        default=sys.platform.startswith("linux"),
+                        help="on a node without GPUs, fork actors from one process that imported torch and "
+                             "transformers once (actors/runtime/zygote.py) instead of starting each as a new "
+                             "interpreter: seconds less start-up")
 
     run = parser.add_argument_group("run")
     run.add_argument("--run-dir", type=Path, default=None,
@@ -188,15 +195,25 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
             return visible_devices(placement.rollout[index], parent_visible)
         return ""  # controller, buffer, reward workers: no CUDA context on anyone's GPU
 
+    def actor_id_of(role: str, index: int) -> str:
+        return role if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
+
+    cores = usable_cores()
+    budget = {} if config.placement.cpu_budget == "off" else plan_cpu_budget(
+        cores=cores, roles={actor_id_of(role, i): role for role in roles for i in range(counts[role])},
+        gpus=placement.gpus, learner_ranks=config.trainer.learner_ranks,
+        synchronous=config.buffer.max_staleness == 0)
     contexts = []
     for role in roles:
         path = customs.get(role) or BUILTIN_ROLES[role]
         try:
-            resolve_actor_class(path)
+            if role in customs:  # a built-in class is known to load; importing the learner's would cost ~1.5 s
+                resolve_actor_class(path)
         except (ImportError, AttributeError, TypeError, ValueError) as error:
             raise LaunchError(f"role {role!r}: {error}") from None
         for index in range(counts[role]):
-            actor_id = role if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
+            actor_id = actor_id_of(role, index)
+            share = budget.get(actor_id, CpuShare())
             expected = {r: n for r, n in counts.items() if r != "controller" and n > 0} if role == "controller" else {}
             settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level, run=config,
                                      expected_roles=expected)
@@ -204,15 +221,20 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
                 actor_id=actor_id, role=role, actor_class=path, node_rank=args.node_rank,
                 head_address=head_address, run_dir=run_dir, host=args.host, transport=args.transport,
                 curve_keys_dir=args.curve_keys, heartbeat_interval=args.heartbeat_interval, settings=settings,
-                cuda_visible_devices=devices_of(role, index),
+                cuda_visible_devices=devices_of(role, index), cpu_cores=share.cores, torch_threads=share.torch_threads,
             ))
     if placement.gpus:
         print(f"placement (node {args.node_rank}): {placement.describe()}", file=sys.stderr)
+    elif budget and args.console_log_level in ("debug", "info"):
+        print(describe_cpu_budget(budget, cores), file=sys.stderr)
     return contexts, config
 
 
 def visible_gpus() -> int:
-    """GPUs this launcher sees (its CUDA_VISIBLE_DEVICES applies); 0 without CUDA."""
+    """GPUs this launcher sees (its CUDA_VISIBLE_DEVICES applies); 0 without CUDA. A machine with no GPU device
+    node is answered without importing torch, which would hold up every actor's start by ~2 s."""
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -266,7 +288,9 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
 async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_dir: Path) -> int:
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
                            backoff_initial_s=args.restart_backoff)
-    supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy)
+    # A GPU node hands out devices (controller, buffer and reward workers get ""): never fork there.
+    cpu_only = all(context.cuda_visible_devices is None for context in contexts)
+    supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy, fork_from_template=args.fork_actors and cpu_only)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda s=signum: supervisor.request_stop(f"signal {signal.Signals(s).name}",

@@ -216,6 +216,8 @@ class BatchRequest(Message):
     learner_version: Annotated[int, doc("the learner's current policy version (optimizer steps applied)")]
     trained_batch: Annotated[int, doc("id of the last batch the learner trained (0 before the first)")] = 0
     checkpointed_batch: Annotated[int, doc("id of the last batch covered by a durable learner checkpoint")] = 0
+    ahead: Annotated[bool, doc("asked while batch trained_batch still trains (prefetch): its staleness counts against "
+                               "the version that step leaves, learner_version + 1 until it is announced")] = False
 
 
 class Batch(Message):

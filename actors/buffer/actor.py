@@ -132,7 +132,8 @@ class Buffer(Actor):
         while True:
             assembled = self.core.next_batch(learner_version=request.learner_version,
                                              trained_batch=request.trained_batch,
-                                             checkpointed_batch=request.checkpointed_batch)
+                                             checkpointed_batch=request.checkpointed_batch,
+                                             ahead=request.ahead)
             if assembled is not None:
                 break
             remaining = deadline - asyncio.get_running_loop().time()
@@ -181,8 +182,10 @@ class Buffer(Actor):
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
-        self.core.learner_version = max(self.core.learner_version, announcement.version)
+        self.core.note_version(step=announcement.step, version=announcement.version)
         self.eval_rounds.maybe_start(announcement.version)
+        async with self.batch_ready:  # a prefetch waiting for this step's version can now be measured
+            self.batch_ready.notify_all()
 
     async def on_roster(self, roster: Roster) -> None:
         for event in roster.events:

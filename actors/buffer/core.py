@@ -26,7 +26,7 @@ from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import Cursor, PromptSource
 from bus.codec import decode, encode
 from bus.schema import PromptGroup, ScoredGroup
-from policies.staleness import AdmissionController, staleness_of_samples
+from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
 
 GroupFilter = Callable[[ScoredGroup], "str | None"]  # returns a drop reason, or None to keep
 # (pool groups in admission order, groups wanted, batch id) -> the chosen group ids; the oldest fill any shortfall.
@@ -96,6 +96,7 @@ class BufferCore:
         self.admission = AdmissionController(max_staleness=max_staleness, groups_per_batch=groups_per_batch)
         self.learner_version = 0
         self.trained_batches = 0  # batches the learner has consumed; ahead of its version after a skipped step
+        self.announced = (0, 0)  # (step, version): the learner's last finished step and the version it left
         self.stats = BufferStats()
         self.live_started = 0  # started minus dropped: the groups that will count toward batches
         self.reissue: deque[PromptGroup] = deque()
@@ -105,6 +106,7 @@ class BufferCore:
         self.leases: dict[str, LeaseRecord] = {}
         self.pool: dict[str, ScoredGroup] = {}
         self.served: dict[int, AssembledBatch] = {}
+        self.version_ranges: dict[str, tuple[int, int] | None] = {}  # pool group -> its (oldest, newest) token
         self.committed_batch = 0
 
     # ----------------------------------------------------------------------------------------- leases
@@ -208,6 +210,7 @@ class BufferCore:
         if reason is not None:
             self._drop(scored.group_id, reason)
             return f"dropped.{reason}"
+        self.version_ranges.pop(scored.group_id, None)  # a re-issued group comes back with new tokens
         self.pool[scored.group_id] = scored
         self.stats.accepted += 1
         if self.log is not None:
@@ -233,11 +236,38 @@ class BufferCore:
             self.log.append("drop", group_id=group_id, reason=reason)
 
     # ------------------------------------------------------------------------------------------ batches
-    def next_batch(self, *, learner_version: int, trained_batch: int,
-                   checkpointed_batch: int) -> AssembledBatch | None:
-        """The batch the learner trains next (trained_batch + 1), or None until enough groups are scored."""
-        self.learner_version = learner_version
-        self.trained_batches = max(self.trained_batches, trained_batch)
+    def note_version(self, *, step: int, version: int) -> None:
+        """The learner finished `step` at `version` (its announcement): admission moves, a prefetch learns its
+        version."""
+        self.announced = (step, version)
+        self.learner_version = max(self.learner_version, version)
+        self.trained_batches = max(self.trained_batches, step)
+
+    def trains_at(self, *, learner_version: int, trained_batch: int, ahead: bool) -> int:
+        """The version the requested batch will be trained at. A prefetch (`ahead`) is asked while the step of
+        batch `trained_batch` runs: that step will leave learner_version + 1, unless its announcement already
+        said otherwise (a skipped update leaves the version where it was)."""
+        if not ahead:
+            return learner_version
+        step, version = self.announced
+        return version if step == trained_batch else learner_version + 1
+
+    def next_batch(self, *, learner_version: int, trained_batch: int, checkpointed_batch: int,
+                   ahead: bool = False) -> AssembledBatch | None:
+        """The batch the learner trains next (trained_batch + 1), or None until enough groups are scored.
+
+        A prefetch (`ahead`) is measured against the version it will be trained at, but moves admission only as
+        far as the steps actually finished: the engines do not have the next weights yet, and groups started early
+        against them would come out one version too stale.
+        """
+        trains_at = self.trains_at(learner_version=learner_version, trained_batch=trained_batch, ahead=ahead)
+        if ahead:
+            self.learner_version = max(self.learner_version, learner_version)
+            self.trained_batches = max(self.trained_batches, trained_batch - 1)
+        else:
+            self.learner_version = learner_version
+            self.trained_batches = max(self.trained_batches, trained_batch)
+            self.announced = (trained_batch, learner_version)
         self.commit_through(checkpointed_batch)
         wanted = trained_batch + 1
         if wanted <= self.committed_batch:
@@ -250,20 +280,20 @@ class BufferCore:
         if wanted != max(self.served, default=self.committed_batch) + 1:
             raise ValueError(f"learner asked for batch {wanted}; the next new batch is "
                              f"{max(self.served, default=self.committed_batch) + 1}")
-        self._evict_stale()
+        self._evict_stale(trains_at)
         if len(self.pool) < self.groups_per_batch:
             return None
         # In the order the groups were first leased, not the order they finished: which worker was faster must not
         # change the batch, or two runs with the same seed would train the same groups in a different order.
         started = {group_id: index for index, group_id in enumerate(self.prompt_groups)}
         chosen = [self.pool.pop(gid) for gid in sorted(self._choose(wanted), key=started.__getitem__)]
-        staleness = [s for g in chosen for s in group_staleness(g, learner_version)]
-        batch = AssembledBatch(batch_id=wanted, groups=chosen, staleness=staleness, learner_version=learner_version)
+        staleness = [s for g in chosen for s in group_staleness(g, trains_at)]
+        batch = AssembledBatch(batch_id=wanted, groups=chosen, staleness=staleness, learner_version=trains_at)
         self.served[wanted] = batch
         self.stats.trained_groups += len(chosen)
         if self.log is not None:
             self.log.append("batch", batch_id=wanted, group_ids=[g.group_id for g in chosen], staleness=staleness,
-                            learner_version=learner_version, sync=True)
+                            learner_version=trains_at, sync=True)
         return batch
 
     def _choose(self, batch_id: int) -> list[str]:
@@ -288,10 +318,15 @@ class BufferCore:
         self.on_selection_error(f"batch selector {name}: {problem}; batch {batch_id} taken oldest-first")
         return []
 
-    def _evict_stale(self) -> None:
-        """Consumption re-check: a group whose oldest token is past the bound is regenerated, not trained."""
+    def _evict_stale(self, trains_at: int) -> None:
+        """Consumption re-check: a group whose oldest token is past the bound at the version the batch trains at
+        is regenerated, not trained."""
+        for group_id in [gid for gid in self.version_ranges if gid not in self.pool]:
+            del self.version_ranges[group_id]
         for group_id, scored in list(self.pool.items()):
-            if max(group_staleness(scored, self.learner_version)) > self.max_staleness:
+            if group_id not in self.version_ranges:
+                self.version_ranges[group_id] = version_range(sample.token_versions for sample in scored.samples)
+            if staleness_of_range(trains_at, self.version_ranges[group_id]) > self.max_staleness:
                 del self.pool[group_id]
                 group = self.prompt_groups[group_id]
                 self.reissue.append(group)
@@ -374,6 +409,7 @@ class BufferCore:
                 cursor = Cursor(*record["cursor"])
             elif kind == "accept":
                 self._forget_in_flight(record["group_id"])
+                self.version_ranges.pop(record["group_id"], None)
                 self.pool[record["group_id"]] = decode(record["group"])
                 self.stats.accepted += 1
             elif kind == "drop":

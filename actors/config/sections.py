@@ -292,6 +292,10 @@ class PlacementConfig(Section):
                                          "rollout_num_gpus_per_engine")
     num_gpus_per_node: int | None = Field(None, ge=0, description="GPUs a node may use (default: every GPU its "
                                           "launcher sees)")
+    cpu_budget: Literal["auto", "off"] = Field("auto", description="on a node without GPUs: 'auto' gives a "
+                                               "fully-async run's learner cores of its own and a synchronous run's "
+                                               "learner every core's threads (actors/runtime/cpu_budget.py); 'off' "
+                                               "leaves placement to the OS")
     colocate: bool = Field(False, description="learner and engines on the same GPUs, taking turns (not available "
                            "yet: on one GPU the torch engine already shares the learner's device)")
 

@@ -17,7 +17,7 @@ from typing import Any
 from actors.learner.modes import Progress, pick_source, pick_training
 from actors.learner.publish import live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
-from actors.learner.step import StepReport, TrainingStep
+from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from actors.runtime.base import Actor
 from actors.runtime.metrics import MetricsWriter
@@ -32,7 +32,7 @@ class Learner(Actor):
         import torch
 
         self.config = config = self.settings.run
-        torch.set_num_threads(config.torch_threads)
+        torch.set_num_threads(self.context.torch_threads or config.torch_threads)  # the CPU budget's, if any
         self.ranks = LearnerRanks(config, self.context.run_dir, self.context.host, self.log)
         self.ranks.spawn()
         await asyncio.to_thread(self.ranks.join)
@@ -57,33 +57,62 @@ class Learner(Actor):
         self.started_at = time.monotonic()
 
     async def run(self) -> None:
-        """pull → train → announce → publish → checkpoint, until num_rollout batches are trained."""
+        """pull → train → announce → publish → checkpoint, until num_rollout batches are trained.
+
+        While a batch trains, the next one is already asked for (`ahead`) and, where the trainer allows, put
+        through the stages that do not read the policy (conversion, reference log-probs) on a second thread: the
+        learner never idles between steps on the buffer's round trip or on the reference model.
+        """
         await self.publish_weights()  # engines start from our weights, which matters on resume
-        while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
-            if self.engines_joined:
-                self.engines_joined = False
-                await self.publish_weights()  # a new or restarted engine must not wait for the next step
-            batch = await self.source.next(self.progress())
-            if batch is None:
-                continue
-            report = await self.train(batch)
-            await self.announce_version()
-            if self.version % self.config.weights.update_weights_interval == 0:
-                await self.publish_weights()
-            if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
-                await self.save_checkpoint()
-            self.log_step(batch, report)
+        upcoming: asyncio.Task[tuple[Batch | None, PreparedBatch | None]] | None = None
+        try:
+            while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
+                if self.engines_joined:
+                    self.engines_joined = False
+                    await self.publish_weights()  # a new or restarted engine must not wait for the next step
+                if upcoming is not None:
+                    batch, prepared = await upcoming
+                    upcoming = None
+                else:
+                    batch, prepared = await self.source.next(self.progress()), None
+                if batch is None:
+                    continue
+                if batch.batch_id < self.config.learner.num_rollout:
+                    upcoming = asyncio.create_task(self._fetch_ahead(batch.batch_id))
+                report = await self.train(batch, prepared)
+                await self._after_step(batch, report)
+        finally:
+            if upcoming is not None:
+                upcoming.cancel()  # a batch served but not trained is served again after a restart
         if self.trained_batch >= self.config.learner.num_rollout:
             await self.finish()
+
+    async def _fetch_ahead(self, training: int) -> tuple[Batch | None, PreparedBatch | None]:
+        """The batch after `training` (which is training now), prepared as far as it can be before that ends."""
+        progress = Progress(learner_version=self.version, trained_batch=training,
+                            checkpointed_batch=self.checkpointed_batch)
+        batch = await self.source.next(progress, ahead=True)
+        if batch is None:
+            return None, None
+        return batch, await self.training.prepare(batch)
+
+    async def _after_step(self, batch: Batch, report: StepReport | None) -> None:
+        """announce → publish → checkpoint → log."""
+        await self.announce_version()
+        if self.version % self.config.weights.update_weights_interval == 0:
+            await self.publish_weights()
+        if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
+            await self.save_checkpoint()
+        self.log_step(batch, report)
 
     # --------------------------------------------------------------------------------------------- steps
     def progress(self) -> Progress:
         return Progress(learner_version=self.version, trained_batch=self.trained_batch,
                         checkpointed_batch=self.checkpointed_batch)
 
-    async def train(self, batch: Batch) -> StepReport | None:
+    async def train(self, batch: Batch, prepared: PreparedBatch | None = None) -> StepReport | None:
         started = time.monotonic()
-        report = await self.training.train(batch)
+        report = await self.training.train(batch, prepared)
         self.busy_seconds += time.monotonic() - started
         self.trained_batch = batch.batch_id
         self.audit.write(json.dumps({"batch_id": batch.batch_id, "version": self.version,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from actors.config import RunConfig
 from actors.learner.ranks import CollectiveTrainer
-from actors.learner.step import StepReport, TrainingStep
+from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from bus.codec import decode, encode
 from bus.schema import Batch, BatchRequest, FinalCommit
 
@@ -31,8 +31,9 @@ class Progress:
 
 
 class BatchSource(Protocol):
-    async def next(self, progress: Progress) -> Batch | None:
-        """The batch after `progress.trained_batch`, or None to ask again later."""
+    async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
+        """The batch after `progress.trained_batch`, or None to ask again later. `ahead`: asked while that batch
+        still trains (a prefetch), see `BatchRequest.ahead`."""
 
     async def finish(self, progress: Progress) -> None:
         """After the last batch and its checkpoint: make the end durable at the source."""
@@ -47,9 +48,9 @@ class BufferSource:
         self.log = log
         self.final_wait = final_wait  # the buffer answers the final commit once the last eval round reported
 
-    async def next(self, progress: Progress) -> Batch | None:
+    async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         request = BatchRequest(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
-                               checkpointed_batch=progress.checkpointed_batch)
+                               checkpointed_batch=progress.checkpointed_batch, ahead=ahead)
         try:
             reply = await self.buffer.call(request, timeout=10.0, retries=1)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError):
@@ -75,7 +76,7 @@ class RecordedBatches:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
-    async def next(self, progress: Progress) -> Batch | None:
+    async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         batch_id = progress.trained_batch + 1
         path = self.directory / f"batch_{batch_id:06d}.msgpack"
         if not path.exists():
@@ -96,8 +97,8 @@ class Recording:
         self.inner = inner
         self.directory = directory
 
-    async def next(self, progress: Progress) -> Batch | None:
-        batch = await self.inner.next(progress)
+    async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
+        batch = await self.inner.next(progress, ahead=ahead)
         if batch is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             (self.directory / f"batch_{batch.batch_id:06d}.msgpack").write_bytes(encode(batch))
@@ -116,7 +117,10 @@ class Training(Protocol):
     @property
     def version(self) -> int: ...
 
-    async def train(self, batch: Batch) -> StepReport | None: ...
+    async def prepare(self, batch: Batch) -> PreparedBatch | None:
+        """What of the batch's step can run before the step in hand ends (None: nothing, all of it waits)."""
+
+    async def train(self, batch: Batch, prepared: PreparedBatch | None = None) -> StepReport | None: ...
 
 
 class RealTraining:
@@ -134,8 +138,15 @@ class RealTraining:
     def version(self) -> int:
         return self.trainer.version
 
-    async def train(self, batch: Batch) -> StepReport | None:
-        return await asyncio.to_thread(self.trainer.train, self.step, batch)
+    async def prepare(self, batch: Batch) -> PreparedBatch | None:
+        """The reference forward and the conversions of the next batch, on their own thread beside the current
+        step, where the trainer allows it (one rank: its followers would need the prepared batch too)."""
+        if self.trainer.ranks.world > 1 or not self.trainer.local.prepares_beside_training:
+            return None
+        return await asyncio.to_thread(self.step.prepare, batch.samples, batch.staleness)
+
+    async def train(self, batch: Batch, prepared: PreparedBatch | None = None) -> StepReport | None:
+        return await asyncio.to_thread(self.trainer.train, self.step, batch, prepared)
 
 
 class CountingOnly:
@@ -152,7 +163,10 @@ class CountingOnly:
     def version(self) -> int:
         return self._version
 
-    async def train(self, batch: Batch) -> StepReport | None:
+    async def prepare(self, batch: Batch) -> PreparedBatch | None:
+        return None
+
+    async def train(self, batch: Batch, prepared: PreparedBatch | None = None) -> StepReport | None:
         self._version += 1
         return None
 

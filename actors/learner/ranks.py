@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from actors.config import RunConfig
 from actors.learner.stages import data_parallel_shard
-from actors.learner.step import StepReport, TrainingStep
+from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from bus.address import free_port
 from bus.codec import decode, encode
@@ -177,10 +177,14 @@ class CollectiveTrainer:
     def version(self) -> int:
         return self.local.version
 
-    def train(self, step: TrainingStep, batch: Batch) -> StepReport:
+    def train(self, step: TrainingStep, batch: Batch, prepared: PreparedBatch | None = None) -> StepReport:
         """A data-parallel trainer's follower receives only its share of the batch, cut here at rank 0; one that
         shards itself (Megatron) gets the whole batch. Rank 0 trains its share of the whole batch, whose rollout
-        metrics it reports."""
+        metrics it reports. `prepared` (one rank only) is the batch already through `TrainingStep.prepare`."""
+        if prepared is not None:
+            if self.ranks.world > 1:
+                raise ValueError("a prepared batch is for a one-rank learner; followers would not have it")
+            return self.ranks.run("train", None, lambda: step.train_prepared(prepared))
         parallel = self.local.data_parallel()
         if parallel.size == 1 or parallel.size != self.ranks.world:
             return self.ranks.run("train", encode(batch), lambda: step.train(batch.samples, batch.staleness))

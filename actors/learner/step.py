@@ -38,6 +38,15 @@ class StepReport:
     metrics: dict[str, float]
 
 
+@dataclass
+class PreparedBatch:
+    """A batch after the stages that do not read the policy being trained, so they may run while the previous
+    batch trains: the typed (and sharded) samples with their reference log-probs, and the rollout metrics."""
+
+    batch: stages.StepBatch
+    metrics: dict[str, float]
+
+
 class TrainingStep:
     def __init__(self, trainer: Trainer, config: RunConfig, *, pi_old: PiOldSource | None = None) -> None:
         """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
@@ -60,16 +69,25 @@ class TrainingStep:
     def train(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> StepReport:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
         whole batch, or already cut at rank 0 (`shard=False`, and the rollout metrics are then the share's)."""
+        return self.train_prepared(self.prepare(samples, staleness, shard=shard))
+
+    def prepare(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> PreparedBatch:
+        """The stages that read only the batch and the frozen reference model. A one-rank learner runs this for
+        the next batch while the current one trains (`Trainer.prepares_beside_training`)."""
         batch_metrics = rollout_metrics(samples, staleness)
         if self.rewrite_batch is not None:  # on the whole batch (each rank alike), before any cut
             samples = self.rewrite_batch(list(samples))
             batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
-        parallel = self.trainer.data_parallel()
         batch = stages.to_step_batch(samples)
         if shard:
-            batch = stages.own_shard(batch, parallel)
+            batch = stages.own_shard(batch, self.trainer.data_parallel())
         if self.policy.needs_ref:
             stages.add_ref_log_probs(self.trainer, batch, temperature=self.temperature)
+        return PreparedBatch(batch=batch, metrics=batch_metrics)
+
+    def train_prepared(self, prepared: PreparedBatch) -> StepReport:
+        """The stages that read the policy as it is now (pi_old, advantages), then the optimizer steps."""
+        batch, parallel = prepared.batch, self.trainer.data_parallel()
         if self.pi_old == "separate_forward":
             stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
         if self.policy.loss_type != "sft":
@@ -78,7 +96,7 @@ class TrainingStep:
         results = [self._optimizer_step(part, parallel, last=index == len(parts) - 1)
                    for index, part in enumerate(parts)]
         result = combine_steps(results)
-        return StepReport(result=result, metrics={**result.metrics, **batch_metrics})
+        return StepReport(result=result, metrics={**result.metrics, **prepared.metrics})
 
     def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
         loss = stages.build_loss(self.policy, part, parallel, pi_old_from_forward=self.pi_old == "training_forward")

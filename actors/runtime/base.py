@@ -22,6 +22,7 @@ import structlog
 import zmq.asyncio
 
 from actors.runtime.context import ActorContext
+from actors.runtime.cpu_budget import pin_process
 from actors.runtime.handlers import HandlerTable, collect_handlers
 from actors.runtime.peers import PeerRpc, PeerStream, alive_members
 from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber
@@ -141,6 +142,8 @@ class Actor:
         """Bind, prepare, then register: a member in the roster is ready to serve its handlers."""
         self._bind_inbound()
         await self.on_start()
+        if self.context.cpu_cores:  # after start-up, which loads models on every core (actors.runtime.cpu_budget)
+            pin_process(self.context.cpu_cores)
         await self._register()
         self._spawn(self._heartbeat_loop())
         self._spawn(self._broadcast_loop())

@@ -49,10 +49,16 @@ class ActorContext:
     # The GPUs this process owns, as its CUDA_VISIBLE_DEVICES (set by the supervisor and again by
     # actors.runtime.main, so a process started by hand gets the same devices); None leaves the variable as is.
     cuda_visible_devices: str | None = None
+    # This process's CPU share (actors.runtime.cpu_budget): the cores it may run on and its torch threads;
+    # None leaves the OS's placement and --torch-threads.
+    cpu_cores: tuple[int, ...] | None = None
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.settings, ActorSettings):
             object.__setattr__(self, "settings", ActorSettings.model_validate(self.settings))
+        if self.cpu_cores is not None:  # JSON brings a list back
+            object.__setattr__(self, "cpu_cores", tuple(int(core) for core in self.cpu_cores))
 
     def to_json(self) -> str:
         data = asdict(self)

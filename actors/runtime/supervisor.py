@@ -23,8 +23,10 @@ from pathlib import Path
 import structlog
 
 from actors.runtime.context import ActorContext
+from actors.runtime.zygote_client import ForkedProcess, Zygote, ZygoteError
 from engines.process import die_with_parent
 
+LIGHT_ROLES = ("controller", "buffer", "reward")  # built-in roles that load no model (custom ones may)
 EXIT_BAD_CONFIG = 2
 EXIT_CONTROLLER_UNREACHABLE = 3
 
@@ -44,7 +46,7 @@ class RestartPolicy:
 class Child:
     context: ActorContext
     context_path: Path
-    process: asyncio.subprocess.Process | None = None
+    process: asyncio.subprocess.Process | ForkedProcess | None = None
     crashes: deque[float] = field(default_factory=deque)
     consecutive_crashes: int = 0
     restarts: int = 0
@@ -54,7 +56,9 @@ class Child:
 
 class Supervisor:
     def __init__(self, contexts: list[ActorContext], *, run_dir: Path, policy: RestartPolicy = RestartPolicy(),
-                 stop_grace_s: float = 15.0) -> None:
+                 stop_grace_s: float = 15.0, fork_from_template: bool = False) -> None:
+        """`fork_from_template`: start actors by forking `actors.runtime.zygote` (imports done once) rather than
+        as fresh interpreters; if the template cannot start, actors start the ordinary way."""
         self.run_dir = run_dir
         self.policy = policy
         self.stop_grace_s = stop_grace_s
@@ -64,6 +68,8 @@ class Supervisor:
         self.stop_signal: int | None = None
         self._stopping = asyncio.Event()
         self._signal_after = 0.0
+        self.fork_from_template = fork_from_template
+        self.zygote: Zygote | None = None
 
     def _write_context(self, context: ActorContext) -> Path:
         directory = self.run_dir / "actors"
@@ -74,12 +80,21 @@ class Supervisor:
 
     async def run(self) -> int:
         """Start every child, supervise until all are done, and return the launcher's exit code."""
-        for child in self.children:
+        if self.fork_from_template:
+            try:
+                self.zygote = await Zygote.start(self._child_env(None))
+            except (ZygoteError, OSError) as error:
+                self.log.warning("actor template unavailable; starting actors as new interpreters",
+                                 error=str(error))
+        # Actors that hold no model first: forked at once, they run while the template imports torch for the rest.
+        for child in sorted(self.children, key=lambda c: c.context.role not in LIGHT_ROLES):
             await self._start(child)
         watchers = [asyncio.create_task(self._watch(child)) for child in self.children]
         stopper = asyncio.create_task(self._stop_when_requested())
         await asyncio.gather(*watchers)
         stopper.cancel()
+        if self.zygote is not None:
+            await self.zygote.close()
         self._remove_stale_sockets()
         if self.failure is not None:
             self.log.error("run failed", reason=self.failure)
@@ -105,12 +120,17 @@ class Supervisor:
         return {c.context.actor_id: c.process.pid for c in self.children
                 if c.process is not None and c.process.returncode is None}
 
-    async def _start(self, child: Child) -> None:
+    @staticmethod
+    def _child_env(context: ActorContext | None) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if child.context.cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = child.context.cuda_visible_devices
-        child.process = await asyncio.create_subprocess_exec(
+        if context is not None and context.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = context.cuda_visible_devices
+        return env
+
+    async def _start(self, child: Child) -> None:
+        env = self._child_env(child.context)
+        child.process = await self._fork(child, env) or await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.runtime.main", str(child.context_path),
             start_new_session=True, preexec_fn=die_with_parent, env=env,
         )
@@ -150,6 +170,18 @@ class Supervisor:
                 pass
             child.restarts += 1
             await self._start(child)
+
+    async def _fork(self, child: Child, env: dict[str, str]) -> ForkedProcess | None:
+        """The actor forked from the template, or None to start it as a new interpreter."""
+        if self.zygote is None or not self.zygote.alive:
+            return None
+        try:
+            return await self.zygote.spawn(str(child.context_path), env,
+                                           heavy=child.context.role not in LIGHT_ROLES)
+        except ZygoteError as error:
+            self.log.warning("forking from the actor template failed; starting a new interpreter",
+                             actor=child.context.actor_id, error=str(error))
+            return None
 
     def _may_restart(self, child: Child) -> bool:
         now = time.monotonic()

@@ -235,6 +235,13 @@ class Trainer(ABC):
         """
         return DataParallel(rank=0, size=1, group=None)
 
+    @property
+    def prepares_beside_training(self) -> bool:
+        """Whether the reference model may score one batch (`compute_log_probs(model="ref")`, from another thread)
+        while `train_step` runs on the previous one. Only a trainer whose reference forward touches no state and
+        no collective that training uses may say yes; the learner then overlaps the two."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook, most trainers hold nothing to release
         """Release distributed resources; call before tearing down torch.distributed."""
 

@@ -224,6 +224,11 @@ class TorchTrainer(Trainer):
     def data_parallel(self) -> DataParallel:
         return DataParallel(rank=_rank(), size=_world_size(), group=None)
 
+    @property
+    def prepares_beside_training(self) -> bool:
+        """One process: the reference model is its own module, and grad mode and autocast are per thread."""
+        return _world_size() == 1
+
     def close(self) -> None:
         """Drop the DDP wrapper while the process group is still alive; call before destroy_process_group().
 

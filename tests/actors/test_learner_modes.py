@@ -19,7 +19,7 @@ class Fixed:
         self.batches = batches
         self.finished = False
 
-    async def next(self, progress: Progress) -> Batch | None:
+    async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         return self.batches[progress.trained_batch] if progress.trained_batch < len(self.batches) else None
 
     async def finish(self, progress: Progress) -> None:

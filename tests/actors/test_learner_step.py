@@ -248,3 +248,46 @@ def test_a_slime_reward_post_process_gives_the_rewards_the_step_trains_on_as_the
     assert report.metrics["rollout/post_processed_reward_mean"] == pytest.approx(0.0)
     # -1.5 .. 1.5 per group, trained as they are: a group baseline with std normalisation would give +-1.16.
     assert (report.metrics["advantage_min"], report.metrics["advantage_max"]) == pytest.approx((-1.5, 1.5))
+
+
+def with_rewards(samples: list[Sample], rewards: Sequence[float]) -> list[Sample]:
+    return [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "reward": float(r)})
+            for s, r in zip(samples, np.resize(rewards, len(samples)), strict=True)]
+
+
+@pytest.mark.integration
+def test_a_batch_prepared_beside_the_previous_step_trains_exactly_as_one_prepared_after_it(
+        tiny_model_path: Path) -> None:
+    """The learner scores batch k+1 with the reference model on a second thread while batch k trains; that
+    must change nothing: the reference does not move, and pi_old and the advantages wait for the step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4,
+                           "rollout_max_response_len": 5, "advantage_estimator": "grpo", "lr": 1e-2,
+                           "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
+                           "off_policy_correction": "tis"})
+    samples = generate(tiny_model_path, config, groups(4))
+    first, second = with_rewards(samples[:8], [1.0, 0.0]), with_rewards(samples[4:], [0.0, 1.0, 1.0])
+
+    def two_steps(beside: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, ref_model_path=tiny_model_path,
+                                                  lr=1e-2))
+        assert trainer.prepares_beside_training
+        step = TrainingStep(trainer, config)
+        prepared = step.prepare(first, [0] * len(first))
+        assert all(s.ref_log_probs is not None and s.old_log_probs is None for s in prepared.batch.samples)
+        if beside:
+            with ThreadPoolExecutor(1) as pool:
+                upcoming = pool.submit(step.prepare, second, [1] * len(second))
+                step.train_prepared(prepared)
+                ahead = upcoming.result()
+        else:
+            step.train_prepared(prepared)
+            ahead = step.prepare(second, [1] * len(second))
+        report = step.train_prepared(ahead)
+        return weights(trainer), report.metrics
+
+    after_beside, metrics_beside = two_steps(beside=True)
+    after_sequential, metrics_sequential = two_steps(beside=False)
+    assert all(torch.equal(after_beside[name], after_sequential[name]) for name in after_sequential)
+    assert metrics_beside["loss"] == metrics_sequential["loss"] and metrics_beside["staleness/max"] == 1.0

@@ -12,8 +12,10 @@ from policies.staleness import (
     sample_staleness,
     split_by_staleness,
     staleness_histogram,
+    staleness_of_range,
     staleness_of_samples,
     token_staleness,
+    version_range,
 )
 
 
@@ -130,7 +132,21 @@ def test_staleness_of_samples_takes_each_samples_own_versions() -> None:
 
 
 @pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(learner=st.integers(0, 50),
+       samples=st.lists(st.one_of(st.none(), st.lists(st.integers(0, 50), max_size=6)), max_size=5))
+def test_a_version_range_measures_a_group_as_its_tokens_do(learner: int, samples: list[list[int] | None]) -> None:
+    """The buffer keeps only (oldest, newest) per group; the farthest token must still decide."""
+    arrays = [None if s is None else np.array(s, dtype=np.int32) for s in samples]
+    per_token = [learner - v if learner >= v else v - learner for s in samples if s for v in s]
+    assert staleness_of_range(learner, version_range(arrays)) == max(per_token, default=0)
+    assert max(staleness_of_samples(learner, arrays), default=0) == max(per_token, default=0)
+
+
+@pytest.mark.unit
 def test_float_token_versions_are_refused() -> None:
+    with pytest.raises(ValueError, match="expected integers"):
+        version_range([np.array([4.0])])
     with pytest.raises(ValueError, match="expected an integer tensor"):
         token_staleness(5, torch.tensor([4.0]))
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import alive
+
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = REPO / "tests" / "support"
 FAST = ["--heartbeat-interval", "0.2", "--restart-backoff", "0.2", "--no-progress", "--log-level", "debug"]
@@ -58,14 +60,6 @@ def actor_pids(run_dir: Path) -> dict[str, list[int]]:
         if record.get("event") == "actor process started":
             pids.setdefault(record["actor"], []).append(record["pid"])
     return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def stop(process: subprocess.Popen[str]) -> str:

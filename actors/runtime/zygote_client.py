@@ -1,0 +1,154 @@
+"""The launcher's side of `actors.runtime.zygote`: start the template once, fork actors from it.
+
+`ForkedProcess` offers what the supervisor uses of an `asyncio.subprocess.Process` (pid, returncode, wait,
+send_signal, kill), so supervision, restarts and the ordered stop are the same whichever way an actor started.
+Every wait has a deadline: a template that does not come up, or does not answer an order, is an error that
+names it, and the supervisor then starts actors the ordinary way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from engines.process import die_with_parent
+
+READY_TIMEOUT_S = 120.0  # importing torch and transformers on a loaded machine
+SPAWN_TIMEOUT_S = 120.0  # the first order for a model-holding actor waits for torch and transformers to import
+
+
+class ZygoteError(RuntimeError):
+    """The template process failed to start, died, or did not answer in time."""
+
+
+class ForkedProcess:
+    """An actor forked by the template: it is the template's child, which reports its end to us."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = asyncio.Event()
+
+    async def wait(self) -> int:
+        await self._ended.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is not None:  # ended: its pid may belong to someone else by now
+            raise ProcessLookupError(self.pid)
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._ended.set()
+
+
+class Zygote:
+    def __init__(self, process: asyncio.subprocess.Process, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.process = process
+        self.reader = reader
+        self.writer = writer
+        self.children: dict[int, ForkedProcess] = {}
+        self.early_exits: dict[int, int] = {}
+        self.spawns: dict[int, asyncio.Future[int]] = {}
+        self.tags = itertools.count(1)
+        self.alive = True
+        self.listener: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, env: dict[str, str]) -> Zygote:
+        ours, theirs = socket.socketpair()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
+                start_new_session=True, preexec_fn=die_with_parent, env=env)
+        finally:
+            theirs.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        zygote = cls(process, reader, writer)
+        try:
+            first = await asyncio.wait_for(reader.readline(), READY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await zygote.close()
+            raise ZygoteError(f"the actor template (pid {process.pid}) did not finish importing within "
+                              f"{READY_TIMEOUT_S:.0f}s") from None
+        if not first:
+            await zygote.close()
+            raise ZygoteError(f"the actor template (pid {process.pid}) exited while importing (see the console)")
+        zygote.listener = asyncio.create_task(zygote._listen())
+        return zygote
+
+    async def spawn(self, context_path: str, env: dict[str, str], *, heavy: bool) -> ForkedProcess:
+        """Fork one actor; `heavy`: it loads models, so the template imports torch and transformers first."""
+        if not self.alive:
+            raise ZygoteError("the actor template is gone")
+        tag = next(self.tags)
+        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.spawns[tag] = answer
+        order = {"spawn": tag, "context": context_path, "env": env, "heavy": heavy}
+        self.writer.write(json.dumps(order).encode() + b"\n")
+        await self.writer.drain()
+        try:
+            pid = await asyncio.wait_for(answer, SPAWN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ZygoteError(f"the actor template did not fork {context_path} within "
+                              f"{SPAWN_TIMEOUT_S:.0f}s") from None
+        finally:
+            self.spawns.pop(tag, None)
+        child = ForkedProcess(pid)
+        self.children[pid] = child
+        if pid in self.early_exits:
+            child.ended(self.early_exits.pop(pid))
+        return child
+
+    async def _listen(self) -> None:
+        while line := await self.reader.readline():
+            message: dict[str, Any] = json.loads(line)
+            if "spawned" in message:
+                answer = self.spawns.get(message["spawned"])
+                if answer is not None and not answer.done():
+                    answer.set_result(int(message["pid"]))
+            elif "exited" in message:
+                pid, code = int(message["exited"]), int(message["code"])
+                if pid in self.children:
+                    self.children.pop(pid).ended(code)
+                else:
+                    self.early_exits[pid] = code
+        self._gone()
+
+    def _gone(self) -> None:
+        """The template died: its children took SIGTERM with it, and no one will report their ends."""
+        self.alive = False
+        for answer in self.spawns.values():
+            if not answer.done():
+                answer.set_exception(ZygoteError("the actor template died"))
+        for child in self.children.values():
+            child.ended(-signal.SIGTERM)
+        self.children.clear()
+
+    async def close(self) -> None:
+        """After every actor ended: closing the socket ends the template."""
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+        try:
+            await asyncio.wait_for(self.process.wait(), 10.0)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()
+        if self.listener is not None:
+            self.listener.cancel()

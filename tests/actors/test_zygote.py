@@ -1,0 +1,68 @@
+"""Actors forked from the pre-imported template: exit codes, signals and the template's death reach the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.runtime.context import ActorContext
+from actors.runtime.roles import BUILTIN_ROLES
+from actors.runtime.zygote_client import Zygote
+from bus.address import free_port
+from tests.support.processes import alive
+
+
+def controller_context(tmp_path: Path) -> Path:
+    """A controller waits for members that never come: a child that lives until it is told otherwise."""
+    context = ActorContext(actor_id="controller", role="controller", actor_class=BUILTIN_ROLES["controller"],
+                           node_rank=0, head_address=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", run_dir=tmp_path)
+    path = tmp_path / "controller.json"
+    path.write_text(context.to_json(), encoding="utf-8")
+    return path
+
+
+@pytest.mark.integration
+def test_a_forked_actor_reports_its_exit_code_and_the_signal_that_ended_it(tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, int, int]:
+        zygote = await Zygote.start(dict(os.environ))
+        try:
+            bad = await zygote.spawn(str(tmp_path / "missing.json"), dict(os.environ), heavy=False)
+            bad_code = await asyncio.wait_for(bad.wait(), 30)
+            live = await zygote.spawn(str(controller_context(tmp_path)), dict(os.environ), heavy=False)
+            await asyncio.sleep(1.0)
+            assert live.returncode is None
+            live.kill()
+            killed = await asyncio.wait_for(live.wait(), 30)
+            with pytest.raises(ProcessLookupError):
+                live.send_signal(signal.SIGTERM)  # ended: its pid is no longer ours to signal
+            return bad_code, killed, live.pid
+        finally:
+            await zygote.close()
+
+    bad_code, killed, pid = asyncio.run(scenario())
+    assert bad_code == 2  # actors.runtime.main: the context file could not be read
+    assert killed == -signal.SIGKILL and not alive(pid)
+
+
+@pytest.mark.integration
+def test_when_the_template_dies_its_actors_end_and_the_launcher_hears_of_it(tmp_path: Path) -> None:
+    async def scenario() -> tuple[int, int]:
+        zygote = await Zygote.start(dict(os.environ))
+        child = await zygote.spawn(str(controller_context(tmp_path)), dict(os.environ), heavy=False)
+        await asyncio.sleep(1.0)
+        zygote.process.kill()
+        code = await asyncio.wait_for(child.wait(), 30)
+        await zygote.close()
+        return code, child.pid
+
+    code, pid = asyncio.run(scenario())
+    assert code == -signal.SIGTERM
+    deadline = time.monotonic() + 20
+    while alive(pid) and time.monotonic() < deadline:  # its death signal is SIGTERM: a graceful stop
+        time.sleep(0.2)
+    assert not alive(pid), "an actor outlived the template it was forked from"
