@@ -19,6 +19,7 @@ import time would leave every forked child unable to use it, and GPU start-ups a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -64,6 +65,17 @@ def become_actor(context_path: str, env: dict[str, str]) -> int:
     return main([context_path])
 
 
+def leave(code: int) -> None:
+    """End a forked actor as an interpreter would end: exit handlers first (they stop what the actor started,
+    e.g. a checkpoint writer's helper process, which would otherwise outlive it holding the console's pipes)."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def serve(control: socket.socket) -> None:
     """Fork on each order and report every child's end, until the launcher closes the socket."""
     selector = selectors.DefaultSelector()
@@ -101,9 +113,7 @@ def serve(control: socket.socket) -> None:
                             inherited.close()
                         code = become_actor(order["context"], order["env"])
                     finally:
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                        os._exit(code)
+                        leave(code)
                 _send(control, {"spawned": order["spawn"], "pid": pid})
         _report_exits(control)
 

@@ -50,6 +50,28 @@ def test_a_forked_actor_reports_its_exit_code_and_the_signal_that_ended_it(tmp_p
 
 
 @pytest.mark.integration
+def test_a_forked_actor_runs_its_exit_handlers(tmp_path: Path) -> None:
+    """Exit handlers stop what an actor started (a checkpoint writer's helper process); skipped, such a helper
+    outlived its actor holding the launcher's console pipes, and whoever read them waited forever."""
+    context = ActorContext(actor_id="marker", role="marker", actor_class="tests.support.exit_marker:Missing",
+                           node_rank=0, head_address="tcp://127.0.0.1:1", run_dir=tmp_path)
+    path = tmp_path / "marker.json"
+    path.write_text(context.to_json(), encoding="utf-8")
+    marker = tmp_path / "exited"
+
+    async def scenario() -> int:
+        zygote = await Zygote.start(dict(os.environ))
+        try:
+            child = await zygote.spawn(str(path), {**os.environ, "EXIT_MARKER": str(marker)}, heavy=False)
+            return await asyncio.wait_for(child.wait(), 30)
+        finally:
+            await zygote.close()
+
+    assert asyncio.run(scenario()) == 2  # no such class: a bad configuration, after the module was imported
+    assert marker.read_text(encoding="utf-8") == "exit handlers ran"
+
+
+@pytest.mark.integration
 def test_when_the_template_dies_its_actors_end_and_the_launcher_hears_of_it(tmp_path: Path) -> None:
     async def scenario() -> tuple[int, int]:
         zygote = await Zygote.start(dict(os.environ))
