@@ -132,6 +132,10 @@ class RunConfig(BaseModel):
         if self.eval.eval_prompt_data and not self.eval.eval_interval:
             problems.append("eval_prompt_data needs eval_interval")
         problems += self._length_problems()
+        lag = self.weights.update_weights_interval - 1
+        if self.buffer.max_staleness < lag:  # engines would wait, or generate only what the buffer must evict
+            problems.append(f"max_staleness {self.buffer.max_staleness} must be at least update_weights_interval - 1 "
+                            f"= {lag}: between pushes the engines run weights up to {lag} versions old")
         if self.learner.debug_rollout_only and self.learner.debug_train_only:
             problems.append("debug_rollout_only and debug_train_only are exclusive")
         if self.learner.debug_train_only and not self.learner.load_debug_rollout_data:

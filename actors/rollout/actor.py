@@ -58,6 +58,9 @@ class RolloutWorker(Actor):
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
                                             plugin=self.config.weights.weight_transport)
         self.pushed_version = 0  # the newest weights the learner has pushed to every engine
+        self.announced_version = 0  # the learner's version, as last announced
+        self.learner_pushes = False  # whether the learner's announcements carry a weights version
+        self._weights_landed = asyncio.Event()
         self.spawn(self._renew_leases(), name="rollout.renew")
 
     async def run(self) -> None:
@@ -67,7 +70,7 @@ class RolloutWorker(Actor):
             return
         while not self.stopping:
             if self.weights_too_old():
-                await asyncio.sleep(0.2)
+                await self.wait_for_weights(0.2)
                 continue
             async with self._room:
                 await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
@@ -80,10 +83,19 @@ class RolloutWorker(Actor):
                 self.generate_group(lease, group)
 
     def weights_too_old(self) -> bool:
-        """Our weights are older than anything the buffer would accept (we just restarted): wait for the learner's
-        push instead of generating samples that would be evicted. Measured against the weights the learner has
-        pushed, not its version: a run that never pushes (--debug-rollout-only) has nothing to wait for."""
-        return self.engine.version + self.config.buffer.max_staleness < self.pushed_version
+        """Our weights are older than anything the buffer would accept: wait for the learner's push instead of
+        generating samples that would be evicted. That is the case after a restart, and in a synchronous run from
+        the moment the learner announces a version until its weights land here: leasing on the announcement
+        generated whole groups with the previous weights, evicted as one version stale. A learner that never
+        pushes (--debug-rollout-only: its announcements carry no weights version) has nothing to wait for."""
+        newest = max(self.pushed_version, self.announced_version if self.learner_pushes else 0)
+        return self.engine.version + self.config.buffer.max_staleness < newest
+
+    async def wait_for_weights(self, timeout: float) -> None:
+        """Until the next weight update lands here, or `timeout` (a push may have landed before we asked)."""
+        self._weights_landed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._weights_landed.wait(), timeout)
 
     def hold(self, lease: Lease) -> None:
         """Count a new lease's groups as in flight, and renew the lease until each is released."""
@@ -180,12 +192,15 @@ class RolloutWorker(Actor):
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
         if announcement.weights_version is not None:
             self.pushed_version = max(self.pushed_version, announcement.weights_version)
+            self.learner_pushes = True
+        self.announced_version = announcement.version
 
     @serves(WeightUpdateOrder)
     async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack:
         """Join the learner's broadcast and load the new weights in place; the reply is the acknowledgement."""
         await self.weights.apply(order)
         self.counters["weights.updates"] += 1
+        self._weights_landed.set()  # a worker waiting for these weights starts generating now
         return Ack(ok=True, error=None)
 
     def metrics(self) -> dict[str, float]:

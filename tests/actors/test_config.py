@@ -61,6 +61,9 @@ def test_cross_field_errors_name_the_fields() -> None:
         build_config({"kl_coef": 0.1, "use_kl_loss": True, "kl_loss_coef": 0.1})
     with pytest.raises(ValueError, match="rollout_batch_size"):
         build_config({"rollout_batch_size": "many"})
+    with pytest.raises(ValueError, match=r"max_staleness 0 must be at least update_weights_interval - 1 = 2"):
+        build_config({"max_staleness": 0, "update_weights_interval": 3})
+    assert build_config({"max_staleness": 2, "update_weights_interval": 3}).weights.update_weights_interval == 3
 
 
 @pytest.mark.unit

@@ -17,7 +17,7 @@ import pytest
 from actors.config import build_config
 from actors.rollout.engine_factory import load_engine
 from bus import RpcClient
-from bus.schema import Ack, WeightUpdateOrder
+from bus.schema import Ack, VersionAnnouncement, WeightUpdateOrder
 from engines.inference.base import InferenceEngine
 from policies.plugins import PluginError
 from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
@@ -157,3 +157,29 @@ def test_a_rollout_worker_process_loads_neither_torch_nor_transformers_until_its
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(40)
+async def test_a_synchronous_worker_starts_the_next_batch_when_the_weights_land_not_when_the_version_is_announced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leasing on the announcement generated whole groups with the previous weights, which the buffer then evicted
+    as one version stale (half a group per step in a 300-step run); the worker must wait for the weights."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path, max_staleness=0), ROLES) as system:
+        worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
+        assert buffer.core.lease("probe", 1) is None  # synchronous: nothing more until the learner steps
+        await worker.on_version("version", VersionAnnouncement(version=1, weights_version=0, step=1))
+        buffer.core.note_version(step=1, version=1)  # the buffer heard it too: batch 2 may start
+        await asyncio.sleep(0.6)
+        assert len(recorder.groups) == 2, "generated batch 2 with version 0's weights"
+        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
+        try:
+            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
+                                      timeout_s=5.0)
+            assert isinstance(await client.call(order, timeout=5.0, retries=0), Ack)
+        finally:
+            client.close()
+        await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups")
+    assert {int(v) for group in recorder.groups[2:] for s in group.samples for v in s.token_versions} == {1}
