@@ -31,6 +31,8 @@ from bus.schema import (
     WeightUpdateOrder,
 )
 
+WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
+
 
 class RolloutWorker(Actor):
     role = "rollout"
@@ -79,6 +81,7 @@ class RolloutWorker(Actor):
                 await asyncio.sleep(0.05 if lease is not None else 0.5)
                 continue
             self.hold(lease)
+            await self.wait_for_weights_of(lease)
             for group in lease.groups:
                 self.generate_group(lease, group)
 
@@ -90,6 +93,17 @@ class RolloutWorker(Actor):
         pushes (--debug-rollout-only: its announcements carry no weights version) has nothing to wait for."""
         newest = max(self.pushed_version, self.announced_version if self.learner_pushes else 0)
         return self.engine.version + self.config.buffer.max_staleness < newest
+
+    async def wait_for_weights_of(self, lease: Lease) -> None:
+        """A lease is admitted at the buffer's version, which may have heard the learner's announcement before we
+        did: generate with weights the batch can take, waiting for them a bounded while (the buffer's check at
+        consumption stays the backstop, and a learner that restarted lower must not stall us)."""
+        if not self.learner_pushes:
+            return
+        self.announced_version = max(self.announced_version, lease.version)
+        deadline = time.monotonic() + WEIGHTS_WAIT_S
+        while self.weights_too_old() and not self.stopping and time.monotonic() < deadline:
+            await self.wait_for_weights(0.2)
 
     async def wait_for_weights(self, timeout: float) -> None:
         """Until the next weight update lands here, or `timeout` (a push may have landed before we asked)."""
