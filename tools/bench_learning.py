@@ -264,8 +264,35 @@ def print_table(records: list[RunRecord], summary: dict[str, Any]) -> None:
               ("async to sync's final acc / sync wall (target <= 0.60)",
                summary["async_to_sync_final_over_sync_wall"], 0.6)]
     for label, value, limit in checks:
-        verdict = "n/a" if value is None else ("met" if value <= limit else "NOT met")
+        verdict = "NOT met (not reached)" if value is None else ("met" if value <= limit else "NOT met")
         print(f"  {label:<55} {_fmt(value, '{:.2f}'):>6}  {verdict}")
+
+
+def plot_curves(records: list[RunRecord], target: float, path: Path) -> None:
+    """Held-out accuracy against wall-clock seconds since launch, every run, one colour per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    colours = {"trl": "tab:gray", "sync": "tab:blue", "async": "tab:orange"}
+    for system in SYSTEMS:
+        for number, record in enumerate(r for r in records if r.system == system):
+            seconds = [0.0] + [point[1] for point in record.curve]
+            accuracy = [float("nan")] + [point[2] for point in record.curve]
+            name = "TRL GRPOTrainer" if system == "trl" else f"Slipstream {system}"
+            axes.plot(seconds, accuracy, color=colours[system], alpha=0.8, marker=".",
+                      label=name if number == 0 else None)
+    axes.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:.1%}")
+    axes.set_xlabel("seconds since launch (start-up included)")
+    axes.set_ylabel("held-out accuracy (greedy)")
+    axes.set_title("time to accuracy on 2 CPU cores, same task, model and hyperparameters")
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main() -> None:
@@ -279,9 +306,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, 60 steps, a snapshot every 10")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench_learning")
     parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
+    parser.add_argument("--plot", type=Path, default=None, help="where to draw accuracy against wall-clock "
+                        "(default: WORKDIR/accuracy.png)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="run nothing: print the table and draw the plot of a saved --json")
     parser.add_argument("--slipstream-flags", default="", help="more launcher.py flags for the Slipstream runs "
                         "(later flags win), e.g. to try another placement")
     args = parser.parse_args()
+    plot = args.plot or args.workdir / "accuracy.png"
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text(encoding="utf-8"))
+        runs = [RunRecord(**{**run, "curve": [tuple(point) for point in run["curve"]]}) for run in saved["runs"]]
+        print_table(runs, saved["summary"])
+        plot_curves(runs, saved["summary"]["target_accuracy"], plot)
+        print(f"plot: {plot}")
+        return
     if args.quick:
         args.seeds, args.steps, args.snapshot_every = args.seeds[:1], 60, 10
     from transformers.utils import logging as hf_logging
@@ -306,6 +345,8 @@ def main() -> None:
     runs = [record for record, _ in records]
     summary = summarise(runs, target, start_accuracy)
     print_table(runs, summary)
+    plot_curves(runs, target, plot)
+    print(f"plot: {plot}")
     if args.json is not None:
         args.json.write_text(json.dumps({"hyper": asdict(hyper), "summary": summary,
                                          "runs": [asdict(r) for r in runs]}, indent=2), encoding="utf-8")
