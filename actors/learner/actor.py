@@ -77,8 +77,10 @@ class Learner(Actor):
                     batch, prepared = await self.source.next(self.progress()), None
                 if batch is None:
                     continue
-                if batch.batch_id < self.config.learner.num_rollout:
-                    upcoming = asyncio.create_task(self._fetch_ahead(batch.batch_id))
+                if batch.batch_id < self.config.learner.num_rollout:  # asked as of now: version before this step
+                    ahead = Progress(learner_version=self.version, trained_batch=batch.batch_id,
+                                     checkpointed_batch=self.checkpointed_batch)
+                    upcoming = asyncio.create_task(self._fetch_ahead(ahead))
                 report = await self.train(batch, prepared)
                 await self._after_step(batch, report)
         finally:
@@ -87,10 +89,8 @@ class Learner(Actor):
         if self.trained_batch >= self.config.learner.num_rollout:
             await self.finish()
 
-    async def _fetch_ahead(self, training: int) -> tuple[Batch | None, PreparedBatch | None]:
-        """The batch after `training` (which is training now), prepared as far as it can be before that ends."""
-        progress = Progress(learner_version=self.version, trained_batch=training,
-                            checkpointed_batch=self.checkpointed_batch)
+    async def _fetch_ahead(self, progress: Progress) -> tuple[Batch | None, PreparedBatch | None]:
+        """The batch after `progress.trained_batch` (training now), prepared as far as it can be before that ends."""
         batch = await self.source.next(progress, ahead=True)
         if batch is None:
             return None, None
