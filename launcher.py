@@ -22,8 +22,7 @@ from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.runtime.context import ActorContext, ActorSettings
-from actors.runtime.cpu_budget import CpuShare, plan_cpu_budget, usable_cores
-from actors.runtime.cpu_budget import describe as describe_cpu_budget
+from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class

@@ -106,8 +106,9 @@ def sample_staleness(learner_version: int, token_versions: Tensor, response_leng
 
     The farthest token decides, which for ordinary samples is ``learner_version - min(token versions)``: a weight
     update landing mid-generation does not make the earlier tokens fresher. A zero-length sample has staleness 0.
-    This is the one definition of a sample's staleness; the buffer's batch assembly and consumption check call it
-    through :func:`staleness_of_samples`.
+    This is the definition of a sample's staleness. The buffer measures it from each sample's or group's version
+    range (:func:`version_range`, :func:`staleness_of_range`), which gives the same number because ``|v - t|`` is
+    largest at an end of the range (checked against this function in the tests), without torch.
     """
     import torch
 

@@ -63,7 +63,7 @@ def plan_cpu_budget(*, cores: Sequence[int], roles: dict[str, str], gpus: int, l
     return plan
 
 
-def describe(plan: dict[str, CpuShare], cores: Sequence[int]) -> str:
+def describe_cpu_budget(plan: dict[str, CpuShare], cores: Sequence[int]) -> str:
     learner = next((share for actor, share in plan.items() if actor == "learner"), None)
     if learner is None:
         return ""
