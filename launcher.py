@@ -21,8 +21,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
+from actors.config.preflight import preflight
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
+from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
 from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
@@ -154,10 +156,8 @@ def wait_for_head(address: str, timeout: float) -> None:
             time.sleep(0.5)
 
 
-def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address: str, run_dir: Path,
-                config: RunConfig) -> tuple[list[ActorContext], RunConfig]:
-    """The actors this node runs, in start order (the controller first), and the config they all get: on the
-    head, the weight transport is resolved here from the placement, so every actor sees the same one."""
+def node_roles(args: argparse.Namespace, customs: dict[str, str]) -> dict[str, int]:
+    """Role -> how many of its actors this node runs, in start order (the controller first)."""
     default_roles = list(BUILTIN_ROLES) if args.head else list(SCALED_ROLES)
     roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else default_roles
     roles += [name for name in customs if name not in roles]
@@ -178,7 +178,26 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
             counts[role] = 1
         if counts[role] < 0:
             raise LaunchError(f"number of {role} actors must be >= 0, got {counts[role]}")
+    return counts
 
+
+def custom_actor_problems(customs: dict[str, str]) -> list[str]:
+    """Each custom actor class that does not load (a built-in one is known to; importing the learner's would cost
+    ~1.5 s)."""
+    problems = []
+    for name, path in customs.items():
+        try:
+            resolve_actor_class(path)
+        except (ImportError, AttributeError, TypeError, ValueError) as error:
+            problems.append(f"--custom-actor {name}={path}: {error}")
+    return problems
+
+
+def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[str, int], head_address: str,
+                run_dir: Path, config: RunConfig) -> tuple[list[ActorContext], RunConfig]:
+    """The actors this node runs, in start order, and the config they all get: on the head, the weight transport
+    is resolved here from the placement, so every actor sees the same one."""
+    roles = list(counts)
     placement = place_actors(config, learner_ranks=config.trainer.learner_ranks if "learner" in roles else 0,
                              rollout_workers=counts.get("rollout", 0))
     if args.head and config.weights.weight_transport == "auto":
@@ -205,11 +224,6 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], head_address:
     contexts = []
     for role in roles:
         path = customs.get(role) or BUILTIN_ROLES[role]
-        try:
-            if role in customs:  # a built-in class is known to load; importing the learner's would cost ~1.5 s
-                resolve_actor_class(path)
-        except (ImportError, AttributeError, TypeError, ValueError) as error:
-            raise LaunchError(f"role {role!r}: {error}") from None
         for index in range(counts[role]):
             actor_id = actor_id_of(role, index)
             share = budget.get(actor_id, CpuShare())
@@ -251,6 +265,8 @@ def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int)
 
 
 def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace, Path]:
+    if os.getcwd() not in sys.path:  # actors start as `python -m ...` here, which puts this directory first on
+        sys.path.insert(0, os.getcwd())  # their path: the checks below import plugins as the actors will
     customs = parse_custom_actors(argv)
     remaining, sglang_passthrough = split_sglang_args(list(argv))
     args = build_parser(list(customs)).parse_args(remaining)
@@ -266,8 +282,10 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     if args.curve_keys is not None and not args.curve_keys.is_dir():
         raise LaunchError(f"--curve-keys {args.curve_keys}: no such directory (make one with tools/keygen.py)")
     try:
-        config = config_from_args(args)
-    except ValueError as error:
+        head_settings = None if args.head else fetch_head_settings(
+            head_address, node_rank=args.node_rank, curve_keys=args.curve_keys, timeout=args.connect_timeout)
+        config = config_from_args(args, base=head_settings)
+    except (HeadSettingsError, ValueError) as error:
         raise LaunchError(str(error)) from None
     slime = args.slime_translation
     os.environ.update(slime.env)  # inherited by every actor this launcher starts
@@ -277,9 +295,13 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
         rollout_gpus = config.placement.rollout_num_gpus
         from_gpus = args.head and rollout_gpus is not None
         args.rollout_workers = rollout_gpus // config.engine.rollout_num_gpus_per_engine if from_gpus else 1
+    counts = node_roles(args, customs)
+    problems = custom_actor_problems(customs) + preflight(config, counts)
+    if problems:
+        raise LaunchError(f"{len(problems)} configuration problem(s), no actor started:\n  " + "\n  ".join(problems))
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    contexts, config = plan_actors(args, customs, head_address, run_dir, config)
+    contexts, config = plan_actors(args, customs, counts, head_address, run_dir, config)
     write_effective_config(config, run_dir)
     return contexts, args, run_dir
 

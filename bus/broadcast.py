@@ -16,6 +16,7 @@ block the publisher for everyone); it still converges on the latest state with t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 
@@ -130,6 +131,14 @@ class Subscriber:
         except zmq.ZMQError as exc:
             raise ValueError(f"cannot connect subscriber to {endpoint!r}: {exc}") from exc
         self.endpoints.append(endpoint)
+
+    def reconnect(self, endpoint: str) -> None:
+        """Receive from the publisher at ``endpoint`` instead of the ones before (a restarted publisher)."""
+        for old in self.endpoints:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disconnect(old)
+        self.endpoints = []
+        self.connect(endpoint)
 
     async def recv(self) -> tuple[str, Message]:
         """The next message not seen before on a subscribed topic."""

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[str, Message], Awaitable[Message | None]]
 
 MAX_REQUEST_ID_BYTES = 64
+PROBE_REQUEST_ID = b"probe"
+_PROBE = encode(Ack(ok=True))
 
 
 class RpcTimeout(asyncio.TimeoutError):
@@ -106,7 +108,6 @@ class RpcServer:
             ctx, zmq.ROUTER, security=security, server=True, max_frame_bytes=limits.max_frame_bytes
         )
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.endpoint = bind_socket(self._sock, bind)
         self._cache = _ReplyCache(reply_cache_ttl, reply_cache_entries, reply_cache_bytes)
         self._in_flight: set[tuple[bytes, bytes]] = set()
@@ -193,6 +194,18 @@ class RpcServer:
         self._cache.put(key, frame)
         if not self._closed:
             try_send(self._sock, [key[0], key[1], frame])  # a vanished client will retry or has given up
+
+    def reaches(self, client: str) -> bool:
+        """Whether a connection with routing id ``client`` (a handler's ``sender``) is attached right now.
+
+        Asked by sending it a reply to a request it never made, which a client counts as a late reply: with
+        ROUTER_MANDATORY only an attached connection accepts it. A full queue still counts as attached.
+        """
+        future = self._sock.send_multipart([client.encode("utf-8"), PROBE_REQUEST_ID, _PROBE], flags=zmq.DONTWAIT)
+        if not future.done():
+            return True
+        error = future.exception()
+        return not (isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH)
 
     def close(self) -> None:
         """Stop: ``serve()`` returns, running handlers are cancelled and their replies never sent."""

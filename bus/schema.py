@@ -24,67 +24,28 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+from bus.schema_base import (
+    DEFAULT_VERSION,
+    SCHEMA_VERSION,
+    TOPIC_CONTROL,
+    TOPIC_ROSTER,
+    TOPIC_RUN_STATE,
+    TOPIC_VERSION,
+    Message,
+    Record,
+    _check_tensor,
+    doc,
+    tensor,
+)
 
-# Broadcast topics the controller publishes on (Publisher/Subscriber); exact names, not prefixes.
-TOPIC_ROSTER = "roster"
-TOPIC_VERSION = "version"
-TOPIC_CONTROL = "control"
-TOPIC_RUN_STATE = "run_state"
-
-
-class _DefaultVersion(int):
-    """The default of ``Message.v``: equal to SCHEMA_VERSION but distinguishable by identity.
-
-    A decoded message whose ``v`` *is* this object had no "v" key on the wire; the codec rejects such a
-    top-level frame (reason "bad_version") while constructing a message in code needs no ``v`` argument.
-    The codec's encode hook writes it as a plain int.
-    """
-
-
-DEFAULT_VERSION = _DefaultVersion(SCHEMA_VERSION)
-
-
-def doc(text: str) -> msgspec.Meta:
-    """Field documentation, kept next to the field and rendered into docs/wire-protocol.md."""
-    return msgspec.Meta(description=text)
-
-
-def tensor(dtypes: str, text: str) -> msgspec.Meta:
-    """A tensor field: its allowed wire dtypes ("int32" or "uint8|bool|float32") and its meaning."""
-    return msgspec.Meta(description=text, extra={"dtypes": tuple(dtypes.split("|"))})
-
-
-class Message(msgspec.Struct, tag_field="type", tag=True, kw_only=True):
-    """Base of every message; never sent itself."""
-
-    v: Annotated[int, doc("schema version; receivers reject frames whose version they do not speak")] = DEFAULT_VERSION
-
-
-class Record(msgspec.Struct):
-    """Base of nested plain records (no "type", no "v")."""
-
-
-def _check_tensor(owner: str, name: str, value: Any, dtypes: tuple[np.dtype, ...], length: int | None) -> Any:
-    """Coerce lists to arrays of the first allowed dtype; reject wrong dtypes, ranks and lengths."""
-    if value is None:
-        return None
-    if not isinstance(value, np.ndarray):
-        if isinstance(value, (list, tuple)):
-            value = np.asarray(value, dtype=dtypes[0])
-        else:
-            raise ValueError(f"{owner}.{name}: expected a 1-D numpy array, got {type(value).__name__}")
-    if value.dtype not in dtypes:  # dtype == is C-level; dtype.name is a slow Python property
-        expected = " or ".join(dt.name for dt in dtypes)
-        raise ValueError(f"{owner}.{name}: dtype {value.dtype.name}, expected {expected}")
-    if value.ndim != 1:
-        raise ValueError(f"{owner}.{name}: expected a 1-D array, got shape {list(value.shape)}")
-    if length is not None and len(value) != length:
-        raise ValueError(f"{owner}.{name}: {len(value)} entries, expected {length} (one per response token)")
-    return value
-
+# Re-exported: the codec, the actors and foreign tools take these from bus.schema.
+__all__ = ["DEFAULT_VERSION", "SCHEMA_VERSION", "TOPIC_CONTROL", "TOPIC_ROSTER", "TOPIC_RUN_STATE", "TOPIC_VERSION"]
 
 SampleStatus = Literal["pending", "completed", "truncated", "aborted", "failed"]
+# An engine's finish reason as a sample status, and back: the status is how the finish reason travels (a reward
+# function is given it as `finish_reason`).
+STATUS_BY_FINISH: dict[str, SampleStatus] = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+FINISH_BY_STATUS: dict[str, str] = {status: finish for finish, status in STATUS_BY_FINISH.items()}
 
 
 class Sample(Message):
@@ -165,6 +126,8 @@ class LeaseRequest(Message):
 
     worker_id: Annotated[str, doc("the asking rollout worker's actor id")]
     max_groups: Annotated[int, doc("upper bound on groups to lease now (the worker's free capacity)")]
+    eval_only: Annotated[bool, doc("only evaluation groups: the worker's weights are too old for training "
+                                   "groups, but are the ones an eval round is waiting for")] = False
 
 
 class Lease(Message):
@@ -185,6 +148,18 @@ class LeaseRenew(Message):
     """Rollout worker -> buffer (RPC): extend a lease still being worked on; reply Ack (ok=False if expired)."""
 
     lease_id: Annotated[str, doc("lease to extend")]
+
+
+class LostGroups(Message):
+    """Rollout worker -> buffer (RPC): groups it handed to a reward worker that died before they were scored.
+
+    The buffer re-issues each one still in flight under the named lease (one scored meanwhile, or already re-issued,
+    is left alone), so a dead reward worker costs a re-generation, not a lease timeout. Reply Ack.
+    """
+
+    lease_ids: Annotated[list[str], doc("the lease each group was generated under")]
+    group_ids: Annotated[list[str], doc("the groups, in the same order")]
+    reason: Annotated[str, doc("why they are lost, for the log")]
 
 
 class GeneratedGroup(Message):
@@ -239,6 +214,10 @@ class Batch(Message):
     learner_version: Annotated[
         int, doc("the learner version the batch was first requested at, which `staleness` is measured against")
     ] = 0
+    eval_done_through: Annotated[
+        int, doc("every evaluation round of a version up to this one has reported (-1: none yet); the learner "
+                 "keeps the engines on an evaluated version's weights until its round is done")
+    ] = -1
 
 
 class FinalCommit(Message):
@@ -344,6 +323,21 @@ class Registered(Message):
     heartbeat_interval: Annotated[float, doc("seconds between Heartbeats")]
     deadline: Annotated[float, doc("seconds without a heartbeat before the actor is declared dead")]
     incarnation: Annotated[int, doc("the actor's incarnation number")] = 0
+    controller: Annotated[str, doc("random id of this controller process: a new one counts roster "
+                                   "generations from 0 again")] = ""
+
+
+class RunConfigQuery(Message):
+    """Launcher of a worker node -> controller (RPC): the run's settings, so that a node joins a run with the head's
+    address alone; reply RunConfigReply."""
+
+    node_rank: Annotated[int, doc("the asking node's rank")] = 0
+
+
+class RunConfigReply(Message):
+    """Controller -> launcher (RPC reply to RunConfigQuery): the settings every actor of the run was given."""
+
+    settings: Annotated[dict[str, Any], doc("the run's configuration by section, as RUN_DIR/config.yaml holds it")]
 
 
 class Heartbeat(Message):
@@ -410,6 +404,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         LeaseRequest,
         Lease,
         LeaseRenew,
+        LostGroups,
         GeneratedGroup,
         ScoredGroup,
         BatchRequest,
@@ -420,6 +415,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Register,
         Leave,
         Registered,
+        RunConfigQuery,
+        RunConfigReply,
         Heartbeat,
         Roster,
         Control,

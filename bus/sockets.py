@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 from collections import Counter
 from typing import Any
 
@@ -15,6 +17,16 @@ from bus.security import Security
 # the log; the counters always hold the exact numbers.
 LOG_FIRST = 5
 LOG_EVERY = 1000
+
+# ZMTP heartbeats on binding sockets: a peer whose machine vanished (no FIN ever arrives) is detached within
+# IVL + TIMEOUT, so the connection a restarted process makes is never refused for long as a duplicate.
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
+
+# "name#nonce": the nonce is fresh per socket, so a routing id can neither be predicted from an actor's name nor
+# collide with the one a previous process of that actor left behind.
+NONCE_SEPARATOR = "#"
+_NONCE = re.compile(r"#[0-9a-f]{16}\Z")
 
 
 def make_socket(
@@ -30,6 +42,9 @@ def make_socket(
         raise TypeError(f"bus channels need a zmq.asyncio.Context, got {type(ctx).__name__}")
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if server:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if max_frame_bytes is not None:
         # libzmq refuses larger frames (and drops the connection that sent one) before allocating them.
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
@@ -42,11 +57,22 @@ def make_socket(
 
 
 def routing_id(name: str, what: str) -> bytes:
-    """A zmq routing id for ``name``: 1..255 bytes, not starting with NUL (reserved by libzmq)."""
+    """A fresh zmq routing id for one connection of ``name``: the name, ``#`` and a random 64-bit nonce.
+
+    Binding sockets never hand a live routing id over to a newer connection (no ``ROUTER_HANDOVER``), so a
+    client that presents someone else's id is refused by libzmq, and the nonce means nobody can present it by
+    knowing the actor's name: a spoofer cannot cut a real actor off. ``peer_name`` gives the name back.
+    """
     encoded = name.encode("utf-8")
-    if not 1 <= len(encoded) <= 255 or encoded[:1] == b"\0":
-        raise ValueError(f"{what} {name!r} must be 1..255 UTF-8 bytes and must not start with NUL")
-    return encoded
+    if not 1 <= len(encoded) <= 255 - 17 or encoded[:1] == b"\0":
+        raise ValueError(f"{what} {name!r} must be 1..238 UTF-8 bytes and must not start with NUL")
+    return encoded + f"{NONCE_SEPARATOR}{secrets.token_hex(8)}".encode()
+
+
+def peer_name(ident: bytes | str) -> str:
+    """The sender's name in a routing id made by ``routing_id`` (a foreign client's plain id is kept whole)."""
+    text = ident.decode("utf-8", "replace") if isinstance(ident, bytes) else ident
+    return text[: -17] if _NONCE.search(text) else text
 
 
 def try_send(sock: zmq.asyncio.Socket, frames: list[Any]) -> bool:

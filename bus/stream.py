@@ -39,7 +39,7 @@ from bus.address import bind as bind_socket
 from bus.codec import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode, decoder_for, encode, encode_into
 from bus.schema import Message, StreamCredit, StreamHello
 from bus.security import Security
-from bus.sockets import DropLog, make_socket, routing_id
+from bus.sockets import DropLog, make_socket, peer_name, routing_id
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,6 @@ class StreamReceiver:
             ctx, zmq.ROUTER, security=security, server=True, max_frame_bytes=limits.max_frame_bytes
         )
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # credits to a vanished sender fail fast, not silently
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted sender takes over its routing id
         self._sock.setsockopt(zmq.RCVHWM, window + 8)  # per sender; only a credit-ignoring sender hits it
         self.endpoint = bind_socket(self._sock, bind)
         # Fast path: a non-blocking recv on a plain (synchronous) view of the same socket costs a fifth of an
@@ -147,7 +146,7 @@ class StreamReceiver:
         self._grant(ident, account)  # always answer: a repeated hello just learns the current limit
 
     def _new_account(self, ident: bytes, session: str | None) -> _Account:
-        account = _Account(name=ident.decode("utf-8", "replace"), session=session)
+        account = _Account(name=peer_name(ident), session=session)
         self._accounts[ident] = account
         self._accounts.move_to_end(ident)
         while len(self._accounts) > MAX_SENDER_ACCOUNTS:
@@ -228,7 +227,7 @@ class StreamSender:
         max_hello_interval: float = MAX_HELLO_INTERVAL,
     ) -> None:
         self.sender_id = sender_id
-        self._routing_id = routing_id(sender_id, "sender_id")
+        routing_id(sender_id, "sender_id")  # refuse a bad id now, not at the first connect
         self._ctx = ctx
         self._security = security
         self._hello_interval = hello_interval
@@ -258,7 +257,8 @@ class StreamSender:
         sock = make_socket(
             self._ctx, zmq.DEALER, security=self._security, server=False, max_frame_bytes=CREDIT_FRAME_LIMIT
         )
-        sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
+        # A fresh id per connection: the receiver may not have detached this sender's previous one yet.
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.sender_id, "sender_id"))
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:

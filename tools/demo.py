@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from actors.runtime.logs import quiet_library_output
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from tools.evaluate import evaluate_model
 from tools.make_arithmetic_data import make_arithmetic_data
@@ -71,6 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "demo")
     args = parser.parse_args()
+    quiet_library_output()  # no progress bars from building and evaluating models here, nor from the actors
     started = time.monotonic()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     model = cached_tiny_model(REPO / ".cache" / "models", MODEL_SPEC)

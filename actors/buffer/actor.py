@@ -36,6 +36,7 @@ from bus.schema import (
     Lease,
     LeaseRenew,
     LeaseRequest,
+    LostGroups,
     Roster,
     ScoredGroup,
     VersionAnnouncement,
@@ -99,7 +100,7 @@ class Buffer(Actor):
 
     @serves(LeaseRequest)
     async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
-        leased = self.core.lease(request.worker_id, request.max_groups)
+        leased = self.core.lease(request.worker_id, request.max_groups, eval_only=request.eval_only)
         if leased is None:
             return Lease(lease_id="", worker_id=request.worker_id, groups=[], expires_at=0.0,
                          version=self.core.learner_version)
@@ -112,6 +113,14 @@ class Buffer(Actor):
     async def on_lease_renew(self, sender: str, request: LeaseRenew) -> Ack:
         renewed = self.core.renew(request.lease_id)
         return Ack(ok=renewed, error=None if renewed else f"lease {request.lease_id} is not held")
+
+    @serves(LostGroups)
+    async def on_lost_groups(self, sender: str, lost: LostGroups) -> Ack:
+        reissued = self.core.groups_lost(list(zip(lost.lease_ids, lost.group_ids, strict=True)))
+        self.counters["groups.lost_reissued"] += len(reissued)
+        if reissued:
+            self.log.warning("groups re-issued", groups=len(reissued), reason=lost.reason)
+        return Ack(ok=True, error=None)
 
     @handles(ScoredGroup)
     async def on_scored(self, sender: str, group: ScoredGroup) -> None:
@@ -139,7 +148,8 @@ class Buffer(Actor):
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return Batch(batch_id=request.trained_batch + 1, samples=[], staleness=[],
-                             learner_version=request.learner_version)
+                             learner_version=request.learner_version,
+                             eval_done_through=self.eval_rounds.done_through)
             async with self.batch_ready:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.batch_ready.wait(), remaining)
@@ -152,7 +162,8 @@ class Buffer(Actor):
             **self.core.gauges(), "staleness.max": float(staleness.max()), "staleness.mean": float(staleness.mean()),
         })
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
-                     replayed=assembled.replayed, learner_version=assembled.learner_version)
+                     replayed=assembled.replayed, learner_version=assembled.learner_version,
+                     eval_done_through=self.eval_rounds.done_through)
 
     @serves(FinalCommit)
     async def on_final_commit(self, sender: str, commit: FinalCommit) -> Ack:
@@ -191,9 +202,11 @@ class Buffer(Actor):
         for event in roster.events:
             if event.kind in ("died", "left") and event.actor_id.startswith("rollout"):
                 reissued = self.core.worker_gone(event.actor_id)
-                if reissued:
-                    self.log.warning("worker gone; its groups re-issued", worker=event.actor_id,
-                                     groups=len(reissued))
+                if reissued and event.kind == "died":
+                    self.log.warning("worker died; its groups re-issued", worker=event.actor_id,
+                                     groups=len(reissued), reason=event.reason)
+                elif reissued:  # a worker that stopped on purpose (the end of a run, a scale-down) hands work back
+                    self.log.info("worker left; its groups re-issued", worker=event.actor_id, groups=len(reissued))
 
     def metrics(self) -> dict[str, float]:
         found = super().metrics()

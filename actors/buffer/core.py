@@ -110,12 +110,15 @@ class BufferCore:
         self.committed_batch = 0
 
     # ----------------------------------------------------------------------------------------- leases
-    def lease(self, worker_id: str, max_groups: int) -> tuple[str, list[PromptGroup]] | None:
+    def lease(self, worker_id: str, max_groups: int, *, eval_only: bool = False
+              ) -> tuple[str, list[PromptGroup]] | None:
         """Up to `max_groups` groups: evaluation first, then re-issues, then new prompts while admitted."""
         self.expire_leases()
         groups: list[PromptGroup] = []
         while len(groups) < max_groups and self.eval_queue:
             groups.append(self.eval_queue.popleft())
+        if eval_only:
+            max_groups = len(groups)
         while len(groups) < max_groups and self.reissue:
             groups.append(self.reissue.popleft())
             self.stats.reissued += 1
@@ -178,18 +181,33 @@ class BufferCore:
         mine = [lease_id for lease_id, r in self.leases.items() if r.worker_id == worker_id]
         return [gid for lease_id in mine for gid in self._revoke(lease_id, "worker_died")]
 
-    def _revoke(self, lease_id: str, reason: str) -> list[str]:
-        record = self.leases.pop(lease_id)
-        reissued = []
-        for group_id in sorted(record.group_ids):
-            entry = self.in_flight.get(group_id)
-            if entry is None or entry[1] != lease_id:
-                continue  # already back, or leased again elsewhere
-            group, _ = self.in_flight.pop(group_id)
-            (self.eval_queue if group.is_eval else self.reissue).append(group)
-            reissued.append(group_id)
+    def groups_lost(self, lost: list[tuple[str, str]], reason: str = "reward_worker_died") -> list[str]:
+        """Re-issue the (lease id, group id) pairs still in flight under that lease: work that died with a reward
+        worker, which holds no lease the buffer could see expire."""
+        reissued = [group_id for lease_id, group_id in lost if self._take_back(lease_id, group_id)]
         self.stats.ignored[f"revoked.{reason}"] += len(reissued)
         return reissued
+
+    def _revoke(self, lease_id: str, reason: str) -> list[str]:
+        record = self.leases.pop(lease_id)
+        reissued = [group_id for group_id in sorted(record.group_ids) if self._take_back(lease_id, group_id)]
+        self.stats.ignored[f"revoked.{reason}"] += len(reissued)
+        return reissued
+
+    def _take_back(self, lease_id: str, group_id: str) -> bool:
+        """Queue `group_id` for re-issue if it is still in flight under `lease_id` (not scored meanwhile, not leased
+        again elsewhere)."""
+        entry = self.in_flight.get(group_id)
+        if entry is None or entry[1] != lease_id:
+            return False
+        group, _ = self.in_flight.pop(group_id)
+        record = self.leases.get(lease_id)
+        if record is not None:
+            record.group_ids.discard(group_id)
+            if not record.group_ids:
+                del self.leases[lease_id]
+        (self.eval_queue if group.is_eval else self.reissue).append(group)
+        return True
 
     # ------------------------------------------------------------------------------------------ results
     def accept(self, scored: ScoredGroup) -> str:

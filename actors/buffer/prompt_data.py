@@ -1,8 +1,8 @@
 """Prompt datasets: JSONL or Parquet records, a deterministic order per epoch, and a cursor that resumes exactly.
 
 The order of epoch e is a permutation seeded by (seed, e), so the cursor (epoch, position) is all the state
-a resumed run needs to continue with the very next prompt. Malformed lines are reported with file and line
-and either skipped (counted, the run goes on) or raised, by `--skip-bad-data`. Prompts over a token cap
+a resumed run needs to continue with the very next prompt. Malformed lines are reported with file, line and (for
+JSON) column, and either skipped (counted, the run goes on) or raised, by `--skip-bad-data`. Prompts over a token cap
 (`--rollout-max-prompt-len`, `--eval-max-prompt-len`) are dropped at load and counted apart from bad lines.
 """
 
@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from actors.config.errors import ConfigError
 
-class DatasetError(ValueError):
+
+class DatasetError(ConfigError):
     """A dataset that cannot be used: the message names the file, the line and what is wrong."""
 
 
@@ -37,29 +39,55 @@ class LoadReport:
     too_long: int = 0  # valid records dropped for exceeding the prompt token cap
 
 
-def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
+def _raw_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[int, Any]]:
+    """(line or row number, the parsed record or the DatasetError that says why it is not one); with `max_rows`,
+    only the file's first rows are read."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+        yield from enumerate(_parquet_rows(path, max_rows), start=1)
         return
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding="utf-8-sig") as handle:  # -sig: a byte-order mark is not part of line 1's JSON
+        read = 0
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as error:
-                yield number, DatasetError(f"not valid JSON ({error.msg} at column {error.colno})")
+            if max_rows is not None and read >= max_rows:
+                return
+            read += 1
+            yield number, _parse_line(line)
+
+
+def _parquet_rows(path: Path, max_rows: int | None) -> list[Any]:
+    import pyarrow.parquet as pq
+
+    if max_rows is None:
+        return pq.read_table(path).to_pylist()
+    rows: list[Any] = []
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=max_rows):  # a batch ends at its row group's end
+        rows += batch.to_pylist()
+        if len(rows) >= max_rows:
+            break
+    return rows[:max_rows]
+
+
+def _parse_line(line: str) -> Any:
+    """The line's JSON value, or a DatasetError naming the column (1-based, in characters) where parsing failed."""
+    text = line.rstrip("\r\n")  # the line break is no part of the record: an error there is at the line's end
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        where = "the end of the line" if error.pos >= len(text) else f"column {error.colno}"
+        return DatasetError(f"not valid JSON: {error.msg.removesuffix(' at')} at {where}")
 
 
 def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str | None = "label",
                  metadata_key: str | None = "metadata", skip_bad: bool = True, max_prompt_len: int | None = None,
-                 count_tokens: Callable[[Any], int] | None = None) -> tuple[list[PromptRecord], LoadReport]:
+                 count_tokens: Callable[[Any], int] | None = None,
+                 max_rows: int | None = None) -> tuple[list[PromptRecord], LoadReport]:
     """Read every usable record; with skip_bad=False the first bad one raises DatasetError.
 
     With `max_prompt_len`, records whose prompt `count_tokens` finds longer are left out (counted in
-    `report.too_long`), as slime filters long prompts when it loads a dataset."""
+    `report.too_long`), as slime filters long prompts when it loads a dataset. With `max_rows`, only the file's
+    first rows are read: the launcher's preflight checks a dataset that way, in bounded time."""
     if max_prompt_len is not None and count_tokens is None:
         raise ValueError("max_prompt_len needs count_tokens (the tokenizer's prompt length)")
     path = Path(path)
@@ -70,7 +98,7 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
     report = LoadReport(path=str(path))
     records: list[PromptRecord] = []
     unit = "row" if path.suffix == ".parquet" else "line"
-    for number, row in _raw_rows(path):
+    for number, row in _raw_rows(path, max_rows):
         problem = _check_row(row, input_key, metadata_key)
         if problem is not None:
             message = f"{path} {unit} {number}: {problem}"
@@ -88,9 +116,21 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
         ))
     report.records = len(records)
     if not records:
-        longer = f", {report.too_long} over {max_prompt_len} prompt tokens" if report.too_long else ""
-        raise DatasetError(f"{path}: no usable records ({len(report.skipped)} skipped{longer})")
+        raise DatasetError(f"{path}: {_why_no_records(report, unit, max_prompt_len, max_rows)}")
     return records, report
+
+
+def _why_no_records(report: LoadReport, unit: str, max_prompt_len: int | None, max_rows: int | None) -> str:
+    if not report.skipped and not report.too_long:
+        return "no records (the file is empty)"
+    reasons = []
+    if report.skipped:
+        first = report.skipped[0].removeprefix(f"{report.path} ")
+        reasons.append(f"{len(report.skipped)} malformed, the first at {first}")
+    if report.too_long:
+        reasons.append(f"{report.too_long} over {max_prompt_len} prompt tokens")
+    scope = f" in its first {max_rows} {unit}s" if max_rows is not None else ""
+    return f"no usable records{scope} ({'; '.join(reasons)})"
 
 
 def _check_row(row: Any, input_key: str, metadata_key: str | None) -> str | None:

@@ -89,17 +89,21 @@ def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any
             group.add_argument(_flag(name), dest=name, type=kind, default=None, help=help_text)
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """YAML first, then every flag the user gave; errors name the file, key or flag that is wrong.
+def config_from_args(args: argparse.Namespace, *, base: dict[str, Any] | None = None) -> RunConfig:
+    """`base` first (a worker node's: the head's settings, by section as RUN_DIR/config.yaml holds them), then the
+    YAML file, then every flag the user gave; errors name the file, key or flag that is wrong.
 
     slime's flags are first rewritten into ours; the environment and start-up note they imply are left on
     `args.slime_translation` for the launcher."""
     args.slime_translation = apply_slime_flags(args)
     values: dict[str, Any] = {}
     source = "command line"
+    if base is not None:
+        source = "the head's settings"
+        values.update(_flatten(base, source=source))
     if args.config is not None:
         source = str(args.config)
-        values.update(_flatten(_read_yaml(args.config), source=source))
+        values.update(_flatten(_read_yaml(args.config), source=f"--config {source}"))
     for name in _flat_keys():
         given = getattr(args, name, None)
         if given is not None:
@@ -121,20 +125,21 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _flatten(loaded: dict[str, Any], *, source: str) -> dict[str, Any]:
-    """Section mappings (`trainer: {lr: ...}`, `policy: {...}`) become flat keys; flat keys pass as they are."""
+    """Section mappings (`trainer: {lr: ...}`, `policy: {...}`) become flat keys; flat keys pass as they are.
+    `source` names where they come from in errors ("--config run.yaml")."""
     flat: dict[str, Any] = {}
     for key, value in loaded.items():
         if key in (*SECTIONS, "policy") and isinstance(value, dict):
             fields = PolicyLossConfig.model_fields if key == "policy" else SECTIONS[key].model_fields
             strays = sorted(set(value) - set(fields))
             if strays:
-                raise ValueError(f"--config {source}: unknown key(s) in section {key!r}: {', '.join(strays)}")
+                raise ValueError(f"{source}: unknown key(s) in section {key!r}: {', '.join(strays)}")
             flat.update(value)
         else:
             flat[key] = value
     unknown = sorted(set(flat) - _flat_keys())
     if unknown:
-        raise ValueError(f"--config {source}: unknown key(s) {', '.join(unknown)}")
+        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}")
     return flat
 
 

@@ -183,6 +183,9 @@ class RewardConfig(Section):
     rm_url: str | None = Field(None, description="URL of a remote reward model (--rm-type remote_rm)")
     reward_timeout: float = Field(60.0, gt=0, description="seconds before one reward call counts as failed")
     reward_concurrency: int = Field(4, ge=1, description="groups scored at once per reward worker")
+    reward_failure_limit: int = Field(200, ge=0, description="end the run as failed once this many samples in a "
+                                      "row fail to score (the reward function raises, times out or returns no "
+                                      "number) with none scored in between; 0 = never")
 
 
 class LearnerConfig(Section):

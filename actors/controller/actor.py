@@ -10,6 +10,7 @@ heartbeat it does not recognise register again).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,9 +35,12 @@ from bus.schema import (
     Registered,
     Roster,
     RosterEvent,
+    RunConfigQuery,
+    RunConfigReply,
     RunState,
     VersionAnnouncement,
 )
+from bus.sockets import peer_name
 
 ACTOR_METRICS_INTERVAL_S = 5.0
 
@@ -45,6 +49,7 @@ ACTOR_METRICS_INTERVAL_S = 5.0
 class MemberRecord:
     member: Member
     last_seen: float
+    connection: str = ""  # the routing id it registered from: its name is bound to that connection
     counters: dict[str, float] = field(default_factory=dict)
 
 
@@ -59,6 +64,7 @@ class Controller(Actor):
         self.generation = 0
         self.publisher: Publisher | None = None
         self.latest_version: VersionAnnouncement | None = None
+        self.incarnation = secrets.token_hex(8)
 
     async def run(self) -> None:
         """Watch liveness until the run stops, and record every actor's counters (queue depths, drops, idle
@@ -128,8 +134,14 @@ class Controller(Actor):
 
     # ------------------------------------------------------------------------------------------ handlers
     @serves(Register)
-    async def on_register(self, sender: str, request: Register) -> Registered:
+    async def on_register(self, sender: str, request: Register) -> Registered | Error:
         previous = self.records.get(request.actor_id)
+        if previous is not None and self._held_elsewhere(previous, sender):
+            # A live process holds this name (a restarted process's predecessor is detached by the time it
+            # registers, or within the bus's ZMTP heartbeat timeout): a second claimant waits, it does not replace.
+            self._refuse("identity_in_use", request.actor_id, sender)
+            return Error(reason="identity_in_use",
+                         detail=f"{request.actor_id} is registered by a live connection; retry once it is gone")
         events: list[RosterEvent] = []
         if previous is None:
             events.append(RosterEvent(kind="joined", actor_id=request.actor_id, reason="registered"))
@@ -146,7 +158,7 @@ class Controller(Actor):
             incarnation = previous.member.incarnation + 1
         member = Member(actor_id=request.actor_id, role=request.role, node=request.node, pid=request.pid,
                         endpoints=dict(request.endpoints), alive=True, incarnation=incarnation)
-        self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic())
+        self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic(), connection=sender)
         for event in events:
             self.log.info(f"member {event.kind}", member=request.actor_id, role=request.role, node=request.node,
                           pid=request.pid, reason=event.reason)
@@ -156,7 +168,7 @@ class Controller(Actor):
         assert self.publisher is not None
         return Registered(roster=self._roster([]), publish_endpoint=self.publisher.endpoint,
                           heartbeat_interval=self.context.heartbeat_interval, deadline=self.heartbeat_deadline,
-                          incarnation=incarnation)
+                          incarnation=incarnation, controller=self.incarnation)
 
     @serves(Heartbeat)
     async def on_heartbeat(self, sender: str, request: Heartbeat) -> Ack | Error:
@@ -165,6 +177,9 @@ class Controller(Actor):
             # Unknown (we restarted) or declared dead (it was only slow): it must register again so that
             # its endpoints are current and its return is announced.
             return Error(reason="unknown_actor", detail=f"{request.actor_id} is not registered here")
+        if record.connection != sender:
+            self._refuse("not_owner", request.actor_id, sender)
+            return Error(reason="not_owner", detail=f"{request.actor_id} is registered from another connection")
         record.last_seen = time.monotonic()
         record.counters = dict(request.counters)
         return Ack(ok=True, error=None)
@@ -172,6 +187,9 @@ class Controller(Actor):
     @serves(Leave)
     async def on_leave(self, sender: str, request: Leave) -> Ack:
         record = self.records.get(request.actor_id)
+        if record is not None and record.connection != sender:
+            self._refuse("not_owner", request.actor_id, sender)
+            return Ack(ok=False, error=f"{request.actor_id} is registered from another connection")
         if record is not None and record.member.alive:
             record.member = _with_alive(record.member, False)
             self._publish_roster([RosterEvent(kind="left", actor_id=request.actor_id, reason=request.reason)])
@@ -181,25 +199,46 @@ class Controller(Actor):
     async def on_control_request(self, sender: str, request: Control) -> Ack:
         """Launchers, the learner or an operator ask for pause/resume/drain/stop; everyone hears it."""
         assert self.publisher is not None
-        self.log.info("control", command=request.command, reason=request.reason, origin=sender)
+        self.log.info("control", command=request.command, reason=request.reason, origin=peer_name(sender))
         self.publisher.publish(TOPIC_CONTROL, request)
         if request.command in ("drain", "stop"):
             self._set_state("draining")
-            self.request_stop(f"{request.command} requested by {sender}: {request.reason}")
+            self.request_stop(f"{request.command} requested by {peer_name(sender)}: {request.reason}")
         return Ack(ok=True, error=None)
 
     @serves(VersionAnnouncement)
     async def on_version(self, sender: str, request: VersionAnnouncement) -> Ack:
         assert self.publisher is not None
+        if not any(r.connection == sender and r.member.alive for r in self.records.values()):
+            self._refuse("not_registered", "a version announcement", sender)
+            return Ack(ok=False, error="version announcements are taken from registered members only")
         self.latest_version = request
         self.publisher.publish(TOPIC_VERSION, request)
         return Ack(ok=True, error=None)
+
+    @serves(RunConfigQuery)
+    async def on_run_config_query(self, sender: str, request: RunConfigQuery) -> RunConfigReply:
+        """A worker node's launcher asks before it starts its actors (actors.runtime.head_settings)."""
+        return RunConfigReply(settings=self.settings.run.model_dump(mode="json"))
 
     @serves(RunState)
     async def on_run_state_query(self, sender: str, request: RunState) -> RunState:
         return self._run_state()
 
     # --------------------------------------------------------------------------------------- internals
+    def _held_elsewhere(self, record: MemberRecord, sender: str) -> bool:
+        if not record.member.alive or record.connection == sender or self.rpc_server is None:
+            return False
+        return self.rpc_server.reaches(record.connection)
+
+    def _refuse(self, reason: str, claimed: str, sender: str) -> None:
+        """Count a claim on someone else's name; log the first few of each kind, then every 100th."""
+        self.counters[f"refused.{reason}"] += 1
+        count = self.counters[f"refused.{reason}"]
+        if count <= 3 or count % 100 == 0:
+            self.log.warning("refused a claim on a registered identity", reason=reason, claimed=claimed,
+                             connection=sender, refused_so_far=count)
+
     def _declare_silent_members_dead(self, now: float) -> None:
         events = []
         for record in self.records.values():

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from actors.learner.eval_hold import EvalHold
 from actors.learner.modes import Progress, pick_source, pick_training
 from actors.learner.publish import live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
@@ -21,6 +22,7 @@ from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from actors.runtime.base import Actor
 from actors.runtime.metrics import MetricsWriter
+from bus.codec import decode, encode
 from bus.schema import Batch, Control, Roster, VersionAnnouncement
 
 
@@ -53,6 +55,11 @@ class Learner(Actor):
             tensors=self.trainer.named_tensors, zmq=self.zmq, security=self.security,
             client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log)
         self.engines_joined = False
+        self.eval_hold = EvalHold(self.config, counters=self.counters, log=self.log,
+                                  timeout_s=self.config.eval.final_eval_timeout)
+        self.push_held = False  # a push skipped to keep the engines on a version under evaluation
+        self.announcing: int | None = None  # the version last announced, or tried
+        self.announced: tuple[int, int | None] | None = None  # (version, weights_version) the controller last took
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
 
@@ -70,6 +77,9 @@ class Learner(Actor):
                 if self.engines_joined:
                     self.engines_joined = False
                     await self.publish_weights()  # a new or restarted engine must not wait for the next step
+                elif self.push_held and not self._held_for_eval():
+                    self.push_held = False
+                    await self.publish_weights()  # the eval round reported: the held push goes out now
                 if upcoming is not None:
                     batch, prepared = await upcoming
                     upcoming = None
@@ -100,7 +110,10 @@ class Learner(Actor):
         """announce → publish → checkpoint → log."""
         await self.announce_version()
         if self.version % self.config.weights.update_weights_interval == 0:
-            await self.publish_weights()
+            if self._held_for_eval():
+                self.push_held = True
+            else:
+                await self.publish_weights()
         if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
             await self.save_checkpoint()
         self.log_step(batch, report)
@@ -124,17 +137,32 @@ class Learner(Actor):
         return self.training.version
 
     async def announce_version(self) -> None:
+        """The version and the weights every engine has, to everyone through the controller. Checked against the
+        wire schema first: a value the schema refuses is an error named here, not a frame dropped on arrival."""
         assert self._controller is not None
         announcement = VersionAnnouncement(version=self.version, weights_version=self.weights.committed_version,
                                            step=self.trained_batch, timestamp=time.time())
+        self.announcing = announcement.version
         try:
-            await self._controller.call(announcement, timeout=2.0, retries=2)
+            await self._controller.call(decode(encode(announcement)), timeout=2.0, retries=2)
         except Exception as error:  # the next announcement carries the same information
             self.log.warning("version announcement failed", error=repr(error))
+            return
+        self.announced = (announcement.version, announcement.weights_version)
 
     async def publish_weights(self) -> None:
-        if self.training.publishes:
-            await self.weights.publish(self.version)
+        """Push this version's weights; once every engine has them, a version already announced without them (or
+        not heard) is announced again, so everyone hears it with its weights, not one step later or never."""
+        if not self.training.publishes or not await self.weights.publish(self.version):
+            return
+        self.push_held = False
+        self.eval_hold.published(self.version)
+        if self.announcing == self.version and self.announced != (self.version, self.weights.committed_version):
+            await self.announce_version()
+
+    def _held_for_eval(self) -> bool:
+        self.eval_hold.reported(getattr(self.source, "eval_done_through", -1))
+        return self.eval_hold.holds()
 
     async def save_checkpoint(self) -> None:
         extra = {"trained_batch": self.trained_batch, "run_dir": str(self.context.run_dir)}
@@ -169,9 +197,15 @@ class Learner(Actor):
                       trained_batch=self.trained_batch)
 
     async def on_roster(self, roster: Roster) -> None:
-        if any(e.kind in ("joined", "returned") and self.roster.get(e.actor_id, None) is not None
-               and self.roster[e.actor_id].role == "rollout" for e in roster.events):
+        if hasattr(self, "weights"):
+            self.weights.roster_changed()  # a push waiting on a member that died or was replaced ends now
+        rollouts = {e.kind: e.actor_id for e in roster.events
+                    if e.actor_id in self.roster and self.roster[e.actor_id].role == "rollout"}
+        if "joined" in rollouts or "returned" in rollouts:
             self.engines_joined = True
+        if "died" in rollouts and not self.members("rollout"):
+            self.log.warning("no live rollout worker; generation and weight pushes wait until one (re)joins",
+                             last_died=rollouts["died"])
 
     # ------------------------------------------------------------------------------------------ reporting
     def log_step(self, batch: Batch, report: StepReport | None) -> None:

@@ -47,6 +47,7 @@ class BufferSource:
         self.counters = counters
         self.log = log
         self.final_wait = final_wait  # the buffer answers the final commit once the last eval round reported
+        self.eval_done_through = -1  # from every reply, empty ones included: the learner's eval hold reads it
 
     async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         request = BatchRequest(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
@@ -56,6 +57,8 @@ class BufferSource:
         except (TimeoutError, asyncio.TimeoutError, ConnectionError):
             self.counters["batch.unanswered"] += 1
             return None
+        if isinstance(reply, Batch):
+            self.eval_done_through = max(self.eval_done_through, reply.eval_done_through)
         if not isinstance(reply, Batch) or not reply.samples:
             return None
         return reply

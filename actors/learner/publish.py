@@ -7,6 +7,11 @@ loader its order names, and replies; the version counts as committed only when e
 failed transfer is logged and retried at the next update with the engines alive then; the learner's own state
 is never touched by it.
 
+A group is a set of processes, not of names: a worker restarted under its old name is a new member (its roster
+incarnation and pid changed), so it joins a new generation. When the roster says a member of the group under way
+died or was replaced, the push is given up at once (the sender's `abort`) and started again with the live
+engines: the transfer never waits out its timeout for a process known to be gone.
+
 The mechanism is chosen once, here (`transport_name`), from the run's configuration; everything after that goes
 through `engines.weights.transport`, so this module knows no mechanism by name.
 """
@@ -14,7 +19,9 @@ through `engines.weights.transport`, so this module knows no mechanism by name.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +41,19 @@ from engines.weights.transport import (
 
 SENDER_NAME = "learner"
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+ATTEMPTS = 3  # tries of one push whose group keeps losing members (a fresh generation each)
+WAITING_WARNING_S = 10.0  # a push still short of acknowledgements names the silent engines this often
+NO_ENGINE_WARNING_S = 30.0  # "no live engine to push to" at most this often
+
+
+@dataclass(frozen=True)
+class EngineRef:
+    """A live rollout worker as a push addresses it. `incarnation` and `pid` tell a process from the one it
+    replaced under the same actor id; the group is keyed on them, so a restarted worker joins a new generation."""
+
+    endpoint: str
+    incarnation: int = 0
+    pid: int = 0
 
 
 def transport_name(config: RunConfig) -> str:
@@ -77,9 +97,9 @@ def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublishe
 class WeightPublisher:
     """Pushes versions to the live engines; `committed_version` is the last one every engine acknowledged.
 
-    `engines()` lists the live rollout workers with their rpc endpoints; `tensors()` yields the weights to send
-    (a generator is closed after each transfer, so one that holds a lock releases it). The sender is built on
-    the first push, from `transport`.
+    `engines()` lists the live rollout workers (`live_engines`); `tensors()` yields the weights to send (a
+    generator is closed after each transfer, so one that holds a lock releases it). The sender is built on the
+    first push, from `transport`. The learner calls `roster_changed()` on every roster update.
     """
 
     def __init__(
@@ -87,7 +107,7 @@ class WeightPublisher:
         transport: WeightTransport,
         options: SenderOptions,
         *,
-        engines: Callable[[], Mapping[str, str]],
+        engines: Callable[[], Mapping[str, EngineRef]],
         tensors: Callable[[], NamedTensors],
         zmq: Any,
         security: Any,
@@ -103,41 +123,86 @@ class WeightPublisher:
         self.committed_version: int | None = None
         self._sender: WeightSender | None = None
         self._spec: GroupHandle | None = None
+        self._group: dict[str, EngineRef] | None = None  # the open generation's members, None: form a new one
+        self._pushing: dict[str, EngineRef] | None = None  # the group of the push under way
+        self._lost: dict[str, str] = {}  # members the push under way lost, and how
         self._clients: dict[str, tuple[str, Any]] = {}
+        self._quiet_until = 0.0
 
     async def publish(self, version: int) -> bool:
-        """Push the learner's current weights as `version`; True once every live engine acknowledged."""
-        endpoints = dict(self.engines())
-        # Sorted, so an engine's rank in the group (SGLang: its rank_offset) depends only on who is alive.
-        engines = sorted(endpoints)
-        if not engines:
-            return False
+        """Push the learner's current weights as `version`; True once every live engine acknowledged.
+
+        A push whose group loses a member meanwhile (see `roster_changed`) starts again at once with the engines
+        alive then, up to ATTEMPTS times; any other failure waits for the next update."""
+        for _ in range(ATTEMPTS):
+            engines = dict(self.engines())
+            if not engines:
+                self._no_engine(version)
+                return False
+            if self.committed_version == version and self._group == engines:
+                return True  # every live engine acknowledged this version already
+            pushed = await self._push(engines, version)
+            if pushed is not None:
+                return pushed
+        return False
+
+    def roster_changed(self) -> None:
+        """A member of the push under way that is dead, gone or replaced by a new process ends that push now: the
+        transfer would wait its whole timeout for a process that is not coming."""
+        group, sender = self._pushing, self._sender
+        if group is None or sender is None or self._lost:
+            return
+        live = self.engines()
+        lost = {
+            name: "replaced by a new process" if name in live else "no longer alive"
+            for name, ref in group.items()
+            if live.get(name) != ref
+        }
+        if lost:
+            self._lost = lost
+            sender.abort(lost)
+
+    async def _push(self, engines: dict[str, EngineRef], version: int) -> bool | None:
+        """One attempt: True (committed), False (failed: next update), None (lost a member: again, now)."""
         if self._sender is None:
             self._sender = self.transport.make_sender(self.options)
         sender = self._sender
-        new_group = self._spec is None or tuple(self._spec.receivers) != tuple(engines)
+        # Sorted, so an engine's rank in the group (SGLang: its rank_offset) depends only on who is alive.
+        names = sorted(engines)
+        new_group = self._group != engines
         if new_group:
-            self._spec = sender.open_group([SENDER_NAME, *engines])
+            self._spec = sender.open_group([SENDER_NAME, *names])
+            self._group = engines
         assert self._spec is not None
         group = {**self._spec.to_dict(), "transport": self.transport.name}
         order = WeightUpdateOrder(version=version, group=group, timeout_s=self.options.timeout_s)
-        replies = [asyncio.create_task(self._order(engine, endpoints[engine], order)) for engine in engines]
+        replies = {name: asyncio.create_task(self._order(name, engines[name].endpoint, order)) for name in names}
+        self._pushing, self._lost = engines, {}
+        watch = asyncio.create_task(self._watch(sender, replies, version))
         try:
             if new_group:
                 await asyncio.to_thread(sender.wait_for_receivers)
             report = await asyncio.to_thread(self._send, sender, version)
-            acks = await asyncio.gather(*replies)
+            problems = await asyncio.gather(*replies.values())
         except WeightTransferError as error:
-            self._spec = None  # form a fresh generation next time
-            for task in replies:
-                task.cancel()
+            self._group = None  # form a fresh generation next time
+            if self._lost:
+                self.counters["weights.restarted"] += 1
+                self.log.warning("weight push restarted without the engines it lost", lost=self._lost,
+                                 version=version)
+                return None
             self.counters["weights.failed"] += 1
             self.log.warning("weight transfer failed; will retry with the live engines", error=str(error))
             return False
-        refused = [engine for engine, ok in zip(engines, acks, strict=True) if not ok]
+        finally:
+            self._pushing = None
+            watch.cancel()
+            for task in replies.values():
+                task.cancel()
+        refused = {name: problem for name, problem in zip(names, problems, strict=True) if problem}
         if refused:
-            self._spec = None
-            self.log.warning("engines did not acknowledge the update", engines=refused, version=version)
+            self._group = None
+            self.log.warning("engines did not acknowledge the update", engines=sorted(refused), version=version)
             return False
         self.committed_version = sender.committed_version
         self.counters["weights.pushed"] += 1
@@ -150,6 +215,33 @@ class WeightPublisher:
         )
         return True
 
+    async def _watch(self, sender: WeightSender, replies: dict[str, asyncio.Task[str | None]], version: int) -> None:
+        """While a push is under way: an engine that refuses its order ends the push now (the transfer would only
+        wait for it), and every WAITING_WARNING_S a warning names the engines the sender waits for (if it can
+        tell, else those whose order is unanswered)."""
+        started = time.monotonic()
+        pending = set(replies.values())
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=WAITING_WARNING_S,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            refused = {name: problem for name, task in replies.items() if task in done and (problem := task.result())}
+            if refused:
+                sender.abort(refused)
+                return
+            if not done:
+                silent = sorted(name for name, task in replies.items() if not task.done())
+                self.log.warning("weight push waiting on engines", engines=sender.waiting_on() or silent,
+                                 version=version, seconds=round(time.monotonic() - started))
+
+    def _no_engine(self, version: int) -> None:
+        """Said at most every NO_ENGINE_WARNING_S; a warning once engines were served (they are gone now), before
+        that only information (at start-up the engines are still loading)."""
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._quiet_until = now + NO_ENGINE_WARNING_S
+            say = self.log.warning if self.committed_version is not None else self.log.info
+            say("no live rollout engine to push weights to; waiting for one to (re)join", version=version)
+
     def _send(self, sender: WeightSender, version: int) -> TransferReport:
         """In a worker thread: stream the tensors into the sender, and close their generator here too (a
         learner's generator finishes its ranks' collective iteration on close, which must not block the loop)."""
@@ -161,16 +253,20 @@ class WeightPublisher:
             if close is not None:
                 close()
 
-    async def _order(self, engine: str, endpoint: str, order: WeightUpdateOrder) -> bool:
+    async def _order(self, engine: str, endpoint: str, order: WeightUpdateOrder) -> str | None:
+        """None once the engine acknowledged the order; else what went wrong (logged here)."""
         client = self._client(engine, endpoint)
         try:
             reply = await client.call(order, timeout=order.timeout_s * 3, retries=0)
         except Exception as error:
             self.log.warning("weight order unanswered", engine=engine, error=repr(error))
-            return False
+            return f"order unanswered: {error!r}"
         if isinstance(reply, Error):
             self.log.warning("engine failed to load weights", engine=engine, detail=reply.detail)
-        return isinstance(reply, Ack) and reply.ok
+            return f"failed to load: {reply.detail}"
+        if not (isinstance(reply, Ack) and reply.ok):
+            return f"did not acknowledge: {reply!r}"[:300]
+        return None
 
     def _client(self, engine: str, endpoint: str) -> Any:
         from bus import RpcClient
@@ -192,6 +288,10 @@ class WeightPublisher:
             self._sender.close()
 
 
-def live_engines(members: Iterable[Any]) -> dict[str, str]:
+def live_engines(members: Iterable[Any]) -> dict[str, EngineRef]:
     """Rollout workers (roster members) that serve rpc, by actor id: who a weight push goes to."""
-    return {member.actor_id: member.endpoints["rpc"] for member in members if "rpc" in member.endpoints}
+    return {
+        member.actor_id: EngineRef(member.endpoints["rpc"], member.incarnation, member.pid)
+        for member in members
+        if "rpc" in member.endpoints
+    }

@@ -11,7 +11,8 @@ fresh followers (the old ones die with rank 0 through PR_SET_PDEATHSIG). That is
 of a one-process learner, so the failure model does not grow a new case.
 
 `python -m actors.learner.ranks --rank R --world W --init-method tcp://HOST:PORT --config FILE` runs a follower;
-only rank 0 starts them.
+only rank 0 starts them. Rank 0 hosts the world's store on the node's `--host` address only (torch's own would
+listen on every interface), and the followers connect to it as clients.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -36,11 +38,11 @@ from actors.config import RunConfig
 from actors.learner.stages import data_parallel_shard
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
-from bus.address import free_port
 from bus.codec import decode, encode
 from bus.schema import Batch
 from engines.process import die_with_parent as _die_with_parent
 from engines.training.base import Trainer
+from engines.weights.group import host_store
 
 STOP = "stop"
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a slow checkpoint must not look like a dead rank
@@ -84,12 +86,14 @@ class LearnerRanks:
         self._lock = threading.Lock()  # one operation at a time, even when a cancelled step still runs
         self._closing = False
         self._init_method = ""
+        self._store: dist.TCPStore | None = None
 
     def spawn(self) -> None:
         """Start the followers; from the event loop's thread, because PDEATHSIG follows the spawning thread."""
         if self.world == 1:
             return
-        self._init_method = f"tcp://{self.host}:{free_port(self.host)}"
+        self._store = host_store(self.host, 0, COLLECTIVE_TIMEOUT.total_seconds())
+        self._init_method = f"tcp://{self.host}:{self._store.port}"
         config_path = self.run_dir / "actors" / "learner-ranks.json"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(json.dumps(self.config.model_dump(mode="json")), encoding="utf-8")
@@ -111,7 +115,7 @@ class LearnerRanks:
         bind_device(0)
         if self.world == 1:
             return
-        dist.init_process_group(backend(), init_method=self._init_method, rank=0, world_size=self.world,
+        dist.init_process_group(backend(), store=self._store, rank=0, world_size=self.world,
                                 timeout=COLLECTIVE_TIMEOUT, device_id=rank_device(0))
         self.commands = join_command_group()
 
@@ -242,7 +246,10 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
     """A follower's whole life: join the world, build the same trainer, mirror rank 0's operations."""
     torch.set_num_threads(config.torch_threads)
     bind_device(rank)
-    dist.init_process_group(backend(), init_method=init_method, rank=rank, world_size=world,
+    address = urllib.parse.urlsplit(init_method)  # tcp://HOST:PORT, rank 0's store
+    store = dist.TCPStore(address.hostname or "", address.port or 0, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    # A store given (not an init method) on both ends: torch prefixes the keys of a store it makes, not of ours.
+    dist.init_process_group(backend(), store=store, rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT, device_id=rank_device(rank))
     commands = join_command_group()
     trainer = build_trainer(config)

@@ -3,7 +3,11 @@
 Scoring runs several groups at once (`--reward-concurrency`), which matters for remote reward models and
 LLM judges that spend their time waiting. A reward function that raises, times out or returns NaN marks that
 sample failed with the reason; the group still goes to the buffer, which drops it and counts why, so
-nothing disappears silently and the worker keeps serving.
+nothing disappears silently and the worker keeps serving. Failures are logged at a bounded rate, and a function
+that fails on `--reward-failure-limit` samples in a row ends the run as failed, with its last error
+(`actors.reward.failures`): a broken reward trains nothing, and would otherwise go on failing forever.
+
+The function is given each sample's token ids and finish reason besides its text (`reward_input`).
 """
 
 from __future__ import annotations
@@ -12,15 +16,18 @@ import math
 
 import msgspec
 
+from actors.reward.failures import RewardFailures
 from actors.runtime.base import Actor
+from actors.runtime.exits import report_bad_config
 from actors.runtime.handlers import handles
 from actors.slime_compat.plugins import load_slime_reward
-from bus.schema import GeneratedGroup, Sample, ScoredGroup
+from bus.schema import FINISH_BY_STATUS, Control, GeneratedGroup, Sample, ScoredGroup
 from policies.rewards import RewardInput, RewardSpec, build_reward, score, score_group
 
 
 class RewardWorker(Actor):
     role = "reward"
+    run_failure: str | None = None  # why this worker ended the run, once it has
 
     async def on_start(self) -> None:
         self.config = self.settings.run
@@ -31,8 +38,18 @@ class RewardWorker(Actor):
         if slime_rm is not None:
             self.reward = RewardSpec(self.reward.name, slime_rm, is_group=self.config.reward.group_rm)
         self.takes_samples = slime_rm is not None
+        self.failures = RewardFailures(self.log, self.reward.name, limit=self.config.reward.reward_failure_limit)
         self.buffer = self.peer_stream("buffer")
         self.stream_concurrency["on_generated"] = self.config.reward.reward_concurrency
+
+    async def main(self) -> int:
+        """Exits as a bad configuration once the reward function proved broken: the launcher fails the run with
+        the reason, rather than restarting a worker that would fail the same way."""
+        code = await super().main()
+        return report_bad_config(self.context, self.run_failure) if code == 0 and self.run_failure else code
+
+    async def on_stop(self) -> None:
+        self.failures.flush()
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
@@ -58,9 +75,7 @@ class RewardWorker(Actor):
         return [sample if _has_reward(sample) else next(rescored) for sample in samples]
 
     async def _score(self, samples: list[Sample], *, is_eval: bool) -> list[Sample]:
-        inputs: list = list(samples) if self.takes_samples else [
-            RewardInput(prompt=_prompt_text(s.prompt), response=s.response, label=s.label, metadata=dict(s.metadata))
-            for s in samples]
+        inputs: list = list(samples) if self.takes_samples else [reward_input(s) for s in samples]
         reward = self.config.reward
         key = (self.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
         if self.reward.is_group:
@@ -69,13 +84,41 @@ class RewardWorker(Actor):
             outcomes = await score(self.reward.fn, inputs, timeout_s=reward.reward_timeout, key=key)
         scored = []
         for sample, outcome in zip(samples, outcomes, strict=True):
+            self.failures.record(sample.sample_id, outcome)
             if outcome.status == "ok":
                 scored.append(msgspec.structs.replace(sample, reward=float(outcome.reward)))
             else:
-                self.log.warning("reward failed", sample=sample.sample_id, reason=outcome.reason)
                 scored.append(msgspec.structs.replace(sample, reward=None, status="failed",
                                                       error=f"reward: {outcome.reason}"))
+        if self.failures.tripped is not None:
+            await self.fail_run(self.failures.tripped)
         return scored
+
+    async def fail_run(self, reason: str) -> None:
+        """End the run as failed with `reason`. This process exits as a bad configuration, so its launcher fails
+        the run and stops its node's actors (on the head, the controller among them, which stops every node);
+        a worker on another node first asks the controller to stop the run, or the head would wait on."""
+        if self.run_failure is not None:
+            return
+        self.run_failure = reason
+        self.log.error("ending the run: the reward function fails on every sample", reason=reason)
+        if self.context.node_rank != 0 and self._controller is not None:
+            try:
+                await self._controller.call(Control(command="stop", reason=f"{self.actor_id}: {reason}"),
+                                            timeout=5.0, retries=1)
+            except Exception as error:  # our own exit still fails this node's launcher
+                self.log.warning("could not ask the controller to stop the run", error=repr(error))
+        self.request_stop(reason)
+
+
+def reward_input(sample: Sample) -> RewardInput:
+    """What a reward function of ours is given for one wire sample: text, label, metadata, token ids and the
+    engine's finish reason (carried by the sample's status)."""
+    tokens = sample.tokens.tolist()
+    return RewardInput(prompt=_prompt_text(sample.prompt), response=sample.response, label=sample.label,
+                       metadata=dict(sample.metadata), prompt_ids=tokens[:sample.prompt_tokens],
+                       response_ids=tokens[sample.prompt_tokens:],
+                       finish_reason=FINISH_BY_STATUS.get(sample.status))  # type: ignore[arg-type]
 
 
 def _has_reward(sample: Sample) -> bool:

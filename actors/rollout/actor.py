@@ -14,6 +14,7 @@ import time
 
 from actors.rollout.engine_factory import load_engine
 from actors.rollout.generate import RolloutContext, choose_generate_function
+from actors.rollout.handed_off import HandedOff
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime.base import Actor
 from actors.runtime.handlers import on_broadcast, serves
@@ -25,13 +26,24 @@ from bus.schema import (
     Lease,
     LeaseRenew,
     LeaseRequest,
+    LostGroups,
     PromptGroup,
+    Roster,
     Sample,
     VersionAnnouncement,
     WeightUpdateOrder,
 )
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
+EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of the version it evaluates
+
+
+def eval_version(group_id: str) -> int | None:
+    """The version an eval group evaluates, from its id `eval:SET:VERSION:INDEX` (None for any other id)."""
+    parts = group_id.split(":")
+    if len(parts) == 4 and parts[0] == "eval" and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 class RolloutWorker(Actor):
@@ -63,6 +75,7 @@ class RolloutWorker(Actor):
         self.announced_version = 0  # the learner's version, as last announced
         self.learner_pushes = False  # whether the learner's announcements carry a weights version
         self._weights_landed = asyncio.Event()
+        self.handed_off = HandedOff(keep_s=self.config.buffer.lease_timeout)
         self.spawn(self._renew_leases(), name="rollout.renew")
 
     async def run(self) -> None:
@@ -71,17 +84,19 @@ class RolloutWorker(Actor):
             await self.rollout_function.run()
             return
         while not self.stopping:
-            if self.weights_too_old():
-                await self.wait_for_weights(0.2)
-                continue
+            eval_only = self.weights_too_old()  # too old to train on, maybe the very weights an eval round waits for
             async with self._room:
                 await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
-            lease = await self.request_lease(self.capacity - self.groups_in_flight)
+            lease = await self.request_lease(self.capacity - self.groups_in_flight, eval_only=eval_only)
+            if eval_only and (lease is None or not lease.groups):
+                await self.wait_for_weights(0.2)
+                continue
             if lease is None or not lease.groups:
                 await asyncio.sleep(0.05 if lease is not None else 0.5)
                 continue
             self.hold(lease)
-            await self.wait_for_weights_of(lease)
+            if not eval_only:  # eval groups wait for their own version's weights (wait_for_eval_weights)
+                await self.wait_for_weights_of(lease)
             for group in lease.groups:
                 self.generate_group(lease, group)
 
@@ -105,6 +120,21 @@ class RolloutWorker(Actor):
         while self.weights_too_old() and not self.stopping and time.monotonic() < deadline:
             await self.wait_for_weights(0.2)
 
+    async def wait_for_eval_weights(self, group: PromptGroup) -> None:
+        """An eval group of version v is generated with v's weights: the round starts when v is announced, which
+        can be before its weights land here (the learner then keeps them on the engines until the round is done).
+        A learner that does not push, or weights that never come, do not stall the round past a deadline."""
+        version = eval_version(group.group_id)
+        if version is None or not self.learner_pushes:
+            return
+        deadline = time.monotonic() + EVAL_WEIGHTS_WAIT_S
+        while self.engine.version < version and not self.stopping and time.monotonic() < deadline:
+            await self.wait_for_weights(0.2)
+        if self.engine.version != version:
+            self.counters["eval.off_version_groups"] += 1
+            self.log.warning("eval group generated with other weights than the version it evaluates",
+                             group=group.group_id, engine_version=self.engine.version)
+
     async def wait_for_weights(self, timeout: float) -> None:
         """Until the next weight update lands here, or `timeout` (a push may have landed before we asked)."""
         self._weights_landed.clear()
@@ -121,6 +151,8 @@ class RolloutWorker(Actor):
 
     async def _rollout_group(self, lease: Lease, group: PromptGroup) -> None:
         try:
+            if group.is_eval:
+                await self.wait_for_eval_weights(group)
             context = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.config,
                                      worker_id=self.actor_id)
             samples = await self.generate_fn(context, group)
@@ -143,10 +175,11 @@ class RolloutWorker(Actor):
             self.log.warning("samples failed before scoring", group=group_id, reason=no_room[0].error)
         self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
         handed = time.monotonic()
-        await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id, samples=samples,
-                                               worker_id=self.actor_id))
+        reward_worker = await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id,
+                                                               samples=samples, worker_id=self.actor_id))
         self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
         self.counters["groups.sent"] += 1
+        self.handed_off.note(reward_worker, lease_id, group_id)
 
     async def release(self, lease_id: str) -> None:
         """One group of `lease_id` is done with (sent or given up): free its slot; the last one ends renewal."""
@@ -181,10 +214,10 @@ class RolloutWorker(Actor):
         idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
         return idle / max(now - self._started, 1e-9)
 
-    async def request_lease(self, max_groups: int) -> Lease | None:
+    async def request_lease(self, max_groups: int, *, eval_only: bool = False) -> Lease | None:
         try:
-            reply = await self.buffer.call(LeaseRequest(worker_id=self.actor_id, max_groups=max_groups),
-                                           timeout=5.0, retries=2)
+            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, eval_only=eval_only)
+            reply = await self.buffer.call(request, timeout=5.0, retries=2)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
             self.counters["lease.unanswered"] += 1
             self.log.warning("buffer did not answer a lease request", error=str(error))
@@ -229,6 +262,25 @@ class RolloutWorker(Actor):
         if getattr(self, "rollout_function", None) is not None:
             found.update(self.rollout_function.metrics())
         return found
+
+    async def on_roster(self, roster: Roster) -> None:
+        """A reward worker that died took the groups we handed it: tell the buffer now, so it re-issues them at
+        once instead of when their leases expire (the buffer sees no lease of a reward worker's)."""
+        for event in roster.events:
+            member = self.roster.get(event.actor_id)
+            if event.kind not in ("died", "left") or member is None or member.role != "reward":
+                continue
+            lost = self.handed_off.lost_with(event.actor_id)
+            if not lost:
+                continue
+            reason = f"{event.actor_id} {event.kind} ({event.reason}) before scoring them"
+            try:
+                await self.buffer.call(LostGroups(lease_ids=[lease for lease, _ in lost],
+                                                  group_ids=[group for _, group in lost], reason=reason),
+                                       timeout=5.0, retries=2)
+            except Exception as error:  # the leases still expire: late, but nothing is lost
+                self.log.warning("could not report groups lost with a reward worker", reward=event.actor_id,
+                                 groups=len(lost), error=repr(error))
 
     async def on_stop(self) -> None:
         if hasattr(self, "engine"):

@@ -22,12 +22,11 @@ import numpy as np
 from actors.config import RunConfig
 from actors.rollout.prompt_tokens import encode_prompt
 from actors.slime_compat.plugins import adapt_generate, is_slime_style
-from bus.schema import PromptGroup, Sample
+from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
 from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
 from policies.plugins import load_object
 
 GenerateFunction = Callable[["RolloutContext", PromptGroup], Awaitable[list[Sample]]]
-STATUS_BY_FINISH = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 _request_ids = itertools.count()
 
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 import structlog
 import zmq.asyncio
 
+from actors.config import CONFIG_ERRORS
 from actors.runtime.context import ActorContext
 from actors.runtime.cpu_budget import pin_process
 from actors.runtime.handlers import HandlerTable, collect_handlers
@@ -77,6 +78,7 @@ class Actor:
         self.rpc_server: RpcServer | None = None
         self._controller: RpcClient | None = None
         self._subscriber: Subscriber | None = None
+        self._controller_incarnation: str | None = None
         self._peer_links: list[PeerStream | PeerRpc] = []
         self._stop_requested = asyncio.Event()
         self._stop_reason = ""
@@ -128,6 +130,8 @@ class Actor:
         except ControllerUnreachable as error:
             self.log.error("controller unreachable", error=str(error))
             exit_code = 3
+        except CONFIG_ERRORS:
+            raise  # not a crash: actors.runtime.main exits EXIT_BAD_CONFIG with the reason, and is not restarted
         except Exception:
             self.log.exception("actor failed")
             exit_code = 1
@@ -259,19 +263,39 @@ class Actor:
         while True:
             try:
                 reply = await self._controller.call(self._registration(), timeout=2.0, retries=0)
-                break
             except RpcTimeout:
-                if time.monotonic() > deadline:
+                reply = None
+            if isinstance(reply, Registered):
+                break
+            if isinstance(reply, Error) and reply.reason != "identity_in_use":
+                raise RuntimeError(f"controller refused registration of {self.actor_id}: {reply!r}")
+            if time.monotonic() > deadline:
+                if reply is None:
                     raise ControllerUnreachable(
-                        f"head {self.context.head_address} did not answer for {self.register_timeout:.0f}s"
-                    ) from None
-        if not isinstance(reply, Registered):
-            raise RuntimeError(f"controller refused registration of {self.actor_id}: {reply!r}")
+                        f"head {self.context.head_address} did not answer for {self.register_timeout:.0f}s")
+                raise RuntimeError(f"{self.actor_id}: the controller kept refusing the name for "
+                                   f"{self.register_timeout:.0f}s: {reply.detail}")  # type: ignore[union-attr]
+            if reply is not None:  # our predecessor's connection is not detached yet: it will be, shortly
+                await asyncio.sleep(0.5)
+        if reply.controller != self._controller_incarnation:
+            if self._controller_incarnation is not None:
+                self.log.info("the controller restarted; following the new one", publish=reply.publish_endpoint)
+            self._controller_incarnation = reply.controller
+            self.roster_generation = -1  # a new controller counts roster generations from 0 again
         await self._apply_roster(reply.roster)
-        if self._subscriber is None:
-            topics = list(CONTROL_TOPICS) + [t for t in self._handlers.broadcast if t not in CONTROL_TOPICS]
-            self._subscriber = Subscriber(self.zmq, reply.publish_endpoint, topics, security=self.security)
+        self._follow_broadcasts(reply.publish_endpoint)
         self.log.info("registered", head=self.context.head_address, members=len(self.roster))
+
+    def _follow_broadcasts(self, endpoint: str) -> None:
+        """Subscribe to the controller's broadcasts at `endpoint`. A restarted controller publishes on a new port
+        (and a new roster generation count): without moving there we would hear no stop, roster or version."""
+        if self._subscriber is not None and self._subscriber.endpoints == [endpoint]:
+            return
+        topics = list(CONTROL_TOPICS) + [t for t in self._handlers.broadcast if t not in CONTROL_TOPICS]
+        if self._subscriber is None:
+            self._subscriber = Subscriber(self.zmq, endpoint, topics, security=self.security)
+            return
+        self._subscriber.reconnect(endpoint)
 
     async def _leave(self) -> None:
         if self._controller is None:

@@ -2,21 +2,27 @@
 
 The launcher starts every actor this way; a developer can start one by hand with the same file to debug it.
 The process runs on uvloop where available, turns SIGTERM/SIGINT into a graceful stop, and a second signal
-into an immediate exit. Its exit code tells the launcher what happened: 0 stopped on purpose, 1 crashed,
-2 bad configuration, 3 controller unreachable.
+into an immediate exit. Its exit code tells the launcher what happened (actors.runtime.exits): 0 stopped on
+purpose, 1 crashed, 2 bad configuration (a `ConfigError`, a plugin path that does not load, an unreadable context:
+reported with its reason, and not restarted), 3 controller unreachable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import os
 import signal
 import sys
 from pathlib import Path
 
+import structlog
+
+from actors.config import CONFIG_ERRORS
 from actors.runtime.context import ActorContext
-from actors.runtime.logs import configure_logging
+from actors.runtime.exits import EXIT_BAD_CONFIG, report_bad_config
+from actors.runtime.logs import configure_logging, quiet_library_output
 from actors.runtime.roles import resolve_actor_class
 
 
@@ -49,26 +55,35 @@ def run_actor(context: ActorContext) -> int:
     configure_logging(role=context.role, actor_id=context.actor_id, node=context.node_rank,
                       log_dir=context.log_dir, file_level=context.settings.log_level,
                       console_level=context.settings.console_log_level)
-    try:
+    run = asyncio.run
+    with contextlib.suppress(ImportError):
         import uvloop
 
-        return uvloop.run(_serve(context))
-    except ImportError:
-        return asyncio.run(_serve(context))
+        run = uvloop.run
+    try:
+        return run(_serve(context))
+    except CONFIG_ERRORS as error:
+        structlog.get_logger().error("bad configuration", error=str(error))
+        return report_bad_config(context, str(error))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    quiet_library_output()  # before the actor's module imports torch and transformers
     if len(args) != 1:
         print("usage: python -m actors.runtime.main CONTEXT.json", file=sys.stderr)
         return 2
     path = Path(args[0])
     try:
         context = ActorContext.from_json(path.read_text(encoding="utf-8"), source=str(path))
-        resolve_actor_class(context.actor_class)
-    except (OSError, ValueError, TypeError, ImportError, AttributeError) as error:
+    except (OSError, ValueError, TypeError) as error:
         print(f"actor context {path}: {error}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
+    try:
+        resolve_actor_class(context.actor_class)
+    except (ValueError, TypeError, ImportError, AttributeError) as error:
+        print(f"{context.actor_id}: bad configuration: {error}", file=sys.stderr)
+        return report_bad_config(context, str(error))
     return run_actor(context)
 
 

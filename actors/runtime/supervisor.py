@@ -5,7 +5,8 @@ terminal reaches only the launcher, which then stops the children in order; chil
 the launcher itself dies (PR_SET_PDEATHSIG), so no actor outlives its supervisor. An actor that exits 0 is
 done; one that crashes is restarted after a growing delay until it has crashed `max_restarts` times within
 `window_s`, and then the whole run is failed, because a permanently broken role would otherwise leave the
-others waiting forever.
+others waiting forever. One that exits for a bad configuration (actors.runtime.exits) fails the run at once, with
+the reason it gave: a restart would only fail the same way.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from pathlib import Path
 import structlog
 
 from actors.runtime.context import ActorContext
+from actors.runtime.exits import EXIT_BAD_CONFIG, bad_config_report, clear_bad_config_report
 from actors.runtime.zygote_client import ForkedProcess, Zygote, ZygoteError
 from engines.process import die_with_parent
 
 LIGHT_ROLES = ("controller", "buffer", "reward")  # built-in roles that load no model (custom ones may)
-EXIT_BAD_CONFIG = 2
-EXIT_CONTROLLER_UNREACHABLE = 3
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,7 @@ class Supervisor:
 
     async def _start(self, child: Child) -> None:
         env = self._child_env(child.context)
+        clear_bad_config_report(child.context)
         child.process = await self._fork(child, env) or await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.runtime.main", str(child.context_path),
             start_new_session=True, preexec_fn=die_with_parent, env=env,
@@ -151,7 +152,8 @@ class Supervisor:
                     self.request_stop("the controller finished the run", grace_s=self.stop_grace_s)
                 return
             if code == EXIT_BAD_CONFIG:
-                self._fail(f"{actor} exited with code {code}: bad configuration (see its log)")
+                why = bad_config_report(child.context) or f"see {child.context.log_dir / actor}.jsonl"
+                self._fail(f"{actor}: bad configuration: {why}")
                 child.done = True
                 return
             if not self._may_restart(child):

@@ -30,6 +30,7 @@ import socket
 import sys
 from typing import Any
 
+from actors.runtime.logs import quiet_library_output
 from engines.process import die_with_parent
 
 # What every actor imports (the template is ready once these are in), and what only the model-holding ones do:
@@ -137,6 +138,7 @@ def _send(control: socket.socket, message: dict[str, Any]) -> None:
 
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
+    quiet_library_output()  # torch and transformers read it when imported here, for every actor forked later
     preload(LIGHT)
     _send(control, {"ready": os.getpid()})
     serve(control)

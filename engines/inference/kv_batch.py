@@ -9,11 +9,16 @@ positions (so padding never shifts RoPE). Then
   padding in every remaining row are cut off (the columns are always `max(row lengths)`);
 * a newly prefilled group joins by left-padding the narrower of the two caches and stacking the rows.
 
-The model is never patched: we only hand it `past_key_values`, `attention_mask` and `position_ids`, which is
-why any HF causal LM with full attention works (Llama, Qwen2, Qwen3, ...).
+The model is never patched: we only hand it a `DynamicCache`, `attention_mask` and `position_ids`, which is
+why any HF causal LM with full attention works (Llama, Qwen2, Qwen3, ...). The cache goes in under the name the
+model's `forward` declares: `cache` on current transformers (where `past_key_values` is deprecated, warns on every
+forward, and goes in 5.40), `past_key_values` on older releases.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -65,9 +70,9 @@ class KVBatch:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{_cache_argument(model): cache},
         )
         batch = cls(cache, attention_mask, attention_mask.sum(dim=-1))
         return batch, output.logits[:, -1, :]
@@ -80,8 +85,8 @@ class KVBatch:
             input_ids=input_ids.unsqueeze(-1),
             attention_mask=self.attention_mask,
             position_ids=self.next_positions.unsqueeze(-1),
-            past_key_values=self.cache,
             use_cache=True,
+            **{_cache_argument(model): self.cache},
         )
         self.next_positions = self.next_positions + 1
         return output.logits[:, -1, :]
@@ -121,6 +126,18 @@ class KVBatch:
 
     def _layers(self) -> list:
         return [] if self.cache is None else list(self.cache.layers)
+
+
+@functools.cache
+def _cache_argument_of(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The keyword `model.forward` takes its KV cache by: `cache` on current transformers, `past_key_values` on
+    older releases (which would swallow an unknown `cache` into **kwargs and silently decode without it)."""
+    return _cache_argument_of(type(model))
 
 
 def _stack_right_aligned(first: torch.Tensor, second: torch.Tensor, columns: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ _EXPORTS = {
     "plan_buckets": "engines.weights.manifest",
     "DEFAULT_BUCKET_BYTES": "engines.weights.torch_distributed",
     "DEFAULT_DIRECT_BYTES": "engines.weights.torch_distributed",
-    "TorchDistributedWeightReceiver": "engines.weights.torch_distributed",
+    "TorchDistributedWeightReceiver": "engines.weights.torch_receiver",
     "TorchDistributedWeightSender": "engines.weights.torch_distributed",
     "SenderOptions": "engines.weights.transport",
     "WeightTransport": "engines.weights.transport",

@@ -59,7 +59,8 @@ class WeightSender(ABC):
     """Learner rank 0's end of the transfer group.
 
     Use: `spec = open_group([sender, *engines])`, hand `spec.to_dict()` to the engines, `wait_for_receivers()`,
-    then `send(...)` per version; after a WeightTransferError, `open_group` again with the live engines.
+    then `send(...)` per version; after a WeightTransferError, `open_group` again with the live engines (after
+    `abort(...)` too).
     """
 
     @property
@@ -89,6 +90,19 @@ class WeightSender(ABC):
         `named_tensors` may be a generator (the learner's holds its ranks' lock until exhausted or closed): it is
         iterated once, and its tensors are read, never modified.
         """
+
+    def abort(self, failed: Mapping[str, str]) -> None:
+        """Give the open generation up because of `failed` (member -> why), from any thread: a `wait_for_receivers`
+        or `send` blocked on a member known to be gone raises WeightTransferError now, not at its timeout.
+
+        The learner calls it when the roster says a member died or was replaced. A mechanism that cannot be
+        interrupted keeps this default and its calls end at their timeouts."""
+        return None
+
+    def waiting_on(self) -> list[str]:
+        """The receivers a blocked `wait_for_receivers` or `send` still waits for, from any thread: what the
+        learner names when a push takes long. Best effort; the default knows nothing."""
+        return []
 
     @abstractmethod
     def close(self) -> None: ...

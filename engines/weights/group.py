@@ -10,12 +10,24 @@ Rendezvous, per generation: each receiver registers its name under its rank; the
 and then publishes "go" (or "abort: <who is missing>", which the joined receivers read and raise); then all
 members construct the process group and exchange one tiny broadcast so a dead member shows up at formation,
 not in the middle of the first transfer.
+
+A generation the sender gives up on (a member died, or it moved on to the next generation) gets an "aborted"
+key; every wait on either side polls for it beside what it waits for, so nobody sits out a timeout for a process
+that is gone.
+
+Everything listens on the configured address only: the store's server socket is bound here and handed to torch
+(which would otherwise listen on every interface), and gloo binds the sender to that address and each receiver to
+its own address on the route to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
-from collections.abc import Mapping
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -32,6 +44,9 @@ STATUS_GO = b"go"
 ABORT_PREFIX = b"abort:"
 OK = b"ok"  # a member's reply when all went well; otherwise ERROR_PREFIX and why
 ERROR_PREFIX = b"error:"
+ABORTED = "aborted"  # per generation: set (to the reason) once the sender gave the generation up
+POLL_S = 0.05  # the longest pause between two looks at the store (or at a pending collective) while waiting
+IN_FLIGHT = 2  # broadcasts outstanding at once, on both ends: one on the wire while the next is packed/posted
 
 
 @dataclass(frozen=True)
@@ -78,8 +93,25 @@ def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:
 
 
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The sender's store server; port 0 picks a free port (read it back from `.port`)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    """The sender's store server, listening on `host` only; port 0 picks a free port (read it back from `.port`).
+
+    Torch binds its server to every interface; given a socket already bound (`master_listen_fd`), it serves on
+    that one, and owns it from then on (it closes the socket when the store goes)."""
+    listener = _listening_socket(host, port)
+    try:
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns it now
+    return store
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -89,23 +121,83 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         raise WeightTransferError(f"cannot reach the weight-transfer store at {host}:{port}: {error}") from error
 
 
-def missing_keys(store: dist.Store, keys: list[str], timeout_s: float) -> list[str]:
-    """Wait up to `timeout_s` for all `keys`; return the ones still absent (empty list on success)."""
+def missing_keys(
+    store: dist.Store, keys: list[str], timeout_s: float, *, stop: Callable[[], bool] | None = None
+) -> list[str]:
+    """Wait up to `timeout_s` for all `keys`; return the ones still absent (empty list on success).
+
+    With `stop`, the store is polled (at most POLL_S apart) and the wait ends early, returning what is still
+    missing, as soon as `stop()` is true: the caller tells a timeout from a stop by asking `stop()` again."""
     if not keys:
         return []
-    try:
-        store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
-        return []
-    except (RuntimeError, dist.DistError):
-        return [key for key in keys if not store.check([key])]
+    if stop is None:
+        try:
+            store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
+            return []
+        except (RuntimeError, dist.DistError):
+            return [key for key in keys if not store.check([key])]
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= deadline or stop():
+            return [key for key in keys if not store.check([key])]
+        time.sleep(min(pause, deadline - now))
+        pause = min(2 * pause, POLL_S)
+    return []
+
+
+def aborted(store: dist.Store) -> str | None:
+    """Why the sender gave this generation up (`store` is the generation's), or None while it stands."""
+    if not store.check([ABORTED]):
+        return None
+    return store.get(ABORTED).decode(errors="replace")
+
+
+def wait_work(work: dist.Work, stop: Callable[[], bool]) -> bool:
+    """Wait for a collective; True once it completed, False (still pending) as soon as `stop()` is true.
+
+    A gloo collective waits for a dead peer until the group's timeout, and cannot be cancelled; waiting in
+    slices lets the caller give up on it (see `park`). A failed collective raises its error."""
+    while True:
+        try:
+            work.wait(timedelta(seconds=POLL_S))
+            return True
+        except (RuntimeError, dist.DistError):
+            if work.is_completed():
+                raise
+        if stop():
+            return False
+
+
+def park(group: Any, pending: list[dist.Work], keep: list[Any]) -> None:
+    """Let go of a process group whose collectives are still pending on a peer that will never take part.
+
+    Gloo can neither cancel them nor destroy the group meanwhile (destruction blocks until they end), and they
+    read or write the tensors in `keep` until then: a daemon thread holds all of it until the collectives ended
+    (the group's timeout at worst) and drops it there, so no caller ever blocks on it."""
+    threading.Thread(target=_hold, args=(group, pending, keep), name="weights-parked-group", daemon=True).start()
+
+
+def _hold(group: Any, pending: list[dist.Work], keep: list[Any]) -> None:
+    for work in pending:
+        with contextlib.suppress(Exception):  # the group was abandoned: its collectives are expected to fail
+            work.wait()
 
 
 def failed_replies(
-    store: dist.Store, key_by_member: Mapping[str, str], timeout_s: float, *, expected: bytes, silent: str
+    store: dist.Store,
+    key_by_member: Mapping[str, str],
+    timeout_s: float,
+    *,
+    expected: bytes,
+    silent: str,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, str]:
     """Members whose reply key did not appear within `timeout_s` (reason `silent`) or holds something other than
-    `expected` (the reason they wrote after ERROR_PREFIX); empty when every member answered as expected."""
-    missing = set(missing_keys(store, list(key_by_member.values()), timeout_s))
+    `expected` (the reason they wrote after ERROR_PREFIX); empty when every member answered as expected. `stop`
+    as for `missing_keys` (the members still silent then count as failed)."""
+    missing = set(missing_keys(store, list(key_by_member.values()), timeout_s, stop=stop))
     failed: dict[str, str] = {}
     for member, key in key_by_member.items():
         if key in missing:
@@ -120,7 +212,10 @@ def failed_replies(
 def create_process_group(
     store: dist.Store, rank: int, size: int, backend: Backend, host: str, timeout_s: float
 ) -> dist.ProcessGroup:
-    """Build the group object (blocks until all `size` members construct theirs, or raises on timeout)."""
+    """Build the group object (blocks until all `size` members construct theirs, or raises on timeout).
+
+    `host` is the store's, that is the sender's (rank 0's) address: gloo listens there on the sender, and on each
+    receiver at the receiver's own address on the route to it."""
     timeout = timedelta(seconds=timeout_s)
     pg_store = dist.PrefixStore("pg/", store)
     if backend == "cuda_ipc":
@@ -136,7 +231,7 @@ def create_process_group(
         return dist.ProcessGroupNCCL(pg_store, rank, size, options)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [_gloo_device(host)]
+    options._devices = [_gloo_device(host if rank == 0 else local_address_towards(host))]
     return dist.ProcessGroupGloo(pg_store, rank, size, options)
 
 
@@ -157,12 +252,57 @@ def transfer_device(backend: Backend, device: torch.device | str | None) -> torc
     return torch.device("cpu")
 
 
-def _gloo_device(host: str) -> Any:
-    """A loopback store means every member is on this machine: bind gloo to loopback too, since the default
-    (resolving the hostname) can pick an interface that is down or firewalled on laptops and CI runners."""
-    if _is_loopback(host):
+@contextlib.contextmanager
+def single_threaded_copies(device: torch.device) -> Iterator[None]:
+    """One intra-op thread for the packing and loading copies of a CPU transfer; a no-op for CUDA ones.
+
+    Gloo moves bytes on its own threads, and torch's OpenMP workers, which keep spinning for a while after each
+    parallel copy, starve them on small machines (measured: half the throughput on 2 cores)."""
+    if device.type != "cpu":
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (asked of the kernel; no packet is sent)."""
+    if _is_loopback(host) or _is_wildcard(host):
+        return host
+    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0])
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family, kind, protocol, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as error:
+        listener.close()
+        raise WeightTransferError(f"cannot listen for the weight-transfer store on {host}:{port}: {error}") from error
+    return listener
+
+
+def _gloo_device(address: str) -> Any:
+    """Gloo listens on `address` (a wildcard: wherever the hostname resolves, gloo's default). A loopback store
+    means every member is on this machine, so loopback it is, never an interface resolved from the hostname, which
+    can be down or firewalled on laptops and CI runners."""
+    if _is_loopback(address):
         return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    return dist.ProcessGroupGloo.create_default_device()
+    if _is_wildcard(address):
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=address)
 
 
 def _is_loopback(host: str) -> bool:
@@ -170,5 +310,12 @@ def _is_loopback(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return not host or ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return False

@@ -8,7 +8,7 @@ and a receiver can allocate, post the next receive and slice views without furth
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -155,3 +155,16 @@ def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int, direct_bytes:
 
 def _align(offset: int) -> int:
     return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def tensor_view(buffer: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
+    """The tensor `spec` describes, as a view of a bucket's bytes at `offset` (no copy)."""
+    return buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+def bucket_views(
+    buffer: torch.Tensor, specs: tuple[TensorSpec, ...], bucket: Bucket
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for index, offset in bucket.entries:
+        spec = specs[index]
+        yield spec.name, tensor_view(buffer, offset, spec)

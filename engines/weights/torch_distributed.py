@@ -1,4 +1,5 @@
-"""Bucketed weight broadcast over a standalone torch.distributed group (gloo on CPU, NCCL on GPU).
+"""Bucketed weight broadcast over a standalone torch.distributed group (gloo on CPU, NCCL on GPU): the protocol,
+and the sender (learner rank 0); the receiver is in `torch_receiver.py`, the group and store in `group.py`.
 
 One transfer, keyed by its sequence number inside the group generation:
 
@@ -17,9 +18,12 @@ A receiver whose `load_fn` raises keeps receiving the remaining buckets (so the 
 group stays usable), then reports the error in its ack. A broken collective (a member died mid-transfer)
 breaks the generation: both ends raise and the learner forms a new generation.
 
-CPU note: gloo moves bytes on its own threads. Torch's OpenMP workers, which keep spinning for a while after
-each parallel copy, starve those threads on small machines (measured: half the throughput on 2 cores), so on
-the CPU the packing and loading copies run with one intra-op thread for the duration of a transfer.
+A member's death is often known to the learner (its roster) before any collective fails: gloo waits for a dead
+peer until the group's timeout. `abort()` gives the generation up from another thread; the sender's waits end
+within a poll interval, it marks the generation aborted in the store, and every receiver's waits (for keys or
+for a collective) end as soon as they see that mark. A collective still pending then is parked, never waited for.
+
+On the CPU the packing and loading copies run with one intra-op thread (`group.single_threaded_copies`).
 """
 
 from __future__ import annotations
@@ -27,22 +31,22 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from engines.weights import group as groups
-from engines.weights.base import LoadFn, TransferReport, WeightReceiver, WeightSender, WeightTransferError
-from engines.weights.manifest import Bucket, Manifest, TensorSpec
+from engines.weights.base import TransferReport, WeightSender, WeightTransferError
+from engines.weights.manifest import Bucket, Manifest, TensorSpec, tensor_view
 
 # Measured with tools/bench_weights.py on gloo: each collective costs ~0.5 ms whatever its size, so tensors under
 # 1 MiB are coalesced; buckets of 32 MiB keep the packing of the first bucket and the unpacking of the last
 # (the only copies the two-deep pipeline cannot hide) short; 256 MiB buckets were ~25% slower on fp32 weights.
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 DEFAULT_DIRECT_BYTES = 1024 * 1024
-IN_FLIGHT = 2
+BROKEN_ACKS_S = 1.0  # after a broadcast broke, how long the sender waits for the receivers to say why
 OK, ERROR_PREFIX = groups.OK, groups.ERROR_PREFIX
 
 
@@ -52,6 +56,7 @@ class TorchDistributedWeightSender(WeightSender):
     Usage: `spec = sender.open_group(["learner", "engine-0", ...])`; hand `spec` to the engines (they call
     `TorchDistributedWeightReceiver.join(spec, name)`); `sender.wait_for_receivers()`; then `send(...)` per
     version. After a `WeightTransferError` from a broken group, call `open_group` again with the live members.
+    `abort(...)`, from any thread, gives the open generation up at once (a member is known to be gone).
     """
 
     def __init__(
@@ -77,6 +82,8 @@ class TorchDistributedWeightSender(WeightSender):
         self._keys: dist.PrefixStore | None = None
         self._group: dist.ProcessGroup | None = None
         self._broken: str | None = None
+        self._aborted: dict[str, str] | None = None  # set by abort(), from any thread
+        self._awaited: dict[str, str] = {}  # member -> the key the call under way waits for (see waiting_on)
         self._sequence = 0
         self._committed: int | None = None
         self._buffers: list[Tensor] = []
@@ -95,20 +102,41 @@ class TorchDistributedWeightSender(WeightSender):
         self._generation += 1
         self._spec = groups.GroupSpec(self._host, self.port, self._generation, tuple(members), self._backend)
         self._keys = groups.generation_store(self._store, self._generation)
-        self._broken, self._sequence = None, 0
+        self._broken, self._aborted, self._sequence = None, None, 0
         return self._spec
+
+    def abort(self, failed: Mapping[str, str]) -> None:
+        """Give the open generation up because of `failed` (member -> why: its process died, was replaced...).
+
+        Thread-safe, and meant to be called while another thread is blocked in `wait_for_receivers` or `send`:
+        that call raises WeightTransferError naming `failed` within a poll interval instead of waiting out its
+        timeout, and so does any later call on this generation. `open_group` starts the next one."""
+        if self._aborted is None:
+            self._aborted = dict(failed) or {"(unnamed)": "aborted"}
+
+    def waiting_on(self) -> list[str]:
+        """The members whose readiness (join, ready, ack) the call under way still waits for; from any thread
+        (the store client serializes its calls). Empty while bytes move: gloo does not say whom it waits for."""
+        awaited, keys = self._awaited, self._keys
+        if not awaited or keys is None:
+            return []
+        try:
+            return [member for member, key in awaited.items() if not keys.check([key])]
+        except (RuntimeError, dist.DistError):
+            return []
 
     def wait_for_receivers(self, timeout_s: float | None = None) -> None:
         """Block until every receiver of the open generation joined; raise naming those that did not."""
         spec, keys = self._require_spec()
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        joined = [f"joined/{rank}" for rank in range(1, len(spec.members))]
-        missing = groups.missing_keys(keys, joined, timeout_s)
+        missing = self._await(keys, {member: f"joined/{rank}" for rank, member in enumerate(spec.members)
+                                     if rank > 0}, timeout_s)
+        if self._aborted is not None:
+            raise self._give_up(keys, "status", f"weight-transfer group generation {spec.generation} not formed")
         if missing:
             absent = {spec.members[int(key.split("/")[1])]: f"never joined within {timeout_s:g}s" for key in missing}
-            keys.set("status", groups.ABORT_PREFIX + f" never joined: {', '.join(absent)}".encode())
-            self._broken = "formation aborted"
-            raise WeightTransferError(f"weight-transfer group generation {spec.generation} not formed", absent)
+            raise self._give_up(keys, "status", f"weight-transfer group generation {spec.generation} not formed",
+                                absent, why=f"never joined: {', '.join(absent)}")
         keys.set("status", groups.STATUS_GO)
         try:
             self._group = groups.create_process_group(
@@ -141,6 +169,8 @@ class TorchDistributedWeightSender(WeightSender):
         """
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         spec, keys = self._require_spec()
+        if self._aborted is not None and self._broken is None:
+            raise self._give_up(keys, None, f"weight transfer of version {version} not started")
         if self._group is None or self._broken is not None:
             raise WeightTransferError(
                 f"weight-transfer group generation {spec.generation} is not usable "
@@ -152,29 +182,37 @@ class TorchDistributedWeightSender(WeightSender):
         prefix = f"xfer/{self._sequence}/"
         receivers = spec.receivers
         keys.set(prefix + "manifest", manifest.encode())
-        missing = groups.missing_keys(
-            keys, [f"{prefix}ready/{rank}" for rank in range(1, len(spec.members))], timeout_s
-        )
+        missing = self._await(keys, {member: f"{prefix}ready/{rank}" for rank, member in enumerate(spec.members)
+                                     if rank > 0}, timeout_s)
+        if self._aborted is not None:
+            raise self._give_up(keys, prefix + "go", f"weight transfer of version {version} not started")
         if missing:
             failed = {
                 spec.members[int(key.rsplit("/", 1)[1])]: "not ready to receive (died or stalled)" for key in missing
             }
-            keys.set(prefix + "go", groups.ABORT_PREFIX + f" not ready: {', '.join(failed)}".encode())
-            self._broken = f"receivers {sorted(failed)} missing at transfer {self._sequence}"
-            raise WeightTransferError(f"weight transfer of version {version} not started", failed)
+            raise self._give_up(keys, prefix + "go", f"weight transfer of version {version} not started", failed,
+                                why=f"not ready: {', '.join(failed)}")
         keys.set(prefix + "go", groups.STATUS_GO)
         buckets = manifest.buckets()
         try:
-            with _single_threaded_copies(self._device):
-                self._broadcast_buckets(tensors, manifest, buckets)
+            with groups.single_threaded_copies(self._device):
+                completed = self._broadcast_buckets(tensors, manifest, buckets)
         except (RuntimeError, dist.DistError) as error:
+            failed = {}
+            if self._aborted is None:  # the receivers still waiting leave now; those that can, say why
+                keys.set(groups.ABORTED, f"broadcast failed at the sender: {error}"[:1000].encode())
+                failed = self._collect_acks(spec, prefix, min(timeout_s, BROKEN_ACKS_S))
+            if self._aborted is not None:  # the death abort() was told of broke the collective
+                raise self._give_up(keys, None, f"weight transfer of version {version} broke mid-way") from error
             self._broken = f"broadcast failed: {error}"
-            failed = self._collect_acks(spec, prefix, min(timeout_s, 5.0))
-            failed = failed or dict.fromkeys(receivers, "unknown")
             raise WeightTransferError(
-                f"weight transfer of version {version} broke mid-way: {error}", failed
+                f"weight transfer of version {version} broke mid-way: {error}", failed or dict.fromkeys(receivers, "?")
             ) from error
+        if not completed:
+            raise self._give_up(keys, None, f"weight transfer of version {version} abandoned mid-way")
         failed = self._collect_acks(spec, prefix, timeout_s)
+        if failed and self._aborted is not None:  # every ack in: committed, whatever happened since
+            raise self._give_up(keys, None, f"weight transfer of version {version} not committed")
         self._clear_keys(keys, prefix, len(spec.members))
         self._sequence += 1
         if failed:
@@ -190,6 +228,10 @@ class TorchDistributedWeightSender(WeightSender):
         )
 
     def close_group(self) -> None:
+        """Drop the open generation; a receiver still waiting in it (for keys or a collective) leaves at once."""
+        if self._keys is not None and not self._keys.check([groups.ABORTED]):
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self._keys.set(groups.ABORTED, b"superseded by a new generation")
         self._group, self._buffers = None, []
         self._spec, self._keys = None, None
 
@@ -198,35 +240,82 @@ class TorchDistributedWeightSender(WeightSender):
 
     # -- internals --------------------------------------------------------------------------------------------
 
+    def _is_aborted(self) -> bool:
+        return self._aborted is not None
+
+    def _give_up(
+        self,
+        keys: dist.PrefixStore,
+        status_key: str | None,
+        message: str,
+        failed: Mapping[str, str] | None = None,
+        *,
+        why: str | None = None,
+    ) -> WeightTransferError:
+        """Mark the generation given up (for the receivers: `status_key`, if one is awaited, and the ABORTED mark)
+        and return the error to raise; without `failed`, the members `abort()` named are at fault."""
+        failed = dict(failed) if failed is not None else dict(self._aborted or {})
+        why = why or "; ".join(f"{member}: {reason}" for member, reason in failed.items())
+        self._broken = self._broken or why
+        if status_key is not None:
+            keys.set(status_key, groups.ABORT_PREFIX + f" {why}".encode())
+        keys.set(groups.ABORTED, why.encode())
+        return WeightTransferError(message, failed)
+
     def _require_spec(self) -> tuple[groups.GroupSpec, dist.PrefixStore]:
         if self._spec is None or self._keys is None:
             raise WeightTransferError("no weight-transfer group is open; call open_group() first")
         return self._spec, self._keys
 
-    def _broadcast_buckets(self, tensors: list[tuple[str, Tensor]], manifest: Manifest, buckets: list[Bucket]) -> None:
-        """At most IN_FLIGHT broadcasts outstanding; a packing slot is rewritten only after its last send ended."""
-        in_flight: deque[dist.Work] = deque()
-        slot_work: list[dist.Work | None] = [None] * IN_FLIGHT
+    def _broadcast_buckets(self, tensors: list[tuple[str, Tensor]], manifest: Manifest, buckets: list[Bucket]) -> bool:
+        """At most IN_FLIGHT broadcasts outstanding; a packing slot is rewritten only after its last send ended.
+
+        False if `abort()` came first. Then, or when a broadcast fails, the group is let go of with whatever is
+        still pending on it (`group.park`): destroying it here would block until gloo's timeout."""
+        in_flight: deque[tuple[dist.Work, Tensor]] = deque()
+        slot_work: list[dist.Work | None] = [None] * groups.IN_FLIGHT
         next_slot = 0
-        for bucket in buckets:
-            if bucket.nbytes == 0:
-                continue
-            while len(in_flight) >= IN_FLIGHT:
-                in_flight.popleft().wait()
-            payload, slot = self._direct_payload(tensors, manifest, bucket), None
-            if payload is None:
-                slot, next_slot = next_slot, (next_slot + 1) % IN_FLIGHT
-                if slot_work[slot] is not None:
-                    slot_work[slot].wait()
-                payload = self._buffer(slot, bucket.nbytes)
-                for index, offset in bucket.entries:
-                    _view(payload, offset, manifest.tensors[index]).copy_(tensors[index][1])
-            work = groups.broadcast(self._group, payload)
-            if slot is not None:
-                slot_work[slot] = work
-            in_flight.append(work)
-        while in_flight:
-            in_flight.popleft().wait()
+        try:
+            for bucket in buckets:
+                if bucket.nbytes == 0:
+                    continue
+                while len(in_flight) >= groups.IN_FLIGHT:
+                    if not self._wait(in_flight[0][0]):
+                        return self._let_go(in_flight)
+                    in_flight.popleft()
+                payload, slot = self._direct_payload(tensors, manifest, bucket), None
+                if payload is None:
+                    slot, next_slot = next_slot, (next_slot + 1) % groups.IN_FLIGHT
+                    if slot_work[slot] is not None and not self._wait(slot_work[slot]):
+                        return self._let_go(in_flight)
+                    payload = self._buffer(slot, bucket.nbytes)
+                    for index, offset in bucket.entries:
+                        tensor_view(payload, offset, manifest.tensors[index]).copy_(tensors[index][1])
+                work = groups.broadcast(self._group, payload)
+                if slot is not None:
+                    slot_work[slot] = work
+                in_flight.append((work, payload))
+            while in_flight:
+                if not self._wait(in_flight[0][0]):
+                    return self._let_go(in_flight)
+                in_flight.popleft()
+        except (RuntimeError, dist.DistError):
+            self._let_go(in_flight)
+            raise
+        return True
+
+    def _let_go(self, in_flight: deque[tuple[dist.Work, Tensor]]) -> bool:
+        pending = [work for work, _ in in_flight]
+        groups.park(self._group, pending, [payload for _, payload in in_flight] + self._buffers)
+        self._group, self._buffers = None, []
+        return False
+
+    def _wait(self, work: dist.Work) -> bool:
+        """NCCL's wait only orders streams, it never blocks this thread for long: nothing to slice there."""
+        if self._backend == "nccl":
+            work.wait()
+            return True
+        return groups.wait_work(work, self._is_aborted)
 
     def _direct_payload(self, tensors: list[tuple[str, Tensor]], manifest: Manifest, bucket: Bucket) -> Tensor | None:
         """The tensor's own bytes when a bucket is one tensor already in wire form (no cast, no copy)."""
@@ -251,184 +340,26 @@ class TorchDistributedWeightSender(WeightSender):
 
     def _collect_acks(self, spec: groups.GroupSpec, prefix: str, timeout_s: float) -> dict[str, str]:
         keys = {spec.members[rank]: f"{prefix}ack/{rank}" for rank in range(1, len(spec.members))}
-        return groups.failed_replies(self._keys, keys, timeout_s, expected=OK,
-                                     silent=f"no acknowledgement within {timeout_s:g}s (died or stalled)")
+        self._awaited = keys
+        try:
+            return groups.failed_replies(self._keys, keys, timeout_s, expected=OK, stop=self._is_aborted,
+                                         silent=f"no acknowledgement within {timeout_s:g}s (died or stalled)")
+        finally:
+            self._awaited = {}
+
+    def _await(self, keys: dist.PrefixStore, key_by_member: dict[str, str], timeout_s: float) -> list[str]:
+        """The keys still missing after waiting for all of them (`abort()` ends the wait); meanwhile
+        `waiting_on()` names the members whose key has not appeared."""
+        self._awaited = key_by_member
+        try:
+            return groups.missing_keys(keys, list(key_by_member.values()), timeout_s, stop=self._is_aborted)
+        finally:
+            self._awaited = {}
 
     @staticmethod
     def _clear_keys(keys: dist.PrefixStore, prefix: str, size: int) -> None:
         for key in ("manifest", "go", *(f"ready/{r}" for r in range(1, size)), *(f"ack/{r}" for r in range(1, size))):
             keys.delete_key(prefix + key)
-
-
-class TorchDistributedWeightReceiver(WeightReceiver):
-    """An engine's end of one group generation. Create it with `join`; a new generation needs a new receiver."""
-
-    def __init__(
-        self,
-        spec: groups.GroupSpec,
-        name: str,
-        rank: int,
-        store: dist.TCPStore,
-        process_group: dist.ProcessGroup,
-        device: torch.device,
-        timeout_s: float,
-    ) -> None:
-        self.spec, self.name, self.rank = spec, name, rank
-        self._store = store
-        self._keys = groups.generation_store(store, spec.generation)
-        self._group: dist.ProcessGroup | None = process_group
-        self._device = device
-        self._timeout_s = timeout_s
-        self._sequence = 0
-        self._buffers: list[Tensor] = []
-
-    @classmethod
-    def join(
-        cls,
-        spec: groups.GroupSpec,
-        name: str,
-        *,
-        timeout_s: float = 120.0,
-        device: torch.device | str | None = None,
-    ) -> TorchDistributedWeightReceiver:
-        """Register as `name`, wait for the sender's go, and build the process group (all blocking)."""
-        rank = spec.rank_of(name)
-        if rank == 0:
-            raise ValueError(f"{name!r} is the sender (members[0]) of generation {spec.generation}, not a receiver")
-        transfer_device = groups.transfer_device(spec.backend, device)
-        store = groups.connect_store(spec.host, spec.port, timeout_s)
-        keys = groups.generation_store(store, spec.generation)
-        if keys.add(f"join_count/{rank}", 1) > 1:
-            raise WeightTransferError(f"{name!r} already joined generation {spec.generation}", {name: "joined twice"})
-        keys.set(f"joined/{rank}", name.encode())
-        if groups.missing_keys(keys, ["status"], timeout_s):
-            raise WeightTransferError(f"{name}: sender did not start generation {spec.generation} in {timeout_s:g}s")
-        status = keys.get("status")
-        if status != groups.STATUS_GO:
-            reason = status.removeprefix(groups.ABORT_PREFIX).decode(errors="replace").strip()
-            raise WeightTransferError(f"{name}: generation {spec.generation} aborted by the sender: {reason}")
-        try:
-            process_group = groups.create_process_group(
-                keys, rank, len(spec.members), spec.backend, spec.host, timeout_s
-            )
-            groups.broadcast(process_group, torch.zeros(1, device=transfer_device)).wait()
-        except (RuntimeError, dist.DistError) as error:
-            raise WeightTransferError(f"{name}: process group formation failed: {error}") from error
-        return cls(spec, name, rank, store, process_group, transfer_device, timeout_s)
-
-    def receive(self, load_fn: LoadFn, timeout: float, *, destinations: Mapping[str, Tensor] | None = None) -> int:
-        """Raises TimeoutError if no transfer starts within `timeout`; WeightTransferError if one fails.
-
-        `destinations` (optional: the engine's live tensors by name) lets a tensor that travels alone land in
-        place with no staging copy when its dtype, shape and device match; `load_fn` gets everything else.
-        """
-        if self._group is None:
-            raise WeightTransferError(f"{self.name}: receiver of generation {self.spec.generation} is closed/broken")
-        prefix = f"xfer/{self._sequence}/"
-        if groups.missing_keys(self._keys, [prefix + "manifest"], timeout):
-            raise TimeoutError(f"{self.name}: no weight transfer started within {timeout:g}s")
-        try:
-            manifest = Manifest.decode(self._keys.get(prefix + "manifest"))
-        except ValueError as error:  # never ready: the sender names us and aborts the transfer for everyone
-            self._group = None
-            raise WeightTransferError(f"{self.name}: unreadable manifest: {error}") from error
-        self._keys.set(f"{prefix}ready/{self.rank}", b"1")
-        # Longer than the sender waits for readiness (same timeout, doubled), so its verdict on a missing peer
-        # arrives before this receiver gives up.
-        if groups.missing_keys(self._keys, [prefix + "go"], 2 * self._timeout_s):
-            self._group = None
-            raise WeightTransferError(f"{self.name}: sender never started transfer of version {manifest.version}")
-        go = self._keys.get(prefix + "go")
-        if go != groups.STATUS_GO:
-            self._group = None
-            reason = go.removeprefix(groups.ABORT_PREFIX).decode(errors="replace").strip()
-            raise WeightTransferError(f"{self.name}: transfer of version {manifest.version} aborted: {reason}")
-        try:
-            with _single_threaded_copies(self._device):
-                load_error = self._receive_buckets(manifest, load_fn, destinations or {})
-        except (RuntimeError, dist.DistError) as error:
-            self._group = None
-            self._keys.set(f"{prefix}ack/{self.rank}", ERROR_PREFIX + f" broadcast failed: {error}".encode())
-            raise WeightTransferError(f"{self.name}: transfer of version {manifest.version} broke: {error}") from error
-        ack = OK if load_error is None else ERROR_PREFIX + f" load_fn failed: {load_error}".encode()
-        self._keys.set(f"{prefix}ack/{self.rank}", ack)
-        self._sequence += 1
-        if load_error is not None:
-            raise WeightTransferError(f"{self.name}: load_fn failed on version {manifest.version}: {load_error}")
-        return manifest.version
-
-    def close(self) -> None:
-        self._group, self._buffers = None, []
-
-    # -- internals --------------------------------------------------------------------------------------------
-
-    def _receive_buckets(self, manifest: Manifest, load_fn: LoadFn, destinations: Mapping[str, Tensor]) -> str | None:
-        """Receive every bucket (always all of them, to keep the collective whole); return load_fn's error."""
-        buckets = manifest.buckets()
-        targets = [self._direct_target(manifest, bucket, destinations) for bucket in buckets]
-        staged = max((b.nbytes for b, t in zip(buckets, targets, strict=True) if t is None), default=0)
-        slots = [self._buffer(slot, staged) for slot in range(IN_FLIGHT)]
-        pending: dict[int, dist.Work] = {}
-
-        def post(position: int) -> None:
-            if position < len(buckets) and buckets[position].nbytes:
-                payload = targets[position]
-                if payload is None:
-                    payload = slots[position % IN_FLIGHT][: buckets[position].nbytes]
-                pending[position] = groups.broadcast(self._group, payload)
-
-        load_error: str | None = None
-        for position in range(min(IN_FLIGHT - 1, len(buckets))):
-            post(position)
-        for position, bucket in enumerate(buckets):
-            post(position + IN_FLIGHT - 1)
-            if position in pending:
-                pending.pop(position).wait()
-            if load_error is None and targets[position] is None:
-                try:
-                    load_fn(_bucket_views(slots[position % IN_FLIGHT], manifest.tensors, bucket))
-                except Exception as error:  # any engine failure: the collective must still complete
-                    load_error = f"{type(error).__name__}: {error}"
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        return load_error
-
-    def _direct_target(self, manifest: Manifest, bucket: Bucket, destinations: Mapping[str, Tensor]) -> Tensor | None:
-        """The engine's own tensor as raw bytes, when a lone tensor can be received straight into it."""
-        if len(bucket.entries) != 1 or not destinations:
-            return None
-        spec = manifest.tensors[bucket.entries[0][0]]
-        destination = destinations.get(spec.name)
-        if (
-            destination is None
-            or destination.dtype != spec.dtype
-            or tuple(destination.shape) != spec.shape
-            or destination.device != self._device
-            or not destination.is_contiguous()
-        ):
-            return None
-        return destination.detach().reshape(-1).view(torch.uint8)
-
-    def _buffer(self, slot: int, nbytes: int) -> Tensor:
-        while len(self._buffers) <= slot:
-            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self._device))
-        if self._buffers[slot].numel() < nbytes:
-            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        return self._buffers[slot]
-
-
-@contextlib.contextmanager
-def _single_threaded_copies(device: torch.device) -> Iterator[None]:
-    """See the module docstring's CPU note. A no-op for CUDA transfers."""
-    if device.type != "cpu":
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _manifest(
@@ -451,13 +382,3 @@ def _manifest(
         for name, tensor in tensors
     )
     return Manifest(version=version, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, tensors=specs)
-
-
-def _view(buffer: Tensor, offset: int, spec: TensorSpec) -> Tensor:
-    return buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-
-
-def _bucket_views(buffer: Tensor, specs: tuple[TensorSpec, ...], bucket: Bucket) -> Iterator[tuple[str, Tensor]]:
-    for index, offset in bucket.entries:
-        spec = specs[index]
-        yield spec.name, _view(buffer, offset, spec)

@@ -2,7 +2,8 @@
 
 The engine pauses between two decode steps for the receive ("keep": requests in flight continue afterwards with
 the new weights) and resumes whatever happens, so a failed transfer never leaves generation stopped. Any
-failure drops the receiver: the learner forms a new generation and this loader joins it at the next order.
+failure drops the receiver: the learner forms a new generation and this loader joins it at the next order. An
+order for an older generation than the one joined (it arrived late) is refused without touching the receiver.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 
 from torch import Tensor
 
+from engines.weights.base import WeightTransferError
 from engines.weights.group import GroupSpec
-from engines.weights.torch_distributed import TorchDistributedWeightReceiver
+from engines.weights.torch_receiver import TorchDistributedWeightReceiver
 
 
 class TorchDistributedLoader:
@@ -28,6 +30,12 @@ class TorchDistributedLoader:
         """Join `group`'s generation if it is new to us, then receive `version` into the engine."""
         spec = GroupSpec.from_dict(dict(group))
         receiver = self._receiver
+        if receiver is not None and receiver.spec.port == spec.port and spec.generation < receiver.spec.generation:
+            # A late order of a generation the learner already replaced: joining it would only drop the current one.
+            raise WeightTransferError(
+                f"{self.actor_id}: order for generation {spec.generation} arrived after generation "
+                f"{receiver.spec.generation}'s"
+            )
         if receiver is None or receiver.spec.generation != spec.generation or receiver.spec.port != spec.port:
             self.close()
             receiver = await asyncio.to_thread(

@@ -1,24 +1,30 @@
 """The one safe way to run reward functions: ``await score(fn, inputs)`` never raises.
 
 A reward function that raises, returns NaN/inf, returns the wrong type, or exceeds ``timeout_s`` yields a
-:class:`RewardOutcome` with ``status="error"`` and a reason; a reward worker keeps serving. Sync functions run in
-worker threads (``asyncio.to_thread``) so a slow sympy check does not stall the worker's event loop; a timed-out
-thread cannot be killed and finishes in the background, its result discarded.
+:class:`RewardOutcome` with ``status="error"`` and a reason (and the traceback, when it raised); a reward worker
+keeps serving. Sync functions run in worker threads (``asyncio.to_thread``) so a slow sympy check does not stall
+the worker's event loop; a timed-out thread cannot be killed and finishes in the background, its result discarded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import math
 import numbers
+import os
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from policies.rewards.types import RewardInput, RewardOutcome
 
 __all__ = ["outcome_from_value", "score", "score_group"]
+
+# Frames a reward's traceback starts with that are ours or asyncio's, not the reward function's.
+_RUNNER_FRAMES = (__file__, os.path.dirname(asyncio.__file__), os.path.dirname(concurrent.futures.__file__))
 
 
 async def score(
@@ -106,7 +112,7 @@ async def _guarded(
     except asyncio.TimeoutError:
         return RewardOutcome.error(f"timed out after {timeout_s}s")
     except Exception as exc:  # the whole point: a reward bug marks the sample, never kills the worker
-        return RewardOutcome.error(f"raised {type(exc).__name__}: {exc}")
+        return RewardOutcome.error(f"raised {type(exc).__name__}: {exc}", trace=_function_trace(exc))
     return convert(value)
 
 
@@ -117,6 +123,15 @@ async def _call(fn: Callable[[Any], Any], arg: Any, sync_in_thread: bool) -> Any
     if inspect.isawaitable(value):  # a sync wrapper that hands back a coroutine
         value = await value
     return value
+
+
+def _function_trace(exc: BaseException) -> str:
+    """The traceback from the reward function's first frame on (the runner and thread-pool frames dropped)."""
+    frames = exc.__traceback__
+    while frames is not None and frames.tb_next is not None and frames.tb_frame.f_code.co_filename.startswith(
+            _RUNNER_FRAMES):
+        frames = frames.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, frames))
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

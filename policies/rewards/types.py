@@ -4,6 +4,10 @@ A reward function is ``fn(RewardInput) -> float`` or ``async fn(RewardInput) -> 
 dict with a ``"reward"`` number plus extra fields (logged, e.g. ``{"reward": 1.0, "format_ok": True}``). A group
 reward function takes ``list[RewardInput]`` (one prompt's samples) and returns ``list[float | dict]`` of the same
 length, for rewards that compare samples (pairwise judges, diversity bonuses).
+
+Besides the decoded text, a reward sees the token ids (``response`` may have special tokens stripped, see
+``--rollout-skip-special-tokens``; ``response_ids`` never do) and why generation ended, so it can check for EOS or
+penalise truncation.
 """
 
 from __future__ import annotations
@@ -12,17 +16,30 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["GroupRewardFn", "RewardFn", "RewardInput", "RewardOutcome", "RewardValue"]
+__all__ = ["FinishReason", "GroupRewardFn", "RewardFn", "RewardInput", "RewardOutcome", "RewardValue"]
+
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
 class RewardInput:
-    """One generated sample to score. ``label`` is the dataset's answer field, in whatever form the task uses."""
+    """One generated sample to score. ``label`` is the dataset's answer field, in whatever form the task uses.
+
+    ``prompt_ids`` and ``response_ids`` are the token ids the engine saw and produced (a multi-turn generate's
+    tool output included); ``response_ids[-1]`` is the EOS token when the model ended the response itself.
+    ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string), ``"length"`` (cut off at
+    ``--rollout-max-response-len`` or the context cap: truncated), ``"abort"``; None where the caller does not know
+    (a ``RewardInput`` built by hand). The reward worker fills all three; code that builds inputs from text alone
+    may leave them empty.
+    """
 
     prompt: str
     response: str
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
 
 
 RewardValue = float | int | bool | dict[str, Any]
@@ -41,11 +58,12 @@ class RewardOutcome:
     status: Literal["ok", "error"]
     reason: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
+    trace: str = field(default="", compare=False)  # the function's traceback when it raised
 
     @classmethod
     def ok(cls, reward: float, extras: dict[str, Any] | None = None) -> RewardOutcome:
         return cls(reward=reward, status="ok", extras=extras or {})
 
     @classmethod
-    def error(cls, reason: str) -> RewardOutcome:
-        return cls(reward=None, status="error", reason=reason)
+    def error(cls, reason: str, trace: str = "") -> RewardOutcome:
+        return cls(reward=None, status="error", reason=reason, trace=trace)

@@ -431,3 +431,33 @@ def test_a_prefetch_waiting_on_a_skipped_step_is_measured_at_the_version_that_st
     admit_and_generate(core, 0)
     batch = core.next_batch(learner_version=0, trained_batch=1, checkpointed_batch=0, ahead=True)
     assert batch is not None and set(batch.staleness) == {0} and core.stats.dropped["stale_evicted"] == 0
+
+
+@pytest.mark.unit
+def test_groups_lost_with_a_reward_worker_are_reissued_unless_scored_or_moved() -> None:
+    core = make_core(max_staleness=1)
+    lease_id, groups = lease_all(core, "w", max_groups=3)
+    assert core.accept(scored(groups[0], lease_id)) == "accepted"
+    lost = [(lease_id, g.group_id) for g in groups] + [("some-other-lease", "0:99")]
+    assert core.groups_lost(lost) == [groups[1].group_id, groups[2].group_id]  # the scored one stays accepted
+    assert core.groups_lost(lost) == []  # already re-issued: nothing twice
+    new_lease, again = lease_all(core, "v", max_groups=2)
+    assert [g.group_id for g in again] == [groups[1].group_id, groups[2].group_id]
+    assert core.accept(scored(groups[1], lease_id)) == "ignored.stale_lease"  # the lost copy, arriving late
+    assert core.accept(scored(again[0], new_lease)) == "accepted"
+
+
+@pytest.mark.unit
+def test_handed_off_groups_are_named_per_reward_worker_and_forgotten_after_the_lease_would_expire() -> None:
+    from actors.rollout.handed_off import HandedOff
+
+    now = [0.0]
+    handed = HandedOff(keep_s=10.0, clock=lambda: now[0])
+    handed.note("reward-0-0", "L1", "0:1")
+    handed.note("reward-0-1", "L1", "0:2")
+    now[0] = 8.0
+    handed.note("reward-0-0", "L2", "0:3")
+    now[0] = 12.0
+    assert handed.lost_with("reward-0-0") == [("L2", "0:3")]  # 0:1 is past its lease's expiry: the buffer has it
+    assert handed.lost_with("reward-0-0") == []
+    assert handed.lost_with("reward-0-1") == []

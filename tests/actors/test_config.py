@@ -18,13 +18,13 @@ from actors.config import (
 from actors.runtime.context import ActorContext, ActorSettings
 
 
-def parse(argv: list[str]):
+def parse(argv: list[str], base: dict | None = None):
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
     remaining, passthrough = split_sglang_args(argv)
     args = parser.parse_args(remaining)
     args.sglang_passthrough = passthrough
-    return config_from_args(args)
+    return config_from_args(args, base=base)
 
 
 @pytest.mark.unit
@@ -111,6 +111,19 @@ def test_the_written_config_yaml_starts_the_same_run_again(tmp_path: Path) -> No
     path.write_text("trainer:\n  lr: 0.1\n  learning_rate: 0.2\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"unknown key\(s\) in section 'trainer': learning_rate"):
         parse(["--config", str(path)])
+
+
+@pytest.mark.unit
+def test_a_worker_nodes_flags_override_the_heads_settings(tmp_path: Path) -> None:
+    head = parse(["--hf-checkpoint", "/models/m", "--rollout-batch-size", "3", "--lr", "0.003"])
+    path = tmp_path / "node.yaml"
+    path.write_text("lr: 0.005\n", encoding="utf-8")
+    worker = parse(["--config", str(path), "--rollout-batch-size", "5"], base=head.model_dump(mode="json"))
+    assert worker.model.hf_checkpoint == "/models/m"
+    assert (worker.rollout.rollout_batch_size, worker.trainer.lr) == (5, 0.005)
+    assert parse([], base=head.model_dump(mode="json")) == head
+    with pytest.raises(ValueError, match=r"the head's settings: unknown key\(s\) in section 'trainer': lr_v2"):
+        parse([], base={"trainer": {"lr_v2": 1.0}})
 
 
 @pytest.mark.unit

@@ -11,6 +11,7 @@ import pytest
 
 import launcher
 from actors.runtime.cpu_budget import CpuShare, plan_cpu_budget
+from tests.support.launch_inputs import minimal_inputs
 
 ROLES = {"controller": "controller", "buffer": "buffer", "learner": "learner", "rollout-0-0": "rollout",
          "rollout-0-1": "rollout", "reward-0-0": "reward"}
@@ -42,8 +43,8 @@ def test_no_budget_where_the_os_should_place_the_actors(case: dict) -> None:
 def _contexts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str):
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
     monkeypatch.setattr(launcher, "usable_cores", lambda: (0, 1))
-    contexts, _args, _run_dir = launcher.prepare(["--head", "--run-dir", str(tmp_path / "run"), "--hf-checkpoint",
-                                                  str(tmp_path), "--rollout-workers", "2", *flags])
+    contexts, _args, _run_dir = launcher.prepare(["--head", "--run-dir", str(tmp_path / "run"),
+                                                  *minimal_inputs(tmp_path), "--rollout-workers", "2", *flags])
     return {c.actor_id: (c.cpu_cores, c.torch_threads) for c in contexts}
 
 

@@ -15,6 +15,8 @@ import pytest
 from actors.config import build_config
 from actors.learner.trainer_factory import build_trainer
 from actors.runtime.metrics import read_metrics
+from bus.codec import decode, encode
+from bus.schema import VersionAnnouncement
 from engines.training.base import Trainer
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
 from tools.pipeline_sim import SimSpec
@@ -38,6 +40,7 @@ async def _run_to_the_end(run_dir: Path, settings: dict[str, object]) -> dict[st
     async with actor_system(run_dir, settings, ROLES) as system:
         await system.wait_for(lambda: all(task.done() for task in system.tasks.values()), 15, "the run to end")
         return {"announced": system["controller"].latest_version.version,
+                "announcement": system["controller"].latest_version,
                 "engine_version": system["rollout-0-0"].engine.version,
                 "exit_codes": {actor_id: task.result() for actor_id, task in system.tasks.items()}}
 
@@ -58,6 +61,21 @@ async def test_learner_trains_served_batches_announces_publishes_and_checkpoints
     state = json.loads((checkpoint / "sleeping_trainer.json").read_text())
     assert state["version"] == 2 and state["extra_state"]["trained_batch"] == 2
     assert json.loads((tmp_path / "final_model" / "config.json").read_text())["version"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_a_version_announced_before_its_weights_landed_is_announced_again_with_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step announces its version before pushing its weights, so the announcement carries the previous
+    weights; once every engine acknowledged the new ones, everyone must hear so, not a step later (never, for the
+    last version), and the announcement must be one the schema accepts on arrival."""
+    use_spec(SPEC, tmp_path, monkeypatch)
+    seen = await _run_to_the_end(tmp_path, _settings(tmp_path))
+    announcement = seen["announcement"]
+    assert isinstance(announcement, VersionAnnouncement)
+    assert (announcement.version, announcement.weights_version) == (2, 2)
+    assert decode(encode(announcement)) == announcement
 
 
 @pytest.mark.integration

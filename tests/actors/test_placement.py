@@ -10,6 +10,7 @@ import pytest
 import launcher
 from actors.config import build_config
 from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
+from tests.support.launch_inputs import minimal_inputs
 
 
 @pytest.mark.unit
@@ -72,7 +73,8 @@ def test_slime_actor_gpus_set_the_learner_ranks_and_must_agree_with_them() -> No
 def _prepare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int, *flags: str) -> tuple[list, Path]:
     monkeypatch.setattr(launcher, "visible_gpus", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    contexts, _, run_dir = launcher.prepare(["--head", "--run-dir", str(tmp_path / "run"), *flags])
+    contexts, _, run_dir = launcher.prepare(["--head", "--run-dir", str(tmp_path / "run"), *minimal_inputs(tmp_path),
+                                             *flags])
     return contexts, run_dir
 
 

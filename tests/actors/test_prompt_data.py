@@ -32,6 +32,28 @@ def test_broken_lines_are_named_and_skipped(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+def test_malformed_json_is_named_by_its_line_and_column(tmp_path: Path) -> None:
+    """Columns count characters from 1 within the line; a line cut short fails at its end, not at column 1 of the
+    line after (where json.loads of the raw line, line break included, puts it)."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes("\ufeff".encode() + "\n".join([
+        json.dumps({"input": "1+1=", "label": "2"}),
+        '{"input": "2+2=", "label": "4"',
+        '\t{"input": "caf\u00e9", oops}',
+        '{"input": "3+3=", "label": "6",}',
+        '{"input": "4+4=',
+    ]).encode() + b"\r\n")
+    records, report = load_prompts(path)
+    assert [r.prompt for r in records] == ["1+1="], "a byte-order mark is not part of the first record"
+    assert report.skipped == [
+        f"{path} line 2: not valid JSON: Expecting ',' delimiter at the end of the line",
+        f"{path} line 3: not valid JSON: Expecting property name enclosed in double quotes at column 20",
+        f"{path} line 4: not valid JSON: Expecting property name enclosed in double quotes at column 32",
+        f"{path} line 5: not valid JSON: Unterminated string starting at column 11",
+    ]
+
+
+@pytest.mark.unit
 def test_broken_line_stops_the_load_when_asked(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": "1+1="}), json.dumps({"input": 3})])
     with pytest.raises(DatasetError, match=r"p.jsonl line 2: key 'input': expected a non-empty string"):

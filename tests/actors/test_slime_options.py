@@ -138,7 +138,8 @@ def test_long_prompts_are_dropped_at_load_and_counted(tmp_path: Path) -> None:
     assert [r.prompt for r in records] == ["short", "mid" * 5]
     assert [r.data_index for r in records] == [0, 1]
     assert (report.too_long, len(report.skipped), report.records) == (2, 1, 2)
-    with pytest.raises(DatasetError, match=r"no usable records \(1 skipped, 4 over 2 prompt tokens\)"):
+    with pytest.raises(DatasetError, match=r"no usable records \(1 malformed, the first at line 5: .*; 4 over 2 "
+                                           r"prompt tokens\)"):
         load_prompts(path, max_prompt_len=2, count_tokens=count)
 
 

@@ -20,6 +20,7 @@ import zmq.asyncio
 from bus.broadcast import Publisher
 from bus.rpc import RpcClient, RpcServer
 from bus.schema import Ack, LeaseRenew, Member, Register, Registered, Roster, ScoredGroup, VersionAnnouncement
+from bus.sockets import peer_name
 from bus.stream import StreamReceiver, StreamSender
 
 # ----------------------------------------------------------------------------- the foreign actor's own codec
@@ -112,7 +113,8 @@ async def test_foreign_consumer_grants_credit_to_a_bus_producer(zctx: zmq.asynci
     sending = asyncio.create_task(sender.send(LeaseRenew(lease_id="L5"), timeout=5))
     ident, frame = await asyncio.wait_for(router.recv_multipart(), 5)
     hello = unpack(frame)
-    assert (ident, hello["type"], hello["sender_id"]) == (b"rollout-0", "StreamHello", "rollout-0")
+    assert (peer_name(ident), hello["type"], hello["sender_id"]) == ("rollout-0", "StreamHello", "rollout-0")
+    assert ident.startswith(b"rollout-0#"), "a bus producer's routing id is its id plus a per-connection nonce"
     credit = {"type": "StreamCredit", "v": 1, "limit": 1, "window": 1, "incarnation": "env-1",
               "session": hello["session"]}  # fmt: skip
     await router.send_multipart([ident, pack(credit)])
@@ -161,7 +163,7 @@ async def test_foreign_rpc_server_answers_a_bus_client(zctx: zmq.asyncio.Context
     client = RpcClient(zctx, router.getsockopt_string(zmq.LAST_ENDPOINT), client_id="learner")
     calling = asyncio.create_task(client.call(LeaseRenew(lease_id="L2")))
     ident, request_id, frame = await asyncio.wait_for(router.recv_multipart(), 5)
-    assert ident == b"learner" and unpack(frame)["lease_id"] == "L2"
+    assert peer_name(ident) == "learner" and unpack(frame)["lease_id"] == "L2"
     await router.send_multipart([ident, request_id, pack({"type": "Ack", "v": 1, "ok": False, "error": "expired"})])
     assert await calling == Ack(ok=False, error="expired")
     router.close(linger=0)

@@ -14,6 +14,7 @@ import zmq.asyncio
 from bus.codec import decode
 from bus.rpc import RpcClient, RpcClosed, RpcServer, RpcTimeout
 from bus.schema import Ack, Error, Heartbeat, LeaseRenew, Message
+from bus.sockets import peer_name
 
 
 class Echo:
@@ -30,7 +31,7 @@ class Echo:
             raise RuntimeError("lease store unavailable")
         if isinstance(request, Heartbeat):
             return None
-        return Ack(ok=True, error=f"{client}:{getattr(request, 'lease_id', '')}")
+        return Ack(ok=True, error=f"{peer_name(client)}:{getattr(request, 'lease_id', '')}")
 
 
 @pytest.fixture
@@ -48,7 +49,9 @@ async def test_call_returns_the_handlers_reply(zctx: zmq.asyncio.Context, served
     client = RpcClient(zctx, server.endpoint, client_id="rollout-1")
     reply = await client.call(LeaseRenew(lease_id="L1"))
     assert reply == Ack(ok=True, error="rollout-1:L1")
-    assert handler.calls == [("rollout-1", LeaseRenew(lease_id="L1"))]
+    [(sender, request)] = handler.calls
+    assert (peer_name(sender), request) == ("rollout-1", LeaseRenew(lease_id="L1"))
+    assert sender.startswith("rollout-1#"), "the handler sees the connection: the name and a per-client nonce"
     client.close()
 
 

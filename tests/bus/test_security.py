@@ -16,13 +16,14 @@ import zmq.asyncio
 from bus.rpc import RpcClient, RpcServer, RpcTimeout
 from bus.schema import Ack, Heartbeat, LeaseRenew
 from bus.security import CurveKeys, Security, generate_cluster_keys
+from bus.sockets import peer_name
 from bus.stream import StreamReceiver, StreamSender
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 async def _ack(client: str, request: object) -> Ack:
-    return Ack(ok=True, error=client)
+    return Ack(ok=True, error=peer_name(client))
 
 
 @pytest.mark.integration

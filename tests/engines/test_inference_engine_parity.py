@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,22 @@ async def test_greedy_batch_equals_transformers_generate(tiny_model_cache: Path,
         outputs = await _generate_all(engine, prompts, SamplingParams(temperature=0, max_new_tokens=24))
         references = _hf_greedy_batch(engine, PROMPTS, max_new_tokens=24)
     assert [output[0].output_ids for output in outputs] == references
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+async def test_generation_emits_no_deprecation_warning(tiny_model_cache: Path, family: str) -> None:
+    """Every actor's console would repeat what transformers deprecates in the engine's forward (the decode thread
+    shares the process's warning filters, so recording here sees its warnings too)."""
+    path = cached_tiny_model(tiny_model_cache, TinyModelSpec(family=family))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with TorchEngine.from_pretrained(path) as engine:
+            params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+            await _generate_all(engine, [engine.tokenizer.encode(text) for text in PROMPTS[:2]], params)
+    deprecations = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                    if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert deprecations == []
 
 
 @pytest.mark.integration

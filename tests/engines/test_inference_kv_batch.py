@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,16 @@ def test_selecting_no_rows_leaves_an_empty_batch_that_can_be_refilled(model: tor
         batch.extend(refill)
         logits = batch.decode(model, torch.tensor([2]))
     torch.testing.assert_close(logits[0], _next_logits(model, [*SEQUENCES[1], 2]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_prefill_and_decode_use_no_deprecated_transformers_argument(model: torch.nn.Module) -> None:
+    """`past_key_values` warns on every forward of current transformers (and is gone in 5.40): the cache goes in
+    under the name the model declares."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        with torch.no_grad():
+            batch, _ = KVBatch.prefill(model, SEQUENCES[:2], pad_token_id=0)
+            logits = batch.decode(model, torch.tensor([3, 4]))
+    torch.testing.assert_close(logits[1], _next_logits(model, [*SEQUENCES[1], 4]), rtol=0, atol=1e-5)

@@ -1,10 +1,13 @@
-"""Failed transfers name the receiver at fault, commit nothing, and leave the sender able to carry on."""
+"""Failed transfers name the receiver at fault, commit nothing, and leave the sender able to carry on; a death the
+learner knows of ends every wait at once; and nothing of the transfer listens beyond the configured address."""
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
 import os
+import socket
+import threading
 import time
 from typing import Any
 
@@ -18,6 +21,7 @@ from engines.weights import (
     TorchDistributedWeightSender,
     WeightTransferError,
 )
+from tests.support.sockets import listening
 
 SHORT_S = 3.0  # how long the sender waits for a peer that will never come
 LONG_S = 60.0
@@ -194,4 +198,134 @@ def test_receiver_that_died_since_the_last_transfer_is_named_before_bytes_move()
     finally:
         for process in processes:
             process.join(timeout=LONG_S)
+        sender.close()
+
+
+def _aborted_receiver(spec: dict[str, Any], name: str, dies: str, next_specs: mp.Queue, events: mp.Queue) -> None:
+    """Receives version 1; then engine-1 dies (`dies`: before version 2 or inside its first bucket) while engine-0
+    receives version 2 until the sender gives it up, then joins the next generation it is given and receives."""
+    torch.set_num_threads(1)
+    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), name, timeout_s=LONG_S)
+    receiver.receive(lambda items: None, timeout=LONG_S)
+    if name == "engine-1" and dies == "between transfers":
+        os._exit(0)
+
+    def load(items: Any) -> None:
+        if name == "engine-1":
+            os._exit(0)
+
+    try:
+        receiver.receive(load, timeout=LONG_S)
+        events.put((name, "received version 2", time.time()))
+    except WeightTransferError as error:
+        events.put((name, str(error), time.time()))
+    receiver = TorchDistributedWeightReceiver.join(
+        GroupSpec.from_dict(next_specs.get(timeout=LONG_S)), name, timeout_s=LONG_S
+    )
+    events.put((name, receiver.receive(lambda items: None, timeout=LONG_S), time.time()))
+
+
+def _replacement(spec: dict[str, Any], name: str, events: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), name, timeout_s=LONG_S)
+    events.put((name, receiver.receive(lambda items: None, timeout=LONG_S), time.time()))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dies", ["between transfers", "mid-transfer"])
+def test_an_abort_frees_the_sender_and_the_survivor_at_once_and_the_next_generation_commits(dies: str) -> None:
+    """The learner hears of a death from its roster long before gloo or the transfer timeout notices (gloo waits
+    for a dead peer until the group's timeout, mid-broadcast included): `abort` must end the wait on both ends
+    within a second, and the replacement under the same name must be served by the next generation."""
+    context = mp.get_context("spawn")
+    # Small buckets, 32 MB in all: the broadcast to a dead engine-1 blocks well before the last bucket.
+    sender = TorchDistributedWeightSender(timeout_s=LONG_S, bucket_bytes=1 << 20, direct_bytes=1 << 30)
+    spec = sender.open_group(["learner", "engine-0", "engine-1"])
+    next_specs, events = context.Queue(), context.Queue()
+    processes = [
+        context.Process(target=_aborted_receiver, args=(spec.to_dict(), name, dies, next_specs, events), daemon=True)
+        for name in ("engine-0", "engine-1")
+    ]
+    for process in processes:
+        process.start()
+    weights = [(f"layer.{index}", torch.randn(1 << 20)) for index in range(8)]
+    try:
+        sender.wait_for_receivers()
+        sender.send(weights, version=1)
+        if dies == "between transfers":
+            processes[1].join(timeout=LONG_S)
+        threading.Timer(1.0, sender.abort, args=({"engine-1": "died (the roster says)"},)).start()
+        started = time.time()
+        with pytest.raises(WeightTransferError, match="version 2") as failure:
+            sender.send(weights, version=2)
+        given_up = time.time()
+        assert given_up - started < 2.5, f"the sender waited {given_up - started:.1f}s for a dead receiver"
+        name, outcome, when = events.get(timeout=LONG_S)
+        assert name == "engine-0" and outcome != "received version 2"
+        assert when - given_up < 1.5, f"the survivor left {when - given_up:.1f}s after the sender gave up"
+        if dies == "between transfers":  # no collective runs: only the abort can end the wait
+            assert failure.value.failed == {"engine-1": "died (the roster says)"}
+            assert "engine-1: died (the roster says)" in outcome
+        else:  # gloo may notice the closed connection first; either way the dead one is named
+            assert "engine-1" in failure.value.failed
+        assert sender.committed_version == 1
+
+        spec = sender.open_group(["learner", "engine-0", "engine-1"])
+        next_specs.put(spec.to_dict())
+        replacement = context.Process(target=_replacement, args=(spec.to_dict(), "engine-1", events), daemon=True)
+        replacement.start()
+        processes.append(replacement)
+        sender.wait_for_receivers()
+        assert sender.send(weights, version=3).version == sender.committed_version == 3
+        assert sorted(events.get(timeout=LONG_S)[:2] for _ in range(2)) == [("engine-0", 3), ("engine-1", 3)]
+    finally:
+        for process in processes:
+            process.join(timeout=LONG_S)
+        sender.close()
+
+
+def _reporting_receiver(spec: dict[str, Any], name: str, events: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec), name, timeout_s=LONG_S)
+    events.put(listening())
+    receiver.receive(lambda items: None, timeout=LONG_S)
+
+
+def _this_machines_other_address() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only the route is asked for, no packet is sent
+        except OSError:
+            pytest.skip("no network route off this machine")
+        address = probe.getsockname()[0]
+    if address.startswith("127."):
+        pytest.skip("this machine has no address but loopback")
+    return address
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("where", ["loopback", "another interface"])
+def test_the_store_and_gloo_listen_only_on_the_configured_address(where: str) -> None:
+    """`--host` keeps the weight transfer off every other interface: torch's store server listens on all of them
+    unless handed a socket, and gloo's on whatever the hostname resolves to."""
+    host = "127.0.0.1" if where == "loopback" else _this_machines_other_address()
+    before = listening()
+    sender = TorchDistributedWeightSender(host=host, timeout_s=LONG_S)
+    spec = sender.open_group(["learner", "engine-0"])
+    events = mp.get_context("spawn").Queue()
+    receiver = mp.get_context("spawn").Process(
+        target=_reporting_receiver, args=(spec.to_dict(), "engine-0", events), daemon=True
+    )
+    receiver.start()
+    try:
+        sender.wait_for_receivers()
+        sender.send(_weights(1), version=1)
+        ours = listening() - before
+        assert (host, sender.port) in ours
+        assert {address for address, _ in ours} == {host}, f"the sender listens on {sorted(ours)}"
+        theirs = events.get(timeout=LONG_S)
+        assert theirs and {address for address, _ in theirs} == {host}, f"the receiver listens on {sorted(theirs)}"
+    finally:
+        receiver.join(timeout=LONG_S)
         sender.close()

@@ -8,7 +8,9 @@ import os
 
 import numpy as np
 
+from actors.config import ConfigError
 from actors.runtime.base import Actor
+from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles
 from bus.schema import GeneratedGroup, Roster, Sample
 
@@ -60,3 +62,25 @@ class Crasher(Actor):
     async def run(self) -> None:
         await asyncio.sleep(0.2)
         raise RuntimeError("crashing on purpose")
+
+
+class MisconfiguredWhenBuilt(Actor):
+    """Refuses its settings while it is built, as an actor does with a setting that cannot work."""
+
+    def __init__(self, context: ActorContext) -> None:
+        raise ConfigError("--custom-threshold 7: must be below 1")
+
+
+class MisconfiguredWhenStarting(Actor):
+    """Finds its settings wrong while it starts, as a role that loads its plugins and models in on_start does."""
+
+    async def on_start(self) -> None:
+        raise ConfigError("--custom-threshold 7: must be below 1 (found while starting)")
+
+
+class SettingsRecorder(Actor):
+    """Writes the run settings it was given to RUN_DIR/settings-ACTOR_ID.json."""
+
+    async def on_start(self) -> None:
+        path = self.context.run_dir / f"settings-{self.actor_id}.json"
+        path.write_text(self.settings.run.model_dump_json(), encoding="utf-8")

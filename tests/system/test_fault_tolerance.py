@@ -22,7 +22,9 @@ from tools.make_arithmetic_data import make_arithmetic_data
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(run_dir: Path, model: Path, data: Path, num_rollout: int) -> subprocess.Popen[str]:
+def launch(run_dir: Path, model: Path, data: Path, num_rollout: int, extra: tuple[str, ...] = ()
+           ) -> subprocess.Popen[str]:
+    """A small fully-async run with fast fault detection; `extra` flags come last, so they override these."""
     command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
                "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(num_rollout),
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
@@ -32,7 +34,7 @@ def launch(run_dir: Path, model: Path, data: Path, num_rollout: int) -> subproce
                "--no-use-tensorboard", "--no-plots",
                # Compact the buffer's log every few batches, so restarts also replay from snapshots and the audit
                # reads archived segments.
-               "--buffer-log-compact-mb", "0.05"]
+               "--buffer-log-compact-mb", "0.05", *extra]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

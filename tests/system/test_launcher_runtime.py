@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bus.address import free_port
 from tests.support.processes import alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,3 +161,71 @@ def test_launcher_errors_name_what_is_wrong(tmp_path: Path) -> None:
     assert help_text.returncode == 0
     for flag in ("--rollout-workers", "--max-staleness", "--eps-clip-high", "--custom-actor", "--head-address"):
         assert flag in help_text.stdout
+
+
+@pytest.mark.integration
+def test_bad_settings_are_all_reported_before_any_actor_starts(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("", encoding="utf-8")
+    no_model = tmp_path / "no-model"
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = run_to_end("--head", "--run-dir", str(run_dir), "--prompt-data", str(empty), "--hf-checkpoint",
+                        str(no_model), "--custom-rm-path", "runtime_actors:no_such_reward")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"--prompt-data {empty}: no records (the file is empty)" in result.stderr
+    assert f"--hf-checkpoint {no_model}: not found: no such directory" in result.stderr
+    assert "--custom-rm-path 'runtime_actors:no_such_reward': 'runtime_actors' has no attribute" in result.stderr
+    assert "Traceback" not in result.stderr and "restarting" not in result.stderr
+    assert not run_dir.exists(), "nothing starts, not even the run directory"
+    assert elapsed < 15, f"the launcher took {elapsed:.1f}s to refuse the run"
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("fork", ["--fork-actors", "--no-fork-actors"])
+def test_actor_with_a_bad_setting_fails_the_run_at_once_with_its_reason(tmp_path: Path, fork: str) -> None:
+    run_dir = tmp_path / "run"
+    result = run_to_end("--head", "--run-dir", str(run_dir), *FAST, fork, "--roles", "controller",
+                        "--custom-actor", "bad=runtime_actors:MisconfiguredWhenBuilt", timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "bad-0-0: bad configuration: --custom-threshold 7: must be below 1" in result.stderr
+    assert len(actor_pids(run_dir)["bad-0-0"]) == 1, "an actor with a bad setting is not restarted"
+    assert "restarting" not in result.stderr
+
+
+@pytest.mark.system
+def test_actor_that_finds_a_bad_setting_while_starting_is_not_restarted(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_to_end("--head", "--run-dir", str(run_dir), *FAST, "--max-restarts", "1", "--roles", "controller",
+                        "--custom-actor", "bad=runtime_actors:MisconfiguredWhenStarting", timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "bad-0-0: bad configuration: --custom-threshold 7: must be below 1 (found while" in result.stderr
+    assert len(actor_pids(run_dir)["bad-0-0"]) == 1
+    assert "restarting" not in result.stderr
+
+
+@pytest.mark.system
+def test_a_worker_node_takes_the_run_settings_from_the_head(tmp_path: Path) -> None:
+    """The README's worker command: no --hf-checkpoint on the worker; its own flags override the head's."""
+    address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    head = start(tmp_path / "head", "--head-address", address, "--roles", "controller",
+                 "--hf-checkpoint", "/models/the-heads", "--rollout-batch-size", "3",
+                 "--sglang-url", "http://the-head:30000")
+    worker_dir = tmp_path / "worker"
+    worker = subprocess.Popen(
+        [sys.executable, str(REPO / "launcher.py"), "--head-address", address, "--node-rank", "1",
+         "--run-dir", str(worker_dir), *FAST, "--roles", "rec",
+         "--custom-actor", "rec=runtime_actors:SettingsRecorder", "--rollout-batch-size", "5"],
+        cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    recorded = worker_dir / "settings-rec-1-0.json"
+    try:
+        wait_until(lambda: recorded.exists() or worker.poll() is not None, 60, "the worker's actor to start")
+    finally:
+        output = stop(worker)
+        stop(head)
+    assert recorded.exists(), output[-3000:]
+    settings = json.loads(recorded.read_text(encoding="utf-8"))
+    assert settings["model"]["hf_checkpoint"] == "/models/the-heads"
+    assert settings["rollout"]["rollout_batch_size"] == 5, "a flag given on the worker overrides the head's"
+    assert settings["engine"]["sglang_url"] == [], "the head's own SGLang servers are not the worker's"

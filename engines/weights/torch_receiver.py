@@ -1,0 +1,214 @@
+"""The engine's end of the bucketed torch.distributed broadcast; the protocol is described, and the sender
+implemented, in `torch_distributed.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engines.weights import group as groups
+from engines.weights.base import LoadFn, WeightReceiver, WeightTransferError
+from engines.weights.manifest import Bucket, Manifest, bucket_views
+
+OK, ERROR_PREFIX = groups.OK, groups.ERROR_PREFIX
+
+
+class TorchDistributedWeightReceiver(WeightReceiver):
+    """An engine's end of one group generation. Create it with `join`; a new generation needs a new receiver."""
+
+    def __init__(
+        self,
+        spec: groups.GroupSpec,
+        name: str,
+        rank: int,
+        store: dist.TCPStore,
+        process_group: dist.ProcessGroup,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.spec, self.name, self.rank = spec, name, rank
+        self._store = store
+        self._keys = groups.generation_store(store, spec.generation)
+        self._group: dist.ProcessGroup | None = process_group
+        self._device = device
+        self._timeout_s = timeout_s
+        self._sequence = 0
+        self._buffers: list[Tensor] = []
+
+    @classmethod
+    def join(
+        cls,
+        spec: groups.GroupSpec,
+        name: str,
+        *,
+        timeout_s: float = 120.0,
+        device: torch.device | str | None = None,
+    ) -> TorchDistributedWeightReceiver:
+        """Register as `name`, wait for the sender's go, and build the process group (all blocking)."""
+        rank = spec.rank_of(name)
+        if rank == 0:
+            raise ValueError(f"{name!r} is the sender (members[0]) of generation {spec.generation}, not a receiver")
+        transfer_device = groups.transfer_device(spec.backend, device)
+        store = groups.connect_store(spec.host, spec.port, timeout_s)
+        keys = groups.generation_store(store, spec.generation)
+        given_up = groups.aborted(keys)
+        if given_up is not None:  # an order that arrived late, for a generation the sender already left
+            raise WeightTransferError(f"{name}: generation {spec.generation} was given up by the sender: {given_up}")
+        if keys.add(f"join_count/{rank}", 1) > 1:
+            raise WeightTransferError(f"{name!r} already joined generation {spec.generation}", {name: "joined twice"})
+        keys.set(f"joined/{rank}", name.encode())
+        if groups.missing_keys(keys, ["status"], timeout_s, stop=lambda: keys.check([groups.ABORTED])):
+            given_up = groups.aborted(keys)
+            if given_up is not None:
+                raise WeightTransferError(f"{name}: generation {spec.generation} aborted by the sender: {given_up}")
+            raise WeightTransferError(f"{name}: sender did not start generation {spec.generation} in {timeout_s:g}s")
+        status = keys.get("status")
+        if status != groups.STATUS_GO:
+            reason = status.removeprefix(groups.ABORT_PREFIX).decode(errors="replace").strip()
+            raise WeightTransferError(f"{name}: generation {spec.generation} aborted by the sender: {reason}")
+        try:
+            process_group = groups.create_process_group(
+                keys, rank, len(spec.members), spec.backend, spec.host, timeout_s
+            )
+            groups.broadcast(process_group, torch.zeros(1, device=transfer_device)).wait()
+        except (RuntimeError, dist.DistError) as error:
+            raise WeightTransferError(f"{name}: process group formation failed: {error}") from error
+        return cls(spec, name, rank, store, process_group, transfer_device, timeout_s)
+
+    def receive(self, load_fn: LoadFn, timeout: float, *, destinations: Mapping[str, Tensor] | None = None) -> int:
+        """Raises TimeoutError if no transfer starts within `timeout`; WeightTransferError if one fails.
+
+        `destinations` (optional: the engine's live tensors by name) lets a tensor that travels alone land in
+        place with no staging copy when its dtype, shape and device match; `load_fn` gets everything else.
+        """
+        if self._group is None:
+            raise WeightTransferError(f"{self.name}: receiver of generation {self.spec.generation} is closed/broken")
+        prefix = f"xfer/{self._sequence}/"
+        if groups.missing_keys(self._keys, [prefix + "manifest"], timeout, stop=self._given_up):
+            self._raise_if_given_up("before the transfer started")
+            raise TimeoutError(f"{self.name}: no weight transfer started within {timeout:g}s")
+        try:
+            manifest = Manifest.decode(self._keys.get(prefix + "manifest"))
+        except ValueError as error:  # never ready: the sender names us and aborts the transfer for everyone
+            self._group = None
+            raise WeightTransferError(f"{self.name}: unreadable manifest: {error}") from error
+        self._keys.set(f"{prefix}ready/{self.rank}", b"1")
+        # Longer than the sender waits for readiness (same timeout, doubled), so its verdict on a missing peer
+        # arrives before this receiver gives up.
+        if groups.missing_keys(self._keys, [prefix + "go"], 2 * self._timeout_s, stop=self._given_up):
+            self._raise_if_given_up(f"before version {manifest.version} started")
+            self._group = None
+            raise WeightTransferError(f"{self.name}: sender never started transfer of version {manifest.version}")
+        go = self._keys.get(prefix + "go")
+        if go != groups.STATUS_GO:
+            self._group = None
+            reason = go.removeprefix(groups.ABORT_PREFIX).decode(errors="replace").strip()
+            raise WeightTransferError(f"{self.name}: transfer of version {manifest.version} aborted: {reason}")
+        try:
+            with groups.single_threaded_copies(self._device):
+                load_error = self._receive_buckets(manifest, load_fn, destinations or {})
+        except (RuntimeError, dist.DistError) as error:
+            self._keys.set(f"{prefix}ack/{self.rank}", ERROR_PREFIX + f" broadcast failed: {error}".encode())
+            raise WeightTransferError(f"{self.name}: transfer of version {manifest.version} broke: {error}") from error
+        if self._group is None:  # the sender gave the generation up mid-way; our pending receives are parked
+            self._keys.set(f"{prefix}ack/{self.rank}", ERROR_PREFIX + b" left: the sender gave the generation up")
+            self._raise_if_given_up(f"during version {manifest.version}")
+        ack = OK if load_error is None else ERROR_PREFIX + f" load_fn failed: {load_error}".encode()
+        self._keys.set(f"{prefix}ack/{self.rank}", ack)
+        self._sequence += 1
+        if load_error is not None:
+            raise WeightTransferError(f"{self.name}: load_fn failed on version {manifest.version}: {load_error}")
+        return manifest.version
+
+    def close(self) -> None:
+        self._group, self._buffers = None, []
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _given_up(self) -> bool:
+        return self._keys.check([groups.ABORTED])
+
+    def _raise_if_given_up(self, when: str) -> None:
+        reason = groups.aborted(self._keys)
+        if reason is not None:
+            self._group = None
+            raise WeightTransferError(
+                f"{self.name}: generation {self.spec.generation} given up by the sender {when}: {reason}"
+            )
+
+    def _wait(self, work: dist.Work) -> bool:
+        if self.spec.backend == "nccl":
+            work.wait()
+            return True
+        return groups.wait_work(work, self._given_up)
+
+    def _receive_buckets(self, manifest: Manifest, load_fn: LoadFn, destinations: Mapping[str, Tensor]) -> str | None:
+        """Receive every bucket (always all of them, to keep the collective whole); return load_fn's error.
+
+        If the sender gives the generation up meanwhile, or a receive fails, the group is let go of with the
+        receives still pending on it (`group.park`; `self._group` is None on return or raise)."""
+        buckets = manifest.buckets()
+        targets = [self._direct_target(manifest, bucket, destinations) for bucket in buckets]
+        staged = max((b.nbytes for b, t in zip(buckets, targets, strict=True) if t is None), default=0)
+        slots = [self._buffer(slot, staged) for slot in range(groups.IN_FLIGHT)]
+        pending: dict[int, dist.Work] = {}
+
+        def post(position: int) -> None:
+            if position < len(buckets) and buckets[position].nbytes:
+                payload = targets[position]
+                if payload is None:
+                    payload = slots[position % groups.IN_FLIGHT][: buckets[position].nbytes]
+                pending[position] = groups.broadcast(self._group, payload)
+
+        def let_go() -> None:
+            groups.park(self._group, list(pending.values()), [*self._buffers, *targets])
+            self._group, self._buffers = None, []
+
+        load_error: str | None = None
+        try:
+            for position in range(min(groups.IN_FLIGHT - 1, len(buckets))):
+                post(position)
+            for position, bucket in enumerate(buckets):
+                post(position + groups.IN_FLIGHT - 1)
+                if position in pending and not self._wait(pending[position]):
+                    let_go()
+                    return load_error
+                pending.pop(position, None)
+                if load_error is None and targets[position] is None:
+                    try:
+                        load_fn(bucket_views(slots[position % groups.IN_FLIGHT], manifest.tensors, bucket))
+                    except Exception as error:  # any engine failure: the collective must still complete
+                        load_error = f"{type(error).__name__}: {error}"
+        except (RuntimeError, dist.DistError):
+            let_go()
+            raise
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return load_error
+
+    def _direct_target(self, manifest: Manifest, bucket: Bucket, destinations: Mapping[str, Tensor]) -> Tensor | None:
+        """The engine's own tensor as raw bytes, when a lone tensor can be received straight into it."""
+        if len(bucket.entries) != 1 or not destinations:
+            return None
+        spec = manifest.tensors[bucket.entries[0][0]]
+        destination = destinations.get(spec.name)
+        if (
+            destination is None
+            or destination.dtype != spec.dtype
+            or tuple(destination.shape) != spec.shape
+            or destination.device != self._device
+            or not destination.is_contiguous()
+        ):
+            return None
+        return destination.detach().reshape(-1).view(torch.uint8)
+
+    def _buffer(self, slot: int, nbytes: int) -> Tensor:
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self._device))
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        return self._buffers[slot]

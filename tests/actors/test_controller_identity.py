@@ -1,0 +1,76 @@
+"""The controller binds an actor's name to the connection it registered from (issue #16, defect 1).
+
+A client that claims a live actor's name (a heartbeat, a leave, a second registration, a version announcement)
+is refused and counted; the real actor stays in the roster, alive, and nobody hears of a death or a return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from actors.runtime.base import Actor
+from bus import RpcClient
+from bus.schema import Ack, Error, Heartbeat, Leave, Register, VersionAnnouncement
+from tests.support.inprocess import actor_system
+
+
+class Idle(Actor):
+    """A member that only keeps its heartbeat."""
+
+    role = "custom"
+
+
+@pytest.mark.integration
+async def test_claims_on_a_live_actors_name_are_refused(tmp_path: Path) -> None:
+    async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller", "custom": Idle}) as system:
+        controller = system["controller"]
+        record = controller.records["custom-0-0"]
+        generation = controller.generation
+        spoofer = RpcClient(controller.zmq, controller.context.head_address, client_id="custom-0-0")
+        try:
+            beat = await spoofer.call(Heartbeat(actor_id="custom-0-0", seq=1), timeout=2, retries=0)
+            assert isinstance(beat, Error) and beat.reason == "not_owner"
+            claim = Register(actor_id="custom-0-0", role="custom", node="elsewhere#0", pid=os.getpid() + 1,
+                             endpoints={"rpc": "tcp://127.0.0.1:9"}, meta={})
+            registered = await spoofer.call(claim, timeout=2, retries=0)
+            assert isinstance(registered, Error) and registered.reason == "identity_in_use"
+            left = await spoofer.call(Leave(actor_id="custom-0-0", reason="spoofed"), timeout=2, retries=0)
+            assert left == Ack(ok=False, error="custom-0-0 is registered from another connection")
+            announced = await spoofer.call(VersionAnnouncement(version=99, weights_version=99), timeout=2,
+                                           retries=0)
+            assert isinstance(announced, Ack) and not announced.ok
+        finally:
+            spoofer.close()
+        seen = record.last_seen
+        await asyncio.sleep(1.2)  # two heartbeats of the real actor
+        current = controller.records["custom-0-0"]
+        assert current.member.alive and current.member.endpoints == record.member.endpoints
+        assert current.last_seen > seen, "the real actor's heartbeats are no longer accepted"
+        assert controller.generation == generation, "a spoofed claim changed the roster"
+        assert controller.latest_version is None
+        assert controller.counters["refused.not_owner"] == 2
+        assert controller.counters["refused.identity_in_use"] == 1
+
+
+@pytest.mark.integration
+async def test_a_restarted_process_takes_its_name_back_once_the_old_one_is_gone(tmp_path: Path) -> None:
+    async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller", "custom": Idle}) as system:
+        controller = system["controller"]
+        old = system["custom-0-0"]
+        old_endpoints = old.endpoints()
+        old._controller.close()  # the process is gone: its connection detaches
+        system.tasks["custom-0-0"].cancel()
+        await asyncio.sleep(0.2)
+        successor = RpcClient(controller.zmq, controller.context.head_address, client_id="custom-0-0")
+        try:
+            claim = Register(actor_id="custom-0-0", role="custom", node="here#0", pid=os.getpid() + 1,
+                             endpoints={"rpc": "tcp://127.0.0.1:9"}, meta={})
+            reply = await successor.call(claim, timeout=2, retries=0)
+        finally:
+            successor.close()
+        assert not isinstance(reply, Error), reply
+        assert reply.incarnation == 1 and controller.records["custom-0-0"].member.endpoints != old_endpoints

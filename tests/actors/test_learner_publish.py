@@ -1,0 +1,156 @@
+"""The learner's weight publisher against rollout workers that are killed: a real gloo transfer to real worker
+processes (`python -m actors.runtime.main`, as the launcher starts them), killed with SIGKILL.
+
+The controller, the buffer and a recording reward actor run in the test's process on real sockets; the publisher
+is the learner's (`publisher_for`), fed by its actor's roster the way the learner feeds it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+from actors.config import RunConfig
+from actors.learner import publish
+from actors.learner.publish import WeightPublisher, live_engines, publisher_for
+from actors.runtime.base import Actor
+from actors.runtime.context import ActorContext, ActorSettings
+from actors.runtime.roles import BUILTIN_ROLES
+from bus.schema import Roster
+from tests.support.inprocess import SLEEPING, ActorSystem, GroupRecorder, actor_system, use_spec, write_prompts
+from tools.pipeline_sim import SimSpec
+
+REPO = Path(__file__).resolve().parents[2]
+TRANSFER_TIMEOUT_S = 30.0  # what a push would wait for a dead engine if nothing told it the engine was gone
+
+
+class Pusher(Actor):
+    """Holds the learner's publisher and tells it of every roster change, as the learner does; the test pushes."""
+
+    async def on_start(self) -> None:
+        self.weights: WeightPublisher = publisher_for(
+            self.settings.run, self.context.host, engines=lambda: live_engines(self.members("rollout")),
+            tensors=lambda: iter([("layer.weight", torch.ones(256, 256)), ("layer.bias", torch.ones(256))]),
+            zmq=self.zmq, security=self.security, client_id=f"{self.actor_id}.weights", counters=self.counters,
+            log=self.log)
+
+    async def on_roster(self, roster: Roster) -> None:
+        self.weights.roster_changed()
+
+    async def on_stop(self) -> None:
+        self.weights.close()
+
+
+ROLES = {"controller": "controller", "buffer": "buffer", "reward": GroupRecorder, "pusher": Pusher}
+
+
+@pytest.fixture
+def workers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in started:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _settings(tmp_path: Path) -> dict[str, object]:
+    return {**SLEEPING, "weight_transport": "gloo", "weight_transfer_timeout": TRANSFER_TIMEOUT_S,
+            "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "rollout_batch_size": 2,
+            "n_samples_per_prompt": 2, "rollout_max_batch_size": 2, "rollout_max_response_len": 16,
+            "use_tensorboard": False, "plots": False}
+
+
+def start_worker(system: ActorSystem, run_dir: Path, actor_id: str, started: list[subprocess.Popen[bytes]]
+                 ) -> subprocess.Popen[bytes]:
+    """A rollout worker process, started the way the launcher starts one."""
+    controller = system["controller"]
+    run: RunConfig = controller.settings.run
+    context = ActorContext(actor_id=actor_id, role="rollout", actor_class=BUILTIN_ROLES["rollout"], node_rank=0,
+                           head_address=controller.context.head_address, run_dir=run_dir, heartbeat_interval=0.5,
+                           settings=ActorSettings(console_log_level="error", run=run))
+    path = run_dir / "actors" / f"{actor_id}-{len(started)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(context.to_json(), encoding="utf-8")
+    process = subprocess.Popen([sys.executable, "-m", "actors.runtime.main", str(path)], cwd=REPO,
+                               env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started.append(process)
+    return process
+
+
+async def registered(system: ActorSystem, actor_id: str, process: subprocess.Popen[bytes]) -> None:
+    """Until the pusher's roster lists `process` alive under `actor_id`."""
+    def listed() -> bool:
+        member = system["pusher-0-0"].roster.get(actor_id)
+        return member is not None and member.alive and member.pid == process.pid
+
+    await system.wait_for(listed, 60, f"{actor_id} (pid {process.pid}) in the roster")
+
+
+def kill(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_a_worker_restarted_under_its_name_gets_the_next_push(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
+    """A restarted process keeps its actor id, so a group keyed on names sent it the generation its predecessor
+    had joined, which it could not join ("already joined ... joined twice"), and the push waited out its timeout."""
+    use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+        publisher = system["pusher-0-0"].weights
+        first = start_worker(system, tmp_path, "rollout-0-0", workers)
+        await registered(system, "rollout-0-0", first)
+        assert await publisher.publish(1)
+        kill(first)
+        second = start_worker(system, tmp_path, "rollout-0-0", workers)
+        await registered(system, "rollout-0-0", second)
+        started = time.monotonic()
+        assert await publisher.publish(2), "the restarted worker was not served"
+        seconds = time.monotonic() - started
+        assert publisher.committed_version == 2
+    assert seconds < TRANSFER_TIMEOUT_S / 3, f"the push took {seconds:.1f}s"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_a_push_to_a_killed_worker_ends_when_the_roster_says_it_died_not_at_the_transfer_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
+    """...and says meanwhile whom it waits for: a push that waited silently hid a dead node for minutes."""
+    use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
+    monkeypatch.setattr(publish, "WAITING_WARNING_S", 1.0)  # within the 2.5 s the controller takes to see a death
+    with structlog.testing.capture_logs() as logs:
+        async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+            pusher = system["pusher-0-0"]
+            survivor = start_worker(system, tmp_path, "rollout-0-0", workers)
+            victim = start_worker(system, tmp_path, "rollout-0-1", workers)
+            await registered(system, "rollout-0-0", survivor)
+            await registered(system, "rollout-0-1", victim)
+            assert await pusher.weights.publish(1)
+            kill(victim)
+            assert pusher.roster["rollout-0-1"].alive, "the roster already knew: the push would not wait at all"
+            started = time.monotonic()
+            assert await pusher.weights.publish(2), "the survivor was not served"
+            seconds = time.monotonic() - started
+            assert not pusher.roster["rollout-0-1"].alive
+            assert pusher.counters["weights.restarted"] == 1 and pusher.counters["weights.failed"] == 0
+    # The controller declares a member dead after 5 heartbeats of silence (2.5 s here); then one regroup.
+    assert seconds < 6.0, f"the push took {seconds:.1f}s"
+    waiting = [entry["engines"] for entry in logs
+               if entry["event"] == "weight push waiting on engines" and entry["version"] == 2]
+    assert waiting and waiting[-1] == ["rollout-0-1"], waiting  # the survivor is ready by then, the victim never

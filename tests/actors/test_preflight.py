@@ -1,0 +1,114 @@
+"""The launcher's preflight: every problem at once, each naming the flag and the value; only what the node reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.config import RunConfig
+from actors.config.preflight import PREFIX_ROWS, preflight
+
+HEAD = {"controller": 1, "buffer": 1, "learner": 1, "rollout": 1, "reward": 1}
+
+
+def prompts(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def good_prompts(tmp_path: Path, name: str = "train.jsonl") -> Path:
+    return prompts(tmp_path / name, [json.dumps({"input": "1+1=", "label": "2"})])
+
+
+@pytest.mark.unit
+def test_a_sound_configuration_has_no_problem(tmp_path: Path, tiny_model_path: Path) -> None:
+    config = RunConfig(prompt_data=str(good_prompts(tmp_path)), hf_checkpoint=str(tiny_model_path),
+                       eval_prompt_data=["heldout", str(good_prompts(tmp_path, "eval.jsonl"))], eval_interval=5,
+                       custom_rm_path="policies.rewards.text:exact_match_reward")
+    assert preflight(config, HEAD) == []
+
+
+@pytest.mark.unit
+def test_every_problem_is_reported_at_once_with_its_flag_and_value(tmp_path: Path) -> None:
+    empty = prompts(tmp_path / "empty.jsonl", [])
+    wrong_key = prompts(tmp_path / "eval.jsonl", [json.dumps({"question": "1+1="})] * 3)
+    config = RunConfig(prompt_data=str(empty), hf_checkpoint=str(tmp_path / "missing-model"),
+                       eval_prompt_data=["heldout", str(wrong_key)], eval_interval=5,
+                       custom_rm_path="no_such_package.rewards:score",
+                       custom_generate_function_path="examples.calculator_env:no_such_function")
+    assert preflight(config, HEAD) == [
+        f"--prompt-data {empty}: no records (the file is empty)",
+        f"--eval-prompt-data heldout {wrong_key}: no usable records in its first {PREFIX_ROWS} lines (3 malformed, "
+        "the first at line 1: key 'input' missing)",
+        f"--hf-checkpoint {tmp_path / 'missing-model'}: not found: no such directory",
+        "--custom-generate-function-path 'examples.calculator_env:no_such_function': 'examples.calculator_env' has "
+        "no attribute 'no_such_function'",
+        "--custom-rm-path 'no_such_package.rewards:score': cannot import module 'no_such_package.rewards': "
+        "ModuleNotFoundError: No module named 'no_such_package'",
+    ]
+
+
+@pytest.mark.unit
+def test_a_node_checks_only_what_its_own_actors_read(tmp_path: Path) -> None:
+    """A worker node with reward workers only: the head's data, model and learner plugins need not be here."""
+    config = RunConfig(prompt_data=str(tmp_path / "on-the-head.jsonl"), hf_checkpoint="/on/the/head/only",
+                       custom_advantage_function_path="no_such_package:advantages", rm_type="no_such_reward")
+    assert preflight(config, {"rollout": 0, "reward": 2}) == [
+        "--rm-type no_such_reward: unknown reward function 'no_such_reward'; registered: deepscaler, exact_match, "
+        "f1, gpqa, math, multiple_choice; or give a dotted path 'package.module:attr'",
+    ]
+
+
+@pytest.mark.unit
+def test_the_model_is_required_by_whoever_loads_it() -> None:
+    problems = preflight(RunConfig(), {"learner": 1, "rollout": 2})
+    assert problems == ["--hf-checkpoint: required: the learner (--train-backend torch) and the rollout workers "
+                        "(--rollout-engine torch) load the model from it"]
+
+
+@pytest.mark.unit
+def test_a_model_folder_needs_a_config(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    problems = preflight(RunConfig(hf_checkpoint=str(tmp_path / "model")), {"rollout": 1})
+    assert problems == [f"--hf-checkpoint {tmp_path / 'model'}: the folder has no config.json (not a Hugging Face "
+                        "model folder)"]
+
+
+@pytest.mark.unit
+def test_a_hub_id_loads_only_from_this_machines_cache(tmp_path: Path) -> None:
+    """No download happens at start-up: an id is fine when its files are cached, a clear error when not."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}", encoding="utf-8")
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("0123abcd", encoding="utf-8")
+    assert preflight(RunConfig(hf_checkpoint="acme/tiny"), {"rollout": 1}, hub_cache=cache) == []
+    assert preflight(RunConfig(hf_checkpoint="acme/other"), {"rollout": 1}, hub_cache=cache) == [
+        f"--hf-checkpoint acme/other: not found: no such directory, and no Hugging Face model 'acme/other' in this "
+        f"machine's cache ({cache}); download it first (huggingface-cli download acme/other) or give the model's "
+        "folder"]
+
+
+@pytest.mark.unit
+def test_a_dataset_needs_a_usable_record_among_its_first_rows_only(tmp_path: Path) -> None:
+    late = prompts(tmp_path / "late.jsonl", ["{broken"] * PREFIX_ROWS + [json.dumps({"input": "1+1="})])
+    early = prompts(tmp_path / "early.jsonl", [json.dumps({"input": "1+1="})] + ["{broken"] * 2 * PREFIX_ROWS)
+    assert preflight(RunConfig(prompt_data=str(early)), {"buffer": 1}) == []
+    assert preflight(RunConfig(prompt_data=str(late)), {"buffer": 1}) == [
+        f"--prompt-data {late}: no usable records in its first {PREFIX_ROWS} lines ({PREFIX_ROWS} malformed, the "
+        "first at line 1: not valid JSON: Expecting property name enclosed in double quotes at column 2)"]
+
+
+@pytest.mark.unit
+def test_a_training_only_run_needs_its_recording_not_prompts(tmp_path: Path, tiny_model_path: Path) -> None:
+    config = RunConfig(hf_checkpoint=str(tiny_model_path), debug_train_only=True,
+                       load_debug_rollout_data=str(tmp_path / "recording"))
+    assert preflight(config, {"controller": 1, "buffer": 1, "learner": 1}) == [
+        f"--load-debug-rollout-data {tmp_path / 'recording'}: no recorded batch there (batch_000001.msgpack, as "
+        "--save-debug-rollout-data writes)"]
+    (tmp_path / "recording").mkdir()
+    (tmp_path / "recording" / "batch_000001.msgpack").write_bytes(b"")
+    assert preflight(config, {"controller": 1, "buffer": 1, "learner": 1}) == []

@@ -1,0 +1,32 @@
+"""Reward functions for the reward worker's tests, loaded by `--custom-rm-path` like a user's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.slime_compat import Sample
+from policies.rewards import RewardInput
+
+SEEN: list[RewardInput] = []  # what `record` was given, in call order (in-process runs only)
+SEEN_SLIME: list[Sample] = []  # what `record_slime` was given
+
+
+def record(inp: RewardInput) -> float:
+    SEEN.append(inp)
+    return 0.0
+
+
+def record_slime(args: Any, sample: Sample) -> float:
+    SEEN_SLIME.append(sample)
+    return 0.0
+
+
+def always_raises(inp: RewardInput) -> float:
+    raise ValueError(f"cannot grade label {inp.label!r}")
+
+
+def fails_unless_ok(inp: RewardInput) -> float:
+    """Scores a response "ok", fails on any other: a reward that fails often, not always."""
+    if inp.response != "ok":
+        raise ValueError(f"flaky judge: cannot read {inp.response!r}")
+    return 1.0

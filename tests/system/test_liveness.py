@@ -1,0 +1,109 @@
+"""Liveness of a real run when the head's own processes fail (issue #16).
+
+A controller killed with -9 mid-run is restarted by its launcher on the same head address; every actor finds the
+new one, so the run still ends the ordinary way: the learner's stop reaches everyone through the new controller's
+broadcast and each actor stops because it was told to, not because its launcher signalled it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.system.test_fault_tolerance import current_pid, finish, launch, trained_steps, wait_for_step
+from tools.make_arithmetic_data import make_arithmetic_data
+
+
+def step_times(run_dir: Path) -> list[tuple[int, float]]:
+    lines = (run_dir / "metrics" / "train.jsonl").read_text().splitlines()
+    return [(record["step"], record["wall"]) for record in map(json.loads, lines) if "wall" in record]
+
+
+def stop_reasons(run_dir: Path) -> dict[str, str]:
+    """The reason each actor's last process gave for stopping, from its own log."""
+    reasons = {}
+    for path in (run_dir / "logs").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            if '"actor stopped"' in line:
+                reasons[path.stem] = json.loads(line).get("reason", "")
+    return reasons
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_a_run_whose_controller_was_killed_still_ends_with_a_clean_stop(tmp_path: Path, tiny_model_path: Path) -> None:
+    task = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir = tmp_path / "run"
+    run = launch(run_dir, tiny_model_path, task, num_rollout=12)
+    try:
+        wait_for_step(run, run_dir, 3)
+        os.kill(current_pid(run_dir, "controller"), signal.SIGKILL)
+        output = finish(run)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-4000:]
+    assert trained_steps(run_dir) == 12
+    launcher_log = (run_dir / "logs" / "launcher-0.jsonl").read_text()
+    assert '"actor": "controller", "code": -9' in launcher_log, "the controller was not killed and restarted"
+    assert "actor ignored SIGTERM" not in launcher_log
+    reasons = stop_reasons(run_dir)
+    workers = {name: reason for name, reason in reasons.items() if name not in ("controller", "learner")}
+    assert set(workers) >= {"buffer", "rollout-0-0", "rollout-0-1", "reward-0-0"}, reasons
+    unheard = {name: reason for name, reason in workers.items() if not reason.startswith("controller: stop")}
+    assert not unheard, f"actors that never heard the new controller's stop: {unheard}"
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_a_killed_reward_worker_stalls_training_for_seconds_not_a_lease_timeout(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """The groups a dead reward worker held are re-issued when the roster reports its death (the rollout workers
+    that handed them over name them), not when their leases expire 60 s later."""
+    task = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir = tmp_path / "run"
+    run = launch(run_dir, tiny_model_path, task, num_rollout=12, extra=("--lease-timeout", "60"))
+    try:
+        wait_for_step(run, run_dir, 3)
+        os.kill(current_pid(run_dir, "reward-0-0"), signal.SIGKILL)
+        killed_at = time.time()
+        output = finish(run)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-4000:]
+    after = [killed_at] + [wall for _, wall in step_times(run_dir) if wall > killed_at]
+    stall = max(later - earlier for earlier, later in itertools.pairwise(after))
+    assert len(after) > 1 and stall < 20, f"training stalled {stall:.1f}s after the reward worker died"
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_every_eval_round_of_a_fully_async_run_is_generated_by_the_version_it_reports(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """The learner keeps the engines on an evaluated version's weights until the round reports, and a worker
+    generates an eval group only with that version's weights: no token of a round comes from newer weights."""
+    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=24)
+    run_dir = tmp_path / "run"
+    run = launch(run_dir, tiny_model_path, data["train"], num_rollout=12,
+                 extra=("--eval-prompt-data", "held", str(data["eval"]), "--eval-interval", "3",
+                        "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0"))
+    try:
+        output = finish(run)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-4000:]
+    rounds = [json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rounds) == [0, 3, 6, 9, 12], rounds
+    off = {r["step"]: r["eval/held/off_version_samples"] for r in rounds}
+    assert not any(off.values()), f"eval samples generated by other weights than the version reported: {off}"
+    assert all(r["eval/held/failed_samples"] == 0 for r in rounds)

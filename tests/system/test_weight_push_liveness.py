@@ -1,0 +1,61 @@
+"""Weight pushes in a real run survive a rollout worker killed with -9 (issue #16): the learner hears of the death
+from the roster (the replacement registers under the same name in about a second) and pushes to the live engines
+at once, instead of waiting out the weight-transfer timeout for a process that is gone; the replacement, a new
+process under the old name, joins a new transfer group and gets the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.system.test_fault_tolerance import current_pid, finish, launch, wait_for_step
+from tools.make_arithmetic_data import make_arithmetic_data
+
+TRANSFER_TIMEOUT_S = 30  # the default: what a push used to wait for the killed worker
+
+
+def unix(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def step_walls(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics" / "train.jsonl").read_text().splitlines()
+    return [record["wall"] for record in map(json.loads, lines) if "wall" in record]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_a_killed_rollout_worker_costs_seconds_of_training_not_the_transfer_timeout(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    task = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir = tmp_path / "run"
+    run = launch(run_dir, tiny_model_path, task, num_rollout=16,
+                 extra=("--weight-transfer-timeout", str(TRANSFER_TIMEOUT_S)))
+    try:
+        wait_for_step(run, run_dir, 4)
+        victim = current_pid(run_dir, "rollout-0-0")
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        output = finish(run)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-4000:]
+    walls = step_walls(run_dir)
+    assert len(walls) == 16
+    after = [wall for wall in walls if wall > killed_at]
+    gaps = [later - earlier for earlier, later in zip([killed_at, *after], after, strict=False)]
+    assert max(gaps) < 5.0, f"training stalled {max(gaps):.1f}s after the kill (steps at {gaps})"
+    assert current_pid(run_dir, "rollout-0-0") != victim, "the killed worker was not restarted"
+    pushes = [json.loads(line) for line in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()
+              if '"weights pushed"' in line]
+    served = [push for push in pushes if push.get("engines") == 2 and unix(push["timestamp"]) > killed_at]
+    assert served, "no push reached both engines after the kill: the replacement never got the weights"
