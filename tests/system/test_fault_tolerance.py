@@ -46,6 +46,18 @@ def trained_steps(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def step_walls(run_dir: Path) -> list[float]:
+    """The wall-clock time of each trained step, from metrics/train.jsonl."""
+    lines = (run_dir / "metrics" / "train.jsonl").read_text().splitlines()
+    return [record["wall"] for record in map(json.loads, lines) if "wall" in record]
+
+
+def gaps_after(run_dir: Path, moment: float) -> list[float]:
+    """Seconds from `moment` to the first step after it, then between each later step and the next."""
+    after = [wall for wall in step_walls(run_dir) if wall > moment]
+    return [later - earlier for earlier, later in zip([moment, *after], after, strict=False)]
+
+
 def wait_for_step(process: subprocess.Popen[str], run_dir: Path, step: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while trained_steps(run_dir) < step:

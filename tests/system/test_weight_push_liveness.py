@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.system.test_fault_tolerance import current_pid, finish, launch, wait_for_step
+from tests.system.test_fault_tolerance import current_pid, finish, gaps_after, launch, step_walls, wait_for_step
 from tools.make_arithmetic_data import make_arithmetic_data
 
 TRANSFER_TIMEOUT_S = 30  # the default: what a push used to wait for the killed worker
@@ -23,11 +23,6 @@ TRANSFER_TIMEOUT_S = 30  # the default: what a push used to wait for the killed 
 
 def unix(timestamp: str) -> float:
     return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
-
-
-def step_walls(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics" / "train.jsonl").read_text().splitlines()
-    return [record["wall"] for record in map(json.loads, lines) if "wall" in record]
 
 
 @pytest.mark.system
@@ -51,8 +46,7 @@ def test_a_killed_rollout_worker_costs_seconds_of_training_not_the_transfer_time
     assert run.returncode == 0, output[-4000:]
     walls = step_walls(run_dir)
     assert len(walls) == 16
-    after = [wall for wall in walls if wall > killed_at]
-    gaps = [later - earlier for earlier, later in zip([killed_at, *after], after, strict=False)]
+    gaps = gaps_after(run_dir, killed_at)
     assert max(gaps) < 5.0, f"training stalled {max(gaps):.1f}s after the kill (steps at {gaps})"
     assert current_pid(run_dir, "rollout-0-0") != victim, "the killed worker was not restarted"
     pushes = [json.loads(line) for line in (run_dir / "logs" / "learner.jsonl").read_text().splitlines()
