@@ -30,6 +30,7 @@ from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
 from bus.address import free_port
+from bus.security import CurveKeyError, CurveKeys
 
 SINGLETON_ROLES = ("controller", "buffer", "learner")
 SCALED_ROLES = {"rollout": "rollout_workers", "reward": "reward_workers"}  # role -> its count's argument
@@ -140,6 +141,15 @@ def check_head_address(address: str, *, binding: bool) -> tuple[str, int]:
                 raise LaunchError(f"--head-address {address}: cannot bind ({error.strerror}); is another run "
                                   f"using port {parts.port}?") from None
     return parts.hostname, parts.port
+
+
+def check_curve_keys(directory: Path) -> None:
+    """Load the keys every actor will load, once, before anything starts (or waits for the head): a missing, broken
+    or loose key file is then one line naming the file, not a crash of every actor, restarted until the run fails."""
+    try:
+        CurveKeys.load(directory)
+    except CurveKeyError as error:
+        raise LaunchError(f"--curve-keys: {error}") from None
 
 
 def wait_for_head(address: str, timeout: float) -> None:
@@ -271,6 +281,8 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     remaining, sglang_passthrough = split_sglang_args(list(argv))
     args = build_parser(list(customs)).parse_args(remaining)
     args.sglang_passthrough = sglang_passthrough
+    if args.curve_keys is not None:
+        check_curve_keys(args.curve_keys)
     if args.head:
         head_address = args.head_address or f"tcp://{args.host}:{free_port(args.host)}"
         check_head_address(head_address, binding=True)
@@ -279,8 +291,6 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
             raise LaunchError("--head-address is required on a node without --head")
         head_address = args.head_address
         wait_for_head(head_address, args.connect_timeout)
-    if args.curve_keys is not None and not args.curve_keys.is_dir():
-        raise LaunchError(f"--curve-keys {args.curve_keys}: no such directory (make one with tools/keygen.py)")
     try:
         head_settings = None if args.head else fetch_head_settings(
             head_address, node_rank=args.node_rank, curve_keys=args.curve_keys, timeout=args.connect_timeout)
@@ -323,6 +333,8 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
         num_rollout = contexts[0].settings.run.learner.num_rollout
         progress = asyncio.create_task(follow_progress(run_dir, num_rollout, stop_progress))
     code = await supervisor.run()
+    if supervisor.failure is not None:  # whole, as text: a hang report spans several lines
+        print(f"launcher.py: run failed: {supervisor.failure}", file=sys.stderr)
     stop_progress.set()
     if progress is not None:
         await progress

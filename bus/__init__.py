@@ -8,12 +8,13 @@ from bus.broadcast import Publisher, Subscriber
 from bus.codec import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode, encode
 from bus.rpc import RpcClient, RpcClosed, RpcServer, RpcTimeout
 from bus.schema import SCHEMA_VERSION, Message, messages_equal
-from bus.security import CurveKeys, Security, generate_cluster_keys
+from bus.security import CurveKeyError, CurveKeys, Security, generate_cluster_keys
 from bus.stream import StreamReceiver, StreamSender
 
 __all__ = [
     "DEFAULT_LIMITS",
     "SCHEMA_VERSION",
+    "CurveKeyError",
     "CurveKeys",
     "DecodeError",
     "DecodeLimits",

@@ -11,6 +11,15 @@ subscriber filters out longer topics that zmq's prefix matching lets through.
 
 A subscriber that falls more than the send high-water mark behind loses messages (XPUB drops rather than
 block the publisher for everyone); it still converges on the latest state with the next publish.
+
+Hostile subscribers: libzmq keeps every distinct subscription prefix of a connection in a trie, at ~50 bytes per
+prefix byte, for as long as the connection lasts, and offers no way to refuse one. So topics are at most
+``MAX_TOPIC_BYTES`` long and the publisher's socket refuses (with the connection) any frame longer than a
+subscription to such a topic: a subscription flood then costs at most a few KB per subscription it actually
+sent, instead of up to 3 MB. Replays are coalesced (each topic at most once per ``REPLAY_INTERVAL_S``), because
+XPUB re-sends to every subscriber, so a flood of subscriptions would otherwise become a flood of broadcasts to
+every actor. Frames that are not subscriptions are counted as drops; XPUB does not say which connection sent a
+frame, so they are attributed to the sender's address (``subscriber@ADDRESS``).
 """
 
 from __future__ import annotations
@@ -27,11 +36,22 @@ from bus.address import bind as bind_socket
 from bus.codec import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode, encode
 from bus.schema import Message
 from bus.security import Security
-from bus.sockets import DropLog, make_socket, try_send
+from bus.sockets import YIELD_EVERY, DropLog, make_socket, try_send
 
 log = logging.getLogger(__name__)
 
 STAMP_BYTES = 16
+MAX_TOPIC_BYTES = 32
+# A subscription is a 1-byte flag and the topic, or a ZMTP 3.1 command ("\x09SUBSCRIBE" or "\x06CANCEL" + topic).
+PUBLISHER_FRAME_LIMIT = MAX_TOPIC_BYTES + 16
+REPLAY_INTERVAL_S = 0.05
+
+
+def _check_topic(topic: str, what: str) -> bytes:
+    name = topic.encode("utf-8")
+    if len(name) > MAX_TOPIC_BYTES:
+        raise ValueError(f"{what}: topic {topic!r} is {len(name)} bytes; topics are at most {MAX_TOPIC_BYTES}")
+    return name
 
 
 class Publisher:
@@ -45,7 +65,7 @@ class Publisher:
         security: Security | None = None,
         sndhwm: int = 10_000,
     ) -> None:
-        self._sock = make_socket(ctx, zmq.XPUB, security=security, server=True, max_frame_bytes=64 * 1024)
+        self._sock = make_socket(ctx, zmq.XPUB, security=security, server=True, max_frame_bytes=PUBLISHER_FRAME_LIMIT)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass up every subscription, not only a topic's first
         self._sock.setsockopt(zmq.SNDHWM, sndhwm)
         self.endpoint = bind_socket(self._sock, bind)
@@ -53,15 +73,34 @@ class Publisher:
         self._last: dict[bytes, list[bytes]] = {}
         self._seq: dict[bytes, int] = {}
         self._watcher: asyncio.Task | None = None
+        self._replay_due: set[bytes] = set()
+        self._replay_handle: asyncio.TimerHandle | None = None
+        self._last_replay = 0.0
+        self._drops = DropLog(log, f"publisher {self.endpoint}")
+        self.dropped = self._drops.counts
         self.published = 0
         self.replayed = 0
+        self.subscriptions = 0
         self._start_watcher()
+
+    def dropped_by_peer(self) -> dict[str, dict[str, int]]:
+        """Drops per subscriber address and reason (bounded; see ``bus.sockets.DropLog``)."""
+        return self._drops.peers()
+
+    def drop_metrics(self, channel: str) -> dict[str, float]:
+        """Drop counters for a heartbeat under ``channel``, with the publications, subscriptions and replays."""
+        return {
+            **self._drops.metrics(channel),
+            f"published.{channel}": float(self.published),
+            f"subscriptions.{channel}": float(self.subscriptions),
+            f"replayed.{channel}": float(self.replayed),
+        }
 
     def publish(self, topic: str, message: Message) -> None:
         """Send ``message`` to every subscriber of ``topic`` and remember it for later subscribers."""
         if not topic:
             raise ValueError("publish: topic must be a non-empty string")
-        name = topic.encode("utf-8")
+        name = _check_topic(topic, "publish")
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
         frames = [name, self.publisher_id + seq.to_bytes(8, "big"), encode(message)]
@@ -80,21 +119,59 @@ class Publisher:
         self._watcher = loop.create_task(self._replay_on_subscribe(), name=f"publisher-{self.endpoint}")
 
     async def _replay_on_subscribe(self) -> None:
+        taken = 0
         while True:
-            frames = await self._sock.recv_multipart()
-            event = frames[0]
-            if len(frames) != 1 or event[:1] != b"\x01":
-                continue  # unsubscriptions and anything else a subscriber might send
+            taken += 1
+            if taken % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a subscription flood must not starve the rest of the controller
+            frames = await self._sock.recv_multipart(copy=False)
+            event = frames[0].bytes
+            if len(frames) != 1:
+                self._drops("bad_envelope", f"a {len(frames)}-frame message upstream", _sender(frames[0]))
+                continue
+            if event[:1] == b"\x00":
+                continue  # an unsubscription; libzmq has applied it
+            if event[:1] != b"\x01":
+                self._drops("not_subscription", f"a {len(event)}-byte frame upstream", _sender(frames[0]))
+                continue
+            self.subscriptions += 1
             prefix = event[1:]
-            for name, last in list(self._last.items()):
+            for name in self._last:
                 if name.startswith(prefix):
-                    try_send(self._sock, last)
-                    self.replayed += 1
+                    self._replay_due.add(name)
+            self._schedule_replay()
+
+    def _schedule_replay(self) -> None:
+        """Replay the due topics now, or once REPLAY_INTERVAL_S has passed since the last replay."""
+        if self._replay_handle is not None or not self._replay_due:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._last_replay + REPLAY_INTERVAL_S - loop.time())
+        self._replay_handle = loop.call_later(delay, self._replay)
+
+    def _replay(self) -> None:
+        self._replay_handle = None
+        self._last_replay = asyncio.get_running_loop().time()
+        due, self._replay_due = self._replay_due, set()
+        for name in due:
+            try_send(self._sock, self._last[name])
+            self.replayed += 1
 
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._replay_handle is not None:
+            self._replay_handle.cancel()
         self._sock.close(linger=0)
+
+
+def _sender(frame: zmq.Frame) -> str:
+    """``subscriber@ADDRESS`` from a frame's metadata: XPUB tells no more about who sent it."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, UnicodeDecodeError):
+        address = ""
+    return f"subscriber@{address}" if address else "subscriber"
 
 
 class Subscriber:
@@ -114,7 +191,7 @@ class Subscriber:
         self._limits = limits
         self._sock = make_socket(ctx, zmq.SUB, security=security, server=False, max_frame_bytes=limits.max_frame_bytes)
         self._all = "" in topics
-        self._topics = {topic.encode("utf-8") for topic in topics}
+        self._topics = {_check_topic(topic, "Subscriber") for topic in topics}
         for topic in self._topics:
             self._sock.setsockopt(zmq.SUBSCRIBE, topic)
         self._seen: dict[tuple[bytes, bytes], int] = {}
@@ -142,10 +219,16 @@ class Subscriber:
 
     async def recv(self) -> tuple[str, Message]:
         """The next message not seen before on a subscribed topic."""
+        skipped = 0
         while True:
+            skipped += 1
+            if skipped % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a run of duplicates or garbage must not starve the rest of the actor
             frames = await self._sock.recv_multipart(copy=False)
             if len(frames) != 3 or len(frames[1].bytes) != STAMP_BYTES:
-                self._drops("bad_envelope", f"expected [topic, 16-byte stamp, message], got {len(frames)} frames")
+                self._drops(
+                    "bad_envelope", f"expected [topic, 16-byte stamp, message], got {len(frames)} frames", "publisher"
+                )
                 continue
             name = frames[0].bytes
             if not self._all and name not in self._topics:
@@ -159,7 +242,7 @@ class Subscriber:
             try:
                 message = decode(frames[2], self._limits)
             except DecodeError as exc:
-                self._drops(exc.reason, f"topic {name!r}: {exc}")
+                self._drops(exc.reason, f"topic {name!r}: {exc}", "publisher")
                 continue
             return name.decode("utf-8", "replace"), message
 

@@ -6,6 +6,11 @@ reused by every retry of that call. The server remembers recent replies by (clie
 that arrives after the handler finished is answered from that cache, one that arrives while the handler is
 still running is ignored (the reply is on its way), so a handler runs once per call however often the
 client retries. That is what lets a learner safely retry ``BatchRequest`` without training a batch twice.
+
+Hostile clients: requests are small, so the server refuses frames over ``REQUEST_LIMITS.max_frame_bytes``
+(libzmq drops them, and the connection, before allocating) and queues at most ``MAX_QUEUED_PER_CLIENT``
+requests per connection; a malformed request is answered with an ``Error`` naming its reason and counted per
+client (``dropped_by_peer()``), but not cached, so garbage cannot push real replies out of the cache.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ from bus.address import bind as bind_socket
 from bus.codec import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode, encode
 from bus.schema import Ack, Error, Message
 from bus.security import Security
-from bus.sockets import DropLog, make_socket, routing_id, try_send
+from bus.sockets import YIELD_EVERY, DropLog, make_socket, routing_id, try_send
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, Message], Awaitable[Message | None]]
 
 MAX_REQUEST_ID_BYTES = 64
+MAX_QUEUED_PER_CLIENT = 32  # requests waiting in libzmq per client connection (RCVHWM); a client has a few
+REQUEST_LIMITS = DecodeLimits(max_frame_bytes=16 << 20)  # requests are small; replies (a Batch) may be large
 PROBE_REQUEST_ID = b"probe"
 _PROBE = encode(Ack(ok=True))
 
@@ -93,7 +100,7 @@ class RpcServer:
         ctx: zmq.asyncio.Context,
         bind: str,
         *,
-        limits: DecodeLimits = DEFAULT_LIMITS,
+        limits: DecodeLimits = REQUEST_LIMITS,
         security: Security | None = None,
         max_concurrency: int = 64,
         reply_cache_ttl: float = 60.0,
@@ -108,6 +115,7 @@ class RpcServer:
             ctx, zmq.ROUTER, security=security, server=True, max_frame_bytes=limits.max_frame_bytes
         )
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.RCVHWM, MAX_QUEUED_PER_CLIENT)
         self.endpoint = bind_socket(self._sock, bind)
         self._cache = _ReplyCache(reply_cache_ttl, reply_cache_entries, reply_cache_bytes)
         self._in_flight: set[tuple[bytes, bytes]] = set()
@@ -118,9 +126,18 @@ class RpcServer:
         self.duplicates = 0
         self._closed = False
 
+    def dropped_by_peer(self) -> dict[str, dict[str, int]]:
+        """Drops per client label and reason (bounded; see ``bus.sockets.DropLog``)."""
+        return self._drops.peers()
+
+    def drop_metrics(self, channel: str) -> dict[str, float]:
+        """Drop counters for a heartbeat under ``channel``, and the retries answered without the handler."""
+        return {**self._drops.metrics(channel), f"duplicates.{channel}": float(self.duplicates)}
+
     async def serve(self, handler: Handler) -> None:
         """Answer requests until ``close()``; at most ``max_concurrency`` handlers run at once."""
         slots = asyncio.Semaphore(self._max_concurrency)
+        taken = 0
         try:
             while not self._closed:
                 await slots.acquire()  # when all slots are busy, requests wait in zmq (bounded by its HWM)
@@ -132,6 +149,10 @@ class RpcServer:
                 started = self._dispatch(frames, handler, slots)
                 if not started:
                     slots.release()
+                taken += 1
+                if taken % YIELD_EVERY == 0:
+                    # A queued frame is received without suspending: let handlers and the rest of the process run.
+                    await asyncio.sleep(0)
         except (asyncio.CancelledError, zmq.ZMQError):
             if not self._closed:
                 raise
@@ -139,13 +160,11 @@ class RpcServer:
     def _dispatch(self, frames: list[zmq.Frame], handler: Handler, slots: asyncio.Semaphore) -> bool:
         client = frames[0].bytes
         if len(frames) != 3:
-            self._drops(
-                "bad_envelope", f"from {client!r}: expected [request_id, message], got {len(frames) - 1} frames"
-            )
+            self._drops("bad_envelope", f"expected [request_id, message], got {len(frames) - 1} frames", client)
             return False
         request_id = frames[1].bytes
         if not 1 <= len(request_id) <= MAX_REQUEST_ID_BYTES:
-            self._drops("bad_envelope", f"from {client!r}: request id of {len(request_id)} bytes")
+            self._drops("bad_envelope", f"request id of {len(request_id)} bytes", client)
             return False
         key = (client, request_id)
         cached = self._cache.get(key)
@@ -159,8 +178,9 @@ class RpcServer:
         try:
             request = decode(frames[2], self._limits)
         except DecodeError as exc:
-            self._drops(exc.reason, f"from {client!r}: {exc}")
-            self._reply(key, Error(reason=exc.reason, detail=str(exc)))
+            self._drops(exc.reason, str(exc), client)
+            # Not cached: a retry is just as malformed, and garbage must not evict the replies real calls need.
+            self._reply(key, Error(reason=exc.reason, detail=str(exc)), cache=False)
             return False
         self._in_flight.add(key)
         task = asyncio.get_running_loop().create_task(self._handle(handler, key, request, slots))
@@ -185,13 +205,14 @@ class RpcServer:
             self._in_flight.discard(key)
             slots.release()
 
-    def _reply(self, key: tuple[bytes, bytes], reply: Message) -> None:
+    def _reply(self, key: tuple[bytes, bytes], reply: Message, *, cache: bool = True) -> None:
         try:
             frame = encode(reply)
         except (TypeError, ValueError) as exc:
             log.error("rpc server %s: cannot encode %s reply: %s", self.endpoint, type(reply).__name__, exc)
             frame = encode(Error(reason="encode_error", detail=f"{type(reply).__name__}: {exc}"))
-        self._cache.put(key, frame)
+        if cache:
+            self._cache.put(key, frame)
         if not self._closed:
             try_send(self._sock, [key[0], key[1], frame])  # a vanished client will retry or has given up
 
@@ -297,7 +318,7 @@ class RpcClient:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             if len(frames) != 2:
-                self._drops("bad_envelope", f"expected [request_id, reply], got {len(frames)} frames")
+                self._drops("bad_envelope", f"expected [request_id, reply], got {len(frames)} frames", "server")
                 continue
             future = self._pending.get(frames[0].bytes)
             if future is None or future.done():
@@ -306,7 +327,7 @@ class RpcClient:
             try:
                 future.set_result(decode(frames[1], self._limits))
             except DecodeError as exc:
-                self._drops(exc.reason, str(exc))
+                self._drops(exc.reason, str(exc), "server")
                 future.set_exception(exc)
 
     def close(self) -> None:

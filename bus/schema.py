@@ -37,9 +37,27 @@ from bus.schema_base import (
     doc,
     tensor,
 )
+from bus.schema_control import (
+    Control,
+    Heartbeat,
+    Leave,
+    Member,
+    Register,
+    Registered,
+    Roster,
+    RosterEvent,
+    RosterEventKind,
+    RunConfigQuery,
+    RunConfigReply,
+    RunState,
+    StateReport,
+    WaitState,
+)
 
 # Re-exported: the codec, the actors and foreign tools take these from bus.schema.
-__all__ = ["DEFAULT_VERSION", "SCHEMA_VERSION", "TOPIC_CONTROL", "TOPIC_ROSTER", "TOPIC_RUN_STATE", "TOPIC_VERSION"]
+__all__ = ["DEFAULT_VERSION", "SCHEMA_VERSION", "TOPIC_CONTROL", "TOPIC_ROSTER", "TOPIC_RUN_STATE", "TOPIC_VERSION",
+           "Control", "Heartbeat", "Leave", "Member", "Register", "Registered", "Roster", "RosterEvent",
+           "RosterEventKind", "RunConfigQuery", "RunConfigReply", "RunState", "StateReport", "WaitState"]
 
 SampleStatus = Literal["pending", "completed", "truncated", "aborted", "failed"]
 # An engine's finish reason as a sample status, and back: the status is how the finish reason travels (a reward
@@ -262,110 +280,6 @@ class WeightUpdateOrder(Message):
     timeout_s: Annotated[float, doc("give up on joining or receiving after this long")] = 120.0
 
 
-class Member(Record):
-    """One live-or-dead actor in the roster."""
-
-    actor_id: Annotated[str, doc("unique actor id")]
-    role: Annotated[str, doc("controller, rollout, reward, buffer, learner or a custom role")]
-    node: Annotated[str, doc("host name the actor runs on")]
-    pid: Annotated[int, doc("process id on that node")]
-    endpoints: Annotated[dict[str, str], doc("channel name -> zmq endpoint others connect to")]
-    alive: Annotated[bool, doc("heartbeats arriving within the deadline")] = True
-    incarnation: Annotated[int, doc("how many times this actor id registered (restarts)")] = 0
-
-
-RosterEventKind = Literal["joined", "died", "returned", "left"]
-
-
-class RosterEvent(Record):
-    """A change in the roster since the previous generation."""
-
-    kind: Annotated[RosterEventKind, doc("what happened")]
-    actor_id: Annotated[str, doc("who it happened to")]
-    reason: Annotated[str, doc("e.g. heartbeat deadline missed")] = ""
-
-
-class Roster(Message):
-    """Controller -> everyone (broadcast, topic "roster"; also inside Registered): who is in the run."""
-
-    generation: Annotated[int, doc("increments on every change; receivers ignore older generations")]
-    members: Annotated[list[Member], doc("every known actor, dead ones included")]
-    events: Annotated[list[RosterEvent], doc("changes since the previous generation")] = msgspec.field(
-        default_factory=list
-    )
-
-
-class Register(Message):
-    """Actor -> controller (RPC), first message of every actor; reply Registered."""
-
-    actor_id: Annotated[str, doc("unique actor id")]
-    role: Annotated[str, doc("the actor's role")]
-    node: Annotated[str, doc("host name")]
-    pid: Annotated[int, doc("process id")]
-    endpoints: Annotated[dict[str, str], doc("channel name -> endpoint the actor bound")]
-    meta: Annotated[dict[str, Any], doc("role-specific facts (engine kind, capacity, device)")] = msgspec.field(
-        default_factory=dict
-    )
-
-
-class Leave(Message):
-    """Actor -> controller (RPC) when it stops on purpose, so peers hear "left" at once, not after a deadline."""
-
-    actor_id: Annotated[str, doc("the leaving actor")]
-    reason: Annotated[str, doc("why it stops")] = ""
-
-
-class Registered(Message):
-    """Controller -> actor (RPC reply to Register): the current roster and how to stay alive."""
-
-    roster: Annotated[Roster, doc("roster including the new member")]
-    publish_endpoint: Annotated[str, doc("controller's broadcast endpoint to subscribe to")]
-    heartbeat_interval: Annotated[float, doc("seconds between Heartbeats")]
-    deadline: Annotated[float, doc("seconds without a heartbeat before the actor is declared dead")]
-    incarnation: Annotated[int, doc("the actor's incarnation number")] = 0
-    controller: Annotated[str, doc("random id of this controller process: a new one counts roster "
-                                   "generations from 0 again")] = ""
-
-
-class RunConfigQuery(Message):
-    """Launcher of a worker node -> controller (RPC): the run's settings, so that a node joins a run with the head's
-    address alone; reply RunConfigReply."""
-
-    node_rank: Annotated[int, doc("the asking node's rank")] = 0
-
-
-class RunConfigReply(Message):
-    """Controller -> launcher (RPC reply to RunConfigQuery): the settings every actor of the run was given."""
-
-    settings: Annotated[dict[str, Any], doc("the run's configuration by section, as RUN_DIR/config.yaml holds it")]
-
-
-class Heartbeat(Message):
-    """Actor -> controller (RPC) every heartbeat_interval; reply Ack (ok=False: register again)."""
-
-    actor_id: Annotated[str, doc("sender")]
-    seq: Annotated[int, doc("increments per heartbeat of this incarnation")]
-    counters: Annotated[dict[str, float], doc("metrics snapshot (queue depths, samples/s, drops by reason)")] = (
-        msgspec.field(default_factory=dict)
-    )
-
-
-class Control(Message):
-    """Controller -> everyone (broadcast, topic "control"): change what actors are doing."""
-
-    command: Annotated[Literal["pause", "resume", "drain", "stop"], doc("the order")]
-    reason: Annotated[str, doc("human-readable why")] = ""
-
-
-class RunState(Message):
-    """Controller -> everyone (broadcast, topic "run_state"): the lifecycle state of the run."""
-
-    state: Annotated[Literal["starting", "running", "draining", "stopped"], doc("current state")]
-    version: Annotated[int, doc("policy version at the time of the change")] = 0
-    reason: Annotated[str, doc("why the state changed")] = ""
-    timestamp: Annotated[float, doc("unix time of the change (controller clock)")] = 0.0
-
-
 class Ack(Message):
     """Generic RPC reply: done (ok) or refused with a reason."""
 
@@ -418,6 +332,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         RunConfigQuery,
         RunConfigReply,
         Heartbeat,
+        StateReport,
         Roster,
         Control,
         RunState,
@@ -427,7 +342,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         StreamCredit,
     )
 }
-RECORD_TYPES: dict[str, type[Record]] = {cls.__name__: cls for cls in (Member, RosterEvent)}
+RECORD_TYPES: dict[str, type[Record]] = {cls.__name__: cls for cls in (Member, RosterEvent, WaitState)}
 AnyMessage = typing.Union[tuple(MESSAGE_TYPES.values())]  # noqa: UP007 - built from the registry
 
 

@@ -9,13 +9,20 @@ key cannot complete the handshake, so nothing it sends is ever delivered, and al
 
 The authenticator is an asyncio task on the context's event loop, started the first time a server socket
 of that context is configured; ``Security.close()`` stops it (do so before ``ctx.term()``, or use
-``ctx.destroy()``).
+``ctx.destroy()``). It counts the handshakes it refuses (``Security.refused``) and logs a sample of them, so
+a peer knocking with the wrong key is visible; a peer with no key at all fails the CURVE handshake before the
+authenticator is asked, and is neither counted nor logged.
+
+The secret key file is refused when group or others may read or write it (as ssh refuses a loose private key):
+a key the whole machine can read authenticates nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import stat
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +34,25 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 PUBLIC_FILE = "cluster.key"
 SECRET_FILE = "cluster.key_secret"
+
+log = logging.getLogger(__name__)
+
+# Log the first few refused handshakes of a context, then one in every LOG_EVERY: each connection a stranger opens
+# costs one refusal (libzmq does not retry a refused one), and a flood of them must not flood the log.
+# ``Security.refused`` holds the exact count.
+LOG_FIRST = 5
+LOG_EVERY = 1000
+
+# libzmq applies a socket's MAXMSGSIZE to the CURVE handshake commands too (HELLO is 200 bytes; INITIATE ~250 plus
+# the peer's metadata, routing id included, so up to ~560): a smaller limit refuses every CURVE peer, silently.
+HANDSHAKE_FRAME_BYTES = 1024
+
+
+class CurveKeyError(ValueError):
+    """A key directory that cannot be used: a file missing, of the wrong kind, unreadable, or readable by others.
+
+    The message names the file and says how to fix it; the launcher prints it as its one-line error.
+    """
 
 
 @dataclass(frozen=True)
@@ -43,20 +69,62 @@ class CurveKeys:
 
     @classmethod
     def load(cls, directory: str | Path) -> CurveKeys:
-        """Load the cluster pair written by ``tools/keygen.py DIR``."""
+        """Load the cluster pair written by ``tools/keygen.py DIR``; raises ``CurveKeyError`` naming the file.
+
+        Checked before the secret is read: the directory holds both files (a node given only the public key
+        cannot serve), the secret is a regular file that only its owner can read or write, and both files hold
+        the same public key (a copy from two keygen runs would fail every handshake, with no clue why).
+        """
         directory = Path(directory)
-        secret_path = directory / SECRET_FILE
-        if not secret_path.is_file():
-            raise FileNotFoundError(
-                f"{secret_path}: no cluster secret key; create one with tools/keygen.py {directory}"
-            )
-        try:
-            public, secret = zmq.auth.load_certificate(secret_path)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{secret_path}: not a valid CURVE certificate: {exc}") from exc
+        if not directory.is_dir():
+            raise CurveKeyError(f"{directory}: no such directory; create the cluster keys with "
+                                f"tools/keygen.py {directory}")
+        public_path, secret_path = directory / PUBLIC_FILE, directory / SECRET_FILE
+        if not secret_path.exists():
+            raise CurveKeyError(f"{secret_path}: no cluster secret key; create one with tools/keygen.py {directory}")
+        _check_secret_file(secret_path)
+        if not public_path.is_file():
+            raise CurveKeyError(f"{public_path}: no cluster public key beside {SECRET_FILE}; copy both files "
+                                f"written by tools/keygen.py")
+        public, secret = _read_certificate(secret_path)
         if not secret:
-            raise ValueError(f"{secret_path}: certificate has no secret-key")
+            raise CurveKeyError(f"{secret_path}: certificate has no secret-key")
+        if _read_certificate(public_path)[0] != public:
+            raise CurveKeyError(f"{public_path}: public key does not match {secret_path}; copy both files from the "
+                                f"same tools/keygen.py run")
         return cls(public=public, secret=secret)
+
+
+def _check_secret_file(path: Path) -> None:
+    """Refuse a secret key file that is not a regular file, or that group or others may read or write."""
+    try:
+        info = path.stat()  # follows a symlink (a mounted secret): the file's own mode is what protects it
+    except OSError as error:
+        raise CurveKeyError(f"{path}: cannot read the cluster secret key ({error.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CurveKeyError(f"{path}: not a regular file ({_file_kind(info.st_mode)}); expected the cluster secret "
+                            f"key written by tools/keygen.py")
+    mode = stat.S_IMODE(info.st_mode)
+    if os.name == "posix" and mode & 0o077:
+        raise CurveKeyError(f"{path}: secret key file is accessible by group or others (mode {mode:04o}); "
+                            f"fix with: chmod 600 {path}")
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "an unusual file type"
+
+
+def _read_certificate(path: Path) -> tuple[bytes, bytes | None]:
+    try:
+        return zmq.auth.load_certificate(path)
+    except OSError as error:
+        raise CurveKeyError(f"{path}: cannot read ({error.strerror})") from None
+    except ValueError as error:
+        raise CurveKeyError(f"{path}: not a valid CURVE certificate: {error}") from None
 
 
 def generate_cluster_keys(directory: str | Path, *, force: bool = False) -> CurveKeys:
@@ -73,13 +141,30 @@ def generate_cluster_keys(directory: str | Path, *, force: bool = False) -> Curv
 
 
 class _AllowedKeys:
-    """ZAP credentials provider: a client is admitted iff its Z85 public key is in the set."""
+    """ZAP credentials provider: a client is admitted iff its Z85 public key is in the set; refusals are counted."""
 
     def __init__(self, keys: Iterable[bytes]) -> None:
         self.keys = set(keys)
+        self.refused = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
+        if key in self.keys:
+            return True
+        self.refused += 1
+        if self.refused <= LOG_FIRST or self.refused % LOG_EVERY == 0:
+            log.warning("CURVE: refused a handshake from client key %s, which is not the cluster's (%d refused so "
+                        "far)", key.decode("ascii", "replace"), self.refused)
+        return False
+
+
+def _fit_handshake(sock: zmq.Socket) -> None:
+    """Raise a frame-size limit below ``HANDSHAKE_FRAME_BYTES`` to it, so the handshake can pass.
+
+    A limit that small guards against strangers (the publisher's bound on subscriptions, say); under CURVE a stranger
+    never gets past the handshake, and only key holders meet the looser bound.
+    """
+    if 0 <= sock.getsockopt(zmq.MAXMSGSIZE) < HANDSHAKE_FRAME_BYTES:
+        sock.setsockopt(zmq.MAXMSGSIZE, HANDSHAKE_FRAME_BYTES)
 
 
 # One authenticator per context: libzmq allows one ZAP handler (inproc://zeromq.zap.01) per context. Several
@@ -103,20 +188,29 @@ class Security:
         self.client = client or cluster
         self.allowed_keys = frozenset([cluster.public, *allowed_clients])
         self._contexts: list[zmq.Context] = []
+        self._providers: list[_AllowedKeys] = []  # of every context this object configured a server socket on
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> Security:
         return cls(CurveKeys.load(directory))
 
+    @property
+    def refused(self) -> int:
+        """Handshakes refused so far because the client's key is not allowed, on the contexts whose server sockets
+        this object configured (counted per context: objects sharing a context share its count)."""
+        return sum(provider.refused for provider in self._providers)
+
     def apply_server(self, sock: zmq.Socket) -> None:
-        """Make a binding socket a CURVE server; call before bind."""
+        """Make a binding socket a CURVE server; call before bind, after any MAXMSGSIZE (see ``_fit_handshake``)."""
         self._ensure_authenticator(sock.context)
+        _fit_handshake(sock)
         sock.curve_secretkey = self.cluster.secret
         sock.curve_publickey = self.cluster.public
         sock.curve_server = True
 
     def apply_client(self, sock: zmq.Socket) -> None:
-        """Make a connecting socket a CURVE client of the cluster; call before connect."""
+        """Make a connecting socket a CURVE client of the cluster; call before connect, after any MAXMSGSIZE."""
+        _fit_handshake(sock)
         sock.curve_secretkey = self.client.secret
         sock.curve_publickey = self.client.public
         sock.curve_serverkey = self.cluster.public
@@ -125,6 +219,8 @@ class Security:
         existing = _AUTHENTICATORS.get(ctx)
         if existing is not None:
             existing[1].keys.update(self.allowed_keys)
+            if all(provider is not existing[1] for provider in self._providers):
+                self._providers.append(existing[1])
             return
         try:
             asyncio.get_running_loop()
@@ -136,6 +232,7 @@ class Security:
         auth.configure_curve_callback("*", allowed)
         _AUTHENTICATORS[ctx] = (auth, allowed)
         self._contexts.append(ctx)
+        self._providers.append(allowed)
 
     def close(self) -> None:
         """Stop the authenticators this object started."""

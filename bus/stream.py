@@ -16,11 +16,21 @@ producers instead of growing a queue. Limits are cumulative, not increments, so 
 is harmless and a repeated hello is idempotent: a starved sender re-sends its hello (0.5 s, doubling to
 5 s) and gets the current limit back. A receiver restart shows up as a new ``incarnation`` (the sender
 drops its count and starts over from the new grant); a receiver that gets data from a sender it has no
-session for delivers it and answers with an empty-session credit, and the sender starts a new session.
+session for delivers it (up to two windows' worth) and answers with an empty-session credit, and the sender
+starts a new session.
 Frames sent while a receiver is down wait in the sender's socket and reach the next incarnation; frames
 inside the dead receiver are lost (the lease layer above re-issues that work). When a sender restarts or
 reconnects, frames its previous session left in the receiver's queue are still delivered, so the window can
 be exceeded once, by at most one window.
+
+Hostile senders: a data frame more than a window past what its session was granted is dropped and counted
+as ``over_credit``. Grants follow consumption, so a sender that said hello and then ignores its credits gets
+nothing a well-behaved one would not (its queue here is capped at ``RCVHWM = window + 8`` frames of at most
+``max_frame_bytes``); one that never says hello is granted one window and gets two windows' worth through
+before its frames are dropped. A sender that does not read its credits is counted as ``credit_unread``; a
+StreamCredit sent to a receiver is ``unexpected``. Drops are counted per sender
+(``dropped_by_peer()``), and the table of accounts is bounded (``MAX_SENDER_ACCOUNTS``, least recently granted
+forgotten first).
 """
 
 from __future__ import annotations
@@ -37,9 +47,10 @@ import zmq.asyncio
 
 from bus.address import bind as bind_socket
 from bus.codec import DEFAULT_LIMITS, DecodeError, DecodeLimits, decode, decoder_for, encode, encode_into
+from bus.faults import sync_view
 from bus.schema import Message, StreamCredit, StreamHello
 from bus.security import Security
-from bus.sockets import DropLog, make_socket, peer_name, routing_id
+from bus.sockets import YIELD_EVERY, DropLog, make_socket, peer_name, routing_id
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +62,19 @@ CREDIT_FRAME_LIMIT = 64 * 1024  # credits are tiny; a sender refuses anything bi
 
 @dataclass
 class _Account:
-    """The receiver's view of one sender connection."""
+    """The receiver's view of one sender connection.
+
+    ``received`` counts the data frames that arrived in this session and ``granted`` is the limit last granted;
+    a session-less account (data from a sender that never said hello to us) is granted one window, which is
+    what a sender's credit left over from our previous incarnation can carry (plus the window of slack every
+    account has).
+    """
 
     name: str
     session: str | None
     consumed: int = 0
     granted: int = 0
+    received: int = 0
 
 
 class StreamReceiver:
@@ -88,11 +106,20 @@ class StreamReceiver:
         # Fast path: a non-blocking recv on a plain (synchronous) view of the same socket costs a fifth of an
         # asyncio recv; the lock keeps every socket operation inside recv(), so no asyncio future is ever
         # waiting on the socket while the synchronous view touches it (which could swallow its wake-up).
-        self._sync = zmq.Socket.shadow(self._sock.underlying)
+        self._sync = sync_view(self._sock)
         self._lock = asyncio.Lock()
         self._handed_out: bytes | None = None
+        self._unsuspended = 0  # frames taken since the last time recv() let other tasks run
         self._drops = DropLog(log, f"stream receiver {self.endpoint}")
         self.dropped = self._drops.counts
+
+    def dropped_by_peer(self) -> dict[str, dict[str, int]]:
+        """Drops per sender label and reason (bounded; see ``bus.sockets.DropLog``)."""
+        return self._drops.peers()
+
+    def drop_metrics(self, channel: str) -> dict[str, float]:
+        """Drop counters for a heartbeat, under ``channel`` (see ``DropLog.metrics``)."""
+        return self._drops.metrics(channel)
 
     async def recv(self) -> tuple[str, Message]:
         """The next data message and the id of the sender; malformed frames are counted and skipped.
@@ -111,29 +138,42 @@ class StreamReceiver:
             self._handed_out = None
         sync = self._sync
         while True:
+            self._unsuspended += 1
+            if self._unsuspended >= YIELD_EVERY:
+                self._unsuspended = 0
+                await asyncio.sleep(0)
             # Ask before receiving: a failed non-blocking recv costs a Python exception, far more than this.
             if sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 frames = sync.recv_multipart(zmq.NOBLOCK, copy=False)
             else:
                 frames = await self._sock.recv_multipart(copy=False)
+                self._unsuspended = 0
             ident = frames[0].bytes
             if len(frames) != 2:
-                self._drops("bad_envelope", f"expected [sender, message], got {len(frames)} frames")
+                self._drops("bad_envelope", f"expected [sender, message], got {len(frames)} frames", ident)
                 self._consumed(ident)
                 continue
             try:
                 message = self._decoder.decode(frames[1])
             except DecodeError as exc:
-                self._drops(exc.reason, f"from {ident!r}: {exc}")
+                self._drops(exc.reason, str(exc), ident)
                 self._consumed(ident)  # it cost the sender a credit; give it back
                 continue
             if type(message) is StreamHello:
                 self._hello(ident, message)
                 continue
             if type(message) is StreamCredit:
-                self._drops("unexpected", f"StreamCredit from sender {ident!r}")
+                self._drops("unexpected", "StreamCredit sent to a receiver", ident)
                 continue
             account = self._accounts.get(ident) or self._consumed(ident)
+            if account.received >= account.granted + self.window:
+                # More than a window past its credit: the sender ignores credits (a legitimate one never passes
+                # its limit; the window of slack absorbs repeated frames, which a real socket never makes).
+                self._drops(
+                    "over_credit", f"frame {account.received + 1} of a session granted {account.granted}", ident
+                )
+                continue
+            account.received += 1
             if account.session is not None:
                 self._handed_out = ident
             self.received += 1
@@ -159,6 +199,7 @@ class StreamReceiver:
             # Data from a sender that never said hello to this incarnation (we restarted): tell it who we are
             # so it says hello now instead of after its starvation timeout.
             account = self._new_account(ident, None)
+            account.granted = self.window
             self._send_credit(
                 ident, StreamCredit(limit=0, window=self.window, incarnation=self.incarnation, session="")
             )
@@ -172,15 +213,21 @@ class StreamReceiver:
 
     def _grant(self, ident: bytes, account: _Account) -> None:
         account.granted = account.consumed + self.window
+        self._accounts.move_to_end(ident)  # a sender in use is the last to be forgotten when the table is full
         credit = StreamCredit(
             limit=account.granted, window=self.window, incarnation=self.incarnation, session=account.session or ""
         )
         self._send_credit(ident, credit)
 
     def _send_credit(self, ident: bytes, credit: StreamCredit) -> None:
-        # Failure means the sender is gone or not reading; its next hello asks again.
-        with contextlib.suppress(zmq.ZMQError):
+        # Failure means the sender is gone or not reading; its next hello asks again. One that does not read
+        # its credits (its queue here is full) is counted: it is flooding us with hellos or data.
+        try:
             self._sync.send_multipart([ident, encode(credit)], zmq.NOBLOCK)
+        except zmq.Again:
+            self._drops("credit_unread", "the sender does not read its credits", ident)
+        except zmq.ZMQError:
+            pass
 
     def close(self) -> None:
         """Close the socket; a ``recv()`` waiting at that moment raises ``asyncio.CancelledError``."""
@@ -264,7 +311,7 @@ class StreamSender:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise ValueError(f"cannot connect to stream receiver {peer_id} at {endpoint!r}: {exc}") from exc
-        peer = _Peer(peer_id=peer_id, endpoint=endpoint, sock=sock, sync=zmq.Socket.shadow(sock.underlying))
+        peer = _Peer(peer_id=peer_id, endpoint=endpoint, sock=sock, sync=sync_view(sock))
         self._peers[peer_id] = peer
         self._new_session(peer)  # the hello is queued by libzmq until the connection is up
         self._start_tasks()
@@ -381,10 +428,10 @@ class StreamSender:
         try:
             credit = decode(frame)
         except DecodeError as exc:
-            self._drops(exc.reason, f"from receiver {peer.peer_id}: {exc}")
+            self._drops(exc.reason, str(exc), peer.peer_id)
             return
         if type(credit) is not StreamCredit:
-            self._drops("unexpected", f"{type(credit).__name__} from receiver {peer.peer_id}")
+            self._drops("unexpected", f"{type(credit).__name__} from a receiver", peer.peer_id)
             return
         if credit.session == "":
             # The receiver has no session for us (it restarted, or forgot us): whatever we counted is void.

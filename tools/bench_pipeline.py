@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,11 @@ from tools.bench_pipeline_measure import (  # noqa: E402
     CPU_ROLES,
     RunResult,
     Window,
-    cpu_seconds,
     measure,
-    started_actor_pids,
     steady_window,
 )
 from tools.pipeline_sim import SPEC_ENV, SimSpec  # noqa: E402
+from tools.run_watch import cpu_seconds, started_actor_pids, stop_launcher  # noqa: E402
 
 SLEEPING_FLAGS = ("--rollout-engine", "tools.pipeline_sim:sleeping_engine",
                   "--train-backend", "tools.pipeline_sim:sleeping_trainer",
@@ -85,6 +85,7 @@ MODES = ("async", "sync", "rollout_alone", "trainer_alone")
 QUICK_SPEEDUP = 3.0  # --quick divides both costs by this: same balance point, shorter runs
 MIN_WINDOW_SAMPLES = 640
 STOPPED_BY_US = (0, 128 + signal.SIGTERM)  # the launcher's exit codes once the benchmark ended the run
+NUM_ROLLOUT = 100_000  # learner steps a run may train: far more than a measuring window, so the benchmark ends it
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,10 @@ class Row:
 
 
 # ------------------------------------------------------------------------------------------ one run
-def launch_command(scenario: Scenario, shape: PipelineShape, run_dir: Path, prompts: Path) -> list[str]:
+def launch_command(scenario: Scenario, shape: PipelineShape, run_dir: Path, prompts: Path,
+                   num_rollout: int = NUM_ROLLOUT, extra_flags: Sequence[str] = ()) -> list[str]:
+    """`num_rollout`: a run that must outlast its measurement (tools/soak.py's minutes) asks for more steps;
+    `extra_flags`: more launcher flags (the soak checkpoints, as a long run does)."""
     spec = scenario.spec
     return [
         sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
@@ -134,7 +138,7 @@ def launch_command(scenario: Scenario, shape: PipelineShape, run_dir: Path, prom
         "--transport", shape.transport, "--no-progress", "--console-log-level", "error",
         "--prompt-data", str(prompts), "--rollout-batch-size", str(shape.groups_per_batch),
         "--n-samples-per-prompt", str(shape.n_samples), "--max-staleness", str(scenario.max_staleness),
-        "--num-rollout", "100000", "--no-use-tensorboard", "--no-plots",
+        "--num-rollout", str(num_rollout), "--no-use-tensorboard", "--no-plots", *extra_flags,
     ]
 
 
@@ -142,7 +146,8 @@ class Launch:
     """One launcher process. A run is measured once its window is complete; the benchmark then stops it, and it
     winds down (a few seconds of drain and leave timeouts, little CPU) while the next run starts."""
 
-    def __init__(self, scenario: Scenario, shape: PipelineShape, run_dir: Path, prompts: Path) -> None:
+    def __init__(self, scenario: Scenario, shape: PipelineShape, run_dir: Path, prompts: Path,
+                 num_rollout: int = NUM_ROLLOUT, extra_flags: Sequence[str] = ()) -> None:
         self.scenario = scenario
         self.run_dir = run_dir
         env = dict(os.environ)
@@ -150,18 +155,22 @@ class Launch:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         self.started = time.monotonic()
         with open(run_dir / "launcher_output.txt", "w", encoding="utf-8") as output:
-            self.process = subprocess.Popen(launch_command(scenario, shape, run_dir, prompts), cwd=REPO, env=env,
-                                            stdout=output, stderr=subprocess.STDOUT)
+            command = launch_command(scenario, shape, run_dir, prompts, num_rollout, extra_flags)
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
 
     def window(self) -> Window | None:
         return steady_window(self.run_dir, self.scenario.spec)
+
+    def stop(self) -> None:
+        """End the run now (an error or an interrupt): SIGTERM, then SIGKILL if it does not exit within a minute."""
+        stop_launcher(self.process)
 
     def reap(self, timeout_s: float = 60.0) -> None:
         """Wait for the launcher to exit; a run that failed (not stopped by us) raises with its output's tail."""
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _stop(self.process)
+            stop_launcher(self.process)
         if self.process.returncode not in STOPPED_BY_US:
             tail = (self.run_dir / "launcher_output.txt").read_text(encoding="utf-8", errors="replace")[-3000:]
             raise RuntimeError(f"{self.scenario.mode} run with {self.scenario.workers} workers: launcher exited "
@@ -180,24 +189,12 @@ def run_scenario(scenario: Scenario, shape: PipelineShape, run_dir: Path, prompt
             winding_down.reap()
         window, cpu_samples = _sample_cpu_until_measured(launch, launch.started + timeout_s)
     except BaseException:
-        _stop(launch.process)
+        stop_launcher(launch.process)
         raise
     launch.process.send_signal(signal.SIGTERM)
     wall_s = time.monotonic() - launch.started
     return measure(scenario.mode, scenario.workers, scenario.max_staleness, run_dir, window, cpu_samples,
                    wall_s), launch
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """A launcher still running here timed out or was interrupted: SIGTERM stops its actors in order."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()  # its actors get SIGTERM through PDEATHSIG
-        process.wait()
 
 
 def _sample_cpu_until_measured(launch: Launch, deadline: float
@@ -393,14 +390,14 @@ def to_json(rows: list[Row], trainer_runs: list[RunResult], spec: SimSpec, shape
     }
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """NaN and infinity (a stage not measured, a free stage) become null: the file stays strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -490,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     print(diagnostics_table(rows, trainer_runs))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        figures = _json_safe(to_json(rows, trainer_runs, spec, shape, args.repeats))
+        figures = json_safe(to_json(rows, trainer_runs, spec, shape, args.repeats))
         args.json.write_text(json.dumps(figures, indent=2, allow_nan=False), encoding="utf-8")
     return 0
 

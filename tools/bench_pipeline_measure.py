@@ -9,7 +9,6 @@ controller's log (when the run became "running") and /proc (CPU per actor) are a
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,7 +19,6 @@ from actors.runtime.metrics import read_metrics
 from tools.pipeline_sim import SimSpec
 
 CPU_ROLES = ("buffer", "reward", "controller", "learner", "rollout", "launcher")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -127,19 +125,6 @@ def _groups_evicted(run_dir: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------- CPU use
-def started_actor_pids(run_dir: Path) -> dict[str, int]:
-    return {r["actor"]: r["pid"] for r in read_metrics(run_dir / "logs" / "launcher-0.jsonl")
-            if r.get("event") == "actor process started"}
-
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
-
-
 def _role_of(actor_id: str) -> str:
     return actor_id.split("-", 1)[0]
 

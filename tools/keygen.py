@@ -3,8 +3,9 @@
     python tools/keygen.py DIR            # writes DIR/cluster.key (public) and DIR/cluster.key_secret (0600)
     python tools/keygen.py DIR --force    # replace existing keys (every node must then get the new pair)
 
-Copy DIR to every node and point the launcher at it; actors holding the pair can talk to each other, and a
-peer without it cannot complete the CURVE handshake, so nothing it sends is delivered.
+Copy DIR to every node and point the launcher at it (`--curve-keys DIR`); actors holding the pair can talk to each
+other, and a peer without it cannot complete the CURVE handshake, so nothing it sends is delivered. Keep the secret
+file private when copying (`scp -p`, or `chmod 600` after): the launcher refuses one that group or others can read.
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ import numpy as np
 from actors.buffer.core import BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import PromptSource, load_prompts
+from actors.buffer.waits import admission_state, batch_wait
 from actors.config import RunConfig
 from actors.controller.eval_rounds import EvalRounds
 from actors.rollout.prompt_tokens import prompt_length_counter
+from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
@@ -40,6 +42,7 @@ from bus.schema import (
     Roster,
     ScoredGroup,
     VersionAnnouncement,
+    WaitState,
 )
 from policies.filters import FilterGroup, apply_filters
 from policies.registry import resolve_filter
@@ -89,6 +92,7 @@ class Buffer(Actor):
         self.eval_writer = MetricsWriter(self.context.run_dir, "eval", tensorboard=False)
         self.eval_rounds = EvalRounds(config, self.core, self.eval_writer, self.log)
         self.eval_rounds.maybe_start(self.core.learner_version)  # a baseline before any training
+        self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request
 
     async def run(self) -> None:
         """Expire leases as time passes; everything else is a reply to a message."""
@@ -101,6 +105,11 @@ class Buffer(Actor):
     @serves(LeaseRequest)
     async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
         leased = self.core.lease(request.worker_id, request.max_groups, eval_only=request.eval_only)
+        closed = admission_state(self.core)
+        if closed is None:
+            self.waits.end("admission")
+        else:  # open from the first refusal on: how long the workers have had nothing new to generate
+            self.waits.begin("admission", "learner", closed)
         if leased is None:
             return Lease(lease_id="", worker_id=request.worker_id, groups=[], expires_at=0.0,
                          version=self.core.learner_version)
@@ -126,6 +135,7 @@ class Buffer(Actor):
     async def on_scored(self, sender: str, group: ScoredGroup) -> None:
         outcome = self.core.accept(group)
         self.counters[f"groups.{outcome}"] += 1
+        self.waits.made_progress()
         if outcome == "eval":
             self.eval_rounds.record(group)
         elif outcome.startswith("dropped"):
@@ -138,6 +148,8 @@ class Buffer(Actor):
     async def on_batch_request(self, sender: str, request: BatchRequest) -> Batch:
         """Long-poll: answer with the batch once it can be assembled, or an empty batch after a while."""
         deadline = asyncio.get_running_loop().time() + BATCH_POLL_SECONDS
+        if self.open_batch is None or self.open_batch[0] != request.trained_batch + 1:
+            self.open_batch = (request.trained_batch + 1, time.monotonic())  # kept across the learner's re-asks
         while True:
             assembled = self.core.next_batch(learner_version=request.learner_version,
                                              trained_batch=request.trained_batch,
@@ -153,8 +165,12 @@ class Buffer(Actor):
             async with self.batch_ready:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.batch_ready.wait(), remaining)
+        chaos.reached("batch_serve.mid")  # assembled and logged, not yet answered
         samples = [sample for group in assembled.groups for sample in group.samples]
         self.counters["batches.served"] += 1
+        self.waits.made_progress()
+        if self.open_batch is not None and self.open_batch[0] <= assembled.batch_id:
+            self.open_batch = None
         if assembled.replayed:
             self.counters["batches.replayed"] += 1
         staleness = np.asarray(assembled.staleness or [0], dtype=np.int64)
@@ -207,6 +223,15 @@ class Buffer(Actor):
                                      groups=len(reissued), reason=event.reason)
                 elif reissued:  # a worker that stopped on purpose (the end of a run, a scale-down) hands work back
                     self.log.info("worker left; its groups re-issued", worker=event.actor_id, groups=len(reissued))
+
+    def describe_waits(self) -> list[WaitState]:
+        """The learner's open batch request, and who holds the groups it still lacks."""
+        if not hasattr(self, "core"):
+            return []
+        if self.open_batch is None:
+            return []
+        batch_id, since = self.open_batch
+        return [batch_wait(self.core, batch_id, time.monotonic() - since)]
 
     def metrics(self) -> dict[str, float]:
         found = super().metrics()

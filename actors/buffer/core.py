@@ -24,6 +24,7 @@ import structlog
 
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import Cursor, PromptSource
+from actors.buffer.selection import SelectionError, checked_selection
 from bus.codec import decode, encode
 from bus.schema import PromptGroup, ScoredGroup
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
@@ -31,14 +32,6 @@ from policies.staleness import AdmissionController, staleness_of_range, stalenes
 GroupFilter = Callable[[ScoredGroup], "str | None"]  # returns a drop reason, or None to keep
 # (pool groups in admission order, groups wanted, batch id) -> the chosen group ids; the oldest fill any shortfall.
 BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
-
-
-class SelectionError(ValueError):
-    """A batch selector's answer that cannot be used; ``reason`` names the kind in the fallback counter."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass
@@ -93,6 +86,7 @@ class BufferCore:
         self.log = log
         self.clock = clock
         self.compact_log_bytes = compact_log_bytes  # 0: never compact
+        self.compacted_bytes = 0  # the log's size right after the last compaction: the live state's size
         self.admission = AdmissionController(max_staleness=max_staleness, groups_per_batch=groups_per_batch)
         self.learner_version = 0
         self.trained_batches = 0  # batches the learner has consumed; ahead of its version after a skipped step
@@ -326,7 +320,7 @@ class BufferCore:
         forms oldest-first, as it would without a selector."""
         try:
             picked = self.batch_selector(list(self.pool.values()), self.groups_per_batch, batch_id)
-            return _checked_selection(picked, self.pool, self.groups_per_batch)
+            return checked_selection(picked, self.pool, self.groups_per_batch)
         except SelectionError as error:
             reason, problem = error.reason, str(error)
         except Exception as error:  # a user's plugin: whatever it raises, the run goes on
@@ -359,8 +353,16 @@ class BufferCore:
             if self.log is not None:
                 self.log.append("commit", batch_id=batch_id, sync=True)
         self.committed_batch = max(self.committed_batch, checkpointed_batch)
-        if self.log is not None and self.compact_log_bytes and self.log.size() > self.compact_log_bytes:
+        if self.log is not None and self._compaction_pays(self.log):
             self.log.compact(self.snapshot())
+            self.compacted_bytes = self.log.size()
+
+    def _compaction_pays(self, log: BufferLog) -> bool:
+        """Past the size, and doubled since the last compaction. Batches served stay in the snapshot until a learner
+        checkpoint commits them, so it can be as large as the log: compacting at every batch request would then
+        rewrite and archive the whole state each time (gigabytes a minute, each with its fsyncs). Doubling keeps
+        the rewriting proportional to what the log took in."""
+        return bool(self.compact_log_bytes) and log.size() > max(self.compact_log_bytes, 2 * self.compacted_bytes)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything `restore` rebuilds, as one log record (evaluation state is not kept, as in the log)."""
@@ -476,20 +478,6 @@ class BufferCore:
             **{f"buffer.selection_fallback.{k}": float(v) for k, v in self.stats.selection_fallbacks.items()},
         }
 
-
-
-def _checked_selection(picked: Any, pool: dict[str, ScoredGroup], count: int) -> list[str]:
-    if not isinstance(picked, list) or not all(isinstance(gid, str) for gid in picked):
-        raise SelectionError("not_a_list", f"returned {type(picked).__name__}; expected a list of group ids")
-    if len(picked) > count:
-        raise SelectionError("too_many", f"returned {len(picked)} groups; at most {count} were asked for")
-    repeated = sorted(gid for gid, seen in Counter(picked).items() if seen > 1)
-    if repeated:
-        raise SelectionError("duplicate", f"returned group(s) {repeated} more than once")
-    unknown = [gid for gid in picked if gid not in pool]
-    if unknown:
-        raise SelectionError("not_offered", f"returned group(s) {unknown} that were not offered")
-    return picked
 
 
 def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> AssembledBatch:

@@ -5,10 +5,10 @@ killed and restarted replays the log into exactly the state it had: groups lease
 re-issued, accepted groups not yet trained go back to the pool, and batches served but not yet covered by a
 learner checkpoint are served again identically. A torn last record (kill -9 mid-write) is ignored.
 
-Compaction keeps a long run's restart fast: once the log passes a size, the buffer writes its whole state as one
-"snapshot" record into a fresh log that replaces the old one atomically. The old log is kept beside it as
-`log.msgpack.<n>` (hard-linked before the swap, so at every instant `log.msgpack` is a complete log); only audits
-read the archives, so they may be deleted to reclaim disk.
+Compaction keeps a long run's restart fast: once the log passes a size (and has doubled since the last compaction),
+the buffer writes its whole state as one "snapshot" record into a fresh log that replaces the old one atomically.
+The old log is kept beside it as `log.msgpack.<n>` (hard-linked before the swap, so at every instant `log.msgpack`
+is a complete log); only audits read the archives, so they may be deleted to reclaim disk.
 """
 
 from __future__ import annotations

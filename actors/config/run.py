@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from actors.config.megatron import MegatronConfig
 from actors.config.sections import (
     BufferConfig,
+    ControllerConfig,
     DataConfig,
     EngineConfig,
     EvalConfig,
@@ -33,7 +34,8 @@ from policies.config import PolicyLossConfig
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "buffer": BufferConfig,
     "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig, "engine": EngineConfig,
-    "weights": WeightsConfig, "placement": PlacementConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
+    "weights": WeightsConfig, "placement": PlacementConfig, "controller": ControllerConfig, "logging": LoggingConfig,
+    "megatron": MegatronConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -55,6 +57,7 @@ class RunConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     policy: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig(off_policy_correction="tis"),

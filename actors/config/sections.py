@@ -303,6 +303,19 @@ class PlacementConfig(Section):
                            "yet: on one GPU the torch engine already shares the learner's device)")
 
 
+class ControllerConfig(Section):
+    """What the controller watches beyond heartbeats: a run that stopped making progress."""
+
+    hang_timeout: float = Field(900.0, ge=0, description="fail the run when no actor finished any work (a group "
+                                "generated, scored or accepted, a batch served, a step trained) for this many "
+                                "seconds, with a report of what each actor waits for (RUN_DIR/hang-report.txt); "
+                                "set it above your longest training step or generation; 0 = never")
+    start_timeout: float = Field(1800.0, ge=0, description="fail the run when the head's actors have not all "
+                                 "registered this many seconds after the last one did (loading models, starting "
+                                 "SGLang servers, forming the learner's process groups), naming the roles still "
+                                 "missing; 0 = never")
+
+
 class LoggingConfig(Section):
     """Where the run's metrics go besides the console and the run directory's JSONL."""
 

@@ -4,7 +4,8 @@ It sits at the head address. Actors register there and learn the roster (every m
 broadcast endpoint; heartbeats keep them alive in the registry; a member silent past the deadline is declared
 dead and the new roster is broadcast, so peers reconnect or re-lease without asking anyone. The controller
 keeps no training state: a restarted controller rebuilds its registry from re-registrations (actors whose
-heartbeat it does not recognise register again).
+heartbeat it does not recognise register again). It is also the run's hang detector (actors.controller.hang): a
+run in which no actor finished any work for --hang-timeout fails with a report of who waits on whom.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.controller.hang import HangWatch, hang_report, report_views
 from actors.controller.wandb_mirror import WandbMirror
 from actors.runtime.base import Actor
 from actors.runtime.handlers import serves
@@ -38,11 +40,15 @@ from bus.schema import (
     RunConfigQuery,
     RunConfigReply,
     RunState,
+    StateReport,
     VersionAnnouncement,
+    WaitState,
 )
 from bus.sockets import peer_name
 
 ACTOR_METRICS_INTERVAL_S = 5.0
+STATE_REPORT_WAIT_S = 5.0  # how long a hang check waits for the actors' state reports
+HANG_REPORT_FILE = "hang-report.txt"
 
 
 @dataclass
@@ -51,6 +57,8 @@ class MemberRecord:
     last_seen: float
     connection: str = ""  # the routing id it registered from: its name is bound to that connection
     counters: dict[str, float] = field(default_factory=dict)
+    waits: list[WaitState] = field(default_factory=list)  # as of its last heartbeat
+    left: bool = False  # it said goodbye (Leave): gone on purpose, not silent
 
 
 class Controller(Actor):
@@ -65,6 +73,9 @@ class Controller(Actor):
         self.publisher: Publisher | None = None
         self.latest_version: VersionAnnouncement | None = None
         self.incarnation = secrets.token_hex(8)
+        limits = self.settings.run.controller
+        self.hang = HangWatch(limits.hang_timeout, time.monotonic(), start_timeout_s=limits.start_timeout)
+        self.state_reports: dict[str, StateReport] = {}
 
     async def run(self) -> None:
         """Watch liveness until the run stops, and record every actor's counters (queue depths, drops, idle
@@ -77,11 +88,16 @@ class Controller(Actor):
             while not self.stopping:
                 await asyncio.sleep(self.context.heartbeat_interval / 2)
                 self._declare_silent_members_dead(time.monotonic())
+                if self.hang.hung(time.monotonic(), starting=self.run_state == "starting"):
+                    await self._fail_hung_run()
+                    break
                 if time.monotonic() - last_written >= ACTOR_METRICS_INTERVAL_S:
                     last_written = time.monotonic()
                     version = self.latest_version.version if self.latest_version else 0
                     writer.write(version, {f"{actor_id}/{key}": value for actor_id, record in self.records.items()
-                                           if record.member.alive for key, value in record.counters.items()})
+                                           if record.member.alive for key, value in record.counters.items()}
+                                 # our own counters too: the head address and the publisher are bound sockets
+                                 | {f"{self.actor_id}/{key}": value for key, value in self.metrics().items()})
                     mirror = await self._advance_wandb(mirror)
         finally:
             writer.close()
@@ -122,9 +138,12 @@ class Controller(Actor):
                       expected=self.expected)
 
     async def stop(self) -> None:
-        self._set_state("stopped")
+        self._set_state("failed" if self.run_failure else "stopped")
         if self.publisher is not None:
-            self.publisher.publish(TOPIC_CONTROL, Control(command="stop", reason=self._stop_reason or "run stopped"))
+            # A failed run is aborted on every node, so every launcher fails with the reason instead of ending well.
+            command = "abort" if self.run_failure else "stop"
+            self.publisher.publish(TOPIC_CONTROL, Control(command=command, reason=self.run_failure or
+                                                          self._stop_reason or "run stopped"))
             await asyncio.sleep(0.2)  # let the last broadcasts leave before the socket closes
             self.publisher.close()
         await super().stop()
@@ -135,6 +154,11 @@ class Controller(Actor):
     # ------------------------------------------------------------------------------------------ handlers
     @serves(Register)
     async def on_register(self, sender: str, request: Register) -> Registered | Error:
+        if request.actor_id == self.actor_id:
+            # Our own name is never free: a client that took it would be taken for a member (as a "rollout", one
+            # the learner waits on for every weight push).
+            self._refuse("identity_in_use", request.actor_id, sender)
+            return Error(reason="identity_in_use", detail=f"{request.actor_id} is the controller's own name")
         previous = self.records.get(request.actor_id)
         if previous is not None and self._held_elsewhere(previous, sender):
             # A live process holds this name (a restarted process's predecessor is detached by the time it
@@ -162,6 +186,8 @@ class Controller(Actor):
         for event in events:
             self.log.info(f"member {event.kind}", member=request.actor_id, role=request.role, node=request.node,
                           pid=request.pid, reason=event.reason)
+        if self.run_state == "starting":  # start-up is moving; later, a return is not work done
+            self.hang.progressed(time.monotonic())
         if events:
             self._publish_roster(events)
         self._maybe_start_running()
@@ -182,6 +208,8 @@ class Controller(Actor):
             return Error(reason="not_owner", detail=f"{request.actor_id} is registered from another connection")
         record.last_seen = time.monotonic()
         record.counters = dict(request.counters)
+        record.waits = list(request.waits)
+        self.hang.heartbeat(request.actor_id, record.member.incarnation, request.progress, record.last_seen)
         return Ack(ok=True, error=None)
 
     @serves(Leave)
@@ -192,6 +220,7 @@ class Controller(Actor):
             return Ack(ok=False, error=f"{request.actor_id} is registered from another connection")
         if record is not None and record.member.alive:
             record.member = _with_alive(record.member, False)
+            record.left = True
             self._publish_roster([RosterEvent(kind="left", actor_id=request.actor_id, reason=request.reason)])
         return Ack(ok=True, error=None)
 
@@ -201,9 +230,26 @@ class Controller(Actor):
         assert self.publisher is not None
         self.log.info("control", command=request.command, reason=request.reason, origin=peer_name(sender))
         self.publisher.publish(TOPIC_CONTROL, request)
-        if request.command in ("drain", "stop"):
+        if request.command == "pause":
+            self.hang.paused = True
+        elif request.command == "resume":
+            self.hang.resume(time.monotonic())
+        elif request.command == "abort":
+            self.run_failure = self.run_failure or request.reason
+            self.request_stop(f"abort requested by {peer_name(sender)}: {request.reason}")
+        elif request.command in ("drain", "stop"):
             self._set_state("draining")
             self.request_stop(f"{request.command} requested by {peer_name(sender)}: {request.reason}")
+        return Ack(ok=True, error=None)
+
+    @serves(StateReport)
+    async def on_state_report(self, sender: str, report: StateReport) -> Ack:
+        """An actor's answer to the hang check's "report": what it waits for, and its stacks."""
+        record = self.records.get(report.actor_id)
+        if record is None or record.connection != sender:
+            self._refuse("not_owner", report.actor_id, sender)
+            return Ack(ok=False, error=f"{report.actor_id} is not registered from this connection")
+        self.state_reports[report.actor_id] = report
         return Ack(ok=True, error=None)
 
     @serves(VersionAnnouncement)
@@ -212,6 +258,7 @@ class Controller(Actor):
         if not any(r.connection == sender and r.member.alive for r in self.records.values()):
             self._refuse("not_registered", "a version announcement", sender)
             return Ack(ok=False, error="version announcements are taken from registered members only")
+        self.hang.progressed(time.monotonic())
         self.latest_version = request
         self.publisher.publish(TOPIC_VERSION, request)
         return Ack(ok=True, error=None)
@@ -226,6 +273,33 @@ class Controller(Actor):
         return self._run_state()
 
     # --------------------------------------------------------------------------------------- internals
+    async def _fail_hung_run(self) -> None:
+        """Ask every actor for its waits and stacks, write the report, and fail the run with its summary."""
+        stalled = self.hang.stalled_for(time.monotonic())
+        self.log.error("no progress; asking every actor what it waits for", stalled_s=round(stalled, 1))
+        assert self.publisher is not None
+        self.state_reports.clear()
+        self.publisher.publish(TOPIC_CONTROL, Control(command="report", reason=f"no progress for {stalled:.0f} s"))
+        alive = {actor_id for actor_id, record in self.records.items() if record.member.alive}
+        deadline = time.monotonic() + STATE_REPORT_WAIT_S
+        while not alive <= set(self.state_reports) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        now = time.monotonic()
+        starting = self.run_state == "starting"
+        views = report_views([(r.member, now - r.last_seen, r.waits, r.left) for r in self.records.values()],
+                             self.state_reports)
+        report = hang_report(stalled, self.hang.limit(starting=starting), views,
+                             missing_roles=self._missing_roles() if starting else None)
+        path = self.context.run_dir / HANG_REPORT_FILE
+        try:
+            path.write_text(report.text, encoding="utf-8")
+            where = f" (full report: {path})"
+        except OSError as error:
+            where = f" (could not write {path}: {error})"
+        self.log.error("the run is hung; failing it" + where, first_line=report.summary.splitlines()[0])
+        self.run_failure = f"run hung: {report.summary}{where}"
+        self.request_stop("run hung")
+
     def _held_elsewhere(self, record: MemberRecord, sender: str) -> bool:
         if not record.member.alive or record.connection == sender or self.rpc_server is None:
             return False
@@ -260,14 +334,17 @@ class Controller(Actor):
         self.publisher.publish(TOPIC_ROSTER, self._roster(events))
 
     def _maybe_start_running(self) -> None:
-        if self.run_state != "starting":
-            return
+        if self.run_state == "starting" and not self._missing_roles():
+            self._set_state("running")
+
+    def _missing_roles(self) -> dict[str, int]:
+        """Role -> how many of the head's expected actors of it are not registered and alive."""
         alive: dict[str, int] = {}
         for record in self.records.values():
             if record.member.alive:
                 alive[record.member.role] = alive.get(record.member.role, 0) + 1
-        if all(alive.get(role, 0) >= count for role, count in self.expected.items()):
-            self._set_state("running")
+        return {role: count - alive.get(role, 0) for role, count in self.expected.items()
+                if alive.get(role, 0) < count}
 
     def _set_state(self, state: str) -> None:
         if state != self.run_state:

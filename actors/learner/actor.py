@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from actors.learner.eval_hold import EvalHold
 from actors.learner.modes import Progress, pick_source, pick_training
@@ -20,10 +21,13 @@ from actors.learner.publish import live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
+from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.metrics import MetricsWriter
 from bus.codec import decode, encode
 from bus.schema import Batch, Control, Roster, VersionAnnouncement
+
+T = TypeVar("T")
 
 
 class Learner(Actor):
@@ -53,11 +57,12 @@ class Learner(Actor):
         self.weights = publisher_for(
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
             tensors=self.trainer.named_tensors, zmq=self.zmq, security=self.security,
-            client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log)
+            client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log, waits=self.waits)
         self.engines_joined = False
         self.eval_hold = EvalHold(self.config, counters=self.counters, log=self.log,
                                   timeout_s=self.config.eval.final_eval_timeout)
         self.push_held = False  # a push skipped to keep the engines on a version under evaluation
+        self.push_failed = False  # the last push did not reach every engine: retried while no batch comes
         self.announcing: int | None = None  # the version last announced, or tried
         self.announced: tuple[int, int | None] | None = None  # (version, weights_version) the controller last took
         self.busy_seconds = 0.0
@@ -80,13 +85,18 @@ class Learner(Actor):
                 elif self.push_held and not self._held_for_eval():
                     self.push_held = False
                     await self.publish_weights()  # the eval round reported: the held push goes out now
+                # Open across the buffer's empty long-poll answers, so the hang report says how long it has been.
+                self.waits.begin("batch", "buffer", f"batch {self.trained_batch + 1}")
                 if upcoming is not None:
-                    batch, prepared = await upcoming
+                    batch, prepared = await self._unless_stopped(upcoming) or (None, None)
                     upcoming = None
                 else:
-                    batch, prepared = await self.source.next(self.progress()), None
+                    batch, prepared = await self._unless_stopped(self.source.next(self.progress())), None
                 if batch is None:
+                    if self.push_failed and not self._held_for_eval():
+                        await self.publish_weights()  # see publish_weights: the batch may wait for these weights
                     continue
+                self.waits.end("batch")
                 if batch.batch_id < self.config.learner.num_rollout:  # asked as of now: version before this step
                     ahead = Progress(learner_version=self.version, trained_batch=batch.batch_id,
                                      checkpointed_batch=self.checkpointed_batch)
@@ -98,6 +108,24 @@ class Learner(Actor):
                 upcoming.cancel()  # a batch served but not trained is served again after a restart
         if self.trained_batch >= self.config.learner.num_rollout:
             await self.finish()
+
+    def request_stop(self, reason: str) -> None:
+        super().request_stop(reason)
+        if hasattr(self, "weights"):
+            self.weights.stop(f"the learner is stopping ({reason})")
+
+    async def _unless_stopped(self, awaitable: Awaitable[T]) -> T | None:
+        """`awaitable`'s result, or None once a stop is asked for: a stopping learner does not wait on a buffer that
+        is stopping too (it may never answer), it checkpoints, within its launcher's grace before SIGKILL."""
+        task = asyncio.ensure_future(awaitable)
+        stopped = asyncio.ensure_future(self._stop_requested.wait())
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()  # a batch served but not trained is served again after the restart
+        await asyncio.gather(task, return_exceptions=True)
+        return None
 
     async def _fetch_ahead(self, progress: Progress) -> tuple[Batch | None, PreparedBatch | None]:
         """The batch after `progress.trained_batch` (training now), prepared as far as it can be before that ends."""
@@ -125,9 +153,11 @@ class Learner(Actor):
 
     async def train(self, batch: Batch, prepared: PreparedBatch | None = None) -> StepReport | None:
         started = time.monotonic()
-        report = await self.training.train(batch, prepared)
+        with self.waits.on("trainer", f"training batch {batch.batch_id}"):
+            report = await self.training.train(batch, prepared)
         self.busy_seconds += time.monotonic() - started
         self.trained_batch = batch.batch_id
+        self.waits.made_progress()
         self.audit.write(json.dumps({"batch_id": batch.batch_id, "version": self.version,
                                      "sample_ids": [s.sample_id for s in batch.samples]}) + "\n")
         return report
@@ -152,8 +182,16 @@ class Learner(Actor):
 
     async def publish_weights(self) -> None:
         """Push this version's weights; once every engine has them, a version already announced without them (or
-        not heard) is announced again, so everyone hears it with its weights, not one step later or never."""
-        if not self.training.publishes or not await self.weights.publish(self.version):
+        not heard) is announced again, so everyone hears it with its weights, not one step later or never.
+
+        A push that failed (an engine stalled past the transfer timeout, an order lost) is tried again whenever the
+        buffer answers a batch request empty, not only after the next step: rollout workers do not generate with
+        weights older than --max-staleness allows, so a synchronous run, or one whose pushes failed max-staleness + 1
+        times in a row, gets no next batch until the engines have this version."""
+        if not self.training.publishes:
+            return
+        self.push_failed = not await self.weights.publish(self.version)
+        if self.push_failed:
             return
         self.push_held = False
         self.eval_hold.published(self.version)
@@ -167,7 +205,9 @@ class Learner(Actor):
     async def save_checkpoint(self) -> None:
         extra = {"trained_batch": self.trained_batch, "run_dir": str(self.context.run_dir)}
         target = self.checkpoint_dir / f"step_{self.trained_batch:06d}"
-        await asyncio.to_thread(self.trainer.save_checkpoint, target, extra)
+        with self.waits.on("disk", f"checkpoint {target}"):
+            await asyncio.to_thread(self.trainer.save_checkpoint, target, extra)
+        chaos.reached("checkpoint.mid")  # written, `latest` not yet moved to it
         (self.checkpoint_dir / "latest").write_text(target.name, encoding="utf-8")
         self.checkpointed_batch = self.trained_batch
         self.log.info("checkpoint saved", path=str(target), version=self.trainer.version)

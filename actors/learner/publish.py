@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from actors.config import RunConfig
+from actors.runtime import chaos
 from actors.runtime.placement import weight_transport
+from actors.runtime.waits import Waits
 from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.weights.base import GroupHandle, TransferReport, WeightSender, WeightTransferError
 from engines.weights.transport import (
@@ -115,17 +117,20 @@ class WeightPublisher:
         counters: Any,
         log: Any,
         dtype: torch.dtype | None = None,
+        waits: Waits | None = None,
     ) -> None:
         self.transport, self.options = transport, options
         self.engines, self.tensors = engines, tensors
         self.zmq, self.security, self.client_id = zmq, security, client_id
         self.counters, self.log, self.dtype = counters, log, dtype
+        self.waits = waits or Waits()
         self.committed_version: int | None = None
         self._sender: WeightSender | None = None
         self._spec: GroupHandle | None = None
         self._group: dict[str, EngineRef] | None = None  # the open generation's members, None: form a new one
         self._pushing: dict[str, EngineRef] | None = None  # the group of the push under way
         self._lost: dict[str, str] = {}  # members the push under way lost, and how
+        self._stopping: str | None = None  # why pushes are over (the learner stops)
         self._clients: dict[str, tuple[str, Any]] = {}
         self._quiet_until = 0.0
 
@@ -135,6 +140,8 @@ class WeightPublisher:
         A push whose group loses a member meanwhile (see `roster_changed`) starts again at once with the engines
         alive then, up to ATTEMPTS times; any other failure waits for the next update."""
         for _ in range(ATTEMPTS):
+            if self._stopping is not None:
+                return False
             engines = dict(self.engines())
             if not engines:
                 self._no_engine(version)
@@ -145,6 +152,14 @@ class WeightPublisher:
             if pushed is not None:
                 return pushed
         return False
+
+    def stop(self, reason: str) -> None:
+        """No more pushes: the one under way ends now (its engines are stopping too and may never acknowledge it),
+        so a stopping learner reaches its checkpoint before its launcher's grace runs out."""
+        self._stopping = reason
+        group, sender = self._pushing, self._sender
+        if group is not None and sender is not None:
+            sender.abort({name: reason for name in group})
 
     def roster_changed(self) -> None:
         """A member of the push under way that is dead, gone or replaced by a new process ends that push now: the
@@ -166,6 +181,7 @@ class WeightPublisher:
         """One attempt: True (committed), False (failed: next update), None (lost a member: again, now)."""
         if self._sender is None:
             self._sender = self.transport.make_sender(self.options)
+            self._sender.phase_hook = _kill_point
         sender = self._sender
         # Sorted, so an engine's rank in the group (SGLang: its rank_offset) depends only on who is alive.
         names = sorted(engines)
@@ -186,7 +202,7 @@ class WeightPublisher:
             problems = await asyncio.gather(*replies.values())
         except WeightTransferError as error:
             self._group = None  # form a fresh generation next time
-            if self._lost:
+            if self._lost and self._stopping is None:
                 self.counters["weights.restarted"] += 1
                 self.log.warning("weight push restarted without the engines it lost", lost=self._lost,
                                  version=version)
@@ -257,7 +273,8 @@ class WeightPublisher:
         """None once the engine acknowledged the order; else what went wrong (logged here)."""
         client = self._client(engine, endpoint)
         try:
-            reply = await client.call(order, timeout=order.timeout_s * 3, retries=0)
+            with self.waits.on(engine, f"acknowledgement of version {order.version}'s weights"):
+                reply = await client.call(order, timeout=order.timeout_s * 3, retries=0)
         except Exception as error:
             self.log.warning("weight order unanswered", engine=engine, error=repr(error))
             return f"order unanswered: {error!r}"
@@ -286,6 +303,12 @@ class WeightPublisher:
         self._clients.clear()
         if self._sender is not None:
             self._sender.close()
+
+
+def _kill_point(point: str) -> None:
+    """The sender's named points, as the chaos matrix's learner phases (actors.runtime.chaos)."""
+    if point == "buckets_sent":
+        chaos.reached("weight_push.mid")
 
 
 def live_engines(members: Iterable[Any]) -> dict[str, EngineRef]:

@@ -17,17 +17,16 @@ import math
 import msgspec
 
 from actors.reward.failures import RewardFailures
+from actors.runtime import chaos
 from actors.runtime.base import Actor
-from actors.runtime.exits import report_bad_config
 from actors.runtime.handlers import handles
 from actors.slime_compat.plugins import load_slime_reward
-from bus.schema import FINISH_BY_STATUS, Control, GeneratedGroup, Sample, ScoredGroup
+from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
 from policies.rewards import RewardInput, RewardSpec, build_reward, score, score_group
 
 
 class RewardWorker(Actor):
     role = "reward"
-    run_failure: str | None = None  # why this worker ended the run, once it has
 
     async def on_start(self) -> None:
         self.config = self.settings.run
@@ -42,22 +41,19 @@ class RewardWorker(Actor):
         self.buffer = self.peer_stream("buffer")
         self.stream_concurrency["on_generated"] = self.config.reward.reward_concurrency
 
-    async def main(self) -> int:
-        """Exits as a bad configuration once the reward function proved broken: the launcher fails the run with
-        the reason, rather than restarting a worker that would fail the same way."""
-        code = await super().main()
-        return report_bad_config(self.context, self.run_failure) if code == 0 and self.run_failure else code
-
     async def on_stop(self) -> None:
         self.failures.flush()
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
-        scored = await self.score_samples(group.samples, is_eval=group.group_id.startswith("eval:"))
+        with self.waits.on("reward function", f"scoring group {group.group_id}"):
+            scored = await chaos.during("score.mid", self.score_samples(group.samples,
+                                                                        is_eval=group.group_id.startswith("eval:")))
         self.counters["samples.scored"] += len(scored)
         self.counters["samples.reward_failed"] += sum(s.status == "failed" for s in scored)
         await self.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
                                            worker_id=group.worker_id))
+        self.waits.made_progress()
 
     async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
         if any(s.status == "failed" for s in samples):  # failed in generation (e.g. no room under the context
@@ -90,25 +86,9 @@ class RewardWorker(Actor):
             else:
                 scored.append(msgspec.structs.replace(sample, reward=None, status="failed",
                                                       error=f"reward: {outcome.reason}"))
-        if self.failures.tripped is not None:
+        if self.failures.tripped is not None:  # a worker that would fail the same way must not be restarted
             await self.fail_run(self.failures.tripped)
         return scored
-
-    async def fail_run(self, reason: str) -> None:
-        """End the run as failed with `reason`. This process exits as a bad configuration, so its launcher fails
-        the run and stops its node's actors (on the head, the controller among them, which stops every node);
-        a worker on another node first asks the controller to stop the run, or the head would wait on."""
-        if self.run_failure is not None:
-            return
-        self.run_failure = reason
-        self.log.error("ending the run: the reward function fails on every sample", reason=reason)
-        if self.context.node_rank != 0 and self._controller is not None:
-            try:
-                await self._controller.call(Control(command="stop", reason=f"{self.actor_id}: {reason}"),
-                                            timeout=5.0, retries=1)
-            except Exception as error:  # our own exit still fails this node's launcher
-                self.log.warning("could not ask the controller to stop the run", error=repr(error))
-        self.request_stop(reason)
 
 
 def reward_input(sample: Sample) -> RewardInput:

@@ -16,6 +16,7 @@ from actors.rollout.engine_factory import load_engine
 from actors.rollout.generate import RolloutContext, choose_generate_function
 from actors.rollout.handed_off import HandedOff
 from actors.rollout.weights import EngineWeightReceiver
+from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import on_broadcast, serves
 from actors.slime_compat.rollout_function import RolloutFunctionRunner, check_rollout_function
@@ -33,6 +34,7 @@ from bus.schema import (
     VersionAnnouncement,
     WeightUpdateOrder,
 )
+from bus.sockets import peer_name
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
 EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of the version it evaluates
@@ -88,17 +90,29 @@ class RolloutWorker(Actor):
             async with self._room:
                 await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
             lease = await self.request_lease(self.capacity - self.groups_in_flight, eval_only=eval_only)
-            if eval_only and (lease is None or not lease.groups):
-                await self.wait_for_weights(0.2)
-                continue
             if lease is None or not lease.groups:
-                await asyncio.sleep(0.05 if lease is not None else 0.5)
+                self._note_no_work(eval_only, lease)
+                if eval_only:
+                    await self.wait_for_weights(0.2)
+                else:
+                    await asyncio.sleep(0.05 if lease is not None else 0.5)
                 continue
+            self.waits.end("work")
             self.hold(lease)
             if not eval_only:  # eval groups wait for their own version's weights (wait_for_eval_weights)
                 await self.wait_for_weights_of(lease)
             for group in lease.groups:
                 self.generate_group(lease, group)
+
+    def _note_no_work(self, eval_only: bool, lease: Lease | None) -> None:
+        """Keep one wait open, from the first empty answer on, for the hang report."""
+        if eval_only:
+            self.waits.begin("work", "learner", f"weights newer than version {self.engine.version} (ours are too "
+                                                "old for training groups)")
+        elif lease is None:
+            self.waits.begin("work", "buffer", "an answer to a lease request")
+        else:
+            self.waits.begin("work", "buffer", f"a lease: none granted (learner version {lease.version})")
 
     def weights_too_old(self) -> bool:
         """Our weights are older than anything the buffer would accept: wait for the learner's push instead of
@@ -155,8 +169,10 @@ class RolloutWorker(Actor):
                 await self.wait_for_eval_weights(group)
             context = RolloutContext(engine=self.engine, tokenizer=self.tokenizer, config=self.config,
                                      worker_id=self.actor_id)
-            samples = await self.generate_fn(context, group)
+            with self.waits.on("engine", f"generating group {group.group_id}"):
+                samples = await chaos.during("generate.mid", self.generate_fn(context, group))
             await self.send_generated(lease.lease_id, group.group_id, samples)
+            self.waits.made_progress()
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -245,7 +261,9 @@ class RolloutWorker(Actor):
     @serves(WeightUpdateOrder)
     async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack:
         """Join the learner's broadcast and load the new weights in place; the reply is the acknowledgement."""
-        await self.weights.apply(order)
+        chaos.reached("weight_load.start")
+        with self.waits.on(peer_name(sender), f"the weights of version {order.version} (generation paused)"):
+            await self.weights.apply(order)
         self.counters["weights.updates"] += 1
         self._weights_landed.set()  # a worker waiting for these weights starts generating now
         return Ack(ok=True, error=None)

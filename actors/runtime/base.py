@@ -24,8 +24,11 @@ import zmq.asyncio
 from actors.config import CONFIG_ERRORS
 from actors.runtime.context import ActorContext
 from actors.runtime.cpu_budget import pin_process
+from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, report_exit
 from actors.runtime.handlers import HandlerTable, collect_handlers
 from actors.runtime.peers import PeerRpc, PeerStream, alive_members
+from actors.runtime.stacks import dump_stacks
+from actors.runtime.waits import Waits
 from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber
 from bus.schema import (
     TOPIC_CONTROL,
@@ -41,6 +44,8 @@ from bus.schema import (
     Registered,
     Roster,
     RunState,
+    StateReport,
+    WaitState,
 )
 
 CONTROL_TOPICS = (TOPIC_ROSTER, TOPIC_CONTROL, TOPIC_RUN_STATE)
@@ -57,6 +62,7 @@ class Actor:
     role: ClassVar[str] = "custom"
     register_timeout: ClassVar[float] = 60.0
     drain_timeout: ClassVar[float] = 10.0
+    run_failure: str | None = None  # why this actor ended the run as failed, once it has (see fail_run)
     _handlers: ClassVar[HandlerTable] = HandlerTable(stream={}, rpc={}, broadcast={})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -69,6 +75,7 @@ class Actor:
         self.settings = context.settings
         self.log = structlog.get_logger().bind(actor_id=context.actor_id, role=context.role)
         self.counters: Counter[str] = Counter()
+        self.waits = Waits()  # what we wait for and the work we finished, for the controller's hang detector
         self.zmq = zmq.asyncio.Context()
         self.security = self._make_security()
         self.roster: dict[str, Member] = {}
@@ -103,6 +110,11 @@ class Actor:
 
     async def on_roster(self, roster: Roster) -> None:
         """Hook: called after each roster update (joins, deaths, returns)."""
+
+    def describe_waits(self) -> list[WaitState]:
+        """Hook: waits that are states rather than awaits (the buffer's batch waiting for groups leased to a
+        worker), computed when a heartbeat or a hang report asks."""
+        return []
 
     # ----------------------------------------------------------------------------------------- lifecycle
     async def main(self) -> int:
@@ -140,6 +152,8 @@ class Actor:
                 await asyncio.wait_for(self.stop(), self.drain_timeout + 15.0)
             except asyncio.TimeoutError:
                 self.log.error("stop did not finish in time; exiting anyway")
+        if exit_code == 0 and self.run_failure is not None:
+            return report_exit(self.context, self.run_failure, EXIT_RUN_FAILED)  # every launcher fails, none restarts
         return exit_code
 
     async def start(self) -> None:
@@ -167,6 +181,21 @@ class Actor:
     def stopping(self) -> bool:
         return self._stop_requested.is_set()
 
+    async def fail_run(self, reason: str) -> None:
+        """End the whole run as failed with `reason`: the controller aborts every actor on every node (each exits
+        EXIT_RUN_FAILED, so each launcher fails with the reason instead of restarting), and this actor stops."""
+        if self.run_failure is not None:
+            return
+        self.run_failure = reason
+        self.log.error("ending the run as failed", reason=reason)
+        if self._controller is not None:
+            try:
+                await self._controller.call(Control(command="abort", reason=f"{self.actor_id}: {reason}"),
+                                            timeout=5.0, retries=1)
+            except Exception as error:  # our own exit still fails this node's launcher, which stops its actors
+                self.log.warning("could not ask the controller to abort the run", error=repr(error))
+        self.request_stop(reason)
+
     async def stop(self) -> None:
         """Drain, stop the background loops, say goodbye, close. Every step is bounded in time."""
         try:
@@ -191,12 +220,12 @@ class Actor:
     def peer_stream(self, role: str, endpoint_name: str = "inbox") -> PeerStream:
         """A stream to every live member of `role`, kept in step with the roster."""
         return self._follow(PeerStream(self.zmq, sender_id=self.actor_id, role=role, endpoint_name=endpoint_name,
-                                       security=self.security))
+                                       security=self.security, waits=self.waits))
 
     def peer_rpc(self, role: str, endpoint_name: str = "rpc") -> PeerRpc:
         """A request/reply client to the live member of `role`, reconnecting when it moves."""
         return self._follow(PeerRpc(self.zmq, client_id=self.actor_id, role=role, endpoint_name=endpoint_name,
-                                    security=self.security))
+                                    security=self.security, waits=self.waits))
 
     def _follow(self, link: PeerLink) -> PeerLink:
         """Point a new peer link at the current roster; every later roster update re-syncs it, stop closes it."""
@@ -317,11 +346,10 @@ class Actor:
             except Exception as error:  # a gauge of a half-started role must not stop its heartbeat
                 counters = {key: float(value) for key, value in self.counters.items()}
                 self.log.debug("metrics unavailable", error=repr(error))
+            heartbeat = Heartbeat(actor_id=self.actor_id, seq=sequence, counters=counters,
+                                  progress=self.waits.progress, waits=self.wait_states())
             try:
-                reply = await self._controller.call(
-                    Heartbeat(actor_id=self.actor_id, seq=sequence, counters=counters),
-                    timeout=interval, retries=0,
-                )
+                reply = await self._controller.call(heartbeat, timeout=interval, retries=0)
             except RpcTimeout:
                 missed += 1
                 self.counters["heartbeat.missed"] += 1
@@ -333,12 +361,23 @@ class Actor:
                 self.log.warning("controller forgot us; registering again")
                 await self._register()
 
+    def wait_states(self) -> list[WaitState]:
+        """Every open wait, oldest first; a role's `describe_waits` failing must not stop its heartbeat."""
+        try:
+            described = self.describe_waits()
+        except Exception as error:
+            described = [WaitState(on="?", what=f"describe_waits failed: {error!r}")]
+        return sorted([*self.waits.snapshot(), *described], key=lambda wait: -wait.waited_s)
+
     def metrics(self) -> dict[str, float]:
         """Counters sent with each heartbeat; roles extend this with gauges."""
         found = {key: float(value) for key, value in self.counters.items()}
-        if self.inbox is not None:
-            for reason, count in self.inbox.dropped.items():
-                found[f"dropped.{reason}"] = float(count)
+        # What every socket we bound dropped, by reason and by sender (bus.sockets.DropLog; bounded in size). The
+        # controller's broadcast publisher is one of them.
+        bound = {"inbox": self.inbox, "rpc": self.rpc_server, "publish": getattr(self, "publisher", None)}
+        for channel, receiver in bound.items():
+            if receiver is not None:
+                found.update(receiver.drop_metrics(channel))
         found["uptime_s"] = time.monotonic() - self._started_at
         return found
 
@@ -371,8 +410,24 @@ class Actor:
     async def _apply_control(self, control: Control) -> None:
         if control.command in ("stop", "drain"):
             self.request_stop(f"controller: {control.command} ({control.reason})")
+        elif control.command == "abort":
+            if self.run_failure is None:
+                self.run_failure = ABORTED + control.reason
+            self.request_stop(f"controller: abort ({control.reason})")
+        elif control.command == "report":
+            self.spawn(self._send_state_report(), name=f"{self.actor_id}.state-report")
         else:
             await self.on_control(control)
+
+    async def _send_state_report(self) -> None:
+        """Answer the hang detector's question: what we wait for and where every stack is."""
+        if self._controller is None:
+            return
+        report = StateReport(actor_id=self.actor_id, waits=self.wait_states(), stacks=dump_stacks())
+        try:
+            await self._controller.call(report, timeout=2.0, retries=1)
+        except Exception as error:  # the controller reports us as not answering; nothing else to do
+            self.log.warning("could not send the state report", error=repr(error))
 
     async def _stream_loop(self) -> None:
         assert self.inbox is not None
@@ -403,7 +458,10 @@ class Actor:
             reply = await handler(sender, request)
         except Exception as error:
             self.counters[f"handler_errors.{name}"] += 1
-            self.log.exception("request handler failed", handler=name, sender=sender)
+            if self.stopping:  # a request cut short by our own stop (its engine closed under it): no traceback
+                self.log.info("request handler ended by the stop", handler=name, sender=sender, error=repr(error))
+            else:
+                self.log.exception("request handler failed", handler=name, sender=sender)
             return Error(reason="handler_error", detail=f"{type(error).__name__}: {error}")
         return reply if reply is not None else Ack(ok=True, error=None)
 

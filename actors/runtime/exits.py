@@ -1,7 +1,9 @@
-"""How an actor process tells its launcher how it ended: its exit code, and for a bad configuration, why.
+"""How an actor process tells its launcher how it ended: its exit code, and for an end that must not be retried, why.
 
-A crash is restarted; a bad configuration would only fail the same way again, so the launcher fails the run at
-once and says why, from the one-line report the actor left next to its context file (RUN_DIR/actors/ID.json).
+A crash is restarted. A bad configuration would only fail the same way again, and a run that failed (its reward
+function fails on everything, the hang detector found no progress) must not go on, so for those two the launcher
+fails the run at once and says why, from the one-line report the actor left next to its context file
+(RUN_DIR/actors/ID.exit-reason).
 """
 
 from __future__ import annotations
@@ -15,30 +17,37 @@ EXIT_STOPPED = 0  # stopped on purpose, or done
 EXIT_CRASHED = 1
 EXIT_BAD_CONFIG = 2  # not restarted: the run fails with the actor's report
 EXIT_CONTROLLER_UNREACHABLE = 3
+EXIT_RUN_FAILED = 4  # not restarted: the run failed (the actor's report says how), every launcher fails with it
+FINAL_EXITS = (EXIT_BAD_CONFIG, EXIT_RUN_FAILED)
+ABORTED = "aborted by the controller: "  # opens the report of an actor that failed because the run was aborted
 
 
 def _report_path(context: ActorContext) -> Path:
-    return context.run_dir / "actors" / f"{context.actor_id}.bad-config"
+    return context.run_dir / "actors" / f"{context.actor_id}.exit-reason"
 
 
-def report_bad_config(context: ActorContext, message: str) -> int:
-    """Leave `message` for the launcher and return the exit code that makes it read it."""
+def report_exit(context: ActorContext, message: str, code: int) -> int:
+    """Leave `message` for the launcher and return `code` (one of FINAL_EXITS), which makes it read the message."""
     with contextlib.suppress(OSError):  # the exit code still tells the launcher; only the reason would be lost
         path = _report_path(context)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(message, encoding="utf-8")
-    return EXIT_BAD_CONFIG
+    return code
 
 
-def bad_config_report(context: ActorContext) -> str | None:
-    """The reason an actor that exited EXIT_BAD_CONFIG left, if any."""
+def report_bad_config(context: ActorContext, message: str) -> int:
+    return report_exit(context, message, EXIT_BAD_CONFIG)
+
+
+def exit_report(context: ActorContext) -> str | None:
+    """The reason an actor that exited with one of FINAL_EXITS left, if any."""
     try:
         return _report_path(context).read_text(encoding="utf-8").strip() or None
     except OSError:
         return None
 
 
-def clear_bad_config_report(context: ActorContext) -> None:
+def clear_exit_report(context: ActorContext) -> None:
     """Before a start: a report is about the process that wrote it."""
     with contextlib.suppress(OSError):
         _report_path(context).unlink(missing_ok=True)

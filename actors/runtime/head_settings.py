@@ -45,8 +45,10 @@ async def _ask(head_address: str, *, node_rank: int, curve_keys: Path | None, ti
         reply = await client.call(RunConfigQuery(node_rank=node_rank), timeout=ATTEMPT_S,
                                   retries=max(0, int(timeout / ATTEMPT_S) - 1))
     except RpcTimeout:
+        # With CURVE, a head holding other keys refuses the handshake: that looks exactly like no head at all.
+        same_keys = f", with the same keys as {curve_keys}" if curve_keys is not None else ""
         raise HeadSettingsError(f"head {head_address} did not give the run's settings within {timeout:.0f}s (is "
-                                "its controller running?)") from None
+                                f"its controller running{same_keys}?)") from None
     finally:
         client.close()
         context.destroy(linger=0)

@@ -20,6 +20,7 @@ from pathlib import Path
 import structlog
 
 from actors.config import CONFIG_ERRORS
+from actors.runtime import chaos
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import EXIT_BAD_CONFIG, report_bad_config
 from actors.runtime.logs import configure_logging, quiet_library_output
@@ -52,6 +53,11 @@ def run_actor(context: ActorContext) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = context.cuda_visible_devices
     # `kill -USR1 PID` prints every thread's stack to the actor's stderr: the first tool for a stuck actor.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        chaos.arm(context.actor_id, context.role, context.run_dir)  # the chaos matrix's kill points, if any
+    except chaos.KillPlanError as error:
+        print(f"{context.actor_id}: bad configuration: {error}", file=sys.stderr)
+        return report_bad_config(context, str(error))
     configure_logging(role=context.role, actor_id=context.actor_id, node=context.node_rank,
                       log_dir=context.log_dir, file_level=context.settings.log_level,
                       console_level=context.settings.console_log_level)

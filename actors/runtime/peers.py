@@ -8,10 +8,12 @@ reconnect, so no actor code handles restarts of its neighbours.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import zmq.asyncio
 
+from actors.runtime.waits import Waits
 from bus import RpcClient, RpcClosed, StreamSender
 from bus.schema import Member
 
@@ -24,9 +26,10 @@ class PeerStream:
     """A stream to every live member of one role, load-balanced by the credits each receiver grants."""
 
     def __init__(self, zmq_context: zmq.asyncio.Context, *, sender_id: str, role: str, endpoint_name: str,
-                 security: Any = None) -> None:
+                 security: Any = None, waits: Waits | None = None) -> None:
         self.role = role
         self.endpoint_name = endpoint_name
+        self._waits = waits
         self._sender = StreamSender(zmq_context, sender_id=sender_id, security=security)
         self._connected: dict[str, str] = {}  # actor id -> endpoint
         self._changed = asyncio.Event()
@@ -49,15 +52,17 @@ class PeerStream:
         return sorted(self._connected)
 
     async def send(self, message: Any, *, peer: str | None = None, timeout: float | None = None) -> str:
-        """Send to `peer`, or to whichever live member has credit; waits while the role has no members."""
+        """Send to `peer`, or to whichever live member has credit; waits while the role has no members. The wait is
+        open to the hang detector: with no timeout, a receiver that never grants credit shows up by name there."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while not self._connected:
-            self._changed.clear()
+        with _waiting(self._waits, peer or self.role, f"room to send {type(message).__name__} (stream credit)"):
+            while not self._connected:
+                self._changed.clear()
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                await asyncio.wait_for(self._changed.wait(), remaining)
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            await asyncio.wait_for(self._changed.wait(), remaining)
-        remaining = None if deadline is None else max(0.0, deadline - loop.time())
-        return await self._sender.send(message, peer=peer, timeout=remaining)
+            return await self._sender.send(message, peer=peer, timeout=remaining)
 
     def close(self) -> None:
         self._sender.close()
@@ -67,9 +72,10 @@ class PeerRpc:
     """A request/reply client to the single live member of a role (the buffer, the controller's delegate)."""
 
     def __init__(self, zmq_context: zmq.asyncio.Context, *, client_id: str, role: str, endpoint_name: str,
-                 security: Any = None) -> None:
+                 security: Any = None, waits: Waits | None = None) -> None:
         self.role = role
         self.endpoint_name = endpoint_name
+        self._waits = waits
         self._zmq = zmq_context
         self._client_id = client_id
         self._security = security
@@ -95,17 +101,22 @@ class PeerRpc:
     async def call(self, message: Any, *, timeout: float = 5.0, retries: int = 3) -> Any:
         """Call the role's member; waits up to `timeout` for one to exist first. A call cut short because the
         member moved (restart, new endpoint) is sent again to where it is now."""
-        for attempt in range(3):
-            await asyncio.wait_for(self._available.wait(), timeout)
-            assert self._client is not None
-            try:
-                return await self._client.call(message, timeout=timeout, retries=retries)
-            except RpcClosed:
-                if attempt == 2:
-                    raise
+        with _waiting(self._waits, self.role, f"the reply to {type(message).__name__}"):
+            for attempt in range(3):
+                await asyncio.wait_for(self._available.wait(), timeout)
+                assert self._client is not None
+                try:
+                    return await self._client.call(message, timeout=timeout, retries=retries)
+                except RpcClosed:
+                    if attempt == 2:
+                        raise
         raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _waiting(waits: Waits | None, on: str, what: str) -> contextlib.AbstractContextManager[None]:
+    return waits.on(on, what) if waits is not None else contextlib.nullcontext()

@@ -5,8 +5,10 @@ terminal reaches only the launcher, which then stops the children in order; chil
 the launcher itself dies (PR_SET_PDEATHSIG), so no actor outlives its supervisor. An actor that exits 0 is
 done; one that crashes is restarted after a growing delay until it has crashed `max_restarts` times within
 `window_s`, and then the whole run is failed, because a permanently broken role would otherwise leave the
-others waiting forever. One that exits for a bad configuration (actors.runtime.exits) fails the run at once, with
-the reason it gave: a restart would only fail the same way.
+others waiting forever. One that exits for a bad configuration, or because the run failed (its reward function
+fails on everything, the hang detector found no progress: actors.runtime.exits), fails the run at once with the
+reason it gave: a restart would only fail the same way. A child found stopped (SIGSTOP) when the run stops is
+killed at once and named: it could not act on SIGTERM anyway.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import structlog
 
 from actors.runtime.context import ActorContext
-from actors.runtime.exits import EXIT_BAD_CONFIG, bad_config_report, clear_bad_config_report
+from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
 from actors.runtime.zygote_client import ForkedProcess, Zygote, ZygoteError
 from engines.process import die_with_parent
 
@@ -97,7 +99,7 @@ class Supervisor:
             await self.zygote.close()
         self._remove_stale_sockets()
         if self.failure is not None:
-            self.log.error("run failed", reason=self.failure)
+            self.log.error("run failed", reason=self.failure.splitlines()[0])  # launcher.py prints all of it
             return 1
         if self.stop_signal is not None:
             return 128 + self.stop_signal
@@ -108,7 +110,7 @@ class Supervisor:
         if signum is not None and self.stop_signal is None:
             self.stop_signal = signum
         if not self._stopping.is_set():
-            self.log.info("stopping actors", reason=reason)
+            self.log.info("stopping actors", reason=reason.splitlines()[0])
             self._signal_after = grace_s
             self._stopping.set()
 
@@ -130,7 +132,7 @@ class Supervisor:
 
     async def _start(self, child: Child) -> None:
         env = self._child_env(child.context)
-        clear_bad_config_report(child.context)
+        clear_exit_report(child.context)
         child.process = await self._fork(child, env) or await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.runtime.main", str(child.context_path),
             start_new_session=True, preexec_fn=die_with_parent, env=env,
@@ -151,9 +153,13 @@ class Supervisor:
                     # The controller broadcast "stop" before it exited: let the actors leave on their own first.
                     self.request_stop("the controller finished the run", grace_s=self.stop_grace_s)
                 return
-            if code == EXIT_BAD_CONFIG:
-                why = bad_config_report(child.context) or f"see {child.context.log_dir / actor}.jsonl"
-                self._fail(f"{actor}: bad configuration: {why}")
+            if code in FINAL_EXITS:
+                why = exit_report(child.context) or f"see {child.context.log_dir / actor}.jsonl"
+                if code == EXIT_BAD_CONFIG:
+                    why = f"{actor}: bad configuration: {why}"
+                elif not why.startswith(ABORTED):  # an abort's reason names who failed the run, not this actor
+                    why = f"{actor}: {why}"
+                self._fail(why)
                 child.done = True
                 return
             if not self._may_restart(child):
@@ -208,6 +214,11 @@ class Supervisor:
         for child in running:
             with contextlib.suppress(ProcessLookupError):
                 child.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            if process_state(child.process.pid) in STOPPED_STATES:  # type: ignore[union-attr]
+                self.log.warning("actor was stopped (SIGSTOP or a debugger); killing it",
+                                 actor=child.context.actor_id, pid=child.process.pid)  # type: ignore[union-attr]
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()  # type: ignore[union-attr]
         deadline = time.monotonic() + self.stop_grace_s
         for child in running:
             assert child.process is not None
@@ -225,3 +236,15 @@ class Supervisor:
             for path in sockets.glob("*.sock"):
                 with contextlib.suppress(OSError):
                     path.unlink()
+
+
+STOPPED_STATES = ("T", "t")  # /proc/PID/stat: stopped by a signal, or by a tracer
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of a process (R, S, D, T, Z, ...) from /proc, or None where there is no /proc entry."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0]  # the name, in parentheses, may hold spaces

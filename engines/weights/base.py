@@ -61,7 +61,17 @@ class WeightSender(ABC):
     Use: `spec = open_group([sender, *engines])`, hand `spec.to_dict()` to the engines, `wait_for_receivers()`,
     then `send(...)` per version; after a WeightTransferError, `open_group` again with the live engines (after
     `abort(...)` too).
+
+    `phase_hook`, when set, is called from the sending thread at named points of a transfer, so a fault can be
+    injected exactly there (the chaos matrix kills the learner at "buckets_sent": every bucket broadcast, no
+    acknowledgement collected). A mechanism calls `reached` where it has such a point; others never call it.
     """
+
+    phase_hook: Callable[[str], None] | None = None
+
+    def reached(self, point: str) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(point)
 
     @property
     @abstractmethod

@@ -210,6 +210,7 @@ class TorchDistributedWeightSender(WeightSender):
             ) from error
         if not completed:
             raise self._give_up(keys, None, f"weight transfer of version {version} abandoned mid-way")
+        self.reached("buckets_sent")
         failed = self._collect_acks(spec, prefix, timeout_s)
         if failed and self._aborted is not None:  # every ack in: committed, whatever happened since
             raise self._give_up(keys, None, f"weight transfer of version {version} not committed")

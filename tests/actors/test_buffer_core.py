@@ -340,6 +340,26 @@ def test_compacted_log_restores_the_same_state_and_keeps_the_history(tmp_path: P
     assert same is not None and [g.group_id for g in same.groups] == [g.group_id for g in plain.served[2].groups]
 
 
+@pytest.mark.unit
+def test_a_log_that_only_grows_is_compacted_as_it_doubles_not_at_every_batch_request(tmp_path: Path) -> None:
+    """Nothing committed (no learner checkpoint yet): every batch served stays in the snapshot, which is then as
+    large as the log, so compacting at every request rewrote and archived the whole state each time."""
+    path = tmp_path / "log.msgpack"
+    core = make_core(max_staleness=1000, log=BufferLog(path), records=200)
+    core.compact_log_bytes = 1
+    for batch_id in range(1, 41):
+        lease_id, groups = lease_all(core, max_groups=B)
+        for group in groups:
+            core.accept(scored(group, lease_id))
+        for _ in range(3):  # the learner's long-poll asks again as groups arrive
+            core.next_batch(learner_version=batch_id - 1, trained_batch=batch_id - 1, checkpointed_batch=0)
+    core.log.close()
+    assert 1 <= len(archived_logs(path)) <= 8  # ~log2(final size / first snapshot), not one per request (120)
+    revived = make_core(max_staleness=1000, records=200)
+    revived.restore(path)
+    assert sorted(revived.served) == list(range(1, 41))
+
+
 def _buffer_actor(tmp_path: Path) -> Buffer:
     for name in ("train", "eval"):
         rows = [{"input": f"{i}+1=", "label": str(i + 1)} for i in range(2 if name == "eval" else 20)]

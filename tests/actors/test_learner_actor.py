@@ -7,7 +7,9 @@ same process, so a batch the learner trains was leased, generated, scored and as
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,22 @@ def test_plugin_trainer_factory_builds_a_trainer(tmp_path: Path, monkeypatch: py
 def test_a_wrong_trainer_plugin_is_named_by_flag_and_path(path: str, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         build_trainer(build_config({"train_backend": path}))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_stopping_learner_does_not_wait_for_a_batch_nobody_will_serve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer stops with the run and may never answer the learner's open batch request: the learner must reach
+    its own stop (and checkpoint) at once, not after the request's timeouts, or its launcher kills it first."""
+    use_spec(SPEC, tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path), {"controller": "controller", "learner": "learner"}
+                            ) as system:
+        learner = system["learner"]
+        await system.wait_for(lambda: learner.waits.snapshot() != [], 15, "the learner to ask for a batch")
+        assert [(w.on, w.what) for w in learner.waits.snapshot()][:1] == [("buffer", "batch 1")]
+        asked = time.monotonic()
+        learner.request_stop("test: the run stops")
+        await asyncio.wait_for(asyncio.shield(system.tasks["learner"]), 30)
+        assert time.monotonic() - asked < 3.0
+        assert system.tasks["learner"].result() == 0

@@ -7,6 +7,7 @@ is the learner's (`publisher_for`), fed by its actor's roster the way the learne
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -154,3 +155,30 @@ async def test_a_push_to_a_killed_worker_ends_when_the_roster_says_it_died_not_a
     waiting = [entry["engines"] for entry in logs
                if entry["event"] == "weight push waiting on engines" and entry["version"] == 2]
     assert waiting and waiting[-1] == ["rollout-0-1"], waiting  # the survivor is ready by then, the victim never
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_a_push_under_way_ends_as_soon_as_the_learner_stops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
+    """At the end of a run the engines stop too and may never acknowledge the push in hand: a stopping learner
+    gives it up at once, or its launcher's grace (15 s) ran out before the learner's checkpoint at stop."""
+    use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+        pusher = system["pusher-0-0"]
+        engine = start_worker(system, tmp_path, "rollout-0-0", workers)
+        await registered(system, "rollout-0-0", engine)
+        assert await pusher.weights.publish(1)
+        engine.send_signal(signal.SIGSTOP)  # alive to the roster for a while, and never acknowledging
+        try:
+            push = asyncio.create_task(pusher.weights.publish(2))
+            await asyncio.sleep(0.3)
+            stopped_at = time.monotonic()
+            pusher.weights.stop("the learner is stopping")
+            assert await asyncio.wait_for(push, 10) is False
+            seconds = time.monotonic() - stopped_at
+            assert await pusher.weights.publish(3) is False  # and no push starts after the stop
+        finally:
+            kill(engine)
+    assert seconds < 1.5, f"the push took {seconds:.1f}s to end"
+    assert pusher.counters["weights.restarted"] == 0, "the roster ended it, not the stop"

@@ -22,7 +22,7 @@ from actors.config import build_config
 from actors.reward.actor import RewardWorker
 from actors.reward.failures import RewardFailures
 from actors.runtime.context import ActorContext, ActorSettings
-from actors.runtime.exits import EXIT_BAD_CONFIG, bad_config_report
+from actors.runtime.exits import EXIT_RUN_FAILED, exit_report
 from bus.schema import Sample
 from policies.rewards import RewardOutcome
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
@@ -158,7 +158,7 @@ def _pipeline_settings(tmp_path: Path, **overrides: object) -> dict[str, object]
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-async def test_pipeline_with_an_always_raising_reward_ends_the_reward_worker_as_a_bad_configuration(
+async def test_pipeline_with_an_always_raising_reward_ends_the_run_as_failed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     use_spec(SimSpec(token_seconds=1e-4, length_min=8, length_max=32), tmp_path, monkeypatch)
     settings = _pipeline_settings(tmp_path, custom_rm_path=RAISES, reward_failure_limit=40)
@@ -167,9 +167,9 @@ async def test_pipeline_with_an_always_raising_reward_ends_the_reward_worker_as_
         async with actor_system(tmp_path, settings, roles) as system:
             ended = system.tasks["reward-0-0"]
             await asyncio.wait_for(asyncio.shield(ended), 30)
-            assert ended.result() == EXIT_BAD_CONFIG  # the launcher fails the run on it, no restarts
+            assert ended.result() == EXIT_RUN_FAILED  # the launcher fails the run on it, no restarts
             worker = system["reward-0-0"]
-    assert bad_config_report(worker.context) == worker.run_failure  # what the launcher will say
+    assert exit_report(worker.context) == worker.run_failure  # what the launcher will say
     assert worker.run_failure is not None and RAISES in worker.run_failure
     assert "last error: raised ValueError: cannot grade label" in worker.run_failure
     assert worker.counters["samples.reward_failed"] >= 40
@@ -179,7 +179,7 @@ async def test_pipeline_with_an_always_raising_reward_ends_the_reward_worker_as_
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-async def test_reward_worker_on_another_node_asks_the_controller_to_stop_the_run(tmp_path: Path) -> None:
+async def test_reward_worker_on_another_node_has_the_controller_abort_the_run(tmp_path: Path) -> None:
     settings = _pipeline_settings(tmp_path, custom_rm_path=RAISES, reward_failure_limit=8)
     async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
         controller = system["controller"]
@@ -192,7 +192,8 @@ async def test_reward_worker_on_another_node_asks_the_controller_to_stop_the_run
         await system.wait_for(lambda: "reward-1-0" in controller.records, 15, "the worker to register")
         for index in range(2):
             await worker.score_samples(_group(index, ["a", "b", "c", "d"]))
-        assert await asyncio.wait_for(ended, 20) == EXIT_BAD_CONFIG
-        await asyncio.wait_for(asyncio.shield(system.tasks["controller"]), 20)  # the controller ended the run
-    assert controller._stop_reason.startswith("stop requested by reward-1-0")  # its connection, by name
+        assert await asyncio.wait_for(ended, 20) == EXIT_RUN_FAILED
+        # The controller ended the run as failed, so the head's launcher fails too, with the worker's reason.
+        assert await asyncio.wait_for(asyncio.shield(system.tasks["controller"]), 20) == EXIT_RUN_FAILED
+    assert controller._stop_reason.startswith("abort requested by reward-1-0")  # its connection, by name
     assert controller._stop_reason.endswith(f": reward-1-0: {worker.run_failure}")

@@ -34,6 +34,8 @@ def test_frame_is_a_plain_msgpack_map_with_type_and_version() -> None:
         "actor_id": "rollout-0",
         "seq": 3,
         "counters": {"dropped": 1.0},
+        "progress": 0,
+        "waits": [],
     }
 
 

@@ -48,7 +48,7 @@ def test_run_with_an_always_raising_reward_fails_with_its_error_and_few_warnings
                                       "label '")
     launcher = _records(run_dir / "logs" / "launcher-0.jsonl")
     assert [r["reason"] for r in launcher if r["event"] == "run failed"] == [
-        f"reward-0-0: bad configuration: {ended['reason']}"], output
+        f"reward-0-0: {ended['reason']}"], output
     assert sum(r["event"] == "actor process started" and r["actor"] == "reward-0-0" for r in launcher) == 1
     assert ended["reason"] in completed.stderr  # the launcher's last word on the console
     warnings = [r for r in reward if r["level"] == "warning"]
