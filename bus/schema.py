@@ -287,6 +287,9 @@ class Ack(Message):
     error: Annotated[str | None, doc("why not, when ok is false")] = None
 
 
+BATCH_ORDER = "batch_order"  # Error reason: the buffer can never serve the batch asked for; the learner fails the run
+
+
 class Error(Message):
     """RPC reply when a request could not be handled (bad frame, handler raised)."""
 

@@ -56,6 +56,9 @@ def run_matrix(scenarios: Sequence[Scenario], *, work_dir: Path, model: Path | N
 
 
 def tiny_model(work_dir: Path) -> Path:
+    from actors.runtime.logs import quiet_library_output
+
+    quiet_library_output()  # before transformers loads: no progress bars in the matrix's table
     from engines.tiny_model import TinyModelSpec, cached_tiny_model
 
     return cached_tiny_model(work_dir / "models", TinyModelSpec(family="qwen2"))

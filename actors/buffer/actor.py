@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.buffer.core import BufferCore
+from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import PromptSource, load_prompts
 from actors.buffer.waits import admission_state, batch_wait
@@ -30,10 +30,12 @@ from actors.runtime.metrics import MetricsWriter
 from actors.slime_compat.buffer_filter import load_buffer_filter
 from actors.slime_compat.plugins import adapt_filter
 from bus.schema import (
+    BATCH_ORDER,
     TOPIC_VERSION,
     Ack,
     Batch,
     BatchRequest,
+    Error,
     FinalCommit,
     Lease,
     LeaseRenew,
@@ -145,8 +147,15 @@ class Buffer(Actor):
                 self.batch_ready.notify_all()
 
     @serves(BatchRequest)
-    async def on_batch_request(self, sender: str, request: BatchRequest) -> Batch:
-        """Long-poll: answer with the batch once it can be assembled, or an empty batch after a while."""
+    async def on_batch_request(self, sender: str, request: BatchRequest) -> Batch | Error:
+        """Long-poll: answer with the batch once it can be assembled, or an empty batch after a while; a batch
+        that can never be served is an Error "batch_order" (the learner fails the run with it)."""
+        try:
+            return await self._serve_batch(request)
+        except BatchOrderError as error:
+            return Error(reason=BATCH_ORDER, detail=str(error))
+
+    async def _serve_batch(self, request: BatchRequest) -> Batch:
         deadline = asyncio.get_running_loop().time() + BATCH_POLL_SECONDS
         if self.open_batch is None or self.open_batch[0] != request.trained_batch + 1:
             self.open_batch = (request.trained_batch + 1, time.monotonic())  # kept across the learner's re-asks

@@ -34,6 +34,11 @@ GroupFilter = Callable[[ScoredGroup], "str | None"]  # returns a drop reason, or
 BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
 
 
+class BatchOrderError(ValueError):
+    """The learner asked for a batch the buffer can never serve (its checkpoint is older than what the buffer
+    committed, or it skipped ahead): asking again cannot help, so the run fails with this."""
+
+
 @dataclass
 class LeaseRecord:
     lease_id: str
@@ -283,14 +288,14 @@ class BufferCore:
         self.commit_through(checkpointed_batch)
         wanted = trained_batch + 1
         if wanted <= self.committed_batch:
-            raise ValueError(f"learner asked for batch {wanted}, but batches up to {self.committed_batch} are "
+            raise BatchOrderError(f"learner asked for batch {wanted}, but batches up to {self.committed_batch} are "
                              f"already committed by a checkpoint; is it resuming from an old checkpoint?")
         if wanted in self.served:
             batch = self.served[wanted]
             batch.replayed = True
             return batch
         if wanted != max(self.served, default=self.committed_batch) + 1:
-            raise ValueError(f"learner asked for batch {wanted}; the next new batch is "
+            raise BatchOrderError(f"learner asked for batch {wanted}; the next new batch is "
                              f"{max(self.served, default=self.committed_batch) + 1}")
         self._evict_stale(trains_at)
         if len(self.pool) < self.groups_per_batch:

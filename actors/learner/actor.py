@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from actors.learner.eval_hold import EvalHold
-from actors.learner.modes import Progress, pick_source, pick_training
+from actors.learner.modes import BatchRefused, Progress, pick_source, pick_training
 from actors.learner.publish import live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
@@ -103,6 +104,8 @@ class Learner(Actor):
                     upcoming = asyncio.create_task(self._fetch_ahead(ahead))
                 report = await self.train(batch, prepared)
                 await self._after_step(batch, report)
+        except BatchRefused as refused:  # asking again cannot help: say why, on every node, and stop
+            await self.fail_run(str(refused))
         finally:
             if upcoming is not None:
                 upcoming.cancel()  # a batch served but not trained is served again after a restart
@@ -208,7 +211,7 @@ class Learner(Actor):
         with self.waits.on("disk", f"checkpoint {target}"):
             await asyncio.to_thread(self.trainer.save_checkpoint, target, extra)
         chaos.reached("checkpoint.mid")  # written, `latest` not yet moved to it
-        (self.checkpoint_dir / "latest").write_text(target.name, encoding="utf-8")
+        _replace_text(self.checkpoint_dir / "latest", target.name)
         self.checkpointed_batch = self.trained_batch
         self.log.info("checkpoint saved", path=str(target), version=self.trainer.version)
 
@@ -288,3 +291,14 @@ def _bound_to_rank_zero(function: Any, *args: Any) -> Any:
     """CUDA's current device is per thread: whatever thread builds or drives the trainer uses rank 0's GPU."""
     bind_device(0)
     return function(*args)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` so that a reader finds the old text or the new one, never an empty file: a learner killed while
+    `latest` was being rewritten would otherwise fail to restart until someone repaired it by hand."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)

@@ -18,7 +18,7 @@ from actors.config import RunConfig
 from actors.learner.ranks import CollectiveTrainer
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from bus.codec import decode, encode
-from bus.schema import Batch, BatchRequest, FinalCommit
+from bus.schema import BATCH_ORDER, Batch, BatchRequest, Error, FinalCommit
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class BatchSource(Protocol):
         """After the last batch and its checkpoint: make the end durable at the source."""
 
 
+class BatchRefused(RuntimeError):
+    """The buffer will never serve the batch asked for: the run cannot go on (see BATCH_ORDER)."""
+
+
 class BufferSource:
     """The buffer actor, over RPC. A buffer that does not answer is restarting: count it and ask again."""
 
@@ -57,6 +61,8 @@ class BufferSource:
         except (TimeoutError, asyncio.TimeoutError, ConnectionError):
             self.counters["batch.unanswered"] += 1
             return None
+        if isinstance(reply, Error) and reply.reason == BATCH_ORDER:
+            raise BatchRefused(f"the buffer cannot serve batch {progress.trained_batch + 1}: {reply.detail}")
         if isinstance(reply, Batch):
             self.eval_done_through = max(self.eval_done_through, reply.eval_done_through)
         if not isinstance(reply, Batch) or not reply.samples:

@@ -274,7 +274,9 @@ class WeightPublisher:
         client = self._client(engine, endpoint)
         try:
             with self.waits.on(engine, f"acknowledgement of version {order.version}'s weights"):
-                reply = await client.call(order, timeout=order.timeout_s * 3, retries=0)
+                # Three attempts under one request id: a lost reply is answered again from the engine's reply
+                # cache (the load itself runs once), instead of failing a push every engine completed.
+                reply = await client.call(order, timeout=order.timeout_s, retries=2)
         except Exception as error:
             self.log.warning("weight order unanswered", engine=engine, error=repr(error))
             return f"order unanswered: {error!r}"

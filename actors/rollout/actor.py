@@ -23,6 +23,7 @@ from actors.slime_compat.rollout_function import RolloutFunctionRunner, check_ro
 from bus.schema import (
     TOPIC_VERSION,
     Ack,
+    Error,
     GeneratedGroup,
     Lease,
     LeaseRenew,
@@ -259,11 +260,21 @@ class RolloutWorker(Actor):
         self.announced_version = announcement.version
 
     @serves(WeightUpdateOrder)
-    async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack:
+    async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack | Error:
         """Join the learner's broadcast and load the new weights in place; the reply is the acknowledgement."""
         chaos.reached("weight_load.start")
-        with self.waits.on(peer_name(sender), f"the weights of version {order.version} (generation paused)"):
-            await self.weights.apply(order)
+        try:
+            with self.waits.on(peer_name(sender), f"the weights of version {order.version} (generation paused)"):
+                await self.weights.apply(order)
+        except Exception as error:
+            from engines.weights.base import WeightTransferError  # torch is loaded by now: a transfer ran
+
+            if not isinstance(error, WeightTransferError):
+                raise
+            # Expected when the learner gives a push up (a member died, the run stops): said, not a traceback.
+            self.counters["weights.failed"] += 1
+            self.log.warning("weight update given up", version=order.version, error=str(error))
+            return Error(reason="weight_transfer", detail=str(error))
         self.counters["weights.updates"] += 1
         self._weights_landed.set()  # a worker waiting for these weights starts generating now
         return Ack(ok=True, error=None)

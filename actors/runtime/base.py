@@ -181,14 +181,14 @@ class Actor:
     def stopping(self) -> bool:
         return self._stop_requested.is_set()
 
-    async def fail_run(self, reason: str) -> None:
+    async def fail_run(self, reason: str, *, tell_controller: bool = True) -> None:
         """End the whole run as failed with `reason`: the controller aborts every actor on every node (each exits
         EXIT_RUN_FAILED, so each launcher fails with the reason instead of restarting), and this actor stops."""
         if self.run_failure is not None:
             return
         self.run_failure = reason
         self.log.error("ending the run as failed", reason=reason)
-        if self._controller is not None:
+        if self._controller is not None and tell_controller:
             try:
                 await self._controller.call(Control(command="abort", reason=f"{self.actor_id}: {reason}"),
                                             timeout=5.0, retries=1)
@@ -338,9 +338,11 @@ class Actor:
         interval = self.context.heartbeat_interval
         sequence = 0
         missed = 0
+        answered = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             sequence += 1
+            await self._fail_if_controller_silent(time.monotonic() - answered)
             try:
                 counters = self.metrics()
             except Exception as error:  # a gauge of a half-started role must not stop its heartbeat
@@ -357,9 +359,19 @@ class Actor:
                     self.log.warning("controller not answering heartbeats", missed=missed)
                 continue
             missed = 0
+            answered = time.monotonic()
             if isinstance(reply, Error) and reply.reason == "unknown_actor":
                 self.log.warning("controller forgot us; registering again")
                 await self._register()
+
+    async def _fail_if_controller_silent(self, silent_s: float) -> None:
+        """The controller is the hang detector, so nobody else sees it stop (SIGSTOP, a blocked event loop, a lost
+        head): an actor it has not answered for --hang-timeout fails the run itself, naming it."""
+        limit = self.settings.run.controller.hang_timeout
+        if limit and silent_s >= limit and self.run_failure is None:
+            await self.fail_run(f"silent: controller at {self.context.head_address} (no heartbeat answered for "
+                                f"{silent_s:.0f} s, --hang-timeout {limit:g}): stopped, hung, or unreachable",
+                                tell_controller=False)
 
     def wait_states(self) -> list[WaitState]:
         """Every open wait, oldest first; a role's `describe_waits` failing must not stop its heartbeat."""

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from actors.controller.hang import ActorView, HangWatch, hang_report, report_views
+from actors.runtime.exits import EXIT_RUN_FAILED, exit_report
 from actors.runtime.stacks import dump_stacks
 from actors.runtime.waits import MAX_REPORTED, Waits
 from bus.schema import Member, StateReport, WaitState
+from tests.support.inprocess import actor_system, write_prompts
 
 
 class Clock:
@@ -153,3 +157,21 @@ def test_a_run_that_never_finished_starting_names_the_roles_still_missing() -> N
     report = hang_report(1800.0, 1800.0, views, missing_roles={"learner": 1, "rollout": 2})
     assert report.summary.splitlines()[0] == ("the run did not finish starting: no actor registered for 1800 s "
                                               "(--start-timeout 1800); never registered: learner x1, rollout x2")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_an_actor_the_controller_stops_answering_fails_the_run_naming_it(tmp_path: Path) -> None:
+    """The controller is the hang detector, so nobody would notice it stop: its actors do, after --hang-timeout."""
+    settings = {"prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "hang_timeout": 2.0,
+                "use_tensorboard": False, "plots": False}
+    async with actor_system(tmp_path, settings, {"controller": "controller", "buffer": "buffer"}) as system:
+        controller = system["controller"]
+        controller.rpc_server.close()  # alive, but answering nothing: as a stopped process would
+        silenced = time.monotonic()
+        assert await asyncio.wait_for(asyncio.shield(system.tasks["buffer"]), 30) == EXIT_RUN_FAILED
+        took = time.monotonic() - silenced
+    report = exit_report(system["buffer"].context)
+    assert report is not None and report.startswith(f"silent: controller at {controller.context.head_address} "
+                                                    "(no heartbeat answered for"), report
+    assert took < 2.0 + 3.0, f"the buffer noticed after {took:.1f} s"

@@ -16,6 +16,7 @@ import pytest
 
 from actors.config import build_config
 from actors.learner.trainer_factory import build_trainer
+from actors.runtime.exits import EXIT_RUN_FAILED, exit_report
 from actors.runtime.metrics import read_metrics
 from bus.codec import decode, encode
 from bus.schema import VersionAnnouncement
@@ -128,3 +129,19 @@ async def test_a_stopping_learner_does_not_wait_for_a_batch_nobody_will_serve(
         await asyncio.wait_for(asyncio.shield(system.tasks["learner"]), 30)
         assert time.monotonic() - asked < 3.0
         assert system.tasks["learner"].result() == 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_batch_the_buffer_can_never_serve_fails_the_run_instead_of_asking_forever(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A learner resumed from a checkpoint older than what the buffer committed asked again and again (each time an
+    error and a traceback) until the hang detector ended the run 15 minutes later; now it fails at once, saying why."""
+    use_spec(SPEC, tmp_path, monkeypatch)
+    roles = {"controller": "controller", "buffer": "buffer", "learner": "learner"}
+    async with actor_system(tmp_path, _settings(tmp_path, num_rollout=20), roles) as system:
+        system["buffer"].core.committed_batch = 5  # as a checkpoint after batch 5 would have left it
+        ended = await asyncio.wait_for(asyncio.shield(system.tasks["learner"]), 30)
+    assert ended == EXIT_RUN_FAILED
+    report = exit_report(system["learner"].context)
+    assert report is not None and "cannot serve batch 1" in report and "already committed" in report, report
