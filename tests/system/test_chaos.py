@@ -1,8 +1,8 @@
 """The chaos matrix's CI subset (issue #17): real runs under kill -9 at chosen phases and a faulty bus, audited.
 
 The bounded quick version of `tools/chaos.py`: the learner killed between broadcasting a weight update and
-collecting its acknowledgements, the buffer killed after logging a served batch and before replying, and a bus that
-drops, duplicates and delays messages everywhere. Each run must complete with every step trained, the fault must
+collecting its acknowledgements, on a bus that drops, duplicates and delays messages everywhere, and the buffer
+killed after logging a served batch and before replying. Each run must complete with every step trained, the fault must
 really have happened, and the audit must find nothing lost, nothing trained twice and versions monotone. The table
 is printed (`pytest -s`) and is the assertion's message.
 """

@@ -18,7 +18,7 @@ from tools.soak import SoakOptions, memory_by_role, run_soak, soak_table, to_jso
 @pytest.mark.timeout(240)
 def test_a_short_soak_measures_memory_per_role_steps_and_restarts(tmp_path: Path) -> None:
     # Small batches, so 2 workers train a step every second or so and the gaps between steps are measured.
-    options = SoakOptions(workers=2, duration_s=15.0, sample_s=1.0, shape=PipelineShape(groups_per_batch=4))
+    options = SoakOptions(workers=2, duration_s=8.0, sample_s=1.0, shape=PipelineShape(groups_per_batch=4))
     result = run_soak(options, tmp_path)
     table = soak_table(result)
     assert result.steps_total > result.steps_at_warmup > 0, table
