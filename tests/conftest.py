@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
+from tests.support.summary import write_summaries
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -17,6 +18,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    write_summaries(terminalreporter, config)  # the figures of passing system tests, for the CI log
 
 
 @pytest.fixture(scope="session")

@@ -151,6 +151,13 @@ class Controller(Actor):
     async def _leave(self) -> None:
         return None
 
+    def metrics(self) -> dict[str, float]:
+        """Ours include what the broadcast publisher dropped (subscriptions that are not, topics too long)."""
+        found = super().metrics()
+        if self.publisher is not None:
+            found.update(self.publisher.drop_metrics("publish"))
+        return found
+
     # ------------------------------------------------------------------------------------------ handlers
     @serves(Register)
     async def on_register(self, sender: str, request: Register) -> Registered | Error:

@@ -384,10 +384,8 @@ class Actor:
     def metrics(self) -> dict[str, float]:
         """Counters sent with each heartbeat; roles extend this with gauges."""
         found = {key: float(value) for key, value in self.counters.items()}
-        # What every socket we bound dropped, by reason and by sender (bus.sockets.DropLog; bounded in size). The
-        # controller's broadcast publisher is one of them.
-        bound = {"inbox": self.inbox, "rpc": self.rpc_server, "publish": getattr(self, "publisher", None)}
-        for channel, receiver in bound.items():
+        # What every socket we bound dropped, by reason and by sender (bus.sockets.DropLog; bounded in size).
+        for channel, receiver in {"inbox": self.inbox, "rpc": self.rpc_server}.items():
             if receiver is not None:
                 found.update(receiver.drop_metrics(channel))
         found["uptime_s"] = time.monotonic() - self._started_at

@@ -4,7 +4,7 @@ The bounded quick version of `tools/chaos.py`: the learner killed between broadc
 collecting its acknowledgements, on a bus that drops, duplicates and delays messages everywhere, and the buffer
 killed after logging a served batch and before replying. Each run must complete with every step trained, the fault must
 really have happened, and the audit must find nothing lost, nothing trained twice and versions monotone. The table
-is printed (`pytest -s`) and is the assertion's message.
+is printed in the run's closing summary and is the assertion's message.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.summary import add_summary
 from tools.chaos import format_table, run_matrix
 from tools.chaos_scenarios import ci_matrix
 from tools.make_arithmetic_data import make_arithmetic_data
@@ -20,10 +21,11 @@ from tools.make_arithmetic_data import make_arithmetic_data
 
 @pytest.mark.system
 @pytest.mark.timeout(420)
-def test_the_ci_chaos_matrix_loses_nothing_and_trains_nothing_twice(tmp_path: Path, tiny_model_path: Path) -> None:
+def test_the_ci_chaos_matrix_loses_nothing_and_trains_nothing_twice(tmp_path: Path, tiny_model_path: Path,
+                                                                     request: pytest.FixtureRequest) -> None:
     task = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
     rows = run_matrix(ci_matrix(), work_dir=tmp_path, model=tiny_model_path, data=task)
     table = format_table(rows)
-    print("\n" + table)
+    add_summary(request.config, "chaos matrix, CI subset (tools/chaos.py)", table)  # for the CI log
     assert [row.verdict for row in rows] == ["PASS"] * len(rows), table
     assert all(row.injected and row.injected != "nothing fired" for row in rows), table

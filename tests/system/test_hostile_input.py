@@ -17,18 +17,20 @@ from typing import Any
 
 import pytest
 
+from tests.support.summary import add_summary
+
 REPO = Path(__file__).resolve().parents[2]
 EXACT_KINDS = {"random", "truncated", "wrong_types", "envelope", "identity", "idents", "credit", "not_sub",
                "pub_envelope"}
 
 
 @pytest.fixture(scope="module")
-def hostile(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+def hostile(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[dict[str, Any], str]:
     work = tmp_path_factory.mktemp("hostile")
     out = work / "figures.json"
     result = subprocess.run([sys.executable, str(REPO / "tools" / "hostile.py"), "--quick", "--json", str(out),
                              "--run-dir", str(work / "run")], cwd=REPO, capture_output=True, text=True, timeout=280)
-    print(result.stdout)  # the table, for the CI log
+    add_summary(request.config, "hostile input (tools/hostile.py --quick)", result.stdout)  # for the CI log
     assert out.exists(), f"no figures (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     figures = json.loads(out.read_text(encoding="utf-8"))
     assert result.returncode == 0, f"{figures['problems']}\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
