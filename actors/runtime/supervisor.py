@@ -31,6 +31,9 @@ from actors.runtime.zygote_client import ForkedProcess, Zygote, ZygoteError
 from engines.process import die_with_parent
 
 LIGHT_ROLES = ("controller", "buffer", "reward")  # built-in roles that load no model (custom ones may)
+# SIGTERM to SIGKILL for the learner: the step in hand and the checkpoint at stop (Learner.drain_timeout is 120 s)
+# must fit, or a Ctrl-C loses everything trained since the last periodic checkpoint.
+LEARNER_STOP_GRACE_S = 135.0
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,13 @@ class Supervisor:
         return 0
 
     def request_stop(self, reason: str, *, signum: int | None = None, grace_s: float = 0.0) -> None:
-        """Stop every child: SIGTERM after `grace_s` (time to exit on their own), SIGKILL after stop_grace_s more."""
-        if signum is not None and self.stop_signal is None:
+        """Stop every child: SIGTERM after `grace_s` (time to exit on their own), SIGKILL after its grace more (the
+        learner's is longer: it finishes its step and writes its checkpoint). A second signal kills them now."""
+        if signum is not None and self.stop_signal is not None:
+            self.log.warning("second signal: killing every actor now", signal=signal.Signals(signum).name)
+            self._kill_all()
+            return
+        if signum is not None:
             self.stop_signal = signum
         if not self._stopping.is_set():
             self.log.info("stopping actors", reason=reason.splitlines()[0])
@@ -219,9 +227,10 @@ class Supervisor:
                                  actor=child.context.actor_id, pid=child.process.pid)  # type: ignore[union-attr]
                 with contextlib.suppress(ProcessLookupError):
                     child.process.kill()  # type: ignore[union-attr]
-        deadline = time.monotonic() + self.stop_grace_s
+        started = time.monotonic()
         for child in running:
             assert child.process is not None
+            deadline = started + self._grace_of(child)
             try:
                 await asyncio.wait_for(child.process.wait(), max(0.1, deadline - time.monotonic()))
             except asyncio.TimeoutError:
@@ -229,6 +238,15 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     child.process.kill()
                 await child.process.wait()
+
+    def _grace_of(self, child: Child) -> float:
+        return max(self.stop_grace_s, LEARNER_STOP_GRACE_S if child.context.role == "learner" else 0.0)
+
+    def _kill_all(self) -> None:
+        for child in self.children:
+            if child.process is not None and child.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
 
     def _remove_stale_sockets(self) -> None:
         sockets = self.run_dir / "sockets"

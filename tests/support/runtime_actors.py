@@ -84,3 +84,13 @@ class SettingsRecorder(Actor):
     async def on_start(self) -> None:
         path = self.context.run_dir / f"settings-{self.actor_id}.json"
         path.write_text(self.settings.run.model_dump_json(), encoding="utf-8")
+
+
+class SlowToStop(Actor):
+    """Takes a minute to drain, as a learner finishing a long step and writing its checkpoint would."""
+
+    drain_timeout = 90.0
+
+    async def on_stop(self) -> None:
+        await asyncio.sleep(float(os.environ.get("SLOW_TO_STOP_S", "60")))
+        (self.context.run_dir / f"{self.actor_id}.drained").write_text("drained", encoding="utf-8")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.runtime.context import ActorContext, ActorSettings
+from actors.runtime.roles import BUILTIN_ROLES
+from actors.runtime.supervisor import Supervisor
 from bus.address import free_port
 from tests.support.processes import alive
 
@@ -123,6 +127,52 @@ def test_stream_flows_between_processes_and_sigterm_leaves_no_process_or_socket(
     assert len(pids) == 4
     assert not [pid for pid in pids if alive(pid)]
     assert not list((run_dir / "sockets").glob("*.sock"))
+
+
+@pytest.mark.system
+def test_a_second_signal_kills_every_actor_at_once(tmp_path: Path) -> None:
+    """The first SIGTERM lets actors drain (a learner gets minutes, for its step and checkpoint); a second one is
+    the user saying "now", and must not wait for that."""
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "--roles", "controller", "--custom-actor", "slow=runtime_actors:SlowToStop")
+    try:
+        wait_until(lambda: "slow-0-0" in actor_pids(run_dir), 60, "the slow actor to start")
+        wait_until(lambda: any(r.get("event") == "actor started" for r in jsonl(run_dir / "logs" / "slow-0-0.jsonl")),
+                   60, "the slow actor to be running")
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        second = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+        took = time.monotonic() - second
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert took < 8.0, f"the launcher took {took:.1f} s after the second signal:\n{output[-3000:]}"
+    assert "second signal: killing every actor now" in output
+    assert not [pid for started in actor_pids(run_dir).values() for pid in started if alive(pid)]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(120)
+async def test_a_stopping_learner_gets_the_time_its_step_and_checkpoint_take(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every other actor is killed 15 s after SIGTERM; a learner killed then lost what it trained since its last
+    checkpoint (the one it writes as it stops never landed)."""
+    monkeypatch.setenv("SLOW_TO_STOP_S", "17")
+    head = f"tcp://127.0.0.1:{free_port()}"
+    quiet = ActorSettings(console_log_level="error")
+    contexts = [ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=head,
+                             run_dir=tmp_path, heartbeat_interval=0.2, settings=quiet)
+                for actor_id, role, path in (("controller", "controller", BUILTIN_ROLES["controller"]),
+                                             ("learner", "learner", "tests.support.runtime_actors:SlowToStop"))]
+    supervisor = Supervisor(contexts, run_dir=tmp_path)
+    running = asyncio.create_task(supervisor.run())
+    await asyncio.to_thread(wait_until, lambda: any(
+        r.get("event") == "actor started" for r in jsonl(tmp_path / "logs" / "learner.jsonl")), 60, "the learner")
+    supervisor.request_stop("test", signum=signal.SIGTERM)
+    assert await asyncio.wait_for(running, 90) == 128 + signal.SIGTERM
+    assert (tmp_path / "learner.drained").exists(), "the learner was killed before it finished stopping"
 
 
 @pytest.mark.system
