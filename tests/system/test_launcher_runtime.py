@@ -157,16 +157,16 @@ def test_a_second_signal_kills_every_actor_at_once(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 async def test_a_stopping_learner_gets_the_time_its_step_and_checkpoint_take(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every other actor is killed 15 s after SIGTERM; a learner killed then lost what it trained since its last
-    checkpoint (the one it writes as it stops never landed)."""
-    monkeypatch.setenv("SLOW_TO_STOP_S", "17")
+    """Every other actor is killed 15 s after SIGTERM (2 s here); a learner killed then lost what it trained since
+    its last checkpoint (the one it writes as it stops never landed)."""
+    monkeypatch.setenv("SLOW_TO_STOP_S", "4")
     head = f"tcp://127.0.0.1:{free_port()}"
     quiet = ActorSettings(console_log_level="error")
     contexts = [ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=head,
                              run_dir=tmp_path, heartbeat_interval=0.2, settings=quiet)
                 for actor_id, role, path in (("controller", "controller", BUILTIN_ROLES["controller"]),
                                              ("learner", "learner", "tests.support.runtime_actors:SlowToStop"))]
-    supervisor = Supervisor(contexts, run_dir=tmp_path)
+    supervisor = Supervisor(contexts, run_dir=tmp_path, stop_grace_s=2.0)
     running = asyncio.create_task(supervisor.run())
     await asyncio.to_thread(wait_until, lambda: any(
         r.get("event") == "actor started" for r in jsonl(tmp_path / "logs" / "learner.jsonl")), 60, "the learner")
