@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.config.preflight import preflight
+from actors.rollout.engine_factory import engine_needs_gpu
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
@@ -269,7 +270,8 @@ def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int)
     try:
         return place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=rollout_workers,
                           gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
-                          rollout_engine=config.engine.rollout_engine)
+                          rollout_engine=config.engine.rollout_engine,
+                          rollout_needs_gpu=bool(rollout_workers) and engine_needs_gpu(config))
     except PlacementError as error:
         raise LaunchError(f"placement: {error}") from None
 

@@ -111,6 +111,15 @@ def test_no_module_over_500_lines() -> None:
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
 
 
+def test_gpu_tests_live_in_gpu_test_files() -> None:
+    """`tools/gpu_check.py` runs `pytest -m gpu` over the `test_*_gpu.py` files only: a `gpu` test elsewhere would
+    never run on a GPU machine."""
+    marked = {path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").rglob("test_*.py")
+              if path != Path(__file__) and "mark.gpu" in path.read_text(encoding="utf-8")}
+    assert marked, "no gpu-marked test found: the check reads the wrong files"
+    assert sorted(path for path in marked if not path.endswith("_gpu.py")) == []
+
+
 def test_cycle_finder_finds_a_cycle() -> None:
     """The checker itself: a planted two-module cycle is reported, a package re-exporting its child is not."""
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]

@@ -329,6 +329,9 @@ def sleeping_engine(config: RunConfig, actor_id: str | None) -> tuple[SleepingEn
     return SleepingEngine(spec, seed=seed), SleepingTokenizer()
 
 
+sleeping_engine.needs_gpu = False  # type: ignore[attr-defined]  # it sleeps on the CPU: no GPU taken on a GPU node
+
+
 def sleeping_trainer(config: RunConfig) -> Trainer:
     """`--train-backend tools.pipeline_sim:sleeping_trainer`."""
     from tools.pipeline_sim_learner import SleepingTrainer

@@ -50,7 +50,6 @@ class RewardWorker(Actor):
             scored = await chaos.during("score.mid", self.score_samples(group.samples,
                                                                         is_eval=group.group_id.startswith("eval:")))
         self.counters["samples.scored"] += len(scored)
-        self.counters["samples.reward_failed"] += sum(s.status == "failed" for s in scored)
         await self.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
                                            worker_id=group.worker_id))
         self.waits.made_progress()
@@ -81,6 +80,8 @@ class RewardWorker(Actor):
         scored = []
         for sample, outcome in zip(samples, outcomes, strict=True):
             self.failures.record(sample.sample_id, outcome)
+            # Counted here, before the breaker can end the worker: the failures that trip it are among them.
+            self.counters["samples.reward_failed"] += outcome.status != "ok"
             if outcome.status == "ok":
                 scored.append(msgspec.structs.replace(sample, reward=float(outcome.reward)))
             else:

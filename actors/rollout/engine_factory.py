@@ -84,6 +84,22 @@ def load_plugin_engine(path: str, config: RunConfig, actor_id: str | None) -> tu
     return engine, tokenizer
 
 
+def engine_needs_gpu(config: RunConfig) -> bool:
+    """Whether a rollout worker's engine takes GPUs of its own on a GPU node.
+
+    The built-in engines do. A plugin factory declares otherwise with an attribute `needs_gpu = False` (an engine
+    that calls a remote API, the pipeline benchmark's sleeping engine); without one it is given GPUs, as slime
+    gives every rollout engine its `--rollout-num-gpus-per-engine`.
+    """
+    if config.engine.rollout_engine in BUILTIN_ENGINES:
+        return True
+    needs_gpu = getattr(load_object(config.engine.rollout_engine, what="--rollout-engine"), "needs_gpu", True)
+    if not isinstance(needs_gpu, bool):
+        raise TypeError(f"--rollout-engine {config.engine.rollout_engine!r}: needs_gpu is "
+                        f"{type(needs_gpu).__name__} {needs_gpu!r}, expected True or False")
+    return needs_gpu
+
+
 def engine_device() -> torch.device:
     """The worker's own GPU when it has one: the launcher made it this process's only visible device, cuda:0."""
     import torch

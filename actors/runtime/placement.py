@@ -45,7 +45,8 @@ class NodePlacement:
         if self.learner:
             parts.append(f"learner ranks on GPU {_span(self.learner)}")
         for index, devices in enumerate(self.rollout):
-            parts.append(f"rollout worker {index} on GPU {_span(devices)}")
+            parts.append(f"rollout worker {index} on GPU {_span(devices)}" if devices
+                         else f"rollout worker {index} on no GPU (its engine needs none)")
         text = "; ".join(parts) or "no GPU actor on this node"
         if self.shared:
             text += " (rollout workers share the learner's GPU: weights move over CUDA IPC)"
@@ -59,8 +60,13 @@ def place_node(
     rollout_workers: int,
     gpus_per_engine: int,
     rollout_engine: str,
+    rollout_needs_gpu: bool = True,
 ) -> NodePlacement:
-    """Lay this node's GPU actors out; `learner_ranks` is 0 on a node that runs no learner."""
+    """Lay this node's GPU actors out; `learner_ranks` is 0 on a node that runs no learner.
+
+    `rollout_needs_gpu` is False for an engine plugin that declares it runs without one (a remote API, the
+    pipeline benchmark's sleeping engine): its workers get no GPU and take none from the learner.
+    """
     if gpus < 0 or learner_ranks < 0 or rollout_workers < 0 or gpus_per_engine < 1:
         raise PlacementError(
             f"placement needs non-negative counts and gpus_per_engine >= 1, got gpus={gpus}, "
@@ -68,6 +74,10 @@ def place_node(
         )
     if gpus == 0:
         return NodePlacement(0, (), tuple(() for _ in range(rollout_workers)))
+    if not rollout_needs_gpu:
+        placed = place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=0, gpus_per_engine=1,
+                            rollout_engine=rollout_engine)
+        return NodePlacement(gpus, placed.learner, tuple(() for _ in range(rollout_workers)))
     if learner_ranks > gpus:
         raise PlacementError(
             f"the learner needs {learner_ranks} GPUs (one per rank) but this node has {gpus}; "

@@ -11,6 +11,7 @@ import launcher
 from actors.config import build_config
 from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
 from tests.support.launch_inputs import minimal_inputs
+from tools.bench_pipeline import SLEEPING_FLAGS
 
 
 @pytest.mark.unit
@@ -40,6 +41,18 @@ def test_too_few_gpus_is_an_error_that_gives_the_counts() -> None:
         place_node(gpus=2, learner_ranks=4, rollout_workers=0, gpus_per_engine=1, rollout_engine="torch")
     with pytest.raises(PlacementError, match=r"has 2 GPUs but its actors need 3"):  # worker node: nothing to share
         place_node(gpus=2, learner_ranks=0, rollout_workers=3, gpus_per_engine=1, rollout_engine="torch")
+
+
+@pytest.mark.unit
+def test_an_engine_that_needs_no_gpu_takes_none_and_leaves_the_learner_its_own() -> None:
+    placement = place_node(gpus=1, learner_ranks=1, rollout_workers=4, gpus_per_engine=1,
+                           rollout_engine="tools.pipeline_sim:sleeping_engine", rollout_needs_gpu=False)
+    assert placement.learner == (0,) and placement.rollout == ((), (), (), ())
+    assert not placement.shared
+    assert "rollout worker 3 on no GPU" in placement.describe()
+    with pytest.raises(PlacementError, match=r"learner needs 2 GPUs.*has 1"):  # the learner's own need still holds
+        place_node(gpus=1, learner_ranks=2, rollout_workers=4, gpus_per_engine=1, rollout_engine="m:f",
+                   rollout_needs_gpu=False)
 
 
 @pytest.mark.unit
@@ -103,6 +116,16 @@ def test_launcher_on_one_gpu_shares_it_and_on_none_leaves_cuda_alone(
     contexts, _ = _prepare(tmp_path, monkeypatch, 0, "--rollout-workers", "2")
     assert all(c.cuda_visible_devices is None for c in contexts)
     assert contexts[0].settings.run.weights.weight_transport == "gloo"
+
+
+@pytest.mark.unit
+def test_launcher_on_one_gpu_gives_a_plugin_engine_that_needs_none_no_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline benchmark on a one-GPU machine: four sleeping engines used to ask for four GPUs and fail."""
+    contexts, _ = _prepare(tmp_path, monkeypatch, 1, "--rollout-workers", "4", *SLEEPING_FLAGS)
+    assert {c.actor_id: c.cuda_visible_devices for c in contexts if c.role in ("learner", "rollout")} == {
+        "learner": "0", "rollout-0-0": "", "rollout-0-1": "", "rollout-0-2": "", "rollout-0-3": ""}
 
 
 @pytest.mark.unit

@@ -143,6 +143,7 @@ async def test_worker_whose_reward_always_raises_stops_after_the_limit_with_the_
             assert not worker.stopping  # 16 in a row so far
             await worker.score_samples(_group(4, ["a", "b", "c", "d"]))
             assert worker.stopping
+            assert worker.counters["samples.reward_failed"] == 20  # counted before the breaker ends the worker
     reason = f"reward function {RAISES} failed on 20 samples in a row, none scored (--reward-failure-limit 20); " \
              "last error: raised ValueError: cannot grade label '7'"
     assert worker.run_failure == reason

@@ -58,7 +58,10 @@ def test_the_runs_are_the_real_rollout_workers_and_learner_behind_sleeping_seams
     assert (run["engine"]["rollout_engine"], run["trainer"]["train_backend"], run["weights"]["weight_transport"]) == (
         "tools.pipeline_sim:sleeping_engine", "tools.pipeline_sim:sleeping_trainer", "tools.pipeline_sim:VERSION_ONLY")
     steps = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert all(step["weights/committed_version"] == step["version"] for step in steps)  # every version was published
+    # Every version was published, but for the last one: the benchmark ends a run with SIGTERM, which may land
+    # during that step's push, and a stopping learner abandons a push (its engines are stopping too).
+    assert all(step["weights/committed_version"] == step["version"] for step in steps[:-1])
+    assert steps[-1]["weights/committed_version"] >= steps[-1]["version"] - 1
 
 
 @pytest.mark.system
