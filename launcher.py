@@ -26,7 +26,7 @@ from actors.rollout.engine_factory import engine_needs_gpu
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
-from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
+from actors.runtime.placement import NodePlacement, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
@@ -272,7 +272,7 @@ def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int)
                           gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
                           rollout_engine=config.engine.rollout_engine,
                           rollout_needs_gpu=bool(rollout_workers) and engine_needs_gpu(config))
-    except PlacementError as error:
+    except ValueError as error:  # a PlacementError, or an engine plugin's needs_gpu that is not a bool
         raise LaunchError(f"placement: {error}") from None
 
 

@@ -95,7 +95,7 @@ def engine_needs_gpu(config: RunConfig) -> bool:
         return True
     needs_gpu = getattr(load_object(config.engine.rollout_engine, what="--rollout-engine"), "needs_gpu", True)
     if not isinstance(needs_gpu, bool):
-        raise TypeError(f"--rollout-engine {config.engine.rollout_engine!r}: needs_gpu is "
+        raise ValueError(f"--rollout-engine {config.engine.rollout_engine!r}: needs_gpu is "
                         f"{type(needs_gpu).__name__} {needs_gpu!r}, expected True or False")
     return needs_gpu
 

@@ -129,6 +129,15 @@ def test_launcher_on_one_gpu_gives_a_plugin_engine_that_needs_none_no_gpu(
 
 
 @pytest.mark.unit
+def test_an_engine_plugins_needs_gpu_must_be_a_bool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "vague_engine.py").write_text("def factory(config, actor_id):\n    pass\nfactory.needs_gpu = 'no'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(launcher.LaunchError, match=r"placement: --rollout-engine 'vague_engine:factory': needs_gpu is "
+                                                   r"str 'no', expected True or False"):
+        _prepare(tmp_path, monkeypatch, 1, "--rollout-engine", "vague_engine:factory")
+
+
+@pytest.mark.unit
 def test_launcher_refuses_a_placement_that_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(launcher.LaunchError, match=r"placement: .*SGLang server needs GPUs of its own"):
         _prepare(tmp_path, monkeypatch, 1, "--rollout-engine", "sglang")
