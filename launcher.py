@@ -212,7 +212,9 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     placement = place_actors(config, learner_ranks=config.trainer.learner_ranks if "learner" in roles else 0,
                              rollout_workers=counts.get("rollout", 0))
     if args.head and config.weights.weight_transport == "auto":
-        config = config.with_settings(weight_transport=weight_transport(cuda=placement.gpus > 0, placement=placement))
+        # Engines that hold no GPU (an engine plugin's needs_gpu = False, here or on any node) take weights over gloo.
+        cuda = placement.gpus > 0 and engine_needs_gpu(config)
+        config = config.with_settings(weight_transport=weight_transport(cuda=cuda, placement=placement))
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def devices_of(role: str, index: int) -> str | None:

@@ -129,6 +129,16 @@ def test_launcher_on_one_gpu_gives_a_plugin_engine_that_needs_none_no_gpu(
 
 
 @pytest.mark.unit
+def test_engines_that_hold_no_gpu_take_their_weights_over_gloo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "remote_engine.py").write_text("def factory(config, actor_id):\n    pass\nfactory.needs_gpu = False\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    contexts, _ = _prepare(tmp_path, monkeypatch, 1, "--rollout-engine", "remote_engine:factory")
+    assert contexts[0].settings.run.weights.weight_transport == "gloo"  # NCCL needs a GPU at both ends
+
+
+@pytest.mark.unit
 def test_an_engine_plugins_needs_gpu_must_be_a_bool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "vague_engine.py").write_text("def factory(config, actor_id):\n    pass\nfactory.needs_gpu = 'no'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
