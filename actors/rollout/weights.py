@@ -30,10 +30,10 @@ class EngineWeightReceiver:
     async def apply(self, order: WeightUpdateOrder) -> None:
         """Load `order.version` through the order's mechanism; raises what the loader raised."""
         async with self._lock:
-            loader = self._loader(order)
+            loader = await self._loader(order)
             await loader.apply(dict(order.group), order.version, order.timeout_s)
 
-    def _loader(self, order: WeightUpdateOrder) -> EngineLoader:
+    async def _loader(self, order: WeightUpdateOrder) -> EngineLoader:
         name = order.group.get("transport")
         if not isinstance(name, str) or name not in self._accepted:
             raise ValueError(
@@ -42,8 +42,14 @@ class EngineWeightReceiver:
             )
         loader = self._loaders.get(name)
         if loader is None:
-            loader = self._loaders[name] = resolve_transport(name).make_loader(self.engine, self.actor_id, self.log)
+            # Built in a thread: the first build imports its mechanism (torch, for a worker whose engine never
+            # needed it), seconds on a busy machine, during which the worker's heartbeats must keep going or the
+            # controller declares it dead.
+            loader = self._loaders[name] = await asyncio.to_thread(self._build_loader, name)
         return loader
+
+    def _build_loader(self, name: str) -> EngineLoader:
+        return resolve_transport(name).make_loader(self.engine, self.actor_id, self.log)
 
     def close(self) -> None:
         for loader in self._loaders.values():

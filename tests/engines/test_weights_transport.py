@@ -51,7 +51,18 @@ def no_sender(options):
     raise RuntimeError("this plugin has no learner side")
 
 
+class SlowToBuildLoader(RecordingLoader):
+    """Stands for a loader whose first build imports torch into a worker that never needed it: seconds."""
+
+    def __init__(self, engine, actor_id, log):
+        import time
+
+        time.sleep(1.0)
+        super().__init__(engine, actor_id, log)
+
+
 TRANSPORT = WeightTransport("my-transport", no_sender, RecordingLoader)
+SLOW_TO_BUILD = WeightTransport("slow", no_sender, SlowToBuildLoader)
 NOT_A_TRANSPORT = {"name": "my-transport"}
 '''
 
@@ -151,6 +162,32 @@ async def test_rollout_receiver_picks_the_loader_the_order_names(plugin: str) ->
     await receiver.apply(WeightUpdateOrder(version=4, group={"transport": path, "x": 1}, timeout_s=5.0))
     applied = sys.modules[plugin].APPLIED
     assert applied == [("rollout-0", {"transport": path, "x": 1}, 4)]
+    receiver.close()
+
+
+@pytest.mark.integration
+async def test_building_a_loader_never_blocks_the_workers_event_loop(plugin: str) -> None:
+    """A blocked loop sends no heartbeat: a worker importing torch for its first weight order on a busy machine
+    was declared dead by the controller (2.7 s of silence) and its push failed."""
+    path = f"{plugin}:SLOW_TO_BUILD"
+    receiver = EngineWeightReceiver(object(), actor_id="rollout-0", log=structlog.get_logger(), plugin=path)
+    loop = asyncio.get_running_loop()
+    last_tick, gaps = [loop.time()], [0.0]
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - last_tick[0])
+            last_tick[0] = loop.time()
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.05)
+    await receiver.apply(WeightUpdateOrder(version=1, group={"transport": path}, timeout_s=5.0))
+    gaps.append(loop.time() - last_tick[0])
+    ticker.cancel()
+    applied = sys.modules[plugin].APPLIED
+    assert applied == [("rollout-0", {"transport": path}, 1)]
+    assert max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.2f} s while the loader was built"
     receiver.close()
 
 
