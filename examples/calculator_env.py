@@ -18,7 +18,8 @@ import operator
 import re
 from dataclasses import replace
 
-from actors.rollout.generate import STATUS_BY_FINISH, RolloutContext, make_sample
+from actors.rollout.generate import STATUS_BY_FINISH, RolloutContext
+from actors.rollout.trajectory import Trajectory
 from bus.schema import PromptGroup, Sample
 from engines.inference.base import GenerateRequest
 
@@ -86,20 +87,14 @@ async def calculator_generate(context: RolloutContext, group: PromptGroup) -> li
 async def _one_episode(context: RolloutContext, group: PromptGroup, index: int, prompt_ids: list[int]) -> Sample:
     base = context.sampling_params(group, n=1)
     budget = base.max_new_tokens
-    ids: list[int] = []
-    log_probs: list[float] = []
-    versions: list[int] = []
-    mask: list[int] = []
+    trajectory = Trajectory(prompt_ids)  # the engine's tokens as generated, the tool's with loss mask 0
     finish = "length"
     calls = 0
     while budget > 0:
         params = replace(base, max_new_tokens=budget, stop=(*base.stop, CALL_CLOSE))
         output = (await context.engine.generate(GenerateRequest(
-            request_id=context.request_id(group), input_ids=prompt_ids + ids, params=params)))[0]
-        ids += output.output_ids
-        log_probs += output.log_probs
-        versions += output.versions
-        mask += [1] * len(output.output_ids)
+            request_id=context.request_id(group), input_ids=prompt_ids + trajectory.response_ids, params=params)))[0]
+        trajectory.add_model(output.output_ids, output.log_probs, output.versions)
         budget -= len(output.output_ids)
         finish = output.finish_reason
         called = output.finish_reason == "stop" and output.matched_stop == CALL_CLOSE
@@ -108,11 +103,7 @@ async def _one_episode(context: RolloutContext, group: PromptGroup, index: int, 
         calls += 1
         reply_ids = list(context.tokenizer(run_tool(context.tokenizer.decode(output.output_ids)),
                                            add_special_tokens=False)["input_ids"])[:budget]
-        ids += reply_ids
-        log_probs += [0.0] * len(reply_ids)
-        versions += [versions[-1] if versions else context.engine.version] * len(reply_ids)
-        mask += [0] * len(reply_ids)
+        trajectory.add_environment(reply_ids)
         budget -= len(reply_ids)
-    return make_sample(group, index, prompt_ids, ids, log_probs, versions,
-                       response=context.tokenizer.decode(ids, skip_special_tokens=True),
-                       status=STATUS_BY_FINISH[finish], loss_mask=mask, metadata={"tool_calls": calls})
+    return trajectory.to_sample(group, index, status=STATUS_BY_FINISH[finish], metadata={"tool_calls": calls},
+                                response=context.tokenizer.decode(trajectory.response_ids, skip_special_tokens=True))
