@@ -47,6 +47,7 @@ class ChatTurns:
 
     tokenizer: Tokenizer
     turn_end: tuple[int, ...]  # the template's tokens after an assistant message's text, e.g. <|im_end|> "\n"
+    anchor: tuple[int, ...]  # the anchor conversation (a user turn, an answered assistant turn), rendered
     tools: tuple[Mapping[str, Any], ...] | None = None
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -65,7 +66,8 @@ class ChatTurns:
         if not turn_end:
             raise TemplateNotIncremental("the chat template closes an assistant turn with nothing: turns cannot be "
                                          "told apart")
-        return cls(tokenizer, turn_end, tuple(tools) if tools is not None else None, dict(template_kwargs))
+        return cls(tokenizer, turn_end, tuple(answered), tuple(tools) if tools is not None else None,
+                   dict(template_kwargs))
 
     def closing(self, generated: Sequence[int]) -> list[int]:
         """The template's end of a model turn that the model did not write itself: the rest after its end-of-turn
@@ -79,17 +81,13 @@ class ChatTurns:
         after a closed assistant turn, through the next generation prompt."""
         if not messages:
             raise ValueError("next_turn needs the messages between two model turns; got none")
-        before = self._render([ANCHOR_USER, ANCHOR_ASSISTANT], add_generation_prompt=False)
-        after = self._render([ANCHOR_USER, ANCHOR_ASSISTANT, *messages], add_generation_prompt=True)
-        if after[:len(before)] != before:
+        after = render(self.tokenizer, [ANCHOR_USER, ANCHOR_ASSISTANT, *messages], add_generation_prompt=True,
+                       tools=self.tools, **self.template_kwargs)
+        if tuple(after[:len(self.anchor)]) != self.anchor:
             roles = [m.get("role") for m in messages]
             raise TemplateNotIncremental(f"the chat template renders the turns before {roles} differently once "
                                          "they follow, so their tokens cannot be appended alone")
-        return after[len(before):]
-
-    def _render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> list[int]:
-        return render(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=self.tools,
-                      **self.template_kwargs)
+        return after[len(self.anchor):]
 
 
 @dataclass
