@@ -67,8 +67,9 @@ async def test_custom_reward_sees_token_ids_and_length_for_truncated_stop_for_en
     async with actor_system(tmp_path, _settings(tmp_path, "tests.support.reward_plugins:record"), ROLES) as system:
         await system.wait_for(lambda: {i.finish_reason for i in reward_plugins.SEEN} == {"stop", "length"}, 20,
                               "a truncated and an ended response at the reward function")
+        seen = list(reward_plugins.SEEN)  # before the stop: the generation it cuts reaches the reward as "abort"
     tokenizer = SleepingTokenizer()
-    for inp in reward_plugins.SEEN:
+    for inp in seen:
         assert tokenizer.decode(inp.prompt_ids) == inp.prompt
         assert tokenizer.decode(inp.response_ids) == inp.response  # the ids are the response's own
         if inp.finish_reason == "length":
