@@ -45,7 +45,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one token per character, so decoding is exact and vocab stays ~106."""
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # Every character alone, newlines too: "." would leave a run of newlines as one piece, which has no token.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

@@ -70,11 +70,9 @@ def random_conversation(rng: random.Random) -> list[dict[str, Any]]:
         conversation.append({"role": "system", "content": "be brief"})
     conversation.append({"role": "user", "content": rng.choice(words)})
     for turn in range(rng.randint(1, 4)):
-        # Never empty: "\n<tool_call>" right after the generation prompt's "\n" would render as one "\n\n" chunk
-        # in the test tokenizer, the boundary merge a trajectory avoids but a re-render comparison cannot show.
-        content = " ".join(rng.choices(words, k=rng.randint(1, 3)))
-        if rng.random() < 0.5:  # (no blank line: the character-level test tokenizer has no token for "\n\n")
-            content = f"<think>\n{rng.choice(words)}\n</think>" + (f"\n{content}" if content else "")
+        content = " ".join(rng.choices(words, k=rng.randint(0, 3)))
+        if rng.random() < 0.5:
+            content = f"<think>\n{rng.choice(words)}\n</think>\n{content}"
         calls = [{"name": "calc", "arguments": {"expression": rng.choice(words)}}
                  for _ in range(rng.choice([0, 0, 1, 2, 3]))]
         conversation.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
