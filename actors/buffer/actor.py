@@ -232,6 +232,11 @@ class Buffer(Actor):
                                      groups=len(reissued), reason=event.reason)
                 elif reissued:  # a worker that stopped on purpose (the end of a run, a scale-down) hands work back
                     self.log.info("worker left; its groups re-issued", worker=event.actor_id, groups=len(reissued))
+            elif event.kind in ("joined", "returned") and event.actor_id.startswith("rollout"):
+                reissued = self.core.worker_started(event.actor_id)
+                if reissued:
+                    self.log.info("groups an earlier process of this worker held re-issued", worker=event.actor_id,
+                                  groups=len(reissued))
 
     def describe_waits(self) -> list[WaitState]:
         """The learner's open batch request, and who holds the groups it still lacks."""

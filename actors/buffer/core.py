@@ -45,6 +45,7 @@ class LeaseRecord:
     worker_id: str
     group_ids: set[str]
     expires_at: float
+    restored: bool = False  # rebuilt from the log: granted to an earlier process of that worker, maybe
 
 
 @dataclass
@@ -179,6 +180,12 @@ class BufferCore:
         """Re-issue at once what a dead worker held, instead of waiting for its leases to expire."""
         mine = [lease_id for lease_id, r in self.leases.items() if r.worker_id == worker_id]
         return [gid for lease_id in mine for gid in self._revoke(lease_id, "worker_died")]
+
+    def worker_started(self, worker_id: str) -> list[str]:
+        """Re-issue at once the restored leases of a worker that just (re)started: a new process holds none of
+        them, and they would otherwise wait out their timeout (a whole run restarted from its log)."""
+        mine = [lease_id for lease_id, r in self.leases.items() if r.worker_id == worker_id and r.restored]
+        return [gid for lease_id in mine for gid in self._revoke(lease_id, "worker_restarted")]
 
     def groups_lost(self, lost: list[tuple[str, str]], reason: str = "reward_worker_died") -> list[str]:
         """Re-issue the (lease id, group id) pairs still in flight under that lease: work that died with a reward
@@ -400,7 +407,7 @@ class BufferCore:
         self.leases, self.in_flight = {}, {}
         for lease in record["leases"]:
             self.leases[lease["lease_id"]] = LeaseRecord(lease["lease_id"], lease["worker_id"], set(),
-                                                         self.clock() + self.lease_timeout)
+                                                         self.clock() + self.lease_timeout, restored=True)
             for group_id in lease["group_ids"]:
                 self._assign(self.prompt_groups[group_id], lease["lease_id"])
         self.leases = {lease_id: r for lease_id, r in self.leases.items() if r.group_ids}
@@ -423,7 +430,7 @@ class BufferCore:
                 cursor = self._restore_snapshot(record)
             elif kind == "lease":
                 self.leases.setdefault(record["lease_id"], LeaseRecord(
-                    record["lease_id"], record["worker_id"], set(), self.clock() + self.lease_timeout))
+                    record["lease_id"], record["worker_id"], set(), self.clock() + self.lease_timeout, restored=True))
                 for raw in record["groups"]:
                     group = decode(raw)
                     self.prompt_groups[group.group_id] = group

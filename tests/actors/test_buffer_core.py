@@ -293,6 +293,24 @@ def test_restore_after_a_re_lease_keeps_one_lease_per_group(tmp_path: Path) -> N
     assert not revived.reissue
 
 
+@pytest.mark.unit
+def test_a_worker_that_starts_after_a_restore_gets_its_predecessors_groups_re_issued_at_once(tmp_path: Path) -> None:
+    """A whole run restarted from its log: the buffer restores the leases the old rollout worker held, and the new
+    process under the same name holds none of them; they used to wait out the lease timeout."""
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(log=BufferLog(log_path))
+    _, held = lease_all(core, "rollout-0-0", max_groups=2)
+    core.log.close()
+
+    revived = make_core()
+    revived.restore(log_path)
+    _, fresh = lease_all(revived, "rollout-0-0", max_groups=1)  # granted by this buffer: kept
+    assert sorted(revived.worker_started("rollout-0-0")) == sorted(g.group_id for g in held)
+    assert [g.group_id for g in revived.reissue] == sorted(g.group_id for g in held)
+    assert fresh[0].group_id in revived.in_flight
+    assert revived.worker_started("rollout-0-0") == []
+
+
 def _state(core: BufferCore) -> dict:
     return {
         "pool": sorted(core.pool), "in_flight": sorted(core.in_flight), "reissue": [g.group_id for g in core.reissue],
