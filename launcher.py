@@ -26,7 +26,7 @@ from actors.rollout.engine_factory import engine_needs_gpu
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
-from actors.runtime.placement import NodePlacement, place_node, visible_devices, weight_transport
+from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
@@ -209,11 +209,14 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     """The actors this node runs, in start order, and the config they all get: on the head, the weight transport
     is resolved here from the placement, so every actor sees the same one."""
     roles = list(counts)
+    try:  # engines that hold no GPU (an engine plugin's needs_gpu = False) take none, and weights over gloo
+        rollout_needs_gpu = engine_needs_gpu(config)
+    except ValueError as error:
+        raise LaunchError(f"placement: {error}") from None
     placement = place_actors(config, learner_ranks=config.trainer.learner_ranks if "learner" in roles else 0,
-                             rollout_workers=counts.get("rollout", 0))
+                             rollout_workers=counts.get("rollout", 0), rollout_needs_gpu=rollout_needs_gpu)
     if args.head and config.weights.weight_transport == "auto":
-        # Engines that hold no GPU (an engine plugin's needs_gpu = False, here or on any node) take weights over gloo.
-        cuda = placement.gpus > 0 and engine_needs_gpu(config)
+        cuda = placement.gpus > 0 and rollout_needs_gpu
         config = config.with_settings(weight_transport=weight_transport(cuda=cuda, placement=placement))
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
@@ -266,15 +269,16 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int) -> NodePlacement:
+def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int,
+                 rollout_needs_gpu: bool = True) -> NodePlacement:
     seen = visible_gpus()
     gpus = seen if config.placement.num_gpus_per_node is None else min(config.placement.num_gpus_per_node, seen)
     try:
         return place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=rollout_workers,
                           gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
                           rollout_engine=config.engine.rollout_engine,
-                          rollout_needs_gpu=bool(rollout_workers) and engine_needs_gpu(config))
-    except ValueError as error:  # a PlacementError, or an engine plugin's needs_gpu that is not a bool
+                          rollout_needs_gpu=rollout_needs_gpu)
+    except PlacementError as error:
         raise LaunchError(f"placement: {error}") from None
 
 

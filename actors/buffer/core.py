@@ -178,14 +178,12 @@ class BufferCore:
 
     def worker_gone(self, worker_id: str) -> list[str]:
         """Re-issue at once what a dead worker held, instead of waiting for its leases to expire."""
-        mine = [lease_id for lease_id, r in self.leases.items() if r.worker_id == worker_id]
-        return [gid for lease_id in mine for gid in self._revoke(lease_id, "worker_died")]
+        return self._revoke_worker(worker_id, "worker_died", restored_only=False)
 
     def worker_started(self, worker_id: str) -> list[str]:
-        """Re-issue at once the restored leases of a worker that just (re)started: a new process holds none of
-        them, and they would otherwise wait out their timeout (a whole run restarted from its log)."""
-        mine = [lease_id for lease_id, r in self.leases.items() if r.worker_id == worker_id and r.restored]
-        return [gid for lease_id in mine for gid in self._revoke(lease_id, "worker_restarted")]
+        """Re-issue at once the restored leases of a worker that just (re)started: a new process holds none of them
+        (a whole run restarted from its log), and they would otherwise wait out their timeout."""
+        return self._revoke_worker(worker_id, "worker_restarted", restored_only=True)
 
     def groups_lost(self, lost: list[tuple[str, str]], reason: str = "reward_worker_died") -> list[str]:
         """Re-issue the (lease id, group id) pairs still in flight under that lease: work that died with a reward
@@ -193,6 +191,10 @@ class BufferCore:
         reissued = [group_id for lease_id, group_id in lost if self._take_back(lease_id, group_id)]
         self.stats.ignored[f"revoked.{reason}"] += len(reissued)
         return reissued
+
+    def _revoke_worker(self, worker_id: str, reason: str, *, restored_only: bool) -> list[str]:
+        mine = [k for k, r in self.leases.items() if r.worker_id == worker_id and (r.restored or not restored_only)]
+        return [gid for lease_id in mine for gid in self._revoke(lease_id, reason)]
 
     def _revoke(self, lease_id: str, reason: str) -> list[str]:
         record = self.leases.pop(lease_id)
