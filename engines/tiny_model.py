@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 # Characters cover printable ASCII so any prompt of ours tokenizes without <unk>.
 CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+TOKENIZER_REVISION = 2  # part of a cached model's folder name: a cache written by an older tokenizer is not reused
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -41,13 +42,28 @@ class TinyModelSpec:
     seed: int = 0
 
 
+def byte_level_symbol(character: str) -> str:
+    """The character as GPT-2 style byte-level vocabularies spell it: a space is "Ġ", a newline "Ċ"."""
+    code = ord(character)
+    return character if 33 <= code <= 126 else chr(256 + code) if code < 33 else chr(code)
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: one token per character, so decoding is exact and vocab stays ~106."""
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    """A character-level tokenizer: one token per character, so decoding is exact and vocab stays ~106.
+
+    The vocabulary is spelled byte-level (GPT-2 style) and the model is BPE without merges, so the folder loads the
+    same whichever tokenizer class `AutoTokenizer` picks for the model family: transformers 5 loads a qwen2 folder
+    as `Qwen2Tokenizer`, which keeps the vocabulary but brings its own byte-level pre-tokenizer and decoder; a
+    plain-character vocabulary then lost every space and newline, in prompts and responses alike.
+    """
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + [byte_level_symbol(c) for c in CHARACTERS])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     # Every character alone, newlines too: "." would leave a run of newlines as one piece, which has no token.
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<s>",
@@ -97,7 +113,7 @@ def create_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -
 
 def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Create the model once per spec under `cache_dir`; later calls reuse the folder."""
-    key = "-".join(str(value) for value in spec.__dict__.values())
+    key = "-".join(str(value) for value in [*spec.__dict__.values(), f"tok{TOKENIZER_REVISION}"])
     path = Path(cache_dir) / f"tiny-{key}"
     if not (path / "config.json").exists():
         staging = path.with_name(path.name + ".partial")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config.megatron import MegatronConfig
 from actors.config.sections import (
+    AgentConfig,
     BufferConfig,
     ControllerConfig,
     DataConfig,
@@ -32,10 +33,10 @@ from actors.config.sections import (
 from policies.config import PolicyLossConfig
 
 SECTIONS: dict[str, type[Section]] = {
-    "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "buffer": BufferConfig,
-    "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig, "engine": EngineConfig,
-    "weights": WeightsConfig, "placement": PlacementConfig, "controller": ControllerConfig, "logging": LoggingConfig,
-    "megatron": MegatronConfig,
+    "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "agent": AgentConfig,
+    "buffer": BufferConfig, "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig,
+    "engine": EngineConfig, "weights": WeightsConfig, "placement": PlacementConfig, "controller": ControllerConfig,
+    "logging": LoggingConfig, "megatron": MegatronConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -50,6 +51,7 @@ class RunConfig(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)

@@ -152,6 +152,27 @@ class RolloutConfig(Section):
         return self.rollout_batch_size * self.n_samples_per_prompt
 
 
+class AgentConfig(Section):
+    """Multi-turn episodes through chat: the built-in tool loop, or an agent of the user's own over an
+    OpenAI-compatible endpoint each rollout worker serves (actors/rollout/agent.py)."""
+
+    agent_function_path: str | None = Field(None, description="module:function async (episode) -> dict | None, "
+                                            "an agent that drives the policy through episode.base_url with any "
+                                            "OpenAI client; its conversation is the sample")
+    agent_tools_path: str | None = Field(None, description="module:attr of a dict name -> function (sync or "
+                                         "async): the built-in tool loop answers the model's <tool_call> blocks "
+                                         "with them")
+    agent_tool_schemas_path: str | None = Field(None, description="module:attr of the tools' JSON schemas, given "
+                                                "to the chat template (default: none)")
+    agent_max_turns: int = Field(4, ge=1, description="model turns per episode of the built-in tool loop")
+    agent_tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call may take; an overrun is "
+                                      "returned to the model as that call's error")
+    agent_timeout: float = Field(300.0, gt=0, description="seconds one agent episode may take; an overrun fails "
+                                 "the sample (counted and logged) and the worker goes on")
+    agent_endpoint_host: str = Field("127.0.0.1", description="address the OpenAI-compatible endpoint listens on "
+                                     "(0.0.0.0 to serve agents on other machines)")
+
+
 class BufferConfig(Section):
     """Admission, leases and durability of the buffer: the one place staleness is enforced."""
 

@@ -30,3 +30,9 @@ def fails_unless_ok(inp: RewardInput) -> float:
     if inp.response != "ok":
         raise ValueError(f"flaky judge: cannot read {inp.response!r}")
     return 1.0
+
+
+def digit_share(inp: RewardInput) -> float:
+    """The share of the response's characters that are digits: varies between an untrained model's samples, so a
+    GRPO group has advantages (and a gradient) without a model that can do the task."""
+    return sum(character.isdigit() for character in inp.response) / max(1, len(inp.response))

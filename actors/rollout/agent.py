@@ -1,0 +1,159 @@
+"""Multi-turn episodes as samples: the built-in tool loop, and agents of the user's own behind an OpenAI endpoint.
+
+`--agent-tools-path pkg.mod:TOOLS` runs the tool loop: the model's turn, its `<tool_call>` blocks answered by the
+tools (each under `--agent-tool-timeout`, every failure returned to the model as that call's result), the next
+turn, up to `--agent-max-turns`.
+
+`--agent-function-path pkg.mod:agent` runs `async def agent(episode: Episode) -> dict | None` once per sample.
+The agent talks to the policy with any OpenAI client at `episode.base_url`: the rollout worker's endpoint, whose
+session is this sample, so every call it makes lands in the sample's trajectory as tokens. A dict it returns is
+merged into the sample's metadata (the reward function sees it). An agent that raises or overruns
+`--agent-timeout` fails its sample, counted and logged with the agent's error; the worker goes on.
+
+Either way the sample is the whole conversation after the prompt: the model's turns trained on, everything else
+masked, and the reward function scores its text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from actors.config import RunConfig
+from actors.rollout.chat_session import ChatSession
+from actors.rollout.generate import NoRoomError, RolloutContext, failed_samples, make_sample
+from actors.rollout.openai_endpoint import OpenAIEndpoint
+from actors.rollout.tool_environment import FunctionTools, answer_calls
+from bus.schema import PromptGroup, Sample
+from policies.plugins import load_object
+
+
+@dataclass(frozen=True)
+class Episode:
+    """What an agent gets for one sample: where the policy answers, and the task."""
+
+    base_url: str  # an OpenAI base URL (".../v1") whose calls are this sample's turns
+    api_key: str  # any OpenAI client insists on one; the endpoint accepts any
+    model: str
+    messages: list[dict[str, Any]]  # the prompt, as chat messages
+    label: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+    sample_index: int = 0
+
+
+AgentFunction = Callable[[Episode], Awaitable[Mapping[str, Any] | None]]
+
+
+def prompt_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(message) for message in prompt] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+class ToolLoop:
+    """The built-in episode: generate, answer the calls, generate again, until the model stops calling tools."""
+
+    def __init__(self, config: RunConfig) -> None:
+        agent = config.agent
+        assert agent.agent_tools_path is not None
+        tools = load_object(agent.agent_tools_path, what="agent tools")
+        if not isinstance(tools, Mapping) or not all(callable(tool) for tool in tools.values()):
+            raise TypeError(f"--agent-tools-path {agent.agent_tools_path!r} must name a dict of tool name -> "
+                            "function")
+        self.tools = FunctionTools(tools)
+        self.schemas = _schemas(agent.agent_tool_schemas_path)
+        self.max_turns, self.tool_timeout = agent.agent_max_turns, agent.agent_tool_timeout
+
+    async def __call__(self, context: RolloutContext, group: PromptGroup) -> list[Sample]:
+        return list(await asyncio.gather(*(self.episode(context, group, index) for index in range(group.n_samples))))
+
+    async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> Sample:
+        session = ChatSession(context, group, index)
+        messages = prompt_messages(group.prompt)
+        try:
+            for _ in range(self.max_turns):
+                completion = await session.complete(messages, tools=self.schemas)
+                messages = session.messages
+                turn = completion.parsed
+                if completion.finish_reason == "length" or not (turn.calls or turn.malformed):
+                    break
+                results = await answer_calls(self.tools, turn, timeout_s=self.tool_timeout)
+                session.tool_calls += len(turn.calls) + len(turn.malformed)
+                session.tool_errors += results.errors
+                messages = [*messages, *results.messages]
+        except NoRoomError as error:  # the conversation filled the context cap: what was generated still trains
+            if session.trajectory is None or session.trajectory.model_turns == 0:
+                return failed_samples(group, context.prompt_ids(group.prompt), str(error))[index]
+            session.last_finish = "length"
+        return session.to_sample()
+
+
+class AgentRunner:
+    """Runs the user's agent once per sample against this worker's OpenAI endpoint."""
+
+    def __init__(self, config: RunConfig) -> None:
+        agent = config.agent
+        assert agent.agent_function_path is not None
+        self.path = agent.agent_function_path
+        function = load_object(self.path, what="agent function")
+        if not callable(function):
+            raise TypeError(f"--agent-function-path {self.path!r} is not callable")
+        self.agent: AgentFunction = function
+        self.timeout = agent.agent_timeout
+        self.endpoint = OpenAIEndpoint(host=agent.agent_endpoint_host, model=config.model.hf_checkpoint or "policy")
+
+    async def start(self) -> None:
+        await self.endpoint.start()
+
+    async def stop(self) -> None:
+        await self.endpoint.stop()
+
+    async def __call__(self, context: RolloutContext, group: PromptGroup) -> list[Sample]:
+        return list(await asyncio.gather(*(self.episode(context, group, index) for index in range(group.n_samples))))
+
+    async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> Sample:
+        session = ChatSession(context, group, index)
+        base_url = self.endpoint.open(session)
+        episode = Episode(base_url=base_url, api_key="slipstream", model=self.endpoint.model,
+                          messages=prompt_messages(group.prompt), label=group.label, metadata=dict(group.metadata),
+                          sample_index=index)
+        try:
+            returned = await asyncio.wait_for(self.agent(episode), self.timeout)
+            if returned is not None and not isinstance(returned, Mapping):
+                raise TypeError(f"returned {type(returned).__name__}; an agent returns a dict or None")
+            return session.to_sample(metadata=dict(returned or {}))
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            reason = f"agent {self.path} did not finish its episode within --agent-timeout {self.timeout:g} s"
+        except Exception as error:  # the user's agent: its sample fails, the worker goes on
+            reason = f"agent {self.path} failed: {type(error).__name__}: {error}"
+        finally:
+            self.endpoint.close(base_url)
+        failed = make_sample(group, index, context.prompt_ids(group.prompt), [], [], [], response="", status="failed")
+        return msgspec.structs.replace(failed, error=reason)
+
+
+def agent_generate_for(config: RunConfig) -> ToolLoop | AgentRunner | None:
+    """The generate function the agent flags ask for, or None when they ask for none."""
+    agent = config.agent
+    if agent.agent_function_path is None and agent.agent_tools_path is None:
+        return None
+    if agent.agent_function_path is not None and agent.agent_tools_path is not None:
+        raise ValueError("--agent-function-path and --agent-tools-path each run the episode: give one (an agent "
+                         "of your own calls its tools itself)")
+    if config.rollout.custom_generate_function_path is not None:
+        raise ValueError("--custom-generate-function-path and the --agent-* episode both generate the samples: "
+                         "give one")
+    return AgentRunner(config) if agent.agent_function_path is not None else ToolLoop(config)
+
+
+def _schemas(path: str | None) -> list[Mapping[str, Any]] | None:
+    if path is None:
+        return None
+    schemas = load_object(path, what="agent tool schemas")
+    if not isinstance(schemas, (list, tuple)) or not all(isinstance(schema, Mapping) for schema in schemas):
+        raise TypeError(f"--agent-tool-schemas-path {path!r} must name a list of JSON schemas (dicts)")
+    return list(schemas)

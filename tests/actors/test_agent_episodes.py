@@ -1,0 +1,230 @@
+"""Multi-turn episodes on a real tiny model (#18): the built-in tool loop, and an agent written against the OpenAI
+client library driving the rollout worker's endpoint. The model is taught by SFT, in the fixture, to answer "2+3="
+with a Hermes `<tool_call>` to `add` and then with the tool's result, so the episodes below are the model's own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+
+from actors.config import RunConfig, build_config
+from actors.learner.step import TrainingStep
+from actors.rollout.agent import AgentRunner, ToolLoop, agent_generate_for
+from actors.rollout.chat_session import ChatSession
+from actors.rollout.generate import RolloutContext
+from actors.rollout.openai_endpoint import OpenAIEndpoint
+from actors.rollout.trajectory import ChatTurns, Trajectory, render
+from bus.schema import PromptGroup, Sample
+from engines.inference.torch_engine import TorchEngine
+from engines.training.config import TorchTrainerConfig
+from engines.training.torch_trainer import TorchTrainer
+from examples.openai_agent import REVIEW
+
+pytestmark = pytest.mark.integration
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+TROUBLE = "tests.support.agents:one_call_then_trouble"
+TEACH = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": CALL},
+         {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"},
+         {"role": "user", "content": REVIEW}, {"role": "assistant", "content": "5"}]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after SFT on one tool-using conversation, built as a trajectory: loss on its turns only."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    turns = ChatTurns.for_tokenizer(tokenizer)
+    conversation = Trajectory(render(tokenizer, TEACH[:1], add_generation_prompt=True))
+    for position, message in enumerate(TEACH[1:], start=1):
+        if message["role"] != "assistant":
+            continue
+        if position > 1:
+            conversation.add_environment(turns.closing([]) + turns.next_turn([TEACH[position - 1]]))
+        ids = [*tokenizer(message["content"], add_special_tokens=False)["input_ids"], turns.turn_end[0]]
+        conversation.add_model(ids, [0.0] * len(ids), [0] * len(ids))
+    teach = conversation.to_sample(PromptGroup(group_id="teach", prompt="2+3="), 0, response="", status="completed")
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2))
+    step = TrainingStep(trainer, build_config({"hf_checkpoint": str(tiny_model_path), "loss_type": "sft"}))
+    for _ in range(300):
+        if step.train([teach], staleness=[0]).metrics["loss"] < 0.003:
+            break
+    path = tmp_path_factory.mktemp("tool_model")
+    trainer.export_hf(path)
+    return path
+
+
+def run_config(model: Path, **settings: Any) -> RunConfig:
+    from transformers import AutoTokenizer
+
+    im_end = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|im_end|>")
+    return build_config({"hf_checkpoint": str(model), "rollout_max_response_len": 80, "eval_temperature": 0.0,
+                         "rollout_stop_token_ids": [im_end], **settings})
+
+
+async def with_context(model: Path, config: RunConfig, body: Callable[[RolloutContext], Awaitable[Any]]) -> Any:
+    from transformers import AutoTokenizer
+
+    engine = TorchEngine.from_pretrained(model, max_batch_size=4)
+    try:
+        context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(model), config=config,
+                                 worker_id="w")
+        return await body(context)
+    finally:
+        await engine.close()
+
+
+def served_episodes(runner: AgentRunner, *, n_samples: int) -> Callable[[RolloutContext], Awaitable[list[Sample]]]:
+    """One eval group's episodes through the runner's endpoint, started and stopped around them."""
+
+    async def episodes(context: RolloutContext) -> list[Sample]:
+        await runner.start()
+        try:
+            return await runner(context, eval_group(n_samples=n_samples))
+        finally:
+            await runner.stop()
+
+    return episodes
+
+
+def eval_group(n_samples: int = 1) -> PromptGroup:
+    return PromptGroup(group_id="g", prompt="2+3=", label="5", n_samples=n_samples, is_eval=True)
+
+
+def texts(model: Path, sample: Sample) -> tuple[str, str]:
+    """(the response as the model saw it, special tokens included; the trained tokens' text)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    response = sample.tokens[sample.prompt_tokens:]
+    trained = response[np.asarray(sample.loss_mask, dtype=bool)]
+    return tokenizer.decode(response.tolist()), tokenizer.decode(trained.tolist())
+
+
+def test_the_tool_loop_answers_the_models_call_and_trains_only_its_turns(tool_model: Path) -> None:
+    config = run_config(tool_model, agent_tools_path="examples.openai_agent:FUNCTIONS",
+                        agent_tool_schemas_path="examples.openai_agent:TOOLS", agent_max_turns=2)
+    loop = agent_generate_for(config)
+    assert isinstance(loop, ToolLoop)
+    (sample,) = asyncio.run(with_context(tool_model, config, lambda context: loop(context, eval_group())))
+    seen, trained = texts(tool_model, sample)
+    assert seen == f"{CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
+    assert trained == f"{CALL}<|im_end|>5<|im_end|>"
+    assert sample.metadata | {"turns": 2, "tool_calls": 1, "tool_errors": 0} == sample.metadata
+    assert sample.status == "completed"
+    assert len(sample.rollout_log_probs) == len(sample.loss_mask) == sample.response_length
+
+
+def test_an_agent_on_the_openai_client_drives_one_sample_per_episode(tool_model: Path) -> None:
+    config = run_config(tool_model, agent_function_path="examples.openai_agent:solve")
+    runner = agent_generate_for(config)
+    assert isinstance(runner, AgentRunner)
+    samples = asyncio.run(with_context(tool_model, config, served_episodes(runner, n_samples=2)))
+    for sample in samples:
+        seen, trained = texts(tool_model, sample)
+        assert seen == (f"{CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n"
+                        f"<|im_start|>user\n{REVIEW}<|im_end|>\n<|im_start|>assistant\n5<|im_end|>")
+        assert trained == f"{CALL}<|im_end|>5<|im_end|>5<|im_end|>"
+        assert sample.metadata["final_answer"] == "5" and sample.metadata["tool_rounds"] == 1
+        assert sample.metadata["turns"] == 3 and sample.status == "completed"
+    assert not runner.endpoint.sessions, "an episode's session outlived it"
+
+
+def test_an_agent_that_raises_or_overruns_fails_only_its_own_sample(tiny_model_path: Path) -> None:
+    config = run_config(tiny_model_path, agent_function_path=TROUBLE, agent_timeout=3)
+    runner = agent_generate_for(config)
+    assert isinstance(runner, AgentRunner)
+    ok, raised, slow = asyncio.run(with_context(tiny_model_path, config, served_episodes(runner, n_samples=3)))
+    assert ok.status != "failed" and ok.metadata["turns"] == 1 and ok.error is None
+    assert raised.status == "failed"
+    assert raised.error == f"agent {TROUBLE} failed: RuntimeError: the sandbox is gone"
+    assert slow.status == "failed" and "within --agent-timeout 3 s" in slow.error
+
+
+@pytest.fixture
+async def endpoint(tiny_model_path: Path) -> AsyncIterator[tuple[OpenAIEndpoint, RolloutContext]]:
+    from transformers import AutoTokenizer
+
+    engine = TorchEngine.from_pretrained(tiny_model_path, max_batch_size=4)
+    served = OpenAIEndpoint(model="tiny")
+    await served.start()
+    context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+                             config=run_config(tiny_model_path), worker_id="w")
+    try:
+        yield served, context
+    finally:
+        await served.stop()
+        await engine.close()
+
+
+async def test_the_endpoint_refuses_what_it_cannot_serve_naming_the_field(endpoint) -> None:
+    served, context = endpoint
+    url = served.open(ChatSession(context, eval_group(), 0))
+    ask = [{"role": "user", "content": "2+3="}]
+    async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+        first = (await client.chat.completions.create(model="tiny", messages=ask, max_tokens=5)).choices[0].message
+        assert first.role == "assistant" and (await client.models.list()).data[0].id == "tiny"
+        for bad, expected in [({"n": 2}, "'n' must be 1"), ({"stream": True}, "'stream' is not supported"),
+                              ({"max_tokens": 0}, "'max_tokens' must be a positive integer"),
+                              ({"stop": [""]}, "'stop' must be a string or a list of non-empty strings")]:
+            with pytest.raises(openai.BadRequestError, match=expected):
+                await client.chat.completions.create(model="tiny", messages=ask, **bad)
+        rewritten = [*ask, {"role": "assistant", "content": "something else"}, {"role": "user", "content": "?"}]
+        with pytest.raises(openai.BadRequestError, match=r"message 1 \(assistant\) differs"):
+            await client.chat.completions.create(model="tiny", messages=rewritten)
+        with pytest.raises(openai.BadRequestError, match="tools differ from the session's first call"):
+            await client.chat.completions.create(model="tiny", messages=[*ask, first.model_dump(exclude_none=True),
+                                                                         {"role": "user", "content": "?"}],
+                                                 tools=[{"type": "function", "function": {"name": "f"}}])
+        with pytest.raises(openai.BadRequestError, match="a text completion needs a session of its own"):
+            await client.completions.create(model="tiny", prompt="2+3=")
+        # The refusals changed nothing: the conversation goes on from the model's first turn.
+        follow = [*ask, first.model_dump(exclude_none=True), {"role": "user", "content": "and 1+1="}]
+        await client.chat.completions.create(model="tiny", messages=follow, max_tokens=5)
+    gone = url.replace(url.split("/")[-2], "0" * 16)
+    async with openai.AsyncOpenAI(base_url=gone, api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError, match="no session"):
+            await client.chat.completions.create(model="tiny", messages=ask)
+    async with aiohttp.ClientSession() as http, http.post(f"{url}/chat/completions", data=b"{not json") as response:
+        assert response.status == 400 and "not JSON" in (await response.json())["error"]["message"]
+    sample = served.sessions[url.split("/")[-2]].to_sample()
+    assert sample.metadata["turns"] == 2
+
+
+async def test_text_completions_continue_the_sessions_text_token_for_token(endpoint) -> None:
+    served, context = endpoint
+    session = ChatSession(context, eval_group(), 0)
+    url = served.open(session)
+    async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+        first = (await client.completions.create(model="tiny", prompt="2+3=", max_tokens=4)).choices[0].text
+        with pytest.raises(openai.BadRequestError, match="must be the session's text so far"):
+            await client.completions.create(model="tiny", prompt="3+3=" + first + " ok", max_tokens=4)
+        second = (await client.completions.create(model="tiny", prompt="2+3=" + first + " ok", max_tokens=4))
+    sample = session.to_sample()
+    tokens = context.tokenizer("2+3=")["input_ids"]
+    assert sample.tokens[:len(tokens)].tolist() == tokens
+    assert json.loads(second.model_dump_json())["usage"]["prompt_tokens"] == len(tokens) + 4 + 3
+    assert sample.loss_mask.tolist() == [1] * 4 + [0] * 3 + [1] * 4
+
+
+@pytest.mark.unit
+def test_agent_flags_that_both_generate_are_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match="--agent-function-path and --agent-tools-path"):
+        agent_generate_for(build_config({"agent_function_path": "examples.openai_agent:solve",
+                                         "agent_tools_path": "examples.openai_agent:FUNCTIONS"}))
+    with pytest.raises(ValueError, match="--custom-generate-function-path and the --agent-"):
+        agent_generate_for(build_config({"agent_tools_path": "examples.openai_agent:FUNCTIONS",
+                                         "custom_generate_function_path": "examples.calculator_env:"
+                                                                          "calculator_generate"}))
+    with pytest.raises(TypeError, match="must name a dict of tool name -> function"):
+        agent_generate_for(build_config({"agent_tools_path": "examples.openai_agent:TOOLS"}))
+    assert agent_generate_for(build_config({})) is None
