@@ -223,6 +223,9 @@ class LearnerConfig(Section):
     save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(None, ge=1, description="checkpoint every N learner steps")
     load: str | None = Field(None, description="resume from this checkpoint directory")
+    mask_offpolicy_in_partial_rollout: bool = Field(False, description="train only on the tokens of a sample's "
+                                                    "newest weight version: the part generated before a weight "
+                                                    "update landed mid-sample stays as context, loss mask 0")
     debug_rollout_only: bool = Field(False, description="generate and score, never train")
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")

@@ -153,10 +153,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--over-sampling-batch-size": _explained("the buffer keeps leasing prompts until a batch's groups pass the "
                                              "dynamic-sampling filter, so over-sampling is implicit", "value", int),
     "--partial-rollout": _explained("a weight update never aborts generation here: requests in flight continue "
-                                    "under the new weights, each token tagged with its version, so there is "
-                                    "nothing to recycle"),
-    "--mask-offpolicy-in-partial-rollout": _refused("masking the older-policy prefix of a sample is not "
-                                                    "available; correct for it with --off-policy-correction"),
+                                    "under the new weights, each token tagged with its version, so every sample "
+                                    "that spans an update is a partial rollout resumed in place"),
+    "--mask-offpolicy-in-partial-rollout": _same("switch"),
     "--rollout-data-transport": _refused("NIXL is not available; samples travel over the bus (msgpack on ZeroMQ) "
                                          "(object-store, Ray's, is accepted: " + RAY + ")", "value"),
     "--rollout-external-engine-addrs": _alias("-> --rollout-engine sglang --sglang-url ADDR... (attach to running "

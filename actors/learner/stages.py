@@ -50,22 +50,47 @@ class StepBatch:
             setattr(sample, name, values)
 
 
-def to_train_sample(sample: Sample) -> TrainSample:
-    """Copies out of the decoded frame: bus arrays are read-only views that must not outlive the message."""
+def to_train_sample(sample: Sample, *, newest_version_only: bool = False) -> TrainSample:
+    """Copies out of the decoded frame: bus arrays are read-only views that must not outlive the message.
+
+    `newest_version_only` (--mask-offpolicy-in-partial-rollout): a sample generated across a weight update trains
+    only on the tokens of its newest weights; the older part stays in the sequence as context, loss mask 0.
+    """
     length = int(sample.response_length)
-    mask = sample.loss_mask if sample.loss_mask is not None else np.ones(length)
+    mask = np.asarray(sample.loss_mask if sample.loss_mask is not None else np.ones(length), dtype=np.float32)
+    if newest_version_only:
+        mask = mask * newest_version_tokens(sample)
     rollout = sample.rollout_log_probs
     return TrainSample(
         tokens=torch.tensor(np.asarray(sample.tokens), dtype=torch.long),
         response_length=length,
-        loss_mask=torch.tensor(np.asarray(mask), dtype=torch.float32),
+        loss_mask=torch.tensor(mask, dtype=torch.float32),
         rollout_log_probs=None if rollout is None else torch.tensor(np.asarray(rollout), dtype=torch.float32),
         reward=float(sample.reward or 0.0),
     )
 
 
-def to_step_batch(samples: Sequence[Sample]) -> StepBatch:
-    return StepBatch(samples=[to_train_sample(s) for s in samples], group_ids=[s.group_id for s in samples])
+def newest_version_tokens(sample: Sample) -> np.ndarray:
+    """1 where a response token came from the sample's newest weight version, 0 where from an older one."""
+    versions = sample.token_versions
+    if versions is None or not len(versions):
+        return np.ones(int(sample.response_length), dtype=np.float32)
+    versions = np.asarray(versions)
+    return (versions == versions.max()).astype(np.float32)
+
+
+def masked_older_tokens(samples: Sequence[Sample]) -> int:
+    """Trained tokens that --mask-offpolicy-in-partial-rollout takes out of the loss, over a batch."""
+    total = 0
+    for sample in samples:
+        mask = np.asarray(sample.loss_mask if sample.loss_mask is not None else np.ones(int(sample.response_length)))
+        total += int(np.sum(mask * (1 - newest_version_tokens(sample))))
+    return total
+
+
+def to_step_batch(samples: Sequence[Sample], *, newest_version_only: bool = False) -> StepBatch:
+    return StepBatch(samples=[to_train_sample(s, newest_version_only=newest_version_only) for s in samples],
+                     group_ids=[s.group_id for s in samples])
 
 
 def own_shard(batch: StepBatch, parallel: DataParallel) -> StepBatch:

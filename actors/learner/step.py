@@ -23,6 +23,7 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.learner import stages
+from actors.learner.episode_metrics import episode_metrics
 from actors.slime_compat.advantages import load_custom_advantages
 from actors.slime_compat.plugins import load_reward_post_process
 from actors.slime_compat.train_data import load_convert_samples
@@ -61,6 +62,7 @@ class TrainingStep:
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
         self.temperature = config.rollout.rollout_temperature or 1.0
         self.steps = config.optimizer_steps_per_batch
+        self.newest_version_only = config.learner.mask_offpolicy_in_partial_rollout
         self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.learner.use_decoupled_ppo,
                                               steps_per_batch=self.steps)
         if self.pi_old == "training_forward" and self.steps > 1:
@@ -78,7 +80,9 @@ class TrainingStep:
         if self.rewrite_batch is not None:  # on the whole batch (each rank alike), before any cut
             samples = self.rewrite_batch(list(samples))
             batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
-        batch = stages.to_step_batch(samples)
+        batch = stages.to_step_batch(samples, newest_version_only=self.newest_version_only)
+        if self.newest_version_only:
+            batch_metrics["partial/masked_older_tokens"] = float(stages.masked_older_tokens(samples))
         if shard:
             batch = stages.own_shard(batch, self.trainer.data_parallel())
         if self.policy.needs_ref:
@@ -150,6 +154,7 @@ def rollout_metrics(samples: Sequence[Sample], staleness: Sequence[int]) -> dict
         "rollout/samples": float(len(samples)),
         "rollout/tokens": float(lengths.sum()),
     }
+    metrics |= episode_metrics(samples)
     if staleness:
         values = np.asarray(staleness)
         metrics["staleness/max"] = float(values.max())

@@ -1,0 +1,40 @@
+"""What a batch says about its episodes beyond one turn: tool use, turn lengths, and samples that span weights.
+
+Read off what every sample already carries (its metadata counts from `Trajectory` and the tool loop, its loss mask
+and per-token versions), so a custom generate function that builds its samples with `Trajectory` is measured the
+same way as the built-in tool loop and the agent endpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from bus.schema import Sample
+
+
+def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """`multiturn/*` for a batch with multi-turn samples (none otherwise), and `partial/*` always: the share of
+    samples whose tokens came from more than one weight version (a weight update landed mid-sample)."""
+    metrics: dict[str, float] = {}
+    mixed = [s for s in samples if s.token_versions is not None and len(s.token_versions)
+             and int(np.max(s.token_versions)) != int(np.min(s.token_versions))]
+    metrics["partial/mixed_version_fraction"] = len(mixed) / len(samples) if samples else 0.0
+    episodes = [s for s in samples if isinstance(s.metadata.get("turns"), int)]
+    if not episodes:
+        return metrics
+    turns = sum(s.metadata["turns"] for s in episodes)
+    calls = sum(int(s.metadata.get("tool_calls", 0)) for s in episodes)
+    errors = sum(int(s.metadata.get("tool_errors", 0)) for s in episodes)
+    model_tokens = sum(int(np.sum(s.loss_mask)) if s.loss_mask is not None else s.response_length for s in episodes)
+    response_tokens = sum(s.response_length for s in episodes)
+    metrics |= {
+        "multiturn/turns_mean": turns / len(episodes),
+        "multiturn/tool_calls_mean": calls / len(episodes),
+        "multiturn/tool_error_fraction": errors / calls if calls else 0.0,
+        "multiturn/model_tokens_per_turn": model_tokens / turns if turns else 0.0,
+        "multiturn/environment_token_fraction": 1 - model_tokens / response_tokens if response_tokens else 0.0,
+        "multiturn/truncated_fraction": float(np.mean([s.status == "truncated" for s in episodes])),
+    }
+    return metrics
