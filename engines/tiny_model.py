@@ -8,6 +8,8 @@ checkpoint, so the code paths under test are the ones real models take.
 
 from __future__ import annotations
 
+import os
+import shutil
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +118,14 @@ def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec
     key = "-".join(str(value) for value in [*spec.__dict__.values(), f"tok{TOKENIZER_REVISION}"])
     path = Path(cache_dir) / f"tiny-{key}"
     if not (path / "config.json").exists():
-        staging = path.with_name(path.name + ".partial")
+        # A staging folder per process: two tools (or two test workers) may build the same model at once; the
+        # first rename wins and the other copy is dropped.
+        staging = path.with_name(f"{path.name}.partial-{os.getpid()}")
         create_tiny_model(staging, spec)
-        staging.rename(path)
+        try:
+            staging.rename(path)
+        except OSError:
+            if not (path / "config.json").exists():
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
     return path

@@ -12,9 +12,10 @@ import asyncio
 import contextlib
 import time
 
-from actors.rollout.agent import AgentRunner, agent_generate_for
+from actors.rollout.agent import AgentRunner
+from actors.rollout.choice import choose_generate_function
 from actors.rollout.engine_factory import load_engine
-from actors.rollout.generate import RolloutContext, choose_generate_function
+from actors.rollout.generate import RolloutContext
 from actors.rollout.handed_off import HandedOff
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
@@ -70,10 +71,9 @@ class RolloutWorker(Actor):
         self._slots_since = self._started
         self._send_seconds = 0.0
         self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
-        self.agent = agent_generate_for(self.config)  # --agent-*: tool loop, or the user's agent over our endpoint
-        if isinstance(self.agent, AgentRunner):
-            await self.agent.start()
-        self.generate_fn = self.agent or choose_generate_function(self.config)
+        self.generate_fn = choose_generate_function(self.config)
+        if isinstance(self.generate_fn, AgentRunner):  # the user's agent: it talks to our OpenAI endpoint
+            await self.generate_fn.start()
         # slime's --rollout-function-path: the user's generate_rollout leases and generates, this worker sends.
         self.rollout_function = RolloutFunctionRunner.load(self) if self.config.rollout.rollout_function_path else None
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
@@ -316,8 +316,8 @@ class RolloutWorker(Actor):
                                  groups=len(lost), error=repr(error))
 
     async def on_stop(self) -> None:
-        if isinstance(getattr(self, "agent", None), AgentRunner):
-            await self.agent.stop()
+        if isinstance(getattr(self, "generate_fn", None), AgentRunner):
+            await self.generate_fn.stop()
         if hasattr(self, "engine"):
             await self.engine.abort(None)
             await self.engine.close()

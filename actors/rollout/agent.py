@@ -2,7 +2,8 @@
 
 `--agent-tools-path pkg.mod:TOOLS` runs the tool loop: the model's turn, its `<tool_call>` blocks answered by the
 tools (each under `--agent-tool-timeout`, every failure returned to the model as that call's result), the next
-turn, up to `--agent-max-turns`.
+turn, up to `--agent-max-turns`. The last turn's text (its calls left out) is the sample's
+`metadata["final_answer"]`, for a reward function that grades the answer rather than the whole conversation.
 
 `--agent-function-path pkg.mod:agent` runs `async def agent(episode: Episode) -> dict | None` once per sample.
 The agent talks to the policy with any OpenAI client at `episode.base_url`: the rollout worker's endpoint, whose
@@ -72,10 +73,12 @@ class ToolLoop:
     async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> Sample:
         session = ChatSession(context, group, index)
         messages = prompt_messages(group.prompt)
+        final_answer = ""
         try:
             for _ in range(self.max_turns):
                 completion = await session.complete(messages, tools=self.schemas)
                 messages = session.messages
+                final_answer = completion.message["content"]
                 turn = completion.parsed
                 if completion.finish_reason == "length" or not (turn.calls or turn.malformed):
                     break
@@ -87,7 +90,7 @@ class ToolLoop:
             if session.trajectory is None or session.trajectory.model_turns == 0:
                 return failed_samples(group, context.prompt_ids(group.prompt), str(error))[index]
             session.last_finish = "length"
-        return session.to_sample()
+        return session.to_sample(metadata={"final_answer": final_answer})
 
 
 class AgentRunner:

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from actors.rollout.generate import RolloutContext
+from actors.rollout.generate import NoRoomError, RolloutContext
 from actors.rollout.tool_calls import ParsedTurn, parse_tool_calls
 from actors.rollout.trajectory import ChatTurns, Trajectory, render
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
-from engines.inference.base import GenerateOutput, GenerateRequest
+from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest
 
 
 class ConversationDiverged(ValueError):
@@ -62,8 +62,14 @@ class ChatSession:
             raise ConversationDiverged("this session holds a text completion; a chat completion needs a session "
                                        "of its own")
         messages = [dict(message) for message in messages]
+        before = len(self.trajectory.response_ids) if self.trajectory is not None else 0
         self._append_messages(messages, tools)
-        output, prompt_tokens = await self._generate(max_tokens, stop)
+        try:
+            output, prompt_tokens = await self._generate(max_tokens, stop)
+        except NoRoomError:
+            assert self.trajectory is not None
+            self.trajectory.truncate(before)  # the sample ends where the model last wrote, as if never asked
+            raise
         text = self.context.tokenizer.decode(output.output_ids, skip_special_tokens=True)
         parsed = parse_tool_calls(text)
         message = assistant_message(parsed, text)
@@ -140,7 +146,10 @@ class ChatSession:
         params = replace(params, stop=(*params.stop, *stop), seed=self._seed(trajectory.model_turns))
         request = GenerateRequest(request_id=self.context.request_id(self.group),
                                   input_ids=trajectory.prompt_ids + trajectory.response_ids, params=params)
-        output: GenerateOutput = (await self.context.engine.generate(request))[0]
+        try:
+            output: GenerateOutput = (await self.context.engine.generate(request))[0]
+        except ContextFull as error:  # the conversation outgrew the model: the episode ends, not the worker
+            raise NoRoomError(str(error)) from None
         trajectory.add_model(output.output_ids, output.log_probs, output.versions)
         self.last_output, self.last_finish = list(output.output_ids), output.finish_reason
         return output, prompt_tokens

@@ -1,4 +1,5 @@
-"""Turning one prompt group into samples: the default single-turn generation and the plugin point.
+"""Turning one prompt group into samples: the default single-turn generation, and what every generate function
+is given (`RolloutContext`) and builds samples with (`make_sample`). Which one a run uses: `actors.rollout.choice`.
 
 A custom generate function (`--custom-generate-function-path pkg.mod:fn`) has the signature
 `async def fn(context: RolloutContext, group: PromptGroup) -> list[Sample]` and may call the engine several
@@ -21,10 +22,8 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.rollout.prompt_tokens import encode_prompt
-from actors.slime_compat.plugins import adapt_generate, is_slime_style
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
-from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
-from policies.plugins import load_object
+from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
 
 GenerateFunction = Callable[["RolloutContext", PromptGroup], Awaitable[list[Sample]]]
 _request_ids = itertools.count()
@@ -155,55 +154,14 @@ async def default_generate(context: RolloutContext, group: PromptGroup) -> list[
         params = context.sampling_params(group, prompt_tokens=len(prompt_ids))
     except NoRoomError as error:
         return failed_samples(group, prompt_ids, str(error))
-    outputs: list[GenerateOutput] = await context.engine.generate(
-        GenerateRequest(request_id=context.request_id(group), input_ids=prompt_ids, params=params)
-    )
+    try:
+        outputs: list[GenerateOutput] = await context.engine.generate(
+            GenerateRequest(request_id=context.request_id(group), input_ids=prompt_ids, params=params))
+    except ContextFull as error:  # no engine of the run could take it: failed and counted, not re-issued forever
+        return failed_samples(group, prompt_ids, str(error))
     return [
         make_sample(group, index, prompt_ids, out.output_ids, out.log_probs, out.versions,
                     response=context.decode_response(out.output_ids),
                     status=STATUS_BY_FINISH[out.finish_reason])
         for index, out in enumerate(outputs)
     ]
-
-
-async def sft_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
-    """SFT through the same system: the "response" is the label, teacher-forced, ended by EOS.
-
-    Samples carry the engine's version so staleness bookkeeping stays uniform; their log-probs are zeros
-    because the SFT loss never reads them.
-    """
-    if group.label is None:
-        raise ValueError(f"group {group.group_id}: SFT needs a label (the target response), found none")
-    prompt_ids = context.prompt_ids(group.prompt)
-    target = str(group.label)
-    response_ids = list(context.tokenizer(target, add_special_tokens=False)["input_ids"])
-    if context.tokenizer.eos_token_id is not None:
-        response_ids.append(context.tokenizer.eos_token_id)
-    version = context.engine.version
-    return [
-        make_sample(group, index, prompt_ids, response_ids, [0.0] * len(response_ids), [version] * len(response_ids),
-                    response=target, status="completed")
-        for index in range(group.n_samples)
-    ]
-
-
-def choose_generate_function(config: RunConfig) -> GenerateFunction:
-    custom = load_generate_function(config.rollout.custom_generate_function_path)
-    path = config.rollout.custom_generate_function_path
-    if custom is not None and is_slime_style(custom, 3):  # slime's generate(args, sample, sampling_params)
-        return adapt_generate(custom, config, path or "")
-    if config.rollout.rollout_sample_hook_path:
-        raise ValueError("--rollout-sample-hook-path applies to a slime-style --custom-generate-function-path "
-                         "(args, sample, sampling_params); with ours, edit the samples in the generate function")
-    if custom is not None:
-        return custom
-    return sft_generate if config.policy.loss_type == "sft" else default_generate
-
-
-def load_generate_function(path: str | None) -> GenerateFunction | None:
-    if path is None:
-        return None
-    function = load_object(path, what="custom generate function")
-    if not callable(function):
-        raise TypeError(f"custom generate function {path!r} is not callable")
-    return function  # type: ignore[return-value]

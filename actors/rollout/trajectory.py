@@ -119,6 +119,14 @@ class Trajectory:
         version = self.versions[-1] if self.versions else 0
         self._extend(ids, 0, [0.0] * len(ids), [version] * len(ids))
 
+    def truncate(self, response_length: int) -> None:
+        """Drop what came after the first `response_length` response tokens: the context appended for a model turn
+        that never came (the conversation no longer fit the engine)."""
+        if any(self.loss_mask[response_length:]):
+            raise ValueError("truncating would drop model tokens; only the environment's trailing tokens may go")
+        for values in (self.response_ids, self.loss_mask, self.log_probs, self.versions):
+            del values[response_length:]
+
     def to_sample(self, group: PromptGroup, index: int, *, response: str, status: str,
                   metadata: dict[str, Any] | None = None) -> Sample:
         turns = {"turns": self.model_turns, "environment_tokens": self.loss_mask.count(0)}

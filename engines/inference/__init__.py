@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engines.inference.base import (
+    ContextFull,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
@@ -27,6 +28,7 @@ _LAZY = {"BatchLimits": "engines.inference.batcher", "StepRecord": "engines.infe
 
 __all__ = [
     "BatchLimits",
+    "ContextFull",
     "FinishReason",
     "GenerateOutput",
     "GenerateRequest",

@@ -41,6 +41,12 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "keep")
 DEFAULT_MAX_NEW_TOKENS = 1024
 
 
+class ContextFull(ValueError):
+    """A request whose prompt leaves no room for a new token in the engine's context. A multi-turn episode that
+    grew this long ends with the turns it has; a single-turn prompt this long fails its samples. Neither is
+    retried: the same prompt would not fit on any engine of the run."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request; validated on construction so a bad value never reaches an engine.

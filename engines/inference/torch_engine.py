@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from engines.inference.base import (
     PAUSE_MODES,
+    ContextFull,
     GenerateOutput,
     GenerateRequest,
     InferenceEngine,
@@ -214,7 +215,7 @@ class TorchEngine(InferenceEngine):
         if max(prompt) >= self._vocab_size:
             raise ValueError(f"request {rid!r}: input_ids holds {max(prompt)}, the vocabulary has {self._vocab_size}")
         if len(prompt) >= self._max_model_len:
-            raise ValueError(
+            raise ContextFull(
                 f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room in the model's context of "
                 f"{self._max_model_len} tokens"
             )

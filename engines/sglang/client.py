@@ -50,6 +50,7 @@ import torch
 
 from engines.inference.base import (
     PAUSE_MODES,
+    ContextFull,
     GenerateOutput,
     GenerateRequest,
     InferenceEngine,
@@ -277,7 +278,7 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
             )
         prompt = len(request.input_ids)
         if limits.input_limit is not None and prompt >= limits.input_limit:
-            raise ValueError(
+            raise ContextFull(
                 f"request {request.request_id!r}: prompt of {prompt} tokens leaves no room in the context of SGLang "
                 f"server {self.url} (context {limits.context_length} tokens, prompts shorter than "
                 f"{limits.input_limit} accepted)"

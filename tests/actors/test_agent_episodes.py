@@ -21,7 +21,7 @@ from actors.rollout.agent import AgentRunner, ToolLoop, agent_generate_for
 from actors.rollout.chat_session import ChatSession
 from actors.rollout.generate import RolloutContext
 from actors.rollout.openai_endpoint import OpenAIEndpoint
-from actors.rollout.trajectory import ChatTurns, Trajectory, render
+from actors.rollout.sft import sft_generate
 from bus.schema import PromptGroup, Sample
 from engines.inference.torch_engine import TorchEngine
 from engines.training.config import TorchTrainerConfig
@@ -38,29 +38,25 @@ TEACH = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": C
 
 
 @pytest.fixture(scope="module")
-def tool_model(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model after SFT on one tool-using conversation, built as a trajectory: loss on its turns only."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    turns = ChatTurns.for_tokenizer(tokenizer)
-    conversation = Trajectory(render(tokenizer, TEACH[:1], add_generation_prompt=True))
-    for position, message in enumerate(TEACH[1:], start=1):
-        if message["role"] != "assistant":
-            continue
-        if position > 1:
-            conversation.add_environment(turns.closing([]) + turns.next_turn([TEACH[position - 1]]))
-        ids = [*tokenizer(message["content"], add_special_tokens=False)["input_ids"], turns.turn_end[0]]
-        conversation.add_model(ids, [0.0] * len(ids), [0] * len(ids))
-    teach = conversation.to_sample(PromptGroup(group_id="teach", prompt="2+3="), 0, response="", status="completed")
+def taught(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Sample]:
+    """The tiny model after SFT on one tool-using conversation (a multi-turn SFT label: loss on its turns only),
+    and the SFT sample it was taught with."""
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "loss_type": "sft"})
+    group = PromptGroup(group_id="teach", prompt=TEACH[0]["content"], label=TEACH[1:], n_samples=1)
+    (teach,) = asyncio.run(with_context(tiny_model_path, config, lambda context: sft_generate(context, group)))
     trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2))
-    step = TrainingStep(trainer, build_config({"hf_checkpoint": str(tiny_model_path), "loss_type": "sft"}))
+    step = TrainingStep(trainer, config)
     for _ in range(300):
         if step.train([teach], staleness=[0]).metrics["loss"] < 0.003:
             break
     path = tmp_path_factory.mktemp("tool_model")
     trainer.export_hf(path)
-    return path
+    return path, teach
+
+
+@pytest.fixture(scope="module")
+def tool_model(taught: tuple[Path, Sample]) -> Path:
+    return taught[0]
 
 
 def run_config(model: Path, **settings: Any) -> RunConfig:
@@ -110,7 +106,10 @@ def texts(model: Path, sample: Sample) -> tuple[str, str]:
     return tokenizer.decode(response.tolist()), tokenizer.decode(trained.tolist())
 
 
-def test_the_tool_loop_answers_the_models_call_and_trains_only_its_turns(tool_model: Path) -> None:
+def test_the_tool_loop_answers_the_models_call_and_trains_only_its_turns(taught: tuple[Path, Sample]) -> None:
+    """The rollout of the taught conversation is token for token the SFT sample it was taught with: multi-turn SFT
+    lays its target out as the tool loop generates into it."""
+    tool_model, teach = taught
     config = run_config(tool_model, agent_tools_path="examples.openai_agent:FUNCTIONS",
                         agent_tool_schemas_path="examples.openai_agent:TOOLS", agent_max_turns=2)
     loop = agent_generate_for(config)
@@ -122,6 +121,8 @@ def test_the_tool_loop_answers_the_models_call_and_trains_only_its_turns(tool_mo
     assert sample.metadata | {"turns": 2, "tool_calls": 1, "tool_errors": 0} == sample.metadata
     assert sample.status == "completed"
     assert len(sample.rollout_log_probs) == len(sample.loss_mask) == sample.response_length
+    assert sample.tokens.tolist() == teach.tokens[:len(sample.tokens)].tolist()
+    assert sample.loss_mask.tolist() == teach.loss_mask[:sample.response_length].tolist()
 
 
 def test_an_agent_on_the_openai_client_drives_one_sample_per_episode(tool_model: Path) -> None:
@@ -228,3 +229,62 @@ def test_agent_flags_that_both_generate_are_refused_naming_both() -> None:
     with pytest.raises(TypeError, match="must name a dict of tool name -> function"):
         agent_generate_for(build_config({"agent_tools_path": "examples.openai_agent:TOOLS"}))
     assert agent_generate_for(build_config({})) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("label", "expected"), [
+    ([{"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}], "starting and ending with the "
+                                                                               "model's turn"),
+    ([{"role": "assistant", "content": 5}], "each with a 'role' and a text 'content'"),
+    ([], "each with a 'role' and a text 'content'"),
+])
+def test_a_multi_turn_sft_label_that_is_not_an_episode_is_refused_naming_the_group(label, expected) -> None:
+    from actors.rollout.sft import _target_messages
+
+    with pytest.raises(ValueError, match=f"group g7: an SFT label that is a list .*{expected}"):
+        _target_messages(PromptGroup(group_id="g7", prompt="p", label=label))
+
+
+def test_an_episode_that_outgrows_the_models_context_ends_with_the_turns_it_has(tool_model: Path) -> None:
+    """The taught episode needs about 115 tokens; with a context of 100 the second turn has no room. The sample
+    is the first turn (the tool's reply, appended for a turn that never came, dropped) and is marked truncated."""
+    from transformers import AutoTokenizer
+
+    config = run_config(tool_model, agent_tools_path="examples.openai_agent:FUNCTIONS")
+
+    async def episode() -> Sample:
+        engine = TorchEngine.from_pretrained(tool_model, max_batch_size=4, max_model_len=100)
+        try:
+            context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tool_model),
+                                     config=config, worker_id="w")
+            (sample,) = await agent_generate_for(config)(context, eval_group())
+            return sample
+        finally:
+            await engine.close()
+
+    sample = asyncio.run(episode())
+    seen, trained = texts(tool_model, sample)
+    assert seen == trained == f"{CALL}<|im_end|>"
+    assert sample.status == "truncated" and sample.metadata["turns"] == 1 and sample.metadata["tool_calls"] == 1
+    assert len(sample.tokens) < 100
+
+
+def test_a_single_turn_prompt_longer_than_the_context_fails_its_samples_naming_it(tiny_model_path: Path) -> None:
+    """It used to raise out of the generate function: the group failed, its lease expired and it was re-issued,
+    again and again, to fail the same way on every worker."""
+    from transformers import AutoTokenizer
+
+    from actors.rollout.generate import default_generate
+
+    async def generate() -> list[Sample]:
+        engine = TorchEngine.from_pretrained(tiny_model_path, max_batch_size=4, max_model_len=12)
+        try:
+            context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+                                     config=run_config(tiny_model_path), worker_id="w")
+            return await default_generate(context, PromptGroup(group_id="long", prompt="1+1=" * 5, n_samples=2))
+        finally:
+            await engine.close()
+
+    samples = asyncio.run(generate())
+    assert [s.status for s in samples] == ["failed", "failed"]
+    assert "prompt of 20 tokens leaves no room in the model's context of 12 tokens" in samples[0].error

@@ -14,7 +14,8 @@ from actors.config import build_config
 from actors.learner.ranks import data_parallel_shares
 from actors.learner.stages import StepBatch, add_advantages, data_parallel_shard, own_shard
 from actors.learner.step import TrainingStep
-from actors.rollout.generate import RolloutContext, default_generate, sft_generate
+from actors.rollout.generate import RolloutContext, default_generate
+from actors.rollout.sft import sft_generate
 from bus.address import free_port
 from bus.schema import Batch, PromptGroup, Sample
 from engines.inference.torch_engine import TorchEngine

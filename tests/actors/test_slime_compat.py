@@ -9,7 +9,8 @@ import pytest
 
 from actors.buffer.actor import make_group_filter
 from actors.config.flags import build_config
-from actors.rollout.generate import choose_generate_function, default_generate
+from actors.rollout.choice import choose_generate_function
+from actors.rollout.generate import default_generate
 from actors.slime_compat import DynamicFilterOutput, Sample, build_args, is_slime_style
 from actors.slime_compat.plugins import adapt_reward
 from actors.slime_compat.sample import from_group, from_wire, to_wire

@@ -31,3 +31,4 @@ def test_a_saved_tiny_model_loads_a_tokenizer_that_keeps_spaces_and_newlines(fam
     ids = loaded(text, add_special_tokens=False)["input_ids"]
     assert ids == build_tokenizer()(text, add_special_tokens=False)["input_ids"]
     assert loaded.decode(ids) == text
+
