@@ -6,6 +6,7 @@ address read back from the socket, so no two actors ever race for a port number.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import socket
@@ -21,6 +22,20 @@ WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
 def default_run_dir() -> Path:
     """Per-user directory for ipc sockets (short, because ipc paths are limited to 107 bytes)."""
     return Path(tempfile.gettempdir()) / f"slipstream-{os.getuid()}"
+
+
+SOCKET_NAME_BUDGET = 32  # bytes kept free below a sockets folder for "ACTOR-CHANNEL.sock" ("rollout-0-12-inbox.sock")
+
+
+def ipc_sockets_dir(run_dir: str | Path) -> Path:
+    """Where a run's ipc sockets live: `RUN_DIR/sockets`, unless that path leaves too few of the OS's 107 bytes for
+    a socket's name; then a short folder keyed by the run directory, under `default_run_dir()`. A deep run
+    directory (a job scheduler's, a test runner's) would otherwise fail every actor's bind."""
+    preferred = Path(run_dir) / "sockets"
+    if len(str(preferred).encode()) + 1 + SOCKET_NAME_BUDGET <= zmq.IPC_PATH_MAX_LEN:
+        return preferred
+    key = hashlib.blake2b(str(Path(run_dir).resolve()).encode(), digest_size=6).hexdigest()
+    return default_run_dir() / f"run-{key}"
 
 
 def bind_address(

@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.config import RunConfig
-from bus.address import bind_address
+from bus.address import bind_address, ipc_sockets_dir
 
 
 class ActorSettings(BaseModel):
@@ -87,7 +87,7 @@ class ActorContext:
 
     @property
     def sockets_dir(self) -> Path:
-        return self.run_dir / "sockets"
+        return ipc_sockets_dir(self.run_dir)
 
     def bind_address(self, channel: str) -> str:
         """Where this actor binds `channel` ("inbox", "rpc", ...): bus.address's rule (IPv6 brackets, ipc path

@@ -28,6 +28,7 @@ import structlog
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
 from actors.runtime.zygote_client import ForkedProcess, Zygote, ZygoteError
+from bus.address import ipc_sockets_dir
 from engines.process import die_with_parent
 
 LIGHT_ROLES = ("controller", "buffer", "reward")  # built-in roles that load no model (custom ones may)
@@ -249,7 +250,7 @@ class Supervisor:
                     child.process.kill()
 
     def _remove_stale_sockets(self) -> None:
-        sockets = self.run_dir / "sockets"
+        sockets = ipc_sockets_dir(self.run_dir)
         if sockets.is_dir():
             for path in sockets.glob("*.sock"):
                 with contextlib.suppress(OSError):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from bus.address import bind, bind_address, connectable
+from bus.address import bind, bind_address, connectable, ipc_sockets_dir
 
 
 @pytest.mark.unit
@@ -68,6 +68,23 @@ def test_an_actor_binds_by_the_bus_rule_ipv6_host_and_ipc_limit_included(tmp_pat
         ctx.destroy(linger=0)
     assert endpoint.startswith("tcp://[::1]:")
     assert context(transport="ipc").bind_address("inbox") == f"ipc://{tmp_path}/sockets/rollout-0-inbox.sock"
-    with pytest.raises(ValueError, match="the OS limit is 107"):
-        ActorContext(actor_id="rollout-0", role="rollout", actor_class="x:Y", node_rank=0, head_address="tcp://h:1",
-                     run_dir=tmp_path / ("d" * 120), transport="ipc").bind_address("inbox")
+    with pytest.raises(ValueError, match="the OS limit is 107"):  # a deep run_dir moves the folder; a name cannot
+        ActorContext(actor_id="r" * 120, role="rollout", actor_class="x:Y", node_rank=0, head_address="tcp://h:1",
+                     run_dir=tmp_path, transport="ipc").bind_address("inbox")
+
+
+@pytest.mark.unit
+def test_a_deep_run_directory_keeps_its_ipc_sockets_in_a_short_folder_of_its_own(tmp_path: Path) -> None:
+    """A deep run directory used to fail every actor's ipc bind (the OS allows 107 bytes), a crash loop."""
+    shallow = tmp_path / "run"
+    assert ipc_sockets_dir(shallow) == shallow / "sockets"
+    deep = tmp_path / ("d" * 60) / "run"
+    folder = ipc_sockets_dir(deep)
+    assert folder != ipc_sockets_dir(tmp_path / ("e" * 60) / "run") and folder == ipc_sockets_dir(deep)
+    address = bind_address(transport="ipc", run_dir=folder, name="custom-actor-with-a-long-name-0-12-inbox")
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.PULL)
+    try:
+        assert bind(sock, address).startswith("ipc://")
+    finally:
+        sock.close(linger=0)

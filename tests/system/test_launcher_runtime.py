@@ -18,7 +18,7 @@ import pytest
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.roles import BUILTIN_ROLES
 from actors.runtime.supervisor import Supervisor
-from bus.address import free_port
+from bus.address import free_port, ipc_sockets_dir
 from tests.support.processes import alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +126,7 @@ def test_stream_flows_between_processes_and_sigterm_leaves_no_process_or_socket(
     pids = [pid for started in actor_pids(run_dir).values() for pid in started]
     assert len(pids) == 4
     assert not [pid for pid in pids if alive(pid)]
-    assert not list((run_dir / "sockets").glob("*.sock"))
+    assert not list(ipc_sockets_dir(run_dir).glob("*.sock"))
 
 
 @pytest.mark.system
