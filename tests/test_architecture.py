@@ -35,10 +35,20 @@ def project_modules() -> dict[str, Path]:
     return modules
 
 
+def parse(path: Path) -> ast.Module:
+    """`ast.parse`, once more on CPython 3.11's spurious "AST constructor recursion depth mismatch" SystemError:
+    under pytest-xdist a worker's other threads trip its recursion bookkeeping now and then (fixed in 3.12)."""
+    source = path.read_text(encoding="utf-8")
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
+
+
 def imported_modules(path: Path, known: set[str]) -> set[str]:
     """Our modules that `path` imports: `from a.b import c` names a.b.c when that is a module, else a.b."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             candidates = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -32,6 +32,7 @@ ROLE_PLUGINS: dict[str, tuple[str, ...]] = {
     "rollout_sample_hook_path": ("rollout",),
     "agent_function_path": ("rollout",),
     "agent_tools_path": ("rollout",),
+    "agent_environment_path": ("rollout",),
     "agent_tool_schemas_path": ("rollout",),
     "rollout_engine": ("rollout",),
     "weight_transport": ("rollout", "learner"),

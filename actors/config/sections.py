@@ -162,11 +162,14 @@ class AgentConfig(Section):
     agent_tools_path: str | None = Field(None, description="module:attr of a dict name -> function (sync or "
                                          "async): the built-in tool loop answers the model's <tool_call> blocks "
                                          "with them")
+    agent_environment_path: str | None = Field(None, description="module:attr of a factory (prompt, label, "
+                                               "metadata) -> environment with async reset() and step(turn): the "
+                                               "built-in loop's answers between turns, with per-turn rewards")
     agent_tool_schemas_path: str | None = Field(None, description="module:attr of the tools' JSON schemas, given "
                                                 "to the chat template (default: none)")
     agent_max_turns: int = Field(4, ge=1, description="model turns per episode of the built-in tool loop")
-    agent_tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call may take; an overrun is "
-                                      "returned to the model as that call's error")
+    agent_tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call (or environment step) may "
+                                      "take; an overrun is returned to the model as an error")
     agent_timeout: float = Field(300.0, gt=0, description="seconds one agent episode may take; an overrun fails "
                                  "the sample (counted and logged) and the worker goes on")
     agent_endpoint_host: str = Field("127.0.0.1", description="address the OpenAI-compatible endpoint listens on "

@@ -2,8 +2,10 @@
 
 `--agent-tools-path pkg.mod:TOOLS` runs the tool loop: the model's turn, its `<tool_call>` blocks answered by the
 tools (each under `--agent-tool-timeout`, every failure returned to the model as that call's result), the next
-turn, up to `--agent-max-turns`. The last turn's text (its calls left out) is the sample's
-`metadata["final_answer"]`, for a reward function that grades the answer rather than the whole conversation.
+turn, up to `--agent-max-turns`. `--agent-environment-path pkg.mod:make` runs the same loop over an environment
+of the user's (`actors.rollout.environment`: reset, step, per-turn rewards). The last turn's text (its calls left
+out) is the sample's `metadata["final_answer"]`, for a reward function that grades the answer rather than the
+whole conversation.
 
 `--agent-function-path pkg.mod:agent` runs `async def agent(episode: Episode) -> dict | None` once per sample.
 The agent talks to the policy with any OpenAI client at `episode.base_url`: the rollout worker's endpoint, whose
@@ -26,9 +28,17 @@ import msgspec
 
 from actors.config import RunConfig
 from actors.rollout.chat_session import ChatSession
+from actors.rollout.environment import (
+    EnvironmentFactory,
+    ToolsEnvironment,
+    Turn,
+    check_messages,
+    guarded_step,
+    make_environment,
+)
 from actors.rollout.generate import NoRoomError, RolloutContext, failed_samples, make_sample
 from actors.rollout.openai_endpoint import OpenAIEndpoint
-from actors.rollout.tool_environment import FunctionTools, answer_calls
+from actors.rollout.tool_environment import FunctionTools
 from bus.schema import PromptGroup, Sample
 from policies.plugins import load_object
 
@@ -53,44 +63,61 @@ def prompt_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(message) for message in prompt] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
-class ToolLoop:
-    """The built-in episode: generate, answer the calls, generate again, until the model stops calling tools."""
+class EpisodeLoop:
+    """The built-in episode: the model's turn, the environment's answer, the next turn, until the environment says
+    done, the model runs out of tokens or room, or `--agent-max-turns` turns were taken."""
 
     def __init__(self, config: RunConfig) -> None:
         agent = config.agent
-        assert agent.agent_tools_path is not None
-        tools = load_object(agent.agent_tools_path, what="agent tools")
-        if not isinstance(tools, Mapping) or not all(callable(tool) for tool in tools.values()):
-            raise TypeError(f"--agent-tools-path {agent.agent_tools_path!r} must name a dict of tool name -> "
-                            "function")
-        self.tools = FunctionTools(tools)
+        if agent.agent_environment_path is not None:
+            self.name = agent.agent_environment_path
+            factory = load_object(self.name, what="agent environment")
+            if not callable(factory):
+                raise TypeError(f"--agent-environment-path {self.name!r} must name a factory (prompt, label, "
+                                "metadata) -> environment")
+            self.factory: EnvironmentFactory = factory
+        else:
+            assert agent.agent_tools_path is not None
+            self.name = agent.agent_tools_path
+            tools = load_object(self.name, what="agent tools")
+            if not isinstance(tools, Mapping) or not all(callable(tool) for tool in tools.values()):
+                raise TypeError(f"--agent-tools-path {self.name!r} must name a dict of tool name -> function")
+            environment = ToolsEnvironment(FunctionTools(tools), tool_timeout=agent.agent_tool_timeout)
+            self.factory = lambda prompt, label, metadata: environment  # stateless: one serves every episode
         self.schemas = _schemas(agent.agent_tool_schemas_path)
-        self.max_turns, self.tool_timeout = agent.agent_max_turns, agent.agent_tool_timeout
+        self.max_turns, self.step_timeout = agent.agent_max_turns, agent.agent_tool_timeout
 
     async def __call__(self, context: RolloutContext, group: PromptGroup) -> list[Sample]:
         return list(await asyncio.gather(*(self.episode(context, group, index) for index in range(group.n_samples))))
 
     async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> Sample:
         session = ChatSession(context, group, index)
-        messages = prompt_messages(group.prompt)
-        final_answer = ""
+        environment = await make_environment(self.factory, group.prompt, group.label, group.metadata)
+        messages = [*prompt_messages(group.prompt),
+                    *check_messages(await environment.reset(), f"environment {self.name}: reset()")]
+        final_answer, rewards = "", []
         try:
-            for _ in range(self.max_turns):
+            for turn_index in range(self.max_turns):
                 completion = await session.complete(messages, tools=self.schemas)
                 messages = session.messages
                 final_answer = completion.message["content"]
-                turn = completion.parsed
-                if completion.finish_reason == "length" or not (turn.calls or turn.malformed):
+                if completion.finish_reason == "length":
                     break
-                results = await answer_calls(self.tools, turn, timeout_s=self.tool_timeout)
-                session.tool_calls += len(turn.calls) + len(turn.malformed)
-                session.tool_errors += results.errors
-                messages = [*messages, *results.messages]
-        except NoRoomError as error:  # the conversation filled the context cap: what was generated still trains
+                turn = Turn(context.tokenizer.decode(session.last_output, skip_special_tokens=True),
+                            completion.parsed, turn_index)
+                step = await guarded_step(environment, turn, timeout_s=self.step_timeout, name=self.name)
+                session.tool_calls += step.tool_calls
+                session.tool_errors += step.tool_errors
+                if step.reward is not None:
+                    rewards.append(float(step.reward))
+                if step.done or turn_index == self.max_turns - 1:
+                    break
+                messages = [*messages, *check_messages(step.messages, f"environment {self.name}: step()")]
+        except NoRoomError as error:  # the conversation filled the context: what was generated still trains
             if session.trajectory is None or session.trajectory.model_turns == 0:
                 return failed_samples(group, context.prompt_ids(group.prompt), str(error))[index]
             session.last_finish = "length"
-        return session.to_sample(metadata={"final_answer": final_answer})
+        return session.to_sample(metadata={"final_answer": final_answer, "turn_rewards": rewards})
 
 
 class AgentRunner:
@@ -139,18 +166,21 @@ class AgentRunner:
         return msgspec.structs.replace(failed, error=reason)
 
 
-def agent_generate_for(config: RunConfig) -> ToolLoop | AgentRunner | None:
+def agent_generate_for(config: RunConfig) -> EpisodeLoop | AgentRunner | None:
     """The generate function the agent flags ask for, or None when they ask for none."""
     agent = config.agent
-    if agent.agent_function_path is None and agent.agent_tools_path is None:
+    given = [flag for flag, value in (("--agent-function-path", agent.agent_function_path),
+                                      ("--agent-tools-path", agent.agent_tools_path),
+                                      ("--agent-environment-path", agent.agent_environment_path)) if value]
+    if not given:
         return None
-    if agent.agent_function_path is not None and agent.agent_tools_path is not None:
-        raise ValueError("--agent-function-path and --agent-tools-path each run the episode: give one (an agent "
-                         "of your own calls its tools itself)")
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} each run the episode: give one (an agent of your own calls its "
+                         "tools itself; an environment can hold tools)")
     if config.rollout.custom_generate_function_path is not None:
         raise ValueError("--custom-generate-function-path and the --agent-* episode both generate the samples: "
                          "give one")
-    return AgentRunner(config) if agent.agent_function_path is not None else ToolLoop(config)
+    return AgentRunner(config) if agent.agent_function_path is not None else EpisodeLoop(config)
 
 
 def _schemas(path: str | None) -> list[Mapping[str, Any]] | None:

@@ -9,14 +9,14 @@ together, naming both.
 from __future__ import annotations
 
 from actors.config import RunConfig
-from actors.rollout.agent import AgentRunner, ToolLoop, agent_generate_for
+from actors.rollout.agent import AgentRunner, EpisodeLoop, agent_generate_for
 from actors.rollout.generate import GenerateFunction, default_generate
 from actors.rollout.sft import sft_generate
 from actors.slime_compat.plugins import adapt_generate, is_slime_style
 from policies.plugins import load_object
 
 
-def choose_generate_function(config: RunConfig) -> GenerateFunction | ToolLoop | AgentRunner:
+def choose_generate_function(config: RunConfig) -> GenerateFunction | EpisodeLoop | AgentRunner:
     """An `AgentRunner` serves an endpoint: the worker starts it before the first group and stops it last."""
     agent = agent_generate_for(config)
     if agent is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import resource
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -44,7 +45,12 @@ async def run_python(code: str, timeout_s: float = TOOL_TIMEOUT_S) -> str:
             process.kill()
             await process.wait()
             return "timeout"
-    return out.decode(errors="replace")[-500:].strip()
+    text = out.decode(errors="replace")[-500:].strip()
+    if process.returncode is not None and process.returncode < 0:  # a limit hit: say which, the model can act on it
+        limit = {signal.SIGXCPU: "its CPU time limit", signal.SIGKILL: "its memory or CPU limit"}.get(
+            signal.Signals(-process.returncode), signal.Signals(-process.returncode).name)
+        text = f"{text}\nkilled: the program ran past {limit}".strip()
+    return text
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:

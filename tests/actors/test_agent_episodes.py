@@ -17,16 +17,22 @@ import pytest
 
 from actors.config import RunConfig, build_config
 from actors.learner.step import TrainingStep
-from actors.rollout.agent import AgentRunner, ToolLoop, agent_generate_for
+from actors.rollout.agent import AgentRunner, EpisodeLoop, agent_generate_for
 from actors.rollout.chat_session import ChatSession
+from actors.rollout.environment import EnvStep, Turn
 from actors.rollout.generate import RolloutContext
 from actors.rollout.openai_endpoint import OpenAIEndpoint
 from actors.rollout.sft import sft_generate
+from actors.rollout.tool_calls import parse_tool_calls
+from actors.rollout.tool_environment import FunctionTools, answer_calls
 from bus.schema import PromptGroup, Sample
 from engines.inference.torch_engine import TorchEngine
 from engines.training.config import TorchTrainerConfig
 from engines.training.torch_trainer import TorchTrainer
 from examples.openai_agent import REVIEW
+from examples.python_tool import TOOLS as PYTHON_TOOLS
+from policies.rewards import RewardInput
+from policies.rewards.episodes import environment_return
 
 pytestmark = pytest.mark.integration
 
@@ -113,7 +119,7 @@ def test_the_tool_loop_answers_the_models_call_and_trains_only_its_turns(taught:
     config = run_config(tool_model, agent_tools_path="examples.openai_agent:FUNCTIONS",
                         agent_tool_schemas_path="examples.openai_agent:TOOLS", agent_max_turns=2)
     loop = agent_generate_for(config)
-    assert isinstance(loop, ToolLoop)
+    assert isinstance(loop, EpisodeLoop)
     (sample,) = asyncio.run(with_context(tool_model, config, lambda context: loop(context, eval_group())))
     seen, trained = texts(tool_model, sample)
     assert seen == f"{CALL}<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
@@ -219,7 +225,7 @@ async def test_text_completions_continue_the_sessions_text_token_for_token(endpo
 
 @pytest.mark.unit
 def test_agent_flags_that_both_generate_are_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match="--agent-function-path and --agent-tools-path"):
+    with pytest.raises(ValueError, match="--agent-function-path and --agent-tools-path each run the episode"):
         agent_generate_for(build_config({"agent_function_path": "examples.openai_agent:solve",
                                          "agent_tools_path": "examples.openai_agent:FUNCTIONS"}))
     with pytest.raises(ValueError, match="--custom-generate-function-path and the --agent-"):
@@ -288,3 +294,56 @@ def test_a_single_turn_prompt_longer_than_the_context_fails_its_samples_naming_i
     samples = asyncio.run(generate())
     assert [s.status for s in samples] == ["failed", "failed"]
     assert "prompt of 20 tokens leaves no room in the model's context of 12 tokens" in samples[0].error
+
+
+class CountdownGame:
+    """A stateful environment: the model must say the number it is shown; a right turn earns 1 and shows the next
+    number down, any other earns 0; done after three numbers. Its step raises once, on the second turn."""
+
+    def __init__(self, prompt: str, label: object, metadata: dict) -> None:
+        self.number, self.turns = 3, 0
+
+    async def reset(self) -> list[dict]:
+        return [{"role": "user", "content": f"say {self.number}"}]
+
+    async def step(self, turn: Turn) -> EnvStep:
+        self.turns += 1
+        if self.turns == 2:
+            raise RuntimeError("the board fell over")
+        reward = 1.0 if turn.text.strip() == str(self.number) else 0.0
+        self.number -= 1
+        return EnvStep(messages=[{"role": "user", "content": f"say {self.number}"}], reward=reward,
+                       done=self.number == 0)
+
+
+def test_an_environment_drives_the_loop_with_state_per_turn_rewards_and_a_step_that_raises(
+        tiny_model_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    config = run_config(tiny_model_path, agent_environment_path=f"{__name__}:CountdownGame", agent_max_turns=5,
+                        rollout_stop_token_ids=list(range(120)))  # every turn one token, ended by "stop"
+    loop = agent_generate_for(config)
+    assert isinstance(loop, EpisodeLoop)
+    samples = asyncio.run(with_context(tiny_model_path, config, lambda context: loop(context, eval_group(2))))
+    for sample in samples:
+        seen, _ = texts(tiny_model_path, sample)
+        # The untrained model says anything: each rewarded turn earns 0 and counts the game down; the raising
+        # second step came back to the model as a message, was counted, and did not count down.
+        assert sample.metadata["turns"] == 4 and sample.metadata["turn_rewards"] == [0.0, 0.0, 0.0]
+        assert "<|im_start|>user\nerror: the environment failed: RuntimeError: the board fell over" in seen
+        assert "<|im_start|>user\nsay 1<|im_end|>" in seen and sample.metadata["tool_errors"] == 1
+        prompt = AutoTokenizer.from_pretrained(tiny_model_path).decode(sample.tokens[:sample.prompt_tokens].tolist())
+        assert prompt.endswith("<|im_start|>user\nsay 3<|im_end|>\n<|im_start|>assistant\n")
+    assert environment_return(RewardInput(prompt="", response="", metadata={"turn_rewards": [1.0, 0.0, 1.0]})) == 2.0
+
+
+async def test_the_sandboxed_python_tool_answers_a_models_calls_and_a_runaway_program_times_out() -> None:
+    turn = parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>'
+                            '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>'
+                            '<tool_call>{"name": "python", "arguments": {"code": "import os; print(os.environ)"}}'
+                            '</tool_call>')
+    results = await answer_calls(FunctionTools(PYTHON_TOOLS), turn, timeout_s=10)
+    output, runaway, environment = (m["content"] for m in results.messages)
+    assert (output, results.errors) == ("1024", 0)
+    assert runaway == "timeout" or runaway.startswith("killed: the program ran past its")  # wall clock or rlimit
+    assert environment.startswith("environ(") and "HOME" not in environment and "PATH" not in environment

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 
 from bus.address import bind, bind_address, connectable, ipc_sockets_dir
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path: pytest's own temp paths (deeper under pytest-xdist) leave too few of the 107
+    bytes for the "sockets stay in the run directory" case."""
+    with tempfile.TemporaryDirectory(prefix="addr-") as folder:
+        yield Path(folder)
 
 
 @pytest.mark.unit
@@ -54,8 +64,10 @@ def test_wildcard_binds_are_advertised_under_a_concrete_host() -> None:
 
 
 @pytest.mark.unit
-def test_an_actor_binds_by_the_bus_rule_ipv6_host_and_ipc_limit_included(tmp_path: Path) -> None:
+def test_an_actor_binds_by_the_bus_rule_ipv6_host_and_ipc_limit_included(short_dir: Path) -> None:
     from actors.runtime.context import ActorContext  # the one caller outside bus/ that names its own endpoints
+
+    tmp_path = short_dir
 
     def context(**overrides: object) -> ActorContext:
         return ActorContext(actor_id="rollout-0", role="rollout", actor_class="x:Y", node_rank=0,
@@ -74,8 +86,9 @@ def test_an_actor_binds_by_the_bus_rule_ipv6_host_and_ipc_limit_included(tmp_pat
 
 
 @pytest.mark.unit
-def test_a_deep_run_directory_keeps_its_ipc_sockets_in_a_short_folder_of_its_own(tmp_path: Path) -> None:
+def test_a_deep_run_directory_keeps_its_ipc_sockets_in_a_short_folder_of_its_own(short_dir: Path) -> None:
     """A deep run directory used to fail every actor's ipc bind (the OS allows 107 bytes), a crash loop."""
+    tmp_path = short_dir
     shallow = tmp_path / "run"
     assert ipc_sockets_dir(shallow) == shallow / "sockets"
     deep = tmp_path / ("d" * 60) / "run"
