@@ -37,4 +37,8 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "multiturn/environment_token_fraction": 1 - model_tokens / response_tokens if response_tokens else 0.0,
         "multiturn/truncated_fraction": float(np.mean([s.status == "truncated" for s in episodes])),
     }
+    turn_rewards = [float(r) for s in episodes for r in s.metadata.get("turn_rewards") or []]
+    if turn_rewards:  # an environment that rewards turns (actors/rollout/environment.py)
+        metrics["multiturn/turn_reward_mean"] = float(np.mean(turn_rewards))
+        metrics["multiturn/rewarded_turns_per_episode"] = len(turn_rewards) / len(episodes)
     return metrics

@@ -62,6 +62,10 @@ def test_episode_metrics_count_turns_tool_calls_errors_and_samples_spanning_weig
     assert metrics["multiturn/environment_token_fraction"] == pytest.approx(2 / 7)
     assert metrics["multiturn/truncated_fraction"] == 0.0
     assert set(episode_metrics([single])) == {"partial/mixed_version_fraction"}
+    assert "multiturn/turn_reward_mean" not in metrics
+    rewarded = msgspec.structs.replace(spanning_sample(), metadata={"turns": 2, "turn_rewards": [1.0, 0.0, 0.5]})
+    metrics = episode_metrics([rewarded, spanning_sample(1)])
+    assert metrics["multiturn/turn_reward_mean"] == 0.5 and metrics["multiturn/rewarded_turns_per_episode"] == 1.5
 
 
 @pytest.mark.integration
