@@ -92,9 +92,13 @@ class EpisodeLoop:
 
     async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> Sample:
         session = ChatSession(context, group, index)
-        environment = await make_environment(self.factory, group.prompt, group.label, group.metadata)
-        messages = [*prompt_messages(group.prompt),
-                    *check_messages(await environment.reset(), f"environment {self.name}: reset()")]
+        try:
+            environment = await make_environment(self.factory, group.prompt, group.label, group.metadata)
+            opening = check_messages(await environment.reset(), "reset()'s messages")
+        except Exception as error:  # the user's environment: its sample fails, counted and logged; the worker goes on
+            reason = f"environment {self.name} could not start an episode: {type(error).__name__}: {error}"
+            return failed_samples(group, context.prompt_ids(group.prompt), reason)[index]
+        messages = [*prompt_messages(group.prompt), *opening]
         final_answer, rewards = "", []
         try:
             for turn_index in range(self.max_turns):
@@ -105,14 +109,14 @@ class EpisodeLoop:
                     break
                 turn = Turn(context.tokenizer.decode(session.last_output, skip_special_tokens=True),
                             completion.parsed, turn_index)
-                step = await guarded_step(environment, turn, timeout_s=self.step_timeout, name=self.name)
+                step = await guarded_step(environment, turn, timeout_s=self.step_timeout)
                 session.tool_calls += step.tool_calls
                 session.tool_errors += step.tool_errors
                 if step.reward is not None:
                     rewards.append(float(step.reward))
                 if step.done or turn_index == self.max_turns - 1:
                     break
-                messages = [*messages, *check_messages(step.messages, f"environment {self.name}: step()")]
+                messages = [*messages, *step.messages]
         except NoRoomError as error:  # the conversation filled the context: what was generated still trains
             if session.trajectory is None or session.trajectory.model_turns == 0:
                 return failed_samples(group, context.prompt_ids(group.prompt), str(error))[index]

@@ -73,18 +73,20 @@ class ToolsEnvironment:
                        tool_errors=results.errors)
 
 
-async def guarded_step(environment: Environment, turn: Turn, *, timeout_s: float, name: str) -> EnvStep:
-    """`environment.step(turn)`, with a failure or an overrun turned into a message for the model."""
+async def guarded_step(environment: Environment, turn: Turn, *, timeout_s: float) -> EnvStep:
+    """`environment.step(turn)`, with a failure, an overrun or an answer that is not an `EnvStep` of chat messages
+    turned into a message for the model (and a tool error)."""
     try:
         step = await asyncio.wait_for(environment.step(turn), timeout_s)
+        if not isinstance(step, EnvStep):
+            raise TypeError(f"step() returned {type(step).__name__}, not an EnvStep")
+        step.messages = check_messages(step.messages, "step()'s messages")
+        return step
     except TimeoutError:
         return EnvStep(messages=[_error(f"the environment did not answer within {timeout_s:g} s")], tool_errors=1)
     except Exception as error:  # the environment's failure: the model is told, the episode goes on
         return EnvStep(messages=[_error(f"the environment failed: {type(error).__name__}: {error}")],
                        tool_errors=1)
-    if not isinstance(step, EnvStep):
-        raise TypeError(f"environment {name}: step() returned {type(step).__name__}, not an EnvStep")
-    return step
 
 
 async def make_environment(factory: EnvironmentFactory, prompt: Any, label: Any,

@@ -316,6 +316,40 @@ class CountdownGame:
                        done=self.number == 0)
 
 
+class UnstartableGame:
+    def __init__(self, prompt: str, label: object, metadata: dict) -> None:
+        pass
+
+    async def reset(self) -> list[dict]:
+        raise ConnectionError("no sandbox left")
+
+
+class SloppyGame(CountdownGame):
+    async def step(self, turn: Turn) -> EnvStep:
+        return {"messages": []} if turn.index == 0 else EnvStep(messages=["not a message"], done=True)
+
+
+def test_an_environment_that_cannot_start_fails_its_sample_and_a_sloppy_step_is_shown_to_the_model(
+        tiny_model_path: Path) -> None:
+    """Neither is the model's doing nor the worker's end: the first fails the sample (counted, with its reason, not
+    re-issued to fail again), the second comes back to the model as an error, like a step that raises."""
+    one_token = {"rollout_stop_token_ids": list(range(120)), "agent_max_turns": 5}
+    config = run_config(tiny_model_path, agent_environment_path=f"{__name__}:UnstartableGame", **one_token)
+    (failed,) = asyncio.run(with_context(tiny_model_path, config,
+                                         lambda context: agent_generate_for(config)(context, eval_group())))
+    assert failed.status == "failed"
+    assert failed.error == (f"environment {__name__}:UnstartableGame could not start an episode: ConnectionError: "
+                            "no sandbox left")
+    config = run_config(tiny_model_path, agent_environment_path=f"{__name__}:SloppyGame", **one_token)
+    (sample,) = asyncio.run(with_context(tiny_model_path, config,
+                                         lambda context: agent_generate_for(config)(context, eval_group())))
+    seen, _ = texts(tiny_model_path, sample)
+    assert "error: the environment failed: TypeError: step() returned dict, not an EnvStep" in seen
+    assert "error: the environment failed: TypeError: step()'s messages must be chat messages" in seen
+    # A step that is refused loses its "done" too: the game runs to --agent-max-turns, every step an error.
+    assert sample.metadata["tool_errors"] == 5 and sample.metadata["turns"] == 5
+
+
 def test_an_environment_drives_the_loop_with_state_per_turn_rewards_and_a_step_that_raises(
         tiny_model_path: Path) -> None:
     from transformers import AutoTokenizer
