@@ -56,8 +56,9 @@ def test_a_node_checks_only_what_its_own_actors_read(tmp_path: Path) -> None:
     config = RunConfig(prompt_data=str(tmp_path / "on-the-head.jsonl"), hf_checkpoint="/on/the/head/only",
                        custom_advantage_function_path="no_such_package:advantages", rm_type="no_such_reward")
     assert preflight(config, {"rollout": 0, "reward": 2}) == [
-        "--rm-type no_such_reward: unknown reward function 'no_such_reward'; registered: deepscaler, exact_match, "
-        "f1, gpqa, math, multiple_choice; or give a dotted path 'package.module:attr'",
+        "--rm-type no_such_reward: unknown reward function 'no_such_reward'; registered: deepscaler, "
+        "environment_return, exact_match, f1, gpqa, math, multiple_choice; or give a dotted path "
+        "'package.module:attr'",
     ]
 
 
