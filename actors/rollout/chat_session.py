@@ -62,14 +62,9 @@ class ChatSession:
             raise ConversationDiverged("this session holds a text completion; a chat completion needs a session "
                                        "of its own")
         messages = [dict(message) for message in messages]
-        before = len(self.trajectory.response_ids) if self.trajectory is not None else 0
+        before = self._response_length()
         self._append_messages(messages, tools)
-        try:
-            output, prompt_tokens = await self._generate(max_tokens, stop)
-        except NoRoomError:
-            assert self.trajectory is not None
-            self.trajectory.truncate(before)  # the sample ends where the model last wrote, as if never asked
-            raise
+        output, prompt_tokens = await self._generate_or_roll_back(before, max_tokens, stop)
         text = self.context.tokenizer.decode(output.output_ids, skip_special_tokens=True)
         parsed = parse_tool_calls(text)
         message = assistant_message(parsed, text)
@@ -83,6 +78,7 @@ class ChatSession:
         start with the session's text so far (prompt and completions); only what follows it is tokenized."""
         if self.messages or (self.trajectory is not None and self.text is None):
             raise ConversationDiverged("this session holds a chat; a text completion needs a session of its own")
+        before = self._response_length()
         if self.trajectory is None:
             self.trajectory = Trajectory(list(self.context.tokenizer(prompt, add_special_tokens=True)["input_ids"]))
         else:
@@ -92,7 +88,7 @@ class ChatSession:
                                            "first prompt and every completion, unchanged) followed by new text")
             self.trajectory.add_environment(
                 list(self.context.tokenizer(prompt[len(self.text):], add_special_tokens=False)["input_ids"]))
-        output, prompt_tokens = await self._generate(max_tokens, stop)
+        output, prompt_tokens = await self._generate_or_roll_back(before, max_tokens, stop)
         completion = self.context.tokenizer.decode(output.output_ids, skip_special_tokens=True)
         self.text = prompt + completion
         return completion, output.finish_reason, prompt_tokens, len(output.output_ids)
@@ -133,6 +129,23 @@ class ChatSession:
                                        "later call must add the messages that follow the model's last turn")
         assert self.trajectory is not None
         self.trajectory.add_environment(self.turns.closing(self.last_output) + self.turns.next_turn(messages[known:]))
+
+    def _response_length(self) -> int:
+        return len(self.trajectory.response_ids) if self.trajectory is not None else 0
+
+    async def _generate_or_roll_back(self, before: int, max_tokens: int | None,
+                                     stop: Sequence[str]) -> tuple[GenerateOutput, int]:
+        """`_generate`; when the conversation no longer fits, the session is left as it was before this call (the
+        sample ends where the model last wrote; a first call that did not fit leaves no conversation at all)."""
+        try:
+            return await self._generate(max_tokens, stop)
+        except NoRoomError:
+            assert self.trajectory is not None
+            if self.trajectory.model_turns:
+                self.trajectory.truncate(before)
+            else:
+                self.trajectory, self.turns = None, None
+            raise
 
     async def _generate(self, max_tokens: int | None, stop: Sequence[str]) -> tuple[GenerateOutput, int]:
         """One engine call continuing the trajectory, under the run's sampling (the log-probs the learner corrects

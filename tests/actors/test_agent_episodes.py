@@ -25,6 +25,7 @@ from actors.rollout.openai_endpoint import OpenAIEndpoint
 from actors.rollout.sft import sft_generate
 from actors.rollout.tool_calls import parse_tool_calls
 from actors.rollout.tool_environment import FunctionTools, answer_calls
+from actors.rollout.trajectory import render
 from bus.schema import PromptGroup, Sample
 from engines.inference.torch_engine import TorchEngine
 from engines.training.config import TorchTrainerConfig
@@ -381,3 +382,31 @@ async def test_the_sandboxed_python_tool_answers_a_models_calls_and_a_runaway_pr
     assert (output, results.errors) == ("1024", 0)
     assert runaway == "timeout" or runaway.startswith("killed: the program ran past its")  # wall clock or rlimit
     assert environment.startswith("environ(") and "HOME" not in environment and "PATH" not in environment
+
+
+async def test_a_first_call_that_does_not_fit_leaves_the_session_empty_and_usable(tiny_model_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    engine = TorchEngine.from_pretrained(tiny_model_path, max_batch_size=4, max_model_len=48)
+    served = OpenAIEndpoint(model="tiny")
+    await served.start()
+    try:
+        context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+                                 config=run_config(tiny_model_path), worker_id="w")
+        session = ChatSession(context, eval_group(), 0)
+        url = served.open(session)
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match="leaves no room") as refused:
+                await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "9" * 60}])
+            assert refused.value.code == "context_length_exceeded"
+            with pytest.raises(ValueError, match="the episode never called the model"):
+                session.to_sample()
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1+1="}],
+                                                 max_tokens=3)
+        sample = session.to_sample()
+        assert sample.prompt_tokens == len(render(context.tokenizer, [{"role": "user", "content": "1+1="}],
+                                                  add_generation_prompt=True))
+        assert sample.response_length == 3
+    finally:
+        await served.stop()
+        await engine.close()
