@@ -107,8 +107,7 @@ class EpisodeLoop:
                 final_answer = completion.message["content"]
                 if completion.finish_reason == "length":
                     break
-                turn = Turn(context.tokenizer.decode(session.last_output, skip_special_tokens=True),
-                            completion.parsed, turn_index)
+                turn = Turn(completion.text, completion.parsed, turn_index)
                 step = await guarded_step(environment, turn, timeout_s=self.step_timeout)
                 session.tool_calls += step.tool_calls
                 session.tool_errors += step.tool_errors

@@ -32,6 +32,7 @@ class ConversationDiverged(ValueError):
 @dataclass(frozen=True)
 class Completion:
     message: dict[str, Any]  # the assistant message, OpenAI-shaped: content and, if the model called tools, calls
+    text: str  # what the model wrote, call blocks included (special tokens left out)
     parsed: ParsedTurn
     finish_reason: str  # "stop", "length", "tool_calls" or "abort"
     prompt_tokens: int
@@ -70,7 +71,7 @@ class ChatSession:
         message = assistant_message(parsed, text)
         self.messages = [*messages, message]
         finish = "tool_calls" if message.get("tool_calls") and output.finish_reason == "stop" else output.finish_reason
-        return Completion(message, parsed, finish, prompt_tokens, len(output.output_ids))
+        return Completion(message, text, parsed, finish, prompt_tokens, len(output.output_ids))
 
     async def complete_text(self, prompt: str, *, max_tokens: int | None = None,
                             stop: Sequence[str] = ()) -> tuple[str, str, int, int]:
