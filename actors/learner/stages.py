@@ -57,7 +57,7 @@ def to_train_sample(sample: Sample, *, newest_version_only: bool = False) -> Tra
     only on the tokens of its newest weights; the older part stays in the sequence as context, loss mask 0.
     """
     length = int(sample.response_length)
-    mask = np.asarray(sample.loss_mask if sample.loss_mask is not None else np.ones(length), dtype=np.float32)
+    mask = loss_mask_of(sample)
     if newest_version_only:
         mask = mask * newest_version_tokens(sample)
     rollout = sample.rollout_log_probs
@@ -68,6 +68,12 @@ def to_train_sample(sample: Sample, *, newest_version_only: bool = False) -> Tra
         rollout_log_probs=None if rollout is None else torch.tensor(np.asarray(rollout), dtype=torch.float32),
         reward=float(sample.reward or 0.0),
     )
+
+
+def loss_mask_of(sample: Sample) -> np.ndarray:
+    """The sample's loss mask as float32; a sample without one trains on every response token."""
+    mask = sample.loss_mask if sample.loss_mask is not None else np.ones(int(sample.response_length))
+    return np.asarray(mask, dtype=np.float32)
 
 
 def newest_version_tokens(sample: Sample) -> np.ndarray:
@@ -81,11 +87,7 @@ def newest_version_tokens(sample: Sample) -> np.ndarray:
 
 def masked_older_tokens(samples: Sequence[Sample]) -> int:
     """Trained tokens that --mask-offpolicy-in-partial-rollout takes out of the loss, over a batch."""
-    total = 0
-    for sample in samples:
-        mask = np.asarray(sample.loss_mask if sample.loss_mask is not None else np.ones(int(sample.response_length)))
-        total += int(np.sum(mask * (1 - newest_version_tokens(sample))))
-    return total
+    return sum(int(np.sum(loss_mask_of(s) * (1 - newest_version_tokens(s)))) for s in samples)
 
 
 def to_step_batch(samples: Sequence[Sample], *, newest_version_only: bool = False) -> StepBatch:

@@ -24,8 +24,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from actors.config import RunConfig
 from actors.rollout.chat_session import ChatSession
 from actors.rollout.environment import (
@@ -36,7 +34,7 @@ from actors.rollout.environment import (
     guarded_step,
     make_environment,
 )
-from actors.rollout.generate import NoRoomError, RolloutContext, failed_samples, make_sample
+from actors.rollout.generate import NoRoomError, RolloutContext, failed_sample
 from actors.rollout.openai_endpoint import OpenAIEndpoint
 from actors.rollout.tool_environment import FunctionTools
 from bus.schema import PromptGroup, Sample
@@ -97,7 +95,7 @@ class EpisodeLoop:
             opening = check_messages(await environment.reset(), "reset()'s messages")
         except Exception as error:  # the user's environment: its sample fails, counted and logged; the worker goes on
             reason = f"environment {self.name} could not start an episode: {type(error).__name__}: {error}"
-            return failed_samples(group, context.prompt_ids(group.prompt), reason)[index]
+            return failed_sample(group, index, context.prompt_ids(group.prompt), reason)
         messages = [*prompt_messages(group.prompt), *opening]
         final_answer, rewards = "", []
         try:
@@ -118,7 +116,7 @@ class EpisodeLoop:
                 messages = [*messages, *step.messages]
         except NoRoomError as error:  # the conversation filled the context: what was generated still trains
             if session.trajectory is None or session.trajectory.model_turns == 0:
-                return failed_samples(group, context.prompt_ids(group.prompt), str(error))[index]
+                return failed_sample(group, index, context.prompt_ids(group.prompt), str(error))
             session.last_finish = "length"
         return session.to_sample(metadata={"final_answer": final_answer, "turn_rewards": rewards})
 
@@ -165,8 +163,7 @@ class AgentRunner:
             reason = f"agent {self.path} failed: {type(error).__name__}: {error}"
         finally:
             self.endpoint.close(base_url)
-        failed = make_sample(group, index, context.prompt_ids(group.prompt), [], [], [], response="", status="failed")
-        return msgspec.structs.replace(failed, error=reason)
+        return failed_sample(group, index, context.prompt_ids(group.prompt), reason)
 
 
 def agent_generate_for(config: RunConfig) -> EpisodeLoop | AgentRunner | None:

@@ -140,11 +140,15 @@ class NoRoomError(ValueError):
     """A prompt that fills the context cap by itself: its samples fail (and are counted), the worker goes on."""
 
 
+def failed_sample(group: PromptGroup, index: int, prompt_ids: list[int], reason: str) -> Sample:
+    """Sample `index` marked failed with `reason`, no response: the buffer drops its group and counts it."""
+    return msgspec.structs.replace(make_sample(group, index, prompt_ids, [], [], [], response="", status="failed"),
+                                   error=reason)
+
+
 def failed_samples(group: PromptGroup, prompt_ids: list[int], reason: str) -> list[Sample]:
-    """The group's samples marked failed with `reason`, no response: the buffer drops the group and counts it."""
-    return [msgspec.structs.replace(make_sample(group, index, prompt_ids, [], [], [], response="", status="failed"),
-                                    error=reason)
-            for index in range(group.n_samples)]
+    """Every sample of the group marked failed with `reason`."""
+    return [failed_sample(group, index, prompt_ids, reason) for index in range(group.n_samples)]
 
 
 async def default_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
