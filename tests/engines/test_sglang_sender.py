@@ -46,7 +46,9 @@ def start_peer(sender: SglangWeightSender, version: int, *, refuse: bool) -> sub
     spec = sender.open_group(["learner", ENGINE])
     arguments = json.dumps({"spec": spec.to_dict(), "engine": ENGINE, "version": version, "refuse": refuse})
     peer = subprocess.Popen([sys.executable, "-c", PEER, arguments], cwd=REPO)
-    sender.wait_for_receivers()
+    # The peer imports torch before it joins, which takes seconds on a loaded machine: the join gets its own
+    # deadline, longer than the transfer deadline the tests measure.
+    sender.wait_for_receivers(timeout_s=60)
     return peer
 
 
