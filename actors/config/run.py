@@ -22,6 +22,7 @@ from actors.config.sections import (
     EvalConfig,
     LearnerConfig,
     LoggingConfig,
+    LoraConfig,
     ModelConfig,
     PlacementConfig,
     RewardConfig,
@@ -35,8 +36,8 @@ from policies.config import PolicyLossConfig
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "agent": AgentConfig,
     "buffer": BufferConfig, "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig,
-    "engine": EngineConfig, "weights": WeightsConfig, "placement": PlacementConfig, "controller": ControllerConfig,
-    "logging": LoggingConfig, "megatron": MegatronConfig,
+    "lora": LoraConfig, "engine": EngineConfig, "weights": WeightsConfig, "placement": PlacementConfig,
+    "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -56,6 +57,7 @@ class RunConfig(BaseModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
@@ -156,6 +158,8 @@ class RunConfig(BaseModel):
         if placement.actor_num_nodes != 1:
             problems.append(f"actor_num_nodes {placement.actor_num_nodes}: the learner's ranks all run on the head "
                             "node for now; use --actor-num-nodes 1 with --actor-num-gpus-per-node N")
+        if self.lora.enabled:
+            problems.extend(_lora_problems(self))
         if placement.colocate:
             problems.append("colocate: not available yet; on a single GPU, --rollout-engine torch shares the "
                             "learner's GPU without it (weights over CUDA IPC)")
@@ -170,6 +174,18 @@ class RunConfig(BaseModel):
     def with_settings(self, **flat: Any) -> RunConfig:
         """A validated copy with some flat settings changed (`model_copy` would skip validation and routing)."""
         return RunConfig(**{**self.model_dump(), **flat})
+
+
+def _lora_problems(config: RunConfig) -> list[str]:
+    """Where a LoRA adapter cannot go yet, said at start-up rather than by a failed first weight push."""
+    problems = []
+    if config.trainer.train_backend == "megatron":
+        problems.append("lora_rank: LoRA needs --train-backend torch (megatron-core 0.16 and mbridge have no LoRA "
+                        "layers; Megatron-Bridge's PEFT needs Transformer Engine)")
+    if config.engine.rollout_engine == "sglang":
+        problems.append("lora_rank: adapter-only weight sync reaches the torch engine only; SGLang's adapter "
+                        "loading is not wired yet (use --rollout-engine torch)")
+    return problems
 
 
 def _learner_ranks_from_actor_gpus(values: dict[str, Any]) -> dict[str, Any]:

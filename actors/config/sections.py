@@ -270,6 +270,24 @@ class TrainerConfig(Section):
         return _builtin_or_plugin(value, info)
 
 
+class LoraConfig(Section):
+    """A LoRA adapter instead of full fine-tuning (the torch backend, through PEFT): the learner trains and sends
+    the adapter alone, the engines fold it into their weights. Names as in PEFT and slime's LoRA recipe."""
+
+    lora_rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (no adapter)")
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha: the adapter's product is scaled by "
+                              "lora_alpha / lora_rank")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training (0 "
+                                "keeps the learner's log-probs those of the policy that generated)")
+    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], description="modules that get an "
+                                      "adapter, by name suffix (q_proj k_proj v_proj o_proj gate_proj up_proj "
+                                      "down_proj ...) or all-linear: every linear layer but the output head")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+
 class EngineConfig(Section):
     """The inference engine each rollout worker drives (SGLang's settings apply to --rollout-engine sglang)."""
 

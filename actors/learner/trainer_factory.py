@@ -81,8 +81,20 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
     flags = _checked_megatron_flags(config)
     # Megatron's activation recompute, on this backend: HF gradient checkpointing (every layer).
     recompute = flags.get("recompute_granularity") is not None
-    settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute)
+    settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute,
+                                  lora=lora_settings(config))
     return TorchTrainer(settings)
+
+
+def lora_settings(config: RunConfig) -> Any:
+    """The adapter the torch trainer wraps the model in, or None for full fine-tuning (--lora-rank 0)."""
+    from engines.training.lora import LoraSettings
+
+    section = config.lora
+    if not section.enabled:
+        return None
+    return LoraSettings(rank=section.lora_rank, alpha=section.lora_alpha, dropout=section.lora_dropout,
+                        target_modules=tuple(section.target_modules))
 
 
 def _checked_megatron_flags(config: RunConfig) -> dict[str, Any]:

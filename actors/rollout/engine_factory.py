@@ -59,6 +59,8 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         device=engine_device(),
         dtype=torch.bfloat16 if config.model.bf16 else torch.float32,
         seed=engine_seed(config.seed, actor_id),  # requests carry their own seeds; this covers unseeded ones
+        # A LoRA run's updates are adapters, which the engine folds into its weights at the run's scale.
+        lora_scaling=config.lora.lora_alpha / config.lora.lora_rank if config.lora.enabled else None,
     )
     return engine, tokenizer
 

@@ -45,6 +45,7 @@ from engines.inference.base import (
     derive_sample_seed,
 )
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
+from engines.inference.lora_merge import AdapterMerger, is_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class TorchEngine(InferenceEngine):
         seed: int | None = None,
         recompute_kv_on_update: bool = True,
         step_listener: StepListener | None = None,
+        lora_scaling: float | None = None,
     ) -> None:
         _check_supported(model)
         self._model = model.eval()
@@ -81,6 +83,7 @@ class TorchEngine(InferenceEngine):
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._eos_token_ids = _eos_token_ids(model, tokenizer)
         self._parameters = model.state_dict(keep_vars=True)
+        self._adapters = AdapterMerger(self._parameters, lora_scaling)
         self._recompute_kv_on_update = recompute_kv_on_update
         self._step_listener = step_listener
         rng = torch.Generator()
@@ -118,6 +121,7 @@ class TorchEngine(InferenceEngine):
         seed: int | None = None,
         recompute_kv_on_update: bool = True,
         step_listener: StepListener | None = None,
+        lora_scaling: float | None = None,
     ) -> TorchEngine:
         """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread."""
         path = Path(path)
@@ -136,6 +140,7 @@ class TorchEngine(InferenceEngine):
             seed=seed,
             recompute_kv_on_update=recompute_kv_on_update,
             step_listener=step_listener,
+            lora_scaling=lora_scaling,
         )
 
     @property
@@ -317,8 +322,13 @@ class TorchEngine(InferenceEngine):
             self._resolve_if_done(request_id)
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Validate every tensor first, then copy: a bad bucket changes nothing (no half-applied update)."""
-        updates = list(named_tensors)
+        """Validate every tensor first, then copy: a bad bucket changes nothing (no half-applied update).
+
+        LoRA adapter tensors (a LoRA run's updates) are folded into their layers' weights (`lora_merge`)."""
+        updates, adapters = [], []
+        for name, tensor in named_tensors:
+            (adapters if is_adapter(name) else updates).append((name, tensor))
+        self._adapters.check(adapters)
         for name, tensor in updates:
             target = self._parameters.get(name)
             if target is None:
@@ -331,7 +341,9 @@ class TorchEngine(InferenceEngine):
                 )
         with torch.no_grad():
             for name, tensor in updates:
-                self._parameters[name].copy_(tensor)
+                if not self._adapters.rebase(name, tensor):
+                    self._parameters[name].copy_(tensor)
+        self._adapters.apply(adapters)
         self._version = version
         if self._recompute_kv_on_update:
             self._batcher.drop_cache()

@@ -8,6 +8,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engines.training.lora import LoraSettings
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -59,9 +61,13 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     `attn_implementation` defaults to `packed_sdpa` (per-sequence attention inside a packed row, see
     `engines.training.attention`); "flash_attention_2" is the faster choice where it is installed, "sdpa" the
     conservative one (correct, but it computes masked cross-sequence scores).
+    `lora` trains a LoRA adapter on the frozen model instead of every weight (`engines.training.lora`); the
+    reference model is then the policy with its adapter switched off, unless `ref_model_path` names another
+    model.
     """
 
     gradient_checkpointing: bool = False
+    lora: LoraSettings | None = None
     device: str = "cpu"
     attn_implementation: str = "packed_sdpa"
     check_packing: bool = True

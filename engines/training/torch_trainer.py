@@ -9,6 +9,10 @@ hold different numbers of micro-batches.
 
 Determinism of the policy: dropout is switched off at load. RL needs the learner's log-probs to be the
 behaviour policy's log-probs up to off-policyness; random masks would add noise to every importance ratio.
+
+LoRA (`config.lora`): the model is wrapped by PEFT and only the adapter trains. The adapter is all that a
+checkpoint stores beside the optimizer, all that `named_tensors` sends, and the reference model is the policy
+with its adapter switched off (no second copy of the weights) unless another reference model is named.
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from engines.training import checkpoint
+from engines.training import checkpoint, lora
 from engines.training.attention import register_packed_attention
 from engines.training.base import (
     DataParallel,
@@ -69,8 +73,12 @@ class TorchTrainer(Trainer):
         self._device = _resolve_device(config.device)
         torch.manual_seed(config.seed)
         self._model = _load_model(config.model_path, self._device, config.attn_implementation)
+        if config.lora is not None:
+            self._model = lora.wrap(self._model, config.lora)
         self._ref = None
-        if config.ref_model_path is not None:
+        # The reference of a LoRA run is its base model: the policy with the adapter off, not a second copy.
+        self._ref_is_base = config.lora is not None and config.ref_model_path == config.model_path
+        if config.ref_model_path is not None and not self._ref_is_base:
             self._ref = _load_model(config.ref_model_path, self._device, config.attn_implementation)
             self._ref.requires_grad_(False)
         if config.check_packing:
@@ -101,14 +109,17 @@ class TorchTrainer(Trainer):
         model: ModelRole = "policy",
     ) -> ModelOutputs:
         """Packed in sample order, returned on the CPU (where samples live), computed without gradients."""
-        network = select_model(model, self._model, self._ref)
+        if model == "ref" and self._ref_is_base:
+            network, adapter_off = self._model, self._model.disable_adapter()
+        else:
+            network, adapter_off = select_model(model, self._model, self._ref), contextlib.nullcontext()
         validate_samples(samples)
         if not samples:
             empty = torch.empty(0)
             return ModelOutputs(log_probs=empty, entropy=empty if with_entropy else None)
         network.eval()
         per_sample: list[ModelOutputs | None] = [None] * len(samples)
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._autocast(), adapter_off:
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
                 inputs = pack_inputs(chunk).to(self._device)
@@ -171,7 +182,10 @@ class TorchTrainer(Trainer):
 
         def write() -> None:
             with checkpoint.atomic_directory(directory) as staging:
-                save_model(self._model, str(staging / checkpoint.WEIGHTS_FILE))
+                if self.config.lora is not None:  # the base weights are the model path's: the adapter suffices
+                    save_file(self._trainable_weights(), str(staging / checkpoint.WEIGHTS_FILE))
+                else:
+                    save_model(self._model, str(staging / checkpoint.WEIGHTS_FILE))
                 optimizer_meta = checkpoint.save_optimizer(
                     staging / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names
                 )
@@ -193,11 +207,15 @@ class TorchTrainer(Trainer):
         weights = directory / checkpoint.WEIGHTS_FILE
         if not weights.is_file():
             raise FileNotFoundError(f"{directory}: checkpoint has no {checkpoint.WEIGHTS_FILE}")
-        missing, unexpected = load_model(self._model, str(weights), strict=False, device=str(self._device))
-        if missing or unexpected:
-            raise ValueError(
-                f"{weights}: weights do not match this model (missing {missing[:5]}, unexpected {unexpected[:5]})"
-            )
+        if self.config.lora is not None:
+            self._load_adapter(weights, state.get("config", {}).get("lora"))
+        else:
+            missing, unexpected = load_model(self._model, str(weights), strict=False, device=str(self._device))
+            if missing or unexpected:
+                raise ValueError(
+                    f"{weights}: weights do not match this model (missing {missing[:5]}, unexpected "
+                    f"{unexpected[:5]})"
+                )
         checkpoint.load_optimizer(
             directory / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names, state["optimizer"]
         )
@@ -209,7 +227,11 @@ class TorchTrainer(Trainer):
 
         Tied weights appear once (under the first name, as `named_parameters` lists them); a receiving HF model
         ties the alias itself. Cast to the engine's dtype on the way (the weight sender does it per bucket).
+        A LoRA run sends its adapter alone, under the names `engines.training.lora` gives it.
         """
+        if self.config.lora is not None:
+            yield from lora.adapter_tensors(self._model)
+            return
         for name, parameter in self._model.named_parameters():
             yield name, parameter.detach()
 
@@ -217,7 +239,11 @@ class TorchTrainer(Trainer):
         def write() -> None:
             with checkpoint.atomic_directory(directory) as staging:
                 checkpoint.copy_auxiliary_files(Path(self.config.model_path), staging)
-                self._model.save_pretrained(staging)
+                if self.config.lora is None:
+                    self._model.save_pretrained(staging)
+                else:  # the merged policy, loadable as any HF model, and the adapter beside it
+                    lora.save_merged(self._model, staging)
+                    lora.save_adapter(self._model, staging / "adapter")
 
         self._on_rank_zero(write, f"exporting {directory}")
 
@@ -226,8 +252,9 @@ class TorchTrainer(Trainer):
 
     @property
     def prepares_beside_training(self) -> bool:
-        """One process: the reference model is its own module, and grad mode and autocast are per thread."""
-        return _world_size() == 1
+        """One process: the reference model is its own module, and grad mode and autocast are per thread. Not
+        when the reference is the policy with its adapter off: switching it off would change the training pass."""
+        return _world_size() == 1 and not self._ref_is_base
 
     def close(self) -> None:
         """Drop the DDP wrapper while the process group is still alive; call before destroy_process_group().
@@ -240,6 +267,31 @@ class TorchTrainer(Trainer):
         if isinstance(self._train_module, DistributedDataParallel):
             self._train_module = self._model
             gc.collect()
+
+    # -- LoRA -------------------------------------------------------------------------------------------------
+
+    def _trainable_weights(self) -> dict[str, Tensor]:
+        return {name: parameter.detach().cpu().contiguous()
+                for name, parameter in self._model.named_parameters() if parameter.requires_grad}
+
+    def _load_adapter(self, weights: Path, saved_settings: dict[str, Any] | None) -> None:
+        """The adapter of a LoRA checkpoint of the same shape; anything else is refused by what differs."""
+        assert self.config.lora is not None
+        current = self.config.lora.model_dump(mode="json")
+        if saved_settings is None:
+            raise ValueError(f"{weights}: a full-weight checkpoint; this run trains a LoRA adapter (--lora-rank "
+                             f"{self.config.lora.rank})")
+        if saved_settings != current:
+            raise ValueError(f"{weights}: adapter settings {saved_settings} differ from this run's {current}")
+        saved = load_file(str(weights), device=str(self._device))
+        parameters = {name: p for name, p in self._model.named_parameters() if p.requires_grad}
+        if saved.keys() != parameters.keys():
+            missing, unexpected = sorted(parameters.keys() - saved.keys()), sorted(saved.keys() - parameters.keys())
+            raise ValueError(f"{weights}: adapter does not match this model (missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]})")
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.copy_(saved[name])
 
     # -- step internals ---------------------------------------------------------------------------------------
 

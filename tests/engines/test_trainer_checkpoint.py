@@ -9,21 +9,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
-from tests.support.training import loss_fn
-
-
-def _samples(seed: int) -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for _ in range(4):
-        length = int(torch.randint(6, 30, (1,), generator=generator))
-        response = int(torch.randint(1, length, (1,), generator=generator))
-        tokens = torch.randint(6, 100, (length,), generator=generator)
-        samples.append(TrainSample(tokens, response, advantages=torch.randn(response, generator=generator)))
-    return samples
-
-
+from engines.training import TorchTrainer, TorchTrainerConfig
+from tests.support.training import loss_fn, random_samples
 
 
 def _config(model_path: Path) -> TorchTrainerConfig:
@@ -48,15 +35,15 @@ def _optimizer_tensors(trainer: TorchTrainer) -> dict[str, Tensor]:
 @pytest.mark.unit
 def test_resumed_step_equals_the_uninterrupted_step(tiny_model_path: Path, tmp_path: Path) -> None:
     uninterrupted = TorchTrainer(_config(tiny_model_path))
-    uninterrupted.train_step(_samples(0), loss_fn(_samples(0)), temperature=1.0)
+    uninterrupted.train_step(random_samples(0), loss_fn(random_samples(0)), temperature=1.0)
     uninterrupted.save_checkpoint(tmp_path / "step1", {"cursor": 17, "note": "after step 1"})
-    uninterrupted.train_step(_samples(1), loss_fn(_samples(1)), temperature=1.0)
+    uninterrupted.train_step(random_samples(1), loss_fn(random_samples(1)), temperature=1.0)
 
     resumed = TorchTrainer(_config(tiny_model_path))
     extra = resumed.load_checkpoint(tmp_path / "step1")
     assert extra == {"cursor": 17, "note": "after step 1"}
     assert resumed.version == 1
-    resumed.train_step(_samples(1), loss_fn(_samples(1)), temperature=1.0)
+    resumed.train_step(random_samples(1), loss_fn(random_samples(1)), temperature=1.0)
 
     assert resumed.version == uninterrupted.version == 2
     expected = dict(uninterrupted.named_tensors())
@@ -74,7 +61,7 @@ def test_saving_over_a_checkpoint_replaces_it_and_leaves_no_staging(tiny_model_p
     trainer = TorchTrainer(_config(tiny_model_path))
     target = tmp_path / "latest"
     trainer.save_checkpoint(target, {"cursor": 1})
-    trainer.train_step(_samples(0), loss_fn(_samples(0)), temperature=1.0)
+    trainer.train_step(random_samples(0), loss_fn(random_samples(0)), temperature=1.0)
     trainer.save_checkpoint(target, {"cursor": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
     assert TorchTrainer(_config(tiny_model_path)).load_checkpoint(target) == {"cursor": 2}
@@ -101,7 +88,7 @@ def test_loading_a_folder_that_is_not_a_checkpoint_names_it(tiny_model_path: Pat
 @pytest.mark.unit
 def test_exported_folder_loads_in_transformers_with_the_trained_weights(tiny_model_path: Path, tmp_path: Path) -> None:
     trainer = TorchTrainer(_config(tiny_model_path))
-    trainer.train_step(_samples(0), loss_fn(_samples(0)), temperature=1.0)
+    trainer.train_step(random_samples(0), loss_fn(random_samples(0)), temperature=1.0)
     trainer.export_hf(tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     loaded = dict(model.named_parameters())

@@ -7,20 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
-from tests.support.training import loss_fn
-
-
-def _samples() -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for length in (12, 30, 7, 21):
-        response = length // 2
-        tokens = torch.randint(6, 100, (length,), generator=generator)
-        samples.append(TrainSample(tokens, response, advantages=torch.randn(response, generator=generator)))
-    return samples
-
-
+from engines.training import TorchTrainer, TorchTrainerConfig
+from tests.support.training import half_response_samples, loss_fn
 
 
 @pytest.mark.gpu
@@ -30,10 +18,11 @@ def test_cuda_step_matches_the_cpu_step(tiny_model_path: Path) -> None:
         device: TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-3, eps=1.0, device=device))
         for device in ("cpu", "cuda")
     }
-    log_probs = {d: t.compute_log_probs(_samples(), temperature=0.7).log_probs for d, t in trainers.items()}
+    samples = half_response_samples()
+    log_probs = {d: t.compute_log_probs(samples, temperature=0.7).log_probs for d, t in trainers.items()}
     torch.testing.assert_close(log_probs["cuda"], log_probs["cpu"], atol=1e-4, rtol=0)
     for trainer in trainers.values():
-        assert not trainer.train_step(_samples(), loss_fn(_samples()), temperature=0.7).skipped
+        assert not trainer.train_step(samples, loss_fn(samples), temperature=0.7).skipped
     cpu = dict(trainers["cpu"].named_tensors())
     for name, tensor in trainers["cuda"].named_tensors():
         assert tensor.is_cuda
@@ -43,6 +32,6 @@ def test_cuda_step_matches_the_cpu_step(tiny_model_path: Path) -> None:
 @pytest.mark.gpu
 def test_bf16_autocast_step_trains_float32_master_weights(tiny_model_path: Path) -> None:
     trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, device="cuda", dtype="bfloat16"))
-    result = trainer.train_step(_samples(), loss_fn(_samples()), temperature=1.0)
+    result = trainer.train_step(half_response_samples(), loss_fn(half_response_samples()), temperature=1.0)
     assert not result.skipped and result.version == 1
     assert all(tensor.dtype == torch.float32 for _, tensor in trainer.named_tensors())

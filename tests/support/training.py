@@ -58,3 +58,26 @@ def seeded_batch() -> list[TrainSample]:
         advantages = torch.randn(response, generator=generator)
         batch.append(TrainSample(tokens, response, loss_mask=mask, advantages=advantages))
     return batch
+
+
+def random_samples(seed: int, count: int = 4) -> list[TrainSample]:
+    """`count` samples of 6-29 tokens, random responses and advantages, the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(count):
+        length = int(torch.randint(6, 30, (1,), generator=generator))
+        response = int(torch.randint(1, length, (1,), generator=generator))
+        tokens = torch.randint(6, 100, (length,), generator=generator)
+        samples.append(TrainSample(tokens, response, advantages=torch.randn(response, generator=generator)))
+    return samples
+
+
+def half_response_samples(lengths: tuple[int, ...] = (12, 30, 7, 21)) -> list[TrainSample]:
+    """One sample per length, its second half the response; the same on every call."""
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    for length in lengths:
+        response = length // 2
+        tokens = torch.randint(6, 100, (length,), generator=generator)
+        samples.append(TrainSample(tokens, response, advantages=torch.randn(response, generator=generator)))
+    return samples
