@@ -217,7 +217,8 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
                              rollout_workers=counts.get("rollout", 0), rollout_needs_gpu=rollout_needs_gpu)
     if args.head and config.weights.weight_transport == "auto":
         cuda = placement.gpus > 0 and rollout_needs_gpu
-        config = config.with_settings(weight_transport=weight_transport(cuda=cuda, placement=placement))
+        config = config.with_settings(weight_transport=weight_transport(cuda=cuda, placement=placement,
+                                                                        colocate=config.placement.colocate))
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def devices_of(role: str, index: int) -> str | None:
@@ -277,7 +278,7 @@ def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int,
         return place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=rollout_workers,
                           gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
                           rollout_engine=config.engine.rollout_engine,
-                          rollout_needs_gpu=rollout_needs_gpu)
+                          rollout_needs_gpu=rollout_needs_gpu, colocate=config.placement.colocate)
     except PlacementError as error:
         raise LaunchError(f"placement: {error}") from None
 

@@ -3,6 +3,7 @@
     python tools/bench_weights.py                 # ~270M-parameter synthetic transformer, fp32 and bf16, 1 and 3
     python tools/bench_weights.py --quick         # a few MB, for the smoke test
     python tools/bench_weights.py --json out.json
+    python tools/bench_weights.py --backends gloo # the broadcast alone (default: gloo and shm)
 
 The state dict is shaped like a real decoder (embeddings, per-layer attention/MLP matrices, norms, biases, an
 untied head), so bucketing sees many tensors of very different sizes. The sender holds float32 master weights,
@@ -11,6 +12,10 @@ into preallocated tensors in place, as an engine does. The baseline is one broad
 same number of bytes over the same kind of standalone group, then a barrier (our transfer's time likewise ends
 at the last receiver's acknowledgement). Baseline and transfer alternate within each repeat; times are medians,
 and ours/raw is the median over repeats of each adjacent pair's ratio, which shared machines need.
+
+The `shm` rows are the same-host path of a colocated run (`engines/weights/shared_memory.py`: staging buffers in
+shared-memory files that the receivers copy from) against the same gloo broadcast baseline: the broadcast path
+a colocated run replaces.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ QUICK = ModelShape(vocab=1000, hidden=128, layers=2, intermediate=352)
 
 @dataclass(frozen=True)
 class Row:
+    transport: str
     dtype: str
     receivers: int
     gigabytes: float
@@ -101,8 +107,10 @@ def main() -> None:
     )
     rows = [
         row
+        for backend in args.backends.split(",")
         for count in receiver_counts
-        for row in _run_group(shape, count, dtypes, repeats, int(args.bucket_mb * 2**20), int(args.direct_mb * 2**20))
+        for row in _run_group(shape, count, dtypes, repeats, int(args.bucket_mb * 2**20),
+                              int(args.direct_mb * 2**20), backend)
     ]
     _print_table(rows)
     if args.json:
@@ -112,10 +120,12 @@ def main() -> None:
 
 
 def _run_group(
-    shape: ModelShape, count: int, dtypes: list[str], repeats: int, bucket_bytes: int, direct_bytes: int
+    shape: ModelShape, count: int, dtypes: list[str], repeats: int, bucket_bytes: int, direct_bytes: int,
+    backend: str,
 ) -> list[Row]:
     context = mp.get_context("spawn")
-    sender = TorchDistributedWeightSender(bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, timeout_s=300)
+    sender = TorchDistributedWeightSender(bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, timeout_s=300,
+                                          backend=backend)
     names = [f"engine-{rank}" for rank in range(count)]
     spec = sender.open_group(["learner", *names])
     processes = [
@@ -145,7 +155,7 @@ def _run_group(
             raw, ours = statistics.median(raw_times), statistics.median(transfer_times)
             # The ratio is the median of the PAIRED ratios (adjacent runs): robust to load drifting between pairs.
             ratio = statistics.median(r / t for r, t in zip(raw_times, transfer_times, strict=True))
-            rows.append(Row(variant, count, gigabytes, raw, gigabytes / raw, ours, gigabytes / ours, ratio))
+            rows.append(Row(backend, variant, count, gigabytes, raw, gigabytes / raw, ours, gigabytes / ours, ratio))
             del flat, master
         return rows
     finally:
@@ -210,17 +220,18 @@ def _numel(shape: tuple[int, ...] | torch.Size) -> int:
 
 def _print_table(rows: list[Row]) -> None:
     header = (
-        f"{'dtype':<10}{'receivers':>10}{'GB':>8}{'raw s':>9}{'raw GB/s':>10}"
+        f"{'transport':<10}{'dtype':<10}{'receivers':>10}{'GB':>8}{'raw s':>9}{'raw GB/s':>10}"
         f"{'ours s':>9}{'ours GB/s':>11}{'ours/raw':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r.dtype:<10}{r.receivers:>10}{r.gigabytes:>8.3f}{r.raw_seconds:>9.3f}{r.raw_gbps:>10.2f}"
+            f"{r.transport:<10}{r.dtype:<10}{r.receivers:>10}{r.gigabytes:>8.3f}{r.raw_seconds:>9.3f}{r.raw_gbps:>10.2f}"
             f"{r.transfer_seconds:>9.3f}{r.transfer_gbps:>11.2f}{r.ratio:>9.0%}"
         )
-    print("GB/s are bytes delivered to EACH receiver per second; target: ours/raw >= 85%")
+    print("GB/s are bytes delivered to EACH receiver per second; raw: one gloo broadcast of the same bytes; "
+          "target for gloo: ours/raw >= 85%")
 
 
 def _parse_args() -> argparse.Namespace:
@@ -236,6 +247,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--direct-mb", type=float, default=DEFAULT_DIRECT_BYTES / 2**20, help="tensors this large travel alone"
     )
+    parser.add_argument("--backends", default="gloo,shm", help="comma-separated transfer backends (gloo, shm)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the figures to this path")
     return parser.parse_args()

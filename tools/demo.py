@@ -63,6 +63,12 @@ def lora_flags(rank: int) -> list[str]:
 LORA_LR, LORA_MIN_LR = "1.5e-3", "2e-4"
 
 
+def colocated(arguments: list[str]) -> list[str]:
+    """The same run with the engines and the learner taking turns: on-policy, so no staleness to allow."""
+    position = arguments.index("--max-staleness")
+    return [*arguments[:position], "--max-staleness", "0", *arguments[position + 2:], "--colocate"]
+
+
 def run_launcher(arguments: list[str]) -> None:
     command = [sys.executable, "launcher.py", *arguments]
     print(f"\n$ {shlex.join(['python', *command[1:]])}", flush=True)
@@ -83,6 +89,9 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="GRPO trains a LoRA adapter of this rank on the SFT model (the engines receive the "
                              "adapter alone); 0 trains every weight")
+    parser.add_argument("--colocate", action="store_true",
+                        help="GRPO as a colocated run: the engines on the learner's devices, taking turns with it "
+                             "(on-policy: --max-staleness 0; weights through shared memory on a CPU)")
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="an SFT model folder from an earlier demo run: skip the SFT step")
     args = parser.parse_args()
@@ -103,15 +112,17 @@ def main() -> None:
     print(f"\nheld-out accuracy after the SFT warm start: {before:.1%}", flush=True)
 
     rl_dir = args.workdir / f"{stamp}-grpo"
+    grpo = colocated(GRPO) if args.colocate else GRPO
     run_launcher(["--head", "--run-dir", str(rl_dir), "--hf-checkpoint", str(warm), "--prompt-data",
-                  str(data["train"]), "--eval-prompt-data", "heldout", str(data["eval"]), *COMMON, *GRPO,
+                  str(data["train"]), "--eval-prompt-data", "heldout", str(data["eval"]), *COMMON, *grpo,
                   *(lora_flags(args.lora_rank) if args.lora_rank else [])])
     after = accuracy(rl_dir / "final_model", data["eval"])
 
     print("\n" + "=" * 72)
     print(f"held-out accuracy (greedy, {MAX_OPERAND}+{MAX_OPERAND} addition, pairs never trained on)")
     print(f"  before RL (after SFT warm start): {before:6.1%}")
-    print(f"  after fully-async GRPO:           {after:6.1%}   ({100 * (after - before):+.1f} points)")
+    kind = "colocated (on-policy) GRPO:" if args.colocate else "fully-async GRPO:"
+    print(f"  after {kind:<28}{after:6.1%}   ({100 * (after - before):+.1f} points)")
     print(f"  total demo time: {time.monotonic() - started:.0f}s")
     print(f"  plots: {rl_dir / 'plots'}   metrics: {rl_dir / 'metrics'}")
     print("=" * 72)

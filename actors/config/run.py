@@ -87,7 +87,7 @@ class RunConfig(BaseModel):
                 section[name] = value
             elif name not in SECTIONS:
                 routed[name] = value  # run-wide fields, and unknown names for extra="forbid" to name
-        return _learner_ranks_from_actor_gpus(routed)
+        return _colocated_on_policy(_learner_ranks_from_actor_gpus(routed))
 
     @property
     def optimizer_steps_per_batch(self) -> int:
@@ -161,8 +161,7 @@ class RunConfig(BaseModel):
         if self.lora.enabled:
             problems.extend(_lora_problems(self))
         if placement.colocate:
-            problems.append("colocate: not available yet; on a single GPU, --rollout-engine torch shares the "
-                            "learner's GPU without it (weights over CUDA IPC)")
+            problems.extend(_colocate_problems(self))
         per_engine = self.engine.rollout_num_gpus_per_engine
         if placement.rollout_num_gpus is not None and placement.rollout_num_gpus % per_engine:
             problems.append(f"rollout_num_gpus {placement.rollout_num_gpus} must be a multiple of "
@@ -174,6 +173,32 @@ class RunConfig(BaseModel):
     def with_settings(self, **flat: Any) -> RunConfig:
         """A validated copy with some flat settings changed (`model_copy` would skip validation and routing)."""
         return RunConfig(**{**self.model_dump(), **flat})
+
+
+def _colocated_on_policy(values: dict[str, Any]) -> dict[str, Any]:
+    """--colocate without a --max-staleness means 0: the learner and the engines take turns, so the engines only
+    ever generate with the weights of the step that comes next."""
+    placement, buffer = values.get("placement"), values.get("buffer")
+    if not (isinstance(placement, dict) and placement.get("colocate")):
+        return values
+    buffer = dict(buffer) if isinstance(buffer, dict) else {}
+    buffer.setdefault("max_staleness", 0)
+    return {**values, "buffer": buffer}
+
+
+def _colocate_problems(config: RunConfig) -> list[str]:
+    problems = []
+    if config.buffer.max_staleness != 0:
+        problems.append(f"colocate: max_staleness {config.buffer.max_staleness}; colocated runs are on-policy by "
+                        "construction (the engines and the learner take turns on the same devices), so leave "
+                        "--max-staleness at 0")
+    if config.engine.rollout_engine != "torch":
+        problems.append(f"colocate: --rollout-engine {config.engine.rollout_engine}; colocated mode runs the torch "
+                        "engine (SGLang's release and resume of its memory is not wired yet)")
+    if config.weights.weight_transport in ("gloo", "nccl"):
+        problems.append(f"colocate: --weight-transport {config.weights.weight_transport} broadcasts; colocated "
+                        "engines read the learner's memory (cuda_ipc on a GPU, shm on CPUs, or auto)")
+    return problems
 
 
 def _lora_problems(config: RunConfig) -> list[str]:

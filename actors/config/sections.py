@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 # Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
 ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
                                               "rollout_engine": ("torch", "sglang")}
-WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc")
+WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc", "shm")
 
 
 def _is_plugin_path(value: str) -> bool:
@@ -313,8 +313,9 @@ class WeightsConfig(Section):
     """How and how often new weights travel from the learner to the engines."""
 
     weight_transport: str = Field(
-        "auto", description="how weights reach the engines: auto (gloo without CUDA, cuda_ipc when engines share "
-        "the learner's GPU, nccl otherwise), gloo, nccl, cuda_ipc, or module:attr of a WeightTransport plugin")
+        "auto", description="how weights reach the engines: auto (gloo without CUDA, shm when colocated on CPUs, "
+        "cuda_ipc when engines share the learner's GPU, nccl otherwise), gloo, nccl, cuda_ipc, shm (shared-memory "
+        "files: engines on the learner's host), or module:attr of a WeightTransport plugin")
     update_weights_interval: int = Field(1, ge=1, description="push weights to engines every N learner steps")
     weight_transfer_timeout: float = Field(30.0, gt=0, description="seconds a weight transfer waits for an engine "
                                            "(to join, be ready, acknowledge) before it fails and is retried")
@@ -344,8 +345,10 @@ class PlacementConfig(Section):
                                                "fully-async run's learner cores of its own and a synchronous run's "
                                                "learner every core's threads (actors/runtime/cpu_budget.py); 'off' "
                                                "leaves placement to the OS")
-    colocate: bool = Field(False, description="learner and engines on the same GPUs, taking turns (not available "
-                           "yet: on one GPU the torch engine already shares the learner's device)")
+    colocate: bool = Field(False, description="learner and engines share the learner's devices and take turns: "
+                           "on-policy (--max-staleness 0), the learner offloads its optimizer state while the "
+                           "engines generate, the engines give back their cached memory while it trains, and "
+                           "weights move over CUDA IPC (GPU) or shared memory (CPU) instead of a broadcast")
 
 
 class ControllerConfig(Section):

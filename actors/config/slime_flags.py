@@ -19,8 +19,6 @@ from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
 
 ENTRY_POINTS = ("train", "train_async")
 _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
-    "--offload-train": lambda v, a: v is False,
-    "--offload-rollout": lambda v, a: v is False,
     "--update-weight-mode": lambda v, a: v == "full",
     "--rollout-data-transport": lambda v, a: v == "object-store",
     "--disable-compute-advantages-and-returns": lambda v, a: a.loss_type in ("sft", "sft_loss"),

@@ -55,7 +55,9 @@ def _owned(owner: str, shape: Shape = "value") -> SlimeFlag:
 
 
 RAY = "Ray-only: there is no Ray here (launcher.py starts the actors; samples travel over the bus)"
-NO_COLOCATE = "colocated mode (learner and engines taking turns on the same GPUs) is not available"
+OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off the GPU while the engines generate and "
+                          "frees the engines' cached memory while the learner trains; without it each owns its "
+                          "devices and nothing needs moving between phases")
 NO_DISK_SYNC = "weight sync over disk and delta-encoded updates are not available (weights travel over gloo, " \
                "NCCL or CUDA IPC)"
 NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
@@ -70,11 +72,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--rollout-num-gpus": _same(),
     "--rollout-num-gpus-per-engine": _same(),
     "--num-gpus-per-node": _same(),
-    "--colocate": _same("switch", "refused by the config check: " + NO_COLOCATE),
-    "--offload": _refused("moving learner/engine memory off the GPU between phases belongs to colocated mode; "
-                          + NO_COLOCATE),
-    "--offload-train": _refused(NO_COLOCATE + " (--no-offload-train is accepted)", "optional_bool"),
-    "--offload-rollout": _refused(NO_COLOCATE + " (--no-offload-rollout is accepted)", "optional_bool"),
+    "--colocate": _same("switch", "on-policy, the torch engine on the learner's device (docs/colocate.md)"),
+    "--offload": _explained(OFFLOADS_WITH_COLOCATE),
+    "--offload-train": _explained(OFFLOADS_WITH_COLOCATE, "optional_bool"),
+    "--offload-rollout": _explained(OFFLOADS_WITH_COLOCATE, "optional_bool"),
     "--distributed-backend": _explained("the learner picks its torch.distributed backend: NCCL on GPUs, gloo on "
                                         "CPUs", "value"),
     "--distributed-timeout-minutes": _explained("every cross-actor wait has its own deadline (e.g. "
@@ -113,8 +114,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--update-weight-mode": _refused(NO_DISK_SYNC + " (--update-weight-mode full is accepted)", "value"),
     "--update-weight-transport": _alias("nccl -> --weight-transport nccl; disk is refused: " + NO_DISK_SYNC),
     "--update-weight-buffer-size": _explained("weights travel in buckets sized by the transport", "value", int),
-    "--release-train": _refused("releasing the learner's GPU memory between steps belongs to colocated mode; "
-                                + NO_COLOCATE),
+    "--release-train": _explained(OFFLOADS_WITH_COLOCATE),
     "--update-weight-disk-dir": _refused(NO_DISK_SYNC, "value"),
     "--update-weight-disk-keep-files": _refused(NO_DISK_SYNC),
     "--update-weight-delta-encoding": _refused(NO_DISK_SYNC, "value"),

@@ -70,9 +70,9 @@ def transfer_backend(config: RunConfig) -> str:
 
     The launcher resolves `auto` on the head; a learner started another way decides the same way here.
     """
-    if config.weights.weight_transport in ("gloo", "nccl", "cuda_ipc"):
+    if config.weights.weight_transport in ("gloo", "nccl", "cuda_ipc", "shm"):
         return config.weights.weight_transport
-    return weight_transport(cuda=torch.cuda.is_available(), placement=None)
+    return weight_transport(cuda=torch.cuda.is_available(), placement=None, colocate=config.placement.colocate)
 
 
 def sender_options(config: RunConfig, host: str) -> SenderOptions:

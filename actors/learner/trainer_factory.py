@@ -82,7 +82,9 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
     # Megatron's activation recompute, on this backend: HF gradient checkpointing (every layer).
     recompute = flags.get("recompute_granularity") is not None
     settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute,
-                                  lora=lora_settings(config))
+                                  lora=lora_settings(config),
+                                  # colocated: the engines generate on this device between our steps
+                                  offload_optimizer=config.placement.colocate)
     return TorchTrainer(settings)
 
 

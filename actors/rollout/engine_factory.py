@@ -61,6 +61,8 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         seed=engine_seed(config.seed, actor_id),  # requests carry their own seeds; this covers unseeded ones
         # A LoRA run's updates are adapters, which the engine folds into its weights at the run's scale.
         lora_scaling=config.lora.lora_alpha / config.lora.lora_rank if config.lora.enabled else None,
+        # colocated: the learner trains on this device whenever generation pauses for its next weights
+        release_memory_when_idle=config.placement.colocate,
     )
     return engine, tokenizer
 

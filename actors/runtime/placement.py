@@ -12,6 +12,10 @@ GPUs, then each rollout worker takes `--rollout-num-gpus-per-engine` consecutive
 for that is an error that gives the numbers, with one exception for the smallest machines: with the torch
 rollout engine, rollout workers on the head may all share learner rank 0's GPU. Their weights then move over
 CUDA IPC (`engines/weights/cuda_ipc.py`), because NCCL refuses two ranks on one device.
+
+`--colocate` asks for that sharing whatever the GPU count (slime's colocated mode): the engines live on the
+learner's GPU and take turns with it. On a node without GPUs the engines' weights then move through
+shared-memory files (`engines/weights/shared_memory.py`) instead of a gloo broadcast.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-WeightTransport = Literal["gloo", "nccl", "cuda_ipc"]
+WeightTransport = Literal["gloo", "nccl", "cuda_ipc", "shm"]
 
 
 class PlacementError(ValueError):
@@ -61,6 +65,7 @@ def place_node(
     gpus_per_engine: int,
     rollout_engine: str,
     rollout_needs_gpu: bool = True,
+    colocate: bool = False,
 ) -> NodePlacement:
     """Lay this node's GPU actors out; `learner_ranks` is 0 on a node that runs no learner.
 
@@ -74,6 +79,8 @@ def place_node(
         )
     if gpus == 0:
         return NodePlacement(0, (), tuple(() for _ in range(rollout_workers)))
+    if colocate and learner_ranks and rollout_needs_gpu:
+        return _colocated(gpus, learner_ranks, rollout_workers, gpus_per_engine, rollout_engine)
     if not rollout_needs_gpu:
         placed = place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=0, gpus_per_engine=1,
                             rollout_engine=rollout_engine)
@@ -104,10 +111,25 @@ def place_node(
     )
 
 
-def weight_transport(*, cuda: bool, placement: NodePlacement | None) -> WeightTransport:
-    """How weights travel: gloo without CUDA, CUDA IPC when the engines share the learner's GPU, else NCCL."""
+def _colocated(gpus: int, learner_ranks: int, rollout_workers: int, gpus_per_engine: int,
+               rollout_engine: str) -> NodePlacement:
+    """Every rollout worker on learner rank 0's GPU: the engine that shares it receives over CUDA IPC, which
+    needs the learner's own device."""
+    if rollout_engine != "torch" or gpus_per_engine != 1:
+        raise PlacementError("colocate: the engines share the learner's GPU through the torch engine, one GPU each "
+                             "(--rollout-engine torch --rollout-num-gpus-per-engine 1); SGLang's release and "
+                             "resume of its memory is not wired yet")
+    if learner_ranks != 1:
+        raise PlacementError(f"colocate: {learner_ranks} learner ranks; colocated mode runs one learner rank on a "
+                             "GPU node for now (the engines receive over CUDA IPC from rank 0's device)")
+    return NodePlacement(gpus, (0,), tuple((0,) for _ in range(rollout_workers)), shared=True)
+
+
+def weight_transport(*, cuda: bool, placement: NodePlacement | None, colocate: bool = False) -> WeightTransport:
+    """How weights travel: gloo without CUDA (shared-memory files when colocated on the learner's host), CUDA IPC
+    when the engines share the learner's GPU, else NCCL."""
     if not cuda:
-        return "gloo"
+        return "shm" if colocate else "gloo"
     if placement is not None and placement.shared:
         return "cuda_ipc"
     return "nccl"

@@ -74,6 +74,7 @@ class TorchEngine(InferenceEngine):
         recompute_kv_on_update: bool = True,
         step_listener: StepListener | None = None,
         lora_scaling: float | None = None,
+        release_memory_when_idle: bool = False,
     ) -> None:
         _check_supported(model)
         self._model = model.eval()
@@ -84,6 +85,7 @@ class TorchEngine(InferenceEngine):
         self._eos_token_ids = _eos_token_ids(model, tokenizer)
         self._parameters = model.state_dict(keep_vars=True)
         self._adapters = AdapterMerger(self._parameters, lora_scaling)
+        self._release_when_idle = release_memory_when_idle
         self._recompute_kv_on_update = recompute_kv_on_update
         self._step_listener = step_listener
         rng = torch.Generator()
@@ -98,6 +100,7 @@ class TorchEngine(InferenceEngine):
         self._paused = False
         self._closed = False
         self._generated_tokens = 0
+        self.memory_releases = 0  # times the engine gave its cached memory back between turns (colocated runs)
         self._last_error: str | None = None
         self._pending: dict[str, _Pending] = {}
 
@@ -122,6 +125,7 @@ class TorchEngine(InferenceEngine):
         recompute_kv_on_update: bool = True,
         step_listener: StepListener | None = None,
         lora_scaling: float | None = None,
+        release_memory_when_idle: bool = False,
     ) -> TorchEngine:
         """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread."""
         path = Path(path)
@@ -141,6 +145,7 @@ class TorchEngine(InferenceEngine):
             recompute_kv_on_update=recompute_kv_on_update,
             step_listener=step_listener,
             lora_scaling=lora_scaling,
+            release_memory_when_idle=release_memory_when_idle,
         )
 
     @property
@@ -191,6 +196,7 @@ class TorchEngine(InferenceEngine):
             "requests": len(self._pending),
             "steps": self._batcher.steps,
             "generated_tokens": self._generated_tokens,
+            "memory_releases": self.memory_releases,
             "last_error": self._last_error,
         }
 
@@ -253,8 +259,12 @@ class TorchEngine(InferenceEngine):
     def _run(self) -> None:
         try:
             with torch.inference_mode():
+                busy = False
                 while not self._closed:
                     idle = self._paused or not self._batcher.has_work()
+                    if idle and busy and self._release_when_idle:
+                        self._release_memory()
+                    busy = not idle
                     self._apply_commands(block=idle)
                     if not self._closed and not self._paused and self._batcher.has_work():
                         self._step()
@@ -304,6 +314,14 @@ class TorchEngine(InferenceEngine):
                 self._step_listener(result.record)
             except Exception:
                 logger.exception("torch engine step listener raised; ignored")
+
+    def _release_memory(self) -> None:
+        """Between two turns of a colocated run: the learner trains next on the same device. The finished
+        sequences' KV cache is already freed, but its blocks stay in this process's caching allocator; they go
+        back to the device, where the learner's process can allocate them."""
+        if self._batcher.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.memory_releases += 1
 
     def _fail_pending(self, failure: Exception) -> None:
         for pending in self._pending.values():

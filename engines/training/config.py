@@ -64,10 +64,13 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     `lora` trains a LoRA adapter on the frozen model instead of every weight (`engines.training.lora`); the
     reference model is then the policy with its adapter switched off, unless `ref_model_path` names another
     model.
+    `offload_optimizer` keeps the AdamW moments in host memory between steps (a colocated run: the engines
+    generate on the same device meanwhile); a step brings them back first. Nothing moves on a CPU device.
     """
 
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None
+    offload_optimizer: bool = False
     device: str = "cpu"
     attn_implementation: str = "packed_sdpa"
     check_packing: bool = True

@@ -154,6 +154,7 @@ class TorchTrainer(Trainer):
         plan = self._plan(samples)
         self._model.train()
         self._optimizer.zero_grad(set_to_none=True)
+        self._move_optimizer_state(self._device)
         stats = StepStats()
         for position, members in enumerate(plan):
             chunk = [samples[index] for index in members]
@@ -268,6 +269,18 @@ class TorchTrainer(Trainer):
             self._train_module = self._model
             gc.collect()
 
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        """The AdamW moments to `device` (a no-op where they are already); see `offload_optimizer`."""
+        if not self.config.offload_optimizer or self._device.type == "cpu":
+            return
+        for state in self._optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.device != device and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=device.type == "cpu")
+        if device.type == "cpu":
+            torch.cuda.synchronize(self._device)  # the copies are complete before the device memory is reused
+            torch.cuda.empty_cache()  # and it goes back to the device, for the engines that generate next
+
     # -- LoRA -------------------------------------------------------------------------------------------------
 
     def _trainable_weights(self) -> dict[str, Tensor]:
@@ -317,6 +330,8 @@ class TorchTrainer(Trainer):
             self._optimizer.step()
         self._counter.after_step(applied=reason is None, ends_batch=ends_batch)
         self._optimizer.zero_grad(set_to_none=True)
+        if self.config.offload_optimizer:
+            self._move_optimizer_state(torch.device("cpu"))
         return step_result(self._counter.version, metric_sums, loss=loss_sum, lr=lr, grad_norm=grad_norm,
                            loss_tokens=counts[0], sequences=counts[1], micro_batches=micro_batches,
                            started=started, skip_reason=reason)

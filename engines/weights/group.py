@@ -38,7 +38,7 @@ import torch.distributed as dist
 from engines.weights.base import WeightTransferError
 from engines.weights.names import TORCH_DISTRIBUTED
 
-Backend = Literal["gloo", "nccl", "cuda_ipc"]
+Backend = Literal["gloo", "nccl", "cuda_ipc", "shm"]
 KEY_ROOT = "slipstream/weights"
 STATUS_GO = b"go"
 ABORT_PREFIX = b"abort:"
@@ -64,8 +64,8 @@ class GroupSpec:
             raise ValueError(f"a transfer group needs the sender and at least one receiver, got {self.members}")
         if len(set(self.members)) != len(self.members):
             raise ValueError(f"transfer group member names must be unique, got {self.members}")
-        if self.backend not in ("gloo", "nccl", "cuda_ipc"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or 'cuda_ipc', got {self.backend!r}")
+        if self.backend not in ("gloo", "nccl", "cuda_ipc", "shm"):
+            raise ValueError(f"backend must be 'gloo', 'nccl', 'cuda_ipc' or 'shm', got {self.backend!r}")
 
     @property
     def receivers(self) -> tuple[str, ...]:
@@ -227,6 +227,10 @@ def create_process_group(
         from engines.weights.cuda_ipc import CudaIpcGroup
 
         return CudaIpcGroup(pg_store, rank, size, timeout_s)  # type: ignore[return-value]  # broadcast() alike
+    if backend == "shm":
+        from engines.weights.shared_memory import SharedMemoryGroup
+
+        return SharedMemoryGroup(pg_store, rank, size, timeout_s)  # type: ignore[return-value]
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise RuntimeError("backend 'nccl' requested but this torch build has no NCCL")

@@ -233,6 +233,7 @@ class TorchDistributedWeightSender(WeightSender):
         if self._keys is not None and not self._keys.check([groups.ABORTED]):
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self._keys.set(groups.ABORTED, b"superseded by a new generation")
+        _release(self._group)
         self._group, self._buffers = None, []
         self._spec, self._keys = None, None
 
@@ -308,6 +309,7 @@ class TorchDistributedWeightSender(WeightSender):
     def _let_go(self, in_flight: deque[tuple[dist.Work, Tensor]]) -> bool:
         pending = [work for work, _ in in_flight]
         groups.park(self._group, pending, [payload for _, payload in in_flight] + self._buffers)
+        _release(self._group)
         self._group, self._buffers = None, []
         return False
 
@@ -383,3 +385,10 @@ def _manifest(
         for name, tensor in tensors
     )
     return Manifest(version=version, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, tensors=specs)
+
+
+def _release(group: object) -> None:
+    """What a staged-copy group holds outside the process (shared-memory files) goes with the generation."""
+    close = getattr(group, "close", None)
+    if close is not None:
+        close()

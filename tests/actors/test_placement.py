@@ -79,8 +79,34 @@ def test_slime_actor_gpus_set_the_learner_ranks_and_must_agree_with_them() -> No
         build_config({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1})
     with pytest.raises(ValueError, match=r"rollout_num_gpus 3 must be a multiple"):
         build_config({"rollout_num_gpus": 3, "rollout_num_gpus_per_engine": 2})
-    with pytest.raises(ValueError, match=r"colocate: not available yet"):
-        build_config({"colocate": True})
+
+
+@pytest.mark.unit
+def test_colocate_is_on_policy_and_refuses_what_would_not_take_turns() -> None:
+    assert build_config({"colocate": True}).buffer.max_staleness == 0
+    with pytest.raises(ValueError, match=r"colocate: max_staleness 2; colocated runs are on-policy"):
+        build_config({"colocate": True, "max_staleness": 2})
+    with pytest.raises(ValueError, match=r"colocate: --weight-transport gloo broadcasts"):
+        build_config({"colocate": True, "weight_transport": "gloo"})
+
+
+@pytest.mark.unit
+def test_colocate_puts_every_engine_on_the_learners_gpu_and_reads_its_memory() -> None:
+    placement = place_node(gpus=8, learner_ranks=1, rollout_workers=3, gpus_per_engine=1, rollout_engine="torch",
+                           colocate=True)
+    assert placement.learner == (0,) and placement.rollout == ((0,), (0,), (0,)) and placement.shared
+    assert weight_transport(cuda=True, placement=placement, colocate=True) == "cuda_ipc"
+    assert weight_transport(cuda=False, placement=None, colocate=True) == "shm"
+    assert weight_transport(cuda=False, placement=None) == "gloo"
+    with pytest.raises(PlacementError, match=r"colocate: the engines share the learner's GPU through the torch"):
+        place_node(gpus=8, learner_ranks=1, rollout_workers=1, gpus_per_engine=1, rollout_engine="sglang",
+                   colocate=True)
+    with pytest.raises(PlacementError, match=r"colocate: 2 learner ranks"):
+        place_node(gpus=8, learner_ranks=2, rollout_workers=1, gpus_per_engine=1, rollout_engine="torch",
+                   colocate=True)
+    cpu_only = place_node(gpus=0, learner_ranks=1, rollout_workers=2, gpus_per_engine=1, rollout_engine="torch",
+                          colocate=True)
+    assert cpu_only.rollout == ((), ())
 
 
 def _prepare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int, *flags: str) -> tuple[list, Path]:

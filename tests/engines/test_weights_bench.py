@@ -32,6 +32,8 @@ def test_weight_transfer_benchmark_quick_run_writes_its_figures(tmp_path: Path) 
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     rows = json.loads(output.read_text())["rows"]
-    assert {(row["dtype"], row["receivers"]) for row in rows} == {("fp32", 1), ("bf16", 1), ("fp32>bf16", 1)}
+    assert {(row["transport"], row["dtype"], row["receivers"]) for row in rows} == {
+        (transport, dtype, 1) for transport in ("gloo", "shm") for dtype in ("fp32", "bf16", "fp32>bf16")
+    }
     assert all(row["raw_gbps"] > 0 and row["transfer_gbps"] > 0 for row in rows)
     assert "ours/raw" in completed.stdout

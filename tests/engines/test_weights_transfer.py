@@ -1,17 +1,19 @@
-"""Weights arrive bit-identical at every receiver: fp32, bf16 and fp32 cast to bf16, several bucket layouts,
-staged or in place; and a receiver waiting for a transfer that never comes times out cleanly."""
+"""Weights arrive bit-identical at every receiver, over gloo and over shared memory: fp32, bf16 and fp32 cast to
+bf16, several bucket layouts, staged or in place; and a receiver waiting for a transfer that never comes times
+out cleanly."""
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
-from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender
+from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender, shared_memory
 
 # (bucket_bytes, direct_bytes): buckets smaller than the largest tensor (10 KB); small buckets with large
 # tensors alone; one bucket for everything.
@@ -74,9 +76,10 @@ def _receiver_main(spec: dict[str, Any], name: str, transfers: int, results: mp.
 
 @pytest.mark.integration
 @pytest.mark.parametrize("receivers", [1, 2])
-def test_weights_arrive_bit_identical_at_every_receiver(receivers: int) -> None:
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_weights_arrive_bit_identical_at_every_receiver(backend: str, receivers: int) -> None:
     context = mp.get_context("spawn")
-    sender = TorchDistributedWeightSender(timeout_s=TIMEOUT_S)
+    sender = TorchDistributedWeightSender(timeout_s=TIMEOUT_S, backend=backend)
     names = [f"engine-{index}" for index in range(receivers)]
     spec = sender.open_group(["learner", *names])
     results = context.Queue()
@@ -110,8 +113,12 @@ def test_weights_arrive_bit_identical_at_every_receiver(receivers: int) -> None:
                 previous_wire = wire
         idle = dict(results.get(timeout=TIMEOUT_S) for _ in names)
         assert idle == {name: f"{name}: no weight transfer started within 0.3s" for name in names}
+        # Every receiver mapped the staging files, so their names are gone already: a learner killed now leaves
+        # nothing in /dev/shm.
+        assert not list(shared_memory._directory().glob(f"slipstream-weights-{os.getpid()}-*"))
     finally:
         for process in processes:
             process.join(timeout=TIMEOUT_S)
         sender.close()
     assert all(process.exitcode == 0 for process in processes)
+    assert not list(shared_memory._directory().glob(f"slipstream-weights-{os.getpid()}-*"))
