@@ -22,12 +22,11 @@ values), as SGLang does when it updates weights without flushing its cache.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from engines.inference.base import (
     derive_sample_seed,
 )
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
+from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
 
 logger = logging.getLogger(__name__)
@@ -102,10 +102,10 @@ class TorchEngine(InferenceEngine):
         self._generated_tokens = 0
         self.memory_releases = 0  # times the engine gave its cached memory back between turns (colocated runs)
         self._last_error: str | None = None
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
 
         self._closing = False  # set by close() on the caller's side, so no command is queued after it
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="torch-engine-decode", daemon=True)
         self._thread.start()
 
@@ -212,11 +212,11 @@ class TorchEngine(InferenceEngine):
 
     # ----- caller side -----------------------------------------------------------------------------------
 
-    async def _call(self, command: _Command) -> Any:
+    async def _call(self, command: Command) -> Any:
         if self._closing or not self._thread.is_alive():
             raise RuntimeError("torch engine is closed")
         loop = asyncio.get_running_loop()
-        command.reply = _Reply(loop, loop.create_future())
+        command.reply = Reply(loop, loop.create_future())
         self._commands.put(command)
         return await command.reply.future
 
@@ -289,7 +289,7 @@ class TorchEngine(InferenceEngine):
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Command) -> None:
+    def _apply(self, command: Command) -> None:
         try:
             result = command.apply(self)
         except Exception as exc:  # a bad command fails its caller, never the engine
@@ -401,61 +401,7 @@ def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) 
 
 
 @dataclass
-class _Reply:
-    """An asyncio future owned by the caller's loop, resolved from the decode thread."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-    def succeed(self, value: object) -> None:
-        self._post(_set_result, value)
-
-    def fail(self, exc: BaseException) -> None:
-        self._post(_set_exception, exc)
-
-    def _post(self, setter: Callable[[asyncio.Future, Any], None], value: object) -> None:
-        # A closed caller loop raises RuntimeError: nobody is waiting any more, so there is nothing to tell.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(setter, self.future, value)
-
-
-def _set_result(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
-
-
-@dataclass
-class _Pending:
-    reply: _Reply
-    samples: list[DecodingSequence]
-
-
-@dataclass
-class _Command:
-    reply: _Reply | None = field(default=None, init=False)
-
-    def apply(self, engine: TorchEngine) -> object:
-        raise NotImplementedError
-
-    def succeed(self, result: object) -> None:
-        if self.reply is not None and result is not _DEFERRED:
-            self.reply.succeed(result)
-
-    def fail(self, exc: BaseException) -> None:
-        if self.reply is not None:
-            self.reply.fail(exc)
-
-
-_DEFERRED = object()  # a generate command is answered later, when its samples finish
-
-
-@dataclass
-class _Submit(_Command):
+class _Submit(Command):
     request: GenerateRequest
     samples: list[DecodingSequence]
 
@@ -464,13 +410,13 @@ class _Submit(_Command):
         if request_id in engine._pending:
             raise ValueError(f"request {request_id!r} is already in flight on this engine")
         assert self.reply is not None
-        engine._pending[request_id] = _Pending(self.reply, self.samples)
+        engine._pending[request_id] = Pending(self.reply, self.samples)
         engine._batcher.add(self.samples)
-        return _DEFERRED
+        return DEFERRED
 
 
 @dataclass
-class _Abort(_Command):
+class _Abort(Command):
     request_ids: frozenset[str] | None
 
     def apply(self, engine: TorchEngine) -> object:
@@ -479,7 +425,7 @@ class _Abort(_Command):
 
 
 @dataclass
-class _Pause(_Command):
+class _Pause(Command):
     mode: PauseMode
 
     def apply(self, engine: TorchEngine) -> object:
@@ -490,14 +436,14 @@ class _Pause(_Command):
 
 
 @dataclass
-class _Resume(_Command):
+class _Resume(Command):
     def apply(self, engine: TorchEngine) -> object:
         engine._paused = False
         return None
 
 
 @dataclass
-class _UpdateWeights(_Command):
+class _UpdateWeights(Command):
     named_tensors: Iterable[tuple[str, torch.Tensor]]
     version: int
 
@@ -507,7 +453,7 @@ class _UpdateWeights(_Command):
 
 
 @dataclass
-class _Close(_Command):
+class _Close(Command):
     def apply(self, engine: TorchEngine) -> object:
         engine._abort(None)
         engine._closed = True
