@@ -1,4 +1,5 @@
-"""Two learner processes (DDP over gloo) take the same step as one process on the whole batch."""
+"""Two learner processes (DDP over gloo) take the same step as one process on the whole batch, training every
+weight or a LoRA adapter."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from torch import Tensor
 
 from bus.address import free_port
 from engines.training import ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training.lora import LoraSettings
 from tests.support.training import seeded_batch
 
 TEMPERATURE = 0.9
 WORLD = 2
+ADAPTERS = {"full": None, "lora": LoraSettings(rank=4, alpha=8.0)}
 
 
 def _shard(samples: list[TrainSample], rank: int) -> list[TrainSample]:
@@ -46,17 +49,16 @@ def policy_loss() -> StepLoss:
     return StepLoss(loss_tokens=sum(int((s.loss_mask != 0).sum()) for s in samples), sequences=len(samples))
 
 
-def _config(model_path: Path) -> TorchTrainerConfig:
-    return TorchTrainerConfig(
-        model_path=model_path, lr=1e-2, eps=1.0, grad_clip=None, micro_batch_tokens=50, check_packing=False
-    )
+def _config(model_path: Path, adapter: str) -> TorchTrainerConfig:
+    return TorchTrainerConfig(model_path=model_path, lr=1e-2, eps=1.0, grad_clip=None, micro_batch_tokens=50,
+                              check_packing=False, lora=ADAPTERS[adapter])
 
 
-def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
+def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path, adapter: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        trainer = TorchTrainer(_config(model_path))
+        trainer = TorchTrainer(_config(model_path, adapter))
         result = trainer.train_step(_shard(seeded_batch(), rank), policy_loss(), temperature=TEMPERATURE)
         trainer.save_checkpoint(out_dir / "checkpoint", {"cursor": 7})  # collective: rank 0 writes
         if rank == 0:
@@ -69,20 +71,23 @@ def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
 
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=sorted(ADAPTERS))
+def ddp_run(request: pytest.FixtureRequest, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> tuple[Path, str]:
     """One two-process step (and a collective checkpoint) shared by the tests below: spawning costs seconds."""
-    out_dir = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(free_port(), tiny_model_path, out_dir), nprocs=WORLD, join=True)
-    return out_dir
+    out_dir = tmp_path_factory.mktemp(f"ddp-{request.param}")
+    mp.spawn(_ddp_worker, args=(free_port(), tiny_model_path, out_dir, request.param), nprocs=WORLD, join=True)
+    return out_dir, request.param
 
 
 @pytest.mark.integration
-def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Path, ddp_run: Path) -> None:
-    ddp = json.loads((ddp_run / "result.json").read_text())
-    ddp_weights = load_file(str(ddp_run / "weights.st"))
+def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Path,
+                                                             ddp_run: tuple[Path, str]) -> None:
+    out_dir, adapter = ddp_run
+    ddp = json.loads((out_dir / "result.json").read_text())
+    ddp_weights = load_file(str(out_dir / "weights.st"))
 
-    single = TorchTrainer(_config(tiny_model_path))
+    single = TorchTrainer(_config(tiny_model_path, adapter))
     result = single.train_step(seeded_batch(), policy_loss(), temperature=TEMPERATURE)
 
     assert ddp["version"] == result.version == 1
@@ -95,10 +100,12 @@ def test_two_process_ddp_step_equals_the_single_process_step(tiny_model_path: Pa
 
 
 @pytest.mark.integration
-def test_checkpoint_saved_by_ddp_ranks_resumes_in_one_process(tiny_model_path: Path, ddp_run: Path) -> None:
-    resumed = TorchTrainer(_config(tiny_model_path))
-    assert resumed.load_checkpoint(ddp_run / "checkpoint") == {"cursor": 7}
+def test_checkpoint_saved_by_ddp_ranks_resumes_in_one_process(tiny_model_path: Path,
+                                                              ddp_run: tuple[Path, str]) -> None:
+    out_dir, adapter = ddp_run
+    resumed = TorchTrainer(_config(tiny_model_path, adapter))
+    assert resumed.load_checkpoint(out_dir / "checkpoint") == {"cursor": 7}
     assert resumed.version == 1
-    ddp_weights = load_file(str(ddp_run / "weights.st"))
+    ddp_weights = load_file(str(out_dir / "weights.st"))
     for name, tensor in resumed.named_tensors():
         assert torch.equal(tensor, ddp_weights[name]), name
