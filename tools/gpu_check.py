@@ -11,6 +11,8 @@ and prints one table:
 2. a short fully-async run through `launcher.py`: torch engine and torch trainer sharing one GPU (two rollout
    workers on the learner's device, weights over CUDA IPC);
 3. the same run with `--train-backend megatron` (TP=1), when megatron-core is installed;
+3b. a colocated LoRA run (`--colocate --lora-rank 8`): on-policy turns on the learner's device, the adapter pushed
+   alone (CUDA IPC on a GPU, shared memory on CPUs), the learner's optimizer state offloaded between steps;
 4. the torch engine's tokens/s against HF `generate()` on the same device and model, same workload;
 5. one train step of the torch trainer against a bare HF forward + backward + AdamW step on the same batch;
 6. one weight sync through the transport a run would use (CUDA IPC on one GPU, gloo on the CPU) against a raw
@@ -84,9 +86,20 @@ def check_gpu_tests(cpu: bool, quick: bool) -> Row:
     return Row("pytest -m gpu", "ok" if ok else "FAILED", detail)
 
 
-def check_run(backend: str, cpu: bool, quick: bool, workdir: Path) -> Row:
-    """A short fully-async run through the launcher; ok if it exits 0 having trained every step."""
-    if backend == "megatron":
+# check -> (row name, the run's own flags): a fully-async run per training backend, and a colocated LoRA run (the
+# engines on the learner's device taking turns, the adapter pushed alone: CUDA IPC on a GPU, shared memory on CPUs).
+RUNS = {
+    "torch": ("run: torch engine + torch trainer", ["--train-backend", "torch", "--max-staleness", "1"]),
+    "megatron": ("run: megatron TP=1", ["--train-backend", "megatron", "--max-staleness", "1"]),
+    "colocate": ("run: colocated, LoRA adapter", ["--train-backend", "torch", "--colocate", "--lora-rank", "8",
+                                                   "--lora-alpha", "16"]),
+}
+
+
+def check_run(variant: str, cpu: bool, quick: bool, workdir: Path) -> Row:
+    """A short run through the launcher; ok if it exits 0 having trained every step."""
+    name, flags = RUNS[variant]
+    if variant == "megatron":
         try:
             import megatron.core  # noqa: F401
         except ImportError as error:
@@ -97,11 +110,11 @@ def check_run(backend: str, cpu: bool, quick: bool, workdir: Path) -> Row:
     model = cached_tiny_model(REPO / ".cache" / "models", TinyModelSpec(family="qwen2", max_position_embeddings=64))
     data = make_arithmetic_data(workdir / "data", max_operand=9, eval_size=10, sft_size=20)
     steps = 4 if quick else 12
-    run_dir = workdir / f"run-{backend}"
+    run_dir = workdir / f"run-{variant}"
     command = [sys.executable, "launcher.py", "--head", "--run-dir", str(run_dir), "--hf-checkpoint", str(model),
-               "--prompt-data", str(data["train"]), "--train-backend", backend, "--num-rollout", str(steps),
+               "--prompt-data", str(data["train"]), *flags, "--num-rollout", str(steps),
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
-               "--rollout-workers", "2", "--reward-workers", "1", "--max-staleness", "1", "--lr", "1e-4",
+               "--rollout-workers", "2", "--reward-workers", "1", "--lr", "1e-4",
                "--rm-type", "exact_match", "--no-progress", "--no-use-tensorboard", "--no-plots",
                "--final-eval-timeout", "0", "--weight-transfer-timeout", "60"]
     env = dict(os.environ)
@@ -111,7 +124,6 @@ def check_run(backend: str, cpu: bool, quick: bool, workdir: Path) -> Row:
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=env,
                                check=False)
     seconds = time.monotonic() - started
-    name = "run: torch engine + torch trainer" if backend == "torch" else "run: megatron TP=1"
     transport = _effective(run_dir, "weights", "weight_transport")
     trained = _trained_steps(run_dir)
     placement = next((line for line in completed.stderr.splitlines() if line.startswith("placement")), "")
@@ -382,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: a minute or two")
     parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (offline machine)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    parser.add_argument("--only", nargs="*", default=None, help="run only these checks: tests run megatron engine "
-                        "train sync")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these checks: tests run megatron colocate "
+                        "engine train sync")
     args = parser.parse_args(argv)
     if args.wheels is not None:
         install_wheels(args.wheels)
@@ -399,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             "tests": lambda: check_gpu_tests(args.cpu, args.quick),
             "run": lambda: check_run("torch", args.cpu, args.quick, workdir),
             "megatron": lambda: check_run("megatron", args.cpu, args.quick, workdir),
+            "colocate": lambda: check_run("colocate", args.cpu, args.quick, workdir),
             "engine": lambda: check_engine_speed(device, args.quick),
             "train": lambda: check_train_step(device, args.quick),
             "sync": lambda: check_weight_sync(device, args.quick),
