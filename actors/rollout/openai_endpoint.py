@@ -7,9 +7,13 @@ trajectory as tokens. A session lives on one worker, so all its calls reach the 
 it already holds.
 
 What the endpoint refuses, it refuses as OpenAI does (an HTTP error with `{"error": {"message": ...}}`), naming the
-field and what is wrong: a body that is not JSON, `n` other than 1 (a session is one sample), `stream`, a
-conversation that does not extend the session's, a second call while one is running, an unknown session. None of
-that ends the worker; the agent sees the error and its episode decides what to do.
+field and what is wrong: a body that is not JSON, `n` other than 1 (a session is one sample), a conversation that
+does not extend the session's, a second call while one is running, an unknown session. None of that ends the
+worker; the agent sees the error and its episode decides what to do.
+
+`stream: true` is answered as OpenAI's server-sent events (content, then tool calls, then the finish reason, and
+the usage with `stream_options.include_usage`), so agent frameworks that always stream work unchanged. The chunks
+are sent once the completion is done: what a rollout needs is the sample's tokens, not an early first token.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from aiohttp import web
 from actors.rollout.chat_session import ChatSession, ConversationDiverged
 from actors.rollout.generate import NoRoomError
 
-Handler = Callable[[web.Request], Awaitable[web.Response]]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class RequestError(ValueError):
@@ -75,7 +79,7 @@ class OpenAIEndpoint:
     def _call(self, handler: Callable[[ChatSession, dict[str, Any]], Awaitable[dict[str, Any]]]) -> Handler:
         """One session call: the session looked up and held for the call, every refusal an OpenAI error."""
 
-        async def serve(request: web.Request) -> web.Response:
+        async def serve(request: web.Request) -> web.StreamResponse:
             key = request.match_info["session"]
             try:
                 session = self.sessions.get(key)
@@ -85,11 +89,15 @@ class OpenAIEndpoint:
                     raise RequestError("a call is already running in this session: an episode is one "
                                        "conversation, its calls one after another", 409)
                 body = await _json_body(request)
+                include_usage = _include_usage(body)
                 self.busy.add(key)
                 try:
-                    return web.json_response(await handler(session, body))
+                    response = await handler(session, body)
                 finally:
                     self.busy.discard(key)
+                if body.get("stream"):
+                    return await _stream(request, _chunks(response, include_usage))
+                return web.json_response(response)
             except RequestError as error:
                 return _error(str(error), error.status)
             except NoRoomError as error:
@@ -138,8 +146,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise RequestError(f"the request body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, not {type(body).__name__}")
-    if body.get("stream"):
-        raise RequestError("'stream' is not supported: ask for the whole completion")
     if body.get("n", 1) != 1:
         raise RequestError(f"'n' must be 1, got {body['n']!r}: a session is one sample; open one per sample")
     return body
@@ -156,6 +162,51 @@ def _generation_options(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(f"'stop' must be a string or a list of non-empty strings, got {stop!r}")
     return {"max_tokens": max_tokens, "stop": tuple(stop)}
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise RequestError("'stream_options' is only allowed with 'stream': true")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(f"'stream_options' must be an object with a boolean 'include_usage', got {options!r}")
+    return bool(options.get("include_usage", False))
+
+
+def _chunks(response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A whole completion as the chunks OpenAI streams for it: the content, each tool call, the finish reason."""
+    (choice,) = response["choices"]
+    chat = response["object"] == "chat.completion"
+    base = {key: response[key] for key in ("id", "created", "model")}
+    base["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(fields: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, **fields, "finish_reason": finish_reason, "logprobs": None}]}
+
+    if not chat:
+        chunks = [chunk({"text": choice["text"]}), chunk({"text": ""}, choice["finish_reason"])]
+    else:
+        message = choice["message"]
+        chunks = [chunk({"delta": {"role": "assistant", "content": message.get("content")}})]
+        calls = message.get("tool_calls") or []
+        if calls:
+            chunks.append(chunk({"delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}}))
+        chunks.append(chunk({"delta": {}}, choice["finish_reason"]))
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": response["usage"]})
+    return chunks
+
+
+async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await stream.prepare(request)
+    for chunk in chunks:
+        await stream.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    await stream.write(b"data: [DONE]\n\n")
+    await stream.write_eof()
+    return stream
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

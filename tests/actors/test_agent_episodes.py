@@ -181,7 +181,8 @@ async def test_the_endpoint_refuses_what_it_cannot_serve_naming_the_field(endpoi
     async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
         first = (await client.chat.completions.create(model="tiny", messages=ask, max_tokens=5)).choices[0].message
         assert first.role == "assistant" and (await client.models.list()).data[0].id == "tiny"
-        for bad, expected in [({"n": 2}, "'n' must be 1"), ({"stream": True}, "'stream' is not supported"),
+        for bad, expected in [({"n": 2}, "'n' must be 1"),
+                              ({"stream_options": {"include_usage": True}}, "only allowed with 'stream': true"),
                               ({"max_tokens": 0}, "'max_tokens' must be a positive integer"),
                               ({"stop": [""]}, "'stop' must be a string or a list of non-empty strings")]:
             with pytest.raises(openai.BadRequestError, match=expected):
@@ -208,6 +209,40 @@ async def test_the_endpoint_refuses_what_it_cannot_serve_naming_the_field(endpoi
     assert sample.metadata["turns"] == 2
 
 
+def test_a_streamed_conversation_is_the_one_answered_whole(tool_model: Path) -> None:
+    """Agent frameworks that always stream get the same turns, as OpenAI's chunks: content, tool calls, finish
+    reason, usage. Greedy (an eval group), so a streamed and a whole session must agree exactly."""
+    from examples.openai_agent import TOOLS
+
+    async def converse(context: RolloutContext) -> tuple[list[Any], list[Any], Any]:
+        served = OpenAIEndpoint(model="tiny")
+        await served.start()
+        try:
+            whole_url, streamed_url = (served.open(ChatSession(context, eval_group(), 0)) for _ in range(2))
+            ask = [{"role": "user", "content": "2+3="}]
+            async with openai.AsyncOpenAI(base_url=whole_url, api_key="x", max_retries=0) as client:
+                whole = (await client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS)).choices[0]
+            async with openai.AsyncOpenAI(base_url=streamed_url, api_key="x", max_retries=0) as client:
+                chunks = [chunk async for chunk in await client.chat.completions.create(
+                    model="tiny", messages=ask, tools=TOOLS, stream=True, stream_options={"include_usage": True})]
+            return [whole], chunks, served.sessions[streamed_url.split("/")[-2]].to_sample()
+        finally:
+            await served.stop()
+
+    config = run_config(tool_model)
+    (whole,), chunks, streamed_sample = asyncio.run(with_context(tool_model, config, converse))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    content = "".join(delta.content or "" for delta in deltas)
+    calls = [call for delta in deltas for call in delta.tool_calls or []]
+    assert whole.finish_reason == "tool_calls" and [c.choices[0].finish_reason for c in chunks if c.choices][-1] \
+        == "tool_calls"
+    assert content == (whole.message.content or "")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("add", {"a": 2, "b": 3})]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == streamed_sample.response_length
+
+
 async def test_text_completions_continue_the_sessions_text_token_for_token(endpoint) -> None:
     served, context = endpoint
     session = ChatSession(context, eval_group(), 0)
@@ -217,11 +252,17 @@ async def test_text_completions_continue_the_sessions_text_token_for_token(endpo
         with pytest.raises(openai.BadRequestError, match="must be the session's text so far"):
             await client.completions.create(model="tiny", prompt="3+3=" + first + " ok", max_tokens=4)
         second = (await client.completions.create(model="tiny", prompt="2+3=" + first + " ok", max_tokens=4))
+        streamed = [chunk async for chunk in await client.completions.create(
+            model="tiny", prompt="2+3=" + first + " ok" + second.choices[0].text + " ok", max_tokens=4, stream=True)]
     sample = session.to_sample()
     tokens = context.tokenizer("2+3=")["input_ids"]
     assert sample.tokens[:len(tokens)].tolist() == tokens
     assert json.loads(second.model_dump_json())["usage"]["prompt_tokens"] == len(tokens) + 4 + 3
-    assert sample.loss_mask.tolist() == [1] * 4 + [0] * 3 + [1] * 4
+    assert sample.loss_mask.tolist() == [1] * 4 + [0] * 3 + [1] * 4 + [0] * 3 + [1] * 4
+    # The streamed third completion is the session's last four tokens, as text, then its finish reason.
+    third = "".join(chunk.choices[0].text for chunk in streamed)
+    assert third == context.tokenizer.decode(sample.tokens[-4:].tolist())
+    assert streamed[-1].choices[0].finish_reason == "length"
 
 
 @pytest.mark.unit
