@@ -9,7 +9,7 @@ import pytest
 
 from actors.controller.wandb_mirror import WandbMirror
 from actors.runtime.metrics import MetricsWriter
-from tests.support.wandb_log import history
+from tests.support.wandb_log import settled_history
 
 pytest.importorskip("wandb")
 
@@ -46,7 +46,7 @@ def test_metrics_reach_wandb_once_each_across_a_controller_restart(
     assert restarted.pump() == 2  # the completed line and step 4; nothing sent twice, the bad line skipped
     restarted.close()
 
-    rows = history(run_dir)
+    rows = settled_history(run_dir, lambda rows: sum("train/loss" in row for row in rows) >= 4)
     assert [row["train/loss"] for row in rows if "train/loss" in row] == [
         0.123456789, 0.223456789, 0.323456789, 0.423456789
     ]  # once each, in order, across the restart

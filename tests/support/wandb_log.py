@@ -8,6 +8,8 @@ an edge; decoding the records does not.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ def payloads(path: Path) -> list[bytes]:
             continue
         length = int.from_bytes(data[offset + 4 : offset + 6], "little")
         kind = data[offset + 6]
+        if offset + RECORD_HEADER + length > len(data):
+            break  # a record W&B is still writing
         chunk = data[offset + RECORD_HEADER : offset + RECORD_HEADER + length]
         offset += RECORD_HEADER + length
         if kind == 0 and length == 0:
@@ -69,3 +73,17 @@ def history(run_dir: Path) -> list[dict[str, Any]]:
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
     return sorted(rows, key=lambda row: row["_timestamp"])
+
+
+def settled_history(run_dir: Path, ready: Callable[[list[dict[str, Any]]], bool], timeout_s: float = 30.0
+                    ) -> list[dict[str, Any]]:
+    """`history(run_dir)` once `ready` says it is complete, or as it is at the deadline.
+
+    W&B's offline writer is a separate process that finishes the `.wandb` file after `run.finish()` returns: read
+    at once, the file can still lack the last records (seen under load: a restarted run's whole history)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = history(run_dir)
+        if ready(rows) or time.monotonic() >= deadline:
+            return rows
+        time.sleep(0.1)
