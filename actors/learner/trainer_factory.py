@@ -74,6 +74,7 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
     import torch
 
     from engines.training.config import TorchTrainerConfig
+    from engines.training.lora import LoraSettings
     from engines.training.torch_trainer import TorchTrainer
 
     # "cuda" resolves to cuda:LOCAL_RANK in the trainer; each learner rank sets LOCAL_RANK (actors/learner/ranks.py).
@@ -82,21 +83,11 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
     # Megatron's activation recompute, on this backend: HF gradient checkpointing (every layer).
     recompute = flags.get("recompute_granularity") is not None
     settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute,
-                                  lora=lora_settings(config),
+                                  lora=LoraSettings.of_run(config.lora),
                                   # colocated: the engines generate on this device between our steps
                                   offload_optimizer=config.placement.colocate)
     return TorchTrainer(settings)
 
-
-def lora_settings(config: RunConfig) -> Any:
-    """The adapter the torch trainer wraps the model in, or None for full fine-tuning (--lora-rank 0)."""
-    from engines.training.lora import LoraSettings
-
-    section = config.lora
-    if not section.enabled:
-        return None
-    return LoraSettings(rank=section.lora_rank, alpha=section.lora_alpha, dropout=section.lora_dropout,
-                        target_modules=tuple(section.target_modules))
 
 
 def _checked_megatron_flags(config: RunConfig) -> dict[str, Any]:

@@ -52,7 +52,9 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
     if config.engine.rollout_engine == "sglang":
         return load_sglang_engine(config, actor_id), tokenizer
     from engines.inference.torch_engine import TorchEngine
+    from engines.training.lora import LoraSettings
 
+    adapter = LoraSettings.of_run(config.lora)
     engine = TorchEngine.from_pretrained(
         config.model.hf_checkpoint,
         max_batch_size=config.engine.rollout_max_batch_size,
@@ -60,7 +62,7 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         dtype=torch.bfloat16 if config.model.bf16 else torch.float32,
         seed=engine_seed(config.seed, actor_id),  # requests carry their own seeds; this covers unseeded ones
         # A LoRA run's updates are adapters, which the engine folds into its weights at the run's scale.
-        lora_scaling=config.lora.lora_alpha / config.lora.lora_rank if config.lora.enabled else None,
+        lora_scaling=adapter.scaling if adapter is not None else None,
         # colocated: the learner trains on this device whenever generation pauses for its next weights
         release_memory_when_idle=config.placement.colocate,
     )

@@ -47,6 +47,15 @@ class LoraSettings(BaseModel):
             raise ValueError(f"target_modules {list(value)}: all-linear already names every linear layer")
         return value
 
+    @classmethod
+    def of_run(cls, section: Any) -> LoraSettings | None:
+        """The adapter a run's `lora` section asks for, or None (`--lora-rank 0`: full fine-tuning). The learner
+        and the engines both read it here, so they scale the adapter alike."""
+        if section.lora_rank == 0:
+            return None
+        return cls(rank=section.lora_rank, alpha=section.lora_alpha, dropout=section.lora_dropout,
+                   target_modules=tuple(section.target_modules))
+
     @property
     def scaling(self) -> float:
         """What the adapter's product is multiplied by (PEFT's `lora_alpha / r`)."""
