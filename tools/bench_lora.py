@@ -13,6 +13,11 @@ Seconds. A real push on this machine: the learner's `TorchTrainer` (full, then L
 torch.distributed transfer to a spawned process whose `TorchEngine` receives it through the rollout worker's own
 loader (pause, receive, load or merge, resume), until the engine acknowledged. The full-weight push is the
 baseline; both are medians over the repeats, after one untimed warm-up each.
+
+The same two pushes into an SGLang-compatible server (`engines.sglang.server`, SGLang's HTTP API over the torch
+engine, in its own process): full weights as SGLang receives them (one broadcast per tensor, per
+`/update_weights_from_distributed` call), and the adapter as a LoRA run on SGLang sends it (gloo to the rollout
+worker, a PEFT folder, `/load_lora_adapter`; `engines/sglang/adapter_sync.py`).
 """
 
 from __future__ import annotations
@@ -129,6 +134,56 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
         trainer.close()
 
 
+def sglang_rows(model_path: Path, repeats: int) -> list[SyncRow]:
+    return [asyncio.run(_timed_sglang_pushes(model_path, "full weights", None, repeats)),
+            asyncio.run(_timed_sglang_pushes(model_path, f"LoRA adapter (rank {TIMED_RANK})", _settings(TIMED_RANK),
+                                             repeats))]
+
+
+async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettings | None, repeats: int) -> SyncRow:
+    import tempfile
+
+    from engines.sglang.adapter_endpoints import AdapterServing
+    from engines.sglang.client import SglangEngine
+    from engines.sglang.launch import ServerProcess, ServerSpec
+    from engines.training import TorchTrainer, TorchTrainerConfig
+    from engines.weights.transport import SGLANG, SGLANG_LORA, SenderOptions, resolve_transport
+
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, check_packing=False, lora=adapter))
+    extra: dict[str, str | list[str]] = {"torch-threads": "1", "weight-group-timeout": "300"}
+    if adapter is not None:
+        extra |= {"enable-lora": "true", "max-lora-rank": str(adapter.rank), "lora-target-modules": ["all"]}
+    with tempfile.TemporaryDirectory() as logs:
+        server = ServerProcess(ServerSpec(model_path=str(model_path), module="engines.sglang.server", extra=extra),
+                               startup_timeout=300, log_dir=Path(logs))
+        server.start()
+        client = SglangEngine(server.url, adapters=AdapterServing(adapter.alpha) if adapter is not None else None)
+        transport = resolve_transport(SGLANG if adapter is None else SGLANG_LORA)
+        sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=300.0))
+        loader = transport.make_loader(client, "engine-0", _Silent())
+        group = sender.open_group(["learner", "engine-0"]).to_dict()
+        try:
+            seconds, megabytes = [], 0.0
+            for version in range(1, repeats + 2):  # version 1 joins the group and warms up, untimed
+                started = time.perf_counter()
+                receiving = asyncio.create_task(loader.apply(group, version, 300.0))
+                if version == 1:
+                    await asyncio.to_thread(sender.wait_for_receivers)
+                report = await asyncio.to_thread(sender.send, trainer.named_tensors(), version)
+                await receiving
+                if version > 1:
+                    seconds.append(time.perf_counter() - started)
+                megabytes = report.num_bytes / 1e6
+            median = statistics.median(seconds)
+            return SyncRow(label, megabytes, median, megabytes / median)
+        finally:
+            loader.close()
+            sender.close()
+            await client.close()
+            server.stop()
+            trainer.close()
+
+
 def _engine_main(model_path: str, spec: dict[str, Any], scaling: float | None, pushes: int) -> None:
     """A rollout worker's engine and loader, receiving `pushes` versions."""
     from engines.inference import TorchEngine
@@ -157,7 +212,20 @@ class _Silent:
     warning = info
 
 
-def print_tables(byte_rows: list[BytesRow], timed: list[SyncRow], timed_parameters: int) -> None:
+def print_sync_table(title: str, rows: list[SyncRow]) -> None:
+    print(title)
+    header = f"{'update':<26}{'MB':>9}{'seconds':>10}{'MB/s':>9}{'vs full':>10}"
+    print(header)
+    print("-" * len(header))
+    baseline = rows[0].seconds
+    for row in rows:
+        print(f"{row.update:<26}{row.megabytes:>9.1f}{row.seconds:>10.3f}{row.mb_per_s:>9.0f}"
+              f"{baseline / row.seconds:>9.1f}x")
+
+
+def print_tables(
+    byte_rows: list[BytesRow], timed: list[SyncRow], sglang: list[SyncRow], timed_parameters: int
+) -> None:
     print("\nbytes per weight push (bfloat16 on the wire), full fine-tuning vs LoRA on all linear layers")
     header = f"{'model':<14}{'params':>9}{'rank':>6}{'full MB':>11}{'adapter MB':>12}{'fewer bytes':>13}"
     print(header)
@@ -166,17 +234,12 @@ def print_tables(byte_rows: list[BytesRow], timed: list[SyncRow], timed_paramete
         print(f"{row.model:<14}{row.parameters / 1e9:>8.2f}B{row.rank:>6}{row.full_mb:>11.0f}{row.adapter_mb:>12.1f}"
               f"{row.fewer:>12.0f}x")
     print("target: at least 20x fewer bytes at rank 16 on a model of realistic shape")
-    print(f"\none push, learner -> torch engine over gloo, {timed_parameters / 1e6:.1f}M-parameter model (float32, "
-          "medians); baseline: the full-weight push")
-    header = f"{'update':<26}{'MB':>9}{'seconds':>10}{'MB/s':>9}{'vs full':>10}"
-    print(header)
-    print("-" * len(header))
-    baseline = timed[0].seconds
-    for row in timed:
-        print(f"{row.update:<26}{row.megabytes:>9.1f}{row.seconds:>10.3f}{row.mb_per_s:>9.0f}"
-              f"{baseline / row.seconds:>9.1f}x")
-    print("on one machine the bytes move at memory speed, so the adapter's push is bound by folding it into the "
-          "engine's weights\n(one pass over each adapted layer); between machines the bytes are what a push costs")
+    size = f"{timed_parameters / 1e6:.1f}M-parameter model (float32, medians); baseline: the full-weight push"
+    print_sync_table(f"\none push, learner -> torch engine over gloo, {size}", timed)
+    print_sync_table(f"\none push, learner -> SGLang-compatible server, {size}", sglang)
+    print("on one machine the bytes move at memory speed: the torch engine's adapter push is bound by folding it into "
+          "its weights\n(one pass over each adapted layer), the server's by writing and reading the adapter folder "
+          "(it merges at the first\nrequest that names the adapter); between machines the bytes are what a push costs")
 
 
 def main() -> None:
@@ -193,10 +256,12 @@ def main() -> None:
     parameters = sum(p.numel() for p in _load(model_path).parameters())
     byte_rows = bytes_rows(RANKS[:1] if args.quick else RANKS)
     timed = sync_rows(model_path, 1 if args.quick else args.repeats)
-    print_tables(byte_rows, timed, parameters)
+    sglang = sglang_rows(model_path, 1 if args.quick else args.repeats)
+    print_tables(byte_rows, timed, sglang, parameters)
     if args.json is not None:
         args.json.write_text(json.dumps({"bytes": [asdict(row) for row in byte_rows],
-                                         "sync": [asdict(row) for row in timed]}, indent=2))
+                                         "sync": [asdict(row) for row in timed],
+                                         "sglang": [asdict(row) for row in sglang]}, indent=2))
 
 
 def _load(path: Path) -> torch.nn.Module:

@@ -54,6 +54,9 @@ GRPO = ["--advantage-estimator", "grpo", "--loss-agg-mode", "token-mean", "--n-s
         "--n-samples-per-eval-prompt", "1"]
 
 
+SGLANG = ["--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server"]
+
+
 def lora_flags(rank: int) -> list[str]:
     """The GRPO run as a LoRA run: alpha twice the rank, and the 10x higher learning rate adapters want (a
     low-rank update moves the policy less per unit of lr than a full one). Later flags win on the command line."""
@@ -92,6 +95,9 @@ def main() -> None:
     parser.add_argument("--colocate", action="store_true",
                         help="GRPO as a colocated run: the engines on the learner's devices, taking turns with it "
                              "(on-policy: --max-staleness 0; weights through shared memory on a CPU)")
+    parser.add_argument("--rollout-engine", choices=("torch", "sglang"), default="torch",
+                        help="sglang: generation on SGLang-compatible HTTP servers (the CPU stand-in for SGLang), "
+                        "one per rollout worker, weights through SGLang's weight-update or LoRA endpoints")
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="an SFT model folder from an earlier demo run: skip the SFT step")
     args = parser.parse_args()
@@ -115,13 +121,16 @@ def main() -> None:
     grpo = colocated(GRPO) if args.colocate else GRPO
     run_launcher(["--head", "--run-dir", str(rl_dir), "--hf-checkpoint", str(warm), "--prompt-data",
                   str(data["train"]), "--eval-prompt-data", "heldout", str(data["eval"]), *COMMON, *grpo,
-                  *(lora_flags(args.lora_rank) if args.lora_rank else [])])
+                  *(lora_flags(args.lora_rank) if args.lora_rank else []),
+                  *(SGLANG if args.rollout_engine == "sglang" else [])])
     after = accuracy(rl_dir / "final_model", data["eval"])
 
     print("\n" + "=" * 72)
     print(f"held-out accuracy (greedy, {MAX_OPERAND}+{MAX_OPERAND} addition, pairs never trained on)")
     print(f"  before RL (after SFT warm start): {before:6.1%}")
     kind = "colocated (on-policy) GRPO:" if args.colocate else "fully-async GRPO:"
+    if args.rollout_engine == "sglang":
+        kind = kind.replace("GRPO:", "GRPO on SGLang:")
     print(f"  after {kind:<28}{after:6.1%}   ({100 * (after - before):+.1f} points)")
     print(f"  total demo time: {time.monotonic() - started:.0f}s")
     print(f"  plots: {rl_dir / 'plots'}   metrics: {rl_dir / 'metrics'}")

@@ -208,8 +208,12 @@ def _lora_problems(config: RunConfig) -> list[str]:
         problems.append("lora_rank: LoRA needs --train-backend torch (megatron-core 0.16 and mbridge have no LoRA "
                         "layers; Megatron-Bridge's PEFT needs Transformer Engine)")
     if config.engine.rollout_engine == "sglang":
-        problems.append("lora_rank: adapter-only weight sync reaches the torch engine only; SGLang's adapter "
-                        "loading is not wired yet (use --rollout-engine torch)")
+        from engines.sglang.protocol import lora_target_modules
+
+        try:
+            lora_target_modules(config.lora.target_modules)
+        except ValueError as error:
+            problems.append(f"--target-modules with --rollout-engine sglang: {error}")
     return problems
 
 

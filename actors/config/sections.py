@@ -272,7 +272,8 @@ class TrainerConfig(Section):
 
 class LoraConfig(Section):
     """A LoRA adapter instead of full fine-tuning (the torch backend, through PEFT): the learner trains and sends
-    the adapter alone, the engines fold it into their weights. Names as in PEFT and slime's LoRA recipe."""
+    the adapter alone; torch engines fold it into their weights, SGLang servers load it by name. Names as in PEFT
+    and slime's LoRA recipe."""
 
     lora_rank: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight (no adapter)")
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha: the adapter's product is scaled by "
@@ -282,6 +283,9 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], description="modules that get an "
                                       "adapter, by name suffix (q_proj k_proj v_proj o_proj gate_proj up_proj "
                                       "down_proj ...) or all-linear: every linear layer but the output head")
+    lora_sync_dir: str | None = Field(None, description="with --rollout-engine sglang: where rollout workers write "
+                                      "each adapter version for their server to load (the server must read it; "
+                                      "default: the system's temporary directory)")
 
     @property
     def enabled(self) -> bool:

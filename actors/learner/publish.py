@@ -34,6 +34,7 @@ from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.weights.base import GroupHandle, TransferReport, WeightSender, WeightTransferError
 from engines.weights.transport import (
     SGLANG,
+    SGLANG_LORA,
     TORCH_DISTRIBUTED,
     SenderOptions,
     WeightTransport,
@@ -59,10 +60,13 @@ class EngineRef:
 
 
 def transport_name(config: RunConfig) -> str:
-    """The mechanism for this run: a `module:attr` in --weight-transport is a plugin; else the engine decides."""
+    """The mechanism for this run: a `module:attr` in --weight-transport is a plugin; else the engine decides
+    (an SGLang server loads a LoRA run's adapter by name rather than receiving weights)."""
     if is_plugin(config.weights.weight_transport):
         return config.weights.weight_transport
-    return SGLANG if config.engine.rollout_engine == "sglang" else TORCH_DISTRIBUTED
+    if config.engine.rollout_engine == "sglang":
+        return SGLANG_LORA if config.lora.enabled else SGLANG
+    return TORCH_DISTRIBUTED
 
 
 def transfer_backend(config: RunConfig) -> str:

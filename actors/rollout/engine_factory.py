@@ -116,18 +116,23 @@ def engine_device() -> torch.device:
 def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     import torch
 
+    from engines.sglang.adapter_endpoints import AdapterServing
     from engines.sglang.client import SglangEngine
     from engines.sglang.launch import ServerProcess, ServerSpec
 
     engine_config = config.engine
+    # A LoRA run's pushes are adapters, which the server loads by name (engines/sglang/adapter_sync.py).
+    adapters = AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir) if config.lora.enabled else None
     if engine_config.sglang_url:
-        engine = SglangEngine(attached_url(engine_config.sglang_url, actor_id))
+        engine = SglangEngine(attached_url(engine_config.sglang_url, actor_id), adapters=adapters)
         # An attached server may already serve updated weights (this worker restarted): start from its version.
         engine.set_version(attached_server_version(engine.url, timeout=engine_config.sglang_startup_timeout))
         return engine
     assert config.model.hf_checkpoint is not None
     extra = dict(engine_config.sglang_args)
     extra.setdefault("max-running-requests", str(engine_config.rollout_max_batch_size))
+    if config.lora.enabled:
+        extra.update(lora_server_args(config))
     if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:
         # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
         extra.setdefault("torch-threads", str(config.torch_threads))
@@ -142,7 +147,18 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
         extra=extra,
     )
     server = ServerProcess(spec, startup_timeout=engine_config.sglang_startup_timeout)
-    return SglangEngine(server.start(), server=server)
+    return SglangEngine(server.start(), server=server, adapters=adapters)
+
+
+def lora_server_args(config: RunConfig) -> dict[str, str | list[str]]:
+    """The SGLang flags that make room for the run's adapter: LoRA on, its rank, the modules it adapts."""
+    from engines.sglang.protocol import lora_target_modules
+
+    return {
+        "enable-lora": "true",
+        "max-lora-rank": str(config.lora.lora_rank),
+        "lora-target-modules": lora_target_modules(config.lora.target_modules),
+    }
 
 
 def engine_seed(seed: int, actor_id: str | None) -> int:

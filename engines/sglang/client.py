@@ -13,6 +13,11 @@ tagged with the smaller of (the version this client knew the server had when the
 one), which overestimates the staleness of tokens produced after a mid-request update and never underestimates
 it.
 
+LoRA: in a run that trains an adapter, the server serves the base model plus the adapter versions the weight
+loader loads by name (`adapter_sync.py`). Every request names the newest loaded adapter in `lora_path`, and SGLang
+keeps that adapter for the request's whole life (an unload waits for it), so all of a response's tokens come from
+that one version, which tags them; the server's own `weight_version` is the base model's and says nothing here.
+
 Pausing: every pause goes on the wire as SGLang's "abort" mode (slime's choice). "retract" keeps requests in
 the scheduler's queue, and then SGLang 0.5.15 cannot flush its cache after a weight update (its weight updater
 asserts the flush succeeded and the scheduler takes the server down), while 0.5.23 fails the update instead.
@@ -41,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -58,6 +64,7 @@ from engines.inference.base import (
     continuation_request,
 )
 from engines.sglang import protocol
+from engines.sglang.adapter_endpoints import AdapterEndpoints, AdapterServing
 from engines.sglang.errors import SglangError
 from engines.sglang.launch import ServerProcess
 from engines.sglang.protocol import Endpoint
@@ -102,7 +109,7 @@ class _Flight:
     lost: bool = False  # the server went away: nothing to resume on
 
 
-class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
+class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
     """One SGLang server. `server` is given when this engine launched it (then it restarts and stops it)."""
 
     def __init__(
@@ -115,8 +122,10 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
         health_interval: float = 2.0,
         health_failures_before_restart: int = 3,
         stop_grace_s: float = 1.0,
+        adapters: AdapterServing | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.adapters = adapters  # set in a LoRA run: how the weight loader writes adapter versions for the server
         self.server = server
         self.request_timeout = request_timeout
         self.control_timeout = control_timeout
@@ -139,6 +148,9 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
         self._limits_lock = asyncio.Lock()
         self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not known yet)
         self._warned_seed = False
+        self._adapter: tuple[str, int] | None = None  # (name, version) of the adapter requests run with
+        self._adapter_users: Counter[str] = Counter()  # requests in flight per adapter name
+        self._adapter_released: asyncio.Condition | None = None  # made in the loop that uses it
 
     # ---- InferenceEngine
 
@@ -291,10 +303,11 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
     async def _generate_once(self, request: GenerateRequest, flight: _Flight) -> tuple[list[GenerateOutput], int]:
         """One `/generate` call for `request`; returns its outputs and the "keep" pause count when it was sent."""
         rids = protocol.wire_request_ids(request)
-        started_version, epoch = self._version, self._keep_epoch
+        started_version, epoch, adapter = self._version, self._keep_epoch, self._adapter
         flight.rids.update(rids)
+        self._take_adapter(adapter)
         try:
-            body = await self._post_generate(request)
+            body = await self._post_generate(request, adapter=None if adapter is None else adapter[0])
         except asyncio.CancelledError:
             # Free the server's slots: the abort must outlive this cancelled task.
             asyncio.get_running_loop().create_task(self._abort_rids(rids))
@@ -308,6 +321,7 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
             return [_aborted(request, index) for index in range(request.params.n)], epoch
         finally:
             flight.rids.difference_update(rids)
+            await self._release_adapter(adapter)
         items = body if isinstance(body, list) else [body]
         if len(items) != request.params.n:
             raise SglangError(f"{self.url}/generate returned {len(items)} outputs for n={request.params.n}")
@@ -315,11 +329,12 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
         for index, item in enumerate(items):
             parsed = protocol.parse_output_json(item, where=f"{self.url}/generate output {index}")
             whole = started_version if parsed.weight_version is None else min(started_version, parsed.weight_version)
-            versions = (
-                [whole] * len(parsed.output_ids)
-                if parsed.token_versions is None
-                else [whole if version is None else version for version in parsed.token_versions]
-            )
+            if adapter is not None:  # the adapter named is the version: the server's weight_version is the base's
+                versions = [adapter[1]] * len(parsed.output_ids)
+            elif parsed.token_versions is None:
+                versions = [whole] * len(parsed.output_ids)
+            else:
+                versions = [whole if version is None else version for version in parsed.token_versions]
             outputs.append(
                 GenerateOutput(
                     request_id=request.request_id,
@@ -359,12 +374,11 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
 
     # ---- HTTP
 
-    async def _post_generate(self, request: GenerateRequest) -> Any:
+    async def _post_generate(self, request: GenerateRequest, *, adapter: str | None) -> Any:
         session = self._client()
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
-        async with session.post(
-            self.url + protocol.GENERATE.path, json=protocol.generate_json(request), timeout=timeout
-        ) as reply:
+        body = protocol.generate_json(request, adapter=adapter)
+        async with session.post(self.url + protocol.GENERATE.path, json=body, timeout=timeout) as reply:
             if reply.status != 200:
                 raise SglangError(
                     f"{self.url}{protocol.GENERATE.path}: HTTP {reply.status} for request {request.request_id!r}: "
@@ -449,6 +463,7 @@ class SglangEngine(WeightUpdateEndpoints, InferenceEngine):
         self.url = url.rstrip("/")
         self.restarts += 1
         self._version = 0
+        self._adapter = None  # a fresh server has no adapters loaded; the base model is version 0's policy
         # A fresh server is not paused, has no session open and may have been started differently.
         self._paused = self._keep_paused = False
         self._limits, self._sessions = None, None

@@ -5,8 +5,9 @@ Field names follow SGLang's `io_struct` (`GenerateReqInput`, `PauseGenerationReq
 its `SamplingParams`. Every endpoint the client calls is a row of `ENDPOINTS` below (method, path, SGLang's
 request class, the body fields we send, the response fields we read). The client (`client.py`) builds requests
 and parses responses with these functions and calls endpoints through these rows; the compatible server
-(`server.py`) registers its routes from the same rows; and `tests/engines/test_sglang_contract.py` checks every
-row against the source of the SGLang releases we support (`SUPPORTED_SGLANG`), so the three cannot drift apart.
+(`server.py`) registers its routes from the same rows and reads requests with `server_protocol.py`; and
+`tests/engines/test_sglang_contract.py` checks every row against the source of the SGLang releases we support
+(`SUPPORTED_SGLANG`), so the three cannot drift apart.
 
 Conventions of the mapping:
 
@@ -39,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from engines.inference.base import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, derive_sample_seed
+from engines.inference.base import FinishReason, GenerateRequest, SamplingParams, derive_sample_seed
 
 INITIAL_WEIGHT_VERSION = "default"
 FINISH_TYPES: tuple[str, ...] = ("stop", "length", "abort")
@@ -84,7 +85,7 @@ GENERATE = Endpoint(
     "POST",
     "/generate",
     "GenerateReqInput",
-    sends=("rid", "input_ids", "sampling_params", "return_logprob", "stream"),
+    sends=("rid", "input_ids", "sampling_params", "return_logprob", "stream", "lora_path"),
     reads=("output_ids", "meta_info"),
 )
 ABORT = Endpoint("POST", "/abort_request", "AbortReq", sends=("rid", "abort_all"))
@@ -137,6 +138,22 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
     sends=("names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache"),
     reads=("success", "message"),
 )
+# LoRA adapters by name: a run that trains an adapter loads each version from a PEFT folder the rollout worker
+# writes (`adapter_sync.py`), and a `/generate` item names the adapter it runs with in `lora_path`.
+LOAD_LORA_ADAPTER = Endpoint(
+    "POST",
+    "/load_lora_adapter",
+    "LoadLoRAAdapterReqInput",
+    sends=("lora_name", "lora_path"),
+    reads=("success", "error_message"),
+)
+UNLOAD_LORA_ADAPTER = Endpoint(
+    "POST",
+    "/unload_lora_adapter",
+    "UnloadLoRAAdapterReqInput",
+    sends=("lora_name",),
+    reads=("success", "error_message"),
+)
 ENDPOINTS: tuple[Endpoint, ...] = (
     GENERATE,
     ABORT,
@@ -152,6 +169,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     BEGIN_WEIGHT_UPDATE,
     END_WEIGHT_UPDATE,
     UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+    LOAD_LORA_ADAPTER,
+    UNLOAD_LORA_ADAPTER,
 )
 # The keys of one `sampling_params` object we send (SGLang's `SamplingParams` fields).
 SAMPLING_FIELDS: tuple[str, ...] = (
@@ -166,6 +185,13 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "stop_token_ids",
     "sampling_seed",
 )
+# The module names SGLang can put an adapter on (`SUPPORTED_LORA_TARGET_MODULES`, the same in every supported
+# release) and its word for all of them; a LoRA run on SGLang adapts only these.
+LORA_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk",
+    "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head",
+)  # fmt: skip
+LORA_ALL_MODULES = "all"
 # What we read from a `/generate` item's `meta_info`; `weight_versions` only where the server sends it.
 META_FIELDS: tuple[str, ...] = ("finish_reason", "output_token_logprobs", "weight_version", "prompt_tokens")
 OPTIONAL_META_FIELDS: tuple[str, ...] = ("weight_versions",)
@@ -228,10 +254,13 @@ def wire_request_ids(request: GenerateRequest) -> list[str]:
     return [wire_rid(request.request_id, index) for index in range(request.params.n)]
 
 
-def generate_json(request: GenerateRequest) -> dict[str, Any]:
-    """The `/generate` body for `request`: one item for n == 1, a batch of n one-sample items otherwise."""
+def generate_json(request: GenerateRequest, *, adapter: str | None = None) -> dict[str, Any]:
+    """The `/generate` body for `request`: one item for n == 1, a batch of n one-sample items otherwise.
+
+    `adapter` names a loaded LoRA adapter every item runs with (SGLang takes the NAME in `lora_path`)."""
     params, seed = request.params, request.params.seed
     rids = wire_request_ids(request)
+    lora = {} if adapter is None else {"lora_path": adapter}
     if params.n == 1:
         return request_body(
             GENERATE,
@@ -240,6 +269,7 @@ def generate_json(request: GenerateRequest) -> dict[str, Any]:
             sampling_params=sampling_params_json(params, seed=seed),
             return_logprob=True,
             stream=False,
+            **lora,
         )
     return request_body(
         GENERATE,
@@ -251,129 +281,22 @@ def generate_json(request: GenerateRequest) -> dict[str, Any]:
         ],
         return_logprob=True,
         stream=False,
+        **lora,
     )
 
 
-@dataclass(frozen=True)
-class GenerateItem:
-    """One item of a `/generate` request as a server sees it."""
-
-    rid: str
-    input_ids: list[int] | None
-    text: str | None
-    params: SamplingParams
-    return_logprob: bool
-
-
-def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem], bool]:
-    """A `/generate` body -> its items and whether it was a batch. `new_rid()` names items that have no rid.
-
-    Accepts the single and the batch form, `input_ids` or `text`; raises ProtocolError naming the field.
-    """
-    if not isinstance(body, dict):
-        raise ProtocolError(f"/generate: body must be a JSON object, got {type(body).__name__}")
-    if body.get("stream"):
-        raise ProtocolError("/generate: stream=true is not supported by this server")
-    input_ids, text = body.get("input_ids"), body.get("text")
-    if (input_ids is None) == (text is None):
-        raise ProtocolError("/generate: give exactly one of 'input_ids' and 'text'")
-    batch = isinstance(text, list) if text is not None else bool(input_ids) and isinstance(input_ids[0], list)
-    prompts: list[Any] = (
-        (text if text is not None else input_ids) if batch else [text if text is not None else input_ids]
-    )
-    size = len(prompts)
-    rid = body.get("rid")
-    # As in SGLang, one string rid for a batch is a prefix of per-item ids.
-    rids = (
-        [f"{rid}_{index}" for index in range(size)] if batch and isinstance(rid, str) else _per_item(rid, size, "rid")
-    )
-    params = _per_item(body.get("sampling_params") or {}, size, "sampling_params")
-    logprob = _per_item(body.get("return_logprob", False), size, "return_logprob")
-    items = []
-    for index, prompt in enumerate(prompts):
-        rid = rids[index] if rids[index] is not None else new_rid()
-        if not isinstance(rid, str) or not rid:
-            raise ProtocolError(f"/generate: rid of item {index} must be a non-empty string, got {rid!r}")
-        ids = None if text is not None else _token_ids(prompt, index)
-        if text is not None and not isinstance(prompt, str):
-            raise ProtocolError(f"/generate: text of item {index} must be a string")
-        items.append(
-            GenerateItem(
-                rid,
-                ids,
-                prompt if text is not None else None,
-                parse_sampling_params(params[index], where=f"item {index}"),
-                bool(logprob[index]),
-            )
-        )
-    return items, batch
-
-
-def parse_sampling_params(raw: Any, *, where: str) -> SamplingParams:
-    """SGLang `sampling_params` -> ours; unknown keys are ignored as SGLang's defaults would leave them."""
-    if not isinstance(raw, dict):
-        raise ProtocolError(f"/generate: sampling_params of {where} must be an object, got {type(raw).__name__}")
-    top_k = raw.get("top_k", -1)
-    stop = raw.get("stop") or ()
-    try:
-        return SamplingParams(
-            temperature=float(raw.get("temperature", 1.0)),
-            top_p=float(raw.get("top_p", 1.0)),
-            top_k=0 if top_k is None or top_k < 0 else int(top_k),
-            max_new_tokens=int(raw.get("max_new_tokens", 128)),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            stop_token_ids=tuple(raw.get("stop_token_ids") or ()),
-            n=int(raw.get("n", 1)),
-            seed=raw.get("sampling_seed"),
-            ignore_eos=bool(raw.get("ignore_eos", False)),
-        )
-    except (TypeError, ValueError) as error:
-        raise ProtocolError(f"/generate: sampling_params of {where}: {error}") from error
+def lora_target_modules(target_modules: tuple[str, ...] | list[str]) -> list[str]:
+    """The server's `--lora-target-modules` for a run's `--target-modules`; a ValueError names what SGLang lacks."""
+    if tuple(target_modules) == ("all-linear",):
+        return [LORA_ALL_MODULES]
+    unknown = [name for name in target_modules if name not in LORA_TARGET_MODULES]
+    if unknown:
+        raise ValueError(f"target_modules {unknown}: SGLang cannot adapt these; it adapts {list(LORA_TARGET_MODULES)} "
+                         "(or give all-linear)")
+    return list(target_modules)
 
 
 # ---------------------------------------------------------------------------------------------- responses
-
-
-def output_json(
-    output: GenerateOutput,
-    *,
-    rid: str,
-    weight_version: str,
-    text: str,
-    weight_versions: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """One generated sample as SGLang's `/generate` returns it (with `return_logprob`)."""
-    finish: dict[str, Any] = {"type": output.finish_reason}
-    if output.finish_reason == "stop" and output.matched_stop is not None:
-        finish["matched"] = output.matched_stop
-    elif output.finish_reason == "length":
-        finish["length"] = len(output.output_ids)
-    elif output.finish_reason == "abort":
-        finish["message"] = "aborted"
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": finish,
-        "prompt_tokens": output.prompt_len,
-        "completion_tokens": len(output.output_ids),
-        "output_token_logprobs": [
-            [log_prob, token, None] for log_prob, token in zip(output.log_probs, output.output_ids, strict=True)
-        ],
-        "weight_version": weight_version,
-    }
-    if weight_versions is not None:
-        meta["weight_versions"] = weight_versions
-    return {"text": text, "output_ids": list(output.output_ids), "meta_info": meta}
-
-
-def version_spans(versions: list[str]) -> list[dict[str, Any]]:
-    """Per-token version names -> SGLang 0.5.23's `weight_versions` spans (end exclusive, runs merged)."""
-    spans: list[dict[str, Any]] = []
-    for index, name in enumerate(versions):
-        if spans and spans[-1]["version"] == name:
-            spans[-1]["end"] = index + 1
-        else:
-            spans.append({"version": name, "start": index, "end": index + 1})
-    return spans
 
 
 @dataclass(frozen=True)
@@ -479,17 +402,3 @@ def wire_dtype(name: Any, *, where: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _per_item(value: Any, size: int, field_name: str) -> list[Any]:
-    if isinstance(value, list):
-        if len(value) != size:
-            raise ProtocolError(f"/generate: {field_name} lists {len(value)} entries for {size} prompts")
-        return value
-    return [value] * size
-
-
-def _token_ids(prompt: Any, index: int) -> list[int]:
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
-        raise ProtocolError(f"/generate: input_ids of item {index} must be a non-empty list of ints >= 0")
-    return prompt

@@ -23,6 +23,10 @@ It behaves as SGLang does where a client can get it wrong, so the tests catch su
   `max_new_tokens` exceed it, with SGLang's message.
 * `/get_weight_version` does not exist (0.5.15.post1 answers 404, 0.5.23 has no such route): the version is in
   `/model_info`.
+* LoRA, with `--enable-lora --max-lora-rank R --lora-target-modules ...` (SGLang's flags, checked as SGLang
+  checks them): `/load_lora_adapter` reads a PEFT folder, `/unload_lora_adapter` waits for the requests still
+  using the adapter, and a `/generate` item runs with the adapter its `lora_path` names (`compat_adapters.py`).
+  Without `--enable-lora` a load fails with SGLang's message.
 
 Weight updates are received the way SGLang receives them: the group is joined through the tcp:// rendezvous
 with the group-name store prefix (`weight_group.py`), then each `/update_weights_from_distributed` call
@@ -49,7 +53,8 @@ from transformers import AutoConfig
 
 from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
-from engines.sglang import protocol
+from engines.sglang import protocol, server_protocol
+from engines.sglang.compat_adapters import AdapterRoutes
 from engines.sglang.weight_group import WeightGroup, join_weight_group
 
 logger = logging.getLogger("engines.sglang.server")
@@ -63,8 +68,6 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-# SGLang's tp_worker keeps 5 tokens of a request's length for itself: max_req_input_len = max_req_len - 5.
-RESERVED_INPUT_TOKENS = 5
 
 
 class CompatServer:
@@ -82,6 +85,7 @@ class CompatServer:
         self._rids = itertools.count()
         self._inflight: set[str] = set()
         self._weights_lock = asyncio.Lock()
+        self.lora = AdapterRoutes.for_server(engine, args)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -98,6 +102,8 @@ class CompatServer:
             protocol.INIT_WEIGHTS_GROUP: self.init_weights_update_group,
             protocol.DESTROY_WEIGHTS_GROUP: self.destroy_weights_update_group,
             protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.update_weights_from_distributed,
+            protocol.LOAD_LORA_ADAPTER: self.lora.load,
+            protocol.UNLOAD_LORA_ADAPTER: self.lora.unload,
         }
         if self.sessions:
             handlers[protocol.BEGIN_WEIGHT_UPDATE] = self.begin_weight_update
@@ -148,7 +154,7 @@ class CompatServer:
                 "random_seed": self.args.random_seed,
                 "max_running_requests": self.args.max_running_requests,
                 "context_length": self.context_length,
-                "max_req_input_len": self.context_length - 1 - RESERVED_INPUT_TOKENS,
+                "max_req_input_len": self.context_length - 1 - server_protocol.RESERVED_INPUT_TOKENS,
                 # Reported as given, like SGLang's arguments; seeds are honoured here either way.
                 "enable_deterministic_inference": self.args.enable_deterministic_inference,
                 "version": f"{COMPAT_VERSION} ({self.args.sglang_api})",
@@ -170,19 +176,23 @@ class CompatServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            items, batch = protocol.parse_generate_json(await _json(request), new_rid=self._new_rid)
+            items, batch = server_protocol.parse_generate_json(await _json(request), new_rid=self._new_rid)
             requests = [self._engine_request(item) for item in items]
             for engine_request in requests:
-                self._check_context(engine_request)
+                server_protocol.check_context(engine_request, self.context_length)
         except ValueError as error:
             return _error(400, str(error))
         live = [r.request_id for r in requests if r.request_id in self._inflight]
         if live:
             return _error(400, f"/generate: rid {live[0]!r} is already in flight")
+        if any(item.lora_path is not None for item in items) and self.lora.registry is None:
+            return _error(400, "/generate: lora_path given, but LoRA is not enabled on this server (--enable-lora)")
         self._inflight.update(r.request_id for r in requests)
         try:
-            results = await asyncio.gather(*(self.engine.generate(r) for r in requests))
-        except ValueError as error:
+            results = await asyncio.gather(
+                *(self.lora.generate(item.lora_path, r) for item, r in zip(items, requests, strict=True))
+            )
+        except ValueError as error:  # AdapterError included: a request for an adapter that is not loaded
             return _error(400, str(error))
         finally:
             self._inflight.difference_update(r.request_id for r in requests)
@@ -191,11 +201,10 @@ class CompatServer:
         for item, outputs in zip(items, results, strict=True):
             for output in outputs:
                 text = tokenizer.decode(output.output_ids) if tokenizer is not None else ""
-                spans = (
-                    protocol.version_spans([self._version_name(v) for v in output.versions]) if self.sessions else None
-                )
+                names = [self._version_name(v) for v in output.versions]
+                spans = server_protocol.version_spans(names) if self.sessions else None
                 body.append(
-                    protocol.output_json(
+                    server_protocol.output_json(
                         output, rid=item.rid, weight_version=self.weight_version, text=text, weight_versions=spans
                     )
                 )
@@ -364,27 +373,7 @@ class CompatServer:
         status = await self.engine.health()
         return not status["running"] and (bool(status["paused"]) or not status["requests"])
 
-    def _check_context(self, request: GenerateRequest) -> None:
-        """SGLang's tokenizer-manager and scheduler checks, with SGLang's words; each is an HTTP 400 there."""
-        prompt, context = len(request.input_ids), self.context_length
-        if prompt >= context:
-            raise ValueError(
-                f"The input ({prompt} tokens) is longer than the model's context length ({context} tokens)."
-            )
-        total = prompt + request.params.max_new_tokens
-        if total > context:
-            raise ValueError(
-                f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
-                f"requested a total of {total} tokens: {prompt} tokens from the input messages and "
-                f"{request.params.max_new_tokens} tokens for the completion."
-            )
-        max_input = context - 1 - RESERVED_INPUT_TOKENS
-        if prompt >= max_input:
-            raise ValueError(
-                f"Input length ({prompt} tokens) exceeds the maximum allowed length ({max_input} tokens)."
-            )
-
-    def _engine_request(self, item: protocol.GenerateItem) -> GenerateRequest:
+    def _engine_request(self, item: server_protocol.GenerateItem) -> GenerateRequest:
         ids = item.input_ids
         if ids is None:
             tokenizer = self.engine.tokenizer
@@ -459,10 +448,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--weight-group-timeout", type=float, default=120.0, help="seconds a weight update group waits for all members"
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded by name")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    lora_modules = [*protocol.LORA_TARGET_MODULES, protocol.LORA_ALL_MODULES]
+    parser.add_argument("--lora-target-modules", nargs="*", default=None, choices=lora_modules)
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--log-level", default="info")
     args, unknown = parser.parse_known_args(argv)
     args.ignored = unknown
+    if args.enable_lora and not (args.max_lora_rank and args.lora_target_modules):
+        # SGLang's own check (it also accepts initial --lora-paths, which this server does not load)
+        parser.error("When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
+                     "--lora-target-modules for LoRA initialization.")
     return args
 
 
@@ -485,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=context_length,
         seed=args.random_seed,
         version=protocol.parse_weight_version(args.weight_version) or 0,
+        # each adapter's B arrives multiplied by its own alpha / r (compat_adapters.py), so the merge scale is 1
+        lora_scaling=1.0 if args.enable_lora else None,
     )
     server = CompatServer(engine, args, context_length=context_length)
     logger.info("serving %s on http://%s:%d (SGLang %s API)", args.model_path, args.host, args.port, args.sglang_api)

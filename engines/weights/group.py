@@ -58,6 +58,9 @@ class GroupSpec:
     generation: int
     members: tuple[str, ...]  # members[0] is the sender; rank = position
     backend: Backend = "gloo"
+    # The mechanism whose loader the engines build for it: this broadcast also carries mechanisms of their own,
+    # which differ in what the engine does with the tensors (an SGLang server loads a LoRA adapter from them).
+    transport: str = TORCH_DISTRIBUTED
 
     def __post_init__(self) -> None:
         if len(self.members) < 2:
@@ -80,12 +83,11 @@ class GroupSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Carries the mechanism's name, by which a rollout worker picks the loader for it."""
-        return {"transport": TORCH_DISTRIBUTED, **self.__dict__, "members": list(self.members)}
+        return {**self.__dict__, "members": list(self.members)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GroupSpec:
-        fields = {key: value for key, value in raw.items() if key != "transport"}
-        return cls(**{**fields, "members": tuple(fields["members"])})
+        return cls(**{**raw, "members": tuple(raw["members"])})
 
 
 def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:

@@ -3,3 +3,4 @@ importing the registry (which imports the mechanisms)."""
 
 TORCH_DISTRIBUTED = "torch_distributed"
 SGLANG = "sglang"
+SGLANG_LORA = "sglang_lora"

@@ -69,10 +69,12 @@ class TorchDistributedWeightSender(WeightSender):
         direct_bytes: int = DEFAULT_DIRECT_BYTES,
         timeout_s: float = 120.0,
         device: torch.device | str | None = None,
+        transport: str = groups.TORCH_DISTRIBUTED,
     ) -> None:
         if bucket_bytes <= 0 or direct_bytes <= 0:
             raise ValueError(f"bucket_bytes and direct_bytes must be positive, got {bucket_bytes}, {direct_bytes}")
         self._host, self._backend, self._timeout_s = host, backend, timeout_s
+        self._transport = transport  # the name the group specs carry, so engines build the matching loader
         # Public and changeable between transfers: each manifest carries the layout it was sent with.
         self.bucket_bytes, self.direct_bytes = bucket_bytes, direct_bytes
         self._device = groups.transfer_device(backend, device)
@@ -100,7 +102,9 @@ class TorchDistributedWeightSender(WeightSender):
         """Start a new generation (dropping the current one) and return the spec the receivers must join."""
         self.close_group()
         self._generation += 1
-        self._spec = groups.GroupSpec(self._host, self.port, self._generation, tuple(members), self._backend)
+        self._spec = groups.GroupSpec(
+            self._host, self.port, self._generation, tuple(members), self._backend, self._transport
+        )
         self._keys = groups.generation_store(self._store, self._generation)
         self._broken, self._aborted, self._sequence = None, None, 0
         return self._spec

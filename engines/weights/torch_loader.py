@@ -37,11 +37,19 @@ class TorchDistributedLoader:
                 f"{receiver.spec.generation}'s"
             )
         if receiver is None or receiver.spec.generation != spec.generation or receiver.spec.port != spec.port:
-            self.close()
+            self._drop_receiver()
             receiver = await asyncio.to_thread(
                 TorchDistributedWeightReceiver.join, spec, self.actor_id, timeout_s=timeout_s
             )
             self._receiver = receiver
+        try:
+            await self._receive(receiver, version, timeout_s)
+        except Exception:
+            self._drop_receiver()
+            raise
+
+    async def _receive(self, receiver: TorchDistributedWeightReceiver, version: int, timeout_s: float) -> int:
+        """One transfer into the engine; returns the version received."""
         loop = asyncio.get_running_loop()
 
         def load(named: Iterable[tuple[str, Tensor]]) -> None:
@@ -52,14 +60,15 @@ class TorchDistributedLoader:
         await self.engine.pause("keep")
         try:
             received = await asyncio.to_thread(receiver.receive, load, timeout_s)
-        except Exception:
-            self.close()
-            raise
         finally:
             await self.engine.resume()
-        self.log.info("weights loaded", version=received, generation=spec.generation)
+        self.log.info("weights loaded", version=received, generation=receiver.spec.generation)
+        return received
 
-    def close(self) -> None:
+    def _drop_receiver(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+
+    def close(self) -> None:
+        self._drop_receiver()

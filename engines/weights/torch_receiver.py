@@ -4,7 +4,7 @@ implemented, in `torch_distributed.py`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -79,11 +79,21 @@ class TorchDistributedWeightReceiver(WeightReceiver):
             raise WeightTransferError(f"{name}: process group formation failed: {error}") from error
         return cls(spec, name, rank, store, process_group, transfer_device, timeout_s)
 
-    def receive(self, load_fn: LoadFn, timeout: float, *, destinations: Mapping[str, Tensor] | None = None) -> int:
+    def receive(
+        self,
+        load_fn: LoadFn,
+        timeout: float,
+        *,
+        destinations: Mapping[str, Tensor] | None = None,
+        finish_fn: Callable[[int], None] | None = None,
+    ) -> int:
         """Raises TimeoutError if no transfer starts within `timeout`; WeightTransferError if one fails.
 
         `destinations` (optional: the engine's live tensors by name) lets a tensor that travels alone land in
         place with no staging copy when its dtype, shape and device match; `load_fn` gets everything else.
+        `finish_fn(version)`, when given, runs after the last bucket loaded and before the acknowledgement, so
+        an engine that puts the version to use only once it has all of it (an adapter loaded from a folder)
+        acknowledges "served", not "received"; what it raises is reported like a `load_fn` failure.
         """
         if self._group is None:
             raise WeightTransferError(f"{self.name}: receiver of generation {self.spec.generation} is closed/broken")
@@ -117,6 +127,11 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         if self._group is None:  # the sender gave the generation up mid-way; our pending receives are parked
             self._keys.set(f"{prefix}ack/{self.rank}", ERROR_PREFIX + b" left: the sender gave the generation up")
             self._raise_if_given_up(f"during version {manifest.version}")
+        if load_error is None and finish_fn is not None:
+            try:
+                finish_fn(manifest.version)
+            except Exception as error:  # reported in the ack, like a load_fn failure; the group stays usable
+                load_error = f"{type(error).__name__}: {error}"
         ack = OK if load_error is None else ERROR_PREFIX + f" load_fn failed: {load_error}".encode()
         self._keys.set(f"{prefix}ack/{self.rank}", ack)
         self._sequence += 1

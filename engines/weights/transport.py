@@ -17,13 +17,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engines.weights.names import SGLANG, TORCH_DISTRIBUTED
+from engines.weights.names import SGLANG, SGLANG_LORA, TORCH_DISTRIBUTED
 from policies.plugins import load_object
 
 if TYPE_CHECKING:
     from engines.weights.base import WeightSender
 
-__all__ = ["SGLANG", "TORCH_DISTRIBUTED", "EngineLoader", "SenderOptions", "WeightTransport", "resolve_transport"]
+__all__ = ["SGLANG", "SGLANG_LORA", "TORCH_DISTRIBUTED", "EngineLoader", "SenderOptions", "WeightTransport",
+           "resolve_transport"]
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,24 @@ def _sglang_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
     return SglangWeightLoader(engine, actor_id, log=log)
 
 
+def _sglang_lora_sender(options: SenderOptions) -> WeightSender:
+    from engines.weights.torch_distributed import TorchDistributedWeightSender
+
+    # gloo whatever the machine: the receivers are rollout workers, whose GPUs belong to their SGLang servers, and
+    # an adapter is small enough that its bytes cost little over TCP.
+    return TorchDistributedWeightSender(
+        host=options.host, backend="gloo", timeout_s=options.timeout_s, transport=SGLANG_LORA
+    )
+
+
+def _sglang_lora_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
+    from engines.sglang.adapter_sync import SglangAdapterLoader
+
+    return SglangAdapterLoader(engine, actor_id, log)
+
+
 BUILTIN: dict[str, WeightTransport] = {
     TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader),
     SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader),
+    SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader),
 }

@@ -26,4 +26,8 @@ def test_lora_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
     full, adapter = figures["sync"]
     assert full["update"] == "full weights" and adapter["update"].startswith("LoRA adapter")
     assert 0 < adapter["megabytes"] < full["megabytes"]  # what actually travelled, as the sender counted it
+    sglang_full, sglang_adapter = figures["sglang"]  # the same pushes into an SGLang-compatible server
+    assert sglang_full["megabytes"] == pytest.approx(full["megabytes"], rel=0.01)
+    assert sglang_adapter["megabytes"] == pytest.approx(adapter["megabytes"])
+    assert sglang_full["seconds"] > 0 and sglang_adapter["seconds"] > 0
     assert "fewer bytes" in completed.stdout and "weights loaded" not in completed.stdout + completed.stderr

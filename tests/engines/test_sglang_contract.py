@@ -26,6 +26,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from actors.config import RunConfig
+from actors.rollout.engine_factory import lora_server_args
 from engines.sglang import protocol
 from engines.sglang.launch import ServerSpec
 from engines.sglang.server import CompatServer, parse_args
@@ -54,6 +56,9 @@ PRODUCERS = {
     ),
 }
 SERVER_ARGS_FILES = ("sglang/srt/server_args.py", "sglang/srt/arg_groups/fields/*.py")
+# The LoRA routes answer with `LoRAUpdateOutput`, a struct of io_struct.py (test_lora_routes_answer_... below).
+for _lora_path in (protocol.LOAD_LORA_ADAPTER.path, protocol.UNLOAD_LORA_ADAPTER.path):
+    PRODUCERS[_lora_path] = ("sglang/srt/managers/io_struct.py",)
 
 
 def fetch_wheel(version: str) -> Path:
@@ -250,9 +255,30 @@ def gpu_test_server_args() -> dict[str, str]:
     raise AssertionError("test_sglang_gpu.py defines no GPU_SERVER_ARGS")
 
 
+def test_lora_routes_answer_a_lora_update_output_with_the_fields_we_read(sglang: SglangSource) -> None:
+    fields = sglang.class_fields("sglang/srt/managers/io_struct.py", "LoRAUpdateOutput")
+    for endpoint in (protocol.LOAD_LORA_ADAPTER, protocol.UNLOAD_LORA_ADAPTER):
+        assert set(endpoint.reads) <= fields, (endpoint.path, fields)
+        _, handler = sglang.routes[endpoint.path]
+        assert "tokenizer_manager" in ast.unparse(handler) and "result.success" in ast.unparse(handler)
+
+
+def test_the_modules_sglang_can_adapt_are_the_ones_we_allow(sglang: SglangSource) -> None:
+    tree = sglang.tree("sglang/srt/utils/common.py")
+    lists = {
+        ast.unparse(node.targets[0]): ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and len(node.targets) == 1
+        and ast.unparse(node.targets[0]) in ("SUPPORTED_LORA_TARGET_MODULES", "LORA_TARGET_ALL_MODULES")
+    }
+    assert set(protocol.LORA_TARGET_MODULES) <= set(lists["SUPPORTED_LORA_TARGET_MODULES"])
+    assert lists["LORA_TARGET_ALL_MODULES"] == protocol.LORA_ALL_MODULES
+
+
 def test_launch_flags_exist_and_are_not_deprecated(sglang: SglangSource) -> None:
-    """Our launch command and the GPU test's flags (`--disable-cuda-graph` is deprecated in both releases)."""
-    extra = gpu_test_server_args()
+    """Our launch command, a LoRA run's flags and the GPU test's (`--disable-cuda-graph` is deprecated in both)."""
+    config = RunConfig(rollout_engine="sglang", lora_rank=8, target_modules=["q_proj", "v_proj"])
+    extra = {**gpu_test_server_args(), **lora_server_args(config)}
     command = ServerSpec(model_path="/m", random_seed=1, base_gpu_id=0, extra=extra).command(port=1)
     flags = [part for part in command if part.startswith("--")]
     unknown = [flag for flag in flags if flag[2:].replace("-", "_") not in sglang.server_arg_fields]

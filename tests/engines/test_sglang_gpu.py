@@ -90,3 +90,45 @@ async def test_real_server_receives_weights_from_our_sender(server: ServerProces
         expected = (await reference.generate(GenerateRequest("w", PROMPT, GREEDY)))[0]
         assert got.output_ids == expected.output_ids and got.versions == [1] * len(got.output_ids)
     sender.close()
+
+
+async def test_real_server_serves_an_adapter_pushed_by_name(tiny_model_path: Path, tmp_path: Path) -> None:
+    """A LoRA run's push into real SGLang: the `sglang_lora` transport, `/load_lora_adapter`, `lora_path`."""
+    import structlog
+
+    from actors.config import RunConfig
+    from actors.rollout.engine_factory import lora_server_args
+    from engines.sglang.adapter_endpoints import AdapterServing
+    from engines.training.lora import LoraSettings, adapter_tensors, wrap
+    from engines.weights.transport import SGLANG_LORA, SenderOptions, resolve_transport
+
+    rank, alpha, targets = 4, 8.0, ["q_proj", "v_proj"]
+    run = RunConfig(rollout_engine="sglang", lora_rank=rank, lora_alpha=alpha, target_modules=targets)
+    extra = {**GPU_SERVER_ARGS, **lora_server_args(run), "lora-backend": "torch_native"}
+    spec = ServerSpec(model_path=str(tiny_model_path), module="sglang.launch_server", random_seed=1, extra=extra)
+    server = ServerProcess(spec, startup_timeout=600, log_dir=tmp_path)
+    server.start()
+    trained = wrap(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                   LoraSettings(rank=rank, alpha=alpha, target_modules=tuple(targets)))
+    generator = torch.Generator().manual_seed(0)
+    named = [(name, torch.randn(t.shape, generator=generator) * 0.3) for name, t in adapter_tensors(trained)]
+    transport = resolve_transport(SGLANG_LORA)
+    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="nccl", timeout_s=120.0))
+    try:
+        async with SglangEngine(server.url, adapters=AdapterServing(alpha, str(tmp_path))) as client, \
+                TorchEngine.from_pretrained(tiny_model_path, device="cuda", lora_scaling=alpha / rank) as reference:
+            loader = transport.make_loader(client, "rollout-0-0", structlog.get_logger())
+            group = sender.open_group(["learner", "rollout-0-0"]).to_dict()
+            receiving = asyncio.create_task(loader.apply(group, 1, 120))
+            await asyncio.to_thread(sender.wait_for_receivers)
+            await asyncio.to_thread(sender.send, named, 1)
+            await receiving
+            await reference.update_weights(named, 1)
+            got = (await client.generate(GenerateRequest("a", PROMPT, GREEDY)))[0]
+            expected = (await reference.generate(GenerateRequest("a", PROMPT, GREEDY)))[0]
+            assert sender.committed_version == 1 and client.adapter is not None
+            assert got.output_ids == expected.output_ids and got.versions == [1] * len(got.output_ids)
+            loader.close()
+    finally:
+        sender.close()
+        server.stop()

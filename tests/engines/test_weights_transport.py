@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from actors.config import RunConfig
 from actors.learner.publish import transfer_backend, transport_name
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks
+from actors.rollout.engine_factory import lora_server_args
 from actors.rollout.weights import EngineWeightReceiver
 from bus.schema import WeightUpdateOrder
 from engines.inference.torch_engine import TorchEngine
@@ -105,11 +106,25 @@ def test_plugin_path_to_something_else_is_a_type_error_naming_the_path(plugin: s
 def test_run_config_chooses_the_mechanism_once() -> None:
     assert transport_name(RunConfig()) == "torch_distributed"
     assert transport_name(RunConfig(rollout_engine="sglang", weight_transport="nccl")) == "sglang"
+    # a LoRA run's adapter goes to SGLang by name (engines/sglang/adapter_sync.py), to a torch engine as tensors
+    assert transport_name(RunConfig(rollout_engine="sglang", lora_rank=8)) == "sglang_lora"
+    assert transport_name(RunConfig(lora_rank=8)) == "torch_distributed"
     assert transport_name(RunConfig(weight_transport="pkg.mod:TRANSPORT")) == "pkg.mod:TRANSPORT"
     assert transfer_backend(RunConfig(weight_transport="cuda_ipc")) == "cuda_ipc"
     expected = "nccl" if torch.cuda.is_available() else "gloo"
     assert transfer_backend(RunConfig()) == expected
     assert transfer_backend(RunConfig(weight_transport="pkg.mod:TRANSPORT")) == expected
+
+
+@pytest.mark.unit
+def test_a_lora_run_on_sglang_adapts_only_modules_sglang_can_and_launches_its_servers_with_room_for_them() -> None:
+    with pytest.raises(ValueError, match=r"--target-modules with --rollout-engine sglang: .*\['fc_in'\]"):
+        RunConfig(rollout_engine="sglang", lora_rank=8, target_modules=["q_proj", "fc_in"])
+    RunConfig(lora_rank=8, target_modules=["fc_in"])  # the torch engine merges any linear layer
+    assert lora_server_args(RunConfig(rollout_engine="sglang", lora_rank=16)) == {
+        "enable-lora": "true", "max-lora-rank": "16", "lora-target-modules": ["all"]}
+    run = RunConfig(rollout_engine="sglang", lora_rank=4, target_modules=["q_proj", "v_proj"])
+    assert lora_server_args(run)["lora-target-modules"] == ["q_proj", "v_proj"]
 
 
 @pytest.mark.unit

@@ -1,0 +1,175 @@
+"""The server's half of SGLang's `/generate` JSON: parse a request body, build a response item.
+
+Only the compatible server (`server.py`) needs these; the client's half (building requests, parsing responses)
+is in `protocol.py`, beside the table of endpoints both use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
+from engines.sglang.protocol import ProtocolError
+
+# SGLang's tp_worker keeps 5 tokens of a request's length for itself: max_req_input_len = max_req_len - 5.
+RESERVED_INPUT_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    """One item of a `/generate` request as a server sees it."""
+
+    rid: str
+    input_ids: list[int] | None
+    text: str | None
+    params: SamplingParams
+    return_logprob: bool
+    lora_path: str | None = None  # the name of the loaded adapter the item runs with; None: the base model
+
+
+def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem], bool]:
+    """A `/generate` body -> its items and whether it was a batch. `new_rid()` names items that have no rid.
+
+    Accepts the single and the batch form, `input_ids` or `text`; raises ProtocolError naming the field.
+    """
+    if not isinstance(body, dict):
+        raise ProtocolError(f"/generate: body must be a JSON object, got {type(body).__name__}")
+    if body.get("stream"):
+        raise ProtocolError("/generate: stream=true is not supported by this server")
+    input_ids, text = body.get("input_ids"), body.get("text")
+    if (input_ids is None) == (text is None):
+        raise ProtocolError("/generate: give exactly one of 'input_ids' and 'text'")
+    batch = isinstance(text, list) if text is not None else bool(input_ids) and isinstance(input_ids[0], list)
+    prompts: list[Any] = (
+        (text if text is not None else input_ids) if batch else [text if text is not None else input_ids]
+    )
+    size = len(prompts)
+    rid = body.get("rid")
+    # As in SGLang, one string rid for a batch is a prefix of per-item ids.
+    rids = (
+        [f"{rid}_{index}" for index in range(size)] if batch and isinstance(rid, str) else _per_item(rid, size, "rid")
+    )
+    params = _per_item(body.get("sampling_params") or {}, size, "sampling_params")
+    logprob = _per_item(body.get("return_logprob", False), size, "return_logprob")
+    adapters = _per_item(body.get("lora_path"), size, "lora_path")
+    items = []
+    for index, prompt in enumerate(prompts):
+        rid = rids[index] if rids[index] is not None else new_rid()
+        if not isinstance(rid, str) or not rid:
+            raise ProtocolError(f"/generate: rid of item {index} must be a non-empty string, got {rid!r}")
+        ids = None if text is not None else _token_ids(prompt, index)
+        if text is not None and not isinstance(prompt, str):
+            raise ProtocolError(f"/generate: text of item {index} must be a string")
+        if adapters[index] is not None and (not isinstance(adapters[index], str) or not adapters[index]):
+            raise ProtocolError(f"/generate: lora_path of item {index} must be an adapter's name, "
+                                f"got {adapters[index]!r}")
+        items.append(
+            GenerateItem(
+                rid,
+                ids,
+                prompt if text is not None else None,
+                parse_sampling_params(params[index], where=f"item {index}"),
+                bool(logprob[index]),
+                adapters[index],
+            )
+        )
+    return items, batch
+
+
+def parse_sampling_params(raw: Any, *, where: str) -> SamplingParams:
+    """SGLang `sampling_params` -> ours; unknown keys are ignored as SGLang's defaults would leave them."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"/generate: sampling_params of {where} must be an object, got {type(raw).__name__}")
+    top_k = raw.get("top_k", -1)
+    stop = raw.get("stop") or ()
+    try:
+        return SamplingParams(
+            temperature=float(raw.get("temperature", 1.0)),
+            top_p=float(raw.get("top_p", 1.0)),
+            top_k=0 if top_k is None or top_k < 0 else int(top_k),
+            max_new_tokens=int(raw.get("max_new_tokens", 128)),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            stop_token_ids=tuple(raw.get("stop_token_ids") or ()),
+            n=int(raw.get("n", 1)),
+            seed=raw.get("sampling_seed"),
+            ignore_eos=bool(raw.get("ignore_eos", False)),
+        )
+    except (TypeError, ValueError) as error:
+        raise ProtocolError(f"/generate: sampling_params of {where}: {error}") from error
+
+
+def check_context(request: GenerateRequest, context: int) -> None:
+    """SGLang's tokenizer-manager and scheduler checks, with SGLang's words; each is an HTTP 400 there."""
+    prompt = len(request.input_ids)
+    if prompt >= context:
+        raise ValueError(f"The input ({prompt} tokens) is longer than the model's context length ({context} tokens).")
+    total = prompt + request.params.max_new_tokens
+    if total > context:
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+            f"requested a total of {total} tokens: {prompt} tokens from the input messages and "
+            f"{request.params.max_new_tokens} tokens for the completion."
+        )
+    max_input = context - 1 - RESERVED_INPUT_TOKENS
+    if prompt >= max_input:
+        raise ValueError(f"Input length ({prompt} tokens) exceeds the maximum allowed length ({max_input} tokens).")
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+def output_json(
+    output: GenerateOutput,
+    *,
+    rid: str,
+    weight_version: str,
+    text: str,
+    weight_versions: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One generated sample as SGLang's `/generate` returns it (with `return_logprob`)."""
+    finish: dict[str, Any] = {"type": output.finish_reason}
+    if output.finish_reason == "stop" and output.matched_stop is not None:
+        finish["matched"] = output.matched_stop
+    elif output.finish_reason == "length":
+        finish["length"] = len(output.output_ids)
+    elif output.finish_reason == "abort":
+        finish["message"] = "aborted"
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": output.prompt_len,
+        "completion_tokens": len(output.output_ids),
+        "output_token_logprobs": [
+            [log_prob, token, None] for log_prob, token in zip(output.log_probs, output.output_ids, strict=True)
+        ],
+        "weight_version": weight_version,
+    }
+    if weight_versions is not None:
+        meta["weight_versions"] = weight_versions
+    return {"text": text, "output_ids": list(output.output_ids), "meta_info": meta}
+
+
+def version_spans(versions: list[str]) -> list[dict[str, Any]]:
+    """Per-token version names -> SGLang 0.5.23's `weight_versions` spans (end exclusive, runs merged)."""
+    spans: list[dict[str, Any]] = []
+    for index, name in enumerate(versions):
+        if spans and spans[-1]["version"] == name:
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": name, "start": index, "end": index + 1})
+    return spans
+
+
+def _per_item(value: Any, size: int, field_name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != size:
+            raise ProtocolError(f"/generate: {field_name} lists {len(value)} entries for {size} prompts")
+        return value
+    return [value] * size
+
+
+def _token_ids(prompt: Any, index: int) -> list[int]:
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
+        raise ProtocolError(f"/generate: input_ids of item {index} must be a non-empty list of ints >= 0")
+    return prompt

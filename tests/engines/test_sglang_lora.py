@@ -1,0 +1,243 @@
+"""A LoRA run's adapter into an SGLang(-compatible) server: broadcast to the rollout worker over gloo, written as
+a PEFT folder, loaded by the server by name, and named by every request after it.
+
+Real processes: the compatible server runs in its own process with SGLang's LoRA flags; the learner-side sender
+and the worker-side loader are the built-in `sglang_lora` transport. Expected outputs come from a torch engine
+that merged the same adapter: the scale is 2 (alpha 8, rank 4), a power of two, so the server's merge (B scaled
+first) and the reference's (the product scaled) give the same floats and greedy tokens match exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import structlog
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from engines.inference.base import GenerateRequest, SamplingParams
+from engines.inference.torch_engine import TorchEngine
+from engines.sglang import protocol
+from engines.sglang.adapter_endpoints import AdapterServing
+from engines.sglang.adapter_sync import SglangAdapterLoader, write_adapter_folder
+from engines.sglang.client import SglangEngine
+from engines.sglang.launch import ServerProcess, ServerSpec
+from engines.training.lora import LoraSettings, adapter_tensors, wrap
+from engines.weights.base import WeightTransferError
+from engines.weights.transport import SGLANG_LORA, SenderOptions, resolve_transport
+
+pytestmark = pytest.mark.integration
+RANK, ALPHA = 4, 8.0
+PROMPT = [7, 21, 33, 4, 18]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+ENGINE = "rollout-0-0"
+TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+def lora_server(model: Path, logs: Path, **flags: str | list[str]) -> ServerProcess:
+    extra: dict[str, str | list[str]] = {"torch-threads": "1", "weight-group-timeout": "20", **flags}
+    return ServerProcess(ServerSpec(model_path=str(model), module="engines.sglang.server", extra=extra),
+                         startup_timeout=120, log_dir=logs)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = lora_server(tiny_model_path, tmp_path_factory.mktemp("sglang-logs"), **{
+        "enable-lora": "true", "max-lora-rank": str(RANK), "lora-target-modules": list(TARGETS)})
+    process.start()
+    yield process
+    process.stop()
+
+
+def random_adapter(model_path: Path, seed: int, rank: int = RANK) -> list[tuple[str, Tensor]]:
+    """The wire tensors of a trained-looking adapter on TARGETS (B non-zero, so it changes the outputs)."""
+    model = wrap(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+                 LoraSettings(rank=rank, alpha=ALPHA, target_modules=TARGETS))
+    generator = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(tensor.shape, generator=generator) * 0.3) for name, tensor in adapter_tensors(model)]
+
+
+async def reference_greedy(model_path: Path, adapter: list[tuple[str, Tensor]] | None, tokens: int) -> list[int]:
+    engine = TorchEngine.from_pretrained(model_path, lora_scaling=ALPHA / RANK)
+    try:
+        if adapter is not None:
+            await engine.update_weights(adapter, 1)
+        params = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
+        (output,) = await engine.generate(GenerateRequest("reference", PROMPT, params))
+        return list(output.output_ids)
+    finally:
+        await engine.close()
+
+
+async def raw_generate(url: str, adapter: str) -> tuple[int, str]:
+    """A `/generate` naming `adapter`, sent past the client (which only names the adapter it loaded last)."""
+    body = protocol.generate_json(GenerateRequest("raw", PROMPT, GREEDY), adapter=adapter)
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/generate", json=body) as reply:
+        return reply.status, await reply.text()
+
+
+class Learner:
+    """The learner's end of the `sglang_lora` transport, and the worker's loader beside it, in this process."""
+
+    def __init__(self, client: SglangEngine) -> None:
+        transport = resolve_transport(SGLANG_LORA)
+        self.sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="nccl", timeout_s=20.0))
+        self.loader = transport.make_loader(client, ENGINE, structlog.get_logger())
+        assert isinstance(self.loader, SglangAdapterLoader)
+        self.group = self.sender.open_group(["learner", ENGINE]).to_dict()
+        self.joined = False
+
+    async def push(self, named: list[tuple[str, Tensor]], version: int) -> None:
+        receiving = asyncio.create_task(self.loader.apply(self.group, version, 20.0))
+        try:
+            if not self.joined:
+                await asyncio.to_thread(self.sender.wait_for_receivers)
+                self.joined = True
+            await asyncio.to_thread(self.sender.send, named, version)
+        finally:
+            await asyncio.gather(receiving, return_exceptions=True)
+        if receiving.exception() is not None:
+            raise receiving.exception()
+
+    async def retired(self) -> None:
+        """Until the loader's background unloads of old adapters are done."""
+        await asyncio.wait_for(asyncio.gather(*self.loader._unloads), 30)
+
+    def close(self) -> None:
+        self.loader.close()
+        self.sender.close()
+
+
+def test_the_folder_a_worker_writes_loads_in_peft_as_the_learners_adapter(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """SGLang reads PEFT's folder format; PEFT itself loading ours, to the same outputs, is the check we can run."""
+    from peft import PeftModel
+
+    settings = LoraSettings(rank=RANK, alpha=ALPHA, target_modules=TARGETS)
+    trained = wrap(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), settings)
+    with torch.no_grad():
+        for _, tensor in adapter_tensors(trained):
+            tensor.normal_(0, 0.3)
+    folder = tmp_path / "adapter"
+    write_adapter_folder(dict(adapter_tensors(trained)), ALPHA, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (RANK, ALPHA, sorted(TARGETS))
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                                       str(folder))
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=tokens).logits, trained(input_ids=tokens).logits)
+
+
+def test_a_folder_of_tensors_that_are_no_adapter_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not LoRA adapter tensors"):
+        write_adapter_folder({"model.layers.0.mlp.down_proj.weight": torch.zeros(2, 2),
+                              "model.layers.0.mlp.down_proj.lora_A.weight": torch.zeros(1, 2)}, ALPHA, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+async def test_adapter_versions_reach_the_server_by_name_and_tag_the_tokens_they_produce(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA))
+    learner = Learner(client)
+    first, second = random_adapter(tiny_model_path, seed=1), random_adapter(tiny_model_path, seed=2)
+    try:
+        (base,) = await client.generate(GenerateRequest("base", PROMPT, GREEDY))
+        assert base.output_ids == await reference_greedy(tiny_model_path, None, GREEDY.max_new_tokens)
+        assert base.versions == [0] * GREEDY.max_new_tokens
+
+        await learner.push(first, 1)
+        first_name = client.adapter
+        assert learner.sender.committed_version == 1 and first_name is not None and first_name.startswith(
+            "slipstream-v1-"
+        )
+        (after,) = await client.generate(GenerateRequest("after", PROMPT, GREEDY))
+        expected = await reference_greedy(tiny_model_path, first, GREEDY.max_new_tokens)
+        assert after.output_ids == expected != base.output_ids
+        assert after.versions == [1] * GREEDY.max_new_tokens
+
+        await learner.push(second, 2)
+        (later,) = await client.generate(GenerateRequest("later", PROMPT, GREEDY))
+        assert later.output_ids == await reference_greedy(tiny_model_path, second, GREEDY.max_new_tokens)
+        assert later.versions == [2] * GREEDY.max_new_tokens
+        # The first version is retired: unloaded from the server, its folder gone; the second's stays.
+        await learner.retired()
+        status, text = await raw_generate(server.url, first_name)
+        assert status == 400 and "not loaded" in text
+        assert sorted(folder.name for folder in learner.loader.root.iterdir()) == [client.adapter]
+        assert (learner.loader.root / client.adapter / "adapter_model.safetensors").exists()
+
+        await learner.push(second, 2)  # the same version again (a retried push) loads under a name of its own
+        assert client.adapter.startswith("slipstream-v2-") and learner.sender.committed_version == 2
+    finally:
+        learner.close()
+        await client.close()
+
+
+async def test_a_request_in_flight_keeps_its_adapter_while_the_next_one_loads(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """No pause, no abort: the long request runs to its end with version 1 while version 2 loads, then retires."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA))
+    learner = Learner(client)
+    first = random_adapter(tiny_model_path, seed=3)
+    long = GenerateRequest("long", PROMPT, SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True))
+    try:
+        await learner.push(first, 1)
+        running = asyncio.create_task(client.generate(long))
+        await asyncio.sleep(0.2)
+        await learner.push(random_adapter(tiny_model_path, seed=4), 2)
+        assert not running.done(), "the push waited for the request of the adapter it replaces"
+        assert client.adapter is not None and client.adapter.startswith("slipstream-v2-")
+        (output,) = await asyncio.wait_for(running, 60)
+        await learner.retired()
+    finally:
+        learner.close()
+        await client.close()
+    assert output.finish_reason == "length" and client.resumed_requests == 0
+    assert output.versions == [1] * 480
+    assert output.output_ids == await reference_greedy(tiny_model_path, first, 480)
+
+
+async def test_an_adapter_the_server_refuses_is_not_committed_and_requests_keep_the_last_one(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA))
+    learner = Learner(client)
+    try:
+        await learner.push(random_adapter(tiny_model_path, seed=5), 1)
+        loaded = client.adapter
+        too_wide = random_adapter(tiny_model_path, seed=6, rank=2 * RANK)  # over the server's --max-lora-rank
+        with pytest.raises(WeightTransferError, match=rf"{ENGINE}.*rank {2 * RANK} is incompatible"):
+            await learner.push(too_wide, 2)
+        assert learner.sender.committed_version == 1 and client.adapter == loaded
+        assert sorted(folder.name for folder in learner.loader.root.iterdir()) == [loaded]  # the refused one's gone
+        (output,) = await client.generate(GenerateRequest("still", PROMPT, GREEDY))
+        assert output.versions == [1] * GREEDY.max_new_tokens
+    finally:
+        learner.close()
+        await client.close()
+
+
+async def test_a_server_without_lora_says_how_to_enable_it(tiny_model_path: Path, tmp_path: Path) -> None:
+    process = lora_server(tiny_model_path, tmp_path)
+    process.start()
+    client = SglangEngine(process.url, adapters=AdapterServing(ALPHA))
+    learner = Learner(client)
+    try:
+        with pytest.raises(WeightTransferError, match=r"LoRA is not enabled\. Please set `--enable-lora`"):
+            await learner.push(random_adapter(tiny_model_path, seed=7), 1)
+        assert learner.sender.committed_version is None and client.adapter is None
+    finally:
+        learner.close()
+        await client.close()
+        process.stop()
