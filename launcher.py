@@ -1,5 +1,7 @@
 """Start and supervise this node's Slipstream actors: `python launcher.py --head ...` on the first node,
-`python launcher.py --head-address tcp://HOST:PORT --node-rank N ...` on every other.
+`python launcher.py --head-address tcp://HOST:PORT --node-rank N ...` on every other. Under Slurm, a
+LeaderWorkerSet or a torchrun-style job, the same command on every node: each reads its place from the
+scheduler's environment (`actors/runtime/cluster_env.py`, docs/cluster.md).
 
 Each actor runs as its own process; the launcher restarts crashed ones with backoff, turns SIGINT/SIGTERM
 into an orderly stop of all of them, and exits 0 when the run finished, 1 when it failed, 128+signal when it
@@ -23,6 +25,7 @@ from urllib.parse import urlsplit
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.config.preflight import preflight
 from actors.rollout.engine_factory import engine_needs_gpu
+from actors.runtime import cluster_env
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
@@ -67,7 +70,12 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
                          help="controller endpoint tcp://HOST:PORT (head: where to bind, default a free port on "
                               "127.0.0.1; other nodes: where to connect, required)")
     cluster.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 on the head")
-    cluster.add_argument("--host", default="127.0.0.1", help="address this node's actors bind and advertise")
+    cluster.add_argument("--host", default=None,
+                         help="address this node's actors bind and advertise (default 127.0.0.1; under a "
+                              "scheduler, this node's address on the network that reaches the head)")
+    cluster.add_argument("--rendezvous-file", type=Path, default=None,
+                         help="a file on a shared filesystem: the head writes the address it bound there, the "
+                              "other nodes read it (no --head-address, no agreed port)")
     cluster.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
                          help="transport of this node's actor endpoints (ipc only when every peer is local)")
     cluster.add_argument("--curve-keys", type=Path, default=None,
@@ -204,10 +212,63 @@ def custom_actor_problems(customs: dict[str, str]) -> list[str]:
     return problems
 
 
+def place_in_job(args: argparse.Namespace) -> cluster_env.ClusterNode | None:
+    """Under a scheduler, and without --head or --head-address: this node's rank, role, address and its head's,
+    from the scheduler's environment; None (and --host 127.0.0.1 unless given) outside one."""
+    node = None
+    if not args.head and args.head_address is None:
+        try:
+            node = cluster_env.detect()
+        except cluster_env.ClusterEnvError as error:
+            raise LaunchError(str(error)) from None
+    if node is None:
+        args.host = args.host or "127.0.0.1"
+        return None
+    args.head, args.node_rank = node.is_head, node.rank
+    try:
+        if args.host is None:
+            args.host = cluster_env.routable_address(node.own_host, node.head_host, node.head_port)
+        if not node.is_head and args.rendezvous_file is None:
+            args.head_address = f"tcp://{socket.gethostbyname(node.head_host)}:{node.head_port}"
+    except OSError as error:
+        raise LaunchError(f"{node.describe()}: cannot resolve an address ({error})") from None
+    print(f"launcher.py: {node.describe()} (this node: {args.host})", file=sys.stderr)
+    return node
+
+
+def head_from_rendezvous(args: argparse.Namespace) -> str:
+    if args.rendezvous_file is None:
+        raise LaunchError("--head-address is required on a node without --head (or --rendezvous-file, or a "
+                          "scheduler's environment: docs/cluster.md)")
+    try:
+        return cluster_env.read_rendezvous(args.rendezvous_file, cluster_env.job_key(), args.connect_timeout)
+    except TimeoutError as error:
+        raise LaunchError(str(error)) from None
+
+
+def worker_node_roles(args: argparse.Namespace, customs: dict[str, str],
+                      node: cluster_env.ClusterNode | None) -> dict[str, int]:
+    """On the head of a scheduled job of N nodes, the actors the other N - 1 run in all, by role: every node runs
+    this same command, so each runs what it gives a worker node. The head's controller counts them among the
+    actors it expects: the run is "starting" until they registered, and its start-up report names the missing."""
+    if node is None or not node.is_head or not node.nodes or node.nodes < 2:
+        return {}
+    worker = argparse.Namespace(**{**vars(args), "head": False,
+                                   "rollout_workers": 1 if args.rollout_workers is None else args.rollout_workers})
+    try:
+        counts = node_roles(worker, customs)
+    except LaunchError:  # --roles that only the head can run (the controller): no worker node joins
+        return {}
+    return {role: count * (node.nodes - 1) for role, count in counts.items() if count}
+
+
 def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[str, int], head_address: str,
-                run_dir: Path, config: RunConfig) -> tuple[list[ActorContext], RunConfig]:
+                run_dir: Path, config: RunConfig, other_nodes: dict[str, int] | None = None,
+                ) -> tuple[list[ActorContext], RunConfig]:
     """The actors this node runs, in start order, and the config they all get: on the head, the weight transport
-    is resolved here from the placement, so every actor sees the same one."""
+    is resolved here from the placement, so every actor sees the same one. `other_nodes`: the actors the other
+    nodes of a scheduled job run, which the controller waits for too."""
+    other_nodes = other_nodes or {}
     roles = list(counts)
     try:  # engines that hold no GPU (an engine plugin's needs_gpu = False) take none, and weights over gloo
         rollout_needs_gpu = engine_needs_gpu(config)
@@ -217,7 +278,9 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
                              rollout_workers=counts.get("rollout", 0), rollout_needs_gpu=rollout_needs_gpu)
     if args.head and config.weights.weight_transport == "auto":
         cuda = placement.gpus > 0 and rollout_needs_gpu
-        config = config.with_settings(weight_transport=weight_transport(cuda=cuda, placement=placement,
+        # engines on other nodes cannot map this node's memory: a broadcast reaches them
+        local = placement if not other_nodes.get("rollout") else None
+        config = config.with_settings(weight_transport=weight_transport(cuda=cuda, placement=local,
                                                                         colocate=config.placement.colocate))
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
@@ -244,7 +307,8 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
         for index in range(counts[role]):
             actor_id = actor_id_of(role, index)
             share = budget.get(actor_id, CpuShare())
-            expected = {r: n for r, n in counts.items() if r != "controller" and n > 0} if role == "controller" else {}
+            totals = {r: counts.get(r, 0) + other_nodes.get(r, 0) for r in {**counts, **other_nodes}}
+            expected = {r: n for r, n in totals.items() if r != "controller" and n > 0} if role == "controller" else {}
             settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level, run=config,
                                      expected_roles=expected)
             contexts.append(ActorContext(
@@ -292,13 +356,15 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     args.sglang_passthrough = sglang_passthrough
     if args.curve_keys is not None:
         check_curve_keys(args.curve_keys)
+    node = place_in_job(args)
     if args.head:
-        head_address = args.head_address or f"tcp://{args.host}:{free_port(args.host)}"
+        port = node.head_port if node is not None and args.rendezvous_file is None else free_port(args.host)
+        head_address = args.head_address or f"tcp://{args.host}:{port}"
         check_head_address(head_address, binding=True)
+        if args.rendezvous_file is not None:
+            cluster_env.write_rendezvous(args.rendezvous_file, head_address, cluster_env.job_key())
     else:
-        if not args.head_address:
-            raise LaunchError("--head-address is required on a node without --head")
-        head_address = args.head_address
+        head_address = args.head_address or head_from_rendezvous(args)
         wait_for_head(head_address, args.connect_timeout)
     try:
         head_settings = None if args.head else fetch_head_settings(
@@ -310,6 +376,7 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     os.environ.update(slime.env)  # inherited by every actor this launcher starts
     if slime.note():
         print(f"launcher.py: {slime.note()}", file=sys.stderr)
+    other_nodes = worker_node_roles(args, customs, node)
     if args.rollout_workers is None:
         rollout_gpus = config.placement.rollout_num_gpus
         from_gpus = args.head and rollout_gpus is not None
@@ -320,8 +387,9 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
         raise LaunchError(f"{len(problems)} configuration problem(s), no actor started:\n  " + "\n  ".join(problems))
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    contexts, config = plan_actors(args, customs, counts, head_address, run_dir, config)
-    write_effective_config(config, run_dir)
+    contexts, config = plan_actors(args, customs, counts, head_address, run_dir, config, other_nodes)
+    # a worker node beside the head's config.yaml, in a run directory the nodes share
+    write_effective_config(config, run_dir, name="config.yaml" if args.head else f"config-node{args.node_rank}.yaml")
     return contexts, args, run_dir
 
 

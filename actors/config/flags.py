@@ -203,7 +203,7 @@ def _describe(error: Exception) -> str:
     return str(error)
 
 
-def write_effective_config(config: RunConfig, run_dir: Path) -> Path:
-    path = run_dir / "config.yaml"
+def write_effective_config(config: RunConfig, run_dir: Path, *, name: str = "config.yaml") -> Path:
+    path = run_dir / name
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
     return path

@@ -166,6 +166,10 @@ class Controller(Actor):
             # the learner waits on for every weight push).
             self._refuse("identity_in_use", request.actor_id, sender)
             return Error(reason="identity_in_use", detail=f"{request.actor_id} is the controller's own name")
+        if self.run_state in ("draining", "stopped", "failed"):
+            # A late joiner (a worker node that started after the run finished) would never hear the stop that
+            # was broadcast before it subscribed, and would wait on a head that is leaving.
+            return self._run_over()
         previous = self.records.get(request.actor_id)
         if previous is not None and self._held_elsewhere(previous, sender):
             # A live process holds this name (a restarted process's predecessor is detached by the time it
@@ -217,7 +221,13 @@ class Controller(Actor):
         record.counters = dict(request.counters)
         record.waits = list(request.waits)
         self.hang.heartbeat(request.actor_id, record.member.incarnation, request.progress, record.last_seen)
+        if self.run_state in ("draining", "stopped", "failed"):
+            return self._run_over()  # for a member that missed the stop broadcast (it subscribed just after it)
         return Ack(ok=True, error=None)
+
+    def _run_over(self) -> Error:
+        reason = "run_failed" if self.run_state == "failed" else "run_over"
+        return Error(reason=reason, detail=f"the run is {self.run_state} ({self._stop_reason or 'no reason given'})")
 
     @serves(Leave)
     async def on_leave(self, sender: str, request: Leave) -> Ack:

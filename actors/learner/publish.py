@@ -134,6 +134,7 @@ class WeightPublisher:
         self._group: dict[str, EngineRef] | None = None  # the open generation's members, None: form a new one
         self._pushing: dict[str, EngineRef] | None = None  # the group of the push under way
         self._lost: dict[str, str] = {}  # members the push under way lost, and how
+        self._lost_signal: asyncio.Event | None = None  # set with _lost: the push under way stops waiting
         self._stopping: str | None = None  # why pushes are over (the learner stops)
         self._clients: dict[str, tuple[str, Any]] = {}
         self._quiet_until = 0.0
@@ -180,6 +181,8 @@ class WeightPublisher:
         if lost:
             self._lost = lost
             sender.abort(lost)
+            if self._lost_signal is not None:
+                self._lost_signal.set()
 
     async def _push(self, engines: dict[str, EngineRef], version: int) -> bool | None:
         """One attempt: True (committed), False (failed: next update), None (lost a member: again, now)."""
@@ -197,13 +200,15 @@ class WeightPublisher:
         group = {**self._spec.to_dict(), "transport": self.transport.name}
         order = WeightUpdateOrder(version=version, group=group, timeout_s=self.options.timeout_s)
         replies = {name: asyncio.create_task(self._order(name, engines[name].endpoint, order)) for name in names}
-        self._pushing, self._lost = engines, {}
+        self._pushing, self._lost, self._lost_signal = engines, {}, asyncio.Event()
         watch = asyncio.create_task(self._watch(sender, replies, version))
         try:
             if new_group:
                 await asyncio.to_thread(sender.wait_for_receivers)
             report = await asyncio.to_thread(self._send, sender, version)
-            problems = await asyncio.gather(*replies.values())
+            problems = await self._answers(list(replies.values()), self._lost_signal)
+            if problems is None:
+                raise WeightTransferError("a member of the push was lost before it answered its order", self._lost)
         except WeightTransferError as error:
             self._group = None  # form a fresh generation next time
             if self._lost and self._stopping is None:
@@ -234,6 +239,22 @@ class WeightPublisher:
             mb=round(report.num_bytes / 1e6, 1),
         )
         return True
+
+    @staticmethod
+    async def _answers(replies: list[asyncio.Task[str | None]], lost: asyncio.Event) -> list[str | None] | None:
+        """The engines' answers to their orders, in order; None as soon as `lost` is set. An engine can die after
+        its part of the transfer and before it answers (the sender committed, the reply never comes); waiting
+        for that answer would take the order's retries, minutes, for a process the roster says is gone."""
+        answers = asyncio.ensure_future(asyncio.gather(*replies))
+        given_up = asyncio.ensure_future(lost.wait())
+        try:
+            await asyncio.wait({answers, given_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            given_up.cancel()
+        if answers.done():
+            return list(answers.result())
+        answers.cancel()
+        return None
 
     async def _watch(self, sender: WeightSender, replies: dict[str, asyncio.Task[str | None]], version: int) -> None:
         """While a push is under way: an engine that refuses its order ends the push now (the transfer would only

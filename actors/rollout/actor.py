@@ -279,6 +279,7 @@ class RolloutWorker(Actor):
             self.counters["weights.failed"] += 1
             self.log.warning("weight update given up", version=order.version, error=str(error))
             return Error(reason="weight_transfer", detail=str(error))
+        chaos.reached("weight_load.done")
         self.counters["weights.updates"] += 1
         self._weights_landed.set()  # a worker waiting for these weights starts generating now
         return Ack(ok=True, error=None)

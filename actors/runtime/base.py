@@ -24,7 +24,7 @@ import zmq.asyncio
 from actors.config import CONFIG_ERRORS
 from actors.runtime.context import ActorContext
 from actors.runtime.cpu_budget import pin_process
-from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, report_exit
+from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, RUN_OVER, ControllerUnreachable, RunOver, report_exit
 from actors.runtime.handlers import HandlerTable, collect_handlers
 from actors.runtime.peers import PeerRpc, PeerStream, alive_members
 from actors.runtime.stacks import dump_stacks
@@ -52,8 +52,6 @@ CONTROL_TOPICS = (TOPIC_ROSTER, TOPIC_CONTROL, TOPIC_RUN_STATE)
 PeerLink = TypeVar("PeerLink", PeerStream, PeerRpc)
 
 
-class ControllerUnreachable(RuntimeError):
-    """The head address did not answer within the registration deadline."""
 
 
 class Actor:
@@ -142,6 +140,11 @@ class Actor:
         except ControllerUnreachable as error:
             self.log.error("controller unreachable", error=str(error))
             exit_code = 3
+        except RunOver as error:
+            self._stop_reason = f"controller: {error}"
+            self.log.info("run over before this actor joined", reason=str(error))
+            if error.failed:
+                self.run_failure = f"{ABORTED}the run failed before {self.actor_id} joined it: {error}"
         except CONFIG_ERRORS:
             raise  # not a crash: actors.runtime.main exits EXIT_BAD_CONFIG with the reason, and is not restarted
         except Exception:
@@ -296,6 +299,8 @@ class Actor:
                 reply = None
             if isinstance(reply, Registered):
                 break
+            if isinstance(reply, Error) and reply.reason in RUN_OVER:
+                raise RunOver(reply.detail, failed=reply.reason == "run_failed")
             if isinstance(reply, Error) and reply.reason != "identity_in_use":
                 raise RuntimeError(f"controller refused registration of {self.actor_id}: {reply!r}")
             if time.monotonic() > deadline:
@@ -362,7 +367,12 @@ class Actor:
             answered = time.monotonic()
             if isinstance(reply, Error) and reply.reason == "unknown_actor":
                 self.log.warning("controller forgot us; registering again")
-                await self._register()
+                try:
+                    await self._register()
+                except RunOver as error:
+                    self.request_stop(f"controller: {error}")
+            elif isinstance(reply, Error) and reply.reason in RUN_OVER:
+                self.request_stop(f"controller: {reply.detail}")
 
     async def _fail_if_controller_silent(self, silent_s: float) -> None:
         """The controller is the hang detector, so nobody else sees it stop (SIGSTOP, a blocked event loop, a lost

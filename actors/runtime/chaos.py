@@ -17,7 +17,8 @@ Phases, each placed where the named work is half done:
 - ``batch_serve.mid`` buffer: a batch assembled and written to the log, the reply not yet sent;
 - ``weight_push.mid`` learner: every bucket of a weight update broadcast, no engine's acknowledgement collected;
 - ``checkpoint.mid`` learner: the checkpoint directory written, ``latest`` not yet pointing at it;
-- ``weight_load.start`` rollout worker: a weight update ordered, the engine not yet joined or loading.
+- ``weight_load.start`` rollout worker: a weight update ordered, the engine not yet joined or loading;
+- ``weight_load.done`` rollout worker: the weights loaded and acknowledged to the sender, the order not yet answered.
 
 Without a plan (or with none for this actor) ``reached`` is one truth test and ``during`` returns its argument.
 """
@@ -37,7 +38,8 @@ from pathlib import Path
 from typing import TypeVar
 
 KILL_ENV = "SLIPSTREAM_CHAOS_KILL"
-PHASES = ("generate.mid", "score.mid", "batch_serve.mid", "weight_push.mid", "checkpoint.mid", "weight_load.start")
+PHASES = ("generate.mid", "score.mid", "batch_serve.mid", "weight_push.mid", "checkpoint.mid", "weight_load.start",
+          "weight_load.done")
 T = TypeVar("T")
 
 

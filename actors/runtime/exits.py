@@ -20,6 +20,20 @@ EXIT_CONTROLLER_UNREACHABLE = 3
 EXIT_RUN_FAILED = 4  # not restarted: the run failed (the actor's report says how), every launcher fails with it
 FINAL_EXITS = (EXIT_BAD_CONFIG, EXIT_RUN_FAILED)
 ABORTED = "aborted by the controller: "  # opens the report of an actor that failed because the run was aborted
+RUN_OVER = ("run_over", "run_failed")  # the controller's answer to a member of a run that is ending
+
+
+class ControllerUnreachable(RuntimeError):
+    """The head address did not answer within the registration deadline (EXIT_CONTROLLER_UNREACHABLE)."""
+
+
+class RunOver(Exception):
+    """The controller turned the registration away: the run is over, nothing is left to join (EXIT_STOPPED, or
+    EXIT_RUN_FAILED when the run failed)."""
+
+    def __init__(self, detail: str, *, failed: bool) -> None:
+        super().__init__(detail)
+        self.failed = failed
 
 
 def _report_path(context: ActorContext) -> Path:

@@ -69,6 +69,7 @@ class Supervisor:
         self.policy = policy
         self.stop_grace_s = stop_grace_s
         self.children = [Child(context=c, context_path=self._write_context(c)) for c in contexts]
+        self.worker_node = not any(c.role == "controller" for c in contexts)  # a node that joined a head elsewhere
         self.log = structlog.get_logger().bind(role="launcher")
         self.failure: str | None = None
         self.stop_signal: int | None = None
@@ -93,9 +94,12 @@ class Supervisor:
                 self.log.warning("actor template unavailable; starting actors as new interpreters",
                                  error=str(error))
         # Actors that hold no model first: forked at once, they run while the template imports torch for the rest.
+        watchers = []
         for child in sorted(self.children, key=lambda c: c.context.role not in LIGHT_ROLES):
+            if self.stopping:
+                break  # the run ended (or failed) while this node was still starting its actors
             await self._start(child)
-        watchers = [asyncio.create_task(self._watch(child)) for child in self.children]
+            watchers.append(asyncio.create_task(self._watch(child)))  # an early exit is seen at once
         stopper = asyncio.create_task(self._stop_when_requested())
         await asyncio.gather(*watchers)
         stopper.cancel()
@@ -161,6 +165,11 @@ class Supervisor:
                 if code == 0 and child.context.role == "controller" and not self.stopping:
                     # The controller broadcast "stop" before it exited: let the actors leave on their own first.
                     self.request_stop("the controller finished the run", grace_s=self.stop_grace_s)
+                elif code == 0 and self.worker_node and not self.stopping:
+                    # No controller here: an actor leaves on its own only when the head's controller stopped the
+                    # run. The rest of this node goes too, including an actor that joined too late to hear it.
+                    self.request_stop(f"the run ended ({actor} was stopped by the controller)",
+                                      grace_s=self.stop_grace_s)
                 return
             if code in FINAL_EXITS:
                 why = exit_report(child.context) or f"see {child.context.log_dir / actor}.jsonl"

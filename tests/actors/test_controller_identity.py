@@ -74,3 +74,27 @@ async def test_a_restarted_process_takes_its_name_back_once_the_old_one_is_gone(
             successor.close()
         assert not isinstance(reply, Error), reply
         assert reply.incarnation == 1 and controller.records["custom-0-0"].member.endpoints != old_endpoints
+
+
+@pytest.mark.integration
+async def test_a_run_that_is_ending_turns_late_joiners_away_and_stops_members_that_missed_the_stop(
+    tmp_path: Path,
+) -> None:
+    """A worker node that starts after the run finished registered with a controller about to exit, never heard
+    the stop it had broadcast, and retried a gone head for minutes (tests/system/test_cluster_launch.py)."""
+    async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller", "custom": Idle}) as system:
+        controller, member = system["controller"], system["custom-0-0"]
+        controller._stop_reason = "stop requested by learner: trained 1 batches"
+        controller._set_state("draining")  # as a "stop" control does, before the controller exits
+        late = RpcClient(controller.zmq, controller.context.head_address, client_id="custom-1-0")
+        try:
+            claim = Register(actor_id="custom-1-0", role="custom", node="node1#0", pid=os.getpid() + 7,
+                             endpoints={"rpc": "tcp://127.0.0.1:9"}, meta={})
+            reply = await late.call(claim, timeout=2, retries=0)
+        finally:
+            late.close()
+        assert isinstance(reply, Error) and reply.reason == "run_over", reply
+        assert "trained 1 batches" in reply.detail and "custom-1-0" not in controller.records
+        # a member that missed the broadcast hears it in the answer to its next heartbeat
+        await system.wait_for(lambda: member.stopping, 5, "the member to stop")
+        assert member._stop_reason.startswith("controller: the run is draining")

@@ -23,6 +23,7 @@ import torch
 from actors.config import RunConfig
 from actors.learner import publish
 from actors.learner.publish import WeightPublisher, live_engines, publisher_for
+from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.roles import BUILTIN_ROLES
@@ -155,6 +156,30 @@ async def test_a_push_to_a_killed_worker_ends_when_the_roster_says_it_died_not_a
     waiting = [entry["engines"] for entry in logs
                if entry["event"] == "weight push waiting on engines" and entry["version"] == 2]
     assert waiting and waiting[-1] == ["rollout-0-1"], waiting  # the survivor is ready by then, the victim never
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_a_worker_killed_after_loading_but_before_answering_ends_the_push_when_the_roster_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
+    """The transfer is complete (every engine acknowledged in the sender's store), but one engine dies before it
+    answers its order: the push waited for that answer through all its retries (90 s in a CI run) although the
+    roster said within seconds that the engine was gone."""
+    use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
+    monkeypatch.setenv(chaos.KILL_ENV, "rollout-0-1@weight_load.done#2")  # after it loaded version 2
+    async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+        pusher = system["pusher-0-0"]
+        survivor = start_worker(system, tmp_path, "rollout-0-0", workers)
+        victim = start_worker(system, tmp_path, "rollout-0-1", workers)
+        await registered(system, "rollout-0-0", survivor)
+        await registered(system, "rollout-0-1", victim)
+        assert await pusher.weights.publish(1)
+        started = time.monotonic()
+        assert await pusher.weights.publish(2), "the survivor was not served"
+        seconds = time.monotonic() - started
+        assert victim.poll() == -signal.SIGKILL, "the kill point did not fire"
+        assert pusher.counters["weights.restarted"] == 1
+    assert seconds < 8.0, f"the push took {seconds:.1f}s"
 
 
 @pytest.mark.integration
