@@ -322,6 +322,8 @@ def main() -> None:
     parser.add_argument("--model-b", type=float, default=7.0, help="model size, billions of parameters")
     parser.add_argument("--rollout-gpus", type=int, default=None, help="default: 3/4 of the GPUs")
     parser.add_argument("--max-staleness", type=int, default=4)
+    parser.add_argument("--prompts-per-step", type=int, default=512)
+    parser.add_argument("--samples-per-prompt", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--recommend", action="store_true",
                         help="also search the rollout/trainer split and the staleness bound (always for the "
@@ -334,7 +336,7 @@ def main() -> None:
         rollout = args.rollout_gpus or args.gpus * 3 // 4
         cases = {f"{args.gpus} GPUs, {args.model_b:g}B": ClusterSpec(
             gpus=args.gpus, rollout_gpus=rollout, model_b=args.model_b, max_staleness=args.max_staleness,
-            steps=args.steps)}
+            steps=args.steps, prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt)}
     rows = []
     header = f"{'case':<32}{'sync s/step':>12}{'async s/step':>13}{'speedup':>9}{'published':>40}"
     print(header)

@@ -238,6 +238,8 @@ class Controller(Actor):
         if record is not None and record.member.alive:
             record.member = _with_alive(record.member, False)
             record.left = True
+            self.log.info("member left", member=request.actor_id, role=record.member.role, node=record.member.node,
+                          reason=request.reason)
             self._publish_roster([RosterEvent(kind="left", actor_id=request.actor_id, reason=request.reason)])
         return Ack(ok=True, error=None)
 
