@@ -119,15 +119,12 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
     engine.start()
     try:
         sender.wait_for_receivers()
-        seconds, megabytes = [], 0.0
+        pushes = []
         for version in range(1, repeats + 2):  # version 1 warms up untimed
             started = time.perf_counter()
             report = sender.send(trainer.named_tensors(), version=version)
-            if version > 1:
-                seconds.append(time.perf_counter() - started)
-            megabytes = report.num_bytes / 1e6
-        median = statistics.median(seconds)
-        return SyncRow(label, megabytes, median, megabytes / median)
+            pushes.append((time.perf_counter() - started, report.num_bytes))
+        return _row(label, pushes)
     finally:
         engine.join(timeout=120)
         sender.close()
@@ -163,7 +160,7 @@ async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettin
         loader = transport.make_loader(client, "engine-0", _Silent())
         group = sender.open_group(["learner", "engine-0"]).to_dict()
         try:
-            seconds, megabytes = [], 0.0
+            pushes = []
             for version in range(1, repeats + 2):  # version 1 joins the group and warms up, untimed
                 started = time.perf_counter()
                 receiving = asyncio.create_task(loader.apply(group, version, 300.0))
@@ -171,17 +168,21 @@ async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettin
                     await asyncio.to_thread(sender.wait_for_receivers)
                 report = await asyncio.to_thread(sender.send, trainer.named_tensors(), version)
                 await receiving
-                if version > 1:
-                    seconds.append(time.perf_counter() - started)
-                megabytes = report.num_bytes / 1e6
-            median = statistics.median(seconds)
-            return SyncRow(label, megabytes, median, megabytes / median)
+                pushes.append((time.perf_counter() - started, report.num_bytes))
+            return _row(label, pushes)
         finally:
             loader.close()
             sender.close()
             await client.close()
             server.stop()
             trainer.close()
+
+
+def _row(label: str, pushes: list[tuple[float, int]]) -> SyncRow:
+    """The median of (seconds, bytes) pushes, the first (the warm-up) left out."""
+    median = statistics.median(seconds for seconds, _ in pushes[1:])
+    megabytes = pushes[-1][1] / 1e6
+    return SyncRow(label, megabytes, median, megabytes / median)
 
 
 def _engine_main(model_path: str, spec: dict[str, Any], scaling: float | None, pushes: int) -> None:
