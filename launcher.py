@@ -267,7 +267,7 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
                 ) -> tuple[list[ActorContext], RunConfig]:
     """The actors this node runs, in start order, and the config they all get: on the head, the weight transport
     is resolved here from the placement, so every actor sees the same one. `other_nodes`: the actors the other
-    nodes of a scheduled job run, which the controller waits for too."""
+    nodes of a scheduled job run, which the controller counts among those it expects."""
     other_nodes = other_nodes or {}
     roles = list(counts)
     try:  # engines that hold no GPU (an engine plugin's needs_gpu = False) take none, and weights over gloo
@@ -296,6 +296,8 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     def actor_id_of(role: str, index: int) -> str:
         return role if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
 
+    totals = {r: counts.get(r, 0) + other_nodes.get(r, 0) for r in {**counts, **other_nodes}}
+    run_members = {r: n for r, n in totals.items() if r != "controller" and n > 0}
     cores = usable_cores()
     budget = {} if config.placement.cpu_budget == "off" else plan_cpu_budget(
         cores=cores, roles={actor_id_of(role, i): role for role in roles for i in range(counts[role])},
@@ -307,8 +309,7 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
         for index in range(counts[role]):
             actor_id = actor_id_of(role, index)
             share = budget.get(actor_id, CpuShare())
-            totals = {r: counts.get(r, 0) + other_nodes.get(r, 0) for r in {**counts, **other_nodes}}
-            expected = {r: n for r, n in totals.items() if r != "controller" and n > 0} if role == "controller" else {}
+            expected = run_members if role == "controller" else {}
             settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level, run=config,
                                      expected_roles=expected)
             contexts.append(ActorContext(

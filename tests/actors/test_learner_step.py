@@ -16,13 +16,13 @@ from actors.learner.stages import StepBatch, add_advantages, data_parallel_shard
 from actors.learner.step import TrainingStep
 from actors.rollout.generate import RolloutContext, default_generate
 from actors.rollout.sft import sft_generate
-from bus.address import free_port
 from bus.schema import Batch, PromptGroup, Sample
 from engines.inference.torch_engine import TorchEngine
 from engines.training.base import DataParallel, ModelOutputs, ModelRole, TrainSample
 from engines.training.config import TorchTrainerConfig
 from engines.training.torch_trainer import TorchTrainer
 from policies.config import PolicyLossConfig
+from tests.support.rendezvous import rendezvous_file
 
 
 def generate(model: Path, config, groups: list[PromptGroup], *, sft: bool = False) -> list[Sample]:
@@ -209,8 +209,8 @@ def _whitening_batch() -> StepBatch:
 WHITENED = PolicyLossConfig(advantage_estimator="grpo", normalize_advantages=True)
 
 
-def _whiten_on_rank(rank: int, port: int, out_dir: Path) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _whiten_on_rank(rank: int, rendezvous: str, out_dir: Path) -> None:
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     try:
         batch = _whitening_batch()
         ids = {id(sample): index for index, sample in enumerate(batch.samples)}
@@ -223,7 +223,7 @@ def _whiten_on_rank(rank: int, port: int, out_dir: Path) -> None:
 
 @pytest.mark.integration
 def test_advantage_whitening_spans_the_data_parallel_ranks(tmp_path: Path) -> None:
-    torch.multiprocessing.spawn(_whiten_on_rank, args=(free_port(), tmp_path), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_whiten_on_rank, args=(rendezvous_file(), tmp_path), nprocs=2, join=True)
     whole = _whitening_batch()
     add_advantages(WHITENED, whole, DataParallel(rank=0, size=1))
     sharded = {**torch.load(tmp_path / "rank0.pt"), **torch.load(tmp_path / "rank1.pt")}

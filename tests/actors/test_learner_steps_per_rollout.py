@@ -13,13 +13,13 @@ import torch
 from actors.config import build_config
 from actors.learner.stages import StepBatch, mini_batches
 from actors.learner.step import TrainingStep, combine_steps
-from bus.address import free_port
 from bus.schema import Sample
 from engines.training.base import DataParallel, Loss, StepResult, TrainSample, VersionCounter
 from engines.training.config import TorchTrainerConfig
 from policies.config import PolicyLossConfig
 from policies.step_loss import pi_old_source
 from tests.actors.test_learner_step import CountingTrainer, generate, groups, weights
+from tests.support.rendezvous import rendezvous_file
 
 
 class RecordingTrainer(CountingTrainer):
@@ -192,8 +192,8 @@ def _synthetic_batch() -> list[Sample]:
     return samples
 
 
-def _data_parallel_rank(rank: int, port: int, model: Path, steps: int, out_dir: Path) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _data_parallel_rank(rank: int, rendezvous: str, model: Path, steps: int, out_dir: Path) -> None:
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     trainer = _trainer(model)
     try:
         config = build_config({"hf_checkpoint": str(model), "rollout_batch_size": 4, "n_samples_per_prompt": 2,
@@ -217,7 +217,7 @@ def test_data_parallel_ranks_take_the_same_steps_or_fail_together(tiny_model_pat
     for steps in (2, 4):
         out_dir = tmp_path / str(steps)
         out_dir.mkdir()
-        torch.multiprocessing.spawn(_data_parallel_rank, args=(free_port(), tiny_model_path, steps, out_dir),
+        torch.multiprocessing.spawn(_data_parallel_rank, args=(rendezvous_file(), tiny_model_path, steps, out_dir),
                                     nprocs=2, join=True)
         ranks = [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
         if steps == 4:  # rank 1 alone could take 4 steps: without agreeing it would wait for rank 0 forever

@@ -16,12 +16,12 @@ from actors.learner.step import TrainingStep
 from actors.slime_compat import Sample as SlimeSample
 from actors.slime_compat.advantages import load_custom_advantages
 from actors.slime_compat.train_data import load_convert_samples
-from bus.address import free_port
 from bus.schema import Sample
 from engines.training.base import DataParallel, TrainSample
 from policies.advantages import group_normalize, whiten
 from tests.actors.test_learner_step import generate, groups
 from tests.actors.test_learner_steps_per_rollout import _trainer
+from tests.support.rendezvous import rendezvous_file
 
 HERE = __name__
 SINGLE = DataParallel(rank=0, size=1)
@@ -211,8 +211,8 @@ def test_the_example_discounted_return_is_reinforce_plus_plus() -> None:
     torch.testing.assert_close(by_plugin.packed("advantages"), built_in.packed("advantages"))
 
 
-def _hook_on_rank(rank: int, port: int, out_dir: Path) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _hook_on_rank(rank: int, rendezvous: str, out_dir: Path) -> None:
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     try:
         config, hook = _hook("reward_plus_position", normalize_advantages=True)
         batch = _shard()
@@ -227,7 +227,7 @@ def _hook_on_rank(rank: int, port: int, out_dir: Path) -> None:
 
 @pytest.mark.integration
 def test_the_hook_groups_are_rank_local_and_its_whitening_spans_the_ranks(tmp_path: Path) -> None:
-    torch.multiprocessing.spawn(_hook_on_rank, args=(free_port(), tmp_path), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_hook_on_rank, args=(rendezvous_file(), tmp_path), nprocs=2, join=True)
     config, hook = _hook("reward_plus_position", normalize_advantages=True)
     whole = _shard()
     add_advantages(config.policy, whole, SINGLE, custom=hook)

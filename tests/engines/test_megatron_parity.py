@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from bus.address import free_port
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from engines.training import TorchTrainer, TorchTrainerConfig
+from tests.support.rendezvous import rendezvous_file
 from tests.support.training import seeded_batch, step_loss
 
 pytest.importorskip("megatron.core")
@@ -76,13 +76,13 @@ def _cpu_only() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-def _worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
     _cpu_only()
     from engines.megatron import MegatronTrainer
 
     layout = Layout(**layout_fields)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=layout.world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=layout.world)
     try:
         trainer = MegatronTrainer(_megatron_config(model_path, layout))
         batch = seeded_batch()
@@ -108,14 +108,14 @@ def _worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields
         dist.destroy_process_group()
 
 
-def _resume_worker(rank: int, port: int, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+def _resume_worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
     """A fresh process, as after a learner restart, loads the checkpoint at `resume_at_tp` and takes step 2."""
     _cpu_only()
     from engines.megatron import MegatronTrainer
 
     layout = Layout(**layout_fields)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=layout.world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=layout.world)
     try:
         trainer = MegatronTrainer(_megatron_config(model_path, layout, layout.resume_at_tp))
         extra_state = trainer.load_checkpoint(out_dir / "checkpoint")
@@ -149,10 +149,10 @@ def runs(model_paths: dict[bool, Path], tmp_path_factory: pytest.TempPathFactory
         def __missing__(self, name: str) -> Path:
             layout = LAYOUTS[name]
             out_dir = tmp_path_factory.mktemp(name)
-            args = (free_port(), model_paths[layout.tied], out_dir, asdict(layout))
+            args = (rendezvous_file(), model_paths[layout.tied], out_dir, asdict(layout))
             mp.spawn(_worker, args=args, nprocs=layout.world, join=True)
             if layout.resume_at_tp is not None:
-                args = (free_port(), model_paths[layout.tied], out_dir, asdict(layout))
+                args = (rendezvous_file(), model_paths[layout.tied], out_dir, asdict(layout))
                 mp.spawn(_resume_worker, args=args, nprocs=layout.world, join=True)
             self[name] = out_dir
             return out_dir

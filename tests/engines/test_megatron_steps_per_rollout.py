@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from bus.address import free_port
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from engines.training import TorchTrainer, TorchTrainerConfig, checkpoint
 from engines.training.base import Trainer
+from tests.support.rendezvous import rendezvous_file
 from tests.support.training import seeded_batch, step_loss
 
 pytest.importorskip("megatron.core")
@@ -45,12 +45,12 @@ def _two_steps(trainer: Trainer) -> dict:
     return {"steps": seen, "version": trainer.version}
 
 
-def _worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
+def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # megatron's CPU path on gloo, even on a CUDA machine
     from engines.megatron import MegatronTrainer, MegatronTrainerConfig
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=1)
     try:
         trainer = MegatronTrainer(MegatronTrainerConfig(model_path=model_path, **OPTIMIZER))
         summary = _two_steps(trainer)
@@ -68,7 +68,7 @@ def _worker(rank: int, port: int, model_path: Path, out_dir: Path) -> None:
 @pytest.mark.timeout(300)
 def test_two_steps_per_batch_move_the_version_once_and_match_the_torch_trainer(tmp_path: Path) -> None:
     model_path = cached_tiny_model(tmp_path / "models", TinyModelSpec(family="qwen2"))
-    mp.spawn(_worker, args=(free_port(), model_path, tmp_path), nprocs=1, join=True)
+    mp.spawn(_worker, args=(rendezvous_file(), model_path, tmp_path), nprocs=1, join=True)
     megatron = json.loads((tmp_path / "summary.json").read_text())
 
     reference = TorchTrainer(TorchTrainerConfig(model_path=model_path, check_packing=False, **OPTIMIZER))

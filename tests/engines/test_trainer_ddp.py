@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from bus.address import free_port
 from engines.training import ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 from engines.training.lora import LoraSettings
+from tests.support.rendezvous import rendezvous_file
 from tests.support.training import seeded_batch
 
 TEMPERATURE = 0.9
@@ -54,9 +54,9 @@ def _config(model_path: Path, adapter: str) -> TorchTrainerConfig:
                               check_packing=False, lora=ADAPTERS[adapter])
 
 
-def _ddp_worker(rank: int, port: int, model_path: Path, out_dir: Path, adapter: str) -> None:
+def _ddp_worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, adapter: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
     try:
         trainer = TorchTrainer(_config(model_path, adapter))
         result = trainer.train_step(_shard(seeded_batch(), rank), policy_loss(), temperature=TEMPERATURE)
@@ -76,7 +76,7 @@ def ddp_run(request: pytest.FixtureRequest, tiny_model_path: Path, tmp_path_fact
             ) -> tuple[Path, str]:
     """One two-process step (and a collective checkpoint) shared by the tests below: spawning costs seconds."""
     out_dir = tmp_path_factory.mktemp(f"ddp-{request.param}")
-    mp.spawn(_ddp_worker, args=(free_port(), tiny_model_path, out_dir, request.param), nprocs=WORLD, join=True)
+    mp.spawn(_ddp_worker, args=(rendezvous_file(), tiny_model_path, out_dir, request.param), nprocs=WORLD, join=True)
     return out_dir, request.param
 
 

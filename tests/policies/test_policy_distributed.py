@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bus.address import free_port
 from policies.advantages import compute_advantages
 from policies.config import PolicyLossConfig
+from tests.support.rendezvous import rendezvous_file
 
 WORLD_SIZE = 2
 
@@ -38,8 +38,8 @@ def _shard(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+def _worker(rank: int, rendezvous: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE)
     try:
         # rewards are already normalised upstream here; only the batch whitening spans ranks
         config = PolicyLossConfig(rewards_normalization=False, normalize_advantages=True)
@@ -52,7 +52,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.integration
 def test_whitening_across_ranks_equals_whitening_the_whole_batch(tmp_path: Path) -> None:
     # spawn, not fork: forking a pytest process that already runs worker threads (asyncio, gloo) can deadlock
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_worker, args=(rendezvous_file(), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
     sharded = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD_SIZE)])
     config = PolicyLossConfig(rewards_normalization=False, normalize_advantages=True)
     whole, _ = compute_advantages(config, **_batch())
