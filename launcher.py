@@ -383,6 +383,10 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
         from_gpus = args.head and rollout_gpus is not None
         args.rollout_workers = rollout_gpus // config.engine.rollout_num_gpus_per_engine if from_gpus else 1
     counts = node_roles(args, customs)
+    if config.learner.load_debug_rollout_data and args.roles is None:
+        # a replay's learner reads its batches from disk: a buffer would have no prompts, and crash until the
+        # launcher gave up on it (the run failed whenever the replay took longer than its restarts)
+        counts.pop("buffer", None)
     problems = custom_actor_problems(customs) + preflight(config, counts)
     if problems:
         raise LaunchError(f"{len(problems)} configuration problem(s), no actor started:\n  " + "\n  ".join(problems))

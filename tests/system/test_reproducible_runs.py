@@ -89,5 +89,6 @@ def test_a_fully_async_run_records_what_replays_its_training_exactly(tmp_path: P
         return [(row["batch_id"], row["loss"], row["grad_norm"]) for row in rows]
 
     assert len(losses(recorded)) == 4 and losses(replayed) == losses(recorded)
+    assert "actor crashed" not in (replayed / "logs" / "launcher-0.jsonl").read_text()  # no buffer without prompts
     weights = [(run_dir / "final_model" / "model.safetensors").read_bytes() for run_dir in (recorded, replayed)]
     assert weights[0] == weights[1]
