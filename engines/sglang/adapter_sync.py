@@ -43,10 +43,10 @@ from torch import Tensor
 
 from engines.sglang.adapter_endpoints import AdapterServing
 from engines.sglang.client import SglangEngine
+from engines.training.lora import PEFT_PREFIX, WIRE_SUFFIXES
 from engines.weights.torch_loader import TorchDistributedLoader
 
 ADAPTER_PREFIX = "slipstream-v"
-PEFT_PREFIX = "base_model.model."
 UNLOAD_TIMEOUT_S = 3600.0  # an old adapter waits for its longest request; SGLang's own request timeout is an hour
 
 
@@ -66,7 +66,7 @@ def write_adapter_folder(tensors: Mapping[str, Tensor], alpha: float, folder: Pa
     if len(ranks) != 1:
         raise ValueError(f"an adapter needs lora_A tensors of one rank, got ranks {sorted(ranks)} "
                          f"({len(tensors)} tensors)")
-    unknown = sorted(name for name in tensors if not name.endswith((".lora_A.weight", ".lora_B.weight")))
+    unknown = sorted(name for name in tensors if not name.endswith(WIRE_SUFFIXES))
     if unknown:
         raise ValueError(f"{unknown[:3]} are not LoRA adapter tensors: a LoRA run pushes lora_A and lora_B only")
     modules = sorted({name.rsplit(".", 3)[-3] for name in tensors})

@@ -36,10 +36,11 @@ from torch import Tensor
 
 from engines.inference.base import GenerateOutput, GenerateRequest
 from engines.sglang.protocol import LORA_ALL_MODULES, LORA_TARGET_MODULES
+from engines.sglang.server_protocol import request_json
+from engines.training.lora import PEFT_PREFIX
 
 logger = logging.getLogger("engines.sglang.server")
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
-PEFT_PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -211,7 +212,7 @@ class AdapterRoutes:
                                            target_modules=args.lora_target_modules))
 
     async def load(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await request_json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             return _failure("/load_lora_adapter: 'lora_name' and 'lora_path' must be non-empty strings")
@@ -225,7 +226,7 @@ class AdapterRoutes:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": self.registry.loaded})
 
     async def unload(self, request: web.Request) -> web.Response:
-        name = (await _body(request)).get("lora_name")
+        name = (await request_json(request)).get("lora_name")
         if not isinstance(name, str) or not name:
             return _failure("/unload_lora_adapter: 'lora_name' must be a non-empty string")
         if self.registry is None:
@@ -242,16 +243,6 @@ class AdapterRoutes:
             return await self.engine.generate(request)
         async with self.registry.serving(adapter):
             return await self.engine.generate(request)
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json() if request.can_read_body else {}
-    except ValueError as error:
-        raise web.HTTPBadRequest(text=f"{request.path}: body is not JSON ({error})") from error
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text=f"{request.path}: body must be a JSON object")
-    return body
 
 
 def _failure(message: str) -> web.Response:

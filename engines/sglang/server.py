@@ -163,7 +163,7 @@ class CompatServer:
         )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await server_protocol.request_json(request)
         new_version = body.get("new_version")
         if not isinstance(new_version, str) or not new_version:
             return _failure("/update_weight_version: 'new_version' must be a non-empty string")
@@ -176,7 +176,8 @@ class CompatServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            items, batch = server_protocol.parse_generate_json(await _json(request), new_rid=self._new_rid)
+            body = await server_protocol.request_json(request)
+            items, batch = server_protocol.parse_generate_json(body, new_rid=self._new_rid)
             requests = [self._engine_request(item) for item in items]
             for engine_request in requests:
                 server_protocol.check_context(engine_request, self.context_length)
@@ -212,7 +213,7 @@ class CompatServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """As SGLang: `abort_all`, or every request whose rid STARTS WITH `rid`, if `rid` itself is in flight."""
-        body = await _json(request)
+        body = await server_protocol.request_json(request)
         rid = body.get("rid")
         if body.get("abort_all"):
             await self.engine.abort(None)
@@ -226,7 +227,7 @@ class CompatServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         """SGLang's modes: "abort" returns in-flight requests; "in_place" and "retract" keep them for later."""
-        mode = (await _json(request)).get("mode", "abort")
+        mode = (await server_protocol.request_json(request)).get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             return _error(400, f"/pause_generation: mode {mode!r} is not 'abort', 'retract' or 'in_place'")
         await self.engine.pause("abort" if mode == "abort" else "keep")
@@ -245,7 +246,7 @@ class CompatServer:
     # ---- weights
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await server_protocol.request_json(request)
         try:
             address, port = str(body["master_address"]), int(body["master_port"])
             rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
@@ -281,7 +282,7 @@ class CompatServer:
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = str((await _json(request)).get("group_name", "weight_update_group"))
+        name = str((await server_protocol.request_json(request)).get("group_name", "weight_update_group"))
         async with self._weights_lock:
             group = self.groups.pop(name, None)
             if group is None:
@@ -290,7 +291,7 @@ class CompatServer:
         return web.json_response({"success": True, "message": f"destroyed group {name}"})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        selector = (await _json(request)).get("selector", "all")
+        selector = (await server_protocol.request_json(request)).get("selector", "all")
         if selector not in ("target", "draft", "all"):
             return _failure(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
         if self.session_open:
@@ -305,7 +306,7 @@ class CompatServer:
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await server_protocol.request_json(request)
         try:
             names, dtypes, shapes = list(body["names"]), list(body["dtypes"]), list(body["shapes"])
             name = str(body.get("group_name", "weight_update_group"))
@@ -398,18 +399,6 @@ def _receive(group: WeightGroup, specs: list[tuple[str, torch.dtype, tuple[int, 
     for work in pending:
         work.wait()
     return received
-
-
-async def _json(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as error:
-        raise web.HTTPBadRequest(text=f"{request.path}: body is not JSON ({error})") from error
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text=f"{request.path}: body must be a JSON object")
-    return body
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
 from engines.sglang.protocol import ProtocolError
 
@@ -173,3 +175,16 @@ def _token_ids(prompt: Any, index: int) -> list[int]:
     if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
         raise ProtocolError(f"/generate: input_ids of item {index} must be a non-empty list of ints >= 0")
     return prompt
+
+
+async def request_json(request: web.Request) -> dict[str, Any]:
+    """A route's JSON object body ({} when it has none); HTTP 400 naming the path when it is not one."""
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as error:
+        raise web.HTTPBadRequest(text=f"{request.path}: body is not JSON ({error})") from error
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=f"{request.path}: body must be a JSON object")
+    return body

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 ADAPTER = "default"  # PEFT's name for the one adapter a model gets from get_peft_model
 WIRE_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."  # what PEFT puts before HF module paths (model and files)
 
 
 class LoraSettings(BaseModel):
@@ -92,7 +92,7 @@ def adapter_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
 
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            yield name.removeprefix(_PEFT_PREFIX), module
+            yield name.removeprefix(PEFT_PREFIX), module
 
 
 def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
