@@ -221,8 +221,10 @@ class Controller(Actor):
         record.counters = dict(request.counters)
         record.waits = list(request.waits)
         self.hang.heartbeat(request.actor_id, record.member.incarnation, request.progress, record.last_seen)
-        if self.run_state in ("draining", "stopped", "failed"):
-            return self._run_over()  # for a member that missed the stop broadcast (it subscribed just after it)
+        if self.run_state in ("stopped", "failed"):
+            # for a member that missed the stop broadcast (it subscribed just after it); while draining, the
+            # broadcast is still on its way and says why
+            return self._run_over()
         return Ack(ok=True, error=None)
 
     def _run_over(self) -> Error:

@@ -95,6 +95,7 @@ async def test_a_run_that_is_ending_turns_late_joiners_away_and_stops_members_th
             late.close()
         assert isinstance(reply, Error) and reply.reason == "run_over", reply
         assert "trained 1 batches" in reply.detail and "custom-1-0" not in controller.records
-        # a member that missed the broadcast hears it in the answer to its next heartbeat
+        # a member that missed the broadcast hears it in the answer to its next heartbeat once the run stopped
+        controller._set_state("stopped")
         await system.wait_for(lambda: member.stopping, 5, "the member to stop")
-        assert member._stop_reason.startswith("controller: the run is draining")
+        assert member._stop_reason.startswith("controller: the run is stopped")
