@@ -29,6 +29,7 @@ from actors.runtime import cluster_env
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
+from actors.runtime.head_watch import stop_node_when_head_lost
 from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
@@ -82,6 +83,10 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
                          help="directory made by tools/keygen.py: authenticate and encrypt the bus with CURVE")
     cluster.add_argument("--connect-timeout", type=float, default=30.0,
                          help="seconds to wait for the head before giving up (non-head nodes)")
+    cluster.add_argument("--head-loss-timeout", type=float, default=60.0,
+                         help="non-head nodes: seconds the head may refuse connections before this node stops "
+                              "and fails, naming the checkpoint to resume from (0: never; the actors then wait "
+                              "out --hang-timeout)")
     cluster.add_argument("--heartbeat-interval", type=float, default=1.0,
                          help="seconds between heartbeats; a member silent for 5 intervals is declared dead")
 
@@ -90,8 +95,9 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
                         help="comma-separated roles to run on this node (default: all built-in roles on the "
                              "head, the scaled roles elsewhere)")
     actors.add_argument("--rollout-workers", type=int, default=None,
-                        help="rollout workers on this node (default: 1, or on the head --rollout-num-gpus / "
-                             "--rollout-num-gpus-per-engine when that is given)")
+                        help="rollout workers on this node (default: on the head --rollout-num-gpus / "
+                             "--rollout-num-gpus-per-engine when that is given, else 1; on any other node one "
+                             "per --rollout-num-gpus-per-engine of its GPUs, 1 without GPUs)")
     actors.add_argument("--reward-workers", type=int, default=1, help="reward workers on this node")
     actors.add_argument("--custom-actor", action="append", default=[], metavar="NAME=MODULE:CLASS",
                         help="run a custom actor class under role NAME; scale it with --NAME-workers")
@@ -144,6 +150,9 @@ def check_head_address(address: str, *, binding: bool) -> tuple[str, int]:
         raise LaunchError(f"--head-address {address!r}: expected tcp://HOST:PORT")
     if binding:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As ZeroMQ binds: the port of a head that was just killed is still held by its connections in
+            # TIME_WAIT, which must not stop the head from starting again; only a listener means "in use".
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((parts.hostname, parts.port))
             except OSError as error:
@@ -247,14 +256,17 @@ def head_from_rendezvous(args: argparse.Namespace) -> str:
 
 
 def worker_node_roles(args: argparse.Namespace, customs: dict[str, str],
-                      node: cluster_env.ClusterNode | None) -> dict[str, int]:
+                      node: cluster_env.ClusterNode | None, config: RunConfig) -> dict[str, int]:
     """On the head of a scheduled job of N nodes, the actors the other N - 1 run in all, by role: every node runs
-    this same command, so each runs what it gives a worker node. The head's controller counts them among the
-    actors it expects: the run is "starting" until they registered, and its start-up report names the missing."""
+    this same command, so each runs what it gives a worker node (on nodes like this one: a scheduler's job is
+    homogeneous). The head's controller counts them among the actors it expects: the run is "starting" until they
+    registered, and its start-up report names the missing."""
     if node is None or not node.is_head or not node.nodes or node.nodes < 2:
         return {}
-    worker = argparse.Namespace(**{**vars(args), "head": False,
-                                   "rollout_workers": 1 if args.rollout_workers is None else args.rollout_workers})
+    rollout_workers = args.rollout_workers
+    if rollout_workers is None:
+        rollout_workers = default_rollout_workers(config, head=False)
+    worker = argparse.Namespace(**{**vars(args), "head": False, "rollout_workers": rollout_workers})
     try:
         counts = node_roles(worker, customs)
     except LaunchError:  # --roles that only the head can run (the controller): no worker node joins
@@ -325,6 +337,29 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     return contexts, config
 
 
+def default_rollout_workers(config: RunConfig, *, head: bool) -> int:
+    """Rollout workers on a node when --rollout-workers is not given. The head: --rollout-num-gpus /
+    --rollout-num-gpus-per-engine when that is given (the rest of its GPUs train), else 1. Any other node is a
+    rollout node: one engine per --rollout-num-gpus-per-engine of its GPUs, and 1 without GPUs."""
+    per_engine = config.engine.rollout_num_gpus_per_engine
+    if head:
+        rollout_gpus = config.placement.rollout_num_gpus
+        return rollout_gpus // per_engine if rollout_gpus is not None else 1
+    gpus = node_gpus(config)
+    if gpus < per_engine:
+        return 1
+    try:
+        return gpus // per_engine if engine_needs_gpu(config) else 1
+    except ValueError as error:
+        raise LaunchError(f"--rollout-engine: {error}") from None
+
+
+def node_gpus(config: RunConfig) -> int:
+    """The GPUs this node may use: those it sees, at most --num-gpus-per-node."""
+    seen = visible_gpus()
+    return seen if config.placement.num_gpus_per_node is None else min(config.placement.num_gpus_per_node, seen)
+
+
 def visible_gpus() -> int:
     """GPUs this launcher sees (its CUDA_VISIBLE_DEVICES applies); 0 without CUDA. A machine with no GPU device
     node is answered without importing torch, which would hold up every actor's start by ~2 s."""
@@ -337,10 +372,8 @@ def visible_gpus() -> int:
 
 def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int,
                  rollout_needs_gpu: bool = True) -> NodePlacement:
-    seen = visible_gpus()
-    gpus = seen if config.placement.num_gpus_per_node is None else min(config.placement.num_gpus_per_node, seen)
     try:
-        return place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=rollout_workers,
+        return place_node(gpus=node_gpus(config), learner_ranks=learner_ranks, rollout_workers=rollout_workers,
                           gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
                           rollout_engine=config.engine.rollout_engine,
                           rollout_needs_gpu=rollout_needs_gpu, colocate=config.placement.colocate)
@@ -377,11 +410,9 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     os.environ.update(slime.env)  # inherited by every actor this launcher starts
     if slime.note():
         print(f"launcher.py: {slime.note()}", file=sys.stderr)
-    other_nodes = worker_node_roles(args, customs, node)
+    other_nodes = worker_node_roles(args, customs, node, config)
     if args.rollout_workers is None:
-        rollout_gpus = config.placement.rollout_num_gpus
-        from_gpus = args.head and rollout_gpus is not None
-        args.rollout_workers = rollout_gpus // config.engine.rollout_num_gpus_per_engine if from_gpus else 1
+        args.rollout_workers = default_rollout_workers(config, head=args.head)
     counts = node_roles(args, customs)
     if config.learner.load_debug_rollout_data and args.roles is None:
         # a replay's learner reads its batches from disk: a buffer would have no prompts, and crash until the
@@ -414,7 +445,12 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     if runs_learner and not args.no_progress:
         num_rollout = contexts[0].settings.run.learner.num_rollout
         progress = asyncio.create_task(follow_progress(run_dir, num_rollout, stop_progress))
+    head_watch = None
+    if not args.head and args.head_loss_timeout > 0 and contexts:
+        head_watch = asyncio.create_task(stop_node_when_head_lost(contexts[0], args.head_loss_timeout, supervisor))
     code = await supervisor.run()
+    if head_watch is not None:
+        head_watch.cancel()
     if supervisor.failure is not None:  # whole, as text: a hang report spans several lines
         print(f"launcher.py: run failed: {supervisor.failure}", file=sys.stderr)
     stop_progress.set()

@@ -217,6 +217,10 @@ class Supervisor:
         child.consecutive_crashes += 1
         return len(child.crashes) <= self.policy.max_restarts
 
+    def fail(self, reason: str) -> None:
+        """Fail the run from outside the actors (this node lost its head): stop every child, exit 1 with `reason`."""
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import launcher
-from actors.config import build_config
+from actors.config import build_config, config_from_args
+from actors.runtime.cluster_env import ClusterNode
 from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
 from tests.support.launch_inputs import minimal_inputs
 from tools.bench_pipeline import SLEEPING_FLAGS
@@ -187,3 +188,22 @@ def test_every_sglang_server_gets_its_own_seed() -> None:
     seeds = [engine_seed(1234, actor_id) for actor_id in ids]
     assert len(set(seeds)) == len(ids)
     assert engine_seed(1234, "rollout-0-0") == 1234
+
+
+@pytest.mark.unit
+def test_a_worker_node_runs_an_engine_per_gpus_per_engine_and_the_head_expects_as_many_of_each_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
+    args = launcher.build_parser().parse_args([*minimal_inputs(tmp_path), "--rollout-engine", "sglang",
+                                               "--rollout-num-gpus-per-engine", "2"])
+    config = config_from_args(args)
+    assert launcher.default_rollout_workers(config, head=False) == 4
+    assert launcher.default_rollout_workers(config, head=True) == 1  # no --rollout-num-gpus: the head's GPUs train
+    head_of_three = ClusterNode(scheduler="slurm", rank=0, nodes=3, head_host="gpu01", head_port=21234)
+    assert launcher.worker_node_roles(args, {}, head_of_three, config) == {"rollout": 8, "reward": 2}
+    capped = config_from_args(launcher.build_parser().parse_args(
+        [*minimal_inputs(tmp_path), "--rollout-engine", "sglang", "--num-gpus-per-node", "4"]))
+    assert launcher.default_rollout_workers(capped, head=False) == 4
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
+    assert launcher.default_rollout_workers(config, head=False) == 1

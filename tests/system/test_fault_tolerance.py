@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,10 @@ from tools.make_arithmetic_data import make_arithmetic_data
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(run_dir: Path, model: Path, data: Path, num_rollout: int, extra: tuple[str, ...] = ()
-           ) -> subprocess.Popen[str]:
-    """A small fully-async run with fast fault detection; `extra` flags come last, so they override these."""
+def launch(run_dir: Path, model: Path, data: Path, num_rollout: int, extra: tuple[str, ...] = (),
+           node: Callable[[list[str]], list[str]] = list) -> subprocess.Popen[str]:
+    """A small fully-async run with fast fault detection; `extra` flags come last, so they override these. `node`
+    wraps the command to run it elsewhere (in a network namespace: tests/support/netns.py)."""
     command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
                "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(num_rollout),
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
@@ -35,7 +37,7 @@ def launch(run_dir: Path, model: Path, data: Path, num_rollout: int, extra: tupl
                # Compact the buffer's log every few batches, so restarts also replay from snapshots and the audit
                # reads archived segments.
                "--buffer-log-compact-mb", "0.05", *extra]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(node(command), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def trained_steps(run_dir: Path) -> int:
