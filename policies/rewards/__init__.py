@@ -1,8 +1,8 @@
 """Reward functions: built-ins selectable by ``--rm-type``, user functions by ``--custom-rm-path``, group rewards
 with ``--group-rm``, and one safe runner that turns every failure into an error outcome (see ``runner``)."""
 
-from policies.rewards.runner import score, score_group
+from policies.rewards.runner import runs_inline, score, score_group
 from policies.rewards.selection import RewardSpec, build_reward
 from policies.rewards.types import RewardInput, RewardOutcome
 
-__all__ = ["RewardInput", "RewardOutcome", "RewardSpec", "build_reward", "score", "score_group"]
+__all__ = ["RewardInput", "RewardOutcome", "RewardSpec", "build_reward", "runs_inline", "score", "score_group"]

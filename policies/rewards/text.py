@@ -13,6 +13,7 @@ from typing import Any
 
 from policies.registry import register_reward
 from policies.rewards.math_answers import extract_boxed
+from policies.rewards.runner import runs_inline
 from policies.rewards.types import RewardInput
 
 __all__ = [
@@ -58,12 +59,14 @@ def token_f1(predicted: str, gold: str) -> float:
 
 
 @register_reward("exact_match")
+@runs_inline
 def exact_match_reward(inp: RewardInput) -> float:
     predicted = normalize_answer(answer_text(inp.response))
     return 1.0 if any(predicted == normalize_answer(gold) for gold in _golds(inp.label)) else 0.0
 
 
 @register_reward("f1")
+@runs_inline
 def f1_reward(inp: RewardInput) -> float:
     predicted = answer_text(inp.response)
     return max(token_f1(predicted, gold) for gold in _golds(inp.label))
@@ -94,6 +97,7 @@ def extract_choice_letter(response: str) -> str | None:
 
 @register_reward("gpqa")
 @register_reward("multiple_choice")
+@runs_inline
 def multiple_choice_reward(inp: RewardInput) -> float:
     """1.0 if the extracted letter equals the label (a letter, or a 0-based option index), else 0.0."""
     label = inp.label

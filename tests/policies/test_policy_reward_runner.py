@@ -1,10 +1,11 @@
 import asyncio
 import math
+import threading
 import time
 
 import pytest
 
-from policies.rewards import RewardInput, build_reward, score, score_group
+from policies.rewards import RewardInput, build_reward, runs_inline, score, score_group
 from policies.rewards.types import RewardOutcome
 
 
@@ -75,6 +76,28 @@ async def test_sync_reward_runs_off_the_event_loop() -> None:
     await score(blocking, _inputs("a"))
     task.cancel()
     assert ticks >= 5  # the loop kept running while the sync function slept
+
+
+@pytest.mark.unit
+async def test_a_reward_marked_inline_runs_on_the_loop_and_its_failures_are_still_outcomes() -> None:
+    threads: set[int] = set()
+
+    @runs_inline
+    def checked(inp: RewardInput) -> float:
+        threads.add(threading.get_ident())
+        return length_reward(inp)
+
+    outcomes = await score(checked, _inputs("ok", "boom", "nan", "text"), timeout_s=5)
+    assert threads == {threading.get_ident()}  # no thread hop, no timer
+    assert outcomes[0] == RewardOutcome.ok(2.0)
+    assert outcomes[1].reason == "raised RuntimeError: judge crashed" and "length_reward" in outcomes[1].trace
+    assert "non-finite reward nan" in outcomes[2].reason and "returned str" in outcomes[3].reason
+    # the built-in text rewards only read the text, so they are marked; an unmarked sync function keeps its thread
+    assert all(getattr(build_reward(name).fn, "slipstream_runs_inline", False)
+               for name in ("exact_match", "f1", "multiple_choice"))
+    threads.clear()
+    await score(lambda inp: threads.add(threading.get_ident()) or 1.0, _inputs("a"))
+    assert threading.get_ident() not in threads
 
 
 @pytest.mark.unit
