@@ -5,11 +5,12 @@
     python tools/bench_learning.py --seeds 0 1 2 --json out.json
 
 The task is the demo's (integer addition, held-out operand pairs, exact-match reward) on the demo's tiny model,
-warm-started once by the demo's SFT run (cached in `.cache/bench_learning`). Every system then runs GRPO from
-that checkpoint with the same hyperparameters (`Hyper`): 32 prompts x 8 samples per step, temperature 1, at most
-4 new tokens, lr cosine-decayed to `min_lr` over the run, a k3 KL term toward the start model, clip 0.2, token-mean
-loss, group-normalised advantages, gradient clipping at 1. Slipstream runs as the demo does (2 rollout workers,
-1 reward worker, each actor in its own process, TIS), with 16 groups in flight per worker
+warm-started once by the demo's SFT recipe, run synchronously with a fixed seed so that every rebuild starts
+from the same model (cached in `.cache/bench_learning`, rebuilt when the recipe changes). Every system then runs
+GRPO from that checkpoint with the same hyperparameters (`Hyper`): 32 prompts x 8 samples per step, temperature
+1, at most 4 new tokens, lr cosine-decayed to `min_lr` over the run, a k3 KL term toward the start model, clip 0.2,
+token-mean loss, group-normalised advantages, gradient clipping at 1. Slipstream runs as the demo does (2 rollout
+workers, 1 reward worker, each actor in its own process, TIS), with 16 groups in flight per worker
 (`--rollout-max-batch-size 128`: on this task bigger decode batches halve the engines' CPU per sample); sync is
 `--max-staleness 0`, async `--max-staleness 2`, both with the default `--cpu-budget auto`.
 TRL runs in one process with torch's default threads (`pip install -e ".[bench]"` installs it).
@@ -42,6 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "bench_learning"
 SYSTEMS = ("trl", "sync", "async")
+WARM_START_REPRODUCIBLE = ["--max-staleness", "0", "--seed", "0"]  # after the demo's SFT flags, so they win
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,19 @@ def prepare(workdir: Path) -> tuple[Path, dict[str, Path]]:
     model = cached_tiny_model(REPO / ".cache" / "models", MODEL_SPEC)
     data = make_arithmetic_data(workdir / "data", max_operand=MAX_OPERAND, eval_size=80, sft_size=320)
     warm = CACHE / "sft" / "final_model"
-    if not (warm / "config.json").is_file():
-        print("warm start: the demo's SFT run (once; cached in .cache/bench_learning)", flush=True)
+    # The demo's SFT recipe, made reproducible: fully-async SFT lands anywhere from ~34% to ~53% held-out from
+    # one rebuild to the next, and the target (start + 15 points) with it, up to the accuracy GRPO ends at.
+    recipe = [*COMMON, *SFT, *WARM_START_REPRODUCIBLE]
+    stamp = CACHE / "sft" / "recipe.json"
+    cached = stamp.is_file() and json.loads(stamp.read_text()) == recipe
+    if not (cached and (warm / "config.json").is_file()):
+        print("warm start: the demo's SFT run, synchronous and seeded (once; cached in .cache/bench_learning)",
+              flush=True)
         shutil.rmtree(CACHE / "sft", ignore_errors=True)
         command = [sys.executable, "launcher.py", "--head", "--run-dir", str(CACHE / "sft"), "--hf-checkpoint",
-                   str(model), "--prompt-data", str(data["sft"]), *COMMON, *SFT]
+                   str(model), "--prompt-data", str(data["sft"]), *recipe]
         subprocess.run(command, cwd=REPO, check=True)
+        stamp.write_text(json.dumps(recipe))
     return warm, data
 
 

@@ -59,6 +59,7 @@ class MemberRecord:
     counters: dict[str, float] = field(default_factory=dict)
     waits: list[WaitState] = field(default_factory=list)  # as of its last heartbeat
     left: bool = False  # it said goodbye (Leave): gone on purpose, not silent
+    told_over: bool = False  # a heartbeat of its was answered "run over": it knows the run ended
 
 
 class Controller(Actor):
@@ -145,11 +146,27 @@ class Controller(Actor):
             self.publisher.publish(TOPIC_CONTROL, Control(command=command, reason=self.run_failure or
                                                           self._stop_reason or "run stopped"))
             await asyncio.sleep(0.2)  # let the last broadcasts leave before the socket closes
+            await self._until_every_member_knows()
             self.publisher.close()
         await super().stop()
 
     async def _leave(self) -> None:
         return None
+
+    async def _until_every_member_knows(self) -> None:
+        """Keep answering until each live member left or was told by a heartbeat answer that the run is over.
+        A member that missed the stop broadcast (a subscription not yet connected, a frame dropped under load)
+        learns it from its next heartbeat, but only while we still answer: without this wait it retried a gone
+        head until its node's --head-loss-timeout, and its node ended the finished run as failed."""
+        deadline = time.monotonic() + 2 * self.context.heartbeat_interval + 0.5
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            unaware = [record for actor_id, record in self.records.items() if actor_id != self.actor_id
+                       and record.member.alive and not record.left and not record.told_over
+                       and now - record.last_seen <= self.heartbeat_deadline]
+            if not unaware:
+                return
+            await asyncio.sleep(0.05)
 
     def metrics(self) -> dict[str, float]:
         """Ours include what the broadcast publisher dropped (subscriptions that are not, topics too long)."""
@@ -224,6 +241,7 @@ class Controller(Actor):
         if self.run_state in ("stopped", "failed"):
             # for a member that missed the stop broadcast (it subscribed just after it); while draining, the
             # broadcast is still on its way and says why
+            record.told_over = True
             return self._run_over()
         return Ack(ok=True, error=None)
 

@@ -14,7 +14,7 @@ import pytest
 
 from actors.runtime.base import Actor
 from bus import RpcClient
-from bus.schema import Ack, Error, Heartbeat, Leave, Register, VersionAnnouncement
+from bus.schema import Ack, Control, Error, Heartbeat, Leave, Register, VersionAnnouncement
 from tests.support.inprocess import actor_system
 
 
@@ -99,3 +99,23 @@ async def test_a_run_that_is_ending_turns_late_joiners_away_and_stops_members_th
         controller._set_state("stopped")
         await system.wait_for(lambda: member.stopping, 5, "the member to stop")
         assert member._stop_reason.startswith("controller: the run is stopped")
+
+
+@pytest.mark.unit
+async def test_a_stopping_controller_answers_until_a_member_that_missed_the_stop_heard_it(tmp_path: Path) -> None:
+    """The controller broadcast the stop and closed 0.2 s later: a member whose copy of the broadcast was lost
+    then heartbeated a gone head, and its node took the finished run for a lost head."""
+    async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller", "custom": Idle}) as system:
+        controller, member = system["controller"], system["custom-0-0"]
+        missed: list[str] = []
+
+        async def lost_in_transit(control: Control) -> None:
+            missed.append(control.command)
+
+        member._apply_control = lost_in_transit  # type: ignore[method-assign]  # the broadcast is dropped
+        controller._stop_reason = "stop requested by learner: trained 1 batches"
+        controller.request_stop("trained 1 batches")
+        await system.wait_for(lambda: member.stopping, 5, "the member to hear the run is over")
+        assert missed == ["stop"]
+        assert member._stop_reason.startswith("controller: the run is stopped")
+        assert controller.records["custom-0-0"].told_over

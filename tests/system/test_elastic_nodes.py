@@ -2,12 +2,12 @@
 way it resumes from. In order, on one run:
 
 1. two worker nodes join the head's run under way;
-2. one stops gracefully (SIGTERM to its launcher), the other is killed with kill -9 of every process it had;
-3. the first joins again, under the same node rank;
-4. the head node is killed with kill -9 of every process it had: the worker node stops within --head-loss-timeout
-   and fails, naming the head and the checkpoint the run resumes from;
-5. the head and the worker node are started again with their first commands: the run resumes from that
-   checkpoint and finishes, and `tools/audit_run.py` finds every accepted sample trained exactly once.
+2. one is killed with kill -9 of every process it had;
+3. the head node is killed the same way: the other worker node stops within --head-loss-timeout and fails,
+   naming the head and the checkpoint the run resumes from;
+4. the head and that worker node are started again with their first commands: the run resumes from that
+   checkpoint, the node joins it and then leaves gracefully (SIGTERM to its launcher), the head finishes alone,
+   and `tools/audit_run.py` finds every accepted sample trained exactly once.
 
 Each node is a network namespace with its own address, cabled to the others through a bridge
 (tests/support/netns.py), so every byte between nodes crosses a virtual network. Where namespaces cannot be
@@ -37,7 +37,7 @@ from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 1000  # ~24 steps/s here: the head is lost near step 500 (three node starts of ~6 s each come first)
+STEPS = 550  # ~24 steps/s here: the head is lost near step 250; the resumed run and a node's rejoin need ~50 more
 HEAD_LOSS_TIMEOUT_S = 3.0
 JOINED = ("member joined", "member returned")
 
@@ -133,43 +133,40 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
     try:
         wait_for_step(head, run_dir, 3)
         # 1. Two nodes join the run under way.
-        graceful, lost = join(first, run_dir, head_address), join(second, run_dir, head_address)
-        started += [graceful, lost]
+        first_run, lost = join(first, run_dir, head_address), join(second, run_dir, head_address)
+        started += [first_run, lost]
         for rank in (1, 2):
             wait(joined(run_dir, f"rollout-{rank}-0", 1), f"node {rank}'s rollout worker")
         wait(steps_more(run_dir, 5), "five steps with both nodes")
-        # 2. One leaves gracefully, the other is lost whole.
-        graceful.send_signal(signal.SIGTERM)
-        assert finish(graceful, timeout=60) is not None and graceful.returncode == 128 + signal.SIGTERM
-        wait(steps_more(run_dir, 5), "five steps after node 1 left")
+        # 2. One is lost whole; the run goes on without it.
         second.kill(lost, run_dir)
         lost.wait(timeout=30)
         wait(lambda: "member died" in controller_events(run_dir, "rollout-2-0"), "node 2's loss to be noticed")
-        # 3. The node that left joins again.
-        rejoined = join(first, run_dir, head_address)
-        started.append(rejoined)
-        wait(joined(run_dir, "rollout-1-0", 2), "node 1 to join again")
-        wait(steps_more(run_dir, 5), "five steps after node 1 joined again")
-        assert trained_steps(run_dir) < STEPS - 50, "the run ended too soon to lose its head mid-run"
-        # 4. The head is lost whole: the worker node fails, naming it and the checkpoint to resume from.
+        wait(steps_more(run_dir, 5), "five steps after node 2 was lost")
+        assert trained_steps(run_dir) < STEPS - 200, "the run is too far along to be resumed with a node joining"
+        # 3. The head is lost whole: the worker node fails, naming it and the checkpoint to resume from.
         head_lost_at = time.monotonic()
         head_node.kill(head, run_dir)
         head.wait(timeout=30)
-        node_output = finish(rejoined, timeout=HEAD_LOSS_TIMEOUT_S + 60)
+        node_output = finish(first_run, timeout=HEAD_LOSS_TIMEOUT_S + 60)
         stopped_after_s = time.monotonic() - head_lost_at
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-        # 5. Both nodes start again with their first commands; the run resumes and finishes.
+        # 4. Both start again with their first commands: the run resumes; the node then leaves gracefully.
         head, back = start_head(), join(first, run_dir, head_address)
         started += [head, back]
+        wait(joined(run_dir, "rollout-1-0", 2), "node 1 to join the resumed run")
+        wait(steps_more(run_dir, 5), "five steps with node 1 in the resumed run")
+        assert trained_steps(run_dir) < STEPS - 20, "the run ended too soon to see node 1 leave mid-run"
+        back.send_signal(signal.SIGTERM)
+        back_output = finish(back, timeout=60)
         output = finish(head)
-        back_output = finish(back, timeout=90)
     finally:
         for process in started:
             if process.poll() is None:
                 process.kill()
     assert head.returncode == 0, output[-4000:]
-    assert back.returncode == 0, back_output[-4000:]
-    assert rejoined.returncode == 1, node_output[-4000:]
+    assert back.returncode == 128 + signal.SIGTERM, back_output[-4000:]
+    assert first_run.returncode == 1, node_output[-4000:]
     assert f"head node lost: {head_address} unreachable" in node_output, node_output[-4000:]
     assert f"Its last checkpoint is {run_dir / 'checkpoints' / latest}" in node_output, node_output[-4000:]
     assert stopped_after_s < HEAD_LOSS_TIMEOUT_S + 30, f"the worker node took {stopped_after_s:.0f} s to stop"
@@ -177,10 +174,9 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
                if record.get("event") == "resumed from checkpoint"]
     assert [Path(record["path"]).name for record in resumed] == [latest]
 
-    for member in ("rollout-1-0", "reward-1-0"):
+    for member in ("rollout-1-0", "reward-1-0"):  # joined, joined the resumed run's new controller, left
         events = controller_events(run_dir, member)
-        assert events[0] == "member joined" and "member left" in events, (member, events)
-        assert sum(event in JOINED for event in events) >= 3, (member, events)  # first, again, after the restart
+        assert sum(event in JOINED for event in events) == 2 and events[-1] == "member left", (member, events)
     for member in ("rollout-2-0", "reward-2-0"):
         events = controller_events(run_dir, member)
         assert events[0] == "member joined" and "member died" in events, (member, events)
