@@ -177,11 +177,11 @@ class Supervisor:
                     why = f"{actor}: bad configuration: {why}"
                 elif not why.startswith(ABORTED):  # an abort's reason names who failed the run, not this actor
                     why = f"{actor}: {why}"
-                self._fail(why)
+                self.fail(why)
                 child.done = True
                 return
             if not self._may_restart(child):
-                self._fail(f"{actor} crashed {len(child.crashes)} times within {self.policy.window_s:.0f}s "
+                self.fail(f"{actor} crashed {len(child.crashes)} times within {self.policy.window_s:.0f}s "
                            f"(last exit code {code})")
                 child.done = True
                 return
@@ -218,10 +218,8 @@ class Supervisor:
         return len(child.crashes) <= self.policy.max_restarts
 
     def fail(self, reason: str) -> None:
-        """Fail the run from outside the actors (this node lost its head): stop every child, exit 1 with `reason`."""
-        self._fail(reason)
-
-    def _fail(self, reason: str) -> None:
+        """Fail the run: stop every child and exit 1 with `reason` (the first one given). Called for an actor's
+        final exit or crash loop, and from outside the actors (this node lost its head)."""
         if self.failure is None:
             self.failure = reason
         self.request_stop(reason)
