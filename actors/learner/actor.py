@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from actors.learner.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
 from actors.learner.eval_hold import EvalHold
 from actors.learner.modes import BatchRefused, Progress, pick_source, pick_training
 from actors.learner.publish import live_engines, publisher_for
@@ -48,8 +48,7 @@ class Learner(Actor):
         # The debug modes are these two choices, made once: where batches come from, and what training means.
         self.source = pick_source(config, self.peer_rpc("buffer"), self.counters, self.log)
         self.training = pick_training(config, self.trainer, TrainingStep(local_trainer, config))
-        save = config.learner.save
-        self.checkpoint_dir = Path(save) if save else self.context.run_dir / "checkpoints"
+        self.checkpoint_dir = checkpoint_dir(config.learner.save, self.context.run_dir)
         self.trained_batch = 0
         self.checkpointed_batch = 0
         await self._restore()
@@ -211,7 +210,7 @@ class Learner(Actor):
         with self.waits.on("disk", f"checkpoint {target}"):
             await asyncio.to_thread(self.trainer.save_checkpoint, target, extra)
         chaos.reached("checkpoint.mid")  # written, `latest` not yet moved to it
-        _replace_text(self.checkpoint_dir / "latest", target.name)
+        point_latest_at(self.checkpoint_dir, target)
         self.checkpointed_batch = self.trained_batch
         self.log.info("checkpoint saved", path=str(target), version=self.trainer.version)
 
@@ -230,10 +229,9 @@ class Learner(Actor):
 
     async def _restore(self) -> None:
         source = Path(self.config.learner.load) if self.config.learner.load else self.checkpoint_dir
-        latest = source / "latest"
-        if not latest.exists():
+        directory = latest_checkpoint(source)
+        if directory is None:
             return
-        directory = source / latest.read_text(encoding="utf-8").strip()
         extra = await asyncio.to_thread(self.trainer.load_checkpoint, directory)
         self.trained_batch = self.checkpointed_batch = int(extra.get("trained_batch", 0))
         self.log.info("resumed from checkpoint", path=str(directory), version=self.trainer.version,
@@ -291,14 +289,3 @@ def _bound_to_rank_zero(function: Any, *args: Any) -> Any:
     """CUDA's current device is per thread: whatever thread builds or drives the trainer uses rank 0's GPU."""
     bind_device(0)
     return function(*args)
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write `path` so that a reader finds the old text or the new one, never an empty file: a learner killed while
-    `latest` was being rewritten would otherwise fail to restart until someone repaired it by hand."""
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)

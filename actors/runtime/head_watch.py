@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from actors.learner.checkpoint_pointer import checkpoint_dir, latest_checkpoint
 from actors.runtime.context import ActorContext
 from actors.runtime.supervisor import Supervisor
 
@@ -63,8 +64,7 @@ async def stop_node_when_head_lost(context: ActorContext, timeout_s: float, supe
     head's launcher exits before this node's actors are done leaving)."""
     head = urlsplit(context.head_address)  # tcp://HOST:PORT, checked by the launcher
     assert head.hostname is not None and head.port is not None, context.head_address
-    save = context.settings.run.learner.save
-    checkpoints = Path(save) if save else context.run_dir / "checkpoints"
+    checkpoints = checkpoint_dir(context.settings.run.learner.save, context.run_dir)
 
     def lost(unreachable_s: float, error: str) -> None:
         if not supervisor.stopping:
@@ -73,11 +73,11 @@ async def stop_node_when_head_lost(context: ActorContext, timeout_s: float, supe
     await watch_head(head.hostname, head.port, timeout_s, lost)
 
 
-def head_lost_report(address: str, unreachable_s: float, error: str, checkpoint_dir: Path) -> str:
+def head_lost_report(address: str, unreachable_s: float, error: str, checkpoints: Path) -> str:
     """What a worker node says when its head is lost: which head, since when, and how the run resumes."""
-    latest = _latest_checkpoint(checkpoint_dir)
+    latest = latest_checkpoint(checkpoints)
     if latest is None:
-        resume = (f"No checkpoint is visible at {checkpoint_dir} from this node (it is in the head's run directory, "
+        resume = (f"No checkpoint is visible at {checkpoints} from this node (it is in the head's run directory, "
                   "if the head saved one)")
     else:
         resume = f"Its last checkpoint is {latest}"
@@ -85,11 +85,3 @@ def head_lost_report(address: str, unreachable_s: float, error: str, checkpoint_
             f"without its controller, buffer and learner, so this node stops. {resume}: start the "
             "head's launcher again with the same command and --run-dir to resume from it, then this node's.")
 
-
-def _latest_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """The checkpoint `latest` names (the learner moves it only once a checkpoint is complete)."""
-    try:
-        name = (checkpoint_dir / "latest").read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return checkpoint_dir / name if name else None
