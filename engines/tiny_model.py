@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import string
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +31,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of a tiny model; the defaults train in seconds on two CPU cores."""
+    """Shape of a tiny model; the defaults train in seconds on two CPU cores. Every field but `family` and `seed`
+    is a Hugging Face config key, passed to the config under its own name."""
 
     family: str = "qwen2"
     hidden_size: int = 64
@@ -81,16 +82,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
     if spec.family not in ARCHITECTURES:
         raise ValueError(f"tiny model family {spec.family!r} unknown; choose one of {sorted(ARCHITECTURES)}")
+    shape = {key: value for key, value in asdict(spec).items() if key not in ("family", "seed")}
     config = AutoConfig.for_model(
         spec.family,
         vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
+        **shape,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -94,16 +94,8 @@ def compute_advantages(
     process_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the configured estimator, then optional masked whitening (across ``process_group`` when given)."""
-    inputs = _prepare_inputs(
-        config,
-        rewards=rewards,
-        group_ids=group_ids,
-        response_lengths=response_lengths,
-        loss_mask=loss_mask,
-        values=values,
-        log_probs=log_probs,
-        ref_log_probs=ref_log_probs,
-    )
+    inputs = _prepare_inputs(config, rewards=rewards, group_ids=group_ids, response_lengths=response_lengths,
+                             loss_mask=loss_mask, values=values, log_probs=log_probs, ref_log_probs=ref_log_probs)
     estimator = resolve_advantage_estimator(config.advantage_estimator)
     advantages, returns = estimator(config, inputs)
     check_packed(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.response_lengths)
@@ -114,17 +106,10 @@ def compute_advantages(
     return advantages, zero_masked(returns, inputs.loss_mask)
 
 
-def _prepare_inputs(
-    config: PolicyLossConfig,
-    *,
-    rewards: Tensor,
-    group_ids: Tensor,
-    response_lengths: Tensor,
-    loss_mask: Tensor,
-    values: Tensor | None,
-    log_probs: Tensor | None,
-    ref_log_probs: Tensor | None,
-) -> AdvantageInputs:
+def _prepare_inputs(config: PolicyLossConfig, *, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor,
+                    loss_mask: Tensor, values: Tensor | None, log_probs: Tensor | None,
+                    ref_log_probs: Tensor | None) -> AdvantageInputs:
+    """`compute_advantages`' arguments checked and upcast, with the KL penalty computed."""
     lengths = check_lengths(response_lengths)
     batch = lengths.numel()
     if rewards.dim() != 1 or rewards.numel() != batch:
@@ -151,14 +136,8 @@ def _prepare_inputs(
         check_finite("ref_log_probs", ref_log_probs, None if keep_untrained else mask)
         kl = compute_kl(config.kl_loss_type, log_probs.detach(), ref_log_probs.detach()).to(dtype)
         token_kl = kl if keep_untrained else zero_masked(kl, mask)
-    return AdvantageInputs(
-        rewards=rewards,
-        group_ids=group_ids,
-        response_lengths=lengths,
-        loss_mask=mask,
-        token_kl=token_kl,
-        values=values,
-    )
+    return AdvantageInputs(rewards=rewards, group_ids=group_ids, response_lengths=lengths, loss_mask=mask,
+                           token_kl=token_kl, values=values)
 
 
 # --------------------------------------------------------------------------------------------------------------

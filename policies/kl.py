@@ -50,14 +50,8 @@ def low_var_kl(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return k3(log_probs, ref_log_probs).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
-def compute_kl(
-    kind: str,
-    log_probs: Tensor,
-    ref_log_probs: Tensor,
-    *,
-    importance_ratio: Tensor | None = None,
-    clamp_after_weight: bool = False,
-) -> Tensor:
+def compute_kl(kind: str, log_probs: Tensor, ref_log_probs: Tensor, *, importance_ratio: Tensor | None = None,
+               clamp_after_weight: bool = False) -> Tensor:
     """Per-token KL estimate ``[T]`` by registered name or dotted path, optionally importance-weighted.
 
     ``clamp_after_weight`` (``low_var_kl`` only): clamp the weighted estimate instead of the estimate (slime's order).

@@ -78,17 +78,12 @@ def pi_old_source(config: PolicyLossConfig, *, decoupled: bool, steps_per_batch:
     return "training_forward"
 
 
-def step_denominators(
-    config: PolicyLossConfig,
-    *,
-    loss_mask: Tensor,
-    response_lengths: Tensor,
-    old_log_probs: Tensor | None,
-    rollout_log_probs: Tensor | None,
-) -> Tensor:
+def step_denominators(config: PolicyLossConfig, *, loss_mask: Tensor, response_lengths: Tensor,
+                      old_log_probs: Tensor | None, rollout_log_probs: Tensor | None) -> Tensor:
     """``float64 [2]``: this shard's (loss denominator after rejections, trained tokens), to be summed over ranks.
 
-    Sum over the data-parallel ranks before building :class:`PolicyLoss`; a single process uses them as they are.
+    The arguments are :func:`policies.losses.effective_loss_mask`'s, which gives the tokens kept. Sum over the
+    data-parallel ranks before building :class:`PolicyLoss`; a single process uses them as they are.
     """
     keep = effective_loss_mask(
         config,
@@ -127,16 +122,10 @@ class PolicyLoss:
             raise ValueError("PolicyLoss: the batch has no loss_mask (the learner step always sets one)")
         old = outputs.log_probs.detach() if self.pi_old_from_forward else batch.old_log_probs
         loss, metrics = compute_policy_loss(
-            self.config,
-            log_probs=outputs.log_probs,
-            old_log_probs=old,
+            self.config, log_probs=outputs.log_probs, old_log_probs=old,
             rollout_log_probs=None if self.config.loss_type == "sft" else batch.rollout_log_probs,
-            advantages=batch.advantages,
-            loss_mask=batch.loss_mask,
-            response_lengths=batch.response_lengths,
-            entropy=outputs.entropy,
-            ref_log_probs=batch.ref_log_probs,
-            denominator=self.denominator,
+            advantages=batch.advantages, loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
+            entropy=outputs.entropy, ref_log_probs=batch.ref_log_probs, denominator=self.denominator,
         )
         share = float(batch.loss_mask.sum()) / max(1.0, self.total_tokens)
         return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}

@@ -83,8 +83,6 @@ class BufferCore:
                  on_selection_error: Callable[[str], None] | None = None) -> None:
         self.source = source
         self.n_samples = n_samples
-        self.groups_per_batch = groups_per_batch
-        self.max_staleness = max_staleness
         self.lease_timeout = lease_timeout
         self.group_filter = group_filter
         self.batch_selector = batch_selector
@@ -93,6 +91,7 @@ class BufferCore:
         self.clock = clock
         self.compact_log_bytes = compact_log_bytes  # 0: never compact
         self.compacted_bytes = 0  # the log's size right after the last compaction: the live state's size
+        # The one holder of the batch size and the staleness bound, which admission, assembly and eviction read.
         self.admission = AdmissionController(max_staleness=max_staleness, groups_per_batch=groups_per_batch)
         self.learner_version = 0
         self.trained_batches = 0  # batches the learner has consumed; ahead of its version after a skipped step
@@ -307,7 +306,7 @@ class BufferCore:
             raise BatchOrderError(f"learner asked for batch {wanted}; the next new batch is "
                              f"{max(self.served, default=self.committed_batch) + 1}")
         self._evict_stale(trains_at)
-        if len(self.pool) < self.groups_per_batch:
+        if len(self.pool) < self.admission.groups_per_batch:
             return None
         # In the order the groups were first leased, not the order they finished: which worker was faster must not
         # change the batch, or two runs with the same seed would train the same groups in a different order.
@@ -327,14 +326,14 @@ class BufferCore:
         picked = self._selected(batch_id) if self.batch_selector is not None else []
         taken = set(picked)
         rest = [gid for gid in self.pool if gid not in taken]
-        return picked + rest[: self.groups_per_batch - len(picked)]
+        return picked + rest[: self.admission.groups_per_batch - len(picked)]
 
     def _selected(self, batch_id: int) -> list[str]:
         """The selector's picks, checked; a bad answer is counted and reported, never fatal: the batch then
         forms oldest-first, as it would without a selector."""
         try:
-            picked = self.batch_selector(list(self.pool.values()), self.groups_per_batch, batch_id)
-            return checked_selection(picked, self.pool, self.groups_per_batch)
+            picked = self.batch_selector(list(self.pool.values()), self.admission.groups_per_batch, batch_id)
+            return checked_selection(picked, self.pool, self.admission.groups_per_batch)
         except SelectionError as error:
             reason, problem = error.reason, str(error)
         except Exception as error:  # a user's plugin: whatever it raises, the run goes on
@@ -352,7 +351,7 @@ class BufferCore:
         for group_id, scored in list(self.pool.items()):
             if group_id not in self.version_ranges:
                 self.version_ranges[group_id] = version_range(sample.token_versions for sample in scored.samples)
-            if staleness_of_range(trains_at, self.version_ranges[group_id]) > self.max_staleness:
+            if staleness_of_range(trains_at, self.version_ranges[group_id]) > self.admission.max_staleness:
                 del self.pool[group_id]
                 group = self.prompt_groups[group_id]
                 self.reissue.append(group)

@@ -19,8 +19,8 @@ def batch_wait(core: BufferCore, batch_id: int, waited_s: float) -> WaitState:
     holders = Counter(core.leases[lease_id].worker_id for _, lease_id in core.in_flight.values()
                       if lease_id in core.leases)
     held = ", ".join(f"{worker}: {count}" for worker, count in holders.most_common(6))
-    ready = min(len(core.pool), core.groups_per_batch)
-    words = (f"groups for batch {batch_id}: {ready} of {core.groups_per_batch} ready; {len(core.in_flight)} in "
+    wanted = core.admission.groups_per_batch
+    words = (f"groups for batch {batch_id}: {min(len(core.pool), wanted)} of {wanted} ready; {len(core.in_flight)} in "
              f"flight{f' ({held})' if held else ''}; {len(core.reissue)} waiting to be re-issued")
     on = holders.most_common(1)[0][0] if holders else "rollout workers"
     return WaitState(on=on, what=words, waited_s=round(waited_s, 3))
@@ -33,4 +33,4 @@ def admission_state(core: BufferCore) -> str | None:
     if allowance > 0 or core.reissue:
         return None
     return (f"admission closed: {core.live_started} groups started, as many as --max-staleness "
-            f"{core.max_staleness} allows until the learner moves past batch {core.trained_batches}")
+            f"{core.admission.max_staleness} allows until the learner moves past batch {core.trained_batches}")

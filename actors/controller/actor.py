@@ -21,29 +21,8 @@ from actors.controller.wandb_mirror import WandbMirror
 from actors.runtime.base import Actor
 from actors.runtime.handlers import serves
 from actors.runtime.metrics import MetricsWriter
-from bus import Publisher, RpcServer
-from bus.schema import (
-    TOPIC_CONTROL,
-    TOPIC_ROSTER,
-    TOPIC_RUN_STATE,
-    TOPIC_VERSION,
-    Ack,
-    Control,
-    Error,
-    Heartbeat,
-    Leave,
-    Member,
-    Register,
-    Registered,
-    Roster,
-    RosterEvent,
-    RunConfigQuery,
-    RunConfigReply,
-    RunState,
-    StateReport,
-    VersionAnnouncement,
-    WaitState,
-)
+from bus import Publisher, RpcServer, schema
+from bus.schema import TOPIC_CONTROL, TOPIC_ROSTER, TOPIC_RUN_STATE, TOPIC_VERSION, Ack, Error, VersionAnnouncement
 from bus.sockets import peer_name
 
 ACTOR_METRICS_INTERVAL_S = 5.0
@@ -53,11 +32,11 @@ HANG_REPORT_FILE = "hang-report.txt"
 
 @dataclass
 class MemberRecord:
-    member: Member
+    member: schema.Member
     last_seen: float
     connection: str = ""  # the routing id it registered from: its name is bound to that connection
     counters: dict[str, float] = field(default_factory=dict)
-    waits: list[WaitState] = field(default_factory=list)  # as of its last heartbeat
+    waits: list[schema.WaitState] = field(default_factory=list)  # as of its last heartbeat
     left: bool = False  # it said goodbye (Leave): gone on purpose, not silent
     told_over: bool = False  # a heartbeat of its was answered "run over": it knows the run ended
 
@@ -76,7 +55,7 @@ class Controller(Actor):
         self.incarnation = secrets.token_hex(8)
         limits = self.settings.run.controller
         self.hang = HangWatch(limits.hang_timeout, time.monotonic(), start_timeout_s=limits.start_timeout)
-        self.state_reports: dict[str, StateReport] = {}
+        self.state_reports: dict[str, schema.StateReport] = {}
 
     async def run(self) -> None:
         """Watch liveness until the run stops, and record every actor's counters (queue depths, drops, idle
@@ -143,8 +122,8 @@ class Controller(Actor):
         if self.publisher is not None:
             # A failed run is aborted on every node, so every launcher fails with the reason instead of ending well.
             command = "abort" if self.run_failure else "stop"
-            self.publisher.publish(TOPIC_CONTROL, Control(command=command, reason=self.run_failure or
-                                                          self._stop_reason or "run stopped"))
+            self.publisher.publish(TOPIC_CONTROL, schema.Control(command=command, reason=self.run_failure or
+                                                                 self._stop_reason or "run stopped"))
             await asyncio.sleep(0.2)  # let the last broadcasts leave before the socket closes
             await self._until_every_member_knows()
             self.publisher.close()
@@ -176,8 +155,8 @@ class Controller(Actor):
         return found
 
     # ------------------------------------------------------------------------------------------ handlers
-    @serves(Register)
-    async def on_register(self, sender: str, request: Register) -> Registered | Error:
+    @serves(schema.Register)
+    async def on_register(self, sender: str, request: schema.Register) -> schema.Registered | Error:
         if request.actor_id == self.actor_id:
             # Our own name is never free: a client that took it would be taken for a member (as a "rollout", one
             # the learner waits on for every weight push).
@@ -194,9 +173,9 @@ class Controller(Actor):
             self._refuse("identity_in_use", request.actor_id, sender)
             return Error(reason="identity_in_use",
                          detail=f"{request.actor_id} is registered by a live connection; retry once it is gone")
-        events: list[RosterEvent] = []
+        events: list[schema.RosterEvent] = []
         if previous is None:
-            events.append(RosterEvent(kind="joined", actor_id=request.actor_id, reason="registered"))
+            events.append(schema.RosterEvent(kind="joined", actor_id=request.actor_id, reason="registered"))
             incarnation = 0
         elif previous.member.alive and previous.member.pid == request.pid:
             incarnation = previous.member.incarnation  # a retried registration of the same process
@@ -204,12 +183,12 @@ class Controller(Actor):
             if previous.member.alive:
                 # Restarted faster than the heartbeat deadline: the old process is gone all the same, and its
                 # peers (the buffer re-issuing its leases) must hear so before they hear of the new one.
-                events.append(RosterEvent(kind="died", actor_id=request.actor_id,
-                                          reason=f"replaced by a new process (pid {request.pid})"))
-            events.append(RosterEvent(kind="returned", actor_id=request.actor_id, reason="registered again"))
+                events.append(schema.RosterEvent(kind="died", actor_id=request.actor_id,
+                                                 reason=f"replaced by a new process (pid {request.pid})"))
+            events.append(schema.RosterEvent(kind="returned", actor_id=request.actor_id, reason="registered again"))
             incarnation = previous.member.incarnation + 1
-        member = Member(actor_id=request.actor_id, role=request.role, node=request.node, pid=request.pid,
-                        endpoints=dict(request.endpoints), alive=True, incarnation=incarnation)
+        member = schema.Member(actor_id=request.actor_id, role=request.role, node=request.node, pid=request.pid,
+                               endpoints=dict(request.endpoints), alive=True, incarnation=incarnation)
         self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic(), connection=sender)
         for event in events:
             self.log.info(f"member {event.kind}", member=request.actor_id, role=request.role, node=request.node,
@@ -220,12 +199,12 @@ class Controller(Actor):
             self._publish_roster(events)
         self._maybe_start_running()
         assert self.publisher is not None
-        return Registered(roster=self._roster([]), publish_endpoint=self.publisher.endpoint,
-                          heartbeat_interval=self.context.heartbeat_interval, deadline=self.heartbeat_deadline,
-                          incarnation=incarnation, controller=self.incarnation)
+        return schema.Registered(roster=self._roster([]), publish_endpoint=self.publisher.endpoint,
+                                 heartbeat_interval=self.context.heartbeat_interval, deadline=self.heartbeat_deadline,
+                                 incarnation=incarnation, controller=self.incarnation)
 
-    @serves(Heartbeat)
-    async def on_heartbeat(self, sender: str, request: Heartbeat) -> Ack | Error:
+    @serves(schema.Heartbeat)
+    async def on_heartbeat(self, sender: str, request: schema.Heartbeat) -> Ack | Error:
         record = self.records.get(request.actor_id)
         if record is None or not record.member.alive:
             # Unknown (we restarted) or declared dead (it was only slow): it must register again so that
@@ -249,8 +228,8 @@ class Controller(Actor):
         reason = "run_failed" if self.run_state == "failed" else "run_over"
         return Error(reason=reason, detail=f"the run is {self.run_state} ({self._stop_reason or 'no reason given'})")
 
-    @serves(Leave)
-    async def on_leave(self, sender: str, request: Leave) -> Ack:
+    @serves(schema.Leave)
+    async def on_leave(self, sender: str, request: schema.Leave) -> Ack:
         record = self.records.get(request.actor_id)
         if record is not None and record.connection != sender:
             self._refuse("not_owner", request.actor_id, sender)
@@ -260,11 +239,11 @@ class Controller(Actor):
             record.left = True
             self.log.info("member left", member=request.actor_id, role=record.member.role, node=record.member.node,
                           reason=request.reason)
-            self._publish_roster([RosterEvent(kind="left", actor_id=request.actor_id, reason=request.reason)])
+            self._publish_roster([schema.RosterEvent(kind="left", actor_id=request.actor_id, reason=request.reason)])
         return Ack(ok=True, error=None)
 
-    @serves(Control)
-    async def on_control_request(self, sender: str, request: Control) -> Ack:
+    @serves(schema.Control)
+    async def on_control_request(self, sender: str, request: schema.Control) -> Ack:
         """Launchers, the learner or an operator ask for pause/resume/drain/stop; everyone hears it."""
         assert self.publisher is not None
         self.log.info("control", command=request.command, reason=request.reason, origin=peer_name(sender))
@@ -281,8 +260,8 @@ class Controller(Actor):
             self.request_stop(f"{request.command} requested by {peer_name(sender)}: {request.reason}")
         return Ack(ok=True, error=None)
 
-    @serves(StateReport)
-    async def on_state_report(self, sender: str, report: StateReport) -> Ack:
+    @serves(schema.StateReport)
+    async def on_state_report(self, sender: str, report: schema.StateReport) -> Ack:
         """An actor's answer to the hang check's "report": what it waits for, and its stacks."""
         record = self.records.get(report.actor_id)
         if record is None or record.connection != sender:
@@ -302,13 +281,13 @@ class Controller(Actor):
         self.publisher.publish(TOPIC_VERSION, request)
         return Ack(ok=True, error=None)
 
-    @serves(RunConfigQuery)
-    async def on_run_config_query(self, sender: str, request: RunConfigQuery) -> RunConfigReply:
+    @serves(schema.RunConfigQuery)
+    async def on_run_config_query(self, sender: str, request: schema.RunConfigQuery) -> schema.RunConfigReply:
         """A worker node's launcher asks before it starts its actors (actors.runtime.head_settings)."""
-        return RunConfigReply(settings=self.settings.run.model_dump(mode="json"))
+        return schema.RunConfigReply(settings=self.settings.run.model_dump(mode="json"))
 
-    @serves(RunState)
-    async def on_run_state_query(self, sender: str, request: RunState) -> RunState:
+    @serves(schema.RunState)
+    async def on_run_state_query(self, sender: str, request: schema.RunState) -> schema.RunState:
         return self._run_state()
 
     # --------------------------------------------------------------------------------------- internals
@@ -318,7 +297,8 @@ class Controller(Actor):
         self.log.error("no progress; asking every actor what it waits for", stalled_s=round(stalled, 1))
         assert self.publisher is not None
         self.state_reports.clear()
-        self.publisher.publish(TOPIC_CONTROL, Control(command="report", reason=f"no progress for {stalled:.0f} s"))
+        self.publisher.publish(TOPIC_CONTROL,
+                               schema.Control(command="report", reason=f"no progress for {stalled:.0f} s"))
         alive = {actor_id for actor_id, record in self.records.items() if record.member.alive}
         deadline = time.monotonic() + STATE_REPORT_WAIT_S
         while not alive <= set(self.state_reports) and time.monotonic() < deadline:
@@ -358,16 +338,17 @@ class Controller(Actor):
             silent_for = now - record.last_seen
             if record.member.alive and silent_for > self.heartbeat_deadline:
                 record.member = _with_alive(record.member, False)
-                events.append(RosterEvent(kind="died", actor_id=record.member.actor_id,
-                                          reason=f"no heartbeat for {silent_for:.1f}s"))
+                events.append(schema.RosterEvent(kind="died", actor_id=record.member.actor_id,
+                                                 reason=f"no heartbeat for {silent_for:.1f}s"))
                 self.log.warning("member died", member=record.member.actor_id, silent_s=round(silent_for, 1))
         if events:
             self._publish_roster(events)
 
-    def _roster(self, events: list[RosterEvent]) -> Roster:
-        return Roster(generation=self.generation, members=[r.member for r in self.records.values()], events=events)
+    def _roster(self, events: list[schema.RosterEvent]) -> schema.Roster:
+        members = [record.member for record in self.records.values()]
+        return schema.Roster(generation=self.generation, members=members, events=events)
 
-    def _publish_roster(self, events: list[RosterEvent]) -> None:
+    def _publish_roster(self, events: list[schema.RosterEvent]) -> None:
         assert self.publisher is not None
         self.generation += 1
         self.publisher.publish(TOPIC_ROSTER, self._roster(events))
@@ -391,15 +372,15 @@ class Controller(Actor):
             self.log.info("run state", state=state)
             self._publish_run_state()
 
-    def _run_state(self) -> RunState:
-        return RunState(state=self.run_state)
+    def _run_state(self) -> schema.RunState:
+        return schema.RunState(state=self.run_state)
 
     def _publish_run_state(self) -> None:
         if self.publisher is not None:
             self.publisher.publish(TOPIC_RUN_STATE, self._run_state())
 
 
-def _with_alive(member: Member, alive: bool) -> Member:
+def _with_alive(member: schema.Member, alive: bool) -> schema.Member:
     import msgspec
 
     return msgspec.structs.replace(member, alive=alive)

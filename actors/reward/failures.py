@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from policies.rewards import RewardOutcome
@@ -23,24 +24,27 @@ FIRST_LOGGED = 5
 SUMMARY_EVERY_S = 10.0
 
 
+@dataclass(eq=False)
 class RewardFailures:
     """Counts the outcomes of one reward function and logs its failures at a bounded rate."""
 
-    def __init__(self, log: Any, function: str, *, limit: int, first_logged: int = FIRST_LOGGED,
-                 summary_every_s: float = SUMMARY_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
-        if limit < 0:
-            raise ValueError(f"reward_failure_limit: expected >= 0 (0 = never stop), got {limit}")
-        self.log = log
-        self.function = function
-        self.limit = limit
-        self.first_logged = first_logged
-        self.summary_every_s = summary_every_s
-        self.clock = clock
-        self.total = 0  # failures since start
-        self.in_a_row = 0  # failures since the last scored sample
-        self.last_error = ""
-        self._unreported = 0  # failures neither logged one by one nor summarised yet
-        self._window_start = clock()
+    log: Any
+    function: str
+    _: KW_ONLY
+    limit: int
+    first_logged: int = FIRST_LOGGED
+    summary_every_s: float = SUMMARY_EVERY_S
+    clock: Callable[[], float] = time.monotonic
+    total: int = field(default=0, init=False)  # failures since start
+    in_a_row: int = field(default=0, init=False)  # failures since the last scored sample
+    last_error: str = field(default="", init=False)
+    _unreported: int = field(default=0, init=False)  # failures neither logged one by one nor summarised yet
+    _window_start: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            raise ValueError(f"reward_failure_limit: expected >= 0 (0 = never stop), got {self.limit}")
+        self._window_start = self.clock()
 
     def record(self, sample_id: str, outcome: RewardOutcome) -> None:
         if outcome.status == "ok":

@@ -29,24 +29,8 @@ from actors.runtime.handlers import HandlerTable, collect_handlers
 from actors.runtime.peers import PeerRpc, PeerStream, alive_members
 from actors.runtime.stacks import dump_stacks
 from actors.runtime.waits import Waits
-from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber
-from bus.schema import (
-    TOPIC_CONTROL,
-    TOPIC_ROSTER,
-    TOPIC_RUN_STATE,
-    Ack,
-    Control,
-    Error,
-    Heartbeat,
-    Leave,
-    Member,
-    Register,
-    Registered,
-    Roster,
-    RunState,
-    StateReport,
-    WaitState,
-)
+from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber, schema
+from bus.schema import TOPIC_CONTROL, TOPIC_ROSTER, TOPIC_RUN_STATE, Ack, Error
 
 CONTROL_TOPICS = (TOPIC_ROSTER, TOPIC_CONTROL, TOPIC_RUN_STATE)
 PeerLink = TypeVar("PeerLink", PeerStream, PeerRpc)
@@ -76,7 +60,7 @@ class Actor:
         self.waits = Waits()  # what we wait for and the work we finished, for the controller's hang detector
         self.zmq = zmq.asyncio.Context()
         self.security = self._make_security()
-        self.roster: dict[str, Member] = {}
+        self.roster: dict[str, schema.Member] = {}
         self.roster_generation = -1
         self.run_state = "starting"
         self.inbox: StreamReceiver | None = None
@@ -103,13 +87,13 @@ class Actor:
     async def on_stop(self) -> None:
         """Hook: drain what is in hand (finish or hand back work) before sockets close."""
 
-    async def on_control(self, control: Control) -> None:
+    async def on_control(self, control: schema.Control) -> None:
         """Hook: pause/resume broadcasts. Stop and drain are handled by the base class."""
 
-    async def on_roster(self, roster: Roster) -> None:
+    async def on_roster(self, roster: schema.Roster) -> None:
         """Hook: called after each roster update (joins, deaths, returns)."""
 
-    def describe_waits(self) -> list[WaitState]:
+    def describe_waits(self) -> list[schema.WaitState]:
         """Hook: waits that are states rather than awaits (the buffer's batch waiting for groups leased to a
         worker), computed when a heartbeat or a hang report asks."""
         return []
@@ -193,7 +177,7 @@ class Actor:
         self.log.error("ending the run as failed", reason=reason)
         if self._controller is not None and tell_controller:
             try:
-                await self._controller.call(Control(command="abort", reason=f"{self.actor_id}: {reason}"),
+                await self._controller.call(schema.Control(command="abort", reason=f"{self.actor_id}: {reason}"),
                                             timeout=5.0, retries=1)
             except Exception as error:  # our own exit still fails this node's launcher, which stops its actors
                 self.log.warning("could not ask the controller to abort the run", error=repr(error))
@@ -236,7 +220,7 @@ class Actor:
         self._peer_links.append(link)
         return link
 
-    def members(self, role: str) -> list[Member]:
+    def members(self, role: str) -> list[schema.Member]:
         return alive_members(self.roster, role)
 
     def endpoints(self) -> dict[str, str]:
@@ -282,10 +266,10 @@ class Actor:
                            exc_info=error)
             self.request_stop(f"task {task.get_name()} crashed: {error!r}")
 
-    def _registration(self) -> Register:
-        return Register(actor_id=self.actor_id, role=self.context.role,
-                        node=f"{socket.gethostname()}#{self.context.node_rank}", pid=os.getpid(),
-                        endpoints=self.endpoints(), meta={"class": self.context.actor_class})
+    def _registration(self) -> schema.Register:
+        return schema.Register(actor_id=self.actor_id, role=self.context.role,
+                               node=f"{socket.gethostname()}#{self.context.node_rank}", pid=os.getpid(),
+                               endpoints=self.endpoints(), meta={"class": self.context.actor_class})
 
     async def _register(self) -> None:
         if self._controller is None:
@@ -297,7 +281,7 @@ class Actor:
                 reply = await self._controller.call(self._registration(), timeout=2.0, retries=0)
             except RpcTimeout:
                 reply = None
-            if isinstance(reply, Registered):
+            if isinstance(reply, schema.Registered):
                 break
             if isinstance(reply, Error) and reply.reason in RUN_OVER:
                 raise RunOver(reply.detail, failed=reply.reason == "run_failed")
@@ -335,8 +319,8 @@ class Actor:
         if self._controller is None:
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._controller.call(Leave(actor_id=self.actor_id, reason=self._stop_reason),
-                                                         timeout=1.0, retries=0), 2.0)
+            goodbye = schema.Leave(actor_id=self.actor_id, reason=self._stop_reason)
+            await asyncio.wait_for(self._controller.call(goodbye, timeout=1.0, retries=0), 2.0)
 
     async def _heartbeat_loop(self) -> None:
         assert self._controller is not None
@@ -353,8 +337,8 @@ class Actor:
             except Exception as error:  # a gauge of a half-started role must not stop its heartbeat
                 counters = {key: float(value) for key, value in self.counters.items()}
                 self.log.debug("metrics unavailable", error=repr(error))
-            heartbeat = Heartbeat(actor_id=self.actor_id, seq=sequence, counters=counters,
-                                  progress=self.waits.progress, waits=self.wait_states())
+            heartbeat = schema.Heartbeat(actor_id=self.actor_id, seq=sequence, counters=counters,
+                                         progress=self.waits.progress, waits=self.wait_states())
             try:
                 reply = await self._controller.call(heartbeat, timeout=interval, retries=0)
             except RpcTimeout:
@@ -383,12 +367,12 @@ class Actor:
                                 f"{silent_s:.0f} s, --hang-timeout {limit:g}): stopped, hung, or unreachable",
                                 tell_controller=False)
 
-    def wait_states(self) -> list[WaitState]:
+    def wait_states(self) -> list[schema.WaitState]:
         """Every open wait, oldest first; a role's `describe_waits` failing must not stop its heartbeat."""
         try:
             described = self.describe_waits()
         except Exception as error:
-            described = [WaitState(on="?", what=f"describe_waits failed: {error!r}")]
+            described = [schema.WaitState(on="?", what=f"describe_waits failed: {error!r}")]
         return sorted([*self.waits.snapshot(), *described], key=lambda wait: -wait.waited_s)
 
     def metrics(self) -> dict[str, float]:
@@ -405,17 +389,17 @@ class Actor:
         assert self._subscriber is not None
         while True:
             topic, message = await self._subscriber.recv()
-            if topic == TOPIC_ROSTER and isinstance(message, Roster):
+            if topic == TOPIC_ROSTER and isinstance(message, schema.Roster):
                 await self._apply_roster(message)
-            elif topic == TOPIC_CONTROL and isinstance(message, Control):
+            elif topic == TOPIC_CONTROL and isinstance(message, schema.Control):
                 await self._apply_control(message)
-            elif topic == TOPIC_RUN_STATE and isinstance(message, RunState):
+            elif topic == TOPIC_RUN_STATE and isinstance(message, schema.RunState):
                 self.run_state = message.state
             handler_name = self._handlers.broadcast.get(topic)
             if handler_name is not None:
                 await self._call_handler(handler_name, topic, message)
 
-    async def _apply_roster(self, roster: Roster) -> None:
+    async def _apply_roster(self, roster: schema.Roster) -> None:
         if roster.generation <= self.roster_generation:
             return
         self.roster_generation = roster.generation
@@ -427,7 +411,7 @@ class Actor:
                 self.log.info(f"peer {event.kind}", peer=event.actor_id, reason=event.reason)
         await self.on_roster(roster)
 
-    async def _apply_control(self, control: Control) -> None:
+    async def _apply_control(self, control: schema.Control) -> None:
         if control.command in ("stop", "drain"):
             self.request_stop(f"controller: {control.command} ({control.reason})")
         elif control.command == "abort":
@@ -443,7 +427,7 @@ class Actor:
         """Answer the hang detector's question: what we wait for and where every stack is."""
         if self._controller is None:
             return
-        report = StateReport(actor_id=self.actor_id, waits=self.wait_states(), stacks=dump_stacks())
+        report = schema.StateReport(actor_id=self.actor_id, waits=self.wait_states(), stacks=dump_stacks())
         try:
             await self._controller.call(report, timeout=2.0, retries=1)
         except Exception as error:  # the controller reports us as not answering; nothing else to do

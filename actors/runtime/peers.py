@@ -22,21 +22,33 @@ def alive_members(roster: dict[str, Member], role: str) -> list[Member]:
     return sorted((m for m in roster.values() if m.role == role and m.alive), key=lambda m: m.actor_id)
 
 
-class PeerStream:
+class _RoleLink:
+    """What a link to a role knows: the role, which of its members' endpoints it connects to, and where it reports
+    what it waits for (the hang detector's `Waits`)."""
+
+    def __init__(self, role: str, endpoint_name: str, waits: Waits | None) -> None:
+        self.role = role
+        self.endpoint_name = endpoint_name
+        self._waits = waits
+
+    def _endpoints(self, roster: dict[str, Member]) -> dict[str, str]:
+        """Actor id -> endpoint of every live member of the role that offers the endpoint, ordered by actor id."""
+        return {m.actor_id: m.endpoints[self.endpoint_name] for m in alive_members(roster, self.role)
+                if self.endpoint_name in m.endpoints}
+
+
+class PeerStream(_RoleLink):
     """A stream to every live member of one role, load-balanced by the credits each receiver grants."""
 
     def __init__(self, zmq_context: zmq.asyncio.Context, *, sender_id: str, role: str, endpoint_name: str,
                  security: Any = None, waits: Waits | None = None) -> None:
-        self.role = role
-        self.endpoint_name = endpoint_name
-        self._waits = waits
+        super().__init__(role, endpoint_name, waits)
         self._sender = StreamSender(zmq_context, sender_id=sender_id, security=security)
         self._connected: dict[str, str] = {}  # actor id -> endpoint
         self._changed = asyncio.Event()
 
     def sync(self, roster: dict[str, Member]) -> None:
-        wanted = {m.actor_id: m.endpoints[self.endpoint_name] for m in alive_members(roster, self.role)
-                  if self.endpoint_name in m.endpoints}
+        wanted = self._endpoints(roster)
         for actor_id, endpoint in list(self._connected.items()):
             if wanted.get(actor_id) != endpoint:
                 self._sender.disconnect(actor_id)
@@ -68,14 +80,12 @@ class PeerStream:
         self._sender.close()
 
 
-class PeerRpc:
+class PeerRpc(_RoleLink):
     """A request/reply client to the single live member of a role (the buffer, the controller's delegate)."""
 
     def __init__(self, zmq_context: zmq.asyncio.Context, *, client_id: str, role: str, endpoint_name: str,
                  security: Any = None, waits: Waits | None = None) -> None:
-        self.role = role
-        self.endpoint_name = endpoint_name
-        self._waits = waits
+        super().__init__(role, endpoint_name, waits)
         self._zmq = zmq_context
         self._client_id = client_id
         self._security = security
@@ -84,8 +94,7 @@ class PeerRpc:
         self._available = asyncio.Event()
 
     def sync(self, roster: dict[str, Member]) -> None:
-        members = [m for m in alive_members(roster, self.role) if self.endpoint_name in m.endpoints]
-        endpoint = members[0].endpoints[self.endpoint_name] if members else None
+        endpoint = next(iter(self._endpoints(roster).values()), None)  # the first by actor id
         if endpoint == self._endpoint:
             return
         if self._client is not None:

@@ -38,6 +38,13 @@ FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "keep")
 
+
+def check_pause_mode(mode: str) -> None:
+    """Refuse a mode `pause` does not know before anything is paused; every engine calls this first."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+
+
 DEFAULT_MAX_NEW_TOKENS = 1024
 
 

@@ -22,6 +22,7 @@ values), as SGLang does when it updates weights without flushing its cache.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
@@ -34,15 +35,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from engines.inference.base import (
-    PAUSE_MODES,
-    ContextFull,
-    GenerateOutput,
-    GenerateRequest,
-    InferenceEngine,
-    PauseMode,
-    derive_sample_seed,
-)
+from engines.inference import base
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
@@ -52,7 +45,7 @@ logger = logging.getLogger(__name__)
 StepListener = Callable[[StepRecord], None]
 
 
-class TorchEngine(InferenceEngine):
+class TorchEngine(base.InferenceEngine):
     """Batched generation with a KV cache and continuous batching on one HF model, driven by one thread.
 
     `step_listener`, if given, is called on the decode thread after every step with a `StepRecord` (which
@@ -110,43 +103,19 @@ class TorchEngine(InferenceEngine):
         self._thread.start()
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        max_batch_size: int = 64,
-        version: int = 0,
-        max_batch_tokens: int = 131_072,
-        max_prefill_tokens: int = 16_384,
-        max_model_len: int | None = None,
-        seed: int | None = None,
-        recompute_kv_on_update: bool = True,
-        step_listener: StepListener | None = None,
-        lora_scaling: float | None = None,
-        release_memory_when_idle: bool = False,
-    ) -> TorchEngine:
-        """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread."""
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", **options: Any) -> TorchEngine:
+        """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread.
+
+        `options` are the constructor's keyword arguments (batch limits, `version`, `seed`, ...), passed on as they
+        are: one list of options and defaults, the constructor's. One it does not take fails before the load."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json; expected a local Hugging Face model folder")
+        inspect.signature(cls).bind(None, None, **options)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(
-            model,
-            tokenizer,
-            max_batch_size=max_batch_size,
-            max_batch_tokens=max_batch_tokens,
-            max_prefill_tokens=max_prefill_tokens,
-            max_model_len=max_model_len,
-            version=version,
-            seed=seed,
-            recompute_kv_on_update=recompute_kv_on_update,
-            step_listener=step_listener,
-            lora_scaling=lora_scaling,
-            release_memory_when_idle=release_memory_when_idle,
-        )
+        return cls(model, tokenizer, **options)
 
     @property
     def version(self) -> int:
@@ -160,7 +129,7 @@ class TorchEngine(InferenceEngine):
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self._tokenizer
 
-    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+    async def generate(self, request: base.GenerateRequest) -> list[base.GenerateOutput]:
         samples = self._samples_for(request)
         try:
             return await self._call(_Submit(request, samples))
@@ -172,9 +141,8 @@ class TorchEngine(InferenceEngine):
     async def abort(self, request_id: str | None = None) -> None:
         await self._call(_Abort(None if request_id is None else frozenset([request_id])))
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    async def pause(self, mode: base.PauseMode = "keep") -> None:
+        base.check_pause_mode(mode)
         await self._call(_Pause(mode))
 
     async def resume(self) -> None:
@@ -220,13 +188,13 @@ class TorchEngine(InferenceEngine):
         self._commands.put(command)
         return await command.reply.future
 
-    def _samples_for(self, request: GenerateRequest) -> list[DecodingSequence]:
+    def _samples_for(self, request: base.GenerateRequest) -> list[DecodingSequence]:
         """Validate a request against this model and build its samples; raises here, in the caller."""
         rid, params, prompt = request.request_id, request.params, request.input_ids
         if max(prompt) >= self._vocab_size:
             raise ValueError(f"request {rid!r}: input_ids holds {max(prompt)}, the vocabulary has {self._vocab_size}")
         if len(prompt) >= self._max_model_len:
-            raise ContextFull(
+            raise base.ContextFull(
                 f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room in the model's context of "
                 f"{self._max_model_len} tokens"
             )
@@ -249,7 +217,7 @@ class TorchEngine(InferenceEngine):
                 stop_token_ids=stop_ids,
                 generator=None
                 if params.seed is None
-                else torch.Generator().manual_seed(derive_sample_seed(params.seed, index)),
+                else torch.Generator().manual_seed(base.derive_sample_seed(params.seed, index)),
             )
             for index in range(params.n)
         ]
@@ -402,7 +370,7 @@ def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) 
 
 @dataclass
 class _Submit(Command):
-    request: GenerateRequest
+    request: base.GenerateRequest
     samples: list[DecodingSequence]
 
     def apply(self, engine: TorchEngine) -> object:
@@ -426,7 +394,7 @@ class _Abort(Command):
 
 @dataclass
 class _Pause(Command):
-    mode: PauseMode
+    mode: base.PauseMode
 
     def apply(self, engine: TorchEngine) -> object:
         if self.mode == "abort":

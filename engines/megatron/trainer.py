@@ -52,23 +52,8 @@ from engines.megatron.config import MegatronTrainerConfig
 from engines.megatron.cpu_compat import maybe_cpu_compat
 from engines.megatron.hooks import StepHooks
 from engines.megatron.logprobs import vocab_parallel_log_probs
-from engines.training import checkpoint
-from engines.training.base import (
-    Loss,
-    ModelOutputs,
-    ModelRole,
-    StepResult,
-    StepStats,
-    Trainer,
-    TrainSample,
-    VersionCounter,
-    check_loss,
-    scheduled_lr,
-    select_model,
-    skip_reason,
-    step_result,
-    validate_samples,
-)
+from engines.training import base, checkpoint
+from engines.training.base import Loss, ModelOutputs, ModelRole, StepResult, Trainer, TrainSample
 from engines.training.micro_batches import count_loss_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -84,7 +69,7 @@ class MegatronTrainer(Trainer):
         self.config = config
         self._hooks = StepHooks(config.model_flags)  # slime's per-step hooks: a bad path fails before any build
         self._owns_world = parallel.ensure_default_group(parallel.compute_device())
-        self._counter = VersionCounter()
+        self._counter = base.VersionCounter()
         with maybe_cpu_compat():
             parallel.initialize_model_parallel(
                 config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed
@@ -112,20 +97,14 @@ class MegatronTrainer(Trainer):
     def version(self) -> int:
         return self._counter.version
 
-    def compute_log_probs(
-        self,
-        samples: Sequence[TrainSample],
-        *,
-        temperature: float,
-        with_entropy: bool = False,
-        model: ModelRole = "policy",
-    ) -> ModelOutputs:
+    def compute_log_probs(self, samples: Sequence[TrainSample], *, temperature: float, with_entropy: bool = False,
+                          model: ModelRole = "policy") -> ModelOutputs:
         """The whole batch's log-probs on every rank, packed in sample order, on the CPU, without gradients.
 
         Gathered on the model's device and summed over the world on the collective device (one copy to the CPU
         at the end), so NCCL never sees a CPU tensor."""
-        network = select_model(model, self._module, self._ref)
-        validate_samples(samples)
+        network = base.select_model(model, self._module, self._ref)
+        base.validate_samples(samples)
         offsets = _response_offsets(samples)
         log_probs = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device)
         entropy = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device) if with_entropy else None
@@ -154,17 +133,10 @@ class MegatronTrainer(Trainer):
             entropy = None if entropy is None else collectives.sum_over_world(entropy).cpu()
         return ModelOutputs(log_probs=log_probs, entropy=entropy)
 
-    def train_step(
-        self,
-        samples: Sequence[TrainSample],
-        loss: Loss,
-        *,
-        temperature: float,
-        with_entropy: bool = False,
-        ends_batch: bool = True,
-    ) -> StepResult:
+    def train_step(self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False,
+                   ends_batch: bool = True) -> StepResult:
         started = time.perf_counter()
-        validate_samples(samples)
+        base.validate_samples(samples)
         _, data_parallel = parallel.dp_rank_and_size()
         if len(samples) < data_parallel:
             raise ValueError(
@@ -176,7 +148,7 @@ class MegatronTrainer(Trainer):
         def loss_of(micro_batch: PaddedMicroBatch, outputs: ModelOutputs) -> Tensor:
             assert micro_batch.batch is not None
             value, metrics = loss(outputs, micro_batch.batch)
-            check_loss(value)
+            base.check_loss(value)
             stats.add(float(value.detach()), metrics)
             return value
 
@@ -350,8 +322,8 @@ class MegatronTrainer(Trainer):
         self._optimizer.prepare_grads()
         grad_norm = float(self._optimizer.get_grad_norm())
         config = self.config
-        lr = scheduled_lr(config, self._counter.optimizer_steps)
-        reason = skip_reason(nonfinite_loss, loss_sum, grad_norm, loss_tokens=counts[0])
+        lr = base.scheduled_lr(config, self._counter.optimizer_steps)
+        reason = base.skip_reason(nonfinite_loss, loss_sum, grad_norm, loss_tokens=counts[0])
         if reason is None:
             for group in self._optimizer.param_groups:
                 # megatron's scheduler normally applies these; its groups mark biases and norm gains with
@@ -366,7 +338,7 @@ class MegatronTrainer(Trainer):
         self._counter.after_step(applied=reason is None, ends_batch=ends_batch)
         self._module.zero_grad_buffer()
         self._optimizer.zero_grad()
-        return step_result(
+        return base.step_result(
             self._counter.version,
             metric_sums,
             loss=loss_sum,
@@ -407,7 +379,7 @@ class MegatronTrainer(Trainer):
         return _maybe_float16(stage, bridge.transformer_config)
 
 
-class _StepStats(StepStats):
+class _StepStats(base.StepStats):
     """Loss and metric sums of this rank's micro-batches, combined over the ranks that computed them."""
 
     def reduce(self, *, contributes: bool) -> tuple[float, bool, dict[str, float]]:

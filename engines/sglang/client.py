@@ -55,12 +55,12 @@ import aiohttp
 import torch
 
 from engines.inference.base import (
-    PAUSE_MODES,
     ContextFull,
     GenerateOutput,
     GenerateRequest,
     InferenceEngine,
     PauseMode,
+    check_pause_mode,
     continuation_request,
 )
 from engines.sglang import protocol
@@ -198,8 +198,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """Pause the server with SGLang's "abort" mode; "keep" is kept by resuming the aborted requests here."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        check_pause_mode(mode)
         self._require_open()
         if mode == "keep":
             self._keep_epoch += 1

@@ -81,10 +81,12 @@ class Endpoint:
     since: str | None = None
 
 
+# What every weight-update endpoint answers, and what the LoRA adapter endpoints answer.
+_DONE = ("success", "message")
+_ADAPTER_DONE = ("success", "error_message")
+
 GENERATE = Endpoint(
-    "POST",
-    "/generate",
-    "GenerateReqInput",
+    "POST", "/generate", "GenerateReqInput",
     sends=("rid", "input_ids", "sampling_params", "return_logprob", "stream", "lora_path"),
     reads=("output_ids", "meta_info"),
 )
@@ -95,65 +97,28 @@ FLUSH_CACHE = Endpoint("GET", "/flush_cache")
 HEALTH = Endpoint("GET", "/health")
 HEALTH_GENERATE = Endpoint("GET", "/health_generate")
 MODEL_INFO = Endpoint("GET", "/model_info", reads=("weight_version",))
-SERVER_INFO = Endpoint(
-    "GET",
-    "/server_info",
-    reads=("context_length", "max_req_input_len", "enable_deterministic_inference"),
-)
+SERVER_INFO = Endpoint("GET", "/server_info",
+                       reads=("context_length", "max_req_input_len", "enable_deterministic_inference"))
 INIT_WEIGHTS_GROUP = Endpoint(
-    "POST",
-    "/init_weights_update_group",
-    "InitWeightsUpdateGroupReqInput",
-    sends=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
-    reads=("success", "message"),
+    "POST", "/init_weights_update_group", "InitWeightsUpdateGroupReqInput",
+    sends=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"), reads=_DONE,
 )
-DESTROY_WEIGHTS_GROUP = Endpoint(
-    "POST",
-    "/destroy_weights_update_group",
-    "DestroyWeightsUpdateGroupReqInput",
-    sends=("group_name",),
-    reads=("success", "message"),
-)
-BEGIN_WEIGHT_UPDATE = Endpoint(
-    "POST",
-    "/begin_weight_update",
-    "BeginWeightUpdateReqInput",
-    sends=("selector",),
-    reads=("success", "message"),
-    optional=True,
-    since="0.5.23",
-)
-END_WEIGHT_UPDATE = Endpoint(
-    "POST",
-    "/end_weight_update",
-    "EndWeightUpdateReqInput",
-    reads=("success", "message"),
-    optional=True,
-    since="0.5.23",
-)
+DESTROY_WEIGHTS_GROUP = Endpoint("POST", "/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput",
+                                 sends=("group_name",), reads=_DONE)
+BEGIN_WEIGHT_UPDATE = Endpoint("POST", "/begin_weight_update", "BeginWeightUpdateReqInput", sends=("selector",),
+                               reads=_DONE, optional=True, since="0.5.23")
+END_WEIGHT_UPDATE = Endpoint("POST", "/end_weight_update", "EndWeightUpdateReqInput", reads=_DONE, optional=True,
+                             since="0.5.23")
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
-    "POST",
-    "/update_weights_from_distributed",
-    "UpdateWeightsFromDistributedReqInput",
-    sends=("names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache"),
-    reads=("success", "message"),
+    "POST", "/update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
+    sends=("names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache"), reads=_DONE,
 )
 # LoRA adapters by name: a run that trains an adapter loads each version from a PEFT folder the rollout worker
 # writes (`adapter_sync.py`), and a `/generate` item names the adapter it runs with in `lora_path`.
-LOAD_LORA_ADAPTER = Endpoint(
-    "POST",
-    "/load_lora_adapter",
-    "LoadLoRAAdapterReqInput",
-    sends=("lora_name", "lora_path"),
-    reads=("success", "error_message"),
-)
-UNLOAD_LORA_ADAPTER = Endpoint(
-    "POST",
-    "/unload_lora_adapter",
-    "UnloadLoRAAdapterReqInput",
-    sends=("lora_name",),
-    reads=("success", "error_message"),
-)
+LOAD_LORA_ADAPTER = Endpoint("POST", "/load_lora_adapter", "LoadLoRAAdapterReqInput", sends=("lora_name", "lora_path"),
+                             reads=_ADAPTER_DONE)
+UNLOAD_LORA_ADAPTER = Endpoint("POST", "/unload_lora_adapter", "UnloadLoRAAdapterReqInput", sends=("lora_name",),
+                               reads=_ADAPTER_DONE)
 ENDPOINTS: tuple[Endpoint, ...] = (
     GENERATE,
     ABORT,

@@ -28,27 +28,11 @@ class WeightUpdateEndpoints:
     async def _call(self, endpoint: Endpoint, *, timeout: float | None = None, **fields: Any) -> Any:
         raise NotImplementedError
 
-    async def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-        timeout: float,
-    ) -> None:
-        await self._call(
-            protocol.INIT_WEIGHTS_GROUP,
-            timeout=timeout,
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str, timeout: float) -> None:
+        await self._call(protocol.INIT_WEIGHTS_GROUP, timeout=timeout, master_address=master_address,
+                         master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+                         group_name=group_name, backend=backend)
 
     async def destroy_weights_update_group(self, group_name: str, *, timeout: float | None = None) -> None:
         await self._call(protocol.DESTROY_WEIGHTS_GROUP, timeout=timeout, group_name=group_name)
@@ -86,27 +70,11 @@ class WeightUpdateEndpoints:
     async def end_weight_update(self) -> None:
         await self._call(protocol.END_WEIGHT_UPDATE)
 
-    async def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        weight_version: str,
-        flush_cache: bool,
-        timeout: float,
-    ) -> None:
-        await self._call(
-            protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
-            timeout=timeout,
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            weight_version=weight_version,
-            flush_cache=flush_cache,
-        )
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: str, flush_cache: bool,
+                                              timeout: float) -> None:
+        await self._call(protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, timeout=timeout, names=names, dtypes=dtypes,
+                         shapes=shapes, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache)
 
     async def flush_cache(self, deadline_s: float) -> None:
         """GET /flush_cache until it succeeds; SGLang refuses while any request runs or waits in its scheduler.

@@ -51,7 +51,7 @@ from engines.sglang import protocol, weight_store
 from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.weight_group import WeightGroup, join_weight_group
 from engines.sglang.weight_store import ABORT_PREFIX, ERROR_PREFIX, GO, OK, READY, SglangGroupSpec
-from engines.weights.base import TransferReport, WeightSender, WeightTransferError
+from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
 from engines.weights.group import transfer_device
 from engines.weights.manifest import Manifest, TensorSpec, plan_buckets
 
@@ -141,14 +141,8 @@ class SglangWeightSender(WeightSender):
                 dict.fromkeys(spec.receivers, str(error)[:200]),
             ) from error
 
-    def send(
-        self,
-        named_tensors: Iterable[tuple[str, Tensor]],
-        version: int,
-        *,
-        dtype: torch.dtype | None = None,
-        timeout_s: float | None = None,
-    ) -> TransferReport:
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
+             timeout_s: float | None = None) -> TransferReport:
         """Broadcast bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only.
 
         One pass over `named_tensors`, keeping references: the manifest (every name, dtype and shape) must reach
@@ -158,11 +152,7 @@ class SglangWeightSender(WeightSender):
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spec = self._require_spec()
-        if self._group is None or self._broken is not None:
-            raise WeightTransferError(
-                f"weight group {spec.group_name} is not usable "
-                f"({self._broken or 'wait_for_receivers() not called'}); open a new one"
-            )
+        require_usable(self._group, self._broken, f"weight group {spec.group_name}")
         started = time.perf_counter()
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # views: nothing is copied
         manifest = Manifest(

@@ -33,28 +33,37 @@ from engines.training.schedule import lr_multiplier
 ModelRole = Literal["policy", "ref"]
 
 
-TOKEN_FIELDS = ("loss_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "advantages")
-"""The per-token fields a sample may carry, each with exactly `response_length` entries when present."""
+@dataclass(kw_only=True)
+class TokenFields:
+    """The per-token fields, each None or a 1-D tensor over response tokens: one sample's (`TrainSample`), or
+    every sample's concatenated (`PackedBatch`). Declared once so that the two layouts cannot drift apart.
 
-
-@dataclass
-class TrainSample:
-    """One sequence to score or train on.
-
-    `tokens` are the prompt followed by the response; the last `response_length` of them are the response.
-    Every per-token field (`TOKEN_FIELDS`) is None or a 1-D tensor of `response_length` entries: `loss_mask`
-    (1 = trained; None trains every token), `rollout_log_probs` (mu, the engine's), `old_log_probs` (pi_old, the
-    learner's before the step), `ref_log_probs` (the frozen reference model's), `advantages`. `reward` is the
-    sample's scalar reward.
+    `loss_mask` (1 = trained; None trains every token), `rollout_log_probs` (mu, the engine's), `old_log_probs`
+    (pi_old, the learner's before the step), `ref_log_probs` (the frozen reference model's), `advantages`.
     """
 
-    tokens: Tensor
-    response_length: int
     loss_mask: Tensor | None = None
     rollout_log_probs: Tensor | None = None
     old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None
     advantages: Tensor | None = None
+
+
+TOKEN_FIELDS = tuple(f.name for f in fields(TokenFields))
+"""The per-token fields a sample may carry, each with exactly `response_length` entries when present."""
+
+
+@dataclass
+class TrainSample(TokenFields):
+    """One sequence to score or train on.
+
+    `tokens` are the prompt followed by the response; the last `response_length` of them are the response.
+    Every per-token field (`TokenFields`, keyword-only) is None or a 1-D tensor of `response_length` entries.
+    `reward` is the sample's scalar reward.
+    """
+
+    tokens: Tensor
+    response_length: int
     reward: float | None = None
 
     @property
@@ -91,18 +100,13 @@ class TrainSample:
 
 
 @dataclass
-class PackedBatch:
+class PackedBatch(TokenFields):
     """Samples in the packed layout: per-token fields concatenated over responses, `reward` stacked per sample.
 
     A field is None when the samples do not carry it (every sample of a batch carries the same fields).
     """
 
     response_lengths: Tensor
-    loss_mask: Tensor | None = None
-    rollout_log_probs: Tensor | None = None
-    old_log_probs: Tensor | None = None
-    ref_log_probs: Tensor | None = None
-    advantages: Tensor | None = None
     reward: Tensor | None = None
 
     @property
@@ -121,7 +125,8 @@ class PackedBatch:
 
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor the batch holds, by field name (what must sit on the model's device)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        names = ("response_lengths", *TOKEN_FIELDS, "reward")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 @dataclass
@@ -183,26 +188,13 @@ class Trainer(ABC):
     def version(self) -> int: ...
 
     @abstractmethod
-    def compute_log_probs(
-        self,
-        samples: Sequence[TrainSample],
-        *,
-        temperature: float,
-        with_entropy: bool = False,
-        model: ModelRole = "policy",
-    ) -> ModelOutputs:
+    def compute_log_probs(self, samples: Sequence[TrainSample], *, temperature: float, with_entropy: bool = False,
+                          model: ModelRole = "policy") -> ModelOutputs:
         """Log-probs (and entropy) of each sample's response tokens, packed in sample order, without gradients."""
 
     @abstractmethod
-    def train_step(
-        self,
-        samples: Sequence[TrainSample],
-        loss: Loss,
-        *,
-        temperature: float,
-        with_entropy: bool = False,
-        ends_batch: bool = True,
-    ) -> StepResult:
+    def train_step(self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False,
+                   ends_batch: bool = True) -> StepResult:
         """One optimizer step on `samples`. A non-finite loss or gradient norm skips the update and says so.
 
         `ends_batch` False: more optimizer steps of the same rollout batch follow, so the policy version does

@@ -42,6 +42,15 @@ class TransferReport:
     seconds: float
 
 
+def require_usable(group: object, broken: str | None, what: str) -> None:
+    """A transfer runs only on a group that formed (`wait_for_receivers`) and that no failure broke since; `what`
+    names the group. The same rule and the same advice for every mechanism: a broken group is never repaired."""
+    if group is None or broken is not None:
+        raise WeightTransferError(
+            f"{what} is not usable ({broken or 'wait_for_receivers() not called'}); call open_group() again"
+        )
+
+
 class GroupHandle(Protocol):
     """What `open_group` returns: who must receive, and the spec the engines' loaders need, as plain values.
 

@@ -254,6 +254,24 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
     return group.broadcast([tensor], options)
 
 
+def slot_buffer(buffers: list[torch.Tensor], slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """Byte buffer number `slot` (of IN_FLIGHT) that one end of the group reuses for every bucket of every
+    transfer, grown to hold at least `nbytes` (never shrunk: the largest bucket sizes it once)."""
+    while len(buffers) <= slot:
+        buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+    if buffers[slot].numel() < nbytes:
+        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffers[slot]
+
+
+def own_bytes(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The tensor's own memory as bytes when it is already in wire form (`dtype`, on the transfer `device`,
+    contiguous), so a bucket of that one tensor is broadcast from it or received into it with no staging copy."""
+    if tensor.dtype != dtype or tensor.device != device or not tensor.is_contiguous():
+        return None
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 def transfer_device(backend: Backend, device: torch.device | str | None) -> torch.device:
     """Where buffers live: the CUDA device (current one by default) for NCCL and CUDA IPC, the CPU for gloo."""
     if device is not None:

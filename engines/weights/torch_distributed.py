@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.weights import group as groups
-from engines.weights.base import TransferReport, WeightSender, WeightTransferError
+from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
 from engines.weights.manifest import Bucket, Manifest, TensorSpec, tensor_view
 
 # Measured with tools/bench_weights.py on gloo: each collective costs ~0.5 ms whatever its size, so tensors under
@@ -153,14 +153,8 @@ class TorchDistributedWeightSender(WeightSender):
                 f"weight-transfer group generation {spec.generation}: process group formation failed: {error}"
             ) from error
 
-    def send(
-        self,
-        named_tensors: Iterable[tuple[str, Tensor]],
-        version: int,
-        *,
-        dtype: torch.dtype | None = None,
-        timeout_s: float | None = None,
-    ) -> TransferReport:
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
+             timeout_s: float | None = None) -> TransferReport:
         """Broadcast the tensors (floating ones cast to `dtype` on the way, if given) and commit `version`.
 
         `timeout_s` (default: the sender's) bounds the wait for every receiver to be ready and to acknowledge.
@@ -175,11 +169,7 @@ class TorchDistributedWeightSender(WeightSender):
         spec, keys = self._require_spec()
         if self._aborted is not None and self._broken is None:
             raise self._give_up(keys, None, f"weight transfer of version {version} not started")
-        if self._group is None or self._broken is not None:
-            raise WeightTransferError(
-                f"weight-transfer group generation {spec.generation} is not usable "
-                f"({self._broken or 'wait_for_receivers() not called'}); call open_group() again"
-            )
+        require_usable(self._group, self._broken, f"weight-transfer group generation {spec.generation}")
         started = time.perf_counter()
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # views: nothing is copied
         manifest = _manifest(tensors, version, self.bucket_bytes, self.direct_bytes, dtype)
@@ -294,7 +284,7 @@ class TorchDistributedWeightSender(WeightSender):
                     slot, next_slot = next_slot, (next_slot + 1) % groups.IN_FLIGHT
                     if slot_work[slot] is not None and not self._wait(slot_work[slot]):
                         return self._let_go(in_flight)
-                    payload = self._buffer(slot, bucket.nbytes)
+                    payload = groups.slot_buffer(self._buffers, slot, bucket.nbytes, self._device)[: bucket.nbytes]
                     for index, offset in bucket.entries:
                         tensor_view(payload, offset, manifest.tensors[index]).copy_(tensors[index][1])
                 work = groups.broadcast(self._group, payload)
@@ -329,21 +319,7 @@ class TorchDistributedWeightSender(WeightSender):
         if len(bucket.entries) != 1:
             return None
         index, _ = bucket.entries[0]
-        tensor = tensors[index][1]
-        if (
-            tensor.dtype != manifest.tensors[index].dtype
-            or tensor.device != self._device
-            or not tensor.is_contiguous()
-        ):
-            return None
-        return tensor.detach().reshape(-1).view(torch.uint8)
-
-    def _buffer(self, slot: int, nbytes: int) -> Tensor:
-        while len(self._buffers) <= slot:
-            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self._device))
-        if self._buffers[slot].numel() < nbytes:
-            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        return self._buffers[slot][:nbytes]
+        return groups.own_bytes(tensors[index][1], manifest.tensors[index].dtype, self._device)
 
     def _collect_acks(self, spec: groups.GroupSpec, prefix: str, timeout_s: float) -> dict[str, str]:
         keys = {spec.members[rank]: f"{prefix}ack/{rank}" for rank in range(1, len(spec.members))}

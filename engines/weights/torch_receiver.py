@@ -169,7 +169,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         buckets = manifest.buckets()
         targets = [self._direct_target(manifest, bucket, destinations) for bucket in buckets]
         staged = max((b.nbytes for b, t in zip(buckets, targets, strict=True) if t is None), default=0)
-        slots = [self._buffer(slot, staged) for slot in range(groups.IN_FLIGHT)]
+        slots = [groups.slot_buffer(self._buffers, slot, staged, self._device) for slot in range(groups.IN_FLIGHT)]
         pending: dict[int, dist.Work] = {}
 
         def post(position: int) -> None:
@@ -211,19 +211,6 @@ class TorchDistributedWeightReceiver(WeightReceiver):
             return None
         spec = manifest.tensors[bucket.entries[0][0]]
         destination = destinations.get(spec.name)
-        if (
-            destination is None
-            or destination.dtype != spec.dtype
-            or tuple(destination.shape) != spec.shape
-            or destination.device != self._device
-            or not destination.is_contiguous()
-        ):
+        if destination is None or tuple(destination.shape) != spec.shape:
             return None
-        return destination.detach().reshape(-1).view(torch.uint8)
-
-    def _buffer(self, slot: int, nbytes: int) -> Tensor:
-        while len(self._buffers) <= slot:
-            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self._device))
-        if self._buffers[slot].numel() < nbytes:
-            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        return self._buffers[slot]
+        return groups.own_bytes(destination, spec.dtype, self._device)
