@@ -9,9 +9,9 @@ concern one field live on the field; rules that tie sections together live on `R
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
 ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
@@ -22,6 +22,19 @@ WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc", "shm")
 def _is_plugin_path(value: str) -> bool:
     module, colon, attr = value.partition(":")
     return bool(colon and module.strip() and attr.strip())
+
+
+def _builtin_or_plugin(value: str, info: ValidationInfo) -> str:
+    """A built-in name, or a plugin's `module:attr` (loaded by the actor that uses it, which checks its type)."""
+    builtins = ENGINE_CHOICES[info.field_name or ""]
+    if value in builtins or _is_plugin_path(value):
+        return value
+    raise ValueError(f"{value!r}: expected one of {', '.join(builtins)}, or a plugin factory path "
+                     "'package.module:attr'")
+
+
+# A built-in engine name or a plugin path; which built-ins, the field's name says (ENGINE_CHOICES).
+BuiltinOrPlugin = Annotated[str, AfterValidator(_builtin_or_plugin)]
 
 
 class Section(BaseModel):
@@ -244,8 +257,8 @@ class LearnerConfig(Section):
 class TrainerConfig(Section):
     """The training backend, its parallelism and its optimizer."""
 
-    train_backend: str = Field("torch", description="training engine: torch, megatron, or module:attr of a "
-                               "factory (config) -> Trainer")
+    train_backend: BuiltinOrPlugin = Field("torch", description="training engine: torch, megatron, or module:attr "
+                                           "of a factory (config) -> Trainer")
     learner_ranks: int = Field(1, ge=1, description="learner processes (torch.distributed ranks) started by the "
                                "learner: TP x PP x DP (the torch backend is data-parallel only)")
     tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallel size")
@@ -263,11 +276,8 @@ class TrainerConfig(Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
     clip_grad: float = Field(1.0, ge=0, description="gradient norm clip")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one packed micro-batch")
-
-    @field_validator("train_backend")
-    @classmethod
-    def _backend(cls, value: str, info: ValidationInfo) -> str:
-        return _builtin_or_plugin(value, info)
+    share_prompts: bool = Field(True, description="torch backend: pack a group's prompt once for all its samples "
+                                "(the same gradients from fewer tokens; needs its packed_sdpa attention)")
 
 
 class LoraConfig(Section):
@@ -295,8 +305,8 @@ class LoraConfig(Section):
 class EngineConfig(Section):
     """The inference engine each rollout worker drives (SGLang's settings apply to --rollout-engine sglang)."""
 
-    rollout_engine: str = Field("torch", description="inference engine: torch, sglang, or module:attr of a "
-                                "factory (config, actor_id) -> (InferenceEngine, tokenizer)")
+    rollout_engine: BuiltinOrPlugin = Field("torch", description="inference engine: torch, sglang, or module:attr "
+                                            "of a factory (config, actor_id) -> (InferenceEngine, tokenizer)")
     rollout_max_batch_size: int = Field(64, ge=1, description="sequences decoded together per engine")
     rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs (tensor parallel ranks) per SGLang server")
     sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "
@@ -306,11 +316,6 @@ class EngineConfig(Section):
     sglang_args: dict[str, str | list[str]] = Field(
         default_factory=dict, description="extra SGLang server arguments; on the command line as --sglang-NAME "
         "VALUE [VALUE ...], passed on as --NAME VALUE [VALUE ...]")
-
-    @field_validator("rollout_engine")
-    @classmethod
-    def _engine(cls, value: str, info: ValidationInfo) -> str:
-        return _builtin_or_plugin(value, info)
 
 
 class WeightsConfig(Section):
@@ -379,12 +384,3 @@ class LoggingConfig(Section):
     wandb_group: str | None = Field(None, description="W&B group, e.g. to gather the seeds of one experiment")
     wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write RUN_DIR/wandb only, "
                                                                             "`wandb sync` it later")
-
-
-def _builtin_or_plugin(value: str, info: ValidationInfo) -> str:
-    """A built-in name, or a plugin's `module:attr` (loaded by the actor that uses it, which checks its type)."""
-    builtins = ENGINE_CHOICES[info.field_name or ""]
-    if value in builtins or _is_plugin_path(value):
-        return value
-    raise ValueError(f"{value!r}: expected one of {', '.join(builtins)}, or a plugin factory path "
-                     "'package.module:attr'")

@@ -85,7 +85,8 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
     settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute,
                                   lora=LoraSettings.of_run(config.lora),
                                   # colocated: the engines generate on this device between our steps
-                                  offload_optimizer=config.placement.colocate)
+                                  offload_optimizer=config.placement.colocate,
+                                  share_prompts=config.trainer.share_prompts)
     return TorchTrainer(settings)
 
 

@@ -7,6 +7,12 @@ implementation cuts the row at the restarts and runs causal sdpa on the sequence
 batched into one call: only Σ L_i² scores, no mask tensor at all. It is what flash-attention's varlen path does,
 for machines without flash-attention.
 
+It also reads rows whose samples share their prompt (`pack_inputs(share_prompts=True)`): a segment whose
+positions start at p > 0 continues the sequence before it after that sequence's first p tokens, so the prompt of
+a GRPO group is computed once and every response attends to it. Its keys are the prompt's and its own, gathered
+per (p, length) shape into one call, with a causal mask aligned to the end. Flash-attention's varlen path and HF's
+masks would read such a segment as a sequence of its own, which is why only this attention gets shared rows.
+
 Scope: one packed row (batch size 1), as the trainer produces. transformers builds no mask for a custom
 attention name, so a padded batch would silently lose its padding mask; that case is refused loudly instead.
 Sliding windows are honoured; attention sinks and logit soft-capping are not supported (use "sdpa").
@@ -15,6 +21,7 @@ Sliding windows are honoured; attention sinks and logit soft-capping are not sup
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,35 +51,15 @@ def packed_sdpa_attention(
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{NAME} does not support logit soft-capping or attention sinks; use 'sdpa'")
     length = query.shape[2]
-    spans = sequence_spans(position_ids, length)
+    segments = packed_segments(position_ids, length)
     dropout = dropout if module.training else 0.0
-    if len(spans) == 1:
+    if len(segments) == 1:
         output = _causal_attention(query, key, value, dropout=dropout, scaling=scaling, sliding_window=sliding_window)
         return output.transpose(1, 2).contiguous(), None
     output: Tensor | None = None
-    for span_length, starts in _starts_by_length(spans).items():
-        if len(starts) == 1:  # a length of its own: slice views, no gather
-            positions: slice | Tensor = slice(starts[0], starts[0] + span_length)
-            attended = _causal_attention(
-                query[:, :, positions],
-                key[:, :, positions],
-                value[:, :, positions],
-                dropout=dropout,
-                scaling=scaling,
-                sliding_window=sliding_window,
-            )[0]
-        else:  # n sequences of one length: gathered into [n, H, L, D], one kernel call, scattered back
-            index = torch.tensor(starts, device=query.device)[:, None] + torch.arange(span_length, device=query.device)
-            positions = index.reshape(-1)
-            attended = _causal_attention(
-                query[0][:, index].transpose(0, 1),
-                key[0][:, index].transpose(0, 1),
-                value[0][:, index].transpose(0, 1),
-                dropout=dropout,
-                scaling=scaling,
-                sliding_window=sliding_window,
-            )
-            attended = attended.transpose(0, 1).reshape(attended.shape[1], -1, attended.shape[-1])
+    for (prefix, span_length), members in _segments_by_shape(segments).items():
+        attended, positions = _attend_alike(query, key, value, prefix, span_length, members, dropout=dropout,
+                                            scaling=scaling, sliding_window=sliding_window)
         if output is None:  # the kernel's dtype, which autocast may have changed from the inputs'
             output = attended.new_empty(attended.shape[0], length, attended.shape[-1])
         output[:, positions] = attended
@@ -80,16 +67,80 @@ def packed_sdpa_attention(
     return output.unsqueeze(0).transpose(1, 2).contiguous(), None
 
 
-def _starts_by_length(spans: list[tuple[int, int]]) -> dict[int, list[int]]:
-    """Where the sequences of each length start.
+@dataclass(frozen=True)
+class Segment:
+    """One run of the row whose positions count up by one: a sequence, or a continuation of a shared prompt.
 
-    RL batches hold many short samples of few distinct lengths; one kernel call per sequence would spend its time
-    in dispatch (256 calls per layer for a 256-sample CPU batch), one call per length does not.
+    A segment whose first position is 0 starts a sequence. One that starts at position p > 0 continues the
+    latest sequence after its first p tokens (a sample whose prompt was packed once for its whole group): it
+    attends to those p tokens, then causally to itself.
     """
-    starts: dict[int, list[int]] = {}
-    for start, end in spans:
-        starts.setdefault(end - start, []).append(start)
-    return starts
+
+    start: int
+    end: int
+    prefix: int  # the first position: tokens of the root it attends to before its own
+    root: int  # where the sequence it continues starts in the row (itself when prefix is 0)
+
+
+def packed_segments(position_ids: Tensor | None, length: int) -> list[Segment]:
+    """The row's segments, each with the root sequence it continues (see `Segment`)."""
+    spans = sequence_spans(position_ids, length)
+    if position_ids is None or len(spans) == 1:
+        return [Segment(start, end, 0, start) for start, end in spans]
+    positions = position_ids.reshape(-1)
+    firsts = positions[torch.tensor([start for start, _ in spans], device=positions.device)].tolist()
+    segments, root = [], None
+    for (start, end), first in zip(spans, firsts, strict=True):
+        if first == 0:
+            root = (start, end)
+        elif root is None or first > root[1] - root[0]:
+            raise ValueError(f"{NAME}: packed positions restart at {first} (row position {start}) without a "
+                             f"sequence of at least {first} tokens before it to continue")
+        segments.append(Segment(start, end, first, start if first == 0 else root[0]))
+    return segments
+
+
+def _segments_by_shape(segments: list[Segment]) -> dict[tuple[int, int], list[Segment]]:
+    """Segments grouped by (prefix length, own length): each group is one kernel call.
+
+    RL batches hold many short samples of few distinct shapes; one kernel call per sequence would spend its time
+    in dispatch (256 calls per layer for a 256-sample CPU batch), one call per shape does not.
+    """
+    groups: dict[tuple[int, int], list[Segment]] = {}
+    for segment in segments:
+        groups.setdefault((segment.prefix, segment.end - segment.start), []).append(segment)
+    return groups
+
+
+def _attend_alike(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    prefix: int,
+    span_length: int,
+    members: list[Segment],
+    *,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> tuple[Tensor, slice | Tensor]:
+    """Attention of segments of one shape: [H, n * span_length, D] and the row positions it belongs at."""
+    device = query.device
+    if prefix == 0 and len(members) == 1:  # a length of its own: slice views, no gather
+        positions: slice | Tensor = slice(members[0].start, members[0].end)
+        attended = _causal_attention(query[:, :, positions], key[:, :, positions], value[:, :, positions],
+                                     dropout=dropout, scaling=scaling, sliding_window=sliding_window)[0]
+        return attended, positions
+    own = torch.tensor([m.start for m in members], device=device)[:, None] + torch.arange(span_length, device=device)
+    if prefix:  # keys: the root's first `prefix` tokens, then the segment itself
+        roots = torch.tensor([m.root for m in members], device=device)[:, None] + torch.arange(prefix, device=device)
+        keys = torch.cat([roots, own], dim=1)
+    else:
+        keys = own
+    attended = _causal_attention(query[0][:, own].transpose(0, 1), key[0][:, keys].transpose(0, 1),
+                                 value[0][:, keys].transpose(0, 1), dropout=dropout, scaling=scaling,
+                                 sliding_window=sliding_window)
+    return attended.transpose(0, 1).reshape(attended.shape[1], -1, attended.shape[-1]), own.reshape(-1)
 
 
 def sequence_spans(position_ids: Tensor | None, length: int) -> list[tuple[int, int]]:
@@ -105,12 +156,14 @@ def sequence_spans(position_ids: Tensor | None, length: int) -> list[tuple[int, 
 def _causal_attention(
     query: Tensor, key: Tensor, value: Tensor, *, dropout: float, scaling: float | None, sliding_window: int | None
 ) -> Tensor:
-    length = query.shape[2]
+    """Queries are the last `query_length` of the keys' positions (all of them for a plain sequence)."""
+    query_length, key_length = query.shape[2], key.shape[2]
     mask = None
-    if sliding_window is not None and length > sliding_window:
-        rows = torch.arange(length, device=query.device)
-        distance = rows[:, None] - rows[None, :]
-        mask = (distance >= 0) & (distance < sliding_window)
+    window = sliding_window is not None and key_length > sliding_window
+    if window or key_length != query_length:
+        rows = torch.arange(key_length - query_length, key_length, device=query.device)
+        distance = rows[:, None] - torch.arange(key_length, device=query.device)[None, :]
+        mask = (distance >= 0) & (distance < sliding_window) if window else distance >= 0
     return F.scaled_dot_product_attention(
         query,
         key,

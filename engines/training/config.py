@@ -64,6 +64,9 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     `lora` trains a LoRA adapter on the frozen model instead of every weight (`engines.training.lora`); the
     reference model is then the policy with its adapter switched off, unless `ref_model_path` names another
     model.
+    `share_prompts` packs a group's prompt once for all its samples (`micro_batches.pack_inputs`): the same
+    gradients, about half the tokens on short-response tasks. It needs an attention that reads the shared rows,
+    so it applies only with `packed_sdpa`.
     `offload_optimizer` keeps the AdamW moments in host memory between steps (a colocated run: the engines
     generate on the same device meanwhile); a step brings them back first. Nothing moves on a CPU device.
     """
@@ -74,6 +77,7 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     device: str = "cpu"
     attn_implementation: str = "packed_sdpa"
     check_packing: bool = True
+    share_prompts: bool = True
 
     @model_validator(mode="after")
     def _check_device(self) -> TorchTrainerConfig:

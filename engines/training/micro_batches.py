@@ -8,6 +8,11 @@ spent on padding. That contract is implicit, and a model that ignores it would s
 `check_packing_isolation` verifies it on the live model at start-up. `use_cache=False` is not optional: with a
 cache object present transformers skips the packed-sequence detection.
 
+With `share_prompts` (the torch trainer's default under `packed_sdpa`), the members of a group that follow
+each other in the row share one copy of their prompt: a member after the first contributes its response alone,
+positioned as if after the prompt. Prompt tokens then run once per group instead of once per sample, with the
+same logits and gradients (`check_packing_isolation` checks that case too at start-up).
+
 Only the logits that predict response tokens are computed (`logits_to_keep` with explicit positions): with a
 150k vocabulary the prompt's logits would otherwise dominate memory.
 """
@@ -54,6 +59,27 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     return [sorted(members) for members in (balanced or first_fit)]
 
 
+def plan_shared_micro_batches(samples: Sequence[TrainSample], token_budget: int) -> list[list[int]]:
+    """`plan_micro_batches` for rows packed with `share_prompts`: a run of neighbours with one prompt (a group)
+    stays together where the budget allows and is counted as its prompt once plus its responses; a run too long
+    for the budget is cut into pieces that each fit (each piece carries the prompt again)."""
+    units: list[list[int]] = []
+    unit_tokens: list[int] = []
+    previous: Tensor | None = None
+    for index, sample in enumerate(samples):
+        prompt = sample.tokens[: sample.prompt_length]
+        fits = bool(units) and unit_tokens[-1] + sample.response_length <= token_budget
+        if previous is not None and fits and torch.equal(previous, prompt):
+            units[-1].append(index)
+            unit_tokens[-1] += sample.response_length
+        else:
+            units.append([index])
+            unit_tokens.append(int(sample.tokens.numel()))
+        previous = prompt
+    plan = plan_micro_batches(unit_tokens, token_budget)
+    return [sorted(index for unit in members for index in units[unit]) for members in plan]
+
+
 def _first_fit(order: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
     bins: list[list[int]] = []
     free: list[int] = []
@@ -81,23 +107,41 @@ def _least_loaded(order: list[int], lengths: Sequence[int], budget: int, count: 
     return bins
 
 
-def pack_inputs(samples: Sequence[TrainSample]) -> PackedInputs:
-    """Concatenate samples into one row with per-sample positions; see the module docstring."""
+def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) -> PackedInputs:
+    """Concatenate samples into one row with per-sample positions; see the module docstring.
+
+    With `share_prompts`, a sample whose prompt tokens equal those of the sequence just before it in the row
+    (the next member of the same group) contributes only its response, positioned after the prompt: the
+    prompt's forward and backward run once per group instead of once per sample. Only an attention that
+    reads such continuations (`packed_sdpa`) may be given this row.
+    """
     if not samples:
         raise ValueError("pack_inputs needs at least one sample")
-    lengths = [int(sample.tokens.numel()) for sample in samples]
-    input_ids = torch.cat([sample.tokens.long() for sample in samples])
-    position_ids = torch.cat([torch.arange(length) for length in lengths])
-    logit_positions, targets = [], []
+    pieces, positions, logit_positions, targets = [], [], [], []
     offset = 0
-    for sample, length in zip(samples, lengths, strict=True):
-        first = offset + sample.prompt_length - 1
-        logit_positions.append(torch.arange(first, first + sample.response_length))
-        targets.append(sample.tokens[sample.prompt_length :].long())
-        offset += length
+    root: tuple[int, Tensor] | None = None  # the row offset and prompt of the sequence a sample may continue
+    for sample in samples:
+        prompt_length = sample.prompt_length
+        prompt = sample.tokens[:prompt_length]
+        shared = share_prompts and root is not None and torch.equal(root[1], prompt)
+        if shared:
+            assert root is not None
+            piece, first = sample.tokens[prompt_length:], prompt_length
+            # The first response token is predicted from the prompt's last position, in the root sequence.
+            predictors = [root[0] + prompt_length - 1, *range(offset, offset + sample.response_length - 1)]
+            logit_positions.append(torch.tensor(predictors[: sample.response_length], dtype=torch.long))
+        else:
+            piece, first = sample.tokens, 0
+            root = (offset, prompt)
+            start = offset + prompt_length - 1
+            logit_positions.append(torch.arange(start, start + sample.response_length))
+        pieces.append(piece.long())
+        positions.append(torch.arange(first, first + piece.numel()))
+        targets.append(sample.tokens[prompt_length:].long())
+        offset += piece.numel()
     return PackedInputs(
-        input_ids=input_ids.unsqueeze(0),
-        position_ids=position_ids.unsqueeze(0),
+        input_ids=torch.cat(pieces).unsqueeze(0),
+        position_ids=torch.cat(positions).unsqueeze(0),
         logit_positions=torch.cat(logit_positions),
         targets=torch.cat(targets),
         response_lengths=torch.tensor([sample.response_length for sample in samples], dtype=torch.long),
@@ -157,23 +201,29 @@ def padded_fraction(lengths: Sequence[int], plan: Sequence[Sequence[int]]) -> fl
     return 0.0 if capacity == 0 else 1.0 - sum(loads) / capacity
 
 
-def check_packing_isolation(model: nn.Module, device: torch.device | str, *, tolerance: float = 1e-4) -> None:
-    """Raise unless two sequences packed into one row get the logits they get alone.
+def check_packing_isolation(
+    model: nn.Module, device: torch.device | str, *, share_prompts: bool = False, tolerance: float = 1e-4
+) -> None:
+    """Raise unless sequences packed into one row get the logits they get alone.
 
     Catches models (or attention implementations) that do not turn restarting position_ids into a
-    block-diagonal mask: training on such a model would leak attention across samples without any error.
+    block-diagonal mask: training on such a model would leak attention across samples without any error. With
+    `share_prompts`, two samples of one prompt packed as prompt + continuation must match too.
     """
     vocab_size = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    first, second = (torch.randint(0, vocab_size, (length,), generator=generator) for length in (6, 5))
+    first, second, reply = (torch.randint(0, vocab_size, (length,), generator=generator) for length in (6, 5, 3))
     samples = [TrainSample(first, len(first) - 1), TrainSample(second, len(second) - 1)]
+    if share_prompts:  # the second sample's prompt again, with another response of another length
+        samples.append(TrainSample(torch.cat([second[:1], reply]), len(reply)))
     with torch.no_grad():
-        packed = forward_packed(model, pack_inputs(samples).to(device))
+        packed = forward_packed(model, pack_inputs(samples, share_prompts=share_prompts).to(device))
         alone = torch.cat([forward_packed(model, pack_inputs([sample]).to(device)) for sample in samples])
     difference = (packed.float() - alone.float()).abs().max().item()
     if not difference <= tolerance:
+        shared = " or shared prompts" if share_prompts else ""
         raise RuntimeError(
             f"{type(model).__name__} with attn_implementation={model.config._attn_implementation!r} does not "
-            f"isolate packed sequences (max logit difference {difference:.3g} > {tolerance}); use an attention "
-            "implementation that honours packed position_ids (packed_sdpa, sdpa, eager, flash_attention_2)"
+            f"isolate packed sequences{shared} (max logit difference {difference:.3g} > {tolerance}); use an "
+            "attention implementation that honours packed position_ids (packed_sdpa, sdpa, eager, flash_attention_2)"
         )

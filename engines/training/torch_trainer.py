@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
 from engines.training import checkpoint, lora
+from engines.training.attention import NAME as PACKED_ATTENTION
 from engines.training.attention import register_packed_attention
 from engines.training.base import (
     DataParallel,
@@ -60,6 +61,7 @@ from engines.training.micro_batches import (
     forward_packed,
     pack_inputs,
     plan_micro_batches,
+    plan_shared_micro_batches,
 )
 
 _DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
@@ -81,10 +83,11 @@ class TorchTrainer(Trainer):
         if config.ref_model_path is not None and not self._ref_is_base:
             self._ref = _load_model(config.ref_model_path, self._device, config.attn_implementation)
             self._ref.requires_grad_(False)
+        self._share_prompts = config.share_prompts and config.attn_implementation == PACKED_ATTENTION
         if config.check_packing:
             for model in (self._model, self._ref):
                 if model is not None:
-                    check_packing_isolation(model.eval(), self._device)
+                    check_packing_isolation(model.eval(), self._device, share_prompts=self._share_prompts)
         if config.gradient_checkpointing:
             _enable_activation_checkpointing(self._model)
         self._param_names, groups = _param_groups(self._model, config.weight_decay)
@@ -122,7 +125,7 @@ class TorchTrainer(Trainer):
         with torch.no_grad(), self._autocast(), adapter_off:
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
-                inputs = pack_inputs(chunk).to(self._device)
+                inputs = pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device)
                 outputs = token_log_probs(
                     forward_packed(network, inputs),
                     inputs.targets,
@@ -158,7 +161,7 @@ class TorchTrainer(Trainer):
         stats = StepStats()
         for position, members in enumerate(plan):
             chunk = [samples[index] for index in members]
-            inputs = pack_inputs(chunk).to(self._device)
+            inputs = pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device)
             batch = collate(chunk, self._device)
             synchronise = position == len(plan) - 1
             with self._gradient_sync(synchronise):
@@ -378,6 +381,8 @@ class TorchTrainer(Trainer):
             raise failure
 
     def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        if self._share_prompts:
+            return plan_shared_micro_batches(samples, self.config.micro_batch_tokens)
         return plan_micro_batches([int(s.tokens.numel()) for s in samples], self.config.micro_batch_tokens)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
