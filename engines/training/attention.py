@@ -84,13 +84,16 @@ class Segment:
 
 def packed_segments(position_ids: Tensor | None, length: int) -> list[Segment]:
     """The row's segments, each with the root sequence it continues (see `Segment`)."""
-    spans = sequence_spans(position_ids, length)
-    if position_ids is None or len(spans) == 1:
-        return [Segment(start, end, 0, start) for start, end in spans]
-    positions = position_ids.reshape(-1)
-    firsts = positions[torch.tensor([start for start, _ in spans], device=positions.device)].tolist()
+    if position_ids is None:
+        return [Segment(0, length, 0, 0)]
+    positions = position_ids.reshape(-1)[:length]
+    starts = torch.cat([positions.new_zeros(1), (positions[1:] != positions[:-1] + 1).nonzero().flatten().add(1)])
+    # One transfer of the starts and their first positions: the only host sync of a layer's call.
+    start_list, firsts = torch.stack([starts, positions[starts]]).tolist()
+    if len(start_list) == 1:  # one sequence, wherever its positions begin
+        return [Segment(0, length, 0, 0)]
     segments, root = [], None
-    for (start, end), first in zip(spans, firsts, strict=True):
+    for start, end, first in zip(start_list, [*start_list[1:], length], firsts, strict=True):
         if first == 0:
             root = (start, end)
         elif root is None or first > root[1] - root[0]:
