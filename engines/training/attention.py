@@ -20,7 +20,6 @@ Sliding windows are honoured; attention sinks and logit soft-capping are not sup
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,13 +146,8 @@ def _attend_alike(
 
 
 def sequence_spans(position_ids: Tensor | None, length: int) -> list[tuple[int, int]]:
-    """[start, end) of each packed sequence: a new one begins wherever positions do not continue by +1."""
-    if position_ids is None:
-        return [(0, length)]
-    positions = position_ids.reshape(-1)[:length]
-    breaks = (positions[1:] != positions[:-1] + 1).nonzero().flatten().add(1).tolist()
-    edges = [0, *breaks, length]
-    return list(itertools.pairwise(edges))
+    """[start, end) of each run of the row: a new one begins wherever positions do not continue by +1."""
+    return [(segment.start, segment.end) for segment in packed_segments(position_ids, length)]
 
 
 def _causal_attention(
