@@ -146,6 +146,10 @@ class LeaseRequest(Message):
     max_groups: Annotated[int, doc("upper bound on groups to lease now (the worker's free capacity)")]
     eval_only: Annotated[bool, doc("only evaluation groups: the worker's weights are too old for training "
                                    "groups, but are the ones an eval round is waiting for")] = False
+    weights_version: Annotated[
+        int | None, doc("the version of the weights the worker's engine serves (None: the learner pushes none); an "
+                        "eval group of a newer version is left for a worker that has its weights")
+    ] = None
 
 
 class Lease(Message):
@@ -230,7 +234,8 @@ class Batch(Message):
     ]
     replayed: Annotated[bool, doc("served before: the learner restarted from a checkpoint and asked again")] = False
     learner_version: Annotated[
-        int, doc("the learner version the batch was first requested at, which `staleness` is measured against")
+        int, doc("the learner version `staleness` is measured against: the one the batch was first requested at, "
+                 "or, for a batch served ahead of a step that applied no update, the version that step kept")
     ] = 0
     eval_done_through: Annotated[
         int, doc("every evaluation round of a version up to this one has reported (-1: none yet); the learner "

@@ -2,9 +2,10 @@
 `python tools/audit_run.py RUN_DIR`.
 
 Sources: the buffer's durable log with its archived segments (what was accepted, evicted, put in which batch, at
-which version, committed), the learner's `metrics/trained_samples.jsonl` (what it trained, batch by batch, and the
-version each step left; a learner that resumed from a checkpoint trains the batches after it again, and the last
-record of a batch id is the one in the final model's lineage) and `config.yaml` (the staleness bound).
+which version, measured again at which version when it was served ahead of a step that applied no update,
+committed), the learner's `metrics/trained_samples.jsonl` (what it trained, batch by batch, and the version each
+step left; a learner that resumed from a checkpoint trains the batches after it again, and the last record of a
+batch id is the one in the final model's lineage) and `config.yaml` (the staleness bound).
 
 Exactly once. The lineage trains batches 1..N once each, every trained batch holds exactly the groups the buffer
 put in it, no sample appears in two batches, and every accepted group is either trained or still waiting in the
@@ -131,6 +132,8 @@ def _read_buffer_log(run_dir: Path) -> tuple[set[str], set[str], dict[int, Batch
             group_ids = list(record["group_ids"])
             batches[record["batch_id"]] = BatchRecord(group_ids, record.get("learner_version"),
                                                       _token_ranges([payloads.get(g) for g in group_ids]))
+        elif kind == "remeasure" and record["batch_id"] in batches:  # served ahead of a step that kept its version
+            batches[record["batch_id"]].learner_version = record["learner_version"]
     return accepted, ever_accepted, batches
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import PromptSource, load_prompts
-from actors.buffer.waits import admission_state, batch_wait
+from actors.buffer.waits import admission_state, batch_wait, gauges
 from actors.config import RunConfig
 from actors.controller.eval_rounds import EvalRounds
 from actors.rollout.prompt_tokens import prompt_length_counter
@@ -95,6 +95,7 @@ class Buffer(Actor):
         self.eval_rounds = EvalRounds(config, self.core, self.eval_writer, self.log)
         self.eval_rounds.maybe_start(self.core.learner_version)  # a baseline before any training
         self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request
+        self.learner_pushes = False  # its announcements carry a weights version: engines move with it
 
     async def run(self) -> None:
         """Expire leases as time passes; everything else is a reply to a message."""
@@ -106,7 +107,10 @@ class Buffer(Actor):
 
     @serves(LeaseRequest)
     async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
-        leased = self.core.lease(request.worker_id, request.max_groups, eval_only=request.eval_only)
+        # A learner that pushes no weights (--debug-rollout-only) leaves every engine on its first version.
+        weights_version = request.weights_version if self.learner_pushes else None
+        leased = self.core.lease(request.worker_id, request.max_groups, eval_only=request.eval_only,
+                                 weights_version=weights_version)
         closed = admission_state(self.core)
         if closed is None:
             self.waits.end("admission")
@@ -184,7 +188,7 @@ class Buffer(Actor):
             self.counters["batches.replayed"] += 1
         staleness = np.asarray(assembled.staleness or [0], dtype=np.int64)
         self.metrics_writer.write(assembled.batch_id, {
-            **self.core.gauges(), "staleness.max": float(staleness.max()), "staleness.mean": float(staleness.mean()),
+            **gauges(self.core), "staleness.max": float(staleness.max()), "staleness.mean": float(staleness.mean()),
         })
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
                      replayed=assembled.replayed, learner_version=assembled.learner_version,
@@ -219,6 +223,7 @@ class Buffer(Actor):
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
         self.core.note_version(step=announcement.step, version=announcement.version)
+        self.learner_pushes = self.learner_pushes or announcement.weights_version is not None
         self.eval_rounds.maybe_start(announcement.version)
         async with self.batch_ready:  # a prefetch waiting for this step's version can now be measured
             self.batch_ready.notify_all()
@@ -250,7 +255,7 @@ class Buffer(Actor):
     def metrics(self) -> dict[str, float]:
         found = super().metrics()
         if hasattr(self, "core"):
-            found.update(self.core.gauges())
+            found.update(gauges(self.core))
         return found
 
     async def on_stop(self) -> None:

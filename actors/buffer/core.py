@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from actors.buffer.eval_ids import take_eval_groups
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import Cursor, PromptSource
 from actors.buffer.selection import SelectionError, checked_selection
@@ -109,13 +110,12 @@ class BufferCore:
         self.committed_batch = 0
 
     # ----------------------------------------------------------------------------------------- leases
-    def lease(self, worker_id: str, max_groups: int, *, eval_only: bool = False
+    def lease(self, worker_id: str, max_groups: int, *, eval_only: bool = False, weights_version: int | None = None
               ) -> tuple[str, list[PromptGroup]] | None:
-        """Up to `max_groups` groups: evaluation first, then re-issues, then new prompts while admitted."""
+        """Up to `max_groups` groups: evaluation first (those the worker's weights can serve: `take_eval_groups`),
+        then re-issues, then new prompts while admitted."""
         self.expire_leases()
-        groups: list[PromptGroup] = []
-        while len(groups) < max_groups and self.eval_queue:
-            groups.append(self.eval_queue.popleft())
+        groups = take_eval_groups(self.eval_queue, max_groups, weights_version)
         if eval_only:
             max_groups = len(groups)
         while len(groups) < max_groups and self.reissue:
@@ -263,10 +263,19 @@ class BufferCore:
     # ------------------------------------------------------------------------------------------ batches
     def note_version(self, *, step: int, version: int) -> None:
         """The learner finished `step` at `version` (its announcement): admission moves, a prefetch learns its
-        version."""
+        version. A batch served ahead of this step was measured against the version the step was to leave; a
+        skipped update kept the old one, which that batch trains at, so it is measured again (the learner does
+        the same with its copy)."""
         self.announced = (step, version)
         self.learner_version = max(self.learner_version, version)
         self.trained_batches = max(self.trained_batches, step)
+        ahead = self.served.get(step + 1)
+        if ahead is not None and ahead.learner_version != version:
+            ahead.learner_version = version
+            ahead.staleness = [s for g in ahead.groups for s in group_staleness(g, version)]
+            if self.log is not None:
+                self.log.append("remeasure", batch_id=ahead.batch_id, staleness=ahead.staleness,
+                                learner_version=version)
 
     def trains_at(self, *, learner_version: int, trained_batch: int, ahead: bool) -> int:
         """The version the requested batch will be trained at. A prefetch (`ahead`) is asked while the step of
@@ -457,6 +466,9 @@ class BufferCore:
                 groups = [self.pool.pop(gid) for gid in record["group_ids"]]
                 self.served[record["batch_id"]] = _replayed_batch(record, groups)
                 self.stats.trained_groups += len(groups)
+            elif kind == "remeasure" and record["batch_id"] in self.served:
+                batch = self.served[record["batch_id"]]
+                batch.staleness, batch.learner_version = list(record["staleness"]), record["learner_version"]
             elif kind == "commit":
                 for group in self.served.pop(record["batch_id"], AssembledBatch(0, [], [])).groups:
                     self.prompt_groups.pop(group.group_id, None)
@@ -477,19 +489,6 @@ class BufferCore:
             record.group_ids.discard(group_id)
             if not record.group_ids:
                 del self.leases[entry[1]]
-
-    # ------------------------------------------------------------------------------------------- gauges
-    def gauges(self) -> dict[str, float]:
-        return {
-            "buffer.pool_groups": float(len(self.pool)),
-            "buffer.in_flight_groups": float(len(self.in_flight)),
-            "buffer.reissue_queue": float(len(self.reissue)),
-            "buffer.started": float(self.stats.started),
-            "buffer.accepted": float(self.stats.accepted),
-            "buffer.served_uncommitted": float(len(self.served)),
-            **{f"buffer.dropped.{k}": float(v) for k, v in self.stats.dropped.items()},
-            **{f"buffer.selection_fallback.{k}": float(v) for k, v in self.stats.selection_fallbacks.items()},
-        }
 
 
 

@@ -1,4 +1,5 @@
-"""What the buffer is waiting for, in words, for the controller's hang report.
+"""What the buffer reports about itself: what it waits for, in words, for the controller's hang report, and its
+gauges for the metrics.
 
 The buffer awaits nothing of its own: it answers requests. But while the learner's batch request is open, the
 batch waits for groups, and those groups are leased to named workers: "batch 41: 5 of 8 groups ready; 3 in flight
@@ -34,3 +35,17 @@ def admission_state(core: BufferCore) -> str | None:
         return None
     return (f"admission closed: {core.live_started} groups started, as many as --max-staleness "
             f"{core.admission.max_staleness} allows until the learner moves past batch {core.trained_batches}")
+
+
+def gauges(core: BufferCore) -> dict[str, float]:
+    """Queue depths and counters: where groups are now, and how many were started, accepted, dropped."""
+    return {
+        "buffer.pool_groups": float(len(core.pool)),
+        "buffer.in_flight_groups": float(len(core.in_flight)),
+        "buffer.reissue_queue": float(len(core.reissue)),
+        "buffer.started": float(core.stats.started),
+        "buffer.accepted": float(core.stats.accepted),
+        "buffer.served_uncommitted": float(len(core.served)),
+        **{f"buffer.dropped.{k}": float(v) for k, v in core.stats.dropped.items()},
+        **{f"buffer.selection_fallback.{k}": float(v) for k, v in core.stats.selection_fallbacks.items()},
+    }

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from actors.buffer.core import BufferCore
+from actors.buffer.eval_ids import eval_group_id
 from actors.buffer.prompt_data import PromptRecord, load_prompts
 from actors.config import RunConfig
 from actors.rollout.prompt_tokens import prompt_length_counter
@@ -84,7 +85,7 @@ class EvalRounds:
             self.rounds[(version, name)] = EvalRound(version=version, name=name, expected=len(records))
             for record in records:
                 self.core.eval_queue.append(PromptGroup(
-                    group_id=f"eval:{name}:{version}:{record.data_index}", prompt=record.prompt, label=record.label,
+                    group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt, label=record.label,
                     metadata=record.metadata, n_samples=self.config.eval.n_samples_per_eval_prompt,
                     data_index=record.data_index, is_eval=True,
                 ))

@@ -15,6 +15,8 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
+
 from actors.learner.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
 from actors.learner.eval_hold import EvalHold
 from actors.learner.modes import BatchRefused, Progress, pick_source, pick_training
@@ -27,6 +29,7 @@ from actors.runtime.base import Actor
 from actors.runtime.metrics import MetricsWriter
 from bus.codec import decode, encode
 from bus.schema import Batch, Control, Roster, VersionAnnouncement
+from policies.staleness import staleness_of_samples
 
 T = TypeVar("T")
 
@@ -79,17 +82,18 @@ class Learner(Actor):
         upcoming: asyncio.Task[tuple[Batch | None, PreparedBatch | None]] | None = None
         try:
             while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
-                if self.engines_joined:
-                    self.engines_joined = False
-                    await self.publish_weights()  # a new or restarted engine must not wait for the next step
-                elif self.push_held and not self._held_for_eval():
-                    self.push_held = False
-                    await self.publish_weights()  # the eval round reported: the held push goes out now
+                # A new or restarted engine must not wait for the next step; but a push goes to every engine, so
+                # while an eval round holds them on its version, the newcomer waits for the round too.
+                if (self.engines_joined or self.push_held) and not self._held_for_eval():
+                    self.engines_joined = self.push_held = False
+                    await self.publish_weights()
                 # Open across the buffer's empty long-poll answers, so the hang report says how long it has been.
                 self.waits.begin("batch", "buffer", f"batch {self.trained_batch + 1}")
                 if upcoming is not None:
                     batch, prepared = await self._unless_stopped(upcoming) or (None, None)
                     upcoming = None
+                    if batch is not None and batch.learner_version != self.version:
+                        batch, prepared = measured_at(batch, self.version), None  # see measured_at
                 else:
                     batch, prepared = await self._unless_stopped(self.source.next(self.progress())), None
                 if batch is None:
@@ -289,3 +293,11 @@ def _bound_to_rank_zero(function: Any, *args: Any) -> Any:
     """CUDA's current device is per thread: whatever thread builds or drives the trainer uses rank 0's GPU."""
     bind_device(0)
     return function(*args)
+
+
+def measured_at(batch: Batch, version: int) -> Batch:
+    """`batch` with its staleness measured against `version`. A prefetched batch is measured against the version
+    the step in hand is to leave; a skipped update keeps the old one, and the batch trains at that (the buffer
+    measures its own record again when the step is announced)."""
+    staleness = staleness_of_samples(version, [sample.token_versions for sample in batch.samples])
+    return msgspec.structs.replace(batch, staleness=staleness, learner_version=version)

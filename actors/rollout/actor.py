@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 
+from actors.buffer.eval_ids import eval_version
 from actors.rollout.agent import AgentRunner
 from actors.rollout.choice import choose_generate_function
 from actors.rollout.engine_factory import load_engine
@@ -41,14 +42,6 @@ from bus.sockets import peer_name
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
 EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of the version it evaluates
-
-
-def eval_version(group_id: str) -> int | None:
-    """The version an eval group evaluates, from its id `eval:SET:VERSION:INDEX` (None for any other id)."""
-    parts = group_id.split(":")
-    if len(parts) == 4 and parts[0] == "eval" and parts[2].isdigit():
-        return int(parts[2])
-    return None
 
 
 class RolloutWorker(Actor):
@@ -237,7 +230,8 @@ class RolloutWorker(Actor):
 
     async def request_lease(self, max_groups: int, *, eval_only: bool = False) -> Lease | None:
         try:
-            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, eval_only=eval_only)
+            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, eval_only=eval_only,
+                                   weights_version=self.engine.version)
             reply = await self.buffer.call(request, timeout=5.0, retries=2)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
             self.counters["lease.unanswered"] += 1

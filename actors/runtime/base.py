@@ -72,6 +72,7 @@ class Actor:
         self._stop_requested = asyncio.Event()
         self._stop_reason = ""
         self._background: set[asyncio.Task[Any]] = set()
+        self._heartbeat: asyncio.Task[Any] | None = None
         self.stream_concurrency: dict[str, int] = {}  # handler name -> override of its declared concurrency
         self._started_at = time.monotonic()
 
@@ -150,7 +151,7 @@ class Actor:
         if self.context.cpu_cores:  # after start-up, which loads models on every core (actors.runtime.cpu_budget)
             pin_process(self.context.cpu_cores)
         await self._register()
-        self._spawn(self._heartbeat_loop())
+        self._heartbeat = self._spawn(self._heartbeat_loop())
         self._spawn(self._broadcast_loop())
         if self.inbox is not None:
             self._spawn(self._stream_loop())
@@ -189,12 +190,17 @@ class Actor:
             await asyncio.wait_for(self.on_stop(), self.drain_timeout)
         except Exception:
             self.log.exception("on_stop failed")
-        # Loops first: a heartbeat answered after our Leave would otherwise register us again.
+        # The heartbeat, then the goodbye, then the other loops. A heartbeat answered after our Leave would register
+        # us again; and a loop slow to end once cancelled (one waiting on a thread-bound transfer) must not keep us
+        # silent past the controller's heartbeat deadline before we said goodbye: we would be recorded as dead.
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.wait([self._heartbeat], timeout=1.0)
+        await self._leave()
         for task in list(self._background):
             task.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=5.0)
-        await self._leave()
         for link in self._peer_links:
             link.close()
         for closable in (self.inbox, self.rpc_server, self._subscriber, self._controller):

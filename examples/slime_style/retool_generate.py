@@ -9,6 +9,7 @@ of the ``slime.*`` imports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import resource
 import signal
@@ -42,7 +43,10 @@ async def run_python(code: str, timeout_s: float = TOOL_TIMEOUT_S) -> str:
         try:
             out, _ = await asyncio.wait_for(process.communicate(), timeout=timeout_s)
         except asyncio.TimeoutError:
-            process.kill()
+            # The program may have ended while the deadline passed (a busy event loop sees both at once): asyncio
+            # then refuses to signal it, and there is nothing left to kill.
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
             await process.wait()
             return "timeout"
     text = out.decode(errors="replace")[-500:].strip()

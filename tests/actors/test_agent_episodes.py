@@ -420,7 +420,7 @@ async def test_the_sandboxed_python_tool_answers_a_models_calls_and_a_runaway_pr
                             '</tool_call>')
     results = await answer_calls(FunctionTools(PYTHON_TOOLS), turn, timeout_s=10)
     output, runaway, environment = (m["content"] for m in results.messages)
-    assert (output, results.errors) == ("1024", 0)
+    assert (output, results.errors) == ("1024", 0), results.messages
     assert runaway == "timeout" or runaway.startswith("killed: the program ran past its")  # wall clock or rlimit
     assert environment.startswith("environ(") and "HOME" not in environment and "PATH" not in environment
 

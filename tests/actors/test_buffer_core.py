@@ -13,6 +13,7 @@ import pytest
 
 from actors.buffer.actor import Buffer
 from actors.buffer.core import BufferCore
+from actors.buffer.eval_ids import eval_group_id
 from actors.buffer.log import BufferLog, archived_logs
 from actors.buffer.prompt_data import PromptRecord, PromptSource
 from actors.runtime.context import ActorContext
@@ -469,6 +470,43 @@ def test_a_prefetch_waiting_on_a_skipped_step_is_measured_at_the_version_that_st
     admit_and_generate(core, 0)
     batch = core.next_batch(learner_version=0, trained_batch=1, checkpointed_batch=0, ahead=True)
     assert batch is not None and set(batch.staleness) == {0} and core.stats.dropped["stale_evicted"] == 0
+
+
+@pytest.mark.unit
+def test_a_batch_served_ahead_of_a_skipped_step_is_measured_again_and_restored_so(tmp_path: Path) -> None:
+    """Batch 2, asked for while step 1 trains at version 2, is measured against 3; the step applies no update and
+    announces 2, which batch 2 then trains at: its record, and the log a restarted buffer replays, say so."""
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(max_staleness=3, log=BufferLog(log_path))
+    lease_id, groups = lease_all(core)
+    for group in groups[:2 * B]:
+        core.accept(scored(group, lease_id, version=0))  # tokens of versions 0 and 1
+    assert core.next_batch(learner_version=2, trained_batch=0, checkpointed_batch=0) is not None
+    ahead = core.next_batch(learner_version=2, trained_batch=1, checkpointed_batch=0, ahead=True)
+    assert ahead is not None and (ahead.learner_version, set(ahead.staleness)) == (3, {3})
+    core.note_version(step=1, version=2)
+    assert (ahead.learner_version, set(ahead.staleness)) == (2, {2})
+    core.log.close()
+
+    revived = make_core(max_staleness=3)
+    revived.restore(log_path)
+    replayed = revived.next_batch(learner_version=2, trained_batch=1, checkpointed_batch=0)
+    assert replayed is not None and replayed.replayed
+    assert (replayed.learner_version, set(replayed.staleness)) == (2, {2})
+
+
+@pytest.mark.unit
+def test_an_eval_group_goes_only_to_a_worker_whose_weights_can_serve_its_version() -> None:
+    """A worker whose engine joined during version 2's round holds version 0's weights and gets none until the
+    learner's held push lands: it leases training work only (here: none is admitted either)."""
+    core = make_core(max_staleness=0)
+    lease_all(core)  # every admitted training group is out
+    core.eval_queue.extend(PromptGroup(group_id=eval_group_id("held", version, index), prompt="1+1=", is_eval=True)
+                           for version, index in [(2, 0), (0, 0), (2, 1)])
+    assert core.lease("rollout-0-1", 10, weights_version=0)[1] == [core.in_flight["eval:held:0:0"][0]]
+    assert core.lease("rollout-0-1", 10, weights_version=1) is None
+    _, served = core.lease("rollout-0-0", 10, weights_version=2)
+    assert [g.group_id for g in served] == ["eval:held:2:0", "eval:held:2:1"] and not core.eval_queue
 
 
 @pytest.mark.unit

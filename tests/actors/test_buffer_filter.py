@@ -13,6 +13,7 @@ import pytest
 from actors.buffer.core import BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.prompt_data import PromptRecord, PromptSource
+from actors.buffer.waits import gauges
 from actors.config.flags import build_config
 from actors.slime_compat import Sample, pop_first
 from actors.slime_compat.buffer_filter import load_buffer_filter
@@ -151,7 +152,7 @@ def test_an_unusable_answer_is_counted_reported_and_the_batch_taken_oldest_first
     ids = fill_pool(core)
     assert batch_ids(core) == ids[:B]
     assert core.stats.selection_fallbacks == {reason: 1}
-    assert core.gauges()[f"buffer.selection_fallback.{reason}"] == 1.0
+    assert gauges(core)[f"buffer.selection_fallback.{reason}"] == 1.0
     assert len(errors) == 1 and f"--buffer-filter-path {__name__}:{filter_name}" in errors[0]
     assert "batch 1 taken oldest-first" in errors[0]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,6 +115,23 @@ def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:
 def test_retool_sandbox_runs_code_and_times_out() -> None:
     assert asyncio.run(run_python("print(6 * 7)")) == "42"
     assert asyncio.run(run_python("while True: pass", timeout_s=0.5)) == "timeout"
+
+
+def test_a_program_that_ends_as_its_deadline_passes_is_a_timeout_not_an_error() -> None:
+    """The event loop blocked past both the program's end and the deadline (a loaded machine) sees the two at
+    once; the timeout path must not try to kill a process asyncio already reaped."""
+
+    async def block_the_loop() -> None:
+        while not any(Path(task, "children").read_text().split() for task in Path("/proc/self/task").iterdir()):
+            await asyncio.sleep(0.005)  # the program has started
+        for _ in range(50):  # run_python reaches its deadline wait, many times over
+            await asyncio.sleep(0)
+        time.sleep(1.0)
+
+    async def both() -> list[str | None]:
+        return await asyncio.gather(run_python("pass", timeout_s=0.3), block_the_loop())
+
+    assert asyncio.run(both())[0] in ("timeout", "")
 
 
 def test_wire_arrays_keep_their_dtypes() -> None:

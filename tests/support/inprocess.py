@@ -57,11 +57,36 @@ class GroupRecorder(Actor):
 
 
 class ActorSystem:
-    """The started actors by id; `stop()` asks every one to stop and waits for them."""
+    """The started actors by id; `start()` adds one (also mid-run, as a node joining would); `stop()` asks every
+    one to stop and waits for them."""
 
     def __init__(self) -> None:
         self.actors: dict[str, Actor] = {}
         self.tasks: dict[str, asyncio.Task[int]] = {}
+        self.config: Any = None
+        self.head = ""
+        self.run_dir = Path()
+
+    async def start(self, role: str, kind: str | type[Actor], actor_id: str, *,
+                    expected_roles: Mapping[str, int] | None = None) -> Actor:
+        """Start one actor with the context the launcher would give it; returns once it registered."""
+        if isinstance(kind, str):
+            path = BUILTIN_ROLES.get(kind, kind)
+            actor_class = resolve_actor_class(path)
+        else:
+            path, actor_class = f"{kind.__module__}:{kind.__qualname__}", kind
+        settings = ActorSettings(log_level="warning", console_log_level="error", run=self.config,
+                                 expected_roles=dict(expected_roles or {}))
+        context = ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=self.head,
+                               run_dir=self.run_dir, heartbeat_interval=0.5, settings=settings)
+        actor = actor_class(context)
+        self.actors[actor_id] = actor
+        self.tasks[actor_id] = asyncio.create_task(actor.main(), name=actor_id)
+        if role == "controller":
+            await asyncio.sleep(0.2)  # its socket is bound before anyone registers
+        else:  # one at a time, so what an actor finds at start-up (its peers) does not depend on a race
+            await self.wait_for(functools.partial(_registered, self, actor_id), 15, f"{actor_id} to register")
+        return actor
 
     def __getitem__(self, actor_id: str) -> Any:
         return self.actors[actor_id]
@@ -103,30 +128,16 @@ async def actor_system(run_dir: Path, settings: Mapping[str, Any], roles: Mappin
                        ) -> AsyncIterator[ActorSystem]:
     """Start `roles` (name -> built-in role, class path or class; one actor each) in order, each once the one
     before it registered, the controller first; all are expected by it before the run counts as running."""
-    config = build_config(dict(settings))
-    head = f"tcp://127.0.0.1:{free_port()}"
-    expected = {role: 1 for role in roles if role != "controller"}
     system = ActorSystem()
+    system.config = build_config(dict(settings))
+    system.head = f"tcp://127.0.0.1:{free_port()}"
+    system.run_dir = run_dir
+    expected = {role: 1 for role in roles if role != "controller"}
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         for role, kind in roles.items():
-            if isinstance(kind, str):
-                path = BUILTIN_ROLES.get(kind, kind)
-                actor_class = resolve_actor_class(path)
-            else:
-                path, actor_class = f"{kind.__module__}:{kind.__qualname__}", kind
             actor_id = role if role in ("controller", "buffer", "learner") else f"{role}-0-0"
-            settings = ActorSettings(log_level="warning", console_log_level="error", run=config,
-                                     expected_roles=expected if role == "controller" else {})
-            context = ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=head,
-                                   run_dir=run_dir, heartbeat_interval=0.5, settings=settings)
-            actor = actor_class(context)
-            system.actors[actor_id] = actor
-            system.tasks[actor_id] = asyncio.create_task(actor.main(), name=actor_id)
-            if role == "controller":
-                await asyncio.sleep(0.2)  # its socket is bound before anyone registers
-            else:  # one at a time, so what an actor finds at start-up (its peers) does not depend on a race
-                await system.wait_for(functools.partial(_registered, system, actor_id), 15, f"{actor_id} to register")
+            await system.start(role, kind, actor_id, expected_roles=expected if role == "controller" else {})
         yield system
     finally:
         await system.stop()

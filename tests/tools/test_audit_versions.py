@@ -27,9 +27,10 @@ def group(group_id: str, token_versions: list[int]) -> ScoredGroup:
 
 
 def write_run(run_dir: Path, served: list[tuple[list[int], int]], lineage: list[tuple[int, int]],
-              max_staleness: int = 1) -> Path:
+              max_staleness: int = 1, remeasured: dict[int, int] | None = None) -> Path:
     """`served`: per batch (its one sample's token versions, the version the buffer served it at), batch ids from 1;
-    `lineage`: the learner's records in order, (batch id, version the step left)."""
+    `lineage`: the learner's records in order, (batch id, version the step left); `remeasured`: batch id -> the
+    version the buffer measured it again at (served ahead of a step that applied no update)."""
     (run_dir / "metrics").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(f"buffer:\n  max_staleness: {max_staleness}\n")
     log = BufferLog(run_dir / "buffer" / "log.msgpack")
@@ -37,6 +38,8 @@ def write_run(run_dir: Path, served: list[tuple[list[int], int]], lineage: list[
         scored = group(f"g{batch_id}", versions)
         log.append("accept", group_id=scored.group_id, group=encode(scored))
         log.append("batch", batch_id=batch_id, group_ids=[scored.group_id], staleness=[0], learner_version=served_at)
+    for batch_id, version in (remeasured or {}).items():
+        log.append("remeasure", batch_id=batch_id, staleness=[0], learner_version=version)
     log.close()
     lines = [json.dumps({"batch_id": b, "version": v, "sample_ids": [f"g{b}/0"]}) for b, v in lineage]
     (run_dir / "metrics" / "trained_samples.jsonl").write_text("\n".join(lines) + "\n")
@@ -59,6 +62,14 @@ def test_a_batch_served_at_another_version_than_it_trained_at_is_a_problem(tmp_p
     """The buffer measured (and bounded) its staleness against a version the batch was not trained at."""
     run = write_run(tmp_path, served=[([0], 0), ([0], 0)], lineage=[(1, 1), (2, 2)])
     assert audit(run).problems == ["batch 2: served (and its staleness measured) at version 0, trained at 1"]
+
+
+def test_a_batch_served_ahead_of_a_skipped_step_counts_at_the_version_it_was_measured_again_at(tmp_path: Path) -> None:
+    """Step 1 applied no update (it left version 0); batch 2 was served ahead at version 1, then measured at 0."""
+    served, lineage = [([0], 0), ([0], 1)], [(1, 0), (2, 1)]
+    assert audit(write_run(tmp_path / "remeasured", served, lineage, remeasured={2: 0})).ok
+    problems = audit(write_run(tmp_path / "not", served, lineage)).problems
+    assert problems == ["batch 2: served (and its staleness measured) at version 1, trained at 0"]
 
 
 def test_a_token_past_the_staleness_bound_is_a_problem(tmp_path: Path) -> None:
