@@ -41,6 +41,7 @@ from bus.schema import (
 from bus.sockets import peer_name
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
+IDLE_POLL_S = 0.05  # after "nothing now" from the buffer, ask again this soon unless a version or weights come first
 EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of the version it evaluates
 
 
@@ -75,6 +76,9 @@ class RolloutWorker(Actor):
         self.announced_version = 0  # the learner's version, as last announced
         self.learner_pushes = False  # whether the learner's announcements carry a weights version
         self._weights_landed = asyncio.Event()
+        # Set by what usually opens admission (a version announcement) or lets old weights train again (a push):
+        # a worker told "nothing now" asks again at once instead of at its next poll.
+        self._work_may_open = asyncio.Event()
         self.handed_off = HandedOff(keep_s=self.config.buffer.lease_timeout)
         self.spawn(self._renew_leases(), name="rollout.renew")
 
@@ -87,13 +91,15 @@ class RolloutWorker(Actor):
             eval_only = self.weights_too_old()  # too old to train on, maybe the very weights an eval round waits for
             async with self._room:
                 await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
+            self._work_may_open.clear()
             lease = await self.request_lease(self.capacity - self.groups_in_flight, eval_only=eval_only)
             if lease is None or not lease.groups:
                 self._note_no_work(eval_only, lease)
                 if eval_only:
                     await self.wait_for_weights(0.2)
-                else:
-                    await asyncio.sleep(0.05 if lease is not None else 0.5)
+                else:  # the poll stays as a backstop: a drop or a re-issue at the buffer opens work unannounced
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._work_may_open.wait(), IDLE_POLL_S if lease is not None else 0.5)
                 continue
             self.waits.end("work")
             self.hold(lease)
@@ -256,6 +262,7 @@ class RolloutWorker(Actor):
             self.pushed_version = max(self.pushed_version, announcement.weights_version)
             self.learner_pushes = True
         self.announced_version = announcement.version
+        self._work_may_open.set()
 
     @serves(WeightUpdateOrder)
     async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack | Error:
@@ -276,6 +283,7 @@ class RolloutWorker(Actor):
         chaos.reached("weight_load.done")
         self.counters["weights.updates"] += 1
         self._weights_landed.set()  # a worker waiting for these weights starts generating now
+        self._work_may_open.set()
         return Ack(ok=True, error=None)
 
     def metrics(self) -> dict[str, float]:

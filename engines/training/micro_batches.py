@@ -117,33 +117,35 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) 
     """
     if not samples:
         raise ValueError("pack_inputs needs at least one sample")
-    pieces, positions, logit_positions, targets = [], [], [], []
-    offset = 0
-    root: tuple[int, Tensor] | None = None  # the row offset and prompt of the sequence a sample may continue
+    # Built as Python lists and turned into tensors once: a few tensor ops per sample cost more than the rest of
+    # the packing on an RL batch of hundreds of short samples (7 ms of a CPU step).
+    ids: list[int] = []
+    positions: list[int] = []
+    logit_positions: list[int] = []
+    targets: list[int] = []
+    root: tuple[int, list[int]] | None = None  # the row offset and prompt of the sequence a sample may continue
     for sample in samples:
-        prompt_length = sample.prompt_length
-        prompt = sample.tokens[:prompt_length]
-        shared = share_prompts and root is not None and torch.equal(root[1], prompt)
-        if shared:
-            assert root is not None
-            piece, first = sample.tokens[prompt_length:], prompt_length
+        tokens, prompt_length, response_length = sample.tokens.tolist(), sample.prompt_length, sample.response_length
+        prompt, response = tokens[:prompt_length], tokens[prompt_length:]
+        offset = len(ids)
+        if share_prompts and root is not None and root[1] == prompt:
+            ids += response
+            positions += range(prompt_length, prompt_length + len(response))
             # The first response token is predicted from the prompt's last position, in the root sequence.
-            predictors = [root[0] + prompt_length - 1, *range(offset, offset + sample.response_length - 1)]
-            logit_positions.append(torch.tensor(predictors[: sample.response_length], dtype=torch.long))
+            predictors = [root[0] + prompt_length - 1, *range(offset, offset + response_length - 1)]
+            logit_positions += predictors[:response_length]
         else:
-            piece, first = sample.tokens, 0
             root = (offset, prompt)
+            ids += tokens
+            positions += range(len(tokens))
             start = offset + prompt_length - 1
-            logit_positions.append(torch.arange(start, start + sample.response_length))
-        pieces.append(piece.long())
-        positions.append(torch.arange(first, first + piece.numel()))
-        targets.append(sample.tokens[prompt_length:].long())
-        offset += piece.numel()
+            logit_positions += range(start, start + response_length)
+        targets += response
     return PackedInputs(
-        input_ids=torch.cat(pieces).unsqueeze(0),
-        position_ids=torch.cat(positions).unsqueeze(0),
-        logit_positions=torch.cat(logit_positions),
-        targets=torch.cat(targets),
+        input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
+        position_ids=torch.tensor(positions, dtype=torch.long).unsqueeze(0),
+        logit_positions=torch.tensor(logit_positions, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
         response_lengths=torch.tensor([sample.response_length for sample in samples], dtype=torch.long),
     )
 

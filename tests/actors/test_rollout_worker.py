@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from actors.config import build_config
+from actors.rollout import actor as rollout_actor
 from actors.rollout.engine_factory import load_engine
 from bus import RpcClient
 from bus.schema import Ack, VersionAnnouncement, WeightUpdateOrder
@@ -183,3 +184,28 @@ async def test_a_synchronous_worker_starts_the_next_batch_when_the_weights_land_
             client.close()
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups")
     assert {int(v) for group in recorder.groups[2:] for s in group.samples for v in s.token_versions} == {1}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_worker_told_nothing_now_asks_again_as_soon_as_the_next_version_is_announced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synchronous worker polled the buffer every 50 ms between batches, so each step lost up to a poll (~6% of
+    the CPU demo's sync steps/s); the announcement that opens admission must wake it. Here the poll is 30 s."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    monkeypatch.setattr(rollout_actor, "IDLE_POLL_S", 30.0)
+    async with actor_system(tmp_path, _settings(tmp_path, max_staleness=0), ROLES) as system:
+        worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
+        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
+        try:  # version 1's weights land first: the worker asks, hears "nothing now", and waits
+            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
+                                      timeout_s=5.0)
+            assert isinstance(await client.call(order, timeout=5.0, retries=0), Ack)
+        finally:
+            client.close()
+        await asyncio.sleep(0.3)
+        assert len(recorder.groups) == 2 and buffer.core.lease("probe", 1) is None
+        buffer.core.note_version(step=1, version=1)  # the learner's announcement reaches the buffer, then the worker
+        await worker.on_version("version", VersionAnnouncement(version=1, weights_version=1, step=1))
+        await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups, well before the next poll")
