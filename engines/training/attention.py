@@ -42,28 +42,90 @@ def packed_sdpa_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     position_ids: Tensor | None = None,
+    packed_plan: RowPlan | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Signature of a transformers attention function: q [1, H, T, D], k/v [1, H_kv, T, D] -> [1, T, H, D]."""
+    """Signature of a transformers attention function: q [1, H, T, D], k/v [1, H_kv, T, D] -> [1, T, H, D].
+    `packed_plan`: the row's plan, made once per forward by `forward_packed` (else made here, per layer)."""
     if query.shape[0] != 1:
         raise ValueError(f"{NAME} attends within one packed row; got a batch of {query.shape[0]} rows (use 'sdpa')")
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{NAME} does not support logit soft-capping or attention sinks; use 'sdpa'")
     length = query.shape[2]
-    segments = packed_segments(position_ids, length)
+    plan = packed_plan if packed_plan is not None and packed_plan.length == length else RowPlan(
+        position_ids, length, query.device)
     dropout = dropout if module.training else 0.0
-    if len(segments) == 1:
-        output = _causal_attention(query, key, value, dropout=dropout, scaling=scaling, sliding_window=sliding_window)
-        return output.transpose(1, 2).contiguous(), None
     output: Tensor | None = None
-    for (prefix, span_length), members in _segments_by_shape(segments).items():
-        attended, positions = _attend_alike(query, key, value, prefix, span_length, members, dropout=dropout,
-                                            scaling=scaling, sliding_window=sliding_window)
+    for call in plan.calls:
+        if isinstance(call.queries, slice):  # one plain sequence: slice views, no gather
+            q, k, v = query[:, :, call.queries], key[:, :, call.keys], value[:, :, call.keys]
+        else:
+            q = query[0][:, call.queries].transpose(0, 1)
+            k, v = key[0][:, call.keys].transpose(0, 1), value[0][:, call.keys].transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=(mask := plan.mask(q.shape[2], k.shape[2], sliding_window)), dropout_p=dropout,
+            is_causal=mask is None, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        if plan.single:
+            return attended.transpose(1, 2).contiguous(), None
+        attended = attended.transpose(0, 1).reshape(attended.shape[1], -1, attended.shape[-1])
         if output is None:  # the kernel's dtype, which autocast may have changed from the inputs'
             output = attended.new_empty(attended.shape[0], length, attended.shape[-1])
-        output[:, positions] = attended
+        output[:, call.rows] = attended
     assert output is not None
     return output.unsqueeze(0).transpose(1, 2).contiguous(), None
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """Segments of one (prefix, length) shape: their query rows and key rows, gathered into one kernel call."""
+
+    queries: slice | Tensor  # a slice for a lone plain sequence; else [n, length] row indices
+    keys: slice | Tensor  # [n, prefix + length]: the root's first `prefix` rows, then the segment's own
+    rows: slice | Tensor  # where the outputs go in the row, flattened
+
+
+class RowPlan:
+    """How one packed row's attention is cut into kernel calls, with their index tensors and masks.
+
+    It depends only on the row's positions, so `forward_packed` makes it once and every layer reads it: per layer
+    it cost more than the attention kernels themselves on a CPU batch of short samples (a host transfer, index
+    tensors and masks for each of a dozen shapes).
+    """
+
+    def __init__(self, position_ids: Tensor | None, length: int, device: torch.device) -> None:
+        self.length = length
+        segments = packed_segments(position_ids, length)
+        self.single = len(segments) == 1
+        self.calls = [_kernel_call(prefix, span, members, device)
+                      for (prefix, span), members in _segments_by_shape(segments).items()]
+        self._device = device
+        self._masks: dict[tuple[int, int, int | None], Tensor | None] = {}
+
+    def mask(self, query_length: int, key_length: int, sliding_window: int | None) -> Tensor | None:
+        """None for plain causal attention; else queries are the last `query_length` of the keys' positions."""
+        shape = (query_length, key_length, sliding_window)
+        if shape not in self._masks:
+            window = sliding_window is not None and key_length > sliding_window
+            mask = None
+            if window or key_length != query_length:
+                rows = torch.arange(key_length - query_length, key_length, device=self._device)
+                distance = rows[:, None] - torch.arange(key_length, device=self._device)[None, :]
+                mask = (distance >= 0) & (distance < sliding_window) if window else distance >= 0
+            self._masks[shape] = mask
+        return self._masks[shape]
+
+
+def _kernel_call(prefix: int, span_length: int, members: list[Segment], device: torch.device) -> KernelCall:
+    if prefix == 0 and len(members) == 1:
+        own = slice(members[0].start, members[0].end)
+        return KernelCall(own, own, own)
+    own_rows = torch.tensor([m.start for m in members], device=device)[:, None] + torch.arange(span_length,
+                                                                                              device=device)
+    keys = own_rows
+    if prefix:
+        roots = torch.tensor([m.root for m in members], device=device)[:, None] + torch.arange(prefix, device=device)
+        keys = torch.cat([roots, own_rows], dim=1)
+    return KernelCall(own_rows, keys, own_rows.reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -114,63 +176,9 @@ def _segments_by_shape(segments: list[Segment]) -> dict[tuple[int, int], list[Se
     return groups
 
 
-def _attend_alike(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    prefix: int,
-    span_length: int,
-    members: list[Segment],
-    *,
-    dropout: float,
-    scaling: float | None,
-    sliding_window: int | None,
-) -> tuple[Tensor, slice | Tensor]:
-    """Attention of segments of one shape: [H, n * span_length, D] and the row positions it belongs at."""
-    device = query.device
-    if prefix == 0 and len(members) == 1:  # a length of its own: slice views, no gather
-        positions: slice | Tensor = slice(members[0].start, members[0].end)
-        attended = _causal_attention(query[:, :, positions], key[:, :, positions], value[:, :, positions],
-                                     dropout=dropout, scaling=scaling, sliding_window=sliding_window)[0]
-        return attended, positions
-    own = torch.tensor([m.start for m in members], device=device)[:, None] + torch.arange(span_length, device=device)
-    if prefix:  # keys: the root's first `prefix` tokens, then the segment itself
-        roots = torch.tensor([m.root for m in members], device=device)[:, None] + torch.arange(prefix, device=device)
-        keys = torch.cat([roots, own], dim=1)
-    else:
-        keys = own
-    attended = _causal_attention(query[0][:, own].transpose(0, 1), key[0][:, keys].transpose(0, 1),
-                                 value[0][:, keys].transpose(0, 1), dropout=dropout, scaling=scaling,
-                                 sliding_window=sliding_window)
-    return attended.transpose(0, 1).reshape(attended.shape[1], -1, attended.shape[-1]), own.reshape(-1)
-
-
 def sequence_spans(position_ids: Tensor | None, length: int) -> list[tuple[int, int]]:
     """[start, end) of each run of the row: a new one begins wherever positions do not continue by +1."""
     return [(segment.start, segment.end) for segment in packed_segments(position_ids, length)]
-
-
-def _causal_attention(
-    query: Tensor, key: Tensor, value: Tensor, *, dropout: float, scaling: float | None, sliding_window: int | None
-) -> Tensor:
-    """Queries are the last `query_length` of the keys' positions (all of them for a plain sequence)."""
-    query_length, key_length = query.shape[2], key.shape[2]
-    mask = None
-    window = sliding_window is not None and key_length > sliding_window
-    if window or key_length != query_length:
-        rows = torch.arange(key_length - query_length, key_length, device=query.device)
-        distance = rows[:, None] - torch.arange(key_length, device=query.device)[None, :]
-        mask = (distance >= 0) & (distance < sliding_window) if window else distance >= 0
-    return F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        dropout_p=dropout,
-        is_causal=mask is None,
-        scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
 
 
 def register_packed_attention() -> None:

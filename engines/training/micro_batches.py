@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from engines.training import attention
 from engines.training.base import TOKEN_FIELDS, PackedBatch, TrainSample
 
 
@@ -183,11 +184,16 @@ def count_loss_tokens(samples: Sequence[TrainSample]) -> int:
 
 def forward_packed(model: nn.Module, inputs: PackedInputs) -> Tensor:
     """Logits [N, V] at `inputs.logit_positions` of one packed row (the only way the trainer runs the model)."""
+    extra = {}  # packed_sdpa's plan of the row, made once for every layer
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.NAME:
+        positions = inputs.position_ids
+        extra["packed_plan"] = attention.RowPlan(positions, positions.shape[-1], positions.device)
     output = model(
         input_ids=inputs.input_ids,
         position_ids=inputs.position_ids,
         use_cache=False,
         logits_to_keep=inputs.logit_positions,
+        **extra,
     )
     return output.logits[0]
 

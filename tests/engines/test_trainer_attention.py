@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from engines.training import attention
 from engines.training.attention import packed_sdpa_attention, register_packed_attention, sequence_spans
 from engines.training.base import TrainSample
 from engines.training.micro_batches import forward_packed, pack_inputs
@@ -26,6 +27,29 @@ def test_packed_row_logits_equal_each_sequence_run_alone_under_sdpa(family: str)
         model.config._attn_implementation = "packed_sdpa"
         packed = forward_packed(model, pack_inputs(samples))
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_packed_forward_plans_its_row_once_for_every_layer(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row's kernel calls (segments, index tensors, masks) depend only on its positions: made per layer they
+    cost more than the kernels on a CPU batch of short samples. The plan must reach every layer's attention."""
+    register_packed_attention()
+    model = build_tiny_model(TinyModelSpec(family=family, num_hidden_layers=3), build_tokenizer()).eval()
+    model.config._attn_implementation = "packed_sdpa"
+    made: list[int] = []
+
+    class CountedPlan(attention.RowPlan):
+        def __init__(self, *args: object) -> None:
+            made.append(1)
+            super().__init__(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "RowPlan", CountedPlan)
+    generator = torch.Generator().manual_seed(0)
+    samples = [TrainSample(torch.randint(6, 100, (n,), generator=generator), 2) for n in (5, 7, 5)]
+    with torch.no_grad():
+        forward_packed(model, pack_inputs(samples))
+    assert len(made) == 1
 
 
 @pytest.mark.unit
