@@ -41,6 +41,7 @@ from bus.schema import (
 from bus.sockets import peer_name
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
+WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for eval work again
 IDLE_POLL_S = 0.05  # after "nothing now" from the buffer, ask again this soon unless a version or weights come first
 EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of the version it evaluates
 
@@ -96,7 +97,8 @@ class RolloutWorker(Actor):
             if lease is None or not lease.groups:
                 self._note_no_work(eval_only, lease)
                 if eval_only:
-                    await self.wait_for_weights(0.2)
+                    if self.weights_too_old():  # not if they landed while we asked: the wait would miss them
+                        await self.wait_for_weights(WEIGHTS_POLL_S)
                 else:  # the poll stays as a backstop: a drop or a re-issue at the buffer opens work unannounced
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._work_may_open.wait(), IDLE_POLL_S if lease is not None else 0.5)

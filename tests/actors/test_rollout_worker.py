@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from actors.buffer.actor import Buffer
 from actors.config import build_config
 from actors.rollout import actor as rollout_actor
 from actors.rollout.engine_factory import load_engine
 from bus import RpcClient
-from bus.schema import Ack, VersionAnnouncement, WeightUpdateOrder
+from bus.schema import Ack, Lease, LeaseRequest, VersionAnnouncement, WeightUpdateOrder
 from engines.inference.base import InferenceEngine
 from policies.plugins import PluginError
 from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
@@ -209,3 +210,45 @@ async def test_a_worker_told_nothing_now_asks_again_as_soon_as_the_next_version_
         buffer.core.note_version(step=1, version=1)  # the learner's announcement reaches the buffer, then the worker
         await worker.on_version("version", VersionAnnouncement(version=1, weights_version=1, step=1))
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups, well before the next poll")
+
+
+class HoldsEvalOnlyLeases(Buffer):
+    """The real buffer, except that it answers one eval-only lease request only once `release` is set."""
+
+    release: asyncio.Event | None = None
+    asked: asyncio.Event | None = None
+
+    async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
+        if request.eval_only and self.release is not None and self.asked is not None:
+            self.asked.set()
+            await self.release.wait()
+            self.release = None
+        return await super().on_lease_request(sender, request)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_weights_that_land_while_the_worker_asks_for_eval_work_are_not_waited_for_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too old to train on, the worker asks for eval work; when the new weights land during that request, it must
+    go on with them, not clear the signal and wait out its timeout (a sync step lost 0.2 s, seen in
+    bench_pipeline once workers woke on the announcement). Here the timeout is 30 s."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    monkeypatch.setattr(rollout_actor, "WEIGHTS_POLL_S", 30.0)
+    roles = {**ROLES, "buffer": HoldsEvalOnlyLeases}
+    async with actor_system(tmp_path, _settings(tmp_path, max_staleness=0), roles) as system:
+        worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
+        buffer.release, buffer.asked = asyncio.Event(), asyncio.Event()
+        buffer.core.note_version(step=1, version=1)
+        await worker.on_version("version", VersionAnnouncement(version=1, weights_version=0, step=1))
+        await asyncio.wait_for(buffer.asked.wait(), 10)  # our weights (0) are too old: it asks for eval work
+        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
+        try:
+            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
+                                      timeout_s=5.0)
+            assert isinstance(await client.call(order, timeout=5.0, retries=0), Ack)
+        finally:
+            client.close()
+        buffer.release.set()  # "no eval work", answered after version 1's weights landed
+        await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups with version 1's weights")
