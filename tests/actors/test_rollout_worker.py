@@ -10,6 +10,7 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,6 +35,17 @@ def _settings(tmp_path: Path, **overrides: object) -> dict[str, object]:
     return {**SLEEPING, "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "rollout_batch_size": 2,
             "n_samples_per_prompt": 2, "rollout_max_batch_size": 2, "rollout_max_response_len": 64,
             "use_tensorboard": False, "plots": False, **overrides}
+
+
+async def order_weights(worker: Any, version: int = 1) -> Ack | Any:
+    """What the learner sends a worker for a push (weights as version numbers only); returns the worker's answer."""
+    client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
+    try:
+        order = WeightUpdateOrder(version=version, group={"transport": VERSION_ONLY.name,
+                                                          "receivers": [worker.actor_id]}, timeout_s=5.0)
+        return await client.call(order, timeout=5.0, retries=0)
+    finally:
+        client.close()
 
 
 @pytest.mark.integration
@@ -67,13 +79,7 @@ async def test_weight_order_mid_generation_tags_later_tokens_with_the_new_versio
         worker, recorder = system["rollout-0-0"], system["reward-0-0"]
         await system.wait_for(lambda: worker.groups_in_flight > 0, 10, "a group in generation")
         await asyncio.sleep(0.5)
-        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
-        try:
-            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
-                                      timeout_s=5.0)
-            reply = await client.call(order, timeout=5.0, retries=0)
-        finally:
-            client.close()
+        reply = await order_weights(worker)
         assert isinstance(reply, Ack) and reply.ok
         assert worker.engine.version == 1 and worker.counters["weights.updates"] == 1
         await system.wait_for(lambda: len(recorder.groups) >= 1, 10, "the group in generation")
@@ -176,13 +182,7 @@ async def test_a_synchronous_worker_starts_the_next_batch_when_the_weights_land_
         buffer.core.note_version(step=1, version=1)  # the buffer heard it too: batch 2 may start
         await asyncio.sleep(0.6)
         assert len(recorder.groups) == 2, "generated batch 2 with version 0's weights"
-        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
-        try:
-            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
-                                      timeout_s=5.0)
-            assert isinstance(await client.call(order, timeout=5.0, retries=0), Ack)
-        finally:
-            client.close()
+        assert isinstance(await order_weights(worker), Ack)
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups")
     assert {int(v) for group in recorder.groups[2:] for s in group.samples for v in s.token_versions} == {1}
 
@@ -198,13 +198,8 @@ async def test_a_worker_told_nothing_now_asks_again_as_soon_as_the_next_version_
     async with actor_system(tmp_path, _settings(tmp_path, max_staleness=0), ROLES) as system:
         worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
         await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
-        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
-        try:  # version 1's weights land first: the worker asks, hears "nothing now", and waits
-            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
-                                      timeout_s=5.0)
-            assert isinstance(await client.call(order, timeout=5.0, retries=0), Ack)
-        finally:
-            client.close()
+        # Version 1's weights land first: the worker asks, hears "nothing now", and waits.
+        assert isinstance(await order_weights(worker), Ack)
         await asyncio.sleep(0.3)
         assert len(recorder.groups) == 2 and buffer.core.lease("probe", 1) is None
         buffer.core.note_version(step=1, version=1)  # the learner's announcement reaches the buffer, then the worker
@@ -243,12 +238,6 @@ async def test_weights_that_land_while_the_worker_asks_for_eval_work_are_not_wai
         buffer.core.note_version(step=1, version=1)
         await worker.on_version("version", VersionAnnouncement(version=1, weights_version=0, step=1))
         await asyncio.wait_for(buffer.asked.wait(), 10)  # our weights (0) are too old: it asks for eval work
-        client = RpcClient(worker.zmq, worker.endpoints()["rpc"], client_id="test-learner")
-        try:
-            order = WeightUpdateOrder(version=1, group={"transport": VERSION_ONLY.name, "receivers": ["rollout-0-0"]},
-                                      timeout_s=5.0)
-            assert isinstance(await client.call(order, timeout=5.0, retries=0), Ack)
-        finally:
-            client.close()
+        assert isinstance(await order_weights(worker), Ack)
         buffer.release.set()  # "no eval work", answered after version 1's weights landed
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups with version 1's weights")
