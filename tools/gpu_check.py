@@ -146,7 +146,7 @@ def check_engine_speed(device: str, quick: bool) -> Row:
     from engines.tiny_model import cached_tiny_model
     from tools.bench_engine import Workload, _engine_pass, make_workload, run_baseline
 
-    spec = _model_spec(device, quick)
+    spec = gpu_model_spec(device, quick)
     path = cached_tiny_model(REPO / ".cache" / "models", spec)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
@@ -184,7 +184,7 @@ def check_train_step(device: str, quick: bool) -> Row:
         TrainSample,
     )
 
-    spec: TinyModelSpec = _model_spec(device, quick)
+    spec: TinyModelSpec = gpu_model_spec(device, quick)
     path = cached_tiny_model(REPO / ".cache" / "models", spec)
     generator = torch.Generator().manual_seed(0)
     count, length = (16, 96) if quick else (64, 256)
@@ -280,7 +280,7 @@ def _sync_receiver(spec_dict: dict, device: str, shapes: list[list[int]], dtype_
 
 
 # -------------------------------------------------------------------------------------------------- helpers
-def _model_spec(device: str, quick: bool) -> Any:
+def gpu_model_spec(device: str, quick: bool) -> Any:
     from engines.tiny_model import TinyModelSpec
 
     if device == "cuda" and not quick:
@@ -388,6 +388,10 @@ def describe_device(cpu: bool) -> str:
             f"torch {torch.__version__}, CUDA {torch.version.cuda}")
 
 
+def _write_json(path: Path, rows: list[Row], cpu: bool) -> None:
+    path.write_text(json.dumps({"device": describe_device(cpu), "rows": [asdict(r) for r in rows]}, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run every check on the CPU (what CI does)")
@@ -428,10 +432,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = Row(name, "FAILED", f"{error!r}\n{traceback.format_exc()[-1500:]}")
             row.seconds = row.seconds or time.monotonic() - started
             rows.append(row)
+            # Each row as it lands: a run cut off by a deadline still leaves what it had learned.
+            print(f"gpu_check: {name} {row.status} in {row.seconds:.0f} s: {row.result}", file=sys.stderr, flush=True)
+            if args.json is not None:
+                _write_json(args.json, rows, args.cpu)
     print_table(rows, describe_device(args.cpu))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"device": describe_device(args.cpu), "rows": [asdict(r) for r in rows]},
-                                        indent=2))
     return 1 if any(row.status == "FAILED" for row in rows) else 0
 
 

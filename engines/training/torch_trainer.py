@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -443,10 +444,19 @@ def _param_groups(model: nn.Module, weight_decay: float) -> tuple[list[str], lis
 
 def _wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
     ddp = DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False
+        model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_buffer_sync_off()
     )
     ddp.register_comm_hook(state=None, hook=_sum_gradients_hook)
     return ddp
+
+
+def ddp_buffer_sync_off(ddp_init: Callable[..., None] = DistributedDataParallel.__init__) -> dict[str, bool]:
+    """DDP's flag for not broadcasting buffers before every forward (ours, the rotary tables, are the same on every
+    rank and never trained). torch 2.13 renamed it `forward_sync_buffers`; older releases, which GPU images ship,
+    know only `broadcast_buffers` and refuse the new name."""
+    if "forward_sync_buffers" in inspect.signature(ddp_init).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def _sum_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

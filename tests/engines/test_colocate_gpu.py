@@ -34,13 +34,24 @@ def test_an_offloading_trainer_steps_like_one_that_keeps_its_state_on_the_gpu(ti
 
 @pytest.mark.gpu
 async def test_an_idle_colocated_engine_returns_its_cached_blocks(tiny_model_path: Path) -> None:
-    async with TorchEngine.from_pretrained(tiny_model_path, device="cuda", release_memory_when_idle=True) as engine:
-        weights = torch.cuda.memory_reserved()
-        params = SamplingParams(temperature=1.0, max_new_tokens=200, ignore_eos=True, n=32)
+    # What the engine can give back is the allocator's cached-but-unused memory. Everything still allocated stays
+    # (the weights, and cuBLAS's workspace, which the first matmul allocates and keeps: the first GPU run of this
+    # test compared against the weights alone and failed on it). An engine that keeps its memory is the contrast.
+    kept = await _cached_bytes_after_generating(tiny_model_path, release=False)
+    released = await _cached_bytes_after_generating(tiny_model_path, release=True)
+    assert released <= 8 * 2**20 < kept, f"cached but unused after the turn: {released} B released, {kept} B kept"
+
+
+async def _cached_bytes_after_generating(model_path: Path, release: bool) -> int:
+    torch.cuda.empty_cache()
+    async with TorchEngine.from_pretrained(model_path, device="cuda", release_memory_when_idle=release) as engine:
+        params = SamplingParams(temperature=1.0, max_new_tokens=500, ignore_eos=True, n=64)
         await engine.generate(GenerateRequest("r", [7, 12, 30], params))
-        for _ in range(100):
-            if (await engine.health())["memory_releases"]:
+        for _ in range(500):
+            if not release or (await engine.health())["memory_releases"]:
                 break
             await asyncio.sleep(0.01)
-        assert torch.cuda.memory_reserved() < torch.cuda.max_memory_reserved()  # the generation's blocks left
-        assert torch.cuda.memory_reserved() <= weights + 2 * 2**20
+        else:
+            raise AssertionError("the engine never reported a memory release after running out of work")
+        torch.cuda.synchronize()
+        return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

@@ -109,3 +109,20 @@ def test_checkpoint_saved_by_ddp_ranks_resumes_in_one_process(tiny_model_path: P
     ddp_weights = load_file(str(out_dir / "weights.st"))
     for name, tensor in resumed.named_tensors():
         assert torch.equal(tensor, ddp_weights[name]), name
+
+
+def _ddp_init_before_torch_2_13(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                                init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
+                                check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
+                                delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                                mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False):
+    """DistributedDataParallel.__init__ as torch releases before 2.13 declare it (2.11 is the GPU image's torch)."""
+
+
+@pytest.mark.unit
+def test_buffer_sync_is_switched_off_by_the_name_the_installed_torch_knows() -> None:
+    # The first two-rank learner on a GPU machine (torch 2.11) died on `forward_sync_buffers`, a 2.13 name.
+    from engines.training.torch_trainer import ddp_buffer_sync_off
+
+    assert ddp_buffer_sync_off(_ddp_init_before_torch_2_13) == {"broadcast_buffers": False}
+    assert ddp_buffer_sync_off() == {"forward_sync_buffers": False}  # torch 2.13, which CI pins
