@@ -40,6 +40,11 @@ class SleepingTrainer(Trainer):
     def version(self) -> int:
         return self._version
 
+    @property
+    def gates_updates(self) -> bool:
+        """As the one-rank torch trainer, so the pipeline benchmark measures the push beside the next step."""
+        return True
+
     def compute_log_probs(self, samples: Sequence[TrainSample], *, temperature: float, with_entropy: bool = False,
                           model: ModelRole = "policy") -> ModelOutputs:
         """Zeros, one per response token in sample order: the layout the step expects, at no cost."""
@@ -52,6 +57,8 @@ class SleepingTrainer(Trainer):
         started = time.time()
         time.sleep(cost)
         ended = time.time()
+        if self.update_gate is not None:
+            self.update_gate()  # as the torch trainer: the version it leaves is the "write" of the weights
         self._version += 1 if ends_batch else 0  # the version counts rollout batches, not optimizer steps
         metrics = {"sim/compute_start": started, "sim/compute_end": ended, "sim/timer_late_s": ended - started - cost,
                    "sequences": float(len(samples))}

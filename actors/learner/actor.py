@@ -20,7 +20,7 @@ import msgspec
 from actors.learner.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
 from actors.learner.eval_hold import EvalHold
 from actors.learner.modes import BatchRefused, Progress, pick_source, pick_training
-from actors.learner.publish import live_engines, publisher_for
+from actors.learner.publish import ATTEMPTS, live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
@@ -32,6 +32,7 @@ from bus.schema import Batch, Control, Roster, VersionAnnouncement
 from policies.staleness import staleness_of_samples
 
 T = TypeVar("T")
+STOPPED_PUSH_WAIT_S = 5.0  # a push a stop aborted ends at once; this bounds the wait if it does not
 
 
 class Learner(Actor):
@@ -61,6 +62,10 @@ class Learner(Actor):
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
             tensors=self.trainer.named_tensors, zmq=self.zmq, security=self.security,
             client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log, waits=self.waits)
+        if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
+            gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
+            local_trainer.update_gate = lambda: self.weights.wait_for_reads(gate_s)
+        self.push_in_flight: asyncio.Task[None] | None = None
         self.engines_joined = False
         self.eval_hold = EvalHold(self.config, counters=self.counters, log=self.log,
                                   timeout_s=self.config.eval.final_eval_timeout)
@@ -84,7 +89,7 @@ class Learner(Actor):
             while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
                 # A new or restarted engine must not wait for the next step; but a push goes to every engine, so
                 # while an eval round holds them on its version, the newcomer waits for the round too.
-                if (self.engines_joined or self.push_held) and not self._held_for_eval():
+                if (self.engines_joined or self.push_held) and not await self._held_for_eval():
                     self.engines_joined = self.push_held = False
                     await self.publish_weights()
                 # Open across the buffer's empty long-poll answers, so the hang report says how long it has been.
@@ -97,7 +102,7 @@ class Learner(Actor):
                 else:
                     batch, prepared = await self._unless_stopped(self.source.next(self.progress())), None
                 if batch is None:
-                    if self.push_failed and not self._held_for_eval():
+                    if self.push_failed and not await self._held_for_eval():
                         await self.publish_weights()  # see publish_weights: the batch may wait for these weights
                     continue
                 self.waits.end("batch")
@@ -106,7 +111,10 @@ class Learner(Actor):
                                      checkpointed_batch=self.checkpointed_batch)
                     upcoming = asyncio.create_task(self._fetch_ahead(ahead))
                 report = await self.train(batch, prepared)
-                await self._after_step(batch, report)
+                # The push runs beside the next step only when that step can start now. Otherwise the learner waits
+                # for its batch anyway, and a push beside nothing has the learner's core to itself: the engines get
+                # the weights, and so the batch after next, sooner.
+                await self._after_step(batch, report, next_step_ready=upcoming is not None and upcoming.done())
         except BatchRefused as refused:  # asking again cannot help: say why, on every node, and stop
             await self.fail_run(str(refused))
         finally:
@@ -140,14 +148,14 @@ class Learner(Actor):
             return None, None
         return batch, await self.training.prepare(batch)
 
-    async def _after_step(self, batch: Batch, report: StepReport | None) -> None:
-        """announce → publish → checkpoint → log."""
+    async def _after_step(self, batch: Batch, report: StepReport | None, *, next_step_ready: bool = False) -> None:
+        """announce → publish (beside the next step, if it is ready to start) → checkpoint → log."""
         await self.announce_version()
         if self.version % self.config.weights.update_weights_interval == 0:
-            if self._held_for_eval():
+            if await self._held_for_eval():
                 self.push_held = True
             else:
-                await self.publish_weights()
+                await self.publish_weights(beside_next_step=next_step_ready)
         if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
             await self.save_checkpoint()
         self.log_step(batch, report)
@@ -186,9 +194,14 @@ class Learner(Actor):
             return
         self.announced = (announcement.version, announcement.weights_version)
 
-    async def publish_weights(self) -> None:
+    async def publish_weights(self, *, beside_next_step: bool = False) -> None:
         """Push this version's weights; once every engine has them, a version already announced without them (or
         not heard) is announced again, so everyone hears it with its weights, not one step later or never.
+
+        `beside_next_step` (after a step, where the trainer gates its updates): the push runs as a task while the
+        learner goes on to the next step, whose forward and backward overlap the transfer; the trainer holds its
+        optimizer write until the push has read the weights. The next push, or anything that needs the engines
+        to have these weights, waits for it first (`settle_push`).
 
         A push that failed (an engine stalled past the transfer timeout, an order lost) is tried again whenever the
         buffer answers a batch request empty, not only after the next step: rollout workers do not generate with
@@ -196,15 +209,32 @@ class Learner(Actor):
         times in a row, gets no next batch until the engines have this version."""
         if not self.training.publishes:
             return
-        self.push_failed = not await self.weights.publish(self.version)
+        await self.settle_push()  # one push at a time, in version order
+        if beside_next_step and self.trainer.local.update_gate is not None:
+            self.weights.reads_begin()  # before the next step can reach its update
+            self.counters["weights.pushed_beside_step"] += 1
+            self.push_in_flight = asyncio.create_task(self._push(self.version, beside_training=True))
+        else:
+            await self._push(self.version)
+
+    async def _push(self, version: int, *, beside_training: bool = False) -> None:
+        self.push_failed = not await self.weights.publish(version, beside_training=beside_training)
         if self.push_failed:
             return
         self.push_held = False
-        self.eval_hold.published(self.version)
-        if self.announcing == self.version and self.announced != (self.version, self.weights.committed_version):
+        self.eval_hold.published(version)
+        # Not once the next step moved the version on: its own announcement carries these weights.
+        if self.version == version == self.announcing and self.announced != (version, self.weights.committed_version):
             await self.announce_version()
 
-    def _held_for_eval(self) -> bool:
+    async def settle_push(self) -> None:
+        """Until the push running beside a step (`publish_weights(beside_next_step=True)`) is over."""
+        push, self.push_in_flight = self.push_in_flight, None
+        if push is not None:
+            await push
+
+    async def _held_for_eval(self) -> bool:
+        await self.settle_push()  # a push under way may be the one whose version the engines must be held on
         self.eval_hold.reported(getattr(self.source, "eval_done_through", -1))
         return self.eval_hold.holds()
 
@@ -220,6 +250,7 @@ class Learner(Actor):
 
     async def finish(self) -> None:
         """Make the result durable, export it, and end the run for everyone."""
+        await self.settle_push()
         if self.training.keeps_model:
             await self.save_checkpoint()
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
@@ -283,6 +314,10 @@ class Learner(Actor):
         for name in ("audit", "metrics_writer"):
             if hasattr(self, name):
                 getattr(self, name).close()
+        push = getattr(self, "push_in_flight", None)
+        if push is not None:  # stopped by request_stop, which aborted it: it ends at once
+            await asyncio.wait({push}, timeout=STOPPED_PUSH_WAIT_S)
+            push.cancel()
         if hasattr(self, "weights"):
             self.weights.close()
         if hasattr(self, "trainer"):

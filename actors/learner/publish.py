@@ -19,6 +19,7 @@ through `engines.weights.transport`, so this module knows no mechanism by name.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -138,30 +139,53 @@ class WeightPublisher:
         self._stopping: str | None = None  # why pushes are over (the learner stops)
         self._clients: dict[str, tuple[str, Any]] = {}
         self._quiet_until = 0.0
+        # Clear from `reads_begin` until the push beside the next step has read the weights (or will not).
+        self._weights_read = threading.Event()
+        self._weights_read.set()
 
-    async def publish(self, version: int) -> bool:
+    def reads_begin(self) -> None:
+        """Call right before starting `publish(version, beside_training=True)` as a task, before the next step can
+        reach its update: from now the trainer's `wait_for_reads` holds its first write of the weights until this
+        push has read them."""
+        self._weights_read.clear()
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """In the trainer's thread, right before it writes the weights (the trainer's `update_gate`)."""
+        if not self._weights_read.wait(timeout_s):
+            raise TimeoutError(f"the trainer's update waited {timeout_s:.0f} s for the weight push beside it to read "
+                               "the weights; the transfer is stuck (see the learner's weight push warnings)")
+
+    async def publish(self, version: int, *, beside_training: bool = False) -> bool:
         """Push the learner's current weights as `version`; True once every live engine acknowledged.
 
         A push whose group loses a member meanwhile (see `roster_changed`) starts again at once with the engines
-        alive then, up to ATTEMPTS times; any other failure waits for the next update."""
-        for _ in range(ATTEMPTS):
-            if self._stopping is not None:
-                return False
-            engines = dict(self.engines())
-            if not engines:
-                self._no_engine(version)
-                return False
-            if self.committed_version == version and self._group == engines:
-                return True  # every live engine acknowledged this version already
-            pushed = await self._push(engines, version)
-            if pushed is not None:
-                return pushed
-        return False
+        alive then, up to ATTEMPTS times; any other failure waits for the next update. `beside_training`: the next
+        step runs meanwhile (after `reads_begin`), so once this push has read the weights they may be the next
+        version's, and a lost member is not tried again: the next update pushes the newer weights."""
+        try:
+            for _ in range(ATTEMPTS):
+                if self._stopping is not None or (beside_training and self._weights_read.is_set()):
+                    return False
+                engines = dict(self.engines())
+                if not engines:
+                    self._no_engine(version)
+                    return False
+                if self.committed_version == version and self._group == engines:
+                    return True  # every live engine acknowledged this version already
+                pushed = await self._push(engines, version)
+                if pushed is not None:
+                    return pushed
+            return False
+        finally:
+            # Covers the ways out before a send (no engine, a failed join, cancellation at stop); a send sets it
+            # itself, in its thread.
+            self._weights_read.set()
 
     def stop(self, reason: str) -> None:
         """No more pushes: the one under way ends now (its engines are stopping too and may never acknowledge it),
         so a stopping learner reaches its checkpoint before its launcher's grace runs out."""
         self._stopping = reason
+        self._weights_read.set()  # nothing will be committed now; a step still running must not wait for it
         group, sender = self._pushing, self._sender
         if group is not None and sender is not None:
             sender.abort({name: reason for name in group})
@@ -293,6 +317,7 @@ class WeightPublisher:
             close = getattr(tensors, "close", None)
             if close is not None:
                 close()
+            self._weights_read.set()  # here, in the thread that read them: the trainer may write them now
 
     async def _order(self, engine: str, endpoint: str, order: WeightUpdateOrder) -> str | None:
         """None once the engine acknowledged the order; else what went wrong (logged here)."""

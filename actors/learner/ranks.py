@@ -208,7 +208,13 @@ class CollectiveTrainer:
         Gathering shards is collective, so the followers iterate alongside, and the ranks' lock is held until
         the end so no other operation interleaves. Closed early (a transfer that failed), it still runs the
         iteration to its end: the followers are inside the same collectives and must reach it too.
+
+        One rank whose trainer gates its updates is read without the lock: a push reads while the next step runs,
+        and the step's write waits for the read (`Trainer.update_gate`) instead.
         """
+        if self.ranks.world == 1 and self.local.gates_updates:
+            yield from self.local.named_tensors()
+            return
         with self.ranks._lock:
             if self.ranks.world > 1:
                 dist.broadcast_object_list([("named_tensors", None)], src=0, group=self.ranks.commands)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -226,6 +226,18 @@ class Trainer(ABC):
         data-parallel, so it reports its rank and world and expects each rank to pass its own shard.
         """
         return DataParallel(rank=0, size=1, group=None)
+
+    # Set by the learner where `gates_updates` holds: `train_step` calls it right before its first write of the
+    # weights, and it returns once the weight push running beside the step has read them.
+    update_gate: Callable[[], None] | None = None
+
+    @property
+    def gates_updates(self) -> bool:
+        """Whether `train_step` calls `update_gate` before it writes the weights, and `named_tensors` may be read
+        from another thread while a step runs. The learner then pushes a version while the next step's forward
+        and backward run; only the optimizer's write waits. One process only: on several ranks, reading the
+        weights is a collective of its own."""
+        return False
 
     @property
     def prepares_beside_training(self) -> bool:

@@ -256,6 +256,11 @@ class TorchTrainer(Trainer):
         return DataParallel(rank=_rank(), size=_world_size(), group=None)
 
     @property
+    def gates_updates(self) -> bool:
+        """One process: only the optimizer writes the weights, and grad mode and autocast are per thread."""
+        return _world_size() == 1
+
+    @property
     def prepares_beside_training(self) -> bool:
         """One process: the reference model is its own module, and grad mode and autocast are per thread. Not
         when the reference is the policy with its adapter off: switching it off would change the training pass."""
@@ -329,6 +334,8 @@ class TorchTrainer(Trainer):
         lr = scheduled_lr(self.config, self._counter.optimizer_steps)
         reason = skip_reason(nonfinite_loss, loss_sum, grad_norm, loss_tokens=counts[0])
         if reason is None:
+            if self.update_gate is not None:
+                self.update_gate()  # the previous version's push has read the weights this step overwrites
             for group in self._optimizer.param_groups:
                 group["lr"] = lr
             self._optimizer.step()

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import torch
+from torch import Tensor
 
 from actors.config import build_config
 from actors.learner.trainer_factory import build_trainer
@@ -110,9 +112,12 @@ class FirstStepSkipped(SleepingTrainer):
                           skipped=True, skip_reason="non-finite gradient norm (nan)")
 
 
-def first_step_skipped(config: object) -> Trainer:
-    """`--train-backend tests.actors.test_learner_actor:first_step_skipped`."""
-    return FirstStepSkipped(SimSpec.from_env().train_sample_seconds)
+def trainer_plugin(kind: type[SleepingTrainer]) -> Callable[[object], Trainer]:
+    """A `--train-backend tests.actors.test_learner_actor:NAME` factory of `kind`, at the spec's training cost."""
+    return lambda config: kind(SimSpec.from_env().train_sample_seconds)
+
+
+first_step_skipped = trainer_plugin(FirstStepSkipped)
 
 
 @pytest.mark.integration
@@ -158,6 +163,57 @@ async def test_an_engine_joining_while_an_eval_round_holds_the_weights_does_not_
             await asyncio.sleep(0.01)
         assert not moved, f"the engines left version {pinned} for {moved[0]} before its eval round reported"
         await system.wait_for(lambda: system["rollout-0-1"].engine.version > 0, 30, "the new engine's weights")
+
+
+class LiveWeights(SleepingTrainer):
+    """Its weights are one live tensor holding its version, as the torch trainer's are its live parameters, and a
+    push takes READ_S to read them (a large model's). Records what each push read and when each step wrote."""
+
+    READ_S = 0.4  # longer than a step computes, so an ungated write would land inside the read
+
+    def __init__(self, train_sample_seconds: float) -> None:
+        super().__init__(train_sample_seconds)
+        self.weights = torch.zeros(1)
+        self.reads: list[tuple[float, float]] = []  # (the value read, when the read ended)
+        self.writes: dict[int, float] = {}  # version -> when the step wrote it
+
+    def train_step(self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float,
+                   with_entropy: bool = False, ends_batch: bool = True) -> StepResult:
+        result = super().train_step(samples, loss, temperature=temperature, with_entropy=with_entropy,
+                                    ends_batch=ends_batch)  # computes, then waits at the update gate
+        self.weights.fill_(float(self.version))
+        self.writes[self.version] = time.time()
+        return result
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        time.sleep(self.READ_S)
+        self.reads.append((float(self.weights), time.time()))
+        yield "sim.version", self.weights
+
+
+live_weights = trainer_plugin(LiveWeights)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_push_runs_beside_the_next_step_whose_update_waits_until_the_push_read_the_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push of version k used to hold the learner until every engine acknowledged it; the next step's forward
+    and backward need not wait for that, only its write of the weights does. A write before the read ends would
+    push version k+1's weights as version k."""
+    use_spec(SimSpec(token_seconds=2e-3, train_sample_seconds=0.05, length_min=16, length_max=48), tmp_path,
+             monkeypatch)
+    settings = _settings(tmp_path, num_rollout=4, train_backend=f"{__name__}:live_weights")
+    async with actor_system(tmp_path, settings, ROLES) as system:
+        await system.wait_for(lambda: all(task.done() for task in system.tasks.values()), 30, "the run to end")
+        trainer = system["learner"].trainer.local
+        assert {task.result() for task in system.tasks.values()} == {0}
+    read = {value: ended for value, ended in trainer.reads}  # the last read of each version
+    assert sorted(read) == [0.0, 1.0, 2.0, 3.0, 4.0]  # every version was pushed, none as another's
+    assert all(trainer.writes[version] >= read[version - 1] for version in (1, 2, 3, 4))
+    steps = {s["batch_id"]: s for s in read_metrics(tmp_path / "metrics" / "train.jsonl")}
+    overlapped = [batch for batch in (2, 3, 4) if steps[batch]["sim/compute_start"] < read[batch - 1]]
+    assert overlapped == [2, 3, 4], "a step waited for the previous version's push before it computed"
 
 
 @pytest.mark.unit
