@@ -215,14 +215,26 @@ async def test_rollout_receiver_refuses_a_plugin_it_was_not_configured_with(plug
     assert plugin not in sys.modules  # refused before anything was imported
 
 
+class UngatedTrainer(TorchTrainer):
+    """A trainer that does not hold its writes for a push (as a multi-rank or Megatron one)."""
+
+    @property
+    def gates_updates(self) -> bool:
+        return False
+
+
 @pytest.mark.integration
-def test_learner_tensors_stream_under_the_ranks_lock(tiny_model_path: Path, tmp_path: Path) -> None:
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=str(tiny_model_path), lr=1e-2))
+@pytest.mark.parametrize(("kind", "locked"), [(UngatedTrainer, True), (TorchTrainer, False)])
+def test_learner_tensors_stream_under_the_ranks_lock_unless_the_trainer_gates_its_writes(
+        kind: type[TorchTrainer], locked: bool, tiny_model_path: Path, tmp_path: Path) -> None:
+    """Without the gate no other operation may interleave while the sender consumes. A gating trainer streams
+    without the lock: a push reads while the next step runs, and the step's write waits for the read instead."""
+    trainer = kind(TorchTrainerConfig(model_path=str(tiny_model_path), lr=1e-2))
     ranks = LearnerRanks(RunConfig(), tmp_path, "127.0.0.1", structlog.get_logger())
     collective = CollectiveTrainer(trainer, ranks)
     tensors = collective.named_tensors()
     name, first = next(tensors)
-    assert ranks._lock.locked()  # no other operation may interleave while the sender consumes
+    assert ranks._lock.locked() is locked
     assert first.data_ptr() == dict(trainer.named_tensors())[name].data_ptr()  # the live tensor, not a copy
     tensors.close()
     assert not ranks._lock.locked()
