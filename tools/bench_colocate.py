@@ -125,19 +125,10 @@ class _Meter:
 
 # --------------------------------------------------------------------------------------------- the two roles
 def _learner(conn: Connection, model_path: str, device: str, colocated: bool, sizes: Sizes) -> None:
-    import torch
+    from engines.training import TorchTrainer, TorchTrainerConfig
+    from tools.gpu_check import synthetic_step
 
-    from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
-
-    generator = torch.Generator().manual_seed(0)
-    half = sizes.train_length // 2
-    samples = [TrainSample(torch.randint(6, 100, (sizes.train_length,), generator=generator), half,
-                           advantages=torch.randn(half, generator=generator)) for _ in range(sizes.train_samples)]
-    denominator = sizes.train_samples * half
-
-    def loss_fn(outputs: Any, batch: Any) -> tuple[Any, dict]:
-        return -(batch.advantages * outputs.log_probs).sum() / denominator, {}
-
+    samples, loss_fn = synthetic_step(sizes.train_samples, sizes.train_length)
     trainer = TorchTrainer(TorchTrainerConfig(
         model_path=model_path, lr=1e-5, device=device, dtype="bfloat16" if device == "cuda" else "float32",
         micro_batch_tokens=sizes.train_samples * sizes.train_length, check_packing=False,

@@ -176,25 +176,12 @@ def check_train_step(device: str, quick: bool) -> Row:
     from transformers import AutoModelForCausalLM
 
     from engines.tiny_model import TinyModelSpec, cached_tiny_model
-    from engines.training import (
-        ModelOutputs,
-        PackedBatch,
-        TorchTrainer,
-        TorchTrainerConfig,
-        TrainSample,
-    )
+    from engines.training import TorchTrainer, TorchTrainerConfig
 
     spec: TinyModelSpec = gpu_model_spec(device, quick)
     path = cached_tiny_model(REPO / ".cache" / "models", spec)
-    generator = torch.Generator().manual_seed(0)
     count, length = (16, 96) if quick else (64, 256)
-    samples = [TrainSample(torch.randint(6, 100, (length,), generator=generator), length // 2,
-                           advantages=torch.randn(length // 2, generator=generator)) for _ in range(count)]
-    loss_tokens = count * (length // 2)  # the whole step's count: the loss carries its own denominator
-
-    def loss_fn(outputs: ModelOutputs, batch: PackedBatch) -> tuple[Any, dict]:
-        return -(batch.advantages * outputs.log_probs).sum() / loss_tokens, {}
-
+    samples, loss_fn = synthetic_step(count, length)
     dtype = "bfloat16" if device == "cuda" else "float32"
     trainer = TorchTrainer(TorchTrainerConfig(model_path=path, lr=1e-5, device=device, dtype=dtype,
                                               micro_batch_tokens=count * length, check_packing=False))
@@ -280,6 +267,25 @@ def _sync_receiver(spec_dict: dict, device: str, shapes: list[list[int]], dtype_
 
 
 # -------------------------------------------------------------------------------------------------- helpers
+def synthetic_step(count: int, length: int) -> tuple[list[Any], Callable[[Any, Any], tuple[Any, dict]]]:
+    """`count` random samples of `length` tokens, the second half a response with random advantages, and a
+    policy-gradient loss over them: a train step's work without a rollout (also `tools/bench_colocate.py`)."""
+    import torch
+
+    from engines.training import TrainSample
+
+    generator = torch.Generator().manual_seed(0)
+    half = length // 2
+    samples = [TrainSample(torch.randint(6, 100, (length,), generator=generator), half,
+                           advantages=torch.randn(half, generator=generator)) for _ in range(count)]
+    loss_tokens = count * half  # the whole step's count: the loss carries its own denominator
+
+    def loss_fn(outputs: Any, batch: Any) -> tuple[Any, dict]:
+        return -(batch.advantages * outputs.log_probs).sum() / loss_tokens, {}
+
+    return samples, loss_fn
+
+
 def gpu_model_spec(device: str, quick: bool) -> Any:
     from engines.tiny_model import TinyModelSpec
 
