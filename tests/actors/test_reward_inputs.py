@@ -88,8 +88,11 @@ async def test_slime_style_reward_sees_tokens_response_length_and_truncated_or_c
     async with actor_system(tmp_path, _settings(tmp_path, rm), ROLES) as system:
         await system.wait_for(lambda: {s.status for s in reward_plugins.SEEN_SLIME} == {
             SlimeSample.Status.COMPLETED, SlimeSample.Status.TRUNCATED}, 20, "both statuses at the reward function")
+        # Before the stop: the generation it cuts reaches the reward aborted, possibly with no response token
+        # (seen in CI: `tokens[:-0]` is empty, so its "prompt" decoded to '').
+        seen = list(reward_plugins.SEEN_SLIME)
     tokenizer = SleepingTokenizer()
-    for sample in reward_plugins.SEEN_SLIME:
+    for sample in seen:
         prompt_ids, response_ids = sample.tokens[:-sample.response_length], sample.tokens[-sample.response_length:]
         assert tokenizer.decode(prompt_ids) == sample.prompt and tokenizer.decode(response_ids) == sample.response
         truncated = sample.status == SlimeSample.Status.TRUNCATED
