@@ -127,7 +127,10 @@ def check_run(variant: str, cpu: bool, quick: bool, workdir: Path) -> Row:
     transport = _effective(run_dir, "weights", "weight_transport")
     trained = _trained_steps(run_dir)
     placement = next((line for line in completed.stderr.splitlines() if line.startswith("placement")), "")
-    summary = f"{trained}/{steps} steps in {seconds:.0f}s, weights over {transport}"
+    counters = _learner_counters(run_dir)
+    summary = (f"{trained}/{steps} steps in {seconds:.0f}s, weights over {transport} "
+               f"({counters.get('weights.pushed', 0)} pushes, {counters.get('weights.pushed_beside_step', 0)} "
+               "beside a step)")
     if placement:
         summary += f"; {placement}"
     if completed.returncode != 0 or trained < steps:
@@ -366,6 +369,17 @@ def _trained_steps(run_dir: Path) -> int:
     if not path.exists():
         return 0
     return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
+def _learner_counters(run_dir: Path) -> dict[str, int]:
+    """The learner's counters from its "actor stopped" log line: whether pushes ran beside a step shows there."""
+    path = run_dir / "logs" / "learner.jsonl"
+    if not path.exists():
+        return {}
+    for line in reversed(path.read_text().splitlines()):
+        if '"actor stopped"' in line:
+            return json.loads(line).get("counters", {})
+    return {}
 
 
 def _failures(output: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
     assert all(row["status"] in ("ok", "skipped") for row in rows.values()), rows
     assert rows["run: torch engine + torch trainer"]["status"] == "ok"
     assert "weights over gloo" in rows["run: torch engine + torch trainer"]["result"]
+    pushes = re.search(r"\((\d+) pushes, (\d+) beside a step\)", rows["run: torch engine + torch trainer"]["result"])
+    assert pushes and int(pushes[1]) >= 4 and int(pushes[2]) <= int(pushes[1]), rows  # at least one push a step
     assert rows["run: colocated, LoRA adapter"]["status"] == "ok"
     assert "weights over shm" in rows["run: colocated, LoRA adapter"]["result"]
     assert "Slipstream GPU check on CPU" in completed.stdout
