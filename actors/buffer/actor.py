@@ -93,7 +93,8 @@ class Buffer(Actor):
         self.metrics_writer = MetricsWriter(self.context.run_dir, "buffer", tensorboard=False)
         self.eval_writer = MetricsWriter(self.context.run_dir, "eval", tensorboard=False)
         self.eval_rounds = EvalRounds(config, self.core, self.eval_writer, self.log)
-        self.eval_rounds.maybe_start(self.core.learner_version)  # a baseline before any training
+        if self.core.learner_version == 0:  # a baseline before any training: the engines load version 0 themselves
+            self.eval_rounds.weights_arrived(0)  # (after a resume, the round waits for the learner's first push)
         self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request
         self.learner_pushes = False  # its announcements carry a weights version: engines move with it
 
@@ -224,7 +225,10 @@ class Buffer(Actor):
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
         self.core.note_version(step=announcement.step, version=announcement.version)
         self.learner_pushes = self.learner_pushes or announcement.weights_version is not None
-        self.eval_rounds.maybe_start(announcement.version)
+        if announcement.weights_version is not None:  # rounds evaluate the weights the engines have
+            self.eval_rounds.weights_arrived(announcement.weights_version)
+        elif not self.learner_pushes:  # a learner that pushes nothing: the version is the label
+            self.eval_rounds.maybe_start(announcement.version)
         async with self.batch_ready:  # a prefetch waiting for this step's version can now be measured
             self.batch_ready.notify_all()
 

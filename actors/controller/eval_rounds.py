@@ -4,6 +4,11 @@ Every `--eval-interval` learner versions, once before training and once for the 
 for that one, up to `--final-eval-timeout`), the buffer queues each eval set's prompts ahead of training
 prompts; eval groups bypass admission and never enter the training pool. When a round's last group returns,
 the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
+
+Where the learner pushes weights, a round starts when the engines have a version's weights, not when the version
+is announced, and a round evaluates a version the engines received. In a fully-async run a due version can be
+trained while an earlier round holds the engines (`actors/learner/eval_hold.py`) and then never be pushed: its
+round goes to the next version the engines receive, so `eval.jsonl` may step 0, 2, 5, 6 for an interval of 2.
 """
 
 from __future__ import annotations
@@ -43,6 +48,19 @@ def eval_due(config: RunConfig, version: int, *, final: bool = False) -> bool:
     return final or bool(interval and version % interval == 0)
 
 
+def round_due(config: RunConfig, previous: int | None, version: int) -> bool:
+    """Whether weights `version`, received after `previous` (None: the first weights), get a round: a due version
+    lies in (previous, version]. The buffer and the learner's eval hold both ask, each with the versions it saw."""
+    if previous is None:
+        return eval_due(config, version)
+    if version <= previous or not config.eval.sets:
+        return False
+    interval = config.eval.eval_interval
+    if previous < 0 and eval_due(config, 0):
+        return True
+    return bool(interval) and version // interval > max(previous, 0) // interval
+
+
 def pass_at_k(rewards_per_prompt: list[list[float]], threshold: float = 1.0) -> float:
     """Fraction of prompts with at least one sample at or above the success threshold."""
     if not rewards_per_prompt:
@@ -75,10 +93,25 @@ class EvalRounds:
                             max_prompt_tokens=max_prompt, kept=report.records)
         self.rounds: dict[tuple[int, str], EvalRound] = {}
         self.started_versions: set[int] = set()
+        self.weights_seen: int | None = None  # the newest weights version the engines were announced to have
 
     def maybe_start(self, version: int, *, final: bool = False) -> None:
         """Queue a round at every interval-th version, and for the final version whatever the interval."""
-        if not self.sets or not eval_due(self.config, version, final=final) or version in self.started_versions:
+        if eval_due(self.config, version, final=final):
+            self._start(version)
+
+    def weights_arrived(self, version: int) -> None:
+        """The engines have `version`'s weights: queue a round for it if a due version was reached since the last
+        weights, even one that was never pushed (see the module's docstring)."""
+        if self.weights_seen is not None and version <= self.weights_seen:
+            return
+        due = round_due(self.config, self.weights_seen, version)
+        self.weights_seen = version
+        if due:
+            self._start(version)
+
+    def _start(self, version: int) -> None:
+        if not self.sets or version in self.started_versions:
             return
         self.started_versions.add(version)
         for name, records in self.sets.items():

@@ -4,6 +4,8 @@ In a fully-async run the learner pushes new weights after every step, so an eval
 generated partly by v+1, v+2...: its accuracy would not be v's. After pushing a version that gets a round, the
 learner holds further pushes until the buffer says the round is done (`Batch.eval_done_through`). Training goes on
 meanwhile as far as the staleness bound allows; a round that does not finish in time is let go with a warning.
+A due version trained during a hold is never pushed; the buffer then gives its round to the next version pushed
+(`round_due`), and the hold pins that one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from actors.config import RunConfig
-from actors.controller.eval_rounds import eval_due
+from actors.controller.eval_rounds import round_due
 
 
 class EvalHold:
@@ -24,11 +26,14 @@ class EvalHold:
         self.timeout_s = timeout_s
         self.pinned: int | None = None  # the version whose round the engines are generating
         self.done_through = -1  # as last reported by the buffer
+        self.last_published: int | None = None
         self._deadline = 0.0
 
     def published(self, version: int) -> None:
         """The engines now serve `version`: hold them there if it gets a round that has not reported yet."""
-        if self.done_through < version and eval_due(self.config, version):
+        due = round_due(self.config, self.last_published, version)
+        self.last_published = version if self.last_published is None else max(self.last_published, version)
+        if self.done_through < version and due:
             self.pinned = version
             self._deadline = time.monotonic() + self.timeout_s
 

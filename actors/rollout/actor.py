@@ -141,9 +141,10 @@ class RolloutWorker(Actor):
             await self.wait_for_weights(0.2)
 
     async def wait_for_eval_weights(self, group: PromptGroup) -> None:
-        """An eval group of version v is generated with v's weights: the round starts when v is announced, which
-        can be before its weights land here (the learner then keeps them on the engines until the round is done).
-        A learner that does not push, or weights that never come, do not stall the round past a deadline."""
+        """An eval group of version v is generated with v's weights. The round starts once the learner announces
+        that every engine has them, and the learner keeps them there until the round is done; a worker that joined
+        or restarted since may not have them yet. A learner that does not push, or weights that never come, do not
+        stall the round past a deadline."""
         version = eval_version(group.group_id)
         if version is None or not self.learner_pushes:
             return
