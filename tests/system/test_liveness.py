@@ -57,7 +57,11 @@ def test_a_run_whose_controller_was_killed_still_ends_with_a_clean_stop(tmp_path
     reasons = stop_reasons(run_dir)
     workers = {name: reason for name, reason in reasons.items() if name not in ("controller", "learner")}
     assert set(workers) >= {"buffer", "rollout-0-0", "rollout-0-1", "reward-0-0"}, reasons
-    unheard = {name: reason for name, reason in workers.items() if not reason.startswith("controller: stop")}
+    # Told by the controller, either way: its stop broadcast, or (an actor that had not yet found the restarted
+    # controller when the learner, which kept training without it, ended the run) the refusal of its
+    # re-registration. Not the launcher's signal, nor the supervisor's "the run ended".
+    told = ("controller: stop", "controller: the run is draining", "controller: the run is stopped")
+    unheard = {name: reason for name, reason in workers.items() if not reason.startswith(told)}
     assert not unheard, f"actors that never heard the new controller's stop: {unheard}"
 
 
