@@ -10,16 +10,26 @@ from the same model (cached in `.cache/bench_learning`, rebuilt when the recipe 
 GRPO from that checkpoint with the same hyperparameters (`Hyper`): 32 prompts x 8 samples per step, temperature
 1, at most 4 new tokens, lr cosine-decayed to `min_lr` over the run, a k3 KL term toward the start model, clip 0.2,
 token-mean loss, group-normalised advantages, gradient clipping at 1. Slipstream runs as the demo does (2 rollout
-workers, 1 reward worker, each actor in its own process, TIS), with 16 groups in flight per worker
+workers, 1 reward worker, each actor in its own process), with 16 groups in flight per worker
 (`--rollout-max-batch-size 128`: on this task bigger decode batches halve the engines' CPU per sample); sync is
-`--max-staleness 0`, async `--max-staleness 1` (`--async-staleness`), both with the default `--cpu-budget auto`.
+`--max-staleness 0`, async `--max-staleness 1` (`--async-staleness`), both with the default `--cpu-budget auto`
+and `--off-policy-correction none`: PPO's ratio and clip taken against the engine's log-probs, a trust region
+around the policy that generated the batch. With TIS (pi_old the learner's own policy, so the ratio is 1 and the
+clip never binds at one optimizer step per batch) fully-async runs needed ~20% more steps to the target than
+sync runs (docs/experiments.md); a sync run is the same either way.
 TRL runs in one process with torch's default threads (`pip install -e ".[bench]"` installs it).
 
 Every `--snapshot-every` steps each system writes its policy's weights; the wall-clock time of each snapshot
 counts from the moment its process was launched (start-up included). After all runs, every snapshot is scored
-by one evaluator (`tools.evaluate`, greedy, the held-out pairs), so evaluation never sits inside any system's
-timing. Per run: seconds to the target accuracy, the final accuracy, steps/s and samples/s in steady state
-(after the first 10 steps), start-up (launch to the first finished step). The machine's load average is recorded
+by one evaluator (`tools.evaluate`, the held-out pairs), so evaluation never sits inside any system's timing.
+The accuracy the target is set on (`--metric`) is by default `sampled`: 16 samples per held-out prompt at the
+training temperature, seeded, i.e. the expected accuracy of one sample. It moves smoothly with the weights,
+where greedy accuracy on 80 prompts jumps by several points between neighbouring snapshots as single answers
+flip (a binomial standard error of 5.5 points at 60%), which had the crossing times of one system's seeds
+spread by ~10 s and its median move by 20% between two runs of the same code. Greedy accuracy is scored and
+shown too. The time a run reaches the target is interpolated linearly between the snapshots either side.
+Per run: seconds to the target, the final accuracy, steps/s and samples/s in steady state (after the first 10
+steps), start-up (launch to the first finished step). The machine's load average is recorded
 before each run. Runs are interleaved per seed, in a rotating order, so drift in the machine's load hits every
 system alike. Medians over seeds, and the issue's targets checked against them, close the table.
 """
@@ -70,10 +80,19 @@ class RunRecord:
     samples_per_s: float
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, seconds since launch, accuracy)
     run_dir: str = ""
+    greedy: list[float] = field(default_factory=list)  # greedy accuracy of each snapshot of `curve`
 
     def seconds_to(self, accuracy: float) -> float | None:
-        """Seconds from launch to the first snapshot at or above `accuracy` (None: never reached)."""
-        return next((seconds for _, seconds, value in self.curve if value >= accuracy - 1e-9), None)
+        """Seconds from launch to `accuracy` (None: never reached): linear between the last snapshot below it and
+        the first at or above it, so the time does not snap to the snapshot grid."""
+        before: tuple[float, float] | None = None
+        for _, seconds, value in self.curve:
+            if value >= accuracy - 1e-9:
+                if before is None or value <= before[1]:
+                    return seconds
+                return before[0] + (accuracy - before[1]) / (value - before[1]) * (seconds - before[0])
+            before = (seconds, value)
+        return None
 
     @property
     def final_accuracy(self) -> float:
@@ -120,7 +139,7 @@ def slipstream_command(system: str, hyper: Hyper, warm: Path, data: dict[str, Pa
         "--num-rollout", str(hyper.steps), "--lr", str(hyper.lr), "--lr-decay-style", "cosine",
         "--min-lr", str(hyper.min_lr), "--use-kl-loss", "--kl-loss-coef", str(hyper.kl_coef),
         "--kl-loss-type", "low_var_kl", "--eps-clip", "0.2", "--max-staleness", staleness,
-        "--off-policy-correction", "tis", "--rm-type", "exact_match", "--rollout-temperature", "1.0",
+        "--off-policy-correction", "none", "--rm-type", "exact_match", "--rollout-temperature", "1.0",
         "--rollout-workers", "2", "--rollout-max-batch-size", "128", "--reward-workers", "1",
         "--save-interval", str(snapshot_every), *extra,
     ]
@@ -200,27 +219,35 @@ def run_one(system: str, seed: int, hyper: Hyper, warm: Path, data: dict[str, Pa
 
 
 # -------------------------------------------------------------------------------------------- the evaluation
-def evaluate_snapshots(record: RunRecord, files: dict[int, Path], warm: Path, eval_data: Path,
-                       max_new_tokens: int) -> None:
-    """Score each snapshot greedily on the held-out pairs: one evaluator for every system."""
+METRICS = ("sampled", "greedy")
+EVAL_SAMPLES = 16  # per held-out prompt, for the sampled accuracy
+EVAL_SEED = 0  # the same draws for every snapshot: differences between snapshots are the weights'
+
+
+def accuracies(model: Path, eval_data: Path, max_new_tokens: int) -> dict[str, float]:
+    """The model's held-out accuracy both ways: `sampled` (avg@16 at temperature 1) and `greedy`."""
     from tools.evaluate import evaluate_model
 
+    sampled = asyncio.run(evaluate_model(model, eval_data, max_new_tokens=max_new_tokens, temperature=1.0,
+                                         samples_per_prompt=EVAL_SAMPLES, seed=EVAL_SEED))
+    greedy = asyncio.run(evaluate_model(model, eval_data, max_new_tokens=max_new_tokens))
+    return {"sampled": sampled["accuracy"], "greedy": greedy["accuracy"]}
+
+
+def evaluate_snapshots(record: RunRecord, files: dict[int, Path], warm: Path, eval_data: Path,
+                       max_new_tokens: int, metric: str) -> None:
+    """Score each snapshot on the held-out pairs: one evaluator for every system."""
     scratch = Path(record.run_dir) / "eval_model"
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(warm, scratch, ignore=shutil.ignore_patterns("*.safetensors"))
-    scored = []
+    scored, greedy = [], []
     for step, seconds, _ in record.curve:
         shutil.copyfile(files[step], scratch / "model.safetensors")
-        result = asyncio.run(evaluate_model(scratch, eval_data, max_new_tokens=max_new_tokens))
-        scored.append((step, seconds, result["accuracy"]))
-    record.curve = scored
+        result = accuracies(scratch, eval_data, max_new_tokens)
+        scored.append((step, seconds, result[metric]))
+        greedy.append(result["greedy"])
+    record.curve, record.greedy = scored, greedy
     shutil.rmtree(scratch, ignore_errors=True)
-
-
-def warm_accuracy(warm: Path, eval_data: Path, max_new_tokens: int) -> float:
-    from tools.evaluate import evaluate_model
-
-    return asyncio.run(evaluate_model(warm, eval_data, max_new_tokens=max_new_tokens))["accuracy"]
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -233,7 +260,8 @@ def _median(values: list[float | None]) -> float | None:
     return None if middle == float("inf") else middle
 
 
-def summarise(records: list[RunRecord], target: float, start_accuracy: float) -> dict[str, Any]:
+def summarise(records: list[RunRecord], target: float, start_accuracy: float, metric: str = "greedy"
+              ) -> dict[str, Any]:
     by_system = {system: [r for r in records if r.system == system] for system in SYSTEMS}
     seconds = {system: _median([r.seconds_to(target) for r in runs]) for system, runs in by_system.items()}
     async_to_sync_final = []
@@ -245,7 +273,7 @@ def summarise(records: list[RunRecord], target: float, start_accuracy: float) ->
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a / b
     return {
-        "target_accuracy": target, "start_accuracy": start_accuracy,
+        "metric": metric, "target_accuracy": target, "start_accuracy": start_accuracy,
         "median_seconds_to_target": seconds,
         "async_over_trl": ratio(seconds["async"], seconds["trl"]),
         "sync_over_trl": ratio(seconds["sync"], seconds["trl"]),
@@ -262,15 +290,18 @@ def _fmt(value: float | None, pattern: str = "{:.1f}") -> str:
 
 
 def print_table(records: list[RunRecord], summary: dict[str, Any]) -> None:
-    target = summary["target_accuracy"]
-    print(f"\nstart (SFT warm start) held-out accuracy {summary['start_accuracy']:.1%}; target {target:.1%}")
+    target, metric = summary["target_accuracy"], summary.get("metric", "greedy")
+    print(f"\nheld-out accuracy ({_METRIC_NAMES[metric]}): SFT warm start {summary['start_accuracy']:.1%}; "
+          f"target {target:.1%}")
     header = (f"{'system':<7} {'seed':>4} {'load':>5} {'start-up s':>10} {'steps/s':>8} {'samples/s':>9} "
-              f"{'s to target':>11} {'final acc':>9} {'wall s':>7}")
+              f"{'s to target':>11} {'final acc':>9} {'final greedy':>12} {'wall s':>7}")
     print(header)
     print("-" * len(header))
     for r in sorted(records, key=lambda r: (SYSTEMS.index(r.system), r.seed)):
+        final_greedy = f"{r.greedy[-1]:.1%}" if r.greedy else "-"
         print(f"{r.system:<7} {r.seed:>4} {r.load_before:>5.2f} {r.startup_s:>10.1f} {r.steps_per_s:>8.2f} "
-              f"{r.samples_per_s:>9.0f} {_fmt(r.seconds_to(target)):>11} {r.final_accuracy:>9.1%} {r.wall_s:>7.0f}")
+              f"{r.samples_per_s:>9.0f} {_fmt(r.seconds_to(target)):>11} {r.final_accuracy:>9.1%} "
+              f"{final_greedy:>12} {r.wall_s:>7.0f}")
     print("-" * len(header))
     medians = summary["median_seconds_to_target"]
     print("median seconds to target: " + ", ".join(f"{s} {_fmt(medians[s])}" for s in SYSTEMS))
@@ -283,7 +314,10 @@ def print_table(records: list[RunRecord], summary: dict[str, Any]) -> None:
         print(f"  {label:<55} {_fmt(value, '{:.2f}'):>6}  {verdict}")
 
 
-def plot_curves(records: list[RunRecord], target: float, path: Path) -> None:
+_METRIC_NAMES = {"sampled": f"avg@{EVAL_SAMPLES} at temperature 1", "greedy": "greedy"}
+
+
+def plot_curves(records: list[RunRecord], target: float, path: Path, metric: str = "greedy") -> None:
     """Held-out accuracy against wall-clock seconds since launch, every run, one colour per system."""
     import matplotlib
 
@@ -301,7 +335,7 @@ def plot_curves(records: list[RunRecord], target: float, path: Path) -> None:
                       label=name if number == 0 else None)
     axes.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:.1%}")
     axes.set_xlabel("seconds since launch (start-up included)")
-    axes.set_ylabel("held-out accuracy (greedy)")
+    axes.set_ylabel(f"held-out accuracy ({_METRIC_NAMES[metric]})")
     axes.set_title("time to accuracy on 2 CPU cores, same task, model and hyperparameters")
     axes.legend(loc="lower right")
     figure.tight_layout()
@@ -317,6 +351,9 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=20)
     parser.add_argument("--target", type=float, default=None,
                         help="held-out accuracy to reach (default: the warm start's plus 15 points)")
+    parser.add_argument("--metric", choices=METRICS, default="sampled",
+                        help=f"the accuracy the target is set on: sampled (avg@{EVAL_SAMPLES} at temperature 1, "
+                        "smooth) or greedy (one answer per prompt: jumps as answers flip)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--quick", action="store_true", help="one seed, 60 steps, a snapshot every 10")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench_learning")
@@ -335,7 +372,7 @@ def main() -> None:
         saved = json.loads(args.from_json.read_text(encoding="utf-8"))
         runs = [RunRecord(**{**run, "curve": [tuple(point) for point in run["curve"]]}) for run in saved["runs"]]
         print_table(runs, saved["summary"])
-        plot_curves(runs, saved["summary"]["target_accuracy"], plot)
+        plot_curves(runs, saved["summary"]["target_accuracy"], plot, saved["summary"].get("metric", "greedy"))
         print(f"plot: {plot}")
         return
     if args.quick:
@@ -345,7 +382,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()  # one bar per scored snapshot otherwise
     hyper = Hyper(steps=args.steps)
     warm, data = prepare(args.workdir)
-    start_accuracy = warm_accuracy(warm, data["eval"], hyper.max_new_tokens)
+    start_accuracy = accuracies(warm, data["eval"], hyper.max_new_tokens)[args.metric]
     target = args.target if args.target is not None else min(1.0, start_accuracy + 0.15)
     records: list[tuple[RunRecord, dict[int, Path]]] = []
     plan = [(seed, args.systems[(i + k) % len(args.systems)]) for i, seed in enumerate(args.seeds)
@@ -358,11 +395,11 @@ def main() -> None:
         records.append((record, files))
     print(f"scoring {sum(len(r.curve) for r, _ in records)} snapshots on the held-out pairs ...", flush=True)
     for record, files in records:
-        evaluate_snapshots(record, files, warm, data["eval"], hyper.max_new_tokens)
+        evaluate_snapshots(record, files, warm, data["eval"], hyper.max_new_tokens, args.metric)
     runs = [record for record, _ in records]
-    summary = summarise(runs, target, start_accuracy)
+    summary = summarise(runs, target, start_accuracy, args.metric)
     print_table(runs, summary)
-    plot_curves(runs, target, plot)
+    plot_curves(runs, target, plot, args.metric)
     print(f"plot: {plot}")
     if args.json is not None:
         args.json.write_text(json.dumps({"hyper": asdict(hyper), "async_staleness": args.async_staleness,
