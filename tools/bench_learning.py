@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools.repo_env import with_repo_on_path
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "bench_learning"
 SYSTEMS = ("trl", "sync", "async")
@@ -161,17 +163,11 @@ def launch(command: list[str], log: Path, timeout: float) -> tuple[float, float]
     started = time.time()
     with log.open("w") as out:
         completed = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                   check=False, env=_with_repo_on_path())
+                                   check=False, env=with_repo_on_path())
     if completed.returncode != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
         raise SystemExit(f"bench_learning: {command[1:3]} exited with {completed.returncode}; log {log}:\n{tail}")
     return started, time.time() - started
-
-
-def _with_repo_on_path() -> dict[str, str]:
-    """The environment with the repository first on the path, keeping the caller's (a wheels folder, say)."""
-    path = os.pathsep.join(part for part in (str(REPO), os.environ.get("PYTHONPATH", "")) if part)
-    return {**os.environ, "PYTHONPATH": path}
 
 
 def step_times(system: str, run_dir: Path) -> dict[int, float]:

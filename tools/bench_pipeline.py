@@ -75,6 +75,7 @@ from tools.bench_pipeline_measure import (  # noqa: E402
     steady_window,
 )
 from tools.pipeline_sim import SPEC_ENV, SimSpec  # noqa: E402
+from tools.repo_env import with_repo_on_path  # noqa: E402
 from tools.run_watch import cpu_seconds, started_actor_pids, stop_launcher  # noqa: E402
 
 SLEEPING_FLAGS = ("--rollout-engine", "tools.pipeline_sim:sleeping_engine",
@@ -150,9 +151,8 @@ class Launch:
                  num_rollout: int = NUM_ROLLOUT, extra_flags: Sequence[str] = ()) -> None:
         self.scenario = scenario
         self.run_dir = run_dir
-        env = dict(os.environ)
-        env[SPEC_ENV] = str(scenario.spec.write(run_dir))  # the sleeping engines and trainer read their costs here
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        # the sleeping engines and trainer read their costs from SPEC_ENV's file
+        env = with_repo_on_path(**{SPEC_ENV: str(scenario.spec.write(run_dir))})
         self.started = time.monotonic()
         with open(run_dir / "launcher_output.txt", "w", encoding="utf-8") as output:
             command = launch_command(scenario, shape, run_dir, prompts, num_rollout, extra_flags)

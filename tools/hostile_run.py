@@ -10,7 +10,6 @@ metrics/actors.jsonl, restarts from the launcher's log, resident memory from /pr
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ sys.path.insert(0, str(REPO))
 from actors.runtime.metrics import read_metrics  # noqa: E402
 from tools.bench_pipeline import SLEEPING_FLAGS, write_prompts  # noqa: E402
 from tools.pipeline_sim import SPEC_ENV, SimSpec  # noqa: E402
+from tools.repo_env import with_repo_on_path  # noqa: E402
 from tools.run_watch import resident_kib, started_actor_pids  # noqa: E402
 
 HEARTBEAT_S = 1.0  # the default
@@ -103,9 +103,7 @@ def launch(run_dir: Path, steps: int, step_seconds: float, rollout_workers: int 
     samples = GROUPS_PER_BATCH * SAMPLES_PER_GROUP
     spec = SimSpec(token_seconds=2e-4, train_sample_seconds=step_seconds / samples, length_median=16.0,
                    length_min=4, length_max=32, warmup_batches=0, measure_seconds=1.0)
-    env = dict(os.environ)
-    env[SPEC_ENV] = str(spec.write(run_dir))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = with_repo_on_path(**{SPEC_ENV: str(spec.write(run_dir))})
     prompts = write_prompts(run_dir / "prompts.jsonl", count=256)
     command = [
         sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir), "--transport", "tcp",

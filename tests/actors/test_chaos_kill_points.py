@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from actors.runtime import chaos
 from actors.runtime.chaos import KillPlanError, KillPoint, parse_plan
+from tools.repo_env import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ asyncio.run(main())
 
 
 def run_script(script: str, *args: str, plan: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, chaos.KILL_ENV: plan, "PYTHONPATH": _python_path()}
+    env = with_repo_on_path(**{chaos.KILL_ENV: plan})
     return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=60, cwd=REPO)
 
@@ -126,7 +126,7 @@ def test_a_bad_plan_fails_the_actor_as_a_bad_configuration(tmp_path: Path) -> No
                "node_rank": 0, "head_address": "tcp://127.0.0.1:9", "run_dir": str(tmp_path)}
     path = tmp_path / "learner.json"
     path.write_text(json.dumps(context))
-    env = {**os.environ, chaos.KILL_ENV: "learner@weight_push.middle", "PYTHONPATH": _python_path()}
+    env = with_repo_on_path(**{chaos.KILL_ENV: "learner@weight_push.middle"})
     done = subprocess.run([sys.executable, "-m", "actors.runtime.main", str(path)], env=env, capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2, done.stderr[-2000:]
@@ -161,8 +161,3 @@ def test_unarmed_kill_points_cost_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     coroutine = work()
     assert chaos.during("generate.mid", coroutine) is coroutine
     coroutine.close()
-
-
-def _python_path() -> str:
-    """The repository first, then whatever the caller's path holds (a GPU machine's carried wheels live there)."""
-    return os.pathsep.join(part for part in (str(REPO), os.environ.get("PYTHONPATH", "")) if part)

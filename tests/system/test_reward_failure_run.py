@@ -5,7 +5,6 @@ rather than one per sample. The engine and trainer are the sleeping ones, so the
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from tests.support.inprocess import SLEEPING, write_prompts
 from tools.pipeline_sim import SPEC_ENV, SimSpec
+from tools.repo_env import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 RAISES = "tests.support.reward_plugins:always_raises"
@@ -27,9 +27,8 @@ def _records(path: Path) -> list[dict]:
 @pytest.mark.timeout(180)
 def test_run_with_an_always_raising_reward_fails_with_its_error_and_few_warnings(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = dict(os.environ)
-    env[SPEC_ENV] = str(SimSpec(token_seconds=1e-4, length_min=8, length_max=32).write(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    spec = SimSpec(token_seconds=1e-4, length_min=8, length_max=32)
+    env = with_repo_on_path(**{SPEC_ENV: str(spec.write(tmp_path))})
     sleeping = [arg for name, value in SLEEPING.items() for arg in ("--" + name.replace("_", "-"), value)]
     completed = subprocess.run(
         [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir), *sleeping,
