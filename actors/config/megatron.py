@@ -156,7 +156,9 @@ class MegatronConfig(Section):
     no_rope_fusion: bool = Field(False, description="turn off the fused RoPE kernel")
     no_gradient_accumulation_fusion: bool = Field(False, description="turn off apex's fused weight-gradient "
                                                   "accumulation")
-    deterministic_mode: bool = Field(False, description="deterministic kernels only")
+    deterministic_mode: bool = Field(False, description="deterministic kernels on every learner rank, either "
+                                     "backend (torch.use_deterministic_algorithms; Megatron's deterministic_mode): "
+                                     "the same batches train to the same weights, bit for bit")
     no_check_for_nan_in_loss_and_grad: bool = Field(False, description="accepted; the trainer always checks the "
                                                     "gradient norm and skips a non-finite step")
     use_dist_ckpt: bool = Field(False, description="accepted; Megatron checkpoints are always distributed here")

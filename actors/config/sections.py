@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
 ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
@@ -316,6 +316,21 @@ class EngineConfig(Section):
     sglang_args: dict[str, str | list[str]] = Field(
         default_factory=dict, description="extra SGLang server arguments; on the command line as --sglang-NAME "
         "VALUE [VALUE ...], passed on as --NAME VALUE [VALUE ...]")
+    deterministic_inference: bool = Field(
+        False, description="batch-invariant engines: a sample's tokens and log-probs do not depend on what else its "
+        "engine decodes, so two synchronous runs with one --seed repeat bit for bit (torch engine: about 2-3x slower "
+        "decoding; sglang: starts the server with --enable-deterministic-inference, which "
+        "--sglang-enable-deterministic-inference also turns on)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deterministic_through_sglang_flag(cls, values: Any) -> Any:
+        """slime's spelling, `--sglang-enable-deterministic-inference`, asks for the same thing of any engine."""
+        passed = (values.get("sglang_args") or {}).get("enable-deterministic-inference") if isinstance(
+            values, dict) else None
+        if passed is not None and str(passed).lower() not in ("false", "0"):
+            return {**values, "deterministic_inference": True}
+        return values
 
 
 class WeightsConfig(Section):

@@ -44,6 +44,10 @@ class Learner(Actor):
 
         self.config = config = self.settings.run
         torch.set_num_threads(self.context.torch_threads or config.torch_threads)  # the CPU budget's, if any
+        if config.megatron.deterministic_mode:
+            from engines.training.determinism import use_deterministic_kernels
+
+            use_deterministic_kernels()  # before any CUDA work: cuBLAS reads its workspace setting once
         self.ranks = LearnerRanks(config, self.context.run_dir, self.context.host, self.log)
         self.ranks.spawn()
         await asyncio.to_thread(self.ranks.join)

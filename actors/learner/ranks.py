@@ -42,6 +42,7 @@ from bus.codec import decode, encode
 from bus.schema import Batch
 from engines.process import die_with_parent as _die_with_parent
 from engines.training.base import Trainer
+from engines.training.determinism import use_deterministic_kernels
 from engines.weights.group import host_store
 
 STOP = "stop"
@@ -251,6 +252,8 @@ def data_parallel_shares(batch: Batch, size: int) -> list[Batch]:
 def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
     """A follower's whole life: join the world, build the same trainer, mirror rank 0's operations."""
     torch.set_num_threads(config.torch_threads)
+    if config.megatron.deterministic_mode:
+        use_deterministic_kernels()
     bind_device(rank)
     address = urllib.parse.urlsplit(init_method)  # tcp://HOST:PORT, rank 0's store
     store = dist.TCPStore(address.hostname or "", address.port or 0, is_master=False, timeout=COLLECTIVE_TIMEOUT)

@@ -65,6 +65,7 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         lora_scaling=adapter.scaling if adapter is not None else None,
         # colocated: the learner trains on this device whenever generation pauses for its next weights
         release_memory_when_idle=config.placement.colocate,
+        deterministic=config.engine.deterministic_inference,
     )
     return engine, tokenizer
 
@@ -129,14 +130,6 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
         engine.set_version(attached_server_version(engine.url, timeout=engine_config.sglang_startup_timeout))
         return engine
     assert config.model.hf_checkpoint is not None
-    extra = dict(engine_config.sglang_args)
-    extra.setdefault("max-running-requests", str(engine_config.rollout_max_batch_size))
-    if config.lora.enabled:
-        extra.update(lora_server_args(config))
-    if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:
-        # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
-        extra.setdefault("torch-threads", str(config.torch_threads))
-        extra.setdefault("weight-group-timeout", str(config.weights.weight_transfer_timeout))
     spec = ServerSpec(
         model_path=config.model.hf_checkpoint,
         module=engine_config.sglang_server_module,
@@ -144,10 +137,27 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
         random_seed=engine_seed(config.seed, actor_id),
         # The launcher made this worker's GPUs its only visible ones, so its server starts at the first of them.
         base_gpu_id=0 if torch.cuda.is_available() else None,
-        extra=extra,
+        extra=sglang_server_args(config),
     )
     server = ServerProcess(spec, startup_timeout=engine_config.sglang_startup_timeout)
     return SglangEngine(server.start(), server=server, adapters=adapters)
+
+
+def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
+    """The server arguments of a launched SGLang server beyond model, parallelism and seed: every --sglang-NAME,
+    then what the run's own flags imply (a user's --sglang-NAME wins where both set one)."""
+    engine_config = config.engine
+    extra = dict(engine_config.sglang_args)
+    extra.setdefault("max-running-requests", str(engine_config.rollout_max_batch_size))
+    if engine_config.deterministic_inference:
+        extra["enable-deterministic-inference"] = "true"
+    if config.lora.enabled:
+        extra.update(lora_server_args(config))
+    if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:
+        # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
+        extra.setdefault("torch-threads", str(config.torch_threads))
+        extra.setdefault("weight-group-timeout", str(config.weights.weight_transfer_timeout))
+    return extra
 
 
 def lora_server_args(config: RunConfig) -> dict[str, str | list[str]]:

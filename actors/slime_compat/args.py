@@ -23,7 +23,7 @@ __all__ = ["build_args", "sampling_params"]
 _SLIME_DEFAULTS: dict[str, Any] = {
     "partial_rollout": False, "mask_offpolicy_in_partial_rollout": False, "ci_test": False,
     "use_rollout_routing_replay": False, "rollout_stop_token_ids": None, "rollout_skip_special_tokens": False,
-    "sglang_server_concurrency": 512, "sglang_dp_size": None, "sglang_enable_deterministic_inference": False,
+    "sglang_server_concurrency": 512, "sglang_dp_size": None,
     "reward_key": None, "eval_reward_key": None, "rollout_sample_hook_path": [], "router_policy": None,
     "loss_type": "policy_loss", "custom_loss_function_path": None, "rollout_num_gpus": 0,
 }
@@ -41,6 +41,7 @@ def build_args(config: RunConfig, *, server_url: str | None = None) -> SimpleNam
     values.setdefault("rollout_max_prompt_len", None)
     values["rollout_stop"] = list(config.rollout.rollout_stop) or None
     values["rollout_top_k"] = config.rollout.rollout_top_k or -1  # slime spells "off" -1
+    values["sglang_enable_deterministic_inference"] = config.engine.deterministic_inference
     if server_url is not None:
         parts = urlsplit(server_url if "://" in server_url else f"http://{server_url}")
         values["sglang_router_ip"], values["sglang_router_port"] = parts.hostname, parts.port

@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from engines.inference.base import FinishReason, GenerateOutput, SamplingParams
+from engines.inference.batch_invariant import sample_padded_rows
 from engines.inference.kv_batch import KVBatch
 from engines.inference.sampling import RowParams, sample_next_tokens
 
@@ -130,8 +131,13 @@ class ContinuousBatcher:
         limits: BatchLimits,
         rng: torch.Generator,
         pad_token_id: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
+        """`batch_invariant`: the model was made batch-invariant (`batch_invariant.make_batch_invariant`); then each
+        distinct sequence is prefilled on its own and sampling sees padded rows, so a row's tokens and log-probs
+        do not depend on the rows beside it either."""
         self.model = model
+        self.batch_invariant = batch_invariant
         self.tokenizer = tokenizer
         self.limits = limits
         self.rng = rng
@@ -236,13 +242,24 @@ class ContinuousBatcher:
                 unique[key] = len(sequences)
                 sequences.append(tokens)
             expand.append(unique[key])
-        batch, logits = KVBatch.prefill(self.model, sequences, self.pad_token_id)
+        batch, logits = self._prefill_forward(sequences)
         if len(sequences) != len(admitted):
             rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
             batch.select(rows)
             logits = logits.index_select(0, rows)
         self._append_sampled(admitted, logits, version)
         return batch
+
+    def _prefill_forward(self, sequences: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
+        if not self.batch_invariant:
+            return KVBatch.prefill(self.model, sequences, self.pad_token_id)
+        # One forward per sequence: in a shared one, a prompt's keys would sit beside another prompt's padding.
+        batch, logits = KVBatch.empty(self.device), []
+        for sequence in sequences:
+            alone, last_logits = KVBatch.prefill(self.model, [sequence], self.pad_token_id)
+            batch.extend(alone)
+            logits.append(last_logits)
+        return batch, torch.cat(logits)
 
     def _append_sampled(self, samples: list[DecodingSequence], logits: torch.Tensor, version: int) -> None:
         params = RowParams.build(
@@ -251,7 +268,11 @@ class ContinuousBatcher:
             [sample.params.top_k for sample in samples],
             self.device,
         )
-        tokens, log_probs = sample_next_tokens(logits, params, self._uniforms(samples, params))
+        uniforms = self._uniforms(samples, params)
+        if self.batch_invariant:
+            tokens, log_probs = sample_padded_rows(logits, params, uniforms)
+        else:
+            tokens, log_probs = sample_next_tokens(logits, params, uniforms)
         for sample, token, log_prob in zip(samples, tokens.tolist(), log_probs.tolist(), strict=True):
             sample.output_ids.append(token)
             sample.log_probs.append(log_prob)

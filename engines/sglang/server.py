@@ -426,7 +426,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
-        help="reported in /server_info as SGLang does; this server honours sampling_seed with or without it",
+        help="batch-invariant log-probs (as SGLang's flag gives); reported in /server_info. Seeds are honoured with "
+        "or without it",
     )
     parser.add_argument(
         "--sglang-api",
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
         version=protocol.parse_weight_version(args.weight_version) or 0,
         # each adapter's B arrives multiplied by its own alpha / r (compat_adapters.py), so the merge scale is 1
         lora_scaling=1.0 if args.enable_lora else None,
+        deterministic=args.enable_deterministic_inference,
     )
     server = CompatServer(engine, args, context_length=context_length)
     logger.info("serving %s on http://%s:%d (SGLang %s API)", args.model_path, args.host, args.port, args.sglang_api)

@@ -15,7 +15,9 @@ from actors.config import (
     split_sglang_args,
     write_effective_config,
 )
+from actors.rollout.engine_factory import sglang_server_args
 from actors.runtime.context import ActorContext, ActorSettings
+from actors.slime_compat.args import build_args
 
 
 def parse(argv: list[str], base: dict | None = None):
@@ -51,6 +53,19 @@ def test_slime_switches_reach_the_policy() -> None:
     assert config.policy.grpo_std_normalization is False
     assert parse([]).policy.off_policy_correction == "tis"  # the fully-async default
     assert parse(["--off-policy-correction", "none"]).policy.off_policy_correction == "none"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flag", ["--deterministic-inference", "--sglang-enable-deterministic-inference"])
+def test_either_spelling_of_deterministic_inference_reaches_every_engine(flag: str) -> None:
+    """slime's pass-through spelling makes the torch engine batch-invariant too, and ours starts SGLang with it."""
+    config = parse(["--rollout-engine", "sglang", flag])
+    assert config.engine.deterministic_inference
+    assert sglang_server_args(config)["enable-deterministic-inference"] == "true"
+    assert build_args(config).sglang_enable_deterministic_inference is True  # what a slime plugin reads
+    default = parse(["--rollout-engine", "sglang"])
+    assert not default.engine.deterministic_inference
+    assert "enable-deterministic-inference" not in sglang_server_args(default)
 
 
 @pytest.mark.unit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -69,6 +70,26 @@ async def test_learner_trains_served_batches_announces_publishes_and_checkpoints
     state = json.loads((checkpoint / "sleeping_trainer.json").read_text())
     assert state["version"] == 2 and state["extra_state"]["trained_batch"] == 2
     assert json.loads((tmp_path / "final_model" / "config.json").read_text())["version"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_deterministic_mode_switches_the_learner_to_ordered_kernels(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--deterministic-mode reaches the torch backend too, not only Megatron's config: a one-rank learner on two
+    CPU threads otherwise trains the same batches to different weights (engines/training/determinism.py)."""
+    use_spec(SPEC, tmp_path, monkeypatch)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # monkeypatch puts back whatever was there before
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        seen = await _run_to_the_end(tmp_path, _settings(tmp_path, deterministic_mode=True))
+        assert set(seen["exit_codes"].values()) == {0}  # type: ignore[union-attr]
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()  # a kernel without an ordered twin warns
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.integration

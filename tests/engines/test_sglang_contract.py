@@ -27,7 +27,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from actors.config import RunConfig
-from actors.rollout.engine_factory import lora_server_args
+from actors.rollout.engine_factory import sglang_server_args
 from engines.sglang import protocol
 from engines.sglang.launch import ServerSpec
 from engines.sglang.server import CompatServer, parse_args
@@ -276,9 +276,11 @@ def test_the_modules_sglang_can_adapt_are_the_ones_we_allow(sglang: SglangSource
 
 
 def test_launch_flags_exist_and_are_not_deprecated(sglang: SglangSource) -> None:
-    """Our launch command, a LoRA run's flags and the GPU test's (`--disable-cuda-graph` is deprecated in both)."""
-    config = RunConfig(rollout_engine="sglang", lora_rank=8, target_modules=["q_proj", "v_proj"])
-    extra = {**gpu_test_server_args(), **lora_server_args(config)}
+    """Our launch command (a LoRA run's, a deterministic one's) and the GPU test's (`--disable-cuda-graph` is
+    deprecated in both)."""
+    config = RunConfig(rollout_engine="sglang", lora_rank=8, target_modules=["q_proj", "v_proj"],
+                       deterministic_inference=True)
+    extra = {**gpu_test_server_args(), **sglang_server_args(config)}
     command = ServerSpec(model_path="/m", random_seed=1, base_gpu_id=0, extra=extra).command(port=1)
     flags = [part for part in command if part.startswith("--")]
     unknown = [flag for flag in flags if flag[2:].replace("-", "_") not in sglang.server_arg_fields]
