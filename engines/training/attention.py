@@ -60,8 +60,8 @@ def packed_sdpa_attention(
         if isinstance(call.queries, slice):  # one plain sequence: slice views, no gather
             q, k, v = query[:, :, call.queries], key[:, :, call.keys], value[:, :, call.keys]
         else:
-            q = query[0][:, call.queries].transpose(0, 1)
-            k, v = key[0][:, call.keys].transpose(0, 1), value[0][:, call.keys].transpose(0, 1)
+            q = _rows(query[0], call.queries).transpose(0, 1)
+            k, v = _rows(key[0], call.keys).transpose(0, 1), _rows(value[0], call.keys).transpose(0, 1)
         attended = F.scaled_dot_product_attention(
             q, k, v, attn_mask=(mask := plan.mask(q.shape[2], k.shape[2], sliding_window)), dropout_p=dropout,
             is_causal=mask is None, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
@@ -73,6 +73,14 @@ def packed_sdpa_attention(
         output[:, call.rows] = attended
     assert output is not None
     return output.unsqueeze(0).transpose(1, 2).contiguous(), None
+
+
+def _rows(states: Tensor, index: Tensor) -> Tensor:
+    """`states[:, index]` ([heads, T, D] -> [heads, *index.shape, D]) by `index_select`, not advanced indexing: a
+    shared prompt's rows are gathered once per response, and advanced indexing's CPU backward accumulates such
+    repeats with atomic adds from several threads, in whatever order they land (the same batch trained to other
+    weights from run to run); `index_select`'s backward (`index_add_`) adds them in order."""
+    return states.index_select(1, index.flatten()).unflatten(1, index.shape)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,10 @@
-"""`--deterministic-mode` on a learner rank: the same batches train to the same weights, bit for bit.
+"""`--deterministic-mode` on a learner rank: ordered kernels wherever torch has them, on either backend.
 
-Without it, a one-rank learner on 2 CPU threads was measured training the same recorded batches to different
-weights from run to run (the losses agree; the gradients differ in the last bits from the second or third step).
-The cause is in the backward of indexing with repeated indices (packed rows that share a prompt gather its keys
-once per response): its CPU kernel accumulates with atomic adds from several threads, in whatever order they
-arrive. `torch.use_deterministic_algorithms` switches it, and every other such kernel, to a sorted, ordered
-accumulation. With one thread the default kernels already repeat.
+The torch learner repeats without it on this machine: a one-rank learner on 2 CPU threads trained the same
+recorded batches to different weights until `packed_sdpa` stopped gathering with advanced indexing (its CPU
+backward sums repeated indices with atomic adds from several threads; see `attention._rows`). This flag is for
+the kernels not met here, and for GPUs: `torch.use_deterministic_algorithms` routes every operation that has an
+ordered twin to it, and cuBLAS gets the fixed workspace it needs to repeat its reductions.
 
 `warn_only`: an operation with no deterministic implementation warns instead of failing the run (on CUDA,
 `index_add_` is one). Megatron's own `deterministic_mode` is set from the same flag (`model_flags.py`).

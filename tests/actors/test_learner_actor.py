@@ -76,8 +76,8 @@ async def test_learner_trains_served_batches_announces_publishes_and_checkpoints
 @pytest.mark.timeout(30)
 async def test_deterministic_mode_switches_the_learner_to_ordered_kernels(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--deterministic-mode reaches the torch backend too, not only Megatron's config: a one-rank learner on two
-    CPU threads otherwise trains the same batches to different weights (engines/training/determinism.py)."""
+    """--deterministic-mode reaches the torch backend too, not only Megatron's config: ordered kernels wherever
+    torch has them, on the learner's ranks (engines/training/determinism.py)."""
     use_spec(SPEC, tmp_path, monkeypatch)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # monkeypatch puts back whatever was there before

@@ -101,3 +101,31 @@ def test_padded_batches_are_refused_rather_than_silently_unmasked() -> None:
     tensor = torch.zeros(2, 2, 4, 8)
     with pytest.raises(ValueError, match="one packed row; got a batch of 2 rows"):
         packed_sdpa_attention(nn.Module(), tensor, tensor, tensor, None)
+
+
+def _backward_nodes(root: torch.Tensor) -> set[str]:
+    seen, stack, names = set(), [root.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.unit
+def test_shared_prompt_rows_are_gathered_by_index_select_whose_backward_adds_in_order() -> None:
+    """A GRPO group's prompt rows are gathered once per response. Advanced indexing (`IndexBackward0`) would sum
+    those repeats in its CPU backward with atomic adds from several threads, in the order they land: the same
+    batch trained to other weights from run to run (measured: 3 of 4 replays on 2 threads). `index_select`'s
+    backward adds them in index order."""
+    positions = torch.tensor([[*range(6), *range(6, 9), *range(6, 9), *range(6, 10), *range(5), *range(5, 8)]])
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, positions.shape[1], 8, generator=generator, requires_grad=True)
+                         for heads in (4, 2, 2))
+    output, _ = packed_sdpa_attention(nn.Module(), query, key, value, None, position_ids=positions)
+    nodes = _backward_nodes(output.sum())
+    assert "IndexSelectBackward0" in nodes  # the shared-prompt path ran
+    assert "IndexBackward0" not in nodes
