@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from engines.megatron.model_flags import MegatronFlags, check_against_hf, run_init_hook, transformer_overrides
+from engines.megatron.parallel import compute_device
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 _LOCAL_SPEC_NORMS = {
@@ -151,7 +152,10 @@ class HFBridge:
         )
         for parameter in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(parameter)
-        return model
+        # megatron's linears allocate on the current GPU, but the local spec's norms are torch modules made on the
+        # CPU. The policy's reach the GPU only when the distributed optimizer copies every parameter into its CUDA
+        # buffer; a frozen reference model, or a run without that optimizer, kept them on the CPU.
+        return model.to(compute_device())
 
     def load_hf_weights(self, stages: list[nn.Module], hf_path: str | Path | None = None) -> None:
         """Fill `stages` from an HF folder's safetensors (TP rank 0 reads, then scatters the shards)."""

@@ -9,6 +9,9 @@ CPU in this process (as `test_megatron_parity.py` does on gloo).
   tensors, and the step tracks the torch trainer's bf16 step up to bf16 rounding.
 - "dp2": two GPUs (skipped with fewer), an NCCL world made by the caller, distributed optimizer: the whole-batch
   log-probs (summed over NCCL) and the step equal the one-rank ones.
+- "plain": one GPU, a frozen reference model (what a KL term needs) and no distributed optimizer: every parameter
+  of both models is on the GPU (the local spec's norms were left on the CPU unless that optimizer's buffer took
+  them), and the reference's log-probs equal the policy's before the step.
 
 Tolerances. With transformer-engine's layer spec, TE runs float32 GEMMs in TF32 (cuBLASLt
 CUBLAS_COMPUTE_32F_FAST_TF32), so fp32 results agree to TF32 precision (~1e-3) only; with the local spec torch's
@@ -48,9 +51,12 @@ class Run:
     dtype: str = "float32"
     world: int = 1
     resume: bool = False
+    reference: bool = False
+    distributed_optimizer: bool = True
 
 
-RUNS = {"fp32": Run(resume=True), "bf16": Run(dtype="bfloat16"), "dp2": Run(world=2)}
+RUNS = {"fp32": Run(resume=True), "bf16": Run(dtype="bfloat16"), "dp2": Run(world=2),
+        "plain": Run(reference=True, distributed_optimizer=False)}
 
 
 policy_loss = step_loss(seeded_batch())  # every step of these tests trains on this one batch
@@ -60,7 +66,9 @@ def _config(model_path: Path, run: Run):
     from engines.megatron import MegatronTrainerConfig
 
     return MegatronTrainerConfig(
-        model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS, dtype=run.dtype, **OPTIMIZER
+        model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS, dtype=run.dtype,
+        ref_model_path=model_path if run.reference else None, use_distributed_optimizer=run.distributed_optimizer,
+        **OPTIMIZER,
     )
 
 
@@ -99,6 +107,7 @@ def _worker(rank: int, port: int, model_path: Path, out_dir: Path, run_fields: d
             "world": dist.get_world_size(),
             "layer_spec": trainer._bridge.runtime.layer_spec,
             "parameter_devices": sorted({str(p.device) for p in trainer._stage.parameters()}),
+            "reference_devices": sorted({str(p.device) for p in trainer._ref.parameters()}) if run.reference else [],
             "batch_devices": sorted(
                 {str(t.device) for mb in trainer._micro_batches(batch, with_batch=True) for t in mb.tensors().values()}
             ),
@@ -106,6 +115,9 @@ def _worker(rank: int, port: int, model_path: Path, out_dir: Path, run_fields: d
         }
         initial, _ = _exported(trainer)
         outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+        if run.reference:
+            reference = trainer.compute_log_probs(batch, temperature=TEMPERATURE, model="ref")
+            summary["reference_log_prob_error"] = float((reference.log_probs - outputs.log_probs).abs().max())
         result = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
         summary["step1"] = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}
         after, seen = _exported(trainer)
@@ -224,7 +236,14 @@ def test_gpu_trainer_runs_on_an_nccl_world_with_every_batch_tensor_on_its_gpu(na
     assert summary["adam"], "rank 0 must own parameters to optimise"
 
 
-@pytest.mark.parametrize("name", ["fp32", "dp2"])
+def test_a_reference_model_without_the_distributed_optimizer_lives_on_the_gpu(runs: dict) -> None:
+    summary = _summary(runs["plain"])
+    assert summary["parameter_devices"] == ["cuda:0"]
+    assert summary["reference_devices"] == ["cuda:0"]
+    assert summary["reference_log_prob_error"] < 1e-6  # the same weights
+
+
+@pytest.mark.parametrize("name", ["fp32", "dp2", "plain"])
 def test_fp32_gpu_step_matches_the_torch_trainer(name: str, runs: dict, reference: dict) -> None:
     out_dir, expected = runs[name], reference["float32"]
     summary = _summary(out_dir)
