@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,39 @@ import torch
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from tests.support.summary import write_summaries
 
+# A test not marked `gpu` runs as on CI's machine, with no GPU, also where one is present: its assertions (learner
+# ranks per node, placement, gloo worlds) are the CPU's, and a developer's GPU workstation must pass the suite as CI
+# does. The `gpu` tests are where the GPU is checked. Set this to 1 to keep the GPU visible to every test, to see
+# what the CPU suite's code paths do on a GPU machine (their CPU assumptions then fail, as they should).
+SEE_GPU_ENV = "SLIPSTREAM_TESTS_SEE_GPU"
+_CUDA = {"is_available": torch.cuda.is_available, "device_count": torch.cuda.device_count}
+_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+_GPU_PRESENT = torch.cuda.is_available()
+
+
+def show_gpu(visible: bool) -> None:
+    """Hide the GPU from this process (torch's two queries) and from the processes a test starts (the variable),
+    or show it again as it was."""
+    if visible:
+        torch.cuda.is_available, torch.cuda.device_count = _CUDA["is_available"], _CUDA["device_count"]
+        if _VISIBLE_DEVICES is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = _VISIBLE_DEVICES
+    else:
+        torch.cuda.is_available, torch.cuda.device_count = (lambda: False), (lambda: 0)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the item's fixtures, module-scoped ones included, are set up: they start processes too."""
+    if _GPU_PRESENT and os.environ.get(SEE_GPU_ENV) != "1":
+        show_gpu("gpu" in item.keywords)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    if _GPU_PRESENT:
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA; torch.cuda.is_available() is false")
     for item in items:
