@@ -174,7 +174,18 @@ def check_engine_speed(device: str, quick: bool) -> Row:
                f"{spec.num_hidden_layers}L", f"{base_rate:,.0f} tok/s", seconds)
 
 
-def check_train_step(device: str, quick: bool) -> Row:
+@dataclass
+class TrainSteps:
+    """One torch-trainer step and one bare HF forward + backward + AdamW step on the same model and batch (also
+    `tools/profile_train_step.py`, which says where the difference goes)."""
+
+    ours: Callable[[], Any]
+    bare: Callable[[], Any]
+    close: Callable[[], None]
+    shape: str
+
+
+def train_steps(device: str, quick: bool) -> TrainSteps:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -188,10 +199,6 @@ def check_train_step(device: str, quick: bool) -> Row:
     dtype = "bfloat16" if device == "cuda" else "float32"
     trainer = TorchTrainer(TorchTrainerConfig(model_path=path, lr=1e-5, device=device, dtype=dtype,
                                               micro_batch_tokens=count * length, check_packing=False))
-    trainer.train_step(samples, loss_fn, temperature=1.0)  # warm-up
-    ours = _timed(device, lambda: trainer.train_step(samples, loss_fn, temperature=1.0), repeats=3)
-    trainer.close()
-
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tokens = torch.stack([s.tokens for s in samples]).to(device)
@@ -204,11 +211,21 @@ def check_train_step(device: str, quick: bool) -> Row:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    bare_step()
-    bare = _timed(device, bare_step, repeats=3)
+    return TrainSteps(ours=lambda: trainer.train_step(samples, loss_fn, temperature=1.0), bare=bare_step,
+                      close=trainer.close, shape=f"{count} x {length} tokens, {dtype}")
+
+
+def check_train_step(device: str, quick: bool) -> Row:
+    steps = train_steps(device, quick)
+    try:
+        steps.ours()  # warm-up
+        ours = _timed(device, steps.ours, repeats=3)
+        steps.bare()
+        bare = _timed(device, steps.bare, repeats=3)
+    finally:
+        steps.close()
     return Row("train step: torch trainer vs bare HF+AdamW", "ok",
-               f"{ours * 1000:.1f} ms ({ours / bare:.2f}x), {count} x {length} tokens, {dtype}",
-               f"{bare * 1000:.1f} ms", ours)
+               f"{ours * 1000:.1f} ms ({ours / bare:.2f}x), {steps.shape}", f"{bare * 1000:.1f} ms", ours)
 
 
 def check_weight_sync(device: str, quick: bool) -> Row:
