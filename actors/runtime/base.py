@@ -38,6 +38,10 @@ PeerLink = TypeVar("PeerLink", PeerStream, PeerRpc)
 
 
 
+class _StoppedWhileStarting(Exception):
+    """A stop was asked for before `start()` finished; the start was given up (`Actor._start_unless_stopped`)."""
+
+
 class Actor:
     """Base of every role. Subclasses set `role` and write `run()`; see the module docstring."""
 
@@ -103,8 +107,9 @@ class Actor:
     async def main(self) -> int:
         """Start, run the story, stop. Returns the process exit code: 0 when stopped on purpose."""
         exit_code = 0
+        abandoned = False
         try:
-            await self.start()
+            await self._start_unless_stopped()
             story = asyncio.create_task(self.run(), name=f"{self.actor_id}.run")
             stop = asyncio.create_task(self._stop_requested.wait())
             await asyncio.wait({story, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -122,6 +127,8 @@ class Actor:
                     # and the launcher would not restart us.
                     raise RuntimeError("run() ended by a stray cancellation") from None
             stop.cancel()
+        except _StoppedWhileStarting:
+            abandoned = True  # nothing started that a stop must drain
         except ControllerUnreachable as error:
             self.log.error("controller unreachable", error=str(error))
             exit_code = 3
@@ -137,12 +144,29 @@ class Actor:
             exit_code = 1
         finally:
             try:
-                await asyncio.wait_for(self.stop(), self.drain_timeout + 15.0)
+                if not abandoned:
+                    await asyncio.wait_for(self.stop(), self.drain_timeout + 15.0)
             except asyncio.TimeoutError:
                 self.log.error("stop did not finish in time; exiting anyway")
         if exit_code == 0 and self.run_failure is not None:
             return report_exit(self.context, self.run_failure, EXIT_RUN_FAILED)  # every launcher fails, none restarts
         return exit_code
+
+    async def _start_unless_stopped(self) -> None:
+        """`start()`, given up when a stop is asked for meanwhile. A start-up can take minutes (a model loading,
+        an SGLang server coming up, a controller that is gone): SIGTERM then ends the process now, instead of
+        after the start-up, or at the launcher's SIGKILL. What on_start began in a thread ends with the process."""
+        starting = asyncio.create_task(self.start(), name=f"{self.actor_id}.start")
+        stop = asyncio.create_task(self._stop_requested.wait())
+        await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            self.log.info("stopped while starting", reason=self._stop_reason)
+            await self._close_sockets()
+            raise _StoppedWhileStarting
+        starting.result()  # start()'s own failure, as before
 
     async def start(self) -> None:
         """Bind, prepare, then register: a member in the roster is ready to serve its handlers."""
@@ -197,6 +221,11 @@ class Actor:
             self._heartbeat.cancel()
             await asyncio.wait([self._heartbeat], timeout=1.0)
         await self._leave()
+        await self._close_sockets()
+        self.log.info("actor stopped", reason=self._stop_reason, counters=dict(self.counters))
+
+    async def _close_sockets(self) -> None:
+        """The background loops, then every socket."""
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -207,7 +236,6 @@ class Actor:
             if closable is not None:
                 closable.close()
         self.zmq.destroy(linger=0)
-        self.log.info("actor stopped", reason=self._stop_reason, counters=dict(self.counters))
 
     # ------------------------------------------------------------------------------------------- peers
     def peer_stream(self, role: str, endpoint_name: str = "inbox") -> PeerStream:

@@ -94,3 +94,12 @@ class SlowToStop(Actor):
     async def on_stop(self) -> None:
         await asyncio.sleep(float(os.environ.get("SLOW_TO_STOP_S", "60")))
         (self.context.run_dir / f"{self.actor_id}.drained").write_text("drained", encoding="utf-8")
+
+
+class SlowToStart(Actor):
+    """Takes a minute to start, as an actor loading a large model or waiting for its SGLang server would; writes
+    RUN_DIR/ACTOR_ID.starting once it is under way."""
+
+    async def on_start(self) -> None:
+        (self.context.run_dir / f"{self.actor_id}.starting").write_text("starting", encoding="utf-8")
+        await asyncio.sleep(60)

@@ -154,6 +154,28 @@ def test_a_second_signal_kills_every_actor_at_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.system
+def test_an_actor_still_starting_stops_at_the_first_signal(tmp_path: Path) -> None:
+    """SIGTERM during a long start-up (a model loading, an SGLang server coming up) gives the start up: the actor
+    exits at once instead of after its start-up, or at the SIGKILL that follows the launcher's grace."""
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "--roles", "controller", "--custom-actor", "slow=runtime_actors:SlowToStart")
+    try:
+        wait_until(lambda: (run_dir / "slow-0-0.starting").exists(), 60, "the slow actor to be starting")
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert took < 8.0, f"the launcher took {took:.1f} s after the signal:\n{output[-3000:]}"
+    assert "ignored SIGTERM" not in output
+    events = [record.get("event") for record in jsonl(run_dir / "logs" / "slow-0-0.jsonl")]
+    assert "stopped while starting" in events and "actor started" not in events
+    assert not [pid for started in actor_pids(run_dir).values() for pid in started if alive(pid)]
+
+
+@pytest.mark.system
 @pytest.mark.timeout(120)
 async def test_a_stopping_learner_gets_the_time_its_step_and_checkpoint_take(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
