@@ -33,7 +33,10 @@ def test_a_killed_rollout_worker_costs_seconds_of_training_not_the_transfer_time
 ) -> None:
     task = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
     run_dir = tmp_path / "run"
-    run = launch(run_dir, tiny_model_path, task, num_rollout=16,
+    # Steps enough after the kill for the replacement to start and be pushed to, also on a loaded machine (16 were
+    # too few once: the run ended first).
+    steps = 24
+    run = launch(run_dir, tiny_model_path, task, num_rollout=steps,
                  extra=("--weight-transfer-timeout", str(TRANSFER_TIMEOUT_S)))
     try:
         wait_for_step(run, run_dir, 4)
@@ -46,7 +49,7 @@ def test_a_killed_rollout_worker_costs_seconds_of_training_not_the_transfer_time
             run.kill()
     assert run.returncode == 0, output[-4000:]
     walls = step_walls(run_dir)
-    assert len(walls) == 16
+    assert len(walls) == steps
     gaps = gaps_after(run_dir, killed_at)
     assert max(gaps) < 5.0, f"training stalled {max(gaps):.1f}s after the kill (steps at {gaps})"
     assert current_pid(run_dir, "rollout-0-0") != victim, "the killed worker was not restarted"
