@@ -129,6 +129,14 @@ def test_stream_flows_between_processes_and_sigterm_leaves_no_process_or_socket(
     assert not list(ipc_sockets_dir(run_dir).glob("*.sock"))
 
 
+def exit_after_sigterm(process: subprocess.Popen[str]) -> tuple[str, float]:
+    """SIGTERM to the launcher; its output, and the seconds it took to exit."""
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    return output, time.monotonic() - signalled
+
+
 @pytest.mark.system
 def test_a_second_signal_kills_every_actor_at_once(tmp_path: Path) -> None:
     """The first SIGTERM lets actors drain (a learner gets minutes, for its step and checkpoint); a second one is
@@ -141,10 +149,7 @@ def test_a_second_signal_kills_every_actor_at_once(tmp_path: Path) -> None:
                    60, "the slow actor to be running")
         process.send_signal(signal.SIGTERM)
         time.sleep(1.0)
-        second = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
-        took = time.monotonic() - second
+        output, took = exit_after_sigterm(process)
     finally:
         if process.poll() is None:
             process.kill()
@@ -161,10 +166,7 @@ def test_an_actor_still_starting_stops_at_the_first_signal(tmp_path: Path) -> No
     process = start(run_dir, "--roles", "controller", "--custom-actor", "slow=runtime_actors:SlowToStart")
     try:
         wait_until(lambda: (run_dir / "slow-0-0.starting").exists(), 60, "the slow actor to be starting")
-        signalled = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
-        took = time.monotonic() - signalled
+        output, took = exit_after_sigterm(process)
     finally:
         if process.poll() is None:
             process.kill()
