@@ -256,6 +256,20 @@ class FinalCommit(Message):
     checkpointed_batch: Annotated[int, doc("id of the last batch covered by the final durable checkpoint")]
 
 
+
+class EvalProgressQuery(Message):
+    """Learner -> buffer (RPC); reply EvalProgress. Asked while the final weights wait to be pushed: an evaluation
+    round holds the engines on its version, and no batch request (which carries the answer otherwise) is due."""
+
+    learner_version: Annotated[int, doc("the learner's current policy version (for the buffer's log)")]
+
+
+class EvalProgress(Message):
+    """Buffer -> learner (RPC reply to EvalProgressQuery)."""
+
+    eval_done_through: Annotated[int, doc("as in Batch: every evaluation round of a version up to this one has "
+                                          "reported (-1: none yet)")] = -1
+
 class VersionAnnouncement(Message):
     """Controller -> everyone (broadcast, topic "version"): the learner finished a step."""
 
@@ -332,6 +346,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         BatchRequest,
         Batch,
         FinalCommit,
+        EvalProgressQuery,
+        EvalProgress,
         VersionAnnouncement,
         WeightUpdateOrder,
         Register,

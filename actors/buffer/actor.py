@@ -36,6 +36,8 @@ from bus.schema import (
     Batch,
     BatchRequest,
     Error,
+    EvalProgress,
+    EvalProgressQuery,
     FinalCommit,
     Lease,
     LeaseRenew,
@@ -202,6 +204,10 @@ class Buffer(Actor):
         if commit.trained_batch >= self.config.learner.num_rollout:
             await self._final_eval(commit.learner_version)
         return Ack()
+
+    @serves(EvalProgressQuery)
+    async def on_eval_progress(self, sender: str, query: EvalProgressQuery) -> EvalProgress:
+        return EvalProgress(eval_done_through=self.eval_rounds.done_through)
 
     async def _final_eval(self, version: int) -> None:
         """The run's last word on quality: evaluate the final version before the learner ends the run.

@@ -242,6 +242,13 @@ class Learner(Actor):
         self.eval_hold.reported(getattr(self.source, "eval_done_through", -1))
         return self.eval_hold.holds()
 
+    async def _wait_for_eval_hold(self) -> None:
+        """Like any push, the final one waits for the round that holds the engines on its version; the hold's own
+        deadline bounds the wait. No batch request is due any more to bring the round's progress, so ask for it."""
+        while not self.stopping and await self._held_for_eval():
+            await asyncio.sleep(0.2)
+            await self.source.poll_eval_progress(self.progress())
+
     async def save_checkpoint(self) -> None:
         extra = {"trained_batch": self.trained_batch, "run_dir": str(self.context.run_dir)}
         target = self.checkpoint_dir / f"step_{self.trained_batch:06d}"
@@ -259,6 +266,7 @@ class Learner(Actor):
             await self.save_checkpoint()
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
             if self.weights.committed_version != self.version:
+                await self._wait_for_eval_hold()
                 await self.publish_weights()  # the final eval round must see the final weights
         await self.source.finish(self.progress())  # the buffer answers once the final eval round reported
         assert self._controller is not None

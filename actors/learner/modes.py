@@ -18,7 +18,7 @@ from actors.config import RunConfig
 from actors.learner.ranks import CollectiveTrainer
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from bus.codec import decode, encode
-from bus.schema import BATCH_ORDER, Batch, BatchRequest, Error, FinalCommit
+from bus.schema import BATCH_ORDER, Batch, BatchRequest, Error, EvalProgress, EvalProgressQuery, FinalCommit
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class BatchSource(Protocol):
 
     async def finish(self, progress: Progress) -> None:
         """After the last batch and its checkpoint: make the end durable at the source."""
+
+    async def poll_eval_progress(self, progress: Progress) -> int:
+        """Every evaluation round of a version up to the one returned has reported (-1: none, or no rounds here).
+        Batch replies carry it too; this asks when no batch is due."""
 
 
 class BatchRefused(RuntimeError):
@@ -69,6 +73,17 @@ class BufferSource:
             return None
         return reply
 
+    async def poll_eval_progress(self, progress: Progress) -> int:
+        try:
+            reply = await self.buffer.call(EvalProgressQuery(learner_version=progress.learner_version), timeout=5.0,
+                                           retries=1)
+        except (TimeoutError, asyncio.TimeoutError, ConnectionError):
+            self.counters["eval_progress.unanswered"] += 1
+        else:
+            if isinstance(reply, EvalProgress):
+                self.eval_done_through = max(self.eval_done_through, reply.eval_done_through)
+        return self.eval_done_through
+
     async def finish(self, progress: Progress) -> None:
         """Commit the last batches in the buffer's log (the checkpoint just written covers them)."""
         commit = FinalCommit(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
@@ -98,6 +113,9 @@ class RecordedBatches:
     async def finish(self, progress: Progress) -> None:
         """Nothing to commit: the recording is read-only."""
 
+    async def poll_eval_progress(self, progress: Progress) -> int:
+        return -1  # a replay runs no engines, so no rounds
+
 
 class Recording:
     """`--save-debug-rollout-data`: every batch the inner source yields is also written, for a later replay."""
@@ -115,6 +133,15 @@ class Recording:
 
     async def finish(self, progress: Progress) -> None:
         await self.inner.finish(progress)
+
+    async def poll_eval_progress(self, progress: Progress) -> int:
+        return await self.inner.poll_eval_progress(progress)
+
+    @property
+    def eval_done_through(self) -> int:
+        """The inner source's: without it the learner's eval hold never heard a round report, and held each
+        evaluated version's engines until the hold's timeout."""
+        return getattr(self.inner, "eval_done_through", -1)
 
 
 class Training(Protocol):

@@ -68,3 +68,13 @@ def test_sources_are_picked_once_from_the_debug_flags(tmp_path: Path) -> None:
     source = pick_source(config, buffer=None, counters=None, log=None)
     assert isinstance(source, Recording) and isinstance(source.inner, RecordedBatches)
     assert source.directory == tmp_path / "out" and source.inner.directory == tmp_path / "in"
+
+
+@pytest.mark.unit
+def test_a_recording_passes_on_the_eval_progress_of_the_source_it_wraps(tmp_path: Path) -> None:
+    """The learner's eval hold reads the source's `eval_done_through`; behind a recording it used to read -1
+    forever, and each evaluated version held the engines until the hold's timeout."""
+    inner = Fixed([])
+    inner.eval_done_through = 6  # type: ignore[attr-defined]  # as a buffer reply left it
+    recorder = Recording(inner, tmp_path / "recording")
+    assert recorder.eval_done_through == 6
