@@ -151,6 +151,8 @@ def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
     extra.setdefault("max-running-requests", str(engine_config.rollout_max_batch_size))
     if engine_config.deterministic_inference:
         extra["enable-deterministic-inference"] = "true"
+    if config.model.bf16:  # the dtype the weights are pushed in; "auto" would follow the checkpoint (often float32)
+        extra.setdefault("dtype", "bfloat16")
     if config.lora.enabled:
         extra.update(lora_server_args(config))
     if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:

@@ -187,3 +187,36 @@ def test_min_lr_is_where_the_cosine_schedule_ends(tmp_path: Path) -> None:
     assert final == pytest.approx(1e-5)
     with pytest.raises(ValueError, match=r"min_lr 0.001 must be in \[0, lr=0.0001\]"):
         parse(["--lr", "1e-4", "--min-lr", "1e-3"])
+
+
+@pytest.mark.integration
+def test_bf16_reaches_the_trainer_the_engine_the_push_and_a_launched_sglang_server(tiny_model_path: Path) -> None:
+    """slime's --bf16 is one flag for four places: the trainer computes in bfloat16 over float32 master weights, the
+    torch engine serves bfloat16, the weights travel as bfloat16, and a launched SGLang server loads bfloat16
+    (else it follows the checkpoint's dtype, which a fine-tuned checkpoint often saved as float32)."""
+    import asyncio
+
+    import torch
+
+    from actors.learner.publish import push_dtype
+    from actors.learner.trainer_factory import build_trainer
+    from actors.rollout.engine_factory import load_engine
+
+    config = parse(["--hf-checkpoint", str(tiny_model_path), "--bf16"])
+    trainer = build_trainer(config)
+    try:
+        assert trainer.config.dtype == "bfloat16"
+        assert {tensor.dtype for _, tensor in trainer.named_tensors()} == {torch.float32}  # the master weights
+    finally:
+        trainer.close()
+    engine, _ = load_engine(config, "rollout-0-0")
+    try:
+        assert {p.dtype for p in engine._model.parameters()} == {torch.bfloat16}
+    finally:
+        asyncio.run(engine.close())
+    assert push_dtype(config) is torch.bfloat16
+    assert sglang_server_args(parse(["--rollout-engine", "sglang", "--bf16"]))["dtype"] == "bfloat16"
+    assert sglang_server_args(parse(["--rollout-engine", "sglang", "--bf16", "--sglang-dtype", "float16"]))[
+        "dtype"] == "float16"  # the user's own choice stands
+    float32 = parse(["--hf-checkpoint", str(tiny_model_path)])
+    assert push_dtype(float32) is None and "dtype" not in sglang_server_args(float32)
