@@ -238,12 +238,31 @@ def create_process_group(
             raise RuntimeError("backend 'nccl' requested but this torch build has no NCCL")
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
-        options._timeout = timeout
+        options._timeout = timedelta(seconds=nccl_collective_timeout_s(timeout_s))
         return dist.ProcessGroupNCCL(pg_store, rank, size, options)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [_gloo_device(host if rank == 0 else local_address_towards(host))]
     return dist.ProcessGroupGloo(pg_store, rank, size, options)
+
+
+def nccl_collective_timeout_s(timeout_s: float) -> float:
+    """An NCCL group's own timeout for a collective, well past every wait of ours (`timeout_s` each). NCCL's
+    waits do not block the host, so a bucket pending on a dead peer shows only as a missing acknowledgement; when
+    the group timeout runs out first, the watchdog ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING's default),
+    and the learner with it. Ours run out first, and the group is aborted (`abort_nccl`)."""
+    return 2 * timeout_s + 60
+
+
+def abort_nccl(group: object) -> None:
+    """Abort an NCCL communicator being let go of: a collective still pending on a peer that will never take part
+    then ends now, instead of at the group timeout with this process. Anything else is left as it is (gloo work
+    pending is parked: `park`)."""
+    if dist.is_nccl_available() and isinstance(group, dist.ProcessGroupNCCL):
+        abort = getattr(group, "abort", None)  # a method of every torch release we allow, but not a documented one
+        if abort is not None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                abort()
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:

@@ -206,6 +206,11 @@ class TorchDistributedWeightSender(WeightSender):
             raise self._give_up(keys, None, f"weight transfer of version {version} abandoned mid-way")
         self.reached("buckets_sent")
         failed = self._collect_acks(spec, prefix, timeout_s)
+        if failed and self._backend == "nccl":
+            # NCCL queued the buckets without waiting for them: a receiver that died or stalled may have left them
+            # pending on this GPU. The group goes now, before the watchdog takes the learner with it.
+            self._let_go([])
+            self._broken = "a receiver did not acknowledge; its collectives may still be pending"
         if failed and self._aborted is not None:  # every ack in: committed, whatever happened since
             raise self._give_up(keys, None, f"weight transfer of version {version} not committed")
         self._clear_keys(keys, prefix, len(spec.members))
@@ -368,7 +373,9 @@ def _manifest(
 
 
 def _release(group: object) -> None:
-    """What a staged-copy group holds outside the process (shared-memory files) goes with the generation."""
+    """What a generation's group holds goes with it: a staged-copy group's shared-memory files; an NCCL
+    communicator, aborted (`groups.abort_nccl`)."""
     close = getattr(group, "close", None)
     if close is not None:
         close()
+    groups.abort_nccl(group)
