@@ -140,6 +140,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         return manifest.version
 
     def close(self) -> None:
+        groups.abort_nccl(self._group)
         self._group, self._buffers = None, []
 
     # -- internals --------------------------------------------------------------------------------------------
@@ -181,6 +182,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
 
         def let_go() -> None:
             groups.park(self._group, list(pending.values()), [*self._buffers, *targets])
+            groups.abort_nccl(self._group)  # receives pending on a sender that gave up: the watchdog's otherwise
             self._group, self._buffers = None, []
 
         load_error: str | None = None
