@@ -207,3 +207,18 @@ def test_a_worker_node_runs_an_engine_per_gpus_per_engine_and_the_head_expects_a
     assert launcher.default_rollout_workers(capped, head=False) == 4
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
     assert launcher.default_rollout_workers(config, head=False) == 1
+
+
+@pytest.mark.unit
+def test_a_learner_rank_binds_its_own_gpu_index_which_the_torch_trainer_resolves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside the learner's visible GPUs rank r owns cuda:r: `bind_device` records it as LOCAL_RANK (and sets the
+    device where CUDA exists), and the torch trainer's "cuda" means that one. On this CPU machine nothing binds."""
+    from actors.learner.ranks import bind_device
+    from engines.training.torch_trainer import _resolve_device
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # recorded, so bind_device's value is undone after the test
+    assert _resolve_device("cuda").index == 0
+    bind_device(3)
+    assert _resolve_device("cuda").index == 3
+    assert _resolve_device("cpu").type == "cpu"
