@@ -37,6 +37,10 @@ GPU_SERVER_ARGS: dict[str, str] = {
     "attention-backend": "torch_native",
     "skip-server-warmup": "true",
 }
+# NCCL refuses two ranks on one device: where a test's sender broadcasts (on cuda:0), the server takes the last GPU.
+SERVER_GPU = max(torch.cuda.device_count() - 1, 0)
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                    reason="an NCCL weight group needs the sender and the server on two GPUs")
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,7 @@ def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         model_path=str(tiny_model_path),
         module="sglang.launch_server",
         random_seed=1,
+        base_gpu_id=SERVER_GPU,
         extra=GPU_SERVER_ARGS,
     )
     process = ServerProcess(spec, startup_timeout=600, log_dir=tmp_path_factory.mktemp("sglang-logs"))
@@ -72,6 +77,7 @@ async def test_real_server_pause_keep_holds_requests_until_continue(server: Serv
         assert (await asyncio.wait_for(task, 60))[0].output_ids
 
 
+@needs_two_gpus
 async def test_real_server_receives_weights_from_our_sender(server: ServerProcess, tiny_model_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).cuda()
     with torch.no_grad():
@@ -92,6 +98,7 @@ async def test_real_server_receives_weights_from_our_sender(server: ServerProces
     sender.close()
 
 
+@needs_two_gpus
 async def test_real_server_serves_an_adapter_pushed_by_name(tiny_model_path: Path, tmp_path: Path) -> None:
     """A LoRA run's push into real SGLang: the `sglang_lora` transport, `/load_lora_adapter`, `lora_path`."""
     import structlog
@@ -105,7 +112,8 @@ async def test_real_server_serves_an_adapter_pushed_by_name(tiny_model_path: Pat
     rank, alpha, targets = 4, 8.0, ["q_proj", "v_proj"]
     run = RunConfig(rollout_engine="sglang", lora_rank=rank, lora_alpha=alpha, target_modules=targets)
     extra = {**GPU_SERVER_ARGS, **lora_server_args(run), "lora-backend": "torch_native"}
-    spec = ServerSpec(model_path=str(tiny_model_path), module="sglang.launch_server", random_seed=1, extra=extra)
+    spec = ServerSpec(model_path=str(tiny_model_path), module="sglang.launch_server", random_seed=1,
+                      base_gpu_id=SERVER_GPU, extra=extra)
     server = ServerProcess(spec, startup_timeout=600, log_dir=tmp_path)
     server.start()
     trained = wrap(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
