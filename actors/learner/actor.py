@@ -27,6 +27,7 @@ from actors.learner.trainer_factory import build_trainer
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.metrics import MetricsWriter
+from actors.runtime.stopping import unless_stopped
 from bus.codec import decode, encode
 from bus.schema import Batch, Control, Roster, VersionAnnouncement
 from policies.staleness import staleness_of_samples
@@ -135,15 +136,8 @@ class Learner(Actor):
     async def _unless_stopped(self, awaitable: Awaitable[T]) -> T | None:
         """`awaitable`'s result, or None once a stop is asked for: a stopping learner does not wait on a buffer that
         is stopping too (it may never answer), it checkpoints, within its launcher's grace before SIGKILL."""
-        task = asyncio.ensure_future(awaitable)
-        stopped = asyncio.ensure_future(self._stop_requested.wait())
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()  # a batch served but not trained is served again after the restart
-        await asyncio.gather(task, return_exceptions=True)
-        return None
+        # Cancelled when stopped: a batch served but not trained is served again after the restart.
+        return (await unless_stopped(awaitable, self._stop_requested))[1]
 
     async def _fetch_ahead(self, progress: Progress) -> tuple[Batch | None, PreparedBatch | None]:
         """The batch after `progress.trained_batch` (training now), prepared as far as it can be before that ends."""

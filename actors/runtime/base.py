@@ -27,7 +27,8 @@ from actors.runtime.cpu_budget import pin_process
 from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, RUN_OVER, ControllerUnreachable, RunOver, report_exit
 from actors.runtime.handlers import HandlerTable, collect_handlers
 from actors.runtime.peers import PeerRpc, PeerStream, alive_members
-from actors.runtime.stacks import dump_stacks
+from actors.runtime.state_report import open_waits, send_state_report
+from actors.runtime.stopping import StoppedWhileStarting, unless_stopped
 from actors.runtime.waits import Waits
 from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber, schema
 from bus.schema import TOPIC_CONTROL, TOPIC_ROSTER, TOPIC_RUN_STATE, Ack, Error
@@ -36,10 +37,6 @@ CONTROL_TOPICS = (TOPIC_ROSTER, TOPIC_CONTROL, TOPIC_RUN_STATE)
 PeerLink = TypeVar("PeerLink", PeerStream, PeerRpc)
 
 
-
-
-class _StoppedWhileStarting(Exception):
-    """A stop was asked for before `start()` finished; the start was given up (`Actor._start_unless_stopped`)."""
 
 
 class Actor:
@@ -127,7 +124,7 @@ class Actor:
                     # and the launcher would not restart us.
                     raise RuntimeError("run() ended by a stray cancellation") from None
             stop.cancel()
-        except _StoppedWhileStarting:
+        except StoppedWhileStarting:
             abandoned = True  # nothing started that a stop must drain
         except ControllerUnreachable as error:
             self.log.error("controller unreachable", error=str(error))
@@ -156,17 +153,11 @@ class Actor:
         """`start()`, given up when a stop is asked for meanwhile. A start-up can take minutes (a model loading,
         an SGLang server coming up, a controller that is gone): SIGTERM then ends the process now, instead of
         after the start-up, or at the launcher's SIGKILL. What on_start began in a thread ends with the process."""
-        starting = asyncio.create_task(self.start(), name=f"{self.actor_id}.start")
-        stop = asyncio.create_task(self._stop_requested.wait())
-        await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        if not starting.done():
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
+        started, _ = await unless_stopped(self.start(), self._stop_requested)
+        if not started:
             self.log.info("stopped while starting", reason=self._stop_reason)
             await self._close_sockets()
-            raise _StoppedWhileStarting
-        starting.result()  # start()'s own failure, as before
+            raise StoppedWhileStarting
 
     async def start(self) -> None:
         """Bind, prepare, then register: a member in the roster is ready to serve its handlers."""
@@ -402,12 +393,7 @@ class Actor:
                                 tell_controller=False)
 
     def wait_states(self) -> list[schema.WaitState]:
-        """Every open wait, oldest first; a role's `describe_waits` failing must not stop its heartbeat."""
-        try:
-            described = self.describe_waits()
-        except Exception as error:
-            described = [schema.WaitState(on="?", what=f"describe_waits failed: {error!r}")]
-        return sorted([*self.waits.snapshot(), *described], key=lambda wait: -wait.waited_s)
+        return open_waits(self.waits, self.describe_waits)
 
     def metrics(self) -> dict[str, float]:
         """Counters sent with each heartbeat; roles extend this with gauges."""
@@ -453,19 +439,10 @@ class Actor:
                 self.run_failure = ABORTED + control.reason
             self.request_stop(f"controller: abort ({control.reason})")
         elif control.command == "report":
-            self.spawn(self._send_state_report(), name=f"{self.actor_id}.state-report")
+            report = send_state_report(self._controller, self.actor_id, self.wait_states(), self.log)
+            self.spawn(report, name=f"{self.actor_id}.state-report")
         else:
             await self.on_control(control)
-
-    async def _send_state_report(self) -> None:
-        """Answer the hang detector's question: what we wait for and where every stack is."""
-        if self._controller is None:
-            return
-        report = schema.StateReport(actor_id=self.actor_id, waits=self.wait_states(), stacks=dump_stacks())
-        try:
-            await self._controller.call(report, timeout=2.0, retries=1)
-        except Exception as error:  # the controller reports us as not answering; nothing else to do
-            self.log.warning("could not send the state report", error=repr(error))
 
     async def _stream_loop(self) -> None:
         assert self.inbox is not None

@@ -62,7 +62,9 @@ def test_the_runs_are_the_real_rollout_workers_and_learner_behind_sleeping_seams
     # before); the next row's publish settles it first, so each row shows the previous row's version published.
     # The benchmark ends a run with SIGTERM, which may land during either of the last two pushes, and a stopping
     # learner abandons a push (its engines are stopping too).
-    committed = [step["weights/committed_version"] for step in steps]
+    # None: no push committed yet; the engines serve the checkpoint they loaded, version 0 (a loaded machine can
+    # write the first row before the initial push lands).
+    committed = [step["weights/committed_version"] or 0 for step in steps]
     versions = [step["version"] for step in steps]
     assert all(shown >= version - 1 for shown, version in zip(committed[:-1], versions[:-1], strict=True))
     assert all(later >= version for later, version in zip(committed[1:-1], versions[:-2], strict=True))
