@@ -52,17 +52,12 @@ from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.weight_group import WeightGroup, join_weight_group
 from engines.sglang.weight_store import ABORT_PREFIX, ERROR_PREFIX, GO, OK, READY, SglangGroupSpec
 from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
-from engines.weights.group import transfer_device
+from engines.weights.group import collective_timeout_s, transfer_device
 from engines.weights.manifest import Manifest, TensorSpec, plan_buckets
 
 # One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 DESTROY_TIMEOUT_S = 10.0  # a destroy waits behind a receive the server may be stuck in; give up and retry later
-
-
-def collective_timeout(timeout_s: float) -> float:
-    """The weight group's own collective timeout for a sender whose deadlines are `timeout_s`: well past them."""
-    return 2 * timeout_s + 60
 
 
 class SglangWeightSender(WeightSender):
@@ -132,7 +127,7 @@ class SglangWeightSender(WeightSender):
                 world_size=spec.world_size,
                 group_name=spec.group_name,
                 timeout_s=timeout_s,
-                collective_timeout_s=collective_timeout(self.timeout_s),
+                collective_timeout_s=collective_timeout_s(self.timeout_s),
             )
         except (RuntimeError, ValueError, dist.DistError) as error:
             self._broken = f"formation failed: {error}"
@@ -183,7 +178,7 @@ class SglangWeightSender(WeightSender):
                 self._abandon_group(f"{where}: broadcast failed: {error}", [])
                 raise WeightTransferError(f"{where} broke: {error}", failed) from error
             # Inside the group's own timeout, so this deadline, not the NCCL watchdog, ends a stuck bucket.
-            deadline_s = min(timeout_s, 0.8 * collective_timeout(self.timeout_s))
+            deadline_s = min(timeout_s, 0.8 * collective_timeout_s(self.timeout_s))
             failed = weight_store.await_bucket(work, keys, spec, deadline_s, where)
             if failed:
                 self._abandon_group(f"{where} failed: {failed}", work)

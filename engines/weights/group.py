@@ -238,7 +238,7 @@ def create_process_group(
             raise RuntimeError("backend 'nccl' requested but this torch build has no NCCL")
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
-        options._timeout = timedelta(seconds=nccl_collective_timeout_s(timeout_s))
+        options._timeout = timedelta(seconds=collective_timeout_s(timeout_s))
         return dist.ProcessGroupNCCL(pg_store, rank, size, options)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
@@ -246,11 +246,12 @@ def create_process_group(
     return dist.ProcessGroupGloo(pg_store, rank, size, options)
 
 
-def nccl_collective_timeout_s(timeout_s: float) -> float:
-    """An NCCL group's own timeout for a collective, well past every wait of ours (`timeout_s` each). NCCL's
+def collective_timeout_s(timeout_s: float) -> float:
+    """A weight group's own timeout for a collective, well past every wait of ours (`timeout_s` each). NCCL's
     waits do not block the host, so a bucket pending on a dead peer shows only as a missing acknowledgement; when
     the group timeout runs out first, the watchdog ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING's default),
-    and the learner with it. Ours run out first, and the group is aborted (`abort_nccl`)."""
+    and the learner with it. Ours run out first, and the group is aborted (`abort_nccl`). Both senders use it:
+    the torch engine's for NCCL, SGLang's for every backend."""
     return 2 * timeout_s + 60
 
 

@@ -109,7 +109,7 @@ def _dying_receiver_main(spec: dict[str, Any]) -> None:
 
 def _sender_outliving_a_dead_receiver(results: mp.Queue) -> None:
     from engines.weights import WeightTransferError
-    from engines.weights.group import nccl_collective_timeout_s
+    from engines.weights.group import collective_timeout_s
 
     context = mp.get_context("spawn")
     sender = TorchDistributedWeightSender(backend="nccl", device="cuda:0", bucket_bytes=100_000, direct_bytes=90_000,
@@ -125,7 +125,7 @@ def _sender_outliving_a_dead_receiver(results: mp.Queue) -> None:
         outcome = "version 2 committed without its receiver"
     except WeightTransferError as error:
         outcome = f"failed: {error}"
-    time.sleep(nccl_collective_timeout_s(5.0) + 10)  # past the group's own timeout: the watchdog had its chance
+    time.sleep(collective_timeout_s(5.0) + 10)  # past the group's own timeout: the watchdog had its chance
     torch.cuda.synchronize()
     results.put(outcome)
 
