@@ -136,8 +136,10 @@ class Controller(Actor):
         """Keep answering until each live member left or was told by a heartbeat answer that the run is over.
         A member that missed the stop broadcast (a subscription not yet connected, a frame dropped under load)
         learns it from its next heartbeat, but only while we still answer: without this wait it retried a gone
-        head until its node's --head-loss-timeout, and its node ended the finished run as failed."""
-        deadline = time.monotonic() + 2 * self.context.heartbeat_interval + 0.5
+        head until its node's --head-loss-timeout, and its node ended the finished run as failed. Three heartbeat
+        intervals: a heartbeat answered late is a timeout to its sender, and one lost that way (a fresh-clone CI
+        run, in-process actors at 0.5 s) left two heartbeats too few."""
+        deadline = time.monotonic() + 3 * self.context.heartbeat_interval + 1.0
         while time.monotonic() < deadline:
             now = time.monotonic()
             unaware = [record for actor_id, record in self.records.items() if actor_id != self.actor_id
