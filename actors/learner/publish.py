@@ -33,6 +33,8 @@ from actors.runtime.placement import weight_transport
 from actors.runtime.waits import Waits
 from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.weights.base import GroupHandle, TransferReport, WeightSender, WeightTransferError
+from engines.weights.manifest import TensorSpec
+from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
     SGLANG,
     SGLANG_LORA,
@@ -131,6 +133,7 @@ class WeightPublisher:
         self.waits = waits or Waits()
         self.committed_version: int | None = None
         self._sender: WeightSender | None = None
+        self._tensor_specs: tuple[TensorSpec, ...] | None = None  # recorded at the first push
         self._spec: GroupHandle | None = None
         self._group: dict[str, EngineRef] | None = None  # the open generation's members, None: form a new one
         self._pushing: dict[str, EngineRef] | None = None  # the group of the push under way
@@ -309,14 +312,24 @@ class WeightPublisher:
 
     def _send(self, sender: WeightSender, version: int) -> TransferReport:
         """In a worker thread: stream the tensors into the sender, and close their generator here too (a
-        learner's generator finishes its ranks' collective iteration on close, which must not block the loop)."""
-        tensors = self.tensors()
+        learner's generator finishes its ranks' collective iteration on close, which must not block the loop).
+
+        They stream against specs recorded at the first push (one pass that keeps nothing), so a trainer that
+        gathers shards (Megatron) holds the buckets in flight, never the whole model; a source that no longer
+        matches them fails this push, and they are recorded again for the next."""
         try:
-            return sender.send(tensors, version, dtype=self.dtype)
+            if self._tensor_specs is None:
+                self._tensor_specs = record_specs(self.tensors())
+            tensors = SpecifiedTensors(self._tensor_specs, self.tensors())
+            try:
+                return sender.send(tensors, version, dtype=self.dtype)
+            except WeightTransferError as error:
+                if isinstance(error.__cause__, SourceBroke):
+                    self._tensor_specs = None
+                raise
+            finally:
+                tensors.close()
         finally:
-            close = getattr(tensors, "close", None)
-            if close is not None:
-                close()
             self._weights_read.set()  # here, in the thread that read them: the trainer may write them now
 
     async def _order(self, engine: str, endpoint: str, order: WeightUpdateOrder) -> str | None:

@@ -71,8 +71,10 @@ class WeightUpdateEndpoints:
         await self._call(protocol.END_WEIGHT_UPDATE)
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: str, flush_cache: bool,
+                                              group_name: str, weight_version: str | None, flush_cache: bool,
                                               timeout: float) -> None:
+        """One bucket's broadcasts into the server. SGLang sets its weight version from `weight_version` only
+        when one is given (and the call succeeded); None leaves the version as it is."""
         await self._call(protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, timeout=timeout, names=names, dtypes=dtypes,
                          shapes=shapes, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache)
 

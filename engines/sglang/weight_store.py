@@ -2,7 +2,8 @@
 
 The learner hosts the rendezvous store; loaders connect to it as plain clients. Keys live under a prefix of our
 own, per group and version: the manifest, each engine's "ready" (or why not), the learner's "go" (or "abort"),
-and each engine's acknowledgement.
+its word on each bucket ("go" once its tensors are on their way, else why not), and each engine's
+acknowledgement.
 """
 
 from __future__ import annotations
@@ -145,6 +146,17 @@ def wait_go(keys: dist.Store, timeout_s: float, engine: str, version: int) -> by
     if missing_keys(keys, ["go"], timeout_s):
         raise WeightTransferError(f"{engine}: the learner never started the transfer of version {version}")
     return keys.get("go")
+
+
+def wait_bucket(keys: dist.Store, position: int, timeout_s: float) -> bytes:
+    """The learner's word on bucket `position`: GO once its tensors are on their way, else why not."""
+    key = f"bucket/{position}"
+    try:
+        if missing_keys(keys, [key], timeout_s):
+            return f"the learner did not start it within {timeout_s:g}s".encode()
+        return keys.get(key)
+    except (RuntimeError, dist.DistError) as error:  # the learner (and the store it hosts) went away
+        return f"the learner's store is unreachable: {error}".encode()[:300]
 
 
 def acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:

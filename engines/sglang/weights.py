@@ -19,12 +19,15 @@ joined), under a key prefix of our own (`weight_store.py`), mirroring `engines/w
    aborted requests have left the scheduler), opens SGLang's weight-update session (`/begin_weight_update`,
    where the server has one) and says "ready" (or why it is not); the learner waits for all of them (naming
    the missing ones and telling the others to stop) and says "go".
-3. For each bucket the loader posts `/update_weights_from_distributed` (always `flush_cache=False`: the cache
-   was flushed before, and SGLang 0.5.15 takes its server down when a flush it was asked for fails) while the
-   learner broadcasts the bucket's tensors and waits for that bucket, with a deadline, before posting the
-   next. A refused call is acknowledged as an error at once, so the learner stops waiting for a broadcast
-   nobody receives. Then the loader ends the session, continues generation and acknowledges with the outcome
-   of every HTTP call. The learner commits the version only when every acknowledgement is "ok".
+3. For each bucket the learner pulls its tensors (`engines.weights.stream`: a source that gathers shards holds
+   one bucket, not the model), says "bucket i" and broadcasts them; the loader waits for that word, then
+   posts `/update_weights_from_distributed` (always `flush_cache=False`: the cache was flushed before, and
+   SGLang 0.5.15 takes its server down when a flush it was asked for fails). The learner waits for each
+   bucket, with a deadline, before pulling the next. If the learner's own tensors fail instead, "bucket i"
+   says so and no server is left inside a call waiting for a broadcast that will not come. A refused call
+   is acknowledged as an error at once, so the learner stops waiting for a broadcast nobody receives. Then
+   the loader ends the session, continues generation and acknowledges with the outcome of every HTTP call. The
+   learner commits the version only when every acknowledgement is "ok".
 
 A transfer that failed in any way breaks the group: the learner tears its end down and forms a new one (a new
 group name) at the next update, and each loader destroys the old group on its server, so communicators do not
@@ -40,6 +43,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -53,7 +57,8 @@ from engines.sglang.weight_group import WeightGroup, join_weight_group
 from engines.sglang.weight_store import ABORT_PREFIX, ERROR_PREFIX, GO, OK, READY, SglangGroupSpec
 from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
 from engines.weights.group import collective_timeout_s, transfer_device
-from engines.weights.manifest import Manifest, TensorSpec, plan_buckets
+from engines.weights.manifest import Manifest, plan_buckets
+from engines.weights.stream import SourceBroke, specified, wire_specs
 
 # One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -140,21 +145,21 @@ class SglangWeightSender(WeightSender):
              timeout_s: float | None = None) -> TransferReport:
         """Broadcast bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only.
 
-        One pass over `named_tensors`, keeping references: the manifest (every name, dtype and shape) must reach
-        the loaders before the first byte, so it is built from the tensors' metadata, and each tensor is cast and
-        moved to the transfer device only when its bucket goes out (a bucket's wire copies at most, never the
-        whole model a second time).
+        The manifest (every name, dtype and shape) must reach the loaders before the first byte: given a
+        `SpecifiedTensors` it comes from the recorded specs and each bucket's tensors are pulled when it goes out;
+        a bare iterable is listed first (references only). Each tensor is cast and moved to the transfer device
+        only when its bucket goes out: a bucket's wire copies at most, never the whole model a second time.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spec = self._require_spec()
         require_usable(self._group, self._broken, f"weight group {spec.group_name}")
         started = time.perf_counter()
-        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # views: nothing is copied
+        tensors = specified(named_tensors)
         manifest = Manifest(
             version=version,
             bucket_bytes=self.bucket_bytes,
             direct_bytes=self.bucket_bytes,
-            tensors=tuple(TensorSpec(n, _wire_dtype(t, dtype), tuple(t.shape)) for n, t in tensors),
+            tensors=wire_specs(tensors.specs, dtype),
         )
         keys = weight_store.keys_of(self._group.store, spec, version)
         keys.set("manifest", manifest.encode())
@@ -165,10 +170,21 @@ class SglangWeightSender(WeightSender):
             raise WeightTransferError(f"weight transfer of version {version} not started", not_ready)
         keys.set("go", GO)
         buckets = manifest.buckets()
+        stream = iter(tensors)
         for position, bucket in enumerate(buckets):
             where = f"weight transfer of version {version}, bucket {position + 1}/{len(buckets)}"
-            # Kept until the bucket completed: an asynchronous broadcast reads its tensor until then.
-            wire = [_wire_tensor(tensors[index][1], dtype, self.device) for index, _ in bucket.entries]
+            try:
+                # Kept until the bucket completed: an asynchronous broadcast reads its tensor until then.
+                wire = [_wire_tensor(tensor, dtype, self.device) for _, tensor in islice(stream, len(bucket.entries))]
+                if position == len(buckets) - 1:
+                    next(stream, None)  # past the last spec: raises SourceBroke if the source has more
+            except SourceBroke as error:
+                keys.set(f"bucket/{position}", ABORT_PREFIX + f" the learner's tensors broke: {error}".encode())
+                # Nothing is pending on the group (every earlier bucket completed), and its store must stay up
+                # until the loaders read this word: it goes at the next open_group.
+                self._broken = f"{where}: the learner's tensors broke: {error}"
+                raise WeightTransferError(f"{where} broke: {error}") from error
+            keys.set(f"bucket/{position}", GO)
             try:
                 work = [dist.broadcast(tensor, src=0, group=self._group.group, async_op=True) for tensor in wire]
             except (RuntimeError, dist.DistError) as error:
@@ -191,7 +207,7 @@ class SglangWeightSender(WeightSender):
         return TransferReport(
             version=version,
             receivers=spec.receivers,
-            num_tensors=len(tensors),
+            num_tensors=len(manifest.tensors),
             num_buckets=len(buckets),
             num_bytes=manifest.total_bytes,
             seconds=time.perf_counter() - started,
@@ -289,7 +305,7 @@ class SglangWeightLoader:
                         f"{self.engine_name}: transfer of version {version} aborted: "
                         f"{go.removeprefix(ABORT_PREFIX).decode(errors='replace').strip()}"
                     )
-                outcome = await self._load_buckets(manifest, spec, version, timeout_s)
+                outcome = await self._load_buckets(keys, manifest, spec, version, timeout_s)
                 if outcome is not None:
                     # At once: the learner is waiting for a broadcast this server will not receive.
                     await asyncio.to_thread(keys.set, f"ack/{self.engine_name}", ERROR_PREFIX + outcome.encode())
@@ -353,10 +369,15 @@ class SglangWeightLoader:
         self._stale_groups.discard(name)
 
     async def _load_buckets(
-        self, manifest: Manifest, spec: SglangGroupSpec, version: int, timeout_s: float
+        self, keys: dist.PrefixStore, manifest: Manifest, spec: SglangGroupSpec, version: int, timeout_s: float
     ) -> str | None:
+        """None once every bucket loaded, else what went wrong. A bucket's call is posted only once the learner
+        said it is on its way: the server then never waits inside a call for a broadcast that will not come."""
         buckets = plan_buckets(manifest.tensors, manifest.bucket_bytes, manifest.direct_bytes)
-        for bucket in buckets:
+        for position, bucket in enumerate(buckets):
+            word = await asyncio.to_thread(weight_store.wait_bucket, keys, position, timeout_s)
+            if word != GO:
+                return f"bucket {position + 1}/{len(buckets)} not sent: {word.decode(errors='replace')}"[:500]
             specs = [manifest.tensors[index] for index, _ in bucket.entries]
             try:
                 await self.engine.update_weights_from_distributed(
@@ -364,7 +385,9 @@ class SglangWeightLoader:
                     dtypes=[protocol.dtype_name(s.dtype) for s in specs],
                     shapes=[list(s.shape) for s in specs],
                     group_name=spec.group_name,
-                    weight_version=str(version),
+                    # On the last call only: a transfer that fails part-way must not leave the server claiming a
+                    # version the learner never committed (its tokens would pass for fresher than they are).
+                    weight_version=str(version) if position == len(buckets) - 1 else None,
                     flush_cache=False,
                     timeout=timeout_s + 10,
                 )
@@ -373,10 +396,7 @@ class SglangWeightLoader:
         return None
 
 
-def _wire_dtype(tensor: Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-
-
 def _wire_tensor(tensor: Tensor, dtype: torch.dtype | None, device: torch.device) -> Tensor:
     """What goes on the wire: contiguous, on the transfer device, floating tensors cast to `dtype` if given."""
-    return tensor.detach().to(device=device, dtype=_wire_dtype(tensor, dtype)).contiguous()
+    wire_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to(device=device, dtype=wire_dtype).contiguous()

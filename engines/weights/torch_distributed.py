@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import islice
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,8 @@ from torch import Tensor
 
 from engines.weights import group as groups
 from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
-from engines.weights.manifest import Bucket, Manifest, TensorSpec, tensor_view
+from engines.weights.manifest import Bucket, Manifest, tensor_view
+from engines.weights.stream import SourceBroke, specified, wire_specs
 
 # Measured with tools/bench_weights.py on gloo: each collective costs ~0.5 ms whatever its size, so tensors under
 # 1 MiB are coalesced; buckets of 32 MiB keep the packing of the first bucket and the unpacking of the last
@@ -160,10 +162,12 @@ class TorchDistributedWeightSender(WeightSender):
         `timeout_s` (default: the sender's) bounds the wait for every receiver to be ready and to acknowledge.
         The tensors are read, never modified or retained; they must not change until this returns.
 
-        One pass over `named_tensors`, keeping references only: the manifest (every name, dtype and shape) must
-        reach the receivers before the first byte, so it is built from the tensors the iterator yields, then
-        the buckets are cast and packed one at a time. Nothing is copied whole: a trainer that yields its live
-        parameters costs no memory here, one that gathers shards (Megatron) holds its gathered tensors once.
+        The manifest (every name, dtype and shape) must reach the receivers before the first byte. Given a
+        `SpecifiedTensors` (`engines.weights.stream`), it is built from the recorded specs and each tensor is
+        pulled only when its bucket goes out: a source that gathers shards (Megatron) holds the buckets in
+        flight, not the model. A bare iterable is listed first (references only: a trainer that yields its
+        live parameters costs no memory here). A source that breaks mid-way fails the transfer
+        (WeightTransferError naming no receiver) and breaks the generation.
         """
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         spec, keys = self._require_spec()
@@ -171,8 +175,9 @@ class TorchDistributedWeightSender(WeightSender):
             raise self._give_up(keys, None, f"weight transfer of version {version} not started")
         require_usable(self._group, self._broken, f"weight-transfer group generation {spec.generation}")
         started = time.perf_counter()
-        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]  # views: nothing is copied
-        manifest = _manifest(tensors, version, self.bucket_bytes, self.direct_bytes, dtype)
+        tensors = specified(named_tensors)
+        manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.direct_bytes,
+                            tensors=wire_specs(tensors.specs, dtype))
         prefix = f"xfer/{self._sequence}/"
         receivers = spec.receivers
         keys.set(prefix + "manifest", manifest.encode())
@@ -190,7 +195,13 @@ class TorchDistributedWeightSender(WeightSender):
         buckets = manifest.buckets()
         try:
             with groups.single_threaded_copies(self._device):
-                completed = self._broadcast_buckets(tensors, manifest, buckets)
+                completed = self._broadcast_buckets(iter(tensors), manifest, buckets)
+        except SourceBroke as error:
+            # No receiver is at fault; the ones waiting for the next bucket leave when they see the mark.
+            why = f"the learner's tensors broke mid-way: {error}"
+            keys.set(groups.ABORTED, why[:1000].encode())
+            self._broken = why
+            raise WeightTransferError(f"weight transfer of version {version} broke mid-way: {error}") from error
         except (RuntimeError, dist.DistError) as error:
             failed = {}
             if self._aborted is None:  # the receivers still waiting leave now; those that can, say why
@@ -221,7 +232,7 @@ class TorchDistributedWeightSender(WeightSender):
         return TransferReport(
             version=version,
             receivers=receivers,
-            num_tensors=len(tensors),
+            num_tensors=len(manifest.tensors),
             num_buckets=len(buckets),
             num_bytes=manifest.total_bytes,
             seconds=time.perf_counter() - started,
@@ -268,39 +279,46 @@ class TorchDistributedWeightSender(WeightSender):
             raise WeightTransferError("no weight-transfer group is open; call open_group() first")
         return self._spec, self._keys
 
-    def _broadcast_buckets(self, tensors: list[tuple[str, Tensor]], manifest: Manifest, buckets: list[Bucket]) -> bool:
+    def _broadcast_buckets(self, stream: Iterator[tuple[str, Tensor]], manifest: Manifest,
+                           buckets: list[Bucket]) -> bool:
         """At most IN_FLIGHT broadcasts outstanding; a packing slot is rewritten only after its last send ended.
+        A bucket's tensors are pulled from `stream` once a broadcast slot is free for it, and referenced only
+        until its broadcast completed (a lone tensor is sent from its own memory).
 
-        False if `abort()` came first. Then, or when a broadcast fails, the group is let go of with whatever is
-        still pending on it (`group.park`): destroying it here would block until gloo's timeout."""
+        False if `abort()` came first. Then, or when a broadcast or the stream fails, the group is let go of with
+        whatever is still pending on it (`group.park`): destroying it here would block until gloo's timeout."""
         in_flight: deque[tuple[dist.Work, Tensor]] = deque()
         slot_work: list[dist.Work | None] = [None] * groups.IN_FLIGHT
         next_slot = 0
         try:
             for bucket in buckets:
-                if bucket.nbytes == 0:
-                    continue
                 while len(in_flight) >= groups.IN_FLIGHT:
                     if not self._wait(in_flight[0][0]):
                         return self._let_go(in_flight)
                     in_flight.popleft()
-                payload, slot = self._direct_payload(tensors, manifest, bucket), None
+                pulled = [tensor for _, tensor in islice(stream, len(bucket.entries))]
+                if bucket.nbytes == 0:
+                    continue
+                payload, slot = self._direct_payload(pulled, manifest, bucket), None
                 if payload is None:
                     slot, next_slot = next_slot, (next_slot + 1) % groups.IN_FLIGHT
                     if slot_work[slot] is not None and not self._wait(slot_work[slot]):
                         return self._let_go(in_flight)
                     payload = groups.slot_buffer(self._buffers, slot, bucket.nbytes, self._device)[: bucket.nbytes]
-                    for index, offset in bucket.entries:
-                        tensor_view(payload, offset, manifest.tensors[index]).copy_(tensors[index][1])
+                    for (index, offset), tensor in zip(bucket.entries, pulled, strict=True):
+                        tensor_view(payload, offset, manifest.tensors[index]).copy_(tensor)
+                del pulled
                 work = groups.broadcast(self._group, payload)
                 if slot is not None:
                     slot_work[slot] = work
                 in_flight.append((work, payload))
+                del payload
+            next(stream, None)  # past the last spec: raises SourceBroke if the source has more
             while in_flight:
                 if not self._wait(in_flight[0][0]):
                     return self._let_go(in_flight)
                 in_flight.popleft()
-        except (RuntimeError, dist.DistError):
+        except (RuntimeError, dist.DistError, SourceBroke):
             self._let_go(in_flight)
             raise
         return True
@@ -319,12 +337,12 @@ class TorchDistributedWeightSender(WeightSender):
             return True
         return groups.wait_work(work, self._is_aborted)
 
-    def _direct_payload(self, tensors: list[tuple[str, Tensor]], manifest: Manifest, bucket: Bucket) -> Tensor | None:
+    def _direct_payload(self, pulled: list[Tensor], manifest: Manifest, bucket: Bucket) -> Tensor | None:
         """The tensor's own bytes when a bucket is one tensor already in wire form (no cast, no copy)."""
         if len(bucket.entries) != 1:
             return None
         index, _ = bucket.entries[0]
-        return groups.own_bytes(tensors[index][1], manifest.tensors[index].dtype, self._device)
+        return groups.own_bytes(pulled[0], manifest.tensors[index].dtype, self._device)
 
     def _collect_acks(self, spec: groups.GroupSpec, prefix: str, timeout_s: float) -> dict[str, str]:
         keys = {spec.members[rank]: f"{prefix}ack/{rank}" for rank in range(1, len(spec.members))}
@@ -348,28 +366,6 @@ class TorchDistributedWeightSender(WeightSender):
     def _clear_keys(keys: dist.PrefixStore, prefix: str, size: int) -> None:
         for key in ("manifest", "go", *(f"ready/{r}" for r in range(1, size)), *(f"ack/{r}" for r in range(1, size))):
             keys.delete_key(prefix + key)
-
-
-def _manifest(
-    tensors: list[tuple[str, Tensor]],
-    version: int,
-    bucket_bytes: int,
-    direct_bytes: int,
-    dtype: torch.dtype | None,
-) -> Manifest:
-    names = [name for name, _ in tensors]
-    if len(set(names)) != len(names):
-        duplicate = next(name for name in names if names.count(name) > 1)
-        raise ValueError(f"weight transfer: tensor name {duplicate!r} appears twice")
-    specs = tuple(
-        TensorSpec(
-            name,
-            dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
-            tuple(tensor.shape),
-        )
-        for name, tensor in tensors
-    )
-    return Manifest(version=version, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, tensors=specs)
 
 
 def _release(group: object) -> None:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,11 +40,31 @@ class Pusher(Actor):
     """Holds the learner's publisher and tells it of every roster change, as the learner does; the test pushes."""
 
     async def on_start(self) -> None:
+        self.model = [("layer.weight", torch.ones(256, 256)), ("layer.bias", torch.ones(256))]
+        self.gathered_alive = self.gathered_peak = 0  # fresh copies alive at once, when `gathering` is on
+        self.gathering = False
         self.weights: WeightPublisher = publisher_for(
             self.settings.run, self.context.host, engines=lambda: live_engines(self.members("rollout")),
-            tensors=lambda: iter([("layer.weight", torch.ones(256, 256)), ("layer.bias", torch.ones(256))]),
+            tensors=self.tensors,
             zmq=self.zmq, security=self.security, client_id=f"{self.actor_id}.weights", counters=self.counters,
             log=self.log)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model as a trainer yields it: its own tensors, or (`gathering`) a fresh copy of each, as a
+        sharded trainer gathers them, counting the copies whose memory is alive at once."""
+        for name, tensor in self.model:
+            if not self.gathering:
+                yield name, tensor
+                continue
+            gathered = tensor.clone()
+            self.gathered_alive += 1
+            self.gathered_peak = max(self.gathered_peak, self.gathered_alive)
+            weakref.finalize(gathered.untyped_storage(), self._released)
+            yield name, gathered
+            del gathered
+
+    def _released(self) -> None:
+        self.gathered_alive -= 1
 
     async def on_roster(self, roster: Roster) -> None:
         self.weights.roster_changed()
@@ -207,3 +228,33 @@ async def test_a_push_under_way_ends_as_soon_as_the_learner_stops(
             kill(engine)
     assert seconds < 1.5, f"the push took {seconds:.1f}s to end"
     assert pusher.counters["weights.restarted"] == 0, "the roster ended it, not the stop"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_a_push_holds_a_gathering_trainers_tensors_a_bucket_at_a_time_and_relearns_changed_specs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
+    """A Megatron learner gathers each tensor's shards as the push iterates: listed before sending, as every push
+    was, the whole gathered model was alive at once (140 GB for a 70B model in bf16). The publisher records the
+    specs at its first push and streams against them; a model whose specs changed fails one push, which names
+    the tensor, and the next push records them again."""
+    use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
+    with structlog.testing.capture_logs() as logs:
+        async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+            pusher = system["pusher-0-0"]
+            # 2 MiB matrices travel alone (from 1 MiB); 16 of them, each gathered afresh.
+            pusher.model = [(f"layers.{i}.weight", torch.full((512, 1024), float(i))) for i in range(16)]
+            pusher.gathering = True
+            engine = start_worker(system, tmp_path, "rollout-0-0", workers)
+            await registered(system, "rollout-0-0", engine)
+            assert await pusher.weights.publish(1) and await pusher.weights.publish(2)
+            assert pusher.gathered_peak <= 3, f"{pusher.gathered_peak} of 16 gathered tensors alive at once"
+            assert pusher.gathered_alive == 0
+
+            pusher.model[5] = ("layers.5.weight", torch.zeros(512, 512))
+            assert not await pusher.weights.publish(3)
+            assert await pusher.weights.publish(4), "the changed specs were not recorded again"
+            assert pusher.weights.committed_version == 4
+    failed = "weight transfer failed; will retry with the live engines"
+    failures = [entry["error"] for entry in logs if entry["event"] == failed]
+    assert len(failures) == 1 and "'layers.5.weight'" in failures[0] and "[512, 512]" in failures[0], failures

@@ -23,6 +23,8 @@ from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
 from engines.weights.base import WeightTransferError
+from engines.weights.manifest import plan_buckets
+from engines.weights.stream import SpecifiedTensors, record_specs
 
 PROMPT = [7, 21, 33, 4, 18]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
@@ -227,3 +229,51 @@ async def test_update_on_a_release_without_sessions_keeps_the_server_and_its_req
     assert output.finish_reason == "length" and len(output.output_ids) == 480
     # No spans from this release: every token carries the oldest version the request may have seen.
     assert set(output.versions) == {1}
+
+
+@pytest.mark.integration
+async def test_a_learner_source_that_breaks_mid_way_leaves_the_server_out_of_the_call_and_the_next_push_commits(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """The learner pulls each bucket's tensors only when it goes out (a gathering trainer holds one bucket, not
+    the model). When its source fails at bucket 3, the loader hears so before posting bucket 3's call: no server
+    is left inside `/update_weights_from_distributed` waiting for a broadcast that will not come (on NCCL, until
+    its watchdog)."""
+    client = SglangEngine(server.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", bucket_bytes=8 * 1024, timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    named = perturbed_weights(tiny_model_path, seed=3)
+    specs = record_specs(iter(named))
+    buckets = plan_buckets(specs, 8 * 1024, 8 * 1024)
+    assert len(buckets) > 3
+    breaks_at = buckets[2].entries[0][0]  # the first tensor of the third bucket
+
+    def breaking() -> Iterator[tuple[str, torch.Tensor]]:
+        for index, item in enumerate(named):
+            if index == breaks_at:
+                raise RuntimeError("all-gather failed")
+            yield item
+
+    reference = TorchEngine.from_pretrained(tiny_model_path)
+    try:
+        spec = sender.open_group(["learner", ENGINE])
+        receiving = asyncio.create_task(loader.apply(spec.to_dict(), 4, 20.0))
+        await asyncio.to_thread(sender.wait_for_receivers)
+        where = f"bucket 3/{len(buckets)}"
+        with pytest.raises(WeightTransferError, match=rf"{where} broke.*{named[breaks_at][0]}.*all-gather"):
+            await asyncio.to_thread(sender.send, SpecifiedTensors(specs, breaking()), 4)
+        with pytest.raises(WeightTransferError, match=rf"{where} not sent: abort: the learner's tensors broke"):
+            await asyncio.wait_for(receiving, 10)
+        # Two buckets loaded, but the server does not claim the version nobody committed.
+        assert sender.committed_version is None and await client.server_weight_version() != 4
+
+        await push(sender, loader, named, version=5, fresh=True)
+        assert sender.committed_version == 5 and await client.server_weight_version() == 5
+        await reference.update_weights(named, 5)
+        expected = (await reference.generate(GenerateRequest("after", PROMPT, GREEDY)))[0]
+        after = (await client.generate(GenerateRequest("after", PROMPT, GREEDY)))[0]
+        assert after.output_ids == expected.output_ids and after.versions == [5] * len(after.output_ids)
+    finally:
+        sender.close()
+        await reference.close()
+        await client.close()

@@ -37,3 +37,20 @@ def test_weight_transfer_benchmark_quick_run_writes_its_figures(tmp_path: Path) 
     }
     assert all(row["raw_gbps"] > 0 and row["transfer_gbps"] > 0 for row in rows)
     assert "ours/raw" in completed.stdout
+
+
+@pytest.mark.integration
+def test_push_memory_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
+    output = tmp_path / "push_memory.json"
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_push_memory.py"), "--quick", "--json", str(output)],
+        capture_output=True, text=True, timeout=180, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    figures = json.loads(output.read_text())
+    rows = {row["mode"]: row for row in figures["rows"]}
+    assert set(rows) == {"listed", "streamed"}
+    # Listed, every gathered tensor is alive at the end of the listing: the whole model.
+    assert rows["listed"]["held_mb"] == pytest.approx(rows["listed"]["model_mb"], rel=1e-3)
+    assert rows["streamed"]["held_mb"] <= rows["listed"]["held_mb"]
+    assert all(row["seconds"] > 0 for row in rows.values()) and "vs listed" in completed.stdout
