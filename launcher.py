@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.config.preflight import preflight
+from actors.config.run import learner_ranks_per_node
 from actors.rollout.engine_factory import engine_needs_gpu
 from actors.runtime import cluster_env
 from actors.runtime.context import ActorContext, ActorSettings
@@ -32,7 +33,7 @@ from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
 from actors.runtime.head_watch import stop_node_when_head_lost
 from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
 from actors.runtime.progress import follow_progress
-from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
+from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
@@ -186,7 +187,7 @@ def wait_for_head(address: str, timeout: float) -> None:
 
 def node_roles(args: argparse.Namespace, customs: dict[str, str]) -> dict[str, int]:
     """Role -> how many of its actors this node runs, in start order (the controller first)."""
-    default_roles = list(BUILTIN_ROLES) if args.head else list(SCALED_ROLES)
+    default_roles = list(HEAD_ROLES) if args.head else list(SCALED_ROLES)
     roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else default_roles
     roles += [name for name in customs if name not in roles]
     known = set(BUILTIN_ROLES) | set(customs)
@@ -286,7 +287,8 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
         rollout_needs_gpu = engine_needs_gpu(config)
     except ValueError as error:
         raise LaunchError(f"placement: {error}") from None
-    placement = place_actors(config, learner_ranks=config.trainer.learner_ranks if "learner" in roles else 0,
+    trains = "learner" in roles or "learner-ranks" in roles
+    placement = place_actors(config, learner_ranks=learner_ranks_per_node(config) if trains else 0,
                              rollout_workers=counts.get("rollout", 0), rollout_needs_gpu=rollout_needs_gpu)
     if args.head and config.weights.weight_transport == "auto":
         cuda = placement.gpus > 0 and rollout_needs_gpu
@@ -299,7 +301,7 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     def devices_of(role: str, index: int) -> str | None:
         if not placement.gpus or role in customs:
             return None  # no GPU here, or a custom actor: it sees what the launcher sees
-        if role == "learner":
+        if role in ("learner", "learner-ranks"):
             return visible_devices(placement.learner, parent_visible)
         if role == "rollout":
             return visible_devices(placement.rollout[index], parent_visible)
@@ -337,15 +339,18 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     return contexts, config
 
 
-def default_rollout_workers(config: RunConfig, *, head: bool) -> int:
+def default_rollout_workers(config: RunConfig, *, head: bool, learner_node: bool = False) -> int:
     """Rollout workers on a node when --rollout-workers is not given. The head: --rollout-num-gpus /
     --rollout-num-gpus-per-engine when that is given (the rest of its GPUs train), else 1. Any other node is a
-    rollout node: one engine per --rollout-num-gpus-per-engine of its GPUs, and 1 without GPUs."""
+    rollout node: one engine per --rollout-num-gpus-per-engine of its GPUs, and 1 without GPUs; a node of the
+    learner (`learner_node`) counts only the GPUs its learner ranks leave, and runs no engine when none are left."""
     per_engine = config.engine.rollout_num_gpus_per_engine
     if head:
         rollout_gpus = config.placement.rollout_num_gpus
         return rollout_gpus // per_engine if rollout_gpus is not None else 1
     gpus = node_gpus(config)
+    if learner_node and gpus:
+        return max(0, gpus - learner_ranks_per_node(config)) // per_engine
     if gpus < per_engine:
         return 1
     try:
@@ -411,9 +416,15 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     if slime.note():
         print(f"launcher.py: {slime.note()}", file=sys.stderr)
     other_nodes = worker_node_roles(args, customs, node, config)
+    if args.head and config.placement.actor_num_nodes > 1 and config.placement.learner_world_address is None:
+        # before any node asks for the settings: every node's learner ranks meet rank 0 here, at every restart
+        config = config.with_settings(learner_world_address=f"tcp://{args.host}:{free_port(args.host)}")
+    learner_node = not args.head and 0 < args.node_rank < config.placement.actor_num_nodes
     if args.rollout_workers is None:
-        args.rollout_workers = default_rollout_workers(config, head=args.head)
+        args.rollout_workers = default_rollout_workers(config, head=args.head, learner_node=learner_node)
     counts = node_roles(args, customs)
+    if learner_node and args.roles is None:
+        counts = {"learner-ranks": 1, **counts}
     if config.learner.load_debug_rollout_data and args.roles is None:
         # a replay's learner reads its batches from disk: a buffer would have no prompts, and crash until the
         # launcher gave up on it (the run failed whenever the replay took longer than its restarts)
@@ -457,20 +468,10 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     if progress is not None:
         await progress
     if runs_learner and contexts[0].settings.run.logging.plots:
+        from tools.plot_run import report_run
+
         report_run(run_dir)
     return code
-
-
-def report_run(run_dir: Path) -> None:
-    """Plots and a summary at the end of a run; a failure here never changes the run's exit code."""
-    from tools.plot_run import plot_run, summarize
-
-    try:
-        plots = plot_run(run_dir)
-        print(summarize(run_dir), file=sys.stderr)
-        print("plots: " + ", ".join(str(p) for p in plots), file=sys.stderr)
-    except Exception as error:
-        print(f"launcher.py: could not plot the run: {error!r}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ and prints a short summary. The launcher calls this at the end of every run on t
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,16 @@ def summarize(run_dir: Path) -> str:
             lines.append(f"{key}: {values[0][1]:.3f} at version {values[0][0]} -> {values[-1][1]:.3f} at version "
                          f"{values[-1][0]}")
     return "\n".join(lines)
+
+
+def report_run(run_dir: Path) -> None:
+    """Plots and a summary at the end of a launcher's run; a failure here never changes the run's exit code."""
+    try:
+        plots = plot_run(run_dir)
+        print(summarize(run_dir), file=sys.stderr)
+        print("plots: " + ", ".join(str(p) for p in plots), file=sys.stderr)
+    except Exception as error:
+        print(f"launcher.py: could not plot the run: {error!r}", file=sys.stderr)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ that owns it, so `RunConfig(lr=1e-5)` and `RunConfig(trainer={"lr": 1e-5})` are 
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -155,9 +156,13 @@ class RunConfig(BaseModel):
         if parallel > 1 and trainer.train_backend != "megatron":
             problems.append("tensor/pipeline parallelism needs --train-backend megatron")
         placement = self.placement
-        if placement.actor_num_nodes != 1:
-            problems.append(f"actor_num_nodes {placement.actor_num_nodes}: the learner's ranks all run on the head "
-                            "node for now; use --actor-num-nodes 1 with --actor-num-gpus-per-node N")
+        if trainer.learner_ranks % placement.actor_num_nodes:
+            problems.append(f"learner_ranks {trainer.learner_ranks} must be a multiple of actor_num_nodes "
+                            f"{placement.actor_num_nodes}: every node of the learner runs as many ranks")
+        if placement.actor_num_nodes > 1 and placement.colocate:
+            problems.append("colocate with actor_num_nodes > 1: a colocated learner is one rank, beside its engines")
+        if placement.learner_world_address is not None:
+            problems.extend(_world_address_problems(placement.learner_world_address))
         if self.lora.enabled:
             problems.extend(_lora_problems(self))
         if placement.colocate:
@@ -173,6 +178,22 @@ class RunConfig(BaseModel):
     def with_settings(self, **flat: Any) -> RunConfig:
         """A validated copy with some flat settings changed (`model_copy` would skip validation and routing)."""
         return RunConfig(**{**self.model_dump(), **flat})
+
+
+def _world_address_problems(address: str) -> list[str]:
+    parts = urllib.parse.urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or not port:
+        return [f"learner_world_address {address!r}: expected tcp://HOST:PORT"]
+    return []
+
+
+def learner_ranks_per_node(config: RunConfig) -> int:
+    """Learner ranks each of the learner's nodes runs (the head: ranks 0..G-1)."""
+    return config.trainer.learner_ranks // config.placement.actor_num_nodes
 
 
 def _colocated_on_policy(values: dict[str, Any]) -> dict[str, Any]:

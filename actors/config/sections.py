@@ -357,7 +357,12 @@ class WeightsConfig(Section):
 class PlacementConfig(Section):
     """slime's placement flags; see actors/runtime/placement.py for what the launcher does with them."""
 
-    actor_num_nodes: int = Field(1, ge=1, description="nodes of the learner (its ranks all run on the head for now)")
+    actor_num_nodes: int = Field(1, ge=1, description="nodes of the learner: the head runs ranks 0..G-1 of its "
+                                 "G = learner_ranks / actor_num_nodes per node, node n (--node-rank n) ranks "
+                                 "nG..nG+G-1 (docs/cluster.md)")
+    learner_world_address: str | None = Field(None, description="tcp://HOST:PORT where a learner spanning nodes "
+                                              "forms its world (rank 0's store); the head's launcher picks a free "
+                                              "port on its --host when not given")
     actor_num_gpus_per_node: int | None = Field(None, ge=1, description="learner GPUs per node: one learner rank "
                                                 "each (sets --learner-ranks)")
     rollout_num_gpus: int | None = Field(None, ge=0, description="GPUs of all inference engines; on the head, "

@@ -5,14 +5,21 @@ itself; the followers loop on that broadcast and make the same call on their own
 the bus: a batch reaches them only through rank 0, so the exactly-once accounting (which batch was trained,
 which checkpoint covers it) stays in one process.
 
-Failure: a follower that dies would leave rank 0 blocked in its next collective until a gloo/NCCL timeout. A
-watchdog ends rank 0 at once instead; the launcher restarts the learner, which resumes from its checkpoint with
-fresh followers (the old ones die with rank 0 through PR_SET_PDEATHSIG). That is the same recovery as a crash
-of a one-process learner, so the failure model does not grow a new case.
+A learner on several nodes (`--actor-num-nodes N`) is one world of G ranks per node: rank 0 starts the head's
+ranks 1..G-1, and on node n the `RemoteLearnerRanks` actor (`remote_ranks.py`) starts ranks nG..nG+G-1, which wait
+at rank 0's store (`learner_world_address`, fixed for the run so that they find every incarnation of rank 0).
+Rank 0 waits for them with a deadline that names the missing nodes.
 
-`python -m actors.learner.ranks --rank R --world W --init-method tcp://HOST:PORT --config FILE` runs a follower;
-only rank 0 starts them. Rank 0 hosts the world's store on the node's `--host` address only (torch's own would
-listen on every interface), and the followers connect to it as clients.
+Failure: a follower that dies would leave rank 0 blocked in its next collective until a gloo/NCCL timeout. A
+watchdog ends rank 0 at once instead: for the head's followers, their exit; for another node's, a heartbeat in
+the store that stopped. The launcher restarts the learner, which resumes from its checkpoint with fresh followers
+(the head's die with rank 0 through PR_SET_PDEATHSIG; another node's see rank 0's store go, exit, and are started
+again by their node's actor). That is the same recovery as a crash of a one-process learner, so the failure
+model does not grow a new case.
+
+`python -m actors.learner.ranks --rank R --world W --init-method tcp://HOST:PORT --config FILE` runs a follower.
+Rank 0 hosts the world's store on the node's `--host` address only (torch's own would listen on every
+interface), and the followers connect to it as clients.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -35,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from actors.config import RunConfig
+from actors.config.run import learner_ranks_per_node
 from actors.learner.stages import data_parallel_shard
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
@@ -43,10 +52,15 @@ from bus.schema import Batch
 from engines.process import die_with_parent as _die_with_parent
 from engines.training.base import Trainer
 from engines.training.determinism import use_deterministic_kernels
-from engines.weights.group import host_store
+from engines.weights.group import host_store, interface_of, local_address_towards, missing_keys
 
 STOP = "stop"
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a slow checkpoint must not look like a dead rank
+REMOTE_JOIN_TIMEOUT_S = 600.0  # rank 0's wait for the other nodes' ranks to reach its store
+BEAT_S = 1.0  # every follower counts up its key in rank 0's store this often
+SILENT_S = 20.0  # another node's rank whose count stood still this long is gone: rank 0 ends, the learner restarts
+REPO = Path(__file__).resolve().parents[2]
+WORLD_KEY = "world"  # in rank 0's store: a token per incarnation of rank 0
 Result = TypeVar("Result")
 
 
@@ -79,6 +93,7 @@ class LearnerRanks:
     def __init__(self, config: RunConfig, run_dir: Path, host: str, log: Any) -> None:
         self.config = config
         self.world = config.trainer.learner_ranks
+        self.per_node = learner_ranks_per_node(config)  # the head's ranks: 0 .. per_node - 1
         self.run_dir = run_dir
         self.host = host
         self.log = log
@@ -93,22 +108,17 @@ class LearnerRanks:
         """Start the followers; from the event loop's thread, because PDEATHSIG follows the spawning thread."""
         if self.world == 1:
             return
-        self._store = host_store(self.host, 0, COLLECTIVE_TIMEOUT.total_seconds())
-        self._init_method = f"tcp://{self.host}:{self._store.port}"
-        config_path = self.run_dir / "actors" / "learner-ranks.json"
-        config_path.parent.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(json.dumps(self.config.model_dump(mode="json")), encoding="utf-8")
-        logs = self.run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        for rank in range(1, self.world):
-            with open(logs / f"learner-rank-{rank}.log", "ab") as output:
-                self.followers.append(subprocess.Popen(
-                    [sys.executable, "-m", "actors.learner.ranks", "--rank", str(rank), "--world", str(self.world),
-                     "--init-method", self._init_method, "--config", str(config_path)],
-                    stdout=output, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                    cwd=Path(__file__).resolve().parents[2],
-                ))
-        self.log.info("learner ranks started", world=self.world, pids=[p.pid for p in self.followers])
+        host, port = self.host, 0
+        if self.per_node < self.world:  # the other nodes' ranks find every incarnation of rank 0 at one address
+            host, port = world_address(self.config)
+        self._store = host_store(host, port, COLLECTIVE_TIMEOUT.total_seconds())
+        self._init_method = f"tcp://{host}:{self._store.port}"
+        self._store.set(WORLD_KEY, secrets.token_hex(8))  # tells another node's ranks which world is up
+        config_path = write_rank_config(self.config, self.run_dir / "actors" / "learner-ranks.json")
+        self.followers = [start_follower(rank, rank, self.world, self._init_method, config_path, self.run_dir)
+                          for rank in range(1, self.per_node)]
+        self.log.info("learner ranks started", world=self.world, pids=[p.pid for p in self.followers],
+                      other_nodes=self.config.placement.actor_num_nodes - 1)
         threading.Thread(target=self._watch, name="learner-ranks-watchdog", daemon=True).start()
 
     def join(self) -> None:
@@ -116,9 +126,28 @@ class LearnerRanks:
         bind_device(0)
         if self.world == 1:
             return
+        if self.per_node < self.world:
+            use_interface_towards(world_address(self.config)[0])
+        self._await_other_nodes()
         dist.init_process_group(backend(), store=self._store, rank=0, world_size=self.world,
                                 timeout=COLLECTIVE_TIMEOUT, device_id=rank_device(0))
         self.commands = join_command_group()
+        if self.per_node < self.world:
+            threading.Thread(target=self._watch_other_nodes, name="learner-ranks-heartbeats", daemon=True).start()
+
+    def _await_other_nodes(self) -> None:
+        """Every other node's ranks reached the store, or an error that names the nodes that did not."""
+        keys = [f"joined/{rank}" for rank in range(self.per_node, self.world)]
+        missing = missing_keys(self._store, keys, REMOTE_JOIN_TIMEOUT_S) if keys else []
+        if missing:
+            ranks = sorted(int(key.split("/")[1]) for key in missing)
+            nodes = sorted({rank // self.per_node for rank in ranks})
+            raise RuntimeError(
+                f"learner ranks {ranks} (node {', '.join(map(str, nodes))}) did not reach rank 0's store at "
+                f"{self._init_method} within {REMOTE_JOIN_TIMEOUT_S:g} s: run `launcher.py --node-rank N` with the "
+                "head's address on each of those nodes, and check that they can reach this address")
+        if keys:
+            self.log.info("learner ranks of the other nodes joined", ranks=f"{self.per_node}-{self.world - 1}")
 
     def run(self, operation: str, payload: Any, local: Callable[[], Result]) -> Result:
         """Tell the followers to do `operation` with `payload`, then do it here (`local`); blocking."""
@@ -154,6 +183,29 @@ class LearnerRanks:
                 follower.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _watch_other_nodes(self) -> None:
+        """Another node's rank that died, or whose node is cut off, leaves rank 0 in a collective until its
+        timeout: its heartbeat count standing still for SILENT_S ends rank 0 instead (a restart, as above)."""
+        store = store_client(self._init_method, timedelta(seconds=30))
+        counts: dict[int, int] = {}
+        heard = dict.fromkeys(range(self.per_node, self.world), time.monotonic())
+        while not self._closing:
+            now = time.monotonic()
+            for rank in heard:
+                try:
+                    count = store.add(f"beat/{rank}", 0)
+                except (RuntimeError, dist.DistError) as error:  # our own store: a hiccup; silence still counts
+                    self.log.warning("could not read a learner rank's heartbeat", rank=rank, error=str(error))
+                    count = counts.get(rank, 0)
+                if count != counts.get(rank):
+                    counts[rank], heard[rank] = count, now
+                elif now - heard[rank] > SILENT_S and not self._closing:
+                    self.log.error("a learner rank on another node fell silent; ending the learner so the run "
+                                   "resumes from its checkpoint", rank=rank, node=rank // self.per_node,
+                                   silent_s=round(now - heard[rank], 1))
+                    os._exit(1)
+            time.sleep(BEAT_S)
 
     def _watch(self) -> None:
         while not self._closing:
@@ -249,17 +301,80 @@ def data_parallel_shares(batch: Batch, size: int) -> list[Batch]:
     return shares
 
 
-def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
-    """A follower's whole life: join the world, build the same trainer, mirror rank 0's operations."""
+def world_address(config: RunConfig) -> tuple[str, int]:
+    address = config.placement.learner_world_address
+    if address is None:
+        raise ValueError("a learner on several nodes needs learner_world_address (the head's launcher sets it)")
+    parts = urllib.parse.urlsplit(address)
+    return parts.hostname or "", parts.port or 0
+
+
+def use_interface_towards(rank_zero_host: str) -> None:
+    """Gloo of a world spanning nodes listens on this node's address on the route to rank 0 (GLOO_SOCKET_IFNAME,
+    unless the user set it): its default, found from the hostname, may be an address other nodes cannot reach."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = interface_of(local_address_towards(rank_zero_host))
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def store_client(init_method: str, timeout: timedelta) -> dist.TCPStore:
+    """A client of rank 0's store at `init_method` (tcp://HOST:PORT); waits up to `timeout` for it to be up."""
+    address = urllib.parse.urlsplit(init_method)
+    return dist.TCPStore(address.hostname or "", address.port or 0, is_master=False, timeout=timeout)
+
+
+def write_rank_config(config: RunConfig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config.model_dump(mode="json")), encoding="utf-8")
+    return path
+
+
+def start_follower(rank: int, local_rank: int, world: int, init_method: str, config_path: Path,
+                   run_dir: Path) -> subprocess.Popen[bytes]:
+    """One follower process, logging to RUN_DIR/logs/learner-rank-R.log; it dies with the thread that starts it."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"learner-rank-{rank}.log", "ab") as output:
+        return subprocess.Popen(
+            [sys.executable, "-m", "actors.learner.ranks", "--rank", str(rank), "--local-rank", str(local_rank),
+             "--world", str(world), "--init-method", init_method, "--config", str(config_path)],
+            stdout=output, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, cwd=REPO,
+        )
+
+
+def _beat(init_method: str, rank: int, stopping: threading.Event) -> None:
+    """A follower's heartbeat in rank 0's store; when the store is gone, so is rank 0: exit, even from inside a
+    collective that would otherwise wait for its timeout (unless rank 0 said stop: then it is going on purpose)."""
+    try:
+        store = store_client(init_method, timedelta(seconds=30))
+        while not stopping.wait(BEAT_S):
+            store.add(f"beat/{rank}", 1)
+    except (RuntimeError, dist.DistError) as error:
+        if stopping.is_set():
+            return
+        print(f"learner rank {rank}: rank 0's store at {init_method} is gone ({error}); exiting", flush=True)
+        os._exit(1)
+
+
+def follow(rank: int, world: int, init_method: str, config: RunConfig, local_rank: int | None = None) -> None:
+    """A follower's whole life: join the world, build the same trainer, mirror rank 0's operations. `local_rank`
+    (default: `rank`) is its index among its node's learner ranks, which picks its GPU."""
     torch.set_num_threads(config.torch_threads)
     if config.megatron.deterministic_mode:
         use_deterministic_kernels()
-    bind_device(rank)
-    address = urllib.parse.urlsplit(init_method)  # tcp://HOST:PORT, rank 0's store
-    store = dist.TCPStore(address.hostname or "", address.port or 0, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    local_rank = rank if local_rank is None else local_rank
+    bind_device(local_rank)
+    if learner_ranks_per_node(config) < world:
+        use_interface_towards(urllib.parse.urlsplit(init_method).hostname or "")
+    store = store_client(init_method, COLLECTIVE_TIMEOUT)
+    store.set(f"joined/{rank}", b"1")
+    stopping = threading.Event()
+    threading.Thread(target=_beat, args=(init_method, rank, stopping), name="learner-rank-heartbeat",
+                     daemon=True).start()
     # A store given (not an init method) on both ends: torch prefixes the keys of a store it makes, not of ours.
     dist.init_process_group(backend(), store=store, rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT, device_id=rank_device(rank))
+                            timeout=COLLECTIVE_TIMEOUT, device_id=rank_device(local_rank))
     commands = join_command_group()
     trainer = build_trainer(config)
     step = TrainingStep(trainer, config)
@@ -270,6 +385,7 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
             dist.broadcast_object_list(box, src=0, group=commands)
             operation, payload = box[0]
             if operation == STOP:
+                stopping.set()
                 break
             if operation == "train":
                 batch = decode(payload)
@@ -298,12 +414,13 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="A follower rank of a multi-process learner (started by rank 0).")
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, help="its index among its node's learner ranks (default: --rank)")
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--init-method", required=True)
     parser.add_argument("--config", type=Path, required=True)
     args = parser.parse_args(argv)
     config = RunConfig(**json.loads(args.config.read_text(encoding="utf-8")))
-    follow(args.rank, args.world, args.init_method, config)
+    follow(args.rank, args.world, args.init_method, config, args.local_rank)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ BUILTIN_ROLES: dict[str, str] = {
     "learner": "actors.learner.actor:Learner",
     "rollout": "actors.rollout.actor:RolloutWorker",
     "reward": "actors.reward.actor:RewardWorker",
+    # On each node of a learner that spans nodes, other than the head (launcher.py adds it there).
+    "learner-ranks": "actors.learner.remote_ranks:RemoteLearnerRanks",
 }
+HEAD_ROLES = ("controller", "buffer", "learner", "rollout", "reward")  # what the head runs unless --roles says
 
 
 def resolve_actor_class(path: str) -> type:

@@ -368,3 +368,24 @@ def _is_wildcard(host: str) -> bool:
         return not host or ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return False
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 `address` (None if none does).
+
+    A process group that `init_process_group` builds takes gloo's default device, found from the hostname, which
+    on a multi-homed node or in a container may not be the address the other nodes reach: naming the interface
+    in GLOO_SOCKET_IFNAME is the only say a caller has there."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this one
+                continue
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return None

@@ -76,8 +76,13 @@ def test_slime_actor_gpus_set_the_learner_ranks_and_must_agree_with_them() -> No
     assert build_config({"actor_num_nodes": 1, "actor_num_gpus_per_node": 4}).trainer.learner_ranks == 4
     with pytest.raises(ValueError, match=r"learner_ranks 2 disagrees.*= 4"):
         build_config({"actor_num_gpus_per_node": 4, "learner_ranks": 2})
-    with pytest.raises(ValueError, match=r"actor_num_nodes 2"):
-        build_config({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1})
+    assert build_config({"actor_num_nodes": 2, "actor_num_gpus_per_node": 4}).trainer.learner_ranks == 8
+    with pytest.raises(ValueError, match=r"learner_ranks 3 must be a multiple of actor_num_nodes 2"):
+        build_config({"actor_num_nodes": 2, "learner_ranks": 3})
+    with pytest.raises(ValueError, match=r"colocate with actor_num_nodes > 1"):
+        build_config({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1, "colocate": True})
+    with pytest.raises(ValueError, match=r"learner_world_address 'head:29500': expected tcp://HOST:PORT"):
+        build_config({"actor_num_nodes": 2, "actor_num_gpus_per_node": 1, "learner_world_address": "head:29500"})
     with pytest.raises(ValueError, match=r"rollout_num_gpus 3 must be a multiple"):
         build_config({"rollout_num_gpus": 3, "rollout_num_gpus_per_engine": 2})
 
@@ -207,6 +212,33 @@ def test_a_worker_node_runs_an_engine_per_gpus_per_engine_and_the_head_expects_a
     assert launcher.default_rollout_workers(capped, head=False) == 4
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
     assert launcher.default_rollout_workers(config, head=False) == 1
+
+
+@pytest.mark.unit
+def test_a_learner_on_two_nodes_takes_the_first_gpus_of_each_and_meets_at_an_address_the_head_picks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    contexts, _ = _prepare(tmp_path, monkeypatch, 8, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4",
+                           "--rollout-num-gpus", "4")
+    devices = {context.actor_id: context.cuda_visible_devices for context in contexts}
+    assert devices["learner"] == "0,1,2,3" and devices["rollout-0-0"] == "4"
+    config = contexts[0].settings.run
+    assert config.trainer.learner_ranks == 8
+    address = config.placement.learner_world_address
+    assert address is not None and address.startswith("tcp://127.0.0.1:")  # every node's settings carry it
+
+    # Node 1 of the learner: its four ranks first, then an engine per --rollout-num-gpus-per-engine of the rest.
+    args = launcher.build_parser().parse_args(["--node-rank", "1", "--head-address", "tcp://127.0.0.1:1",
+                                               *minimal_inputs(tmp_path), "--rollout-num-gpus-per-engine", "2"])
+    args.host = "127.0.0.1"
+    node = config.with_settings(rollout_num_gpus_per_engine=2)
+    assert launcher.default_rollout_workers(node, head=False, learner_node=True) == 2
+    assert launcher.default_rollout_workers(node, head=False) == 4  # a node outside the learner
+    contexts, _ = launcher.plan_actors(args, {}, {"learner-ranks": 1, "rollout": 2}, "tcp://127.0.0.1:1",
+                                       tmp_path / "run", node)
+    assert {context.actor_id: context.cuda_visible_devices for context in contexts} == {
+        "learner-ranks-1-0": "0,1,2,3", "rollout-1-0": "4,5", "rollout-1-1": "6,7"}
+    assert contexts[0].actor_class == "actors.learner.remote_ranks:RemoteLearnerRanks"
 
 
 @pytest.mark.unit
