@@ -35,6 +35,7 @@ from actors.runtime.placement import NodePlacement, PlacementError, place_node, 
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
+from actors.runtime.zygote_client import EarlyTemplate
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
 
@@ -62,9 +63,7 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
         prog="launcher.py",
         description="Run this node's Slipstream actors (controller, buffer, learner, rollout and reward "
                     "workers, custom actors) and supervise them.",
-        formatter_class=_HelpFormatter,
-        allow_abbrev=False,
-    )
+        formatter_class=_HelpFormatter, allow_abbrev=False)
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--head", action="store_true",
                          help="this node is the head: it runs the controller at --head-address")
@@ -440,12 +439,16 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     return contexts, args, run_dir
 
 
-async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_dir: Path) -> int:
+async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_dir: Path,
+                    early_template: EarlyTemplate | None = None) -> int:
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
                            backoff_initial_s=args.restart_backoff)
     # A GPU node hands out devices (controller, buffer and reward workers get ""): never fork there.
-    cpu_only = all(context.cuda_visible_devices is None for context in contexts)
-    supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy, fork_from_template=args.fork_actors and cpu_only)
+    fork = args.fork_actors and all(context.cuda_visible_devices is None for context in contexts)
+    if early_template is not None and not fork:
+        early_template.close()
+    supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy, fork_from_template=fork,
+                            early_template=early_template if fork else None)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda s=signum: supervisor.request_stop(f"signal {signal.Signals(s).name}",
@@ -478,15 +481,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from actors.runtime.logs import configure_logging
 
     arguments = list(sys.argv[1:] if argv is None else argv)
+    early_template = EarlyTemplate.for_head(arguments, Supervisor.child_env(None), visible_gpus)
     try:
         contexts, args, run_dir = prepare(arguments)
     except LaunchError as error:
+        if early_template is not None:
+            early_template.close()
         print(f"launcher.py: error: {error}", file=sys.stderr)
         return 2
     configure_logging(role="launcher", actor_id=f"launcher-{args.node_rank}", node=args.node_rank,
                       log_dir=run_dir / "logs", file_level=args.log_level, console_level="info")
     print(f"run directory: {run_dir}  head: {contexts[0].head_address if contexts else '-'}", file=sys.stderr)
-    return asyncio.run(supervise(contexts, args, run_dir))
+    return asyncio.run(supervise(contexts, args, run_dir, early_template))
 
 
 if __name__ == "__main__":

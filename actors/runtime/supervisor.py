@@ -27,7 +27,7 @@ import structlog
 
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
-from actors.runtime.zygote_client import ForkedProcess, Zygote, ZygoteError
+from actors.runtime.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError
 from bus.address import ipc_sockets_dir
 from engines.process import die_with_parent
 
@@ -62,7 +62,8 @@ class Child:
 
 class Supervisor:
     def __init__(self, contexts: list[ActorContext], *, run_dir: Path, policy: RestartPolicy = RestartPolicy(),
-                 stop_grace_s: float = 15.0, fork_from_template: bool = False) -> None:
+                 stop_grace_s: float = 15.0, fork_from_template: bool = False,
+                 early_template: EarlyTemplate | None = None) -> None:
         """`fork_from_template`: start actors by forking `actors.runtime.zygote` (imports done once) rather than
         as fresh interpreters; if the template cannot start, actors start the ordinary way."""
         self.run_dir = run_dir
@@ -76,6 +77,7 @@ class Supervisor:
         self._stopping = asyncio.Event()
         self._signal_after = 0.0
         self.fork_from_template = fork_from_template
+        self.early_template = early_template  # started by the launcher before its settings were read
         self.zygote: Zygote | None = None
 
     def _write_context(self, context: ActorContext) -> Path:
@@ -89,7 +91,7 @@ class Supervisor:
         """Start every child, supervise until all are done, and return the launcher's exit code."""
         if self.fork_from_template:
             try:
-                self.zygote = await Zygote.start(self._child_env(None))
+                self.zygote = await Zygote.start(self.child_env(None), self.early_template)
             except (ZygoteError, OSError) as error:
                 self.log.warning("actor template unavailable; starting actors as new interpreters",
                                  error=str(error))
@@ -136,7 +138,7 @@ class Supervisor:
                 if c.process is not None and c.process.returncode is None}
 
     @staticmethod
-    def _child_env(context: ActorContext | None) -> dict[str, str]:
+    def child_env(context: ActorContext | None) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         if context is not None and context.cuda_visible_devices is not None:
@@ -144,7 +146,7 @@ class Supervisor:
         return env
 
     async def _start(self, child: Child) -> None:
-        env = self._child_env(child.context)
+        env = self.child_env(child.context)
         clear_exit_report(child.context)
         child.process = await self._fork(child, env) or await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.runtime.main", str(child.context_path),

@@ -7,6 +7,10 @@ it imports the heavy modules and waits for orders on the socket FD. Each order f
 actor (`actors.runtime.main.main([context])`), so an actor starts with the imports already done, and a crashed
 actor restarts as fast.
 
+Started with `heavy` after the FD (the launcher of a head node does that first thing, before it parses its
+settings), the template imports the heavy modules at once, one at a time, answering orders between them: the
+imports then run beside the launcher's own start-up instead of after it.
+
 Orders and reports are JSON lines: `{"spawn": TAG, "context": PATH, "env": {...}, "heavy": BOOL}` (heavy: the
 actor holds a model, so torch and transformers are imported first, once) is answered with
 `{"spawned": TAG, "pid": PID}`; every child's end is reported as `{"exited": PID, "code": CODE}` (a negative code
@@ -77,8 +81,9 @@ def leave(code: int) -> None:
         os._exit(code)
 
 
-def serve(control: socket.socket) -> None:
-    """Fork on each order and report every child's end, until the launcher closes the socket."""
+def serve(control: socket.socket, eager: tuple[str, ...] = ()) -> None:
+    """Fork on each order and report every child's end, until the launcher closes the socket. `eager`: modules to
+    import meanwhile, one whenever no order is waiting."""
     selector = selectors.DefaultSelector()
     wakeup_read, wakeup_write = socket.socketpair()
     wakeup_write.setblocking(False)
@@ -88,8 +93,13 @@ def serve(control: socket.socket) -> None:
     selector.register(wakeup_read, selectors.EVENT_READ, "child")
     pending = b""
     heavy_loaded = False
+    eager_left = list(eager)
     while True:
-        for key, _ in selector.select(timeout=1.0):
+        events = selector.select(timeout=0 if eager_left else 1.0)
+        if not events and eager_left:
+            preload((eager_left.pop(0),))
+            heavy_loaded = not eager_left
+        for key, _ in events:
             if key.data == "child":
                 with contextlib.suppress(BlockingIOError):
                     wakeup_read.recv(4096)
@@ -141,7 +151,7 @@ def main() -> None:
     quiet_library_output()  # torch and transformers read it when imported here, for every actor forked later
     preload(LIGHT)
     _send(control, {"ready": os.getpid()})
-    serve(control)
+    serve(control, eager=HEAVY if sys.argv[2:] == ["heavy"] else ())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engines.process import die_with_parent
@@ -55,8 +57,54 @@ class ForkedProcess:
             self._ended.set()
 
 
+class EarlyTemplate:
+    """A template started before the launcher's event loop, importing its heavy modules at once (`heavy`): the
+    launcher of a head node starts it first thing, so the imports run beside its own start-up. `Zygote.start`
+    adopts it; `close` ends one that will not be used."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.socket, theirs = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno()), "heavy"],
+                pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent, env=env)
+        finally:
+            theirs.close()
+
+    @classmethod
+    def for_head(cls, argv: Sequence[str], env: dict[str, str], gpus: Callable[[], int]) -> EarlyTemplate | None:
+        """Started, on a head node (it always runs the learner) that will fork its actors: `argv` are the
+        launcher's, `gpus()` counts the node's GPUs (a GPU node never forks)."""
+        chosen = "--no-fork-actors" in argv or "--roles" in argv  # --roles: maybe no actor that holds a model
+        if "--head" not in argv or chosen or not sys.platform.startswith("linux") or gpus():
+            return None
+        try:
+            return cls(env)
+        except OSError:
+            return None  # the supervisor starts one later, or starts actors the ordinary way
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def wait(self) -> int:
+        return await asyncio.to_thread(self.process.wait)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def close(self) -> None:
+        """Not adopted: closing our end ends the template (it exits when the launcher's socket closes)."""
+        self.socket.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 class Zygote:
-    def __init__(self, process: asyncio.subprocess.Process, reader: asyncio.StreamReader,
+    def __init__(self, process: asyncio.subprocess.Process | EarlyTemplate, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter) -> None:
         self.process = process
         self.reader = reader
@@ -69,14 +117,19 @@ class Zygote:
         self.listener: asyncio.Task[None] | None = None
 
     @classmethod
-    async def start(cls, env: dict[str, str]) -> Zygote:
-        ours, theirs = socket.socketpair()
-        try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
-                start_new_session=True, preexec_fn=die_with_parent, env=env)
-        finally:
-            theirs.close()
+    async def start(cls, env: dict[str, str], early: EarlyTemplate | None = None) -> Zygote:
+        """Start the template, or adopt the one started `early`."""
+        process: asyncio.subprocess.Process | EarlyTemplate
+        if early is not None:
+            process, ours = early, early.socket
+        else:
+            ours, theirs = socket.socketpair()
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno()),
+                    pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent, env=env)
+            finally:
+                theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         zygote = cls(process, reader, writer)
         try:

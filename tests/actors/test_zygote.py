@@ -12,7 +12,7 @@ import pytest
 
 from actors.runtime.context import ActorContext
 from actors.runtime.roles import BUILTIN_ROLES
-from actors.runtime.zygote_client import Zygote
+from actors.runtime.zygote_client import EarlyTemplate, Zygote
 from bus.address import free_port
 from tests.support.processes import alive
 
@@ -88,3 +88,44 @@ def test_when_the_template_dies_its_actors_end_and_the_launcher_hears_of_it(tmp_
     while alive(pid) and time.monotonic() < deadline:  # its death signal is SIGTERM: a graceful stop
         time.sleep(0.2)
     assert not alive(pid), "an actor outlived the template it was forked from"
+
+
+def _has_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.integration
+def test_a_template_started_early_imports_torch_by_itself_and_still_answers_orders_meanwhile(tmp_path: Path) -> None:
+    """A head node's launcher starts the template before it reads its settings: the template imports the heavy
+    modules without waiting for an order that needs them, so the imports overlap the launcher's own start-up."""
+    async def scenario() -> tuple[bool, float]:
+        early = EarlyTemplate(dict(os.environ))
+        zygote = await Zygote.start(dict(os.environ), early)
+        try:
+            asked = time.monotonic()
+            live = await zygote.spawn(str(controller_context(tmp_path)), dict(os.environ), heavy=False)
+            answered_s = time.monotonic() - asked
+            deadline = time.monotonic() + 120
+            while not _has_torch(early.pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            live.kill()
+            await asyncio.wait_for(live.wait(), 30)
+            return _has_torch(early.pid), answered_s
+        finally:
+            await zygote.close()
+
+    imported, answered_s = asyncio.run(scenario())
+    assert imported, "the early template never imported torch on its own"
+    assert answered_s < 60  # between two module imports, not after all of them on a slow machine
+
+
+@pytest.mark.unit
+def test_only_a_head_that_forks_every_actor_starts_its_template_early() -> None:
+    env = dict(os.environ)
+    for argv in (["--node-rank", "1"], ["--head", "--no-fork-actors"], ["--head", "--roles", "controller"]):
+        assert EarlyTemplate.for_head(argv, env, lambda: 0) is None, argv
+    assert EarlyTemplate.for_head(["--head"], env, lambda: 8) is None  # a GPU node never forks
+    early = EarlyTemplate.for_head(["--head", "--prompt-data", "x"], env, lambda: 0)
+    assert early is not None and alive(early.pid)
+    early.close()
+    assert early.process.returncode is not None
