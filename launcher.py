@@ -10,13 +10,19 @@ was interrupted.
 
 from __future__ import annotations
 
+import sys
+
+from actors.runtime.zygote_client import EarlyTemplate
+
+# First, before the imports below: a head node's actor template starts importing torch and transformers now.
+EARLY_TEMPLATE = EarlyTemplate.for_head(sys.argv[1:]) if __name__ == "__main__" else None
+
 import argparse
 import asyncio
 import os
 import re
 import signal
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,11 +37,17 @@ from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
 from actors.runtime.head_watch import stop_node_when_head_lost
-from actors.runtime.placement import NodePlacement, PlacementError, place_node, visible_devices, weight_transport
+from actors.runtime.placement import (
+    NodePlacement,
+    PlacementError,
+    place_node,
+    visible_devices,
+    visible_gpus,
+    weight_transport,
+)
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
-from actors.runtime.zygote_client import EarlyTemplate
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
 
@@ -364,16 +376,6 @@ def node_gpus(config: RunConfig) -> int:
     return seen if config.placement.num_gpus_per_node is None else min(config.placement.num_gpus_per_node, seen)
 
 
-def visible_gpus() -> int:
-    """GPUs this launcher sees (its CUDA_VISIBLE_DEVICES applies); 0 without CUDA. A machine with no GPU device
-    node is answered without importing torch, which would hold up every actor's start by ~2 s."""
-    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int,
                  rollout_needs_gpu: bool = True) -> NodePlacement:
     try:
@@ -445,10 +447,8 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
                            backoff_initial_s=args.restart_backoff)
     # A GPU node hands out devices (controller, buffer and reward workers get ""): never fork there.
     fork = args.fork_actors and all(context.cuda_visible_devices is None for context in contexts)
-    if early_template is not None and not fork:
-        early_template.close()
     supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy, fork_from_template=fork,
-                            early_template=early_template if fork else None)
+                            early_template=early_template)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda s=signum: supervisor.request_stop(f"signal {signal.Signals(s).name}",
@@ -481,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from actors.runtime.logs import configure_logging
 
     arguments = list(sys.argv[1:] if argv is None else argv)
-    early_template = EarlyTemplate.for_head(arguments, Supervisor.child_env(None), visible_gpus)
+    early_template = EARLY_TEMPLATE if argv is None else EarlyTemplate.for_head(arguments)
     try:
         contexts, args, run_dir = prepare(arguments)
     except LaunchError as error:

@@ -26,6 +26,18 @@ from typing import Literal
 WeightTransport = Literal["gloo", "nccl", "cuda_ipc", "shm"]
 
 
+def visible_gpus() -> int:
+    """GPUs this process sees (its CUDA_VISIBLE_DEVICES applies); 0 without CUDA. A machine with no GPU device
+    node is answered without importing torch, which would hold up every actor's start by ~2 s."""
+    from actors.runtime.zygote_client import gpu_device_nodes
+
+    if not gpu_device_nodes():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class PlacementError(ValueError):
     """This node cannot host the actors it was asked to run; the message gives the counts."""
 

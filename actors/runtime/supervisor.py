@@ -77,7 +77,10 @@ class Supervisor:
         self._stopping = asyncio.Event()
         self._signal_after = 0.0
         self.fork_from_template = fork_from_template
-        self.early_template = early_template  # started by the launcher before its settings were read
+        # Started by the launcher before it knew whether this node forks: ended now if it does not.
+        if early_template is not None and not fork_from_template:
+            early_template.close()
+        self.early_template = early_template if fork_from_template else None
         self.zygote: Zygote | None = None
 
     def _write_context(self, context: ActorContext) -> Path:

@@ -17,13 +17,19 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from engines.process import die_with_parent
 
 READY_TIMEOUT_S = 120.0  # importing torch and transformers on a loaded machine
 SPAWN_TIMEOUT_S = 120.0  # the first order for a model-holding actor waits for torch and transformers to import
+
+
+def gpu_device_nodes() -> bool:
+    """Whether this machine has NVIDIA or AMD GPU device nodes: a cheap first answer, without importing torch."""
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
 
 
 class ZygoteError(RuntimeError):
@@ -72,14 +78,14 @@ class EarlyTemplate:
             theirs.close()
 
     @classmethod
-    def for_head(cls, argv: Sequence[str], env: dict[str, str], gpus: Callable[[], int]) -> EarlyTemplate | None:
-        """Started, on a head node (it always runs the learner) that will fork its actors: `argv` are the
-        launcher's, `gpus()` counts the node's GPUs (a GPU node never forks)."""
+    def for_head(cls, argv: Sequence[str]) -> EarlyTemplate | None:
+        """Started, on a head node (it always runs the learner) that will fork its actors; `argv` are the
+        launcher's. A node with GPU devices never forks (and is not asked here whether it has any)."""
         chosen = "--no-fork-actors" in argv or "--roles" in argv  # --roles: maybe no actor that holds a model
-        if "--head" not in argv or chosen or not sys.platform.startswith("linux") or gpus():
+        if "--head" not in argv or chosen or not sys.platform.startswith("linux") or gpu_device_nodes():
             return None
         try:
-            return cls(env)
+            return cls({**os.environ, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")})
         except OSError:
             return None  # the supervisor starts one later, or starts actors the ordinary way
 

@@ -121,11 +121,9 @@ def test_a_template_started_early_imports_torch_by_itself_and_still_answers_orde
 
 @pytest.mark.unit
 def test_only_a_head_that_forks_every_actor_starts_its_template_early() -> None:
-    env = dict(os.environ)
     for argv in (["--node-rank", "1"], ["--head", "--no-fork-actors"], ["--head", "--roles", "controller"]):
-        assert EarlyTemplate.for_head(argv, env, lambda: 0) is None, argv
-    assert EarlyTemplate.for_head(["--head"], env, lambda: 8) is None  # a GPU node never forks
-    early = EarlyTemplate.for_head(["--head", "--prompt-data", "x"], env, lambda: 0)
+        assert EarlyTemplate.for_head(argv) is None, argv
+    early = EarlyTemplate.for_head(["--head", "--prompt-data", "x"])
     assert early is not None and alive(early.pid)
     early.close()
     assert early.process.returncode is not None
