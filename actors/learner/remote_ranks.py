@@ -51,7 +51,6 @@ class RemoteLearnerRanks(Actor):
         self.config_path = write_rank_config(config, config_file)
         self.followers: dict[int, subprocess.Popen[bytes]] = {}
         self.set_world: str | None = None  # the world of rank 0 the running set is in, once one is seen up
-        self.sets_started = 0
 
     async def run(self) -> None:
         delay = 1.0
@@ -77,7 +76,6 @@ class RemoteLearnerRanks(Actor):
         self.followers = {rank: start_follower(rank, rank - first, world, self.init_method, self.config_path,
                                                self.context.run_dir)
                           for rank in self.ranks}
-        self.sets_started += 1
         self.log.info("learner ranks started", ranks=f"{first}-{self.ranks[-1]}", world=world,
                       rank_zero=self.init_method, pids=[process.pid for process in self.followers.values()])
 

@@ -104,7 +104,10 @@ def serve(control: socket.socket, eager: tuple[str, ...] = ()) -> None:
                 with contextlib.suppress(BlockingIOError):
                     wakeup_read.recv(4096)
                 continue
-            data = control.recv(65536)
+            try:
+                data = control.recv(65536)
+            except ConnectionError:  # closed with our "ready" unread: the launcher gave up on us
+                data = b""
             if not data:
                 return  # the launcher is gone; our children get SIGTERM from their death signal
             pending += data

@@ -100,13 +100,10 @@ class EarlyTemplate:
         self.process.kill()
 
     def close(self) -> None:
-        """Not adopted: closing our end ends the template (it exits when the launcher's socket closes)."""
+        """Not adopted: it has forked nothing, so it is killed, not asked (it may be inside a long import)."""
         self.socket.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.process.kill()
+        self.process.wait()
 
 
 class Zygote:
