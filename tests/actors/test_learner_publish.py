@@ -13,8 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.roles import BUILTIN_ROLES
 from bus.schema import Roster
+from tests.support.gathering import Gathering
 from tests.support.inprocess import SLEEPING, ActorSystem, GroupRecorder, actor_system, use_spec, write_prompts
 from tools.pipeline_sim import SimSpec
 
@@ -40,31 +40,14 @@ class Pusher(Actor):
     """Holds the learner's publisher and tells it of every roster change, as the learner does; the test pushes."""
 
     async def on_start(self) -> None:
-        self.model = [("layer.weight", torch.ones(256, 256)), ("layer.bias", torch.ones(256))]
-        self.gathered_alive = self.gathered_peak = 0  # fresh copies alive at once, when `gathering` is on
-        self.gathering = False
+        # What the trainer yields: its own tensors, or a `Gathering` (fresh copies, counted).
+        self.source: Iterable[tuple[str, torch.Tensor]] = [("layer.weight", torch.ones(256, 256)),
+                                                            ("layer.bias", torch.ones(256))]
         self.weights: WeightPublisher = publisher_for(
             self.settings.run, self.context.host, engines=lambda: live_engines(self.members("rollout")),
-            tensors=self.tensors,
+            tensors=lambda: iter(self.source),
             zmq=self.zmq, security=self.security, client_id=f"{self.actor_id}.weights", counters=self.counters,
             log=self.log)
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model as a trainer yields it: its own tensors, or (`gathering`) a fresh copy of each, as a
-        sharded trainer gathers them, counting the copies whose memory is alive at once."""
-        for name, tensor in self.model:
-            if not self.gathering:
-                yield name, tensor
-                continue
-            gathered = tensor.clone()
-            self.gathered_alive += 1
-            self.gathered_peak = max(self.gathered_peak, self.gathered_alive)
-            weakref.finalize(gathered.untyped_storage(), self._released)
-            yield name, gathered
-            del gathered
-
-    def _released(self) -> None:
-        self.gathered_alive -= 1
 
     async def on_roster(self, roster: Roster) -> None:
         self.weights.roster_changed()
@@ -243,15 +226,15 @@ async def test_a_push_holds_a_gathering_trainers_tensors_a_bucket_at_a_time_and_
         async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
             pusher = system["pusher-0-0"]
             # 2 MiB matrices travel alone (from 1 MiB); 16 of them, each gathered afresh.
-            pusher.model = [(f"layers.{i}.weight", torch.full((512, 1024), float(i))) for i in range(16)]
-            pusher.gathering = True
+            source = Gathering([(f"layers.{i}.weight", torch.full((512, 1024), float(i))) for i in range(16)])
+            pusher.source = source
             engine = start_worker(system, tmp_path, "rollout-0-0", workers)
             await registered(system, "rollout-0-0", engine)
             assert await pusher.weights.publish(1) and await pusher.weights.publish(2)
-            assert pusher.gathered_peak <= 3, f"{pusher.gathered_peak} of 16 gathered tensors alive at once"
-            assert pusher.gathered_alive == 0
+            assert source.peak <= 3, f"{source.peak} of 16 gathered tensors alive at once"
+            assert source.alive == 0
 
-            pusher.model[5] = ("layers.5.weight", torch.zeros(512, 512))
+            source.model[5] = ("layers.5.weight", torch.zeros(512, 512))
             assert not await pusher.weights.publish(3)
             assert await pusher.weights.publish(4), "the changed specs were not recorded again"
             assert pusher.weights.committed_version == 4

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from engines.weights.base import WeightTransferError
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs, specified, wire_specs
 from tests.engines.test_weights_transfer import digest
+from tests.support.gathering import Gathering
 
 TIMEOUT_S = 60.0
 LAYERS = 12
@@ -33,29 +33,6 @@ def _model(version: int) -> list[tuple[str, Tensor]]:
         tensors.append((f"layers.{layer}.weight", torch.randn(128, 128, generator=generator)))
         tensors.append((f"layers.{layer}.bias", torch.randn(128, generator=generator)))
     return tensors
-
-
-class Gathering:
-    """Yields a fresh copy of each tensor, as a sharded trainer gathers them, and counts the copies whose memory
-    is still alive (anything may hold it: a view, a detached alias, a broadcast in flight)."""
-
-    def __init__(self, model: list[tuple[str, Tensor]], *, fail_at: int | None = None) -> None:
-        self.model, self.fail_at = model, fail_at
-        self.alive = self.peak = 0
-
-    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        for position, (name, tensor) in enumerate(self.model):
-            if position == self.fail_at:
-                raise RuntimeError(f"all-gather of {name} failed")
-            gathered = tensor.clone()
-            self.alive += 1
-            self.peak = max(self.peak, self.alive)
-            weakref.finalize(gathered.untyped_storage(), self._released)
-            yield name, gathered
-            del gathered
-
-    def _released(self) -> None:
-        self.alive -= 1
 
 
 @pytest.mark.unit
