@@ -14,7 +14,7 @@ import sys
 
 from actors.runtime.zygote_client import EarlyTemplate
 
-# First, before the imports below: a head node's actor template starts importing torch and transformers now.
+# First, before the imports below: a head node's actor template starts now, ready when the first actor is forked.
 EARLY_TEMPLATE = EarlyTemplate.for_head(sys.argv[1:]) if __name__ == "__main__" else None
 
 import argparse

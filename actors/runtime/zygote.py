@@ -7,9 +7,10 @@ it imports the heavy modules and waits for orders on the socket FD. Each order f
 actor (`actors.runtime.main.main([context])`), so an actor starts with the imports already done, and a crashed
 actor restarts as fast.
 
-Started with `heavy` after the FD (the launcher of a head node does that first thing, before it parses its
-settings), the template imports the heavy modules at once, one at a time, answering orders between them: the
-imports then run beside the launcher's own start-up instead of after it.
+The launcher of a head node starts it first thing, before its own imports and settings, so it is ready when
+the first order comes. It still imports the heavy modules only at the first order that needs them, after the
+light actors were forked: a controller or buffer forked after torch was imported would carry torch's objects in
+every garbage collection of its event loop.
 
 Orders and reports are JSON lines: `{"spawn": TAG, "context": PATH, "env": {...}, "heavy": BOOL}` (heavy: the
 actor holds a model, so torch and transformers are imported first, once) is answered with
@@ -81,9 +82,8 @@ def leave(code: int) -> None:
         os._exit(code)
 
 
-def serve(control: socket.socket, eager: tuple[str, ...] = ()) -> None:
-    """Fork on each order and report every child's end, until the launcher closes the socket. `eager`: modules to
-    import meanwhile, one whenever no order is waiting."""
+def serve(control: socket.socket) -> None:
+    """Fork on each order and report every child's end, until the launcher closes the socket."""
     selector = selectors.DefaultSelector()
     wakeup_read, wakeup_write = socket.socketpair()
     wakeup_write.setblocking(False)
@@ -93,13 +93,8 @@ def serve(control: socket.socket, eager: tuple[str, ...] = ()) -> None:
     selector.register(wakeup_read, selectors.EVENT_READ, "child")
     pending = b""
     heavy_loaded = False
-    eager_left = list(eager)
     while True:
-        events = selector.select(timeout=0 if eager_left else 1.0)
-        if not events and eager_left:
-            preload((eager_left.pop(0),))
-            heavy_loaded = not eager_left
-        for key, _ in events:
+        for key, _ in selector.select(timeout=1.0):
             if key.data == "child":
                 with contextlib.suppress(BlockingIOError):
                     wakeup_read.recv(4096)
@@ -154,7 +149,7 @@ def main() -> None:
     quiet_library_output()  # torch and transformers read it when imported here, for every actor forked later
     preload(LIGHT)
     _send(control, {"ready": os.getpid()})
-    serve(control, eager=HEAVY if sys.argv[2:] == ["heavy"] else ())
+    serve(control)
 
 
 if __name__ == "__main__":

@@ -64,15 +64,15 @@ class ForkedProcess:
 
 
 class EarlyTemplate:
-    """A template started before the launcher's event loop, importing its heavy modules at once (`heavy`): the
-    launcher of a head node starts it first thing, so the imports run beside its own start-up. `Zygote.start`
-    adopts it; `close` ends one that will not be used."""
+    """A template started before the launcher's event loop: the launcher of a head node starts it first thing,
+    so its start and light imports run beside the launcher's own. `Zygote.start` adopts it; `close` ends one that
+    will not be used."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.socket, theirs = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno()), "heavy"],
+                [sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent, env=env)
         finally:
             theirs.close()

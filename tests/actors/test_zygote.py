@@ -95,28 +95,26 @@ def _has_torch(pid: int) -> bool:
 
 
 @pytest.mark.integration
-def test_a_template_started_early_imports_torch_by_itself_and_still_answers_orders_meanwhile(tmp_path: Path) -> None:
-    """A head node's launcher starts the template before it reads its settings: the template imports the heavy
-    modules without waiting for an order that needs them, so the imports overlap the launcher's own start-up."""
-    async def scenario() -> tuple[bool, float]:
+def test_a_template_started_early_is_adopted_and_forks_light_actors_before_it_imports_torch(tmp_path: Path) -> None:
+    """A head node's launcher starts the template before it reads its settings, and the supervisor adopts it. A
+    light actor (controller, buffer) is forked before torch is imported: forked after, it would carry torch's
+    objects through every garbage collection of its event loop (a buffer's heartbeats then came late in CI)."""
+    async def scenario() -> tuple[bool, bool]:
         early = EarlyTemplate(dict(os.environ))
         zygote = await Zygote.start(dict(os.environ), early)
         try:
-            asked = time.monotonic()
             live = await zygote.spawn(str(controller_context(tmp_path)), dict(os.environ), heavy=False)
-            answered_s = time.monotonic() - asked
-            deadline = time.monotonic() + 120
-            while not _has_torch(early.pid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)
+            light_without_torch = alive(live.pid) and not _has_torch(live.pid) and not _has_torch(early.pid)
             live.kill()
             await asyncio.wait_for(live.wait(), 30)
-            return _has_torch(early.pid), answered_s
+            return light_without_torch, alive(early.pid)
         finally:
             await zygote.close()
 
-    imported, answered_s = asyncio.run(scenario())
-    assert imported, "the early template never imported torch on its own"
-    assert answered_s < 60  # between two module imports, not after all of them on a slow machine
+    light_without_torch, adopted_alive = asyncio.run(scenario())
+    assert light_without_torch, "the light actor (or the template before a heavy order) has torch loaded"
+    assert adopted_alive
 
 
 @pytest.mark.unit
