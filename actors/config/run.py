@@ -213,9 +213,9 @@ def _colocate_problems(config: RunConfig) -> list[str]:
         problems.append(f"colocate: max_staleness {config.buffer.max_staleness}; colocated runs are on-policy by "
                         "construction (the engines and the learner take turns on the same devices), so leave "
                         "--max-staleness at 0")
-    if config.engine.rollout_engine != "torch":
+    if config.engine.rollout_engine not in ("torch", "sglang"):
         problems.append(f"colocate: --rollout-engine {config.engine.rollout_engine}; colocated mode runs the torch "
-                        "engine (SGLang's release and resume of its memory is not wired yet)")
+                        "engine or SGLang servers, which hand their memory to the learner between turns")
     if config.weights.weight_transport in ("gloo", "nccl"):
         problems.append(f"colocate: --weight-transport {config.weights.weight_transport} broadcasts; colocated "
                         "engines read the learner's memory (cuda_ipc on a GPU, shm on CPUs, or auto)")

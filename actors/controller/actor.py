@@ -73,15 +73,19 @@ class Controller(Actor):
                     break
                 if time.monotonic() - last_written >= ACTOR_METRICS_INTERVAL_S:
                     last_written = time.monotonic()
-                    version = self.latest_version.version if self.latest_version else 0
-                    writer.write(version, {f"{actor_id}/{key}": value for actor_id, record in self.records.items()
-                                           if record.member.alive for key, value in record.counters.items()}
-                                 # our own counters too: the head address and the publisher are bound sockets
-                                 | {f"{self.actor_id}/{key}": value for key, value in self.metrics().items()})
+                    self._write_actor_metrics(writer)
                     mirror = await self._advance_wandb(mirror)
         finally:
+            self._write_actor_metrics(writer)  # the run's last counters, however short the run
             writer.close()
             await self._advance_wandb(mirror, closing=True)
+
+    def _write_actor_metrics(self, writer: MetricsWriter) -> None:
+        version = self.latest_version.version if self.latest_version else 0
+        writer.write(version, {f"{actor_id}/{key}": value for actor_id, record in self.records.items()
+                               if record.member.alive for key, value in record.counters.items()}
+                     # our own counters too: the head address and the publisher are bound sockets
+                     | {f"{self.actor_id}/{key}": value for key, value in self.metrics().items()})
 
     async def _open_wandb_mirror(self) -> WandbMirror | None:
         logging = self.settings.run.logging

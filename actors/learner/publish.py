@@ -38,6 +38,7 @@ from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
     SGLANG,
     SGLANG_LORA,
+    SGLANG_TENSOR,
     TORCH_DISTRIBUTED,
     SenderOptions,
     WeightTransport,
@@ -68,7 +69,9 @@ def transport_name(config: RunConfig) -> str:
     if is_plugin(config.weights.weight_transport):
         return config.weights.weight_transport
     if config.engine.rollout_engine == "sglang":
-        return SGLANG_LORA if config.lora.enabled else SGLANG
+        if config.lora.enabled:
+            return SGLANG_LORA
+        return SGLANG_TENSOR if config.placement.colocate else SGLANG  # colocated: by reference, no broadcast
     return TORCH_DISTRIBUTED
 
 

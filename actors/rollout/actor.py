@@ -96,6 +96,8 @@ class RolloutWorker(Actor):
             lease = await self.request_lease(self.capacity - self.groups_in_flight, eval_only=eval_only)
             if lease is None or not lease.groups:
                 self._note_no_work(eval_only, lease)
+                if self.groups_in_flight == 0:
+                    await self._hand_over_memory()
                 if eval_only:
                     if self.weights_too_old():  # not if they landed while we asked: the wait would miss them
                         await self.wait_for_weights(WEIGHTS_POLL_S)
@@ -109,6 +111,15 @@ class RolloutWorker(Actor):
                 await self.wait_for_weights_of(lease)
             for group in lease.groups:
                 self.generate_group(lease, group)
+
+    async def _hand_over_memory(self) -> None:
+        """Nothing to generate: the learner's turn on a device it shares with this engine (a colocated run). A
+        release that fails costs only memory, so it is counted and said, and generation goes on."""
+        try:
+            await self.engine.on_idle()
+        except Exception as error:  # the engine's own errors (SglangError: a server that stopped answering)
+            self.counters["engine.memory_release_failed"] += 1
+            self.log.warning("engine kept its memory: the release failed", error=str(error)[:300])
 
     def _note_no_work(self, eval_only: bool, lease: Lease | None) -> None:
         """Keep one wait open, from the first empty answer on, for the hang report."""
@@ -293,6 +304,7 @@ class RolloutWorker(Actor):
         found = super().metrics()
         if hasattr(self, "engine"):
             found["engine.version"] = float(self.engine.version)
+            found["engine.memory_releases"] = float(getattr(self.engine, "memory_releases", 0))  # colocated turns
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
             found["rollout.idle_fraction"] = self.idle_fraction()
             found["rollout.busy_slot_seconds"] = self.busy_slot_seconds()

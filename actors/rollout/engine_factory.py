@@ -124,8 +124,10 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     engine_config = config.engine
     # A LoRA run's pushes are adapters, which the server loads by name (engines/sglang/adapter_sync.py).
     adapters = AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir) if config.lora.enabled else None
+    release_tags = colocated_release_tags(config)
     if engine_config.sglang_url:
-        engine = SglangEngine(attached_url(engine_config.sglang_url, actor_id), adapters=adapters)
+        engine = SglangEngine(attached_url(engine_config.sglang_url, actor_id), adapters=adapters,
+                              release_tags=release_tags)
         # An attached server may already serve updated weights (this worker restarted): start from its version.
         engine.set_version(attached_server_version(engine.url, timeout=engine_config.sglang_startup_timeout))
         return engine
@@ -140,7 +142,21 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
         extra=sglang_server_args(config),
     )
     server = ServerProcess(spec, startup_timeout=engine_config.sglang_startup_timeout)
-    return SglangEngine(server.start(), server=server, adapters=adapters)
+    return SglangEngine(server.start(), server=server, adapters=adapters, release_tags=release_tags)
+
+
+def colocated_release_tags(config: RunConfig) -> tuple[str, ...]:
+    """The memory a colocated server hands the learner while it trains: its KV cache and CUDA graphs, and its
+    weights too where the server keeps a CPU copy of them (`--sglang-enable-weights-cpu-backup`) and pushes are
+    whole weights. Without the copy SGLang frees the weights' contents, and an eval round of the current version
+    may still need them before the next push comes; an adapter run's pushes never rewrite the base weights."""
+    from engines.sglang import protocol
+
+    if not config.placement.colocate:
+        return ()
+    keeps_copy = "enable-weights-cpu-backup" in config.engine.sglang_args and not config.lora.enabled
+    weights = (protocol.MEMORY_WEIGHTS,) if keeps_copy else ()
+    return (*weights, protocol.MEMORY_KV_CACHE, protocol.MEMORY_CUDA_GRAPH)
 
 
 def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
@@ -155,6 +171,8 @@ def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
         extra.setdefault("dtype", "bfloat16")
     if config.lora.enabled:
         extra.update(lora_server_args(config))
+    if config.placement.colocate:  # the learner shares the GPU: the server hands its memory over between turns
+        extra.setdefault("enable-memory-saver", "true")
     if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:
         # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
         extra.setdefault("torch-threads", str(config.torch_threads))

@@ -92,7 +92,7 @@ def place_node(
     if gpus == 0:
         return NodePlacement(0, (), tuple(() for _ in range(rollout_workers)))
     if colocate and learner_ranks and rollout_needs_gpu:
-        return _colocated(gpus, learner_ranks, rollout_workers, gpus_per_engine, rollout_engine)
+        return _colocated(gpus, learner_ranks, rollout_workers, gpus_per_engine)
     if not rollout_needs_gpu:
         placed = place_node(gpus=gpus, learner_ranks=learner_ranks, rollout_workers=0, gpus_per_engine=1,
                             rollout_engine=rollout_engine)
@@ -123,14 +123,12 @@ def place_node(
     )
 
 
-def _colocated(gpus: int, learner_ranks: int, rollout_workers: int, gpus_per_engine: int,
-               rollout_engine: str) -> NodePlacement:
-    """Every rollout worker on learner rank 0's GPU: the engine that shares it receives over CUDA IPC, which
-    needs the learner's own device."""
-    if rollout_engine != "torch" or gpus_per_engine != 1:
-        raise PlacementError("colocate: the engines share the learner's GPU through the torch engine, one GPU each "
-                             "(--rollout-engine torch --rollout-num-gpus-per-engine 1); SGLang's release and "
-                             "resume of its memory is not wired yet")
+def _colocated(gpus: int, learner_ranks: int, rollout_workers: int, gpus_per_engine: int) -> NodePlacement:
+    """Every rollout worker on learner rank 0's GPU: the engine that shares it (the torch engine, or an SGLang
+    server) opens the learner's tensors over CUDA IPC, which needs the learner's own device."""
+    if gpus_per_engine != 1:
+        raise PlacementError(f"colocate: --rollout-num-gpus-per-engine {gpus_per_engine}; a colocated engine shares "
+                             "the learner's one GPU (--rollout-num-gpus-per-engine 1)")
     if learner_ranks != 1:
         raise PlacementError(f"colocate: {learner_ranks} learner ranks; colocated mode runs one learner rank on a "
                              "GPU node for now (the engines receive over CUDA IPC from rank 0's device)")

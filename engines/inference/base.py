@@ -240,6 +240,10 @@ class InferenceEngine(ABC):
     def version(self) -> int:
         """The policy version of the weights the next decode step uses."""
 
+    async def on_idle(self) -> None:  # noqa: B027 - most engines have nothing to hand over
+        """The worker has nothing to generate for now. An engine that shares its device with the learner (a
+        colocated run) may hand memory over until its next request or weight update needs it back."""
+
     @abstractmethod
     async def health(self) -> dict[str, object]:
         """A small JSON-able status dict; `healthy` is False once the engine cannot serve requests."""

@@ -160,6 +160,11 @@ class TorchEngine(base.InferenceEngine):
             raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
         await self._call(_UpdateWeights(named_tensors, version))
 
+    def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of every weight by name: what an SGLang server that backs released weights up to the CPU keeps
+        (our compatible server's stand-in for `--enable-weights-cpu-backup`). Call it while nothing generates."""
+        return [(name, tensor.detach().clone()) for name, tensor in self._parameters.items()]
+
     async def health(self) -> dict[str, object]:
         return {
             "engine": "torch",

@@ -27,17 +27,15 @@ request the server returns as aborted while a "keep" pause was in effect is resu
 output whose tokens carry their own log-probs and versions. Requests sent while the server is paused wait in the
 server, as they do on SGLang.
 
-Context length: the server's `/server_info` gives its context length and the longest prompt it accepts. As the
-torch engine does, a prompt that leaves no room is a ValueError naming the request, and `max_new_tokens` is
-clamped to the room left, so SGLang never answers HTTP 400 for a long multi-turn prompt.
+Context length (`/server_info`): as in the torch engine, a prompt that leaves no room is a ValueError naming the
+request, and `max_new_tokens` is clamped to the room left, so SGLang never answers HTTP 400 for a long prompt.
 
 Failures: a request the server aborts (outside a "keep" pause) returns its partial output with finish reason
 "abort", like the torch engine. A server that dies takes its in-flight requests with it: they return empty
 outputs marked "abort" (the rollout worker treats them like any aborted sample). When this engine launched the
 server (`ServerProcess`), a health loop restarts it after failed checks, counts the restart and resets the known
-version to 0, because a restarted server serves the initial checkpoint until the learner's next push. While
-generation is paused the loop only checks that the process lives and answers `/model_info`: SGLang's `/health`
-generates one token, which waits for `continue_generation` like any request.
+version to 0 (a restarted server serves the initial checkpoint until the next push). While generation is paused,
+or a colocated server's memory released, the loop checks only `/model_info`: SGLang's `/health` generates a token.
 """
 
 from __future__ import annotations
@@ -67,6 +65,7 @@ from engines.sglang import protocol
 from engines.sglang.adapter_endpoints import AdapterEndpoints, AdapterServing
 from engines.sglang.errors import SglangError
 from engines.sglang.launch import ServerProcess
+from engines.sglang.memory_endpoints import MemoryTurns
 from engines.sglang.protocol import Endpoint
 from engines.sglang.weight_endpoints import WeightUpdateEndpoints
 
@@ -109,8 +108,9 @@ class _Flight:
     lost: bool = False  # the server went away: nothing to resume on
 
 
-class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
-    """One SGLang server. `server` is given when this engine launched it (then it restarts and stops it)."""
+class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, InferenceEngine):
+    """One SGLang server. `server` is given when this engine launched it (then it restarts and stops it);
+    `release_tags`, the memory it hands over when idle (a colocated run's, `memory_endpoints.py`)."""
 
     def __init__(
         self,
@@ -123,6 +123,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
         health_failures_before_restart: int = 3,
         stop_grace_s: float = 1.0,
         adapters: AdapterServing | None = None,
+        release_tags: Iterable[str] = (),
     ) -> None:
         self.url = url.rstrip("/")
         self.adapters = adapters  # set in a LoRA run: how the weight loader writes adapter versions for the server
@@ -132,8 +133,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
         self.health_interval = health_interval
         self.health_failures_before_restart = health_failures_before_restart
         self.stop_grace_s = stop_grace_s
-        self.restarts = 0
-        self.failed_requests = 0
+        self.restarts = self.failed_requests = 0
         self.resumed_requests = 0  # continuations sent for samples a "keep" pause aborted
         self._version = 0
         self._session: aiohttp.ClientSession | None = None
@@ -151,6 +151,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
         self._adapter: tuple[str, int] | None = None  # (name, version) of the adapter requests run with
         self._adapter_users: Counter[str] = Counter()  # requests in flight per adapter name
         self._adapter_released: asyncio.Condition | None = None  # made in the loop that uses it
+        self._init_memory_turns(release_tags)
 
     # ---- InferenceEngine
 
@@ -159,8 +160,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
         return self._version
 
     @property
-    def paused(self) -> bool:
-        """True between a `pause` and the `resume` that ends it."""
+    def paused(self) -> bool:  # between a `pause` and the `resume` that ends it
         return self._paused
 
     def set_version(self, version: int) -> None:
@@ -215,10 +215,8 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
         self._paused = self._keep_paused = False
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        raise NotImplementedError(
-            f"{self.url}: an SGLang server receives weights by broadcast (/update_weights_from_distributed, "
-            "driven by engines.sglang.weights.SglangWeightLoader), not as tensors handed to the client"
-        )
+        raise NotImplementedError(f"{self.url}: an SGLang server receives weights itself (driven by the loaders of "
+                                  "engines/weights/transport.py), not as tensors handed to the client")
 
     async def health(self) -> dict[str, object]:
         healthy = not self._closed and await self._healthy(timeout=5.0)
@@ -232,6 +230,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
             "requests": len(self._inflight),
             "failed_requests": self.failed_requests,
             "resumed_requests": self.resumed_requests,
+            "memory_releases": self.memory_releases,  # a colocated run's hand-overs to the learner
         }
 
     async def close(self) -> None:
@@ -374,6 +373,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
     # ---- HTTP
 
     async def _post_generate(self, request: GenerateRequest, *, adapter: str | None) -> Any:
+        await self.take_back_memory()
         session = self._client()
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
         body = protocol.generate_json(request, adapter=adapter)
@@ -407,15 +407,16 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, InferenceEngine):
                 await self._call(protocol.ABORT, rid=rid)
 
     async def _healthy(self, timeout: float) -> bool:
-        """`/health` generates a token on SGLang, which waits out a pause; while paused, `/model_info` answers."""
-        endpoint = protocol.MODEL_INFO if self._paused else protocol.HEALTH
-        try:
-            async with self._client().get(
-                self.url + endpoint.path, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as reply:
-                return reply.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+        """`/health` generates a token on SGLang, which waits out a pause and needs the memory a colocated server
+        may have released: then `/model_info` answers (see `health_check_turn`)."""
+        async with self.health_check_turn() as may_generate:
+            endpoint = protocol.HEALTH if may_generate and not self._paused else protocol.MODEL_INFO
+            try:
+                async with self._client().get(self.url + endpoint.path,
+                                              timeout=aiohttp.ClientTimeout(total=timeout)) as reply:
+                    return reply.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
 
     def _client(self) -> aiohttp.ClientSession:
         # Created on first use, inside the loop that uses it (the engine itself may be built in a worker thread).

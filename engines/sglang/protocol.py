@@ -113,6 +113,17 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
     "POST", "/update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
     sends=("names", "dtypes", "shapes", "group_name", "weight_version", "flush_cache"), reads=_DONE,
 )
+# A colocated server (--colocate) shares the learner's device: a weight update hands it tensors by reference to the
+# learner's memory (`tensor_payload.py`: base64 pickles of handles, one entry per tensor-parallel rank), and between
+# turns it releases its memory (the tags below) while the learner trains, and resumes it before it generates.
+UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
+    "POST", "/update_weights_from_tensor", "UpdateWeightsFromTensorReqInput",
+    sends=("serialized_named_tensors", "load_format", "flush_cache", "weight_version"), reads=_DONE,
+)
+RELEASE_MEMORY = Endpoint("POST", "/release_memory_occupation", "ReleaseMemoryOccupationReqInput", sends=("tags",))
+RESUME_MEMORY = Endpoint("POST", "/resume_memory_occupation", "ResumeMemoryOccupationReqInput", sends=("tags",))
+MEMORY_WEIGHTS, MEMORY_KV_CACHE, MEMORY_CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's constants.py
+MEMORY_TAGS: tuple[str, ...] = (MEMORY_WEIGHTS, MEMORY_KV_CACHE, MEMORY_CUDA_GRAPH)
 # LoRA adapters by name: a run that trains an adapter loads each version from a PEFT folder the rollout worker
 # writes (`adapter_sync.py`), and a `/generate` item names the adapter it runs with in `lora_path`.
 LOAD_LORA_ADAPTER = Endpoint("POST", "/load_lora_adapter", "LoadLoRAAdapterReqInput", sends=("lora_name", "lora_path"),
@@ -134,6 +145,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     BEGIN_WEIGHT_UPDATE,
     END_WEIGHT_UPDATE,
     UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+    UPDATE_WEIGHTS_FROM_TENSOR,
+    RELEASE_MEMORY,
+    RESUME_MEMORY,
     LOAD_LORA_ADAPTER,
     UNLOAD_LORA_ADAPTER,
 )

@@ -55,19 +55,12 @@ from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol, server_protocol
 from engines.sglang.compat_adapters import AdapterRoutes
+from engines.sglang.compat_args import DTYPES, parse_args
+from engines.sglang.compat_memory import ColocationRoutes
 from engines.sglang.weight_group import WeightGroup, join_weight_group
 
 logger = logging.getLogger("engines.sglang.server")
 COMPAT_VERSION = "slipstream-compat"
-SGLANG_APIS = protocol.SUPPORTED_SGLANG
-DTYPES = {
-    "auto": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 
 
 class CompatServer:
@@ -84,8 +77,9 @@ class CompatServer:
         self._version_names = {protocol.parse_weight_version(args.weight_version) or 0: args.weight_version}
         self._rids = itertools.count()
         self._inflight: set[str] = set()
-        self._weights_lock = asyncio.Lock()
+        self.weights_lock = asyncio.Lock()
         self.lora = AdapterRoutes.for_server(engine, args)
+        self.memory = ColocationRoutes(self, args)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -102,6 +96,9 @@ class CompatServer:
             protocol.INIT_WEIGHTS_GROUP: self.init_weights_update_group,
             protocol.DESTROY_WEIGHTS_GROUP: self.destroy_weights_update_group,
             protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.update_weights_from_distributed,
+            protocol.UPDATE_WEIGHTS_FROM_TENSOR: self.memory.update_weights_from_tensor,
+            protocol.RELEASE_MEMORY: self.memory.release,
+            protocol.RESUME_MEMORY: self.memory.resume,
             protocol.LOAD_LORA_ADAPTER: self.lora.load,
             protocol.UNLOAD_LORA_ADAPTER: self.lora.unload,
         }
@@ -123,8 +120,9 @@ class CompatServer:
     # ---- health and information
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """One greedy token end to end, as SGLang does; paused, it waits like any request, then 503."""
-        if not (await self.engine.health())["healthy"]:
+        """One greedy token end to end, as SGLang does; paused, it waits like any request, then 503. With memory
+        released it needs memory that is not there (SGLang would fault): 503 at once."""
+        if not (await self.engine.health())["healthy"] or self.memory.refusal("/health") is not None:
             return web.Response(status=503)
         greedy_token = SamplingParams(temperature=0, max_new_tokens=1)
         probe = GenerateRequest(f"HEALTH_CHECK_{next(self._rids)}", [0], greedy_token)
@@ -186,6 +184,8 @@ class CompatServer:
         live = [r.request_id for r in requests if r.request_id in self._inflight]
         if live:
             return _error(400, f"/generate: rid {live[0]!r} is already in flight")
+        if (refused := self.memory.refusal("/generate")) is not None:
+            return refused
         if any(item.lora_path is not None for item in items) and self.lora.registry is None:
             return _error(400, "/generate: lora_path given, but LoRA is not enabled on this server (--enable-lora)")
         self._inflight.update(r.request_id for r in requests)
@@ -239,7 +239,7 @@ class CompatServer:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """The torch engine keeps no prefix cache across requests; like SGLang, refuse while requests run."""
-        if not await self._idle():
+        if not await self.idle():
             return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
         return web.Response(text="Cache flushed.\n")
 
@@ -283,7 +283,7 @@ class CompatServer:
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = str((await server_protocol.request_json(request)).get("group_name", "weight_update_group"))
-        async with self._weights_lock:
+        async with self.weights_lock:
             group = self.groups.pop(name, None)
             if group is None:
                 return _failure(f"/destroy_weights_update_group: no group {name!r}")
@@ -328,7 +328,10 @@ class CompatServer:
             return _failure(
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
             )
-        async with self._weights_lock:
+        refused = self.memory.refusal("update_weights_from_distributed", needs=(protocol.MEMORY_WEIGHTS,))
+        if refused is not None:
+            return refused
+        async with self.weights_lock:
             group = self.groups.get(name)
             if group is None:
                 return _failure(f"Group {name} not in {sorted(self.groups)}. Call /init_weights_update_group first.")
@@ -338,17 +341,27 @@ class CompatServer:
                 tensors = await asyncio.to_thread(_receive, group, specs)
             except Exception as error:  # the group stays, as on SGLang; the client destroys it
                 return _failure(f"Failed to receive weights: {error}")
-            version = body.get("weight_version")
-            number = protocol.parse_weight_version(version)
-            try:
-                await self.engine.update_weights(tensors, self.engine.version if number is None else number)
-            except ValueError as error:
-                return _failure(f"Failed to update parameter online: {error}.")
-            if isinstance(version, str):
-                self.weight_version = version
-                if number is not None:
-                    self._version_names[number] = version
-        if body.get("flush_cache", True) and not await self._idle():
+            refused = await self.load(tensors, body.get("weight_version"))
+            if refused is not None:
+                return refused
+        return await self.flush_after_update(body)
+
+    async def load(self, tensors: list[tuple[str, Any]], version: Any) -> web.Response | None:
+        """Load a received bucket between two decode steps; a `weight_version` given becomes the server's."""
+        number = protocol.parse_weight_version(version)
+        try:
+            await self.engine.update_weights(tensors, self.engine.version if number is None else number)
+        except ValueError as error:
+            return _failure(f"Failed to update parameter online: {error}.")
+        if isinstance(version, str):
+            self.weight_version = version
+            if number is not None:
+                self._version_names[number] = version
+        return None
+
+    async def flush_after_update(self, body: dict[str, Any]) -> web.Response:
+        """The cache flush an update asks for (`flush_cache`, true by default), as each SGLang release does it."""
+        if body.get("flush_cache", True) and not await self.idle():
             if not self.sessions:
                 logger.critical(
                     "AssertionError: Cache flush failed after updating weights (SGLang 0.5.15 takes its server down "
@@ -369,7 +382,7 @@ class CompatServer:
     def _version_name(self, version: int) -> str:
         return self._version_names.get(version, str(version))
 
-    async def _idle(self) -> bool:
+    async def idle(self) -> bool:
         """SGLang's flush condition: nothing running (requests held by an abort-mode pause never got in)."""
         status = await self.engine.health()
         return not status["running"] and (bool(status["paused"]) or not status["requests"])
@@ -409,48 +422,6 @@ def _failure(message: str) -> web.Response:
     """SGLang's shape for a failed control call: success false and the reason, with HTTP 400."""
     logger.warning(message)
     return web.json_response({"success": False, "message": message}, status=400)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engines.sglang.server", description=__doc__.split("\n")[0])
-    parser.add_argument("--model-path", required=True, help="local Hugging Face model folder")
-    parser.add_argument("--tokenizer-path", default=None, help="accepted for SGLang compatibility; unused")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
-    parser.add_argument("--random-seed", type=int, default=None)
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
-    parser.add_argument("--weight-version", default=protocol.INITIAL_WEIGHT_VERSION)
-    parser.add_argument(
-        "--enable-deterministic-inference",
-        action="store_true",
-        help="batch-invariant log-probs (as SGLang's flag gives); reported in /server_info. Seeds are honoured with "
-        "or without it",
-    )
-    parser.add_argument(
-        "--sglang-api",
-        choices=SGLANG_APIS,
-        default=SGLANG_APIS[-1],
-        help="which SGLang release's behaviour to serve (weight-update sessions, per-token version spans)",
-    )
-    parser.add_argument(
-        "--weight-group-timeout", type=float, default=120.0, help="seconds a weight update group waits for all members"
-    )
-    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded by name")
-    parser.add_argument("--max-lora-rank", type=int, default=None)
-    lora_modules = [*protocol.LORA_TARGET_MODULES, protocol.LORA_ALL_MODULES]
-    parser.add_argument("--lora-target-modules", nargs="*", default=None, choices=lora_modules)
-    parser.add_argument("--torch-threads", type=int, default=None)
-    parser.add_argument("--log-level", default="info")
-    args, unknown = parser.parse_known_args(argv)
-    args.ignored = unknown
-    if args.enable_lora and not (args.max_lora_rank and args.lora_target_modules):
-        # SGLang's own check (it also accepts initial --lora-paths, which this server does not load)
-        parser.error("When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
-                     "--lora-target-modules for LoRA initialization.")
-    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,6 +78,13 @@ class WeightUpdateEndpoints:
         await self._call(protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED, timeout=timeout, names=names, dtypes=dtypes,
                          shapes=shapes, group_name=group_name, weight_version=weight_version, flush_cache=flush_cache)
 
+    async def update_weights_from_tensor(self, *, payloads: list[str], weight_version: str | None,
+                                         timeout: float) -> None:
+        """One bucket by reference (`tensor_payload.py`: one payload per tensor-parallel rank); the cache is not
+        flushed (it was before the update), and `weight_version` is set only when given, as above."""
+        await self._call(protocol.UPDATE_WEIGHTS_FROM_TENSOR, timeout=timeout, serialized_named_tensors=payloads,
+                         weight_version=weight_version, flush_cache=False)
+
     async def flush_cache(self, deadline_s: float) -> None:
         """GET /flush_cache until it succeeds; SGLang refuses while any request runs or waits in its scheduler.
 

@@ -9,17 +9,20 @@ acknowledgement.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import islice
 from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor
 
 from engines.weights.base import WeightTransferError
 from engines.weights.group import ERROR_PREFIX, OK, failed_replies, missing_keys
 from engines.weights.manifest import Manifest
 from engines.weights.names import SGLANG
+from engines.weights.stream import SourceBroke
 
 KEY_PREFIX = "slipstream-xfer/"
 GO = b"go"
@@ -39,6 +42,7 @@ class SglangGroupSpec:
     members: tuple[str, ...]  # members[0] is the learner; then the engines in rank order
     gpus_per_engine: int = 1
     backend: str = "gloo"
+    transport: str = SGLANG  # SGLANG: servers join a broadcast group; SGLANG_TENSOR: tensors by reference
 
     @property
     def receivers(self) -> tuple[str, ...]:
@@ -55,13 +59,12 @@ class SglangGroupSpec:
         return 1 + self.receivers.index(engine) * self.gpus_per_engine
 
     def to_dict(self) -> dict[str, Any]:
-        """Carries the mechanism's name, by which a rollout worker picks `SglangWeightLoader` for it."""
-        return {"transport": SGLANG, **self.__dict__, "members": list(self.members)}
+        """Carries the mechanism's name, by which a rollout worker picks the loader for it."""
+        return {**self.__dict__, "members": list(self.members)}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> SglangGroupSpec:
-        fields = {key: value for key, value in raw.items() if key != "transport"}
-        return cls(**{**fields, "members": tuple(fields["members"])})
+        return cls(**{**raw, "members": tuple(raw["members"])})
 
 
 def keys_of(store: dist.Store, spec: SglangGroupSpec, version: int) -> dist.PrefixStore:
@@ -88,6 +91,42 @@ def not_ready(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict
     """Engines that did not say "ready" within `timeout_s`, or said why they cannot be, with the reason."""
     wanted = {engine: f"ready/{engine}" for engine in spec.receivers}
     return failed_replies(keys, wanted, timeout_s, expected=READY, silent="not ready to receive (died or stalled)")
+
+
+def open_transfer(keys: dist.Store, spec: SglangGroupSpec, manifest: Manifest, timeout_s: float) -> None:
+    """Publish the manifest, wait for every engine's "ready" and say "go"; engines not ready within `timeout_s`
+    are named in a WeightTransferError, after the others were told to stop."""
+    keys.set("manifest", manifest.encode())
+    missing = not_ready(keys, spec, timeout_s)
+    if missing:
+        keys.set("go", ABORT_PREFIX + f" not ready: {', '.join(missing)}".encode())
+        raise WeightTransferError(f"weight transfer of version {manifest.version} not started", missing)
+    keys.set("go", GO)
+
+
+BucketDelivery = Callable[[int, list[tuple[str, Tensor]], str], None]
+"""(position, the bucket's (name, tensor) pairs, where) -> None: say "bucket i" and see the bucket through to every
+engine, or raise WeightTransferError naming who failed."""
+
+
+def send_buckets(keys: dist.Store, spec: SglangGroupSpec, manifest: Manifest, tensors: Iterable[tuple[str, Tensor]],
+                 timeout_s: float, deliver: BucketDelivery) -> None:
+    """Open the transfer, then pull each bucket's tensors from the learner's stream (checked against its specs)
+    only when it goes out, and hand it to `deliver`. If the stream breaks, "bucket i" says so, so no engine waits
+    for it, and a WeightTransferError says why."""
+    open_transfer(keys, spec, manifest, timeout_s)
+    buckets = manifest.buckets()
+    stream = iter(tensors)
+    for position, bucket in enumerate(buckets):
+        where = f"weight transfer of version {manifest.version}, bucket {position + 1}/{len(buckets)}"
+        try:
+            pairs = list(islice(stream, len(bucket.entries)))
+            if position == len(buckets) - 1:
+                next(stream, None)  # past the last spec: raises SourceBroke if the source has more
+        except SourceBroke as error:
+            keys.set(f"bucket/{position}", ABORT_PREFIX + f" the learner's tensors broke: {error}".encode())
+            raise WeightTransferError(f"{where} broke: the learner's tensors broke: {error}") from error
+        deliver(position, pairs, where)
 
 
 def early_failures(keys: dist.Store, spec: SglangGroupSpec) -> dict[str, str]:

@@ -43,7 +43,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import islice
+from functools import partial
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ from engines.sglang.weight_store import ABORT_PREFIX, ERROR_PREFIX, GO, OK, READ
 from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
 from engines.weights.group import collective_timeout_s, transfer_device
 from engines.weights.manifest import Manifest, plan_buckets
-from engines.weights.stream import SourceBroke, specified, wire_specs
+from engines.weights.stream import specified, wire_specs
 
 # One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -162,43 +162,14 @@ class SglangWeightSender(WeightSender):
             tensors=wire_specs(tensors.specs, dtype),
         )
         keys = weight_store.keys_of(self._group.store, spec, version)
-        keys.set("manifest", manifest.encode())
-        not_ready = weight_store.not_ready(keys, spec, timeout_s)
-        if not_ready:
-            keys.set("go", ABORT_PREFIX + f" not ready: {', '.join(not_ready)}".encode())
-            self._broken = f"engines {sorted(not_ready)} not ready at version {version}"
-            raise WeightTransferError(f"weight transfer of version {version} not started", not_ready)
-        keys.set("go", GO)
-        buckets = manifest.buckets()
-        stream = iter(tensors)
-        for position, bucket in enumerate(buckets):
-            where = f"weight transfer of version {version}, bucket {position + 1}/{len(buckets)}"
-            try:
-                # Kept until the bucket completed: an asynchronous broadcast reads its tensor until then.
-                wire = [_wire_tensor(tensor, dtype, self.device) for _, tensor in islice(stream, len(bucket.entries))]
-                if position == len(buckets) - 1:
-                    next(stream, None)  # past the last spec: raises SourceBroke if the source has more
-            except SourceBroke as error:
-                keys.set(f"bucket/{position}", ABORT_PREFIX + f" the learner's tensors broke: {error}".encode())
-                # Nothing is pending on the group (every earlier bucket completed), and its store must stay up
-                # until the loaders read this word: it goes at the next open_group.
-                self._broken = f"{where}: the learner's tensors broke: {error}"
-                raise WeightTransferError(f"{where} broke: {error}") from error
-            keys.set(f"bucket/{position}", GO)
-            try:
-                work = [dist.broadcast(tensor, src=0, group=self._group.group, async_op=True) for tensor in wire]
-            except (RuntimeError, dist.DistError) as error:
-                failed = weight_store.early_failures(keys, spec) or dict.fromkeys(
-                    spec.receivers, f"broadcast failed: {error}"
-                )
-                self._abandon_group(f"{where}: broadcast failed: {error}", [])
-                raise WeightTransferError(f"{where} broke: {error}", failed) from error
-            # Inside the group's own timeout, so this deadline, not the NCCL watchdog, ends a stuck bucket.
-            deadline_s = min(timeout_s, 0.8 * collective_timeout_s(self.timeout_s))
-            failed = weight_store.await_bucket(work, keys, spec, deadline_s, where)
-            if failed:
-                self._abandon_group(f"{where} failed: {failed}", work)
-                raise WeightTransferError(f"{where} failed", failed)
+        try:
+            weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
+                                      partial(self._broadcast_bucket, keys, spec, dtype, timeout_s))
+        except WeightTransferError as error:
+            # A source that broke leaves nothing pending on the group (every earlier bucket completed), and the
+            # group's store must stay up until the loaders read the word: it goes at the next open_group.
+            self._broken = self._broken or str(error)
+            raise
         failed = weight_store.acks(keys, spec, timeout_s)
         if failed:
             self._broken = f"version {version} not acknowledged: {failed}"
@@ -208,10 +179,31 @@ class SglangWeightSender(WeightSender):
             version=version,
             receivers=spec.receivers,
             num_tensors=len(manifest.tensors),
-            num_buckets=len(buckets),
+            num_buckets=len(manifest.buckets()),
             num_bytes=manifest.total_bytes,
             seconds=time.perf_counter() - started,
         )
+
+    def _broadcast_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None, timeout_s: float,
+                          position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
+        assert self._group is not None
+        # Kept until the bucket completed: an asynchronous broadcast reads its tensor until then.
+        wire = [_wire_tensor(tensor, dtype, self.device) for _, tensor in pairs]
+        keys.set(f"bucket/{position}", GO)
+        try:
+            work = [dist.broadcast(tensor, src=0, group=self._group.group, async_op=True) for tensor in wire]
+        except (RuntimeError, dist.DistError) as error:
+            failed = weight_store.early_failures(keys, spec) or dict.fromkeys(
+                spec.receivers, f"broadcast failed: {error}"
+            )
+            self._abandon_group(f"{where}: broadcast failed: {error}", [])
+            raise WeightTransferError(f"{where} broke: {error}", failed) from error
+        # Inside the group's own timeout, so this deadline, not the NCCL watchdog, ends a stuck bucket.
+        deadline_s = min(timeout_s, 0.8 * collective_timeout_s(self.timeout_s))
+        failed = weight_store.await_bucket(work, keys, spec, deadline_s, where)
+        if failed:
+            self._abandon_group(f"{where} failed: {failed}", work)
+            raise WeightTransferError(f"{where} failed", failed)
 
     def _abandon_group(self, reason: str, work: list[dist.Work]) -> None:
         """A collective may still be pending on a peer that will never take part: let go of the group, don't wait.
@@ -272,7 +264,8 @@ class SglangWeightLoader:
         spec = SglangGroupSpec.from_dict(group)
         await self._join(spec, timeout_s)
         try:
-            await self._receive(spec, version, timeout_s)
+            async with self.engine.memory_pinned():  # a colocated server keeps its memory until the load is done
+                await self._receive(spec, version, timeout_s)
         except BaseException:
             await self._forget_group(timeout_s)
             raise
@@ -290,6 +283,7 @@ class SglangWeightLoader:
         try:
             try:
                 await self.engine.flush_cache(deadline_s=timeout_s)
+                await self.engine.take_back_memory([protocol.MEMORY_WEIGHTS])  # released while the learner trained
                 session = await self.engine.begin_weight_update()
             except SglangError as error:
                 await asyncio.to_thread(keys.set, f"ready/{self.engine_name}", ERROR_PREFIX + str(error).encode())

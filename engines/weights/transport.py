@@ -17,14 +17,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engines.weights.names import SGLANG, SGLANG_LORA, TORCH_DISTRIBUTED
+from engines.weights.names import SGLANG, SGLANG_LORA, SGLANG_TENSOR, TORCH_DISTRIBUTED
 from policies.plugins import load_object
 
 if TYPE_CHECKING:
     from engines.weights.base import WeightSender
 
-__all__ = ["SGLANG", "SGLANG_LORA", "TORCH_DISTRIBUTED", "EngineLoader", "SenderOptions", "WeightTransport",
-           "resolve_transport"]
+__all__ = ["SGLANG", "SGLANG_LORA", "SGLANG_TENSOR", "TORCH_DISTRIBUTED", "EngineLoader", "SenderOptions",
+           "WeightTransport", "resolve_transport"]
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,22 @@ def _sglang_lora_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
     return SglangAdapterLoader(engine, actor_id, log)
 
 
+def _sglang_tensor_sender(options: SenderOptions) -> WeightSender:
+    from engines.sglang.tensor_weights import SglangTensorSender
+
+    return SglangTensorSender(host=options.host, gpus_per_engine=options.gpus_per_engine, timeout_s=options.timeout_s)
+
+
+def _sglang_tensor_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
+    from engines.sglang.tensor_weights import SglangTensorLoader
+
+    return SglangTensorLoader(engine, actor_id, log=log)
+
+
 BUILTIN: dict[str, WeightTransport] = {
     TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader),
     SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader),
     SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader),
+    # colocated servers (--colocate): each bucket by reference to the learner's memory
+    SGLANG_TENSOR: WeightTransport(SGLANG_TENSOR, _sglang_tensor_sender, _sglang_tensor_loader),
 }

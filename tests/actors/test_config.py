@@ -15,7 +15,7 @@ from actors.config import (
     split_sglang_args,
     write_effective_config,
 )
-from actors.rollout.engine_factory import sglang_server_args
+from actors.rollout.engine_factory import colocated_release_tags, sglang_server_args
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.slime_compat.args import build_args
 
@@ -66,6 +66,20 @@ def test_either_spelling_of_deterministic_inference_reaches_every_engine(flag: s
     default = parse(["--rollout-engine", "sglang"])
     assert not default.engine.deterministic_inference
     assert "enable-deterministic-inference" not in sglang_server_args(default)
+
+
+@pytest.mark.unit
+def test_a_colocated_sglang_server_saves_memory_and_hands_over_only_what_comes_back() -> None:
+    colocated = parse(["--rollout-engine", "sglang", "--colocate"])
+    assert sglang_server_args(colocated)["enable-memory-saver"] == "true"
+    assert colocated_release_tags(colocated) == ("kv_cache", "cuda_graph")  # weights would come back as garbage
+    backed_up = parse(["--rollout-engine", "sglang", "--colocate", "--sglang-enable-weights-cpu-backup"])
+    assert colocated_release_tags(backed_up) == ("weights", "kv_cache", "cuda_graph")
+    adapter = parse(["--rollout-engine", "sglang", "--colocate", "--sglang-enable-weights-cpu-backup",
+                     "--lora-rank", "8"])
+    assert colocated_release_tags(adapter) == ("kv_cache", "cuda_graph")  # an adapter push never rewrites the base
+    apart = parse(["--rollout-engine", "sglang"])
+    assert colocated_release_tags(apart) == () and "enable-memory-saver" not in sglang_server_args(apart)
 
 
 @pytest.mark.unit

@@ -9,8 +9,10 @@ import pytest
 
 import launcher
 from actors.config import build_config, config_from_args
+from actors.learner.publish import transport_name
 from actors.runtime.cluster_env import ClusterNode
 from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
+from engines.weights.names import SGLANG_LORA, SGLANG_TENSOR
 from tests.support.launch_inputs import minimal_inputs
 from tools.bench_pipeline import SLEEPING_FLAGS
 
@@ -94,6 +96,11 @@ def test_colocate_is_on_policy_and_refuses_what_would_not_take_turns() -> None:
         build_config({"colocate": True, "max_staleness": 2})
     with pytest.raises(ValueError, match=r"colocate: --weight-transport gloo broadcasts"):
         build_config({"colocate": True, "weight_transport": "gloo"})
+    with pytest.raises(ValueError, match=r"colocate: --rollout-engine tests.x:y; colocated mode runs the torch"):
+        build_config({"colocate": True, "rollout_engine": "tests.x:y"})
+    sglang = build_config({"colocate": True, "rollout_engine": "sglang"})
+    assert transport_name(sglang) == SGLANG_TENSOR  # by reference to the learner's memory, not a broadcast
+    assert transport_name(build_config({"colocate": True, "rollout_engine": "sglang", "lora_rank": 8})) == SGLANG_LORA
 
 
 @pytest.mark.unit
@@ -104,8 +111,11 @@ def test_colocate_puts_every_engine_on_the_learners_gpu_and_reads_its_memory() -
     assert weight_transport(cuda=True, placement=placement, colocate=True) == "cuda_ipc"
     assert weight_transport(cuda=False, placement=None, colocate=True) == "shm"
     assert weight_transport(cuda=False, placement=None) == "gloo"
-    with pytest.raises(PlacementError, match=r"colocate: the engines share the learner's GPU through the torch"):
-        place_node(gpus=8, learner_ranks=1, rollout_workers=1, gpus_per_engine=1, rollout_engine="sglang",
+    servers = place_node(gpus=8, learner_ranks=1, rollout_workers=2, gpus_per_engine=1, rollout_engine="sglang",
+                         colocate=True)
+    assert servers.rollout == ((0,), (0,)) and servers.shared
+    with pytest.raises(PlacementError, match=r"colocate: --rollout-num-gpus-per-engine 2; a colocated engine"):
+        place_node(gpus=8, learner_ranks=1, rollout_workers=1, gpus_per_engine=2, rollout_engine="sglang",
                    colocate=True)
     with pytest.raises(PlacementError, match=r"colocate: 2 learner ranks"):
         place_node(gpus=8, learner_ranks=2, rollout_workers=1, gpus_per_engine=1, rollout_engine="torch",

@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from packaging.version import Version
 
 from actors.config import RunConfig
 from actors.rollout.engine_factory import sglang_server_args
-from engines.sglang import protocol
+from engines.sglang import protocol, tensor_payload
 from engines.sglang.launch import ServerSpec
 from engines.sglang.server import CompatServer, parse_args
 
@@ -245,6 +245,41 @@ def test_weight_updates_need_a_session_exactly_where_sessions_exist(sglang: Sgla
     assert has_sessions == (protocol.END_WEIGHT_UPDATE.path in sglang.routes)
 
 
+def safe_unpickler_allows(sglang: SglangSource) -> Callable[[str, str], bool]:
+    """Whether SGLang's restricted unpickler (`SafeUnpickler`, what `/update_weights_from_tensor` deserializes
+    with) lets a global through: an exact list in 0.5.23, module prefixes less a deny list in 0.5.15."""
+    tree = sglang.tree("sglang/srt/utils/common.py")
+    (unpickler,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "SafeUnpickler"]
+    values = {ast.unparse(node.targets[0]): ast.literal_eval(node.value)
+              for node in unpickler.body if isinstance(node, ast.Assign)}
+    if "ALLOWED_GLOBALS" in values:
+        return lambda module, name: (module, name) in values["ALLOWED_GLOBALS"]
+    prefixes, denied = values["ALLOWED_MODULE_PREFIXES"], values["DENY_CLASSES"]
+    return lambda module, name: (module, name) not in denied and any(
+        (module + ".").startswith(prefix) for prefix in prefixes)
+
+
+def test_sglangs_restricted_unpickler_opens_every_global_of_our_tensor_payload(sglang: SglangSource) -> None:
+    allows = safe_unpickler_allows(sglang)
+    refused = sorted(f"{module}.{name}" for module, name in tensor_payload.ALLOWED_GLOBALS if not allows(module, name))
+    assert not refused, f"sglang {sglang.version} refuses {refused} in serialized_named_tensors"
+    assert not allows("builtins", "eval")  # the reading of its allow list is not vacuous
+
+
+def test_each_tensor_parallel_rank_opens_its_own_payload(sglang: SglangSource) -> None:
+    """So a server of N ranks gets N payloads, each pickled on its own (`tensor_weights.py`)."""
+    source = sglang.zip.read("sglang/srt/managers/tp_worker.py").decode()
+    assert re.search(r"serialized_named_tensors\[\s*(self\.tp_rank|get_parallel\(\)\.tp_rank)\s*\]", source)
+
+
+def test_memory_tags_are_sglangs(sglang: SglangSource) -> None:
+    tree = sglang.tree("sglang/srt/constants.py")
+    constants = {ast.unparse(node.targets[0]): node.value.value for node in tree.body
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    assert {constants["GPU_MEMORY_TYPE_WEIGHTS"], constants["GPU_MEMORY_TYPE_KV_CACHE"],
+            constants["GPU_MEMORY_TYPE_CUDA_GRAPH"]} == set(protocol.MEMORY_TAGS)
+
+
 def gpu_test_server_args() -> dict[str, str]:
     """`GPU_SERVER_ARGS` of test_sglang_gpu.py, read from its source (that module needs a GPU to run)."""
     tree = ast.parse((Path(__file__).parent / "test_sglang_gpu.py").read_text())
@@ -276,10 +311,10 @@ def test_the_modules_sglang_can_adapt_are_the_ones_we_allow(sglang: SglangSource
 
 
 def test_launch_flags_exist_and_are_not_deprecated(sglang: SglangSource) -> None:
-    """Our launch command (a LoRA run's, a deterministic one's, a bf16 one's) and the GPU test's
+    """Our launch command (a LoRA run's, a deterministic one's, a bf16 one's, a colocated one's) and the GPU test's
     (`--disable-cuda-graph` is deprecated in both)."""
     config = RunConfig(rollout_engine="sglang", lora_rank=8, target_modules=["q_proj", "v_proj"],
-                       deterministic_inference=True, bf16=True)
+                       deterministic_inference=True, bf16=True, colocate=True)
     extra = {**gpu_test_server_args(), **sglang_server_args(config)}
     command = ServerSpec(model_path="/m", random_seed=1, base_gpu_id=0, extra=extra).command(port=1)
     flags = [part for part in command if part.startswith("--")]

@@ -1,0 +1,54 @@
+"""A colocated run on SGLang-compatible servers through launcher.py: the servers take turns with the learner.
+
+Each rollout worker launches its server with `--enable-memory-saver`; between turns the worker has the server
+release its KV cache and CUDA graphs (and its weights, which it backs up to the CPU here), and every push hands
+the server the learner's tensors by reference (`/update_weights_from_tensor`), not by broadcast. The compatible
+server refuses generation and weight loads into released memory, so a run that finishes went through the turns
+in the right order.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.system.test_sglang_run import log_events
+from tools.make_arithmetic_data import make_arithmetic_data
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 8
+WORKERS = ("rollout-0-0", "rollout-0-1")
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_a_colocated_run_on_sglang_servers_takes_turns_and_loads_weights_by_reference(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir), "--colocate",
+               "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
+               "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
+               "--rollout-max-batch-size", "4", "--rollout-workers", "2", "--reward-workers", "1", "--seed", "3",
+               "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+               "--sglang-enable-weights-cpu-backup", "--weight-transfer-timeout", "20", "--final-eval-timeout", "0",
+               "--torch-threads", "1", "--heartbeat-interval", "0.25", "--no-progress", "--no-use-tensorboard",
+               "--no-plots"]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == STEPS and all(row["staleness/max"] == 0 for row in rows)  # on-policy by construction
+    pushed = log_events(run_dir, "learner", "weights pushed")
+    assert pushed and max(record["version"] for record in pushed) >= STEPS - 1
+    for worker in WORKERS:
+        loaded = log_events(run_dir, worker, "weights loaded by the SGLang server")
+        assert max(record["version"] for record in loaded) >= STEPS - 1, f"{worker}'s server fell behind"
+    actors = [json.loads(line) for line in (run_dir / "metrics" / "actors.jsonl").read_text().splitlines()]
+    releases = {worker: max(row.get(f"{worker}/engine.memory_releases", 0) for row in actors) for worker in WORKERS}
+    assert all(count >= 2 for count in releases.values()), releases  # memory handed over, turn after turn
