@@ -231,7 +231,8 @@ async def test_a_push_holds_a_gathering_trainers_tensors_a_bucket_at_a_time_and_
             engine = start_worker(system, tmp_path, "rollout-0-0", workers)
             await registered(system, "rollout-0-0", engine)
             assert await pusher.weights.publish(1) and await pusher.weights.publish(2)
-            assert source.peak <= 3, f"{source.peak} of 16 gathered tensors alive at once"
+            # in flight, being pulled, and one gloo's worker thread may still hold (see test_weights_stream.py)
+            assert source.peak <= 4, f"{source.peak} of 16 gathered tensors alive at once"
             assert source.alive == 0
 
             source.model[5] = ("layers.5.weight", torch.zeros(512, 512))

@@ -155,7 +155,9 @@ def test_a_gathering_source_is_held_a_bucket_at_a_time_not_whole(
     assert events.get(timeout=TIMEOUT_S) == ("ok", 2, expected)
     assert report.num_tensors == len(model) and sender.committed_version == 2
     assert listed.peak == len(model)
-    assert streamed.peak <= groups.IN_FLIGHT + 1, f"{streamed.peak} gathered tensors alive at once"
+    # The broadcasts in flight, the one being pulled, and at most one whose broadcast completed but whose tensor
+    # gloo's worker thread has not let go of yet (a loaded CI machine showed 4 once): a few, never the model.
+    assert streamed.peak <= groups.IN_FLIGHT + 2, f"{streamed.peak} gathered tensors alive at once"
     assert streamed.alive == 0
 
 
