@@ -1,4 +1,5 @@
-"""A colocated run on SGLang-compatible servers through launcher.py: the servers take turns with the learner.
+"""A colocated run on SGLang-compatible servers through launcher.py: the servers take turns with the learner, and
+a run stopped half-way resumes exactly.
 
 Each rollout worker launches its server with `--enable-memory-saver`; between turns the worker has the server
 release its KV cache and CUDA graphs (and its weights, which it backs up to the CPU here), and every push hands
@@ -20,35 +21,48 @@ from tests.system.test_sglang_run import log_events
 from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 8
+STEPS = 4
 WORKERS = ("rollout-0-0", "rollout-0-1")
 
 
-@pytest.mark.system
-@pytest.mark.timeout(240)
-def test_a_colocated_run_on_sglang_servers_takes_turns_and_loads_weights_by_reference(
-    tmp_path: Path, tiny_model_path: Path
-) -> None:
-    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
-    run_dir = tmp_path / "run"
+def launch(run_dir: Path, model: Path, data: Path, batches: int) -> None:
     command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir), "--colocate",
-               "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
+               "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(batches),
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
                "--rollout-max-batch-size", "4", "--rollout-workers", "2", "--reward-workers", "1", "--seed", "3",
                "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
-               "--sglang-enable-weights-cpu-backup", "--weight-transfer-timeout", "20", "--final-eval-timeout", "0",
-               "--torch-threads", "1", "--heartbeat-interval", "0.25", "--no-progress", "--no-use-tensorboard",
-               "--no-plots"]
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+               "--sglang-enable-weights-cpu-backup", "--weight-transfer-timeout", "20", "--save-interval", "2",
+               "--final-eval-timeout", "0", "--torch-threads", "1", "--heartbeat-interval", "0.25", "--no-progress",
+               "--no-use-tensorboard", "--no-plots"]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=150)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
 
+
+def training(run_dir: Path) -> list[tuple[int, float, float, float]]:
     rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert len(rows) == STEPS and all(row["staleness/max"] == 0 for row in rows)  # on-policy by construction
-    pushed = log_events(run_dir, "learner", "weights pushed")
+    assert all(row["staleness/max"] == 0 for row in rows)  # on-policy by construction
+    return [(row["batch_id"], row["rollout/reward_mean"], row["loss"], row["grad_norm"]) for row in rows]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(400)
+def test_a_colocated_run_on_sglang_servers_takes_turns_loads_by_reference_and_resumes_exactly(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch(whole, tiny_model_path, data, STEPS)
+    launch(resumed, tiny_model_path, data, STEPS // 2)
+    launch(resumed, tiny_model_path, data, STEPS)  # the same run directory: it resumes, and new servers start
+    # from the checkpoint's weights only once the learner pushed its resumed ones
+
+    expected = training(whole)
+    assert len(expected) == STEPS and training(resumed) == expected
+    pushed = log_events(whole, "learner", "weights pushed")
     assert pushed and max(record["version"] for record in pushed) >= STEPS - 1
     for worker in WORKERS:
-        loaded = log_events(run_dir, worker, "weights loaded by the SGLang server")
+        loaded = log_events(whole, worker, "weights loaded by the SGLang server")
         assert max(record["version"] for record in loaded) >= STEPS - 1, f"{worker}'s server fell behind"
-    actors = [json.loads(line) for line in (run_dir / "metrics" / "actors.jsonl").read_text().splitlines()]
+    actors = [json.loads(line) for line in (whole / "metrics" / "actors.jsonl").read_text().splitlines()]
     releases = {worker: max(row.get(f"{worker}/engine.memory_releases", 0) for row in actors) for worker in WORKERS}
     assert all(count >= 2 for count in releases.values()), releases  # memory handed over, turn after turn
