@@ -376,8 +376,9 @@ class PlacementConfig(Section):
                                                "leaves placement to the OS")
     colocate: bool = Field(False, description="learner and engines share the learner's devices and take turns: "
                            "on-policy (--max-staleness 0), the learner offloads its optimizer state while the "
-                           "engines generate, the engines give back their cached memory while it trains, and "
-                           "weights move over CUDA IPC (GPU) or shared memory (CPU) instead of a broadcast")
+                           "engines generate, the engines give back their memory while it trains (SGLang: "
+                           "release_memory_occupation), and weights move over CUDA IPC (GPU) or shared memory "
+                           "(CPU) instead of a broadcast")
 
 
 class ControllerConfig(Section):

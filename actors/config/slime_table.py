@@ -56,8 +56,8 @@ def _owned(owner: str, shape: Shape = "value") -> SlimeFlag:
 
 RAY = "Ray-only: there is no Ray here (launcher.py starts the actors; samples travel over the bus)"
 OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off the GPU while the engines generate and "
-                          "frees the engines' cached memory while the learner trains; without it each owns its "
-                          "devices and nothing needs moving between phases")
+                          "frees the engines' memory while the learner trains (an SGLang server releases its KV "
+                          "cache); without it each owns its devices and nothing needs moving between phases")
 NO_DISK_SYNC = "weight sync over disk and delta-encoded updates are not available (weights travel over gloo, " \
                "NCCL or CUDA IPC)"
 NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
@@ -72,7 +72,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--rollout-num-gpus": _same(),
     "--rollout-num-gpus-per-engine": _same(),
     "--num-gpus-per-node": _same(),
-    "--colocate": _same("switch", "on-policy, the torch engine on the learner's device (docs/colocate.md)"),
+    "--colocate": _same("switch", "on-policy, the engines (torch, or SGLang servers) on the learner's device "
+                                  "(docs/colocate.md)"),
     "--offload": _explained(OFFLOADS_WITH_COLOCATE),
     "--offload-train": _explained(OFFLOADS_WITH_COLOCATE, "optional_bool"),
     "--offload-rollout": _explained(OFFLOADS_WITH_COLOCATE, "optional_bool"),
