@@ -314,7 +314,8 @@ def test_launch_flags_exist_and_are_not_deprecated(sglang: SglangSource) -> None
     """Our launch command (a LoRA run's, a deterministic one's, a bf16 one's, a colocated one's) and the GPU test's
     (`--disable-cuda-graph` is deprecated in both)."""
     config = RunConfig(rollout_engine="sglang", lora_rank=8, target_modules=["q_proj", "v_proj"],
-                       deterministic_inference=True, bf16=True, colocate=True)
+                       deterministic_inference=True, bf16=True, colocate=True,
+                       sglang_args={"enable-weights-cpu-backup": "true"})  # what a colocated run may release
     extra = {**gpu_test_server_args(), **sglang_server_args(config)}
     command = ServerSpec(model_path="/m", random_seed=1, base_gpu_id=0, extra=extra).command(port=1)
     flags = [part for part in command if part.startswith("--")]

@@ -140,3 +140,40 @@ async def test_real_server_serves_an_adapter_pushed_by_name(tiny_model_path: Pat
     finally:
         sender.close()
         server.stop()
+
+
+async def test_real_colocated_server_hands_its_memory_over_and_loads_weights_by_reference(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """`--colocate` on SGLang: the server on the learner's GPU releases its memory (weights backed up to the CPU),
+    takes the weights back, and loads a push of CUDA IPC handles through `/update_weights_from_tensor`."""
+    from engines.sglang import protocol
+    from engines.sglang.tensor_weights import SglangTensorLoader, SglangTensorSender
+
+    extra = {**GPU_SERVER_ARGS, "enable-memory-saver": "true", "enable-weights-cpu-backup": "true"}
+    spec = ServerSpec(model_path=str(tiny_model_path), module="sglang.launch_server", random_seed=1, base_gpu_id=0,
+                      extra=extra)
+    server = ServerProcess(spec, startup_timeout=600, log_dir=tmp_path)
+    server.start()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).cuda()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.1)
+    sender = SglangTensorSender(host="127.0.0.1", timeout_s=120)
+    try:
+        async with SglangEngine(server.url, release_tags=protocol.MEMORY_TAGS) as client, \
+                TorchEngine(model, None) as reference:
+            await client.on_idle()
+            assert client.released_memory == protocol.MEMORY_TAGS
+            spec_dict = sender.open_group(["learner", "rollout-0-0"]).to_dict()
+            receiving = asyncio.create_task(SglangTensorLoader(client, "rollout-0-0").apply(spec_dict, 1, 120))
+            await asyncio.to_thread(sender.send, list(model.state_dict().items()), 1)
+            await receiving
+            assert sender.committed_version == 1 and await client.server_weight_version() == 1
+            got = (await client.generate(GenerateRequest("c", PROMPT, GREEDY)))[0]
+            expected = (await reference.generate(GenerateRequest("c", PROMPT, GREEDY)))[0]
+            assert client.released_memory == ()
+            assert got.output_ids == expected.output_ids and got.versions == [1] * len(got.output_ids)
+    finally:
+        sender.close()
+        server.stop()
