@@ -154,6 +154,8 @@ class SglangTensorSender(WeightSender):
             view = self._staging[start : start + size].view(wire_dtype).view(tensor.shape)
             view.copy_(tensor.detach())
             staged.append((name, view))
+        if device.type == "cuda":  # torch's IPC event covers this too; the copies are done before any server looks
+            torch.cuda.current_stream(device).synchronize()
         return staged
 
     def close_group(self) -> None:
