@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from engines.sglang import protocol
 from engines.sglang.protocol import Endpoint
 
-logger = logging.getLogger("engines.sglang.client")
 RELEASE_FLUSH_DEADLINE_S = 10.0  # how long a release waits for the server to finish what it was running
 
 
 class MemoryTurns:
-    url: str
     restarts: int
-    control_timeout: float
     _inflight: dict[str, Any]
 
     async def _call(self, endpoint: Endpoint, *, timeout: float | None = None, **fields: Any) -> Any:
