@@ -18,11 +18,8 @@ besides the model, as when broadcasting.
 from __future__ import annotations
 
 import asyncio
-import secrets
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,97 +27,46 @@ from torch import Tensor
 
 from engines.sglang import weight_store
 from engines.sglang.client import SglangError
+from engines.sglang.store_sender import DEFAULT_BUCKET_BYTES, SglangStoreSender
 from engines.sglang.tensor_payload import encode_named_tensors, shareable_buffer
 from engines.sglang.weight_store import ERROR_PREFIX, GO, OK, SglangGroupSpec
-from engines.sglang.weights import DEFAULT_BUCKET_BYTES, SglangWeightLoader
-from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
+from engines.sglang.weights import SglangWeightLoader
+from engines.weights.base import WeightTransferError, require_usable
 from engines.weights.group import failed_replies
 from engines.weights.manifest import Manifest, plan_buckets
 from engines.weights.names import SGLANG_TENSOR
-from engines.weights.stream import specified, wire_specs
 
 STAGING_ALIGN = 64  # every staged tensor starts on this many bytes, so a view of any dtype lines up
 
 
-class SglangTensorSender(WeightSender):
-    """Learner rank 0: `open_group(members)` hosts the store, `send(...)` per version; after a failure, open again."""
+class SglangTensorSender(SglangStoreSender):
+    """The colocated mechanism: `open_group` hosts the store, and every bucket is handed over by reference."""
 
     def __init__(self, *, host: str = "127.0.0.1", gpus_per_engine: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout_s: float = 120.0) -> None:
-        if bucket_bytes <= 0 or gpus_per_engine < 1:
-            raise ValueError(f"bucket_bytes and gpus_per_engine must be positive: {bucket_bytes}, {gpus_per_engine}")
-        self.host, self.gpus_per_engine = host, gpus_per_engine
-        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
-        self._run_token = secrets.token_hex(4)
-        self._generation = -1
-        self._spec: SglangGroupSpec | None = None
-        self._store: dist.TCPStore | None = None
-        self._broken: str | None = None
-        self._committed: int | None = None
+        super().__init__(host=host, gpus_per_engine=gpus_per_engine, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        self._tcp_store: dist.TCPStore | None = None
         self._staging: Tensor | None = None  # one bucket's copy, which the servers read by handle
 
-    @property
-    def committed_version(self) -> int | None:
-        return self._committed
-
-    @property
-    def spec(self) -> SglangGroupSpec | None:
-        return self._spec
-
     def open_group(self, members: Sequence[str]) -> SglangGroupSpec:
-        if len(members) < 2:
-            raise ValueError(f"a weight group needs the learner and at least one engine, got {list(members)}")
+        members = self._checked(members)
         self.close_group()
-        self._generation += 1
-        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.timeout_s))
-        self._spec = SglangGroupSpec(
-            master_address=self.host,
-            master_port=self._store.port,
-            group_name=f"slipstream-{self._run_token}-t{self._generation}",
-            generation=self._generation,
-            members=tuple(members),
-            gpus_per_engine=self.gpus_per_engine,
-            backend="none",
-            transport=SGLANG_TENSOR,
-        )
-        self._broken = None
-        return self._spec
+        self._tcp_store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=self.timeout_s))
+        return self._new_spec(members, self._tcp_store.port, backend="none", transport=SGLANG_TENSOR)
 
     def wait_for_receivers(self, timeout_s: float | None = None) -> None:
         """Nothing to join: the servers are reached through their rollout workers' HTTP calls."""
-        require_usable(self._store, None, "weight store")
+        require_usable(self._tcp_store, None, "weight store")
 
-    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
-             timeout_s: float | None = None) -> TransferReport:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spec = self._require_spec()
-        require_usable(self._store, self._broken, f"weight store of {spec.group_name}")
-        assert self._store is not None
-        started = time.perf_counter()
-        tensors = specified(named_tensors)
-        manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.bucket_bytes,
-                            tensors=wire_specs(tensors.specs, dtype))
-        keys = weight_store.keys_of(self._store, spec, version)
-        try:
-            weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
-                                      partial(self._hand_over_bucket, keys, spec, dtype, timeout_s))
-        except WeightTransferError as error:
-            self._broken = str(error)
-            raise
-        finally:
-            if self._staging is not None and self._staging.device.type == "cuda":
-                self._staging = None  # the GPU's bytes go back to the training step; host memory stays for the next
-        failed = weight_store.acks(keys, spec, timeout_s)
-        if failed:
-            self._broken = f"version {version} not acknowledged: {failed}"
-            raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
-        self._committed = version
-        return TransferReport(version=version, receivers=spec.receivers, num_tensors=len(manifest.tensors),
-                              num_buckets=len(manifest.buckets()), num_bytes=manifest.total_bytes,
-                              seconds=time.perf_counter() - started)
+    def _store(self) -> dist.Store | None:
+        return self._tcp_store
 
-    def _hand_over_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None,
+    def _buckets_done(self) -> None:
+        if self._staging is not None and self._staging.device.type == "cuda":
+            self._staging = None  # the GPU's bytes go back to the training step; host memory stays for the next
+
+    def _deliver_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None,
                           timeout_s: float, position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
         held = self._stage(pairs, dtype)
         for engine in spec.receivers:  # one pickle per server rank: each opening takes over its own reference
@@ -159,16 +105,11 @@ class SglangTensorSender(WeightSender):
         return staged
 
     def close_group(self) -> None:
-        self._store, self._spec = None, None  # the store's server stops with its last reference
+        self._tcp_store, self._spec = None, None  # the store's server stops with its last reference
 
     def close(self) -> None:
         self.close_group()
         self._staging = None
-
-    def _require_spec(self) -> SglangGroupSpec:
-        if self._spec is None:
-            raise WeightTransferError("no weight group is open; call open_group() first")
-        return self._spec
 
 
 class SglangTensorLoader(SglangWeightLoader):

@@ -40,10 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
-import time
-from collections.abc import Iterable, Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,21 +50,18 @@ from torch import Tensor
 from bus.address import free_port
 from engines.sglang import protocol, weight_store
 from engines.sglang.client import SglangEngine, SglangError
+from engines.sglang.store_sender import DEFAULT_BUCKET_BYTES, SglangStoreSender
 from engines.sglang.weight_group import WeightGroup, join_weight_group
 from engines.sglang.weight_store import ABORT_PREFIX, ERROR_PREFIX, GO, OK, READY, SglangGroupSpec
-from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
+from engines.weights.base import WeightTransferError
 from engines.weights.group import collective_timeout_s, transfer_device
 from engines.weights.manifest import Manifest, plan_buckets
-from engines.weights.stream import specified, wire_specs
 
-# One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
-DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 DESTROY_TIMEOUT_S = 10.0  # a destroy waits behind a receive the server may be stuck in; give up and retry later
 
 
-class SglangWeightSender(WeightSender):
-    """Learner rank 0. `open_group(members)`, hand the spec to the rollout workers, `wait_for_receivers()`,
-    then `send(...)` per version; after a WeightTransferError, `open_group` again."""
+class SglangWeightSender(SglangStoreSender):
+    """The broadcast mechanism: the servers join the learner's group, and every bucket is broadcast to them."""
 
     def __init__(
         self,
@@ -79,45 +73,16 @@ class SglangWeightSender(WeightSender):
         timeout_s: float = 120.0,
         device: torch.device | str | None = None,
     ) -> None:
-        if bucket_bytes <= 0 or gpus_per_engine < 1:
-            raise ValueError(
-                f"bucket_bytes and gpus_per_engine must be positive, got {bucket_bytes}, {gpus_per_engine}"
-            )
-        self.host, self.backend, self.gpus_per_engine = host, backend, gpus_per_engine
-        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        super().__init__(host=host, gpus_per_engine=gpus_per_engine, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        self.backend = backend
         self.device = transfer_device(backend, device)  # type: ignore[arg-type]  # SGLang takes gloo or nccl
-        self._run_token = secrets.token_hex(4)  # group names never repeat, even across learner restarts
-        self._generation = -1
-        self._spec: SglangGroupSpec | None = None
         self._group: WeightGroup | None = None
-        self._broken: str | None = None
-        self._committed: int | None = None
         self._parked: list[tuple[WeightGroup, list[dist.Work]]] = []  # abandoned groups with work still pending
 
-    @property
-    def committed_version(self) -> int | None:
-        return self._committed
-
-    @property
-    def spec(self) -> SglangGroupSpec | None:
-        return self._spec
-
     def open_group(self, members: Sequence[str]) -> SglangGroupSpec:
-        if len(members) < 2:
-            raise ValueError(f"a weight group needs the learner and at least one engine, got {list(members)}")
+        members = self._checked(members)
         self.close_group()
-        self._generation += 1
-        self._spec = SglangGroupSpec(
-            master_address=self.host,
-            master_port=free_port(self.host),
-            group_name=f"slipstream-{self._run_token}-g{self._generation}",
-            generation=self._generation,
-            members=tuple(members),
-            gpus_per_engine=self.gpus_per_engine,
-            backend=self.backend,
-        )
-        self._broken = None
-        return self._spec
+        return self._new_spec(members, free_port(self.host), backend=self.backend)
 
     def wait_for_receivers(self, timeout_s: float | None = None) -> None:
         """Host the rendezvous and block until every server rank joined (their `/init_weights_update_group`)."""
@@ -141,51 +106,11 @@ class SglangWeightSender(WeightSender):
                 dict.fromkeys(spec.receivers, str(error)[:200]),
             ) from error
 
-    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
-             timeout_s: float | None = None) -> TransferReport:
-        """Broadcast bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only.
+    def _store(self) -> dist.Store | None:
+        return None if self._group is None else self._group.store
 
-        The manifest (every name, dtype and shape) must reach the loaders before the first byte: given a
-        `SpecifiedTensors` it comes from the recorded specs and each bucket's tensors are pulled when it goes out;
-        a bare iterable is listed first (references only). Each tensor is cast and moved to the transfer device
-        only when its bucket goes out: a bucket's wire copies at most, never the whole model a second time.
-        """
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        spec = self._require_spec()
-        require_usable(self._group, self._broken, f"weight group {spec.group_name}")
-        started = time.perf_counter()
-        tensors = specified(named_tensors)
-        manifest = Manifest(
-            version=version,
-            bucket_bytes=self.bucket_bytes,
-            direct_bytes=self.bucket_bytes,
-            tensors=wire_specs(tensors.specs, dtype),
-        )
-        keys = weight_store.keys_of(self._group.store, spec, version)
-        try:
-            weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
-                                      partial(self._broadcast_bucket, keys, spec, dtype, timeout_s))
-        except WeightTransferError as error:
-            # A source that broke leaves nothing pending on the group (every earlier bucket completed), and the
-            # group's store must stay up until the loaders read the word: it goes at the next open_group.
-            self._broken = self._broken or str(error)
-            raise
-        failed = weight_store.acks(keys, spec, timeout_s)
-        if failed:
-            self._broken = f"version {version} not acknowledged: {failed}"
-            raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
-        self._committed = version
-        return TransferReport(
-            version=version,
-            receivers=spec.receivers,
-            num_tensors=len(manifest.tensors),
-            num_buckets=len(manifest.buckets()),
-            num_bytes=manifest.total_bytes,
-            seconds=time.perf_counter() - started,
-        )
-
-    def _broadcast_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None, timeout_s: float,
-                          position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
+    def _deliver_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None, timeout_s: float,
+                        position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
         assert self._group is not None
         # Kept until the bucket completed: an asynchronous broadcast reads its tensor until then.
         wire = [_wire_tensor(tensor, dtype, self.device) for _, tensor in pairs]
@@ -241,11 +166,6 @@ class SglangWeightSender(WeightSender):
 
     def close(self) -> None:
         self.close_group()
-
-    def _require_spec(self) -> SglangGroupSpec:
-        if self._spec is None:
-            raise WeightTransferError("no weight group is open; call open_group() first")
-        return self._spec
 
 
 class SglangWeightLoader:

@@ -1,0 +1,127 @@
+"""The learner's side of a transfer to SGLang servers, whatever carries the bytes: the shared template.
+
+Both SGLang mechanisms (a broadcast group the servers join, `weights.py`; handles to the learner's memory for
+colocated servers, `tensor_weights.py`) run the same store protocol (`weight_store.py`) and differ only in how a
+bucket reaches the servers, so a mechanism supplies `_store` (where the protocol's keys live) and
+`_deliver_bucket`; the manifest, readiness, the word per bucket, acknowledgements, the commit and the report are
+here once.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from abc import abstractmethod
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engines.sglang import weight_store
+from engines.sglang.weight_store import SglangGroupSpec
+from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
+from engines.weights.manifest import Manifest
+from engines.weights.stream import specified, wire_specs
+
+# One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+
+class SglangStoreSender(WeightSender):
+    """Learner rank 0. `open_group(members)`, hand the spec to the rollout workers, `wait_for_receivers()`,
+    then `send(...)` per version; after a WeightTransferError, `open_group` again."""
+
+    def __init__(self, *, host: str, gpus_per_engine: int, bucket_bytes: int, timeout_s: float) -> None:
+        if bucket_bytes <= 0 or gpus_per_engine < 1:
+            raise ValueError(
+                f"bucket_bytes and gpus_per_engine must be positive, got {bucket_bytes}, {gpus_per_engine}"
+            )
+        self.host, self.gpus_per_engine = host, gpus_per_engine
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self._run_token = secrets.token_hex(4)  # group names never repeat, even across learner restarts
+        self._generation = -1
+        self._spec: SglangGroupSpec | None = None
+        self._broken: str | None = None
+        self._committed: int | None = None
+
+    @property
+    def committed_version(self) -> int | None:
+        return self._committed
+
+    @property
+    def spec(self) -> SglangGroupSpec | None:
+        return self._spec
+
+    @abstractmethod
+    def _store(self) -> dist.Store | None:
+        """The store the open group's keys live in; None before the group is usable."""
+
+    @abstractmethod
+    def _deliver_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None, timeout_s: float,
+                        position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
+        """Say "bucket `position`" and see its `pairs` through to every server, or raise WeightTransferError."""
+
+    def _buckets_done(self) -> None:
+        """After the last bucket (or a failure): let go of what only the buckets needed."""
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
+             timeout_s: float | None = None) -> TransferReport:
+        """Bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only.
+
+        The manifest (every name, dtype and shape) must reach the loaders before the first byte: given a
+        `SpecifiedTensors` it comes from the recorded specs and each bucket's tensors are pulled when it goes out;
+        a bare iterable is listed first (references only). Each tensor is cast and copied only when its bucket goes
+        out: a bucket's copies at most, never the whole model a second time.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        spec = self._require_spec()
+        store = self._store()
+        require_usable(store, self._broken, f"weight group {spec.group_name}")
+        assert store is not None
+        started = time.perf_counter()
+        tensors = specified(named_tensors)
+        manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.bucket_bytes,
+                            tensors=wire_specs(tensors.specs, dtype))
+        keys = weight_store.keys_of(store, spec, version)
+        try:
+            weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
+                                      partial(self._deliver_bucket, keys, spec, dtype, timeout_s))
+        except WeightTransferError as error:
+            # A source that broke leaves nothing pending (every earlier bucket completed), and the store must stay
+            # up until the loaders read the word: it goes at the next open_group.
+            self._broken = self._broken or str(error)
+            raise
+        finally:
+            self._buckets_done()
+        failed = weight_store.acks(keys, spec, timeout_s)
+        if failed:
+            self._broken = f"version {version} not acknowledged: {failed}"
+            raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
+        self._committed = version
+        return TransferReport(version=version, receivers=spec.receivers, num_tensors=len(manifest.tensors),
+                              num_buckets=len(manifest.buckets()), num_bytes=manifest.total_bytes,
+                              seconds=time.perf_counter() - started)
+
+    @staticmethod
+    def _checked(members: Iterable[str]) -> tuple[str, ...]:
+        members = tuple(members)
+        if len(members) < 2:
+            raise ValueError(f"a weight group needs the learner and at least one engine, got {list(members)}")
+        return members
+
+    def _new_spec(self, members: tuple[str, ...], port: int, **mechanism: object) -> SglangGroupSpec:
+        """The next generation's spec; its group name never repeats."""
+        self._generation += 1
+        self._broken = None
+        self._spec = SglangGroupSpec(master_address=self.host, master_port=port,
+                                     group_name=f"slipstream-{self._run_token}-g{self._generation}",
+                                     generation=self._generation, members=members,
+                                     gpus_per_engine=self.gpus_per_engine, **mechanism)  # type: ignore[arg-type]
+        return self._spec
+
+    def _require_spec(self) -> SglangGroupSpec:
+        if self._spec is None:
+            raise WeightTransferError("no weight group is open; call open_group() first")
+        return self._spec
