@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from engines.weights.base import WeightTransferError
+from engines.weights.interruptible_store import POLL_S, InterruptibleStore
 from engines.weights.names import TORCH_DISTRIBUTED
 
 Backend = Literal["gloo", "nccl", "cuda_ipc", "shm"]
@@ -45,7 +46,6 @@ ABORT_PREFIX = b"abort:"
 OK = b"ok"  # a member's reply when all went well; otherwise ERROR_PREFIX and why
 ERROR_PREFIX = b"error:"
 ABORTED = "aborted"  # per generation: set (to the reason) once the sender gave the generation up
-POLL_S = 0.05  # the longest pause between two looks at the store (or at a pending collective) while waiting
 IN_FLIGHT = 2  # broadcasts outstanding at once, on both ends: one on the wire while the next is packed/posted
 
 
@@ -217,12 +217,14 @@ def failed_replies(
 
 
 def create_process_group(
-    store: dist.Store, rank: int, size: int, backend: Backend, host: str, timeout_s: float
+    store: dist.Store, rank: int, size: int, backend: Backend, host: str, timeout_s: float,
+    *, given_up: Callable[[], str | None] | None = None,
 ) -> dist.ProcessGroup:
     """Build the group object (blocks until all `size` members construct theirs, or raises on timeout).
 
     `host` is the store's, that is the sender's (rank 0's) address: gloo listens there on the sender, and on each
-    receiver at the receiver's own address on the route to it."""
+    receiver at the receiver's own address on the route to it. `given_up` (a reason once the generation is given
+    up, else None) ends gloo's wait for a member that died before constructing its group, with `GroupGivenUp`."""
     timeout = timedelta(seconds=timeout_s)
     pg_store = dist.PrefixStore("pg/", store)
     if backend == "cuda_ipc":
@@ -243,7 +245,8 @@ def create_process_group(
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [_gloo_device(host if rank == 0 else local_address_towards(host))]
-    return dist.ProcessGroupGloo(pg_store, rank, size, options)
+    rendezvous = pg_store if given_up is None else InterruptibleStore(pg_store, given_up)
+    return dist.ProcessGroupGloo(rendezvous, rank, size, options)
 
 
 def collective_timeout_s(timeout_s: float) -> float:

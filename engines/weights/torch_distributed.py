@@ -144,16 +144,27 @@ class TorchDistributedWeightSender(WeightSender):
             raise self._give_up(keys, "status", f"weight-transfer group generation {spec.generation} not formed",
                                 absent, why=f"never joined: {', '.join(absent)}")
         keys.set("status", groups.STATUS_GO)
+        # A member can die after joining and before its group exists: abort() ends these waits too, and the
+        # ABORTED mark sends the members still forming it away, instead of all of us waiting out the timeout.
         try:
             self._group = groups.create_process_group(
-                keys, 0, len(spec.members), spec.backend, spec.host, self._timeout_s
+                keys, 0, len(spec.members), spec.backend, spec.host, self._timeout_s, given_up=self._abort_reason
             )
-            groups.broadcast(self._group, torch.zeros(1, device=self._device)).wait()
+            probe = torch.zeros(1, device=self._device)
+            work = groups.broadcast(self._group, probe)
+            if not groups.wait_work(work, self._is_aborted):
+                groups.park(self._group, [work], [probe])
+                self._group = None
         except (RuntimeError, dist.DistError) as error:
+            if self._aborted is not None:
+                raise self._give_up(keys, None, f"weight-transfer group generation {spec.generation} not formed"
+                                    ) from error
             self._broken = f"formation failed: {error}"
             raise WeightTransferError(
                 f"weight-transfer group generation {spec.generation}: process group formation failed: {error}"
             ) from error
+        if self._group is None:
+            raise self._give_up(keys, None, f"weight-transfer group generation {spec.generation} not formed")
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
              timeout_s: float | None = None) -> TransferReport:
@@ -254,6 +265,10 @@ class TorchDistributedWeightSender(WeightSender):
 
     def _is_aborted(self) -> bool:
         return self._aborted is not None
+
+    def _abort_reason(self) -> str | None:
+        aborted = self._aborted
+        return None if aborted is None else "; ".join(f"{member}: {why}" for member, why in aborted.items())
 
     def _give_up(
         self,

@@ -70,13 +70,28 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         if status != groups.STATUS_GO:
             reason = status.removeprefix(groups.ABORT_PREFIX).decode(errors="replace").strip()
             raise WeightTransferError(f"{name}: generation {spec.generation} aborted by the sender: {reason}")
+
+        # The sender's ABORTED mark ends both waits: a member that died meanwhile is not coming.
+        def sender_gave_up() -> str | None:
+            return groups.aborted(keys)
+
+        formed = False
         try:
             process_group = groups.create_process_group(
-                keys, rank, len(spec.members), spec.backend, spec.host, timeout_s
+                keys, rank, len(spec.members), spec.backend, spec.host, timeout_s, given_up=sender_gave_up
             )
-            groups.broadcast(process_group, torch.zeros(1, device=transfer_device)).wait()
+            probe = torch.zeros(1, device=transfer_device)
+            work = groups.broadcast(process_group, probe)
+            formed = groups.wait_work(work, lambda: keys.check([groups.ABORTED]))
+            if not formed:
+                groups.park(process_group, [work], [probe])
         except (RuntimeError, dist.DistError) as error:
-            raise WeightTransferError(f"{name}: process group formation failed: {error}") from error
+            if sender_gave_up() is None:
+                raise WeightTransferError(f"{name}: process group formation failed: {error}") from error
+        if not formed:
+            raise WeightTransferError(
+                f"{name}: generation {spec.generation} aborted by the sender while forming: {sender_gave_up()}"
+            )
         return cls(spec, name, rank, store, process_group, transfer_device, timeout_s)
 
     def receive(

@@ -21,6 +21,7 @@ from engines.weights import (
     TorchDistributedWeightSender,
     WeightTransferError,
 )
+from engines.weights.group import connect_store, generation_store
 from tests.support.sockets import listening
 
 SHORT_S = 3.0  # how long the sender waits for a peer that will never come
@@ -67,18 +68,25 @@ def _rejoining_receiver(spec: dict[str, Any], name: str, next_specs: mp.Queue, e
     events.put(("received", (version, _digests(live.items()))))
 
 
-@pytest.mark.integration
-def test_receiver_that_never_joins_is_named_and_the_sender_regroups() -> None:
+def _group_with_engine_0() -> tuple[TorchDistributedWeightSender, GroupSpec, mp.Queue, mp.Queue, Any]:
+    """A sender with generation 0 open for learner, engine-0 and engine-1, and engine-0 running (a
+    `_rejoining_receiver`) and about to join; engine-1 is the test's to play."""
     context = mp.get_context("spawn")
     sender = TorchDistributedWeightSender(timeout_s=LONG_S)
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
     next_specs, events = context.Queue(), context.Queue()
-    present = context.Process(
+    engine_0 = context.Process(
         target=_rejoining_receiver, args=(spec.to_dict(), "engine-0", next_specs, events), daemon=True
     )
-    present.start()
+    engine_0.start()
+    assert events.get(timeout=LONG_S) == ("joining", "")  # started: process start-up is not what is timed
+    return sender, spec, next_specs, events, engine_0
+
+
+@pytest.mark.integration
+def test_receiver_that_never_joins_is_named_and_the_sender_regroups() -> None:
+    sender, _, next_specs, events, present = _group_with_engine_0()
     try:
-        assert events.get(timeout=LONG_S) == ("joining", "")  # started: process start-up is not what is timed
         with pytest.raises(WeightTransferError, match="generation 0 not formed") as failure:
             sender.wait_for_receivers(timeout_s=SHORT_S)
         assert list(failure.value.failed) == ["engine-1"]
@@ -279,6 +287,47 @@ def test_an_abort_frees_the_sender_and_the_survivor_at_once_and_the_next_generat
         sender.wait_for_receivers()
         assert sender.send(weights, version=3).version == sender.committed_version == 3
         assert sorted(events.get(timeout=LONG_S)[:2] for _ in range(2)) == [("engine-0", 3), ("engine-1", 3)]
+    finally:
+        for process in processes:
+            process.join(timeout=LONG_S)
+        sender.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_member_that_dies_while_the_group_forms_costs_a_second_not_the_timeout() -> None:
+    """engine-1 joins and dies before it builds its gloo group: the sender and engine-0 are then inside gloo's
+    rendezvous, waiting for an address that will never come. The learner's abort (the roster heard of the death)
+    must end both waits within a second, not at the transfer timeout, and the next generation must commit."""
+    sender, spec, next_specs, events, survivor = _group_with_engine_0()
+    processes = [survivor]
+    try:
+        # engine-1's join, up to its death: registered under its rank, never at the rendezvous.
+        store = connect_store(spec.host, spec.port, LONG_S)
+        generation_store(store, spec.generation).set("joined/2", b"engine-1")
+        threading.Timer(1.0, sender.abort, args=({"engine-1": "died (the roster says)"},)).start()
+        started = time.time()
+        with pytest.raises(WeightTransferError, match="not formed") as failure:
+            sender.wait_for_receivers()
+        given_up = time.time()
+        assert given_up - started < 2.5, f"the sender waited {given_up - started:.1f}s for a dead member"
+        assert failure.value.failed == {"engine-1": "died (the roster says)"}
+        outcome, why = events.get(timeout=LONG_S)
+        assert outcome == "join failed" and "engine-1: died (the roster says)" in why, why
+        assert time.time() - given_up < 1.5, f"engine-0 left {time.time() - given_up:.1f}s after the sender"
+
+        spec = sender.open_group(["learner", "engine-0", "engine-1"])
+        next_specs.put(spec.to_dict())
+        replacement = mp.get_context("spawn").Process(
+            target=_replacement, args=(spec.to_dict(), "engine-1", events), daemon=True
+        )
+        replacement.start()
+        processes.append(replacement)
+        sender.wait_for_receivers()
+        weights = _weights(3)
+        assert sender.send(weights, version=3).version == sender.committed_version == 3
+        received = sorted(str(events.get(timeout=LONG_S)[0]) for _ in range(2))
+        assert received == ["engine-1", "received"]
     finally:
         for process in processes:
             process.join(timeout=LONG_S)

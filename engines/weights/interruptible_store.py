@@ -1,0 +1,76 @@
+"""A store view whose blocking waits end as soon as the generation they serve is given up.
+
+Gloo builds a process group by waiting on the store for every member's address, inside a C++ constructor no
+other thread can interrupt. A member that died between joining and constructing left every other member in that
+wait until the group's timeout (the weight-transfer timeout, 30 s by default): a killed rollout worker cost the
+run that long whenever its death fell into a group formation, although the learner heard of the death within a
+second. Waits through this view poll the store in short slices and raise `GroupGivenUp` once `stop()` names a
+reason, which gloo passes up as the constructor's error.
+
+Only for building a gloo group, whose store traffic is that rendezvous: a poll can see a key up to POLL_S late,
+a cost a transfer's per-bucket waits would pay on every bucket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL_S = 0.05  # the longest pause between two looks at the store (or at a pending collective) while waiting
+
+
+class GroupGivenUp(RuntimeError):
+    """A wait ended because the generation was given up, not because its keys came or its deadline passed."""
+
+
+class InterruptibleStore(dist.Store):
+    """Delegates to `inner`; `wait` and `get` poll it and stop when `stop()` returns a reason (None: go on)."""
+
+    def __init__(self, inner: dist.Store, stop: Callable[[], str | None]) -> None:
+        super().__init__()
+        self._inner, self._stop = inner, stop
+        self._timeout = inner.timeout
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Polls with `check`: the store's own wait cannot be cut into slices (a wait that timed out leaves the
+        client unable to see the key arrive later, and each timeout logs a warning)."""
+        budget = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + budget
+        pause = 0.001
+        while not self._inner.check(keys):
+            reason = self._stop()
+            if reason is not None:
+                raise GroupGivenUp(f"gave up waiting for {keys}: {reason}")
+            now = time.monotonic()
+            if now >= deadline:
+                raise dist.DistStoreError(f"wait timeout after {budget * 1000:.0f}ms, keys: {keys}")
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, POLL_S)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._inner.get(key)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
