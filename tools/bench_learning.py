@@ -166,7 +166,8 @@ def launch(command: list[str], log: Path, timeout: float) -> tuple[float, float]
                                    check=False, env=with_repo_on_path())
     if completed.returncode != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
-        raise SystemExit(f"bench_learning: {command[1:3]} exited with {completed.returncode}; log {log}:\n{tail}")
+        tool = Path(sys.argv[0]).stem
+        raise SystemExit(f"{tool}: {command[1:3]} exited with {completed.returncode}; log {log}:\n{tail}")
     return started, time.time() - started
 
 

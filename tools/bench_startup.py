@@ -24,14 +24,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tools.bench_learning import Hyper, prepare, slipstream_command, step_times, trl_command
-from tools.repo_env import with_repo_on_path
+from tools.bench_learning import Hyper, launch, prepare, slipstream_command, step_times, trl_command
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("floor", "trl", "sync", "async")
@@ -109,14 +107,7 @@ def run_one(system: str, repeat: int, warm: Path, data: dict[str, Path], workdir
     else:
         command = slipstream_command(system, hyper, warm, data, run_dir, 0, 10**6, ["--no-progress", "--no-plots"])
     load = os.getloadavg()[0]
-    log = run_dir / "console.log"
-    launched = time.time()
-    with log.open("w") as out:
-        completed = subprocess.run(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=TIMEOUT_S,
-                                   check=False, env=with_repo_on_path())
-    if completed.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
-        raise SystemExit(f"bench_startup: {system} exited with {completed.returncode}; log {log}:\n{tail}")
+    launched, _ = launch(command, run_dir / "console.log", TIMEOUT_S)
     if system == "floor":
         stamps = json.loads((run_dir / "floor.json").read_text())
         phases = {phase: stamps[phase] - launched for phase in FLOOR_PHASES}
