@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import partial
 
 import torch
@@ -45,6 +45,7 @@ class SglangStoreSender(WeightSender):
         self._spec: SglangGroupSpec | None = None
         self._broken: str | None = None
         self._committed: int | None = None
+        self._aborted: dict[str, str] | None = None  # set by abort(), from any thread; cleared by the next group
 
     @property
     def committed_version(self) -> int | None:
@@ -65,6 +66,22 @@ class SglangStoreSender(WeightSender):
 
     def _buckets_done(self) -> None:
         """After the last bucket (or a failure): let go of what only the buckets needed."""
+
+    def abort(self, failed: Mapping[str, str]) -> None:
+        """A member of the open group died or was replaced (the learner's roster says so): every wait of a
+        `wait_for_receivers` or `send` under way ends within a poll and raises naming `failed`, instead of waiting
+        out the transfer timeout for a server that is gone."""
+        if self._aborted is None:
+            self._aborted = dict(failed) or {"(unnamed)": "aborted"}
+
+    def _is_aborted(self) -> bool:
+        return self._aborted is not None
+
+    def _named(self, error: WeightTransferError) -> WeightTransferError:
+        """`error`, or, once `abort()` came, the same failure blamed on the members it named."""
+        if self._aborted is None:
+            return error
+        return WeightTransferError(f"{error} (given up: {self._aborted})", self._aborted)
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
              timeout_s: float | None = None) -> TransferReport:
@@ -87,18 +104,18 @@ class SglangStoreSender(WeightSender):
         keys = weight_store.keys_of(store, spec, version)
         try:
             weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
-                                      partial(self._deliver_bucket, keys, spec, dtype, timeout_s))
+                                      partial(self._deliver_bucket, keys, spec, dtype, timeout_s), self._is_aborted)
         except WeightTransferError as error:
             # A source that broke leaves nothing pending (every earlier bucket completed), and the store must stay
             # up until the loaders read the word: it goes at the next open_group.
             self._broken = self._broken or str(error)
-            raise
+            raise self._named(error) from error
         finally:
             self._buckets_done()
-        failed = weight_store.acks(keys, spec, timeout_s)
+        failed = weight_store.acks(keys, spec, timeout_s, self._is_aborted)
         if failed:
             self._broken = f"version {version} not acknowledged: {failed}"
-            raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
+            raise self._named(WeightTransferError(f"weight transfer of version {version} not committed", failed))
         self._committed = version
         return TransferReport(version=version, receivers=spec.receivers, num_tensors=len(manifest.tensors),
                               num_buckets=len(manifest.buckets()), num_bytes=manifest.total_bytes,
@@ -114,7 +131,7 @@ class SglangStoreSender(WeightSender):
     def _new_spec(self, members: tuple[str, ...], port: int, **mechanism: object) -> SglangGroupSpec:
         """The next generation's spec; its group name never repeats."""
         self._generation += 1
-        self._broken = None
+        self._broken, self._aborted = None, None
         self._spec = SglangGroupSpec(master_address=self.host, master_port=port,
                                      group_name=f"slipstream-{self._run_token}-g{self._generation}",
                                      generation=self._generation, members=members,

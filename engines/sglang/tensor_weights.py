@@ -76,7 +76,9 @@ class SglangTensorSender(SglangStoreSender):
         loaded = {engine: f"loaded/{position}/{engine}" for engine in spec.receivers}
         failed = failed_replies(keys, loaded, timeout_s, expected=OK,
                                 silent=f"{where}: not loaded within {timeout_s:g}s",
-                                stop=lambda: bool(weight_store.early_failures(keys, spec)))
+                                stop=lambda: self._is_aborted() or bool(weight_store.early_failures(keys, spec)))
+        if self._is_aborted():  # a live server may still be reading the buffer: the next push stages elsewhere
+            self._staging = None
         if failed:  # every server copied the bucket or gave up on it: the staging buffer is free again
             raise WeightTransferError(f"{where} failed", {**failed, **weight_store.early_failures(keys, spec)})
 

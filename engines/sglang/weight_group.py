@@ -14,11 +14,14 @@ Rank layout (as SGLang computes it): rank = rank_offset + tp_rank, and engine i 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from engines.weights.interruptible_store import GroupGivenUp, InterruptibleStore
 
 
 @dataclass
@@ -61,12 +64,17 @@ def join_weight_group(
     group_name: str,
     timeout_s: float,
     collective_timeout_s: float | None = None,
+    given_up: Callable[[], str | None] | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) the group; blocks until all `world_size` members joined or `timeout_s` passed.
 
     `collective_timeout_s` (default `timeout_s`) is the group's own timeout for a collective. The learner sets it
     well past its own per-bucket deadline: on NCCL a collective that outlives the group timeout is torn down by
     the watchdog, which by default takes the process with it, so the learner must give up first.
+
+    `given_up` (the host only, gloo only: a reason once the learner gave the generation up, else None) ends the
+    wait for a server that died before it joined, instead of waiting out `timeout_s`: the host's store then
+    does not wait for every client to connect, and gloo's rendezvous polls through `InterruptibleStore`.
     """
     if not group_name:
         raise ValueError("weight update group name must not be empty")
@@ -77,17 +85,33 @@ def join_weight_group(
     timeout = timedelta(seconds=timeout_s)
     collective_timeout = timedelta(seconds=timeout_s if collective_timeout_s is None else collective_timeout_s)
     url = f"tcp://{_bracket_ipv6(master_address)}:{master_port}"
-    store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    interruptible = given_up is not None and rank == 0 and dist.Backend(backend) == dist.Backend.GLOO
+    if interruptible:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True)
+    else:
+        store, rank, world_size = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        dist.Backend(backend),
-        dist.PrefixStore(group_name, store),
-        group_name=group_name,
-        timeout=collective_timeout,
-    )
+    group_store: dist.Store = dist.PrefixStore(group_name, store)
+    if interruptible:
+        assert given_up is not None
+        group_store = InterruptibleStore(group_store, given_up)
+    given_up_why: str | None = None
+    try:
+        group, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            dist.Backend(backend),
+            group_store,
+            group_name=group_name,
+            timeout=collective_timeout,
+        )
+    except GroupGivenUp as error:
+        given_up_why = str(error)
+    if given_up_why is not None:  # raised out here, with no reference left to the store: its server stops now,
+        del store, group_store  # so a server still joining fails at once instead of at its own timeout
+        raise GroupGivenUp(given_up_why)
     c10d._world.pg_group_ranks[group] = {member: member for member in range(world_size)}
     return WeightGroup(group_name, rank, world_size, group, store)
 

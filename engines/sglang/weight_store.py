@@ -87,19 +87,30 @@ def connect_keys(spec: SglangGroupSpec, version: int, timeout_s: float) -> dist.
     return keys_of(store, spec, version)
 
 
-def not_ready(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
+Stop = Callable[[], bool]
+"""True once the sender gave the transfer up (`WeightSender.abort`): every wait below then ends within a poll."""
+
+
+def never() -> bool:
+    return False
+
+
+def not_ready(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, stop: Stop = never) -> dict[str, str]:
     """Engines that did not say "ready" within `timeout_s`, or said why they cannot be, with the reason."""
     wanted = {engine: f"ready/{engine}" for engine in spec.receivers}
-    return failed_replies(keys, wanted, timeout_s, expected=READY, silent="not ready to receive (died or stalled)")
+    return failed_replies(keys, wanted, timeout_s, expected=READY, silent="not ready to receive (died or stalled)",
+                          stop=stop)
 
 
-def open_transfer(keys: dist.Store, spec: SglangGroupSpec, manifest: Manifest, timeout_s: float) -> None:
+def open_transfer(keys: dist.Store, spec: SglangGroupSpec, manifest: Manifest, timeout_s: float,
+                  stop: Stop = never) -> None:
     """Publish the manifest, wait for every engine's "ready" and say "go"; engines not ready within `timeout_s`
     are named in a WeightTransferError, after the others were told to stop."""
     keys.set("manifest", manifest.encode())
-    missing = not_ready(keys, spec, timeout_s)
-    if missing:
-        keys.set("go", ABORT_PREFIX + f" not ready: {', '.join(missing)}".encode())
+    missing = not_ready(keys, spec, timeout_s, stop)
+    if missing or stop():
+        why = "given up by the learner" if stop() else f"not ready: {', '.join(missing)}"
+        keys.set("go", ABORT_PREFIX + f" {why}".encode())
         raise WeightTransferError(f"weight transfer of version {manifest.version} not started", missing)
     keys.set("go", GO)
 
@@ -110,15 +121,18 @@ engine, or raise WeightTransferError naming who failed."""
 
 
 def send_buckets(keys: dist.Store, spec: SglangGroupSpec, manifest: Manifest, tensors: Iterable[tuple[str, Tensor]],
-                 timeout_s: float, deliver: BucketDelivery) -> None:
+                 timeout_s: float, deliver: BucketDelivery, stop: Stop = never) -> None:
     """Open the transfer, then pull each bucket's tensors from the learner's stream (checked against its specs)
-    only when it goes out, and hand it to `deliver`. If the stream breaks, "bucket i" says so, so no engine waits
-    for it, and a WeightTransferError says why."""
-    open_transfer(keys, spec, manifest, timeout_s)
+    only when it goes out, and hand it to `deliver`. If the stream breaks, or `stop` says the learner gave the
+    transfer up, "bucket i" says so, so no engine waits for it, and a WeightTransferError says why."""
+    open_transfer(keys, spec, manifest, timeout_s, stop)
     buckets = manifest.buckets()
     stream = iter(tensors)
     for position, bucket in enumerate(buckets):
         where = f"weight transfer of version {manifest.version}, bucket {position + 1}/{len(buckets)}"
+        if stop():
+            keys.set(f"bucket/{position}", ABORT_PREFIX + b" given up by the learner")
+            raise WeightTransferError(f"{where} not started: the transfer was given up")
         try:
             pairs = list(islice(stream, len(bucket.entries)))
             if position == len(buckets) - 1:
@@ -142,9 +156,10 @@ def early_failures(keys: dist.Store, spec: SglangGroupSpec) -> dict[str, str]:
 
 
 def await_bucket(
-    work: list[dist.Work], keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, where: str
+    work: list[dist.Work], keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, where: str, stop: Stop = never
 ) -> dict[str, str]:
-    """Poll the bucket's broadcasts until they complete, a loader reports a refusal, or `timeout_s` passes.
+    """Poll the bucket's broadcasts until they complete, a loader reports a refusal, `stop` says the learner gave
+    the transfer up (every engine is then reported), or `timeout_s` passes.
 
     Only completed work is waited on (it returns at once, raising what the collective hit): a blocking `wait()`
     would hang on gloo until the group timeout and, on NCCL, not block at all. Returns the failed engines.
@@ -164,6 +179,8 @@ def await_bucket(
             failed = early_failures(keys, spec)
             if failed:
                 return failed
+            if stop():
+                return dict.fromkeys(spec.receivers, f"{where}: given up by the learner")
             next_store_check = now + STORE_POLL_S
         if now > deadline:
             pending = dict.fromkeys(spec.receivers, f"{where}: not received within {timeout_s:g}s")
@@ -198,7 +215,7 @@ def wait_bucket(keys: dist.Store, position: int, timeout_s: float) -> bytes:
         return f"the learner's store is unreachable: {error}".encode()[:300]
 
 
-def acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float) -> dict[str, str]:
+def acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, stop: Stop = never) -> dict[str, str]:
     wanted = {engine: f"ack/{engine}" for engine in spec.receivers}
-    return failed_replies(keys, wanted, timeout_s, expected=OK,
+    return failed_replies(keys, wanted, timeout_s, expected=OK, stop=stop,
                           silent=f"no acknowledgement within {timeout_s:g}s (died or stalled)")

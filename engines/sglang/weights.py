@@ -98,13 +98,14 @@ class SglangWeightSender(SglangStoreSender):
                 group_name=spec.group_name,
                 timeout_s=timeout_s,
                 collective_timeout_s=collective_timeout_s(self.timeout_s),
+                given_up=lambda: None if self._aborted is None else str(self._aborted),
             )
         except (RuntimeError, ValueError, dist.DistError) as error:
             self._broken = f"formation failed: {error}"
-            raise WeightTransferError(
+            raise self._named(WeightTransferError(
                 f"weight group {spec.group_name}: servers did not all join within {timeout_s:g}s",
                 dict.fromkeys(spec.receivers, str(error)[:200]),
-            ) from error
+            )) from error
 
     def _store(self) -> dist.Store | None:
         return None if self._group is None else self._group.store
@@ -125,7 +126,7 @@ class SglangWeightSender(SglangStoreSender):
             raise WeightTransferError(f"{where} broke: {error}", failed) from error
         # Inside the group's own timeout, so this deadline, not the NCCL watchdog, ends a stuck bucket.
         deadline_s = min(timeout_s, 0.8 * collective_timeout_s(self.timeout_s))
-        failed = weight_store.await_bucket(work, keys, spec, deadline_s, where)
+        failed = weight_store.await_bucket(work, keys, spec, deadline_s, where, self._is_aborted)
         if failed:
             self._abandon_group(f"{where} failed: {failed}", work)
             raise WeightTransferError(f"{where} failed", failed)
