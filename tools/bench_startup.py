@@ -50,7 +50,7 @@ class StartupRecord:
 # ------------------------------------------------------------------------------------------------ the floor
 def floor_child(model: Path, train: Path, out: Path) -> None:
     """The leanest trainer's way to its first step, timestamped; runs in its own interpreter."""
-    stamps = {}
+    stamps: dict[str, float] = {}
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

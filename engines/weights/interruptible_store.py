@@ -35,8 +35,8 @@ class InterruptibleStore(dist.Store):
         self._timeout = inner.timeout
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        """Polls with `check`: the store's own wait cannot be cut into slices (a wait that timed out leaves the
-        client unable to see the key arrive later, and each timeout logs a warning)."""
+        """Polls with `check`: the store's own wait, cut into slices, would have torch log a warning at every slice
+        that timed out."""
         budget = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + budget
         pause = 0.001
