@@ -145,11 +145,14 @@ def quick_matrix() -> list[Scenario]:
 def ci_matrix() -> list[Scenario]:
     """The most telling few, for tests/system/test_chaos.py, in two runs (the suite's time is bounded): the two
     kills whose recovery is subtlest (a weight push cut between broadcast and acknowledgement, on a bus that drops,
-    duplicates and delays every kind of message; a batch logged as served whose reply never left)."""
+    duplicates and delays every kind of message; a batch logged as served whose reply never left), the second run
+    also killing the reward worker with a scored group not yet handed on (a kill point the full matrix alone had
+    exercised, and lost without notice when rewards began to score inline)."""
     return [
         Scenario("kill-learner-on-a-faulty-bus", "kill_point", kill_plan="learner@weight_push.mid#6",
                  bus_plan=BUS_MIXED, deadline_s=80),
-        Scenario("kill-buffer-mid-batch-serve", "kill_point", kill_plan="buffer@batch_serve.mid#5", deadline_s=80),
+        Scenario("kill-buffer-mid-batch-serve-and-reward-mid-scoring", "kill_point",
+                 kill_plan="buffer@batch_serve.mid#5,reward-0-0@score.mid#3", deadline_s=80),
     ]
 
 

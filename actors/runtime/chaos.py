@@ -13,7 +13,7 @@ that finds it stays armed no more, so a kill point never turns into a crash loop
 Phases, each placed where the named work is half done:
 
 - ``generate.mid`` rollout worker: a group's generation started and not finished (``during``);
-- ``score.mid`` reward worker: a group's scoring started and not finished (``during``);
+- ``score.mid`` reward worker: a group scored, its scores not yet sent to the buffer;
 - ``batch_serve.mid`` buffer: a batch assembled and written to the log, the reply not yet sent;
 - ``weight_push.mid`` learner: every bucket of a weight update broadcast, no engine's acknowledgement collected;
 - ``checkpoint.mid`` learner: the checkpoint directory written, ``latest`` not yet pointing at it;

@@ -1,10 +1,11 @@
 """The chaos matrix's CI subset (issue #17): real runs under kill -9 at chosen phases and a faulty bus, audited.
 
 The bounded quick version of `tools/chaos.py`: the learner killed between broadcasting a weight update and
-collecting its acknowledgements, on a bus that drops, duplicates and delays messages everywhere, and the buffer
-killed after logging a served batch and before replying. Each run must complete with every step trained, the fault must
-really have happened, and the audit must find nothing lost, nothing trained twice and versions monotone. The table
-is printed in the run's closing summary and is the assertion's message.
+collecting its acknowledgements, on a bus that drops, duplicates and delays messages everywhere; the buffer
+killed after logging a served batch and before replying, and the reward worker holding a scored group. Each run
+must complete with every step trained, every fault must really have happened, and the audit must find nothing
+lost, nothing trained twice and versions monotone. The table is printed in the run's closing summary and is the
+assertion's message.
 """
 
 from __future__ import annotations
