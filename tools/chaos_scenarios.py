@@ -81,6 +81,10 @@ BUS_MIXED = "drop=0.02,duplicate=0.02,delay=0.05,delay_ms=5-100,seed=7"
 SYNC_STALLED_PUSH = Scenario(
     "sync-stall-rollout-mid-weight-push", "kill_point", kill_plan="rollout-0-1@weight_load.start#5=stall:3",
     extra=("--max-staleness", "0", "--heartbeat-interval", "1", "--weight-transfer-timeout", "2"), deadline_s=90)
+# Two kills in one run: a batch logged as served whose reply never left, and a scored group never handed on.
+BUFFER_AND_REWARD_KILLED = Scenario(
+    "kill-buffer-mid-batch-serve-and-reward-mid-scoring", "kill_point",
+    kill_plan="buffer@batch_serve.mid#5,reward-0-0@score.mid#3", deadline_s=80)
 
 
 def full_matrix() -> list[Scenario]:
@@ -117,6 +121,7 @@ def full_matrix() -> list[Scenario]:
                  deadline_s=240),
         Scenario("kill-learner-then-buffer", "kill_point",
                  kill_plan="learner@weight_push.mid#6,buffer@batch_serve.mid#9"),
+        BUFFER_AND_REWARD_KILLED,
         Scenario("stop-rollout-past-heartbeat", "stop", target="rollout-0-1", after_step=3, stop_s=4.0),
         Scenario("stop-reward-past-heartbeat", "stop", target="reward-0-0", after_step=3, stop_s=4.0),
         Scenario("stop-learner-past-heartbeat", "stop", target="learner", after_step=3, stop_s=4.0),
@@ -151,8 +156,7 @@ def ci_matrix() -> list[Scenario]:
     return [
         Scenario("kill-learner-on-a-faulty-bus", "kill_point", kill_plan="learner@weight_push.mid#6",
                  bus_plan=BUS_MIXED, deadline_s=80),
-        Scenario("kill-buffer-mid-batch-serve-and-reward-mid-scoring", "kill_point",
-                 kill_plan="buffer@batch_serve.mid#5,reward-0-0@score.mid#3", deadline_s=80),
+        BUFFER_AND_REWARD_KILLED,
     ]
 
 

@@ -26,7 +26,6 @@ import contextlib
 import ipaddress
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from engines.weights.base import WeightTransferError
-from engines.weights.interruptible_store import POLL_S, InterruptibleStore
+from engines.weights.interruptible_store import POLL_S, InterruptibleStore, poll_keys
 from engines.weights.names import TORCH_DISTRIBUTED
 
 Backend = Literal["gloo", "nccl", "cuda_ipc", "shm"]
@@ -138,15 +137,9 @@ def missing_keys(
             return []
         except (RuntimeError, dist.DistError):
             return [key for key in keys if not store.check([key])]
-    deadline = time.monotonic() + timeout_s
-    pause = 0.001
-    while not store.check(keys):
-        now = time.monotonic()
-        if now >= deadline or stop():
-            return [key for key in keys if not store.check([key])]
-        time.sleep(min(pause, deadline - now))
-        pause = min(2 * pause, POLL_S)
-    return []
+    if poll_keys(store, keys, timeout_s, stop):
+        return []
+    return [key for key in keys if not store.check([key])]
 
 
 def aborted(store: dist.Store) -> str | None:

@@ -22,6 +22,20 @@ import torch.distributed as dist
 POLL_S = 0.05  # the longest pause between two looks at the store (or at a pending collective) while waiting
 
 
+def poll_keys(store: dist.Store, keys: list[str], timeout_s: float, stop: Callable[[], bool]) -> bool:
+    """Whether all `keys` appeared within `timeout_s`, the store looked at most POLL_S apart; False as soon as
+    `stop()` is true too (the caller asks `stop()` again to tell the two apart)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= deadline or stop():
+            return False
+        time.sleep(min(pause, deadline - now))
+        pause = min(2 * pause, POLL_S)
+    return True
+
+
 class GroupGivenUp(RuntimeError):
     """A wait ended because the generation was given up, not because its keys came or its deadline passed."""
 
@@ -38,17 +52,19 @@ class InterruptibleStore(dist.Store):
         """Polls with `check`: the store's own wait, cut into slices, would have torch log a warning at every slice
         that timed out."""
         budget = (timeout or self._timeout).total_seconds()
-        deadline = time.monotonic() + budget
-        pause = 0.001
-        while not self._inner.check(keys):
+        why: list[str] = []
+
+        def given_up() -> bool:
             reason = self._stop()
             if reason is not None:
-                raise GroupGivenUp(f"gave up waiting for {keys}: {reason}")
-            now = time.monotonic()
-            if now >= deadline:
-                raise dist.DistStoreError(f"wait timeout after {budget * 1000:.0f}ms, keys: {keys}")
-            time.sleep(min(pause, deadline - now))
-            pause = min(2 * pause, POLL_S)
+                why.append(reason)
+            return reason is not None
+
+        if poll_keys(self._inner, keys, budget, given_up):
+            return
+        if why:
+            raise GroupGivenUp(f"gave up waiting for {keys}: {why[0]}")
+        raise dist.DistStoreError(f"wait timeout after {budget * 1000:.0f}ms, keys: {keys}")
 
     def get(self, key: str) -> bytes:
         self.wait([key])
