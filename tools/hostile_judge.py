@@ -5,6 +5,12 @@ metrics/actors.jsonl (``bus.sockets.DropLog.metrics``): the difference between t
 the one before it is what the attack caused. Kinds whose frames reach the actor must be counted exactly, under
 the peer label of the connections that sent them; the others have their own evidence (a dropped connection, a
 duplicate answered from the cache, a refused claim).
+
+A receiver's drop table keeps 32 peer rows and folds the lightest into "(other)" when a new sender's first drop
+finds it full (`bus.sockets.DropLog`). The random-identity flood fills it, so a labelled attack's row can be
+folded while it is still light, and the frames counted in it before then land in "(other)", which the flood's
+own count reads. Those frames were counted, just not under their sender: when the flood's surplus equals the
+labelled attacks' shortfall exactly, every frame is accounted for and the attacks pass, saying so.
 """
 
 from __future__ import annotations
@@ -62,6 +68,23 @@ def judge(attacks: list[Attack], counters: Counters, actor_ids: list[str]) -> No
         labelled = {attack.label for attack in group if attack.label.startswith("hostile-")}
         for attack in group:
             _judge_one(attack, counters, labelled, actor_ids)
+        _settle_folded_rows(group)
+
+
+def _settle_folded_rows(group: list[Attack]) -> None:
+    """Frames counted in "(other)" after their row was folded: see the module docstring."""
+    flood = next((attack for attack in group if attack.kind == "idents"), None)
+    if flood is None or flood.missing >= 0 or flood.unsent:
+        return
+    short = [attack for attack in group if attack is not flood and attack.missing > 0 and not attack.unsent]
+    surplus = -flood.missing
+    if surplus != sum(attack.missing for attack in short):
+        return
+    for attack in short:
+        attack.counted += f"; {attack.missing} more in (other): its row was folded when the peer table filled"
+        attack.ok = True
+    flood.counted += f"; {surplus} of them other attacks' (folded rows)"
+    flood.ok = True
 
 
 def _judge_one(attack: Attack, counters: Counters, labelled: set[str], actor_ids: list[str]) -> None:
@@ -75,7 +98,8 @@ def _judge_one(attack: Attack, counters: Counters, labelled: set[str], actor_ids
             attack.ok = attack.closed == len(attack.idents)
         return
     if kind in ("random", "truncated", "wrong_types", "envelope", "credit"):
-        attack.counted, attack.ok = _reasons(row), sum(row.values()) == sent
+        attack.missing = sent - int(sum(row.values()))
+        attack.counted, attack.ok = _reasons(row), attack.missing == 0
     elif kind in ("not_sub", "pub_envelope"):
         # XPUB does not say which connection sent a frame: its drops are all the sender address's.
         reason = "not_subscription" if kind == "not_sub" else "bad_envelope"
@@ -85,21 +109,26 @@ def _judge_one(attack: Attack, counters: Counters, labelled: set[str], actor_ids
         rows = {name: counters.peer_row(endpoint, name) for name in actor_ids if name != endpoint.actor}
         counted = sum(sum(r.values()) for r in rows.values())
         attack.counted = f"under real names: {int(counted)} ({_reasons(_merge(rows.values()))})"
+        attack.missing = sent - int(counted)
         attack.ok = counted == sent
     elif kind == "idents":
         others = counters.peer_labels(endpoint) - labelled - set(actor_ids)
         rows = [counters.peer_row(endpoint, label) for label in others]
         counted = sum(sum(r.values()) for r in rows)
         attack.counted = f"{len(others)} rows incl. (other): {int(counted)} ({_reasons(_merge(rows))})"
+        attack.missing = sent - int(counted)
         attack.ok = counted == sent
     elif kind == "no_hello":
         delivered = counters.get(endpoint.actor, "dropped.unhandled.Heartbeat")
         attack.counted = f"{_reasons(row)}; delivered first (unhandled): {int(delivered)}"
-        attack.ok = row.get("over_credit", 0) > 0 and row.get("over_credit", 0) + delivered == sent
+        # Without a single over_credit drop the credit check itself failed: nothing to settle.
+        attack.missing = sent - int(row.get("over_credit", 0) + delivered) if row.get("over_credit", 0) else 0
+        attack.ok = row.get("over_credit", 0) > 0 and attack.missing == 0
     elif kind == "hellos":
         unread = row.get("credit_unread", 0)
         attack.counted = f"answered {attack.answered}, credit_unread:{int(unread)}"
-        attack.ok = attack.answered + unread == sent
+        attack.missing = sent - int(attack.answered + unread)
+        attack.ok = attack.missing == 0
     elif kind == "replay" and endpoint.channel == "rpc":
         duplicates = counters.get(endpoint.actor, "duplicates.rpc")
         expected = sent - math.ceil(sent / REPLAY_REPEATS)

@@ -58,6 +58,7 @@ class Attack:
     answered: int = 0
     counted: str = ""
     ok: bool = False
+    missing: int = 0  # frames sent but not found under this attack's own rows (negative: more found than sent)
 
     @property
     def frames(self) -> int:
