@@ -265,6 +265,8 @@ class TrainerConfig(Section):
     pipeline_model_parallel_size: int = Field(1, ge=1, description="Megatron pipeline parallel size")
     use_distributed_optimizer: bool = Field(True, description="Megatron: shard optimizer state over data "
                                             "parallel")
+    qkv_format: Literal["thd", "bshd"] = Field("thd", description="Megatron: thd packs a micro-batch's samples "
+                                               "into one row (no padding); bshd pads each sample to a row")
     megatron_checkpoint: str | None = Field(None, description="Megatron distributed checkpoint to start from "
                                             "(default: convert --hf-checkpoint)")
     lr: float = Field(1e-4, ge=0, description="learning rate")

@@ -148,6 +148,7 @@ def _build_megatron_trainer(config: RunConfig) -> Trainer:
             tensor_model_parallel_size=trainer.tensor_model_parallel_size,
             pipeline_model_parallel_size=trainer.pipeline_model_parallel_size,
             use_distributed_optimizer=trainer.use_distributed_optimizer,
+            qkv_format=trainer.qkv_format,
             model_flags=_megatron_flags(config),
         )
     )

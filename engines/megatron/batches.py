@@ -1,17 +1,21 @@
-"""How the Megatron trainer lays out a batch: data-parallel shards, micro-batches, padded rows.
+"""How the Megatron trainer lays out a batch: data-parallel shards, micro-batches, packed or padded rows.
 
 Data. Every rank receives the WHOLE batch and takes its data-parallel shard itself (`shard_for_rank`), so all
 ranks of one pipeline see identical micro-batches without exchanging data, and the caller needs no knowledge of
 the TP/PP/DP layout. (The torch trainer differs: each of its ranks is handed its own shard.)
 
-Rows. megatron-core packs sequences only through `PackedSeqParams` in THD format, which only its
-transformer-engine / flash-attention paths implement; its local attention applies rotary positions by row index
-and takes an explicit mask. We therefore give each sample its own row, right-padded to the micro-batch's longest
-sample. Under a causal mask padding at the END of a row can never influence the real tokens before it, so no
-padding mask is needed, the default causal mask is exact, and rotary positions 0..L-1 match the HF model's.
-The price is the padding itself; micro-batches group samples of similar length (longest first) to keep it small.
-With sequence parallelism megatron splits each row's sequence over the TP ranks, so rows are padded to a multiple
-of the TP size (`pad_multiple`); the extra padding sits at the end too, so it changes nothing either.
+Rows. Two layouts, chosen by `qkv_format` (slime trains with the first; the second stays for comparison):
+- "thd", packed (the default): a micro-batch is ONE row, its samples laid end to end, with their boundaries in
+  megatron's `PackedSeqParams` (`cu_seqlens`). Attention keeps each sample to itself and rotary positions restart
+  at 0 for each (megatron applies them per sequence from `cu_seqlens`); transformer-engine's attention and our
+  `SdpaAttention` both read that layout. No token is spent on padding except at the end of the row, to a
+  multiple of `pad_multiple`, and that tail is a sequence of its own that no real token sees.
+- "bshd", padded: each sample gets its own row, right-padded to the micro-batch's longest sample. Under a causal
+  mask padding at the END of a row can never influence the real tokens before it, so the default causal mask is
+  exact. The price is the padding itself; micro-batches group samples of similar length (longest first).
+Either way `micro_batch_tokens` bounds the tokens of one forward pass, padding included. With sequence
+parallelism megatron splits each row's sequence over the TP ranks, so rows are padded to a multiple of the TP size
+(`pad_multiple`); the extra padding sits at the end, so it changes nothing.
 
 Device. Every tensor of a micro-batch (model inputs, the logit selectors, the targets and the loss-side fields)
 lives on `device`, the model's device: megatron's embedding indexes its CUDA weight with `input_ids`, the logit
@@ -22,8 +26,10 @@ the host uses to split results, stays a Python tuple.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -31,21 +37,26 @@ from torch import Tensor
 from engines.training.base import PackedBatch, TrainSample
 from engines.training.micro_batches import collate
 
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
 PAD_TOKEN = 0  # any id works: right padding is never attended to by real tokens
+QKV_FORMATS = ("thd", "bshd")
 
 
 @dataclass(frozen=True)
-class PaddedMicroBatch:
-    """One forward pass: rows of samples and where their response logits sit."""
+class MicroBatch:
+    """One forward pass: rows of samples (or one packed row) and where their response logits sit."""
 
     members: list[int]  # indices into the caller's sample list, in packed order
-    input_ids: Tensor  # [B, S]
-    position_ids: Tensor  # [B, S]
+    input_ids: Tensor  # [B, S]; packed: [1, T], one row
+    position_ids: Tensor  # [B, S]; packed: each sample's positions restart at 0
     logit_rows: Tensor  # [N]
     logit_columns: Tensor  # [N]: (row, column) of the logits that predict the N response tokens
     targets: Tensor  # [N]
     response_lengths: tuple[int, ...]  # [B], on the host: how the caller splits the N results per sample
     batch: PackedBatch | None  # loss-side fields (training only)
+    packed_seq_params: PackedSeqParams | None = None  # "thd" only: where each sample starts in the one row
 
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor the model or the loss reads (what must sit on the model's device)."""
@@ -56,6 +67,8 @@ class PaddedMicroBatch:
             "logit_columns": self.logit_columns,
             "targets": self.targets,
         }
+        if self.packed_seq_params is not None:
+            fields["cu_seqlens"] = self.packed_seq_params.cu_seqlens_q
         if self.batch is not None:
             fields.update({f"batch.{name}": tensor for name, tensor in self.batch.tensors().items()})
         return fields
@@ -73,6 +86,55 @@ def shard_for_rank(lengths: Sequence[int], ranks: int, rank: int) -> list[int]:
     return sorted(shards[rank])
 
 
+def plan_micro_batches(
+    samples: Sequence[TrainSample],
+    members: Sequence[int],
+    token_budget: int,
+    *,
+    qkv_format: str,
+    with_batch: bool,
+    device: torch.device | str = "cpu",
+    pad_multiple: int = 1,
+) -> list[MicroBatch]:
+    """`members` in micro-batches of at most `token_budget` tokens each (a longer sample goes alone), laid out
+    as `qkv_format` says (see the module docstring), their tensors on `device`."""
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+    if qkv_format == "thd":
+        return plan_packed_micro_batches(
+            samples, members, token_budget, with_batch=with_batch, device=device, pad_multiple=pad_multiple
+        )
+    if qkv_format == "bshd":
+        return plan_padded_micro_batches(
+            samples, members, token_budget, with_batch=with_batch, device=device, pad_multiple=pad_multiple
+        )
+    raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+
+
+def plan_packed_micro_batches(
+    samples: Sequence[TrainSample],
+    members: Sequence[int],
+    token_budget: int,
+    *,
+    with_batch: bool,
+    device: torch.device | str = "cpu",
+    pad_multiple: int = 1,
+) -> list[MicroBatch]:
+    """Packs of at most `token_budget` tokens, filled first-fit, longest sample first (fewest forward passes)."""
+    lengths = [int(samples[index].tokens.numel()) for index in members]
+    packs: list[list[int]] = []
+    loads: list[int] = []
+    for position in sorted(range(len(members)), key=lambda p: (-lengths[p], p)):
+        target = next((i for i, load in enumerate(loads) if load + lengths[position] <= token_budget), len(packs))
+        if target == len(packs):
+            packs.append([])
+            loads.append(0)
+        packs[target].append(position)
+        loads[target] += lengths[position]
+    device = torch.device(device)
+    return [_pack([members[p] for p in sorted(pack)], samples, with_batch, device, pad_multiple) for pack in packs]
+
+
 def plan_padded_micro_batches(
     samples: Sequence[TrainSample],
     members: Sequence[int],
@@ -81,11 +143,9 @@ def plan_padded_micro_batches(
     with_batch: bool,
     device: torch.device | str = "cpu",
     pad_multiple: int = 1,
-) -> list[PaddedMicroBatch]:
-    """Split `members` into micro-batches whose padded size (rows x longest row) stays within `token_budget`,
-    their tensors on `device`, each row's width rounded up to a multiple of `pad_multiple`."""
-    if pad_multiple < 1:
-        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+) -> list[MicroBatch]:
+    """Micro-batches whose padded size (rows x longest row) stays within `token_budget`, samples of similar
+    length together."""
     lengths = [_round_up(int(samples[index].tokens.numel()), pad_multiple) for index in members]
     plans: list[list[int]] = []
     current: list[int] = []
@@ -109,7 +169,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _pad(
     members: list[int], samples: Sequence[TrainSample], with_batch: bool, device: torch.device, pad_multiple: int
-) -> PaddedMicroBatch:
+) -> MicroBatch:
     chunk = [samples[index] for index in members]
     width = _round_up(max(int(sample.tokens.numel()) for sample in chunk), pad_multiple)
     input_ids = torch.full((len(chunk), width), PAD_TOKEN, dtype=torch.long)
@@ -121,7 +181,7 @@ def _pad(
         columns.append(torch.arange(first, first + sample.response_length))
         rows.append(torch.full((sample.response_length,), row, dtype=torch.long))
         targets.append(sample.tokens[sample.prompt_length :].long())
-    return PaddedMicroBatch(
+    return MicroBatch(
         members=members,
         input_ids=input_ids.to(device),
         position_ids=torch.arange(width).expand(len(chunk), width).contiguous().to(device),
@@ -130,4 +190,50 @@ def _pad(
         targets=torch.cat(targets).to(device),
         response_lengths=tuple(sample.response_length for sample in chunk),
         batch=collate(chunk, device=device) if with_batch else None,
+    )
+
+
+def _pack(
+    members: list[int], samples: Sequence[TrainSample], with_batch: bool, device: torch.device, pad_multiple: int
+) -> MicroBatch:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    chunk = [samples[index] for index in members]
+    lengths = [int(sample.tokens.numel()) for sample in chunk]
+    edges = [0]
+    for length in lengths:
+        edges.append(edges[-1] + length)
+    total = _round_up(edges[-1], pad_multiple)
+    if total > edges[-1]:
+        edges.append(total)  # the padding tail: a sequence of its own, invisible to every real token
+    input_ids = torch.full((1, total), PAD_TOKEN, dtype=torch.long)
+    position_ids = torch.zeros((1, total), dtype=torch.long)
+    columns, targets = [], []
+    for start, end, sample in zip(edges, edges[1:], chunk, strict=False):
+        input_ids[0, start:end] = sample.tokens.long()
+        position_ids[0, start:end] = torch.arange(end - start)
+        first = start + sample.prompt_length - 1
+        columns.append(torch.arange(first, first + sample.response_length))
+        targets.append(sample.tokens[sample.prompt_length :].long())
+    if total > edges[len(chunk)]:
+        position_ids[0, edges[len(chunk)] :] = torch.arange(total - edges[len(chunk)])
+    logit_columns = torch.cat(columns)
+    cu_seqlens = torch.tensor(edges, dtype=torch.int32, device=device)  # int32: transformer-engine's dtype
+    longest = max(b - a for a, b in itertools.pairwise(edges))
+    return MicroBatch(
+        members=members,
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
+        logit_rows=torch.zeros_like(logit_columns).to(device),
+        logit_columns=logit_columns.to(device),
+        targets=torch.cat(targets).to(device),
+        response_lengths=tuple(sample.response_length for sample in chunk),
+        batch=collate(chunk, device=device) if with_batch else None,
+        packed_seq_params=PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        ),
     )

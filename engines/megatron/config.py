@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -13,19 +14,22 @@ from engines.training.config import TrainerOptimizerConfig
 class MegatronTrainerConfig(TrainerOptimizerConfig):
     """Everything `MegatronTrainer` needs; parallel sizes are checked against the world size at construction.
 
-    `dtype` is the COMPUTE dtype: with "bfloat16" megatron keeps float32 master weights in its optimizer (the
+        `dtype` is the COMPUTE dtype: with "bfloat16" megatron keeps float32 master weights in its optimizer (the
     same rule as the torch trainer: bf16 parameters cannot represent RL-sized updates). `micro_batch_tokens`
-    bounds the padded tokens (rows x longest row) of one forward pass. `initial_checkpoint` is a Megatron
-    distributed checkpoint (from `tools/convert_checkpoint.py` or a trainer checkpoint) whose weights replace
-    the Hugging Face ones at start-up; `model_path` still provides the architecture, tokenizer and export config.
-    `model_flags` are Megatron's own flags as a slime script passes them (`engines.megatron.model_flags`): what
-    this trainer cannot honour is refused here, the model-shape ones are checked when the checkpoint is read.
+    bounds the tokens of one forward pass, padding included; `qkv_format` lays them out as packed sequences
+    ("thd", one row per micro-batch, as slime trains) or as padded rows ("bshd"), see `engines.megatron.batches`.
+    `initial_checkpoint` is a Megatron distributed checkpoint (from `tools/convert_checkpoint.py` or a trainer
+    checkpoint) whose weights replace the Hugging Face ones at start-up; `model_path` still provides the
+    architecture, tokenizer and export config. `model_flags` are Megatron's own flags as a slime script passes
+    them (`engines.megatron.model_flags`): what this trainer cannot honour is refused here, the model-shape ones
+    are checked when the checkpoint is read.
     """
 
     initial_checkpoint: Path | None = None
     tensor_model_parallel_size: int = Field(default=1, ge=1)
     pipeline_model_parallel_size: int = Field(default=1, ge=1)
     use_distributed_optimizer: bool = True
+    qkv_format: Literal["thd", "bshd"] = "thd"
     model_flags: MegatronFlags = Field(default_factory=MegatronFlags)
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ The patches are process-global while active (re-entrant, counted) and fully undo
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -149,6 +150,18 @@ def _megatron_stand_ins() -> list[tuple[Any, str, Any]]:
     return [(megatron_random, "_get_cuda_rng_state", get_state), (megatron_random, "_set_cuda_rng_state", set_state)]
 
 
+class _SameGeneratorWarning(logging.Filter):
+    """Drops megatron's "CPU RNG state changed within GPU RNG context": its tracker warns when the CPU generator
+    moves inside a CUDA-generator fork, and here the forked generator IS the CPU one, so it always moves. Left in,
+    it fills the console with a line per forked layer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_MEGATRON_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+
+
 class _Patches:
     """Process-wide patch set, applied on the first enter and undone on the last exit."""
 
@@ -156,6 +169,7 @@ class _Patches:
         self._lock = threading.Lock()
         self._depth = 0
         self._saved: list[tuple[Any, str, Any]] = []
+        self._rng_warning = _SameGeneratorWarning()
 
     def acquire(self) -> None:
         with self._lock:
@@ -164,6 +178,7 @@ class _Patches:
                 for owner, name, value in targets + _megatron_stand_ins():
                     self._saved.append((owner, name, getattr(owner, name)))
                     setattr(owner, name, value)
+                logging.getLogger(_MEGATRON_RNG_LOGGER).addFilter(self._rng_warning)
             self._depth += 1
 
     def release(self) -> None:
@@ -173,6 +188,7 @@ class _Patches:
                 for owner, name, value in reversed(self._saved):
                     setattr(owner, name, value)
                 self._saved.clear()
+                logging.getLogger(_MEGATRON_RNG_LOGGER).removeFilter(self._rng_warning)
 
 
 _PATCHES = _Patches()

@@ -4,7 +4,7 @@ Calls. Every method is collective over all learner ranks, and every rank passes 
 trainer takes its data-parallel shard itself (`engines.megatron.batches`). Results are identical on every rank
 (log-probs of the whole batch, the step's metrics), so the caller never needs to know the parallel layout.
 
-Step. One megatron pipeline schedule per step runs this rank's micro-batches (padded rows, see `batches`);
+Step. One megatron pipeline schedule per step runs this rank's micro-batches (packed rows, see `batches`);
 the loss of each micro-batch is the `Loss` object built in `policies/`, already normalised by the step's global
 counts (its denominators come from the whole batch, which every rank holds). So gradients must be SUMMED over
 micro-batches and DP ranks: `calculate_per_token_loss` stops the schedule from dividing by the micro-batch
@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engines.megatron import collectives, optimizer, parallel
-from engines.megatron.batches import PaddedMicroBatch, plan_padded_micro_batches, shard_for_rank
+from engines.megatron.batches import MicroBatch, plan_micro_batches, shard_for_rank
 from engines.megatron.bridge import HFBridge
 from engines.megatron.config import MegatronTrainerConfig
 from engines.megatron.cpu_compat import maybe_cpu_compat
@@ -109,7 +109,7 @@ class MegatronTrainer(Trainer):
         log_probs = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device)
         entropy = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device) if with_entropy else None
 
-        def collect(micro_batch: PaddedMicroBatch, outputs: ModelOutputs) -> Tensor:
+        def collect(micro_batch: MicroBatch, outputs: ModelOutputs) -> Tensor:
             lengths = list(micro_batch.response_lengths)
             for index, values in zip(micro_batch.members, outputs.log_probs.split(lengths), strict=True):
                 log_probs[offsets[index] : offsets[index + 1]] = values.float()
@@ -145,7 +145,7 @@ class MegatronTrainer(Trainer):
         counts = (count_loss_tokens(samples), len(samples))  # the whole batch: every rank holds it
         stats = _StepStats()
 
-        def loss_of(micro_batch: PaddedMicroBatch, outputs: ModelOutputs) -> Tensor:
+        def loss_of(micro_batch: MicroBatch, outputs: ModelOutputs) -> Tensor:
             assert micro_batch.batch is not None
             value, metrics = loss(outputs, micro_batch.batch)
             base.check_loss(value)
@@ -247,13 +247,14 @@ class MegatronTrainer(Trainer):
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _micro_batches(self, samples: Sequence[TrainSample], *, with_batch: bool) -> list[PaddedMicroBatch]:
+    def _micro_batches(self, samples: Sequence[TrainSample], *, with_batch: bool) -> list[MicroBatch]:
         rank, ranks = parallel.dp_rank_and_size()
         members = shard_for_rank([int(s.tokens.numel()) for s in samples], ranks, rank)
-        return plan_padded_micro_batches(
+        return plan_micro_batches(
             samples,
             members,
             self.config.micro_batch_tokens,
+            qkv_format=self.config.qkv_format,
             with_batch=with_batch,
             device=self._device,
             pad_multiple=parallel.tp_size() if self._bridge.sequence_parallel else 1,
@@ -262,8 +263,8 @@ class MegatronTrainer(Trainer):
     def _run_schedule(
         self,
         network: nn.Module,
-        micro_batches: list[PaddedMicroBatch],
-        on_outputs: Callable[[PaddedMicroBatch, ModelOutputs], Tensor],
+        micro_batches: list[MicroBatch],
+        on_outputs: Callable[[MicroBatch, ModelOutputs], Tensor],
         temperature: float,
         with_entropy: bool,
         *,
@@ -278,7 +279,7 @@ class MegatronTrainer(Trainer):
         # `vocab_parallel_log_probs` upcasts the selected rows it reads, so the numbers are the same.
         model_kwargs = {"fp32_output": False} if self._bridge.transformer_config.bf16 else {}
 
-        def loss_func(micro_batch: PaddedMicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        def loss_func(micro_batch: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
             selected = logits[micro_batch.logit_rows, micro_batch.logit_columns]
             outputs = vocab_parallel_log_probs(
                 selected,
@@ -289,9 +290,10 @@ class MegatronTrainer(Trainer):
             )
             return on_outputs(micro_batch, outputs), one_token, {}
 
-        def forward_step(data: Iterator[PaddedMicroBatch], model: nn.Module) -> tuple[Tensor, Callable[..., Any]]:
+        def forward_step(data: Iterator[MicroBatch], model: nn.Module) -> tuple[Tensor, Callable[..., Any]]:
             micro_batch = next(data)
-            output = model(micro_batch.input_ids, micro_batch.position_ids, None, **model_kwargs)
+            packing = {"packed_seq_params": micro_batch.packed_seq_params} if micro_batch.packed_seq_params else {}
+            output = model(micro_batch.input_ids, micro_batch.position_ids, None, **packing, **model_kwargs)
             return output, functools.partial(loss_func, micro_batch)
 
         if not micro_batches:

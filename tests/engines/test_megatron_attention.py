@@ -61,5 +61,5 @@ def test_an_explicit_mask_takes_megatrons_own_path(megatron_world: None) -> None
         query, key, value = (torch.randn(6, 2, 4, 16, generator=generator).to(device) for _ in range(3))
         mask = torch.rand(2, 1, 6, 6, generator=generator) > 0.7  # True = masked out, megatron's convention
         mask = (mask & ~torch.eye(6, dtype=torch.bool)).to(device)  # every query keeps at least itself
-        assert not fused._fused_path_applies(query, key, mask, None, None, None)
+        assert not fused._fused_path_applies(query, key, mask, None, None)
         torch.testing.assert_close(fused(query, key, value, mask), reference(query, key, value, mask))

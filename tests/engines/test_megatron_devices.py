@@ -7,6 +7,7 @@ backend, so the CUDA branch is checked without CUDA.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engines.megatron import parallel
-from engines.megatron.batches import plan_padded_micro_batches
+from engines.megatron.batches import QKV_FORMATS, plan_micro_batches, plan_padded_micro_batches
 from engines.training import TrainSample
 
 pytest.importorskip("megatron.core")
@@ -77,12 +78,15 @@ def test_an_existing_gloo_world_is_refused_for_a_cuda_model() -> None:
 def test_every_micro_batch_tensor_is_built_on_the_requested_device() -> None:
     samples = _samples()
     meta = torch.device("meta")
-    for with_batch in (False, True):
-        micro_batches = plan_padded_micro_batches(samples, [0, 1, 2, 3], 40, with_batch=with_batch, device=meta)
+    for with_batch, qkv_format in itertools.product((False, True), QKV_FORMATS):
+        micro_batches = plan_micro_batches(
+            samples, [0, 1, 2, 3], 30, qkv_format=qkv_format, with_batch=with_batch, device=meta
+        )
         assert len(micro_batches) > 1
         for micro_batch in micro_batches:
             tensors = micro_batch.tensors()
             assert ("batch.advantages" in tensors) is with_batch
+            assert ("cu_seqlens" in tensors) is (qkv_format == "thd")
             assert {name: t.device for name, t in tensors.items()} == {name: meta for name in tensors}
 
 

@@ -11,7 +11,8 @@ CPU in this process (as `test_megatron_parity.py` does on gloo).
   log-probs (summed over NCCL) and the step equal the one-rank ones.
 - "plain": one GPU, a frozen reference model (what a KL term needs) and no distributed optimizer: every parameter
   of both models is on the GPU (the local spec's norms were left on the CPU unless that optimizer's buffer took
-  them), and the reference's log-probs equal the policy's before the step.
+  them), and the reference's log-probs equal the policy's before the step. Its rows are padded (`bshd`); the
+  other runs pack them (`thd`, the default: TE's varlen attention, or `SdpaAttention`'s packed path without TE).
 
 Tolerances. With transformer-engine's layer spec, TE runs float32 GEMMs in TF32 (cuBLASLt
 CUBLAS_COMPUTE_32F_FAST_TF32), so fp32 results agree to TF32 precision (~1e-3) only; with the local spec torch's
@@ -53,10 +54,11 @@ class Run:
     resume: bool = False
     reference: bool = False
     distributed_optimizer: bool = True
+    qkv_format: str = "thd"
 
 
 RUNS = {"fp32": Run(resume=True), "bf16": Run(dtype="bfloat16"), "dp2": Run(world=2),
-        "plain": Run(reference=True, distributed_optimizer=False)}
+        "plain": Run(reference=True, distributed_optimizer=False, qkv_format="bshd")}
 
 
 policy_loss = step_loss(seeded_batch())  # every step of these tests trains on this one batch
@@ -68,7 +70,7 @@ def _config(model_path: Path, run: Run):
     return MegatronTrainerConfig(
         model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS, dtype=run.dtype,
         ref_model_path=model_path if run.reference else None, use_distributed_optimizer=run.distributed_optimizer,
-        **OPTIMIZER,
+        qkv_format=run.qkv_format, **OPTIMIZER,
     )
 
 

@@ -72,7 +72,7 @@ def hook_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 def _megatron_run(model_path: Path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(model_path), "--train-backend", "megatron", "--lr", "0.01",
-            "--micro-batch-tokens", "60", *extra]
+            "--micro-batch-tokens", "30", *extra]
 
 
 @pytest.mark.unit
