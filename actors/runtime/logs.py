@@ -4,6 +4,8 @@ Every record carries role, actor id, node and pid, so the merged logs of a many-
 per actor without guessing which process printed what. Every actor of a node shares the launcher's terminal, so
 each console record goes out in one write (lines of two actors never splice), and what libraries would print on
 their own (Hugging Face progress bars, c10d's C++ warnings with their stack traces) is turned off before they load.
+Python warnings become records too (`route_python_warnings`): an installed library's at info level, kept in the
+log file but off the console by default, since its user can do nothing about them; the rest at warning.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import sysconfig
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -137,3 +141,37 @@ def configure_logging(
     )
     structlog.contextvars.bind_contextvars(role=role, actor_id=actor_id, node=node, pid=os.getpid())
     return structlog.get_logger()
+
+
+# Files whose warnings are a library's although they are ours: megatron's CPU path forwards every torch call that
+# megatron makes through this module's torch-function mode, so Python attributes megatron's warnings to it.
+_PASS_THROUGH_FILES = (str(Path(__file__).resolve().parents[2] / "engines" / "megatron" / "cpu_compat.py"),)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(sorted({os.path.join(os.path.realpath(paths[key]), "") for key in ("purelib", "platlib")}))
+
+
+def is_library_file(filename: str) -> bool:
+    """Is this source file part of an installed package (site-packages), or forwards one's calls?"""
+    path = os.path.realpath(filename)
+    return path.startswith(_library_dirs()) or path in _PASS_THROUGH_FILES
+
+
+def route_python_warnings() -> None:
+    """Send this process's Python warnings to its structured log instead of raw lines on the shared terminal.
+
+    megatron alone prints some twenty lines at start-up (Transformer Engine and apex missing, torch.distributed
+    calls torch has deprecated, its own optimizer touching a non-leaf `.grad`). Python's filters still decide
+    which warnings are shown (each location once, by default); this decides where: a library's at info (the log
+    file), any other (our code, a user's plugin) at warning, on the console as well.
+    """
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        log = structlog.get_logger()
+        emit = log.info if is_library_file(filename) else log.warning
+        emit("python warning", category=category.__name__, message=str(message), where=f"{filename}:{lineno}")
+
+    warnings.showwarning = show

@@ -23,7 +23,7 @@ from actors.config import CONFIG_ERRORS
 from actors.runtime import chaos
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import EXIT_BAD_CONFIG, report_bad_config
-from actors.runtime.logs import configure_logging, quiet_library_output
+from actors.runtime.logs import configure_logging, quiet_library_output, route_python_warnings
 from actors.runtime.roles import resolve_actor_class
 
 
@@ -61,6 +61,7 @@ def run_actor(context: ActorContext) -> int:
     configure_logging(role=context.role, actor_id=context.actor_id, node=context.node_rank,
                       log_dir=context.log_dir, file_level=context.settings.log_level,
                       console_level=context.settings.console_log_level)
+    route_python_warnings()
     run = asyncio.run
     with contextlib.suppress(ImportError):
         import uvloop

@@ -108,3 +108,30 @@ def test_console_lines_of_two_actors_sharing_one_pipe_never_splice(tmp_path: Pat
     assert spliced == []
     seen = {(int(pid), int(number)) for pid, number in (whole.search(line).groups() for line in lines)}
     assert seen == {(writer.pid, number) for writer in writers for number in range(lines_each)}
+
+
+WARNER = """
+import os, sys, sysconfig, warnings
+from pathlib import Path
+from actors.runtime.logs import configure_logging, route_python_warnings
+configure_logging(role="warner", actor_id="warner", node=0, log_dir=Path(sys.argv[1]), console_level="warning")
+route_python_warnings()
+library = os.path.join(sysconfig.get_paths()["purelib"], "somelib", "kernels.py")
+warnings.warn_explicit("Apex is not installed, falling back", UserWarning, library, 21)
+warnings.warn("my reward plugin is deprecated", UserWarning)
+"""
+
+
+@pytest.mark.integration
+def test_a_librarys_python_warning_goes_to_the_log_file_and_a_plugins_to_the_console_too(tmp_path: Path) -> None:
+    """megatron's start-up warnings (TE and apex missing, deprecated torch calls) filled a megatron run's terminal
+    with some twenty raw lines; they belong in the actor's log, while a warning from a user's code stays in view."""
+    completed = subprocess.run([sys.executable, "-c", WARNER, str(tmp_path)], cwd=REPO, env=launcher_env(),
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert "Apex is not installed" not in completed.stderr
+    assert re.search(r"\[warning\s*\] python warning .*message='my reward plugin is deprecated'", completed.stderr)
+    records = (tmp_path / "warner.jsonl").read_text(encoding="utf-8").splitlines()
+    library = [line for line in records if "Apex is not installed" in line]
+    assert len(library) == 1 and '"level": "info"' in library[0] and "somelib" in library[0]
+    assert any("my reward plugin is deprecated" in line and '"level": "warning"' in line for line in records)
