@@ -37,27 +37,27 @@ from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
 from actors.runtime.head_watch import stop_node_when_head_lost
+from actors.runtime.node_roles import (
+    SINGLETON_ROLES,
+    LaunchError,
+    node_actor_counts,
+    node_gpus,
+    worker_node_roles,
+)
 from actors.runtime.placement import (
     NodePlacement,
     PlacementError,
     place_node,
     visible_devices,
-    visible_gpus,
     weight_transport,
 )
 from actors.runtime.progress import follow_progress
-from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES, resolve_actor_class
+from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
 
-SINGLETON_ROLES = ("controller", "buffer", "learner")
-SCALED_ROLES = {"rollout": "rollout_workers", "reward": "reward_workers"}  # role -> its count's argument
 CUSTOM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-class LaunchError(Exception):
-    """A problem with the command line or this node, reported as one line before anything starts."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -196,31 +196,6 @@ def wait_for_head(address: str, timeout: float) -> None:
             time.sleep(0.5)
 
 
-def node_roles(args: argparse.Namespace, customs: dict[str, str]) -> dict[str, int]:
-    """Role -> how many of its actors this node runs, in start order (the controller first)."""
-    default_roles = list(HEAD_ROLES) if args.head else list(SCALED_ROLES)
-    roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else default_roles
-    roles += [name for name in customs if name not in roles]
-    known = set(BUILTIN_ROLES) | set(customs)
-    for role in roles:
-        if role not in known:
-            raise LaunchError(f"--roles: unknown role {role!r}; known: {', '.join(sorted(known))}")
-    if "controller" in roles and not args.head:
-        raise LaunchError("--roles controller needs --head (the controller lives on the head node)")
-
-    counts: dict[str, int] = {}
-    for role in roles:
-        if role in customs:
-            counts[role] = getattr(args, f"{role}_workers")
-        elif role in SCALED_ROLES:
-            counts[role] = getattr(args, SCALED_ROLES[role])
-        else:
-            counts[role] = 1
-        if counts[role] < 0:
-            raise LaunchError(f"number of {role} actors must be >= 0, got {counts[role]}")
-    return counts
-
-
 def custom_actor_problems(customs: dict[str, str]) -> list[str]:
     """Each custom actor class that does not load (a built-in one is known to; importing the learner's would cost
     ~1.5 s)."""
@@ -265,25 +240,6 @@ def head_from_rendezvous(args: argparse.Namespace) -> str:
         return cluster_env.read_rendezvous(args.rendezvous_file, cluster_env.job_key(), args.connect_timeout)
     except TimeoutError as error:
         raise LaunchError(str(error)) from None
-
-
-def worker_node_roles(args: argparse.Namespace, customs: dict[str, str],
-                      node: cluster_env.ClusterNode | None, config: RunConfig) -> dict[str, int]:
-    """On the head of a scheduled job of N nodes, the actors the other N - 1 run in all, by role: every node runs
-    this same command, so each runs what it gives a worker node (on nodes like this one: a scheduler's job is
-    homogeneous). The head's controller counts them among the actors it expects: the run is "starting" until they
-    registered, and its start-up report names the missing."""
-    if node is None or not node.is_head or not node.nodes or node.nodes < 2:
-        return {}
-    rollout_workers = args.rollout_workers
-    if rollout_workers is None:
-        rollout_workers = default_rollout_workers(config, head=False)
-    worker = argparse.Namespace(**{**vars(args), "head": False, "rollout_workers": rollout_workers})
-    try:
-        counts = node_roles(worker, customs)
-    except LaunchError:  # --roles that only the head can run (the controller): no worker node joins
-        return {}
-    return {role: count * (node.nodes - 1) for role, count in counts.items() if count}
 
 
 def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[str, int], head_address: str,
@@ -350,32 +306,6 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     return contexts, config
 
 
-def default_rollout_workers(config: RunConfig, *, head: bool, learner_node: bool = False) -> int:
-    """Rollout workers on a node when --rollout-workers is not given. The head: --rollout-num-gpus /
-    --rollout-num-gpus-per-engine when that is given (the rest of its GPUs train), else 1. Any other node is a
-    rollout node: one engine per --rollout-num-gpus-per-engine of its GPUs, and 1 without GPUs; a node of the
-    learner (`learner_node`) counts only the GPUs its learner ranks leave, and runs no engine when none are left."""
-    per_engine = config.engine.rollout_num_gpus_per_engine
-    if head:
-        rollout_gpus = config.placement.rollout_num_gpus
-        return rollout_gpus // per_engine if rollout_gpus is not None else 1
-    gpus = node_gpus(config)
-    if learner_node and gpus:
-        return max(0, gpus - learner_ranks_per_node(config)) // per_engine
-    if gpus < per_engine:
-        return 1
-    try:
-        return gpus // per_engine if engine_needs_gpu(config) else 1
-    except ValueError as error:
-        raise LaunchError(f"--rollout-engine: {error}") from None
-
-
-def node_gpus(config: RunConfig) -> int:
-    """The GPUs this node may use: those it sees, at most --num-gpus-per-node."""
-    seen = visible_gpus()
-    return seen if config.placement.num_gpus_per_node is None else min(config.placement.num_gpus_per_node, seen)
-
-
 def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int,
                  rollout_needs_gpu: bool = True) -> NodePlacement:
     try:
@@ -416,16 +346,11 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     os.environ.update(slime.env)  # inherited by every actor this launcher starts
     if slime.note():
         print(f"launcher.py: {slime.note()}", file=sys.stderr)
-    other_nodes = worker_node_roles(args, customs, node, config)
+    other_nodes = worker_node_roles(args, customs, node.nodes if node is not None and node.is_head else None, config)
     if args.head and config.placement.actor_num_nodes > 1 and config.placement.learner_world_address is None:
         # before any node asks for the settings: every node's learner ranks meet rank 0 here, at every restart
         config = config.with_settings(learner_world_address=f"tcp://{args.host}:{free_port(args.host)}")
-    learner_node = not args.head and 0 < args.node_rank < config.placement.actor_num_nodes
-    if args.rollout_workers is None:
-        args.rollout_workers = default_rollout_workers(config, head=args.head, learner_node=learner_node)
-    counts = node_roles(args, customs)
-    if learner_node and args.roles is None:
-        counts = {"learner-ranks": 1, **counts}
+    counts = node_actor_counts(args, customs, config)
     if config.learner.load_debug_rollout_data and args.roles is None:
         # a replay's learner reads its batches from disk: a buffer would have no prompts, and crash until the
         # launcher gave up on it (the run failed whenever the replay took longer than its restarts)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import launcher
+from actors.runtime import node_roles
 from actors.runtime.cpu_budget import CpuShare, plan_cpu_budget
 from tests.support.launch_inputs import minimal_inputs
 
@@ -41,7 +42,7 @@ def test_no_budget_where_the_os_should_place_the_actors(case: dict) -> None:
 
 
 def _contexts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str):
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(node_roles, "visible_gpus", lambda: 0)
     monkeypatch.setattr(launcher, "usable_cores", lambda: (0, 1))
     contexts, _args, _run_dir = launcher.prepare(["--head", "--run-dir", str(tmp_path / "run"),
                                                   *minimal_inputs(tmp_path), "--rollout-workers", "2", *flags])

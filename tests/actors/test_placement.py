@@ -10,6 +10,7 @@ import pytest
 import launcher
 from actors.config import build_config, config_from_args
 from actors.learner.publish import transport_name
+from actors.runtime import node_roles
 from actors.runtime.cluster_env import ClusterNode
 from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
 from engines.weights.names import SGLANG_LORA, SGLANG_TENSOR
@@ -126,7 +127,7 @@ def test_colocate_puts_every_engine_on_the_learners_gpu_and_reads_its_memory() -
 
 
 def _prepare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int, *flags: str) -> tuple[list, Path]:
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(node_roles, "visible_gpus", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     contexts, _, run_dir = launcher.prepare(["--head", "--run-dir", str(tmp_path / "run"), *minimal_inputs(tmp_path),
                                              *flags])
@@ -209,19 +210,19 @@ def test_every_sglang_server_gets_its_own_seed() -> None:
 def test_a_worker_node_runs_an_engine_per_gpus_per_engine_and_the_head_expects_as_many_of_each_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
+    monkeypatch.setattr(node_roles, "visible_gpus", lambda: 8)
     args = launcher.build_parser().parse_args([*minimal_inputs(tmp_path), "--rollout-engine", "sglang",
                                                "--rollout-num-gpus-per-engine", "2"])
     config = config_from_args(args)
-    assert launcher.default_rollout_workers(config, head=False) == 4
-    assert launcher.default_rollout_workers(config, head=True) == 1  # no --rollout-num-gpus: the head's GPUs train
+    assert node_roles.default_rollout_workers(config, head=False) == 4
+    assert node_roles.default_rollout_workers(config, head=True) == 1  # no --rollout-num-gpus: the head's GPUs train
     head_of_three = ClusterNode(scheduler="slurm", rank=0, nodes=3, head_host="gpu01", head_port=21234)
-    assert launcher.worker_node_roles(args, {}, head_of_three, config) == {"rollout": 8, "reward": 2}
+    assert node_roles.worker_node_roles(args, {}, head_of_three.nodes, config) == {"rollout": 8, "reward": 2}
     capped = config_from_args(launcher.build_parser().parse_args(
         [*minimal_inputs(tmp_path), "--rollout-engine", "sglang", "--num-gpus-per-node", "4"]))
-    assert launcher.default_rollout_workers(capped, head=False) == 4
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
-    assert launcher.default_rollout_workers(config, head=False) == 1
+    assert node_roles.default_rollout_workers(capped, head=False) == 4
+    monkeypatch.setattr(node_roles, "visible_gpus", lambda: 0)
+    assert node_roles.default_rollout_workers(config, head=False) == 1
 
 
 @pytest.mark.unit
@@ -242,13 +243,31 @@ def test_a_learner_on_two_nodes_takes_the_first_gpus_of_each_and_meets_at_an_add
                                                *minimal_inputs(tmp_path), "--rollout-num-gpus-per-engine", "2"])
     args.host = "127.0.0.1"
     node = config.with_settings(rollout_num_gpus_per_engine=2)
-    assert launcher.default_rollout_workers(node, head=False, learner_node=True) == 2
-    assert launcher.default_rollout_workers(node, head=False) == 4  # a node outside the learner
+    assert node_roles.default_rollout_workers(node, head=False, learner_node=True) == 2
+    assert node_roles.default_rollout_workers(node, head=False) == 4  # a node outside the learner
     contexts, _ = launcher.plan_actors(args, {}, {"learner-ranks": 1, "rollout": 2}, "tcp://127.0.0.1:1",
                                        tmp_path / "run", node)
     assert {context.actor_id: context.cuda_visible_devices for context in contexts} == {
         "learner-ranks-1-0": "0,1,2,3", "rollout-1-0": "4,5", "rollout-1-1": "6,7"}
     assert contexts[0].actor_class == "actors.learner.remote_ranks:RemoteLearnerRanks"
+
+
+@pytest.mark.unit
+def test_the_head_of_a_scheduled_job_expects_each_learner_nodes_ranks_and_only_the_engines_they_leave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four 8-GPU nodes, a learner on the first two: node 1 runs its learner ranks and the 2 engines its 4 free GPUs
+    hold (2 GPUs each), nodes 2 and 3 run 4 engines each. The head counted 4 engines and no ranks on node 1, so a
+    run whose every actor had registered stayed "starting" (with the start-up hang limit) and named engines
+    that were never to exist as missing."""
+    contexts, _ = _prepare(tmp_path, monkeypatch, 8, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4",
+                           "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2")
+    config = contexts[0].settings.run
+    args = launcher.build_parser().parse_args(["--head", *minimal_inputs(tmp_path)])
+    assert node_roles.worker_node_roles(args, {}, 4, config) == {"learner-ranks": 1, "rollout": 2 + 4 + 4,
+                                                                 "reward": 3}
+    expected = next(context for context in contexts if context.role == "controller").settings.expected_roles
+    assert expected == {"buffer": 1, "learner": 1, "rollout": 2, "reward": 1}  # no scheduler here: one node
 
 
 @pytest.mark.unit
