@@ -2,14 +2,17 @@
 
 A plugin changes ``from slime.utils.http_utils import post`` to ``from actors.slime_compat import post``. One
 aiohttp session per event loop; a failed request is retried a few times, then raises with the URL in the message.
+aiohttp is imported at the first request: importing it costs 0.11 s, and this package loads in every rollout
+worker, plugin or not.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
+if TYPE_CHECKING:
+    import aiohttp
 
 __all__ = ["close_session", "get", "post"]
 
@@ -17,6 +20,8 @@ _sessions: dict[int, aiohttp.ClientSession] = {}
 
 
 def _session() -> aiohttp.ClientSession:
+    import aiohttp
+
     loop_id = id(asyncio.get_running_loop())
     session = _sessions.get(loop_id)
     if session is None or session.closed:
@@ -33,6 +38,8 @@ async def close_session() -> None:
 
 async def post(url: str, payload: dict[str, Any], max_retries: int = 3, headers: dict[str, str] | None = None) -> Any:
     """POST JSON, return the decoded JSON reply."""
+    import aiohttp
+
     last: Exception | None = None
     for attempt in range(max(1, max_retries)):
         try:

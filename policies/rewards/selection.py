@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.registry import GROUP_REWARDS, resolve_group_reward, resolve_reward
-from policies.rewards.remote import RemoteRewardModel
 
 __all__ = ["RewardSpec", "build_reward"]
 
@@ -46,6 +45,8 @@ def build_reward(
     if rm_type == REMOTE_RM_TYPE:
         if not rm_url:
             raise ValueError("rm_type='remote_rm' needs rm_url (--rm-url)")
+        from policies.rewards.remote import RemoteRewardModel  # aiohttp: 0.11 s that only a remote model needs
+
         model = RemoteRewardModel(rm_url, timeout_s=remote_timeout_s, max_retries=remote_max_retries)
         return RewardSpec(name=rm_type, fn=model, is_group=False)
     if group_rm and rm_type in GROUP_REWARDS.names():

@@ -167,6 +167,21 @@ def test_a_rollout_worker_process_loads_neither_torch_nor_transformers_until_its
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.unit
+def test_no_actor_module_imports_aiohttp_unless_an_http_feature_is_used() -> None:
+    """aiohttp costs 0.11 s to import; the rollout worker's modules sit in the actor template's heavy preload, which
+    the learner and every rollout worker wait for, and only agents, slime's HTTP helpers, remote reward models
+    and SGLang need it."""
+    code = ("import sys; from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class; "
+            "[resolve_actor_class(path) for path in BUILTIN_ROLES.values()]; "
+            "import actors.rollout.engine_factory, actors.learner.trainer_factory; "
+            "from policies.rewards.selection import build_reward; "
+            "print('aiohttp' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(40)
 async def test_a_synchronous_worker_starts_the_next_batch_when_the_weights_land_not_when_the_version_is_announced(
