@@ -13,6 +13,7 @@ and prints one table:
 3. the same run with `--train-backend megatron` (TP=1), when megatron-core is installed;
 3b. a colocated LoRA run (`--colocate --lora-rank 8`): on-policy turns on the learner's device, the adapter pushed
    alone (CUDA IPC on a GPU, shared memory on CPUs), the learner's optimizer state offloaded between steps;
+3c. one Megatron train step on packed rows (THD) against padded rows, same batch (`bench_megatron_packing.py`);
 4. the torch engine's tokens/s against HF `generate()` on the same device and model, same workload;
 5. one train step of the torch trainer against a bare HF forward + backward + AdamW step on the same batch;
 6. one weight sync through the transport a run would use (CUDA IPC on one GPU, gloo on the CPU) against a raw
@@ -43,14 +44,8 @@ SITE = REPO / ".cache" / "gpu-check-site"
 if str(REPO) not in sys.path:  # run as `python tools/gpu_check.py` on a machine where the repo is not installed
     sys.path.insert(0, str(REPO))
 
-
-@dataclass
-class Row:
-    check: str
-    status: str  # ok / FAILED / skipped
-    result: str
-    baseline: str = ""
-    seconds: float = 0.0
+from tools.gpu_check_row import Row  # noqa: E402
+from tools.gpu_check_runs import check_megatron_step, check_run  # noqa: E402
 
 
 def install_wheels(folder: Path) -> None:
@@ -84,59 +79,6 @@ def check_gpu_tests(cpu: bool, quick: bool) -> Row:
     ok = completed.returncode == 0 and failed is None
     detail = tail if ok else tail + "\n" + _failures(completed.stdout)
     return Row("pytest -m gpu", "ok" if ok else "FAILED", detail)
-
-
-# check -> (row name, the run's own flags): a fully-async run per training backend, and a colocated LoRA run (the
-# engines on the learner's device taking turns, the adapter pushed alone: CUDA IPC on a GPU, shared memory on CPUs).
-RUNS = {
-    "torch": ("run: torch engine + torch trainer", ["--train-backend", "torch", "--max-staleness", "1"]),
-    "megatron": ("run: megatron TP=1", ["--train-backend", "megatron", "--max-staleness", "1"]),
-    "colocate": ("run: colocated, LoRA adapter", ["--train-backend", "torch", "--colocate", "--lora-rank", "8",
-                                                   "--lora-alpha", "16"]),
-}
-
-
-def check_run(variant: str, cpu: bool, quick: bool, workdir: Path) -> Row:
-    """A short run through the launcher; ok if it exits 0 having trained every step."""
-    name, flags = RUNS[variant]
-    if variant == "megatron":
-        try:
-            import megatron.core  # noqa: F401
-        except ImportError as error:
-            return Row("run: megatron TP=1", "skipped", f"megatron-core not installed ({error})")
-    from engines.tiny_model import TinyModelSpec, cached_tiny_model
-    from tools.make_arithmetic_data import make_arithmetic_data
-
-    model = cached_tiny_model(REPO / ".cache" / "models", TinyModelSpec(family="qwen2", max_position_embeddings=64))
-    data = make_arithmetic_data(workdir / "data", max_operand=9, eval_size=10, sft_size=20)
-    steps = 4 if quick else 12
-    run_dir = workdir / f"run-{variant}"
-    command = [sys.executable, "launcher.py", "--head", "--run-dir", str(run_dir), "--hf-checkpoint", str(model),
-               "--prompt-data", str(data["train"]), *flags, "--num-rollout", str(steps),
-               "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
-               "--rollout-workers", "2", "--reward-workers", "1", "--lr", "1e-4",
-               "--rm-type", "exact_match", "--no-progress", "--no-use-tensorboard", "--no-plots",
-               "--final-eval-timeout", "0", "--weight-transfer-timeout", "60"]
-    env = dict(os.environ)
-    if cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    started = time.monotonic()
-    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=env,
-                               check=False)
-    seconds = time.monotonic() - started
-    transport = _effective(run_dir, "weights", "weight_transport")
-    trained = _trained_steps(run_dir)
-    placement = next((line for line in completed.stderr.splitlines() if line.startswith("placement")), "")
-    counters = _learner_counters(run_dir)
-    summary = (f"{trained}/{steps} steps in {seconds:.0f}s, weights over {transport} "
-               f"({counters.get('weights.pushed', 0)} pushes, {counters.get('weights.pushed_beside_step', 0)} "
-               "beside a step)")
-    if placement:
-        summary += f"; {placement}"
-    if completed.returncode != 0 or trained < steps:
-        return Row(name, "FAILED", f"exit {completed.returncode}, {summary}\n{completed.stderr[-1500:]}",
-                   seconds=seconds)
-    return Row(name, "ok", summary, seconds=seconds)
 
 
 def check_engine_speed(device: str, quick: bool) -> Row:
@@ -373,32 +315,6 @@ class _on_device:
             self.model.generate = self.original
 
 
-def _effective(run_dir: Path, section: str, key: str) -> str:
-    """A setting as the run recorded it (RUN_DIR/config.yaml is written by section)."""
-    import yaml
-
-    path = run_dir / "config.yaml"
-    return str(yaml.safe_load(path.read_text()).get(section, {}).get(key)) if path.exists() else "?"
-
-
-def _trained_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics" / "train.jsonl"
-    if not path.exists():
-        return 0
-    return sum(1 for line in path.read_text().splitlines() if line.strip())
-
-
-def _learner_counters(run_dir: Path) -> dict[str, int]:
-    """The learner's counters from its "actor stopped" log line: whether pushes ran beside a step shows there."""
-    path = run_dir / "logs" / "learner.jsonl"
-    if not path.exists():
-        return {}
-    for line in reversed(path.read_text().splitlines()):
-        if '"actor stopped"' in line:
-            return json.loads(line).get("counters", {})
-    return {}
-
-
 def _failures(output: str) -> str:
     return "\n".join(line for line in output.splitlines() if line.startswith(("FAILED", "ERROR")))[-1500:]
 
@@ -436,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (offline machine)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks: tests run megatron colocate "
-                        "engine train sync")
+                        "megatron-step engine train sync")
     args = parser.parse_args(argv)
     if args.wheels is not None:
         install_wheels(args.wheels)
@@ -453,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             "run": lambda: check_run("torch", args.cpu, args.quick, workdir),
             "megatron": lambda: check_run("megatron", args.cpu, args.quick, workdir),
             "colocate": lambda: check_run("colocate", args.cpu, args.quick, workdir),
+            "megatron-step": lambda: check_megatron_step(args.cpu, args.quick, workdir),
             "engine": lambda: check_engine_speed(device, args.quick),
             "train": lambda: check_train_step(device, args.quick),
             "sync": lambda: check_weight_sync(device, args.quick),

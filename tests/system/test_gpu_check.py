@@ -23,7 +23,7 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(report.read_text())["rows"]}
-    assert len(rows) == 7, sorted(rows)
+    assert len(rows) == 8, sorted(rows)
     assert all(row["status"] in ("ok", "skipped") for row in rows.values()), rows
     assert rows["run: torch engine + torch trainer"]["status"] == "ok"
     assert "weights over gloo" in rows["run: torch engine + torch trainer"]["result"]
@@ -31,4 +31,6 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
     assert pushes and int(pushes[1]) >= 4 and int(pushes[2]) <= int(pushes[1]), rows  # at least one push a step
     assert rows["run: colocated, LoRA adapter"]["status"] == "ok"
     assert "weights over shm" in rows["run: colocated, LoRA adapter"]["result"]
+    megatron_step = rows["megatron step: packed (thd) vs padded rows"]
+    assert megatron_step["status"] == "ok" and "of padded slots were padding" in megatron_step["result"], rows
     assert "Slipstream GPU check on CPU" in completed.stdout
