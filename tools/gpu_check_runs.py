@@ -25,11 +25,8 @@ RUNS = {
 def check_run(variant: str, cpu: bool, quick: bool, workdir: Path) -> Row:
     """A short run through the launcher; ok if it exits 0 having trained every step."""
     name, flags = RUNS[variant]
-    if variant == "megatron":
-        try:
-            import megatron.core  # noqa: F401
-        except ImportError as error:
-            return Row("run: megatron TP=1", "skipped", f"megatron-core not installed ({error})")
+    if variant == "megatron" and (missing := _megatron_missing()):
+        return Row(name, "skipped", missing)
     from engines.tiny_model import TinyModelSpec, cached_tiny_model
     from tools.make_arithmetic_data import make_arithmetic_data
 
@@ -69,10 +66,8 @@ def check_megatron_step(cpu: bool, quick: bool, workdir: Path) -> Row:
     """One Megatron train step on packed rows (THD, the default) against padded rows: `bench_megatron_packing`,
     in its own process (a megatron world of its own, torn down with it)."""
     name = "megatron step: packed (thd) vs padded rows"
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as error:
-        return Row(name, "skipped", f"megatron-core not installed ({error})")
+    if missing := _megatron_missing():
+        return Row(name, "skipped", missing)
     out = workdir / "megatron-step.json"
     command = [sys.executable, "tools/bench_megatron_packing.py", "--json", str(out),
                *(["--quick"] if quick else ["--repeats", "3"])]
@@ -85,6 +80,15 @@ def check_megatron_step(cpu: bool, quick: bool, workdir: Path) -> Row:
     return Row(name, "ok", f"{packed['seconds'] * 1000:.1f} ms ({packed['speedup']:.2f}x the padded rows' tokens/s)"
                f", {padded['padded_fraction']:.0%} of padded slots were padding",
                f"{padded['seconds'] * 1000:.1f} ms")
+
+
+def _megatron_missing() -> str:
+    """Why a Megatron row cannot run here, or "" when it can."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as error:
+        return f"megatron-core not installed ({error})"
+    return ""
 
 
 def _effective(run_dir: Path, section: str, key: str) -> str:

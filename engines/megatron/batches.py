@@ -100,67 +100,47 @@ def plan_micro_batches(
     as `qkv_format` says (see the module docstring), their tensors on `device`."""
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
-    if qkv_format == "thd":
-        return plan_packed_micro_batches(
-            samples, members, token_budget, with_batch=with_batch, device=device, pad_multiple=pad_multiple
-        )
-    if qkv_format == "bshd":
-        return plan_padded_micro_batches(
-            samples, members, token_budget, with_batch=with_batch, device=device, pad_multiple=pad_multiple
-        )
-    raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
-
-
-def plan_packed_micro_batches(
-    samples: Sequence[TrainSample],
-    members: Sequence[int],
-    token_budget: int,
-    *,
-    with_batch: bool,
-    device: torch.device | str = "cpu",
-    pad_multiple: int = 1,
-) -> list[MicroBatch]:
-    """Packs of at most `token_budget` tokens, filled first-fit, longest sample first (fewest forward passes)."""
+    if qkv_format not in QKV_FORMATS:
+        raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
     lengths = [int(samples[index].tokens.numel()) for index in members]
+    if qkv_format == "thd":
+        groups, build = _first_fit_packs(lengths, token_budget), _pack
+    else:
+        groups, build = _similar_length_rows([_round_up(n, pad_multiple) for n in lengths], token_budget), _pad
+    device = torch.device(device)
+    return [build([members[p] for p in sorted(group)], samples, with_batch, device, pad_multiple) for group in groups]
+
+
+def _first_fit_packs(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Packs of at most `token_budget` tokens, filled first-fit, longest sample first (fewest forward passes)."""
     packs: list[list[int]] = []
     loads: list[int] = []
-    for position in sorted(range(len(members)), key=lambda p: (-lengths[p], p)):
+    for position in sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)):
         target = next((i for i, load in enumerate(loads) if load + lengths[position] <= token_budget), len(packs))
         if target == len(packs):
             packs.append([])
             loads.append(0)
         packs[target].append(position)
         loads[target] += lengths[position]
-    device = torch.device(device)
-    return [_pack([members[p] for p in sorted(pack)], samples, with_batch, device, pad_multiple) for pack in packs]
+    return packs
 
 
-def plan_padded_micro_batches(
-    samples: Sequence[TrainSample],
-    members: Sequence[int],
-    token_budget: int,
-    *,
-    with_batch: bool,
-    device: torch.device | str = "cpu",
-    pad_multiple: int = 1,
-) -> list[MicroBatch]:
-    """Micro-batches whose padded size (rows x longest row) stays within `token_budget`, samples of similar
-    length together."""
-    lengths = [_round_up(int(samples[index].tokens.numel()), pad_multiple) for index in members]
-    plans: list[list[int]] = []
+def _similar_length_rows(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Groups whose padded size (rows x longest row) stays within `token_budget`, samples of similar length
+    together."""
+    groups: list[list[int]] = []
     current: list[int] = []
     longest = 0
-    for position in sorted(range(len(members)), key=lambda p: (-lengths[p], p)):
+    for position in sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)):
         candidate = max(longest, lengths[position])
         if current and candidate * (len(current) + 1) > token_budget:
-            plans.append(current)
+            groups.append(current)
             current, candidate = [], lengths[position]
         current.append(position)
         longest = candidate
     if current:
-        plans.append(current)
-    device = torch.device(device)
-    return [_pad([members[p] for p in sorted(plan)], samples, with_batch, device, pad_multiple) for plan in plans]
+        groups.append(current)
+    return groups
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -199,10 +179,7 @@ def _pack(
     from megatron.core.packed_seq_params import PackedSeqParams
 
     chunk = [samples[index] for index in members]
-    lengths = [int(sample.tokens.numel()) for sample in chunk]
-    edges = [0]
-    for length in lengths:
-        edges.append(edges[-1] + length)
+    edges = [0, *itertools.accumulate(int(sample.tokens.numel()) for sample in chunk)]
     total = _round_up(edges[-1], pad_multiple)
     if total > edges[-1]:
         edges.append(total)  # the padding tail: a sequence of its own, invisible to every real token

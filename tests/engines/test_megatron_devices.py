@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engines.megatron import parallel
-from engines.megatron.batches import QKV_FORMATS, plan_micro_batches, plan_padded_micro_batches
+from engines.megatron.batches import QKV_FORMATS, plan_micro_batches
 from engines.training import TrainSample
 
 pytest.importorskip("megatron.core")
@@ -94,8 +94,8 @@ def test_every_micro_batch_tensor_is_built_on_the_requested_device() -> None:
 def test_rows_padded_to_the_tensor_parallel_size_keep_every_selection() -> None:
     """Sequence parallelism splits rows over TP ranks: widths become multiples of TP, nothing else changes."""
     samples = _samples()
-    plain = plan_padded_micro_batches(samples, [0, 1, 2, 3], 1000, with_batch=False)
-    padded = plan_padded_micro_batches(samples, [0, 1, 2, 3], 1000, with_batch=False, pad_multiple=4)
+    plain = plan_micro_batches(samples, [0, 1, 2, 3], 1000, with_batch=False, qkv_format="bshd")
+    padded = plan_micro_batches(samples, [0, 1, 2, 3], 1000, with_batch=False, pad_multiple=4, qkv_format="bshd")
     assert [mb.members for mb in padded] == [mb.members for mb in plain]
     for before, after in zip(plain, padded, strict=True):
         assert after.input_ids.shape[1] % 4 == 0 and after.input_ids.shape[1] >= before.input_ids.shape[1]

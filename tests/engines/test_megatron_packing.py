@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from engines.megatron.batches import plan_micro_batches, plan_packed_micro_batches, plan_padded_micro_batches
+from engines.megatron.batches import plan_micro_batches
 from engines.training import TrainSample
 from tests.support.training import seeded_batch, step_loss
 
@@ -44,7 +44,7 @@ def _tokens(micro_batches: list) -> int:
 def test_a_pack_holds_its_samples_end_to_end_each_with_its_own_positions_and_response_logits() -> None:
     samples = _samples()
     members = list(range(len(samples)))
-    packs = plan_packed_micro_batches(samples, members, 40, with_batch=True)
+    packs = plan_micro_batches(samples, members, 40, with_batch=True, qkv_format="thd")
     assert sorted(index for pack in packs for index in pack.members) == members
     for pack in packs:
         lengths = [int(samples[index].tokens.numel()) for index in pack.members]
@@ -64,7 +64,7 @@ def test_a_pack_holds_its_samples_end_to_end_each_with_its_own_positions_and_res
         assert torch.equal(pack.input_ids[0, pack.logit_columns + 1], pack.targets)
         assert pack.response_lengths == tuple(samples[index].response_length for index in pack.members)
         assert pack.batch is not None and pack.batch.advantages.numel() == sum(pack.response_lengths)
-    padded = plan_padded_micro_batches(samples, members, 40, with_batch=False)
+    padded = plan_micro_batches(samples, members, 40, with_batch=False, qkv_format="bshd")
     assert _tokens(packs) == sum(int(s.tokens.numel()) for s in samples) < _tokens(padded)
     assert len(packs) <= len(padded)
 
@@ -73,8 +73,8 @@ def test_a_pack_holds_its_samples_end_to_end_each_with_its_own_positions_and_res
 def test_padding_a_pack_to_the_tensor_parallel_size_adds_a_tail_sequence_and_changes_no_selection() -> None:
     samples = _samples()
     members = list(range(len(samples)))
-    plain = plan_packed_micro_batches(samples, members, 40, with_batch=False)
-    padded = plan_packed_micro_batches(samples, members, 40, with_batch=False, pad_multiple=4)
+    plain = plan_micro_batches(samples, members, 40, with_batch=False, qkv_format="thd")
+    padded = plan_micro_batches(samples, members, 40, with_batch=False, pad_multiple=4, qkv_format="thd")
     assert [mb.members for mb in padded] == [mb.members for mb in plain]
     for before, after in zip(plain, padded, strict=True):
         width, total = before.input_ids.shape[1], after.input_ids.shape[1]
