@@ -38,7 +38,7 @@ class MemberRecord:
     counters: dict[str, float] = field(default_factory=dict)
     waits: list[schema.WaitState] = field(default_factory=list)  # as of its last heartbeat
     left: bool = False  # it said goodbye (Leave): gone on purpose, not silent
-    told_over: bool = False  # a heartbeat of its was answered "run over": it knows the run ended
+    told_over: bool = False  # a heartbeat of its was answered "run over"; it heard it if it heartbeats no more
 
 
 class Controller(Actor):
@@ -137,18 +137,21 @@ class Controller(Actor):
         return None
 
     async def _until_every_member_knows(self) -> None:
-        """Keep answering until each live member left or was told by a heartbeat answer that the run is over.
-        A member that missed the stop broadcast (a subscription not yet connected, a frame dropped under load)
-        learns it from its next heartbeat, but only while we still answer: without this wait it retried a gone
-        head until its node's --head-loss-timeout, and its node ended the finished run as failed. Three heartbeat
-        intervals: a heartbeat answered late is a timeout to its sender, and one lost that way (a fresh-clone CI
-        run, in-process actors at 0.5 s) left two heartbeats too few."""
-        deadline = time.monotonic() + 3 * self.context.heartbeat_interval + 1.0
+        """Keep answering until each live member left, or was told by a heartbeat answer that the run is over and
+        has not heartbeated for two intervals since. A member that missed the stop broadcast (a subscription not
+        yet connected, a frame dropped under load) learns it from its next heartbeat, but only while we still
+        answer: without this wait it retried a gone head until its node's --head-loss-timeout, and its node ended
+        the finished run as failed. An answer sent is not an answer heard: one that arrives after its sender's
+        call timed out is dropped, so a member that heartbeats again did not hear it and is told again (a
+        fresh-clone CI run, in-process actors at 0.5 s). At most three heartbeat intervals and a second."""
+        interval = self.context.heartbeat_interval
+        deadline = time.monotonic() + 3 * interval + 1.0
         while time.monotonic() < deadline:
             now = time.monotonic()
             unaware = [record for actor_id, record in self.records.items() if actor_id != self.actor_id
-                       and record.member.alive and not record.left and not record.told_over
-                       and now - record.last_seen <= self.heartbeat_deadline]
+                       and record.member.alive and not record.left
+                       and now - record.last_seen <= self.heartbeat_deadline
+                       and not (record.told_over and now - record.last_seen > 2 * interval)]
             if not unaware:
                 return
             await asyncio.sleep(0.05)

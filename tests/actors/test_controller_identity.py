@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from actors.runtime.base import Actor
-from bus import RpcClient
+from bus import RpcClient, RpcTimeout
 from bus.schema import Ack, Control, Error, Heartbeat, Leave, Register, VersionAnnouncement
 from tests.support.inprocess import actor_system
 
@@ -119,3 +119,32 @@ async def test_a_stopping_controller_answers_until_a_member_that_missed_the_stop
         assert missed == ["stop"]
         assert member._stop_reason.startswith("controller: the run is stopped")
         assert controller.records["custom-0-0"].told_over
+
+
+@pytest.mark.unit
+async def test_a_stopping_controller_tells_again_a_member_whose_run_over_answer_was_lost(tmp_path: Path) -> None:
+    """A fresh-clone CI run: the heartbeat answered "run over" reached the member after its call had timed out, so
+    the controller counted the member as told and closed while the member, which never heard, heartbeated a gone
+    head. A member that heartbeats again after it was told did not hear it."""
+    async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller", "custom": Idle}) as system:
+        controller, member = system["controller"], system["custom-0-0"]
+        lost: list[str] = []
+
+        async def broadcast_lost_in_transit(control: Control) -> None:
+            lost.append(control.command)
+
+        real_call = member._controller.call
+
+        async def answer_lost_once(request: object, **kwargs: object) -> object:
+            reply = await real_call(request, **kwargs)
+            if isinstance(reply, Error) and reply.reason == "run_over" and "answer" not in lost:
+                lost.append("answer")  # the controller sent it; the member had given up waiting
+                raise RpcTimeout(controller.context.head_address, type(request).__name__, 1, 0.5)
+            return reply
+
+        member._apply_control = broadcast_lost_in_transit  # type: ignore[method-assign]
+        member._controller.call = answer_lost_once  # type: ignore[method-assign]
+        controller.request_stop("trained 1 batches")
+        await system.wait_for(lambda: member.stopping, 5, "the member to hear the run is over")
+        assert lost == ["stop", "answer"]
+        assert member._stop_reason.startswith("controller: the run is stopped")

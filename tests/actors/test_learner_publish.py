@@ -233,7 +233,7 @@ async def test_a_push_holds_a_gathering_trainers_tensors_a_bucket_at_a_time_and_
             assert await pusher.weights.publish(1) and await pusher.weights.publish(2)
             # in flight, being pulled, and one gloo's worker thread may still hold (see test_weights_stream.py)
             assert source.peak <= 4, f"{source.peak} of 16 gathered tensors alive at once"
-            assert source.alive == 0
+            assert source.released_within(5.0), f"{source.alive} gathered tensor(s) outlived the push by 5 s"
 
             source.model[5] = ("layers.5.weight", torch.zeros(512, 512))
             assert not await pusher.weights.publish(3)

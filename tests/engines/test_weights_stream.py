@@ -158,7 +158,7 @@ def test_a_gathering_source_is_held_a_bucket_at_a_time_not_whole(
     # The broadcasts in flight, the one being pulled, and at most one whose broadcast completed but whose tensor
     # gloo's worker thread has not let go of yet (a loaded CI machine showed 4 once): a few, never the model.
     assert streamed.peak <= groups.IN_FLIGHT + 2, f"{streamed.peak} gathered tensors alive at once"
-    assert streamed.alive == 0
+    assert streamed.released_within(5.0), f"{streamed.alive} gathered tensor(s) outlived the transfer by 5 s"
 
 
 @pytest.mark.integration

@@ -3,6 +3,7 @@ gathers a tensor's shards, and counts the copies whose memory is still alive."""
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -27,6 +28,15 @@ class Gathering:
             weakref.finalize(gathered.untyped_storage(), self._released)
             yield name, gathered
             del gathered
+
+    def released_within(self, seconds: float) -> bool:
+        """Whether every copy is freed within `seconds`. A gloo collective reports completion before its worker
+        thread drops the tensor it sent, so the last copy may outlive the transfer by a moment (a full-suite run
+        saw 1 alive right after a send returned); a copy something keeps stays alive past any deadline."""
+        deadline = time.monotonic() + seconds
+        while self.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.alive == 0
 
     def _released(self) -> None:
         self.alive -= 1
