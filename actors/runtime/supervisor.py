@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -27,7 +26,7 @@ import structlog
 
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
-from actors.runtime.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError
+from actors.runtime.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError, actor_environment
 from bus.address import ipc_sockets_dir
 from engines.process import die_with_parent
 
@@ -94,7 +93,7 @@ class Supervisor:
         """Start every child, supervise until all are done, and return the launcher's exit code."""
         if self.fork_from_template:
             try:
-                self.zygote = await Zygote.start(self.child_env(None), self.early_template)
+                self.zygote = await Zygote.start(actor_environment(), self.early_template)
             except (ZygoteError, OSError) as error:
                 self.log.warning("actor template unavailable; starting actors as new interpreters",
                                  error=str(error))
@@ -140,16 +139,8 @@ class Supervisor:
         return {c.context.actor_id: c.process.pid for c in self.children
                 if c.process is not None and c.process.returncode is None}
 
-    @staticmethod
-    def child_env(context: ActorContext | None) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        if context is not None and context.cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = context.cuda_visible_devices
-        return env
-
     async def _start(self, child: Child) -> None:
-        env = self.child_env(child.context)
+        env = actor_environment(child.context.cuda_visible_devices)
         clear_exit_report(child.context)
         child.process = await self._fork(child, env) or await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.runtime.main", str(child.context_path),

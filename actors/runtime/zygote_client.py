@@ -27,6 +27,18 @@ READY_TIMEOUT_S = 120.0  # importing torch and transformers on a loaded machine
 SPAWN_TIMEOUT_S = 120.0  # the first order for a model-holding actor waits for torch and transformers to import
 
 
+def actor_environment(cuda_visible_devices: str | None = None) -> dict[str, str]:
+    """The environment an actor process starts in, forked from the template or not: ours, with output unbuffered
+    (an actor's lines reach the launcher's console as they are written, not when it exits) unless the user chose
+    otherwise, and only the GPUs its placement gave it. Here, not in the supervisor: the launcher starts the
+    template before it imports anything else."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
 def gpu_device_nodes() -> bool:
     """Whether this machine has NVIDIA or AMD GPU device nodes: a cheap first answer, without importing torch."""
     return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
@@ -85,7 +97,7 @@ class EarlyTemplate:
         if "--head" not in argv or chosen or not sys.platform.startswith("linux") or gpu_device_nodes():
             return None
         try:
-            return cls({**os.environ, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")})
+            return cls(actor_environment())
         except OSError:
             return None  # the supervisor starts one later, or starts actors the ordinary way
 

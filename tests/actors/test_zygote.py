@@ -12,7 +12,7 @@ import pytest
 
 from actors.runtime.context import ActorContext
 from actors.runtime.roles import BUILTIN_ROLES
-from actors.runtime.zygote_client import EarlyTemplate, Zygote
+from actors.runtime.zygote_client import EarlyTemplate, Zygote, actor_environment
 from bus.address import free_port
 from tests.support.processes import alive
 
@@ -125,3 +125,17 @@ def test_only_a_head_that_forks_every_actor_starts_its_template_early() -> None:
     assert early is not None and alive(early.pid)
     early.close()
     assert early.process.returncode is not None
+
+
+@pytest.mark.unit
+def test_an_actor_starts_unbuffered_unless_the_user_chose_and_with_only_its_placements_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The template and the actors started without it share one environment rule (it was written twice)."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert actor_environment()["PYTHONUNBUFFERED"] == "1"
+    assert actor_environment()["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert actor_environment("2,3")["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.setenv("PYTHONUNBUFFERED", "0")
+    assert actor_environment()["PYTHONUNBUFFERED"] == "0"
