@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="engine-then-learner turns per mode (default 2)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    from actors.runtime.logs import quiet_library_output
+
+    quiet_library_output()  # before torch: the turns' processes inherit it, and their load bars stay off the table
     import torch
 
     from engines.tiny_model import cached_tiny_model

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
+from actors.runtime.logs import quiet_library_output
 from engines.inference import GenerateRequest, SamplingParams, TorchEngine
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
 
@@ -232,6 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    quiet_library_output()  # transformers' load and save bars otherwise interleave with the table
     if args.threads:
         torch.set_num_threads(args.threads)
     figures = benchmark(args)

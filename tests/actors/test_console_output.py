@@ -13,18 +13,16 @@ from pathlib import Path
 import pytest
 
 from actors.runtime.context import ActorContext
-from actors.runtime.logs import QUIET_ENV
 from actors.runtime.zygote_client import Zygote
+from tests.support.console import PROGRESS_BAR, env_without_quiet_switches
 
 REPO = Path(__file__).resolve().parents[2]
-PROGRESS_BAR = re.compile(r"Loading weights|Writing model shards|\d+/\d+ \[|it/s\]")
 CPP_STACK_TRACE = ("Exception raised from", "frame #")
 
 
 def launcher_env(**extra: str) -> dict[str, str]:
     """The environment the launcher gives an actor, without any of the switches the actor must set itself."""
-    env = {name: value for name, value in os.environ.items() if name not in QUIET_ENV}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+    return env_without_quiet_switches(PYTHONUNBUFFERED="1", **extra)
 
 
 def probe_context(tmp_path: Path) -> Path:

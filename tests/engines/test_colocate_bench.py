@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.console import PROGRESS_BAR, env_without_quiet_switches
 from tools.bench_colocate import Turn, device_peak
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,9 +34,10 @@ def test_both_modes_take_their_turns_in_two_processes(tmp_path: Path) -> None:
     completed = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_colocate.py"), "--cpu", "--quick", "--rounds", "1",
          "--json", str(output)],
-        capture_output=True, text=True, timeout=180, check=False, cwd=ROOT,
+        capture_output=True, text=True, timeout=180, check=False, cwd=ROOT, env=env_without_quiet_switches(),
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
+    assert not PROGRESS_BAR.search(completed.stderr), completed.stderr[-2000:]  # each turn loaded with a bar
     rows = {row["mode"]: row for row in json.loads(output.read_text())["rows"]}
     assert set(rows) == {"baseline: keeps its memory", "colocated"}
     for row in rows.values():
