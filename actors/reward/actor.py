@@ -98,7 +98,7 @@ def reward_input(sample: Sample) -> RewardInput:
     """What a reward function of ours is given for one wire sample: text, label, metadata, token ids and the
     engine's finish reason (carried by the sample's status)."""
     tokens = sample.tokens.tolist()
-    return RewardInput(prompt=_prompt_text(sample.prompt), response=sample.response, label=sample.label,
+    return RewardInput(prompt=prompt_text(sample.prompt), response=sample.response, label=sample.label,
                        metadata=dict(sample.metadata), prompt_ids=tokens[:sample.prompt_tokens],
                        response_ids=tokens[sample.prompt_tokens:],
                        finish_reason=FINISH_BY_STATUS.get(sample.status))  # type: ignore[arg-type]
@@ -108,7 +108,8 @@ def _has_reward(sample: Sample) -> bool:
     return sample.reward is not None and math.isfinite(sample.reward)
 
 
-def _prompt_text(prompt: str | list[dict]) -> str:
+def prompt_text(prompt: str | list[dict]) -> str:
+    """What a reward function reads as the prompt: the text itself, or a conversation's contents, a line each."""
     if isinstance(prompt, str):
         return prompt
     return "\n".join(str(message.get("content", "")) for message in prompt)
