@@ -25,6 +25,7 @@ Every row says ok / FAILED / skipped and why; the exit code is 1 if any row fail
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -335,10 +336,19 @@ def describe_device(cpu: bool) -> str:
     import torch
 
     if cpu or not torch.cuda.is_available():
-        return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+        return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, {fused_kernels()}"
     properties = torch.cuda.get_device_properties(0)
     return (f"{properties.name} ({properties.total_memory / 2**30:.0f} GiB), {torch.cuda.device_count()} GPU(s), "
-            f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, {fused_kernels()}")
+
+
+def fused_kernels() -> str:
+    """Whether Megatron's fused kernels can be had: without them it falls back to local attention and torch
+    optimizers (our SdpaAttention takes packed rows then), which megatron-core says in a warning per module."""
+    found = []
+    for module, name in (("transformer_engine", "Transformer Engine"), ("apex", "apex")):
+        found.append(f"{name} {'present' if importlib.util.find_spec(module) else 'absent'}")
+    return ", ".join(found)
 
 
 def _write_json(path: Path, rows: list[Row], cpu: bool) -> None:
@@ -356,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.wheels is not None:
         install_wheels(args.wheels)
+    from actors.runtime.logs import quiet_library_output
+
+    quiet_library_output()  # the engine and train rows load models: no load bars between the rows' lines
     import torch
 
     if not args.cpu and not torch.cuda.is_available():

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.console import PROGRESS_BAR, env_without_quiet_switches
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +21,7 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
     report = tmp_path / "gpu_check.json"
     completed = subprocess.run(
         [sys.executable, "tools/gpu_check.py", "--cpu", "--quick", "--json", str(report)],
-        cwd=REPO, capture_output=True, text=True, timeout=580, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=580, check=False, env=env_without_quiet_switches(),
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(report.read_text())["rows"]}
@@ -34,3 +36,7 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
     megatron_step = rows["megatron step: packed (thd) vs padded rows"]
     assert megatron_step["status"] == "ok" and "of padded slots were padding" in megatron_step["result"], rows
     assert "Slipstream GPU check on CPU" in completed.stdout
+    assert re.search(r"Transformer Engine (present|absent), apex (present|absent)", completed.stdout)
+    # its console: a line per row started and ended, none of what libraries print by themselves
+    assert not PROGRESS_BAR.search(completed.stderr), completed.stderr[-3000:]
+    assert "Warning" not in completed.stderr, completed.stderr[-3000:]
