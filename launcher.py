@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
+from actors.config.flag_parser import FlagParser
 from actors.config.preflight import preflight
 from actors.config.run import learner_ranks_per_node
 from actors.rollout.engine_factory import engine_needs_gpu
@@ -71,7 +72,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="launcher.py",
         description="Run this node's Slipstream actors (controller, buffer, learner, rollout and reward "
                     "workers, custom actors) and supervise them.",

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
+from actors.config.flag_parser import near_name_hints
 from actors.config.run import OWNER, SECTIONS, RunConfig
 from actors.config.slime_flags import add_slime_flags, apply_slime_flags
 from actors.config.slime_table import SLIME_FLAGS
@@ -133,14 +134,20 @@ def _flatten(loaded: dict[str, Any], *, source: str) -> dict[str, Any]:
             fields = PolicyLossConfig.model_fields if key == "policy" else SECTIONS[key].model_fields
             strays = sorted(set(value) - set(fields))
             if strays:
-                raise ValueError(f"{source}: unknown key(s) in section {key!r}: {', '.join(strays)}")
+                raise ValueError(f"{source}: unknown key(s) in section {key!r}: {', '.join(strays)}"
+                                 + _hints(strays, list(fields)))
             flat.update(value)
         else:
             flat[key] = value
     unknown = sorted(set(flat) - _flat_keys())
     if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}")
+        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}" + _hints(unknown, sorted(_flat_keys())))
     return flat
+
+
+def _hints(unknown: list[str], known: list[str]) -> str:
+    hints = near_name_hints(unknown, known)
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 SGLANG_PREFIX = "--sglang-"
