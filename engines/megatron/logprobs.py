@@ -30,6 +30,7 @@ def vocab_parallel_log_probs(
 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    group = parallel_state.get_tensor_model_parallel_group()  # named: megatron will stop assuming it
     width = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * width
     scaled = logits.float()
@@ -40,18 +41,18 @@ def vocab_parallel_log_probs(
         scaled = scaled.masked_fill(padded, _MASKED_LOGIT)
     row_max = scaled.detach().max(dim=-1).values
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     shifted = scaled - row_max.unsqueeze(-1)
     exp = shifted.exp()
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1), group=group)
     log_partition = sum_exp.log()
     local = targets - start
     owned = (local >= 0) & (local < width)
     target_logit = shifted.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1) * owned
-    log_probs = reduce_from_tensor_model_parallel_region(target_logit) - log_partition
+    log_probs = reduce_from_tensor_model_parallel_region(target_logit, group=group) - log_partition
     entropy = None
     if with_entropy:
         probs = exp / sum_exp.unsqueeze(-1)
-        expected_logit = reduce_from_tensor_model_parallel_region((probs * shifted).sum(dim=-1))
+        expected_logit = reduce_from_tensor_model_parallel_region((probs * shifted).sum(dim=-1), group=group)
         entropy = log_partition - expected_logit
     return ModelOutputs(log_probs=log_probs, entropy=entropy)
