@@ -133,13 +133,17 @@ def _why_no_records(report: LoadReport, unit: str, max_prompt_len: int | None, m
     return f"no usable records{scope} ({'; '.join(reasons)})"
 
 
+SHOWN_KEYS = 8  # of a record without the prompt's key
+
+
 def _check_row(row: Any, input_key: str, metadata_key: str | None) -> str | None:
     if isinstance(row, DatasetError):
         return str(row)
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
-    if input_key not in row:
-        return f"key {input_key!r} missing"
+    if input_key not in row:  # its own keys show which one to name (--input-key)
+        keys = ", ".join(repr(key) for key in list(row)[:SHOWN_KEYS]) + (", ..." if len(row) > SHOWN_KEYS else "")
+        return f"key {input_key!r} missing (its keys: {keys or 'none'})"
     prompt = row[input_key]
     if isinstance(prompt, list):
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):

@@ -41,7 +41,7 @@ def test_every_problem_is_reported_at_once_with_its_flag_and_value(tmp_path: Pat
     assert preflight(config, HEAD) == [
         f"--prompt-data {empty}: no records (the file is empty)",
         f"--eval-prompt-data heldout {wrong_key}: no usable records in its first {PREFIX_ROWS} lines (3 malformed, "
-        "the first at line 1: key 'input' missing)",
+        "the first at line 1: key 'input' missing (its keys: 'question'))",
         f"--hf-checkpoint {tmp_path / 'missing-model'}: not found: no such directory",
         "--custom-generate-function-path 'examples.calculator_env:no_such_function': 'examples.calculator_env' has "
         "no attribute 'no_such_function'",

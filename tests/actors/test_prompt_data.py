@@ -28,7 +28,7 @@ def test_broken_lines_are_named_and_skipped(tmp_path: Path) -> None:
     assert records[1].metadata == {"level": 1}
     assert len(report.skipped) == 2
     assert report.skipped[0].startswith(f"{path} line 2: not valid JSON")
-    assert report.skipped[1] == f"{path} line 3: key 'input' missing"
+    assert report.skipped[1] == f"{path} line 3: key 'input' missing (its keys: 'question')"
 
 
 @pytest.mark.unit
