@@ -12,36 +12,57 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from actors.buffer.prompt_data import load_prompts
+from actors.buffer.prompt_data import PromptRecord, load_prompts
 from actors.reward.actor import prompt_text
 from actors.rollout.prompt_tokens import encode_prompt
 from actors.runtime.logs import quiet_library_output
-from engines.inference.base import GenerateRequest, SamplingParams
+from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
 from policies.registry import resolve_reward
 from policies.rewards import RewardInput, score
 
 SKIPPED_SHOWN = 10  # dropped records named one by one; the rest are counted
+PROGRESS_EVERY_S = 10.0
 
 
 class EvalInputError(ValueError):
     """The data file or the reward names something unusable; the message says which and why."""
 
 
+class Progress:
+    """A line on stderr every `every_s` seconds while the prompts are generated, and one when all are: a real
+    model on a few thousand prompts takes minutes, and a silent terminal looks like a hang."""
+
+    def __init__(self, total: int, every_s: float) -> None:
+        self.total, self.every_s, self.done = total, every_s, 0
+        self.started = self.shown = time.monotonic()
+
+    def one_done(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.done == self.total or now - self.shown >= self.every_s:
+            self.shown = now
+            print(f"evaluate: generated {self.done}/{self.total} prompts in {now - self.started:.0f} s",
+                  file=sys.stderr, flush=True)
+
+
 async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "exact_match", max_new_tokens: int = 8,
                          temperature: float = 0.0, max_batch_size: int = 64, samples_per_prompt: int = 1,
                          seed: int | None = None, input_key: str = "input", label_key: str | None = "label",
                          metadata_key: str | None = "metadata", apply_chat_template: bool = False,
-                         chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
+                         chat_template_kwargs: dict[str, Any] | None = None,
+                         progress_every_s: float | None = None) -> dict[str, float]:
     """Accuracy and mean reward over every sample; `samples_per_prompt` > 1 at a temperature gives avg@k, the
     expected accuracy of one sample, which moves smoothly with the weights where greedy answers flip. Records the
     data file cannot use are left out, named on stderr and counted (`skipped`), as a run's buffer does; a file with
-    none, or a reward that does not resolve, raises EvalInputError."""
+    none, or a reward that does not resolve, raises EvalInputError. With `progress_every_s`, generation reports
+    its progress on stderr that often."""
     from transformers import AutoTokenizer
 
     try:
@@ -65,12 +86,17 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
         return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=samples_per_prompt,
                               seed=None if seed is None else seed * 1_000_003 + index)
 
+    progress = Progress(len(records), progress_every_s) if progress_every_s is not None else None
+
+    async def generate(record: PromptRecord, ids: list[int]) -> list[GenerateOutput]:
+        outputs = await engine.generate(GenerateRequest(request_id=f"eval-{record.data_index}", input_ids=ids,
+                                                        params=params(record.data_index)))
+        if progress is not None:
+            progress.one_done()
+        return outputs
+
     try:
-        outputs = await asyncio.gather(*(
-            engine.generate(GenerateRequest(request_id=f"eval-{r.data_index}", input_ids=ids,
-                                            params=params(r.data_index)))
-            for r, ids in zip(records, prompts, strict=True)
-        ))
+        outputs = await asyncio.gather(*(generate(r, ids) for r, ids in zip(records, prompts, strict=True)))
     finally:
         await engine.close()
     inputs = [RewardInput(prompt=prompt_text(r.prompt),
@@ -116,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model, args.data, reward=args.reward, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, samples_per_prompt=args.samples_per_prompt, seed=args.seed,
             input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
-            apply_chat_template=args.apply_chat_template, chat_template_kwargs=args.apply_chat_template_kwargs))
+            apply_chat_template=args.apply_chat_template, chat_template_kwargs=args.apply_chat_template_kwargs,
+            progress_every_s=PROGRESS_EVERY_S))
     except EvalInputError as error:
         print(f"evaluate: {error}", file=sys.stderr)
         return 2

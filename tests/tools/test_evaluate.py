@@ -62,6 +62,7 @@ def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_inp
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert "prompts=2.0000 skipped=1.0000" in scored.stdout
     assert f"evaluate: skipped {data} line 3: not valid JSON" in scored.stderr
+    assert "evaluate: generated 2/2 prompts in" in scored.stderr  # progress, and its last line once all are
     assert not PROGRESS_BAR.search(scored.stderr), scored.stderr
 
     refused = evaluate("--input-key", "prompt", "--reward", "no_such_reward")
