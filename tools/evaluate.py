@@ -19,13 +19,12 @@ from typing import Any
 import numpy as np
 
 from actors.buffer.prompt_data import PromptRecord, load_prompts
-from actors.reward.actor import prompt_text
 from actors.rollout.prompt_tokens import encode_prompt
 from actors.runtime.logs import quiet_library_output
 from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
 from policies.registry import resolve_reward
-from policies.rewards import RewardInput, score
+from policies.rewards import RewardInput, prompt_text, score
 
 SKIPPED_SHOWN = 10  # dropped records named one by one; the rest are counted
 PROGRESS_EVERY_S = 10.0

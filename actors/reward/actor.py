@@ -22,7 +22,7 @@ from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
 from actors.slime_compat.plugins import load_slime_reward
 from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
-from policies.rewards import RewardInput, RewardSpec, build_reward, score, score_group
+from policies.rewards import RewardInput, RewardSpec, build_reward, prompt_text, score, score_group
 
 
 class RewardWorker(Actor):
@@ -106,10 +106,3 @@ def reward_input(sample: Sample) -> RewardInput:
 
 def _has_reward(sample: Sample) -> bool:
     return sample.reward is not None and math.isfinite(sample.reward)
-
-
-def prompt_text(prompt: str | list[dict]) -> str:
-    """What a reward function reads as the prompt: the text itself, or a conversation's contents, a line each."""
-    if isinstance(prompt, str):
-        return prompt
-    return "\n".join(str(message.get("content", "")) for message in prompt)

@@ -42,6 +42,14 @@ class RewardInput:
     finish_reason: FinishReason | None = None
 
 
+def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """What a reward function reads as the prompt (`RewardInput.prompt`): the text itself, or a conversation's
+    contents, a line each. The reward workers and tools/evaluate.py build it one way."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(message.get("content", "")) for message in prompt)
+
+
 RewardValue = float | int | bool | dict[str, Any]
 RewardFn = Callable[[RewardInput], RewardValue | Awaitable[RewardValue]]
 GroupRewardFn = Callable[[list[RewardInput]], Sequence[RewardValue] | Awaitable[Sequence[RewardValue]]]
