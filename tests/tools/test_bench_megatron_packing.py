@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.console import env_without_quiet_switches
 from tools.bench_megatron_packing import QUICK, make_samples, summarise
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def test_a_quick_run_prints_one_quiet_table_and_writes_its_rows(tmp_path: Path) 
     output = tmp_path / "rows.json"
     completed = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_megatron_packing.py"), "--quick", "--json", str(output)],
-        capture_output=True, text=True, timeout=170, check=False,
+        capture_output=True, text=True, timeout=170, check=False, env=env_without_quiet_switches(),
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     rows = json.loads(output.read_text())["rows"]
