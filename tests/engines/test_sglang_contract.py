@@ -28,6 +28,7 @@ from packaging.version import Version
 
 from actors.config import RunConfig
 from actors.rollout.engine_factory import sglang_server_args
+from engines.pretrained import UNREACHABLE_MARKERS
 from engines.sglang import protocol, tensor_payload
 from engines.sglang.launch import ServerSpec
 from engines.sglang.server import CompatServer, parse_args
@@ -35,17 +36,6 @@ from engines.sglang.server import CompatServer, parse_args
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 WHEEL_DIR = REPO / ".cache" / "sglang-wheels"
-# Messages pip prints when it cannot reach a package index at all (as opposed to any other failure).
-UNREACHABLE = (
-    "NewConnectionError",
-    "Failed to establish a new connection",
-    "Temporary failure in name resolution",
-    "Name or service not known",
-    "Network is unreachable",
-    "ConnectTimeoutError",
-    "ProxyError",
-    "No route to host",
-)
 # Where SGLang builds the responses whose fields we read, when not in the route function itself.
 PRODUCERS = {
     "/generate": ("sglang/srt/managers/tokenizer_manager.py", "sglang/srt/utils/weight_versions.py"),
@@ -78,7 +68,8 @@ def fetch_wheel(version: str) -> Path:
     if done.returncode == 0 and found:
         return found[0]
     output = done.stdout + done.stderr
-    if any(marker in output for marker in UNREACHABLE) and os.environ.get("SLIPSTREAM_REQUIRE_SGLANG_CONTRACT") != "1":
+    unreachable = any(marker in output for marker in UNREACHABLE_MARKERS)
+    if unreachable and os.environ.get("SLIPSTREAM_REQUIRE_SGLANG_CONTRACT") != "1":
         pytest.skip(f"pip cannot reach a package index to download sglang=={version}: {output.strip()[-300:]}")
     raise RuntimeError(f"`{' '.join(command)}` failed (exit {done.returncode}):\n{output[-2000:]}")
 
