@@ -280,6 +280,9 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one packed micro-batch")
     share_prompts: bool = Field(True, description="torch backend: pack a group's prompt once for all its samples "
                                 "(the same gradients from fewer tokens; needs its packed_sdpa attention)")
+    fused_output_head: bool = Field(True, description="torch backend: log-probs from hidden states a chunk of "
+                                    "tokens at a time, never the whole [tokens x vocabulary] logits (the same "
+                                    "values; a model that changes its logits after the head keeps the plain path)")
 
 
 class LoraConfig(Section):

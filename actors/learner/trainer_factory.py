@@ -86,7 +86,8 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
                                   lora=LoraSettings.of_run(config.lora),
                                   # colocated: the engines generate on this device between our steps
                                   offload_optimizer=config.placement.colocate,
-                                  share_prompts=config.trainer.share_prompts)
+                                  share_prompts=config.trainer.share_prompts,
+                                  fused_output_head=config.trainer.fused_output_head)
     return TorchTrainer(settings)
 
 

@@ -69,6 +69,9 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     so it applies only with `packed_sdpa`.
     `offload_optimizer` keeps the AdamW moments in host memory between steps (a colocated run: the engines
     generate on the same device meanwhile); a step brings them back first. Nothing moves on a CPU device.
+    `fused_output_head` computes log-probs from hidden states a chunk of tokens at a time, never holding the
+    [tokens x vocabulary] logits (`engines.training.output_head`); False keeps the plain path, which benchmarks
+    compare against and which a model with post-processed logits takes anyway.
     """
 
     gradient_checkpointing: bool = False
@@ -78,6 +81,7 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     attn_implementation: str = "packed_sdpa"
     check_packing: bool = True
     share_prompts: bool = True
+    fused_output_head: bool = True
 
     @model_validator(mode="after")
     def _check_device(self) -> TorchTrainerConfig:

@@ -54,16 +54,15 @@ from engines.training.base import (
     validate_samples,
 )
 from engines.training.config import TorchTrainerConfig
-from engines.training.logprobs import token_log_probs
 from engines.training.micro_batches import (
     check_packing_isolation,
     collate,
     count_loss_tokens,
-    forward_packed,
     pack_inputs,
     plan_micro_batches,
     plan_shared_micro_batches,
 )
+from engines.training.output_head import fuse_output_head, token_outputs
 
 _DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
 
@@ -89,6 +88,9 @@ class TorchTrainer(Trainer):
             for model in (self._model, self._ref):
                 if model is not None:
                     check_packing_isolation(model.eval(), self._device, share_prompts=self._share_prompts)
+        for model in (self._model, self._ref):
+            if model is not None and config.fused_output_head:
+                fuse_output_head(model)
         if config.gradient_checkpointing:
             _enable_activation_checkpointing(self._model)
         self._param_names, groups = _param_groups(self._model, config.weight_decay)
@@ -127,12 +129,8 @@ class TorchTrainer(Trainer):
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
                 inputs = pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device)
-                outputs = token_log_probs(
-                    forward_packed(network, inputs),
-                    inputs.targets,
-                    temperature=temperature,
-                    with_entropy=with_entropy,
-                )
+                outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
+                                        with_entropy=with_entropy)
                 lengths = inputs.response_lengths.tolist()
                 log_probs = outputs.log_probs.cpu().split(lengths)
                 entropy = outputs.entropy.cpu().split(lengths) if outputs.entropy is not None else [None] * len(chunk)
@@ -167,12 +165,8 @@ class TorchTrainer(Trainer):
             synchronise = position == len(plan) - 1
             with self._gradient_sync(synchronise):
                 with self._autocast():
-                    outputs = token_log_probs(
-                        forward_packed(self._train_module, inputs),
-                        inputs.targets,
-                        temperature=temperature,
-                        with_entropy=with_entropy,
-                    )
+                    outputs = token_outputs(self._train_module, inputs, head_of=self._model,
+                                            temperature=temperature, with_entropy=with_entropy)
                     value, metrics = loss(outputs, batch)
                 check_loss(value)
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
