@@ -29,6 +29,7 @@ from actors.slime_compat.plugins import load_reward_post_process
 from actors.slime_compat.train_data import load_convert_samples
 from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
+from policies.rewards import REWARD_EXTRAS, extras_means
 from policies.staleness import staleness_histogram
 from policies.step_loss import PiOldSource, pi_old_source
 
@@ -142,7 +143,8 @@ def combine_steps(results: Sequence[StepResult]) -> StepResult:
 
 
 def rollout_metrics(samples: Sequence[Sample], staleness: Sequence[int]) -> dict[str, float]:
-    """What the batch says about generation: reward, accuracy, lengths, truncation, staleness."""
+    """What the batch says about generation: reward, accuracy, lengths, truncation, staleness, and the mean of each
+    extra field the reward function returned (`reward/format_ok`, ...)."""
     rewards = np.asarray([float(s.reward or 0.0) for s in samples])
     lengths = np.asarray([s.response_length for s in samples])
     metrics = {
@@ -155,6 +157,9 @@ def rollout_metrics(samples: Sequence[Sample], staleness: Sequence[int]) -> dict
         "rollout/tokens": float(lengths.sum()),
     }
     metrics |= episode_metrics(samples)
+    extras = extras_means(sample.metadata[REWARD_EXTRAS] for sample in samples
+                          if isinstance(sample.metadata.get(REWARD_EXTRAS), dict))
+    metrics |= {f"reward/{name}": value for name, value in extras.items()}
     if staleness:
         values = np.asarray(staleness)
         metrics["staleness/max"] = float(values.max())

@@ -22,7 +22,7 @@ from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
 from actors.slime_compat.plugins import load_slime_reward
 from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
-from policies.rewards import RewardInput, RewardSpec, build_reward, prompt_text, score, score_group
+from policies.rewards import REWARD_EXTRAS, RewardInput, RewardSpec, build_reward, prompt_text, score, score_group
 
 
 class RewardWorker(Actor):
@@ -85,7 +85,8 @@ class RewardWorker(Actor):
             # Counted here, before the breaker can end the worker: the failures that trip it are among them.
             self.counters["samples.reward_failed"] += outcome.status != "ok"
             if outcome.status == "ok":
-                scored.append(msgspec.structs.replace(sample, reward=float(outcome.reward)))
+                metadata = {**sample.metadata, REWARD_EXTRAS: outcome.extras} if outcome.extras else sample.metadata
+                scored.append(msgspec.structs.replace(sample, reward=float(outcome.reward), metadata=metadata))
             else:
                 scored.append(msgspec.structs.replace(sample, reward=None, status="failed",
                                                       error=f"reward: {outcome.reason}"))

@@ -3,7 +3,7 @@ with ``--group-rm``, and one safe runner that turns every failure into an error 
 
 from policies.rewards.runner import runs_inline, score, score_group
 from policies.rewards.selection import RewardSpec, build_reward
-from policies.rewards.types import RewardInput, RewardOutcome, prompt_text
+from policies.rewards.types import REWARD_EXTRAS, RewardInput, RewardOutcome, extras_means, prompt_text
 
-__all__ = ["RewardInput", "RewardOutcome", "RewardSpec", "build_reward", "prompt_text", "runs_inline", "score",
-           "score_group"]
+__all__ = ["REWARD_EXTRAS", "RewardInput", "RewardOutcome", "RewardSpec", "build_reward", "extras_means",
+           "prompt_text", "runs_inline", "score", "score_group"]

@@ -12,11 +12,13 @@ penalise truncation.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import math
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FinishReason", "GroupRewardFn", "RewardFn", "RewardInput", "RewardOutcome", "RewardValue"]
+__all__ = ["REWARD_EXTRAS", "FinishReason", "GroupRewardFn", "RewardFn", "RewardInput", "RewardOutcome", "RewardValue",
+           "extras_means"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -75,3 +77,20 @@ class RewardOutcome:
     @classmethod
     def error(cls, reason: str, trace: str = "") -> RewardOutcome:
         return cls(reward=None, status="error", reason=reason, trace=trace)
+
+
+# The `Sample.metadata` key a reward's extra fields travel under, from the reward worker to the learner's and the
+# eval rounds' metrics (a reward that says format and correctness apart is logged as reward/format_ok, ...).
+REWARD_EXTRAS = "reward_extras"
+
+
+def extras_means(extras: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """The mean of each number or bool extra field, over the samples that report it; other fields are not means."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for fields in extras:
+        for name, value in fields.items():
+            if isinstance(value, (bool, int, float)) and math.isfinite(value):
+                sums[name] = sums.get(name, 0.0) + float(value)
+                counts[name] = counts.get(name, 0) + 1
+    return {name: sums[name] / counts[name] for name in sums}

@@ -86,3 +86,39 @@ def test_gpqa_reward_accepts_letter_or_index_labels() -> None:
 def test_malformed_label_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="label: multiple-choice reward expects a letter or an option index"):
         _score("gpqa", "(A)", "banana")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("response", "correct", "format_ok"),
+    [
+        ("37", True, True),
+        ("**37**.", True, True),
+        ("\\boxed{37}", True, True),
+        ("23 + 14 = 37.", True, False),  # the number after the last "=", in a sentence
+        ("The sum is 37 apples", True, False),  # else the last number
+        ("23 + 14 = 36, no wait, 38", False, False),  # the "=" rule reads 36: no credit for a guess after it
+        ("It is thirty-seven", False, False),
+        ("1,037", False, True),
+        ("<think>23+14 is 37</think>37", True, True),  # only the answer after a reasoning block counts
+    ],
+)
+def test_final_number_reads_the_answer_and_says_format_and_correctness_apart(response: str, correct: bool,
+                                                                             format_ok: bool) -> None:
+    assert _score("final_number", response, "37") == {"reward": float(correct), "correct": correct,
+                                                       "format_ok": format_ok, "truncated": False}
+
+
+@pytest.mark.unit
+def test_final_number_gives_no_reward_for_a_right_number_in_a_response_cut_off_at_the_limit() -> None:
+    scored = resolve_reward("final_number")(RewardInput(prompt="q", response="23 + 14 = 37 and then", label="37",
+                                                        finish_reason="length"))
+    assert scored == {"reward": 0.0, "correct": True, "format_ok": False, "truncated": True}
+
+
+@pytest.mark.unit
+def test_final_number_compares_numbers_not_strings_and_refuses_a_label_that_is_not_one() -> None:
+    assert _score("final_number", "x = 1,234.50", "1234.5")["correct"]
+    assert _score("final_number", "7/2", "3.5")["correct"]
+    with pytest.raises(ValueError, match="label: final_number expects a number, got 'seven'"):
+        _score("final_number", "7", "seven")

@@ -1,0 +1,65 @@
+"""A numeric final answer (``--rm-type final_number``): arithmetic, counting, word problems with a number as answer.
+
+Chat models answer "What is 23 + 14?" in many shapes: ``37``, ``23 + 14 = 37.``, ``The answer is **37**``,
+``\\boxed{37}``. The answer read is the last ``\\boxed{}`` if there is one, else the number after the last "=", else
+the last number of the response, so a model is scored on the number it gives, not on its phrasing. A response cut
+off at the length limit has given no final answer: the reward is 1.0 for the right number in a response the model
+ended itself, 0.0 otherwise (as DeepScaleR's reward treats truncation). The result says the parts apart:
+``correct`` (the number read is right, ended or not), ``format_ok`` (the response is exactly the answer, a number or
+a boxed one: what "answer with just the number" asks for) and ``truncated``; the learner logs each as
+``reward/<name>``, the eval rounds as ``eval/<set>/reward/<name>``.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+from policies.registry import register_reward
+from policies.rewards.math_answers import extract_boxed
+from policies.rewards.runner import runs_inline
+from policies.rewards.types import RewardInput
+
+__all__ = ["final_number", "final_number_reward", "parse_number"]
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_AFTER_EQUALS = re.compile(r"=\s*\**\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)")
+_BARE = re.compile(r"\s*\**\s*\$?\s*(\\boxed\{[^{}]*\}|-?\d[\d,]*(?:\.\d+)?(?:/\d+)?)\s*\$?\s*\**\s*\.?\s*")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """``"1,234"``, ``"-3.50"``, ``"7/2"`` as exact fractions; None when the text is not one number."""
+    text = text.strip().replace(",", "").rstrip(".")
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def final_number(response: str) -> str | None:
+    """The answer the response gives (see the module docstring), as it is written; None when it has no number."""
+    text = response.rsplit("</think>", 1)[-1]
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    after_equals = _AFTER_EQUALS.findall(text)
+    if after_equals:
+        return after_equals[-1]
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+@register_reward("final_number")
+@runs_inline
+def final_number_reward(inp: RewardInput) -> dict[str, Any]:
+    gold = parse_number(str(inp.label))
+    if gold is None:
+        raise ValueError(f"label: final_number expects a number, got {inp.label!r}")
+    answer = final_number(inp.response)
+    given = None if answer is None else parse_number(answer)
+    correct = given is not None and given == gold
+    format_ok = _BARE.fullmatch(inp.response.rsplit("</think>", 1)[-1]) is not None
+    truncated = inp.finish_reason == "length"
+    return {"reward": 1.0 if correct and not truncated else 0.0, "correct": correct, "format_ok": format_ok,
+            "truncated": truncated}
