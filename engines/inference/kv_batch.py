@@ -24,6 +24,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+# A prefix shared by every sequence of a prefill runs once when it is at least this long (below that, the extra
+# forward costs more than the rows it saves).
+MIN_SHARED_PREFIX = 8
+
 
 class KVBatch:
     """The running rows' cache, mask and next positions; row order is the caller's row order."""
@@ -50,22 +54,38 @@ class KVBatch:
         return self.attention_mask.shape[1]
 
     @classmethod
-    def prefill(cls, model: nn.Module, sequences: list[list[int]], pad_token_id: int) -> tuple[KVBatch, torch.Tensor]:
+    def prefill(cls, model: nn.Module, sequences: list[list[int]], pad_token_id: int, *,
+                share_prefix: bool = True) -> tuple[KVBatch, torch.Tensor]:
         """Run the sequences through the model in one left-padded forward; returns the batch and its last logits.
 
         The logits ([rows, vocab]) are those after each sequence's final token, i.e. the distribution of the
         next token; the batch caches every token of every sequence.
+
+        With `share_prefix`, the tokens every sequence starts with (a system prompt, a few-shot preamble, the chat
+        template's head) run once, in a forward of their own, and the rest of each sequence attends to that one
+        copy: a row then holds [shared prefix][padding][own tokens], which the mask and the explicit positions
+        already describe, so decoding, eviction and joining read it like any left-padded row.
         """
         device = model.device
-        width = max(len(sequence) for sequence in sequences)
-        input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.int64)
-        attention_mask = torch.zeros((len(sequences), width), dtype=torch.int64)
-        for row, sequence in enumerate(sequences):
-            input_ids[row, width - len(sequence) :] = torch.tensor(sequence, dtype=torch.int64)
-            attention_mask[row, width - len(sequence) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp_(min=0)
+        prefix = _shared_prefix_length(sequences) if share_prefix else 0
         cache = DynamicCache()
+        if prefix:
+            positions = torch.arange(prefix, device=device).unsqueeze(0)
+            model(input_ids=torch.tensor([sequences[0][:prefix]], device=device), position_ids=positions,
+                  use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
+            for layer in cache.layers:  # one copy, seen by every row; the suffix forward's concatenation copies it
+                layer.keys = layer.keys.expand(len(sequences), -1, -1, -1)
+                layer.values = layer.values.expand(len(sequences), -1, -1, -1)
+        suffixes = [sequence[prefix:] for sequence in sequences]
+        width = max(len(suffix) for suffix in suffixes)
+        input_ids = torch.full((len(suffixes), width), pad_token_id, dtype=torch.int64)
+        own_mask = torch.zeros((len(suffixes), width), dtype=torch.int64)
+        for row, suffix in enumerate(suffixes):
+            input_ids[row, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.int64)
+            own_mask[row, width - len(suffix) :] = 1
+        input_ids, own_mask = input_ids.to(device), own_mask.to(device)
+        position_ids = (own_mask.cumsum(dim=-1) - 1).clamp_(min=0) + prefix
+        attention_mask = torch.cat([own_mask.new_ones(len(suffixes), prefix), own_mask], dim=-1)
         output = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -126,6 +146,17 @@ class KVBatch:
 
     def _layers(self) -> list:
         return [] if self.cache is None else list(self.cache.layers)
+
+
+def _shared_prefix_length(sequences: list[list[int]]) -> int:
+    """How many leading tokens all `sequences` share, leaving each at least one of its own (the forward over the
+    rest must produce each row's last logits); 0 when that is below MIN_SHARED_PREFIX or there is one sequence."""
+    if len(sequences) < 2:
+        return 0
+    limit = min(len(sequence) for sequence in sequences) - 1
+    first = sequences[0]
+    shared = next((column for column in range(limit) if any(s[column] != first[column] for s in sequences)), limit)
+    return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
 @functools.cache

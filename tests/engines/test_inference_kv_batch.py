@@ -81,3 +81,44 @@ def test_prefill_and_decode_use_no_deprecated_transformers_argument(model: torch
             batch, _ = KVBatch.prefill(model, SEQUENCES[:2], pad_token_id=0)
             logits = batch.decode(model, torch.tensor([3, 4]))
     torch.testing.assert_close(logits[1], _next_logits(model, [*SEQUENCES[1], 4]), rtol=0, atol=1e-5)
+
+
+PREAMBLE = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # a system prompt every request starts with
+
+
+@pytest.mark.unit
+def test_a_prefix_every_sequence_shares_runs_once_and_changes_no_row(model: torch.nn.Module) -> None:
+    sequences = [[*PREAMBLE, *tail] for tail in ([30, 31, 32], [40], [50, 51, 52, 53, 54])]
+    fed: list[int] = []  # tokens each forward ran
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: fed.append(args[0].numel()))
+    try:
+        with torch.no_grad():
+            shared, logits = KVBatch.prefill(model, sequences, pad_token_id=0)
+            tokens = [8, 9, 10]
+            after_joining = shared.decode(model, torch.tensor(tokens))
+            shared.select(torch.tensor([1, 2]))  # the first row leaves
+            after_leaving = shared.decode(model, torch.tensor([11, 12]))
+    finally:
+        hook.remove()
+    assert fed[:2] == [len(PREAMBLE), 3 * 5]  # the preamble once, then each row's own tokens, padded to the longest
+    for row, sequence in enumerate(sequences):
+        torch.testing.assert_close(logits[row], _next_logits(model, sequence), rtol=0, atol=1e-5)
+        torch.testing.assert_close(after_joining[row], _next_logits(model, [*sequence, tokens[row]]), rtol=0,
+                                   atol=1e-5)
+    for row, (sequence, token) in enumerate(zip(sequences[1:], [9, 10], strict=True)):
+        torch.testing.assert_close(after_leaving[row], _next_logits(model, [*sequence, token, 11 + row]), rtol=0,
+                                   atol=1e-5)
+
+
+@pytest.mark.unit
+def test_a_short_or_absent_shared_prefix_is_prefilled_with_the_rest(model: torch.nn.Module) -> None:
+    fed: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: fed.append(args[0].numel()))
+    try:
+        with torch.no_grad():
+            KVBatch.prefill(model, [[*PREAMBLE[:4], 30, 31], [*PREAMBLE[:4], 40]], pad_token_id=0)
+            # shared in full by a sequence of 8: it would keep no token of its own, so nothing is shared
+            KVBatch.prefill(model, [PREAMBLE[:8], [*PREAMBLE[:8], 40]], pad_token_id=0)
+    finally:
+        hook.remove()
+    assert fed == [2 * 6, 2 * 9]
