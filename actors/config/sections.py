@@ -278,8 +278,9 @@ class TrainerConfig(Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
     clip_grad: float = Field(1.0, ge=0, description="gradient norm clip")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one packed micro-batch")
-    share_prompts: bool = Field(True, description="torch backend: pack a group's prompt once for all its samples "
-                                "(the same gradients from fewer tokens; needs its packed_sdpa attention)")
+    share_prompts: bool = Field(True, description="torch backend: pack a group's prompt once for all its samples, "
+                                "and a preamble all prompts of a micro-batch start with once (the same gradients "
+                                "from fewer tokens; needs its packed_sdpa attention)")
     fused_output_head: bool = Field(True, description="torch backend: log-probs from hidden states a chunk of "
                                     "tokens at a time, never the whole [tokens x vocabulary] logits (the same "
                                     "values; a model that changes its logits after the head keeps the plain path)")

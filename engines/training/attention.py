@@ -7,11 +7,12 @@ implementation cuts the row at the restarts and runs causal sdpa on the sequence
 batched into one call: only Σ L_i² scores, no mask tensor at all. It is what flash-attention's varlen path does,
 for machines without flash-attention.
 
-It also reads rows whose samples share their prompt (`pack_inputs(share_prompts=True)`): a segment whose
-positions start at p > 0 continues the sequence before it after that sequence's first p tokens, so the prompt of
-a GRPO group is computed once and every response attends to it. Its keys are the prompt's and its own, gathered
-per (p, length) shape into one call, with a causal mask aligned to the end. Flash-attention's varlen path and HF's
-masks would read such a segment as a sequence of its own, which is why only this attention gets shared rows.
+It also reads rows whose samples share tokens (`pack_inputs(share_prompts=True)`): a segment whose positions start
+at p > 0 continues the segments before it that reach position p, so a prefix every prompt of the micro-batch
+starts with (a system prompt) is computed once, the rest of a GRPO group's prompt once per group, and every
+response attends to both. Its keys are those of the chain it continues and its own, gathered per (p, length)
+shape into one call, with a causal mask aligned to the end. Flash-attention's varlen path and HF's masks would
+read such a segment as a sequence of its own, which is why only this attention gets shared rows.
 
 Scope: one packed row (batch size 1), as the trainer produces. transformers builds no mask for a custom
 attention name, so a padded batch would silently lose its padding mask; that case is refused loudly instead.
@@ -131,44 +132,52 @@ def _kernel_call(prefix: int, span_length: int, members: list[Segment], device: 
                                                                                               device=device)
     keys = own_rows
     if prefix:
-        roots = torch.tensor([m.root for m in members], device=device)[:, None] + torch.arange(prefix, device=device)
-        keys = torch.cat([roots, own_rows], dim=1)
+        context = torch.tensor([[row for start, end in m.context for row in range(start, end)] for m in members],
+                               dtype=torch.int64, device=device)
+        keys = torch.cat([context, own_rows], dim=1)
     return KernelCall(own_rows, keys, own_rows.reshape(-1))
 
 
 @dataclass(frozen=True)
 class Segment:
-    """One run of the row whose positions count up by one: a sequence, or a continuation of a shared prompt.
+    """One run of the row whose positions count up by one: a sequence, or a continuation of shared tokens.
 
-    A segment whose first position is 0 starts a sequence. One that starts at position p > 0 continues the
-    latest sequence after its first p tokens (a sample whose prompt was packed once for its whole group): it
-    attends to those p tokens, then causally to itself.
+    A segment whose first position is 0 starts a sequence. One that starts at position p > 0 continues, after
+    their first p positions, the segments before it that reach p (a response after its group's prompt, a group's
+    prompt after the micro-batch's shared prefix): it attends to those p tokens (`context`, row spans in position
+    order), then causally to itself.
     """
 
     start: int
     end: int
-    prefix: int  # the first position: tokens of the root it attends to before its own
-    root: int  # where the sequence it continues starts in the row (itself when prefix is 0)
+    prefix: int  # the first position: how many tokens of context it attends to before its own
+    context: tuple[tuple[int, int], ...] = ()  # [start, end) row spans holding positions 0..prefix-1, in order
 
 
 def packed_segments(position_ids: Tensor | None, length: int) -> list[Segment]:
-    """The row's segments, each with the root sequence it continues (see `Segment`)."""
+    """The row's segments, each with the chain of row spans it continues (see `Segment`)."""
     if position_ids is None:
-        return [Segment(0, length, 0, 0)]
+        return [Segment(0, length, 0)]
     positions = position_ids.reshape(-1)[:length]
     starts = torch.cat([positions.new_zeros(1), (positions[1:] != positions[:-1] + 1).nonzero().flatten().add(1)])
     # One transfer of the starts and their first positions: the only host sync of a layer's call.
     start_list, firsts = torch.stack([starts, positions[starts]]).tolist()
     if len(start_list) == 1:  # one sequence, wherever its positions begin
-        return [Segment(0, length, 0, 0)]
-    segments, root = [], None
+        return [Segment(0, length, 0)]
+    segments: list[Segment] = []
+    chain: list[tuple[int, int, int]] = []  # (row start, first position, end position) of the open segments
     for start, end, first in zip(start_list, [*start_list[1:], length], firsts, strict=True):
-        if first == 0:
-            root = (start, end)
-        elif root is None or first > root[1] - root[0]:
-            raise ValueError(f"{NAME}: packed positions restart at {first} (row position {start}) without a "
-                             f"sequence of at least {first} tokens before it to continue")
-        segments.append(Segment(start, end, first, start if first == 0 else root[0]))
+        while chain and chain[-1][1] >= first:
+            chain.pop()
+        if first > 0 and (not chain or chain[-1][2] < first):
+            raise ValueError(f"{NAME}: packed positions restart at {first} (row position {start}) without "
+                             f"segments before it that reach position {first} to continue")
+        # each open segment holds the positions from its own first up to where the next one (or this) begins
+        cuts = [begin for _, begin, _ in chain[1:]] + [first] if chain else []
+        context = tuple((row, row + min(stop, cut) - begin)
+                        for (row, begin, stop), cut in zip(chain, cuts, strict=True))
+        segments.append(Segment(start, end, first, context))
+        chain.append((start, first, first + end - start))
     return segments
 
 

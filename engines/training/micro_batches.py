@@ -10,8 +10,10 @@ cache object present transformers skips the packed-sequence detection.
 
 With `share_prompts` (the torch trainer's default under `packed_sdpa`), the members of a group that follow
 each other in the row share one copy of their prompt: a member after the first contributes its response alone,
-positioned as if after the prompt. Prompt tokens then run once per group instead of once per sample, with the
-same logits and gradients (`check_packing_isolation` checks that case too at start-up).
+positioned as if after the prompt. And the tokens every prompt of the micro-batch starts with (a system prompt,
+a few-shot preamble) open the row once, each group's prompt continuing after them. Prompt tokens then run once
+per group, a common preamble once per micro-batch, with the same logits and gradients (`check_packing_isolation`
+checks both at start-up).
 
 Only the logits that predict response tokens are computed (`logits_to_keep` with explicit positions): with a
 150k vocabulary the prompt's logits would otherwise dominate memory.
@@ -27,6 +29,9 @@ from torch import Tensor, nn
 
 from engines.training import attention
 from engines.training.base import TOKEN_FIELDS, PackedBatch, TrainSample
+
+# A preamble all prompts of a micro-batch share opens the row once when it is at least this long.
+MIN_SHARED_PREFIX = 8
 
 
 @dataclass(frozen=True)
@@ -111,35 +116,39 @@ def _least_loaded(order: list[int], lengths: Sequence[int], budget: int, count: 
 def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) -> PackedInputs:
     """Concatenate samples into one row with per-sample positions; see the module docstring.
 
-    With `share_prompts`, a sample whose prompt tokens equal those of the sequence just before it in the row
-    (the next member of the same group) contributes only its response, positioned after the prompt: the
-    prompt's forward and backward run once per group instead of once per sample. Only an attention that
-    reads such continuations (`packed_sdpa`) may be given this row.
+    With `share_prompts`, the prefix all prompts share (at least MIN_SHARED_PREFIX tokens, leaving each prompt one
+    of its own) opens the row once and every sequence continues after it; and a sample whose prompt tokens equal
+    those of the sequence just before it in the row (the next member of the same group) contributes only its
+    response, positioned after the prompt. Only an attention that reads such continuations (`packed_sdpa`) may be
+    given this row.
     """
     if not samples:
         raise ValueError("pack_inputs needs at least one sample")
     # Built as Python lists and turned into tensors once: a few tensor ops per sample cost more than the rest of
     # the packing on an RL batch of hundreds of short samples (7 ms of a CPU step).
-    ids: list[int] = []
-    positions: list[int] = []
+    token_lists = [sample.tokens.tolist() for sample in samples]
+    prompts = [tokens[: sample.prompt_length] for tokens, sample in zip(token_lists, samples, strict=True)]
+    shared = shared_prefix_length(prompts) if share_prompts else 0
+    ids: list[int] = prompts[0][:shared]
+    positions: list[int] = list(range(shared))
     logit_positions: list[int] = []
     targets: list[int] = []
-    root: tuple[int, list[int]] | None = None  # the row offset and prompt of the sequence a sample may continue
-    for sample in samples:
-        tokens, prompt_length, response_length = sample.tokens.tolist(), sample.prompt_length, sample.response_length
-        prompt, response = tokens[:prompt_length], tokens[prompt_length:]
+    root: tuple[int, list[int]] | None = None  # where the sequence a sample may continue sits, and its prompt
+    for sample, tokens, prompt in zip(samples, token_lists, prompts, strict=True):
+        prompt_length, response_length = sample.prompt_length, sample.response_length
+        response = tokens[prompt_length:]
         offset = len(ids)
         if share_prompts and root is not None and root[1] == prompt:
             ids += response
             positions += range(prompt_length, prompt_length + len(response))
             # The first response token is predicted from the prompt's last position, in the root sequence.
-            predictors = [root[0] + prompt_length - 1, *range(offset, offset + response_length - 1)]
+            predictors = [root[0] + prompt_length - shared - 1, *range(offset, offset + response_length - 1)]
             logit_positions += predictors[:response_length]
         else:
             root = (offset, prompt)
-            ids += tokens
-            positions += range(len(tokens))
-            start = offset + prompt_length - 1
+            ids += tokens[shared:]
+            positions += range(shared, len(tokens))
+            start = offset + prompt_length - shared - 1
             logit_positions += range(start, start + response_length)
         targets += response
     return PackedInputs(
@@ -149,6 +158,17 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) 
         targets=torch.tensor(targets, dtype=torch.long),
         response_lengths=torch.tensor([sample.response_length for sample in samples], dtype=torch.long),
     )
+
+
+def shared_prefix_length(prompts: Sequence[list[int]]) -> int:
+    """How many leading tokens every prompt shares, leaving each one of its own (a response's first token is
+    predicted from its prompt's last position, which must sit in its own sequence); 0 below MIN_SHARED_PREFIX."""
+    if len(prompts) < 2:
+        return 0
+    limit = min(len(prompt) for prompt in prompts) - 1
+    first = prompts[0]
+    shared = next((column for column in range(limit) if any(p[column] != first[column] for p in prompts)), limit)
+    return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
 def collate(samples: Sequence[TrainSample], device: torch.device | str = "cpu") -> PackedBatch:
@@ -216,17 +236,24 @@ def check_packing_isolation(
 
     Catches models (or attention implementations) that do not turn restarting position_ids into a
     block-diagonal mask: training on such a model would leak attention across samples without any error. With
-    `share_prompts`, two samples of one prompt packed as prompt + continuation must match too.
+    `share_prompts`, two samples of one prompt packed as prompt + continuation must match too, and prompts that
+    continue one preamble packed once.
     """
     vocab_size = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     first, second, reply = (torch.randint(0, vocab_size, (length,), generator=generator) for length in (6, 5, 3))
-    samples = [TrainSample(first, len(first) - 1), TrainSample(second, len(second) - 1)]
+    rows = [[TrainSample(first, len(first) - 1), TrainSample(second, len(second) - 1)]]
     if share_prompts:  # the second sample's prompt again, with another response of another length
-        samples.append(TrainSample(torch.cat([second[:1], reply]), len(reply)))
+        rows[0].append(TrainSample(torch.cat([second[:1], reply]), len(reply)))
+        # and two groups (the second of two samples) whose prompts open with one preamble, packed once before them
+        preamble = torch.randint(0, vocab_size, (MIN_SHARED_PREFIX,), generator=generator)
+        rows.append([TrainSample(torch.cat([preamble, first]), 2), TrainSample(torch.cat([preamble, first[:3]]), 2),
+                     TrainSample(torch.cat([preamble, first[:1], reply]), 3)])
     with torch.no_grad():
-        packed = forward_packed(model, pack_inputs(samples, share_prompts=share_prompts).to(device))
-        alone = torch.cat([forward_packed(model, pack_inputs([sample]).to(device)) for sample in samples])
+        packed = torch.cat([forward_packed(model, pack_inputs(row, share_prompts=share_prompts).to(device))
+                            for row in rows])
+        alone = torch.cat([forward_packed(model, pack_inputs([sample]).to(device))
+                           for row in rows for sample in row])
     difference = (packed.float() - alone.float()).abs().max().item()
     if not difference <= tolerance:
         shared = " or shared prompts" if share_prompts else ""

@@ -105,7 +105,7 @@ def test_a_continuation_attends_to_its_prompt_within_the_sliding_window() -> Non
 @pytest.mark.unit
 def test_a_continuation_with_no_long_enough_sequence_before_it_is_refused() -> None:
     tensor = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(ValueError, match=r"restart at 3 \(row position 2\) without a sequence of at least 3 tokens"):
+    with pytest.raises(ValueError, match=r"restart at 3 \(row position 2\) without segments before it that reach"):
         packed_sdpa_attention(nn.Module(), tensor, tensor, tensor, None, position_ids=torch.tensor([[0, 1, 3, 4]]))
 
 
@@ -164,3 +164,44 @@ def test_a_trainer_step_with_shared_prompts_updates_the_weights_as_one_without(t
     assert micro_batches == [3, 2]  # 64 tokens whole, 33 with each prompt once
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _with_preamble(samples: list[TrainSample], preamble: Tensor) -> list[TrainSample]:
+    return [TrainSample(torch.cat([preamble, sample.tokens]), sample.response_length) for sample in samples]
+
+
+@pytest.mark.unit
+def test_a_preamble_every_prompt_starts_with_opens_the_row_once() -> None:
+    preamble = torch.arange(10, 20)
+    samples = _with_preamble(_groups([3, 2], [[2, 1], [1]]), preamble)
+    inputs = pack_inputs(samples, share_prompts=True)
+    # the preamble (positions 0-9), group 1's own prompt and first response, its second response, group 2
+    assert inputs.position_ids.tolist() == [[*range(10), 10, 11, 12, 13, 14, 13, 10, 11, 12]]
+    assert inputs.input_ids[0, :10].tolist() == preamble.tolist()
+    assert inputs.logit_positions.tolist() == [12, 13, 12, 17]
+    assert torch.equal(inputs.targets, torch.cat([s.tokens[-s.response_length:] for s in samples]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_shared_preamble_gives_the_log_probs_and_gradients_of_whole_samples(family: str) -> None:
+    register_packed_attention()
+    model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer())
+    model.config._attn_implementation = "packed_sdpa"
+    preamble = torch.randint(6, 100, (9,), generator=torch.Generator().manual_seed(5))
+    samples = _with_preamble(_groups([5, 1, 7, 4], [[3, 3, 1, 6], [2, 2], [4], [0, 2, 5]]), preamble)
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        inputs = pack_inputs(samples, share_prompts=share)
+        log_probs = torch.log_softmax(forward_packed(model, inputs), -1).gather(-1, inputs.targets[:, None])[:, 0]
+        (log_probs * torch.linspace(-1.0, 2.0, log_probs.numel())).sum().backward()
+        results.append((inputs.input_ids.shape[1], log_probs.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_length, plain, plain_grads), (shared_length, shared, shared_grads) = results
+    # the preamble once, each group's own prompt once, every response
+    assert shared_length == 9 + (5 + 1 + 7 + 4) + sum(sample.response_length for sample in samples)
+    assert plain_length == sum(sample.tokens.numel() for sample in samples)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
