@@ -140,10 +140,14 @@ class PromptGroup(Message):
 
 
 class LeaseRequest(Message):
-    """Rollout worker -> buffer (RPC): 'I have capacity for up to max_groups prompt groups'."""
+    """Rollout worker -> buffer (RPC): 'I have capacity for up to max_groups prompt groups (and max_samples rows)'."""
 
     worker_id: Annotated[str, doc("the asking rollout worker's actor id")]
     max_groups: Annotated[int, doc("upper bound on groups to lease now (the worker's free capacity)")]
+    max_samples: Annotated[int | None, doc(
+        "upper bound on the samples of the groups leased (the engine's free rows), so one-sample eval groups fill "
+        "the rows eight-sample training groups would; the first group is leased whatever its size (None: no "
+        "bound)")] = None
     eval_only: Annotated[bool, doc("only evaluation groups: the worker's weights are too old for training "
                                    "groups, but are the ones an eval round is waiting for")] = False
     weights_version: Annotated[

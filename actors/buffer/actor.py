@@ -113,6 +113,7 @@ class Buffer(Actor):
         # A learner that pushes no weights (--debug-rollout-only) leaves every engine on its first version.
         weights_version = request.weights_version if self.learner_pushes else None
         leased = self.core.lease(request.worker_id, request.max_groups, eval_only=request.eval_only,
+                                 max_samples=request.max_samples,
                                  weights_version=weights_version)
         closed = admission_state(self.core)
         if closed is None:

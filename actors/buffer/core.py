@@ -110,15 +110,21 @@ class BufferCore:
         self.committed_batch = 0
 
     # ----------------------------------------------------------------------------------------- leases
-    def lease(self, worker_id: str, max_groups: int, *, eval_only: bool = False, weights_version: int | None = None
-              ) -> tuple[str, list[PromptGroup]] | None:
-        """Up to `max_groups` groups: evaluation first (those the worker's weights can serve: `take_eval_groups`),
-        then re-issues, then new prompts while admitted."""
+    def lease(self, worker_id: str, max_groups: int, *, eval_only: bool = False, weights_version: int | None = None,
+              max_samples: int | None = None) -> tuple[str, list[PromptGroup]] | None:
+        """Up to `max_groups` groups of at most `max_samples` samples together (the first whatever its size):
+        evaluation first (those the worker's weights can serve: `take_eval_groups`), then re-issues, then new
+        prompts while admitted."""
         self.expire_leases()
-        groups = take_eval_groups(self.eval_queue, max_groups, weights_version)
+        room = float("inf") if max_samples is None else max_samples
+        groups = take_eval_groups(self.eval_queue, max_groups, weights_version, room)
         if eval_only:
             max_groups = len(groups)
-        while len(groups) < max_groups and self.reissue:
+
+        def fits(size: int) -> bool:
+            return len(groups) < max_groups and (not groups or sum(g.n_samples for g in groups) + size <= room)
+
+        while self.reissue and fits(self.reissue[0].n_samples):
             groups.append(self.reissue.popleft())
             self.stats.reissued += 1
         new_groups = []
@@ -127,7 +133,7 @@ class BufferCore:
         # otherwise never admit the groups of the next batch. Staleness stays bounded by the check at consumption.
         window = max(self.learner_version, self.trained_batches)
         allowance = self.admission.capacity(learner_version=window, started_groups=self.live_started)
-        while len(groups) < max_groups and allowance > 0:
+        while allowance > 0 and fits(self.n_samples):
             group = self._next_prompt_group()
             groups.append(group)
             new_groups.append(group)

@@ -23,15 +23,23 @@ def eval_version(group_id: str) -> int | None:
     return None
 
 
-def take_eval_groups(queue: deque[PromptGroup], max_groups: int, weights_version: int | None) -> list[PromptGroup]:
-    """Up to `max_groups` eval groups out of `queue`, in order, of versions the worker's weights can serve.
+def take_eval_groups(queue: deque[PromptGroup], max_groups: int, weights_version: int | None,
+                     max_samples: float = float("inf")) -> list[PromptGroup]:
+    """Up to `max_groups` eval groups out of `queue`, in order, of versions the worker's weights can serve, and of
+    at most `max_samples` samples together (the first is taken whatever its size).
 
     A group of version v goes only to a worker whose weights are v or newer (None: the learner pushes none, so
     any). An older engine may never get v's weights: the learner holds its pushes while v's round runs (an engine
     that joins mid-round gets nothing until then), and it would sit on the group until its deadline ran out.
     """
-    taken = [g for g in queue if weights_version is None or (eval_version(g.group_id) or 0) <= weights_version]
-    taken = taken[:max_groups]
+    servable = [g for g in queue if weights_version is None or (eval_version(g.group_id) or 0) <= weights_version]
+    taken: list[PromptGroup] = []
+    samples = 0
+    for group in servable[:max_groups]:
+        if taken and samples + group.n_samples > max_samples:
+            break
+        taken.append(group)
+        samples += group.n_samples
     if taken:
         ids = {g.group_id for g in taken}
         remaining = [g for g in queue if g.group_id not in ids]

@@ -56,8 +56,11 @@ class RolloutWorker(Actor):
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
-        self.capacity = max(1, self.config.engine.rollout_max_batch_size // self.config.rollout.n_samples_per_prompt)
+        # The engine's rows are the capacity: eight one-sample eval groups take the room of one eight-sample group.
+        self.capacity_rows = max(self.config.engine.rollout_max_batch_size, self.config.rollout.n_samples_per_prompt)
+        self.capacity = max(1, self.capacity_rows // self.config.rollout.n_samples_per_prompt)  # in training groups
         self.groups_in_flight = 0
+        self.rows_in_flight = 0
         self._room = asyncio.Condition()
         self._idle_since: float | None = time.monotonic()
         self._idle_seconds = 0.0
@@ -91,9 +94,10 @@ class RolloutWorker(Actor):
         while not self.stopping:
             eval_only = self.weights_too_old()  # too old to train on, maybe the very weights an eval round waits for
             async with self._room:
-                await self._room.wait_for(lambda: self.groups_in_flight < self.capacity)
+                await self._room.wait_for(lambda: self.rows_in_flight < self.capacity_rows)
             self._work_may_open.clear()
-            lease = await self.request_lease(self.capacity - self.groups_in_flight, eval_only=eval_only)
+            room = self.capacity_rows - self.rows_in_flight
+            lease = await self.request_lease(room, eval_only=eval_only, max_samples=room)
             if lease is None or not lease.groups:
                 self._note_no_work(eval_only, lease)
                 if self.groups_in_flight == 0:
@@ -175,7 +179,7 @@ class RolloutWorker(Actor):
 
     def hold(self, lease: Lease) -> None:
         """Count a new lease's groups as in flight, and renew the lease until each is released."""
-        self._mark_busy(len(lease.groups))
+        self._mark_busy(len(lease.groups), sum(group.n_samples for group in lease.groups))
         self.held_leases[lease.lease_id] = len(lease.groups)
 
     def generate_group(self, lease: Lease, group: PromptGroup) -> None:
@@ -198,7 +202,7 @@ class RolloutWorker(Actor):
             self.counters["groups.failed"] += 1
             self.log.exception("rollout of a group failed", group=group.group_id, error=repr(error))
         finally:
-            await self.release(lease.lease_id)
+            await self.release(lease.lease_id, group)
 
     async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample]) -> None:
         """Hand one generated group to the reward workers, counting what was generated."""
@@ -215,10 +219,10 @@ class RolloutWorker(Actor):
         self.counters["groups.sent"] += 1
         self.handed_off.note(reward_worker, lease_id, group_id)
 
-    async def release(self, lease_id: str) -> None:
-        """One group of `lease_id` is done with (sent or given up): free its slot; the last one ends renewal."""
+    async def release(self, lease_id: str, group: PromptGroup) -> None:
+        """`group` of `lease_id` is done with (sent or given up): free its rows; the last one ends renewal."""
         async with self._room:
-            self._mark_busy(-1)
+            self._mark_busy(-1, -group.n_samples)
             self._room.notify_all()
         remaining = self.held_leases.get(lease_id, 1) - 1
         if remaining <= 0:
@@ -226,7 +230,7 @@ class RolloutWorker(Actor):
         else:
             self.held_leases[lease_id] = remaining
 
-    def _mark_busy(self, delta: int) -> None:
+    def _mark_busy(self, delta: int, rows: int) -> None:
         """Track the time with nothing to generate: the rollout idle fraction a user tunes staleness against."""
         now = time.monotonic()
         self._slot_seconds += self.groups_in_flight * (now - self._slots_since)
@@ -235,6 +239,7 @@ class RolloutWorker(Actor):
             self._idle_seconds += now - self._idle_since
             self._idle_since = None
         self.groups_in_flight += delta
+        self.rows_in_flight += rows
         if self.groups_in_flight == 0 and self._idle_since is None:
             self._idle_since = now
 
@@ -248,10 +253,11 @@ class RolloutWorker(Actor):
         idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
         return idle / max(now - self._started, 1e-9)
 
-    async def request_lease(self, max_groups: int, *, eval_only: bool = False) -> Lease | None:
+    async def request_lease(self, max_groups: int, *, eval_only: bool = False,
+                            max_samples: int | None = None) -> Lease | None:
         try:
             request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, eval_only=eval_only,
-                                   weights_version=self.engine.version)
+                                   weights_version=self.engine.version, max_samples=max_samples)
             reply = await self.buffer.call(request, timeout=5.0, retries=2)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
             self.counters["lease.unanswered"] += 1

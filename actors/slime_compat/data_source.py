@@ -67,8 +67,8 @@ class GroupSource(Protocol):
     def generate_group(self, lease: Lease, group: PromptGroup) -> None:
         """Generate, score and send one group the worker's own way (for evaluation groups)."""
 
-    async def release(self, lease_id: str) -> None:
-        """One group of `lease_id` is done with."""
+    async def release(self, lease_id: str, group: PromptGroup) -> None:
+        """`group` of `lease_id` is done with."""
 
 
 class LeasedDataSource:

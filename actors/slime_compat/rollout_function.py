@@ -263,7 +263,7 @@ class RolloutFunctionRunner:
                 worker.log.exception("rollout function group not sent", path=self.path, group=held.group.group_id,
                                      error=repr(error))
             finally:
-                await worker.release(held.lease_id)
+                await worker.release(held.lease_id, held.group)
 
     async def _give_up(self, abandoned: list[Held], rollout_id: int) -> None:
         if abandoned and not self.worker.stopping:
@@ -272,7 +272,7 @@ class RolloutFunctionRunner:
                                     path=self.path, rollout_id=rollout_id,
                                     groups=[held.group.group_id for held in abandoned])
         for held in abandoned:
-            await self.worker.release(held.lease_id)
+            await self.worker.release(held.lease_id, held.group)
 
     def _report(self, metrics: Any) -> None:
         if isinstance(metrics, dict):

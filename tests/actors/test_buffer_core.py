@@ -537,3 +537,19 @@ def test_handed_off_groups_are_named_per_reward_worker_and_forgotten_after_the_l
     assert handed.lost_with("reward-0-0") == [("L2", "0:3")]  # 0:1 is past its lease's expiry: the buffer has it
     assert handed.lost_with("reward-0-0") == []
     assert handed.lost_with("reward-0-1") == []
+
+
+@pytest.mark.unit
+def test_a_lease_fills_the_samples_the_worker_has_room_for_one_sample_eval_groups_included() -> None:
+    """A worker with 6 free rows: six one-sample eval groups, not the 3 two-sample groups its rows would hold."""
+    core = make_core()
+    core.eval_queue.extend(PromptGroup(group_id=eval_group_id("held", 0, index), prompt="1+1=", is_eval=True)
+                           for index in range(8))
+    _, first = core.lease("w", 6, max_samples=6)
+    assert [g.is_eval for g in first] == [True] * 6
+    _, second = core.lease("w", 6, max_samples=6)  # two eval groups left (2 samples), then training groups of N=2
+    assert [g.n_samples for g in second] == [1, 1, N, N]
+    _, third = core.lease("w", 6, max_samples=1)  # less room than one training group: the first one still goes
+    assert [g.n_samples for g in third] == [N]
+    _, unbounded = core.lease("w", 100)  # no bound on samples (slime's data source): the admission's limit only
+    assert len(unbounded) == (1 + 1) * B - 3

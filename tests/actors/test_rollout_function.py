@@ -58,7 +58,7 @@ class CoreGroups:
     def generate_group(self, lease: Lease, group: PromptGroup) -> None:
         self.generated_eval.append(group.group_id)
 
-    async def release(self, lease_id: str) -> None:
+    async def release(self, lease_id: str, group: PromptGroup) -> None:
         self.held[lease_id] -= 1
 
 

@@ -256,3 +256,18 @@ async def test_weights_that_land_while_the_worker_asks_for_eval_work_are_not_wai
         assert isinstance(await order_weights(worker), Ack)
         buffer.release.set()  # "no eval work", answered after version 1's weights landed
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups with version 1's weights")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_one_sample_eval_groups_fill_every_row_of_the_engine(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four engine rows, training groups of two samples: an eval round's one-sample groups run four at a time."""
+    use_spec(SimSpec(token_seconds=0.05, length_min=20, length_max=20), tmp_path, monkeypatch)
+    held_out = write_prompts(tmp_path / "held.jsonl")
+    settings = _settings(tmp_path, rollout_max_batch_size=4, eval_prompt_data=["held", str(held_out)],
+                         eval_interval=100)
+    async with actor_system(tmp_path, settings, ROLES) as system:
+        worker = system["rollout-0-0"]
+        await system.wait_for(lambda: worker.groups_in_flight == 4, 10, "four eval groups in flight at once")
+        assert worker.rows_in_flight == 4 and worker.capacity == 2  # two training groups' worth of rows
