@@ -20,8 +20,11 @@ def describe(record: dict[str, Any]) -> str:
         value = record.get(key)
         return "-" if value is None else format(value, fmt)
 
+    # a reward that says which samples were right (reward/correct) is shown by it: with partial credit, a reward
+    # of 1 (rollout/accuracy) is not what "right" means
+    accuracy = "reward/correct" if "reward/correct" in record else "rollout/accuracy"
     return (f"step {record.get('step')} v{record.get('version', '-')} "
-            f"reward {number('rollout/reward_mean')} acc {number('rollout/accuracy')} "
+            f"reward {number('rollout/reward_mean')} acc {number(accuracy)} "
             f"stale max {number('staleness/max', '.0f')} mean {number('staleness/mean', '.2f')} "
             f"{number('throughput/samples_per_s', '.1f')} samples/s")
 

@@ -113,7 +113,14 @@ def test_final_number_reads_the_answer_and_says_format_and_correctness_apart(res
 def test_final_number_gives_no_reward_for_a_right_number_in_a_response_cut_off_at_the_limit() -> None:
     scored = resolve_reward("final_number")(RewardInput(prompt="q", response="23 + 14 = 37 and then", label="37",
                                                         finish_reason="length"))
-    assert scored == {"reward": 0.0, "correct": True, "format_ok": False, "truncated": True}
+    assert scored == {"reward": 0.0, "correct": False, "format_ok": False, "truncated": True}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("response", "reward"),
+                         [("37", 1.0), ("23 + 14 = 37", 0.5), ("36", 0.0), ("23 + 14 = 36", 0.0)])
+def test_final_number_brief_pays_half_for_a_right_answer_in_words(response: str, reward: float) -> None:
+    assert _score("final_number_brief", response, "37")["reward"] == reward
 
 
 @pytest.mark.unit
