@@ -23,7 +23,8 @@ from policies.aggregation import global_denominator
 from policies.config import PolicyLossConfig
 from policies.losses import compute_policy_loss, effective_loss_mask
 
-__all__ = ["ADDITIVE_METRICS", "PiOldSource", "PolicyLoss", "pi_old_source", "step_denominators"]
+__all__ = ["ADDITIVE_METRICS", "PiOldSource", "PolicyLoss", "pi_old_source", "step_denominators",
+           "zero_advantage_is_zero_gradient"]
 
 # Loss terms already use the global denominators; every other metric is a local mean to be token-weighted.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
@@ -32,6 +33,21 @@ ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
 _CORRECTIONS_WITHOUT_REJECTION = ("none", "tis", "icepop")
 
 PiOldSource = Literal["rollout", "training_forward", "separate_forward"]
+# The built-in policy losses whose per-token term is the advantage times something: zero wherever it is zero.
+_LINEAR_IN_ADVANTAGE = ("ppo", "gspo", "cispo")
+
+
+def zero_advantage_is_zero_gradient(config: PolicyLossConfig) -> bool:
+    """Whether a sample whose advantages are all zero adds exactly nothing to the step's gradient.
+
+    True for the built-in policy-gradient losses with no term that reads a sample beyond its advantage (no KL loss,
+    no entropy bonus) and denominators fixed for the whole step before it starts (the loss's are): such a sample's
+    forward and backward can be skipped, with the same update. GRPO gives every sample of a group whose rewards are
+    all equal an advantage of exactly zero, which at the start and the end of a run is most of a batch.
+    """
+    return (config.loss_type in _LINEAR_IN_ADVANTAGE and config.entropy_coef == 0
+            and not (config.use_kl_loss and config.kl_loss_coef != 0))
+
 
 
 class LossBatch(Protocol):

@@ -239,6 +239,11 @@ class LearnerConfig(Section):
     save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(None, ge=1, description="checkpoint every N learner steps")
     load: str | None = Field(None, description="resume from this checkpoint directory")
+    skip_zero_advantage_samples: bool = Field(True, description="leave out of the forward and backward the "
+                                              "samples whose advantages are all zero (a GRPO group that scored "
+                                              "alike) when the loss gives them no gradient (no KL loss, no "
+                                              "entropy bonus): the same update, and the step's diagnostics are "
+                                              "means over the samples trained")
     mask_offpolicy_in_partial_rollout: bool = Field(False, description="train only on the tokens of a sample's "
                                                     "newest weight version: the part generated before a weight "
                                                     "update landed mid-sample stays as context, loss mask 0")

@@ -193,12 +193,24 @@ def mini_batches(batch: StepBatch, steps: int, parallel: DataParallel) -> list[S
             for start, end in pairwise(bounds)]
 
 
+def with_gradient(batch: StepBatch) -> StepBatch:
+    """The samples whose advantages are not all zero, in order; at least one, so every rank still takes its step.
+
+    Call only where a zero-advantage sample adds nothing to the gradient (`zero_advantage_is_zero_gradient`)."""
+    kept = [index for index, sample in enumerate(batch.samples)
+            if sample.advantages is None or bool(sample.advantages.any())] or [0]
+    return StepBatch(samples=[batch.samples[i] for i in kept], group_ids=[batch.group_ids[i] for i in kept])
+
+
 def build_loss(
-    policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *, pi_old_from_forward: bool
+    policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *, pi_old_from_forward: bool,
+    trained: StepBatch | None = None,
 ) -> PolicyLoss:
     """One optimizer step's loss with that step's denominators: its mini-batch on every rank counts (one
     all-reduce when sharded). With several steps per rollout batch each step divides by its own counts, as slime
-    normalises per step (per token of the step with --calculate-per-token-loss, else per sample of the step)."""
+    normalises per step (per token of the step with --calculate-per-token-loss, else per sample of the step).
+    `trained`: the part of `batch` the trainer will run (`with_gradient`); the denominators stay the whole
+    batch's, the diagnostics become means over the samples trained."""
     loss_mask = batch.packed("loss_mask")
     assert loss_mask is not None  # to_train_sample always sets one
     counts = step_denominators(
@@ -208,6 +220,10 @@ def build_loss(
         old_log_probs=batch.packed("old_log_probs"),
         rollout_log_probs=batch.packed("rollout_log_probs"),
     )
+    if trained is not None:  # the trained samples' tokens weigh the diagnostics
+        trained_mask = trained.packed("loss_mask")
+        assert trained_mask is not None
+        counts = torch.cat([counts[:1], trained_mask.sum().reshape(1).to(counts.dtype)])
     if parallel.size > 1:
         counts = counts.to(_collective_device(parallel))
         torch.distributed.all_reduce(counts, group=parallel.group)

@@ -31,7 +31,7 @@ from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
 from policies.rewards import REWARD_EXTRAS, extras_means
 from policies.staleness import staleness_histogram
-from policies.step_loss import PiOldSource, pi_old_source
+from policies.step_loss import PiOldSource, pi_old_source, zero_advantage_is_zero_gradient
 
 
 @dataclass
@@ -66,6 +66,8 @@ class TrainingStep:
         self.newest_version_only = config.learner.mask_offpolicy_in_partial_rollout
         self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.learner.use_decoupled_ppo,
                                               steps_per_batch=self.steps)
+        self.skip_gradient_free = (config.learner.skip_zero_advantage_samples
+                                   and zero_advantage_is_zero_gradient(self.policy))
         if self.pi_old == "training_forward" and self.steps > 1:
             raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
 
@@ -104,11 +106,15 @@ class TrainingStep:
         return StepReport(result=result, metrics={**result.metrics, **prepared.metrics})
 
     def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
-        loss = stages.build_loss(self.policy, part, parallel, pi_old_from_forward=self.pi_old == "training_forward")
+        trained = stages.with_gradient(part) if self.skip_gradient_free else part
+        loss = stages.build_loss(self.policy, part, parallel, pi_old_from_forward=self.pi_old == "training_forward",
+                                 trained=trained if trained is not part else None)
         # `ends_batch` only with several steps: a trainer written for one step per batch need not know it.
         extra = {} if self.steps == 1 else {"ends_batch": last}
-        return self.trainer.train_step(part.samples, loss, temperature=self.temperature,
-                                       with_entropy=loss.needs_entropy, **extra)
+        result = self.trainer.train_step(trained.samples, loss, temperature=self.temperature,
+                                         with_entropy=loss.needs_entropy, **extra)
+        result.metrics["zero_advantage_skipped"] = float(len(part.samples) - len(trained.samples))
+        return result
 
 
 # Metrics of a step that are totals of its work; the batch's value is their sum over steps, others are means.

@@ -292,3 +292,49 @@ def test_a_batch_prepared_beside_the_previous_step_trains_exactly_as_one_prepare
     after_sequential, metrics_sequential = two_steps(beside=False)
     assert all(torch.equal(after_beside[name], after_sequential[name]) for name in after_sequential)
     assert metrics_beside["loss"] == metrics_sequential["loss"] and metrics_beside["staleness/max"] == 1.0
+
+
+class SampleCountingTrainer(TorchTrainer):
+    """The real trainer, counting the samples each step runs."""
+
+    trained: list[int]
+
+    def train_step(self, samples, loss, **options):
+        self.trained = [*getattr(self, "trained", []), len(samples)]
+        return super().train_step(samples, loss, **options)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("loss", ["ppo", "gspo"])
+def test_groups_that_scored_alike_are_not_run_and_the_update_is_the_same(tiny_model_path: Path, loss: str) -> None:
+    """Two of three GRPO groups scored alike (advantage 0 everywhere): the step runs the third group alone and
+    lands on the same weights, to float precision, as the step that runs all of them."""
+    settings = {"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4, "rollout_max_response_len": 5,
+                "advantage_estimator": "grpo", "off_policy_correction": "tis", "lr": 1e-2, "loss_type": loss}
+    config = build_config(settings)
+    samples = generate(tiny_model_path, config, groups(4))
+    rewards = [1.0] * 4 + [0.0] * 4 + [1.0, 0.0, 0.0, 1.0]  # g0 all right, g1 all wrong, g2 mixed
+    samples = [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "reward": r})
+               for s, r in zip(samples, rewards, strict=True)]
+    results = {}
+    for skip in (True, False):
+        trainer = SampleCountingTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2))
+        step = TrainingStep(trainer, build_config({**settings, "skip_zero_advantage_samples": skip}))
+        report = step.train(samples, staleness=[0] * len(samples))
+        results[skip] = (trainer.trained, report.metrics, weights(trainer))
+    (skipped, skipped_metrics, skipped_weights), (whole, whole_metrics, whole_weights) = results[True], results[False]
+    assert skipped == [4] and whole == [12]
+    assert skipped_metrics["zero_advantage_skipped"] == 8 and whole_metrics["zero_advantage_skipped"] == 0
+    assert skipped_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
+    for name, tensor in whole_weights.items():
+        torch.testing.assert_close(skipped_weights[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.unit
+def test_samples_are_trained_whatever_their_advantage_when_the_loss_reads_more_than_it() -> None:
+    from policies.step_loss import zero_advantage_is_zero_gradient
+
+    assert zero_advantage_is_zero_gradient(PolicyLossConfig(loss_type="cispo"))
+    assert not zero_advantage_is_zero_gradient(PolicyLossConfig(use_kl_loss=True, kl_loss_coef=0.01))
+    assert not zero_advantage_is_zero_gradient(PolicyLossConfig(entropy_coef=0.001))
+    assert not zero_advantage_is_zero_gradient(PolicyLossConfig(loss_type="sft"))
