@@ -11,7 +11,8 @@ imposed on both sides, so both generate exactly the same number of tokens per pr
 
 Both run in the same process on the same model object, interleaved per repeat (alternating which goes
 first) because the CPU is shared; the table reports medians. Run:
-`python -m tools.bench_engine [--quick] [--json PATH]`.
+`python -m tools.bench_engine [--quick] [--json PATH]`, and on a real model or shape (`tools/bench_models.py`):
+`python -m tools.bench_engine --model smollm2 --prompts 192 --longest 1024`.
 """
 
 from __future__ import annotations
@@ -146,8 +147,13 @@ def run_engine(engine: TorchEngine, workload: Workload, tag: str) -> tuple[float
 
 def benchmark(args: argparse.Namespace) -> Figures:
     spec = QUICK_SPEC if args.quick else BENCH_SPEC
-    cache_dir = Path(args.model_cache or Path(tempfile.gettempdir()) / "slipstream-bench-models")
-    path = cached_tiny_model(cache_dir, spec)
+    if args.model is not None:
+        from tools.bench_models import bench_model
+
+        path = bench_model(args.model)
+    else:
+        cache_dir = Path(args.model_cache or Path(tempfile.gettempdir()) / "slipstream-bench-models")
+        path = cached_tiny_model(cache_dir, spec)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     workload = make_workload(tokenizer, args.prompts, args.longest, seed=args.seed)
@@ -188,14 +194,21 @@ def benchmark(args: argparse.Namespace) -> Figures:
         engine_median=statistics.median(engine_rates),
         speedup_median=statistics.median(ratios),
         threads=torch.get_num_threads(),
-        model=asdict(spec),
+        model=_shape(model, args.model or spec.family),
     )
+
+
+def _shape(model: torch.nn.Module, name: str) -> dict:
+    config = model.config
+    return {"family": name, "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
+            "vocab_size": config.vocab_size, "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def print_table(figures: Figures) -> None:
     spec = figures.model
     print(
-        f"model: {spec['family']} hidden={spec['hidden_size']} layers={spec['num_hidden_layers']} (fp32, CPU, "
+        f"model: {spec['family']} hidden={spec['hidden_size']} layers={spec['num_hidden_layers']} "
+        f"vocab={spec['vocab_size']} params={spec['parameters'] / 1e6:.0f}M (fp32, CPU, "
         f"{figures.threads} threads) | {figures.prompts} prompts, batch {figures.batch_size} | response lengths "
         f"min/median/max = {figures.length_min}/{figures.length_median:g}/{figures.length_max}, "
         f"{figures.generated_tokens} tokens per pass | median of {figures.repeats} interleaved repeats"
@@ -224,6 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads for both sides (default: torch's own choice); 1 is steadier on a shared CPU",
     )
     parser.add_argument("--model-cache", type=Path, help="where the benchmark model is built (default: tmp)")
+    parser.add_argument("--model", help="a real model or shape instead of the tiny one: smollm2 or qwen2.5-0.5b")
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (64 if args.quick else 256)
     args.longest = args.longest or (64 if args.quick else 512)
