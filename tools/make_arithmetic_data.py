@@ -1,8 +1,12 @@
-"""Make the demo's verifiable task locally: integer addition prompts with their answers, as JSONL.
+"""Make the demos' verifiable tasks locally: integer addition prompts with their answers, as JSONL.
 
 `python tools/make_arithmetic_data.py OUT_DIR --max-operand 49` writes train.jsonl, eval.jsonl (held-out
 operand pairs never seen in training) and sft.jsonl (a small labelled subset for the warm start). Each line is
-`{"input": "12+7=", "label": "19"}`; the reward is an exact match of the response with the label.
+`{"input": "12+7=", "label": "19"}`: the tiny model's task, scored by an exact match of the response.
+
+`--style question` writes what a chat model is asked instead: `{"input": "What is 23 + 14? Answer with just the
+number.", "label": "37"}` for every pair of two-digit operands (10..99), with held-out pairs in eval.jsonl; the run
+wraps it in the model's chat template (`--apply-chat-template`) and scores it with `--rm-type final_number`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,22 @@ from pathlib import Path
 def addition_problems(max_operand: int) -> list[dict[str, str]]:
     return [{"input": f"{a}+{b}=", "label": str(a + b)}
             for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+def sum_questions(low: int = 10, high: int = 99) -> list[dict[str, str]]:
+    return [{"input": f"What is {a} + {b}? Answer with just the number.", "label": str(a + b)}
+            for a in range(low, high + 1) for b in range(low, high + 1)]
+
+
+def make_sum_questions(out_dir: Path, *, eval_size: int = 100, seed: int = 0) -> dict[str, Path]:
+    """train.jsonl and eval.jsonl of two-digit sum questions; the eval pairs never appear in training."""
+    questions = sum_questions()
+    random.Random(seed).shuffle(questions)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl"}
+    write_jsonl(paths["eval"], questions[:eval_size])
+    write_jsonl(paths["train"], questions[eval_size:])
+    return paths
 
 
 def write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
@@ -42,9 +62,15 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--sft-size", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--style", choices=("equation", "question"), default="equation",
+                        help="equation: '12+7=' for the tiny model; question: chat questions of two-digit sums")
     args = parser.parse_args()
-    for name, path in make_arithmetic_data(args.out_dir, max_operand=args.max_operand, eval_size=args.eval_size,
-                                           sft_size=args.sft_size, seed=args.seed).items():
+    if args.style == "question":
+        paths = make_sum_questions(args.out_dir, eval_size=args.eval_size, seed=args.seed)
+    else:
+        paths = make_arithmetic_data(args.out_dir, max_operand=args.max_operand, eval_size=args.eval_size,
+                                     sft_size=args.sft_size, seed=args.seed)
+    for name, path in paths.items():
         print(f"{name}: {path}")
 
 

@@ -148,13 +148,11 @@ class BufferCore:
             self._assign(group, lease_id)
             if not group.is_eval:
                 self.prompt_groups[group.group_id] = group
-        if self.log is not None:
-            training = [g for g in groups if not g.is_eval]
-            if training:
-                cursor = self.source.cursor
-                self.log.append("lease", lease_id=lease_id, worker_id=worker_id,
-                                groups=[encode(g) for g in training], new=[g.group_id for g in new_groups],
-                                cursor=[cursor.epoch, cursor.position])
+        training = [g for g in groups if not g.is_eval]
+        if self.log is not None and training:
+            cursor = self.source.cursor
+            self.log.append("lease", lease_id=lease_id, worker_id=worker_id, groups=[encode(g) for g in training],
+                            new=[g.group_id for g in new_groups], cursor=[cursor.epoch, cursor.position])
         return lease_id, groups
 
     def _assign(self, group: PromptGroup, lease_id: str) -> None:
@@ -488,14 +486,11 @@ class BufferCore:
 
     def _forget_in_flight(self, group_id: str) -> None:
         entry = self.in_flight.pop(group_id, None)
-        if entry is None:
-            return
-        record = self.leases.get(entry[1])
+        record = None if entry is None else self.leases.get(entry[1])
         if record is not None:
             record.group_ids.discard(group_id)
             if not record.group_ids:
                 del self.leases[entry[1]]
-
 
 
 def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> AssembledBatch:

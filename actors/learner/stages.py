@@ -194,11 +194,17 @@ def mini_batches(batch: StepBatch, steps: int, parallel: DataParallel) -> list[S
 
 
 def with_gradient(batch: StepBatch) -> StepBatch:
-    """The samples whose advantages are not all zero, in order; at least one, so every rank still takes its step.
+    """The samples whose advantages are not all zero, in order. A batch that scored alike everywhere keeps one
+    sample with a trained token: the step is then taken with a zero gradient, as it would be over the whole batch
+    (AdamW's moments still move the weights and the version advances), where a sample with no trained token would
+    make the trainer skip the step as empty.
 
     Call only where a zero-advantage sample adds nothing to the gradient (`zero_advantage_is_zero_gradient`)."""
     kept = [index for index, sample in enumerate(batch.samples)
-            if sample.advantages is None or bool(sample.advantages.any())] or [0]
+            if sample.advantages is None or bool(sample.advantages.any())]
+    if not kept:
+        kept = [next((index for index, sample in enumerate(batch.samples)
+                      if sample.loss_mask is None or bool(sample.loss_mask.any())), 0)]
     return StepBatch(samples=[batch.samples[i] for i in kept], group_ids=[batch.group_ids[i] for i in kept])
 
 

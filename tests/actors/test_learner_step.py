@@ -12,7 +12,7 @@ import torch
 
 from actors.config import build_config
 from actors.learner.ranks import data_parallel_shares
-from actors.learner.stages import StepBatch, add_advantages, data_parallel_shard, own_shard
+from actors.learner.stages import StepBatch, add_advantages, data_parallel_shard, own_shard, with_gradient
 from actors.learner.step import TrainingStep
 from actors.rollout.generate import RolloutContext, default_generate
 from actors.rollout.sft import sft_generate
@@ -328,6 +328,18 @@ def test_groups_that_scored_alike_are_not_run_and_the_update_is_the_same(tiny_mo
     assert skipped_metrics["loss"] == pytest.approx(whole_metrics["loss"], abs=1e-6)
     for name, tensor in whole_weights.items():
         torch.testing.assert_close(skipped_weights[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.unit
+def test_a_batch_that_scored_alike_keeps_a_sample_with_trained_tokens_so_its_step_is_taken() -> None:
+    """Every advantage zero and the first sample truncated (loss mask all 0): the one sample kept has tokens to
+    train, so the trainer takes the step (zero gradient, as over the whole batch) instead of skipping it as empty."""
+    samples = [TrainSample(torch.arange(6), 3, loss_mask=torch.tensor(mask, dtype=torch.float32),
+                           advantages=torch.zeros(3)) for mask in ([0, 0, 0], [1, 1, 0], [1, 1, 1])]
+    kept = with_gradient(StepBatch(samples=samples, group_ids=["g0", "g0", "g1"]))
+    assert kept.samples == [samples[1]] and kept.group_ids == ["g0"]
+    samples[2].advantages = torch.tensor([0.0, 0.5, 0.5])
+    assert with_gradient(StepBatch(samples=samples, group_ids=["g0", "g0", "g1"])).samples == [samples[2]]
 
 
 @pytest.mark.unit

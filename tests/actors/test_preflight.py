@@ -9,6 +9,7 @@ import pytest
 
 from actors.config import RunConfig
 from actors.config.preflight import PREFIX_ROWS, preflight
+from policies.registry import REWARDS
 
 HEAD = {"controller": 1, "buffer": 1, "learner": 1, "rollout": 1, "reward": 1}
 
@@ -56,10 +57,10 @@ def test_a_node_checks_only_what_its_own_actors_read(tmp_path: Path) -> None:
     config = RunConfig(prompt_data=str(tmp_path / "on-the-head.jsonl"), hf_checkpoint="/on/the/head/only",
                        custom_advantage_function_path="no_such_package:advantages", rm_type="no_such_reward")
     assert preflight(config, {"rollout": 0, "reward": 2}) == [
-        "--rm-type no_such_reward: unknown reward function 'no_such_reward'; registered: deepscaler, "
-        "environment_return, exact_match, f1, gpqa, math, multiple_choice; or give a dotted path "
-        "'package.module:attr'",
+        "--rm-type no_such_reward: unknown reward function 'no_such_reward'; "
+        f"registered: {', '.join(REWARDS.names())}; or give a dotted path 'package.module:attr'",
     ]
+    assert {"math", "exact_match", "final_number"} <= set(REWARDS.names())
 
 
 @pytest.mark.unit

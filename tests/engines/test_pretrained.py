@@ -115,17 +115,17 @@ async def test_the_engine_generates_what_transformers_generates_on_smollm2(smoll
     async with TorchEngine.from_pretrained(smollm2_path, max_batch_size=64) as engine:
         tokenizer = engine.tokenizer
         prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-        params = SamplingParams(temperature=0, max_new_tokens=24)
+        params = SamplingParams(temperature=0, max_new_tokens=16)
         outputs = await asyncio.gather(*(engine.generate(GenerateRequest(f"p{i}", prompt, params))
                                          for i, prompt in enumerate(prompts)))
         tokenizer.padding_side = "left"
         encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            generated = engine.model.generate(**encoded, max_new_tokens=24, do_sample=False)
+            generated = engine.model.generate(**encoded, max_new_tokens=16, do_sample=False)
     eos = engine.model.generation_config.eos_token_id
     references = [row[: row.index(eos) + 1] if eos in row else row
                   for row in generated[:, encoded["input_ids"].shape[1]:].tolist()]
     got = [output[0].output_ids for output in outputs]
     differing = [index for index, (mine, theirs) in enumerate(zip(got, references, strict=True)) if mine != theirs]
     assert differing == [], f"{len(differing)} of 50 differ, first: {tokenizer.decode(got[differing[0]])!r}"
-    assert sum(len(tokens) for tokens in got) > 50 * 8  # long enough answers for the comparison to mean something
+    assert sum(len(tokens) for tokens in got) > 50 * 6  # long enough answers for the comparison to mean something
