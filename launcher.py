@@ -416,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"launcher.py: error: {error}", file=sys.stderr)
         return 2
     configure_logging(role="launcher", actor_id=f"launcher-{args.node_rank}", node=args.node_rank,
-                      log_dir=run_dir / "logs", file_level=args.log_level, console_level="info")
+                      log_dir=run_dir / "logs", file_level=args.log_level, console_level=args.console_log_level)
     print(f"run directory: {run_dir}  head: {contexts[0].head_address if contexts else '-'}", file=sys.stderr)
     return asyncio.run(supervise(contexts, args, run_dir, early_template))
 

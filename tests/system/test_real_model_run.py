@@ -38,6 +38,9 @@ def test_smollm2_trains_through_the_launcher_with_eval_rounds_on_the_versions_it
                "--no-use-tensorboard", "--no-plots"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The terminal keeps to warnings (--console-log-level's default): each actor's start and exit is in the logs only.
+    assert "actor process started" not in done.stderr and "actor exited" not in done.stderr
+    assert "actor process started" in (run_dir / "logs" / "launcher-0.jsonl").read_text()
 
     steps = _rows(run_dir / "metrics" / "train.jsonl")
     assert [row["step"] for row in steps] == list(range(1, STEPS + 1))
