@@ -55,7 +55,7 @@ from typing import Any
 
 from actors.runtime.metrics import read_metrics
 from engines.tiny_model import cached_tiny_model
-from tools.demo import COMMON, GRPO, MAX_OPERAND, MODEL_SPEC, SFT
+from tools.demo import COMMON, GRPO, MAX_OPERAND, MODEL_SPEC, SFT, override_flags
 from tools.evaluate import evaluate_model
 from tools.make_arithmetic_data import make_arithmetic_data
 from tools.staleness_results import Cell, RunResult, load_results, read_reward_steps, report
@@ -77,27 +77,6 @@ QUICK = {
 
 
 # ------------------------------------------------------------------------------------------------ arguments
-def override_flags(arguments: list[str], values: dict[str, str | None]) -> list[str]:
-    """`arguments` without the flags in `values`, then each flag given a non-None value appended with it.
-
-    Every flag touched here takes exactly one value or is a bare switch (value None removes it).
-    """
-    switches = {"--use-decoupled-ppo", "--no-use-decoupled-ppo"}
-    kept: list[str] = []
-    index = 0
-    while index < len(arguments):
-        flag = arguments[index]
-        if flag in values:
-            index += 1 if flag in switches else 2
-            continue
-        kept.append(flag)
-        index += 1
-    for flag, value in values.items():
-        if value is not None:
-            kept.extend([flag] if value == "" else [flag, value])
-    return kept
-
-
 def grpo_arguments(
     cell: Cell, seed: int, *, num_rollout: int, eval_interval: int, rollout_workers: int, decoupled_ppo: bool
 ) -> list[str]:

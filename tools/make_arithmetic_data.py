@@ -27,9 +27,37 @@ def sum_questions(low: int = 10, high: int = 99) -> list[dict[str, str]]:
             for a in range(low, high + 1) for b in range(low, high + 1)]
 
 
+WORD_PROBLEM_NAMES = ("Tom", "Anna", "Lee", "Maria", "Sam", "Nina", "Omar", "Julia")
+WORD_PROBLEM_ITEMS = ("apples", "books", "marbles", "stickers", "pencils", "cookies", "shells", "cards")
+
+
+def word_problems(seed: int = 0) -> list[dict[str, str]]:
+    """One-step word problems the model is asked to reason through before it answers (its answers run to 100-190
+    tokens): every pair of a in 10..59 and b in 2..9, each told of its own person and things."""
+    rng = random.Random(seed)
+    problems = []
+    for a in range(10, 60):
+        for b in range(2, 10):
+            name, item = rng.choice(WORD_PROBLEM_NAMES), rng.choice(WORD_PROBLEM_ITEMS)
+            problems.append({"input": f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have "
+                                      "now? Explain your reasoning, then give the final answer.",
+                             "label": str(a + b)})
+    return problems
+
+
+def make_word_problems(out_dir: Path, *, eval_size: int = 100, seed: int = 0) -> dict[str, Path]:
+    """train.jsonl and eval.jsonl of word problems; the eval pairs of numbers never appear in training."""
+    return _split(word_problems(seed), out_dir, eval_size=eval_size, seed=seed)
+
+
 def make_sum_questions(out_dir: Path, *, eval_size: int = 100, seed: int = 0) -> dict[str, Path]:
     """train.jsonl and eval.jsonl of two-digit sum questions; the eval pairs never appear in training."""
-    questions = sum_questions()
+    return _split(sum_questions(), out_dir, eval_size=eval_size, seed=seed)
+
+
+def _split(questions: list[dict[str, str]], out_dir: Path, *, eval_size: int, seed: int) -> dict[str, Path]:
+    """One question per pair of numbers: the first `eval_size` of a shuffle are held out."""
+    questions = list(questions)
     random.Random(seed).shuffle(questions)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"train": out_dir / "train.jsonl", "eval": out_dir / "eval.jsonl"}
@@ -62,11 +90,14 @@ def main() -> None:
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--sft-size", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--style", choices=("equation", "question"), default="equation",
-                        help="equation: '12+7=' for the tiny model; question: chat questions of two-digit sums")
+    parser.add_argument("--style", choices=("equation", "question", "word"), default="equation",
+                        help="equation: '12+7=' for the tiny model; question: chat questions of two-digit sums; "
+                             "word: word problems to reason through")
     args = parser.parse_args()
     if args.style == "question":
         paths = make_sum_questions(args.out_dir, eval_size=args.eval_size, seed=args.seed)
+    elif args.style == "word":
+        paths = make_word_problems(args.out_dir, eval_size=args.eval_size, seed=args.seed)
     else:
         paths = make_arithmetic_data(args.out_dir, max_operand=args.max_operand, eval_size=args.eval_size,
                                      sft_size=args.sft_size, seed=args.seed)
