@@ -91,8 +91,10 @@ SMOLLM2_EVAL_PROMPTS = 100
 # The harder task (--task word-problems): "Tom has 23 marbles and buys 7 more. How many ...? Explain your reasoning,
 # then give the final answer." The base model reasons for 80-190 tokens and is greedy-right on 7% of the held-out
 # problems (3-12% of samples at temperature 0.7), so groups are smaller (4 prompts x 8 samples) and responses longer
-# (192 tokens); generation bounds the pace (about 50 s a step here). Measured: 7% -> 19% in 12 steps, 13 min.
-SMOLLM2_WORD_PROBLEMS = {"--rollout-max-response-len": "192", "--rollout-batch-size": "4", "--num-rollout": "12",
+# (192 tokens); generation bounds the pace. Measured: 7% -> 19% in 12 steps (13 min, before the engine's cache wrote
+# in place); 7% -> 80% in 20 steps (836 s), the answers shortened to "Anna has 28 + 8 = 36 stickers." (a mean of
+# 120 tokens in the first steps' samples, 37 in the last): the reward does not ask for the reasoning.
+SMOLLM2_WORD_PROBLEMS = {"--rollout-max-response-len": "192", "--rollout-batch-size": "4", "--num-rollout": "20",
                          "--eval-interval": "1000"}
 TASKS = {"sums": ("sums of a two-digit and a one-digit number", make_sum_questions, {}),
          "two-digit-sums": ("two-digit sums", make_two_digit_sum_questions, {}),
@@ -163,7 +165,7 @@ def main() -> None:
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",
                         help="SmolLM2's task: sums (47 + 8; answers of a dozen tokens), two-digit-sums (47 + 38; "
                              "it levels off near 75%%) or word-problems (the model reasons for 80-190 tokens before "
-                             "it answers; about 13 minutes)")
+                             "it answers; about 14 minutes)")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "demo")
     parser.add_argument("--lora-rank", type=int, default=None,
                         help="rank of the LoRA adapter GRPO trains (the engines receive the adapter alone); 0 trains "
