@@ -38,8 +38,13 @@ MIN_RESERVED_COLUMNS = 64
 class ReservedColumnsLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views of buffers with spare columns: a new token is written in
     place instead of concatenating the whole cache. Whoever replaces `keys`/`values` with other tensors (eviction,
-    joining, a shared prefix expanded over rows) needs to do nothing: the next update sees they are not views of
-    this layer's buffers and moves them into new ones."""
+    joining, a shared prefix expanded over rows) needs to do nothing: the next update sees they are not the views
+    it handed out and moves them into new buffers."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self._keys_view: torch.Tensor | None = None
+        self._values_view: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,20 +52,14 @@ class ReservedColumnsLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         old = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         new = old + key_states.shape[-2]
-        if not self._views_buffers(key_states, new):
+        replaced = self.keys is not self._keys_view or self.values is not self._values_view
+        if replaced or new > self._key_buffer.shape[-2]:
             self._move_into_buffers(key_states, value_states, old, new)
         self._key_buffer[:, :, old:new].copy_(key_states)
         self._value_buffer[:, :, old:new].copy_(value_states)
-        self.keys, self.values = self._key_buffer[:, :, :new], self._value_buffer[:, :, :new]
+        self.keys = self._keys_view = self._key_buffer[:, :, :new]
+        self.values = self._values_view = self._value_buffer[:, :, :new]
         return self.keys, self.values
-
-    def _views_buffers(self, key_states: torch.Tensor, columns: int) -> bool:
-        buffer = getattr(self, "_key_buffer", None)
-        return (buffer is not None and self.keys.dim() == 4 and buffer.shape[-2] >= columns
-                and self.keys.data_ptr() == buffer.data_ptr() and self.keys.stride() == buffer.stride()
-                and self.values.data_ptr() == self._value_buffer.data_ptr()
-                and self.values.stride() == self._value_buffer.stride()
-                and self.keys.shape[:2] == key_states.shape[:2] and self.keys.dtype == key_states.dtype)
 
     def _move_into_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, new: int) -> None:
         capacity = new + max(MIN_RESERVED_COLUMNS, new // 4)
