@@ -32,7 +32,6 @@ from actors.config import RunConfig, add_config_flags, config_from_args, split_s
 from actors.config.flag_parser import FlagParser
 from actors.config.preflight import preflight
 from actors.config.run import learner_ranks_per_node
-from actors.rollout.engine_factory import engine_needs_gpu
 from actors.runtime import cluster_env
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
@@ -41,6 +40,7 @@ from actors.runtime.head_watch import stop_node_when_head_lost
 from actors.runtime.node_roles import (
     SINGLETON_ROLES,
     LaunchError,
+    engine_needs_gpu,
     node_actor_counts,
     node_gpus,
     worker_node_roles,
@@ -397,7 +397,7 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     if progress is not None:
         await progress
     if runs_learner and contexts[0].settings.run.logging.plots:
-        from tools.plot_run import report_run
+        from actors.runtime.run_report import report_run
 
         report_run(run_dir)
     return code
@@ -405,6 +405,7 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
 
 def main(argv: Sequence[str] | None = None) -> int:
     from actors.runtime.logs import configure_logging
+    from actors.runtime.process_title import name_process
 
     arguments = list(sys.argv[1:] if argv is None else argv)
     early_template = EARLY_TEMPLATE if argv is None else EarlyTemplate.for_head(arguments)
@@ -415,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             early_template.close()
         print(f"launcher.py: error: {error}", file=sys.stderr)
         return 2
+    name_process(f"launcher-{args.node_rank}", node=args.node_rank, run_dir=run_dir)
     configure_logging(role="launcher", actor_id=f"launcher-{args.node_rank}", node=args.node_rank,
                       log_dir=run_dir / "logs", file_level=args.log_level, console_level=args.console_log_level)
     print(f"run directory: {run_dir}  head: {contexts[0].head_address if contexts else '-'}", file=sys.stderr)

@@ -18,10 +18,7 @@ import operator
 import re
 from dataclasses import replace
 
-from actors.rollout.generate import STATUS_BY_FINISH, RolloutContext
-from actors.rollout.trajectory import Trajectory
-from bus.schema import PromptGroup, Sample
-from engines.inference.base import GenerateRequest
+from actors.plugins import STATUS_BY_FINISH, GenerateRequest, PromptGroup, RolloutContext, Sample, Trajectory
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 MAX_TOOL_CALLS = 4

@@ -17,7 +17,7 @@ from typing import Any
 
 from openai import AsyncOpenAI, BadRequestError
 
-from actors.rollout.agent import Episode
+from actors.plugins import Episode
 
 MAX_TOOL_ROUNDS = 3
 REVIEW = "Check that once more and give only the final answer."

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from policies.rewards import RewardInput
+from actors.plugins import RewardInput
 
 
 def add(a: int, b: int) -> int:

@@ -9,7 +9,7 @@ engine produced, special tokens included whatever ``--rollout-skip-special-token
 
 from __future__ import annotations
 
-from policies.rewards import RewardInput
+from actors.plugins import RewardInput
 from policies.rewards.text import exact_match_reward
 
 

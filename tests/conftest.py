@@ -1,14 +1,18 @@
-"""Shared fixtures: tiny models are built locally once per session (no downloads here)."""
+"""Shared fixtures: tiny models are built locally once per session (no downloads here).
+
+Nothing heavy is imported here at collection: `make test-fast` runs the unit tests, most of which never touch torch,
+and pays for torch only where a test module imports it."""
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
 
-from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from tests.support.summary import write_summaries
 
 # A test not marked `gpu` runs as on CI's machine, with no GPU, also where one is present: its assertions (learner
@@ -16,16 +20,34 @@ from tests.support.summary import write_summaries
 # does. The `gpu` tests are where the GPU is checked. Set this to 1 to keep the GPU visible to every test, to see
 # what the CPU suite's code paths do on a GPU machine (their CPU assumptions then fail, as they should).
 SEE_GPU_ENV = "SLIPSTREAM_TESTS_SEE_GPU"
-_CUDA = {"is_available": torch.cuda.is_available, "device_count": torch.cuda.device_count}
 _VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
-_GPU_PRESENT = torch.cuda.is_available()
+
+
+@functools.cache
+def _cuda() -> dict[str, Any]:
+    """torch's two GPU queries as they were before any test hid the GPU (importing torch on first use)."""
+    import torch
+
+    return {"torch": torch, "is_available": torch.cuda.is_available, "device_count": torch.cuda.device_count,
+            "present": torch.cuda.is_available()}
+
+
+@functools.cache
+def _gpu_present() -> bool:
+    """Whether torch sees a GPU. A machine without NVIDIA's driver has none to hide, and is not made to import
+    torch for the question (the unit tests of `make test-fast` mostly never need it)."""
+    if "torch" not in sys.modules and not any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/dxg")):
+        return False
+    return _cuda()["present"]
 
 
 def show_gpu(visible: bool) -> None:
     """Hide the GPU from this process (torch's two queries) and from the processes a test starts (the variable),
     or show it again as it was."""
+    cuda = _cuda()
+    torch = cuda["torch"]
     if visible:
-        torch.cuda.is_available, torch.cuda.device_count = _CUDA["is_available"], _CUDA["device_count"]
+        torch.cuda.is_available, torch.cuda.device_count = cuda["is_available"], cuda["device_count"]
         if _VISIBLE_DEVICES is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
@@ -38,12 +60,12 @@ def show_gpu(visible: bool) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Before the item's fixtures, module-scoped ones included, are set up: they start processes too."""
-    if _GPU_PRESENT and os.environ.get(SEE_GPU_ENV) != "1":
+    if os.environ.get(SEE_GPU_ENV) != "1" and _gpu_present():
         show_gpu("gpu" in item.keywords)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _GPU_PRESENT:
+    if not any("gpu" in item.keywords for item in items) or _gpu_present():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA; torch.cuda.is_available() is false")
     for item in items:
@@ -63,6 +85,8 @@ def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path(tiny_model_cache: Path) -> Path:
     """A tiny Qwen2-style HF folder with a character-level tokenizer."""
+    from engines.tiny_model import TinyModelSpec, cached_tiny_model
+
     return cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen2"))
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.buffer.prompt_data import PromptRecord, load_prompts
-from actors.rollout.prompt_tokens import encode_prompt
+from actors.data.prompt_tokens import encode_prompt
+from actors.data.prompts import PromptRecord, load_prompts
 from actors.runtime.logs import quiet_library_output
 from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine

@@ -69,8 +69,8 @@ QUICK = {
     "seeds": [1],
     "staleness": [0, 2],
     "corrections": ["tis"],
-    "num_rollout": 12,
-    "eval_interval": 6,
+    "num_rollout": 6,
+    "eval_interval": 3,
     "sft_steps": 0,
     "rollout_workers": 1,
 }
@@ -361,7 +361,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="redo the tables and plot from an earlier --json file, running nothing",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 1 seed, staleness 0 and 2 with tis, 12 steps, no warm start"
+        "--quick", action="store_true", help="smoke run: 1 seed, staleness 0 and 2 with tis, 6 steps, no warm start"
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -18,11 +18,11 @@ import numpy as np
 
 from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
-from actors.buffer.prompt_data import PromptSource, load_prompts
 from actors.buffer.waits import admission_state, batch_wait, gauges
 from actors.config import RunConfig
-from actors.controller.eval_rounds import EvalRounds
-from actors.rollout.prompt_tokens import prompt_length_counter
+from actors.data.prompt_tokens import prompt_length_counter
+from actors.data.prompts import PromptSource, load_prompts
+from actors.eval import EvalRounds
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles, on_broadcast, serves
@@ -94,7 +94,7 @@ class Buffer(Actor):
         self.batch_ready = asyncio.Condition()
         self.metrics_writer = MetricsWriter(self.context.run_dir, "buffer", tensorboard=False)
         self.eval_writer = MetricsWriter(self.context.run_dir, "eval", tensorboard=False)
-        self.eval_rounds = EvalRounds(config, self.core, self.eval_writer, self.log)
+        self.eval_rounds = EvalRounds(config, self.core.eval_queue, self.eval_writer, self.log)
         if self.core.learner_version == 0:  # a baseline before any training: the engines load version 0 themselves
             self.eval_rounds.weights_arrived(0)  # (after a resume, the round waits for the learner's first push)
         self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request

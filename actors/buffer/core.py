@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import structlog
 
-from actors.buffer.eval_ids import take_eval_groups
 from actors.buffer.log import BufferLog
-from actors.buffer.prompt_data import Cursor, PromptSource
 from actors.buffer.selection import SelectionError, checked_selection
+from actors.data.prompts import Cursor, PromptSource
+from actors.eval import take_eval_groups
 from bus.codec import decode, encode
 from bus.schema import PromptGroup, ScoredGroup
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range

@@ -4,7 +4,7 @@ An actor finds a bad setting only when it uses it, after its start-up, and a cra
 used to surface as a restart loop of tracebacks, the real error somewhere among them. The launcher instead checks
 here, on its own node, and reports every problem at once, each naming the flag, its value and what is wrong:
 
-- data files: read by the real loader (`actors.buffer.prompt_data`), over their first rows only; a recording to
+- data files: read by the real loader (`actors.data.prompts`), over their first rows only; a recording to
   train on holds its first batch;
 - model folders: an existing folder with a `config.json`, or a hub id already in this machine's Hugging Face
   cache (nothing is downloaded here, and several actors downloading at once is no way to fetch a model);
@@ -86,7 +86,7 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
 
 
 def _dataset_problem(flag: str, path: str, config: RunConfig, input_key: str, label_key: str | None) -> list[str]:
-    from actors.buffer.prompt_data import load_prompts
+    from actors.data.prompts import load_prompts
 
     try:
         load_prompts(path, input_key=input_key, label_key=label_key, metadata_key=config.data.metadata_key,

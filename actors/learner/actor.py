@@ -17,8 +17,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from actors.learner.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
-from actors.learner.eval_hold import EvalHold
+from actors.eval import EvalHold
 from actors.learner.modes import BatchRefused, Progress, pick_source, pick_training
 from actors.learner.publish import ATTEMPTS, live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
@@ -26,6 +25,7 @@ from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from actors.runtime import chaos
 from actors.runtime.base import Actor
+from actors.runtime.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
 from actors.runtime.metrics import MetricsWriter
 from actors.runtime.stopping import unless_stopped
 from bus.codec import decode, encode

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 
-from actors.buffer.eval_ids import eval_version
+from actors.eval import eval_version
 from actors.rollout.agent import AgentRunner
 from actors.rollout.choice import choose_generate_function
 from actors.rollout.engine_factory import load_engine

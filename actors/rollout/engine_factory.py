@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
 from actors.rollout.generate import Tokenizer
+from actors.runtime.node_roles import BUILTIN_ENGINES
 from engines.inference.base import InferenceEngine
 from policies.plugins import load_object
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from engines.sglang.client import SglangEngine
 
 COMPAT_SERVER_MODULE = "engines.sglang.server"
-BUILTIN_ENGINES = ("torch", "sglang")
 EngineFactory = Callable[[RunConfig, "str | None"], "tuple[InferenceEngine, Tokenizer]"]
 """`--rollout-engine module:attr` names one: `(config, actor_id) -> (engine, tokenizer)`, blocking."""
 
@@ -89,22 +89,6 @@ def load_plugin_engine(path: str, config: RunConfig, actor_id: str | None) -> tu
                         "what actors.rollout.generate.Tokenizer declares (__call__, decode, apply_chat_template, "
                         "eos_token_id)")
     return engine, tokenizer
-
-
-def engine_needs_gpu(config: RunConfig) -> bool:
-    """Whether a rollout worker's engine takes GPUs of its own on a GPU node.
-
-    The built-in engines do. A plugin factory declares otherwise with an attribute `needs_gpu = False` (an engine
-    that calls a remote API, the pipeline benchmark's sleeping engine); without one it is given GPUs, as slime
-    gives every rollout engine its `--rollout-num-gpus-per-engine`.
-    """
-    if config.engine.rollout_engine in BUILTIN_ENGINES:
-        return True
-    needs_gpu = getattr(load_object(config.engine.rollout_engine, what="--rollout-engine"), "needs_gpu", True)
-    if not isinstance(needs_gpu, bool):
-        raise ValueError(f"--rollout-engine {config.engine.rollout_engine!r}: needs_gpu is "
-                        f"{type(needs_gpu).__name__} {needs_gpu!r}, expected True or False")
-    return needs_gpu
 
 
 def engine_device() -> torch.device:

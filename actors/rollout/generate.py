@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from actors.config import RunConfig
-from actors.rollout.prompt_tokens import encode_prompt
+from actors.data.prompt_tokens import encode_prompt
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
 from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
 

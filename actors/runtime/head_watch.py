@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from actors.learner.checkpoint_pointer import checkpoint_dir, latest_checkpoint
+from actors.runtime.checkpoint_pointer import checkpoint_dir, latest_checkpoint
 from actors.runtime.context import ActorContext
 from actors.runtime.supervisor import Supervisor
 

@@ -24,6 +24,7 @@ from actors.runtime import chaos
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import EXIT_BAD_CONFIG, report_bad_config
 from actors.runtime.logs import configure_logging, quiet_library_output, route_python_warnings
+from actors.runtime.process_title import name_process
 from actors.runtime.roles import resolve_actor_class
 
 
@@ -49,6 +50,7 @@ async def _serve(context: ActorContext) -> int:
 
 
 def run_actor(context: ActorContext) -> int:
+    name_process(context.actor_id, node=context.node_rank, run_dir=context.run_dir)
     if context.cuda_visible_devices is not None:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = context.cuda_visible_devices
     # `kill -USR1 PID` prints every thread's stack to the actor's stderr: the first tool for a stuck actor.

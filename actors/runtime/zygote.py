@@ -36,6 +36,7 @@ import sys
 from typing import Any
 
 from actors.runtime.logs import quiet_library_output
+from actors.runtime.process_title import name_process
 from engines.process import die_with_parent
 
 # What every actor imports (the template is ready once these are in), and what only the model-holding ones do:
@@ -146,6 +147,7 @@ def _send(control: socket.socket, message: dict[str, Any]) -> None:
 
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
+    name_process("actor-template")  # each forked actor renames itself before it runs
     quiet_library_output()  # torch and transformers read it when imported here, for every actor forked later
     preload(LIGHT)
     _send(control, {"ready": os.getpid()})

@@ -13,9 +13,9 @@ import pytest
 
 from actors.buffer.actor import Buffer
 from actors.buffer.core import BufferCore
-from actors.buffer.eval_ids import eval_group_id
 from actors.buffer.log import BufferLog, archived_logs
-from actors.buffer.prompt_data import PromptRecord, PromptSource
+from actors.data.prompts import PromptRecord, PromptSource
+from actors.eval.ids import eval_group_id
 from actors.runtime.context import ActorContext
 from bus.schema import Ack, FinalCommit, PromptGroup, Sample, ScoredGroup
 

@@ -12,9 +12,9 @@ import pytest
 
 from actors.buffer.core import BufferCore
 from actors.buffer.log import BufferLog
-from actors.buffer.prompt_data import PromptRecord, PromptSource
 from actors.buffer.waits import gauges
 from actors.config.flags import build_config
+from actors.data.prompts import PromptRecord, PromptSource
 from actors.slime_compat import Sample, pop_first
 from actors.slime_compat.buffer_filter import load_buffer_filter
 from bus.schema import PromptGroup, ScoredGroup

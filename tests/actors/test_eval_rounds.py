@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from actors.buffer.core import BufferCore
-from actors.buffer.prompt_data import PromptRecord, PromptSource
 from actors.config import RunConfig, build_config
-from actors.controller.eval_rounds import EvalRounds, round_due
-from actors.learner.eval_hold import EvalHold
+from actors.data.prompts import PromptRecord, PromptSource
+from actors.eval.hold import EvalHold
+from actors.eval.rounds import EvalRounds, round_due
 
 
 def _config(tmp_path: Path, **overrides: object) -> RunConfig:
@@ -31,7 +31,7 @@ def _config(tmp_path: Path, **overrides: object) -> RunConfig:
 def _rounds(config: RunConfig) -> tuple[EvalRounds, BufferCore]:
     core = BufferCore(source=PromptSource([PromptRecord(0, "1+1=", "2", {})], seed=1), n_samples=1,
                       groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
-    return EvalRounds(config, core, writer=None, log=None), core
+    return EvalRounds(config, core.eval_queue, writer=None, log=None), core
 
 
 @pytest.mark.unit

@@ -20,7 +20,7 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 async def test_a_head_that_refuses_connections_is_reported_lost_after_the_timeout() -> None:
     lost: list[tuple[float, str]] = []
     started = time.monotonic()
@@ -32,7 +32,7 @@ async def test_a_head_that_refuses_connections_is_reported_lost_after_the_timeou
     assert "refused" in error.lower()
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 async def test_a_head_that_accepts_connections_is_never_reported_and_a_short_outage_is_forgiven() -> None:
     server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -55,7 +55,7 @@ async def test_a_head_that_accepts_connections_is_never_reported_and_a_short_out
     await server.wait_closed()
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_the_report_names_the_head_and_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
     checkpoints = tmp_path / "checkpoints"
     unseen = head_lost_report("tcp://10.0.0.1:5555", 61.4, "Connection refused", checkpoints)
@@ -67,7 +67,7 @@ def test_the_report_names_the_head_and_the_checkpoint_to_resume_from(tmp_path: P
     assert f"Its last checkpoint is {checkpoints / 'step_000012'}: start the head's launcher again" in seen
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_a_head_starts_again_on_the_port_its_killed_predecessor_left_in_time_wait() -> None:
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds the controller's port

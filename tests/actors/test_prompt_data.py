@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.buffer.prompt_data import Cursor, DatasetError, PromptSource, load_prompts
+from actors.data.prompts import Cursor, DatasetError, PromptSource, load_prompts
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

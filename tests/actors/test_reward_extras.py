@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.controller.eval_rounds import EvalRounds
+from actors.eval.rounds import EvalRounds
 from actors.learner.step import rollout_metrics
 from bus.schema import Sample, ScoredGroup
 from policies.rewards import REWARD_EXTRAS
@@ -65,7 +65,7 @@ class _Log:
 def test_an_eval_round_logs_the_mean_of_each_extra(tmp_path: Path) -> None:
     rounds, core = _rounds(_config(tmp_path))
     writer = _RecordingWriter()
-    rounds = EvalRounds(rounds.config, core, writer=writer, log=_Log())
+    rounds = EvalRounds(rounds.config, core.eval_queue, writer=writer, log=_Log())
     rounds.weights_arrived(0)
     group_id = core.eval_queue[0].group_id
     samples = [_sample(0, "7", group=group_id, extras={"correct": True, "format_ok": False})]

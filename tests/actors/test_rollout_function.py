@@ -15,8 +15,8 @@ import pytest
 import structlog
 
 from actors.buffer.core import BufferCore
-from actors.buffer.prompt_data import PromptRecord, PromptSource
 from actors.config import build_config
+from actors.data.prompts import PromptRecord, PromptSource
 from actors.slime_compat import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 from actors.slime_compat.data_source import GROUP_KEY, Held, LeasedDataSource, WorkerStopping
 from actors.slime_compat.rollout_function import (

@@ -150,7 +150,7 @@ def test_an_engine_that_is_neither_built_in_nor_a_path_is_refused_by_the_config(
         build_config({"rollout_engine": "vllm"})
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_a_rollout_worker_process_loads_neither_torch_nor_transformers_until_its_engine_does() -> None:
     # What a worker process does before its engine factory runs: import its class, validate the run's config
     # (which checks every policy name), build the sleeping engine and resolve the weight transport's loader.
@@ -167,7 +167,7 @@ def test_a_rollout_worker_process_loads_neither_torch_nor_transformers_until_its
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_no_actor_module_imports_aiohttp_unless_an_http_feature_is_used() -> None:
     """aiohttp costs 0.11 s to import; the rollout worker's modules sit in the actor template's heavy preload, which
     the learner and every rollout worker wait for, and only agents, slime's HTTP helpers, remote reward models

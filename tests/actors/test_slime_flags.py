@@ -278,8 +278,8 @@ def test_script_reader_expands_arrays_and_variables() -> None:
 def test_eval_rounds_honour_skip_eval_before_train_and_eval_keys(tmp_path: Path) -> None:
     """--skip-eval-before-train drops only the version-0 round; --eval-input-key/--eval-label-key read eval sets."""
     from actors.buffer.core import BufferCore
-    from actors.buffer.prompt_data import PromptRecord, PromptSource
-    from actors.controller.eval_rounds import EvalRounds
+    from actors.data.prompts import PromptRecord, PromptSource
+    from actors.eval.rounds import EvalRounds
 
     eval_set = tmp_path / "aime.jsonl"
     eval_set.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
@@ -287,7 +287,7 @@ def test_eval_rounds_honour_skip_eval_before_train_and_eval_keys(tmp_path: Path)
                            "--skip-eval-before-train", "--eval-input-key", "question", "--eval-label-key", "answer"])
     core = BufferCore(source=PromptSource([PromptRecord(0, "0+1=", "1", {})], seed=1), n_samples=1,
                       groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
-    rounds = EvalRounds(config, core, writer=None, log=None)
+    rounds = EvalRounds(config, core.eval_queue, writer=None, log=None)
     rounds.maybe_start(0)
     assert list(core.eval_queue) == []
     rounds.maybe_start(2)

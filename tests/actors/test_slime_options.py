@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from actors.buffer.prompt_data import DatasetError, load_prompts
 from actors.config import config_from_args, split_sglang_args
 from actors.config.run import RunConfig
+from actors.data.prompt_tokens import encode_prompt, prompt_length_counter
+from actors.data.prompts import DatasetError, load_prompts
 from actors.rollout.generate import NoRoomError, RolloutContext, default_generate
-from actors.rollout.prompt_tokens import encode_prompt, prompt_length_counter
 from bus.schema import PromptGroup
 from engines.tiny_model import build_tokenizer
 from launcher import build_parser
@@ -175,8 +175,8 @@ class Log:
 @pytest.mark.unit
 def test_eval_set_drops_long_prompts_and_says_so(tmp_path: Path) -> None:
     from actors.buffer.core import BufferCore
-    from actors.buffer.prompt_data import PromptRecord, PromptSource
-    from actors.controller.eval_rounds import EvalRounds
+    from actors.data.prompts import PromptRecord, PromptSource
+    from actors.eval.rounds import EvalRounds
 
     eval_set = tmp_path / "aime.jsonl"
     eval_set.write_text("".join(json.dumps({"input": p}) + "\n" for p in ["1+1=", "z" * 40, "2+2="]))
@@ -185,7 +185,7 @@ def test_eval_set_drops_long_prompts_and_says_so(tmp_path: Path) -> None:
     core = BufferCore(source=PromptSource([PromptRecord(0, "0+1=", "1", {})], seed=1), n_samples=1,
                       groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
     log = Log()
-    rounds = EvalRounds(config, core, writer=None, log=log, tokenizer=build_tokenizer())  # type: ignore[arg-type]
+    rounds = EvalRounds(config, core.eval_queue, writer=None, log=log, tokenizer=build_tokenizer())  # type: ignore[arg-type]
     assert [r.prompt for r in rounds.sets["aime"]] == ["1+1=", "2+2="]
     assert rounds.skipped_long == {"aime": 1}
     assert log.warnings == [("skipped long eval prompts",

@@ -33,7 +33,7 @@ def named() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_another_process_opens_the_tensors_by_name_not_by_our_file_descriptors() -> None:
     tensors = named()
     payload = encode_named_tensors(tensors)

@@ -89,6 +89,10 @@ def test_killed_actor_is_restarted_and_its_death_and_return_announced(tmp_path: 
         members = run_dir / "roster_members.json"
         wait_until(lambda: members.exists() and "victim-0-0" in members.read_text(), 60, "victim to join")
         victim_pid = actor_pids(run_dir)["victim-0-0"][0]
+        # what ps -f / pgrep -f and top show for it: its id, not the template it was forked from
+        assert Path(f"/proc/{victim_pid}/comm").read_text().strip() == "victim-0-0"
+        title = Path(f"/proc/{victim_pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        assert title == f"slipstream victim-0-0 node 0 run {run_dir}"
         os.kill(victim_pid, signal.SIGKILL)
         wait_until(lambda: len(actor_pids(run_dir)["victim-0-0"]) == 2, 30, "the launcher to restart the victim")
         kinds = wait_until(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from actors.rollout.prompt_tokens import encode_prompt
+from actors.data.prompt_tokens import encode_prompt
 from tests.support import reward_plugins
 from tests.support.console import PROGRESS_BAR, env_without_quiet_switches
 from tools.evaluate import evaluate_model

@@ -7,22 +7,22 @@ the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
 
 Where the learner pushes weights, a round starts when the engines have a version's weights, not when the version
 is announced, and a round evaluates a version the engines received. In a fully-async run a due version can be
-trained while an earlier round holds the engines (`actors/learner/eval_hold.py`) and then never be pushed: its
+trained while an earlier round holds the engines (`actors/eval/hold.py`) and then never be pushed: its
 round goes to the next version the engines receive, so `eval.jsonl` may step 0, 2, 5, 6 for an interval of 2.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from actors.buffer.core import BufferCore
-from actors.buffer.eval_ids import eval_group_id
-from actors.buffer.prompt_data import PromptRecord, load_prompts
 from actors.config import RunConfig
-from actors.rollout.prompt_tokens import prompt_length_counter
+from actors.data.prompt_tokens import prompt_length_counter
+from actors.data.prompts import PromptRecord, load_prompts
+from actors.eval.ids import eval_group_id
 from actors.runtime.metrics import MetricsWriter
 from bus.schema import PromptGroup, ScoredGroup
 from policies.rewards import REWARD_EXTRAS, extras_means
@@ -71,10 +71,10 @@ def pass_at_k(rewards_per_prompt: list[list[float]], threshold: float = 1.0) -> 
 
 
 class EvalRounds:
-    def __init__(self, config: RunConfig, core: BufferCore, writer: MetricsWriter, log: Any,
+    def __init__(self, config: RunConfig, queue: deque[PromptGroup], writer: MetricsWriter, log: Any,
                  tokenizer: Any | None = None) -> None:
         self.config = config
-        self.core = core
+        self.queue = queue  # the buffer's eval queue: leased ahead of training prompts
         self.writer = writer
         self.log = log
         self.sets: dict[str, list[PromptRecord]] = {}
@@ -119,7 +119,7 @@ class EvalRounds:
         for name, records in self.sets.items():
             self.rounds[(version, name)] = EvalRound(version=version, name=name, expected=len(records))
             for record in records:
-                self.core.eval_queue.append(PromptGroup(
+                self.queue.append(PromptGroup(
                     group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt, label=record.label,
                     metadata=record.metadata, n_samples=self.config.eval.n_samples_per_eval_prompt,
                     data_index=record.data_index, is_eval=True,

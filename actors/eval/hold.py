@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from actors.config import RunConfig
-from actors.controller.eval_rounds import round_due
+from actors.eval.rounds import round_due
 
 
 class EvalHold:
