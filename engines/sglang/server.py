@@ -110,6 +110,7 @@ class CompatServer:
         routes += [
             web.get("/get_model_info", self.model_info),
             web.get("/get_server_info", self.server_info),
+            web.get("/metrics", self.metrics),
             web.post("/flush_cache", self.flush_cache),
             web.post("/update_weight_version", self.update_weight_version),
         ]
@@ -159,6 +160,16 @@ class CompatServer:
                 "weight_version": self.weight_version,
             }
         )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Two of SGLang's Prometheus gauges (served there with --enable-metrics, here always): what a caller can
+        watch to know a request is being decoded, e.g. before pausing it."""
+        health = await self.engine.health()
+        labels = f'{{model_name="{self.args.model_path}"}}'
+        lines = ["# TYPE sglang:num_running_reqs gauge", f"sglang:num_running_reqs{labels} {health['running']}",
+                 "# TYPE sglang:generation_tokens_total counter",
+                 f"sglang:generation_tokens_total{labels} {health['generated_tokens']}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await server_protocol.request_json(request)

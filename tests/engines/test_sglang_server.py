@@ -99,32 +99,68 @@ async def test_pause_keep_holds_requests_until_continue(client: SglangEngine) ->
     assert outputs[0].finish_reason in ("stop", "length") and outputs[0].output_ids
 
 
+async def server_metrics(server: ServerProcess) -> dict[str, float]:
+    """The server's Prometheus gauges by name (labels dropped)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{server.url}/metrics") as response:
+        text = await response.text()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+async def decoding_started(server: ServerProcess, tokens_before: float, timeout_s: float = 30.0) -> None:
+    """Until the server is decoding a request that has produced a token since `tokens_before`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        seen = await server_metrics(server)
+        if seen["sglang:num_running_reqs"] >= 1 and seen["sglang:generation_tokens_total"] > tokens_before:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"no request was being decoded within {timeout_s}s: {seen}")
+        await asyncio.sleep(0.005)
+
+
+async def server_idle(server: ServerProcess, timeout_s: float = 30.0) -> None:
+    """Until the server decodes no request."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (seen := await server_metrics(server))["sglang:num_running_reqs"] > 0:
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"the server still decoded a request after {timeout_s}s: {seen}")
+        await asyncio.sleep(0.005)
+
+
 @pytest.mark.integration
-async def test_pause_abort_returns_partial_output_that_resumes_to_the_same_greedy_text(client: SglangEngine) -> None:
-    params = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
+async def test_pause_abort_returns_partial_output_that_resumes_to_the_same_greedy_text(
+    client: SglangEngine, server: ServerProcess
+) -> None:
+    # The whole context (512 tokens), so the request is still decoding when the pause that follows its first
+    # token arrives, however busy the machine (that pause used to be sent after a fixed 0.3 s).
+    params = SamplingParams(temperature=0, max_new_tokens=512 - len(PROMPT), ignore_eos=True)
     request = GenerateRequest("long", PROMPT, params)
     whole = (await client.generate(GenerateRequest("whole", PROMPT, params)))[0]
+    tokens_before = (await server_metrics(server))["sglang:generation_tokens_total"]
     task = asyncio.create_task(client.generate(request))
-    await asyncio.sleep(0.3)
+    await decoding_started(server, tokens_before)
     await client.pause("abort")
     await client.resume()
     partial = (await asyncio.wait_for(task, 60))[0]
     assert partial.finish_reason == "abort"
-    assert 0 < len(partial.output_ids) < 400
+    assert 0 < len(partial.output_ids) < params.max_new_tokens
     rest = (await client.generate(continuation_request(request, partial)))[0]
     assert partial.output_ids + rest.output_ids == whole.output_ids
 
 
 @pytest.mark.integration
-async def test_cancelled_generate_aborts_the_request_on_the_server(client: SglangEngine) -> None:
-    params = SamplingParams(temperature=0, max_new_tokens=2000, ignore_eos=True)
+async def test_cancelled_generate_aborts_the_request_on_the_server(client: SglangEngine,
+                                                                   server: ServerProcess) -> None:
+    params = SamplingParams(temperature=0, max_new_tokens=512 - len(PROMPT), ignore_eos=True)
+    tokens_before = (await server_metrics(server))["sglang:generation_tokens_total"]
     task = asyncio.create_task(client.generate(GenerateRequest("cancelled", PROMPT, params)))
-    await asyncio.sleep(0.3)
+    await decoding_started(server, tokens_before)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    await server_idle(server)  # the client's abort reached the server and ended the request there
     # The server's slot is free again: the same rid is accepted at once (a live one would be refused).
-    await asyncio.sleep(0.3)
     short = SamplingParams(temperature=0, max_new_tokens=2)
     outputs = await asyncio.wait_for(client.generate(GenerateRequest("cancelled", PROMPT, short)), 20)
     assert len(outputs[0].output_ids) == 2
@@ -205,8 +241,9 @@ async def test_flush_cache_is_retried_until_the_server_is_idle_and_fails_by_name
 ) -> None:
     """SGLang refuses to flush while a request runs; a "retract" pause (sent here by hand) keeps it running."""
     params = SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True)
+    tokens_before = (await server_metrics(server))["sglang:generation_tokens_total"]
     running = asyncio.create_task(client.generate(GenerateRequest("busy", PROMPT, params)))
-    await asyncio.sleep(0.05)
+    await decoding_started(server, tokens_before)
     async with aiohttp.ClientSession() as http:
         async with http.post(server.url + "/pause_generation", json={"mode": "retract"}) as reply:
             assert reply.status == 200
