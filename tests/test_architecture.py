@@ -121,10 +121,8 @@ def test_layers_import_only_downwards() -> None:
 # The roles of actors/: each folder is one role's process. A role reaches another only over the bus, never by
 # importing its folder; what several roles share lives in a shared folder, and a shared folder imports no role.
 ROLE_FOLDERS = {"buffer", "controller", "learner", "reward", "rollout"}
-SHARED_FOLDERS = {"config", "data", "eval", "runtime"}
-# Adapters at the edge may import the roles they adapt: the plugin surface re-exports the rollout API, and slime's
-# buffer filter is built on the buffer's selection (until slime's plugins are converted at load time).
-ROLE_IMPORTERS = {"actors.plugins", "actors.slime_compat.buffer_filter"}
+SHARED_FOLDERS = {"config", "data", "eval", "extensions", "runtime", "slime_compat"}
+ROLE_IMPORTERS = {"actors.plugins"}  # the plugin surface re-exports the rollout API users write against
 
 
 def test_roles_import_no_other_role_and_shared_folders_import_none() -> None:
@@ -141,6 +139,18 @@ def test_roles_import_no_other_role_and_shared_folders_import_none() -> None:
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "a role's folder imported from outside it (move the shared part to a shared folder):\n" + (
         "\n".join(sorted(wrong)))
+
+
+def test_no_role_imports_slime_compat() -> None:
+    """slime's plugins are converted into our plugin types at load time (`actors.extensions.load`): a role runs
+    our types only, whichever convention the user's plugin was written in."""
+    def in_a_role(module: str) -> bool:
+        parts = module.split(".")
+        return len(parts) > 1 and parts[0] == "actors" and parts[1] in ROLE_FOLDERS
+
+    wrong = sorted(f"{module} imports {target}" for module, targets in import_graph().items() if in_a_role(module)
+                   for target in targets if target.startswith("actors.slime_compat"))
+    assert not wrong, "a role imports slime_compat:\n" + "\n".join(wrong)
 
 
 def test_no_module_over_600_lines() -> None:

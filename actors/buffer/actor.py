@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +18,14 @@ import numpy as np
 from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.waits import admission_state, batch_wait, gauges
-from actors.config import RunConfig
 from actors.data.prompt_tokens import prompt_length_counter
 from actors.data.prompts import PromptSource, load_prompts
 from actors.eval import EvalRounds
+from actors.extensions.load import batch_selector, group_filter
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
-from actors.slime_compat.buffer_filter import load_buffer_filter
-from actors.slime_compat.plugins import adapt_filter
 from bus.schema import (
     BATCH_ORDER,
     TOPIC_VERSION,
@@ -48,8 +45,6 @@ from bus.schema import (
     VersionAnnouncement,
     WaitState,
 )
-from policies.filters import FilterGroup, apply_filters
-from policies.registry import resolve_filter
 
 BATCH_POLL_SECONDS = 2.0
 
@@ -76,14 +71,14 @@ class Buffer(Actor):
             self.log.warning("skipped long prompts", count=report.too_long, max_prompt_tokens=max_prompt,
                              kept=report.records)
         log_path = buffer_log_path(self.context.run_dir)
-        group_filter = make_group_filter(config.buffer.dynamic_sampling_filter_path, config)
         self.core = BufferCore(
             source=PromptSource(records, seed=config.seed if data.rollout_seed is None else data.rollout_seed,
                                 shuffle=data.rollout_shuffle), n_samples=config.rollout.n_samples_per_prompt,
             groups_per_batch=config.rollout.rollout_batch_size, max_staleness=config.buffer.max_staleness,
-            lease_timeout=config.buffer.lease_timeout, group_filter=group_filter,
+            lease_timeout=config.buffer.lease_timeout,
+            group_filter=group_filter(config.buffer.dynamic_sampling_filter_path, config),
             compact_log_bytes=int(config.buffer.buffer_log_compact_mb * 2**20),
-            batch_selector=load_buffer_filter(config),
+            batch_selector=batch_selector(config),
             on_selection_error=lambda problem: self.log.error("buffer filter answer unusable", problem=problem),
         )
         if log_path.exists():
@@ -275,26 +270,6 @@ class Buffer(Actor):
         for name in ("metrics_writer", "eval_writer"):
             if hasattr(self, name):
                 getattr(self, name).close()
-
-
-def make_group_filter(spec: str | None, config: RunConfig | None = None) -> Callable[[ScoredGroup], str | None] | None:
-    """The dynamic-sampling filter as the buffer core wants it: a drop reason, or None to keep.
-
-    A slime-style filter ``(args, samples, **kwargs)`` is detected by signature and adapted (needs ``config``).
-    """
-    if spec is None:
-        return None
-    resolve_filter(spec)  # fail at start-up on a bad name or path, not on the first group
-    slime_filter = adapt_filter(spec, config) if config is not None else None
-
-    def group_filter(group: ScoredGroup) -> str | None:
-        verdict = apply_filters([slime_filter or spec], FilterGroup(
-            rewards=[s.reward for s in group.samples], statuses=[s.status for s in group.samples],
-            samples=group.samples, metadata=group.samples[0].metadata if group.samples else {},
-        ))
-        return None if verdict.keep else (verdict.reason or "filtered")
-
-    return group_filter
 
 
 def buffer_log_path(run_dir: Path) -> Path:

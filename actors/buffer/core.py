@@ -23,16 +23,15 @@ import numpy as np
 import structlog
 
 from actors.buffer.log import BufferLog
-from actors.buffer.selection import SelectionError, checked_selection
+from actors.buffer.selection import checked_selection
 from actors.data.prompts import Cursor, PromptSource
 from actors.eval import take_eval_groups
+from actors.extensions.points import BatchSelector, GroupFilter, SelectionError
 from bus.codec import decode, encode
 from bus.schema import PromptGroup, ScoredGroup
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
 
-GroupFilter = Callable[[ScoredGroup], "str | None"]  # returns a drop reason, or None to keep
 # (pool groups in admission order, groups wanted, batch id) -> the chosen group ids; the oldest fill any shortfall.
-BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
 
 
 class BatchOrderError(ValueError):

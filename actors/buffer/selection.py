@@ -6,15 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from actors.extensions.points import SelectionError
 from bus.schema import ScoredGroup
-
-
-class SelectionError(ValueError):
-    """A batch selector's answer that cannot be used; ``reason`` names the kind in the fallback counter."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def checked_selection(picked: Any, pool: dict[str, ScoredGroup], count: int) -> list[str]:

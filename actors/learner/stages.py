@@ -15,7 +15,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
-from actors.slime_compat.advantages import SlimeAdvantageFunction
+from actors.extensions.points import AdvantageFunction
 from bus.schema import Sample
 from engines.training.base import DataParallel, Trainer, TrainSample
 from policies.advantages import compute_advantages
@@ -140,12 +140,12 @@ def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float)
 
 
 def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *,
-                   custom: SlimeAdvantageFunction | None = None) -> None:
+                   custom: AdvantageFunction | None = None) -> None:
     """Advantages of this shard; whole groups are on one rank, so only whitening spans ranks.
 
     `DataParallel.group` None means the default group, but `compute_advantages` reads None as "this process
     only", so the world group is named explicitly: otherwise each rank would whiten by its own statistics.
-    `custom` (slime's --custom-advantage-function-path) replaces the estimator; masking and whitening stay.
+    `custom` (an `AdvantageFunction`, e.g. slime's --custom-advantage-function-path) replaces the estimator.
     """
     group = None
     if parallel.size > 1:

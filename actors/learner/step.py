@@ -22,11 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.config import RunConfig
+from actors.extensions.load import advantage_function, batch_rewrite
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
-from actors.slime_compat.advantages import load_custom_advantages
-from actors.slime_compat.plugins import load_reward_post_process
-from actors.slime_compat.train_data import load_convert_samples
 from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
 from policies.rewards import REWARD_EXTRAS, extras_means
@@ -54,11 +52,9 @@ class TrainingStep:
         """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
         self.trainer = trainer
         self.policy = config.policy
-        # slime's whole-batch hooks: its samples -> train-data conversion, which replaces its reward post-process
-        # too (with both set, only the conversion runs), or the reward post-process alone.
-        self.rewrite_batch = load_convert_samples(config) or load_reward_post_process(config)
-        self.custom_advantages = load_custom_advantages(config)
-        if self.rewrite_batch is not None:  # slime trains on the hook's rewards as they are
+        self.rewrite_batch = batch_rewrite(config)
+        self.custom_advantages = advantage_function(config)
+        if self.rewrite_batch is not None:  # trained on the rewrite's rewards as they are (slime's hooks are)
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
         self.temperature = config.rollout.rollout_temperature or 1.0

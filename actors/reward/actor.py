@@ -16,13 +16,13 @@ import math
 
 import msgspec
 
+from actors.extensions.load import reward_spec
 from actors.reward.failures import RewardFailures
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
-from actors.slime_compat.plugins import load_slime_reward
 from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
-from policies.rewards import REWARD_EXTRAS, RewardInput, RewardSpec, build_reward, prompt_text, score, score_group
+from policies.rewards import REWARD_EXTRAS, RewardInput, prompt_text, score, score_group
 
 
 class RewardWorker(Actor):
@@ -30,13 +30,7 @@ class RewardWorker(Actor):
 
     async def on_start(self) -> None:
         self.config = self.settings.run
-        self.reward = build_reward(self.config.reward.rm_type, custom_rm_path=self.config.reward.custom_rm_path,
-                                   group_rm=self.config.reward.group_rm, rm_url=self.config.reward.rm_url,
-                                   remote_timeout_s=self.config.reward.reward_timeout)
-        slime_rm = load_slime_reward(self.config)  # slime's rm(args, sample) / rm(args, samples), by signature
-        if slime_rm is not None:
-            self.reward = RewardSpec(self.reward.name, slime_rm, is_group=self.config.reward.group_rm)
-        self.takes_samples = slime_rm is not None
+        self.reward = reward_spec(self.config)
         self.failures = RewardFailures(self.log, self.reward.name, limit=self.config.reward.reward_failure_limit)
         self.buffer = self.peer_stream("buffer")
         self.stream_concurrency["on_generated"] = self.config.reward.reward_concurrency
@@ -72,7 +66,7 @@ class RewardWorker(Actor):
         return [sample if _has_reward(sample) else next(rescored) for sample in samples]
 
     async def _score(self, samples: list[Sample], *, is_eval: bool) -> list[Sample]:
-        inputs: list = list(samples) if self.takes_samples else [reward_input(s) for s in samples]
+        inputs: list = list(samples) if self.reward.takes_samples else [reward_input(s) for s in samples]
         reward = self.config.reward
         key = (self.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
         if self.reward.is_group:

@@ -13,6 +13,7 @@ import contextlib
 import time
 
 from actors.eval import eval_version
+from actors.extensions.load import check_rollout_loop, rollout_loop
 from actors.rollout.agent import AgentRunner
 from actors.rollout.choice import choose_generate_function
 from actors.rollout.engine_factory import load_engine
@@ -22,7 +23,6 @@ from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import on_broadcast, serves
-from actors.slime_compat.rollout_function import RolloutFunctionRunner, check_rollout_function
 from bus.schema import (
     TOPIC_VERSION,
     Ack,
@@ -52,7 +52,7 @@ class RolloutWorker(Actor):
 
     async def on_start(self) -> None:
         self.config = self.settings.run
-        check_rollout_function(self.config)  # before the engine loads: a refused flag combination fails fast
+        check_rollout_loop(self.config)  # before the engine loads: a refused flag combination fails fast
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
@@ -73,7 +73,7 @@ class RolloutWorker(Actor):
         if isinstance(self.generate_fn, AgentRunner):  # the user's agent: it talks to our OpenAI endpoint
             await self.generate_fn.start()
         # slime's --rollout-function-path: the user's generate_rollout leases and generates, this worker sends.
-        self.rollout_function = RolloutFunctionRunner.load(self) if self.config.rollout.rollout_function_path else None
+        self.rollout_function = rollout_loop(self)
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
                                             plugin=self.config.weights.weight_transport)
         self.pushed_version = 0  # the newest weights the learner has pushed to every engine

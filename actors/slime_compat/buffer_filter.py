@@ -16,9 +16,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from actors.buffer.core import BatchSelector
-from actors.buffer.selection import SelectionError
 from actors.config import RunConfig
+from actors.extensions.points import BatchSelector, SelectionError
 from actors.slime_compat.args import build_args
 from actors.slime_compat.data_source import pop_first
 from actors.slime_compat.sample import Sample, from_wire

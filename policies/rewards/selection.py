@@ -20,11 +20,14 @@ REMOTE_RM_TYPE = "remote_rm"
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """The chosen function and how to run it: ``score_group`` when ``is_group``, else ``score``."""
+    """The chosen function and how to run it: ``score_group`` when ``is_group``, else ``score``. With
+    ``takes_samples`` it is given the wire samples themselves instead of ``RewardInput``s (slime's reward functions
+    read any field of a sample)."""
 
     name: str
     fn: Callable[..., Any]
     is_group: bool
+    takes_samples: bool = False
 
 
 def build_reward(

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import actors.plugins
+from actors.extensions.load import load_generate_function
 from actors.moved import MOVED
-from actors.rollout.choice import load_generate_function
 from actors.runtime.roles import resolve_actor_class
 from policies.rewards import build_reward, score
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.buffer.actor import make_group_filter
 from actors.config.flags import build_config
+from actors.extensions.load import group_filter
 from actors.rollout.choice import choose_generate_function
 from actors.rollout.generate import default_generate
 from actors.slime_compat import DynamicFilterOutput, Sample, build_args, is_slime_style
@@ -93,12 +93,12 @@ def test_batched_group_rm_scores_wire_samples() -> None:
 
 def test_slime_filter_drops_a_group_with_its_reason() -> None:
     config = build_config({})
-    group_filter = make_group_filter(f"{__name__}:slime_filter", config)
+    filter_group = group_filter(f"{__name__}:slime_filter", config)
     same = [WireSample(sample_id=f"g/{i}", group_id="g", index=i, prompt="p", reward=1.0) for i in range(2)]
     mixed = [WireSample(sample_id="g/0", group_id="g", index=0, prompt="p", reward=1.0),
              WireSample(sample_id="g/1", group_id="g", index=1, prompt="p", reward=0.0)]
-    assert group_filter(ScoredGroup(lease_id="l", group_id="g", samples=same, worker_id="w")) == "same_reward"
-    assert group_filter(ScoredGroup(lease_id="l", group_id="g", samples=mixed, worker_id="w")) is None
+    assert filter_group(ScoredGroup(lease_id="l", group_id="g", samples=same, worker_id="w")) == "same_reward"
+    assert filter_group(ScoredGroup(lease_id="l", group_id="g", samples=mixed, worker_id="w")) is None
 
 
 def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:

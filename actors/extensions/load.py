@@ -1,0 +1,125 @@
+"""Each role's plugins built from the run's settings, in our own types (`actors.extensions.points`).
+
+slime's plugins are recognised here, by their flags and signatures, and converted by `actors.slime_compat`: a slime
+``rm(args, sample)`` becomes a reward that reads whole samples, a slime dynamic filter a group filter, a slime
+``generate(args, sample, sampling_params)`` a generate function, ``--custom-advantage-function-path`` an advantage
+function, the train-data conversion and reward post-process a batch rewrite, ``--rollout-function-path`` a rollout
+loop. A role asks for the kind it runs and never learns which convention the user wrote in.
+
+Each loader imports what its kind needs when called: the buffer and reward processes never import torch, and the
+slime advantage adapter does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from actors.config import RunConfig
+from actors.extensions.points import AdvantageFunction, BatchRewrite, BatchSelector, GroupFilter, RolloutLoop
+from bus.schema import ScoredGroup
+from policies.filters import FilterGroup, apply_filters
+from policies.plugins import load_object
+from policies.registry import resolve_filter
+from policies.rewards import RewardSpec, build_reward
+
+if TYPE_CHECKING:
+    from actors.slime_compat.rollout_function import RolloutHost
+
+
+def reward_spec(config: RunConfig) -> RewardSpec:
+    """`--rm-type` / `--custom-rm-path` / `--group-rm` / `--rm-url`; a slime ``rm(args, sample)`` (or
+    ``rm(args, samples)``) reads whole samples."""
+    from actors.slime_compat.plugins import load_slime_reward
+
+    reward = config.reward
+    spec = build_reward(reward.rm_type, custom_rm_path=reward.custom_rm_path, group_rm=reward.group_rm,
+                        rm_url=reward.rm_url, remote_timeout_s=reward.reward_timeout)
+    slime_rm = load_slime_reward(config)
+    if slime_rm is not None:
+        return RewardSpec(spec.name, slime_rm, is_group=reward.group_rm, takes_samples=True)
+    return spec
+
+
+def group_filter(spec: str | None, config: RunConfig | None = None) -> GroupFilter | None:
+    """`--dynamic-sampling-filter-path` as the buffer core wants it: a drop reason, or None to keep. A slime-style
+    filter ``(args, samples, **kwargs)`` is detected by signature and converted (that needs `config`)."""
+    from actors.slime_compat.plugins import adapt_filter
+
+    if spec is None:
+        return None
+    resolve_filter(spec)  # fail at start-up on a bad name or path, not on the first group
+    slime_filter = adapt_filter(spec, config) if config is not None else None
+
+    def filter_group(group: ScoredGroup) -> str | None:
+        verdict = apply_filters([slime_filter or spec], FilterGroup(
+            rewards=[s.reward for s in group.samples], statuses=[s.status for s in group.samples],
+            samples=group.samples, metadata=group.samples[0].metadata if group.samples else {},
+        ))
+        return None if verdict.keep else (verdict.reason or "filtered")
+
+    return filter_group
+
+
+def batch_selector(config: RunConfig) -> BatchSelector | None:
+    """`--buffer-filter-path` (slime's signature), or None: the buffer takes the oldest groups."""
+    from actors.slime_compat.buffer_filter import load_buffer_filter
+
+    return load_buffer_filter(config)
+
+
+def custom_generate_function(config: RunConfig) -> Callable[..., Awaitable[list[Any]]] | None:
+    """`--custom-generate-function-path`: ours as it is, slime's ``generate(args, sample, sampling_params)``
+    converted; None without the flag."""
+    from actors.slime_compat.plugins import adapt_generate, is_slime_style
+
+    path = config.rollout.custom_generate_function_path
+    function = load_generate_function(path)
+    if function is not None and is_slime_style(function, 3):
+        return adapt_generate(function, config, path or "")
+    if config.rollout.rollout_sample_hook_path:
+        raise ValueError("--rollout-sample-hook-path applies to a slime-style --custom-generate-function-path "
+                         "(args, sample, sampling_params); with ours, edit the samples in the generate function")
+    return function
+
+
+def load_generate_function(path: str | None) -> Callable[..., Awaitable[list[Any]]] | None:
+    if path is None:
+        return None
+    function = load_object(path, what="custom generate function")
+    if not callable(function):
+        raise TypeError(f"custom generate function {path!r} is not callable")
+    return function  # type: ignore[return-value]
+
+
+def advantage_function(config: RunConfig) -> AdvantageFunction | None:
+    """`--custom-advantage-function-path` (slime's ``fn(args, rollout_data)``), replacing the estimator."""
+    from actors.slime_compat.advantages import load_custom_advantages
+
+    return load_custom_advantages(config)
+
+
+def batch_rewrite(config: RunConfig) -> BatchRewrite | None:
+    """slime's whole-batch hooks: its samples -> train-data conversion, which replaces its reward post-process too
+    (with both set, only the conversion runs), or the reward post-process alone."""
+    from actors.slime_compat.plugins import load_reward_post_process
+    from actors.slime_compat.train_data import load_convert_samples
+
+    return load_convert_samples(config) or load_reward_post_process(config)
+
+
+def check_rollout_loop(config: RunConfig) -> None:
+    """Refuse at start-up, before the engine loads, a rollout loop that cannot work with the other flags."""
+    from actors.slime_compat.rollout_function import check_rollout_function
+
+    check_rollout_function(config)
+
+
+def rollout_loop(worker: RolloutHost) -> RolloutLoop | None:
+    """`--rollout-function-path` (slime's ``generate_rollout``) as the worker's loop; call on the worker's event
+    loop once its engine is up. None without the flag: the worker runs its own loop."""
+    from actors.slime_compat.rollout_function import RolloutFunctionRunner
+
+    if not worker.config.rollout.rollout_function_path:
+        return None
+    return RolloutFunctionRunner.load(worker)

@@ -1,0 +1,52 @@
+"""What each kind of plugin is, as the roles call it: the types `actors.extensions.load` returns.
+
+Free of torch at run time: the buffer, whose process never imports it, takes its batch selector from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from bus.schema import Sample, ScoredGroup
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import Tensor
+
+    from engines.training.base import TrainSample
+    from policies.config import PolicyLossConfig
+
+# The buffer's next batch: (scored groups in admission order, groups wanted, batch id) -> the chosen group ids.
+BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
+# A dynamic-sampling filter over one scored group: a drop reason, or None to keep it.
+GroupFilter = Callable[[ScoredGroup], "str | None"]
+# The learner's whole-batch rewrite before the step (new rewards, new samples): samples in, samples out.
+BatchRewrite = Callable[[list[Sample]], list[Sample]]
+
+
+class SelectionError(ValueError):
+    """A batch selector's answer that cannot be used; ``reason`` names the kind in the fallback counter."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class AdvantageFunction(Protocol):
+    """Replaces the advantage estimator for one shard: packed `[T]` advantages of `samples`, masked (and whitened
+    when asked) like the built-in ones. Every data-parallel rank calls it, each with its own whole groups."""
+
+    def __call__(self, policy: PolicyLossConfig, samples: list[TrainSample], group_ids: Tensor, *,
+                 process_group: dist.ProcessGroup | None = None) -> Tensor: ...
+
+
+class RolloutLoop(Protocol):
+    """Replaces a rollout worker's lease -> generate -> send loop as a whole (it leases and sends itself)."""
+
+    async def run(self) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+__all__ = ["AdvantageFunction", "BatchRewrite", "BatchSelector", "GroupFilter", "RolloutLoop", "SelectionError"]
