@@ -24,6 +24,7 @@ from actors.eval import EvalRounds
 from actors.extensions.load import batch_selector, group_filter
 from actors.runtime import chaos
 from actors.runtime.base import Actor
+from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
 from bus.schema import (
@@ -51,6 +52,14 @@ BATCH_POLL_SECONDS = 2.0
 
 class Buffer(Actor):
     role = "buffer"
+
+    def __init__(self, context: ActorContext) -> None:
+        """What `on_start` builds exists from here, as None: a buffer stopped during start-up reports and closes
+        what it has without guessing."""
+        super().__init__(context)
+        self.core: BufferCore | None = None
+        self.metrics_writer: MetricsWriter | None = None
+        self.eval_writer: MetricsWriter | None = None
 
     async def on_start(self) -> None:
         config = self.config = self.settings.run
@@ -251,25 +260,23 @@ class Buffer(Actor):
 
     def describe_waits(self) -> list[WaitState]:
         """The learner's open batch request, and who holds the groups it still lacks."""
-        if not hasattr(self, "core"):
-            return []
-        if self.open_batch is None:
+        if self.core is None or self.open_batch is None:
             return []
         batch_id, since = self.open_batch
         return [batch_wait(self.core, batch_id, time.monotonic() - since)]
 
     def metrics(self) -> dict[str, float]:
         found = super().metrics()
-        if hasattr(self, "core"):
+        if self.core is not None:
             found.update(gauges(self.core))
         return found
 
     async def on_stop(self) -> None:
-        if hasattr(self, "core") and self.core.log is not None:
+        if self.core is not None and self.core.log is not None:
             self.core.log.close()
-        for name in ("metrics_writer", "eval_writer"):
-            if hasattr(self, name):
-                getattr(self, name).close()
+        for writer in (self.metrics_writer, self.eval_writer):
+            if writer is not None:
+                writer.close()
 
 
 def buffer_log_path(run_dir: Path) -> Path:

@@ -13,19 +13,20 @@ import json
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import msgspec
 
 from actors.eval import EvalHold
-from actors.learner.modes import BatchRefused, Progress, pick_source, pick_training
-from actors.learner.publish import ATTEMPTS, live_engines, publisher_for
+from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
+from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
+from actors.runtime.context import ActorContext
 from actors.runtime.metrics import MetricsWriter
 from actors.runtime.stopping import unless_stopped
 from bus.codec import decode, encode
@@ -39,6 +40,19 @@ STOPPED_PUSH_WAIT_S = 5.0  # a push a stop aborted ends at once; this bounds the
 class Learner(Actor):
     role = "learner"
     drain_timeout = 120.0  # a stop lets the step in hand finish and the checkpoint land
+
+    def __init__(self, context: ActorContext) -> None:
+        """What `on_start` builds exists from here, as None or zero: a learner stopped before it started (a bad
+        setting, a signal during start-up) reports and stops without guessing which parts it has."""
+        super().__init__(context)
+        self.trainer: CollectiveTrainer | None = None
+        self.training: Training | None = None
+        self.weights: WeightPublisher | None = None
+        self.metrics_writer: MetricsWriter | None = None
+        self.audit: TextIO | None = None
+        self.push_in_flight: asyncio.Task[None] | None = None
+        self.trained_batch = 0
+        self.checkpointed_batch = 0
 
     async def on_start(self) -> None:
         import torch
@@ -58,8 +72,6 @@ class Learner(Actor):
         self.source = pick_source(config, self.peer_rpc("buffer"), self.counters, self.log)
         self.training = pick_training(config, self.trainer, TrainingStep(local_trainer, config))
         self.checkpoint_dir = checkpoint_dir(config.learner.save, self.context.run_dir)
-        self.trained_batch = 0
-        self.checkpointed_batch = 0
         await self._restore()
         self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.logging.use_tensorboard)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
@@ -70,7 +82,6 @@ class Learner(Actor):
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
             local_trainer.update_gate = lambda: self.weights.wait_for_reads(gate_s)
-        self.push_in_flight: asyncio.Task[None] | None = None
         self.engines_joined = False
         self.eval_hold = EvalHold(self.config, counters=self.counters, log=self.log,
                                   timeout_s=self.config.eval.final_eval_timeout)
@@ -130,7 +141,7 @@ class Learner(Actor):
 
     def request_stop(self, reason: str) -> None:
         super().request_stop(reason)
-        if hasattr(self, "weights"):
+        if self.weights is not None:
             self.weights.stop(f"the learner is stopping ({reason})")
 
     async def _unless_stopped(self, awaitable: Awaitable[T]) -> T | None:
@@ -279,7 +290,7 @@ class Learner(Actor):
                       trained_batch=self.trained_batch)
 
     async def on_roster(self, roster: Roster) -> None:
-        if hasattr(self, "weights"):
+        if self.weights is not None:
             self.weights.roster_changed()  # a push waiting on a member that died or was replaced ends now
         rollouts = {e.kind: e.actor_id for e in roster.events
                     if e.actor_id in self.roster and self.roster[e.actor_id].role == "rollout"}
@@ -310,23 +321,23 @@ class Learner(Actor):
 
     async def on_stop(self) -> None:
         """A stop on purpose keeps what was trained: checkpoint whatever the last checkpoint does not cover."""
-        trained_more = getattr(self, "trained_batch", 0) > getattr(self, "checkpointed_batch", 0)
-        keeps_model = hasattr(self, "training") and self.training.keeps_model
+        trained_more = self.trained_batch > self.checkpointed_batch
+        keeps_model = self.training is not None and self.training.keeps_model
         if trained_more and keeps_model and self.trained_batch < self.config.learner.num_rollout:
             try:
                 await self.save_checkpoint()
             except Exception:
                 self.log.exception("checkpoint at stop failed; the run resumes from the previous one")
-        for name in ("audit", "metrics_writer"):
-            if hasattr(self, name):
-                getattr(self, name).close()
-        push = getattr(self, "push_in_flight", None)
+        for opened in (self.audit, self.metrics_writer):
+            if opened is not None:
+                opened.close()
+        push = self.push_in_flight
         if push is not None:  # stopped by request_stop, which aborted it: it ends at once
             await asyncio.wait({push}, timeout=STOPPED_PUSH_WAIT_S)
             push.cancel()
-        if hasattr(self, "weights"):
+        if self.weights is not None:
             self.weights.close()
-        if hasattr(self, "trainer"):
+        if self.trainer is not None:
             await asyncio.to_thread(self.trainer.close)
 
 

@@ -14,14 +14,16 @@ import time
 
 from actors.eval import eval_version
 from actors.extensions.load import check_rollout_loop, rollout_loop
-from actors.rollout.agent import AgentRunner
+from actors.extensions.points import RolloutLoop
+from actors.rollout.agent import AgentRunner, EpisodeLoop
 from actors.rollout.choice import choose_generate_function
 from actors.rollout.engine_factory import load_engine
-from actors.rollout.generate import RolloutContext
+from actors.rollout.generate import GenerateFunction, RolloutContext
 from actors.rollout.handed_off import HandedOff
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
 from actors.runtime.base import Actor
+from actors.runtime.context import ActorContext
 from actors.runtime.handlers import on_broadcast, serves
 from bus.schema import (
     TOPIC_VERSION,
@@ -39,6 +41,7 @@ from bus.schema import (
     WeightUpdateOrder,
 )
 from bus.sockets import peer_name
+from engines.inference.base import InferenceEngine
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
 WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for eval work again
@@ -49,6 +52,15 @@ EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of th
 class RolloutWorker(Actor):
     role = "rollout"
     drain_timeout = 2.0  # unfinished groups are re-issued by the buffer; nothing here is worth waiting for
+
+    def __init__(self, context: ActorContext) -> None:
+        """What `on_start` builds exists from here, as None: a worker stopped while its engine loaded closes what it
+        has without guessing."""
+        super().__init__(context)
+        self.engine: InferenceEngine | None = None
+        self.weights: EngineWeightReceiver | None = None
+        self.generate_fn: GenerateFunction | EpisodeLoop | AgentRunner | None = None
+        self.rollout_function: RolloutLoop | None = None
 
     async def on_start(self) -> None:
         self.config = self.settings.run
@@ -308,7 +320,7 @@ class RolloutWorker(Actor):
 
     def metrics(self) -> dict[str, float]:
         found = super().metrics()
-        if hasattr(self, "engine"):
+        if self.engine is not None:
             found["engine.version"] = float(self.engine.version)
             found["engine.memory_releases"] = float(getattr(self.engine, "memory_releases", 0))  # colocated turns
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
@@ -316,7 +328,7 @@ class RolloutWorker(Actor):
             found["rollout.busy_slot_seconds"] = self.busy_slot_seconds()
             found["rollout.capacity_groups"] = float(self.capacity)
             found["rollout.send_seconds"] = self._send_seconds
-        if getattr(self, "rollout_function", None) is not None:
+        if self.rollout_function is not None:
             found.update(self.rollout_function.metrics())
         return found
 
@@ -340,11 +352,11 @@ class RolloutWorker(Actor):
                                  groups=len(lost), error=repr(error))
 
     async def on_stop(self) -> None:
-        if isinstance(getattr(self, "generate_fn", None), AgentRunner):
+        if isinstance(self.generate_fn, AgentRunner):
             await self.generate_fn.stop()
-        if hasattr(self, "engine"):
+        if self.engine is not None:
             await self.engine.abort(None)
             await self.engine.close()
-        if hasattr(self, "weights"):
+        if self.weights is not None:
             self.weights.close()
 
