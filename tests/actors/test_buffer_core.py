@@ -18,6 +18,7 @@ from actors.data.prompts import PromptRecord, PromptSource
 from actors.eval.ids import eval_group_id
 from actors.runtime.context import ActorContext
 from bus.schema import Ack, FinalCommit, PromptGroup, Sample, ScoredGroup
+from tests.support.waiting import until
 
 N = 2  # samples per group
 B = 3  # groups per batch
@@ -406,8 +407,8 @@ def test_final_commit_commits_the_checkpointed_batches_and_answers_after_the_fin
 
         commit = asyncio.create_task(buffer.on_final_commit(
             "learner-0", FinalCommit(learner_version=1, trained_batch=1, checkpointed_batch=1)))
-        await asyncio.sleep(0.3)
-        assert core.committed_batch == 1 and not core.served  # recorded at once
+        await until(lambda: core.committed_batch == 1, "the final commit to be recorded")
+        assert not core.served  # recorded at once
         assert not commit.done(), "the reply must wait for the final version's eval round"
         eval_lease, eval_groups = lease_all(core, "w2")
         assert {g.group_id for g in eval_groups} == {"eval:probe:1:0", "eval:probe:1:1"}

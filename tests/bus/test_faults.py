@@ -19,6 +19,7 @@ from bus.rpc import RpcClient, RpcServer, RpcTimeout
 from bus.schema import Ack, Heartbeat, Message, VersionAnnouncement
 from bus.sockets import make_socket
 from bus.stream import StreamReceiver, StreamSender
+from tests.support.waiting import until
 
 
 @pytest.fixture
@@ -124,10 +125,9 @@ async def test_duplicated_requests_run_the_handler_once_and_duplicated_replies_a
     client = RpcClient(zctx, server.endpoint, client_id="c")
     for seq in range(5):
         assert isinstance(await client.call(Heartbeat(actor_id="c", seq=seq), timeout=2.0, retries=0), Ack)
-    await asyncio.sleep(0.1)
+    # each reply twice, and the server answers each duplicate from its cache
+    await until(lambda: server.duplicates == 5 and client.late_replies >= 5, "the five duplicates and their replies")
     assert calls == 5
-    assert server.duplicates == 5
-    assert client.late_replies >= 5  # each reply twice, and the server answers each duplicate from its cache
     assert faults.counts()["duplicated"] >= 10
     client.close()
     server.close()

@@ -20,6 +20,7 @@ from bus.rpc import MAX_QUEUED_PER_CLIENT, REQUEST_LIMITS, RpcServer
 from bus.schema import Ack, Control, Heartbeat, LeaseRenew, StreamHello, VersionAnnouncement
 from bus.sockets import OTHER_PEERS, DropLog, routing_id
 from bus.stream import StreamReceiver, StreamSender
+from tests.support.waiting import until
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +208,8 @@ async def test_a_subscription_longer_than_any_topic_is_refused_with_its_connecti
     assert publisher.replayed == 0
     honest = await _subscriber_socket(zctx, publisher)
     await honest.send(b"\x01version")
-    await asyncio.sleep(0.3)
-    assert publisher.replayed == 1 and publisher.subscriptions == 1
+    await until(lambda: publisher.replayed == 1, "the honest subscription's replay")
+    assert publisher.subscriptions == 1
     with pytest.raises(ValueError, match=f"topics are at most {MAX_TOPIC_BYTES}"):
         publisher.publish("t" * (MAX_TOPIC_BYTES + 1), Control(command="pause"))
     publisher.close()
@@ -222,9 +223,11 @@ async def test_a_subscription_flood_does_not_become_a_broadcast_flood(zctx: zmq.
     flooder = await _subscriber_socket(zctx, publisher)
     for _ in range(500):
         await flooder.send(b"\x01")  # everything: a replay of every topic, to every subscriber, each time
-    await asyncio.sleep(0.5)
-    assert publisher.replayed <= 2 * 2 * (1 + 0.5 / 0.05), f"{publisher.replayed} replays for 500 subscriptions"
-    assert publisher.subscriptions == 500
+    started = asyncio.get_running_loop().time()
+    await until(lambda: publisher.subscriptions == 500, "all 500 subscriptions to reach the publisher")
+    await asyncio.sleep(0.5)  # and the replays they could set off meanwhile
+    window = asyncio.get_running_loop().time() - started
+    assert publisher.replayed <= 2 * 2 * (1 + window / 0.05), f"{publisher.replayed} replays for 500 subscriptions"
     late = Subscriber(zctx, publisher.endpoint, ["version"])  # a late joiner still gets the current state
     topic, message = await asyncio.wait_for(late.recv(), 5)
     assert (topic, message) == ("version", VersionAnnouncement(version=3))
@@ -241,7 +244,7 @@ async def test_frames_that_are_not_subscriptions_are_counted(zctx: zmq.asyncio.C
     await xsub.send(b"\x02junk")
     await xsub.send_multipart([b"\x02two", b"frames"])
     await xsub.send_multipart([b"\x01version", b"tail"])  # a subscription, then a frame that is not one
-    await asyncio.sleep(0.3)
+    await until(lambda: sum(publisher.dropped.values()) == 4, "the four frames that are not subscriptions")
     assert publisher.subscriptions == 1
     assert publisher.dropped == {"not_subscription": 3, "bad_envelope": 1}
     assert publisher.dropped_by_peer() == {"subscriber@127.0.0.1": {"not_subscription": 3, "bad_envelope": 1}}
