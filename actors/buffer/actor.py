@@ -46,6 +46,7 @@ from bus.schema import (
     VersionAnnouncement,
     WaitState,
 )
+from policies.staleness import LearnerVersions
 
 BATCH_POLL_SECONDS = 2.0
 
@@ -102,7 +103,7 @@ class Buffer(Actor):
         if self.core.learner_version == 0:  # a baseline before any training: the engines load version 0 themselves
             self.eval_rounds.weights_arrived(0)  # (after a resume, the round waits for the learner's first push)
         self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request
-        self.learner_pushes = False  # its announcements carry a weights version: engines move with it
+        self.versions = LearnerVersions()  # whether the learner pushes weights: the engines move with it
 
     async def run(self) -> None:
         """Expire leases as time passes; everything else is a reply to a message."""
@@ -115,7 +116,7 @@ class Buffer(Actor):
     @serves(LeaseRequest)
     async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
         # A learner that pushes no weights (--debug-rollout-only) leaves every engine on its first version.
-        weights_version = request.weights_version if self.learner_pushes else None
+        weights_version = request.weights_version if self.versions.learner_pushes else None
         leased = self.core.lease(request.worker_id, request.max_groups, eval_only=request.eval_only,
                                  max_samples=request.max_samples,
                                  weights_version=weights_version)
@@ -235,10 +236,10 @@ class Buffer(Actor):
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
         self.core.note_version(step=announcement.step, version=announcement.version)
-        self.learner_pushes = self.learner_pushes or announcement.weights_version is not None
+        self.versions.heard(announcement.version, announcement.weights_version)
         if announcement.weights_version is not None:  # rounds evaluate the weights the engines have
             self.eval_rounds.weights_arrived(announcement.weights_version)
-        elif not self.learner_pushes:  # a learner that pushes nothing: the version is the label
+        elif not self.versions.learner_pushes:  # a learner that pushes nothing: the version is the label
             self.eval_rounds.maybe_start(announcement.version)
         async with self.batch_ready:  # a prefetch waiting for this step's version can now be measured
             self.batch_ready.notify_all()

@@ -42,6 +42,7 @@ from bus.schema import (
 )
 from bus.sockets import peer_name
 from engines.inference.base import InferenceEngine
+from policies.staleness import LearnerVersions
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
 WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for eval work again
@@ -88,9 +89,7 @@ class RolloutWorker(Actor):
         self.rollout_function = rollout_loop(self)
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
                                             plugin=self.config.weights.weight_transport)
-        self.pushed_version = 0  # the newest weights the learner has pushed to every engine
-        self.announced_version = 0  # the learner's version, as last announced
-        self.learner_pushes = False  # whether the learner's announcements carry a weights version
+        self.versions = LearnerVersions()  # what this worker heard of the learner's versions and pushes
         self._weights_landed = asyncio.Event()
         # Set by what usually opens admission (a version announcement) or lets old weights train again (a push):
         # a worker told "nothing now" asks again at once instead of at its next poll.
@@ -153,16 +152,15 @@ class RolloutWorker(Actor):
         the moment the learner announces a version until its weights land here: leasing on the announcement
         generated whole groups with the previous weights, evicted as one version stale. A learner that never
         pushes (--debug-rollout-only: its announcements carry no weights version) has nothing to wait for."""
-        newest = max(self.pushed_version, self.announced_version if self.learner_pushes else 0)
-        return self.engine.version + self.config.buffer.max_staleness < newest
+        return self.versions.too_old(self.engine.version, self.config.buffer.max_staleness)
 
     async def wait_for_weights_of(self, lease: Lease) -> None:
         """A lease is admitted at the buffer's version, which may have heard the learner's announcement before we
         did: generate with weights the batch can take, waiting for them a bounded while (the buffer's check at
         consumption stays the backstop, and a learner that restarted lower must not stall us)."""
-        if not self.learner_pushes:
+        if not self.versions.learner_pushes:
             return
-        self.announced_version = max(self.announced_version, lease.version)
+        self.versions.leased_at(lease.version)
         deadline = time.monotonic() + WEIGHTS_WAIT_S
         while self.weights_too_old() and not self.stopping and time.monotonic() < deadline:
             await self.wait_for_weights(0.2)
@@ -173,7 +171,7 @@ class RolloutWorker(Actor):
         or restarted since may not have them yet. A learner that does not push, or weights that never come, do not
         stall the round past a deadline."""
         version = eval_version(group.group_id)
-        if version is None or not self.learner_pushes:
+        if version is None or not self.versions.learner_pushes:
             return
         deadline = time.monotonic() + EVAL_WEIGHTS_WAIT_S
         while self.engine.version < version and not self.stopping and time.monotonic() < deadline:
@@ -290,10 +288,7 @@ class RolloutWorker(Actor):
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
-        if announcement.weights_version is not None:
-            self.pushed_version = max(self.pushed_version, announcement.weights_version)
-            self.learner_pushes = True
-        self.announced_version = announcement.version
+        self.versions.heard(announcement.version, announcement.weights_version)
         self._work_may_open.set()
 
     @serves(WeightUpdateOrder)
