@@ -31,8 +31,6 @@ from bus.codec import decode, encode
 from bus.schema import PromptGroup, ScoredGroup
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
 
-# (pool groups in admission order, groups wanted, batch id) -> the chosen group ids; the oldest fill any shortfall.
-
 
 class BatchOrderError(ValueError):
     """The learner asked for a batch the buffer can never serve (its checkpoint is older than what the buffer

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from engines.training.base import TrainSample
     from policies.config import PolicyLossConfig
 
-# The buffer's next batch: (scored groups in admission order, groups wanted, batch id) -> the chosen group ids.
+# The buffer's next batch: (scored groups in admission order, groups wanted, batch id) -> the chosen group ids;
+# the buffer fills any shortfall with the oldest groups.
 BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
 # A dynamic-sampling filter over one scored group: a drop reason, or None to keep it.
 GroupFilter = Callable[[ScoredGroup], "str | None"]
