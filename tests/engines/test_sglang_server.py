@@ -20,6 +20,7 @@ from engines.inference.base import GenerateRequest, SamplingParams, continuation
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.launch import ServerProcess, ServerSpec, probe
+from tests.support.waiting import until
 
 PROMPT = [3, 14, 15, 9, 26, 5]
 
@@ -107,25 +108,21 @@ async def server_metrics(server: ServerProcess) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-async def decoding_started(server: ServerProcess, tokens_before: float, timeout_s: float = 30.0) -> None:
+async def decoding_started(server: ServerProcess, tokens_before: float) -> None:
     """Until the server is decoding a request that has produced a token since `tokens_before`."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
+    async def decoding() -> bool:
         seen = await server_metrics(server)
-        if seen["sglang:num_running_reqs"] >= 1 and seen["sglang:generation_tokens_total"] > tokens_before:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"no request was being decoded within {timeout_s}s: {seen}")
-        await asyncio.sleep(0.005)
+        return seen["sglang:num_running_reqs"] >= 1 and seen["sglang:generation_tokens_total"] > tokens_before
+
+    await until(decoding, "a request being decoded")
 
 
-async def server_idle(server: ServerProcess, timeout_s: float = 30.0) -> None:
+async def server_idle(server: ServerProcess) -> None:
     """Until the server decodes no request."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while (seen := await server_metrics(server))["sglang:num_running_reqs"] > 0:
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"the server still decoded a request after {timeout_s}s: {seen}")
-        await asyncio.sleep(0.005)
+    async def idle() -> bool:
+        return (await server_metrics(server))["sglang:num_running_reqs"] == 0
+
+    await until(idle, "the server to decode no request")
 
 
 @pytest.mark.integration
