@@ -46,7 +46,11 @@ MOVED: dict[str, str] = {
     "actors.supervisor": "actors.runtime.supervisor",
     "actors.trainer_factory": "actors.learner.trainer_factory",
     "actors.wandb_mirror": "actors.controller.wandb_mirror",
+    "engines.sglang.server": "tools.standins.sglang_server.server",
+    "engines.tiny_model": "tools.standins.tiny_model",
 }
+# `--sglang-server-module` names a module to run, not to import: the config maps these old names itself.
+MOVED_SERVER_MODULES: dict[str, str] = {"engines.sglang.server": "tools.standins.sglang_server"}
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

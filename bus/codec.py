@@ -1,7 +1,7 @@
 """Frames <-> messages: msgpack maps through msgspec, tensors as ext types, hostile input as one error type.
 
 Why msgspec: it decodes straight into the typed structs of ``bus.schema`` and validates while decoding, in C.
-Measured with ``tools/bench_bus.py`` (codec table) it is faster than msgpack-python followed by hand
+Measured with ``tools/bench/bus_speed.py`` (codec table) it is faster than msgpack-python followed by hand
 validation, and the wire stays plain msgpack maps either way.
 
 Decode limits, and where each is enforced:

@@ -85,7 +85,7 @@ def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path(tiny_model_cache: Path) -> Path:
     """A tiny Qwen2-style HF folder with a character-level tokenizer."""
-    from engines.tiny_model import TinyModelSpec, cached_tiny_model
+    from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
     return cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen2"))
 

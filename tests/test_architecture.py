@@ -5,6 +5,7 @@ reader has to untangle."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,8 +160,29 @@ def test_no_module_over_600_lines() -> None:
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
 
 
+# The tools a user runs by name stay at the top of tools/; every harness lives in its family's folder.
+USER_TOOLS = {"agent_demo", "audit_run", "convert_checkpoint", "demo", "evaluate", "keygen", "make_arithmetic_data",
+              "plot_run", "repo_env", "run_watch"}
+
+
+def test_tools_are_grouped_by_family_and_user_tools_stay_at_the_top() -> None:
+    flat = {path.stem for path in (ROOT / "tools").glob("*.py")} - {"__init__"}
+    assert flat == USER_TOOLS, f"a new harness goes in its family's folder, a new user tool in USER_TOOLS: {flat}"
+    for folder in (path for path in (ROOT / "tools").iterdir() if path.is_dir() and path.name != "__pycache__"):
+        assert (folder / "__init__.py").exists(), f"{folder}: a family is a package: python -m tools.FAMILY.NAME"
+
+
+def test_no_tool_shadows_a_package_when_run_by_its_path() -> None:
+    """`python tools/bench/x.py` puts tools/bench/ first on sys.path, so a file there named like one of our packages
+    or a standard-library module would be imported in its place."""
+    taken = set(PACKAGES) | {"launcher"} | set(sys.stdlib_module_names)
+    shadowing = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "tools").rglob("*.py")
+                       if path.stem in taken)
+    assert not shadowing, f"rename these: {shadowing}"
+
+
 def test_gpu_tests_live_in_gpu_test_files() -> None:
-    """`tools/gpu_check.py` runs `pytest -m gpu` over the `test_*_gpu.py` files only: a `gpu` test elsewhere would
+    """`tools/gpu/check.py` runs `pytest -m gpu` over the `test_*_gpu.py` files only: a `gpu` test elsewhere would
     never run on a GPU machine."""
     marked = {path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").rglob("test_*.py")
               if path != Path(__file__) and "mark.gpu" in path.read_text(encoding="utf-8")}

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from actors.runtime.logs import quiet_library_output
-from engines.tiny_model import SPECIAL_TOKENS, TinyModelSpec, cached_tiny_model
 from examples.tool_arithmetic import make_tool_task_data
 from tools.demo import run_launcher
+from tools.standins.tiny_model import SPECIAL_TOKENS, TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_SPEC = TinyModelSpec(family="qwen2", hidden_size=128, intermediate_size=352, num_hidden_layers=3,

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from actors.runtime.logs import quiet_library_output
 from actors.runtime.metrics import read_metrics
-from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from tools.evaluate import evaluate_model
 from tools.make_arithmetic_data import (
     make_arithmetic_data,
@@ -39,6 +38,7 @@ from tools.make_arithmetic_data import (
     make_two_digit_sum_questions,
     make_word_problems,
 )
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_SPEC = TinyModelSpec(family="qwen2", hidden_size=128, intermediate_size=352, num_hidden_layers=3,
@@ -69,7 +69,7 @@ GRPO = ["--advantage-estimator", "grpo", "--loss-agg-mode", "token-mean", "--n-s
         "--n-samples-per-eval-prompt", "1"]
 
 
-SGLANG = ["--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server"]
+SGLANG = ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server"]
 
 # The real model's run. Why these settings (this 2-core machine, greedy accuracy on the 100 held-out pairs):
 # - 12 new tokens hold the model's usual answer, "23 + 14 = 37" and its end token (11 tokens); a response cut off

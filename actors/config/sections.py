@@ -9,9 +9,12 @@ concern one field live on the field; rules that tie sections together live on `R
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from actors.moved import MOVED_SERVER_MODULES
 
 # Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
 ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
@@ -332,6 +335,16 @@ class EngineConfig(Section):
         "engine decodes, so two synchronous runs with one --seed repeat bit for bit (torch engine: about 2-3x slower "
         "decoding; sglang: starts the server with --enable-deterministic-inference, which "
         "--sglang-enable-deterministic-inference also turns on)")
+
+    @field_validator("sglang_server_module")
+    @classmethod
+    def _server_module_where_it_lives(cls, module: str) -> str:
+        """The CPU stand-in server left `engines/` for `tools/standins/`; runs that name its old module still start."""
+        if module in MOVED_SERVER_MODULES:
+            warnings.warn(f"--sglang-server-module {module} moved to {MOVED_SERVER_MODULES[module]}; "
+                          "using that", FutureWarning, stacklevel=2)
+            return MOVED_SERVER_MODULES[module]
+        return module
 
     @model_validator(mode="before")
     @classmethod

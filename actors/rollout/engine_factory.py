@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from engines.sglang.client import SglangEngine
 
-COMPAT_SERVER_MODULE = "engines.sglang.server"
+COMPAT_SERVER_MODULE = "tools.standins.sglang_server"
 EngineFactory = Callable[[RunConfig, "str | None"], "tuple[InferenceEngine, Tokenizer]"]
 """`--rollout-engine module:attr` names one: `(config, actor_id) -> (engine, tokenizer)`, blocking."""
 

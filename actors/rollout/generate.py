@@ -32,7 +32,7 @@ _request_ids = itertools.count()
 @runtime_checkable
 class Tokenizer(Protocol):
     """What the rollout path uses of a tokenizer: a Hugging Face tokenizer satisfies it, and so does any small
-    stand-in (tools/pipeline_sim.py), so an engine factory never has to pull in transformers to be typed."""
+    stand-in (tools/sim/pipeline.py), so an engine factory never has to pull in transformers to be typed."""
 
     eos_token_id: int | None
 

@@ -75,7 +75,7 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
         raise ValueError(
             f"--custom-generate-function-path {path}: a slime-style generate(args, sample, sampling_params) calls "
             "the engine over HTTP (args.sglang_router_ip/port), and --rollout-engine torch serves none; use "
-            "--rollout-engine sglang (on CPU add --sglang-server-module engines.sglang.server)"
+            "--rollout-engine sglang (on CPU add --sglang-server-module tools.standins.sglang_server)"
         )
     hooks = [load_object(p, what="--rollout-sample-hook-path") for p in config.rollout.rollout_sample_hook_path]
     namespaces: dict[str, Any] = {}

@@ -148,7 +148,7 @@ def check_rollout_function(config: RunConfig) -> None:
     if config.engine.rollout_engine == "torch":
         raise ValueError(f"{FLAG} {path}: a slime rollout function calls the engine over HTTP "
                          "(args.sglang_router_ip/port), and --rollout-engine torch serves none; use --rollout-engine "
-                         "sglang (on CPU add --sglang-server-module engines.sglang.server)")
+                         "sglang (on CPU add --sglang-server-module tools.standins.sglang_server)")
     if config.rollout.custom_generate_function_path:
         raise ValueError(f"{FLAG} {path} replaces generation as a whole, so --custom-generate-function-path "
                          f"{config.rollout.custom_generate_function_path} would never be called; call your generate "

@@ -4,8 +4,8 @@ Field names follow SGLang's `io_struct` (`GenerateReqInput`, `PauseGenerationReq
 `InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput`, ...) and the sampling-parameter names of
 its `SamplingParams`. Every endpoint the client calls is a row of `ENDPOINTS` below (method, path, SGLang's
 request class, the body fields we send, the response fields we read). The client (`client.py`) builds requests
-and parses responses with these functions and calls endpoints through these rows; the compatible server
-(`server.py`) registers its routes from the same rows and reads requests with `server_protocol.py`; and
+and parses responses with these functions and calls endpoints through these rows; the CPU stand-in server
+(`tools/standins/sglang_server/`) registers its routes from the same rows and reads requests with its `parsing.py`; and
 `tests/engines/test_sglang_contract.py` checks every row against the source of the SGLang releases we support
 (`SUPPORTED_SGLANG`), so the three cannot drift apart.
 

@@ -151,7 +151,7 @@ class Loss(Protocol):
     def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict[str, float]]: ...
 
 
-LossFn = Loss  # the earlier name, kept while tools/pipeline_sim_learner.py (being written alongside) still uses it
+LossFn = Loss  # the earlier name, kept while tools/sim/learner.py (being written alongside) still uses it
 
 
 @dataclass(frozen=True)

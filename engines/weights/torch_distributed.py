@@ -43,7 +43,7 @@ from engines.weights.base import TransferReport, WeightSender, WeightTransferErr
 from engines.weights.manifest import Bucket, Manifest, tensor_view
 from engines.weights.stream import SourceBroke, specified, wire_specs
 
-# Measured with tools/bench_weights.py on gloo: each collective costs ~0.5 ms whatever its size, so tensors under
+# Measured with tools/bench/weights.py on gloo: each collective costs ~0.5 ms whatever its size, so tensors under
 # 1 MiB are coalesced; buckets of 32 MiB keep the packing of the first bucket and the unpacking of the last
 # (the only copies the two-deep pipeline cannot hide) short; 256 MiB buckets were ~25% slower on fp32 weights.
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024

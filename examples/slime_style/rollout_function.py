@@ -1,7 +1,8 @@
 """A whole-rollout function in slime's style: ``generate_rollout(args, rollout_id, data_source, evaluation=False)``.
 
 Run with ``--rollout-function-path examples.slime_style.rollout_function.generate_rollout`` (it reaches the engine
-over HTTP, so with ``--rollout-engine sglang``; on CPU add ``--sglang-server-module engines.sglang.server``). Each
+over HTTP, so with ``--rollout-engine sglang``; on CPU add
+``--sglang-server-module tools.standins.sglang_server``). Each
 call takes ``args.rollout_batch_size`` prompt groups, generates every sample over SGLang's native ``/generate``
 and scores it with a small rule of its own, which the reward workers then keep. It over-samples, as slime's own
 rollout does: it asks for one group more than it needs and puts the spare back with ``data_source.add_samples``,

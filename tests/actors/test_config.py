@@ -178,13 +178,20 @@ def test_model_parallel_sizes_must_divide_the_learner_ranks() -> None:
 
 @pytest.mark.unit
 def test_our_own_sglang_settings_are_flags_not_server_arguments() -> None:
-    config = parse(["--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+    config = parse(["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
                     "--sglang-url", "http://a:1", "http://b:2", "--sglang-startup-timeout=30",
                     "--sglang-mem-fraction-static", "0.5"])
-    assert config.engine.sglang_server_module == "engines.sglang.server"
+    assert config.engine.sglang_server_module == "tools.standins.sglang_server"
     assert config.engine.sglang_url == ["http://a:1", "http://b:2"]
     assert config.engine.sglang_startup_timeout == 30.0
     assert config.engine.sglang_args == {"mem-fraction-static": "0.5"}
+
+
+@pytest.mark.unit
+def test_a_run_naming_the_stand_in_server_where_it_used_to_live_starts_the_one_that_lives_now() -> None:
+    with pytest.warns(FutureWarning, match="engines.sglang.server moved to tools.standins.sglang_server"):
+        config = parse(["--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server"])
+    assert config.engine.sglang_server_module == "tools.standins.sglang_server"
 
 
 @pytest.mark.unit

@@ -24,7 +24,8 @@ class Idle(Actor):
 
 @pytest.mark.integration
 async def test_a_registration_in_the_controllers_own_name_is_refused(tmp_path: Path) -> None:
-    """Found by tools/hostile.py: a client registered as "controller" with role "rollout" was admitted, and the
+    """Found by tools/hostile/campaign.py: a client registered as "controller" with role "rollout" was admitted, and
+    the
     learner waited 90 s on that fake engine's weight update."""
     async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller", "custom": Idle}) as system:
         controller = system["controller"]

@@ -27,7 +27,7 @@ from bus.schema import VersionAnnouncement
 from engines.training.base import Loss, StepResult, Trainer, TrainSample
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
 from tools.audit_run import audit
-from tools.pipeline_sim import SimSpec, VersionOnlyLoader
+from tools.sim.pipeline import SimSpec, VersionOnlyLoader
 from tools.pipeline_sim_learner import SleepingTrainer
 
 ROLES = {"controller": "controller", "buffer": "buffer", "reward": "reward", "rollout": "rollout",
@@ -249,7 +249,7 @@ def test_plugin_trainer_factory_builds_a_trainer(tmp_path: Path, monkeypatch: py
 @pytest.mark.parametrize(("path", "error", "message"), [
     ("builtins:repr", TypeError, r"--train-backend 'builtins:repr': the factory returned a str, not an "
                                  r"engines.training.base.Trainer"),
-    ("tools.pipeline_sim:SPEC_ENV", TypeError, r"--train-backend 'tools.pipeline_sim:SPEC_ENV': str is not callable"),
+    ("tools.sim.pipeline:SPEC_ENV", TypeError, r"--train-backend 'tools.sim.pipeline:SPEC_ENV': str is not callable"),
     ("tools.nowhere:factory", ValueError, r"--train-backend 'tools.nowhere:factory': cannot import module"),
 ])
 def test_a_wrong_trainer_plugin_is_named_by_flag_and_path(path: str, error: type[Exception], message: str) -> None:

@@ -30,7 +30,7 @@ from actors.runtime.roles import BUILTIN_ROLES
 from bus.schema import Roster
 from tests.support.gathering import Gathering
 from tests.support.inprocess import SLEEPING, ActorSystem, GroupRecorder, actor_system, use_spec, write_prompts
-from tools.pipeline_sim import SimSpec
+from tools.sim.pipeline import SimSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TRANSFER_TIMEOUT_S = 30.0  # what a push would wait for a dead engine if nothing told it the engine was gone

@@ -13,7 +13,7 @@ from actors.learner.ranks import LearnerRanks
 from bus.address import free_port
 from tests.support.inprocess import use_spec
 from tests.support.sockets import listening
-from tools.pipeline_sim import SimSpec
+from tools.sim.pipeline import SimSpec
 
 
 @pytest.mark.integration
@@ -21,7 +21,7 @@ from tools.pipeline_sim import SimSpec
 def test_learner_ranks_form_their_world_listening_on_the_node_address_only(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     use_spec(SimSpec(), tmp_path, monkeypatch)  # the follower builds the sleeping trainer from the same spec
-    config = build_config({"train_backend": "tools.pipeline_sim:sleeping_trainer", "learner_ranks": 2})
+    config = build_config({"train_backend": "tools.sim.pipeline:sleeping_trainer", "learner_ranks": 2})
     ranks = LearnerRanks(config, tmp_path, "127.0.0.1", structlog.get_logger())
     before = listening()
     try:
@@ -42,7 +42,7 @@ def test_rank_zero_of_a_learner_on_two_nodes_names_the_node_whose_ranks_never_ca
     use_spec(SimSpec(), tmp_path, monkeypatch)
     monkeypatch.setattr(ranks_module, "REMOTE_JOIN_TIMEOUT_S", 1.0)
     address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-    config = build_config({"train_backend": "tools.pipeline_sim:sleeping_trainer", "actor_num_nodes": 2,
+    config = build_config({"train_backend": "tools.sim.pipeline:sleeping_trainer", "actor_num_nodes": 2,
                            "actor_num_gpus_per_node": 1, "learner_world_address": address})
     ranks = LearnerRanks(config, tmp_path, "127.0.0.1", structlog.get_logger())
     try:

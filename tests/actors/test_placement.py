@@ -15,7 +15,7 @@ from actors.runtime.cluster_env import ClusterNode
 from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
 from engines.weights.names import SGLANG_LORA, SGLANG_TENSOR
 from tests.support.launch_inputs import minimal_inputs
-from tools.bench_pipeline import SLEEPING_FLAGS
+from tools.bench.pipeline import SLEEPING_FLAGS
 
 
 @pytest.mark.unit
@@ -50,7 +50,7 @@ def test_too_few_gpus_is_an_error_that_gives_the_counts() -> None:
 @pytest.mark.unit
 def test_an_engine_that_needs_no_gpu_takes_none_and_leaves_the_learner_its_own() -> None:
     placement = place_node(gpus=1, learner_ranks=1, rollout_workers=4, gpus_per_engine=1,
-                           rollout_engine="tools.pipeline_sim:sleeping_engine", rollout_needs_gpu=False)
+                           rollout_engine="tools.sim.pipeline:sleeping_engine", rollout_needs_gpu=False)
     assert placement.learner == (0,) and placement.rollout == ((), (), (), ())
     assert not placement.shared
     assert "rollout worker 3 on no GPU" in placement.describe()

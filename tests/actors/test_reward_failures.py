@@ -26,7 +26,7 @@ from actors.runtime.exits import EXIT_RUN_FAILED, exit_report
 from bus.schema import Sample
 from policies.rewards import RewardOutcome
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
-from tools.pipeline_sim import SimSpec
+from tools.sim.pipeline import SimSpec
 
 RAISES = "tests.support.reward_plugins:always_raises"
 FLAKY = "tests.support.reward_plugins:fails_unless_ok"

@@ -20,7 +20,7 @@ from bus.schema import Sample
 from examples.truncation_aware_rm import reward as truncation_aware_reward
 from tests.support import reward_plugins
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
-from tools.pipeline_sim import SimSpec, SleepingTokenizer
+from tools.sim.pipeline import SimSpec, SleepingTokenizer
 
 MAX_RESPONSE = 24
 ROLES = {"controller": "controller", "buffer": "buffer", "reward": "reward", "rollout": "rollout"}

@@ -7,7 +7,7 @@ import pytest
 from actors.config import build_config
 from actors.rollout.generate import RolloutContext
 from bus.schema import PromptGroup
-from tools.pipeline_sim import SimSpec, SleepingEngine, SleepingTokenizer
+from tools.sim.pipeline import SimSpec, SleepingEngine, SleepingTokenizer
 
 
 def group(group_id: str) -> PromptGroup:

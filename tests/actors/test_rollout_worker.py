@@ -25,7 +25,7 @@ from engines.inference.base import InferenceEngine
 from policies.plugins import PluginError
 from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
 from tests.support.inprocess import SLEEPING, GroupRecorder, actor_system, use_spec, write_prompts
-from tools.pipeline_sim import VERSION_ONLY, SimSpec, SleepingEngine, SleepingTokenizer
+from tools.sim.pipeline import VERSION_ONLY, SimSpec, SleepingEngine, SleepingTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = {"controller": "controller", "buffer": "buffer", "reward": GroupRecorder, "rollout": "rollout"}
@@ -121,8 +121,8 @@ def test_plugin_engine_factory_builds_the_engine_and_its_tokenizer(tmp_path: Pat
 @pytest.mark.unit
 @pytest.mark.parametrize(("path", "message"), [
     ("builtins:slice", r"--rollout-engine 'builtins:slice': the factory returned slice, expected a pair"),
-    ("tools.pipeline_sim:SPEC_FILE", r"--rollout-engine 'tools.pipeline_sim:SPEC_FILE': str is not callable"),
-    ("tools.pipeline_sim:VERSION_ONLY", r"--rollout-engine 'tools.pipeline_sim:VERSION_ONLY': WeightTransport is "
+    ("tools.sim.pipeline:SPEC_FILE", r"--rollout-engine 'tools.sim.pipeline:SPEC_FILE': str is not callable"),
+    ("tools.sim.pipeline:VERSION_ONLY", r"--rollout-engine 'tools.sim.pipeline:VERSION_ONLY': WeightTransport is "
                                         r"not callable"),
 ])
 def test_a_wrong_engine_plugin_is_named_by_flag_and_path(path: str, message: str) -> None:
@@ -132,8 +132,8 @@ def test_a_wrong_engine_plugin_is_named_by_flag_and_path(path: str, message: str
 
 @pytest.mark.unit
 def test_a_missing_engine_plugin_is_named_by_flag_and_path() -> None:
-    with pytest.raises(PluginError, match=r"--rollout-engine 'tools.pipeline_sim:nowhere'.*no attribute 'nowhere'"):
-        load_engine(build_config({"rollout_engine": "tools.pipeline_sim:nowhere"}), "rollout-0-0")
+    with pytest.raises(PluginError, match=r"--rollout-engine 'tools.sim.pipeline:nowhere'.*no attribute 'nowhere'"):
+        load_engine(build_config({"rollout_engine": "tools.sim.pipeline:nowhere"}), "rollout-0-0")
 
 
 @pytest.mark.unit
@@ -160,7 +160,7 @@ def test_a_rollout_worker_process_loads_neither_torch_nor_transformers_until_its
             "build_config({'advantage_estimator': 'grpo', 'loss_type': 'ppo', 'kl_loss_type': 'k3', "
             "'off_policy_correction': 'icepop'}); "
             "from engines.weights.transport import resolve_transport; "
-            "resolve_transport('tools.pipeline_sim:VERSION_ONLY').make_loader(None, 'rollout-0-0', None); "
+            "resolve_transport('tools.sim.pipeline:VERSION_ONLY').make_loader(None, 'rollout-0-0', None); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

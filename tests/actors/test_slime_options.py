@@ -20,10 +20,10 @@ from actors.data.prompt_tokens import encode_prompt, prompt_length_counter
 from actors.data.prompts import DatasetError, load_prompts
 from actors.rollout.generate import NoRoomError, RolloutContext, default_generate
 from bus.schema import PromptGroup
-from engines.tiny_model import build_tokenizer
 from launcher import build_parser
 from policies.rewards import score, score_group
 from policies.rewards.runner import outcome_from_value
+from tools.standins.tiny_model import build_tokenizer
 
 
 def configure(argv: list[str]) -> RunConfig:

@@ -20,7 +20,7 @@ import pytest
 
 from actors.rollout.trajectory import ChatTurns, TemplateNotIncremental, Trajectory, render
 from bus.schema import PromptGroup
-from engines.tiny_model import build_tokenizer
+from tools.standins.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.unit
 

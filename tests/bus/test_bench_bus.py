@@ -1,4 +1,4 @@
-"""tools/bench_bus.py --quick runs end to end and writes its figures."""
+"""tools/bench/bus_speed.py --quick runs end to end and writes its figures."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_bus_quick_writes_every_row(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_bus.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(REPO / "tools" / "bench" / "bus_speed.py"), "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]

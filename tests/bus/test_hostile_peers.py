@@ -288,7 +288,7 @@ async def _longest_stall_during_flood(endpoint: str, channel: str, tick_s: float
 
 @pytest.mark.integration
 async def test_a_garbage_flood_does_not_starve_the_receivers_other_tasks(zctx: zmq.asyncio.Context) -> None:
-    """Found by tools/hostile.py: an actor busy dropping a flood never yielded to its other tasks, so its
+    """Found by tools/hostile/campaign.py: an actor busy dropping a flood never yielded to its other tasks, so its
     heartbeats stopped and the controller declared it dead."""
     receiver = StreamReceiver(zctx, "tcp://127.0.0.1:0")
     consumer = asyncio.create_task(receiver.recv())  # drops frame after frame, waiting for a valid one

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engines.inference import GenerateRequest, SamplingParams, StepRecord, TorchEngine, continuation_request
-from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from tools.standins.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 
 PROMPT_TEXT = "The quick brown fox"
 

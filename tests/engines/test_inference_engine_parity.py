@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.inference import GenerateRequest, SamplingParams, StepRecord, TorchEngine
-from engines.tiny_model import TinyModelSpec, cached_tiny_model
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 PROMPTS = ["hi", "What is 12 * 7?", "Write a haiku about the sea, please.", "abc def"]
 

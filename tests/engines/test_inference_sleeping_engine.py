@@ -1,4 +1,4 @@
-"""The pipeline benchmark's sleeping engine (tools/pipeline_sim.py) honours the InferenceEngine contract the real
+"""The pipeline benchmark's sleeping engine (tools/sim/pipeline.py) honours the InferenceEngine contract the real
 engines do: per-token versions as weights land mid-generation, log-probs per token, aborts, pause and resume."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
-from tools.pipeline_sim import SimSpec, SleepingEngine, SleepingTokenizer
+from tools.sim.pipeline import SimSpec, SleepingEngine, SleepingTokenizer
 
 
 @pytest.mark.unit

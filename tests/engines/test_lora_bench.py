@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_lora_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
     output = tmp_path / "lora.json"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_lora.py"), "--quick", "--json", str(output)],
+        [sys.executable, str(ROOT / "tools" / "bench" / "lora.py"), "--quick", "--json", str(output)],
         capture_output=True, text=True, timeout=240, check=False,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]

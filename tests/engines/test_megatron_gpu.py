@@ -33,9 +33,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from bus.address import free_port
-from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from engines.training import TorchTrainer, TorchTrainerConfig
 from tests.support.training import seeded_batch, step_loss
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from engines.training import TorchTrainer, TorchTrainerConfig
 from tests.support.rendezvous import rendezvous_file
 from tests.support.training import seeded_batch, step_loss
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")

@@ -10,13 +10,13 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from engines.training import TorchTrainer, TorchTrainerConfig, output_head
 from engines.training.base import TrainSample
 from engines.training.logprobs import token_log_probs
 from engines.training.micro_batches import forward_packed, pack_inputs
 from engines.training.output_head import fuse_output_head, fused_head, head_log_probs, hidden_states_only
 from tests.support.training import seeded_batch, step_loss
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 pytestmark = pytest.mark.unit
 TOKENS, HIDDEN, VOCAB = 37, 16, 101

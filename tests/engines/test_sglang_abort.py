@@ -30,7 +30,7 @@ TIMEOUT_S = 20.0  # what the push would wait for the missing server without the 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    spec = ServerSpec(model_path=str(tiny_model_path), module="engines.sglang.server",
+    spec = ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
                       extra={"torch-threads": "1", "weight-group-timeout": str(int(TIMEOUT_S))})
     process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))
     process.start()

@@ -33,7 +33,7 @@ KV_ONLY = (protocol.MEMORY_KV_CACHE, protocol.MEMORY_CUDA_GRAPH)
 def launch(model: Path, logs: Path, *extra_flags: str) -> ServerProcess:
     extra: dict[str, str | list[str]] = {"torch-threads": "1"}
     extra.update({flag: "true" for flag in extra_flags})
-    process = ServerProcess(ServerSpec(model_path=str(model), module="engines.sglang.server", extra=extra),
+    process = ServerProcess(ServerSpec(model_path=str(model), module="tools.standins.sglang_server", extra=extra),
                             startup_timeout=120, log_dir=logs)
     process.start()
     return process

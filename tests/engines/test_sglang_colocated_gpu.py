@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 
 @pytest.fixture
 def server(tiny_model_path: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(ServerSpec(model_path=str(tiny_model_path), module="engines.sglang.server",
+    process = ServerProcess(ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
                                        extra={"torch-threads": "1", "enable-memory-saver": "true"}),
                             startup_timeout=180, log_dir=tmp_path)
     process.start()

@@ -31,7 +31,7 @@ from actors.rollout.engine_factory import sglang_server_args
 from engines.pretrained import UNREACHABLE_MARKERS
 from engines.sglang import protocol, tensor_payload
 from engines.sglang.launch import ServerSpec
-from engines.sglang.server import CompatServer, parse_args
+from tools.standins.sglang_server.server import CompatServer, parse_args
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]

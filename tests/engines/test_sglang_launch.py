@@ -69,7 +69,8 @@ def test_base_gpu_id_is_passed_as_sglangs_flag_and_must_not_be_negative() -> Non
 def test_server_started_from_a_thread_that_exits_keeps_running(tiny_model_path: Path, tmp_path: Path) -> None:
     """The parent-death signal follows the forking THREAD; a restart runs in a short-lived executor thread."""
     process = ServerProcess(
-        ServerSpec(model_path=str(tiny_model_path), module="engines.sglang.server", extra={"torch-threads": "1"}),
+        ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
+                   extra={"torch-threads": "1"}),
         startup_timeout=120,
         log_dir=tmp_path,
     )

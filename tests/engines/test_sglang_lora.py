@@ -42,7 +42,7 @@ TARGETS = ("q_proj", "v_proj", "down_proj")
 
 def lora_server(model: Path, logs: Path, **flags: str | list[str]) -> ServerProcess:
     extra: dict[str, str | list[str]] = {"torch-threads": "1", "weight-group-timeout": "20", **flags}
-    return ServerProcess(ServerSpec(model_path=str(model), module="engines.sglang.server", extra=extra),
+    return ServerProcess(ServerSpec(model_path=str(model), module="tools.standins.sglang_server", extra=extra),
                          startup_timeout=120, log_dir=logs)
 
 

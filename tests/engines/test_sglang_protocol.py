@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engines.inference.base import GenerateRequest, SamplingParams, derive_sample_seed
-from engines.sglang import protocol, server_protocol
+from engines.sglang import protocol
+from tools.standins.sglang_server import parsing
 
 
 @pytest.mark.unit
@@ -15,7 +16,7 @@ def test_top_k_off_is_sent_as_sglang_minus_one_and_outputs_are_asked_untrimmed()
     assert params["top_k"] == -1
     assert params["no_stop_trim"] is True and params["skip_special_tokens"] is False
     assert body["return_logprob"] is True and body["rid"] == protocol.wire_rid("r", 0) and params["stop"] == ["x"]
-    assert server_protocol.parse_sampling_params(params, where="x").top_k == 0
+    assert parsing.parse_sampling_params(params, where="x").top_k == 0
 
 
 @pytest.mark.unit
@@ -69,13 +70,13 @@ def test_initial_weight_version_string_reads_as_zero_and_free_text_as_unknown() 
 @pytest.mark.unit
 def test_server_side_parse_expands_a_batch_and_names_bad_items() -> None:
     names = iter(["auto-0", "auto-1"])
-    items, batch = server_protocol.parse_generate_json(
+    items, batch = parsing.parse_generate_json(
         {"input_ids": [[1], [2]], "sampling_params": {"temperature": 0}}, new_rid=lambda: next(names)
     )
     assert batch and [item.rid for item in items] == ["auto-0", "auto-1"]
     assert [item.input_ids for item in items] == [[1], [2]]
     with pytest.raises(protocol.ProtocolError, match="item 1"):
-        server_protocol.parse_generate_json({"input_ids": [[1], []]}, new_rid=lambda: "x")
+        parsing.parse_generate_json({"input_ids": [[1], []]}, new_rid=lambda: "x")
 
 
 @pytest.mark.unit
@@ -122,7 +123,7 @@ def test_weight_version_spans_give_each_token_its_own_version() -> None:
     }
     parsed = protocol.parse_output_json(item, where="test")
     assert parsed.token_versions == [0, 3, 3, 3] and parsed.weight_version == 3
-    assert server_protocol.version_spans(["default", "3", "3", "3"]) == item["meta_info"]["weight_versions"]
+    assert parsing.version_spans(["default", "3", "3", "3"]) == item["meta_info"]["weight_versions"]
     with pytest.raises(protocol.ProtocolError, match=r"weight_versions\[1\] starts at 2, expected 1"):
         protocol.token_versions([{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 4}], 4,
                                 where="test")
@@ -133,11 +134,11 @@ def test_a_request_names_its_adapter_in_lora_path_and_the_server_side_reads_it_p
     body = protocol.generate_json(GenerateRequest("r", [5], SamplingParams(n=2, seed=3)), adapter="slipstream-v4-ab")
     assert body["lora_path"] == "slipstream-v4-ab"
     assert "lora_path" not in protocol.generate_json(GenerateRequest("r", [5], SamplingParams()))
-    items, _ = server_protocol.parse_generate_json(body, new_rid=lambda: "x")
+    items, _ = parsing.parse_generate_json(body, new_rid=lambda: "x")
     assert [item.lora_path for item in items] == ["slipstream-v4-ab"] * 2
     body["lora_path"] = ["a", 7]
     with pytest.raises(protocol.ProtocolError, match="lora_path of item 1 must be an adapter's name, got 7"):
-        server_protocol.parse_generate_json(body, new_rid=lambda: "x")
+        parsing.parse_generate_json(body, new_rid=lambda: "x")
 
 
 @pytest.mark.unit

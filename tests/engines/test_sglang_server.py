@@ -29,7 +29,7 @@ PROMPT = [3, 14, 15, 9, 26, 5]
 def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     spec = ServerSpec(
         model_path=str(tiny_model_path),
-        module="engines.sglang.server",
+        module="tools.standins.sglang_server",
         random_seed=3,
         extra={"torch-threads": "1", "mem-fraction-static": "0.8", "enable-metrics": "true"},
     )
@@ -258,7 +258,8 @@ async def test_flush_cache_is_retried_until_the_server_is_idle_and_fails_by_name
 @pytest.fixture(scope="module")
 def quick_health_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A compatible server whose generate-based health check gives up after 1 s (SGLang's default is 20 s)."""
-    spec = ServerSpec(model_path=str(tiny_model_path), module="engines.sglang.server", extra={"torch-threads": "1"})
+    spec = ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
+                      extra={"torch-threads": "1"})
     env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1"}
     process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"), env=env)
     process.start()

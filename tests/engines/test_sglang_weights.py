@@ -35,7 +35,7 @@ ENGINE = "rollout-0-0"
 def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     spec = ServerSpec(
         model_path=str(tiny_model_path),
-        module="engines.sglang.server",
+        module="tools.standins.sglang_server",
         extra={"torch-threads": "1", "weight-group-timeout": "20"},
     )
     process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))
@@ -195,7 +195,7 @@ def server_0_5_15(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
     asked to flush the cache while requests are still in the scheduler takes the server down."""
     spec = ServerSpec(
         model_path=str(tiny_model_path),
-        module="engines.sglang.server",
+        module="tools.standins.sglang_server",
         extra={"torch-threads": "1", "weight-group-timeout": "20", "sglang-api": "0.5.15.post1"},
     )
     process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))

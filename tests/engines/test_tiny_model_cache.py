@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.integration
 def test_two_processes_building_the_same_cached_model_both_get_it(tmp_path) -> None:
     """Test workers and tools share `.cache/models`: a second builder used to fail renaming onto the first's."""
-    script = ("import sys; from engines.tiny_model import cached_tiny_model, TinyModelSpec; "
+    script = ("import sys; from tools.standins.tiny_model import cached_tiny_model, TinyModelSpec; "
               "print(cached_tiny_model(sys.argv[1], TinyModelSpec(hidden_size=32, intermediate_size=64)))")
     builders = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]

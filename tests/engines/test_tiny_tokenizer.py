@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.tiny_model import build_tokenizer
+from tools.standins.tiny_model import build_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ def test_a_saved_tiny_model_loads_a_tokenizer_that_keeps_spaces_and_newlines(fam
     decoder: with a plain-character vocabulary, "a b\\nc" came back as "abc"."""
     from transformers import AutoTokenizer
 
-    from engines.tiny_model import TinyModelSpec, create_tiny_model
+    from tools.standins.tiny_model import TinyModelSpec, create_tiny_model
 
     loaded = AutoTokenizer.from_pretrained(create_tiny_model(tmp_path, TinyModelSpec(family=family)))
     text = "Q: 2 + 3?\n\nA: 5 ~`\n<|im_end|>"

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from engines.training import attention
 from engines.training.attention import packed_sdpa_attention, register_packed_attention, sequence_spans
 from engines.training.base import TrainSample
 from engines.training.micro_batches import forward_packed, pack_inputs
+from tools.standins.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 
 
 @pytest.mark.unit

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_packing_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
     output = tmp_path / "packing.json"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_packing.py"), "--quick", "--json", str(output)],
+        [sys.executable, str(ROOT / "tools" / "bench" / "packing.py"), "--quick", "--json", str(output)],
         capture_output=True,
         text=True,
         timeout=120,

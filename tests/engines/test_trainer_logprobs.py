@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.tiny_model import TinyModelSpec, cached_tiny_model
 from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 TEMPERATURE = 0.7
 

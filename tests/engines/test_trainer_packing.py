@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from engines.training.base import TrainSample
 from engines.training.micro_batches import (
     check_packing_isolation,
@@ -19,6 +18,7 @@ from engines.training.micro_batches import (
     padded_fraction,
     plan_micro_batches,
 )
+from tools.standins.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 
 
 def _sample(length: int, response: int, seed: int = 0, **fields: torch.Tensor | float) -> TrainSample:

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engines.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from engines.training import ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 from engines.training.attention import packed_sdpa_attention, register_packed_attention
 from engines.training.micro_batches import (
@@ -18,6 +17,7 @@ from engines.training.micro_batches import (
     pack_inputs,
     plan_shared_micro_batches,
 )
+from tools.standins.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 
 
 def _groups(prompt_lengths: list[int], responses: list[list[int]], seed: int = 0) -> list[TrainSample]:

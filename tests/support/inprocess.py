@@ -24,11 +24,11 @@ from actors.runtime.handlers import handles
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus.address import free_port
 from bus.schema import GeneratedGroup
-from tools.pipeline_sim import SPEC_ENV, SimSpec
+from tools.sim.pipeline import SPEC_ENV, SimSpec
 
-SLEEPING = {"rollout_engine": "tools.pipeline_sim:sleeping_engine",
-            "train_backend": "tools.pipeline_sim:sleeping_trainer",
-            "weight_transport": "tools.pipeline_sim:VERSION_ONLY"}
+SLEEPING = {"rollout_engine": "tools.sim.pipeline:sleeping_engine",
+            "train_backend": "tools.sim.pipeline:sleeping_trainer",
+            "weight_transport": "tools.sim.pipeline:VERSION_ONLY"}
 
 
 def write_prompts(path: Path, count: int = 16) -> Path:

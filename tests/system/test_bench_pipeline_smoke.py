@@ -1,4 +1,4 @@
-"""tools/bench_pipeline.py --quick through real launcher runs of the real actors, and the synthetic costs its
+"""tools/bench/pipeline.py --quick through real launcher runs of the real actors, and the synthetic costs its
 bound rests on."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tools.pipeline_sim import LengthSampler, SimSpec
+from tools.sim.pipeline import LengthSampler, SimSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     """One `--quick` benchmark (async and sync at 1 and 4 workers, each stage alone once), shared by the tests."""
     work = tmp_path_factory.mktemp("bench_pipeline")
     out = work / "figures.json"
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "bench_pipeline.py"), "--quick", "--json", str(out),
+    result = subprocess.run([sys.executable, "-m", "tools.bench.pipeline", "--quick", "--json", str(out),
                              "--keep-runs", str(work / "runs")], cwd=REPO, capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     return json.loads(out.read_text(encoding="utf-8")), result.stdout
@@ -56,7 +56,7 @@ def test_the_runs_are_the_real_rollout_workers_and_learner_behind_sleeping_seams
         "actors.rollout.actor:RolloutWorker"}
     run = contexts["learner"]["settings"]["run"]
     assert (run["engine"]["rollout_engine"], run["trainer"]["train_backend"], run["weights"]["weight_transport"]) == (
-        "tools.pipeline_sim:sleeping_engine", "tools.pipeline_sim:sleeping_trainer", "tools.pipeline_sim:VERSION_ONLY")
+        "tools.sim.pipeline:sleeping_engine", "tools.sim.pipeline:sleeping_trainer", "tools.sim.pipeline:VERSION_ONLY")
     steps = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
     # A step's row is written while its push may still run beside the next step (the row then shows the version
     # before); the next row's publish settles it first, so each row shows the previous row's version published.

@@ -1,4 +1,4 @@
-"""tools/experiment_staleness.py: the --quick sweep runs end to end, plus its bookkeeping on hand-made curves."""
+"""tools/experiments/staleness.py: the --quick sweep runs end to end, plus its bookkeeping on hand-made curves."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.experiment_staleness import override_flags, parse_arguments
-from tools.staleness_results import (
+from tools.experiments.staleness import override_flags, parse_arguments
+from tools.experiments.staleness_results import (
     RunResult,
     load_results,
     mean_curve,
@@ -52,7 +52,7 @@ def test_quick_sweep_writes_table_json_and_plot(tmp_path: Path) -> None:
     completed = subprocess.run(
         [
             sys.executable,
-            "tools/experiment_staleness.py",
+            "tools/experiments/staleness.py",
             "--quick",
             "--workdir",
             str(tmp_path / "runs"),

@@ -1,4 +1,4 @@
-"""Hostile input on every bound socket of a live run (issue #17): `tools/hostile.py --quick`, the CI version.
+"""Hostile input on every bound socket of a live run (issue #17): `tools/hostile/campaign.py --quick`, the CI version.
 
 About 13,000 hostile frames of every kind reach every socket the run bound while it trains; no actor crashes, the
 run trains all its steps and passes the exactly-once audit, every frame an actor could see is counted under
@@ -28,9 +28,9 @@ EXACT_KINDS = {"random", "truncated", "wrong_types", "envelope", "identity", "id
 def hostile(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[dict[str, Any], str]:
     work = tmp_path_factory.mktemp("hostile")
     out = work / "figures.json"
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "hostile.py"), "--quick", "--json", str(out),
+    result = subprocess.run([sys.executable, "-m", "tools.hostile.campaign", "--quick", "--json", str(out),
                              "--run-dir", str(work / "run")], cwd=REPO, capture_output=True, text=True, timeout=280)
-    add_summary(request.config, "hostile input (tools/hostile.py --quick)", result.stdout)  # for the CI log
+    add_summary(request.config, "hostile input (tools/hostile/campaign.py --quick)", result.stdout)  # for the CI log
     assert out.exists(), f"no figures (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     figures = json.loads(out.read_text(encoding="utf-8"))
     assert result.returncode == 0, f"{figures['problems']}\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.inprocess import SLEEPING, write_prompts
-from tools.pipeline_sim import SPEC_ENV, SimSpec
 from tools.repo_env import with_repo_on_path
+from tools.sim.pipeline import SPEC_ENV, SimSpec
 
 REPO = Path(__file__).resolve().parents[2]
 RAISES = "tests.support.reward_plugins:always_raises"

@@ -30,7 +30,7 @@ def launch(run_dir: Path, model: Path, data: Path, batches: int) -> None:
                "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(batches),
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
                "--rollout-max-batch-size", "4", "--rollout-workers", "2", "--reward-workers", "1", "--seed", "3",
-               "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+               "--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
                "--sglang-enable-weights-cpu-backup", "--weight-transfer-timeout", "20", "--save-interval", "2",
                "--final-eval-timeout", "0", "--torch-threads", "1", "--heartbeat-interval", "0.25", "--no-progress",
                "--no-use-tensorboard", "--no-plots"]

@@ -37,7 +37,7 @@ def test_a_lora_run_on_sglang_servers_pushes_adapters_the_servers_load_by_name(
         "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
         "--rollout-max-batch-size", "4", "--max-staleness", "1", "--rollout-workers", "2", "--reward-workers", "1",
-        "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+        "--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
         "--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "q_proj", "v_proj", "--lr", "1e-3",
         "--lora-sync-dir", str(tmp_path / "adapters"), "--weight-transfer-timeout", "20",
         "--save-debug-rollout-data", str(batches), "--final-eval-timeout", "0", "--heartbeat-interval", "0.25",

@@ -1,5 +1,5 @@
 """A full launcher run with `--rollout-engine sglang`: each rollout worker launches its own SGLang-compatible
-server (`engines.sglang.server`), generation goes over HTTP and weights reach the servers over gloo."""
+server (`tools.standins.sglang_server`), generation goes over HTTP and weights reach the servers over gloo."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def run(run_dir: Path, model: Path, data: Path, debug_dir: Path) -> subprocess.C
         "--rollout-engine",
         "sglang",
         "--sglang-server-module",
-        "engines.sglang.server",
+        "tools.standins.sglang_server",
         "--sglang-mem-fraction-static",
         "0.5",
         "--weight-transfer-timeout",

@@ -34,7 +34,7 @@ def _run(tmp_path: Path, model: Path, *plugin_flags: str) -> Path:
         "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(STEPS),
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-batch-size", "4",
         "--max-staleness", "0", "--rollout-workers", "1", "--reward-workers", "1",
-        "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+        "--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
         "--final-eval-timeout", "0", "--heartbeat-interval", "0.25", "--weight-transfer-timeout", "20",
         "--no-progress", "--no-use-tensorboard", "--no-plots", *plugin_flags,
     ]

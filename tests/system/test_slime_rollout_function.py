@@ -43,7 +43,7 @@ def test_slime_rollout_function_drives_a_training_run(tmp_path: Path, tiny_model
         "--rollout-batch-size", str(GROUPS), "--n-samples-per-prompt", "2", "--rollout-max-batch-size", "4",
         # The function takes one group more than it returns: the staleness bound must leave room for it.
         "--max-staleness", "1", "--rollout-workers", "1", "--reward-workers", "1",
-        "--rollout-engine", "sglang", "--sglang-server-module", "engines.sglang.server",
+        "--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
         "--rollout-function-path", "examples.slime_style.rollout_function.generate_rollout",
         "--custom-convert-samples-to-train-data-path", "examples.slime_style.train_data.skip_truncated",
         "--rollout-max-response-len", "16", "--save-debug-rollout-data", str(debug_dir),

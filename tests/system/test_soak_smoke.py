@@ -1,4 +1,4 @@
-"""tools/soak.py's measurement through a short real run (launcher.py, the real actors, sleeping compute), and the
+"""tools/chaos/soak.py's measurement through a short real run (launcher.py, the real actors, sleeping compute), and the
 pieces it reads the run with. The soak's targets (growth < 10%, no slowdown, no stall) are the benchmark's to
 judge over its minutes; here only that every figure is measured."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_pipeline import STOPPED_BY_US, PipelineShape
+from tools.bench.pipeline import STOPPED_BY_US, PipelineShape
+from tools.chaos.soak import SoakOptions, memory_by_role, run_soak, soak_table, to_json
 from tools.run_watch import JsonlTail, RunWatch, Sample
-from tools.soak import SoakOptions, memory_by_role, run_soak, soak_table, to_json
 
 
 @pytest.mark.system

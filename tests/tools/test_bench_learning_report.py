@@ -1,10 +1,10 @@
-"""How `tools/bench_learning.py` turns snapshot curves into its verdicts (the runs themselves need TRL)."""
+"""How `tools/bench/learning.py` turns snapshot curves into its verdicts (the runs themselves need TRL)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.bench_learning import RunRecord, summarise
+from tools.bench.learning import RunRecord, summarise
 
 
 def _run(system: str, seed: int, curve: list[tuple[int, float, float]]) -> RunRecord:

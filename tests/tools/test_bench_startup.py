@@ -1,4 +1,4 @@
-"""`tools/bench_startup.py`: the floor it measures the systems against is a real first step, and its table reads
+"""`tools/bench/startup.py`: the floor it measures the systems against is a real first step, and its table reads
 medians and ratios to that floor (the Slipstream and TRL rows are the learning benchmark's runs)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_startup import FLOOR_PHASES, StartupRecord, run_one, summarise
+from tools.bench.startup import FLOOR_PHASES, StartupRecord, run_one, summarise
 from tools.make_arithmetic_data import make_arithmetic_data
 
 

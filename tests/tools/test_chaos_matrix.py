@@ -1,4 +1,4 @@
-"""tools/chaos.py without running anything: every scenario of every matrix is well-formed, and the CLI says so."""
+"""The chaos matrix without running anything: every scenario of every matrix is well-formed, and the CLI says so."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 
 from actors.runtime import chaos
 from bus.faults import FaultPlan
-from tools.chaos import format_table, main
-from tools.chaos_run import Outcome, launcher_accepts
-from tools.chaos_scenarios import MATRICES
+from tools.chaos.matrix import format_table, main
+from tools.chaos.run import Outcome, launcher_accepts
+from tools.chaos.scenarios import MATRICES
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The cluster simulator (tools/cluster_sim.py): its event mechanics against closed forms, the staleness rule it
+"""The cluster simulator (tools/sim/cluster.py): its event mechanics against closed forms, the staleness rule it
 borrows from the buffer, and the direction of the effects it exists to show."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cluster_sim import ClusterSpec, recommend, simulate_async, simulate_sync
+from tools.sim.cluster import ClusterSpec, recommend, simulate_async, simulate_sync
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,7 @@ def test_a_spec_without_training_gpus_is_refused() -> None:
 
 def test_the_command_prints_its_table_and_writes_its_rows(tmp_path: Path) -> None:
     output = tmp_path / "sim.json"
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "cluster_sim.py"), "--gpus", "8", "--model-b", "1",
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "sim" / "cluster.py"), "--gpus", "8", "--model-b", "1",
                            "--steps", "3", "--prompts-per-step", "32",
                            "--samples-per-prompt", "4", "--recommend", "--json", str(output)],
                           capture_output=True, text=True, timeout=120, check=False)

@@ -1,13 +1,13 @@
-"""`tools/hostile_judge.py`: frames a full peer table folded into "(other)" are still every frame accounted for,
+"""`tools/hostile/judge.py`: frames a full peer table folded into "(other)" are still every frame accounted for,
 and a frame truly uncounted still fails the attack that sent it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.hostile_judge import Counters, judge
-from tools.hostile_plan import Attack
-from tools.hostile_run import Endpoint
+from tools.hostile.judge import Counters, judge
+from tools.hostile.plan import Attack
+from tools.hostile.run import Endpoint
 
 INBOX = Endpoint("buffer", "inbox", "tcp://127.0.0.1:1")
 

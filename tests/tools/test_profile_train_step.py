@@ -1,4 +1,4 @@
-"""`tools/profile_train_step.py` on the CPU: both steps profiled, their tables printed and written."""
+"""`tools/bench/profile_train_step.py` on the CPU: both steps profiled, their tables printed and written."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.profile_train_step import main
+from tools.bench.profile_train_step import main
 
 
 @pytest.mark.integration

@@ -1,0 +1,1 @@
+"""Experiments whose results the docs report (staleness and off-policy corrections), and their tables and plots."""

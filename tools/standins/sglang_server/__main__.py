@@ -1,0 +1,3 @@
+from tools.standins.sglang_server.server import main
+
+main()
