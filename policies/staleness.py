@@ -14,7 +14,9 @@ groups may have started, i.e. precisely batch ``v``, and nothing of batch ``v + 
 stepped. Groups a filter dropped never occupy a batch slot, so they are given back to the budget.
 
 When groups finish out of start order, a later group can take an earlier group's slot and push it one batch
-later; the consumption check (:func:`split_by_staleness`) is the backstop that keeps the bound hard either way.
+later; the consumption check is the backstop that keeps the bound hard either way: the buffer measures each pooled
+group with :func:`staleness_of_range` at the version its batch trains at and regenerates the ones past the bound
+(:func:`split_by_staleness` is the same rule per sample, for a trainer that holds samples itself).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ if TYPE_CHECKING:  # the buffer measures staleness without torch, and starts ~2 
 
 __all__ = [
     "AdmissionController",
-    "LearnerVersions",
     "StaleAction",
     "StalenessSplit",
     "sample_staleness",
@@ -83,39 +84,6 @@ class AdmissionController:
     def may_start(self, *, learner_version: int, started_groups: int, dropped_groups: int = 0) -> bool:
         counts = {"started_groups": started_groups, "dropped_groups": dropped_groups}
         return self.capacity(learner_version=learner_version, **counts) > 0
-
-
-@dataclass
-class LearnerVersions:
-    """What a rollout worker (or the buffer) has heard of the learner's versions, and the rule that follows from it:
-    whether an engine's weights are too old to generate training samples with. One object for both, so the two
-    read an announcement the same way.
-
-    A learner that pushes no weights (``--debug-rollout-only``: its announcements carry no weights version) leaves
-    every engine on its first weights, and nothing is ever too old for it.
-    """
-
-    announced: int = 0  # the learner's version, as last announced (or as a lease was admitted at, if newer)
-    pushed: int = 0  # the newest weights the learner has pushed to every engine
-    learner_pushes: bool = False  # its announcements carry a weights version
-
-    def heard(self, version: int, weights_version: int | None) -> None:
-        """An announcement. The version is taken as it is (a learner restarted from a checkpoint announces a lower
-        one); the pushed weights only move forward."""
-        if weights_version is not None:
-            self.pushed = max(self.pushed, weights_version)
-            self.learner_pushes = True
-        self.announced = version
-
-    def leased_at(self, version: int) -> None:
-        """A lease admitted at `version`: the buffer may have heard the announcement before this worker did."""
-        if self.learner_pushes:
-            self.announced = max(self.announced, version)
-
-    def too_old(self, engine_version: int, max_staleness: int) -> bool:
-        """Whether samples from weights `engine_version` would be older than anything the buffer accepts."""
-        newest = max(self.pushed, self.announced if self.learner_pushes else 0)
-        return engine_version + max_staleness < newest
 
 
 def token_staleness(learner_version: int, token_versions: Tensor) -> Tensor:

@@ -46,7 +46,7 @@ from bus.schema import (
     VersionAnnouncement,
     WaitState,
 )
-from policies.staleness import LearnerVersions
+from policies.weight_versions import LearnerVersions
 
 BATCH_POLL_SECONDS = 2.0
 

@@ -32,6 +32,7 @@ from actors.runtime.stopping import unless_stopped
 from bus.codec import decode, encode
 from bus.schema import Batch, Control, Roster, VersionAnnouncement
 from policies.staleness import staleness_of_samples
+from policies.weight_versions import PushLedger
 
 T = TypeVar("T")
 STOPPED_PUSH_WAIT_S = 5.0  # a push a stop aborted ends at once; this bounds the wait if it does not
@@ -51,6 +52,7 @@ class Learner(Actor):
         self.metrics_writer: MetricsWriter | None = None
         self.audit: TextIO | None = None
         self.push_in_flight: asyncio.Task[None] | None = None
+        self.pushes = PushLedger()  # the pushes owed beyond each step's own, and the announcements they complete
         self.trained_batch = 0
         self.checkpointed_batch = 0
 
@@ -82,13 +84,8 @@ class Learner(Actor):
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
             local_trainer.update_gate = lambda: self.weights.wait_for_reads(gate_s)
-        self.engines_joined = False
         self.eval_hold = EvalHold(self.config, counters=self.counters, log=self.log,
                                   timeout_s=self.config.eval.final_eval_timeout)
-        self.push_held = False  # a push skipped to keep the engines on a version under evaluation
-        self.push_failed = False  # the last push did not reach every engine: retried while no batch comes
-        self.announcing: int | None = None  # the version last announced, or tried
-        self.announced: tuple[int, int | None] | None = None  # (version, weights_version) the controller last took
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
 
@@ -105,8 +102,8 @@ class Learner(Actor):
             while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
                 # A new or restarted engine must not wait for the next step; but a push goes to every engine, so
                 # while an eval round holds them on its version, the newcomer waits for the round too.
-                if (self.engines_joined or self.push_held) and not await self._held_for_eval():
-                    self.engines_joined = self.push_held = False
+                if self.pushes.owed_between_steps() and not await self._held_for_eval():
+                    self.pushes.owed_push_starting()
                     await self.publish_weights()
                 # Open across the buffer's empty long-poll answers, so the hang report says how long it has been.
                 self.waits.begin("batch", "buffer", f"batch {self.trained_batch + 1}")
@@ -118,7 +115,7 @@ class Learner(Actor):
                 else:
                     batch, prepared = await self._unless_stopped(self.source.next(self.progress())), None
                 if batch is None:
-                    if self.push_failed and not await self._held_for_eval():
+                    if self.pushes.owed_on_empty_batch() and not await self._held_for_eval():
                         await self.publish_weights()  # see publish_weights: the batch may wait for these weights
                     continue
                 self.waits.end("batch")
@@ -162,7 +159,7 @@ class Learner(Actor):
         await self.announce_version()
         if self.version % self.config.weights.update_weights_interval == 0:
             if await self._held_for_eval():
-                self.push_held = True
+                self.pushes.held_for_eval = True
             else:
                 await self.publish_weights(beside_next_step=next_step_ready)
         if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
@@ -195,13 +192,13 @@ class Learner(Actor):
         assert self._controller is not None
         announcement = VersionAnnouncement(version=self.version, weights_version=self.weights.committed_version,
                                            step=self.trained_batch, timestamp=time.time())
-        self.announcing = announcement.version
+        self.pushes.announcement_sent(announcement.version)
         try:
             await self._controller.call(decode(encode(announcement)), timeout=2.0, retries=2)
         except Exception as error:  # the next announcement carries the same information
             self.log.warning("version announcement failed", error=repr(error))
             return
-        self.announced = (announcement.version, announcement.weights_version)
+        self.pushes.announcement_taken(announcement.version, announcement.weights_version)
 
     async def publish_weights(self, *, beside_next_step: bool = False) -> None:
         """Push this version's weights; once every engine has them, a version already announced without them (or
@@ -227,13 +224,12 @@ class Learner(Actor):
             await self._push(self.version)
 
     async def _push(self, version: int, *, beside_training: bool = False) -> None:
-        self.push_failed = not await self.weights.publish(version, beside_training=beside_training)
-        if self.push_failed:
+        reached = await self.weights.publish(version, beside_training=beside_training)
+        self.pushes.push_ended(reached_every_engine=reached)
+        if not reached:
             return
-        self.push_held = False
         self.eval_hold.published(version)
-        # Not once the next step moved the version on: its own announcement carries these weights.
-        if self.version == version == self.announcing and self.announced != (version, self.weights.committed_version):
+        if self.pushes.announce_again(pushed=version, current=self.version, committed=self.weights.committed_version):
             await self.announce_version()
 
     async def settle_push(self) -> None:
@@ -295,7 +291,7 @@ class Learner(Actor):
         rollouts = {e.kind: e.actor_id for e in roster.events
                     if e.actor_id in self.roster and self.roster[e.actor_id].role == "rollout"}
         if "joined" in rollouts or "returned" in rollouts:
-            self.engines_joined = True
+            self.pushes.engines_joined = True
         if "died" in rollouts and not self.members("rollout"):
             self.log.warning("no live rollout worker; generation and weight pushes wait until one (re)joins",
                              last_died=rollouts["died"])

@@ -42,7 +42,7 @@ from bus.schema import (
 )
 from bus.sockets import peer_name
 from engines.inference.base import InferenceEngine
-from policies.staleness import LearnerVersions
+from policies.weight_versions import LearnerVersions
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
 WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for eval work again

@@ -27,8 +27,8 @@ from bus.schema import VersionAnnouncement
 from engines.training.base import Loss, StepResult, Trainer, TrainSample
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
 from tools.audit_run import audit
+from tools.sim.learner import SleepingTrainer
 from tools.sim.pipeline import SimSpec, VersionOnlyLoader
-from tools.pipeline_sim_learner import SleepingTrainer
 
 ROLES = {"controller": "controller", "buffer": "buffer", "reward": "reward", "rollout": "rollout",
          "learner": "learner"}
@@ -174,7 +174,7 @@ async def test_an_engine_joining_while_an_eval_round_holds_the_weights_does_not_
                          n_samples_per_eval_prompt=2)
     async with actor_system(tmp_path, settings, ROLES) as system:
         learner, engine = system["learner"], system["rollout-0-0"].engine
-        await system.wait_for(lambda: learner.push_held, 30, "a push held for an eval round")
+        await system.wait_for(lambda: learner.pushes.held_for_eval, 30, "a push held for an eval round")
         pinned = learner.eval_hold.pinned
         assert pinned is not None and engine.version == pinned
         await system.start("rollout", "rollout", "rollout-0-1")

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from policies.staleness import (
     AdmissionController,
-    LearnerVersions,
     StaleAction,
     sample_staleness,
     split_by_staleness,
@@ -156,34 +155,3 @@ def test_float_token_versions_are_refused() -> None:
 def test_staleness_histogram_counts_each_value() -> None:
     assert staleness_histogram(torch.tensor([0, 2, 0, 1, 0])) == {0: 3, 1: 1, 2: 1}
     assert staleness_histogram([]) == {}
-
-
-# ------------------------------------------------------------------------------- what the roles hear of versions
-@pytest.mark.unit
-def test_an_engine_is_too_old_once_the_learner_has_moved_past_its_weights_by_more_than_the_bound() -> None:
-    heard = LearnerVersions()
-    heard.heard(version=3, weights_version=2)
-    assert heard.learner_pushes and (heard.announced, heard.pushed) == (3, 2)
-    assert not heard.too_old(engine_version=2, max_staleness=1)
-    assert heard.too_old(engine_version=1, max_staleness=1)  # 1 + 1 < 3: the buffer would evict its samples
-    assert heard.too_old(engine_version=2, max_staleness=0)  # synchronous: announced, weights not landed yet
-
-
-@pytest.mark.unit
-def test_a_learner_that_pushes_nothing_never_makes_an_engine_too_old() -> None:
-    heard = LearnerVersions()
-    heard.heard(version=50, weights_version=None)  # --debug-rollout-only: the version is a label
-    heard.leased_at(60)
-    assert not heard.learner_pushes and not heard.too_old(engine_version=0, max_staleness=0)
-
-
-@pytest.mark.unit
-def test_pushed_weights_only_move_forward_and_a_restarted_learner_announces_lower() -> None:
-    heard = LearnerVersions()
-    heard.heard(version=8, weights_version=8)
-    heard.heard(version=5, weights_version=5)  # restarted from its step-5 checkpoint
-    assert (heard.announced, heard.pushed) == (5, 8)
-    heard.leased_at(7)  # the buffer heard of version 7 first
-    assert heard.announced == 7
-    heard.leased_at(6)
-    assert heard.announced == 7
