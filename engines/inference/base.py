@@ -14,8 +14,8 @@ Conventions shared by all implementations:
   importance ratios then carry that mismatch too. Greedy decoding (`temperature=0`) reports
   `log_softmax(logits)`, i.e. temperature 1 for the log-prob, and ignores top-p/top-k.
 * **Versions**: every generated token carries the policy version of the weights that produced it. A weight
-  update lands between two decode steps, so one output may mix versions; staleness is measured from the
-  oldest (`min(versions)`).
+  update lands between two decode steps, so one output may mix versions; a sample's staleness is the largest
+  distance between the learner's version and any of its tokens' (`policies.staleness.token_staleness`).
 * **Resuming**: an aborted or paused-with-abort request returns its partial output with
   `finish_reason="abort"`. It is resumed by a *new* request whose `input_ids` are the prompt plus the partial
   output (see `continuation_request`); the partial tokens keep their original log-probs and versions and
