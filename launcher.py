@@ -396,10 +396,12 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     stop_progress.set()
     if progress is not None:
         await progress
-    if runs_learner and contexts[0].settings.run.logging.plots:
-        from actors.runtime.run_report import report_run
+    if runs_learner:
+        from actors.runtime.run_report import certify_run, report_run
 
-        report_run(run_dir)
+        certify_run(run_dir)
+        if contexts[0].settings.run.logging.plots:
+            report_run(run_dir)
     return code
 
 

@@ -1,5 +1,5 @@
-"""Audit a run directory: was every accepted sample trained exactly once, and did versions only move forward?
-`python tools/audit_run.py RUN_DIR`.
+"""Audit a run directory: was every accepted sample trained exactly once, did versions only move forward, and what
+does its integrity certificate say (`actors/runtime/integrity.py`)? `python tools/audit_run.py RUN_DIR`.
 
 Sources: the buffer's durable log with its archived segments (what was accepted, evicted, put in which batch, at
 which version, measured again at which version when it was served ahead of a step that applied no update,
@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from actors.buffer.log import BufferLog, archived_logs
+from actors.runtime.integrity import certify, describe
 from bus.codec import decode
 
 
@@ -204,7 +205,8 @@ def max_staleness(run_dir: Path) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
-    result = audit(parser.parse_args().run_dir)
+    run_dir = parser.parse_args().run_dir
+    result = audit(run_dir)
     print(f"accepted groups: {result.accepted_groups}  trained batches: {result.trained_batches}  "
           f"trained samples: {result.trained_samples}  pending groups: {result.pending_groups}  "
           f"batches retrained after a learner restart: {result.retrained_batches}  "
@@ -212,8 +214,11 @@ def main() -> None:
           f"{result.newer_token_samples}")
     for problem in result.problems:
         print(f"PROBLEM: {problem}")
-    print("audit: OK" if result.ok else "audit: FAILED")
-    sys.exit(0 if result.ok else 1)
+    certificate = certify(run_dir)
+    print("\n".join(describe(certificate)))
+    ok = result.ok and certificate["ok"]
+    print("audit: OK" if ok else "audit: FAILED")
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -367,6 +367,11 @@ class WeightsConfig(Section):
     update_weights_interval: int = Field(1, ge=1, description="push weights to engines every N learner steps")
     weight_transfer_timeout: float = Field(30.0, gt=0, description="seconds a weight transfer waits for an engine "
                                            "(to join, be ready, acknowledge) before it fails and is retried")
+    weight_check: Literal["off", "repush", "strict"] = Field(
+        "repush", description="after every push, each engine fingerprints the weights it serves and the learner "
+        "compares them with what it sent (RUN_DIR/integrity.json): repush (a mismatch fails the push, which is "
+        "tried again), strict (a mismatch stops the run, naming engine and tensor; slime's "
+        "--check-weight-update-equal), off")
 
     @field_validator("weight_transport")
     @classmethod

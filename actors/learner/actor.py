@@ -23,6 +23,7 @@ from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publ
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
+from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
@@ -80,7 +81,8 @@ class Learner(Actor):
         self.weights = publisher_for(
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
             tensors=self.trainer.named_tensors, zmq=self.zmq, security=self.security,
-            client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log, waits=self.waits)
+            client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log, waits=self.waits,
+            check_log=WeightCheckLog(self.context.run_dir / "metrics"))
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
             local_trainer.update_gate = lambda: self.weights.wait_for_reads(gate_s)
@@ -96,9 +98,9 @@ class Learner(Actor):
         through the stages that do not read the policy (conversion, reference log-probs) on a second thread: the
         learner never idles between steps on the buffer's round trip or on the reference model.
         """
-        await self.publish_weights()  # engines start from our weights, which matters on resume
         upcoming: asyncio.Task[tuple[Batch | None, PreparedBatch | None]] | None = None
         try:
+            await self.publish_weights()  # engines start from our weights, which matters on resume
             while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
                 # A new or restarted engine must not wait for the next step; but a push goes to every engine, so
                 # while an eval round holds them on its version, the newcomer waits for the round too.
@@ -128,13 +130,13 @@ class Learner(Actor):
                 # for its batch anyway, and a push beside nothing has the learner's core to itself: the engines get
                 # the weights, and so the batch after next, sooner.
                 await self._after_step(batch, report, next_step_ready=upcoming is not None and upcoming.done())
-        except BatchRefused as refused:  # asking again cannot help: say why, on every node, and stop
-            await self.fail_run(str(refused))
+            if self.trained_batch >= self.config.learner.num_rollout:
+                await self.finish()
+        except (BatchRefused, WeightsCorrupted) as error:  # going on cannot help: say why, on every node, and stop
+            await self.fail_run(str(error))
         finally:
             if upcoming is not None:
                 upcoming.cancel()  # a batch served but not trained is served again after a restart
-        if self.trained_batch >= self.config.learner.num_rollout:
-            await self.finish()
 
     def request_stop(self, reason: str) -> None:
         super().request_stop(reason)
@@ -333,6 +335,7 @@ class Learner(Actor):
             push.cancel()
         if self.weights is not None:
             self.weights.close()
+            self.weights.check_log.close()
         if self.trainer is not None:
             await asyncio.to_thread(self.trainer.close)
 

@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from actors.config import RunConfig
+from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
 from actors.runtime.placement import weight_transport
 from actors.runtime.waits import Waits
 from bus.schema import Ack, Error, WeightUpdateOrder
-from engines.weights.base import GroupHandle, TransferReport, WeightSender, WeightTransferError
+from engines.weights.base import GroupHandle, TransferReport, WeightsDiffer, WeightSender, WeightTransferError
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
@@ -103,7 +104,8 @@ def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublishe
     """The run's publisher: its mechanism (a plugin is imported now, so a bad path fails at start-up), the
     sender's options and the push dtype from `config`; `wiring` is the rest of `WeightPublisher`'s arguments."""
     transport = resolve_transport(transport_name(config))
-    return WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config), **wiring)
+    return WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config),
+                           weight_check=config.weights.weight_check, **wiring)
 
 
 class WeightPublisher:
@@ -128,12 +130,15 @@ class WeightPublisher:
         log: Any,
         dtype: torch.dtype | None = None,
         waits: Waits | None = None,
+        weight_check: str = "off",
+        check_log: WeightCheckLog | None = None,
     ) -> None:
         self.transport, self.options = transport, options
         self.engines, self.tensors = engines, tensors
         self.zmq, self.security, self.client_id = zmq, security, client_id
         self.counters, self.log, self.dtype = counters, log, dtype
         self.waits = waits or Waits()
+        self.weight_check, self.check_log = weight_check, check_log or WeightCheckLog(None)
         self.committed_version: int | None = None
         self._sender: WeightSender | None = None
         self._tensor_specs: tuple[TensorSpec, ...] | None = None  # recorded at the first push
@@ -239,6 +244,8 @@ class WeightPublisher:
             problems = await self._answers(list(replies.values()), self._lost_signal)
             if problems is None:
                 raise WeightTransferError("a member of the push was lost before it answered its order", self._lost)
+        except WeightsDiffer as differ:
+            return self._served_differently(version, differ)
         except WeightTransferError as error:
             self._group = None  # form a fresh generation next time
             if self._lost and self._stopping is None:
@@ -259,6 +266,7 @@ class WeightPublisher:
             self._group = None
             self.log.warning("engines did not acknowledge the update", engines=sorted(refused), version=version)
             return False
+        self._record_check(version, report)
         self.committed_version = sender.committed_version
         self.counters["weights.pushed"] += 1
         self.log.info(
@@ -304,6 +312,26 @@ class WeightPublisher:
                 self.log.warning("weight push waiting on engines", engines=sender.waiting_on() or silent,
                                  version=version, seconds=round(time.monotonic() - started))
 
+    def _served_differently(self, version: int, differ: WeightsDiffer) -> bool:
+        """Every engine acknowledged, some serve other bits: the version is not committed. Stop the run under
+        `--weight-check strict`; else the push counts as failed, and is tried again like any failed push."""
+        self.check_log.checked(version, differ.check)
+        self.counters["weights.served_differently"] += 1
+        self.log.error("engines serve other weights than were pushed", version=version, engines=differ.check.differ)
+        if self.weight_check == "strict":
+            raise WeightsCorrupted(f"version {version}: {differ.check.describe()} (--weight-check strict)")
+        return False
+
+    def _record_check(self, version: int, report: TransferReport) -> None:
+        if self.weight_check == "off":
+            return
+        if report.fingerprints is None:
+            self.check_log.not_checked(version, f"the {self.transport.name} weight transport cannot fingerprint")
+            return
+        self.check_log.checked(version, report.fingerprints)
+        if report.fingerprints.unchecked:
+            self.counters["weights.unchecked"] += 1
+
     def _no_engine(self, version: int) -> None:
         """Said at most every NO_ENGINE_WARNING_S; a warning once engines were served (they are gone now), before
         that only information (at start-up the engines are still loading)."""
@@ -325,7 +353,7 @@ class WeightPublisher:
                 self._tensor_specs = record_specs(self.tensors())
             tensors = SpecifiedTensors(self._tensor_specs, self.tensors())
             try:
-                return sender.send(tensors, version, dtype=self.dtype)
+                return sender.send(tensors, version, dtype=self.dtype, fingerprint=self.weight_check != "off")
             except WeightTransferError as error:
                 if isinstance(error.__cause__, SourceBroke):
                     self._tensor_specs = None

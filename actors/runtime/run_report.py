@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from actors.runtime.integrity import describe, write_certificate
 from actors.runtime.metrics import read_metrics
 
 
@@ -95,6 +96,16 @@ def summarize(run_dir: Path) -> str:
             lines.append(f"{key}: {values[0][1]:.3f} at version {values[0][0]} -> {values[-1][1]:.3f} at version "
                          f"{values[-1][0]}")
     return "\n".join(lines)
+
+
+def certify_run(run_dir: Path) -> None:
+    """RUN_DIR/integrity.json, and its verdicts on the console (`actors/runtime/integrity.py`)."""
+    try:
+        certificate = write_certificate(run_dir)
+    except Exception as error:
+        print(f"launcher.py: could not write the integrity certificate: {error!r}", file=sys.stderr)
+        return
+    print("\n".join(describe(certificate)), file=sys.stderr)
 
 
 def report_run(run_dir: Path) -> None:

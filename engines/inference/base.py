@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # a rollout worker process imports this module and must not pay for torch unless its engine does
     import torch
 
+    from engines.weights.fingerprint import ServedPrints
+    from engines.weights.manifest import TensorSpec
+
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "keep")
@@ -239,6 +242,11 @@ class InferenceEngine(ABC):
     @abstractmethod
     def version(self) -> int:
         """The policy version of the weights the next decode step uses."""
+
+    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints | None:
+        """Fingerprints of what the engine serves now for each pushed tensor (`engines.weights.fingerprint`), so
+        the learner can check a push landed as sent. None: this engine cannot tell, and the check says so."""
+        return None
 
     async def on_idle(self) -> None:  # noqa: B027 - most engines have nothing to hand over
         """The worker has nothing to generate for now. An engine that shares its device with the learner (a

@@ -12,7 +12,7 @@ layer whose weight is `<module>.weight`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -20,6 +20,7 @@ from torch import Tensor
 from engines.training.lora import WIRE_SUFFIXES
 
 NamedTensor = tuple[str, Tensor]
+MERGE_CHECK_ROWS = 8
 
 
 def is_adapter(name: str) -> bool:
@@ -35,6 +36,7 @@ class AdapterMerger:
         self._scaling = scaling
         self._bases: dict[str, Tensor] = {}  # module -> its weight before any adapter
         self._factors: dict[str, dict[str, Tensor]] = {}  # module -> {"lora_A": A, "lora_B": B}, the latest
+        self._rows = torch.Generator().manual_seed(0)  # which rows `_holds_merge` checks, different each time
 
     def check(self, updates: Sequence[NamedTensor]) -> None:
         """Raise a ValueError naming the first adapter tensor that cannot apply; changes nothing."""
@@ -82,6 +84,39 @@ class AdapterMerger:
         self._bases[module] = tensor.detach().to(self._bases[module].dtype, copy=True)
         self._merge(module)
         return True
+
+    def served(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """Each factor of `names` as this engine last merged it, left out where its layer does not hold that merge
+        (the factor never arrived, or the weight was written since): what the engine fingerprints for a LoRA
+        push. Each layer's merge is checked once."""
+        holds: dict[str, bool] = {}
+        served = {}
+        for name in names:
+            module, factor = _split(name)
+            factors = self._factors.get(module, {})
+            if module not in holds:
+                holds[module] = self._holds_merge(module)
+            if factor in factors and holds[module]:
+                served[name] = factors[factor]
+        return served
+
+    def _holds_merge(self, module: str) -> bool:
+        """Whether the layer's weight is `W0 + scaling * B @ A` of the stored factors, on MERGE_CHECK_ROWS rows
+        drawn anew each time, up to the rounding of the merge itself (far below the adapter's own contribution,
+        which an unmerged layer lacks entirely). Rows, not the whole layer: a whole check reads every adapted
+        weight, many times the bytes of the adapter push it is checking."""
+        factors = self._factors.get(module, {})
+        if len(factors) < 2 or module not in self._bases:
+            return False
+        weight = self._parameters[f"{module}.weight"]
+        rows = torch.randperm(weight.shape[0], generator=self._rows)[:MERGE_CHECK_ROWS].to(weight.device)
+        lora_b, lora_a = (factors[name].to(weight.device, weight.dtype) for name in ("lora_B", "lora_A"))
+        with torch.no_grad():
+            delta = torch.mm(lora_b[rows], lora_a).mul_(self._scaling)
+            served = weight[rows]
+            error = (served - self._bases[module][rows] - delta).abs().max()
+            rounding = 2 * torch.finfo(weight.dtype).eps * served.abs().max()
+            return bool(error <= 1e-3 * delta.abs().max() + rounding)
 
     def _merge(self, module: str) -> None:
         assert self._scaling is not None  # check() refused adapters otherwise

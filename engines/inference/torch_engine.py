@@ -40,6 +40,8 @@ from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
+from engines.weights.fingerprint import Fingerprints, ServedPrints, comparable_dtype
+from engines.weights.manifest import TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,11 @@ class TorchEngine(base.InferenceEngine):
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
         await self._call(_UpdateWeights(named_tensors, version))
+
+    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints:
+        """Its weight for a full tensor; for a LoRA factor, the factor merged into its layer, and only if the layer
+        holds that merge (an adapter received but never merged fingerprints as absent)."""
+        return await self._call(_Fingerprint(specs, algorithm))
 
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """A copy of every weight by name: what an SGLang server that backs released weights up to the CPU keeps
@@ -346,6 +353,19 @@ class TorchEngine(base.InferenceEngine):
         if self._recompute_kv_on_update:
             self._batcher.drop_cache()
 
+    def _fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints:
+        prints, unchecked = Fingerprints(algorithm), {}
+        adapters = self._adapters.served(spec.name for spec in specs if is_adapter(spec.name))
+        for spec in specs:
+            served = adapters.get(spec.name) if is_adapter(spec.name) else self._parameters.get(spec.name)
+            if served is None:
+                continue  # absent: the sender names it as served differently
+            if not comparable_dtype(spec.dtype, served.dtype):
+                unchecked[spec.name] = f"served as {served.dtype}, sent as {spec.dtype}"
+                continue
+            prints.add(spec.name, served, spec.dtype)
+        return ServedPrints(prints.values(), unchecked)
+
     def _refuse_leftover_commands(self) -> None:
         while True:
             try:
@@ -430,6 +450,15 @@ class _UpdateWeights(Command):
     def apply(self, engine: TorchEngine) -> object:
         engine._load_weights(self.named_tensors, self.version)
         return None
+
+
+@dataclass
+class _Fingerprint(Command):
+    specs: tuple[TensorSpec, ...]
+    algorithm: str
+
+    def apply(self, engine: TorchEngine) -> object:
+        return engine._fingerprints(self.specs, self.algorithm)
 
 
 @dataclass

@@ -84,13 +84,14 @@ class SglangStoreSender(WeightSender):
         return WeightTransferError(f"{error} (given up: {self._aborted})", self._aborted)
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
-             timeout_s: float | None = None) -> TransferReport:
+             timeout_s: float | None = None, fingerprint: bool = False) -> TransferReport:
         """Bucket by bucket, each awaited with a deadline; any failure raises WeightTransferError only.
 
         The manifest (every name, dtype and shape) must reach the loaders before the first byte: given a
         `SpecifiedTensors` it comes from the recorded specs and each bucket's tensors are pulled when it goes out;
         a bare iterable is listed first (references only). Each tensor is cast and copied only when its bucket goes
-        out: a bucket's copies at most, never the whole model a second time.
+        out: a bucket's copies at most, never the whole model a second time. `fingerprint` cannot be honoured
+        here (SGLang loads the buckets itself and keeps its own tensor names): the report carries none.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spec = self._require_spec()

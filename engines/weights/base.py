@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from engines.weights.fingerprint import FingerprintCheck
+
 LoadFn = Callable[[Iterable[tuple[str, Tensor]]], None]
 """Copies the given tensors into the live model in place. Called once per bucket; the tensors are views of a
 receive buffer that is reused afterwards, so copy them, never keep references."""
@@ -30,9 +32,19 @@ class WeightTransferError(RuntimeError):
         super().__init__(f"{message} [{detail}]" if detail else message)
 
 
+class WeightsDiffer(WeightTransferError):
+    """Every engine acknowledged, but one or more serve other bits than the learner sent (`check.differ`)."""
+
+    def __init__(self, message: str, check: FingerprintCheck) -> None:
+        self.check = check
+        super().__init__(message, {engine: f"serves other bits in {', '.join(names[:3])}"
+                                   for engine, names in check.differ.items()})
+
+
 @dataclass(frozen=True)
 class TransferReport:
-    """What one successful transfer moved, and how fast (bytes per receiver, wall time to the last ack)."""
+    """What one successful transfer moved, and how fast (bytes per receiver, wall time to the last ack), and
+    whether the engines serve what was sent (None: not asked for, or a mechanism that cannot tell)."""
 
     version: int
     receivers: tuple[str, ...]
@@ -40,6 +52,7 @@ class TransferReport:
     num_buckets: int
     num_bytes: int
     seconds: float
+    fingerprints: FingerprintCheck | None = None
 
 
 def require_usable(group: object, broken: str | None, what: str) -> None:
@@ -103,8 +116,12 @@ class WeightSender(ABC):
         *,
         dtype: torch.dtype | None = None,
         timeout_s: float | None = None,
+        fingerprint: bool = False,
     ) -> TransferReport:
         """Broadcast `named_tensors` (cast to `dtype` if given) and commit `version` once all receivers acked.
+
+        `fingerprint`: check that every engine serves what was sent (`fingerprint.py`); a mechanism that cannot
+        leaves `TransferReport.fingerprints` None, and the learner records the push as not checked.
 
         `named_tensors` may be a generator (the learner's holds its ranks' lock until exhausted or closed): it is
         iterated once, and its tensors are read, never modified.

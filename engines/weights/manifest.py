@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.weights.fingerprint import ALGORITHMS
+
 # Byte offsets inside a bucket are multiples of this, so every slice can be viewed as any dtype in place.
 ALIGNMENT = 64
 MANIFEST_FORMAT = 1
@@ -65,6 +67,7 @@ class Manifest:
     bucket_bytes: int
     direct_bytes: int
     tensors: tuple[TensorSpec, ...]
+    fingerprint: str | None = None  # the algorithm both ends fingerprint the tensors with (`fingerprint.py`), if any
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +87,7 @@ class Manifest:
                 "bucket_bytes": self.bucket_bytes,
                 "direct_bytes": self.direct_bytes,
                 "tensors": [[s.name, _DTYPE_NAMES[s.dtype], list(s.shape)] for s in self.tensors],
+                "fingerprint": self.fingerprint,
             },
             separators=(",", ":"),
         ).encode()
@@ -106,6 +110,9 @@ class Manifest:
                 raise ValueError(f"weight manifest: {key} must be a positive integer, got {value!r}")
         if not isinstance(entries, list):
             raise ValueError("weight manifest: 'tensors' must be a list")
+        fingerprint = raw.get("fingerprint")
+        if fingerprint is not None and fingerprint not in ALGORITHMS:
+            raise ValueError(f"weight manifest: fingerprint must be one of {ALGORITHMS} or null, got {fingerprint!r}")
         specs = []
         for index, entry in enumerate(entries):
             if (
@@ -118,7 +125,8 @@ class Manifest:
             ):
                 raise ValueError(f"weight manifest: tensor entry {index} malformed: {str(entry)[:120]!r}")
             specs.append(TensorSpec(entry[0], DTYPES[entry[1]], tuple(entry[2])))
-        return cls(version=version, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, tensors=tuple(specs))
+        return cls(version=version, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, tensors=tuple(specs),
+                   fingerprint=fingerprint)
 
 
 def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int, direct_bytes: int) -> list[Bucket]:

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.weights import group as groups
-from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
+from engines.weights.base import TransferReport, WeightsDiffer, WeightSender, WeightTransferError, require_usable
+from engines.weights.fingerprint import Fingerprints, ServedPrints, algorithm_for, check_served
 from engines.weights.manifest import Bucket, Manifest, tensor_view
 from engines.weights.stream import SourceBroke, specified, wire_specs
 
@@ -167,8 +168,12 @@ class TorchDistributedWeightSender(WeightSender):
             raise self._give_up(keys, None, f"weight-transfer group generation {spec.generation} not formed")
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
-             timeout_s: float | None = None) -> TransferReport:
+             timeout_s: float | None = None, fingerprint: bool = False) -> TransferReport:
         """Broadcast the tensors (floating ones cast to `dtype` on the way, if given) and commit `version`.
+
+        `fingerprint`: each tensor is fingerprinted as it goes out (`fingerprint.py`), each engine fingerprints
+        what it serves once loaded, and the version is committed only if they agree: otherwise `WeightsDiffer`
+        names the engines and tensors. The report says which engines could not be checked.
 
         `timeout_s` (default: the sender's) bounds the wait for every receiver to be ready and to acknowledge.
         The tensors are read, never modified or retained; they must not change until this returns.
@@ -187,8 +192,10 @@ class TorchDistributedWeightSender(WeightSender):
         require_usable(self._group, self._broken, f"weight-transfer group generation {spec.generation}")
         started = time.perf_counter()
         tensors = specified(named_tensors)
+        algorithm = algorithm_for(self._device) if fingerprint else None
         manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.direct_bytes,
-                            tensors=wire_specs(tensors.specs, dtype))
+                            tensors=wire_specs(tensors.specs, dtype), fingerprint=algorithm)
+        sent = Fingerprints(algorithm) if algorithm is not None else None
         prefix = f"xfer/{self._sequence}/"
         receivers = spec.receivers
         keys.set(prefix + "manifest", manifest.encode())
@@ -206,7 +213,7 @@ class TorchDistributedWeightSender(WeightSender):
         buckets = manifest.buckets()
         try:
             with groups.single_threaded_copies(self._device):
-                completed = self._broadcast_buckets(iter(tensors), manifest, buckets)
+                completed = self._broadcast_buckets(iter(tensors), manifest, buckets, sent)
         except SourceBroke as error:
             # No receiver is at fault; the ones waiting for the next bucket leave when they see the mark.
             why = f"the learner's tensors broke mid-way: {error}"
@@ -235,10 +242,15 @@ class TorchDistributedWeightSender(WeightSender):
             self._broken = "a receiver did not acknowledge; its collectives may still be pending"
         if failed and self._aborted is not None:  # every ack in: committed, whatever happened since
             raise self._give_up(keys, None, f"weight transfer of version {version} not committed")
+        check = None
+        if sent is not None and not failed:
+            check = check_served(sent.algorithm, sent.values(), self._served_prints(spec, prefix))
         self._clear_keys(keys, prefix, len(spec.members))
         self._sequence += 1
         if failed:
             raise WeightTransferError(f"weight transfer of version {version} not committed", failed)
+        if check is not None and not check.ok:
+            raise WeightsDiffer(f"weight transfer of version {version} not committed: {check.describe()}", check)
         self._committed = version
         return TransferReport(
             version=version,
@@ -247,6 +259,7 @@ class TorchDistributedWeightSender(WeightSender):
             num_buckets=len(buckets),
             num_bytes=manifest.total_bytes,
             seconds=time.perf_counter() - started,
+            fingerprints=check,
         )
 
     def close_group(self) -> None:
@@ -295,7 +308,7 @@ class TorchDistributedWeightSender(WeightSender):
         return self._spec, self._keys
 
     def _broadcast_buckets(self, stream: Iterator[tuple[str, Tensor]], manifest: Manifest,
-                           buckets: list[Bucket]) -> bool:
+                           buckets: list[Bucket], sent: Fingerprints | None = None) -> bool:
         """At most IN_FLIGHT broadcasts outstanding; a packing slot is rewritten only after its last send ended.
         A bucket's tensors are pulled from `stream` once a broadcast slot is free for it, and referenced only
         until its broadcast completed (a lone tensor is sent from its own memory).
@@ -324,6 +337,9 @@ class TorchDistributedWeightSender(WeightSender):
                         tensor_view(payload, offset, manifest.tensors[index]).copy_(tensor)
                 del pulled
                 work = groups.broadcast(self._group, payload)
+                if sent is not None:  # the bytes going out, in the wire dtype, read while the broadcast runs
+                    for index, offset in bucket.entries:
+                        sent.add(manifest.tensors[index].name, tensor_view(payload, offset, manifest.tensors[index]))
                 if slot is not None:
                     slot_work[slot] = work
                 in_flight.append((work, payload))
@@ -377,10 +393,28 @@ class TorchDistributedWeightSender(WeightSender):
         finally:
             self._awaited = {}
 
+    def _served_prints(self, spec: groups.GroupSpec, prefix: str) -> dict[str, ServedPrints | str]:
+        """Each receiver's fingerprints of what it serves, written before its acknowledgement; or why none."""
+        assert self._keys is not None
+        served: dict[str, ServedPrints | str] = {}
+        for rank in range(1, len(spec.members)):
+            key = f"{prefix}prints/{rank}"
+            if not self._keys.check([key]):
+                served[spec.members[rank]] = "its engine cannot fingerprint the weights it serves"
+                continue
+            try:
+                served[spec.members[rank]] = ServedPrints.decode(self._keys.get(key))
+            except ValueError as error:
+                served[spec.members[rank]] = str(error)
+        return served
+
     @staticmethod
     def _clear_keys(keys: dist.PrefixStore, prefix: str, size: int) -> None:
-        for key in ("manifest", "go", *(f"ready/{r}" for r in range(1, size)), *(f"ack/{r}" for r in range(1, size))):
+        for key in ("manifest", "go", *(f"{kind}/{r}" for kind in ("ready", "ack") for r in range(1, size))):
             keys.delete_key(prefix + key)
+        for rank in range(1, size):
+            if keys.check([f"{prefix}prints/{rank}"]):
+                keys.delete_key(f"{prefix}prints/{rank}")
 
 
 def _release(group: object) -> None:

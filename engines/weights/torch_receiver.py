@@ -12,9 +12,12 @@ from torch import Tensor
 
 from engines.weights import group as groups
 from engines.weights.base import LoadFn, WeightReceiver, WeightTransferError
-from engines.weights.manifest import Bucket, Manifest, bucket_views
+from engines.weights.fingerprint import ServedPrints
+from engines.weights.manifest import Bucket, Manifest, TensorSpec, bucket_views
 
 OK, ERROR_PREFIX = groups.OK, groups.ERROR_PREFIX
+FingerprintFn = Callable[[tuple[TensorSpec, ...], str], ServedPrints | None]
+"""The engine's fingerprints of what it serves for the pushed tensors, with the sender's algorithm."""
 
 
 class TorchDistributedWeightReceiver(WeightReceiver):
@@ -101,6 +104,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         *,
         destinations: Mapping[str, Tensor] | None = None,
         finish_fn: Callable[[int], None] | None = None,
+        fingerprint_fn: FingerprintFn | None = None,
     ) -> int:
         """Raises TimeoutError if no transfer starts within `timeout`; WeightTransferError if one fails.
 
@@ -109,6 +113,9 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         `finish_fn(version)`, when given, runs after the last bucket loaded and before the acknowledgement, so
         an engine that puts the version to use only once it has all of it (an adapter loaded from a folder)
         acknowledges "served", not "received"; what it raises is reported like a `load_fn` failure.
+        `fingerprint_fn(specs, algorithm)`, when given and the sender asks for fingerprints, then fingerprints what
+        the engine serves (`fingerprint.py`); they reach the sender before the acknowledgement. Without it the
+        sender reports this engine as one it could not check.
         """
         if self._group is None:
             raise WeightTransferError(f"{self.name}: receiver of generation {self.spec.generation} is closed/broken")
@@ -147,6 +154,9 @@ class TorchDistributedWeightReceiver(WeightReceiver):
                 finish_fn(manifest.version)
             except Exception as error:  # reported in the ack, like a load_fn failure; the group stays usable
                 load_error = f"{type(error).__name__}: {error}"
+        served = _served(fingerprint_fn, manifest) if load_error is None and fingerprint_fn is not None else None
+        if served is not None:
+            self._keys.set(f"{prefix}prints/{self.rank}", served.encode())
         ack = OK if load_error is None else ERROR_PREFIX + f" load_fn failed: {load_error}".encode()
         self._keys.set(f"{prefix}ack/{self.rank}", ack)
         self._sequence += 1
@@ -231,3 +241,15 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         if destination is None or tuple(destination.shape) != spec.shape:
             return None
         return groups.own_bytes(destination, spec.dtype, self._device)
+
+
+def _served(fingerprint_fn: FingerprintFn, manifest: Manifest) -> ServedPrints | None:
+    """The engine's fingerprints (None: not asked for, or an engine that cannot tell); if fingerprinting fails,
+    every tensor unchecked with the reason: the weights did load, so this is a verdict, not a failed transfer."""
+    if manifest.fingerprint is None:
+        return None
+    try:
+        return fingerprint_fn(manifest.tensors, manifest.fingerprint)
+    except Exception as error:
+        reason = f"fingerprinting failed: {type(error).__name__}: {error}"[:300]
+        return ServedPrints(unchecked={spec.name: reason for spec in manifest.tensors})

@@ -54,3 +54,18 @@ def test_push_memory_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> N
     assert rows["listed"]["held_mb"] == pytest.approx(rows["listed"]["model_mb"], rel=1e-3)
     assert rows["streamed"]["held_mb"] <= rows["listed"]["held_mb"]
     assert all(row["seconds"] > 0 for row in rows.values()) and "vs listed" in completed.stdout
+
+
+@pytest.mark.integration
+def test_fingerprint_benchmark_quick_run_checks_every_push_it_times(tmp_path: Path) -> None:
+    output = tmp_path / "fingerprint.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "tools.bench.fingerprint", "--quick", "--json", str(output)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    figures = json.loads(output.read_text())
+    (row,) = figures["pushes"]
+    assert row["model"] == "tiny" and row["unchecked_s"] > 0 and row["checked_s"] > 0
+    assert {speed["algorithm"] for speed in figures["speeds"]} == {"xxh3", "wsum"}
+    assert "--weight-check" in completed.stdout

@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
+from tools.bench.engine_process import Silent, serve_pushes
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +115,7 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
     spec = sender.open_group(["learner", "engine-0"])
     context = mp.get_context("spawn")
     scaling = adapter.scaling if adapter is not None else None
-    engine = context.Process(target=_engine_main, args=(str(model_path), spec.to_dict(), scaling, repeats + 1),
+    engine = context.Process(target=serve_pushes, args=(str(model_path), spec.to_dict(), scaling, repeats + 1),
                              daemon=True)
     engine.start()
     try:
@@ -157,7 +158,7 @@ async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettin
         client = SglangEngine(server.url, adapters=AdapterServing(adapter.alpha) if adapter is not None else None)
         transport = resolve_transport(SGLANG if adapter is None else SGLANG_LORA)
         sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=300.0))
-        loader = transport.make_loader(client, "engine-0", _Silent())
+        loader = transport.make_loader(client, "engine-0", Silent())
         group = sender.open_group(["learner", "engine-0"]).to_dict()
         try:
             pushes = []
@@ -183,34 +184,6 @@ def _row(label: str, pushes: list[tuple[float, int]]) -> SyncRow:
     median = statistics.median(seconds for seconds, _ in pushes[1:])
     megabytes = pushes[-1][1] / 1e6
     return SyncRow(label, megabytes, median, megabytes / median)
-
-
-def _engine_main(model_path: str, spec: dict[str, Any], scaling: float | None, pushes: int) -> None:
-    """A rollout worker's engine and loader, receiving `pushes` versions."""
-    from engines.inference import TorchEngine
-    from engines.weights.torch_loader import TorchDistributedLoader
-
-    torch.set_num_threads(1)
-
-    async def serve() -> None:
-        engine = TorchEngine.from_pretrained(model_path, lora_scaling=scaling)
-        loader = TorchDistributedLoader(engine, "engine-0", _Silent())
-        try:
-            for version in range(1, pushes + 1):
-                await loader.apply(spec, version, timeout_s=300)
-        finally:
-            loader.close()
-            await engine.close()
-
-    asyncio.run(serve())
-
-
-class _Silent:
-    """The loader's log, without a line per push in the benchmark's output."""
-
-    def info(self, *args: Any, **fields: Any) -> None: ...
-
-    warning = info
 
 
 def print_sync_table(title: str, rows: list[SyncRow]) -> None:

@@ -123,7 +123,7 @@ class VersionOnlySender(WeightSender):
         """Nobody to wait for: no connection is made."""
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
-             timeout_s: float | None = None) -> TransferReport:
+             timeout_s: float | None = None, fingerprint: bool = False) -> TransferReport:
         started = time.monotonic()
         count = sum(1 for _ in named_tensors)
         self._committed = version

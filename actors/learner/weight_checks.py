@@ -1,0 +1,45 @@
+"""The learner's record of what every push's fingerprint check found (`--weight-check`), for the run's certificate.
+
+One JSON line per push attempt in RUN_DIR/metrics/weight_checks.jsonl: the version, the engines that serve
+exactly what was sent, those that serve other bits (with the tensors), those that could not be checked (with the
+reason), or why the push was not checked at all. `actors/runtime/integrity.py` turns the file into a verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TextIO
+
+from engines.weights.fingerprint import FingerprintCheck
+
+FILE = "weight_checks.jsonl"
+
+
+class WeightsCorrupted(RuntimeError):
+    """An engine serves other weights than the learner pushed, under `--weight-check strict`: the run stops."""
+
+
+class WeightCheckLog:
+    def __init__(self, metrics_dir: Path | None) -> None:
+        self._file: TextIO | None = None
+        if metrics_dir is not None:
+            metrics_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(metrics_dir / FILE, "a", buffering=1)  # noqa: SIM115 - kept open for the run
+
+    def checked(self, version: int, check: FingerprintCheck) -> None:
+        self._write({"version": version, "algorithm": check.algorithm, "matched": list(check.matched),
+                     "differ": check.differ, "unchecked": check.unchecked})
+
+    def not_checked(self, version: int, why: str) -> None:
+        self._write({"version": version, "not_checked": why})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _write(self, record: dict[str, object]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"time": time.time(), **record}) + "\n")

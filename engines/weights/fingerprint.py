@@ -1,0 +1,206 @@
+"""Fingerprints of pushed weights: does an engine serve exactly the bits the learner sent?
+
+An acknowledged push says the bytes arrived, not that the engine serves them: a load that skipped a tensor, an
+adapter never merged, a colocated hand-over that restored old weights all acknowledge. So both ends fingerprint
+each tensor, the learner over what it sent and the engine over what it serves after the load, and the learner
+compares (`mismatched`). A fingerprint is an exact function of a tensor's bits in the dtype it travelled in,
+with its dtype and shape: an engine that keeps a wider copy (float32 weights fed bfloat16) casts back to the wire
+dtype first, which is exact; one that keeps a narrower copy cannot be compared and says so.
+
+Two algorithms, one per kind of device, so neither end copies weights to another device to fingerprint them:
+- ``xxh3`` for CPU tensors: xxHash's XXH3-64 over the raw bytes (gigabytes per second, zero copy);
+- ``wsum`` for CUDA tensors: the 16-bit words of the tensor weighted by a fixed pseudo-random sequence and summed
+  modulo 2^31 - 1, chunk by chunk, all on the device; the host reads one number per tensor, all at once.
+Both are exact integer arithmetic, so the learner and the engine agree whatever their summation order. Either
+runs on either device (slower there), so a learner and an engine on different kinds still compare.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+ALGORITHMS = ("xxh3", "wsum")
+CHUNK_WORDS = 1 << 20  # 8 MiB of int64 at a time on the device
+_MODULUS = (1 << 31) - 1
+_CHUNK_MIX = 1_000_003
+_weights_cache: dict[torch.device, Tensor] = {}
+
+
+def algorithm_for(device: torch.device | str) -> str:
+    """The algorithm that fingerprints tensors on `device` without moving them."""
+    return "wsum" if torch.device(device).type == "cuda" else "xxh3"
+
+
+def comparable_dtype(wire: torch.dtype, served: torch.dtype) -> bool:
+    """Whether an engine serving `served` can reproduce the `wire` bits: the same dtype, or a wider float."""
+    if wire == served:
+        return True
+    if not (wire.is_floating_point and served.is_floating_point):
+        return False
+    wire_info, served_info = torch.finfo(wire), torch.finfo(served)
+    return served_info.bits > wire_info.bits and served_info.eps <= wire_info.eps and served_info.max >= wire_info.max
+
+
+class Fingerprints:
+    """Fingerprints of named tensors, gathered one by one, read at the end: on a GPU, one host sync in all."""
+
+    def __init__(self, algorithm: str) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"fingerprint algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
+        self._ready: dict[str, int] = {}
+        self._on_device: dict[str, Tensor] = {}
+
+    def add(self, name: str, tensor: Tensor, dtype: torch.dtype | None = None) -> None:
+        """Fingerprint `tensor` as `dtype` (default: its own) under `name`."""
+        tensor = tensor.detach()
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        if self.algorithm == "xxh3":
+            self._ready[name] = _xxh3(tensor)
+        else:
+            self._on_device[name] = _wsum(tensor)
+
+    def values(self) -> dict[str, int]:
+        if self._on_device:
+            names = list(self._on_device)
+            read = torch.stack([self._on_device[name].to("cpu") for name in names]).tolist()
+            self._ready.update(zip(names, read, strict=True))
+            self._on_device.clear()
+        return dict(self._ready)
+
+
+def fingerprint(tensor: Tensor, algorithm: str, dtype: torch.dtype | None = None) -> int:
+    prints = Fingerprints(algorithm)
+    prints.add("", tensor, dtype)
+    return prints.values()[""]
+
+
+def fingerprint_all(named: Iterable[tuple[str, Tensor]], algorithm: str) -> dict[str, int]:
+    prints = Fingerprints(algorithm)
+    for name, tensor in named:
+        prints.add(name, tensor)
+    return prints.values()
+
+
+def mismatched(sent: Mapping[str, int], served: Mapping[str, int]) -> list[str]:
+    """The names whose fingerprints differ, or that the engine did not fingerprint, in the order sent."""
+    return [name for name, value in sent.items() if served.get(name) != value]
+
+
+@dataclass
+class ServedPrints:
+    """An engine's answer after a load: the fingerprint of what it serves for each tensor it could fingerprint, and
+    why not for the others (a narrower dtype than the wire's, a tensor it does not hold as sent)."""
+
+    prints: dict[str, int] = field(default_factory=dict)
+    unchecked: dict[str, str] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps({"prints": self.prints, "unchecked": self.unchecked}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> ServedPrints:
+        try:
+            raw = json.loads(data)
+            prints, unchecked = raw["prints"], raw["unchecked"]
+            if not (all(isinstance(v, int) for v in prints.values()) and all(isinstance(v, str) for v in
+                                                                               unchecked.values())):
+                raise TypeError("values of the wrong type")
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"served fingerprints: unreadable ({error}): {data[:80]!r}") from error
+        return cls(dict(prints), dict(unchecked))
+
+
+@dataclass(frozen=True)
+class FingerprintCheck:
+    """One push's verdict, engine by engine: which engines serve exactly what was sent, which serve other bits
+    (and in which tensors), and which could not be checked (and why)."""
+
+    algorithm: str
+    matched: tuple[str, ...] = ()
+    differ: dict[str, list[str]] = field(default_factory=dict)
+    unchecked: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differ
+
+    def describe(self) -> str:
+        parts = [f"{engine} serves other bits in {_some(names)}" for engine, names in self.differ.items()]
+        parts += [f"{engine} unchecked: {why}" for engine, why in self.unchecked.items()]
+        return "; ".join(parts) or f"{len(self.matched)} engine(s) serve exactly the weights sent"
+
+
+def check_served(algorithm: str, sent: Mapping[str, int],
+                 served: Mapping[str, ServedPrints | str]) -> FingerprintCheck:
+    """Compare what each engine serves (its `ServedPrints`, or why it sent none) with what was sent."""
+    matched: list[str] = []
+    differ: dict[str, list[str]] = {}
+    unchecked: dict[str, str] = {}
+    for engine, answer in served.items():
+        if isinstance(answer, str):
+            unchecked[engine] = answer
+            continue
+        wrong = [name for name in mismatched(sent, answer.prints) if name not in answer.unchecked]
+        if wrong:
+            differ[engine] = wrong
+        elif answer.unchecked:
+            unchecked[engine] = f"{len(answer.unchecked)} tensor(s) not comparable, e.g. " + _some(
+                [f"{name} ({why})" for name, why in answer.unchecked.items()])
+        else:
+            matched.append(engine)
+    return FingerprintCheck(algorithm, tuple(matched), differ, unchecked)
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _header(tensor: Tensor) -> bytes:
+    return f"{tensor.dtype}{tuple(tensor.shape)}".encode()
+
+
+def _xxh3(tensor: Tensor) -> int:
+    import xxhash  # here: a GPU machine fingerprinting on the device needs only torch
+
+    digest = xxhash.xxh3_64(_header(tensor))
+    if tensor.numel():
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        digest.update(memoryview(flat.numpy()))
+    return digest.intdigest() & 0x7FFF_FFFF_FFFF_FFFF  # fits msgpack's int64, like wsum's
+
+
+def _position_weights(device: torch.device) -> Tensor:
+    """A fixed sequence of odd multipliers below 2^24 + 1: every 16-bit word at a position counts differently."""
+    weights = _weights_cache.get(device)
+    if weights is None:
+        positions = torch.arange(CHUNK_WORDS, dtype=torch.int64, device=device)
+        weights = _weights_cache[device] = (positions * 2654435761) % (1 << 24) | 1
+    return weights
+
+
+def _wsum(tensor: Tensor) -> Tensor:
+    """A device scalar: sum over chunks of (words · weights) mod p, folded chunk by chunk; words < 2^16 and weights
+    < 2^24 + 1 keep every partial sum of a chunk below 2^61, so int64 never overflows."""
+    header = zlib.crc32(_header(tensor)) % _MODULUS
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    words = flat.view(torch.int16)
+    weights = _position_weights(words.device)
+    total = torch.tensor(header, dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), CHUNK_WORDS):
+        chunk = words[start:start + CHUNK_WORDS].to(torch.int64) & 0xFFFF
+        partial = (chunk * weights[:chunk.numel()]).sum() % _MODULUS
+        total = (total * _CHUNK_MIX + partial) % _MODULUS
+    return total

@@ -1,0 +1,70 @@
+"""The integrity certificate from the learner's push records: pass, fail with its culprits, partial with its
+reasons, not run with why; written as RUN_DIR/integrity.json and told in summary lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.learner.weight_checks import WeightCheckLog
+from actors.runtime.integrity import FILE, certify, describe, write_certificate
+from engines.weights.fingerprint import FingerprintCheck
+
+pytestmark = pytest.mark.unit
+
+
+def _log(run_dir: Path) -> WeightCheckLog:
+    return WeightCheckLog(run_dir / "metrics")
+
+
+def test_a_run_whose_every_push_matched_passes(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    for version in range(3):
+        log.checked(version, FingerprintCheck("xxh3", matched=("rollout-0-0", "rollout-0-1")))
+    log.close()
+    certificate = write_certificate(tmp_path)
+    assert json.loads((tmp_path / FILE).read_text()) == certificate
+    assert certificate["ok"] and certificate["checks"]["weights"] == {
+        "verdict": "pass", "pushes": 3, "engine_checks_matched": 6, "served_differently": 0, "unchecked": 0}
+    assert describe(certificate)[0] == "integrity: OK"
+
+
+def test_an_engine_that_served_other_bits_fails_the_run_even_once_repaired(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.checked(1, FingerprintCheck("xxh3", matched=("rollout-0-0",), differ={"rollout-0-1": ["lm_head.weight"]}))
+    log.checked(1, FingerprintCheck("xxh3", matched=("rollout-0-0", "rollout-0-1")))  # the repush matched
+    log.close()
+    certificate = certify(tmp_path)
+    weights = certificate["checks"]["weights"]
+    assert not certificate["ok"] and weights["verdict"] == "fail"
+    assert weights["culprits"] == [{"version": 1, "engine": "rollout-0-1", "tensors": ["lm_head.weight"]}]
+    assert "    version 1: rollout-0-1 serves other bits in lm_head.weight" in describe(certificate)
+
+
+def test_pushes_or_engines_that_could_not_be_checked_make_it_partial_with_the_reason(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.checked(0, FingerprintCheck("xxh3", matched=("a",), unchecked={"b": "its engine cannot fingerprint"}))
+    log.not_checked(1, "the sglang weight transport cannot fingerprint")
+    log.close()
+    certificate = certify(tmp_path)
+    weights = certificate["checks"]["weights"]
+    assert certificate["ok"] and weights["verdict"] == "partial"
+    assert weights["unchecked_why"] == ["version 0: b: its engine cannot fingerprint",
+                                        "version 1: the sglang weight transport cannot fingerprint"]
+
+
+def test_a_run_without_records_says_the_check_did_not_run_and_why(tmp_path: Path) -> None:
+    certificate = certify(tmp_path)
+    assert certificate["ok"] and certificate["checks"]["weights"]["verdict"] == "not run"
+    assert "--weight-check off" in describe(certificate)[1]
+
+
+def test_a_record_torn_by_a_kill_is_skipped_not_fatal(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.checked(0, FingerprintCheck("xxh3", matched=("a",)))
+    log.close()
+    with open(tmp_path / "metrics" / "weight_checks.jsonl", "a") as file:
+        file.write('{"version": 1, "matc')
+    assert certify(tmp_path)["checks"]["weights"]["pushes"] == 1

@@ -1,0 +1,260 @@
+"""Weight fingerprints: exact, position- and dtype-aware prints on both devices' algorithms, and real pushes over
+gloo into a torch engine that either serve what was sent (the push commits) or not (the push fails naming the
+engine and the tensor): a tensor altered after its load, an adapter never merged, an engine that cannot tell."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from engines.inference.lora_merge import AdapterMerger
+from engines.inference.torch_engine import TorchEngine
+from engines.weights import fingerprint as fp
+from engines.weights.base import TransferReport, WeightsDiffer
+from engines.weights.fingerprint import (
+    ALGORITHMS,
+    FingerprintCheck,
+    ServedPrints,
+    check_served,
+    comparable_dtype,
+    fingerprint,
+)
+from engines.weights.manifest import Manifest, TensorSpec
+from engines.weights.transport import SenderOptions, resolve_transport
+
+
+# ------------------------------------------------------------------------------------------------ the prints
+@pytest.mark.unit
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])
+def test_a_print_is_a_function_of_the_bits_and_one_flipped_bit_changes_it(algorithm: str, dtype: torch.dtype) -> None:
+    values = torch.randn(7, 13, generator=torch.Generator().manual_seed(0)) * 50
+    tensor = values.to(dtype)
+    assert fingerprint(tensor, algorithm) == fingerprint(tensor.clone(), algorithm)
+    assert fingerprint(tensor, algorithm) == fingerprint(tensor.t().contiguous().t(), algorithm)  # layout aside
+    flipped = tensor.clone()
+    flipped.view(-1).view(torch.uint8)[5] ^= 1  # one bit of one element
+    assert fingerprint(flipped, algorithm) != fingerprint(tensor, algorithm)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_print_sees_where_each_value_is_and_what_shape_and_dtype_hold_it(algorithm: str) -> None:
+    tensor = torch.arange(12, dtype=torch.float32)
+    swapped = tensor.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert fingerprint(swapped, algorithm) != fingerprint(tensor, algorithm)
+    assert fingerprint(tensor.view(3, 4), algorithm) != fingerprint(tensor.view(4, 3), algorithm)
+    assert fingerprint(tensor.view(torch.int32), algorithm) != fingerprint(tensor, algorithm)
+    assert fingerprint(torch.empty(0), algorithm) != fingerprint(torch.empty(0, 3), algorithm)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_wider_copy_of_pushed_values_prints_as_the_pushed_ones_in_the_wire_dtype(algorithm: str) -> None:
+    sent = torch.randn(300, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    served = sent.to(torch.float32)  # an engine keeping float32 weights fed bfloat16 ones
+    assert fingerprint(served, algorithm, dtype=torch.bfloat16) == fingerprint(sent, algorithm)
+    assert fingerprint(served, algorithm) != fingerprint(sent, algorithm)
+
+
+@pytest.mark.unit
+def test_the_device_sum_folds_every_chunk_and_a_change_in_the_last_one_shows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp, "CHUNK_WORDS", 64)
+    monkeypatch.setattr(fp, "_weights_cache", {})
+    tensor = torch.randn(1000, generator=torch.Generator().manual_seed(2))  # 2,000 words: 32 chunks
+    changed = tensor.clone()
+    changed[-1] += 1.0
+    assert fingerprint(changed, "wsum") != fingerprint(tensor, "wsum")
+    halves = [tensor[:500], tensor[500:]]  # the same words split differently are a different tensor
+    assert fingerprint(torch.cat(halves), "wsum") == fingerprint(tensor, "wsum")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("wire", "served", "comparable"), [
+    (torch.bfloat16, torch.bfloat16, True),
+    (torch.bfloat16, torch.float32, True),
+    (torch.float16, torch.float32, True),
+    (torch.float32, torch.bfloat16, False),  # the engine rounded what it received
+    (torch.float16, torch.bfloat16, False),  # neither holds the other
+    (torch.int64, torch.int32, False),
+])
+def test_an_engine_can_reproduce_the_wire_bits_only_from_the_same_or_a_wider_float(
+        wire: torch.dtype, served: torch.dtype, comparable: bool) -> None:
+    assert comparable_dtype(wire, served) is comparable
+
+
+@pytest.mark.unit
+def test_an_unknown_algorithm_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"fingerprint algorithm: expected one of .*'md5'"):
+        fingerprint(torch.zeros(1), "md5")
+
+
+@pytest.mark.unit
+def test_served_prints_travel_as_json_and_unreadable_ones_are_named() -> None:
+    prints = ServedPrints({"a": 1, "b": 2**62}, {"c": "served as torch.bfloat16, sent as torch.float32"})
+    assert ServedPrints.decode(prints.encode()) == prints
+    with pytest.raises(ValueError, match="served fingerprints: unreadable"):
+        ServedPrints.decode(b'{"prints": {"a": "x"}, "unchecked": {}}')
+
+
+@pytest.mark.unit
+def test_each_engine_is_matched_differing_in_named_tensors_or_unchecked_with_the_reason() -> None:
+    sent = {"a": 1, "b": 2, "c": 3}
+    check = check_served("xxh3", sent, {
+        "good": ServedPrints({"a": 1, "b": 2, "c": 3}),
+        "bad": ServedPrints({"a": 1, "b": 9}),  # c absent: not served as sent either
+        "narrow": ServedPrints({"a": 1, "b": 2}, {"c": "served as torch.bfloat16, sent as torch.float32"}),
+        "plugin": "its engine cannot fingerprint the weights it serves",
+    })
+    assert check.matched == ("good",) and check.differ == {"bad": ["b", "c"]} and not check.ok
+    assert set(check.unchecked) == {"narrow", "plugin"} and "c (served as torch.bfloat16" in check.unchecked["narrow"]
+    assert "bad serves other bits in b, c" in check.describe()
+
+
+@pytest.mark.unit
+def test_the_manifest_carries_the_algorithm_and_refuses_one_it_does_not_know() -> None:
+    manifest = Manifest(version=3, bucket_bytes=64, direct_bytes=64,
+                        tensors=(TensorSpec("w", torch.float32, (2,)),), fingerprint="xxh3")
+    assert Manifest.decode(manifest.encode()) == manifest
+    bad = manifest.encode().replace(b'"xxh3"', b'"crc"')
+    with pytest.raises(ValueError, match="weight manifest: fingerprint must be one of"):
+        Manifest.decode(bad)
+
+
+# ------------------------------------------------------------------------------- real pushes into an engine
+def _perturbed(model: torch.nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(name, (tensor.detach() + torch.randn(tensor.shape, generator=generator) * 0.05).to(dtype))
+            for name, tensor in model.named_parameters()]
+
+
+async def _push(engine: TorchEngine, pushed: list[tuple[str, Tensor]], *, version: int = 7,
+                dtype: torch.dtype | None = None, backend: str = "gloo",
+                ) -> tuple[TransferReport | WeightsDiffer, int | None]:
+    """One fingerprinted push from this process to `engine`: the report (or the error) and what the sender then
+    holds as committed."""
+    transport = resolve_transport("torch_distributed")
+    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend=backend, timeout_s=30.0))
+    loader = transport.make_loader(engine, "rollout-0", structlog.get_logger())
+    try:
+        group = sender.open_group(["learner", "rollout-0"]).to_dict()
+        loading = asyncio.create_task(loader.apply(group, version, 30.0))
+        await asyncio.to_thread(sender.wait_for_receivers)
+        try:
+            outcome: TransferReport | WeightsDiffer = await asyncio.to_thread(
+                sender.send, iter(pushed), version, dtype=dtype, fingerprint=True)
+        except WeightsDiffer as differ:
+            outcome = differ
+        await loading
+        return outcome, sender.committed_version
+    finally:
+        loader.close()
+        sender.close()
+
+
+def _after_load(engine: TorchEngine, sabotage: Callable[[], None]) -> None:
+    """Run `sabotage` on the engine's thread right after each load: what a buggy load path would leave."""
+    load = engine._load_weights
+
+    def load_then_sabotage(named: Iterator[tuple[str, Tensor]], version: int) -> None:
+        load(named, version)
+        sabotage()
+
+    engine._load_weights = load_then_sabotage  # type: ignore[method-assign]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+async def test_a_push_the_engine_serves_as_sent_commits_with_every_engine_matched(
+        tiny_model_path: Path, backend: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    async with TorchEngine(model, None) as engine:
+        report, committed = await _push(engine, _perturbed(model, seed=3), dtype=torch.bfloat16, backend=backend)
+    assert isinstance(report, TransferReport) and committed == 7
+    assert report.fingerprints == FingerprintCheck("xxh3", matched=("rollout-0",))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+async def test_a_tensor_altered_after_its_load_fails_the_push_naming_engine_and_tensor(
+        tiny_model_path: Path, backend: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    target = "model.layers.0.mlp.down_proj.weight"
+    async with TorchEngine(model, None) as engine:
+        _after_load(engine, lambda: model.get_parameter(target).data[0, 0].add_(1e-3))
+        outcome, committed = await _push(engine, _perturbed(model, seed=4), backend=backend)
+    assert isinstance(outcome, WeightsDiffer) and committed is None
+    assert outcome.check.differ == {"rollout-0": [target]}
+    assert outcome.failed == {"rollout-0": f"serves other bits in {target}"}
+
+
+@pytest.mark.integration
+async def test_an_engine_that_rounded_what_it_received_is_reported_unchecked_not_wrong(tiny_model_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    async with TorchEngine(model, None) as engine:
+        report, committed = await _push(engine, _perturbed(model, seed=5, dtype=torch.float32))
+    assert isinstance(report, TransferReport) and committed == 7 and report.fingerprints is not None
+    assert report.fingerprints.matched == () and "sent as torch.float32" in report.fingerprints.unchecked["rollout-0"]
+
+
+class _PluginEngine(TorchEngine):
+    """An engine written without fingerprints, as a plugin engine may be: the base class's answer."""
+
+    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints | None:
+        return None
+
+
+@pytest.mark.integration
+async def test_an_engine_that_cannot_fingerprint_is_named_as_unchecked(tiny_model_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    async with _PluginEngine(model, None) as engine:
+        report, committed = await _push(engine, _perturbed(model, seed=6))
+    assert isinstance(report, TransferReport) and committed == 7 and report.fingerprints is not None
+    assert report.fingerprints.unchecked == {"rollout-0": "its engine cannot fingerprint the weights it serves"}
+
+
+def _adapter(model: torch.nn.Module, seed: int, rank: int = 4) -> list[tuple[str, Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    factors = []
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"):
+        out_features, in_features = model.get_parameter(f"{module}.weight").shape
+        factors += [(f"{module}.lora_A.weight", torch.randn(rank, in_features, generator=generator) * 0.1),
+                    (f"{module}.lora_B.weight", torch.randn(out_features, rank, generator=generator) * 0.1)]
+    return factors
+
+
+@pytest.mark.integration
+async def test_an_adapter_merged_as_sent_commits(tiny_model_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    async with TorchEngine(model, None, lora_scaling=2.0) as engine:
+        report, committed = await _push(engine, _adapter(model, seed=7))
+    assert isinstance(report, TransferReport) and committed == 7
+    assert report.fingerprints is not None and report.fingerprints.matched == ("rollout-0",)
+
+
+@pytest.mark.integration
+async def test_an_adapter_received_but_never_merged_fails_the_push_naming_its_factors(
+        tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    merge = AdapterMerger._merge
+
+    def merge_all_but_up_proj(merger: AdapterMerger, module: str) -> None:
+        if module.endswith("up_proj"):
+            merger._bases.setdefault(module, merger._parameters[f"{module}.weight"].detach().clone())
+            return  # the bug: the factors are stored, the layer keeps its old weight
+        merge(merger, module)
+
+    monkeypatch.setattr(AdapterMerger, "_merge", merge_all_but_up_proj)
+    async with TorchEngine(model, None, lora_scaling=2.0) as engine:
+        outcome, committed = await _push(engine, _adapter(model, seed=8))
+    assert isinstance(outcome, WeightsDiffer) and committed is None
+    assert outcome.check.differ == {"rollout-0": ["model.layers.0.mlp.up_proj.lora_A.weight",
+                                                  "model.layers.0.mlp.up_proj.lora_B.weight"]}

@@ -1,0 +1,137 @@
+"""What checking every push costs (`--weight-check`): a push with fingerprints against the same push without.
+
+    python -m tools.bench.fingerprint                # the demo's adapter, SmolLM2 whole, the Qwen2.5-0.5B shape
+    python -m tools.bench.fingerprint --quick        # the tiny model only (CI: tests/engines/test_weights_bench.py)
+    python -m tools.bench.fingerprint --json out.json
+
+Each row pushes a trainer's weights from this process to a torch engine in its own process over gloo, as a CPU
+run does, alternating checked and unchecked pushes so both meet the same machine; the baseline is the unchecked
+push, measured in the same run. The check's cost is the sender fingerprinting what it sends plus the engine
+fingerprinting what it serves before it acknowledges. Target: at most 2% of the push time. A second table gives
+each algorithm's own speed on this machine (XXH3 over the bytes on a CPU; the device sum is what a GPU uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engines.training.lora import LoraSettings
+from engines.weights.fingerprint import ALGORITHMS, fingerprint_all
+from tools.bench.engine_process import serve_pushes
+from tools.bench.models import bench_model
+
+ROWS = (("tiny", None), ("smollm2", 16), ("smollm2", None), ("qwen2.5-0.5b", None))  # (model, LoRA rank or None)
+QUICK_ROWS = (("tiny", None),)
+TARGET = 0.02
+
+
+@dataclass
+class PushRow:
+    model: str
+    update: str
+    megabytes: float
+    tensors: int
+    unchecked_s: float
+    checked_s: float
+
+    @property
+    def overhead(self) -> float:
+        return self.checked_s / self.unchecked_s - 1.0
+
+
+@dataclass
+class SpeedRow:
+    algorithm: str
+    megabytes: float
+    seconds: float
+
+
+def push_row(model: str, rank: int | None, repeats: int) -> PushRow:
+    from engines.training import TorchTrainer, TorchTrainerConfig
+    from engines.weights import TorchDistributedWeightSender
+
+    path = bench_model(model)
+    adapter = LoraSettings(rank=rank, alpha=2.0 * rank) if rank is not None else None
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=path, check_packing=False, lora=adapter))
+    sender = TorchDistributedWeightSender(timeout_s=600)
+    spec = sender.open_group(["learner", "engine-0"])
+    pushes = 2 * repeats + 1
+    engine = mp.get_context("spawn").Process(
+        target=serve_pushes, args=(str(path), spec.to_dict(), adapter.scaling if adapter else None, pushes),
+        daemon=True)
+    engine.start()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        sender.wait_for_receivers()
+        report = sender.send(trainer.named_tensors(), version=1, fingerprint=True)  # warm-up, untimed
+        assert report.fingerprints is not None and report.fingerprints.ok, report.fingerprints
+        for version in range(2, pushes + 1):
+            checked = version % 2 == 0
+            started = time.perf_counter()
+            report = sender.send(trainer.named_tensors(), version=version, fingerprint=checked)
+            times[checked].append(time.perf_counter() - started)
+            if checked:
+                assert report.fingerprints is not None and report.fingerprints.matched == ("engine-0",)
+    finally:
+        engine.join(timeout=300)
+        sender.close()
+        trainer.close()
+    return PushRow(model, f"LoRA rank {rank}" if rank else "full weights", report.num_bytes / 1e6,
+                   report.num_tensors, statistics.median(times[False]), statistics.median(times[True]))
+
+
+def speed_rows(megabytes: int) -> list[SpeedRow]:
+    tensors = [("w", torch.randn(megabytes * (1 << 20) // 4))]
+    rows = []
+    for algorithm in ALGORITHMS:
+        fingerprint_all(tensors, algorithm)  # warm-up: the device sum's position weights
+        started = time.perf_counter()
+        fingerprint_all(tensors, algorithm)
+        rows.append(SpeedRow(algorithm, float(megabytes), time.perf_counter() - started))
+    return rows
+
+
+def print_tables(pushes: list[PushRow], speeds: list[SpeedRow]) -> None:
+    print(f"weight push with and without --weight-check (gloo, one engine; target <= {TARGET:.0%} of the push)")
+    print(f"{'model':<14}{'update':<16}{'MB':>8}{'tensors':>9}{'unchecked s':>13}{'checked s':>11}{'cost':>8}")
+    for row in pushes:
+        print(f"{row.model:<14}{row.update:<16}{row.megabytes:>8.1f}{row.tensors:>9}{row.unchecked_s:>13.3f}"
+              f"{row.checked_s:>11.3f}{row.overhead:>+8.1%}")
+    print("\nfingerprint speed on this machine's CPU, one tensor")
+    print(f"{'algorithm':<12}{'MB':>8}{'seconds':>10}{'GB/s':>8}")
+    for speed in speeds:
+        print(f"{speed.algorithm:<12}{speed.megabytes:>8.0f}{speed.seconds:>10.3f}"
+              f"{speed.megabytes / 1024 / speed.seconds:>8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the tiny model only, 2 repeats")
+    parser.add_argument("--repeats", type=int, default=5, help="checked and unchecked pushes per row")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (the engine has 1)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    repeats = 2 if args.quick else args.repeats
+    pushes = [push_row(model, rank, repeats) for model, rank in (QUICK_ROWS if args.quick else ROWS)]
+    speeds = speed_rows(16 if args.quick else 256)
+    print_tables(pushes, speeds)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"pushes": [{**asdict(r), "overhead": r.overhead} for r in pushes],
+                                         "speeds": [asdict(s) for s in speeds]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
