@@ -397,9 +397,10 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     if progress is not None:
         await progress
     if runs_learner:
+        from actors.buffer.accounting import prompt_verdict
         from actors.runtime.run_report import certify_run, report_run
 
-        certify_run(run_dir)
+        certify_run(run_dir, prompts=prompt_verdict)
         if contexts[0].settings.run.logging.plots:
             report_run(run_dir)
     return code

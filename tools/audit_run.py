@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from actors.buffer.accounting import prompt_verdict
 from actors.buffer.log import BufferLog, archived_logs
 from actors.runtime.integrity import certify, describe
 from bus.codec import decode
@@ -214,7 +215,7 @@ def main() -> None:
           f"{result.newer_token_samples}")
     for problem in result.problems:
         print(f"PROBLEM: {problem}")
-    certificate = certify(run_dir)
+    certificate = certify(run_dir, prompts=prompt_verdict(run_dir))
     print("\n".join(describe(certificate)))
     ok = result.ok and certificate["ok"]
     print("audit: OK" if ok else "audit: FAILED")

@@ -227,11 +227,13 @@ def smollm2_demo(args: argparse.Namespace) -> None:
 
 def _accuracy(row: dict, brief: bool) -> str:
     """Accuracy (the right number in an ended answer, whatever the words) with its standard error, and with `brief`
-    how often the answer was just the number."""
+    how often the answer was the bare number and nothing else (the reward does not ask for it: "47 + 8 = 55" is
+    right)."""
     accuracy, count = row["eval/heldout/reward/correct"], SMOLLM2_EVAL_PROMPTS
     error = (accuracy * (1 - accuracy) / count) ** 0.5
     form = row.get("eval/heldout/reward/format_ok")
-    return f"{accuracy:6.1%} ± {error:.1%}" + ("" if form is None or not brief else f"  (just the number: {form:.0%})")
+    bare = "" if form is None or not brief else f"  (answers that are the bare number: {form:.0%})"
+    return f"{accuracy:6.1%} ± {error:.1%}" + bare
 
 
 def tiny_demo(args: argparse.Namespace) -> None:

@@ -361,13 +361,14 @@ class BufferCore:
         for group_id, scored in list(self.pool.items()):
             if group_id not in self.version_ranges:
                 self.version_ranges[group_id] = version_range(sample.token_versions for sample in scored.samples)
-            if staleness_of_range(trains_at, self.version_ranges[group_id]) > self.admission.max_staleness:
+            staleness = staleness_of_range(trains_at, self.version_ranges[group_id])
+            if staleness > self.admission.max_staleness:
                 del self.pool[group_id]
                 group = self.prompt_groups[group_id]
                 self.reissue.append(group)
                 self.stats.dropped["stale_evicted"] += 1
                 if self.log is not None:
-                    self.log.append("evict", group_id=group_id, group=encode(group))
+                    self.log.append("evict", group_id=group_id, group=encode(group), staleness=staleness)
 
     def commit_through(self, checkpointed_batch: int) -> None:
         for batch_id in sorted(b for b in self.served if b <= checkpointed_batch):

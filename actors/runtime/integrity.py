@@ -1,5 +1,8 @@
 """The run's integrity certificate: RUN_DIR/integrity.json, one verdict per check, each naming its culprits.
 
+Checks: `weights` (did the engines serve exactly what the learner pushed, push after push) and `prompts` (where
+every prompt the buffer served went: `actors/buffer/accounting.py`).
+
 The failures that cost RL users the most time are silent: weights that never reached an engine, an adapter never
 merged, a restore of old weights. The learner records what every push's fingerprint check found
 (`actors/learner/weight_checks.py`); this module turns the records into verdicts, which the head node's launcher
@@ -45,13 +48,16 @@ def weights_verdict(run_dir: Path) -> dict[str, Any]:
     return result
 
 
-def certify(run_dir: Path) -> dict[str, Any]:
-    checks = {"weights": weights_verdict(run_dir)}
+def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The certificate; `prompts` is the buffer's account of its prompts (`actors.buffer.accounting`), which the
+    caller reads from the buffer's log (this module serves every role and reads none of their files)."""
+    checks = {"weights": weights_verdict(run_dir),
+              "prompts": prompts or {"verdict": "not run", "why": "no account of the buffer's prompts was given"}}
     return {"ok": all(check["verdict"] != "fail" for check in checks.values()), "checks": checks}
 
 
-def write_certificate(run_dir: Path) -> dict[str, Any]:
-    certificate = certify(run_dir)
+def write_certificate(run_dir: Path, *, prompts: dict[str, Any] | None = None) -> dict[str, Any]:
+    certificate = certify(run_dir, prompts=prompts)
     (run_dir / FILE).write_text(json.dumps(certificate, indent=2) + "\n")
     return certificate
 
@@ -62,11 +68,33 @@ def describe(certificate: dict[str, Any]) -> list[str]:
     for name, check in certificate["checks"].items():
         if check["verdict"] == "not run":
             lines.append(f"  {name}: not run ({check['why']})")
-            continue
-        lines.append(f"  {name}: {check['verdict']} ({check['pushes']} pushes, {check['engine_checks_matched']} "
-                     f"engine checks matched, {check['served_differently']} served differently, "
-                     f"{check['unchecked']} unchecked)")
-        lines += [f"    version {c['version']}: {c['engine']} serves other bits in {', '.join(c['tensors'][:3])}"
-                  for c in check.get("culprits", ())]
-        lines += [f"    unchecked: {why}" for why in check.get("unchecked_why", ())]
+        elif name == "weights":
+            lines += _describe_weights(check)
+        elif name == "prompts":
+            lines += _describe_prompts(check)
+    return lines
+
+
+def _describe_weights(check: dict[str, Any]) -> list[str]:
+    lines = [f"  weights: {check['verdict']} ({check['pushes']} pushes, {check['engine_checks_matched']} engine "
+             f"checks matched, {check['served_differently']} served differently, {check['unchecked']} unchecked)"]
+    lines += [f"    version {c['version']}: {c['engine']} serves other bits in {', '.join(c['tensors'][:3])}"
+              for c in check.get("culprits", ())]
+    lines += [f"    unchecked: {why}" for why in check.get("unchecked_why", ())]
+    return lines
+
+
+def _describe_prompts(check: dict[str, Any]) -> list[str]:
+    fates = ", ".join(f"{count} {fate}" for fate, count in check["fates"].items())
+    again = check["regenerated"]
+    lines = [f"  prompts: {check['verdict']} ({check['prompt_groups']} prompt groups: {fates}; {check['skipped']} "
+             f"skipped; regenerated: {again['evictions']} evicted as stale, {again['leased_again']} leased again)"]
+    for row in check.get("by_length", {}).get("buckets", ()):
+        lines.append(f"    mean response length {row['lengths']}: {row['groups']} groups, {row['trained']} trained, "
+                     f"{row['evictions']} evictions")
+    bias = check.get("by_length", {}).get("evicted_vs_trained_length")
+    if bias is not None:
+        lines.append(f"    evicted answers were {bias:.2f}x as long as trained ones")
+    if "note" in check:
+        lines.append(f"    {check['note']}")
     return lines

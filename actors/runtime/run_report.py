@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,11 @@ def summarize(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def certify_run(run_dir: Path) -> None:
-    """RUN_DIR/integrity.json, and its verdicts on the console (`actors/runtime/integrity.py`)."""
+def certify_run(run_dir: Path, *, prompts: Callable[[Path], dict[str, Any]] | None = None) -> None:
+    """RUN_DIR/integrity.json, and its verdicts on the console (`actors/runtime/integrity.py`); `prompts` reads the
+    buffer's account of its prompts (`actors.buffer.accounting.prompt_verdict`)."""
     try:
-        certificate = write_certificate(run_dir)
+        certificate = write_certificate(run_dir, prompts=prompts(run_dir) if prompts is not None else None)
     except Exception as error:
         print(f"launcher.py: could not write the integrity certificate: {error!r}", file=sys.stderr)
         return

@@ -11,8 +11,9 @@ Two algorithms, one per kind of device, so neither end copies weights to another
 - ``xxh3`` for CPU tensors: xxHash's XXH3-64 over the raw bytes (gigabytes per second, zero copy);
 - ``wsum`` for CUDA tensors: the 16-bit words of the tensor weighted by a fixed pseudo-random sequence and summed
   modulo 2^31 - 1, chunk by chunk, all on the device; the host reads one number per tensor, all at once.
-Both are exact integer arithmetic, so the learner and the engine agree whatever their summation order. Either
-runs on either device (slower there), so a learner and an engine on different kinds still compare.
+Both are exact functions of the bytes (the sum is integer arithmetic, so its order does not matter), so the
+learner and the engine agree bit for bit. Either runs on either device (slower there), so a learner and an
+engine on different kinds of device still compare.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Fingerprints:
     def values(self) -> dict[str, int]:
         if self._on_device:
             names = list(self._on_device)
-            read = torch.stack([self._on_device[name].to("cpu") for name in names]).tolist()
+            read = torch.stack([self._on_device[name] for name in names]).tolist()  # the one host read
             self._ready.update(zip(names, read, strict=True))
             self._on_device.clear()
         return dict(self._ready)

@@ -61,6 +61,21 @@ def test_a_run_without_records_says_the_check_did_not_run_and_why(tmp_path: Path
     assert "--weight-check off" in describe(certificate)[1]
 
 
+def test_the_buffers_account_of_its_prompts_is_a_check_with_its_length_table(tmp_path: Path) -> None:
+    prompts = {"verdict": "fail", "prompt_groups": 10, "fates": {"trained": 8, "in flight": 2}, "skipped": 2,
+               "regenerated": {"evictions": 3, "leased_again": 1}, "eviction_staleness": {"3": 3},
+               "by_length": {"buckets": [{"lengths": "<= 4.0", "groups": 6, "trained": 6, "evictions": 0},
+                                         {"lengths": "> 4.0", "groups": 4, "trained": 2, "evictions": 3}],
+                             "evicted_vs_trained_length": 1.8}}
+    certificate = certify(tmp_path, prompts=prompts)
+    assert not certificate["ok"] and certificate["checks"]["prompts"] == prompts
+    lines = describe(certificate)
+    assert "  prompts: fail (10 prompt groups: 8 trained, 2 in flight; 2 skipped; regenerated: 3 evicted as stale, " \
+           "1 leased again)" in lines
+    assert "    mean response length > 4.0: 4 groups, 2 trained, 3 evictions" in lines
+    assert "    evicted answers were 1.80x as long as trained ones" in lines
+
+
 def test_a_record_torn_by_a_kill_is_skipped_not_fatal(tmp_path: Path) -> None:
     log = _log(tmp_path)
     log.checked(0, FingerprintCheck("xxh3", matched=("a",)))

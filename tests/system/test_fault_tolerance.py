@@ -123,5 +123,10 @@ def test_killed_roles_and_a_stopped_run_lose_nothing_and_train_nothing_twice(
     report = audit(run_dir)
     assert report.ok, report.problems
     assert report.trained_batches == 40
+    # Across four kills and a resume, no prompt of the data order was passed over, and the certificate says so.
+    certificate = json.loads((run_dir / "integrity.json").read_text())
+    prompts = certificate["checks"]["prompts"]
+    assert certificate["ok"] and prompts["verdict"] == "pass" and prompts["skipped"] == 0, prompts
+    assert prompts["fates"]["trained"] == 40 * 4
     # Whether the killed learner had to redo batches depends on where the kill landed relative to its last
     # checkpoint (steps take ~0.1 s here), so only exactly-once, checked by the audit above, is asserted.

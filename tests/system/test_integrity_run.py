@@ -73,4 +73,6 @@ def test_a_run_whose_engines_serve_what_was_pushed_certifies_every_push(
     assert weights["pushes"] == len(committed) >= 6  # every committed push was checked: one per step at least
     assert weights["engine_checks_matched"] >= weights["pushes"]  # one engine, or both once both joined
     assert (weights["served_differently"], weights["unchecked"]) == (0, 0)
-    assert "integrity: OK" in output
+    prompts = certificate["checks"]["prompts"]
+    assert prompts["verdict"] == "pass" and prompts["skipped"] == 0 and prompts["fates"]["trained"] == 6 * 4
+    assert "integrity: OK" in output and "prompts: pass" in output
