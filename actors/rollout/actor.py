@@ -48,6 +48,7 @@ WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will a
 WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for eval work again
 IDLE_POLL_S = 0.05  # after "nothing now" from the buffer, ask again this soon unless a version or weights come first
 EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of the version it evaluates
+ABORTED_RETRIES = 2  # a group whose generation an abort cut short is generated again this many times at most
 
 
 class RolloutWorker(Actor):
@@ -203,6 +204,9 @@ class RolloutWorker(Actor):
                                      worker_id=self.actor_id)
             with self.waits.on("engine", f"generating group {group.group_id}"):
                 samples = await chaos.during("generate.mid", self.generate_fn(context, group))
+                samples = await self._unless_aborted(context, group, samples)
+            if samples is None:
+                return  # not sent: its lease runs out and the buffer gives the group out again
             await self.send_generated(lease.lease_id, group.group_id, samples)
             self.waits.made_progress()
         except asyncio.CancelledError:
@@ -213,6 +217,24 @@ class RolloutWorker(Actor):
             self.log.exception("rollout of a group failed", group=group.group_id, error=repr(error))
         finally:
             await self.release(lease.lease_id, group)
+
+    async def _unless_aborted(self, context: RolloutContext, group: PromptGroup,
+                              samples: list[Sample]) -> list[Sample] | None:
+        """`samples`, or the group generated again while one of them was aborted: a sample an abort cut short (a
+        pause for a weight update that a generate plugin calling the server itself did not resume, a server
+        restart) was not generated, and trained it would be a partial or empty answer scored as wrong. After
+        ABORTED_RETRIES tries, or while stopping, None: the group is not sent, and its lease brings it back."""
+        for _ in range(ABORTED_RETRIES):
+            if not any(sample.status == "aborted" for sample in samples) or self.stopping:
+                break
+            self.counters["groups.regenerated_after_abort"] += 1
+            samples = await self.generate_fn(context, group)
+        if not any(sample.status == "aborted" for sample in samples):
+            return samples
+        self.counters["groups.abandoned_after_abort"] += 1
+        self.log.warning("generation of a group kept being aborted; not sent, its lease will bring it back",
+                         group=group.group_id, tries=ABORTED_RETRIES + 1)
+        return None
 
     async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample]) -> None:
         """Hand one generated group to the reward workers, counting what was generated."""

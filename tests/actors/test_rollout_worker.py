@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -271,3 +272,40 @@ async def test_one_sample_eval_groups_fill_every_row_of_the_engine(tmp_path: Pat
         worker = system["rollout-0-0"]
         await system.wait_for(lambda: worker.groups_in_flight == 4, 10, "four eval groups in flight at once")
         assert worker.rows_in_flight == 4 and worker.capacity == 2  # two training groups' worth of rows
+
+
+ABORTED_ONCE: set[str] = set()
+
+
+async def aborted_the_first_time(context: Any, group: Any) -> list[Any]:
+    """A generate plugin that calls the server itself and does not resume what a weight update's pause aborted:
+    its first answer for each group comes back aborted and empty, as SGLang returns such a request."""
+    from actors.plugins import default_generate
+
+    samples = await default_generate(context, group)
+    if group.group_id in ABORTED_ONCE:
+        return samples
+    ABORTED_ONCE.add(group.group_id)
+    return [msgspec.structs.replace(sample, status="aborted", response="", response_length=0,
+                                    tokens=sample.tokens[:sample.prompt_tokens], loss_mask=sample.loss_mask[:0],
+                                    rollout_log_probs=sample.rollout_log_probs[:0],
+                                    token_versions=sample.token_versions[:0])
+            for sample in samples]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_a_group_whose_generation_was_aborted_is_generated_again_never_sent_half_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in a slime-style run: a custom generate function's requests aborted by a weight update's pause came
+    back empty, were scored, batched and trained (a step with no trained token)."""
+    use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
+    ABORTED_ONCE.clear()
+    settings = _settings(tmp_path, custom_generate_function_path=f"{__name__}:aborted_the_first_time")
+    async with actor_system(tmp_path, settings, ROLES) as system:
+        recorder, worker = system["reward-0-0"], system["rollout-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "two generated groups")
+        regenerated = worker.counters["groups.regenerated_after_abort"]
+    assert all(sample.status != "aborted" and sample.response_length >= 4
+               for group in recorder.groups for sample in group.samples)
+    assert regenerated >= 2
