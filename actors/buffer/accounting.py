@@ -88,8 +88,10 @@ def _read(log_path: Path) -> _History:
         for record in BufferLog.replay(path):
             kind = record["kind"]
             if kind == "snapshot":
-                if index == 0 and not history.groups:
+                if index == 0 and not history.groups:  # the archives before it are gone: start from its cursor
                     history.complete = False
+                    epoch, position = record["cursor"]
+                    history.new_positions[epoch] = set(range(position))
                 continue  # a compaction: the records before it (in the archives) already told the history
             group_id = record.get("group_id")
             if kind == "lease":

@@ -101,3 +101,15 @@ def test_a_group_leased_again_after_its_lease_expired_counts_as_regenerated(tmp_
 def test_a_run_without_a_buffer_log_says_the_check_did_not_run(tmp_path: Path) -> None:
     log = tmp_path / "buffer" / "log.msgpack"
     assert prompt_verdict(tmp_path) == {"verdict": "not run", "why": f"no buffer log at {log}"}
+
+
+def test_a_log_whose_archives_were_deleted_counts_from_its_snapshot_and_says_so(tmp_path: Path) -> None:
+    core = _core(tmp_path)
+    lease_all(core, max_groups=4)
+    core.log.compact(core.snapshot())
+    (tmp_path / "buffer" / "log.msgpack.1").unlink()  # a user cleaned the archives up
+    lease_all(core, max_groups=2)
+    core.log.close()
+    verdict = prompt_verdict(tmp_path)
+    assert verdict["verdict"] == "pass" and verdict["skipped"] == 0  # the 4 before the snapshot are not gaps
+    assert verdict["prompt_groups"] == 2 and "archives are gone" in verdict["note"]
