@@ -37,8 +37,7 @@ class WeightsDiffer(WeightTransferError):
 
     def __init__(self, message: str, check: FingerprintCheck) -> None:
         self.check = check
-        super().__init__(message, {engine: f"serves other bits in {', '.join(names[:3])}"
-                                   for engine, names in check.differ.items()})
+        super().__init__(message, check.problems())
 
 
 @dataclass(frozen=True)

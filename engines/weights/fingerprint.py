@@ -133,8 +133,12 @@ class FingerprintCheck:
     def ok(self) -> bool:
         return not self.differ
 
+    def problems(self) -> dict[str, str]:
+        """What is wrong with each engine that serves other bits, in a few words naming the tensors."""
+        return {engine: f"serves other bits in {_some(names)}" for engine, names in self.differ.items()}
+
     def describe(self) -> str:
-        parts = [f"{engine} serves other bits in {_some(names)}" for engine, names in self.differ.items()]
+        parts = [f"{engine} {problem}" for engine, problem in self.problems().items()]
         parts += [f"{engine} unchecked: {why}" for engine, why in self.unchecked.items()]
         return "; ".join(parts) or f"{len(self.matched)} engine(s) serve exactly the weights sent"
 
