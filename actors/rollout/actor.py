@@ -20,6 +20,7 @@ from actors.rollout.choice import choose_generate_function
 from actors.rollout.engine_factory import load_engine
 from actors.rollout.generate import GenerateFunction, RolloutContext
 from actors.rollout.handed_off import HandedOff
+from actors.rollout.kv_cache_log import record_kv_cache
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
 from actors.runtime.base import Actor
@@ -331,6 +332,7 @@ class RolloutWorker(Actor):
             return Error(reason="weight_transfer", detail=str(error))
         chaos.reached("weight_load.done")
         self.counters["weights.updates"] += 1
+        record_kv_cache(self.context.run_dir, self.actor_id, self.engine, order.version)  # the certificate's
         self._weights_landed.set()  # a worker waiting for these weights starts generating now
         self._work_may_open.set()
         return Ack(ok=True, error=None)
@@ -373,6 +375,7 @@ class RolloutWorker(Actor):
             await self.generate_fn.stop()
         if self.engine is not None:
             await self.engine.abort(None)
+            record_kv_cache(self.context.run_dir, self.actor_id, self.engine, self.engine.version)
             await self.engine.close()
         if self.weights is not None:
             self.weights.close()

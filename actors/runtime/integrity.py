@@ -1,7 +1,8 @@
 """The run's integrity certificate: RUN_DIR/integrity.json, one verdict per check, each naming its culprits.
 
-Checks: `weights` (did the engines serve exactly what the learner pushed, push after push) and `prompts` (where
-every prompt the buffer served went: `actors/buffer/accounting.py`).
+Checks: `weights` (did the engines serve exactly what the learner pushed, push after push), `caches` (was any
+token sampled over keys and values an older weight version computed, where the engine promised to recompute
+them) and `prompts` (where every prompt the buffer served went: `actors/buffer/accounting.py`).
 
 The failures that cost RL users the most time are silent: weights that never reached an engine, an adapter never
 merged, a restore of old weights. The learner records what every push's fingerprint check found
@@ -24,6 +25,7 @@ from actors.runtime.metrics import read_metrics
 
 FILE = "integrity.json"
 WEIGHT_CHECKS = Path("metrics") / "weight_checks.jsonl"
+KV_CACHE_LOGS = Path("metrics") / "kv_cache"  # one file per rollout worker: actors/rollout/kv_cache_log.py
 SHOWN = 5  # culprits and reasons listed per check; the counts cover the rest
 
 
@@ -48,10 +50,38 @@ def weights_verdict(run_dir: Path) -> dict[str, Any]:
     return result
 
 
+def caches_verdict(run_dir: Path) -> dict[str, Any]:
+    """Did any engine sample a token over a KV cache older than its weights, after promising to recompute it?
+
+    Read from the rollout workers' accounts (`actors/rollout/kv_cache_log.py`, counted by the engine where its cache
+    is filled, not where it is dropped): per worker process the largest count, summed over a worker's restarts."""
+    stale: dict[str, dict[int, int]] = {}
+    recomputes: dict[str, bool] = {}
+    for path in sorted((run_dir / KV_CACHE_LOGS).glob("*.jsonl")):
+        engine = path.stem
+        for record in read_metrics(path):
+            lives = stale.setdefault(engine, {})
+            lives[record["pid"]] = max(lives.get(record["pid"], 0), int(record["stale_kv_tokens"]))
+            recomputes[engine] = recomputes.get(engine, True) and bool(record["recomputes_on_update"])
+    totals = {engine: sum(lives.values()) for engine, lives in stale.items()}
+    if not totals:
+        return {"verdict": "not run", "why": "no engine of the run accounts for its KV cache (an SGLang server's is "
+                                             "flushed before every weight update instead)"}
+    culprits = [{"engine": engine, "stale_kv_tokens": tokens}
+                for engine, tokens in sorted(totals.items()) if recomputes[engine] and tokens]
+    result: dict[str, Any] = {
+        "verdict": "fail" if culprits else "pass", "engines": len(totals),
+        "stale_kv_tokens": sum(tokens for engine, tokens in totals.items() if recomputes[engine]),
+        "kept_by_setting": sum(tokens for engine, tokens in totals.items() if not recomputes[engine])}
+    if culprits:
+        result["culprits"] = culprits[:SHOWN]
+    return result
+
+
 def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None) -> dict[str, Any]:
     """The certificate; `prompts` is the buffer's account of its prompts (`actors.buffer.accounting`), which the
     caller reads from the buffer's log (this module serves every role and reads none of their files)."""
-    checks = {"weights": weights_verdict(run_dir),
+    checks = {"weights": weights_verdict(run_dir), "caches": caches_verdict(run_dir),
               "prompts": prompts or {"verdict": "not run", "why": "no account of the buffer's prompts was given"}}
     return {"ok": all(check["verdict"] != "fail" for check in checks.values()), "checks": checks}
 
@@ -70,6 +100,8 @@ def describe(certificate: dict[str, Any]) -> list[str]:
             lines.append(f"  {name}: not run ({check['why']})")
         elif name == "weights":
             lines += _describe_weights(check)
+        elif name == "caches":
+            lines += _describe_caches(check)
         elif name == "prompts":
             lines += _describe_prompts(check)
     return lines
@@ -81,6 +113,15 @@ def _describe_weights(check: dict[str, Any]) -> list[str]:
     lines += [f"    version {c['version']}: {c['engine']} serves other bits in {', '.join(c['tensors'][:3])}"
               for c in check.get("culprits", ())]
     lines += [f"    unchecked: {why}" for why in check.get("unchecked_why", ())]
+    return lines
+
+
+def _describe_caches(check: dict[str, Any]) -> list[str]:
+    kept = f", {check['kept_by_setting']} over older KV kept by setting" if check["kept_by_setting"] else ""
+    lines = [f"  caches: {check['verdict']} ({check['engines']} engines, {check['stale_kv_tokens']} tokens sampled "
+             f"over KV of older weights{kept})"]
+    lines += [f"    {c['engine']} sampled {c['stale_kv_tokens']} tokens over keys/values of older weights although "
+              "it recomputes them at every update" for c in check.get("culprits", ())]
     return lines
 
 

@@ -195,6 +195,18 @@ def derive_sample_seed(seed: int, sample_index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+@dataclass(frozen=True)
+class KvCacheAccount:
+    """How an engine's KV cache met the weight updates so far: the integrity certificate's `caches` check.
+
+    A token sampled over keys and values an older weight version computed is off-policy in a way no version tag
+    shows: the sample says version v, the trainer recomputes it all at v, and the importance ratio is
+    computed against log-probs that v alone did not produce."""
+
+    recomputes_on_update: bool  # the engine's promise: every token from keys/values of its own version
+    stale_kv_tokens: int  # tokens sampled over keys/values an older version computed
+
+
 class InferenceEngine(ABC):
     """What a rollout worker needs from an inference engine; all methods are safe to call from one event loop.
 
@@ -246,6 +258,11 @@ class InferenceEngine(ABC):
     async def served_fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints | None:
         """Fingerprints of what the engine serves now for each pushed tensor (`engines.weights.fingerprint`), so
         the learner can check a push landed as sent. None: this engine cannot tell, and the check says so."""
+        return None
+
+    def kv_cache_account(self) -> KvCacheAccount | None:
+        """Whether any token was sampled over a KV cache older than its weights. None: this engine cannot tell
+        (its cache is not ours to see), and the certificate says the check did not run for it."""
         return None
 
     async def on_idle(self) -> None:  # noqa: B027 - most engines have nothing to hand over

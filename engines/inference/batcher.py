@@ -73,6 +73,9 @@ class DecodingSequence:
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    # The oldest weight version among the keys and values its cache row holds (None: not in the cache). Set by
+    # the prefill that computes them, not by whoever drops the cache, so a drop that did not happen shows.
+    kv_version: int | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -147,6 +150,9 @@ class ContinuousBatcher:
         self.running: list[DecodingSequence] = []
         self.kv = KVBatch.empty(self.device)
         self.steps = 0
+        # Tokens sampled from a cache row whose oldest keys/values an older weight version computed: zero when
+        # the engine drops the cache at every update (`drop_cache`), the count of off-policy tokens otherwise.
+        self.stale_kv_tokens = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -156,6 +162,7 @@ class ContinuousBatcher:
 
     def step(self, version: int) -> StepResult:
         decoded = list(self.running)
+        self.stale_kv_tokens += sum(1 for sample in decoded if sample.kv_version != version)
         if decoded:
             last_tokens = torch.tensor([sample.output_ids[-1] for sample in decoded], device=self.device)
             self._append_sampled(decoded, self.kv.decode(self.model, last_tokens), version)
@@ -207,6 +214,8 @@ class ContinuousBatcher:
         cache with the current weights and samples their next token from it. They were admitted already,
         so they fit the budget again.
         """
+        for sample in self.running:
+            sample.kv_version = None
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self.kv = KVBatch.empty(self.device)
@@ -247,6 +256,8 @@ class ContinuousBatcher:
             rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
             batch.select(rows)
             logits = logits.index_select(0, rows)
+        for sample in admitted:
+            sample.kv_version = version
         self._append_sampled(admitted, logits, version)
         return batch
 

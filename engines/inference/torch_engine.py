@@ -167,6 +167,9 @@ class TorchEngine(base.InferenceEngine):
         holds that merge (an adapter received but never merged fingerprints as absent)."""
         return await self._call(_Fingerprint(specs, algorithm))
 
+    def kv_cache_account(self) -> base.KvCacheAccount:
+        return base.KvCacheAccount(self._recompute_kv_on_update, self._batcher.stale_kv_tokens)
+
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """A copy of every weight by name: what an SGLang server that backs released weights up to the CPU keeps
         (our compatible server's stand-in for `--enable-weights-cpu-backup`). Call it while nothing generates."""
@@ -184,6 +187,7 @@ class TorchEngine(base.InferenceEngine):
             "steps": self._batcher.steps,
             "generated_tokens": self._generated_tokens,
             "memory_releases": self.memory_releases,
+            "stale_kv_tokens": self._batcher.stale_kv_tokens,
             "last_error": self._last_error,
         }
 

@@ -83,3 +83,42 @@ def test_a_record_torn_by_a_kill_is_skipped_not_fatal(tmp_path: Path) -> None:
     with open(tmp_path / "metrics" / "weight_checks.jsonl", "a") as file:
         file.write('{"version": 1, "matc')
     assert certify(tmp_path)["checks"]["weights"]["pushes"] == 1
+
+
+def _kv_accounts(run_dir: Path, engine: str, *records: tuple[int, bool, int]) -> None:
+    """What a rollout worker appends (`actors/rollout/kv_cache_log.py`): (pid, recomputes_on_update, stale tokens)."""
+    folder = run_dir / "metrics" / "kv_cache"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{engine}.jsonl", "a") as file:
+        for version, (pid, recomputes, stale) in enumerate(records):
+            file.write(json.dumps({"time": 0.0, "pid": pid, "version": version, "recomputes_on_update": recomputes,
+                                   "stale_kv_tokens": stale}) + "\n")
+
+
+def test_an_engine_that_sampled_over_an_older_cache_it_promised_to_recompute_fails_the_caches_check(
+    tmp_path: Path,
+) -> None:
+    _kv_accounts(tmp_path, "rollout-0-0", (10, True, 0), (10, True, 0))
+    # 4 tokens over an old cache, then a restart (its count starts again), then 3 more: 7 in all
+    _kv_accounts(tmp_path, "rollout-0-1", (11, True, 0), (11, True, 4), (12, True, 0), (12, True, 3))
+    certificate = certify(tmp_path)
+    caches = certificate["checks"]["caches"]
+    assert not certificate["ok"] and caches == {
+        "verdict": "fail", "engines": 2, "stale_kv_tokens": 7, "kept_by_setting": 0,
+        "culprits": [{"engine": "rollout-0-1", "stale_kv_tokens": 7}]}
+    assert ("    rollout-0-1 sampled 7 tokens over keys/values of older weights although it recomputes them at every "
+            "update") in describe(certificate)
+
+
+def test_caches_kept_across_updates_by_setting_pass_and_are_counted(tmp_path: Path) -> None:
+    _kv_accounts(tmp_path, "rollout-0-0", (10, False, 2), (10, False, 9))
+    certificate = certify(tmp_path)
+    assert certificate["ok"] and certificate["checks"]["caches"] == {
+        "verdict": "pass", "engines": 1, "stale_kv_tokens": 0, "kept_by_setting": 9}
+    assert "  caches: pass (1 engines, 0 tokens sampled over KV of older weights, 9 over older KV kept by setting)" \
+        in describe(certificate)
+
+
+def test_engines_that_cannot_account_for_their_cache_leave_the_caches_check_not_run(tmp_path: Path) -> None:
+    caches = certify(tmp_path)["checks"]["caches"]
+    assert caches["verdict"] == "not run" and "flushed before every weight update" in caches["why"]

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.inference import GenerateRequest, SamplingParams, StepRecord, TorchEngine, continuation_request
+from engines.inference import (
+    GenerateRequest,
+    KvCacheAccount,
+    SamplingParams,
+    StepRecord,
+    TorchEngine,
+    continuation_request,
+)
 from tools.standins.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 
 PROMPT_TEXT = "The quick brown fox"
@@ -77,6 +84,7 @@ async def test_weight_update_mid_generation_tags_later_tokens_and_uses_new_weigh
         await gate.release_after(engine.update_weights(new_weights.items(), version=1))
         [output] = await generation
         assert engine.version == 1
+        assert engine.kv_cache_account() == KvCacheAccount(recomputes_on_update=True, stale_kv_tokens=0)
         new_model = build_tiny_model(TinyModelSpec(family="qwen2", seed=1), build_tokenizer()).eval()
     assert output.versions == [0] * 5 + [1] * 15
     assert output.output_ids[:5] == old_tokens
@@ -96,8 +104,28 @@ async def test_weight_update_keeping_the_old_cache_still_tags_new_tokens_with_th
         await gate.wait_reached()
         await gate.release_after(engine.update_weights(_other_weights().items(), version=4))
         [output] = await generation
+        account = engine.kv_cache_account()
     assert output.versions == [0] * 3 + [4] * 5
     assert all(record.admitted == () for record in gate.records[3:]), "the cache was recomputed"
+    assert account == KvCacheAccount(recomputes_on_update=False, stale_kv_tokens=5)  # said, as the setting allows
+
+
+@pytest.mark.integration
+async def test_an_update_that_forgot_to_drop_the_cache_is_counted_against_the_engines_promise(
+    tiny_model_path: Path,
+) -> None:
+    """The guard of the certificate's `caches` check: the count comes from where keys and values are computed, so
+    a cache that outlives an update it should not have is seen, token by token."""
+    gate = StepGate(at=3)
+    async with TorchEngine.from_pretrained(tiny_model_path, step_listener=gate) as engine:
+        engine._batcher.drop_cache = lambda: None  # the bug: an update that keeps the old keys and values
+        prompt = engine.tokenizer.encode(PROMPT_TEXT)
+        generation = asyncio.ensure_future(engine.generate(GenerateRequest("r", prompt, _greedy(8))))
+        await gate.wait_reached()
+        await gate.release_after(engine.update_weights(_other_weights().items(), version=1))
+        await generation
+        assert engine.kv_cache_account() == KvCacheAccount(recomputes_on_update=True, stale_kv_tokens=5)
+        assert (await engine.health())["stale_kv_tokens"] == 5
 
 
 @pytest.mark.integration

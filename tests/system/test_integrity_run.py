@@ -1,6 +1,7 @@
 """The integrity certificate in real runs through launcher.py: an engine whose load leaves one tensor other than
 pushed stops a `--check-weight-update-equal` run (slime's flag: `--weight-check strict`) with the engine and the
-tensor named, in the log and in RUN_DIR/integrity.json; the same run with honest engines certifies every push."""
+tensor named, in the log and in RUN_DIR/integrity.json; the same run with honest engines certifies every push, and
+that no token was sampled over an older cache."""
 
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def test_a_run_whose_engines_serve_what_was_pushed_certifies_every_push(
     assert weights["pushes"] == len(committed) >= 6  # every committed push was checked: one per step at least
     assert weights["engine_checks_matched"] >= weights["pushes"]  # one engine, or both once both joined
     assert (weights["served_differently"], weights["unchecked"]) == (0, 0)
+    caches = certificate["checks"]["caches"]  # both engines' heartbeats said: no token over an older cache
+    assert caches["verdict"] == "pass" and caches["engines"] == 2 and caches["stale_kv_tokens"] == 0, caches
     prompts = certificate["checks"]["prompts"]
     assert prompts["verdict"] == "pass" and prompts["skipped"] == 0 and prompts["fates"]["trained"] == 6 * 4
     assert "integrity: OK" in output and "prompts: pass" in output

@@ -1,0 +1,32 @@
+"""Each rollout worker's account of its engine's KV cache across weight updates, for the run's certificate.
+
+A token sampled over keys and values an older weight version computed carries the new version's tag, so nothing
+downstream can tell; only the engine can (`InferenceEngine.kv_cache_account`). The worker appends what its engine
+says to RUN_DIR/metrics/kv_cache/ACTOR.jsonl after every weight update it lands and when it stops, one file per
+worker (no two processes append to one file); `actors/runtime/integrity.py` turns the files into the `caches`
+verdict. The counts are cumulative per process: a restarted worker starts again at zero under a new pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from engines.inference.base import InferenceEngine
+
+FOLDER = Path("metrics") / "kv_cache"
+
+
+def record_kv_cache(run_dir: Path, actor_id: str, engine: InferenceEngine, version: int) -> None:
+    """Append the engine's account now; an engine that cannot account for its cache writes nothing."""
+    account = engine.kv_cache_account()
+    if account is None:
+        return
+    folder = run_dir / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    line = {"time": time.time(), "pid": os.getpid(), "version": version,
+            "recomputes_on_update": account.recomputes_on_update, "stale_kv_tokens": account.stale_kv_tokens}
+    with open(folder / f"{actor_id}.jsonl", "a", encoding="utf-8") as file:
+        file.write(json.dumps(line) + "\n")
