@@ -317,7 +317,8 @@ class WeightPublisher:
         `--weight-check strict`; else the push counts as failed, and is tried again like any failed push."""
         self.check_log.checked(version, differ.check)
         self.counters["weights.served_differently"] += 1
-        self.log.error("engines serve other weights than were pushed", version=version, engines=differ.check.differ)
+        self.log.error("engines serve other weights than were pushed", version=version, engines=differ.check.differ,
+                       **({"why": differ.check.why} if differ.check.why else {}))  # SGLang: no tensor to name
         if self.weight_check == "strict":
             raise WeightsCorrupted(f"version {version}: {differ.check.describe()} (--weight-check strict)")
         return False

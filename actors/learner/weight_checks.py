@@ -1,8 +1,9 @@
 """The learner's record of what every push's fingerprint check found (`--weight-check`), for the run's certificate.
 
 One JSON line per push attempt in RUN_DIR/metrics/weight_checks.jsonl: the version, the engines that serve
-exactly what was sent, those that serve other bits (with the tensors), those that could not be checked (with the
-reason), or why the push was not checked at all. `actors/runtime/integrity.py` turns the file into a verdict.
+exactly what was sent, those that serve other bits (with the tensors, and `why` where the difference shows only as
+a whole: SGLang's checksums), those that could not be checked (with the reason), or why the push was not checked
+at all. `actors/runtime/integrity.py` turns the file into a verdict.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class WeightCheckLog:
             self._file = open(metrics_dir / FILE, "a", buffering=1)  # noqa: SIM115 - kept open for the run
 
     def checked(self, version: int, check: FingerprintCheck) -> None:
+        # `why` only where a difference shows as a whole (SGLang's checksums), not tensor by tensor
+        why = {"why": check.why} if check.why else {}
         self._write({"version": version, "algorithm": check.algorithm, "matched": list(check.matched),
-                     "differ": check.differ, "unchecked": check.unchecked})
+                     "differ": check.differ, "unchecked": check.unchecked, **why})
 
     def not_checked(self, version: int, why: str) -> None:
         self._write({"version": version, "not_checked": why})

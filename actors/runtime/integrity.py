@@ -34,7 +34,8 @@ def weights_verdict(run_dir: Path) -> dict[str, Any]:
     records = read_metrics(run_dir / WEIGHT_CHECKS)
     if not records:
         return {"verdict": "not run", "why": "no push was fingerprinted (--weight-check off, or no push ran)"}
-    culprits = [{"version": r["version"], "engine": engine, "tensors": tensors}
+    culprits = [{"version": r["version"], "engine": engine, "tensors": tensors,
+                 **({"why": r["why"][engine]} if engine in (r.get("why") or {}) else {})}
                 for r in records for engine, tensors in (r.get("differ") or {}).items()]
     unchecked = [f"version {r['version']}: {engine}: {why}"
                  for r in records for engine, why in (r.get("unchecked") or {}).items()]
@@ -110,7 +111,8 @@ def describe(certificate: dict[str, Any]) -> list[str]:
 def _describe_weights(check: dict[str, Any]) -> list[str]:
     lines = [f"  weights: {check['verdict']} ({check['pushes']} pushes, {check['engine_checks_matched']} engine "
              f"checks matched, {check['served_differently']} served differently, {check['unchecked']} unchecked)"]
-    lines += [f"    version {c['version']}: {c['engine']} serves other bits in {', '.join(c['tensors'][:3])}"
+    lines += [f"    version {c['version']}: {c['engine']} "
+              + (c.get("why") or f"serves other bits in {', '.join(c['tensors'][:3])}")
               for c in check.get("culprits", ())]
     lines += [f"    unchecked: {why}" for why in check.get("unchecked_why", ())]
     return lines

@@ -30,11 +30,15 @@ Conventions of the mapping:
   `{"version", "start", "end"}` over the output tokens (end exclusive) saying which weights produced each token;
   `token_versions` turns them into one version per token. Older releases tag the whole response with one
   `weight_version`.
+* Weight checksums: `/weights_checker` with action "checksum" hashes what the server serves, in SGLang's own
+  layout; we read `per_engine_checksum` and check that it is the one its ranks' `per_gpu_checksum` give.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -130,6 +134,14 @@ LOAD_LORA_ADAPTER = Endpoint("POST", "/load_lora_adapter", "LoadLoRAAdapterReqIn
                              reads=_ADAPTER_DONE)
 UNLOAD_LORA_ADAPTER = Endpoint("POST", "/unload_lora_adapter", "UnloadLoRAAdapterReqInput", sends=("lora_name",),
                                reads=_ADAPTER_DONE)
+# SGLang's own check of the weights a server serves (`utils/weight_checker.py`): action "checksum" answers, per
+# tensor-parallel rank (`ranks`), a checksum of every parameter and buffer in SGLang's layout (fused q/k/v and
+# gate/up, sharded, its names) and their `per_gpu_checksum`, and `per_engine_checksum` over the ranks. What the
+# learner sent cannot be compared with it tensor by tensor; engines of one push, and one engine across pushes, can
+# (`checksums.py`).
+WEIGHTS_CHECKER = Endpoint("POST", "/weights_checker", "CheckWeightsReqInput", sends=("action",),
+                           reads=("success", "message", "ranks", "per_engine_checksum"))
+CHECKSUM_ACTION = "checksum"
 ENDPOINTS: tuple[Endpoint, ...] = (
     GENERATE,
     ABORT,
@@ -150,6 +162,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     RESUME_MEMORY,
     LOAD_LORA_ADAPTER,
     UNLOAD_LORA_ADAPTER,
+    WEIGHTS_CHECKER,
 )
 # The keys of one `sampling_params` object we send (SGLang's `SamplingParams` fields).
 SAMPLING_FIELDS: tuple[str, ...] = (
@@ -371,6 +384,48 @@ def parse_weight_version(raw: Any) -> int | None:
         return int(raw)
     except (TypeError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class WeightsChecksum:
+    """A server's answer to `/weights_checker` "checksum": `per_engine_checksum`, and each rank's
+    `per_gpu_checksum` it was computed from (rank order)."""
+
+    engine: str
+    ranks: tuple[str, ...]
+
+
+def engine_checksum(per_gpu: Iterable[str]) -> str:
+    """SGLang's `per_engine_checksum`: sha256 over the ranks' `per_gpu_checksum` hex strings, in rank order
+    (`tokenizer_control_mixin.check_weights`, the same in every supported release)."""
+    digest = hashlib.sha256()
+    for checksum in per_gpu:
+        digest.update(checksum.encode())
+    return digest.hexdigest()
+
+
+def parse_weights_checksum(body: Any, *, where: str) -> WeightsChecksum:
+    """A `/weights_checker` "checksum" answer -> the engine's checksum and its ranks'. The engine's checksum must
+    be the one its ranks give (`engine_checksum`): a server whose answer does not add up checks nothing."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: expected a JSON object, got {str(body)[:200]!r}")
+    checksum, ranks = body.get("per_engine_checksum"), body.get("ranks")
+    if not _is_sha256(checksum):
+        raise ProtocolError(f"{where}: per_engine_checksum {checksum!r:.80} is not a sha256 hex digest "
+                            f"(message: {str(body.get('message'))[:200]!r})")
+    if (not isinstance(ranks, list) or not ranks
+            or not all(isinstance(rank, dict) and _is_sha256(rank.get("per_gpu_checksum")) for rank in ranks)):
+        raise ProtocolError(f"{where}: 'ranks' must be a non-empty list of objects with a sha256 per_gpu_checksum, "
+                            f"got {str(ranks)[:200]!r}")
+    per_gpu = tuple(rank["per_gpu_checksum"] for rank in ranks)
+    if engine_checksum(per_gpu) != checksum:
+        raise ProtocolError(f"{where}: per_engine_checksum is not the sha256 of its {len(per_gpu)} ranks' "
+                            "per_gpu_checksum")
+    return WeightsChecksum(checksum, per_gpu)
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def wire_dtype(name: Any, *, where: str) -> torch.dtype:

@@ -3,8 +3,12 @@
 Both SGLang mechanisms (a broadcast group the servers join, `weights.py`; handles to the learner's memory for
 colocated servers, `tensor_weights.py`) run the same store protocol (`weight_store.py`) and differ only in how a
 bucket reaches the servers, so a mechanism supplies `_store` (where the protocol's keys live) and
-`_deliver_bucket`; the manifest, readiness, the word per bucket, acknowledgements, the commit and the report are
-here once.
+`_deliver_bucket`; the manifest, readiness, the word per bucket, acknowledgements, the weight check, the commit
+and the report are here once.
+
+The weight check (`fingerprint=True`): SGLang loads the pushed tensors into its own layout, so the servers cannot
+be compared with what was sent tensor by tensor. Each loader reports its server's own checksum after the load, and
+`checksums.py` judges the push from them, the sender's prints of what it sent and the last committed push.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from engines.sglang import weight_store
+from engines.sglang.checksums import Baseline, check_checksums
 from engines.sglang.weight_store import SglangGroupSpec
-from engines.weights.base import TransferReport, WeightSender, WeightTransferError, require_usable
+from engines.weights.base import TransferReport, WeightsDiffer, WeightSender, WeightTransferError, require_usable
+from engines.weights.fingerprint import FingerprintCheck, Fingerprints, algorithm_for
 from engines.weights.manifest import Manifest
 from engines.weights.stream import specified, wire_specs
 
@@ -46,6 +52,8 @@ class SglangStoreSender(WeightSender):
         self._broken: str | None = None
         self._committed: int | None = None
         self._aborted: dict[str, str] | None = None  # set by abort(), from any thread; cleared by the next group
+        self._sent: Fingerprints | None = None  # the prints of the push under way, when it is checked
+        self._baseline: Baseline | None = None  # the last committed checked push (`checksums.py`)
 
     @property
     def committed_version(self) -> int | None:
@@ -66,6 +74,17 @@ class SglangStoreSender(WeightSender):
 
     def _buckets_done(self) -> None:
         """After the last bucket (or a failure): let go of what only the buckets needed."""
+
+    def _print_device(self) -> torch.device:
+        """The device the pushed tensors go out from, whose fingerprint algorithm the sender's prints use."""
+        return torch.device("cpu")
+
+    def _fingerprint_sent(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        """A mechanism calls this with each bucket's tensors as they went out (in the wire dtype), when the push
+        is checked: the sender's own prints, to tell what changed since the last committed push."""
+        if self._sent is not None:
+            for name, tensor in named:
+                self._sent.add(name, tensor)
 
     def abort(self, failed: Mapping[str, str]) -> None:
         """A member of the open group died or was replaced (the learner's roster says so): every wait of a
@@ -90,8 +109,11 @@ class SglangStoreSender(WeightSender):
         The manifest (every name, dtype and shape) must reach the loaders before the first byte: given a
         `SpecifiedTensors` it comes from the recorded specs and each bucket's tensors are pulled when it goes out;
         a bare iterable is listed first (references only). Each tensor is cast and copied only when its bucket goes
-        out: a bucket's copies at most, never the whole model a second time. `fingerprint` cannot be honoured
-        here (SGLang loads the buckets itself and keeps its own tensor names): the report carries none.
+        out: a bucket's copies at most, never the whole model a second time.
+
+        `fingerprint`: the tensors are fingerprinted as they go out, each server's checksum is read after the
+        load, and the version is committed only if no engine is shown to serve other weights (`checksums.py`):
+        otherwise `WeightsDiffer` names the engines. The report says which engines could not be checked.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         spec = self._require_spec()
@@ -100,8 +122,10 @@ class SglangStoreSender(WeightSender):
         assert store is not None
         started = time.perf_counter()
         tensors = specified(named_tensors)
+        algorithm = algorithm_for(self._print_device()) if fingerprint else None
         manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.bucket_bytes,
-                            tensors=wire_specs(tensors.specs, dtype))
+                            tensors=wire_specs(tensors.specs, dtype), fingerprint=algorithm)
+        self._sent = Fingerprints(algorithm) if algorithm is not None else None
         keys = weight_store.keys_of(store, spec, version)
         try:
             weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
@@ -117,10 +141,27 @@ class SglangStoreSender(WeightSender):
         if failed:
             self._broken = f"version {version} not acknowledged: {failed}"
             raise self._named(WeightTransferError(f"weight transfer of version {version} not committed", failed))
+        check = self._check_served(keys, spec, version)
+        if check is not None and not check.ok:  # the group is fine: the next push goes through it
+            raise WeightsDiffer(f"weight transfer of version {version} not committed: {check.describe()}", check)
         self._committed = version
         return TransferReport(version=version, receivers=spec.receivers, num_tensors=len(manifest.tensors),
                               num_buckets=len(manifest.buckets()), num_bytes=manifest.total_bytes,
-                              seconds=time.perf_counter() - started)
+                              seconds=time.perf_counter() - started, fingerprints=check)
+
+    def _check_served(self, keys: dist.Store, spec: SglangGroupSpec, version: int) -> FingerprintCheck | None:
+        """The verdict of a checked push (None: not checked) from every engine's checksum report; a push that passes
+        becomes the baseline the next one is compared with."""
+        sent, self._sent = self._sent, None
+        if sent is None:
+            return None
+        prints = sent.values()
+        served = weight_store.served_checksums(keys, spec)
+        check = check_checksums(sent.algorithm, prints, served, self._baseline)
+        if check.ok:
+            checksums = {engine: answer.checksum for engine, answer in served.items() if answer.checksum is not None}
+            self._baseline = Baseline(version, sent.algorithm, prints, checksums)
+        return check
 
     @staticmethod
     def _checked(members: Iterable[str]) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ class SglangTensorSender(SglangStoreSender):
         super().__init__(host=host, gpus_per_engine=gpus_per_engine, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         self._tcp_store: dist.TCPStore | None = None
         self._staging: Tensor | None = None  # one bucket's copy, which the servers read by handle
+        self._staged_on: torch.device | None = None  # the device of the learner's tensors, once a push showed it
 
     def open_group(self, members: Sequence[str]) -> SglangGroupSpec:
         members = self._checked(members)
@@ -62,6 +63,13 @@ class SglangTensorSender(SglangStoreSender):
     def _store(self) -> dist.Store | None:
         return self._tcp_store
 
+    def _print_device(self) -> torch.device:
+        """Where the learner's tensors are staged: known from the last push, else a GPU where there is one (a
+        colocated learner's tensors are on it)."""
+        if self._staged_on is not None:
+            return self._staged_on
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
     def _buckets_done(self) -> None:
         if self._staging is not None and self._staging.device.type == "cuda":
             self._staging = None  # the GPU's bytes go back to the training step; host memory stays for the next
@@ -69,6 +77,7 @@ class SglangTensorSender(SglangStoreSender):
     def _deliver_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None,
                           timeout_s: float, position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
         held = self._stage(pairs, dtype)
+        self._fingerprint_sent(held)
         for engine in spec.receivers:  # one pickle per server rank: each opening takes over its own reference
             for rank in range(self.gpus_per_engine):
                 keys.set(f"payload/{position}/{engine}/{rank}", encode_named_tensors(held).encode())
@@ -93,6 +102,7 @@ class SglangTensorSender(SglangStoreSender):
             layout.append((name, tensor, wire_dtype, offset))
             offset += -(-tensor.numel() * wire_dtype.itemsize // STAGING_ALIGN) * STAGING_ALIGN
         device = named[0][1].device if named else torch.device("cpu")
+        self._staged_on = device
         if self._staging is None or self._staging.device != device or self._staging.numel() < offset:
             self._staging = None  # the old buffer goes before the new one is made
             self._staging = shareable_buffer(offset, device)

@@ -1,8 +1,9 @@
 """SGLang's weight-update endpoints, beyond the `InferenceEngine` interface: what the weight loader drives.
 
 A mixin of `SglangEngine`, apart because it is one job (join a group, open a session, receive buckets, flush
-the cache) that the generation client does not need to read. It uses the engine's `url`, `control_timeout`,
-`_call` and `_sessions` (None until the server showed whether it has weight-update sessions).
+the cache, checksum what the server then serves) that the generation client does not need to read. It uses the
+engine's `url`, `control_timeout`, `_call` and `_sessions` (None until the server showed whether it has
+weight-update sessions).
 """
 
 from __future__ import annotations
@@ -84,6 +85,21 @@ class WeightUpdateEndpoints:
         flushed (it was before the update), and `weight_version` is set only when given, as above."""
         await self._call(protocol.UPDATE_WEIGHTS_FROM_TENSOR, timeout=timeout, serialized_named_tensors=payloads,
                          weight_version=weight_version, flush_cache=False)
+
+    async def weight_checksum(self, *, timeout: float | None = None) -> protocol.WeightsChecksum | None:
+        """SGLang's checksum of the weights the server serves now (`/weights_checker`, action "checksum"); None
+        when the server has no such route (HTTP 404: it cannot be checked, which is no error). A refusal or an
+        answer that does not add up is an SglangError naming the server."""
+        try:
+            body = await self._call(protocol.WEIGHTS_CHECKER, timeout=timeout, action=protocol.CHECKSUM_ACTION)
+        except SglangError as error:
+            if error.status == 404:
+                return None
+            raise
+        try:
+            return protocol.parse_weights_checksum(body, where=f"{self.url}{protocol.WEIGHTS_CHECKER.path}")
+        except protocol.ProtocolError as error:
+            raise SglangError(str(error), 200) from error
 
     async def flush_cache(self, deadline_s: float) -> None:
         """GET /flush_cache until it succeeds; SGLang refuses while any request runs or waits in its scheduler.

@@ -2,8 +2,9 @@
 
 The learner hosts the rendezvous store; loaders connect to it as plain clients. Keys live under a prefix of our
 own, per group and version: the manifest, each engine's "ready" (or why not), the learner's "go" (or "abort"),
-its word on each bucket ("go" once its tensors are on their way, else why not), and each engine's
-acknowledgement.
+its word on each bucket ("go" once its tensors are on their way, else why not), each engine's acknowledgement,
+and, when the manifest asks for fingerprints, each engine's checksum of what it serves, written before its
+acknowledgement (`checksums.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from engines.sglang.checksums import ServedChecksum
 from engines.weights.base import WeightTransferError
 from engines.weights.group import ERROR_PREFIX, OK, failed_replies, missing_keys
 from engines.weights.manifest import Manifest
@@ -213,6 +215,25 @@ def wait_bucket(keys: dist.Store, position: int, timeout_s: float) -> bytes:
         return keys.get(key)
     except (RuntimeError, dist.DistError) as error:  # the learner (and the store it hosts) went away
         return f"the learner's store is unreachable: {error}".encode()[:300]
+
+
+def checksum_key(engine: str) -> str:
+    return f"checksum/{engine}"
+
+
+def served_checksums(keys: dist.Store, spec: SglangGroupSpec) -> dict[str, ServedChecksum]:
+    """Each engine's checksum report, read once every engine acknowledged; a missing or unreadable one says why."""
+    served: dict[str, ServedChecksum] = {}
+    for engine in spec.receivers:
+        key = checksum_key(engine)
+        if not keys.check([key]):
+            served[engine] = ServedChecksum(None, "its loader reported no checksum")
+            continue
+        try:
+            served[engine] = ServedChecksum.decode(keys.get(key))
+        except ValueError as error:
+            served[engine] = ServedChecksum(None, str(error))
+    return served
 
 
 def acks(keys: dist.Store, spec: SglangGroupSpec, timeout_s: float, stop: Stop = never) -> dict[str, str]:

@@ -26,8 +26,10 @@ joined), under a key prefix of our own (`weight_store.py`), mirroring `engines/w
    bucket, with a deadline, before pulling the next. If the learner's own tensors fail instead, "bucket i"
    says so and no server is left inside a call waiting for a broadcast that will not come. A refused call
    is acknowledged as an error at once, so the learner stops waiting for a broadcast nobody receives. Then
-   the loader ends the session, continues generation and acknowledges with the outcome of every HTTP call. The
-   learner commits the version only when every acknowledgement is "ok".
+   the loader ends the session, and, when the manifest asks for fingerprints, writes its server's own checksum
+   of what it now serves (`/weights_checker`; or why there is none), continues generation and acknowledges with
+   the outcome of every HTTP call. The learner commits the version only when every acknowledgement is "ok" and
+   the checksums show no engine serving other weights (`checksums.py`).
 
 A transfer that failed in any way breaks the group: the learner tears its end down and forms a new one (a new
 group name) at the next update, and each loader destroys the old group on its server, so communicators do not
@@ -49,6 +51,7 @@ from torch import Tensor
 
 from bus.address import free_port
 from engines.sglang import protocol, weight_store
+from engines.sglang.checksums import ServedChecksum
 from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.store_sender import DEFAULT_BUCKET_BYTES, SglangStoreSender
 from engines.sglang.weight_group import WeightGroup, join_weight_group
@@ -110,6 +113,9 @@ class SglangWeightSender(SglangStoreSender):
     def _store(self) -> dist.Store | None:
         return None if self._group is None else self._group.store
 
+    def _print_device(self) -> torch.device:
+        return self.device
+
     def _deliver_bucket(self, keys: dist.Store, spec: SglangGroupSpec, dtype: torch.dtype | None, timeout_s: float,
                         position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
         assert self._group is not None
@@ -124,6 +130,7 @@ class SglangWeightSender(SglangStoreSender):
             )
             self._abandon_group(f"{where}: broadcast failed: {error}", [])
             raise WeightTransferError(f"{where} broke: {error}", failed) from error
+        self._fingerprint_sent(zip([name for name, _ in pairs], wire, strict=True))  # read while the broadcasts run
         # Inside the group's own timeout, so this deadline, not the NCCL watchdog, ends a stuck bucket.
         deadline_s = min(timeout_s, 0.8 * collective_timeout_s(self.timeout_s))
         failed = weight_store.await_bucket(work, keys, spec, deadline_s, where, self._is_aborted)
@@ -230,6 +237,8 @@ class SglangWeightLoader:
                         await self.engine.end_weight_update()
                     except SglangError as error:
                         outcome = f"{protocol.END_WEIGHT_UPDATE.path} failed: {error}"
+            if outcome is None and manifest.fingerprint is not None:  # still paused: what the next token will use
+                await self._report_checksum(keys, timeout_s)
         finally:
             with contextlib.suppress(SglangError):
                 await self.engine.resume()
@@ -238,6 +247,19 @@ class SglangWeightLoader:
         )
         if outcome is not None:
             raise WeightTransferError(f"{self.engine_name}: server refused version {version}: {outcome}")
+
+    async def _report_checksum(self, keys: dist.PrefixStore, timeout_s: float) -> None:
+        """The server's own checksum of what it serves, for the learner's check (`checksums.py`), or why there is
+        none, written before the acknowledgement. Never fails the load: the weights did load."""
+        try:
+            # Half the transfer's deadline: the acknowledgement that follows must still reach the learner within it.
+            answer = await self.engine.weight_checksum(timeout=timeout_s / 2)
+        except SglangError as error:
+            served = ServedChecksum(None, f"checksum failed: {error}"[:500])
+        else:
+            served = (ServedChecksum(None, f"its server has no {protocol.WEIGHTS_CHECKER.path}") if answer is None
+                      else ServedChecksum(answer.engine))
+        await asyncio.to_thread(keys.set, weight_store.checksum_key(self.engine_name), served.encode())
 
     async def _join(self, spec: SglangGroupSpec, timeout_s: float) -> None:
         starts = self.engine.restarts

@@ -122,20 +122,27 @@ class ServedPrints:
 @dataclass(frozen=True)
 class FingerprintCheck:
     """One push's verdict, engine by engine: which engines serve exactly what was sent, which serve other bits
-    (and in which tensors), and which could not be checked (and why)."""
+    (and in which tensors), and which could not be checked (and why).
+
+    `why`: for an engine of `differ` whose difference shows only in a checksum of everything it serves (SGLang's,
+    `engines/sglang/checksums.py`), what shows it; its `differ` entry then lists the tensors known to be involved,
+    if any."""
 
     algorithm: str
     matched: tuple[str, ...] = ()
     differ: dict[str, list[str]] = field(default_factory=dict)
     unchecked: dict[str, str] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.differ
 
     def problems(self) -> dict[str, str]:
-        """What is wrong with each engine that serves other bits, in a few words naming the tensors."""
-        return {engine: f"serves other bits in {_some(names)}" for engine, names in self.differ.items()}
+        """What is wrong with each engine that serves other bits, in a few words naming the tensors (or, where no
+        tensor can be named, what shows the difference)."""
+        return {engine: self.why.get(engine) or f"serves other bits in {some(names)}"
+                for engine, names in self.differ.items()}
 
     def describe(self) -> str:
         parts = [f"{engine} {problem}" for engine, problem in self.problems().items()]
@@ -157,14 +164,15 @@ def check_served(algorithm: str, sent: Mapping[str, int],
         if wrong:
             differ[engine] = wrong
         elif answer.unchecked:
-            unchecked[engine] = f"{len(answer.unchecked)} tensor(s) not comparable, e.g. " + _some(
+            unchecked[engine] = f"{len(answer.unchecked)} tensor(s) not comparable, e.g. " + some(
                 [f"{name} ({why})" for name, why in answer.unchecked.items()])
         else:
             matched.append(engine)
     return FingerprintCheck(algorithm, tuple(matched), differ, unchecked)
 
 
-def _some(names: list[str], shown: int = 3) -> str:
+def some(names: list[str], shown: int = 3) -> str:
+    """The first `shown` names, and how many more."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
 

@@ -122,3 +122,15 @@ def test_caches_kept_across_updates_by_setting_pass_and_are_counted(tmp_path: Pa
 def test_engines_that_cannot_account_for_their_cache_leave_the_caches_check_not_run(tmp_path: Path) -> None:
     caches = certify(tmp_path)["checks"]["caches"]
     assert caches["verdict"] == "not run" and "flushed before every weight update" in caches["why"]
+
+
+def test_an_sglang_engine_whose_checksum_shows_the_difference_is_named_with_what_shows_it(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    why = "serves the same weights as after version 1: its SGLang checksum did not change although 3 tensors did"
+    log.checked(2, FingerprintCheck("xxh3", matched=("rollout-0-0",), differ={"rollout-0-1": []},
+                                    why={"rollout-0-1": why}))
+    log.close()
+    certificate = certify(tmp_path)
+    assert certificate["checks"]["weights"]["culprits"] == [
+        {"version": 2, "engine": "rollout-0-1", "tensors": [], "why": why}]
+    assert f"    version 2: rollout-0-1 {why}" in describe(certificate)

@@ -31,6 +31,7 @@ from actors.rollout.engine_factory import sglang_server_args
 from engines.pretrained import UNREACHABLE_MARKERS
 from engines.sglang import protocol, tensor_payload
 from engines.sglang.launch import ServerSpec
+from tools.standins.sglang_server import checksum
 from tools.standins.sglang_server.server import CompatServer, parse_args
 
 pytestmark = pytest.mark.unit
@@ -184,7 +185,9 @@ def test_every_endpoint_we_call_exists_with_its_method_and_request_class(sglang:
         assert endpoint.method in methods, f"sglang {sglang.version} {endpoint.path} takes {methods}"
         if endpoint.request_class is not None:
             annotations = " ".join(ast.unparse(arg.annotation) for arg in handler.args.args if arg.annotation)
-            assert endpoint.request_class in annotations.replace("[", " ").replace(",", " ").split(), (
+            # `obj: Annotated[Optional[CheckWeightsReqInput], Body()]` names its class among brackets
+            words = annotations.replace("[", " ").replace("]", " ").replace(",", " ").split()
+            assert endpoint.request_class in words, (
                 f"sglang {sglang.version} {endpoint.path} parses its body as {annotations}, "
                 f"not {endpoint.request_class}"
             )
@@ -234,6 +237,33 @@ def test_weight_updates_need_a_session_exactly_where_sessions_exist(sglang: Sgla
     has_sessions = protocol.BEGIN_WEIGHT_UPDATE.path in sglang.routes
     assert has_sessions == ("must run between" in text)
     assert has_sessions == (protocol.END_WEIGHT_UPDATE.path in sglang.routes)
+
+
+def test_the_weight_checksum_is_built_as_the_compatible_server_builds_it(sglang: SglangSource) -> None:
+    """What `protocol.parse_weights_checksum` reads and checks, and what the stand-in's `/weights_checker` computes
+    (`tools/standins/sglang_server/checksum.py`): per tensor the first 8 bytes of a sha256, big-endian, as 16 hex
+    digits; per rank a sha256 over the sorted names and their checksums; per engine a sha256 over the ranks'
+    per_gpu_checksum; the same non-persistent buffers skipped."""
+    checker = sglang.tree("sglang/srt/utils/weight_checker.py")
+    assert "per_gpu_checksum" in sglang.class_fields("sglang/srt/utils/weight_checker.py", "ChecksumInfo")
+    patterns = next(ast.literal_eval(node.value) for node in checker.body if isinstance(node, ast.Assign)
+                    and ast.unparse(node.targets[0]) == "_NON_PERSISTENT_BUFFER_PATTERNS")
+    assert set(patterns) == set(checksum.NON_PERSISTENT[sglang.version])
+    functions = {node.name: ast.unparse(node) for node in ast.walk(checker) if isinstance(node, ast.FunctionDef)}
+    assert "tensor_hash(t):016x" in functions["_hash_tensor"]
+    overall = functions.get("overall_checksum") or functions["_compute_checksum"]
+    assert re.search(r"for name in sorted\(checksums\):\s+h\.update\(name\.encode\(\)\)\s+"
+                     r"h\.update\(checksums\[name\]\.encode\(\)\)", overall)
+    assert "yield from model.named_parameters()" in functions["_model_state"].replace("self._model_runner.", "")
+    assert "named_buffers()" in functions["_model_state"]
+    mm_utils = sglang.tree("sglang/srt/managers/mm_utils.py")
+    (tensor_hash,) = [ast.unparse(node) for node in mm_utils.body
+                      if isinstance(node, ast.FunctionDef) and node.name == "tensor_hash"]
+    assert "hashlib.sha256()" in tensor_hash and "hasher.digest()[:8]" in tensor_hash
+    assert "byteorder='big', signed=False" in tensor_hash
+    mixin = ast.unparse(sglang.tree("sglang/srt/managers/tokenizer_control_mixin.py"))
+    assert re.search(r"h = hashlib\.sha256\(\)\s+for \w+ in \w+:\s+h\.update\(\w+(\['per_gpu_checksum'\]|"
+                     r"\.per_gpu_checksum)\.encode\(\)\)\s+per_engine_checksum = h\.hexdigest\(\)", mixin)
 
 
 def safe_unpickler_allows(sglang: SglangSource) -> Callable[[str, str], bool]:

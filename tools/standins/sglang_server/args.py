@@ -62,6 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     lora_modules = [*protocol.LORA_TARGET_MODULES, protocol.LORA_ALL_MODULES]
     parser.add_argument("--lora-target-modules", nargs="*", default=None, choices=lora_modules)
     parser.add_argument("--torch-threads", type=int, default=None)
+    # A fault for tests (server.py's docstring): updates past the first N are acknowledged and not loaded.
+    parser.add_argument("--drop-weight-updates-after", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info")
     args, unknown = parser.parse_known_args(argv)
     args.ignored = unknown

@@ -27,6 +27,12 @@ It behaves as SGLang does where a client can get it wrong, so the tests catch su
   checks them): `/load_lora_adapter` reads a PEFT folder, `/unload_lora_adapter` waits for the requests still
   using the adapter, and a `/generate` item runs with the adapter its `lora_path` names (`compat_adapters.py`).
   Without `--enable-lora` a load fails with SGLang's message.
+* `/weights_checker` with action "checksum" answers SGLang's checksum of the weights served, computed as SGLang's
+  CPU path computes it (`checksum.py`); other actions are refused with success false.
+
+A fault for tests, hidden from `--help`: `--drop-weight-updates-after N` acknowledges every weight update after
+the first N as loaded, and sets the version it names, without loading its tensors: a load path that silently
+drops updates, which only the weight check (`engines/sglang/checksums.py`) can tell.
 
 Weight updates are received the way SGLang receives them: the group is joined through the tcp:// rendezvous
 with the group-name store prefix (`weight_group.py`), then each `/update_weights_from_distributed` call
@@ -55,7 +61,7 @@ from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
 from engines.sglang.weight_group import WeightGroup, join_weight_group
-from tools.standins.sglang_server import parsing
+from tools.standins.sglang_server import checksum, parsing
 from tools.standins.sglang_server.adapters import AdapterRoutes
 from tools.standins.sglang_server.args import DTYPES, parse_args
 from tools.standins.sglang_server.memory import ColocationRoutes
@@ -79,6 +85,7 @@ class CompatServer:
         self._rids = itertools.count()
         self._inflight: set[str] = set()
         self.weights_lock = asyncio.Lock()
+        self.loads = 0  # weight updates loaded (or, past --drop-weight-updates-after, dropped)
         self.lora = AdapterRoutes.for_server(engine, args)
         self.memory = ColocationRoutes(self, args)
 
@@ -102,6 +109,7 @@ class CompatServer:
             protocol.RESUME_MEMORY: self.memory.resume,
             protocol.LOAD_LORA_ADAPTER: self.lora.load,
             protocol.UNLOAD_LORA_ADAPTER: self.lora.unload,
+            protocol.WEIGHTS_CHECKER: self.weights_checker,
         }
         if self.sessions:
             handlers[protocol.BEGIN_WEIGHT_UPDATE] = self.begin_weight_update
@@ -114,6 +122,7 @@ class CompatServer:
             web.get("/metrics", self.metrics),
             web.post("/flush_cache", self.flush_cache),
             web.post("/update_weight_version", self.update_weight_version),
+            web.get(protocol.WEIGHTS_CHECKER.path, self.weights_checker),  # SGLang's route takes GET and POST
         ]
         app.add_routes(routes)
         app.on_shutdown.append(self._shutdown)
@@ -361,6 +370,11 @@ class CompatServer:
     async def load(self, tensors: list[tuple[str, Any]], version: Any) -> web.Response | None:
         """Load a received bucket between two decode steps; a `weight_version` given becomes the server's."""
         number = protocol.parse_weight_version(version)
+        self.loads += 1
+        if self.args.drop_weight_updates_after is not None and self.loads > self.args.drop_weight_updates_after:
+            logger.warning("dropping weight update %d (--drop-weight-updates-after %d): acknowledged, not loaded",
+                           self.loads, self.args.drop_weight_updates_after)
+            tensors = []
         try:
             await self.engine.update_weights(tensors, self.engine.version if number is None else number)
         except ValueError as error:
@@ -385,6 +399,24 @@ class CompatServer:
                 "Retract or finish them, then call /flush_cache."
             )
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """SGLang's `/weights_checker`: action "checksum" (its default) hashes what the server serves now
+        (`checksum.py`); the snapshot and compare actions are not implemented here and are refused."""
+        body = await parsing.request_json(request)
+        action = body.get("action", protocol.CHECKSUM_ACTION)
+        if action != protocol.CHECKSUM_ACTION:
+            return _failure(f"Unsupported action={action!r} (this server computes {protocol.CHECKSUM_ACTION!r} only)")
+        skip = body.get("skip_tensor_list") if self.sessions else None  # a field since 0.5.23
+        if skip is not None and not (isinstance(skip, list) and all(isinstance(item, str) for item in skip)):
+            return _failure(f"skip_tensor_list must be a list of strings, got {skip!r}")
+        refused = self.memory.refusal("/weights_checker", needs=(protocol.MEMORY_WEIGHTS,))
+        if refused is not None:
+            return refused
+        async with self.weights_lock:  # no update writes the weights while they are read
+            answer = await asyncio.to_thread(checksum.checksum_answer, self.engine.model, self.args.sglang_api,
+                                             skip or ())
+        return web.json_response(answer)
 
     # ---- helpers
 
