@@ -372,6 +372,11 @@ class WeightsConfig(Section):
         "compares them with what it sent (RUN_DIR/integrity.json): repush (a mismatch fails the push, which is "
         "tried again), strict (a mismatch stops the run, naming engine and tensor; slime's "
         "--check-weight-update-equal), off")
+    weight_check_stride: int = Field(
+        16, ge=1, description="a checked push fingerprints every Nth row of each weight matrix (small tensors "
+        "whole), from a row that moves with each version: a tensor never loaded or an adapter never merged is caught "
+        "at once, a corruption that stays within N pushes, at about 1/N of the cost; 1 checks every byte of every "
+        "push (as slime's --check-weight-update-equal does)")
 
     @field_validator("weight_transport")
     @classmethod

@@ -154,6 +154,7 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "off_policy_correction", "tis", flag)
     elif flag == "--check-weight-update-equal":
         _set(args, "weight_check", "strict", flag)
+        _set(args, "weight_check_stride", 1, flag)  # slime compares every byte
     elif flag == "--custom-loss-function-path":
         if getattr(args, "loss_type", None) not in (None, "custom_loss", value):
             raise ValueError(f"--custom-loss-function-path {value} needs --loss-type custom_loss (or none), "

@@ -124,8 +124,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--custom-update-weight-post-write-path": _refused(NO_DISK_SYNC, "value"),
     "--keep-old-actor": _refused("a second resident actor copy for pi_old is not kept; the proximal policy is "
                                  "recomputed with --use-decoupled-ppo (or any --off-policy-correction)"),
-    "--check-weight-update-equal": _alias("-> --weight-check strict: every push is fingerprinted on both ends, a "
-                                          "mismatch stops the run", "switch"),
+    "--check-weight-update-equal": _alias("-> --weight-check strict --weight-check-stride 1: every byte of every "
+                                          "push is fingerprinted on both ends, a mismatch stops the run", "switch"),
     # --- rollout ---
     "--hf-checkpoint": _same(),
     "--model-name": _explained("the architecture and weight names are read from the HF checkpoint's config",

@@ -92,6 +92,7 @@ def sender_options(config: RunConfig, host: str) -> SenderOptions:
         backend=transfer_backend(config),
         timeout_s=config.weights.weight_transfer_timeout,
         gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
+        fingerprint_stride=config.weights.weight_check_stride,
     )
 
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # a rollout worker process imports this module and must not pay for torch unless its engine does
     import torch
 
-    from engines.weights.fingerprint import ServedPrints
+    from engines.weights.fingerprint import FingerprintPlan, ServedPrints
     from engines.weights.manifest import TensorSpec
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -255,9 +255,12 @@ class InferenceEngine(ABC):
     def version(self) -> int:
         """The policy version of the weights the next decode step uses."""
 
-    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints | None:
-        """Fingerprints of what the engine serves now for each pushed tensor (`engines.weights.fingerprint`), so
-        the learner can check a push landed as sent. None: this engine cannot tell, and the check says so."""
+    async def served_fingerprints(
+        self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan
+    ) -> ServedPrints | None:
+        """Fingerprints of what the engine serves now for each pushed tensor, as `plan` says (`plan.prints()`;
+        `engines.weights.fingerprint`), so the learner can check a push landed as sent. None: this engine cannot
+        tell, and the check says so."""
         return None
 
     def kv_cache_account(self) -> KvCacheAccount | None:

@@ -40,7 +40,7 @@ from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
-from engines.weights.fingerprint import Fingerprints, ServedPrints, comparable_dtype
+from engines.weights.fingerprint import FingerprintPlan, ServedPrints, comparable_dtype
 from engines.weights.manifest import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -162,10 +162,10 @@ class TorchEngine(base.InferenceEngine):
             raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
         await self._call(_UpdateWeights(named_tensors, version))
 
-    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints:
+    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
         """Its weight for a full tensor; for a LoRA factor, the factor merged into its layer, and only if the layer
         holds that merge (an adapter received but never merged fingerprints as absent)."""
-        return await self._call(_Fingerprint(specs, algorithm))
+        return await self._call(_Fingerprint(specs, plan))
 
     def kv_cache_account(self) -> base.KvCacheAccount:
         return base.KvCacheAccount(self._recompute_kv_on_update, self._batcher.stale_kv_tokens)
@@ -357,8 +357,9 @@ class TorchEngine(base.InferenceEngine):
         if self._recompute_kv_on_update:
             self._batcher.drop_cache()
 
-    def _fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints:
-        prints, unchecked = Fingerprints(algorithm), {}
+    def _fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
+        prints, unchecked = plan.prints(), {}
+        specs = plan.covered(specs)
         adapters = self._adapters.served(spec.name for spec in specs if is_adapter(spec.name))
         for spec in specs:
             served = adapters.get(spec.name) if is_adapter(spec.name) else self._parameters.get(spec.name)
@@ -459,10 +460,10 @@ class _UpdateWeights(Command):
 @dataclass
 class _Fingerprint(Command):
     specs: tuple[TensorSpec, ...]
-    algorithm: str
+    plan: FingerprintPlan
 
     def apply(self, engine: TorchEngine) -> object:
-        return engine._fingerprints(self.specs, self.algorithm)
+        return engine._fingerprints(self.specs, self.plan)
 
 
 @dataclass

@@ -14,17 +14,33 @@ Two algorithms, one per kind of device, so neither end copies weights to another
 Both are exact functions of the bytes (the sum is integer arithmetic, so its order does not matter), so the
 learner and the engine agree bit for bit. Either runs on either device (slower there), so a learner and an
 engine on different kinds of device still compare.
+
+Reading every pushed byte once more on both ends costs about a tenth of a push where the push itself is a memory
+copy (a CPU over gloo). So a push may fingerprint one of `stride` equal slices of rows of each tensor with more
+rows than that (small tensors whole), slice `version % stride`: a contiguous view, read in place. A LoRA push is
+hundreds of small factors, where the cost is per tensor (and the engine's check that each layer holds its merge),
+so there a push covers one of every `stride` adapted layers instead (in name order, those at `version % stride`).
+The failures that matter in practice (a tensor never loaded, an adapter never merged, old weights restored) change
+nearly every row, or every layer, and are caught at the push they happen; `stride` consecutive pushes read every
+row and every layer, so a corruption that stays is caught within `stride` pushes. Stride 1 reads every byte of
+every push (`FingerprintPlan`).
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from engines.training.lora import WIRE_SUFFIXES
+
+if TYPE_CHECKING:
+    from engines.weights.manifest import TensorSpec
 
 ALGORITHMS = ("xxh3", "wsum")
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 at a time on the device
@@ -48,19 +64,61 @@ def comparable_dtype(wire: torch.dtype, served: torch.dtype) -> bool:
     return served_info.bits > wire_info.bits and served_info.eps <= wire_info.eps and served_info.max >= wire_info.max
 
 
+@dataclass(frozen=True)
+class FingerprintPlan:
+    """What both ends of one push fingerprint: the algorithm, which tensors (`covered`) and which of their rows
+    (slice `version % stride` of `stride` of each tensor with more than `stride` rows; see the module docstring)."""
+
+    algorithm: str
+    stride: int = 1
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"fingerprint algorithm: expected one of {ALGORITHMS}, got {self.algorithm!r}")
+        if not isinstance(self.stride, int) or self.stride < 1:
+            raise ValueError(f"fingerprint stride: expected an int >= 1, got {self.stride!r}")
+
+    def prints(self) -> Fingerprints:
+        return Fingerprints(self.algorithm, self.stride, self.version % self.stride)
+
+    def covered(self, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+        """The tensors of a push both ends fingerprint: every full tensor, and the LoRA factors of this push's share
+        of the adapted layers."""
+        if self.stride == 1:
+            return tuple(specs)
+        layers = sorted({_adapted_layer(spec.name) for spec in specs} - {None})  # type: ignore[type-var]
+        share = set(layers[self.version % self.stride::self.stride])
+        return tuple(spec for spec in specs if _adapted_layer(spec.name) in share | {None})
+
+
+def _adapted_layer(name: str) -> str | None:
+    """`model.layers.0.mlp.up_proj` for its factor `model.layers.0.mlp.up_proj.lora_A.weight`; None for a weight."""
+    return name.rsplit(".", 2)[0] if name.endswith(WIRE_SUFFIXES) else None
+
+
+def sampled_rows(tensor: Tensor, stride: int, offset: int) -> Tensor:
+    """Slice `offset` of `stride` near-equal slices of `tensor`'s rows (a view); a tensor of one dimension, or of
+    no more than `stride` rows, whole."""
+    rows = tensor.shape[0] if tensor.dim() >= 2 else 0
+    if stride == 1 or rows <= stride:
+        return tensor
+    return tensor[offset * rows // stride:(offset + 1) * rows // stride]
+
+
 class Fingerprints:
     """Fingerprints of named tensors, gathered one by one, read at the end: on a GPU, one host sync in all."""
 
-    def __init__(self, algorithm: str) -> None:
+    def __init__(self, algorithm: str, stride: int = 1, offset: int = 0) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"fingerprint algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
-        self.algorithm = algorithm
+        self.algorithm, self.stride, self.offset = algorithm, stride, offset
         self._ready: dict[str, int] = {}
         self._on_device: dict[str, Tensor] = {}
 
     def add(self, name: str, tensor: Tensor, dtype: torch.dtype | None = None) -> None:
-        """Fingerprint `tensor` as `dtype` (default: its own) under `name`."""
-        tensor = tensor.detach()
+        """Fingerprint `tensor` (its rows of this push) as `dtype` (default: its own) under `name`."""
+        tensor = sampled_rows(tensor.detach(), self.stride, self.offset)
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         if self.algorithm == "xxh3":

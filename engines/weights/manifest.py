@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.weights.fingerprint import ALGORITHMS
+from engines.weights.fingerprint import ALGORITHMS, FingerprintPlan
 
 # Byte offsets inside a bucket are multiples of this, so every slice can be viewed as any dtype in place.
 ALIGNMENT = 64
@@ -68,6 +68,13 @@ class Manifest:
     direct_bytes: int
     tensors: tuple[TensorSpec, ...]
     fingerprint: str | None = None  # the algorithm both ends fingerprint the tensors with (`fingerprint.py`), if any
+    fingerprint_stride: int = 1  # ... over every stride-th row of each tensor (`FingerprintPlan`)
+
+    def fingerprint_plan(self) -> FingerprintPlan | None:
+        """What both ends fingerprint in this push; None: the sender asked for no fingerprints."""
+        if self.fingerprint is None:
+            return None
+        return FingerprintPlan(self.fingerprint, self.fingerprint_stride, self.version)
 
     @property
     def total_bytes(self) -> int:
@@ -88,6 +95,7 @@ class Manifest:
                 "direct_bytes": self.direct_bytes,
                 "tensors": [[s.name, _DTYPE_NAMES[s.dtype], list(s.shape)] for s in self.tensors],
                 "fingerprint": self.fingerprint,
+                "fingerprint_stride": self.fingerprint_stride,
             },
             separators=(",", ":"),
         ).encode()
@@ -113,6 +121,9 @@ class Manifest:
         fingerprint = raw.get("fingerprint")
         if fingerprint is not None and fingerprint not in ALGORITHMS:
             raise ValueError(f"weight manifest: fingerprint must be one of {ALGORITHMS} or null, got {fingerprint!r}")
+        stride = raw.get("fingerprint_stride", 1)
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+            raise ValueError(f"weight manifest: fingerprint_stride must be an integer >= 1, got {stride!r}")
         specs = []
         for index, entry in enumerate(entries):
             if (
@@ -126,7 +137,7 @@ class Manifest:
                 raise ValueError(f"weight manifest: tensor entry {index} malformed: {str(entry)[:120]!r}")
             specs.append(TensorSpec(entry[0], DTYPES[entry[1]], tuple(entry[2])))
         return cls(version=version, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, tensors=tuple(specs),
-                   fingerprint=fingerprint)
+                   fingerprint=fingerprint, fingerprint_stride=stride)
 
 
 def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int, direct_bytes: int) -> list[Bucket]:

@@ -73,13 +73,18 @@ class TorchDistributedWeightSender(WeightSender):
         timeout_s: float = 120.0,
         device: torch.device | str | None = None,
         transport: str = groups.TORCH_DISTRIBUTED,
+        fingerprint_stride: int = 1,
     ) -> None:
+        """`fingerprint_stride`: a checked push fingerprints every stride-th row of each tensor (`FingerprintPlan`)."""
         if bucket_bytes <= 0 or direct_bytes <= 0:
             raise ValueError(f"bucket_bytes and direct_bytes must be positive, got {bucket_bytes}, {direct_bytes}")
+        if fingerprint_stride < 1:
+            raise ValueError(f"fingerprint_stride must be >= 1, got {fingerprint_stride}")
         self._host, self._backend, self._timeout_s = host, backend, timeout_s
         self._transport = transport  # the name the group specs carry, so engines build the matching loader
         # Public and changeable between transfers: each manifest carries the layout it was sent with.
         self.bucket_bytes, self.direct_bytes = bucket_bytes, direct_bytes
+        self.fingerprint_stride = fingerprint_stride
         self._device = groups.transfer_device(backend, device)
         self._store = groups.host_store(host, port, timeout_s)
         self._generation = -1
@@ -194,8 +199,11 @@ class TorchDistributedWeightSender(WeightSender):
         tensors = specified(named_tensors)
         algorithm = algorithm_for(self._device) if fingerprint else None
         manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.direct_bytes,
-                            tensors=wire_specs(tensors.specs, dtype), fingerprint=algorithm)
-        sent = Fingerprints(algorithm) if algorithm is not None else None
+                            tensors=wire_specs(tensors.specs, dtype), fingerprint=algorithm,
+                            fingerprint_stride=self.fingerprint_stride)
+        plan = manifest.fingerprint_plan()
+        sent = plan.prints() if plan is not None else None
+        covered = frozenset(spec.name for spec in plan.covered(manifest.tensors)) if plan is not None else frozenset()
         prefix = f"xfer/{self._sequence}/"
         receivers = spec.receivers
         keys.set(prefix + "manifest", manifest.encode())
@@ -213,7 +221,7 @@ class TorchDistributedWeightSender(WeightSender):
         buckets = manifest.buckets()
         try:
             with groups.single_threaded_copies(self._device):
-                completed = self._broadcast_buckets(iter(tensors), manifest, buckets, sent)
+                completed = self._broadcast_buckets(iter(tensors), manifest, buckets, sent, covered)
         except SourceBroke as error:
             # No receiver is at fault; the ones waiting for the next bucket leave when they see the mark.
             why = f"the learner's tensors broke mid-way: {error}"
@@ -308,8 +316,10 @@ class TorchDistributedWeightSender(WeightSender):
         return self._spec, self._keys
 
     def _broadcast_buckets(self, stream: Iterator[tuple[str, Tensor]], manifest: Manifest,
-                           buckets: list[Bucket], sent: Fingerprints | None = None) -> bool:
+                           buckets: list[Bucket], sent: Fingerprints | None = None,
+                           covered: frozenset[str] = frozenset()) -> bool:
         """At most IN_FLIGHT broadcasts outstanding; a packing slot is rewritten only after its last send ended.
+        The tensors of `covered` are fingerprinted into `sent` as they go out (`FingerprintPlan.covered`).
         A bucket's tensors are pulled from `stream` once a broadcast slot is free for it, and referenced only
         until its broadcast completed (a lone tensor is sent from its own memory).
 
@@ -317,6 +327,9 @@ class TorchDistributedWeightSender(WeightSender):
         whatever is still pending on it (`group.park`): destroying it here would block until gloo's timeout."""
         in_flight: deque[tuple[dist.Work, Tensor]] = deque()
         slot_work: list[dist.Work | None] = [None] * groups.IN_FLIGHT
+        # A packed bucket's bytes stay in its slot until the slot is rewritten, so its fingerprints wait for that
+        # or for the last bucket posted: the receivers are then still loading, and this end has nothing else to do.
+        unprinted: list[list[tuple[str, Tensor]]] = [[] for _ in range(groups.IN_FLIGHT)]
         next_slot = 0
         try:
             for bucket in buckets:
@@ -332,19 +345,26 @@ class TorchDistributedWeightSender(WeightSender):
                     slot, next_slot = next_slot, (next_slot + 1) % groups.IN_FLIGHT
                     if slot_work[slot] is not None and not self._wait(slot_work[slot]):
                         return self._let_go(in_flight)
+                    _print(sent, unprinted[slot])
                     payload = groups.slot_buffer(self._buffers, slot, bucket.nbytes, self._device)[: bucket.nbytes]
                     for (index, offset), tensor in zip(bucket.entries, pulled, strict=True):
                         tensor_view(payload, offset, manifest.tensors[index]).copy_(tensor)
                 del pulled
                 work = groups.broadcast(self._group, payload)
-                if sent is not None:  # the bytes going out, in the wire dtype, read while the broadcast runs
-                    for index, offset in bucket.entries:
-                        sent.add(manifest.tensors[index].name, tensor_view(payload, offset, manifest.tensors[index]))
+                if sent is not None:  # the bytes going out, in the wire dtype
+                    views = [(manifest.tensors[index].name, tensor_view(payload, offset, manifest.tensors[index]))
+                             for index, offset in bucket.entries if manifest.tensors[index].name in covered]
+                    if slot is None:
+                        _print(sent, views)  # read while the broadcast runs: the tensor is not held past it
+                    else:
+                        unprinted[slot] = views
                 if slot is not None:
                     slot_work[slot] = work
                 in_flight.append((work, payload))
                 del payload
             next(stream, None)  # past the last spec: raises SourceBroke if the source has more
+            for views in unprinted:
+                _print(sent, views)
             while in_flight:
                 if not self._wait(in_flight[0][0]):
                     return self._let_go(in_flight)
@@ -415,6 +435,14 @@ class TorchDistributedWeightSender(WeightSender):
         for rank in range(1, size):
             if keys.check([f"{prefix}prints/{rank}"]):
                 keys.delete_key(f"{prefix}prints/{rank}")
+
+
+def _print(sent: Fingerprints | None, views: list[tuple[str, Tensor]]) -> None:
+    """Fingerprint the bytes of `views` (a packed slot's, or a lone tensor's) into `sent`, and forget them."""
+    if sent is not None:
+        for name, view in views:
+            sent.add(name, view)
+    views.clear()
 
 
 def _release(group: object) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from engines.weights.base import WeightTransferError
-from engines.weights.fingerprint import ServedPrints
+from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.group import GroupSpec
 from engines.weights.manifest import TensorSpec
 from engines.weights.torch_receiver import TorchDistributedWeightReceiver
@@ -59,9 +59,9 @@ class TorchDistributedLoader:
             # until it has, and makes the acknowledgement mean "loaded".
             asyncio.run_coroutine_threadsafe(self.engine.update_weights(list(named), version), loop).result()
 
-        def fingerprint(specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints | None:
+        def fingerprint(specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints | None:
             # Still paused: what is fingerprinted is what the next decode step will use.
-            return asyncio.run_coroutine_threadsafe(self.engine.served_fingerprints(specs, algorithm), loop).result()
+            return asyncio.run_coroutine_threadsafe(self.engine.served_fingerprints(specs, plan), loop).result()
 
         await self.engine.pause("keep")
         try:

@@ -12,11 +12,11 @@ from torch import Tensor
 
 from engines.weights import group as groups
 from engines.weights.base import LoadFn, WeightReceiver, WeightTransferError
-from engines.weights.fingerprint import ServedPrints
+from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.manifest import Bucket, Manifest, TensorSpec, bucket_views
 
 OK, ERROR_PREFIX = groups.OK, groups.ERROR_PREFIX
-FingerprintFn = Callable[[tuple[TensorSpec, ...], str], ServedPrints | None]
+FingerprintFn = Callable[[tuple[TensorSpec, ...], FingerprintPlan], ServedPrints | None]
 """The engine's fingerprints of what it serves for the pushed tensors, with the sender's algorithm."""
 
 
@@ -113,7 +113,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         `finish_fn(version)`, when given, runs after the last bucket loaded and before the acknowledgement, so
         an engine that puts the version to use only once it has all of it (an adapter loaded from a folder)
         acknowledges "served", not "received"; what it raises is reported like a `load_fn` failure.
-        `fingerprint_fn(specs, algorithm)`, when given and the sender asks for fingerprints, then fingerprints what
+        `fingerprint_fn(specs, plan)`, when given and the sender asks for fingerprints, then fingerprints what
         the engine serves (`fingerprint.py`); they reach the sender before the acknowledgement. Without it the
         sender reports this engine as one it could not check.
         """
@@ -246,10 +246,11 @@ class TorchDistributedWeightReceiver(WeightReceiver):
 def _served(fingerprint_fn: FingerprintFn, manifest: Manifest) -> ServedPrints | None:
     """The engine's fingerprints (None: not asked for, or an engine that cannot tell); if fingerprinting fails,
     every tensor unchecked with the reason: the weights did load, so this is a verdict, not a failed transfer."""
-    if manifest.fingerprint is None:
+    plan = manifest.fingerprint_plan()
+    if plan is None:
         return None
     try:
-        return fingerprint_fn(manifest.tensors, manifest.fingerprint)
+        return fingerprint_fn(manifest.tensors, plan)
     except Exception as error:
         reason = f"fingerprinting failed: {type(error).__name__}: {error}"[:300]
         return ServedPrints(unchecked={spec.name: reason for spec in manifest.tensors})

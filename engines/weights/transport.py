@@ -35,6 +35,7 @@ class SenderOptions:
     backend: str  # "gloo" | "nccl" | "cuda_ipc" (ignored by mechanisms that need none)
     timeout_s: float  # how long a transfer waits for an engine before naming it as failed
     gpus_per_engine: int = 1  # ranks each engine occupies in the group (SGLang's tensor-parallel servers)
+    fingerprint_stride: int = 1  # a checked push fingerprints every stride-th row (`engines.weights.fingerprint`)
 
 
 class EngineLoader(Protocol):
@@ -86,6 +87,7 @@ def _torch_distributed_sender(options: SenderOptions) -> WeightSender:
         host=options.host,
         backend=options.backend,  # type: ignore[arg-type]  # GroupSpec validates it
         timeout_s=options.timeout_s,
+        fingerprint_stride=options.fingerprint_stride,
     )
 
 

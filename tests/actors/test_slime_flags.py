@@ -158,7 +158,9 @@ def test_aliases_translate_into_our_settings() -> None:
 @pytest.mark.unit
 def test_check_weight_update_equal_is_the_strict_weight_check_and_our_default_checks_too() -> None:
     assert configure(["--check-weight-update-equal"])[0].weights.weight_check == "strict"
+    assert configure(["--check-weight-update-equal"])[0].weights.weight_check_stride == 1  # slime compares every byte
     assert configure([])[0].weights.weight_check == "repush"
+    assert configure([])[0].weights.weight_check_stride == 16
     with pytest.raises(ValueError, match="--check-weight-update-equal sets --weight-check 'strict', but "
                                          "--weight-check 'off' was also given"):
         configure(["--check-weight-update-equal", "--weight-check", "off"])

@@ -21,6 +21,7 @@ from engines.weights.base import TransferReport, WeightsDiffer
 from engines.weights.fingerprint import (
     ALGORITHMS,
     FingerprintCheck,
+    FingerprintPlan,
     ServedPrints,
     check_served,
     comparable_dtype,
@@ -129,6 +130,68 @@ def test_the_manifest_carries_the_algorithm_and_refuses_one_it_does_not_know() -
         Manifest.decode(bad)
 
 
+def test_the_manifest_carries_the_stride_and_refuses_one_below_one() -> None:
+    manifest = Manifest(version=5, bucket_bytes=64, direct_bytes=64, tensors=(TensorSpec("w", torch.float32, (2,)),),
+                        fingerprint="xxh3", fingerprint_stride=4)
+    assert Manifest.decode(manifest.encode()) == manifest
+    assert manifest.fingerprint_plan() == FingerprintPlan("xxh3", stride=4, version=5)
+    with pytest.raises(ValueError, match="fingerprint_stride must be an integer >= 1, got 0"):
+        Manifest.decode(manifest.encode().replace(b'"fingerprint_stride":4', b'"fingerprint_stride":0'))
+
+
+# ------------------------------------------------------------------------------------- fingerprinting rows
+def _prints(plan: FingerprintPlan, named: dict[str, Tensor]) -> dict[str, int]:
+    prints = plan.prints()
+    for name, tensor in named.items():
+        prints.add(name, tensor)
+    return prints.values()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_strided_push_sees_a_changed_row_at_the_push_whose_rows_hold_it_and_stride_pushes_see_every_row(
+        algorithm: str) -> None:
+    weights = {"matrix": torch.randn(10, 6, generator=torch.Generator().manual_seed(0)), "norm": torch.ones(10)}
+    seen_at: dict[int, list[int]] = {}
+    for row in range(10):
+        altered = {**weights, "matrix": weights["matrix"].clone()}
+        altered["matrix"][row, 3] += 1e-3
+        seen_at[row] = [version for version in range(4)
+                        if _prints(FingerprintPlan(algorithm, 4, version), altered)["matrix"]
+                        != _prints(FingerprintPlan(algorithm, 4, version), weights)["matrix"]]
+    slices = [range(i * 10 // 4, (i + 1) * 10 // 4) for i in range(4)]  # rows 0-1, 2-4, 5-6, 7-9
+    assert seen_at == {row: [i for i, rows in enumerate(slices) if row in rows] for row in range(10)}
+    assert all(len(versions) == 1 for versions in seen_at.values())  # each row by one of 4 consecutive pushes
+    every = FingerprintPlan(algorithm, 1, 7)
+    assert _prints(every, weights) == fp.fingerprint_all(weights.items(), algorithm)  # stride 1: every byte
+    norm = {**weights, "norm": weights["norm"].clone()}
+    norm["norm"][9] = 2.0  # one dimension: always whole
+    assert all(_prints(FingerprintPlan(algorithm, 4, v), norm)["norm"] != _prints(FingerprintPlan(algorithm, 4, v),
+               weights)["norm"] for v in range(4))
+
+
+@pytest.mark.unit
+def test_a_push_covers_every_full_tensor_and_its_share_of_the_adapted_layers_which_stride_pushes_complete() -> None:
+    layers = [f"model.layers.{i}.mlp.up_proj" for i in range(5)]
+    specs = [TensorSpec("model.norm.weight", torch.float32, (8,))] + [
+        TensorSpec(f"{layer}.lora_{factor}.weight", torch.float32, (4, 8)) for layer in layers for factor in "AB"]
+    covered = {version: [spec.name for spec in FingerprintPlan("xxh3", 2, version).covered(specs)]
+               for version in (0, 1)}
+    assert covered[0] == ["model.norm.weight"] + [f"{layers[i]}.lora_{f}.weight" for i in (0, 2, 4) for f in "AB"]
+    assert covered[1] == ["model.norm.weight"] + [f"{layers[i]}.lora_{f}.weight" for i in (1, 3) for f in "AB"]
+    assert FingerprintPlan("xxh3", 1, 5).covered(specs) == tuple(specs)
+
+
+@pytest.mark.unit
+def test_a_tensor_never_loaded_differs_in_every_pushs_rows_and_a_bad_stride_is_refused() -> None:
+    old = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    new = old + 0.01
+    assert all(_prints(FingerprintPlan("xxh3", 16, v), {"w": old}) != _prints(FingerprintPlan("xxh3", 16, v),
+               {"w": new}) for v in range(16))
+    with pytest.raises(ValueError, match="fingerprint stride: expected an int >= 1, got 0"):
+        FingerprintPlan("xxh3", 0)
+
+
 # ------------------------------------------------------------------------------- real pushes into an engine
 def _perturbed(model: torch.nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, Tensor]]:
     generator = torch.Generator().manual_seed(seed)
@@ -137,12 +200,13 @@ def _perturbed(model: torch.nn.Module, seed: int, dtype: torch.dtype = torch.flo
 
 
 async def _push(engine: TorchEngine, pushed: list[tuple[str, Tensor]], *, version: int = 7,
-                dtype: torch.dtype | None = None, backend: str = "gloo",
+                dtype: torch.dtype | None = None, backend: str = "gloo", stride: int = 1,
                 ) -> tuple[TransferReport | WeightsDiffer, int | None]:
     """One fingerprinted push from this process to `engine`: the report (or the error) and what the sender then
     holds as committed."""
     transport = resolve_transport("torch_distributed")
-    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend=backend, timeout_s=30.0))
+    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend=backend, timeout_s=30.0,
+                                                 fingerprint_stride=stride))
     loader = transport.make_loader(engine, "rollout-0", structlog.get_logger())
     try:
         group = sender.open_group(["learner", "rollout-0"]).to_dict()
@@ -197,6 +261,21 @@ async def test_a_tensor_altered_after_its_load_fails_the_push_naming_engine_and_
 
 
 @pytest.mark.integration
+async def test_a_strided_check_catches_a_tensor_the_load_skipped_and_commits_an_honest_push(
+        tiny_model_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    skipped = "model.layers.1.self_attn.o_proj.weight"
+    async with TorchEngine(model, None) as engine:
+        report, _ = await _push(engine, _perturbed(model, seed=8), stride=16)
+        assert isinstance(report, TransferReport) and report.fingerprints is not None
+        assert report.fingerprints.matched == ("rollout-0",)
+        before = model.get_parameter(skipped).detach().clone()
+        _after_load(engine, lambda: model.get_parameter(skipped).data.copy_(before))  # as if never loaded
+        outcome, _ = await _push(engine, _perturbed(model, seed=9), version=8, stride=16)
+    assert isinstance(outcome, WeightsDiffer) and outcome.check.differ == {"rollout-0": [skipped]}
+
+
+@pytest.mark.integration
 async def test_an_engine_that_rounded_what_it_received_is_reported_unchecked_not_wrong(tiny_model_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
     async with TorchEngine(model, None) as engine:
@@ -208,7 +287,7 @@ async def test_an_engine_that_rounded_what_it_received_is_reported_unchecked_not
 class _PluginEngine(TorchEngine):
     """An engine written without fingerprints, as a plugin engine may be: the base class's answer."""
 
-    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], algorithm: str) -> ServedPrints | None:
+    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints | None:
         return None
 
 
@@ -258,3 +337,25 @@ async def test_an_adapter_received_but_never_merged_fails_the_push_naming_its_fa
     assert isinstance(outcome, WeightsDiffer) and committed is None
     assert outcome.check.differ == {"rollout-0": ["model.layers.0.mlp.up_proj.lora_A.weight",
                                                   "model.layers.0.mlp.up_proj.lora_B.weight"]}
+
+
+@pytest.mark.integration
+async def test_a_strided_check_catches_an_adapter_never_merged_at_every_push_in_the_layers_it_checks(
+        tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stride 2: each push checks the merge of one of the two adapted layers (in name order, the one at the version
+    modulo 2); an adapter never merged anywhere fails every push, naming the layer that push checked."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+
+    def store_only(merger: AdapterMerger, module: str) -> None:  # the bug: factors stored, no layer merged
+        merger._bases.setdefault(module, merger._parameters[f"{module}.weight"].detach().clone())
+
+    monkeypatch.setattr(AdapterMerger, "_merge", store_only)
+    differ = {}
+    async with TorchEngine(model, None, lora_scaling=2.0) as engine:
+        for version in (7, 8):
+            outcome, _ = await _push(engine, _adapter(model, seed=version), version=version, stride=2)
+            assert isinstance(outcome, WeightsDiffer)
+            differ[version] = outcome.check.differ["rollout-0"]
+    factors = {module: [f"model.layers.0.{module}.lora_{factor}.weight" for factor in "AB"]
+               for module in ("self_attn.q_proj", "mlp.up_proj")}
+    assert differ == {7: factors["self_attn.q_proj"], 8: factors["mlp.up_proj"]}

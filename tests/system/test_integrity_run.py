@@ -53,7 +53,9 @@ def test_an_engine_serving_other_weights_stops_a_strict_run_naming_it_and_the_te
     certificate = json.loads((run_dir / "integrity.json").read_text())
     weights = certificate["checks"]["weights"]
     assert not certificate["ok"] and weights["verdict"] == "fail"
-    assert weights["culprits"] == [{"version": 2, "engine": CORRUPT_ENGINE, "tensors": [CORRUPTED]}]
+    # the first push the corrupting engine loads from version 2 on (it may join a push or two later), and no other
+    [culprit] = weights["culprits"]
+    assert culprit["version"] >= 2 and (culprit["engine"], culprit["tensors"]) == (CORRUPT_ENGINE, [CORRUPTED])
     assert weights["engine_checks_matched"] >= 2  # versions 0 and 1 were pushed and matched on both engines
 
 

@@ -5,9 +5,11 @@
     python -m tools.bench.fingerprint --json out.json
 
 Each row pushes a trainer's weights from this process to a torch engine in its own process over gloo, as a CPU
-run does, alternating checked and unchecked pushes so both meet the same machine; the baseline is the unchecked
-push, measured in the same run. The check's cost is the sender fingerprinting what it sends plus the engine
-fingerprinting what it serves before it acknowledges. Target: at most 2% of the push time. A second table gives
+run does, rotating unchecked pushes, pushes checked as runs check them by default (one of 16 slices of each
+matrix's rows, `--weight-check-stride 16`) and pushes checked byte for byte (stride 1, slime's
+--check-weight-update-equal), so all three meet the same machine; the baseline is the unchecked push, measured in
+the same run. The check's cost is the sender fingerprinting what it sends plus the engine fingerprinting what it
+serves before it acknowledges. Target: at most 2% of the push time, for the default. A second table gives
 each algorithm's own speed on this machine (XXH3 over the bytes on a CPU; the device sum is what a GPU uses).
 """
 
@@ -34,6 +36,9 @@ from tools.bench.models import bench_model
 ROWS = (("tiny", None), ("smollm2", 16), ("smollm2", None), ("qwen2.5-0.5b", None))  # (model, LoRA rank or None)
 QUICK_ROWS = (("tiny", None),)
 TARGET = 0.02
+DEFAULT_STRIDE = 16  # --weight-check-stride's default
+KINDS = ("unchecked", "strided", "full")  # pushed in turn; the stride each checked kind fingerprints with
+STRIDES = {"strided": DEFAULT_STRIDE, "full": 1}
 
 
 @dataclass
@@ -43,11 +48,16 @@ class PushRow:
     megabytes: float
     tensors: int
     unchecked_s: float
-    checked_s: float
+    checked_s: float  # the default: every 16th row
+    full_s: float  # every byte
 
     @property
     def overhead(self) -> float:
         return self.checked_s / self.unchecked_s - 1.0
+
+    @property
+    def full_overhead(self) -> float:
+        return self.full_s / self.unchecked_s - 1.0
 
 
 @dataclass
@@ -66,29 +76,30 @@ def push_row(model: str, rank: int | None, repeats: int) -> PushRow:
     trainer = TorchTrainer(TorchTrainerConfig(model_path=path, check_packing=False, lora=adapter))
     sender = TorchDistributedWeightSender(timeout_s=600)
     spec = sender.open_group(["learner", "engine-0"])
-    pushes = 2 * repeats + 1
+    pushes = len(KINDS) * repeats + 1
     engine = mp.get_context("spawn").Process(
         target=serve_pushes, args=(str(path), spec.to_dict(), adapter.scaling if adapter else None, pushes),
         daemon=True)
     engine.start()
-    times: dict[bool, list[float]] = {True: [], False: []}
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     try:
         sender.wait_for_receivers()
         report = sender.send(trainer.named_tensors(), version=1, fingerprint=True)  # warm-up, untimed
         assert report.fingerprints is not None and report.fingerprints.ok, report.fingerprints
         for version in range(2, pushes + 1):
-            checked = version % 2 == 0
+            kind = KINDS[version % len(KINDS)]
+            sender.fingerprint_stride = STRIDES.get(kind, 1)
             started = time.perf_counter()
-            report = sender.send(trainer.named_tensors(), version=version, fingerprint=checked)
-            times[checked].append(time.perf_counter() - started)
-            if checked:
+            report = sender.send(trainer.named_tensors(), version=version, fingerprint=kind != "unchecked")
+            times[kind].append(time.perf_counter() - started)
+            if kind != "unchecked":
                 assert report.fingerprints is not None and report.fingerprints.matched == ("engine-0",)
     finally:
         engine.join(timeout=300)
         sender.close()
         trainer.close()
     return PushRow(model, f"LoRA rank {rank}" if rank else "full weights", report.num_bytes / 1e6,
-                   report.num_tensors, statistics.median(times[False]), statistics.median(times[True]))
+                   report.num_tensors, *(statistics.median(times[kind]) for kind in KINDS))
 
 
 def speed_rows(megabytes: int) -> list[SpeedRow]:
@@ -103,11 +114,13 @@ def speed_rows(megabytes: int) -> list[SpeedRow]:
 
 
 def print_tables(pushes: list[PushRow], speeds: list[SpeedRow]) -> None:
-    print(f"weight push with and without --weight-check (gloo, one engine; target <= {TARGET:.0%} of the push)")
-    print(f"{'model':<14}{'update':<16}{'MB':>8}{'tensors':>9}{'unchecked s':>13}{'checked s':>11}{'cost':>8}")
+    print(f"weight push with and without --weight-check (gloo, one engine; target <= {TARGET:.0%} of the push for "
+          f"the default, a {DEFAULT_STRIDE}th of the rows)")
+    print(f"{'model':<14}{'update':<16}{'MB':>8}{'tensors':>9}{'unchecked s':>13}{'default s':>11}{'cost':>8}"
+          f"{'every byte s':>14}{'cost':>8}")
     for row in pushes:
         print(f"{row.model:<14}{row.update:<16}{row.megabytes:>8.1f}{row.tensors:>9}{row.unchecked_s:>13.3f}"
-              f"{row.checked_s:>11.3f}{row.overhead:>+8.1%}")
+              f"{row.checked_s:>11.3f}{row.overhead:>+8.1%}{row.full_s:>14.3f}{row.full_overhead:>+8.1%}")
     print("\nfingerprint speed on this machine's CPU, one tensor")
     print(f"{'algorithm':<12}{'MB':>8}{'seconds':>10}{'GB/s':>8}")
     for speed in speeds:
@@ -129,7 +142,8 @@ def main() -> None:
     print_tables(pushes, speeds)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"pushes": [{**asdict(r), "overhead": r.overhead} for r in pushes],
+        args.json.write_text(json.dumps({"pushes": [{**asdict(r), "overhead": r.overhead,
+                                                     "full_overhead": r.full_overhead} for r in pushes],
                                          "speeds": [asdict(s) for s in speeds]}, indent=2))
 
 
