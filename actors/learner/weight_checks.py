@@ -2,8 +2,9 @@
 
 One JSON line per push attempt in RUN_DIR/metrics/weight_checks.jsonl: the version, the engines that serve
 exactly what was sent, those that serve other bits (with the tensors, and `why` where the difference shows only as
-a whole: SGLang's checksums), those that could not be checked (with the reason), or why the push was not checked
-at all. `actors/runtime/integrity.py` turns the file into a verdict.
+a whole: SGLang's checksums), those that could not be checked (with the reason), what fingerprinting cost each end
+(`seconds`: the sender, and each engine while its generation waited), or why the push was not checked at all.
+`actors/runtime/integrity.py` turns the file into a verdict.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class WeightCheckLog:
     def checked(self, version: int, check: FingerprintCheck) -> None:
         # `why` only where a difference shows as a whole (SGLang's checksums), not tensor by tensor
         why = {"why": check.why} if check.why else {}
+        seconds = {"seconds": {end: round(spent, 4) for end, spent in check.seconds.items()}} if check.seconds else {}
         self._write({"version": version, "algorithm": check.algorithm, "matched": list(check.matched),
-                     "differ": check.differ, "unchecked": check.unchecked, **why})
+                     "differ": check.differ, "unchecked": check.unchecked, **why, **seconds})
 
     def not_checked(self, version: int, why: str) -> None:
         self._write({"version": version, "not_checked": why})

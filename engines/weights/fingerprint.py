@@ -29,6 +29,7 @@ every push (`FingerprintPlan`).
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -113,11 +114,13 @@ class Fingerprints:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"fingerprint algorithm: expected one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm, self.stride, self.offset = algorithm, stride, offset
+        self.seconds = 0.0  # spent fingerprinting so far: what the check costs this end
         self._ready: dict[str, int] = {}
         self._on_device: dict[str, Tensor] = {}
 
     def add(self, name: str, tensor: Tensor, dtype: torch.dtype | None = None) -> None:
         """Fingerprint `tensor` (its rows of this push) as `dtype` (default: its own) under `name`."""
+        started = time.perf_counter()
         tensor = sampled_rows(tensor.detach(), self.stride, self.offset)
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
@@ -125,13 +128,16 @@ class Fingerprints:
             self._ready[name] = _xxh3(tensor)
         else:
             self._on_device[name] = _wsum(tensor)
+        self.seconds += time.perf_counter() - started
 
     def values(self) -> dict[str, int]:
         if self._on_device:
+            started = time.perf_counter()
             names = list(self._on_device)
             read = torch.stack([self._on_device[name] for name in names]).tolist()  # the one host read
             self._ready.update(zip(names, read, strict=True))
             self._on_device.clear()
+            self.seconds += time.perf_counter() - started
         return dict(self._ready)
 
 
@@ -160,21 +166,24 @@ class ServedPrints:
 
     prints: dict[str, int] = field(default_factory=dict)
     unchecked: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0  # what fingerprinting cost the engine (its generation stays paused meanwhile)
 
     def encode(self) -> bytes:
-        return json.dumps({"prints": self.prints, "unchecked": self.unchecked}, separators=(",", ":")).encode()
+        return json.dumps({"prints": self.prints, "unchecked": self.unchecked, "seconds": self.seconds},
+                          separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> ServedPrints:
         try:
             raw = json.loads(data)
-            prints, unchecked = raw["prints"], raw["unchecked"]
+            prints, unchecked, seconds = raw["prints"], raw["unchecked"], raw.get("seconds", 0.0)
             if not (all(isinstance(v, int) for v in prints.values()) and all(isinstance(v, str) for v in
-                                                                               unchecked.values())):
+                                                                               unchecked.values())
+                    and isinstance(seconds, int | float)):
                 raise TypeError("values of the wrong type")
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"served fingerprints: unreadable ({error}): {data[:80]!r}") from error
-        return cls(dict(prints), dict(unchecked))
+        return cls(dict(prints), dict(unchecked), float(seconds))
 
 
 @dataclass(frozen=True)
@@ -184,13 +193,14 @@ class FingerprintCheck:
 
     `why`: for an engine of `differ` whose difference shows only in a checksum of everything it serves (SGLang's,
     `engines/sglang/checksums.py`), what shows it; its `differ` entry then lists the tensors known to be involved,
-    if any."""
+    if any. `seconds`: what fingerprinting cost each end that says (the sender as "sender", each engine by name)."""
 
     algorithm: str
     matched: tuple[str, ...] = ()
     differ: dict[str, list[str]] = field(default_factory=dict)
     unchecked: dict[str, str] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict, compare=False)  # a measurement, not the verdict
 
     @property
     def ok(self) -> bool:
@@ -208,9 +218,10 @@ class FingerprintCheck:
         return "; ".join(parts) or f"{len(self.matched)} engine(s) serve exactly the weights sent"
 
 
-def check_served(algorithm: str, sent: Mapping[str, int],
-                 served: Mapping[str, ServedPrints | str]) -> FingerprintCheck:
-    """Compare what each engine serves (its `ServedPrints`, or why it sent none) with what was sent."""
+def check_served(algorithm: str, sent: Mapping[str, int], served: Mapping[str, ServedPrints | str],
+                 sender_seconds: float = 0.0) -> FingerprintCheck:
+    """Compare what each engine serves (its `ServedPrints`, or why it sent none) with what was sent (which cost the
+    sender `sender_seconds`)."""
     matched: list[str] = []
     differ: dict[str, list[str]] = {}
     unchecked: dict[str, str] = {}
@@ -226,7 +237,9 @@ def check_served(algorithm: str, sent: Mapping[str, int],
                 [f"{name} ({why})" for name, why in answer.unchecked.items()])
         else:
             matched.append(engine)
-    return FingerprintCheck(algorithm, tuple(matched), differ, unchecked)
+    seconds = {"sender": sender_seconds} | {engine: answer.seconds for engine, answer in served.items()
+                                            if not isinstance(answer, str)}
+    return FingerprintCheck(algorithm, tuple(matched), differ, unchecked, seconds=seconds)
 
 
 def some(names: list[str], shown: int = 3) -> str:

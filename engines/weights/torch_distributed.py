@@ -252,7 +252,7 @@ class TorchDistributedWeightSender(WeightSender):
             raise self._give_up(keys, None, f"weight transfer of version {version} not committed")
         check = None
         if sent is not None and not failed:
-            check = check_served(sent.algorithm, sent.values(), self._served_prints(spec, prefix))
+            check = check_served(sent.algorithm, sent.values(), self._served_prints(spec, prefix), sent.seconds)
         self._clear_keys(keys, prefix, len(spec.members))
         self._sequence += 1
         if failed:

@@ -4,6 +4,7 @@ implemented, in `torch_distributed.py`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 
 import torch
@@ -249,8 +250,12 @@ def _served(fingerprint_fn: FingerprintFn, manifest: Manifest) -> ServedPrints |
     plan = manifest.fingerprint_plan()
     if plan is None:
         return None
+    started = time.perf_counter()
     try:
-        return fingerprint_fn(manifest.tensors, plan)
+        served = fingerprint_fn(manifest.tensors, plan)
     except Exception as error:
         reason = f"fingerprinting failed: {type(error).__name__}: {error}"[:300]
         return ServedPrints(unchecked={spec.name: reason for spec in manifest.tensors})
+    if served is not None:  # what the engine's generation waited for, the engine thread's hop included
+        served.seconds = time.perf_counter() - started
+    return served

@@ -244,6 +244,8 @@ async def test_a_push_the_engine_serves_as_sent_commits_with_every_engine_matche
         report, committed = await _push(engine, _perturbed(model, seed=3), dtype=torch.bfloat16, backend=backend)
     assert isinstance(report, TransferReport) and committed == 7
     assert report.fingerprints == FingerprintCheck("xxh3", matched=("rollout-0",))
+    assert set(report.fingerprints.seconds) == {"sender", "rollout-0"}  # what the check cost each end
+    assert all(seconds > 0 for seconds in report.fingerprints.seconds.values())
 
 
 @pytest.mark.integration

@@ -66,6 +66,6 @@ def test_fingerprint_benchmark_quick_run_checks_every_push_it_times(tmp_path: Pa
     assert completed.returncode == 0, completed.stderr[-2000:]
     figures = json.loads(output.read_text())
     (row,) = figures["pushes"]
-    assert row["model"] == "tiny" and min(row["unchecked_s"], row["checked_s"], row["full_s"]) > 0
+    assert row["model"] == "tiny" and min(row["unchecked_s"], row["checked_s"], row["full_s"], row["engine_s"]) > 0
     assert {speed["algorithm"] for speed in figures["speeds"]} == {"xxh3", "wsum"}
     assert "--weight-check" in completed.stdout

@@ -11,9 +11,11 @@ import torch
 def serve_pushes(model_path: str, spec: dict[str, Any], scaling: float | None, pushes: int) -> None:
     """Load `model_path` into a torch engine (LoRA merged at `scaling`, if given) and receive `pushes` versions
     of the group `spec` describes; one torch thread, as a worker beside a trainer on the same machine has."""
+    from actors.runtime.logs import quiet_library_output
     from engines.inference import TorchEngine
     from engines.weights.torch_loader import TorchDistributedLoader
 
+    quiet_library_output()
     torch.set_num_threads(1)
 
     async def serve() -> None:

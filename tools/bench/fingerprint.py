@@ -9,7 +9,10 @@ run does, rotating unchecked pushes, pushes checked as runs check them by defaul
 matrix's rows, `--weight-check-stride 16`) and pushes checked byte for byte (stride 1, slime's
 --check-weight-update-equal), so all three meet the same machine; the baseline is the unchecked push, measured in
 the same run. The check's cost is the sender fingerprinting what it sends plus the engine fingerprinting what it
-serves before it acknowledges. Target: at most 2% of the push time, for the default. A second table gives
+serves before it acknowledges. Target: at most 2% of the push time, for the default. The difference of two push
+times moves by a few percent from run to run on a small machine, more than the default's cost, so the table also
+gives what fingerprinting took on each end, as each measured it (`FingerprintCheck.seconds`): the sender's runs
+beside its broadcasts and the engines' loads, the engine's holds its generation paused. A second table gives
 each algorithm's own speed on this machine (XXH3 over the bytes on a CPU; the device sum is what a GPU uses).
 """
 
@@ -28,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from actors.runtime.logs import quiet_library_output
 from engines.training.lora import LoraSettings
 from engines.weights.fingerprint import ALGORITHMS, fingerprint_all
 from tools.bench.engine_process import serve_pushes
@@ -48,8 +52,10 @@ class PushRow:
     megabytes: float
     tensors: int
     unchecked_s: float
-    checked_s: float  # the default: every 16th row
+    checked_s: float  # the default: a 16th of the rows
     full_s: float  # every byte
+    sender_s: float  # what fingerprinting took the sender in a default push
+    engine_s: float  # ... and the engine, while its generation was paused
 
     @property
     def overhead(self) -> float:
@@ -58,6 +64,10 @@ class PushRow:
     @property
     def full_overhead(self) -> float:
         return self.full_s / self.unchecked_s - 1.0
+
+    @property
+    def engine_share(self) -> float:
+        return self.engine_s / self.unchecked_s
 
 
 @dataclass
@@ -82,6 +92,7 @@ def push_row(model: str, rank: int | None, repeats: int) -> PushRow:
         daemon=True)
     engine.start()
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    spent: dict[str, list[float]] = {"sender": [], "engine-0": []}  # by each end, in default pushes
     try:
         sender.wait_for_receivers()
         report = sender.send(trainer.named_tensors(), version=1, fingerprint=True)  # warm-up, untimed
@@ -94,12 +105,16 @@ def push_row(model: str, rank: int | None, repeats: int) -> PushRow:
             times[kind].append(time.perf_counter() - started)
             if kind != "unchecked":
                 assert report.fingerprints is not None and report.fingerprints.matched == ("engine-0",)
+            if kind == "strided":
+                for end, seconds in spent.items():
+                    seconds.append(report.fingerprints.seconds[end])
     finally:
         engine.join(timeout=300)
         sender.close()
         trainer.close()
     return PushRow(model, f"LoRA rank {rank}" if rank else "full weights", report.num_bytes / 1e6,
-                   report.num_tensors, *(statistics.median(times[kind]) for kind in KINDS))
+                   report.num_tensors, *(statistics.median(times[kind]) for kind in KINDS),
+                   *(statistics.median(spent[end]) for end in ("sender", "engine-0")))
 
 
 def speed_rows(megabytes: int) -> list[SpeedRow]:
@@ -117,10 +132,11 @@ def print_tables(pushes: list[PushRow], speeds: list[SpeedRow]) -> None:
     print(f"weight push with and without --weight-check (gloo, one engine; target <= {TARGET:.0%} of the push for "
           f"the default, a {DEFAULT_STRIDE}th of the rows)")
     print(f"{'model':<14}{'update':<16}{'MB':>8}{'tensors':>9}{'unchecked s':>13}{'default s':>11}{'cost':>8}"
-          f"{'every byte s':>14}{'cost':>8}")
+          f"{'every byte s':>14}{'cost':>8}{'default: sender ms':>20}{'engine ms':>11}{'engine/push':>13}")
     for row in pushes:
         print(f"{row.model:<14}{row.update:<16}{row.megabytes:>8.1f}{row.tensors:>9}{row.unchecked_s:>13.3f}"
-              f"{row.checked_s:>11.3f}{row.overhead:>+8.1%}{row.full_s:>14.3f}{row.full_overhead:>+8.1%}")
+              f"{row.checked_s:>11.3f}{row.overhead:>+8.1%}{row.full_s:>14.3f}{row.full_overhead:>+8.1%}"
+              f"{1000 * row.sender_s:>20.1f}{1000 * row.engine_s:>11.1f}{row.engine_share:>13.1%}")
     print("\nfingerprint speed on this machine's CPU, one tensor")
     print(f"{'algorithm':<12}{'MB':>8}{'seconds':>10}{'GB/s':>8}")
     for speed in speeds:
@@ -135,6 +151,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (the engine has 1)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
+    quiet_library_output()  # the table, not a progress bar per model load
     torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
     pushes = [push_row(model, rank, repeats) for model, rank in (QUICK_ROWS if args.quick else ROWS)]
@@ -143,7 +160,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"pushes": [{**asdict(r), "overhead": r.overhead,
-                                                     "full_overhead": r.full_overhead} for r in pushes],
+                                                     "full_overhead": r.full_overhead,
+                                                     "engine_share": r.engine_share} for r in pushes],
                                          "speeds": [asdict(s) for s in speeds]}, indent=2))
 
 
