@@ -12,6 +12,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -96,6 +97,41 @@ async def test_weight_update_over_gloo_reaches_the_server_and_tags_later_tokens(
         sender.close()
         await reference.close()
         await client.close()
+
+
+@pytest.mark.integration
+async def test_every_version_reaches_the_server_after_a_flush_of_its_cache(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """SGLang's prefix cache is keyed by tokens, not weights: a prefix computed by version v would serve v + 1. The
+    loader flushes it before each version's first bucket, and asks no bucket to flush (SGLang 0.5.15 takes its server
+    down when a flush asked of an update fails)."""
+    client = SglangEngine(server.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024, timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    calls: list[str] = []
+
+    def recorded(name: str, method: Any) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            result = await method(*args, **kwargs)  # the server's own answer: a refused flush raises, unrecorded
+            calls.append(name if name != "update" else f"update flush_cache={kwargs['flush_cache']}")
+            return result
+        return call
+
+    client.flush_cache = recorded("flush", client.flush_cache)  # type: ignore[method-assign]
+    client.update_weights_from_distributed = recorded(  # type: ignore[method-assign]
+        "update", client.update_weights_from_distributed)
+    try:
+        for version in (1, 2):
+            calls.append(f"version {version}")
+            await push(sender, loader, perturbed_weights(tiny_model_path, seed=version), version, fresh=version == 1)
+    finally:
+        sender.close()
+        await client.close()
+    for version in ("version 1", "version 2"):
+        after = calls[calls.index(version) + 1:]
+        assert after[0] == "flush" and after[1].startswith("update"), calls
+    assert {call for call in calls if call.startswith("update")} == {"update flush_cache=False"}
 
 
 @pytest.mark.integration
