@@ -33,15 +33,12 @@ import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from engines.training.lora import WIRE_SUFFIXES
-
-if TYPE_CHECKING:
-    from engines.weights.manifest import TensorSpec
 
 ALGORITHMS = ("xxh3", "wsum")
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 at a time on the device
@@ -65,6 +62,14 @@ def comparable_dtype(wire: torch.dtype, served: torch.dtype) -> bool:
     return served_info.bits > wire_info.bits and served_info.eps <= wire_info.eps and served_info.max >= wire_info.max
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Spec = TypeVar("Spec", bound=_Named)  # a manifest's `TensorSpec`: the manifest imports this module
+
+
 @dataclass(frozen=True)
 class FingerprintPlan:
     """What both ends of one push fingerprint: the algorithm, which tensors (`covered`) and which of their rows
@@ -83,7 +88,7 @@ class FingerprintPlan:
     def prints(self) -> Fingerprints:
         return Fingerprints(self.algorithm, self.stride, self.version % self.stride)
 
-    def covered(self, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+    def covered(self, specs: Sequence[Spec]) -> tuple[Spec, ...]:
         """The tensors of a push both ends fingerprint: every full tensor, and the LoRA factors of this push's share
         of the adapted layers."""
         if self.stride == 1:
