@@ -373,10 +373,10 @@ class WeightsConfig(Section):
         "tried again), strict (a mismatch stops the run, naming engine and tensor; slime's "
         "--check-weight-update-equal), off")
     weight_check_stride: int = Field(
-        16, ge=1, description="a checked push fingerprints every Nth row of each weight matrix (small tensors "
-        "whole), from a row that moves with each version: a tensor never loaded or an adapter never merged is caught "
-        "at once, a corruption that stays within N pushes, at about 1/N of the cost; 1 checks every byte of every "
-        "push (as slime's --check-weight-update-equal does)")
+        16, ge=1, description="a checked push fingerprints one of N slices of each weight matrix's rows (small "
+        "tensors whole) and one of N adapted layers, a different one at each version: a tensor never loaded or an "
+        "adapter never merged is caught at once, a corruption that stays within N pushes, at about 1/N of the cost; "
+        "1 checks every byte of every push (as slime's --check-weight-update-equal does)")
 
     @field_validator("weight_transport")
     @classmethod

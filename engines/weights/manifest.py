@@ -68,7 +68,7 @@ class Manifest:
     direct_bytes: int
     tensors: tuple[TensorSpec, ...]
     fingerprint: str | None = None  # the algorithm both ends fingerprint the tensors with (`fingerprint.py`), if any
-    fingerprint_stride: int = 1  # ... over every stride-th row of each tensor (`FingerprintPlan`)
+    fingerprint_stride: int = 1  # ... over one of this many slices of their rows (`FingerprintPlan`)
 
     def fingerprint_plan(self) -> FingerprintPlan | None:
         """What both ends fingerprint in this push; None: the sender asked for no fingerprints."""

@@ -75,7 +75,8 @@ class TorchDistributedWeightSender(WeightSender):
         transport: str = groups.TORCH_DISTRIBUTED,
         fingerprint_stride: int = 1,
     ) -> None:
-        """`fingerprint_stride`: a checked push fingerprints every stride-th row of each tensor (`FingerprintPlan`)."""
+        """`fingerprint_stride`: a checked push fingerprints one of that many slices of each tensor's rows, and of
+        an adapter's layers (`FingerprintPlan`)."""
         if bucket_bytes <= 0 or direct_bytes <= 0:
             raise ValueError(f"bucket_bytes and direct_bytes must be positive, got {bucket_bytes}, {direct_bytes}")
         if fingerprint_stride < 1:

@@ -35,7 +35,7 @@ class SenderOptions:
     backend: str  # "gloo" | "nccl" | "cuda_ipc" (ignored by mechanisms that need none)
     timeout_s: float  # how long a transfer waits for an engine before naming it as failed
     gpus_per_engine: int = 1  # ranks each engine occupies in the group (SGLang's tensor-parallel servers)
-    fingerprint_stride: int = 1  # a checked push fingerprints every stride-th row (`engines.weights.fingerprint`)
+    fingerprint_stride: int = 1  # a checked push fingerprints 1/stride of the rows (`engines.weights.fingerprint`)
 
 
 class EngineLoader(Protocol):
