@@ -61,6 +61,8 @@ def caches_verdict(run_dir: Path) -> dict[str, Any]:
     for path in sorted((run_dir / KV_CACHE_LOGS).glob("*.jsonl")):
         engine = path.stem
         for record in read_metrics(path):
+            if not {"pid", "stale_kv_tokens", "recomputes_on_update"} <= record.keys():
+                continue  # not a worker's account (a hand-edited line): the rest still counts
             lives = stale.setdefault(engine, {})
             lives[record["pid"]] = max(lives.get(record["pid"], 0), int(record["stale_kv_tokens"]))
             recomputes[engine] = recomputes.get(engine, True) and bool(record["recomputes_on_update"])
