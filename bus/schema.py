@@ -98,6 +98,11 @@ class Sample(Message):
         np.ndarray | None,
         tensor("int32", "per response token: policy version of the weights that produced it; rollout worker"),
     ] = None
+    teacher_log_probs: Annotated[
+        np.ndarray | None,
+        tensor("float32", "per response token: a distillation teacher's log-prob of the token; reward worker (a "
+               "teacher server's score) or absent (the learner's teacher scores it)"),
+    ] = None
     status: Annotated[SampleStatus, doc("lifecycle; rollout worker (reward worker may set failed)")] = "pending"
     metadata: Annotated[dict[str, Any], doc("free-form extras (finish reason, reward breakdown, timings)")] = (
         msgspec.field(default_factory=dict)
@@ -117,6 +122,7 @@ class Sample(Message):
         self.loss_mask = _check_tensor("Sample", "loss_mask", self.loss_mask, _MASK_DTYPES, n)
         self.rollout_log_probs = _check_tensor("Sample", "rollout_log_probs", self.rollout_log_probs, _FLOAT32, n)
         self.token_versions = _check_tensor("Sample", "token_versions", self.token_versions, _INT32, n)
+        self.teacher_log_probs = _check_tensor("Sample", "teacher_log_probs", self.teacher_log_probs, _FLOAT32, n)
 
 
 _INT32 = (np.dtype("int32"),)

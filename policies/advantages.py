@@ -6,7 +6,8 @@ Inputs (``B`` samples, ``T`` packed response tokens):
 - ``group_ids: LongTensor[B]``: samples of one prompt share an id; groups need not be contiguous or equal-sized.
 - ``response_lengths: LongTensor[B]``, ``loss_mask: Tensor[T]`` (bool or float, 1 = trained).
 - ``values: Tensor[T]`` (critic, ``ppo`` only), ``log_probs``/``ref_log_probs: Tensor[T]`` (only when
-  ``kl_coef != 0``, for the KL reward penalty).
+  ``kl_coef != 0``, for the KL reward penalty), ``teacher_log_probs: Tensor[T]`` (only with ``use_opd``, beside
+  ``log_probs`` as the student's).
 
 Outputs: ``(advantages: Tensor[T], returns: Tensor[T])``, zero at masked positions, in float32 (float64 if the
 rewards are float64).
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from policies.config import PolicyLossConfig
+from policies.distillation import opd_advantages
 from policies.kl import compute_kl
 from policies.packing import (
     as_compute_dtype,
@@ -91,9 +93,12 @@ def compute_advantages(
     values: Tensor | None = None,
     log_probs: Tensor | None = None,
     ref_log_probs: Tensor | None = None,
+    teacher_log_probs: Tensor | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Run the configured estimator, then optional masked whitening (across ``process_group`` when given)."""
+    """Run the configured estimator, then the distillation term (``use_opd``: ``log_probs`` is the student's,
+    ``teacher_log_probs`` the teacher's, see `policies.distillation`), then optional masked whitening (across
+    ``process_group`` when given). Returns are the estimator's: the distillation term is not a reward."""
     inputs = _prepare_inputs(config, rewards=rewards, group_ids=group_ids, response_lengths=response_lengths,
                              loss_mask=loss_mask, values=values, log_probs=log_probs, ref_log_probs=ref_log_probs)
     estimator = resolve_advantage_estimator(config.advantage_estimator)
@@ -101,6 +106,12 @@ def compute_advantages(
     check_packed(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.response_lengths)
     check_finite(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.loss_mask)
     advantages = zero_masked(advantages, inputs.loss_mask)
+    if config.use_opd:
+        if log_probs is None or teacher_log_probs is None:
+            raise ValueError("use_opd needs log_probs (the student's) and teacher_log_probs")
+        advantages = opd_advantages(advantages, student_log_probs=log_probs.detach(),
+                                    teacher_log_probs=teacher_log_probs.detach(), coef=config.opd_kl_coef,
+                                    loss_mask=inputs.loss_mask, response_lengths=inputs.response_lengths)
     if config.normalize_advantages:
         advantages = whiten(advantages, inputs.loss_mask, process_group=process_group, unbiased=config.whiten_unbiased)
     return advantages, zero_masked(returns, inputs.loss_mask)

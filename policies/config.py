@@ -49,6 +49,13 @@ class PolicyLossConfig(BaseModel):
     gamma: float = Field(1.0, ge=0, le=1)
     lambd: float = Field(1.0, ge=0, le=1)
 
+    # --- on-policy distillation (slime's --use-opd, --opd-kl-coef) ---
+    use_opd: bool = Field(False, description="subtract opd_kl_coef x (log pi_student - log pi_teacher) from every "
+                          "response token's advantage, after the estimator and before whitening, as slime; the "
+                          "teachers are named in the run's distillation settings")
+    opd_kl_coef: float = Field(1.0, ge=0, description="weight of the sampled reverse KL to the teacher in the "
+                               "advantages (slime's default 1.0)")
+
     # --- loss ---
     loss_type: str | None = None  # None: implied by the estimator (gspo -> gspo, cispo -> cispo, else ppo)
     loss_agg_mode: AggregationMode = "seq-mean-token-mean"

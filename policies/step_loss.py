@@ -78,7 +78,8 @@ def pi_old_source(config: PolicyLossConfig, *, decoupled: bool, steps_per_batch:
       and a separate no-grad forward (about a third of a step) is wasted. This holds only when nothing must know
       pi_old BEFORE the training forward: the loss's denominators (a correction that rejects tokens by
       ``pi_old / mu``, i.e. mis or a user correction, changes the token count that every micro-batch divides by)
-      and the advantages (``kl_coef`` puts ``KL(pi_old || ref)`` into the rewards); and only with ONE step per
+      and the advantages (``kl_coef`` puts ``KL(pi_old || ref)`` into the rewards, ``use_opd`` puts
+      ``log pi_old - log pi_teacher`` into them); and only with ONE step per
       batch (``steps_per_batch``): the second step's forward runs the already updated policy, while pi_old stays
       the policy before the batch's first step (PPO's several epochs over one rollout).
     - ``separate_forward``: otherwise; pi_old is computed by a no-grad forward once per batch, before its first
@@ -88,7 +89,7 @@ def pi_old_source(config: PolicyLossConfig, *, decoupled: bool, steps_per_batch:
         raise ValueError(f"steps_per_batch must be >= 1, got {steps_per_batch}")
     if config.loss_type == "sft" or (not decoupled and config.off_policy_correction == "none"):
         return "rollout"
-    if (config.kl_coef != 0 or config.off_policy_correction not in _CORRECTIONS_WITHOUT_REJECTION
+    if (config.kl_coef != 0 or config.use_opd or config.off_policy_correction not in _CORRECTIONS_WITHOUT_REJECTION
             or steps_per_batch > 1):
         return "separate_forward"
     return "training_forward"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from actors.config.run import RunConfig
 from actors.config.sections import ENGINE_CHOICES, WEIGHT_BACKENDS
+from actors.config.teachers import Teacher, run_teachers
 
 PREFIX_ROWS = 1000  # rows of a data file read for a usable record (a wrong --input-key shows in the first ones)
 
@@ -110,7 +111,21 @@ def _model_problems(config: RunConfig, running: set[str], hub_cache: Path | None
     problems = [_model_folder_problem("--hf-checkpoint", model.hf_checkpoint, hub_cache)]
     if model.ref_checkpoint is not None and "learner" in running and config.policy.needs_ref:
         problems.append(_model_folder_problem("--ref-checkpoint", model.ref_checkpoint, hub_cache))
+    if "learner" in running:
+        problems += [_teacher_folder_problem(teacher, config.distillation.opd_teacher_load, hub_cache)
+                     for teacher in run_teachers(config.distillation).values() if teacher.path is not None]
     return [problem for problem in problems if problem is not None]
+
+
+def _teacher_folder_problem(teacher: Teacher, teacher_load: str | None, hub_cache: Path | None) -> str | None:
+    """A teacher the learner loads must be a Hugging Face folder; slime's Megatron checkpoint is named as such."""
+    assert teacher.path is not None
+    flag = "--opd-teacher-load" if teacher.path == teacher_load else f"--opd-teacher (teacher {teacher.name!r})"
+    if (Path(teacher.path).expanduser() / "latest_checkpointed_iteration.txt").is_file():
+        return (f"{flag} {teacher.path}: a Megatron checkpoint; the learner's teachers are Hugging Face folders: "
+                f"python tools/convert_checkpoint.py megatron-to-hf --hf STUDENT_HF --megatron {teacher.path} "
+                "--out TEACHER_HF")
+    return _model_folder_problem(flag, teacher.path, hub_cache)
 
 
 def _model_users(config: RunConfig, running: set[str]) -> list[str]:

@@ -19,6 +19,7 @@ from actors.config.sections import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
+    DistillationConfig,
     EngineConfig,
     EvalConfig,
     LearnerConfig,
@@ -32,6 +33,7 @@ from actors.config.sections import (
     TrainerConfig,
     WeightsConfig,
 )
+from actors.config.teachers import run_teachers
 from policies.config import PolicyLossConfig
 
 SECTIONS: dict[str, type[Section]] = {
@@ -39,6 +41,7 @@ SECTIONS: dict[str, type[Section]] = {
     "buffer": BufferConfig, "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig,
     "lora": LoraConfig, "engine": EngineConfig, "weights": WeightsConfig, "placement": PlacementConfig,
     "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
+    "distillation": DistillationConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -65,6 +68,7 @@ class RunConfig(BaseModel):
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     policy: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig(off_policy_correction="tis"),
                                      description="advantages, loss, KL and off-policy correction")
 
@@ -171,6 +175,7 @@ class RunConfig(BaseModel):
         if placement.rollout_num_gpus is not None and placement.rollout_num_gpus % per_engine:
             problems.append(f"rollout_num_gpus {placement.rollout_num_gpus} must be a multiple of "
                             f"rollout_num_gpus_per_engine {per_engine}")
+        problems.extend(_distillation_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -250,3 +255,34 @@ def _learner_ranks_from_actor_gpus(values: dict[str, Any]) -> dict[str, Any]:
     if given is not None and int(given) != ranks:
         raise ValueError(f"learner_ranks {given} disagrees with actor_num_nodes x actor_num_gpus_per_node = {ranks}")
     return {**values, "trainer": {**trainer, "learner_ranks": ranks}}
+
+
+def _distillation_problems(config: RunConfig) -> list[str]:
+    """What makes a distillation setup unusable, said at start-up; each message names the settings involved."""
+    settings = config.distillation
+    try:
+        teachers = run_teachers(settings)
+    except ValueError as error:
+        return [str(error)]
+    problems = []
+    if config.policy.use_opd and not teachers:
+        problems.append("use_opd needs a teacher: --opd-teacher-load PATH, --opd-teacher NAME=SOURCE, or slime's "
+                        "--opd-type sglang with --rm-url")
+    if teachers and not config.policy.use_opd:
+        problems.append(f"teachers are set ({', '.join(teachers)}) but use_opd is off: add --use-opd")
+    if settings.opd_type == "megatron" and settings.opd_teacher_load is None:
+        problems.append("opd_type megatron needs --opd-teacher-load (the teacher the learner holds)")
+    if settings.opd_type == "sglang" and settings.opd_teacher_load is not None:
+        problems.append("opd_type sglang: the teacher is a server, so --opd-teacher-load must not be set (as slime)")
+    if len(teachers) > 1 and settings.opd_teacher_key is None:
+        problems.append(f"{len(teachers)} teachers ({', '.join(teachers)}) need --opd-teacher-key, the dataset "
+                        "field that names each prompt's teacher")
+    if config.policy.use_opd and config.learner.custom_advantage_function_path is not None:
+        problems.append("use_opd with --custom-advantage-function-path: the function replaces the estimator, the "
+                        "distillation term and whitening; add the term in it (each sample carries "
+                        "teacher_log_probs beside its log-probs)")
+    held = [name for name, teacher in teachers.items() if teacher.in_learner]
+    if held and config.trainer.train_backend != "torch":
+        problems.append(f"teachers held by the learner ({', '.join(held)}) need --train-backend torch; on "
+                        f"{config.trainer.train_backend} give the teacher as a server (--opd-teacher NAME=URL)")
+    return problems

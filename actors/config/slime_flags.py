@@ -94,6 +94,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     result = SlimeTranslation()
     refused: list[str] = []
     _same_name_values(args)
+    _opd_teacher_server(args)
     for flag, row in SLIME_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is None:
@@ -126,6 +127,30 @@ def _same_name_values(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if isinstance(value, str) and "{" in value:
             setattr(args, name, os.path.dirname(value.split("{", 1)[0].rstrip("/") + "/") or ".")
+
+
+SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
+SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
+
+
+def _opd_teacher_server(args: argparse.Namespace) -> None:
+    """slime's `--opd-type sglang` recipe: its OPD reward function asks the `--rm-url` server for the teacher's
+    log-probs and its post-process sets every reward to 0. Here the server is the run's teacher (the reward
+    worker asks it) and the reward is `zero`: the same run without slime's plugins."""
+    if getattr(args, "custom_rm_path", None) != SLIME_OPD_REWARD:
+        return
+    url = getattr(args, "rm_url", None)
+    if getattr(args, "opd_type", None) != "sglang" or not url:
+        raise ValueError(f"--custom-rm-path {SLIME_OPD_REWARD} is slime's OPD teacher call: it needs --use-opd "
+                         "--opd-type sglang and --rm-url http://TEACHER/generate")
+    if getattr(args, "opd_teacher", None):
+        raise ValueError(f"--custom-rm-path {SLIME_OPD_REWARD} names the teacher by --rm-url; --opd-teacher was "
+                         "also given")
+    args.opd_teacher = [f"teacher={url.removesuffix('/').removesuffix('/generate')}"]
+    args.custom_rm_path = args.rm_url = None
+    _set(args, "rm_type", "zero", "--custom-rm-path")
+    if getattr(args, "custom_reward_post_process_path", None) == SLIME_OPD_POST_PROCESS:
+        args.custom_reward_post_process_path = None  # its work (teacher log-probs, zero rewards) is done above
 
 
 def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTranslation) -> None:

@@ -62,7 +62,6 @@ NO_DISK_SYNC = "weight sync over disk and delta-encoded updates are not availabl
                "NCCL or CUDA IPC)"
 NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
 NO_PROFILING = "slime's profiling and memory-snapshot hooks are not available; use torch.profiler around the learner"
-NO_OPD = "on-policy distillation is not available"
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
 
 SLIME_FLAGS: dict[str, SlimeFlag] = {
@@ -292,11 +291,12 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--use-opsm": _same("switch"),
     "--opsm-delta": _same(),
     # --- on-policy distillation ---
-    "--use-opd": _refused(NO_OPD),
-    "--opd-type": _refused(NO_OPD, "value"),
-    "--opd-kl-coef": _refused(NO_OPD, "value", float),
-    "--opd-teacher-load": _refused(NO_OPD, "value"),
-    "--opd-teacher-ckpt-step": _refused(NO_OPD, "value", int),
+    "--use-opd": _same("switch"),
+    "--opd-type": _same(),
+    "--opd-kl-coef": _same(),
+    "--opd-teacher-load": _same(),
+    "--opd-teacher-ckpt-step": _refused("the learner's teachers are Hugging Face folders here; there is no step "
+                                        "to pick", "value", int),
     # --- logging ---
     "--use-wandb": _same("switch"),
     "--wandb-mode": _same("value", "'disabled' turns W&B off"),

@@ -8,8 +8,8 @@ fields of the `TrainSample`s; none of them runs the optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import numpy as np
@@ -17,9 +17,10 @@ import torch
 
 from actors.extensions.points import AdvantageFunction
 from bus.schema import Sample
-from engines.training.base import DataParallel, Trainer, TrainSample
+from engines.training.base import DataParallel, Trainer, TrainSample, teacher_role
 from policies.advantages import compute_advantages
 from policies.config import PolicyLossConfig
+from policies.distillation import reverse_kl_means
 from policies.step_loss import PolicyLoss, step_denominators
 
 
@@ -29,6 +30,12 @@ class StepBatch:
 
     samples: list[TrainSample]
     group_ids: list[str]
+    teachers: list[str] = field(default_factory=list)  # each sample's distillation teacher; empty without one
+
+    def take(self, indices: Sequence[int]) -> StepBatch:
+        """The samples at `indices`, in that order, with their group ids and teachers."""
+        return StepBatch(samples=[self.samples[i] for i in indices], group_ids=[self.group_ids[i] for i in indices],
+                         teachers=[self.teachers[i] for i in indices] if self.teachers else [])
 
     @property
     def lengths(self) -> list[int]:
@@ -60,12 +67,13 @@ def to_train_sample(sample: Sample, *, newest_version_only: bool = False) -> Tra
     mask = loss_mask_of(sample)
     if newest_version_only:
         mask = mask * newest_version_tokens(sample)
-    rollout = sample.rollout_log_probs
+    rollout, teacher = sample.rollout_log_probs, sample.teacher_log_probs
     return TrainSample(
         tokens=torch.tensor(np.asarray(sample.tokens), dtype=torch.long),
         response_length=length,
         loss_mask=torch.tensor(mask, dtype=torch.float32),
         rollout_log_probs=None if rollout is None else torch.tensor(np.asarray(rollout), dtype=torch.float32),
+        teacher_log_probs=None if teacher is None else torch.tensor(np.asarray(teacher), dtype=torch.float32),
         reward=float(sample.reward or 0.0),
     )
 
@@ -90,17 +98,19 @@ def masked_older_tokens(samples: Sequence[Sample]) -> int:
     return sum(int(np.sum(loss_mask_of(s) * (1 - newest_version_tokens(s)))) for s in samples)
 
 
-def to_step_batch(samples: Sequence[Sample], *, newest_version_only: bool = False) -> StepBatch:
+def to_step_batch(samples: Sequence[Sample], *, newest_version_only: bool = False,
+                  teacher_of: Callable[[Sample], str] | None = None) -> StepBatch:
+    """`teacher_of` names each sample's distillation teacher (`actors.config.teachers.teacher_of`)."""
     return StepBatch(samples=[to_train_sample(s, newest_version_only=newest_version_only) for s in samples],
-                     group_ids=[s.group_id for s in samples])
+                     group_ids=[s.group_id for s in samples],
+                     teachers=[teacher_of(s) for s in samples] if teacher_of is not None else [])
 
 
 def own_shard(batch: StepBatch, parallel: DataParallel) -> StepBatch:
     """This data-parallel rank's whole groups (the whole batch for a trainer that shards itself)."""
     if parallel.size == 1:
         return batch
-    mine = data_parallel_shard(batch.group_ids, batch.lengths, rank=parallel.rank, size=parallel.size)
-    return StepBatch(samples=[batch.samples[i] for i in mine], group_ids=[batch.group_ids[i] for i in mine])
+    return batch.take(data_parallel_shard(batch.group_ids, batch.lengths, rank=parallel.rank, size=parallel.size))
 
 
 def data_parallel_shard(group_ids: Sequence[str], lengths: Sequence[int], *, rank: int, size: int) -> list[int]:
@@ -133,6 +143,25 @@ def add_ref_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float)
     batch.scatter("ref_log_probs", ref)
 
 
+def add_teacher_log_probs(trainer: Trainer, batch: StepBatch, held: Collection[str], *, temperature: float) -> None:
+    """Each sample's teacher log-probs: scored here by the teachers the trainer holds (`held`), one forward per
+    teacher over its samples; a server teacher's arrived with the sample (the reward worker asked the server)."""
+    for name in dict.fromkeys(batch.teachers):
+        if name not in held:
+            continue
+        members = [index for index, teacher in enumerate(batch.teachers) if teacher == name]
+        scored = trainer.compute_log_probs([batch.samples[i] for i in members], temperature=temperature,
+                                           model=teacher_role(name)).log_probs
+        lengths = [batch.samples[i].response_length for i in members]
+        for index, values in zip(members, torch.split(scored, lengths), strict=True):
+            batch.samples[index].teacher_log_probs = values
+    for index, sample in enumerate(batch.samples):
+        if sample.teacher_log_probs is None:
+            raise ValueError(f"sample {index} of group {batch.group_ids[index]} has no log-probs from its teacher "
+                             f"{batch.teachers[index] if batch.teachers else '(none named)'!r}: a teacher server's "
+                             "scores come with the sample from the reward worker")
+
+
 def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float) -> None:
     """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when)."""
     old = trainer.compute_log_probs(batch.samples, temperature=temperature).log_probs
@@ -140,33 +169,47 @@ def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float)
 
 
 def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *,
-                   custom: AdvantageFunction | None = None) -> None:
+                   custom: AdvantageFunction | None = None) -> dict[str, float]:
     """Advantages of this shard; whole groups are on one rank, so only whitening spans ranks.
 
     `DataParallel.group` None means the default group, but `compute_advantages` reads None as "this process
     only", so the world group is named explicitly: otherwise each rank would whiten by its own statistics.
     `custom` (an `AdvantageFunction`, e.g. slime's --custom-advantage-function-path) replaces the estimator.
+    Returns the distillation metrics of this shard (none without `use_opd`).
     """
     group = None
     if parallel.size > 1:
         group = parallel.group if parallel.group is not None else torch.distributed.group.WORLD
     index: dict[str, int] = {}
     group_ids = torch.tensor([index.setdefault(g, len(index)) for g in batch.group_ids], dtype=torch.long)
-    if custom is not None:
-        batch.scatter("advantages", custom(policy, batch.samples, group_ids, process_group=group))
-        return
     old = batch.packed("old_log_probs")
+    student = old if old is not None else batch.packed("rollout_log_probs")  # pi_old, else the engine's
+    teacher = batch.packed("teacher_log_probs")
+    if custom is not None:  # the run config refuses it beside use_opd (the function replaces all of this)
+        batch.scatter("advantages", custom(policy, batch.samples, group_ids, process_group=group))
+        return {}
     advantages, _returns = compute_advantages(
         policy,
         rewards=torch.tensor([float(s.reward or 0.0) for s in batch.samples], dtype=torch.float32),
         group_ids=group_ids,
         response_lengths=batch.response_lengths(),
         loss_mask=batch.packed("loss_mask"),
-        log_probs=old if old is not None else batch.packed("rollout_log_probs"),  # read only for kl_coef
+        log_probs=student,  # read only for kl_coef and use_opd
         ref_log_probs=batch.packed("ref_log_probs"),
+        teacher_log_probs=teacher,
         process_group=group,
     )
     batch.scatter("advantages", advantages.float())
+    return _distillation_metrics(policy, batch, student, teacher)
+
+
+def _distillation_metrics(policy: PolicyLossConfig, batch: StepBatch, student: torch.Tensor | None,
+                          teacher: torch.Tensor | None) -> dict[str, float]:
+    if not policy.use_opd or student is None or teacher is None or not batch.samples:
+        return {}
+    loss_mask = batch.packed("loss_mask")
+    assert loss_mask is not None
+    return reverse_kl_means(student, teacher, loss_mask, batch.response_lengths(), batch.teachers)
 
 
 def mini_batches(batch: StepBatch, steps: int, parallel: DataParallel) -> list[StepBatch]:
@@ -189,8 +232,7 @@ def mini_batches(batch: StepBatch, steps: int, parallel: DataParallel) -> list[S
         raise ValueError(f"{fewest} samples{where} cannot make {steps} optimizer steps "
                          "(--num-steps-per-rollout / --global-batch-size): each step needs at least one sample")
     bounds = [k * len(batch.samples) // steps for k in range(steps + 1)]
-    return [StepBatch(samples=batch.samples[start:end], group_ids=batch.group_ids[start:end])
-            for start, end in pairwise(bounds)]
+    return [batch.take(range(start, end)) for start, end in pairwise(bounds)]
 
 
 def with_gradient(batch: StepBatch) -> StepBatch:
@@ -205,7 +247,7 @@ def with_gradient(batch: StepBatch) -> StepBatch:
     if not kept:
         kept = [next((index for index, sample in enumerate(batch.samples)
                       if sample.loss_mask is None or bool(sample.loss_mask.any())), 0)]
-    return StepBatch(samples=[batch.samples[i] for i in kept], group_ids=[batch.group_ids[i] for i in kept])
+    return batch.take(kept)
 
 
 def build_loss(

@@ -1,10 +1,11 @@
 """One learner step on a rollout batch: a short pipeline of named stages, then one or more optimizer steps.
 
-to typed batch -> this rank's shard -> reference log-probs (when the policy needs them) -> pi_old (when it
-differs from the training forward) -> advantages -> per optimizer step: its mini-batch, its loss with that
-step's global denominators, the trainer's step. The stages live in `actors.learner.stages`, the loss in
-`policies.step_loss`; the trainer gets the batch and the loss object and never calls back into the learner.
-Kept apart from the learner actor so it runs (and is tested) without any socket.
+to typed batch -> this rank's shard -> reference log-probs (when the policy needs them) -> teacher log-probs
+(distillation) -> pi_old (when it differs from the training forward) -> advantages -> per optimizer step: its
+mini-batch, its loss with that step's global denominators, the trainer's step. The stages live in
+`actors.learner.stages`, the loss in `policies.step_loss`; the trainer gets the batch and the loss object and
+never calls back into the learner. Kept apart from the learner actor so it runs (and is tested) without any
+socket.
 
 Several optimizer steps per batch (`--num-steps-per-rollout N`, or `--global-batch-size` = batch / N), as slime:
 reference log-probs, pi_old and advantages are computed ONCE for the whole batch, before the first step (so
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.config import RunConfig
+from actors.config.teachers import run_teachers, teacher_of
 from actors.extensions.load import advantage_function, batch_rewrite
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
@@ -64,6 +66,8 @@ class TrainingStep:
                                               steps_per_batch=self.steps)
         self.skip_gradient_free = (config.learner.skip_zero_advantage_samples
                                    and zero_advantage_is_zero_gradient(self.policy))
+        self.teachers = run_teachers(config.distillation) if self.policy.use_opd else {}
+        self.teacher_key = config.distillation.opd_teacher_key
         if self.pi_old == "training_forward" and self.steps > 1:
             raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
 
@@ -79,13 +83,17 @@ class TrainingStep:
         if self.rewrite_batch is not None:  # on the whole batch (each rank alike), before any cut
             samples = self.rewrite_batch(list(samples))
             batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
-        batch = stages.to_step_batch(samples, newest_version_only=self.newest_version_only)
+        batch = stages.to_step_batch(samples, newest_version_only=self.newest_version_only,
+                                     teacher_of=self._teacher_name if self.teachers else None)
         if self.newest_version_only:
             batch_metrics["partial/masked_older_tokens"] = float(stages.masked_older_tokens(samples))
         if shard:
             batch = stages.own_shard(batch, self.trainer.data_parallel())
         if self.policy.needs_ref:
             stages.add_ref_log_probs(self.trainer, batch, temperature=self.temperature)
+        if self.teachers:
+            held = {name for name, teacher in self.teachers.items() if teacher.in_learner}
+            stages.add_teacher_log_probs(self.trainer, batch, held, temperature=self.temperature)
         return PreparedBatch(batch=batch, metrics=batch_metrics)
 
     def train_prepared(self, prepared: PreparedBatch) -> StepReport:
@@ -93,13 +101,17 @@ class TrainingStep:
         batch, parallel = prepared.batch, self.trainer.data_parallel()
         if self.pi_old == "separate_forward":
             stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
+        advantage_metrics = {}
         if self.policy.loss_type != "sft":
-            stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
+            advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
         parts = stages.mini_batches(batch, self.steps, parallel)
         results = [self._optimizer_step(part, parallel, last=index == len(parts) - 1)
                    for index, part in enumerate(parts)]
         result = combine_steps(results)
-        return StepReport(result=result, metrics={**result.metrics, **prepared.metrics})
+        return StepReport(result=result, metrics={**result.metrics, **prepared.metrics, **advantage_metrics})
+
+    def _teacher_name(self, sample: Sample) -> str:
+        return teacher_of(sample.metadata, self.teachers, self.teacher_key).name
 
     def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
         trained = stages.with_gradient(part) if self.skip_gradient_free else part

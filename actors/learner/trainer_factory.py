@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import RunConfig
+from actors.config.teachers import run_teachers
 from engines.training.base import Trainer
 from policies.plugins import load_object
 
@@ -53,6 +54,8 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
     return {
         "model_path": Path(model.hf_checkpoint),
         "ref_model_path": Path(model.ref_checkpoint or model.hf_checkpoint) if _needs_ref(config) else None,
+        "teacher_model_paths": {name: Path(teacher.path) for name, teacher in run_teachers(config.distillation).items()
+                                if teacher.path is not None},
         "lr": trainer.lr,
         "betas": (trainer.adam_beta1, trainer.adam_beta2),
         "weight_decay": trainer.weight_decay,

@@ -13,9 +13,11 @@ The function is given each sample's token ids and finish reason besides its text
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from actors.config.teachers import run_teachers
 from actors.extensions.load import reward_spec
 from actors.reward.failures import RewardFailures
 from actors.runtime import chaos
@@ -23,6 +25,9 @@ from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
 from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
 from policies.rewards import REWARD_EXTRAS, RewardInput, prompt_text, score, score_group
+
+if TYPE_CHECKING:
+    from actors.reward.teacher import TeacherScorer
 
 
 class RewardWorker(Actor):
@@ -34,14 +39,30 @@ class RewardWorker(Actor):
         self.failures = RewardFailures(self.log, self.reward.name, limit=self.config.reward.reward_failure_limit)
         self.buffer = self.peer_stream("buffer")
         self.stream_concurrency["on_generated"] = self.config.reward.reward_concurrency
+        self.teachers: TeacherScorer | None = None
+        if self.config.policy.use_opd:
+            from actors.reward.teacher import TeacherScorer  # aiohttp: 0.11 s that only teacher servers need
+
+            distillation = self.config.distillation
+            scorer = TeacherScorer(run_teachers(self.config.distillation), key=distillation.opd_teacher_key,
+                                   timeout_s=distillation.opd_teacher_timeout,
+                                   temperature=self.config.rollout.rollout_temperature)
+            self.teachers = scorer if scorer.has_servers else None
 
     async def on_stop(self) -> None:
         self.failures.flush()
+        if self.teachers is not None:
+            await self.teachers.close()
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
+        is_eval = group.group_id.startswith("eval:")
+        samples = group.samples
+        if self.teachers is not None and not is_eval:
+            with self.waits.on("distillation teacher", f"scoring group {group.group_id}"):
+                samples = await self.score_by_teachers(samples)
         with self.waits.on("reward function", f"scoring group {group.group_id}"):
-            scored = await self.score_samples(group.samples, is_eval=group.group_id.startswith("eval:"))
+            scored = await self.score_samples(samples, is_eval=is_eval)
         # Scored and not yet handed on: the same loss as a kill mid-scoring (the group's lease is still open), and
         # the one "mid" an inline reward, which never waits while it scores, has.
         chaos.reached("score.mid")
@@ -49,6 +70,20 @@ class RewardWorker(Actor):
         await self.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
                                            worker_id=group.worker_id))
         self.waits.made_progress()
+
+    async def score_by_teachers(self, samples: list[Sample]) -> list[Sample]:
+        """Each sample's teacher log-probs from its teacher server; one it could not get fails, named and counted."""
+        assert self.teachers is not None
+        healthy = sum(sample.status != "failed" for sample in samples)
+        annotated = await self.teachers.annotate(samples)
+        failed = [sample for sample in annotated if sample.status == "failed"]
+        if len(failed) > len(samples) - healthy:
+            self.counters["samples.teacher_failed"] += len(failed) - (len(samples) - healthy)
+            self.log.warning("a distillation teacher could not score samples; their group is dropped",
+                             sample=failed[0].sample_id, reason=failed[0].error)
+        else:
+            self.counters["samples.teacher_scored"] += healthy
+        return annotated
 
     async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
         if any(s.status == "failed" for s in samples):  # failed in generation (e.g. no room under the context

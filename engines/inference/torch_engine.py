@@ -167,6 +167,18 @@ class TorchEngine(base.InferenceEngine):
         holds that merge (an adapter received but never merged fingerprints as absent)."""
         return await self._call(_Fingerprint(specs, plan))
 
+    async def score(self, input_ids: list[int], *, start: int, temperature: float = 1.0) -> list[float]:
+        """log p(input_ids[i] | input_ids[:i]) for i in [start, len): this engine as a scorer of given tokens (a
+        distillation teacher), at `temperature` (0 scores at 1, as greedy rollouts report). One forward between
+        decode steps, over the weights served now; nothing is cached."""
+        if not 1 <= start < len(input_ids) or len(input_ids) > self._max_model_len:
+            raise ValueError(f"score: start {start} must be in [1, {len(input_ids) - 1}] and the {len(input_ids)} "
+                             f"tokens within the model's context of {self._max_model_len}")
+        if max(input_ids) >= self._vocab_size or min(input_ids) < 0:
+            raise ValueError(f"score: input_ids must be in [0, {self._vocab_size}), got {min(input_ids)}.."
+                             f"{max(input_ids)}")
+        return await self._call(_Score(list(input_ids), start, temperature or 1.0))
+
     def kv_cache_account(self) -> base.KvCacheAccount:
         return base.KvCacheAccount(self._recompute_kv_on_update, self._batcher.stale_kv_tokens)
 
@@ -464,6 +476,23 @@ class _Fingerprint(Command):
 
     def apply(self, engine: TorchEngine) -> object:
         return engine._fingerprints(self.specs, self.plan)
+
+
+@dataclass
+class _Score(Command):
+    input_ids: list[int]
+    start: int
+    temperature: float
+
+    def apply(self, engine: TorchEngine) -> object:
+        """Logits of the positions that predict tokens start..end only (`logits_to_keep`), never the prompt's."""
+        device = next(engine._model.parameters()).device
+        ids = torch.tensor([self.input_ids], dtype=torch.long, device=device)
+        scored = len(self.input_ids) - self.start
+        logits = engine._model(ids, logits_to_keep=scored + 1, use_cache=False).logits[0, :-1].float()
+        log_probs = torch.log_softmax(logits / self.temperature, dim=-1)
+        targets = ids[0, self.start:].unsqueeze(-1)
+        return log_probs.gather(-1, targets).squeeze(-1).cpu().tolist()
 
 
 @dataclass

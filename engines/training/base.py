@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -30,7 +30,14 @@ from torch import Tensor
 from engines.training.config import TrainerOptimizerConfig
 from engines.training.schedule import lr_multiplier
 
-ModelRole = Literal["policy", "ref"]
+ModelRole = str
+"""Which network `compute_log_probs` runs: "policy", "ref" (the frozen reference), or `teacher_role(name)` (a
+distillation teacher the trainer holds)."""
+TEACHER_ROLE_PREFIX = "teacher:"
+
+
+def teacher_role(name: str) -> ModelRole:
+    return f"{TEACHER_ROLE_PREFIX}{name}"
 
 
 @dataclass(kw_only=True)
@@ -39,13 +46,15 @@ class TokenFields:
     every sample's concatenated (`PackedBatch`). Declared once so that the two layouts cannot drift apart.
 
     `loss_mask` (1 = trained; None trains every token), `rollout_log_probs` (mu, the engine's), `old_log_probs`
-    (pi_old, the learner's before the step), `ref_log_probs` (the frozen reference model's), `advantages`.
+    (pi_old, the learner's before the step), `ref_log_probs` (the frozen reference model's), `teacher_log_probs`
+    (a distillation teacher's), `advantages`.
     """
 
     loss_mask: Tensor | None = None
     rollout_log_probs: Tensor | None = None
     old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    teacher_log_probs: Tensor | None = None
     advantages: Tensor | None = None
 
 
@@ -341,15 +350,21 @@ def validate_samples(samples: Sequence[TrainSample]) -> None:
         sample.validate(index)
 
 
-def select_model(role: ModelRole, policy: Any, ref: Any) -> Any:
-    """The network `compute_log_probs(model=role)` runs: the policy, or the frozen reference if configured."""
+def select_model(role: ModelRole, policy: Any, ref: Any, teachers: Mapping[str, Any] | None = None) -> Any:
+    """The network `compute_log_probs(model=role)` runs: the policy, the frozen reference, or a teacher."""
     if role == "policy":
         return policy
     if role == "ref":
         if ref is None:
             raise ValueError("compute_log_probs(model='ref') needs ref_model_path in the trainer config")
         return ref
-    raise ValueError(f"model must be 'policy' or 'ref', got {role!r}")
+    if role.startswith(TEACHER_ROLE_PREFIX):
+        name = role.removeprefix(TEACHER_ROLE_PREFIX)
+        if not teachers or name not in teachers:
+            held = ", ".join(teachers or {}) or "none"
+            raise ValueError(f"compute_log_probs(model={role!r}): no teacher {name!r} in the trainer (held: {held})")
+        return teachers[name]
+    raise ValueError(f"model must be 'policy', 'ref' or 'teacher:NAME', got {role!r}")
 
 
 def step_result(

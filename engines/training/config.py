@@ -23,6 +23,7 @@ class TrainerOptimizerConfig(BaseModel):
 
     model_path: Path
     ref_model_path: Path | None = None
+    teacher_model_paths: dict[str, Path] = Field(default_factory=dict)  # distillation teachers by name, frozen
     lr: float = Field(default=1e-6, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(default=0.0, ge=0)

@@ -83,12 +83,15 @@ class TorchTrainer(Trainer):
         if config.ref_model_path is not None and not self._ref_is_base:
             self._ref = _load_model(config.ref_model_path, self._device, config.attn_implementation)
             self._ref.requires_grad_(False)
+        # Distillation teachers: frozen like the reference, scored before the batch trains (`compute_log_probs`).
+        self._teachers = {name: _load_model(path, self._device, config.attn_implementation).requires_grad_(False)
+                          for name, path in config.teacher_model_paths.items()}
         self._share_prompts = config.share_prompts and config.attn_implementation == PACKED_ATTENTION
         if config.check_packing:
-            for model in (self._model, self._ref):
+            for model in (self._model, self._ref, *self._teachers.values()):
                 if model is not None:
                     check_packing_isolation(model.eval(), self._device, share_prompts=self._share_prompts)
-        for model in (self._model, self._ref):
+        for model in (self._model, self._ref, *self._teachers.values()):
             if model is not None and config.fused_output_head:
                 fuse_output_head(model)
         if config.gradient_checkpointing:
@@ -118,7 +121,8 @@ class TorchTrainer(Trainer):
         if model == "ref" and self._ref_is_base:
             network, adapter_off = self._model, self._model.disable_adapter()
         else:
-            network, adapter_off = select_model(model, self._model, self._ref), contextlib.nullcontext()
+            network = select_model(model, self._model, self._ref, self._teachers)
+            adapter_off = contextlib.nullcontext()
         validate_samples(samples)
         if not samples:
             empty = torch.empty(0)

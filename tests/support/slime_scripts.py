@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "data" / "slime_scripts"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "tests" / "data" / "slime_scripts"
 ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
 
 
@@ -45,3 +49,17 @@ def read_slime_script(path: Path, overrides: dict[str, str] | None = None) -> tu
         array = re.fullmatch(r"\$\{([A-Z_][A-Z0-9_]*)\[@\]\}", token)
         argv.extend(arrays[array.group(1)] if array else [expand(token)])
     return entry, argv
+
+
+def run_slime_script(entry: str, argv: list[str], run_dir: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """A slime script's argv through `launcher.py --head --slime-entry ENTRY` on CPU (`--train-backend torch`:
+    Megatron needs GPUs), quiet; fails with the run's output unless it exits 0. Returns the finished process and
+    the rows of its train.jsonl."""
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "launcher.py"), "--head", "--slime-entry", entry, *argv,
+         "--train-backend", "torch", "--run-dir", str(run_dir), "--no-progress", "--no-use-tensorboard",
+         "--no-plots", "--heartbeat-interval", "0.25"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = (run_dir / "metrics" / "train.jsonl").read_text().splitlines()
+    return completed, [json.loads(line) for line in rows]

@@ -10,15 +10,11 @@ and one rollout worker, which is what they mean on a machine without GPUs too.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.slime_scripts import SCRIPTS, read_slime_script
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.slime_scripts import SCRIPTS, read_slime_script, run_slime_script
 
 
 @pytest.mark.system
@@ -30,16 +26,9 @@ def test_fully_async_slime_script_trains_on_cpu(tiny_model_path: Path, tmp_path:
                                     overrides={"MODEL_DIR": str(tiny_model_path), "DATA_PATH": str(data)})
     argv[argv.index("--save") + 1] = str(tmp_path / "save")
     argv[argv.index("--save-debug-rollout-data") + 1] = str(tmp_path / "debug" / "{rollout_id}.pt")
-    run_dir = tmp_path / "run"
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "launcher.py"), "--head", "--slime-entry", entry, *argv,
-         "--train-backend", "torch", "--run-dir", str(run_dir), "--no-progress", "--no-use-tensorboard",
-         "--no-plots", "--heartbeat-interval", "0.25"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    completed, steps = run_slime_script(entry, argv, tmp_path / "run")
     assert "slime flags accepted with no effect here" in completed.stderr
     assert "--rollout-health-check-interval" in completed.stderr
-    steps = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
     assert len(steps) == 3
     assert sorted(p.name for p in (tmp_path / "debug").glob("batch_*.msgpack")) == [
         "batch_000001.msgpack", "batch_000002.msgpack", "batch_000003.msgpack"]

@@ -75,6 +75,7 @@ class Batch:
             self.masks = list(flat.split(self.lengths))
         self.values = torch.randn(t, generator=gen, dtype=torch.float64)
         self.token_advantages = torch.randn(t, generator=gen, dtype=torch.float64)
+        self.teacher_log_probs = lp()  # drawn last: the other fields keep the values they had before it existed
         self.response_lengths = torch.tensor(self.lengths)
         self.loss_mask = torch.cat(self.masks)
 
@@ -274,8 +275,12 @@ def _advantage_row(slime: Any, b: Batch, estimator: str, flags: dict[str, Any]) 
         values=b.values if estimator == "ppo" else None,
         log_probs=b.log_probs,
         ref_log_probs=b.ref_log_probs,
+        teacher_log_probs=b.teacher_log_probs if cfg.use_opd else None,
     )
     args = _args(
+        use_opd=cfg.use_opd,
+        opd_kl_coef=cfg.opd_kl_coef,
+        opd_type="megatron",
         advantage_estimator=estimator,
         kl_coef=cfg.kl_coef,
         kl_loss_type=cfg.kl_loss_type,
@@ -297,6 +302,8 @@ def _advantage_row(slime: Any, b: Batch, estimator: str, flags: dict[str, Any]) 
         "loss_masks": [m.float() for m in b.masks],
         "total_lengths": [n + 10 for n in b.lengths],
     }
+    if cfg.use_opd:
+        data["teacher_log_probs"] = b.split(b.teacher_log_probs.float())
     slime.compute_advantages_and_returns(args, data)
     return ours, torch.cat(data["advantages"]), b.loss_mask
 
@@ -411,6 +418,12 @@ def rows(slime: Any, seed: int) -> Iterator[tuple[str, Callable[[], tuple]]]:
     yield (
         "adv grpo + normalize_advantages",
         lambda: _advantage_row(slime, mild, "grpo", {"normalize_advantages": True}),
+    )
+    opd = {"use_opd": True, "opd_kl_coef": 0.7}
+    yield "adv grpo + opd (on-policy distillation)", lambda: _advantage_row(slime, mild, "grpo", opd)
+    yield (
+        "adv grpo + opd + normalize_advantages",
+        lambda: _advantage_row(slime, mild, "grpo", {**opd, "normalize_advantages": True}),
     )
     rpp = {"normalize_advantages": True, "kl_coef": 0.05, "gamma": 0.9}
     yield "adv reinforce_plus_plus (no empty sample)", lambda: _advantage_row(slime, full, "reinforce_plus_plus", rpp)

@@ -152,7 +152,8 @@ def load_slime(root: Path) -> types.SimpleNamespace:
     )
     _lift(
         root / "slime/backends/megatron_utils/loss.py",
-        ["compute_advantages_and_returns", "vanilla_tis_function", "icepop_function", "loss_function"],
+        ["apply_opd_kl_to_advantages", "compute_advantages_and_returns", "vanilla_tis_function", "icepop_function",
+         "loss_function"],
         loss_ns,
     )
     rollout_ns = _lift(root / "slime/ray/rollout.py", ["RolloutManager._post_process_rewards"], dict(base))

@@ -28,6 +28,9 @@ class GenerateItem:
     params: SamplingParams
     return_logprob: bool
     lora_path: str | None = None  # the name of the loaded adapter the item runs with; None: the base model
+    # max_new_tokens 0: nothing is generated, the prompt is scored from logprob_start_len (`input_token_logprobs`)
+    score_only: bool = False
+    logprob_start_len: int = -1
 
 
 def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem], bool]:
@@ -55,6 +58,7 @@ def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem],
     params = _per_item(body.get("sampling_params") or {}, size, "sampling_params")
     logprob = _per_item(body.get("return_logprob", False), size, "return_logprob")
     adapters = _per_item(body.get("lora_path"), size, "lora_path")
+    starts = _per_item(body.get("logprob_start_len", -1), size, "logprob_start_len")
     items = []
     for index, prompt in enumerate(prompts):
         rid = rids[index] if rids[index] is not None else new_rid()
@@ -66,14 +70,23 @@ def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem],
         if adapters[index] is not None and (not isinstance(adapters[index], str) or not adapters[index]):
             raise ProtocolError(f"/generate: lora_path of item {index} must be an adapter's name, "
                                 f"got {adapters[index]!r}")
+        raw_params = params[index] if isinstance(params[index], dict) else {}
+        score_only = raw_params.get("max_new_tokens") == 0
+        if score_only:  # SGLang scores the prompt and generates nothing; our params need one token to be valid
+            raw_params = {**raw_params, "max_new_tokens": 1}
+        start = starts[index]
+        if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+            raise ProtocolError(f"/generate: logprob_start_len of item {index} must be an int >= -1, got {start!r}")
         items.append(
             GenerateItem(
                 rid,
                 ids,
                 prompt if text is not None else None,
-                parse_sampling_params(params[index], where=f"item {index}"),
+                parse_sampling_params(raw_params if score_only else params[index], where=f"item {index}"),
                 bool(logprob[index]),
                 adapters[index],
+                score_only=score_only,
+                logprob_start_len=start,
             )
         )
     return items, batch
@@ -150,6 +163,24 @@ def output_json(
     if weight_versions is not None:
         meta["weight_versions"] = weight_versions
     return {"text": text, "output_ids": list(output.output_ids), "meta_info": meta}
+
+
+def scored_json(input_ids: list[int], log_probs: list[float], *, start: int, rid: str,
+                weight_version: str) -> dict[str, Any]:
+    """A `max_new_tokens: 0` item as SGLang answers it: `input_token_logprobs` has one [log-prob, id, None] entry
+    per token from `start` on, the first one's log-prob None (nothing before it was scored), nothing generated."""
+    ids = input_ids[start:]
+    values: list[float | None] = [None, *log_probs] if ids else []
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": {"type": "length", "length": 0},
+        "prompt_tokens": len(input_ids),
+        "completion_tokens": 0,
+        "input_token_logprobs": [[value, token, None] for value, token in zip(values, ids, strict=True)],
+        "output_token_logprobs": [],
+        "weight_version": weight_version,
+    }
+    return {"text": "", "output_ids": [], "meta_info": meta}
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:

@@ -21,6 +21,8 @@ It behaves as SGLang does where a client can get it wrong, so the tests catch su
 * `/abort_request` with a `rid` aborts every request whose rid starts with it, if that rid is one in flight.
 * `/generate` answers HTTP 400 when the prompt is not shorter than the context length, or the prompt plus
   `max_new_tokens` exceed it, with SGLang's message.
+* `/generate` with `max_new_tokens: 0` and `return_logprob` scores the prompt instead of generating (a
+  distillation teacher): `input_token_logprobs` from `logprob_start_len` on, the first entry's log-prob None.
 * `/get_weight_version` does not exist (0.5.15.post1 answers 404, 0.5.23 has no such route): the version is in
   `/model_info`.
 * LoRA, with `--enable-lora --max-lora-rank R --lora-target-modules ...` (SGLang's flags, checked as SGLang
@@ -209,10 +211,13 @@ class CompatServer:
             return refused
         if any(item.lora_path is not None for item in items) and self.lora.registry is None:
             return _error(400, "/generate: lora_path given, but LoRA is not enabled on this server (--enable-lora)")
+        if any(item.score_only and item.lora_path is not None for item in items):
+            return _error(400, "/generate: scoring (max_new_tokens 0) with a lora_path is not supported here")
         self._inflight.update(r.request_id for r in requests)
         try:
             results = await asyncio.gather(
-                *(self.lora.generate(item.lora_path, r) for item, r in zip(items, requests, strict=True))
+                *(self._score(item, r) if item.score_only else self.lora.generate(item.lora_path, r)
+                  for item, r in zip(items, requests, strict=True))
             )
         except ValueError as error:  # AdapterError included: a request for an adapter that is not loaded
             return _error(400, str(error))
@@ -221,6 +226,9 @@ class CompatServer:
         tokenizer = self.engine.tokenizer
         body = []
         for item, outputs in zip(items, results, strict=True):
+            if isinstance(outputs, dict):  # a scored prompt, already in SGLang's shape
+                body.append(outputs)
+                continue
             for output in outputs:
                 text = tokenizer.decode(output.output_ids) if tokenizer is not None else ""
                 names = [self._version_name(v) for v in output.versions]
@@ -430,6 +438,17 @@ class CompatServer:
         """SGLang's flush condition: nothing running (requests held by an abort-mode pause never got in)."""
         status = await self.engine.health()
         return not status["running"] and (bool(status["paused"]) or not status["requests"])
+
+    async def _score(self, item: parsing.GenerateItem, request: GenerateRequest) -> dict[str, Any]:
+        """A `max_new_tokens: 0` item: the prompt's log-probs from `logprob_start_len` (SGLang's -1: none)."""
+        ids = list(request.input_ids)
+        start = len(ids) if item.logprob_start_len < 0 else min(item.logprob_start_len, len(ids))
+        log_probs = []
+        if item.return_logprob and start + 1 < len(ids):
+            log_probs = await self.engine.score(ids, start=start + 1, temperature=item.params.temperature)
+        if not item.return_logprob:
+            start = len(ids)
+        return parsing.scored_json(ids, log_probs, start=start, rid=item.rid, weight_version=self.weight_version)
 
     def _engine_request(self, item: parsing.GenerateItem) -> GenerateRequest:
         ids = item.input_ids
