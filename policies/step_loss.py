@@ -21,10 +21,11 @@ from torch import Tensor
 
 from policies.aggregation import global_denominator
 from policies.config import PolicyLossConfig
-from policies.losses import compute_policy_loss, effective_loss_mask
+from policies.losses import compute_policy_loss, compute_value_loss, effective_loss_mask
+from policies.packing import as_float_mask
 
-__all__ = ["ADDITIVE_METRICS", "PiOldSource", "PolicyLoss", "pi_old_source", "step_denominators",
-           "zero_advantage_is_zero_gradient"]
+__all__ = ["ADDITIVE_METRICS", "PiOldSource", "PolicyLoss", "ValueLoss", "explained_variance", "pi_old_source",
+           "step_denominators", "value_denominators", "zero_advantage_is_zero_gradient"]
 
 # Loss terms already use the global denominators; every other metric is a local mean to be token-weighted.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
@@ -109,6 +110,11 @@ def step_denominators(config: PolicyLossConfig, *, loss_mask: Tensor, response_l
         old_log_probs=old_log_probs,
         rollout_log_probs=None if config.loss_type == "sft" else rollout_log_probs,
     )
+    return _counts(config, keep, loss_mask, response_lengths)
+
+
+def _counts(config: PolicyLossConfig, keep: Tensor, loss_mask: Tensor, response_lengths: Tensor) -> Tensor:
+    """``float64 [2]``: the aggregation denominator over the kept tokens, and the trained tokens."""
     return torch.tensor(
         [global_denominator(config.loss_agg_mode, keep, response_lengths,
                             count_empty_samples=config.count_empty_samples), float(loss_mask.sum())],
@@ -146,3 +152,54 @@ class PolicyLoss:
         )
         share = float(batch.loss_mask.sum()) / max(1.0, self.total_tokens)
         return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}
+
+
+class ValueBatch(Protocol):
+    """The packed per-token fields the critic's loss reads."""
+
+    response_lengths: Tensor
+    loss_mask: Tensor | None
+    values: Tensor | None  # the critic's before the step: the clip's anchor
+    returns: Tensor | None
+
+
+def value_denominators(config: PolicyLossConfig, *, loss_mask: Tensor, response_lengths: Tensor) -> Tensor:
+    """``float64 [2]``: this shard's (value-loss denominator, trained tokens), to be summed over ranks. The value
+    loss aggregates as the policy loss does (``loss_agg_mode``), over the trained tokens, no rejections."""
+    return _counts(config, as_float_mask(loss_mask, torch.float64), loss_mask, response_lengths)
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """The critic's clipped value loss of one step (slime's ``value_loss_function``: ``max((clip(V) - R)^2,
+    (V - R)^2)``, clipped around the values before the step by ``value_clip``), with the step's denominators."""
+
+    config: PolicyLossConfig
+    denominator: float
+    total_tokens: float
+
+    def __call__(self, values: Tensor, batch: ValueBatch) -> tuple[Tensor, dict[str, float]]:
+        if batch.loss_mask is None or batch.returns is None or batch.values is None:
+            raise ValueError("ValueLoss: the batch needs loss_mask, values (before the step) and returns")
+        loss, metrics = compute_value_loss(self.config, values=values, returns=batch.returns,
+                                           loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
+                                           old_values=batch.values, denominator=self.denominator)
+        share = float(batch.loss_mask.sum()) / max(1.0, self.total_tokens)
+        return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, loss_mask: Tensor) -> float:
+    """``1 - Var(returns - values) / Var(returns)`` over the trained tokens: 1 when the critic predicts the returns,
+    0 when it does no better than their mean, negative when worse. NaN when the returns do not vary."""
+    mask = as_float_mask(loss_mask, torch.float64)
+    count = mask.sum()
+    if count < 2:
+        return float("nan")
+    returns, values = returns.double(), values.double()
+
+    def variance(x: Tensor) -> Tensor:
+        mean = (x * mask).sum() / count
+        return (((x - mean) * mask) ** 2).sum() / count
+
+    spread = variance(returns)
+    return float("nan") if spread == 0 else float(1 - variance(returns - values) / spread)

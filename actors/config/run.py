@@ -176,6 +176,7 @@ class RunConfig(BaseModel):
             problems.append(f"rollout_num_gpus {placement.rollout_num_gpus} must be a multiple of "
                             f"rollout_num_gpus_per_engine {per_engine}")
         problems.extend(_distillation_problems(self))
+        problems.extend(_critic_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -286,3 +287,20 @@ def _distillation_problems(config: RunConfig) -> list[str]:
         problems.append(f"teachers held by the learner ({', '.join(held)}) need --train-backend torch; on "
                         f"{config.trainer.train_backend} give the teacher as a server (--opd-teacher NAME=URL)")
     return problems
+
+
+def _critic_problems(config: RunConfig) -> list[str]:
+    """PPO's critic: where it can run, and its settings only with it."""
+    if config.policy.advantage_estimator == "ppo":
+        if config.trainer.train_backend != "torch":
+            return [f"advantage_estimator ppo trains a critic beside the policy, which the torch backend does; "
+                    f"--train-backend {config.trainer.train_backend} has no value model (use grpo, "
+                    "reinforce_plus_plus or rloo there)"]
+        return []
+    given = [flag for flag, value in (("--num-critic-only-steps", config.learner.num_critic_only_steps),
+                                      ("--critic-load", config.trainer.critic_load),
+                                      ("--critic-lr", config.trainer.critic_lr)) if value]
+    if given:
+        return [f"{', '.join(given)}: a critic is trained only with --advantage-estimator ppo, not "
+                f"{config.policy.advantage_estimator}"]
+    return []

@@ -250,6 +250,8 @@ class LearnerConfig(Section):
     mask_offpolicy_in_partial_rollout: bool = Field(False, description="train only on the tokens of a sample's "
                                                     "newest weight version: the part generated before a weight "
                                                     "update landed mid-sample stays as context, loss mask 0")
+    num_critic_only_steps: int = Field(0, ge=0, description="PPO with a critic: the first N batches train the "
+                                       "critic alone, the policy waits (slime's warm-up)")
     debug_rollout_only: bool = Field(False, description="generate and score, never train")
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
@@ -278,6 +280,9 @@ class TrainerConfig(Section):
     megatron_checkpoint: str | None = Field(None, description="Megatron distributed checkpoint to start from "
                                             "(default: convert --hf-checkpoint)")
     lr: float = Field(1e-4, ge=0, description="learning rate")
+    critic_load: str | None = Field(None, description="PPO's value model starts from this HF folder (default: the "
+                                    "policy's --hf-checkpoint, as slime's critic starts from the actor's weights)")
+    critic_lr: float | None = Field(None, gt=0, description="the critic's learning rate (default: --lr)")
     lr_decay_style: Literal["constant", "cosine"] = Field("constant", description="LR schedule")
     lr_warmup_iters: int = Field(0, ge=0, description="LR warmup steps")
     min_lr: float = Field(0.0, ge=0, description="where the cosine schedule ends")

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
@@ -167,6 +168,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         result.env.update({str(k): str(v) for k, v in variables.items()})
     elif flag == "--apply-chat-template-kwargs":
         _set(args, "apply_chat_template_kwargs", value, flag)  # the JSON string; the data section parses it
+    elif flag == "--megatron-config-path":
+        _role_overrides(value, args)
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":
@@ -198,6 +201,40 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "weight_transport", "nccl", flag)
     else:  # a row marked alias without a translation is a bug of this module, never a silent drop
         raise AssertionError(f"{flag}: alias without a translation")
+
+
+# slime's role override keys (argparse attribute names) that mean one of our settings, per role.
+ROLE_OVERRIDES = {"actor": {"lr": "lr"}, "critic": {"lr": "critic_lr", "load": "critic_load"}}
+
+
+def _role_overrides(path: str, args: argparse.Namespace) -> None:
+    """slime's `--megatron-config-path` YAML: `megatron: [{role: actor|critic, overrides: {...}}]`, at most one
+    entry per role, `args` an older name of `overrides`. The keys PPO's roles differ in (learning rates, where
+    the critic starts) become our settings; any other is refused with its role and name, never dropped."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--megatron-config-path {path}: cannot read it ({error})") from None
+    entries = loaded.get("megatron") if isinstance(loaded, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise ValueError(f"--megatron-config-path {path}: expected a top-level 'megatron' list of role entries")
+    seen: set[str] = set()
+    for entry in entries:
+        role = entry.get("role")
+        if role not in ROLE_OVERRIDES or role in seen:
+            raise ValueError(f"--megatron-config-path {path}: role {role!r} must be actor or critic, once each")
+        seen.add(role)
+        overrides = entry.get("overrides") or entry.get("args") or {}
+        unknown = sorted(set(overrides) - set(ROLE_OVERRIDES[role]))
+        if unknown:
+            raise ValueError(f"--megatron-config-path {path}: {role} overrides {unknown} are not available here "
+                             f"(accepted: {sorted(ROLE_OVERRIDES[role])}; the roles share every other setting)")
+        for key, value in overrides.items():
+            setting = ROLE_OVERRIDES[role][key]
+            _set(args, setting, float(value) if setting.endswith("lr") else str(value),
+                 f"--megatron-config-path ({role} {key})")
 
 
 def _set(args: argparse.Namespace, name: str, value: Any, flag: str) -> None:

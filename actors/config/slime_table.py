@@ -101,7 +101,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--mtp-num-layers": _owned("megatron"),
     "--mtp-loss-scaling-factor": _owned("megatron"),
     "--enable-mtp-training": _refused("multi-token-prediction layers are not trained here"),
-    "--megatron-config-path": _refused("per-role Megatron configs (a separate critic) are not available", "value"),
+    "--megatron-config-path": _alias("slime's actor/critic role overrides: the critic's lr -> --critic-lr and "
+                                      "load -> --critic-load, the actor's lr -> --lr; other keys are refused by "
+                                      "name"),
     "--megatron-deepgemm-forward-layers": _refused("DeepGEMM FP8 kernels are not available", "list"),
     "--megatron-deepgemm-forward-modules": _refused("DeepGEMM FP8 kernels are not available", "list"),
     "--megatron-deepgemm-moe-forward-layers": _refused("DeepGEMM FP8 kernels are not available", "list"),
@@ -248,8 +250,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--lr": _same(),
     "--clip-grad": _same(),
     "--calculate-per-token-loss": _alias("-> --loss-agg-mode token-mean", "switch"),
-    "--num-critic-only-steps": _refused("critic-only warm-up steps are not available (PPO with a critic is "
-                                        "partial)", "value", int),
+    "--num-critic-only-steps": _same(),
     "--eps-clip": _same(),
     "--eps-clip-high": _same(),
     "--eps-clip-c": _same(),

@@ -21,7 +21,7 @@ from actors.eval import EvalHold
 from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
 from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
-from actors.learner.step import PreparedBatch, StepReport, TrainingStep
+from actors.learner.step import CRITIC_ONLY_REASON, PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
@@ -308,7 +308,9 @@ class Learner(Actor):
             metrics.update(report.metrics)
             metrics["train/grad_norm"] = report.result.grad_norm
             metrics["train/skipped"] = float(report.result.skipped)
-            if report.result.skipped:
+            if report.result.skipped and CRITIC_ONLY_REASON in (report.result.skip_reason or ""):
+                self.counters["steps.critic_only"] += 1  # planned, not a failure: counted, not warned about
+            elif report.result.skipped:
                 self.counters["steps.skipped"] += 1
                 self.log.warning("step skipped", reason=report.result.skip_reason, batch=batch.batch_id)
         self.counters["samples.trained"] += len(batch.samples)

@@ -21,7 +21,13 @@ from engines.training.base import DataParallel, Trainer, TrainSample, teacher_ro
 from policies.advantages import compute_advantages
 from policies.config import PolicyLossConfig
 from policies.distillation import reverse_kl_means
-from policies.step_loss import PolicyLoss, step_denominators
+from policies.step_loss import (
+    PolicyLoss,
+    ValueLoss,
+    explained_variance,
+    step_denominators,
+    value_denominators,
+)
 
 
 @dataclass
@@ -162,6 +168,11 @@ def add_teacher_log_probs(trainer: Trainer, batch: StepBatch, held: Collection[s
                              "scores come with the sample from the reward worker")
 
 
+def add_values(trainer: Trainer, batch: StepBatch) -> None:
+    """The critic's values of this shard's tokens before the step: GAE's baseline and the value clip's anchor."""
+    batch.scatter("values", trainer.compute_values(batch.samples))
+
+
 def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float) -> None:
     """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when)."""
     old = trainer.compute_log_probs(batch.samples, temperature=temperature).log_probs
@@ -188,7 +199,8 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
     if custom is not None:  # the run config refuses it beside use_opd (the function replaces all of this)
         batch.scatter("advantages", custom(policy, batch.samples, group_ids, process_group=group))
         return {}
-    advantages, _returns = compute_advantages(
+    values = batch.packed("values")
+    advantages, returns = compute_advantages(
         policy,
         rewards=torch.tensor([float(s.reward or 0.0) for s in batch.samples], dtype=torch.float32),
         group_ids=group_ids,
@@ -197,10 +209,17 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         log_probs=student,  # read only for kl_coef and use_opd
         ref_log_probs=batch.packed("ref_log_probs"),
         teacher_log_probs=teacher,
+        values=values,
         process_group=group,
     )
     batch.scatter("advantages", advantages.float())
-    return _distillation_metrics(policy, batch, student, teacher)
+    metrics = _distillation_metrics(policy, batch, student, teacher)
+    if values is not None:  # the critic's targets, and how much of them its values already explain
+        batch.scatter("returns", returns.float())
+        loss_mask = batch.packed("loss_mask")
+        assert loss_mask is not None
+        metrics["critic/explained_variance"] = explained_variance(values, returns, loss_mask)
+    return metrics
 
 
 def _distillation_metrics(policy: PolicyLossConfig, batch: StepBatch, student: torch.Tensor | None,
@@ -278,6 +297,18 @@ def build_loss(
         counts = counts.cpu()
     return PolicyLoss(policy, denominator=float(counts[0]), total_tokens=max(1.0, float(counts[1])),
                       pi_old_from_forward=pi_old_from_forward)
+
+
+def build_value_loss(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel) -> ValueLoss:
+    """The critic's loss for one optimizer step, with that step's denominators over every rank (`build_loss`)."""
+    loss_mask = batch.packed("loss_mask")
+    assert loss_mask is not None
+    counts = value_denominators(policy, loss_mask=loss_mask, response_lengths=batch.response_lengths())
+    if parallel.size > 1:
+        counts = counts.to(_collective_device(parallel))
+        torch.distributed.all_reduce(counts, group=parallel.group)
+        counts = counts.cpu()
+    return ValueLoss(policy, denominator=float(counts[0]), total_tokens=max(1.0, float(counts[1])))
 
 
 def _collective_device(parallel: DataParallel) -> torch.device:

@@ -68,6 +68,7 @@ class TrainingStep:
                                    and zero_advantage_is_zero_gradient(self.policy))
         self.teachers = run_teachers(config.distillation) if self.policy.use_opd else {}
         self.teacher_key = config.distillation.opd_teacher_key
+        self.critic_only_steps = config.learner.num_critic_only_steps
         if self.pi_old == "training_forward" and self.steps > 1:
             raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
 
@@ -99,19 +100,42 @@ class TrainingStep:
     def train_prepared(self, prepared: PreparedBatch) -> StepReport:
         """The stages that read the policy as it is now (pi_old, advantages), then the optimizer steps."""
         batch, parallel = prepared.batch, self.trainer.data_parallel()
+        critic = self.trainer.has_critic
         if self.pi_old == "separate_forward":
             stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
+        if critic:
+            stages.add_values(self.trainer, batch)
+        # slime's --num-critic-only-steps: the first N batches train the critic alone (counted in critic updates,
+        # which a checkpoint keeps, so a resumed run goes on where it was).
+        warming_up = critic and self.trainer.critic_steps < self.critic_only_steps * self.steps
         advantage_metrics = {}
         if self.policy.loss_type != "sft":
             advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
         parts = stages.mini_batches(batch, self.steps, parallel)
-        results = [self._optimizer_step(part, parallel, last=index == len(parts) - 1)
-                   for index, part in enumerate(parts)]
+        results = []
+        for index, part in enumerate(parts):
+            critic_metrics = self._critic_step(part, parallel) if critic else {}
+            result = (self._warm_up_result() if warming_up
+                      else self._optimizer_step(part, parallel, last=index == len(parts) - 1))
+            result.metrics.update(critic_metrics)
+            results.append(result)
         result = combine_steps(results)
         return StepReport(result=result, metrics={**result.metrics, **prepared.metrics, **advantage_metrics})
 
     def _teacher_name(self, sample: Sample) -> str:
         return teacher_of(sample.metadata, self.teachers, self.teacher_key).name
+
+    def _critic_step(self, part: stages.StepBatch, parallel: DataParallel) -> dict[str, float]:
+        """One critic update on this optimizer step's samples (before the policy's, as slime orders them)."""
+        result = self.trainer.train_critic(part.samples, stages.build_value_loss(self.policy, part, parallel))
+        metrics = {f"critic/{name}": value for name, value in result.metrics.items()}
+        metrics["critic/skipped"] = float(result.skipped)
+        return metrics
+
+    def _warm_up_result(self) -> StepResult:
+        """A policy step not taken: the batch trained the critic only; the version stays where it is."""
+        return StepResult(version=self.trainer.version, metrics={"critic_only": 1.0}, grad_norm=0.0, skipped=True,
+                          skip_reason=CRITIC_ONLY_REASON)
 
     def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
         trained = stages.with_gradient(part) if self.skip_gradient_free else part
@@ -124,6 +148,8 @@ class TrainingStep:
         result.metrics["zero_advantage_skipped"] = float(len(part.samples) - len(trained.samples))
         return result
 
+
+CRITIC_ONLY_REASON = "critic-only warm-up (--num-critic-only-steps): the policy is not trained yet"
 
 # Metrics of a step that are totals of its work; the batch's value is their sum over steps, others are means.
 _SUMMED_METRICS = ("loss_tokens", "sequences", "micro_batches", "step_seconds")

@@ -43,6 +43,11 @@ def build_plugin_trainer(path: str, config: RunConfig) -> Trainer:
     return trainer
 
 
+def uses_critic(config: RunConfig) -> bool:
+    """PPO with a critic: the one estimator that reads values (as slime, whose use_critic is estimator == ppo)."""
+    return config.policy.advantage_estimator == "ppo"
+
+
 def _needs_ref(config: RunConfig) -> bool:
     return config.policy.needs_ref  # the policy config decides; the learner step reads the same property
 
@@ -76,7 +81,7 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
 def _build_torch_trainer(config: RunConfig) -> Trainer:
     import torch
 
-    from engines.training.config import TorchTrainerConfig
+    from engines.training.config import CriticSettings, TorchTrainerConfig
     from engines.training.lora import LoraSettings
     from engines.training.torch_trainer import TorchTrainer
 
@@ -85,7 +90,13 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
     flags = _checked_megatron_flags(config)
     # Megatron's activation recompute, on this backend: HF gradient checkpointing (every layer).
     recompute = flags.get("recompute_granularity") is not None
+    critic = None
+    if uses_critic(config):
+        assert config.model.hf_checkpoint is not None
+        critic = CriticSettings(model_path=Path(config.trainer.critic_load or config.model.hf_checkpoint),
+                                lr=config.trainer.critic_lr or config.trainer.lr)
     settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute,
+                                  critic=critic,
                                   lora=LoraSettings.of_run(config.lora),
                                   # colocated: the engines generate on this device between our steps
                                   offload_optimizer=config.placement.colocate,

@@ -47,7 +47,8 @@ class TokenFields:
 
     `loss_mask` (1 = trained; None trains every token), `rollout_log_probs` (mu, the engine's), `old_log_probs`
     (pi_old, the learner's before the step), `ref_log_probs` (the frozen reference model's), `teacher_log_probs`
-    (a distillation teacher's), `advantages`.
+    (a distillation teacher's), `advantages`, and for PPO with a critic `values` (the critic's before the step) and
+    `returns` (its regression targets).
     """
 
     loss_mask: Tensor | None = None
@@ -56,6 +57,8 @@ class TokenFields:
     ref_log_probs: Tensor | None = None
     teacher_log_probs: Tensor | None = None
     advantages: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
 
 
 TOKEN_FIELDS = tuple(f.name for f in fields(TokenFields))
@@ -160,6 +163,13 @@ class Loss(Protocol):
     def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict[str, float]]: ...
 
 
+class ValueLossFn(Protocol):
+    """What `Trainer.train_critic` calls on each micro-batch: `(predicted values [N], batch) -> (loss, metrics)`,
+    divided by the whole step's counts like `Loss`."""
+
+    def __call__(self, values: Tensor, batch: PackedBatch) -> tuple[Tensor, dict[str, float]]: ...
+
+
 LossFn = Loss  # the earlier name, kept while tools/sim/learner.py (being written alongside) still uses it
 
 
@@ -226,6 +236,25 @@ class Trainer(ABC):
     @abstractmethod
     def export_hf(self, directory: str | Path) -> None:
         """Write the policy as a Hugging Face folder that `from_pretrained` loads (weights, config, tokenizer)."""
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the trainer holds a value model (PPO with a critic): `compute_values` and `train_critic` work."""
+        return False
+
+    @property
+    def critic_steps(self) -> int:
+        """Critic updates attempted so far (restored from a checkpoint): where a critic-only warm-up stands."""
+        return 0
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> Tensor:
+        """The critic's value of every response token's state (the prefix before it), packed, without gradients."""
+        raise NotImplementedError(f"{type(self).__name__} holds no critic")
+
+    def train_critic(self, samples: Sequence[TrainSample], loss: ValueLossFn) -> StepResult:
+        """One optimizer step of the critic on `samples` (with `values` and `returns`); the policy is untouched and
+        the version does not move. A non-finite loss or gradient skips the update and says so."""
+        raise NotImplementedError(f"{type(self).__name__} holds no critic")
 
     def data_parallel(self) -> DataParallel:
         """Which share of a batch this rank trains on, and the group that sums what the shares count.

@@ -13,6 +13,15 @@ from engines.training.lora import LoraSettings
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class CriticSettings(BaseModel):
+    """PPO's value model (`engines.training.critic`): where its weights start and its own learning rate."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: Path
+    lr: float = Field(default=1e-6, gt=0)
+
+
 class TrainerOptimizerConfig(BaseModel):
     """What every trainer shares: the model to load, AdamW, the LR schedule, clipping, micro-batch budget, seed.
 
@@ -62,6 +71,7 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     `attn_implementation` defaults to `packed_sdpa` (per-sequence attention inside a packed row, see
     `engines.training.attention`); "flash_attention_2" is the faster choice where it is installed, "sdpa" the
     conservative one (correct, but it computes masked cross-sequence scores).
+    `critic` adds PPO's value model with its own optimizer (`engines.training.critic`), saved in every checkpoint.
     `lora` trains a LoRA adapter on the frozen model instead of every weight (`engines.training.lora`); the
     reference model is then the policy with its adapter switched off, unless `ref_model_path` names another
     model.
@@ -77,6 +87,7 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
 
     gradient_checkpointing: bool = False
     lora: LoraSettings | None = None
+    critic: CriticSettings | None = None
     offload_optimizer: bool = False
     device: str = "cpu"
     attn_implementation: str = "packed_sdpa"

@@ -45,6 +45,7 @@ from engines.training.base import (
     StepStats,
     Trainer,
     TrainSample,
+    ValueLossFn,
     VersionCounter,
     check_loss,
     scheduled_lr,
@@ -54,6 +55,7 @@ from engines.training.base import (
     validate_samples,
 )
 from engines.training.config import TorchTrainerConfig
+from engines.training.critic import CRITIC_DIRECTORY, ValueCritic
 from engines.training.micro_batches import (
     check_packing_isolation,
     collate,
@@ -102,6 +104,13 @@ class TorchTrainer(Trainer):
         if _world_size() > 1:
             self._train_module = _wrap_ddp(self._model, self._device)
         self._counter = VersionCounter()
+        self._critic = None
+        if config.critic is not None:
+            self._critic = ValueCritic(
+                _load_model(config.critic.model_path, self._device, config.attn_implementation), config.critic,
+                device=self._device, plan=self._plan, share_prompts=self._share_prompts, autocast=self._autocast,
+                world_size=_world_size(), betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                grad_clip=config.grad_clip)
 
     # -- Trainer ---------------------------------------------------------------------------------------------
 
@@ -179,6 +188,27 @@ class TorchTrainer(Trainer):
         loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(stats)
         return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started, ends_batch)
 
+    @property
+    def has_critic(self) -> bool:
+        return self._critic is not None
+
+    @property
+    def critic_steps(self) -> int:
+        return 0 if self._critic is None else self._critic.calls
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> Tensor:
+        validate_samples(samples)
+        return self._critic_or_raise().values(samples)
+
+    def train_critic(self, samples: Sequence[TrainSample], loss: ValueLossFn) -> StepResult:
+        validate_samples(samples)
+        return self._critic_or_raise().train_step(samples, loss, version=self._counter.version)
+
+    def _critic_or_raise(self) -> ValueCritic:
+        if self._critic is None:
+            raise ValueError("this trainer holds no critic (TorchTrainerConfig.critic)")
+        return self._critic
+
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """Rank 0 writes (all ranks hold identical weights and moments); every rank returns or raises together."""
         checkpoint.check_json(extra_state)
@@ -192,6 +222,8 @@ class TorchTrainer(Trainer):
                 optimizer_meta = checkpoint.save_optimizer(
                     staging / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names
                 )
+                if self._critic is not None:
+                    self._critic.save(staging / CRITIC_DIRECTORY)
                 checkpoint.write_state(
                     staging,
                     {
@@ -222,6 +254,8 @@ class TorchTrainer(Trainer):
         checkpoint.load_optimizer(
             directory / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names, state["optimizer"]
         )
+        if self._critic is not None:
+            self._critic.load(directory / CRITIC_DIRECTORY)
         self._counter.restore(state)
         return state["extra_state"]
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from actors.slime_compat import Sample
-from policies.rewards import RewardInput
+from policies.rewards import RewardInput, prompt_text
 
 SEEN: list[RewardInput] = []  # what `record` was given, in call order (in-process runs only)
 SEEN_SLIME: list[Sample] = []  # what `record_slime` was given
@@ -36,3 +37,10 @@ def digit_share(inp: RewardInput) -> float:
     """The share of the response's characters that are digits: varies between an untrained model's samples, so a
     GRPO group has advantages (and a gradient) without a model that can do the task."""
     return sum(character.isdigit() for character in inp.response) / max(1, len(inp.response))
+
+
+def odd_first_operand(inp: RewardInput) -> float:
+    """1 when the prompt's first number is odd, whatever the response: returns that a value model learns from the
+    prompt alone (a critic's test), where an untrained model's answers would score all 0."""
+    digits = "".join(itertools.takewhile(str.isdigit, prompt_text(inp.prompt).lstrip()))
+    return float(int(digits or "0") % 2)

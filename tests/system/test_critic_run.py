@@ -1,0 +1,50 @@
+"""PPO with a critic in a real fully-async run: the critic warms up alone, the learner is killed with SIGKILL
+mid-run and resumes from its checkpoint (critic included), and the critic's explained variance is logged and rises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.system.test_fault_tolerance import current_pid, finish, launch, wait_for_step
+from tools.audit_run import audit
+from tools.make_arithmetic_data import make_arithmetic_data
+
+# Rewards a critic can learn from the prompt alone, where the tiny random model's exact-match rewards are all 0.
+PPO = ("--advantage-estimator", "ppo", "--lambd", "0.95", "--num-critic-only-steps", "2", "--critic-lr", "3e-3",
+       "--custom-rm-path", "tests.support.reward_plugins:odd_first_operand", "--lr", "3e-4")
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_ppo_with_a_critic_survives_a_killed_learner_and_its_critic_learns(tmp_path: Path,
+                                                                          tiny_model_path: Path) -> None:
+    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir = tmp_path / "run"
+    run = launch(run_dir, tiny_model_path, data, num_rollout=24, extra=PPO)
+    try:
+        wait_for_step(run, run_dir, 10)  # past the checkpoint of step 8
+        os.kill(current_pid(run_dir, "learner"), signal.SIGKILL)
+        output = finish(run)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-4000:]
+    assert '"actor": "learner", "code": -9' in (run_dir / "logs" / "launcher-0.jsonl").read_text()
+    assert "resumed from checkpoint" in (run_dir / "logs" / "learner.jsonl").read_text()
+    report = audit(run_dir)
+    assert report.ok, report.problems
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    by_step = {row["step"]: row for row in rows}  # a step redone after the resume: its last record
+    steps = [by_step[step] for step in sorted(by_step)]
+    assert [row["critic_only"] for row in steps[:2]] == [1.0, 1.0]  # the warm-up trained the critic alone
+    assert all("critic_only" not in row for row in steps[2:])
+    # NaN (written as null) where a batch's returns did not vary: every group scored alike
+    explained = [row["critic/explained_variance"] for row in steps if row["critic/explained_variance"] is not None]
+    assert np.mean(explained[-6:]) > np.mean(explained[:3]) + 0.2, [round(value, 2) for value in explained]
