@@ -31,7 +31,7 @@ from policies.aggregation import aggregate
 from policies.config import PolicyLossConfig
 from policies.corrections import icepop, mis, opsm_keep_mask, tis
 from policies.kl import compute_kl
-from policies.losses import PolicyLossInputs, cispo_loss, compute_policy_loss, gspo_loss, ppo_loss
+from policies.losses import PolicyLossInputs, cispo_loss, compute_policy_loss, compute_value_loss, gspo_loss, ppo_loss
 from tools.slime_math.loader import load_slime
 
 TOLERANCE = 1e-6
@@ -308,6 +308,23 @@ def _advantage_row(slime: Any, b: Batch, estimator: str, flags: dict[str, Any]) 
     return ours, torch.cat(data["advantages"]), b.loss_mask
 
 
+def _value_loss_row(slime: Any, b: Batch, flags: dict[str, Any]) -> tuple:
+    """The critic's clipped value loss, summed over per-sample means: slime's ``value_loss_function`` reduces with
+    ``sum_of_sample_mean``, which our seq-mean-token-mean gives with a denominator of 1 (the learner's is the
+    step's sample count, which slime's loss wrapper divides by afterwards)."""
+    cfg = PolicyLossConfig(value_clip=0.2, **flags)
+    predicted = b.old_log_probs  # any per-token values: far enough from the old ones that the clip bites
+    old_values, returns = b.values, b.token_advantages
+    ours, _ = compute_value_loss(cfg, values=predicted, returns=returns, loss_mask=b.loss_mask,
+                                 response_lengths=b.response_lengths, old_values=old_values, denominator=1.0)
+    slime.loss_namespace["get_values"] = lambda logits, **_: (None, {"values": logits})
+    reduce = slime.sum_of_sample_mean([n + 10 for n in b.lengths], b.lengths, b.masks)
+    batch = {"values": b.split(old_values), "returns": b.split(returns), "unconcat_tokens": None,
+             "total_lengths": None, "response_lengths": b.lengths}
+    theirs, _ = slime.value_loss_function(_args(value_clip=cfg.value_clip), batch, b.split(predicted), reduce)
+    return ours.reshape(1), theirs.reshape(1), None
+
+
 def _aggregation_row(slime: Any, b: Batch, mode: str, flags: dict[str, Any]) -> tuple:
     cfg = PolicyLossConfig(loss_agg_mode=mode, **flags)
     per_token = b.values
@@ -433,6 +450,7 @@ def rows(slime: Any, seed: int) -> Iterator[tuple[str, Callable[[], tuple]]]:
             slime, mild, "reinforce_plus_plus_baseline", {"normalize_advantages": True, "kl_coef": 0.05}
         ),
     )
+    yield "value loss (critic), clipped", lambda: _value_loss_row(slime, wild, {})
     ppo = {"kl_coef": 0.05, "gamma": 0.95, "lambd": 0.9}
     yield "adv ppo (GAE), untrained tail, kl_coef", lambda: _advantage_row(slime, mild, "ppo", ppo)
     yield (

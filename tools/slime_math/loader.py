@@ -153,7 +153,7 @@ def load_slime(root: Path) -> types.SimpleNamespace:
     _lift(
         root / "slime/backends/megatron_utils/loss.py",
         ["apply_opd_kl_to_advantages", "compute_advantages_and_returns", "vanilla_tis_function", "icepop_function",
-         "loss_function"],
+         "loss_function", "value_loss_function"],
         loss_ns,
     )
     rollout_ns = _lift(root / "slime/ray/rollout.py", ["RolloutManager._post_process_rewards"], dict(base))
@@ -166,5 +166,7 @@ def load_slime(root: Path) -> types.SimpleNamespace:
         vanilla_tis=loss_ns["vanilla_tis_function"],
         icepop=loss_ns["icepop_function"],
         loss_function=loss_ns["loss_function"],
+        value_loss_function=loss_ns["value_loss_function"],
+        loss_namespace=loss_ns,
         post_process_rewards=rollout_ns["_post_process_rewards"],
     )
