@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.slime_scripts import SCRIPTS, read_slime_script, run_slime_script
 from tests.system.test_fault_tolerance import current_pid, finish, launch, wait_for_step
 from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data
@@ -48,3 +49,21 @@ def test_ppo_with_a_critic_survives_a_killed_learner_and_its_critic_learns(tmp_p
     # NaN (written as null) where a batch's returns did not vary: every group scored alike
     explained = [row["critic/explained_variance"] for row in steps if row["critic/explained_variance"] is not None]
     assert np.mean(explained[-6:]) > np.mean(explained[:3]) + 0.2, [round(value, 2) for value in explained]
+
+
+@pytest.mark.system
+def test_a_slime_ppo_script_with_critic_role_overrides_trains_on_cpu(tiny_model_path: Path, tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(8)),
+                    encoding="utf-8")
+    roles = tmp_path / "megatron_ppo.yaml"
+    roles.write_text("megatron:\n  - name: default\n    role: critic\n    overrides:\n      lr: 1e-5\n",
+                     encoding="utf-8")
+    entry, argv = read_slime_script(SCRIPTS / "ppo-critic.sh", overrides={
+        "MODEL_DIR": str(tiny_model_path), "DATA_PATH": str(data), "MEGATRON_CONFIG": str(roles)})
+    argv[argv.index("--save") + 1] = str(tmp_path / "save")
+    _, steps = run_slime_script(entry, argv, tmp_path / "run")
+    assert [step.get("critic_only", 0.0) for step in steps] == [1.0, 0.0, 0.0]
+    assert all(step["critic/lr"] == 1e-5 and "critic/value_loss" in step for step in steps)
+    settings = (tmp_path / "run" / "config.yaml").read_text()
+    assert "critic_lr: 1.0e-05" in settings and "num_critic_only_steps: 1" in settings
