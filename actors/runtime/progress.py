@@ -23,8 +23,13 @@ def describe(record: dict[str, Any]) -> str:
     # a reward that says which samples were right (reward/correct) is shown by it: with partial credit, a reward
     # of 1 (rollout/accuracy) is not what "right" means
     accuracy = "reward/correct" if "reward/correct" in record else "rollout/accuracy"
+    # what distillation and a critic are doing, when the run has them: the KL to the teacher is the signal a
+    # zero-reward distillation run shows progress by
+    extras = "".join(f"{label} {number(key)} " for label, key in (("kl-to-teacher", "opd/reverse_kl"),
+                                                                  ("critic-ev", "critic/explained_variance"))
+                     if key in record)
     return (f"step {record.get('step')} v{record.get('version', '-')} "
-            f"reward {number('rollout/reward_mean')} acc {number(accuracy)} "
+            f"reward {number('rollout/reward_mean')} acc {number(accuracy)} {extras}"
             f"stale max {number('staleness/max', '.0f')} mean {number('staleness/mean', '.2f')} "
             f"{number('throughput/samples_per_s', '.1f')} samples/s")
 

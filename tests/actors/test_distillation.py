@@ -247,3 +247,12 @@ def test_a_prompt_naming_no_known_teacher_fails_with_the_field_and_value() -> No
     scorer = TeacherScorer({"math": Teacher("math", url="http://h:1")}, key="subject", timeout_s=5, temperature=1.0)
     [scored] = asyncio.run(scorer.annotate([sample]))
     assert scored.status == "failed" and "'subject' is 'art'" in (scored.error or "")
+
+
+@pytest.mark.unit
+def test_the_progress_line_shows_the_kl_to_the_teacher_and_the_critics_explained_variance() -> None:
+    from actors.runtime.progress import describe
+
+    line = describe({"step": 2, "rollout/reward_mean": 0.0, "opd/reverse_kl": 1.25, "critic/explained_variance": 0.5})
+    assert "kl-to-teacher 1.250 critic-ev 0.500 stale" in line
+    assert "kl-to-teacher" not in describe({"step": 2, "rollout/reward_mean": 0.0})
