@@ -232,6 +232,9 @@ class RolloutWorker(Actor):
             samples = await self.generate_fn(context, group)
         if not any(sample.status == "aborted" for sample in samples):
             return samples
+        if self.stopping:  # the run's own stop aborted it: expected, and the lease brings it back on a resume
+            self.counters["groups.aborted_at_stop"] += 1
+            return None
         self.counters["groups.abandoned_after_abort"] += 1
         self.log.warning("generation of a group kept being aborted; not sent, its lease will bring it back",
                          group=group.group_id, tries=ABORTED_RETRIES + 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from actors.config import build_config
 from actors.rollout import actor as rollout_actor
 from actors.rollout.engine_factory import load_engine
 from bus import RpcClient
-from bus.schema import Ack, Lease, LeaseRequest, VersionAnnouncement, WeightUpdateOrder
+from bus.schema import Ack, Lease, LeaseRequest, PromptGroup, Sample, VersionAnnouncement, WeightUpdateOrder
 from engines.inference.base import InferenceEngine
 from policies.plugins import PluginError
 from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
@@ -309,3 +310,29 @@ async def test_a_group_whose_generation_was_aborted_is_generated_again_never_sen
     assert all(sample.status != "aborted" and sample.response_length >= 4
                for group in recorder.groups for sample in group.samples)
     assert regenerated >= 2
+
+
+class _Log:
+    """The worker's structured logger, keeping what was warned."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def warning(self, event: str, **_: Any) -> None:
+        self.warnings.append(event)
+
+
+@pytest.mark.unit
+async def test_a_group_aborted_by_the_runs_own_stop_is_dropped_without_a_warning() -> None:
+    """Every run used to end with one 'kept being aborted' warning per group in flight, for the stop it asked for."""
+    from collections import Counter
+
+    aborted = [Sample(sample_id="g/0", group_id="g", index=0, prompt="1+1=", status="aborted")]
+    group = PromptGroup(group_id="g", prompt="1+1=")
+    worker = types.SimpleNamespace(stopping=True, counters=Counter(), log=_Log())
+    assert await rollout_actor.RolloutWorker._unless_aborted(worker, None, group, aborted) is None
+    assert worker.log.warnings == [] and worker.counters["groups.aborted_at_stop"] == 1
+    worker.stopping = False
+    worker.generate_fn = lambda context, group: asyncio.sleep(0, result=aborted)
+    assert await rollout_actor.RolloutWorker._unless_aborted(worker, None, group, aborted) is None
+    assert worker.log.warnings == ["generation of a group kept being aborted; not sent, its lease will bring it back"]
