@@ -296,6 +296,9 @@ def _critic_problems(config: RunConfig) -> list[str]:
             return [f"advantage_estimator ppo trains a critic beside the policy, which the torch backend does; "
                     f"--train-backend {config.trainer.train_backend} has no value model (use grpo, "
                     "reinforce_plus_plus or rloo there)"]
+        if config.learner.custom_advantage_function_path is not None:
+            return ["advantage_estimator ppo with --custom-advantage-function-path: the critic trains on the GAE "
+                    "returns of its own values, which a custom function (it gives advantages only) replaces"]
         return []
     given = [flag for flag, value in (("--num-critic-only-steps", config.learner.num_critic_only_steps),
                                       ("--critic-load", config.trainer.critic_load),

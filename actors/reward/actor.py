@@ -44,7 +44,7 @@ class RewardWorker(Actor):
             from actors.reward.teacher import TeacherScorer  # aiohttp: 0.11 s that only teacher servers need
 
             distillation = self.config.distillation
-            scorer = TeacherScorer(run_teachers(self.config.distillation), key=distillation.opd_teacher_key,
+            scorer = TeacherScorer(run_teachers(distillation), key=distillation.opd_teacher_key,
                                    timeout_s=distillation.opd_teacher_timeout,
                                    temperature=self.config.rollout.rollout_temperature)
             self.teachers = scorer if scorer.has_servers else None
@@ -74,15 +74,15 @@ class RewardWorker(Actor):
     async def score_by_teachers(self, samples: list[Sample]) -> list[Sample]:
         """Each sample's teacher log-probs from its teacher server; one it could not get fails, named and counted."""
         assert self.teachers is not None
-        healthy = sum(sample.status != "failed" for sample in samples)
+        if any(sample.status == "failed" for sample in samples):
+            return samples  # failed in generation: the buffer drops the group, the teacher need not score it
         annotated = await self.teachers.annotate(samples)
         failed = [sample for sample in annotated if sample.status == "failed"]
-        if len(failed) > len(samples) - healthy:
-            self.counters["samples.teacher_failed"] += len(failed) - (len(samples) - healthy)
+        if failed:
+            self.counters["samples.teacher_failed"] += len(failed)
             self.log.warning("a distillation teacher could not score samples; their group is dropped",
                              sample=failed[0].sample_id, reason=failed[0].error)
-        else:
-            self.counters["samples.teacher_scored"] += healthy
+        self.counters["samples.teacher_scored"] += len(samples) - len(failed)
         return annotated
 
     async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
