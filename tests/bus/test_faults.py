@@ -191,18 +191,26 @@ async def test_lost_hellos_and_credits_only_cost_time(zctx: zmq.asyncio.Context,
     sender = StreamSender(zctx, sender_id="producer", hello_interval=0.05, max_hello_interval=0.2)
     sender.connect("consumer", receiver.endpoint)
 
+    sent = asyncio.Event()
+
     async def consume() -> list[int]:
+        """Until the last send returned and the line went quiet. Stopping at the first quiet second instead (a guess
+        at the machine's speed) left a loaded CI run's sender without credit: a receiver that no longer receives
+        grants none, and the next send timed out."""
         got = []
         while True:
             try:
-                _, message = await asyncio.wait_for(receiver.recv(), 1.0)
+                _, message = await asyncio.wait_for(receiver.recv(), 0.2)
             except asyncio.TimeoutError:
-                return got
+                if sent.is_set():
+                    return got
+                continue
             got.append(message.seq)
 
     consuming = asyncio.create_task(consume())
     for seq in range(20):
         await sender.send(Heartbeat(actor_id="producer", seq=seq), timeout=10)
+    sent.set()
     got = await consuming
     assert got and set(got) <= set(range(20))
     assert faults.counts()["dropped"] > 0
