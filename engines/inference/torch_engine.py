@@ -414,6 +414,9 @@ def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) 
     return frozenset()
 
 
+SCORE_LOGITS_ELEMENTS = 1 << 25  # float32 logits one scoring forward may hold (128 MiB)
+
+
 # ----- commands: what the async side asks the decode thread to do at the next step boundary ---------------
 
 
@@ -485,14 +488,19 @@ class _Score(Command):
     temperature: float
 
     def apply(self, engine: TorchEngine) -> object:
-        """Logits of the positions that predict tokens start..end only (`logits_to_keep`), never the prompt's."""
+        """Logits of the positions that predict the scored tokens only (`logits_to_keep`), never the prompt's, and
+        at most SCORE_LOGITS_ELEMENTS of them at once: a long answer over a large vocabulary is scored in windows,
+        each a forward of the sequence up to its last token (more compute, never [answer x vocabulary] floats)."""
         device = next(engine._model.parameters()).device
         ids = torch.tensor([self.input_ids], dtype=torch.long, device=device)
-        scored = len(self.input_ids) - self.start
-        logits = engine._model(ids, logits_to_keep=scored + 1, use_cache=False).logits[0, :-1].float()
-        log_probs = torch.log_softmax(logits / self.temperature, dim=-1)
-        targets = ids[0, self.start:].unsqueeze(-1)
-        return log_probs.gather(-1, targets).squeeze(-1).cpu().tolist()
+        window = max(1, SCORE_LOGITS_ELEMENTS // engine._vocab_size)
+        scores: list[float] = []
+        for first in range(self.start, len(self.input_ids), window):
+            end = min(first + window, len(self.input_ids))  # scores tokens first..end-1
+            logits = engine._model(ids[:, :end], logits_to_keep=end - first + 1, use_cache=False).logits[0, :-1]
+            log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+            scores += log_probs.gather(-1, ids[0, first:end].unsqueeze(-1)).squeeze(-1).cpu().tolist()
+        return scores
 
 
 @dataclass

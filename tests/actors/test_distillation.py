@@ -256,3 +256,35 @@ def test_the_progress_line_shows_the_kl_to_the_teacher_and_the_critics_explained
     line = describe({"step": 2, "rollout/reward_mean": 0.0, "opd/reverse_kl": 1.25, "critic/explained_variance": 0.5})
     assert "kl-to-teacher 1.250 critic-ev 0.500 stale" in line
     assert "kl-to-teacher" not in describe({"step": 2, "rollout/reward_mean": 0.0})
+
+
+@pytest.mark.integration
+def test_the_engine_scores_a_long_answer_in_windows_as_it_scores_it_whole(tiny_model_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A teacher server scoring a long answer over a large vocabulary must not hold [answer x vocabulary] logits:
+    windows of a few positions give the same log-probs as one pass."""
+    from engines.inference import torch_engine
+
+    tokens = [5, 17, 23, 42, 8, 9, 31, 77, 12, 64, 3]
+
+    head_rows: list[int] = []  # positions each forward computed logits for
+
+    async def score() -> list[float]:
+        engine = TorchEngine.from_pretrained(tiny_model_path)
+        engine.model.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: head_rows.append(output.shape[-2]))
+        try:
+            return await engine.score(tokens, start=3, temperature=0.7)
+        finally:
+            await engine.close()
+
+    from transformers import AutoConfig
+
+    whole = asyncio.run(score())
+    vocabulary = AutoConfig.from_pretrained(tiny_model_path).vocab_size
+    monkeypatch.setattr(torch_engine, "SCORE_LOGITS_ELEMENTS", 3 * vocabulary)  # windows of three positions
+    head_rows.clear()
+    windowed = asyncio.run(score())
+    assert head_rows == [4, 4, 3]  # three windows: 8 answer tokens, each window's logits and the one before it
+    assert len(whole) == len(tokens) - 3
+    np.testing.assert_allclose(windowed, whole, atol=1e-5)
