@@ -27,8 +27,9 @@ from actors.runtime.metrics import read_metrics
 from tools.demo import REPO, SMOLLM2_EVAL_PROMPTS, SMOLLM2_GRPO, override_flags
 from tools.make_arithmetic_data import make_sum_questions
 
+CRITIC_LR = "1e-4"
 PPO = {"--advantage-estimator": "ppo", "--lambd": "0.95", "--normalize-advantages": "",
-       "--num-critic-only-steps": "2", "--critic-lr": "2e-5", "--save-interval": "4"}
+       "--num-critic-only-steps": "2", "--critic-lr": CRITIC_LR, "--save-interval": "4"}
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "ppo-critic")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--kill-at", type=int, default=10, help="kill the learner after this step (0: never)")
+    parser.add_argument("--critic-lr", default=CRITIC_LR, help="the value model's learning rate")
     args = parser.parse_args()
     quiet_library_output()
     from engines.pretrained import SMOLLM2, cached_pretrained
@@ -43,7 +45,7 @@ def main() -> None:
     model = cached_pretrained(SMOLLM2, REPO / ".cache")
     data = make_sum_questions(args.workdir / "data", eval_size=SMOLLM2_EVAL_PROMPTS)
     run_dir = args.workdir / time.strftime("%Y%m%d-%H%M%S")
-    flags = override_flags(SMOLLM2_GRPO, {**PPO, "--num-rollout": str(args.steps)})
+    flags = override_flags(SMOLLM2_GRPO, {**PPO, "--num-rollout": str(args.steps), "--critic-lr": args.critic_lr})
     command = [sys.executable, "launcher.py", "--head", "--run-dir", str(run_dir), "--hf-checkpoint", str(model),
                "--prompt-data", str(data["train"]), "--eval-prompt-data", "heldout", str(data["eval"]), *flags,
                "--lora-rank", "16", "--lora-alpha", "32"]
