@@ -117,7 +117,26 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         `fingerprint_fn(specs, plan)`, when given and the sender asks for fingerprints, then fingerprints what
         the engine serves (`fingerprint.py`); they reach the sender before the acknowledgement. Without it the
         sender reports this engine as one it could not check.
+        A sender that dies (its store with it) fails the receive as a WeightTransferError too, not as the store's
+        network error: that is a failed transfer the caller reports in one line, not a bug.
         """
+        try:
+            return self._receive(load_fn, timeout, destinations=destinations, finish_fn=finish_fn,
+                                 fingerprint_fn=fingerprint_fn)
+        except dist.DistNetworkError as error:
+            self._group = None
+            raise WeightTransferError(f"{self.name}: the sender's store went away ({error}): the learner died or "
+                                      "left; nothing of this transfer is applied") from error
+
+    def _receive(
+        self,
+        load_fn: LoadFn,
+        timeout: float,
+        *,
+        destinations: Mapping[str, Tensor] | None,
+        finish_fn: Callable[[int], None] | None,
+        fingerprint_fn: FingerprintFn | None,
+    ) -> int:
         if self._group is None:
             raise WeightTransferError(f"{self.name}: receiver of generation {self.spec.generation} is closed/broken")
         prefix = f"xfer/{self._sequence}/"

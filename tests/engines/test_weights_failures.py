@@ -378,3 +378,36 @@ def test_the_store_and_gloo_listen_only_on_the_configured_address(where: str) ->
     finally:
         receiver.join(timeout=LONG_S)
         sender.close()
+
+
+def _sender_that_is_killed(spec_queue: mp.Queue) -> None:
+    """A learner that opens a group for engine-0 and waits there until the test kills it."""
+    torch.set_num_threads(1)
+    sender = TorchDistributedWeightSender(timeout_s=LONG_S)
+    spec_queue.put(sender.open_group(["learner", "engine-0"]).to_dict())
+    sender.wait_for_receivers()
+    spec_queue.put("joined")
+    time.sleep(LONG_S)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_learner_that_died_fails_the_next_receive_as_a_transfer_error() -> None:
+    """Seen when the learner was killed with SIGKILL mid-push: the engine's calls to its store raised the store's
+    DistNetworkError, which the rollout worker logged as a handler's traceback instead of the one-line 'weight
+    update given up' it gives a failed transfer."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    learner = context.Process(target=_sender_that_is_killed, args=(queue,), daemon=True)
+    learner.start()
+    try:
+        receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(queue.get(timeout=LONG_S)), "engine-0",
+                                                       timeout_s=LONG_S)
+        assert queue.get(timeout=LONG_S) == "joined"
+        learner.kill()
+        learner.join(timeout=LONG_S)
+        with pytest.raises(WeightTransferError, match="engine-0: the sender's store went away"):
+            receiver.receive(lambda items: None, timeout=SHORT_S)
+    finally:
+        if learner.is_alive():
+            learner.kill()
