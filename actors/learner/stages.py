@@ -218,7 +218,11 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         batch.scatter("returns", returns.float())
         loss_mask = batch.packed("loss_mask")
         assert loss_mask is not None
-        metrics["critic/explained_variance"] = explained_variance(values, returns, loss_mask)
+        # A batch whose samples all scored alike has no outcome to explain: its returns differ only by the critic's
+        # own bootstrap (lambda < 1), and 1 - Var(R - V) / Var(R) over that near-zero spread reads as -50 or -100.
+        outcomes = {s.reward for s in batch.samples}
+        metrics["critic/explained_variance"] = (
+            explained_variance(values, returns, loss_mask) if len(outcomes) > 1 else float("nan"))
     return metrics
 
 

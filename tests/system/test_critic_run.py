@@ -28,7 +28,7 @@ def test_ppo_with_a_critic_survives_a_killed_learner_and_its_critic_learns(tmp_p
                                                                           tiny_model_path: Path) -> None:
     data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
     run_dir = tmp_path / "run"
-    run = launch(run_dir, tiny_model_path, data, num_rollout=24, extra=PPO)
+    run = launch(run_dir, tiny_model_path, data, num_rollout=40, extra=PPO)
     try:
         wait_for_step(run, run_dir, 10)  # past the checkpoint of step 8
         os.kill(current_pid(run_dir, "learner"), signal.SIGKILL)
@@ -46,9 +46,10 @@ def test_ppo_with_a_critic_survives_a_killed_learner_and_its_critic_learns(tmp_p
     steps = [by_step[step] for step in sorted(by_step)]
     assert [row["critic_only"] for row in steps[:2]] == [1.0, 1.0]  # the warm-up trained the critic alone
     assert all("critic_only" not in row for row in steps[2:])
-    # NaN (written as null) where a batch's returns did not vary: every group scored alike
+    # NaN (written as null) where every group of a batch scored alike. Seeds differ in when the critic catches on
+    # (8 seeds of this run: from step 12 to 28), not in where it ends (median of the last 8 at 0.97-1.0).
     explained = [row["critic/explained_variance"] for row in steps if row["critic/explained_variance"] is not None]
-    assert np.mean(explained[-6:]) > np.mean(explained[:3]) + 0.2, [round(value, 2) for value in explained]
+    assert np.median(explained[:3]) < 0.2 and np.median(explained[-8:]) > 0.7, [round(v, 2) for v in explained]
 
 
 @pytest.mark.system
