@@ -105,7 +105,9 @@ class MegatronConfig(Section):
     moe_router_num_groups: int | None = Field(None, ge=1, description="expert groups for group-limited routing")
     moe_router_group_topk: int | None = Field(None, ge=1, description="groups chosen per token")
     moe_router_dtype: Literal["fp32", "fp64"] | None = Field(None, description="router precision")
-    moe_aux_loss_coeff: float | None = Field(None, ge=0, description="load-balancing loss weight")
+    moe_aux_loss_coeff: float | None = Field(None, ge=0, description="load-balancing loss weight (megatron's, per "
+                                             "layer, summed; torch backend: engines/training/moe.py)")
+    moe_z_loss_coeff: float | None = Field(None, ge=0, description="router z-loss weight (torch backend as above)")
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] | None = Field(None, description="token "
                                                                                           "dispatcher")
     moe_token_drop_policy: Literal["probs", "position"] | None = Field(None, description="which tokens to drop")

@@ -101,8 +101,16 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
                                   # colocated: the engines generate on this device between our steps
                                   offload_optimizer=config.placement.colocate,
                                   share_prompts=config.trainer.share_prompts,
-                                  fused_output_head=config.trainer.fused_output_head)
+                                  fused_output_head=config.trainer.fused_output_head,
+                                  **_router_loss_settings(flags))
     return TorchTrainer(settings)
+
+
+def _router_loss_settings(flags: dict[str, Any]) -> dict[str, float]:
+    """megatron's router losses: its load-balancing type "none" turns the aux loss off whatever its coefficient."""
+    balancing = flags.get("moe_router_load_balancing_type") or "aux_loss"
+    aux = 0.0 if balancing == "none" else float(flags.get("moe_aux_loss_coeff") or 0.0)
+    return {"moe_aux_loss_coeff": aux, "moe_z_loss_coeff": float(flags.get("moe_z_loss_coeff") or 0.0)}
 
 
 

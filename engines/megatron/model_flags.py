@@ -207,6 +207,10 @@ def refuse_unsupported(flags: Mapping[str, Any], *, backend: str) -> None:
         if backend == "torch" and flags.get(name):
             refuse(name, "the torch backend takes dropout from the HF config; use --train-backend megatron")
     if backend == "torch":
+        balancing = flags.get("moe_router_load_balancing_type") or "aux_loss"
+        if flags.get("moe_aux_loss_coeff") and balancing not in ("aux_loss", "none"):
+            refuse("moe_router_load_balancing_type", "the torch backend computes megatron's micro-batch aux_loss "
+                   "only (or none)")
         for name in (*MEGATRON_HOOKS, "custom_model_provider_path"):
             if flags.get(name):
                 refuse(name, "a Megatron hook needs --train-backend megatron (only the Megatron backend runs it)")

@@ -83,6 +83,8 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     `fused_output_head` computes log-probs from hidden states a chunk of tokens at a time, never holding the
     [tokens x vocabulary] logits (`engines.training.output_head`); False keeps the plain path, which benchmarks
     compare against and which a model with post-processed logits takes anyway.
+    `moe_aux_loss_coeff` and `moe_z_loss_coeff` add megatron's router losses of a mixture-of-experts model to
+    every training forward (`engines.training.moe`); a dense model with either set is refused.
     """
 
     gradient_checkpointing: bool = False
@@ -94,6 +96,8 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     check_packing: bool = True
     share_prompts: bool = True
     fused_output_head: bool = True
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    moe_z_loss_coeff: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _check_device(self) -> TorchTrainerConfig:

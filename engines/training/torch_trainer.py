@@ -64,6 +64,7 @@ from engines.training.micro_batches import (
     plan_micro_batches,
     plan_shared_micro_batches,
 )
+from engines.training.moe import RoutedLayer, RouterLosses, RouterLossSettings
 from engines.training.output_head import fuse_output_head, token_outputs
 
 _DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
@@ -104,6 +105,9 @@ class TorchTrainer(Trainer):
         if _world_size() > 1:
             self._train_module = _wrap_ddp(self._model, self._device)
         self._counter = VersionCounter()
+        router_settings = RouterLossSettings(config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
+        self._router_losses = (RouterLosses(self._model, router_settings, world_size=_world_size())
+                               if router_settings.active else None)
         self._critic = None
         if config.critic is not None:
             self._critic = ValueCritic(
@@ -177,16 +181,23 @@ class TorchTrainer(Trainer):
             batch = collate(chunk, self._device)
             synchronise = position == len(plan) - 1
             with self._gradient_sync(synchronise):
-                with self._autocast():
+                with self._autocast(), self._routed() as routed:
                     outputs = token_outputs(self._train_module, inputs, head_of=self._model,
                                             temperature=temperature, with_entropy=with_entropy)
                     value, metrics = loss(outputs, batch)
+                    if self._router_losses is not None:
+                        router_loss, router_metrics = self._router_losses.loss(routed, len(plan))
+                        value, metrics = value + router_loss, {**metrics, **router_metrics}
                 check_loss(value)
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
                 value.backward()
             stats.add(float(value.detach()), metrics)
         loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(stats)
         return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started, ends_batch)
+
+    def _routed(self) -> contextlib.AbstractContextManager[list[RoutedLayer]]:
+        """Records the routers' outputs of the forward inside it, when the run has router losses."""
+        return self._router_losses.recording() if self._router_losses is not None else contextlib.nullcontext([])
 
     @property
     def has_critic(self) -> bool:

@@ -35,7 +35,7 @@ def _hf_greedy_batch(engine: TorchEngine, texts: list[str], max_new_tokens: int)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"])
 async def test_greedy_batch_equals_transformers_generate(tiny_model_cache: Path, family: str) -> None:
     path = cached_tiny_model(tiny_model_cache, TinyModelSpec(family=family))
     async with TorchEngine.from_pretrained(path) as engine:
@@ -46,7 +46,7 @@ async def test_greedy_batch_equals_transformers_generate(tiny_model_cache: Path,
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"])
 async def test_generation_emits_no_deprecation_warning(tiny_model_cache: Path, family: str) -> None:
     """Every actor's console would repeat what transformers deprecates in the engine's forward (the decode thread
     shares the process's warning filters, so recording here sees its warnings too)."""

@@ -18,7 +18,7 @@ def test_every_character_is_one_token_and_decodes_back_runs_of_newlines_too() ->
     assert tokenizer.decode(ids) == text
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "qwen3_moe", "mixtral"])
 def test_a_saved_tiny_model_loads_a_tokenizer_that_keeps_spaces_and_newlines(family: str, tmp_path) -> None:
     """transformers 5 loads a qwen2 folder with `Qwen2Tokenizer`, which brings its own byte-level pre-tokenizer and
     decoder: with a plain-character vocabulary, "a b\\nc" came back as "abc"."""

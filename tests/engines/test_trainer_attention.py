@@ -15,7 +15,7 @@ from tools.standins.tiny_model import TinyModelSpec, build_tiny_model, build_tok
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_packed_row_logits_equal_each_sequence_run_alone_under_sdpa(family: str) -> None:
     register_packed_attention()
     model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer()).eval()
@@ -30,7 +30,7 @@ def test_packed_row_logits_equal_each_sequence_run_alone_under_sdpa(family: str)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_moe", "mixtral"])
 def test_a_packed_forward_plans_its_row_once_for_every_layer(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The row's kernel calls (segments, index tensors, masks) depend only on its positions: made per layer they
     cost more than the kernels on a CPU batch of short samples. The plan must reach every layer's attention."""

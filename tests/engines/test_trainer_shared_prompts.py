@@ -53,7 +53,7 @@ def test_only_a_neighbour_with_the_same_prompt_is_shared() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_moe", "mixtral"])
 def test_shared_prompts_give_the_log_probs_and_gradients_of_whole_samples(family: str) -> None:
     register_packed_attention()
     model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer())
@@ -183,7 +183,7 @@ def test_a_preamble_every_prompt_starts_with_opens_the_row_once() -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_moe", "mixtral"])
 def test_a_shared_preamble_gives_the_log_probs_and_gradients_of_whole_samples(family: str) -> None:
     register_packed_attention()
     model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer())

@@ -26,13 +26,18 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+# How each mixture-of-experts family spells "experts per layer" in its HF config.
+EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
 
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of a tiny model; the defaults train in seconds on two CPU cores. Every field but `family` and `seed`
-    is a Hugging Face config key, passed to the config under its own name."""
+    """Shape of a tiny model; the defaults train in seconds on two CPU cores. Every field but `family`, `seed` and
+    the two expert counts is a Hugging Face config key, passed to the config under its own name. The expert counts
+    apply to the mixture-of-experts families only (each spells them its own way; every layer is sparse, its experts
+    `intermediate_size` wide)."""
 
     family: str = "qwen2"
     hidden_size: int = 64
@@ -43,6 +48,8 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
     seed: int = 0
+    experts: int = 4
+    experts_per_token: int = 2
 
 
 def byte_level_symbol(character: str) -> str:
@@ -82,7 +89,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
     if spec.family not in ARCHITECTURES:
         raise ValueError(f"tiny model family {spec.family!r} unknown; choose one of {sorted(ARCHITECTURES)}")
-    shape = {key: value for key, value in asdict(spec).items() if key not in ("family", "seed")}
+    shape = {key: value for key, value in asdict(spec).items()
+             if key not in ("family", "seed", "experts", "experts_per_token")}
+    if spec.family in EXPERTS_KEY:
+        shape |= {EXPERTS_KEY[spec.family]: spec.experts, "num_experts_per_tok": spec.experts_per_token}
+        if spec.family == "qwen3_moe":  # Mixtral's experts are intermediate_size wide already
+            shape["moe_intermediate_size"] = spec.intermediate_size
     config = AutoConfig.for_model(
         spec.family,
         vocab_size=len(tokenizer),
@@ -92,7 +104,7 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) ->
         pad_token_id=tokenizer.pad_token_id,
         architectures=[ARCHITECTURES[spec.family]],
     )
-    if spec.family == "qwen3":
+    if spec.family in ("qwen3", "qwen3_moe"):
         config.head_dim = spec.hidden_size // spec.num_attention_heads
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -111,7 +123,10 @@ def create_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -
 
 def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Create the model once per spec under `cache_dir`; later calls reuse the folder."""
-    key = "-".join(str(value) for value in [*spec.__dict__.values(), f"tok{TOKENIZER_REVISION}"])
+    fields = dict(spec.__dict__)
+    if spec.family not in EXPERTS_KEY:  # a dense model's folder name leaves out the expert counts it ignores
+        del fields["experts"], fields["experts_per_token"]
+    key = "-".join(str(value) for value in [*fields.values(), f"tok{TOKENIZER_REVISION}"])
     path = Path(cache_dir) / f"tiny-{key}"
     if not (path / "config.json").exists():
         # A staging folder per process: two tools (or two test workers) may build the same model at once; the
