@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shlex
 import subprocess
 import sys
@@ -176,6 +177,9 @@ def main() -> None:
     parser.add_argument("--rollout-engine", choices=("torch", "sglang"), default="torch",
                         help="sglang: generation on SGLang-compatible HTTP servers (the CPU stand-in for SGLang), "
                         "one per rollout worker, weights through SGLang's weight-update or LoRA endpoints")
+    parser.add_argument("--tiny-family", choices=("qwen2", "qwen3_moe", "mixtral"), default="qwen2",
+                        help="with --tiny: the model's architecture; qwen3_moe and mixtral are mixtures of experts "
+                             "(4 experts of the dense model's MLP width, 2 per token)")
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="with --tiny: an SFT model folder from an earlier demo run: skip the SFT step")
     args = parser.parse_args()
@@ -239,7 +243,7 @@ def _accuracy(row: dict, brief: bool) -> str:
 def tiny_demo(args: argparse.Namespace) -> None:
     started = time.monotonic()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    model = cached_tiny_model(REPO / ".cache" / "models", MODEL_SPEC)
+    model = cached_tiny_model(REPO / ".cache" / "models", dataclasses.replace(MODEL_SPEC, family=args.tiny_family))
     data = make_arithmetic_data(args.workdir / "data", max_operand=MAX_OPERAND, eval_size=80, sft_size=320)
     print(f"model: {model}\ndata: {data['train'].parent}", flush=True)
 

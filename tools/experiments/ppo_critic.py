@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +27,7 @@ from pathlib import Path
 from actors.runtime.logs import quiet_library_output
 from actors.runtime.metrics import read_metrics
 from tools.demo import REPO, SMOLLM2_EVAL_PROMPTS, SMOLLM2_GRPO, override_flags
-from tools.make_arithmetic_data import make_sum_questions
+from tools.make_arithmetic_data import make_sum_questions, write_jsonl
 
 CRITIC_LR = "1e-4"
 PPO = {"--advantage-estimator": "ppo", "--lambd": "0.95", "--normalize-advantages": "",
@@ -38,12 +40,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--kill-at", type=int, default=10, help="kill the learner after this step (0: never)")
     parser.add_argument("--critic-lr", default=CRITIC_LR, help="the value model's learning rate")
+    parser.add_argument("--products-share", type=float, default=0.0,
+                        help="share of the training prompts replaced by two-digit products, which SmolLM2 almost "
+                             "never gets right: a value the question itself predicts, for a critic to learn (the "
+                             "held-out set stays sums)")
     args = parser.parse_args()
     quiet_library_output()
     from engines.pretrained import SMOLLM2, cached_pretrained
 
     model = cached_pretrained(SMOLLM2, REPO / ".cache")
     data = make_sum_questions(args.workdir / "data", eval_size=SMOLLM2_EVAL_PROMPTS)
+    if args.products_share > 0:
+        data["train"] = mix_in_products(data["train"], args.products_share)
     run_dir = args.workdir / time.strftime("%Y%m%d-%H%M%S")
     flags = override_flags(SMOLLM2_GRPO, {**PPO, "--num-rollout": str(args.steps), "--critic-lr": args.critic_lr})
     command = [sys.executable, "launcher.py", "--head", "--run-dir", str(run_dir), "--hf-checkpoint", str(model),
@@ -56,6 +64,20 @@ def main() -> None:
     if run.wait() != 0:
         raise SystemExit(f"ppo_critic: the run exited with {run.returncode}; see {run_dir / 'logs'}")
     report(run_dir, time.monotonic() - started, killed)
+
+
+def mix_in_products(train: Path, share: float, seed: int = 0) -> Path:
+    """`train` with `share` of its prompts (a seeded choice) replaced by two-digit products, written beside it."""
+    sums = [json.loads(line) for line in train.read_text(encoding="utf-8").splitlines()]
+    generator = random.Random(seed)
+    count = round(share * len(sums))
+    products = [{"input": f"What is {a} * {b}? Answer with just the number.", "label": str(a * b)}
+                for a, b in ((generator.randrange(11, 100), generator.randrange(11, 100)) for _ in range(count))]
+    mixed = generator.sample(sums, len(sums) - count) + products
+    generator.shuffle(mixed)
+    path = train.with_name(f"train-products-{share:g}.jsonl")
+    write_jsonl(path, mixed)
+    return path
 
 
 def kill_learner_after(run: subprocess.Popen, run_dir: Path, step: int) -> int | None:
@@ -87,6 +109,10 @@ def report(run_dir: Path, seconds: float, killed: int | None) -> None:
     print("  held-out accuracy by step: " + ", ".join(f"{step}: {value:.0%}" for step, value in result["held_out"]))
     shown = ", ".join(f"{step}: {value:.2f}" for step, value in explained if value is not None)
     print(f"  critic explained variance by step: {shown}")
+    values = [value for _, value in explained if value is not None]
+    if len(values) >= 11:
+        print(f"  explained variance, median of the first 3: {statistics.median(values[:3]):.2f}, "
+              f"of the last 8: {statistics.median(values[-8:]):.2f}")
     print(f"  learner killed after step {killed}, resumed {resumed} time(s); {seconds:.0f}s; {run_dir}")
     print("=" * 80)
 
