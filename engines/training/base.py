@@ -77,6 +77,9 @@ class TrainSample(TokenFields):
     tokens: Tensor
     response_length: int
     reward: float | None = None
+    # MoE routing replay: the experts each token but the last was routed to, [len(tokens) - 1, layers, k] (slime's
+    # and SGLang's layout); a forward of the policy then routes as these say (engines.training.moe)
+    routed_experts: Tensor | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -98,6 +101,11 @@ class TrainSample(TokenFields):
                 f"{where}: response_length {self.response_length} must be in [0, {self.tokens.numel() - 1}] "
                 f"(len(tokens)={self.tokens.numel()}; the first response token needs at least one prompt token)"
             )
+        routes = self.routed_experts
+        if routes is not None and (not isinstance(routes, Tensor) or routes.dim() != 3
+                                   or routes.shape[0] != self.tokens.numel() - 1 or routes.is_floating_point()):
+            raise ValueError(f"{where}: routed_experts must be integer experts of shape [len(tokens) - 1 = "
+                             f"{self.tokens.numel() - 1}, layers, k], got {_describe(routes)}")
         for name in TOKEN_FIELDS:
             values = getattr(self, name)
             if values is None:

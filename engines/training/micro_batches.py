@@ -43,6 +43,9 @@ class PackedInputs:
     logit_positions: Tensor  # [N]: row positions whose logits predict the N response tokens
     targets: Tensor  # [N]: the response tokens themselves
     response_lengths: Tensor  # [B]
+    # [sum of len(tokens)]: the row position that computes each token of each sample, samples one after another
+    # (a prompt packed once serves every sample of its group from the same positions)
+    token_positions: Tensor
 
     def to(self, device: torch.device | str) -> PackedInputs:
         return PackedInputs(*(tensor.to(device) for tensor in self.__dict__.values()))
@@ -133,23 +136,28 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) 
     positions: list[int] = list(range(shared))
     logit_positions: list[int] = []
     targets: list[int] = []
+    token_positions: list[int] = []
     root: tuple[int, list[int]] | None = None  # where the sequence a sample may continue sits, and its prompt
     for sample, tokens, prompt in zip(samples, token_lists, prompts, strict=True):
         prompt_length, response_length = sample.prompt_length, sample.response_length
         response = tokens[prompt_length:]
         offset = len(ids)
+        token_positions += range(shared)
         if share_prompts and root is not None and root[1] == prompt:
             ids += response
             positions += range(prompt_length, prompt_length + len(response))
             # The first response token is predicted from the prompt's last position, in the root sequence.
             predictors = [root[0] + prompt_length - shared - 1, *range(offset, offset + response_length - 1)]
             logit_positions += predictors[:response_length]
+            token_positions += range(root[0], root[0] + prompt_length - shared)
+            token_positions += range(offset, offset + response_length)
         else:
             root = (offset, prompt)
             ids += tokens[shared:]
             positions += range(shared, len(tokens))
             start = offset + prompt_length - shared - 1
             logit_positions += range(start, start + response_length)
+            token_positions += range(offset, offset + len(tokens) - shared)
         targets += response
     return PackedInputs(
         input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
@@ -157,6 +165,7 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) 
         logit_positions=torch.tensor(logit_positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         response_lengths=torch.tensor([sample.response_length for sample in samples], dtype=torch.long),
+        token_positions=torch.tensor(token_positions, dtype=torch.long),
     )
 
 

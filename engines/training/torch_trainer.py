@@ -57,6 +57,7 @@ from engines.training.base import (
 from engines.training.config import TorchTrainerConfig
 from engines.training.critic import CRITIC_DIRECTORY, ValueCritic
 from engines.training.micro_batches import (
+    PackedInputs,
     check_packing_isolation,
     collate,
     count_loss_tokens,
@@ -64,7 +65,7 @@ from engines.training.micro_batches import (
     plan_micro_batches,
     plan_shared_micro_batches,
 )
-from engines.training.moe import RoutedLayer, RouterLosses, RouterLossSettings
+from engines.training.moe import RoutedLayer, RouterLosses, RouterLossSettings, Routers, router_modules, row_routes
 from engines.training.output_head import fuse_output_head, token_outputs
 
 _DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
@@ -106,8 +107,10 @@ class TorchTrainer(Trainer):
             self._train_module = _wrap_ddp(self._model, self._device)
         self._counter = VersionCounter()
         router_settings = RouterLossSettings(config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
-        self._router_losses = (RouterLosses(self._model, router_settings, world_size=_world_size())
-                               if router_settings.active else None)
+        self._routers = (Routers(self._model, wanted_by="--moe-aux-loss-coeff/--moe-z-loss-coeff")
+                         if router_settings.active or router_modules(self._model) else None)
+        self._router_losses = (RouterLosses(self._routers, router_settings, world_size=_world_size())
+                               if self._routers is not None and router_settings.active else None)
         self._critic = None
         if config.critic is not None:
             self._critic = ValueCritic(
@@ -146,8 +149,9 @@ class TorchTrainer(Trainer):
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
                 inputs = pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device)
-                outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
-                                        with_entropy=with_entropy)
+                with self._replayed(chunk, inputs) if model == "policy" else contextlib.nullcontext():
+                    outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
+                                            with_entropy=with_entropy)
                 lengths = inputs.response_lengths.tolist()
                 log_probs = outputs.log_probs.cpu().split(lengths)
                 entropy = outputs.entropy.cpu().split(lengths) if outputs.entropy is not None else [None] * len(chunk)
@@ -181,7 +185,7 @@ class TorchTrainer(Trainer):
             batch = collate(chunk, self._device)
             synchronise = position == len(plan) - 1
             with self._gradient_sync(synchronise):
-                with self._autocast(), self._routed() as routed:
+                with self._autocast(), self._replayed(chunk, inputs), self._routed() as routed:
                     outputs = token_outputs(self._train_module, inputs, head_of=self._model,
                                             temperature=temperature, with_entropy=with_entropy)
                     value, metrics = loss(outputs, batch)
@@ -197,7 +201,19 @@ class TorchTrainer(Trainer):
 
     def _routed(self) -> contextlib.AbstractContextManager[list[RoutedLayer]]:
         """Records the routers' outputs of the forward inside it, when the run has router losses."""
-        return self._router_losses.recording() if self._router_losses is not None else contextlib.nullcontext([])
+        return self._routers.tapped() if self._router_losses is not None else contextlib.nullcontext([])
+
+    def _replayed(self, chunk: Sequence[TrainSample], inputs: PackedInputs) -> contextlib.AbstractContextManager:
+        """A policy forward of `chunk` inside it routes as the samples' `routed_experts` say, where they carry
+        them (the reference and teachers route for themselves, as slime's replay leaves them)."""
+        replay = row_routes(chunk, inputs) if self._routers is not None else None
+        if replay is None:
+            if any(sample.routed_experts is not None for sample in chunk):
+                raise ValueError(f"routing replay: {type(self._model).__name__} has no MoE router, but the samples "
+                                 "carry routed_experts")
+            return contextlib.nullcontext()
+        assert self._routers is not None
+        return self._routers.replaying(*replay)
 
     @property
     def has_critic(self) -> bool:

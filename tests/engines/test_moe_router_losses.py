@@ -17,7 +17,14 @@ from actors.learner.trainer_factory import build_trainer
 from engines.training import ModelOutputs, PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 from engines.training.attention import register_packed_attention
 from engines.training.micro_batches import forward_packed, pack_inputs
-from engines.training.moe import RouterLosses, RouterLossSettings, load_balancing_loss, router_modules, z_loss
+from engines.training.moe import (
+    RouterLosses,
+    RouterLossSettings,
+    Routers,
+    load_balancing_loss,
+    router_modules,
+    z_loss,
+)
 from tools.standins.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer, cached_tiny_model
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral"]
@@ -50,9 +57,10 @@ def test_the_losses_of_a_packed_row_and_their_gradients_are_those_of_its_sequenc
     packed_model.config._attn_implementation = "packed_sdpa"
     plain_model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer())
     settings = RouterLossSettings(aux_loss_coeff=0.01, z_loss_coeff=0.001)
-    losses = RouterLosses(packed_model, settings, world_size=1)
+    routers = Routers(packed_model, wanted_by="test")
+    losses = RouterLosses(routers, settings, world_size=1)
     batch = samples([7, 11, 5])
-    with losses.recording() as layers:
+    with routers.tapped() as layers:
         forward_packed(packed_model, pack_inputs(batch, share_prompts=False))
     ours, metrics = losses.loss(layers, micro_batches=1)
     ours.backward()

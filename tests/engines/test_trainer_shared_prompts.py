@@ -205,3 +205,20 @@ def test_a_shared_preamble_gives_the_log_probs_and_gradients_of_whole_samples(fa
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("share", [False, True])
+def test_every_token_of_every_sample_is_found_at_its_row_position(share: bool) -> None:
+    """The map routing replay reads: the row holds each sample's token t at the position listed for it."""
+    samples = _with_preamble(_groups([5, 1, 7], [[3, 1, 2], [2], [4, 0]]), torch.arange(10, 22))
+    inputs = pack_inputs(samples, share_prompts=share)
+    row = inputs.input_ids[0]
+    expected = torch.cat([sample.tokens for sample in samples])
+    assert inputs.token_positions.numel() == expected.numel()
+    torch.testing.assert_close(row[inputs.token_positions], expected)
+    # and at the position a token sits, the row's position id is that token's index in its sample
+    indices = torch.cat([torch.arange(sample.tokens.numel()) for sample in samples])
+    torch.testing.assert_close(inputs.position_ids[0][inputs.token_positions], indices)
+    if share:
+        assert row.numel() < expected.numel()  # the prompts and the preamble are packed once
