@@ -44,11 +44,11 @@ class PackedInputs:
     targets: Tensor  # [N]: the response tokens themselves
     response_lengths: Tensor  # [B]
     # [sum of len(tokens)]: the row position that computes each token of each sample, samples one after another
-    # (a prompt packed once serves every sample of its group from the same positions)
-    token_positions: Tensor
+    # (a prompt packed once serves every sample of its group from the same positions); only when asked for
+    token_positions: Tensor | None = None
 
     def to(self, device: torch.device | str) -> PackedInputs:
-        return PackedInputs(*(tensor.to(device) for tensor in self.__dict__.values()))
+        return PackedInputs(*(None if tensor is None else tensor.to(device) for tensor in self.__dict__.values()))
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -116,8 +116,11 @@ def _least_loaded(order: list[int], lengths: Sequence[int], budget: int, count: 
     return bins
 
 
-def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) -> PackedInputs:
+def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False,
+                with_token_positions: bool = False) -> PackedInputs:
     """Concatenate samples into one row with per-sample positions; see the module docstring.
+    `with_token_positions` also lists where each sample's every token sits (MoE routing replay reads it; it costs
+    about half again the packing time, so other rows go without).
 
     With `share_prompts`, the prefix all prompts share (at least MIN_SHARED_PREFIX tokens, leaving each prompt one
     of its own) opens the row once and every sequence continues after it; and a sample whose prompt tokens equal
@@ -142,22 +145,25 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) 
         prompt_length, response_length = sample.prompt_length, sample.response_length
         response = tokens[prompt_length:]
         offset = len(ids)
-        token_positions += range(shared)
+        if with_token_positions:
+            token_positions += range(shared)
         if share_prompts and root is not None and root[1] == prompt:
             ids += response
             positions += range(prompt_length, prompt_length + len(response))
             # The first response token is predicted from the prompt's last position, in the root sequence.
             predictors = [root[0] + prompt_length - shared - 1, *range(offset, offset + response_length - 1)]
             logit_positions += predictors[:response_length]
-            token_positions += range(root[0], root[0] + prompt_length - shared)
-            token_positions += range(offset, offset + response_length)
+            if with_token_positions:
+                token_positions += range(root[0], root[0] + prompt_length - shared)
+                token_positions += range(offset, offset + response_length)
         else:
             root = (offset, prompt)
             ids += tokens[shared:]
             positions += range(shared, len(tokens))
             start = offset + prompt_length - shared - 1
             logit_positions += range(start, start + response_length)
-            token_positions += range(offset, offset + len(tokens) - shared)
+            if with_token_positions:
+                token_positions += range(offset, offset + len(tokens) - shared)
         targets += response
     return PackedInputs(
         input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
@@ -165,7 +171,7 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False) 
         logit_positions=torch.tensor(logit_positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         response_lengths=torch.tensor([sample.response_length for sample in samples], dtype=torch.long),
-        token_positions=torch.tensor(token_positions, dtype=torch.long),
+        token_positions=torch.tensor(token_positions, dtype=torch.long) if with_token_positions else None,
     )
 
 

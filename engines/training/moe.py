@@ -153,16 +153,21 @@ class RouterLosses:
         return total * share, metrics
 
 
+def carries_routes(samples: Sequence[TrainSample]) -> bool:
+    return any(sample.routed_experts is not None for sample in samples)
+
+
 def row_routes(samples: Sequence[TrainSample], inputs: PackedInputs) -> tuple[Tensor, Tensor] | None:
     """The routes to replay in the packed row of `samples` ([row tokens, layers, k]) and which row positions have
     one, from the samples' `routed_experts`; None when no sample carries routes. A prompt packed once takes the
     routes of the first sample that holds it."""
-    carried = [sample.routed_experts for sample in samples]
-    if all(routes is None for routes in carried):
+    if not carries_routes(samples):
         return None
+    carried = [sample.routed_experts for sample in samples]
     missing = [index for index, routes in enumerate(carried) if routes is None]
     if missing:
         raise ValueError(f"routing replay: samples {missing[:5]} of a micro-batch carry no routes while others do")
+    assert inputs.token_positions is not None, "pack the row with_token_positions to replay routes"
     starts = [0]
     for sample in samples[:-1]:
         starts.append(starts[-1] + sample.tokens.numel())
@@ -184,6 +189,7 @@ def row_routes(samples: Sequence[TrainSample], inputs: PackedInputs) -> tuple[Te
 def sample_routes(layers: list[RoutedLayer], samples: Sequence[TrainSample], inputs: PackedInputs) -> list[Tensor]:
     """Each sample's routes ([len(tokens) - 1, layers, k], on the CPU) from a forward of their packed row: what a
     later forward replays (`row_routes`)."""
+    assert inputs.token_positions is not None, "pack the row with_token_positions to record routes"
     chosen = torch.stack([layer.chosen for layer in layers], dim=1)  # [row tokens, layers, k]
     per_sample = chosen[inputs.token_positions].cpu().split([sample.tokens.numel() for sample in samples])
     return [routes[:-1].to(torch.int16) for routes in per_sample]

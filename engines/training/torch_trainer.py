@@ -65,7 +65,15 @@ from engines.training.micro_batches import (
     plan_micro_batches,
     plan_shared_micro_batches,
 )
-from engines.training.moe import RoutedLayer, RouterLosses, RouterLossSettings, Routers, router_modules, row_routes
+from engines.training.moe import (
+    RoutedLayer,
+    RouterLosses,
+    RouterLossSettings,
+    Routers,
+    carries_routes,
+    router_modules,
+    row_routes,
+)
 from engines.training.output_head import fuse_output_head, token_outputs
 
 _DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
@@ -148,7 +156,8 @@ class TorchTrainer(Trainer):
         with torch.no_grad(), self._autocast(), adapter_off:
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
-                inputs = pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device)
+                inputs = pack_inputs(chunk, share_prompts=self._share_prompts,
+                                     with_token_positions=carries_routes(chunk)).to(self._device)
                 with self._replayed(chunk, inputs) if model == "policy" else contextlib.nullcontext():
                     outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
                                             with_entropy=with_entropy)
@@ -181,7 +190,8 @@ class TorchTrainer(Trainer):
         stats = StepStats()
         for position, members in enumerate(plan):
             chunk = [samples[index] for index in members]
-            inputs = pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device)
+            inputs = pack_inputs(chunk, share_prompts=self._share_prompts,
+                                     with_token_positions=carries_routes(chunk)).to(self._device)
             batch = collate(chunk, self._device)
             synchronise = position == len(plan) - 1
             with self._gradient_sync(synchronise):
@@ -206,13 +216,13 @@ class TorchTrainer(Trainer):
     def _replayed(self, chunk: Sequence[TrainSample], inputs: PackedInputs) -> contextlib.AbstractContextManager:
         """A policy forward of `chunk` inside it routes as the samples' `routed_experts` say, where they carry
         them (the reference and teachers route for themselves, as slime's replay leaves them)."""
-        replay = row_routes(chunk, inputs) if self._routers is not None else None
-        if replay is None:
-            if any(sample.routed_experts is not None for sample in chunk):
-                raise ValueError(f"routing replay: {type(self._model).__name__} has no MoE router, but the samples "
-                                 "carry routed_experts")
+        if not carries_routes(chunk):
             return contextlib.nullcontext()
-        assert self._routers is not None
+        if self._routers is None:
+            raise ValueError(f"routing replay: {type(self._model).__name__} has no MoE router, but the samples "
+                             "carry routed_experts")
+        replay = row_routes(chunk, inputs)
+        assert replay is not None
         return self._routers.replaying(*replay)
 
     @property

@@ -36,7 +36,7 @@ def groups(seed: int = 0) -> list[TrainSample]:
 def recorded(trainer: TorchTrainer, samples: list[TrainSample], *, share_prompts: bool = True) -> list[Tensor]:
     """Each sample's routes as the trainer's policy chooses them, from one packed forward."""
     routers = Routers(trainer._model, wanted_by="test")
-    inputs = pack_inputs(samples, share_prompts=share_prompts)
+    inputs = pack_inputs(samples, share_prompts=share_prompts, with_token_positions=True)
     with torch.no_grad(), routers.tapped() as layers:
         trainer._model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False)
     return sample_routes(layers, samples, inputs)

@@ -212,7 +212,7 @@ def test_a_shared_preamble_gives_the_log_probs_and_gradients_of_whole_samples(fa
 def test_every_token_of_every_sample_is_found_at_its_row_position(share: bool) -> None:
     """The map routing replay reads: the row holds each sample's token t at the position listed for it."""
     samples = _with_preamble(_groups([5, 1, 7], [[3, 1, 2], [2], [4, 0]]), torch.arange(10, 22))
-    inputs = pack_inputs(samples, share_prompts=share)
+    inputs = pack_inputs(samples, share_prompts=share, with_token_positions=True)
     row = inputs.input_ids[0]
     expected = torch.cat([sample.tokens for sample in samples])
     assert inputs.token_positions.numel() == expected.numel()
