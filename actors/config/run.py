@@ -35,6 +35,7 @@ from actors.config.sections import (
 )
 from actors.config.teachers import run_teachers
 from policies.config import PolicyLossConfig
+from policies.step_loss import pi_old_source
 
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "agent": AgentConfig,
@@ -177,6 +178,7 @@ class RunConfig(BaseModel):
                             f"rollout_num_gpus_per_engine {per_engine}")
         problems.extend(_distillation_problems(self))
         problems.extend(_critic_problems(self))
+        problems.extend(_routing_replay_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -306,4 +308,19 @@ def _critic_problems(config: RunConfig) -> list[str]:
     if given:
         return [f"{', '.join(given)}: a critic is trained only with --advantage-estimator ppo, not "
                 f"{config.policy.advantage_estimator}"]
+    return []
+
+
+def _routing_replay_problems(config: RunConfig) -> list[str]:
+    """--use-routing-replay records routes in the learner's own pi_old forward: a backend and a recipe with one."""
+    if not config.trainer.use_routing_replay:
+        return []
+    if config.trainer.train_backend != "torch":
+        return [f"--use-routing-replay: the torch backend replays MoE routes; --train-backend "
+                f"{config.trainer.train_backend} builds dense models only"]
+    source = pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo,
+                           steps_per_batch=config.optimizer_steps_per_batch)
+    if source == "rollout":
+        return ["--use-routing-replay records the experts in the learner's pi_old forward, which this recipe does not "
+                "run (pi_old is the engine's log-probs): add --use-decoupled-ppo or an --off-policy-correction"]
     return []

@@ -287,8 +287,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--custom-tis-function-path": _alias("-> --off-policy-correction PATH (a registered correction)"),
     "--custom-pg-loss-reducer-function-path": _refused("custom loss reducers are not available; choose "
                                                        "--loss-agg-mode", "value"),
-    "--use-routing-replay": _refused("MoE routing replay is not available"),
-    "--use-rollout-routing-replay": _refused("MoE routing replay is not available"),
+    "--use-routing-replay": _same("switch"),
+    "--use-rollout-routing-replay": _refused("the engines do not record routed experts yet (issue #44); "
+                                             "--use-routing-replay replays the learner's own pi_old routes"),
     "--use-opsm": _same("switch"),
     "--opsm-delta": _same(),
     # --- on-policy distillation ---

@@ -175,8 +175,11 @@ def add_values(trainer: Trainer, batch: StepBatch) -> None:
 
 def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float) -> None:
     """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when)."""
-    old = trainer.compute_log_probs(batch.samples, temperature=temperature).log_probs
-    batch.scatter("old_log_probs", old)
+    outputs = trainer.compute_log_probs(batch.samples, temperature=temperature)
+    batch.scatter("old_log_probs", outputs.log_probs)
+    if outputs.routed_experts is not None:  # --use-routing-replay: the training forwards route as pi_old did
+        for sample, routes in zip(batch.samples, outputs.routed_experts, strict=True):
+            sample.routed_experts = routes
 
 
 def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *,

@@ -102,6 +102,7 @@ def _build_torch_trainer(config: RunConfig) -> Trainer:
                                   offload_optimizer=config.placement.colocate,
                                   share_prompts=config.trainer.share_prompts,
                                   fused_output_head=config.trainer.fused_output_head,
+                                  use_routing_replay=config.trainer.use_routing_replay,
                                   **_router_loss_settings(flags))
     return TorchTrainer(settings)
 

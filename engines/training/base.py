@@ -159,6 +159,9 @@ class ModelOutputs:
 
     log_probs: Tensor
     entropy: Tensor | None = None
+    # each sample's experts, as `TrainSample.routed_experts`, from a policy forward of a trainer that records them
+    # (MoE routing replay); None otherwise
+    routed_experts: list[Tensor] | None = None
 
 
 class Loss(Protocol):

@@ -85,6 +85,8 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     compare against and which a model with post-processed logits takes anyway.
     `moe_aux_loss_coeff` and `moe_z_loss_coeff` add megatron's router losses of a mixture-of-experts model to
     every training forward (`engines.training.moe`); a dense model with either set is refused.
+    `use_routing_replay` makes every policy `compute_log_probs` return the experts its forward chose per sample
+    (`ModelOutputs.routed_experts`), for later forwards of those samples to replay.
     """
 
     gradient_checkpointing: bool = False
@@ -98,6 +100,7 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     fused_output_head: bool = True
     moe_aux_loss_coeff: float = Field(0.0, ge=0)
     moe_z_loss_coeff: float = Field(0.0, ge=0)
+    use_routing_replay: bool = False
 
     @model_validator(mode="after")
     def _check_device(self) -> TorchTrainerConfig:

@@ -73,6 +73,7 @@ from engines.training.moe import (
     carries_routes,
     router_modules,
     row_routes,
+    sample_routes,
 )
 from engines.training.output_head import fuse_output_head, token_outputs
 
@@ -115,8 +116,11 @@ class TorchTrainer(Trainer):
             self._train_module = _wrap_ddp(self._model, self._device)
         self._counter = VersionCounter()
         router_settings = RouterLossSettings(config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
-        self._routers = (Routers(self._model, wanted_by="--moe-aux-loss-coeff/--moe-z-loss-coeff")
-                         if router_settings.active or router_modules(self._model) else None)
+        self._routers = (Routers(self._model, wanted_by="--moe-aux-loss-coeff/--moe-z-loss-coeff/"
+                                 "--use-routing-replay")
+                         if router_settings.active or config.use_routing_replay or router_modules(self._model)
+                         else None)
+        self._record_routes = config.use_routing_replay
         self._router_losses = (RouterLosses(self._routers, router_settings, world_size=_world_size())
                                if self._routers is not None and router_settings.active else None)
         self._critic = None
@@ -153,22 +157,27 @@ class TorchTrainer(Trainer):
             return ModelOutputs(log_probs=empty, entropy=empty if with_entropy else None)
         network.eval()
         per_sample: list[ModelOutputs | None] = [None] * len(samples)
+        record = self._record_routes and model == "policy"
         with torch.no_grad(), self._autocast(), adapter_off:
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
                 inputs = pack_inputs(chunk, share_prompts=self._share_prompts,
-                                     with_token_positions=carries_routes(chunk)).to(self._device)
-                with self._replayed(chunk, inputs) if model == "policy" else contextlib.nullcontext():
+                                     with_token_positions=record or carries_routes(chunk)).to(self._device)
+                replayed = self._replayed(chunk, inputs) if model == "policy" else contextlib.nullcontext()
+                tapped = self._routers.tapped() if record and self._routers is not None else contextlib.nullcontext()
+                with replayed, tapped as layers:
                     outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
                                             with_entropy=with_entropy)
+                routes = sample_routes(layers, chunk, inputs) if record else [None] * len(chunk)
                 lengths = inputs.response_lengths.tolist()
                 log_probs = outputs.log_probs.cpu().split(lengths)
                 entropy = outputs.entropy.cpu().split(lengths) if outputs.entropy is not None else [None] * len(chunk)
-                for index, lp, ent in zip(members, log_probs, entropy, strict=True):
-                    per_sample[index] = ModelOutputs(lp, ent)
+                for index, lp, ent, route in zip(members, log_probs, entropy, routes, strict=True):
+                    per_sample[index] = ModelOutputs(lp, ent, None if route is None else [route])
         return ModelOutputs(
             log_probs=torch.cat([out.log_probs for out in per_sample]),
             entropy=torch.cat([out.entropy for out in per_sample]) if with_entropy else None,
+            routed_experts=[out.routed_experts[0] for out in per_sample] if record else None,
         )
 
     def train_step(

@@ -1,0 +1,81 @@
+"""--use-routing-replay in the learner: pi_old's forward records each token's experts, and every optimizer step of
+the batch trains on samples that carry them; recipes and models it cannot serve are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.config import build_config
+from actors.learner.step import TrainingStep
+from actors.learner.trainer_factory import build_trainer
+from engines.training.micro_batches import pack_inputs
+from engines.training.moe import Routers, sample_routes
+from tests.actors.test_distillation import prompt_groups
+from tests.actors.test_learner_step import generate, with_rewards
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+
+def replay_config(model: Path, **settings: object):
+    return build_config({"hf_checkpoint": str(model), "n_samples_per_prompt": 4, "rollout_max_response_len": 6,
+                         "use_routing_replay": True, "use_decoupled_ppo": True, "num_steps_per_rollout": 2,
+                         "lr": 1e-2, **settings})
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_model_cache: Path) -> Path:
+    return cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe", experts=8))
+
+
+@pytest.mark.integration
+def test_every_optimizer_step_of_a_batch_replays_the_routes_of_pi_olds_forward(moe_model: Path) -> None:
+    config = replay_config(moe_model)
+    samples = generate(moe_model, config, prompt_groups(4))
+    samples = with_rewards(samples, [float(i % 3 == 0) for i in range(len(samples))])
+    trainer = build_trainer(config)
+    routers = Routers(trainer._model, wanted_by="test")
+
+    def routes_now(train_samples):
+        """The experts the policy as it is now would choose, per sample."""
+        inputs = pack_inputs(train_samples, with_token_positions=True)
+        stripped = [type(s)(s.tokens, s.response_length) for s in train_samples]
+        with torch.no_grad(), routers.tapped() as layers:
+            trainer._model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False)
+        return sample_routes(layers, stripped, inputs)
+
+    seen = []
+    train_step = trainer.train_step
+
+    def spying(train_samples, loss, **kwargs):
+        seen.append(([s.routed_experts for s in train_samples], routes_now(train_samples)))
+        return train_step(train_samples, loss, **kwargs)
+
+    trainer.train_step = spying
+    report = TrainingStep(trainer, config).train(samples, [0] * len(samples))
+    assert not report.result.skipped and len(seen) == 2  # two optimizer steps over the batch
+    (first_carried, first_now), (second_carried, second_now) = seen
+    # the first step's policy is pi_old itself: what the samples carry is what it chooses
+    assert all(torch.equal(c.long(), n.long()) for c, n in zip(first_carried, first_now, strict=True))
+    # after the first update the policy would route some tokens elsewhere; the samples still say pi_old's experts
+    assert all(c is not None for c in second_carried)
+    assert any(not torch.equal(c.long(), n.long()) for c, n in zip(second_carried, second_now, strict=True))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"use_decoupled_ppo": False, "off_policy_correction": "none"},
+     "records the experts in the learner's pi_old forward, which this recipe"),
+    ({"train_backend": "megatron"}, "--use-routing-replay: the torch backend replays MoE routes"),
+])
+def test_recipes_without_a_pi_old_forward_of_their_own_are_refused(tiny_model_path: Path, settings: dict,
+                                                                   message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        replay_config(tiny_model_path, **settings)
+
+
+@pytest.mark.integration
+def test_a_dense_model_is_refused_naming_the_flag(tiny_model_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"use-routing-replay: \w+ has no MoE router"):
+        build_trainer(replay_config(tiny_model_path))
