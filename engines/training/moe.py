@@ -171,9 +171,10 @@ def row_routes(samples: Sequence[TrainSample], inputs: PackedInputs) -> tuple[Te
     starts = [0]
     for sample in samples[:-1]:
         starts.append(starts[-1] + sample.tokens.numel())
+    present = [routes for routes in carried if routes is not None]  # all of them, as checked above
     positions = torch.cat([inputs.token_positions[start:start + routes.shape[0]]
-                           for start, routes in zip(starts, carried, strict=True) if routes is not None])
-    values = torch.cat([routes for routes in carried if routes is not None]).to(positions.device, torch.long)
+                           for start, routes in zip(starts, present, strict=True)])
+    values = torch.cat(present).to(positions.device, torch.long)
     tokens = inputs.input_ids.shape[-1]
     routes = torch.zeros((tokens, *values.shape[1:]), dtype=torch.long, device=positions.device)
     replayed = torch.zeros(tokens, dtype=torch.bool, device=positions.device)
