@@ -158,6 +158,7 @@ class TorchTrainer(Trainer):
         network.eval()
         per_sample: list[ModelOutputs | None] = [None] * len(samples)
         record = self._record_routes and model == "policy"
+        recorded: list[Tensor | None] = [None] * len(samples)
         with torch.no_grad(), self._autocast(), adapter_off:
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
@@ -168,16 +169,18 @@ class TorchTrainer(Trainer):
                 with replayed, tapped as layers:
                     outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
                                             with_entropy=with_entropy)
-                routes = sample_routes(layers, chunk, inputs) if record else [None] * len(chunk)
+                if record:
+                    for index, routes in zip(members, sample_routes(layers, chunk, inputs), strict=True):
+                        recorded[index] = routes
                 lengths = inputs.response_lengths.tolist()
                 log_probs = outputs.log_probs.cpu().split(lengths)
                 entropy = outputs.entropy.cpu().split(lengths) if outputs.entropy is not None else [None] * len(chunk)
-                for index, lp, ent, route in zip(members, log_probs, entropy, routes, strict=True):
-                    per_sample[index] = ModelOutputs(lp, ent, None if route is None else [route])
+                for index, lp, ent in zip(members, log_probs, entropy, strict=True):
+                    per_sample[index] = ModelOutputs(lp, ent)
         return ModelOutputs(
             log_probs=torch.cat([out.log_probs for out in per_sample]),
             entropy=torch.cat([out.entropy for out in per_sample]) if with_entropy else None,
-            routed_experts=[out.routed_experts[0] for out in per_sample] if record else None,
+            routed_experts=[routes for routes in recorded if routes is not None] if record else None,
         )
 
     def train_step(
