@@ -14,7 +14,7 @@ No engine imports: the trainer's batch and model outputs are seen through the sm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -23,17 +23,13 @@ from policies.aggregation import global_denominator
 from policies.config import PolicyLossConfig
 from policies.losses import compute_policy_loss, compute_value_loss, effective_loss_mask
 from policies.packing import as_float_mask
+from policies.pi_old import PiOldSource, pi_old_source
 
 __all__ = ["ADDITIVE_METRICS", "PiOldSource", "PolicyLoss", "ValueLoss", "explained_variance", "pi_old_source",
            "step_denominators", "value_denominators", "zero_advantage_is_zero_gradient"]
 
 # Loss terms already use the global denominators; every other metric is a local mean to be token-weighted.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
-# Corrections whose keep mask is all ones whatever pi_old is: the loss's denominators do not depend on pi_old.
-# (mis rejects tokens by pi_old / mu, and a user correction may do the same, so neither is listed.)
-_CORRECTIONS_WITHOUT_REJECTION = ("none", "tis", "icepop")
-
-PiOldSource = Literal["rollout", "training_forward", "separate_forward"]
 # The built-in policy losses whose per-token term is the advantage times something: zero wherever it is zero.
 _LINEAR_IN_ADVANTAGE = ("ppo", "gspo", "cispo")
 
@@ -67,33 +63,6 @@ class LossOutputs(Protocol):
 
     log_probs: Tensor
     entropy: Tensor | None
-
-
-def pi_old_source(config: PolicyLossConfig, *, decoupled: bool, steps_per_batch: int = 1) -> PiOldSource:
-    """Where the step's proximal policy pi_old comes from; the one rule, used by the learner step.
-
-    - ``rollout``: no decoupling and no correction: pi_old := mu, the engine's log-probs (SFT never reads it).
-      mu does not change while a batch trains, so this holds for any number of optimizer steps per batch.
-    - ``training_forward``: pi_old is the learner's policy before the batch's update. With one optimizer step per
-      batch that is exactly the policy of the training forward, so ``sg(log pi_theta)`` of that forward IS pi_old
-      and a separate no-grad forward (about a third of a step) is wasted. This holds only when nothing must know
-      pi_old BEFORE the training forward: the loss's denominators (a correction that rejects tokens by
-      ``pi_old / mu``, i.e. mis or a user correction, changes the token count that every micro-batch divides by)
-      and the advantages (``kl_coef`` puts ``KL(pi_old || ref)`` into the rewards, ``use_opd`` puts
-      ``log pi_old - log pi_teacher`` into them); and only with ONE step per
-      batch (``steps_per_batch``): the second step's forward runs the already updated policy, while pi_old stays
-      the policy before the batch's first step (PPO's several epochs over one rollout).
-    - ``separate_forward``: otherwise; pi_old is computed by a no-grad forward once per batch, before its first
-      optimizer step.
-    """
-    if steps_per_batch < 1:
-        raise ValueError(f"steps_per_batch must be >= 1, got {steps_per_batch}")
-    if config.loss_type == "sft" or (not decoupled and config.off_policy_correction == "none"):
-        return "rollout"
-    if (config.kl_coef != 0 or config.use_opd or config.off_policy_correction not in _CORRECTIONS_WITHOUT_REJECTION
-            or steps_per_batch > 1):
-        return "separate_forward"
-    return "training_forward"
 
 
 def step_denominators(config: PolicyLossConfig, *, loss_mask: Tensor, response_lengths: Tensor,

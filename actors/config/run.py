@@ -35,7 +35,7 @@ from actors.config.sections import (
 )
 from actors.config.teachers import run_teachers
 from policies.config import PolicyLossConfig
-from policies.step_loss import pi_old_source
+from policies.pi_old import pi_old_source
 
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "agent": AgentConfig,
