@@ -68,6 +68,7 @@ class DecodingSequence:
     max_new_tokens: int  # the request's budget, clamped to the model's context
     stop_token_ids: frozenset[int]  # the request's stop ids plus the model's EOS ids unless ignore_eos
     generator: torch.Generator | None = None  # seeded requests only
+    seed: int | None = None  # the sample's own seed (seeded requests; the static batcher draws one for the rest)
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -145,6 +146,7 @@ class ContinuousBatcher:
         self.limits = limits
         self.rng = rng
         self.pad_token_id = pad_token_id
+        self.share_prefix = True  # prefill a prefix every admitted sequence shares once (kv_batch.py)
         self.device = next(model.parameters()).device
         self.waiting: deque[DecodingSequence] = deque()
         self.running: list[DecodingSequence] = []
@@ -164,11 +166,10 @@ class ContinuousBatcher:
         decoded = list(self.running)
         self.stale_kv_tokens += sum(1 for sample in decoded if sample.kv_version != version)
         if decoded:
-            last_tokens = torch.tensor([sample.output_ids[-1] for sample in decoded], device=self.device)
-            self._append_sampled(decoded, self.kv.decode(self.model, last_tokens), version)
+            self._decode(decoded, version)
         admitted = self._admit()
         if admitted:
-            self.kv.extend(self._prefill(admitted, version))
+            self._join(admitted, version)
             self.running.extend(admitted)
         finished = [sample for sample in self.running if self._check_stop(sample)]
         if finished:
@@ -180,8 +181,8 @@ class ContinuousBatcher:
             decoded=tuple(sample.key for sample in decoded),
             admitted=tuple(sample.key for sample in admitted),
             finished=tuple(sample.key for sample in finished),
-            rows=self.kv.rows,
-            columns=self.kv.columns,
+            rows=len(self.running),
+            columns=self.cache_columns,
         )
         return StepResult(finished=finished, new_tokens=len(decoded) + len(admitted), record=record)
 
@@ -202,7 +203,7 @@ class ContinuousBatcher:
         """Abandon everything (after a failed step, when the cache may be half-updated); returns the samples."""
         dropped = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()
-        self.kv = KVBatch.empty(self.device)
+        self._clear_cache()
         for sample in dropped:
             sample.finish("abort")
         return dropped
@@ -218,7 +219,44 @@ class ContinuousBatcher:
             sample.kv_version = None
         self.waiting.extendleft(reversed(self.running))
         self.running = []
+        self._clear_cache()
+
+    # ----- the cache: these four are what a batcher with another KV layout replaces (static_batcher.py) -----
+
+    @property
+    def cache_columns(self) -> int:
+        return self.kv.columns
+
+    def _clear_cache(self) -> None:
         self.kv = KVBatch.empty(self.device)
+
+    def _decode(self, decoded: list[DecodingSequence], version: int) -> None:
+        last_tokens = torch.tensor([sample.output_ids[-1] for sample in decoded], device=self.device)
+        self._append_sampled(decoded, self.kv.decode(self.model, last_tokens), version)
+
+    def _join(self, admitted: list[DecodingSequence], version: int) -> None:
+        batch, logits = self._prefill(admitted)
+        for sample in admitted:
+            sample.kv_version = version
+        self._append_sampled(admitted, logits, version)
+        self.kv.extend(batch)
+
+    def _keep_rows(self, keep: list[int]) -> list[int]:
+        """Keep the cache rows `keep` (indices in the running order, ascending); returns the running rows' new
+        order (indices in the old order)."""
+        self.kv.select(torch.tensor(keep, dtype=torch.int64, device=self.device))
+        return keep
+
+    def admissible(self, sample: DecodingSequence) -> str | None:
+        """Why `sample` can never run here, or None: the engine refuses it at submission instead."""
+        if sample.worst_case_length > self.limits.max_batch_tokens:
+            return (f"prompt ({len(sample.prompt_ids)}) + max_new_tokens ({sample.max_new_tokens}) exceeds the "
+                    f"engine's max_batch_tokens={self.limits.max_batch_tokens}")
+        return None
+
+    def _fits(self, rows: int, columns: int) -> bool:
+        """Whether `rows` rows of up to `columns` columns each fit the KV budget."""
+        return rows * columns <= self.limits.max_batch_tokens
 
     def _admit(self) -> list[DecodingSequence]:
         limits = self.limits
@@ -231,7 +269,7 @@ class ContinuousBatcher:
             columns = max(worst_columns, candidate.worst_case_length)
             width = max(prefill_width, len(candidate.prompt_ids) + len(candidate.output_ids))
             nothing_else = rows == 1
-            if not nothing_else and rows * columns > limits.max_batch_tokens:
+            if not nothing_else and not self._fits(rows, columns):
                 break
             if admitted and (len(admitted) + 1) * width > limits.max_prefill_tokens:
                 break
@@ -239,8 +277,9 @@ class ContinuousBatcher:
             worst_columns, prefill_width = columns, width
         return admitted
 
-    def _prefill(self, admitted: list[DecodingSequence], version: int) -> KVBatch:
-        """Prefill each distinct token sequence once (n samples of a prompt share it), then fan rows out."""
+    def _prefill(self, admitted: list[DecodingSequence]) -> tuple[KVBatch, torch.Tensor]:
+        """Prefill each distinct token sequence once (n samples of a prompt share it), then fan rows out; returns
+        the rows' cache and their next-token logits."""
         unique: dict[tuple[int, ...], int] = {}
         sequences: list[list[int]] = []
         expand: list[int] = []
@@ -256,14 +295,11 @@ class ContinuousBatcher:
             rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
             batch.select(rows)
             logits = logits.index_select(0, rows)
-        for sample in admitted:
-            sample.kv_version = version
-        self._append_sampled(admitted, logits, version)
-        return batch
+        return batch, logits
 
     def _prefill_forward(self, sequences: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
         if not self.batch_invariant:
-            return KVBatch.prefill(self.model, sequences, self.pad_token_id)
+            return KVBatch.prefill(self.model, sequences, self.pad_token_id, share_prefix=self.share_prefix)
         # One forward per sequence: in a shared one, a prompt's keys would sit beside another prompt's padding.
         batch, logits = KVBatch.empty(self.device), []
         for sequence in sequences:
@@ -272,7 +308,8 @@ class ContinuousBatcher:
             logits.append(last_logits)
         return batch, torch.cat(logits)
 
-    def _append_sampled(self, samples: list[DecodingSequence], logits: torch.Tensor, version: int) -> None:
+    def _append_sampled(self, samples: list[DecodingSequence], logits: torch.Tensor, version: int) -> torch.Tensor:
+        """Sample each row's next token from its logits and append it; returns the tokens (a device tensor)."""
         params = RowParams.build(
             [sample.params.temperature for sample in samples],
             [sample.params.top_p for sample in samples],
@@ -284,10 +321,8 @@ class ContinuousBatcher:
             tokens, log_probs = sample_padded_rows(logits, params, uniforms)
         else:
             tokens, log_probs = sample_next_tokens(logits, params, uniforms)
-        for sample, token, log_prob in zip(samples, tokens.tolist(), log_probs.tolist(), strict=True):
-            sample.output_ids.append(token)
-            sample.log_probs.append(log_prob)
-            sample.versions.append(version)
+        append_tokens(samples, tokens.tolist(), log_probs.tolist(), version)
+        return tokens
 
     def _uniforms(self, samples: list[DecodingSequence], params: RowParams) -> torch.Tensor | None:
         """One uniform per row: from the sample's own generator when seeded, else from the engine's."""
@@ -328,6 +363,14 @@ class ContinuousBatcher:
         if len(keep) == len(self.running):
             return []
         left = [sample for sample in self.running if leaves(sample)]
-        self.kv.select(torch.tensor(keep, dtype=torch.int64, device=self.device))
-        self.running = [self.running[row] for row in keep]
+        order = self._keep_rows(keep)
+        self.running = [self.running[row] for row in order]
         return left
+
+
+def append_tokens(samples: list[DecodingSequence], tokens: list[int], log_probs: list[float], version: int) -> None:
+    """Each sample's newest token, its log-prob and the weight version that sampled it (host lists)."""
+    for sample, token, log_prob in zip(samples, tokens, log_probs, strict=True):
+        sample.output_ids.append(token)
+        sample.log_probs.append(log_prob)
+        sample.versions.append(version)

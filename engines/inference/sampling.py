@@ -104,3 +104,40 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     targets = uniforms.double().unsqueeze(-1) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
     return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+_LOW16 = 0xFFFF
+_LOW32 = 0xFFFFFFFF
+
+
+def counter_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, a pure function of (seed, position) computed on the rows' device.
+
+    What makes a sample reproducible without a generator per row: the draw for the token at `position` of the
+    sample seeded `seed` is the same whichever rows share the batch, on any device and after any re-prefill, and
+    nothing runs on the host, so a captured CUDA graph can draw it. `seeds` ([rows] int64, >= 0) and `positions`
+    ([rows] int64, the position the sampled token will have) are hashed by two rounds of a 32-bit integer mix.
+    The arithmetic stays below 2**63 (16-bit halves of each multiplier), because int64 overflow is not defined
+    alike on every device. The result has 53 random bits, a float64 the inverse-CDF sampler uses as is.
+    """
+    seed_low, seed_high = seeds & _LOW32, (seeds >> 32) & _LOW32
+    first = _mix32(seed_low ^ _mix32(seed_high ^ _mix32((positions ^ 0x9E3779B9) & _LOW32)))  # mix32(0) is 0
+    second = _mix32(first ^ 0x5BD1E995)
+    bits = ((first >> 6) << 27) | (second >> 5)  # 26 + 27 bits
+    return bits.double() / float(1 << 53)
+
+
+def _mix32(values: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche mix (xor-shift, multiply, twice) of non-negative int64 values below 2**32."""
+    values = values ^ (values >> 16)
+    values = _multiply32(values, 0x7FEB352D)
+    values = values ^ (values >> 15)
+    values = _multiply32(values, 0x846CA68B)
+    return values ^ (values >> 16)
+
+
+def _multiply32(values: torch.Tensor, factor: int) -> torch.Tensor:
+    """(values * factor) mod 2**32 for values below 2**32, every intermediate below 2**49."""
+    low = values * (factor & _LOW16)
+    high = ((values * (factor >> 16)) & _LOW16) << 16
+    return (low + high) & _LOW32

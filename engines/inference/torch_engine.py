@@ -40,6 +40,7 @@ from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
+from engines.inference.static_batcher import StaticBatcher
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints, comparable_dtype
 from engines.weights.manifest import TensorSpec
 
@@ -75,8 +76,18 @@ class TorchEngine(base.InferenceEngine):
         lora_scaling: float | None = None,
         release_memory_when_idle: bool = False,
         deterministic: bool = False,
+        kv_cache: str = "dynamic",
+        kv_pool_columns: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
+        """`kv_cache`: "dynamic" (caches sized to the rows, the CPU's choice and the reference) or "static" (a pool
+        allocated once, `kv_pool_columns` per row, default max_batch_tokens / max_batch_size, with each decode step
+        replayed from a CUDA graph when `cuda_graphs` and the model is on a GPU: static_batcher.py)."""
         _check_supported(model)
+        if kv_cache not in ("dynamic", "static"):
+            raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
+        if kv_cache == "static" and deterministic:
+            raise ValueError("kv_cache='static' cannot run deterministic (batch-invariant) inference; use 'dynamic'")
         if deterministic:  # a sequence's logits stop depending on the batch around it (batch_invariant.py)
             make_batch_invariant(model)
         self._model = model.eval()
@@ -95,7 +106,13 @@ class TorchEngine(base.InferenceEngine):
             rng.seed()
         else:
             rng.manual_seed(seed)
-        self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic)
+        self._batcher: ContinuousBatcher
+        if kv_cache == "static":
+            columns = min(self._max_model_len, kv_pool_columns or max_batch_tokens // max_batch_size)
+            self._batcher = StaticBatcher(model, tokenizer, self._limits, rng, columns=columns,
+                                          use_graphs=cuda_graphs)
+        else:
+            self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic)
 
         # Written by the decode thread only; read anywhere (single attribute reads are atomic).
         self._version = version
@@ -236,13 +253,8 @@ class TorchEngine(base.InferenceEngine):
         if params.stop and self._tokenizer is None:
             raise ValueError(f"request {rid!r}: stop strings need a tokenizer; this engine was built without one")
         max_new_tokens = min(params.max_new_tokens, self._max_model_len - len(prompt))
-        if len(prompt) + max_new_tokens > self._limits.max_batch_tokens:
-            raise ValueError(
-                f"request {rid!r}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
-                f"max_batch_tokens={self._limits.max_batch_tokens}"
-            )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_token_ids)
-        return [
+        samples = [
             DecodingSequence(
                 request_id=rid,
                 sample_index=index,
@@ -250,12 +262,16 @@ class TorchEngine(base.InferenceEngine):
                 params=params,
                 max_new_tokens=max_new_tokens,
                 stop_token_ids=stop_ids,
-                generator=None
-                if params.seed is None
-                else torch.Generator().manual_seed(base.derive_sample_seed(params.seed, index)),
+                seed=None if params.seed is None else base.derive_sample_seed(params.seed, index),
             )
             for index in range(params.n)
         ]
+        for sample in samples:
+            if sample.seed is not None:
+                sample.generator = torch.Generator().manual_seed(sample.seed)
+        if (refusal := self._batcher.admissible(samples[0])) is not None:
+            raise ValueError(f"request {rid!r}: {refusal}")
+        return samples
 
     # ----- decode thread -----------------------------------------------------------------------------------
 
@@ -322,6 +338,8 @@ class TorchEngine(base.InferenceEngine):
         """Between two turns of a colocated run: the learner trains next on the same device. The finished
         sequences' KV cache is already freed, but its blocks stay in this process's caching allocator; they go
         back to the device, where the learner's process can allocate them."""
+        if isinstance(self._batcher, StaticBatcher):
+            self._batcher.release_memory()
         if self._batcher.device.type == "cuda":
             torch.cuda.empty_cache()
         self.memory_releases += 1
