@@ -40,3 +40,23 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
     # its console: a line per row started and ended, none of what libraries print by themselves
     assert not PROGRESS_BAR.search(completed.stderr), completed.stderr[-3000:]
     assert "Warning" not in completed.stderr, completed.stderr[-3000:]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(400)
+def test_the_gpu_session_script_runs_its_probe_and_engine_stages_on_the_cpu(tmp_path: Path) -> None:
+    """`tools/gpu/session.sh --cpu`: the staged script a GPU session runs as one command, with the probe and the
+    real-shape engine benchmark on the CPU (a tiny shape), each leaving its JSON."""
+    completed = subprocess.run(
+        ["bash", "tools/gpu/session.sh", str(tmp_path), "--cpu", "probe", "engine"], cwd=REPO, capture_output=True,
+        text=True, timeout=380, check=False, env={**env_without_quiet_switches(), "PYTHON": sys.executable},
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "== probe rc=0" in completed.stdout and "== engine rc=0" in completed.stdout, completed.stdout[-3000:]
+    probes = json.loads((tmp_path / "probe.json").read_text())
+    assert set(probes) == {"versions", "varlen_attn", "decode step", "cuBLAS rows"}
+    assert not any(result.startswith("FAILED") for result in probes.values()), probes
+    engine = json.loads((tmp_path / "engine.json").read_text())
+    sides = {row["side"]: row for row in engine["rows"]}
+    assert set(sides) == {"generate", "dynamic", "static-eager", "static-graphs"}, engine
+    assert all(row["tokens"] == sides["generate"]["tokens"] > 0 for row in sides.values()), engine
