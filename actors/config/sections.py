@@ -345,6 +345,16 @@ class EngineConfig(Section):
         "decoding; sglang: starts the server with --enable-deterministic-inference, which "
         "--sglang-enable-deterministic-inference also turns on)")
 
+    torch_kv_cache: Literal["auto", "dynamic", "static"] = Field(
+        "auto", description="the torch engine's KV cache: dynamic (caches sized to the running rows, the CPU's "
+        "choice), static (one pool allocated at start, each decode step replayed from a CUDA graph on a GPU: 8-14x "
+        "HF generate() on an H200, docs/gpu.md), auto (static on a GPU unless --deterministic-inference, else "
+        "dynamic)")
+    torch_kv_pool_columns: int | None = Field(
+        None, ge=2, description="static KV cache: the prompt + response tokens one row may hold (requests longer "
+        "are refused by name; default: --rollout-max-context-len, else the longest prompt the data allows plus "
+        "the longest response, at least 4096)")
+
     @field_validator("sglang_server_module")
     @classmethod
     def _server_module_where_it_lives(cls, module: str) -> str:

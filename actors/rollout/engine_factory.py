@@ -55,10 +55,11 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
     from engines.training.lora import LoraSettings
 
     adapter = LoraSettings.of_run(config.lora)
+    device = engine_device()
     engine = TorchEngine.from_pretrained(
         config.model.hf_checkpoint,
         max_batch_size=config.engine.rollout_max_batch_size,
-        device=engine_device(),
+        device=device,
         dtype=torch.bfloat16 if config.model.bf16 else torch.float32,
         seed=engine_seed(config.seed, actor_id),  # requests carry their own seeds; this covers unseeded ones
         # A LoRA run's updates are adapters, which the engine folds into its weights at the run's scale.
@@ -66,8 +67,31 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         # colocated: the learner trains on this device whenever generation pauses for its next weights
         release_memory_when_idle=config.placement.colocate,
         deterministic=config.engine.deterministic_inference,
+        kv_cache=torch_kv_cache(config, device),
+        kv_pool_columns=kv_pool_columns(config),
     )
     return engine, tokenizer
+
+
+def torch_kv_cache(config: RunConfig, device: torch.device) -> str:
+    """`--torch-kv-cache auto`: the static pool and its CUDA graphs on a GPU, where decoding is launch-bound;
+    caches sized to the rows on a CPU, where compute follows the cache (and for batch-invariant decoding)."""
+    chosen = config.engine.torch_kv_cache
+    if chosen != "auto":
+        return chosen
+    return "static" if device.type == "cuda" and not config.engine.deterministic_inference else "dynamic"
+
+
+def kv_pool_columns(config: RunConfig) -> int:
+    """Tokens per row of a static pool: what the run lets one request reach (see `--torch-kv-pool-columns`)."""
+    if config.engine.torch_kv_pool_columns is not None:
+        return config.engine.torch_kv_pool_columns
+    contexts = [config.rollout.rollout_max_context_len, config.eval.eval_max_context_len]
+    if any(contexts):
+        return max(context for context in contexts if context)
+    prompt = config.data.rollout_max_prompt_len or 0
+    response = max(config.rollout.rollout_max_response_len, config.eval.eval_max_response_len or 0)
+    return max(4096, prompt + response)
 
 
 def load_plugin_engine(path: str, config: RunConfig, actor_id: str | None) -> tuple[InferenceEngine, Tokenizer]:

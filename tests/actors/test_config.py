@@ -241,3 +241,37 @@ def test_bf16_reaches_the_trainer_the_engine_the_push_and_a_launched_sglang_serv
         "dtype"] == "float16"  # the user's own choice stands
     float32 = parse(["--hf-checkpoint", str(tiny_model_path)])
     assert push_dtype(float32) is None and "dtype" not in sglang_server_args(float32)
+
+
+@pytest.mark.unit
+def test_the_torch_engine_takes_the_static_kv_pool_on_a_gpu_and_sized_by_the_runs_lengths() -> None:
+    import torch
+
+    from actors.rollout.engine_factory import kv_pool_columns, torch_kv_cache
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert torch_kv_cache(parse([]), cuda) == "static"
+    assert torch_kv_cache(parse([]), cpu) == "dynamic"
+    assert torch_kv_cache(parse(["--deterministic-inference"]), cuda) == "dynamic"  # batch-invariant needs v1
+    assert torch_kv_cache(parse(["--torch-kv-cache", "static"]), cpu) == "static"
+    assert torch_kv_cache(parse(["--torch-kv-cache", "dynamic"]), cuda) == "dynamic"
+    assert kv_pool_columns(parse([])) == 4096
+    assert kv_pool_columns(parse(["--rollout-max-prompt-len", "3000", "--rollout-max-response-len", "2000"])) == 5000
+    assert kv_pool_columns(parse(["--rollout-max-context-len", "8192", "--eval-max-context-len", "12000"])) == 12000
+    assert kv_pool_columns(parse(["--rollout-max-context-len", "8192", "--torch-kv-pool-columns", "1024"])) == 1024
+
+
+@pytest.mark.integration
+def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_model_path: Path) -> None:
+    import asyncio
+
+    from actors.rollout.engine_factory import load_engine
+    from engines.inference.static_batcher import StaticBatcher
+
+    engine, _ = load_engine(parse(["--hf-checkpoint", str(tiny_model_path), "--torch-kv-cache", "static",
+                                   "--rollout-max-context-len", "300"]), "rollout-0-0")
+    try:
+        assert isinstance(engine._batcher, StaticBatcher)
+        assert engine._batcher.pool.columns == 300
+    finally:
+        asyncio.run(engine.close())

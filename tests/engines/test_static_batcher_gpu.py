@@ -32,3 +32,26 @@ async def test_cuda_graph_replays_give_the_eager_steps_tokens_and_log_probs(tiny
     for graph_output, eager_output in zip(results["graphs"], results["eager"], strict=True):
         for (_, graph_log_probs), (_, eager_log_probs) in zip(graph_output, eager_output, strict=True):
             assert graph_log_probs == pytest.approx(eager_log_probs, abs=1e-5)
+
+
+@pytest.mark.gpu
+async def test_graphs_decode_with_the_weights_pushed_after_their_capture(tiny_model_path: Path) -> None:
+    """A captured graph reads the parameters' storage: an update copied in place must reach the next replay. The
+    engine serving the pushed weights must decode what a fresh engine loaded with them decodes."""
+    import torch
+
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    options = {"device": "cuda", "kv_cache": "static", "cuda_graphs": True, "max_batch_size": 4}
+    async with TorchEngine.from_pretrained(tiny_model_path, **options) as pushed:
+        before = await asyncio.gather(*(pushed.generate(r) for r in _requests(pushed, greedy, "before")))
+        assert pushed._batcher.decoder.graphs
+        generator = torch.Generator().manual_seed(1)
+        weights = [(name, (tensor.detach().cpu() + 0.05 * torch.randn(tensor.shape, generator=generator)).cuda())
+                   for name, tensor in pushed.model.state_dict().items()]
+        await pushed.update_weights(weights, version=1)
+        after = await asyncio.gather(*(pushed.generate(r) for r in _requests(pushed, greedy, "after")))
+    async with TorchEngine.from_pretrained(tiny_model_path, **options) as fresh:
+        fresh.model.load_state_dict(dict(weights))
+        expected = await asyncio.gather(*(fresh.generate(r) for r in _requests(fresh, greedy, "fresh")))
+    assert [o[0].output_ids for o in after] == [o[0].output_ids for o in expected]
+    assert [o[0].output_ids for o in after] != [o[0].output_ids for o in before]
