@@ -119,7 +119,7 @@ class PolicyLoss:
             advantages=batch.advantages, loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
             entropy=outputs.entropy, ref_log_probs=batch.ref_log_probs, denominator=self.denominator,
         )
-        share = float(batch.loss_mask.sum()) / max(1.0, self.total_tokens)
+        share = batch.loss_mask.sum() / max(1.0, self.total_tokens)  # a tensor: no host sync per micro-batch
         return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}
 
 
@@ -153,7 +153,7 @@ class ValueLoss:
         loss, metrics = compute_value_loss(self.config, values=values, returns=batch.returns,
                                            loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
                                            old_values=batch.values, denominator=self.denominator)
-        share = float(batch.loss_mask.sum()) / max(1.0, self.total_tokens)
+        share = batch.loss_mask.sum() / max(1.0, self.total_tokens)  # a tensor: no host sync per micro-batch
         return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}
 
 

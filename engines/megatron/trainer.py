@@ -149,7 +149,7 @@ class MegatronTrainer(Trainer):
             assert micro_batch.batch is not None
             value, metrics = loss(outputs, micro_batch.batch)
             base.check_loss(value)
-            stats.add(float(value.detach()), metrics)
+            stats.add(value, metrics)
             return value
 
         with maybe_cpu_compat():

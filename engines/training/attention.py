@@ -5,7 +5,9 @@ transformers handles a packed row (position_ids restarting at 0) under `sdpa` by
 heavy-tailed samples that is most of the attention work (measured 3x slower end to end on CPU). This
 implementation cuts the row at the restarts and runs causal sdpa on the sequences alone, those of equal length
 batched into one call: only Σ L_i² scores, no mask tensor at all. It is what flash-attention's varlen path does,
-for machines without flash-attention.
+for machines without flash-attention. On a GPU, a bf16/fp16 row of plain sequences goes to torch's own flash varlen
+kernel (`torch.nn.attention.varlen`) in one call instead: the per-shape gathers and their backward's `index_add_`
+were most of the torch trainer's kernel time over a bare HF step (docs/gpu.md, 2026-11-27).
 
 It also reads rows whose samples share tokens (`pack_inputs(share_prompts=True)`): a segment whose positions start
 at p > 0 continues the segments before it that reach position p, so a prefix every prompt of the micro-batch
@@ -21,6 +23,10 @@ Sliding windows are honoured; attention sinks and logit soft-capping are not sup
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +62,8 @@ def packed_sdpa_attention(
     plan = packed_plan if packed_plan is not None and packed_plan.length == length else RowPlan(
         position_ids, length, query.device)
     dropout = dropout if module.training else 0.0
+    if plan.varlen is not None and dropout == 0 and sliding_window is None and query.dtype in VARLEN_DTYPES:
+        return _varlen_attention(query, key, value, plan.varlen, scaling), None
     output: Tensor | None = None
     for call in plan.calls:
         if isinstance(call.queries, slice):  # one plain sequence: slice views, no gather
@@ -74,6 +82,41 @@ def packed_sdpa_attention(
         output[:, call.rows] = attended
     assert output is not None
     return output.unsqueeze(0).transpose(1, 2).contiguous(), None
+
+
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)  # flash attention's; float32 rows keep SDPA
+
+
+@functools.cache
+def varlen_kernel() -> tuple[Callable[..., Tensor], dict[str, Any]] | None:
+    """torch's flash varlen attention and the keywords that make it causal, or None where this torch lacks it.
+
+    Its signature moved between releases (the GPU probe reads it: 2.11 has `window_size`, causal is (-1, 0), and
+    takes fewer KV heads than query heads as they are); `SLIPSTREAM_NO_VARLEN=1` keeps SDPA."""
+    if os.environ.get("SLIPSTREAM_NO_VARLEN"):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    if "is_causal" in parameters:
+        return varlen_attn, {"is_causal": True}
+    if "window_size" in parameters:
+        return varlen_attn, {"window_size": (-1, 0)}
+    return None
+
+
+def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, varlen: tuple[Tensor, int],
+                      scaling: float | None) -> Tensor:
+    """The whole row in one flash call: q [1, H, T, D], k/v [1, H_kv, T, D] -> [1, T, H, D]; no gathers, no
+    padding, and no index_add_ in the backward."""
+    kernel = varlen_kernel()
+    assert kernel is not None
+    function, causal = kernel
+    bounds, longest = varlen
+    q, k, v = (states[0].transpose(0, 1).contiguous() for states in (query, key, value))
+    return function(q, k, v, bounds, bounds, longest, longest, scale=scaling, **causal).unsqueeze(0)
 
 
 def _rows(states: Tensor, index: Tensor) -> Tensor:
@@ -101,14 +144,31 @@ class RowPlan:
     tensors and masks for each of a dozen shapes).
     """
 
-    def __init__(self, position_ids: Tensor | None, length: int, device: torch.device) -> None:
+    def __init__(self, position_ids: Tensor | None, length: int, device: torch.device,
+                 starts: RowStarts | None = None) -> None:
+        """`starts`: the row's `row_starts`, when the caller knows them on the host (`pack_inputs` does): then
+        planning reads nothing back from the device."""
         self.length = length
-        segments = packed_segments(position_ids, length)
-        self.single = len(segments) == 1
-        self.calls = [_kernel_call(prefix, span, members, device)
-                      for (prefix, span), members in _segments_by_shape(segments).items()]
+        self._segments = packed_segments(position_ids, length, starts)
+        self.single = len(self._segments) == 1
+        self._calls: list[KernelCall] | None = None
         self._device = device
         self._masks: dict[tuple[int, int, int | None], Tensor | None] = {}
+        # One flash varlen call for the whole row where it can: a CUDA row of plain sequences (no shared prompts)
+        self.varlen: tuple[Tensor, int] | None = None
+        if device.type == "cuda" and not self.single and varlen_kernel() is not None and all(
+                segment.prefix == 0 for segment in self._segments):
+            bounds = [segment.start for segment in self._segments] + [length]
+            self.varlen = (torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True),
+                           max(segment.end - segment.start for segment in self._segments))
+
+    @property
+    def calls(self) -> list[KernelCall]:
+        """The SDPA kernel calls, built when first needed (a varlen row may never need them)."""
+        if self._calls is None:
+            self._calls = [_kernel_call(prefix, span, members, self._device)
+                           for (prefix, span), members in _segments_by_shape(self._segments).items()]
+        return self._calls
 
     def mask(self, query_length: int, key_length: int, sliding_window: int | None) -> Tensor | None:
         """None for plain causal attention; else queries are the last `query_length` of the keys' positions."""
@@ -154,14 +214,25 @@ class Segment:
     context: tuple[tuple[int, int], ...] = ()  # [start, end) row spans holding positions 0..prefix-1, in order
 
 
-def packed_segments(position_ids: Tensor | None, length: int) -> list[Segment]:
-    """The row's segments, each with the chain of row spans it continues (see `Segment`)."""
-    if position_ids is None:
-        return [Segment(0, length, 0)]
+RowStarts = tuple[tuple[int, ...], tuple[int, ...]]  # (row positions where a run begins, the position there)
+
+
+def row_starts(position_ids: Tensor, length: int) -> RowStarts:
+    """Where the row's runs of +1 positions begin, and their first positions (a host read when on a device)."""
     positions = position_ids.reshape(-1)[:length]
     starts = torch.cat([positions.new_zeros(1), (positions[1:] != positions[:-1] + 1).nonzero().flatten().add(1)])
-    # One transfer of the starts and their first positions: the only host sync of a layer's call.
     start_list, firsts = torch.stack([starts, positions[starts]]).tolist()
+    return tuple(start_list), tuple(firsts)
+
+
+def packed_segments(position_ids: Tensor | None, length: int, starts: RowStarts | None = None) -> list[Segment]:
+    """The row's segments, each with the chain of row spans it continues (see `Segment`)."""
+    if position_ids is None and starts is None:
+        return [Segment(0, length, 0)]
+    if starts is None:
+        assert position_ids is not None
+        starts = row_starts(position_ids, length)  # the only host sync of planning a row
+    start_list, firsts = starts
     if len(start_list) == 1:  # one sequence, wherever its positions begin
         return [Segment(0, length, 0)]
     segments: list[Segment] = []

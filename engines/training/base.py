@@ -20,7 +20,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -337,19 +337,59 @@ class VersionCounter:
         self.updated_in_batch = False
 
 
-@dataclass
 class StepStats:
-    """A step's loss and metric sums over the micro-batches one rank ran; each backend sums them over ranks."""
+    """A step's loss and metric sums over the micro-batches one rank ran; each backend sums them over ranks.
 
-    loss_sum: float = 0.0
-    nonfinite: bool = False
-    metric_sums: dict[str, float] = field(default_factory=dict)
+    Values may be device tensors: they are summed where they are and read once, at the first look at a sum, so a
+    step's micro-batches never wait for the device to report a number (a host sync each, on a GPU)."""
 
-    def add(self, loss: float, metrics: dict[str, float]) -> None:
-        self.loss_sum += loss
-        self.nonfinite |= not math.isfinite(loss)
+    def __init__(self) -> None:
+        self._losses: list[Tensor | float] = []
+        self._metrics: dict[str, list[Tensor | float]] = {}
+        self._read: tuple[float, bool, dict[str, float]] | None = None
+
+    def add(self, loss: Tensor | float, metrics: Mapping[str, Tensor | float]) -> None:
+        self._losses.append(loss.detach() if isinstance(loss, Tensor) else loss)
         for key, value in metrics.items():
-            self.metric_sums[key] = self.metric_sums.get(key, 0.0) + float(value)
+            self._metrics.setdefault(key, []).append(value.detach() if isinstance(value, Tensor) else value)
+        self._read = None
+
+    @property
+    def loss_sum(self) -> float:
+        return self._sums()[0]
+
+    @property
+    def nonfinite(self) -> bool:
+        return self._sums()[1]
+
+    @property
+    def metric_sums(self) -> dict[str, float]:
+        return self._sums()[2]
+
+    def _sums(self) -> tuple[float, bool, dict[str, float]]:
+        if self._read is None:
+            keys = sorted(self._metrics)
+            columns = [self._losses, *(self._metrics[key] for key in keys)]
+            tensors = [value for column in columns for value in column if isinstance(value, Tensor)]
+            read = iter(_read_scalars(tensors))
+            values = [[next(read) if isinstance(value, Tensor) else float(value) for value in column]
+                      for column in columns]
+            self._read = (sum(values[0]), not all(math.isfinite(loss) for loss in values[0]),
+                          {key: sum(column) for key, column in zip(keys, values[1:], strict=True)})
+        return self._read
+
+
+def _read_scalars(tensors: list[Tensor]) -> list[float]:
+    """Scalar tensors as floats, in order, with one transfer per device they live on."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(index)
+    values = [0.0] * len(tensors)
+    for indices in by_device.values():
+        read = torch.stack([tensors[index].reshape(()).double() for index in indices]).cpu().tolist()
+        for index, value in zip(indices, read, strict=True):
+            values[index] = value
+    return values
 
 
 def scheduled_lr(config: TrainerOptimizerConfig, optimizer_steps: int) -> float:

@@ -98,7 +98,7 @@ class ValueCritic:
                 value, metrics = loss(predicted, collate(chunk, self._device))
             check_loss(value)
             value.backward()
-            stats.add(float(value.detach()), metrics)
+            stats.add(value, metrics)
         loss_sum, nonfinite, metric_sums, tokens = self._summed(stats, samples)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._grad_clip))
         reason = skip_reason(nonfinite, loss_sum, grad_norm, loss_tokens=tokens)

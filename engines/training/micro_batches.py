@@ -46,9 +46,13 @@ class PackedInputs:
     # [sum of len(tokens)]: the row position that computes each token of each sample, samples one after another
     # (a prompt packed once serves every sample of its group from the same positions); only when asked for
     token_positions: Tensor | None = None
+    # where the row's runs of positions begin, read on the host while packing, so planning its attention on a
+    # device reads nothing back (`attention.row_starts`)
+    row_starts: attention.RowStarts | None = None
 
     def to(self, device: torch.device | str) -> PackedInputs:
-        return PackedInputs(*(None if tensor is None else tensor.to(device) for tensor in self.__dict__.values()))
+        return PackedInputs(*(value.to(device) if isinstance(value, Tensor) else value
+                              for value in self.__dict__.values()))
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -165,13 +169,15 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False,
             if with_token_positions:
                 token_positions += range(offset, offset + len(tokens) - shared)
         targets += response
+    position_ids = torch.tensor(positions, dtype=torch.long).unsqueeze(0)
     return PackedInputs(
         input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
-        position_ids=torch.tensor(positions, dtype=torch.long).unsqueeze(0),
+        position_ids=position_ids,
         logit_positions=torch.tensor(logit_positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         response_lengths=torch.tensor([sample.response_length for sample in samples], dtype=torch.long),
         token_positions=torch.tensor(token_positions, dtype=torch.long) if with_token_positions else None,
+        row_starts=attention.row_starts(position_ids, len(positions)),
     )
 
 
@@ -222,7 +228,8 @@ def forward_packed(model: nn.Module, inputs: PackedInputs) -> Tensor:
     extra = {}  # packed_sdpa's plan of the row, made once for every layer
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.NAME:
         positions = inputs.position_ids
-        extra["packed_plan"] = attention.RowPlan(positions, positions.shape[-1], positions.device)
+        extra["packed_plan"] = attention.RowPlan(positions, positions.shape[-1], positions.device,
+                                                 inputs.row_starts)
     output = model(
         input_ids=inputs.input_ids,
         position_ids=inputs.position_ids,

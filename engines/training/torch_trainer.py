@@ -110,7 +110,9 @@ class TorchTrainer(Trainer):
         if config.gradient_checkpointing:
             _enable_activation_checkpointing(self._model)
         self._param_names, groups = _param_groups(self._model, config.weight_decay)
-        self._optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+        # fused: one kernel for the whole update on a GPU instead of a few per parameter group (foreach)
+        self._optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
+                                            fused=self._device.type == "cuda" or None)
         self._train_module: nn.Module = self._model
         if _world_size() > 1:
             self._train_module = _wrap_ddp(self._model, self._device)
@@ -217,7 +219,7 @@ class TorchTrainer(Trainer):
                 check_loss(value)
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
                 value.backward()
-            stats.add(float(value.detach()), metrics)
+            stats.add(value, metrics)
         loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(stats)
         return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started, ends_batch)
 

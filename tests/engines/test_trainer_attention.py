@@ -129,3 +129,24 @@ def test_shared_prompt_rows_are_gathered_by_index_select_whose_backward_adds_in_
     nodes = _backward_nodes(output.sum())
     assert "IndexSelectBackward0" in nodes  # the shared-prompt path ran
     assert "IndexBackward0" not in nodes
+
+
+@pytest.mark.unit
+def test_the_varlen_kernel_is_made_causal_by_the_keyword_this_torch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    attention.varlen_kernel.cache_clear()
+    kernel = attention.varlen_kernel()
+    assert kernel is not None  # torch >= 2.9 ships it (CPU builds too, though its kernel needs CUDA)
+    function, causal = kernel
+    assert causal in ({"is_causal": True}, {"window_size": (-1, 0)})
+    assert set(causal) <= set(inspect.signature(function).parameters)
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    assert attention.RowPlan(positions, 5, positions.device).varlen is None  # CPU rows keep SDPA
+    monkeypatch.setenv("SLIPSTREAM_NO_VARLEN", "1")
+    attention.varlen_kernel.cache_clear()
+    try:
+        assert attention.varlen_kernel() is None
+    finally:
+        monkeypatch.delenv("SLIPSTREAM_NO_VARLEN")
+        attention.varlen_kernel.cache_clear()

@@ -35,3 +35,28 @@ def test_bf16_autocast_step_trains_float32_master_weights(tiny_model_path: Path)
     result = trainer.train_step(half_response_samples(), loss_fn(half_response_samples()), temperature=1.0)
     assert not result.skipped and result.version == 1
     assert all(tensor.dtype == torch.float32 for _, tensor in trainer.named_tensors())
+
+
+@pytest.mark.gpu
+def test_a_step_syncs_with_the_host_as_often_for_eight_micro_batches_as_for_one(tiny_model_path: Path) -> None:
+    """The micro-batch loop queues work and never waits for a number (losses, metrics stay on the device): a step's
+    host syncs do not grow with its micro-batches."""
+    import warnings
+
+    samples = half_response_samples((40,) * 8)
+    syncs = {}
+    for micro_batch_tokens in (40 * 8, 40):
+        trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, device="cuda", dtype="bfloat16",
+                                                  micro_batch_tokens=micro_batch_tokens, check_packing=False))
+        trainer.train_step(samples, loss_fn(samples), temperature=1.0)  # warm-up
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = trainer.train_step(samples, loss_fn(samples), temperature=1.0)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert result.metrics["micro_batches"] == (1 if micro_batch_tokens > 40 else 8)
+        syncs[micro_batch_tokens] = sum("synchroniz" in str(w.message) for w in caught)
+        trainer.close()
+    assert syncs[40] <= syncs[40 * 8] + 2, syncs
