@@ -139,6 +139,16 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """Per token and MoE layer, the experts a forward routed the token to: int16 [tokens, layers, top_k],
+    row-major, little-endian. Token t is the t-th of prompt + output; the last output token is never fed to the
+    model, so `tokens` is one less than their count (slime's and SGLang's layout)."""
+
+    data: bytes
+    shape: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
 class GenerateOutput:
     """One finished (or aborted) sample. `output_ids`, `log_probs` and `versions` are aligned per token.
 
@@ -155,6 +165,7 @@ class GenerateOutput:
     sample_index: int = 0
     prompt_len: int = 0
     matched_stop: str | int | None = None
+    routed_experts: RoutedExperts | None = None  # engines that record routes (`record_routes`)
 
 
 def continuation_request(

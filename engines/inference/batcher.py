@@ -13,6 +13,7 @@ between steps.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,10 +22,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from engines.inference.base import FinishReason, GenerateOutput, SamplingParams
+from engines.inference.base import FinishReason, GenerateOutput, RoutedExperts, SamplingParams
 from engines.inference.batch_invariant import sample_padded_rows
 from engines.inference.kv_batch import KVBatch
 from engines.inference.sampling import RowParams, sample_next_tokens
+from engines.training.moe import RoutedLayer, Routers
 
 # Byte-level tokenizers may spend up to 4 tokens on one character, so a stop string of k characters can
 # span up to 4k tokens; decoding that many trailing tokens is enough to see any match the newest token made.
@@ -74,6 +76,9 @@ class DecodingSequence:
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    # With recorded routes: [tokens, layers, top_k] int16 chunks, one per prefill (which replaces them: it
+    # recomputes every token so far) and one per decode step (the token fed in). See `base.RoutedExperts`.
+    routes: list[torch.Tensor] = field(default_factory=list)
     # The oldest weight version among the keys and values its cache row holds (None: not in the cache). Set by
     # the prefill that computes them, not by whoever drops the cache, so a drop that did not happen shows.
     kv_version: int | None = None
@@ -102,6 +107,7 @@ class DecodingSequence:
             sample_index=self.sample_index,
             prompt_len=len(self.prompt_ids),
             matched_stop=self.matched_stop,
+            routed_experts=routed_experts(self.routes),
         )
 
 
@@ -136,10 +142,12 @@ class ContinuousBatcher:
         rng: torch.Generator,
         pad_token_id: int = 0,
         batch_invariant: bool = False,
+        record_routes: bool = False,
     ) -> None:
         """`batch_invariant`: the model was made batch-invariant (`batch_invariant.make_batch_invariant`); then each
         distinct sequence is prefilled on its own and sampling sees padded rows, so a row's tokens and log-probs
-        do not depend on the rows beside it either."""
+        do not depend on the rows beside it either. `record_routes`: an MoE model's samples carry the experts each
+        of their tokens was routed to (rollout routing replay)."""
         self.model = model
         self.batch_invariant = batch_invariant
         self.tokenizer = tokenizer
@@ -147,6 +155,9 @@ class ContinuousBatcher:
         self.rng = rng
         self.pad_token_id = pad_token_id
         self.share_prefix = True  # prefill a prefix every admitted sequence shares once (kv_batch.py)
+        self.routers = Routers(model, wanted_by="recording routed experts") if record_routes else None
+        if self.routers is not None:  # one forward per prefill, whose rows hold each sequence's tokens whole
+            self.share_prefix = False
         self.device = next(model.parameters()).device
         self.waiting: deque[DecodingSequence] = deque()
         self.running: list[DecodingSequence] = []
@@ -232,7 +243,15 @@ class ContinuousBatcher:
 
     def _decode(self, decoded: list[DecodingSequence], version: int) -> None:
         last_tokens = torch.tensor([sample.output_ids[-1] for sample in decoded], device=self.device)
-        self._append_sampled(decoded, self.kv.decode(self.model, last_tokens), version)
+        with self._tapped() as taps:
+            logits = self.kv.decode(self.model, last_tokens)
+        if taps:
+            for sample, route in zip(decoded, _layers_last(taps).unsqueeze(1), strict=True):
+                sample.routes.append(route)
+        self._append_sampled(decoded, logits, version)
+
+    def _tapped(self) -> contextlib.AbstractContextManager[list[RoutedLayer]]:
+        return self.routers.tapped() if self.routers is not None else contextlib.nullcontext([])
 
     def _join(self, admitted: list[DecodingSequence], version: int) -> None:
         batch, logits = self._prefill(admitted)
@@ -290,12 +309,28 @@ class ContinuousBatcher:
                 unique[key] = len(sequences)
                 sequences.append(tokens)
             expand.append(unique[key])
-        batch, logits = self._prefill_forward(sequences)
+        with self._tapped() as taps:
+            batch, logits = self._prefill_forward(sequences)
+        if taps:
+            routes = self._prefill_routes(taps, sequences)
+            for sample, index in zip(admitted, expand, strict=True):
+                sample.routes = [routes[index]]
         if len(sequences) != len(admitted):
             rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
             batch.select(rows)
             logits = logits.index_select(0, rows)
         return batch, logits
+
+    def _prefill_routes(self, taps: list[RoutedLayer], sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Each sequence's routes [len, layers, k] from the prefill's taps: one forward of left-padded rows, or one
+        forward per sequence (batch-invariant)."""
+        assert self.routers is not None
+        layers = len(self.routers.modules)
+        if self.batch_invariant:
+            return [_layers_last(taps[index * layers : (index + 1) * layers]) for index in range(len(sequences))]
+        width = max(len(sequence) for sequence in sequences)
+        rows = _layers_last(taps).unflatten(0, (len(sequences), width))
+        return [row[width - len(sequence) :] for row, sequence in zip(rows, sequences, strict=True)]
 
     def _prefill_forward(self, sequences: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
         if not self.batch_invariant:
@@ -374,3 +409,15 @@ def append_tokens(samples: list[DecodingSequence], tokens: list[int], log_probs:
         sample.output_ids.append(token)
         sample.log_probs.append(log_prob)
         sample.versions.append(version)
+
+
+def _layers_last(taps: list[RoutedLayer]) -> torch.Tensor:
+    """One forward's taps, a [tokens, k] choice per layer, as int16 [tokens, layers, k] on the host."""
+    return torch.stack([tap.chosen for tap in taps], dim=1).to("cpu", torch.int16)
+
+
+def routed_experts(routes: list[torch.Tensor]) -> RoutedExperts | None:
+    if not routes:
+        return None
+    table = torch.cat(routes).contiguous()
+    return RoutedExperts(table.numpy().astype("<i2", copy=False).tobytes(), tuple(table.shape))

@@ -79,15 +79,20 @@ class TorchEngine(base.InferenceEngine):
         kv_cache: str = "dynamic",
         kv_pool_columns: int | None = None,
         cuda_graphs: bool = True,
+        record_routes: bool = False,
     ) -> None:
         """`kv_cache`: "dynamic" (caches sized to the rows, the CPU's choice and the reference) or "static" (a pool
         allocated once, `kv_pool_columns` per row, default max_batch_tokens / max_batch_size, with each decode step
-        replayed from a CUDA graph when `cuda_graphs` and the model is on a GPU: static_batcher.py)."""
+        replayed from a CUDA graph when `cuda_graphs` and the model is on a GPU: static_batcher.py).
+        `record_routes`: an MoE model's outputs carry each token's experts (`GenerateOutput.routed_experts`), for
+        rollout routing replay; the dynamic layout only."""
         _check_supported(model)
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
         if kv_cache == "static" and deterministic:
             raise ValueError("kv_cache='static' cannot run deterministic (batch-invariant) inference; use 'dynamic'")
+        if kv_cache == "static" and record_routes:
+            raise ValueError("kv_cache='static' does not record routed experts yet; use 'dynamic'")
         if deterministic:  # a sequence's logits stop depending on the batch around it (batch_invariant.py)
             make_batch_invariant(model)
         self._model = model.eval()
@@ -112,7 +117,8 @@ class TorchEngine(base.InferenceEngine):
             self._batcher = StaticBatcher(model, tokenizer, self._limits, rng, columns=columns,
                                           use_graphs=cuda_graphs)
         else:
-            self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic)
+            self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic,
+                                              record_routes=record_routes)
 
         # Written by the decode thread only; read anywhere (single attribute reads are atomic).
         self._version = version
