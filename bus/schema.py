@@ -103,6 +103,13 @@ class Sample(Message):
         tensor("float32", "per response token: a distillation teacher's log-prob of the token; reward worker (a "
                "teacher server's score) or absent (the learner's teacher scores it)"),
     ] = None
+    routed_experts: Annotated[
+        np.ndarray | None,
+        tensor("int16", "MoE routing replay: per token of tokens[:-1], per MoE layer, the experts the engine routed "
+               "it to, flattened row-major [len(tokens) - 1, moe_layers, moe_top_k]; rollout worker"),
+    ] = None
+    moe_layers: Annotated[int, doc("MoE layers in routed_experts (0: none recorded); rollout worker")] = 0
+    moe_top_k: Annotated[int, doc("experts per token in routed_experts; rollout worker")] = 0
     status: Annotated[SampleStatus, doc("lifecycle; rollout worker (reward worker may set failed)")] = "pending"
     metadata: Annotated[dict[str, Any], doc("free-form extras (finish reason, reward breakdown, timings)")] = (
         msgspec.field(default_factory=dict)
@@ -123,9 +130,17 @@ class Sample(Message):
         self.rollout_log_probs = _check_tensor("Sample", "rollout_log_probs", self.rollout_log_probs, _FLOAT32, n)
         self.token_versions = _check_tensor("Sample", "token_versions", self.token_versions, _INT32, n)
         self.teacher_log_probs = _check_tensor("Sample", "teacher_log_probs", self.teacher_log_probs, _FLOAT32, n)
+        if self.routed_experts is not None:
+            width = self.moe_layers * self.moe_top_k
+            expected = max(len(self.tokens) - 1, 0) * width
+            if width <= 0:
+                raise ValueError(f"Sample.routed_experts needs moe_layers and moe_top_k > 0, got {self.moe_layers} "
+                                 f"and {self.moe_top_k}")
+            self.routed_experts = _check_tensor("Sample", "routed_experts", self.routed_experts, _INT16, expected)
 
 
 _INT32 = (np.dtype("int32"),)
+_INT16 = (np.dtype("int16"),)
 _FLOAT32 = (np.dtype("float32"),)
 _MASK_DTYPES = tuple(np.dtype(name) for name in ("uint8", "bool", "int8", "int32", "float32"))
 

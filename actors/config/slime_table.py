@@ -288,8 +288,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--custom-pg-loss-reducer-function-path": _refused("custom loss reducers are not available; choose "
                                                        "--loss-agg-mode", "value"),
     "--use-routing-replay": _same("switch"),
-    "--use-rollout-routing-replay": _refused("the engines do not record routed experts yet (issue #44); "
-                                             "--use-routing-replay replays the learner's own pi_old routes"),
+    "--use-rollout-routing-replay": _same("switch"),
     "--use-opsm": _same("switch"),
     "--opsm-delta": _same(),
     # --- on-policy distillation ---

@@ -81,7 +81,16 @@ def to_train_sample(sample: Sample, *, newest_version_only: bool = False) -> Tra
         rollout_log_probs=None if rollout is None else torch.tensor(np.asarray(rollout), dtype=torch.float32),
         teacher_log_probs=None if teacher is None else torch.tensor(np.asarray(teacher), dtype=torch.float32),
         reward=float(sample.reward or 0.0),
+        routed_experts=_routes(sample),
     )
+
+
+def _routes(sample: Sample) -> torch.Tensor | None:
+    """The engine's routes (--use-rollout-routing-replay) as the trainer replays them: [len(tokens) - 1, layers, k]."""
+    if sample.routed_experts is None:
+        return None
+    return torch.tensor(np.asarray(sample.routed_experts), dtype=torch.long).reshape(
+        -1, sample.moe_layers, sample.moe_top_k)
 
 
 def loss_mask_of(sample: Sample) -> np.ndarray:

@@ -69,17 +69,20 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         deterministic=config.engine.deterministic_inference,
         kv_cache=torch_kv_cache(config, device),
         kv_pool_columns=kv_pool_columns(config),
+        record_routes=config.trainer.use_rollout_routing_replay,
     )
     return engine, tokenizer
 
 
 def torch_kv_cache(config: RunConfig, device: torch.device) -> str:
     """`--torch-kv-cache auto`: the static pool and its CUDA graphs on a GPU, where decoding is launch-bound;
-    caches sized to the rows on a CPU, where compute follows the cache (and for batch-invariant decoding)."""
+    caches sized to the rows on a CPU, where compute follows the cache (and for batch-invariant decoding and
+    recorded routes, which the static pool does not do yet)."""
     chosen = config.engine.torch_kv_cache
     if chosen != "auto":
         return chosen
-    return "static" if device.type == "cuda" and not config.engine.deterministic_inference else "dynamic"
+    dynamic_only = config.engine.deterministic_inference or config.trainer.use_rollout_routing_replay
+    return "static" if device.type == "cuda" and not dynamic_only else "dynamic"
 
 
 def kv_pool_columns(config: RunConfig) -> int:

@@ -23,7 +23,14 @@ import numpy as np
 from actors.config import RunConfig
 from actors.data.prompt_tokens import encode_prompt
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
-from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
+from engines.inference.base import (
+    ContextFull,
+    GenerateOutput,
+    GenerateRequest,
+    InferenceEngine,
+    RoutedExperts,
+    SamplingParams,
+)
 
 GenerateFunction = Callable[["RolloutContext", PromptGroup], Awaitable[list[Sample]]]
 _request_ids = itertools.count()
@@ -122,7 +129,10 @@ class RolloutContext:
 
 def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_ids: list[int],
                 log_probs: list[float], versions: list[int], *, response: str, status: str,
-                loss_mask: list[int] | None = None, metadata: dict[str, Any] | None = None) -> Sample:
+                loss_mask: list[int] | None = None, metadata: dict[str, Any] | None = None,
+                routed_experts: RoutedExperts | None = None) -> Sample:
+    routes = None if routed_experts is None else np.frombuffer(routed_experts.data, dtype="<i2").astype(np.int16)
+    _, layers, top_k = routed_experts.shape if routed_experts is not None else (0, 0, 0)
     return Sample(
         sample_id=f"{group.group_id}/{index}", group_id=group.group_id, index=index, prompt=group.prompt,
         prompt_tokens=len(prompt_ids),
@@ -131,6 +141,7 @@ def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_
         loss_mask=np.asarray(loss_mask if loss_mask is not None else [1] * len(response_ids), dtype=np.int8),
         rollout_log_probs=np.asarray(log_probs, dtype=np.float32),
         token_versions=np.asarray(versions, dtype=np.int32),
+        routed_experts=routes, moe_layers=layers, moe_top_k=top_k,
         status=status, metadata={**group.metadata, "data_index": group.data_index, **(metadata or {})},
         error=None,
     )
@@ -166,6 +177,6 @@ async def default_generate(context: RolloutContext, group: PromptGroup) -> list[
     return [
         make_sample(group, index, prompt_ids, out.output_ids, out.log_probs, out.versions,
                     response=context.decode_response(out.output_ids),
-                    status=STATUS_BY_FINISH[out.finish_reason])
+                    status=STATUS_BY_FINISH[out.finish_reason], routed_experts=out.routed_experts)
         for index, out in enumerate(outputs)
     ]

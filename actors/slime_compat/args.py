@@ -22,7 +22,7 @@ __all__ = ["build_args", "sampling_params"]
 # slime attributes with no counterpart here, at slime's defaults (what its own generate path expects).
 _SLIME_DEFAULTS: dict[str, Any] = {
     "partial_rollout": False, "mask_offpolicy_in_partial_rollout": False, "ci_test": False,
-    "use_rollout_routing_replay": False, "rollout_stop_token_ids": None, "rollout_skip_special_tokens": False,
+    "rollout_stop_token_ids": None, "rollout_skip_special_tokens": False,
     "sglang_server_concurrency": 512, "sglang_dp_size": None,
     "reward_key": None, "eval_reward_key": None, "rollout_sample_hook_path": [], "router_policy": None,
     "loss_type": "policy_loss", "custom_loss_function_path": None, "rollout_num_gpus": 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,7 @@ def test_the_torch_engine_takes_the_static_kv_pool_on_a_gpu_and_sized_by_the_run
     assert torch_kv_cache(parse([]), cuda) == "static"
     assert torch_kv_cache(parse([]), cpu) == "dynamic"
     assert torch_kv_cache(parse(["--deterministic-inference"]), cuda) == "dynamic"  # batch-invariant needs v1
+    assert torch_kv_cache(parse(["--use-rollout-routing-replay"]), cuda) == "dynamic"  # v1 records the routes
     assert torch_kv_cache(parse(["--torch-kv-cache", "static"]), cpu) == "static"
     assert torch_kv_cache(parse(["--torch-kv-cache", "dynamic"]), cuda) == "dynamic"
     assert kv_pool_columns(parse([])) == 4096
@@ -275,3 +277,14 @@ def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_mo
         assert engine._batcher.pool.columns == 300
     finally:
         asyncio.run(engine.close())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--train-backend", "megatron"], "--train-backend megatron builds dense models only"),
+    (["--rollout-engine", "sglang"], "SGLang's return_routed_experts is not read"),
+    (["--torch-kv-cache", "static"], "static KV cache does not record routed experts yet"),
+])
+def test_rollout_routing_replay_is_refused_where_no_engine_records_routes(flags: list[str], reason: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        parse(["--use-rollout-routing-replay", *flags])

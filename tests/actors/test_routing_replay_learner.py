@@ -79,3 +79,30 @@ def test_recipes_without_a_pi_old_forward_of_their_own_are_refused(tiny_model_pa
 def test_a_dense_model_is_refused_naming_the_flag(tiny_model_path: Path) -> None:
     with pytest.raises(ValueError, match=r"use-routing-replay: \w+ has no MoE router"):
         build_trainer(replay_config(tiny_model_path))
+
+
+@pytest.mark.unit
+def test_a_samples_routes_cross_the_wire_and_reach_the_trainer_as_its_layout() -> None:
+    """int16 on the bus, [len(tokens) - 1, layers, k] for the trainer; a wrong count is refused by name."""
+    import numpy as np
+
+    from actors.learner.stages import to_train_sample
+    from bus.codec import decode, encode
+    from bus.schema import Sample
+
+    routes = np.arange(5 * 3 * 2, dtype=np.int16) % 7
+    sample = Sample(sample_id="g/0", group_id="g", index=0, prompt="p", prompt_tokens=4,
+                    tokens=np.arange(6, dtype=np.int32), response_length=2, routed_experts=routes, moe_layers=3,
+                    moe_top_k=2)
+    received = decode(encode(sample))
+    train_sample = to_train_sample(received)
+    assert train_sample.routed_experts is not None
+    assert train_sample.routed_experts.shape == (5, 3, 2)
+    assert train_sample.routed_experts.flatten().tolist() == routes.tolist()
+    with pytest.raises(ValueError, match=r"Sample.routed_experts: 24 entries, expected 30"):
+        Sample(sample_id="g/0", group_id="g", index=0, prompt="p", prompt_tokens=4,
+               tokens=np.arange(6, dtype=np.int32), response_length=2, routed_experts=routes[:24], moe_layers=3,
+               moe_top_k=2)
+    with pytest.raises(ValueError, match="moe_layers and moe_top_k > 0"):
+        Sample(sample_id="g/0", group_id="g", index=0, prompt="p", prompt_tokens=4,
+               tokens=np.arange(6, dtype=np.int32), response_length=2, routed_experts=routes)
