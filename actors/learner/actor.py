@@ -21,7 +21,7 @@ from actors.eval import EvalHold
 from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
 from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
-from actors.learner.step import CRITIC_ONLY_REASON, PreparedBatch, StepReport, TrainingStep
+from actors.learner.step import CRITIC_ONLY_REASON, ROUTELESS_SAMPLES, PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
@@ -313,6 +313,10 @@ class Learner(Actor):
             elif report.result.skipped:
                 self.counters["steps.skipped"] += 1
                 self.log.warning("step skipped", reason=report.result.skip_reason, batch=batch.batch_id)
+            if report.metrics.get(ROUTELESS_SAMPLES):
+                self.log.warning("--use-rollout-routing-replay: samples without the engine's routes; the batch "
+                                 "trained without replay (does the rollout function pass routed_experts on?)",
+                                 samples=int(report.metrics[ROUTELESS_SAMPLES]), batch=batch.batch_id)
         self.counters["samples.trained"] += len(batch.samples)
         self.counters["tokens.trained"] += sum(int(s.response_length) for s in batch.samples)
         metrics["throughput/samples_per_s"] = self.counters["samples.trained"] / max(elapsed, 1e-9)

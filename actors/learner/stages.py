@@ -121,6 +121,17 @@ def to_step_batch(samples: Sequence[Sample], *, newest_version_only: bool = Fals
                      teachers=[teacher_of(s) for s in samples] if teacher_of is not None else [])
 
 
+def unreplayable_routes(batch: StepBatch) -> int:
+    """--use-rollout-routing-replay with samples that carry no routes (a rollout function that did not pass the
+    engine's `routed_experts` on): the batch trains without replay, all of it, since a micro-batch cannot replay
+    some of its samples and not others; returns how many lacked them (0: the batch replays as recorded)."""
+    missing = sum(1 for sample in batch.samples if sample.routed_experts is None)
+    if missing:
+        for sample in batch.samples:
+            sample.routed_experts = None
+    return missing
+
+
 def own_shard(batch: StepBatch, parallel: DataParallel) -> StepBatch:
     """This data-parallel rank's whole groups (the whole batch for a trainer that shards itself)."""
     if parallel.size == 1:

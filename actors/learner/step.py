@@ -49,6 +49,10 @@ class PreparedBatch:
     metrics: dict[str, float]
 
 
+# --use-rollout-routing-replay: samples of the batch without the engine's routes (the batch then trains unreplayed)
+ROUTELESS_SAMPLES = "routing_replay/samples_without_routes"
+
+
 class TrainingStep:
     def __init__(self, trainer: Trainer, config: RunConfig, *, pi_old: PiOldSource | None = None) -> None:
         """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
@@ -62,6 +66,7 @@ class TrainingStep:
         self.temperature = config.rollout.rollout_temperature or 1.0
         self.steps = config.optimizer_steps_per_batch
         self.newest_version_only = config.learner.mask_offpolicy_in_partial_rollout
+        self.rollout_routes = config.trainer.use_rollout_routing_replay
         self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.learner.use_decoupled_ppo,
                                               steps_per_batch=self.steps)
         self.skip_gradient_free = (config.learner.skip_zero_advantage_samples
@@ -88,6 +93,8 @@ class TrainingStep:
                                      teacher_of=self._teacher_name if self.teachers else None)
         if self.newest_version_only:
             batch_metrics["partial/masked_older_tokens"] = float(stages.masked_older_tokens(samples))
+        if self.rollout_routes:
+            batch_metrics[ROUTELESS_SAMPLES] = float(stages.unreplayable_routes(batch))
         if shard:
             batch = stages.own_shard(batch, self.trainer.data_parallel())
         if self.policy.needs_ref:

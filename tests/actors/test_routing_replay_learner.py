@@ -106,3 +106,60 @@ def test_a_samples_routes_cross_the_wire_and_reach_the_trainer_as_its_layout() -
     with pytest.raises(ValueError, match="moe_layers and moe_top_k > 0"):
         Sample(sample_id="g/0", group_id="g", index=0, prompt="p", prompt_tokens=4,
                tokens=np.arange(6, dtype=np.int32), response_length=2, routed_experts=routes)
+
+
+def generate_with_routes(model: Path, config, groups) -> list:
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from actors.rollout.generate import RolloutContext, default_generate
+    from engines.inference import TorchEngine
+
+    async def run() -> list:
+        engine = TorchEngine.from_pretrained(model, max_batch_size=16, seed=0, record_routes=True)
+        context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(model), config=config,
+                                 worker_id="w")
+        try:
+            batches = await asyncio.gather(*(default_generate(context, group) for group in groups))
+        finally:
+            await engine.close()
+        return [sample for batch in batches for sample in batch]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.integration
+def test_rollout_routes_reach_every_policy_forward_and_a_batch_missing_some_trains_unreplayed(
+        moe_model: Path) -> None:
+    import msgspec
+
+    from actors.learner.step import ROUTELESS_SAMPLES
+
+    config = build_config({"hf_checkpoint": str(moe_model), "n_samples_per_prompt": 4, "rollout_max_response_len": 6,
+                           "use_rollout_routing_replay": True, "off_policy_correction": "tis", "lr": 1e-2})
+    samples = with_rewards(generate_with_routes(moe_model, config, prompt_groups(3)),
+                           [float(i % 3 == 0) for i in range(12)])
+    trainer = build_trainer(config)
+    seen: dict[str, list] = {"log_probs": [], "train": []}
+    compute, train = trainer.compute_log_probs, trainer.train_step
+
+    def spy_compute(train_samples, **kwargs):
+        seen["log_probs"].append([s.routed_experts is not None for s in train_samples])
+        return compute(train_samples, **kwargs)
+
+    def spy_train(train_samples, loss, **kwargs):
+        seen["train"].append([s.routed_experts is not None for s in train_samples])
+        return train(train_samples, loss, **kwargs)
+
+    trainer.compute_log_probs, trainer.train_step = spy_compute, spy_train
+    step = TrainingStep(trainer, config)
+    report = step.train(samples, [0] * len(samples))
+    assert report.metrics[ROUTELESS_SAMPLES] == 0
+    assert seen["train"] and all(all(flags) for flags in seen["log_probs"] + seen["train"])
+
+    seen["log_probs"].clear(), seen["train"].clear()
+    samples[5] = msgspec.structs.replace(samples[5], routed_experts=None, moe_layers=0, moe_top_k=0)
+    report = step.train(samples, [0] * len(samples))
+    assert report.metrics[ROUTELESS_SAMPLES] == 1 and not report.result.skipped
+    assert not any(any(flags) for flags in seen["log_probs"] + seen["train"])
