@@ -313,14 +313,15 @@ def _critic_problems(config: RunConfig) -> list[str]:
 
 def _routing_replay_problems(config: RunConfig) -> list[str]:
     """--use-routing-replay records routes in the learner's own pi_old forward: a backend and a recipe with one.
-    --use-rollout-routing-replay takes them from the engines: torch engines on their dynamic cache, for now."""
+    --use-rollout-routing-replay takes them from the engines: SGLang servers, or torch engines on their dynamic
+    cache."""
     if config.trainer.use_rollout_routing_replay:
         if config.trainer.train_backend != "torch":
             return [f"--use-rollout-routing-replay: the torch backend replays MoE routes; --train-backend "
                     f"{config.trainer.train_backend} builds dense models only"]
-        if config.engine.rollout_engine != "torch":
-            return [f"--use-rollout-routing-replay: the torch engine records routed experts; --rollout-engine "
-                    f"{config.engine.rollout_engine} does not yet (SGLang's return_routed_experts is not read)"]
+        if config.engine.rollout_engine not in ("torch", "sglang"):
+            return [f"--use-rollout-routing-replay: torch engines and SGLang servers record routed experts; "
+                    f"--rollout-engine {config.engine.rollout_engine} does not"]
         if config.engine.torch_kv_cache == "static":
             return ["--use-rollout-routing-replay: the static KV cache does not record routed experts yet; use "
                     "--torch-kv-cache dynamic (or auto, which picks it for routing replay)"]

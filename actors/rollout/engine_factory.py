@@ -136,9 +136,10 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     # A LoRA run's pushes are adapters, which the server loads by name (engines/sglang/adapter_sync.py).
     adapters = AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir) if config.lora.enabled else None
     release_tags = colocated_release_tags(config)
+    routes = moe_routes(config)
     if engine_config.sglang_url:
         engine = SglangEngine(attached_url(engine_config.sglang_url, actor_id), adapters=adapters,
-                              release_tags=release_tags)
+                              release_tags=release_tags, moe_routes=routes)
         # An attached server may already serve updated weights (this worker restarted): start from its version.
         engine.set_version(attached_server_version(engine.url, timeout=engine_config.sglang_startup_timeout))
         return engine
@@ -153,7 +154,24 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
         extra=sglang_server_args(config),
     )
     server = ServerProcess(spec, startup_timeout=engine_config.sglang_startup_timeout)
-    return SglangEngine(server.start(), server=server, adapters=adapters, release_tags=release_tags)
+    return SglangEngine(server.start(), server=server, adapters=adapters, release_tags=release_tags,
+                        moe_routes=routes)
+
+
+def moe_routes(config: RunConfig) -> tuple[int, int] | None:
+    """--use-rollout-routing-replay: (MoE layers, experts per token) of the checkpoint, which the server's routes
+    are shaped by (SGLang records every layer, `num_hidden_layers`, and `num_experts_per_tok` per token)."""
+    if not config.trainer.use_rollout_routing_replay:
+        return None
+    from transformers import AutoConfig
+
+    assert config.model.hf_checkpoint is not None
+    model_config = AutoConfig.from_pretrained(config.model.hf_checkpoint)
+    top_k = getattr(model_config, "num_experts_per_tok", None)
+    if not top_k:
+        raise ValueError(f"--use-rollout-routing-replay: {config.model.hf_checkpoint} is not a mixture-of-experts "
+                         "model (its config has no num_experts_per_tok)")
+    return int(model_config.num_hidden_layers), int(top_k)
 
 
 def colocated_release_tags(config: RunConfig) -> tuple[str, ...]:
@@ -184,6 +202,10 @@ def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
         extra.update(lora_server_args(config))
     if config.placement.colocate:  # the learner shares the GPU: the server hands its memory over between turns
         extra.setdefault("enable-memory-saver", "true")
+    if config.trainer.use_rollout_routing_replay:
+        from engines.sglang.protocol import ROUTED_EXPERTS_FLAG
+
+        extra[ROUTED_EXPERTS_FLAG] = "true"
     if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:
         # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
         extra.setdefault("torch-threads", str(config.torch_threads))

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+import numpy as np
 import torch
 
 from engines.inference.base import (
@@ -58,6 +59,7 @@ from engines.inference.base import (
     GenerateRequest,
     InferenceEngine,
     PauseMode,
+    RoutedExperts,
     check_pause_mode,
     continuation_request,
 )
@@ -124,8 +126,12 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         stop_grace_s: float = 1.0,
         adapters: AdapterServing | None = None,
         release_tags: Iterable[str] = (),
+        moe_routes: tuple[int, int] | None = None,
     ) -> None:
+        """`moe_routes`: (MoE layers, experts per token) of the served model, to ask for and return each token's
+        routed experts (routing replay; the server must run with --enable-return-routed-experts)."""
         self.url = url.rstrip("/")
+        self.moe_routes = moe_routes
         self.adapters = adapters  # set in a LoRA run: how the weight loader writes adapter versions for the server
         self.server = server
         self.request_timeout = request_timeout
@@ -298,14 +304,17 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         params = replace(request.params, max_new_tokens=limits.context_length - prompt)
         return replace(request, params=params)
 
-    async def _generate_once(self, request: GenerateRequest, flight: _Flight) -> tuple[list[GenerateOutput], int]:
-        """One `/generate` call for `request`; returns its outputs and the "keep" pause count when it was sent."""
+    async def _generate_once(self, request: GenerateRequest, flight: _Flight,
+                             routes_from: int = 0) -> tuple[list[GenerateOutput], int]:
+        """One `/generate` call for `request`; returns its outputs and the "keep" pause count when it was sent.
+        With `moe_routes`, each output's routes cover its tokens from `routes_from` on."""
         rids = protocol.wire_request_ids(request)
         started_version, epoch, adapter = self._version, self._keep_epoch, self._adapter
         flight.rids.update(rids)
         self._take_adapter(adapter)
         try:
-            body = await self._post_generate(request, adapter=None if adapter is None else adapter[0])
+            body = await self._post_generate(request, adapter=None if adapter is None else adapter[0],
+                                             routes_from=routes_from if self.moe_routes is not None else None)
         except asyncio.CancelledError:
             # Free the server's slots: the abort must outlive this cancelled task.
             asyncio.get_running_loop().create_task(self._abort_rids(rids))
@@ -343,9 +352,29 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
                     sample_index=index,
                     prompt_len=len(request.input_ids),
                     matched_stop=parsed.matched_stop,
+                    routed_experts=self._routes(parsed, request, routes_from, where=f"output {index}"),
                 )
             )
         return outputs, epoch
+
+    def _routes(self, parsed: protocol.ParsedOutput, request: GenerateRequest, routes_from: int, *,
+                where: str) -> RoutedExperts | None:
+        """The output's routes as int16 [tokens from `routes_from` to the last but one, layers, k]; None when none
+        were asked for, or for a sample aborted before generating anything."""
+        if self.moe_routes is None:
+            return None
+        rows = len(request.input_ids) + len(parsed.output_ids) - 1 - routes_from
+        if parsed.routed_experts is None:
+            if parsed.finish_reason == "abort" and not parsed.output_ids:
+                return None
+            raise SglangError(f"{self.url}/generate {where} of {request.request_id!r} came without routed experts: "
+                              f"start the server with --{protocol.ROUTED_EXPERTS_FLAG}")
+        layers, top_k = self.moe_routes
+        table = np.frombuffer(parsed.routed_experts, dtype="<i4")
+        if table.size != rows * layers * top_k:
+            raise SglangError(f"{self.url}/generate {where} of {request.request_id!r}: {table.size} routed experts, "
+                              f"expected {rows} tokens x {layers} layers x top-{top_k}")
+        return RoutedExperts(table.astype("<i2").tobytes(), (rows, layers, top_k))
 
     async def _resume_kept(
         self, request: GenerateRequest, output: GenerateOutput, flight: _Flight, epoch: int
@@ -354,7 +383,11 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         while output.finish_reason == "abort" and self._aborted_by_keep_pause(flight, epoch):
             if len(output.output_ids) >= request.params.max_new_tokens:
                 return replace(output, finish_reason="length")
-            more, epoch = await self._generate_once(continuation_request(request, output), flight)
+            resumed = continuation_request(request, output)
+            # the routes the first part already has stay; the server sends those of the last input token on (of
+            # every token when the first part has none: aborted before its prefill)
+            routes_from = len(resumed.input_ids) - 1 if output.routed_experts is not None else 0
+            more, epoch = await self._generate_once(resumed, flight, routes_from)
             self.resumed_requests += 1
             rest = more[0]
             output = replace(
@@ -364,6 +397,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
                 versions=output.versions + rest.versions,
                 finish_reason=rest.finish_reason,
                 matched_stop=rest.matched_stop,
+                routed_experts=joined_routes(output.routed_experts, rest.routed_experts, routes_from),
             )
         return output
 
@@ -372,11 +406,12 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
 
     # ---- HTTP
 
-    async def _post_generate(self, request: GenerateRequest, *, adapter: str | None) -> Any:
+    async def _post_generate(self, request: GenerateRequest, *, adapter: str | None,
+                             routes_from: int | None = None) -> Any:
         await self.take_back_memory()
         session = self._client()
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
-        body = protocol.generate_json(request, adapter=adapter)
+        body = protocol.generate_json(request, adapter=adapter, routes_from=routes_from)
         async with session.post(self.url + protocol.GENERATE.path, json=body, timeout=timeout) as reply:
             if reply.status != 200:
                 raise SglangError(
@@ -498,3 +533,14 @@ def _json_or_text(text: str, where: str) -> Any:
     if isinstance(body, dict) and body.get("success") is False:
         raise SglangError(f"{where}: {body.get('message')}")
     return body
+
+
+def joined_routes(first: RoutedExperts | None, rest: RoutedExperts | None, rest_from: int) -> RoutedExperts | None:
+    """A resumed sample's routes: the first part's for its tokens before `rest_from`, the continuation's after."""
+    if rest is None:  # the continuation generated nothing (aborted again): the first part's routes are all
+        return first
+    if first is None:
+        return rest if rest_from == 0 else None
+    row_bytes = first.shape[1] * first.shape[2] * 2
+    kept = first.data[: rest_from * row_bytes]
+    return RoutedExperts(kept + rest.data, (rest_from + rest.shape[0], first.shape[1], first.shape[2]))

@@ -36,6 +36,8 @@ Conventions of the mapping:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import math
 from collections.abc import Iterable
@@ -91,9 +93,17 @@ _ADAPTER_DONE = ("success", "error_message")
 
 GENERATE = Endpoint(
     "POST", "/generate", "GenerateReqInput",
-    sends=("rid", "input_ids", "sampling_params", "return_logprob", "stream", "lora_path"),
+    sends=("rid", "input_ids", "sampling_params", "return_logprob", "stream", "lora_path", "return_routed_experts",
+           "routed_experts_start_len"),
     reads=("output_ids", "meta_info"),
 )
+# Sent for routing replay; 0.5.23's /generate schema gate does not list it but ignores unknown keys, and the
+# request object the server builds (`GenerateReqInput`) has it in every supported release.
+UNGATED_GENERATE_FIELDS: tuple[str, ...] = ("return_routed_experts",)
+# meta_info's routed experts (with `return_routed_experts` and a server started with --enable-return-routed-experts):
+# base64 of int32 [tokens from routed_experts_start_len to the sequence's last but one, layers, top_k]
+ROUTED_EXPERTS_META = "routed_experts"
+ROUTED_EXPERTS_FLAG = "enable-return-routed-experts"
 ABORT = Endpoint("POST", "/abort_request", "AbortReq", sends=("rid", "abort_all"))
 PAUSE = Endpoint("POST", "/pause_generation", "PauseGenerationReqInput", sends=("mode",))
 CONTINUE = Endpoint("POST", "/continue_generation", "ContinueGenerationReqInput")
@@ -246,13 +256,17 @@ def wire_request_ids(request: GenerateRequest) -> list[str]:
     return [wire_rid(request.request_id, index) for index in range(request.params.n)]
 
 
-def generate_json(request: GenerateRequest, *, adapter: str | None = None) -> dict[str, Any]:
+def generate_json(request: GenerateRequest, *, adapter: str | None = None,
+                  routes_from: int | None = None) -> dict[str, Any]:
     """The `/generate` body for `request`: one item for n == 1, a batch of n one-sample items otherwise.
 
-    `adapter` names a loaded LoRA adapter every item runs with (SGLang takes the NAME in `lora_path`)."""
+    `adapter` names a loaded LoRA adapter every item runs with (SGLang takes the NAME in `lora_path`).
+    `routes_from`: ask for the routed experts of the tokens from this position on (routing replay)."""
     params, seed = request.params, request.params.seed
     rids = wire_request_ids(request)
-    lora = {} if adapter is None else {"lora_path": adapter}
+    lora: dict[str, Any] = {} if adapter is None else {"lora_path": adapter}
+    if routes_from is not None:
+        lora.update(return_routed_experts=True, routed_experts_start_len=routes_from)
     if params.n == 1:
         return request_body(
             GENERATE,
@@ -306,6 +320,7 @@ class ParsedOutput:
     weight_version: int | None
     prompt_tokens: int
     token_versions: list[int | None] | None = None
+    routed_experts: bytes | None = None  # int32 little-endian, as meta_info carries it (decoded from base64)
 
 
 def parse_output_json(item: Any, *, where: str) -> ParsedOutput:
@@ -344,7 +359,23 @@ def parse_output_json(item: Any, *, where: str) -> ParsedOutput:
         weight_version=parse_weight_version(meta.get("weight_version")),
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         token_versions=None if spans is None else token_versions(spans, len(ids), where=where),
+        routed_experts=_routed_experts(meta.get(ROUTED_EXPERTS_META), where=where),
     )
+
+
+def _routed_experts(encoded: Any, *, where: str) -> bytes | None:
+    if encoded is None:
+        return None
+    if not isinstance(encoded, str):
+        raise ProtocolError(f"{where}: meta_info.{ROUTED_EXPERTS_META} must be a base64 string, got "
+                            f"{type(encoded).__name__}")
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ProtocolError(f"{where}: meta_info.{ROUTED_EXPERTS_META} is not base64 ({error})") from error
+    if len(raw) % 4:
+        raise ProtocolError(f"{where}: meta_info.{ROUTED_EXPERTS_META} holds {len(raw)} bytes, not int32s")
+    return raw
 
 
 def token_versions(spans: Any, num_tokens: int, *, where: str) -> list[int | None]:

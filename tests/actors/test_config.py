@@ -282,7 +282,7 @@ def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_mo
 @pytest.mark.unit
 @pytest.mark.parametrize(("flags", "reason"), [
     (["--train-backend", "megatron"], "--train-backend megatron builds dense models only"),
-    (["--rollout-engine", "sglang"], "SGLang's return_routed_experts is not read"),
+    (["--rollout-engine", "tools.sim.pipeline:sleeping_engine"], "torch engines and SGLang servers record routed"),
     (["--torch-kv-cache", "static"], "static KV cache does not record routed experts yet"),
 ])
 def test_rollout_routing_replay_is_refused_where_no_engine_records_routes(flags: list[str], reason: str) -> None:

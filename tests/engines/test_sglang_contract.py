@@ -214,7 +214,7 @@ def test_every_response_field_we_read_is_produced(sglang: SglangSource) -> None:
         missing = set(endpoint.reads) - produced
         assert not missing, f"sglang {sglang.version} {endpoint.path} never produces {sorted(missing)}"
     generate = sglang.produced_keys([sglang.tree(name) for name in sglang.matching(PRODUCERS["/generate"][0])])
-    missing = set(protocol.META_FIELDS) - generate
+    missing = {*protocol.META_FIELDS, protocol.ROUTED_EXPERTS_META} - generate
     assert not missing, f"sglang {sglang.version} /generate meta_info never holds {sorted(missing)}"
 
 
@@ -223,7 +223,10 @@ def test_the_generate_schema_of_newer_releases_knows_our_fields(sglang: SglangSo
     schema = "sglang/api/v1/api_types.py"
     if schema not in sglang.names:
         pytest.skip(f"sglang {sglang.version} has no /generate schema gate")
-    assert set(protocol.GENERATE.sends) <= sglang.class_fields(schema, "GenerateRequest")
+    ungated = set(protocol.UNGATED_GENERATE_FIELDS)
+    assert set(protocol.GENERATE.sends) - ungated <= sglang.class_fields(schema, "GenerateRequest")
+    if ungated - sglang.class_fields(schema, "GenerateRequest"):  # sent past the gate: it must ignore, not refuse
+        assert "unknown keys ignored" in sglang.zip.read(schema).decode().split("class GenerateRequest", 1)[1][:300]
     assert set(protocol.SAMPLING_FIELDS) <= sglang.class_fields(schema, "SamplingParams")
     meta = sglang.class_fields(schema, "GenerateMetaInfo")
     assert set(protocol.META_FIELDS) | set(protocol.OPTIONAL_META_FIELDS) <= meta
@@ -332,10 +335,11 @@ def test_the_modules_sglang_can_adapt_are_the_ones_we_allow(sglang: SglangSource
 
 
 def test_launch_flags_exist_and_are_not_deprecated(sglang: SglangSource) -> None:
-    """Our launch command (a LoRA run's, a deterministic one's, a bf16 one's, a colocated one's) and the GPU test's
+    """Our launch command (a LoRA run's, a deterministic one's, a bf16 one's, a colocated one's, a routing replay
+    one's) and the GPU test's
     (`--disable-cuda-graph` is deprecated in both)."""
     config = RunConfig(rollout_engine="sglang", lora_rank=8, target_modules=["q_proj", "v_proj"],
-                       deterministic_inference=True, bf16=True, colocate=True,
+                       deterministic_inference=True, bf16=True, colocate=True, use_rollout_routing_replay=True,
                        sglang_args={"enable-weights-cpu-backup": "true"})  # what a colocated run may release
     extra = {**gpu_test_server_args(), **sglang_server_args(config)}
     command = ServerSpec(model_path="/m", random_seed=1, base_gpu_id=0, extra=extra).command(port=1)

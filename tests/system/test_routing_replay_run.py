@@ -1,5 +1,6 @@
-"""Rollout routing replay (R3) through launcher.py: torch engines record each token's experts, samples carry them
-over the bus, and the learner's policy forwards route there (a tiny Qwen3-MoE model)."""
+"""Rollout routing replay (R3) through launcher.py: the engines record each token's experts (a torch engine, or an
+SGLang-compatible server asked with return_routed_experts), samples carry them over the bus, and the learner's
+policy forwards route there (a tiny Qwen3-MoE model)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 REPO = Path(__file__).resolve().parents[2]
 
 
+ENGINES = {"torch": [],
+           "sglang": ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server"]}
+
+
 @pytest.mark.system
 @pytest.mark.timeout(300)
-def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_path: Path,
-                                                                        tiny_model_cache: Path) -> None:
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_path: Path, tiny_model_cache: Path,
+                                                                        engine: str) -> None:
     model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
     data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
     run_dir, batches = tmp_path / "run", tmp_path / "batches"
@@ -31,7 +37,7 @@ def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_pat
                "--rollout-workers", "1", "--reward-workers", "1", "--seed", "2", "--lr", "1e-3",
                "--torch-threads", "1", "--use-rollout-routing-replay", "--off-policy-correction", "tis",
                "--save-debug-rollout-data", str(batches), "--final-eval-timeout", "0", "--no-progress",
-               "--no-use-tensorboard", "--no-plots"]
+               "--no-use-tensorboard", "--no-plots", *ENGINES[engine]]
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]

@@ -44,6 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="batch-invariant log-probs (as SGLang's flag gives); reported in /server_info. Seeds are honoured with "
         "or without it",
     )
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="record each token's experts (an MoE model) and return them where a request asks")
     parser.add_argument(
         "--sglang-api",
         choices=SGLANG_APIS,

@@ -6,12 +6,14 @@ is in `protocol.py`, beside the table of endpoints both use.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
-from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
+from engines.inference.base import GenerateOutput, GenerateRequest, RoutedExperts, SamplingParams
 from engines.sglang.protocol import ProtocolError
 
 # SGLang's tp_worker keeps 5 tokens of a request's length for itself: max_req_input_len = max_req_len - 5.
@@ -31,6 +33,8 @@ class GenerateItem:
     # max_new_tokens 0: nothing is generated, the prompt is scored from logprob_start_len (`input_token_logprobs`)
     score_only: bool = False
     logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem], bool]:
@@ -59,6 +63,10 @@ def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem],
     logprob = _per_item(body.get("return_logprob", False), size, "return_logprob")
     adapters = _per_item(body.get("lora_path"), size, "lora_path")
     starts = _per_item(body.get("logprob_start_len", -1), size, "logprob_start_len")
+    want_routes = bool(body.get("return_routed_experts", False))  # one switch for the whole request, as SGLang's
+    routes_from = body.get("routed_experts_start_len", 0)
+    if not isinstance(routes_from, int) or isinstance(routes_from, bool) or routes_from < 0:
+        raise ProtocolError(f"/generate: routed_experts_start_len must be an int >= 0, got {routes_from!r}")
     items = []
     for index, prompt in enumerate(prompts):
         rid = rids[index] if rids[index] is not None else new_rid()
@@ -87,6 +95,8 @@ def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem],
                 adapters[index],
                 score_only=score_only,
                 logprob_start_len=start,
+                return_routed_experts=want_routes,
+                routed_experts_start_len=routes_from,
             )
         )
     return items, batch
@@ -141,6 +151,7 @@ def output_json(
     weight_version: str,
     text: str,
     weight_versions: list[dict[str, Any]] | None = None,
+    routed_experts: str | None = None,
 ) -> dict[str, Any]:
     """One generated sample as SGLang's `/generate` returns it (with `return_logprob`)."""
     finish: dict[str, Any] = {"type": output.finish_reason}
@@ -162,7 +173,17 @@ def output_json(
     }
     if weight_versions is not None:
         meta["weight_versions"] = weight_versions
+    if routed_experts is not None:
+        meta["routed_experts"] = routed_experts
     return {"text": text, "output_ids": list(output.output_ids), "meta_info": meta}
+
+
+def routed_experts_base64(routes: RoutedExperts | None, start: int) -> str | None:
+    """An output's routes as SGLang sends them: base64 of int32 [tokens from `start` on, layers, top_k]."""
+    if routes is None:
+        return None
+    table = np.frombuffer(routes.data, dtype="<i2").reshape(routes.shape)[start:]
+    return base64.b64encode(table.astype("<i4").tobytes()).decode("ascii")
 
 
 def scored_json(input_ids: list[int], log_probs: list[float], *, start: int, rid: str,

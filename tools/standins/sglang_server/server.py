@@ -233,9 +233,13 @@ class CompatServer:
                 text = tokenizer.decode(output.output_ids) if tokenizer is not None else ""
                 names = [self._version_name(v) for v in output.versions]
                 spans = parsing.version_spans(names) if self.sessions else None
+                routes = None
+                if item.return_routed_experts and self.args.enable_return_routed_experts:
+                    routes = parsing.routed_experts_base64(output.routed_experts, item.routed_experts_start_len)
                 body.append(
                     parsing.output_json(
-                        output, rid=item.rid, weight_version=self.weight_version, text=text, weight_versions=spans
+                        output, rid=item.rid, weight_version=self.weight_version, text=text, weight_versions=spans,
+                        routed_experts=routes,
                     )
                 )
         return web.json_response(body if batch or len(body) > 1 else body[0])
@@ -509,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
         # each adapter's B arrives multiplied by its own alpha / r (compat_adapters.py), so the merge scale is 1
         lora_scaling=1.0 if args.enable_lora else None,
         deterministic=args.enable_deterministic_inference,
+        record_routes=args.enable_return_routed_experts,
     )
     server = CompatServer(engine, args, context_length=context_length)
     logger.info("serving %s on http://%s:%d (SGLang %s API)", args.model_path, args.host, args.port, args.sglang_api)
