@@ -24,7 +24,7 @@ from policies.plugins import load_object
 if TYPE_CHECKING:
     import torch
 
-    from engines.sglang.client import SglangEngine
+    from engines.sglang.client import MoeRoutes, SglangEngine
 
 COMPAT_SERVER_MODULE = "tools.standins.sglang_server"
 EngineFactory = Callable[[RunConfig, "str | None"], "tuple[InferenceEngine, Tokenizer]"]
@@ -158,12 +158,16 @@ def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
                         moe_routes=routes)
 
 
-def moe_routes(config: RunConfig) -> tuple[int, int] | None:
-    """--use-rollout-routing-replay: (MoE layers, experts per token) of the checkpoint, which the server's routes
-    are shaped by (SGLang records every layer, `num_hidden_layers`, and `num_experts_per_tok` per token)."""
+def moe_routes(config: RunConfig) -> MoeRoutes | None:
+    """--use-rollout-routing-replay: how the checkpoint's routes are shaped: SGLang records every layer
+    (`num_hidden_layers`) with `num_experts_per_tok` experts each; the learner replays its MoE layers' only."""
     if not config.trainer.use_rollout_routing_replay:
         return None
-    from transformers import AutoConfig
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engines.sglang.client import MoeRoutes
+    from engines.training.moe import router_modules
 
     assert config.model.hf_checkpoint is not None
     model_config = AutoConfig.from_pretrained(config.model.hf_checkpoint)
@@ -171,7 +175,19 @@ def moe_routes(config: RunConfig) -> tuple[int, int] | None:
     if not top_k:
         raise ValueError(f"--use-rollout-routing-replay: {config.model.hf_checkpoint} is not a mixture-of-experts "
                          "model (its config has no num_experts_per_tok)")
-    return int(model_config.num_hidden_layers), int(top_k)
+    with torch.device("meta"):  # the architecture alone, no weights: which layers route
+        skeleton = AutoModelForCausalLM.from_config(model_config)
+    names = {id(module): name for name, module in skeleton.named_modules()}
+    layers = tuple(_layer_index(names[id(router)]) for router in router_modules(skeleton))
+    return MoeRoutes(int(model_config.num_hidden_layers), layers, int(top_k))
+
+
+def _layer_index(module_name: str) -> int:
+    """The decoder layer a module sits in, from its name (`model.layers.3.mlp.gate` -> 3)."""
+    match = re.search(r"\.layers\.(\d+)\.", module_name)
+    if match is None:
+        raise ValueError(f"--use-rollout-routing-replay: cannot tell which layer the router {module_name} is in")
+    return int(match[1])
 
 
 def colocated_release_tags(config: RunConfig) -> tuple[str, ...]:

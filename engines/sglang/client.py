@@ -126,10 +126,10 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         stop_grace_s: float = 1.0,
         adapters: AdapterServing | None = None,
         release_tags: Iterable[str] = (),
-        moe_routes: tuple[int, int] | None = None,
+        moe_routes: MoeRoutes | None = None,
     ) -> None:
-        """`moe_routes`: (MoE layers, experts per token) of the served model, to ask for and return each token's
-        routed experts (routing replay; the server must run with --enable-return-routed-experts)."""
+        """`moe_routes`: how the served model's routes are shaped, to ask for and return each token's routed
+        experts (routing replay; the server must run with --enable-return-routed-experts)."""
         self.url = url.rstrip("/")
         self.moe_routes = moe_routes
         self.adapters = adapters  # set in a LoRA run: how the weight loader writes adapter versions for the server
@@ -369,12 +369,13 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
                 return None
             raise SglangError(f"{self.url}/generate {where} of {request.request_id!r} came without routed experts: "
                               f"start the server with --{protocol.ROUTED_EXPERTS_FLAG}")
-        layers, top_k = self.moe_routes
+        shape = self.moe_routes
         table = np.frombuffer(parsed.routed_experts, dtype="<i4")
-        if table.size != rows * layers * top_k:
+        if table.size != rows * shape.layers * shape.top_k:
             raise SglangError(f"{self.url}/generate {where} of {request.request_id!r}: {table.size} routed experts, "
-                              f"expected {rows} tokens x {layers} layers x top-{top_k}")
-        return RoutedExperts(table.astype("<i2").tobytes(), (rows, layers, top_k))
+                              f"expected {rows} tokens x {shape.layers} layers x top-{shape.top_k}")
+        moe = table.reshape(rows, shape.layers, shape.top_k)[:, list(shape.moe_layers)]  # dense layers route nowhere
+        return RoutedExperts(np.ascontiguousarray(moe).astype("<i2").tobytes(), moe.shape)
 
     async def _resume_kept(
         self, request: GenerateRequest, output: GenerateOutput, flight: _Flight, epoch: int
@@ -533,6 +534,16 @@ def _json_or_text(text: str, where: str) -> Any:
     if isinstance(body, dict) and body.get("success") is False:
         raise SglangError(f"{where}: {body.get('message')}")
     return body
+
+
+@dataclass(frozen=True)
+class MoeRoutes:
+    """The shape of a served model's routes: SGLang records `layers` (every decoder layer) x `top_k` experts per
+    token; the learner replays the `moe_layers` among them (a dense layer's rows hold nothing)."""
+
+    layers: int
+    moe_layers: tuple[int, ...]
+    top_k: int
 
 
 def joined_routes(first: RoutedExperts | None, rest: RoutedExperts | None, rest_from: int) -> RoutedExperts | None:

@@ -12,13 +12,14 @@ import pytest
 
 from engines.inference import GenerateRequest, SamplingParams, TorchEngine
 from engines.inference.base import RoutedExperts
-from engines.sglang.client import SglangEngine, joined_routes
+from engines.sglang import protocol
+from engines.sglang.client import MoeRoutes, SglangEngine, joined_routes
 from engines.sglang.errors import SglangError
 from engines.sglang.launch import ServerProcess, ServerSpec
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 PROMPT = [5, 9, 11, 7, 30, 2, 8]
-MOE_SHAPE = (2, 2)  # TinyModelSpec's qwen3_moe: 2 layers, top-2
+MOE_SHAPE = MoeRoutes(layers=2, moe_layers=(0, 1), top_k=2)  # TinyModelSpec's qwen3_moe
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ async def test_a_servers_routes_are_the_torch_engines_for_the_same_tokens(client
         local = await engine.generate(GenerateRequest("local", PROMPT, params))
     for mine, theirs in zip(served, local, strict=True):
         assert mine.output_ids == theirs.output_ids
-        assert table(mine.routed_experts).shape == (len(PROMPT) + 10 - 1, *MOE_SHAPE)
+        assert table(mine.routed_experts).shape == (len(PROMPT) + 10 - 1, 2, 2)
         np.testing.assert_array_equal(table(mine.routed_experts), table(theirs.routed_experts))
 
 
@@ -103,3 +104,24 @@ def test_joined_routes_keep_the_first_parts_rows_before_the_continuations() -> N
     assert (joined[:5] == 1).all() and (joined[5:] == 2).all()
     assert joined_routes(None, routes(4, 2), 0) is not None and joined_routes(None, routes(4, 2), 3) is None
     assert table(joined_routes(routes(6, 1), None, 6)).shape == (6, 2, 2)
+
+
+@pytest.mark.unit
+def test_a_models_dense_layers_rows_are_left_out_of_the_replayed_routes(tmp_path: Path) -> None:
+    """SGLang records every decoder layer; a Qwen3-MoE with dense MLP layers replays its MoE layers' rows only."""
+    from transformers import Qwen3MoeConfig
+
+    from actors.config import build_config
+    from actors.rollout.engine_factory import moe_routes
+
+    Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                   mlp_only_layers=[0, 2], vocab_size=100).save_pretrained(tmp_path)
+    shape = moe_routes(build_config({"hf_checkpoint": str(tmp_path), "use_rollout_routing_replay": True}))
+    assert shape == MoeRoutes(layers=4, moe_layers=(1, 3), top_k=2)
+    engine = SglangEngine("http://127.0.0.1:1", moe_routes=shape)
+    every_layer = np.arange(3 * 4 * 2, dtype="<i4").reshape(3, 4, 2)  # 3 tokens: a 3-token prompt, 1 output
+    parsed = protocol.ParsedOutput([7], [-0.1], "length", None, 0, 3, routed_experts=every_layer.tobytes())
+    routes = engine._routes(parsed, GenerateRequest("r", [1, 2, 3], SamplingParams(max_new_tokens=1)), 0,
+                            where="output 0")
+    np.testing.assert_array_equal(table(routes), every_layer[:, [1, 3]])
