@@ -51,6 +51,7 @@ BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
     # slime's defaults spelled out: they name what the buffer does without a plugin
     "buffer_filter_path": ("slime.rollout.data_source.pop_first",),
 }
+GPU_TRANSPORTS = ("nccl", "cuda_ipc")
 # A Hugging Face hub id: `name` or `owner/name` (what is not a path of more than two parts, nor starts with one).
 HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
 
@@ -60,7 +61,21 @@ def preflight(config: RunConfig, roles: Mapping[str, int], *, hub_cache: Path | 
     `hub_cache`: the Hugging Face hub cache to look a model id up in (default: the one transformers uses)."""
     running = {role for role, count in roles.items() if count > 0}
     return [*_data_problems(config, running), *_model_problems(config, running, hub_cache),
-            *_plugin_problems(config, running)]
+            *_plugin_problems(config, running), *_transport_problems(config, running)]
+
+
+def _transport_problems(config: RunConfig, running: set[str]) -> list[str]:
+    """A GPU-only weight transport on a node without GPUs (slime's scripts say `--update-weight-transport nccl`):
+    the learner would fail at its first push and restart into the same failure."""
+    transport = config.weights.weight_transport
+    if transport not in GPU_TRANSPORTS or not running & {"learner", "rollout"}:
+        return []
+    from actors.runtime.placement import visible_gpus
+
+    if visible_gpus():
+        return []
+    return [f"--weight-transport {transport}: it moves CUDA tensors, and this node has no GPU (auto picks gloo, or "
+            "shared memory when colocated)"]
 
 
 # ----------------------------------------------------------------------------------------------------- data

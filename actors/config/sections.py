@@ -206,6 +206,15 @@ class BufferConfig(Section):
                                            "num_samples) -> groups: picks which finished groups form the next "
                                            "training batch (the rest are taken oldest first)")
 
+    @field_validator("dynamic_sampling_filter_path")
+    @classmethod
+    def _slime_builtin_filter(cls, value: str | None) -> str | None:
+        """slime's scripts name its own DAPO filter, which keeps the groups whose rewards vary: ours is that."""
+        return "nonzero_std" if value == SLIME_NONZERO_STD_FILTER else value
+
+
+SLIME_NONZERO_STD_FILTER = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+
 
 class RewardConfig(Section):
     """How reward workers score a group."""

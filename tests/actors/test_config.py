@@ -288,3 +288,11 @@ def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_mo
 def test_rollout_routing_replay_is_refused_where_no_engine_records_routes(flags: list[str], reason: str) -> None:
     with pytest.raises(ValueError, match=re.escape(reason)):
         parse(["--use-rollout-routing-replay", *flags])
+
+
+@pytest.mark.unit
+def test_slimes_own_dynamic_sampling_filter_is_ours() -> None:
+    from actors.config.sections import SLIME_NONZERO_STD_FILTER
+
+    assert parse(["--dynamic-sampling-filter-path", SLIME_NONZERO_STD_FILTER]).buffer.dynamic_sampling_filter_path \
+        == "nonzero_std"

@@ -114,3 +114,16 @@ def test_a_training_only_run_needs_its_recording_not_prompts(tmp_path: Path, tin
     (tmp_path / "recording").mkdir()
     (tmp_path / "recording" / "batch_000001.msgpack").write_bytes(b"")
     assert preflight(config, {"controller": 1, "buffer": 1, "learner": 1}) == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
+def test_a_gpu_weight_transport_on_a_node_without_gpus_is_refused_before_the_learner_loops(
+        tmp_path: Path, tiny_model_path: Path, transport: str) -> None:
+    """slime's scripts say `--update-weight-transport nccl`; on a CPU node the learner died at its first push and
+    was restarted into the same death six times (tests hide any GPU from tests not marked gpu)."""
+    config = RunConfig(prompt_data=str(good_prompts(tmp_path)), hf_checkpoint=str(tiny_model_path),
+                       weight_transport=transport)
+    assert preflight(config, HEAD) == [f"--weight-transport {transport}: it moves CUDA tensors, and this node has no "
+                                       "GPU (auto picks gloo, or shared memory when colocated)"]
+    assert preflight(config, {"buffer": 1, "reward": 1}) == []  # nothing on this node pushes or receives weights
