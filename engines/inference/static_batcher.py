@@ -18,6 +18,8 @@ dynamic batcher's: only where the keys and values live differs.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -97,8 +99,6 @@ class DecodeStep:
         graph = self.graphs.get(key)
         if graph is not None:
             return graph
-        import time
-
         started = time.perf_counter()
         # A warm-up outside capture (lazy initialisations, cuBLAS handles) on a side stream, as capture requires.
         # It writes what the replay rewrites: this step's column of keys, values and mask, and the outputs.
@@ -189,11 +189,10 @@ class StaticBatcher(ContinuousBatcher):
             self.decoder.forget_graphs()
         batch, logits = self._prefill(admitted)
         width = batch.columns
-        if width > self.write_column:
-            if self.running:
-                self._shift(width - self.write_column)
-            else:
-                self._set_write_column(width)
+        if not self.running:  # an empty pool starts over at the left
+            self._set_write_column(width)
+        elif width > self.write_column:
+            self._shift(width - self.write_column)
         first = len(self.running)
         slots = list(range(first, first + len(admitted)))
         self.pool.place(slots, batch, self.write_column)
@@ -242,7 +241,7 @@ class StaticBatcher(ContinuousBatcher):
             for hole, mover in zip(holes, movers, strict=True):
                 order[hole] = mover
                 self.start_columns[hole] = self.start_columns[mover]
-        gone = [slot for slot in range(count, len(self.running))]
+        gone = list(range(count, len(self.running)))
         if gone:
             self.pool.clear(gone)
         del self.start_columns[count:]
