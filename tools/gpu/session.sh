@@ -5,7 +5,8 @@
 #
 # Stages: install (the wheels in .whl/ into /tmp/site: the GPU machine is offline), probe (tools/gpu/probe.py),
 # engine (tools/bench/engine_gpu.py at Qwen2.5-0.5B's shape, batch 64 and 256), static-test (the CUDA-graph test of
-# the static KV batcher), gpu-tests (pytest -m gpu), check (tools/gpu/check.py's train and sync rows).
+# the static KV batcher), gpu-tests (pytest -m gpu), check (tools/gpu/check.py's train and sync rows), runs (its
+# launcher runs: torch engine + trainer, colocated LoRA).
 # At most 8 files land in OUT (the device tool brings back 8). `--cpu` runs probe and engine on the CPU instead.
 set -u
 OUT=${1:?usage: tools/gpu/session.sh OUT [STAGE...]}
@@ -49,6 +50,8 @@ for name in $STAGES; do
             stage gpu-tests 240 $PY -m pytest -q -p no:cacheprovider -n 4 -m gpu tests ;;
         check)
             stage check 150 $PY -m tools.gpu.check --only train sync --json "$OUT/check.json" ;;
+        runs)
+            stage runs 240 $PY -m tools.gpu.check --only run colocate --json "$OUT/runs.json" ;;
         *)
             echo "unknown stage $name" ;;
     esac
