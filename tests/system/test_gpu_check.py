@@ -60,3 +60,12 @@ def test_the_gpu_session_script_runs_its_probe_and_engine_stages_on_the_cpu(tmp_
     sides = {row["side"]: row for row in engine["rows"]}
     assert set(sides) == {"generate", "dynamic", "static-eager", "static-graphs"}, engine
     assert all(row["tokens"] == sides["generate"]["tokens"] > 0 for row in sides.values()), engine
+
+
+@pytest.mark.integration
+def test_the_train_row_runs_on_a_benchmark_model_of_another_shape() -> None:
+    """`--train-shape`: the GPU session's real-shape train row (qwen2.5-0.5b there; the tiny model here)."""
+    from tools.gpu.check import check_train_step
+
+    row = check_train_step("cpu", quick=True, shape="tiny")
+    assert row.status == "ok" and "4 x 64 tokens" in row.result, row

@@ -36,21 +36,21 @@ if str(REPO) not in sys.path:
 
 from engines.inference import GenerateRequest, SamplingParams, TorchEngine  # noqa: E402
 from tools.bench.engine import Workload, heavy_tailed_lengths, run_baseline  # noqa: E402
+from tools.bench.models import QWEN25_05B_SHAPE  # noqa: E402
 
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151_936, tie_word_embeddings=True),
+    "qwen2.5-0.5b": QWEN25_05B_SHAPE,
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=4096),
 }
 
 
 def build_model(shape: str, device: str) -> torch.nn.Module:
-    """A Qwen2 causal LM of `shape` with random weights, bf16 on CUDA and fp32 on the CPU."""
+    """A Qwen2 causal LM of `shape` with random weights, bf16 on CUDA and fp32 on the CPU, built where it runs
+    (`tools/bench/models.py` writes the same shape to disk for benchmarks that load a folder)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1_000_000.0,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Qwen2Config(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -248,16 +248,24 @@ class TrainSteps:
     shape: str
 
 
-def train_steps(device: str, quick: bool) -> TrainSteps:
+def train_steps(device: str, quick: bool, shape: str | None = None) -> TrainSteps:
+    """`shape`: a benchmark model of `tools/bench/models.py` (qwen2.5-0.5b: the real shape, random weights built
+    once in `.cache/models`) instead of the check's own small model; then 16 x 512 tokens."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from engines.training import TorchTrainer, TorchTrainerConfig
     from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
-    spec: TinyModelSpec = gpu_model_spec(device, quick)
-    path = cached_tiny_model(REPO / ".cache" / "models", spec)
-    count, length = (16, 96) if quick else (64, 256)
+    if shape is None:
+        spec: TinyModelSpec = gpu_model_spec(device, quick)
+        path = cached_tiny_model(REPO / ".cache" / "models", spec)
+        count, length = (16, 96) if quick else (64, 256)
+    else:
+        from tools.bench.models import bench_model
+
+        path = bench_model(shape)
+        count, length = (4, 64) if quick else (16, 512)
     samples, loss_fn = synthetic_step(count, length)
     dtype = "bfloat16" if device == "cuda" else "float32"
     trainer = TorchTrainer(TorchTrainerConfig(model_path=path, lr=1e-5, device=device, dtype=dtype,
@@ -278,8 +286,8 @@ def train_steps(device: str, quick: bool) -> TrainSteps:
                       close=trainer.close, shape=f"{count} x {length} tokens, {dtype}")
 
 
-def check_train_step(device: str, quick: bool) -> Row:
-    steps = train_steps(device, quick)
+def check_train_step(device: str, quick: bool, shape: str | None = None) -> Row:
+    steps = train_steps(device, quick, shape)
     try:
         steps.ours()  # warm-up
         ours = _timed(device, steps.ours, repeats=3)
@@ -481,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: a minute or two")
     parser.add_argument("--wheels", type=Path, default=None, help="install these wheels first (offline machine)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--train-shape", default=None, help="the train row on a benchmark model of "
+                        "tools/bench/models.py (qwen2.5-0.5b: the real shape) instead of the check's own")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks: tests run megatron colocate "
                         "megatron-step engine train sync")
     args = parser.parse_args(argv)
@@ -504,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             "colocate": lambda: check_run("colocate", args.cpu, args.quick, workdir),
             "megatron-step": lambda: check_megatron_step(args.cpu, args.quick, workdir),
             "engine": lambda: check_engine_speed(device, args.quick),
-            "train": lambda: check_train_step(device, args.quick),
+            "train": lambda: check_train_step(device, args.quick, args.train_shape),
             "sync": lambda: check_weight_sync(device, args.quick),
         }
         rows = []

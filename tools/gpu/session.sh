@@ -5,8 +5,9 @@
 #
 # Stages: install (the wheels in .whl/ into /tmp/site: the GPU machine is offline), probe (tools/gpu/probe.py),
 # engine (tools/bench/engine_gpu.py at Qwen2.5-0.5B's shape, batch 64 and 256), static-test (the CUDA-graph test of
-# the static KV batcher), gpu-tests (pytest -m gpu), check (tools/gpu/check.py's train and sync rows), runs (its
-# launcher runs: torch engine + trainer, colocated LoRA).
+# the static KV batcher), gpu-tests (pytest -m gpu), check (tools/gpu/check.py's train and sync rows), train-real
+# (the train row at Qwen2.5-0.5B's shape: #42's <= 1.05x target), runs (its launcher runs: torch engine + trainer,
+# colocated LoRA).
 # At most 8 files land in OUT (the device tool brings back 8). `--cpu` runs probe and engine on the CPU instead.
 set -u
 OUT=${1:?usage: tools/gpu/session.sh OUT [STAGE...]}
@@ -50,6 +51,9 @@ for name in $STAGES; do
             stage gpu-tests 240 $PY -m pytest -q -p no:cacheprovider -n 4 -m gpu tests ;;
         check)
             stage check 150 $PY -m tools.gpu.check --only train sync --json "$OUT/check.json" ;;
+        train-real)
+            stage train-real 240 $PY -m tools.gpu.check --only train --train-shape qwen2.5-0.5b \
+                --json "$OUT/train-real.json" ;;
         runs)
             stage runs 240 $PY -m tools.gpu.check --only run colocate --json "$OUT/runs.json" ;;
         *)
