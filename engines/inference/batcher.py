@@ -232,7 +232,7 @@ class ContinuousBatcher:
         self.running = []
         self._clear_cache()
 
-    # ----- the cache: these four are what a batcher with another KV layout replaces (static_batcher.py) -----
+    # ----- the cache: what a batcher with another KV layout replaces (static_batcher.py) -----
 
     @property
     def cache_columns(self) -> int:
