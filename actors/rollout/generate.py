@@ -131,7 +131,7 @@ def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_
                 log_probs: list[float], versions: list[int], *, response: str, status: str,
                 loss_mask: list[int] | None = None, metadata: dict[str, Any] | None = None,
                 routed_experts: RoutedExperts | None = None) -> Sample:
-    routes = None if routed_experts is None else np.frombuffer(routed_experts.data, dtype="<i2").astype(np.int16)
+    routes = None if routed_experts is None else routed_experts.table().reshape(-1).astype(np.int16)
     _, layers, top_k = routed_experts.shape if routed_experts is not None else (0, 0, 0)
     return Sample(
         sample_id=f"{group.group_id}/{index}", group_id=group.group_id, index=index, prompt=group.prompt,

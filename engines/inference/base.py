@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 if TYPE_CHECKING:  # a rollout worker process imports this module and must not pay for torch unless its engine does
     import torch
 
@@ -146,6 +148,15 @@ class RoutedExperts:
 
     data: bytes
     shape: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, table: np.ndarray) -> RoutedExperts:
+        """From an integer array [tokens, layers, top_k] of any width."""
+        return cls(np.ascontiguousarray(table, dtype="<i2").tobytes(), tuple(table.shape))  # type: ignore[arg-type]
+
+    def table(self) -> np.ndarray:
+        """The routes as int16 [tokens, layers, top_k] (a read-only view of the bytes)."""
+        return np.frombuffer(self.data, dtype="<i2").reshape(self.shape)
 
 
 @dataclass(frozen=True)

@@ -419,5 +419,4 @@ def _layers_last(taps: list[RoutedLayer]) -> torch.Tensor:
 def routed_experts(routes: list[torch.Tensor]) -> RoutedExperts | None:
     if not routes:
         return None
-    table = torch.cat(routes).contiguous()
-    return RoutedExperts(table.numpy().astype("<i2", copy=False).tobytes(), tuple(table.shape))
+    return RoutedExperts.of(torch.cat(routes).numpy())

@@ -375,7 +375,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
             raise SglangError(f"{self.url}/generate {where} of {request.request_id!r}: {table.size} routed experts, "
                               f"expected {rows} tokens x {shape.layers} layers x top-{shape.top_k}")
         moe = table.reshape(rows, shape.layers, shape.top_k)[:, list(shape.moe_layers)]  # dense layers route nowhere
-        return RoutedExperts(np.ascontiguousarray(moe).astype("<i2").tobytes(), moe.shape)
+        return RoutedExperts.of(moe)
 
     async def _resume_kept(
         self, request: GenerateRequest, output: GenerateOutput, flight: _Flight, epoch: int

@@ -42,7 +42,7 @@ def generate(path: Path, dtype: torch.dtype, args: argparse.Namespace) -> list[T
         for prompt, result in zip(prompts, results, strict=True):
             for output in result:
                 assert output.routed_experts is not None
-                routes = np.frombuffer(output.routed_experts.data, dtype="<i2").reshape(output.routed_experts.shape)
+                routes = output.routed_experts.table()
                 samples.append(TrainSample(torch.tensor(prompt + output.output_ids), len(output.output_ids),
                                            rollout_log_probs=torch.tensor(output.log_probs),
                                            routed_experts=torch.from_numpy(routes.astype(np.int64))))

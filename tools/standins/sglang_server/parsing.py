@@ -10,7 +10,6 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from engines.inference.base import GenerateOutput, GenerateRequest, RoutedExperts, SamplingParams
@@ -182,8 +181,7 @@ def routed_experts_base64(routes: RoutedExperts | None, start: int) -> str | Non
     """An output's routes as SGLang sends them: base64 of int32 [tokens from `start` on, layers, top_k]."""
     if routes is None:
         return None
-    table = np.frombuffer(routes.data, dtype="<i2").reshape(routes.shape)[start:]
-    return base64.b64encode(table.astype("<i4").tobytes()).decode("ascii")
+    return base64.b64encode(routes.table()[start:].astype("<i4").tobytes()).decode("ascii")
 
 
 def scored_json(input_ids: list[int], log_probs: list[float], *, start: int, rid: str,
