@@ -180,6 +180,9 @@ def main() -> None:
     parser.add_argument("--tiny-family", choices=("qwen2", "qwen3_moe", "mixtral"), default="qwen2",
                         help="with --tiny: the model's architecture; qwen3_moe and mixtral are mixtures of experts "
                              "(4 experts of the dense model's MLP width, 2 per token)")
+    parser.add_argument("--train-backend", choices=("torch", "megatron"), default="torch",
+                        help="with --tiny: the learner's backend for SFT and GRPO (megatron: megatron-core on the "
+                             "CPU, the path slime's scripts take)")
     parser.add_argument("--warm-start", type=Path, default=None,
                         help="with --tiny: an SFT model folder from an earlier demo run: skip the SFT step")
     args = parser.parse_args()
@@ -251,7 +254,7 @@ def tiny_demo(args: argparse.Namespace) -> None:
     if warm is None:
         sft_dir = args.workdir / f"{stamp}-sft"
         run_launcher(["--head", "--run-dir", str(sft_dir), "--hf-checkpoint", str(model), "--prompt-data",
-                      str(data["sft"]), *COMMON, *SFT])
+                      str(data["sft"]), *COMMON, *SFT, "--train-backend", args.train_backend])
         warm = sft_dir / "final_model"
     before = accuracy(warm, data["eval"])
     print(f"\nheld-out accuracy after the SFT warm start: {before:.1%}", flush=True)
@@ -261,7 +264,7 @@ def tiny_demo(args: argparse.Namespace) -> None:
     run_launcher(["--head", "--run-dir", str(rl_dir), "--hf-checkpoint", str(warm), "--prompt-data",
                   str(data["train"]), "--eval-prompt-data", "heldout", str(data["eval"]), *COMMON, *grpo,
                   *(lora_flags(args.lora_rank) if args.lora_rank else []),
-                  *(SGLANG if args.rollout_engine == "sglang" else [])])
+                  *(SGLANG if args.rollout_engine == "sglang" else []), "--train-backend", args.train_backend])
     after = accuracy(rl_dir / "final_model", data["eval"])
 
     print("\n" + "=" * 72)
@@ -270,6 +273,8 @@ def tiny_demo(args: argparse.Namespace) -> None:
     kind = "colocated (on-policy) GRPO:" if args.colocate else "fully-async GRPO:"
     if args.rollout_engine == "sglang":
         kind = kind.replace("GRPO:", "GRPO on SGLang:")
+    if args.train_backend == "megatron":
+        kind = kind.replace("GRPO", "GRPO (Megatron)")
     print(f"  after {kind:<28}{after:6.1%}   ({100 * (after - before):+.1f} points)")
     print(f"  total demo time: {time.monotonic() - started:.0f}s")
     print(f"  plots: {rl_dir / 'plots'}   metrics: {rl_dir / 'metrics'}")

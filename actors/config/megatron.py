@@ -88,9 +88,8 @@ class MegatronConfig(Section):
                                                   "Megatron backend")
     spec: list[str] | None = Field(None, description="MODULE FUNCTION of a custom layer spec (refused: the Megatron "
                                    "backend picks the spec)")
-    # -- mixture of experts (the Megatron backend's bridge builds dense models only) ---------------------------
-    num_experts: int | None = Field(None, ge=1, description=f"experts per MoE layer; {_SHAPE}; refused by "
-                                    "--train-backend megatron")
+    # -- mixture of experts (Megatron backend: Qwen3-MoE, engines/megatron/experts.py) --------------------------
+    num_experts: int | None = Field(None, ge=1, description=f"experts per MoE layer; {_SHAPE}")
     moe_router_topk: int | None = Field(None, ge=1, description=f"experts per token; {_SHAPE}")
     moe_ffn_hidden_size: int | None = Field(None, ge=1, description=f"expert MLP hidden size; {_SHAPE}")
     moe_shared_expert_intermediate_size: int | None = Field(None, ge=1, description=f"shared experts' size; {_SHAPE}")
@@ -116,9 +115,10 @@ class MegatronConfig(Section):
     moe_enable_deepep: bool | None = Field(None, description="DeepEP dispatcher")
     # -- parallelism beyond --tensor/--pipeline-model-parallel-size -------------------------------------------
     context_parallel_size: int = Field(1, ge=1, description="context parallel size (only 1 is supported)")
-    expert_model_parallel_size: int = Field(1, ge=1, description="expert parallel size (only 1 is supported)")
+    expert_model_parallel_size: int = Field(1, ge=1, description="expert parallel size: experts split over this "
+                                            "many data-parallel learner ranks (Megatron backend)")
     expert_tensor_parallel_size: int | None = Field(None, ge=1, description="expert tensor parallel size (Megatron: "
-                                                    "the TP size; only 1 is supported)")
+                                                    "the TP size; 1 or the TP size)")
     decoder_first_pipeline_num_layers: int | None = Field(None, ge=0, description="layers of the first pipeline "
                                                           "stage (uneven stages: not supported yet)")
     decoder_last_pipeline_num_layers: int | None = Field(None, ge=0, description="layers of the last pipeline "

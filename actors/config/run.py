@@ -160,6 +160,17 @@ class RunConfig(BaseModel):
                             f"tensor_model_parallel_size x pipeline_model_parallel_size = {parallel}")
         if parallel > 1 and trainer.train_backend != "megatron":
             problems.append("tensor/pipeline parallelism needs --train-backend megatron")
+        megatron = self.megatron
+        experts = megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size
+                                                         or trainer.tensor_model_parallel_size)
+        stage_ranks = trainer.learner_ranks // trainer.pipeline_model_parallel_size
+        if megatron.expert_model_parallel_size > 1 and trainer.train_backend != "megatron":
+            problems.append("expert parallelism needs --train-backend megatron")
+        elif megatron.expert_model_parallel_size > 1 and stage_ranks % experts:
+            problems.append(f"learner_ranks {trainer.learner_ranks} over pipeline_model_parallel_size "
+                            f"{trainer.pipeline_model_parallel_size} must be a multiple of "
+                            f"expert_tensor_parallel_size x expert_model_parallel_size = {experts}: experts are "
+                            "split over data-parallel ranks")
         placement = self.placement
         if trainer.learner_ranks % placement.actor_num_nodes:
             problems.append(f"learner_ranks {trainer.learner_ranks} must be a multiple of actor_num_nodes "
@@ -312,13 +323,13 @@ def _critic_problems(config: RunConfig) -> list[str]:
 
 
 def _routing_replay_problems(config: RunConfig) -> list[str]:
-    """--use-routing-replay records routes in the learner's own pi_old forward: a backend and a recipe with one.
-    --use-rollout-routing-replay takes them from the engines: SGLang servers, or torch engines on their dynamic
-    cache."""
+    """--use-routing-replay records routes in the learner's own pi_old forward: the torch backend and a recipe with
+    one. --use-rollout-routing-replay takes them from the engines (SGLang servers, or torch engines on their dynamic
+    cache) into either backend."""
     if config.trainer.use_rollout_routing_replay:
-        if config.trainer.train_backend != "torch":
-            return [f"--use-rollout-routing-replay: the torch backend replays MoE routes; --train-backend "
-                    f"{config.trainer.train_backend} builds dense models only"]
+        if config.trainer.train_backend not in ("torch", "megatron"):
+            return [f"--use-rollout-routing-replay: the torch and Megatron backends replay MoE routes; "
+                    f"--train-backend {config.trainer.train_backend} does not"]
         if config.engine.rollout_engine not in ("torch", "sglang"):
             return [f"--use-rollout-routing-replay: torch engines and SGLang servers record routed experts; "
                     f"--rollout-engine {config.engine.rollout_engine} does not"]
@@ -328,8 +339,9 @@ def _routing_replay_problems(config: RunConfig) -> list[str]:
     if not config.trainer.use_routing_replay:
         return []
     if config.trainer.train_backend != "torch":
-        return [f"--use-routing-replay: the torch backend replays MoE routes; --train-backend "
-                f"{config.trainer.train_backend} builds dense models only"]
+        return [f"--use-routing-replay: the torch backend records and replays the learner's own routes; "
+                f"--train-backend {config.trainer.train_backend} replays rollout routes only "
+                "(--use-rollout-routing-replay)"]
     source = pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo,
                            steps_per_batch=config.optimizer_steps_per_batch)
     if source == "rollout":

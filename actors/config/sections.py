@@ -310,7 +310,7 @@ class TrainerConfig(Section):
                                      "token's experts and every training forward of the batch routes there (needs "
                                      "the learner's own pi_old forward: --use-decoupled-ppo or an "
                                      "--off-policy-correction)")
-    use_rollout_routing_replay: bool = Field(False, description="MoE, torch backend and torch engines (R3): the "
+    use_rollout_routing_replay: bool = Field(False, description="MoE, torch or Megatron backend (R3): the "
                                              "engines record each token's experts as they generate, the samples "
                                              "carry them, and every policy forward of the learner (pi_old and "
                                              "training) routes each token where the engine did")

@@ -171,6 +171,8 @@ def _build_megatron_trainer(config: RunConfig) -> Trainer:
             initial_checkpoint=Path(trainer.megatron_checkpoint) if trainer.megatron_checkpoint else None,
             tensor_model_parallel_size=trainer.tensor_model_parallel_size,
             pipeline_model_parallel_size=trainer.pipeline_model_parallel_size,
+            expert_model_parallel_size=config.megatron.expert_model_parallel_size,
+            expert_tensor_parallel_size=config.megatron.expert_tensor_parallel_size,
             use_distributed_optimizer=trainer.use_distributed_optimizer,
             qkv_format=trainer.qkv_format,
             model_flags=_megatron_flags(config),

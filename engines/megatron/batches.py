@@ -57,6 +57,15 @@ class MicroBatch:
     response_lengths: tuple[int, ...]  # [B], on the host: how the caller splits the N results per sample
     batch: PackedBatch | None  # loss-side fields (training only)
     packed_seq_params: PackedSeqParams | None = None  # "thd" only: where each sample starts in the one row
+    # Routing replay: the experts of each token in megatron's token order (sequence-major: [S x B, layers, k]) and
+    # which tokens have them; None when the samples carry no routes (`engines.megatron.experts.RoutingReplay`).
+    routes: Tensor | None = None
+    replayed: Tensor | None = None
+
+    @property
+    def is_filler(self) -> bool:
+        """A forward that carries no sample (`filler_micro_batch`)."""
+        return not self.members
 
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor the model or the loss reads (what must sit on the model's device)."""
@@ -69,6 +78,8 @@ class MicroBatch:
         }
         if self.packed_seq_params is not None:
             fields["cu_seqlens"] = self.packed_seq_params.cu_seqlens_q
+        if self.routes is not None and self.replayed is not None:
+            fields.update(routes=self.routes, replayed=self.replayed)
         if self.batch is not None:
             fields.update({f"batch.{name}": tensor for name, tensor in self.batch.tensors().items()})
         return fields
@@ -111,6 +122,54 @@ def plan_micro_batches(
     return [build([members[p] for p in sorted(group)], samples, with_batch, device, pad_multiple) for group in groups]
 
 
+def micro_batch_counts(
+    lengths: Sequence[int], ranks: int, token_budget: int, *, qkv_format: str, pad_multiple: int = 1
+) -> list[int]:
+    """How many micro-batches each of `ranks` data-parallel ranks runs for samples of these token `lengths`: every
+    rank plans every rank's shard the same way (`shard_for_rank`, `plan_micro_batches`), so no rank has to ask."""
+    counts = []
+    for rank in range(ranks):
+        shard = [lengths[index] for index in shard_for_rank(lengths, ranks, rank)]
+        if qkv_format == "thd":
+            counts.append(len(_first_fit_packs(shard, token_budget)))
+        else:
+            counts.append(len(_similar_length_rows([_round_up(n, pad_multiple) for n in shard], token_budget)))
+    return counts
+
+
+def filler_micro_batch(width: int, *, qkv_format: str, device: torch.device | str = "cpu") -> MicroBatch:
+    """A forward of `width` padding tokens and no sample. Under expert parallelism every forward exchanges tokens
+    with the other data-parallel ranks of its expert group, so all of them must run as many forwards; a rank with
+    fewer micro-batches runs these until it has as many (the trainer gives them no loss and no router loss)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    device = torch.device(device)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    packed = None
+    if qkv_format == "thd":
+        cu_seqlens = torch.tensor([0, width], dtype=torch.int32, device=device)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=width, max_seqlen_kv=width)
+    return MicroBatch(
+        members=[],
+        input_ids=torch.full((1, width), PAD_TOKEN, dtype=torch.long, device=device),
+        position_ids=torch.arange(width, device=device)[None],
+        logit_rows=empty,
+        logit_columns=empty,
+        targets=empty,
+        response_lengths=(),
+        batch=None,
+        packed_seq_params=packed,
+    )
+
+
+def count_micro_batches(
+    lengths: Sequence[int], ranks: int, token_budget: int, *, qkv_format: str, pad_multiple: int = 1
+) -> int:
+    """The micro-batches of samples (fillers left out) that all `ranks` data-parallel ranks run together."""
+    return sum(micro_batch_counts(lengths, ranks, token_budget, qkv_format=qkv_format, pad_multiple=pad_multiple))
+
+
 def _first_fit_packs(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Packs of at most `token_budget` tokens, filled first-fit, longest sample first (fewest forward passes)."""
     packs: list[list[int]] = []
@@ -143,6 +202,26 @@ def _similar_length_rows(lengths: list[int], token_budget: int) -> list[list[int
     return groups
 
 
+def _token_routes(chunk: list[TrainSample], starts: list[tuple[int, int]], shape: tuple[int, int],
+                  device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The samples' `routed_experts` laid out as their tokens are (sample i's first token at `starts[i]` = (row,
+    column) of a [B, S] `shape`), flattened in megatron's sequence-major token order; None without routes."""
+    carried = [sample.routed_experts for sample in chunk]
+    if all(routes is None for routes in carried):
+        return None
+    missing = [index for index, routes in enumerate(carried) if routes is None]
+    if missing:
+        raise ValueError(f"routing replay: samples {missing[:5]} of a micro-batch carry no routes while others do")
+    present = [routes for routes in carried if routes is not None]
+    routes = torch.zeros((*shape, *present[0].shape[1:]), dtype=torch.long)
+    replayed = torch.zeros(shape, dtype=torch.bool)
+    for (row, column), sample_routes in zip(starts, present, strict=True):
+        routes[row, column : column + sample_routes.shape[0]] = sample_routes.long()
+        replayed[row, column : column + sample_routes.shape[0]] = True
+    return (routes.transpose(0, 1).reshape(-1, *routes.shape[2:]).to(device),
+            replayed.transpose(0, 1).reshape(-1).to(device))
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -161,6 +240,7 @@ def _pad(
         columns.append(torch.arange(first, first + sample.response_length))
         rows.append(torch.full((sample.response_length,), row, dtype=torch.long))
         targets.append(sample.tokens[sample.prompt_length :].long())
+    routes = _token_routes(chunk, [(row, 0) for row in range(len(chunk))], (len(chunk), width), device)
     return MicroBatch(
         members=members,
         input_ids=input_ids.to(device),
@@ -170,6 +250,8 @@ def _pad(
         targets=torch.cat(targets).to(device),
         response_lengths=tuple(sample.response_length for sample in chunk),
         batch=collate(chunk, device=device) if with_batch else None,
+        routes=None if routes is None else routes[0],
+        replayed=None if routes is None else routes[1],
     )
 
 
@@ -197,6 +279,7 @@ def _pack(
     logit_columns = torch.cat(columns)
     cu_seqlens = torch.tensor(edges, dtype=torch.int32, device=device)  # int32: transformer-engine's dtype
     longest = max(b - a for a, b in itertools.pairwise(edges))
+    routes = _token_routes(chunk, [(0, start) for start in edges[: len(chunk)]], (1, total), device)
     return MicroBatch(
         members=members,
         input_ids=input_ids.to(device),
@@ -213,4 +296,6 @@ def _pack(
             max_seqlen_q=longest,
             max_seqlen_kv=longest,
         ),
+        routes=None if routes is None else routes[0],
+        replayed=None if routes is None else routes[1],
     )

@@ -17,6 +17,8 @@ routines, and add only what our configuration differs in:
   later untied instances in the same process), and its Llama bridge does not handle ties at all; we keep the
   mapping per instance;
 - rope parameters: transformers 5 moved `rope_theta` into `rope_parameters`, which mbridge does not read;
+- mixture-of-experts layers (`engines.megatron.experts`): the local spec's SequentialMLP experts under mbridge's
+  grouped names, loaded over the expert-TP group, and the router and MoE settings of the checkpoint;
 - the TransformerConfig: no dropout, per-token loss scaling (see `engines.megatron.trainer`), and the kernels
   the runtime has (`Runtime`, `config_overrides`): on a GPU sequence parallelism (TP > 1, TE spec) and the fused
   kernels megatron's own training enables; on the CPU (`cpu_compat`) none of them, since they are CUDA kernels;
@@ -35,10 +37,11 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
+from engines.megatron import experts
 from engines.megatron.model_flags import MegatronFlags, check_against_hf, run_init_hook, transformer_overrides
 from engines.megatron.parallel import compute_device
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", *experts.MOE_FAMILIES)
 _LOCAL_SPEC_NORMS = {
     "other": {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]},
     "mlp": {"pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]},
@@ -115,11 +118,18 @@ class HFBridge:
         )
         self.runtime = Runtime.detect() if runtime is None else runtime
         overrides = config_overrides(dtype, self.runtime, tensor_parallel)
+        if experts.is_moe(self.hf_config):
+            experts.define_missing_te_gemm()
+            overrides |= experts.moe_overrides(self.hf_config, flags.flags,
+                                               grouped_gemm=self.runtime.layer_spec == "transformer_engine")
+            # megatron trains MoE layers under TP only with the rows split over the TP ranks (`experts`).
+            overrides["sequence_parallel"] = tensor_parallel > 1
         # Flags the user gave win over our defaults (recompute, dropout, fusions turned off, ...).
         overrides |= transformer_overrides(flags.flags, layer_spec=self.runtime.layer_spec)
         self._bridge.set_extra_args(**overrides)
         self.vocab_size = vocab
         self.padded_vocab_size = math.ceil(vocab / tensor_parallel) * tensor_parallel
+        self._stacked_experts = experts.is_moe(self.hf_config) and experts.stacks_experts(self.hf_config)
 
     @property
     def transformer_config(self) -> Any:
@@ -136,7 +146,7 @@ class HFBridge:
         from megatron.core.models.gpt import GPTModel
 
         config = self._bridge.config
-        spec = layer_spec(self.runtime, qk_layernorm=config.qk_layernorm)
+        spec = layer_spec(self.runtime, config)
         # mbridge pads the vocabulary in its load/export only once its provider has recorded the sizes.
         self._bridge.vocab_size, self._bridge.padded_vocab_size = self.vocab_size, self.padded_vocab_size
         model = GPTModel(
@@ -177,6 +187,14 @@ class HFBridge:
                 seen.add(name)
                 yield name, tensor
 
+    def model_layout_weights(self, stages: list[nn.Module]) -> Iterator[tuple[str, Tensor]]:
+        """`export_hf_weights` under the names and shapes of the HF model in memory, which is what engines serve
+        and the torch trainer sends: the same tensors but a MoE layer's experts stacked (`experts`). COLLECTIVE."""
+        weights = self.export_hf_weights(stages)
+        if not self._stacked_experts:
+            return weights
+        return experts.in_model_layout(weights, experts.num_experts(self.hf_config))
+
 
 def _bridge_class(family: str) -> type:
     from mbridge.core.bridge import _MODEL_REGISTRY
@@ -195,21 +213,85 @@ def _bridge_class(family: str) -> type:
         def _get_gptmodel_args(self) -> dict[str, Any]:
             raise NotImplementedError("HFBridge.build_stage builds the model; mbridge's provider is not used")
 
+        # Experts of the local spec (SequentialMLP) under mbridge's grouped names: see `engines.megatron.experts`.
+        _loading_dense_only = False
+
+        def _weight_name_mapping_mcore_local_to_global(self, model: nn.Module, consider_ep: bool = True
+                                                       ) -> dict[str, str]:
+            names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)
+            offset = 0
+            if consider_ep and self.mpu.ep_size > 1:
+                offset = self.mpu.ep_rank * (self.config.num_moe_experts // self.mpu.ep_size)
+            return {local: experts.grouped_expert_name(name, expert_offset=offset) for local, name in names.items()
+                    if not (self._loading_dense_only and experts.is_local_expert_weight(local))}
+
+        def load_weights(self, models: list[nn.Module], weights_path: str, memory_efficient: bool = False) -> None:
+            """mbridge's load for everything but SequentialMLP experts, which it would read on TP rank 0 and scatter
+            over the attention's TP group; an expert is split over the EXPERT TP group, whose rank 0 reads it."""
+            self._loading_dense_only = True
+            try:
+                super().load_weights(models, weights_path, memory_efficient)
+            finally:
+                self._loading_dense_only = False
+            for model in models:
+                self._load_local_experts(model)
+
+        def _load_local_experts(self, model: nn.Module) -> None:
+            import torch.distributed as dist
+
+            state = model.state_dict()
+            for local, name in self._weight_name_mapping_mcore_local_to_global(model).items():
+                if not experts.is_local_expert_weight(local):
+                    continue
+                param = state[local]
+                shards = None
+                if self.mpu.etp_rank == 0:
+                    hf_names = self._weight_name_mapping_mcore_to_hf(name)
+                    whole = self._weight_to_mcore_format(local, [self.safetensor_io.load_one_hf_weight(hf_name)
+                                                                 for hf_name in hf_names])
+                    shards = [shard.to(param.device, dtype=param.dtype).contiguous() for shard in
+                              self._weight_split_across_tp(local, whole, param, self.mpu.etp_size)]
+                if self.mpu.etp_size == 1:
+                    param.copy_(shards[0])
+                    continue
+                received = torch.empty_like(param)
+                dist.scatter(received, shards, src=dist.get_global_rank(self.mpu.etp_group, 0),
+                             group=self.mpu.etp_group)
+                param.copy_(received)
+
+        def _weight_merge_across_tp(self, name: str, weights: list[Tensor], param: Tensor) -> Tensor:
+            whole = experts.expert_merge(weights, self.mpu.etp_size) if experts.is_expert_weight(name) else None
+            return whole if whole is not None else super()._weight_merge_across_tp(name, weights, param)
+
     LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
     return LocalSpecBridge
 
 
-def layer_spec(runtime: Runtime, *, qk_layernorm: bool) -> Any:
-    """transformer-engine's GPT layer spec where TE runs, else megatron's local spec with SDPA attention."""
+def layer_spec(runtime: Runtime, config: Any) -> Any:
+    """transformer-engine's GPT layer spec where TE runs, else megatron's local spec with SDPA attention (and,
+    with sequence parallelism, norms that allow it: `experts.SequenceParallelRMSNorm`). MoE layers are
+    transformer-engine's grouped experts under TE, megatron's SequentialMLP otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe = {"num_experts": config.num_moe_experts, "moe_grouped_gemm": bool(config.moe_grouped_gemm)}
     if runtime.layer_spec == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     from engines.megatron.attention import SdpaAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+                                                    **moe)
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
-    return spec
+    if not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = experts.SequenceParallelRMSNorm
+    if config.qk_layernorm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = experts.SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=experts.SequenceParallelRMSNorm)
 
 
 def config_overrides(dtype: torch.dtype, runtime: Runtime, tensor_parallel: int) -> dict[str, Any]:

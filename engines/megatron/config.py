@@ -22,12 +22,16 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
     checkpoint) whose weights replace the Hugging Face ones at start-up; `model_path` still provides the
     architecture, tokenizer and export config. `model_flags` are Megatron's own flags as a slime script passes
     them (`engines.megatron.model_flags`): what this trainer cannot honour is refused here, the model-shape ones
-    are checked when the checkpoint is read.
+    are checked when the checkpoint is read. `expert_model_parallel_size` splits a mixture-of-experts model's
+    experts over that many data-parallel ranks; `expert_tensor_parallel_size` splits each expert like the attention
+    (None: megatron's default, the attention's TP) or not at all (1, as slime's MoE scripts run).
     """
 
     initial_checkpoint: Path | None = None
     tensor_model_parallel_size: int = Field(default=1, ge=1)
     pipeline_model_parallel_size: int = Field(default=1, ge=1)
+    expert_model_parallel_size: int = Field(default=1, ge=1)
+    expert_tensor_parallel_size: int | None = Field(default=None, ge=1)
     use_distributed_optimizer: bool = True
     qkv_format: Literal["thd", "bshd"] = "thd"
     model_flags: MegatronFlags = Field(default_factory=MegatronFlags)
@@ -35,4 +39,9 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
     @model_validator(mode="after")
     def _refuse_unsupported_flags(self) -> MegatronTrainerConfig:
         refuse_unsupported(self.model_flags.flags, backend="megatron")
+        expert_tp = self.expert_tensor_parallel_size
+        if expert_tp not in (None, 1, self.tensor_model_parallel_size):
+            raise ValueError(f"expert_tensor_parallel_size {expert_tp}: the Megatron backend splits experts like "
+                             f"the attention (tensor_model_parallel_size {self.tensor_model_parallel_size}) or not "
+                             "at all (1)")
         return self

@@ -13,11 +13,14 @@ supplies those counterparts:
   tensors under their CUDA type names (the only spelling megatron's optimizer accepts);
 - stand-ins for `torch.cuda.current_device`, `synchronize`, streams and events (all synchronous on a CPU);
 - megatron's CUDA RNG tracker backed by the CPU generator, so `model_parallel_cuda_manual_seed` and
-  `tracker.fork()` keep their meaning (per-TP-rank streams) on the one generator the CPU has.
+  `tracker.fork()` keep their meaning (per-TP-rank streams) on the one generator the CPU has;
+- the device mode inside custom autograd Functions' backwards too, the MoE dispatcher's split sizes in the form
+  torch's all-to-all takes (`_backward_stand_ins`, `_megatron_stand_ins`), and the all-gather and reduce-scatter
+  of unequal sizes that expert tensor parallelism issues, which gloo lacks (`_UNEVEN_COLLECTIVES`).
 
 Scope. `cpu_compat()` is entered explicitly, by the Megatron trainer, around each of its calls into megatron and
 ONLY when `torch.cuda.is_available()` is false; it refuses to activate otherwise, so a GPU run can never take
-this path by accident. Sequence parallelism stays unsupported here (it needs the fused LayerNorm kernels).
+this path by accident.
 The patches are process-global while active (re-entrant, counted) and fully undone on the last exit.
 """
 
@@ -30,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _CUDA_TYPE_NAMES = {
@@ -73,10 +77,43 @@ class _CpuDeviceMode(TorchFunctionMode):
             return None
         if func is torch.Tensor.to:
             args = (args[0], *(_CPU if _is_cuda_device(arg) else arg for arg in args[1:]))
+        uneven = _UNEVEN_COLLECTIVES.get(func)
+        if uneven is not None and _sizes_differ(args[0] if func is dist.all_gather else args[1]):
+            return uneven(*args, **kwargs)
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
             return _CUDA_TYPE_NAMES.get(result, result)
         return result
+
+
+def _sizes_differ(tensors: Any) -> bool:
+    return isinstance(tensors, (list, tuple)) and len({tuple(t.shape) for t in tensors}) > 1
+
+
+def _uneven_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+                       async_op: bool = False) -> None:
+    """gloo's all_gather takes equal sizes only; megatron's expert-TP dispatcher gathers rows of unequal counts
+    (NCCL takes them): every rank sends its rows padded to the longest, then each slot keeps its own count."""
+    longest = max(t.shape[0] for t in tensor_list)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    slots = [tensor.new_empty((longest, *tensor.shape[1:])) for _ in tensor_list]
+    dist.all_gather(slots, padded, group=group)
+    for target, slot in zip(tensor_list, slots, strict=True):
+        target.copy_(slot[: target.shape[0]])
+
+
+def _uneven_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None, group: Any = None,
+                           async_op: bool = False) -> None:
+    """The same for gloo's reduce_scatter: the sum of every rank's whole input, of which each keeps its part."""
+    whole = torch.cat([t.reshape(t.shape[0], -1) for t in input_list]).contiguous()
+    dist.all_reduce(whole, op=op or dist.ReduceOp.SUM, group=group)
+    start = sum(t.shape[0] for t in input_list[: dist.get_rank(group)])
+    output.copy_(whole[start : start + output.shape[0]].reshape(output.shape))
+
+
+_UNEVEN_COLLECTIVES: dict[Any, Callable[..., None]] = {dist.all_gather: _uneven_all_gather,
+                                                       dist.reduce_scatter: _uneven_reduce_scatter}
 
 
 class _Stream:
@@ -137,9 +174,27 @@ def _cuda_stand_ins() -> dict[str, Any]:
     }
 
 
+def _backward_stand_ins() -> list[tuple[Any, str, Any]]:
+    """The autograd engine runs a custom Function's backward without the caller's function modes, so megatron's
+    collectives that allocate their output on `torch.cuda.current_device()` in a backward (the MoE all-to-all,
+    the sequence-parallel gathers) would ask for a GPU: each such backward runs inside the device mode too."""
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+
+    def apply(self: Any, *args: Any) -> Any:
+        with _CpuDeviceMode():
+            return original(self, *args)
+
+    return [(BackwardCFunction, "apply", apply)]
+
+
 def _megatron_stand_ins() -> list[tuple[Any, str, Any]]:
-    """megatron's RNG tracker reads CUDA generators directly; give it the CPU one."""
+    """megatron's RNG tracker reads CUDA generators directly; give it the CPU one. Its MoE token dispatcher moves
+    the all-to-all split sizes off the GPU as numpy arrays (the form `all_to_all_single` accepts) and leaves a
+    tensor already on the CPU as it is, which torch then refuses: give it the numpy arrays here too."""
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
         return torch.get_rng_state()
@@ -147,7 +202,11 @@ def _megatron_stand_ins() -> list[tuple[Any, str, Any]]:
     def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
         torch.set_rng_state(new_state)
 
-    return [(megatron_random, "_get_cuda_rng_state", get_state), (megatron_random, "_set_cuda_rng_state", set_state)]
+    def host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    return [(megatron_random, "_get_cuda_rng_state", get_state), (megatron_random, "_set_cuda_rng_state", set_state),
+            (token_dispatcher, "maybe_move_tensor_to_cpu", host_copy)]
 
 
 class _SameGeneratorWarning(logging.Filter):
@@ -175,7 +234,7 @@ class _Patches:
         with self._lock:
             if self._depth == 0:
                 targets = [(torch.cuda, name, value) for name, value in _cuda_stand_ins().items()]
-                for owner, name, value in targets + _megatron_stand_ins():
+                for owner, name, value in targets + _megatron_stand_ins() + _backward_stand_ins():
                     self._saved.append((owner, name, getattr(owner, name)))
                     setattr(owner, name, value)
                 logging.getLogger(_MEGATRON_RNG_LOGGER).addFilter(self._rng_warning)

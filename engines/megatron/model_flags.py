@@ -179,6 +179,13 @@ def _dashed(flag: str) -> str:
 
 # -- refusals ----------------------------------------------------------------------------------------------------
 
+# MoE settings whose computation neither backend's bridge builds (the torch backend takes routing from the HF model).
+_MOE_REFUSALS = {
+    "moe_router_enable_expert_bias": "the aux-loss-free expert bias (DeepSeek-V3's router) is not built",
+    "moe_enable_deepep": "DeepEP's dispatcher is CUDA-only; use --moe-token-dispatcher-type alltoall",
+    "moe_shared_expert_intermediate_size": "shared experts (Qwen2-MoE, DeepSeek) are not built by the Megatron "
+                                           "backend's bridge (qwen3_moe)",
+}
 _ARCHITECTURE_FLAGS = ("multi_latent_attention", "attention_output_gate", "use_gated_attention",
                        "post_mlp_layernorm", "post_self_attn_layernorm")
 
@@ -196,9 +203,13 @@ def refuse_unsupported(flags: Mapping[str, Any], *, backend: str) -> None:
         refuse("fp16", "fp16 training (loss scaling) is not implemented; use --bf16")
     if flags.get("optimizer", "adam") != "adam":
         refuse("optimizer", "only adam (AdamW) is supported")
-    for name in ("context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
-        if (flags.get(name) or 1) > 1:
-            refuse(name, "not supported yet (tensor, pipeline and data parallelism only)")
+    if (flags.get("context_parallel_size") or 1) > 1:
+        refuse("context_parallel_size", "context parallelism is not supported: megatron-core's context-parallel "
+               "attention is transformer-engine's (CUDA only), which the CPU path and our SDPA attention lack")
+    if backend == "torch":
+        for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+            if (flags.get(name) or 1) > 1:
+                refuse(name, "the torch backend keeps every expert on every rank; use --train-backend megatron")
     if flags.get("accumulate_allreduce_grads_in_fp32") is False:
         refuse("accumulate_allreduce_grads_in_fp32", "gradients are always accumulated and reduced in float32")
     if flags.get("mtp_num_layers"):
@@ -219,9 +230,13 @@ def refuse_unsupported(flags: Mapping[str, Any], *, backend: str) -> None:
         return
     if flags.get("custom_model_provider_path"):
         refuse("custom_model_provider_path", "the Megatron backend builds the model from the HF checkpoint (mbridge)")
-    if flags.get("num_experts"):
-        refuse("num_experts", "MoE models are not supported by the Megatron backend's bridge (dense llama, qwen2, "
-               "qwen3); use --train-backend torch")
+    balancing = flags.get("moe_router_load_balancing_type") or "aux_loss"
+    if balancing not in ("aux_loss", "none"):
+        refuse("moe_router_load_balancing_type", "the Megatron backend computes megatron's micro-batch aux_loss only "
+               "(or none), as the torch backend does")
+    for name, reason in _MOE_REFUSALS.items():
+        if flags.get(name):
+            refuse(name, reason)
     for name in _ARCHITECTURE_FLAGS:
         if flags.get(name):
             refuse(name, "this architecture is not built by the Megatron backend's bridge (dense llama, qwen2, qwen3)")

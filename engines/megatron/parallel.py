@@ -109,8 +109,13 @@ def check_world_backend(backend: str, device: torch.device) -> None:
         )
 
 
-def initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> None:
-    """Create megatron's groups for this layout (or check the existing ones match) and seed its RNG streams."""
+def initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int, *, expert_parallel: int = 1,
+                              expert_tensor_parallel: int | None = None) -> None:
+    """Create megatron's groups for this layout (or check the existing ones match) and seed its RNG streams.
+
+    Expert parallelism is carved out of the data-parallel ranks (megatron's layout): EP must divide the world over
+    TP x PP, and the expert layout (expert TP x EP) must divide the world over PP. `expert_tensor_parallel` None is
+    megatron's default, the attention's TP."""
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as megatron_tp
 
@@ -120,19 +125,29 @@ def initialize_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed
             f"world size {world} is not a multiple of tensor_model_parallel_size x pipeline_model_parallel_size = "
             f"{tensor_parallel} x {pipeline_parallel}"
         )
+    expert_tp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+    if (world // pipeline_parallel) % (expert_tp * expert_parallel):
+        raise ValueError(
+            f"world size {world} over pipeline_model_parallel_size {pipeline_parallel} is not a multiple of "
+            f"expert_tensor_parallel_size x expert_model_parallel_size = {expert_tp} x {expert_parallel}"
+        )
+    wanted = (tensor_parallel, pipeline_parallel, expert_parallel, expert_tp)
     if parallel_state.model_parallel_is_initialized():
         existing = (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
-        if existing != (tensor_parallel, pipeline_parallel):
+        if existing != wanted:
             raise ValueError(
-                f"megatron is already initialised with (TP, PP) = {existing}, not ({tensor_parallel}, "
-                f"{pipeline_parallel}); one process hosts one parallel layout"
+                f"megatron is already initialised with (TP, PP, EP, expert TP) = {existing}, not {wanted}; one "
+                "process hosts one parallel layout"
             )
     else:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+            expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=expert_tp,
         )
     torch.manual_seed(seed)
     megatron_tp.model_parallel_cuda_manual_seed(seed)
@@ -154,6 +169,12 @@ def tp_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
 
 
 def dp_rank_and_size() -> tuple[int, int]:

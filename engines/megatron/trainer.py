@@ -46,10 +46,18 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engines.megatron import collectives, optimizer, parallel
-from engines.megatron.batches import MicroBatch, plan_micro_batches, shard_for_rank
+from engines.megatron.batches import (
+    MicroBatch,
+    count_micro_batches,
+    filler_micro_batch,
+    micro_batch_counts,
+    plan_micro_batches,
+    shard_for_rank,
+)
 from engines.megatron.bridge import HFBridge
 from engines.megatron.config import MegatronTrainerConfig
 from engines.megatron.cpu_compat import maybe_cpu_compat
+from engines.megatron.experts import RouterLossScale, RoutingReplay, checkpoint_expert_parallel_problem
 from engines.megatron.hooks import StepHooks
 from engines.megatron.logprobs import vocab_parallel_log_probs
 from engines.training import base, checkpoint
@@ -72,13 +80,17 @@ class MegatronTrainer(Trainer):
         self._counter = base.VersionCounter()
         with maybe_cpu_compat():
             parallel.initialize_model_parallel(
-                config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed
+                config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.seed,
+                expert_parallel=config.expert_model_parallel_size,
+                expert_tensor_parallel=config.expert_tensor_parallel_size,
             )
             dtype = _DTYPES[config.dtype]
             self._bridge = HFBridge(config.model_path, dtype=dtype, flags=config.model_flags)
             stage = self._bridge.build_stage()
             self._bridge.load_hf_weights([stage])
             self._stage = stage
+            self._router_losses = RouterLossScale(stage, self._bridge.transformer_config)
+            self._routing_replay = RoutingReplay(stage)
             self._device = next(stage.parameters()).device
             self._module = _wrap_ddp(_maybe_float16(stage, self._bridge.transformer_config), config)
             self._optimizer = optimizer.build(config, self._module)
@@ -158,8 +170,13 @@ class MegatronTrainer(Trainer):
             self._optimizer.zero_grad()
             self._hooks.before_train_step([self._module], self._optimizer)
             micro_batches = self._micro_batches(samples, with_batch=True)
+            step_micro_batches = self._step_micro_batches(samples)
+            if self._router_losses.active:
+                self._router_losses.for_step(step_micro_batches)
             self._run_schedule(self._module, micro_batches, loss_of, temperature, with_entropy, forward_only=False)
             reduced = stats.reduce(contributes=parallel.is_last_stage() and parallel.tp_rank() == 0)
+            if self._router_losses.active:
+                reduced[2].update(self._router_losses.metrics(step_micro_batches, tensor_parallel=parallel.tp_size()))
             result = self._apply_update(reduced, counts, len(micro_batches), started, ends_batch)
         self._hooks.after_train_step(ends_batch=ends_batch)
         return result
@@ -195,6 +212,11 @@ class MegatronTrainer(Trainer):
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         directory = Path(directory)
         state = checkpoint.read_state(directory)
+        saved_expert_parallel = int(state.get("config", {}).get("expert_model_parallel_size", 1))
+        problem = self._router_losses.moe and checkpoint_expert_parallel_problem(
+            saved_expert_parallel, self.config.expert_model_parallel_size)
+        if problem:
+            raise ValueError(f"{directory}: {problem}")
         from megatron.core import dist_checkpointing
 
         with maybe_cpu_compat():
@@ -214,9 +236,12 @@ class MegatronTrainer(Trainer):
         return state["extra_state"]
 
     def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """HF names and layouts, TP shards gathered and PP stages broadcast. COLLECTIVE: every learner rank must
-        iterate it to the end (every rank receives every tensor; the weight sender uses rank 0's)."""
-        inner = self._bridge.export_hf_weights([self._stage])
+        """The HF model's names and layouts in memory (the torch trainer's; a MoE layer's experts stacked), TP
+        shards gathered and PP stages broadcast. COLLECTIVE: every learner rank must iterate it to the end (every
+        rank receives every tensor; the weight sender uses rank 0's)."""
+        return self._each_in_compat(self._bridge.model_layout_weights([self._stage]))
+
+    def _each_in_compat(self, inner: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         while True:
             with maybe_cpu_compat():
                 item = next(inner, None)
@@ -225,7 +250,9 @@ class MegatronTrainer(Trainer):
             yield item
 
     def export_hf(self, directory: str | Path) -> None:
-        tensors = {name: tensor.detach().cpu().contiguous().clone() for name, tensor in self.named_tensors()}
+        """A Hugging Face folder in the checkpoint layout (experts apart, as `save_pretrained` writes them)."""
+        tensors = {name: tensor.detach().cpu().contiguous().clone()
+                   for name, tensor in self._each_in_compat(self._bridge.export_hf_weights([self._stage]))}
         source = Path(self.config.model_path)
 
         def write() -> None:
@@ -248,17 +275,35 @@ class MegatronTrainer(Trainer):
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _micro_batches(self, samples: Sequence[TrainSample], *, with_batch: bool) -> list[MicroBatch]:
+        """This rank's micro-batches; under expert parallelism topped up with fillers to the count of the busiest
+        data-parallel rank (`batches.filler_micro_batch`)."""
         rank, ranks = parallel.dp_rank_and_size()
-        members = shard_for_rank([int(s.tokens.numel()) for s in samples], ranks, rank)
-        return plan_micro_batches(
+        lengths = [int(s.tokens.numel()) for s in samples]
+        members = shard_for_rank(lengths, ranks, rank)
+        planned = plan_micro_batches(
             samples,
             members,
             self.config.micro_batch_tokens,
             qkv_format=self.config.qkv_format,
             with_batch=with_batch,
             device=self._device,
-            pad_multiple=parallel.tp_size() if self._bridge.sequence_parallel else 1,
+            pad_multiple=self._pad_multiple(),
         )
+        if parallel.ep_size() == 1:
+            return planned
+        busiest = max(micro_batch_counts(lengths, ranks, self.config.micro_batch_tokens,
+                                         qkv_format=self.config.qkv_format, pad_multiple=self._pad_multiple()))
+        filler = filler_micro_batch(self._pad_multiple(), qkv_format=self.config.qkv_format, device=self._device)
+        return planned + [filler] * (busiest - len(planned))
+
+    def _step_micro_batches(self, samples: Sequence[TrainSample]) -> int:
+        """Micro-batches of this step over every data-parallel rank."""
+        _, ranks = parallel.dp_rank_and_size()
+        return count_micro_batches([int(s.tokens.numel()) for s in samples], ranks, self.config.micro_batch_tokens,
+                                   qkv_format=self.config.qkv_format, pad_multiple=self._pad_multiple())
+
+    def _pad_multiple(self) -> int:
+        return parallel.tp_size() if self._bridge.sequence_parallel else 1
 
     def _run_schedule(
         self,
@@ -280,6 +325,8 @@ class MegatronTrainer(Trainer):
         model_kwargs = {"fp32_output": False} if self._bridge.transformer_config.bf16 else {}
 
         def loss_func(micro_batch: MicroBatch, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Any]]:
+            if micro_batch.is_filler:
+                return logits.sum() * 0.0, one_token, {}
             selected = logits[micro_batch.logit_rows, micro_batch.logit_columns]
             outputs = vocab_parallel_log_probs(
                 selected,
@@ -290,10 +337,16 @@ class MegatronTrainer(Trainer):
             )
             return on_outputs(micro_batch, outputs), one_token, {}
 
+        policy = network is self._module  # the reference model routes for itself, as slime's replay leaves it
+
         def forward_step(data: Iterator[MicroBatch], model: nn.Module) -> tuple[Tensor, Callable[..., Any]]:
             micro_batch = next(data)
             packing = {"packed_seq_params": micro_batch.packed_seq_params} if micro_batch.packed_seq_params else {}
-            output = model(micro_batch.input_ids, micro_batch.position_ids, None, **packing, **model_kwargs)
+            replay = self._routing_replay.routing(
+                micro_batch.routes if policy else None, micro_batch.replayed, tensor_parallel=parallel.tp_size(),
+                rank=parallel.tp_rank(), sequence_parallel=self._bridge.sequence_parallel)
+            with self._router_losses.silenced(micro_batch.is_filler), replay:
+                output = model(micro_batch.input_ids, micro_batch.position_ids, None, **packing, **model_kwargs)
             return output, functools.partial(loss_func, micro_batch)
 
         if not micro_batches:

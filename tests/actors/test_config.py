@@ -281,7 +281,7 @@ def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_mo
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("flags", "reason"), [
-    (["--train-backend", "megatron"], "--train-backend megatron builds dense models only"),
+    (["--train-backend", "tools.sim.pipeline:sleeping_trainer"], "the torch and Megatron backends replay MoE routes"),
     (["--rollout-engine", "tools.sim.pipeline:sleeping_engine"], "torch engines and SGLang servers record routed"),
     (["--torch-kv-cache", "static"], "static KV cache does not record routed experts yet"),
 ])

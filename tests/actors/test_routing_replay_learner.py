@@ -67,7 +67,7 @@ def test_every_optimizer_step_of_a_batch_replays_the_routes_of_pi_olds_forward(m
 @pytest.mark.parametrize(("settings", "message"), [
     ({"use_decoupled_ppo": False, "off_policy_correction": "none"},
      "records the experts in the learner's pi_old forward, which this recipe"),
-    ({"train_backend": "megatron"}, "--use-routing-replay: the torch backend replays MoE routes"),
+    ({"train_backend": "megatron"}, "--use-routing-replay: the torch backend records and replays the learner's own"),
 ])
 def test_recipes_without_a_pi_old_forward_of_their_own_are_refused(tiny_model_path: Path, settings: dict,
                                                                    message: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -133,7 +134,8 @@ def test_layer_spec_and_kernels_follow_the_runtime() -> None:
     for overrides in (on_cpu, with_te, local):
         assert overrides["hidden_dropout"] == overrides["attention_dropout"] == 0.0
 
-    spec = layer_spec(gpu_local, qk_layernorm=False)
+    dense = SimpleNamespace(qk_layernorm=False, num_moe_experts=None, moe_grouped_gemm=False, sequence_parallel=False)
+    spec = layer_spec(gpu_local, dense)
     assert spec.submodules.self_attention.submodules.core_attention is SdpaAttention
 
 
@@ -168,7 +170,8 @@ def test_the_trainer_builds_its_world_and_batches_for_its_model_device(trainer: 
 def test_tensor_collectives_are_only_issued_where_their_device_is_chosen() -> None:
     """A tensor collective written anywhere else in the trainer would bypass `collective_device` (the bug this
     guards against: a CPU flag or log-prob vector handed to NCCL). `logprobs.py` reduces tensors derived from the
-    model's logits, which already sit on the model's GPU."""
+    model's logits, which already sit on the model's GPU; `bridge.py` scatters expert weight shards made on their
+    parameter's device (as mbridge's own load does); `cpu_compat.py` runs only without CUDA, on gloo."""
     import ast
 
     tensor_collectives = {
@@ -187,4 +190,5 @@ def test_tensor_collectives_are_only_issued_where_their_device_is_chosen() -> No
                 and node.func.value.id == "dist"
             ):
                 found.setdefault(source.name, set()).add(node.func.attr)
-    assert found == {"collectives.py": {"all_reduce"}, "logprobs.py": {"all_reduce"}}
+    assert found == {"collectives.py": {"all_reduce"}, "logprobs.py": {"all_reduce"}, "bridge.py": {"scatter"},
+                     "cpu_compat.py": {"all_reduce", "all_gather"}}

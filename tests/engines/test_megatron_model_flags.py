@@ -109,13 +109,17 @@ def test_vocab_size_is_compared_after_megatrons_padding(hf_config: Any) -> None:
 @pytest.mark.parametrize(
     ("argv", "reason"),
     [
-        (["--context-parallel-size", "2"], "--context-parallel-size 2: not supported yet"),
-        (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size 4: not supported yet"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not supported"),
+        (["--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+          "--train-backend", "megatron"],
+         "expert_tensor_parallel_size 3: the Megatron backend splits experts like the attention"),
+        (["--moe-router-load-balancing-type", "seq_aux_loss"], "computes megatron's micro-batch aux_loss only"),
+        (["--moe-router-enable-expert-bias"], "aux-loss-free expert bias"),
+        (["--moe-enable-deepep"], "DeepEP's dispatcher is CUDA-only"),
         (["--fp16"], "--fp16 True: fp16 training"),
         (["--optimizer", "sgd"], "--optimizer sgd: only adam"),
         (["--optimizer-cpu-offload"], "--optimizer-cpu-offload True: the Megatron trainer runs"),
         (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer True"),
-        (["--num-experts", "8"], "--num-experts 8: MoE models are not supported"),
         (["--multi-latent-attention"], "--multi-latent-attention True: this architecture"),
         (["--spec", "plugin.models", "get_spec"], "--spec ['plugin.models', 'get_spec']: the Megatron backend picks"),
         (["--decoder-last-pipeline-num-layers", "3"], "--decoder-last-pipeline-num-layers 3: uneven pipeline"),
@@ -131,9 +135,12 @@ def test_what_the_megatron_backend_cannot_do_is_refused_with_the_flag(
 ) -> None:
     from engines.megatron.config import MegatronTrainerConfig
 
-    flags = parse(argv).megatron.set_flags()
+    config = parse(argv)
+    flags = config.megatron.set_flags()
     with pytest.raises(ValueError) as error:
-        MegatronTrainerConfig(model_path=tiny_model_path, model_flags=MegatronFlags(flags=flags))
+        MegatronTrainerConfig(model_path=tiny_model_path, model_flags=MegatronFlags(flags=flags),
+                              tensor_model_parallel_size=config.trainer.tensor_model_parallel_size,
+                              expert_tensor_parallel_size=config.megatron.expert_tensor_parallel_size)
     assert reason in str(error.value)
 
 
@@ -142,10 +149,14 @@ def test_the_torch_backend_accepts_megatron_performance_flags_but_not_megatron_h
     perf = parse(TINY_QWEN2_MODEL_ARGS + PERF_ARGS + ["--optimizer-cpu-offload"]).megatron.set_flags()
     refuse_unsupported(perf, backend="torch")  # nothing to act on: accepted
     for argv, reason in [(["--custom-megatron-init-path", "m:f"], "needs --train-backend megatron"),
-                         (["--context-parallel-size", "2"], "not supported yet"),
+                         (["--context-parallel-size", "2"], "context parallelism is not supported"),
                          (["--fp16"], "fp16 training"), (["--attention-dropout", "0.1"], "takes dropout from")]:
         with pytest.raises(ValueError, match=reason):
             refuse_unsupported(parse(argv).megatron.set_flags(), backend="torch")
+    with pytest.raises(ValueError, match="keeps every expert on every rank"):
+        refuse_unsupported({"expert_model_parallel_size": 2}, backend="torch")
+    with pytest.raises(ValueError, match="expert parallelism needs --train-backend megatron"):
+        parse(["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
 
 
 @pytest.mark.unit

@@ -51,13 +51,14 @@ def read_slime_script(path: Path, overrides: dict[str, str] | None = None) -> tu
     return entry, argv
 
 
-def run_slime_script(entry: str, argv: list[str], run_dir: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """A slime script's argv through `launcher.py --head --slime-entry ENTRY` on CPU (`--train-backend torch`:
-    Megatron needs GPUs), quiet; fails with the run's output unless it exits 0. Returns the finished process and
-    the rows of its train.jsonl."""
+def run_slime_script(entry: str, argv: list[str], run_dir: Path, *, train_backend: str = "torch"
+                     ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """A slime script's argv through `launcher.py --head --slime-entry ENTRY` on CPU (`--train-backend torch` unless
+    told: slime's Megatron runs on megatron-core's CPU path here, slower to start), quiet; fails with the run's
+    output unless it exits 0. Returns the finished process and the rows of its train.jsonl."""
     completed = subprocess.run(
         [sys.executable, str(REPO / "launcher.py"), "--head", "--slime-entry", entry, *argv,
-         "--train-backend", "torch", "--run-dir", str(run_dir), "--no-progress", "--no-use-tensorboard",
+         "--train-backend", train_backend, "--run-dir", str(run_dir), "--no-progress", "--no-use-tensorboard",
          "--no-plots", "--heartbeat-interval", "0.25"],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

@@ -21,13 +21,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 ENGINES = {"torch": [],
            "sglang": ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server"]}
+# (engine, learner backend): each engine into the torch backend, and the torch engine into Megatron's.
+RUNS = [("sglang", "torch"), ("torch", "megatron"), ("torch", "torch")]
 
 
 @pytest.mark.system
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", sorted(ENGINES))
+@pytest.mark.parametrize(("engine", "backend"), RUNS)
 def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_path: Path, tiny_model_cache: Path,
-                                                                        engine: str) -> None:
+                                                                        engine: str, backend: str) -> None:
     model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
     data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
     run_dir, batches = tmp_path / "run", tmp_path / "batches"
@@ -37,7 +39,7 @@ def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_pat
                "--rollout-workers", "1", "--reward-workers", "1", "--seed", "2", "--lr", "1e-3",
                "--torch-threads", "1", "--use-rollout-routing-replay", "--off-policy-correction", "tis",
                "--save-debug-rollout-data", str(batches), "--final-eval-timeout", "0", "--no-progress",
-               "--no-use-tensorboard", "--no-plots", *ENGINES[engine]]
+               "--no-use-tensorboard", "--no-plots", "--train-backend", backend, *ENGINES[engine]]
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]

@@ -1,0 +1,229 @@
+"""Expert parallelism changes where experts live, never what the model computes: a tiny Qwen3-MoE takes the same
+step at EP=2 as at EP=1, alone and under TP=2 (slime's layout: experts whole on each TP rank, sequence parallel),
+with megatron's router losses on; and the Megatron backend's log-probs equal the torch trainer's.
+
+Each layout runs once in freshly spawned gloo ranks on CPU (as `test_megatron_parity.py` does for the dense
+layouts), writing what rank 0 saw. EP is carved out of the data-parallel ranks, so each EP=2 layout is compared
+with the EP=1 layout of the same world and TP: the same data-parallel shards and micro-batches, hence the same
+router losses (they are per micro-batch), only the experts' placement differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from engines.training import TorchTrainer, TorchTrainerConfig
+from tests.support.rendezvous import cpu_gloo_rank, rendezvous_file
+from tests.support.training import seeded_batch, step_loss
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+TEMPERATURE = 0.9
+OPTIMIZER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1.0, "weight_decay": 0.1, "grad_clip": 0.05}
+MICRO_BATCH_TOKENS = 60
+ROUTER_FLAGS = {"moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01}
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
+    resume_at_expert_tensor_parallel: int | None = None  # save after step 1; a fresh process loads so, step 2
+    router_losses: bool = True
+
+
+LAYOUTS = {
+    "single": Layout(world=1, router_losses=False),
+    "dp2": Layout(world=2),
+    "dp2-ep2": Layout(world=2, expert_parallel=2),
+    "tp2-dp2": Layout(world=4, tensor_parallel=2, expert_tensor_parallel=1),
+    "tp2-dp2-ep2": Layout(world=4, tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1,
+                          resume_at_expert_tensor_parallel=2),
+    "tp2-ep2-etp2": Layout(world=4, tensor_parallel=2, expert_parallel=2),  # megatron's default: experts split too
+}
+EXPERT_PARALLEL_PAIRS = [("dp2-ep2", "dp2"), ("tp2-dp2-ep2", "tp2-dp2"), ("tp2-ep2-etp2", "tp2-dp2")]
+
+
+def routed_batch() -> list:
+    """`seeded_batch()` carrying routes as an engine records them (distinct top-2 experts of 4 per token and layer,
+    the last token of each sample without), drawn at random so they differ from the model's own choice."""
+    generator = torch.Generator().manual_seed(7)
+    return [dataclasses.replace(sample, routed_experts=torch.rand(
+        (sample.tokens.numel() - 1, 2, 4), generator=generator).argsort(-1)[..., :2].to(torch.int16))
+        for sample in seeded_batch()]
+
+
+def _trainer(model_path: Path, layout: Layout, expert_tensor_parallel: int | None = None):
+    from engines.megatron import MegatronTrainer, MegatronTrainerConfig
+    from engines.megatron.model_flags import MegatronFlags
+
+    return MegatronTrainer(MegatronTrainerConfig(
+        model_path=model_path,
+        tensor_model_parallel_size=layout.tensor_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel or layout.expert_tensor_parallel,
+        micro_batch_tokens=MICRO_BATCH_TOKENS,
+        model_flags=MegatronFlags(flags=ROUTER_FLAGS if layout.router_losses else {}),
+        **OPTIMIZER,
+    ))
+
+
+def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+    layout = Layout(**layout_fields)
+    with cpu_gloo_rank(rank, rendezvous, layout.world):
+        trainer = _trainer(model_path, layout)
+        batch = seeded_batch()
+        outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE)
+        replayed = trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE)
+        result = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+        weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+        summary = {"grad_norm": result.grad_norm, "metrics": result.metrics}
+        if layout.resume_at_expert_tensor_parallel is not None:
+            trainer.save_checkpoint(out_dir / "checkpoint", {})
+            uninterrupted = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+            summary["uninterrupted_grad_norm"] = uninterrupted.grad_norm
+            expected = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+            if rank == 0:
+                save_file(expected, str(out_dir / "uninterrupted.safetensors"))
+        if rank == 0:
+            save_file({"log_probs": outputs.log_probs, "replayed": replayed.log_probs},
+                      str(out_dir / "outputs.safetensors"))
+            save_file(weights, str(out_dir / "weights.safetensors"))
+            (out_dir / "summary.json").write_text(json.dumps(summary))
+        trainer.close()
+
+
+def _resume_worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+    """A fresh process, as after a learner restart, loads the checkpoint at another expert TP, takes step 2."""
+    layout = Layout(**layout_fields)
+    with cpu_gloo_rank(rank, rendezvous, layout.world):
+        trainer = _trainer(model_path, layout, expert_tensor_parallel=layout.resume_at_expert_tensor_parallel)
+        trainer.load_checkpoint(out_dir / "checkpoint")
+        batch = seeded_batch()
+        resumed = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+        weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+        if rank == 0:
+            save_file(weights, str(out_dir / "resumed.safetensors"))
+            (out_dir / "resumed.json").write_text(json.dumps({"grad_norm": resumed.grad_norm}))
+        trainer.close()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cached_tiny_model(tmp_path_factory.mktemp("moe-models"), TinyModelSpec(family="qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def runs(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each layout is spawned once, lazily, and shared by the tests that look at it."""
+
+    class Runs(dict):
+        def __missing__(self, name: str) -> Path:
+            layout = LAYOUTS[name]
+            out_dir = tmp_path_factory.mktemp(name)
+            mp.spawn(_worker, args=(rendezvous_file(), model_path, out_dir, asdict(layout)), nprocs=layout.world,
+                     join=True)
+            if layout.resume_at_expert_tensor_parallel is not None:
+                mp.spawn(_resume_worker, args=(rendezvous_file(), model_path, out_dir, asdict(layout)),
+                         nprocs=layout.world, join=True)
+            self[name] = out_dir
+            return out_dir
+
+    return Runs()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("expert_parallel", "reference"), EXPERT_PARALLEL_PAIRS)
+def test_expert_parallel_step_equals_the_step_with_every_expert_on_every_rank(
+    expert_parallel: str, reference: str, runs: dict
+) -> None:
+    step = json.loads((runs[expert_parallel] / "summary.json").read_text())
+    expected = json.loads((runs[reference] / "summary.json").read_text())
+    for key in ("loss", "token_term", "moe/load_balancing_loss", "moe/z_loss"):
+        assert step["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
+    assert expected["metrics"]["moe/load_balancing_loss"] > 0 and expected["metrics"]["moe/z_loss"] > 0
+    assert step["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    exported = load_file(str(runs[expert_parallel] / "weights.safetensors"))
+    reference_weights = load_file(str(runs[reference] / "weights.safetensors"))
+    assert exported.keys() == reference_weights.keys()
+    for name, tensor in reference_weights.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_step_without_router_losses_equals_the_torch_trainers_step(runs: dict, model_path: Path) -> None:
+    """Loss, gradient norm and every weight after the step, under the names and shapes of the HF model in memory
+    (its experts stacked), which the torch trainer sends and the engines serve."""
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                              check_packing=False, **OPTIMIZER))
+    batch = seeded_batch()
+    expected = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+    step = json.loads((runs["single"] / "summary.json").read_text())
+    assert step["metrics"]["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
+    assert step["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)
+    exported = load_file(str(runs["single"] / "weights.safetensors"))
+    expected_weights = dict(trainer.named_tensors())
+    assert {name: tuple(t.shape) for name, t in exported.items()} == {
+        name: tuple(t.shape) for name, t in expected_weights.items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in exported)
+    for name, tensor in expected_weights.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_log_probs_equal_the_torch_trainers(layout: str, runs: dict, model_path: Path) -> None:
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                              check_packing=False, **OPTIMIZER))
+    expected = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE)
+    saved = load_file(str(runs[layout] / "outputs.safetensors"))
+    torch.testing.assert_close(saved["log_probs"], expected.log_probs, rtol=0, atol=2e-5)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["single", "tp2-dp2-ep2"])
+def test_replayed_rollout_routes_give_the_torch_trainers_replayed_log_probs(
+    layout: str, runs: dict, model_path: Path
+) -> None:
+    """R3 on the Megatron backend: every token that carries routes takes those experts (the rest route for
+    themselves), as the torch trainer's replay does; under sequence parallelism each TP rank replays its share."""
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                              check_packing=False, **OPTIMIZER))
+    expected = trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE)
+    own_routes = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE)
+    saved = load_file(str(runs[layout] / "outputs.safetensors"))
+    assert (expected.log_probs - own_routes.log_probs).abs().max() > 1e-2  # the replayed routes matter
+    torch.testing.assert_close(saved["replayed"], expected.log_probs, rtol=0, atol=2e-5)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_checkpoint_with_whole_experts_resumes_with_split_experts_and_the_uninterrupted_step(runs: dict) -> None:
+    """Experts, their Adam moments and the step count survive resharding from whole experts on each TP rank
+    (expert TP 1) to experts split over the TP ranks (expert TP 2). The data layout stays (TP 2, DP 2), since the
+    router losses are per micro-batch; and EP stays 2: megatron keeps the experts' optimizer apart from the dense
+    one only under EP > 1, so its checkpoints do not move between EP 1 and EP > 1 (refused by name)."""
+    out_dir = runs["tp2-dp2-ep2"]
+    summary = json.loads((out_dir / "summary.json").read_text())
+    resumed = json.loads((out_dir / "resumed.json").read_text())
+    assert resumed["grad_norm"] == pytest.approx(summary["uninterrupted_grad_norm"], rel=1e-5)
+    expected = load_file(str(out_dir / "uninterrupted.safetensors"))
+    actual = load_file(str(out_dir / "resumed.safetensors"))
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
