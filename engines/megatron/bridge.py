@@ -40,6 +40,7 @@ from transformers import AutoConfig, PretrainedConfig
 from engines.megatron import experts
 from engines.megatron.model_flags import MegatronFlags, check_against_hf, run_init_hook, transformer_overrides
 from engines.megatron.parallel import compute_device
+from engines.weights import layouts
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", *experts.MOE_FAMILIES)
 _LOCAL_SPEC_NORMS = {
@@ -129,7 +130,7 @@ class HFBridge:
         self._bridge.set_extra_args(**overrides)
         self.vocab_size = vocab
         self.padded_vocab_size = math.ceil(vocab / tensor_parallel) * tensor_parallel
-        self._stacked_experts = experts.is_moe(self.hf_config) and experts.stacks_experts(self.hf_config)
+        self._stacked_experts = experts.is_moe(self.hf_config) and layouts.stacks_experts(self.hf_config)
 
     @property
     def transformer_config(self) -> Any:
@@ -193,7 +194,7 @@ class HFBridge:
         weights = self.export_hf_weights(stages)
         if not self._stacked_experts:
             return weights
-        return experts.in_model_layout(weights, experts.num_experts(self.hf_config))
+        return layouts.in_model_layout(weights, experts.num_experts(self.hf_config))
 
 
 def _bridge_class(family: str) -> type:

@@ -19,8 +19,8 @@ saw part of the sequence: the same arithmetic, now allowed.
 Two layouts out. A Hugging Face checkpoint stores each expert's projections apart (`experts.<e>.gate_proj.weight`,
 as mbridge exports and SGLang loads them); transformers 5 holds a layer's experts as two stacked tensors
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), and that is what the torch trainer sends and
-what a torch engine's parameters are named. `in_model_layout` stacks the first into the second, one layer at a
-time, where the installed transformers builds the model that way (it asks a meta-device skeleton).
+what a torch engine's parameters are named. `engines.weights.layouts.in_model_layout` stacks the first into the
+second, one layer at a time, where the installed transformers builds the model that way.
 
 Without transformer-engine. megatron-core 0.16.1's router calls `te_general_gemm` by a name it defines only when
 transformer-engine imports (a NameError at the first MoE forward); `define_missing_te_gemm` defines it as None,
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,7 +47,6 @@ from transformers import PretrainedConfig
 
 MOE_FAMILIES = ("qwen3_moe",)
 _SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
-_CHECKPOINT_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROUTER_COEFFICIENTS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
 
 
@@ -126,38 +125,6 @@ def expert_merge(shards: list[Tensor], etp_size: int) -> Tensor | None:
     if etp_size == 1:
         return shards[0]
     return None
-
-
-def stacks_experts(hf_config: PretrainedConfig) -> bool:
-    """Whether the installed transformers holds this model's experts stacked (`experts.gate_up_proj`)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    return any(name.endswith(".mlp.experts.gate_up_proj") for name, _ in skeleton.named_parameters())
-
-
-def in_model_layout(named: Iterable[tuple[str, Tensor]], experts: int) -> Iterator[tuple[str, Tensor]]:
-    """Checkpoint-layout tensors with each layer's `experts` experts stacked as transformers 5 holds them; other
-    tensors pass through in order. A layer's stacks come out once its last expert tensor went in."""
-    pending: dict[str, dict[tuple[str, int], Tensor]] = {}
-    for name, tensor in named:
-        match = _CHECKPOINT_EXPERT.match(name)
-        if match is None:
-            yield name, tensor
-            continue
-        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
-        layer = pending.setdefault(prefix, {})
-        layer[(projection, expert)] = tensor
-        if len(layer) < 3 * experts:
-            continue
-        del pending[prefix]
-        yield f"{prefix}.gate_up_proj", torch.stack(
-            [torch.cat([layer[("gate_proj", e)], layer[("up_proj", e)]]) for e in range(experts)])
-        yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", e)] for e in range(experts)])
-    if pending:
-        raise ValueError(f"expert weights of {sorted(pending)} ended incomplete: every layer needs gate, up and down "
-                         f"projections of {experts} experts")
 
 
 def checkpoint_expert_parallel_problem(saved: int, loading: int) -> str | None:

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.config import add_config_flags, config_from_args
 from engines.megatron import experts
+from engines.weights import layouts
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 pytest.importorskip("megatron.core")
@@ -46,8 +47,8 @@ def test_checkpoint_layout_is_stacked_as_transformers_holds_the_model(moe_path: 
     with safe_open(str(moe_path / "model.safetensors"), "pt") as checkpoint:
         on_disk = [(name, checkpoint.get_tensor(name)) for name in checkpoint.keys()]  # noqa: SIM118
     hf_config = AutoConfig.from_pretrained(moe_path)
-    assert experts.stacks_experts(hf_config)
-    stacked = dict(experts.in_model_layout(on_disk, experts.num_experts(hf_config)))
+    assert layouts.stacks_experts(hf_config)
+    stacked = dict(layouts.in_model_layout(on_disk, experts.num_experts(hf_config)))
     model = dict(AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).named_parameters())
     assert stacked.keys() == model.keys()
     for name, parameter in model.items():
@@ -60,7 +61,7 @@ def test_an_incomplete_layer_of_experts_is_an_error_naming_it() -> None:
     partial = [(f"model.layers.0.mlp.experts.{e}.{p}.weight", weight) for e in range(2)
                for p in ("gate_proj", "up_proj", "down_proj")][:-1]
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.*ended incomplete.*of 2 experts"):
-        list(experts.in_model_layout(partial, 2))
+        list(layouts.in_model_layout(partial, 2))
 
 
 @pytest.mark.unit
