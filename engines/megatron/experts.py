@@ -32,6 +32,9 @@ torch side). megatron itself scales them for its per-token loss normalisation, w
 (`engines.megatron.trainer`): multiplied by the micro-batch's token count, to be divided by the step's later. So
 `RouterLossScale` switches that product off in every router and divides the coefficients by the step's number of
 micro-batches instead; megatron's schedule leaves their backward scale at 1.
+
+Routing replay (R3). megatron's routers ask a `router_replay` object for their top-k; `RoutingReplay` installs one
+per router that takes the router's own choice and replaces it at the tokens whose samples carry engine routes.
 """
 
 from __future__ import annotations
