@@ -114,12 +114,17 @@ def plan_micro_batches(
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
     lengths = [int(samples[index].tokens.numel()) for index in members]
-    if qkv_format == "thd":
-        groups, build = _first_fit_packs(lengths, token_budget), _pack
-    else:
-        groups, build = _similar_length_rows([_round_up(n, pad_multiple) for n in lengths], token_budget), _pad
+    groups = _groups(lengths, token_budget, qkv_format, pad_multiple)
+    build = _pack if qkv_format == "thd" else _pad
     device = torch.device(device)
     return [build([members[p] for p in sorted(group)], samples, with_batch, device, pad_multiple) for group in groups]
+
+
+def _groups(lengths: list[int], token_budget: int, qkv_format: str, pad_multiple: int) -> list[list[int]]:
+    """Positions in `lengths` grouped into micro-batches, as `qkv_format` lays them out."""
+    if qkv_format == "thd":
+        return _first_fit_packs(lengths, token_budget)
+    return _similar_length_rows([_round_up(n, pad_multiple) for n in lengths], token_budget)
 
 
 def micro_batch_counts(
@@ -127,14 +132,8 @@ def micro_batch_counts(
 ) -> list[int]:
     """How many micro-batches each of `ranks` data-parallel ranks runs for samples of these token `lengths`: every
     rank plans every rank's shard the same way (`shard_for_rank`, `plan_micro_batches`), so no rank has to ask."""
-    counts = []
-    for rank in range(ranks):
-        shard = [lengths[index] for index in shard_for_rank(lengths, ranks, rank)]
-        if qkv_format == "thd":
-            counts.append(len(_first_fit_packs(shard, token_budget)))
-        else:
-            counts.append(len(_similar_length_rows([_round_up(n, pad_multiple) for n in shard], token_budget)))
-    return counts
+    return [len(_groups([lengths[index] for index in shard_for_rank(lengths, ranks, rank)], token_budget,
+                        qkv_format, pad_multiple)) for rank in range(ranks)]
 
 
 def filler_micro_batch(width: int, *, qkv_format: str, device: torch.device | str = "cpu") -> MicroBatch:
@@ -161,13 +160,6 @@ def filler_micro_batch(width: int, *, qkv_format: str, device: torch.device | st
         batch=None,
         packed_seq_params=packed,
     )
-
-
-def count_micro_batches(
-    lengths: Sequence[int], ranks: int, token_budget: int, *, qkv_format: str, pad_multiple: int = 1
-) -> int:
-    """The micro-batches of samples (fillers left out) that all `ranks` data-parallel ranks run together."""
-    return sum(micro_batch_counts(lengths, ranks, token_budget, qkv_format=qkv_format, pad_multiple=pad_multiple))
 
 
 def _first_fit_packs(lengths: list[int], token_budget: int) -> list[list[int]]:

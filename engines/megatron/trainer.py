@@ -48,7 +48,6 @@ from torch import Tensor, nn
 from engines.megatron import collectives, optimizer, parallel
 from engines.megatron.batches import (
     MicroBatch,
-    count_micro_batches,
     filler_micro_batch,
     micro_batch_counts,
     plan_micro_batches,
@@ -299,8 +298,8 @@ class MegatronTrainer(Trainer):
     def _step_micro_batches(self, samples: Sequence[TrainSample]) -> int:
         """Micro-batches of this step over every data-parallel rank."""
         _, ranks = parallel.dp_rank_and_size()
-        return count_micro_batches([int(s.tokens.numel()) for s in samples], ranks, self.config.micro_batch_tokens,
-                                   qkv_format=self.config.qkv_format, pad_multiple=self._pad_multiple())
+        return sum(micro_batch_counts([int(s.tokens.numel()) for s in samples], ranks, self.config.micro_batch_tokens,
+                                      qkv_format=self.config.qkv_format, pad_multiple=self._pad_multiple()))
 
     def _pad_multiple(self) -> int:
         return parallel.tp_size() if self._bridge.sequence_parallel else 1

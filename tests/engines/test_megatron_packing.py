@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from engines.megatron.batches import plan_micro_batches
+from engines.megatron.batches import micro_batch_counts, plan_micro_batches, shard_for_rank
 from engines.training import TrainSample
 from tests.support.training import seeded_batch, step_loss
 
@@ -85,6 +85,21 @@ def test_padding_a_pack_to_the_tensor_parallel_size_adds_a_tail_sequence_and_cha
         assert torch.equal(after.position_ids[0, width:], torch.arange(total - width))
         for name in ("logit_rows", "logit_columns", "targets"):
             assert torch.equal(getattr(after, name), getattr(before, name)), name
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qkv_format", ["thd", "bshd"])
+def test_every_rank_counts_every_ranks_micro_batches_as_it_plans_them(qkv_format: str) -> None:
+    """Expert parallelism tops each rank up to the busiest rank's count, and the router losses divide by the
+    step's; both come from this count, made without asking the other ranks."""
+    generator = torch.Generator().manual_seed(3)
+    samples = [TrainSample(tokens=torch.arange(int(n)), response_length=2)
+               for n in torch.randint(3, 40, (23,), generator=generator)]
+    lengths = [int(sample.tokens.numel()) for sample in samples]
+    for ranks in (1, 2, 3):
+        planned = [len(plan_micro_batches(samples, shard_for_rank(lengths, ranks, rank), 50, qkv_format=qkv_format,
+                                          with_batch=False, pad_multiple=2)) for rank in range(ranks)]
+        assert micro_batch_counts(lengths, ranks, 50, qkv_format=qkv_format, pad_multiple=2) == planned
 
 
 @pytest.mark.unit
