@@ -16,6 +16,7 @@ the learner's Megatron hooks. What only the actor can find it reports with a `Co
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -52,6 +53,8 @@ BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
     "buffer_filter_path": ("slime.rollout.data_source.pop_first",),
 }
 GPU_TRANSPORTS = ("nccl", "cuda_ipc")
+# How Hugging Face configs spell "experts per MoE layer" (Qwen-MoE and OLMoE, Mixtral, DeepSeek).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # A Hugging Face hub id: `name` or `owner/name` (what is not a path of more than two parts, nor starts with one).
 HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
 
@@ -90,8 +93,12 @@ def _stacked_experts_to_sglang_problems(config: RunConfig, running: set[str]) ->
     if config.engine.sglang_server_module.startswith("tools.standins."):
         return []
     path = Path(config.model.hf_checkpoint or "")
-    if not (path / "config.json").is_file():
+    try:
+        fields = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return []  # a model that is not there is _model_problems' to report
+    if not isinstance(fields, dict) or not any(key in fields for key in _EXPERT_COUNT_KEYS):
+        return []  # a dense model (or a folder transformers cannot read, which the learner reports)
     from transformers import AutoConfig
 
     from engines.weights.layouts import stacks_experts
