@@ -154,10 +154,20 @@ async def test_a_push_to_a_killed_worker_ends_when_the_roster_says_it_died_not_a
             assert await pusher.weights.publish(2), "the survivor was not served"
             seconds = time.monotonic() - started
             assert not pusher.roster["rollout-0-1"].alive
-            assert pusher.counters["weights.restarted"] == 1 and pusher.counters["weights.failed"] == 0
-    # The controller declares a member dead after 5 heartbeats of silence (2.5 s here); then one regroup.
-    assert seconds < 6.0, f"the push took {seconds:.1f}s"
-    waiting = [entry["engines"] for entry in logs
+            assert pusher.counters["weights.failed"] == 0
+    restarts = [entry for entry in logs if entry["event"] == "weight push restarted without the engines it lost"]
+    assert restarts and restarts[0]["lost"] == {"rollout-0-1": "no longer alive"}, restarts
+    # On a loaded machine the survivor itself can miss its heartbeat deadline; the controller then declares it
+    # dead, it registers again, and the push regroups once more for it. That is the roster at work, not a retry.
+    survivor_flaps = [entry for entry in logs if entry["event"] == "member died" and entry["member"] == "rollout-0-0"]
+    assert len(restarts) <= 1 + len(survivor_flaps), (restarts, survivor_flaps)
+    assert all(set(entry["lost"]) == {"rollout-0-0"} for entry in restarts[1:]), restarts
+    assert pusher.counters["weights.restarted"] == len(restarts)
+    # The controller declares a member dead after 5 heartbeats of silence (2.5 s here); then one regroup. Each
+    # flap of the survivor adds another deadline; all of it far below the transfer timeout the push would wait.
+    assert seconds < (6.0 if not survivor_flaps else TRANSFER_TIMEOUT_S / 3), f"the push took {seconds:.1f}s"
+    first_attempt = logs[:logs.index(restarts[0])]
+    waiting = [entry["engines"] for entry in first_attempt
                if entry["event"] == "weight push waiting on engines" and entry["version"] == 2]
     assert waiting and waiting[-1] == ["rollout-0-1"], waiting  # the survivor is ready by then, the victim never
 
