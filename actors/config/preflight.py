@@ -16,7 +16,6 @@ the learner's Megatron hooks. What only the actor can find it reports with a `Co
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,8 +52,6 @@ BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
     "buffer_filter_path": ("slime.rollout.data_source.pop_first",),
 }
 GPU_TRANSPORTS = ("nccl", "cuda_ipc")
-# How Hugging Face configs spell "experts per MoE layer" (Qwen-MoE and OLMoE, Mixtral, DeepSeek).
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # A Hugging Face hub id: `name` or `owner/name` (what is not a path of more than two parts, nor starts with one).
 HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
 
@@ -64,8 +61,7 @@ def preflight(config: RunConfig, roles: Mapping[str, int], *, hub_cache: Path | 
     `hub_cache`: the Hugging Face hub cache to look a model id up in (default: the one transformers uses)."""
     running = {role for role, count in roles.items() if count > 0}
     return [*_data_problems(config, running), *_model_problems(config, running, hub_cache),
-            *_plugin_problems(config, running), *_transport_problems(config, running),
-            *_stacked_experts_to_sglang_problems(config, running)]
+            *_plugin_problems(config, running), *_transport_problems(config, running)]
 
 
 def _transport_problems(config: RunConfig, running: set[str]) -> list[str]:
@@ -80,36 +76,6 @@ def _transport_problems(config: RunConfig, running: set[str]) -> list[str]:
         return []
     return [f"--weight-transport {transport}: it moves CUDA tensors, and this node has no GPU (auto picks gloo, or "
             "shared memory when colocated)"]
-
-
-def _stacked_experts_to_sglang_problems(config: RunConfig, running: set[str]) -> list[str]:
-    """A mixture-of-experts model pushed whole to real SGLang servers. The learner sends the model's tensors as
-    transformers holds them, a layer's experts stacked (`engines.weights.layouts`); SGLang's MoE models load
-    experts only under checkpoint names and skip any other name without a word, so every push would leave the
-    experts as they were while the servers' checksums still move (the dense weights change). Refused until the
-    push unstacks them. The stand-in server (a torch engine) loads the stacked names, and a LoRA adapter has none."""
-    if "learner" not in running or config.engine.rollout_engine != "sglang" or config.lora.lora_rank:
-        return []
-    if config.engine.sglang_server_module.startswith("tools.standins."):
-        return []
-    path = Path(config.model.hf_checkpoint or "")
-    try:
-        fields = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []  # a model that is not there is _model_problems' to report
-    if not isinstance(fields, dict) or not any(key in fields for key in _EXPERT_COUNT_KEYS):
-        return []  # a dense model (or a folder transformers cannot read, which the learner reports)
-    from transformers import AutoConfig
-
-    from engines.weights.layouts import stacks_experts
-
-    hf_config = AutoConfig.from_pretrained(path)
-    if not stacks_experts(hf_config):
-        return []
-    return [f"--rollout-engine sglang with the mixture-of-experts model {path} ({hf_config.model_type}): the learner "
-            "sends its experts stacked as transformers holds them (mlp.experts.gate_up_proj), which SGLang's MoE "
-            "models skip without a word (they load experts under checkpoint names only), so no push would reach "
-            "the experts; not supported yet (issue #44): use --rollout-engine torch, or a LoRA adapter"]
 
 
 # ----------------------------------------------------------------------------------------------------- data

@@ -41,6 +41,7 @@ from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSe
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
 from engines.inference.static_batcher import StaticBatcher
+from engines.weights import layouts
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints, comparable_dtype
 from engines.weights.manifest import TensorSpec
 
@@ -103,6 +104,7 @@ class TorchEngine(base.InferenceEngine):
         self._eos_token_ids = _eos_token_ids(model, tokenizer)
         self._parameters = model.state_dict(keep_vars=True)
         self._adapters = AdapterMerger(self._parameters, lora_scaling)
+        self._checkpoint_views: dict[str, torch.Tensor] | None = None  # made at the first checkpoint-named load
         self._release_when_idle = release_memory_when_idle
         self._recompute_kv_on_update = recompute_kv_on_update
         self._step_listener = step_listener
@@ -375,7 +377,7 @@ class TorchEngine(base.InferenceEngine):
             (adapters if is_adapter(name) else updates).append((name, tensor))
         self._adapters.check(adapters)
         for name, tensor in updates:
-            target = self._parameters.get(name)
+            target = self._weight(name)
             if target is None:
                 raise ValueError(f"update_weights: {name!r} is not a weight of this model")
             if not isinstance(tensor, torch.Tensor):
@@ -387,7 +389,7 @@ class TorchEngine(base.InferenceEngine):
         with torch.no_grad():
             for name, tensor in updates:
                 if not self._adapters.rebase(name, tensor):
-                    self._parameters[name].copy_(tensor)
+                    self._weight(name).copy_(tensor)  # type: ignore[union-attr]  # checked above
         self._adapters.apply(adapters)
         self._version = version
         if self._recompute_kv_on_update:
@@ -398,7 +400,7 @@ class TorchEngine(base.InferenceEngine):
         specs = plan.covered(specs)
         adapters = self._adapters.served(spec.name for spec in specs if is_adapter(spec.name))
         for spec in specs:
-            served = adapters.get(spec.name) if is_adapter(spec.name) else self._parameters.get(spec.name)
+            served = adapters.get(spec.name) if is_adapter(spec.name) else self._weight(spec.name)
             if served is None:
                 continue  # absent: the sender names it as served differently
             if not comparable_dtype(spec.dtype, served.dtype):
@@ -406,6 +408,20 @@ class TorchEngine(base.InferenceEngine):
                 continue
             prints.add(spec.name, served, spec.dtype)
         return ServedPrints(prints.values(), unchecked)
+
+    def _weight(self, name: str) -> torch.Tensor | None:
+        """The served tensor a name loads into: the model's own name, or its checkpoint's (a stacked layer's expert
+        is a slice of its parameter), as an SGLang server takes either kind of a checkpoint's names."""
+        weight = self._parameters.get(name)
+        if weight is not None:
+            return weight
+        if self._checkpoint_views is None:
+            try:
+                self._checkpoint_views = layouts.checkpoint_views(self._model)
+            except ValueError as error:
+                logger.warning("checkpoint names will not load into this model: %s", error)
+                self._checkpoint_views = {}
+        return self._checkpoint_views.get(name)
 
     def _refuse_leftover_commands(self) -> None:
         while True:

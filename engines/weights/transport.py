@@ -51,6 +51,9 @@ class WeightTransport:
     name: str
     make_sender: Callable[[SenderOptions], WeightSender]  # learner rank 0, built once
     make_loader: Callable[[Any, str, Any], EngineLoader]  # (engine, actor_id, log) on each rollout worker
+    # The engines load tensors under the checkpoint's names (SGLang's `load_weights`), not transformers' in-memory
+    # ones: a mixture-of-experts layer goes out one tensor per expert (`engines.weights.layouts`).
+    checkpoint_names: bool = False
 
 
 def is_plugin(name: str) -> bool:
@@ -144,8 +147,8 @@ def _sglang_tensor_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
 
 BUILTIN: dict[str, WeightTransport] = {
     TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader),
-    SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader),
+    SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader, checkpoint_names=True),
     SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader),
     # colocated servers (--colocate): each bucket by reference to the learner's memory
-    SGLANG_TENSOR: WeightTransport(SGLANG_TENSOR, _sglang_tensor_sender, _sglang_tensor_loader),
+    SGLANG_TENSOR: WeightTransport(SGLANG_TENSOR, _sglang_tensor_sender, _sglang_tensor_loader, checkpoint_names=True),
 }

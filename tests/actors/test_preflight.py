@@ -127,24 +127,3 @@ def test_a_gpu_weight_transport_on_a_node_without_gpus_is_refused_before_the_lea
     assert preflight(config, HEAD) == [f"--weight-transport {transport}: it moves CUDA tensors, and this node has no "
                                        "GPU (auto picks gloo, or shared memory when colocated)"]
     assert preflight(config, {"buffer": 1, "reward": 1}) == []  # nothing on this node pushes or receives weights
-
-
-@pytest.mark.unit
-def test_a_moe_model_pushed_whole_to_real_sglang_is_refused_naming_why(tmp_path: Path, tiny_model_cache: Path,
-                                                                      tiny_model_path: Path) -> None:
-    """SGLang's MoE models skip the stacked expert names the learner sends (transformers 5's in-memory layout):
-    the experts would never be updated, and nothing would say so."""
-    from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
-
-    moe = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
-    data = str(good_prompts(tmp_path))
-    config = RunConfig(prompt_data=data, hf_checkpoint=str(moe), rollout_engine="sglang")
-    [problem] = preflight(config, HEAD)
-    assert problem.startswith(f"--rollout-engine sglang with the mixture-of-experts model {moe} (qwen3_moe)")
-    assert "skip without a word" in problem
-    assert preflight(config, {"rollout": 1}) == []  # only the learner pushes
-    stand_in = RunConfig(prompt_data=data, hf_checkpoint=str(moe), rollout_engine="sglang",
-                         sglang_server_module="tools.standins.sglang_server")
-    adapter = RunConfig(prompt_data=data, hf_checkpoint=str(moe), rollout_engine="sglang", lora_rank=4)
-    dense = RunConfig(prompt_data=data, hf_checkpoint=str(tiny_model_path), rollout_engine="sglang")
-    assert preflight(stand_in, HEAD) == preflight(adapter, HEAD) == preflight(dense, HEAD) == []

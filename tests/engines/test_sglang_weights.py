@@ -32,17 +32,22 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 ENGINE = "rollout-0-0"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def compat_server(model_path: Path, log_dir: Path, **flags: str) -> Iterator[ServerProcess]:
+    """The compatible server on `model_path` for a module's tests, with `flags` beside the usual ones."""
     spec = ServerSpec(
-        model_path=str(tiny_model_path),
+        model_path=str(model_path),
         module="tools.standins.sglang_server",
-        extra={"torch-threads": "1", "weight-group-timeout": "20"},
+        extra={"torch-threads": "1", "weight-group-timeout": "20", **flags},
     )
-    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))
+    process = ServerProcess(spec, startup_timeout=120, log_dir=log_dir)
     process.start()
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from compat_server(tiny_model_path, tmp_path_factory.mktemp("sglang-logs"))
 
 
 def perturbed_weights(path: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -229,15 +234,7 @@ async def test_a_session_left_open_by_a_failed_update_is_ended_before_the_next(
 def server_0_5_15(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The compatible server as SGLang 0.5.15.post1 behaves: no weight-update sessions, and a weight update
     asked to flush the cache while requests are still in the scheduler takes the server down."""
-    spec = ServerSpec(
-        model_path=str(tiny_model_path),
-        module="tools.standins.sglang_server",
-        extra={"torch-threads": "1", "weight-group-timeout": "20", "sglang-api": "0.5.15.post1"},
-    )
-    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))
-    process.start()
-    yield process
-    process.stop()
+    yield from compat_server(tiny_model_path, tmp_path_factory.mktemp("sglang-logs"), **{"sglang-api": "0.5.15.post1"})
 
 
 @pytest.mark.integration

@@ -29,6 +29,9 @@ It behaves as SGLang does where a client can get it wrong, so the tests catch su
   checks them): `/load_lora_adapter` reads a PEFT folder, `/unload_lora_adapter` waits for the requests still
   using the adapter, and a `/generate` item runs with the adapter its `lora_path` names (`compat_adapters.py`).
   Without `--enable-lora` a load fails with SGLang's message.
+* A mixture-of-experts model takes its experts under checkpoint names (`mlp.experts.<e>.gate_proj.weight`, written
+  into the stacked parameter's slice), and skips transformers' stacked names (`mlp.experts.gate_up_proj`) while
+  the update still succeeds: SGLang's MoE models pass over a name they do not know without a word.
 * `/weights_checker` with action "checksum" answers SGLang's checksum of the weights served, computed as SGLang's
   CPU path computes it (`checksum.py`); other actions are refused with success false.
 
@@ -63,6 +66,7 @@ from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
 from engines.sglang.weight_group import WeightGroup, join_weight_group
+from engines.weights import layouts
 from tools.standins.sglang_server import checksum, parsing
 from tools.standins.sglang_server.adapters import AdapterRoutes
 from tools.standins.sglang_server.args import DTYPES, parse_args
@@ -387,6 +391,13 @@ class CompatServer:
             logger.warning("dropping weight update %d (--drop-weight-updates-after %d): acknowledged, not loaded",
                            self.loads, self.args.drop_weight_updates_after)
             tensors = []
+        skipped = [name for name, _ in tensors if layouts.is_stacked_expert(name)]
+        if skipped:
+            # SGLang's MoE models match experts by checkpoint name only and pass over any other name without a
+            # word (qwen3_moe.py load_weights: `if name not in params_dict: continue`); the load still succeeds.
+            logger.warning("skipping %d stacked expert tensors (%s, ...), as SGLang does: it loads experts under "
+                           "checkpoint names only (mlp.experts.<e>.gate_proj.weight)", len(skipped), skipped[0])
+            tensors = [(name, tensor) for name, tensor in tensors if not layouts.is_stacked_expert(name)]
         try:
             await self.engine.update_weights(tensors, self.engine.version if number is None else number)
         except ValueError as error:

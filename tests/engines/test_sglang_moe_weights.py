@@ -1,0 +1,109 @@
+"""A mixture-of-experts model's weights into an SGLang(-compatible) server: experts arrive under checkpoint names.
+
+transformers holds a layer's experts stacked (`mlp.experts.gate_up_proj`); SGLang's MoE models load experts under
+the checkpoint's per-expert names only and pass over any other name while the update still succeeds. The
+compatible server does the same, so these tests see what a real server would serve: its per-tensor checksums
+(`/weights_checker`) and its generations, against a torch engine given the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from transformers import AutoConfig
+
+from actors.config import RunConfig
+from actors.learner.publish import checkpoint_layout, publisher_for
+from engines.inference.base import GenerateRequest
+from engines.inference.torch_engine import TorchEngine
+from engines.sglang import protocol
+from engines.sglang.client import SglangEngine
+from engines.sglang.launch import ServerProcess
+from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
+from engines.weights.layouts import CheckpointLayout, is_stacked_expert
+from tests.engines.test_sglang_weights import ENGINE, GREEDY, PROMPT, compat_server, perturbed_weights, push
+from tools.standins.sglang_server.checksum import tensor_checksum
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+
+@pytest.fixture(scope="module")
+def moe_path(tiny_model_cache: Path) -> Path:
+    return cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def moe_server(moe_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from compat_server(moe_path, tmp_path_factory.mktemp("sglang-moe-logs"))
+
+
+async def served_checksums(url: str) -> dict[str, str]:
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{url}{protocol.WEIGHTS_CHECKER.path}", json={"action": protocol.CHECKSUM_ACTION}) as response:
+        answer: dict[str, Any] = await response.json()
+    assert answer["success"], answer
+    return answer["ranks"][0]["checksums"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+async def test_experts_reach_the_server_under_checkpoint_names_and_are_skipped_stacked(
+        moe_server: ServerProcess, moe_path: Path) -> None:
+    client = SglangEngine(moe_server.url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024, timeout_s=20)
+    loader = SglangWeightLoader(client, ENGINE)
+    named = perturbed_weights(moe_path, seed=1)  # as a trainer yields them: experts stacked
+    stacked = [name for name, _ in named if is_stacked_expert(name)]
+    assert len(stacked) == 2 * 2  # gate_up_proj and down_proj of TinyModelSpec's two layers
+    reference = TorchEngine.from_pretrained(moe_path)
+    try:
+        before = await served_checksums(moe_server.url)
+        # What the learner sent before: acknowledged, the engine's checksum moved, and no expert changed.
+        await push(sender, loader, named, version=1, fresh=True)
+        assert sender.committed_version == 1 and await client.server_weight_version() == 1
+        after_stacked = await served_checksums(moe_server.url)
+        assert {name: after_stacked[name] for name in stacked} == {name: before[name] for name in stacked}
+        query = "model.layers.0.self_attn.q_proj.weight"
+        assert after_stacked[query] != before[query]  # the dense weights moved: the checksum "change" check passes
+
+        layout = CheckpointLayout(AutoConfig.from_pretrained(moe_path))
+        sent = list(layout(named))
+        assert not any(is_stacked_expert(name) for name, _ in sent)
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in dict(sent)
+        await push(sender, loader, sent, version=2, fresh=False)
+        served = await served_checksums(moe_server.url)
+        assert {name: served[name] for name, _ in named} == {name: tensor_checksum(t) for name, t in named}
+
+        await reference.update_weights(named, 2)
+        expected = (await reference.generate(GenerateRequest("expected", PROMPT, GREEDY)))[0]
+        got = (await client.generate(GenerateRequest("served", PROMPT, GREEDY)))[0]
+        assert got.output_ids == expected.output_ids
+        assert got.log_probs == pytest.approx(expected.log_probs, abs=1e-5)
+    finally:
+        sender.close()
+        await reference.close()
+        await client.close()
+
+
+@pytest.mark.unit
+def test_the_learner_sends_checkpoint_names_to_sglang_only_for_a_model_that_stacks_experts(
+        moe_path: Path, tiny_model_path: Path) -> None:
+    """The torch engine loads transformers' names itself; an SGLang server needs the checkpoint's, and a dense
+    model's names are its checkpoint's already."""
+    named = perturbed_weights(moe_path, seed=2)
+
+    def sent(config: RunConfig) -> list[str]:
+        publisher = publisher_for(config, "127.0.0.1", engines=dict, tensors=lambda: iter(named), zmq=None,
+                                  security=None, client_id="learner.weights", counters={}, log=None)
+        return [name for name, _ in publisher.tensors()]
+
+    to_sglang = sent(RunConfig(hf_checkpoint=str(moe_path), rollout_engine="sglang"))
+    colocated = sent(RunConfig(hf_checkpoint=str(moe_path), rollout_engine="sglang", colocate=True))
+    to_torch = sent(RunConfig(hf_checkpoint=str(moe_path)))
+    assert to_torch == [name for name, _ in named]
+    assert to_sglang == colocated and not any(is_stacked_expert(name) for name in to_sglang)
+    assert len(to_sglang) == len(named) - 4 + 2 * 3 * 4  # each layer's two stacks -> 3 projections x 4 experts
+    assert checkpoint_layout(RunConfig(hf_checkpoint=str(tiny_model_path), rollout_engine="sglang")) is None
