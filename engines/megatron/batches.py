@@ -9,7 +9,8 @@ Rows. Two layouts, chosen by `qkv_format` (slime trains with the first; the seco
   megatron's `PackedSeqParams` (`cu_seqlens`). Attention keeps each sample to itself and rotary positions restart
   at 0 for each (megatron applies them per sequence from `cu_seqlens`); transformer-engine's attention and our
   `SdpaAttention` both read that layout. No token is spent on padding except at the end of the row, to a
-  multiple of `pad_multiple`, and that tail is a sequence of its own that no real token sees.
+  multiple of `pad_multiple`, and that tail is a sequence of its own that no real token sees. Samples go into
+  packs as the torch trainer groups its micro-batches (`engines.training.micro_batches.plan_micro_batches`).
 - "bshd", padded: each sample gets its own row, right-padded to the micro-batch's longest sample. Under a causal
   mask padding at the END of a row can never influence the real tokens before it, so the default causal mask is
   exact. The price is the padding itself; micro-batches group samples of similar length (longest first).
@@ -36,6 +37,7 @@ from torch import Tensor
 
 from engines.training.base import PackedBatch, TrainSample
 from engines.training.micro_batches import collate
+from engines.training.micro_batches import plan_micro_batches as plan_balanced_packs
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -123,7 +125,9 @@ def plan_micro_batches(
 def _groups(lengths: list[int], token_budget: int, qkv_format: str, pad_multiple: int) -> list[list[int]]:
     """Positions in `lengths` grouped into micro-batches, as `qkv_format` lays them out."""
     if qkv_format == "thd":
-        return _first_fit_packs(lengths, token_budget)
+        # The torch trainer's plan: as few packs as first-fit finds, balanced. Router losses are per micro-batch,
+        # so the same plan is what makes a MoE step the same on both backends.
+        return plan_balanced_packs(lengths, token_budget)
     return _similar_length_rows([_round_up(n, pad_multiple) for n in lengths], token_budget)
 
 
@@ -160,20 +164,6 @@ def filler_micro_batch(width: int, *, qkv_format: str, device: torch.device | st
         batch=None,
         packed_seq_params=packed,
     )
-
-
-def _first_fit_packs(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Packs of at most `token_budget` tokens, filled first-fit, longest sample first (fewest forward passes)."""
-    packs: list[list[int]] = []
-    loads: list[int] = []
-    for position in sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)):
-        target = next((i for i, load in enumerate(loads) if load + lengths[position] <= token_budget), len(packs))
-        if target == len(packs):
-            packs.append([])
-            loads.append(0)
-        packs[target].append(position)
-        loads[target] += lengths[position]
-    return packs
 
 
 def _similar_length_rows(lengths: list[int], token_budget: int) -> list[list[int]]:

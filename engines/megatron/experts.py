@@ -273,6 +273,13 @@ class RouterLossScale:
         totals = collectives.sum_over_world(values) / (max(micro_batches, 1) * layers)
         return {metric: float(total) for (metric, _, _), total in zip(wanted, totals, strict=True)}
 
+    def loss_term(self, metrics: dict[str, float]) -> float:
+        """What the router losses add to the step's loss, from `metrics()`: each coefficient times its loss summed
+        over the layers, as the torch trainer adds them, so "loss" means the same on both backends."""
+        return self._config.num_layers * sum(
+            (self._coefficients[coefficient] or 0.0) * metrics.get(metric, 0.0) for metric, coefficient in (
+                ("moe/load_balancing_loss", "moe_aux_loss_coeff"), ("moe/z_loss", "moe_z_loss_coeff")))
+
 
 class SequenceParallelRMSNorm(nn.RMSNorm):
     """torch's RMSNorm, built the way megatron builds norms, whose weight megatron may sum over the TP ranks."""

@@ -175,7 +175,8 @@ class MegatronTrainer(Trainer):
             self._run_schedule(self._module, micro_batches, loss_of, temperature, with_entropy, forward_only=False)
             reduced = stats.reduce(contributes=parallel.is_last_stage() and parallel.tp_rank() == 0)
             if self._router_losses.active:
-                reduced[2].update(self._router_losses.metrics(step_micro_batches, tensor_parallel=parallel.tp_size()))
+                router = self._router_losses.metrics(step_micro_batches, tensor_parallel=parallel.tp_size())
+                reduced = (reduced[0] + self._router_losses.loss_term(router), reduced[1], {**reduced[2], **router})
             result = self._apply_update(reduced, counts, len(micro_batches), started, ends_batch)
         self._hooks.after_train_step(ends_batch=ends_batch)
         return result

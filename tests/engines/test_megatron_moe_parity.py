@@ -46,6 +46,7 @@ class Layout:
 
 LAYOUTS = {
     "single": Layout(world=1, router_losses=False),
+    "single-router-losses": Layout(world=1),
     "dp2": Layout(world=2),
     "dp2-ep2": Layout(world=2, expert_parallel=2),
     "tp2-dp2": Layout(world=4, tensor_parallel=2, expert_tensor_parallel=1),
@@ -165,17 +166,20 @@ def test_expert_parallel_step_equals_the_step_with_every_expert_on_every_rank(
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_a_step_without_router_losses_equals_the_torch_trainers_step(runs: dict, model_path: Path) -> None:
-    """Loss, gradient norm and every weight after the step, under the names and shapes of the HF model in memory
-    (its experts stacked), which the torch trainer sends and the engines serve."""
+@pytest.mark.parametrize("layout", ["single", "single-router-losses"])
+def test_a_step_equals_the_torch_trainers_step(layout: str, runs: dict, model_path: Path) -> None:
+    """Loss (router losses included), gradient norm and every weight after the step, under the names and shapes
+    of the HF model in memory (its experts stacked), which the torch trainer sends and the engines serve."""
+    router_losses = ROUTER_FLAGS if LAYOUTS[layout].router_losses else {}
     trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
-                                              check_packing=False, **OPTIMIZER))
+                                              check_packing=False, **OPTIMIZER, **router_losses))
     batch = seeded_batch()
     expected = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
-    step = json.loads((runs["single"] / "summary.json").read_text())
-    assert step["metrics"]["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
+    step = json.loads((runs[layout] / "summary.json").read_text())
+    for key in ("loss", *(("moe/load_balancing_loss", "moe/z_loss") if router_losses else ())):
+        assert step["metrics"][key] == pytest.approx(expected.metrics[key], rel=1e-5), key
     assert step["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)
-    exported = load_file(str(runs["single"] / "weights.safetensors"))
+    exported = load_file(str(runs[layout] / "weights.safetensors"))
     expected_weights = dict(trainer.named_tensors())
     assert {name: tuple(t.shape) for name, t in exported.items()} == {
         name: tuple(t.shape) for name, t in expected_weights.items()}
