@@ -9,6 +9,7 @@ batch after the checkpoint, which re-serves it identically if it was served befo
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Awaitable
@@ -19,7 +20,7 @@ import msgspec
 
 from actors.eval import EvalHold
 from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
-from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for
+from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for, sent_layout
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
 from actors.learner.step import CRITIC_ONLY_REASON, ROUTELESS_SAMPLES, PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
@@ -80,8 +81,9 @@ class Learner(Actor):
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
         self.weights = publisher_for(
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
-            tensors=self.trainer.named_tensors, zmq=self.zmq, security=self.security,
-            client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log, waits=self.waits,
+            tensors=functools.partial(self.trainer.named_tensors, sent_layout(config)), zmq=self.zmq,
+            security=self.security, client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log,
+            waits=self.waits,
             check_log=WeightCheckLog(self.context.run_dir / "metrics"))
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0

@@ -33,8 +33,8 @@ from actors.runtime import chaos
 from actors.runtime.placement import weight_transport
 from actors.runtime.waits import Waits
 from bus.schema import Ack, Error, WeightUpdateOrder
+from engines.training.base import WeightLayout
 from engines.weights.base import GroupHandle, TransferReport, WeightsDiffer, WeightSender, WeightTransferError
-from engines.weights.layouts import EXPERT_COUNT_KEYS, CheckpointLayout, stacks_experts
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
@@ -104,29 +104,16 @@ def push_dtype(config: RunConfig) -> torch.dtype | None:
 
 def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublisher:
     """The run's publisher: its mechanism (a plugin is imported now, so a bad path fails at start-up), the
-    sender's options and the push dtype from `config`; `wiring` is the rest of `WeightPublisher`'s arguments.
-    Engines that load checkpoint names get a mixture-of-experts model's tensors in that layout."""
+    sender's options and the push dtype from `config`; `wiring` is the rest of `WeightPublisher`'s arguments."""
     transport = resolve_transport(transport_name(config))
-    layout = checkpoint_layout(config) if transport.checkpoint_names else None
-    if layout is not None:
-        model_tensors: Callable[[], NamedTensors] = wiring.pop("tensors")
-        wiring["tensors"] = lambda: layout(model_tensors())
     return WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config),
                            weight_check=config.weights.weight_check, **wiring)
 
 
-def checkpoint_layout(config: RunConfig) -> CheckpointLayout | None:
-    """The renaming from the trainer's tensors to the checkpoint's, for a model whose transformers layout stacks
-    its experts (every other model's tensors already go by their checkpoint names). A run without a model folder
-    (a simulated one) has nothing to rename."""
-    if not config.model.hf_checkpoint:
-        return None
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(config.model.hf_checkpoint)
-    if not any(getattr(hf_config, key, None) for key in EXPERT_COUNT_KEYS) or not stacks_experts(hf_config):
-        return None
-    return CheckpointLayout(hf_config)
+def sent_layout(config: RunConfig) -> WeightLayout:
+    """The layout the trainer's tensors go out in (`Trainer.named_tensors`): the checkpoint's for engines that
+    load checkpoint names (SGLang's MoE models know no stacked experts), else transformers' in memory."""
+    return "checkpoint" if resolve_transport(transport_name(config)).checkpoint_names else "model"
 
 
 class WeightPublisher:

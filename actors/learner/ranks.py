@@ -50,7 +50,7 @@ from actors.learner.trainer_factory import build_trainer
 from bus.codec import decode, encode
 from bus.schema import Batch
 from engines.process import die_with_parent as _die_with_parent
-from engines.training.base import Trainer
+from engines.training.base import Trainer, WeightLayout
 from engines.training.determinism import use_deterministic_kernels
 from engines.weights.group import host_store, interface_of, local_address_towards, missing_keys
 
@@ -255,7 +255,7 @@ class CollectiveTrainer:
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         return self.ranks.run("load_checkpoint", str(directory), lambda: self.local.load_checkpoint(directory))
 
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_tensors(self, layout: WeightLayout = "model") -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0's tensors one at a time, as the consumer asks, with no list of them kept here.
 
         Gathering shards is collective, so the followers iterate alongside, and the ranks' lock is held until
@@ -266,12 +266,12 @@ class CollectiveTrainer:
         and the step's write waits for the read (`Trainer.update_gate`) instead.
         """
         if self.ranks.world == 1 and self.local.gates_updates:
-            yield from self.local.named_tensors()
+            yield from self.local.named_tensors(layout)
             return
         with self.ranks._lock:
             if self.ranks.world > 1:
-                dist.broadcast_object_list([("named_tensors", None)], src=0, group=self.ranks.commands)
-            tensors = self.local.named_tensors()
+                dist.broadcast_object_list([("named_tensors", layout)], src=0, group=self.ranks.commands)
+            tensors = self.local.named_tensors(layout)
             try:
                 # Not `yield from`, which would close `tensors` on our close, before the finally can drain it.
                 for item in tensors:  # noqa: UP028
@@ -400,7 +400,7 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig, local_ran
             elif operation == "load_checkpoint":
                 trainer.load_checkpoint(payload)
             elif operation == "named_tensors":
-                for _ in trainer.named_tensors():
+                for _ in trainer.named_tensors(payload):
                     pass
             elif operation == "export_hf":
                 trainer.export_hf(payload)

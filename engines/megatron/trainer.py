@@ -235,10 +235,14 @@ class MegatronTrainer(Trainer):
         self._hooks.restore(state)
         return state["extra_state"]
 
-    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def named_tensors(self, layout: base.WeightLayout = "model") -> Iterator[tuple[str, Tensor]]:
         """The HF model's names and layouts in memory (the torch trainer's; a MoE layer's experts stacked), TP
         shards gathered and PP stages broadcast. COLLECTIVE: every learner rank must iterate it to the end (every
-        rank receives every tensor; the weight sender uses rank 0's)."""
+        rank receives every tensor; the weight sender uses rank 0's). In the checkpoint layout each expert
+        projection leaves as mbridge gathers it from its expert-parallel rank: one at a time, never a whole layer
+        of experts at once."""
+        if layout == "checkpoint":
+            return self._each_in_compat(self._bridge.export_hf_weights([self._stage]))
         return self._each_in_compat(self._bridge.model_layout_weights([self._stage]))
 
     def _each_in_compat(self, inner: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:

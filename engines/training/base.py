@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -34,6 +34,9 @@ ModelRole = str
 """Which network `compute_log_probs` runs: "policy", "ref" (the frozen reference), or `teacher_role(name)` (a
 distillation teacher the trainer holds)."""
 TEACHER_ROLE_PREFIX = "teacher:"
+
+# How a trainer names and shapes the tensors it sends (`Trainer.named_tensors`).
+WeightLayout = Literal["model", "checkpoint"]
 
 
 def teacher_role(name: str) -> ModelRole:
@@ -241,8 +244,12 @@ class Trainer(ABC):
         """Restore what `save_checkpoint` wrote and return its `extra_state`."""
 
     @abstractmethod
-    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """The policy's weights under their Hugging Face names: what a weight transfer sends to the engines."""
+    def named_tensors(self, layout: WeightLayout = "model") -> Iterator[tuple[str, Tensor]]:
+        """The policy's weights under their Hugging Face names: what a weight transfer sends to the engines.
+
+        "model": as transformers holds the model in memory (a torch engine's parameters); "checkpoint": as its
+        checkpoint stores it, for engines that load checkpoint names (SGLang). The two differ only for a
+        mixture-of-experts model, whose experts transformers stacks per layer (`engines.weights.layouts`)."""
 
     @abstractmethod
     def export_hf(self, directory: str | Path) -> None:

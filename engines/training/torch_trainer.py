@@ -47,6 +47,7 @@ from engines.training.base import (
     TrainSample,
     ValueLossFn,
     VersionCounter,
+    WeightLayout,
     check_loss,
     scheduled_lr,
     select_model,
@@ -76,6 +77,7 @@ from engines.training.moe import (
     sample_routes,
 )
 from engines.training.output_head import fuse_output_head, token_outputs
+from engines.weights import layouts
 
 _DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
 
@@ -310,18 +312,21 @@ class TorchTrainer(Trainer):
         self._counter.restore(state)
         return state["extra_state"]
 
-    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def named_tensors(self, layout: WeightLayout = "model") -> Iterator[tuple[str, Tensor]]:
         """The float32 master weights, not copies: send them before the next step changes them.
 
         Tied weights appear once (under the first name, as `named_parameters` lists them); a receiving HF model
         ties the alias itself. Cast to the engine's dtype on the way (the weight sender does it per bucket).
-        A LoRA run sends its adapter alone, under the names `engines.training.lora` gives it.
+        A LoRA run sends its adapter alone, under the names `engines.training.lora` gives it. In the checkpoint
+        layout a stacked layer of experts goes out one expert projection at a time (gate and up copied apart).
         """
         if self.config.lora is not None:
             yield from lora.adapter_tensors(self._model)
             return
-        for name, parameter in self._model.named_parameters():
-            yield name, parameter.detach()
+        weights = ((name, parameter.detach()) for name, parameter in self._model.named_parameters())
+        if layout == "checkpoint" and layouts.holds_stacked_experts(self._model):
+            weights = layouts.CheckpointLayout(self._model.config)(weights)
+        yield from weights
 
     def export_hf(self, directory: str | Path) -> None:
         def write() -> None:

@@ -21,8 +21,6 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-# How Hugging Face configs spell "experts per MoE layer" (Qwen-MoE and OLMoE, Mixtral, DeepSeek).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _CHECKPOINT_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 

@@ -90,6 +90,7 @@ def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_
         replayed = trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE)
         result = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
         weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+        split = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors("checkpoint")}
         summary = {"grad_norm": result.grad_norm, "metrics": result.metrics}
         if layout.resume_at_expert_tensor_parallel is not None:
             trainer.save_checkpoint(out_dir / "checkpoint", {})
@@ -102,6 +103,7 @@ def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_
             save_file({"log_probs": outputs.log_probs, "replayed": replayed.log_probs},
                       str(out_dir / "outputs.safetensors"))
             save_file(weights, str(out_dir / "weights.safetensors"))
+            save_file(split, str(out_dir / "checkpoint_layout.safetensors"))
             (out_dir / "summary.json").write_text(json.dumps(summary))
         trainer.close()
 
@@ -157,11 +159,13 @@ def test_expert_parallel_step_equals_the_step_with_every_expert_on_every_rank(
         assert step["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
     assert expected["metrics"]["moe/load_balancing_loss"] > 0 and expected["metrics"]["moe/z_loss"] > 0
     assert step["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
-    exported = load_file(str(runs[expert_parallel] / "weights.safetensors"))
-    reference_weights = load_file(str(runs[reference] / "weights.safetensors"))
-    assert exported.keys() == reference_weights.keys()
-    for name, tensor in reference_weights.items():
-        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for layout in ("weights", "checkpoint_layout"):  # what torch engines load, and what SGLang servers load
+        exported = load_file(str(runs[expert_parallel] / f"{layout}.safetensors"))
+        reference_weights = load_file(str(runs[reference] / f"{layout}.safetensors"))
+        assert exported.keys() == reference_weights.keys()
+        for name, tensor in reference_weights.items():
+            torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.integration
@@ -186,6 +190,11 @@ def test_a_step_equals_the_torch_trainers_step(layout: str, runs: dict, model_pa
     assert any(name.endswith("mlp.experts.gate_up_proj") for name in exported)
     for name, tensor in expected_weights.items():
         torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    split = load_file(str(runs[layout] / "checkpoint_layout.safetensors"))
+    expected_split = dict(trainer.named_tensors("checkpoint"))
+    assert split.keys() == expected_split.keys() and "model.layers.1.mlp.experts.3.up_proj.weight" in split
+    for name, tensor in expected_split.items():
+        torch.testing.assert_close(split[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.integration

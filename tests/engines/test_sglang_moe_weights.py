@@ -14,16 +14,18 @@ from typing import Any
 
 import aiohttp
 import pytest
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from actors.config import RunConfig
-from actors.learner.publish import checkpoint_layout, publisher_for
+from actors.learner.publish import sent_layout
 from engines.inference.base import GenerateRequest
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
 from engines.sglang.client import SglangEngine
 from engines.sglang.launch import ServerProcess
 from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
+from engines.training import TorchTrainer, TorchTrainerConfig
 from engines.weights.layouts import CheckpointLayout, is_stacked_expert
 from tests.engines.test_sglang_weights import ENGINE, GREEDY, PROMPT, compat_server, perturbed_weights, push
 from tools.standins.sglang_server.checksum import tensor_checksum
@@ -89,21 +91,20 @@ async def test_experts_reach_the_server_under_checkpoint_names_and_are_skipped_s
 
 
 @pytest.mark.unit
-def test_the_learner_sends_checkpoint_names_to_sglang_only_for_a_model_that_stacks_experts(
+def test_the_learner_sends_checkpoint_names_to_sglang_and_the_torch_trainer_splits_only_stacked_experts(
         moe_path: Path, tiny_model_path: Path) -> None:
     """The torch engine loads transformers' names itself; an SGLang server needs the checkpoint's, and a dense
     model's names are its checkpoint's already."""
-    named = perturbed_weights(moe_path, seed=2)
+    assert sent_layout(RunConfig(rollout_engine="sglang")) == "checkpoint"
+    assert sent_layout(RunConfig(rollout_engine="sglang", colocate=True)) == "checkpoint"  # update_weights_from_tensor
+    assert sent_layout(RunConfig()) == sent_layout(RunConfig(rollout_engine="sglang", lora_rank=4)) == "model"
 
-    def sent(config: RunConfig) -> list[str]:
-        publisher = publisher_for(config, "127.0.0.1", engines=dict, tensors=lambda: iter(named), zmq=None,
-                                  security=None, client_id="learner.weights", counters={}, log=None)
-        return [name for name, _ in publisher.tensors()]
+    moe = TorchTrainer(TorchTrainerConfig(model_path=moe_path))
+    stacked, split = list(moe.named_tensors()), list(moe.named_tensors("checkpoint"))
+    assert [name for name, _ in stacked] == [name for name, _ in moe._model.named_parameters()]
+    assert not any(is_stacked_expert(name) for name, _ in split)
+    assert len(split) == len(stacked) - 4 + 2 * 3 * 4  # each layer's two stacks -> 3 projections x 4 experts
+    assert dict(split).keys() == load_file(str(moe_path / "model.safetensors")).keys()
 
-    to_sglang = sent(RunConfig(hf_checkpoint=str(moe_path), rollout_engine="sglang"))
-    colocated = sent(RunConfig(hf_checkpoint=str(moe_path), rollout_engine="sglang", colocate=True))
-    to_torch = sent(RunConfig(hf_checkpoint=str(moe_path)))
-    assert to_torch == [name for name, _ in named]
-    assert to_sglang == colocated and not any(is_stacked_expert(name) for name in to_sglang)
-    assert len(to_sglang) == len(named) - 4 + 2 * 3 * 4  # each layer's two stacks -> 3 projections x 4 experts
-    assert checkpoint_layout(RunConfig(hf_checkpoint=str(tiny_model_path), rollout_engine="sglang")) is None
+    dense = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path))
+    assert [name for name, _ in dense.named_tensors("checkpoint")] == [name for name, _ in dense.named_tensors()]

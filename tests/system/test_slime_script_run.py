@@ -79,9 +79,10 @@ def test_the_moe_slime_script_trains_a_tiny_qwen3_moe_on_cpu(tiny_model_cache: P
 @pytest.mark.system
 def test_the_moe_slime_script_trains_on_megatron_with_expert_parallelism(tiny_model_cache: Path,
                                                                           tmp_path: Path) -> None:
-    """The same script on slime's own backend: two learner ranks (gloo) splitting the experts (EP 2, expert TP 1
-    as the script sets it), weights pushed to the engine every step. Its CPU-offloaded optimizer goes (the
-    Megatron backend refuses it by name: it runs and checkpoints megatron's on-device Adam only)."""
+    """The same script on slime's own backend and engine: two learner ranks (gloo) splitting the experts (EP 2,
+    expert TP 1 as the script sets it), weights pushed every step to an SGLang(-compatible) server, which loads
+    experts under checkpoint names only. Its CPU-offloaded optimizer goes (the Megatron backend refuses it by
+    name: it runs and checkpoints megatron's on-device Adam only)."""
     from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
     model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
@@ -89,6 +90,7 @@ def test_the_moe_slime_script_trains_on_megatron_with_expert_parallelism(tiny_mo
     entry, argv = _tiny_moe_script(model, tmp_path, flags)
     for offload in ("--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"):
         argv.remove(offload)
+    argv += ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server"]
     _, steps = run_slime_script(entry, argv, tmp_path / "run", train_backend="megatron")
     assert len(steps) == 3
     assert all(row["grad_norm"] > 0 for row in steps), steps

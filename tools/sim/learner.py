@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engines.training.base import Loss, ModelOutputs, ModelRole, StepResult, Trainer, TrainSample
+from engines.training.base import Loss, ModelOutputs, ModelRole, StepResult, Trainer, TrainSample, WeightLayout
 from engines.weights.base import TransferReport, WeightSender
 
 STATE_FILE = "sleeping_trainer.json"
@@ -81,8 +81,8 @@ class SleepingTrainer(Trainer):
         self._version = int(state["version"])
         return dict(state.get("extra_state") or {})
 
-    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        yield "sim.version", torch.tensor([float(self._version)])
+    def named_tensors(self, layout: WeightLayout = "model") -> Iterator[tuple[str, Tensor]]:
+        yield "sim.version", torch.tensor([float(self._version)])  # no experts: one layout
 
     def export_hf(self, directory: str | Path) -> None:
         target = Path(directory)
