@@ -40,8 +40,8 @@ import base64
 import binascii
 import hashlib
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -419,11 +419,13 @@ def parse_weight_version(raw: Any) -> int | None:
 
 @dataclass(frozen=True)
 class WeightsChecksum:
-    """A server's answer to `/weights_checker` "checksum": `per_engine_checksum`, and each rank's
-    `per_gpu_checksum` it was computed from (rank order)."""
+    """A server's answer to `/weights_checker` "checksum": `per_engine_checksum`, each rank's `per_gpu_checksum`
+    it was computed from (rank order), and each rank's checksum per tensor (`name`, or `name@rank<r>` when the
+    server has several ranks; empty where a rank gave none)."""
 
     engine: str
     ranks: tuple[str, ...]
+    tensors: Mapping[str, str] = field(default_factory=dict)
 
 
 def engine_checksum(per_gpu: Iterable[str]) -> str:
@@ -452,7 +454,15 @@ def parse_weights_checksum(body: Any, *, where: str) -> WeightsChecksum:
     if engine_checksum(per_gpu) != checksum:
         raise ProtocolError(f"{where}: per_engine_checksum is not the sha256 of its {len(per_gpu)} ranks' "
                             "per_gpu_checksum")
-    return WeightsChecksum(checksum, per_gpu)
+    tensors: dict[str, str] = {}
+    for index, rank in enumerate(ranks):
+        named = rank.get("checksums")
+        if not isinstance(named, dict):
+            continue
+        suffix = f"@rank{index}" if len(ranks) > 1 else ""
+        tensors.update({f"{name}{suffix}": value for name, value in named.items()
+                        if isinstance(name, str) and isinstance(value, str)})
+    return WeightsChecksum(checksum, per_gpu, tensors)
 
 
 def _is_sha256(value: Any) -> bool:

@@ -141,7 +141,9 @@ class SglangStoreSender(WeightSender):
         if failed:
             self._broken = f"version {version} not acknowledged: {failed}"
             raise self._named(WeightTransferError(f"weight transfer of version {version} not committed", failed))
-        check = self._check_served(keys, spec, version)
+        check = self._check_served(keys, spec, version, sent_in_16_bits=all(
+            tensor.dtype in (torch.bfloat16, torch.float16) for tensor in manifest.tensors
+            if tensor.dtype.is_floating_point))
         if check is not None and not check.ok:  # the group is fine: the next push goes through it
             raise WeightsDiffer(f"weight transfer of version {version} not committed: {check.describe()}", check)
         self._committed = version
@@ -149,7 +151,8 @@ class SglangStoreSender(WeightSender):
                               num_buckets=len(manifest.buckets()), num_bytes=manifest.total_bytes,
                               seconds=time.perf_counter() - started, fingerprints=check)
 
-    def _check_served(self, keys: dist.Store, spec: SglangGroupSpec, version: int) -> FingerprintCheck | None:
+    def _check_served(self, keys: dist.Store, spec: SglangGroupSpec, version: int, *,
+                      sent_in_16_bits: bool) -> FingerprintCheck | None:
         """The verdict of a checked push (None: not checked) from every engine's checksum report; a push that passes
         becomes the baseline the next one is compared with."""
         sent, self._sent = self._sent, None
@@ -157,7 +160,7 @@ class SglangStoreSender(WeightSender):
             return None
         prints = sent.values()
         served = weight_store.served_checksums(keys, spec)
-        check = check_checksums(sent.algorithm, prints, served, self._baseline)
+        check = check_checksums(sent.algorithm, prints, served, self._baseline, sent_in_16_bits=sent_in_16_bits)
         if check.ok:
             checksums = {engine: answer.checksum for engine, answer in served.items() if answer.checksum is not None}
             self._baseline = Baseline(version, sent.algorithm, prints, checksums)

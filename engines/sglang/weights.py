@@ -51,7 +51,7 @@ from torch import Tensor
 
 from bus.address import free_port
 from engines.sglang import protocol, weight_store
-from engines.sglang.checksums import ServedChecksum
+from engines.sglang.checksums import ServedChecksum, ServedHistory
 from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.store_sender import DEFAULT_BUCKET_BYTES, SglangStoreSender
 from engines.sglang.weight_group import WeightGroup, join_weight_group
@@ -186,6 +186,7 @@ class SglangWeightLoader:
         self._group_name: str | None = None
         self._server_starts: int | None = None
         self._stale_groups: set[str] = set()  # groups of failed transfers the server may still hold
+        self._served = ServedHistory()  # its server's per-tensor checksums after the last checked load
 
     async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float) -> None:
         """Receive `version` on the engine's server; raises WeightTransferError naming what failed."""
@@ -238,7 +239,7 @@ class SglangWeightLoader:
                     except SglangError as error:
                         outcome = f"{protocol.END_WEIGHT_UPDATE.path} failed: {error}"
             if outcome is None and manifest.fingerprint is not None:  # still paused: what the next token will use
-                await self._report_checksum(keys, timeout_s)
+                await self._report_checksum(keys, version, timeout_s)
         finally:
             with contextlib.suppress(SglangError):
                 await self.engine.resume()
@@ -248,7 +249,7 @@ class SglangWeightLoader:
         if outcome is not None:
             raise WeightTransferError(f"{self.engine_name}: server refused version {version}: {outcome}")
 
-    async def _report_checksum(self, keys: dist.PrefixStore, timeout_s: float) -> None:
+    async def _report_checksum(self, keys: dist.PrefixStore, version: int, timeout_s: float) -> None:
         """The server's own checksum of what it serves, for the learner's check (`checksums.py`), or why there is
         none, written before the acknowledgement. Never fails the load: the weights did load."""
         try:
@@ -258,7 +259,8 @@ class SglangWeightLoader:
             served = ServedChecksum(None, f"checksum failed: {error}"[:500])
         else:
             served = (ServedChecksum(None, f"its server has no {protocol.WEIGHTS_CHECKER.path}") if answer is None
-                      else ServedChecksum(answer.engine))
+                      else self._served.report(answer.engine, answer.tensors, version=version,
+                                               server_starts=self.engine.restarts))
         await asyncio.to_thread(keys.set, weight_store.checksum_key(self.engine_name), served.encode())
 
     async def _join(self, spec: SglangGroupSpec, timeout_s: float) -> None:

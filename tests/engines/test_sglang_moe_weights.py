@@ -8,12 +8,14 @@ compatible server does the same, so these tests see what a real server would ser
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -26,6 +28,7 @@ from engines.sglang.client import SglangEngine
 from engines.sglang.launch import ServerProcess
 from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
 from engines.training import TorchTrainer, TorchTrainerConfig
+from engines.weights.base import TransferReport, WeightsDiffer
 from engines.weights.layouts import CheckpointLayout, is_stacked_expert
 from tests.engines.test_sglang_weights import ENGINE, GREEDY, PROMPT, compat_server, perturbed_weights, push
 from tools.standins.sglang_server.checksum import tensor_checksum
@@ -50,13 +53,18 @@ async def served_checksums(url: str) -> dict[str, str]:
     return answer["ranks"][0]["checksums"]
 
 
+def both_ends(url: str) -> tuple[SglangEngine, SglangWeightSender, SglangWeightLoader]:
+    """The server's client, the learner's sender and the rollout worker's loader, as a push to `url` needs them."""
+    client = SglangEngine(url)
+    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024, timeout_s=20)
+    return client, sender, SglangWeightLoader(client, ENGINE)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 async def test_experts_reach_the_server_under_checkpoint_names_and_are_skipped_stacked(
         moe_server: ServerProcess, moe_path: Path) -> None:
-    client = SglangEngine(moe_server.url)
-    sender = SglangWeightSender(host="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024, timeout_s=20)
-    loader = SglangWeightLoader(client, ENGINE)
+    client, sender, loader = both_ends(moe_server.url)
     named = perturbed_weights(moe_path, seed=1)  # as a trainer yields them: experts stacked
     stacked = [name for name, _ in named if is_stacked_expert(name)]
     assert len(stacked) == 2 * 2  # gate_up_proj and down_proj of TinyModelSpec's two layers
@@ -108,3 +116,40 @@ def test_the_learner_sends_checkpoint_names_to_sglang_and_the_torch_trainer_spli
 
     dense = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path))
     assert [name for name, _ in dense.named_tensors("checkpoint")] == [name for name, _ in dense.named_tensors()]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+async def test_a_checked_push_whose_experts_the_server_passed_over_is_not_committed_and_names_them(
+        moe_server: ServerProcess, moe_path: Path) -> None:
+    """The weight check catches the skip by itself: every pushed tensor changed, the server's experts did not."""
+    client, sender, loader = both_ends(moe_server.url)
+    spec = sender.open_group(["learner", ENGINE])
+    layout = CheckpointLayout(AutoConfig.from_pretrained(moe_path))
+
+    async def checked_push(named: list, version: int) -> TransferReport:
+        receiving = asyncio.create_task(loader.apply(spec.to_dict(), version, 20.0))
+        try:
+            if version == 1:
+                await asyncio.to_thread(sender.wait_for_receivers)
+            # In bfloat16, as GPU runs push (--bf16): a server holds the bits sent, so a tensor left as it was is news.
+            return await asyncio.to_thread(sender.send, named, version, dtype=torch.bfloat16, fingerprint=True)
+        finally:
+            await asyncio.gather(receiving, return_exceptions=True)
+
+    try:
+        first = await checked_push(perturbed_weights(moe_path, seed=11), 1)  # stacked: nothing to compare with yet
+        assert first.fingerprints is not None and first.fingerprints.ok
+        with pytest.raises(WeightsDiffer) as failed:
+            await checked_push(perturbed_weights(moe_path, seed=12), 2)
+        [why] = failed.value.check.why.values()
+        assert why.startswith("4 tensor(s) its server serves did not change since version 1") and (
+            "e.g. model.layers.0.mlp.experts.down_proj" in why), why
+        assert sender.committed_version == 1
+        for version, seed in ((3, 13), (4, 14)):  # checkpoint names: every served tensor moves with the push
+            report = await checked_push(list(layout(perturbed_weights(moe_path, seed=seed))), version)
+            assert report.fingerprints is not None and report.fingerprints.matched == (ENGINE,), report.fingerprints
+        assert sender.committed_version == 4
+    finally:
+        sender.close()
+        await client.close()

@@ -20,7 +20,14 @@ from transformers import AutoModelForCausalLM
 
 from bus.address import free_port
 from engines.sglang import protocol
-from engines.sglang.checksums import Baseline, ServedChecksum, check_checksums
+from engines.sglang.checksums import (
+    FROZEN_NAMES,
+    Baseline,
+    ServedChecksum,
+    ServedHistory,
+    check_checksums,
+    feeders,
+)
 from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.sglang.store_sender import SglangStoreSender
@@ -111,9 +118,95 @@ def test_an_engine_without_the_endpoint_is_unchecked_and_the_others_still_compar
     assert alone.ok and set(alone.unchecked) == {"e0", "e1"}
 
 
+def with_frozen(checksum: str, frozen: list[str], *, since: int = 4, tensors: int = 10) -> ServedChecksum:
+    return ServedChecksum(checksum, tensors=tensors, since=since, frozen=tuple(frozen), frozen_count=len(frozen))
+
+
+EXPERTS = [f"model.layers.0.mlp.experts.{e}.{projection}.weight" for e in range(2)
+           for projection in ("gate_proj", "up_proj", "down_proj")]
+MOE_SENT = {name: index for index, name in enumerate(["model.norm.weight", *EXPERTS])}
+MOE_MOVED = {name: value + 100 for name, value in MOE_SENT.items()}
+FUSED_EXPERTS = ["model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight"]
+
+
+@pytest.mark.unit
+def test_a_served_tensor_left_as_it_was_while_every_pushed_tensor_it_is_made_of_changed_fails_the_engine() -> None:
+    """The MoE case: the server skipped the names it did not know, the other weights moved its checksum, and its
+    peers (as blind) agree with it. Only its per-tensor checksums tell."""
+    baseline = Baseline(4, "xxh3", MOE_SENT, {"e0": X, "e1": X})
+    stuck = {"e0": with_frozen(Y, FUSED_EXPERTS), "e1": with_frozen(Y, FUSED_EXPERTS)}
+    check = check_checksums("xxh3", MOE_MOVED, stuck, baseline, sent_in_16_bits=True)
+    assert set(check.differ) == {"e0", "e1"} and check.matched == () and not check.ok
+    assert check.why["e0"] == ("2 tensor(s) its server serves did not change since version 4 although every pushed "
+                               "tensor they are made of did, e.g. model.layers.0.mlp.experts.w13_weight, "
+                               "model.layers.0.mlp.experts.w2_weight: its server passed over what should have loaded "
+                               "them (SGLang skips a tensor name it does not know without a word)")
+
+
+@pytest.mark.unit
+def test_a_frozen_served_tensor_says_nothing_unless_all_its_pushed_tensors_changed_in_16_bits_since_its_baseline(
+        ) -> None:
+    """A served tensor whose pushed tensors stayed (in part) may stay; a float32 push may round to nothing on a
+    bfloat16 server; a report against another version than the baseline (a push in between was not committed)
+    compares other things; and a served tensor no pushed tensor is named like is no evidence."""
+    baseline = Baseline(4, "xxh3", MOE_SENT, {"e0": X})
+    frozen = {"e0": with_frozen(Y, FUSED_EXPERTS)}
+    one_expert_stayed = {**MOE_MOVED, EXPERTS[0]: MOE_SENT[EXPERTS[0]]}
+    assert check_checksums("xxh3", one_expert_stayed, frozen, baseline, sent_in_16_bits=True).matched == ("e0",)
+    assert check_checksums("xxh3", MOE_MOVED, frozen, baseline, sent_in_16_bits=False).matched == ("e0",)
+    stale_report = {"e0": with_frozen(Y, FUSED_EXPERTS, since=5)}
+    assert check_checksums("xxh3", MOE_MOVED, stale_report, baseline, sent_in_16_bits=True).matched == ("e0",)
+    internal = {"e0": with_frozen(Y, ["model.vision_tower.scale"])}
+    assert check_checksums("xxh3", MOE_MOVED, internal, baseline, sent_in_16_bits=True).matched == ("e0",)
+
+
+@pytest.mark.unit
+def test_a_served_tensor_is_made_of_the_pushed_tensors_under_its_module_or_its_parent() -> None:
+    sent = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+            "model.norm.weight", "lm_head.weight"]
+    assert feeders("model.layers.0.self_attn.qkv_proj.weight", sent) == sent[:2]
+    assert feeders("model.layers.0.mlp.experts.w13_weight", sent) == [sent[2]]
+    assert feeders("model.norm.weight", sent) == ["model.norm.weight"]
+    assert feeders("lm_head.weight", sent) == ["lm_head.weight"]
+    assert feeders("model.layers.0.mlp.gate.weight", sent) == [sent[2]]  # the router: under the layer's mlp
+    assert feeders("model.layers.7.mlp.experts.w2_weight", sent) == []
+
+
+@pytest.mark.unit
+def test_a_loader_reports_the_tensors_its_server_left_unchanged_since_its_previous_load() -> None:
+    history = ServedHistory()
+    first = history.report(X, {"w": "1", "v": "2"}, version=1, server_starts=0)
+    assert first == ServedChecksum(X, tensors=2)  # nothing to compare with yet
+    second = history.report(Y, {"w": "1", "v": "3"}, version=2, server_starts=0)
+    assert second == ServedChecksum(Y, tensors=2, since=1, frozen=("w",), frozen_count=1)
+    restarted = history.report(Z, {"w": "1", "v": "4"}, version=3, server_starts=1)
+    assert restarted == ServedChecksum(Z, tensors=2)  # a new server serves its launch weights: a new history
+    many = {f"t{index:03d}": "same" for index in range(100)}
+    history.report(X, many, version=4, server_starts=1)
+    capped = history.report(X, many, version=5, server_starts=1)
+    assert capped.frozen_count == 100 and capped.frozen == tuple(sorted(many))[:FROZEN_NAMES]
+
+
+@pytest.mark.unit
+def test_a_sharded_tensor_is_frozen_only_when_no_rank_s_shard_changed() -> None:
+    """With tensor parallelism each rank checksums its own shard; a step may move only the rows one rank holds."""
+    history = ServedHistory()
+    history.report(X, {"w@rank0": "1", "w@rank1": "2", "v@rank0": "3", "v@rank1": "4"}, version=1, server_starts=0)
+    assert history.report(X, {"w@rank0": "1", "w@rank1": "2", "v@rank0": "3", "v@rank1": "4"}, version=2,
+                          server_starts=0).frozen == ("v", "w")
+    report = history.report(Y, {"w@rank0": "1", "w@rank1": "9", "v@rank0": "3", "v@rank1": "4"}, version=3,
+                            server_starts=0)
+    assert report == ServedChecksum(Y, tensors=2, since=2, frozen=("v",), frozen_count=1)
+    own = {"model.layers.0.mlp.experts.expert_mask_gpu": "1", "model.rotary_emb.cos_sin_cache": "2"}
+    history.report(X, own, version=4, server_starts=0)
+    assert history.report(X, own, version=5, server_starts=0).frozen == ()  # SGLang's own, not loaded
+
+
 @pytest.mark.unit
 def test_a_checksum_report_travels_as_json_and_an_unreadable_one_is_named() -> None:
-    for report in (ServedChecksum(X), ServedChecksum(None, "checksum failed: HTTP 400")):
+    for report in (ServedChecksum(X), ServedChecksum(None, "checksum failed: HTTP 400"),
+                   with_frozen(X, ["model.layers.0.mlp.experts.w13_weight"])):
         assert ServedChecksum.decode(report.encode()) == report
     with pytest.raises(ValueError, match="served checksum: unreadable"):
         ServedChecksum.decode(b'{"checksum": 3, "why": ""}')
@@ -142,6 +235,13 @@ def test_a_checksum_answer_is_read_only_when_it_adds_up() -> None:
         protocol.parse_weights_checksum({"success": True, "message": "?"}, where="s")
     with pytest.raises(protocol.ProtocolError, match="'ranks' must be a non-empty list"):
         protocol.parse_weights_checksum({**answer, "ranks": []}, where="s")
+    answer["ranks"][0]["checksums"] = {"model.norm.weight": "00ff"}
+    answer["ranks"][1]["checksums"] = {"model.norm.weight": "0f0f"}
+    assert protocol.parse_weights_checksum(answer, where="s").tensors == {
+        "model.norm.weight@rank0": "00ff", "model.norm.weight@rank1": "0f0f"}  # each rank holds its own shard
+    one_rank = sglang_answer(X)
+    one_rank["ranks"][0]["checksums"] = {"model.norm.weight": "00ff"}
+    assert protocol.parse_weights_checksum(one_rank, where="s").tensors == {"model.norm.weight": "00ff"}
 
 
 class Keys:
@@ -159,6 +259,7 @@ class CheckingServer:
 
     def __init__(self, answer: protocol.WeightsChecksum | Exception | None) -> None:
         self.answer = answer
+        self.restarts = 0
 
     async def weight_checksum(self, *, timeout: float | None = None) -> protocol.WeightsChecksum | None:
         if isinstance(self.answer, Exception):
@@ -177,7 +278,7 @@ async def test_the_loader_reports_its_servers_checksum_or_why_none_and_never_fai
         answer: Any, expected: ServedChecksum) -> None:
     loader = SglangWeightLoader(CheckingServer(answer), "rollout-0-0")  # type: ignore[arg-type]
     keys = Keys()
-    await loader._report_checksum(keys, 5.0)  # type: ignore[arg-type]
+    await loader._report_checksum(keys, 1, 5.0)  # type: ignore[arg-type]
     assert ServedChecksum.decode(keys.values["checksum/rollout-0-0"]) == expected
 
 
