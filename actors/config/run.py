@@ -338,10 +338,9 @@ def _routing_replay_problems(config: RunConfig) -> list[str]:
                     "--torch-kv-cache dynamic (or auto, which picks it for routing replay)"]
     if not config.trainer.use_routing_replay:
         return []
-    if config.trainer.train_backend != "torch":
-        return [f"--use-routing-replay: the torch backend records and replays the learner's own routes; "
-                f"--train-backend {config.trainer.train_backend} replays rollout routes only "
-                "(--use-rollout-routing-replay)"]
+    if config.trainer.train_backend not in ("torch", "megatron"):
+        return [f"--use-routing-replay: the torch and Megatron backends record and replay the learner's own routes; "
+                f"--train-backend {config.trainer.train_backend} does not"]
     source = pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo,
                            steps_per_batch=config.optimizer_steps_per_batch)
     if source == "rollout":

@@ -306,8 +306,9 @@ class TrainerConfig(Section):
     fused_output_head: bool = Field(True, description="torch backend: log-probs from hidden states a chunk of "
                                     "tokens at a time, never the whole [tokens x vocabulary] logits (the same "
                                     "values; a model that changes its logits after the head keeps the plain path)")
-    use_routing_replay: bool = Field(False, description="MoE, torch backend: the pi_old forward records each "
-                                     "token's experts and every training forward of the batch routes there (needs "
+    use_routing_replay: bool = Field(False, description="MoE, torch or Megatron backend (R2): the pi_old forward "
+                                     "records each token's experts and every training forward of the batch routes "
+                                     "there (needs "
                                      "the learner's own pi_old forward: --use-decoupled-ppo or an "
                                      "--off-policy-correction)")
     use_rollout_routing_replay: bool = Field(False, description="MoE, torch or Megatron backend (R3): the "

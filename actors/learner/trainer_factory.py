@@ -176,5 +176,6 @@ def _build_megatron_trainer(config: RunConfig) -> Trainer:
             use_distributed_optimizer=trainer.use_distributed_optimizer,
             qkv_format=trainer.qkv_format,
             model_flags=_megatron_flags(config),
+            use_routing_replay=trainer.use_routing_replay,
         )
     )

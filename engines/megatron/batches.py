@@ -63,6 +63,7 @@ class MicroBatch:
     # which tokens have them; None when the samples carry no routes (`engines.megatron.experts.RoutingReplay`).
     routes: Tensor | None = None
     replayed: Tensor | None = None
+    token_starts: tuple[tuple[int, int], ...] = ()  # (row, column) of each member's first token
 
     @property
     def is_filler(self) -> bool:
@@ -222,7 +223,8 @@ def _pad(
         columns.append(torch.arange(first, first + sample.response_length))
         rows.append(torch.full((sample.response_length,), row, dtype=torch.long))
         targets.append(sample.tokens[sample.prompt_length :].long())
-    routes = _token_routes(chunk, [(row, 0) for row in range(len(chunk))], (len(chunk), width), device)
+    starts = tuple((row, 0) for row in range(len(chunk)))
+    routes = _token_routes(chunk, list(starts), (len(chunk), width), device)
     return MicroBatch(
         members=members,
         input_ids=input_ids.to(device),
@@ -234,6 +236,7 @@ def _pad(
         batch=collate(chunk, device=device) if with_batch else None,
         routes=None if routes is None else routes[0],
         replayed=None if routes is None else routes[1],
+        token_starts=starts,
     )
 
 
@@ -261,7 +264,8 @@ def _pack(
     logit_columns = torch.cat(columns)
     cu_seqlens = torch.tensor(edges, dtype=torch.int32, device=device)  # int32: transformer-engine's dtype
     longest = max(b - a for a, b in itertools.pairwise(edges))
-    routes = _token_routes(chunk, [(0, start) for start in edges[: len(chunk)]], (1, total), device)
+    starts = tuple((0, start) for start in edges[: len(chunk)])
+    routes = _token_routes(chunk, list(starts), (1, total), device)
     return MicroBatch(
         members=members,
         input_ids=input_ids.to(device),
@@ -280,4 +284,5 @@ def _pack(
         ),
         routes=None if routes is None else routes[0],
         replayed=None if routes is None else routes[1],
+        token_starts=starts,
     )

@@ -25,6 +25,8 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
     are checked when the checkpoint is read. `expert_model_parallel_size` splits a mixture-of-experts model's
     experts over that many data-parallel ranks; `expert_tensor_parallel_size` splits each expert like the attention
     (None: megatron's default, the attention's TP) or not at all (1, as slime's MoE scripts run).
+    `use_routing_replay` makes every policy `compute_log_probs` return the experts its forward chose per sample
+    (`ModelOutputs.routed_experts`), for the training forwards of those samples to replay (slime's R2).
     """
 
     initial_checkpoint: Path | None = None
@@ -35,6 +37,7 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
     use_distributed_optimizer: bool = True
     qkv_format: Literal["thd", "bshd"] = "thd"
     model_flags: MegatronFlags = Field(default_factory=MegatronFlags)
+    use_routing_replay: bool = False
 
     @model_validator(mode="after")
     def _refuse_unsupported_flags(self) -> MegatronTrainerConfig:

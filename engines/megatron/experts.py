@@ -40,8 +40,9 @@ per router that takes the router's own choice and replaces it at the tokens whos
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -151,17 +152,21 @@ class _LayerReplay:
     def __init__(self) -> None:
         self.routes: Tensor | None = None  # [tokens, k] for this rank's tokens
         self.replayed: Tensor | None = None  # [tokens] bool
+        self.recording = False
+        self.chosen: Tensor | None = None  # what the last forward routed to, while recording
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None,
                         group_topk: int | None = None, default_compute_topk: Any = None) -> tuple[Tensor, Tensor]:
         probs, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
-        if self.routes is None or self.replayed is None:
-            return probs, chosen
-        if self.routes.shape != chosen.shape:
-            raise ValueError(f"routing replay: routes of shape {tuple(self.routes.shape)} for a router that chose "
-                             f"{tuple(chosen.shape)} (tokens x top-k)")
-        chosen = torch.where(self.replayed[:, None], self.routes.to(chosen.device), chosen)
-        return scores.gather(1, chosen), chosen
+        if self.routes is not None and self.replayed is not None:
+            if self.routes.shape != chosen.shape:
+                raise ValueError(f"routing replay: routes of shape {tuple(self.routes.shape)} for a router that "
+                                 f"chose {tuple(chosen.shape)} (tokens x top-k)")
+            chosen = torch.where(self.replayed[:, None], self.routes.to(chosen.device), chosen)
+            probs = scores.gather(1, chosen)
+        if self.recording:
+            self.chosen = chosen.detach()
+        return probs, chosen
 
 
 class RoutingReplay:
@@ -202,6 +207,69 @@ class RoutingReplay:
         finally:
             for _, replay in self._layers:
                 replay.routes = replay.replayed = None
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Inside, each router keeps what its last forward routed to (`chosen`)."""
+        for _, replay in self._layers:
+            replay.recording = True
+        try:
+            yield
+        finally:
+            for _, replay in self._layers:
+                replay.recording, replay.chosen = False, None
+
+    def chosen(self) -> dict[int, Tensor]:
+        """Layer (0-based, over the whole model) -> the experts its router chose in the last forward on this rank
+        ([this rank's tokens, k]): this pipeline stage's layers, while `recording`."""
+        return {layer: replay.chosen for layer, replay in self._layers if replay.chosen is not None}
+
+
+class RouteRecorder:
+    """The experts every token of a batch was routed to in a forward of its micro-batches, for each sample
+    `[len(tokens) - 1, layers, k]` (what its training forwards replay, the torch trainer's layout).
+
+    Each rank writes what its own routers chose for its own tokens: its data-parallel share of the samples, its
+    pipeline stage's layers, and under sequence parallelism its TP rank's share of each row (without it every TP
+    rank routes alike and rank 0 writes). Entries are written plus one, so a sum over the world assembles the
+    whole batch on every rank (COLLECTIVE `finish`) and a zero left says no rank wrote it."""
+
+    def __init__(self, samples: Sequence[Any], layers: int, top_k: int, device: torch.device, *,
+                 tensor_parallel: int, tp_rank: int, sequence_parallel: bool) -> None:
+        self._lengths = [int(sample.tokens.numel()) for sample in samples]
+        self._offsets = [0, *itertools.accumulate(self._lengths)]
+        self._routes = torch.zeros((self._offsets[-1], layers, top_k), dtype=torch.int32, device=device)
+        self._split = sequence_parallel and tensor_parallel > 1
+        self._writes = self._split or tp_rank == 0
+        self._tensor_parallel, self._tp_rank = tensor_parallel, tp_rank
+
+    def record(self, members: Sequence[int], token_starts: Sequence[tuple[int, int]], shape: tuple[int, int],
+               chosen: dict[int, Tensor]) -> None:
+        """One micro-batch's routes: its samples `members` start at `token_starts` of its [rows, width] `shape`;
+        `chosen[layer]` covers this rank's tokens of it in megatron's order (sequence-major, `RoutingReplay`)."""
+        if not self._writes or not chosen:
+            return
+        rows, width = shape
+        share = rows * width // (self._tensor_parallel if self._split else 1)
+        first = share * self._tp_rank if self._split else 0
+        device = self._routes.device
+        for member, (row, column) in zip(members, token_starts, strict=True):
+            steps = torch.arange(self._lengths[member], device=device)
+            positions = (column + steps) * rows + row  # sequence-major, as megatron orders tokens
+            mine = (positions >= first) & (positions < first + share)
+            targets = self._offsets[member] + steps[mine]
+            for layer, experts in chosen.items():
+                self._routes[targets, layer] = experts[positions[mine] - first].to(torch.int32) + 1
+
+    def finish(self) -> list[Tensor]:
+        """Every sample's routes, on every rank (on the CPU). COLLECTIVE."""
+        from engines.megatron import collectives
+
+        routes = collectives.sum_over_world(self._routes).cpu() - 1
+        if routes.numel() and int(routes.min()) < 0:
+            raise RuntimeError("routing replay: no rank recorded the routes of some tokens (a layer without a router, "
+                               "or a micro-batch that was not run)")
+        return [sample[:-1].to(torch.int16) for sample in routes.split(self._lengths)]
 
 
 class RouterLossScale:

@@ -33,6 +33,7 @@ Checkpoints are megatron distributed checkpoints (resharding: save at one TP/PP/
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import time
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from transformers import AutoConfig
 
 from engines.megatron import collectives, optimizer, parallel
 from engines.megatron.batches import (
@@ -56,7 +58,13 @@ from engines.megatron.batches import (
 from engines.megatron.bridge import HFBridge
 from engines.megatron.config import MegatronTrainerConfig
 from engines.megatron.cpu_compat import maybe_cpu_compat
-from engines.megatron.experts import RouterLossScale, RoutingReplay, checkpoint_expert_parallel_problem
+from engines.megatron.experts import (
+    MOE_FAMILIES,
+    RouteRecorder,
+    RouterLossScale,
+    RoutingReplay,
+    checkpoint_expert_parallel_problem,
+)
 from engines.megatron.hooks import StepHooks
 from engines.megatron.logprobs import vocab_parallel_log_probs
 from engines.training import base, checkpoint
@@ -74,6 +82,11 @@ class MegatronTrainer(Trainer):
 
     def __init__(self, config: MegatronTrainerConfig) -> None:
         self.config = config
+        if config.use_routing_replay:  # before any process group exists
+            model_type = AutoConfig.from_pretrained(config.model_path).model_type
+            if model_type not in MOE_FAMILIES:
+                raise ValueError(f"--use-routing-replay: {model_type} has no MoE router (a dense model); drop the "
+                                 "flag")
         self._hooks = StepHooks(config.model_flags)  # slime's per-step hooks: a bad path fails before any build
         self._owns_world = parallel.ensure_default_group(parallel.compute_device())
         self._counter = base.VersionCounter()
@@ -129,12 +142,15 @@ class MegatronTrainer(Trainer):
                     entropy[offsets[index] : offsets[index + 1]] = values.float()
             return outputs.log_probs.sum() * 0.0
 
+        recorder = self._route_recorder(samples) if self.config.use_routing_replay and model == "policy" else None
         with maybe_cpu_compat(), torch.no_grad():
             network.eval()
             self._hooks.before_log_prob([network], ref=model == "ref")
             if samples:
                 micro_batches = self._micro_batches(samples, with_batch=False)
-                self._run_schedule(network, micro_batches, collect, temperature, with_entropy, forward_only=True)
+                with self._routing_replay.recording() if recorder is not None else contextlib.nullcontext():
+                    self._run_schedule(network, micro_batches, collect, temperature, with_entropy,
+                                       forward_only=True, recorder=recorder)
             # Exactly one rank (last stage, TP rank 0) wrote each position; a sum over the world spreads them.
             if not (parallel.is_last_stage() and parallel.tp_rank() == 0):
                 log_probs.zero_()
@@ -142,17 +158,21 @@ class MegatronTrainer(Trainer):
                     entropy.zero_()
             log_probs = collectives.sum_over_world(log_probs).cpu()
             entropy = None if entropy is None else collectives.sum_over_world(entropy).cpu()
-        return ModelOutputs(log_probs=log_probs, entropy=entropy)
+            routed = None if recorder is None else recorder.finish()
+        return ModelOutputs(log_probs=log_probs, entropy=entropy, routed_experts=routed)
+
+    def _route_recorder(self, samples: Sequence[TrainSample]) -> RouteRecorder:
+        config = self._bridge.transformer_config
+        return RouteRecorder(samples, config.num_layers, config.moe_router_topk, self._device,
+                             tensor_parallel=parallel.tp_size(), tp_rank=parallel.tp_rank(),
+                             sequence_parallel=self._bridge.sequence_parallel)
 
     def train_step(self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float, with_entropy: bool = False,
                    ends_batch: bool = True) -> StepResult:
         started = time.perf_counter()
         base.validate_samples(samples)
-        _, data_parallel = parallel.dp_rank_and_size()
-        if len(samples) < data_parallel:
-            raise ValueError(
-                f"train_step: {len(samples)} sample(s) cannot be split over {data_parallel} data-parallel ranks"
-            )
+        if not samples:
+            raise ValueError("train_step: no samples")
         counts = (count_loss_tokens(samples), len(samples))  # the whole batch: every rank holds it
         stats = _StepStats()
 
@@ -280,7 +300,8 @@ class MegatronTrainer(Trainer):
 
     def _micro_batches(self, samples: Sequence[TrainSample], *, with_batch: bool) -> list[MicroBatch]:
         """This rank's micro-batches; under expert parallelism topped up with fillers to the count of the busiest
-        data-parallel rank (`batches.filler_micro_batch`)."""
+        data-parallel rank (`batches.filler_micro_batch`), and at least a filler where the share is empty (fewer
+        samples than data-parallel ranks: a step's gradient reduction needs every rank)."""
         rank, ranks = parallel.dp_rank_and_size()
         lengths = [int(s.tokens.numel()) for s in samples]
         members = shard_for_rank(lengths, ranks, rank)
@@ -293,11 +314,11 @@ class MegatronTrainer(Trainer):
             device=self._device,
             pad_multiple=self._pad_multiple(),
         )
+        filler = filler_micro_batch(self._pad_multiple(), qkv_format=self.config.qkv_format, device=self._device)
         if parallel.ep_size() == 1:
-            return planned
+            return planned or [filler]
         busiest = max(micro_batch_counts(lengths, ranks, self.config.micro_batch_tokens,
                                          qkv_format=self.config.qkv_format, pad_multiple=self._pad_multiple()))
-        filler = filler_micro_batch(self._pad_multiple(), qkv_format=self.config.qkv_format, device=self._device)
         return planned + [filler] * (busiest - len(planned))
 
     def _step_micro_batches(self, samples: Sequence[TrainSample]) -> int:
@@ -318,8 +339,10 @@ class MegatronTrainer(Trainer):
         with_entropy: bool,
         *,
         forward_only: bool,
+        recorder: RouteRecorder | None = None,
     ) -> None:
-        """One megatron schedule (pipelined when PP > 1) over this rank's micro-batches."""
+        """One megatron schedule (pipelined when PP > 1) over this rank's micro-batches; `recorder` takes each
+        one's routes (inside `RoutingReplay.recording`)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         vocab_size = self._bridge.vocab_size
@@ -351,6 +374,9 @@ class MegatronTrainer(Trainer):
                 rank=parallel.tp_rank(), sequence_parallel=self._bridge.sequence_parallel)
             with self._router_losses.silenced(micro_batch.is_filler), replay:
                 output = model(micro_batch.input_ids, micro_batch.position_ids, None, **packing, **model_kwargs)
+            if recorder is not None and not micro_batch.is_filler:
+                recorder.record(micro_batch.members, micro_batch.token_starts, tuple(micro_batch.input_ids.shape),
+                                self._routing_replay.chosen())
             return output, functools.partial(loss_func, micro_batch)
 
         if not micro_batches:

@@ -67,7 +67,7 @@ def test_every_optimizer_step_of_a_batch_replays_the_routes_of_pi_olds_forward(m
 @pytest.mark.parametrize(("settings", "message"), [
     ({"use_decoupled_ppo": False, "off_policy_correction": "none"},
      "records the experts in the learner's pi_old forward, which this recipe"),
-    ({"train_backend": "megatron"}, "--use-routing-replay: the torch backend records and replays the learner's own"),
+    ({"train_backend": "pkg.trainer:build"}, "--use-routing-replay: the torch and Megatron backends record"),
 ])
 def test_recipes_without_a_pi_old_forward_of_their_own_are_refused(tiny_model_path: Path, settings: dict,
                                                                    message: str) -> None:
@@ -76,9 +76,10 @@ def test_recipes_without_a_pi_old_forward_of_their_own_are_refused(tiny_model_pa
 
 
 @pytest.mark.integration
-def test_a_dense_model_is_refused_naming_the_flag(tiny_model_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_dense_model_is_refused_naming_the_flag(tiny_model_path: Path, backend: str) -> None:
     with pytest.raises(ValueError, match=r"use-routing-replay: \w+ has no MoE router"):
-        build_trainer(replay_config(tiny_model_path))
+        build_trainer(replay_config(tiny_model_path, train_backend=backend))
 
 
 @pytest.mark.unit

@@ -77,6 +77,7 @@ def _trainer(model_path: Path, layout: Layout, expert_tensor_parallel: int | Non
         expert_tensor_parallel_size=expert_tensor_parallel or layout.expert_tensor_parallel,
         micro_batch_tokens=MICRO_BATCH_TOKENS,
         model_flags=MegatronFlags(flags=ROUTER_FLAGS if layout.router_losses else {}),
+        use_routing_replay=True,  # every policy forward records its routes too
         **OPTIMIZER,
     ))
 
@@ -100,7 +101,8 @@ def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_
             if rank == 0:
                 save_file(expected, str(out_dir / "uninterrupted.safetensors"))
         if rank == 0:
-            save_file({"log_probs": outputs.log_probs, "replayed": replayed.log_probs},
+            recorded = {f"routes.{index}": routes for index, routes in enumerate(outputs.routed_experts or [])}
+            save_file({"log_probs": outputs.log_probs, "replayed": replayed.log_probs, **recorded},
                       str(out_dir / "outputs.safetensors"))
             save_file(weights, str(out_dir / "weights.safetensors"))
             save_file(split, str(out_dir / "checkpoint_layout.safetensors"))
@@ -195,6 +197,22 @@ def test_a_step_equals_the_torch_trainers_step(layout: str, runs: dict, model_pa
     assert split.keys() == expected_split.keys() and "model.layers.1.mlp.experts.3.up_proj.weight" in split
     for name, tensor in expected_split.items():
         torch.testing.assert_close(split[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["single", "dp2-ep2", "tp2-dp2", "tp2-ep2-etp2"])
+def test_the_routes_a_policy_forward_records_are_the_torch_trainers(layout: str, runs: dict, model_path: Path) -> None:
+    """--use-routing-replay (slime's R2): what each token routed to in the pi_old forward, assembled from every
+    rank (data-parallel shares, expert-parallel ranks, sequence-parallel shares of each row)."""
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                              use_routing_replay=True))
+    expected = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE).routed_experts
+    outputs = load_file(str(runs[layout] / "outputs.safetensors"))
+    recorded = [outputs[f"routes.{index}"] for index in range(len(seeded_batch()))]
+    assert expected is not None and len(recorded) == len(expected)
+    for index, (routes, reference) in enumerate(zip(recorded, expected, strict=True)):
+        assert routes.dtype == reference.dtype and torch.equal(routes, reference), index
 
 
 @pytest.mark.integration

@@ -255,3 +255,37 @@ def test_bf16_step_tracks_the_torch_trainers_bf16_step(runs: dict, model_paths: 
         assert exported[name].dtype == torch.bfloat16, name
         # one bf16 step at 1.0 is 2^-7; seen: 3.2e-4
         torch.testing.assert_close(exported[name].float(), tensor.float(), rtol=0, atol=2**-7, msg=name)
+
+
+def _one_sample_worker(rank: int, rendezvous: str, model_path: Path, out_path: Path) -> None:
+    _cpu_only()
+    from engines.megatron import MegatronTrainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+    try:
+        trainer = MegatronTrainer(_megatron_config(model_path, Layout(world=2)))
+        one = seeded_batch()[:1]
+        result = trainer.train_step(one, step_loss(one), temperature=TEMPERATURE, with_entropy=True)
+        if rank == 0:
+            out_path.write_text(json.dumps({"grad_norm": result.grad_norm, "loss": result.metrics["loss"]}))
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_step_with_fewer_samples_than_data_parallel_ranks_is_the_torch_trainers_step(
+        model_paths: dict[bool, Path], tmp_path: Path) -> None:
+    """A learner step can hold one sample (filters dropped the rest, a batch split into several optimizer steps):
+    the rank without a share runs a filler forward and joins the gradient reduction, where it refused before."""
+    out_path = tmp_path / "one_sample.json"
+    mp.spawn(_one_sample_worker, args=(rendezvous_file(), model_paths[False], out_path), nprocs=2, join=True)
+    step = json.loads(out_path.read_text())
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths[False], micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                              check_packing=False, **OPTIMIZER))
+    one = seeded_batch()[:1]
+    expected = trainer.train_step(one, step_loss(one), temperature=TEMPERATURE, with_entropy=True)
+    assert step["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
+    assert step["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)

@@ -25,24 +25,30 @@ ENGINES = {"torch": [],
 RUNS = [("sglang", "torch"), ("torch", "megatron"), ("torch", "torch")]
 
 
+def tiny_moe_run(tmp_path: Path, tiny_model_cache: Path, *flags: str) -> list[dict]:
+    """A launcher run of 3 batches with a tiny Qwen3-MoE on sums, with `flags`; the rows of its train.jsonl."""
+    model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
+    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
+               "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", "3",
+               "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
+               "--rollout-workers", "1", "--reward-workers", "1", "--seed", "2", "--lr", "1e-3",
+               "--torch-threads", "1", "--final-eval-timeout", "0", "--no-progress", "--no-use-tensorboard",
+               "--no-plots", *flags]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.system
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("engine", "backend"), RUNS)
 def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_path: Path, tiny_model_cache: Path,
                                                                         engine: str, backend: str) -> None:
-    model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
-    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
-    run_dir, batches = tmp_path / "run", tmp_path / "batches"
-    command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
-               "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", "3",
-               "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
-               "--rollout-workers", "1", "--reward-workers", "1", "--seed", "2", "--lr", "1e-3",
-               "--torch-threads", "1", "--use-rollout-routing-replay", "--off-policy-correction", "tis",
-               "--save-debug-rollout-data", str(batches), "--final-eval-timeout", "0", "--no-progress",
-               "--no-use-tensorboard", "--no-plots", "--train-backend", backend, *ENGINES[engine]]
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=280)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    batches = tmp_path / "batches"
+    rows = tiny_moe_run(tmp_path, tiny_model_cache, "--use-rollout-routing-replay", "--off-policy-correction", "tis",
+                        "--save-debug-rollout-data", str(batches), "--train-backend", backend, *ENGINES[engine])
     assert len(rows) == 3
     assert all("train_rollout_logprob_abs_diff" in row for row in rows), sorted(rows[0])
     samples = [sample for path in sorted(batches.glob("*.msgpack")) for sample in decode(path.read_bytes()).samples]
@@ -52,3 +58,18 @@ def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_pat
         routes = np.asarray(sample.routed_experts)
         assert routes.shape == ((len(sample.tokens) - 1) * 4,)
         assert routes.min() >= 0 and routes.max() < 4  # TinyModelSpec's four experts
+
+
+@pytest.mark.system
+@pytest.mark.timeout(300)
+def test_a_megatron_learner_replays_the_routes_of_its_own_pi_old_forward(tmp_path: Path, tiny_model_cache: Path
+                                                                         ) -> None:
+    """--use-routing-replay (slime's R2) on Megatron over two learner ranks with the experts split (EP 2): pi_old's
+    forward records each token's experts on every rank, the batch's samples carry them into both optimizer steps
+    (the second replays pi_old's routes, not the updated policy's own)."""
+    rows = tiny_moe_run(tmp_path, tiny_model_cache, "--use-routing-replay", "--use-decoupled-ppo",
+                        "--num-steps-per-rollout", "2", "--train-backend", "megatron", "--learner-ranks", "2",
+                        "--expert-model-parallel-size", "2",
+                        # a reward that differs between an untrained model's samples: the steps have gradients
+                        "--custom-rm-path", "tests.support.reward_plugins:digit_share")
+    assert len(rows) == 3 and any(row["grad_norm"] > 0 for row in rows), rows  # trained, not only ran
