@@ -63,15 +63,15 @@ def test_the_launcher_writes_each_actors_share_into_its_context(tmp_path: Path,
 def test_pinning_reaches_every_thread_already_running() -> None:
     """An engine's decode thread starts before the actor pins itself; it must be pinned too."""
     code = (
-        "import os, threading, time\n"
+        "import os, threading\n"
         "from actors.runtime.cpu_budget import pin_process\n"
         "seen = {}\n"
-        "started = threading.Event()\n"
+        "started, pinned = threading.Event(), threading.Event()\n"
         "def worker():\n"
-        "    started.set(); time.sleep(0.5); seen['mask'] = os.sched_getaffinity(0)\n"
-        "thread = threading.Thread(target=worker); thread.start(); started.wait()\n"
+        "    started.set(); pinned.wait(30); seen['mask'] = os.sched_getaffinity(0)\n"
+        "thread = threading.Thread(target=worker); thread.start(); started.wait(30)\n"
         f"pin_process([{min(os.sched_getaffinity(0))}])\n"
-        "thread.join(); print(sorted(seen['mask']), sorted(os.sched_getaffinity(0)))\n"
+        "pinned.set(); thread.join(); print(sorted(seen['mask']), sorted(os.sched_getaffinity(0)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout.split("]")

@@ -132,8 +132,9 @@ def sampled_reverse_kl(trainer: TorchTrainer, samples: list[Sample], role: str) 
 def test_pure_distillation_from_the_learners_teacher_moves_the_student_toward_it(tiny_model_path: Path,
                                                                                 teacher_path: Path) -> None:
     """On-policy, as a run does it: each round the engine samples with the newest weights, the learner's teacher
-    scores the tokens, a zero-reward step trains, the weights go back. The sampled reverse KL per token (an
-    unbiased estimate on fresh samples) must fall well below where it started."""
+    scores the tokens, a zero-reward step trains, the weights go back. The student's log-ratio to the teacher on
+    the first round's tokens must fall well below where it started: the same tokens before and after, since each
+    round's sampled KL over 24 fresh short samples moves by more than the 12 rounds move it."""
     config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4,
                            "rollout_max_response_len": 8, "use_opd": True, "opd_teacher_load": str(teacher_path),
                            "rm_type": "zero", "lr": 1e-2})
@@ -152,6 +153,7 @@ def test_pure_distillation_from_the_learners_teacher_moves_the_student_toward_it
                 groups = await asyncio.gather(*(default_generate(context, g) for g in prompt_groups(6)))
                 samples = with_rewards([s for group in groups for s in group], [0.0] * 24)
                 if version == 1:
+                    first_samples = samples
                     first_kl = sampled_reverse_kl(trainer, samples, teacher_role("teacher"))
                     first_tokens = sum(s.response_length for s in samples)
                 report = step.train(samples, [0] * len(samples))
@@ -161,12 +163,10 @@ def test_pure_distillation_from_the_learners_teacher_moves_the_student_toward_it
             await engine.close()
         assert metrics[0]["opd/reverse_kl"] == pytest.approx(first_kl, abs=1e-4)  # the batch's sampled KL
         assert metrics[0]["opd/tokens/teacher"] == first_tokens
-        return metrics
+        return metrics, first_kl, sampled_reverse_kl(trainer, first_samples, teacher_role("teacher"))
 
-    metrics = asyncio.run(rounds())
-    start = np.mean([m["opd/reverse_kl"] for m in metrics[:3]])
-    end = np.mean([m["opd/reverse_kl"] for m in metrics[-3:]])
-    assert end < 0.85 * start, [round(m["opd/reverse_kl"], 3) for m in metrics]
+    metrics, first_kl, last_kl = asyncio.run(rounds())
+    assert last_kl < 0.85 * first_kl, (first_kl, last_kl, [round(m["opd/reverse_kl"], 3) for m in metrics])
 
 
 @pytest.mark.integration

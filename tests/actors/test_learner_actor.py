@@ -24,7 +24,7 @@ from actors.runtime.exits import EXIT_RUN_FAILED, exit_report
 from actors.runtime.metrics import read_metrics
 from bus.codec import decode, encode
 from bus.schema import VersionAnnouncement
-from engines.training.base import Loss, StepResult, Trainer, TrainSample
+from engines.training.base import Loss, StepResult, Trainer, TrainSample, WeightLayout
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
 from tools.audit_run import audit
 from tools.sim.learner import SleepingTrainer
@@ -207,7 +207,7 @@ class LiveWeights(SleepingTrainer):
         self.writes[self.version] = time.time()
         return result
 
-    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def named_tensors(self, layout: WeightLayout = "model") -> Iterator[tuple[str, Tensor]]:
         time.sleep(self.READ_S)
         self.reads.append((float(self.weights), time.time()))
         yield "sim.version", self.weights
