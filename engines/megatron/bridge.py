@@ -103,6 +103,8 @@ class HFBridge:
                 f"supported: {', '.join(SUPPORTED_FAMILIES)}"
             )
         _refuse_unsupported(self.hf_config, self.model_path)
+        if getattr(self.hf_config, "head_dim", None) is None:  # Mixtral leaves it to the model; mbridge reads it
+            self.hf_config.head_dim = self.hf_config.hidden_size // self.hf_config.num_attention_heads
         from megatron.core import parallel_state
 
         tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
@@ -130,7 +132,8 @@ class HFBridge:
         self._bridge.set_extra_args(**overrides)
         self.vocab_size = vocab
         self.padded_vocab_size = math.ceil(vocab / tensor_parallel) * tensor_parallel
-        self._stacked_experts = experts.is_moe(self.hf_config) and layouts.stacks_experts(self.hf_config)
+        self._model_layout = (layouts.ModelLayout(self.hf_config)
+                              if experts.is_moe(self.hf_config) and layouts.stacks_experts(self.hf_config) else None)
 
     @property
     def transformer_config(self) -> Any:
@@ -192,9 +195,7 @@ class HFBridge:
         """`export_hf_weights` under the names and shapes of the HF model in memory, which is what engines serve
         and the torch trainer sends: the same tensors but a MoE layer's experts stacked (`experts`). COLLECTIVE."""
         weights = self.export_hf_weights(stages)
-        if not self._stacked_experts:
-            return weights
-        return layouts.in_model_layout(weights, experts.num_experts(self.hf_config))
+        return weights if self._model_layout is None else self._model_layout(weights)
 
 
 def _bridge_class(family: str) -> type:

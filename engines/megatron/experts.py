@@ -19,8 +19,9 @@ saw part of the sequence: the same arithmetic, now allowed.
 Two layouts out. A Hugging Face checkpoint stores each expert's projections apart (`experts.<e>.gate_proj.weight`,
 as mbridge exports and SGLang loads them); transformers 5 holds a layer's experts as two stacked tensors
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), and that is what the torch trainer sends and
-what a torch engine's parameters are named. `engines.weights.layouts.in_model_layout` stacks the first into the
-second, one layer at a time, where the installed transformers builds the model that way.
+what a torch engine's parameters are named. `engines.weights.layouts.ModelLayout` stacks the first into the
+second (transformers' own conversion, read backwards: Mixtral's `block_sparse_moe.experts.<e>.w1` too), one
+parameter at a time, where the installed transformers builds the model that way; an SGLang push takes the first.
 
 Without transformer-engine. megatron-core 0.16.1's router calls `te_general_gemm` by a name it defines only when
 transformer-engine imports (a NameError at the first MoE forward); `define_missing_te_gemm` defines it as None,
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-MOE_FAMILIES = ("qwen3_moe",)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 _SEQUENTIAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 _ROUTER_COEFFICIENTS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
 
@@ -63,11 +64,13 @@ def num_experts(hf_config: PretrainedConfig) -> int:
 
 
 def moe_overrides(hf_config: PretrainedConfig, flags: Mapping[str, Any], *, grouped_gemm: bool) -> dict[str, Any]:
-    """TransformerConfig settings of a Qwen3-MoE model as Hugging Face computes it, plus slime's router flags.
+    """TransformerConfig settings of a Qwen3-MoE or Mixtral model as Hugging Face computes it, plus slime's router
+    flags.
 
     Hugging Face's router takes the softmax over all experts, picks the top k and renormalises them when
-    `norm_topk_prob`; megatron's softmax router does the latter with `moe_router_pre_softmax=False` (softmax over
-    the top-k logits, which is the same) and the former with True. The router losses default to off, as the torch
+    `norm_topk_prob` (Mixtral always does, and has no such field; mbridge's Mixtral config says otherwise);
+    megatron's softmax router does the latter with `moe_router_pre_softmax=False` (softmax over the top-k logits,
+    which is the same) and the former with True. The router losses default to off, as the torch
     backend's (slime's flags turn them on); "none" turns the load-balancing loss off whatever its coefficient.
     """
     if hf_config.model_type not in MOE_FAMILIES:
@@ -83,7 +86,7 @@ def moe_overrides(hf_config: PretrainedConfig, flags: Mapping[str, Any], *, grou
         raise ValueError(f"--moe-router-load-balancing-type {balancing}: the Megatron backend computes megatron's "
                          "micro-batch aux_loss only (or none), as the torch backend does")
     return {
-        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False)),
+        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", hf_config.model_type == "mixtral")),
         "moe_router_load_balancing_type": balancing,
         "moe_aux_loss_coeff": 0.0 if balancing == "none" else float(flags.get("moe_aux_loss_coeff") or 0.0),
         "moe_z_loss_coeff": float(flags.get("moe_z_loss_coeff") or 0.0) or None,

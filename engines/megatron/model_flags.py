@@ -184,7 +184,7 @@ _MOE_REFUSALS = {
     "moe_router_enable_expert_bias": "the aux-loss-free expert bias (DeepSeek-V3's router) is not built",
     "moe_enable_deepep": "DeepEP's dispatcher is CUDA-only; use --moe-token-dispatcher-type alltoall",
     "moe_shared_expert_intermediate_size": "shared experts (Qwen2-MoE, DeepSeek) are not built by the Megatron "
-                                           "backend's bridge (qwen3_moe)",
+                                           "backend's bridge (qwen3_moe, mixtral)",
 }
 _ARCHITECTURE_FLAGS = ("multi_latent_attention", "attention_output_gate", "use_gated_attention",
                        "post_mlp_layernorm", "post_self_attn_layernorm")

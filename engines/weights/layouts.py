@@ -5,7 +5,7 @@ what mbridge exports, what `save_pretrained` writes and the only names SGLang's 
 transformers 5 holds a layer's experts as two stacked tensors instead (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]), which is what a trainer's `named_tensors()` yields and a torch engine's
 parameters are named. `stacks_experts` asks the installed transformers which it does (a meta-device skeleton:
-no memory, no weights read); `in_model_layout` stacks checkpoint tensors as the model holds them, and
+no memory, no weights read); `ModelLayout` stacks checkpoint tensors as the model holds them, and
 `CheckpointLayout` splits them back for an engine that loads checkpoint names (SGLang): transformers' own reverse
 conversion, tensor by tensor, so a model's renames (Mixtral's `block_sparse_moe`, `w1`/`w3`/`w2`) come with it.
 `checkpoint_views` gives the same names as views into a live model's stacked parameters, so an engine holding
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
-
-_CHECKPOINT_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
 
 _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
@@ -71,58 +69,93 @@ class CheckpointLayout:
                 close()
 
 
-def checkpoint_views(model: PreTrainedModel) -> dict[str, Tensor]:
-    """Checkpoint name -> the part of the model's parameter that holds it, for each name the checkpoint spells
-    differently: every expert of a stacked layer, and renamed weights (Mixtral's `block_sparse_moe.gate`).
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor lives in the model: rows [first, first + rows) of expert `expert` of a stacked
+    parameter, or (expert None) the whole parameter under another name."""
 
-    Writing a view writes the model's weight, as SGLang's expert weight loader writes its slice of a fused
-    parameter. transformers' reverse conversion copies (its chunks are made contiguous), so it runs on a probe
-    instead: each row of a stacked parameter numbered, the conversion shows which rows each checkpoint tensor
-    takes. A conversion that does more than pick whole rows of one expert (a transpose) is refused by name."""
+    parameter: str
+    expert: int | None = None
+    first: int = 0
+    rows: int = 0
+
+    def of(self, tensor: Tensor) -> Tensor:
+        """The part of the parameter's `tensor` this slot names (a view)."""
+        return tensor if self.expert is None else tensor[self.expert, self.first:self.first + self.rows]
+
+
+def checkpoint_slots(model: nn.Module) -> dict[str, Slot]:
+    """Checkpoint name -> its `Slot`, for each name the checkpoint spells differently from the model (every
+    expert of a stacked layer, renamed weights such as Mixtral's `block_sparse_moe.gate`). Meta parameters do.
+
+    transformers' reverse conversion copies (its chunks are made contiguous), so it runs on a probe: each row of a
+    stacked parameter numbered, the conversion shows which rows each checkpoint tensor takes. A conversion that
+    does more than pick whole rows of one expert (a transpose) is refused by name."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    views: dict[str, Tensor] = {}
+    slots: dict[str, Slot] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         shapes = revert_weight_conversion(model, {name: torch.empty(parameter.shape, device="meta")})
         if not is_stacked_expert(name):
             if len(shapes) != 1 or next(iter(shapes.values())).shape != parameter.shape:
-                raise ValueError(f"{name}: transformers writes it to the checkpoint as {sorted(shapes)}, which a "
-                                 "checkpoint-named update cannot load in place")
+                raise ValueError(f"{name}: transformers writes it to the checkpoint as {sorted(shapes)}, which no "
+                                 "slot of the model's weight holds")
             if (checkpoint_name := next(iter(shapes))) != name:
-                views[checkpoint_name] = parameter.data
+                slots[checkpoint_name] = Slot(name)
             continue
         experts, rows = parameter.shape[0], parameter.shape[1]
         probe = torch.arange(experts * rows).reshape(experts, rows, *([1] * (parameter.dim() - 2)))
         for checkpoint_name, numbered in revert_weight_conversion(model, {name: probe}).items():
             taken = numbered.reshape(-1)
             expert, first = divmod(int(taken[0]), rows)
-            view = parameter.data[expert, first:first + taken.numel()]
+            slot = Slot(name, expert, first, taken.numel())
             if not torch.equal(taken, torch.arange(int(taken[0]), int(taken[0]) + taken.numel())) or (
-                    first + taken.numel() > rows or view.shape != shapes[checkpoint_name].shape):
+                    first + taken.numel() > rows
+                    or slot.of(torch.empty(parameter.shape, device="meta")).shape != shapes[checkpoint_name].shape):
                 raise ValueError(f"{name}: transformers turns it into {checkpoint_name!r} by more than taking rows of "
-                                 "one expert, so a checkpoint-named update cannot write the model's weight in place")
-            views[checkpoint_name] = view
-    return views
+                                 "one expert, so a checkpoint tensor has no slot in the model's weight")
+            slots[checkpoint_name] = slot
+    return slots
 
 
-def in_model_layout(named: Iterable[tuple[str, Tensor]], experts: int) -> Iterator[tuple[str, Tensor]]:
-    """Checkpoint-layout tensors with each layer's `experts` experts stacked as transformers 5 holds them; other
-    tensors pass through in order. A layer's stacks come out once its last expert tensor went in."""
-    pending: dict[str, dict[tuple[str, int], Tensor]] = {}
-    for name, tensor in named:
-        match = _CHECKPOINT_EXPERT.match(name)
-        if match is None:
-            yield name, tensor
-            continue
-        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
-        layer = pending.setdefault(prefix, {})
-        layer[(projection, expert)] = tensor
-        if len(layer) < 3 * experts:
-            continue
-        del pending[prefix]
-        yield f"{prefix}.gate_up_proj", torch.stack(
-            [torch.cat([layer[("gate_proj", e)], layer[("up_proj", e)]]) for e in range(experts)])
-        yield f"{prefix}.down_proj", torch.stack([layer[("down_proj", e)] for e in range(experts)])
-    if pending:
-        raise ValueError(f"expert weights of {sorted(pending)} ended incomplete: every layer needs gate, up and down "
-                         f"projections of {experts} experts")
+def checkpoint_views(model: nn.Module) -> dict[str, Tensor]:
+    """Checkpoint name -> the part of the model's parameter that holds it (`checkpoint_slots`): writing the view
+    writes the weight, as SGLang's expert weight loader writes its slice of a fused parameter."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    return {name: slot.of(parameters[slot.parameter].data) for name, slot in checkpoint_slots(model).items()}
+
+
+class ModelLayout:
+    """Checkpoint-layout tensors (mbridge's export) under the names and shapes of the HF model in memory: each
+    stacked parameter assembled from its experts' tensors, renamed weights renamed, the rest passed on in order.
+    A stacked parameter comes out once its last piece went in; the pieces of one are held until then."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        skeleton = meta_skeleton(hf_config)
+        self._slots = checkpoint_slots(skeleton)
+        self._shapes = {name: tuple(parameter.shape) for name, parameter in skeleton.named_parameters()}
+        self._pieces: dict[str, int] = {}
+        for slot in self._slots.values():
+            self._pieces[slot.parameter] = self._pieces.get(slot.parameter, 0) + 1
+
+    def __call__(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        pending: dict[str, tuple[Tensor, int]] = {}  # stacked parameter -> (being filled, pieces in)
+        for name, tensor in named:
+            slot = self._slots.get(name)
+            if slot is None:
+                yield name, tensor
+                continue
+            if slot.expert is None:
+                yield slot.parameter, tensor
+                continue
+            stacked, filled = pending.get(slot.parameter) or (
+                torch.empty(self._shapes[slot.parameter], dtype=tensor.dtype, device=tensor.device), 0)
+            slot.of(stacked).copy_(tensor)
+            if filled + 1 < self._pieces[slot.parameter]:
+                pending[slot.parameter] = (stacked, filled + 1)
+                continue
+            pending.pop(slot.parameter, None)
+            yield slot.parameter, stacked
+        if pending:
+            raise ValueError(f"expert weights of {sorted(pending)} ended incomplete: every expert's projections "
+                             "must arrive")

@@ -7,13 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from actors.config import add_config_flags, config_from_args
 from engines.megatron import experts
-from engines.weights import layouts
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 pytest.importorskip("megatron.core")
@@ -39,29 +36,6 @@ def test_sequential_mlp_names_become_mbridges_grouped_names_with_the_global_expe
     router = "decoder.layers.1.mlp.router.weight"
     assert experts.grouped_expert_name(router, expert_offset=2) == router
     assert not experts.is_local_expert_weight(router)
-
-
-@pytest.mark.unit
-def test_checkpoint_layout_is_stacked_as_transformers_holds_the_model(moe_path: Path) -> None:
-    """The checkpoint's per-expert tensors, stacked, are the HF model's own parameters, names and values."""
-    with safe_open(str(moe_path / "model.safetensors"), "pt") as checkpoint:
-        on_disk = [(name, checkpoint.get_tensor(name)) for name in checkpoint.keys()]  # noqa: SIM118
-    hf_config = AutoConfig.from_pretrained(moe_path)
-    assert layouts.stacks_experts(hf_config)
-    stacked = dict(layouts.in_model_layout(on_disk, experts.num_experts(hf_config)))
-    model = dict(AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).named_parameters())
-    assert stacked.keys() == model.keys()
-    for name, parameter in model.items():
-        torch.testing.assert_close(stacked[name], parameter.detach(), rtol=0, atol=0, msg=name)
-
-
-@pytest.mark.unit
-def test_an_incomplete_layer_of_experts_is_an_error_naming_it() -> None:
-    weight = torch.zeros(2, 2)
-    partial = [(f"model.layers.0.mlp.experts.{e}.{p}.weight", weight) for e in range(2)
-               for p in ("gate_proj", "up_proj", "down_proj")][:-1]
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.*ended incomplete.*of 2 experts"):
-        list(layouts.in_model_layout(partial, 2))
 
 
 @pytest.mark.unit

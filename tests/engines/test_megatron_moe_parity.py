@@ -1,6 +1,7 @@
 """Expert parallelism changes where experts live, never what the model computes: a tiny Qwen3-MoE takes the same
 step at EP=2 as at EP=1, alone and under TP=2 (slime's layout: experts whole on each TP rank, sequence parallel),
-with megatron's router losses on; and the Megatron backend's log-probs equal the torch trainer's.
+with megatron's router losses on; and the Megatron backend's log-probs, steps and recorded routes equal the torch
+trainer's, for a tiny Mixtral too.
 
 Each layout runs once in freshly spawned gloo ranks on CPU (as `test_megatron_parity.py` does for the dense
 layouts), writing what rank 0 saw. EP is carved out of the data-parallel ranks, so each EP=2 layout is compared
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from engines.training import TorchTrainer, TorchTrainerConfig
+from engines.weights.layouts import is_stacked_expert
 from tests.support.rendezvous import cpu_gloo_rank, rendezvous_file
 from tests.support.training import seeded_batch, step_loss
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
@@ -42,6 +44,7 @@ class Layout:
     expert_tensor_parallel: int | None = None
     resume_at_expert_tensor_parallel: int | None = None  # save after step 1; a fresh process loads so, step 2
     router_losses: bool = True
+    family: str = "qwen3_moe"  # or Mixtral: mbridge's names (block_sparse_moe, w1/w3/w2), no norm_topk_prob field
 
 
 LAYOUTS = {
@@ -53,6 +56,8 @@ LAYOUTS = {
     "tp2-dp2-ep2": Layout(world=4, tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=1,
                           resume_at_expert_tensor_parallel=2),
     "tp2-ep2-etp2": Layout(world=4, tensor_parallel=2, expert_parallel=2),  # megatron's default: experts split too
+    "mixtral": Layout(world=1, family="mixtral"),
+    "mixtral-dp2-ep2": Layout(world=2, expert_parallel=2, family="mixtral"),
 }
 EXPERT_PARALLEL_PAIRS = [("dp2-ep2", "dp2"), ("tp2-dp2-ep2", "tp2-dp2"), ("tp2-ep2-etp2", "tp2-dp2")]
 
@@ -126,17 +131,19 @@ def _resume_worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, 
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return cached_tiny_model(tmp_path_factory.mktemp("moe-models"), TinyModelSpec(family="qwen3_moe"))
+def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    cache = tmp_path_factory.mktemp("moe-models")
+    return {family: cached_tiny_model(cache, TinyModelSpec(family=family)) for family in ("qwen3_moe", "mixtral")}
 
 
 @pytest.fixture(scope="module")
-def runs(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(model_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each layout is spawned once, lazily, and shared by the tests that look at it."""
 
     class Runs(dict):
         def __missing__(self, name: str) -> Path:
             layout = LAYOUTS[name]
+            model_path = model_paths[layout.family]
             out_dir = tmp_path_factory.mktemp(name)
             mp.spawn(_worker, args=(rendezvous_file(), model_path, out_dir, asdict(layout)), nprocs=layout.world,
                      join=True)
@@ -172,13 +179,14 @@ def test_expert_parallel_step_equals_the_step_with_every_expert_on_every_rank(
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["single", "single-router-losses"])
-def test_a_step_equals_the_torch_trainers_step(layout: str, runs: dict, model_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["single", "single-router-losses", "mixtral"])
+def test_a_step_equals_the_torch_trainers_step(layout: str, runs: dict, model_paths: dict[str, Path]) -> None:
     """Loss (router losses included), gradient norm and every weight after the step, under the names and shapes
     of the HF model in memory (its experts stacked), which the torch trainer sends and the engines serve."""
     router_losses = ROUTER_FLAGS if LAYOUTS[layout].router_losses else {}
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
-                                              check_packing=False, **OPTIMIZER, **router_losses))
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths[LAYOUTS[layout].family],
+                                              micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False, **OPTIMIZER,
+                                              **router_losses))
     batch = seeded_batch()
     expected = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
     step = json.loads((runs[layout] / "summary.json").read_text())
@@ -194,19 +202,21 @@ def test_a_step_equals_the_torch_trainers_step(layout: str, runs: dict, model_pa
         torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     split = load_file(str(runs[layout] / "checkpoint_layout.safetensors"))
     expected_split = dict(trainer.named_tensors("checkpoint"))
-    assert split.keys() == expected_split.keys() and "model.layers.1.mlp.experts.3.up_proj.weight" in split
+    assert split.keys() == expected_split.keys() and not any(is_stacked_expert(name) for name in split)
+    assert len(split) > len(exported)  # each expert's projections apart
     for name, tensor in expected_split.items():
         torch.testing.assert_close(split[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["single", "dp2-ep2", "tp2-dp2", "tp2-ep2-etp2"])
-def test_the_routes_a_policy_forward_records_are_the_torch_trainers(layout: str, runs: dict, model_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["single", "dp2-ep2", "tp2-dp2", "tp2-ep2-etp2", "mixtral-dp2-ep2"])
+def test_the_routes_a_policy_forward_records_are_the_torch_trainers(layout: str, runs: dict,
+                                                                   model_paths: dict[str, Path]) -> None:
     """--use-routing-replay (slime's R2): what each token routed to in the pi_old forward, assembled from every
     rank (data-parallel shares, expert-parallel ranks, sequence-parallel shares of each row)."""
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
-                                              use_routing_replay=True))
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths[LAYOUTS[layout].family],
+                                              micro_batch_tokens=MICRO_BATCH_TOKENS, use_routing_replay=True))
     expected = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE).routed_experts
     outputs = load_file(str(runs[layout] / "outputs.safetensors"))
     recorded = [outputs[f"routes.{index}"] for index in range(len(seeded_batch()))]
@@ -218,9 +228,9 @@ def test_the_routes_a_policy_forward_records_are_the_torch_trainers(layout: str,
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_log_probs_equal_the_torch_trainers(layout: str, runs: dict, model_path: Path) -> None:
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
-                                              check_packing=False, **OPTIMIZER))
+def test_log_probs_equal_the_torch_trainers(layout: str, runs: dict, model_paths: dict[str, Path]) -> None:
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths[LAYOUTS[layout].family],
+                                              micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False, **OPTIMIZER))
     expected = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE)
     saved = load_file(str(runs[layout] / "outputs.safetensors"))
     torch.testing.assert_close(saved["log_probs"], expected.log_probs, rtol=0, atol=2e-5)
@@ -230,12 +240,12 @@ def test_log_probs_equal_the_torch_trainers(layout: str, runs: dict, model_path:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["single", "tp2-dp2-ep2"])
 def test_replayed_rollout_routes_give_the_torch_trainers_replayed_log_probs(
-    layout: str, runs: dict, model_path: Path
+    layout: str, runs: dict, model_paths: dict[str, Path]
 ) -> None:
     """R3 on the Megatron backend: every token that carries routes takes those experts (the rest route for
     themselves), as the torch trainer's replay does; under sequence parallelism each TP rank replays its share."""
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
-                                              check_packing=False, **OPTIMIZER))
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths["qwen3_moe"],
+                                              micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False, **OPTIMIZER))
     expected = trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE)
     own_routes = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE)
     saved = load_file(str(runs[layout] / "outputs.safetensors"))

@@ -40,6 +40,27 @@ def test_the_checkpoint_layout_is_what_save_pretrained_writes(moe_path: Path, tm
 
 
 @pytest.mark.unit
+def test_checkpoint_tensors_are_stacked_as_transformers_holds_the_model(moe_path: Path) -> None:
+    """What the Megatron trainer's model layout does with mbridge's export: names, shapes and values of the HF model
+    in memory, from the file `save_pretrained` wrote."""
+    on_disk = load_file(moe_path / "model.safetensors")
+    stacked = dict(layouts.ModelLayout(AutoConfig.from_pretrained(moe_path))(sorted(on_disk.items())))
+    model = dict(AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).named_parameters())
+    assert stacked.keys() == model.keys()
+    for name, parameter in model.items():
+        torch.testing.assert_close(stacked[name], parameter.detach(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.unit
+def test_an_incomplete_layer_of_experts_is_an_error_naming_it(moe_path: Path) -> None:
+    on_disk = load_file(moe_path / "model.safetensors")
+    partial = [(name, tensor) for name, tensor in sorted(on_disk.items()) if ".layers.1." not in name or (
+        ".experts.3." not in name)]
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.(gate_up|down)_proj.*ended incomplete"):
+        list(layouts.ModelLayout(AutoConfig.from_pretrained(moe_path))(partial))
+
+
+@pytest.mark.unit
 def test_the_checkpoint_layout_closes_its_source() -> None:
     """A trainer's generator finishes its collective iteration on close; the renaming must pass the close on."""
     closed = []
