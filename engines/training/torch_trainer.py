@@ -124,6 +124,7 @@ class TorchTrainer(Trainer):
                                  "--use-routing-replay")
                          if router_settings.active or config.use_routing_replay or router_modules(self._model)
                          else None)
+        self._checkpoint_layout: layouts.CheckpointLayout | None = None  # `named_tensors("checkpoint")`
         self._record_routes = config.use_routing_replay
         self._router_losses = (RouterLosses(self._routers, router_settings, world_size=_world_size())
                                if self._routers is not None and router_settings.active else None)
@@ -325,7 +326,9 @@ class TorchTrainer(Trainer):
             return
         weights = ((name, parameter.detach()) for name, parameter in self._model.named_parameters())
         if layout == "checkpoint" and layouts.holds_stacked_experts(self._model):
-            weights = layouts.CheckpointLayout(self._model.config)(weights)
+            if self._checkpoint_layout is None:  # a meta skeleton of the model: built once, not at every push
+                self._checkpoint_layout = layouts.CheckpointLayout(self._model.config)
+            weights = self._checkpoint_layout(weights)
         yield from weights
 
     def export_hf(self, directory: str | Path) -> None:

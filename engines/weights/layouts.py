@@ -49,7 +49,8 @@ def is_stacked_expert(name: str) -> bool:
 
 class CheckpointLayout:
     """Turns a model's in-memory tensors into its checkpoint's: each stacked expert tensor into one tensor per
-    expert and projection (views, no copy), every other name as the checkpoint spells it.
+    expert and projection (a stacked gate/up is copied apart once, down projections are views), every other name
+    as the checkpoint spells it.
 
     Built once per run from a meta skeleton of the model (the reverse conversion needs the model class). Each
     tensor converts alone, so a trainer's stream stays a stream: nothing waits for the rest of its layer."""
@@ -134,9 +135,10 @@ class ModelLayout:
         skeleton = meta_skeleton(hf_config)
         self._slots = checkpoint_slots(skeleton)
         self._shapes = {name: tuple(parameter.shape) for name, parameter in skeleton.named_parameters()}
-        self._pieces: dict[str, int] = {}
+        self._pieces: dict[str, int] = {}  # stacked parameter -> the checkpoint tensors it is made of
         for slot in self._slots.values():
-            self._pieces[slot.parameter] = self._pieces.get(slot.parameter, 0) + 1
+            if slot.expert is not None:
+                self._pieces[slot.parameter] = self._pieces.get(slot.parameter, 0) + 1
 
     def __call__(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         pending: dict[str, tuple[Tensor, int]] = {}  # stacked parameter -> (being filled, pieces in)
