@@ -30,6 +30,7 @@ from actors.config import RunConfig
 from actors.rollout.engine_factory import sglang_server_args
 from engines.pretrained import UNREACHABLE_MARKERS
 from engines.sglang import protocol, tensor_payload
+from engines.sglang.checksums import SERVER_OWN_TENSORS
 from engines.sglang.launch import ServerSpec
 from tools.standins.sglang_server import checksum
 from tools.standins.sglang_server.server import CompatServer, parse_args
@@ -252,6 +253,9 @@ def test_the_weight_checksum_is_built_as_the_compatible_server_builds_it(sglang:
     patterns = next(ast.literal_eval(node.value) for node in checker.body if isinstance(node, ast.Assign)
                     and ast.unparse(node.targets[0]) == "_NON_PERSISTENT_BUFFER_PATTERNS")
     assert set(patterns) == set(checksum.NON_PERSISTENT[sglang.version])
+    # per rank, per tensor too: what `ServedHistory` compares between loads, less SGLang's own tensors
+    assert "checksums" in sglang.class_fields("sglang/srt/utils/weight_checker.py", "ChecksumInfo")
+    assert set(patterns) <= set(SERVER_OWN_TENSORS)
     functions = {node.name: ast.unparse(node) for node in ast.walk(checker) if isinstance(node, ast.FunctionDef)}
     assert "tensor_hash(t):016x" in functions["_hash_tensor"]
     overall = functions.get("overall_checksum") or functions["_compute_checksum"]
@@ -374,3 +378,41 @@ def test_the_compatible_server_registers_every_endpoint_of_the_table() -> None:
         for endpoint in protocol.ENDPOINTS:
             expected = not endpoint.optional or Version(api) >= Version(endpoint.since or "0")
             assert ((endpoint.method, endpoint.path) in served) == expected, (api, endpoint.path)
+
+
+# Each MoE family: SGLang's model file, and the tiny model whose checkpoint names our learner sends it.
+MOE_MODEL_FILES = {"qwen3_moe": "sglang/srt/models/qwen3_moe.py", "mixtral": "sglang/srt/models/mixtral.py"}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_MODEL_FILES))
+def test_moe_models_load_experts_under_the_checkpoint_names_the_learner_sends(sglang: SglangSource,
+                                                                              family: str) -> None:
+    """What `engines.weights.layouts.CheckpointLayout` and the stand-in server rely on: SGLang's MoE model maps
+    `experts.<e>.<ckpt name>.` onto its fused `experts.w13_`/`experts.w2_` parameters (under the same module, which
+    the weight check's feeders assume) and passes over a name it does not know while the update succeeds
+    (transformers' stacked `experts.gate_up_proj` was one)."""
+    from transformers import AutoConfig
+
+    from engines.weights.layouts import CheckpointLayout, meta_skeleton
+
+    layer = ast.unparse(sglang.tree("sglang/srt/layers/moe/fused_moe_triton/layer.py"))
+    assert "'experts.w13_' if weight_name in [ckpt_gate_proj_name, ckpt_up_proj_name] else 'experts.w2_'" in layer
+    assert "f'experts.{expert_id}.{weight_name}.'" in layer
+    model = sglang.tree(MOE_MODEL_FILES[family])
+    (mapping,) = [node for node in ast.walk(model) if isinstance(node, ast.Call)
+                  and ast.unparse(node.func).endswith("make_expert_params_mapping")]
+    names = {keyword.arg: ast.literal_eval(keyword.value) for keyword in mapping.keywords
+             if keyword.arg and keyword.arg.startswith("ckpt_")}
+    load = ast.unparse(next(node for node in ast.walk(model)
+                            if isinstance(node, ast.FunctionDef) and node.name == "load_weights"))
+    # qwen3_moe skips it silently, Mixtral with a line in the server's log; neither fails the update
+    assert re.search(r"if name not in params_dict:\s+continue", load) or "not found in params_dict" in load
+
+    experts = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}[family]
+    hf_config = AutoConfig.for_model(family, vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts_per_tok=2,
+                                     **{experts: 4})
+    skeleton = meta_skeleton(hf_config)
+    sent = [name for name, _ in CheckpointLayout(hf_config)(skeleton.named_parameters()) if ".experts." in name]
+    assert sent and all(any(f"experts.{name.split('.experts.')[1].split('.')[0]}.{weight}." in name
+                            for weight in names.values()) for name in sent), (names, sent[:6])
