@@ -319,7 +319,7 @@ class TorchTrainer(Trainer):
         Tied weights appear once (under the first name, as `named_parameters` lists them); a receiving HF model
         ties the alias itself. Cast to the engine's dtype on the way (the weight sender does it per bucket).
         A LoRA run sends its adapter alone, under the names `engines.training.lora` gives it. In the checkpoint
-        layout a stacked layer of experts goes out one expert projection at a time (gate and up copied apart).
+        layout a stacked layer of experts goes out one expert projection at a time, each a view of its stack.
         """
         if self.config.lora is not None:
             yield from lora.adapter_tensors(self._model)

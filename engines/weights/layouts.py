@@ -6,10 +6,10 @@ transformers 5 holds a layer's experts as two stacked tensors instead (`mlp.expe
 `mlp.experts.down_proj` [E, H, I]), which is what a trainer's `named_tensors()` yields and a torch engine's
 parameters are named. `stacks_experts` asks the installed transformers which it does (a meta-device skeleton:
 no memory, no weights read); `ModelLayout` stacks checkpoint tensors as the model holds them, and
-`CheckpointLayout` splits them back for an engine that loads checkpoint names (SGLang): transformers' own reverse
-conversion, tensor by tensor, so a model's renames (Mixtral's `block_sparse_moe`, `w1`/`w3`/`w2`) come with it.
-`checkpoint_views` gives the same names as views into a live model's stacked parameters, so an engine holding
-the stacked layout can load a checkpoint-named expert into its slice in place.
+`CheckpointLayout` splits them back for an engine that loads checkpoint names (SGLang). All three read one map,
+`checkpoint_slots`, found with transformers' own reverse conversion, so a model's renames (Mixtral's
+`block_sparse_moe`, `w1`/`w3`/`w2`) come with it; `checkpoint_views` gives the same names as views into a live
+model's stacked parameters, so an engine holding the stacked layout loads a checkpoint-named expert in place.
 """
 
 from __future__ import annotations
@@ -45,29 +45,6 @@ def stacks_experts(hf_config: PretrainedConfig) -> bool:
 def is_stacked_expert(name: str) -> bool:
     """A layer's stacked experts under transformers' in-memory name, which no checkpoint (and no SGLang) knows."""
     return _STACKED_EXPERTS.search(name) is not None
-
-
-class CheckpointLayout:
-    """Turns a model's in-memory tensors into its checkpoint's: each stacked expert tensor into one tensor per
-    expert and projection (a stacked gate/up is copied apart once, down projections are views), every other name
-    as the checkpoint spells it.
-
-    Built once per run from a meta skeleton of the model (the reverse conversion needs the model class). Each
-    tensor converts alone, so a trainer's stream stays a stream: nothing waits for the rest of its layer."""
-
-    def __init__(self, hf_config: PretrainedConfig) -> None:
-        self._skeleton = meta_skeleton(hf_config)
-
-    def __call__(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        try:
-            for name, tensor in named:
-                yield from revert_weight_conversion(self._skeleton, {name: tensor}).items()
-        finally:
-            close = getattr(named, "close", None)
-            if close is not None:  # a trainer's generator finishes its collective iteration on close
-                close()
 
 
 @dataclass(frozen=True)
@@ -124,6 +101,32 @@ def checkpoint_views(model: nn.Module) -> dict[str, Tensor]:
     writes the weight, as SGLang's expert weight loader writes its slice of a fused parameter."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
     return {name: slot.of(parameters[slot.parameter].data) for name, slot in checkpoint_slots(model).items()}
+
+
+class CheckpointLayout:
+    """Turns a model's in-memory tensors into its checkpoint's: each stacked expert tensor into one view per
+    expert and projection (`checkpoint_slots`, no copy), renamed weights renamed, the rest as they are.
+
+    Built once per run from a meta skeleton of the model. Each tensor converts alone, so a trainer's stream stays a
+    stream: nothing waits for the rest of its layer."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        self._parts: dict[str, list[tuple[str, Slot]]] = {}  # model parameter -> its checkpoint tensors
+        for name, slot in checkpoint_slots(meta_skeleton(hf_config)).items():
+            self._parts.setdefault(slot.parameter, []).append((name, slot))
+
+    def __call__(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        try:
+            for name, tensor in named:
+                parts = self._parts.get(name)
+                if parts is None:
+                    yield name, tensor
+                else:
+                    yield from ((part, slot.of(tensor)) for part, slot in parts)
+        finally:
+            close = getattr(named, "close", None)
+            if close is not None:  # a trainer's generator finishes its collective iteration on close
+                close()
 
 
 class ModelLayout:
