@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.config.sections import resolve_label_key
 from actors.data.prompt_tokens import encode_prompt
 from actors.data.prompts import PromptRecord, load_prompts
 from actors.runtime.logs import quiet_library_output
@@ -115,7 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("data", type=Path, help="a .jsonl or .parquet prompt file")
     parser.add_argument("--reward", default="exact_match", help="a reward name or a module:attr path")
     parser.add_argument("--input-key", default="input", help="the prompt's field (as the launcher's)")
-    parser.add_argument("--label-key", default="label", help="the answer's field")
+    parser.add_argument("--label-key", default="label", type=resolve_label_key,
+                        help="the answer's field; a record without it is skipped ('none': the reward needs no label)")
     parser.add_argument("--metadata-key", default="metadata", help="the metadata's field")
     parser.add_argument("--apply-chat-template", action="store_true",
                         help="wrap a text prompt in the tokenizer's chat template, as the run does with this flag")

@@ -74,7 +74,9 @@ class Buffer(Actor):
                                        max_prompt_len=max_prompt,
                                        count_tokens=prompt_length_counter(config) if max_prompt else None)
         for problem in report.skipped:
-            self.log.warning("skipped dataset record", problem=problem)
+            self.log.info("skipped dataset record", problem=problem)
+        if report.skipped:
+            self.log.warning(report.skipped_summary(), skipped=len(report.skipped), kept=report.records)
         self.counters["data.skipped_records"] = len(report.skipped)
         if report.too_long:
             self.counters["data.skipped_long_prompts"] = report.too_long

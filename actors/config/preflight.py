@@ -95,9 +95,7 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
     else:
         problems += _dataset_problem("--prompt-data", data.prompt_data, config, data.input_key, data.label_key)
     for name, path in config.eval.sets.items():
-        problems += _dataset_problem(f"--eval-prompt-data {name}", path, config,
-                                     config.eval.eval_input_key or data.input_key,
-                                     config.eval.eval_label_key or data.label_key)
+        problems += _dataset_problem(f"--eval-prompt-data {name}", path, config, *config.eval_record_keys)
     return problems
 
 

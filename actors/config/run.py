@@ -32,6 +32,7 @@ from actors.config.sections import (
     Section,
     TrainerConfig,
     WeightsConfig,
+    resolve_label_key,
 )
 from actors.config.teachers import run_teachers
 from policies.config import PolicyLossConfig
@@ -94,6 +95,14 @@ class RunConfig(BaseModel):
             elif name not in SECTIONS:
                 routed[name] = value  # run-wide fields, and unknown names for extra="forbid" to name
         return _colocated_on_policy(_learner_ranks_from_actor_gpus(routed))
+
+    @property
+    def eval_record_keys(self) -> tuple[str, str | None]:
+        """The prompt and label keys of eval records: --eval-input-key / --eval-label-key, else the training
+        data's; `--eval-label-key none` says eval records carry no label even where training records do."""
+        own = self.eval.eval_label_key
+        label = self.data.label_key if own is None else resolve_label_key(own)
+        return self.eval.eval_input_key or self.data.input_key, label
 
     @property
     def optimizer_steps_per_batch(self) -> int:

@@ -39,6 +39,13 @@ def _builtin_or_plugin(value: str, info: ValidationInfo) -> str:
 # A built-in engine name or a plugin path; which built-ins, the field's name says (ENGINE_CHOICES).
 BuiltinOrPlugin = Annotated[str, AfterValidator(_builtin_or_plugin)]
 
+NO_LABEL = "none"  # --label-key none: records carry no label, and none is required of them
+
+
+def resolve_label_key(value: str | None) -> str | None:
+    """`--label-key none` (or an empty key) reads as no label key at all, as a YAML `label_key: null` does."""
+    return None if value is None or value.strip().lower() in ("", NO_LABEL) else value
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -58,7 +65,9 @@ class DataConfig(Section):
 
     prompt_data: str | None = Field(None, description="training prompts, .jsonl or .parquet")
     input_key: str = Field("input", description="prompt field of each record")
-    label_key: str | None = Field("label", description="label field of each record")
+    label_key: Annotated[str | None, AfterValidator(resolve_label_key)] = Field(
+        "label", description="label field of each record; a record without it is malformed (skipped and counted). "
+        f"'{NO_LABEL}': the reward needs no label (a judge, an environment's return)")
     metadata_key: str | None = Field("metadata", description="metadata field of each record")
     apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
     skip_bad_data: bool = Field(True, description="skip (and report) malformed dataset lines instead of stopping")
@@ -97,7 +106,8 @@ class EvalConfig(Section):
                                       "of the final version (0 = no final round)")
     skip_eval_before_train: bool = Field(False, description="no eval round for version 0 (before training)")
     eval_input_key: str | None = Field(None, description="prompt field of eval records (default: --input-key)")
-    eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key)")
+    eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key; "
+                                       f"'{NO_LABEL}': no label)")
     eval_top_p: float | None = Field(None, gt=0, le=1, description="eval top-p (default: --rollout-top-p)")
     eval_top_k: int | None = Field(None, ge=-1, description="eval top-k, 0 or -1 = off (default: --rollout-top-k)")
     eval_max_response_len: int | None = Field(None, ge=1, description="max new tokens per eval response "

@@ -38,6 +38,13 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)  # "line N: reason"
     too_long: int = 0  # valid records dropped for exceeding the prompt token cap
 
+    def skipped_summary(self) -> str:
+        """One line for the console: how many records were left out and the first reason (every reason is logged
+        apart); a file with a few bad rows among thousands should not print thousands of warnings."""
+        total = self.records + len(self.skipped) + self.too_long
+        return (f"skipped {len(self.skipped)} of {total} records of {self.path} as malformed, the first at "
+                f"{self.skipped[0].removeprefix(f'{self.path} ')}")
+
 
 def _raw_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[int, Any]]:
     """(line or row number, the parsed record or the DatasetError that says why it is not one); with `max_rows`,
@@ -99,7 +106,7 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
     records: list[PromptRecord] = []
     unit = "row" if path.suffix == ".parquet" else "line"
     for number, row in _raw_rows(path, max_rows):
-        problem = _check_row(row, input_key, metadata_key)
+        problem = _check_row(row, input_key, label_key, metadata_key)
         if problem is not None:
             message = f"{path} {unit} {number}: {problem}"
             if not skip_bad:
@@ -112,7 +119,7 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
         metadata = row.get(metadata_key) if metadata_key else None
         records.append(PromptRecord(
             data_index=len(records), prompt=row[input_key],
-            label=row.get(label_key) if label_key else None, metadata=dict(metadata or {}),
+            label=row[label_key] if label_key else None, metadata=dict(metadata or {}),
         ))
     report.records = len(records)
     if not records:
@@ -130,20 +137,33 @@ def _why_no_records(report: LoadReport, unit: str, max_prompt_len: int | None, m
     if report.too_long:
         reasons.append(f"{report.too_long} over {max_prompt_len} prompt tokens")
     scope = f" in its first {max_rows} {unit}s" if max_rows is not None else ""
-    return f"no usable records{scope} ({'; '.join(reasons)})"
+    hint = ""
+    if report.skipped and all(f": {LABEL_PROBLEM} " in problem for problem in report.skipped):
+        hint = ("; name the label's key with --label-key (--eval-label-key for an eval set), or give "
+                "--label-key none if the reward needs no label")
+    return f"no usable records{scope} ({'; '.join(reasons)}){hint}"
 
 
-SHOWN_KEYS = 8  # of a record without the prompt's key
+SHOWN_KEYS = 8  # of a record without the prompt's or the label's key
+LABEL_PROBLEM = "label key"
 
 
-def _check_row(row: Any, input_key: str, metadata_key: str | None) -> str | None:
+def _keys_of(row: dict[str, Any]) -> str:
+    keys = ", ".join(repr(key) for key in list(row)[:SHOWN_KEYS]) + (", ..." if len(row) > SHOWN_KEYS else "")
+    return keys or "none"
+
+
+def _check_row(row: Any, input_key: str, label_key: str | None, metadata_key: str | None) -> str | None:
     if isinstance(row, DatasetError):
         return str(row)
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
     if input_key not in row:  # its own keys show which one to name (--input-key)
-        keys = ", ".join(repr(key) for key in list(row)[:SHOWN_KEYS]) + (", ..." if len(row) > SHOWN_KEYS else "")
-        return f"key {input_key!r} missing (its keys: {keys or 'none'})"
+        return f"key {input_key!r} missing (its keys: {_keys_of(row)})"
+    # A label that is not there would be scored as a wrong answer, every time, and trained on as such.
+    if label_key is not None and row.get(label_key) is None:
+        found = "missing" if label_key not in row else "null"
+        return f"{LABEL_PROBLEM} {label_key!r} {found} (its keys: {_keys_of(row)})"
     prompt = row[input_key]
     if isinstance(prompt, list):
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):

@@ -82,13 +82,15 @@ class EvalRounds:
         max_prompt = config.eval.eval_max_prompt_len
         count_tokens = prompt_length_counter(config, tokenizer) if max_prompt and config.eval.sets else None
         for name, path in config.eval.sets.items():
-            records, report = load_prompts(path, input_key=config.eval.eval_input_key or config.data.input_key,
-                                           label_key=config.eval.eval_label_key or config.data.label_key,
+            input_key, label_key = config.eval_record_keys
+            records, report = load_prompts(path, input_key=input_key, label_key=label_key,
                                            metadata_key=config.data.metadata_key, skip_bad=config.data.skip_bad_data,
                                            max_prompt_len=max_prompt, count_tokens=count_tokens)
             self.sets[name] = records
             for problem in report.skipped:
-                log.warning("skipped eval record", problem=problem)
+                log.info("skipped eval record", problem=problem)
+            if report.skipped:
+                log.warning(report.skipped_summary(), set=name, skipped=len(report.skipped), kept=report.records)
             if report.too_long:
                 self.skipped_long[name] = report.too_long
                 log.warning("skipped long eval prompts", set=name, count=report.too_long,

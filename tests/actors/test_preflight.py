@@ -96,8 +96,9 @@ def test_a_hub_id_loads_only_from_this_machines_cache(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_a_dataset_needs_a_usable_record_among_its_first_rows_only(tmp_path: Path) -> None:
-    late = prompts(tmp_path / "late.jsonl", ["{broken"] * PREFIX_ROWS + [json.dumps({"input": "1+1="})])
-    early = prompts(tmp_path / "early.jsonl", [json.dumps({"input": "1+1="})] + ["{broken"] * 2 * PREFIX_ROWS)
+    record = json.dumps({"input": "1+1=", "label": "2"})
+    late = prompts(tmp_path / "late.jsonl", ["{broken"] * PREFIX_ROWS + [record])
+    early = prompts(tmp_path / "early.jsonl", [record] + ["{broken"] * 2 * PREFIX_ROWS)
     assert preflight(RunConfig(prompt_data=str(early)), {"buffer": 1}) == []
     assert preflight(RunConfig(prompt_data=str(late)), {"buffer": 1}) == [
         f"--prompt-data {late}: no usable records in its first {PREFIX_ROWS} lines ({PREFIX_ROWS} malformed, the "
@@ -127,3 +128,16 @@ def test_a_gpu_weight_transport_on_a_node_without_gpus_is_refused_before_the_lea
     assert preflight(config, HEAD) == [f"--weight-transport {transport}: it moves CUDA tensors, and this node has no "
                                        "GPU (auto picks gloo, or shared memory when colocated)"]
     assert preflight(config, {"buffer": 1, "reward": 1}) == []  # nothing on this node pushes or receives weights
+
+
+@pytest.mark.unit
+def test_a_misspelled_label_key_is_refused_before_any_actor_starts(tmp_path: Path) -> None:
+    data = good_prompts(tmp_path)
+    held = prompts(tmp_path / "held.jsonl", [json.dumps({"question": "2+2=", "answer": "4"})])
+    config = RunConfig(prompt_data=str(data), label_key="lable", eval_prompt_data=["held", str(held)],
+                       eval_input_key="question", eval_label_key="answer", eval_interval=1)
+    [problem] = preflight(config, {"buffer": 1})
+    assert problem.startswith(f"--prompt-data {data}: no usable records in its first {PREFIX_ROWS} lines (1 "
+                              "malformed, the first at line 1: label key 'lable' missing (its keys: 'input', "
+                              "'label')); name the label's key with --label-key")
+    assert preflight(config.with_settings(label_key="label"), {"buffer": 1}) == []

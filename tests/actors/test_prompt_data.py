@@ -55,7 +55,8 @@ def test_malformed_json_is_named_by_its_line_and_column(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_broken_line_stops_the_load_when_asked(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": "1+1="}), json.dumps({"input": 3})])
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": "1+1=", "label": "2"}),
+                                              json.dumps({"input": 3, "label": "3"})])
     with pytest.raises(DatasetError, match=r"p.jsonl line 2: key 'input': expected a non-empty string"):
         load_prompts(path, skip_bad=False)
 
@@ -74,7 +75,7 @@ def test_parquet_prompts_load_like_jsonl(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_each_epoch_is_a_permutation_fixed_by_the_seed(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": str(i)}) for i in range(20)])
-    records, _ = load_prompts(path)
+    records, _ = load_prompts(path, label_key=None)
     first = PromptSource(records, seed=3)
     epoch0 = [first.next()[0].prompt for _ in range(20)]
     epoch1 = [first.next()[0].prompt for _ in range(20)]
@@ -87,10 +88,51 @@ def test_each_epoch_is_a_permutation_fixed_by_the_seed(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_cursor_resumes_with_the_very_next_prompt(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": str(i)}) for i in range(7)])
-    records, _ = load_prompts(path)
+    records, _ = load_prompts(path, label_key=None)
     source = PromptSource(records, seed=1)
     for _ in range(10):
         _, cursor = source.next()
     expected = [source.next()[0].prompt for _ in range(6)]
     resumed = PromptSource(records, seed=1, cursor=Cursor(cursor.epoch, cursor.position))
     assert [resumed.next()[0].prompt for _ in range(6)] == expected
+
+
+@pytest.mark.unit
+def test_a_record_without_its_label_is_malformed_named_and_left_out(tmp_path: Path) -> None:
+    rows = [{"input": f"{i}+1=", "label": str(i + 1)} for i in range(20)]
+    rows[3] = {"input": "3+1=", "answer": "4"}
+    rows[11] = {"input": "11+1=", "label": None}
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps(row) for row in rows])
+    records, report = load_prompts(path)
+    assert [r.prompt for r in records] == [row["input"] for i, row in enumerate(rows) if i not in (3, 11)]
+    assert all(r.label is not None for r in records)
+    assert report.skipped == [f"{path} line 4: label key 'label' missing (its keys: 'input', 'answer')",
+                              f"{path} line 12: label key 'label' null (its keys: 'input', 'label')"]
+    assert report.skipped_summary() == (f"skipped 2 of 20 records of {path} as malformed, the first at line 4: "
+                                        "label key 'label' missing (its keys: 'input', 'answer')")
+
+
+@pytest.mark.unit
+def test_a_label_key_that_no_record_has_says_which_keys_they_have(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": "1+1=", "answer": "2"})] * 3)
+    with pytest.raises(DatasetError) as raised:
+        load_prompts(path, label_key="anwser")
+    assert str(raised.value) == (
+        f"{path}: no usable records (3 malformed, the first at line 1: label key 'anwser' missing (its keys: "
+        "'input', 'answer')); name the label's key with --label-key (--eval-label-key for an eval set), or give "
+        "--label-key none if the reward needs no label")
+
+
+@pytest.mark.unit
+def test_records_need_no_label_when_the_run_says_so(tmp_path: Path) -> None:
+    from actors.config import RunConfig
+
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"input": "judge this"})] * 2)
+    config = RunConfig(prompt_data=str(path), label_key="none", eval_prompt_data=["held", str(path)],
+                       eval_interval=1)
+    assert config.data.label_key is None and config.eval_record_keys == ("input", None)
+    records, report = load_prompts(path, label_key=config.data.label_key)
+    assert [r.label for r in records] == [None, None] and report.skipped == []
+    labelled_training = RunConfig(label_key="answer", eval_label_key="none")  # eval sets may carry no label alone
+    assert labelled_training.eval_record_keys == ("input", None)
+    assert RunConfig(label_key="answer").eval_record_keys == ("input", "answer")

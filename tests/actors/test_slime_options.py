@@ -179,7 +179,7 @@ def test_eval_set_drops_long_prompts_and_says_so(tmp_path: Path) -> None:
     from actors.eval.rounds import EvalRounds
 
     eval_set = tmp_path / "aime.jsonl"
-    eval_set.write_text("".join(json.dumps({"input": p}) + "\n" for p in ["1+1=", "z" * 40, "2+2="]))
+    eval_set.write_text("".join(json.dumps({"input": p, "label": "2"}) + "\n" for p in ["1+1=", "z" * 40, "2+2="]))
     config = configure(["--eval-prompt-data", "aime", str(eval_set), "--eval-interval", "1",
                         "--eval-max-prompt-len", "10"])
     core = BufferCore(source=PromptSource([PromptRecord(0, "0+1=", "1", {})], seed=1), n_samples=1,
