@@ -9,12 +9,18 @@ others waiting forever. One that exits for a bad configuration, or because the r
 fails on everything, the hang detector found no progress: actors.runtime.exits), fails the run at once with the
 reason it gave: a restart would only fail the same way. A child found stopped (SIGSTOP) when the run stops is
 killed at once and named: it could not act on SIGTERM anyway.
+
+While the run is up, RUN_DIR/pids.json (pids-nodeN.json on a worker node) names this launcher's pid and each live
+actor's, rewritten at every start, restart and exit and removed at the end: a script that kills or profiles one
+actor of one run reads it, where `pgrep -f` on a title could match the same actor of another run on the machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import signal
 import sys
 import time
@@ -81,6 +87,8 @@ class Supervisor:
             early_template.close()
         self.early_template = early_template if fork_from_template else None
         self.zygote: Zygote | None = None
+        node = contexts[0].node_rank if contexts else 0
+        self.pids_path = run_dir / ("pids.json" if node == 0 else f"pids-node{node}.json")
 
     def _write_context(self, context: ActorContext) -> Path:
         directory = self.run_dir / "actors"
@@ -110,6 +118,7 @@ class Supervisor:
         if self.zygote is not None:
             await self.zygote.close()
         self._remove_stale_sockets()
+        self.pids_path.unlink(missing_ok=True)  # its pids may belong to other processes by now
         if self.failure is not None:
             self.log.error("run failed", reason=self.failure.splitlines()[0])  # launcher.py prints all of it
             return 1
@@ -139,6 +148,12 @@ class Supervisor:
         return {c.context.actor_id: c.process.pid for c in self.children
                 if c.process is not None and c.process.returncode is None}
 
+    def _write_pids(self) -> None:
+        """RUN_DIR/pids.json as it is now, replaced whole (a reader never sees half a file)."""
+        partial = self.pids_path.with_suffix(".json.partial")
+        partial.write_text(json.dumps({"launcher": os.getpid(), "actors": self.pids()}, indent=1), encoding="utf-8")
+        partial.replace(self.pids_path)
+
     async def _start(self, child: Child) -> None:
         env = actor_environment(child.context.cuda_visible_devices)
         clear_exit_report(child.context)
@@ -148,12 +163,14 @@ class Supervisor:
         )
         self.log.info("actor process started", actor=child.context.actor_id, pid=child.process.pid,
                       restarts=child.restarts)
+        self._write_pids()
 
     async def _watch(self, child: Child) -> None:
         while True:
             assert child.process is not None
             code = await child.process.wait()
             child.exit_code = code
+            self._write_pids()
             actor = child.context.actor_id
             if self.stopping or code == 0:
                 child.done = True

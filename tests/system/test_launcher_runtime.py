@@ -93,8 +93,18 @@ def test_killed_actor_is_restarted_and_its_death_and_return_announced(tmp_path: 
         assert Path(f"/proc/{victim_pid}/comm").read_text().strip() == "victim-0-0"
         title = Path(f"/proc/{victim_pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
         assert title == f"slipstream victim-0-0 node 0 run {run_dir}"
+        # RUN_DIR/pids.json names this run's processes, and the title recipe of the README matches exactly one
+        listed = json.loads((run_dir / "pids.json").read_text())
+        assert listed["launcher"] == process.pid and listed["actors"]["victim-0-0"] == victim_pid
+        assert set(listed["actors"]) == {"controller", "rec-0-0", "victim-0-0"}
+        matched = subprocess.run(["pgrep", "-fx", f"slipstream victim-0-0 node 0 run {run_dir}"],
+                                 capture_output=True, text=True, check=True).stdout.split()
+        assert matched == [str(victim_pid)]
         os.kill(victim_pid, signal.SIGKILL)
         wait_until(lambda: len(actor_pids(run_dir)["victim-0-0"]) == 2, 30, "the launcher to restart the victim")
+        restarted = actor_pids(run_dir)["victim-0-0"][1]
+        wait_until(lambda: json.loads((run_dir / "pids.json").read_text())["actors"].get("victim-0-0") == restarted,
+                   30, "pids.json to name the restarted victim")
         kinds = wait_until(
             lambda: [e["kind"] for e in jsonl(events) if e["actor_id"] == "victim-0-0"
                      and e["kind"] in ("died", "returned")][:2] == ["died", "returned"], 30,
@@ -103,6 +113,7 @@ def test_killed_actor_is_restarted_and_its_death_and_return_announced(tmp_path: 
     finally:
         output = stop(process)
     assert process.returncode == 128 + signal.SIGTERM, output
+    assert not (run_dir / "pids.json").exists()  # its pids may be other processes' once the run is over
 
 
 @pytest.mark.system
