@@ -81,6 +81,7 @@ class Buffer(Actor):
         if report.too_long:
             self.counters["data.skipped_long_prompts"] = report.too_long
             self.log.warning("skipped long prompts", count=report.too_long, max_prompt_tokens=max_prompt,
+                             first=f"{data.prompt_data} {report.first_too_long}",
                              kept=report.records)
         log_path = buffer_log_path(self.context.run_dir)
         self.core = BufferCore(

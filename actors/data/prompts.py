@@ -37,6 +37,7 @@ class LoadReport:
     records: int = 0
     skipped: list[str] = field(default_factory=list)  # "line N: reason"
     too_long: int = 0  # valid records dropped for exceeding the prompt token cap
+    first_too_long: str = ""  # "line N (T tokens)": where to look, as a malformed record's line says
 
     def skipped_summary(self) -> str:
         """One line for the console: how many records were left out and the first reason (every reason is logged
@@ -113,7 +114,9 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
                 raise DatasetError(message)
             report.skipped.append(message)
             continue
-        if max_prompt_len is not None and count_tokens is not None and count_tokens(row[input_key]) > max_prompt_len:
+        length = count_tokens(row[input_key]) if max_prompt_len is not None and count_tokens is not None else 0
+        if max_prompt_len is not None and length > max_prompt_len:
+            report.first_too_long = report.first_too_long or f"{unit} {number} ({length} tokens)"
             report.too_long += 1
             continue
         metadata = row.get(metadata_key) if metadata_key else None
@@ -135,7 +138,7 @@ def _why_no_records(report: LoadReport, unit: str, max_prompt_len: int | None, m
         first = report.skipped[0].removeprefix(f"{report.path} ")
         reasons.append(f"{len(report.skipped)} malformed, the first at {first}")
     if report.too_long:
-        reasons.append(f"{report.too_long} over {max_prompt_len} prompt tokens")
+        reasons.append(f"{report.too_long} over {max_prompt_len} prompt tokens, the first at {report.first_too_long}")
     scope = f" in its first {max_rows} {unit}s" if max_rows is not None else ""
     hint = ""
     if report.skipped and all(f": {LABEL_PROBLEM} " in problem for problem in report.skipped):

@@ -94,6 +94,7 @@ class EvalRounds:
             if report.too_long:
                 self.skipped_long[name] = report.too_long
                 log.warning("skipped long eval prompts", set=name, count=report.too_long,
+                            first=f"{path} {report.first_too_long}",
                             max_prompt_tokens=max_prompt, kept=report.records)
         self.rounds: dict[tuple[int, str], EvalRound] = {}
         self.started_versions: set[int] = set()

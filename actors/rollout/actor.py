@@ -208,6 +208,7 @@ class RolloutWorker(Actor):
                 samples = await self._unless_aborted(context, group, samples)
             if samples is None:
                 return  # not sent: its lease runs out and the buffer gives the group out again
+            self._note_context_cuts(context, group)
             await self.send_generated(lease.lease_id, group.group_id, samples)
             self.waits.made_progress()
         except asyncio.CancelledError:
@@ -218,6 +219,15 @@ class RolloutWorker(Actor):
             self.log.exception("rollout of a group failed", group=group.group_id, error=repr(error))
         finally:
             await self.release(lease.lease_id, group)
+
+    def _note_context_cuts(self, context: RolloutContext, group: PromptGroup) -> None:
+        """A group whose responses the context cap cut short: the first is a warning, the rest are counted."""
+        if not context.context_cuts:
+            return
+        self.counters["groups.max_new_tokens_cut"] += 1
+        say = self.log.warning if self.counters["groups.max_new_tokens_cut"] == 1 else self.log.info
+        say(f"{context.context_cuts[0]}: its responses may end truncated (later groups cut so are counted as "
+            "groups.max_new_tokens_cut)", group=group.group_id, data_index=group.data_index)
 
     async def _unless_aborted(self, context: RolloutContext, group: PromptGroup,
                               samples: list[Sample]) -> list[Sample] | None:

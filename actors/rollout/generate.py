@@ -60,6 +60,9 @@ class RolloutContext:
     config: RunConfig
     worker_id: str
     engine_calls: int = field(default=0, init=False)  # sampling-params requests so far for this group
+    # Each time the context cap left fewer new tokens than asked, what it left: the worker says so (a response cut
+    # to a token or two by a long prompt trains as a truncated answer, and nothing else would show why).
+    context_cuts: list[str] = field(default_factory=list, init=False)
 
     def sampling_params(self, group: PromptGroup, *, n: int | None = None,
                         prompt_tokens: int | None = None) -> SamplingParams:
@@ -112,6 +115,9 @@ class RolloutContext:
         if room < 1:
             raise NoRoomError(f"prompt of {prompt_tokens} tokens leaves no room for a response under {flag} "
                               f"{limit}")
+        if room < max_new_tokens:
+            self.context_cuts.append(f"a prompt of {prompt_tokens} tokens leaves {room} of {max_new_tokens} new "
+                                     f"tokens under {flag} {limit}")
         return min(max_new_tokens, room)
 
     def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:

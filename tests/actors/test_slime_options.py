@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,9 @@ def test_context_cap_shrinks_max_new_tokens_and_fails_a_prompt_without_room() ->
     ctx = context(config)
     group = PromptGroup(group_id="g", prompt="x", n_samples=3)
     assert ctx.sampling_params(group, prompt_tokens=4).max_new_tokens == 32
+    assert ctx.context_cuts == []
     assert ctx.sampling_params(group, prompt_tokens=30).max_new_tokens == 10
+    assert ctx.context_cuts == ["a prompt of 30 tokens leaves 10 of 32 new tokens under --rollout-max-context-len 40"]
     eval_group = PromptGroup(group_id="eval:s:0:0", prompt="x", is_eval=True)
     assert ctx.sampling_params(eval_group, prompt_tokens=15).max_new_tokens == 5
     with pytest.raises(NoRoomError, match=r"prompt of 40 tokens leaves no room .* --rollout-max-context-len 40"):
@@ -138,8 +141,9 @@ def test_long_prompts_are_dropped_at_load_and_counted(tmp_path: Path) -> None:
     assert [r.prompt for r in records] == ["short", "mid" * 5]
     assert [r.data_index for r in records] == [0, 1]
     assert (report.too_long, len(report.skipped), report.records) == (2, 1, 2)
+    assert report.first_too_long == f"line 2 ({count('x' * 50)} tokens)"
     with pytest.raises(DatasetError, match=r"no usable records \(1 malformed, the first at line 5: .*; 4 over 2 "
-                                           r"prompt tokens\)"):
+                                           r"prompt tokens, the first at line 1 \(\d+ tokens\)\)"):
         load_prompts(path, max_prompt_len=2, count_tokens=count)
 
 
@@ -188,5 +192,31 @@ def test_eval_set_drops_long_prompts_and_says_so(tmp_path: Path) -> None:
     rounds = EvalRounds(config, core.eval_queue, writer=None, log=log, tokenizer=build_tokenizer())  # type: ignore[arg-type]
     assert [r.prompt for r in rounds.sets["aime"]] == ["1+1=", "2+2="]
     assert rounds.skipped_long == {"aime": 1}
-    assert log.warnings == [("skipped long eval prompts",
-                             {"set": "aime", "count": 1, "max_prompt_tokens": 10, "kept": 2})]
+    assert log.warnings == [("skipped long eval prompts", {"set": "aime", "count": 1, "max_prompt_tokens": 10,
+                                                           "first": f"{eval_set} line 2 (40 tokens)", "kept": 2})]
+
+
+@pytest.mark.unit
+def test_a_worker_says_when_the_context_cap_cut_its_responses_short_then_counts_it() -> None:
+    """A prompt a token short of the cap used to get one new token, and the run said nothing."""
+    from collections import Counter
+
+    from actors.rollout.actor import RolloutWorker
+
+    said: list[tuple[str, str]] = []
+    log = types.SimpleNamespace(warning=lambda event, **_: said.append(("warning", event)),
+                                info=lambda event, **_: said.append(("info", event)))
+    worker = types.SimpleNamespace(counters=Counter(), log=log)
+    config = RunConfig.model_validate({"rollout": {"rollout_max_response_len": 32, "rollout_max_context_len": 40}})
+    group = PromptGroup(group_id="g", prompt="x", n_samples=1)
+    for prompt_tokens in (4, 39, 35):
+        ctx = context(config)
+        ctx.sampling_params(group, prompt_tokens=prompt_tokens)
+        RolloutWorker._note_context_cuts(worker, ctx, group)  # type: ignore[arg-type]
+    assert worker.counters["groups.max_new_tokens_cut"] == 2
+    assert said == [("warning", "a prompt of 39 tokens leaves 1 of 32 new tokens under --rollout-max-context-len 40: "
+                                "its responses may end truncated (later groups cut so are counted as "
+                                "groups.max_new_tokens_cut)"),
+                    ("info", "a prompt of 35 tokens leaves 5 of 32 new tokens under --rollout-max-context-len 40: "
+                             "its responses may end truncated (later groups cut so are counted as "
+                             "groups.max_new_tokens_cut)")]
