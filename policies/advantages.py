@@ -117,6 +117,19 @@ def compute_advantages(
     return advantages, zero_masked(returns, inputs.loss_mask)
 
 
+def rewards_teach_single_samples(config: PolicyLossConfig) -> bool:
+    """Whether the estimator gives a sample alone in its group (--n-samples-per-prompt 1) an advantage that its
+    reward moves. A group baseline (GRPO's mean, RLOO's others) is the sample itself there, so every advantage is 0
+    and the run trains on nothing but its KL terms, with no error anywhere. Asked of the estimator itself on two
+    one-sample groups rewarded 0 and 1, so a plugin estimator is judged as the built-ins are."""
+    probe = config.model_copy(update={"kl_coef": 0.0, "use_opd": False, "normalize_advantages": False})
+    one_token = torch.ones(2)
+    advantages, _ = compute_advantages(probe, rewards=torch.tensor([0.0, 1.0]), group_ids=torch.tensor([0, 1]),
+                                       response_lengths=torch.tensor([1, 1]), loss_mask=one_token,
+                                       values=torch.zeros(2))
+    return bool(advantages.abs().sum() > 0)
+
+
 def _prepare_inputs(config: PolicyLossConfig, *, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor,
                     loss_mask: Tensor, values: Tensor | None, log_probs: Tensor | None,
                     ref_log_probs: Tensor | None) -> AdvantageInputs:

@@ -18,6 +18,7 @@ from typing import Any, TextIO, TypeVar
 
 import msgspec
 
+from actors.config import RunConfig
 from actors.eval import EvalHold
 from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
 from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for, sent_layout
@@ -76,6 +77,8 @@ class Learner(Actor):
         self.source = pick_source(config, self.peer_rpc("buffer"), self.counters, self.log)
         self.training = pick_training(config, self.trainer, TrainingStep(local_trainer, config))
         self.checkpoint_dir = checkpoint_dir(config.learner.save, self.context.run_dir)
+        if (blind := rewards_unseen_because(config)) is not None:
+            self.log.warning(blind)
         await self._restore()
         self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.logging.use_tensorboard)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
@@ -346,6 +349,19 @@ class Learner(Actor):
             self.weights.check_log.close()
         if self.trainer is not None:
             await asyncio.to_thread(self.trainer.close)
+
+
+def rewards_unseen_because(config: RunConfig) -> str | None:
+    """Why no reward will move the policy, for a setting that starts and trains on nothing without an error."""
+    from policies.advantages import rewards_teach_single_samples
+
+    policy = config.policy
+    if config.rollout.n_samples_per_prompt > 1 or policy.loss_type == "sft" or rewards_teach_single_samples(policy):
+        return None
+    return (f"--advantage-estimator {policy.advantage_estimator} with --n-samples-per-prompt 1: each sample is its "
+            "own group, so its group baseline is its own reward and every advantage is 0; rewards will teach "
+            "nothing. Sample several responses per prompt (GRPO is usually run with 4 to 16), or use an estimator "
+            "without a group baseline (reinforce_plus_plus, ppo)")
 
 
 def _bound_to_rank_zero(function: Any, *args: Any) -> Any:

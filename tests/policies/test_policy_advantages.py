@@ -308,3 +308,30 @@ def test_bfloat16_rewards_are_computed_in_float32() -> None:
         loss_mask=torch.ones(2, dtype=torch.bool),
     )
     assert advantages.dtype == torch.float32
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("flags", "taught"), [
+    ({"advantage_estimator": "grpo"}, False), ({"advantage_estimator": "gspo"}, False),
+    ({"advantage_estimator": "rloo"}, False),
+    ({"advantage_estimator": "reinforce_plus_plus_baseline", "normalize_advantages": True}, False),
+    ({"advantage_estimator": "grpo", "disable_rewards_normalization": True}, True),
+    ({"advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True}, True),
+    ({"advantage_estimator": "ppo"}, True)])
+def test_single_sample_groups_are_taught_only_by_estimators_without_a_group_baseline(
+        flags: dict, taught: bool) -> None:
+    from policies.advantages import rewards_teach_single_samples
+
+    assert rewards_teach_single_samples(PolicyLossConfig.from_flags(flags)) is taught
+
+
+@pytest.mark.unit
+def test_a_run_whose_rewards_cannot_teach_is_told_so_at_the_start() -> None:
+    from actors.config import RunConfig
+    from actors.learner.actor import rewards_unseen_because
+
+    alone = rewards_unseen_because(RunConfig(n_samples_per_prompt=1))
+    assert alone is not None and alone.startswith("--advantage-estimator grpo with --n-samples-per-prompt 1: ")
+    assert rewards_unseen_because(RunConfig(n_samples_per_prompt=2)) is None
+    sft = RunConfig(n_samples_per_prompt=1, policy=PolicyLossConfig(loss_type="sft"))
+    assert rewards_unseen_because(sft) is None
