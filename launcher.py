@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
 from actors.config.flag_parser import FlagParser
+from actors.config.help import USAGE, HelpFormatter, add_help_flags
 from actors.config.preflight import preflight
 from actors.config.run import learner_ranks_per_node
 from actors.runtime import cluster_env
@@ -61,66 +62,57 @@ from bus.security import CurveKeyError, CurveKeys
 CUSTOM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Append argparse's default only where it means something: run settings default to None on the command line
-    (so a YAML file can set them) and carry their real default in their own help text."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or "(default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = FlagParser(
-        prog="launcher.py",
+        prog="launcher.py", usage=USAGE, add_help=False,
         description="Run this node's Slipstream actors (controller, buffer, learner, rollout and reward "
                     "workers, custom actors) and supervise them.",
-        formatter_class=_HelpFormatter, allow_abbrev=False)
+        formatter_class=HelpFormatter, allow_abbrev=False)
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--head", action="store_true",
                          help="this node is the head: it runs the controller at --head-address")
-    cluster.add_argument("--head-address", default=None,
-                         help="controller endpoint tcp://HOST:PORT (head: where to bind, default a free port on "
+    cluster.add_argument("--head-address", default=None, metavar="tcp://HOST:PORT",
+                         help="the controller's endpoint (head: where to bind, default a free port on "
                               "127.0.0.1; other nodes: where to connect, required)")
-    cluster.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 on the head")
-    cluster.add_argument("--host", default=None,
+    cluster.add_argument("--node-rank", type=int, default=0, metavar="N", help="this node's index, 0 on the head")
+    cluster.add_argument("--host", default=None, metavar="ADDRESS",
                          help="address this node's actors bind and advertise (default 127.0.0.1; under a "
                               "scheduler, this node's address on the network that reaches the head)")
-    cluster.add_argument("--rendezvous-file", type=Path, default=None,
+    cluster.add_argument("--rendezvous-file", type=Path, default=None, metavar="PATH",
                          help="a file on a shared filesystem: the head writes the address it bound there, the "
                               "other nodes read it (no --head-address, no agreed port)")
     cluster.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
                          help="transport of this node's actor endpoints (ipc only when every peer is local)")
-    cluster.add_argument("--curve-keys", type=Path, default=None,
+    cluster.add_argument("--curve-keys", type=Path, default=None, metavar="DIR",
                          help="directory made by tools/keygen.py: authenticate and encrypt the bus with CURVE")
-    cluster.add_argument("--connect-timeout", type=float, default=30.0,
+    cluster.add_argument("--connect-timeout", type=float, default=30.0, metavar="SECONDS",
                          help="seconds to wait for the head before giving up (non-head nodes)")
-    cluster.add_argument("--head-loss-timeout", type=float, default=60.0,
+    cluster.add_argument("--head-loss-timeout", type=float, default=60.0, metavar="SECONDS",
                          help="non-head nodes: seconds the head may refuse connections before this node stops "
                               "and fails, naming the checkpoint to resume from (0: never; the actors then wait "
                               "out --hang-timeout)")
-    cluster.add_argument("--heartbeat-interval", type=float, default=1.0,
+    cluster.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
                          help="seconds between heartbeats; a member silent for 5 intervals is declared dead")
 
     actors = parser.add_argument_group("actors")
-    actors.add_argument("--roles", default=None,
+    actors.add_argument("--roles", default=None, metavar="ROLE,ROLE",
                         help="comma-separated roles to run on this node (default: all built-in roles on the "
                              "head, the scaled roles elsewhere)")
-    actors.add_argument("--rollout-workers", type=int, default=None,
+    actors.add_argument("--rollout-workers", type=int, default=None, metavar="N",
                         help="rollout workers on this node (default: on the head --rollout-num-gpus / "
                              "--rollout-num-gpus-per-engine when that is given, else 1; on any other node one "
                              "per --rollout-num-gpus-per-engine of its GPUs, 1 without GPUs)")
-    actors.add_argument("--reward-workers", type=int, default=1, help="reward workers on this node")
+    actors.add_argument("--reward-workers", type=int, default=1, metavar="N", help="reward workers on this node")
     actors.add_argument("--custom-actor", action="append", default=[], metavar="NAME=MODULE:CLASS",
                         help="run a custom actor class under role NAME; scale it with --NAME-workers")
     for name in custom_names:
         actors.add_argument(f"--{name.replace('_', '-')}-workers", type=int, default=1, dest=f"{name}_workers",
-                            help=f"number of custom {name!r} actors on this node")
-    actors.add_argument("--max-restarts", type=int, default=5,
+                            metavar="N", help=f"number of custom {name!r} actors on this node")
+    actors.add_argument("--max-restarts", type=int, default=5, metavar="N",
                         help="crashes of one actor within --restart-window before the run fails")
-    actors.add_argument("--restart-window", type=float, default=300.0, help="seconds")
-    actors.add_argument("--restart-backoff", type=float, default=0.5,
+    actors.add_argument("--restart-window", type=float, default=300.0, metavar="SECONDS",
+                        help="the window --max-restarts counts an actor's crashes in")
+    actors.add_argument("--restart-backoff", type=float, default=0.5, metavar="SECONDS",
                         help="first restart delay in seconds; it doubles per consecutive crash up to 30s")
     actors.add_argument("--fork-actors", action=argparse.BooleanOptionalAction,
                         default=sys.platform.startswith("linux"),
@@ -129,13 +121,15 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
                              "interpreter: seconds less start-up")
 
     run = parser.add_argument_group("run")
-    run.add_argument("--run-dir", type=Path, default=None,
+    run.add_argument("--run-dir", type=Path, default=None, metavar="PATH",
                      help="where logs, metrics, checkpoints and actor configs go (default runs/<timestamp>)")
-    run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="what the actors write to their logs in RUN_DIR/logs")
     run.add_argument("--console-log-level", default="warning", choices=("debug", "info", "warning", "error"),
                      help="what the actors print to this terminal (their full logs are in RUN_DIR/logs)")
     run.add_argument("--no-progress", action="store_true", help="no live progress line")
     add_config_flags(parser)
+    add_help_flags(parser)
     return parser
 
 

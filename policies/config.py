@@ -9,11 +9,11 @@ plugin path fails at start-up, not at step 1000.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES
+from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, BuiltinNames
 
 __all__ = ["AggregationMode", "ISLevel", "PolicyLossConfig"]
 
@@ -25,19 +25,37 @@ _LOSS_FOR_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
 # slime's --loss-type spellings.
 _LOSS_ALIASES = {"policy_loss": None, "sft_loss": "sft"}
 _ESTIMATORS_NEEDING_WHITENING = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+# slime's switches and legacy paths that set a field (PolicyLossConfig.from_flags): flag -> (field, value), -> field.
+SLIME_SWITCHES: dict[str, tuple[str, Any]] = {
+    "disable_grpo_std_normalization": ("grpo_std_normalization", False),
+    "disable_rewards_normalization": ("rewards_normalization", False),
+    "calculate_per_token_loss": ("loss_agg_mode", "token-mean"),
+    "use_tis": ("off_policy_correction", "tis"),
+}
+SLIME_RENAMES = {"custom_tis_function_path": "off_policy_correction", "custom_loss_function_path": "loss_type"}
+_REGISTRY_OF = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "loss_type": POLICY_LOSSES,
+                "kl_loss_type": KL_ESTIMATORS, "off_policy_correction": CORRECTIONS}
 
 
 class PolicyLossConfig(BaseModel):
-    """Everything that decides advantages and the training loss. Frozen: build once, pass everywhere."""
+    """Everything that decides advantages and the training loss: the estimator, the loss, KL and the off-policy
+    correction.
+
+    Frozen: build once, pass everywhere."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # --- advantages and returns ---
-    advantage_estimator: str = "grpo"
-    rewards_normalization: bool = True  # --disable-rewards-normalization sets False
-    grpo_std_normalization: bool = True  # --disable-grpo-std-normalization (Dr.GRPO) sets False
-    reward_norm_eps: float = Field(1e-6, gt=0)
-    normalize_advantages: bool = False
+    advantage_estimator: Annotated[str, BuiltinNames(ADVANTAGE_ESTIMATORS.listed_names)] = Field(
+        "grpo", description="how each sample's advantage comes from its group's rewards (docs/policies.md, "
+        "Advantages)")
+    rewards_normalization: bool = Field(True, description="subtract the group's mean reward (the group baseline); "
+                                        "--disable-rewards-normalization turns it off")
+    grpo_std_normalization: bool = Field(True, description="divide the centred rewards by the group's standard "
+                                         "deviation; off (--disable-grpo-std-normalization) is Dr.GRPO")
+    reward_norm_eps: float = Field(1e-6, gt=0, description="eps in (reward - group mean) / (group std + eps)")
+    normalize_advantages: bool = Field(False, description="whiten the advantages over the batch's trained tokens "
+                                       "(across data-parallel ranks); the reinforce_plus_plus estimators need it")
     whiten_unbiased: bool = Field(
         True, description="whitening divides the variance by n - 1 (Bessel), as slime; False: by n (population)"
     )
@@ -46,8 +64,10 @@ class PolicyLossConfig(BaseModel):
         description="ppo (GAE): 'skip' puts the KL penalty only on trained tokens and the reward on the last trained "
         "token; 'keep' (slime) puts the penalty on every response token and the reward on the last token",
     )
-    gamma: float = Field(1.0, ge=0, le=1)
-    lambd: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of later token rewards in the returns (ppo, "
+                         "reinforce_plus_plus)")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo): 1 gives Monte-Carlo returns, less leans on "
+                         "the critic's values")
 
     # --- on-policy distillation (slime's --use-opd, --opd-kl-coef) ---
     use_opd: bool = Field(False, description="subtract opd_kl_coef x (log pi_student - log pi_teacher) from every "
@@ -57,14 +77,26 @@ class PolicyLossConfig(BaseModel):
                                "advantages (slime's default 1.0)")
 
     # --- loss ---
-    loss_type: str | None = None  # None: implied by the estimator (gspo -> gspo, cispo -> cispo, else ppo)
-    loss_agg_mode: AggregationMode = "seq-mean-token-mean"
-    eps_clip: float = Field(0.2, ge=0)
-    eps_clip_high: float | None = Field(None, ge=0)  # None: same as eps_clip
-    eps_clip_c: float | None = None  # dual-clip bound for negative advantages, > 1
-    value_clip: float = Field(0.2, gt=0)
-    value_loss_coef: float = Field(1.0, ge=0)
-    entropy_coef: float = 0.0
+    loss_type: Annotated[str | None, BuiltinNames(POLICY_LOSSES.listed_names)] = Field(
+        None, description="the policy loss (default: the estimator's: gspo for gspo, cispo for cispo, else ppo; "
+        "slime's policy_loss and sft_loss are accepted)")
+    loss_agg_mode: AggregationMode = Field(
+        "seq-mean-token-mean", description="how token losses average: token-mean over every trained token of the "
+        "step (DAPO), seq-mean-token-mean per sample then over samples (slime's default), seq-mean-token-sum "
+        "(Dr.GRPO)")
+    eps_clip: float = Field(0.2, ge=0, description="PPO clip: the ratio pi_theta / pi_old stops giving gradient "
+                            "outside [1 - eps_clip, 1 + eps_clip_high]")
+    eps_clip_high: float | None = Field(None, ge=0, description="upper PPO clip, for clip-higher (DAPO) "
+                                        "(default: --eps-clip)")
+    eps_clip_c: float | None = Field(None, description="dual-clip bound (> 1): a token with a negative advantage "
+                                     "loses at most eps_clip_c x |advantage| (default: no dual clip)")
+    value_clip: float = Field(0.2, gt=0, description="value loss: how far a value may move from its old value per "
+                              "update before its error stops giving gradient (ppo's critic)")
+    value_loss_coef: float = Field(1.0, ge=0, description="weight of the value loss when compute_policy_loss gets "
+                                   "values (a policy sharing its trunk with a value head; the learner's ppo critic "
+                                   "is a model of its own and does not use it)")
+    entropy_coef: float = Field(0.0, description="entropy bonus: the loss subtracts entropy_coef x the mean entropy "
+                                "of the trained tokens (0 = off)")
     log_ratio_clamp: float | None = Field(
         20.0,
         gt=0,
@@ -83,11 +115,15 @@ class PolicyLossConfig(BaseModel):
     )
 
     # --- KL ---
-    kl_coef: float = Field(0.0, ge=0)  # KL as a reward penalty
-    use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.0, ge=0)  # KL as a loss term
-    kl_loss_type: str = "k1"
-    use_unbiased_kl: bool = False
+    kl_coef: float = Field(0.0, ge=0, description="KL to the reference model as a reward penalty (0 = off); not "
+                           "together with --use-kl-loss")
+    use_kl_loss: bool = Field(False, description="KL to the reference model as a loss term, weighted by "
+                              "--kl-loss-coef")
+    kl_loss_coef: float = Field(0.0, ge=0, description="weight of the KL loss term (needs --use-kl-loss)")
+    kl_loss_type: Annotated[str, BuiltinNames(KL_ESTIMATORS.listed_names)] = Field(
+        "k1", description="the KL estimator of both --kl-coef and --use-kl-loss (docs/policies.md, KL)")
+    use_unbiased_kl: bool = Field(False, description="weight the KL loss by pi_theta / pi_old, which makes its "
+                                  "gradient unbiased for tokens sampled from pi_old (DeepSeek-V3.2)")
     low_var_kl_clamp_after_weight: bool = Field(
         False,
         description="with use_unbiased_kl, clamp low_var_kl to +-10 after the importance weight (slime) instead of "
@@ -95,16 +131,30 @@ class PolicyLossConfig(BaseModel):
     )
 
     # --- off-policy corrections ---
-    off_policy_correction: str = "none"
-    tis_level: ISLevel = "token"
-    tis_clip: float = Field(2.0, gt=0)
-    tis_clip_low: float = Field(0.0, ge=0)
-    mis_level: ISLevel = "token"
-    mis_upper_bound: float = Field(2.0, gt=0)
-    mis_lower_bound: float | None = Field(None, ge=0)  # None: 1 / mis_upper_bound
-    mis_veto_threshold: float | None = Field(None, gt=0)
-    use_opsm: bool = False
-    opsm_delta: float = Field(1e-4, ge=0)
+    off_policy_correction: Annotated[str, BuiltinNames(CORRECTIONS.listed_names)] = Field(
+        "none", description="how the loss treats tokens generated by older weights than the ones it trains: tis "
+        "weights each by pi_old / mu clamped to [--tis-clip-low, --tis-clip], mis drops those outside "
+        "[--mis-lower-bound, --mis-upper-bound], icepop zeroes those outside the tis band, none leaves it to PPO's "
+        "clip against the engine's log-probs (unless --use-decoupled-ppo); how to choose: docs/policies.md")
+    tis_level: ISLevel = Field("token", description="tis: the weight of each token, of each sequence (the product "
+                               "of its tokens' ratios) or geometric (their geometric mean, per sequence)")
+    tis_clip: float = Field(2.0, gt=0, description="tis: the weight pi_old / mu is clamped to at most this; "
+                            "icepop: the kept band's upper edge")
+    tis_clip_low: float = Field(0.0, ge=0, description="tis: the weight is clamped to at least this; icepop: the "
+                                "kept band's lower edge")
+    mis_level: ISLevel = Field("token", description="mis: the band is applied to each token's weight, or to each "
+                               "sequence's (product or geometric mean), rejecting the whole sequence")
+    mis_upper_bound: float = Field(2.0, gt=0, description="mis: a weight pi_old / mu above this rejects its token "
+                                   "(or sequence) from the loss and its denominators")
+    mis_lower_bound: float | None = Field(None, ge=0, description="mis: a weight below this rejects its token (or "
+                                          "sequence) (default: 1 / --mis-upper-bound)")
+    mis_veto_threshold: float | None = Field(None, gt=0, description="mis: reject a whole sequence when any of its "
+                                             "tokens has a weight below this (default: no veto)")
+    use_opsm: bool = Field(False, description="off-policy sequence masking (DeepSeek-V3.2): no loss for tokens with "
+                           "a negative advantage in sequences that drifted more than --opsm-delta from the "
+                           "policy that sampled them")
+    opsm_delta: float = Field(1e-4, ge=0, description="OPSM: a sequence is off-policy when the mean of log mu - log "
+                              "pi_theta over its trained tokens exceeds this")
     opsm_token_advantage: bool = Field(
         True,
         description="OPSM masks a token when ITS advantage is negative (slime, DeepSeek-V3.2); False: when its "
@@ -115,6 +165,23 @@ class PolicyLossConfig(BaseModel):
         description="OPSM's sequence KL is taken from the engine's log-probs ('rollout') or from the learner's "
         "recomputed pi_old ('old', slime without --use-rollout-logprobs)",
     )
+
+    @field_validator("advantage_estimator", "loss_type", "kl_loss_type", "off_policy_correction")
+    @classmethod
+    def _registered(cls, name: str | None, info: ValidationInfo) -> str | None:
+        """Every name is checked now, each as its own field's error: an unknown name or a broken plugin path fails
+        at start-up (without importing the built-ins' torch code: every actor validates this config, and a rollout
+        worker never runs a loss)."""
+        if name is not None and not (info.field_name == "loss_type" and name in _LOSS_ALIASES):
+            _REGISTRY_OF[info.field_name or ""].check(name)
+        return name
+
+    @field_validator("eps_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, bound: float | None) -> float | None:
+        if bound is not None and bound <= 1.0:
+            raise ValueError(f"dual-clip bound must be > 1, got {bound}")
+        return bound
 
     @model_validator(mode="after")
     def _check(self) -> PolicyLossConfig:
@@ -135,8 +202,6 @@ class PolicyLossConfig(BaseModel):
             )
         if self.kl_loss_coef != 0 and not self.use_kl_loss:
             raise ValueError(f"kl_loss_coef={self.kl_loss_coef} has no effect without use_kl_loss=True")
-        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
-            raise ValueError(f"eps_clip_c: dual-clip bound must be > 1, got {self.eps_clip_c}")
         if self.tis_clip_low > self.tis_clip:
             raise ValueError(f"tis_clip_low={self.tis_clip_low} exceeds tis_clip={self.tis_clip}")
         assert self.mis_lower_bound is not None
@@ -149,12 +214,6 @@ class PolicyLossConfig(BaseModel):
                 f"advantage_estimator={self.advantage_estimator!r} is defined with batch whitening; "
                 "set normalize_advantages=True (--normalize-advantages)"
             )
-        # Check every name now: unknown names and broken plugin paths fail here, at start-up (without importing
-        # the built-ins' torch code: every actor validates this config, and a rollout worker never runs a loss).
-        ADVANTAGE_ESTIMATORS.check(self.advantage_estimator)
-        POLICY_LOSSES.check(self.loss_type)
-        KL_ESTIMATORS.check(self.kl_loss_type)
-        CORRECTIONS.check(self.off_policy_correction)
         return self
 
     @property
@@ -177,26 +236,19 @@ class PolicyLossConfig(BaseModel):
         """
         fields: dict[str, Any] = {}
         overrides: dict[str, Any] = {}
-        switches = {
-            "disable_grpo_std_normalization": ("grpo_std_normalization", False),
-            "disable_rewards_normalization": ("rewards_normalization", False),
-            "calculate_per_token_loss": ("loss_agg_mode", "token-mean"),
-            "use_tis": ("off_policy_correction", "tis"),
-        }
-        renames = {"custom_tis_function_path": "off_policy_correction", "custom_loss_function_path": "loss_type"}
         for raw_key, value in flags.items():
             key = raw_key.lstrip("-").replace("-", "_")
-            if key in switches:
+            if key in SLIME_SWITCHES:
                 if value:
-                    field, switched = switches[key]
+                    field, switched = SLIME_SWITCHES[key]
                     fields.setdefault(field, switched)
-            elif key in renames:
+            elif key in SLIME_RENAMES:
                 if value is not None:
-                    overrides[renames[key]] = value
+                    overrides[SLIME_RENAMES[key]] = value
             elif key in cls.model_fields:
                 fields[key] = value
             else:
-                accepted = sorted([*cls.model_fields, *switches, *renames])
+                accepted = sorted([*cls.model_fields, *SLIME_SWITCHES, *SLIME_RENAMES])
                 raise ValueError(f"unknown policy flag {raw_key!r}; accepted: {', '.join(accepted)}")
         fields.update(overrides)  # a custom function path wins over the switch that enables the feature
         if fields.get("loss_type") == "custom_loss":

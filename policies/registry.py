@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Generic, TypeVar
 
@@ -25,6 +26,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "REWARDS",
+    "BuiltinNames",
     "Registry",
     "register_advantage_estimator",
     "register_correction",
@@ -79,6 +81,11 @@ class Registry(Generic[F]):
         self._load_builtins()
         return sorted(self._entries)
 
+    def listed_names(self) -> list[str]:
+        """The names to offer a user: the declared built-ins where there are (their modules import torch, seconds
+        that a `--help` should not cost), else every registered name."""
+        return sorted(self.builtin_names) if self.builtin_names else self.names()
+
     def resolve(self, name_or_path: str) -> F:
         """The registered callable for a name, or the object a dotted path names (which must be callable)."""
         if not isinstance(name_or_path, str):
@@ -116,6 +123,22 @@ class Registry(Generic[F]):
         if undeclared:
             raise RuntimeError(f"{self.kind}: {', '.join(undeclared)} declared built-in but not registered by "
                                f"{', '.join(self._builtin_modules)}")
+
+
+@dataclass(frozen=True)
+class BuiltinNames:
+    """A name-valued setting's trait (pydantic field metadata: `Annotated[str, BuiltinNames(...)]`): where its
+    built-in names come from, read only when they are shown (`--help`), so a new built-in is listed without anyone
+    copying its name into a help text, and whether a `module:attr` plugin path is accepted as well."""
+
+    names: Callable[[], Iterable[str]]
+    plugins: bool = True
+
+    def describe(self) -> str:
+        listed = ", ".join(self.names())
+        return f"{listed}, or a module:attr plugin path" if self.plugins else listed
+
+    __str__ = describe  # what a help text's %(builtin_names)s shows
 
 
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry(

@@ -27,7 +27,7 @@ class FlagParser(argparse.ArgumentParser):
         return parsed
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n{self.prog} --help lists every flag\n")
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog} --help-all lists every flag\n")
 
     def _suggest(self, unknown: Sequence[str]) -> str:
         known = [option for action in self._actions for option in action.option_strings if option.startswith("--")]

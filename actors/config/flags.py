@@ -3,12 +3,14 @@
 Flags follow slime's names (`--rollout-batch-size`, `--n-samples-per-prompt`, `--eps-clip-high`, ...). A YAML
 file (`--config run.yaml`) sets any field, either flat (`lr: 1e-5`, as on the command line) or by section
 (`trainer: {lr: 1e-5}`, as in the `config.yaml` a run writes); flags override the file; an unknown key or flag is
-an error that names it. `--help` lists the flags grouped by the section that owns them.
+an error that names it. `--help-all` lists the flags grouped by the section that owns them (`--help`, a first
+run's: `actors/config/help.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import types
 import typing
 from pathlib import Path
@@ -22,6 +24,7 @@ from actors.config.run import OWNER, SECTIONS, RunConfig
 from actors.config.slime_flags import add_slime_flags, apply_slime_flags
 from actors.config.slime_table import SLIME_FLAGS
 from policies.config import PolicyLossConfig
+from policies.registry import BuiltinNames
 
 # slime's negative switches for policy fields, accepted as flags and YAML keys.
 POLICY_SWITCHES = {
@@ -50,17 +53,36 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting, grouped by section; defaults stay None so only flags given on the command line
     override the YAML file."""
     settings = parser.add_argument_group("settings", "Every setting below is also a --config YAML key.")
-    settings.add_argument("--config", type=Path, default=None, help="YAML file of run settings (snake_case keys, "
-                          "flat or by section)")
+    settings.add_argument("--config", type=Path, default=None, metavar="PATH", help="YAML file of run settings "
+                          "(snake_case keys, flat or by section)")
     _add_model_flags(settings, {name: RunConfig.model_fields[name] for name in RUN_WIDE})
     for section, model in SECTIONS.items():
-        group = parser.add_argument_group(f"{section} settings", (model.__doc__ or "").strip().splitlines()[0])
+        group = parser.add_argument_group(f"{section} settings", summary(model.__doc__))
         _add_model_flags(group, dict(model.model_fields))
-    algorithm = parser.add_argument_group("policy settings", "Advantages, loss, KL, off-policy correction.")
+    algorithm = parser.add_argument_group("policy settings", summary(PolicyLossConfig.__doc__))
     _add_model_flags(algorithm, dict(PolicyLossConfig.model_fields), defaults=POLICY_DEFAULTS)
     for name, help_text in POLICY_SWITCHES.items():
         algorithm.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
     add_slime_flags(parser)  # last: only slime's flags that no section defines
+
+
+def summary(doc: str | None) -> str:
+    """A docstring's first paragraph, as one line: what a help group says about itself."""
+    paragraph = inspect.cleandoc(doc or "").split("\n\n", 1)[0]
+    return " ".join(paragraph.split())
+
+
+def _metavar(name: str, annotation: Any, names: BuiltinNames | None) -> str:
+    """A short placeholder (N, X, NAME, PATH, VALUE): the flag and its help then share a line where they fit."""
+    if names is not None:
+        return "NAME"
+    if annotation is int:
+        return "N"
+    if annotation is float:
+        return "X"
+    if name.endswith(("_path", "_data", "_checkpoint", "_load", "_dir")) or name in ("save", "load"):
+        return "PATH"
+    return "VALUE"
 
 
 def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
@@ -68,26 +90,33 @@ def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any
         annotation = _unwrap_optional(field.annotation)
         default = field.default if field.default_factory is None else field.default_factory()
         default = (defaults or {}).get(name, default)
-        help_text = field.description or name.replace("_", " ")
-        if default is not None and "(default:" not in help_text:
+        names = next((item for item in field.metadata if isinstance(item, BuiltinNames)), None)
+        help_text = (field.description or "").replace("%", "%%")
+        if names is not None:  # expanded when help is shown (argparse fills %(attr)s from the action)
+            help_text += "; one of %(builtin_names)s"
+        if default not in (None, [], {}) and "(default:" not in help_text:
             help_text += f" (default: {default})"
         if typing.get_origin(annotation) is dict:
             continue  # set in YAML, or by a pass-through flag family (see split_sglang_args)
         if annotation is bool and name.startswith("no_"):
             # A negative switch of Megatron's (--no-rope-fusion): BooleanOptionalAction would read the name's own
             # "--no-" as its negation and store False.
-            group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
+            action = group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
         elif annotation is bool:
-            group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
+            action = group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                        help=help_text)
         elif typing.get_origin(annotation) is list:
-            group.add_argument(_flag(name), dest=name, nargs="*", default=None, help=help_text)
+            item = (typing.get_args(annotation) or (str,))[0]
+            action = group.add_argument(_flag(name), dest=name, nargs="*", default=None, help=help_text,
+                                        metavar="N" if item is int else "VALUE")
         elif typing.get_origin(annotation) is Literal:
-            group.add_argument(_flag(name), dest=name, choices=typing.get_args(annotation), default=None,
-                               help=help_text)
+            action = group.add_argument(_flag(name), dest=name, choices=typing.get_args(annotation), default=None,
+                                        help=help_text)
         else:
             kind = annotation if annotation in (int, float) else str
-            group.add_argument(_flag(name), dest=name, type=kind, default=None, help=help_text)
+            action = group.add_argument(_flag(name), dest=name, type=kind, default=None, help=help_text,
+                                        metavar=_metavar(name, kind, names))
+        action.builtin_names = names
 
 
 def config_from_args(args: argparse.Namespace, *, base: dict[str, Any] | None = None) -> RunConfig:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from actors.moved import MOVED_SERVER_MODULES
+from policies.registry import FILTERS, REWARDS, BuiltinNames
 
 # Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
 ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
@@ -45,6 +46,13 @@ NO_LABEL = "none"  # --label-key none: records carry no label, and none is requi
 def resolve_label_key(value: str | None) -> str | None:
     """`--label-key none` (or an empty key) reads as no label key at all, as a YAML `label_key: null` does."""
     return None if value is None or value.strip().lower() in ("", NO_LABEL) else value
+
+
+def reward_names() -> list[str]:
+    """--rm-type's names: the registered rewards and the remote reward model (built apart: it needs --rm-url)."""
+    from policies.rewards.selection import REMOTE_RM_TYPE
+
+    return sorted([*REWARDS.listed_names(), REMOTE_RM_TYPE])
 
 
 class Section(BaseModel):
@@ -205,13 +213,15 @@ class AgentConfig(Section):
 class BufferConfig(Section):
     """Admission, leases and durability of the buffer: the one place staleness is enforced."""
 
-    max_staleness: int = Field(2, ge=0, description="hard bound on learner_version - min(token versions); "
-                               "0 = on-policy")
+    max_staleness: int = Field(2, ge=0, description="how many weight versions a trained token may lag behind the "
+                               "learner (learner version - the sample's oldest token version); 0 = on-policy, "
+                               "synchronous")
     lease_timeout: float = Field(120.0, gt=0, description="seconds before an unfinished prompt lease is re-issued")
     buffer_log_compact_mb: float = Field(256.0, ge=0, description="compact the buffer's durable log into a "
                                          "snapshot once it passes this size (0 = never)")
-    dynamic_sampling_filter_path: str | None = Field(None, description="module:function or built-in filter name; "
-                                                     "ours (group) or slime's (args, samples, **kwargs)")
+    dynamic_sampling_filter_path: Annotated[str | None, BuiltinNames(FILTERS.listed_names)] = Field(
+        None, description="drop finished groups before they are trained: a built-in filter, or a function of ours "
+        "(group) or slime's (args, samples, **kwargs)")
     buffer_filter_path: str | None = Field(None, description="slime's buffer filter (args, rollout_id, buffer, "
                                            "num_samples) -> groups: picks which finished groups form the next "
                                            "training batch (the rest are taken oldest first)")
@@ -229,7 +239,9 @@ SLIME_NONZERO_STD_FILTER = "slime.rollout.filter_hub.dynamic_sampling_filters.ch
 class RewardConfig(Section):
     """How reward workers score a group."""
 
-    rm_type: str = Field("exact_match", description="built-in reward name")
+    rm_type: Annotated[str, BuiltinNames(reward_names)] = Field(
+        "exact_match", description="the built-in reward each sample is scored by, unless --custom-rm-path is given "
+        "(docs/policies.md, Rewards)")
     reward_key: str | None = Field(None, description="the reward function returns a dict and this key holds the "
                                    "reward (default: a number, or a dict's 'reward')")
     custom_rm_path: str | None = Field(None, description="module:function reward (sync or async); ours "
@@ -286,8 +298,8 @@ class LearnerConfig(Section):
 class TrainerConfig(Section):
     """The training backend, its parallelism and its optimizer."""
 
-    train_backend: BuiltinOrPlugin = Field("torch", description="training engine: torch, megatron, or module:attr "
-                                           "of a factory (config) -> Trainer")
+    train_backend: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: ENGINE_CHOICES["train_backend"])] = Field(
+        "torch", description="the training engine (a plugin: a factory (config) -> Trainer)")
     learner_ranks: int = Field(1, ge=1, description="learner processes (torch.distributed ranks) started by the "
                                "learner: TP x PP x DP (the torch backend is data-parallel only)")
     tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallel size")
@@ -352,8 +364,9 @@ class LoraConfig(Section):
 class EngineConfig(Section):
     """The inference engine each rollout worker drives (SGLang's settings apply to --rollout-engine sglang)."""
 
-    rollout_engine: BuiltinOrPlugin = Field("torch", description="inference engine: torch, sglang, or module:attr "
-                                            "of a factory (config, actor_id) -> (InferenceEngine, tokenizer)")
+    rollout_engine: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: ENGINE_CHOICES["rollout_engine"])] = Field(
+        "torch", description="the inference engine each rollout worker drives (a plugin: a factory (config, "
+        "actor_id) -> (InferenceEngine, tokenizer))")
     rollout_max_batch_size: int = Field(64, ge=1, description="sequences decoded together per engine")
     rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs (tensor parallel ranks) per SGLang server")
     sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "

@@ -23,14 +23,14 @@ def test_a_mistyped_flag_is_named_with_the_flags_it_is_close_to(capsys: pytest.C
     assert lines[0] == "launcher.py: error: unrecognized arguments: --rollout-batchsize 4 --lrr=3 --zzzz"
     assert lines[1].startswith("  --rollout-batchsize: did you mean --rollout-batch-size")
     assert lines[2] == "  --lrr: did you mean --lr?"
-    assert lines[3:] == ["launcher.py --help lists every flag"]  # nothing near --zzzz, and no usage
+    assert lines[3:] == ["launcher.py --help-all lists every flag"]  # nothing near --zzzz, and no usage
 
 
 @pytest.mark.unit
 def test_a_bad_value_is_its_error_alone(capsys: pytest.CaptureFixture[str]) -> None:
     lines = _error(capsys, "--head", "--log-level", "loud")
     assert lines[0].startswith("launcher.py: error: argument --log-level: invalid choice: 'loud'")
-    assert lines[1:] == ["launcher.py --help lists every flag"]
+    assert lines[1:] == ["launcher.py --help-all lists every flag"]
 
 
 @pytest.mark.unit
