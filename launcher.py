@@ -33,6 +33,7 @@ from actors.config.flag_parser import FlagParser
 from actors.config.help import USAGE, HelpFormatter, add_help_flags
 from actors.config.preflight import preflight
 from actors.config.run import learner_ranks_per_node
+from actors.config.settings_errors import SettingsError
 from actors.runtime import cluster_env
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
@@ -331,26 +332,32 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     else:
         head_address = args.head_address or head_from_rendezvous(args)
         wait_for_head(head_address, args.connect_timeout)
+    problems: list[str] = []
     try:
         head_settings = None if args.head else fetch_head_settings(
             head_address, node_rank=args.node_rank, curve_keys=args.curve_keys, timeout=args.connect_timeout)
         config = config_from_args(args, base=head_settings)
+    except SettingsError as error:  # reported below, with what the file checks find in the valid settings
+        problems, config = error.problems, error.usable
     except (HeadSettingsError, ValueError) as error:
         raise LaunchError(str(error)) from None
     slime = args.slime_translation
     os.environ.update(slime.env)  # inherited by every actor this launcher starts
     if slime.note():
         print(f"launcher.py: {slime.note()}", file=sys.stderr)
-    other_nodes = worker_node_roles(args, customs, node.nodes if node is not None and node.is_head else None, config)
-    if args.head and config.placement.actor_num_nodes > 1 and config.placement.learner_world_address is None:
-        # before any node asks for the settings: every node's learner ranks meet rank 0 here, at every restart
-        config = config.with_settings(learner_world_address=f"tcp://{args.host}:{free_port(args.host)}")
+    other_nodes: dict[str, int] = {}
+    if not problems:  # else the run stops below, after the file checks
+        other_nodes = worker_node_roles(args, customs, node.nodes if node is not None and node.is_head else None,
+                                        config)
+        if args.head and config.placement.actor_num_nodes > 1 and config.placement.learner_world_address is None:
+            # before any node asks for the settings: every node's learner ranks meet rank 0 here, at every restart
+            config = config.with_settings(learner_world_address=f"tcp://{args.host}:{free_port(args.host)}")
     counts = node_actor_counts(args, customs, config)
     if config.learner.load_debug_rollout_data and args.roles is None:
         # a replay's learner reads its batches from disk: a buffer would have no prompts, and crash until the
         # launcher gave up on it (the run failed whenever the replay took longer than its restarts)
         counts.pop("buffer", None)
-    problems = custom_actor_problems(customs) + preflight(config, counts)
+    problems += custom_actor_problems(customs) + preflight(config, counts)
     if problems:
         raise LaunchError(f"{len(problems)} configuration problem(s), no actor started:\n  " + "\n  ".join(problems))
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()

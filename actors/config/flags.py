@@ -13,6 +13,7 @@ import argparse
 import inspect
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,9 +22,10 @@ from pydantic import ValidationError
 
 from actors.config.flag_parser import near_name_hints
 from actors.config.run import OWNER, SECTIONS, RunConfig
-from actors.config.slime_flags import add_slime_flags, apply_slime_flags
+from actors.config.settings_errors import Origin, SettingsError, located_problems
+from actors.config.slime_flags import SPELLED_AS, add_slime_flags, apply_slime_flags
 from actors.config.slime_table import SLIME_FLAGS
-from policies.config import PolicyLossConfig
+from policies.config import SLIME_RENAMES, PolicyLossConfig
 from policies.registry import BuiltinNames
 
 # slime's negative switches for policy fields, accepted as flags and YAML keys.
@@ -121,27 +123,40 @@ def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any
 
 def config_from_args(args: argparse.Namespace, *, base: dict[str, Any] | None = None) -> RunConfig:
     """`base` first (a worker node's: the head's settings, by section as RUN_DIR/config.yaml holds them), then the
-    YAML file, then every flag the user gave; errors name the file, key or flag that is wrong.
+    YAML file, then every flag the user gave. A bad setting raises SettingsError with every problem at once, each
+    naming the flag, or the file and key, that gave it and the value given.
 
     slime's flags are first rewritten into ours; the environment and start-up note they imply are left on
     `args.slime_translation` for the launcher."""
     args.slime_translation = apply_slime_flags(args)
     values: dict[str, Any] = {}
-    source = "command line"
-    if base is not None:
-        source = "the head's settings"
-        values.update(_flatten(base, source=source))
+    origins: dict[str, Origin] = {}
+    problems: list[str] = []
+    sources = [("the head's settings", base)]
     if args.config is not None:
-        source = str(args.config)
-        values.update(_flatten(_read_yaml(args.config), source=f"--config {source}"))
+        sources.append((f"--config {args.config}", _read_yaml(args.config)))
+    for where, loaded in sources:
+        if loaded is not None:
+            flat, spelled, unknown = _flatten(loaded, source=where)
+            values.update(flat)
+            origins.update({key: Origin(where, spelled[key]) for key in flat})
+            problems += unknown
+    spelled_as = getattr(args, SPELLED_AS, {})
     for name in _flat_keys():
         given = getattr(args, name, None)
         if given is not None:
             values[name] = given
+            origins[name] = Origin("", spelled_as.get(name, _flag(name)))
     passed_through = getattr(args, "sglang_passthrough", None)
     if passed_through:
         values["sglang_args"] = {**values.get("sglang_args", {}), **passed_through}
-    return build_config(values, source=source)
+    try:
+        config = build_config(values, origins=origins)
+    except SettingsError as error:
+        raise SettingsError(problems + error.problems, error.usable) from None
+    if problems:
+        raise SettingsError(problems, config)
+    return config
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -154,24 +169,30 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def _flatten(loaded: dict[str, Any], *, source: str) -> dict[str, Any]:
+def _flatten(loaded: dict[str, Any], *, source: str) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """Section mappings (`trainer: {lr: ...}`, `policy: {...}`) become flat keys; flat keys pass as they are.
-    `source` names where they come from in errors ("--config run.yaml")."""
+    Returns the known settings, how the file spells each (`trainer.lr`), and a problem per unknown key, which is
+    left out; `source` names where they come from in errors ("--config run.yaml")."""
     flat: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    problems: list[str] = []
     for key, value in loaded.items():
         if key in (*SECTIONS, "policy") and isinstance(value, dict):
             fields = PolicyLossConfig.model_fields if key == "policy" else SECTIONS[key].model_fields
             strays = sorted(set(value) - set(fields))
             if strays:
-                raise ValueError(f"{source}: unknown key(s) in section {key!r}: {', '.join(strays)}"
-                                 + _hints(strays, list(fields)))
-            flat.update(value)
+                problems.append(f"{source}: unknown key(s) in section {key!r}: {', '.join(strays)}"
+                                + _hints(strays, list(fields)))
+            flat.update({name: item for name, item in value.items() if name in fields})
+            spelled.update({name: f"{key}.{name}" for name in value if name in fields})
         else:
             flat[key] = value
+            spelled[key] = key
     unknown = sorted(set(flat) - _flat_keys())
     if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}" + _hints(unknown, sorted(_flat_keys())))
-    return flat
+        problems.append(f"{source}: unknown key(s) {', '.join(unknown)}" + _hints(unknown, sorted(_flat_keys())))
+    known = {key: value for key, value in flat.items() if key not in unknown}
+    return known, spelled, problems
 
 
 def _hints(unknown: list[str], known: list[str]) -> str:
@@ -217,26 +238,71 @@ def _flat_keys() -> set[str]:
     return set(OWNER) | set(RUN_WIDE) | set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
 
 
-def build_config(values: dict[str, Any], *, source: str = "settings") -> RunConfig:
-    """Flat settings (run and algorithm keys mixed, as in YAML and flags) -> a validated RunConfig."""
+# Where a ValidationError points (its location's first parts) -> the flat setting it is about.
+_RUN_KEYS: dict[tuple[str | int, ...], str] = {
+    **{(section, name): name for section, model in SECTIONS.items() for name in model.model_fields},
+    **{(name,): name for name in RUN_WIDE}}
+
+
+def build_config(values: dict[str, Any], *, origins: Mapping[str, Origin] | None = None) -> RunConfig:
+    """Flat settings (run and algorithm keys mixed, as in YAML and flags) -> a validated RunConfig.
+
+    Raises SettingsError with every problem: each invalid value is named as `origins` says it was given (default:
+    by its key) and then left out, and the rest validated again, since the rules that tie settings together run
+    only once each setting is valid; so one pass finds what a user would otherwise meet one rerun at a time."""
+    origins = origins or {}
+    problems: list[str] = []
+    kept = dict(values)
+    while True:
+        config, usable, located, general = _validated(kept, origins)
+        problems += [line for line in [*located.values(), *general] if line not in problems]
+        if config is not None or not located:
+            break
+        for key in located:
+            del kept[key]
+    if config is not None and not problems:
+        return config
+    raise SettingsError(problems, config or usable or _sections_alone(kept))
+
+
+def _validated(values: dict[str, Any], origins: Mapping[str, Origin],
+               ) -> tuple[RunConfig | None, RunConfig | None, dict[str, str], list[str]]:
+    """(the config or None, a config of the run settings with the default policy when only the policy failed,
+    the problems of single settings by key, the other problems)."""
     policy_keys = set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
     given = {k: v for k, v in values.items() if k in policy_keys}
     defaults = POLICY_DEFAULTS if given.get("loss_type") not in ("sft", "sft_loss") else {}
-    run_values = {k: v for k, v in values.items() if k not in policy_keys}
+    located: dict[str, str] = {}
+    general: list[str] = []
+    policy = None
     try:
         policy = PolicyLossConfig.from_flags({**defaults, **given})
-    except (ValidationError, ValueError) as error:
-        raise ValueError(f"invalid algorithm settings ({source}): {_describe(error)}") from None
-    try:
-        return RunConfig(**run_values, policy=policy)
     except ValidationError as error:
-        raise ValueError(f"invalid run settings ({source}): {_describe(error)}") from None
+        # a setting given by its slime name (--custom-tis-function-path) is named so
+        renamed = {(field,): alias for alias, field in SLIME_RENAMES.items() if alias in given}
+        located, general = located_problems(error, values, origins,
+                                            {**{(name,): name for name in PolicyLossConfig.model_fields}, **renamed})
+    except ValueError as error:
+        general.append(str(error))
+    run_values = {k: v for k, v in values.items() if k not in policy_keys}
+    try:
+        run = RunConfig(**run_values, **({"policy": policy} if policy is not None else {}))
+    except ValidationError as error:
+        more_located, more_general = located_problems(error, values, origins, _RUN_KEYS)
+        return None, None, {**located, **more_located}, general + more_general
+    return (run if policy is not None else None), run, located, general
 
 
-def _describe(error: Exception) -> str:
-    if isinstance(error, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in error.errors())
-    return str(error)
+def _sections_alone(values: dict[str, Any]) -> RunConfig:
+    """When rules that tie settings together fail: each section of the valid settings on its own (one that fails
+    alone at its defaults), for the checks that read a section at a time (the launcher's file checks)."""
+    sections = {}
+    for name, model in SECTIONS.items():
+        try:
+            sections[name] = model(**{key: value for key, value in values.items() if OWNER.get(key) == name})
+        except ValidationError:
+            sections[name] = model()
+    return RunConfig.model_construct(**sections, **{key: values[key] for key in RUN_WIDE if key in values})
 
 
 def write_effective_config(config: RunConfig, run_dir: Path, *, name: str = "config.yaml") -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
 
 ENTRY_POINTS = ("train", "train_async")
+SPELLED_AS = "slime_spelled_as"  # args attribute: our setting -> the slime flag that set it
 _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
     "--update-weight-mode": lambda v, a: v == "full",
     "--rollout-data-transport": lambda v, a: v == "object-store",
@@ -244,6 +245,7 @@ def _set(args: argparse.Namespace, name: str, value: Any, flag: str) -> None:
         raise ValueError(f"{flag} sets --{name.replace('_', '-')} {value!r}, but --{name.replace('_', '-')} "
                          f"{current!r} was also given")
     setattr(args, name, value)
+    vars(args).setdefault(SPELLED_AS, {})[name] = flag  # so that an error about the value names the flag typed
 
 
 def _entry_point(args: argparse.Namespace) -> None:

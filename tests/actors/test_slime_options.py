@@ -62,7 +62,7 @@ def test_bad_option_values_are_named() -> None:
         configure(["--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"])
     with pytest.raises(ValueError, match=r"eval_max_prompt_len 60 must be at most eval_max_context_len - 1 = 49"):
         configure(["--rollout-max-context-len", "50", "--eval-max-prompt-len", "60"])
-    with pytest.raises(ValueError, match=r"apply_chat_template_kwargs.*not JSON"):
+    with pytest.raises(ValueError, match=r"--apply-chat-template-kwargs .*not JSON"):
         configure(["--apply-chat-template-kwargs", "{enable_thinking: false"])
     with pytest.raises(ValueError, match=r"--eval-min-new-tokens: a minimum response length is not available"):
         configure(["--eval-min-new-tokens", "4"])

@@ -250,6 +250,7 @@ def test_launcher_errors_name_what_is_wrong(tmp_path: Path) -> None:
     assert help_text.returncode == 0
     for flag in ("--rollout-workers", "--max-staleness", "--eps-clip-high", "--custom-actor", "--head-address"):
         assert flag in help_text.stdout
+    assert "--num-layers" not in help_text.stdout and "--num-layers" in run_to_end("--help-all").stdout
 
 
 @pytest.mark.integration
@@ -260,9 +261,10 @@ def test_bad_settings_are_all_reported_before_any_actor_starts(tmp_path: Path) -
     run_dir = tmp_path / "run"
     started = time.monotonic()
     result = run_to_end("--head", "--run-dir", str(run_dir), "--prompt-data", str(empty), "--hf-checkpoint",
-                        str(no_model), "--custom-rm-path", "runtime_actors:no_such_reward")
+                        str(no_model), "--custom-rm-path", "runtime_actors:no_such_reward", "--max-staleness", "-1")
     elapsed = time.monotonic() - started
     assert result.returncode == 2, result.stderr[-3000:]
+    assert "--max-staleness -1: must be >= 0" in result.stderr  # a bad value, in the same list as the files
     assert f"--prompt-data {empty}: no records (the file is empty)" in result.stderr
     assert f"--hf-checkpoint {no_model}: not found: no such directory" in result.stderr
     assert "--custom-rm-path 'runtime_actors:no_such_reward': 'runtime_actors' has no attribute" in result.stderr
