@@ -14,11 +14,16 @@ imported directly that has since moved still imports, with a warning naming its 
   number and extras to log (async allowed; with `--group-rm`, a list of inputs in and a list out); the reward worker
   turns what it returned, raised or overran into a `RewardOutcome`;
 - a custom actor (`--custom-actor NAME=module:Class`): a subclass of `Actor` with `@handles`, `@serves` and
-  `@on_broadcast` methods and an optional `run()` loop.
+  `@on_broadcast` methods and an optional `run()` loop; its `@method`s are what other actors and plugins call, by
+  name: `await call_actor("judge", "score", timeout=10, prompt=...)`, which raises `ActorCallError` when no result
+  comes (a judge that is down, slow, or failing). A setting it cannot work with is a `ConfigError`: the run fails
+  with it instead of restarting the actor. `examples/judge/` is a complete one, and docs/custom-actors.md says how
+  it works.
 """
 
 from __future__ import annotations
 
+from actors.config import ConfigError
 from actors.rollout.agent import Episode
 from actors.rollout.environment import Environment, EnvStep, Turn
 from actors.rollout.generate import (
@@ -32,14 +37,15 @@ from actors.rollout.generate import (
 from actors.rollout.trajectory import Trajectory
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
-from actors.runtime.handlers import handles, on_broadcast, serves
+from actors.runtime.handlers import handles, method, on_broadcast, serves
+from actors.runtime.host import ActorCallError, call_actor
 from bus.schema import STATUS_BY_FINISH, GeneratedGroup, PromptGroup, Sample
 from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
 from policies.rewards import RewardInput, RewardOutcome
 
 __all__ = [
-    "STATUS_BY_FINISH", "Actor", "ActorContext", "EnvStep", "Environment", "Episode", "GenerateFunction",
-    "GenerateOutput", "GenerateRequest", "GeneratedGroup", "NoRoomError", "PromptGroup", "RewardInput",
-    "RewardOutcome", "RolloutContext", "Sample", "SamplingParams", "Trajectory", "Turn", "default_generate",
-    "failed_samples", "handles", "make_sample", "on_broadcast", "serves",
+    "STATUS_BY_FINISH", "Actor", "ActorCallError", "ActorContext", "ConfigError", "EnvStep", "Environment", "Episode",
+    "GenerateFunction", "GenerateOutput", "GenerateRequest", "GeneratedGroup", "NoRoomError", "PromptGroup",
+    "RewardInput", "RewardOutcome", "RolloutContext", "Sample", "SamplingParams", "Trajectory", "Turn",
+    "call_actor", "default_generate", "failed_samples", "handles", "make_sample", "method", "on_broadcast", "serves",
 ]

@@ -341,6 +341,22 @@ class Error(Message):
     detail: Annotated[str, doc("human-readable explanation")] = ""
 
 
+class ActorCall(Message):
+    """Any actor or plugin -> a custom actor (RPC): call one of its `@method`s by name; reply ActorReply, or Error
+    (reason "unknown_method", or "handler_error" when the method raised). The built-in roles neither send nor serve
+    it: it is how a reward function reaches a judge, or an environment its sandbox (docs/custom-actors.md)."""
+
+    method: Annotated[str, doc("the name of the method, as the actor class defines it")]
+    args: Annotated[dict[str, Any], doc("its keyword arguments: any msgpack data")] = msgspec.field(
+        default_factory=dict)
+
+
+class ActorReply(Message):
+    """Custom actor -> caller (RPC reply to ActorCall): what the method returned."""
+
+    result: Annotated[Any, doc("the method's return value: any msgpack data")] = None
+
+
 class StreamHello(Message):
     """Stream sender -> receiver: 'I am here, send me credit'. Sent on connect and when starved."""
 
@@ -387,6 +403,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         RunState,
         Ack,
         Error,
+        ActorCall,
+        ActorReply,
         StreamHello,
         StreamCredit,
     )

@@ -1,10 +1,10 @@
 """The actor base class: one asyncio process with a mailbox, a place in the roster and a heartbeat.
 
-A role subclasses `Actor`, declares handlers with `@handles` / `@serves` / `@on_broadcast`, and writes its
-story in `run()`. The base class owns everything else: binding the inbound stream and request/reply sockets
-the handlers need, registering with the controller and re-registering if the controller forgets us,
-heartbeats carrying the counters, following roster and control broadcasts, decoding and dispatch, counting
-what was dropped and why, and a stop that drains before it closes.
+A role subclasses `Actor`, declares handlers with `@handles` / `@serves` / `@on_broadcast` (and a custom actor
+the methods others call by name with `@method`), and writes its story in `run()`. The base class owns everything
+else: binding the inbound stream and request/reply sockets the handlers need, registering with the controller and
+re-registering if the controller forgets us, heartbeats carrying the counters, following roster and control
+broadcasts, decoding and dispatch, counting what was dropped and why, and a stop that drains before it closes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from actors.runtime.context import ActorContext
 from actors.runtime.cpu_budget import pin_process
 from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, RUN_OVER, ControllerUnreachable, RunOver, report_exit
 from actors.runtime.handlers import HandlerTable, collect_handlers
-from actors.runtime.peers import PeerRpc, PeerStream, alive_members
+from actors.runtime.host import become_host
+from actors.runtime.peers import PeerCalls, PeerRpc, PeerStream, alive_members
 from actors.runtime.state_report import open_waits, send_state_report
 from actors.runtime.stopping import StoppedWhileStarting, unless_stopped
 from actors.runtime.waits import Waits
@@ -34,7 +35,7 @@ from bus import RpcClient, RpcServer, RpcTimeout, StreamReceiver, Subscriber, sc
 from bus.schema import TOPIC_CONTROL, TOPIC_ROSTER, TOPIC_RUN_STATE, Ack, Error
 
 CONTROL_TOPICS = (TOPIC_ROSTER, TOPIC_CONTROL, TOPIC_RUN_STATE)
-PeerLink = TypeVar("PeerLink", PeerStream, PeerRpc)
+PeerLink = TypeVar("PeerLink", PeerStream, PeerRpc, PeerCalls)
 
 
 
@@ -69,7 +70,8 @@ class Actor:
         self._controller: RpcClient | None = None
         self._subscriber: Subscriber | None = None
         self._controller_incarnation: str | None = None
-        self._peer_links: list[PeerStream | PeerRpc] = []
+        self._peer_links: list[PeerStream | PeerRpc | PeerCalls] = []
+        self._calls: dict[str, PeerCalls] = {}  # role -> the link `calls(role)` made
         self._stop_requested = asyncio.Event()
         self._stop_reason = ""
         self._background: set[asyncio.Task[Any]] = set()
@@ -103,6 +105,7 @@ class Actor:
     # ----------------------------------------------------------------------------------------- lifecycle
     async def main(self) -> int:
         """Start, run the story, stop. Returns the process exit code: 0 when stopped on purpose."""
+        become_host(self)  # the plugins this actor runs reach other actors through it (actors.runtime.host)
         exit_code = 0
         abandoned = False
         try:
@@ -239,6 +242,16 @@ class Actor:
         return self._follow(PeerRpc(self.zmq, client_id=self.actor_id, role=role, endpoint_name=endpoint_name,
                                     security=self.security, waits=self.waits))
 
+    def calls(self, role: str) -> PeerCalls:
+        """Calls by method name to the live members of `role` (a custom actor's `@method`s), spread over them; one
+        link per role, made on first use and kept."""
+        link = self._calls.get(role)
+        if link is None:
+            link = self._calls[role] = self._follow(PeerCalls(self.zmq, client_id=self.actor_id, role=role,
+                                                              endpoint_name="rpc", security=self.security,
+                                                              waits=self.waits))
+        return link
+
     def _follow(self, link: PeerLink) -> PeerLink:
         """Point a new peer link at the current roster; every later roster update re-syncs it, stop closes it."""
         link.sync(self.roster)
@@ -272,7 +285,7 @@ class Actor:
         if self._handlers.stream:
             self.inbox = StreamReceiver(self.zmq, self.context.bind_address("inbox"),
                                         window=self.settings.stream_window, security=self.security)
-        if self._handlers.rpc:
+        if self._handlers.rpc or self._handlers.methods:
             self.rpc_server = RpcServer(self.zmq, self.context.bind_address("rpc"), security=self.security)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
@@ -464,11 +477,21 @@ class Actor:
             task.add_done_callback(lambda _task, s=semaphore: s.release())
 
     async def _dispatch_rpc(self, sender: str, request: Any) -> Any:
-        name = self._handlers.rpc.get(type(request))
-        if name is None:
-            self.counters[f"dropped.unhandled.{type(request).__name__}"] += 1
-            return Error(reason="unhandled", detail=f"{self.actor_id} does not serve {type(request).__name__}")
-        handler: Callable[[str, Any], Awaitable[Any]] = getattr(self, name)
+        handler: Callable[[str, Any], Awaitable[Any]]
+        if isinstance(request, schema.ActorCall) and schema.ActorCall not in self._handlers.rpc:
+            name = self._handlers.methods.get(request.method)
+            if name is None:
+                self.counters["dropped.unknown_method"] += 1
+                offered = ", ".join(sorted(self._handlers.methods)) or "none"
+                return Error(reason="unknown_method",
+                             detail=f"{self.actor_id} has no method {request.method!r} (its methods: {offered})")
+            handler = self._method_handler(name)
+        else:
+            name = self._handlers.rpc.get(type(request))
+            if name is None:
+                self.counters[f"dropped.unhandled.{type(request).__name__}"] += 1
+                return Error(reason="unhandled", detail=f"{self.actor_id} does not serve {type(request).__name__}")
+            handler = getattr(self, name)
         try:
             reply = await handler(sender, request)
         except Exception as error:
@@ -479,6 +502,15 @@ class Actor:
                 self.log.exception("request handler failed", handler=name, sender=sender)
             return Error(reason="handler_error", detail=f"{type(error).__name__}: {error}")
         return reply if reply is not None else Ack(ok=True, error=None)
+
+    def _method_handler(self, name: str) -> Callable[[str, schema.ActorCall], Awaitable[schema.ActorReply]]:
+        """An `@method` as a request handler: the call's arguments in, its return value as the reply."""
+        method = getattr(self, name)
+
+        async def answer(sender: str, call: schema.ActorCall) -> schema.ActorReply:
+            return schema.ActorReply(result=await method(**call.args))
+
+        return answer
 
     async def _call_handler(self, name: str, origin: str, message: Any) -> None:
         handler: Callable[[str, Any], Awaitable[None]] = getattr(self, name)

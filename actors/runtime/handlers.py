@@ -2,24 +2,26 @@
 
 Actors mark methods instead of writing receive loops: `@handles(T)` for messages arriving on the actor's
 inbound stream, `@serves(T)` for request/reply (the return value is the reply), `@on_broadcast(topic)` for
-controller broadcasts. The base class collects the marks once per class, so dispatch is a dict lookup on the
-message's type and an unhandled type is a counted drop, not an exception.
+controller broadcasts, and `@method` for a custom actor's methods that others call by name with keyword arguments
+(`ActorCall` on the wire; `actors.runtime.host.call_actor` from a plugin). The base class collects the marks once
+per class, so dispatch is a dict lookup on the message's type (or the call's method name) and an unhandled type is
+a counted drop, not an exception.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-HandlerKind = Literal["stream", "rpc", "broadcast"]
+HandlerKind = Literal["stream", "rpc", "broadcast", "method"]
 _MARK = "__slipstream_handler__"
 
 
 @dataclass(frozen=True)
 class HandlerSpec:
     kind: HandlerKind
-    keys: tuple[Any, ...]  # message types for stream/rpc, topic names for broadcast
+    keys: tuple[Any, ...]  # message types for stream/rpc, topic names for broadcast, the name a method is called by
     concurrency: int = 1
 
 
@@ -55,6 +57,14 @@ def on_broadcast(*topics: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return _mark(HandlerSpec("broadcast", topics))
 
 
+def method(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A method other actors and plugins call by its name: `async def score(self, *, prompt: str) -> dict`, called
+    with `await call_actor("judge", "score", prompt=..., timeout=...)`. Its keyword arguments and its return value
+    cross the wire as msgpack (str, numbers, bool, None, lists, dicts); what it raises reaches the caller as an
+    `ActorCallError` naming the actor and the error. Calls run concurrently, each as its own task."""
+    return _mark(HandlerSpec("method", (function.__name__,)))(function)
+
+
 @dataclass
 class HandlerTable:
     """The handlers of one actor class, keyed for dispatch."""
@@ -62,11 +72,12 @@ class HandlerTable:
     stream: dict[type, tuple[str, int]]
     rpc: dict[type, str]
     broadcast: dict[str, str]
+    methods: dict[str, str] = field(default_factory=dict)  # the name a method is called by -> its attribute
 
 
 def collect_handlers(cls: type) -> HandlerTable:
     """Walk the MRO so subclasses inherit handlers and may override them by method name."""
-    table = HandlerTable(stream={}, rpc={}, broadcast={})
+    table = HandlerTable(stream={}, rpc={}, broadcast={}, methods={})
     seen: set[str] = set()
     for klass in cls.__mro__:
         for name, member in vars(klass).items():
@@ -81,6 +92,8 @@ def collect_handlers(cls: type) -> HandlerTable:
                     table.stream.setdefault(key, (name, spec.concurrency))
                 elif spec.kind == "rpc":
                     table.rpc.setdefault(key, name)
+                elif spec.kind == "method":
+                    table.methods.setdefault(key, name)
                 else:
                     table.broadcast.setdefault(key, name)
     return table

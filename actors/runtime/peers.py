@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from typing import Any
 
 import zmq.asyncio
 
 from actors.runtime.waits import Waits
-from bus import RpcClient, RpcClosed, StreamSender
-from bus.schema import Member
+from bus import RpcClient, RpcClosed, RpcTimeout, StreamSender
+from bus.schema import ActorCall, ActorReply, Error, Member
 
 
 def alive_members(roster: dict[str, Member], role: str) -> list[Member]:
@@ -80,8 +81,8 @@ class PeerStream(_RoleLink):
         self._sender.close()
 
 
-class PeerRpc(_RoleLink):
-    """A request/reply client to the single live member of a role (the buffer, the controller's delegate)."""
+class _RpcLink(_RoleLink):
+    """A link that opens request/reply clients to members of its role, as `client_id`."""
 
     def __init__(self, zmq_context: zmq.asyncio.Context, *, client_id: str, role: str, endpoint_name: str,
                  security: Any = None, waits: Waits | None = None) -> None:
@@ -89,6 +90,16 @@ class PeerRpc(_RoleLink):
         self._zmq = zmq_context
         self._client_id = client_id
         self._security = security
+
+    def _open(self, endpoint: str) -> RpcClient:
+        return RpcClient(self._zmq, endpoint, client_id=self._client_id, security=self._security)
+
+
+class PeerRpc(_RpcLink):
+    """A request/reply client to the single live member of a role (the buffer, the controller's delegate)."""
+
+    def __init__(self, zmq_context: zmq.asyncio.Context, **link: Any) -> None:
+        super().__init__(zmq_context, **link)
         self._client: RpcClient | None = None
         self._endpoint: str | None = None
         self._available = asyncio.Event()
@@ -104,7 +115,7 @@ class PeerRpc(_RoleLink):
         if endpoint is None:
             self._available.clear()
             return
-        self._client = RpcClient(self._zmq, endpoint, client_id=self._client_id, security=self._security)
+        self._client = self._open(endpoint)
         self._available.set()
 
     async def call(self, message: Any, *, timeout: float = 5.0, retries: int = 3) -> Any:
@@ -125,6 +136,92 @@ class PeerRpc(_RoleLink):
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+class ActorCallError(RuntimeError):
+    """A call to a custom actor's method that brought no result: no member of the role to call within the deadline,
+    none answering within it, or the method raised. The message names the role, the member and the method."""
+
+
+class PeerCalls(_RpcLink):
+    """Calls by name to the `@method`s of every live member of one role, spread over them: each call goes to the
+    member with the fewest of this link's calls in flight, ties in turn, so every reward worker keeps every judge
+    busy. The roster keeps the members current: a member that died drops out, one restarted on a new endpoint is
+    called there, and a call cut short by such a move goes to a member that is there, within the same deadline."""
+
+    def __init__(self, zmq_context: zmq.asyncio.Context, **link: Any) -> None:
+        super().__init__(zmq_context, **link)
+        self._clients: dict[str, RpcClient] = {}  # actor id -> a client of its endpoint
+        self._in_flight: Counter[str] = Counter()
+        self._turn = 0
+        self._changed = asyncio.Event()
+
+    def sync(self, roster: dict[str, Member]) -> None:
+        wanted = self._endpoints(roster)
+        for actor_id, client in list(self._clients.items()):
+            if wanted.get(actor_id) != client.endpoint:
+                client.close()  # a call waiting on it raises RpcClosed, and goes elsewhere
+                del self._clients[actor_id]
+        for actor_id, endpoint in wanted.items():
+            if actor_id not in self._clients:
+                self._clients[actor_id] = self._open(endpoint)
+        self._changed.set()
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._clients)
+
+    async def call(self, method: str, args: dict[str, Any], *, timeout: float) -> Any:
+        """What `method` of one member returned; raises ActorCallError when `timeout` seconds bring no result."""
+        if timeout <= 0:
+            raise ValueError(f"call of {self.role}.{method}: timeout must be > 0 seconds, got {timeout}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        request = ActorCall(method=method, args=args)
+        with _waiting(self._waits, self.role, f"the reply to {method}"):
+            while True:
+                actor_id = await self._member(deadline, f"to call {method} within {timeout:g} s")
+                self._in_flight[actor_id] += 1
+                try:
+                    reply = await self._clients[actor_id].call(request, timeout=max(deadline - loop.time(), 1e-3),
+                                                             retries=0)
+                except RpcClosed:  # it left or moved while we waited: the roster has its successor, or another
+                    if loop.time() < deadline:
+                        continue
+                    raise ActorCallError(f"{actor_id} left before it answered {method}, and {timeout:g} s are up") \
+                        from None
+                except RpcTimeout:
+                    raise ActorCallError(f"{actor_id} did not answer {method} within {timeout:g} s") from None
+                finally:
+                    self._in_flight[actor_id] -= 1
+                if isinstance(reply, Error):
+                    raise ActorCallError(f"{actor_id}: {method} failed: {reply.detail or reply.reason}")
+                if not isinstance(reply, ActorReply):
+                    raise ActorCallError(f"{actor_id} answered {method} with {type(reply).__name__}, not ActorReply")
+                return reply.result
+
+    async def _member(self, deadline: float, purpose: str) -> str:
+        """The live member to call next: the one with the fewest of our calls in flight, ties taken in turn; waits
+        for the roster to bring one until `deadline`."""
+        loop = asyncio.get_running_loop()
+        while not self._clients:
+            self._changed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ActorCallError(f"no live {self.role!r} actor {purpose} (is one started, with --custom-actor "
+                                     f"{self.role}=MODULE:CLASS, and not crashing?)")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        members = sorted(self._clients)
+        fewest = min(self._in_flight[member] for member in members)
+        idle = [member for member in members if self._in_flight[member] == fewest]
+        self._turn += 1
+        return idle[self._turn % len(idle)]
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
 
 
 def _waiting(waits: Waits | None, on: str, what: str) -> contextlib.AbstractContextManager[None]:

@@ -21,10 +21,10 @@ from policies.rewards import build_reward, score
 # The documented surface. A name may join; one that leaves breaks users' plugins, so it leaves this list only with
 # an entry in actors.moved or a release note.
 SURFACE = {
-    "STATUS_BY_FINISH", "Actor", "ActorContext", "EnvStep", "Environment", "Episode", "GenerateFunction",
-    "GenerateOutput", "GenerateRequest", "GeneratedGroup", "NoRoomError", "PromptGroup", "RewardInput",
-    "RewardOutcome", "RolloutContext", "Sample", "SamplingParams", "Trajectory", "Turn", "default_generate",
-    "failed_samples", "handles", "make_sample", "on_broadcast", "serves",
+    "STATUS_BY_FINISH", "Actor", "ActorCallError", "ActorContext", "ConfigError", "EnvStep", "Environment", "Episode",
+    "GenerateFunction", "GenerateOutput", "GenerateRequest", "GeneratedGroup", "NoRoomError", "PromptGroup",
+    "RewardInput", "RewardOutcome", "RolloutContext", "Sample", "SamplingParams", "Trajectory", "Turn",
+    "call_actor", "default_generate", "failed_samples", "handles", "make_sample", "method", "on_broadcast", "serves",
 }
 
 USER_PLUGIN = textwrap.dedent('''
