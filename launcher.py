@@ -59,6 +59,7 @@ from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.runtime.supervisor import RestartPolicy, Supervisor
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
+from policies.plugins import put_working_directory_on_path
 
 CUSTOM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -314,8 +315,7 @@ def place_actors(config: RunConfig, *, learner_ranks: int, rollout_workers: int,
 
 
 def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace, Path]:
-    if os.getcwd() not in sys.path:  # actors start as `python -m ...` here, which puts this directory first on
-        sys.path.insert(0, os.getcwd())  # their path: the checks below import plugins as the actors will
+    put_working_directory_on_path()  # the checks below import plugins as the actors, started here, will
     customs = parse_custom_actors(argv)
     remaining, sglang_passthrough = split_sglang_args(list(argv))
     args = build_parser(list(customs)).parse_args(remaining)

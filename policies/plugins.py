@@ -4,19 +4,34 @@ Accepted spellings: ``package.module:attr`` (preferred, unambiguous; ``attr`` ma
 ``pkg.mod:Class.method``) and slime's ``package.module.attr`` (the last dotted component is the attribute).
 Actors reuse this for every ``--custom-*-path`` flag, so a typo fails at start-up with the module and attribute
 named, not deep inside a training step.
+
+Where a module is imported from: the working directory the command was started in, then the installed packages
+(``sys.path``). The actors run as ``python -m actors.runtime.main`` in the launcher's working directory, which
+puts it first on their path; the launcher and the tools that load plugins (``tools/evaluate.py``) call
+``put_working_directory_on_path`` so that they find the same modules.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PluginError", "is_dotted_path", "load_object"]
+__all__ = ["PluginError", "is_dotted_path", "load_object", "put_working_directory_on_path"]
 
 
 class PluginError(ValueError):
     """A dotted path that cannot be imported or does not name the expected object."""
+
+
+def put_working_directory_on_path() -> None:
+    """Import plugins from the working directory first, as the actors do: a command run as a script
+    (``python tools/evaluate.py``) has its script's folder first on its path instead, and would not find a
+    ``my_reward.py`` beside where it was started that a run started there finds."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def is_dotted_path(name: str) -> bool:

@@ -24,6 +24,7 @@ from actors.data.prompts import PromptRecord, load_prompts
 from actors.runtime.logs import quiet_library_output
 from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
+from policies.plugins import put_working_directory_on_path
 from policies.registry import resolve_reward
 from policies.rewards import RewardInput, prompt_text, score
 
@@ -133,6 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    put_working_directory_on_path()  # `--reward my_reward:fn` beside where this was started, as a run finds it
     quiet_library_output()  # transformers' load bar otherwise sits above the one line this prints
     if not args.model.is_dir():
         print(f"evaluate: model {args.model}: no such folder (an HF model folder: config.json and weights)",

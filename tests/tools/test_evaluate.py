@@ -16,6 +16,7 @@ from actors.data.prompt_tokens import encode_prompt
 from tests.support import reward_plugins
 from tests.support.console import PROGRESS_BAR, env_without_quiet_switches
 from tools.evaluate import evaluate_model
+from tools.repo_env import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,8 +56,8 @@ def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_inp
 
     def evaluate(*flags: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "tools/evaluate.py", str(tiny_model_path), str(data), *flags],
-                              cwd=REPO, env=env_without_quiet_switches(), capture_output=True, text=True,
-                              timeout=240, check=False)
+                              cwd=REPO, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,
+                              text=True, timeout=240, check=False)
 
     scored = evaluate("--input-key", "prompt", "--label-key", "answer", "--apply-chat-template")
     assert scored.returncode == 0, scored.stderr[-3000:]
@@ -69,3 +70,20 @@ def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_inp
     assert refused.returncode == 2
     assert refused.stderr.startswith("evaluate: unknown reward function 'no_such_reward'"), refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.integration
+def test_a_reward_module_in_the_working_directory_loads_as_the_launcher_loads_it(
+    tmp_path: Path, tiny_model_path: Path,
+) -> None:
+    """`python tools/evaluate.py` has tools/ first on its path, not the folder it was started in; the launcher's
+    actors import plugins from there, so evaluate must too."""
+    (tmp_path / "my_reward.py").write_text("def half(inp):\n    return 0.5\n", encoding="utf-8")
+    data = _slime_keyed_data(tmp_path / "eval.jsonl")
+    scored = subprocess.run([sys.executable, str(REPO / "tools" / "evaluate.py"), str(tiny_model_path), str(data),
+                             "--input-key", "prompt", "--label-key", "answer", "--reward", "my_reward:half",
+                             "--max-new-tokens", "2"],
+                            cwd=tmp_path, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,
+                            text=True, timeout=240, check=False)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert "mean_reward=0.5000 prompts=2.0000" in scored.stdout
