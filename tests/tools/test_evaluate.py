@@ -66,7 +66,7 @@ def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_inp
     assert "evaluate: generated 2/2 prompts in" in scored.stderr  # progress, and its last line once all are
     assert not PROGRESS_BAR.search(scored.stderr), scored.stderr
 
-    refused = evaluate("--input-key", "prompt", "--reward", "no_such_reward")
+    refused = evaluate("--input-key", "prompt", "--label-key", "answer", "--reward", "no_such_reward")
     assert refused.returncode == 2
     assert refused.stderr.startswith("evaluate: unknown reward function 'no_such_reward'"), refused.stderr
     assert "Traceback" not in refused.stderr
