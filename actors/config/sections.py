@@ -272,6 +272,9 @@ class LearnerConfig(Section):
                                     "done when --off-policy-correction is not none)")
     save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(None, ge=1, description="checkpoint every N learner steps")
+    keep_last_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N checkpoints: an "
+                                              "older one is deleted once a newer one is on disk and `latest` "
+                                              "names it (default: keep every checkpoint)")
     load: str | None = Field(None, description="resume from this checkpoint directory")
     skip_zero_advantage_samples: bool = Field(True, description="leave out of the forward and backward the "
                                               "samples whose advantages are all zero (a GRPO group that scored "

@@ -28,7 +28,13 @@ from actors.learner.trainer_factory import build_trainer
 from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
 from actors.runtime.base import Actor
-from actors.runtime.checkpoint_pointer import checkpoint_dir, latest_checkpoint, point_latest_at
+from actors.runtime.checkpoint_pointer import (
+    checkpoint_dir,
+    latest_checkpoint,
+    point_latest_at,
+    prune_checkpoints,
+    step_checkpoint,
+)
 from actors.runtime.context import ActorContext
 from actors.runtime.metrics import MetricsWriter
 from actors.runtime.stopping import unless_stopped
@@ -258,20 +264,33 @@ class Learner(Actor):
             await self.source.poll_eval_progress(self.progress())
 
     async def save_checkpoint(self) -> None:
+        """Write the checkpoint of the batches trained so far, point `latest` at it, then drop the oldest beyond
+        --keep-last-checkpoints."""
         extra = {"trained_batch": self.trained_batch, "run_dir": str(self.context.run_dir)}
-        target = self.checkpoint_dir / f"step_{self.trained_batch:06d}"
+        target = step_checkpoint(self.checkpoint_dir, self.trained_batch)
         with self.waits.on("disk", f"checkpoint {target}"):
             await asyncio.to_thread(self.trainer.save_checkpoint, target, extra)
         chaos.reached("checkpoint.mid")  # written, `latest` not yet moved to it
         point_latest_at(self.checkpoint_dir, target)
         self.checkpointed_batch = self.trained_batch
         self.log.info("checkpoint saved", path=str(target), version=self.trainer.version)
+        keep = self.config.learner.keep_last_checkpoints
+        if keep is not None:
+            with self.waits.on("disk", f"deleting checkpoints older than the last {keep}"):
+                try:
+                    deleted = await asyncio.to_thread(prune_checkpoints, self.checkpoint_dir, keep, target)
+                except OSError as error:  # the new checkpoint stands; the next save tries again
+                    self.log.warning("could not delete old checkpoints", error=repr(error), keep=keep)
+                    return
+            if deleted:
+                self.log.info("old checkpoints deleted", paths=[path.name for path in deleted], keep=keep)
 
     async def finish(self) -> None:
         """Make the result durable, export it, and end the run for everyone."""
         await self.settle_push()
         if self.training.keeps_model:
-            await self.save_checkpoint()
+            if self.checkpointed_batch < self.trained_batch:  # the last step's --save-interval may have written it
+                await self.save_checkpoint()
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
             if self.weights.committed_version != self.version:
                 await self._wait_for_eval_hold()

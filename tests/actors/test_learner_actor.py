@@ -142,6 +142,35 @@ def trainer_plugin(kind: type[SleepingTrainer]) -> Callable[[object], Trainer]:
 first_step_skipped = trainer_plugin(FirstStepSkipped)
 
 
+class SavesListed(SleepingTrainer):
+    """Lists every checkpoint it writes in `saves.txt` beside them, so a test sees each write, a repeat included."""
+
+    def save_checkpoint(self, directory: str | Path, extra_state: dict[str, object]) -> None:
+        super().save_checkpoint(directory, extra_state)
+        with open(Path(directory).parent / "saves.txt", "a", encoding="utf-8") as listing:
+            listing.write(Path(directory).name + "\n")
+
+
+saves_listed = trainer_plugin(SavesListed)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+async def test_each_checkpoint_is_written_once_and_only_the_newest_are_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last step falls on --save-interval: the end of the run must not write the same checkpoint again. With
+    --keep-last-checkpoints 2 the run ends holding its two newest checkpoints, `latest` naming the last."""
+    use_spec(SPEC, tmp_path, monkeypatch)
+    settings = _settings(tmp_path, num_rollout=4, save_interval=1, keep_last_checkpoints=2,
+                         train_backend=f"{__name__}:saves_listed")
+    seen = await _run_to_the_end(tmp_path, settings)
+    assert set(seen["exit_codes"].values()) == {0}  # type: ignore[union-attr]
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "saves.txt").read_text().split() == [f"step_00000{n}" for n in (1, 2, 3, 4)]
+    assert sorted(path.name for path in checkpoints.iterdir() if path.is_dir()) == ["step_000003", "step_000004"]
+    assert (checkpoints / "latest").read_text() == "step_000004"
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_a_batch_served_ahead_of_a_skipped_step_is_measured_at_the_version_it_trains_at(
