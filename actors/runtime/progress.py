@@ -11,18 +11,28 @@ import asyncio
 import contextlib
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+REWARD_CORRECT = "reward/correct"  # the reward function's own word on which samples were right, where it gives one
+REWARDS_OF_ONE = "rollout/accuracy"  # else: the share of samples whose reward reached 1
 
-def describe(record: dict[str, Any]) -> str:
+
+def train_accuracy_key(records: Iterable[dict[str, Any]]) -> str:
+    """The train accuracy of a run, one quantity wherever it is shown (this line's `acc`, plots/curves.png): a
+    reward that says which samples were right (reward/correct) is shown by it, since with partial credit a reward
+    of 1 is not what "right" means."""
+    return REWARD_CORRECT if any(REWARD_CORRECT in record for record in records) else REWARDS_OF_ONE
+
+
+def describe(record: dict[str, Any], accuracy: str | None = None) -> str:
+    """One learner step; `accuracy` is the run's train accuracy key (`train_accuracy_key`), else this record's."""
     def number(key: str, fmt: str = ".3f") -> str:
         value = record.get(key)
         return "-" if value is None else format(value, fmt)
 
-    # a reward that says which samples were right (reward/correct) is shown by it: with partial credit, a reward
-    # of 1 (rollout/accuracy) is not what "right" means
-    accuracy = "reward/correct" if "reward/correct" in record else "rollout/accuracy"
+    accuracy = accuracy or train_accuracy_key([record])
     # what distillation and a critic are doing, when the run has them: the KL to the teacher is the signal a
     # zero-reward distillation run shows progress by
     extras = "".join(f"{label} {number(key)} " for label, key in (("kl-to-teacher", "opd/reverse_kl"),
@@ -39,6 +49,7 @@ async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event) 
     offset = 0
     interactive = sys.stderr.isatty()
     progress = task = None
+    accuracy = REWARDS_OF_ONE
     if interactive:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -59,10 +70,13 @@ async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event) 
                         record = json.loads(line)
                     except json.JSONDecodeError:
                         continue
+                    if REWARD_CORRECT in record:  # from here on, as the plots show the run (train_accuracy_key)
+                        accuracy = REWARD_CORRECT
                     if progress is not None:
-                        progress.update(task, completed=record.get("step", 0), description=describe(record))
+                        progress.update(task, completed=record.get("step", 0),
+                                        description=describe(record, accuracy))
                     else:
-                        print(f"[progress] {describe(record)}", file=sys.stderr, flush=True)
+                        print(f"[progress] {describe(record, accuracy)}", file=sys.stderr, flush=True)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
     finally:

@@ -1,8 +1,9 @@
 """Pictures and a summary of a run directory, which the launcher of the head node writes at the end of every run
 (and `python tools/plot_run.py RUN_DIR` writes again for any run directory).
 
-RUN_DIR/plots/curves.png: reward and accuracy against learner steps and against wall-clock, eval accuracy as
-markers; RUN_DIR/plots/staleness.png: the staleness of every trained sample.
+RUN_DIR/plots/curves.png: the train reward (top) and the accuracies (bottom: train, the quantity the progress
+line's `acc` shows, and each eval set's as markers), against learner steps and against wall-clock;
+RUN_DIR/plots/staleness.png: the staleness of every trained sample.
 """
 
 from __future__ import annotations
@@ -10,16 +11,75 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from actors.runtime.integrity import describe, write_certificate
 from actors.runtime.metrics import read_metrics
+from actors.runtime.progress import REWARD_CORRECT, train_accuracy_key
+
+REWARD = "rollout/reward_mean"
+PANELS = ("reward", "accuracy")  # the rows of curves.png
+X_AXES = {"step": "learner step", "time": "wall-clock seconds"}  # its columns
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One line of curves.png: in which panel, against which x (a metrics field), named how."""
+
+    panel: str
+    x: str
+    label: str
+    style: str
+    xs: list[float]
+    ys: list[float]
+
+
+def curves(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[Curve]:
+    """The lines of curves.png: the train reward in its own panel (on its own scale: it is not always in [0, 1],
+    and where it is 0 or 1 it would hide the accuracy line under it), the accuracies in the other, train accuracy
+    being the quantity the progress line's `acc` shows, and each eval set's chosen the same way."""
+    accuracy = train_accuracy_key(train)
+    found = []
+    for x in X_AXES:
+        found.append(Curve("reward", x, "train reward (mean)", "-", *_series(train, REWARD, x)))
+        found.append(Curve("accuracy", x, f"train: {_accuracy_name(accuracy)} (the progress line's acc)", "-",
+                           *_series(train, accuracy, x)))
+        for name in _eval_sets(evals):
+            key = _eval_accuracy_key(evals, name)
+            found.append(Curve("accuracy", x, f"eval {name}: {_accuracy_name(key)}", "o--", *_series(evals, key, x)))
+    return [curve for curve in found if curve.xs]
 
 
 def _series(records: list[dict[str, Any]], key: str, x: str) -> tuple[list[float], list[float]]:
     points = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def _eval_sets(evals: list[dict[str, Any]]) -> list[str]:
+    return sorted({key[len("eval/"):-len("/accuracy")] for record in evals for key in record
+                   if key.startswith("eval/") and key.endswith("/accuracy")})
+
+
+def _eval_accuracy_key(evals: list[dict[str, Any]], name: str) -> str:
+    """An eval set's accuracy as the train one is chosen (`train_accuracy_key`), so the lines compare."""
+    correct = f"eval/{name}/{REWARD_CORRECT}"
+    return correct if any(correct in record for record in evals) else f"eval/{name}/accuracy"
+
+
+def _accuracy_name(key: str) -> str:
+    return REWARD_CORRECT if key.endswith(REWARD_CORRECT) else "share of rewards >= 1"
+
+
+def _finish_axis(axis: Any) -> None:
+    """A legend for what the axis shows, or a word that it shows nothing (a run that failed before its first
+    step): matplotlib warns on the console about a legend with nothing in it."""
+    axis.grid(alpha=0.3)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=8)
+    else:
+        axis.text(0.5, 0.5, "nothing logged", transform=axis.transAxes, ha="center", va="center", color="gray")
 
 
 def staleness_counts(records: list[dict[str, Any]]) -> Counter[int]:
@@ -43,20 +103,19 @@ def plot_run(run_dir: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for axis, x, label in ((axes[0], "step", "learner step"), (axes[1], "time", "wall-clock seconds")):
-        for key, name in (("rollout/reward_mean", "train reward"), ("rollout/accuracy", "train accuracy")):
-            xs, ys = _series(train, key, x)
-            if xs:
-                axis.plot(xs, ys, label=name)
-        for key in sorted({k for r in evals for k in r if k.endswith("/accuracy")}):
-            xs, ys = _series(evals, key, x)
-            if xs:
-                axis.plot(xs, ys, "o--", label=key)
-        axis.set_xlabel(label)
-        axis.set_ylim(-0.05, 1.05)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+    figure, axes = plt.subplots(len(PANELS), len(X_AXES), figsize=(12, 8), sharex="col")
+    for curve in curves(train, evals):
+        axes[PANELS.index(curve.panel)][list(X_AXES).index(curve.x)].plot(curve.xs, curve.ys, curve.style,
+                                                                            label=curve.label)
+    for row, panel in enumerate(PANELS):
+        for column, label in enumerate(X_AXES.values()):
+            axis = axes[row][column]
+            axis.set_ylabel(panel)
+            if panel == "accuracy":
+                axis.set_ylim(-0.05, 1.05)
+            if row == len(PANELS) - 1:
+                axis.set_xlabel(label)
+            _finish_axis(axis)
     figure.suptitle(f"{run_dir.name}: reward and accuracy")
     figure.tight_layout()
     figure.savefig(out / "curves.png", dpi=110)

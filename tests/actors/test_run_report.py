@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import pytest
 
-from actors.runtime.run_report import plot_run, report_run, summarize
+from actors.runtime.metrics import read_metrics
+from actors.runtime.progress import describe, train_accuracy_key
+from actors.runtime.run_report import curves, plot_run, report_run, summarize
 
 pytestmark = pytest.mark.unit
 
@@ -40,3 +44,41 @@ def test_an_unreadable_run_is_reported_and_does_not_raise(tmp_path: Path, capsys
     (tmp_path / "metrics" / "train.jsonl").mkdir()  # a folder where the file should be
     report_run(tmp_path)
     assert "could not plot the run" in capsys.readouterr().err
+
+
+def test_a_run_that_logged_no_step_plots_without_a_library_warning(tmp_path: Path) -> None:
+    """A run that failed before its first step: matplotlib warned on the console that the legend had no lines."""
+    (tmp_path / "metrics").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written = plot_run(tmp_path)
+    assert curves([], []) == []
+    assert all(path.read_bytes().startswith(b"\x89PNG") for path in written)
+
+
+def test_the_plots_train_accuracy_is_the_progress_lines_acc_and_the_reward_has_its_own_panel(tmp_path: Path) -> None:
+    """With partial credit the reward function's reward/correct is what "right" means, and the progress line shows
+    it as `acc`: the plot must draw the same numbers, not the share of rewards of 1. The reward, 0 or 1 where the
+    reward is exact, drew over the accuracy line; it has a panel of its own."""
+    records = [{"step": 1, "time": 1.0, "rollout/reward_mean": 0.5, "rollout/accuracy": 0.0, "reward/correct": 0.5},
+               {"step": 2, "time": 2.0, "rollout/reward_mean": 0.9, "rollout/accuracy": 0.5, "reward/correct": 0.75}]
+    write_jsonl(tmp_path / "metrics" / "train.jsonl", records)
+    write_jsonl(tmp_path / "metrics" / "eval.jsonl", [
+        {"step": 2, "time": 2.5, "eval/heldout/accuracy": 0.25, "eval/heldout/reward/correct": 0.5}])
+    train = read_metrics(tmp_path / "metrics" / "train.jsonl")
+    by_step = {(curve.panel, curve.x, curve.label.split(":")[0]): curve for curve in curves(train, [])}
+    accuracy = by_step["accuracy", "step", "train"]
+    shown = [float(re.search(r" acc (\S+) ", describe(record, train_accuracy_key(train)))[1]) for record in train]
+    assert accuracy.ys == shown == [0.5, 0.75]
+    assert "reward/correct" in accuracy.label
+    assert by_step["reward", "step", "train reward (mean)"].ys == [0.5, 0.9]
+    evals = read_metrics(tmp_path / "metrics" / "eval.jsonl")
+    (eval_curve,) = [c for c in curves(train, evals) if c.label.startswith("eval heldout") and c.x == "step"]
+    assert eval_curve.ys == [0.5] and eval_curve.panel == "accuracy"
+
+
+def test_without_reward_correct_the_accuracy_is_named_the_share_of_rewards_of_one(tmp_path: Path) -> None:
+    train = [{"step": 1, "time": 1.0, "rollout/reward_mean": 1.0, "rollout/accuracy": 1.0}]
+    (accuracy,) = [curve for curve in curves(train, []) if curve.panel == "accuracy" and curve.x == "step"]
+    assert accuracy.ys == [1.0] and "share of rewards >= 1" in accuracy.label
+    assert " acc 1.000 " in describe(train[0], train_accuracy_key(train))
