@@ -401,7 +401,7 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
         from actors.buffer.accounting import prompt_verdict
         from actors.runtime.run_report import certify_run, report_run
 
-        certify_run(run_dir, prompts=prompt_verdict)
+        certify_run(run_dir, prompts=prompt_verdict, run_failed=supervisor.failure)
         if contexts[0].settings.run.logging.plots:
             report_run(run_dir)
     return code

@@ -35,7 +35,7 @@ import yaml
 
 from actors.buffer.accounting import prompt_verdict
 from actors.buffer.log import BufferLog, archived_logs
-from actors.runtime.integrity import certify, describe
+from actors.runtime.integrity import certify, describe, recorded_run_failure
 from bus.codec import decode
 
 
@@ -215,7 +215,7 @@ def main() -> None:
           f"{result.newer_token_samples}")
     for problem in result.problems:
         print(f"PROBLEM: {problem}")
-    certificate = certify(run_dir, prompts=prompt_verdict(run_dir))
+    certificate = certify(run_dir, prompts=prompt_verdict(run_dir), run_failed=recorded_run_failure(run_dir))
     print("\n".join(describe(certificate)))
     ok = result.ok and certificate["ok"]
     print("audit: OK" if ok else "audit: FAILED")

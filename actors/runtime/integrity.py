@@ -12,7 +12,8 @@ writes at the end of every run, its summary prints, and `tools/audit_run.py` rep
 A verdict is `pass` (checked, all as it should be), `fail` (with the culprits: which engine served other bits at
 which version, in which tensors; a mismatch later repaired by a repush still fails the run's certificate, since
 samples were generated meanwhile), `partial` (some engines or pushes could not be checked, with why) or
-`not run` (with why).
+`not run` (with why). `ok` is whether no check failed; the checks cover what ran, `learner_steps` of it, which for
+a run that failed (`run_failed`: why, as its launcher said) is what ran before the failure, not a finished run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from actors.runtime.metrics import read_metrics
 
 FILE = "integrity.json"
 WEIGHT_CHECKS = Path("metrics") / "weight_checks.jsonl"
+TRAIN_METRICS = Path("metrics") / "train.jsonl"  # the learner's steps
 KV_CACHE_LOGS = Path("metrics") / "kv_cache"  # one file per rollout worker: actors/rollout/kv_cache_log.py
 SHOWN = 5  # culprits and reasons listed per check; the counts cover the rest
 
@@ -81,23 +83,48 @@ def caches_verdict(run_dir: Path) -> dict[str, Any]:
     return result
 
 
-def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None) -> dict[str, Any]:
+def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed: str | None = None
+            ) -> dict[str, Any]:
     """The certificate; `prompts` is the buffer's account of its prompts (`actors.buffer.accounting`), which the
-    caller reads from the buffer's log (this module serves every role and reads none of their files)."""
+    caller reads from the buffer's log (this module serves every role and reads none of their files);
+    `run_failed`: why the run failed, where it did."""
     checks = {"weights": weights_verdict(run_dir), "caches": caches_verdict(run_dir),
               "prompts": prompts or {"verdict": "not run", "why": "no account of the buffer's prompts was given"}}
-    return {"ok": all(check["verdict"] != "fail" for check in checks.values()), "checks": checks}
+    return {"ok": all(check["verdict"] != "fail" for check in checks.values()),
+            "learner_steps": max((int(r["step"]) for r in read_metrics(run_dir / TRAIN_METRICS)
+                                  if isinstance(r.get("step"), int)), default=0),
+            "run_failed": run_failed, "checks": checks}
 
 
-def write_certificate(run_dir: Path, *, prompts: dict[str, Any] | None = None) -> dict[str, Any]:
-    certificate = certify(run_dir, prompts=prompts)
+def write_certificate(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed: str | None = None
+                      ) -> dict[str, Any]:
+    certificate = certify(run_dir, prompts=prompts, run_failed=run_failed)
     (run_dir / FILE).write_text(json.dumps(certificate, indent=2) + "\n")
     return certificate
 
 
+def recorded_run_failure(run_dir: Path) -> str | None:
+    """Why the run failed, as its launcher recorded in RUN_DIR/integrity.json at its end; None where it did not
+    fail, or wrote no certificate (killed, or still running)."""
+    try:
+        recorded = json.loads((run_dir / FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    failure = recorded.get("run_failed") if isinstance(recorded, dict) else None
+    return failure if isinstance(failure, str) else None
+
+
 def describe(certificate: dict[str, Any]) -> list[str]:
-    """The certificate as summary lines: one per check, culprits first."""
-    lines = [f"integrity: {'OK' if certificate['ok'] else 'FAILED'}"]
+    """The certificate as summary lines: one per check, culprits first. A failed run's headline says the checks
+    cover only what ran before the failure: "OK" after "run failed" read as if all was well."""
+    if certificate.get("run_failed") is None:
+        headline = f"integrity: {'OK' if certificate['ok'] else 'FAILED'}"
+    else:
+        steps = certificate.get("learner_steps", 0)
+        scope = (f"of the {steps} learner step{'' if steps == 1 else 's'} that ran before the run failed" if steps
+                 else "of what ran before the run failed, before its first learner step")
+        headline = f"integrity ({scope}): {'no check failed' if certificate['ok'] else 'FAILED'}"
+    lines = [headline]
     for name, check in certificate["checks"].items():
         if check["verdict"] == "not run":
             lines.append(f"  {name}: not run ({check['why']})")

@@ -158,11 +158,14 @@ def summarize(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def certify_run(run_dir: Path, *, prompts: Callable[[Path], dict[str, Any]] | None = None) -> None:
+def certify_run(run_dir: Path, *, prompts: Callable[[Path], dict[str, Any]] | None = None,
+                run_failed: str | None = None) -> None:
     """RUN_DIR/integrity.json, and its verdicts on the console (`actors/runtime/integrity.py`); `prompts` reads the
-    buffer's account of its prompts (`actors.buffer.accounting.prompt_verdict`)."""
+    buffer's account of its prompts (`actors.buffer.accounting.prompt_verdict`); `run_failed`: why the run failed,
+    where it did."""
     try:
-        certificate = write_certificate(run_dir, prompts=prompts(run_dir) if prompts is not None else None)
+        certificate = write_certificate(run_dir, prompts=prompts(run_dir) if prompts is not None else None,
+                                        run_failed=run_failed)
     except Exception as error:
         print(f"launcher.py: could not write the integrity certificate: {error!r}", file=sys.stderr)
         return

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from actors.learner.weight_checks import WeightCheckLog
-from actors.runtime.integrity import FILE, certify, describe, write_certificate
+from actors.runtime.integrity import FILE, certify, describe, recorded_run_failure, write_certificate
+from actors.runtime.run_report import certify_run
 from engines.weights.fingerprint import FingerprintCheck
 
 pytestmark = pytest.mark.unit
@@ -59,6 +60,47 @@ def test_a_run_without_records_says_the_check_did_not_run_and_why(tmp_path: Path
     certificate = certify(tmp_path)
     assert certificate["ok"] and certificate["checks"]["weights"]["verdict"] == "not run"
     assert "--weight-check off" in describe(certificate)[1]
+
+
+def _steps(run_dir: Path, count: int) -> None:
+    (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics" / "train.jsonl").write_text("".join(json.dumps({"step": step, "time": float(step)}) + "\n"
+                                                             for step in range(1, count + 1)))
+
+
+def test_a_failed_runs_certificate_says_it_covers_the_steps_before_the_failure_not_ok(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`launcher.py: run failed: ...` was followed by `integrity: OK`, which read as if all was well."""
+    _steps(tmp_path, 3)
+    failure = "reward-0-0: reward function failed on 200 samples in a row"
+    certify_run(tmp_path, run_failed=failure)
+    headline = capsys.readouterr().err.splitlines()[0]
+    assert headline == "integrity (of the 3 learner steps that ran before the run failed): no check failed"
+    recorded = json.loads((tmp_path / FILE).read_text())
+    assert recorded["ok"] and recorded["run_failed"] == failure and recorded["learner_steps"] == 3
+    assert recorded_run_failure(tmp_path) == failure  # what tools/audit_run.py tells again
+
+
+def test_a_run_that_failed_before_its_first_step_says_so(tmp_path: Path) -> None:
+    certificate = write_certificate(tmp_path, run_failed="the learner could not load its model")
+    assert describe(certificate)[0] == ("integrity (of what ran before the run failed, before its first learner "
+                                        "step): no check failed")
+
+
+def test_a_failed_check_of_a_failed_run_still_reads_failed(tmp_path: Path) -> None:
+    _steps(tmp_path, 1)
+    certificate = certify(tmp_path, prompts={"verdict": "fail", "prompt_groups": 1, "fates": {}, "skipped": 0,
+                                             "regenerated": {"evictions": 0, "leased_again": 0}},
+                          run_failed="stopped")
+    assert describe(certificate)[0] == "integrity (of the 1 learner step that ran before the run failed): FAILED"
+
+
+def test_a_finished_runs_certificate_records_its_steps_and_no_failure(tmp_path: Path) -> None:
+    _steps(tmp_path, 2)
+    certificate = write_certificate(tmp_path)
+    assert (certificate["learner_steps"], certificate["run_failed"]) == (2, None)
+    assert describe(certificate)[0] == "integrity: OK"
+    assert recorded_run_failure(tmp_path) is None
 
 
 def test_the_buffers_account_of_its_prompts_is_a_check_with_its_length_table(tmp_path: Path) -> None:

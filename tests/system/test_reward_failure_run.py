@@ -53,5 +53,10 @@ def test_run_with_an_always_raising_reward_fails_with_its_error_and_few_warnings
         output
     assert sum(r["event"] == "actor process started" and r["actor"] == "reward-0-0" for r in launcher) == 1
     assert ended["reason"] in completed.stderr  # the launcher's last word on the console
+    # ... and the certificate that follows it covers what ran before the failure; it does not read "OK"
+    certificate = json.loads((run_dir / "integrity.json").read_text())
+    assert certificate["run_failed"] == failed, certificate
+    assert "integrity: OK" not in completed.stderr
+    assert "integrity (of what ran before the run failed, before its first learner step)" in completed.stderr
     warnings = [r for r in reward if r["level"] == "warning"]
     assert 5 <= len(warnings) <= 5 + 1 + 2, [r["event"] for r in warnings]  # not one per failed sample
