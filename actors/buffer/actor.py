@@ -145,8 +145,9 @@ class Buffer(Actor):
     async def on_lost_groups(self, sender: str, lost: LostGroups) -> Ack:
         reissued = self.core.groups_lost(list(zip(lost.lease_ids, lost.group_ids, strict=True)))
         self.counters["groups.lost_reissued"] += len(reissued)
-        if reissued:
-            self.log.warning("groups re-issued", groups=len(reissued), reason=lost.reason)
+        if reissued:  # at a stop the reward workers stop with groups in hand: expected, and kept for a resume
+            report = self.log.info if self.stopping else self.log.warning
+            report("groups re-issued", groups=len(reissued), reason=lost.reason)
         return Ack(ok=True, error=None)
 
     @handles(ScoredGroup)

@@ -256,7 +256,12 @@ class WeightPublisher:
             return self._served_differently(version, differ)
         except WeightTransferError as error:
             self._group = None  # form a fresh generation next time
-            if self._lost and self._stopping is None:
+            if self._stopping is not None:  # the stop gave it up (`stop`): expected, and no retry is coming
+                self.counters["weights.given_up_at_stop"] += 1
+                self.log.info("weight push given up: the learner is stopping", version=version,
+                              reason=self._stopping, error=str(error))
+                return False
+            if self._lost:
                 self.counters["weights.restarted"] += 1
                 self.log.warning("weight push restarted without the engines it lost", lost=self._lost,
                                  version=version)

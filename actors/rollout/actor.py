@@ -339,9 +339,11 @@ class RolloutWorker(Actor):
 
             if not isinstance(error, WeightTransferError):
                 raise
-            # Expected when the learner gives a push up (a member died, the run stops): said, not a traceback.
+            # Expected when the learner gives a push up (a member died, the run stops): said, not a traceback; and
+            # not warned about when this worker is stopping too, which is how a run ends.
             self.counters["weights.failed"] += 1
-            self.log.warning("weight update given up", version=order.version, error=str(error))
+            report = self.log.info if self.stopping else self.log.warning
+            report("weight update given up", version=order.version, error=str(error))
             return Error(reason="weight_transfer", detail=str(error))
         chaos.reached("weight_load.done")
         self.counters["weights.updates"] += 1
@@ -380,8 +382,9 @@ class RolloutWorker(Actor):
                                                   group_ids=[group for _, group in lost], reason=reason),
                                        timeout=5.0, retries=2)
             except Exception as error:  # the leases still expire: late, but nothing is lost
-                self.log.warning("could not report groups lost with a reward worker", reward=event.actor_id,
-                                 groups=len(lost), error=repr(error))
+                report = self.log.info if self.stopping else self.log.warning  # at a stop the buffer may be gone
+                report("could not report groups lost with a reward worker", reward=event.actor_id,
+                       groups=len(lost), error=repr(error))
 
     async def on_stop(self) -> None:
         if isinstance(self.generate_fn, AgentRunner):

@@ -203,26 +203,33 @@ async def test_a_worker_killed_after_loading_but_before_answering_ends_the_push_
 async def test_a_push_under_way_ends_as_soon_as_the_learner_stops(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
     """At the end of a run the engines stop too and may never acknowledge the push in hand: a stopping learner
-    gives it up at once, or its launcher's grace (15 s) ran out before the learner's checkpoint at stop."""
+    gives it up at once, or its launcher's grace (15 s) ran out before the learner's checkpoint at stop. Giving
+    it up is part of an orderly stop: said at info, not warned about as a failed transfer to be retried."""
     use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
-    async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
-        pusher = system["pusher-0-0"]
-        engine = start_worker(system, tmp_path, "rollout-0-0", workers)
-        await registered(system, "rollout-0-0", engine)
-        assert await pusher.weights.publish(1)
-        engine.send_signal(signal.SIGSTOP)  # alive to the roster for a while, and never acknowledging
-        try:
-            push = asyncio.create_task(pusher.weights.publish(2))
-            await asyncio.sleep(0.3)
-            stopped_at = time.monotonic()
-            pusher.weights.stop("the learner is stopping")
-            assert await asyncio.wait_for(push, 10) is False
-            seconds = time.monotonic() - stopped_at
-            assert await pusher.weights.publish(3) is False  # and no push starts after the stop
-        finally:
-            kill(engine)
+    with structlog.testing.capture_logs() as logs:
+        async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+            pusher = system["pusher-0-0"]
+            engine = start_worker(system, tmp_path, "rollout-0-0", workers)
+            await registered(system, "rollout-0-0", engine)
+            assert await pusher.weights.publish(1)
+            engine.send_signal(signal.SIGSTOP)  # alive to the roster for a while, and never acknowledging
+            try:
+                push = asyncio.create_task(pusher.weights.publish(2))
+                await asyncio.sleep(0.3)
+                stopped_at = time.monotonic()
+                pusher.weights.stop("the learner is stopping")
+                assert await asyncio.wait_for(push, 10) is False
+                seconds = time.monotonic() - stopped_at
+                assert await pusher.weights.publish(3) is False  # and no push starts after the stop
+            finally:
+                kill(engine)
     assert seconds < 1.5, f"the push took {seconds:.1f}s to end"
     assert pusher.counters["weights.restarted"] == 0, "the roster ended it, not the stop"
+    assert (pusher.counters["weights.given_up_at_stop"], pusher.counters["weights.failed"]) == (1, 0)
+    pushes = [entry for entry in logs if entry.get("actor_id") == "pusher-0-0" and "push" in entry["event"]]
+    assert [(entry["event"], entry["log_level"], entry["version"]) for entry in pushes
+            if entry["log_level"] != "debug"] == [("weights pushed", "info", 1),
+                                                   ("weight push given up: the learner is stopping", "info", 2)]
 
 
 @pytest.mark.integration
