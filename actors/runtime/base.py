@@ -76,6 +76,7 @@ class Actor:
         self._stop_reason = ""
         self._background: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[Any] | None = None
+        self._left = False  # we said goodbye: the controller forgets us on purpose
         self.stream_concurrency: dict[str, int] = {}  # handler name -> override of its declared concurrency
         self._started_at = time.monotonic()
 
@@ -356,6 +357,7 @@ class Actor:
     async def _leave(self) -> None:
         if self._controller is None:
             return
+        self._left = True
         with contextlib.suppress(Exception):
             goodbye = schema.Leave(actor_id=self.actor_id, reason=self._stop_reason)
             await asyncio.wait_for(self._controller.call(goodbye, timeout=1.0, retries=0), 2.0)
@@ -388,6 +390,8 @@ class Actor:
             missed = 0
             answered = time.monotonic()
             if isinstance(reply, Error) and reply.reason == "unknown_actor":
+                if self._left:  # a heartbeat that outlived its cancellation at our stop (asyncio.wait_for can
+                    return  # swallow one): registering again would put a leaving actor back in the roster
                 self.log.warning("controller forgot us; registering again")
                 try:
                     await self._register()
