@@ -19,6 +19,7 @@ EARLY_TEMPLATE = EarlyTemplate.for_head(sys.argv[1:]) if __name__ == "__main__" 
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import re
 import signal
@@ -56,6 +57,7 @@ from actors.runtime.placement import (
 )
 from actors.runtime.progress import follow_progress
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
+from actors.runtime.run_clock import RunClock
 from actors.runtime.supervisor import RestartPolicy, Supervisor
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
@@ -369,7 +371,9 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
 
 
 async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_dir: Path,
-                    early_template: EarlyTemplate | None = None) -> int:
+                    early_template: EarlyTemplate | None = None, clock: RunClock | None = None) -> int:
+    """Run this node's actors to the end; on the learner's node, then certify, plot and summarize the run.
+    `clock`: the run's clock, which the head's launcher stops when its actors are done (the summary's wall-clock)."""
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
                            backoff_initial_s=args.restart_backoff)
     # A GPU node hands out devices (controller, buffer and reward workers get ""): never fork there.
@@ -390,6 +394,8 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     if not args.head and args.head_loss_timeout > 0 and contexts:
         head_watch = asyncio.create_task(stop_node_when_head_lost(contexts[0], args.head_loss_timeout, supervisor))
     code = await supervisor.run()
+    if clock is not None:
+        clock.stop()
     if head_watch is not None:
         head_watch.cancel()
     if supervisor.failure is not None:  # whole, as text: a hang report spans several lines
@@ -411,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from actors.runtime.logs import configure_logging
     from actors.runtime.process_title import name_process
 
+    started = time.time()  # the run's clock starts with the command (model checks and loading are run time too)
     arguments = list(sys.argv[1:] if argv is None else argv)
     early_template = EARLY_TEMPLATE if argv is None else EarlyTemplate.for_head(arguments)
     try:
@@ -424,7 +431,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(role="launcher", actor_id=f"launcher-{args.node_rank}", node=args.node_rank,
                       log_dir=run_dir / "logs", file_level=args.log_level, console_level=args.console_log_level)
     print(f"run directory: {run_dir}  head: {contexts[0].head_address if contexts else '-'}", file=sys.stderr)
-    return asyncio.run(supervise(contexts, args, run_dir, early_template))
+    clock = None
+    if args.head:
+        clock = RunClock.start(run_dir, now=started)
+        contexts = [on_clock(context, clock) for context in contexts]
+    return asyncio.run(supervise(contexts, args, run_dir, early_template, clock))
+
+
+def on_clock(context: ActorContext, clock: RunClock) -> ActorContext:
+    """`context` with the run's clock, which every actor's metrics are timed by (restarted ones included)."""
+    settings = context.settings.model_copy(update={"clock_origin": clock.origin})
+    return dataclasses.replace(context, settings=settings)
 
 
 if __name__ == "__main__":

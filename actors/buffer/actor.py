@@ -100,8 +100,8 @@ class Buffer(Actor):
                           in_flight=len(self.core.in_flight), uncommitted_batches=len(self.core.served))
         self.core.log = BufferLog(log_path)
         self.batch_ready = asyncio.Condition()
-        self.metrics_writer = MetricsWriter(self.context.run_dir, "buffer", tensorboard=False)
-        self.eval_writer = MetricsWriter(self.context.run_dir, "eval", tensorboard=False)
+        self.metrics_writer = self.open_metrics("buffer")
+        self.eval_writer = self.open_metrics("eval")
         self.eval_rounds = EvalRounds(config, self.core.eval_queue, self.eval_writer, self.log)
         if self.core.learner_version == 0:  # a baseline before any training: the engines load version 0 themselves
             self.eval_rounds.weights_arrived(0)  # (after a resume, the round waits for the learner's first push)

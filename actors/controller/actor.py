@@ -61,7 +61,7 @@ class Controller(Actor):
         """Watch liveness until the run stops, and record every actor's counters (queue depths, drops, idle
         fractions) to metrics/actors.jsonl; everything else happens in the request handlers. With --use-wandb
         the metrics files are mirrored into W&B on the same beat (see `actors.controller.wandb_mirror`)."""
-        writer = MetricsWriter(self.context.run_dir, "actors")
+        writer = self.open_metrics("actors")
         mirror = await self._open_wandb_mirror()
         last_written = time.monotonic()
         try:

@@ -86,14 +86,14 @@ class Learner(Actor):
         if (blind := rewards_unseen_because(config)) is not None:
             self.log.warning(blind)
         await self._restore()
-        self.metrics_writer = MetricsWriter(self.context.run_dir, "train", tensorboard=config.logging.use_tensorboard)
+        self.metrics_writer = self.open_metrics("train", tensorboard=config.logging.use_tensorboard)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
         self.weights = publisher_for(
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
             tensors=functools.partial(self.trainer.named_tensors, sent_layout(config)), zmq=self.zmq,
             security=self.security, client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log,
             waits=self.waits,
-            check_log=WeightCheckLog(self.context.run_dir / "metrics"))
+            check_log=WeightCheckLog(self.context.run_dir / "metrics", clock_origin=self.settings.clock_origin))
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
             local_trainer.update_gate = lambda: self.weights.wait_for_reads(gate_s)

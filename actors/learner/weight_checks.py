@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from actors.runtime.metrics import clock_fields
 from engines.weights.fingerprint import FingerprintCheck
 
 FILE = "weight_checks.jsonl"
@@ -24,8 +25,10 @@ class WeightsCorrupted(RuntimeError):
 
 
 class WeightCheckLog:
-    def __init__(self, metrics_dir: Path | None) -> None:
+    def __init__(self, metrics_dir: Path | None, *, clock_origin: float | None = None) -> None:
+        """`clock_origin`: the run's clock (`ActorSettings.clock_origin`); without one, from this log's opening."""
         self._file: TextIO | None = None
+        self._origin = time.time() if clock_origin is None else clock_origin
         if metrics_dir is not None:
             metrics_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(metrics_dir / FILE, "a", buffering=1)  # noqa: SIM115 - kept open for the run
@@ -47,4 +50,4 @@ class WeightCheckLog:
 
     def _write(self, record: dict[str, object]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+            self._file.write(json.dumps({**clock_fields(self._origin), **record}) + "\n")

@@ -347,7 +347,8 @@ class RolloutWorker(Actor):
             return Error(reason="weight_transfer", detail=str(error))
         chaos.reached("weight_load.done")
         self.counters["weights.updates"] += 1
-        record_kv_cache(self.context.run_dir, self.actor_id, self.engine, order.version)  # the certificate's
+        # the certificate's account of this engine's cache
+        record_kv_cache(self.context.run_dir, self.actor_id, self.engine, order.version, self.settings.clock_origin)
         self._weights_landed.set()  # a worker waiting for these weights starts generating now
         self._work_may_open.set()
         return Ack(ok=True, error=None)
@@ -391,7 +392,8 @@ class RolloutWorker(Actor):
             await self.generate_fn.stop()
         if self.engine is not None:
             await self.engine.abort(None)
-            record_kv_cache(self.context.run_dir, self.actor_id, self.engine, self.engine.version)
+            record_kv_cache(self.context.run_dir, self.actor_id, self.engine, self.engine.version,
+                            self.settings.clock_origin)
             await self.engine.close()
         if self.weights is not None:
             self.weights.close()

@@ -11,22 +11,24 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
+from actors.runtime.metrics import clock_fields
 from engines.inference.base import InferenceEngine
 
 FOLDER = Path("metrics") / "kv_cache"
 
 
-def record_kv_cache(run_dir: Path, actor_id: str, engine: InferenceEngine, version: int) -> None:
-    """Append the engine's account now; an engine that cannot account for its cache writes nothing."""
+def record_kv_cache(run_dir: Path, actor_id: str, engine: InferenceEngine, version: int,
+                    clock_origin: float | None = None) -> None:
+    """Append the engine's account now; an engine that cannot account for its cache writes nothing. `clock_origin`:
+    the run's clock, which a worker on the head node has (`ActorSettings.clock_origin`)."""
     account = engine.kv_cache_account()
     if account is None:
         return
     folder = run_dir / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    line = {"time": time.time(), "pid": os.getpid(), "version": version,
+    line = {**clock_fields(clock_origin), "pid": os.getpid(), "version": version,
             "recomputes_on_update": account.recomputes_on_update, "stale_kv_tokens": account.stale_kv_tokens}
     with open(folder / f"{actor_id}.jsonl", "a", encoding="utf-8") as file:
         file.write(json.dumps(line) + "\n")

@@ -27,6 +27,7 @@ from actors.runtime.cpu_budget import pin_process
 from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, RUN_OVER, ControllerUnreachable, RunOver, report_exit
 from actors.runtime.handlers import HandlerTable, collect_handlers
 from actors.runtime.host import become_host
+from actors.runtime.metrics import MetricsWriter
 from actors.runtime.peers import PeerCalls, PeerRpc, PeerStream, alive_members
 from actors.runtime.state_report import open_waits, send_state_report
 from actors.runtime.stopping import StoppedWhileStarting, unless_stopped
@@ -269,6 +270,12 @@ class Actor:
         if self.rpc_server is not None:
             found["rpc"] = self.rpc_server.endpoint
         return found
+
+    def open_metrics(self, name: str, *, tensorboard: bool = False) -> MetricsWriter:
+        """RUN_DIR/metrics/NAME.jsonl, timed by the run's clock: a restarted actor's records go on from its
+        predecessor's time."""
+        return MetricsWriter(self.context.run_dir, name, tensorboard=tensorboard,
+                             clock_origin=self.settings.clock_origin)
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
         """Run a background task owned by the actor: cancelled at stop, and a crash stops the actor."""

@@ -1,7 +1,8 @@
 """Run metrics: JSON lines always (what plots and audits read), TensorBoard when asked.
 
 One writer per producing actor (`metrics/<name>.jsonl`), so processes never contend for a file; every record
-carries the step and wall-clock seconds since the writer opened, so curves can be drawn against either.
+carries the step, `time` (seconds on the run's clock, `actors/runtime/run_clock.py`) and `wall` (epoch seconds),
+so curves can be drawn against steps or time, and the time of every file goes on across restarts.
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+TAIL_BYTES = 64 * 1024  # what `last_record` reads first; it reads more only for a longer last line
+
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, name: str, *, tensorboard: bool = False) -> None:
+    def __init__(self, run_dir: Path, name: str, *, tensorboard: bool = False,
+                 clock_origin: float | None = None) -> None:
+        """`clock_origin`: the epoch seconds at which the run's clock read 0 (`ActorSettings.clock_origin`); without
+        one (an actor started outside a launcher, a tool), `time` counts from this writer's opening."""
         directory = run_dir / "metrics"
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"{name}.jsonl"
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-        self._started = time.time()
+        self._origin = time.time() if clock_origin is None else clock_origin
         self._tensorboard = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -27,7 +33,7 @@ class MetricsWriter:
             self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard" / name))
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        record = {"step": step, "time": round(time.time() - self._started, 3), "wall": time.time()}
+        record: dict[str, Any] = {"step": step, **clock_fields(self._origin)}
         for key, value in metrics.items():
             record[key] = _plain(value)
         self._file.write(json.dumps(record) + "\n")
@@ -42,6 +48,13 @@ class MetricsWriter:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def clock_fields(origin: float | None) -> dict[str, float]:
+    """What every metrics record carries: `time` on the run's clock (where it is known: the head's launcher gives
+    it to the actors it starts) and `wall`, the epoch seconds."""
+    now = time.time()
+    return {"wall": now} if origin is None else {"time": round(now - origin, 3), "wall": now}
 
 
 def _plain(value: Any) -> Any:
@@ -62,3 +75,29 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line torn by a kill; the rest is still good
     return records
+
+
+def last_record(path: Path) -> dict[str, Any] | None:
+    """The last whole record of a metrics file, reading only its end (a long run's files reach hundreds of MB); None
+    when the file is missing or holds no whole record."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            span = TAIL_BYTES
+            while True:
+                handle.seek(max(0, size - span))
+                lines = handle.read().split(b"\n")
+                if span < size:
+                    lines = lines[1:]  # the first may start mid-line
+                for line in reversed(lines):
+                    try:
+                        record = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        continue  # empty, or torn by a kill
+                    if isinstance(record, dict):
+                        return record
+                if span >= size:
+                    return None
+                span *= 4
+    except OSError:
+        return None

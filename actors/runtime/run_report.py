@@ -18,6 +18,7 @@ from typing import Any
 from actors.runtime.integrity import describe, write_certificate
 from actors.runtime.metrics import read_metrics
 from actors.runtime.progress import REWARD_CORRECT, train_accuracy_key
+from actors.runtime.run_clock import format_duration, run_seconds, run_starts
 
 REWARD = "rollout/reward_mean"
 PANELS = ("reward", "accuracy")  # the rows of curves.png
@@ -144,7 +145,7 @@ def summarize(run_dir: Path) -> str:
     lines = [f"run: {run_dir}"]
     if train:
         last = train[-1]
-        lines.append(f"learner steps: {last.get('step')}  wall-clock: {last.get('time', 0):.0f}s  "
+        lines.append(f"learner steps: {last.get('step')}  wall-clock: {wall_clock(run_dir)}  "
                      f"final train reward: {last.get('rollout/reward_mean', float('nan')):.3f}")
         counts = staleness_counts(train)
         if counts:
@@ -156,6 +157,15 @@ def summarize(run_dir: Path) -> str:
             lines.append(f"{key}: {values[0][1]:.3f} at version {values[0][0]} -> {values[-1][1]:.3f} at version "
                          f"{values[-1][0]}")
     return "\n".join(lines)
+
+
+def wall_clock(run_dir: Path) -> str:
+    """How long the run ran, on the run's clock: every start of it, not the time it sat stopped in between."""
+    seconds = run_seconds(run_dir)
+    if seconds is None:
+        return "unknown"
+    starts = run_starts(run_dir)
+    return format_duration(seconds) + (f" over {starts} starts (stopped time not counted)" if starts > 1 else "")
 
 
 def certify_run(run_dir: Path, *, prompts: Callable[[Path], dict[str, Any]] | None = None,

@@ -12,8 +12,10 @@ import pytest
 from tools.experiments.staleness import override_flags, parse_arguments
 from tools.experiments.staleness_results import (
     RunResult,
+    learner_origin,
     load_results,
     mean_curve,
+    read_reward_steps,
     split_by_load,
     summarize,
     time_to_reach,
@@ -186,3 +188,16 @@ def test_a_malformed_results_file_names_the_file_and_the_run(tmp_path: Path) -> 
     path.write_text(json.dumps({"runs": [{"max_staleness": 0}]}))
     with pytest.raises(ValueError, match=r"results.json: runs\[0\]"):
         load_results(path)
+
+
+@pytest.mark.unit
+def test_the_sweeps_clock_is_the_learners_and_leaves_start_up_out(tmp_path: Path) -> None:
+    """Metrics `time` is the run's clock, start-up included (20 s here); the sweep's ratios count from the learner's
+    start, as docs/experiments.md says."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "learner.jsonl").write_text(
+        json.dumps({"event": "registered", "timestamp": "2026-01-01T00:00:19.000000Z"}) + "\n"
+        + json.dumps({"event": "actor started", "timestamp": "2026-01-01T00:00:20.000000Z"}) + "\n")
+    origin = learner_origin(tmp_path)
+    train = [{"step": 1, "version": 1, "time": 21.5, "wall": origin + 1.5, "rollout/reward_mean": 0.25}]
+    assert read_reward_steps(train, origin) == [(1, 1.5, 0.25)]

@@ -14,9 +14,9 @@
    both metrics against wall-clock, one line per cell. `--from-json` redoes them without running anything.
 
 Decisions worth knowing when reading the numbers:
-- Wall-clock is the learner's clock: seconds since the learner opened its metrics, which is how
-  `metrics/train.jsonl` stamps steps. Process start-up (the same for every cell) is left out of the ratios and
-  kept in the JSON as `process_seconds`.
+- Wall-clock is the learner's clock: seconds since the learner started (its "actor started" log event, just
+  after it opened its metrics; `metrics/train.jsonl`'s `time` is the run's clock, which counts start-up too).
+  Process start-up (the same for every cell) is left out of the ratios and kept in the JSON as `process_seconds`.
 - The target accuracy is the mean over seeds of the synchronous runs' final accuracy, pooled over
   corrections: at `--max-staleness 0` the behaviour and proximal policies are the same weights, so a
   correction only multiplies by ~1 and the sync runs are replicates of one algorithm.
@@ -51,12 +51,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from actors.runtime.metrics import read_metrics
 from tools.demo import COMMON, GRPO, MAX_OPERAND, MODEL_SPEC, SFT, override_flags
 from tools.evaluate import evaluate_model
-from tools.experiments.staleness_results import Cell, RunResult, load_results, read_reward_steps, report
+from tools.experiments.staleness_results import (
+    Cell,
+    RunResult,
+    learner_origin,
+    load_results,
+    read_reward_steps,
+    report,
+)
 from tools.make_arithmetic_data import make_arithmetic_data
 from tools.standins.tiny_model import cached_tiny_model
 
@@ -214,14 +220,6 @@ def prepare_warm_start(
 
 
 # ------------------------------------------------------------------------------------------------ one run
-def learner_origin(train: list[dict[str, Any]]) -> float | None:
-    """Epoch seconds at which the learner's clock reads 0 (each record has `wall` and `time` since then)."""
-    for record in train:
-        if isinstance(record.get("wall"), (int, float)) and isinstance(record.get("time"), (int, float)):
-            return float(record["wall"]) - float(record["time"])
-    return None
-
-
 def eval_curve(metrics_dir: Path, origin: float, eval_name: str = EVAL_NAME) -> list[tuple[int, float, float]]:
     """Eval rounds from whichever metrics file holds them, as (version, learner-clock seconds, accuracy).
 
@@ -291,12 +289,14 @@ def run_one(
             f"launcher exit {outcome.returncode}, {len(train)} steps logged; see {log_path}: {log_tail(log_path)}"
         )
         return result
-    origin = learner_origin(train)
-    assert origin is not None  # every MetricsWriter record has both fields
-    result.wall_clock = float(train[-1]["time"])
+    origin = learner_origin(run_dir)
+    if origin is None:
+        result.error = f"no 'actor started' event in {run_dir / 'logs' / 'learner.jsonl'}: no learner clock"
+        return result
+    result.wall_clock = float(train[-1]["wall"]) - origin
     stale = [r["staleness/mean"] for r in train if isinstance(r.get("staleness/mean"), (int, float))]
     result.mean_staleness = sum(stale) / len(stale) if stale else None
-    result.reward_steps = read_reward_steps(train)
+    result.reward_steps = read_reward_steps(train, origin)
     curve = [p for p in eval_curve(run_dir / "metrics", origin) if p[0] < int(train[-1]["version"])]
     # The last round is usually cut off by the run's stop; score the exported model instead, at the last step.
     final = asyncio.run(evaluate_model(final_model, data["eval"], max_new_tokens=4))["accuracy"]

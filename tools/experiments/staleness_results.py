@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,22 @@ class RunResult:
 
 
 
-def read_reward_steps(train: list[dict[str, Any]]) -> Curve:
+def learner_origin(run_dir: Path) -> float | None:
+    """Epoch seconds at which the learner's clock reads 0: its "actor started" log event, just after it opened its
+    metrics. The metrics' own `time` is the run's clock, which counts process start-up too."""
+    for record in read_metrics(run_dir / "logs" / "learner.jsonl"):
+        if record.get("event") == "actor started" and isinstance(record.get("timestamp"), str):
+            return datetime.fromisoformat(record["timestamp"]).timestamp()
+    return None
+
+
+def read_reward_steps(train: list[dict[str, Any]], origin: float) -> Curve:
+    """(version, learner-clock seconds, training reward) of every trained batch; `origin` from `learner_origin`."""
     return [
-        (int(r["version"]), float(r["time"]), float(r["rollout/reward_mean"]))
+        (int(r["version"]), float(r["wall"]) - origin, float(r["rollout/reward_mean"]))
         for r in train
         if isinstance(r.get("rollout/reward_mean"), (int, float)) and isinstance(r.get("version"), int)
+        and isinstance(r.get("wall"), (int, float))
     ]
 
 
@@ -341,8 +353,9 @@ def load_results(path: Path) -> tuple[list[RunResult], dict[str, Any]]:
             result = RunResult(**run)
         except (KeyError, TypeError) as error:
             raise ValueError(f"{path}: runs[{index}] is not a run record: {error}") from error
-        if not result.reward_steps:
-            result.reward_steps = read_reward_steps(read_metrics(Path(result.run_dir) / "metrics" / "train.jsonl"))
+        if not result.reward_steps and (origin := learner_origin(Path(result.run_dir))) is not None:
+            train = read_metrics(Path(result.run_dir) / "metrics" / "train.jsonl")
+            result.reward_steps = read_reward_steps(train, origin)
         runs.append(result)
     return runs, payload.get("settings", {})
 
