@@ -203,16 +203,29 @@ def max_staleness(run_dir: Path) -> int | None:
         return None
 
 
+def describe_report(report: AuditReport) -> list[str]:
+    """The audit's counts as a user reads them: a batch trained again after a learner restart is said to be what it
+    is (a step the final weights do not hold twice), not a double train."""
+    lines = [f"accepted groups: {report.accepted_groups}  trained batches: {report.trained_batches}  "
+             f"trained samples: {report.trained_samples}  pending groups: {report.pending_groups}  "
+             f"final version: {report.final_version}"]
+    if report.retrained_batches:
+        batches = "1 batch" if report.retrained_batches == 1 else f"{report.retrained_batches} batches"
+        lines.append(f"redone after a learner restart: {batches} that the learner had trained but not yet "
+                     f"checkpointed when it died, trained again from its checkpoint; the final weights hold each "
+                     f"batch once")
+    if report.newer_token_samples:
+        lines.append(f"samples with tokens from the weights of those lost steps (engines served them until the "
+                     f"restarted learner pushed its own): {report.newer_token_samples}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
     run_dir = parser.parse_args().run_dir
     result = audit(run_dir)
-    print(f"accepted groups: {result.accepted_groups}  trained batches: {result.trained_batches}  "
-          f"trained samples: {result.trained_samples}  pending groups: {result.pending_groups}  "
-          f"batches retrained after a learner restart: {result.retrained_batches}  "
-          f"final version: {result.final_version}  samples with abandoned-lineage tokens: "
-          f"{result.newer_token_samples}")
+    print("\n".join(describe_report(result)))
     for problem in result.problems:
         print(f"PROBLEM: {problem}")
     certificate = certify(run_dir, prompts=prompt_verdict(run_dir), run_failed=recorded_run_failure(run_dir))

@@ -12,7 +12,7 @@ import pytest
 from actors.buffer.log import BufferLog
 from bus.codec import encode
 from bus.schema import Sample, ScoredGroup
-from tools.audit_run import audit
+from tools.audit_run import audit, describe_report
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +89,18 @@ def test_tokens_newer_than_the_learner_need_an_abandoned_step(tmp_path: Path) ->
     report = audit(restarted)
     assert report.ok, report.problems
     assert report.retrained_batches == 1 and report.newer_token_samples == 1
+
+
+def test_a_batch_trained_again_after_a_restart_is_not_reported_as_a_double_train(tmp_path: Path) -> None:
+    """The learner died after training batch 2 and before checkpointing it: its restart trained batch 2 again from
+    the step-1 checkpoint. The audit's words must say that, not "retrained", which reads as trained twice."""
+    restarted = write_run(tmp_path, served=[([0], 0), ([1], 1)], lineage=[(1, 1), (2, 2), (2, 2)])
+    report = audit(restarted)
+    assert report.ok, report.problems
+    lines = describe_report(report)
+    assert lines[1] == ("redone after a learner restart: 1 batch that the learner had trained but not yet "
+                        "checkpointed when it died, trained again from its checkpoint; the final weights hold each "
+                        "batch once")
+    assert not any("retrained" in line for line in lines)
+    steady = audit(write_run(tmp_path / "steady", served=[([0], 0), ([1], 1)], lineage=[(1, 1), (2, 2)]))
+    assert len(describe_report(steady)) == 1  # no restart, nothing redone: one line of counts
