@@ -55,7 +55,8 @@ from actors.runtime.placement import (
     visible_devices,
     weight_transport,
 )
-from actors.runtime.progress import follow_progress
+from actors.runtime.progress import ProgressStart, follow_progress
+from actors.runtime.resume import interrupted_note, resume_command, resume_step
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from actors.runtime.run_clock import RunClock
 from actors.runtime.supervisor import RestartPolicy, Supervisor
@@ -388,8 +389,9 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     stop_progress = asyncio.Event()
     progress = None
     if runs_learner and not args.no_progress:
-        num_rollout = contexts[0].settings.run.learner.num_rollout
-        progress = asyncio.create_task(follow_progress(run_dir, num_rollout, stop_progress))
+        run = contexts[0].settings.run
+        start = ProgressStart.of(run_dir, resume_step(run, run_dir))  # before the learner writes a line
+        progress = asyncio.create_task(follow_progress(run_dir, run.learner.num_rollout, stop_progress, start))
     head_watch = None
     if not args.head and args.head_loss_timeout > 0 and contexts:
         head_watch = asyncio.create_task(stop_node_when_head_lost(contexts[0], args.head_loss_timeout, supervisor))
@@ -435,7 +437,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.head:
         clock = RunClock.start(run_dir, now=started)
         contexts = [on_clock(context, clock) for context in contexts]
-    return asyncio.run(supervise(contexts, args, run_dir, early_template, clock))
+    code = asyncio.run(supervise(contexts, args, run_dir, early_template, clock))
+    if code > 128 and contexts:  # stopped by a signal (Ctrl-C, SIGTERM): say where, and how to go on
+        program = sys.argv[0] if argv is None else "launcher.py"
+        command = resume_command(program, arguments, run_dir, run_dir_given=args.run_dir is not None)
+        learner_here = any(context.role == "learner" for context in contexts)
+        config = contexts[0].settings.run if learner_here else None
+        print(interrupted_note(config, run_dir, code - 128, command), file=sys.stderr)
+    return code
 
 
 def on_clock(context: ActorContext, clock: RunClock) -> ActorContext:

@@ -13,7 +13,6 @@ import functools
 import json
 import time
 from collections.abc import Awaitable
-from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 import msgspec
@@ -33,6 +32,7 @@ from actors.runtime.checkpoint_pointer import (
     latest_checkpoint,
     point_latest_at,
     prune_checkpoints,
+    resume_source,
     step_checkpoint,
 )
 from actors.runtime.context import ActorContext
@@ -302,8 +302,8 @@ class Learner(Actor):
         self.log.info("run finished", batches=self.trained_batch, version=self.version)
 
     async def _restore(self) -> None:
-        source = Path(self.config.learner.load) if self.config.learner.load else self.checkpoint_dir
-        directory = latest_checkpoint(source)
+        learner = self.config.learner
+        directory = latest_checkpoint(resume_source(learner.load, learner.save, self.context.run_dir))
         if directory is None:
             return
         extra = await asyncio.to_thread(self.trainer.load_checkpoint, directory)

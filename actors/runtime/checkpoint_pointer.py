@@ -1,6 +1,6 @@
 """Where a run's checkpoints live and which one is current: the `latest` file the learner moves once a checkpoint
-is complete. Shared by the learner (which writes, prunes and resumes from it) and a worker node's launcher (which
-names it when the head is lost), and free of torch, which the launcher never imports."""
+is complete. Shared by the learner (which writes, prunes and resumes from it) and the launcher (which names it
+when a run is interrupted or its head is lost), and free of torch, which the launcher never imports."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def checkpoint_dir(save: str | None, run_dir: Path) -> Path:
 def step_checkpoint(directory: Path, trained_batch: int) -> Path:
     """Where the checkpoint after `trained_batch` batches goes."""
     return directory / f"step_{trained_batch:06d}"
+
+
+def resume_source(load: str | None, save: str | None, run_dir: Path) -> Path:
+    """Where a starting learner looks for the checkpoint to resume from: --load when given, else where it saves."""
+    return Path(load) if load else checkpoint_dir(save, run_dir)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -52,13 +57,13 @@ def prune_checkpoints(directory: Path, keep: int, saved: Path) -> list[Path]:
     names is never deleted, whatever it is, nor anything but `step_N` folders. Those newer than `saved` are left
     alone: an earlier life of the learner wrote them past the checkpoint it resumed from, and the run overwrites
     them as it gets there."""
-    newest = _step(saved)
+    newest = checkpoint_step(saved)
     if keep < 1 or newest is None:
         raise ValueError(f"prune_checkpoints: keep {keep} must be >= 1 and {saved} a step_N checkpoint")
     current = latest_checkpoint(directory)
     older = sorted((path for path in directory.iterdir()
-                    if path.is_dir() and (step := _step(path)) is not None and step < newest),
-                   key=lambda path: _step(path) or 0)
+                    if path.is_dir() and (step := checkpoint_step(path)) is not None and step < newest),
+                   key=lambda path: checkpoint_step(path) or 0)
     doomed = [path for path in older[: max(0, len(older) - (keep - 1))]
               if current is None or path.name != current.name]
     for path in doomed:
@@ -66,7 +71,8 @@ def prune_checkpoints(directory: Path, keep: int, saved: Path) -> list[Path]:
     return doomed
 
 
-def _step(path: Path) -> int | None:
+def checkpoint_step(path: Path) -> int | None:
+    """The step a `step_checkpoint` was taken after (the batches it holds); None for a folder named otherwise."""
     match = STEP_NAME.match(path.name)
     return int(match.group(1)) if match else None
 

@@ -2,7 +2,8 @@
 
 Actors write metrics; the launcher only reads them, so the progress display costs the run nothing and works
 the same when the learner is on another node with a shared run directory. On a terminal it is a rich progress
-bar; elsewhere (CI, a log file) it prints one plain line per learner step.
+bar; elsewhere (CI, a log file) it prints one plain line per learner step. A resumed run's display starts where it
+resumes: it says from which step, and shows none of the lines the run's earlier starts wrote.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,26 @@ def train_accuracy_key(records: Iterable[dict[str, Any]]) -> str:
     reward that says which samples were right (reward/correct) is shown by it, since with partial credit a reward
     of 1 is not what "right" means."""
     return REWARD_CORRECT if any(REWARD_CORRECT in record for record in records) else REWARDS_OF_ONE
+
+
+@dataclass(frozen=True)
+class ProgressStart:
+    """Where a launcher's progress display begins: `offset`, the bytes of metrics/train.jsonl that earlier starts
+    of the run wrote (their steps are history, not progress), and `resumed_from`, the step of the checkpoint the
+    learner resumes from (0: a new run)."""
+
+    offset: int = 0
+    resumed_from: int = 0
+
+    @classmethod
+    def of(cls, run_dir: Path, resumed_from: int) -> ProgressStart:
+        """Taken before any actor starts, so that every line after `offset` is this start's."""
+        path = train_metrics(run_dir)
+        return cls(offset=path.stat().st_size if path.exists() else 0, resumed_from=resumed_from)
+
+
+def train_metrics(run_dir: Path) -> Path:
+    return run_dir / "metrics" / "train.jsonl"
 
 
 def describe(record: dict[str, Any], accuracy: str | None = None) -> str:
@@ -44,21 +66,27 @@ def describe(record: dict[str, Any], accuracy: str | None = None) -> str:
             f"{number('throughput/samples_per_s', '.1f')} samples/s")
 
 
-async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event) -> None:
-    path = run_dir / "metrics" / "train.jsonl"
-    offset = 0
+async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event,
+                          start: ProgressStart = ProgressStart()) -> None:
+    path = train_metrics(run_dir)
+    offset = start.offset
     interactive = sys.stderr.isatty()
     progress = task = None
     accuracy = REWARDS_OF_ONE
+    resumed = f"resumed from step {start.resumed_from} of {total_steps}" if start.resumed_from else ""
     if interactive:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             TextColumn("{task.description}"), transient=False)
         progress.start()
-        task = progress.add_task("waiting for the first batch", total=total_steps)
+        waiting = f"{resumed}, waiting for its next batch" if resumed else "waiting for the first batch"
+        task = progress.add_task(waiting, total=total_steps, completed=start.resumed_from)
+    elif resumed:
+        print(f"[progress] {resumed}", file=sys.stderr, flush=True)
     try:
-        while not stop.is_set():
+        while True:
+            last_look = stop.is_set()  # the run is over: show what its last second wrote, then end
             if path.exists():
                 with path.open(encoding="utf-8") as handle:
                     handle.seek(offset)
@@ -77,6 +105,8 @@ async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event) 
                                         description=describe(record, accuracy))
                     else:
                         print(f"[progress] {describe(record, accuracy)}", file=sys.stderr, flush=True)
+            if last_look:
+                break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
     finally:

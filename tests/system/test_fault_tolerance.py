@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,27 +18,37 @@ from pathlib import Path
 
 import pytest
 
+from actors.runtime.metrics import read_metrics
 from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(run_dir: Path, model: Path, data: Path, num_rollout: int, extra: tuple[str, ...] = (),
-           node: Callable[[list[str]], list[str]] = list) -> subprocess.Popen[str]:
+def launch(run_dir: Path | None, model: Path, data: Path, num_rollout: int, extra: tuple[str, ...] = (),
+           node: Callable[[list[str]], list[str]] = list, *, cwd: Path = REPO,
+           progress: bool = False) -> subprocess.Popen[str]:
     """A small fully-async run with fast fault detection; `extra` flags come last, so they override these. `node`
-    wraps the command to run it elsewhere (in a network namespace: tests/support/netns.py)."""
-    command = [sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
+    wraps the command to run it elsewhere (in a network namespace: tests/support/netns.py). `run_dir` None: the
+    launcher's default, runs/<timestamp> under `cwd`; `progress`: with the launcher's progress lines."""
+    where = ["--run-dir", str(run_dir)] if run_dir is not None else []
+    command = [sys.executable, str(REPO / "launcher.py"), "--head", *where,
                "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", str(num_rollout),
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
                "--max-staleness", "2", "--save-interval", "4", "--lease-timeout", "20", "--lr", "1e-4",
                "--rollout-workers", "2", "--reward-workers", "1", "--heartbeat-interval", "0.25",
-               "--restart-backoff", "0.2", "--weight-transfer-timeout", "5", "--no-progress",
+               "--restart-backoff", "0.2", "--weight-transfer-timeout", "5", *([] if progress else ["--no-progress"]),
                "--no-use-tensorboard", "--no-plots",
                # Compact the buffer's log every few batches, so restarts also replay from snapshots and the audit
                # reads archived segments.
                "--buffer-log-compact-mb", "0.05", *extra]
-    return subprocess.Popen(node(command), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(node(command), cwd=cwd, env=tree_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def tree_env() -> dict[str, str]:
+    """This environment, with this tree first on the path: actors import it from any working directory."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
 def trained_steps(run_dir: Path) -> int:
@@ -85,6 +96,23 @@ def finish(process: subprocess.Popen[str], timeout: float = 240) -> str:
     return output
 
 
+def wait_for_run_dir(process: subprocess.Popen[str], runs: Path, timeout: float = 60) -> Path:
+    """The run directory a launcher made under `runs` (its default, runs/<timestamp>), once its clock is there."""
+    deadline = time.monotonic() + timeout
+    while not (made := sorted(runs.glob("*/clock.json"))):
+        if process.poll() is not None or time.monotonic() > deadline:
+            output = process.communicate(timeout=30)[0] if process.poll() is not None else ""
+            raise AssertionError(f"no run directory under {runs}:\n{output[-4000:]}")
+        time.sleep(0.2)
+    return made[0].parent
+
+
+def metrics_times(run_dir: Path) -> dict[str, list[float]]:
+    """The `time` of every record of each metrics file, in the order written."""
+    return {path.name: [record["time"] for record in read_metrics(path) if "time" in record]
+            for path in sorted((run_dir / "metrics").glob("*.jsonl"))}
+
+
 @pytest.fixture
 def task(tmp_path: Path) -> Path:
     return make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
@@ -130,3 +158,46 @@ def test_killed_roles_and_a_stopped_run_lose_nothing_and_train_nothing_twice(
     assert prompts["fates"]["trained"] == 40 * 4
     # Whether the killed learner had to redo batches depends on where the kill landed relative to its last
     # checkpoint (steps take ~0.1 s here), so only exactly-once, checked by the audit above, is asserted.
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+def test_an_interrupted_run_prints_the_command_that_resumes_it_where_it_stopped(
+    tmp_path: Path, tiny_model_path: Path, task: Path
+) -> None:
+    """Ctrl-C of a run in the launcher's default run directory, then the command it printed: the run resumes at its
+    checkpoint, its progress starts there, and no metrics file's `time` ever goes back."""
+    first = launch(None, tiny_model_path, task, num_rollout=20, cwd=tmp_path, progress=True)
+    try:
+        run_dir = wait_for_run_dir(first, tmp_path / "runs")
+        wait_for_step(first, run_dir, 2)
+        first.send_signal(signal.SIGINT)
+        output = finish(first)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 128 + signal.SIGINT, output[-4000:]
+    stopped_at = trained_steps(run_dir)  # the step in hand when Ctrl-C came is finished and checkpointed
+    assert stopped_at < 20, "the run finished before Ctrl-C reached it"
+    note, resume = output.rstrip().splitlines()[-2:]
+    assert note == (f"launcher.py: interrupted by SIGINT at step {stopped_at} of 20, checkpoint "
+                    f"{run_dir / 'checkpoints' / f'step_{stopped_at:06d}'}."), output[-4000:]
+    assert resume.startswith("resume with: ") and resume.endswith(f" --run-dir runs/{run_dir.name}"), resume
+    ended = {name: times[-1] for name, times in metrics_times(run_dir).items() if times}
+
+    second = subprocess.Popen(shlex.split(resume.removeprefix("resume with: ")), cwd=tmp_path, env=tree_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = finish(second)
+    assert second.returncode == 0, output[-4000:]
+    progress = [line for line in output.splitlines() if line.startswith("[progress]")]
+    assert progress[0] == f"[progress] resumed from step {stopped_at} of 20", output[-4000:]
+    assert [int(line.split()[2]) for line in progress[1:]] == list(range(stopped_at + 1, 21)), progress
+    resumed = [record["trained_batch"] for record in read_metrics(run_dir / "logs" / "learner.jsonl")
+               if record.get("event") == "resumed from checkpoint"]
+    assert resumed == [stopped_at]
+    for name, times in metrics_times(run_dir).items():  # the run's clock: on from where the first start stopped
+        assert times == sorted(times), (name, times)
+        assert name not in ended or times[-1] > ended[name], (name, ended[name], times)
+    report = audit(run_dir)
+    assert report.ok, report.problems
+    assert report.trained_batches == 20
