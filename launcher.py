@@ -400,11 +400,11 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
         clock.stop()
     if head_watch is not None:
         head_watch.cancel()
-    if supervisor.failure is not None:  # whole, as text: a hang report spans several lines
-        print(f"launcher.py: run failed: {supervisor.failure}", file=sys.stderr)
     stop_progress.set()
     if progress is not None:
-        await progress
+        await progress  # the steps of the run's last second, before what is said about its end
+    if supervisor.failure is not None:  # whole, as text: a hang report spans several lines
+        print(f"launcher.py: run failed: {supervisor.failure}", file=sys.stderr)
     if runs_learner:
         from actors.buffer.accounting import prompt_verdict
         from actors.runtime.run_report import certify_run, report_run
