@@ -20,6 +20,7 @@ from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data
 
 HANG_TIMEOUT_S = 5.0
+STEPS = 30  # far more than a busy machine's tiny-model learner trains between seeing step 2 and its SIGSTOP landing
 MARGIN_S = 25.0  # state reports (5 s at most) and the launcher's stop of the others
 
 
@@ -29,9 +30,9 @@ def test_a_run_wedged_by_a_stopped_learner_fails_naming_it_and_resumes(tmp_path:
     task = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
     run_dir = tmp_path / "run"
     flags = ("--hang-timeout", str(HANG_TIMEOUT_S))
-    run = launch(run_dir, tiny_model_path, task, num_rollout=10, extra=flags)
+    run = launch(run_dir, tiny_model_path, task, num_rollout=STEPS, extra=flags)
     try:
-        wait_for_step(run, run_dir, 4)
+        wait_for_step(run, run_dir, 2)
         os.kill(current_pid(run_dir, "learner"), signal.SIGSTOP)
         stopped_at = time.monotonic()
         output = finish(run, timeout=HANG_TIMEOUT_S + MARGIN_S + 60)
@@ -48,11 +49,11 @@ def test_a_run_wedged_by_a_stopped_learner_fails_naming_it_and_resumes(tmp_path:
     assert waiting and "waits for" in waiting[0], report[:3000]
     assert "===== buffer" in report, "the live actors' stacks are in the report"
     stopped_at_step = trained_steps(run_dir)
-    assert stopped_at_step < 10
+    assert stopped_at_step < STEPS
 
-    again = launch(run_dir, tiny_model_path, task, num_rollout=10, extra=flags)
+    again = launch(run_dir, tiny_model_path, task, num_rollout=STEPS, extra=flags)
     output = finish(again)
     assert again.returncode == 0, output[-4000:]
-    assert trained_steps(run_dir) == 10
+    assert trained_steps(run_dir) == STEPS
     result = audit(run_dir)
     assert result.ok, result.problems
