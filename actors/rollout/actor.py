@@ -26,6 +26,7 @@ from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
 from actors.runtime.handlers import on_broadcast, serves
+from actors.runtime.stopping import unless_stopped
 from bus.schema import (
     TOPIC_VERSION,
     Ack,
@@ -106,8 +107,9 @@ class RolloutWorker(Actor):
             return
         while not self.stopping:
             eval_only = self.weights_too_old()  # too old to train on, maybe the very weights an eval round waits for
-            async with self._room:
-                await self._room.wait_for(lambda: self.rows_in_flight < self.capacity_rows)
+            room, _ = await unless_stopped(self._wait_for_room(), self._stop_requested)
+            if not room:  # a stop while the engine is full: nothing to drain here (the leases bring the groups back)
+                break
             self._work_may_open.clear()
             room = self.capacity_rows - self.rows_in_flight
             lease = await self.request_lease(room, eval_only=eval_only, max_samples=room)
@@ -128,6 +130,10 @@ class RolloutWorker(Actor):
                 await self.wait_for_weights_of(lease)
             for group in lease.groups:
                 self.generate_group(lease, group)
+
+    async def _wait_for_room(self) -> None:
+        async with self._room:
+            await self._room.wait_for(lambda: self.rows_in_flight < self.capacity_rows)
 
     async def _hand_over_memory(self) -> None:
         """Nothing to generate: the learner's turn on a device it shares with this engine (a colocated run). A
@@ -388,13 +394,19 @@ class RolloutWorker(Actor):
                        groups=len(lost), error=repr(error))
 
     async def on_stop(self) -> None:
-        if isinstance(self.generate_fn, AgentRunner):
-            await self.generate_fn.stop()
+        """In this order: the agents' episodes cancelled (no call reaches the engine after its abort), the engine's
+        requests aborted, the agents' endpoint stopped (it waits for its calls, which the abort ended), the engine
+        closed. The endpoint stopped before the abort waited on calls that only the abort ends."""
+        agent = self.generate_fn if isinstance(self.generate_fn, AgentRunner) else None
+        if agent is not None:
+            agent.abort_episodes()
         if self.engine is not None:
             await self.engine.abort(None)
+        if agent is not None:
+            await agent.stop()
+        if self.engine is not None:
             record_kv_cache(self.context.run_dir, self.actor_id, self.engine, self.engine.version,
                             self.settings.clock_origin)
             await self.engine.close()
         if self.weights is not None:
             self.weights.close()
-

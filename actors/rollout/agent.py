@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from actors.config import RunConfig
 from actors.rollout.chat_session import ChatSession
 from actors.rollout.environment import (
@@ -132,6 +134,7 @@ class AgentRunner:
             raise TypeError(f"--agent-function-path {self.path!r} is not callable")
         self.agent: AgentFunction = function
         self.timeout = agent.agent_timeout
+        self.running: set[asyncio.Task[Any]] = set()  # the agents' own tasks, one per episode in flight
         # Imported here: its aiohttp costs 0.11 s, on the path of every rollout worker's start, agent or not.
         from actors.rollout.openai_endpoint import OpenAIEndpoint
 
@@ -139,6 +142,14 @@ class AgentRunner:
 
     async def start(self) -> None:
         await self.endpoint.start()
+
+    def abort_episodes(self) -> None:
+        """The first step of a stop: no call reaches the engine from here on, and every agent is cancelled. The
+        calls already in the engine end with the engine's abort, which must come next: the endpoint's stop waits
+        for them."""
+        self.endpoint.refuse_calls()
+        for task in self.running:
+            task.cancel()
 
     async def stop(self) -> None:
         await self.endpoint.stop()
@@ -152,18 +163,24 @@ class AgentRunner:
         episode = Episode(base_url=base_url, api_key="slipstream", model=self.endpoint.model,
                           messages=prompt_messages(group.prompt), label=group.label, metadata=dict(group.metadata),
                           sample_index=index)
+        task = asyncio.create_task(self.agent(episode), name=f"agent.{group.group_id}/{index}")
+        self.running.add(task)
         try:
-            returned = await asyncio.wait_for(self.agent(episode), self.timeout)
-            if returned is not None and not isinstance(returned, Mapping):
-                raise TypeError(f"returned {type(returned).__name__}; an agent returns a dict or None")
-            return session.to_sample(metadata=dict(returned or {}))
+            await asyncio.wait([task], timeout=self.timeout)
+            if not task.done():
+                reason = f"agent {self.path} did not finish its episode within --agent-timeout {self.timeout:g} s"
+            elif task.cancelled():  # abort_episodes: the worker stops, and the group's lease brings it back
+                return _aborted(failed_sample(group, index, context.prompt_ids(group.prompt),
+                                              f"agent {self.path} was cancelled: the rollout worker stopped"))
+            else:
+                return session.to_sample(metadata=_agent_metadata(task.result()))
         except asyncio.CancelledError:
             raise
-        except TimeoutError:
-            reason = f"agent {self.path} did not finish its episode within --agent-timeout {self.timeout:g} s"
         except Exception as error:  # the user's agent: its sample fails, the worker goes on
             reason = f"agent {self.path} failed: {type(error).__name__}: {error}"
         finally:
+            self.running.discard(task)
+            await _cancelled(task)
             self.endpoint.close(base_url)
         return failed_sample(group, index, context.prompt_ids(group.prompt), reason)
 
@@ -192,3 +209,23 @@ def _schemas(path: str | None) -> list[Mapping[str, Any]] | None:
     if not isinstance(schemas, (list, tuple)) or not all(isinstance(schema, Mapping) for schema in schemas):
         raise TypeError(f"--agent-tool-schemas-path {path!r} must name a list of JSON schemas (dicts)")
     return list(schemas)
+
+
+def _agent_metadata(returned: object) -> dict[str, Any]:
+    if returned is not None and not isinstance(returned, Mapping):
+        raise TypeError(f"returned {type(returned).__name__}; an agent returns a dict or None")
+    return dict(returned or {})
+
+
+def _aborted(sample: Sample) -> Sample:
+    return msgspec.structs.replace(sample, status="aborted")
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    """`task` ended: cancelled if it still runs (an overrun, or our own cancellation), and waited for, so an agent
+    never outlives its episode; its error, if it had one, counted as seen (the episode reported it)."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()

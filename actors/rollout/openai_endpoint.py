@@ -47,6 +47,7 @@ class OpenAIEndpoint:
         self.sessions: dict[str, ChatSession] = {}
         self.busy: set[str] = set()
         self.runner: web.AppRunner | None = None
+        self.refusing = False  # the worker stops: a call now would reach an engine already aborted
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -63,6 +64,10 @@ class OpenAIEndpoint:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+
+    def refuse_calls(self) -> None:
+        """From now on every call is refused (503); the calls already running end with the engine's abort."""
+        self.refusing = True
 
     def open(self, session: ChatSession) -> str:
         """A new session's base URL."""
@@ -90,6 +95,8 @@ class OpenAIEndpoint:
                                        "conversation, its calls one after another", 409)
                 body = await _json_body(request)
                 include_usage = _include_usage(body)
+                if self.refusing:  # checked with no await before the engine call: the abort that follows ends it
+                    raise RequestError("the rollout worker is stopping; this episode is over", 503)
                 self.busy.add(key)
                 try:
                     response = await handler(session, body)

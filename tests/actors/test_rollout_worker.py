@@ -336,3 +336,26 @@ async def test_a_group_aborted_by_the_runs_own_stop_is_dropped_without_a_warning
     worker.generate_fn = lambda context, group: asyncio.sleep(0, result=aborted)
     assert await rollout_actor.RolloutWorker._unless_aborted(worker, None, group, aborted) is None
     assert worker.log.warnings == ["generation of a group kept being aborted; not sent, its lease will bring it back"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_worker_stopping_with_agent_episodes_in_flight_aborts_them_and_closes_its_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `--agent-function-path` run ended with 'on_stop failed ... TimeoutError': the endpoint was stopped first
+    and waited for its calls, which waited for an engine nobody had aborted; the engine was never closed. The group
+    in flight is not sent (its lease brings it back), and says so as a group aborted at the stop."""
+    from structlog.testing import capture_logs
+
+    # Four tokens of ten minutes each: only an abort ends a call.
+    use_spec(SimSpec(token_seconds=600.0, length_min=4, length_max=4), tmp_path, monkeypatch)
+    settings = _settings(tmp_path, agent_function_path="tests.support.agents:one_call")
+    with capture_logs() as logs:
+        async with actor_system(tmp_path, settings, ROLES) as system:
+            worker = system["rollout-0-0"]
+            await system.wait_for(lambda: len(worker.generate_fn.endpoint.busy) == 2, 10, "two calls in the engine")
+            worker.request_stop("test over")
+            assert await system.tasks["rollout-0-0"] == 0
+    assert worker.engine._closed and worker.generate_fn.endpoint.runner is None
+    assert [entry for entry in logs if entry["event"] == "on_stop failed"] == []
+    assert worker.counters["groups.aborted_at_stop"] == 1 and system["reward-0-0"].groups == []

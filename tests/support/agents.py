@@ -19,3 +19,10 @@ async def one_call_then_trouble(episode: Episode) -> dict[str, Any] | None:
     if episode.sample_index == 2:
         await asyncio.sleep(30)
     return None
+
+
+async def one_call(episode: Episode) -> dict[str, Any] | None:
+    """One chat call, then done: an episode that is in the engine for as long as that call takes."""
+    async with openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0) as client:
+        await client.chat.completions.create(model=episode.model, messages=episode.messages)
+    return None
