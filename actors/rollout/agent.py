@@ -115,10 +115,9 @@ class EpisodeLoop:
                 if step.done or turn_index == self.max_turns - 1:
                     break
                 messages = [*messages, *step.messages]
-        except NoRoomError as error:  # the conversation filled the context: what was generated still trains
+        except NoRoomError as error:  # the conversation filled the context: what was generated still trains, truncated
             if session.trajectory is None or session.trajectory.model_turns == 0:
                 return failed_sample(group, index, context.prompt_ids(group.prompt), str(error))
-            session.last_finish = "length"
         return session.to_sample(metadata={"final_answer": final_answer, "turn_rewards": rewards})
 
 

@@ -137,13 +137,15 @@ class ChatSession:
     async def _generate_or_roll_back(self, before: int, max_tokens: int | None,
                                      stop: Sequence[str]) -> tuple[GenerateOutput, int]:
         """`_generate`; when the conversation no longer fits, the session is left as it was before this call (the
-        sample ends where the model last wrote; a first call that did not fit leaves no conversation at all)."""
+        sample ends where the model last wrote, marked truncated unless a later call that fits finishes otherwise; a
+        first call that did not fit leaves no conversation at all)."""
         try:
             return await self._generate(max_tokens, stop)
         except NoRoomError:
             assert self.trajectory is not None
             if self.trajectory.model_turns:
                 self.trajectory.truncate(before)
+                self.last_finish = "length"
             else:
                 self.trajectory, self.turns = None, None
             raise

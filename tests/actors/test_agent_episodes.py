@@ -74,10 +74,11 @@ def run_config(model: Path, **settings: Any) -> RunConfig:
                          "rollout_stop_token_ids": [im_end], **settings})
 
 
-async def with_context(model: Path, config: RunConfig, body: Callable[[RolloutContext], Awaitable[Any]]) -> Any:
+async def with_context(model: Path, config: RunConfig, body: Callable[[RolloutContext], Awaitable[Any]], *,
+                       max_model_len: int | None = None) -> Any:
     from transformers import AutoTokenizer
 
-    engine = TorchEngine.from_pretrained(model, max_batch_size=4)
+    engine = TorchEngine.from_pretrained(model, max_batch_size=4, max_model_len=max_model_len)
     try:
         context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(model), config=config,
                                  worker_id="w")
@@ -293,27 +294,23 @@ def test_a_multi_turn_sft_label_that_is_not_an_episode_is_refused_naming_the_gro
         _target_messages(PromptGroup(group_id="g7", prompt="p", label=label))
 
 
-def test_an_episode_that_outgrows_the_models_context_ends_with_the_turns_it_has(tool_model: Path) -> None:
+@pytest.mark.parametrize("flag", [{"agent_tools_path": "examples.openai_agent:FUNCTIONS"},
+                                  {"agent_function_path": "examples.openai_agent:solve"}],
+                         ids=["tool_loop", "openai_agent"])
+def test_an_episode_that_outgrows_the_models_context_ends_truncated_with_the_turns_it_has(
+        tool_model: Path, flag: dict[str, str]) -> None:
     """The taught episode needs about 115 tokens; with a context of 100 the second turn has no room. The sample
-    is the first turn (the tool's reply, appended for a turn that never came, dropped) and is marked truncated."""
-    from transformers import AutoTokenizer
-
-    config = run_config(tool_model, agent_tools_path="examples.openai_agent:FUNCTIONS")
-
-    async def episode() -> Sample:
-        engine = TorchEngine.from_pretrained(tool_model, max_batch_size=4, max_model_len=100)
-        try:
-            context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tool_model),
-                                     config=config, worker_id="w")
-            (sample,) = await agent_generate_for(config)(context, eval_group())
-            return sample
-        finally:
-            await engine.close()
-
-    sample = asyncio.run(episode())
+    is the first turn (the tool's reply, appended for a turn that never came, dropped) and is marked truncated.
+    The agent on the OpenAI client has its second call refused with `context_length_exceeded` and ends there; its
+    sample was marked completed, so truncation handling and `multiturn/truncated_fraction` never saw it."""
+    config = run_config(tool_model, **flag)
+    generate = agent_generate_for(config)
+    episodes = (served_episodes(generate, n_samples=1) if isinstance(generate, AgentRunner)
+                else lambda context: generate(context, eval_group()))
+    (sample,) = asyncio.run(with_context(tool_model, config, episodes, max_model_len=100))
     seen, trained = texts(tool_model, sample)
     assert seen == trained == f"{CALL}<|im_end|>"
-    assert sample.status == "truncated" and sample.metadata["turns"] == 1 and sample.metadata["tool_calls"] == 1
+    assert sample.status == "truncated" and sample.metadata["turns"] == 1
     assert len(sample.tokens) < 100
 
 
