@@ -98,7 +98,7 @@ class EpisodeLoop:
             reason = f"environment {self.name} could not start an episode: {type(error).__name__}: {error}"
             return failed_sample(group, index, context.prompt_ids(group.prompt), reason)
         messages = [*prompt_messages(group.prompt), *opening]
-        final_answer, rewards = "", []
+        final_answer, rewards, tool_calls, tool_errors = "", [], 0, 0
         try:
             for turn_index in range(self.max_turns):
                 completion = await session.complete(messages, tools=self.schemas)
@@ -108,8 +108,7 @@ class EpisodeLoop:
                     break
                 turn = Turn(completion.text, completion.parsed, turn_index)
                 step = await guarded_step(environment, turn, timeout_s=self.step_timeout)
-                session.tool_calls += step.tool_calls
-                session.tool_errors += step.tool_errors
+                tool_calls, tool_errors = tool_calls + step.tool_calls, tool_errors + step.tool_errors
                 if step.reward is not None:
                     rewards.append(float(step.reward))
                 if step.done or turn_index == self.max_turns - 1:
@@ -118,7 +117,9 @@ class EpisodeLoop:
         except NoRoomError as error:  # the conversation filled the context: what was generated still trains, truncated
             if session.trajectory is None or session.trajectory.model_turns == 0:
                 return failed_sample(group, index, context.prompt_ids(group.prompt), str(error))
-        return session.to_sample(metadata={"final_answer": final_answer, "turn_rewards": rewards})
+        # The environment's counts: it answered the calls (and may count what is not a `<tool_call>` block).
+        return session.to_sample(metadata={"final_answer": final_answer, "turn_rewards": rewards,
+                                           "tool_calls": tool_calls, "tool_errors": tool_errors})
 
 
 class AgentRunner:
@@ -211,8 +212,14 @@ def _schemas(path: str | None) -> list[Mapping[str, Any]] | None:
 
 
 def _agent_metadata(returned: object) -> dict[str, Any]:
+    """What an agent returned, as the sample's metadata; the tool counts it may report replace the session's, so
+    they must be counts (the learner sums them into `multiturn/*`)."""
     if returned is not None and not isinstance(returned, Mapping):
         raise TypeError(f"returned {type(returned).__name__}; an agent returns a dict or None")
+    for key in ("tool_calls", "tool_errors"):
+        value = (returned or {}).get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"it returned {key}={value!r}: the counts an agent reports are integers >= 0")
     return dict(returned or {})
 
 

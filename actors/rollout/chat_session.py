@@ -64,11 +64,13 @@ class ChatSession:
                                        "of its own")
         messages = [dict(message) for message in messages]
         before = self._response_length()
+        answers = messages[len(self.messages):] if self.messages else []  # what came back since the last turn
         self._append_messages(messages, tools)
         output, prompt_tokens = await self._generate_or_roll_back(before, max_tokens, stop)
         text = self.context.tokenizer.decode(output.output_ids, skip_special_tokens=True)
         parsed = parse_tool_calls(text)
         message = assistant_message(parsed, text)
+        self._count_tool_use(answers, parsed, message)
         self.messages = [*messages, message]
         finish = "tool_calls" if message.get("tool_calls") and output.finish_reason == "stop" else output.finish_reason
         return Completion(message, text, parsed, finish, prompt_tokens, len(output.output_ids))
@@ -103,6 +105,17 @@ class ChatSession:
         counts = {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
         return trajectory.to_sample(self.group, self.index, response=response,
                                     status=STATUS_BY_FINISH[self.last_finish], metadata={**counts, **(metadata or {})})
+
+    def _count_tool_use(self, answers: Sequence[Mapping[str, Any]], parsed: ParsedTurn,
+                        message: Mapping[str, Any]) -> None:
+        """Count, once a call is in the trajectory, the calls the model wrote in its turn (malformed ones too) and
+        the errors: a call the client never received (a turn with a malformed block comes back as text) and each
+        tool result the client sent back marked as an error (`tool_result_failed`). The built-in loop reports its
+        environment's counts instead, and an agent's own counts in its returned dict replace these."""
+        written = len(parsed.calls) + len(parsed.malformed)
+        self.tool_calls += written
+        self.tool_errors += written - len(message.get("tool_calls") or [])
+        self.tool_errors += sum(tool_result_failed(answer) for answer in answers)
 
     def _append_messages(self, messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> None:
         """Start the trajectory on the first call; on a later one, append what follows the last model turn."""
@@ -188,6 +201,24 @@ def assistant_message(parsed: ParsedTurn, text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": parsed.content, "tool_calls": calls}
 
 
+def tool_result_failed(message: Mapping[str, Any]) -> bool:
+    """Whether a message a client sent back is a tool result saying the call failed: a `tool` message marked
+    `"is_error": true` (Anthropic's tool_result field), or whose text starts with "error:" in any case (how the
+    built-in tools, examples/openai_agent.py and LangChain's tool node word a failure). OpenAI's tool messages have
+    no error field, so the words are the convention; an agent that words errors otherwise reports its counts."""
+    if message.get("role") != "tool":
+        return False
+    return message.get("is_error") is True or message_text(message).lstrip().lower().startswith("error:")
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """A message's text: its content, or the text of its OpenAI content parts joined; absent or None is ""."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+    return content if isinstance(content, str) else str(content)
+
+
 def normalized(message: Mapping[str, Any]) -> tuple[Any, ...]:
     """What must match for a message sent back to be the one the session holds: role, text and calls, with the
     spellings clients vary in (absent or None content, arguments as a JSON string or an object) made equal."""
@@ -199,7 +230,4 @@ def normalized(message: Mapping[str, Any]) -> tuple[Any, ...]:
             with contextlib.suppress(json.JSONDecodeError):  # kept as the string: compared as written
                 arguments = json.loads(arguments) if arguments.strip() else {}
         calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
-    content = message.get("content") or ""
-    if isinstance(content, list):  # OpenAI content parts: the text parts, joined
-        content = "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
-    return message.get("role"), content.strip(), tuple(calls)
+    return message.get("role"), message_text(message).strip(), tuple(calls)

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from actors.config import RunConfig, build_config
+from actors.learner.episode_metrics import episode_metrics
 from actors.learner.step import TrainingStep
 from actors.rollout.agent import AgentRunner, EpisodeLoop, agent_generate_for
 from actors.rollout.chat_session import ChatSession
@@ -146,6 +147,31 @@ def test_an_agent_on_the_openai_client_drives_one_sample_per_episode(tool_model:
         assert sample.metadata["final_answer"] == "5" and sample.metadata["tool_rounds"] == 1
         assert sample.metadata["turns"] == 3 and sample.status == "completed"
     assert not runner.endpoint.sessions, "an episode's session outlived it"
+
+
+@pytest.mark.parametrize(("agent", "calls", "errors"), [
+    ("tool_answered", 1, 0),
+    ("tool_failed_by_its_text", 1, 1),  # "error:" or "Error:" leading the result, as the built-in tools write it
+    ("tool_failed_by_its_flag", 1, 1),  # "is_error": true on the tool message (Anthropic's tool_result field)
+    ("counts_its_own_tools", 3, 2),  # what the agent returns is what it knows better
+])
+def test_an_agents_tool_calls_and_errors_are_counted_from_what_its_session_sees(
+        tool_model: Path, agent: str, calls: int, errors: int) -> None:
+    """`multiturn/tool_calls_mean` and `tool_error_fraction` read 0 for every client-written agent: only the built-in
+    loop counted. The taught model calls `add` once per episode; the agent's answer says whether the call failed."""
+    config = run_config(tool_model, agent_function_path=f"tests.support.agents:{agent}")
+    samples = asyncio.run(with_context(tool_model, config, served_episodes(agent_generate_for(config), n_samples=2)))
+    assert [(s.metadata["tool_calls"], s.metadata["tool_errors"]) for s in samples] == [(calls, errors)] * 2
+    metrics = episode_metrics(samples)
+    assert metrics["multiturn/tool_calls_mean"] == calls and metrics["multiturn/tool_error_fraction"] == errors / calls
+
+
+def test_an_agent_that_reports_counts_that_are_not_counts_fails_its_sample_naming_them(tool_model: Path) -> None:
+    config = run_config(tool_model, agent_function_path="tests.support.agents:miscounts_its_tools")
+    (sample,) = asyncio.run(with_context(tool_model, config, served_episodes(agent_generate_for(config), n_samples=1)))
+    assert sample.status == "failed"
+    assert sample.error == ("agent tests.support.agents:miscounts_its_tools failed: ValueError: it returned "
+                            "tool_calls='three': the counts an agent reports are integers >= 0")
 
 
 def test_an_agent_that_raises_or_overruns_fails_only_its_own_sample(tiny_model_path: Path) -> None:
@@ -310,7 +336,7 @@ def test_an_episode_that_outgrows_the_models_context_ends_truncated_with_the_tur
     (sample,) = asyncio.run(with_context(tool_model, config, episodes, max_model_len=100))
     seen, trained = texts(tool_model, sample)
     assert seen == trained == f"{CALL}<|im_end|>"
-    assert sample.status == "truncated" and sample.metadata["turns"] == 1
+    assert sample.status == "truncated" and sample.metadata["turns"] == 1 and sample.metadata["tool_calls"] == 1
     assert len(sample.tokens) < 100
 
 

@@ -26,3 +26,39 @@ async def one_call(episode: Episode) -> dict[str, Any] | None:
     async with openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0) as client:
         await client.chat.completions.create(model=episode.model, messages=episode.messages)
     return None
+
+
+async def answers_with(episode: Episode, result: dict[str, Any]) -> None:
+    """Asks once with the `add` tool, answers every call the model makes with `result` (a tool message's fields
+    besides role and id), and asks again."""
+    from examples.openai_agent import TOOLS
+
+    async with openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0) as client:
+        messages = list(episode.messages)
+        reply = (await client.chat.completions.create(model=episode.model, messages=messages, tools=TOOLS)).choices[0]
+        messages.append(reply.message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": call.id, **result} for call in reply.message.tool_calls or []]
+        await client.chat.completions.create(model=episode.model, messages=messages, tools=TOOLS, max_tokens=4)
+
+
+async def tool_failed_by_its_text(episode: Episode) -> None:
+    await answers_with(episode, {"content": "Error: the calculator is offline"})
+
+
+async def tool_failed_by_its_flag(episode: Episode) -> None:
+    await answers_with(episode, {"content": "the calculator is offline", "is_error": True})
+
+
+async def tool_answered(episode: Episode) -> None:
+    await answers_with(episode, {"content": "5"})
+
+
+async def counts_its_own_tools(episode: Episode) -> dict[str, Any]:
+    """Answers like `tool_answered`, and reports counts of its own: a tool it ran without the model asking."""
+    await tool_answered(episode)
+    return {"tool_calls": 3, "tool_errors": 2}
+
+
+async def miscounts_its_tools(episode: Episode) -> dict[str, Any]:
+    await tool_answered(episode)
+    return {"tool_calls": "three"}
