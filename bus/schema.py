@@ -115,6 +115,12 @@ class Sample(Message):
         msgspec.field(default_factory=dict)
     )
     error: Annotated[str | None, doc("why generation or scoring failed, if status is failed/aborted")] = None
+    messages: Annotated[
+        list[dict[str, Any]] | None,
+        doc("a chat episode as OpenAI chat messages: the prompt's, then every turn up to the model's last (its calls "
+            "as `tool_calls`, the tool results as `tool` messages), for a reward that reads the conversation; "
+            "rollout worker (agent episodes), None for a sample that is not a chat"),
+    ] = None
 
     def __post_init__(self) -> None:
         self.tokens = _check_tensor("Sample", "tokens", self.tokens, _INT32, None)

@@ -125,13 +125,15 @@ class RewardWorker(Actor):
 
 
 def reward_input(sample: Sample) -> RewardInput:
-    """What a reward function of ours is given for one wire sample: text, label, metadata, token ids and the
-    engine's finish reason (carried by the sample's status)."""
+    """What a reward function of ours is given for one wire sample: text, label, metadata, token ids, the
+    engine's finish reason (carried by the sample's status) and a chat episode's messages."""
     tokens = sample.tokens.tolist()
+    messages = None if sample.messages is None else [dict(message) for message in sample.messages]
     return RewardInput(prompt=prompt_text(sample.prompt), response=sample.response, label=sample.label,
                        metadata=dict(sample.metadata), prompt_ids=tokens[:sample.prompt_tokens],
                        response_ids=tokens[sample.prompt_tokens:],
-                       finish_reason=FINISH_BY_STATUS.get(sample.status))  # type: ignore[arg-type]
+                       finish_reason=FINISH_BY_STATUS.get(sample.status),  # type: ignore[arg-type]
+                       messages=messages)
 
 
 def _has_reward(sample: Sample) -> bool:

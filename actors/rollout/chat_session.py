@@ -97,14 +97,16 @@ class ChatSession:
         return completion, output.finish_reason, prompt_tokens, len(output.output_ids)
 
     def to_sample(self, *, metadata: dict[str, Any] | None = None) -> Sample:
-        """The episode as one sample: every model turn trained on, everything between them masked."""
+        """The episode as one sample: every model turn trained on, everything between them masked; a chat's
+        messages as the session holds them (through the model's last turn), for the reward."""
         trajectory = self.trajectory
         if trajectory is None:
             raise ValueError(f"sample {self.group.group_id}/{self.index}: the episode never called the model")
         response = self.context.tokenizer.decode(trajectory.response_ids, skip_special_tokens=True)
         counts = {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
         return trajectory.to_sample(self.group, self.index, response=response,
-                                    status=STATUS_BY_FINISH[self.last_finish], metadata={**counts, **(metadata or {})})
+                                    status=STATUS_BY_FINISH[self.last_finish], metadata={**counts, **(metadata or {})},
+                                    messages=self.messages or None)
 
     def _count_tool_use(self, answers: Sequence[Mapping[str, Any]], parsed: ParsedTurn,
                         message: Mapping[str, Any]) -> None:

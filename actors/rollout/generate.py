@@ -136,7 +136,7 @@ class RolloutContext:
 def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_ids: list[int],
                 log_probs: list[float], versions: list[int], *, response: str, status: str,
                 loss_mask: list[int] | None = None, metadata: dict[str, Any] | None = None,
-                routed_experts: RoutedExperts | None = None) -> Sample:
+                routed_experts: RoutedExperts | None = None, messages: list[dict[str, Any]] | None = None) -> Sample:
     routes = None if routed_experts is None else routed_experts.table().reshape(-1).astype(np.int16)
     _, layers, top_k = routed_experts.shape if routed_experts is not None else (0, 0, 0)
     return Sample(
@@ -149,7 +149,7 @@ def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_
         token_versions=np.asarray(versions, dtype=np.int32),
         routed_experts=routes, moe_layers=layers, moe_top_k=top_k,
         status=status, metadata={**group.metadata, "data_index": group.data_index, **(metadata or {})},
-        error=None,
+        error=None, messages=messages,
     )
 
 

@@ -128,11 +128,12 @@ class Trajectory:
             del values[response_length:]
 
     def to_sample(self, group: PromptGroup, index: int, *, response: str, status: str,
-                  metadata: dict[str, Any] | None = None) -> Sample:
+                  metadata: dict[str, Any] | None = None, messages: list[dict[str, Any]] | None = None) -> Sample:
+        """`messages`: the conversation as chat messages, when it is a chat (`Sample.messages`)."""
         turns = {"turns": self.model_turns, "environment_tokens": self.loss_mask.count(0)}
         return make_sample(group, index, self.prompt_ids, self.response_ids, self.log_probs, self.versions,
                            response=response, status=status, loss_mask=self.loss_mask,
-                           metadata={**turns, **(metadata or {})})
+                           metadata={**turns, **(metadata or {})}, messages=messages)
 
     def _extend(self, ids: Sequence[int], mask: int, log_probs: Sequence[float], versions: Sequence[int]) -> None:
         self.response_ids.extend(int(i) for i in ids)

@@ -7,7 +7,8 @@ length, for rewards that compare samples (pairwise judges, diversity bonuses).
 
 Besides the decoded text, a reward sees the token ids (``response`` may have special tokens stripped, see
 ``--rollout-skip-special-tokens``; ``response_ids`` never do) and why generation ended, so it can check for EOS or
-penalise truncation.
+penalise truncation; and a multi-turn episode as chat messages, so it can read the tool calls and results without
+parsing a chat template's text.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class RewardInput:
     ``--rollout-max-response-len`` or the context cap: truncated), ``"abort"``; None where the caller does not know
     (a ``RewardInput`` built by hand). The reward worker fills all three; code that builds inputs from text alone
     may leave them empty.
+
+    ``messages`` is a multi-turn chat episode (an agent's, or the built-in tool loop's) as OpenAI chat messages: the
+    prompt's, then each turn through the model's last, an assistant turn's calls as ``tool_calls`` (``id``,
+    ``function.name``, ``function.arguments`` as a JSON string), each tool result a ``tool`` message with its
+    ``tool_call_id``. None for a sample that is not a chat (one completion, a text-completion session). The text
+    in ``response`` is the same conversation rendered by the chat template.
     """
 
     prompt: str
@@ -42,6 +49,7 @@ class RewardInput:
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 def prompt_text(prompt: str | list[dict[str, Any]]) -> str:

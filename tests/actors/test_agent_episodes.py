@@ -174,6 +174,33 @@ def test_an_agent_that_reports_counts_that_are_not_counts_fails_its_sample_namin
                             "tool_calls='three': the counts an agent reports are integers >= 0")
 
 
+@pytest.mark.parametrize(("flags", "roles"), [
+    ({"agent_function_path": "examples.openai_agent:solve"},
+     ["user", "assistant", "tool", "assistant", "user", "assistant"]),
+    ({"agent_tools_path": "examples.openai_agent:FUNCTIONS", "agent_tool_schemas_path": "examples.openai_agent:TOOLS",
+      "agent_max_turns": 2}, ["user", "assistant", "tool", "assistant"]),
+], ids=["openai_agent", "tool_loop"])
+def test_the_reward_is_given_the_episode_as_chat_messages_with_its_tool_calls(
+        tool_model: Path, flags: dict[str, Any], roles: list[str]) -> None:
+    """The reward saw the conversation only as text with the template's role names in it; it now also gets the
+    messages, as they crossed the wire from the rollout worker, the model's calls as OpenAI tool calls."""
+    from actors.reward.actor import reward_input
+    from bus.codec import decode, encode
+
+    config = run_config(tool_model, **flags)
+    generate = agent_generate_for(config)
+    episodes = (served_episodes(generate, n_samples=1) if isinstance(generate, AgentRunner)
+                else lambda context: generate(context, eval_group()))
+    (sample,) = asyncio.run(with_context(tool_model, config, episodes))
+    given = reward_input(decode(encode(sample)))
+    assert given.messages is not None and [m["role"] for m in given.messages] == roles
+    assert given.messages[0] == {"role": "user", "content": "2+3="} and given.messages[3]["content"] == "5"
+    (call,) = given.messages[1]["tool_calls"]
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+    assert given.messages[2]["tool_call_id"] == call["id"] and given.messages[2]["content"] == "5"
+    assert given.response == sample.response and "5" in given.response  # the text, for rewards that read text
+
+
 def test_an_agent_that_raises_or_overruns_fails_only_its_own_sample(tiny_model_path: Path) -> None:
     config = run_config(tiny_model_path, agent_function_path=TROUBLE, agent_timeout=3)
     runner = agent_generate_for(config)
