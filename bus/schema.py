@@ -249,7 +249,8 @@ class BatchRequest(Message):
 
 
 class Batch(Message):
-    """Buffer -> learner (RPC reply): a training batch of complete groups within the staleness bound.
+    """Buffer -> learner (RPC reply): a training batch of whole groups within the staleness bound (a group's failed
+    samples left out, `--failed-sample-policy leave_out`).
 
     An empty `samples` list means "not ready yet, ask again" (the buffer answers a long-poll after a while).
     A replayed batch (the learner restarted from a checkpoint and asked again) is the first serving unchanged:
@@ -272,6 +273,9 @@ class Batch(Message):
         int, doc("every evaluation round of a version up to this one has reported (-1: none yet); the learner "
                  "keeps the engines on an evaluated version's weights until its round is done")
     ] = -1
+    left_out_samples: Annotated[
+        int, doc("failed samples of the batch's groups, left out: each of those groups trains on its others")
+    ] = 0
 
 
 class FinalCommit(Message):

@@ -8,13 +8,16 @@ every lease, acceptance, drop, eviction and batch, across restarts, so at the en
 - skipped: prompts of the data order never leased while later ones were (a gap in an epoch's positions);
 - per prompt group, its fate: trained, served but not trained yet, waiting in the pool, dropped (with the reason),
   or in flight (leased, no answer yet, or evicted and waiting to be generated again);
+- samples: of the trained groups, the samples trained and those left out (they failed, and their group trained on
+  the others, `--failed-sample-policy leave_out`); a sample of a trained group that is neither fails the check;
 - regenerated: evictions (with the staleness that caused them) and leases given again (a worker died, a lease
   expired);
 - by response length (quartiles of the accepted groups' mean response length), how many groups were trained and
   how many evictions fell there, and the length bias: the mean response length of evicted groups against trained
   ones.
 
-The verdict fails when prompts were skipped; everything else is reported.
+The verdict fails when prompts were skipped or a trained group's samples do not add up; everything else is
+reported.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import itertools
 import json
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,9 @@ class GroupFate:
     batch: int | None = None
     dropped: str | None = None
     mean_length: float | None = None  # of its latest accepted answer
+    n_samples: int = 0  # asked of its lease
+    samples: int = 0  # of its latest accepted answer
+    left_out: int = 0  # of its latest accepted answer: failed, and left out of the group
 
 
 @dataclass
@@ -66,11 +73,13 @@ def prompt_verdict(run_dir: Path) -> dict[str, Any]:
     trained_through = _trained_through(run_dir / TRAINED)
     fates = Counter(_outcome(fate, trained_through) for fate in history.groups.values())
     skipped = _skipped(history.new_positions)
+    samples = _samples(fate for fate in history.groups.values() if _outcome(fate, trained_through) == "trained")
     result: dict[str, Any] = {
-        "verdict": "fail" if skipped else "pass",
+        "verdict": "fail" if skipped or samples["unaccounted"] else "pass",
         "prompt_groups": len(history.groups),
         "fates": dict(sorted(fates.items())),
         "skipped": skipped,
+        "samples": samples,
         "regenerated": {"evictions": sum(f.evictions for f in history.groups.values()),
                         "leased_again": sum(max(0, f.leases - 1 - f.evictions) for f in history.groups.values())},
         "eviction_staleness": {str(k): v for k, v in sorted(history.eviction_staleness.items())},
@@ -98,6 +107,7 @@ def _read(log_path: Path) -> _History:
                 for raw in record["groups"]:
                     group = decode(raw)
                     history.fate(group.group_id).leases += 1
+                    history.fate(group.group_id).n_samples = group.n_samples
                 for group_id in record["new"]:
                     epoch, position = (int(part) for part in group_id.split(":"))
                     history.new_positions.setdefault(epoch, set()).add(position)
@@ -106,6 +116,7 @@ def _read(log_path: Path) -> _History:
                 samples = decode(record["group"]).samples
                 fate.accepted, fate.dropped = True, None
                 fate.mean_length = statistics.fmean(int(s.response_length) for s in samples) if samples else 0.0
+                fate.samples, fate.left_out = len(samples), len(record.get("left_out", ()))
             elif kind == "drop":
                 fate = history.fate(group_id)
                 fate.dropped, fate.accepted = record["reason"], False
@@ -144,6 +155,14 @@ def _outcome(fate: GroupFate, trained_through: int) -> str:
     if fate.accepted:
         return "waiting in the pool"
     return "in flight"
+
+
+def _samples(trained: Iterable[GroupFate]) -> dict[str, int]:
+    """The samples of the trained groups: trained, left out, and those neither says (a log that lost one). A group
+    whose lease is in an archive since deleted is not counted: how many samples it asked for is unknown."""
+    fates = [fate for fate in trained if fate.n_samples]
+    count = {"trained": sum(f.samples for f in fates), "left_out": sum(f.left_out for f in fates)}
+    return {**count, "unaccounted": sum(f.n_samples for f in fates) - count["trained"] - count["left_out"]}
 
 
 def _skipped(new_positions: dict[int, set[int]]) -> int:

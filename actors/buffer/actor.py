@@ -93,6 +93,7 @@ class Buffer(Actor):
             compact_log_bytes=int(config.buffer.buffer_log_compact_mb * 2**20),
             batch_selector=batch_selector(config),
             on_selection_error=lambda problem: self.log.error("buffer filter answer unusable", problem=problem),
+            failed_sample_policy=config.buffer.failed_sample_policy,
         )
         if log_path.exists():
             replayed = self.core.restore(log_path)
@@ -205,7 +206,8 @@ class Buffer(Actor):
         })
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
                      replayed=assembled.replayed, learner_version=assembled.learner_version,
-                     eval_done_through=self.eval_rounds.done_through)
+                     eval_done_through=self.eval_rounds.done_through,
+                     left_out_samples=len(assembled.groups) * self.core.n_samples - len(samples))
 
     @serves(FinalCommit)
     async def on_final_commit(self, sender: str, commit: FinalCommit) -> Ack:

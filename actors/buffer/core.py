@@ -19,16 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import structlog
 
+from actors.buffer.failed_samples import FailedSamplePolicy, samples_to_train
 from actors.buffer.log import BufferLog
 from actors.buffer.selection import checked_selection
 from actors.data.prompts import Cursor, PromptSource
 from actors.eval import take_eval_groups
 from actors.extensions.points import BatchSelector, GroupFilter, SelectionError
 from bus.codec import decode, encode
-from bus.schema import PromptGroup, ScoredGroup
+from bus.schema import PromptGroup, Sample, ScoredGroup
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
 
 
@@ -64,6 +66,7 @@ class BufferStats:
     trained_groups: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
     reissued: int = 0
+    left_out_samples: int = 0  # failed samples of accepted groups, which trained on the others
     ignored: Counter[str] = field(default_factory=Counter)
     selection_fallbacks: Counter[str] = field(default_factory=Counter)  # batches taken oldest-first, by reason
 
@@ -78,9 +81,11 @@ class BufferCore:
                  lease_timeout: float, group_filter: GroupFilter | None = None, log: BufferLog | None = None,
                  clock: Callable[[], float] = time.monotonic, compact_log_bytes: int = 0,
                  batch_selector: BatchSelector | None = None,
-                 on_selection_error: Callable[[str], None] | None = None) -> None:
+                 on_selection_error: Callable[[str], None] | None = None,
+                 failed_sample_policy: FailedSamplePolicy = "leave_out") -> None:
         self.source = source
         self.n_samples = n_samples
+        self.failed_sample_policy = failed_sample_policy
         self.lease_timeout = lease_timeout
         self.group_filter = group_filter
         self.batch_selector = batch_selector
@@ -232,22 +237,33 @@ class BufferCore:
                 del self.leases[lease_id]
         if group.is_eval:
             return "eval"
-        reason = self._drop_reason(scored)
+        trained, reason = self._admitted(scored)
         if reason is not None:
             self._drop(scored.group_id, reason)
             return f"dropped.{reason}"
+        kept = {sample.sample_id for sample in trained.samples}
+        left_out = [sample for sample in scored.samples if sample.sample_id not in kept]
         self.version_ranges.pop(scored.group_id, None)  # a re-issued group comes back with new tokens
-        self.pool[scored.group_id] = scored
+        self.pool[scored.group_id] = trained
         self.stats.accepted += 1
+        self.stats.left_out_samples += len(left_out)
         if self.log is not None:
-            self.log.append("accept", group_id=scored.group_id, group=encode(scored))
+            self.log.append("accept", group_id=scored.group_id, group=encode(trained),
+                            **({"left_out": [_left_out(sample) for sample in left_out]} if left_out else {}))
         return "accepted"
 
-    def _drop_reason(self, scored: ScoredGroup) -> str | None:
+    def _admitted(self, scored: ScoredGroup) -> tuple[ScoredGroup, str | None]:
+        """The group as it trains (failed samples left out, `--failed-sample-policy`), or why it is dropped."""
         if len(scored.samples) != self.n_samples:
-            return "incomplete_group"
-        if any(s.status == "failed" or s.reward is None for s in scored.samples):
-            return "failed_samples"
+            return scored, "incomplete_group"
+        kept = samples_to_train(scored.samples, self.failed_sample_policy, _failed)
+        if kept is None:
+            return scored, "failed_samples"
+        if len(kept) < len(scored.samples):
+            scored = msgspec.structs.replace(scored, samples=kept)
+        return scored, self._drop_reason(scored)
+
+    def _drop_reason(self, scored: ScoredGroup) -> str | None:
         if any(s.reward is not None and not np.isfinite(s.reward) for s in scored.samples):
             return "non_finite_reward"
         if self.group_filter is not None:
@@ -395,7 +411,8 @@ class BufferCore:
         return {
             "cursor": [cursor.epoch, cursor.position],
             "counters": {"started": stats.started, "accepted": stats.accepted, "trained_groups": stats.trained_groups,
-                         "reissued": stats.reissued, "dropped": dict(stats.dropped), "ignored": dict(stats.ignored),
+                         "reissued": stats.reissued, "left_out_samples": stats.left_out_samples,
+                         "dropped": dict(stats.dropped), "ignored": dict(stats.ignored),
                          "live_started": self.live_started, "committed_batch": self.committed_batch},
             "prompt_groups": [encode(g) for g in self.prompt_groups.values()],
             "leases": [{"lease_id": r.lease_id, "worker_id": r.worker_id,
@@ -412,7 +429,8 @@ class BufferCore:
         counters = record["counters"]
         self.stats = BufferStats(started=counters["started"], accepted=counters["accepted"],
                                  trained_groups=counters["trained_groups"], dropped=Counter(counters["dropped"]),
-                                 reissued=counters["reissued"], ignored=Counter(counters["ignored"]))
+                                 reissued=counters["reissued"], ignored=Counter(counters["ignored"]),
+                                 left_out_samples=counters.get("left_out_samples", 0))
         self.live_started = counters["live_started"]
         self.committed_batch = counters["committed_batch"]
         self.prompt_groups = {g.group_id: g for g in map(decode, record["prompt_groups"])}
@@ -456,6 +474,7 @@ class BufferCore:
                 self.version_ranges.pop(record["group_id"], None)
                 self.pool[record["group_id"]] = decode(record["group"])
                 self.stats.accepted += 1
+                self.stats.left_out_samples += len(record.get("left_out", ()))
             elif kind == "drop":
                 self._forget_in_flight(record["group_id"])
                 self.prompt_groups.pop(record["group_id"], None)
@@ -489,6 +508,16 @@ class BufferCore:
             record.group_ids.discard(group_id)
             if not record.group_ids:
                 del self.leases[entry[1]]
+
+
+def _failed(sample: Sample) -> bool:
+    """No reward to learn from: its episode or its reward failed (a sample the reward worker passed over has none)."""
+    return sample.status == "failed" or sample.reward is None
+
+
+def _left_out(sample: Sample) -> dict[str, str]:
+    """What the log keeps of a sample left out of its group: which, and why."""
+    return {"sample_id": sample.sample_id, "error": (sample.error or "no reward")[:300]}
 
 
 def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> AssembledBatch:

@@ -45,6 +45,7 @@ def gauges(core: BufferCore) -> dict[str, float]:
         "buffer.reissue_queue": float(len(core.reissue)),
         "buffer.started": float(core.stats.started),
         "buffer.accepted": float(core.stats.accepted),
+        "buffer.samples_left_out": float(core.stats.left_out_samples),
         "buffer.served_uncommitted": float(len(core.served)),
         **{f"buffer.dropped.{k}": float(v) for k, v in core.stats.dropped.items()},
         **{f"buffer.selection_fallback.{k}": float(v) for k, v in core.stats.selection_fallbacks.items()},

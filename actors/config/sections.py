@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from actors.buffer.failed_samples import FailedSamplePolicy
 from actors.moved import MOVED_SERVER_MODULES
 from policies.registry import FILTERS, REWARDS, BuiltinNames
 
@@ -225,6 +226,10 @@ class BufferConfig(Section):
     buffer_filter_path: str | None = Field(None, description="slime's buffer filter (args, rollout_id, buffer, "
                                            "num_samples) -> groups: picks which finished groups form the next "
                                            "training batch (the rest are taken oldest first)")
+    failed_sample_policy: FailedSamplePolicy = Field(
+        "leave_out", description="a group with failed samples (an episode that raised or overran, a reward that "
+        "failed): leave_out trains it on the others, normalised over them, while at least 2 remain; drop_group "
+        "drops the whole group")
 
     @field_validator("dynamic_sampling_filter_path")
     @classmethod

@@ -326,6 +326,7 @@ class Learner(Actor):
     def log_step(self, batch: Batch, report: StepReport | None) -> None:
         elapsed = time.monotonic() - self.started_at
         metrics: dict[str, Any] = {"version": self.version, "batch_id": batch.batch_id,
+                                   "rollout/samples_left_out": float(batch.left_out_samples),
                                    "learner/busy_fraction": self.busy_seconds / max(elapsed, 1e-9),
                                    "weights/committed_version": self.weights.committed_version}
         if report is not None:

@@ -2,10 +2,12 @@
 
 Scoring runs several groups at once (`--reward-concurrency`), which matters for remote reward models and
 LLM judges that spend their time waiting. A reward function that raises, times out or returns NaN marks that
-sample failed with the reason; the group still goes to the buffer, which drops it and counts why, so
-nothing disappears silently and the worker keeps serving. Failures are logged at a bounded rate, and a function
-that fails on `--reward-failure-limit` samples in a row ends the run as failed, with its last error
-(`actors.reward.failures`): a broken reward trains nothing, and would otherwise go on failing forever.
+sample failed with the reason; the group still goes to the buffer, which leaves the failed sample out (or drops
+the group, `--failed-sample-policy`) and counts why, so nothing disappears silently and the worker keeps serving.
+A sample that failed in generation is not scored; the others of its group are, if the group can still train.
+Failures are logged at a bounded rate, and a function that fails on `--reward-failure-limit` samples in a row
+ends the run as failed, with its last error (`actors.reward.failures`): a broken reward trains nothing, and would
+otherwise go on failing forever.
 
 The function is given each sample's token ids and finish reason besides its text (`reward_input`).
 """
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from actors.buffer.failed_samples import samples_to_train
 from actors.config.teachers import run_teachers
 from actors.extensions.load import reward_spec
 from actors.reward.failures import RewardFailures
@@ -74,31 +77,39 @@ class RewardWorker(Actor):
     async def score_by_teachers(self, samples: list[Sample]) -> list[Sample]:
         """Each sample's teacher log-probs from its teacher server; one it could not get fails, named and counted."""
         assert self.teachers is not None
-        if any(sample.status == "failed" for sample in samples):
+        if self._trains_on(samples) is None:
             return samples  # failed in generation: the buffer drops the group, the teacher need not score it
-        annotated = await self.teachers.annotate(samples)
+        annotated = await self.teachers.annotate(samples)  # a sample that failed is passed over
         failed = [sample for sample in annotated if sample.status == "failed"]
         if failed:
             self.counters["samples.teacher_failed"] += len(failed)
-            self.log.warning("a distillation teacher could not score samples; their group is dropped",
+            self.log.warning("a distillation teacher could not score samples; they are not trained",
                              sample=failed[0].sample_id, reason=failed[0].error)
         self.counters["samples.teacher_scored"] += len(samples) - len(failed)
         return annotated
 
     async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
-        if any(s.status == "failed" for s in samples):  # failed in generation (e.g. no room under the context
-            return list(samples)  # cap): nothing to score, the buffer drops the group and counts it
+        """The samples that did not fail in generation, scored; those that did, as they are (none are scored when
+        the buffer will drop the group for them)."""
+        scorable = self._trains_on(samples)
+        if not scorable:  # failed in generation (e.g. no room under the context cap): the buffer counts it
+            return list(samples)
         # A reward already set (slime's rollout functions and generate plugins may score their own samples) is kept,
         # as slime's generate_and_rm does; a group reward needs the whole group, so it rescores all if any lacks one.
-        unscored = [s for s in samples if not _has_reward(s)]
+        unscored = [s for s in scorable if not _has_reward(s)]
         if not unscored:
-            self.counters["samples.prescored"] += len(samples)
+            self.counters["samples.prescored"] += len(scorable)
             return list(samples)
         if self.reward.is_group:
-            return await self._score(samples, is_eval=is_eval)
-        self.counters["samples.prescored"] += len(samples) - len(unscored)
-        rescored = iter(await self._score(unscored, is_eval=is_eval))
-        return [sample if _has_reward(sample) else next(rescored) for sample in samples]
+            unscored = scorable
+        self.counters["samples.prescored"] += len(scorable) - len(unscored)
+        rescored = dict(zip(map(id, unscored), await self._score(unscored, is_eval=is_eval), strict=True))
+        return [rescored.get(id(sample), sample) for sample in samples]
+
+    def _trains_on(self, samples: list[Sample]) -> list[Sample] | None:
+        """The samples of a group that can train, by the buffer's rule; None when it will drop the group."""
+        return samples_to_train(samples, self.config.buffer.failed_sample_policy,
+                                lambda sample: sample.status == "failed")
 
     async def _score(self, samples: list[Sample], *, is_eval: bool) -> list[Sample]:
         inputs: list = list(samples) if self.reward.takes_samples else [reward_input(s) for s in samples]

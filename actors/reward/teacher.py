@@ -8,7 +8,7 @@ teacher's log-probs of the response tokens, checked against the sample's own ids
 teacher scores at the rollout temperature, as slime's OPD reward function asks it to.
 
 A teacher that cannot score (unreachable after the retries, an HTTP error, a malformed answer) fails the sample
-with the teacher named; the buffer drops its group and counts it, as it does a failed reward. Eval samples are
+with the teacher named; the buffer leaves it out and counts it, as it does a failed reward. Eval samples are
 never scored: they are not trained.
 """
 

@@ -260,7 +260,7 @@ class RolloutWorker(Actor):
         """Hand one generated group to the reward workers, counting what was generated."""
         self.counters["samples.generated"] += len(samples)
         no_room = [s for s in samples if s.status == "failed"]
-        if no_room:  # e.g. a prompt over the context cap: the buffer drops the group and counts it
+        if no_room:  # e.g. a prompt over the context cap: the buffer leaves them out (or drops the group), counted
             self.counters["samples.failed"] += len(no_room)
             self.log.warning("samples failed before scoring", group=group_id, reason=no_room[0].error)
         self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))

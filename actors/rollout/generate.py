@@ -158,7 +158,8 @@ class NoRoomError(ValueError):
 
 
 def failed_sample(group: PromptGroup, index: int, prompt_ids: list[int], reason: str) -> Sample:
-    """Sample `index` marked failed with `reason`, no response: the buffer drops its group and counts it."""
+    """Sample `index` marked failed with `reason`, no response: the buffer leaves it out of its group (or drops the
+    group, `--failed-sample-policy`) and counts it."""
     return msgspec.structs.replace(make_sample(group, index, prompt_ids, [], [], [], response="", status="failed"),
                                    error=reason)
 

@@ -69,7 +69,7 @@ GroupRewardFn = Callable[[list[RewardInput]], Sequence[RewardValue] | Awaitable[
 class RewardOutcome:
     """The result for one sample: ``status == "ok"`` with a finite ``reward``, or ``"error"`` with a ``reason``.
 
-    An errored sample is never given a made-up reward; the buffer decides (drop the group, or re-score).
+    An errored sample is never given a made-up reward; the buffer leaves it out of its group (or drops the group).
     """
 
     reward: float | None

@@ -380,13 +380,13 @@ def test_a_log_that_only_grows_is_compacted_as_it_doubles_not_at_every_batch_req
     assert sorted(revived.served) == list(range(1, 41))
 
 
-def _buffer_actor(tmp_path: Path) -> Buffer:
+def _buffer_actor(tmp_path: Path, **run_settings: object) -> Buffer:
     for name in ("train", "eval"):
         rows = [{"input": f"{i}+1=", "label": str(i + 1)} for i in range(2 if name == "eval" else 20)]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     run = {"prompt_data": str(tmp_path / "train.jsonl"), "eval_prompt_data": ["probe", str(tmp_path / "eval.jsonl")],
            "eval_interval": 100, "num_rollout": 1, "rollout_batch_size": B, "n_samples_per_prompt": N,
-           "max_staleness": 1, "final_eval_timeout": 30.0}
+           "max_staleness": 1, "final_eval_timeout": 30.0, **run_settings}
     context = ActorContext(actor_id="buffer-0", role="buffer", actor_class="actors.buffer.actor:Buffer", node_rank=0,
                            head_address="tcp://127.0.0.1:1", run_dir=tmp_path / "run", settings={"run": run})
     return Buffer(context)
