@@ -14,7 +14,7 @@ merged into the sample's metadata (the reward function sees it). An agent that r
 `--agent-timeout` fails its sample, counted and logged with the agent's error; the worker goes on.
 
 Either way the sample is the whole conversation after the prompt: the model's turns trained on, everything else
-masked, and the reward function scores its text.
+masked; the reward function is given its text and its chat messages (`Sample.messages`).
 """
 
 from __future__ import annotations
