@@ -19,3 +19,12 @@ async def one_call_then_trouble(episode: Episode) -> dict[str, Any] | None:
     if episode.sample_index == 2:
         await asyncio.sleep(30)
     return None
+
+
+async def responses_or_anthropic(episode: Episode) -> dict[str, Any]:
+    """The example agent on the Responses API for even samples, on the Anthropic Messages API for odd ones."""
+    from examples import anthropic_agent, responses_agent
+
+    if episode.sample_index % 2 == 0:
+        return {**await responses_agent.solve(episode), "api": "responses"}
+    return {**await anthropic_agent.solve(episode), "api": "anthropic"}
