@@ -209,6 +209,10 @@ class AgentConfig(Section):
                                  "the sample (counted and logged) and the worker goes on")
     agent_endpoint_host: str = Field("127.0.0.1", description="address the OpenAI-compatible endpoint listens on "
                                      "(0.0.0.0 to serve agents on other machines)")
+    agent_describe_tools: bool = Field(True, description="when the chat template leaves a request's tools out of "
+                                       "the prompt (SmolLM2's does), state them in the system message in the "
+                                       "Hermes <tools> format the tool-call parser reads; off for a model taught to "
+                                       "call its tools without being shown them")
 
 
 class BufferConfig(Section):

@@ -27,12 +27,16 @@ def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     turns = sum(s.metadata["turns"] for s in episodes)
     calls = sum(int(s.metadata.get("tool_calls", 0)) for s in episodes)
     errors = sum(int(s.metadata.get("tool_errors", 0)) for s in episodes)
+    undeclared = sum(int(s.metadata.get("undeclared_tool_calls", 0)) for s in episodes)
     model_tokens = sum(int(np.sum(s.loss_mask)) if s.loss_mask is not None else s.response_length for s in episodes)
     response_tokens = sum(s.response_length for s in episodes)
     metrics |= {
         "multiturn/turns_mean": turns / len(episodes),
         "multiturn/tool_calls_mean": calls / len(episodes),
         "multiturn/tool_error_fraction": errors / calls if calls else 0.0,
+        # calls to a function the request's tools did not declare (actors/rollout/chat_session.py): the policy
+        # inventing tools, which the agent endpoint returns as any other call
+        "multiturn/undeclared_tool_calls_mean": undeclared / len(episodes),
         "multiturn/model_tokens_per_turn": model_tokens / turns if turns else 0.0,
         "multiturn/environment_token_fraction": 1 - model_tokens / response_tokens if response_tokens else 0.0,
         "multiturn/truncated_fraction": float(np.mean([s.status == "truncated" for s in episodes])),

@@ -8,8 +8,9 @@ out) is the sample's `metadata["final_answer"]`, for a reward function that grad
 whole conversation.
 
 `--agent-function-path pkg.mod:agent` runs `async def agent(episode: Episode) -> dict | None` once per sample.
-The agent talks to the policy with any OpenAI client at `episode.base_url`: the rollout worker's endpoint, whose
-session is this sample, so every call it makes lands in the sample's trajectory as tokens. A dict it returns is
+The agent talks to the policy with any OpenAI client at `episode.base_url` (Chat Completions or Responses), or
+with the Anthropic client at `episode.anthropic_base_url` (Messages): the rollout worker's endpoint, whose session
+is this sample, so every call it makes lands in the sample's trajectory as tokens. A dict it returns is
 merged into the sample's metadata (the reward function sees it). An agent that raises or overruns
 `--agent-timeout` fails its sample, counted and logged with the agent's error; the worker goes on.
 
@@ -53,6 +54,11 @@ class Episode:
     label: Any
     metadata: dict[str, Any] = field(default_factory=dict)
     sample_index: int = 0
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The same session for the Anthropic client, which appends `/v1/messages` to its base URL itself."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
 
 
 AgentFunction = Callable[[Episode], Awaitable[Mapping[str, Any] | None]]

@@ -7,6 +7,12 @@ those are rendered (`ChatTurns.next_turn`, loss mask 0). The model's turns stay 
 so what trains is what was sampled, whatever the client does to the text of earlier turns in between. A client
 that rewrites an earlier turn gets a `ConversationDiverged` naming the first message that differs: training on a
 history the model never saw would be off-policy in a way no importance weight corrects.
+
+The model's tool calls get ids that are unique within the run (the sample's key and the turn), so a client that
+keys its tool results by id never mixes up two turns. A call to a function the request did not declare is still
+returned, as OpenAI-compatible servers do, and counted (`undeclared_tool_calls`): the agent can answer it with an
+error, and the run can see how often the policy invents tools. When the chat template leaves `tools` out of the
+prompt, the session states them in the system message instead (`--agent-describe-tools`).
 """
 
 from __future__ import annotations
@@ -18,15 +24,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import structlog
+
 from actors.rollout.generate import NoRoomError, RolloutContext
-from actors.rollout.tool_calls import ParsedTurn, parse_tool_calls
-from actors.rollout.trajectory import ChatTurns, Trajectory, render
+from actors.rollout.tool_calls import ParsedTurn, describe_tools, parse_tool_calls, tool_names
+from actors.rollout.trajectory import ChatTurns, Trajectory, render, template_renders_tools
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
 from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest
 
 
 class ConversationDiverged(ValueError):
-    """The messages sent do not extend the session's conversation: an earlier turn was changed or dropped."""
+    """The messages sent do not extend the session's conversation: an earlier turn was changed or dropped.
+    `position` is the first message that differs, where one does: an API adapter names its own item by it."""
+
+    def __init__(self, message: str, *, position: int | None = None) -> None:
+        super().__init__(message)
+        self.position = position
+
+
+_TOLD_TOOLS_DESCRIBED: set[str] = set()  # tokenizers this process said it describes tools for: said once each
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,7 @@ class Completion:
     finish_reason: str  # "stop", "length", "tool_calls" or "abort"
     prompt_tokens: int
     completion_tokens: int
+    matched_stop: str | int | None = None  # the stop string or token id the engine stopped on
 
 
 class ChatSession:
@@ -53,6 +70,9 @@ class ChatSession:
         self.last_finish = "length"
         self.tool_calls = 0
         self.tool_errors = 0
+        self.undeclared_tool_calls = 0  # calls to a function the request's tools do not declare
+        key = f"{group.group_id}/{index}".encode()
+        self.call_key = hashlib.blake2b(key, digest_size=6).hexdigest()  # this sample's part of its tool-call ids
 
     async def complete(self, messages: Sequence[Mapping[str, Any]], *,
                        tools: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
@@ -68,12 +88,16 @@ class ChatSession:
         self._append_messages(messages, tools)
         output, prompt_tokens = await self._generate_or_roll_back(before, max_tokens, stop)
         text = self.context.tokenizer.decode(output.output_ids, skip_special_tokens=True)
-        parsed = parse_tool_calls(text)
+        assert self.trajectory is not None and self.turns is not None
+        parsed = parse_tool_calls(text, id_prefix=f"call_{self.call_key}_{self.trajectory.model_turns}_")
+        if self.turns.tools is not None:
+            declared = tool_names(self.turns.tools)
+            self.undeclared_tool_calls += sum(call.name not in declared for call in parsed.calls)
         message = assistant_message(parsed, text)
         self._count_tool_use(answers, parsed, message)
         self.messages = [*messages, message]
         finish = "tool_calls" if message.get("tool_calls") and output.finish_reason == "stop" else output.finish_reason
-        return Completion(message, text, parsed, finish, prompt_tokens, len(output.output_ids))
+        return Completion(message, text, parsed, finish, prompt_tokens, len(output.output_ids), output.matched_stop)
 
     async def complete_text(self, prompt: str, *, max_tokens: int | None = None,
                             stop: Sequence[str] = ()) -> tuple[str, str, int, int]:
@@ -103,7 +127,8 @@ class ChatSession:
         if trajectory is None:
             raise ValueError(f"sample {self.group.group_id}/{self.index}: the episode never called the model")
         response = self.context.tokenizer.decode(trajectory.response_ids, skip_special_tokens=True)
-        counts = {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
+        counts = {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+                  "undeclared_tool_calls": self.undeclared_tool_calls}
         return trajectory.to_sample(self.group, self.index, response=response,
                                     status=STATUS_BY_FINISH[self.last_finish], metadata={**counts, **(metadata or {})},
                                     messages=self.messages or None)
@@ -127,7 +152,12 @@ class ChatSession:
         kwargs = self.context.config.data.apply_chat_template_kwargs
         if self.turns is None:
             self.turns = ChatTurns.for_tokenizer(self.context.tokenizer, tools=tools, **kwargs)
-            self.trajectory = Trajectory(render(self.context.tokenizer, messages, add_generation_prompt=True,
+            prompt = messages
+            if tools and self.context.config.agent.agent_describe_tools and \
+                    not template_renders_tools(self.context.tokenizer, tools, **kwargs):
+                prompt = with_tools_described(messages, tools)
+                self._say_tools_are_described()
+            self.trajectory = Trajectory(render(self.context.tokenizer, prompt, add_generation_prompt=True,
                                                 tools=tools, **kwargs))
             return
         if tools != (list(self.turns.tools) if self.turns.tools is not None else None):
@@ -139,12 +169,21 @@ class ChatSession:
                 raise ConversationDiverged(
                     f"message {position} ({kept.get('role')}) differs from the one this session holds: a session "
                     "continues one conversation, so send every earlier message back unchanged (the model's turns "
-                    "as they were returned) and start a new session for a different one")
+                    "as they were returned) and start a new session for a different one", position=position)
         if len(messages) <= known:
             raise ConversationDiverged(f"{len(messages)} messages sent, but the session already holds {known}: a "
                                        "later call must add the messages that follow the model's last turn")
         assert self.trajectory is not None
         self.trajectory.add_environment(self.turns.closing(self.last_output) + self.turns.next_turn(messages[known:]))
+
+    def _say_tools_are_described(self) -> None:
+        tokenizer = self.context.tokenizer
+        name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+        if name not in _TOLD_TOOLS_DESCRIBED:
+            _TOLD_TOOLS_DESCRIBED.add(name)
+            structlog.get_logger().info(
+                "the chat template leaves tools out of the prompt: the agent endpoint states them in the system "
+                "message (Hermes <tools> format; --no-agent-describe-tools turns this off)", tokenizer=name)
 
     def _response_length(self) -> int:
         return len(self.trajectory.response_ids) if self.trajectory is not None else 0
@@ -190,6 +229,18 @@ class ChatSession:
         the same tokens however the samples of its group interleave."""
         key = f"{self.context.config.seed}/{self.group.group_id}/{self.index}/{call}".encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def with_tools_described(messages: Sequence[Mapping[str, Any]],
+                          tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with the tools stated in the system message: after the client's own system text, or as a system
+    message of their own. Only the prompt's tokens change; the conversation the client sends back stays its own."""
+    described = describe_tools(tools)
+    messages = [dict(message) for message in messages]
+    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{described}"
+        return messages
+    return [{"role": "system", "content": described}, *messages]
 
 
 def assistant_message(parsed: ParsedTurn, text: str) -> dict[str, Any]:

@@ -1,43 +1,51 @@
-"""The OpenAI-compatible endpoint a rollout worker serves while agents run: `/v1/chat/completions` (with `tools`
-and tool-call output), `/v1/completions` and `/v1/models`, one session per sample.
+"""The HTTP endpoint a rollout worker serves while agents run, one session per sample, in the three APIs agent
+harnesses speak: OpenAI Chat Completions (`/v1/chat/completions`, `/v1/completions`; `actors.rollout.api_chat`),
+OpenAI Responses (`/v1/responses`; `actors.rollout.api_responses`) and Anthropic Messages (`/v1/messages`;
+`actors.rollout.api_anthropic`), and `/v1/models` in the shape of whichever client asks.
 
-An episode's base URL is `http://HOST:PORT/sessions/SESSION/v1`, so an unmodified OpenAI client (or any agent
-framework built on one) drives exactly one sample and every call it makes is recorded into that sample's
-trajectory as tokens. A session lives on one worker, so all its calls reach the same engine and reuse the prefix
-it already holds.
+An episode's base URL is `http://HOST:PORT/sessions/SESSION/v1` (the Anthropic client's is the same without `/v1`:
+it appends `/v1/messages` itself), so an unmodified client (or any agent framework built on one) drives exactly one
+sample, and every call it makes is recorded into that sample's trajectory as tokens. A session lives on one worker,
+so all its calls reach the same engine.
 
-What the endpoint refuses, it refuses as OpenAI does (an HTTP error with `{"error": {"message": ...}}`), naming the
-field and what is wrong: a body that is not JSON, `n` other than 1 (a session is one sample), a conversation that
-does not extend the session's, a second call while one is running, an unknown session. None of that ends the
-worker; the agent sees the error and its episode decides what to do.
-
-`stream: true` is answered as OpenAI's server-sent events (content, then tool calls, then the finish reason, and
-the usage with `stream_options.include_usage`), so agent frameworks that always stream work unchanged. The chunks
-are sent once the completion is done: what a rollout needs is the sample's tokens, not an early first token.
+This module is the HTTP layer: routes, sessions, one call at a time per session, server-sent events, and errors in
+the shape of the API a path belongs to (OpenAI's `{"error": {...}}`, Anthropic's `{"type": "error", "error":
+{...}}`), naming the field and what is wrong: a body that is not JSON, `n` other than 1 (a session is one sample), a
+conversation that does not extend the session's, a second call while one is running, an unknown session, and any
+path or method that is not served (naming what is). None of that ends the worker; the agent sees the error and its
+episode decides what to do.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from actors.rollout.api_anthropic import AnthropicMessages, anthropic_error
+from actors.rollout.api_chat import ChatCompletions
+from actors.rollout.api_common import ErrorBody, Events, RequestError, Serve, openai_error
+from actors.rollout.api_responses import Responses
 from actors.rollout.chat_session import ChatSession, ConversationDiverged
 from actors.rollout.generate import NoRoomError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SESSION_PREFIX = "/sessions/{session}/v1/"
 
 
-class RequestError(ValueError):
-    """A request the endpoint cannot serve; `status` is its HTTP status."""
+@dataclass(frozen=True)
+class Route:
+    """One served call: its method and path under a session's base URL, the adapter, its API's error shape."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+    method: str
+    path: str
+    serve: Serve
+    error_body: ErrorBody
+    api: str
 
 
 class OpenAIEndpoint:
@@ -48,12 +56,17 @@ class OpenAIEndpoint:
         self.busy: set[str] = set()
         self.runner: web.AppRunner | None = None
         self.refusing = False  # the worker stops: a call now would reach an engine already aborted
+        chat, responses, messages = ChatCompletions(model), Responses(model), AnthropicMessages(model)
+        self.routes = [Route("POST", "chat/completions", chat.chat, openai_error, "OpenAI"),
+                       Route("POST", "completions", chat.text, openai_error, "OpenAI"),
+                       Route("POST", "responses", responses.create, openai_error, "OpenAI Responses"),
+                       Route("POST", "messages", messages.create, anthropic_error, "Anthropic")]
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.add_routes([web.post("/sessions/{session}/v1/chat/completions", self._call(self._chat)),
-                        web.post("/sessions/{session}/v1/completions", self._call(self._text)),
-                        web.get("/sessions/{session}/v1/models", self._models)])
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._unserved])
+        for route in self.routes:
+            app.router.add_route(route.method, SESSION_PREFIX + route.path, self._call(route))
+        app.router.add_get(SESSION_PREFIX + "models", self._models)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, 0)
@@ -81,8 +94,9 @@ class OpenAIEndpoint:
     def close(self, base_url: str) -> None:
         self.sessions.pop(base_url.rstrip("/").split("/")[-2], None)
 
-    def _call(self, handler: Callable[[ChatSession, dict[str, Any]], Awaitable[dict[str, Any]]]) -> Handler:
-        """One session call: the session looked up and held for the call, every refusal an OpenAI error."""
+    def _call(self, route: Route) -> Handler:
+        """One session call: the session looked up and held for the call, every refusal an error of the route's
+        API."""
 
         async def serve(request: web.Request) -> web.StreamResponse:
             key = request.match_info["session"]
@@ -94,56 +108,61 @@ class OpenAIEndpoint:
                     raise RequestError("a call is already running in this session: an episode is one "
                                        "conversation, its calls one after another", 409)
                 body = await _json_body(request)
-                include_usage = _include_usage(body)
                 if self.refusing:  # checked with no await before the engine call: the abort that follows ends it
                     raise RequestError("the rollout worker is stopping; this episode is over", 503)
                 self.busy.add(key)
                 try:
-                    response = await handler(session, body)
+                    reply = await route.serve(session, body)
                 finally:
                     self.busy.discard(key)
-                if body.get("stream"):
-                    return await _stream(request, _chunks(response, include_usage))
-                return web.json_response(response)
+                if isinstance(reply, Events):
+                    return await _stream(request, reply)
+                return web.json_response(reply)
             except RequestError as error:
-                return _error(str(error), error.status)
+                return web.json_response(route.error_body(str(error), error.status, error.code), status=error.status)
             except NoRoomError as error:
-                return _error(str(error), 400, code="context_length_exceeded")
+                return web.json_response(route.error_body(str(error), 400, "context_length_exceeded"), status=400)
             except (ConversationDiverged, ValueError) as error:  # the conversation's fault, not ours
-                return _error(str(error), 400)
+                return web.json_response(route.error_body(str(error), 400, None), status=400)
 
         return serve
 
-    async def _chat(self, session: ChatSession, body: dict[str, Any]) -> dict[str, Any]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise RequestError("'messages' must be a list of objects, each with a 'role'")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RequestError("'tools' must be a list of tool definitions")
-        completion = await session.complete(messages, tools=tools or None, **_generation_options(body))
-        return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model,
-                "choices": [{"index": 0, "message": completion.message, "finish_reason": completion.finish_reason,
-                             "logprobs": None}],
-                "usage": _usage(completion.prompt_tokens, completion.completion_tokens)}
-
-    async def _text(self, session: ChatSession, body: dict[str, Any]) -> dict[str, Any]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise RequestError("'prompt' must be one non-empty string (a session is one sample)")
-        text, finish, prompt_tokens, completion_tokens = await session.complete_text(prompt,
-                                                                                     **_generation_options(body))
-        return {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-                "usage": _usage(prompt_tokens, completion_tokens)}
-
     async def _models(self, request: web.Request) -> web.Response:
+        """The policy, as OpenAI's model list, or Anthropic's when an Anthropic client asks."""
+        if "anthropic-version" in request.headers:
+            model = {"type": "model", "id": self.model, "display_name": self.model,
+                     "created_at": "1970-01-01T00:00:00Z"}
+            return web.json_response({"data": [model], "has_more": False, "first_id": self.model,
+                                      "last_id": self.model})
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
                                                               "owned_by": "slipstream"}]})
+
+    @web.middleware
+    async def _unserved(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A path or method the endpoint does not serve: an error in the shape of the API the path belongs to,
+        naming what is served, instead of aiohttp's plain-text 404."""
+        try:
+            return await handler(request)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as refusal:
+            anthropic = "/messages" in request.path or "anthropic-version" in request.headers
+            error_body = anthropic_error if anthropic else openai_error
+            return web.json_response(error_body(self._unserved_message(request, refusal), refusal.status, None),
+                                     status=refusal.status)
+
+    def _unserved_message(self, request: web.Request, refusal: web.HTTPException) -> str:
+        served = ", ".join([*(f"{route.method} /{route.path} ({route.api})" for route in self.routes),
+                            "GET /models"])
+        if isinstance(refusal, web.HTTPMethodNotAllowed):
+            return (f"{request.method} {request.path} is not served: that path takes "
+                    f"{', '.join(sorted(refusal.allowed_methods))}")
+        said = f"{request.method} {request.path} is not served here"
+        if not request.path.startswith("/sessions/"):
+            return (f"{said}: every call goes under a session's base URL, http://HOST:PORT/sessions/SESSION/v1 "
+                    "(episode.base_url; the Anthropic client takes episode.anthropic_base_url, without /v1)")
+        if request.path.endswith("/v1/v1/messages"):
+            return (f"{said}: the Anthropic client appends /v1/messages to its base URL itself, so give it "
+                    "episode.anthropic_base_url (the session URL without /v1)")
+        return f"{said}. Under a session's base URL (/sessions/SESSION/v1) this endpoint serves {served}"
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -158,70 +177,12 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _generation_options(body: dict[str, Any]) -> dict[str, Any]:
-    """What a client may set: how many tokens and where to stop. Sampling itself is the run's."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise RequestError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"'stop' must be a string or a list of non-empty strings, got {stop!r}")
-    return {"max_tokens": max_tokens, "stop": tuple(stop)}
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not body.get("stream"):
-        raise RequestError("'stream_options' is only allowed with 'stream': true")
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise RequestError(f"'stream_options' must be an object with a boolean 'include_usage', got {options!r}")
-    return bool(options.get("include_usage", False))
-
-
-def _chunks(response: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """A whole completion as the chunks OpenAI streams for it: the content, each tool call, the finish reason."""
-    (choice,) = response["choices"]
-    chat = response["object"] == "chat.completion"
-    base = {key: response[key] for key in ("id", "created", "model")}
-    base["object"] = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(fields: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, **fields, "finish_reason": finish_reason, "logprobs": None}]}
-
-    if not chat:
-        chunks = [chunk({"text": choice["text"]}), chunk({"text": ""}, choice["finish_reason"])]
-    else:
-        message = choice["message"]
-        chunks = [chunk({"delta": {"role": "assistant", "content": message.get("content")}})]
-        calls = message.get("tool_calls") or []
-        if calls:
-            chunks.append(chunk({"delta": {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}}))
-        chunks.append(chunk({"delta": {}}, choice["finish_reason"]))
-    if include_usage:
-        chunks.append({**base, "choices": [], "usage": response["usage"]})
-    return chunks
-
-
-async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+async def _stream(request: web.Request, reply: Events) -> web.StreamResponse:
     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await stream.prepare(request)
-    for chunk in chunks:
-        await stream.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-    await stream.write(b"data: [DONE]\n\n")
+    for event, data in reply.events:
+        named = f"event: {event}\n" if event else ""
+        text = data if isinstance(data, str) else json.dumps(data)
+        await stream.write(f"{named}data: {text}\n\n".encode())
     await stream.write_eof()
     return stream
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _error(message: str, status: int, *, code: str | None = None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                             status=status)

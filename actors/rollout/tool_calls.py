@@ -3,12 +3,17 @@ blocks after (or between) free text.
 
 A malformed call is not an exception: the model wrote it, so it gets an error back as that call's tool result and
 can try again, and the sample trains on its mistake like on anything else it wrote.
+
+A chat template that leaves a request's `tools` out (SmolLM2's) would hide them from the model; `describe_tools` is
+the system-message text that states them in the same format instead, so what the model is told and what this parser
+reads back agree.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +25,7 @@ _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", 
 class ToolCall:
     name: str
     arguments: dict[str, Any]
-    call_id: str  # position in the turn ("call_0", ...): tool results are matched to calls by it
+    call_id: str  # a prefix (the session's: sample and turn) and the position in the turn: results are matched by it
 
 
 @dataclass(frozen=True)
@@ -37,13 +42,14 @@ class ParsedTurn:
     malformed: list[MalformedCall] = field(default_factory=list)
 
 
-def parse_tool_calls(text: str) -> ParsedTurn:
+def parse_tool_calls(text: str, *, id_prefix: str = "call_") -> ParsedTurn:
     """The calls of one model turn, in order; a block left open at the end (the model ran out of tokens, or the
-    engine stopped on the closing tag before it was written) counts as a block."""
+    engine stopped on the closing tag before it was written) counts as a block. Call ids are `id_prefix` and the
+    call's position; a session passes a prefix of its own per turn, so ids never repeat within a run."""
     calls: list[ToolCall] = []
     malformed: list[MalformedCall] = []
     for index, match in enumerate(_BLOCK.finditer(text)):
-        call_id = f"call_{index}"
+        call_id = f"{id_prefix}{index}"
         body = match.group(1).strip()
         parsed = _call(body)
         if isinstance(parsed, str):
@@ -70,3 +76,25 @@ def _call(body: str) -> tuple[str, dict[str, Any]] | str:
     if not isinstance(arguments, dict):
         return f'the "arguments" of tool {decoded["name"]!r} must be a JSON object, not {type(arguments).__name__}'
     return decoded["name"], arguments
+
+
+def tool_names(tools: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The function names a request declares, from OpenAI function schemas (`{"type": "function", "function":
+    {"name": ...}}`) or flat ones (`{"name": ...}`)."""
+    names = set()
+    for tool in tools:
+        function = tool.get("function", tool)
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            names.add(function["name"])
+    return names
+
+
+def describe_tools(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tools stated for a system message, in the format the parser above reads back: each schema as one JSON
+    line inside `<tools>`, and how a call is written."""
+    schemas = "\n".join(json.dumps(dict(tool), ensure_ascii=False) for tool in tools)
+    return ("# Tools\n\nYou can call the functions below. Each is one JSON schema per line inside <tools></tools>:\n"
+            f"<tools>\n{schemas}\n</tools>\n\n"
+            "To call one, write a JSON object with its name and its arguments inside <tool_call></tool_call>, one "
+            "block per call:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <the arguments as a JSON "
+            "object>}\n</tool_call>")

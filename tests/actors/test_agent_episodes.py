@@ -49,17 +49,22 @@ TEACH = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": C
 def taught(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Sample]:
     """The tiny model after SFT on one tool-using conversation (a multi-turn SFT label: loss on its turns only),
     and the SFT sample it was taught with."""
-    config = build_config({"hf_checkpoint": str(tiny_model_path), "loss_type": "sft"})
-    group = PromptGroup(group_id="teach", prompt=TEACH[0]["content"], label=TEACH[1:], n_samples=1)
-    (teach,) = asyncio.run(with_context(tiny_model_path, config, lambda context: sft_generate(context, group)))
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2))
+    return teach_conversation(tiny_model_path, TEACH, tmp_path_factory.mktemp("tool_model"))
+
+
+def teach_conversation(base: Path, conversation: list[dict[str, Any]], out: Path) -> tuple[Path, Sample]:
+    """`base` taught `conversation` (a user turn, then the episode) by SFT until it has it by heart, saved at
+    `out`; and the SFT sample, which is the conversation's tokens as a greedy episode generates them."""
+    config = build_config({"hf_checkpoint": str(base), "loss_type": "sft"})
+    group = PromptGroup(group_id="teach", prompt=conversation[0]["content"], label=conversation[1:], n_samples=1)
+    (teach,) = asyncio.run(with_context(base, config, lambda context: sft_generate(context, group)))
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=base, lr=1e-2))
     step = TrainingStep(trainer, config)
     for _ in range(300):
         if step.train([teach], staleness=[0]).metrics["loss"] < 0.003:
             break
-    path = tmp_path_factory.mktemp("tool_model")
-    trainer.export_hf(path)
-    return path, teach
+    trainer.export_hf(out)
+    return out, teach
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +73,13 @@ def tool_model(taught: tuple[Path, Sample]) -> Path:
 
 
 def run_config(model: Path, **settings: Any) -> RunConfig:
+    """The tiny model's template leaves tools out, and the taught model calls `add` without being shown it: the
+    tools are not described to it (a description would not fit its context either)."""
     from transformers import AutoTokenizer
 
     im_end = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|im_end|>")
     return build_config({"hf_checkpoint": str(model), "rollout_max_response_len": 80, "eval_temperature": 0.0,
-                         "rollout_stop_token_ids": [im_end], **settings})
+                         "rollout_stop_token_ids": [im_end], "agent_describe_tools": False, **settings})
 
 
 async def with_context(model: Path, config: RunConfig, body: Callable[[RolloutContext], Awaitable[Any]], *,

@@ -66,6 +66,9 @@ def test_episode_metrics_count_turns_tool_calls_errors_and_samples_spanning_weig
     rewarded = msgspec.structs.replace(spanning_sample(), metadata={"turns": 2, "turn_rewards": [1.0, 0.0, 0.5]})
     metrics = episode_metrics([rewarded, spanning_sample(1)])
     assert metrics["multiturn/turn_reward_mean"] == 0.5 and metrics["multiturn/rewarded_turns_per_episode"] == 1.5
+    assert metrics["multiturn/undeclared_tool_calls_mean"] == 0.0
+    invented = msgspec.structs.replace(spanning_sample(), metadata={"turns": 2, "undeclared_tool_calls": 3})
+    assert episode_metrics([invented, spanning_sample(1)])["multiturn/undeclared_tool_calls_mean"] == 1.5
 
 
 @pytest.mark.integration

@@ -62,3 +62,12 @@ async def counts_its_own_tools(episode: Episode) -> dict[str, Any]:
 async def miscounts_its_tools(episode: Episode) -> dict[str, Any]:
     await tool_answered(episode)
     return {"tool_calls": "three"}
+
+
+async def responses_or_anthropic(episode: Episode) -> dict[str, Any]:
+    """The example agent on the Responses API for even samples, on the Anthropic Messages API for odd ones."""
+    from examples import anthropic_agent, responses_agent
+
+    if episode.sample_index % 2 == 0:
+        return {**await responses_agent.solve(episode), "api": "responses"}
+    return {**await anthropic_agent.solve(episode), "api": "anthropic"}
