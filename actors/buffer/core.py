@@ -23,7 +23,6 @@ import msgspec
 import numpy as np
 import structlog
 
-from actors.buffer.failed_samples import FailedSamplePolicy, samples_to_train
 from actors.buffer.log import BufferLog
 from actors.buffer.selection import checked_selection
 from actors.data.prompts import Cursor, PromptSource
@@ -31,6 +30,7 @@ from actors.eval import take_eval_groups
 from actors.extensions.points import BatchSelector, GroupFilter, SelectionError
 from bus.codec import decode, encode
 from bus.schema import PromptGroup, Sample, ScoredGroup
+from policies.failed_samples import FailedSamplePolicy, samples_to_train
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
 
 

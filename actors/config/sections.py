@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from actors.buffer.failed_samples import FailedSamplePolicy
 from actors.moved import MOVED_SERVER_MODULES
+from policies.failed_samples import FailedSamplePolicy
 from policies.registry import FILTERS, REWARDS, BuiltinNames
 
 # Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from actors.buffer.failed_samples import samples_to_train
 from actors.config.teachers import run_teachers
 from actors.extensions.load import reward_spec
 from actors.reward.failures import RewardFailures
@@ -27,6 +26,7 @@ from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
 from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
+from policies.failed_samples import samples_to_train
 from policies.rewards import REWARD_EXTRAS, RewardInput, prompt_text, score, score_group
 
 if TYPE_CHECKING:
