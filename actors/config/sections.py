@@ -432,6 +432,15 @@ class EngineConfig(Section):
             return {**values, "deterministic_inference": True}
         return values
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prefix_cache_through_sglang_flag(cls, values: Any) -> Any:
+        """slime's `--sglang-disable-radix-cache` turns SGLang's prefix cache off; a torch engine's goes with it."""
+        passed = (values.get("sglang_args") or {}).get("disable-radix-cache") if isinstance(values, dict) else None
+        if passed is not None and str(passed).lower() not in ("false", "0"):
+            return {**values, "torch_prefix_cache": False}
+        return values
+
 
 class WeightsConfig(Section):
     """How and how often new weights travel from the learner to the engines."""

@@ -281,7 +281,8 @@ def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_mo
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("flags", "budget"), [([], 1024 << 20), (["--torch-prefix-cache-mb", "8"], 8 << 20),
-                                               (["--no-torch-prefix-cache"], None)])
+                                               (["--no-torch-prefix-cache"], None),
+                                               (["--sglang-disable-radix-cache", "true"], None)])
 def test_the_prefix_cache_flags_size_the_engines_cache_or_switch_it_off(tiny_model_path: Path, flags: list[str],
                                                                         budget: int | None) -> None:
     import asyncio

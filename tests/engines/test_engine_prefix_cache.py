@@ -293,3 +293,19 @@ async def test_smollm2_conversations_are_the_same_with_the_cache_as_without(smol
     assert [output.cached_tokens for output in cached] == held
     assert stats is not None and (stats.reused_tokens, stats.prefilled_tokens) == (sum(held), sum(lengths) - sum(held))
     _assert_same_samples([cached], [uncached], exact=False)
+
+
+@pytest.mark.integration
+async def test_an_adapter_push_voids_what_the_base_weights_computed(tiny_model_path: Path) -> None:
+    """A LoRA run's pushes are adapters the engine folds into its weights: a weight load like any other."""
+    from tests.engines.test_engine_lora import ADAPTER, PROMPT, _policy_greedy, _step, _trainer
+
+    trainer = _trainer(tiny_model_path)
+    _step(trainer, 1)
+    params = replace(GREEDY, max_new_tokens=12)
+    async with TorchEngine.from_pretrained(tiny_model_path, lora_scaling=ADAPTER.scaling) as engine:
+        await engine.generate(GenerateRequest("base", PROMPT, params))
+        await engine.update_weights(trainer.named_tensors(), 1)
+        [adapted] = await engine.generate(GenerateRequest("adapted", PROMPT, params))
+    assert (adapted.cached_tokens, adapted.stale_cached_tokens) == (0, len(PROMPT) - 1)
+    assert adapted.output_ids == _policy_greedy(trainer, 12)
