@@ -174,7 +174,7 @@ def _describe_caches(check: dict[str, Any]) -> list[str]:
     lines += [f"    {c['engine']} sampled {c['stale_kv_tokens']} tokens over keys/values of older weights although "
               "it recomputes them at every update" for c in check.get("culprits", ())]
     prefix = check.get("prefix_cache")
-    if prefix:
+    if prefix and (prefix.get("reused_tokens") or prefix.get("prefilled_tokens")):  # not for engines that never ran
         lines.append(f"    prefix cache: {100 * prefix['hit_rate']:.1f}% of prefill tokens reused "
                      f"({prefix.get('reused_tokens', 0)} reused, {prefix.get('prefilled_tokens', 0)} computed); "
                      f"{prefix.get('stale_tokens', 0)} held from older weights and "

@@ -197,3 +197,13 @@ def test_the_caches_check_sums_what_the_engines_prefix_caches_reused_over_engine
                       "hit_rate": round(170 / 330, 4)}
     assert ("    prefix cache: 51.5% of prefill tokens reused (170 reused, 160 computed); 6 held from older weights "
             "and 0 in flight at an update were prefilled again") in describe(certificate)
+
+
+def test_prefix_caches_that_prefilled_nothing_add_no_line_to_the_summary(tmp_path: Path) -> None:
+    """An SFT run's engines generate nothing: a line of zeros would only be noise."""
+    folder = tmp_path / "metrics" / "kv_cache"
+    folder.mkdir(parents=True)
+    (folder / "rollout-0-0.jsonl").write_text(json.dumps({
+        "pid": 1, "version": 0, "recomputes_on_update": True, "stale_kv_tokens": 0,
+        "prefix_cache": {"reused_tokens": 0, "prefilled_tokens": 0}}) + "\n")
+    assert not any("prefix cache" in line for line in describe(certify(tmp_path)))
