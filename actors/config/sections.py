@@ -403,6 +403,14 @@ class EngineConfig(Section):
         None, ge=2, description="static KV cache: the prompt + response tokens one row may hold (requests longer "
         "are refused by name; default: --rollout-max-context-len, else the longest prompt the data allows plus "
         "the longest response, at least 4096)")
+    torch_prefix_cache: bool = Field(
+        True, description="torch engine: keep the keys and values every request computed and reuse them for any later "
+        "request that starts with the same tokens (the next turn of a conversation, a group's prompt arriving in "
+        "another batch, a shared system prompt); stamped with the weights that computed them and never reused "
+        "under others (docs/agents.md)")
+    torch_prefix_cache_mb: int = Field(
+        1024, ge=1, description="torch engine: the memory the prefix cache may take on the engine's device, in MiB "
+        "(least recently used runs are evicted beyond it)")
 
     @field_validator("sglang_server_module")
     @classmethod
@@ -422,6 +430,15 @@ class EngineConfig(Section):
             values, dict) else None
         if passed is not None and str(passed).lower() not in ("false", "0"):
             return {**values, "deterministic_inference": True}
+        return values
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prefix_cache_through_sglang_flag(cls, values: Any) -> Any:
+        """slime's `--sglang-disable-radix-cache` turns SGLang's prefix cache off; a torch engine's goes with it."""
+        passed = (values.get("sglang_args") or {}).get("disable-radix-cache") if isinstance(values, dict) else None
+        if passed is not None and str(passed).lower() not in ("false", "0"):
+            return {**values, "torch_prefix_cache": False}
         return values
 
 

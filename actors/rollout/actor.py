@@ -369,6 +369,9 @@ class RolloutWorker(Actor):
             found["rollout.busy_slot_seconds"] = self.busy_slot_seconds()
             found["rollout.capacity_groups"] = float(self.capacity)
             found["rollout.send_seconds"] = self._send_seconds
+            prefix_cache = self.engine.prefix_cache_stats()  # engine.prefix_cache.*: hit rate, reused and prefilled
+            if prefix_cache is not None:
+                found.update(prefix_cache.metrics())
         if self.rollout_function is not None:
             found.update(self.rollout_function.metrics())
         return found

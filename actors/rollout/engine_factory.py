@@ -70,8 +70,14 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         kv_cache=torch_kv_cache(config, device),
         kv_pool_columns=kv_pool_columns(config),
         record_routes=config.trainer.use_rollout_routing_replay,
+        prefix_cache_bytes=prefix_cache_bytes(config),
     )
     return engine, tokenizer
+
+
+def prefix_cache_bytes(config: RunConfig) -> int:
+    """`--torch-prefix-cache-mb` in bytes, or 0 under `--no-torch-prefix-cache`."""
+    return config.engine.torch_prefix_cache_mb << 20 if config.engine.torch_prefix_cache else 0
 
 
 def torch_kv_cache(config: RunConfig, device: torch.device) -> str:

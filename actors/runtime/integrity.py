@@ -19,6 +19,7 @@ a run that failed (`run_failed`: why, as its launcher said) is what ran before t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def caches_verdict(run_dir: Path) -> dict[str, Any]:
     is filled, not where it is dropped): per worker process the largest count, summed over a worker's restarts."""
     stale: dict[str, dict[int, int]] = {}
     recomputes: dict[str, bool] = {}
+    prefix: dict[tuple[str, int], dict[str, int]] = {}  # (engine, pid) -> its prefix cache's latest counts
     for path in sorted((run_dir / KV_CACHE_LOGS).glob("*.jsonl")):
         engine = path.stem
         for record in read_metrics(path):
@@ -68,6 +70,10 @@ def caches_verdict(run_dir: Path) -> dict[str, Any]:
             lives = stale.setdefault(engine, {})
             lives[record["pid"]] = max(lives.get(record["pid"], 0), int(record["stale_kv_tokens"]))
             recomputes[engine] = recomputes.get(engine, True) and bool(record["recomputes_on_update"])
+            if isinstance(record.get("prefix_cache"), dict):
+                life = prefix.setdefault((engine, record["pid"]), {})
+                for name, count in record["prefix_cache"].items():
+                    life[name] = max(life.get(name, 0), int(count))
     totals = {engine: sum(lives.values()) for engine, lives in stale.items()}
     if not totals:
         return {"verdict": "not run", "why": "no engine of the run accounts for its KV cache (an SGLang server's is "
@@ -80,7 +86,21 @@ def caches_verdict(run_dir: Path) -> dict[str, Any]:
         "kept_by_setting": sum(tokens for engine, tokens in totals.items() if not recomputes[engine])}
     if culprits:
         result["culprits"] = culprits[:SHOWN]
+    if prefix:
+        result["prefix_cache"] = _prefix_cache_totals(prefix.values())
     return result
+
+
+def _prefix_cache_totals(lives: Iterable[dict[str, int]]) -> dict[str, Any]:
+    """The engines' prefix caches over the run: their counts summed over engines and restarts, and the share of
+    prefilled sequences' tokens that came from a cache."""
+    totals: dict[str, Any] = {}
+    for life in lives:
+        for name, count in life.items():
+            totals[name] = totals.get(name, 0) + count
+    total = totals.get("reused_tokens", 0) + totals.get("prefilled_tokens", 0)
+    totals["hit_rate"] = round(totals.get("reused_tokens", 0) / total, 4) if total else 0.0
+    return totals
 
 
 def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed: str | None = None
@@ -153,6 +173,12 @@ def _describe_caches(check: dict[str, Any]) -> list[str]:
              f"over KV of older weights{kept})"]
     lines += [f"    {c['engine']} sampled {c['stale_kv_tokens']} tokens over keys/values of older weights although "
               "it recomputes them at every update" for c in check.get("culprits", ())]
+    prefix = check.get("prefix_cache")
+    if prefix and (prefix.get("reused_tokens") or prefix.get("prefilled_tokens")):  # not for engines that never ran
+        lines.append(f"    prefix cache: {100 * prefix['hit_rate']:.1f}% of prefill tokens reused "
+                     f"({prefix.get('reused_tokens', 0)} reused, {prefix.get('prefilled_tokens', 0)} computed); "
+                     f"{prefix.get('stale_tokens', 0)} held from older weights and "
+                     f"{prefix.get('reprefilled_tokens', 0)} in flight at an update were prefilled again")
     return lines
 
 

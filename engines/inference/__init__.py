@@ -16,6 +16,7 @@ from engines.inference.base import (
     InferenceEngine,
     KvCacheAccount,
     PauseMode,
+    PrefixCacheStats,
     SamplingParams,
     continuation_request,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "InferenceEngine",
     "KvCacheAccount",
     "PauseMode",
+    "PrefixCacheStats",
     "SamplingParams",
     "StepRecord",
     "TorchEngine",

@@ -177,6 +177,12 @@ class GenerateOutput:
     prompt_len: int = 0
     matched_stop: str | int | None = None
     routed_experts: RoutedExperts | None = None  # engines that record routes (`record_routes`)
+    # Engines with a prefix cache: input tokens whose keys and values came from it (what OpenAI's usage calls
+    # `cached_tokens`); tokens it held from older weights, prefilled again; tokens prefilled again because a weight
+    # update dropped the sample's keys and values mid-generation.
+    cached_tokens: int = 0
+    stale_cached_tokens: int = 0
+    reprefilled_tokens: int = 0
 
 
 def continuation_request(
@@ -227,6 +233,35 @@ class KvCacheAccount:
 
     recomputes_on_update: bool  # the engine's promise: every token from keys/values of its own version
     stale_kv_tokens: int  # tokens sampled over keys/values an older version computed
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """What an engine's prefix cache saved so far (cumulative per engine process), per distinct sequence prefilled.
+
+    `hit_rate` is the share of prefilled sequences' tokens whose keys and values came from the cache rather than a
+    forward. `stale_tokens` were held from older weights and prefilled again (a conversation that spans a weight
+    update); `reprefilled_tokens` were in flight when an update dropped them (counted with the cache off too)."""
+
+    lookups: int
+    hits: int
+    reused_tokens: int
+    prefilled_tokens: int
+    stale_tokens: int
+    reprefilled_tokens: int
+    evicted_tokens: int
+    held_tokens: int
+    capacity_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.reused_tokens + self.prefilled_tokens
+        return self.reused_tokens / total if total else 0.0
+
+    def metrics(self, prefix: str = "engine.prefix_cache.") -> dict[str, float]:
+        """Flat float counters, as the rollout worker's heartbeat carries them."""
+        fields = {name: float(getattr(self, name)) for name in self.__dataclass_fields__}
+        return {f"{prefix}{name}": value for name, value in {**fields, "hit_rate": self.hit_rate}.items()}
 
 
 class InferenceEngine(ABC):
@@ -288,6 +323,16 @@ class InferenceEngine(ABC):
     def kv_cache_account(self) -> KvCacheAccount | None:
         """Whether any token was sampled over a KV cache older than its weights. None: this engine cannot tell
         (its cache is not ours to see), and the certificate says the check did not run for it."""
+        return None
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """What the engine's prefix cache reused and prefilled so far; None: it keeps none across requests, or cannot
+        tell."""
+        return None
+
+    def cached_prefix_tokens(self, input_ids: list[int]) -> int | None:
+        """How many leading tokens of `input_ids` the engine holds keys and values for at the weights it serves now:
+        what a router with session affinity weighs engines by. None: it cannot tell."""
         return None
 
     async def on_idle(self) -> None:  # noqa: B027 - most engines have nothing to hand over

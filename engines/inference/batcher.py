@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from engines.inference.base import FinishReason, GenerateOutput, RoutedExperts, SamplingParams
 from engines.inference.batch_invariant import sample_padded_rows
 from engines.inference.kv_batch import KVBatch
+from engines.inference.prefix_cache import Insert, PrefixCache, PrefixMatch
 from engines.inference.sampling import RowParams, sample_next_tokens
 from engines.training.moe import RoutedLayer, Routers
 
@@ -82,6 +83,10 @@ class DecodingSequence:
     # The oldest weight version among the keys and values its cache row holds (None: not in the cache). Set by
     # the prefill that computes them, not by whoever drops the cache, so a drop that did not happen shows.
     kv_version: int | None = None
+    kv_epoch: int | None = None  # likewise the oldest weights epoch (`ContinuousBatcher.weights_epoch`)
+    cached_tokens: int = 0  # tokens whose keys and values its prefills took from the prefix cache
+    stale_cached_tokens: int = 0  # tokens the prefix cache held for it from older weights, prefilled again
+    reprefilled_tokens: int = 0  # tokens prefilled again because a weight update dropped its cache row
 
     @property
     def key(self) -> tuple[str, int]:
@@ -108,6 +113,9 @@ class DecodingSequence:
             prompt_len=len(self.prompt_ids),
             matched_stop=self.matched_stop,
             routed_experts=routed_experts(self.routes),
+            cached_tokens=self.cached_tokens,
+            stale_cached_tokens=self.stale_cached_tokens,
+            reprefilled_tokens=self.reprefilled_tokens,
         )
 
 
@@ -143,11 +151,13 @@ class ContinuousBatcher:
         pad_token_id: int = 0,
         batch_invariant: bool = False,
         record_routes: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`batch_invariant`: the model was made batch-invariant (`batch_invariant.make_batch_invariant`); then each
         distinct sequence is prefilled on its own and sampling sees padded rows, so a row's tokens and log-probs
         do not depend on the rows beside it either. `record_routes`: an MoE model's samples carry the experts each
-        of their tokens was routed to (rollout routing replay)."""
+        of their tokens was routed to (rollout routing replay). `prefix_cache`: keys and values kept across requests
+        (`prefix_cache.py`); a prefill takes what it holds of a sequence and computes the rest."""
         self.model = model
         self.batch_invariant = batch_invariant
         self.tokenizer = tokenizer
@@ -166,6 +176,11 @@ class ContinuousBatcher:
         # Tokens sampled from a cache row whose oldest keys/values an older weight version computed: zero when
         # the engine drops the cache at every update (`drop_cache`), the count of off-policy tokens otherwise.
         self.stale_kv_tokens = 0
+        self.prefix_cache = prefix_cache
+        # Counts every weight load (the engine bumps it), a repush of the same version included: the prefix cache
+        # reuses keys and values of the epoch they were computed in only.
+        self.weights_epoch = 0
+        self.reprefilled_tokens = 0  # in-flight tokens prefilled again after an update dropped their rows
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -215,6 +230,7 @@ class ContinuousBatcher:
         dropped = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()
         self._clear_cache()
+        self.release_prefix_cache()  # a failed step may have left it half-written too
         for sample in dropped:
             sample.finish("abort")
         return dropped
@@ -227,7 +243,10 @@ class ContinuousBatcher:
         so they fit the budget again.
         """
         for sample in self.running:
-            sample.kv_version = None
+            sample.kv_version = sample.kv_epoch = None
+            dropped = len(sample.prompt_ids) + len(sample.output_ids) - 1
+            sample.reprefilled_tokens += dropped
+            self.reprefilled_tokens += dropped
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self._clear_cache()
@@ -253,12 +272,26 @@ class ContinuousBatcher:
     def _tapped(self) -> contextlib.AbstractContextManager[list[RoutedLayer]]:
         return self.routers.tapped() if self.routers is not None else contextlib.nullcontext([])
 
+    def release_prefix_cache(self) -> None:
+        """Give the prefix cache's memory back (a colocated engine hands its device over, or a step failed)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def _join(self, admitted: list[DecodingSequence], version: int) -> None:
-        batch, logits = self._prefill(admitted)
-        for sample in admitted:
-            sample.kv_version = version
+        batch, logits = self._prefill(admitted, version)
+        self.stale_kv_tokens += sum(1 for sample in admitted if sample.kv_version != version)
         self._append_sampled(admitted, logits, version)
         self.kv.extend(batch)
+
+    def _row_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, the running rows' keys and values ([rows, kv_heads, columns, head_dim], row = running order)."""
+        layers = self.kv._layers()
+        return [layer.keys for layer in layers], [layer.values for layer in layers]
+
+    def _row_columns(self, rows: list[int], counts: list[int]) -> list[torch.Tensor]:
+        """The columns of each running row's cached tokens, in token order (`counts[i]` of them in row `rows[i]`)."""
+        mask = self.kv.attention_mask.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
+        return real_columns(mask, counts)
 
     def _keep_rows(self, keep: list[int]) -> list[int]:
         """Keep the cache rows `keep` (indices in the running order, ascending); returns the running rows' new
@@ -286,7 +319,7 @@ class ContinuousBatcher:
             candidate = self.waiting[0]
             rows = len(self.running) + len(admitted) + 1
             columns = max(worst_columns, candidate.worst_case_length)
-            width = max(prefill_width, len(candidate.prompt_ids) + len(candidate.output_ids))
+            width = max(prefill_width, self._uncached_length(candidate.prompt_ids + candidate.output_ids))
             nothing_else = rows == 1
             if not nothing_else and not self._fits(rows, columns):
                 break
@@ -296,9 +329,21 @@ class ContinuousBatcher:
             worst_columns, prefill_width = columns, width
         return admitted
 
-    def _prefill(self, admitted: list[DecodingSequence]) -> tuple[KVBatch, torch.Tensor]:
-        """Prefill each distinct token sequence once (n samples of a prompt share it), then fan rows out; returns
-        the rows' cache and their next-token logits."""
+    def _uncached_length(self, tokens: list[int]) -> int:
+        """How many tokens of `tokens` a prefill would compute (what the prefix cache holds of it is not)."""
+        return len(tokens) - self._cached(tokens, touch=False).length
+
+    def _cached(self, tokens: list[int], *, touch: bool = True) -> PrefixMatch:
+        """What the prefix cache holds of `tokens` at the served weights, leaving the last one to compute (its logits
+        give the next token)."""
+        if self.prefix_cache is None:
+            return PrefixMatch()
+        return self.prefix_cache.match(tokens, self.weights_epoch, limit=len(tokens) - 1, touch=touch)
+
+    def _prefill(self, admitted: list[DecodingSequence], version: int) -> tuple[KVBatch, torch.Tensor]:
+        """Prefill each distinct token sequence once (n samples of a prompt share it), from where the prefix cache's
+        copy of it ends; then fan rows out. Stamps each sample with the weights its keys and values depend on, keeps
+        the sequences in the prefix cache, and returns the rows' cache and their next-token logits."""
         unique: dict[tuple[int, ...], int] = {}
         sequences: list[list[int]] = []
         expand: list[int] = []
@@ -309,39 +354,104 @@ class ContinuousBatcher:
                 unique[key] = len(sequences)
                 sequences.append(tokens)
             expand.append(unique[key])
-        with self._tapped() as taps:
-            batch, logits = self._prefill_forward(sequences)
-        if taps:
-            routes = self._prefill_routes(taps, sequences)
-            for sample, index in zip(admitted, expand, strict=True):
-                sample.routes = [routes[index]]
-        if len(sequences) != len(admitted):
-            rows = torch.tensor(expand, dtype=torch.int64, device=self.device)
-            batch.select(rows)
-            logits = logits.index_select(0, rows)
-        return batch, logits
-
-    def _prefill_routes(self, taps: list[RoutedLayer], sequences: list[list[int]]) -> list[torch.Tensor]:
-        """Each sequence's routes [len, layers, k] from the prefill's taps: one forward of left-padded rows, or one
-        forward per sequence (batch-invariant)."""
-        assert self.routers is not None
-        layers = len(self.routers.modules)
-        if self.batch_invariant:
-            return [_layers_last(taps[index * layers : (index + 1) * layers]) for index in range(len(sequences))]
-        width = max(len(sequence) for sequence in sequences)
-        rows = _layers_last(taps).unflatten(0, (len(sequences), width))
-        return [row[width - len(sequence) :] for row, sequence in zip(rows, sequences, strict=True)]
-
-    def _prefill_forward(self, sequences: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
-        if not self.batch_invariant:
-            return KVBatch.prefill(self.model, sequences, self.pad_token_id, share_prefix=self.share_prefix)
-        # One forward per sequence: in a shared one, a prompt's keys would sit beside another prompt's padding.
+        matches = [self._cached(sequence) for sequence in sequences]
         batch, logits = KVBatch.empty(self.device), []
-        for sequence in sequences:
-            alone, last_logits = KVBatch.prefill(self.model, [sequence], self.pad_token_id)
-            batch.extend(alone)
-            logits.append(last_logits)
-        return batch, torch.cat(logits)
+        rows = [0] * len(sequences)  # each sequence's row in `batch`
+        used = [PrefixMatch()] * len(sequences)
+        routes: list[torch.Tensor | None] = [None] * len(sequences)
+        for piece in self._pieces(matches):
+            part, part_logits, part_used, part_routes = self._forward([sequences[i] for i in piece],
+                                                                      [matches[i] for i in piece])
+            for offset, index in enumerate(piece):
+                rows[index], used[index], routes[index] = batch.rows + offset, part_used[offset], part_routes[offset]
+            batch.extend(part)
+            logits.append(part_logits)
+        stamps = [(version, self.weights_epoch) if not taken.length else
+                  (min(version, taken.version), min(self.weights_epoch, taken.epoch)) for taken in used]
+        for sample, index in zip(admitted, expand, strict=True):
+            sample.kv_version, sample.kv_epoch = stamps[index]
+            sample.cached_tokens += used[index].length
+            sample.stale_cached_tokens += matches[index].stale
+            if routes[index] is not None:
+                sample.routes = [routes[index]]  # a prefill recomputes (or takes) every token's route so far
+        if self.prefix_cache is not None:
+            for sequence, match, taken in zip(sequences, matches, used, strict=True):
+                self.prefix_cache.counters.prefilled(len(sequence), taken.length, match.stale)
+            self._keep_prefilled(batch, sequences, rows, stamps, routes)
+        order = [rows[index] for index in expand]
+        logits_all = torch.cat(logits)
+        if order != list(range(batch.rows)):
+            index = torch.tensor(order, dtype=torch.int64, device=self.device)
+            batch.select(index)
+            logits_all = logits_all.index_select(0, index)
+        return batch, logits_all
+
+    def _pieces(self, matches: list[PrefixMatch]) -> list[list[int]]:
+        """Which sequences prefill in one forward: all of them, except that those the prefix cache holds part of run
+        apart from the rest (a short continuation beside a long new prompt would recompute its history to match the
+        prompt's width), and that batch-invariant decoding prefills each sequence alone (in a shared forward, a
+        prompt's keys would sit beside another prompt's padding)."""
+        if self.batch_invariant:
+            return [[index] for index in range(len(matches))]
+        misses = [index for index, match in enumerate(matches) if not match.length]
+        hits = [index for index, match in enumerate(matches) if match.length]
+        return [piece for piece in (misses, hits) if piece]
+
+    def _forward(self, sequences: list[list[int]], matches: list[PrefixMatch],
+                 ) -> tuple[KVBatch, torch.Tensor, list[PrefixMatch], list[torch.Tensor | None]]:
+        """One prefill forward of `sequences`, each from the cached past its match offers, as far as that leaves every
+        row with a past as many own tokens as the widest row (a row then never has padding inside it, which the
+        static pool and batch-invariant attention need; one with a longer past recomputes some of it instead of
+        padding, at no cost in the forward's shape). Returns the batch, the last logits, the pasts taken, and each
+        row's routes where they are recorded."""
+        width = max(len(sequence) - match.length for sequence, match in zip(sequences, matches, strict=True))
+        used = [match.truncated(max(0, len(sequence) - width))
+                for sequence, match in zip(sequences, matches, strict=True)]
+        with self._tapped() as taps:
+            if any(taken.length for taken in used):
+                assert self.prefix_cache is not None
+                past = self.prefix_cache.gather([taken.slots for taken in used])
+                own = [sequence[taken.length :] for sequence, taken in zip(sequences, used, strict=True)]
+                batch, logits = KVBatch.prefill(self.model, own, self.pad_token_id, past=past)
+            else:
+                batch, logits = KVBatch.prefill(self.model, sequences, self.pad_token_id,
+                                                share_prefix=self.share_prefix)
+        routes: list[torch.Tensor | None] = [None] * len(sequences)
+        if taps:  # one forward of [rows, width] tokens (with routes recorded, no prefix runs apart)
+            table = _layers_last(taps).unflatten(0, (len(sequences), width))
+            for row, (sequence, taken) in enumerate(zip(sequences, used, strict=True)):
+                computed = table[row, width - (len(sequence) - taken.length) :]
+                if taken.length:
+                    assert self.prefix_cache is not None
+                    computed = torch.cat([self.prefix_cache.routes_of(taken.slots), computed])
+                routes[row] = computed
+        return batch, logits, used, routes
+
+    def _keep_prefilled(self, batch: KVBatch, sequences: list[list[int]], rows: list[int],
+                        stamps: list[tuple[int, int]], routes: list[torch.Tensor | None]) -> None:
+        """Keep every prefilled sequence in the prefix cache, all of its tokens (a prefill computes the last one's keys
+        and values too): a group's other samples, arriving later, start with it."""
+        assert self.prefix_cache is not None
+        in_rows = sorted(range(len(sequences)), key=rows.__getitem__)
+        columns = real_columns(batch.attention_mask, [len(sequences[index]) for index in in_rows])
+        entries = [Insert(sequences[index], rows[index], row_columns, *stamps[index], routes[index])
+                   for index, row_columns in zip(in_rows, columns, strict=True)]
+        self.prefix_cache.insert(entries, *_layer_kv(batch), self.weights_epoch)
+
+    def _remember_leaving(self, leaving: list[tuple[int, DecodingSequence]]) -> None:
+        """Keep what leaving rows computed (prompt and output but the last token, which was never fed) in the prefix
+        cache: the next turn of a conversation, or a resumed sample, starts with it."""
+        if self.prefix_cache is None or not leaving:
+            return
+        tokens = [sample.prompt_ids + sample.output_ids[:-1] for _, sample in leaving]
+        columns = self._row_columns([row for row, _ in leaving], [len(sequence) for sequence in tokens])
+        entries = []
+        for (row, sample), sequence, row_columns in zip(leaving, tokens, columns, strict=True):
+            if sample.kv_version is None or sample.kv_epoch is None:
+                continue
+            routes = torch.cat(sample.routes)[: len(sequence)] if sample.routes else None
+            entries.append(Insert(sequence, row, row_columns, sample.kv_version, sample.kv_epoch, routes))
+        self.prefix_cache.insert(entries, *self._row_kv(), self.weights_epoch)
 
     def _append_sampled(self, samples: list[DecodingSequence], logits: torch.Tensor, version: int) -> torch.Tensor:
         """Sample each row's next token from its logits and append it; returns the tokens (a device tensor)."""
@@ -398,6 +508,7 @@ class ContinuousBatcher:
         if len(keep) == len(self.running):
             return []
         left = [sample for sample in self.running if leaves(sample)]
+        self._remember_leaving([(row, sample) for row, sample in enumerate(self.running) if leaves(sample)])
         order = self._keep_rows(keep)
         self.running = [self.running[row] for row in order]
         return left
@@ -409,6 +520,20 @@ def append_tokens(samples: list[DecodingSequence], tokens: list[int], log_probs:
         sample.output_ids.append(token)
         sample.log_probs.append(log_prob)
         sample.versions.append(version)
+
+
+def real_columns(mask: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """The columns that hold tokens in each row of `mask` ([rows, columns], nonzero = a token), in order; row i must
+    hold `counts[i]`: a cache that holds another number of tokens than its sequence has is a bug, never cached."""
+    held = (mask != 0).sum(dim=1).tolist()
+    if held != counts:
+        raise RuntimeError(f"KV cache rows hold {held} tokens, their sequences {counts}")
+    return list(mask.nonzero()[:, 1].split(counts))
+
+
+def _layer_kv(batch: KVBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = batch._layers()
+    return [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
 def _layers_last(taps: list[RoutedLayer]) -> torch.Tensor:

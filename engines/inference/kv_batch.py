@@ -27,6 +27,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from engines.inference.prefix_cache import CachedPast
+
 # A prefix shared by every sequence of a prefill runs once when it is at least this long (below that, the extra
 # forward costs more than the rows it saves).
 MIN_SHARED_PREFIX = 8
@@ -103,7 +105,7 @@ class KVBatch:
 
     @classmethod
     def prefill(cls, model: nn.Module, sequences: list[list[int]], pad_token_id: int, *,
-                share_prefix: bool = True) -> tuple[KVBatch, torch.Tensor]:
+                share_prefix: bool = True, past: CachedPast | None = None) -> tuple[KVBatch, torch.Tensor]:
         """Run the sequences through the model in one left-padded forward; returns the batch and its last logits.
 
         The logits ([rows, vocab]) are those after each sequence's final token, i.e. the distribution of the
@@ -113,18 +115,35 @@ class KVBatch:
         template's head) run once, in a forward of their own, and the rest of each sequence attends to that one
         copy: a row then holds [shared prefix][padding][own tokens], which the mask and the explicit positions
         already describe, so decoding, eviction and joining read it like any left-padded row.
+
+        With `past` (keys and values of each row's leading tokens, from the prefix cache), `sequences[i]` are the
+        tokens that follow row i's past, and only they run: row i holds [padding][past][padding][own tokens]. The
+        caller that wants rows without padding inside them (the static pool) gives every row with a past as many own
+        tokens as the widest.
         """
         device = model.device
-        prefix = _shared_prefix_length(sequences) if share_prefix else 0
         cache = _new_cache()
-        if prefix:
-            positions = torch.arange(prefix, device=device).unsqueeze(0)
-            model(input_ids=torch.tensor([sequences[0][:prefix]], device=device), position_ids=positions,
-                  use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
-            for layer in cache.layers:  # one copy, seen by every row; the suffix forward's concatenation copies it
-                layer.keys = layer.keys.expand(len(sequences), -1, -1, -1)
-                layer.values = layer.values.expand(len(sequences), -1, -1, -1)
-        suffixes = [sequence[prefix:] for sequence in sequences]
+        if past is not None:
+            for keys, values in zip(past.keys, past.values, strict=True):
+                layer = ReservedColumnsLayer()
+                layer.update(keys, values)
+                cache.layers.append(layer)
+            columns = past.columns
+            past_lengths = torch.tensor(past.lengths, dtype=torch.int64)
+            past_mask = (torch.arange(columns).unsqueeze(0) >= columns - past_lengths.unsqueeze(1)).to(torch.int64)
+            suffixes = sequences
+        else:
+            prefix = _shared_prefix_length(sequences) if share_prefix else 0
+            if prefix:
+                positions = torch.arange(prefix, device=device).unsqueeze(0)
+                model(input_ids=torch.tensor([sequences[0][:prefix]], device=device), position_ids=positions,
+                      use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
+                for layer in cache.layers:  # one copy, seen by every row; the suffix forward's concatenation copies it
+                    layer.keys = layer.keys.expand(len(sequences), -1, -1, -1)
+                    layer.values = layer.values.expand(len(sequences), -1, -1, -1)
+            past_lengths = torch.full((len(sequences),), prefix, dtype=torch.int64)
+            past_mask = torch.ones((len(sequences), prefix), dtype=torch.int64)
+            suffixes = [sequence[prefix:] for sequence in sequences]
         width = max(len(suffix) for suffix in suffixes)
         input_ids = torch.full((len(suffixes), width), pad_token_id, dtype=torch.int64)
         own_mask = torch.zeros((len(suffixes), width), dtype=torch.int64)
@@ -132,8 +151,8 @@ class KVBatch:
             input_ids[row, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.int64)
             own_mask[row, width - len(suffix) :] = 1
         input_ids, own_mask = input_ids.to(device), own_mask.to(device)
-        position_ids = (own_mask.cumsum(dim=-1) - 1).clamp_(min=0) + prefix
-        attention_mask = torch.cat([own_mask.new_ones(len(suffixes), prefix), own_mask], dim=-1)
+        position_ids = (own_mask.cumsum(dim=-1) - 1).clamp_(min=0) + past_lengths.to(device).unsqueeze(1)
+        attention_mask = torch.cat([past_mask.to(device), own_mask], dim=-1)
         output = model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, append_tokens
 from engines.inference.kv_batch import _cache_argument
+from engines.inference.prefix_cache import PrefixCache
 from engines.inference.sampling import RowParams, counter_uniforms, sample_next_tokens
 from engines.inference.static_kv import KVPool, PooledCache
 
@@ -120,11 +121,11 @@ class StaticBatcher(ContinuousBatcher):
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, limits: BatchLimits,
                  rng: torch.Generator, *, columns: int, use_graphs: bool = True, row_granule: int = 32,
-                 column_granule: int = 256) -> None:
+                 column_granule: int = 256, prefix_cache: PrefixCache | None = None) -> None:
         """`columns` is the longest row (prompt + answer) the pool holds; the pool is allocated on first use.
         Steps run over row counts and column counts rounded up to `row_granule` / `column_granule` (powers of two
         below them), so a few graphs cover every step; 1 and 1 run each step at its exact size (no graphs)."""
-        super().__init__(model, tokenizer, limits, rng)
+        super().__init__(model, tokenizer, limits, rng, prefix_cache=prefix_cache)
         # Rows are contiguous in their slot (padding, then tokens), so a row's first column is known on the host and
         # compaction can always make room; a prefix shared in prefill would leave padding inside rows.
         self.share_prefix = False
@@ -187,7 +188,8 @@ class StaticBatcher(ContinuousBatcher):
         if not self.pool.allocated:
             self.pool.allocate()
             self.decoder.forget_graphs()
-        batch, logits = self._prefill(admitted)
+        batch, logits = self._prefill(admitted, version)
+        self.stale_kv_tokens += sum(1 for sample in admitted if sample.kv_version != version)
         width = batch.columns
         if not self.running:  # an empty pool starts over at the left
             self._set_write_column(width)
@@ -198,7 +200,6 @@ class StaticBatcher(ContinuousBatcher):
         self.pool.place(slots, batch, self.write_column)
         self.start_columns += [self.write_column - len(s.prompt_ids) - len(s.output_ids) for s in admitted]
         for sample in admitted:
-            sample.kv_version = version
             if sample.seed is None:
                 sample.seed = int(torch.randint(0, 1 << 62, (1,), generator=self.rng))
         tokens = self._append_sampled(admitted, logits, version)
@@ -213,6 +214,18 @@ class StaticBatcher(ContinuousBatcher):
         ]
         for buffer, values in per_row:
             buffer.index_copy_(0, index, torch.tensor(values, dtype=buffer.dtype, device=self.device))
+
+    def _row_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.pool.keys, self.pool.values
+
+    def _row_columns(self, rows: list[int], counts: list[int]) -> list[torch.Tensor]:
+        """A row's tokens fill its slot from its first column to the write column (known here, so nothing is read
+        back from the device)."""
+        spans = [(self.start_columns[row], self.write_column) for row in rows]
+        if [end - start for start, end in spans] != counts:
+            raise RuntimeError(f"static KV pool rows hold {[end - start for start, end in spans]} tokens, their "
+                               f"sequences {counts}")
+        return [torch.arange(start, end, device=self.device) for start, end in spans]
 
     def _uniforms(self, samples: list[DecodingSequence], params: RowParams) -> torch.Tensor | None:
         """The same draws decode steps make: from (seed, position of the token drawn)."""

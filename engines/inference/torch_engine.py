@@ -17,6 +17,12 @@ cache, and the in-flight samples are re-prefilled with the new weights before th
 token tagged with version v was computed entirely by version-v weights, exactly what the trainer
 recomputes. With False the cache computed by older weights is kept (cheaper, slightly off-policy keys and
 values), as SGLang does when it updates weights without flushing its cache.
+
+Across requests, a prefix cache (`prefix_cache.py`, `prefix_cache_bytes`) keeps what every prefill computed and what
+every finished sample decoded, so the next turn of a conversation or another sample of a prompt prefills only what
+is new. It is version-correct by construction: every run of keys and values is stamped with the weights it was
+computed under and is reused under those weights only (with `recompute_kv_on_update`), and a sample that took any
+from it carries their oldest version into the same account (`kv_cache_account`) as its own cache row.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
+from engines.inference.prefix_cache import PrefixCache
 from engines.inference.static_batcher import StaticBatcher
 from engines.weights import layouts
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints, comparable_dtype
@@ -48,6 +55,7 @@ from engines.weights.manifest import TensorSpec
 logger = logging.getLogger(__name__)
 
 StepListener = Callable[[StepRecord], None]
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 
 class TorchEngine(base.InferenceEngine):
@@ -81,12 +89,14 @@ class TorchEngine(base.InferenceEngine):
         kv_pool_columns: int | None = None,
         cuda_graphs: bool = True,
         record_routes: bool = False,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         """`kv_cache`: "dynamic" (caches sized to the rows, the CPU's choice and the reference) or "static" (a pool
         allocated once, `kv_pool_columns` per row, default max_batch_tokens / max_batch_size, with each decode step
         replayed from a CUDA graph when `cuda_graphs` and the model is on a GPU: static_batcher.py).
         `record_routes`: an MoE model's outputs carry each token's experts (`GenerateOutput.routed_experts`), for
-        rollout routing replay; the dynamic layout only."""
+        rollout routing replay; the dynamic layout only. `prefix_cache_bytes`: the memory the prefix cache across
+        requests may take on the model's device (0: no prefix cache)."""
         _check_supported(model)
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
@@ -94,6 +104,9 @@ class TorchEngine(base.InferenceEngine):
             raise ValueError("kv_cache='static' cannot run deterministic (batch-invariant) inference; use 'dynamic'")
         if kv_cache == "static" and record_routes:
             raise ValueError("kv_cache='static' does not record routed experts yet; use 'dynamic'")
+        if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache), got "
+                             f"{prefix_cache_bytes!r}")
         if deterministic:  # a sequence's logits stop depending on the batch around it (batch_invariant.py)
             make_batch_invariant(model)
         self._model = model.eval()
@@ -113,14 +126,16 @@ class TorchEngine(base.InferenceEngine):
             rng.seed()
         else:
             rng.manual_seed(seed)
+        prefix_cache = (PrefixCache(prefix_cache_bytes, same_weights_only=recompute_kv_on_update)
+                        if prefix_cache_bytes else None)
         self._batcher: ContinuousBatcher
         if kv_cache == "static":
             columns = min(self._max_model_len, kv_pool_columns or max_batch_tokens // max_batch_size)
             self._batcher = StaticBatcher(model, tokenizer, self._limits, rng, columns=columns,
-                                          use_graphs=cuda_graphs)
+                                          use_graphs=cuda_graphs, prefix_cache=prefix_cache)
         else:
             self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic,
-                                              record_routes=record_routes)
+                                              record_routes=record_routes, prefix_cache=prefix_cache)
 
         # Written by the decode thread only; read anywhere (single attribute reads are atomic).
         self._version = version
@@ -207,6 +222,22 @@ class TorchEngine(base.InferenceEngine):
     def kv_cache_account(self) -> base.KvCacheAccount:
         return base.KvCacheAccount(self._recompute_kv_on_update, self._batcher.stale_kv_tokens)
 
+    def prefix_cache_stats(self) -> base.PrefixCacheStats | None:
+        cache = self._batcher.prefix_cache
+        if cache is None:
+            return None
+        counters = cache.counters
+        return base.PrefixCacheStats(
+            lookups=counters.lookups, hits=counters.hits, reused_tokens=counters.reused_tokens,
+            prefilled_tokens=counters.prefilled_tokens, stale_tokens=counters.stale_tokens,
+            reprefilled_tokens=self._batcher.reprefilled_tokens, evicted_tokens=counters.evicted_tokens,
+            held_tokens=cache.held_tokens, capacity_tokens=cache.capacity)
+
+    def cached_prefix_tokens(self, input_ids: list[int]) -> int | None:
+        """Exact as of the last step boundary (the tree is read under its lock, from any thread)."""
+        cache = self._batcher.prefix_cache
+        return 0 if cache is None else cache.holds(list(input_ids), self._batcher.weights_epoch)
+
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """A copy of every weight by name: what an SGLang server that backs released weights up to the CPU keeps
         (our compatible server's stand-in for `--enable-weights-cpu-backup`). Call it while nothing generates."""
@@ -225,6 +256,9 @@ class TorchEngine(base.InferenceEngine):
             "generated_tokens": self._generated_tokens,
             "memory_releases": self.memory_releases,
             "stale_kv_tokens": self._batcher.stale_kv_tokens,
+            "prefix_cache": None if (stats := self.prefix_cache_stats()) is None else {
+                "hit_rate": stats.hit_rate, "reused_tokens": stats.reused_tokens,
+                "prefilled_tokens": stats.prefilled_tokens, "held_tokens": stats.held_tokens},
             "last_error": self._last_error,
         }
 
@@ -349,6 +383,7 @@ class TorchEngine(base.InferenceEngine):
         if isinstance(self._batcher, StaticBatcher):
             self._batcher.release_memory()
         if self._batcher.device.type == "cuda":
+            self._batcher.release_prefix_cache()  # the learner wants the device; the next update would void it
             torch.cuda.empty_cache()
         self.memory_releases += 1
 
@@ -392,6 +427,7 @@ class TorchEngine(base.InferenceEngine):
                     self._weight(name).copy_(tensor)  # type: ignore[union-attr]  # checked above
         self._adapters.apply(adapters)
         self._version = version
+        self._batcher.weights_epoch += 1  # whatever the version says: prefix-cached keys and values of before are void
         if self._recompute_kv_on_update:
             self._batcher.drop_cache()
 

@@ -279,6 +279,24 @@ def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_mo
         asyncio.run(engine.close())
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize(("flags", "budget"), [([], 1024 << 20), (["--torch-prefix-cache-mb", "8"], 8 << 20),
+                                               (["--no-torch-prefix-cache"], None),
+                                               (["--sglang-disable-radix-cache", "true"], None)])
+def test_the_prefix_cache_flags_size_the_engines_cache_or_switch_it_off(tiny_model_path: Path, flags: list[str],
+                                                                        budget: int | None) -> None:
+    import asyncio
+
+    from actors.rollout.engine_factory import load_engine
+
+    engine, _ = load_engine(parse(["--hf-checkpoint", str(tiny_model_path), *flags]), "rollout-0-0")
+    try:
+        cache = engine._batcher.prefix_cache
+        assert (cache.budget_bytes if cache is not None else None) == budget
+    finally:
+        asyncio.run(engine.close())
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(("flags", "reason"), [
     (["--train-backend", "tools.sim.pipeline:sleeping_trainer"], "the torch and Megatron backends replay MoE routes"),

@@ -176,3 +176,34 @@ def test_an_sglang_engine_whose_checksum_shows_the_difference_is_named_with_what
     assert certificate["checks"]["weights"]["culprits"] == [
         {"version": 2, "engine": "rollout-0-1", "tensors": [], "why": why}]
     assert f"    version 2: rollout-0-1 {why}" in describe(certificate)
+
+
+def test_the_caches_check_sums_what_the_engines_prefix_caches_reused_over_engines_and_restarts(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "metrics" / "kv_cache"
+    folder.mkdir(parents=True)
+    lives = {"rollout-0-0": [(10, 30, 70, 0), (10, 60, 100, 5), (11, 20, 20, 0)], "rollout-0-1": [(12, 90, 40, 1)]}
+    for engine, records in lives.items():  # (pid, reused, prefilled, stale): cumulative per process
+        with open(folder / f"{engine}.jsonl", "a") as file:
+            for pid, reused, prefilled, stale in records:
+                counts = {"reused_tokens": reused, "prefilled_tokens": prefilled, "stale_tokens": stale,
+                          "reprefilled_tokens": 0}
+                file.write(json.dumps({"pid": pid, "version": 0, "recomputes_on_update": True, "stale_kv_tokens": 0,
+                                       "prefix_cache": counts}) + "\n")
+    certificate = certify(tmp_path)
+    prefix = certificate["checks"]["caches"]["prefix_cache"]
+    assert prefix == {"reused_tokens": 170, "prefilled_tokens": 160, "stale_tokens": 6, "reprefilled_tokens": 0,
+                      "hit_rate": round(170 / 330, 4)}
+    assert ("    prefix cache: 51.5% of prefill tokens reused (170 reused, 160 computed); 6 held from older weights "
+            "and 0 in flight at an update were prefilled again") in describe(certificate)
+
+
+def test_prefix_caches_that_prefilled_nothing_add_no_line_to_the_summary(tmp_path: Path) -> None:
+    """An SFT run's engines generate nothing: a line of zeros would only be noise."""
+    folder = tmp_path / "metrics" / "kv_cache"
+    folder.mkdir(parents=True)
+    (folder / "rollout-0-0.jsonl").write_text(json.dumps({
+        "pid": 1, "version": 0, "recomputes_on_update": True, "stale_kv_tokens": 0,
+        "prefix_cache": {"reused_tokens": 0, "prefilled_tokens": 0}}) + "\n")
+    assert not any("prefix cache" in line for line in describe(certify(tmp_path)))

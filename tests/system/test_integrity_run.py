@@ -1,7 +1,7 @@
 """The integrity certificate in real runs through launcher.py: an engine whose load leaves one tensor other than
 pushed stops a `--check-weight-update-equal` run (slime's flag: `--weight-check strict`) with the engine and the
 tensor named, in the log and in RUN_DIR/integrity.json; the same run with honest engines certifies every push, and
-that no token was sampled over an older cache."""
+that no token was sampled over an older cache, their prefix caches across requests included."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ def test_a_run_whose_engines_serve_what_was_pushed_certifies_every_push(
     assert (weights["served_differently"], weights["unchecked"]) == (0, 0)
     caches = certificate["checks"]["caches"]  # both engines' heartbeats said: no token over an older cache
     assert caches["verdict"] == "pass" and caches["engines"] == 2 and caches["stale_kv_tokens"] == 0, caches
+    # ... with their prefix caches on: prompts share the chat template's head, across requests and updates
+    assert caches["prefix_cache"]["reused_tokens"] > 0 and "prefix cache:" in output, caches
     prompts = certificate["checks"]["prompts"]
     assert prompts["verdict"] == "pass" and prompts["skipped"] == 0 and prompts["fates"]["trained"] == 6 * 4
     assert "integrity: OK" in output and "prompts: pass" in output

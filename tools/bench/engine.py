@@ -41,9 +41,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-from actors.runtime.logs import quiet_library_output
-from engines.inference import GenerateRequest, SamplingParams, TorchEngine
-from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script: this checkout's packages, not whichever one is installed
+    sys.path.insert(0, str(REPO))
+
+from engines.inference import GenerateRequest, SamplingParams, TorchEngine  # noqa: E402
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model  # noqa: E402
 
 BENCH_SPEC = TinyModelSpec(
     family="qwen2",
@@ -316,18 +319,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    quiet_library_output()  # transformers' load and save bars otherwise interleave with the table
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.pass_ is not None:
-        run_pass(args)
-        return 0
-    figures = benchmark(args)
-    print_table(figures)
-    if args.json:
-        args.json.write_text(json.dumps(asdict(figures), indent=2))
-    return 0
+    from tools.bench.passes import run_benchmark
+
+    return run_benchmark(parse_args(argv), run_pass=run_pass, benchmark=benchmark, print_table=print_table)
 
 
 if __name__ == "__main__":
