@@ -69,15 +69,19 @@ FINISH_BY_STATUS: dict[str, str] = {status: finish for finish, status in STATUS_
 class Sample(Message):
     """One trajectory: a prompt and one generated response, with everything the learner needs.
 
-    Created by the rollout worker from a leased ``PromptGroup`` (``n_samples`` per group), filled in by
-    generation, scored by a reward worker, trained on by the learner. Per-response-token arrays have exactly
+    Created by the rollout worker from a leased ``PromptGroup`` (``n_samples`` episodes per group), filled in by
+    generation, scored by a reward worker, trained on by the learner. An episode is one sample, or, when its agent
+    rewrote its context, a tree of linear segments, each a sample of its own linked by ``index`` (the episode) and
+    ``parent_segment`` (``bus.episodes``). Per-response-token arrays have exactly
     ``response_length`` entries and line up with ``tokens[prompt_tokens:]``. Received arrays are read-only
     views of the frame: replace them (``sample.loss_mask = mask.copy()``), do not write into them.
     """
 
-    sample_id: Annotated[str, doc('unique id, f"{group_id}/{index}"; rollout worker')]
+    sample_id: Annotated[str, doc('unique id, f"{group_id}/{index}", and f"{group_id}/{index}.{segment}" for a '
+                                  "segment after an episode's first; rollout worker")]
     group_id: Annotated[str, doc("the PromptGroup this sample belongs to; rollout worker")]
-    index: Annotated[int, doc("position within the group, 0..n_samples-1; rollout worker")]
+    index: Annotated[int, doc("the episode's position within the group, 0..n_samples-1 (every segment of an "
+                              "episode has its episode's index); rollout worker")]
     prompt: Annotated[str | list[dict[str, Any]], doc("raw text or chat messages, copied from the group")]
     prompt_tokens: Annotated[int, doc("how many leading entries of `tokens` are the prompt; rollout worker")] = 0
     tokens: Annotated[np.ndarray, tensor("int32", "prompt + response token ids (1-D); rollout worker")] = (
@@ -117,10 +121,23 @@ class Sample(Message):
     error: Annotated[str | None, doc("why generation or scoring failed, if status is failed/aborted")] = None
     messages: Annotated[
         list[dict[str, Any]] | None,
-        doc("a chat episode as OpenAI chat messages: the prompt's, then every turn up to the model's last (its calls "
-            "as `tool_calls`, the tool results as `tool` messages), for a reward that reads the conversation; "
-            "rollout worker (agent episodes), None for a sample that is not a chat"),
+        doc("a chat episode (this segment's conversation, when it has several) as OpenAI chat messages: the "
+            "prompt's, then every turn up to the model's last (its calls as `tool_calls`, the tool results as `tool` "
+            "messages), for a reward that reads the conversation; rollout worker (agent episodes), None for a sample "
+            "that is not a chat"),
     ] = None
+    segment: Annotated[int, doc(
+        "which segment of its episode this sample is, numbered in the order they started: an episode whose agent "
+        "rewrote its context (dropped or summarised turns, a sub-agent's fresh context) goes on in a new segment, "
+        "one sample each; 0 for an episode's first (and only, for most); rollout worker")] = 0
+    parent_segment: Annotated[int | None, doc(
+        "the segment this one forked from (the one whose conversation shares the longest prefix with its own); None "
+        "for segment 0; rollout worker")] = None
+    segments: Annotated[int, doc("how many segments the episode has, the same on each of them: a consumer tells a "
+                                 "whole episode from a part of one; rollout worker")] = 1
+    ends_episode: Annotated[bool, doc(
+        "this segment holds the episode's last model turn: the reward is computed here, once per episode, and "
+        "every segment of the episode carries it; rollout worker")] = True
 
     def __post_init__(self) -> None:
         self.tokens = _check_tensor("Sample", "tokens", self.tokens, _INT32, None)
@@ -131,6 +148,12 @@ class Sample(Message):
                 f"Sample.response_length={self.response_length}, but len(tokens) - prompt_tokens = "
                 f"{len(self.tokens) - self.prompt_tokens}"
             )
+        if not 0 <= self.segment < self.segments:
+            raise ValueError(f"Sample.segment={self.segment} outside 0..segments-1 (segments={self.segments})")
+        parent = self.parent_segment
+        if (parent is not None) if self.segment == 0 else (parent is None or not 0 <= parent < self.segment):
+            raise ValueError(f"Sample.parent_segment={self.parent_segment} for segment {self.segment}: segment 0 "
+                             "has none, a later one forked from an earlier one")
         n = self.response_length
         self.loss_mask = _check_tensor("Sample", "loss_mask", self.loss_mask, _MASK_DTYPES, n)
         self.rollout_log_probs = _check_tensor("Sample", "rollout_log_probs", self.rollout_log_probs, _FLOAT32, n)
@@ -220,7 +243,7 @@ class GeneratedGroup(Message):
 
     lease_id: Annotated[str, doc("lease the group was generated under")]
     group_id: Annotated[str, doc("the group")]
-    samples: Annotated[list[Sample], doc("n_samples samples, rewards unset")]
+    samples: Annotated[list[Sample], doc("n_samples episodes, each one sample or its segments, rewards unset")]
     worker_id: Annotated[str, doc("rollout worker that generated them")]
 
 
@@ -274,7 +297,8 @@ class Batch(Message):
                  "keeps the engines on an evaluated version's weights until its round is done")
     ] = -1
     left_out_samples: Annotated[
-        int, doc("failed samples of the batch's groups, left out: each of those groups trains on its others")
+        int, doc("failed samples (episodes, each with all its segments) of the batch's groups, left out: each of "
+                 "those groups trains on its others")
     ] = 0
 
 
