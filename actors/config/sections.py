@@ -213,6 +213,11 @@ class AgentConfig(Section):
                                        "the prompt (SmolLM2's does), state them in the system message in the "
                                        "Hermes <tools> format the tool-call parser reads; off for a model taught to "
                                        "call its tools without being shown them")
+    agent_context_rewrite: Literal["fork", "refuse"] = Field(
+        "fork", description="a call whose conversation does not extend the session's (the agent dropped or "
+        "summarised turns, or runs a sub-agent with a fresh context): fork goes on in a new segment of the episode, "
+        "its prompt the new conversation, each segment a sample that trains (docs/agents.md, Trajectory trees); "
+        "refuse answers it with an error naming the first message that differs")
 
 
 class BufferConfig(Section):

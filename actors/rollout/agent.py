@@ -15,7 +15,8 @@ merged into the sample's metadata (the reward function sees it). An agent that r
 `--agent-timeout` fails its sample, counted and logged with the agent's error; the worker goes on.
 
 Either way the sample is the whole conversation after the prompt: the model's turns trained on, everything else
-masked; the reward function is given its text and its chat messages (`Sample.messages`).
+masked; the reward function is given its text and its chat messages (`Sample.messages`). An agent that rewrites its
+context makes its episode several samples, one per segment (`actors.rollout.chat_session`, `bus.episodes`).
 """
 
 from __future__ import annotations
@@ -93,16 +94,16 @@ class EpisodeLoop:
         self.max_turns, self.step_timeout = agent.agent_max_turns, agent.agent_tool_timeout
 
     async def __call__(self, context: RolloutContext, group: PromptGroup) -> list[Sample]:
-        return list(await asyncio.gather(*(self.episode(context, group, index) for index in range(group.n_samples))))
+        return await _episodes(self.episode, context, group)
 
-    async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> Sample:
+    async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> list[Sample]:
         session = ChatSession(context, group, index)
         try:
             environment = await make_environment(self.factory, group.prompt, group.label, group.metadata)
             opening = check_messages(await environment.reset(), "reset()'s messages")
         except Exception as error:  # the user's environment: its sample fails, counted and logged; the worker goes on
             reason = f"environment {self.name} could not start an episode: {type(error).__name__}: {error}"
-            return failed_sample(group, index, context.prompt_ids(group.prompt), reason)
+            return [failed_sample(group, index, context.prompt_ids(group.prompt), reason)]
         messages = [*prompt_messages(group.prompt), *opening]
         final_answer, rewards, tool_calls, tool_errors = "", [], 0, 0
         try:
@@ -121,11 +122,11 @@ class EpisodeLoop:
                     break
                 messages = [*messages, *step.messages]
         except NoRoomError as error:  # the conversation filled the context: what was generated still trains, truncated
-            if session.trajectory is None or session.trajectory.model_turns == 0:
-                return failed_sample(group, index, context.prompt_ids(group.prompt), str(error))
+            if session.model_turns == 0:
+                return [failed_sample(group, index, context.prompt_ids(group.prompt), str(error))]
         # The environment's counts: it answered the calls (and may count what is not a `<tool_call>` block).
-        return session.to_sample(metadata={"final_answer": final_answer, "turn_rewards": rewards,
-                                           "tool_calls": tool_calls, "tool_errors": tool_errors})
+        return session.to_samples(metadata={"final_answer": final_answer, "turn_rewards": rewards,
+                                            "tool_calls": tool_calls, "tool_errors": tool_errors})
 
 
 class AgentRunner:
@@ -161,9 +162,11 @@ class AgentRunner:
         await self.endpoint.stop()
 
     async def __call__(self, context: RolloutContext, group: PromptGroup) -> list[Sample]:
-        return list(await asyncio.gather(*(self.episode(context, group, index) for index in range(group.n_samples))))
+        return await _episodes(self.episode, context, group)
 
-    async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> Sample:
+    async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> list[Sample]:
+        """The episode's samples: one per segment (an agent that rewrote its context has several), or its one
+        failed sample."""
         session = ChatSession(context, group, index)
         base_url = self.endpoint.open(session)
         episode = Episode(base_url=base_url, api_key="slipstream", model=self.endpoint.model,
@@ -176,10 +179,10 @@ class AgentRunner:
             if not task.done():
                 reason = f"agent {self.path} did not finish its episode within --agent-timeout {self.timeout:g} s"
             elif task.cancelled():  # abort_episodes: the worker stops, and the group's lease brings it back
-                return _aborted(failed_sample(group, index, context.prompt_ids(group.prompt),
-                                              f"agent {self.path} was cancelled: the rollout worker stopped"))
+                return [_aborted(failed_sample(group, index, context.prompt_ids(group.prompt),
+                                               f"agent {self.path} was cancelled: the rollout worker stopped"))]
             else:
-                return session.to_sample(metadata=_agent_metadata(task.result()))
+                return session.to_samples(metadata=_agent_metadata(task.result()))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # the user's agent: its sample fails, the worker goes on
@@ -188,7 +191,14 @@ class AgentRunner:
             self.running.discard(task)
             await _cancelled(task)
             self.endpoint.close(base_url)
-        return failed_sample(group, index, context.prompt_ids(group.prompt), reason)
+        return [failed_sample(group, index, context.prompt_ids(group.prompt), reason)]
+
+
+async def _episodes(episode: Callable[[RolloutContext, PromptGroup, int], Awaitable[list[Sample]]],
+                    context: RolloutContext, group: PromptGroup) -> list[Sample]:
+    """The group's episodes run at once, their samples in episode order (each episode's segments together)."""
+    runs = await asyncio.gather(*(episode(context, group, index) for index in range(group.n_samples)))
+    return [sample for samples in runs for sample in samples]
 
 
 def agent_generate_for(config: RunConfig) -> EpisodeLoop | AgentRunner | None:

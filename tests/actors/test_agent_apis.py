@@ -247,6 +247,7 @@ def test_length_and_stop_sequences_end_turns_as_each_api_says(tool_model: Path) 
 
 
 def test_a_rewritten_history_is_refused_naming_the_item_and_the_session_goes_on(taught) -> None:
+    """--agent-context-rewrite refuse: the older answer to a rewritten context, kept for those who want it."""
     tool_model, teach = taught
 
     async def converse(served: OpenAIEndpoint, context: RolloutContext) -> Sample:
@@ -283,7 +284,7 @@ def test_a_rewritten_history_is_refused_naming_the_item_and_the_session_goes_on(
             assert refused.value.body["error"]["type"] == "invalid_request_error"
         return responses_session.to_sample()
 
-    sample = on_endpoint(tool_model, converse)
+    sample = on_endpoint(tool_model, converse, agent_context_rewrite="refuse")
     assert sample.metadata["turns"] == 2 and sample.tokens.tolist() == teach.tokens[:len(sample.tokens)].tolist()
 
 

@@ -5,6 +5,7 @@ with a Hermes `<tool_call>` to `add` and then with the tool's result, so the epi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -219,15 +220,17 @@ def test_an_agent_that_raises_or_overruns_fails_only_its_own_sample(tiny_model_p
     assert slow.status == "failed" and "within --agent-timeout 3 s" in slow.error
 
 
-@pytest.fixture
-async def endpoint(tiny_model_path: Path) -> AsyncIterator[tuple[OpenAIEndpoint, RolloutContext]]:
+@contextlib.asynccontextmanager
+async def serving(model: Path, *, max_model_len: int | None = None) -> AsyncIterator[tuple[OpenAIEndpoint,
+                                                                                           RolloutContext]]:
+    """`model`'s engine behind a started endpoint, and a rollout context on that engine."""
     from transformers import AutoTokenizer
 
-    engine = TorchEngine.from_pretrained(tiny_model_path, max_batch_size=4)
+    engine = TorchEngine.from_pretrained(model, max_batch_size=4, max_model_len=max_model_len)
     served = OpenAIEndpoint(model="tiny")
     await served.start()
-    context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
-                             config=run_config(tiny_model_path), worker_id="w")
+    context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(model),
+                             config=run_config(model), worker_id="w")
     try:
         yield served, context
     finally:
@@ -235,9 +238,22 @@ async def endpoint(tiny_model_path: Path) -> AsyncIterator[tuple[OpenAIEndpoint,
         await engine.close()
 
 
+@pytest.fixture
+async def endpoint(tiny_model_path: Path) -> AsyncIterator[tuple[OpenAIEndpoint, RolloutContext]]:
+    async with serving(tiny_model_path) as served:
+        yield served
+
+
+def refusing_rewrites(context: RolloutContext) -> RolloutContext:
+    """`context` under --agent-context-rewrite refuse: a call that rewrites the conversation is answered an error."""
+    config = context.config
+    config = config.model_copy(update={"agent": config.agent.model_copy(update={"agent_context_rewrite": "refuse"})})
+    return RolloutContext(engine=context.engine, tokenizer=context.tokenizer, config=config, worker_id="w")
+
+
 async def test_the_endpoint_refuses_what_it_cannot_serve_naming_the_field(endpoint) -> None:
     served, context = endpoint
-    url = served.open(ChatSession(context, eval_group(), 0))
+    url = served.open(ChatSession(refusing_rewrites(context), eval_group(), 0))
     ask = [{"role": "user", "content": "2+3="}]
     async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
         first = (await client.chat.completions.create(model="tiny", messages=ask, max_tokens=5)).choices[0].message
@@ -483,14 +499,7 @@ async def test_the_sandboxed_python_tool_answers_a_models_calls_and_a_runaway_pr
 
 
 async def test_a_first_call_that_does_not_fit_leaves_the_session_empty_and_usable(tiny_model_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    engine = TorchEngine.from_pretrained(tiny_model_path, max_batch_size=4, max_model_len=48)
-    served = OpenAIEndpoint(model="tiny")
-    await served.start()
-    try:
-        context = RolloutContext(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
-                                 config=run_config(tiny_model_path), worker_id="w")
+    async with serving(tiny_model_path, max_model_len=48) as (served, context):
         session = ChatSession(context, eval_group(), 0)
         url = served.open(session)
         async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
@@ -505,6 +514,3 @@ async def test_a_first_call_that_does_not_fit_leaves_the_session_empty_and_usabl
         assert sample.prompt_tokens == len(render(context.tokenizer, [{"role": "user", "content": "1+1="}],
                                                   add_generation_prompt=True))
         assert sample.response_length == 3
-    finally:
-        await served.stop()
-        await engine.close()

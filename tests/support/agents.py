@@ -71,3 +71,30 @@ async def responses_or_anthropic(episode: Episode) -> dict[str, Any]:
     if episode.sample_index % 2 == 0:
         return {**await responses_agent.solve(episode), "api": "responses"}
     return {**await anthropic_agent.solve(episode), "api": "anthropic"}
+
+
+SUMMARY = "So far: the answer was checked once."
+CHECKER = "You check answers. Say yes or no."
+
+
+async def rewrites_its_context(episode: Episode) -> dict[str, Any]:
+    """A harness that rewrites its context twice, as coding agents do: it asks and has the answer reviewed, hands
+    the answer to a sub-agent with a fresh context on the same session, goes on in its own conversation with the
+    sub-agent's verdict, then compacts its history into a summary and asks once more. Three segments: the main
+    conversation, the sub-agent's (forked from it, nothing shared) and the compacted one (sharing the prompt)."""
+    async with openai.AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0) as client:
+        async def say(messages: list[dict[str, Any]]) -> dict[str, Any]:
+            reply = await client.chat.completions.create(model=episode.model, messages=messages, max_tokens=4)
+            return reply.choices[0].message.model_dump(exclude_none=True)
+
+        main = [*episode.messages]
+        main.append(await say(main))
+        main += [{"role": "user", "content": "check it"}]
+        main.append(await say(main))
+        verdict = await say([{"role": "system", "content": CHECKER},
+                             {"role": "user", "content": main[-1].get("content") or "?"}])
+        main += [{"role": "user", "content": f"checker: {verdict.get('content')}"}]
+        main.append(await say(main))
+        compacted = [*episode.messages, {"role": "user", "content": SUMMARY}]
+        final = await say(compacted)
+    return {"final_answer": final.get("content") or ""}
