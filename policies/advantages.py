@@ -4,6 +4,8 @@ Inputs (``B`` samples, ``T`` packed response tokens):
 
 - ``rewards: Tensor[B]``: one scalar per sample (the reward worker's output).
 - ``group_ids: LongTensor[B]``: samples of one prompt share an id; groups need not be contiguous or equal-sized.
+- ``episode_ids: LongTensor[B]`` (optional): the segments of one episode share an id (an agent that rewrote its
+  context trained as several samples, ``bus.episodes``); without it every sample is an episode of its own.
 - ``response_lengths: LongTensor[B]``, ``loss_mask: Tensor[T]`` (bool or float, 1 = trained).
 - ``values: Tensor[T]`` (critic, ``ppo`` only), ``log_probs``/``ref_log_probs: Tensor[T]`` (only when
   ``kl_coef != 0``, for the KL reward penalty), ``teacher_log_probs: Tensor[T]`` (only with ``use_opd``, beside
@@ -14,6 +16,11 @@ rewards are float64).
 
 Decisions worth knowing:
 
+- Group baselines are over episodes, not samples: an episode of three segments counts once in its group's mean,
+  std and leave-one-out baseline, with its reward (the mean of its segments', which carry one reward) less the KL
+  penalty summed over all its segments; every segment gets its episode's advantage. The token-level estimators
+  (reinforce_plus_plus, ppo) place the episode's reward on each segment's last trained token, so each segment ends
+  as the episode did. The loss aggregation over tokens does not change: a segment is a sample there.
 - Group normalisation uses the unbiased (n - 1) std, like ``torch.std``. A group of one sample
   (``n_samples_per_prompt = 1``) has no baseline: its centred reward is exactly 0, so its advantage is 0 for
   grpo/gspo/cispo/rloo/reinforce_plus_plus_baseline, with or without std division, instead of the NaN an
@@ -62,6 +69,7 @@ __all__ = [
     "gae",
     "group_normalize",
     "leave_one_out",
+    "per_episode",
     "terminal_token_rewards",
     "whiten",
 ]
@@ -81,6 +89,7 @@ class AdvantageInputs:
     loss_mask: Tensor  # [T], 0/1 float
     token_kl: Tensor  # [T]
     values: Tensor | None  # [T]
+    episode_ids: Tensor | None = None  # [B]; None: each sample is its own episode
 
 
 def compute_advantages(
@@ -95,12 +104,15 @@ def compute_advantages(
     ref_log_probs: Tensor | None = None,
     teacher_log_probs: Tensor | None = None,
     process_group: dist.ProcessGroup | None = None,
+    episode_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Run the configured estimator, then the distillation term (``use_opd``: ``log_probs`` is the student's,
-    ``teacher_log_probs`` the teacher's, see `policies.distillation`), then optional masked whitening (across
-    ``process_group`` when given). Returns are the estimator's: the distillation term is not a reward."""
+    """Run the configured estimator (its group baselines over the episodes of ``episode_ids`` when given), then the
+    distillation term (``use_opd``: ``log_probs`` is the student's, ``teacher_log_probs`` the teacher's, see
+    `policies.distillation`), then optional masked whitening (across ``process_group`` when given). Returns are the
+    estimator's: the distillation term is not a reward."""
     inputs = _prepare_inputs(config, rewards=rewards, group_ids=group_ids, response_lengths=response_lengths,
-                             loss_mask=loss_mask, values=values, log_probs=log_probs, ref_log_probs=ref_log_probs)
+                             loss_mask=loss_mask, values=values, log_probs=log_probs, ref_log_probs=ref_log_probs,
+                             episode_ids=episode_ids)
     estimator = resolve_advantage_estimator(config.advantage_estimator)
     advantages, returns = estimator(config, inputs)
     check_packed(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.response_lengths)
@@ -132,7 +144,7 @@ def rewards_teach_single_samples(config: PolicyLossConfig) -> bool:
 
 def _prepare_inputs(config: PolicyLossConfig, *, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor,
                     loss_mask: Tensor, values: Tensor | None, log_probs: Tensor | None,
-                    ref_log_probs: Tensor | None) -> AdvantageInputs:
+                    ref_log_probs: Tensor | None, episode_ids: Tensor | None = None) -> AdvantageInputs:
     """`compute_advantages`' arguments checked and upcast, with the KL penalty computed."""
     lengths = check_lengths(response_lengths)
     batch = lengths.numel()
@@ -140,6 +152,8 @@ def _prepare_inputs(config: PolicyLossConfig, *, rewards: Tensor, group_ids: Ten
         raise ValueError(f"rewards: expected shape [{batch}] (one per sample), got {tuple(rewards.shape)}")
     if group_ids.dim() != 1 or group_ids.numel() != batch:
         raise ValueError(f"group_ids: expected shape [{batch}] (one per sample), got {tuple(group_ids.shape)}")
+    if episode_ids is not None and (episode_ids.dim() != 1 or episode_ids.numel() != batch):
+        raise ValueError(f"episode_ids: expected shape [{batch}] (one per sample), got {tuple(episode_ids.shape)}")
     check_finite("rewards", rewards)
     rewards = as_compute_dtype(rewards)
     dtype = rewards.dtype
@@ -161,18 +175,24 @@ def _prepare_inputs(config: PolicyLossConfig, *, rewards: Tensor, group_ids: Ten
         kl = compute_kl(config.kl_loss_type, log_probs.detach(), ref_log_probs.detach()).to(dtype)
         token_kl = kl if keep_untrained else zero_masked(kl, mask)
     return AdvantageInputs(rewards=rewards, group_ids=group_ids, response_lengths=lengths, loss_mask=mask,
-                           token_kl=token_kl, values=values)
+                           token_kl=token_kl, values=values, episode_ids=episode_ids)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Building blocks (public so user estimators can compose them)
 
 
-def group_normalize(rewards: Tensor, group_ids: Tensor, *, divide_by_std: bool, eps: float) -> Tensor:
+def group_normalize(rewards: Tensor, group_ids: Tensor, *, divide_by_std: bool, eps: float,
+                    episode_ids: Tensor | None = None) -> Tensor:
     """``r - mean_g`` or ``(r - mean_g) / (std_g + eps)`` with the unbiased std; ``[B] -> [B]``.
 
-    A singleton group gives exactly 0 (its centred reward is 0; its std is taken as 0 rather than NaN).
+    A singleton group gives exactly 0 (its centred reward is 0; its std is taken as 0 rather than NaN). With
+    ``episode_ids`` the statistics are over episodes (each counts once, however many samples it has), and each
+    sample gets its episode's value.
     """
+    if episode_ids is not None:
+        episode_rewards, episode_groups, inverse = per_episode(rewards, group_ids, episode_ids)
+        return group_normalize(episode_rewards, episode_groups, divide_by_std=divide_by_std, eps=eps)[inverse]
     inverse, n_groups = group_index(group_ids)
     zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
     count = zeros.index_add(0, inverse, torch.ones_like(rewards))
@@ -185,14 +205,28 @@ def group_normalize(rewards: Tensor, group_ids: Tensor, *, divide_by_std: bool, 
     return centred / (std[inverse] + eps)
 
 
-def leave_one_out(rewards: Tensor, group_ids: Tensor) -> Tensor:
-    """RLOO: ``r_i - mean(r_j for j != i in the group)``; ``[B] -> [B]``; 0 for a singleton group."""
+def leave_one_out(rewards: Tensor, group_ids: Tensor, episode_ids: Tensor | None = None) -> Tensor:
+    """RLOO: ``r_i - mean(r_j for j != i in the group)``; ``[B] -> [B]``; 0 for a singleton group. With
+    ``episode_ids``, over episodes: the baseline is the group's other episodes, each sample gets its episode's."""
+    if episode_ids is not None:
+        episode_rewards, episode_groups, inverse = per_episode(rewards, group_ids, episode_ids)
+        return leave_one_out(episode_rewards, episode_groups)[inverse]
     inverse, n_groups = group_index(group_ids)
     zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
     count = zeros.index_add(0, inverse, torch.ones_like(rewards))[inverse]
     total = zeros.index_add(0, inverse, rewards)[inverse]
     baseline = (total - rewards) / (count - 1).clamp_min(1)
     return torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
+
+
+def per_episode(values: Tensor, group_ids: Tensor, episode_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``[B]`` per-sample values as ``[E]`` per-episode ones (the mean over each episode's samples), each episode's
+    group id ``[E]``, and each sample's episode ``[B]`` (index into ``[E]``)."""
+    inverse, n_episodes = group_index(episode_ids)
+    zeros = torch.zeros(n_episodes, dtype=values.dtype, device=values.device)
+    count = zeros.index_add(0, inverse, torch.ones_like(values))
+    groups = torch.zeros(n_episodes, dtype=group_ids.dtype, device=group_ids.device).scatter(0, inverse, group_ids)
+    return zeros.index_add(0, inverse, values) / count, groups, inverse
 
 
 def terminal_token_rewards(
@@ -254,9 +288,15 @@ def whiten(
 
 
 def _sequence_rewards_with_kl(config: PolicyLossConfig, inputs: AdvantageInputs) -> Tensor:
+    """Each sample's reward less the KL penalty summed over its episode's trained tokens (its own, for a sample
+    that is its whole episode)."""
     if config.kl_coef == 0:
         return inputs.rewards
-    return inputs.rewards - config.kl_coef * per_sample_sum(inputs.token_kl, inputs.response_lengths, inputs.loss_mask)
+    kl = per_sample_sum(inputs.token_kl, inputs.response_lengths, inputs.loss_mask)
+    if inputs.episode_ids is not None:
+        inverse, n_episodes = group_index(inputs.episode_ids)
+        kl = torch.zeros(n_episodes, dtype=kl.dtype, device=kl.device).index_add(0, inverse, kl)[inverse]
+    return inputs.rewards - config.kl_coef * kl
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -270,9 +310,8 @@ def group_relative(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[T
     """GRPO-family: one group-normalised sequence advantage broadcast to every token (gspo/cispo differ in loss)."""
     rewards = _sequence_rewards_with_kl(config, inputs)
     if config.rewards_normalization:
-        rewards = group_normalize(
-            rewards, inputs.group_ids, divide_by_std=config.grpo_std_normalization, eps=config.reward_norm_eps
-        )
+        rewards = group_normalize(rewards, inputs.group_ids, divide_by_std=config.grpo_std_normalization,
+                                  eps=config.reward_norm_eps, episode_ids=inputs.episode_ids)
     advantages = to_tokens(rewards, inputs.response_lengths) * inputs.loss_mask
     return advantages, advantages
 
@@ -282,7 +321,7 @@ def rloo(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Ten
     """REINFORCE leave-one-out: baseline is the mean reward of the other samples of the same prompt."""
     rewards = _sequence_rewards_with_kl(config, inputs)
     if config.rewards_normalization:
-        rewards = leave_one_out(rewards, inputs.group_ids)
+        rewards = leave_one_out(rewards, inputs.group_ids, inputs.episode_ids)
     advantages = to_tokens(rewards, inputs.response_lengths) * inputs.loss_mask
     return advantages, advantages
 
@@ -303,7 +342,8 @@ def reinforce_plus_plus_baseline(config: PolicyLossConfig, inputs: AdvantageInpu
     """REINFORCE++-baseline: ``(r - mean_g) - kl_coef * kl_t`` per token (then batch whitening)."""
     rewards = inputs.rewards
     if config.rewards_normalization:
-        rewards = group_normalize(rewards, inputs.group_ids, divide_by_std=False, eps=config.reward_norm_eps)
+        rewards = group_normalize(rewards, inputs.group_ids, divide_by_std=False, eps=config.reward_norm_eps,
+                                  episode_ids=inputs.episode_ids)
     advantages = (to_tokens(rewards, inputs.response_lengths) - config.kl_coef * inputs.token_kl) * inputs.loss_mask
     return advantages, advantages
 

@@ -8,8 +8,10 @@ every lease, acceptance, drop, eviction and batch, across restarts, so at the en
 - skipped: prompts of the data order never leased while later ones were (a gap in an epoch's positions);
 - per prompt group, its fate: trained, served but not trained yet, waiting in the pool, dropped (with the reason),
   or in flight (leased, no answer yet, or evicted and waiting to be generated again);
-- samples: of the trained groups, the samples trained and those left out (they failed, and their group trained on
-  the others, `--failed-sample-policy leave_out`); a sample of a trained group that is neither fails the check;
+- samples: of the trained groups, the samples (episodes) trained and those left out (they failed, and their group
+  trained on the others, `--failed-sample-policy leave_out`); a sample of a trained group that is neither fails the
+  check. A sample here is what `--n-samples-per-prompt` asks for, an episode: one whose agent rewrote its context
+  trained as several segments (`bus.episodes`) and counts once, its segments beside it (`trained_segments`);
 - regenerated: evictions (with the staleness that caused them) and leases given again (a worker died, a lease
   expired);
 - by response length (quartiles of the accepted groups' mean response length), how many groups were trained and
@@ -32,8 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.buffer.core import left_out_episodes
 from actors.buffer.log import BufferLog, archived_logs
 from bus.codec import decode
+from bus.episodes import count_episodes
 
 LOG = Path("buffer") / "log.msgpack"
 TRAINED = Path("metrics") / "trained_samples.jsonl"
@@ -47,9 +51,10 @@ class GroupFate:
     batch: int | None = None
     dropped: str | None = None
     mean_length: float | None = None  # of its latest accepted answer
-    n_samples: int = 0  # asked of its lease
-    samples: int = 0  # of its latest accepted answer
-    left_out: int = 0  # of its latest accepted answer: failed, and left out of the group
+    n_samples: int = 0  # asked of its lease (episodes)
+    samples: int = 0  # of its latest accepted answer: the episodes that train
+    segments: int = 0  # of its latest accepted answer: the samples that train, an episode's segments each one
+    left_out: int = 0  # of its latest accepted answer: episodes that failed, and were left out of the group
 
 
 @dataclass
@@ -116,7 +121,8 @@ def _read(log_path: Path) -> _History:
                 samples = decode(record["group"]).samples
                 fate.accepted, fate.dropped = True, None
                 fate.mean_length = statistics.fmean(int(s.response_length) for s in samples) if samples else 0.0
-                fate.samples, fate.left_out = len(samples), len(record.get("left_out", ()))
+                fate.samples, fate.segments = count_episodes(samples), len(samples)
+                fate.left_out = left_out_episodes(record.get("left_out", ()))
             elif kind == "drop":
                 fate = history.fate(group_id)
                 fate.dropped, fate.accepted = record["reason"], False
@@ -158,11 +164,13 @@ def _outcome(fate: GroupFate, trained_through: int) -> str:
 
 
 def _samples(trained: Iterable[GroupFate]) -> dict[str, int]:
-    """The samples of the trained groups: trained, left out, and those neither says (a log that lost one). A group
-    whose lease is in an archive since deleted is not counted: how many samples it asked for is unknown."""
+    """The samples (episodes) of the trained groups: trained, left out, and those neither says (a log that lost
+    one), and the segments the trained ones trained as. A group whose lease is in an archive since deleted is not
+    counted: how many samples it asked for is unknown."""
     fates = [fate for fate in trained if fate.n_samples]
     count = {"trained": sum(f.samples for f in fates), "left_out": sum(f.left_out for f in fates)}
-    return {**count, "unaccounted": sum(f.n_samples for f in fates) - count["trained"] - count["left_out"]}
+    return {**count, "unaccounted": sum(f.n_samples for f in fates) - count["trained"] - count["left_out"],
+            "trained_segments": sum(f.segments for f in fates)}
 
 
 def _skipped(new_positions: dict[int, set[int]]) -> int:

@@ -27,6 +27,7 @@ from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
+from bus.episodes import count_episodes
 from bus.schema import (
     BATCH_ORDER,
     TOPIC_VERSION,
@@ -207,7 +208,7 @@ class Buffer(Actor):
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
                      replayed=assembled.replayed, learner_version=assembled.learner_version,
                      eval_done_through=self.eval_rounds.done_through,
-                     left_out_samples=len(assembled.groups) * self.core.n_samples - len(samples))
+                     left_out_samples=len(assembled.groups) * self.core.n_samples - count_episodes(samples))
 
     @serves(FinalCommit)
     async def on_final_commit(self, sender: str, commit: FinalCommit) -> Ack:

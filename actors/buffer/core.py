@@ -29,6 +29,7 @@ from actors.data.prompts import Cursor, PromptSource
 from actors.eval import take_eval_groups
 from actors.extensions.points import BatchSelector, GroupFilter, SelectionError
 from bus.codec import decode, encode
+from bus.episodes import count_episodes, episode_id, group_problem
 from bus.schema import PromptGroup, Sample, ScoredGroup
 from policies.failed_samples import FailedSamplePolicy, samples_to_train
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
@@ -66,7 +67,7 @@ class BufferStats:
     trained_groups: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
     reissued: int = 0
-    left_out_samples: int = 0  # failed samples of accepted groups, which trained on the others
+    left_out_samples: int = 0  # failed samples (episodes) of accepted groups, which trained on the others
     ignored: Counter[str] = field(default_factory=Counter)
     selection_fallbacks: Counter[str] = field(default_factory=Counter)  # batches taken oldest-first, by reason
 
@@ -246,15 +247,16 @@ class BufferCore:
         self.version_ranges.pop(scored.group_id, None)  # a re-issued group comes back with new tokens
         self.pool[scored.group_id] = trained
         self.stats.accepted += 1
-        self.stats.left_out_samples += len(left_out)
+        self.stats.left_out_samples += count_episodes(left_out)
         if self.log is not None:
             self.log.append("accept", group_id=scored.group_id, group=encode(trained),
                             **({"left_out": [_left_out(sample) for sample in left_out]} if left_out else {}))
         return "accepted"
 
     def _admitted(self, scored: ScoredGroup) -> tuple[ScoredGroup, str | None]:
-        """The group as it trains (failed samples left out, `--failed-sample-policy`), or why it is dropped."""
-        if len(scored.samples) != self.n_samples:
+        """The group as it trains (failed episodes left out, `--failed-sample-policy`), or why it is dropped. A
+        group is whole when it holds its `n_samples` episodes, each with all its segments (`bus.episodes`)."""
+        if group_problem(scored.samples, self.n_samples) is not None:
             return scored, "incomplete_group"
         kept = samples_to_train(scored.samples, self.failed_sample_policy, _failed)
         if kept is None:
@@ -474,7 +476,7 @@ class BufferCore:
                 self.version_ranges.pop(record["group_id"], None)
                 self.pool[record["group_id"]] = decode(record["group"])
                 self.stats.accepted += 1
-                self.stats.left_out_samples += len(record.get("left_out", ()))
+                self.stats.left_out_samples += left_out_episodes(record.get("left_out", ()))
             elif kind == "drop":
                 self._forget_in_flight(record["group_id"])
                 self.prompt_groups.pop(record["group_id"], None)
@@ -516,8 +518,13 @@ def _failed(sample: Sample) -> bool:
 
 
 def _left_out(sample: Sample) -> dict[str, str]:
-    """What the log keeps of a sample left out of its group: which, and why."""
-    return {"sample_id": sample.sample_id, "error": (sample.error or "no reward")[:300]}
+    """What the log keeps of a sample left out of its group: which (and its episode), and why."""
+    return {"sample_id": sample.sample_id, "episode": episode_id(sample), "error": (sample.error or "no reward")[:300]}
+
+
+def left_out_episodes(entries: Any) -> int:
+    """The episodes an accept record's `left_out` entries name (a log written before episodes: one per entry)."""
+    return len({entry.get("episode", entry.get("sample_id")) for entry in entries})
 
 
 def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> AssembledBatch:

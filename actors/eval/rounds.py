@@ -24,6 +24,7 @@ from actors.data.prompt_tokens import prompt_length_counter
 from actors.data.prompts import PromptRecord, load_prompts
 from actors.eval.ids import eval_group_id
 from actors.runtime.metrics import MetricsWriter
+from bus.episodes import by_episode, final_segment
 from bus.schema import PromptGroup, ScoredGroup
 from policies.rewards import REWARD_EXTRAS, extras_means
 
@@ -145,12 +146,14 @@ class EvalRounds:
         current = self.rounds.get((int(version), name))
         if current is None:
             return
-        rewards = [s.reward for s in group.samples if s.reward is not None]
-        current.failed += len(group.samples) - len(rewards)
-        current.off_version += sum(bool(np.any(np.asarray(s.token_versions) != current.version))
-                                   for s in group.samples if s.token_versions is not None)
+        episodes = list(by_episode(group.samples).values())  # an agent's episode may be several segments
+        finals = [final_segment(segments) for segments in episodes]
+        rewards = [s.reward for s in finals if s.reward is not None]
+        current.failed += len(finals) - len(rewards)
+        current.off_version += sum(any(np.any(np.asarray(s.token_versions) != current.version)
+                                       for s in segments if s.token_versions is not None) for segments in episodes)
         current.rewards[group.group_id] = [float(r) for r in rewards]
-        current.extras += [s.metadata[REWARD_EXTRAS] for s in group.samples
+        current.extras += [s.metadata[REWARD_EXTRAS] for s in finals
                            if s.reward is not None and isinstance(s.metadata.get(REWARD_EXTRAS), dict)]
         if len(current.rewards) == current.expected:
             self._finish(current)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from actors.extensions.points import AdvantageFunction
+from bus.episodes import episode_id
 from bus.schema import Sample
 from engines.training.base import DataParallel, Trainer, TrainSample, teacher_role
 from policies.advantages import compute_advantages
@@ -32,16 +33,28 @@ from policies.step_loss import (
 
 @dataclass
 class StepBatch:
-    """This rank's samples in the trainer's types, with what the stages need beside them (group ids)."""
+    """This rank's samples in the trainer's types, with what the stages need beside them (group and episode ids)."""
 
     samples: list[TrainSample]
     group_ids: list[str]
     teachers: list[str] = field(default_factory=list)  # each sample's distillation teacher; empty without one
+    episode_ids: list[str] = field(default_factory=list)  # each sample's episode (`bus.episodes`); empty: its own
 
     def take(self, indices: Sequence[int]) -> StepBatch:
-        """The samples at `indices`, in that order, with their group ids and teachers."""
+        """The samples at `indices`, in that order, with their group and episode ids and teachers."""
+        indices = list(indices)
         return StepBatch(samples=[self.samples[i] for i in indices], group_ids=[self.group_ids[i] for i in indices],
-                         teachers=[self.teachers[i] for i in indices] if self.teachers else [])
+                         teachers=[self.teachers[i] for i in indices] if self.teachers else [],
+                         episode_ids=[self.episode_ids[i] for i in indices] if self.episode_ids else [])
+
+    @property
+    def episodes(self) -> list[list[int]]:
+        """The samples' indices per episode, episodes in the order they start (a segment is a sample; an
+        episode's segments travel together in a batch)."""
+        members: dict[str, list[int]] = {}
+        for index, episode in enumerate(self.episode_ids or map(str, range(len(self.samples)))):
+            members.setdefault(episode, []).append(index)
+        return list(members.values())
 
     @property
     def lengths(self) -> list[int]:
@@ -118,7 +131,8 @@ def to_step_batch(samples: Sequence[Sample], *, newest_version_only: bool = Fals
     """`teacher_of` names each sample's distillation teacher (`actors.config.teachers.teacher_of`)."""
     return StepBatch(samples=[to_train_sample(s, newest_version_only=newest_version_only) for s in samples],
                      group_ids=[s.group_id for s in samples],
-                     teachers=[teacher_of(s) for s in samples] if teacher_of is not None else [])
+                     teachers=[teacher_of(s) for s in samples] if teacher_of is not None else [],
+                     episode_ids=[episode_id(s) for s in samples])
 
 
 def unreplayable_routes(batch: StepBatch) -> int:
@@ -204,7 +218,8 @@ def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float)
 
 def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *,
                    custom: AdvantageFunction | None = None) -> dict[str, float]:
-    """Advantages of this shard; whole groups are on one rank, so only whitening spans ranks.
+    """Advantages of this shard; whole groups are on one rank, so only whitening spans ranks. Group baselines are
+    over episodes: an agent's episode of several segments counts once, and each segment gets its advantage.
 
     `DataParallel.group` None means the default group, but `compute_advantages` reads None as "this process
     only", so the world group is named explicitly: otherwise each rank would whiten by its own statistics.
@@ -216,6 +231,9 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         group = parallel.group if parallel.group is not None else torch.distributed.group.WORLD
     index: dict[str, int] = {}
     group_ids = torch.tensor([index.setdefault(g, len(index)) for g in batch.group_ids], dtype=torch.long)
+    episode_ids = torch.empty(len(batch.samples), dtype=torch.long)
+    for number, members in enumerate(batch.episodes):
+        episode_ids[members] = number
     old = batch.packed("old_log_probs")
     student = old if old is not None else batch.packed("rollout_log_probs")  # pi_old, else the engine's
     teacher = batch.packed("teacher_log_probs")
@@ -234,6 +252,7 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         teacher_log_probs=teacher,
         values=values,
         process_group=group,
+        episode_ids=episode_ids,
     )
     batch.scatter("advantages", advantages.float())
     metrics = _distillation_metrics(policy, batch, student, teacher)
@@ -264,11 +283,13 @@ def mini_batches(batch: StepBatch, steps: int, parallel: DataParallel) -> list[S
     Cut after the advantages (they need whole groups), so a group may span two steps, as in slime, which cuts
     each data-parallel rank's samples in order. Each rank cuts its own shard, so step k trains every rank's k-th
     piece: about batch / steps samples over all ranks (exactly that with a trainer that shards itself, e.g.
-    Megatron, which receives the whole batch). One step returns the batch itself.
+    Megatron, which receives the whole batch). One step returns the batch itself. What is cut is episodes: an
+    episode's segments train in one step, and `--global-batch-size` counts episodes, as slime's counts rollouts.
     """
     if steps == 1:
         return [batch]
-    fewest = len(batch.samples)
+    episodes = batch.episodes
+    fewest = len(episodes)
     if parallel.size > 1:  # agreed over the ranks, so a short shard fails every rank alike instead of a hang
         count = torch.tensor([fewest], dtype=torch.int64, device=_collective_device(parallel))
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=parallel.group)
@@ -277,8 +298,9 @@ def mini_batches(batch: StepBatch, steps: int, parallel: DataParallel) -> list[S
         where = "" if parallel.size == 1 else f" on some data-parallel rank (of {parallel.size})"
         raise ValueError(f"{fewest} samples{where} cannot make {steps} optimizer steps "
                          "(--num-steps-per-rollout / --global-batch-size): each step needs at least one sample")
-    bounds = [k * len(batch.samples) // steps for k in range(steps + 1)]
-    return [batch.take(range(start, end)) for start, end in pairwise(bounds)]
+    bounds = [k * len(episodes) // steps for k in range(steps + 1)]
+    return [batch.take([index for members in episodes[start:end] for index in members])
+            for start, end in pairwise(bounds)]
 
 
 def with_gradient(batch: StepBatch) -> StepBatch:

@@ -27,6 +27,7 @@ from actors.config.teachers import run_teachers, teacher_of
 from actors.extensions.load import advantage_function, batch_rewrite
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
+from bus.episodes import final_segments
 from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
 from policies.rewards import REWARD_EXTRAS, extras_means
@@ -190,21 +191,23 @@ def combine_steps(results: Sequence[StepResult]) -> StepResult:
 
 
 def rollout_metrics(samples: Sequence[Sample], staleness: Sequence[int]) -> dict[str, float]:
-    """What the batch says about generation: reward, accuracy, lengths, truncation, staleness, and the mean of each
-    extra field the reward function returned (`reward/format_ok`, ...)."""
-    rewards = np.asarray([float(s.reward or 0.0) for s in samples])
+    """What the batch says about generation: reward, accuracy, truncation and the mean of each extra field the
+    reward function returned (`reward/format_ok`, ...) per episode (an agent's episode of several segments counts
+    once, by its final segment), lengths per sample, staleness."""
+    finals = final_segments(samples)
+    rewards = np.asarray([float(s.reward or 0.0) for s in finals])
     lengths = np.asarray([s.response_length for s in samples])
     metrics = {
         "rollout/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
         "rollout/reward_std": float(rewards.std()) if len(rewards) else float("nan"),
         "rollout/accuracy": float((rewards >= 1.0).mean()) if len(rewards) else float("nan"),
         "rollout/response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-        "rollout/truncated_fraction": float(np.mean([s.status == "truncated" for s in samples])) if samples else 0.0,
+        "rollout/truncated_fraction": float(np.mean([s.status == "truncated" for s in finals])) if finals else 0.0,
         "rollout/samples": float(len(samples)),
         "rollout/tokens": float(lengths.sum()),
     }
     metrics |= episode_metrics(samples)
-    extras = extras_means(sample.metadata[REWARD_EXTRAS] for sample in samples
+    extras = extras_means(sample.metadata[REWARD_EXTRAS] for sample in finals
                           if isinstance(sample.metadata.get(REWARD_EXTRAS), dict))
     metrics |= {f"reward/{name}": value for name, value in extras.items()}
     if staleness:

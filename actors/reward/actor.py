@@ -9,7 +9,9 @@ Failures are logged at a bounded rate, and a function that fails on `--reward-fa
 ends the run as failed, with its last error (`actors.reward.failures`): a broken reward trains nothing, and would
 otherwise go on failing forever.
 
-The function is given each sample's token ids and finish reason besides its text (`reward_input`).
+The function is given each sample's token ids and finish reason besides its text (`reward_input`). It is called
+once per episode: an agent's episode that rewrote its context is several samples (segments, `bus.episodes`), scored
+on its final segment with every segment's messages at hand, and each segment carries that reward (or its failure).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from actors.reward.failures import RewardFailures
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
+from bus.episodes import EpisodeKey, by_episode, episode_key, final_segment
 from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
 from policies.failed_samples import samples_to_train
 from policies.rewards import REWARD_EXTRAS, RewardInput, prompt_text, score, score_group
@@ -89,30 +92,34 @@ class RewardWorker(Actor):
         return annotated
 
     async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
-        """The samples that did not fail in generation, scored; those that did, as they are (none are scored when
-        the buffer will drop the group for them)."""
+        """The episodes that did not fail in generation, scored (each on its final segment, the reward then on all
+        of its segments); those that did, as they are (none are scored when the buffer will drop the group for
+        them)."""
         scorable = self._trains_on(samples)
         if not scorable:  # failed in generation (e.g. no room under the context cap): the buffer counts it
             return list(samples)
+        episodes = by_episode(samples)
+        finals = [final_segment(episodes[key]) for key in by_episode(scorable)]
         # A reward already set (slime's rollout functions and generate plugins may score their own samples) is kept,
         # as slime's generate_and_rm does; a group reward needs the whole group, so it rescores all if any lacks one.
-        unscored = [s for s in scorable if not _has_reward(s)]
-        if not unscored:
-            self.counters["samples.prescored"] += len(scorable)
-            return list(samples)
-        if self.reward.is_group:
-            unscored = scorable
-        self.counters["samples.prescored"] += len(scorable) - len(unscored)
-        rescored = dict(zip(map(id, unscored), await self._score(unscored, is_eval=is_eval), strict=True))
-        return [rescored.get(id(sample), sample) for sample in samples]
+        unscored = [s for s in finals if not _has_reward(s)]
+        if self.reward.is_group and unscored:
+            unscored = finals
+        self.counters["samples.prescored"] += len(finals) - len(unscored)
+        scored = await self._score(unscored, episodes, is_eval=is_eval) if unscored else []
+        rescored = {episode_key(sample): sample for sample in [*finals, *scored]}  # the scored after the prescored
+        return [_with_episode_reward(sample, rescored.get(episode_key(sample))) for sample in samples]
 
     def _trains_on(self, samples: list[Sample]) -> list[Sample] | None:
         """The samples of a group that can train, by the buffer's rule; None when it will drop the group."""
         return samples_to_train(samples, self.config.buffer.failed_sample_policy,
                                 lambda sample: sample.status == "failed")
 
-    async def _score(self, samples: list[Sample], *, is_eval: bool) -> list[Sample]:
-        inputs: list = list(samples) if self.reward.takes_samples else [reward_input(s) for s in samples]
+    async def _score(self, samples: list[Sample], episodes: dict[EpisodeKey, list[Sample]], *,
+                     is_eval: bool) -> list[Sample]:
+        """`samples` (one per episode, its final segment) scored, with every segment of its episode at hand."""
+        inputs: list = (list(samples) if self.reward.takes_samples
+                        else [reward_input(s, episodes[episode_key(s)]) for s in samples])
         reward = self.config.reward
         key = (self.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
         if self.reward.is_group:
@@ -135,16 +142,31 @@ class RewardWorker(Actor):
         return scored
 
 
-def reward_input(sample: Sample) -> RewardInput:
-    """What a reward function of ours is given for one wire sample: text, label, metadata, token ids, the
-    engine's finish reason (carried by the sample's status) and a chat episode's messages."""
+def reward_input(sample: Sample, segments: list[Sample] | None = None) -> RewardInput:
+    """What a reward function of ours is given for one wire sample (an episode's final segment, with all of
+    `segments`): text, label, metadata, token ids, the engine's finish reason (carried by the sample's status) and
+    a chat episode's messages, each segment's."""
     tokens = sample.tokens.tolist()
     messages = None if sample.messages is None else [dict(message) for message in sample.messages]
+    chats = [segment.messages for segment in segments or [sample]]
     return RewardInput(prompt=prompt_text(sample.prompt), response=sample.response, label=sample.label,
                        metadata=dict(sample.metadata), prompt_ids=tokens[:sample.prompt_tokens],
                        response_ids=tokens[sample.prompt_tokens:],
                        finish_reason=FINISH_BY_STATUS.get(sample.status),  # type: ignore[arg-type]
-                       messages=messages)
+                       messages=messages,
+                       segments=None if messages is None else [[dict(m) for m in chat or []] for chat in chats])
+
+
+def _with_episode_reward(sample: Sample, final: Sample | None) -> Sample:
+    """`sample` with its episode's outcome (`final`, its scored final segment): the reward and its extras, or the
+    reward's failure. A sample of an episode that was not scored (it failed in generation) stays as it is."""
+    if final is None or final.sample_id == sample.sample_id:
+        return final or sample
+    if final.status == "failed":
+        return msgspec.structs.replace(sample, reward=None, status="failed", error=final.error)
+    extras = final.metadata.get(REWARD_EXTRAS)
+    metadata = {**sample.metadata, REWARD_EXTRAS: extras} if extras is not None else sample.metadata
+    return msgspec.structs.replace(sample, reward=final.reward, metadata=metadata)
 
 
 def _has_reward(sample: Sample) -> bool:

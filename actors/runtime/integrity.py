@@ -188,9 +188,11 @@ def _describe_prompts(check: dict[str, Any]) -> list[str]:
     lines = [f"  prompts: {check['verdict']} ({check['prompt_groups']} prompt groups: {fates}; {check['skipped']} "
              f"skipped; regenerated: {again['evictions']} evicted as stale, {again['leased_again']} leased again)"]
     samples = check.get("samples")
-    if samples is not None and (samples["left_out"] or samples["unaccounted"]):
-        lines.append(f"    samples of trained groups: {samples['trained']} trained, {samples['left_out']} left out "
-                     f"(failed), {samples['unaccounted']} unaccounted")
+    segments = (samples or {}).get("trained_segments", 0)
+    if samples is not None and (samples["left_out"] or samples["unaccounted"] or segments > samples["trained"]):
+        forked = f" (as {segments} segments)" if segments > samples["trained"] else ""
+        lines.append(f"    samples of trained groups: {samples['trained']} trained{forked}, {samples['left_out']} "
+                     f"left out (failed), {samples['unaccounted']} unaccounted")
     for row in check.get("by_length", {}).get("buckets", ()):
         lines.append(f"    mean response length {row['lengths']}: {row['groups']} groups, {row['trained']} trained, "
                      f"{row['evictions']} evictions")

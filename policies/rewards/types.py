@@ -8,7 +8,9 @@ length, for rewards that compare samples (pairwise judges, diversity bonuses).
 Besides the decoded text, a reward sees the token ids (``response`` may have special tokens stripped, see
 ``--rollout-skip-special-tokens``; ``response_ids`` never do) and why generation ended, so it can check for EOS or
 penalise truncation; and a multi-turn episode as chat messages, so it can read the tool calls and results without
-parsing a chat template's text.
+parsing a chat template's text. An episode is scored once: an agent that rewrote its context trains as several
+segments (``bus.episodes``), and the reward sees the final one, with every segment's messages in ``segments``;
+each segment then carries that reward.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class RewardInput:
     ``function.name``, ``function.arguments`` as a JSON string), each tool result a ``tool`` message with its
     ``tool_call_id``. None for a sample that is not a chat (one completion, a text-completion session). The text
     in ``response`` is the same conversation rendered by the chat template.
+
+    ``segments`` is every segment's ``messages``, in the order they started, for a chat episode (one entry for an
+    episode that never rewrote its context). An agent that dropped or summarised turns, or ran a sub-agent with a
+    fresh context, went on in a new segment; the input is the episode's final segment (its ``messages``,
+    ``response`` and token ids are that segment's), and the reward it gets is every segment's.
     """
 
     prompt: str
@@ -50,6 +57,7 @@ class RewardInput:
     response_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     messages: list[dict[str, Any]] | None = None
+    segments: list[list[dict[str, Any]]] | None = None
 
 
 def prompt_text(prompt: str | list[dict[str, Any]]) -> str:

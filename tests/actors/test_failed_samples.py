@@ -95,13 +95,14 @@ def test_the_certificate_accounts_for_every_sample_of_a_trained_group_left_out_o
     (tmp_path / "metrics" / "trained_samples.jsonl").write_text('{"batch_id": 1}\n')
     verdict = prompt_verdict(tmp_path)
     assert verdict["verdict"] == "pass" and verdict["fates"] == {"trained": 1}
-    assert verdict["samples"] == {"trained": 2, "left_out": 2, "unaccounted": 0}
+    assert verdict["samples"] == {"trained": 2, "left_out": 2, "unaccounted": 0, "trained_segments": 2}
     # A log that says nothing of the two it left out: the certificate fails on them.
     unsaid = BufferLog(tmp_path / "buffer" / "log.msgpack")
     unsaid.append("accept", group_id=group.group_id, group=encode(restored.served[1].groups[0]))
     unsaid.close()
     verdict = prompt_verdict(tmp_path)
-    assert verdict["verdict"] == "fail" and verdict["samples"] == {"trained": 2, "left_out": 0, "unaccounted": 2}
+    assert verdict["verdict"] == "fail" and verdict["samples"] == {"trained": 2, "left_out": 0, "unaccounted": 2,
+                                                                    "trained_segments": 2}
 
 
 async def test_the_reward_worker_scores_the_samples_beside_a_failed_one(tmp_path: Path) -> None:

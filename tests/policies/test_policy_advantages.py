@@ -335,3 +335,36 @@ def test_a_run_whose_rewards_cannot_teach_is_told_so_at_the_start() -> None:
     assert rewards_unseen_because(RunConfig(n_samples_per_prompt=2)) is None
     sft = RunConfig(n_samples_per_prompt=1, policy=PolicyLossConfig(loss_type="sft"))
     assert rewards_unseen_because(sft) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_an_episode_split_into_segments_gives_every_token_the_advantage_it_has_whole(estimator: str,
+                                                                                      kl_coef: float) -> None:
+    """An agent that rewrote its context trains its episode as several segments: the group baseline counts the
+    episode once (its reward less the KL of all its segments), so each token's advantage is what it would be had
+    the episode been one sample, whitening included."""
+    gen = torch.Generator().manual_seed(5)
+    groups = [0, 0, 0, 0, 1, 1, 1]
+    lengths = torch.randint(3, 9, (len(groups),), generator=gen)
+    rewards = torch.randint(0, 3, (len(groups),), generator=gen).double()
+    tokens = int(lengths.sum())
+    mask = (torch.rand(tokens, generator=gen) > 0.3).double()
+    log_probs, ref_log_probs = -torch.rand(tokens, generator=gen).double(), -torch.rand(tokens, generator=gen).double()
+    config = PolicyLossConfig(advantage_estimator=estimator, kl_coef=kl_coef, normalize_advantages=True)
+    inputs = {"loss_mask": mask, "log_probs": log_probs, "ref_log_probs": ref_log_probs}
+    whole, _ = compute_advantages(config, rewards=rewards, group_ids=torch.tensor(groups), response_lengths=lengths,
+                                  **inputs)
+    pieces: list[tuple[int, int]] = []  # (episode, length) per segment, in order: an episode cut in 1 to 3
+    for episode, length in enumerate(lengths.tolist()):
+        cuts = sorted(torch.randperm(length - 1, generator=gen)[:episode % 3].add(1).tolist())
+        pieces += [(episode, end - start) for start, end in zip([0, *cuts], [*cuts, length], strict=True)]
+    episodes = torch.tensor([episode for episode, _ in pieces])
+    split = {"rewards": rewards[episodes], "group_ids": torch.tensor(groups)[episodes],
+             "response_lengths": torch.tensor([length for _, length in pieces]), **inputs}
+    assert len(pieces) > len(groups)
+    segmented, _ = compute_advantages(config, episode_ids=episodes, **split)
+    torch.testing.assert_close(segmented, whole, rtol=1e-10, atol=1e-10)
+    counted_as_samples, _ = compute_advantages(config, **split)  # each segment a sample of its own: not the same
+    assert not torch.allclose(counted_as_samples, whole)

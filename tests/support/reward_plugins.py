@@ -44,3 +44,10 @@ def odd_first_operand(inp: RewardInput) -> float:
     prompt alone (a critic's test), where an untrained model's answers would score all 0."""
     digits = "".join(itertools.takewhile(str.isdigit, prompt_text(inp.prompt).lstrip()))
     return float(int(digits or "0") % 2)
+
+
+def counts_segments(inp: RewardInput) -> float:
+    """Records what it is given and scores an episode by how many segments it was: a reward that tells whose
+    input it read."""
+    SEEN.append(inp)
+    return float(len(inp.segments or []))
