@@ -1,5 +1,6 @@
 """An agent written against the OpenAI client library drives a real run through launcher.py (#18): every sample is
-one episode on the rollout worker's endpoint, and the learner trains on its model turns only."""
+one episode on the rollout worker's endpoint, and the learner trains on its model turns only. An agent that
+rewrites its context (#58) trains each episode as a tree of segments, and the audit finds nothing lost."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from actors.buffer.accounting import prompt_verdict
 from bus.codec import decode
+from bus.episodes import by_episode
 from examples.openai_agent import REVIEW
+from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +26,8 @@ STEPS = 2
 
 
 def agent_run(model: Path, tmp_path: Path, agent: str) -> list[Any]:
-    """A short run whose episodes are `agent`'s; the samples of its trained batches, once it trained on each.
+    """A short run whose episodes are `agent`'s (in tmp_path/run); the samples of its trained batches, once it
+    trained on each.
     The tiny model's template leaves tools out and a description would not fit its context: none is given."""
     data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=4)["train"]
     run_dir, batches = tmp_path / "run", tmp_path / "batches"
@@ -69,3 +74,29 @@ def test_responses_and_anthropic_client_agents_run_episodes_that_train(tiny_mode
     samples = agent_run(tiny_model_path, tmp_path, "tests.support.agents:responses_or_anthropic")
     assert {sample.metadata["api"] for sample in samples} == {"responses", "anthropic"}
     assert_reviewed_episodes(tiny_model_path, samples)
+
+
+@pytest.mark.system
+@pytest.mark.timeout(150)
+def test_episodes_whose_agent_rewrites_its_context_train_as_trees_and_the_audit_finds_nothing_lost(
+        tiny_model_path: Path, tmp_path: Path) -> None:
+    """Each episode: the main conversation, a sub-agent's fresh context and a compacted history, three segments
+    that train, with the episode's one reward, counted as one episode by the buffer and the certificate."""
+    samples = agent_run(tiny_model_path, tmp_path, "tests.support.agents:rewrites_its_context")
+    episodes = by_episode(samples)
+    assert len(episodes) == STEPS * 2 * 2 and len(samples) == 3 * len(episodes)
+    for segments in episodes.values():
+        assert [(s.segment, s.parent_segment, s.ends_episode) for s in segments] == [
+            (0, None, False), (1, 0, False), (2, 0, True)]
+        assert len({s.reward for s in segments}) == 1 and all(np.any(s.loss_mask) for s in segments)
+    run_dir = tmp_path / "run"
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [row["multiturn/segments_per_episode"] for row in rows] == [3.0] * STEPS
+    report = audit(run_dir)
+    assert report.ok and report.trained_samples == len(samples), report.problems
+    verdict = prompt_verdict(run_dir)
+    assert verdict["verdict"] == "pass"
+    assert verdict["samples"] == {"trained": len(episodes), "left_out": 0, "unaccounted": 0,
+                                  "trained_segments": len(samples)}
+    certificate = json.loads((run_dir / "integrity.json").read_text())  # the run's own, written as it ended
+    assert certificate["ok"] and certificate["checks"]["prompts"]["samples"]["unaccounted"] == 0
