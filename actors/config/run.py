@@ -109,7 +109,9 @@ class RunConfig(BaseModel):
         """Optimizer steps per rollout batch: --num-steps-per-rollout, else the batch / --global-batch-size, else 1.
 
         slime's rule: num_steps_per_rollout sets global_batch_size = samples per batch // N, and a
-        global_batch_size given as well must agree (`_batch_split_problems` refuses a mismatch)."""
+        global_batch_size given as well must agree (`_batch_split_problems` refuses a mismatch). The samples counted
+        are episodes, as slime counts rollouts: an agent's episode of several segments is one, and the learner cuts
+        its steps on episodes (`actors.learner.stages.mini_batches`)."""
         learner = self.learner
         if learner.num_steps_per_rollout is not None:
             return learner.num_steps_per_rollout

@@ -277,7 +277,8 @@ class LearnerConfig(Section):
     """How long the learner trains, what it saves, and its debug modes."""
 
     num_rollout: int = Field(20, ge=0, description="training batches to consume (learner steps)")
-    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step; must divide "
+    global_batch_size: int | None = Field(None, ge=1, description="samples (episodes: an agent's episode of "
+                                          "several segments is one) per optimizer step; must divide "
                                           "rollout_batch_size x n_samples_per_prompt (default: all of them, one "
                                           "step per batch)")
     num_steps_per_rollout: int | None = Field(None, ge=1, description="optimizer steps per rollout batch, i.e. "
