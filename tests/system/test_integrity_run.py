@@ -81,8 +81,11 @@ def test_a_run_whose_engines_serve_what_was_pushed_certifies_every_push(
     assert (weights["served_differently"], weights["unchecked"]) == (0, 0)
     caches = certificate["checks"]["caches"]  # both engines' heartbeats said: no token over an older cache
     assert caches["verdict"] == "pass" and caches["engines"] == 2 and caches["stale_kv_tokens"] == 0, caches
-    # ... with their prefix caches on: prompts share the chat template's head, across requests and updates
-    assert caches["prefix_cache"]["reused_tokens"] > 0 and "prefix cache:" in output, caches
+    # ... with their prefix caches on: prompts share the chat template's head, so every prefill after an engine's
+    # first finds it, reused at the same weights or counted as held from older ones (which of the two depends on
+    # whether the learner pushed in between: a busy machine may push between every pair of batches)
+    prefix = caches["prefix_cache"]
+    assert prefix["reused_tokens"] + prefix["stale_tokens"] > 0 and "prefix cache:" in output, caches
     prompts = certificate["checks"]["prompts"]
     assert prompts["verdict"] == "pass" and prompts["skipped"] == 0 and prompts["fates"]["trained"] == 6 * 4
     assert "integrity: OK" in output and "prompts: pass" in output
