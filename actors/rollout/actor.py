@@ -22,7 +22,7 @@ from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
 from actors.rollout.generate import GenerateFunction, RolloutContext
 from actors.rollout.handed_off import HandedOff
 from actors.rollout.kv_cache_log import record_kv_cache
-from actors.rollout.router import EngineRouter
+from actors.rollout.router import STOP_WAIT_S, EngineRouter
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
 from actors.runtime.base import Actor
@@ -442,9 +442,9 @@ class RolloutWorker(Actor):
         if self.engine is not None:
             await self.engine.abort(None)
         if self.router is not None:
-            await self.router.abort(None)
+            await self.router.abort(None, wait_s=STOP_WAIT_S)
         if self.engine_service is not None:
-            await self.engine_service.drain(timeout=1.0)  # the answers to the aborted calls go out
+            await self.engine_service.drain(timeout=STOP_WAIT_S)  # the answers to the aborted calls go out
         if agent is not None:
             await agent.stop()
         if self.engine is not None:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
 ABORT_TIMEOUT_S = 1.0  # an abort is a courtesy: an engine that does not take it finishes the request for nothing
+STOP_WAIT_S = 0.3  # at a stop, how long the aborts of our calls on other engines and the answers to theirs may take
 
 
 class RouterTimeout(TimeoutError):
@@ -153,12 +154,17 @@ class EngineRouter:
             if self._log is not None:
                 self._log.info("call moved to another engine", request=request.request_id, left=engine)
 
-    async def abort(self, request_id: str | None = None) -> None:
-        """Abort one of this worker's calls (or all of them) wherever it runs now."""
+    async def abort(self, request_id: str | None = None, *, wait_s: float = ABORT_TIMEOUT_S) -> None:
+        """Abort one of this worker's calls (or all of them) wherever it runs now: on our engine at once, on the
+        others by message, waiting at most `wait_s` for them to take it (a stopping worker cannot wait longer)."""
         targets = list(self._where.items()) if request_id is None else [(request_id, self._where.get(request_id))]
-        aborts = [self.local.abort(rid) if engine == self.local_id else self._abort_remote(engine, rid)
-                  for rid, engine in targets if engine is not None]
-        await asyncio.gather(*aborts)
+        for rid, engine in targets:
+            if engine == self.local_id:
+                await self.local.abort(rid)
+            elif engine is not None:
+                self._spawn_abort(engine, rid)
+        if self._aborts:
+            await asyncio.wait(list(self._aborts), timeout=wait_s)
 
     async def _call(self, engine: str, request: GenerateRequest, deadline: float) -> list[GenerateOutput] | None:
         """The outputs from `engine`, or None when it failed in a way another engine can make good."""

@@ -197,3 +197,37 @@ async def test_an_engine_that_joins_gets_its_share_of_calls(servers: dict[str, E
     assert {engine for engine, tally in router.tallies.items() if tally.calls} == {LOCAL, "rollout-0-1", "rollout-0-2"}
     assert router.tallies["rollout-0-1"].calls == 1 and router.tallies["rollout-0-2"].calls == 1
     assert router.tallies[LOCAL].calls == 3
+
+
+async def test_a_session_that_moves_between_engines_at_different_versions_never_reuses_older_keys_and_values(
+        local: TorchEngine, context: zmq.asyncio.Context, tiny_model_path: Path) -> None:
+    """Turn 1 on its owner (version 1), turn 2 on the local engine (version 3) while the owner stops serving, turn 3
+    back on the owner after a weight update (version 4): every token carries the version of the engine that made
+    it, the owner prefills the history its cache holds from version 1 again instead of reusing it, and neither
+    engine's account shows a token sampled over older keys and values (what the certificate checks)."""
+    owner = TorchEngine.from_pretrained(tiny_model_path, version=1)
+    service = EngineService(owner, zmq_context=context, bind=bind_address())
+    serving = asyncio.ensure_future(service.serve())
+    try:
+        router = make_router(local, context)
+        router.sync({"rollout-0-1": member("rollout-0-1", service.endpoint)})
+        key = key_owned_by(router, "rollout-0-1")
+        history = [5, 6, 7, 8, 9, 10]
+        [first] = await router.generate(request("moving-1", history, key=key))
+        history += [*first.output_ids, 11, 12]
+        service.stop_serving()
+        [second] = await router.generate(request("moving-2", history, key=key))
+        history += [*second.output_ids, 13, 14]
+        await owner.update_weights(owner.weights_snapshot()[:1], 4)  # same values, a new version: old KV is void
+        service.stopping = False
+        [third] = await router.generate(request("moving-3", history, key=key))
+        router.close()
+    finally:
+        service.close()
+        serving.cancel()
+        await owner.close()
+    assert (first.versions, second.versions, third.versions) == ([1] * 8, [3] * 8, [4] * 8)
+    assert second.cached_tokens == 0  # the local engine never saw the session
+    # it held turn 1 (6 prompt tokens and the answer's 8 but the last, never fed to the model), from version 1
+    assert third.cached_tokens == 0 and third.stale_cached_tokens == 6 + 8 - 1
+    assert owner.kv_cache_account().stale_kv_tokens == 0 and local.kv_cache_account().stale_kv_tokens == 0
