@@ -22,7 +22,7 @@ class EngineGenerate(Message):
     """Rollout worker -> another rollout worker (RPC, its "engine" endpoint): complete one prompt on your engine;
     reply EngineGenerated, or Error (reason "context_full": the prompt leaves no room in that engine's context;
     "bad_request": the engine refused the request, naming why; "engine_stopping": the worker is stopping, send the
-    call to another engine)."""
+    call to another engine; "weights_behind": the engine's weights are older than min_version)."""
 
     request_id: Annotated[str, doc("unique among the engine's requests in flight (the caller's worker id, group and "
                                    "a counter)")]
@@ -37,6 +37,9 @@ class EngineGenerate(Message):
     seed: Annotated[int | None, doc("the request's sampling seed (sample i draws from (seed, i)): the same draw on "
                                     "any engine at the same weights")] = None
     ignore_eos: Annotated[bool, doc("do not stop at the model's end-of-sequence tokens")] = False
+    min_version: Annotated[int, doc("the oldest weights the caller may train on: an engine whose weights are older "
+                                    "refuses the call at once (Error \"weights_behind\") instead of generating "
+                                    "tokens the buffer would evict")] = 0
 
 
 class EngineOutput(Record):

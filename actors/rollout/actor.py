@@ -115,7 +115,10 @@ class RolloutWorker(Actor):
             self.spawn(self.engine_service.serve(), name="rollout.engine_service")
         return EngineRouter(engine, local_id=self.actor_id, policy=settings.router_policy,
                             slack=settings.router_load_slack, timeout=settings.router_request_timeout,
-                            zmq_context=self.zmq, security=self.security, service=self.engine_service, log=self.log)
+                            zmq_context=self.zmq, security=self.security, service=self.engine_service, log=self.log,
+                            # another engine whose weights the buffer would not take (its worker restarted and
+                            # awaits the learner's next push) refuses our calls rather than generating evictions
+                            min_version=lambda: self.versions.oldest_accepted(self.config.buffer.max_staleness))
 
     def endpoints(self) -> dict[str, str]:
         found = super().endpoints()

@@ -10,12 +10,12 @@ from bus.schema import EngineGenerate, EngineOutput
 from engines.inference.base import GenerateOutput, GenerateRequest, RoutedExperts, SamplingParams
 
 
-def request_to_wire(request: GenerateRequest) -> EngineGenerate:
+def request_to_wire(request: GenerateRequest, *, min_version: int = 0) -> EngineGenerate:
     params = request.params
     return EngineGenerate(request_id=request.request_id, input_ids=list(request.input_ids),
                           max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                          n=params.n, seed=params.seed, ignore_eos=params.ignore_eos)
+                          n=params.n, seed=params.seed, ignore_eos=params.ignore_eos, min_version=min_version)
 
 
 def request_from_wire(call: EngineGenerate) -> GenerateRequest:

@@ -94,6 +94,10 @@ class EngineService:
         if self.stopping:
             self.counters["engine.served_refused.stopping"] += 1
             return Error(reason="engine_stopping", detail="the worker is stopping; send the call to another engine")
+        if self.engine.version < call.min_version:  # a worker that restarted, before the learner's next push
+            self.counters["engine.served_refused.weights_behind"] += 1
+            return Error(reason="weights_behind", detail=f"this engine serves version {self.engine.version}; the "
+                                                         f"call takes version {call.min_version} or newer")
         try:
             request = request_from_wire(call)
         except ValueError as error:

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,17 @@ class RouterTimeout(TimeoutError):
     """No engine answered a call within `--router-request-timeout`; names the request and the engines tried."""
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why an engine did not answer a call: it failed (died, left, stopped, never answered), or its weights are older
+    than the caller may train on (`weights_behind`: no failure, the engine is fine for others)."""
+
+    weights_behind: bool = False
+
+
+FAILED, BEHIND = Refusal(), Refusal(weights_behind=True)
+
+
 @dataclass
 class EngineTally:
     """What one engine did for this worker's calls."""
@@ -58,6 +69,7 @@ class EngineTally:
     cached_tokens: int = 0
     tokens: int = 0
     failovers: int = 0  # calls that left it for another engine: it died, left, stopped or did not answer in time
+    refused: int = 0  # calls it turned away because its weights were older than the buffer takes
 
 
 class EngineRouter:
@@ -65,11 +77,15 @@ class EngineRouter:
 
     def __init__(self, local: InferenceEngine, *, local_id: str, policy: str, slack: float, timeout: float,
                  zmq_context: zmq.asyncio.Context | None = None, security: Any = None,
-                 service: EngineService | None = None, log: Any = None) -> None:
+                 service: EngineService | None = None, log: Any = None,
+                 min_version: Callable[[], int] = lambda: 0) -> None:
+        """`min_version`: the oldest weights this worker may train on now (another engine with older weights, one
+        restarted before the learner's next push, refuses the call and the call goes on)."""
         if timeout <= 0:
             raise ValueError(f"router: the request timeout must be > 0 seconds, got {timeout}")
         self.local, self.local_id = local, local_id
         self.policy, self.slack, self.timeout = policy, slack, timeout
+        self.min_version = min_version
         self._zmq, self._security, self._log = zmq_context, security, log
         self.service = service
         if service is not None:
@@ -143,15 +159,18 @@ class EngineRouter:
             engine = choose_engine(self.policy, key, self._ring, self.loads(), local=self.local_id, turn=self._turn,
                                    slack=self.slack, weight=request.params.n, excluded=tried)
             outputs = await self._call(engine, request, deadline)
-            if outputs is not None:
+            if not isinstance(outputs, Refusal):
                 return outputs
             tried.append(engine)
-            self.tallies[engine].failovers += 1
-            self.counters["router.failovers"] += 1
+            if outputs.weights_behind:
+                self.tallies[engine].refused += 1
+            else:
+                self.tallies[engine].failovers += 1
+                self.counters["router.failovers"] += 1
             if loop.time() >= deadline:
                 raise RouterTimeout(f"request {request.request_id!r}: no engine answered within "
                                     f"--router-request-timeout {self.timeout:g} s (tried {', '.join(tried)})")
-            if self._log is not None:
+            if self._log is not None and not outputs.weights_behind:
                 self._log.info("call moved to another engine", request=request.request_id, left=engine)
 
     async def abort(self, request_id: str | None = None, *, wait_s: float = ABORT_TIMEOUT_S) -> None:
@@ -166,33 +185,35 @@ class EngineRouter:
         if self._aborts:
             await asyncio.wait(list(self._aborts), timeout=wait_s)
 
-    async def _call(self, engine: str, request: GenerateRequest, deadline: float) -> list[GenerateOutput] | None:
-        """The outputs from `engine`, or None when it failed in a way another engine can make good."""
+    async def _call(self, engine: str, request: GenerateRequest,
+                    deadline: float) -> list[GenerateOutput] | Refusal:
+        """The outputs from `engine`, or why another engine must make them."""
         weight = request.params.n
         self._mine[engine] += weight
         self._where[request.request_id] = engine
         try:
             if engine == self.local_id:
-                outputs: list[GenerateOutput] | None = await self.local.generate(request)
+                outputs: list[GenerateOutput] | Refusal = await self.local.generate(request)
             else:
                 outputs = await self._remote(engine, request, deadline)
         finally:
             self._mine[engine] -= weight
             self._where.pop(request.request_id, None)
-        if outputs is not None:
+        if not isinstance(outputs, Refusal):
             self._tally(engine, request, outputs)
         return outputs
 
     async def _remote(self, engine: str, request: GenerateRequest,
-                      deadline: float) -> list[GenerateOutput] | None:
+                      deadline: float) -> list[GenerateOutput] | Refusal:
         client = self._clients.get(engine)
         remaining = deadline - asyncio.get_running_loop().time()
         if client is None or remaining <= 0:
-            return None
+            return FAILED
         try:
-            reply = await client.call(request_to_wire(request), timeout=remaining, retries=0)
+            reply = await client.call(request_to_wire(request, min_version=self.min_version()), timeout=remaining,
+                                      retries=0)
         except (RpcClosed, RpcTimeout):  # it died, left or moved (the roster closed our client), or never answered
-            return None
+            return FAILED
         except asyncio.CancelledError:  # our caller gave the call up: so does the engine
             self._spawn_abort(engine, request.request_id)
             raise
@@ -202,13 +223,14 @@ class EngineRouter:
             if reply.reason == "bad_request":
                 raise ValueError(f"{engine} refused request {request.request_id!r}: {reply.detail}")
             self.counters[f"router.engine_errors.{reply.reason}"] += 1
-            return None  # it is stopping, or its engine failed: another engine takes the call
+            # its weights are too old, it is stopping, or its engine failed: another engine takes the call
+            return BEHIND if reply.reason == "weights_behind" else FAILED
         if not isinstance(reply, EngineGenerated):
             self.counters["router.engine_errors.unexpected_reply"] += 1
-            return None
+            return FAILED
         self._others[engine] = reply.load
         if reply.stopping and any(output.finish_reason == "abort" for output in reply.outputs):
-            return None  # cut short by its worker's stop: generated again elsewhere, from the same seed
+            return FAILED  # cut short by its worker's stop: generated again elsewhere, from the same seed
         return [output_from_wire(request.request_id, output) for output in reply.outputs]
 
     def _tally(self, engine: str, request: GenerateRequest, outputs: list[GenerateOutput]) -> None:

@@ -231,3 +231,27 @@ async def test_a_session_that_moves_between_engines_at_different_versions_never_
     # it held turn 1 (6 prompt tokens and the answer's 8 but the last, never fed to the model), from version 1
     assert third.cached_tokens == 0 and third.stale_cached_tokens == 6 + 8 - 1
     assert owner.kv_cache_account().stale_kv_tokens == 0 and local.kv_cache_account().stale_kv_tokens == 0
+
+
+async def test_an_engine_whose_weights_the_buffer_would_not_take_turns_calls_away_without_generating(
+        local: TorchEngine, context: zmq.asyncio.Context, tiny_model_path: Path) -> None:
+    """A worker restarted before the learner's next push serves its first weights: a caller that may train only on
+    version 2 or newer is refused at once and its call goes to an engine whose weights it may use."""
+    behind = TorchEngine.from_pretrained(tiny_model_path, version=1)
+    service = EngineService(behind, zmq_context=context, bind=bind_address())
+    serving = asyncio.ensure_future(service.serve())
+    try:
+        router = EngineRouter(local, local_id=LOCAL, policy="affinity", slack=1.0, timeout=60.0, zmq_context=context,
+                              min_version=lambda: 2)
+        router.sync({"rollout-0-1": member("rollout-0-1", service.endpoint)})
+        [output] = await router.generate(request("behind-1", [4, 5, 6], key=key_owned_by(router, "rollout-0-1")))
+        router.close()
+    finally:
+        service.close()
+        serving.cancel()
+        await behind.close()
+    assert output.versions == [3] * 8  # the local engine's
+    assert (router.tallies["rollout-0-1"].refused, router.tallies["rollout-0-1"].failovers) == (1, 0)
+    assert service.counters["engine.served_refused.weights_behind"] == 1
+    assert "engine.served_calls" not in service.counters  # nothing was generated there
+    assert router.counters["router.failovers"] == 0
