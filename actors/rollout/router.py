@@ -34,7 +34,15 @@ from actors.rollout.engine_calls import output_from_wire, request_to_wire
 from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
 from bus import RpcClient, RpcClosed, RpcTimeout
 from bus.schema import EngineAbort, EngineGenerated, Error, Member
-from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest, InferenceEngine, PauseMode
+from engines.inference.base import (
+    ContextFull,
+    GenerateOutput,
+    GenerateRequest,
+    InferenceEngine,
+    KvCacheAccount,
+    PauseMode,
+    PrefixCacheStats,
+)
 from policies.routing import HashRing, choose_engine
 
 if TYPE_CHECKING:
@@ -97,6 +105,7 @@ class EngineRouter:
         self._where: dict[str, str] = {}  # request id -> the engine running it now
         self._turn = zlib.crc32(local_id.encode())  # staggered: workers do not start round-robin on one engine
         self._aborts: set[asyncio.Task[Any]] = set()
+        self._said_moved: set[str] = set()  # engines a failover was logged for, since they last (re)joined
         self.tallies: defaultdict[str, EngineTally] = defaultdict(EngineTally)
         self.counters: Counter[str] = Counter()
 
@@ -116,6 +125,7 @@ class EngineRouter:
                 self._others.pop(engine, None)
         for engine, endpoint in wanted.items():
             if engine not in self._clients:
+                self._said_moved.discard(engine)
                 if self._zmq is None:
                     raise RuntimeError("router: remote engines need a zmq context")
                 self._clients[engine] = RpcClient(self._zmq, endpoint, client_id=self.local_id,
@@ -170,8 +180,8 @@ class EngineRouter:
             if loop.time() >= deadline:
                 raise RouterTimeout(f"request {request.request_id!r}: no engine answered within "
                                     f"--router-request-timeout {self.timeout:g} s (tried {', '.join(tried)})")
-            if self._log is not None and not outputs.weights_behind:
-                self._log.info("call moved to another engine", request=request.request_id, left=engine)
+            if not outputs.weights_behind:
+                self._say_moved(engine, request.request_id)
 
     async def abort(self, request_id: str | None = None, *, wait_s: float = ABORT_TIMEOUT_S) -> None:
         """Abort one of this worker's calls (or all of them) wherever it runs now: on our engine at once, on the
@@ -232,6 +242,18 @@ class EngineRouter:
         if reply.stopping and any(output.finish_reason == "abort" for output in reply.outputs):
             return FAILED  # cut short by its worker's stop: generated again elsewhere, from the same seed
         return [output_from_wire(request.request_id, output) for output in reply.outputs]
+
+    def _say_moved(self, engine: str, request_id: str) -> None:
+        """The first call that leaves an engine is said (naming it), the others are counted: an engine that dies
+        with a hundred calls in flight is one line, not a hundred."""
+        if self._log is None:
+            return
+        if engine in self._said_moved:
+            self._log.debug("call moved to another engine", request=request_id, left=engine)
+            return
+        self._said_moved.add(engine)
+        self._log.info("call moved to another engine", request=request_id, left=engine,
+                       later=f"counted, not logged: router.engine.{engine}.failovers")
 
     def _tally(self, engine: str, request: GenerateRequest, outputs: list[GenerateOutput]) -> None:
         tally = self.tallies[engine]
@@ -313,6 +335,12 @@ class RoutedEngine(InferenceEngine):
 
     async def health(self) -> dict[str, object]:
         return await self.router.local.health()
+
+    def kv_cache_account(self) -> KvCacheAccount | None:
+        return self.router.local.kv_cache_account()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return self.router.local.prefix_cache_stats()
 
     async def close(self) -> None:
         """Nothing to close: the worker closes its engine."""

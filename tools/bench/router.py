@@ -9,8 +9,10 @@ of episodes that share a prompt, each turn sending the whole conversation so far
 answer, every answer `--answer` sampled tokens (seeded, end token ignored, so every pass generates the same
 number).
 
-A turn's reusable tokens are the history the session's earlier turns computed (its input minus the tool reply
-that came since the previous answer); it reused what its engine took from the cache, up to that. The passes:
+A turn's reusable tokens are the history whose keys and values the session's earlier turns computed (its input
+minus the tool reply that came since the previous answer and that answer's last token, which was sampled but never
+fed to the model); it reused what its engine took from the cache, up to that. "Own history" leaves out the prompt
+that a group's episodes share, which any engine that ran one of them holds. The passes:
 `affinity` (each episode keyed by its session: the default), `round-robin` (the baseline that ignores the cache),
 `no cache` (affinity, the engines' prefix caches off). Every pass starts fresh processes; the passes alternate in
 order per repeat and the table reports medians.
@@ -135,7 +137,7 @@ async def run_worker(args: argparse.Namespace) -> None:
 
     async def episode(index: int) -> EpisodeTurns:
         history, inputs, cached, reusable = list(workload.prompts[index]), [], [], []
-        computed = 0  # tokens of this session an engine has computed (earlier turns' inputs and answers)
+        computed = 0  # tokens of this session whose keys and values an engine computed in its earlier turns
         for turn in range(len(workload.replies[index]) + 1):
             params = SamplingParams(temperature=1.0, max_new_tokens=workload.answer_tokens, ignore_eos=True,
                                     seed=workload.seed * 1_000_003 + index * 1009 + turn)
@@ -144,7 +146,7 @@ async def run_worker(args: argparse.Namespace) -> None:
             inputs.append(len(history))
             cached.append(output.cached_tokens)
             reusable.append(computed)
-            computed = len(history) + len(output.output_ids)
+            computed = len(history) + len(output.output_ids) - 1  # an answer's last token is sampled, never fed
             if turn < len(workload.replies[index]):
                 history = history + output.output_ids + workload.replies[index][turn]
         return EpisodeTurns(inputs, cached, reusable, len(workload.prompts[index]))
