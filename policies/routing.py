@@ -10,8 +10,10 @@ Policies (`--router-policy`):
   consistent-hash ring of the engines, so a session's turns land where its keys and values already are; engines
   joining or leaving move only the keys whose owner they are or become (about 1/n of them). The load is bounded:
   an engine whose outstanding work would pass (1 + slack) x the mean is skipped for the next engine on the ring
-  (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam, 2018). A call without a key takes
-  the least loaded engine.
+  (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam, 2018). A call without a key has the
+  worker's own engine for its owner under the same bound, then the least loaded: no hop while the local engine is
+  not overloaded (each worker leases only what its own engine holds, so that is the common case), least outstanding
+  work once it is.
 - `least-load`: every call to the engine with the least outstanding work (slime's own router's rule).
 - `round-robin`: every call to the next engine in turn (the baseline that ignores both cache and load).
 - `local`: every call to the worker's own engine (each session pinned to one engine, as before routing existed).
@@ -123,9 +125,13 @@ def choose_engine(policy: str, key: str | None, ring: HashRing, loads: Mapping[s
         raise LookupError(f"--router-policy local: the local engine {local} is not available")
     if policy == "round-robin":
         return engines[turn % len(engines)]
-    if policy == "least-load" or key is None:
+    if policy == "least-load":
         return least_loaded(engines, loads, local=local, turn=turn)
     if policy == "affinity":
-        order = [engine for engine in ring.walk(key) if engine not in left]
+        if key is None:
+            others = sorted((engine for engine in engines if engine != local), key=lambda e: loads.get(e, 0.0))
+            order = [local, *others] if local in engines else others
+        else:
+            order = [engine for engine in ring.walk(key) if engine not in left]
         return bounded_load_choice(order, loads, slack, weight)
     raise ValueError(f"unknown router policy {policy!r}; known: {', '.join(ROUTER_POLICIES)}")

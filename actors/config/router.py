@@ -16,7 +16,8 @@ class RouterConfig(Section):
     router_policy: RouterPolicy = Field(
         "affinity", description="affinity: calls keyed alike (an agent episode's session, a group's id) go to one "
         "engine, the key's owner on a consistent-hash ring of the engines, while it is within the load bound, so each "
-        "turn reuses the keys and values of the turns before it; keyless calls to the least loaded engine. "
+        "turn reuses the keys and values of the turns before it; keyless calls (the default single turn's) to the "
+        "worker's own engine within the bound, else the least loaded. "
         "least-load: every call to the engine with the least outstanding work. round-robin: engines in turn. local: "
         "every call to the worker's own engine (a colocated run's default: its engines hand their memory to the "
         "learner between turns)")

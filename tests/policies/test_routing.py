@@ -97,7 +97,12 @@ def test_choose_engine_per_policy() -> None:
     assert [choose_engine("round-robin", None, turn=turn, **common) for turn in range(4)] == [
         "rollout-0-0", "rollout-0-1", "rollout-0-2", "rollout-0-0"]
     assert choose_engine("least-load", "k", turn=0, **common) == "rollout-0-1"
-    assert choose_engine("affinity", None, turn=0, **common) == "rollout-0-1"  # keyless: the least loaded
+    # keyless: the local engine while within the bound (no hop), else the least loaded
+    assert choose_engine("affinity", None, turn=0, **common) == "rollout-0-1"
+    assert choose_engine("affinity", None, turn=0, **{**common, "loads": {**loads, "rollout-0-0": 1.0}}) == (
+        "rollout-0-0")
+    assert choose_engine("least-load", None, turn=0, **{**common, "loads": {**loads, "rollout-0-0": 1.0}}) == (
+        "rollout-0-1")
     owner = ring.owner("session-9")
     assert choose_engine("affinity", "session-9", turn=0, **{**common, "loads": {}}) == owner
     second = ring.walk("session-9")[1]
