@@ -53,11 +53,35 @@ from bus.schema_control import (
     StateReport,
     WaitState,
 )
+from bus.schema_engine import EngineAbort, EngineGenerate, EngineGenerated, EngineOutput
 
 # Re-exported: the codec, the actors and foreign tools take these from bus.schema.
-__all__ = ["DEFAULT_VERSION", "SCHEMA_VERSION", "TOPIC_CONTROL", "TOPIC_ROSTER", "TOPIC_RUN_STATE", "TOPIC_VERSION",
-           "Control", "Heartbeat", "Leave", "Member", "Register", "Registered", "Roster", "RosterEvent",
-           "RosterEventKind", "RunConfigQuery", "RunConfigReply", "RunState", "StateReport", "WaitState"]
+__all__ = [
+    "DEFAULT_VERSION",
+    "SCHEMA_VERSION",
+    "TOPIC_CONTROL",
+    "TOPIC_ROSTER",
+    "TOPIC_RUN_STATE",
+    "TOPIC_VERSION",
+    "Control",
+    "EngineAbort",
+    "EngineGenerate",
+    "EngineGenerated",
+    "EngineOutput",
+    "Heartbeat",
+    "Leave",
+    "Member",
+    "Register",
+    "Registered",
+    "Roster",
+    "RosterEvent",
+    "RosterEventKind",
+    "RunConfigQuery",
+    "RunConfigReply",
+    "RunState",
+    "StateReport",
+    "WaitState",
+]
 
 SampleStatus = Literal["pending", "completed", "truncated", "aborted", "failed"]
 # An engine's finish reason as a sample status, and back: the status is how the finish reason travels (a reward
@@ -439,11 +463,14 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Error,
         ActorCall,
         ActorReply,
+        EngineGenerate,
+        EngineGenerated,
+        EngineAbort,
         StreamHello,
         StreamCredit,
     )
 }
-RECORD_TYPES: dict[str, type[Record]] = {cls.__name__: cls for cls in (Member, RosterEvent, WaitState)}
+RECORD_TYPES: dict[str, type[Record]] = {cls.__name__: cls for cls in (Member, RosterEvent, WaitState, EngineOutput)}
 AnyMessage = typing.Union[tuple(MESSAGE_TYPES.values())]  # noqa: UP007 - built from the registry
 
 

@@ -44,8 +44,12 @@ class LearnerVersions:
 
     def too_old(self, engine_version: int, max_staleness: int) -> bool:
         """Whether samples from weights `engine_version` would be older than anything the buffer accepts."""
+        return engine_version < self.oldest_accepted(max_staleness)
+
+    def oldest_accepted(self, max_staleness: int) -> int:
+        """The oldest weights version whose samples the buffer still accepts (0: any)."""
         newest = max(self.pushed, self.announced if self.learner_pushes else 0)
-        return engine_version + max_staleness < newest
+        return max(0, newest - max_staleness)
 
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config.megatron import MegatronConfig
+from actors.config.router import RouterConfig
 from actors.config.sections import (
     AgentConfig,
     BufferConfig,
@@ -41,7 +42,8 @@ from policies.pi_old import pi_old_source
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "agent": AgentConfig,
     "buffer": BufferConfig, "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig,
-    "lora": LoraConfig, "engine": EngineConfig, "weights": WeightsConfig, "placement": PlacementConfig,
+    "lora": LoraConfig, "engine": EngineConfig, "router": RouterConfig, "weights": WeightsConfig,
+    "placement": PlacementConfig,
     "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
     "distillation": DistillationConfig,
 }
@@ -65,6 +67,7 @@ class RunConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
@@ -228,13 +231,16 @@ def learner_ranks_per_node(config: RunConfig) -> int:
 
 def _colocated_on_policy(values: dict[str, Any]) -> dict[str, Any]:
     """--colocate without a --max-staleness means 0: the learner and the engines take turns, so the engines only
-    ever generate with the weights of the step that comes next."""
-    placement, buffer = values.get("placement"), values.get("buffer")
+    ever generate with the weights of the step that comes next. Without a --router-policy it means local: an engine
+    that handed its memory to the learner must not be woken by another worker's call."""
+    placement, buffer, router = values.get("placement"), values.get("buffer"), values.get("router")
     if not (isinstance(placement, dict) and placement.get("colocate")):
         return values
     buffer = dict(buffer) if isinstance(buffer, dict) else {}
     buffer.setdefault("max_staleness", 0)
-    return {**values, "buffer": buffer}
+    router = dict(router) if isinstance(router, dict) else {}
+    router.setdefault("router_policy", "local")
+    return {**values, "buffer": buffer, "router": router}
 
 
 def _colocate_problems(config: RunConfig) -> list[str]:
@@ -249,6 +255,10 @@ def _colocate_problems(config: RunConfig) -> list[str]:
     if config.weights.weight_transport in ("gloo", "nccl"):
         problems.append(f"colocate: --weight-transport {config.weights.weight_transport} broadcasts; colocated "
                         "engines read the learner's memory (cuda_ipc on a GPU, shm on CPUs, or auto)")
+    if config.router.router_policy != "local":
+        problems.append(f"colocate: --router-policy {config.router.router_policy}; a colocated engine hands its "
+                        "memory to the learner whenever its own worker has nothing to generate, so calls from other "
+                        "workers must not reach it: leave --router-policy at local")
     return problems
 
 

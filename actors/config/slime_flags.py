@@ -194,6 +194,10 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
     elif flag == "--rollout-external-engine-addrs":
         _set(args, "sglang_url", list(value), flag)
         _set(args, "rollout_engine", "sglang", flag)
+    elif flag == "--sglang-router-request-timeout-secs":
+        _set(args, "router_request_timeout", float(value), flag)
+    elif flag == "--sglang-router-policy":
+        _set(args, "router_policy", _router_policy(value), flag)
     elif flag == "--sglang-server-concurrency":
         _set(args, "rollout_max_batch_size", value, flag)
     elif flag == "--update-weight-transport":
@@ -202,6 +206,20 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "weight_transport", "nccl", flag)
     else:  # a row marked alias without a translation is a bug of this module, never a silent drop
         raise AssertionError(f"{flag}: alias without a translation")
+
+
+# slime's --sglang-router-policy (sglang-router's policies) -> ours.
+SGLANG_ROUTER_POLICIES = {"consistent_hashing": "affinity", "manual": "affinity", "cache_aware": "affinity",
+                          "prefix_hash": "affinity", "round_robin": "round-robin", "random": "round-robin",
+                          "power_of_two": "least-load"}
+
+
+def _router_policy(value: str) -> str:
+    if value not in SGLANG_ROUTER_POLICIES:
+        known = ", ".join(sorted(SGLANG_ROUTER_POLICIES))
+        raise ValueError(f"--sglang-router-policy {value}: not a policy Slipstream's router has an equivalent for "
+                         f"(known: {known}; bucket routes prefill/decode disaggregation, which is not available)")
+    return SGLANG_ROUTER_POLICIES[value]
 
 
 # slime's role override keys (argparse attribute names) that mean one of our settings, per role.

@@ -54,6 +54,11 @@ def _owned(owner: str, shape: Shape = "value") -> SlimeFlag:
     return SlimeFlag("owned", shape, owner)
 
 
+ROUTER_IN_FRONT = ("a router in front of the SGLang servers would hide them from the learner, which pushes weights "
+                   "to each server, and from the rollout workers, which tag each token with its server's weight "
+                   "version: every rollout worker routes its own calls over all the engines instead (--router-policy "
+                   "affinity is slime's consistent_hashing with a load bound, docs/router.md); give the servers with "
+                   "--sglang-url")
 RAY = "Ray-only: there is no Ray here (launcher.py starts the actors; samples travel over the bus)"
 OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off the GPU while the engines generate and "
                           "frees the engines' memory while the learner trains (an SGLang server releases its KV "
@@ -164,13 +169,15 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--rollout-external-engine-addrs": _alias("-> --rollout-engine sglang --sglang-url ADDR... (attach to running "
                                               "servers)", "list"),
     # --- SGLang router and engine deployment (slime's own, not the server's) ---
-    "--sglang-router-ip": _refused("requests go to each SGLang server directly (one per rollout worker); a router "
-                                   "in front is not supported: give the servers with --sglang-url", "value"),
-    "--sglang-router-port": _refused("requests go to each SGLang server directly (one per rollout worker); a "
-                                     "router in front is not supported: give the servers with --sglang-url",
-                                     "value", int),
-    "--sglang-router-request-timeout-secs": _explained("no router is started; generation requests have no "
-                                                       "deadline of their own", "value", int),
+    "--sglang-router-ip": _refused(ROUTER_IN_FRONT, "value"),
+    "--sglang-router-port": _refused(ROUTER_IN_FRONT, "value", int),
+    "--sglang-router-request-timeout-secs": _alias("-> --router-request-timeout (seconds a generate call may take, "
+                                                   "over every engine it is tried on)", "value", int),
+    "--sglang-router-policy": _alias("-> --router-policy: consistent_hashing, manual, cache_aware and prefix_hash "
+                                     "-> affinity (a session's calls to one engine, on a consistent-hash ring with "
+                                     "a load bound); round_robin and random -> round-robin; power_of_two -> "
+                                     "least-load; bucket is refused (prefill/decode disaggregation is not "
+                                     "available)", "value"),
     "--sglang-server-concurrency": _alias("-> --rollout-max-batch-size (sequences in flight per engine)", "value",
                                           int),
     "--sglang-config": _refused("engine groups from a YAML file (PD disaggregation, placeholders) are not "

@@ -336,8 +336,10 @@ class ChatSession:
         if max_tokens is not None:
             params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens, max_tokens)))
         params = replace(params, stop=(*params.stop, *stop), seed=self._seed(self.model_turns))
+        # Keyed by the episode: every call of the session goes to the engine that holds its turns so far.
         request = GenerateRequest(request_id=self.context.request_id(self.group),
-                                  input_ids=trajectory.prompt_ids + trajectory.response_ids, params=params)
+                                  input_ids=trajectory.prompt_ids + trajectory.response_ids, params=params,
+                                  routing_key=f"{self.group.group_id}/{self.index}")
         try:
             output: GenerateOutput = (await self.context.engine.generate(request))[0]
         except ContextFull as error:  # the conversation outgrew the model: the episode ends, not the worker

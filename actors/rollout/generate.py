@@ -169,6 +169,14 @@ def failed_samples(group: PromptGroup, prompt_ids: list[int], reason: str) -> li
     return [failed_sample(group, index, prompt_ids, reason) for index in range(group.n_samples)]
 
 
+def groups_calls(generate: object) -> bool:
+    """Whether a generate function's engine calls for one group belong together on one engine (the router keys them by
+    the group): every function but the default single turn, whose one call per group has nothing to share with another,
+    so the router places it by load, not on the group's owner on its ring (hashing groups would leave some engines
+    more rows than they hold while others idle)."""
+    return generate is not default_generate
+
+
 async def default_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
     """One turn: the prompt in, `n_samples` completions out."""
     prompt_ids = context.prompt_ids(group.prompt)

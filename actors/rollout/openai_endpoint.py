@@ -6,7 +6,7 @@ OpenAI Responses (`/v1/responses`; `actors.rollout.api_responses`) and Anthropic
 An episode's base URL is `http://HOST:PORT/sessions/SESSION/v1` (the Anthropic client's is the same without `/v1`:
 it appends `/v1/messages` itself), so an unmodified client (or any agent framework built on one) drives exactly one
 sample, and every call it makes is recorded into that sample's trajectory as tokens. A session lives on one worker,
-so all its calls reach the same engine.
+whose router sends all its calls to one engine while that engine lives (docs/router.md).
 
 This module is the HTTP layer: routes, sessions, one call at a time per session, server-sent events, and errors in
 the shape of the API a path belongs to (OpenAI's `{"error": {...}}`, Anthropic's `{"type": "error", "error":

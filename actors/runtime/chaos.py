@@ -18,7 +18,8 @@ Phases, each placed where the named work is half done:
 - ``weight_push.mid`` learner: every bucket of a weight update broadcast, no engine's acknowledgement collected;
 - ``checkpoint.mid`` learner: the checkpoint directory written, ``latest`` not yet pointing at it;
 - ``weight_load.start`` rollout worker: a weight update ordered, the engine not yet joined or loading;
-- ``weight_load.done`` rollout worker: the weights loaded and acknowledged to the sender, the order not yet answered.
+- ``weight_load.done`` rollout worker: the weights loaded and acknowledged to the sender, the order not yet answered;
+- ``engine_serve.mid`` rollout worker: its engine generating for another worker's call (``during``), not yet answered.
 
 Without a plan (or with none for this actor) ``reached`` is one truth test and ``during`` returns its argument.
 """
@@ -39,7 +40,7 @@ from typing import TypeVar
 
 KILL_ENV = "SLIPSTREAM_CHAOS_KILL"
 PHASES = ("generate.mid", "score.mid", "batch_serve.mid", "weight_push.mid", "checkpoint.mid", "weight_load.start",
-          "weight_load.done")
+          "weight_load.done", "engine_serve.mid")
 T = TypeVar("T")
 
 

@@ -122,11 +122,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One prompt to complete. `request_id` must be unique among the engine's requests in flight."""
+    """One prompt to complete. `request_id` must be unique among the engine's requests in flight.
+
+    `routing_key` says which calls belong together (an agent episode's session): a router across engines sends them
+    to the same engine where it can, so each turn finds the keys and values of the turns before it. Engines ignore
+    it; a router given none uses its own default (the group's id: `actors/rollout/router.py`)."""
 
     request_id: str
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    routing_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -138,6 +143,9 @@ class GenerateRequest:
             raise ValueError(f"request {self.request_id!r}: input_ids holds {bad!r}, expected ints >= 0")
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"request {self.request_id!r}: params must be SamplingParams, got {type(self.params)}")
+        if self.routing_key is not None and (not isinstance(self.routing_key, str) or not self.routing_key):
+            raise ValueError(f"request {self.request_id!r}: routing_key must be a non-empty string or None, got "
+                             f"{self.routing_key!r}")
 
 
 @dataclass(frozen=True)
@@ -211,6 +219,7 @@ def continuation_request(
         request_id=request_id or f"{request.request_id}/resume{partial.sample_index}-{len(partial.output_ids)}",
         input_ids=list(request.input_ids) + list(partial.output_ids),
         params=params,
+        routing_key=request.routing_key,
     )
 
 

@@ -3,7 +3,8 @@
 `tests/data/slime_flags.txt` lists the flags slime declares at HEAD 624b824a (2026-08-21): every `add_argument` and
 `reset_arg` call with a `--flag` in `slime/utils/arguments.py`, plus the slime-own router/engine flags of
 `slime/backends/sglang_utils/arguments.py` (`--sglang-router-*`, `--sglang-server-concurrency`, `--sglang-config`,
-`--prefill-num-servers`; the rest of that file forwards SGLang's server flags). It was made once with a short
+`--prefill-num-servers`; the rest of that file forwards SGLang's server flags), and `--sglang-router-policy`, which
+that file declares since (slime's agentic recipes route by `consistent_hashing` with it). It was made once with a short
 script that walks the file's AST (`ast.walk`, calls named add_argument/reset_arg) and writes "FLAG KIND" per line,
 KIND being the argparse action (store_true, store_false, append, bool_optional), nargs=+ / nargs=*, or value.
 
@@ -47,7 +48,7 @@ def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 
 @pytest.mark.unit
 def test_every_slime_flag_at_head_has_a_row() -> None:
-    assert len(SLIME_KINDS) == 229
+    assert len(SLIME_KINDS) == 230
     assert sorted(set(SLIME_KINDS) - set(SLIME_FLAGS)) == []
     assert sorted(set(SLIME_FLAGS) - set(SLIME_KINDS)) == []
 
@@ -213,8 +214,29 @@ def test_slimes_own_sglang_flags_are_not_forwarded_to_the_server() -> None:
     assert forwarded == {"mem-fraction-static": "0.7"}
     assert rest == ["--sglang-router-ip", "10.0.0.1", "--sglang-server-concurrency", "64", "--sglang-config",
                     "g.yaml"]
-    with pytest.raises(ValueError, match="--sglang-router-ip: requests go to each SGLang server directly"):
+    with pytest.raises(ValueError, match="--sglang-router-ip: a router in front of the SGLang servers"):
         configure(["--sglang-router-ip", "10.0.0.1"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("slime", "ours"), [("consistent_hashing", "affinity"), ("cache_aware", "affinity"),
+                                             ("round_robin", "round-robin"), ("power_of_two", "least-load")])
+def test_slimes_router_policy_and_timeout_map_onto_our_router(slime: str, ours: str) -> None:
+    config, _ = configure(["--sglang-router-policy", slime, "--sglang-router-request-timeout-secs", "14400"])
+    assert config.router.router_policy == ours
+    assert config.router.router_request_timeout == 14400.0
+
+
+@pytest.mark.unit
+def test_a_router_in_front_of_the_servers_and_a_policy_we_lack_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="--sglang-router-port: a router in front of the SGLang servers would hide "
+                                         "them from the learner"):
+        configure(["--sglang-router-port", "30000"])
+    with pytest.raises(ValueError, match=r"--sglang-router-policy bucket: .*prefill/decode disaggregation"):
+        configure(["--sglang-router-policy", "bucket"])
+    with pytest.raises(ValueError, match="--sglang-router-policy sets --router-policy 'affinity', but "
+                                         "--router-policy 'local'"):
+        configure(["--sglang-router-policy", "consistent_hashing", "--router-policy", "local"])
 
 
 @pytest.mark.unit

@@ -12,6 +12,8 @@ def test_an_engine_is_too_old_once_the_learner_has_moved_past_its_weights_by_mor
     assert not heard.too_old(engine_version=2, max_staleness=1)
     assert heard.too_old(engine_version=1, max_staleness=1)  # 1 + 1 < 3: the buffer would evict its samples
     assert heard.too_old(engine_version=2, max_staleness=0)  # synchronous: announced, weights not landed yet
+    # what another worker's engine must serve for this worker's router to send it training calls
+    assert (heard.oldest_accepted(max_staleness=1), heard.oldest_accepted(max_staleness=5)) == (2, 0)
 
 
 @pytest.mark.unit
