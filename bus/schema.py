@@ -208,6 +208,9 @@ class PromptGroup(Message):
         default_factory=dict
     )
     n_samples: Annotated[int, doc("responses to generate for this prompt")] = 1
+    tools: Annotated[list[dict[str, Any]] | None, doc(
+        "the record's tool definitions (--tool-key), given to the chat template with the prompt; buffer (from the "
+        "dataset)")] = None
     data_index: Annotated[int, doc("position of the prompt in the dataset order of its epoch")] = 0
     epoch: Annotated[int, doc("dataset epoch the prompt was drawn in")] = 0
     is_eval: Annotated[bool, doc("evaluation prompt: scored and logged, never trained on")] = False

@@ -75,7 +75,7 @@ def run_tool(call_text: str) -> str:
 
 
 async def calculator_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
-    prompt_ids = context.prompt_ids(group.prompt)
+    prompt_ids = context.prompt_ids(group.prompt, group.tools)
     return list(await asyncio.gather(*(
         _one_episode(context, group, index, prompt_ids) for index in range(group.n_samples)
     )))

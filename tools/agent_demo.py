@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.rollout.tool_calls import describe_tools
+from actors.data.tool_prompts import describe_tools
 from actors.runtime.logs import quiet_library_output
 from actors.runtime.metrics import read_metrics
 from examples.openai_agent import REVIEW

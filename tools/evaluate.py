@@ -56,7 +56,8 @@ class Progress:
 async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "exact_match", max_new_tokens: int = 8,
                          temperature: float = 0.0, max_batch_size: int = 64, samples_per_prompt: int = 1,
                          seed: int | None = None, input_key: str = "input", label_key: str | None = "label",
-                         metadata_key: str | None = "metadata", apply_chat_template: bool = False,
+                         metadata_key: str | None = "metadata", tool_key: str | None = "tools",
+                         apply_chat_template: bool = False,
                          chat_template_kwargs: dict[str, Any] | None = None,
                          progress_every_s: float | None = None) -> dict[str, float]:
     """Accuracy and mean reward over every sample; `samples_per_prompt` > 1 at a temperature gives avg@k, the
@@ -68,7 +69,8 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
 
     try:
         records, report = load_prompts(data_path, input_key=input_key, label_key=label_key,
-                                       metadata_key=metadata_key)
+                                       metadata_key=metadata_key, tool_key=tool_key,
+                                       chat_template=apply_chat_template)
         reward_fn = resolve_reward(reward)  # a wrong name fails before the model loads
     except ValueError as error:  # a DatasetError; an unknown reward name or a broken module:attr (PluginError)
         raise EvalInputError(str(error)) from error
@@ -79,7 +81,7 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
               file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = [encode_prompt(tokenizer, r.prompt, chat_template=apply_chat_template,
-                             chat_template_kwargs=chat_template_kwargs) for r in records]
+                             chat_template_kwargs=chat_template_kwargs, tools=r.tools) for r in records]
     engine = TorchEngine.from_pretrained(model_path, max_batch_size=max_batch_size)
 
     def params(index: int) -> SamplingParams:
@@ -120,6 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--label-key", default="label", type=resolve_label_key,
                         help="the answer's field; a record without it is skipped ('none': the reward needs no label)")
     parser.add_argument("--metadata-key", default="metadata", help="the metadata's field")
+    parser.add_argument("--tool-key", default="tools", type=resolve_label_key,
+                        help="the tool definitions' field, given to the chat template ('none': not read)")
     parser.add_argument("--apply-chat-template", action="store_true",
                         help="wrap a text prompt in the tokenizer's chat template, as the run does with this flag")
     parser.add_argument("--apply-chat-template-kwargs", type=json.loads, default=None,
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, args.data, reward=args.reward, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, samples_per_prompt=args.samples_per_prompt, seed=args.seed,
             input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
+            tool_key=args.tool_key,
             apply_chat_template=args.apply_chat_template, chat_template_kwargs=args.apply_chat_template_kwargs,
             progress_every_s=PROGRESS_EVERY_S))
     except EvalInputError as error:

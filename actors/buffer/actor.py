@@ -71,7 +71,8 @@ class Buffer(Actor):
         context = config.rollout.rollout_max_context_len
         max_prompt = data.rollout_max_prompt_len or (context - 1 if context is not None else None)
         records, report = load_prompts(data.prompt_data, input_key=data.input_key, label_key=data.label_key,
-                                       metadata_key=data.metadata_key, skip_bad=data.skip_bad_data,
+                                       metadata_key=data.metadata_key, tool_key=data.tool_key,
+                                       chat_template=data.apply_chat_template, skip_bad=data.skip_bad_data,
                                        max_prompt_len=max_prompt,
                                        count_tokens=prompt_length_counter(config) if max_prompt else None)
         for problem in report.skipped:

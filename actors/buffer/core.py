@@ -167,7 +167,7 @@ class BufferCore:
     def _next_prompt_group(self) -> PromptGroup:
         record, cursor = self.source.next()
         return PromptGroup(group_id=f"{cursor.epoch}:{cursor.position - 1}", prompt=record.prompt,
-                           label=record.label, metadata=record.metadata, n_samples=self.n_samples,
+                           label=record.label, metadata=record.metadata, tools=record.tools, n_samples=self.n_samples,
                            data_index=record.data_index, is_eval=False)
 
     def renew(self, lease_id: str) -> bool:

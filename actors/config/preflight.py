@@ -93,17 +93,21 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
         if not config.learner.load_debug_rollout_data:  # a training-only run trains on its recording
             problems.append("--prompt-data: required (a .jsonl or .parquet file of prompts)")
     else:
-        problems += _dataset_problem("--prompt-data", data.prompt_data, config, data.input_key, data.label_key)
+        problems += _dataset_problem("--prompt-data", data.prompt_data, config, data.input_key, data.label_key,
+                                     data.tool_key)
     for name, path in config.eval.sets.items():
-        problems += _dataset_problem(f"--eval-prompt-data {name}", path, config, *config.eval_record_keys)
+        problems += _dataset_problem(f"--eval-prompt-data {name}", path, config, *config.eval_record_keys,
+                                     config.eval_tool_key)
     return problems
 
 
-def _dataset_problem(flag: str, path: str, config: RunConfig, input_key: str, label_key: str | None) -> list[str]:
+def _dataset_problem(flag: str, path: str, config: RunConfig, input_key: str, label_key: str | None,
+                     tool_key: str | None) -> list[str]:
     from actors.data.prompts import load_prompts
 
     try:
         load_prompts(path, input_key=input_key, label_key=label_key, metadata_key=config.data.metadata_key,
+                     tool_key=tool_key, chat_template=config.data.apply_chat_template,
                      skip_bad=config.data.skip_bad_data, max_rows=PREFIX_ROWS)
     except OSError as error:
         return [f"{flag} {path}: cannot read it ({error.strerror or error})"]

@@ -108,6 +108,12 @@ class RunConfig(BaseModel):
         return self.eval.eval_input_key or self.data.input_key, label
 
     @property
+    def eval_tool_key(self) -> str | None:
+        """The tool definitions key of eval records: --eval-tool-key, else the training data's --tool-key."""
+        own = self.eval.eval_tool_key
+        return self.data.tool_key if own is None else resolve_label_key(own)
+
+    @property
     def optimizer_steps_per_batch(self) -> int:
         """Optimizer steps per rollout batch: --num-steps-per-rollout, else the batch / --global-batch-size, else 1.
 

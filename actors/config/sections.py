@@ -78,6 +78,11 @@ class DataConfig(Section):
         "label", description="label field of each record; a record without it is malformed (skipped and counted). "
         f"'{NO_LABEL}': the reward needs no label (a judge, an environment's return)")
     metadata_key: str | None = Field("metadata", description="metadata field of each record")
+    tool_key: Annotated[str | None, AfterValidator(resolve_label_key)] = Field(
+        "tools", description="tool definitions field of each record (optional per record: a list of OpenAI-style "
+        "function tools, or that list as a JSON string), given to the chat template with the prompt; a template "
+        f"that leaves tools out gets them stated in the system message (--agent-describe-tools). '{NO_LABEL}': "
+        "records' tools are not read")
     apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
     skip_bad_data: bool = Field(True, description="skip (and report) malformed dataset lines instead of stopping")
     rollout_shuffle: bool = Field(True, description="visit the prompts in a seeded random order each epoch "
@@ -117,6 +122,8 @@ class EvalConfig(Section):
     eval_input_key: str | None = Field(None, description="prompt field of eval records (default: --input-key)")
     eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key; "
                                        f"'{NO_LABEL}': no label)")
+    eval_tool_key: str | None = Field(None, description="tool definitions field of eval records (default: "
+                                      f"--tool-key; '{NO_LABEL}': not read)")
     eval_top_p: float | None = Field(None, gt=0, le=1, description="eval top-p (default: --rollout-top-p)")
     eval_top_k: int | None = Field(None, ge=-1, description="eval top-k, 0 or -1 = off (default: --rollout-top-k)")
     eval_max_response_len: int | None = Field(None, ge=1, description="max new tokens per eval response "

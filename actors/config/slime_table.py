@@ -206,8 +206,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--label-key": _same(),
     "--metadata-key": _same(),
     "--multimodal-keys": _refused("multimodal inputs are not supported", "value"),
-    "--tool-key": _refused("tool specs from the dataset are not passed to the chat template; multi-turn tool use "
-                           "goes through --custom-generate-function-path", "value"),
+    "--tool-key": _same(),
     "--start-rollout-id": _explained("the learner resumes its step count from the checkpoint in --load", "value",
                                      int),
     "--rollout-batch-size": _same(),
@@ -229,7 +228,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--skip-eval-before-train": _same("switch"),
     "--eval-input-key": _same(),
     "--eval-label-key": _same(),
-    "--eval-tool-key": _refused("tool specs from the dataset are not passed to the chat template", "value"),
+    "--eval-tool-key": _same(),
     "--n-samples-per-eval-prompt": _same(),
     "--eval-temperature": _same(),
     "--eval-top-p": _same(),

@@ -29,6 +29,7 @@ class PromptRecord:
     prompt: str | list[dict[str, Any]]
     label: Any
     metadata: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None  # the row's tool definitions (--tool-key), for the chat template
 
 
 @dataclass
@@ -88,10 +89,15 @@ def _parse_line(line: str) -> Any:
 
 
 def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str | None = "label",
-                 metadata_key: str | None = "metadata", skip_bad: bool = True, max_prompt_len: int | None = None,
-                 count_tokens: Callable[[Any], int] | None = None,
+                 metadata_key: str | None = "metadata", tool_key: str | None = None, chat_template: bool = False,
+                 skip_bad: bool = True, max_prompt_len: int | None = None,
+                 count_tokens: Callable[[Any, Any], int] | None = None,
                  max_rows: int | None = None) -> tuple[list[PromptRecord], LoadReport]:
     """Read every usable record; with skip_bad=False the first bad one raises DatasetError.
+
+    A record's `tool_key` entry (optional per record; a list of tool definitions, or that list as a JSON string as
+    Parquet files often hold it) goes to the chat template with its prompt; `chat_template` says whether a plain-text
+    prompt goes through the template at all (one that does not cannot carry tools).
 
     With `max_prompt_len`, records whose prompt `count_tokens` finds longer are left out (counted in
     `report.too_long`), as slime filters long prompts when it loads a dataset. With `max_rows`, only the file's
@@ -108,13 +114,16 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
     unit = "row" if path.suffix == ".parquet" else "line"
     for number, row in _raw_rows(path, max_rows):
         problem = _check_row(row, input_key, label_key, metadata_key)
+        tools: list[dict[str, Any]] | None = None
+        if problem is None and tool_key is not None:
+            tools, problem = _row_tools(row, tool_key, row[input_key], chat_template)
         if problem is not None:
             message = f"{path} {unit} {number}: {problem}"
             if not skip_bad:
                 raise DatasetError(message)
             report.skipped.append(message)
             continue
-        length = count_tokens(row[input_key]) if max_prompt_len is not None and count_tokens is not None else 0
+        length = count_tokens(row[input_key], tools) if max_prompt_len is not None and count_tokens is not None else 0
         if max_prompt_len is not None and length > max_prompt_len:
             report.first_too_long = report.first_too_long or f"{unit} {number} ({length} tokens)"
             report.too_long += 1
@@ -122,7 +131,7 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
         metadata = row.get(metadata_key) if metadata_key else None
         records.append(PromptRecord(
             data_index=len(records), prompt=row[input_key],
-            label=row[label_key] if label_key else None, metadata=dict(metadata or {}),
+            label=row[label_key] if label_key else None, metadata=dict(metadata or {}), tools=tools,
         ))
     report.records = len(records)
     if not records:
@@ -176,6 +185,27 @@ def _check_row(row: Any, input_key: str, label_key: str | None, metadata_key: st
     if metadata_key and row.get(metadata_key) is not None and not isinstance(row[metadata_key], dict):
         return f"key {metadata_key!r}: expected an object"
     return None
+
+
+def _row_tools(row: dict[str, Any], tool_key: str, prompt: Any,
+               chat_template: bool) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """The record's tool definitions (None: it has none) or what is wrong with them."""
+    tools = row.get(tool_key)
+    if tools is None:
+        return None, None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            return None, f"key {tool_key!r}: a string that is not JSON ({error.msg})"
+    if hasattr(tools, "tolist"):  # a Parquet list column read as an array
+        tools = tools.tolist()
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        return None, f"key {tool_key!r}: expected a list of tool definitions (objects), got {type(tools).__name__}"
+    if tools and not chat_template and not isinstance(prompt, list):
+        return None, (f"key {tool_key!r}: tools reach the model through the chat template, and this prompt is plain "
+                      "text with --apply-chat-template off")
+    return tools or None, None
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,9 @@ class EvalRounds:
         for name, path in config.eval.sets.items():
             input_key, label_key = config.eval_record_keys
             records, report = load_prompts(path, input_key=input_key, label_key=label_key,
-                                           metadata_key=config.data.metadata_key, skip_bad=config.data.skip_bad_data,
+                                           metadata_key=config.data.metadata_key, tool_key=config.eval_tool_key,
+                                           chat_template=config.data.apply_chat_template,
+                                           skip_bad=config.data.skip_bad_data,
                                            max_prompt_len=max_prompt, count_tokens=count_tokens)
             self.sets[name] = records
             for problem in report.skipped:
@@ -125,7 +127,8 @@ class EvalRounds:
             for record in records:
                 self.queue.append(PromptGroup(
                     group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt, label=record.label,
-                    metadata=record.metadata, n_samples=self.config.eval.n_samples_per_eval_prompt,
+                    metadata=record.metadata, tools=record.tools,
+                    n_samples=self.config.eval.n_samples_per_eval_prompt,
                     data_index=record.data_index, is_eval=True,
                 ))
 

@@ -55,6 +55,7 @@ class Episode:
     label: Any
     metadata: dict[str, Any] = field(default_factory=dict)
     sample_index: int = 0
+    tools: list[dict[str, Any]] | None = None  # the dataset record's tool definitions (--tool-key), to pass on
 
     @property
     def anthropic_base_url(self) -> str:
@@ -103,12 +104,13 @@ class EpisodeLoop:
             opening = check_messages(await environment.reset(), "reset()'s messages")
         except Exception as error:  # the user's environment: its sample fails, counted and logged; the worker goes on
             reason = f"environment {self.name} could not start an episode: {type(error).__name__}: {error}"
-            return [failed_sample(group, index, context.prompt_ids(group.prompt), reason)]
+            return [failed_sample(group, index, context.prompt_ids(group.prompt, group.tools), reason)]
         messages = [*prompt_messages(group.prompt), *opening]
         final_answer, rewards, tool_calls, tool_errors = "", [], 0, 0
         try:
             for turn_index in range(self.max_turns):
-                completion = await session.complete(messages, tools=self.schemas)
+                # a record's own tools (--tool-key) are what its episode offers; else --agent-tool-schemas-path's
+                completion = await session.complete(messages, tools=group.tools or self.schemas)
                 messages = session.messages
                 final_answer = completion.message["content"]
                 if completion.finish_reason == "length":
@@ -123,7 +125,7 @@ class EpisodeLoop:
                 messages = [*messages, *step.messages]
         except NoRoomError as error:  # the conversation filled the context: what was generated still trains, truncated
             if session.model_turns == 0:
-                return [failed_sample(group, index, context.prompt_ids(group.prompt), str(error))]
+                return [failed_sample(group, index, context.prompt_ids(group.prompt, group.tools), str(error))]
         # The environment's counts: it answered the calls (and may count what is not a `<tool_call>` block).
         return session.to_samples(metadata={"final_answer": final_answer, "turn_rewards": rewards,
                                             "tool_calls": tool_calls, "tool_errors": tool_errors})
@@ -171,7 +173,7 @@ class AgentRunner:
         base_url = self.endpoint.open(session)
         episode = Episode(base_url=base_url, api_key="slipstream", model=self.endpoint.model,
                           messages=prompt_messages(group.prompt), label=group.label, metadata=dict(group.metadata),
-                          sample_index=index)
+                          sample_index=index, tools=group.tools)
         task = asyncio.create_task(self.agent(episode), name=f"agent.{group.group_id}/{index}")
         self.running.add(task)
         try:
@@ -179,7 +181,7 @@ class AgentRunner:
             if not task.done():
                 reason = f"agent {self.path} did not finish its episode within --agent-timeout {self.timeout:g} s"
             elif task.cancelled():  # abort_episodes: the worker stops, and the group's lease brings it back
-                return [_aborted(failed_sample(group, index, context.prompt_ids(group.prompt),
+                return [_aborted(failed_sample(group, index, context.prompt_ids(group.prompt, group.tools),
                                                f"agent {self.path} was cancelled: the rollout worker stopped"))]
             else:
                 return session.to_samples(metadata=_agent_metadata(task.result()))
@@ -191,7 +193,7 @@ class AgentRunner:
             self.running.discard(task)
             await _cancelled(task)
             self.endpoint.close(base_url)
-        return [failed_sample(group, index, context.prompt_ids(group.prompt), reason)]
+        return [failed_sample(group, index, context.prompt_ids(group.prompt, group.tools), reason)]
 
 
 async def _episodes(episode: Callable[[RolloutContext, PromptGroup, int], Awaitable[list[Sample]]],

@@ -35,9 +35,10 @@ from typing import Any
 import msgspec
 import structlog
 
+from actors.data.tool_prompts import template_renders_tools, with_tools_described
 from actors.rollout.generate import NoRoomError, RolloutContext
-from actors.rollout.tool_calls import ParsedTurn, describe_tools, parse_tool_calls, tool_names
-from actors.rollout.trajectory import ChatTurns, Trajectory, render, template_renders_tools
+from actors.rollout.tool_calls import ParsedTurn, parse_tool_calls, tool_names
+from actors.rollout.trajectory import ChatTurns, Trajectory, render
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
 from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest
 
@@ -358,18 +359,6 @@ class ChatSession:
 def _tools(segment: Segment) -> list[dict[str, Any]] | None:
     tools = None if segment.turns is None else segment.turns.tools
     return None if tools is None else [dict(tool) for tool in tools]
-
-
-def with_tools_described(messages: Sequence[Mapping[str, Any]],
-                          tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with the tools stated in the system message: after the client's own system text, or as a system
-    message of their own. Only the prompt's tokens change; the conversation the client sends back stays its own."""
-    described = describe_tools(tools)
-    messages = [dict(message) for message in messages]
-    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
-        messages[0]["content"] = f"{messages[0]['content']}\n\n{described}"
-        return messages
-    return [{"role": "system", "content": described}, *messages]
 
 
 def assistant_message(parsed: ParsedTurn, text: str) -> dict[str, Any]:

@@ -120,10 +120,12 @@ class RolloutContext:
                                      f"tokens under {flag} {limit}")
         return min(max_new_tokens, room)
 
-    def prompt_ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A prompt's tokens; pass its group's `tools` (the dataset record's, `--tool-key`) so the model sees them."""
         data = self.config.data
         return encode_prompt(self.tokenizer, prompt, chat_template=data.apply_chat_template,
-                             chat_template_kwargs=data.apply_chat_template_kwargs)
+                             chat_template_kwargs=data.apply_chat_template_kwargs, tools=tools,
+                             describe_ignored_tools=self.config.agent.agent_describe_tools)
 
     def decode_response(self, token_ids: Sequence[int]) -> str:
         """The response text; --rollout-skip-special-tokens decides whether special tokens appear in it."""
@@ -179,7 +181,7 @@ def groups_calls(generate: object) -> bool:
 
 async def default_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
     """One turn: the prompt in, `n_samples` completions out."""
-    prompt_ids = context.prompt_ids(group.prompt)
+    prompt_ids = context.prompt_ids(group.prompt, group.tools)
     try:
         params = context.sampling_params(group, prompt_tokens=len(prompt_ids))
     except NoRoomError as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from actors.data.tool_prompts import template_renders_tools, with_tools_described
 from actors.rollout.generate import RolloutContext, make_sample
 from actors.rollout.trajectory import ChatTurns, Trajectory, render
 from bus.schema import PromptGroup, Sample
@@ -24,7 +25,7 @@ async def sft_generate(context: RolloutContext, group: PromptGroup) -> list[Samp
         raise ValueError(f"group {group.group_id}: SFT needs a label (the target response), found none")
     if isinstance(group.label, list):
         return [_episode(context, group, index) for index in range(group.n_samples)]
-    prompt_ids = context.prompt_ids(group.prompt)
+    prompt_ids = context.prompt_ids(group.prompt, group.tools)
     target = str(group.label)
     response_ids = list(context.tokenizer(target, add_special_tokens=False)["input_ids"])
     if context.tokenizer.eos_token_id is not None:
@@ -41,8 +42,11 @@ def _episode(context: RolloutContext, group: PromptGroup, index: int) -> Sample:
     messages = _target_messages(group)
     tokenizer, kwargs = context.tokenizer, context.config.data.apply_chat_template_kwargs
     prompt = group.prompt if isinstance(group.prompt, list) else [{"role": "user", "content": group.prompt}]
-    turns = ChatTurns.for_tokenizer(tokenizer, **kwargs)
-    trajectory = Trajectory(render(tokenizer, prompt, add_generation_prompt=True, **kwargs))
+    tools = group.tools  # the record's (--tool-key): the prompt is taught as the rollout will render it
+    if tools and context.config.agent.agent_describe_tools and not template_renders_tools(tokenizer, tools, **kwargs):
+        prompt = with_tools_described(prompt, tools)
+    turns = ChatTurns.for_tokenizer(tokenizer, tools=tools, **kwargs)
+    trajectory = Trajectory(render(tokenizer, prompt, add_generation_prompt=True, tools=tools, **kwargs))
     between: list[dict[str, Any]] = []
     ids: list[int] = []
     version = context.engine.version

@@ -4,9 +4,9 @@ blocks after (or between) free text.
 A malformed call is not an exception: the model wrote it, so it gets an error back as that call's tool result and
 can try again, and the sample trains on its mistake like on anything else it wrote.
 
-A chat template that leaves a request's `tools` out (SmolLM2's) would hide them from the model; `describe_tools` is
-the system-message text that states them in the same format instead, so what the model is told and what this parser
-reads back agree.
+A chat template that leaves a request's `tools` out (SmolLM2's) would hide them from the model;
+`actors.data.tool_prompts.describe_tools` states them in a system message in the format this parser reads back, so
+what the model is told and what is read back agree.
 """
 
 from __future__ import annotations
@@ -87,14 +87,3 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> set[str]:
         if isinstance(function, Mapping) and isinstance(function.get("name"), str):
             names.add(function["name"])
     return names
-
-
-def describe_tools(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The tools stated for a system message, in the format the parser above reads back: each schema as one JSON
-    line inside `<tools>`, and how a call is written."""
-    schemas = "\n".join(json.dumps(dict(tool), ensure_ascii=False) for tool in tools)
-    return ("# Tools\n\nYou can call the functions below. Each is one JSON schema per line inside <tools></tools>:\n"
-            f"<tools>\n{schemas}\n</tools>\n\n"
-            "To call one, write a JSON object with its name and its arguments inside <tool_call></tool_call>, one "
-            "block per call:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <the arguments as a JSON "
-            "object>}\n</tool_call>")

@@ -41,13 +41,6 @@ def render(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, add_g
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def template_renders_tools(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> bool:
-    """Whether the chat template puts `tools` in the prompt at all: some (SmolLM2's) render the same with and
-    without them, and a model given tools that way never learns they exist."""
-    with_tools = render(tokenizer, [ANCHOR_USER], add_generation_prompt=True, tools=tools, **template_kwargs)
-    return with_tools != render(tokenizer, [ANCHOR_USER], add_generation_prompt=True, **template_kwargs)
-
-
 @dataclass(frozen=True)
 class ChatTurns:
     """What a tokenizer's chat template puts around a model turn, read off an anchor conversation once."""

@@ -20,12 +20,12 @@ import pytest
 import structlog
 
 from actors.config import build_config
+from actors.data.tool_prompts import describe_tools, template_renders_tools, with_tools_described
 from actors.rollout.agent import AgentRunner, agent_generate_for
-from actors.rollout.chat_session import ChatSession, with_tools_described
+from actors.rollout.chat_session import ChatSession
 from actors.rollout.generate import RolloutContext
 from actors.rollout.openai_endpoint import OpenAIEndpoint
-from actors.rollout.tool_calls import describe_tools, parse_tool_calls
-from actors.rollout.trajectory import template_renders_tools
+from actors.rollout.tool_calls import parse_tool_calls
 from bus.schema import Sample
 from engines.inference.torch_engine import TorchEngine
 from examples.anthropic_agent import TOOLS as ANTHROPIC_TOOLS
