@@ -76,8 +76,10 @@ class EngineService:
         self.server.close()
 
     def metrics(self) -> dict[str, float]:
+        """Its counters, and what its socket dropped, by reason and by sender, as every bound socket reports it."""
         found = {key: float(value) for key, value in self.counters.items()}
         found["engine.served_in_flight"] = float(self.load())
+        found.update(self.server.drop_metrics(ENGINE_ENDPOINT))
         return found
 
     async def _handle(self, caller: str, message: Message) -> Message:

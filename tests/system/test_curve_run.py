@@ -31,6 +31,7 @@ from bus import RpcClient, Subscriber
 from bus.codec import decode, encode
 from bus.schema import (
     Control,
+    EngineGenerate,
     Error,
     GeneratedGroup,
     LeaseRequest,
@@ -48,6 +49,7 @@ from tools.make_arithmetic_data import make_arithmetic_data
 
 NUM_ROLLOUT = 30
 RUN_TIMEOUT_S = 150.0
+RPC_KINDS = ("rpc", "engine")
 INTRUDER = "intruder"  # in every id and reason the strangers send: delivered, it would show up in a log
 
 
@@ -55,7 +57,7 @@ INTRUDER = "intruder"  # in every id and reason the strangers send: delivered, i
 class Endpoint:
     actor: str  # the actor that bound it
     role: str
-    kind: str  # "rpc", "inbox" or "publish" (the controller's head address is its "rpc")
+    kind: str  # "rpc", "engine" (request/reply too), "inbox" or "publish" (the controller's head address is its "rpc")
     address: str
 
 
@@ -95,6 +97,8 @@ def intruder_requests(endpoint: Endpoint, who: str) -> list[Message]:
                          endpoints={"inbox": "tcp://127.0.0.1:9"})]
     if endpoint.role == "buffer":
         return [LeaseRequest(worker_id=name, max_groups=4)]
+    if endpoint.kind == "engine":  # a rollout worker's engine, served to the other workers
+        return [EngineGenerate(request_id=f"{name}/0", input_ids=[1, 2, 3], max_new_tokens=4)]
     if endpoint.role == "rollout":
         return [WeightUpdateOrder(version=10_000, group={"host": "127.0.0.1", "port": 9, "generation": 1,
                                                          "members": [name], "backend": "gloo"}, timeout_s=1.0)]
@@ -134,7 +138,7 @@ def start_probes(ctx: zmq.asyncio.Context, endpoint: Endpoint, strangers: dict[s
         probes.intruder_attempts.append((endpoint, who, asyncio.ensure_future(task)))
 
     for who, security in strangers.items():
-        if endpoint.kind == "rpc":
+        if endpoint.kind in RPC_KINDS:
             for request in intruder_requests(endpoint, who):
                 client = RpcClient(ctx, endpoint.address, client_id=f"{INTRUDER}-{who}", security=security)
                 probes.closers.append(client)
@@ -151,7 +155,7 @@ def start_probes(ctx: zmq.asyncio.Context, endpoint: Endpoint, strangers: dict[s
             probes.closers.append(subscriber)
             track(subscriber.recv(), who)
 
-    if endpoint.kind == "rpc":
+    if endpoint.kind in RPC_KINDS:
         client = RpcClient(ctx, endpoint.address, client_id="trusted-probe", security=trusted)
         probes.closers.append(client)
         answer: Awaitable[Any] = client.call(RunState(state="running"), timeout=10.0, retries=1)
@@ -244,7 +248,7 @@ async def test_strangers_without_the_cluster_key_deliver_nothing_to_a_curve_run(
     # silence is CURVE's doing, not probes aimed at the wrong place or too late.
     actors_with_endpoints = {e.actor for e in bound_endpoints(run_dir)}
     assert {"controller", "buffer", "reward-0-0", "rollout-0-0", "rollout-0-1"} <= actors_with_endpoints
-    assert {e.kind for e in probed.values()} == {"rpc", "inbox", "publish"}
+    assert {e.kind for e in probed.values()} == {"rpc", "engine", "inbox", "publish"}
     assert set(probed) == {e.address for e in bound_endpoints(run_dir)}
     unanswered = [f"{e.actor} {e.kind} {e.address}" for e in probed.values() if answers[e.address] is None]
     assert unanswered == [], f"the probe holding the cluster key got no answer from: {unanswered}"
@@ -252,5 +256,5 @@ async def test_strangers_without_the_cluster_key_deliver_nothing_to_a_curve_run(
         answer = answers[endpoint.address]
         if endpoint.kind == "inbox":
             assert isinstance(answer, StreamCredit), answer
-        elif endpoint.kind == "rpc":
+        elif endpoint.kind in RPC_KINDS:  # an engine's socket answers a RunState "unhandled" too
             assert isinstance(answer, RunState if endpoint.role == "controller" else Error), answer

@@ -51,7 +51,8 @@ def test_no_actor_crashes_and_the_run_completes(hostile: tuple[dict[str, Any], s
 @pytest.mark.timeout(300)
 def test_every_bound_socket_is_targeted_with_every_kind(hostile: tuple[dict[str, Any], str]) -> None:
     figures, _ = hostile
-    assert len(figures["endpoints"]) == 7 and figures["targeted"] == figures["endpoints"]
+    # controller rpc + publish, buffer rpc, reward inbox, two rollout workers' rpc... and their engines' sockets
+    assert len(figures["endpoints"]) == 9 and figures["targeted"] == figures["endpoints"]
     kinds = {attack["socket"]: set() for attack in figures["attacks"]}
     for attack in figures["attacks"]:
         kinds[attack["socket"]].add(attack["kind"])
@@ -65,6 +66,7 @@ def test_every_bound_socket_is_targeted_with_every_kind(hostile: tuple[dict[str,
         if socket.endswith("/inbox"):
             assert {"no_hello", "credit", "hellos"} <= seen, socket
     assert {"claims", "registers"} <= kinds["controller/rpc"]
+    assert {"rollout-0-0/engine", "rollout-0-1/engine"} <= set(kinds)  # served engines are attacked like any socket
 
 
 @pytest.mark.system

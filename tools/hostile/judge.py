@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tools.hostile.plan import REPLAY_REPEATS, Attack
+from tools.hostile.plan import REPLAY_REPEATS, RPC_CHANNELS, Attack
 from tools.hostile.run import Endpoint
 
 
@@ -129,8 +129,8 @@ def _judge_one(attack: Attack, counters: Counters, labelled: set[str], actor_ids
         attack.counted = f"answered {attack.answered}, credit_unread:{int(unread)}"
         attack.missing = sent - int(attack.answered + unread)
         attack.ok = attack.missing == 0
-    elif kind == "replay" and endpoint.channel == "rpc":
-        duplicates = counters.get(endpoint.actor, "duplicates.rpc")
+    elif kind == "replay" and endpoint.channel in RPC_CHANNELS:
+        duplicates = counters.get(endpoint.actor, f"duplicates.{endpoint.channel}")
         expected = sent - math.ceil(sent / REPLAY_REPEATS)
         attack.counted, attack.ok = f"duplicates answered from cache: {int(duplicates)}", duplicates >= expected
     elif kind == "replay":

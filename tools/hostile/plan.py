@@ -16,14 +16,16 @@ from actors.buffer.log import BufferLog
 from bus.broadcast import PUBLISHER_FRAME_LIMIT
 from bus.codec import DEFAULT_LIMITS, encode
 from bus.rpc import REQUEST_LIMITS
-from bus.schema import Heartbeat, LeaseRenew
+from bus.schema import EngineAbort, Heartbeat, LeaseRenew
 from bus.sockets import routing_id
 from tools.hostile import wire
 from tools.hostile.run import Endpoint, Run
 
 REPLAY_REPEATS = 5
 FRAME_LIMITS = {"inbox": DEFAULT_LIMITS.max_frame_bytes, "rpc": REQUEST_LIMITS.max_frame_bytes,
-                "publish": PUBLISHER_FRAME_LIMIT}
+                "engine": REQUEST_LIMITS.max_frame_bytes, "publish": PUBLISHER_FRAME_LIMIT}
+# Request/reply sockets: an actor's "rpc", and a rollout worker's "engine" (its engine served to the other workers).
+RPC_CHANNELS = ("rpc", "engine")
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def _labelled(endpoint: Endpoint, kind: str, connections: int) -> Attack:
 
 def _router_attacks(endpoint: Endpoint, mode: Mode, rng: random.Random, actor_ids: list[str],
                     captured: list[bytes]) -> list[Attack]:
-    n, rpc = mode.scale, endpoint.channel == "rpc"
+    n, rpc = mode.scale, endpoint.channel in RPC_CHANNELS
 
     def message(payload: bytes) -> wire.Frames:
         return [rng.randbytes(16), payload] if rpc else [payload]
@@ -146,6 +148,8 @@ def _valid_request(endpoint: Endpoint) -> bytes:
     """A request the server answers without effect: refused or unhandled, so replays can only be duplicates."""
     if endpoint.actor == "controller":
         return encode(Heartbeat(actor_id="hostile-replay", seq=1))  # not registered: refused
+    if endpoint.channel == "engine":
+        return encode(EngineAbort(request_id="hostile-replay"))  # no such request: nothing to abort
     return encode(LeaseRenew(lease_id="hostile-replay"))  # the buffer holds no such lease; a rollout serves none
 
 

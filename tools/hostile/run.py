@@ -37,7 +37,8 @@ class Endpoint:
     """One bound socket of the run: who bound it, which channel it is, and where."""
 
     actor: str
-    channel: str  # "inbox" (stream), "rpc" (request/reply; the controller's head address) or "publish"
+    channel: str  # "inbox" (stream), "rpc" (request/reply; the controller's head address), "engine" (a rollout
+    # worker's engine served to the other workers: request/reply too) or "publish"
     address: str
 
     @property
