@@ -5,6 +5,9 @@ A plugin written against `actors.rollout_generate` keeps working after that modu
 is the module that stays put. The finder sits last on `sys.meta_path`, so it only answers names that exist nowhere
 else: a module that comes back under an old name is imported as itself. When a module moves, its old name goes in
 `MOVED` with the new one (renaming an entry that is already here to the newest place).
+
+The old names expire: from `OLD_NAMES_END` on, importing one fails with an ImportError that names the new place,
+so a plugin that never moved learns it at once, and the shim can then be deleted. Each warning gives the date.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
+from datetime import date
 from types import ModuleType
 from typing import Any
 
@@ -49,6 +53,13 @@ MOVED: dict[str, str] = {
     "engines.sglang.server": "tools.standins.sglang_server.server",
     "engines.tiny_model": "tools.standins.tiny_model",
 }
+OLD_NAMES_END = date(2027, 3, 1)  # three months after `actors.plugins` became the surface that stays put
+
+
+def _today() -> date:
+    return date.today()
+
+
 # `--sglang-server-module` names a module to run, not to import: the config maps these old names itself.
 MOVED_SERVER_MODULES: dict[str, str] = {"engines.sglang.server": "tools.standins.sglang_server"}
 
@@ -67,8 +78,12 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         new_name = MOVED[module.__name__]
-        warnings.warn(f"{module.__name__} moved to {new_name}: import from {new_name}, or from actors.plugins, "
-                      "the module plugins import that stays put", FutureWarning, stacklevel=2)
+        where = f"import from {new_name}, or from actors.plugins, the module plugins import that stays put"
+        if _today() >= OLD_NAMES_END:
+            raise ImportError(f"{module.__name__} moved to {new_name}, and its old name stopped importing on "
+                              f"{OLD_NAMES_END.isoformat()}: {where}", name=module.__name__)
+        warnings.warn(f"{module.__name__} moved to {new_name}: {where}; the old name stops importing on "
+                      f"{OLD_NAMES_END.isoformat()}", FutureWarning, stacklevel=2)
         new = importlib.import_module(new_name)
         module.__getattr__ = lambda name: getattr(new, name)  # type: ignore[method-assign]
         module.__dir__ = lambda: dir(new)  # type: ignore[method-assign]

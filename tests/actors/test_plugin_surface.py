@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import actors.plugins
+from actors import moved
 from actors.extensions.load import load_generate_function
 from actors.moved import MOVED
 from actors.runtime.roles import resolve_actor_class
@@ -118,6 +119,20 @@ def test_a_moved_module_imports_from_its_old_name_with_a_warning_naming_the_new_
         old = importlib.import_module(old_name)
     public = [name for name in vars(new) if not name.startswith("_")]
     assert public and all(getattr(old, name) is getattr(new, name) for name in public)
+
+
+@pytest.mark.unit
+def test_old_names_stop_importing_on_their_end_date_naming_the_new_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    old_name = "actors.rollout_generate"
+    monkeypatch.delitem(sys.modules, old_name, raising=False)
+    with pytest.warns(FutureWarning, match=f"stops importing on {moved.OLD_NAMES_END.isoformat()}"):
+        importlib.import_module(old_name)
+    monkeypatch.delitem(sys.modules, old_name, raising=False)
+    monkeypatch.setattr(moved, "_today", lambda: moved.OLD_NAMES_END)
+    with pytest.raises(ImportError, match="moved to actors.rollout.generate, and its old name stopped importing on "
+                                          f"{moved.OLD_NAMES_END.isoformat()}"):
+        importlib.import_module(old_name)
+    assert old_name not in sys.modules
 
 
 @pytest.mark.unit

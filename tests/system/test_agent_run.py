@@ -5,7 +5,6 @@ rewrites its context (#58) trains each episode as a tree of segments, and the au
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,23 +100,3 @@ def test_episodes_whose_agent_rewrites_its_context_train_as_trees_and_the_audit_
                                   "trained_segments": len(samples)}
     certificate = json.loads((run_dir / "integrity.json").read_text())  # the run's own, written as it ended
     assert certificate["ok"] and certificate["checks"]["prompts"]["samples"]["unaccounted"] == 0
-
-
-@pytest.mark.system
-@pytest.mark.timeout(400)
-def test_a_short_agent_demo_through_the_responses_api_reports_held_out_accuracy_before_and_after(
-        tmp_path: Path) -> None:
-    """tools/agent_demo.py --api responses, shortened: its SFT warm start, a GRPO step through the Responses client
-    with eval rounds before and after, and the report's row for the surface."""
-    command = [sys.executable, "tools/agent_demo.py", "--api", "responses", "--sft-steps", "2", "--rl-steps", "1",
-               "--workdir", str(tmp_path)]
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=380,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    (row,) = [line for line in finished.stdout.splitlines() if line.startswith("Responses (openai)")]
-    assert row.count("%") == 2 and "->" in row, row
-    (run_dir,) = tmp_path.glob("*-grpo-responses")
-    (step,) = [json.loads(line) for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert step["multiturn/turns_mean"] >= 2  # the agent's closing check is a model turn of its own
-    evals = [json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in evals if "eval/heldout/accuracy" in row] == [0, 1]
