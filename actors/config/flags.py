@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.config.flag_parser import near_name_hints
-from actors.config.run import OWNER, SECTIONS, RunConfig
+from actors.config.run import OWNER, POLICY_DEFAULTS, SECTIONS, RunConfig
 from actors.config.settings_errors import Origin, SettingsError, located_problems
 from actors.config.slime_flags import SPELLED_AS, add_slime_flags, apply_slime_flags
 from actors.config.slime_table import SLIME_FLAGS
@@ -33,9 +33,6 @@ POLICY_SWITCHES = {
     "disable_grpo_std_normalization": "Dr.GRPO: centre rewards per group without dividing by their std",
     "disable_rewards_normalization": "use raw rewards as advantages (no group baseline)",
 }
-# Where Slipstream's default differs from PolicyLossConfig's: the fully-async mode corrects with TIS (RL losses
-# only; SFT has no behaviour policy to correct for).
-POLICY_DEFAULTS = {"off_policy_correction": "tis"}
 RUN_WIDE = ("seed", "torch_threads")
 
 

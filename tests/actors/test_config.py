@@ -57,6 +57,20 @@ def test_slime_switches_reach_the_policy() -> None:
 
 
 @pytest.mark.unit
+def test_a_runs_policy_defaults_are_the_same_however_the_run_is_configured(tmp_path: Path) -> None:
+    """One place holds where a run's defaults differ from PolicyLossConfig's (actors.config.run.POLICY_DEFAULTS):
+    the flags, a config file, the settings API and a RunConfig built bare all read it; an SFT loss takes none."""
+    from actors.config import RunConfig, build_config
+    from actors.config.run import POLICY_DEFAULTS
+
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout_batch_size: 16\n", encoding="utf-8")
+    for config in (parse([]), parse(["--config", str(path)]), build_config({}), RunConfig()):
+        assert {name: getattr(config.policy, name) for name in POLICY_DEFAULTS} == POLICY_DEFAULTS
+    assert parse(["--loss-type", "sft"]).policy.off_policy_correction == "none"
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("flag", ["--deterministic-inference", "--sglang-enable-deterministic-inference"])
 def test_either_spelling_of_deterministic_inference_reaches_every_engine(flag: str) -> None:
     """slime's pass-through spelling makes the torch engine batch-invariant too, and ours starts SGLang with it."""
