@@ -253,7 +253,7 @@ class Learner(Actor):
 
     async def _held_for_eval(self) -> bool:
         await self.settle_push()  # a push under way may be the one whose version the engines must be held on
-        self.eval_hold.reported(getattr(self.source, "eval_done_through", -1))
+        self.eval_hold.reported(self.source.eval_done_through)
         return self.eval_hold.holds()
 
     async def _wait_for_eval_hold(self) -> None:

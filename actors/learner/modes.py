@@ -42,6 +42,11 @@ class BatchSource(Protocol):
         """Every evaluation round of a version up to the one returned has reported (-1: none, or no rounds here).
         Batch replies carry it too; this asks when no batch is due."""
 
+    @property
+    def eval_done_through(self) -> int:
+        """What the last reply said of the eval rounds (as `poll_eval_progress` returns): the learner's eval hold
+        reads it after every batch."""
+
 
 class BatchRefused(RuntimeError):
     """The buffer will never serve the batch asked for: the run cannot go on (see BATCH_ORDER)."""
@@ -116,6 +121,10 @@ class RecordedBatches:
     async def poll_eval_progress(self, progress: Progress) -> int:
         return -1  # a replay runs no engines, so no rounds
 
+    @property
+    def eval_done_through(self) -> int:
+        return -1
+
 
 class Recording:
     """`--save-debug-rollout-data`: every batch the inner source yields is also written, for a later replay."""
@@ -141,7 +150,7 @@ class Recording:
     def eval_done_through(self) -> int:
         """The inner source's: without it the learner's eval hold never heard a round report, and held each
         evaluated version's engines until the hold's timeout."""
-        return getattr(self.inner, "eval_done_through", -1)
+        return self.inner.eval_done_through
 
 
 class Training(Protocol):
