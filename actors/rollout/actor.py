@@ -392,7 +392,7 @@ class RolloutWorker(Actor):
         found = super().metrics()
         if self.engine is not None:
             found["engine.version"] = float(self.engine.version)
-            found["engine.memory_releases"] = float(getattr(self.engine, "memory_releases", 0))  # colocated turns
+            found["engine.memory_releases"] = float(self.engine.memory_releases)  # colocated turns
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
             found["rollout.idle_fraction"] = self.idle_fraction()
             found["rollout.busy_slot_seconds"] = self.busy_slot_seconds()

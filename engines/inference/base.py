@@ -348,6 +348,8 @@ class InferenceEngine(ABC):
         """The worker has nothing to generate for now. An engine that shares its device with the learner (a
         colocated run) may hand memory over until its next request or weight update needs it back."""
 
+    memory_releases: int = 0  # times `on_idle` handed memory over (an engine that does counts them)
+
     @abstractmethod
     async def health(self) -> dict[str, object]:
         """A small JSON-able status dict; `healthy` is False once the engine cannot serve requests."""
