@@ -61,7 +61,7 @@ from policies.packing import (
     to_tokens,
     zero_masked,
 )
-from policies.registry import register_advantage_estimator, resolve_advantage_estimator
+from policies.registry import NEEDS_CRITIC, register_advantage_estimator, resolve_advantage_estimator
 
 __all__ = [
     "AdvantageInputs",
@@ -348,7 +348,7 @@ def reinforce_plus_plus_baseline(config: PolicyLossConfig, inputs: AdvantageInpu
     return advantages, advantages
 
 
-@register_advantage_estimator("ppo")
+@register_advantage_estimator("ppo", traits=(NEEDS_CRITIC,))
 def ppo(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """PPO with a critic: GAE(gamma, lambd) over per-token rewards; returns = advantages + values."""
     if inputs.values is None:

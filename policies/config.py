@@ -13,7 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from policies.registry import ADVANTAGE_ESTIMATORS, CORRECTIONS, KL_ESTIMATORS, POLICY_LOSSES, BuiltinNames
+from policies.registry import (
+    ADVANTAGE_ESTIMATORS,
+    CORRECTIONS,
+    KL_ESTIMATORS,
+    NEEDS_CRITIC,
+    POLICY_LOSSES,
+    BuiltinNames,
+)
 
 __all__ = ["AggregationMode", "ISLevel", "PolicyLossConfig"]
 
@@ -215,6 +222,13 @@ class PolicyLossConfig(BaseModel):
                 "set normalize_advantages=True (--normalize-advantages)"
             )
         return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the advantage estimator reads a critic's values (its NEEDS_CRITIC trait: PPO's, or a plugin's
+        that declares it), so the learner trains a critic beside the policy. Read from the registry, not from a
+        name, so a plugin estimator gets its critic too."""
+        return NEEDS_CRITIC in ADVANTAGE_ESTIMATORS.traits_of(self.advantage_estimator)
 
     @property
     def needs_ref(self) -> bool:

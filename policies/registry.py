@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Generic, TypeVar
@@ -24,6 +24,7 @@ __all__ = [
     "FILTERS",
     "GROUP_REWARDS",
     "KL_ESTIMATORS",
+    "NEEDS_CRITIC",
     "POLICY_LOSSES",
     "REWARDS",
     "BuiltinNames",
@@ -42,6 +43,7 @@ __all__ = [
     "resolve_kl",
     "resolve_policy_loss",
     "resolve_reward",
+    "with_traits",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -55,14 +57,19 @@ class Registry(Generic[F]):
     the kind of bug that costs a training run).
     """
 
-    def __init__(self, kind: str, builtin_modules: tuple[str, ...], builtin_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, kind: str, builtin_modules: tuple[str, ...], builtin_names: tuple[str, ...] = (),
+                 builtin_traits: Mapping[str, Iterable[str]] | None = None) -> None:
         self.kind = kind
         self._builtin_modules = builtin_modules
         self.builtin_names = frozenset(builtin_names)  # what those modules register: checkable without importing
+        # what the built-ins declare of themselves (e.g. NEEDS_CRITIC): readable without importing them either
+        self.builtin_traits = {name: frozenset(traits) for name, traits in (builtin_traits or {}).items()}
         self._entries: dict[str, F] = {}
+        self._traits: dict[str, frozenset[str]] = {}
         self._loaded = False
 
-    def register(self, name: str) -> Callable[[F], F]:
+    def register(self, name: str, *, traits: Iterable[str] = ()) -> Callable[[F], F]:
+        """`traits`: what the rest of the system must know of this entry before it runs (`traits_of`)."""
         if not name or is_dotted_path(name):
             raise ValueError(
                 f"{self.kind} name {name!r}: registered names must be non-empty and contain no '.' or ':'"
@@ -73,9 +80,20 @@ class Registry(Generic[F]):
             if existing is not None and existing is not fn:
                 raise ValueError(f"{self.kind} {name!r} is already registered to {existing!r}")
             self._entries[name] = fn
+            self._traits[name] = frozenset(traits)
             return fn
 
         return decorator
+
+    def traits_of(self, name_or_path: str) -> frozenset[str]:
+        """The traits of an entry: a declared built-in's without importing it, a registered name's as registered,
+        a dotted path's from its object (`with_traits`)."""
+        if name_or_path in self.builtin_names:
+            return self.builtin_traits.get(name_or_path, frozenset())
+        entry = self.resolve(name_or_path)
+        if is_dotted_path(name_or_path):
+            return frozenset(getattr(entry, TRAITS_ATTRIBUTE, ()))  # a plugin may declare none
+        return self._traits.get(name_or_path, frozenset())
 
     def names(self) -> list[str]:
         self._load_builtins()
@@ -123,6 +141,29 @@ class Registry(Generic[F]):
         if undeclared:
             raise RuntimeError(f"{self.kind}: {', '.join(undeclared)} declared built-in but not registered by "
                                f"{', '.join(self._builtin_modules)}")
+        differing = sorted(name for name in self.builtin_names
+                           if self._traits.get(name, frozenset()) != self.builtin_traits.get(name, frozenset()))
+        if differing:
+            found = "; ".join(f"{name}: declared {sorted(self.builtin_traits.get(name, ()))}, registered "
+                              f"{sorted(self._traits.get(name, ()))}" for name in differing)
+            raise RuntimeError(f"{self.kind}: built-ins registered with other traits than declared ({found})")
+
+
+TRAITS_ATTRIBUTE = "slipstream_traits"
+# An advantage estimator that reads the critic's per-token values (GAE): the learner trains a critic beside the
+# policy exactly for such an estimator, and only the torch backend has one.
+NEEDS_CRITIC = "needs_critic"
+
+
+def with_traits(*traits: str) -> Callable[[F], F]:
+    """Declare a plugin's traits on the object a `module:attr` path names, e.g. `@with_traits(NEEDS_CRITIC)` on an
+    advantage estimator of one's own that reads values."""
+
+    def decorator(fn: F) -> F:
+        setattr(fn, TRAITS_ATTRIBUTE, frozenset(traits))
+        return fn
+
+    return decorator
 
 
 @dataclass(frozen=True)
@@ -143,7 +184,8 @@ class BuiltinNames:
 
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry(
     "advantage estimator", ("policies.advantages",),
-    ("cispo", "grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"))
+    ("cispo", "grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"),
+    {"ppo": (NEEDS_CRITIC,)})
 POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss", ("policies.losses",),
                                                        ("cispo", "gspo", "ppo", "sft"))
 KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator", ("policies.kl",),
@@ -155,8 +197,8 @@ GROUP_REWARDS: Registry[Callable[..., Any]] = Registry("group reward function", 
 FILTERS: Registry[Callable[..., Any]] = Registry("sample filter", ("policies.filters",))
 
 
-def register_advantage_estimator(name: str) -> Callable[[F], F]:
-    return ADVANTAGE_ESTIMATORS.register(name)
+def register_advantage_estimator(name: str, *, traits: Iterable[str] = ()) -> Callable[[F], F]:
+    return ADVANTAGE_ESTIMATORS.register(name, traits=traits)
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:

@@ -128,7 +128,7 @@ def _model_problems(config: RunConfig, running: set[str], hub_cache: Path | None
     problems = [_model_folder_problem("--hf-checkpoint", model.hf_checkpoint, hub_cache)]
     if model.ref_checkpoint is not None and "learner" in running and config.policy.needs_ref:
         problems.append(_model_folder_problem("--ref-checkpoint", model.ref_checkpoint, hub_cache))
-    if "learner" in running and config.trainer.critic_load is not None and config.policy.advantage_estimator == "ppo":
+    if "learner" in running and config.trainer.critic_load is not None and config.policy.needs_critic:
         problems.append(_model_folder_problem("--critic-load", config.trainer.critic_load, hub_cache))
     if "learner" in running:
         problems += [_teacher_folder_problem(teacher, config.distillation.opd_teacher_load, hub_cache)

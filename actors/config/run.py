@@ -335,21 +335,24 @@ def _distillation_problems(config: RunConfig) -> list[str]:
 
 
 def _critic_problems(config: RunConfig) -> list[str]:
-    """PPO's critic: where it can run, and its settings only with it."""
-    if config.policy.advantage_estimator == "ppo":
+    """A critic (an estimator whose trait says it reads values: ppo, or a plugin that declares it): where it can
+    run, and its settings only with it."""
+    if config.policy.needs_critic:
+        estimator = config.policy.advantage_estimator
         if config.trainer.train_backend != "torch":
-            return [f"advantage_estimator ppo trains a critic beside the policy, which the torch backend does; "
-                    f"--train-backend {config.trainer.train_backend} has no value model (use grpo, "
+            return [f"advantage_estimator {estimator} trains a critic beside the policy, which the torch backend "
+                    f"does; --train-backend {config.trainer.train_backend} has no value model (use grpo, "
                     "reinforce_plus_plus or rloo there)"]
         if config.learner.custom_advantage_function_path is not None:
-            return ["advantage_estimator ppo with --custom-advantage-function-path: the critic trains on the GAE "
-                    "returns of its own values, which a custom function (it gives advantages only) replaces"]
+            return [f"advantage_estimator {estimator} with --custom-advantage-function-path: the critic trains on "
+                    "the GAE returns of its own values, which a custom function (it gives advantages only) replaces"]
         return []
     given = [flag for flag, value in (("--num-critic-only-steps", config.learner.num_critic_only_steps),
                                       ("--critic-load", config.trainer.critic_load),
                                       ("--critic-lr", config.trainer.critic_lr)) if value]
     if given:
-        return [f"{', '.join(given)}: a critic is trained only with --advantage-estimator ppo, not "
+        return [f"{', '.join(given)}: a critic is trained only with an estimator that reads values "
+                f"(--advantage-estimator ppo, or a plugin declaring NEEDS_CRITIC), not "
                 f"{config.policy.advantage_estimator}"]
     return []
 

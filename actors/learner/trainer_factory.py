@@ -44,8 +44,8 @@ def build_plugin_trainer(path: str, config: RunConfig) -> Trainer:
 
 
 def uses_critic(config: RunConfig) -> bool:
-    """PPO with a critic: the one estimator that reads values (as slime, whose use_critic is estimator == ppo)."""
-    return config.policy.advantage_estimator == "ppo"
+    """An estimator that reads values (PPO's GAE, as slime's use_critic; or a plugin that declares NEEDS_CRITIC)."""
+    return config.policy.needs_critic
 
 
 def _needs_ref(config: RunConfig) -> bool:

@@ -96,3 +96,56 @@ def test_every_advertised_builtin_is_selectable_by_name() -> None:
     assert set(registry.CORRECTIONS.names()) == {"none", "tis", "mis", "icepop"}
     assert set(registry.FILTERS.names()) >= {"nonzero_std", "no_reward_errors"}
     assert set(registry.REWARDS.names()) >= {"math", "exact_match", "f1", "gpqa", "multiple_choice", "deepscaler"}
+
+
+@pytest.mark.unit
+def test_the_declared_traits_of_the_builtins_are_what_they_register_with(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traits are read without importing the built-ins (a config is validated in processes that never run them), so
+    a declaration that drifts from the registration must fail where the built-ins load."""
+    from policies.registry import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+
+    assert ADVANTAGE_ESTIMATORS.traits_of("ppo") == {NEEDS_CRITIC}
+    assert ADVANTAGE_ESTIMATORS.traits_of("grpo") == frozenset()
+    ADVANTAGE_ESTIMATORS.names()  # loads the built-ins and compares
+    # a registry whose built-in module registers "gae" without the trait its declaration gives it
+    (tmp_path / "drifted_builtins.py").write_text(textwrap.dedent("""
+        from policies.registry import Registry, NEEDS_CRITIC
+
+        DRIFTED = Registry("estimator", ("drifted_builtins",), ("gae",), {"gae": (NEEDS_CRITIC,)})
+
+        @DRIFTED.register("gae")
+        def gae(config, inputs):
+            raise NotImplementedError
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    drifted = load_object("drifted_builtins:DRIFTED", what="a registry")
+    assert drifted.traits_of("gae") == {NEEDS_CRITIC}  # the declaration, read without loading
+    with pytest.raises(RuntimeError, match=r"gae: declared \['needs_critic'\], registered \[\]"):
+        drifted.names()
+
+
+@pytest.mark.unit
+def test_a_plugin_estimator_that_reads_values_gets_a_critic_by_its_trait_not_its_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors.config import build_config
+    from actors.learner.trainer_factory import uses_critic
+
+    (tmp_path / "my_estimators.py").write_text(textwrap.dedent("""
+        from policies.advantages import ppo
+        from policies.registry import NEEDS_CRITIC, with_traits
+
+        gae_again = with_traits(NEEDS_CRITIC)(lambda config, inputs: ppo(config, inputs))
+
+        def plain(config, inputs):
+            raise NotImplementedError
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = build_config({"advantage_estimator": "my_estimators:gae_again"})
+    assert config.policy.needs_critic and uses_critic(config)
+    assert not build_config({"advantage_estimator": "my_estimators:plain"}).policy.needs_critic
+    with pytest.raises(ValueError, match="advantage_estimator my_estimators:gae_again trains a critic beside the "
+                                         "policy, which the torch backend does; --train-backend megatron"):
+        build_config({"advantage_estimator": "my_estimators:gae_again", "train_backend": "megatron"})
+    with pytest.raises(ValueError, match="--critic-lr: a critic is trained only with an estimator that reads values"):
+        build_config({"advantage_estimator": "my_estimators:plain", "critic_lr": 1e-5})
