@@ -45,7 +45,7 @@ from policies.packing import (
     to_tokens,
     zero_masked,
 )
-from policies.registry import register_policy_loss, resolve_correction, resolve_policy_loss
+from policies.registry import LINEAR_IN_ADVANTAGE, register_policy_loss, resolve_correction, resolve_policy_loss
 
 __all__ = [
     "PolicyLossInputs",
@@ -128,13 +128,13 @@ def _clipped_terms(config: PolicyLossConfig, ratio: Tensor, inputs: PolicyLossIn
     return PolicyLossTerms(per_token_loss=loss, clipped=clipped, ratio=ratio.detach(), extra_metrics=extra)
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", traits=(LINEAR_IN_ADVANTAGE,))
 def ppo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms:
     ratio = _ratio(config, inputs.log_probs, inputs.old_log_probs)
     return _clipped_terms(config, ratio, inputs)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", traits=(LINEAR_IN_ADVANTAGE,))
 def gspo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms:
     seq_log_ratio = per_sample_mean(inputs.log_probs - inputs.old_log_probs, inputs.response_lengths, inputs.loss_mask)
     token_log_ratio = (
@@ -144,7 +144,7 @@ def gspo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossT
     return _clipped_terms(config, ratio, inputs)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", traits=(LINEAR_IN_ADVANTAGE,))
 def cispo_loss(config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms:
     ratio = _ratio(config, inputs.log_probs, inputs.old_log_probs).detach()
     assert config.eps_clip_high is not None

@@ -24,6 +24,7 @@ __all__ = [
     "FILTERS",
     "GROUP_REWARDS",
     "KL_ESTIMATORS",
+    "LINEAR_IN_ADVANTAGE",
     "NEEDS_CRITIC",
     "POLICY_LOSSES",
     "REWARDS",
@@ -153,6 +154,9 @@ TRAITS_ATTRIBUTE = "slipstream_traits"
 # An advantage estimator that reads the critic's per-token values (GAE): the learner trains a critic beside the
 # policy exactly for such an estimator, and only the torch backend has one.
 NEEDS_CRITIC = "needs_critic"
+# A policy loss whose per-token term is the advantage times something, with nothing else read of a sample: a sample
+# whose advantages are all zero adds exactly nothing to its gradient, so the learner may skip it.
+LINEAR_IN_ADVANTAGE = "linear_in_advantage"
 
 
 def with_traits(*traits: str) -> Callable[[F], F]:
@@ -186,8 +190,9 @@ ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry(
     "advantage estimator", ("policies.advantages",),
     ("cispo", "grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"),
     {"ppo": (NEEDS_CRITIC,)})
-POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss", ("policies.losses",),
-                                                       ("cispo", "gspo", "ppo", "sft"))
+POLICY_LOSSES: Registry[Callable[..., Any]] = Registry(
+    "policy loss", ("policies.losses",), ("cispo", "gspo", "ppo", "sft"),
+    {name: (LINEAR_IN_ADVANTAGE,) for name in ("cispo", "gspo", "ppo")})
 KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator", ("policies.kl",),
                                                        ("k1", "k2", "k3", "low_var_kl"))
 CORRECTIONS: Registry[Callable[..., Any]] = Registry("off-policy correction", ("policies.corrections",),
@@ -201,8 +206,8 @@ def register_advantage_estimator(name: str, *, traits: Iterable[str] = ()) -> Ca
     return ADVANTAGE_ESTIMATORS.register(name, traits=traits)
 
 
-def register_policy_loss(name: str) -> Callable[[F], F]:
-    return POLICY_LOSSES.register(name)
+def register_policy_loss(name: str, *, traits: Iterable[str] = ()) -> Callable[[F], F]:
+    return POLICY_LOSSES.register(name, traits=traits)
 
 
 def register_kl(name: str) -> Callable[[F], F]:

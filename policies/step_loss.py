@@ -24,14 +24,13 @@ from policies.config import PolicyLossConfig
 from policies.losses import compute_policy_loss, compute_value_loss, effective_loss_mask
 from policies.packing import as_float_mask
 from policies.pi_old import PiOldSource, pi_old_source
+from policies.registry import LINEAR_IN_ADVANTAGE, POLICY_LOSSES
 
 __all__ = ["ADDITIVE_METRICS", "PiOldSource", "PolicyLoss", "ValueLoss", "explained_variance", "pi_old_source",
            "step_denominators", "value_denominators", "zero_advantage_is_zero_gradient"]
 
 # Loss terms already use the global denominators; every other metric is a local mean to be token-weighted.
 ADDITIVE_METRICS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
-# The built-in policy losses whose per-token term is the advantage times something: zero wherever it is zero.
-_LINEAR_IN_ADVANTAGE = ("ppo", "gspo", "cispo")
 
 
 def zero_advantage_is_zero_gradient(config: PolicyLossConfig) -> bool:
@@ -42,7 +41,7 @@ def zero_advantage_is_zero_gradient(config: PolicyLossConfig) -> bool:
     forward and backward can be skipped, with the same update. GRPO gives every sample of a group whose rewards are
     all equal an advantage of exactly zero, which at the start and the end of a run is most of a batch.
     """
-    return (config.loss_type in _LINEAR_IN_ADVANTAGE and config.entropy_coef == 0
+    return (LINEAR_IN_ADVANTAGE in POLICY_LOSSES.traits_of(config.loss_type) and config.entropy_coef == 0
             and not (config.use_kl_loss and config.kl_loss_coef != 0))
 
 

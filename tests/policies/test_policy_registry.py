@@ -103,11 +103,13 @@ def test_the_declared_traits_of_the_builtins_are_what_they_register_with(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Traits are read without importing the built-ins (a config is validated in processes that never run them), so
     a declaration that drifts from the registration must fail where the built-ins load."""
-    from policies.registry import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
+    from policies.registry import ADVANTAGE_ESTIMATORS, LINEAR_IN_ADVANTAGE, NEEDS_CRITIC, POLICY_LOSSES
 
     assert ADVANTAGE_ESTIMATORS.traits_of("ppo") == {NEEDS_CRITIC}
     assert ADVANTAGE_ESTIMATORS.traits_of("grpo") == frozenset()
+    assert POLICY_LOSSES.traits_of("gspo") == {LINEAR_IN_ADVANTAGE} and not POLICY_LOSSES.traits_of("sft")
     ADVANTAGE_ESTIMATORS.names()  # loads the built-ins and compares
+    POLICY_LOSSES.names()
     # a registry whose built-in module registers "gae" without the trait its declaration gives it
     (tmp_path / "drifted_builtins.py").write_text(textwrap.dedent("""
         from policies.registry import Registry, NEEDS_CRITIC
@@ -149,3 +151,24 @@ def test_a_plugin_estimator_that_reads_values_gets_a_critic_by_its_trait_not_its
         build_config({"advantage_estimator": "my_estimators:gae_again", "train_backend": "megatron"})
     with pytest.raises(ValueError, match="--critic-lr: a critic is trained only with an estimator that reads values"):
         build_config({"advantage_estimator": "my_estimators:plain", "critic_lr": 1e-5})
+
+
+@pytest.mark.unit
+def test_a_plugin_loss_that_declares_itself_linear_in_the_advantage_lets_zero_advantage_samples_be_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from policies.config import PolicyLossConfig
+    from policies.step_loss import zero_advantage_is_zero_gradient
+
+    (tmp_path / "my_losses.py").write_text(textwrap.dedent("""
+        from policies.losses import compute_policy_loss
+        from policies.registry import LINEAR_IN_ADVANTAGE, with_traits
+
+        scaled = with_traits(LINEAR_IN_ADVANTAGE)(lambda *args, **kwargs: compute_policy_loss(*args, **kwargs))
+
+        def undeclared(*args, **kwargs):
+            return compute_policy_loss(*args, **kwargs)
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert zero_advantage_is_zero_gradient(PolicyLossConfig(loss_type="my_losses:scaled"))
+    assert not zero_advantage_is_zero_gradient(PolicyLossConfig(loss_type="my_losses:undeclared"))
+    assert not zero_advantage_is_zero_gradient(PolicyLossConfig(loss_type="my_losses:scaled", entropy_coef=0.01))
