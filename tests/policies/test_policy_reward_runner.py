@@ -1,7 +1,6 @@
 import asyncio
 import math
 import threading
-import time
 
 import pytest
 
@@ -38,14 +37,21 @@ async def test_raising_and_non_finite_rewards_become_error_outcomes_with_reasons
 
 @pytest.mark.unit
 async def test_async_reward_functions_run_concurrently() -> None:
-    async def slow(inp: RewardInput) -> float:
-        await asyncio.sleep(0.2)
+    """Each call waits until all ten have started: run one after another, the first would wait alone until its
+    deadline and fail (no guess at how fast the machine is)."""
+    started = 0
+    everyone_in = asyncio.Event()
+
+    async def waits_for_the_others(inp: RewardInput) -> float:
+        nonlocal started
+        started += 1
+        if started == 10:
+            everyone_in.set()
+        await asyncio.wait_for(everyone_in.wait(), timeout=30)
         return 1.0
 
-    start = time.perf_counter()
-    outcomes = await score(slow, _inputs(*["a"] * 10))
+    outcomes = await score(waits_for_the_others, _inputs(*["a"] * 10))
     assert [o.reward for o in outcomes] == [1.0] * 10
-    assert time.perf_counter() - start < 1.0  # 10 x 0.2 s sequentially would take 2 s
 
 
 @pytest.mark.unit
@@ -60,22 +66,20 @@ async def test_slow_reward_times_out_into_an_error_outcome() -> None:
 
 @pytest.mark.unit
 async def test_sync_reward_runs_off_the_event_loop() -> None:
+    """The sync function blocks until a coroutine on the event loop releases it: on the loop's own thread it would
+    block that coroutine too, and return 0 at its deadline."""
+    released = threading.Event()
+
     def blocking(inp: RewardInput) -> float:
-        time.sleep(0.3)
-        return 1.0
+        return 1.0 if released.wait(timeout=30) else 0.0
 
-    ticks = 0
+    async def release() -> None:
+        released.set()
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.02)
-            ticks += 1
-
-    task = asyncio.create_task(ticker())
-    await score(blocking, _inputs("a"))
-    task.cancel()
-    assert ticks >= 5  # the loop kept running while the sync function slept
+    task = asyncio.create_task(release())
+    (outcome,) = await score(blocking, _inputs("a"))
+    await task
+    assert outcome.reward == 1.0
 
 
 @pytest.mark.unit
