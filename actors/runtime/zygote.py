@@ -152,6 +152,11 @@ def main() -> None:
     preload(LIGHT)
     _send(control, {"ready": os.getpid()})
     serve(control)
+    # The launcher is done with us and we hold nothing to clean up: an ordinary interpreter exit would finalize the
+    # torch and transformers modules imported for the actors, seconds that the end of every run waited for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
