@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.experiments.staleness import override_flags, parse_arguments
+from tools.experiments.staleness import grpo_arguments, override_flags, parse_arguments
 from tools.experiments.staleness_results import (
+    Cell,
     RunResult,
     learner_origin,
     load_results,
@@ -173,6 +174,16 @@ def test_override_flags_replaces_values_and_switches() -> None:
     base = ["--lr", "3e-4", "--max-staleness", "2", "--no-use-decoupled-ppo", "--seed", "1"]
     result = override_flags(base, {"--max-staleness": "0", "--no-use-decoupled-ppo": None, "--use-decoupled-ppo": ""})
     assert result == ["--lr", "3e-4", "--seed", "1", "--max-staleness", "0", "--use-decoupled-ppo"]
+
+
+@pytest.mark.unit
+def test_the_rollout_batch_size_reaches_every_runs_flags() -> None:
+    """--quick shrinks the recipe's 32 prompts a step to 8; a full sweep keeps the recipe's."""
+    quick, full = parse_arguments(["--quick"]), parse_arguments([])
+    assert (quick.rollout_batch_size, full.rollout_batch_size) == (8, 32)
+    flags = grpo_arguments(Cell(2, "tis"), 1, num_rollout=6, eval_interval=3, rollout_workers=1,
+                           rollout_batch_size=quick.rollout_batch_size, decoupled_ppo=True)
+    assert flags.count("--rollout-batch-size") == 1 and flags[flags.index("--rollout-batch-size") + 1] == "8"
 
 
 @pytest.mark.unit

@@ -79,12 +79,20 @@ QUICK = {
     "eval_interval": 3,
     "sft_steps": 0,
     "rollout_workers": 1,
+    "rollout_batch_size": 8,  # the recipe's 32 prompts x 8 samples is most of a smoke run's time
 }
 
 
 # ------------------------------------------------------------------------------------------------ arguments
 def grpo_arguments(
-    cell: Cell, seed: int, *, num_rollout: int, eval_interval: int, rollout_workers: int, decoupled_ppo: bool
+    cell: Cell,
+    seed: int,
+    *,
+    num_rollout: int,
+    eval_interval: int,
+    rollout_workers: int,
+    rollout_batch_size: int,
+    decoupled_ppo: bool,
 ) -> list[str]:
     """The demo's GRPO recipe with this run's cell, seed and schedule swapped in: the same task everywhere."""
     per_run = {
@@ -93,6 +101,7 @@ def grpo_arguments(
         "--off-policy-correction": cell.correction,
         "--eval-interval": str(eval_interval),
         "--rollout-workers": str(rollout_workers),
+        "--rollout-batch-size": str(rollout_batch_size),
         "--seed": str(seed),
         "--use-decoupled-ppo": "" if decoupled_ppo else None,
         "--no-use-decoupled-ppo": None,
@@ -246,6 +255,7 @@ def run_one(
     num_rollout: int,
     eval_interval: int,
     rollout_workers: int,
+    rollout_batch_size: int,
     decoupled_ppo: bool,
     timeout: float,
 ) -> RunResult:
@@ -268,6 +278,7 @@ def run_one(
             num_rollout=num_rollout,
             eval_interval=eval_interval,
             rollout_workers=rollout_workers,
+            rollout_batch_size=rollout_batch_size,
             decoupled_ppo=decoupled_ppo,
         ),
     ]
@@ -328,6 +339,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--rollout-workers", type=int, default=int(GRPO[GRPO.index("--rollout-workers") + 1]))
     parser.add_argument(
+        "--rollout-batch-size",
+        type=int,
+        default=int(GRPO[GRPO.index("--rollout-batch-size") + 1]),
+        help="prompts per learner step (the demo's recipe by default)",
+    )
+    parser.add_argument(
         "--decoupled-ppo",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -361,7 +378,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="redo the tables and plot from an earlier --json file, running nothing",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 1 seed, staleness 0 and 2 with tis, 6 steps, no warm start"
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 seed, staleness 0 and 2 with tis, 6 steps of 8 prompts, no warm start",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -371,8 +390,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--staleness must include 0: the synchronous runs are the reference")
     if any(s < 0 for s in args.staleness) or args.sft_steps < 0:
         parser.error("--staleness values and --sft-steps must be >= 0")
-    if min(args.num_rollout, args.eval_interval, args.reward_window) < 1:
-        parser.error("--num-rollout, --eval-interval and --reward-window must be >= 1")
+    if min(args.num_rollout, args.eval_interval, args.reward_window, args.rollout_batch_size) < 1:
+        parser.error("--num-rollout, --eval-interval, --reward-window and --rollout-batch-size must be >= 1")
     return args
 
 
@@ -405,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
                 num_rollout=args.num_rollout,
                 eval_interval=args.eval_interval,
                 rollout_workers=args.rollout_workers,
+                rollout_batch_size=args.rollout_batch_size,
                 decoupled_ppo=args.decoupled_ppo,
                 timeout=args.run_timeout,
             )
