@@ -217,7 +217,7 @@ def check_engine_speed(device: str, quick: bool) -> Row:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    workload = make_workload(tokenizer, 32 if quick else 128, 64 if quick else 256, seed=0)
+    workload = make_workload(tokenizer, 16 if quick else 128, 32 if quick else 256, seed=0)  # quick: one batch
     batch = 16 if quick else 64
     engine = TorchEngine(model, tokenizer, max_batch_size=batch, seed=0)
     warm = Workload(workload.prompts[:4], [4] * 4)
@@ -288,11 +288,12 @@ def train_steps(device: str, quick: bool, shape: str | None = None) -> TrainStep
 
 def check_train_step(device: str, quick: bool, shape: str | None = None) -> Row:
     steps = train_steps(device, quick, shape)
+    repeats = 1 if quick else 3  # quick: a smoke run, each side warmed up and timed once
     try:
         steps.ours()  # warm-up
-        ours = _timed(device, steps.ours, repeats=3)
+        ours = _timed(device, steps.ours, repeats=repeats)
         steps.bare()
-        bare = _timed(device, steps.bare, repeats=3)
+        bare = _timed(device, steps.bare, repeats=repeats)
     finally:
         steps.close()
     return Row("train step: torch trainer vs bare HF+AdamW", "ok",
