@@ -88,10 +88,10 @@ def bytes_rows(ranks: tuple[int, ...]) -> list[BytesRow]:
         family, settings = shape["family"], {k: v for k, v in shape.items() if k != "family"}
         config = (Qwen2Config if family == "qwen2" else LlamaConfig)(**settings)
         for rank in ranks:
-            with torch.device("meta"):
+            with torch.device("meta"):  # the adapter's matrices too: counted, never initialised on the CPU
                 model = AutoModelForCausalLM.from_config(config)
-            full = sum(parameter.numel() for _, parameter in model.named_parameters())
-            adapter = sum(tensor.numel() for _, tensor in adapter_tensors(wrap(model, _settings(rank))))
+                full = sum(parameter.numel() for _, parameter in model.named_parameters())
+                adapter = sum(tensor.numel() for _, tensor in adapter_tensors(wrap(model, _settings(rank))))
             rows.append(BytesRow(name, full, rank, full * WIRE_BYTES / 1e6, adapter * WIRE_BYTES / 1e6,
                                  full / adapter))
     return rows
