@@ -3,10 +3,11 @@ step at EP=2 as at EP=1, alone and under TP=2 (slime's layout: experts whole on 
 with megatron's router losses on; and the Megatron backend's log-probs, steps and recorded routes equal the torch
 trainer's, for a tiny Mixtral too.
 
-Each layout runs once in freshly spawned gloo ranks on CPU (as `test_megatron_parity.py` does for the dense
-layouts), writing what rank 0 saw. EP is carved out of the data-parallel ranks, so each EP=2 layout is compared
-with the EP=1 layout of the same world and TP: the same data-parallel shards and micro-batches, hence the same
-router losses (they are per micro-batch), only the experts' placement differs.
+Each layout runs once in spawned gloo ranks on CPU (as `test_megatron_parity.py` does for the dense layouts),
+writing what rank 0 saw; the layouts of one world share one spawn, one after another
+(`tests/support/world_runs.py`). EP is carved out of the data-parallel ranks, so each EP=2 layout is compared with
+the EP=1 layout of the same world and TP: the same data-parallel shards and micro-batches, hence the same router
+losses (they are per micro-batch), only the experts' placement differs.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from engines.training import TorchTrainer, TorchTrainerConfig
+from engines.training.base import ModelOutputs
 from engines.weights.layouts import is_stacked_expert
-from tests.support.rendezvous import cpu_gloo_rank, rendezvous_file
 from tests.support.training import seeded_batch, step_loss
+from tests.support.world_runs import WorldRuns
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 pytest.importorskip("megatron.core")
@@ -87,47 +88,45 @@ def _trainer(model_path: Path, layout: Layout, expert_tensor_parallel: int | Non
     ))
 
 
-def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+def _run_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict) -> None:
     layout = Layout(**layout_fields)
-    with cpu_gloo_rank(rank, rendezvous, layout.world):
-        trainer = _trainer(model_path, layout)
-        batch = seeded_batch()
-        outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE)
-        replayed = trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE)
-        result = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
-        weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
-        split = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors("checkpoint")}
-        summary = {"grad_norm": result.grad_norm, "metrics": result.metrics}
-        if layout.resume_at_expert_tensor_parallel is not None:
-            trainer.save_checkpoint(out_dir / "checkpoint", {})
-            uninterrupted = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
-            summary["uninterrupted_grad_norm"] = uninterrupted.grad_norm
-            expected = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
-            if rank == 0:
-                save_file(expected, str(out_dir / "uninterrupted.safetensors"))
+    trainer = _trainer(model_path, layout)
+    batch = seeded_batch()
+    outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE)
+    replayed = trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE)
+    result = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+    weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+    split = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors("checkpoint")}
+    summary = {"grad_norm": result.grad_norm, "metrics": result.metrics}
+    if layout.resume_at_expert_tensor_parallel is not None:
+        trainer.save_checkpoint(out_dir / "checkpoint", {})
+        uninterrupted = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+        summary["uninterrupted_grad_norm"] = uninterrupted.grad_norm
+        expected = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
         if rank == 0:
-            recorded = {f"routes.{index}": routes for index, routes in enumerate(outputs.routed_experts or [])}
-            save_file({"log_probs": outputs.log_probs, "replayed": replayed.log_probs, **recorded},
-                      str(out_dir / "outputs.safetensors"))
-            save_file(weights, str(out_dir / "weights.safetensors"))
-            save_file(split, str(out_dir / "checkpoint_layout.safetensors"))
-            (out_dir / "summary.json").write_text(json.dumps(summary))
-        trainer.close()
+            save_file(expected, str(out_dir / "uninterrupted.safetensors"))
+    if rank == 0:
+        recorded = {f"routes.{index}": routes for index, routes in enumerate(outputs.routed_experts or [])}
+        save_file({"log_probs": outputs.log_probs, "replayed": replayed.log_probs, **recorded},
+                  str(out_dir / "outputs.safetensors"))
+        save_file(weights, str(out_dir / "weights.safetensors"))
+        save_file(split, str(out_dir / "checkpoint_layout.safetensors"))
+        (out_dir / "summary.json").write_text(json.dumps(summary))
+    trainer.close()
 
 
-def _resume_worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+def _resume_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict) -> None:
     """A fresh process, as after a learner restart, loads the checkpoint at another expert TP, takes step 2."""
     layout = Layout(**layout_fields)
-    with cpu_gloo_rank(rank, rendezvous, layout.world):
-        trainer = _trainer(model_path, layout, expert_tensor_parallel=layout.resume_at_expert_tensor_parallel)
-        trainer.load_checkpoint(out_dir / "checkpoint")
-        batch = seeded_batch()
-        resumed = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
-        weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
-        if rank == 0:
-            save_file(weights, str(out_dir / "resumed.safetensors"))
-            (out_dir / "resumed.json").write_text(json.dumps({"grad_norm": resumed.grad_norm}))
-        trainer.close()
+    trainer = _trainer(model_path, layout, expert_tensor_parallel=layout.resume_at_expert_tensor_parallel)
+    trainer.load_checkpoint(out_dir / "checkpoint")
+    batch = seeded_batch()
+    resumed = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+    weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+    if rank == 0:
+        save_file(weights, str(out_dir / "resumed.safetensors"))
+        (out_dir / "resumed.json").write_text(json.dumps({"grad_norm": resumed.grad_norm}))
+    trainer.close()
 
 
 @pytest.fixture(scope="module")
@@ -137,23 +136,30 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each layout is spawned once, lazily, and shared by the tests that look at it."""
+def runs(model_paths: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each layout's run, shared by the tests that look at it (`WorldRuns`: one spawn per world)."""
+    return WorldRuns(
+        tmp_path_factory, {name: layout.world for name, layout in LAYOUTS.items()}, _run_layout,
+        lambda name: (model_paths[LAYOUTS[name].family], asdict(LAYOUTS[name])), _resume_layout,
+        [name for name, layout in LAYOUTS.items() if layout.resume_at_expert_tensor_parallel is not None],
+    )
 
-    class Runs(dict):
-        def __missing__(self, name: str) -> Path:
-            layout = LAYOUTS[name]
-            model_path = model_paths[layout.family]
-            out_dir = tmp_path_factory.mktemp(name)
-            mp.spawn(_worker, args=(rendezvous_file(), model_path, out_dir, asdict(layout)), nprocs=layout.world,
-                     join=True)
-            if layout.resume_at_expert_tensor_parallel is not None:
-                mp.spawn(_resume_worker, args=(rendezvous_file(), model_path, out_dir, asdict(layout)),
-                         nprocs=layout.world, join=True)
-            self[name] = out_dir
-            return out_dir
 
-    return Runs()
+@pytest.fixture(scope="module")
+def torch_forwards(model_paths: dict[str, Path]) -> dict[str, dict[str, ModelOutputs]]:
+    """The torch trainer's forwards that the layouts of one model family are compared with, computed once."""
+    forwards: dict[str, dict[str, ModelOutputs]] = {}
+    for family, model_path in model_paths.items():
+        trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                                  check_packing=False, **OPTIMIZER))
+        recording = TorchTrainer(TorchTrainerConfig(model_path=model_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                                    use_routing_replay=True))
+        forwards[family] = {
+            "own_routes": trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE),
+            "replayed": trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE),
+            "recording": recording.compute_log_probs(seeded_batch(), temperature=TEMPERATURE),
+        }
+    return forwards
 
 
 @pytest.mark.integration
@@ -212,12 +218,10 @@ def test_a_step_equals_the_torch_trainers_step(layout: str, runs: dict, model_pa
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["single", "dp2-ep2", "tp2-dp2", "tp2-ep2-etp2", "mixtral-dp2-ep2"])
 def test_the_routes_a_policy_forward_records_are_the_torch_trainers(layout: str, runs: dict,
-                                                                   model_paths: dict[str, Path]) -> None:
+                                                                   torch_forwards: dict) -> None:
     """--use-routing-replay (slime's R2): what each token routed to in the pi_old forward, assembled from every
     rank (data-parallel shares, expert-parallel ranks, sequence-parallel shares of each row)."""
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths[LAYOUTS[layout].family],
-                                              micro_batch_tokens=MICRO_BATCH_TOKENS, use_routing_replay=True))
-    expected = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE).routed_experts
+    expected = torch_forwards[LAYOUTS[layout].family]["recording"].routed_experts
     outputs = load_file(str(runs[layout] / "outputs.safetensors"))
     recorded = [outputs[f"routes.{index}"] for index in range(len(seeded_batch()))]
     assert expected is not None and len(recorded) == len(expected)
@@ -228,10 +232,8 @@ def test_the_routes_a_policy_forward_records_are_the_torch_trainers(layout: str,
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_log_probs_equal_the_torch_trainers(layout: str, runs: dict, model_paths: dict[str, Path]) -> None:
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths[LAYOUTS[layout].family],
-                                              micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False, **OPTIMIZER))
-    expected = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE)
+def test_log_probs_equal_the_torch_trainers(layout: str, runs: dict, torch_forwards: dict) -> None:
+    expected = torch_forwards[LAYOUTS[layout].family]["own_routes"]
     saved = load_file(str(runs[layout] / "outputs.safetensors"))
     torch.testing.assert_close(saved["log_probs"], expected.log_probs, rtol=0, atol=2e-5)
 
@@ -240,14 +242,11 @@ def test_log_probs_equal_the_torch_trainers(layout: str, runs: dict, model_paths
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["single", "tp2-dp2-ep2"])
 def test_replayed_rollout_routes_give_the_torch_trainers_replayed_log_probs(
-    layout: str, runs: dict, model_paths: dict[str, Path]
+    layout: str, runs: dict, torch_forwards: dict
 ) -> None:
     """R3 on the Megatron backend: every token that carries routes takes those experts (the rest route for
     themselves), as the torch trainer's replay does; under sequence parallelism each TP rank replays its share."""
-    trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths["qwen3_moe"],
-                                              micro_batch_tokens=MICRO_BATCH_TOKENS, check_packing=False, **OPTIMIZER))
-    expected = trainer.compute_log_probs(routed_batch(), temperature=TEMPERATURE)
-    own_routes = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE)
+    expected, own_routes = (torch_forwards["qwen3_moe"][name] for name in ("replayed", "own_routes"))
     saved = load_file(str(runs[layout] / "outputs.safetensors"))
     assert (expected.log_probs - own_routes.log_probs).abs().max() > 1e-2  # the replayed routes matter
     torch.testing.assert_close(saved["replayed"], expected.log_probs, rtol=0, atol=2e-5)
