@@ -1,29 +1,26 @@
 """The Megatron trainer takes the torch trainer's step: same log-probs, loss, gradient norm and updated weights.
 
-Each layout (TP=1, TP=2, PP=2, DP=2 with the distributed optimizer) runs once in freshly spawned gloo ranks on
-CPU (megatron through `engines.megatron.cpu_compat`), writing what rank 0 saw; the reference is the torch
-trainer on the same HF model in this process. AdamW runs with eps=1 so its first update stays proportional to
-the gradient: equal weights after the step then mean equal gradients (plus equal clipping and weight decay).
-The ranks hide any GPU (`_cpu_only`), so this stays the CPU path on a CUDA machine too; `test_megatron_gpu.py` is
-the GPU counterpart.
+Each layout (TP=1, TP=2, PP=2, DP=2 with the distributed optimizer) runs once in spawned gloo ranks on CPU
+(megatron through `engines.megatron.cpu_compat`), writing what rank 0 saw; the layouts of one world share one
+spawn, one after another (`tests/support/world_runs.py`). The reference is the torch trainer on the same HF model in
+this process. AdamW runs with eps=1 so its first update stays proportional to the gradient: equal weights after the
+step then mean equal gradients (plus equal clipping and weight decay). The ranks hide any GPU (`cpu_gloo_rank`), so
+this stays the CPU path on a CUDA machine too; `test_megatron_gpu.py` is the GPU counterpart.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from engines.training import TorchTrainer, TorchTrainerConfig
-from tests.support.rendezvous import rendezvous_file
 from tests.support.training import seeded_batch, step_loss
+from tests.support.world_runs import WorldRuns
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 pytest.importorskip("megatron.core")
@@ -43,6 +40,7 @@ class Layout:
     distributed_optimizer: bool = True
     dtype: str = "float32"
     resume_at_tp: int | None = None  # save after step 1; a fresh process loads at this TP size, step 2
+    samples: int | None = None  # the step trains on the first `samples` of `seeded_batch()`; None: all of it
 
 
 LAYOUTS = {
@@ -51,10 +49,11 @@ LAYOUTS = {
     "pp2-tied": Layout(pipeline_parallel=2, world=2, tied=True),
     "dp2-resume-at-tp2": Layout(world=2, resume_at_tp=2),
     "tp1-bf16": Layout(dtype="bfloat16"),
+    "dp2-one-sample": Layout(world=2, samples=1),
 }
 
 
-policy_loss = step_loss(seeded_batch())  # every step of these tests trains on this one batch
+policy_loss = step_loss(seeded_batch())  # the whole batch's loss, which the torch references train on
 
 
 def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | None = None):
@@ -71,64 +70,45 @@ def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | No
     )
 
 
-def _cpu_only() -> None:
-    """Before CUDA initialises in this spawned rank: no GPU, so megatron takes the CPU path on gloo."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-
-def _worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
-    _cpu_only()
+def _run_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict) -> None:
     from engines.megatron import MegatronTrainer
 
     layout = Layout(**layout_fields)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=layout.world)
-    try:
-        trainer = MegatronTrainer(_megatron_config(model_path, layout))
-        batch = seeded_batch()
-        outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
-        result = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
-        summary = {"step1": {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}}
-        weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
-        if layout.resume_at_tp is not None:
-            trainer.save_checkpoint(out_dir / "checkpoint", {"cursor": 7})
-            uninterrupted = trainer.train_step(batch, policy_loss, temperature=TEMPERATURE, with_entropy=True)
-            summary["uninterrupted"] = {"version": uninterrupted.version, "grad_norm": uninterrupted.grad_norm}
-            expected = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
-            if rank == 0:
-                save_file(expected, str(out_dir / "uninterrupted.safetensors"))
+    trainer = MegatronTrainer(_megatron_config(model_path, layout))
+    batch = seeded_batch()[: layout.samples]
+    outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    result = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+    summary = {"step1": {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}}
+    weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+    if layout.resume_at_tp is not None:
+        trainer.save_checkpoint(out_dir / "checkpoint", {"cursor": 7})
+        uninterrupted = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+        summary["uninterrupted"] = {"version": uninterrupted.version, "grad_norm": uninterrupted.grad_norm}
+        expected = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
         if rank == 0:
-            save_file(
-                {"log_probs": outputs.log_probs, "entropy": outputs.entropy}, str(out_dir / "outputs.safetensors")
-            )
-            save_file(weights, str(out_dir / "weights.safetensors"))
-            (out_dir / "summary.json").write_text(json.dumps(summary))
-        trainer.close()
-    finally:
-        dist.destroy_process_group()
+            save_file(expected, str(out_dir / "uninterrupted.safetensors"))
+    if rank == 0:
+        save_file({"log_probs": outputs.log_probs, "entropy": outputs.entropy}, str(out_dir / "outputs.safetensors"))
+        save_file(weights, str(out_dir / "weights.safetensors"))
+        (out_dir / "summary.json").write_text(json.dumps(summary))
+    trainer.close()
 
 
-def _resume_worker(rank: int, rendezvous: str, model_path: Path, out_dir: Path, layout_fields: dict) -> None:
+def _resume_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict) -> None:
     """A fresh process, as after a learner restart, loads the checkpoint at `resume_at_tp` and takes step 2."""
-    _cpu_only()
     from engines.megatron import MegatronTrainer
 
     layout = Layout(**layout_fields)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=layout.world)
-    try:
-        trainer = MegatronTrainer(_megatron_config(model_path, layout, layout.resume_at_tp))
-        extra_state = trainer.load_checkpoint(out_dir / "checkpoint")
-        resumed = trainer.train_step(seeded_batch(), policy_loss, temperature=TEMPERATURE, with_entropy=True)
-        actual = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
-        if rank == 0:
-            save_file(actual, str(out_dir / "resumed.safetensors"))
-            resume = {"extra_state": extra_state, "version": resumed.version, "grad_norm": resumed.grad_norm}
-            (out_dir / "resumed.json").write_text(json.dumps(resume))
-        trainer.close()
-    finally:
-        dist.destroy_process_group()
-
+    trainer = MegatronTrainer(_megatron_config(model_path, layout, layout.resume_at_tp))
+    extra_state = trainer.load_checkpoint(out_dir / "checkpoint")
+    batch = seeded_batch()[: layout.samples]
+    resumed = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+    actual = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
+    if rank == 0:
+        save_file(actual, str(out_dir / "resumed.safetensors"))
+        resume = {"extra_state": extra_state, "version": resumed.version, "grad_norm": resumed.grad_norm}
+        (out_dir / "resumed.json").write_text(json.dumps(resume))
+    trainer.close()
 
 
 @pytest.fixture(scope="module")
@@ -141,23 +121,13 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_paths: dict[bool, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each layout is spawned once, lazily, and shared by the tests that look at it."""
-    done: dict[str, Path] = {}
-
-    class Runs(dict):
-        def __missing__(self, name: str) -> Path:
-            layout = LAYOUTS[name]
-            out_dir = tmp_path_factory.mktemp(name)
-            args = (rendezvous_file(), model_paths[layout.tied], out_dir, asdict(layout))
-            mp.spawn(_worker, args=args, nprocs=layout.world, join=True)
-            if layout.resume_at_tp is not None:
-                args = (rendezvous_file(), model_paths[layout.tied], out_dir, asdict(layout))
-                mp.spawn(_resume_worker, args=args, nprocs=layout.world, join=True)
-            self[name] = out_dir
-            return out_dir
-
-    return Runs(done)
+def runs(model_paths: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each layout's run, shared by the tests that look at it (`WorldRuns`: one spawn per world)."""
+    return WorldRuns(
+        tmp_path_factory, {name: layout.world for name, layout in LAYOUTS.items()}, _run_layout,
+        lambda name: (model_paths[LAYOUTS[name].tied], asdict(LAYOUTS[name])), _resume_layout,
+        [name for name, layout in LAYOUTS.items() if layout.resume_at_tp is not None],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -257,35 +227,16 @@ def test_bf16_step_tracks_the_torch_trainers_bf16_step(runs: dict, model_paths: 
         torch.testing.assert_close(exported[name].float(), tensor.float(), rtol=0, atol=2**-7, msg=name)
 
 
-def _one_sample_worker(rank: int, rendezvous: str, model_path: Path, out_path: Path) -> None:
-    _cpu_only()
-    from engines.megatron import MegatronTrainer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    try:
-        trainer = MegatronTrainer(_megatron_config(model_path, Layout(world=2)))
-        one = seeded_batch()[:1]
-        result = trainer.train_step(one, step_loss(one), temperature=TEMPERATURE, with_entropy=True)
-        if rank == 0:
-            out_path.write_text(json.dumps({"grad_norm": result.grad_norm, "loss": result.metrics["loss"]}))
-        trainer.close()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_step_with_fewer_samples_than_data_parallel_ranks_is_the_torch_trainers_step(
-        model_paths: dict[bool, Path], tmp_path: Path) -> None:
+        runs: dict, model_paths: dict[bool, Path]) -> None:
     """A learner step can hold one sample (filters dropped the rest, a batch split into several optimizer steps):
     the rank without a share runs a filler forward and joins the gradient reduction, where it refused before."""
-    out_path = tmp_path / "one_sample.json"
-    mp.spawn(_one_sample_worker, args=(rendezvous_file(), model_paths[False], out_path), nprocs=2, join=True)
-    step = json.loads(out_path.read_text())
+    step = json.loads((runs["dp2-one-sample"] / "summary.json").read_text())["step1"]
     trainer = TorchTrainer(TorchTrainerConfig(model_path=model_paths[False], micro_batch_tokens=MICRO_BATCH_TOKENS,
                                               check_packing=False, **OPTIMIZER))
     one = seeded_batch()[:1]
     expected = trainer.train_step(one, step_loss(one), temperature=TEMPERATURE, with_entropy=True)
-    assert step["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
+    assert step["metrics"]["loss"] == pytest.approx(expected.metrics["loss"], rel=1e-5)
     assert step["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-5)
