@@ -33,16 +33,32 @@ def _convert(*args: str) -> None:
     assert finished.returncode == 0, finished.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def converted(tiny_model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each family's tiny model converted to Megatron by the tool once, when a test first asks for it (the round
+    trip and the expert-parallel load read the same conversion)."""
+
+    class Converted(dict):
+        def __missing__(self, family: str) -> Path:
+            out = tmp_path_factory.mktemp(f"megatron-{family}")
+            _convert("hf-to-megatron", "--hf", str(cached_tiny_model(tiny_model_cache, TinyModelSpec(family=family))),
+                     "--out", str(out))  # fmt: skip
+            self[family] = out
+            return out
+
+    return Converted()
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
-def test_hf_to_megatron_and_back_round_trips_the_weights(family: str, tiny_model_cache: Path, tmp_path: Path) -> None:
+def test_hf_to_megatron_and_back_round_trips_the_weights(family: str, tiny_model_cache: Path, converted: dict,
+                                                         tmp_path: Path) -> None:
     """A mixture-of-experts checkpoint too: each expert leaves as megatron's grouped expert and comes back under
     its own checkpoint name."""
     model_path = cached_tiny_model(tiny_model_cache, TinyModelSpec(family=family))
-    _convert("hf-to-megatron", "--hf", str(model_path), "--out", str(tmp_path / "megatron"))
-    assert (tmp_path / "megatron" / "trainer_state.json").is_file()
-    _convert("megatron-to-hf", "--hf", str(model_path), "--megatron", str(tmp_path / "megatron"),
+    assert (converted[family] / "trainer_state.json").is_file()
+    _convert("megatron-to-hf", "--hf", str(model_path), "--megatron", str(converted[family]),
              "--out", str(tmp_path / "hf"))  # fmt: skip
     original = load_file(str(model_path / "model.safetensors"))
     round_trip = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -67,15 +83,14 @@ def _expert_parallel_log_probs(rank: int, rendezvous: str, model_path: Path, con
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_mixture_of_experts_checkpoint_converted_in_one_process_loads_with_its_experts_split_over_two_ranks(
-        tiny_model_cache: Path, tmp_path: Path) -> None:
+        tiny_model_cache: Path, converted: dict, tmp_path: Path) -> None:
     """Converting is done once at EP 1; runs then start from it at any expert parallelism (megatron's sharded
     state names each expert by its global number)."""
     model_path = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
     # The run's HF folder holds other weights of the same shape: only a complete load gives the converted model's.
     other_weights = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe", seed=1))
-    _convert("hf-to-megatron", "--hf", str(model_path), "--out", str(tmp_path / "megatron"))
     out = tmp_path / "log_probs.safetensors"
-    mp.spawn(_expert_parallel_log_probs, args=(rendezvous_file(), other_weights, tmp_path / "megatron", out),
+    mp.spawn(_expert_parallel_log_probs, args=(rendezvous_file(), other_weights, converted["qwen3_moe"], out),
              nprocs=2, join=True)
     expected = TorchTrainer(TorchTrainerConfig(model_path=model_path)).compute_log_probs(seeded_batch(),
                                                                                           temperature=1.0)
