@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.config import RunConfig
-from actors.data.tool_prompts import template_renders_tools, with_tools_described
+from actors.data.tool_prompts import prompt_stating_tools
 
 Prompt = str | list[dict[str, Any]]
 
@@ -25,9 +25,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat_template: bool,
     if chat_template or isinstance(prompt, list):
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         kwargs = dict(chat_template_kwargs or {})
+        messages, _ = prompt_stating_tools(tokenizer, messages, tools, describe=describe_ignored_tools, **kwargs)
         if tools:
-            if describe_ignored_tools and not template_renders_tools(tokenizer, tools, **kwargs):
-                messages = with_tools_described(messages, tools)
             kwargs["tools"] = tools
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -6,6 +6,7 @@ this way, so a prompt-length cap counts what the engine will see."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,10 +39,29 @@ def with_tools_described(messages: Sequence[Mapping[str, Any]],
 
 def template_renders_tools(tokenizer: Any, tools: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> bool:
     """Whether the chat template puts `tools` in the prompt at all: a model given tools by a template that drops
-    them never learns they exist."""
+    them never learns they exist. Asked once per tokenizer, tool set and template arguments: every prompt of a
+    dataset's tool records would otherwise render the probe twice more."""
+    return _renders_tools(tokenizer, json.dumps([dict(tool) for tool in tools], sort_keys=True, default=str),
+                          json.dumps(template_kwargs, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=256)
+def _renders_tools(tokenizer: Any, tools_json: str, kwargs_json: str) -> bool:
+    template_kwargs = json.loads(kwargs_json)
+
     def rendered(**extra: Any) -> Any:
         ids = tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=True,
                                             **template_kwargs, **extra)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    return rendered(tools=[dict(tool) for tool in tools]) != rendered()
+    return rendered(tools=json.loads(tools_json)) != rendered()
+
+
+def prompt_stating_tools(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+                         | None, *, describe: bool, **template_kwargs: Any) -> tuple[list[dict[str, Any]], bool]:
+    """The prompt's messages as the model must see them with `tools`: as they are where the template renders the
+    tools (or there are none, or `describe` is off: `--no-agent-describe-tools`), else with the tools stated in
+    the system message; and whether they were stated. Every path that renders a prompt with tools asks this."""
+    if tools and describe and not template_renders_tools(tokenizer, tools, **template_kwargs):
+        return with_tools_described(messages, tools), True
+    return [dict(message) for message in messages], False

@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from actors.data.tool_prompts import template_renders_tools, with_tools_described
+from actors.data.tool_prompts import prompt_stating_tools
 from actors.rollout.generate import NoRoomError, RolloutContext
 from actors.rollout.tool_calls import ParsedTurn, parse_tool_calls, tool_names
 from actors.rollout.trajectory import ChatTurns, Trajectory, render
@@ -288,10 +288,9 @@ class ChatSession:
         """A new segment whose prompt is `messages` rendered with the chat template (and `tools`), masked."""
         kwargs = self.context.config.data.apply_chat_template_kwargs
         turns = ChatTurns.for_tokenizer(self.context.tokenizer, tools=tools, **kwargs)
-        prompt = messages
-        if tools and self.context.config.agent.agent_describe_tools and \
-                not template_renders_tools(self.context.tokenizer, tools, **kwargs):
-            prompt = with_tools_described(messages, tools)
+        prompt, stated = prompt_stating_tools(self.context.tokenizer, messages, tools,
+                                              describe=self.context.config.agent.agent_describe_tools, **kwargs)
+        if stated:
             self._say_tools_are_described()
         trajectory = Trajectory(render(self.context.tokenizer, prompt, add_generation_prompt=True, tools=tools,
                                        **kwargs))

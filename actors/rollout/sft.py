@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from actors.data.tool_prompts import template_renders_tools, with_tools_described
+from actors.data.tool_prompts import prompt_stating_tools
 from actors.rollout.generate import RolloutContext, make_sample
 from actors.rollout.trajectory import ChatTurns, Trajectory, render
 from bus.schema import PromptGroup, Sample
@@ -43,8 +43,8 @@ def _episode(context: RolloutContext, group: PromptGroup, index: int) -> Sample:
     tokenizer, kwargs = context.tokenizer, context.config.data.apply_chat_template_kwargs
     prompt = group.prompt if isinstance(group.prompt, list) else [{"role": "user", "content": group.prompt}]
     tools = group.tools  # the record's (--tool-key): the prompt is taught as the rollout will render it
-    if tools and context.config.agent.agent_describe_tools and not template_renders_tools(tokenizer, tools, **kwargs):
-        prompt = with_tools_described(prompt, tools)
+    prompt, _ = prompt_stating_tools(tokenizer, prompt, tools, describe=context.config.agent.agent_describe_tools,
+                                     **kwargs)
     turns = ChatTurns.for_tokenizer(tokenizer, tools=tools, **kwargs)
     trajectory = Trajectory(render(tokenizer, prompt, add_generation_prompt=True, tools=tools, **kwargs))
     between: list[dict[str, Any]] = []
