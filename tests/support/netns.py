@@ -43,16 +43,23 @@ class Node:
         return [int(pid) for pid in listed if pid.isdigit()]
 
     def kill(self) -> None:
-        """kill -9 of the whole node at once, as a power cut would."""
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """kill -9 of the whole node at once, as a power cut would (`stop_then_kill`)."""
+        stop_then_kill(self.pids())
 
     def cable_bytes(self) -> int:
         """Bytes this node sent and received over its cable (not over its loopback)."""
         stats = Path("/sys/class/net") / INTERFACE / "statistics"
         read = _ip("netns", "exec", self.namespace, "cat", str(stats / "rx_bytes"), str(stats / "tx_bytes"))
         return sum(int(value) for value in read.stdout.split())
+
+
+def stop_then_kill(pids: list[int]) -> None:
+    """SIGKILL of every pid as one event: all are stopped first, so none reacts to another's death in between (an
+    actor whose launcher died first gets SIGTERM from its death signal and would leave the roster cleanly)."""
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
 
 def unavailable_reason() -> str | None:

@@ -17,9 +17,7 @@ with the reason. Either way the nodes share the run directory, as a cluster's no
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -58,9 +56,7 @@ class Node:
         if self.namespace is not None:
             self.namespace.kill()
             return
-        for pid in [launcher.pid, *node_pids(run_dir, self.rank)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        netns.stop_then_kill([launcher.pid, *node_pids(run_dir, self.rank)])
 
 
 @pytest.fixture(params=["netns", "loopback"])
