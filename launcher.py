@@ -30,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from actors.config import RunConfig, add_config_flags, config_from_args, split_sglang_args, write_effective_config
+from actors.config.engines import engine_needs_gpu, weight_backend
 from actors.config.flag_parser import FlagParser
 from actors.config.help import USAGE, HelpFormatter, add_help_flags
 from actors.config.preflight import preflight
@@ -43,7 +44,6 @@ from actors.runtime.head_watch import stop_node_when_head_lost
 from actors.runtime.node_roles import (
     SINGLETON_ROLES,
     LaunchError,
-    engine_needs_gpu,
     node_actor_counts,
     node_gpus,
     worker_node_roles,
@@ -53,7 +53,6 @@ from actors.runtime.placement import (
     PlacementError,
     place_node,
     visible_devices,
-    weight_transport,
 )
 from actors.runtime.progress import ProgressStart, follow_progress
 from actors.runtime.resume import interrupted_note, resume_command, resume_step
@@ -251,7 +250,7 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     other_nodes = other_nodes or {}
     roles = list(counts)
     try:  # engines that hold no GPU (an engine plugin's needs_gpu = False) take none, and weights over gloo
-        rollout_needs_gpu = engine_needs_gpu(config)
+        rollout_needs_gpu = engine_needs_gpu(config.engine.rollout_engine)
     except ValueError as error:
         raise LaunchError(f"placement: {error}") from None
     trains = "learner" in roles or "learner-ranks" in roles
@@ -261,8 +260,8 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
         cuda = placement.gpus > 0 and rollout_needs_gpu
         # engines on other nodes cannot map this node's memory: a broadcast reaches them
         local = placement if not other_nodes.get("rollout") else None
-        config = config.with_settings(weight_transport=weight_transport(cuda=cuda, placement=local,
-                                                                        colocate=config.placement.colocate))
+        config = config.with_settings(weight_transport=weight_backend(
+            cuda=cuda, shared=local is not None and local.shared, colocate=config.placement.colocate))
     parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def devices_of(role: str, index: int) -> str | None:

@@ -10,7 +10,6 @@ from actors.config.flags import (
            write_effective_config,
 )
 from actors.config.run import RunConfig
-from actors.config.sections import ENGINE_CHOICES
 
-__all__ = ["CONFIG_ERRORS", "ENGINE_CHOICES", "ConfigError", "RunConfig", "add_config_flags", "build_config",
+__all__ = ["CONFIG_ERRORS", "ConfigError", "RunConfig", "add_config_flags", "build_config",
            "config_from_args", "split_sglang_args", "write_effective_config"]

@@ -20,8 +20,9 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from actors.config.engines import engine_spec
 from actors.config.run import RunConfig
-from actors.config.sections import ENGINE_CHOICES, WEIGHT_BACKENDS
+from actors.config.sections import TRAIN_BACKENDS, WEIGHT_BACKENDS, engine_choices
 from actors.config.teachers import Teacher, run_teachers
 
 PREFIX_ROWS = 1000  # rows of a data file read for a usable record (a wrong --input-key shows in the first ones)
@@ -47,7 +48,7 @@ ROLE_PLUGINS: dict[str, tuple[str, ...]] = {
     "custom_megatron_before_train_step_hook_path": ("learner",),
 }
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
-    **ENGINE_CHOICES, "weight_transport": WEIGHT_BACKENDS,
+    "weight_transport": WEIGHT_BACKENDS,
     # slime's defaults spelled out: they name what the buffer does without a plugin
     "buffer_filter_path": ("slime.rollout.data_source.pop_first",),
 }
@@ -70,7 +71,7 @@ def _transport_problems(config: RunConfig, running: set[str]) -> list[str]:
     transport = config.weights.weight_transport
     if transport not in GPU_TRANSPORTS or not running & {"learner", "rollout"}:
         return []
-    from actors.runtime.placement import visible_gpus
+    from engines.devices import visible_gpus
 
     if visible_gpus():
         return []
@@ -150,9 +151,10 @@ def _teacher_folder_problem(teacher: Teacher, teacher_load: str | None, hub_cach
 def _model_users(config: RunConfig, running: set[str]) -> list[str]:
     """Who on this node loads --hf-checkpoint, in words."""
     users = []
-    if "learner" in running and config.trainer.train_backend in ENGINE_CHOICES["train_backend"]:
+    if "learner" in running and config.trainer.train_backend in TRAIN_BACKENDS:
         users.append(f"the learner (--train-backend {config.trainer.train_backend})")
-    if "rollout" in running and config.engine.rollout_engine in ENGINE_CHOICES["rollout_engine"]:
+    engine = engine_spec(config.engine.rollout_engine)
+    if "rollout" in running and engine is not None and engine.loads_checkpoint:
         users.append(f"the rollout workers (--rollout-engine {config.engine.rollout_engine})")
     context = config.rollout.rollout_max_context_len
     counts_tokens = config.data.rollout_max_prompt_len or context or (
@@ -192,7 +194,7 @@ def _plugin_problems(config: RunConfig, running: set[str]) -> list[str]:
             continue
         values = settings.get(name)
         for value in values if isinstance(values, list) else [values]:
-            if value is not None and value not in BUILTIN_NAMES.get(name, ()):
+            if value is not None and value not in (*BUILTIN_NAMES.get(name, ()), *engine_choices(name)):
                 problems += _load_problem(f"--{name.replace('_', '-')}", value, _load_path)
     if "buffer" in running and config.buffer.dynamic_sampling_filter_path is not None:
         problems += _load_problem("--dynamic-sampling-filter-path", config.buffer.dynamic_sampling_filter_path,

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.config.engines import engine_spec, kinds_that
 from actors.config.megatron import MegatronConfig
 from actors.config.router import RouterConfig
 from actors.config.sections import (
@@ -38,6 +39,7 @@ from actors.config.sections import (
 from actors.config.teachers import run_teachers
 from policies.config import PolicyLossConfig
 from policies.pi_old import pi_old_source
+from policies.plugins import load_object
 
 # Where a run's default differs from PolicyLossConfig's (which keeps slime's meaning, for slime entries and the
 # library): the fully-async mode corrects with TIS. The one place it is written; the flags read it too (an SFT loss
@@ -260,9 +262,10 @@ def _colocate_problems(config: RunConfig) -> list[str]:
         problems.append(f"colocate: max_staleness {config.buffer.max_staleness}; colocated runs are on-policy by "
                         "construction (the engines and the learner take turns on the same devices), so leave "
                         "--max-staleness at 0")
-    if config.engine.rollout_engine not in ("torch", "sglang"):
-        problems.append(f"colocate: --rollout-engine {config.engine.rollout_engine}; colocated mode runs the torch "
-                        "engine or SGLang servers, which hand their memory to the learner between turns")
+    spec = engine_spec(config.engine.rollout_engine)
+    if spec is None or not spec.colocatable:
+        problems.append(f"colocate: --rollout-engine {config.engine.rollout_engine}; colocated mode runs "
+                        f"{kinds_that('colocatable', 'or')}, which hand their memory to the learner between turns")
     if config.weights.weight_transport in ("gloo", "nccl"):
         problems.append(f"colocate: --weight-transport {config.weights.weight_transport} broadcasts; colocated "
                         "engines read the learner's memory (cuda_ipc on a GPU, shm on CPUs, or auto)")
@@ -279,13 +282,12 @@ def _lora_problems(config: RunConfig) -> list[str]:
     if config.trainer.train_backend == "megatron":
         problems.append("lora_rank: LoRA needs --train-backend torch (megatron-core 0.16 and mbridge have no LoRA "
                         "layers; Megatron-Bridge's PEFT needs Transformer Engine)")
-    if config.engine.rollout_engine == "sglang":
-        from engines.sglang.protocol import lora_target_modules
-
+    spec = engine_spec(config.engine.rollout_engine)
+    if spec is not None and spec.lora_target_check is not None:
         try:
-            lora_target_modules(config.lora.target_modules)
+            load_object(spec.lora_target_check, what="lora_target_check")(config.lora.target_modules)
         except ValueError as error:
-            problems.append(f"--target-modules with --rollout-engine sglang: {error}")
+            problems.append(f"--target-modules with --rollout-engine {config.engine.rollout_engine}: {error}")
     return problems
 
 
@@ -365,8 +367,9 @@ def _routing_replay_problems(config: RunConfig) -> list[str]:
         if config.trainer.train_backend not in ("torch", "megatron"):
             return [f"--use-rollout-routing-replay: the torch and Megatron backends replay MoE routes; "
                     f"--train-backend {config.trainer.train_backend} does not"]
-        if config.engine.rollout_engine not in ("torch", "sglang"):
-            return [f"--use-rollout-routing-replay: torch engines and SGLang servers record routed experts; "
+        spec = engine_spec(config.engine.rollout_engine)
+        if spec is None or not spec.records_routes:
+            return [f"--use-rollout-routing-replay: {kinds_that('records_routes', 'and')} record routed experts; "
                     f"--rollout-engine {config.engine.rollout_engine} does not"]
         if config.engine.torch_kv_cache == "static":
             return ["--use-rollout-routing-replay: the static KV cache does not record routed experts yet; use "

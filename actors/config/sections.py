@@ -14,13 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from actors.config.engines import BUILTIN_ENGINES
 from actors.moved import MOVED_SERVER_MODULES
 from policies.failed_samples import FailedSamplePolicy
 from policies.registry import FILTERS, REWARDS, BuiltinNames
 
-# Built-in choices of the two plugin-capable engine settings; anything else must be a `module:attr` path.
-ENGINE_CHOICES: dict[str, tuple[str, ...]] = {"train_backend": ("torch", "megatron"),
-                                              "rollout_engine": ("torch", "sglang")}
+TRAIN_BACKENDS = ("torch", "megatron")
 WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc", "shm")
 
 
@@ -29,16 +28,23 @@ def _is_plugin_path(value: str) -> bool:
     return bool(colon and module.strip() and attr.strip())
 
 
+def engine_choices(setting: str) -> tuple[str, ...]:
+    """The built-in names of a plugin-capable engine setting (`train_backend`, `rollout_engine`); anything else
+    must be a `module:attr` path; none for any other setting. Read when asked, so a registered engine spec counts
+    at once."""
+    return {"train_backend": TRAIN_BACKENDS, "rollout_engine": tuple(BUILTIN_ENGINES)}.get(setting, ())
+
+
 def _builtin_or_plugin(value: str, info: ValidationInfo) -> str:
     """A built-in name, or a plugin's `module:attr` (loaded by the actor that uses it, which checks its type)."""
-    builtins = ENGINE_CHOICES[info.field_name or ""]
+    builtins = engine_choices(info.field_name or "")
     if value in builtins or _is_plugin_path(value):
         return value
     raise ValueError(f"{value!r}: expected one of {', '.join(builtins)}, or a plugin factory path "
                      "'package.module:attr'")
 
 
-# A built-in engine name or a plugin path; which built-ins, the field's name says (ENGINE_CHOICES).
+# A built-in engine name or a plugin path; which built-ins, the field's name says (engine_choices).
 BuiltinOrPlugin = Annotated[str, AfterValidator(_builtin_or_plugin)]
 
 NO_LABEL = "none"  # --label-key none: records carry no label, and none is required of them
@@ -323,7 +329,7 @@ class LearnerConfig(Section):
 class TrainerConfig(Section):
     """The training backend, its parallelism and its optimizer."""
 
-    train_backend: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: ENGINE_CHOICES["train_backend"])] = Field(
+    train_backend: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: engine_choices("train_backend"))] = Field(
         "torch", description="the training engine (a plugin: a factory (config) -> Trainer)")
     learner_ranks: int = Field(1, ge=1, description="learner processes (torch.distributed ranks) started by the "
                                "learner: TP x PP x DP (the torch backend is data-parallel only)")
@@ -389,7 +395,7 @@ class LoraConfig(Section):
 class EngineConfig(Section):
     """The inference engine each rollout worker drives (SGLang's settings apply to --rollout-engine sglang)."""
 
-    rollout_engine: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: ENGINE_CHOICES["rollout_engine"])] = Field(
+    rollout_engine: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: engine_choices("rollout_engine"))] = Field(
         "torch", description="the inference engine each rollout worker drives (a plugin: a factory (config, "
         "actor_id) -> (InferenceEngine, tokenizer))")
     rollout_max_batch_size: int = Field(64, ge=1, description="sequences decoded together per engine")

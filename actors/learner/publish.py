@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from actors.config import RunConfig
+from actors.config.engines import engine_spec, weight_backend
 from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
-from actors.runtime.placement import weight_transport
 from actors.runtime.waits import Waits
 from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.training.base import WeightLayout
@@ -38,9 +38,6 @@ from engines.weights.base import GroupHandle, TransferReport, WeightsDiffer, Wei
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
-    SGLANG,
-    SGLANG_LORA,
-    SGLANG_TENSOR,
     TORCH_DISTRIBUTED,
     SenderOptions,
     WeightTransport,
@@ -67,14 +64,13 @@ class EngineRef:
 
 def transport_name(config: RunConfig) -> str:
     """The mechanism for this run: a `module:attr` in --weight-transport is a plugin; else the engine decides
-    (an SGLang server loads a LoRA run's adapter by name rather than receiving weights)."""
+    (its spec: an SGLang server loads a LoRA run's adapter by name rather than receiving weights)."""
     if is_plugin(config.weights.weight_transport):
         return config.weights.weight_transport
-    if config.engine.rollout_engine == "sglang":
-        if config.lora.enabled:
-            return SGLANG_LORA
-        return SGLANG_TENSOR if config.placement.colocate else SGLANG  # colocated: by reference, no broadcast
-    return TORCH_DISTRIBUTED
+    spec = engine_spec(config.engine.rollout_engine)
+    if spec is None:  # a plugin engine loads torch.distributed pushes, or names its own --weight-transport
+        return TORCH_DISTRIBUTED
+    return spec.transport(colocate=config.placement.colocate, lora=config.lora.enabled)
 
 
 def transfer_backend(config: RunConfig) -> str:
@@ -84,7 +80,7 @@ def transfer_backend(config: RunConfig) -> str:
     """
     if config.weights.weight_transport in ("gloo", "nccl", "cuda_ipc", "shm"):
         return config.weights.weight_transport
-    return weight_transport(cuda=torch.cuda.is_available(), placement=None, colocate=config.placement.colocate)
+    return weight_backend(cuda=torch.cuda.is_available(), shared=False, colocate=config.placement.colocate)
 
 
 def sender_options(config: RunConfig, host: str) -> SenderOptions:

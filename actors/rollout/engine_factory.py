@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
+from actors.config.engines import engine_spec
 from actors.rollout.generate import Tokenizer
-from actors.runtime.node_roles import BUILTIN_ENGINES
 from engines.inference.base import InferenceEngine
 from policies.plugins import load_object
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
     from engines.sglang.client import MoeRoutes, SglangEngine
 
-COMPAT_SERVER_MODULE = "tools.standins.sglang_server"
 EngineFactory = Callable[[RunConfig, "str | None"], "tuple[InferenceEngine, Tokenizer]"]
 """`--rollout-engine module:attr` names one: `(config, actor_id) -> (engine, tokenizer)`, blocking."""
 
@@ -34,28 +33,31 @@ EngineFactory = Callable[[RunConfig, "str | None"], "tuple[InferenceEngine, Toke
 def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[InferenceEngine, Tokenizer]:
     """Build the engine and the tokenizer; blocking (the rollout worker calls it in a thread).
 
-    torch and transformers are imported only by the built-in engines, here: a worker whose engine is a plugin
-    (or a remote server) never loads them.
+    A built-in engine is a factory like a plugin's, which its spec names (`actors.config.engines`). torch and
+    transformers are imported only by the built-in factories: a worker whose engine is a plugin (or a remote
+    server) never loads them.
     """
-    if config.engine.rollout_engine not in BUILTIN_ENGINES:
-        return load_plugin_engine(config.engine.rollout_engine, config, actor_id)
-    if config.model.hf_checkpoint is None:
-        raise ValueError(
-            f"--hf-checkpoint is required for the {config.engine.rollout_engine} rollout engine (its tokenizer, "
-            "and the weights the engine starts from)"
-        )
-    import torch
-    from transformers import AutoTokenizer
+    name = config.engine.rollout_engine
+    spec = engine_spec(name)
+    if spec is None:
+        return load_plugin_engine(name, config, actor_id)
+    if spec.loads_checkpoint and config.model.hf_checkpoint is None:
+        raise ValueError(f"--hf-checkpoint is required for the {name} rollout engine (its tokenizer, and the weights "
+                         "the engine starts from)")
+    return load_plugin_engine(spec.factory, config, actor_id)
 
-    torch.set_num_threads(config.torch_threads)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
-    if config.engine.rollout_engine == "sglang":
-        return load_sglang_engine(config, actor_id), tokenizer
+
+def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[InferenceEngine, Tokenizer]:
+    """`--rollout-engine torch`: the embedded engine, in the worker's own process."""
+    import torch
+
     from engines.inference.torch_engine import TorchEngine
     from engines.training.lora import LoraSettings
 
+    tokenizer = checkpoint_tokenizer(config)
     adapter = LoraSettings.of_run(config.lora)
     device = engine_device()
+    assert config.model.hf_checkpoint is not None
     engine = TorchEngine.from_pretrained(
         config.model.hf_checkpoint,
         max_batch_size=config.engine.rollout_max_batch_size,
@@ -73,6 +75,21 @@ def load_engine(config: RunConfig, actor_id: str | None = None) -> tuple[Inferen
         prefix_cache_bytes=prefix_cache_bytes(config),
     )
     return engine, tokenizer
+
+
+def load_sglang_engine(config: RunConfig, actor_id: str | None) -> tuple[InferenceEngine, Tokenizer]:
+    """`--rollout-engine sglang`: a server driven over HTTP, attached (--sglang-url) or launched here."""
+    tokenizer = checkpoint_tokenizer(config)
+    return sglang_engine(config, actor_id), tokenizer
+
+
+def checkpoint_tokenizer(config: RunConfig) -> Tokenizer:
+    """--hf-checkpoint's tokenizer, with the worker's torch threads set first (the built-in engines' common start)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(config.torch_threads)
+    return AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
 
 
 def prefix_cache_bytes(config: RunConfig) -> int:
@@ -131,7 +148,7 @@ def engine_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
+def sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     import torch
 
     from engines.sglang.adapter_endpoints import AdapterServing
@@ -228,10 +245,6 @@ def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
         from engines.sglang.protocol import ROUTED_EXPERTS_FLAG
 
         extra[ROUTED_EXPERTS_FLAG] = "true"
-    if engine_config.sglang_server_module == COMPAT_SERVER_MODULE:
-        # Our CPU stand-in: as many torch threads as the worker has, and groups that give up with the learner.
-        extra.setdefault("torch-threads", str(config.torch_threads))
-        extra.setdefault("weight-group-timeout", str(config.weights.weight_transfer_timeout))
     return extra
 
 

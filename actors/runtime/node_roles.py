@@ -13,29 +13,10 @@ from __future__ import annotations
 import argparse
 
 from actors.config import RunConfig
+from actors.config.engines import engine_needs_gpu
 from actors.config.run import learner_ranks_per_node
-from actors.runtime.placement import visible_gpus
 from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES
-from policies.plugins import load_object
-
-BUILTIN_ENGINES = ("torch", "sglang")  # --rollout-engine values that name no plugin
-
-
-def engine_needs_gpu(config: RunConfig) -> bool:
-    """Whether a rollout worker's engine takes GPUs of its own on a GPU node.
-
-    The built-in engines do. A plugin factory declares otherwise with an attribute `needs_gpu = False` (an engine
-    that calls a remote API, the pipeline benchmark's sleeping engine); without one it is given GPUs, as slime
-    gives every rollout engine its `--rollout-num-gpus-per-engine`.
-    """
-    if config.engine.rollout_engine in BUILTIN_ENGINES:
-        return True
-    needs_gpu = getattr(load_object(config.engine.rollout_engine, what="--rollout-engine"), "needs_gpu", True)
-    if not isinstance(needs_gpu, bool):
-        raise ValueError(f"--rollout-engine {config.engine.rollout_engine!r}: needs_gpu is "
-                        f"{type(needs_gpu).__name__} {needs_gpu!r}, expected True or False")
-    return needs_gpu
-
+from engines.devices import visible_gpus
 
 SINGLETON_ROLES = ("controller", "buffer", "learner")
 SCALED_ROLES = {"rollout": "rollout_workers", "reward": "reward_workers"}  # role -> its count's argument
@@ -122,7 +103,7 @@ def default_rollout_workers(config: RunConfig, *, head: bool, learner_node: bool
     if gpus < per_engine:
         return 1
     try:
-        return gpus // per_engine if engine_needs_gpu(config) else 1
+        return gpus // per_engine if engine_needs_gpu(config.engine.rollout_engine) else 1
     except ValueError as error:
         raise LaunchError(f"--rollout-engine: {error}") from None
 

@@ -21,21 +21,8 @@ shared-memory files (`engines/weights/shared_memory.py`) instead of a gloo broad
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-WeightTransport = Literal["gloo", "nccl", "cuda_ipc", "shm"]
-
-
-def visible_gpus() -> int:
-    """GPUs this process sees (its CUDA_VISIBLE_DEVICES applies); 0 without CUDA. A machine with no GPU device
-    node is answered without importing torch, which would hold up every actor's start by ~2 s."""
-    from actors.runtime.zygote_client import gpu_device_nodes
-
-    if not gpu_device_nodes():
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+from actors.config.engines import engine_spec, engines_that
 
 
 class PlacementError(ValueError):
@@ -110,16 +97,15 @@ def place_node(
             for i in range(rollout_workers)
         )
         return NodePlacement(gpus, learner, rollout)
-    if learner_ranks and rollout_engine == "torch" and gpus_per_engine == 1:
+    spec = engine_spec(rollout_engine)
+    if learner_ranks and spec is not None and spec.shares_learner_gpu and gpus_per_engine == 1:
         return NodePlacement(gpus, learner, tuple((0,) for _ in range(rollout_workers)), shared=True)
+    sharers = " or ".join(f"--rollout-engine {name}" for name in engines_that("shares_learner_gpu"))
     raise PlacementError(
         f"this node has {gpus} GPUs but its actors need {needed}: {learner_ranks} for the learner and "
         f"{rollout_workers} rollout workers x {gpus_per_engine} GPUs per engine"
-        + (
-            "; an SGLang server needs GPUs of its own (use --rollout-engine torch to share the learner's GPU)"
-            if rollout_engine == "sglang"
-            else ""
-        )
+        + (f"; {spec.noun} needs GPUs of its own (use {sharers} to share the learner's GPU)"
+           if spec is not None and not spec.shares_learner_gpu else "")
     )
 
 
@@ -133,16 +119,6 @@ def _colocated(gpus: int, learner_ranks: int, rollout_workers: int, gpus_per_eng
         raise PlacementError(f"colocate: {learner_ranks} learner ranks; colocated mode runs one learner rank on a "
                              "GPU node for now (the engines receive over CUDA IPC from rank 0's device)")
     return NodePlacement(gpus, (0,), tuple((0,) for _ in range(rollout_workers)), shared=True)
-
-
-def weight_transport(*, cuda: bool, placement: NodePlacement | None, colocate: bool = False) -> WeightTransport:
-    """How weights travel: gloo without CUDA (shared-memory files when colocated on the learner's host), CUDA IPC
-    when the engines share the learner's GPU, else NCCL."""
-    if not cuda:
-        return "shm" if colocate else "gloo"
-    if placement is not None and placement.shared:
-        return "cuda_ipc"
-    return "nccl"
 
 
 def visible_devices(indices: tuple[int, ...], parent: str | None) -> str:

@@ -18,9 +18,9 @@ import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from engines.devices import gpu_device_nodes
 from engines.process import die_with_parent
 
 READY_TIMEOUT_S = 120.0  # importing torch and transformers on a loaded machine
@@ -37,11 +37,6 @@ def actor_environment(cuda_visible_devices: str | None = None) -> dict[str, str]
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env
-
-
-def gpu_device_nodes() -> bool:
-    """Whether this machine has NVIDIA or AMD GPU device nodes: a cheap first answer, without importing torch."""
-    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
 
 
 class ZygoteError(RuntimeError):

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from actors.config import RunConfig
+from actors.config.engines import http_engine_problem
 from actors.slime_compat.args import build_args, sampling_params
 from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire
 from bus.schema import PromptGroup
@@ -71,12 +72,10 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
     Each of the group's ``n_samples`` responses is one plugin call, run concurrently as slime does. The plugin
     reaches the engine over HTTP, so it needs a server: refused at start-up with ``--rollout-engine torch``.
     """
-    if config.engine.rollout_engine == "torch":
-        raise ValueError(
-            f"--custom-generate-function-path {path}: a slime-style generate(args, sample, sampling_params) calls "
-            "the engine over HTTP (args.sglang_router_ip/port), and --rollout-engine torch serves none; use "
-            "--rollout-engine sglang (on CPU add --sglang-server-module tools.standins.sglang_server)"
-        )
+    problem = http_engine_problem(config.engine.rollout_engine, f"--custom-generate-function-path {path}: a "
+                                  "slime-style generate(args, sample, sampling_params)")
+    if problem is not None:
+        raise ValueError(problem)
     hooks = [load_object(p, what="--rollout-sample-hook-path") for p in config.rollout.rollout_sample_hook_path]
     namespaces: dict[str, Any] = {}
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from actors.config import RunConfig
+from actors.config.engines import http_engine_problem
 from actors.slime_compat.args import build_args
 from actors.slime_compat.data_source import (
     FLAG,
@@ -145,10 +146,9 @@ def check_rollout_function(config: RunConfig) -> None:
     path = config.rollout.rollout_function_path
     if not path:
         return
-    if config.engine.rollout_engine == "torch":
-        raise ValueError(f"{FLAG} {path}: a slime rollout function calls the engine over HTTP "
-                         "(args.sglang_router_ip/port), and --rollout-engine torch serves none; use --rollout-engine "
-                         "sglang (on CPU add --sglang-server-module tools.standins.sglang_server)")
+    problem = http_engine_problem(config.engine.rollout_engine, f"{FLAG} {path}: a slime rollout function")
+    if problem is not None:
+        raise ValueError(problem)
     if config.rollout.custom_generate_function_path:
         raise ValueError(f"{FLAG} {path} replaces generation as a whole, so --custom-generate-function-path "
                          f"{config.rollout.custom_generate_function_path} would never be called; call your generate "

@@ -9,10 +9,11 @@ import pytest
 
 import launcher
 from actors.config import build_config, config_from_args
+from actors.config.engines import weight_backend
 from actors.learner.publish import transport_name
 from actors.runtime import node_roles
 from actors.runtime.cluster_env import ClusterNode
-from actors.runtime.placement import PlacementError, place_node, visible_devices, weight_transport
+from actors.runtime.placement import PlacementError, place_node, visible_devices
 from engines.weights.names import SGLANG_LORA, SGLANG_TENSOR
 from tests.support.launch_inputs import minimal_inputs
 from tools.bench.pipeline import SLEEPING_FLAGS
@@ -24,7 +25,7 @@ def test_exclusive_layout_gives_learner_the_first_gpus_and_each_engine_its_own()
     assert placement.learner == (0, 1, 2, 3)
     assert placement.rollout == ((4, 5), (6, 7))
     assert not placement.shared
-    assert weight_transport(cuda=True, placement=placement) == "nccl"
+    assert weight_backend(cuda=True, shared=placement.shared) == "nccl"
 
 
 @pytest.mark.unit
@@ -33,7 +34,7 @@ def test_one_gpu_shares_the_learners_device_with_torch_engines_over_cuda_ipc() -
     assert placement.learner == (0,)
     assert placement.rollout == ((0,), (0,))
     assert placement.shared
-    assert weight_transport(cuda=True, placement=placement) == "cuda_ipc"
+    assert weight_backend(cuda=True, shared=placement.shared) == "cuda_ipc"
     assert "CUDA IPC" in placement.describe()
 
 
@@ -63,7 +64,7 @@ def test_an_engine_that_needs_no_gpu_takes_none_and_leaves_the_learner_its_own()
 def test_no_gpu_means_everything_on_the_cpu_over_gloo() -> None:
     placement = place_node(gpus=0, learner_ranks=2, rollout_workers=3, gpus_per_engine=4, rollout_engine="sglang")
     assert placement.learner == () and placement.rollout == ((), (), ())
-    assert weight_transport(cuda=False, placement=placement) == "gloo"
+    assert weight_backend(cuda=False, shared=placement.shared) == "gloo"
 
 
 @pytest.mark.unit
@@ -97,7 +98,8 @@ def test_colocate_is_on_policy_and_refuses_what_would_not_take_turns() -> None:
         build_config({"colocate": True, "max_staleness": 2})
     with pytest.raises(ValueError, match=r"colocate: --weight-transport gloo broadcasts"):
         build_config({"colocate": True, "weight_transport": "gloo"})
-    with pytest.raises(ValueError, match=r"colocate: --rollout-engine tests.x:y; colocated mode runs the torch"):
+    with pytest.raises(ValueError, match=r"colocate: --rollout-engine tests.x:y; colocated mode runs torch "
+                                         "engines or SGLang servers"):
         build_config({"colocate": True, "rollout_engine": "tests.x:y"})
     sglang = build_config({"colocate": True, "rollout_engine": "sglang"})
     assert transport_name(sglang) == SGLANG_TENSOR  # by reference to the learner's memory, not a broadcast
@@ -109,9 +111,9 @@ def test_colocate_puts_every_engine_on_the_learners_gpu_and_reads_its_memory() -
     placement = place_node(gpus=8, learner_ranks=1, rollout_workers=3, gpus_per_engine=1, rollout_engine="torch",
                            colocate=True)
     assert placement.learner == (0,) and placement.rollout == ((0,), (0,), (0,)) and placement.shared
-    assert weight_transport(cuda=True, placement=placement, colocate=True) == "cuda_ipc"
-    assert weight_transport(cuda=False, placement=None, colocate=True) == "shm"
-    assert weight_transport(cuda=False, placement=None) == "gloo"
+    assert weight_backend(cuda=True, shared=placement.shared, colocate=True) == "cuda_ipc"
+    assert weight_backend(cuda=False, shared=False, colocate=True) == "shm"
+    assert weight_backend(cuda=False, shared=False) == "gloo"
     servers = place_node(gpus=8, learner_ranks=1, rollout_workers=2, gpus_per_engine=1, rollout_engine="sglang",
                          colocate=True)
     assert servers.rollout == ((0,), (0,)) and servers.shared

@@ -52,8 +52,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=SGLANG_APIS[-1],
         help="which SGLang release's behaviour to serve (weight-update sessions, per-token version spans)",
     )
+    # The next two default to what a Slipstream run launching this server has by default (--weight-transfer-timeout,
+    # --torch-threads), so the run needs no special arguments for its stand-in; pass --sglang-NAME to change them.
     parser.add_argument(
-        "--weight-group-timeout", type=float, default=120.0, help="seconds a weight update group waits for all members"
+        "--weight-group-timeout", type=float, default=30.0,
+        help="seconds a weight update group waits for all members (a run's --weight-transfer-timeout default)"
     )
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="accepted; memory is always releasable here")
@@ -63,7 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-lora-rank", type=int, default=None)
     lora_modules = [*protocol.LORA_TARGET_MODULES, protocol.LORA_ALL_MODULES]
     parser.add_argument("--lora-target-modules", nargs="*", default=None, choices=lora_modules)
-    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch CPU threads (a run's --torch-threads default; 0: torch's own choice)")
     # A fault for tests (server.py's docstring): updates past the first N are acknowledged and not loaded.
     parser.add_argument("--drop-weight-updates-after", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info")
