@@ -21,7 +21,7 @@ from actors.buffer.waits import admission_state, batch_wait, gauges
 from actors.data.prompt_tokens import prompt_length_counter
 from actors.data.prompts import PromptSource, load_prompts
 from actors.eval import EvalRounds
-from actors.extensions.load import batch_selector, group_filter
+from actors.extensions.load import batch_selector, dynamic_filter
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
@@ -91,7 +91,7 @@ class Buffer(Actor):
                                 shuffle=data.rollout_shuffle), n_samples=config.rollout.n_samples_per_prompt,
             groups_per_batch=config.rollout.rollout_batch_size, max_staleness=config.buffer.max_staleness,
             lease_timeout=config.buffer.lease_timeout,
-            group_filter=group_filter(config.buffer.dynamic_sampling_filter_path, config),
+            group_filter=dynamic_filter(config),
             compact_log_bytes=int(config.buffer.buffer_log_compact_mb * 2**20),
             batch_selector=batch_selector(config),
             on_selection_error=lambda problem: self.log.error("buffer filter answer unusable", problem=problem),

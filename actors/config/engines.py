@@ -62,6 +62,14 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
         cpu_standin="--sglang-server-module tools.standins.sglang_server"),
 }
 
+TRAIN_BACKENDS = ("torch", "megatron")  # --train-backend values that name no plugin (actors.learner.trainer_factory)
+
+
+def engine_choices(setting: str) -> tuple[str, ...]:
+    """The built-in names of a plugin-capable engine setting (`train_backend`, `rollout_engine`), none for any
+    other; anything else must be a `module:attr` path. Read when asked, so a registered engine spec counts at once."""
+    return {"train_backend": TRAIN_BACKENDS, "rollout_engine": tuple(BUILTIN_ENGINES)}.get(setting, ())
+
 
 def engine_spec(name: str) -> EngineSpec | None:
     """The built-in engine `name` names, or None for a plugin path."""

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from actors.config.plugin_marks import plugin_for
 from actors.config.sections import Section
 
 _SHAPE = "model shape, checked against the HF checkpoint (default: the checkpoint's)"
@@ -168,16 +169,17 @@ class MegatronConfig(Section):
     # -- slime's hooks into its Megatron backend ---------------------------------------------------------------
     custom_megatron_init_path: str | None = Field(None, description="module:function called as fn(args) on every "
                                                   "learner rank once megatron is initialised, before the model is "
-                                                  "built (args: a namespace of the run's flat settings)")
+                                                  "built (args: a namespace of the run's flat settings)",
+                                                  json_schema_extra=plugin_for("learner"))
     custom_megatron_before_log_prob_hook_path: str | None = Field(
         None, description="module:function called as fn(args, model, store_prefix) on every learner rank before "
         "each log-prob pass (model: the list of model chunks; store_prefix: '' for old, 'ref_' for reference "
-        "log-probs); --train-backend megatron only")
+        "log-probs); --train-backend megatron only", json_schema_extra=plugin_for("learner"))
     custom_megatron_before_train_step_hook_path: str | None = Field(
         None, description="module:function called as fn(args, rollout_id, step_id, model, optimizer, "
         "opt_param_scheduler) on every learner rank before each optimizer step, gradients zeroed (step_id: the "
         "step within the rollout batch; opt_param_scheduler: None, the trainer schedules the lr itself); "
-        "--train-backend megatron only")
+        "--train-backend megatron only", json_schema_extra=plugin_for("learner"))
 
     def set_flags(self) -> dict[str, object]:
         """The flags as `engines.megatron.model_flags` reads them: unset ones (None) left out."""

@@ -10,48 +10,51 @@ here, on its own node, and reports every problem at once, each naming the flag, 
   cache (nothing is downloaded here, and several actors downloading at once is no way to fetch a model);
 - plugins: every `module:attr` path this node's actors will load is imported and its attribute looked up.
 
-Only what this node's roles read is checked (`ROLE_PLUGINS`): a worker node need not hold the head's data, nor
-the learner's Megatron hooks. What only the actor can find it reports with a `ConfigError` (actors.config.errors).
+Only what this node's roles read is checked (`ROLE_PLUGINS`, from the `plugin_for` mark on each plugin setting's
+field): a worker node need not hold the head's data, nor the learner's Megatron hooks. What only the actor can
+find it reports with a `ConfigError` (actors.config.errors).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
+from typing import Any
 
-from actors.config.engines import engine_spec
+from pydantic import BaseModel
+
+from actors.config.engines import TRAIN_BACKENDS, engine_spec
+from actors.config.plugin_marks import PLUGIN_FOR
 from actors.config.run import RunConfig
-from actors.config.sections import TRAIN_BACKENDS, WEIGHT_BACKENDS, engine_choices
 from actors.config.teachers import Teacher, run_teachers
+from policies.registry import BuiltinNames
 
 PREFIX_ROWS = 1000  # rows of a data file read for a usable record (a wrong --input-key shows in the first ones)
 
-# Plugin paths by the roles whose actors load them: field name -> roles.
-ROLE_PLUGINS: dict[str, tuple[str, ...]] = {
-    "custom_generate_function_path": ("rollout",),
-    "rollout_function_path": ("rollout",),
-    "rollout_sample_hook_path": ("rollout",),
-    "agent_function_path": ("rollout",),
-    "agent_tools_path": ("rollout",),
-    "agent_environment_path": ("rollout",),
-    "agent_tool_schemas_path": ("rollout",),
-    "rollout_engine": ("rollout",),
-    "weight_transport": ("rollout", "learner"),
-    "buffer_filter_path": ("buffer",),
-    "custom_reward_post_process_path": ("learner",),
-    "custom_advantage_function_path": ("learner",),
-    "custom_convert_samples_to_train_data_path": ("learner",),
-    "train_backend": ("learner",),
-    "custom_megatron_init_path": ("learner",),
-    "custom_megatron_before_log_prob_hook_path": ("learner",),
-    "custom_megatron_before_train_step_hook_path": ("learner",),
-}
-BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
-    "weight_transport": WEIGHT_BACKENDS,
-    # slime's defaults spelled out: they name what the buffer does without a plugin
-    "buffer_filter_path": ("slime.rollout.data_source.pop_first",),
-}
+
+
+def plugin_marks() -> dict[str, dict[str, Any]]:
+    """Every plugin setting's mark (`actors.config.sections.plugin_for`, on its field): setting -> mark."""
+    marks = {}
+    for section in RunConfig.model_fields.values():
+        model = section.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        for name, field in model.model_fields.items():
+            if isinstance(field.json_schema_extra, dict) and PLUGIN_FOR in field.json_schema_extra:
+                marks[name] = {**field.json_schema_extra, "builtins": (*field.json_schema_extra["builtins"],
+                                                                      *_builtin_names(field.metadata))}
+    return marks
+
+
+def _builtin_names(metadata: list[Any]) -> tuple[str, ...]:
+    return tuple(name for item in metadata if isinstance(item, BuiltinNames) for name in item.names())
+
+
+# Plugin settings by the roles whose actors load them: setting -> roles, as their fields are marked.
+ROLE_PLUGINS: dict[str, tuple[str, ...]] = {name: mark[PLUGIN_FOR] for name, mark in plugin_marks().items()}
 GPU_TRANSPORTS = ("nccl", "cuda_ipc")
 # A Hugging Face hub id: `name` or `owner/name` (what is not a path of more than two parts, nor starts with one).
 HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
@@ -185,36 +188,41 @@ def _model_folder_problem(flag: str, value: str, hub_cache: Path | None) -> str 
 
 # -------------------------------------------------------------------------------------------------- plugins
 def _plugin_problems(config: RunConfig, running: set[str]) -> list[str]:
-    """Import every plugin path this node's actors will load (the caller puts on sys.path what theirs holds)."""
+    """Import every plugin path this node's actors will load (the caller puts on sys.path what theirs holds); a
+    setting its role builds from a name or a path (a reward, a filter) is built by that role's own builder."""
     settings = {name: value for section in config.model_dump().values() if isinstance(section, dict)
                 for name, value in section.items()}
     problems = []
-    for name, roles in ROLE_PLUGINS.items():
-        if running.isdisjoint(roles):
+    builders: dict[str, str] = {}  # builder -> the flag of the last of its settings that is set
+    for name, mark in plugin_marks().items():
+        if running.isdisjoint(mark[PLUGIN_FOR]):
             continue
         values = settings.get(name)
+        if mark["builder"] is not None:
+            if values is not None or mark["builder"] not in builders:
+                builders[mark["builder"]] = name
+            continue
         for value in values if isinstance(values, list) else [values]:
-            if value is not None and value not in (*BUILTIN_NAMES.get(name, ()), *engine_choices(name)):
-                problems += _load_problem(f"--{name.replace('_', '-')}", value, _load_path)
-    if "buffer" in running and config.buffer.dynamic_sampling_filter_path is not None:
-        problems += _load_problem("--dynamic-sampling-filter-path", config.buffer.dynamic_sampling_filter_path,
-                                  _load_filter)
-    if "reward" in running:
-        reward = config.reward
-        if reward.custom_rm_path:
-            problems += _load_problem("--custom-rm-path", reward.custom_rm_path, _load_path)
-        else:
-            problems += _load_problem("--rm-type", reward.rm_type,
-                                      lambda _flag, name: _build_reward(name, reward.group_rm, reward.rm_url))
+            if value is not None and value not in mark["builtins"]:
+                problems += _load_problem(_flag(name), value, _load_path)
+    for builder, name in builders.items():
+        problems += _load_problem(_flag(name), settings[name], partial(_build, builder, config))
     return problems
 
 
-def _load_problem(flag: str, value: str, load: Callable[[str, str], object]) -> list[str]:
+def _flag(setting: str) -> str:
+    return f"--{setting.replace('_', '-')}"
+
+
+def _load_problem(flag: str, value: object, load: Callable[[str, Any], object]) -> list[str]:
     try:
         load(flag, value)
     except Exception as error:  # a plugin's own import can fail any way: each is a problem to report, not a crash
         message = str(error)
-        return [message if message.startswith(flag) else f"{flag} {value}: {message}"]
+        if message.startswith(flag):
+            return [message]
+        named = f"{value!r}: "  # a builder's message that names the value by its own noun: the flag names it here
+        return [f"{flag} {message[message.index(named):]}" if named in message else f"{flag} {value}: {message}"]
     return []
 
 
@@ -224,13 +232,8 @@ def _load_path(flag: str, value: str) -> object:
     return load_object(value, what=flag)
 
 
-def _load_filter(flag: str, value: str) -> object:
-    from policies.registry import resolve_filter
+def _build(builder: str, config: RunConfig, _flag: str, _value: object) -> object:
+    """What the role builds from its settings, built as it does (`actors.extensions.load`)."""
+    from actors.extensions import load
 
-    return resolve_filter(value)  # a built-in filter's name or a path, as the buffer resolves it
-
-
-def _build_reward(rm_type: str, group_rm: bool, rm_url: str | None) -> object:
-    from policies.rewards.selection import build_reward
-
-    return build_reward(rm_type, group_rm=group_rm, rm_url=rm_url)  # as the reward workers build it
+    return getattr(load, builder)(config)

@@ -14,25 +14,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from actors.config.engines import BUILTIN_ENGINES
+from actors.config.engines import engine_choices
+from actors.config.plugin_marks import plugin_for
 from actors.moved import MOVED_SERVER_MODULES
 from policies.failed_samples import FailedSamplePolicy
 from policies.registry import FILTERS, REWARDS, BuiltinNames
 
-TRAIN_BACKENDS = ("torch", "megatron")
 WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc", "shm")
+SLIME_BUFFER_FILTER = "slime.rollout.data_source.pop_first"  # slime's default spelled out: the buffer's own choice
 
 
 def _is_plugin_path(value: str) -> bool:
     module, colon, attr = value.partition(":")
     return bool(colon and module.strip() and attr.strip())
-
-
-def engine_choices(setting: str) -> tuple[str, ...]:
-    """The built-in names of a plugin-capable engine setting (`train_backend`, `rollout_engine`); anything else
-    must be a `module:attr` path; none for any other setting. Read when asked, so a registered engine spec counts
-    at once."""
-    return {"train_backend": TRAIN_BACKENDS, "rollout_engine": tuple(BUILTIN_ENGINES)}.get(setting, ())
 
 
 def _builtin_or_plugin(value: str, info: ValidationInfo) -> str:
@@ -179,14 +173,17 @@ class RolloutConfig(Section):
                                                 "no room fails its samples (counted and logged)")
     custom_generate_function_path: str | None = Field(None, description="module:function for multi-turn rollouts; "
                                                       "ours (context, group) or slime's (args, sample, "
-                                                      "sampling_params), detected by signature")
+                                                      "sampling_params), detected by signature",
+                                                      json_schema_extra=plugin_for("rollout"))
     rollout_sample_hook_path: list[str] = Field(default_factory=list, description="slime-style hooks "
                                                 "hook(args, sample, *, rollout_id, evaluation) -> Sample | None "
-                                                "applied to each sample of a slime-style generate function")
+                                                "applied to each sample of a slime-style generate function",
+                                                json_schema_extra=plugin_for("rollout"))
     rollout_function_path: str | None = Field(None, description="slime's whole-rollout function "
                                               "generate_rollout(args, rollout_id, data_source, evaluation): each "
                                               "rollout worker calls it once per rollout batch, its data source "
-                                              "leasing prompt groups from the buffer")
+                                              "leasing prompt groups from the buffer",
+                                              json_schema_extra=plugin_for("rollout"))
 
     @field_validator("rollout_function_path")
     @classmethod
@@ -206,15 +203,18 @@ class AgentConfig(Section):
 
     agent_function_path: str | None = Field(None, description="module:function async (episode) -> dict | None, "
                                             "an agent that drives the policy through episode.base_url with any "
-                                            "OpenAI client; its conversation is the sample")
+                                            "OpenAI client; its conversation is the sample",
+                                            json_schema_extra=plugin_for("rollout"))
     agent_tools_path: str | None = Field(None, description="module:attr of a dict name -> function (sync or "
                                          "async): the built-in tool loop answers the model's <tool_call> blocks "
-                                         "with them")
+                                         "with them", json_schema_extra=plugin_for("rollout"))
     agent_environment_path: str | None = Field(None, description="module:attr of a factory (prompt, label, "
                                                "metadata) -> environment with async reset() and step(turn): the "
-                                               "built-in loop's answers between turns, with per-turn rewards")
+                                               "built-in loop's answers between turns, with per-turn rewards",
+                                               json_schema_extra=plugin_for("rollout"))
     agent_tool_schemas_path: str | None = Field(None, description="module:attr of the tools' JSON schemas, given "
-                                                "to the chat template (default: none)")
+                                                "to the chat template (default: none)",
+                                                json_schema_extra=plugin_for("rollout"))
     agent_max_turns: int = Field(4, ge=1, description="model turns per episode of the built-in tool loop")
     agent_tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call (or environment step) may "
                                       "take; an overrun is returned to the model as an error")
@@ -244,10 +244,12 @@ class BufferConfig(Section):
                                          "snapshot once it passes this size (0 = never)")
     dynamic_sampling_filter_path: Annotated[str | None, BuiltinNames(FILTERS.listed_names)] = Field(
         None, description="drop finished groups before they are trained: a built-in filter, or a function of ours "
-        "(group) or slime's (args, samples, **kwargs)")
+        "(group) or slime's (args, samples, **kwargs)",
+        json_schema_extra=plugin_for("buffer", builder="dynamic_filter"))
     buffer_filter_path: str | None = Field(None, description="slime's buffer filter (args, rollout_id, buffer, "
                                            "num_samples) -> groups: picks which finished groups form the next "
-                                           "training batch (the rest are taken oldest first)")
+                                           "training batch (the rest are taken oldest first)",
+                                           json_schema_extra=plugin_for("buffer", builtins=(SLIME_BUFFER_FILTER,)))
     failed_sample_policy: FailedSamplePolicy = Field(
         "leave_out", description="a group with failed samples (an episode that raised or overran, a reward that "
         "failed): leave_out trains it on the others, normalised over them, while at least 2 remain; drop_group "
@@ -268,15 +270,17 @@ class RewardConfig(Section):
 
     rm_type: Annotated[str, BuiltinNames(reward_names)] = Field(
         "exact_match", description="the built-in reward each sample is scored by, unless --custom-rm-path is given "
-        "(docs/policies.md, Rewards)")
+        "(docs/policies.md, Rewards)", json_schema_extra=plugin_for("reward", builder="reward_spec"))
     reward_key: str | None = Field(None, description="the reward function returns a dict and this key holds the "
                                    "reward (default: a number, or a dict's 'reward')")
     custom_rm_path: str | None = Field(None, description="module:function reward (sync or async); ours "
                                        "(RewardInput) or slime's (args, sample, **kwargs), batched (args, samples) "
-                                       "with --group-rm")
+                                       "with --group-rm",
+                                       json_schema_extra=plugin_for("reward", builder="reward_spec"))
     custom_reward_post_process_path: str | None = Field(
         None, description="slime's reward post-process (args, samples) -> (raw_rewards, rewards): the learner calls "
-        "it on each whole batch before the advantages and trains on `rewards` as they are (no group normalisation)")
+        "it on each whole batch before the advantages and trains on `rewards` as they are (no group normalisation)",
+        json_schema_extra=plugin_for("learner"))
     group_rm: bool = Field(False, description="the reward function scores whole groups")
     rm_url: str | None = Field(None, description="URL of a remote reward model (--rm-type remote_rm)")
     reward_timeout: float = Field(60.0, gt=0, description="seconds before one reward call counts as failed")
@@ -320,17 +324,20 @@ class LearnerConfig(Section):
     load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
     custom_advantage_function_path: str | None = Field(None, description="slime's advantage hook "
                                                        "(args, rollout_data) that fills rollout_data['advantages'] "
-                                                       "and ['returns'] in place of --advantage-estimator")
+                                                       "and ['returns'] in place of --advantage-estimator",
+                                                       json_schema_extra=plugin_for("learner"))
     custom_convert_samples_to_train_data_path: str | None = Field(None, description="slime's (args, samples) -> "
                                                                   "train-data dict: the learner trains on the "
-                                                                  "tokens, masks and rewards it returns")
+                                                                  "tokens, masks and rewards it returns",
+                                                                  json_schema_extra=plugin_for("learner"))
 
 
 class TrainerConfig(Section):
     """The training backend, its parallelism and its optimizer."""
 
     train_backend: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: engine_choices("train_backend"))] = Field(
-        "torch", description="the training engine (a plugin: a factory (config) -> Trainer)")
+        "torch", description="the training engine (a plugin: a factory (config) -> Trainer)",
+        json_schema_extra=plugin_for("learner"))
     learner_ranks: int = Field(1, ge=1, description="learner processes (torch.distributed ranks) started by the "
                                "learner: TP x PP x DP (the torch backend is data-parallel only)")
     tensor_model_parallel_size: int = Field(1, ge=1, description="Megatron tensor parallel size")
@@ -397,7 +404,7 @@ class EngineConfig(Section):
 
     rollout_engine: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: engine_choices("rollout_engine"))] = Field(
         "torch", description="the inference engine each rollout worker drives (a plugin: a factory (config, "
-        "actor_id) -> (InferenceEngine, tokenizer))")
+        "actor_id) -> (InferenceEngine, tokenizer))", json_schema_extra=plugin_for("rollout"))
     rollout_max_batch_size: int = Field(64, ge=1, description="sequences decoded together per engine")
     rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs (tensor parallel ranks) per SGLang server")
     sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "
@@ -467,7 +474,8 @@ class WeightsConfig(Section):
     weight_transport: str = Field(
         "auto", description="how weights reach the engines: auto (gloo without CUDA, shm when colocated on CPUs, "
         "cuda_ipc when engines share the learner's GPU, nccl otherwise), gloo, nccl, cuda_ipc, shm (shared-memory "
-        "files: engines on the learner's host), or module:attr of a WeightTransport plugin")
+        "files: engines on the learner's host), or module:attr of a WeightTransport plugin",
+        json_schema_extra=plugin_for("rollout", "learner", builtins=WEIGHT_BACKENDS))
     update_weights_interval: int = Field(1, ge=1, description="push weights to engines every N learner steps")
     weight_transfer_timeout: float = Field(30.0, gt=0, description="seconds a weight transfer waits for an engine "
                                            "(to join, be ready, acknowledge) before it fails and is retried")

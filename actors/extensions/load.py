@@ -41,6 +41,11 @@ def reward_spec(config: RunConfig) -> RewardSpec:
     return spec
 
 
+def dynamic_filter(config: RunConfig) -> GroupFilter | None:
+    """The buffer's `--dynamic-sampling-filter-path`, or None without one."""
+    return group_filter(config.buffer.dynamic_sampling_filter_path, config)
+
+
 def group_filter(spec: str | None, config: RunConfig | None = None) -> GroupFilter | None:
     """`--dynamic-sampling-filter-path` as the buffer core wants it: a drop reason, or None to keep. A slime-style
     filter ``(args, samples, **kwargs)`` is detected by signature and converted (that needs `config`)."""

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 
 from actors.config import build_config
-from actors.config.engines import BUILTIN_ENGINES, EngineSpec, engine_needs_gpu
+from actors.config.engines import BUILTIN_ENGINES, EngineSpec, engine_choices, engine_needs_gpu
 from actors.config.preflight import preflight
 from actors.config.run import RunConfig
-from actors.config.sections import engine_choices
 from actors.learner.publish import transport_name
 from actors.rollout.engine_factory import load_engine
 from actors.runtime.placement import PlacementError, place_node

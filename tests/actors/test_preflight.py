@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from actors.config import RunConfig
-from actors.config.preflight import PREFIX_ROWS, preflight
+from actors.config.preflight import PREFIX_ROWS, ROLE_PLUGINS, preflight
 from policies.registry import REWARDS
 
 HEAD = {"controller": 1, "buffer": 1, "learner": 1, "rollout": 1, "reward": 1}
@@ -141,3 +141,45 @@ def test_a_misspelled_label_key_is_refused_before_any_actor_starts(tmp_path: Pat
                               "malformed, the first at line 1: label key 'lable' missing (its keys: 'input', "
                               "'label')); name the label's key with --label-key")
     assert preflight(config.with_settings(label_key="label"), {"buffer": 1}) == []
+
+
+# The roles each plugin setting is loaded by, as the launcher's hand table said before the fields were marked.
+LOADED_BY = {
+    **dict.fromkeys(("custom_generate_function_path", "rollout_function_path", "rollout_sample_hook_path",
+                     "agent_function_path", "agent_tools_path", "agent_environment_path", "agent_tool_schemas_path",
+                     "rollout_engine"), ("rollout",)),
+    "weight_transport": ("rollout", "learner"),
+    **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path"), ("buffer",)),
+    **dict.fromkeys(("custom_reward_post_process_path", "custom_advantage_function_path",
+                     "custom_convert_samples_to_train_data_path", "train_backend", "custom_megatron_init_path",
+                     "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path"),
+                    ("learner",)),
+    **dict.fromkeys(("rm_type", "custom_rm_path"), ("reward",)),
+}
+
+
+@pytest.mark.unit
+def test_the_plugin_settings_are_read_from_the_marks_on_their_fields() -> None:
+    assert ROLE_PLUGINS == LOADED_BY
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("setting", sorted(set(LOADED_BY) - {"rm_type", "rollout_sample_hook_path"}))
+def test_a_plugin_setting_is_imported_on_the_nodes_of_the_roles_that_load_it(setting: str) -> None:
+    config = RunConfig(**{setting: "no_such_package.plugins:thing"}, hf_checkpoint=".", prompt_data=".")
+    flag = f"--{setting.replace('_', '-')}"
+    for role in ("buffer", "learner", "rollout", "reward"):
+        problems = [problem for problem in preflight(config, {role: 1}) if problem.startswith(flag)]
+        expected = role in LOADED_BY[setting]
+        assert bool(problems) == expected, f"{flag} on a {role} node: {problems}"
+        if expected:
+            assert "no_such_package" in problems[0] and len(problems) == 1
+
+
+@pytest.mark.unit
+def test_a_dynamic_sampling_filter_is_built_as_the_buffer_builds_it() -> None:
+    config = RunConfig(dynamic_sampling_filter_path="no_such_filter")
+    assert preflight(config, {"buffer": 1, "reward": 1})[-1:] == [
+        "--dynamic-sampling-filter-path no_such_filter: unknown sample filter 'no_such_filter'; registered: "
+        "no_reward_errors, nonzero_std; or give a dotted path 'package.module:attr'"]
+    assert preflight(config, {"reward": 1}) == []
