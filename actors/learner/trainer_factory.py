@@ -12,16 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import RunConfig
+from actors.config.engines import TRAIN_BACKENDS
 from actors.config.teachers import run_teachers
 from engines.training.base import Trainer
 from policies.plugins import load_object
 
-BUILTIN_BACKENDS = ("torch", "megatron")
 TrainerFactory = Callable[[RunConfig], Trainer]
 
 
 def build_trainer(config: RunConfig) -> Trainer:
-    if config.trainer.train_backend not in BUILTIN_BACKENDS:
+    if config.trainer.train_backend not in TRAIN_BACKENDS:
         return build_plugin_trainer(config.trainer.train_backend, config)
     if config.model.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is required for the learner")
