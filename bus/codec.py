@@ -117,6 +117,54 @@ def encode_into(message: Message, buffer: bytearray) -> None:
     _ENCODER.encode_into(message, buffer)
 
 
+def validate(message: Message) -> Message:
+    """``message`` itself when every field holds what the schema allows, else a ValueError naming the message type
+    and the field: what ``decode`` would refuse on arrival, checked on the sender's object without encoding it.
+
+    Structs are not validated when constructed, so a sender that wants a bad value to be its own error (not a
+    frame the receiver drops) asks here. Nested structs (a batch's samples) are checked the same way.
+    """
+    if not isinstance(message, Message):
+        raise TypeError(f"validate() takes a bus.schema message, got {type(message).__name__}")
+    _validate_struct(message, type(message).__name__)
+    return message
+
+
+@functools.cache
+def _field_types(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(field, annotated type) of every field of ``cls`` but the schema version, which the encoder writes."""
+    module = sys.modules[cls.__module__]
+    hints = typing.get_type_hints(cls, globalns=vars(module), include_extras=True)
+    return tuple((name, hint) for name, hint in hints.items() if name in cls.__struct_fields__ and name != "v")
+
+
+def _validate_struct(value: msgspec.Struct, where: str) -> None:
+    for name, hint in _field_types(type(value)):
+        field = getattr(value, name)
+        try:
+            msgspec.convert(_as_sent(field), hint)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{where}.{name}: {exc}") from None
+        _validate_nested(field, f"{where}.{name}")
+
+
+def _as_sent(value: Any) -> Any:
+    """A numpy scalar as the encoder writes it (its Python value); everything else as it is."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _validate_nested(value: Any, where: str) -> None:
+    """The structs inside an already valid field, which ``msgspec.convert`` passes through as they are."""
+    if isinstance(value, msgspec.Struct):
+        _validate_struct(value, f"{where}<{type(value).__name__}>")
+    elif type(value) in (list, tuple):
+        for index, item in enumerate(value):
+            _validate_nested(item, f"{where}[{index}]")
+    elif type(value) is dict:
+        for key, item in value.items():
+            _validate_nested(item, f"{where}[{key!r}]")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Decoding
 # ---------------------------------------------------------------------------------------------------------------

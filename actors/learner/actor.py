@@ -38,7 +38,7 @@ from actors.runtime.checkpoint_pointer import (
 from actors.runtime.context import ActorContext
 from actors.runtime.metrics import MetricsWriter
 from actors.runtime.stopping import unless_stopped
-from bus.codec import decode, encode
+from bus.codec import validate
 from bus.schema import Batch, Control, Roster, VersionAnnouncement
 from policies.staleness import staleness_of_samples
 from policies.weight_versions import PushLedger
@@ -207,7 +207,7 @@ class Learner(Actor):
                                            step=self.trained_batch, timestamp=time.time())
         self.pushes.announcement_sent(announcement.version)
         try:
-            await self._controller.call(decode(encode(announcement)), timeout=2.0, retries=2)
+            await self._controller.call(validate(announcement), timeout=2.0, retries=2)
         except Exception as error:  # the next announcement carries the same information
             self.log.warning("version announcement failed", error=repr(error))
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -10,8 +12,8 @@ from bus_strategies import strategy_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus.codec import DecodeError, decode, encode, encode_into
-from bus.schema import MESSAGE_TYPES, Batch, Heartbeat, Message, Sample, messages_equal
+from bus.codec import DecodeError, decode, encode, encode_into, validate
+from bus.schema import MESSAGE_TYPES, Batch, Heartbeat, Message, Sample, VersionAnnouncement, messages_equal
 
 ROUND_TRIP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -162,3 +164,39 @@ def test_version_announcement_before_any_weight_push_decodes() -> None:
     decoded = decode(encode(VersionAnnouncement(version=7, weights_version=None, step=7)))
     assert isinstance(decoded, VersionAnnouncement)
     assert decoded.version == 7 and decoded.weights_version is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("message_type", list(MESSAGE_TYPES.values()), ids=list(MESSAGE_TYPES))
+@settings(ROUND_TRIP, max_examples=10)
+@given(data=st.data())
+def test_every_valid_message_passes_validation_unchanged(message_type: type[Message], data: st.DataObject) -> None:
+    message = data.draw(strategy_for(message_type))
+    assert validate(message) is message
+
+
+def _bad_sample() -> Sample:
+    return Sample(sample_id="g/0", group_id="g", index=0, prompt="p", prompt_tokens=1, tokens=[1, 2],
+                  response_length=1, reward="high")  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: VersionAnnouncement(version="3"), "VersionAnnouncement.version"),  # type: ignore[arg-type]
+    (lambda: VersionAnnouncement(version=3, weights_version=1.5), "VersionAnnouncement.weights_version"),  # type: ignore[arg-type]
+    (lambda: VersionAnnouncement(version=True), "VersionAnnouncement.version"),
+    (lambda: Batch(batch_id=1, samples=[_bad_sample()], staleness=[0]), "Batch.samples[0]<Sample>.reward"),
+], ids=["str-for-int", "float-for-int-or-null", "bool-for-int", "nested-sample"])
+def test_validation_refuses_what_the_receiver_would_drop_and_names_the_field(make, field: str) -> None:
+    message = make()
+    with pytest.raises(DecodeError):  # what a receiver would do with the frame: drop it
+        decode(encode(message))
+    with pytest.raises(ValueError, match=re.escape(field)):
+        validate(message)
+
+
+@pytest.mark.unit
+def test_validation_takes_numpy_scalars_as_the_encoder_writes_them() -> None:
+    message = VersionAnnouncement(version=np.int64(4), step=np.int32(4), timestamp=np.float32(1.5))  # type: ignore[arg-type]
+    assert messages_equal(decode(encode(message)), VersionAnnouncement(version=4, step=4, timestamp=1.5))
+    assert validate(message) is message
