@@ -244,7 +244,8 @@ class CollectiveTrainer:
             return self.ranks.run("train", None, lambda: step.train_prepared(prepared))
         parallel = self.local.data_parallel()
         if parallel.size == 1 or parallel.size != self.ranks.world:
-            return self.ranks.run("train", encode(batch), lambda: step.train(batch.samples, batch.staleness))
+            frame = encode(batch) if self.ranks.world > 1 else None  # the followers' copy; one rank has none
+            return self.ranks.run("train", frame, lambda: step.train(batch.samples, batch.staleness))
         shares = [encode(share) for share in data_parallel_shares(batch, parallel.size)]
         return self.ranks.run_scattered("train_share", shares, lambda: step.train(batch.samples, batch.staleness))
 

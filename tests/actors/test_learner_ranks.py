@@ -1,4 +1,4 @@
-"""A learner of several processes: rank 0 hosts the world's store on the node's address, not on every interface."""
+"""The learner's ranks: a world of several processes listens on the node's address only; one rank sends no frame."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import structlog
 
 from actors.config import build_config
 from actors.learner import ranks as ranks_module
-from actors.learner.ranks import LearnerRanks
+from actors.learner.ranks import CollectiveTrainer, LearnerRanks
+from actors.learner.step import TrainingStep
+from actors.learner.trainer_factory import build_trainer
 from bus.address import free_port
+from bus.codec import encode
+from bus.schema import Batch, Sample
 from tests.support.inprocess import use_spec
 from tests.support.sockets import listening
 from tools.sim.pipeline import SimSpec
@@ -53,3 +57,21 @@ def test_rank_zero_of_a_learner_on_two_nodes_names_the_node_whose_ranks_never_ca
             ranks.join()
     finally:
         ranks.close()
+
+
+@pytest.mark.integration
+def test_a_one_rank_learner_trains_the_batch_as_it_holds_it_without_encoding_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frame is the followers' copy of the batch; with no follower none is made. A value the wire cannot
+    carry shows it: encoding would refuse the batch, training it does not read the value."""
+    use_spec(SimSpec(train_sample_seconds=0.0), tmp_path, monkeypatch)
+    config = build_config({"train_backend": "tools.sim.pipeline:sleeping_trainer", "loss_type": "sft"})
+    sample = Sample(sample_id="g/0", group_id="g", index=0, prompt="p", prompt_tokens=1, tokens=[1, 2, 3],
+                    response_length=2, metadata={"unsendable": object()})
+    batch = Batch(batch_id=1, samples=[sample], staleness=[0])
+    with pytest.raises(TypeError, match="cannot encode"):
+        encode(batch)
+    trainer = CollectiveTrainer(build_trainer(config), LearnerRanks(config, tmp_path, "127.0.0.1",
+                                                                    structlog.get_logger()))
+    report = trainer.train(TrainingStep(trainer.local, config), batch)
+    assert report.result.version == 1
