@@ -74,7 +74,9 @@ class TrainSample(TokenFields):
 
     `tokens` are the prompt followed by the response; the last `response_length` of them are the response.
     Every per-token field (`TokenFields`, keyword-only) is None or a 1-D tensor of `response_length` entries.
-    `reward` is the sample's scalar reward.
+    `reward` is the sample's scalar reward where a step trains on rewards: the learner requires it there
+    (`actors.learner.stages.trained_reward`), from the buffer, which admits only finite ones. It is None on a sample
+    that is only scored (a forward) or learns a label (SFT); no trainer reads it, the advantages do.
     """
 
     tokens: Tensor
@@ -89,8 +91,8 @@ class TrainSample(TokenFields):
         return int(self.tokens.numel()) - self.response_length
 
     def present_fields(self) -> tuple[str, ...]:
-        """Names of the per-token fields and of `reward` that this sample carries (not None)."""
-        return tuple(name for name in (*TOKEN_FIELDS, "reward") if getattr(self, name) is not None)
+        """Names of the per-token fields that this sample carries (not None)."""
+        return tuple(name for name in TOKEN_FIELDS if getattr(self, name) is not None)
 
     def validate(self, index: int) -> None:
         """Raise a ValueError naming sample `index` and the field at fault; the trainer calls this on entry."""
@@ -124,13 +126,13 @@ class TrainSample(TokenFields):
 
 @dataclass
 class PackedBatch(TokenFields):
-    """Samples in the packed layout: per-token fields concatenated over responses, `reward` stacked per sample.
+    """Samples in the packed layout: per-token fields concatenated over responses. The rewards are not here: no
+    loss reads them (they reach the loss as advantages).
 
     A field is None when the samples do not carry it (every sample of a batch carries the same fields).
     """
 
     response_lengths: Tensor
-    reward: Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -148,7 +150,7 @@ class PackedBatch(TokenFields):
 
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor the batch holds, by field name (what must sit on the model's device)."""
-        names = ("response_lengths", *TOKEN_FIELDS, "reward")
+        names = ("response_lengths", *TOKEN_FIELDS)
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

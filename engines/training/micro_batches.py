@@ -193,7 +193,7 @@ def shared_prefix_length(prompts: Sequence[list[int]]) -> int:
 
 
 def collate(samples: Sequence[TrainSample], device: torch.device | str = "cpu") -> PackedBatch:
-    """The loss-side view of `samples`: per-token fields concatenated, `reward` stacked.
+    """The loss-side view of `samples`: per-token fields concatenated.
 
     Every sample must carry the same fields, otherwise the packed tensors would misalign silently.
     """
@@ -208,8 +208,6 @@ def collate(samples: Sequence[TrainSample], device: torch.device | str = "cpu") 
     packed = {
         name: torch.cat([getattr(s, name) for s in samples]).to(device) for name in TOKEN_FIELDS if name in expected
     }
-    if "reward" in expected:
-        packed["reward"] = torch.tensor([float(s.reward) for s in samples], device=device)
     lengths = torch.tensor([s.response_length for s in samples], dtype=torch.long, device=device)
     return PackedBatch(response_lengths=lengths, **packed)
 

@@ -70,13 +70,13 @@ def test_zero_length_response_contributes_no_positions() -> None:
 
 
 @pytest.mark.unit
-def test_collate_concatenates_token_fields_and_stacks_rewards() -> None:
+def test_collate_concatenates_token_fields_and_leaves_rewards_to_the_advantages() -> None:
     first = _sample(5, 2, advantages=torch.tensor([1.0, 2.0]), reward=0.5)
-    second = _sample(4, 1, advantages=torch.tensor([3.0]), reward=-1.0)
+    second = _sample(4, 1, advantages=torch.tensor([3.0]), reward=None)  # a reward is no token field: may differ
     batch = collate([first, second])
-    assert batch.advantages is not None and batch.reward is not None
+    assert batch.advantages is not None
     assert batch.advantages.tolist() == [1.0, 2.0, 3.0]
-    assert batch.reward.tolist() == [0.5, -1.0]
+    assert set(batch.tensors()) == {"response_lengths", "advantages"}  # no loss reads rewards: none is packed
     assert batch.loss_mask is None and batch.old_log_probs is None  # absent fields stay absent
     assert batch.sample_index().tolist() == [0, 0, 1]
 

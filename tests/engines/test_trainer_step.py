@@ -26,7 +26,7 @@ OPTIMIZER = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1.0, "weight_decay": 0.1, 
 def _samples(count: int = 7, seed: int = 0) -> list[TrainSample]:
     generator = torch.Generator().manual_seed(seed)
     samples = []
-    for index in range(count):
+    for _ in range(count):
         length = int(torch.randint(5, 48, (1,), generator=generator))
         response = int(torch.randint(1, length, (1,), generator=generator))
         mask = (torch.rand(response, generator=generator) > 0.2).float()
@@ -36,7 +36,6 @@ def _samples(count: int = 7, seed: int = 0) -> list[TrainSample]:
                 response_length=response,
                 advantages=torch.randn(response, generator=generator),
                 loss_mask=mask,
-                reward=float(index % 3),
             )
         )
     return samples
@@ -44,17 +43,19 @@ def _samples(count: int = 7, seed: int = 0) -> list[TrainSample]:
 
 @dataclass(frozen=True)
 class StepLoss:
-    """A token-mean term and a reward-weighted sequence-mean term, each divided by the step's global counts."""
+    """A token-mean term and a sequence-mean term (each sequence's log-prob weighted by its advantage sum), each
+    divided by the step's global counts."""
 
     loss_tokens: int
     sequences: int
 
     def __call__(self, outputs: ModelOutputs, batch: PackedBatch) -> tuple[Tensor, dict]:
-        assert batch.loss_mask is not None and batch.advantages is not None and batch.reward is not None
-        mask = batch.loss_mask
+        assert batch.loss_mask is not None and batch.advantages is not None
+        mask, index = batch.loss_mask, batch.sample_index()
         token_term = -(batch.advantages * outputs.log_probs * mask).sum() / self.loss_tokens
-        per_sequence = torch.zeros(batch.num_samples).index_add(0, batch.sample_index(), outputs.log_probs * mask)
-        sequence_term = (batch.reward * per_sequence).sum() / self.sequences
+        per_sequence = torch.zeros(batch.num_samples).index_add(0, index, outputs.log_probs * mask)
+        weights = torch.zeros(batch.num_samples).index_add(0, index, batch.advantages)
+        sequence_term = (weights * per_sequence).sum() / self.sequences
         loss = token_term + 0.1 * sequence_term
         return loss, {"token_term": float(token_term.detach())}
 
@@ -83,7 +84,6 @@ def _reference_step(model_path: Path, samples: list[TrainSample]) -> tuple[dict[
         response_lengths=torch.tensor([s.response_length for s in samples]),
         advantages=torch.cat([s.advantages for s in samples]),
         loss_mask=torch.cat([s.loss_mask for s in samples]),
-        reward=torch.tensor([s.reward for s in samples]),
     )
     loss, _ = policy_loss(samples)(ModelOutputs(torch.cat(log_probs)), batch)
     loss.backward()
