@@ -266,7 +266,9 @@ class BufferCore:
         return scored, self._drop_reason(scored)
 
     def _drop_reason(self, scored: ScoredGroup) -> str | None:
-        if any(s.reward is not None and not np.isfinite(s.reward) for s in scored.samples):
+        # The gate of the reward: what it admits has a finite one (a sample without one is left out or drops its
+        # group above), so the learner trains on each sample's reward as it is.
+        if not all(np.isfinite(s.reward) for s in scored.samples):
             return "non_finite_reward"
         if self.group_filter is not None:
             return self.group_filter(scored)

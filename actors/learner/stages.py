@@ -76,11 +76,13 @@ class StepBatch:
             setattr(sample, name, values)
 
 
-def to_train_sample(sample: Sample, *, newest_version_only: bool = False) -> TrainSample:
+def to_train_sample(sample: Sample, *, rewarded: bool, newest_version_only: bool = False) -> TrainSample:
     """Copies out of the decoded frame: bus arrays are read-only views that must not outlive the message.
 
-    `newest_version_only` (--mask-offpolicy-in-partial-rollout): a sample generated across a weight update trains
-    only on the tokens of its newest weights; the older part stays in the sequence as context, loss mask 0.
+    `rewarded`: the step trains on rewards (every loss but SFT's), so the sample must have one (`trained_reward`);
+    an SFT sample learns its label and carries none, whatever a reward worker gave it (the batch's metrics report
+    that). `newest_version_only` (--mask-offpolicy-in-partial-rollout): a sample generated across a weight update
+    trains only on the tokens of its newest weights; the older part stays in the sequence as context, loss mask 0.
     """
     length = int(sample.response_length)
     mask = loss_mask_of(sample)
@@ -93,9 +95,19 @@ def to_train_sample(sample: Sample, *, newest_version_only: bool = False) -> Tra
         loss_mask=torch.tensor(mask, dtype=torch.float32),
         rollout_log_probs=None if rollout is None else torch.tensor(np.asarray(rollout), dtype=torch.float32),
         teacher_log_probs=None if teacher is None else torch.tensor(np.asarray(teacher), dtype=torch.float32),
-        reward=float(sample.reward or 0.0),
+        reward=trained_reward(sample) if rewarded else None,
         routed_experts=_routes(sample),
     )
+
+
+def trained_reward(sample: Sample) -> float:
+    """The reward an RL step trains `sample` on. The buffer admits only samples with a finite reward; one without
+    came around it (a recorded batch, `--load-debug-rollout-data`, not written by a run's buffer) and is refused
+    here by name rather than trained as a reward of 0."""
+    if sample.reward is None:
+        raise ValueError(f"sample {sample.sample_id} (group {sample.group_id}) has no reward, and the step trains "
+                         "on rewards: the buffer admits only rewarded samples, so this batch did not come from one")
+    return float(sample.reward)
 
 
 def _routes(sample: Sample) -> torch.Tensor | None:
@@ -126,10 +138,12 @@ def masked_older_tokens(samples: Sequence[Sample]) -> int:
     return sum(int(np.sum(loss_mask_of(s) * (1 - newest_version_tokens(s)))) for s in samples)
 
 
-def to_step_batch(samples: Sequence[Sample], *, newest_version_only: bool = False,
+def to_step_batch(samples: Sequence[Sample], *, rewarded: bool, newest_version_only: bool = False,
                   teacher_of: Callable[[Sample], str] | None = None) -> StepBatch:
-    """`teacher_of` names each sample's distillation teacher (`actors.config.teachers.teacher_of`)."""
-    return StepBatch(samples=[to_train_sample(s, newest_version_only=newest_version_only) for s in samples],
+    """`rewarded` and `newest_version_only`: see `to_train_sample`. `teacher_of` names each sample's distillation
+    teacher (`actors.config.teachers.teacher_of`)."""
+    return StepBatch(samples=[to_train_sample(s, rewarded=rewarded, newest_version_only=newest_version_only)
+                              for s in samples],
                      group_ids=[s.group_id for s in samples],
                      teachers=[teacher_of(s) for s in samples] if teacher_of is not None else [],
                      episode_ids=[episode_id(s) for s in samples])
@@ -241,9 +255,10 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         batch.scatter("advantages", custom(policy, batch.samples, group_ids, process_group=group))
         return {}
     values = batch.packed("values")
+    rewards = [s.reward for s in batch.samples]  # each set by `to_step_batch` for a step that trains on rewards
     advantages, returns = compute_advantages(
         policy,
-        rewards=torch.tensor([float(s.reward or 0.0) for s in batch.samples], dtype=torch.float32),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
         group_ids=group_ids,
         response_lengths=batch.response_lengths(),
         loss_mask=batch.packed("loss_mask"),
@@ -262,9 +277,8 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         assert loss_mask is not None
         # A batch whose samples all scored alike has no outcome to explain: its returns differ only by the critic's
         # own bootstrap (lambda < 1), and 1 - Var(R - V) / Var(R) over that near-zero spread reads as -50 or -100.
-        outcomes = {s.reward for s in batch.samples}
         metrics["critic/explained_variance"] = (
-            explained_variance(values, returns, loss_mask) if len(outcomes) > 1 else float("nan"))
+            explained_variance(values, returns, loss_mask) if len(set(rewards)) > 1 else float("nan"))
     return metrics
 
 

@@ -59,6 +59,8 @@ class TrainingStep:
         """`pi_old` overrides the rule (`policies.step_loss.pi_old_source`); only tests comparing paths set it."""
         self.trainer = trainer
         self.policy = config.policy
+        # Every loss but SFT's trains on rewards (through the advantages); SFT learns the labels and reads none.
+        self.trains_on_rewards = self.policy.loss_type != "sft"
         self.rewrite_batch = batch_rewrite(config)
         self.custom_advantages = advantage_function(config)
         if self.rewrite_batch is not None:  # trained on the rewrite's rewards as they are (slime's hooks are)
@@ -89,8 +91,10 @@ class TrainingStep:
         batch_metrics = rollout_metrics(samples, staleness)
         if self.rewrite_batch is not None:  # on the whole batch (each rank alike), before any cut
             samples = self.rewrite_batch(list(samples))
-            batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward or 0.0 for s in samples]))
-        batch = stages.to_step_batch(samples, newest_version_only=self.newest_version_only,
+            # the hooks give every sample a reward (`actors.slime_compat`), so none is missing here
+            batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward for s in samples]))
+        batch = stages.to_step_batch(samples, rewarded=self.trains_on_rewards,
+                                     newest_version_only=self.newest_version_only,
                                      teacher_of=self._teacher_name if self.teachers else None)
         if self.newest_version_only:
             batch_metrics["partial/masked_older_tokens"] = float(stages.masked_older_tokens(samples))
@@ -117,7 +121,7 @@ class TrainingStep:
         # which a checkpoint keeps, so a resumed run goes on where it was).
         warming_up = critic and self.trainer.critic_steps < self.critic_only_steps * self.steps
         advantage_metrics = {}
-        if self.policy.loss_type != "sft":
+        if self.trains_on_rewards:
             advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
         parts = stages.mini_batches(batch, self.steps, parallel)
         results = []
@@ -193,9 +197,10 @@ def combine_steps(results: Sequence[StepResult]) -> StepResult:
 def rollout_metrics(samples: Sequence[Sample], staleness: Sequence[int]) -> dict[str, float]:
     """What the batch says about generation: reward, accuracy, truncation and the mean of each extra field the
     reward function returned (`reward/format_ok`, ...) per episode (an agent's episode of several segments counts
-    once, by its final segment), lengths per sample, staleness."""
+    once, by its final segment), lengths per sample, staleness. The reward metrics are NaN for a batch without
+    rewards: SFT samples that no reward worker scored (the buffer serves only rewarded ones)."""
     finals = final_segments(samples)
-    rewards = np.asarray([float(s.reward or 0.0) for s in finals])
+    rewards = np.asarray([s.reward for s in finals if s.reward is not None], dtype=np.float64)
     lengths = np.asarray([s.response_length for s in samples])
     metrics = {
         "rollout/reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),

@@ -93,7 +93,7 @@ class SlimeAdvantageFunction:
     def rollout_data(self, policy: PolicyLossConfig, samples: Sequence[TrainSample],
                      group_ids: Tensor) -> dict[str, Any]:
         """slime's ``rollout_data`` for these samples, in its layout: lists with one entry per sample."""
-        rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # set for a rewarded step
         data: dict[str, Any] = {
             "tokens": [s.tokens.clone() for s in samples],
             "response_lengths": [s.response_length for s in samples],

@@ -60,7 +60,7 @@ def test_the_critic_reads_each_token_where_the_policy_reads_its_log_prob(tiny_mo
     critic = critic_of(trainer)
     with torch.no_grad():
         torch.nn.init.normal_(critic.model.get_output_embeddings().weight, std=0.5)  # values that differ per token
-    samples = to_step_batch(scored).samples
+    samples = to_step_batch(scored, rewarded=False).samples
     packed = trainer.compute_values(samples)
     plain = []
     with torch.no_grad():

@@ -122,7 +122,7 @@ def trainer_with_teachers(student: Path, teachers: dict[str, Path], *, lr: float
 
 
 def sampled_reverse_kl(trainer: TorchTrainer, samples: list[Sample], role: str) -> float:
-    batch = to_step_batch(samples).samples
+    batch = to_step_batch(samples, rewarded=False).samples
     student = trainer.compute_log_probs(batch, temperature=1.0).log_probs
     teacher = trainer.compute_log_probs(batch, temperature=1.0, model=role).log_probs
     return float((student - teacher).mean())
@@ -220,7 +220,7 @@ def test_a_teacher_server_scores_the_students_tokens_as_the_learners_teacher_doe
     assert all(s.status != "failed" and len(s.teacher_log_probs) == s.response_length for s in scored), \
         [s.error for s in scored]
     trainer = trainer_with_teachers(tiny_model_path, {"teacher": teacher_path})
-    in_learner = trainer.compute_log_probs(to_step_batch(samples).samples, temperature=1.0,
+    in_learner = trainer.compute_log_probs(to_step_batch(samples, rewarded=False).samples, temperature=1.0,
                                            model=teacher_role("teacher")).log_probs
     served = torch.from_numpy(np.concatenate([s.teacher_log_probs for s in scored]))
     torch.testing.assert_close(served, in_learner, atol=1e-4, rtol=0)

@@ -62,7 +62,7 @@ def test_a_failed_sample_is_left_out_and_its_group_trains_on_the_rest_normalised
     samples = [sample for kept in batch.groups for sample in kept.samples]
     assert [sample.index for sample in samples] == [0, 2, 3] and len(batch.staleness) == 3
     # GRPO over the three that remain: mean 2/3, unbiased std sqrt(1/3); the failed sample is no baseline of theirs.
-    step = to_step_batch(samples)
+    step = to_step_batch(samples, rewarded=True)
     add_advantages(PolicyLossConfig(advantage_estimator="grpo"), step, DataParallel(rank=0, size=1))
     expected = (torch.tensor([1.0, 0.0, 1.0]) - 2 / 3) / (np.sqrt(1 / 3) + 1e-6)
     for sample, advantage in zip(step.samples, expected, strict=True):

@@ -241,11 +241,11 @@ def slime_post_process(args, samples):
 def test_a_slime_reward_post_process_gives_the_rewards_the_step_trains_on_as_they_are(tiny_model_path: Path) -> None:
     flags = {"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4, "rollout_max_response_len": 5,
              "lr": 1e-2, "off_policy_correction": "none"}
-    samples = generate(tiny_model_path, build_config(flags), groups(4))
+    samples = with_rewards(generate(tiny_model_path, build_config(flags), groups(4)), [1.0, 0.0, 0.0, 0.0])
     config = build_config({**flags, "custom_reward_post_process_path": f"{__name__}:slime_post_process"})
     report = TrainingStep(TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2)), config).train(
         samples, staleness=[0] * len(samples))
-    assert report.metrics["rollout/reward_mean"] == 0.0  # the reward workers' (raw) rewards: none were given
+    assert report.metrics["rollout/reward_mean"] == 0.25  # the reward workers' (raw) rewards
     assert report.metrics["rollout/post_processed_reward_mean"] == pytest.approx(0.0)
     # -1.5 .. 1.5 per group, trained as they are: a group baseline with std normalisation would give +-1.16.
     assert (report.metrics["advantage_min"], report.metrics["advantage_max"]) == pytest.approx((-1.5, 1.5))

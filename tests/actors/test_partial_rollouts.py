@@ -35,8 +35,9 @@ def spanning_sample(index: int = 0, reward: float = 1.0) -> Sample:
 @pytest.mark.unit
 def test_only_the_newest_weights_tokens_train_when_asked_and_the_tool_tokens_never() -> None:
     sample = spanning_sample()
-    assert to_train_sample(sample).loss_mask.tolist() == [1, 1, 1, 0, 0, 1, 1]
-    assert to_train_sample(sample, newest_version_only=True).loss_mask.tolist() == [0, 0, 1, 0, 0, 1, 1]
+    assert to_train_sample(sample, rewarded=False).loss_mask.tolist() == [1, 1, 1, 0, 0, 1, 1]
+    newest_only = to_train_sample(sample, rewarded=False, newest_version_only=True)
+    assert newest_only.loss_mask.tolist() == [0, 0, 1, 0, 0, 1, 1]
     assert masked_older_tokens([sample, sample]) == 4
 
 

@@ -96,7 +96,7 @@ def test_a_samples_routes_cross_the_wire_and_reach_the_trainer_as_its_layout() -
                     tokens=np.arange(6, dtype=np.int32), response_length=2, routed_experts=routes, moe_layers=3,
                     moe_top_k=2)
     received = decode(encode(sample))
-    train_sample = to_train_sample(received)
+    train_sample = to_train_sample(received, rewarded=False)
     assert train_sample.routed_experts is not None
     assert train_sample.routed_experts.shape == (5, 3, 2)
     assert train_sample.routed_experts.flatten().tolist() == routes.tolist()

@@ -146,7 +146,7 @@ def test_each_segment_trains_with_its_episodes_advantage_over_a_baseline_of_epis
     """GRPO over three episodes rewarded 1, 0, 1 (the first of three segments): the mean is 2/3, not the 4/5 of
     five samples, and all three segments of the first get its advantage."""
     samples = [*forked("g", 0, 3, reward=1.0), segment("g", 1, reward=0.0), segment("g", 2, reward=1.0)]
-    batch = to_step_batch(samples)
+    batch = to_step_batch(samples, rewarded=True)
     add_advantages(PolicyLossConfig(advantage_estimator="grpo"), batch, ONE)
     centred = torch.tensor([1.0, 0.0, 1.0]) - 2 / 3
     expected = centred / (centred.std() + 1e-6)
@@ -157,10 +157,10 @@ def test_each_segment_trains_with_its_episodes_advantage_over_a_baseline_of_epis
 def test_optimizer_steps_take_whole_episodes_and_the_batch_metrics_count_episodes() -> None:
     samples = [*forked("g", 0, 3, reward=1.0), segment("g", 1, reward=0.0), *forked("h", 0, 2, reward=0.0),
                segment("h", 1, reward=0.0)]
-    parts = mini_batches(to_step_batch(samples), 2, ONE)
+    parts = mini_batches(to_step_batch(samples, rewarded=True), 2, ONE)
     assert [part.episode_ids for part in parts] == [["g/0"] * 3 + ["g/1"], ["h/0"] * 2 + ["h/1"]]
     with pytest.raises(ValueError, match="4 samples cannot make 5 optimizer steps"):
-        mini_batches(to_step_batch(samples), 5, ONE)
+        mini_batches(to_step_batch(samples, rewarded=True), 5, ONE)
     metrics = rollout_metrics(samples, [0] * len(samples))
     assert metrics["rollout/reward_mean"] == 0.25 and metrics["rollout/samples"] == 7
     assert metrics["multiturn/segments_per_episode"] == 7 / 4 and metrics["multiturn/turns_mean"] == 7 / 4

@@ -122,7 +122,7 @@ def ours(model: Path, samples: list, samples_per_prompt: int, kl: bool, lora_ran
     trainer = build_trainer(config)
     step = TrainingStep(trainer, config)
     staleness = [0] * len(samples)
-    typed = stages.to_step_batch(samples, newest_version_only=False).samples
+    typed = stages.to_step_batch(samples, rewarded=False).samples
     return (lambda: step.train(samples, staleness),
             lambda: trainer.compute_log_probs(typed, temperature=1.0))
 
