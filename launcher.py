@@ -1,7 +1,7 @@
 """Start and supervise this node's Slipstream actors: `python launcher.py --head ...` on the first node,
 `python launcher.py --head-address tcp://HOST:PORT --node-rank N ...` on every other. Under Slurm, a
 LeaderWorkerSet or a torchrun-style job, the same command on every node: each reads its place from the
-scheduler's environment (`actors/runtime/cluster_env.py`, docs/cluster.md).
+scheduler's environment (`actors/launch/cluster_env.py`, docs/cluster.md).
 
 Each actor runs as its own process; the launcher restarts crashed ones with backoff, turns SIGINT/SIGTERM
 into an orderly stop of all of them, and exits 0 when the run finished, 1 when it failed, 128+signal when it
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from actors.runtime.zygote_client import EarlyTemplate
+from actors.launch.zygote_client import EarlyTemplate
 
 # First, before the imports below: a head node's actor template starts now, ready when the first actor is forked.
 EARLY_TEMPLATE = EarlyTemplate.for_head(sys.argv[1:]) if __name__ == "__main__" else None
@@ -36,29 +36,29 @@ from actors.config.help import USAGE, HelpFormatter, add_help_flags
 from actors.config.preflight import preflight
 from actors.config.run import learner_ranks_per_node
 from actors.config.settings_errors import SettingsError
-from actors.runtime import cluster_env
-from actors.runtime.context import ActorContext, ActorSettings
-from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
-from actors.runtime.head_settings import HeadSettingsError, fetch_head_settings
-from actors.runtime.head_watch import stop_node_when_head_lost
-from actors.runtime.node_roles import (
+from actors.launch import cluster_env
+from actors.launch.head_settings import HeadSettingsError, fetch_head_settings
+from actors.launch.head_watch import stop_node_when_head_lost
+from actors.launch.node_roles import (
     SINGLETON_ROLES,
     LaunchError,
     node_actor_counts,
     node_gpus,
     worker_node_roles,
 )
-from actors.runtime.placement import (
+from actors.launch.placement import (
     NodePlacement,
     PlacementError,
     place_node,
     visible_devices,
 )
-from actors.runtime.progress import ProgressStart, follow_progress
-from actors.runtime.resume import interrupted_note, resume_command, resume_step
+from actors.launch.resume import interrupted_note, resume_command, resume_step
+from actors.launch.supervisor import RestartPolicy, Supervisor
+from actors.report.progress import ProgressStart, follow_progress
+from actors.report.run_clock import RunClock
+from actors.runtime.context import ActorContext, ActorSettings
+from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
-from actors.runtime.run_clock import RunClock
-from actors.runtime.supervisor import RestartPolicy, Supervisor
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
 from policies.plugins import put_working_directory_on_path
@@ -121,7 +121,7 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
     actors.add_argument("--fork-actors", action=argparse.BooleanOptionalAction,
                         default=sys.platform.startswith("linux"),
                         help="on a node without GPUs, fork actors from one process that imported torch and "
-                             "transformers once (actors/runtime/zygote.py) instead of starting each as a new "
+                             "transformers once (actors/launch/zygote.py) instead of starting each as a new "
                              "interpreter: seconds less start-up")
 
     run = parser.add_argument_group("run")
@@ -406,7 +406,7 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
         print(f"launcher.py: run failed: {supervisor.failure}", file=sys.stderr)
     if runs_learner:
         from actors.buffer.accounting import prompt_verdict
-        from actors.runtime.run_report import certify_run, report_run
+        from actors.report.run_report import certify_run, report_run
 
         certify_run(run_dir, prompts=prompt_verdict, run_failed=supervisor.failure)
         if contexts[0].settings.run.logging.plots:

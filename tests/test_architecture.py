@@ -122,7 +122,7 @@ def test_layers_import_only_downwards() -> None:
 # The roles of actors/: each folder is one role's process. A role reaches another only over the bus, never by
 # importing its folder; what several roles share lives in a shared folder, and a shared folder imports no role.
 ROLE_FOLDERS = {"buffer", "controller", "learner", "reward", "rollout"}
-SHARED_FOLDERS = {"config", "data", "eval", "extensions", "runtime", "slime_compat"}
+SHARED_FOLDERS = {"config", "data", "eval", "extensions", "launch", "report", "runtime", "slime_compat"}
 ROLE_IMPORTERS = {"actors.plugins"}  # the plugin surface re-exports the rollout API users write against
 
 
@@ -140,6 +140,60 @@ def test_roles_import_no_other_role_and_shared_folders_import_none() -> None:
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "a role's folder imported from outside it (move the shared part to a shared folder):\n" + (
         "\n".join(sorted(wrong)))
+
+
+# actors/runtime/ is the floor every actor process stands on; starting a node's processes (actors/launch/) and the
+# end-of-run report (actors/report/) are the launcher's rooms above it. User tools may read them (tools/plot_run.py
+# draws a finished run's plots with the report's code); no actor process has a reason to load them.
+LAUNCHER_ROOMS = ("actors.launch", "actors.report")
+LAUNCHER_ROOM_IMPORTERS = ("launcher", "tools")
+
+
+def in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def launcher_room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of actors.launch or actors.report from anything but the launcher, a tool, or the room itself."""
+    return sorted(f"{module} imports {target}" for module, targets in graph.items()
+                  if not any(in_room(module, outside) for outside in LAUNCHER_ROOM_IMPORTERS)
+                  for target in targets for room in LAUNCHER_ROOMS
+                  if in_room(target, room) and not in_room(module, room))
+
+
+def runtime_floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from actors.runtime up into the launcher's rooms."""
+    return sorted(f"{module} imports {target}" for module, targets in graph.items()
+                  if in_room(module, "actors.runtime")
+                  for target in targets if any(in_room(target, room) for room in LAUNCHER_ROOMS))
+
+
+def test_only_the_launcher_and_tools_import_launch_and_report() -> None:
+    wrong = launcher_room_violations(import_graph())
+    assert not wrong, "actors.launch and actors.report are the launcher's (move what a role needs to actors.runtime " \
+        "or a shared folder):\n" + "\n".join(wrong)
+
+
+def test_runtime_imports_neither_launch_nor_report() -> None:
+    wrong = runtime_floor_violations(import_graph())
+    assert not wrong, "actors.runtime is the floor every actor process loads:\n" + "\n".join(wrong)
+
+
+def test_room_checkers_find_planted_violations() -> None:
+    """The checkers themselves: a role importing launch code, the runtime importing the report, and a runtime module
+    importing launch code are reported; the launcher, a tool and a room importing itself are not."""
+    planted = {
+        "actors.rollout.actor": {"actors.launch.placement", "actors.runtime.base"},
+        "actors.runtime.main": {"actors.report.progress", "actors.launch.zygote"},
+        "actors.launch.supervisor": {"actors.launch.zygote_client", "actors.runtime.exits"},
+        "launcher": {"actors.launch.supervisor", "actors.report.run_report"},
+        "tools.plot_run": {"actors.report.run_report"},
+    }
+    assert launcher_room_violations(planted) == [
+        "actors.rollout.actor imports actors.launch.placement", "actors.runtime.main imports actors.launch.zygote",
+        "actors.runtime.main imports actors.report.progress"]
+    assert runtime_floor_violations(planted) == [
+        "actors.runtime.main imports actors.launch.zygote", "actors.runtime.main imports actors.report.progress"]
 
 
 def test_no_role_imports_slime_compat() -> None:

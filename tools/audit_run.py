@@ -1,5 +1,5 @@
 """Audit a run directory: was every accepted sample trained exactly once, did versions only move forward, and what
-does its integrity certificate say (`actors/runtime/integrity.py`)? `python tools/audit_run.py RUN_DIR`.
+does its integrity certificate say (`actors/report/integrity.py`)? `python tools/audit_run.py RUN_DIR`.
 
 Sources: the buffer's durable log with its archived segments (what was accepted, evicted, put in which batch, at
 which version, measured again at which version when it was served ahead of a step that applied no update,
@@ -35,7 +35,7 @@ import yaml
 
 from actors.buffer.accounting import prompt_verdict
 from actors.buffer.log import BufferLog, archived_logs
-from actors.runtime.integrity import certify, describe, recorded_run_failure
+from actors.report.integrity import certify, describe, recorded_run_failure
 from bus.codec import decode
 
 

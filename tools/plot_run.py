@@ -1,6 +1,6 @@
 """Pictures and a summary of a run directory: `python tools/plot_run.py RUN_DIR`.
 
-The launcher writes the same at the end of every run (`actors.runtime.run_report`); this redraws them, e.g. for a
+The launcher writes the same at the end of every run (`actors.report.run_report`); this redraws them, e.g. for a
 run that was killed before its end or one copied from another machine.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from actors.runtime.run_report import plot_run, summarize
+from actors.report.run_report import plot_run, summarize
 
 
 def main() -> None:

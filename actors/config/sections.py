@@ -501,7 +501,7 @@ class WeightsConfig(Section):
 
 
 class PlacementConfig(Section):
-    """slime's placement flags; see actors/runtime/placement.py for what the launcher does with them."""
+    """slime's placement flags; see actors/launch/placement.py for what the launcher does with them."""
 
     actor_num_nodes: int = Field(1, ge=1, description="nodes of the learner: the head runs ranks 0..G-1 of its "
                                  "G = learner_ranks / actor_num_nodes per node, node n (--node-rank n) ranks "

@@ -292,7 +292,7 @@ class Controller(Actor):
 
     @serves(schema.RunConfigQuery)
     async def on_run_config_query(self, sender: str, request: schema.RunConfigQuery) -> schema.RunConfigReply:
-        """A worker node's launcher asks before it starts its actors (actors.runtime.head_settings)."""
+        """A worker node's launcher asks before it starts its actors (actors.launch.head_settings)."""
         return schema.RunConfigReply(settings=self.settings.run.model_dump(mode="json"))
 
     @serves(schema.RunState)

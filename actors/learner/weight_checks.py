@@ -4,7 +4,7 @@ One JSON line per push attempt in RUN_DIR/metrics/weight_checks.jsonl: the versi
 exactly what was sent, those that serve other bits (with the tensors, and `why` where the difference shows only as
 a whole: SGLang's checksums), those that could not be checked (with the reason), what fingerprinting cost each end
 (`seconds`: the sender, and each engine while its generation waited), or why the push was not checked at all.
-`actors/runtime/integrity.py` turns the file into a verdict.
+`actors/report/integrity.py` turns the file into a verdict.
 """
 
 from __future__ import annotations

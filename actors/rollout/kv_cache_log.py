@@ -3,7 +3,7 @@
 A token sampled over keys and values an older weight version computed carries the new version's tag, so nothing
 downstream can tell; only the engine can (`InferenceEngine.kv_cache_account`). The worker appends what its engine
 says to RUN_DIR/metrics/kv_cache/ACTOR.jsonl after every weight update it lands and when it stops, one file per
-worker (no two processes append to one file); `actors/runtime/integrity.py` turns the files into the `caches`
+worker (no two processes append to one file); `actors/report/integrity.py` turns the files into the `caches`
 verdict. The counts are cumulative per process: a restarted worker starts again at zero under a new pid. An engine
 with a prefix cache adds what it reused and prefilled (`prefix_cache`), which the certificate sums up beside the
 verdict: the cache's tokens count in `stale_kv_tokens` like any other the moment a sample attends them.

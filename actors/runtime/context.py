@@ -31,7 +31,7 @@ class ActorSettings(BaseModel):
     heartbeat_deadline: float | None = Field(None, gt=0)  # controller: silence before a member counts as dead
     stream_window: int = Field(16, ge=1)  # credits of this actor's inbound stream
     custom: dict[str, Any] = Field(default_factory=dict)  # a user-written actor's own settings, as given
-    # The run's clock (actors/runtime/run_clock.py): the epoch seconds at which it read 0, which the head's launcher
+    # The run's clock (actors/report/run_clock.py): the epoch seconds at which it read 0, which the head's launcher
     # gives every actor it starts and restarts, so metrics `time` goes on across restarts; None: from the writer.
     clock_origin: float | None = None
 

@@ -1,7 +1,7 @@
 """Run metrics: JSON lines always (what plots and audits read), TensorBoard when asked.
 
 One writer per producing actor (`metrics/<name>.jsonl`), so processes never contend for a file; every record
-carries the step, `time` (seconds on the run's clock, `actors/runtime/run_clock.py`) and `wall` (epoch seconds),
+carries the step, `time` (seconds on the run's clock, `actors/report/run_clock.py`) and `wall` (epoch seconds),
 so curves can be drawn against steps or time, and the time of every file goes on across restarts.
 """
 

@@ -1,6 +1,6 @@
 """What `ps`, `top`, `pgrep -f` and `py-spy` call each process of a run.
 
-Every actor is forked from the template process (`actors.runtime.zygote`), so without this each one would show
+Every actor is forked from the template process (`actors.launch.zygote`), so without this each one would show
 that template's command line, and finding the learner to profile or kill it would mean reading the launcher's log.
 The full title (`slipstream learner-0 node 0 run /runs/x`) is the command line `ps -f` and `pgrep -f` match; the
 short name (`learner-0`, what `top` and `ps -e` show, at most 15 bytes on Linux) is the main thread's name.

@@ -1,7 +1,7 @@
 """Same-GPU weight transfer: CUDA IPC buffers in place of an NCCL broadcast.
 
 NCCL refuses a communicator with two ranks on one device, so when the engines share the learner's GPU (one GPU
-for everything, or `--colocate`: see `actors/runtime/placement.py`) the bytes cannot be broadcast. They do not
+for everything, or `--colocate`: see `actors/launch/placement.py`) the bytes cannot be broadcast. They do not
 need to be: the staging protocol of `staged_copy.py` runs over buffers shared once per receiver through CUDA IPC,
 and every receiver copies each bucket straight from the learner's buffer into its own tensor (a device-to-device
 copy, no host round trip).

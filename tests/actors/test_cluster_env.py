@@ -1,5 +1,5 @@
 """A node's place in a multi-node job, from what Slurm, LeaderWorkerSet or a torchrun-style job set in its
-environment (`actors/runtime/cluster_env.py`)."""
+environment (`actors/launch/cluster_env.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.runtime.cluster_env import (
+from actors.launch.cluster_env import (
     ClusterEnvError,
     ClusterNode,
     detect,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from actors.launch.zygote_client import Zygote
 from actors.runtime.context import ActorContext
-from actors.runtime.zygote_client import Zygote
 from tests.support.console import PROGRESS_BAR, env_without_quiet_switches
 
 REPO = Path(__file__).resolve().parents[2]

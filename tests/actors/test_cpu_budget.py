@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import launcher
-from actors.runtime import node_roles
+from actors.launch import node_roles
 from actors.runtime.cpu_budget import CpuShare, plan_cpu_budget
 from tests.support.launch_inputs import minimal_inputs
 

@@ -251,7 +251,7 @@ def test_a_prompt_naming_no_known_teacher_fails_with_the_field_and_value() -> No
 
 @pytest.mark.unit
 def test_the_progress_line_shows_the_kl_to_the_teacher_and_the_critics_explained_variance() -> None:
-    from actors.runtime.progress import describe
+    from actors.report.progress import describe
 
     line = describe({"step": 2, "rollout/reward_mean": 0.0, "opd/reverse_kl": 1.25, "critic/explained_variance": 0.5})
     assert "kl-to-teacher 1.250 critic-ev 0.500 stale" in line

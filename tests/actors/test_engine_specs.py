@@ -11,9 +11,9 @@ from actors.config import build_config
 from actors.config.engines import BUILTIN_ENGINES, EngineSpec, engine_choices, engine_needs_gpu
 from actors.config.preflight import preflight
 from actors.config.run import RunConfig
+from actors.launch.placement import PlacementError, place_node
 from actors.learner.publish import transport_name
 from actors.rollout.engine_factory import load_engine
-from actors.runtime.placement import PlacementError, place_node
 from engines.weights.names import TORCH_DISTRIBUTED
 from policies.plugins import load_object
 from tests.support.inprocess import use_spec

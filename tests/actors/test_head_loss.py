@@ -1,4 +1,4 @@
-"""A worker node's watch on its head (actors/runtime/head_watch.py), and the head starting again on its port after
+"""A worker node's watch on its head (actors/launch/head_watch.py), and the head starting again on its port after
 it was lost. The whole story, with nodes in network namespaces, is tests/system/test_elastic_nodes.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.runtime.head_watch import head_lost_report, watch_head
+from actors.launch.head_watch import head_lost_report, watch_head
 from launcher import LaunchError, check_head_address
 
 

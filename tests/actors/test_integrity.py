@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from actors.learner.weight_checks import WeightCheckLog
-from actors.runtime.integrity import FILE, certify, describe, recorded_run_failure, write_certificate
-from actors.runtime.run_report import certify_run
+from actors.report.integrity import FILE, certify, describe, recorded_run_failure, write_certificate
+from actors.report.run_report import certify_run
 from engines.weights.fingerprint import FingerprintCheck
 
 pytestmark = pytest.mark.unit

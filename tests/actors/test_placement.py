@@ -10,10 +10,10 @@ import pytest
 import launcher
 from actors.config import build_config, config_from_args
 from actors.config.engines import weight_backend
+from actors.launch import node_roles
+from actors.launch.cluster_env import ClusterNode
+from actors.launch.placement import PlacementError, place_node, visible_devices
 from actors.learner.publish import transport_name
-from actors.runtime import node_roles
-from actors.runtime.cluster_env import ClusterNode
-from actors.runtime.placement import PlacementError, place_node, visible_devices
 from engines.weights.names import SGLANG_LORA, SGLANG_TENSOR
 from tests.support.launch_inputs import minimal_inputs
 from tools.bench.pipeline import SLEEPING_FLAGS

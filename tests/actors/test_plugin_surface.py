@@ -138,9 +138,9 @@ def test_old_names_stop_importing_on_their_end_date_naming_the_new_place(monkeyp
 @pytest.mark.unit
 def test_a_name_that_exists_is_never_answered_as_moved(monkeypatch: pytest.MonkeyPatch) -> None:
     """The finder is last on sys.meta_path: a real module under a name listed as moved imports as itself."""
-    monkeypatch.setitem(MOVED, "actors.runtime.run_report", "actors.runtime.base")
-    monkeypatch.delitem(sys.modules, "actors.runtime.run_report", raising=False)
+    monkeypatch.setitem(MOVED, "actors.report.run_report", "actors.runtime.base")
+    monkeypatch.delitem(sys.modules, "actors.report.run_report", raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        module = importlib.import_module("actors.runtime.run_report")
+        module = importlib.import_module("actors.report.run_report")
     assert module.__file__.endswith("run_report.py") and hasattr(module, "plot_run")

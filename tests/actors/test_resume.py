@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from actors.config import RunConfig
+from actors.launch.resume import interrupted_note, resume_command, resume_step
+from actors.report.progress import ProgressStart, follow_progress
 from actors.runtime.checkpoint_pointer import checkpoint_dir, point_latest_at, step_checkpoint
-from actors.runtime.progress import ProgressStart, follow_progress
-from actors.runtime.resume import interrupted_note, resume_command, resume_step
 
 pytestmark = pytest.mark.unit
 

@@ -78,7 +78,7 @@ def test_an_eval_round_logs_the_mean_of_each_extra(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_the_progress_line_shows_what_the_reward_counts_as_right() -> None:
-    from actors.runtime.progress import describe
+    from actors.report.progress import describe
 
     shaped = {"step": 3, "rollout/reward_mean": 0.4, "rollout/accuracy": 0.1, "reward/correct": 0.6}
     assert "reward 0.400 acc 0.600" in describe(shaped)  # half credit for a wordy right answer is still right

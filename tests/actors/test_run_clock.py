@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from actors.report.run_clock import RunClock, format_duration, run_seconds, run_starts
+from actors.report.run_report import summarize
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
 from actors.runtime.metrics import last_record, read_metrics
-from actors.runtime.run_clock import RunClock, format_duration, run_seconds, run_starts
-from actors.runtime.run_report import summarize
 from launcher import on_clock
 
 pytestmark = pytest.mark.unit

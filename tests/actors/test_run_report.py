@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.report.progress import describe, train_accuracy_key
+from actors.report.run_report import curves, plot_run, report_run, summarize
 from actors.runtime.metrics import read_metrics
-from actors.runtime.progress import describe, train_accuracy_key
-from actors.runtime.run_report import curves, plot_run, report_run, summarize
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import pytest
 
 from actors.config import config_from_args
 from actors.config.settings_errors import SettingsError
-from actors.runtime.node_roles import LaunchError
+from actors.launch.node_roles import LaunchError
 from launcher import build_parser, prepare
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.launch.zygote_client import EarlyTemplate, Zygote, actor_environment
 from actors.runtime.context import ActorContext
 from actors.runtime.roles import BUILTIN_ROLES
-from actors.runtime.zygote_client import EarlyTemplate, Zygote, actor_environment
 from bus.address import free_port
 from tests.support.processes import alive
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.report.integrity import caches_verdict
 from actors.rollout.kv_cache_log import record_kv_cache
-from actors.runtime.integrity import caches_verdict
 from engines.inference import (
     GenerateOutput,
     GenerateRequest,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.launch.supervisor import Supervisor
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.roles import BUILTIN_ROLES
-from actors.runtime.supervisor import Supervisor
 from bus.address import free_port, ipc_sockets_dir
 from tests.support.processes import alive
 

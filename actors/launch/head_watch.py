@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from actors.launch.supervisor import Supervisor
 from actors.runtime.checkpoint_pointer import checkpoint_dir, latest_checkpoint
 from actors.runtime.context import ActorContext
-from actors.runtime.supervisor import Supervisor
 
 PROBE_INTERVAL_S = 1.0
 

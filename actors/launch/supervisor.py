@@ -30,9 +30,9 @@ from pathlib import Path
 
 import structlog
 
+from actors.launch.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError, actor_environment
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
-from actors.runtime.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError, actor_environment
 from bus.address import ipc_sockets_dir
 from engines.process import die_with_parent
 
@@ -69,7 +69,7 @@ class Supervisor:
     def __init__(self, contexts: list[ActorContext], *, run_dir: Path, policy: RestartPolicy = RestartPolicy(),
                  stop_grace_s: float = 15.0, fork_from_template: bool = False,
                  early_template: EarlyTemplate | None = None) -> None:
-        """`fork_from_template`: start actors by forking `actors.runtime.zygote` (imports done once) rather than
+        """`fork_from_template`: start actors by forking `actors.launch.zygote` (imports done once) rather than
         as fresh interpreters; if the template cannot start, actors start the ordinary way."""
         self.run_dir = run_dir
         self.policy = policy

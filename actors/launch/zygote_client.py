@@ -1,4 +1,4 @@
-"""The launcher's side of `actors.runtime.zygote`: start the template once, fork actors from it.
+"""The launcher's side of `actors.launch.zygote`: start the template once, fork actors from it.
 
 `ForkedProcess` offers what the supervisor uses of an `asyncio.subprocess.Process` (pid, returncode, wait,
 send_signal, kill), so supervision, restarts and the ordered stop are the same whichever way an actor started.
@@ -79,7 +79,7 @@ class EarlyTemplate:
         self.socket, theirs = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "actors.launch.zygote", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent, env=env)
         finally:
             theirs.close()
@@ -136,7 +136,7 @@ class Zygote:
             ours, theirs = socket.socketpair()
             try:
                 process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "actors.runtime.zygote", str(theirs.fileno()),
+                    sys.executable, "-m", "actors.launch.zygote", str(theirs.fileno()),
                     pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent, env=env)
             finally:
                 theirs.close()

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.runtime.integrity import describe, write_certificate
+from actors.report.integrity import describe, write_certificate
+from actors.report.progress import REWARD_CORRECT, train_accuracy_key
+from actors.report.run_clock import format_duration, run_seconds, run_starts
 from actors.runtime.metrics import read_metrics
-from actors.runtime.progress import REWARD_CORRECT, train_accuracy_key
-from actors.runtime.run_clock import format_duration, run_seconds, run_starts
 
 REWARD = "rollout/reward_mean"
 PANELS = ("reward", "accuracy")  # the rows of curves.png
@@ -170,7 +170,7 @@ def wall_clock(run_dir: Path) -> str:
 
 def certify_run(run_dir: Path, *, prompts: Callable[[Path], dict[str, Any]] | None = None,
                 run_failed: str | None = None) -> None:
-    """RUN_DIR/integrity.json, and its verdicts on the console (`actors/runtime/integrity.py`); `prompts` reads the
+    """RUN_DIR/integrity.json, and its verdicts on the console (`actors/report/integrity.py`); `prompts` reads the
     buffer's account of its prompts (`actors.buffer.accounting.prompt_verdict`); `run_failed`: why the run failed,
     where it did."""
     try:

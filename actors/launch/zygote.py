@@ -2,7 +2,7 @@
 
 Every actor process used to start with `python -m actors.runtime.main`, and each one that generates or trains
 imported torch and transformers on its own: ~2.5 s of CPU each, five or six times over, on the same few cores,
-before the first rollout. The launcher instead starts this process once (`python -m actors.runtime.zygote FD`);
+before the first rollout. The launcher instead starts this process once (`python -m actors.launch.zygote FD`);
 it imports the heavy modules and waits for orders on the socket FD. Each order forks a child that becomes one
 actor (`actors.runtime.main.main([context])`), so an actor starts with the imports already done, and a crashed
 actor restarts as fast.
