@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) tools/demo.py
+	$(PY) -m tools.demo
 
 # Compiled modules are kept (__pycache__, ignored by git) even where the environment says not to write them: every
 # test and every actor process would otherwise compile the project from source again.

@@ -1,6 +1,6 @@
 """Optional CURVE authentication and encryption for every bus socket.
 
-The cluster shares one CURVE key pair, written once by ``tools/keygen.py DIR`` and distributed to every
+The cluster shares one CURVE key pair, written once by ``python -m tools.keygen DIR`` and distributed to every
 node (like an SSH deploy key). Every binding socket (stream receiver, RPC server, publisher) is a CURVE
 server with the cluster secret key; every connecting socket is a CURVE client that knows the cluster
 public key. A ZAP authenticator on each context admits only clients whose public key is allowed: the
@@ -69,7 +69,7 @@ class CurveKeys:
 
     @classmethod
     def load(cls, directory: str | Path) -> CurveKeys:
-        """Load the cluster pair written by ``tools/keygen.py DIR``; raises ``CurveKeyError`` naming the file.
+        """Load the cluster pair written by ``python -m tools.keygen DIR``; raises ``CurveKeyError`` naming the file.
 
         Checked before the secret is read: the directory holds both files (a node given only the public key
         cannot serve), the secret is a regular file that only its owner can read or write, and both files hold

@@ -27,8 +27,8 @@ class PluginError(ValueError):
 
 
 def put_working_directory_on_path() -> None:
-    """Import plugins from the working directory first, as the actors do: a command run as a script
-    (``python tools/evaluate.py``) has its script's folder first on its path instead, and would not find a
+    """Import plugins from the working directory first, as the actors do: a command run as a script by its path
+    (``python some/dir/script.py``) has its script's folder first on its path instead, and would not find a
     ``my_reward.py`` beside where it was started that a run started there finds."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -227,12 +227,58 @@ def test_tools_are_grouped_by_family_and_user_tools_stay_at_the_top() -> None:
 
 
 def test_no_tool_shadows_a_package_when_run_by_its_path() -> None:
-    """`python tools/bench/x.py` puts tools/bench/ first on sys.path, so a file there named like one of our packages
-    or a standard-library module would be imported in its place."""
+    """A tool run by its path (`python tools/evaluate.py`) has its folder first on sys.path, so a file there named like
+    one of our packages or a standard-library module would be imported in its place."""
     taken = set(PACKAGES) | {"launcher"} | set(sys.stdlib_module_names)
     shadowing = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "tools").rglob("*.py")
                        if path.stem in taken)
     assert not shadowing, f"rename these: {shadowing}"
+
+
+# Tools run as modules from the repository (`python -m tools.FAMILY.NAME`), so none puts the repository on sys.path.
+# The one edit left is not the repository: the GPU check installs a folder of carried wheels and must import them.
+SYS_PATH_EDITS_ALLOWED = {("tools/gpu/check.py", "install_wheels")}
+
+
+def sys_path_edits(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, enclosing function or "<module>") of each change to `sys.path` (a mutating call, an assignment to it or
+    to a slice of it) and each `site.addsitedir` call."""
+    def is_sys_path(node: ast.AST | None) -> bool:
+        return node is not None and (ast.unparse(node) == "sys.path" or ast.unparse(node).startswith("sys.path["))
+
+    def is_edit(node: ast.AST) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            return ast.unparse(node.func) == "site.addsitedir" or (
+                is_sys_path(node.func.value) and node.func.attr in {"insert", "append", "extend", "remove", "pop",
+                                                                     "clear"})
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        return isinstance(node, (ast.Assign, ast.AugAssign)) and any(is_sys_path(target) for target in targets)
+
+    def edits(node: ast.AST, where: str) -> list[tuple[int, str]]:
+        found = []
+        for child in ast.iter_child_nodes(node):
+            scope = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            if is_edit(child):
+                found.append((child.lineno, scope))
+            found += edits(child, scope)
+        return found
+
+    return edits(tree, "<module>")
+
+
+def test_no_tool_edits_sys_path() -> None:
+    found = sorted(f"{path.relative_to(ROOT).as_posix()}:{line} ({where})"
+                   for path in (ROOT / "tools").rglob("*.py") for line, where in sys_path_edits(parse(path))
+                   if (path.relative_to(ROOT).as_posix(), where) not in SYS_PATH_EDITS_ALLOWED)
+    assert not found, "run the tool as `python -m tools.FAMILY.NAME` instead of editing sys.path:\n" + "\n".join(found)
+
+
+def test_sys_path_edit_finder_finds_planted_edits() -> None:
+    planted = ast.parse("import site, sys\nsys.path.insert(0, 'x')\n\ndef f():\n    sys.path.append('y')\n"
+                        "    site.addsitedir('z')\nsys.path = ['w']\nsys.path[:] = []\nsys.path += ['v']\n"
+                        "print(sys.path[0], 'x' in sys.path, sys.path.index('x'))\n")
+    assert sys_path_edits(planted) == [(2, "<module>"), (5, "f"), (6, "f"), (7, "<module>"), (8, "<module>"),
+                                       (9, "<module>")]
 
 
 def test_gpu_tests_live_in_gpu_test_files() -> None:

@@ -36,9 +36,20 @@ command, printed before it runs. Why each recipe's settings (this 2-core machine
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# Run by its path (`python tools/agent_demo.py`, as older notes say), this file runs itself as
+# `python -m tools.agent_demo`: `tools` is not an installed package, so only the module form finds it; the
+# repository goes on the path.
+if not __package__:
+    repo = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    os.execve(sys.executable, [sys.executable, "-m", "tools.agent_demo", *sys.argv[1:]],
+              {**os.environ, "PYTHONPATH": path})
 
 from actors.data.tool_prompts import describe_tools
 from actors.runtime.logs import quiet_library_output

@@ -1,5 +1,5 @@
 """Audit a run directory: was every accepted sample trained exactly once, did versions only move forward, and what
-does its integrity certificate say (`actors/report/integrity.py`)? `python tools/audit_run.py RUN_DIR`.
+does its integrity certificate say (`actors/report/integrity.py`)? `python -m tools.audit_run RUN_DIR`.
 
 Sources: the buffer's durable log with its archived segments (what was accepted, evicted, put in which batch, at
 which version, measured again at which version when it was served ahead of a step that applied no update,

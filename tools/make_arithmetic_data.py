@@ -1,6 +1,6 @@
 """Make the demos' verifiable tasks locally: integer addition prompts with their answers, as JSONL.
 
-`python tools/make_arithmetic_data.py OUT_DIR --max-operand 49` writes train.jsonl, eval.jsonl (held-out
+`python -m tools.make_arithmetic_data OUT_DIR --max-operand 49` writes train.jsonl, eval.jsonl (held-out
 operand pairs never seen in training) and sft.jsonl (a small labelled subset for the warm start). Each line is
 `{"input": "12+7=", "label": "19"}`: the tiny model's task, scored by an exact match of the response.
 

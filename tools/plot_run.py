@@ -1,4 +1,4 @@
-"""Pictures and a summary of a run directory: `python tools/plot_run.py RUN_DIR`.
+"""Pictures and a summary of a run directory: `python -m tools.plot_run RUN_DIR`.
 
 The launcher writes the same at the end of every run (`actors.report.run_report`); this redraws them, e.g. for a
 run that was killed before its end or one copied from another machine.

@@ -146,7 +146,7 @@ def _teacher_folder_problem(teacher: Teacher, teacher_load: str | None, hub_cach
     flag = "--opd-teacher-load" if teacher.path == teacher_load else f"--opd-teacher (teacher {teacher.name!r})"
     if (Path(teacher.path).expanduser() / "latest_checkpointed_iteration.txt").is_file():
         return (f"{flag} {teacher.path}: a Megatron checkpoint; the learner's teachers are Hugging Face folders: "
-                f"python tools/convert_checkpoint.py megatron-to-hf --hf STUDENT_HF --megatron {teacher.path} "
+                f"python -m tools.convert_checkpoint megatron-to-hf --hf STUDENT_HF --megatron {teacher.path} "
                 "--out TEACHER_HF")
     return _model_folder_problem(flag, teacher.path, hub_cache)
 

@@ -1,5 +1,5 @@
 """Pictures and a summary of a run directory, which the launcher of the head node writes at the end of every run
-(and `python tools/plot_run.py RUN_DIR` writes again for any run directory).
+(and `python -m tools.plot_run RUN_DIR` writes again for any run directory).
 
 RUN_DIR/plots/curves.png: the train reward (top) and the accuracies (bottom: train, the quantity the progress
 line's `acc` shows, and each eval set's as markers), against learner steps and against wall-clock;

@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.integration
 def test_bench_bus_quick_writes_every_row(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench" / "bus_speed.py"), "--quick", "--json", str(out)],
+        [sys.executable, "-m", "tools.bench.bus_speed", "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]

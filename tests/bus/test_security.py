@@ -30,12 +30,12 @@ async def _ack(client: str, request: object) -> Ack:
 
 @pytest.mark.integration
 def test_keygen_writes_a_loadable_pair_with_a_private_secret(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(REPO / "tools/keygen.py"), str(tmp_path / "keys")],
+    result = subprocess.run([sys.executable, "-m", "tools.keygen", str(tmp_path / "keys")],
                             capture_output=True, text=True, check=True)  # fmt: skip
     keys = CurveKeys.load(tmp_path / "keys")
     assert keys.public.decode() in result.stdout and len(keys.public) == 40 and len(keys.secret) == 40
     assert stat.S_IMODE(os.stat(tmp_path / "keys" / "cluster.key_secret").st_mode) == 0o600
-    again = subprocess.run([sys.executable, str(REPO / "tools/keygen.py"), str(tmp_path / "keys")],
+    again = subprocess.run([sys.executable, "-m", "tools.keygen", str(tmp_path / "keys")],
                            capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 1 and "exists" in again.stderr
     assert CurveKeys.load(tmp_path / "keys") == keys, "a refused keygen must not replace the keys"

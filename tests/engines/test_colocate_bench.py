@@ -32,7 +32,7 @@ def test_the_device_peak_adds_the_resting_process_as_it_was_at_that_turn() -> No
 def test_both_modes_take_their_turns_in_two_processes(tmp_path: Path) -> None:
     output = tmp_path / "colocate.json"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "colocate.py"), "--cpu", "--quick", "--rounds", "1",
+        [sys.executable, "-m", "tools.bench.colocate", "--cpu", "--quick", "--rounds", "1",
          "--json", str(output)],
         capture_output=True, text=True, timeout=180, check=False, cwd=ROOT, env=env_without_quiet_switches(),
     )

@@ -23,7 +23,7 @@ def test_bench_engine_quick_run_writes_its_figures_and_only_its_table(tmp_path: 
     figures_path = tmp_path / "bench.json"
     argv = ["--quick", "--prompts", "12", "--batch-size", "4", "--longest", "12"]
     completed = subprocess.run(
-        [sys.executable, "tools/bench/engine.py", *argv, "--model-cache", str(tmp_path / "models"),
+        [sys.executable, "-m", "tools.bench.engine", *argv, "--model-cache", str(tmp_path / "models"),
          "--json", str(figures_path)],
         cwd=REPO, env=env_without_quiet_switches(), capture_output=True, text=True, timeout=240, check=False,
     )

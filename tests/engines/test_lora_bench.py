@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.integration
 def test_lora_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
     output = tmp_path / "lora.json"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "lora.py"), "--quick", "--json", str(output)],
+        [sys.executable, "-m", "tools.bench.lora", "--quick", "--json", str(output)],
         capture_output=True, text=True, timeout=240, check=False,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]

@@ -20,12 +20,10 @@ from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _convert(*args: str) -> None:
     finished = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), *args],
+        [sys.executable, "-m", "tools.convert_checkpoint", *args],
         capture_output=True,
         text=True,
         timeout=180,
@@ -100,7 +98,7 @@ def test_a_mixture_of_experts_checkpoint_converted_in_one_process_loads_with_its
 @pytest.mark.integration
 def test_missing_megatron_checkpoint_is_a_clear_error(tiny_model_path: Path, tmp_path: Path) -> None:
     finished = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "megatron-to-hf", "--hf", str(tiny_model_path),
+        [sys.executable, "-m", "tools.convert_checkpoint", "megatron-to-hf", "--hf", str(tiny_model_path),
          "--megatron", str(tmp_path / "absent"), "--out", str(tmp_path / "hf")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -19,7 +19,7 @@ def test_bench_prefix_cache_quick_run_prints_its_table_and_writes_its_figures(tm
     figures_path = tmp_path / "bench.json"
     argv = ["--quick", "--episodes", "2", "--group", "2", "--turns", "2", "--answer", "4", "--threads", "1"]
     completed = subprocess.run(
-        [sys.executable, "tools/bench/prefix_cache.py", *argv, "--model-cache", str(tmp_path / "models"),
+        [sys.executable, "-m", "tools.bench.prefix_cache", *argv, "--model-cache", str(tmp_path / "models"),
          "--json", str(figures_path)],
         cwd=REPO, env=env_without_quiet_switches(), capture_output=True, text=True, timeout=240, check=False,
     )

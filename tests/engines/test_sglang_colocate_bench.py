@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.integration
 def test_both_pushes_reach_the_server_and_the_table_compares_them(tmp_path: Path) -> None:
     output = tmp_path / "sglang-colocate.json"
-    completed = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "sglang_colocate.py"), "--quick",
+    completed = subprocess.run([sys.executable, "-m", "tools.bench.sglang_colocate", "--quick",
                                 "--dtypes", "bf16", "--json", str(output)],
                                capture_output=True, text=True, timeout=240, check=False, cwd=ROOT)
     assert completed.returncode == 0, completed.stderr[-2000:]

@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.integration
 def test_packing_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
     output = tmp_path / "packing.json"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "packing.py"), "--quick", "--json", str(output)],
+        [sys.executable, "-m", "tools.bench.packing", "--quick", "--json", str(output)],
         capture_output=True,
         text=True,
         timeout=120,

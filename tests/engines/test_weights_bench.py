@@ -18,7 +18,7 @@ def test_weight_transfer_benchmark_quick_run_writes_its_figures(tmp_path: Path) 
     completed = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tools" / "bench" / "weights.py"),
+            "-m", "tools.bench.weights",
             "--quick",
             "--receivers",
             "1",
@@ -43,7 +43,7 @@ def test_weight_transfer_benchmark_quick_run_writes_its_figures(tmp_path: Path) 
 def test_push_memory_benchmark_quick_run_writes_its_figures(tmp_path: Path) -> None:
     output = tmp_path / "push_memory.json"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "push_memory.py"), "--quick", "--json", str(output)],
+        [sys.executable, "-m", "tools.bench.push_memory", "--quick", "--json", str(output)],
         capture_output=True, text=True, timeout=180, check=False,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]

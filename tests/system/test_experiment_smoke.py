@@ -55,7 +55,7 @@ def test_quick_sweep_writes_table_json_and_plot(tmp_path: Path) -> None:
     completed = subprocess.run(
         [
             sys.executable,
-            "tools/experiments/staleness.py",
+            "-m", "tools.experiments.staleness",
             "--quick",
             "--workdir",
             str(tmp_path / "runs"),

@@ -1,4 +1,4 @@
-"""`tools/gpu/check.py --cpu` in CI: the GPU machine's one command must not rot between GPU sessions."""
+"""`python -m tools.gpu.check --cpu` in CI: the GPU machine's one command must not rot between GPU sessions."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
     report = tmp_path / "gpu_check.json"
     completed = subprocess.run(
-        [sys.executable, "tools/gpu/check.py", "--cpu", "--quick", "--json", str(report)],
+        [sys.executable, "-m", "tools.gpu.check", "--cpu", "--quick", "--json", str(report)],
         cwd=REPO, capture_output=True, text=True, timeout=580, check=False, env=env_without_quiet_switches(),
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Hostile input on every bound socket of a live run (issue #17): `tools/hostile/campaign.py --quick`, the CI version.
+"""Hostile input on every bound socket of a live run (issue #17): `python -m tools.hostile.campaign --quick`, the CI
+version.
 
 About 13,000 hostile frames of every kind reach every socket the run bound while it trains; no actor crashes, the
 run trains all its steps and passes the exactly-once audit, every frame an actor could see is counted under

@@ -13,8 +13,6 @@ import pytest
 from tests.support.console import env_without_quiet_switches
 from tools.bench.megatron_packing import QUICK, make_samples, summarise
 
-ROOT = Path(__file__).resolve().parents[2]
-
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
 
@@ -35,7 +33,7 @@ def test_rows_divide_the_baselines_median_and_count_padding_from_the_real_plans(
 def test_a_quick_run_prints_one_quiet_table_and_writes_its_rows(tmp_path: Path) -> None:
     output = tmp_path / "rows.json"
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench" / "megatron_packing.py"), "--quick", "--json", str(output)],
+        [sys.executable, "-m", "tools.bench.megatron_packing", "--quick", "--json", str(output)],
         capture_output=True, text=True, timeout=170, check=False, env=env_without_quiet_switches(),
     )
     assert completed.returncode == 0, completed.stderr[-2000:]

@@ -22,7 +22,7 @@ def test_bench_router_quick_run_prints_its_table_and_affinity_reuses_the_history
     argv = ["--quick", "--engines", "2", "--episodes", "4", "--group", "2", "--turns", "2", "--answer", "4",
             "--repeats", "1"]
     completed = subprocess.run(
-        [sys.executable, "tools/bench/router.py", *argv, "--model-cache", str(tmp_path / "models"),
+        [sys.executable, "-m", "tools.bench.router", *argv, "--model-cache", str(tmp_path / "models"),
          "--json", str(figures_path)],
         cwd=REPO, env=env_without_quiet_switches(), capture_output=True, text=True, timeout=380, check=False,
     )

@@ -14,7 +14,6 @@ import pytest
 from tools.sim.cluster import ClusterSpec, recommend, simulate_async, simulate_sync
 
 pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = ClusterSpec(gpus=16, rollout_gpus=12, model_b=1.0, prompts_per_step=16, samples_per_prompt=4,
                     median_len=500, max_len=4000, steps=8)
 
@@ -63,7 +62,7 @@ def test_a_spec_without_training_gpus_is_refused() -> None:
 
 def test_the_command_prints_its_table_and_writes_its_rows(tmp_path: Path) -> None:
     output = tmp_path / "sim.json"
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "sim" / "cluster.py"), "--gpus", "8", "--model-b", "1",
+    done = subprocess.run([sys.executable, "-m", "tools.sim.cluster", "--gpus", "8", "--model-b", "1",
                            "--steps", "3", "--prompts-per-step", "32",
                            "--samples-per-prompt", "4", "--recommend", "--json", str(output)],
                           capture_output=True, text=True, timeout=120, check=False)

@@ -55,7 +55,7 @@ def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_inp
     data = _slime_keyed_data(tmp_path / "eval.jsonl")
 
     def evaluate(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "tools/evaluate.py", str(tiny_model_path), str(data), *flags],
+        return subprocess.run([sys.executable, "-m", "tools.evaluate", str(tiny_model_path), str(data), *flags],
                               cwd=REPO, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,
                               text=True, timeout=240, check=False)
 
@@ -76,11 +76,11 @@ def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_inp
 def test_a_reward_module_in_the_working_directory_loads_as_the_launcher_loads_it(
     tmp_path: Path, tiny_model_path: Path,
 ) -> None:
-    """`python tools/evaluate.py` has tools/ first on its path, not the folder it was started in; the launcher's
-    actors import plugins from there, so evaluate must too."""
+    """The launcher's actors import plugins from the folder the run was started in, so evaluate, started in another
+    folder than the repository's, must find them there too."""
     (tmp_path / "my_reward.py").write_text("def half(inp):\n    return 0.5\n", encoding="utf-8")
     data = _slime_keyed_data(tmp_path / "eval.jsonl")
-    scored = subprocess.run([sys.executable, str(REPO / "tools" / "evaluate.py"), str(tiny_model_path), str(data),
+    scored = subprocess.run([sys.executable, "-m", "tools.evaluate", str(tiny_model_path), str(data),
                              "--input-key", "prompt", "--label-key", "answer", "--reward", "my_reward:half",
                              "--max-new-tokens", "2"],
                             cwd=tmp_path, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,

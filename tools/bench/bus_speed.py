@@ -26,7 +26,6 @@ import json
 import multiprocessing as mp
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -35,8 +34,6 @@ from typing import Any
 
 import msgpack
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bus.codec import decode, encode
 from bus.schema import AnyMessage, Batch, Message, Sample

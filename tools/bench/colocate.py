@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 TURN_DEADLINE_S = 300.0
 RELEASE_DEADLINE_S = 10.0

@@ -41,12 +41,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script: this checkout's packages, not whichever one is installed
-    sys.path.insert(0, str(REPO))
-
-from engines.inference import GenerateRequest, SamplingParams, TorchEngine  # noqa: E402
-from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model  # noqa: E402
+from engines.inference import GenerateRequest, SamplingParams, TorchEngine
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 BENCH_SPEC = TinyModelSpec(
     family="qwen2",
@@ -183,7 +179,7 @@ def run_engine(engine: TorchEngine, workload: Workload, tag: str) -> tuple[float
 
 def timed_pass(which: str, model_path: Path, workload_path: Path, args: argparse.Namespace, tag: str) -> float:
     """Seconds one side takes to generate the workload, measured in a fresh process (see the module docstring)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--pass", which, "--pass-model", str(model_path),
+    command = [sys.executable, "-m", "tools.bench.engine", "--pass", which, "--pass-model", str(model_path),
                "--pass-workload", str(workload_path), "--batch-size", str(args.batch_size), "--seed",
                str(args.seed), "--pass-tag", tag, *(["--threads", str(args.threads)] if args.threads else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -30,13 +30,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from engines.inference import GenerateRequest, SamplingParams, TorchEngine  # noqa: E402
-from tools.bench.engine import Workload, heavy_tailed_lengths, run_baseline  # noqa: E402
-from tools.bench.models import QWEN25_05B_SHAPE  # noqa: E402
+from engines.inference import GenerateRequest, SamplingParams, TorchEngine
+from tools.bench.engine import Workload, heavy_tailed_lengths, run_baseline
+from tools.bench.models import QWEN25_05B_SHAPE
 
 SHAPES = {
     "qwen2.5-0.5b": QWEN25_05B_SHAPE,

@@ -22,14 +22,11 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from actors.runtime.logs import quiet_library_output
 from engines.training.lora import LoraSettings

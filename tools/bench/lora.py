@@ -27,15 +27,12 @@ import asyncio
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
 from tools.bench.engine_process import Silent, serve_pushes

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -26,8 +25,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines.megatron.batches import plan_micro_batches
 from engines.training.base import ModelOutputs, PackedBatch, TrainSample

@@ -20,15 +20,12 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines.training.attention import register_packed_attention
 from engines.training.base import TrainSample

@@ -64,19 +64,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from tools.bench.pipeline_measure import (  # noqa: E402
+from tools.bench.pipeline_measure import (
     CPU_ROLES,
     RunResult,
     Window,
     measure,
     steady_window,
 )
-from tools.repo_env import with_repo_on_path  # noqa: E402
-from tools.run_watch import cpu_seconds, started_actor_pids, stop_launcher  # noqa: E402
-from tools.sim.pipeline import SPEC_ENV, SimSpec  # noqa: E402
+from tools.repo_env import with_repo_on_path
+from tools.run_watch import cpu_seconds, started_actor_pids, stop_launcher
+from tools.sim.pipeline import SPEC_ENV, SimSpec
+
+REPO = Path(__file__).resolve().parents[2]
 
 SLEEPING_FLAGS = ("--rollout-engine", "tools.sim.pipeline:sleeping_engine",
                   "--train-backend", "tools.sim.pipeline:sleeping_trainer",

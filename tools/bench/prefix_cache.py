@@ -32,8 +32,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script: this checkout's packages, not whichever one is installed
-    sys.path.insert(0, str(REPO))
 
 SYSTEM_PROMPT = ("You are an agent that solves arithmetic tasks with a calculator tool. Think step by step, call "
                  "the tool with a JSON object for every operation, check its answer, and reply with the final number "
@@ -169,7 +167,7 @@ def run_pass(args: argparse.Namespace) -> None:
 
 
 def timed_pass(which: str, model: Path, workload_path: Path, args: argparse.Namespace) -> PassResult:
-    command = [sys.executable, str(Path(__file__).resolve()), "--pass", which, "--pass-model", str(model),
+    command = [sys.executable, "-m", "tools.bench.prefix_cache", "--pass", which, "--pass-model", str(model),
                "--pass-workload", str(workload_path), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
                "--cache-mb", str(args.cache_mb), *(["--threads", str(args.threads)] if args.threads else []),
                *(["--deterministic"] if args.deterministic else [])]

@@ -12,16 +12,11 @@ operators that take the most self time, so a gap shows up as either extra kernel
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tools.gpu.check import train_steps  # noqa: E402
+from tools.gpu.check import train_steps
 
 
 def profile(name: str, step: Callable[[], None], device: str, out: Path | None) -> str:

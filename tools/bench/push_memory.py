@@ -19,7 +19,6 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 import weakref
 from collections.abc import Iterator
@@ -27,8 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender
 from engines.weights.stream import SpecifiedTensors, record_specs

@@ -34,11 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script: this checkout's packages, not whichever one is installed
-    sys.path.insert(0, str(REPO))
+from tools.bench.prefix_cache import Workload, make_workload, model_path
 
-from tools.bench.prefix_cache import Workload, make_workload, model_path  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 PASSES = {"affinity": ("affinity", True), "round-robin": ("round-robin", True), "no cache": ("affinity", False)}
 
@@ -173,7 +171,7 @@ def timed_pass(name: str, model: Path, workload_path: Path, args: argparse.Names
     policy, cache = PASSES[name]
     workers = []
     for index in range(args.engines):
-        command = [sys.executable, str(Path(__file__).resolve()), "--pass", name, "--pass-model", str(model),
+        command = [sys.executable, "-m", "tools.bench.router", "--pass", name, "--pass-model", str(model),
                    "--pass-workload", str(workload_path), "--worker", str(index), "--workers", str(args.engines),
                    "--policy", policy, "--slack", str(args.slack), "--cache-mb", str(args.cache_mb),
                    *(["--cache"] if cache else []), *(["--threads", str(args.threads)] if args.threads else [])]

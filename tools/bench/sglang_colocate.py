@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -30,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines.sglang.client import SglangEngine
 from engines.sglang.launch import ServerProcess, ServerSpec

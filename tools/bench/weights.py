@@ -24,15 +24,12 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines.weights import (
     DEFAULT_BUCKET_BYTES,

@@ -44,10 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from tools.bench.pipeline import (  # noqa: E402
+from tools.bench.pipeline import (
     NUM_ROLLOUT,
     STOPPED_BY_US,
     Launch,
@@ -56,9 +53,9 @@ from tools.bench.pipeline import (  # noqa: E402
     json_safe,
     write_prompts,
 )
-from tools.bench.pipeline_measure import running_since  # noqa: E402
-from tools.run_watch import RunWatch, Sample, resident_kib  # noqa: E402
-from tools.sim.pipeline import SimSpec  # noqa: E402
+from tools.bench.pipeline_measure import running_since
+from tools.run_watch import RunWatch, Sample, resident_kib
+from tools.sim.pipeline import SimSpec
 
 GROWTH_TARGET = 0.10  # issue #17: resident memory may grow less than 10% over the soak
 # Warm-up: allocators, msgpack and ZeroMQ buffers, the groups in flight and the batches kept until a checkpoint

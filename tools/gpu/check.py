@@ -43,9 +43,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 SITE = REPO / ".cache" / "gpu-check-site"
-if str(REPO) not in sys.path:  # run as `python -m tools.gpu.check` on a machine where the repo is not installed
-    sys.path.insert(0, str(REPO))
-
 
 
 @dataclass

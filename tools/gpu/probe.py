@@ -25,10 +25,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 def probe_versions(device: str) -> str:
     parts = [f"torch {torch.__version__}", f"cuda {torch.version.cuda}"]

@@ -52,13 +52,10 @@ from typing import Any
 
 import zmq
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from tools.audit_run import audit  # noqa: E402
-from tools.hostile.judge import Counters, judge  # noqa: E402
-from tools.hostile.plan import FULL, QUICK, Attack, Mode, captured_frames, plan  # noqa: E402
-from tools.hostile.run import HEARTBEAT_S, Endpoint, RssSampler, Run, launch, wait_until  # noqa: E402
+from tools.audit_run import audit
+from tools.hostile.judge import Counters, judge
+from tools.hostile.plan import FULL, QUICK, Attack, Mode, captured_frames, plan
+from tools.hostile.run import HEARTBEAT_S, Endpoint, RssSampler, Run, launch, wait_until
 
 # controller rpc + publish, buffer inbox + rpc, reward inbox, and each of the two rollout workers' rpc and engine
 # (its engine served to the other's router): the attack waits until every one is bound

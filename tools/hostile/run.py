@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from actors.runtime.metrics import read_metrics
+from tools.bench.pipeline import SLEEPING_FLAGS, write_prompts
+from tools.repo_env import with_repo_on_path
+from tools.run_watch import resident_kib, started_actor_pids
+from tools.sim.pipeline import SPEC_ENV, SimSpec
 
-from actors.runtime.metrics import read_metrics  # noqa: E402
-from tools.bench.pipeline import SLEEPING_FLAGS, write_prompts  # noqa: E402
-from tools.repo_env import with_repo_on_path  # noqa: E402
-from tools.run_watch import resident_kib, started_actor_pids  # noqa: E402
-from tools.sim.pipeline import SPEC_ENV, SimSpec  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 HEARTBEAT_S = 1.0  # the default
 GROUPS_PER_BATCH = 4

@@ -29,13 +29,10 @@ import argparse
 import heapq
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from policies.staleness import AdmissionController, staleness_of_range
 

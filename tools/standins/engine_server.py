@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script: this checkout's packages, not whichever one is installed
-    sys.path.insert(0, str(REPO))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
