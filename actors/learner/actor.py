@@ -74,7 +74,8 @@ class Learner(Actor):
             from engines.training.determinism import use_deterministic_kernels
 
             use_deterministic_kernels()  # before any CUDA work: cuBLAS reads its workspace setting once
-        self.ranks = LearnerRanks(config, self.context.run_dir, self.context.host, self.log)
+        self.ranks = LearnerRanks(config, self.context.run_dir, self.context.host, self.log,
+                                  heartbeat_interval=self.context.heartbeat_interval)
         self.ranks.spawn()
         await asyncio.to_thread(self.ranks.join)
         local_trainer = await asyncio.to_thread(_bound_to_rank_zero, build_trainer, config)

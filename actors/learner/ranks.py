@@ -58,7 +58,8 @@ STOP = "stop"
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a slow checkpoint must not look like a dead rank
 REMOTE_JOIN_TIMEOUT_S = 600.0  # rank 0's wait for the other nodes' ranks to reach its store
 BEAT_S = 1.0  # every follower counts up its key in rank 0's store this often
-SILENT_S = 20.0  # another node's rank whose count stood still this long is gone: rank 0 ends, the learner restarts
+SILENT_HEARTBEATS = 20  # another node's rank whose count stood still this many heartbeat intervals is gone: rank 0
+SILENT_MIN_S = 5 * BEAT_S  # ends, the learner restarts; never under this many of the followers' own beats
 REPO = Path(__file__).resolve().parents[2]
 WORLD_KEY = "world"  # in rank 0's store: a token per incarnation of rank 0
 Result = TypeVar("Result")
@@ -90,7 +91,8 @@ def bind_device(rank: int) -> None:
 class LearnerRanks:
     """Rank 0's handle on the followers: start them, broadcast each operation, stop them."""
 
-    def __init__(self, config: RunConfig, run_dir: Path, host: str, log: Any) -> None:
+    def __init__(self, config: RunConfig, run_dir: Path, host: str, log: Any, *,
+                 heartbeat_interval: float = 1.0) -> None:
         self.config = config
         self.world = config.trainer.learner_ranks
         self.per_node = learner_ranks_per_node(config)  # the head's ranks: 0 .. per_node - 1
@@ -103,6 +105,7 @@ class LearnerRanks:
         self._closing = False
         self._init_method = ""
         self._store: dist.TCPStore | None = None
+        self.silent_s = silent_after(heartbeat_interval)
 
     def spawn(self) -> None:
         """Start the followers; from the event loop's thread, because PDEATHSIG follows the spawning thread."""
@@ -186,7 +189,7 @@ class LearnerRanks:
 
     def _watch_other_nodes(self) -> None:
         """Another node's rank that died, or whose node is cut off, leaves rank 0 in a collective until its
-        timeout: its heartbeat count standing still for SILENT_S ends rank 0 instead (a restart, as above)."""
+        timeout: its heartbeat count standing still for `silent_s` ends rank 0 instead (a restart, as above)."""
         store = store_client(self._init_method, timedelta(seconds=30))
         counts: dict[int, int] = {}
         heard = dict.fromkeys(range(self.per_node, self.world), time.monotonic())
@@ -200,7 +203,7 @@ class LearnerRanks:
                     count = counts.get(rank, 0)
                 if count != counts.get(rank):
                     counts[rank], heard[rank] = count, now
-                elif now - heard[rank] > SILENT_S and not self._closing:
+                elif now - heard[rank] > self.silent_s and not self._closing:
                     self.log.error("a learner rank on another node fell silent; ending the learner so the run "
                                    "resumes from its checkpoint", rank=rank, node=rank // self.per_node,
                                    silent_s=round(now - heard[rank], 1))
@@ -216,6 +219,12 @@ class LearnerRanks:
                                    rank=rank, code=code)
                     os._exit(1)
             time.sleep(0.5)
+
+
+def silent_after(heartbeat_interval: float) -> float:
+    """How long another node's rank may stay silent: the run's --heartbeat-interval sets how soon any member's
+    silence is noticed (20 s at the default 1 s), so a run that asks for fast detection gets it here too."""
+    return max(SILENT_MIN_S, SILENT_HEARTBEATS * heartbeat_interval)
 
 
 def join_command_group() -> Any:

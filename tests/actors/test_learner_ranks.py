@@ -9,7 +9,7 @@ import structlog
 
 from actors.config import build_config
 from actors.learner import ranks as ranks_module
-from actors.learner.ranks import CollectiveTrainer, LearnerRanks
+from actors.learner.ranks import BEAT_S, CollectiveTrainer, LearnerRanks, silent_after
 from actors.learner.step import TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from bus.address import free_port
@@ -75,3 +75,15 @@ def test_a_one_rank_learner_trains_the_batch_as_it_holds_it_without_encoding_it(
                                                                     structlog.get_logger()))
     report = trainer.train(TrainingStep(trainer.local, config), batch)
     assert report.result.version == 1
+
+
+@pytest.mark.unit
+def test_another_nodes_silent_rank_is_given_up_on_as_soon_as_the_runs_heartbeat_setting_says() -> None:
+    """A run with fast heartbeats (the system tests' 0.25 s) waited the fixed 20 s for a hung rank on another node;
+    the window follows --heartbeat-interval now (20 s at its default), never below five of the followers' beats."""
+    config = build_config({"train_backend": "tools.sim.pipeline:sleeping_trainer"})
+    assert LearnerRanks(config, Path("."), "127.0.0.1", structlog.get_logger()).silent_s == 20.0
+    fast = LearnerRanks(config, Path("."), "127.0.0.1", structlog.get_logger(), heartbeat_interval=0.25)
+    assert fast.silent_s == 5.0
+    assert silent_after(0.01) == 5 * BEAT_S  # a follower beats once a second, whatever the run's heartbeat
+    assert silent_after(3.0) == 60.0
