@@ -5,9 +5,10 @@ way it resumes from. In order, on one run:
 2. one is killed with kill -9 of every process it had;
 3. the head node is killed the same way: the other worker node stops within --head-loss-timeout and fails,
    naming the head and the checkpoint the run resumes from;
-4. the head and that worker node are started again with their first commands: the run resumes from that
-   checkpoint, the node joins it and then leaves gracefully (SIGTERM to its launcher), the head finishes alone,
-   and `tools/audit_run.py` finds every accepted sample trained exactly once.
+4. the head and that worker node are started again with their first commands (the head's told where the run now
+   ends: RESUMED_STEPS after its checkpoint): the run resumes from that checkpoint, the node joins it and then
+   leaves gracefully (SIGTERM to its launcher), the head finishes alone, and `tools/audit_run.py` finds every
+   accepted sample trained exactly once.
 
 Each node is a network namespace with its own address, cabled to the others through a bridge
 (tests/support/netns.py), so every byte between nodes crosses a virtual network. Where namespaces cannot be
@@ -35,7 +36,11 @@ from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 750  # ~24 steps/s here: the head is lost near step 250-400 (node start-up varies); the rest needs ~50
+STEPS = 750  # the first run's length, never reached: ~24 steps/s here, the head is lost near step 250-400
+# The resumed run's length past its checkpoint: node 1 joins it (started beside the head: ~2 s, ~50 steps), trains
+# 5 steps with it and leaves; the head trains the rest alone. Set once the checkpoint is known, so the run ends soon
+# after the leave instead of a guessed ~400 steps later.
+RESUMED_STEPS = 200
 HEAD_LOSS_TIMEOUT_S = 3.0
 JOINED = ("member joined", "member returned")
 
@@ -119,12 +124,12 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
     head_node, first, second = nodes
     run_dir, head_address = tmp_path / "run", f"tcp://{head_node.address}:{free_port('127.0.0.1')}"
 
-    def start_head() -> subprocess.Popen[str]:
-        return launch(run_dir, tiny_model_path, data, num_rollout=STEPS, node=head_node.command,
+    def start_head(num_rollout: int) -> subprocess.Popen[str]:
+        return launch(run_dir, tiny_model_path, data, num_rollout=num_rollout, node=head_node.command,
                       extra=("--head-address", head_address, "--host", head_node.address, "--rollout-workers", "1",
                              "--rollout-max-response-len", "8"))
 
-    head = start_head()
+    head = start_head(STEPS)
     started: list[subprocess.Popen[str]] = [head]
     try:
         wait_for_step(head, run_dir, 3)
@@ -139,7 +144,7 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
         lost.wait(timeout=30)
         wait(lambda: "member died" in controller_events(run_dir, "rollout-2-0"), "node 2's loss to be noticed")
         wait(steps_more(run_dir, 5), "five steps after node 2 was lost")
-        assert trained_steps(run_dir) < STEPS - 200, "the run is too far along to be resumed with a node joining"
+        assert trained_steps(run_dir) < STEPS - 20, "the first run ended before its head was lost"
         # 3. The head is lost whole: the worker node fails, naming it and the checkpoint to resume from.
         head_lost_at = time.monotonic()
         head_node.kill(head, run_dir)
@@ -148,11 +153,12 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
         stopped_after_s = time.monotonic() - head_lost_at
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
         # 4. Both start again with their first commands: the run resumes; the node then leaves gracefully.
-        head, back = start_head(), join(first, run_dir, head_address)
+        resumed_steps = int(latest.removeprefix("step_")) + RESUMED_STEPS
+        head, back = start_head(resumed_steps), join(first, run_dir, head_address)
         started += [head, back]
         wait(joined(run_dir, "rollout-1-0", 2), "node 1 to join the resumed run")
         wait(steps_more(run_dir, 5), "five steps with node 1 in the resumed run")
-        assert trained_steps(run_dir) < STEPS - 20, "the run ended too soon to see node 1 leave mid-run"
+        assert trained_steps(run_dir) < resumed_steps - 20, "the run ended too soon to see node 1 leave mid-run"
         back.send_signal(signal.SIGTERM)
         back_output = finish(back, timeout=60)
         output = finish(head)
@@ -178,6 +184,6 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
         assert events[0] == "member joined" and "member died" in events, (member, events)
     report = audit(run_dir)
     assert report.ok, report.problems
-    assert report.trained_batches == STEPS
+    assert report.trained_batches == resumed_steps
     if first.namespace is not None:  # the nodes' traffic crossed the virtual network, not a shortcut
         assert first.namespace.cable_bytes() > 1_000_000
