@@ -55,54 +55,64 @@ async def _run_to_the_end(run_dir: Path, settings: dict[str, object]) -> dict[st
                 "exit_codes": {actor_id: task.result() for actor_id, task in system.tasks.items()}}
 
 
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """One two-step run to its end, read by several tests: what the actors saw, its run directory, and the torch
+    settings its learner left in this process. With --deterministic-mode, which the sleeping trainer's steps ignore,
+    so one run serves both the mode's test and the tests of what any run does."""
+    run_dir = tmp_path_factory.mktemp("two_step_run")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_spec(SPEC, run_dir, monkeypatch)
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # monkeypatch puts back whatever was there before
+        assert not torch.are_deterministic_algorithms_enabled()
+        try:
+            seen = asyncio.run(_run_to_the_end(run_dir, _settings(run_dir, deterministic_mode=True)))
+            seen["ordered_kernels"] = (torch.are_deterministic_algorithms_enabled(),
+                                       torch.is_deterministic_algorithms_warn_only_enabled(),
+                                       os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        finally:
+            torch.use_deterministic_algorithms(False)
+    return {**seen, "run_dir": run_dir}
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(30)
-async def test_learner_trains_served_batches_announces_publishes_and_checkpoints(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    use_spec(SPEC, tmp_path, monkeypatch)
-    seen = await _run_to_the_end(tmp_path, _settings(tmp_path))
+def test_learner_trains_served_batches_announces_publishes_and_checkpoints(two_step_run: dict[str, object]) -> None:
+    seen, run_dir = two_step_run, two_step_run["run_dir"]
+    assert isinstance(run_dir, Path)
     assert set(seen["exit_codes"].values()) == {0}  # type: ignore[union-attr]
-    steps = read_metrics(tmp_path / "metrics" / "train.jsonl")
+    steps = read_metrics(run_dir / "metrics" / "train.jsonl")
     assert [(s["batch_id"], s["version"], s["rollout/samples"]) for s in steps] == [(1, 1, 4.0), (2, 2, 4.0)]
     assert all(s["sim/compute_end"] - s["sim/compute_start"] >= 4 * SPEC.train_sample_seconds for s in steps)
     assert seen["announced"] == 2  # the controller heard every version
     assert seen["engine_version"] == 2  # ... and the engine serves it: weights were published and acknowledged
-    checkpoint = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     state = json.loads((checkpoint / "sleeping_trainer.json").read_text())
     assert state["version"] == 2 and state["extra_state"]["trained_batch"] == 2
-    assert json.loads((tmp_path / "final_model" / "config.json").read_text())["version"] == 2
+    assert json.loads((run_dir / "final_model" / "config.json").read_text())["version"] == 2
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(30)
-async def test_deterministic_mode_switches_the_learner_to_ordered_kernels(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deterministic_mode_switches_the_learner_to_ordered_kernels(two_step_run: dict[str, object]) -> None:
     """--deterministic-mode reaches the torch backend too, not only Megatron's config: ordered kernels wherever
     torch has them, on the learner's ranks (engines/training/determinism.py)."""
-    use_spec(SPEC, tmp_path, monkeypatch)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # monkeypatch puts back whatever was there before
-    assert not torch.are_deterministic_algorithms_enabled()
-    try:
-        seen = await _run_to_the_end(tmp_path, _settings(tmp_path, deterministic_mode=True))
-        assert set(seen["exit_codes"].values()) == {0}  # type: ignore[union-attr]
-        assert torch.are_deterministic_algorithms_enabled()
-        assert torch.is_deterministic_algorithms_warn_only_enabled()  # a kernel without an ordered twin warns
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    finally:
-        torch.use_deterministic_algorithms(False)
+    assert set(two_step_run["exit_codes"].values()) == {0}  # type: ignore[union-attr]
+    enabled, warn_only, workspace = two_step_run["ordered_kernels"]  # type: ignore[misc]
+    assert enabled
+    assert warn_only  # a kernel without an ordered twin warns
+    assert workspace == ":4096:8"
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(30)
-async def test_a_version_announced_before_its_weights_landed_is_announced_again_with_them(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_version_announced_before_its_weights_landed_is_announced_again_with_them(
+        two_step_run: dict[str, object]) -> None:
     """Each step announces its version before pushing its weights, so the announcement carries the previous
     weights; once every engine acknowledged the new ones, everyone must hear so, not a step later (never, for the
     last version), and the announcement must be one the schema accepts on arrival."""
-    use_spec(SPEC, tmp_path, monkeypatch)
-    seen = await _run_to_the_end(tmp_path, _settings(tmp_path))
-    announcement = seen["announcement"]
+    announcement = two_step_run["announcement"]
     assert isinstance(announcement, VersionAnnouncement)
     assert (announcement.version, announcement.weights_version) == (2, 2)
     assert decode(encode(announcement)) == announcement
