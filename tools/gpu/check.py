@@ -257,7 +257,7 @@ def train_steps(device: str, quick: bool, shape: str | None = None) -> TrainStep
     if shape is None:
         spec: TinyModelSpec = gpu_model_spec(device, quick)
         path = cached_tiny_model(REPO / ".cache" / "models", spec)
-        count, length = (4, 64) if quick else (64, 256)  # quick: a smoke run of both steps, not a timing
+        count, length = (8, 32) if quick else (64, 256)  # quick: a smoke run of both steps, not a timing
     else:
         from tools.bench.models import bench_model
 
