@@ -211,6 +211,7 @@ def compute_policy_loss(
     old_values: Tensor | None = None,
     denominator: float | Tensor | None = None,
     sample_denominators: Tensor | None = None,
+    loss_fn: Callable[[PolicyLossConfig, PolicyLossInputs], PolicyLossTerms] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The learner's loss for one (micro-)batch: ratio, off-policy correction, clipping, KL, entropy, value, agg.
 
@@ -220,6 +221,8 @@ def compute_policy_loss(
     (no decoupling: the one-step-off setting); if both are None, pi_old := sg(pi_theta) (strictly on-policy, ratio
     1). ``denominator``/``sample_denominators``: see :mod:`policies.aggregation`; compute them on the whole batch
     with the correction's keep mask applied (:func:`effective_loss_mask`) so micro-batch losses sum exactly.
+    ``loss_fn``: the per-token policy loss as the caller loaded it (a plugin converted from another convention);
+    default: ``config.loss_type`` resolved in the registry.
 
     Returns ``(loss, metrics)``. Loss-term metrics (``pg_loss``, ``kl_loss``, ``entropy_loss``, ``value_loss``)
     use the same denominators as the loss, so they add up across micro-batches like the loss does; every other
@@ -253,7 +256,7 @@ def compute_policy_loss(
     inputs = PolicyLossInputs(
         log_probs=log_probs, old_log_probs=proximal, advantages=advantages, loss_mask=mask, response_lengths=lengths
     )
-    terms = resolve_policy_loss(config.loss_type)(config, inputs)
+    terms = (loss_fn or resolve_policy_loss(config.loss_type))(config, inputs)
     check_packed(f"per-token loss of loss_type {config.loss_type!r}", terms.per_token_loss, lengths)
     pg_per_token = terms.per_token_loss * correction.weights
 

@@ -13,6 +13,7 @@ No engine imports: the trainer's batch and model outputs are seen through the sm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,7 +22,13 @@ from torch import Tensor
 
 from policies.aggregation import global_denominator
 from policies.config import PolicyLossConfig
-from policies.losses import compute_policy_loss, compute_value_loss, effective_loss_mask
+from policies.losses import (
+    PolicyLossInputs,
+    PolicyLossTerms,
+    compute_policy_loss,
+    compute_value_loss,
+    effective_loss_mask,
+)
 from policies.packing import as_float_mask
 from policies.pi_old import PiOldSource, pi_old_source
 from policies.registry import LINEAR_IN_ADVANTAGE, POLICY_LOSSES
@@ -96,13 +103,15 @@ class PolicyLoss:
 
     ``denominator``: the aggregation denominator of the whole step (all ranks, after rejections);
     ``total_tokens``: trained tokens of the whole step, the weight of each micro-batch's diagnostic means;
-    ``pi_old_from_forward``: take pi_old as ``sg(log pi_theta)`` of the training forward (see :func:`pi_old_source`).
+    ``pi_old_from_forward``: take pi_old as ``sg(log pi_theta)`` of the training forward (see :func:`pi_old_source`);
+    ``loss_fn``: the per-token policy loss as loaded (see :func:`policies.losses.compute_policy_loss`).
     """
 
     config: PolicyLossConfig
     denominator: float
     total_tokens: float
     pi_old_from_forward: bool = False
+    loss_fn: Callable[[PolicyLossConfig, PolicyLossInputs], PolicyLossTerms] | None = None
 
     @property
     def needs_entropy(self) -> bool:
@@ -117,6 +126,7 @@ class PolicyLoss:
             rollout_log_probs=None if self.config.loss_type == "sft" else batch.rollout_log_probs,
             advantages=batch.advantages, loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
             entropy=outputs.entropy, ref_log_probs=batch.ref_log_probs, denominator=self.denominator,
+            loss_fn=self.loss_fn,
         )
         share = batch.loss_mask.sum() / max(1.0, self.total_tokens)  # a tensor: no host sync per micro-batch
         return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}

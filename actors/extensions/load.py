@@ -3,8 +3,9 @@
 slime's plugins are recognised here, by their flags and signatures, and converted by `actors.slime_compat`: a slime
 ``rm(args, sample)`` becomes a reward that reads whole samples, a slime dynamic filter a group filter, a slime
 ``generate(args, sample, sampling_params)`` a generate function, ``--custom-advantage-function-path`` an advantage
-function, the train-data conversion and reward post-process a batch rewrite, ``--rollout-function-path`` a rollout
-loop. A role asks for the kind it runs and never learns which convention the user wrote in.
+function, a slime custom loss ``(args, batch, logits, sum_of_sample_mean)`` a policy loss, the train-data
+conversion and reward post-process a batch rewrite, ``--rollout-function-path`` a rollout loop. A role asks for the
+kind it runs and never learns which convention the user wrote in.
 
 Each loader imports what its kind needs when called: the buffer and reward processes never import torch, and the
 slime advantage adapter does.
@@ -16,11 +17,18 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
-from actors.extensions.points import AdvantageFunction, BatchRewrite, BatchSelector, GroupFilter, RolloutLoop
+from actors.extensions.points import (
+    AdvantageFunction,
+    BatchRewrite,
+    BatchSelector,
+    GroupFilter,
+    PolicyLossFunction,
+    RolloutLoop,
+)
 from bus.schema import ScoredGroup
 from policies.filters import FilterGroup, apply_filters
 from policies.plugins import load_object
-from policies.registry import resolve_filter
+from policies.registry import resolve_filter, resolve_policy_loss
 from policies.rewards import RewardSpec, build_reward
 
 if TYPE_CHECKING:
@@ -102,6 +110,15 @@ def advantage_function(config: RunConfig) -> AdvantageFunction | None:
     from actors.slime_compat.advantages import load_custom_advantages
 
     return load_custom_advantages(config)
+
+
+def policy_loss(config: RunConfig) -> PolicyLossFunction:
+    """`--loss-type`: a registered loss or a plugin of ours as it is; a slime custom loss
+    (`--custom-loss-function-path`, which the flags make the loss type) converted."""
+    from actors.slime_compat.losses import adapt_loss, is_slime_loss
+
+    loss = resolve_policy_loss(config.policy.loss_type)
+    return adapt_loss(loss) if is_slime_loss(loss) else loss
 
 
 def batch_rewrite(config: RunConfig) -> BatchRewrite | None:

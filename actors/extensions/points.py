@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from engines.training.base import TrainSample
     from policies.config import PolicyLossConfig
+    from policies.losses import PolicyLossInputs, PolicyLossTerms
 
 # The buffer's next batch: (scored groups in admission order, groups wanted, batch id) -> the chosen group ids;
 # the buffer fills any shortfall with the oldest groups.
@@ -42,6 +43,12 @@ class AdvantageFunction(Protocol):
                  process_group: dist.ProcessGroup | None = None) -> Tensor: ...
 
 
+class PolicyLossFunction(Protocol):
+    """The policy loss of `--loss-type`: a registered one or a plugin, per token of one micro-batch."""
+
+    def __call__(self, config: PolicyLossConfig, inputs: PolicyLossInputs) -> PolicyLossTerms: ...
+
+
 class RolloutLoop(Protocol):
     """Replaces a rollout worker's lease -> generate -> send loop as a whole (it leases and sends itself)."""
 
@@ -50,4 +57,5 @@ class RolloutLoop(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-__all__ = ["AdvantageFunction", "BatchRewrite", "BatchSelector", "GroupFilter", "RolloutLoop", "SelectionError"]
+__all__ = ["AdvantageFunction", "BatchRewrite", "BatchSelector", "GroupFilter", "PolicyLossFunction", "RolloutLoop",
+           "SelectionError"]

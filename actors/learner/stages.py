@@ -15,7 +15,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
-from actors.extensions.points import AdvantageFunction
+from actors.extensions.points import AdvantageFunction, PolicyLossFunction
 from bus.episodes import episode_id
 from bus.schema import Sample
 from engines.training.base import DataParallel, Trainer, TrainSample, teacher_role
@@ -334,13 +334,14 @@ def with_gradient(batch: StepBatch) -> StepBatch:
 
 def build_loss(
     policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *, pi_old_from_forward: bool,
-    trained: StepBatch | None = None,
+    trained: StepBatch | None = None, loss_fn: PolicyLossFunction | None = None,
 ) -> PolicyLoss:
     """One optimizer step's loss with that step's denominators: its mini-batch on every rank counts (one
     all-reduce when sharded). With several steps per rollout batch each step divides by its own counts, as slime
     normalises per step (per token of the step with --calculate-per-token-loss, else per sample of the step).
     `trained`: the part of `batch` the trainer will run (`with_gradient`); the denominators stay the whole
-    batch's, the diagnostics become means over the samples trained."""
+    batch's, the diagnostics become means over the samples trained. `loss_fn`: the loss as loaded
+    (`actors.extensions.load.policy_loss`)."""
     loss_mask = batch.packed("loss_mask")
     assert loss_mask is not None  # to_train_sample always sets one
     counts = step_denominators(
@@ -359,7 +360,7 @@ def build_loss(
         torch.distributed.all_reduce(counts, group=parallel.group)
         counts = counts.cpu()
     return PolicyLoss(policy, denominator=float(counts[0]), total_tokens=max(1.0, float(counts[1])),
-                      pi_old_from_forward=pi_old_from_forward)
+                      pi_old_from_forward=pi_old_from_forward, loss_fn=loss_fn)
 
 
 def build_value_loss(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel) -> ValueLoss:

@@ -24,7 +24,7 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.config.teachers import run_teachers, teacher_of
-from actors.extensions.load import advantage_function, batch_rewrite
+from actors.extensions.load import advantage_function, batch_rewrite, policy_loss
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
 from bus.episodes import final_segments
@@ -63,6 +63,7 @@ class TrainingStep:
         self.trains_on_rewards = self.policy.loss_type != "sft"
         self.rewrite_batch = batch_rewrite(config)
         self.custom_advantages = advantage_function(config)
+        self.loss_fn = policy_loss(config)
         if self.rewrite_batch is not None:  # trained on the rewrite's rewards as they are (slime's hooks are)
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
@@ -152,7 +153,7 @@ class TrainingStep:
     def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
         trained = stages.with_gradient(part) if self.skip_gradient_free else part
         loss = stages.build_loss(self.policy, part, parallel, pi_old_from_forward=self.pi_old == "training_forward",
-                                 trained=trained if trained is not part else None)
+                                 trained=trained if trained is not part else None, loss_fn=self.loss_fn)
         # `ends_batch` only with several steps: a trainer written for one step per batch need not know it.
         extra = {} if self.steps == 1 else {"ends_batch": last}
         result = self.trainer.train_step(trained.samples, loss, temperature=self.temperature,

@@ -142,23 +142,34 @@ def test_wire_arrays_keep_their_dtypes() -> None:
 def test_slime_custom_loss_gives_slimes_scaled_loss_and_gradient() -> None:
     import torch
 
-    from policies.config import PolicyLossConfig
+    from actors.extensions.load import policy_loss
     from policies.losses import compute_policy_loss
 
-    config = PolicyLossConfig(loss_type="examples.slime_style.custom_loss:reinforce_loss",
-                              off_policy_correction="none")
+    run = build_config({"loss_type": "examples.slime_style.custom_loss:reinforce_loss",
+                        "off_policy_correction": "none"})
+    config = run.policy
     lengths = torch.tensor([3, 2])
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])
     log_probs = torch.tensor([-1.0, -2.0, -0.5, -0.3, -0.7], requires_grad=True)
     advantages = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5])
     loss, _ = compute_policy_loss(config, log_probs=log_probs, old_log_probs=log_probs.detach(),
                                   rollout_log_probs=None, advantages=advantages, loss_mask=mask,
-                                  response_lengths=lengths, denominator=2.0)
+                                  response_lengths=lengths, denominator=2.0, loss_fn=policy_loss(run))
     loss.backward()
     # slime's default (per-sample token means, summed, over the step's samples): weight 1 at pi_old.
     expected = -((-1.0 - 0.5) / 2 * 1.0 + (-0.3 - 0.7) / 2 * -0.5) / 2
     assert float(loss.detach()) == pytest.approx(expected)
     assert log_probs.grad.tolist() == pytest.approx([-0.25, 0.0, -0.25, 0.125, 0.125])
+
+
+def test_a_loss_of_ours_loads_as_it_is_and_only_slimes_is_converted() -> None:
+    from actors.extensions.load import policy_loss
+    from policies.losses import ppo_loss
+
+    assert policy_loss(build_config({"loss_type": "policies.losses:ppo_loss"})) is ppo_loss
+    assert policy_loss(build_config({})) is ppo_loss  # the default estimator's registered loss
+    slime_loss = policy_loss(build_config({"loss_type": "examples.slime_style.custom_loss:reinforce_loss"}))
+    assert slime_loss.__name__ == "reinforce_loss" and slime_loss.__module__ == "actors.slime_compat.losses"
 
 
 
