@@ -1,15 +1,14 @@
 """The one typed, validated-once algorithm config the learner and the advantage step share.
 
 Field names are slime's flag names with dashes turned into underscores (``--eps-clip-high`` -> ``eps_clip_high``),
-so a slime command line maps over one to one through :meth:`PolicyLossConfig.from_flags`. Every name-valued field
-(estimator, loss, KL type, correction) is resolved against the registry at construction, so a typo or a broken
-plugin path fails at start-up, not at step 1000.
+so a slime command line maps over one to one (its switches and legacy paths are translated with slime's other flags,
+before this config is built). Every name-valued field (estimator, loss, KL type, correction) is resolved against
+the registry at construction, so a typo or a broken plugin path fails at start-up, not at step 1000.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -32,14 +31,6 @@ _LOSS_FOR_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
 # slime's --loss-type spellings.
 _LOSS_ALIASES = {"policy_loss": None, "sft_loss": "sft"}
 _ESTIMATORS_NEEDING_WHITENING = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-# slime's switches and legacy paths that set a field (PolicyLossConfig.from_flags): flag -> (field, value), -> field.
-SLIME_SWITCHES: dict[str, tuple[str, Any]] = {
-    "disable_grpo_std_normalization": ("grpo_std_normalization", False),
-    "disable_rewards_normalization": ("rewards_normalization", False),
-    "calculate_per_token_loss": ("loss_agg_mode", "token-mean"),
-    "use_tis": ("off_policy_correction", "tis"),
-}
-SLIME_RENAMES = {"custom_tis_function_path": "off_policy_correction", "custom_loss_function_path": "loss_type"}
 _REGISTRY_OF = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "loss_type": POLICY_LOSSES,
                 "kl_loss_type": KL_ESTIMATORS, "off_policy_correction": CORRECTIONS}
 
@@ -238,33 +229,3 @@ class PolicyLossConfig(BaseModel):
         the learner step computes reference log-probs exactly when this holds, so the two cannot disagree.
         """
         return self.use_kl_loss or self.kl_coef > 0
-
-    @classmethod
-    def from_flags(cls, flags: Mapping[str, Any]) -> PolicyLossConfig:
-        """Build from slime-style flags: keys may be ``--eps-clip-high`` or ``eps_clip_high``.
-
-        Also understands slime's negative and legacy switches: ``disable_grpo_std_normalization``,
-        ``disable_rewards_normalization``, ``calculate_per_token_loss`` (-> token-mean), ``use_tis``
-        (-> off_policy_correction="tis"), ``custom_tis_function_path``, ``custom_loss_function_path``.
-        Unknown keys are an error that lists what is accepted.
-        """
-        fields: dict[str, Any] = {}
-        overrides: dict[str, Any] = {}
-        for raw_key, value in flags.items():
-            key = raw_key.lstrip("-").replace("-", "_")
-            if key in SLIME_SWITCHES:
-                if value:
-                    field, switched = SLIME_SWITCHES[key]
-                    fields.setdefault(field, switched)
-            elif key in SLIME_RENAMES:
-                if value is not None:
-                    overrides[SLIME_RENAMES[key]] = value
-            elif key in cls.model_fields:
-                fields[key] = value
-            else:
-                accepted = sorted([*cls.model_fields, *SLIME_SWITCHES, *SLIME_RENAMES])
-                raise ValueError(f"unknown policy flag {raw_key!r}; accepted: {', '.join(accepted)}")
-        fields.update(overrides)  # a custom function path wins over the switch that enables the feature
-        if fields.get("loss_type") == "custom_loss":
-            raise ValueError("loss_type='custom_loss' needs custom_loss_function_path (a dotted path to the loss)")
-        return cls(**fields)

@@ -23,16 +23,11 @@ from pydantic import ValidationError
 from actors.config.flag_parser import near_name_hints
 from actors.config.run import OWNER, POLICY_DEFAULTS, SECTIONS, RunConfig
 from actors.config.settings_errors import Origin, SettingsError, located_problems
-from actors.config.slime_flags import SPELLED_AS, add_slime_flags, apply_slime_flags
+from actors.config.slime_flags import POLICY_SWITCHES, SPELLED_AS, add_slime_flags, apply_slime_flags, policy_settings
 from actors.config.slime_table import SLIME_FLAGS
-from policies.config import SLIME_RENAMES, PolicyLossConfig
+from policies.config import PolicyLossConfig
 from policies.registry import BuiltinNames
 
-# slime's negative switches for policy fields, accepted as flags and YAML keys.
-POLICY_SWITCHES = {
-    "disable_grpo_std_normalization": "Dr.GRPO: centre rewards per group without dividing by their std",
-    "disable_rewards_normalization": "use raw rewards as advantages (no group baseline)",
-}
 RUN_WIDE = ("seed", "torch_threads")
 
 
@@ -60,7 +55,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         _add_model_flags(group, dict(model.model_fields))
     algorithm = parser.add_argument_group("policy settings", summary(PolicyLossConfig.__doc__))
     _add_model_flags(algorithm, dict(PolicyLossConfig.model_fields), defaults=POLICY_DEFAULTS)
-    for name, help_text in POLICY_SWITCHES.items():
+    for name, (_, help_text) in POLICY_SWITCHES.items():
         algorithm.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
     add_slime_flags(parser)  # last: only slime's flags that no section defines
 
@@ -273,12 +268,10 @@ def _validated(values: dict[str, Any], origins: Mapping[str, Origin],
     general: list[str] = []
     policy = None
     try:
-        policy = PolicyLossConfig.from_flags({**defaults, **given})
+        policy = PolicyLossConfig(**{**defaults, **policy_settings(given)})
     except ValidationError as error:
-        # a setting given by its slime name (--custom-tis-function-path) is named so
-        renamed = {(field,): alias for alias, field in SLIME_RENAMES.items() if alias in given}
         located, general = located_problems(error, values, origins,
-                                            {**{(name,): name for name in PolicyLossConfig.model_fields}, **renamed})
+                                            {(name,): name for name in PolicyLossConfig.model_fields})
     except ValueError as error:
         general.append(str(error))
     run_values = {k: v for k, v in values.items() if k not in policy_keys}

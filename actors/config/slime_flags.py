@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,27 @@ _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does
 }
 _ENV_ALIASES = {"--wandb-key": ("WANDB_API_KEY",), "--wandb-host": ("WANDB_BASE_URL",),
                 "--wandb-team": ("WANDB_ENTITY",), "--http-proxy": ("http_proxy", "https_proxy")}
+
+
+# slime's negative switches for policy settings, accepted as flags and YAML keys (the policy settings' help group
+# lists them): switch -> (the setting it turns off, help).
+POLICY_SWITCHES: dict[str, tuple[str, str]] = {
+    "disable_grpo_std_normalization": ("grpo_std_normalization",
+                                       "Dr.GRPO: centre rewards per group without dividing by their std"),
+    "disable_rewards_normalization": ("rewards_normalization", "use raw rewards as advantages (no group baseline)"),
+}
+
+
+def policy_settings(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat policy settings with slime's switches read: a switch given as true turns its setting off unless that
+    setting is given itself (which then wins); slime's `custom_loss` without its path is refused by name."""
+    settings = {key: value for key, value in given.items() if key not in POLICY_SWITCHES}
+    for switch, (setting, _) in POLICY_SWITCHES.items():
+        if given.get(switch):
+            settings.setdefault(setting, False)
+    if settings.get("loss_type") == "custom_loss":
+        raise ValueError("loss_type='custom_loss' needs custom_loss_function_path (a dotted path to the loss)")
+    return settings
 
 
 def _dest(flag: str) -> str:
@@ -180,7 +202,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
     elif flag == "--calculate-per-token-loss":
         _set(args, "loss_agg_mode", "token-mean", flag)
     elif flag == "--use-tis":
-        _set(args, "off_policy_correction", "tis", flag)
+        if getattr(args, _dest("--custom-tis-function-path"), None) is None:  # slime's pair: the path says which
+            _set(args, "off_policy_correction", "tis", flag)
     elif flag == "--check-weight-update-equal":
         _set(args, "weight_check", "strict", flag)
         _set(args, "weight_check_stride", 1, flag)  # slime compares every byte

@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from actors.config import config_from_args, split_sglang_args
+from actors.config.flags import build_config
 from actors.config.run import RunConfig
+from actors.config.settings_errors import SettingsError
 from actors.config.slime_table import SLIME_FLAGS
 from launcher import build_parser
 from tests.support.slime_scripts import SCRIPTS, read_slime_script
@@ -171,6 +173,29 @@ def test_check_weight_update_equal_is_the_strict_weight_check_and_our_default_ch
 def test_custom_tis_function_path_becomes_the_correction() -> None:
     config, _ = configure(["--custom-tis-function-path", "icepop"])
     assert config.policy.off_policy_correction == "icepop"
+
+
+@pytest.mark.unit
+def test_custom_tis_function_path_wins_over_use_tis() -> None:
+    """slime enables its correction by --use-tis and names the function by --custom-tis-function-path: one setting."""
+    for argv in (["--use-tis", "--custom-tis-function-path", "icepop"],
+                 ["--custom-tis-function-path", "icepop", "--use-tis"]):
+        assert configure(argv)[0].policy.off_policy_correction == "icepop"
+
+
+@pytest.mark.unit
+def test_slimes_negative_switches_turn_their_setting_off_unless_the_setting_is_given() -> None:
+    config, _ = configure(["--disable-grpo-std-normalization", "--disable-rewards-normalization"])
+    assert not config.policy.grpo_std_normalization and not config.policy.rewards_normalization
+    assert configure(["--disable-rewards-normalization", "--rewards-normalization"])[0].policy.rewards_normalization
+    assert build_config({"disable_grpo_std_normalization": True}).policy.grpo_std_normalization is False  # YAML key
+    assert build_config({"disable_grpo_std_normalization": False}).policy.grpo_std_normalization is True
+
+
+@pytest.mark.unit
+def test_slimes_custom_loss_without_its_path_is_refused_by_name() -> None:
+    with pytest.raises(SettingsError, match=r"loss_type='custom_loss' needs custom_loss_function_path"):
+        build_config({"loss_type": "custom_loss"})
 
 
 @pytest.mark.unit

@@ -315,14 +315,14 @@ def test_bfloat16_rewards_are_computed_in_float32() -> None:
     ({"advantage_estimator": "grpo"}, False), ({"advantage_estimator": "gspo"}, False),
     ({"advantage_estimator": "rloo"}, False),
     ({"advantage_estimator": "reinforce_plus_plus_baseline", "normalize_advantages": True}, False),
-    ({"advantage_estimator": "grpo", "disable_rewards_normalization": True}, True),
+    ({"advantage_estimator": "grpo", "rewards_normalization": False}, True),
     ({"advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True}, True),
     ({"advantage_estimator": "ppo"}, True)])
 def test_single_sample_groups_are_taught_only_by_estimators_without_a_group_baseline(
         flags: dict, taught: bool) -> None:
     from policies.advantages import rewards_teach_single_samples
 
-    assert rewards_teach_single_samples(PolicyLossConfig.from_flags(flags)) is taught
+    assert rewards_teach_single_samples(PolicyLossConfig(**flags)) is taught
 
 
 @pytest.mark.unit

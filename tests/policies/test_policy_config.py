@@ -50,35 +50,3 @@ def test_derived_defaults_follow_slime() -> None:
 def test_config_is_frozen() -> None:
     with pytest.raises(pydantic.ValidationError):
         PolicyLossConfig().eps_clip = 0.3  # type: ignore[misc]
-
-
-@pytest.mark.unit
-def test_slime_flags_map_onto_fields() -> None:
-    config = PolicyLossConfig.from_flags(
-        {
-            "--advantage-estimator": "grpo",
-            "--eps-clip-high": 0.28,
-            "--disable-grpo-std-normalization": True,
-            "--calculate-per-token-loss": True,
-            "--use-tis": True,
-            "--tis-clip": 3.0,
-            "--use-kl-loss": True,
-            "--kl-loss-coef": 0.001,
-            "--kl-loss-type": "low_var_kl",
-        }
-    )
-    assert config.eps_clip_high == 0.28 and not config.grpo_std_normalization
-    assert config.loss_agg_mode == "token-mean" and config.off_policy_correction == "tis" and config.tis_clip == 3.0
-    assert config.use_kl_loss and config.kl_loss_type == "low_var_kl"
-
-
-@pytest.mark.unit
-def test_custom_tis_function_path_wins_over_use_tis() -> None:
-    config = PolicyLossConfig.from_flags({"custom_tis_function_path": "policies.corrections:icepop", "use_tis": True})
-    assert config.off_policy_correction == "policies.corrections:icepop"
-
-
-@pytest.mark.unit
-def test_unknown_flag_lists_accepted_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown policy flag '--eps-clp'; accepted: .*eps_clip"):
-        PolicyLossConfig.from_flags({"--eps-clp": 0.1})
