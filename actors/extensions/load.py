@@ -25,7 +25,7 @@ from actors.extensions.points import (
     PolicyLossFunction,
     RolloutLoop,
 )
-from bus.schema import ScoredGroup
+from bus.schema import Sample, ScoredGroup
 from policies.filters import FilterGroup, apply_filters
 from policies.plugins import load_object
 from policies.registry import resolve_filter, resolve_policy_loss
@@ -45,8 +45,13 @@ def reward_spec(config: RunConfig) -> RewardSpec:
                         rm_url=reward.rm_url, remote_timeout_s=reward.reward_timeout)
     slime_rm = load_slime_reward(config)
     if slime_rm is not None:
-        return RewardSpec(spec.name, slime_rm, is_group=reward.group_rm, takes_samples=True)
+        return RewardSpec(spec.name, slime_rm, is_group=reward.group_rm, argument_of=_the_sample)
     return spec
+
+
+def _the_sample(sample: Sample, segments: list[Sample]) -> Sample:
+    """What an adapted slime reward reads: the wire sample itself (it converts it to slime's `Sample`)."""
+    return sample
 
 
 def dynamic_filter(config: RunConfig) -> GroupFilter | None:

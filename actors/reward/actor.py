@@ -9,9 +9,10 @@ Failures are logged at a bounded rate, and a function that fails on `--reward-fa
 ends the run as failed, with its last error (`actors.reward.failures`): a broken reward trains nothing, and would
 otherwise go on failing forever.
 
-The function is given each sample's token ids and finish reason besides its text (`reward_input`). It is called
-once per episode: an agent's episode that rewrote its context is several samples (segments, `bus.episodes`), scored
-on its final segment with every segment's messages at hand, and each segment carries that reward (or its failure).
+The function is given what its loader says it reads (`RewardSpec.argument_of`): for ours, each sample's token ids
+and finish reason besides its text (`policies.rewards.reward_input`). It is called once per episode: an agent's
+episode that rewrote its context is several samples (segments, `bus.episodes`), scored on its final segment with
+every segment's messages at hand, and each segment carries that reward (or its failure).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.handlers import handles
 from bus.episodes import EpisodeKey, by_episode, episode_key, final_segment
-from bus.schema import FINISH_BY_STATUS, GeneratedGroup, Sample, ScoredGroup
+from bus.schema import GeneratedGroup, Sample, ScoredGroup
 from policies.failed_samples import samples_to_train
-from policies.rewards import REWARD_EXTRAS, RewardInput, prompt_text, score, score_group
+from policies.rewards import REWARD_EXTRAS, score, score_group
 
 if TYPE_CHECKING:
     from actors.reward.teacher import TeacherScorer
@@ -118,8 +119,7 @@ class RewardWorker(Actor):
     async def _score(self, samples: list[Sample], episodes: dict[EpisodeKey, list[Sample]], *,
                      is_eval: bool) -> list[Sample]:
         """`samples` (one per episode, its final segment) scored, with every segment of its episode at hand."""
-        inputs: list = (list(samples) if self.reward.takes_samples
-                        else [reward_input(s, episodes[episode_key(s)]) for s in samples])
+        inputs = [self.reward.argument_of(s, episodes[episode_key(s)]) for s in samples]
         reward = self.config.reward
         key = (self.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
         if self.reward.is_group:
@@ -140,21 +140,6 @@ class RewardWorker(Actor):
         if self.failures.tripped is not None:  # a worker that would fail the same way must not be restarted
             await self.fail_run(self.failures.tripped)
         return scored
-
-
-def reward_input(sample: Sample, segments: list[Sample] | None = None) -> RewardInput:
-    """What a reward function of ours is given for one wire sample (an episode's final segment, with all of
-    `segments`): text, label, metadata, token ids, the engine's finish reason (carried by the sample's status) and
-    a chat episode's messages, each segment's."""
-    tokens = sample.tokens.tolist()
-    messages = None if sample.messages is None else [dict(message) for message in sample.messages]
-    chats = [segment.messages for segment in segments or [sample]]
-    return RewardInput(prompt=prompt_text(sample.prompt), response=sample.response, label=sample.label,
-                       metadata=dict(sample.metadata), prompt_ids=tokens[:sample.prompt_tokens],
-                       response_ids=tokens[sample.prompt_tokens:],
-                       finish_reason=FINISH_BY_STATUS.get(sample.status),  # type: ignore[arg-type]
-                       messages=messages,
-                       segments=None if messages is None else [[dict(m) for m in chat or []] for chat in chats])
 
 
 def _with_episode_reward(sample: Sample, final: Sample | None) -> Sample:

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bus.schema import Sample
 from policies.registry import GROUP_REWARDS, resolve_group_reward, resolve_reward
+from policies.rewards.inputs import reward_input
 
 __all__ = ["RewardSpec", "build_reward"]
 
@@ -20,14 +22,14 @@ REMOTE_RM_TYPE = "remote_rm"
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """The chosen function and how to run it: ``score_group`` when ``is_group``, else ``score``. With
-    ``takes_samples`` it is given the wire samples themselves instead of ``RewardInput``s (slime's reward functions
-    read any field of a sample)."""
+    """The chosen function and how to run it: ``score_group`` when ``is_group``, else ``score``, each sample (an
+    episode's final segment, with all its segments) given as ``argument_of`` makes it: a ``RewardInput`` for a
+    function of ours; a loader that converts a function written to another convention picks what it reads."""
 
     name: str
     fn: Callable[..., Any]
     is_group: bool
-    takes_samples: bool = False
+    argument_of: Callable[[Sample, list[Sample]], Any] = reward_input
 
 
 def build_reward(

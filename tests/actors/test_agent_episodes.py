@@ -192,8 +192,8 @@ def test_the_reward_is_given_the_episode_as_chat_messages_with_its_tool_calls(
         tool_model: Path, flags: dict[str, Any], roles: list[str]) -> None:
     """The reward saw the conversation only as text with the template's role names in it; it now also gets the
     messages, as they crossed the wire from the rollout worker, the model's calls as OpenAI tool calls."""
-    from actors.reward.actor import reward_input
     from bus.codec import decode, encode
+    from policies.rewards import reward_input
 
     config = run_config(tool_model, **flags)
     generate = agent_generate_for(config)

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.reward.actor import reward_input
 from actors.slime_compat import Sample as SlimeSample
 from bus.schema import Sample
 from examples.truncation_aware_rm import reward as truncation_aware_reward
+from policies.rewards import reward_input
 from tests.support import reward_plugins
 from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
 from tools.sim.pipeline import SimSpec, SleepingTokenizer

@@ -134,6 +134,20 @@ def test_a_program_that_ends_as_its_deadline_passes_is_a_timeout_not_an_error() 
     assert asyncio.run(both())[0] in ("timeout", "")
 
 
+def test_each_reward_function_is_given_what_its_loader_says_it_reads() -> None:
+    """The reward role calls every function one way: a slime rm reads the wire sample (its adapter converts it),
+    ours a RewardInput."""
+    from actors.extensions.load import reward_spec
+    from policies.rewards import RewardInput
+
+    sample = WireSample(sample_id="g/0", group_id="g", index=0, prompt="2+3=", label="5", response="5")
+    ours = reward_spec(build_config({"rm_type": "exact_match"}))
+    slimes = reward_spec(build_config({"custom_rm_path": "examples.slime_style.group_rm:rm", "group_rm": True}))
+    assert isinstance(ours.argument_of(sample, [sample]), RewardInput)
+    assert ours.argument_of(sample, [sample]).response == "5"
+    assert slimes.argument_of(sample, [sample]) is sample
+
+
 def test_wire_arrays_keep_their_dtypes() -> None:
     wire = to_wire(Sample(tokens=[1, 2, 3], response_length=1, rollout_log_probs=[-0.1]), GROUP, 0, start_version=0)
     assert wire.tokens.dtype == np.int32 and wire.token_versions.dtype == np.int32
