@@ -6,6 +6,7 @@ Free of torch at run time: the buffer, whose process never imports it, takes its
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from bus.schema import Sample, ScoredGroup
@@ -23,8 +24,20 @@ if TYPE_CHECKING:
 BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
 # A dynamic-sampling filter over one scored group: a drop reason, or None to keep it.
 GroupFilter = Callable[[ScoredGroup], "str | None"]
-# The learner's whole-batch rewrite before the step (new rewards, new samples): samples in, samples out.
-BatchRewrite = Callable[[list[Sample]], list[Sample]]
+
+
+@dataclass(frozen=True)
+class BatchRewrite:
+    """The learner's whole-batch rewrite before the step (new rewards, new samples): samples in, samples out.
+
+    `rewards_as_given`: the rewrite's rewards are final, trained without the group baseline on top (a rewrite that
+    normalises rewards itself, as slime's hooks replace slime's group normalisation)."""
+
+    rewrite: Callable[[list[Sample]], list[Sample]]
+    rewards_as_given: bool
+
+    def __call__(self, samples: list[Sample]) -> list[Sample]:
+        return self.rewrite(samples)
 
 
 class SelectionError(ValueError):

@@ -64,7 +64,7 @@ class TrainingStep:
         self.rewrite_batch = batch_rewrite(config)
         self.custom_advantages = advantage_function(config)
         self.loss_fn = policy_loss(config)
-        if self.rewrite_batch is not None:  # trained on the rewrite's rewards as they are (slime's hooks are)
+        if self.rewrite_batch is not None and self.rewrite_batch.rewards_as_given:  # as the rewrite declares
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
         self.temperature = config.rollout.rollout_temperature or 1.0

@@ -21,6 +21,7 @@ import msgspec
 
 from actors.config import RunConfig
 from actors.config.engines import http_engine_problem
+from actors.extensions.points import BatchRewrite
 from actors.slime_compat.args import build_args, sampling_params
 from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire
 from bus.schema import PromptGroup
@@ -107,11 +108,11 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
     return generate
 
 
-def load_reward_post_process(config: RunConfig) -> Callable[[list[WireSample]], list[WireSample]] | None:
+def load_reward_post_process(config: RunConfig) -> BatchRewrite | None:
     """slime's ``--custom-reward-post-process-path`` as a step over a whole batch of wire samples, or None.
 
     slime calls it on the whole rollout batch in place of its own group normalisation and trains on the returned
-    ``rewards``; so does the learner (which then turns its normalisation off). ``raw_rewards`` stay what the
+    ``rewards``; so does the learner (the rewrite declares its rewards final). ``raw_rewards`` stay what the
     reward workers gave, which the batch's reward metrics already report.
     """
     path = config.reward.custom_reward_post_process_path
@@ -127,7 +128,7 @@ def load_reward_post_process(config: RunConfig) -> Callable[[list[WireSample]], 
                             f"reward per sample ({len(samples)}), got {type(output).__name__}")
         return [msgspec.structs.replace(s, reward=float(r)) for s, r in zip(samples, output[1], strict=True)]
 
-    return post_process
+    return BatchRewrite(post_process, rewards_as_given=True)
 
 
 def adapt_reward(fn: Callable[..., Any], config: RunConfig, *, group: bool) -> Callable[..., Any]:

@@ -2,7 +2,7 @@
 
 slime's rollout manager calls it on the whole rollout batch in place of its own conversion, and so in place of its
 reward post-process too: the rewards it returns are trained on as they are. The learner does the same on the wire
-samples of a batch (:func:`load_convert_samples`), with its group normalisation off. Of the dict it reads
+samples of a batch (:func:`load_convert_samples`, a rewrite that declares its rewards final). Of the dict it reads
 ``tokens`` (prompt + response), ``response_lengths``, ``loss_masks`` and ``rewards`` (all required, one entry per
 sample, in the samples' order) and ``rollout_log_probs`` when given; the other keys slime's conversion writes
 (``raw_reward``, ``truncated``, ``sample_indices``, ...) are accepted and not read.
@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from actors.config import RunConfig
+from actors.extensions.points import BatchRewrite
 from actors.slime_compat.args import build_args
 from actors.slime_compat.sample import from_wire
 from bus.schema import Sample as WireSample
@@ -38,8 +39,9 @@ FLAG = "--custom-convert-samples-to-train-data-path"
 _REQUIRED = ("tokens", "response_lengths", "loss_masks", "rewards")
 
 
-def load_convert_samples(config: RunConfig) -> Callable[[list[WireSample]], list[WireSample]] | None:
-    """The configured convert function as a step over a whole batch of wire samples, or None."""
+def load_convert_samples(config: RunConfig) -> BatchRewrite | None:
+    """The configured convert function as a step over a whole batch of wire samples whose rewards are trained as
+    given, or None."""
     path = config.learner.custom_convert_samples_to_train_data_path
     if not path:
         return None
@@ -49,7 +51,7 @@ def load_convert_samples(config: RunConfig) -> Callable[[list[WireSample]], list
     def convert(samples: list[WireSample]) -> list[WireSample]:
         return convert_samples(fn, args, samples, path=path)
 
-    return convert
+    return BatchRewrite(convert, rewards_as_given=True)
 
 
 def convert_samples(fn: Callable[..., Any], args: Any, samples: Sequence[WireSample], *,

@@ -255,6 +255,18 @@ def _convert(plugin: str):
 
 
 @pytest.mark.unit
+def test_both_slime_batch_hooks_declare_their_rewards_final() -> None:
+    """slime trains on what its conversion or reward post-process returns, without its group normalisation: the
+    adapters say so, and the learner reads it (the effect: the trainer test below)."""
+    from actors.extensions.load import batch_rewrite
+
+    post_process = batch_rewrite(build_config({"custom_reward_post_process_path": f"{HERE}:never_called"}))
+    assert _convert(f"{HERE}:drops_the_last_sample").rewards_as_given
+    assert post_process is not None and post_process.rewards_as_given
+    assert batch_rewrite(build_config({})) is None
+
+
+@pytest.mark.unit
 def test_the_convert_hook_must_return_one_entry_per_sample() -> None:
     convert = _convert(f"{HERE}:drops_the_last_sample")
     with pytest.raises(ValueError, match=rf"--custom-convert-samples-to-train-data-path '{HERE}:drops_the_last_"
