@@ -196,16 +196,79 @@ def test_room_checkers_find_planted_violations() -> None:
         "actors.runtime.main imports actors.launch.zygote", "actors.runtime.main imports actors.report.progress"]
 
 
+# Where slime's conventions may not reach: the roles run our plugin types only, and the floors below actors/ (the
+# algorithms, the wire, the engines) know nothing of slime. slime's plugins and switches are converted at the edge
+# (`actors.extensions.load`, `actors.config.slime_flags`, `actors.slime_compat`).
+SLIME_FREE_PACKAGES = ("bus", "engines", "policies")
+
+
+def slime_free(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] in SLIME_FREE_PACKAGES or (len(parts) > 1 and parts[0] == "actors" and parts[1] in ROLE_FOLDERS)
+
+
+def slime_compat_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} imports {target}" for module, targets in graph.items() if slime_free(module)
+                  for target in targets if target.startswith("actors.slime_compat"))
+
+
 def test_no_role_imports_slime_compat() -> None:
     """slime's plugins are converted into our plugin types at load time (`actors.extensions.load`): a role runs
-    our types only, whichever convention the user's plugin was written in."""
-    def in_a_role(module: str) -> bool:
-        parts = module.split(".")
-        return len(parts) > 1 and parts[0] == "actors" and parts[1] in ROLE_FOLDERS
+    our types only, whichever convention the user's plugin was written in; nor does anything below actors/."""
+    wrong = slime_compat_imports(import_graph())
+    assert not wrong, "imports slime_compat outside the edge:\n" + "\n".join(wrong)
 
-    wrong = sorted(f"{module} imports {target}" for module, targets in import_graph().items() if in_a_role(module)
-                   for target in targets if target.startswith("actors.slime_compat"))
-    assert not wrong, "a role imports slime_compat:\n" + "\n".join(wrong)
+
+def slime_names(tree: ast.Module) -> list[str]:
+    """The names a module defines that speak of slime (functions, classes, variables and constants, arguments,
+    import aliases, attributes set), and the strings that name the compat package (an import by string)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names = [node.attr]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.alias):
+            names = [node.asname or node.name]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "slime_compat" in node.value:
+            names = [node.value]
+        else:
+            continue
+        found += [f"line {node.lineno}: {name}" for name in names if "slime" in name.lower()]
+    return found
+
+
+def test_policies_bus_and_engines_name_nothing_after_slime() -> None:
+    """A slime adapter in the algorithms' registry, or a table of slime's switches beside their config, is slime
+    inside the house: it goes to the edge, converted into our types when a plugin loads."""
+    wrong = [f"{name}: {where}" for name, path in project_modules().items()
+             if name.split(".")[0] in SLIME_FREE_PACKAGES for where in slime_names(parse(path))]
+    assert not wrong, "slime's conventions named below actors/ (move them to actors/slime_compat):\n" + (
+        "\n".join(wrong))
+
+
+def test_slime_checks_find_a_planted_violation() -> None:
+    """The checkers themselves: a slime name or a compat import planted in policies/ or a role is reported; the
+    same at the edge is not."""
+    planted = ast.parse("from actors.slime_compat import x as y\n"
+                        "SLIME_SWITCHES = {}\n"
+                        "def _is_slime_loss(args): ...\n"
+                        "class SlimeLoss: ...\n"
+                        "def f(slime_args): importlib.import_module('actors.slime_compat.losses')\n")
+    assert sorted(line.split(": ", 1)[1] for line in slime_names(planted)) == sorted([
+        "actors.slime_compat", "SLIME_SWITCHES", "_is_slime_loss", "SlimeLoss", "slime_args",
+        "actors.slime_compat.losses"])
+    assert slime_names(ast.parse("def eps_clip(args): return 'slime does not clamp'\n")) == []
+    graph = {"policies.registry": {"actors.slime_compat.losses"}, "actors.learner.step": {"actors.slime_compat"},
+             "bus.schema": {"bus.schema_base"}, "actors.extensions.load": {"actors.slime_compat.losses"}}
+    assert slime_compat_imports(graph) == ["actors.learner.step imports actors.slime_compat",
+                                           "policies.registry imports actors.slime_compat.losses"]
 
 
 def test_no_module_over_600_lines() -> None:
