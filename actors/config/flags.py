@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.config.flag_parser import near_name_hints
-from actors.config.run import OWNER, POLICY_DEFAULTS, SECTIONS, RunConfig
+from actors.config.run import OWNER, SECTIONS, RunConfig
 from actors.config.settings_errors import Origin, SettingsError, located_problems
 from actors.config.slime_flags import POLICY_SWITCHES, SPELLED_AS, add_slime_flags, apply_slime_flags, policy_settings
 from actors.config.slime_table import SLIME_FLAGS
@@ -54,7 +54,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"{section} settings", summary(model.__doc__))
         _add_model_flags(group, dict(model.model_fields))
     algorithm = parser.add_argument_group("policy settings", summary(PolicyLossConfig.__doc__))
-    _add_model_flags(algorithm, dict(PolicyLossConfig.model_fields), defaults=POLICY_DEFAULTS)
+    _add_model_flags(algorithm, dict(PolicyLossConfig.model_fields))
     for name, (_, help_text) in POLICY_SWITCHES.items():
         algorithm.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)
     add_slime_flags(parser)  # last: only slime's flags that no section defines
@@ -79,11 +79,10 @@ def _metavar(name: str, annotation: Any, names: BuiltinNames | None) -> str:
     return "VALUE"
 
 
-def _add_model_flags(group: Any, fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> None:
+def _add_model_flags(group: Any, fields: dict[str, Any]) -> None:
     for name, field in fields.items():
         annotation = _unwrap_optional(field.annotation)
         default = field.default if field.default_factory is None else field.default_factory()
-        default = (defaults or {}).get(name, default)
         names = next((item for item in field.metadata if isinstance(item, BuiltinNames)), None)
         help_text = (field.description or "").replace("%", "%%")
         if names is not None:  # expanded when help is shown (argparse fills %(attr)s from the action)
@@ -263,12 +262,11 @@ def _validated(values: dict[str, Any], origins: Mapping[str, Origin],
     the problems of single settings by key, the other problems)."""
     policy_keys = set(PolicyLossConfig.model_fields) | set(POLICY_SWITCHES)
     given = {k: v for k, v in values.items() if k in policy_keys}
-    defaults = POLICY_DEFAULTS if given.get("loss_type") not in ("sft", "sft_loss") else {}
     located: dict[str, str] = {}
     general: list[str] = []
     policy = None
     try:
-        policy = PolicyLossConfig(**{**defaults, **policy_settings(given)})
+        policy = PolicyLossConfig(**policy_settings(given))
     except ValidationError as error:
         located, general = located_problems(error, values, origins,
                                             {(name,): name for name in PolicyLossConfig.model_fields})

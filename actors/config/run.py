@@ -41,11 +41,6 @@ from policies.config import PolicyLossConfig
 from policies.pi_old import pi_old_source
 from policies.plugins import load_object
 
-# Where a run's default differs from PolicyLossConfig's (which keeps slime's meaning, for slime entries and the
-# library): the fully-async mode corrects with TIS. The one place it is written; the flags read it too (an SFT loss
-# takes none: it has no behaviour policy to correct for).
-POLICY_DEFAULTS: dict[str, Any] = {"off_policy_correction": "tis"}
-
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "eval": EvalConfig, "rollout": RolloutConfig, "agent": AgentConfig,
     "buffer": BufferConfig, "reward": RewardConfig, "learner": LearnerConfig, "trainer": TrainerConfig,
@@ -81,7 +76,7 @@ class RunConfig(BaseModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
-    policy: PolicyLossConfig = Field(default_factory=lambda: PolicyLossConfig(**POLICY_DEFAULTS),
+    policy: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
                                      description="advantages, loss, KL and off-policy correction")
 
     @model_validator(mode="before")

@@ -58,16 +58,22 @@ def test_slime_switches_reach_the_policy() -> None:
 
 @pytest.mark.unit
 def test_a_runs_policy_defaults_are_the_same_however_the_run_is_configured(tmp_path: Path) -> None:
-    """One place holds where a run's defaults differ from PolicyLossConfig's (actors.config.run.POLICY_DEFAULTS):
-    the flags, a config file, the settings API and a RunConfig built bare all read it; an SFT loss takes none."""
+    """The correction's one default (PolicyLossConfig's): the flags, a config file, the settings API, a RunConfig
+    built bare and the library all read it; an SFT loss takes none, a slime entry point slime's meaning."""
     from actors.config import RunConfig, build_config
-    from actors.config.run import POLICY_DEFAULTS
+    from policies.config import PolicyLossConfig
 
     path = tmp_path / "run.yaml"
     path.write_text("rollout_batch_size: 16\n", encoding="utf-8")
-    for config in (parse([]), parse(["--config", str(path)]), build_config({}), RunConfig()):
-        assert {name: getattr(config.policy, name) for name in POLICY_DEFAULTS} == POLICY_DEFAULTS
+    for config in (parse([]), parse(["--config", str(path)]), build_config({}), RunConfig(),
+                   RunConfig(policy={"eps_clip": 0.3})):
+        assert config.policy.off_policy_correction == PolicyLossConfig().off_policy_correction == "tis"
     assert parse(["--loss-type", "sft"]).policy.off_policy_correction == "none"
+    assert PolicyLossConfig(loss_type="sft_loss").off_policy_correction == "none"
+    assert parse(["--slime-entry", "train"]).policy.off_policy_correction == "none"
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    assert "(default: tis" in next(action.help for action in parser._actions if action.dest == "off_policy_correction")
 
 
 @pytest.mark.unit

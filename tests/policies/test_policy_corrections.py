@@ -185,7 +185,8 @@ def test_opsm_masks_negative_advantage_sequences_that_drifted_from_behaviour() -
     log_probs = torch.zeros(6, dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.0, 0.0], dtype=torch.float64)  # samples 0, 1 drifted (KL 0.5)
     advantages = torch.tensor([-1.0, -1.0, 1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
-    config = PolicyLossConfig(use_opsm=True, opsm_delta=0.1, loss_agg_mode="seq-mean-token-mean")
+    config = PolicyLossConfig(off_policy_correction="none", use_opsm=True, opsm_delta=0.1,
+                              loss_agg_mode="seq-mean-token-mean")
     loss, metrics = compute_policy_loss(
         config,
         log_probs=log_probs,
@@ -234,7 +235,7 @@ def halve_everything(
 def test_user_correction_is_selected_by_dotted_path() -> None:
     batch = random_batch(104)
     inputs = _inputs(batch, 105)
-    plain, _ = compute_policy_loss(PolicyLossConfig(), **inputs)
+    plain, _ = compute_policy_loss(PolicyLossConfig(off_policy_correction="none"), **inputs)
     custom = PolicyLossConfig(off_policy_correction="test_policy_corrections:halve_everything")
     halved, _ = compute_policy_loss(custom, **inputs)
     assert halved.item() == pytest.approx(plain.item() / 2, abs=1e-14)

@@ -32,7 +32,8 @@ def _rows(batch: Batch, tensor: torch.Tensor) -> list[list[float]]:
 def test_ppo_loss_with_clip_higher_and_dual_clip_matches_reference(mode: str) -> None:
     batch = random_batch(40)
     inputs = _inputs(batch, 41)
-    config = PolicyLossConfig(eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=2.0, loss_agg_mode=mode)
+    config = PolicyLossConfig(off_policy_correction="none", eps_clip=0.1, eps_clip_high=0.3, eps_clip_c=2.0,
+                              loss_agg_mode=mode)
     loss, metrics = compute_policy_loss(config, **inputs)
     per_token, clipped = [], []
     for lp, old, adv in zip(
@@ -48,7 +49,7 @@ def test_ppo_loss_with_clip_higher_and_dual_clip_matches_reference(mode: str) ->
 
 @pytest.mark.unit
 def test_dual_clip_caps_the_loss_of_negative_advantages() -> None:
-    config = PolicyLossConfig(eps_clip_c=3.0, loss_agg_mode="token-mean")
+    config = PolicyLossConfig(off_policy_correction="none", eps_clip_c=3.0, loss_agg_mode="token-mean")
     ratio = 10.0  # far outside the trust region, with a negative advantage: unbounded without dual-clip
     loss, metrics = compute_policy_loss(
         config,
@@ -84,7 +85,8 @@ def test_gspo_token_form_matches_sequence_level_gspo_in_value_and_gradient() -> 
     inputs = _inputs(batch, 43)
     seq_adv = torch.randn(len(batch.lengths), dtype=torch.float64, generator=torch.Generator().manual_seed(44))
     inputs["advantages"] = torch.repeat_interleave(seq_adv, batch.response_lengths)
-    config = PolicyLossConfig(advantage_estimator="gspo", eps_clip=0.05, loss_agg_mode="seq-mean-token-mean")
+    config = PolicyLossConfig(off_policy_correction="none", advantage_estimator="gspo", eps_clip=0.05,
+                              loss_agg_mode="seq-mean-token-mean")
     loss, metrics = compute_policy_loss(config, **inputs)
     (grad,) = torch.autograd.grad(loss, inputs["log_probs"])
     reference_lp = inputs["log_probs"].detach().clone().requires_grad_()
@@ -99,7 +101,7 @@ def test_gspo_token_form_matches_sequence_level_gspo_in_value_and_gradient() -> 
 def test_cispo_gradient_flows_only_through_log_prob_with_clipped_weight() -> None:
     batch = random_batch(45)
     inputs = _inputs(batch, 46)
-    config = PolicyLossConfig(
+    config = PolicyLossConfig(off_policy_correction="none",
         advantage_estimator="cispo", eps_clip=0.05, eps_clip_high=0.05, loss_agg_mode="token-mean"
     )
     loss, metrics = compute_policy_loss(config, **inputs)
@@ -285,7 +287,7 @@ def test_samples_sharing_a_rollout_are_one_sequence_with_a_per_rollout_denominat
     inputs = _inputs(batch, 71)
     n = len(batch.lengths)
     rollout_ids = torch.tensor([i // 2 for i in range(n)])  # turns (i, i+1) of one episode
-    config = PolicyLossConfig(loss_agg_mode="seq-mean-token-mean")
+    config = PolicyLossConfig(off_policy_correction="none", loss_agg_mode="seq-mean-token-mean")
     summed, _ = _split_batch_losses(config, batch, inputs, [[i] for i in range(n)], rollout_ids=rollout_ids)
     per_token = [
         [ppo_token_loss(a, b, c, 0.2, 0.2, None)[0] for a, b, c in zip(lp, old, adv, strict=True)]
@@ -347,7 +349,7 @@ def test_garbage_at_masked_positions_does_not_reach_the_loss() -> None:
 def test_all_masked_batch_gives_zero_loss_and_zero_gradient() -> None:
     log_probs = torch.randn(4, dtype=torch.float64, requires_grad=True)
     loss, metrics = compute_policy_loss(
-        PolicyLossConfig(),
+        PolicyLossConfig(off_policy_correction="none"),
         log_probs=log_probs,
         old_log_probs=torch.zeros(4, dtype=torch.float64),
         rollout_log_probs=None,

@@ -76,8 +76,9 @@ def test_opsm_reference_old_reads_the_learners_pi_old_instead_of_the_engines_log
         loss_mask=torch.ones(2, dtype=D),
         response_lengths=torch.tensor([2]),
     )
-    _, by_rollout = compute_policy_loss(PolicyLossConfig(use_opsm=True, opsm_delta=0.5), **base)
-    _, by_old = compute_policy_loss(PolicyLossConfig(use_opsm=True, opsm_delta=0.5, opsm_reference="old"), **base)
+    opsm = {"off_policy_correction": "none", "use_opsm": True, "opsm_delta": 0.5}
+    _, by_rollout = compute_policy_loss(PolicyLossConfig(**opsm), **base)
+    _, by_old = compute_policy_loss(PolicyLossConfig(**opsm, opsm_reference="old"), **base)
     assert by_rollout["pg_loss"] == 0.0 and by_rollout["opsm_seqfrac"] == 1.0
     assert by_old["pg_loss"] == pytest.approx(1.0) and by_old["opsm_seqfrac"] == 0.0
 
