@@ -34,7 +34,6 @@ MOVED: dict[str, str] = {
     "actors.eval_rounds": "actors.eval.rounds",
     "actors.handlers": "actors.runtime.handlers",
     "actors.learner.checkpoint_pointer": "actors.runtime.checkpoint_pointer",
-    "actors.learner.eval_hold": "actors.eval.hold",
     "actors.learner_ranks": "actors.learner.ranks",
     "actors.learner_step": "actors.learner.step",
     "actors.logs": "actors.runtime.logs",

@@ -3,16 +3,19 @@
 Every role reads the learner's versions; two pure objects hold what they know of them, so no role keeps loose
 flags that another role must mirror. `LearnerVersions` is the listeners' side
 (the rollout worker and the buffer read an announcement the same way, so they agree on which engine is too old);
-`PushLedger` is the learner's (a push owed to a joining engine, to an evaluation hold that ended, to a push that
-failed, and an announcement that went out without its weights). Neither does any I/O: the roles tell them what
-happened and ask them what to do, and the unit tests walk every transition without a process.
+`WeightCadence` is the learner's (when to push: after a step, to a joining engine, after a push that failed, never
+while the engines are pinned on a version; and an announcement that went out without its weights). Neither does
+any I/O: the roles tell them what happened and ask them what to do, and the unit tests walk every transition
+without a process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-__all__ = ["LearnerVersions", "PushLedger"]
+__all__ = ["NOTHING", "Decision", "Hold", "LearnerVersions", "Nothing", "Push", "WeightCadence"]
 
 
 @dataclass
@@ -52,39 +55,136 @@ class LearnerVersions:
         return max(0, newest - max_staleness)
 
 
+@dataclass(frozen=True)
+class Push:
+    """Push the current version's weights to every engine.
+
+    `owed`: the push clears what was owed between steps (an engine that joined, a step's push that was held);
+    `expired_hold`: the version the engines were held on, let go because its release did not come in time."""
+
+    owed: bool = False
+    expired_hold: int | None = None
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A push is due but the engines are pinned on `version` until it is released: push nothing now.
+    `step_push`: it was a step's own push, owed from now on until a push reaches every engine."""
+
+    version: int
+    step_push: bool = False
+
+
+@dataclass(frozen=True)
+class Nothing:
+    """No push is due."""
+
+
+Decision = Push | Hold | Nothing
+NOTHING = Nothing()
+
 
 @dataclass
-class PushLedger:
-    """The pushes the learner owes beyond each step's own, and whether its last announcement lacked its weights.
+class WeightCadence:
+    """When the learner pushes weights: after every `update_interval`-th step, before the next batch when a push is
+    owed (an engine joined, a step's push was held), after an empty batch when the last push failed; and never while
+    the engines are pinned on a version that has not been released (its evaluation is still being generated).
 
-    A push goes to every engine, so the owed ones wait while an evaluation round holds the engines on its version
-    (the learner asks its `EvalHold` first). An engine that joins during a push is owed another: the push that was
-    already under way may have listed the engines before it joined.
+    The questions (`after_step`, `between_steps`, `on_empty_batch`) only read; the learner tells the cadence what
+    it did (`acted`) and what happened (`on_engine_joined`, `push_ended`, `release`), so every transition is a
+    unit test without a process. A pin is taken when a push reaches every engine and `pins(previous, version)`
+    says the version is to be held (previous: the last version pushed, None before the first); it lets go on
+    `release` of that version or a later one, or `hold_timeout_s` after it was taken.
+
+    The announcement half: whether the version announced before its weights landed must be announced again.
     """
 
+    update_interval: int = 1
+    pins: Callable[[int | None, int], bool] = field(default=lambda previous, version: False)
+    hold_timeout_s: float = 300.0
+    clock: Callable[[], float] = time.monotonic
     engines_joined: bool = False  # an engine (re)joined since the last owed push began: it serves no current weights
-    held_for_eval: bool = False  # a step's push was skipped to keep the engines on a version under evaluation
+    step_push_held: bool = False  # a step's push was skipped to keep the engines on a pinned version
     failed: bool = False  # the last push did not reach every engine
+    last_pushed: int | None = None  # the newest version a push brought to every engine
+    pinned: int | None = None  # the version the engines are held on
+    released_through: int = -1  # every pin of a version up to this one is released
+    pin_deadline: float = 0.0
     announcing: int | None = None  # the version last announced, or tried
     announced: tuple[int, int | None] | None = None  # (version, weights version) the controller last took
 
-    def owed_between_steps(self) -> bool:
-        """A push due before the next batch: a new engine must not wait a whole step, nor must a held push."""
-        return self.engines_joined or self.held_for_eval
+    # ------------------------------------------------------------------------------------- the questions
+    def after_step(self, version: int) -> Decision:
+        """A step left `version`: push every `update_interval`-th version, unless pinned."""
+        if version % self.update_interval:
+            return NOTHING
+        return self._unless_pinned(step_push=True)
 
-    def owed_push_starting(self) -> None:
-        self.engines_joined = self.held_for_eval = False
+    def between_steps(self) -> Decision:
+        """Before the next batch: a new engine must not wait a whole step, nor must a held push. A push goes to
+        every engine, so while pinned the newcomer waits for the release too."""
+        if not (self.engines_joined or self.step_push_held):
+            return NOTHING
+        return self._unless_pinned(owed=True)
 
-    def owed_on_empty_batch(self) -> bool:
-        """A failed push is retried whenever the buffer answers a batch request empty: the workers generate
+    def on_empty_batch(self) -> Decision:
+        """A failed push is tried again whenever the buffer answers a batch request empty: the workers generate
         nothing older than the staleness bound allows, so that batch may be waiting for these very weights."""
-        return self.failed
+        if not self.failed:
+            return NOTHING
+        return self._unless_pinned()
 
-    def push_ended(self, *, reached_every_engine: bool) -> None:
+    def final(self) -> Decision:
+        """The last version's weights, once nothing pins the engines: the final evaluation must see them."""
+        return self._unless_pinned()
+
+    def holding(self) -> int | None:
+        """The version the engines are pinned on now (None: free to move)."""
+        if self.pinned is None or self.pinned <= self.released_through or self.clock() > self.pin_deadline:
+            return None
+        return self.pinned
+
+    def _unless_pinned(self, *, owed: bool = False, step_push: bool = False) -> Decision:
+        held = self.holding()
+        if held is not None:
+            return Hold(held, step_push=step_push)
+        expired = self.pinned if self.pinned is not None and self.pinned > self.released_through else None
+        return Push(owed=owed, expired_hold=expired)
+
+    # ---------------------------------------------------------------------------------------- the events
+    def acted(self, decision: Decision) -> None:
+        """The learner does what `decision` says (a push starts now)."""
+        if isinstance(decision, Hold) and decision.step_push:
+            self.step_push_held = True
+        elif isinstance(decision, Push):
+            if decision.owed:
+                self.engines_joined = self.step_push_held = False
+            if decision.expired_hold is not None:
+                self.pinned = None
+
+    def on_engine_joined(self) -> None:
+        """An engine (re)joined: it is owed the current weights before the next batch (`between_steps`), even one
+        that joined while a push ran, since that push may have listed the engines before it joined."""
+        self.engines_joined = True
+
+    def push_ended(self, version: int, *, reached_every_engine: bool) -> None:
         self.failed = not reached_every_engine
-        if reached_every_engine:
-            self.held_for_eval = False
+        if not reached_every_engine:
+            return
+        self.step_push_held = False
+        pin = self.pins(self.last_pushed, version)
+        self.last_pushed = version if self.last_pushed is None else max(self.last_pushed, version)
+        if pin and version > self.released_through:
+            self.pinned = version
+            self.pin_deadline = self.clock() + self.hold_timeout_s
 
+    def release(self, through: int) -> None:
+        """Every pin of a version up to `through` may go (what was to be generated on it is done)."""
+        self.released_through = max(self.released_through, through)
+        if self.pinned is not None and self.pinned <= self.released_through:
+            self.pinned = None
+
+    # ----------------------------------------------------------------------------------- the announcements
     def announcement_sent(self, version: int) -> None:
         self.announcing = version
 

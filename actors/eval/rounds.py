@@ -7,7 +7,7 @@ the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
 
 Where the learner pushes weights, a round starts when the engines have a version's weights, not when the version
 is announced, and a round evaluates a version the engines received. In a fully-async run a due version can be
-trained while an earlier round holds the engines (`actors/eval/hold.py`) and then never be pushed: its
+trained while an earlier round pins the engines (`WeightCadence`) and then never be pushed: its
 round goes to the next version the engines receive, so `eval.jsonl` may step 0, 2, 5, 6 for an interval of 2.
 """
 

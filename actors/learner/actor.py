@@ -12,13 +12,13 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TextIO, TypeVar
 
 import msgspec
 
 from actors.config import RunConfig
-from actors.eval import EvalHold
+from actors.eval import round_due
 from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
 from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for, sent_layout
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
@@ -41,7 +41,7 @@ from actors.runtime.stopping import unless_stopped
 from bus.codec import validate
 from bus.schema import Batch, Control, Roster, VersionAnnouncement
 from policies.staleness import staleness_of_samples
-from policies.weight_versions import PushLedger
+from policies.weight_versions import Decision, Hold, Nothing, Push, WeightCadence
 
 T = TypeVar("T")
 STOPPED_PUSH_WAIT_S = 5.0  # a push a stop aborted ends at once; this bounds the wait if it does not
@@ -61,7 +61,8 @@ class Learner(Actor):
         self.metrics_writer: MetricsWriter | None = None
         self.audit: TextIO | None = None
         self.push_in_flight: asyncio.Task[None] | None = None
-        self.pushes = PushLedger()  # the pushes owed beyond each step's own, and the announcements they complete
+        self.upcoming: asyncio.Task[tuple[Batch | None, PreparedBatch | None]] | None = None  # the next batch
+        self.cadence = WeightCadence()  # when to push; `on_start` gives it the run's interval and eval pins
         self.trained_batch = 0
         self.checkpointed_batch = 0
 
@@ -98,57 +99,44 @@ class Learner(Actor):
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
             local_trainer.update_gate = lambda: self.weights.wait_for_reads(gate_s)
-        self.eval_hold = EvalHold(self.config, counters=self.counters, log=self.log,
-                                  timeout_s=self.config.eval.final_eval_timeout)
+        # The engines stay on a version whose eval round is due until the buffer reports the round done.
+        self.cadence = WeightCadence(update_interval=config.weights.update_weights_interval,
+                                     pins=functools.partial(round_due, config),
+                                     hold_timeout_s=config.eval.final_eval_timeout)
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
 
     async def run(self) -> None:
-        """pull → train → announce → publish → checkpoint, until num_rollout batches are trained.
+        """pull → train → act on the weight cadence → checkpoint, until num_rollout batches are trained.
 
-        While a batch trains, the next one is already asked for (`ahead`) and, where the trainer allows, put
+        While a batch trains, the next one is already asked for (`pull`) and, where the trainer allows, put
         through the stages that do not read the policy (conversion, reference log-probs) on a second thread: the
         learner never idles between steps on the buffer's round trip or on the reference model.
         """
-        upcoming: asyncio.Task[tuple[Batch | None, PreparedBatch | None]] | None = None
         try:
             await self.publish_weights()  # engines start from our weights, which matters on resume
             while self.trained_batch < self.config.learner.num_rollout and not self.stopping:
-                # A new or restarted engine must not wait for the next step; but a push goes to every engine, so
-                # while an eval round holds them on its version, the newcomer waits for the round too.
-                if self.pushes.owed_between_steps() and not await self._held_for_eval():
-                    self.pushes.owed_push_starting()
-                    await self.publish_weights()
-                # Open across the buffer's empty long-poll answers, so the hang report says how long it has been.
-                self.waits.begin("batch", "buffer", f"batch {self.trained_batch + 1}")
-                if upcoming is not None:
-                    batch, prepared = await self._unless_stopped(upcoming) or (None, None)
-                    upcoming = None
-                    if batch is not None and batch.learner_version != self.version:
-                        batch, prepared = measured_at(batch, self.version), None  # see measured_at
-                else:
-                    batch, prepared = await self._unless_stopped(self.source.next(self.progress())), None
+                await self.act(self.cadence.between_steps)  # an engine that joined, a push held for an eval round
+                batch, prepared = await self.pull()
                 if batch is None:
-                    if self.pushes.owed_on_empty_batch() and not await self._held_for_eval():
-                        await self.publish_weights()  # see publish_weights: the batch may wait for these weights
+                    await self.act(self.cadence.on_empty_batch)  # the batch may wait for a push that failed
                     continue
-                self.waits.end("batch")
-                if batch.batch_id < self.config.learner.num_rollout:  # asked as of now: version before this step
-                    ahead = Progress(learner_version=self.version, trained_batch=batch.batch_id,
-                                     checkpointed_batch=self.checkpointed_batch)
-                    upcoming = asyncio.create_task(self._fetch_ahead(ahead))
                 report = await self.train(batch, prepared)
+                await self.announce_version()
                 # The push runs beside the next step only when that step can start now. Otherwise the learner waits
                 # for its batch anyway, and a push beside nothing has the learner's core to itself: the engines get
                 # the weights, and so the batch after next, sooner.
-                await self._after_step(batch, report, next_step_ready=upcoming is not None and upcoming.done())
+                await self.act(functools.partial(self.cadence.after_step, self.version),
+                               beside_next_step=self.upcoming is not None and self.upcoming.done())
+                await self.maybe_checkpoint()
+                self.log_step(batch, report)
             if self.trained_batch >= self.config.learner.num_rollout:
                 await self.finish()
         except (BatchRefused, WeightsCorrupted) as error:  # going on cannot help: say why, on every node, and stop
             await self.fail_run(str(error))
         finally:
-            if upcoming is not None:
-                upcoming.cancel()  # a batch served but not trained is served again after a restart
+            if self.upcoming is not None:
+                self.upcoming.cancel()  # a batch served but not trained is served again after a restart
 
     def request_stop(self, reason: str) -> None:
         super().request_stop(reason)
@@ -168,17 +156,51 @@ class Learner(Actor):
             return None, None
         return batch, await self.training.prepare(batch)
 
-    async def _after_step(self, batch: Batch, report: StepReport | None, *, next_step_ready: bool = False) -> None:
-        """announce → publish (beside the next step, if it is ready to start) → checkpoint → log."""
-        await self.announce_version()
-        if self.version % self.config.weights.update_weights_interval == 0:
-            if await self._held_for_eval():
-                self.pushes.held_for_eval = True
-            else:
-                await self.publish_weights(beside_next_step=next_step_ready)
+    async def pull(self) -> tuple[Batch | None, PreparedBatch | None]:
+        """The next batch (None: the buffer answered empty), and the batch after it asked for at once (`upcoming`).
+
+        The batch wait stays open across the buffer's empty long-poll answers, so the hang report says how long it
+        has been."""
+        self.waits.begin("batch", "buffer", f"batch {self.trained_batch + 1}")
+        if self.upcoming is not None:
+            batch, prepared = await self._unless_stopped(self.upcoming) or (None, None)
+            self.upcoming = None
+            if batch is not None and batch.learner_version != self.version:
+                batch, prepared = measured_at(batch, self.version), None  # see measured_at
+        else:
+            batch, prepared = await self._unless_stopped(self.source.next(self.progress())), None
+        if batch is None:
+            return None, None
+        self.waits.end("batch")
+        if batch.batch_id < self.config.learner.num_rollout:  # asked as of now: version before this step
+            ahead = Progress(learner_version=self.version, trained_batch=batch.batch_id,
+                             checkpointed_batch=self.checkpointed_batch)
+            self.upcoming = asyncio.create_task(self._fetch_ahead(ahead))
+        return batch, prepared
+
+    async def act(self, ask: Callable[[], Decision], *, beside_next_step: bool = False) -> Decision:
+        """Ask the cadence, and push if it says so. A push under way may be the one that pins the engines, and the
+        buffer's last word may have released a pin: both are taken in before the answer counts."""
+        if isinstance(decision := ask(), Nothing):
+            return decision
+        await self.settle_push()
+        self.cadence.release(self.source.eval_done_through)
+        decision = ask()
+        self.cadence.acted(decision)
+        if isinstance(decision, Hold):
+            self.counters["eval.held_pushes"] += 1
+        elif isinstance(decision, Push):
+            if decision.expired_hold is not None:
+                self.counters["eval.hold_timeouts"] += 1
+                self.log.warning("eval round did not report in time; pushing newer weights anyway (its remaining "
+                                 "samples count as off-version)", version=decision.expired_hold,
+                                 timeout_s=self.cadence.hold_timeout_s)
+            await self.publish_weights(beside_next_step=beside_next_step)
+        return decision
+
+    async def maybe_checkpoint(self) -> None:
         if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
             await self.save_checkpoint()
-        self.log_step(batch, report)
 
     # --------------------------------------------------------------------------------------------- steps
     def progress(self) -> Progress:
@@ -206,13 +228,13 @@ class Learner(Actor):
         assert self._controller is not None
         announcement = VersionAnnouncement(version=self.version, weights_version=self.weights.committed_version,
                                            step=self.trained_batch, timestamp=time.time())
-        self.pushes.announcement_sent(announcement.version)
+        self.cadence.announcement_sent(announcement.version)
         try:
             await self._controller.call(validate(announcement), timeout=2.0, retries=2)
         except Exception as error:  # the next announcement carries the same information
             self.log.warning("version announcement failed", error=repr(error))
             return
-        self.pushes.announcement_taken(announcement.version, announcement.weights_version)
+        self.cadence.announcement_taken(announcement.version, announcement.weights_version)
 
     async def publish_weights(self, *, beside_next_step: bool = False) -> None:
         """Push this version's weights; once every engine has them, a version already announced without them (or
@@ -239,11 +261,9 @@ class Learner(Actor):
 
     async def _push(self, version: int, *, beside_training: bool = False) -> None:
         reached = await self.weights.publish(version, beside_training=beside_training)
-        self.pushes.push_ended(reached_every_engine=reached)
-        if not reached:
-            return
-        self.eval_hold.published(version)
-        if self.pushes.announce_again(pushed=version, current=self.version, committed=self.weights.committed_version):
+        self.cadence.push_ended(version, reached_every_engine=reached)
+        committed = self.weights.committed_version
+        if reached and self.cadence.announce_again(pushed=version, current=self.version, committed=committed):
             await self.announce_version()
 
     async def settle_push(self) -> None:
@@ -252,15 +272,10 @@ class Learner(Actor):
         if push is not None:
             await push
 
-    async def _held_for_eval(self) -> bool:
-        await self.settle_push()  # a push under way may be the one whose version the engines must be held on
-        self.eval_hold.reported(self.source.eval_done_through)
-        return self.eval_hold.holds()
-
-    async def _wait_for_eval_hold(self) -> None:
-        """Like any push, the final one waits for the round that holds the engines on its version; the hold's own
+    async def push_final_weights(self) -> None:
+        """Like any push, the final one waits for the round that pins the engines on its version; the pin's own
         deadline bounds the wait. No batch request is due any more to bring the round's progress, so ask for it."""
-        while not self.stopping and await self._held_for_eval():
+        while not self.stopping and isinstance(await self.act(self.cadence.final), Hold):
             await asyncio.sleep(0.2)
             await self.source.poll_eval_progress(self.progress())
 
@@ -294,8 +309,7 @@ class Learner(Actor):
                 await self.save_checkpoint()
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
             if self.weights.committed_version != self.version:
-                await self._wait_for_eval_hold()
-                await self.publish_weights()  # the final eval round must see the final weights
+                await self.push_final_weights()  # the final eval round must see the final weights
         await self.source.finish(self.progress())  # the buffer answers once the final eval round reported
         assert self._controller is not None
         await self._controller.call(Control(command="stop", reason=f"trained {self.trained_batch} batches"),
@@ -318,7 +332,7 @@ class Learner(Actor):
         rollouts = {e.kind: e.actor_id for e in roster.events
                     if e.actor_id in self.roster and self.roster[e.actor_id].role == "rollout"}
         if "joined" in rollouts or "returned" in rollouts:
-            self.pushes.engines_joined = True
+            self.cadence.on_engine_joined()
         if "died" in rollouts and not self.members("rollout"):
             self.log.warning("no live rollout worker; generation and weight pushes wait until one (re)joins",
                              last_died=rollouts["died"])

@@ -1,13 +1,13 @@
 """Where eval rounds go when the learner pushes: to versions the engines received, one per due version reached.
 
-The buffer (`EvalRounds.weights_arrived`) and the learner's hold (`EvalHold.published`) decide this separately,
+The buffer (`EvalRounds.weights_arrived`) and the learner's pins (`WeightCadence.push_ended`) decide this separately,
 from the versions each saw; they must agree, or the learner holds the engines for a round that never starts (or
 lets them go during one that did).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,8 @@ import pytest
 from actors.buffer.core import BufferCore
 from actors.config import RunConfig, build_config
 from actors.data.prompts import PromptRecord, PromptSource
-from actors.eval.hold import EvalHold
 from actors.eval.rounds import EvalRounds, round_due
+from policies.weight_versions import WeightCadence
 
 
 def _config(tmp_path: Path, **overrides: object) -> RunConfig:
@@ -41,19 +41,19 @@ def _rounds(config: RunConfig) -> tuple[EvalRounds, BufferCore]:
     ([0, 1, 7, 8], [0, 7, 8]),  # 2, 4 and 6 skipped: one round for them, at 7
     ([3, 4, 5], [4]),  # a resumed run: its first weights get a round only if due themselves (3 is not)
 ])
-def test_the_buffer_and_the_learners_hold_put_rounds_on_the_same_pushed_versions(
+def test_the_buffer_and_the_learners_pins_put_rounds_on_the_same_pushed_versions(
         tmp_path: Path, pushed: list[int], expected: list[int]) -> None:
     config = _config(tmp_path)
     rounds, core = _rounds(config)
-    hold = EvalHold(config, counters=Counter(), log=None, timeout_s=60.0)
+    weights = WeightCadence(pins=functools.partial(round_due, config), hold_timeout_s=60.0)
     pinned = []
     for version in pushed:
         rounds.weights_arrived(version)
-        hold.published(version)
-        if hold.pinned == version:
+        weights.push_ended(version, reached_every_engine=True)
+        if weights.holding() == version:
             pinned.append(version)
-            hold.reported(version)  # the round reports before the next push
-            assert not hold.holds()
+            weights.release(version)  # the round reports before the next push
+            assert weights.holding() is None
     assert sorted(rounds.started_versions) == expected
     assert pinned == expected
     assert [int(group.group_id.split(":")[2]) for group in core.eval_queue] == expected

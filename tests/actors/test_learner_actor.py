@@ -213,12 +213,12 @@ async def test_an_engine_joining_while_an_eval_round_holds_the_weights_does_not_
                          n_samples_per_eval_prompt=2)
     async with actor_system(tmp_path, settings, ROLES) as system:
         learner, engine = system["learner"], system["rollout-0-0"].engine
-        await system.wait_for(lambda: learner.pushes.held_for_eval, 30, "a push held for an eval round")
-        pinned = learner.eval_hold.pinned
+        await system.wait_for(lambda: learner.cadence.step_push_held, 30, "a push held for an eval round")
+        pinned = learner.cadence.pinned
         assert pinned is not None and engine.version == pinned
         await system.start("rollout", "rollout", "rollout-0-1")
         moved: list[int] = []
-        while learner.eval_hold.done_through < pinned and learner.trained_batch < 6:  # (the last push is free)
+        while learner.cadence.released_through < pinned and learner.trained_batch < 6:  # (the last push is free)
             if engine.version != pinned:
                 moved.append(engine.version)
             await asyncio.sleep(0.01)

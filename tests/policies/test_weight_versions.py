@@ -1,6 +1,8 @@
+from __future__ import annotations
+
 import pytest
 
-from policies.weight_versions import LearnerVersions, PushLedger
+from policies.weight_versions import NOTHING, Hold, LearnerVersions, Push, WeightCadence
 
 
 # ------------------------------------------------------------------------------- what the roles hear of versions
@@ -36,34 +38,124 @@ def test_pushed_weights_only_move_forward_and_a_restarted_learner_announces_lowe
     assert heard.announced == 7
 
 
-# ------------------------------------------------------------------------------------ the pushes the learner owes
-@pytest.mark.unit
-def test_a_joining_engine_is_owed_a_push_before_the_next_batch_and_one_joining_during_it_another() -> None:
-    pushes = PushLedger()
-    assert not pushes.owed_between_steps()
-    pushes.engines_joined = True
-    assert pushes.owed_between_steps()
-    pushes.owed_push_starting()
-    pushes.engines_joined = True  # joined while that push ran: it may not have been among its engines
-    pushes.push_ended(reached_every_engine=True)
-    assert pushes.owed_between_steps()
+# ------------------------------------------------------------------------------------- when the learner pushes
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def every_even_version_pinned(previous: int | None, version: int) -> bool:
+    """A due version (every even one) lies in (previous, version]: as the eval rounds' rule, with interval 2."""
+    return version % 2 == 0 if previous is None else version // 2 > max(previous, 0) // 2
+
+
+def cadence(**state: object) -> WeightCadence:
+    return WeightCadence(pins=every_even_version_pinned, hold_timeout_s=60.0, clock=Clock(), **state)
+
+
+def pinned_on(version: int, **state: object) -> WeightCadence:
+    pinned = cadence(**state)
+    pinned.push_ended(version, reached_every_engine=True)
+    assert pinned.holding() == version
+    return pinned
+
+
+def failed_while_pinned_on(version: int) -> WeightCadence:
+    pinned = pinned_on(version)
+    pinned.push_ended(version + 1, reached_every_engine=False)
+    return pinned
 
 
 @pytest.mark.unit
-def test_a_push_held_for_an_eval_round_stays_owed_until_a_push_reaches_every_engine() -> None:
-    pushes = PushLedger(held_for_eval=True)
-    assert pushes.owed_between_steps()
-    pushes.push_ended(reached_every_engine=False)
-    assert pushes.held_for_eval and pushes.owed_on_empty_batch()
-    pushes.push_ended(reached_every_engine=True)
-    assert not pushes.owed_between_steps() and not pushes.owed_on_empty_batch()
+@pytest.mark.parametrize(("name", "build", "ask", "expected"), [
+    ("a step pushes its version", cadence, lambda c: c.after_step(3), Push()),
+    ("not between the interval's versions", lambda: cadence(update_interval=2), lambda c: c.after_step(3),
+     NOTHING),
+    ("on the interval's versions", lambda: cadence(update_interval=2), lambda c: c.after_step(4), Push()),
+    ("a step's push waits while the engines are pinned", lambda: pinned_on(2), lambda c: c.after_step(3),
+     Hold(2, step_push=True)),
+    ("nothing is owed between steps at first", cadence, lambda c: c.between_steps(), NOTHING),
+    ("an engine that joined is owed a push before the next batch", lambda: cadence(engines_joined=True),
+     lambda c: c.between_steps(), Push(owed=True)),
+    ("...but not while the engines are pinned", lambda: pinned_on(2, engines_joined=True),
+     lambda c: c.between_steps(), Hold(2)),
+    ("a held step's push is owed before the next batch", lambda: cadence(step_push_held=True),
+     lambda c: c.between_steps(), Push(owed=True)),
+    ("an empty batch retries nothing after a push that reached every engine", cadence,
+     lambda c: c.on_empty_batch(), NOTHING),
+    ("an empty batch retries a failed push", lambda: cadence(failed=True), lambda c: c.on_empty_batch(), Push()),
+    ("...unless pinned", lambda: failed_while_pinned_on(2), lambda c: c.on_empty_batch(), Hold(2)),
+    ("the final push waits for the pin", lambda: pinned_on(4), lambda c: c.final(), Hold(4)),
+    ("the final push goes when nothing pins", cadence, lambda c: c.final(), Push()),
+])
+def test_the_cadence_answers(name: str, build: object, ask: object, expected: object) -> None:
+    assert ask(build()) == expected, name  # type: ignore[operator]
 
 
 @pytest.mark.unit
-def test_a_failed_push_is_owed_only_when_the_buffer_answers_empty_not_before_every_batch() -> None:
-    pushes = PushLedger()
-    pushes.push_ended(reached_every_engine=False)
-    assert pushes.owed_on_empty_batch() and not pushes.owed_between_steps()
+@pytest.mark.parametrize(("pushed", "expected"), [
+    ([0, 1, 2, 3, 4], [0, 2, 4]),  # every version pushed: every due one pinned
+    ([0, 2, 5, 6, 7], [0, 2, 5, 6]),  # 4 never pushed: the push that passes it (5) is pinned instead
+    ([3, 4, 5], [4]),  # a resumed run: its first weights are pinned only if due themselves
+])
+def test_a_push_that_reaches_a_due_version_pins_it_until_released(pushed: list[int], expected: list[int]) -> None:
+    weights = cadence()
+    pinned = []
+    for version in pushed:
+        weights.push_ended(version, reached_every_engine=True)
+        if weights.holding() == version:
+            pinned.append(version)
+            weights.release(version)
+            assert weights.holding() is None and weights.after_step(version + 1) == Push()
+    assert pinned == expected
+
+
+@pytest.mark.unit
+def test_a_failed_push_pins_nothing_and_a_released_version_is_not_pinned_again() -> None:
+    weights = cadence()
+    weights.push_ended(2, reached_every_engine=False)
+    assert weights.holding() is None and weights.failed
+    weights.release(4)  # its evaluation was done without a pin (as after a restart)
+    weights.push_ended(4, reached_every_engine=True)
+    assert weights.holding() is None and not weights.failed
+
+
+@pytest.mark.unit
+def test_a_pin_not_released_in_time_lets_the_next_push_go_and_says_which_version_it_let_go() -> None:
+    weights = pinned_on(2)
+    weights.clock.now = 61.0  # type: ignore[attr-defined]
+    decision = weights.after_step(3)
+    assert decision == Push(expired_hold=2)
+    weights.acted(decision)
+    assert weights.pinned is None and weights.after_step(3) == Push()
+
+
+@pytest.mark.unit
+def test_a_held_step_push_stays_owed_until_a_push_reaches_every_engine() -> None:
+    weights = pinned_on(2)
+    weights.acted(weights.after_step(3))
+    weights.release(2)
+    assert weights.between_steps() == Push(owed=True)
+    weights.acted(Push(owed=True))
+    weights.push_ended(3, reached_every_engine=False)
+    assert weights.on_empty_batch() == Push() and weights.between_steps() == NOTHING
+    weights.step_push_held = True  # held again (a later pin) and not pushed yet
+    weights.push_ended(3, reached_every_engine=True)
+    assert weights.between_steps() == NOTHING and weights.on_empty_batch() == NOTHING
+
+
+@pytest.mark.unit
+def test_an_engine_joining_during_an_owed_push_is_owed_another() -> None:
+    weights = cadence()
+    weights.on_engine_joined()
+    weights.acted(weights.between_steps())
+    assert weights.between_steps() == NOTHING
+    weights.on_engine_joined()  # joined while that push ran: it may not have been among its engines
+    weights.push_ended(1, reached_every_engine=True)
+    assert weights.between_steps() == Push(owed=True)
 
 
 @pytest.mark.unit
@@ -75,8 +167,8 @@ def test_a_failed_push_is_owed_only_when_the_buffer_answers_empty_not_before_eve
 ])
 def test_a_version_announced_without_its_weights_is_announced_again_once_they_land(
         announced: tuple[int, int] | None, current: int, again: bool) -> None:
-    pushes = PushLedger()
-    pushes.announcement_sent(4)
+    weights = WeightCadence()
+    weights.announcement_sent(4)
     if announced is not None:
-        pushes.announcement_taken(*announced)
-    assert pushes.announce_again(pushed=4, current=current, committed=4) is again
+        weights.announcement_taken(*announced)
+    assert weights.announce_again(pushed=4, current=current, committed=4) is again
