@@ -24,14 +24,14 @@ from typing import Any
 
 MOVED: dict[str, str] = {
     "actors.base": "actors.runtime.base",
-    "actors.buffer.eval_ids": "actors.eval.ids",
+    "actors.buffer.eval_ids": "actors.evaluator.ids",
     "actors.buffer.prompt_data": "actors.data.prompts",
     "actors.buffer_core": "actors.buffer.core",
     "actors.buffer_log": "actors.buffer.log",
     "actors.context": "actors.runtime.context",
-    "actors.controller.eval_rounds": "actors.eval.rounds",
+    "actors.controller.eval_rounds": "actors.evaluator.rounds",
     "actors.engine_factory": "actors.rollout.engine_factory",
-    "actors.eval_rounds": "actors.eval.rounds",
+    "actors.eval_rounds": "actors.evaluator.rounds",
     "actors.handlers": "actors.runtime.handlers",
     "actors.learner.checkpoint_pointer": "actors.runtime.checkpoint_pointer",
     "actors.learner_ranks": "actors.learner.ranks",

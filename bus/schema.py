@@ -199,7 +199,8 @@ _MASK_DTYPES = tuple(np.dtype(name) for name in ("uint8", "bool", "int8", "int32
 
 
 class PromptGroup(Message):
-    """A prompt to sample ``n_samples`` responses for (a GRPO group); the buffer creates it from the dataset."""
+    """A prompt to sample ``n_samples`` responses for (a GRPO group); the buffer creates it from the dataset, or
+    another role hands it to the buffer to lease out (``GuestGroups``: the evaluator's held-out prompts)."""
 
     group_id: Annotated[str, doc("unique id of the group; buffer")]
     prompt: Annotated[str | list[dict[str, Any]], doc("raw text or chat messages; buffer (from the dataset)")]
@@ -213,7 +214,14 @@ class PromptGroup(Message):
         "dataset)")] = None
     data_index: Annotated[int, doc("position of the prompt in the dataset order of its epoch")] = 0
     epoch: Annotated[int, doc("dataset epoch the prompt was drawn in")] = 0
-    is_eval: Annotated[bool, doc("evaluation prompt: scored and logged, never trained on")] = False
+    is_eval: Annotated[bool, doc("evaluation prompt: sampled with the --eval-* settings and scored with "
+                                 "--eval-reward-key; evaluator")] = False
+    owner: Annotated[str | None, doc(
+        "the role whose group this is (None: the buffer's own, a training prompt); an owned group is leased ahead "
+        "of training prompts, never trained on, and its ScoredGroup goes back to that role; its owner")] = None
+    weights_version: Annotated[int | None, doc(
+        "generate with exactly these weights (None: any the staleness bound takes): leased only to a worker whose "
+        "engine has them or newer, which generates it on its own engine once it has them; its owner")] = None
 
 
 class LeaseRequest(Message):
@@ -225,11 +233,10 @@ class LeaseRequest(Message):
         "upper bound on the samples of the groups leased (the engine's free rows), so one-sample eval groups fill "
         "the rows eight-sample training groups would; the first group is leased whatever its size (None: no "
         "bound)")] = None
-    eval_only: Annotated[bool, doc("only evaluation groups: the worker's weights are too old for training "
-                                   "groups, but are the ones an eval round is waiting for")] = False
     weights_version: Annotated[
-        int | None, doc("the version of the weights the worker's engine serves (None: the learner pushes none); an "
-                        "eval group of a newer version is left for a worker that has its weights")
+        int | None, doc("the version of the weights the worker's engine serves (None: the learner pushes none); a "
+                        "group for newer weights is left for a worker that has them, and weights too old for "
+                        "training get only owned groups (PromptGroup.owner) they can serve")
     ] = None
 
 
@@ -272,6 +279,7 @@ class GeneratedGroup(Message):
     group_id: Annotated[str, doc("the group")]
     samples: Annotated[list[Sample], doc("n_samples episodes, each one sample or its segments, rewards unset")]
     worker_id: Annotated[str, doc("rollout worker that generated them")]
+    is_eval: Annotated[bool, doc("the PromptGroup's: scored with --eval-reward-key, without a teacher")] = False
 
 
 class ScoredGroup(Message):
@@ -319,10 +327,6 @@ class Batch(Message):
         int, doc("the learner version `staleness` is measured against: the one the batch was first requested at, "
                  "or, for a batch served ahead of a step that applied no update, the version that step kept")
     ] = 0
-    eval_done_through: Annotated[
-        int, doc("every evaluation round of a version up to this one has reported (-1: none yet); the learner "
-                 "keeps the engines on an evaluated version's weights until its round is done")
-    ] = -1
     left_out_samples: Annotated[
         int, doc("failed samples (episodes, each with all its segments) of the batch's groups, left out: each of "
                  "those groups trains on its others")
@@ -332,9 +336,7 @@ class Batch(Message):
 class FinalCommit(Message):
     """Learner -> buffer (RPC) once, after the last batch and its checkpoint; reply Ack.
 
-    The buffer commits every batch the checkpoint covers (they are never served again) and answers only after the
-    final version's evaluation round has reported or run out of time (--final-eval-timeout), so the run ends
-    with its last evaluation written.
+    The buffer commits every batch the checkpoint covers (they are never served again).
     """
 
     learner_version: Annotated[int, doc("the final policy version (optimizer steps applied)")]
@@ -343,18 +345,38 @@ class FinalCommit(Message):
 
 
 
-class EvalProgressQuery(Message):
-    """Learner -> buffer (RPC); reply EvalProgress. Asked while the final weights wait to be pushed: an evaluation
-    round holds the engines on its version, and no batch request (which carries the answer otherwise) is due."""
+class GuestGroups(Message):
+    """A role -> buffer (RPC): prompt groups it owns (``PromptGroup.owner``), to lease out ahead of training prompts;
+    reply Ack. A group whose id is already queued or in flight is not queued again (an owner that restarted hands
+    over its pending groups again)."""
 
-    learner_version: Annotated[int, doc("the learner's current policy version (for the buffer's log)")]
+    groups: Annotated[list[PromptGroup], doc("the groups, each with its owner set")]
 
 
-class EvalProgress(Message):
-    """Buffer -> learner (RPC reply to EvalProgressQuery)."""
+class WeightPin(Message):
+    """A role -> learner (RPC); reply WeightPinState. Keep the engines on one version's weights: the learner pushes
+    no newer weights while a version is pinned, until it is released or --final-eval-timeout passes. The evaluator
+    asks, so that an evaluation round is generated by the weights it evaluates; it asks again (the same request)
+    until the pin is taken.
 
-    eval_done_through: Annotated[int, doc("as in Batch: every evaluation round of a version up to this one has "
-                                          "reported (-1: none yet)")] = -1
+    The pin is taken on the first version of at least ``at_least`` the engines get (at once, if they serve one and
+    no push is under way), and, with ``final``, on the run's last version at the end of training: the learner ends
+    the run only once that pin is released. One request releases and arms, so no push slips between the two.
+    """
+
+    at_least: Annotated[int | None, doc("pin the first weights of this version or newer (None: pin nothing new)")]
+    release_through: Annotated[int, doc("release every pin of a version up to this one (-1: none)")] = -1
+    final: Annotated[bool, doc("pin the run's last version too, when training ends, whatever at_least")] = False
+
+
+class WeightPinState(Message):
+    """Learner -> the asking role (RPC reply to WeightPin)."""
+
+    pinned: Annotated[int | None, doc("the version the engines are pinned on now (None: no pin yet)")]
+    publishes: Annotated[bool, doc("the learner pushes weights (false: --debug-rollout-only, --debug-train-only): "
+                                   "versions are labels, and only the final pin is ever taken")] = True
+    version: Annotated[int, doc("the learner's current version")] = 0
+
 
 class VersionAnnouncement(Message):
     """Controller -> everyone (broadcast, topic "version"): the learner finished a step."""
@@ -448,8 +470,9 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         BatchRequest,
         Batch,
         FinalCommit,
-        EvalProgressQuery,
-        EvalProgress,
+        GuestGroups,
+        WeightPin,
+        WeightPinState,
         VersionAnnouncement,
         WeightUpdateOrder,
         Register,

@@ -17,7 +17,7 @@ class Member(Record):
     """One live-or-dead actor in the roster."""
 
     actor_id: Annotated[str, doc("unique actor id")]
-    role: Annotated[str, doc("controller, rollout, reward, buffer, learner or a custom role")]
+    role: Annotated[str, doc("controller, buffer, evaluator, learner, rollout, reward or a custom role")]
     node: Annotated[str, doc("host name the actor runs on")]
     pid: Annotated[int, doc("process id on that node")]
     endpoints: Annotated[dict[str, str], doc("channel name -> zmq endpoint others connect to")]

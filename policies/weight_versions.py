@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["NOTHING", "Decision", "Hold", "LearnerVersions", "Nothing", "Push", "WeightCadence"]
 
@@ -90,23 +90,28 @@ class WeightCadence:
     owed (an engine joined, a step's push was held), after an empty batch when the last push failed; and never while
     the engines are pinned on a version that has not been released (its evaluation is still being generated).
 
-    The questions (`after_step`, `between_steps`, `on_empty_batch`) only read; the learner tells the cadence what
-    it did (`acted`) and what happened (`on_engine_joined`, `push_ended`, `release`), so every transition is a
-    unit test without a process. A pin is taken when a push reaches every engine and `pins(previous, version)`
-    says the version is to be held (previous: the last version pushed, None before the first); it lets go on
-    `release` of that version or a later one, or `hold_timeout_s` after it was taken.
+    The questions (`after_step`, `between_steps`, `on_empty_batch`, `final`) only read; the learner tells the
+    cadence what it did (`acted`, `push_started`) and what happened (`on_engine_joined`, `push_ended`, `pin`,
+    `release`, `finishing`), so every transition is a unit test without a process.
+
+    A pin is asked for ahead (`pin(at_least)`: another role, the evaluator, wants the engines held on the first
+    weights of that version or newer) and taken when such weights reach every engine (at once if they already
+    serve them and no push is under way); with `final`, also on the run's last version when training ends
+    (`finishing`). It lets go on `release` of that version or a later one, or `hold_timeout_s` after it was taken.
 
     The announcement half: whether the version announced before its weights landed must be announced again.
     """
 
     update_interval: int = 1
-    pins: Callable[[int | None, int], bool] = field(default=lambda previous, version: False)
     hold_timeout_s: float = 300.0
     clock: Callable[[], float] = time.monotonic
     engines_joined: bool = False  # an engine (re)joined since the last owed push began: it serves no current weights
     step_push_held: bool = False  # a step's push was skipped to keep the engines on a pinned version
     failed: bool = False  # the last push did not reach every engine
+    pushing: bool = False  # a push is under way: the engines may be between two versions
     last_pushed: int | None = None  # the newest version a push brought to every engine
+    armed: int | None = None  # pin the first weights of this version or newer the engines get
+    armed_final: bool = False  # pin the run's last version when training ends
     pinned: int | None = None  # the version the engines are held on
     released_through: int = -1  # every pin of a version up to this one is released
     pin_deadline: float = 0.0
@@ -167,16 +172,40 @@ class WeightCadence:
         that joined while a push ran, since that push may have listed the engines before it joined."""
         self.engines_joined = True
 
+    def push_started(self) -> None:
+        self.pushing = True
+
     def push_ended(self, version: int, *, reached_every_engine: bool) -> None:
+        self.pushing = False
         self.failed = not reached_every_engine
         if not reached_every_engine:
             return
         self.step_push_held = False
-        pin = self.pins(self.last_pushed, version)
         self.last_pushed = version if self.last_pushed is None else max(self.last_pushed, version)
-        if pin and version > self.released_through:
-            self.pinned = version
-            self.pin_deadline = self.clock() + self.hold_timeout_s
+        if self.armed is not None and version >= self.armed:
+            self._take(version)
+
+    def pin(self, at_least: int | None, *, final: bool = False) -> None:
+        """Hold the engines on the first weights of version `at_least` or newer they get; with `final`, on the
+        run's last version too. Asking again changes nothing once the pin is taken (the asker polls)."""
+        if self.pinned is not None and self.holding() is not None:
+            return
+        self.armed, self.armed_final = at_least, final
+        serving = self.last_pushed
+        if at_least is not None and not self.pushing and serving is not None and serving >= at_least:
+            self._take(serving)
+
+    def finishing(self, version: int) -> None:
+        """Training is over at `version` (its weights pushed, if the learner pushes): pin it if the final version
+        was asked for. The learner ends the run once nothing is pinned."""
+        if self.armed_final and self.holding() is None:
+            self._take(version)
+
+    def _take(self, version: int) -> None:
+        if version <= self.released_through:
+            return
+        self.pinned, self.armed = version, None
+        self.pin_deadline = self.clock() + self.hold_timeout_s
 
     def release(self, through: int) -> None:
         """Every pin of a version up to `through` may go (what was to be generated on it is done)."""

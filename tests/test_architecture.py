@@ -121,8 +121,8 @@ def test_layers_import_only_downwards() -> None:
 
 # The roles of actors/: each folder is one role's process. A role reaches another only over the bus, never by
 # importing its folder; what several roles share lives in a shared folder, and a shared folder imports no role.
-ROLE_FOLDERS = {"buffer", "controller", "learner", "reward", "rollout"}
-SHARED_FOLDERS = {"config", "data", "eval", "extensions", "launch", "report", "runtime", "slime_compat"}
+ROLE_FOLDERS = {"buffer", "controller", "evaluator", "learner", "reward", "rollout"}
+SHARED_FOLDERS = {"config", "data", "extensions", "launch", "report", "runtime", "slime_compat"}
 ROLE_IMPORTERS = {"actors.plugins"}  # the plugin surface re-exports the rollout API users write against
 
 
@@ -269,6 +269,67 @@ def test_slime_checks_find_a_planted_violation() -> None:
              "bus.schema": {"bus.schema_base"}, "actors.extensions.load": {"actors.slime_compat.losses"}}
     assert slime_compat_imports(graph) == ["actors.learner.step imports actors.slime_compat",
                                            "policies.registry imports actors.slime_compat.losses"]
+
+
+# Evaluation is a role: no other module branches on it. These names carry eval control flow (rounds, their progress,
+# an eval-only lease, the group id's "eval:" prefix); they may appear only in the evaluator's folder and the wire
+# schema. `is_eval` is a group's property (its sampling and its reward key), read only where those are chosen.
+EVAL_NAMES = {"eval_only", "eval_done_through", "EvalProgress", "EvalProgressQuery", "EvalRounds", "EvalRound",
+              "EvalHold", "eval_due", "next_due", "round_due", "eval_group_id", "eval_round_of", "eval_version",
+              "take_eval_groups", "held_for_eval", "poll_eval_progress", "is_eval"}
+EVAL_HOMES = ("actors.evaluator", "bus.schema")
+IS_EVAL_READERS = ("actors.rollout.generate", "actors.rollout.actor", "actors.reward.actor", "actors.slime_compat")
+PRODUCT = ("actors", "bus", "engines", "policies", "launcher")
+
+
+def eval_references(module: str, tree: ast.Module) -> list[str]:
+    """Where `module` names evaluation outside its homes: an EVAL_NAMES identifier (a name, attribute, keyword,
+    definition or imported name), an import of the evaluator's folder, or a string starting "eval:"."""
+    if module.startswith(EVAL_HOMES):
+        return []
+    allowed = {"is_eval"} if module.startswith(IS_EVAL_READERS) else set()
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.keyword) and node.arg:
+            names = [node.arg]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.arg)):
+            names = [node.name if not isinstance(node, ast.arg) else node.arg]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [alias.asname or alias.name for alias in node.names]
+            source = node.module if isinstance(node, ast.ImportFrom) else None
+            imported = [source or "", *(alias.name for alias in node.names)]
+            if any(name.startswith(EVAL_HOMES[0]) for name in imported):
+                found.append(f"{module}:{node.lineno} imports {EVAL_HOMES[0]}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("eval:"):
+            found.append(f"{module}:{node.lineno} {node.value!r}")
+        found += [f"{module}:{getattr(node, 'lineno', '?')} {name}" for name in names
+                  if name in EVAL_NAMES and name not in allowed]
+    return found
+
+
+def test_no_eval_branch_outside_the_evaluator_and_the_schema() -> None:
+    wrong = [ref for name, path in project_modules().items() if name.startswith(PRODUCT)
+             for ref in eval_references(name, parse(path))]
+    assert not wrong, "evaluation named outside actors/evaluator/ and bus/schema.py:\n" + "\n".join(sorted(wrong))
+
+
+@pytest.mark.parametrize("planted", [
+    "if request.eval_only:\n    pass",
+    "from actors.evaluator.rounds import next_due",
+    "import actors.evaluator",
+    "is_eval = group.group_id.startswith('eval:')",
+    "def serve(self, query: EvalProgressQuery) -> None: ...",
+    "Batch(batch_id=1, samples=[], staleness=[], eval_done_through=-1)",
+    "training = [g for g in groups if not g.is_eval]",
+])
+def test_the_eval_rule_finds_a_planted_eval_branch(planted: str) -> None:
+    assert eval_references("actors.buffer.core", ast.parse(planted))
+    assert not eval_references("actors.evaluator.actor", ast.parse(planted))
 
 
 def test_no_module_over_600_lines() -> None:

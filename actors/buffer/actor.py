@@ -20,13 +20,13 @@ from actors.buffer.log import BufferLog
 from actors.buffer.waits import admission_state, batch_wait, gauges
 from actors.data.prompt_tokens import prompt_length_counter
 from actors.data.prompts import PromptSource, load_prompts
-from actors.eval import EvalRounds
 from actors.extensions.load import batch_selector, dynamic_filter
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
+from actors.runtime.peers import PeerStream
 from bus.episodes import count_episodes
 from bus.schema import (
     BATCH_ORDER,
@@ -35,9 +35,8 @@ from bus.schema import (
     Batch,
     BatchRequest,
     Error,
-    EvalProgress,
-    EvalProgressQuery,
     FinalCommit,
+    GuestGroups,
     Lease,
     LeaseRenew,
     LeaseRequest,
@@ -50,6 +49,7 @@ from bus.schema import (
 from policies.weight_versions import LearnerVersions
 
 BATCH_POLL_SECONDS = 2.0
+GUEST_HAND_BACK_S = 30.0  # how long a guest group's scores wait for their owner to take them
 
 
 class Buffer(Actor):
@@ -61,7 +61,6 @@ class Buffer(Actor):
         super().__init__(context)
         self.core: BufferCore | None = None
         self.metrics_writer: MetricsWriter | None = None
-        self.eval_writer: MetricsWriter | None = None
 
     async def on_start(self) -> None:
         config = self.config = self.settings.run
@@ -104,10 +103,7 @@ class Buffer(Actor):
         self.core.log = BufferLog(log_path)
         self.batch_ready = asyncio.Condition()
         self.metrics_writer = self.open_metrics("buffer")
-        self.eval_writer = self.open_metrics("eval")
-        self.eval_rounds = EvalRounds(config, self.core.eval_queue, self.eval_writer, self.log)
-        if self.core.learner_version == 0:  # a baseline before any training: the engines load version 0 themselves
-            self.eval_rounds.weights_arrived(0)  # (after a resume, the round waits for the learner's first push)
+        self.owners: dict[str, PeerStream] = {}  # the role each guest group's scored group goes back to
         self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request
         self.versions = LearnerVersions()  # whether the learner pushes weights: the engines move with it
 
@@ -123,9 +119,11 @@ class Buffer(Actor):
     async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
         # A learner that pushes no weights (--debug-rollout-only) leaves every engine on its first version.
         weights_version = request.weights_version if self.versions.learner_pushes else None
-        leased = self.core.lease(request.worker_id, request.max_groups, eval_only=request.eval_only,
-                                 max_samples=request.max_samples,
-                                 weights_version=weights_version)
+        # Weights older than anything a batch takes still serve the groups pinned to them (an eval round's).
+        too_old = weights_version is not None and self.versions.too_old(weights_version,
+                                                                          self.config.buffer.max_staleness)
+        leased = self.core.lease(request.worker_id, request.max_groups, training=not too_old,
+                                 max_samples=request.max_samples, weights_version=weights_version)
         closed = admission_state(self.core)
         if closed is None:
             self.waits.end("admission")
@@ -158,8 +156,8 @@ class Buffer(Actor):
         outcome = self.core.accept(group)
         self.counters[f"groups.{outcome}"] += 1
         self.waits.made_progress()
-        if outcome == "eval":
-            self.eval_rounds.record(group)
+        if outcome == "guest":
+            self.spawn(self._hand_back(group), name=f"buffer.hand_back.{group.group_id}")
         elif outcome.startswith("dropped"):
             self.log.info("group dropped", group=group.group_id, reason=outcome.split(".", 1)[1])
         elif outcome == "accepted":
@@ -189,8 +187,7 @@ class Buffer(Actor):
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return Batch(batch_id=request.trained_batch + 1, samples=[], staleness=[],
-                             learner_version=request.learner_version,
-                             eval_done_through=self.eval_rounds.done_through)
+                             learner_version=request.learner_version)
             async with self.batch_ready:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.batch_ready.wait(), remaining)
@@ -208,47 +205,41 @@ class Buffer(Actor):
         })
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
                      replayed=assembled.replayed, learner_version=assembled.learner_version,
-                     eval_done_through=self.eval_rounds.done_through,
                      left_out_samples=len(assembled.groups) * self.core.n_samples - count_episodes(samples))
 
     @serves(FinalCommit)
     async def on_final_commit(self, sender: str, commit: FinalCommit) -> Ack:
-        """The learner's last word: commit what its final checkpoint covers, then let the final eval report."""
+        """The learner's last word: commit what its final checkpoint covers."""
         self.core.commit_through(commit.checkpointed_batch)
-        if commit.trained_batch >= self.config.learner.num_rollout:
-            await self._final_eval(commit.learner_version)
         return Ack()
 
-    @serves(EvalProgressQuery)
-    async def on_eval_progress(self, sender: str, query: EvalProgressQuery) -> EvalProgress:
-        return EvalProgress(eval_done_through=self.eval_rounds.done_through)
+    @serves(GuestGroups)
+    async def on_guest_groups(self, sender: str, guests: GuestGroups) -> Ack:
+        """Another role's groups (the evaluator's rounds): leased ahead of training prompts, never trained on."""
+        unowned = [group.group_id for group in guests.groups if group.owner is None]
+        if unowned:
+            return Ack(ok=False, error=f"groups without an owner: {unowned[:3]}")
+        self.counters["groups.guests_queued"] += self.core.add_guests(guests.groups)
+        return Ack()
 
-    async def _final_eval(self, version: int) -> None:
-        """The run's last word on quality: evaluate the final version before the learner ends the run.
-
-        The learner's FinalCommit waits on this reply, and the rollout workers still run, so the round is
-        generated like any other; a round that cannot finish in time is reported as cut off, not waited for.
-        """
-        limit = self.config.eval.final_eval_timeout
-        if limit <= 0 or not self.eval_rounds.sets:
+    async def _hand_back(self, group: ScoredGroup) -> None:
+        """A guest group's scores to the role that owns it. One that does not take them (dead, restarting) hands its
+        pending groups over again, so a loss here costs a regeneration, counted."""
+        owner = self.core.guest_owners.pop(group.group_id, None)
+        if owner is None:
             return
-        self.eval_rounds.maybe_start(version, final=True)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit
-        while self.eval_rounds.pending and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-        if self.eval_rounds.pending:
-            self.counters["eval.rounds_cut_off"] += 1
-            self.log.warning("final eval round did not finish in time", version=version, timeout_s=limit)
+        stream = self.owners.get(owner)
+        if stream is None:
+            stream = self.owners[owner] = self.peer_stream(owner)
+        try:
+            await stream.send(group, timeout=GUEST_HAND_BACK_S)
+        except (TimeoutError, asyncio.TimeoutError, ConnectionError):
+            self.counters["groups.guest_hand_back_failed"] += 1
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
         self.core.note_version(step=announcement.step, version=announcement.version)
         self.versions.heard(announcement.version, announcement.weights_version)
-        if announcement.weights_version is not None:  # rounds evaluate the weights the engines have
-            self.eval_rounds.weights_arrived(announcement.weights_version)
-        elif not self.versions.learner_pushes:  # a learner that pushes nothing: the version is the label
-            self.eval_rounds.maybe_start(announcement.version)
         async with self.batch_ready:  # a prefetch waiting for this step's version can now be measured
             self.batch_ready.notify_all()
 
@@ -283,9 +274,8 @@ class Buffer(Actor):
     async def on_stop(self) -> None:
         if self.core is not None and self.core.log is not None:
             self.core.log.close()
-        for writer in (self.metrics_writer, self.eval_writer):
-            if writer is not None:
-                writer.close()
+        if self.metrics_writer is not None:
+            self.metrics_writer.close()
 
 
 def buffer_log_path(run_dir: Path) -> Path:

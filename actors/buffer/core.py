@@ -26,7 +26,6 @@ import structlog
 from actors.buffer.log import BufferLog
 from actors.buffer.selection import checked_selection
 from actors.data.prompts import Cursor, PromptSource
-from actors.eval import take_eval_groups
 from actors.extensions.points import BatchSelector, GroupFilter, SelectionError
 from bus.codec import decode, encode
 from bus.episodes import count_episodes, episode_id, group_problem
@@ -103,7 +102,8 @@ class BufferCore:
         self.stats = BufferStats()
         self.live_started = 0  # started minus dropped: the groups that will count toward batches
         self.reissue: deque[PromptGroup] = deque()
-        self.eval_queue: deque[PromptGroup] = deque()
+        self.guest_queue: deque[PromptGroup] = deque()  # groups another role owns (`add_guests`), leased first
+        self.guest_owners: dict[str, str] = {}  # a scored guest group -> its owner, until handed back
         self.in_flight: dict[str, tuple[PromptGroup, str]] = {}
         self.prompt_groups: dict[str, PromptGroup] = {}  # every training group not yet committed
         self.leases: dict[str, LeaseRecord] = {}
@@ -113,15 +113,25 @@ class BufferCore:
         self.committed_batch = 0
 
     # ----------------------------------------------------------------------------------------- leases
-    def lease(self, worker_id: str, max_groups: int, *, eval_only: bool = False, weights_version: int | None = None,
+    def add_guests(self, groups: list[PromptGroup]) -> int:
+        """Queue another role's groups (`PromptGroup.owner`) to lease ahead of training prompts; a group already
+        queued or in flight is not queued again (its owner, restarted, hands its pending groups over again).
+        Returns how many were queued."""
+        held = {group.group_id for group in self.guest_queue} | set(self.in_flight)
+        new = [group for group in groups if group.group_id not in held]
+        self.guest_queue.extend(new)
+        return len(new)
+
+    def lease(self, worker_id: str, max_groups: int, *, training: bool = True, weights_version: int | None = None,
               max_samples: int | None = None) -> tuple[str, list[PromptGroup]] | None:
         """Up to `max_groups` groups of at most `max_samples` samples together (the first whatever its size):
-        evaluation first (those the worker's weights can serve: `take_eval_groups`), then re-issues, then new
-        prompts while admitted."""
+        other roles' groups first (those the worker's weights can serve: `take_guest_groups`), then, unless
+        `training` is off (the worker's weights are too old for training samples), re-issues, then new prompts
+        while admitted."""
         self.expire_leases()
         room = float("inf") if max_samples is None else max_samples
-        groups = take_eval_groups(self.eval_queue, max_groups, weights_version, room)
-        if eval_only:
+        groups = take_guest_groups(self.guest_queue, max_groups, weights_version, room)
+        if not training:
             max_groups = len(groups)
 
         def fits(size: int) -> bool:
@@ -149,12 +159,12 @@ class BufferCore:
         self.leases[lease_id] = LeaseRecord(lease_id, worker_id, set(), self.clock() + self.lease_timeout)
         for group in groups:
             self._assign(group, lease_id)
-            if not group.is_eval:
+            if group.owner is None:
                 self.prompt_groups[group.group_id] = group
-        training = [g for g in groups if not g.is_eval]
-        if self.log is not None and training:
+        own = [g for g in groups if g.owner is None]
+        if self.log is not None and own:
             cursor = self.source.cursor
-            self.log.append("lease", lease_id=lease_id, worker_id=worker_id, groups=[encode(g) for g in training],
+            self.log.append("lease", lease_id=lease_id, worker_id=worker_id, groups=[encode(g) for g in own],
                             new=[g.group_id for g in new_groups], cursor=[cursor.epoch, cursor.position])
         return lease_id, groups
 
@@ -168,7 +178,7 @@ class BufferCore:
         record, cursor = self.source.next()
         return PromptGroup(group_id=f"{cursor.epoch}:{cursor.position - 1}", prompt=record.prompt,
                            label=record.label, metadata=record.metadata, tools=record.tools, n_samples=self.n_samples,
-                           data_index=record.data_index, is_eval=False)
+                           data_index=record.data_index)
 
     def renew(self, lease_id: str) -> bool:
         record = self.leases.get(lease_id)
@@ -220,12 +230,13 @@ class BufferCore:
             record.group_ids.discard(group_id)
             if not record.group_ids:
                 del self.leases[lease_id]
-        (self.eval_queue if group.is_eval else self.reissue).append(group)
+        (self.reissue if group.owner is None else self.guest_queue).append(group)
         return True
 
     # ------------------------------------------------------------------------------------------ results
     def accept(self, scored: ScoredGroup) -> str:
-        """Take a scored group back. Returns "accepted", "eval", "dropped.<reason>" or "ignored.<reason>"."""
+        """Take a scored group back. Returns "accepted", "guest" (another role's group: hand it back to its
+        owner), "dropped.<reason>" or "ignored.<reason>"."""
         entry = self.in_flight.get(scored.group_id)
         if entry is None or entry[1] != scored.lease_id:
             self.stats.ignored["stale_lease"] += 1
@@ -236,8 +247,9 @@ class BufferCore:
             record.group_ids.discard(scored.group_id)
             if not record.group_ids:
                 del self.leases[lease_id]
-        if group.is_eval:
-            return "eval"
+        if group.owner is not None:
+            self.guest_owners[scored.group_id] = group.owner
+            return "guest"
         trained, reason = self._admitted(scored)
         if reason is not None:
             self._drop(scored.group_id, reason)
@@ -409,7 +421,7 @@ class BufferCore:
         return bool(self.compact_log_bytes) and log.size() > max(self.compact_log_bytes, 2 * self.compacted_bytes)
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything `restore` rebuilds, as one log record (evaluation state is not kept, as in the log)."""
+        """Everything `restore` rebuilds, as one log record (other roles' groups are not kept, as in the log)."""
         cursor = self.source.cursor
         stats = self.stats
         return {
@@ -533,3 +545,29 @@ def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> Assemb
     """A logged batch as it was first served, staleness and version included (older logs had neither)."""
     return AssembledBatch(record["batch_id"], groups, list(record.get("staleness", [])),
                           record.get("learner_version", 0))
+
+
+def take_guest_groups(queue: deque[PromptGroup], max_groups: int, weights_version: int | None,
+                      max_samples: float = float("inf")) -> list[PromptGroup]:
+    """Up to `max_groups` groups out of `queue`, in order, that the worker's weights can serve, and of at most
+    `max_samples` samples together (the first is taken whatever its size).
+
+    A group for weights v (`PromptGroup.weights_version`) goes only to a worker whose weights are v or newer (None:
+    the learner pushes none, so any). An older engine may never get v's weights: the learner holds its pushes while
+    v is pinned (an engine that joins meanwhile gets nothing until then), and it would sit on the group until its
+    deadline ran out.
+    """
+    servable = [g for g in queue if weights_version is None or (g.weights_version or 0) <= weights_version]
+    taken: list[PromptGroup] = []
+    samples = 0
+    for group in servable[:max_groups]:
+        if taken and samples + group.n_samples > max_samples:
+            break
+        taken.append(group)
+        samples += group.n_samples
+    if taken:
+        ids = {g.group_id for g in taken}
+        remaining = [g for g in queue if g.group_id not in ids]
+        queue.clear()
+        queue.extend(remaining)
+    return taken

@@ -1,8 +1,9 @@
 """Which actors a node of the run starts, by role, and which ones the head expects from the other nodes.
 
-Three kinds of node run the same `launcher.py` command: the head (controller, buffer, learner, its rollout and
-reward workers), a learner node (rank 1 .. --actor-num-nodes - 1: its learner ranks first, then an engine per
---rollout-num-gpus-per-engine of the GPUs they leave), and a rollout node (rollout and reward workers). Under a
+Three kinds of node run the same `launcher.py` command: the head (controller, buffer, evaluator when the run has
+eval data, learner, its rollout and reward workers), a learner node (rank 1 .. --actor-num-nodes - 1: its learner
+ranks first, then an engine per --rollout-num-gpus-per-engine of the GPUs they leave), and a rollout node (rollout
+and reward workers). Under a
 scheduler every node runs one command, so the head can work out what each other node will start and have its
 controller expect exactly that: the run is "starting" until those actors registered, its start-up report
 names the missing ones, and the hang detector keeps its longer start-up limit until then.
@@ -18,7 +19,7 @@ from actors.config.run import learner_ranks_per_node
 from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES
 from engines.devices import visible_gpus
 
-SINGLETON_ROLES = ("controller", "buffer", "learner")
+SINGLETON_ROLES = ("controller", "buffer", "evaluator", "learner")
 SCALED_ROLES = {"rollout": "rollout_workers", "reward": "reward_workers"}  # role -> its count's argument
 
 
@@ -63,9 +64,17 @@ def node_actor_counts(args: argparse.Namespace, customs: dict[str, str], config:
     if rollout_workers is None:
         rollout_workers = default_rollout_workers(config, head=args.head, learner_node=learner_node)
     counts = node_roles(argparse.Namespace(**{**vars(args), "rollout_workers": rollout_workers}), customs)
+    if not runs_evaluator(config):
+        counts.pop("evaluator", None)
     if learner_node and args.roles is None:
         counts = {"learner-ranks": 1, **counts}
     return counts
+
+
+def runs_evaluator(config: RunConfig) -> bool:
+    """Whether the run has an evaluator: it has eval sets (which need --eval-interval), and engines to generate them
+    (a replay of recorded batches, --load-debug-rollout-data, runs none)."""
+    return bool(config.eval.sets) and not config.learner.load_debug_rollout_data
 
 
 def worker_node_roles(args: argparse.Namespace, customs: dict[str, str], nodes: int | None,

@@ -18,7 +18,6 @@ from typing import Any, TextIO, TypeVar
 import msgspec
 
 from actors.config import RunConfig
-from actors.eval import round_due
 from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
 from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for, sent_layout
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
@@ -36,10 +35,11 @@ from actors.runtime.checkpoint_pointer import (
     step_checkpoint,
 )
 from actors.runtime.context import ActorContext
+from actors.runtime.handlers import serves
 from actors.runtime.metrics import MetricsWriter
 from actors.runtime.stopping import unless_stopped
 from bus.codec import validate
-from bus.schema import Batch, Control, Roster, VersionAnnouncement
+from bus.schema import Batch, Control, Roster, VersionAnnouncement, WeightPin, WeightPinState
 from policies.staleness import staleness_of_samples
 from policies.weight_versions import Decision, Hold, Nothing, Push, WeightCadence
 
@@ -62,7 +62,7 @@ class Learner(Actor):
         self.audit: TextIO | None = None
         self.push_in_flight: asyncio.Task[None] | None = None
         self.upcoming: asyncio.Task[tuple[Batch | None, PreparedBatch | None]] | None = None  # the next batch
-        self.cadence = WeightCadence()  # when to push; `on_start` gives it the run's interval and eval pins
+        self.cadence = WeightCadence()  # when to push; `on_start` gives it the run's interval
         self.trained_batch = 0
         self.checkpointed_batch = 0
 
@@ -99,9 +99,8 @@ class Learner(Actor):
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
             local_trainer.update_gate = lambda: self.weights.wait_for_reads(gate_s)
-        # The engines stay on a version whose eval round is due until the buffer reports the round done.
+        # A pin (the evaluator's, over WeightPin) holds the engines on its version until released, or this long.
         self.cadence = WeightCadence(update_interval=config.weights.update_weights_interval,
-                                     pins=functools.partial(round_due, config),
                                      hold_timeout_s=config.eval.final_eval_timeout)
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
@@ -179,21 +178,20 @@ class Learner(Actor):
         return batch, prepared
 
     async def act(self, ask: Callable[[], Decision], *, beside_next_step: bool = False) -> Decision:
-        """Ask the cadence, and push if it says so. A push under way may be the one that pins the engines, and the
-        buffer's last word may have released a pin: both are taken in before the answer counts."""
+        """Ask the cadence, and push if it says so. A push under way may be the one that pins the engines: it is
+        over before the answer counts."""
         if isinstance(decision := ask(), Nothing):
             return decision
         await self.settle_push()
-        self.cadence.release(self.source.eval_done_through)
         decision = ask()
         self.cadence.acted(decision)
         if isinstance(decision, Hold):
-            self.counters["eval.held_pushes"] += 1
+            self.counters["weights.held_pushes"] += 1
         elif isinstance(decision, Push):
             if decision.expired_hold is not None:
-                self.counters["eval.hold_timeouts"] += 1
-                self.log.warning("eval round did not report in time; pushing newer weights anyway (its remaining "
-                                 "samples count as off-version)", version=decision.expired_hold,
+                self.counters["weights.pin_timeouts"] += 1
+                self.log.warning("pinned weights not released in time; pushing newer weights anyway (an eval "
+                                 "round's remaining samples count as off-version)", version=decision.expired_hold,
                                  timeout_s=self.cadence.hold_timeout_s)
             await self.publish_weights(beside_next_step=beside_next_step)
         return decision
@@ -260,6 +258,7 @@ class Learner(Actor):
             await self._push(self.version)
 
     async def _push(self, version: int, *, beside_training: bool = False) -> None:
+        self.cadence.push_started()
         reached = await self.weights.publish(version, beside_training=beside_training)
         self.cadence.push_ended(version, reached_every_engine=reached)
         committed = self.weights.committed_version
@@ -273,11 +272,31 @@ class Learner(Actor):
             await push
 
     async def push_final_weights(self) -> None:
-        """Like any push, the final one waits for the round that pins the engines on its version; the pin's own
-        deadline bounds the wait. No batch request is due any more to bring the round's progress, so ask for it."""
+        """Like any push, the final one waits while the engines are pinned; the pin's own deadline bounds the
+        wait."""
         while not self.stopping and isinstance(await self.act(self.cadence.final), Hold):
             await asyncio.sleep(0.2)
-            await self.source.poll_eval_progress(self.progress())
+
+    async def wait_while_pinned(self) -> None:
+        """The run ends once nothing holds the engines: the evaluator pins the final version (WeightPin.final) and
+        releases it when its round has reported, or the pin's deadline (--final-eval-timeout) passes."""
+        self.cadence.finishing(self.version)
+        if self.cadence.holding() is not None:
+            self.log.info("training done; waiting for the pinned weights to be released", version=self.version)
+        while not self.stopping and self.cadence.holding() is not None:
+            await asyncio.sleep(0.2)
+        if self.cadence.pinned is not None and self.cadence.pinned > self.cadence.released_through:
+            self.counters["weights.pin_timeouts"] += 1
+            self.log.warning("final pinned weights not released in time; ending the run (the final eval round is "
+                             "cut off)", version=self.cadence.pinned, timeout_s=self.cadence.hold_timeout_s)
+
+    @serves(WeightPin)
+    async def on_weight_pin(self, sender: str, request: WeightPin) -> WeightPinState:
+        """Served once `on_start` is done (the RPC endpoint opens after it): the cadence and the training exist."""
+        assert self.training is not None
+        self.cadence.release(request.release_through)
+        self.cadence.pin(request.at_least, final=request.final)
+        return WeightPinState(pinned=self.cadence.holding(), publishes=self.training.publishes, version=self.version)
 
     async def save_checkpoint(self) -> None:
         """Write the checkpoint of the batches trained so far, point `latest` at it, then drop the oldest beyond
@@ -310,7 +329,8 @@ class Learner(Actor):
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
             if self.weights.committed_version != self.version:
                 await self.push_final_weights()  # the final eval round must see the final weights
-        await self.source.finish(self.progress())  # the buffer answers once the final eval round reported
+        await self.wait_while_pinned()
+        await self.source.finish(self.progress())
         assert self._controller is not None
         await self._controller.call(Control(command="stop", reason=f"trained {self.trained_batch} batches"),
                                     timeout=5.0, retries=2)

@@ -18,7 +18,7 @@ from actors.config import RunConfig
 from actors.learner.ranks import CollectiveTrainer
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from bus.codec import decode, encode
-from bus.schema import BATCH_ORDER, Batch, BatchRequest, Error, EvalProgress, EvalProgressQuery, FinalCommit
+from bus.schema import BATCH_ORDER, Batch, BatchRequest, Error, FinalCommit
 
 
 @dataclass(frozen=True)
@@ -38,15 +38,6 @@ class BatchSource(Protocol):
     async def finish(self, progress: Progress) -> None:
         """After the last batch and its checkpoint: make the end durable at the source."""
 
-    async def poll_eval_progress(self, progress: Progress) -> int:
-        """Every evaluation round of a version up to the one returned has reported (-1: none, or no rounds here).
-        Batch replies carry it too; this asks when no batch is due."""
-
-    @property
-    def eval_done_through(self) -> int:
-        """What the last reply said of the eval rounds (as `poll_eval_progress` returns): the learner's eval hold
-        reads it after every batch."""
-
 
 class BatchRefused(RuntimeError):
     """The buffer will never serve the batch asked for: the run cannot go on (see BATCH_ORDER)."""
@@ -55,12 +46,10 @@ class BatchRefused(RuntimeError):
 class BufferSource:
     """The buffer actor, over RPC. A buffer that does not answer is restarting: count it and ask again."""
 
-    def __init__(self, buffer: Any, counters: Counter[str], log: Any, final_wait: float) -> None:
+    def __init__(self, buffer: Any, counters: Counter[str], log: Any) -> None:
         self.buffer = buffer
         self.counters = counters
         self.log = log
-        self.final_wait = final_wait  # the buffer answers the final commit once the last eval round reported
-        self.eval_done_through = -1  # from every reply, empty ones included: the learner's eval hold reads it
 
     async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         request = BatchRequest(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
@@ -72,29 +61,16 @@ class BufferSource:
             return None
         if isinstance(reply, Error) and reply.reason == BATCH_ORDER:
             raise BatchRefused(f"the buffer cannot serve batch {progress.trained_batch + 1}: {reply.detail}")
-        if isinstance(reply, Batch):
-            self.eval_done_through = max(self.eval_done_through, reply.eval_done_through)
         if not isinstance(reply, Batch) or not reply.samples:
             return None
         return reply
-
-    async def poll_eval_progress(self, progress: Progress) -> int:
-        try:
-            reply = await self.buffer.call(EvalProgressQuery(learner_version=progress.learner_version), timeout=5.0,
-                                           retries=1)
-        except (TimeoutError, asyncio.TimeoutError, ConnectionError):
-            self.counters["eval_progress.unanswered"] += 1
-        else:
-            if isinstance(reply, EvalProgress):
-                self.eval_done_through = max(self.eval_done_through, reply.eval_done_through)
-        return self.eval_done_through
 
     async def finish(self, progress: Progress) -> None:
         """Commit the last batches in the buffer's log (the checkpoint just written covers them)."""
         commit = FinalCommit(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
                              checkpointed_batch=progress.checkpointed_batch)
         try:
-            await self.buffer.call(commit, timeout=5.0 + self.final_wait, retries=1)
+            await self.buffer.call(commit, timeout=5.0, retries=1)
         except Exception as error:
             self.log.warning("final commit to the buffer failed", error=repr(error))
 
@@ -118,13 +94,6 @@ class RecordedBatches:
     async def finish(self, progress: Progress) -> None:
         """Nothing to commit: the recording is read-only."""
 
-    async def poll_eval_progress(self, progress: Progress) -> int:
-        return -1  # a replay runs no engines, so no rounds
-
-    @property
-    def eval_done_through(self) -> int:
-        return -1
-
 
 class Recording:
     """`--save-debug-rollout-data`: every batch the inner source yields is also written, for a later replay."""
@@ -142,15 +111,6 @@ class Recording:
 
     async def finish(self, progress: Progress) -> None:
         await self.inner.finish(progress)
-
-    async def poll_eval_progress(self, progress: Progress) -> int:
-        return await self.inner.poll_eval_progress(progress)
-
-    @property
-    def eval_done_through(self) -> int:
-        """The inner source's: without it the learner's eval hold never heard a round report, and held each
-        evaluated version's engines until the hold's timeout."""
-        return self.inner.eval_done_through
 
 
 class Training(Protocol):
@@ -221,8 +181,7 @@ def pick_source(config: RunConfig, buffer: Any, counters: Counter[str], log: Any
     if config.learner.load_debug_rollout_data:
         source = RecordedBatches(Path(config.learner.load_debug_rollout_data))
     else:
-        final_wait = config.eval.final_eval_timeout if config.eval.eval_prompt_data else 0.0
-        source = BufferSource(buffer, counters, log, final_wait)
+        source = BufferSource(buffer, counters, log)
     if config.learner.save_debug_rollout_data:
         source = Recording(source, Path(config.learner.save_debug_rollout_data))
     return source

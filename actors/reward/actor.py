@@ -63,7 +63,7 @@ class RewardWorker(Actor):
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
-        is_eval = group.group_id.startswith("eval:")
+        is_eval = group.is_eval  # an evaluation group: scored with --eval-reward-key, no teacher
         samples = group.samples
         if self.teachers is not None and not is_eval:
             with self.waits.on("distillation teacher", f"scoring group {group.group_id}"):

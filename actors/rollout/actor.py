@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import time
 
-from actors.eval import eval_version
 from actors.extensions.load import check_rollout_loop, rollout_loop
 from actors.extensions.points import RolloutLoop
 from actors.rollout.agent import AgentRunner, EpisodeLoop
@@ -49,9 +48,9 @@ from engines.inference.base import InferenceEngine
 from policies.weight_versions import LearnerVersions
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
-WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for eval work again
+WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for pinned work again
 IDLE_POLL_S = 0.05  # after "nothing now" from the buffer, ask again this soon unless a version or weights come first
-EVAL_WEIGHTS_WAIT_S = 30.0  # how long an eval group waits for the weights of the version it evaluates
+PINNED_WEIGHTS_WAIT_S = 30.0  # how long a group for given weights (PromptGroup.weights_version) waits for them
 ABORTED_RETRIES = 2  # a group whose generation an abort cut short is generated again this many times at most
 
 
@@ -132,27 +131,26 @@ class RolloutWorker(Actor):
             await self.rollout_function.run()
             return
         while not self.stopping:
-            eval_only = self.weights_too_old()  # too old to train on, maybe the very weights an eval round waits for
             room, _ = await unless_stopped(self._wait_for_room(), self._stop_requested)
             if not room:  # a stop while the engine is full: nothing to drain here (the leases bring the groups back)
                 break
             self._work_may_open.clear()
             room = self.capacity_rows - self.rows_in_flight
-            lease = await self.request_lease(room, eval_only=eval_only, max_samples=room)
+            # Weights too old to train on get only groups pinned to them (the buffer sees it from weights_version).
+            lease = await self.request_lease(room, max_samples=room)
             if lease is None or not lease.groups:
-                self._note_no_work(eval_only, lease)
+                self._note_no_work(lease)
                 if self.groups_in_flight == 0 and (self.engine_service is None or not self.engine_service.load()):
                     await self._hand_over_memory()
-                if eval_only:
-                    if self.weights_too_old():  # not if they landed while we asked: the wait would miss them
-                        await self.wait_for_weights(WEIGHTS_POLL_S)
+                if self.weights_too_old():
+                    await self.wait_for_weights(WEIGHTS_POLL_S)
                 else:  # the poll stays as a backstop: a drop or a re-issue at the buffer opens work unannounced
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._work_may_open.wait(), IDLE_POLL_S if lease is not None else 0.5)
                 continue
             self.waits.end("work")
             self.hold(lease)
-            if not eval_only:  # eval groups wait for their own version's weights (wait_for_eval_weights)
+            if any(group.weights_version is None for group in lease.groups):  # the others wait for their own
                 await self.wait_for_weights_of(lease)
             for group in lease.groups:
                 self.generate_group(lease, group)
@@ -170,9 +168,9 @@ class RolloutWorker(Actor):
             self.counters["engine.memory_release_failed"] += 1
             self.log.warning("engine kept its memory: the release failed", error=str(error)[:300])
 
-    def _note_no_work(self, eval_only: bool, lease: Lease | None) -> None:
+    def _note_no_work(self, lease: Lease | None) -> None:
         """Keep one wait open, from the first empty answer on, for the hang report."""
-        if eval_only:
+        if self.weights_too_old():
             self.waits.begin("work", "learner", f"weights newer than version {self.engine.version} (ours are too "
                                                 "old for training groups)")
         elif lease is None:
@@ -199,21 +197,21 @@ class RolloutWorker(Actor):
         while self.weights_too_old() and not self.stopping and time.monotonic() < deadline:
             await self.wait_for_weights(0.2)
 
-    async def wait_for_eval_weights(self, group: PromptGroup) -> None:
-        """An eval group of version v is generated with v's weights. The round starts once the learner announces
-        that every engine has them, and the learner keeps them there until the round is done; a worker that joined
-        or restarted since may not have them yet. A learner that does not push, or weights that never come, do not
-        stall the round past a deadline."""
-        version = eval_version(group.group_id)
+    async def wait_for_pinned_weights(self, group: PromptGroup) -> None:
+        """A group for weights v (an eval round's, `PromptGroup.weights_version`) is generated with v's weights. Its
+        owner asked the learner to pin the engines on v, so they stay there until it is done; a worker that joined
+        or restarted since may not have them yet. Weights that never come do not stall the group past a
+        deadline."""
+        version = group.weights_version
         if version is None or not self.versions.learner_pushes:
             return
-        deadline = time.monotonic() + EVAL_WEIGHTS_WAIT_S
+        deadline = time.monotonic() + PINNED_WEIGHTS_WAIT_S
         while self.engine.version < version and not self.stopping and time.monotonic() < deadline:
             await self.wait_for_weights(0.2)
         if self.engine.version != version:
-            self.counters["eval.off_version_groups"] += 1
-            self.log.warning("eval group generated with other weights than the version it evaluates",
-                             group=group.group_id, engine_version=self.engine.version)
+            self.counters["groups.off_pinned_weights"] += 1
+            self.log.warning("group generated with other weights than those it was pinned to",
+                             group=group.group_id, weights_version=version, engine_version=self.engine.version)
 
     async def wait_for_weights(self, timeout: float) -> None:
         """Until the next weight update lands here, or `timeout` (a push may have landed before we asked)."""
@@ -231,11 +229,10 @@ class RolloutWorker(Actor):
 
     async def _rollout_group(self, lease: Lease, group: PromptGroup) -> None:
         try:
-            if group.is_eval:
-                await self.wait_for_eval_weights(group)
-            # An eval group is generated by the engine whose weights it evaluates: ours (wait_for_eval_weights).
+            await self.wait_for_pinned_weights(group)
+            # Another role's group (an eval round's) is generated by the engine whose weights it asked for: ours.
             key = group.group_id if groups_calls(self.generate_fn) else None
-            engine = self.engine if group.is_eval or self.router is None else self.router.engine_for(key)
+            engine = self.engine if group.owner is not None or self.router is None else self.router.engine_for(key)
             context = RolloutContext(engine=engine, tokenizer=self.tokenizer, config=self.config,
                                      worker_id=self.actor_id)
             with self.waits.on("engine", f"generating group {group.group_id}"):
@@ -244,7 +241,7 @@ class RolloutWorker(Actor):
             if samples is None:
                 return  # not sent: its lease runs out and the buffer gives the group out again
             self._note_context_cuts(context, group)
-            await self.send_generated(lease.lease_id, group.group_id, samples)
+            await self.send_generated(lease.lease_id, group.group_id, samples, is_eval=group.is_eval)
             self.waits.made_progress()
         except asyncio.CancelledError:
             raise
@@ -285,7 +282,8 @@ class RolloutWorker(Actor):
                          group=group.group_id, tries=ABORTED_RETRIES + 1)
         return None
 
-    async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample]) -> None:
+    async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample], *,
+                             is_eval: bool = False) -> None:
         """Hand one generated group to the reward workers, counting what was generated."""
         self.counters["samples.generated"] += len(samples)
         no_room = [s for s in samples if s.status == "failed"]
@@ -295,7 +293,8 @@ class RolloutWorker(Actor):
         self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
         handed = time.monotonic()
         reward_worker = await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id,
-                                                               samples=samples, worker_id=self.actor_id))
+                                                               samples=samples, worker_id=self.actor_id,
+                                                               is_eval=is_eval))
         self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
         self.counters["groups.sent"] += 1
         self.handed_off.note(reward_worker, lease_id, group_id)
@@ -334,10 +333,9 @@ class RolloutWorker(Actor):
         idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
         return idle / max(now - self._started, 1e-9)
 
-    async def request_lease(self, max_groups: int, *, eval_only: bool = False,
-                            max_samples: int | None = None) -> Lease | None:
+    async def request_lease(self, max_groups: int, *, max_samples: int | None = None) -> Lease | None:
         try:
-            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, eval_only=eval_only,
+            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups,
                                    weights_version=self.engine.version, max_samples=max_samples)
             reply = await self.buffer.call(request, timeout=5.0, retries=2)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:

@@ -7,13 +7,14 @@ from policies.plugins import load_object
 BUILTIN_ROLES: dict[str, str] = {
     "controller": "actors.controller.actor:Controller",
     "buffer": "actors.buffer.actor:Buffer",
+    "evaluator": "actors.evaluator.actor:Evaluator",  # only in a run with eval data (node_roles.runs_evaluator)
     "learner": "actors.learner.actor:Learner",
     "rollout": "actors.rollout.actor:RolloutWorker",
     "reward": "actors.reward.actor:RewardWorker",
     # On each node of a learner that spans nodes, other than the head (launcher.py adds it there).
     "learner-ranks": "actors.learner.remote_ranks:RemoteLearnerRanks",
 }
-HEAD_ROLES = ("controller", "buffer", "learner", "rollout", "reward")  # what the head runs unless --roles says
+HEAD_ROLES = ("controller", "buffer", "evaluator", "learner", "rollout", "reward")  # the head's, unless --roles says
 
 
 def resolve_actor_class(path: str) -> type:

@@ -189,11 +189,12 @@ class LeasedDataSource:
         return got
 
     def _hold(self, lease: Lease) -> list[Held]:
-        """Keep a new lease; its evaluation groups go the worker's own way, its training groups to the function."""
+        """Keep a new lease; another role's groups (the evaluator's) go the worker's own way, its training groups
+        to the function."""
         self.groups.hold(lease)
         fresh = []
         for group in lease.groups:
-            if group.is_eval:
+            if group.owner is not None:
                 self.groups.generate_group(lease, group)
                 continue
             held = self.held[group.group_id] = Held(group=group, lease_id=lease.lease_id, version=self.version)

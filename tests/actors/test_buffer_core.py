@@ -15,10 +15,8 @@ from actors.buffer.actor import Buffer
 from actors.buffer.core import BufferCore
 from actors.buffer.log import BufferLog, archived_logs
 from actors.data.prompts import PromptRecord, PromptSource
-from actors.eval.ids import eval_group_id
 from actors.runtime.context import ActorContext
 from bus.schema import Ack, FinalCommit, PromptGroup, Sample, ScoredGroup
-from tests.support.waiting import until
 
 N = 2  # samples per group
 B = 3  # groups per batch
@@ -393,33 +391,57 @@ def _buffer_actor(tmp_path: Path, **run_settings: object) -> Buffer:
 
 
 @pytest.mark.integration
-def test_final_commit_commits_the_checkpointed_batches_and_answers_after_the_final_eval(tmp_path: Path) -> None:
+def test_final_commit_commits_the_checkpointed_batches(tmp_path: Path) -> None:
     async def scenario() -> None:
         buffer = _buffer_actor(tmp_path)
         await buffer.on_start()
         core = buffer.core
-        core.eval_queue.clear()  # the baseline round before training is not what this test is about
-        buffer.eval_rounds.rounds.clear()
         lease_id, groups = lease_all(core)
         for group in groups[:B]:
             core.accept(scored(group, lease_id))
         assert core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0) is not None
-
-        commit = asyncio.create_task(buffer.on_final_commit(
-            "learner-0", FinalCommit(learner_version=1, trained_batch=1, checkpointed_batch=1)))
-        await until(lambda: core.committed_batch == 1, "the final commit to be recorded")
-        assert not core.served  # recorded at once
-        assert not commit.done(), "the reply must wait for the final version's eval round"
-        eval_lease, eval_groups = lease_all(core, "w2")
-        assert {g.group_id for g in eval_groups} == {"eval:probe:1:0", "eval:probe:1:1"}
-        for group in eval_groups:
-            await buffer.on_scored("w2", scored(group, eval_lease, rewards=(1.0,)))
-        assert await asyncio.wait_for(commit, 5.0) == Ack(ok=True)
-        assert buffer.counters["eval.rounds_cut_off"] == 0
+        reply = await buffer.on_final_commit(
+            "learner-0", FinalCommit(learner_version=1, trained_batch=1, checkpointed_batch=1))
+        assert reply == Ack(ok=True) and core.committed_batch == 1 and not core.served
         await buffer.on_stop()
         buffer.zmq.destroy(linger=0)
 
     asyncio.run(scenario())
+
+
+def guest(group_id: str, *, weights_version: int | None = None, owner: str = "evaluator") -> PromptGroup:
+    return PromptGroup(group_id=group_id, prompt="1+1=", is_eval=True, owner=owner, weights_version=weights_version)
+
+
+@pytest.mark.unit
+def test_a_guest_group_is_leased_first_never_pooled_and_named_for_its_owner_once_scored() -> None:
+    core = make_core(max_staleness=1)
+    assert core.add_guests([guest("eval:held:0:0"), guest("eval:held:0:1")]) == 2
+    lease_id, groups = core.lease("w", 3)
+    assert [g.group_id for g in groups[:2]] == ["eval:held:0:0", "eval:held:0:1"] and groups[2].owner is None
+    assert core.accept(scored(groups[0], lease_id)) == "guest"
+    assert core.guest_owners == {"eval:held:0:0": "evaluator"} and "eval:held:0:0" not in core.pool
+    assert core.accept(scored(groups[2], lease_id)) == "accepted"
+
+
+@pytest.mark.unit
+def test_guest_groups_handed_over_again_are_not_queued_twice_while_queued_or_in_flight() -> None:
+    core = make_core(max_staleness=1)
+    core.add_guests([guest("eval:held:0:0"), guest("eval:held:0:1")])
+    lease_id, groups = core.lease("w", 1)
+    assert core.add_guests([guest("eval:held:0:0"), guest("eval:held:0:1"), guest("eval:held:0:2")]) == 1
+    assert [g.group_id for g in core.guest_queue] == ["eval:held:0:1", "eval:held:0:2"]
+    core.accept(scored(groups[0], lease_id))
+    assert core.add_guests([guest("eval:held:0:0")]) == 1  # scored and handed back: its owner asks for it again
+
+
+@pytest.mark.unit
+def test_a_worker_too_old_for_training_gets_only_the_guest_groups_its_weights_serve() -> None:
+    core = make_core(max_staleness=1)
+    core.add_guests([guest("eval:held:0:0", weights_version=0)])
+    _, groups = core.lease("w", 10, training=False, weights_version=0)
+    assert [g.group_id for g in groups] == ["eval:held:0:0"]
+    assert core.lease("w", 10, training=False, weights_version=0) is None
 
 
 def generated_at(group: PromptGroup, lease_id: str, version: int) -> ScoredGroup:
@@ -497,17 +519,17 @@ def test_a_batch_served_ahead_of_a_skipped_step_is_measured_again_and_restored_s
 
 
 @pytest.mark.unit
-def test_an_eval_group_goes_only_to_a_worker_whose_weights_can_serve_its_version() -> None:
+def test_a_pinned_group_goes_only_to_a_worker_whose_weights_can_serve_its_version() -> None:
     """A worker whose engine joined during version 2's round holds version 0's weights and gets none until the
     learner's held push lands: it leases training work only (here: none is admitted either)."""
     core = make_core(max_staleness=0)
     lease_all(core)  # every admitted training group is out
-    core.eval_queue.extend(PromptGroup(group_id=eval_group_id("held", version, index), prompt="1+1=", is_eval=True)
-                           for version, index in [(2, 0), (0, 0), (2, 1)])
+    core.add_guests([guest(f"eval:held:{version}:{index}", weights_version=version)
+                     for version, index in [(2, 0), (0, 0), (2, 1)]])
     assert core.lease("rollout-0-1", 10, weights_version=0)[1] == [core.in_flight["eval:held:0:0"][0]]
     assert core.lease("rollout-0-1", 10, weights_version=1) is None
     _, served = core.lease("rollout-0-0", 10, weights_version=2)
-    assert [g.group_id for g in served] == ["eval:held:2:0", "eval:held:2:1"] and not core.eval_queue
+    assert [g.group_id for g in served] == ["eval:held:2:0", "eval:held:2:1"] and not core.guest_queue
 
 
 @pytest.mark.unit
@@ -544,10 +566,9 @@ def test_handed_off_groups_are_named_per_reward_worker_and_forgotten_after_the_l
 def test_a_lease_fills_the_samples_the_worker_has_room_for_one_sample_eval_groups_included() -> None:
     """A worker with 6 free rows: six one-sample eval groups, not the 3 two-sample groups its rows would hold."""
     core = make_core()
-    core.eval_queue.extend(PromptGroup(group_id=eval_group_id("held", 0, index), prompt="1+1=", is_eval=True)
-                           for index in range(8))
+    core.add_guests([guest(f"eval:held:0:{index}", weights_version=0) for index in range(8)])
     _, first = core.lease("w", 6, max_samples=6)
-    assert [g.is_eval for g in first] == [True] * 6
+    assert [g.owner for g in first] == ["evaluator"] * 6
     _, second = core.lease("w", 6, max_samples=6)  # two eval groups left (2 samples), then training groups of N=2
     assert [g.n_samples for g in second] == [1, 1, N, N]
     _, third = core.lease("w", 6, max_samples=1)  # less room than one training group: the first one still goes

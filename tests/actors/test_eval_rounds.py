@@ -1,78 +1,120 @@
-"""Where eval rounds go when the learner pushes: to versions the engines received, one per due version reached.
+"""Where eval rounds go when the learner pushes: to versions the engines received and were pinned on, one per due
+version reached.
 
-The buffer (`EvalRounds.weights_arrived`) and the learner's pins (`WeightCadence.push_ended`) decide this separately,
-from the versions each saw; they must agree, or the learner holds the engines for a round that never starts (or
-lets them go during one that did).
+The evaluator asks the learner to pin the first weights of the next due version or newer (`next_due`); the learner's
+cadence takes the pin when such weights reach every engine. A due version trained while the engines were pinned,
+and so never pushed, gives its round to the next version pushed.
 """
 
 from __future__ import annotations
 
-import functools
+import json
+from collections import deque
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from actors.buffer.core import BufferCore
 from actors.config import RunConfig, build_config
-from actors.data.prompts import PromptRecord, PromptSource
-from actors.eval.rounds import EvalRounds, round_due
+from actors.evaluator.actor import written_rounds
+from actors.evaluator.rounds import EvalRounds, next_due
+from bus.schema import PromptGroup, Sample, ScoredGroup
 from policies.weight_versions import WeightCadence
 
 
-def _config(tmp_path: Path, **overrides: object) -> RunConfig:
+def _config(tmp_path: Path, *, eval_prompts: int = 1, **overrides: object) -> RunConfig:
     prompts = tmp_path / "train.jsonl"
     prompts.write_text('{"input": "1+1=", "label": "2"}\n')
     eval_set = tmp_path / "held.jsonl"
-    eval_set.write_text('{"input": "2+2=", "label": "4"}\n')
-    return build_config({"prompt_data": str(prompts), "eval_prompt_data": ["held", str(eval_set)],
+    eval_set.write_text("".join(f'{{"input": "{n}+{n}=", "label": "{2 * n}"}}\n' for n in range(2, 2 + eval_prompts)))
+    return build_config({"prompt_data": str(tmp_path / "train.jsonl"), "eval_prompt_data": ["held", str(eval_set)],
                          "eval_interval": 2, **overrides})
 
 
-def _rounds(config: RunConfig) -> tuple[EvalRounds, BufferCore]:
-    core = BufferCore(source=PromptSource([PromptRecord(0, "1+1=", "2", {})], seed=1), n_samples=1,
-                      groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
-    return EvalRounds(config, core.eval_queue, writer=None, log=None), core
+class Writer:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.rows.append((step, metrics))
+
+
+class Log:
+    def info(self, *_: object, **__: object) -> None: ...
+
+    warning = info
+
+
+def _rounds(config: RunConfig) -> tuple[EvalRounds, deque[PromptGroup], Writer]:
+    queue: deque[PromptGroup] = deque()
+    writer = Writer()
+    return EvalRounds(config, queue, writer=writer, log=Log()), queue, writer  # type: ignore[arg-type]
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("pushed", "expected"), [
-    ([0, 1, 2, 3, 4], [0, 2, 4]),  # every version pushed: every interval-th
-    ([0, 2, 5, 6, 7], [0, 2, 5, 6]),  # 4 trained during round 2's hold, never pushed: its round goes to 5
-    ([0, 1, 7, 8], [0, 7, 8]),  # 2, 4 and 6 skipped: one round for them, at 7
-    ([3, 4, 5], [4]),  # a resumed run: its first weights get a round only if due themselves (3 is not)
+@pytest.mark.parametrize(("learner_version", "pushed", "expected"), [
+    (0, [0, 1, 2, 3, 4], [0, 2, 4]),  # every version pushed: every interval-th
+    (0, [0, 2, 5, 6, 7], [0, 2, 5, 6]),  # 4 trained during round 2's pin, never pushed: its round goes to 5
+    (0, [0, 1, 7, 8], [0, 7, 8]),  # 2, 4 and 6 skipped: one round for them, at 7
+    (3, [3, 4, 5], [4]),  # a resumed run: its first weights get a round only if due themselves (3 is not)
 ])
-def test_the_buffer_and_the_learners_pins_put_rounds_on_the_same_pushed_versions(
-        tmp_path: Path, pushed: list[int], expected: list[int]) -> None:
+def test_the_evaluators_pins_put_rounds_on_pushed_versions_one_per_due_version_reached(
+        tmp_path: Path, learner_version: int, pushed: list[int], expected: list[int]) -> None:
     config = _config(tmp_path)
-    rounds, core = _rounds(config)
-    weights = WeightCadence(pins=functools.partial(round_due, config), hold_timeout_s=60.0)
-    pinned = []
+    rounds, queue, _ = _rounds(config)
+    weights = WeightCadence(hold_timeout_s=60.0)
+    weights.pin(next_due(config, learner_version - 1 if learner_version else None))
     for version in pushed:
-        rounds.weights_arrived(version)
         weights.push_ended(version, reached_every_engine=True)
-        if weights.holding() == version:
-            pinned.append(version)
-            weights.release(version)  # the round reports before the next push
-            assert weights.holding() is None
+        if (pinned := weights.holding()) is not None:
+            rounds.start(pinned, weights_version=pinned)
+            weights.release(pinned)  # the round reports before the next push, and the next due is armed with it
+            weights.pin(next_due(config, pinned))
     assert sorted(rounds.started_versions) == expected
-    assert pinned == expected
-    assert [int(group.group_id.split(":")[2]) for group in core.eval_queue] == expected
+    assert [(g.weights_version, g.owner) for g in queue] == [(v, "evaluator") for v in expected]
 
 
 @pytest.mark.unit
-def test_weights_announced_again_or_out_of_order_start_no_second_round(tmp_path: Path) -> None:
-    rounds, _ = _rounds(_config(tmp_path))
-    for version in (0, 0, 2, 2, 1, 2):  # announcements repeat the weights every engine has until the next push
-        rounds.weights_arrived(version)
-    assert sorted(rounds.started_versions) == [0, 2]
+def test_next_due_counts_from_the_baseline_or_the_interval() -> None:
+    config = build_config({"eval_prompt_data": ["held", "held.jsonl"], "eval_interval": 3})
+    assert [next_due(config, after) for after in (None, 0, 2, 3, 5)] == [0, 3, 3, 6, 6]
+    skipping = build_config({"eval_prompt_data": ["held", "held.jsonl"], "eval_interval": 3,
+                             "skip_eval_before_train": True})
+    assert next_due(skipping, None) == 3
+    assert next_due(build_config({}), None) is None  # no eval sets: nothing is ever pinned
+
+
+def _scored(group: PromptGroup, reward: float, version: int) -> ScoredGroup:
+    sample = Sample(sample_id=f"{group.group_id}/0", group_id=group.group_id, index=0, prompt=group.prompt,
+                    reward=reward, token_versions=np.full(2, version, dtype=np.int32), response_length=2,
+                    tokens=np.zeros(4, dtype=np.int32), prompt_tokens=2)
+    return ScoredGroup(lease_id="L", group_id=group.group_id, samples=[sample], worker_id="w")
 
 
 @pytest.mark.unit
-def test_round_due_counts_the_due_versions_between_two_pushes(tmp_path: Path) -> None:
-    config = _config(tmp_path, eval_interval=3)
-    assert round_due(config, None, 0) and not round_due(config, None, 1)
-    assert round_due(config, -1, 1)  # version 0's baseline, reached by weights 1 (fresh engines never announced)
-    assert not round_due(config, 1, 2) and round_due(config, 2, 3) and round_due(config, 1, 5)
-    assert not round_due(config, 3, 5) and not round_due(config, 5, 5) and not round_due(config, 6, 4)
-    skipping = _config(tmp_path, eval_interval=3, skip_eval_before_train=True)
-    assert not round_due(skipping, -1, 2) and round_due(skipping, -1, 3)
+def test_a_round_is_written_once_with_its_groups_scored_however_often_they_come_back(tmp_path: Path) -> None:
+    rounds, queue, writer = _rounds(_config(tmp_path, eval_prompts=2, n_samples_per_eval_prompt=1))
+    rounds.start(2, weights_version=2)
+    rounds.start(2, weights_version=2)  # asked again (the evaluator polls): one round
+    first, second = list(queue)
+    rounds.record(_scored(first, 1.0, 2))
+    assert [g.group_id for g in rounds.groups_pending()] == [second.group_id]  # what is handed over again
+    rounds.record(_scored(first, 0.0, 2))  # handed over again and scored twice: the first score stands
+    rounds.record(_scored(second, 0.0, 2))
+    assert [(step, metrics["eval/held/accuracy"], metrics["eval/held/off_version_samples"])
+            for step, metrics in writer.rows] == [(2, 0.5, 0)]
+    assert not rounds.pending and rounds.done_through == 2 and rounds.groups_pending() == []
+
+
+@pytest.mark.unit
+def test_a_restarted_evaluator_does_not_start_rounds_eval_jsonl_already_holds(tmp_path: Path) -> None:
+    metrics = tmp_path / "eval.jsonl"
+    metrics.write_text(json.dumps({"step": 2, "eval/held/mean_reward": 0.5, "eval/held/pass@1": 0.5}) + "\n"
+                       + '{"step": 4, "eval/held/mean_re')  # a line torn by the kill
+    rounds, queue, _ = _rounds(_config(tmp_path, eval_prompts=2))
+    rounds.reported = written_rounds(metrics)
+    assert rounds.reported == {(2, "held")}
+    rounds.start(2)
+    assert not queue and not rounds.pending and rounds.done_through == 2
+    rounds.start(4)
+    assert len(queue) == 2 and rounds.pending

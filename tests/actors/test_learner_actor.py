@@ -46,8 +46,10 @@ def _settings(tmp_path: Path, **overrides: object) -> dict[str, object]:
 
 
 async def _run_to_the_end(run_dir: Path, settings: dict[str, object]) -> dict[str, object]:
-    """Until the learner ends the run (it stops every actor); returns what the test reads inside the actors."""
-    async with actor_system(run_dir, settings, ROLES) as system:
+    """Until the learner ends the run (it stops every actor); returns what the test reads inside the actors. A run
+    with eval data has its evaluator, as the launcher starts one."""
+    roles = {**ROLES, "evaluator": "evaluator"} if settings.get("eval_prompt_data") else ROLES
+    async with actor_system(run_dir, settings, roles) as system:
         await system.wait_for(lambda: all(task.done() for task in system.tasks.values()), 15, "the run to end")
         return {"announced": system["controller"].latest_version.version,
                 "announcement": system["controller"].latest_version,
@@ -211,7 +213,7 @@ async def test_an_engine_joining_while_an_eval_round_holds_the_weights_does_not_
     evals = write_prompts(tmp_path / "eval.jsonl", count=16)  # a round long enough to join during
     settings = _settings(tmp_path, num_rollout=6, eval_prompt_data=["held", str(evals)], eval_interval=2,
                          n_samples_per_eval_prompt=2)
-    async with actor_system(tmp_path, settings, ROLES) as system:
+    async with actor_system(tmp_path, settings, {**ROLES, "evaluator": "evaluator"}) as system:
         learner, engine = system["learner"], system["rollout-0-0"].engine
         await system.wait_for(lambda: learner.cadence.step_push_held, 30, "a push held for an eval round")
         pinned = learner.cadence.pinned
@@ -223,6 +225,8 @@ async def test_an_engine_joining_while_an_eval_round_holds_the_weights_does_not_
                 moved.append(engine.version)
             await asyncio.sleep(0.01)
         assert not moved, f"the engines left version {pinned} for {moved[0]} before its eval round reported"
+        rounds = read_metrics(tmp_path / "metrics" / "eval.jsonl")
+        assert [row["eval/held/off_version_samples"] for row in rounds if row["step"] == pinned] == [0]
         await system.wait_for(lambda: system["rollout-0-1"].engine.version > 0, 30, "the new engine's weights")
 
 

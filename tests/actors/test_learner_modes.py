@@ -18,7 +18,6 @@ class Fixed:
     def __init__(self, batches: list[Batch]) -> None:
         self.batches = batches
         self.finished = False
-        self.eval_done_through = -1
 
     async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         return self.batches[progress.trained_batch] if progress.trained_batch < len(self.batches) else None
@@ -69,13 +68,3 @@ def test_sources_are_picked_once_from_the_debug_flags(tmp_path: Path) -> None:
     source = pick_source(config, buffer=None, counters=None, log=None)
     assert isinstance(source, Recording) and isinstance(source.inner, RecordedBatches)
     assert source.directory == tmp_path / "out" and source.inner.directory == tmp_path / "in"
-
-
-@pytest.mark.unit
-def test_a_recording_passes_on_the_eval_progress_of_the_source_it_wraps(tmp_path: Path) -> None:
-    """The learner's eval hold reads the source's `eval_done_through`; behind a recording it used to read -1
-    forever, and each evaluated version held the engines until the hold's timeout."""
-    inner = Fixed([])
-    inner.eval_done_through = 6  # as a buffer reply left it
-    recorder = Recording(inner, tmp_path / "recording")
-    assert recorder.eval_done_through == 6

@@ -285,3 +285,19 @@ def test_a_learner_rank_binds_its_own_gpu_index_which_the_torch_trainer_resolves
     bind_device(3)
     assert _resolve_device("cuda").index == 3
     assert _resolve_device("cpu").type == "cpu"
+
+
+@pytest.mark.unit
+def test_the_head_starts_an_evaluator_only_for_a_run_with_eval_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    held_out = tmp_path / "held.jsonl"
+    held_out.write_text('{"input": "1+1=", "label": "2"}\n')
+    plain, _ = _prepare(tmp_path, monkeypatch, 0)
+    assert "evaluator" not in {context.role for context in plain}
+    evaluated, _ = _prepare(tmp_path, monkeypatch, 0, "--eval-prompt-data", "held", str(held_out),
+                            "--eval-interval", "2")
+    evaluator = next(context for context in evaluated if context.role == "evaluator")
+    assert (evaluator.actor_id, evaluator.cuda_visible_devices) == ("evaluator", None)
+    controller = next(context for context in evaluated if context.role == "controller")
+    assert controller.settings.expected_roles["evaluator"] == 1  # the run waits for it to register
+    assert [context.role for context in evaluated][:4] == ["controller", "buffer", "evaluator", "learner"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.eval.rounds import EvalRounds
+from actors.evaluator.rounds import EvalRounds
 from actors.learner.step import rollout_metrics
 from bus.schema import Sample, ScoredGroup
 from policies.rewards import REWARD_EXTRAS
@@ -63,11 +63,11 @@ class _Log:
 
 @pytest.mark.unit
 def test_an_eval_round_logs_the_mean_of_each_extra(tmp_path: Path) -> None:
-    rounds, core = _rounds(_config(tmp_path))
+    rounds, queue, _ = _rounds(_config(tmp_path))
     writer = _RecordingWriter()
-    rounds = EvalRounds(rounds.config, core.eval_queue, writer=writer, log=_Log())
-    rounds.weights_arrived(0)
-    group_id = core.eval_queue[0].group_id
+    rounds = EvalRounds(rounds.config, queue, writer=writer, log=_Log())
+    rounds.start(0)
+    group_id = queue[0].group_id
     samples = [_sample(0, "7", group=group_id, extras={"correct": True, "format_ok": False})]
     rounds.record(ScoredGroup(lease_id="lease", group_id=group_id, samples=samples, worker_id="reward-0-0"))
     [(version, metrics)] = writer.rows

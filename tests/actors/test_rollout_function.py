@@ -138,8 +138,8 @@ def test_shortfall_past_the_lease_timeout_names_the_buffer_and_keeps_what_it_got
 @pytest.mark.unit
 def test_evaluation_groups_go_the_workers_own_way_not_to_the_function(loop) -> None:
     source, groups = make_source(loop)
-    groups.core.eval_queue.append(PromptGroup(group_id="eval:probe:0", prompt="2+2=", label="4", n_samples=1,
-                                              is_eval=True))
+    groups.core.add_guests([PromptGroup(group_id="eval:probe:0", prompt="2+2=", label="4", n_samples=1,
+                                        is_eval=True, owner="evaluator")])
     taken = source.get_samples(2)
     assert groups.generated_eval == ["eval:probe:0"]
     assert len(taken) == 2 and "eval:probe:0" not in {group_id(g) for g in taken}
@@ -297,7 +297,7 @@ class Worker(CoreGroups):
     def weights_too_old(self) -> bool:
         return False
 
-    async def send_generated(self, lease_id: str, group_id: str, samples: list) -> None:
+    async def send_generated(self, lease_id: str, group_id: str, samples: list, *, is_eval: bool = False) -> None:
         self.sent.append((lease_id, group_id, samples))
 
 

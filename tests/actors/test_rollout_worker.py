@@ -224,14 +224,15 @@ async def test_a_worker_told_nothing_now_asks_again_as_soon_as_the_next_version_
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups, well before the next poll")
 
 
-class HoldsEvalOnlyLeases(Buffer):
-    """The real buffer, except that it answers one eval-only lease request only once `release` is set."""
+class HoldsALeaseRequest(Buffer):
+    """The real buffer, except that it answers the first lease request after `release` is set up only once
+    `release` is set."""
 
     release: asyncio.Event | None = None
     asked: asyncio.Event | None = None
 
     async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
-        if request.eval_only and self.release is not None and self.asked is not None:
+        if self.release is not None and self.asked is not None:
             self.asked.set()
             await self.release.wait()
             self.release = None
@@ -240,23 +241,23 @@ class HoldsEvalOnlyLeases(Buffer):
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-async def test_weights_that_land_while_the_worker_asks_for_eval_work_are_not_waited_for_again(
+async def test_weights_that_land_while_a_too_old_worker_asks_for_work_are_not_waited_for_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Too old to train on, the worker asks for eval work; when the new weights land during that request, it must
-    go on with them, not clear the signal and wait out its timeout (a sync step lost 0.2 s, seen in
-    bench_pipeline once workers woke on the announcement). Here the timeout is 30 s."""
+    """Too old to train on, the worker asks for pinned work (an eval round's); when the new weights land during
+    that request, it must go on with them, not clear the signal and wait out its timeout (a sync step lost 0.2 s,
+    seen in bench_pipeline once workers woke on the announcement). Here the timeout is 30 s."""
     use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
     monkeypatch.setattr(rollout_actor, "WEIGHTS_POLL_S", 30.0)
-    roles = {**ROLES, "buffer": HoldsEvalOnlyLeases}
+    roles = {**ROLES, "buffer": HoldsALeaseRequest}
     async with actor_system(tmp_path, _settings(tmp_path, max_staleness=0), roles) as system:
         worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
         await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
         buffer.release, buffer.asked = asyncio.Event(), asyncio.Event()
         buffer.core.note_version(step=1, version=1)
         await worker.on_version("version", VersionAnnouncement(version=1, weights_version=0, step=1))
-        await asyncio.wait_for(buffer.asked.wait(), 10)  # our weights (0) are too old: it asks for eval work
+        await asyncio.wait_for(buffer.asked.wait(), 10)  # our weights (0) are too old: it asks for pinned work
         assert isinstance(await order_weights(worker), Ack)
-        buffer.release.set()  # "no eval work", answered after version 1's weights landed
+        buffer.release.set()  # answered after version 1's weights landed
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups with version 1's weights")
 
 
@@ -266,11 +267,11 @@ async def test_one_sample_eval_groups_fill_every_row_of_the_engine(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Four engine rows, training groups of two samples: an eval round's one-sample groups run four at a time."""
     use_spec(SimSpec(token_seconds=0.05, length_min=20, length_max=20), tmp_path, monkeypatch)
-    held_out = write_prompts(tmp_path / "held.jsonl")
-    settings = _settings(tmp_path, rollout_max_batch_size=4, eval_prompt_data=["held", str(held_out)],
-                         eval_interval=100)
+    settings = _settings(tmp_path, rollout_max_batch_size=4, rollout_batch_size=1, max_staleness=0)
     async with actor_system(tmp_path, settings, ROLES) as system:
-        worker = system["rollout-0-0"]
+        worker, buffer = system["rollout-0-0"], system["buffer"]
+        buffer.core.add_guests([PromptGroup(group_id=f"eval:held:0:{index}", prompt="1+1=", is_eval=True,
+                                            owner="evaluator", weights_version=0) for index in range(8)])
         await system.wait_for(lambda: worker.groups_in_flight == 4, 10, "four eval groups in flight at once")
         assert worker.rows_in_flight == 4 and worker.capacity == 2  # two training groups' worth of rows
 

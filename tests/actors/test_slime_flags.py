@@ -337,7 +337,7 @@ def test_eval_rounds_honour_skip_eval_before_train_and_eval_keys(tmp_path: Path)
     """--skip-eval-before-train drops only the version-0 round; --eval-input-key/--eval-label-key read eval sets."""
     from actors.buffer.core import BufferCore
     from actors.data.prompts import PromptRecord, PromptSource
-    from actors.eval.rounds import EvalRounds
+    from actors.evaluator.rounds import EvalRounds, next_due
 
     eval_set = tmp_path / "aime.jsonl"
     eval_set.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
@@ -345,11 +345,10 @@ def test_eval_rounds_honour_skip_eval_before_train_and_eval_keys(tmp_path: Path)
                            "--skip-eval-before-train", "--eval-input-key", "question", "--eval-label-key", "answer"])
     core = BufferCore(source=PromptSource([PromptRecord(0, "0+1=", "1", {})], seed=1), n_samples=1,
                       groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
-    rounds = EvalRounds(config, core.eval_queue, writer=None, log=None)
-    rounds.maybe_start(0)
-    assert list(core.eval_queue) == []
-    rounds.maybe_start(2)
-    assert [(g.prompt, g.label) for g in core.eval_queue] == [("1+1=", "2"), ("2+2=", "4")]
+    rounds = EvalRounds(config, core.guest_queue, writer=None, log=None)
+    assert next_due(config, None) == 2  # no round before training
+    rounds.start(2)
+    assert [(g.prompt, g.label) for g in core.guest_queue] == [("1+1=", "2"), ("2+2=", "4")]
 
 
 @pytest.mark.integration

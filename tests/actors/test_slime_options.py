@@ -180,7 +180,7 @@ class Log:
 def test_eval_set_drops_long_prompts_and_says_so(tmp_path: Path) -> None:
     from actors.buffer.core import BufferCore
     from actors.data.prompts import PromptRecord, PromptSource
-    from actors.eval.rounds import EvalRounds
+    from actors.evaluator.rounds import EvalRounds
 
     eval_set = tmp_path / "aime.jsonl"
     eval_set.write_text("".join(json.dumps({"input": p, "label": "2"}) + "\n" for p in ["1+1=", "z" * 40, "2+2="]))
@@ -189,7 +189,7 @@ def test_eval_set_drops_long_prompts_and_says_so(tmp_path: Path) -> None:
     core = BufferCore(source=PromptSource([PromptRecord(0, "0+1=", "1", {})], seed=1), n_samples=1,
                       groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
     log = Log()
-    rounds = EvalRounds(config, core.eval_queue, writer=None, log=log, tokenizer=build_tokenizer())  # type: ignore[arg-type]
+    rounds = EvalRounds(config, core.guest_queue, writer=None, log=log, tokenizer=build_tokenizer())  # type: ignore[arg-type]
     assert [r.prompt for r in rounds.sets["aime"]] == ["1+1=", "2+2="]
     assert rounds.skipped_long == {"aime": 1}
     assert log.warnings == [("skipped long eval prompts", {"set": "aime", "count": 1, "max_prompt_tokens": 10,

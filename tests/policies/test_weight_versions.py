@@ -47,17 +47,13 @@ class Clock:
         return self.now
 
 
-def every_even_version_pinned(previous: int | None, version: int) -> bool:
-    """A due version (every even one) lies in (previous, version]: as the eval rounds' rule, with interval 2."""
-    return version % 2 == 0 if previous is None else version // 2 > max(previous, 0) // 2
-
-
 def cadence(**state: object) -> WeightCadence:
-    return WeightCadence(pins=every_even_version_pinned, hold_timeout_s=60.0, clock=Clock(), **state)
+    return WeightCadence(hold_timeout_s=60.0, clock=Clock(), **state)
 
 
 def pinned_on(version: int, **state: object) -> WeightCadence:
     pinned = cadence(**state)
+    pinned.pin(version)
     pinned.push_ended(version, reached_every_engine=True)
     assert pinned.holding() == version
     return pinned
@@ -96,31 +92,58 @@ def test_the_cadence_answers(name: str, build: object, ask: object, expected: ob
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("pushed", "expected"), [
-    ([0, 1, 2, 3, 4], [0, 2, 4]),  # every version pushed: every due one pinned
-    ([0, 2, 5, 6, 7], [0, 2, 5, 6]),  # 4 never pushed: the push that passes it (5) is pinned instead
-    ([3, 4, 5], [4]),  # a resumed run: its first weights are pinned only if due themselves
-])
-def test_a_push_that_reaches_a_due_version_pins_it_until_released(pushed: list[int], expected: list[int]) -> None:
+def test_a_pin_is_taken_on_the_first_weights_of_its_version_or_newer_that_reach_every_engine() -> None:
     weights = cadence()
-    pinned = []
-    for version in pushed:
-        weights.push_ended(version, reached_every_engine=True)
-        if weights.holding() == version:
-            pinned.append(version)
-            weights.release(version)
-            assert weights.holding() is None and weights.after_step(version + 1) == Push()
-    assert pinned == expected
+    weights.pin(4)
+    weights.push_ended(3, reached_every_engine=True)
+    assert weights.holding() is None
+    weights.push_ended(5, reached_every_engine=False)
+    assert weights.holding() is None  # not every engine has 5
+    weights.push_ended(5, reached_every_engine=True)
+    assert weights.holding() == 5 and weights.after_step(6) == Hold(5, step_push=True)
+    weights.pin(6)  # asked again while taken: nothing changes (the asker polls)
+    assert weights.holding() == 5
 
 
 @pytest.mark.unit
-def test_a_failed_push_pins_nothing_and_a_released_version_is_not_pinned_again() -> None:
+def test_a_pin_asked_for_weights_the_engines_already_serve_is_taken_at_once_unless_a_push_is_under_way() -> None:
     weights = cadence()
-    weights.push_ended(2, reached_every_engine=False)
-    assert weights.holding() is None and weights.failed
-    weights.release(4)  # its evaluation was done without a pin (as after a restart)
+    weights.push_ended(2, reached_every_engine=True)
+    weights.push_started()
+    weights.pin(0)
+    assert weights.holding() is None  # the engines may be between 2 and the next version
+    weights.push_ended(3, reached_every_engine=True)
+    assert weights.holding() == 3
+    weights.release(3)
+    weights.pin(3)
+    assert weights.holding() is None  # released: 3 is not pinned again
+    weights.pin(2)
+    assert weights.holding() is None
+
+
+@pytest.mark.unit
+def test_one_request_releases_a_pin_and_arms_the_next_so_no_push_slips_between() -> None:
+    weights = pinned_on(2)
+    weights.release(2)
+    weights.pin(4)
+    assert weights.after_step(3) == Push()
+    weights.push_ended(3, reached_every_engine=True)
+    assert weights.holding() is None
     weights.push_ended(4, reached_every_engine=True)
-    assert weights.holding() is None and not weights.failed
+    assert weights.holding() == 4
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("released", "pinned"), [(-1, 7), (7, None)])
+def test_the_final_version_is_pinned_when_training_ends_unless_already_released(
+        released: int, pinned: int | None) -> None:
+    weights = cadence()
+    weights.release(released)
+    weights.pin(10, final=True)
+    weights.push_ended(7, reached_every_engine=True)
+    assert weights.holding() is None
+    weights.finishing(7)
+    assert weights.holding() == pinned
 
 
 @pytest.mark.unit

@@ -21,6 +21,7 @@ from actors.config import build_config
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.handlers import handles
+from actors.launch.node_roles import SINGLETON_ROLES
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus.address import free_port
 from bus.schema import GeneratedGroup
@@ -136,7 +137,7 @@ async def actor_system(run_dir: Path, settings: Mapping[str, Any], roles: Mappin
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         for role, kind in roles.items():
-            actor_id = role if role in ("controller", "buffer", "learner") else f"{role}-0-0"
+            actor_id = role if role in SINGLETON_ROLES else f"{role}-0-0"
             await system.start(role, kind, actor_id, expected_roles=expected if role == "controller" else {})
         yield system
     finally:

@@ -1,14 +1,13 @@
 """Evaluation rounds run by the rollout workers between training work, scored like any group.
 
 Every `--eval-interval` learner versions, once before training and once for the final version (the run waits
-for that one, up to `--final-eval-timeout`), the buffer queues each eval set's prompts ahead of training
-prompts; eval groups bypass admission and never enter the training pool. When a round's last group returns,
-the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
+for that one, up to `--final-eval-timeout`), each eval set's prompts become a round of groups the evaluator owns;
+the buffer leases them ahead of training prompts and they never enter the training pool. When a round's last
+group returns, the round's mean reward and pass@k are written to `metrics/eval.jsonl`.
 
-Where the learner pushes weights, a round starts when the engines have a version's weights, not when the version
-is announced, and a round evaluates a version the engines received. In a fully-async run a due version can be
-trained while an earlier round pins the engines (`WeightCadence`) and then never be pushed: its
-round goes to the next version the engines receive, so `eval.jsonl` may step 0, 2, 5, 6 for an interval of 2.
+Where the learner pushes weights, a round evaluates a version the engines received and are pinned on. In a
+fully-async run a due version can be trained while an earlier round pins the engines and then never be pushed:
+its round goes to the next version the engines receive, so `eval.jsonl` may step 0, 2, 5, 6 for an interval of 2.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 from actors.config import RunConfig
 from actors.data.prompt_tokens import prompt_length_counter
 from actors.data.prompts import PromptRecord, load_prompts
-from actors.eval.ids import eval_group_id
+from actors.evaluator.ids import eval_group_id, eval_round_of
 from actors.runtime.metrics import MetricsWriter
 from bus.episodes import by_episode, final_segment
 from bus.schema import PromptGroup, ScoredGroup
@@ -41,8 +40,7 @@ class EvalRound:
 
 
 def eval_due(config: RunConfig, version: int, *, final: bool = False) -> bool:
-    """Whether `version` gets an evaluation round: every --eval-interval versions, and the final one. The learner
-    asks too: it keeps the engines on a due version's weights until the buffer reports the round done."""
+    """Whether `version` gets an evaluation round: every --eval-interval versions, and the final one."""
     if not config.eval.sets:
         return False
     interval = config.eval.eval_interval
@@ -51,17 +49,19 @@ def eval_due(config: RunConfig, version: int, *, final: bool = False) -> bool:
     return final or bool(interval and version % interval == 0)
 
 
-def round_due(config: RunConfig, previous: int | None, version: int) -> bool:
-    """Whether weights `version`, received after `previous` (None: the first weights), get a round: a due version
-    lies in (previous, version]. The buffer and the learner's eval hold both ask, each with the versions it saw."""
-    if previous is None:
-        return eval_due(config, version)
-    if version <= previous or not config.eval.sets:
-        return False
+def next_due(config: RunConfig, after: int | None) -> int | None:
+    """The first version after `after` (None: from version 0 on) that gets a round; the evaluator asks the learner
+    to pin the first weights of that version or newer, so a version trained while the engines were pinned and
+    never pushed gives its round to the next one pushed. None: no interval, only the final version gets a
+    round."""
+    if not config.eval.sets:
+        return None
+    if after is None and eval_due(config, 0):
+        return 0
     interval = config.eval.eval_interval
-    if previous < 0 and eval_due(config, 0):
-        return True
-    return bool(interval) and version // interval > max(previous, 0) // interval
+    if not interval:
+        return None
+    return (max(after or 0, 0) // interval + 1) * interval
 
 
 def pass_at_k(rewards_per_prompt: list[list[float]], threshold: float = 1.0) -> float:
@@ -73,9 +73,10 @@ def pass_at_k(rewards_per_prompt: list[list[float]], threshold: float = 1.0) -> 
 
 class EvalRounds:
     def __init__(self, config: RunConfig, queue: deque[PromptGroup], writer: MetricsWriter, log: Any,
-                 tokenizer: Any | None = None) -> None:
+                 tokenizer: Any | None = None, *, owner: str = "evaluator") -> None:
         self.config = config
-        self.queue = queue  # the buffer's eval queue: leased ahead of training prompts
+        self.queue = queue  # a started round's groups, until the evaluator hands them to the buffer
+        self.owner = owner  # the role their scored groups go back to
         self.writer = writer
         self.log = log
         self.sets: dict[str, list[PromptRecord]] = {}
@@ -101,36 +102,37 @@ class EvalRounds:
                             max_prompt_tokens=max_prompt, kept=report.records)
         self.rounds: dict[tuple[int, str], EvalRound] = {}
         self.started_versions: set[int] = set()
-        self.weights_seen: int | None = None  # the newest weights version the engines were announced to have
+        self.reported: set[tuple[int, str]] = set()  # rounds written before this process (a restart) started
+        self.weights_versions: dict[int, int | None] = {}  # a started round's version -> the weights it waits for
 
-    def maybe_start(self, version: int, *, final: bool = False) -> None:
-        """Queue a round at every interval-th version, and for the final version whatever the interval."""
-        if eval_due(self.config, version, final=final):
-            self._start(version)
+    def start(self, version: int, *, weights_version: int | None = None) -> None:
+        """Queue `version`'s round of every set not reported yet; `weights_version`: the groups are to be generated
+        by exactly those weights (the version the engines are pinned on)."""
+        self._start(version, weights_version=weights_version)
 
-    def weights_arrived(self, version: int) -> None:
-        """The engines have `version`'s weights: queue a round for it if a due version was reached since the last
-        weights, even one that was never pushed (see the module's docstring)."""
-        if self.weights_seen is not None and version <= self.weights_seen:
-            return
-        due = round_due(self.config, self.weights_seen, version)
-        self.weights_seen = version
-        if due:
-            self._start(version)
-
-    def _start(self, version: int) -> None:
+    def _start(self, version: int, *, weights_version: int | None = None) -> None:
         if not self.sets or version in self.started_versions:
             return
         self.started_versions.add(version)
+        self.weights_versions[version] = weights_version
         for name, records in self.sets.items():
+            if (version, name) in self.reported:
+                continue
             self.rounds[(version, name)] = EvalRound(version=version, name=name, expected=len(records))
-            for record in records:
-                self.queue.append(PromptGroup(
-                    group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt, label=record.label,
-                    metadata=record.metadata, tools=record.tools,
-                    n_samples=self.config.eval.n_samples_per_eval_prompt,
-                    data_index=record.data_index, is_eval=True,
-                ))
+            self.queue.extend(self._round_groups(version, name))
+
+    def groups_pending(self) -> list[PromptGroup]:
+        """Every group of a round still open whose score has not come back: what a restarted evaluator (or one
+        whose hand-over failed) gives the buffer again."""
+        return [group for key, current in self.rounds.items() for group in self._round_groups(*key)
+                if group.group_id not in current.rewards]
+
+    def _round_groups(self, version: int, name: str) -> list[PromptGroup]:
+        return [PromptGroup(group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt,
+                            label=record.label, metadata=record.metadata, tools=record.tools,
+                            n_samples=self.config.eval.n_samples_per_eval_prompt, data_index=record.data_index,
+                            is_eval=True, owner=self.owner, weights_version=self.weights_versions.get(version))
+                for record in self.sets[name]]
 
     @property
     def done_through(self) -> int:
@@ -145,9 +147,9 @@ class EvalRounds:
         return bool(self.rounds)
 
     def record(self, group: ScoredGroup) -> None:
-        _, name, version, _ = group.group_id.split(":", 3)
-        current = self.rounds.get((int(version), name))
-        if current is None:
+        key = eval_round_of(group.group_id)
+        current = self.rounds.get(key) if key is not None else None
+        if current is None or group.group_id in current.rewards:  # not ours now, or scored twice (handed over again)
             return
         episodes = list(by_episode(group.samples).values())  # an agent's episode may be several segments
         finals = [final_segment(segments) for segments in episodes]
