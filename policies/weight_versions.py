@@ -172,6 +172,12 @@ class WeightCadence:
         that joined while a push ran, since that push may have listed the engines before it joined."""
         self.engines_joined = True
 
+    def engines_serve(self, version: int) -> None:
+        """The engines have `version` without a push (a fresh run: they load the learner's first weights
+        themselves), so a pin asked for it is taken at once."""
+        if self.last_pushed is None:
+            self.last_pushed = version
+
     def push_started(self) -> None:
         self.pushing = True
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from actors.evaluator.rounds import EvalRounds, eval_due, next_due
 from actors.runtime.base import Actor
+from actors.runtime.checkpoint_pointer import latest_checkpoint, resume_source
 from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles, on_broadcast
 from actors.runtime.metrics import MetricsWriter, read_metrics
@@ -50,6 +51,10 @@ class Evaluator(Actor):
         self.rounds = EvalRounds(self.config, self.queue, self.writer, self.log, owner=self.role)
         self.rounds.reported = written_rounds(self.context.run_dir / "metrics" / "eval.jsonl")
         self.evaluated = max((version for version, _ in self.rounds.reported), default=None)
+        learner = self.config.learner
+        # A fresh run: the learner starts at version 0, which the engines load themselves.
+        self.fresh = not self.rounds.reported and latest_checkpoint(
+            resume_source(learner.load, learner.save, self.context.run_dir)) is None
         self.learner = self.peer_rpc("learner")
         self.buffer = self.peer_rpc("buffer")
         self.publishes: bool | None = None  # whether the learner pushes weights (from its first answer)
@@ -58,16 +63,20 @@ class Evaluator(Actor):
         self.handed_over_at = 0.0
 
     async def run(self) -> None:
-        """ask for the pin → start its round → hand its groups to the buffer → (rounds report) → release."""
+        """ask for the pin → start its round → hand its groups to the buffer → (rounds report) → release.
+
+        A fresh run's baseline round starts at once, while the learner starts up: the engines serve version 0 from
+        their own checkpoint, and the learner pins them there when asked (`WeightCadence.engines_serve`)."""
+        if self.fresh and eval_due(self.config, 0):
+            self.rounds.start(0, weights_version=0)
+            await self.hand_over()
         while not self.stopping:
             state = await self.ask_for_pin()
-            if state is not None and state.pinned is not None:
+            if state is not None and state.pinned is not None and not self.rounds.pending:
                 self.rounds.start(state.pinned, weights_version=state.pinned if state.publishes else None)
             await self.hand_over()
             if state is not None and self.learner_version is None:
                 self.learner_version = state.version
-                if not state.publishes and state.version == 0:
-                    self.labelled(0)  # the baseline before training, on the engines' own first weights
                 continue  # now that it is known, ask for the first due version at once
             self.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -89,11 +98,13 @@ class Evaluator(Actor):
         return reply
 
     def next_pin(self) -> int | None:
-        """The version to pin next: the first due after every round started (or written before a restart), or
-        from the learner's version on when there is none (version 0: the baseline before training). None until
-        the learner answered once, and for a learner that pushes nothing (rounds follow its announcements)."""
+        """The version to pin next: an open round's; else the first due after every round started (or written
+        before a restart), or from the learner's version on when there is none. None until the learner answered
+        once, and for a learner that pushes nothing (rounds follow its announcements)."""
         if self.learner_version is None or self.publishes is False:
             return None
+        if self.rounds.pending:
+            return min(version for version, _ in self.rounds.rounds)
         seen = [*self.rounds.started_versions, *([] if self.evaluated is None else [self.evaluated])]
         if seen:
             return next_due(self.config, max(seen))
@@ -128,8 +139,11 @@ class Evaluator(Actor):
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
-        """A learner that pushes no weights (--debug-rollout-only): its version is the round's label."""
-        if self.publishes is False and announcement.weights_version is None:
+        """New weights on the engines may be the ones pinned: ask now, not at the next poll. A learner that pushes
+        no weights (--debug-rollout-only): its version is the round's label."""
+        if announcement.weights_version is not None:
+            self.changed.set()
+        elif self.publishes is False:
             self.labelled(announcement.version)
 
     def labelled(self, version: int) -> None:

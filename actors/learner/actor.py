@@ -102,6 +102,9 @@ class Learner(Actor):
         # A pin (the evaluator's, over WeightPin) holds the engines on its version until released, or this long.
         self.cadence = WeightCadence(update_interval=config.weights.update_weights_interval,
                                      hold_timeout_s=config.eval.final_eval_timeout)
+        if self.trained_batch == 0 and self.version == 0:  # a fresh run: the engines load these weights themselves
+            self.cadence.engines_serve(0)
+        self.pin_released = asyncio.Event()  # a push held for a pin may go now, even while a batch is awaited
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
 
@@ -161,13 +164,11 @@ class Learner(Actor):
         The batch wait stays open across the buffer's empty long-poll answers, so the hang report says how long it
         has been."""
         self.waits.begin("batch", "buffer", f"batch {self.trained_batch + 1}")
-        if self.upcoming is not None:
-            batch, prepared = await self._unless_stopped(self.upcoming) or (None, None)
-            self.upcoming = None
-            if batch is not None and batch.learner_version != self.version:
-                batch, prepared = measured_at(batch, self.version), None  # see measured_at
-        else:
-            batch, prepared = await self._unless_stopped(self.source.next(self.progress())), None
+        prefetched = self.upcoming is not None
+        fetch, self.upcoming = self.upcoming or asyncio.ensure_future(self._fetch(self.progress())), None
+        batch, prepared = await self._unless_stopped(self._await_batch(fetch)) or (None, None)
+        if prefetched and batch is not None and batch.learner_version != self.version:
+            batch, prepared = measured_at(batch, self.version), None  # see measured_at
         if batch is None:
             return None, None
         self.waits.end("batch")
@@ -176,6 +177,27 @@ class Learner(Actor):
                              checkpointed_batch=self.checkpointed_batch)
             self.upcoming = asyncio.create_task(self._fetch_ahead(ahead))
         return batch, prepared
+
+    async def _fetch(self, progress: Progress) -> tuple[Batch | None, PreparedBatch | None]:
+        return await self.source.next(progress), None
+
+    async def _await_batch(self, fetch: asyncio.Future[tuple[Batch | None, PreparedBatch | None]]
+                           ) -> tuple[Batch | None, PreparedBatch | None]:
+        """`fetch`'s batch; meanwhile a push held for a pin goes out as soon as the pin is released, not after the
+        buffer's long poll (the batch may be waiting for those very weights). Cancelled, it cancels the fetch: a
+        batch served but not trained is served again after a restart."""
+        try:
+            while True:
+                released = asyncio.ensure_future(self.pin_released.wait())
+                await asyncio.wait({fetch, released}, return_when=asyncio.FIRST_COMPLETED)
+                released.cancel()
+                if fetch.done():
+                    return fetch.result()
+                self.pin_released.clear()
+                await self.act(self.cadence.between_steps)
+        except asyncio.CancelledError:
+            fetch.cancel()
+            raise
 
     async def act(self, ask: Callable[[], Decision], *, beside_next_step: bool = False) -> Decision:
         """Ask the cadence, and push if it says so. A push under way may be the one that pins the engines: it is
@@ -294,7 +316,10 @@ class Learner(Actor):
     async def on_weight_pin(self, sender: str, request: WeightPin) -> WeightPinState:
         """Served once `on_start` is done (the RPC endpoint opens after it): the cadence and the training exist."""
         assert self.training is not None
+        pinned = self.cadence.holding()
         self.cadence.release(request.release_through)
+        if pinned is not None and self.cadence.holding() is None:
+            self.pin_released.set()
         self.cadence.pin(request.at_least, final=request.final)
         return WeightPinState(pinned=self.cadence.holding(), publishes=self.training.publishes, version=self.version)
 

@@ -195,3 +195,14 @@ def test_a_version_announced_without_its_weights_is_announced_again_once_they_la
     if announced is not None:
         weights.announcement_taken(*announced)
     assert weights.announce_again(pushed=4, current=current, committed=4) is again
+
+
+@pytest.mark.unit
+def test_weights_the_engines_load_themselves_can_be_pinned_before_any_push() -> None:
+    """A fresh run's engines start from the learner's version 0: the baseline round pins them there, even when the
+    learner's first push found no engine yet."""
+    weights = cadence()
+    weights.engines_serve(0)
+    weights.push_ended(0, reached_every_engine=False)
+    weights.pin(0)
+    assert weights.holding() == 0 and weights.after_step(1) == Hold(0, step_push=True)
