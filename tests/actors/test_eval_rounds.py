@@ -8,6 +8,7 @@ and so never pushed, gives its round to the next version pushed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import deque
 from pathlib import Path
@@ -118,3 +119,46 @@ def test_a_restarted_evaluator_does_not_start_rounds_eval_jsonl_already_holds(tm
     assert not queue and not rounds.pending and rounds.done_through == 2
     rounds.start(4)
     assert len(queue) == 2 and rounds.pending
+
+
+def _evaluator(tmp_path: Path, **run_settings: object) -> object:
+    from actors.evaluator.actor import Evaluator
+    from actors.runtime.context import ActorContext
+
+    config = _config(tmp_path, eval_prompts=2)
+    run = {"prompt_data": config.data.prompt_data, "eval_prompt_data": ["held", config.eval.sets["held"]],
+           "eval_interval": 2, **run_settings}
+    context = ActorContext(actor_id="evaluator", role="evaluator", actor_class="actors.evaluator.actor:Evaluator",
+                           node_rank=0, head_address="tcp://127.0.0.1:1", run_dir=tmp_path / "run",
+                           settings={"run": run})
+    return Evaluator(context)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("learner_version", "written", "started", "expected"), [
+    (None, [], [], None),  # the learner has not answered: nothing is armed yet
+    (0, [], [], 0),  # a fresh run: the baseline
+    (3, [], [], 4),  # resumed at 3 with no round written: the next due, not 3
+    (5, [2], [], 4),  # restarted after writing round 2: the due after it
+    (0, [], [0], 0),  # round 0 open: its version stays asked for until it reports
+])
+def test_the_evaluator_asks_to_pin_an_open_round_or_the_next_due_version(
+        tmp_path: Path, learner_version: int | None, written: list[int], started: list[int],
+        expected: int | None) -> None:
+    async def scenario() -> int | None:
+        evaluator = _evaluator(tmp_path)
+        metrics = tmp_path / "run" / "metrics"
+        metrics.mkdir(parents=True)
+        (metrics / "eval.jsonl").write_text("".join(json.dumps({"step": v, "eval/held/mean_reward": 1.0}) + "\n"
+                                                    for v in written))
+        await evaluator.on_start()  # type: ignore[attr-defined]
+        evaluator.learner_version, evaluator.publishes = learner_version, True  # type: ignore[attr-defined]
+        for version in started:
+            evaluator.rounds.start(version)  # type: ignore[attr-defined]
+        try:
+            return evaluator.next_pin()  # type: ignore[attr-defined]
+        finally:
+            await evaluator.on_stop()  # type: ignore[attr-defined]
+            evaluator.zmq.destroy(linger=0)  # type: ignore[attr-defined]
+
+    assert asyncio.run(scenario()) == expected
