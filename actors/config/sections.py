@@ -110,14 +110,15 @@ class DataConfig(Section):
 
 
 class EvalConfig(Section):
-    """Evaluation rounds the controller schedules between training versions."""
+    """Evaluation rounds the evaluator role runs between training versions."""
 
     eval_prompt_data: list[str] = Field(default_factory=list, description="NAME PATH pairs of evaluation sets")
     eval_interval: int | None = Field(None, ge=1, description="evaluate every N learner versions")
     n_samples_per_eval_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k uses them)")
     eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0 = greedy)")
     final_eval_timeout: float = Field(300.0, ge=0, description="seconds the end of a run waits for the eval round "
-                                      "of the final version (0 = no final round)")
+                                      "of the final version, and the engines stay pinned for any round (0 = no "
+                                      "final round)")
     skip_eval_before_train: bool = Field(False, description="no eval round for version 0 (before training)")
     eval_input_key: str | None = Field(None, description="prompt field of eval records (default: --input-key)")
     eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key; "

@@ -85,7 +85,8 @@ class Evaluator(Actor):
     async def ask_for_pin(self) -> WeightPinState | None:
         """One request: release what is evaluated, and pin the next due version (and the final one)."""
         done = max(self.rounds.done_through, -1 if self.evaluated is None else self.evaluated)
-        request = WeightPin(at_least=self.next_pin(), release_through=done, final=True)
+        final = self.config.eval.final_eval_timeout > 0  # 0: no final round
+        request = WeightPin(at_least=self.next_pin(), release_through=done, final=final)
         try:
             reply = await self.learner.call(request, timeout=5.0, retries=1)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError):
