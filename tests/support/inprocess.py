@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import build_config
+from actors.launch.node_roles import SINGLETON_ROLES
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.handlers import handles
-from actors.launch.node_roles import SINGLETON_ROLES
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus.address import free_port
 from bus.schema import GeneratedGroup
