@@ -120,6 +120,8 @@ class EvalRounds:
                 continue
             self.rounds[(version, name)] = EvalRound(version=version, name=name, expected=len(records))
             self.queue.extend(self._round_groups(version, name))
+            self.log.info("eval round started", version=version, set=name, groups=len(records),
+                          weights_version=weights_version)
 
     def groups_pending(self) -> list[PromptGroup]:
         """Every group of a round still open whose score has not come back: what a restarted evaluator (or one

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -24,6 +25,15 @@ from tests.system.test_fault_tolerance import (
     wait_for_step,
 )
 from tools.make_arithmetic_data import make_arithmetic_data
+
+
+def wait_for_log(process: subprocess.Popen[str], path: Path, text: str, timeout: float = 120) -> None:
+    """Until a line of `path` holds `text` (the run still going)."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text(encoding="utf-8")):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{path} never said {text}")
+        time.sleep(0.05)
 
 
 def stop_reasons(run_dir: Path) -> dict[str, str]:
@@ -104,7 +114,7 @@ def test_every_eval_round_is_generated_by_the_version_it_reports_and_a_killed_ev
                  extra=("--eval-prompt-data", "held", str(data["eval"]), "--eval-interval", "3",
                         "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0"))
     try:
-        wait_for_step(run, run_dir, 4)  # round 3 pinned, likely still generating
+        wait_for_log(run, run_dir / "logs" / "evaluator.jsonl", '"version": 3')  # round 3 started
         killed = current_pid(run_dir, "evaluator")
         os.kill(killed, signal.SIGKILL)
         output = finish(run)
