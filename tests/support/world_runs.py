@@ -1,21 +1,28 @@
-"""Parallel layouts run in spawned gloo ranks, one spawn per world size rather than one per layout.
+"""Parallel layouts run in gloo ranks on CPU, one world per world size rather than one per layout.
 
 Starting ranks and importing megatron in each costs more than a tiny model's step, so the parity tests run every
 layout of a world in the same ranks, one after another; each trainer builds and tears down its own megatron groups.
-A layout that resumes from its own checkpoint does so in a second spawn, so the load starts in a fresh process."""
+The ranks of a world are forked from one spawned leader that imported megatron once (as the launcher forks actors
+from its zygote on a node without GPUs), instead of each rank importing it on its own. A layout that resumes from
+its own checkpoint does so in a second world with a fresh leader, so the load starts in a fresh process."""
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from tests.support.rendezvous import cpu_gloo_rank, rendezvous_file
 
 # Called in every rank as `job(rank, out_dir, *args)`; a module-level function of the test, so it pickles.
 RankJob = Callable[..., None]
+# What a rank imports while it builds a trainer and checkpoints it, imported once in the leader before it forks.
+PRELOADED = ("engines.megatron.trainer", "megatron.core.dist_checkpointing", "mbridge")
 
 
 def _run_in_world(rank: int, rendezvous: str, world: int, jobs: list[tuple[RankJob, tuple]]) -> None:
@@ -24,8 +31,19 @@ def _run_in_world(rank: int, rendezvous: str, world: int, jobs: list[tuple[RankJ
             job(rank, *args)
 
 
+def _lead_world(_: int, world: int, jobs: list[tuple[RankJob, tuple]]) -> None:
+    """Hides the GPUs before anything can initialise CUDA (a forked child could not use it) and leaves torch one
+    thread (no OpenMP pool to fork), imports what every rank needs, then forks the ranks."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    torch.set_num_threads(1)
+    for module in PRELOADED:
+        importlib.import_module(module)
+    mp.start_processes(_run_in_world, args=(rendezvous_file(), world, jobs), nprocs=world, join=True,
+                       start_method="fork")
+
+
 def _spawn(world: int, jobs: list[tuple[RankJob, tuple]]) -> None:
-    mp.spawn(_run_in_world, args=(rendezvous_file(), world, jobs), nprocs=world, join=True)
+    mp.spawn(_lead_world, args=(world, jobs), nprocs=1, join=True)
 
 
 class WorldRuns(dict[str, Path]):
