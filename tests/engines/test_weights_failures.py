@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -24,8 +25,15 @@ from engines.weights import (
 from engines.weights.group import connect_store, generation_store
 from tests.support.sockets import listening
 
-SHORT_S = 3.0  # how long the sender waits for a peer that will never come
+SHORT_S = 3.0  # how long the sender waits for a peer that will never come while another one gets ready
+ABSENT_S = 0.5  # how long it waits for a peer that will never come once every other one is in
 LONG_S = 60.0
+# The receivers are forked from one server that imported torch and the transfer once, instead of each importing
+# them on its own (nothing it imports initialises CUDA). By names importable from the repository root, where the
+# tests run: the server does not get pytest's sys.path, under which this module has another name.
+PROCESSES = mp.get_context("forkserver")
+PROCESSES.set_forkserver_preload(["pytest", "torch", "engines.weights", "engines.weights.group",
+                                  "tests.support.sockets"])
 
 
 def _weights(version: int) -> list[tuple[str, Tensor]]:
@@ -71,11 +79,10 @@ def _rejoining_receiver(spec: dict[str, Any], name: str, next_specs: mp.Queue, e
 def _group_with_engine_0() -> tuple[TorchDistributedWeightSender, GroupSpec, mp.Queue, mp.Queue, Any]:
     """A sender with generation 0 open for learner, engine-0 and engine-1, and engine-0 running (a
     `_rejoining_receiver`) and about to join; engine-1 is the test's to play."""
-    context = mp.get_context("spawn")
     sender = TorchDistributedWeightSender(timeout_s=LONG_S)
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
-    next_specs, events = context.Queue(), context.Queue()
-    engine_0 = context.Process(
+    next_specs, events = PROCESSES.Queue(), PROCESSES.Queue()
+    engine_0 = PROCESSES.Process(
         target=_rejoining_receiver, args=(spec.to_dict(), "engine-0", next_specs, events), daemon=True
     )
     engine_0.start()
@@ -85,10 +92,12 @@ def _group_with_engine_0() -> tuple[TorchDistributedWeightSender, GroupSpec, mp.
 
 @pytest.mark.integration
 def test_receiver_that_never_joins_is_named_and_the_sender_regroups() -> None:
-    sender, _, next_specs, events, present = _group_with_engine_0()
+    sender, spec, next_specs, events, present = _group_with_engine_0()
     try:
+        joined = generation_store(connect_store(spec.host, spec.port, LONG_S), spec.generation)
+        joined.wait(["joined/1"], timedelta(seconds=LONG_S))  # engine-0 is in: only engine-1 can be missing
         with pytest.raises(WeightTransferError, match="generation 0 not formed") as failure:
-            sender.wait_for_receivers(timeout_s=SHORT_S)
+            sender.wait_for_receivers(timeout_s=ABSENT_S)
         assert list(failure.value.failed) == ["engine-1"]
         assert "never joined" in failure.value.failed["engine-1"]
         outcome, message = events.get(timeout=LONG_S)
@@ -128,12 +137,11 @@ def _flaky_receiver(spec: dict[str, Any], name: str, events: mp.Queue) -> None:
 
 @pytest.mark.integration
 def test_failed_load_is_named_not_committed_and_the_group_keeps_working() -> None:
-    context = mp.get_context("spawn")
     sender = TorchDistributedWeightSender(timeout_s=LONG_S)
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
-    events = context.Queue()
+    events = PROCESSES.Queue()
     processes = [
-        context.Process(target=_flaky_receiver, args=(spec.to_dict(), name, events), daemon=True)
+        PROCESSES.Process(target=_flaky_receiver, args=(spec.to_dict(), name, events), daemon=True)
         for name in ("engine-0", "engine-1")
     ]
     for process in processes:
@@ -179,12 +187,11 @@ def _dying_receiver(spec: dict[str, Any], name: str, events: mp.Queue) -> None:
 
 @pytest.mark.integration
 def test_receiver_that_died_since_the_last_transfer_is_named_before_bytes_move() -> None:
-    context = mp.get_context("spawn")
     sender = TorchDistributedWeightSender(timeout_s=LONG_S)
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
-    events = context.Queue()
+    events = PROCESSES.Queue()
     processes = [
-        context.Process(target=_dying_receiver, args=(spec.to_dict(), name, events), daemon=True)
+        PROCESSES.Process(target=_dying_receiver, args=(spec.to_dict(), name, events), daemon=True)
         for name in ("engine-0", "engine-1")
     ]
     for process in processes:
@@ -246,13 +253,12 @@ def test_an_abort_frees_the_sender_and_the_survivor_at_once_and_the_next_generat
     """The learner hears of a death from its roster long before gloo or the transfer timeout notices (gloo waits
     for a dead peer until the group's timeout, mid-broadcast included): `abort` must end the wait on both ends
     within a second, and the replacement under the same name must be served by the next generation."""
-    context = mp.get_context("spawn")
     # Small buckets, 32 MB in all: the broadcast to a dead engine-1 blocks well before the last bucket.
     sender = TorchDistributedWeightSender(timeout_s=LONG_S, bucket_bytes=1 << 20, direct_bytes=1 << 30)
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
-    next_specs, events = context.Queue(), context.Queue()
+    next_specs, events = PROCESSES.Queue(), PROCESSES.Queue()
     processes = [
-        context.Process(target=_aborted_receiver, args=(spec.to_dict(), name, dies, next_specs, events), daemon=True)
+        PROCESSES.Process(target=_aborted_receiver, args=(spec.to_dict(), name, dies, next_specs, events), daemon=True)
         for name in ("engine-0", "engine-1")
     ]
     for process in processes:
@@ -281,7 +287,7 @@ def test_an_abort_frees_the_sender_and_the_survivor_at_once_and_the_next_generat
 
         spec = sender.open_group(["learner", "engine-0", "engine-1"])
         next_specs.put(spec.to_dict())
-        replacement = context.Process(target=_replacement, args=(spec.to_dict(), "engine-1", events), daemon=True)
+        replacement = PROCESSES.Process(target=_replacement, args=(spec.to_dict(), "engine-1", events), daemon=True)
         replacement.start()
         processes.append(replacement)
         sender.wait_for_receivers()
@@ -318,7 +324,7 @@ def test_a_member_that_dies_while_the_group_forms_costs_a_second_not_the_timeout
 
         spec = sender.open_group(["learner", "engine-0", "engine-1"])
         next_specs.put(spec.to_dict())
-        replacement = mp.get_context("spawn").Process(
+        replacement = PROCESSES.Process(
             target=_replacement, args=(spec.to_dict(), "engine-1", events), daemon=True
         )
         replacement.start()
@@ -362,8 +368,8 @@ def test_the_store_and_gloo_listen_only_on_the_configured_address(where: str) ->
     before = listening()
     sender = TorchDistributedWeightSender(host=host, timeout_s=LONG_S)
     spec = sender.open_group(["learner", "engine-0"])
-    events = mp.get_context("spawn").Queue()
-    receiver = mp.get_context("spawn").Process(
+    events = PROCESSES.Queue()
+    receiver = PROCESSES.Process(
         target=_reporting_receiver, args=(spec.to_dict(), "engine-0", events), daemon=True
     )
     receiver.start()
@@ -396,9 +402,8 @@ def test_a_learner_that_died_fails_the_next_receive_as_a_transfer_error() -> Non
     """Seen when the learner was killed with SIGKILL mid-push: the engine's calls to its store raised the store's
     DistNetworkError, which the rollout worker logged as a handler's traceback instead of the one-line 'weight
     update given up' it gives a failed transfer."""
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    learner = context.Process(target=_sender_that_is_killed, args=(queue,), daemon=True)
+    queue = PROCESSES.Queue()
+    learner = PROCESSES.Process(target=_sender_that_is_killed, args=(queue,), daemon=True)
     learner.start()
     try:
         receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(queue.get(timeout=LONG_S)), "engine-0",
