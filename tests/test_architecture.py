@@ -5,6 +5,7 @@ reader has to untangle."""
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
     return found
 
 
+@functools.cache  # parsing every module takes seconds; each rule reads the same graph and none changes it
 def import_graph() -> dict[str, set[str]]:
     modules = project_modules()
     known = set(modules)
