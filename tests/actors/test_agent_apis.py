@@ -43,7 +43,6 @@ from tests.actors.test_agent_episodes import (
     with_context,
 )
 
-pytestmark = pytest.mark.integration
 # Fixtures of the agent-episode tests: the taught model, and a tiny model's engine behind a started endpoint.
 taught, tool_model, endpoint = test_agent_episodes.taught, test_agent_episodes.tool_model, test_agent_episodes.endpoint
 
@@ -91,6 +90,7 @@ def model_turns(sample: Sample) -> list[int]:
     return runs
 
 
+@pytest.mark.integration
 def test_a_responses_client_runs_a_tool_episode_whose_sample_is_the_engines_tokens(taught) -> None:
     """Stateful: the tool output and the review go after `previous_response_id`, with nothing resent (the second
     call leaves the tools out too: they are the conversation's)."""
@@ -118,6 +118,7 @@ def test_a_responses_client_runs_a_tool_episode_whose_sample_is_the_engines_toke
     assert_is_the_taught_episode(sample, teach)
 
 
+@pytest.mark.integration
 def test_a_streamed_responses_episode_is_the_one_answered_whole(taught) -> None:
     """The events a Responses stream sends, numbered from 0, accumulate (in the client's own stream helper) into the
     response answered whole; a client that keeps its own state sends the earlier output items back instead of
@@ -154,6 +155,7 @@ def test_a_streamed_responses_episode_is_the_one_answered_whole(taught) -> None:
     assert_is_the_taught_episode(sample, teach)
 
 
+@pytest.mark.integration
 def test_a_streamed_anthropic_turn_is_the_one_answered_whole(tool_model: Path) -> None:
     """The second turn streamed, raw (event by event) and through the client's stream helper, on two sessions of
     the same conversation: the same message, and the usage of the turn's tokens."""
@@ -195,6 +197,7 @@ def test_a_streamed_anthropic_turn_is_the_one_answered_whole(tool_model: Path) -
     assert second.usage.output_tokens == raw[4].usage.output_tokens == 2
 
 
+@pytest.mark.integration
 def test_an_anthropic_episode_is_the_taught_conversation_token_for_token(taught) -> None:
     tool_model, teach = taught
 
@@ -222,6 +225,7 @@ def test_an_anthropic_episode_is_the_taught_conversation_token_for_token(taught)
     assert_is_the_taught_episode(sample, teach)
 
 
+@pytest.mark.integration
 def test_length_and_stop_sequences_end_turns_as_each_api_says(tool_model: Path) -> None:
     """A stop sequence's text stays in the turn (the model wrote it; it trains), and Anthropic names the one hit."""
 
@@ -246,6 +250,7 @@ def test_length_and_stop_sequences_end_turns_as_each_api_says(tool_model: Path) 
     assert stopped.content[0].text == CALL[:CALL.index("add") + 3]
 
 
+@pytest.mark.integration
 def test_a_rewritten_history_is_refused_naming_the_item_and_the_session_goes_on(taught) -> None:
     """--agent-context-rewrite refuse: the older answer to a rewritten context, kept for those who want it."""
     tool_model, teach = taught
@@ -288,6 +293,7 @@ def test_a_rewritten_history_is_refused_naming_the_item_and_the_session_goes_on(
     assert sample.metadata["turns"] == 2 and sample.tokens.tolist() == teach.tokens[:len(sample.tokens)].tolist()
 
 
+@pytest.mark.integration
 async def test_what_the_apis_ask_for_that_is_not_served_is_refused_naming_the_field(endpoint) -> None:
     served, context = endpoint
     url = served.open(ChatSession(context, eval_group(), 0))
@@ -321,6 +327,7 @@ async def test_what_the_apis_ask_for_that_is_not_served_is_refused_naming_the_fi
             "message": "'max_tokens' is required (the Messages API asks every request for it)"}}
 
 
+@pytest.mark.integration
 async def test_a_path_or_method_not_served_answers_an_error_of_its_apis_shape_naming_what_is() -> None:
     """These were aiohttp's plain-text `404: Not Found`, which neither client could read."""
     served = OpenAIEndpoint(model="tiny")
@@ -369,6 +376,7 @@ def two_calls_model(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFact
     return teach_conversation(tiny_model_path, TWO_CALLS, tmp_path_factory.mktemp("two_calls_model"))[0]
 
 
+@pytest.mark.integration
 def test_tool_call_ids_are_unique_across_turns_and_samples_and_still_match_when_sent_back(
         two_calls_model: Path) -> None:
     """They were `call_0` in every turn of every sample. Two samples, each calling in two turns (Anthropic's client,
@@ -397,6 +405,7 @@ def test_tool_call_ids_are_unique_across_turns_and_samples_and_still_match_when_
     assert [sample.metadata["turns"] for sample in samples] == [3, 3]
 
 
+@pytest.mark.integration
 def test_a_call_to_a_tool_the_request_did_not_declare_is_returned_and_counted(tool_model: Path) -> None:
     """OpenAI-compatible servers return what the model called; the agent answers it (with an error, say). The
     sample counts it, so the run sees a policy that invents tools (`multiturn/undeclared_tool_calls_mean`)."""
@@ -415,6 +424,7 @@ def test_a_call_to_a_tool_the_request_did_not_declare_is_returned_and_counted(to
     assert sample.metadata["undeclared_tool_calls"] == 1 and sample.metadata["turns"] == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("agent", ["examples.responses_agent:solve", "examples.anthropic_agent:solve"])
 def test_the_example_agents_on_each_api_drive_one_sample_per_episode(tool_model: Path, agent: str) -> None:
     config = run_config(tool_model, agent_function_path=agent)
@@ -428,6 +438,7 @@ def test_the_example_agents_on_each_api_drive_one_sample_per_episode(tool_model:
     assert not runner.endpoint.sessions, "an episode's session outlived it"
 
 
+@pytest.mark.integration
 def test_tools_a_chat_template_leaves_out_are_stated_in_the_system_message_once_said(smollm2_path: Path) -> None:
     """SmolLM2's template renders the same with and without `tools`: they used to vanish (no tool calls in 80
     episodes). Now the prompt states them in the format the parser reads back, after the client's own system text,

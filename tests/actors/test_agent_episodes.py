@@ -37,8 +37,6 @@ from examples.python_tool import TOOLS as PYTHON_TOOLS
 from policies.rewards import RewardInput
 from policies.rewards.episodes import environment_return
 
-pytestmark = pytest.mark.integration
-
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 TROUBLE = "tests.support.agents:one_call_then_trouble"
 TEACH = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": CALL},
@@ -123,6 +121,7 @@ def texts(model: Path, sample: Sample) -> tuple[str, str]:
     return tokenizer.decode(response.tolist()), tokenizer.decode(trained.tolist())
 
 
+@pytest.mark.integration
 def test_the_tool_loop_answers_the_models_call_and_trains_only_its_turns(taught: tuple[Path, Sample]) -> None:
     """The rollout of the taught conversation is token for token the SFT sample it was taught with: multi-turn SFT
     lays its target out as the tool loop generates into it."""
@@ -142,6 +141,7 @@ def test_the_tool_loop_answers_the_models_call_and_trains_only_its_turns(taught:
     assert sample.loss_mask.tolist() == teach.loss_mask[:sample.response_length].tolist()
 
 
+@pytest.mark.integration
 def test_an_agent_on_the_openai_client_drives_one_sample_per_episode(tool_model: Path) -> None:
     config = run_config(tool_model, agent_function_path="examples.openai_agent:solve")
     runner = agent_generate_for(config)
@@ -157,6 +157,7 @@ def test_an_agent_on_the_openai_client_drives_one_sample_per_episode(tool_model:
     assert not runner.endpoint.sessions, "an episode's session outlived it"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("agent", "calls", "errors"), [
     ("tool_answered", 1, 0),
     ("tool_failed_by_its_text", 1, 1),  # "error:" or "Error:" leading the result, as the built-in tools write it
@@ -174,6 +175,7 @@ def test_an_agents_tool_calls_and_errors_are_counted_from_what_its_session_sees(
     assert metrics["multiturn/tool_calls_mean"] == calls and metrics["multiturn/tool_error_fraction"] == errors / calls
 
 
+@pytest.mark.integration
 def test_an_agent_that_reports_counts_that_are_not_counts_fails_its_sample_naming_them(tool_model: Path) -> None:
     config = run_config(tool_model, agent_function_path="tests.support.agents:miscounts_its_tools")
     (sample,) = asyncio.run(with_context(tool_model, config, served_episodes(agent_generate_for(config), n_samples=1)))
@@ -182,6 +184,7 @@ def test_an_agent_that_reports_counts_that_are_not_counts_fails_its_sample_namin
                             "tool_calls='three': the counts an agent reports are integers >= 0")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("flags", "roles"), [
     ({"agent_function_path": "examples.openai_agent:solve"},
      ["user", "assistant", "tool", "assistant", "user", "assistant"]),
@@ -209,6 +212,7 @@ def test_the_reward_is_given_the_episode_as_chat_messages_with_its_tool_calls(
     assert given.response == sample.response and "5" in given.response  # the text, for rewards that read text
 
 
+@pytest.mark.integration
 def test_an_agent_that_raises_or_overruns_fails_only_its_own_sample(tiny_model_path: Path) -> None:
     config = run_config(tiny_model_path, agent_function_path=TROUBLE, agent_timeout=3)
     runner = agent_generate_for(config)
@@ -251,6 +255,7 @@ def refusing_rewrites(context: RolloutContext) -> RolloutContext:
     return RolloutContext(engine=context.engine, tokenizer=context.tokenizer, config=config, worker_id="w")
 
 
+@pytest.mark.integration
 async def test_the_endpoint_refuses_what_it_cannot_serve_naming_the_field(endpoint) -> None:
     served, context = endpoint
     url = served.open(ChatSession(refusing_rewrites(context), eval_group(), 0))
@@ -286,6 +291,7 @@ async def test_the_endpoint_refuses_what_it_cannot_serve_naming_the_field(endpoi
     assert sample.metadata["turns"] == 2
 
 
+@pytest.mark.integration
 def test_a_streamed_conversation_is_the_one_answered_whole(tool_model: Path) -> None:
     """Agent frameworks that always stream get the same turns, as OpenAI's chunks: content, tool calls, finish
     reason, usage. Greedy (an eval group), so a streamed and a whole session must agree exactly."""
@@ -320,6 +326,7 @@ def test_a_streamed_conversation_is_the_one_answered_whole(tool_model: Path) -> 
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == streamed_sample.response_length
 
 
+@pytest.mark.integration
 async def test_text_completions_continue_the_sessions_text_token_for_token(endpoint) -> None:
     served, context = endpoint
     session = ChatSession(context, eval_group(), 0)
@@ -370,6 +377,7 @@ def test_a_multi_turn_sft_label_that_is_not_an_episode_is_refused_naming_the_gro
         _target_messages(PromptGroup(group_id="g7", prompt="p", label=label))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flag", [{"agent_tools_path": "examples.openai_agent:FUNCTIONS"},
                                   {"agent_function_path": "examples.openai_agent:solve"}],
                          ids=["tool_loop", "openai_agent"])
@@ -390,6 +398,7 @@ def test_an_episode_that_outgrows_the_models_context_ends_truncated_with_the_tur
     assert len(sample.tokens) < 100
 
 
+@pytest.mark.integration
 def test_a_single_turn_prompt_longer_than_the_context_fails_its_samples_naming_it(tiny_model_path: Path) -> None:
     """It used to raise out of the generate function: the group failed, its lease expired and it was re-issued,
     again and again, to fail the same way on every worker."""
@@ -444,6 +453,7 @@ class SloppyGame(CountdownGame):
         return {"messages": []} if turn.index == 0 else EnvStep(messages=["not a message"], done=True)
 
 
+@pytest.mark.integration
 def test_an_environment_that_cannot_start_fails_its_sample_and_a_sloppy_step_is_shown_to_the_model(
         tiny_model_path: Path) -> None:
     """Neither is the model's doing nor the worker's end: the first fails the sample (counted, with its reason, not
@@ -465,6 +475,7 @@ def test_an_environment_that_cannot_start_fails_its_sample_and_a_sloppy_step_is_
     assert sample.metadata["tool_errors"] == 5 and sample.metadata["turns"] == 5
 
 
+@pytest.mark.integration
 def test_an_environment_drives_the_loop_with_state_per_turn_rewards_and_a_step_that_raises(
         tiny_model_path: Path) -> None:
     from transformers import AutoTokenizer
@@ -486,6 +497,7 @@ def test_an_environment_drives_the_loop_with_state_per_turn_rewards_and_a_step_t
     assert environment_return(RewardInput(prompt="", response="", metadata={"turn_rewards": [1.0, 0.0, 1.0]})) == 2.0
 
 
+@pytest.mark.integration
 async def test_the_sandboxed_python_tool_answers_a_models_calls_and_a_runaway_program_times_out() -> None:
     turn = parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": "print(2 ** 10)"}}</tool_call>'
                             '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>'
@@ -498,6 +510,7 @@ async def test_the_sandboxed_python_tool_answers_a_models_calls_and_a_runaway_pr
     assert environment.startswith("environ(") and "HOME" not in environment and "PATH" not in environment
 
 
+@pytest.mark.integration
 async def test_a_first_call_that_does_not_fit_leaves_the_session_empty_and_usable(tiny_model_path: Path) -> None:
     async with serving(tiny_model_path, max_model_len=48) as (served, context):
         session = ChatSession(context, eval_group(), 0)

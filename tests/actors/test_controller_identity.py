@@ -101,7 +101,7 @@ async def test_a_run_that_is_ending_turns_late_joiners_away_and_stops_members_th
         assert member._stop_reason.startswith("controller: the run is stopped")
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 async def test_a_stopping_controller_answers_until_a_member_that_missed_the_stop_heard_it(tmp_path: Path) -> None:
     """The controller broadcast the stop and closed 0.2 s later: a member whose copy of the broadcast was lost
     then heartbeated a gone head, and its node took the finished run for a lost head."""
@@ -121,7 +121,7 @@ async def test_a_stopping_controller_answers_until_a_member_that_missed_the_stop
         assert controller.records["custom-0-0"].told_over
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 async def test_a_stopping_controller_tells_again_a_member_whose_run_over_answer_was_lost(tmp_path: Path) -> None:
     """A fresh-clone CI run: the heartbeat answered "run over" reached the member after its call had timed out, so
     the controller counted the member as told and closed while the member, which never heard, heartbeated a gone

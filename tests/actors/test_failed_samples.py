@@ -26,8 +26,6 @@ from tests.actors.test_buffer_core import Clock, _buffer_actor
 from tests.actors.test_reward_failures import _worker
 from tests.support.inprocess import use_spec
 
-pytestmark = pytest.mark.unit
-
 N = 4  # samples per group
 FAILED = "agent pkg.mod:agent failed: RuntimeError: the sandbox is gone"
 
@@ -52,6 +50,7 @@ def answered(group: PromptGroup, lease_id: str, rewards: list[float | None]) -> 
     return ScoredGroup(lease_id=lease_id, group_id=group.group_id, samples=samples, worker_id="w")
 
 
+@pytest.mark.unit
 def test_a_failed_sample_is_left_out_and_its_group_trains_on_the_rest_normalised_over_them() -> None:
     buffer = core()
     lease_id, (group, *_) = buffer.lease("w", 1)
@@ -69,6 +68,7 @@ def test_a_failed_sample_is_left_out_and_its_group_trains_on_the_rest_normalised
         torch.testing.assert_close(sample.advantages, advantage.expand(3), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("policy", "rewards", "outcome"), [
     ("leave_out", [1.0, None, None, None], "dropped.failed_samples"),  # one left: no baseline to train against
     ("drop_group", [1.0, None, 0.0, 1.0], "dropped.failed_samples"),  # the behaviour before #58, on request
@@ -81,6 +81,7 @@ def test_a_group_with_too_few_samples_left_or_under_drop_group_is_dropped(policy
     assert buffer.stats.dropped == {"failed_samples": 1} and buffer.stats.left_out_samples == 0
 
 
+@pytest.mark.unit
 def test_the_certificate_accounts_for_every_sample_of_a_trained_group_left_out_ones_included(tmp_path: Path) -> None:
     (tmp_path / "buffer").mkdir()
     buffer = core(log=BufferLog(tmp_path / "buffer" / "log.msgpack"))
@@ -105,6 +106,7 @@ def test_the_certificate_accounts_for_every_sample_of_a_trained_group_left_out_o
                                                                     "trained_segments": 2}
 
 
+@pytest.mark.unit
 async def test_the_reward_worker_scores_the_samples_beside_a_failed_one(tmp_path: Path) -> None:
     """It scored none of them when one had failed: the buffer was going to drop the group anyway."""
     group = answered(PromptGroup(group_id="g", prompt="3+4=", label="7"), "l", [0.0, None, 0.0, 0.0]).samples

@@ -21,7 +21,6 @@ from bus.schema import Sample as WireSample
 from examples.slime_style import group_rm
 from examples.slime_style.retool_generate import run_python
 
-pytestmark = pytest.mark.unit
 GROUP = PromptGroup(group_id="g1", prompt="2+3=", label="5", n_samples=2, data_index=7)
 
 
@@ -38,6 +37,7 @@ def slime_filter(args, samples, **kwargs):
     return DynamicFilterOutput(keep=len(set(rewards)) > 1, reason="same_reward")
 
 
+@pytest.mark.unit
 def test_signatures_are_told_apart() -> None:
     assert is_slime_style(slime_generate, 3)
     assert not is_slime_style(our_generate, 3)
@@ -45,6 +45,7 @@ def test_signatures_are_told_apart() -> None:
     assert not is_slime_style(lambda inp: 1.0, 2)
 
 
+@pytest.mark.unit
 def test_a_slime_sample_built_with_tool_turns_reaches_the_wire_intact() -> None:
     sample = from_group(GROUP, 1)
     sample.tokens = [5, 6, 7]
@@ -66,6 +67,7 @@ def test_a_slime_sample_built_with_tool_turns_reaches_the_wire_intact() -> None:
     assert back.status is Sample.Status.COMPLETED and back.label == "5"
 
 
+@pytest.mark.unit
 def test_a_hand_built_sample_without_versions_gets_the_start_version_and_removed_samples_train_nothing() -> None:
     sample = Sample(tokens=[1, 2, 3, 4], response_length=2, rollout_log_probs=[-1.0, -2.0], remove_sample=True,
                     status=Sample.Status.TRUNCATED)
@@ -75,6 +77,7 @@ def test_a_hand_built_sample_without_versions_gets_the_start_version_and_removed
         to_wire(Sample(tokens=[1, 2], response_length=2, loss_mask=[1]), GROUP, 0, start_version=0)
 
 
+@pytest.mark.unit
 def test_args_namespace_has_slime_names_and_points_at_the_workers_server() -> None:
     config = build_config({"n_samples_per_prompt": 3, "rollout_max_response_len": 40})
     args = build_args(config, server_url="http://127.0.0.1:31000")
@@ -83,6 +86,7 @@ def test_args_namespace_has_slime_names_and_points_at_the_workers_server() -> No
     assert args.partial_rollout is False
 
 
+@pytest.mark.unit
 def test_batched_group_rm_scores_wire_samples() -> None:
     config = build_config({"group_rm": True})
     samples = [WireSample(sample_id=f"g/{i}", group_id="g", index=i, prompt="2+3=", label="5", response=text)
@@ -91,6 +95,7 @@ def test_batched_group_rm_scores_wire_samples() -> None:
     assert asyncio.run(reward(samples)) == [0.75, 0.75, 0.0]
 
 
+@pytest.mark.unit
 def test_slime_filter_drops_a_group_with_its_reason() -> None:
     config = build_config({})
     filter_group = group_filter(f"{__name__}:slime_filter", config)
@@ -101,6 +106,7 @@ def test_slime_filter_drops_a_group_with_its_reason() -> None:
     assert filter_group(ScoredGroup(lease_id="l", group_id="g", samples=mixed, worker_id="w")) is None
 
 
+@pytest.mark.unit
 def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:
     config = build_config({"custom_generate_function_path": f"{__name__}:slime_generate", "rollout_engine": "torch"})
     with pytest.raises(ValueError, match="--rollout-engine sglang"):
@@ -112,11 +118,13 @@ def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:
     assert choose_generate_function(build_config({})) is default_generate
 
 
+@pytest.mark.integration
 def test_retool_sandbox_runs_code_and_times_out() -> None:
     assert asyncio.run(run_python("print(6 * 7)")) == "42"
     assert asyncio.run(run_python("while True: pass", timeout_s=0.5)) == "timeout"
 
 
+@pytest.mark.integration
 def test_a_program_that_ends_as_its_deadline_passes_is_a_timeout_not_an_error() -> None:
     """The event loop blocked past both the program's end and the deadline (a loaded machine) sees the two at
     once; the timeout path must not try to kill a process asyncio already reaped."""
@@ -134,6 +142,7 @@ def test_a_program_that_ends_as_its_deadline_passes_is_a_timeout_not_an_error() 
     assert asyncio.run(both())[0] in ("timeout", "")
 
 
+@pytest.mark.unit
 def test_each_reward_function_is_given_what_its_loader_says_it_reads() -> None:
     """The reward role calls every function one way: a slime rm reads the wire sample (its adapter converts it),
     ours a RewardInput."""
@@ -148,11 +157,13 @@ def test_each_reward_function_is_given_what_its_loader_says_it_reads() -> None:
     assert slimes.argument_of(sample, [sample]) is sample
 
 
+@pytest.mark.unit
 def test_wire_arrays_keep_their_dtypes() -> None:
     wire = to_wire(Sample(tokens=[1, 2, 3], response_length=1, rollout_log_probs=[-0.1]), GROUP, 0, start_version=0)
     assert wire.tokens.dtype == np.int32 and wire.token_versions.dtype == np.int32
 
 
+@pytest.mark.unit
 def test_slime_custom_loss_gives_slimes_scaled_loss_and_gradient() -> None:
     import torch
 
@@ -176,6 +187,7 @@ def test_slime_custom_loss_gives_slimes_scaled_loss_and_gradient() -> None:
     assert log_probs.grad.tolist() == pytest.approx([-0.25, 0.0, -0.25, 0.125, 0.125])
 
 
+@pytest.mark.unit
 def test_a_loss_of_ours_loads_as_it_is_and_only_slimes_is_converted() -> None:
     from actors.extensions.load import policy_loss
     from policies.losses import ppo_loss

@@ -25,8 +25,6 @@ from tests.actors.test_failed_samples import FAILED, core
 from tests.actors.test_reward_failures import _worker
 from tests.support import reward_plugins
 
-pytestmark = pytest.mark.unit
-
 ONE = DataParallel(rank=0, size=1)
 
 
@@ -54,6 +52,7 @@ def scored_group(group: PromptGroup, lease_id: str, samples: list[Sample]) -> Sc
     return ScoredGroup(lease_id=lease_id, group_id=group.group_id, samples=samples, worker_id="w")
 
 
+@pytest.mark.unit
 def test_a_sample_says_where_it_sits_in_its_episode_and_a_broken_link_is_refused() -> None:
     assert segment("g", 0, 2, 3).parent_segment == 0
     for number, of, parent, problem in [(1, 1, 0, "outside 0..segments-1"), (1, 3, None, "forked from an earlier"),
@@ -62,6 +61,7 @@ def test_a_sample_says_where_it_sits_in_its_episode_and_a_broken_link_is_refused
             msgspec.structs.replace(segment("g", 0), segment=number, segments=of, parent_segment=parent)
 
 
+@pytest.mark.unit
 def test_a_group_whose_episode_forked_is_whole_with_all_its_segments_and_incomplete_without_one() -> None:
     """Its group was dropped as incomplete: 4 samples came back for 2 asked."""
     buffer = core()
@@ -75,6 +75,7 @@ def test_a_group_whose_episode_forked_is_whole_with_all_its_segments_and_incompl
         f"{whole.group_id}/0", f"{whole.group_id}/0.1", f"{whole.group_id}/0.2", f"{whole.group_id}/1"]
 
 
+@pytest.mark.unit
 def test_a_failed_episode_is_left_out_whole_and_two_episodes_must_remain_however_many_segments() -> None:
     buffer = core()
     buffer.n_samples = 3
@@ -90,6 +91,7 @@ def test_a_failed_episode_is_left_out_whole_and_two_episodes_must_remain_however
     assert buffer.accept(scored_group(lonely, lease_id, answers)) == "dropped.failed_samples"
 
 
+@pytest.mark.unit
 def test_the_certificate_counts_episodes_asked_trained_and_left_out_and_the_segments_trained(tmp_path: Path) -> None:
     (tmp_path / "buffer").mkdir()
     buffer = core(log=BufferLog(tmp_path / "buffer" / "log.msgpack"))
@@ -124,6 +126,7 @@ async def test_the_batch_counts_the_episodes_it_left_out(tmp_path: Path) -> None
         buffer.zmq.destroy(linger=0)
 
 
+@pytest.mark.unit
 async def test_the_reward_is_computed_once_per_episode_on_its_final_segment_and_carried_by_every_segment(
         tmp_path: Path) -> None:
     chats = [[{"role": "user", "content": f"segment {number}"}] for number in range(3)]
@@ -142,6 +145,7 @@ async def test_the_reward_is_computed_once_per_episode_on_its_final_segment_and_
     assert [s.status for s in failed] == ["failed"] * 4 and failed[1].error.startswith("reward: raised ValueError")
 
 
+@pytest.mark.unit
 def test_each_segment_trains_with_its_episodes_advantage_over_a_baseline_of_episodes() -> None:
     """GRPO over three episodes rewarded 1, 0, 1 (the first of three segments): the mean is 2/3, not the 4/5 of
     five samples, and all three segments of the first get its advantage."""
@@ -154,6 +158,7 @@ def test_each_segment_trains_with_its_episodes_advantage_over_a_baseline_of_epis
         torch.testing.assert_close(sample.advantages, advantage.expand(3), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_optimizer_steps_take_whole_episodes_and_the_batch_metrics_count_episodes() -> None:
     samples = [*forked("g", 0, 3, reward=1.0), segment("g", 1, reward=0.0), *forked("h", 0, 2, reward=0.0),
                segment("h", 1, reward=0.0)]

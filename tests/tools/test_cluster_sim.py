@@ -13,11 +13,11 @@ import pytest
 
 from tools.sim.cluster import ClusterSpec, recommend, simulate_async, simulate_sync
 
-pytestmark = pytest.mark.unit
 SMALL = ClusterSpec(gpus=16, rollout_gpus=12, model_b=1.0, prompts_per_step=16, samples_per_prompt=4,
                     median_len=500, max_len=4000, steps=8)
 
 
+@pytest.mark.unit
 def test_a_synchronous_step_is_generation_then_training_then_the_weight_update() -> None:
     """Equal lengths on one engine: all sequences run start to end, so generation is len * t0 * (1 + k / k_half)."""
     spec = replace(SMALL, gpus=1, rollout_gpus=0, len_sigma=0.0, prompts_per_step=2, samples_per_prompt=4)
@@ -27,6 +27,7 @@ def test_a_synchronous_step_is_generation_then_training_then_the_weight_update()
     assert simulate_sync(spec).step_s == pytest.approx(generation + training + spec.sync_seconds(), rel=1e-6)
 
 
+@pytest.mark.unit
 def test_the_buffers_admission_rule_bounds_staleness_and_eta_zero_is_on_policy() -> None:
     on_policy = simulate_async(replace(SMALL, max_staleness=0))
     assert on_policy.max_staleness == 0 and on_policy.mean_staleness == 0
@@ -35,6 +36,7 @@ def test_the_buffers_admission_rule_bounds_staleness_and_eta_zero_is_on_policy()
     assert relaxed.step_s < on_policy.step_s  # generation overlaps training once it may run ahead
 
 
+@pytest.mark.unit
 def test_long_tails_are_what_asynchrony_wins_back() -> None:
     """A batch that fills the engines: with equal lengths a synchronous step wastes little, with a long tail the
     engines idle while the last sequences finish. Each side at its best split (asynchrony at one bound, 2: the
@@ -47,6 +49,7 @@ def test_long_tails_are_what_asynchrony_wins_back() -> None:
     assert gains[1] > gains[0] * 1.2, gains
 
 
+@pytest.mark.unit
 def test_the_recommendation_is_the_smallest_bound_within_three_percent_of_the_fastest_split() -> None:
     chosen, result = recommend(SMALL, etas=(1, 4))
     every = [simulate_async(replace(SMALL, rollout_gpus=rollout, max_staleness=eta))
@@ -55,11 +58,13 @@ def test_the_recommendation_is_the_smallest_bound_within_three_percent_of_the_fa
     assert chosen.max_staleness in (1, 4) and 0 < chosen.rollout_gpus < SMALL.gpus
 
 
+@pytest.mark.unit
 def test_a_spec_without_training_gpus_is_refused() -> None:
     with pytest.raises(ValueError, match="must leave GPUs to train on"):
         simulate_async(replace(SMALL, rollout_gpus=16))
 
 
+@pytest.mark.integration
 def test_the_command_prints_its_table_and_writes_its_rows(tmp_path: Path) -> None:
     output = tmp_path / "sim.json"
     done = subprocess.run([sys.executable, "-m", "tools.sim.cluster", "--gpus", "8", "--model-b", "1",
