@@ -65,7 +65,14 @@ def show_gpu(visible: bool) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before the item's fixtures, module-scoped ones included, are set up: they start processes too."""
+    """Before the item's fixtures, module-scoped ones included, are set up: they start processes too.
+
+    Every test starts with one torch thread, whichever tests ran before it in this process: an in-process actor
+    applies its --torch-threads (1) to the whole process, so the speed of the tests after it (by half on two
+    loaded cores) depended on whether one had run; and CI's two workers share two cores."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
     if os.environ.get(SEE_GPU_ENV) != "1" and _gpu_present():
         show_gpu("gpu" in item.keywords)
 
