@@ -335,6 +335,8 @@ def test_script_reader_expands_arrays_and_variables() -> None:
 @pytest.mark.unit
 def test_eval_rounds_honour_skip_eval_before_train_and_eval_keys(tmp_path: Path) -> None:
     """--skip-eval-before-train drops only the version-0 round; --eval-input-key/--eval-label-key read eval sets."""
+    import structlog
+
     from actors.buffer.core import BufferCore
     from actors.data.prompts import PromptRecord, PromptSource
     from actors.evaluator.rounds import EvalRounds, next_due
@@ -345,7 +347,7 @@ def test_eval_rounds_honour_skip_eval_before_train_and_eval_keys(tmp_path: Path)
                            "--skip-eval-before-train", "--eval-input-key", "question", "--eval-label-key", "answer"])
     core = BufferCore(source=PromptSource([PromptRecord(0, "0+1=", "1", {})], seed=1), n_samples=1,
                       groups_per_batch=1, max_staleness=0, lease_timeout=10.0)
-    rounds = EvalRounds(config, core.guest_queue, writer=None, log=None)
+    rounds = EvalRounds(config, core.guest_queue, writer=None, log=structlog.get_logger("eval"))
     assert next_due(config, None) == 2  # no round before training
     rounds.start(2)
     assert [(g.prompt, g.label) for g in core.guest_queue] == [("1+1=", "2"), ("2+2=", "4")]
