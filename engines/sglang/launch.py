@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from engines.sglang import protocol
 logger = logging.getLogger(__name__)
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-spawner")
 HEALTH_PATHS = (protocol.HEALTH_GENERATE.path, protocol.HEALTH.path)
+PORT_ATTEMPTS = 3  # starts of a server whose chosen port another process took before it bound it
 
 
 class ServerStartError(RuntimeError):
@@ -93,8 +94,10 @@ class ServerProcess:
         startup_timeout: float = 600.0,
         log_dir: Path | None = None,
         env: Mapping[str, str] | None = None,
+        choose_port: Callable[[str], int] = free_port,
     ) -> None:
         self.spec = spec
+        self.choose_port = choose_port
         self.startup_timeout = startup_timeout
         self.log_dir = log_dir or Path(tempfile.gettempdir()) / "slipstream-sglang"
         self.env = dict(env) if env is not None else None
@@ -113,10 +116,25 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
     def start(self) -> str:
-        """Start the server and wait for its health; returns its URL. Raises ServerStartError with its log tail."""
+        """Start the server and wait for its health; returns its URL. Raises ServerStartError with its log tail.
+
+        A port we chose is free when chosen, not when the server binds it, seconds later, after loading the model:
+        another process of the node (a sibling server, a ZeroMQ or torch.distributed socket) can take it between.
+        A server that dies of exactly that is started again on another port, a few times, before it is an error."""
         if self.alive():
             raise RuntimeError(f"server already running at {self.url}")
-        self.port = self.spec.port or free_port(self.spec.host)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except ServerStartError as error:
+                if self.spec.port or attempt == PORT_ATTEMPTS or not _lost_its_port(str(error)):
+                    raise
+                logger.warning("SGLang server port %s was taken before the server bound it; starting it again on "
+                               "another port", self.port)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> str:
+        self.port = self.spec.port or self.choose_port(self.spec.host)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"server-{self.spec.host}-{self.port}.log"
         command = self.spec.command(self.port)
@@ -182,6 +200,12 @@ class ServerProcess:
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _lost_its_port(start_error: str) -> bool:
+    """Whether a server's start-up failure (its log tail) is a bind on a port in use: uvicorn (SGLang) and aiohttp
+    (the CPU stand-in) both say "address already in use"."""
+    return "address already in use" in start_error.lower()
 
 
 def probe(url: str, timeout: float) -> bool:

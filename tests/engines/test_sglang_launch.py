@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
@@ -11,7 +12,8 @@ import pytest
 
 from actors.config import split_sglang_args
 from actors.rollout.engine_factory import attached_url
-from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError
+from bus.address import free_port
+from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError, probe
 
 
 @pytest.mark.unit
@@ -82,3 +84,45 @@ def test_server_started_from_a_thread_that_exits_keeps_running(tiny_model_path: 
         assert process.alive(), process.log_tail()
     finally:
         process.stop()
+
+
+@pytest.mark.integration
+def test_a_server_whose_port_is_taken_before_it_binds_starts_again_on_another_port(tiny_model_path: Path,
+                                                                                    tmp_path: Path) -> None:
+    """The port is free when chosen and taken when the server binds it: the first start dies of it, the second,
+    on a port chosen again, serves."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    process = ServerProcess(
+        ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
+                   extra={"torch-threads": "1"}),
+        startup_timeout=120, log_dir=tmp_path, choose_port=lambda host: next(ports, None) or free_port(host))
+    try:
+        url = process.start()
+        assert process.starts == 2
+        assert process.port != taken.getsockname()[1]
+        assert probe(url + "/health", timeout=5.0)
+    finally:
+        process.stop()
+        taken.close()
+
+
+@pytest.mark.integration
+def test_a_server_given_a_taken_port_by_name_fails_with_its_log(tiny_model_path: Path, tmp_path: Path) -> None:
+    """A port the user named is theirs to fix: no second start on another one."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    process = ServerProcess(
+        ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
+                   port=taken.getsockname()[1], extra={"torch-threads": "1"}),
+        startup_timeout=120, log_dir=tmp_path)
+    try:
+        with pytest.raises(ServerStartError, match=r"(?i)address already in use"):
+            process.start()
+        assert process.starts == 1
+    finally:
+        process.stop()
+        taken.close()
