@@ -30,6 +30,7 @@ from pathlib import Path
 
 import structlog
 
+from actors.config.engines import TRAIN_BACKENDS, engine_spec
 from actors.launch.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError, actor_environment
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
@@ -40,6 +41,21 @@ LIGHT_ROLES = ("controller", "buffer", "reward")  # built-in roles that load no 
 # SIGTERM to SIGKILL for the learner: the step in hand and the checkpoint at stop (Learner.drain_timeout is 120 s)
 # must fit, or a Ctrl-C loses everything trained since the last periodic checkpoint.
 LEARNER_STOP_GRACE_S = 135.0
+
+
+def holds_a_model(context: ActorContext) -> bool:
+    """Whether the actor imports torch and transformers to hold a model, so that the template imports them (once)
+    before forking it. A rollout worker imports its engine's factory: the torch engine's or SGLang's for a built-in,
+    only the plugin's own module for a plugin (the benchmark's sleeping engine); a learner imports the trainer of a
+    built-in backend, not of a plugin. A custom role may hold a model."""
+    run = context.settings.run
+    if context.role in LIGHT_ROLES:
+        return False
+    if context.role == "rollout":
+        return engine_spec(run.engine.rollout_engine) is not None
+    if context.role in ("learner", "learner-ranks"):
+        return run.trainer.train_backend in TRAIN_BACKENDS
+    return True
 
 
 @dataclass(frozen=True)
@@ -107,7 +123,7 @@ class Supervisor:
                                  error=str(error))
         # Actors that hold no model first: forked at once, they run while the template imports torch for the rest.
         watchers = []
-        for child in sorted(self.children, key=lambda c: c.context.role not in LIGHT_ROLES):
+        for child in sorted(self.children, key=lambda c: holds_a_model(c.context)):
             if self.stopping:
                 break  # the run ended (or failed) while this node was still starting its actors
             await self._start(child)
@@ -216,7 +232,7 @@ class Supervisor:
             return None
         try:
             return await self.zygote.spawn(str(child.context_path), env,
-                                           heavy=child.context.role not in LIGHT_ROLES)
+                                           heavy=holds_a_model(child.context))
         except ZygoteError as error:
             self.log.warning("forking from the actor template failed; starting a new interpreter",
                              actor=child.context.actor_id, error=str(error))

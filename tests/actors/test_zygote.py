@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 
+import launcher
+from actors.launch import node_roles
+from actors.launch.supervisor import holds_a_model
 from actors.launch.zygote_client import EarlyTemplate, Zygote, actor_environment
 from actors.runtime.context import ActorContext
 from actors.runtime.roles import BUILTIN_ROLES
 from bus.address import free_port
+from tests.support.launch_inputs import minimal_inputs
 from tests.support.processes import alive
+from tools.bench.pipeline import SLEEPING_FLAGS
 
 
 def controller_context(tmp_path: Path) -> Path:
@@ -139,3 +144,22 @@ def test_an_actor_starts_unbuffered_unless_the_user_chose_and_with_only_its_plac
     assert actor_environment("2,3")["CUDA_VISIBLE_DEVICES"] == "2,3"
     monkeypatch.setenv("PYTHONUNBUFFERED", "0")
     assert actor_environment()["PYTHONUNBUFFERED"] == "0"
+
+
+@pytest.mark.unit
+def test_the_template_preloads_the_model_stack_for_a_real_engine_and_trainer_and_not_for_stand_ins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin engine or trainer (the pipeline benchmark's sleeping ones) imports its own module, not the torch
+    engine, trainer and transformers: preloading those cost each such launch seconds of CPU for nothing."""
+    monkeypatch.setattr(node_roles, "visible_gpus", lambda: 0)
+
+    def preloaded(name: str, *flags: str) -> dict[str, bool]:
+        contexts, _, _ = launcher.prepare(["--head", "--run-dir", str(tmp_path / name), *minimal_inputs(tmp_path),
+                                           *flags])
+        return {context.actor_id: holds_a_model(context) for context in contexts}
+
+    light = {"controller": False, "buffer": False, "reward-0-0": False}
+    assert preloaded("real") == {**light, "rollout-0-0": True, "learner": True}
+    assert preloaded("stand-ins", *SLEEPING_FLAGS) == {**light, "rollout-0-0": False, "learner": False}
+    assert preloaded("stand-in-engine", *SLEEPING_FLAGS[:2]) == {**light, "rollout-0-0": False, "learner": True}
