@@ -291,7 +291,7 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
             share = budget.get(actor_id, CpuShare())
             expected = run_members if role == "controller" else {}
             settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level, run=config,
-                                     expected_roles=expected)
+                                     expected_roles=expected, restart_backoff=args.restart_backoff)
             contexts.append(ActorContext(
                 actor_id=actor_id, role=role, actor_class=path, node_rank=args.node_rank,
                 head_address=head_address, run_dir=run_dir, host=args.host, transport=args.transport,

@@ -30,6 +30,8 @@ class ActorSettings(BaseModel):
     expected_roles: dict[str, int] = Field(default_factory=dict)  # controller: role -> actors it waits for
     heartbeat_deadline: float | None = Field(None, gt=0)  # controller: silence before a member counts as dead
     stream_window: int = Field(16, ge=1)  # credits of this actor's inbound stream
+    # --restart-backoff: the first wait before restarting what an actor itself keeps running (a node's learner ranks)
+    restart_backoff: float = 0.5
     custom: dict[str, Any] = Field(default_factory=dict)  # a user-written actor's own settings, as given
     # The run's clock (actors/report/run_clock.py): the epoch seconds at which it read 0, which the head's launcher
     # gives every actor it starts and restarts, so metrics `time` goes on across restarts; None: from the writer.

@@ -46,7 +46,7 @@ def start_learner_node(node: Node, run_dir: Path, head: str) -> subprocess.Popen
     """Node 1 of the learner: its learner ranks, and one rollout worker beside them."""
     command = [sys.executable, str(REPO / "launcher.py"), "--head-address", head, "--node-rank", str(node.rank),
                "--host", node.address, "--run-dir", str(run_dir), "--rollout-workers", "1", "--reward-workers", "0",
-               "--heartbeat-interval", "0.25", "--no-progress"]
+               "--heartbeat-interval", "0.25", "--restart-backoff", "0.2", "--no-progress"]
     return subprocess.Popen(node.command(command), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
