@@ -27,6 +27,9 @@ from bus.address import free_port
 from bus.schema import GeneratedGroup
 from tools.sim.pipeline import SPEC_ENV, SimSpec
 
+# Longer than any start-up here takes on a loaded machine: only a hang reaches it.
+HANG_S = 60.0
+
 SLEEPING = {"rollout_engine": "tools.sim.pipeline:sleeping_engine",
             "train_backend": "tools.sim.pipeline:sleeping_trainer",
             "weight_transport": "tools.sim.pipeline:VERSION_ONLY"}
@@ -83,10 +86,11 @@ class ActorSystem:
         actor = actor_class(context)
         self.actors[actor_id] = actor
         self.tasks[actor_id] = asyncio.create_task(actor.main(), name=actor_id)
-        if role == "controller":
-            await asyncio.sleep(0.2)  # its socket is bound before anyone registers
+        if role == "controller":  # its sockets are bound before anyone registers
+            await self.wait_for(functools.partial(_listening, actor), HANG_S, f"{actor_id} to bind its sockets")
         else:  # one at a time, so what an actor finds at start-up (its peers) does not depend on a race
-            await self.wait_for(functools.partial(_registered, self, actor_id), 15, f"{actor_id} to register")
+            await self.wait_for(functools.partial(_registered, self, actor_id), HANG_S,
+                                f"{actor_id} to register with the controller")
         return actor
 
     def __getitem__(self, actor_id: str) -> Any:
@@ -112,8 +116,15 @@ class ActorSystem:
             await asyncio.sleep(0.05)
 
 
+def _listening(controller: Actor) -> bool:
+    """The controller binds its head address, then its publisher, in one step of its start-up."""
+    return getattr(controller, "publisher", None) is not None
+
+
 def _registered(system: ActorSystem, actor_id: str) -> bool:
-    return actor_id in system.actors["controller"].records
+    """The controller holds the actor's record and the actor has its answer: its start-up is over (the heartbeat
+    starts then), so a stop asked for now is an ordinary stop with a goodbye, not a start-up given up."""
+    return actor_id in system.actors["controller"].records and system.actors[actor_id]._heartbeat is not None
 
 
 def _holds(condition: Callable[[], bool]) -> bool:
