@@ -243,9 +243,11 @@ class HoldsALeaseRequest(Buffer):
 @pytest.mark.timeout(60)
 async def test_weights_that_land_while_a_too_old_worker_asks_for_work_are_not_waited_for_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Too old to train on, the worker asks for pinned work (an eval round's); when the new weights land during
-    that request, it must go on with them, not clear the signal and wait out its timeout (a sync step lost 0.2 s,
-    seen in bench_pipeline once workers woke on the announcement). Here the timeout is 30 s."""
+    """The worker's weights become too old to train on while its lease request is out, and the new weights land
+    before the answer: it must decide on the weights it has when the answer comes and go on with them, not wait
+    out its weights timeout (a sync step lost 0.2 s, seen in bench_pipeline once workers woke on the
+    announcement). Here the timeout is 30 s. The request is held from before the announcement: a request answered
+    after it but sent before is the race this order pins down."""
     use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
     monkeypatch.setattr(rollout_actor, "WEIGHTS_POLL_S", 30.0)
     roles = {**ROLES, "buffer": HoldsALeaseRequest}
@@ -253,9 +255,10 @@ async def test_weights_that_land_while_a_too_old_worker_asks_for_work_are_not_wa
         worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
         await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
         buffer.release, buffer.asked = asyncio.Event(), asyncio.Event()
+        await asyncio.wait_for(buffer.asked.wait(), 10)  # the idle worker's next poll, now held
         buffer.core.note_version(step=1, version=1)
         await worker.on_version("version", VersionAnnouncement(version=1, weights_version=0, step=1))
-        await asyncio.wait_for(buffer.asked.wait(), 10)  # our weights (0) are too old: it asks for pinned work
+        assert worker.weights_too_old()  # our weights (0) are too old for version 1's batch
         assert isinstance(await order_weights(worker), Ack)
         buffer.release.set()  # answered after version 1's weights landed
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups with version 1's weights")
