@@ -52,8 +52,8 @@ def test_no_actor_crashes_and_the_run_completes(hostile: tuple[dict[str, Any], s
 @pytest.mark.timeout(300)
 def test_every_bound_socket_is_targeted_with_every_kind(hostile: tuple[dict[str, Any], str]) -> None:
     figures, _ = hostile
-    # controller rpc + publish, buffer rpc, reward inbox, two rollout workers' rpc... and their engines' sockets
-    assert len(figures["endpoints"]) == 9 and figures["targeted"] == figures["endpoints"]
+    # controller rpc + publish, buffer inbox + rpc, reward inbox, learner rpc, two rollout workers' rpc and engines
+    assert len(figures["endpoints"]) == 10 and figures["targeted"] == figures["endpoints"]
     kinds = {attack["socket"]: set() for attack in figures["attacks"]}
     for attack in figures["attacks"]:
         kinds[attack["socket"]].add(attack["kind"])

@@ -57,9 +57,10 @@ from tools.hostile.judge import Counters, judge
 from tools.hostile.plan import FULL, QUICK, Attack, Mode, captured_frames, plan
 from tools.hostile.run import HEARTBEAT_S, Endpoint, RssSampler, Run, launch, wait_until
 
-# controller rpc + publish, buffer inbox + rpc, reward inbox, and each of the two rollout workers' rpc and engine
-# (its engine served to the other's router): the attack waits until every one is bound
-EXPECTED_ENDPOINTS = 9
+# controller rpc + publish, buffer inbox + rpc, reward inbox, the learner's rpc (the evaluator's weight pins), and
+# each of the two rollout workers' rpc and engine (its engine served to the other's router): the attack waits until
+# every one is bound
+EXPECTED_ENDPOINTS = 10
 # Resident memory an actor may gain under attack: a fixed allowance for the interpreter and every bounded table
 # (drop rows, stream accounts, reply cache), plus what libzmq and the actor keep per connection the attacker opened
 # (libzmq alone: ~28 KiB, measured with a bare ROUTER; glibc keeps it after the connection closes).
