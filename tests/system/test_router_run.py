@@ -53,7 +53,8 @@ def test_an_engine_killed_mid_episode_leaves_the_episode_to_another_engine_and_n
     assert (fired["actor"], fired["phase"]) == ("rollout-0-1", "engine_serve.mid")
     moved = [event for event in log_events(run_dir, "rollout-0-0", "call moved to another engine")
              if event["left"] == "rollout-0-1"]
-    assert moved, "rollout-0-0's call on the killed engine did not move"
+    assert moved, "rollout-0-0's call on the killed engine did not move; its lines about rollout-0-1:\n" + "\n".join(
+        line for line in (run_dir / "logs" / "rollout-0-0.jsonl").read_text().splitlines() if "rollout-0-1" in line)
     assert not log_events(run_dir, "rollout-0-0", "rollout of a group failed")
     # The buffer accepted the group whose call moved as rollout-0-0 generated it: every episode whole.
     moved_group = moved[0]["request"].split("/")[1]  # request ids are WORKER/GROUP/N
