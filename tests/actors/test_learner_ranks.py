@@ -78,12 +78,13 @@ def test_a_one_rank_learner_trains_the_batch_as_it_holds_it_without_encoding_it(
 
 
 @pytest.mark.unit
-def test_another_nodes_silent_rank_is_given_up_on_as_soon_as_the_runs_heartbeat_setting_says() -> None:
-    """A run with fast heartbeats (the system tests' 0.25 s) waited the fixed 20 s for a hung rank on another node;
-    the window follows --heartbeat-interval now (20 s at its default), never below five of the followers' beats."""
+def test_another_nodes_silent_rank_is_given_up_on_after_the_runs_heartbeat_setting_and_never_sooner_than_20_beats(
+        ) -> None:
+    """A run with slow heartbeats tolerates a longer silence; fast heartbeats (the system tests' 0.25 s) do not
+    shorten it below 20 of the followers' beats, which a loaded machine's model builds and group set-ups need."""
     config = build_config({"train_backend": "tools.sim.pipeline:sleeping_trainer"})
     assert LearnerRanks(config, Path("."), "127.0.0.1", structlog.get_logger()).silent_s == 20.0
     fast = LearnerRanks(config, Path("."), "127.0.0.1", structlog.get_logger(), heartbeat_interval=0.25)
-    assert fast.silent_s == 5.0
-    assert silent_after(0.01) == 5 * BEAT_S  # a follower beats once a second, whatever the run's heartbeat
-    assert silent_after(3.0) == 60.0
+    assert fast.silent_s == 20 * BEAT_S  # a follower beats once a second, whatever the run's heartbeat
+    slow = LearnerRanks(config, Path("."), "127.0.0.1", structlog.get_logger(), heartbeat_interval=3.0)
+    assert slow.silent_s == silent_after(3.0) == 60.0

@@ -92,12 +92,21 @@ def controller_events(run_dir: Path, member: str) -> list[str]:
     return [record["event"] for record in map(json.loads, lines) if record.get("member") == member]
 
 
-def wait(condition: Callable[[], bool], what: str, timeout: float = 90) -> None:
+def wait(condition: Callable[[], bool], what: str, timeout: float = 90, *, run_dir: Path | None = None) -> None:
+    """`run_dir`: on a timeout, the run's warnings and errors come with the failure (what the run was doing)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (
+                "; the run's warnings and errors:\n" + run_troubles(run_dir) if run_dir is not None else ""))
         time.sleep(0.2)
+
+
+def run_troubles(run_dir: Path, last: int = 40) -> str:
+    """The last warning and error lines of every actor's log in `run_dir`, oldest first."""
+    lines = [line for path in sorted((run_dir / "logs").glob("*.jsonl")) for line in path.read_text().splitlines()
+             if '"level": "warning"' in line or '"level": "error"' in line]
+    return "\n".join(sorted(lines, key=lambda line: json.loads(line).get("timestamp", ""))[-last:])
 
 
 def node_pids(run_dir: Path, rank: int) -> list[int]:

@@ -92,15 +92,17 @@ def test_a_learner_on_two_nodes_trains_as_one_world_and_survives_losing_the_othe
     steps = 24
     run_dir, head, other = start_two_nodes(tmp_path, tiny_model_path, nodes, steps)
     try:
-        wait(lambda: trained_steps(run_dir) >= 6, "six steps of the two-node learner", timeout=240)
+        wait(lambda: trained_steps(run_dir) >= 6, "six steps of the two-node learner", timeout=240, run_dir=run_dir)
         first_set = rank_pids(run_dir)
         assert len(first_set) == 1
         os.kill(first_set[0], signal.SIGKILL)  # node 1's rank dies mid-run: its peers see the connection go
-        wait(lambda: len(rank_pids(run_dir)) >= 2, "node 1 to start a fresh rank", timeout=120)
-        wait(lambda: trained_steps(run_dir) >= 12, "the second world to train past the first loss", timeout=240)
+        wait(lambda: len(rank_pids(run_dir)) >= 2, "node 1 to start a fresh rank", timeout=120, run_dir=run_dir)
+        wait(lambda: trained_steps(run_dir) >= 12, "the second world to train past the first loss", timeout=240,
+             run_dir=run_dir)
         hung_at, second_set = len(log_records(run_dir, "learner")), rank_pids(run_dir)
         os.kill(second_set[-1], signal.SIGSTOP)  # the fresh rank hangs mid-run: nothing breaks a connection
-        wait(lambda: len(rank_pids(run_dir)) > len(second_set), "node 1 to replace its hung rank", timeout=120)
+        wait(lambda: len(rank_pids(run_dir)) > len(second_set), "node 1 to replace its hung rank", timeout=120,
+             run_dir=run_dir)
     except BaseException:
         stop_all(head, other, run_dir)
         raise
