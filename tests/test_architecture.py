@@ -422,16 +422,17 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"pkg": {"pkg.child"}, "pkg.child": {"pkg"}}) is None
 
 
-# Traits read, not name tables: what a built-in engine is lives in its spec (actors/config/engines.py); anywhere else
-# in product, a `rollout_engine == "sglang"` or a spelled ("torch", "sglang") is a second source of truth that the
-# next built-in engine would have to find and edit.
+# Traits read, not name tables: what a built-in engine or training backend is lives in its spec
+# (actors/config/engines.py); anywhere else in product, a `rollout_engine == "sglang"`, a `train_backend != "torch"`
+# or a spelled ("torch", "sglang") is a second source of truth that the next built-in would have to find and edit.
 ENGINE_SPEC_MODULE = "actors.config.engines"
 PRODUCT = ("actors", "bus", "engines", "policies", "launcher")
 
 
-def engine_name_tables(tree: ast.AST, engine_names: set[str]) -> list[int]:
-    """Lines that compare a rollout engine setting with a string literal (or literals), or spell two or more
-    built-in engine names in one literal collection."""
+def engine_name_tables(tree: ast.AST, *kinds: set[str]) -> list[int]:
+    """Lines that compare a rollout engine or training backend setting with a string literal (or literals), or
+    spell two or more built-in names of one kind (`kinds`: the rollout engines', the training backends') in one
+    literal collection."""
     def literals(node: ast.expr) -> list[str] | None:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return [node.value]
@@ -442,8 +443,9 @@ def engine_name_tables(tree: ast.AST, engine_names: set[str]) -> list[int]:
         return None
 
     def names_engine(node: ast.expr) -> bool:
-        return (isinstance(node, ast.Attribute) and node.attr == "rollout_engine") or (
-            isinstance(node, ast.Name) and node.id == "rollout_engine")
+        settings = ("rollout_engine", "train_backend")
+        return (isinstance(node, ast.Attribute) and node.attr in settings) or (
+            isinstance(node, ast.Name) and node.id in settings)
 
     lines = set()
     for node in ast.walk(tree):
@@ -452,17 +454,18 @@ def engine_name_tables(tree: ast.AST, engine_names: set[str]) -> list[int]:
             if any(names_engine(operand) for operand in operands) and any(
                     literals(operand) is not None for operand in operands):
                 lines.add(node.lineno)
-        elif isinstance(node, ast.Tuple | ast.List | ast.Set) and len(set(literals(node) or ()) & engine_names) >= 2:
+        elif isinstance(node, ast.Tuple | ast.List | ast.Set) and any(
+                len(set(literals(node) or ()) & names) >= 2 for names in kinds):
             lines.add(node.lineno)
     return sorted(lines)
 
 
 def test_engine_traits_are_read_not_spelled_as_name_tables() -> None:
-    from actors.config.engines import BUILTIN_ENGINES
+    from actors.config.engines import BUILTIN_ENGINES, BUILTIN_TRAIN_BACKENDS
 
     found = [f"{module}:{line}" for module, path in project_modules().items()
              if module.split(".")[0] in PRODUCT and module != ENGINE_SPEC_MODULE
-             for line in engine_name_tables(parse(path), set(BUILTIN_ENGINES))]
+             for line in engine_name_tables(parse(path), set(BUILTIN_ENGINES), set(BUILTIN_TRAIN_BACKENDS))]
     assert not found, f"engine names spelled outside {ENGINE_SPEC_MODULE} (read the engine's spec instead): {found}"
 
 
@@ -471,12 +474,15 @@ def test_engine_traits_are_read_not_spelled_as_name_tables() -> None:
     'if rollout_engine not in ("torch", "sglang"): pass',
     'if "torch" != self.config.engine.rollout_engine: pass',
     'BUILTIN = ["sglang", "torch"]',
+    'if config.trainer.train_backend == "torch": pass',
+    'BACKENDS = ("torch", "megatron")',
 ])
 def test_engine_name_table_finder_finds_a_planted_table(planted: str) -> None:
-    assert engine_name_tables(ast.parse(planted), {"torch", "sglang"}) == [1]
+    assert engine_name_tables(ast.parse(planted), {"torch", "sglang"}, {"torch", "megatron"}) == [1]
 
 
 def test_engine_name_table_finder_passes_trait_reads() -> None:
     clean = ('spec = engine_spec(config.engine.rollout_engine)\nif spec is not None and spec.colocatable: pass\n'
-             'BACKENDS = ("torch", "megatron")\nif config.trainer.train_backend == "torch": pass')
-    assert engine_name_tables(ast.parse(clean), {"torch", "sglang"}) == []
+             'backend = train_backend_spec(config.trainer.train_backend)\nif backend and backend.critic: pass\n'
+             'opd_type: Literal["sglang", "megatron"]')  # one engine's and one backend's name: another setting's words
+    assert engine_name_tables(ast.parse(clean), {"torch", "sglang"}, {"torch", "megatron"}) == []

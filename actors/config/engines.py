@@ -1,10 +1,14 @@
-"""The built-in inference engines and what each one is: the one place a run's engine-dependent choices are read from.
+"""The built-in engines (inference engines and training backends) and what each one is: the one place a run's
+engine-dependent choices are read from.
 
 `--rollout-engine` names a built-in (a key of `BUILTIN_ENGINES`) or a plugin factory `module:attr`. Placement, the
 config's cross-checks, the learner's choice of weight transport and the engine factory ask an engine's traits
 (`engine_spec`), never its name, so a third built-in engine is one more entry here. A plugin has no spec: it gets
 the conservative answer everywhere (not colocatable, no HTTP server, weights over torch.distributed), and declares
 only whether it needs a GPU, as an attribute of its factory (`needs_gpu = False`).
+
+`--train-backend` is the same: a key of `BUILTIN_TRAIN_BACKENDS` or a plugin factory `module:attr`, and the config's
+cross-checks, the trainer factory and the process template ask `train_backend_spec`.
 """
 
 from __future__ import annotations
@@ -62,13 +66,51 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
         cpu_standin="--sglang-server-module tools.standins.sglang_server"),
 }
 
-TRAIN_BACKENDS = ("torch", "megatron")  # --train-backend values that name no plugin (actors.learner.trainer_factory)
+@dataclass(frozen=True)
+class TrainBackendSpec:
+    """A built-in training backend's traits. `factory` has a plugin trainer factory's signature, `(config) ->
+    Trainer`, named by path so that reading the traits imports neither torch nor megatron-core.
+
+    A plugin backend has no spec: it holds no model the process template should preload, gets no model
+    parallelism, critic or in-learner teacher, and reads `config.lora` itself if it adapts."""
+
+    factory: str
+    model_parallel: bool = False  # tensor, pipeline and expert parallelism (it shards the batch itself)
+    critic: bool = False  # trains a value model beside the policy (PPO's GAE)
+    routing_replay: bool = False  # replays MoE routes (its own pi_old forward's, or the engines')
+    teachers_in_learner: bool = False  # holds distillation teachers in the learner's process
+    no_lora_because: str | None = None  # why LoRA cannot run on it, or None where it can
+
+    @property
+    def lora(self) -> bool:
+        return self.no_lora_because is None
+
+
+BUILTIN_TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
+    "torch": TrainBackendSpec(factory="actors.learner.trainer_factory:build_torch_trainer", critic=True,
+                              routing_replay=True, teachers_in_learner=True),
+    "megatron": TrainBackendSpec(
+        factory="actors.learner.trainer_factory:build_megatron_trainer", model_parallel=True, routing_replay=True,
+        no_lora_because="megatron-core 0.16 and mbridge have no LoRA layers; Megatron-Bridge's PEFT needs "
+                        "Transformer Engine"),
+}
 
 
 def engine_choices(setting: str) -> tuple[str, ...]:
     """The built-in names of a plugin-capable engine setting (`train_backend`, `rollout_engine`), none for any
     other; anything else must be a `module:attr` path. Read when asked, so a registered engine spec counts at once."""
-    return {"train_backend": TRAIN_BACKENDS, "rollout_engine": tuple(BUILTIN_ENGINES)}.get(setting, ())
+    return {"train_backend": tuple(BUILTIN_TRAIN_BACKENDS), "rollout_engine": tuple(BUILTIN_ENGINES)}.get(setting, ())
+
+
+def train_backend_spec(name: str) -> TrainBackendSpec | None:
+    """The built-in training backend `name` names, or None for a plugin path."""
+    return BUILTIN_TRAIN_BACKENDS.get(name)
+
+
+def train_backends_that(trait: str) -> str:
+    """The built-in training backends with `trait`, as a flag in words ("--train-backend torch or megatron")."""
+    return "--train-backend " + " or ".join(name for name, spec in BUILTIN_TRAIN_BACKENDS.items()
+                                            if getattr(spec, trait))
 
 
 def engine_spec(name: str) -> EngineSpec | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from actors.config.engines import TRAIN_BACKENDS, engine_spec
+from actors.config.engines import engine_spec, train_backend_spec
 from actors.config.plugin_marks import PLUGIN_FOR
 from actors.config.run import RunConfig
 from actors.config.teachers import Teacher, run_teachers
@@ -154,7 +154,7 @@ def _teacher_folder_problem(teacher: Teacher, teacher_load: str | None, hub_cach
 def _model_users(config: RunConfig, running: set[str]) -> list[str]:
     """Who on this node loads --hf-checkpoint, in words."""
     users = []
-    if "learner" in running and config.trainer.train_backend in TRAIN_BACKENDS:
+    if "learner" in running and train_backend_spec(config.trainer.train_backend) is not None:
         users.append(f"the learner (--train-backend {config.trainer.train_backend})")
     engine = engine_spec(config.engine.rollout_engine)
     if "rollout" in running and engine is not None and engine.loads_checkpoint:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.config.engines import engine_spec, kinds_that
+from actors.config.engines import engine_spec, kinds_that, train_backend_spec, train_backends_that
 from actors.config.megatron import MegatronConfig
 from actors.config.router import RouterConfig
 from actors.config.sections import (
@@ -180,14 +180,16 @@ class RunConfig(BaseModel):
         if trainer.learner_ranks % parallel:
             problems.append(f"learner_ranks {trainer.learner_ranks} must be a positive multiple of "
                             f"tensor_model_parallel_size x pipeline_model_parallel_size = {parallel}")
-        if parallel > 1 and trainer.train_backend != "megatron":
-            problems.append("tensor/pipeline parallelism needs --train-backend megatron")
+        backend = train_backend_spec(trainer.train_backend)
+        model_parallel = backend is not None and backend.model_parallel
+        if parallel > 1 and not model_parallel:
+            problems.append(f"tensor/pipeline parallelism needs {train_backends_that('model_parallel')}")
         megatron = self.megatron
         experts = megatron.expert_model_parallel_size * (megatron.expert_tensor_parallel_size
                                                          or trainer.tensor_model_parallel_size)
         stage_ranks = trainer.learner_ranks // trainer.pipeline_model_parallel_size
-        if megatron.expert_model_parallel_size > 1 and trainer.train_backend != "megatron":
-            problems.append("expert parallelism needs --train-backend megatron")
+        if megatron.expert_model_parallel_size > 1 and not model_parallel:
+            problems.append(f"expert parallelism needs {train_backends_that('model_parallel')}")
         elif megatron.expert_model_parallel_size > 1 and stage_ranks % experts:
             problems.append(f"learner_ranks {trainer.learner_ranks} over pipeline_model_parallel_size "
                             f"{trainer.pipeline_model_parallel_size} must be a multiple of "
@@ -274,9 +276,9 @@ def _colocate_problems(config: RunConfig) -> list[str]:
 def _lora_problems(config: RunConfig) -> list[str]:
     """Where a LoRA adapter cannot go yet, said at start-up rather than by a failed first weight push."""
     problems = []
-    if config.trainer.train_backend == "megatron":
-        problems.append("lora_rank: LoRA needs --train-backend torch (megatron-core 0.16 and mbridge have no LoRA "
-                        "layers; Megatron-Bridge's PEFT needs Transformer Engine)")
+    backend = train_backend_spec(config.trainer.train_backend)
+    if backend is not None and backend.no_lora_because:
+        problems.append(f"lora_rank: LoRA needs {train_backends_that('lora')} ({backend.no_lora_because})")
     spec = engine_spec(config.engine.rollout_engine)
     if spec is not None and spec.lora_target_check is not None:
         try:
@@ -325,8 +327,10 @@ def _distillation_problems(config: RunConfig) -> list[str]:
                         "distillation term and whitening; add the term in it (each sample carries "
                         "teacher_log_probs beside its log-probs)")
     held = [name for name, teacher in teachers.items() if teacher.in_learner]
-    if held and config.trainer.train_backend != "torch":
-        problems.append(f"teachers held by the learner ({', '.join(held)}) need --train-backend torch; on "
+    backend = train_backend_spec(config.trainer.train_backend)
+    if held and (backend is None or not backend.teachers_in_learner):
+        problems.append(f"teachers held by the learner ({', '.join(held)}) need "
+                        f"{train_backends_that('teachers_in_learner')}; on "
                         f"{config.trainer.train_backend} give the teacher as a server (--opd-teacher NAME=URL)")
     return problems
 
@@ -336,10 +340,11 @@ def _critic_problems(config: RunConfig) -> list[str]:
     run, and its settings only with it."""
     if config.policy.needs_critic:
         estimator = config.policy.advantage_estimator
-        if config.trainer.train_backend != "torch":
-            return [f"advantage_estimator {estimator} trains a critic beside the policy, which the torch backend "
-                    f"does; --train-backend {config.trainer.train_backend} has no value model (use grpo, "
-                    "reinforce_plus_plus or rloo there)"]
+        backend = train_backend_spec(config.trainer.train_backend)
+        if backend is None or not backend.critic:
+            return [f"advantage_estimator {estimator} trains a critic beside the policy, which "
+                    f"{train_backends_that('critic')} does; --train-backend {config.trainer.train_backend} has no "
+                    "value model (use grpo, reinforce_plus_plus or rloo there)"]
         if config.learner.custom_advantage_function_path is not None:
             return [f"advantage_estimator {estimator} with --custom-advantage-function-path: the critic trains on "
                     "the GAE returns of its own values, which a custom function (it gives advantages only) replaces"]
@@ -354,14 +359,20 @@ def _critic_problems(config: RunConfig) -> list[str]:
     return []
 
 
+def _replays_routes(config: RunConfig) -> bool:
+    backend = train_backend_spec(config.trainer.train_backend)
+    return backend is not None and backend.routing_replay
+
+
 def _routing_replay_problems(config: RunConfig) -> list[str]:
     """--use-routing-replay records routes in the learner's own pi_old forward: the torch backend and a recipe with
     one. --use-rollout-routing-replay takes them from the engines (SGLang servers, or torch engines on their dynamic
     cache) into either backend."""
     if config.trainer.use_rollout_routing_replay:
-        if config.trainer.train_backend not in ("torch", "megatron"):
-            return [f"--use-rollout-routing-replay: the torch and Megatron backends replay MoE routes; "
-                    f"--train-backend {config.trainer.train_backend} does not"]
+        if not _replays_routes(config):
+            return ["--use-rollout-routing-replay: MoE routes are replayed by "
+                    f"{train_backends_that('routing_replay')}; --train-backend {config.trainer.train_backend} does "
+                    "not"]
         spec = engine_spec(config.engine.rollout_engine)
         if spec is None or not spec.records_routes:
             return [f"--use-rollout-routing-replay: {kinds_that('records_routes', 'and')} record routed experts; "
@@ -371,8 +382,9 @@ def _routing_replay_problems(config: RunConfig) -> list[str]:
                     "--torch-kv-cache dynamic (or auto, which picks it for routing replay)"]
     if not config.trainer.use_routing_replay:
         return []
-    if config.trainer.train_backend not in ("torch", "megatron"):
-        return [f"--use-routing-replay: the torch and Megatron backends record and replay the learner's own routes; "
+    if not _replays_routes(config):
+        return [f"--use-routing-replay: the learner's own routes are recorded and replayed by "
+                f"{train_backends_that('routing_replay')}; "
                 f"--train-backend {config.trainer.train_backend} does not"]
     source = pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo,
                            steps_per_batch=config.optimizer_steps_per_batch)

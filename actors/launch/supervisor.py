@@ -30,7 +30,7 @@ from pathlib import Path
 
 import structlog
 
-from actors.config.engines import TRAIN_BACKENDS, engine_spec
+from actors.config.engines import engine_spec, train_backend_spec
 from actors.launch.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError, actor_environment
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
@@ -54,7 +54,7 @@ def holds_a_model(context: ActorContext) -> bool:
     if context.role == "rollout":
         return engine_spec(run.engine.rollout_engine) is not None
     if context.role in ("learner", "learner-ranks"):
-        return run.trainer.train_backend in TRAIN_BACKENDS
+        return train_backend_spec(run.trainer.train_backend) is not None
     return True
 
 

@@ -1,8 +1,8 @@
 """Which trainer a learner runs: `--train-backend` picks the implementation behind the `Trainer` interface.
 
 Kept apart from the learner so a backend (and its heavy imports) loads only when chosen. `--train-backend` is
-`torch`, `megatron`, or `module:attr`: a plugin factory with `build_trainer`'s signature (the pipeline
-benchmark's sleeping trainer is one).
+a built-in (`actors.config.engines.BUILTIN_TRAIN_BACKENDS` names each one's factory here) or `module:attr`: a
+plugin factory with `build_trainer`'s signature (the pipeline benchmark's sleeping trainer is one).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import RunConfig
-from actors.config.engines import TRAIN_BACKENDS
+from actors.config.engines import train_backend_spec
 from actors.config.teachers import run_teachers
 from engines.training.base import Trainer
 from policies.plugins import load_object
@@ -21,13 +21,12 @@ TrainerFactory = Callable[[RunConfig], Trainer]
 
 
 def build_trainer(config: RunConfig) -> Trainer:
-    if config.trainer.train_backend not in TRAIN_BACKENDS:
+    spec = train_backend_spec(config.trainer.train_backend)
+    if spec is None:
         return build_plugin_trainer(config.trainer.train_backend, config)
     if config.model.hf_checkpoint is None:
         raise ValueError("--hf-checkpoint is required for the learner")
-    if config.trainer.train_backend == "torch":
-        return _build_torch_trainer(config)
-    return _build_megatron_trainer(config)
+    return load_object(spec.factory, what="--train-backend")(config)
 
 
 def build_plugin_trainer(path: str, config: RunConfig) -> Trainer:
@@ -78,7 +77,7 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
     }
 
 
-def _build_torch_trainer(config: RunConfig) -> Trainer:
+def build_torch_trainer(config: RunConfig) -> Trainer:
     import torch
 
     from engines.training.config import CriticSettings, TorchTrainerConfig
@@ -124,7 +123,7 @@ def _checked_megatron_flags(config: RunConfig) -> dict[str, Any]:
     from engines.megatron.model_flags import check_against_hf, refuse_unsupported
 
     flags = config.megatron.set_flags()
-    refuse_unsupported(flags, backend="torch")
+    refuse_unsupported(flags, megatron_core=False)
     assert config.model.hf_checkpoint is not None  # build_trainer checked it
     check_against_hf(flags, AutoConfig.from_pretrained(config.model.hf_checkpoint))
     return flags
@@ -154,7 +153,7 @@ def _megatron_flags(config: RunConfig) -> Any:
                          hook_args=hook_args)
 
 
-def _build_megatron_trainer(config: RunConfig) -> Trainer:
+def build_megatron_trainer(config: RunConfig) -> Trainer:
     """Every learner rank builds one; the trainer makes its own world-size-1 group if none exists yet.
 
     Unlike the torch trainer, the Megatron trainer wants the WHOLE batch on every rank (it shards itself).

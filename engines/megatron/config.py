@@ -41,7 +41,7 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
 
     @model_validator(mode="after")
     def _refuse_unsupported_flags(self) -> MegatronTrainerConfig:
-        refuse_unsupported(self.model_flags.flags, backend="megatron")
+        refuse_unsupported(self.model_flags.flags, megatron_core=True)
         expert_tp = self.expert_tensor_parallel_size
         if expert_tp not in (None, 1, self.tensor_model_parallel_size):
             raise ValueError(f"expert_tensor_parallel_size {expert_tp}: the Megatron backend splits experts like "

@@ -21,7 +21,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-BACKENDS = ("megatron", "torch")
 # slime's hooks into its Megatron backend: the Megatron trainer runs them (`bridge`, `hooks`), the torch one cannot.
 MEGATRON_HOOKS = ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
                   "custom_megatron_before_train_step_hook_path")
@@ -190,10 +189,10 @@ _ARCHITECTURE_FLAGS = ("multi_latent_attention", "attention_output_gate", "use_g
                        "post_mlp_layernorm", "post_self_attn_layernorm")
 
 
-def refuse_unsupported(flags: Mapping[str, Any], *, backend: str) -> None:
-    """Raise one ValueError naming every flag this backend cannot honour, each with its reason."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def refuse_unsupported(flags: Mapping[str, Any], *, megatron_core: bool) -> None:
+    """Raise one ValueError naming every flag the trainer cannot honour, each with its reason. `megatron_core`: the
+    trainer builds its model with megatron-core (it runs slime's hooks, expert parallelism and Megatron's dropout);
+    otherwise it trains the Hugging Face model (the torch backend)."""
     problems = []
 
     def refuse(flag: str, reason: str) -> None:
@@ -206,7 +205,7 @@ def refuse_unsupported(flags: Mapping[str, Any], *, backend: str) -> None:
     if (flags.get("context_parallel_size") or 1) > 1:
         refuse("context_parallel_size", "context parallelism is not supported: megatron-core's context-parallel "
                "attention is transformer-engine's (CUDA only), which the CPU path and our SDPA attention lack")
-    if backend == "torch":
+    if not megatron_core:
         for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
             if (flags.get(name) or 1) > 1:
                 refuse(name, "the torch backend keeps every expert on every rank; use --train-backend megatron")
@@ -215,9 +214,9 @@ def refuse_unsupported(flags: Mapping[str, Any], *, backend: str) -> None:
     if flags.get("mtp_num_layers"):
         refuse("mtp_num_layers", "multi-token-prediction training is not available")
     for name in ("attention_dropout", "hidden_dropout"):
-        if backend == "torch" and flags.get(name):
+        if not megatron_core and flags.get(name):
             refuse(name, "the torch backend takes dropout from the HF config; use --train-backend megatron")
-    if backend == "torch":
+    if not megatron_core:
         balancing = flags.get("moe_router_load_balancing_type") or "aux_loss"
         if flags.get("moe_aux_loss_coeff") and balancing not in ("aux_loss", "none"):
             refuse("moe_router_load_balancing_type", "the torch backend computes megatron's micro-batch aux_loss "

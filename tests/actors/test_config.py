@@ -319,7 +319,8 @@ def test_the_prefix_cache_flags_size_the_engines_cache_or_switch_it_off(tiny_mod
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("flags", "reason"), [
-    (["--train-backend", "tools.sim.pipeline:sleeping_trainer"], "the torch and Megatron backends replay MoE routes"),
+    (["--train-backend", "tools.sim.pipeline:sleeping_trainer"],
+     "MoE routes are replayed by --train-backend torch or megatron; --train-backend tools.sim"),
     (["--rollout-engine", "tools.sim.pipeline:sleeping_engine"], "torch engines and SGLang servers record routed"),
     (["--torch-kv-cache", "static"], "static KV cache does not record routed experts yet"),
 ])

@@ -1,14 +1,24 @@
-"""The built-in inference engines are their specs (actors/config/engines.py): the config's choices, the factory, the
-weight transport, placement and preflight read the spec, so a third built-in engine is one entry there."""
+"""The built-in inference engines and training backends are their specs (actors/config/engines.py): the config's
+choices, the factories, the weight transport, placement and preflight read the spec, so a third built-in is one entry
+there."""
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from actors.config import build_config
-from actors.config.engines import BUILTIN_ENGINES, EngineSpec, engine_choices, engine_needs_gpu
+from actors.config.engines import (
+    BUILTIN_ENGINES,
+    BUILTIN_TRAIN_BACKENDS,
+    EngineSpec,
+    TrainBackendSpec,
+    engine_choices,
+    engine_needs_gpu,
+)
 from actors.config.preflight import preflight
 from actors.config.run import RunConfig
 from actors.launch.placement import PlacementError, place_node
@@ -76,3 +86,31 @@ def test_the_sglang_stand_in_defaults_to_what_a_run_would_have_passed_it() -> No
     defaults = build_config({})
     assert args.torch_threads == defaults.torch_threads
     assert args.weight_group_timeout == defaults.weights.weight_transfer_timeout
+
+
+def test_the_built_in_training_backends_are_their_specs_and_each_factory_is_a_callable() -> None:
+    assert engine_choices("train_backend") == tuple(BUILTIN_TRAIN_BACKENDS) == ("torch", "megatron")
+    for name, spec in BUILTIN_TRAIN_BACKENDS.items():
+        assert build_config({"train_backend": name}).trainer.train_backend == name
+        factory = load_object(spec.factory, what=f"{name}'s trainer factory")
+        assert callable(factory) and list(inspect.signature(factory).parameters) == ["config"]
+
+
+@pytest.mark.parametrize(("settings", "refusal"), [
+    ({"tensor_model_parallel_size": 2, "learner_ranks": 2}, "tensor/pipeline parallelism needs --train-backend"),
+    ({"expert_model_parallel_size": 2, "learner_ranks": 2}, "expert parallelism needs --train-backend"),
+    ({"advantage_estimator": "ppo"}, "trains a critic beside the policy"),
+    ({"use_routing_replay": True}, "--use-routing-replay: the learner's own routes are recorded"),
+])
+def test_a_training_backends_traits_decide_what_the_config_accepts(
+        monkeypatch: pytest.MonkeyPatch, settings: dict, refusal: str) -> None:
+    """A third backend is one spec entry: without the trait its run is refused naming the backends that have it;
+    the same entry with the trait is accepted."""
+    trait = {"tensor_model_parallel_size": "model_parallel", "expert_model_parallel_size": "model_parallel",
+             "advantage_estimator": "critic", "use_routing_replay": "routing_replay"}[next(iter(settings))]
+    plain = TrainBackendSpec(factory="tools.sim.pipeline:sleeping_trainer")
+    monkeypatch.setitem(BUILTIN_TRAIN_BACKENDS, "third", plain)
+    with pytest.raises(ValueError, match=refusal):
+        build_config({**settings, "train_backend": "third"})
+    monkeypatch.setitem(BUILTIN_TRAIN_BACKENDS, "third", replace(plain, **{trait: True}))
+    assert build_config({**settings, "train_backend": "third"}).trainer.train_backend == "third"

@@ -67,7 +67,8 @@ def test_every_optimizer_step_of_a_batch_replays_the_routes_of_pi_olds_forward(m
 @pytest.mark.parametrize(("settings", "message"), [
     ({"use_decoupled_ppo": False, "off_policy_correction": "none"},
      "records the experts in the learner's pi_old forward, which this recipe"),
-    ({"train_backend": "pkg.trainer:build"}, "--use-routing-replay: the torch and Megatron backends record"),
+    ({"train_backend": "pkg.trainer:build"},
+     "--use-routing-replay: the learner.s own routes are recorded and replayed by --train-backend torch or megatron"),
 ])
 def test_recipes_without_a_pi_old_forward_of_their_own_are_refused(tiny_model_path: Path, settings: dict,
                                                                    message: str) -> None:

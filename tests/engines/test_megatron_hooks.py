@@ -78,12 +78,12 @@ def _megatron_run(model_path: Path, *extra: str) -> list[str]:
 @pytest.mark.unit
 def test_the_megatron_backend_accepts_the_hooks_and_the_torch_backend_refuses_them() -> None:
     flags = parse([LOG_PROB_FLAG, "m:f", TRAIN_STEP_FLAG, "m:g"]).megatron.set_flags()
-    refuse_unsupported(flags, backend="megatron")
+    refuse_unsupported(flags, megatron_core=True)
     assert MegatronFlags(flags=flags).before_log_prob_hook_path == "m:f"
     assert MegatronFlags(flags=flags).before_train_step_hook_path == "m:g"
     for flag in (LOG_PROB_FLAG, TRAIN_STEP_FLAG):
         with pytest.raises(ValueError, match=f"{flag} m:f: a Megatron hook needs --train-backend megatron"):
-            refuse_unsupported(parse([flag, "m:f"]).megatron.set_flags(), backend="torch")
+            refuse_unsupported(parse([flag, "m:f"]).megatron.set_flags(), megatron_core=False)
 
 
 @pytest.mark.unit

@@ -147,14 +147,14 @@ def test_what_the_megatron_backend_cannot_do_is_refused_with_the_flag(
 @pytest.mark.unit
 def test_the_torch_backend_accepts_megatron_performance_flags_but_not_megatron_hooks() -> None:
     perf = parse(TINY_QWEN2_MODEL_ARGS + PERF_ARGS + ["--optimizer-cpu-offload"]).megatron.set_flags()
-    refuse_unsupported(perf, backend="torch")  # nothing to act on: accepted
+    refuse_unsupported(perf, megatron_core=False)  # nothing to act on: accepted
     for argv, reason in [(["--custom-megatron-init-path", "m:f"], "needs --train-backend megatron"),
                          (["--context-parallel-size", "2"], "context parallelism is not supported"),
                          (["--fp16"], "fp16 training"), (["--attention-dropout", "0.1"], "takes dropout from")]:
         with pytest.raises(ValueError, match=reason):
-            refuse_unsupported(parse(argv).megatron.set_flags(), backend="torch")
+            refuse_unsupported(parse(argv).megatron.set_flags(), megatron_core=False)
     with pytest.raises(ValueError, match="keeps every expert on every rank"):
-        refuse_unsupported({"expert_model_parallel_size": 2}, backend="torch")
+        refuse_unsupported({"expert_model_parallel_size": 2}, megatron_core=False)
     with pytest.raises(ValueError, match="expert parallelism needs --train-backend megatron"):
         parse(["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
 

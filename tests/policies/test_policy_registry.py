@@ -147,7 +147,7 @@ def test_a_plugin_estimator_that_reads_values_gets_a_critic_by_its_trait_not_its
     assert config.policy.needs_critic and uses_critic(config)
     assert not build_config({"advantage_estimator": "my_estimators:plain"}).policy.needs_critic
     with pytest.raises(ValueError, match="advantage_estimator my_estimators:gae_again trains a critic beside the "
-                                         "policy, which the torch backend does; --train-backend megatron"):
+                                         "policy, which --train-backend torch does; --train-backend megatron"):
         build_config({"advantage_estimator": "my_estimators:gae_again", "train_backend": "megatron"})
     with pytest.raises(ValueError, match="--critic-lr: a critic is trained only with an estimator that reads values"):
         build_config({"advantage_estimator": "my_estimators:plain", "critic_lr": 1e-5})
