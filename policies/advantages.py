@@ -61,7 +61,13 @@ from policies.packing import (
     to_tokens,
     zero_masked,
 )
-from policies.registry import NEEDS_CRITIC, register_advantage_estimator, resolve_advantage_estimator
+from policies.registry import (
+    BATCH_WHITENED,
+    NEEDS_CRITIC,
+    implies_loss,
+    register_advantage_estimator,
+    resolve_advantage_estimator,
+)
 
 __all__ = [
     "AdvantageInputs",
@@ -304,8 +310,8 @@ def _sequence_rewards_with_kl(config: PolicyLossConfig, inputs: AdvantageInputs)
 
 
 @register_advantage_estimator("grpo")
-@register_advantage_estimator("gspo")
-@register_advantage_estimator("cispo")
+@register_advantage_estimator("gspo", traits=(implies_loss("gspo"),))
+@register_advantage_estimator("cispo", traits=(implies_loss("cispo"),))
 def group_relative(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """GRPO-family: one group-normalised sequence advantage broadcast to every token (gspo/cispo differ in loss)."""
     rewards = _sequence_rewards_with_kl(config, inputs)
@@ -326,7 +332,7 @@ def rloo(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Ten
     return advantages, advantages
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+@register_advantage_estimator("reinforce_plus_plus", traits=(BATCH_WHITENED,))
 def reinforce_plus_plus(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++: per-token ``-kl_coef * kl`` plus the reward on the last token, discounted returns with gamma."""
     token_kl = zero_masked(inputs.token_kl, inputs.loss_mask)  # slime masks the KL here too, whatever the flag
@@ -337,7 +343,7 @@ def reinforce_plus_plus(config: PolicyLossConfig, inputs: AdvantageInputs) -> tu
     return returns, returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", traits=(BATCH_WHITENED,))
 def reinforce_plus_plus_baseline(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline: ``(r - mean_g) - kl_coef * kl_t`` per token (then batch whitening)."""
     rewards = inputs.rewards

@@ -14,11 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from policies.registry import (
     ADVANTAGE_ESTIMATORS,
+    BATCH_WHITENED,
     CORRECTIONS,
     KL_ESTIMATORS,
     NEEDS_CRITIC,
     POLICY_LOSSES,
     BuiltinNames,
+    implied_loss,
 )
 
 __all__ = ["AggregationMode", "ISLevel", "PolicyLossConfig"]
@@ -26,11 +28,6 @@ __all__ = ["AggregationMode", "ISLevel", "PolicyLossConfig"]
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 ISLevel = Literal["token", "sequence", "geometric"]
 
-# Loss implied by the advantage estimator when --loss-type is not given (slime picks the loss the same way).
-_LOSS_FOR_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
-# slime's --loss-type spellings.
-_LOSS_ALIASES = {"policy_loss": None, "sft_loss": "sft"}
-_ESTIMATORS_NEEDING_WHITENING = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 _REGISTRY_OF = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "loss_type": POLICY_LOSSES,
                 "kl_loss_type": KL_ESTIMATORS, "off_policy_correction": CORRECTIONS}
 
@@ -77,7 +74,7 @@ class PolicyLossConfig(BaseModel):
     # --- loss ---
     loss_type: Annotated[str | None, BuiltinNames(POLICY_LOSSES.listed_names)] = Field(
         None, description="the policy loss (default: the estimator's: gspo for gspo, cispo for cispo, else ppo; "
-        "slime's policy_loss and sft_loss are accepted)")
+        "slime's policy_loss and sft_loss are read as the default and sft)")
     loss_agg_mode: AggregationMode = Field(
         "seq-mean-token-mean", description="how token losses average: token-mean over every trained token of the "
         "step (DAPO), seq-mean-token-mean per sample then over samples (slime's default), seq-mean-token-sum "
@@ -172,7 +169,7 @@ class PolicyLossConfig(BaseModel):
         """Every name is checked now, each as its own field's error: an unknown name or a broken plugin path fails
         at start-up (without importing the built-ins' torch code: every actor validates this config, and a rollout
         worker never runs a loss)."""
-        if name is not None and not (info.field_name == "loss_type" and name in _LOSS_ALIASES):
+        if name is not None:
             _REGISTRY_OF[info.field_name or ""].check(name)
         return name
 
@@ -188,10 +185,8 @@ class PolicyLossConfig(BaseModel):
         # Fill the derived defaults (frozen models are mutated through object.__setattr__ during validation only).
         if self.eps_clip_high is None:
             object.__setattr__(self, "eps_clip_high", self.eps_clip)
-        if self.loss_type in _LOSS_ALIASES:
-            object.__setattr__(self, "loss_type", _LOSS_ALIASES[self.loss_type])
-        if self.loss_type is None:
-            object.__setattr__(self, "loss_type", _LOSS_FOR_ESTIMATOR.get(self.advantage_estimator, "ppo"))
+        if self.loss_type is None:  # the estimator's own loss, else PPO's (slime picks the loss the same way)
+            object.__setattr__(self, "loss_type", implied_loss(self._estimator_traits) or "ppo")
         if self.off_policy_correction is None:
             object.__setattr__(self, "off_policy_correction", "none" if self.loss_type == "sft" else "tis")
         if self.mis_lower_bound is None:
@@ -211,7 +206,7 @@ class PolicyLossConfig(BaseModel):
             raise ValueError(
                 f"mis_lower_bound={self.mis_lower_bound} must be below mis_upper_bound={self.mis_upper_bound}"
             )
-        if self.advantage_estimator in _ESTIMATORS_NEEDING_WHITENING and not self.normalize_advantages:
+        if BATCH_WHITENED in self._estimator_traits and not self.normalize_advantages:
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} is defined with batch whitening; "
                 "set normalize_advantages=True (--normalize-advantages)"
@@ -223,7 +218,11 @@ class PolicyLossConfig(BaseModel):
         """Whether the advantage estimator reads a critic's values (its NEEDS_CRITIC trait: PPO's, or a plugin's
         that declares it), so the learner trains a critic beside the policy. Read from the registry, not from a
         name, so a plugin estimator gets its critic too."""
-        return NEEDS_CRITIC in ADVANTAGE_ESTIMATORS.traits_of(self.advantage_estimator)
+        return NEEDS_CRITIC in self._estimator_traits
+
+    @property
+    def _estimator_traits(self) -> frozenset[str]:
+        return ADVANTAGE_ESTIMATORS.traits_of(self.advantage_estimator)
 
     @property
     def needs_ref(self) -> bool:

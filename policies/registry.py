@@ -18,6 +18,7 @@ from policies.plugins import PluginError, is_dotted_path, load_object
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BATCH_WHITENED",
     "CORRECTIONS",
     "FILTERS",
     "GROUP_REWARDS",
@@ -28,6 +29,8 @@ __all__ = [
     "REWARDS",
     "BuiltinNames",
     "Registry",
+    "implied_loss",
+    "implies_loss",
     "register_advantage_estimator",
     "register_correction",
     "register_filter",
@@ -155,6 +158,21 @@ NEEDS_CRITIC = "needs_critic"
 # A policy loss whose per-token term is the advantage times something, with nothing else read of a sample: a sample
 # whose advantages are all zero adds exactly nothing to its gradient, so the learner may skip it.
 LINEAR_IN_ADVANTAGE = "linear_in_advantage"
+# An advantage estimator defined with batch whitening (REINFORCE++): a run without --normalize-advantages would train
+# on something else than the estimator it names.
+BATCH_WHITENED = "batch_whitened"
+_IMPLIES_LOSS = "implies_loss:"
+
+
+def implies_loss(loss: str) -> str:
+    """The trait of an advantage estimator that comes with its own policy loss (GSPO's sequence ratio, CISPO's
+    clipped weights): `--loss-type` defaults to `loss` when not given."""
+    return _IMPLIES_LOSS + loss
+
+
+def implied_loss(traits: Iterable[str]) -> str | None:
+    """The policy loss an estimator's traits imply (`implies_loss`), or None for the default loss."""
+    return next((trait.removeprefix(_IMPLIES_LOSS) for trait in traits if trait.startswith(_IMPLIES_LOSS)), None)
 
 
 def with_traits(*traits: str) -> Callable[[F], F]:
@@ -187,7 +205,8 @@ class BuiltinNames:
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry(
     "advantage estimator", ("policies.advantages",),
     ("cispo", "grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"),
-    {"ppo": (NEEDS_CRITIC,)})
+    {"ppo": (NEEDS_CRITIC,), "gspo": (implies_loss("gspo"),), "cispo": (implies_loss("cispo"),),
+     "reinforce_plus_plus": (BATCH_WHITENED,), "reinforce_plus_plus_baseline": (BATCH_WHITENED,)})
 POLICY_LOSSES: Registry[Callable[..., Any]] = Registry(
     "policy loss", ("policies.losses",), ("cispo", "gspo", "ppo", "sft"),
     {name: (LINEAR_IN_ADVANTAGE,) for name in ("cispo", "gspo", "ppo")})

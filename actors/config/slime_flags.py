@@ -24,7 +24,7 @@ SPELLED_AS = "slime_spelled_as"  # args attribute: our setting -> the slime flag
 _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
     "--update-weight-mode": lambda v, a: v == "full",
     "--rollout-data-transport": lambda v, a: v == "object-store",
-    "--disable-compute-advantages-and-returns": lambda v, a: a.loss_type in ("sft", "sft_loss"),
+    "--disable-compute-advantages-and-returns": lambda v, a: SLIME_LOSS_NAMES.get(a.loss_type, a.loss_type) == "sft",
 }
 _ENV_ALIASES = {"--wandb-key": ("WANDB_API_KEY",), "--wandb-host": ("WANDB_BASE_URL",),
                 "--wandb-team": ("WANDB_ENTITY",), "--http-proxy": ("http_proxy", "https_proxy")}
@@ -39,13 +39,20 @@ POLICY_SWITCHES: dict[str, tuple[str, str]] = {
 }
 
 
+# slime's --loss-type names for what is a default or a built-in of another name here.
+SLIME_LOSS_NAMES: dict[str, str | None] = {"policy_loss": None, "sft_loss": "sft"}
+
+
 def policy_settings(given: Mapping[str, Any]) -> dict[str, Any]:
-    """Flat policy settings with slime's switches read: a switch given as true turns its setting off unless that
-    setting is given itself (which then wins); slime's `custom_loss` without its path is refused by name."""
+    """Flat policy settings with slime's switches and loss names read: a switch given as true turns its setting off
+    unless that setting is given itself (which then wins); `policy_loss` is the estimator's default loss and
+    `sft_loss` is `sft`; slime's `custom_loss` without its path is refused by name."""
     settings = {key: value for key, value in given.items() if key not in POLICY_SWITCHES}
     for switch, (setting, _) in POLICY_SWITCHES.items():
         if given.get(switch):
             settings.setdefault(setting, False)
+    if settings.get("loss_type") in SLIME_LOSS_NAMES:
+        settings["loss_type"] = SLIME_LOSS_NAMES[settings["loss_type"]]
     if settings.get("loss_type") == "custom_loss":
         raise ValueError("loss_type='custom_loss' needs custom_loss_function_path (a dotted path to the loss)")
     return settings

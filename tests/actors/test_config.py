@@ -69,7 +69,7 @@ def test_a_runs_policy_defaults_are_the_same_however_the_run_is_configured(tmp_p
                    RunConfig(policy={"eps_clip": 0.3})):
         assert config.policy.off_policy_correction == PolicyLossConfig().off_policy_correction == "tis"
     assert parse(["--loss-type", "sft"]).policy.off_policy_correction == "none"
-    assert PolicyLossConfig(loss_type="sft_loss").off_policy_correction == "none"
+    assert build_config({"loss_type": "sft_loss"}).policy.off_policy_correction == "none"
     assert parse(["--slime-entry", "train"]).policy.off_policy_correction == "none"
     parser = argparse.ArgumentParser()
     add_config_flags(parser)

@@ -199,6 +199,19 @@ def test_slimes_custom_loss_without_its_path_is_refused_by_name() -> None:
 
 
 @pytest.mark.unit
+def test_slimes_loss_names_are_read_at_the_edge_and_policies_know_only_their_own() -> None:
+    from pydantic import ValidationError
+
+    from policies.config import PolicyLossConfig
+
+    assert configure(["--loss-type", "policy_loss", "--advantage-estimator", "gspo"])[0].policy.loss_type == "gspo"
+    assert build_config({"loss_type": "policy_loss"}).policy.loss_type == "ppo"  # a YAML key reads the same
+    assert build_config({"loss_type": "sft_loss"}).policy.loss_type == "sft"
+    with pytest.raises(ValidationError, match="sft_loss"):
+        PolicyLossConfig(loss_type="sft_loss")
+
+
+@pytest.mark.unit
 def test_slime_entry_points_keep_slimes_correction_default() -> None:
     assert configure(["--slime-entry", "train_async"])[0].policy.off_policy_correction == "none"
     assert configure(["--slime-entry", "train_async", "--use-tis"])[0].policy.off_policy_correction == "tis"

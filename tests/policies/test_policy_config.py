@@ -42,7 +42,7 @@ def test_derived_defaults_follow_slime() -> None:
     assert config.eps_clip_high == 0.2
     assert config.loss_type == "gspo"
     assert PolicyLossConfig(advantage_estimator="cispo").loss_type == "cispo"
-    assert PolicyLossConfig(loss_type="sft_loss").loss_type == "sft"
+    assert PolicyLossConfig(advantage_estimator="grpo").loss_type == "ppo"
     assert PolicyLossConfig(mis_upper_bound=4.0).mis_lower_bound == 0.25
 
 

@@ -154,6 +154,29 @@ def test_a_plugin_estimator_that_reads_values_gets_a_critic_by_its_trait_not_its
 
 
 @pytest.mark.unit
+def test_a_plugin_estimators_traits_pick_its_loss_and_demand_whitening(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from policies.config import PolicyLossConfig
+
+    (tmp_path / "my_sequence_estimators.py").write_text(textwrap.dedent("""
+        from policies.advantages import group_relative
+        from policies.registry import BATCH_WHITENED, implies_loss, with_traits
+
+        with_cispo = with_traits(implies_loss("cispo"))(lambda config, inputs: group_relative(config, inputs))
+        whitened = with_traits(BATCH_WHITENED)(lambda config, inputs: group_relative(config, inputs))
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert PolicyLossConfig(advantage_estimator="my_sequence_estimators:with_cispo").loss_type == "cispo"
+    assert PolicyLossConfig(advantage_estimator="my_sequence_estimators:whitened",
+                            normalize_advantages=True).loss_type == "ppo"
+    with pytest.raises(ValueError, match="my_sequence_estimators:whitened' is defined with batch whitening"):
+        PolicyLossConfig(advantage_estimator="my_sequence_estimators:whitened")  # normalize_advantages is off
+    for builtin in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        with pytest.raises(ValueError, match=f"{builtin}' is defined with batch whitening"):
+            PolicyLossConfig(advantage_estimator=builtin)
+
+
+@pytest.mark.unit
 def test_a_plugin_loss_that_declares_itself_linear_in_the_advantage_lets_zero_advantage_samples_be_skipped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from policies.config import PolicyLossConfig
