@@ -53,11 +53,12 @@ from actors.launch.placement import (
     visible_devices,
 )
 from actors.launch.resume import interrupted_note, resume_command, resume_step
-from actors.launch.supervisor import RestartPolicy, Supervisor
+from actors.launch.supervisor import Supervisor
 from actors.report.progress import ProgressStart, follow_progress
 from actors.report.run_clock import RunClock
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
+from actors.runtime.restarts import RestartPolicy
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys

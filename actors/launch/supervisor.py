@@ -34,6 +34,7 @@ from actors.config.engines import engine_spec, train_backend_spec
 from actors.launch.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError, actor_environment
 from actors.runtime.context import ActorContext
 from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
+from actors.runtime.restarts import RestartPolicy
 from bus.address import ipc_sockets_dir
 from engines.process import die_with_parent
 
@@ -58,17 +59,6 @@ def holds_a_model(context: ActorContext) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class RestartPolicy:
-    max_restarts: int = 5
-    window_s: float = 300.0
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-
-    def backoff(self, consecutive_crashes: int) -> float:
-        return min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, consecutive_crashes - 1))
-
-
 @dataclass
 class Child:
     context: ActorContext
@@ -82,13 +72,13 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, contexts: list[ActorContext], *, run_dir: Path, policy: RestartPolicy = RestartPolicy(),
+    def __init__(self, contexts: list[ActorContext], *, run_dir: Path, policy: RestartPolicy | None = None,
                  stop_grace_s: float = 15.0, fork_from_template: bool = False,
                  early_template: EarlyTemplate | None = None) -> None:
         """`fork_from_template`: start actors by forking `actors.launch.zygote` (imports done once) rather than
         as fresh interpreters; if the template cannot start, actors start the ordinary way."""
         self.run_dir = run_dir
-        self.policy = policy
+        self.policy = policy or RestartPolicy()
         self.stop_grace_s = stop_grace_s
         self.children = [Child(context=c, context_path=self._write_context(c)) for c in contexts]
         self.worker_node = not any(c.role == "controller" for c in contexts)  # a node that joined a head elsewhere

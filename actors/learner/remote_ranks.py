@@ -25,12 +25,12 @@ import torch.distributed as dist
 from actors.config.run import learner_ranks_per_node
 from actors.learner.ranks import WORLD_KEY, start_follower, store_client, world_address, write_rank_config
 from actors.runtime.base import Actor
+from actors.runtime.restarts import RestartPolicy
 
 POLL_S = 0.5
 WORLD_POLL_S = 2.0  # how often rank 0's store is asked which world is up
 STORE_TIMEOUT = timedelta(seconds=2)
-QUICK_EXIT_S = 60.0  # a set that lasted less than this waits longer before the next (doubling, up to MAX_DELAY_S)
-MAX_DELAY_S = 30.0  # the launcher's longest wait before restarting a crashed actor
+QUICK_EXIT_S = 60.0  # a set that lasted less than this waits longer before the next (RestartPolicy's doubling)
 END_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 
 
@@ -63,7 +63,7 @@ class RemoteLearnerRanks(Actor):
             await asyncio.to_thread(self._end_set)
             lasted = time.monotonic() - started
             ends_in_a_row = 1 if lasted > QUICK_EXIT_S else ends_in_a_row + 1
-            delay = restart_delay(self.settings.restart_backoff, ends_in_a_row)
+            delay = RestartPolicy(backoff_initial_s=self.settings.restart_backoff).backoff(ends_in_a_row)
             self.log.warning(f"{ended}; starting a fresh set for rank 0's next world", lasted_s=round(lasted, 1),
                              next_in_s=delay)
             await asyncio.sleep(delay)
@@ -120,8 +120,3 @@ class RemoteLearnerRanks(Actor):
                 process.wait()
         self.followers = {}
 
-
-def restart_delay(backoff_s: float, ends_in_a_row: int) -> float:
-    """The wait before the next set: the run's --restart-backoff after a set that lasted, doubling for each set in
-    a row that ended within QUICK_EXIT_S, up to MAX_DELAY_S, as the launcher waits before restarting an actor."""
-    return min(MAX_DELAY_S, backoff_s * 2 ** max(0, ends_in_a_row - 1))

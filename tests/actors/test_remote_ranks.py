@@ -7,15 +7,16 @@ from pathlib import Path
 import pytest
 
 import launcher
-from actors.learner.remote_ranks import MAX_DELAY_S, restart_delay
+from actors.runtime.restarts import RestartPolicy
 from tests.support.launch_inputs import minimal_inputs
 
 
 @pytest.mark.unit
 def test_a_fresh_rank_set_waits_the_runs_restart_backoff_doubling_while_sets_end_quickly() -> None:
-    assert [restart_delay(0.2, ends) for ends in (1, 2, 3, 4)] == pytest.approx([0.2, 0.4, 0.8, 1.6])
-    assert restart_delay(0.2, 20) == MAX_DELAY_S
-    assert restart_delay(0.0, 3) == 0.0
+    backoff = RestartPolicy(backoff_initial_s=0.2).backoff
+    assert [backoff(ends) for ends in (1, 2, 3, 4)] == pytest.approx([0.2, 0.4, 0.8, 1.6])
+    assert backoff(20) == RestartPolicy().backoff_max_s == 30.0
+    assert RestartPolicy(backoff_initial_s=0.0).backoff(3) == 0.0
 
 
 @pytest.mark.unit
