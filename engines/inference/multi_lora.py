@@ -1,0 +1,225 @@
+"""Several LoRA adapters served at once, unmerged beside the base weights: each row of a batch names its own.
+
+Merging (`lora_merge`) makes an adapter free at decode time but leaves room for exactly one. Here every adapted
+Linear layer keeps, per adapter, its factors A (rank x in) and B (out x rank) in two stacks indexed by an adapter's
+slot, and a forward hook adds `scaling_i * (x @ A_i^T) @ B_i^T` to each row's output: the rows' factors are gathered
+from the stacks by a per-row slot index and applied in two batched matmuls, so one step serves any mix of adapters
+at the cost of one low-rank product per layer, never a pass per adapter. Slot 0 holds zeros: a row without an
+adapter adds exact zeros and gets the base model's output bit for bit.
+
+An adapter is loaded, replaced or removed by writing its own slot only, so the others' factors, and with the same
+stack shapes their outputs, stay bit-identical. A stack's rank is the largest rank loaded into that layer (smaller
+adapters are zero-padded, which adds exact zeros); a larger one reallocates the layer's stacks.
+
+Tensor names are `engines.training.lora`'s wire names: `<module>.lora_A.weight` and `<module>.lora_B.weight`
+adapt the Linear layer at `<module>`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from engines.training.lora import WIRE_SUFFIXES
+
+NamedTensor = tuple[str, Tensor]
+BASE_SLOT = 0  # the zero factors of rows served without an adapter
+FACTORS = ("lora_A", "lora_B")
+
+
+@dataclass
+class _Layer:
+    """One adapted Linear layer: its factor stacks ([slots, rank, in] and [slots, out, rank], B pre-scaled) and the
+    hook that applies them."""
+
+    linear: nn.Linear
+    lora_a: Tensor
+    lora_b: Tensor
+    hook: torch.utils.hooks.RemovableHandle | None = None
+
+
+@dataclass
+class _Adapter:
+    slot: int
+    scaling: float
+    factors: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # module -> {"lora_A": A, "lora_B": B}
+
+
+class MultiLora:
+    """The named adapters one model serves. `max_adapters` bounds the slots (each adapted layer holds
+    `max_adapters + 1` factor pairs of the largest rank); `adapter_rows` sets which adapter each row of the next
+    forwards uses."""
+
+    def __init__(self, model: nn.Module, *, max_adapters: int = 8) -> None:
+        if not isinstance(max_adapters, int) or max_adapters < 1:
+            raise ValueError(f"max_adapters must be an int >= 1, got {max_adapters!r}")
+        self._linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+        self._max_adapters = max_adapters
+        self._adapters: dict[str, _Adapter] = {}
+        self._layers: dict[str, _Layer] = {}
+        self._rows: Tensor | None = None  # the slot of each row of the forward running now; None: all base
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._adapters)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._adapters
+
+    def load(self, name: str, named_tensors: Sequence[NamedTensor], scaling: float) -> None:
+        """Load adapter `name`, or update it in place: the given factors replace the adapter's factors of their
+        layers, its other layers keep theirs. Every tensor is checked before any is written, so a bad load changes
+        nothing; after it, each layer of the adapter must hold both A and B of one rank."""
+        adapter = self._adapters.get(name)
+        staged = self._check(name, named_tensors, scaling, adapter)
+        if adapter is None:
+            adapter = _Adapter(self._free_slot(), scaling)
+            self._adapters[name] = adapter
+        rescaled = adapter.scaling != scaling
+        adapter.scaling = scaling
+        for module, pair in staged.items():
+            adapter.factors[module] = pair
+        for module in adapter.factors if rescaled else staged:
+            self._write(module, adapter.slot, adapter.factors[module], scaling)
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name`: its slot is zeroed (rows still naming it would get the base) and freed."""
+        adapter = self._adapters.pop(name, None)
+        if adapter is None:
+            raise KeyError(f"adapter {name!r} is not loaded (loaded: {sorted(self._adapters)})")
+        for module in adapter.factors:
+            layer = self._layers[module]
+            layer.lora_a[adapter.slot].zero_()
+            layer.lora_b[adapter.slot].zero_()
+            if not any(module in other.factors for other in self._adapters.values()):
+                assert layer.hook is not None
+                layer.hook.remove()
+                del self._layers[module]
+
+    def slots(self, adapters: Sequence[str | None], device: torch.device | str) -> Tensor:
+        """The slot index of each row (`None`: the base model), for `adapter_rows`."""
+        slots = []
+        for row, name in enumerate(adapters):
+            if name is None:
+                slots.append(BASE_SLOT)
+            elif name in self._adapters:
+                slots.append(self._adapters[name].slot)
+            else:
+                raise KeyError(f"row {row}: adapter {name!r} is not loaded (loaded: {sorted(self._adapters)})")
+        return torch.tensor(slots, dtype=torch.long, device=device)
+
+    @contextlib.contextmanager
+    def adapter_rows(self, adapters: Sequence[str | None], device: torch.device | str) -> Iterator[None]:
+        """Forwards inside run row i with `adapters[i]`. All None (or no adapter loaded) leaves the hooks idle, so
+        a base-only batch costs what the base model costs."""
+        rows = self.slots(adapters, device) if any(name is not None for name in adapters) else None
+        previous, self._rows = self._rows, rows
+        try:
+            yield
+        finally:
+            self._rows = previous
+
+    # ----- loading -----------------------------------------------------------------------------------------
+
+    def _check(self, name: str, named_tensors: Sequence[NamedTensor], scaling: float,
+               adapter: _Adapter | None) -> dict[str, dict[str, Tensor]]:
+        """Each layer's factor pair after the load, for the layers the load touches; raises naming the adapter and
+        the tensor."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"adapter name must be a non-empty string, got {name!r}")
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
+            raise ValueError(f"adapter {name!r}: scaling must be a number > 0, got {scaling!r}")
+        if adapter is None and len(self._adapters) >= self._max_adapters:
+            raise ValueError(f"adapter {name!r}: {self._max_adapters} adapters are loaded already (max_adapters; "
+                             f"loaded: {sorted(self._adapters)}); remove one first")
+        arriving: dict[str, dict[str, Tensor]] = {}
+        for tensor_name, tensor in named_tensors:
+            if not tensor_name.endswith(WIRE_SUFFIXES):
+                raise ValueError(f"adapter {name!r}: {tensor_name!r} is not a LoRA factor (<module>.lora_A.weight "
+                                 "or <module>.lora_B.weight)")
+            module, factor = tensor_name.removesuffix(".weight").rpartition(".")[::2]
+            linear = self._linears.get(module)
+            if linear is None:
+                raise ValueError(f"adapter {name!r}: {tensor_name!r}: the model has no linear layer {module!r}")
+            if not isinstance(tensor, Tensor) or tensor.dim() != 2:
+                shape = f"shape {tuple(tensor.shape)}" if isinstance(tensor, Tensor) else type(tensor).__name__
+                raise ValueError(f"adapter {name!r}: {tensor_name!r} must be a matrix, got {shape}")
+            if factor == "lora_A" and tensor.shape[1] != linear.in_features:
+                raise ValueError(f"adapter {name!r}: {tensor_name!r} has shape {tuple(tensor.shape)}; the layer "
+                                 f"takes {linear.in_features} inputs")
+            if factor == "lora_B" and tensor.shape[0] != linear.out_features:
+                raise ValueError(f"adapter {name!r}: {tensor_name!r} has shape {tuple(tensor.shape)}; the layer "
+                                 f"has {linear.out_features} outputs")
+            if factor in arriving.get(module, {}):
+                raise ValueError(f"adapter {name!r}: {tensor_name!r} appears twice in one load")
+            arriving.setdefault(module, {})[factor] = tensor
+        staged = {}
+        for module, factors in arriving.items():
+            pair = {**(adapter.factors.get(module, {}) if adapter else {}), **factors}
+            missing = [factor for factor in FACTORS if factor not in pair]
+            if missing:
+                (present,) = (factor for factor in FACTORS if factor in pair)
+                raise ValueError(f"adapter {name!r}: {module}.{present}.weight arrived without "
+                                 f"{module}.{missing[0]}.weight")
+            if pair["lora_A"].shape[0] != pair["lora_B"].shape[1]:
+                raise ValueError(f"adapter {name!r}: {module}: lora_A has rank {pair['lora_A'].shape[0]}, lora_B "
+                                 f"rank {pair['lora_B'].shape[1]}")
+            staged[module] = {factor: tensor.detach() for factor, tensor in pair.items()}
+        return staged
+
+    def _free_slot(self) -> int:
+        taken = {adapter.slot for adapter in self._adapters.values()}
+        return next(slot for slot in range(1, self._max_adapters + 1) if slot not in taken)
+
+    def _write(self, module: str, slot: int, pair: dict[str, Tensor], scaling: float) -> None:
+        layer = self._layers.get(module) or self._new_layer(module)
+        rank = pair["lora_A"].shape[0]
+        if rank > layer.lora_a.shape[1]:
+            self._widen(layer, rank)
+        weight = layer.linear.weight
+        with torch.no_grad():
+            layer.lora_a[slot].zero_()
+            layer.lora_b[slot].zero_()
+            layer.lora_a[slot, :rank].copy_(pair["lora_A"])
+            layer.lora_b[slot, :, :rank].copy_(pair["lora_B"].to(weight.device, torch.float32).mul(scaling))
+
+    def _new_layer(self, module: str) -> _Layer:
+        linear = self._linears[module]
+        slots, weight = self._max_adapters + 1, linear.weight
+        layer = _Layer(linear, weight.new_zeros(slots, 0, linear.in_features),
+                       weight.new_zeros(slots, linear.out_features, 0))
+        layer.hook = linear.register_forward_hook(self._hook_for(layer))
+        self._layers[module] = layer
+        return layer
+
+    @staticmethod
+    def _widen(layer: _Layer, rank: int) -> None:
+        """Zero-pad the layer's stacks to `rank`: the factors already there keep their values."""
+        slots, old, inputs = layer.lora_a.shape
+        outputs = layer.lora_b.shape[1]
+        lora_a = layer.lora_a.new_zeros(slots, rank, inputs)
+        lora_b = layer.lora_b.new_zeros(slots, outputs, rank)
+        lora_a[:, :old] = layer.lora_a
+        lora_b[:, :, :old] = layer.lora_b
+        layer.lora_a, layer.lora_b = lora_a, lora_b
+
+    # ----- serving -----------------------------------------------------------------------------------------
+
+    def _hook_for(self, layer: _Layer) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], Tensor | None]:
+        def add_adapters(_module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+            rows = self._rows
+            if rows is None:
+                return None
+            (x,) = args
+            if x.shape[0] != rows.shape[0]:
+                raise RuntimeError(f"a forward of {x.shape[0]} rows ran with adapters set for {rows.shape[0]} rows")
+            flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
+            down = torch.bmm(flat, layer.lora_a[rows].transpose(1, 2))  # [rows, tokens, rank]
+            up = torch.bmm(down, layer.lora_b[rows].transpose(1, 2))  # [rows, tokens, out], scaled at load
+            return output + up.view_as(output)
+
+        return add_adapters
