@@ -126,12 +126,16 @@ class GenerateRequest:
 
     `routing_key` says which calls belong together (an agent episode's session): a router across engines sends them
     to the same engine where it can, so each turn finds the keys and values of the turns before it. Engines ignore
-    it; a router given none uses its own default (the group's id: `actors/rollout/router.py`)."""
+    it; a router given none uses its own default (the group's id: `actors/rollout/router.py`).
+
+    `adapter` names the LoRA adapter, loaded on the engine under that name, whose policy samples the request (None:
+    the engine's own weights); requests of different adapters decode in one batch (`multi_lora.py`)."""
 
     request_id: str
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     routing_key: str | None = None
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -146,6 +150,9 @@ class GenerateRequest:
         if self.routing_key is not None and (not isinstance(self.routing_key, str) or not self.routing_key):
             raise ValueError(f"request {self.request_id!r}: routing_key must be a non-empty string or None, got "
                              f"{self.routing_key!r}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"request {self.request_id!r}: adapter must be a non-empty string or None, got "
+                             f"{self.adapter!r}")
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,7 @@ def continuation_request(
         input_ids=list(request.input_ids) + list(partial.output_ids),
         params=params,
         routing_key=request.routing_key,
+        adapter=request.adapter,
     )
 
 

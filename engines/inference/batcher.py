@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from engines.inference.base import FinishReason, GenerateOutput, RoutedExperts, SamplingParams
 from engines.inference.batch_invariant import sample_padded_rows
 from engines.inference.kv_batch import KVBatch
+from engines.inference.multi_lora import MultiLora
 from engines.inference.prefix_cache import Insert, PrefixCache, PrefixMatch
 from engines.inference.sampling import RowParams, sample_next_tokens
 from engines.training.moe import RoutedLayer, Routers
@@ -72,6 +73,7 @@ class DecodingSequence:
     stop_token_ids: frozenset[int]  # the request's stop ids plus the model's EOS ids unless ignore_eos
     generator: torch.Generator | None = None  # seeded requests only
     seed: int | None = None  # the sample's own seed (seeded requests; the static batcher draws one for the rest)
+    adapter: str | None = None  # the LoRA adapter its forwards run with (`multi_lora.py`); None: the base weights
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -181,6 +183,10 @@ class ContinuousBatcher:
         # reuses keys and values of the epoch they were computed in only.
         self.weights_epoch = 0
         self.reprefilled_tokens = 0  # in-flight tokens prefilled again after an update dropped their rows
+        # Adapters served unmerged, each row's forward with its sample's adapter (the engine sets it at its first
+        # named adapter). Rows with an adapter bypass the prefix cache and the shared-prefix forward: both hold keys
+        # and values computed by one set of weights for every row.
+        self.adapters: MultiLora | None = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -262,7 +268,7 @@ class ContinuousBatcher:
 
     def _decode(self, decoded: list[DecodingSequence], version: int) -> None:
         last_tokens = torch.tensor([sample.output_ids[-1] for sample in decoded], device=self.device)
-        with self._tapped() as taps:
+        with self._tapped() as taps, self._adapter_rows([sample.adapter for sample in decoded]):
             logits = self.kv.decode(self.model, last_tokens)
         if taps:
             for sample, route in zip(decoded, _layers_last(taps).unsqueeze(1), strict=True):
@@ -271,6 +277,12 @@ class ContinuousBatcher:
 
     def _tapped(self) -> contextlib.AbstractContextManager[list[RoutedLayer]]:
         return self.routers.tapped() if self.routers is not None else contextlib.nullcontext([])
+
+    def _adapter_rows(self, adapters: list[str | None]) -> contextlib.AbstractContextManager[None]:
+        """Forwards inside run row i with `adapters[i]`."""
+        if self.adapters is None or not any(adapters):
+            return contextlib.nullcontext()
+        return self.adapters.adapter_rows(adapters, self.device)
 
     def release_prefix_cache(self) -> None:
         """Give the prefix cache's memory back (a colocated engine hands its device over, or a step failed)."""
@@ -319,7 +331,8 @@ class ContinuousBatcher:
             candidate = self.waiting[0]
             rows = len(self.running) + len(admitted) + 1
             columns = max(worst_columns, candidate.worst_case_length)
-            width = max(prefill_width, self._uncached_length(candidate.prompt_ids + candidate.output_ids))
+            width = max(prefill_width, self._uncached_length(candidate.prompt_ids + candidate.output_ids,
+                                                             candidate.adapter))
             nothing_else = rows == 1
             if not nothing_else and not self._fits(rows, columns):
                 break
@@ -329,14 +342,14 @@ class ContinuousBatcher:
             worst_columns, prefill_width = columns, width
         return admitted
 
-    def _uncached_length(self, tokens: list[int]) -> int:
+    def _uncached_length(self, tokens: list[int], adapter: str | None) -> int:
         """How many tokens of `tokens` a prefill would compute (what the prefix cache holds of it is not)."""
-        return len(tokens) - self._cached(tokens, touch=False).length
+        return len(tokens) - self._cached(tokens, adapter, touch=False).length
 
-    def _cached(self, tokens: list[int], *, touch: bool = True) -> PrefixMatch:
+    def _cached(self, tokens: list[int], adapter: str | None, *, touch: bool = True) -> PrefixMatch:
         """What the prefix cache holds of `tokens` at the served weights, leaving the last one to compute (its logits
-        give the next token)."""
-        if self.prefix_cache is None:
+        give the next token). Nothing for a row with an adapter: the cache holds the base weights' keys and values."""
+        if self.prefix_cache is None or adapter is not None:
             return PrefixMatch()
         return self.prefix_cache.match(tokens, self.weights_epoch, limit=len(tokens) - 1, touch=touch)
 
@@ -344,24 +357,27 @@ class ContinuousBatcher:
         """Prefill each distinct token sequence once (n samples of a prompt share it), from where the prefix cache's
         copy of it ends; then fan rows out. Stamps each sample with the weights its keys and values depend on, keeps
         the sequences in the prefix cache, and returns the rows' cache and their next-token logits."""
-        unique: dict[tuple[int, ...], int] = {}
+        unique: dict[tuple[str | None, tuple[int, ...]], int] = {}
         sequences: list[list[int]] = []
+        adapters: list[str | None] = []
         expand: list[int] = []
         for sample in admitted:
             tokens = sample.prompt_ids + sample.output_ids
-            key = tuple(tokens)
+            key = (sample.adapter, tuple(tokens))
             if key not in unique:
                 unique[key] = len(sequences)
                 sequences.append(tokens)
+                adapters.append(sample.adapter)
             expand.append(unique[key])
-        matches = [self._cached(sequence) for sequence in sequences]
+        matches = [self._cached(sequence, adapter) for sequence, adapter in zip(sequences, adapters, strict=True)]
         batch, logits = KVBatch.empty(self.device), []
         rows = [0] * len(sequences)  # each sequence's row in `batch`
         used = [PrefixMatch()] * len(sequences)
         routes: list[torch.Tensor | None] = [None] * len(sequences)
         for piece in self._pieces(matches):
             part, part_logits, part_used, part_routes = self._forward([sequences[i] for i in piece],
-                                                                      [matches[i] for i in piece])
+                                                                      [matches[i] for i in piece],
+                                                                      [adapters[i] for i in piece])
             for offset, index in enumerate(piece):
                 rows[index], used[index], routes[index] = batch.rows + offset, part_used[offset], part_routes[offset]
             batch.extend(part)
@@ -377,7 +393,7 @@ class ContinuousBatcher:
         if self.prefix_cache is not None:
             for sequence, match, taken in zip(sequences, matches, used, strict=True):
                 self.prefix_cache.counters.prefilled(len(sequence), taken.length, match.stale)
-            self._keep_prefilled(batch, sequences, rows, stamps, routes)
+            self._keep_prefilled(batch, sequences, rows, stamps, routes, adapters)
         order = [rows[index] for index in expand]
         logits_all = torch.cat(logits)
         if order != list(range(batch.rows)):
@@ -397,7 +413,7 @@ class ContinuousBatcher:
         hits = [index for index, match in enumerate(matches) if match.length]
         return [piece for piece in (misses, hits) if piece]
 
-    def _forward(self, sequences: list[list[int]], matches: list[PrefixMatch],
+    def _forward(self, sequences: list[list[int]], matches: list[PrefixMatch], adapters: list[str | None],
                  ) -> tuple[KVBatch, torch.Tensor, list[PrefixMatch], list[torch.Tensor | None]]:
         """One prefill forward of `sequences`, each from the cached past its match offers, as far as that leaves every
         row with a past as many own tokens as the widest row (a row then never has padding inside it, which the
@@ -407,7 +423,7 @@ class ContinuousBatcher:
         width = max(len(sequence) - match.length for sequence, match in zip(sequences, matches, strict=True))
         used = [match.truncated(max(0, len(sequence) - width))
                 for sequence, match in zip(sequences, matches, strict=True)]
-        with self._tapped() as taps:
+        with self._tapped() as taps, self._adapter_rows(adapters):
             if any(taken.length for taken in used):
                 assert self.prefix_cache is not None
                 past = self.prefix_cache.gather([taken.slots for taken in used])
@@ -415,7 +431,7 @@ class ContinuousBatcher:
                 batch, logits = KVBatch.prefill(self.model, own, self.pad_token_id, past=past)
             else:
                 batch, logits = KVBatch.prefill(self.model, sequences, self.pad_token_id,
-                                                share_prefix=self.share_prefix)
+                                                share_prefix=self.share_prefix and not any(adapters))
         routes: list[torch.Tensor | None] = [None] * len(sequences)
         if taps:  # one forward of [rows, width] tokens (with routes recorded, no prefix runs apart)
             table = _layers_last(taps).unflatten(0, (len(sequences), width))
@@ -428,19 +444,21 @@ class ContinuousBatcher:
         return batch, logits, used, routes
 
     def _keep_prefilled(self, batch: KVBatch, sequences: list[list[int]], rows: list[int],
-                        stamps: list[tuple[int, int]], routes: list[torch.Tensor | None]) -> None:
-        """Keep every prefilled sequence in the prefix cache, all of its tokens (a prefill computes the last one's keys
-        and values too): a group's other samples, arriving later, start with it."""
+                        stamps: list[tuple[int, int]], routes: list[torch.Tensor | None],
+                        adapters: list[str | None]) -> None:
+        """Keep every prefilled sequence of the base weights in the prefix cache, all of its tokens (a prefill computes
+        the last one's keys and values too): a group's other samples, arriving later, start with it."""
         assert self.prefix_cache is not None
         in_rows = sorted(range(len(sequences)), key=rows.__getitem__)
         columns = real_columns(batch.attention_mask, [len(sequences[index]) for index in in_rows])
         entries = [Insert(sequences[index], rows[index], row_columns, *stamps[index], routes[index])
-                   for index, row_columns in zip(in_rows, columns, strict=True)]
+                   for index, row_columns in zip(in_rows, columns, strict=True) if adapters[index] is None]
         self.prefix_cache.insert(entries, *_layer_kv(batch), self.weights_epoch)
 
     def _remember_leaving(self, leaving: list[tuple[int, DecodingSequence]]) -> None:
         """Keep what leaving rows computed (prompt and output but the last token, which was never fed) in the prefix
         cache: the next turn of a conversation, or a resumed sample, starts with it."""
+        leaving = [(row, sample) for row, sample in leaving if sample.adapter is None]
         if self.prefix_cache is None or not leaving:
             return
         tokens = [sample.prompt_ids + sample.output_ids[:-1] for _, sample in leaving]

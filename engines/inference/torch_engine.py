@@ -46,6 +46,7 @@ from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.lora_merge import AdapterMerger, is_adapter
+from engines.inference.multi_lora import MultiLora
 from engines.inference.prefix_cache import PrefixCache
 from engines.inference.static_batcher import StaticBatcher
 from engines.weights import layouts
@@ -90,13 +91,15 @@ class TorchEngine(base.InferenceEngine):
         cuda_graphs: bool = True,
         record_routes: bool = False,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        max_adapters: int = 8,
     ) -> None:
         """`kv_cache`: "dynamic" (caches sized to the rows, the CPU's choice and the reference) or "static" (a pool
         allocated once, `kv_pool_columns` per row, default max_batch_tokens / max_batch_size, with each decode step
         replayed from a CUDA graph when `cuda_graphs` and the model is on a GPU: static_batcher.py).
         `record_routes`: an MoE model's outputs carry each token's experts (`GenerateOutput.routed_experts`), for
         rollout routing replay; the dynamic layout only. `prefix_cache_bytes`: the memory the prefix cache across
-        requests may take on the model's device (0: no prefix cache)."""
+        requests may take on the model's device (0: no prefix cache). `max_adapters`: how many named LoRA adapters
+        it serves at once beside its weights (`update_weights(..., adapter=name)`, `GenerateRequest.adapter`)."""
         _check_supported(model)
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
@@ -117,6 +120,8 @@ class TorchEngine(base.InferenceEngine):
         self._eos_token_ids = _eos_token_ids(model, tokenizer)
         self._parameters = model.state_dict(keep_vars=True)
         self._adapters = AdapterMerger(self._parameters, lora_scaling)
+        self._lora_scaling = lora_scaling
+        self._named_adapters = MultiLora(model, max_adapters=max_adapters)
         self._checkpoint_views: dict[str, torch.Tensor] | None = None  # made at the first checkpoint-named load
         self._release_when_idle = release_memory_when_idle
         self._recompute_kv_on_update = recompute_kv_on_update
@@ -136,6 +141,7 @@ class TorchEngine(base.InferenceEngine):
         else:
             self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic,
                                               record_routes=record_routes, prefix_cache=prefix_cache)
+            self._batcher.adapters = self._named_adapters
 
         # Written by the decode thread only; read anywhere (single attribute reads are atomic).
         self._version = version
@@ -197,10 +203,16 @@ class TorchEngine(base.InferenceEngine):
     async def resume(self) -> None:
         await self._call(_Resume())
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                             adapter: str | None = None) -> None:
+        """With `adapter`, the tensors are LoRA factors of the adapter of that name, loaded (or updated in place)
+        unmerged beside the weights and served to the requests that name it (`multi_lora.py`), the other adapters
+        untouched. Without, LoRA factors merge into the weights (`lora_merge.py`), as a one-policy LoRA run wants."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
-        await self._call(_UpdateWeights(named_tensors, version))
+        if adapter is not None and (not isinstance(adapter, str) or not adapter):
+            raise ValueError(f"update_weights: adapter must be a non-empty string or None, got {adapter!r}")
+        await self._call(_UpdateWeights(named_tensors, version, adapter))
 
     async def served_fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
         """Its weight for a full tensor; for a LoRA factor, the factor merged into its layer, and only if the layer
@@ -294,6 +306,8 @@ class TorchEngine(base.InferenceEngine):
             )
         if params.stop and self._tokenizer is None:
             raise ValueError(f"request {rid!r}: stop strings need a tokenizer; this engine was built without one")
+        if request.adapter is not None:
+            self._check_adapter(rid, request.adapter)
         max_new_tokens = min(params.max_new_tokens, self._max_model_len - len(prompt))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_token_ids)
         samples = [
@@ -305,6 +319,7 @@ class TorchEngine(base.InferenceEngine):
                 max_new_tokens=max_new_tokens,
                 stop_token_ids=stop_ids,
                 seed=None if params.seed is None else base.derive_sample_seed(params.seed, index),
+                adapter=request.adapter,
             )
             for index in range(params.n)
         ]
@@ -314,6 +329,17 @@ class TorchEngine(base.InferenceEngine):
         if (refusal := self._batcher.admissible(samples[0])) is not None:
             raise ValueError(f"request {rid!r}: {refusal}")
         return samples
+
+    def _check_adapter(self, request_id: str, adapter: str) -> None:
+        if self._batcher.adapters is None:
+            raise ValueError(f"request {request_id!r}: adapter {adapter!r}: kv_cache='static' does not serve named "
+                             "adapters yet; use kv_cache='dynamic'")
+        if self._batcher.batch_invariant:
+            raise ValueError(f"request {request_id!r}: adapter {adapter!r}: deterministic inference does not cover "
+                             "named adapters yet")
+        if adapter not in self._named_adapters:
+            raise ValueError(f"request {request_id!r}: adapter {adapter!r} is not loaded on this engine (loaded: "
+                             f"{sorted(self._named_adapters.names)})")
 
     # ----- decode thread -----------------------------------------------------------------------------------
 
@@ -403,6 +429,28 @@ class TorchEngine(base.InferenceEngine):
         for request_id in {sample.request_id for sample in aborted}:
             self._resolve_if_done(request_id)
 
+    def _loaded(self, version: int) -> None:
+        """After a load: tokens from now on carry `version`, and keys and values of before are void."""
+        self._version = version
+        self._batcher.weights_epoch += 1  # whatever the version says: prefix-cached keys and values of before are void
+        if self._recompute_kv_on_update:
+            self._batcher.drop_cache()
+
+    def _load_named_adapter(self, adapter: str, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """The adapter's factors, checked whole before any is written (`MultiLora.load`)."""
+        if self._batcher.adapters is None:
+            raise ValueError(f"update_weights: adapter {adapter!r}: kv_cache='static' does not serve named adapters "
+                             "yet; use kv_cache='dynamic'")
+        if self._lora_scaling is None:
+            raise ValueError(f"update_weights: adapter {adapter!r}: this engine was started without LoRA settings "
+                             "(--lora-rank, --lora-alpha), so it cannot scale an adapter")
+        for name, _ in named_tensors:
+            if not is_adapter(name):
+                raise ValueError(f"update_weights: adapter {adapter!r}: {name!r} is not a LoRA factor; a named "
+                                 "adapter's update holds <module>.lora_A.weight and <module>.lora_B.weight only")
+        self._named_adapters.load(adapter, named_tensors, self._lora_scaling)
+        self._loaded(version)
+
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Validate every tensor first, then copy: a bad bucket changes nothing (no half-applied update).
 
@@ -426,10 +474,7 @@ class TorchEngine(base.InferenceEngine):
                 if not self._adapters.rebase(name, tensor):
                     self._weight(name).copy_(tensor)  # type: ignore[union-attr]  # checked above
         self._adapters.apply(adapters)
-        self._version = version
-        self._batcher.weights_epoch += 1  # whatever the version says: prefix-cached keys and values of before are void
-        if self._recompute_kv_on_update:
-            self._batcher.drop_cache()
+        self._loaded(version)
 
     def _fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
         prints, unchecked = plan.prints(), {}
@@ -542,9 +587,13 @@ class _Resume(Command):
 class _UpdateWeights(Command):
     named_tensors: Iterable[tuple[str, torch.Tensor]]
     version: int
+    adapter: str | None = None
 
     def apply(self, engine: TorchEngine) -> object:
-        engine._load_weights(self.named_tensors, self.version)
+        if self.adapter is None:
+            engine._load_weights(self.named_tensors, self.version)
+        else:
+            engine._load_named_adapter(self.adapter, list(self.named_tensors), self.version)
         return None
 
 

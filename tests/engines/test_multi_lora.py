@@ -10,40 +10,17 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from engines.inference.multi_lora import MultiLora
+from tests.support.adapters import merge_into, random_adapter
 
 pytestmark = pytest.mark.unit
-TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 
 
 def _model(path: Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _adapter(model: nn.Module, rank: int, seed: int) -> list[tuple[str, Tensor]]:
-    """Random factors (B nonzero, unlike a fresh PEFT adapter, so each adapter changes the logits)."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = []
-    for layer in range(model.config.num_hidden_layers):
-        for target in TARGETS:
-            module = f"model.layers.{layer}.{target}"
-            linear = model.get_submodule(module)
-            tensors.append((f"{module}.lora_A.weight", torch.randn(rank, linear.in_features, generator=generator)))
-            tensors.append((f"{module}.lora_B.weight",
-                            0.1 * torch.randn(linear.out_features, rank, generator=generator)))
-    return tensors
-
-
 def _merged(path: Path, adapter: list[tuple[str, Tensor]], scaling: float) -> nn.Module:
-    """The base model with the adapter folded in: W0 + scaling * B @ A."""
-    model = _model(path)
-    factors = dict(adapter)
-    with torch.no_grad():
-        for name in factors:
-            if name.endswith(".lora_A.weight"):
-                module = name.removesuffix(".lora_A.weight")
-                weight = model.get_submodule(module).weight
-                weight += scaling * factors[f"{module}.lora_B.weight"] @ factors[name]
-    return model
+    return merge_into(_model(path), adapter, scaling)
 
 
 def _logits(model: nn.Module, rows: Tensor) -> Tensor:
@@ -56,7 +33,7 @@ ROWS = torch.tensor([[5, 17, 33, 8, 21, 40], [9, 9, 12, 60, 3, 27], [44, 2, 18, 
 
 def test_a_batch_mixing_adapters_gives_each_row_its_own_adapters_logits(tiny_model_path: Path) -> None:
     model = _model(tiny_model_path)
-    adapters = {"a": (_adapter(model, 4, 1), 2.0), "b": (_adapter(model, 8, 2), 0.5)}
+    adapters = {"a": (random_adapter(model, 4, 1), 2.0), "b": (random_adapter(model, 8, 2), 0.5)}
     served = MultiLora(model)
     for name, (tensors, scaling) in adapters.items():
         served.load(name, tensors, scaling)
@@ -76,24 +53,24 @@ def test_a_batch_mixing_adapters_gives_each_row_its_own_adapters_logits(tiny_mod
 def test_replacing_one_adapter_leaves_the_others_outputs_bit_identical(tiny_model_path: Path) -> None:
     model = _model(tiny_model_path)
     served = MultiLora(model)
-    served.load("a", _adapter(model, 4, 1), 2.0)
-    served.load("b", _adapter(model, 4, 2), 2.0)
+    served.load("a", random_adapter(model, 4, 1), 2.0)
+    served.load("b", random_adapter(model, 4, 2), 2.0)
     names = ["a", "b", "b", "a"]
     with served.adapter_rows(names, "cpu"):
         before = _logits(model, ROWS)
-        served.load("a", _adapter(model, 4, 3), 2.0)
+        served.load("a", random_adapter(model, 4, 3), 2.0)
         after = _logits(model, ROWS)
     assert torch.equal(after[1:3], before[1:3])
     assert not torch.allclose(after[0], before[0], atol=1e-3)
-    fresh = _merged(tiny_model_path, _adapter(model, 4, 3), 2.0)
+    fresh = _merged(tiny_model_path, random_adapter(model, 4, 3), 2.0)
     torch.testing.assert_close(after[0], _logits(fresh, ROWS[:1])[0], atol=1e-5, rtol=1e-5)
 
 
 def test_a_removed_adapter_is_refused_and_its_layers_serve_the_base(tiny_model_path: Path) -> None:
     model = _model(tiny_model_path)
     served = MultiLora(model)
-    served.load("a", _adapter(model, 4, 1), 2.0)
-    served.load("b", _adapter(model, 4, 2), 2.0)
+    served.load("a", random_adapter(model, 4, 1), 2.0)
+    served.load("b", random_adapter(model, 4, 2), 2.0)
     with served.adapter_rows(["b"], "cpu"):
         only_b = _logits(model, ROWS[:1])
     served.remove("a")
@@ -109,7 +86,7 @@ def test_a_removed_adapter_is_refused_and_its_layers_serve_the_base(tiny_model_p
 def test_bad_loads_name_the_adapter_and_the_tensor_and_change_nothing(tiny_model_path: Path) -> None:
     model = _model(tiny_model_path)
     served = MultiLora(model, max_adapters=1)
-    good = _adapter(model, 4, 1)
+    good = random_adapter(model, 4, 1)
     served.load("a", good, 2.0)
     with served.adapter_rows(["a"], "cpu"):
         before = _logits(model, ROWS[:1])
@@ -121,7 +98,7 @@ def test_bad_loads_name_the_adapter_and_the_tensor_and_change_nothing(tiny_model
          "adapter 'a': 'model.layers.0.self_attn.nope.lora_A.weight': the model has no linear layer"),
         ([(q_a, torch.zeros(2, 64))],
          "adapter 'a': model.layers.0.self_attn.q_proj: lora_A has rank 2, lora_B rank 4"),
-        ([*_adapter(model, 4, 9)[:-2], (q_a, torch.ones(4, 64))], "appears twice"),
+        ([*random_adapter(model, 4, 9)[:-2], (q_a, torch.ones(4, 64))], "appears twice"),
     ]
     for tensors, message in cases:
         with pytest.raises(ValueError, match=message):

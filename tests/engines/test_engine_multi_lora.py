@@ -1,0 +1,96 @@
+"""The torch engine serves named LoRA adapters unmerged: a batch mixing adapters decodes what each request decodes
+alone, and what the engine with that adapter merged decodes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.inference import GenerateRequest, SamplingParams, TorchEngine
+from engines.inference.batcher import StepRecord
+from tests.support.adapters import random_adapter
+
+pytestmark = pytest.mark.integration
+SCALING = 2.0
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+SHARED = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]  # longer than the shared-prefix forward's minimum
+# (adapter, prompt): the same prompt under each adapter and the base, all sharing a prefix a batch of base rows
+# would prefill once.
+REQUESTS = [("a", [*SHARED, 46]), ("b", [*SHARED, 46]), (None, [*SHARED, 46]), ("b", [*SHARED, 26, 43]),
+            ("a", [*SHARED, 7, 12, 30]), (None, [*SHARED, 50, 2])]
+
+
+def _engine(path: Path, **options: object) -> TorchEngine:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return TorchEngine(model, None, lora_scaling=SCALING, **options)  # type: ignore[arg-type]
+
+
+async def _greedy(engine: TorchEngine, request_id: str, adapter: str | None, prompt: list[int]) -> list[int]:
+    (output,) = await engine.generate(GenerateRequest(request_id, prompt, GREEDY, adapter=adapter))
+    return list(output.output_ids)
+
+
+async def test_a_batch_mixing_adapters_decodes_what_each_request_decodes_alone(tiny_model_path: Path) -> None:
+    steps: list[StepRecord] = []
+    engine = _engine(tiny_model_path, step_listener=steps.append)
+    adapters = {name: random_adapter(engine.model, 4, seed, scale=0.5) for name, seed in (("a", 1), ("b", 2))}
+    merged = {name: _engine(tiny_model_path) for name in adapters}
+    try:
+        for name, tensors in adapters.items():
+            await engine.update_weights(tensors, 1, adapter=name)
+            await merged[name].update_weights(tensors, 1)  # today's path: the adapter folded into the weights
+        await engine.pause()
+        mixed = [asyncio.create_task(_greedy(engine, f"mixed-{i}", adapter, prompt))
+                 for i, (adapter, prompt) in enumerate(REQUESTS)]
+        while (await engine.health())["requests"] < len(REQUESTS):
+            await asyncio.sleep(0.01)
+        await engine.resume()
+        together = await asyncio.gather(*mixed)
+        assert any(len(record.decoded) == len(REQUESTS) for record in steps)  # they did decode in one batch
+        for i, ((adapter, prompt), tokens) in enumerate(zip(REQUESTS, together, strict=True)):
+            assert tokens == await _greedy(engine, f"alone-{i}", adapter, prompt), (adapter, prompt)
+            if adapter is not None:
+                assert tokens == await _greedy(merged[adapter], f"merged-{i}", None, prompt), (adapter, prompt)
+        assert len({tuple(tokens) for tokens in together[:3]}) == 3  # a, b and the base decode differently
+    finally:
+        await engine.close()
+        for other in merged.values():
+            await other.close()
+
+
+async def test_replacing_one_adapter_leaves_the_others_decodes_alone(tiny_model_path: Path) -> None:
+    engine = _engine(tiny_model_path)
+    try:
+        await engine.update_weights(random_adapter(engine.model, 4, 1, scale=0.5), 1, adapter="a")
+        await engine.update_weights(random_adapter(engine.model, 4, 2, scale=0.5), 1, adapter="b")
+        before = {name: await _greedy(engine, f"{name}-1", name, SHARED) for name in ("a", "b")}
+        await engine.update_weights(random_adapter(engine.model, 4, 3, scale=0.5), 2, adapter="a")
+        assert await _greedy(engine, "b-2", "b", SHARED) == before["b"]
+        assert await _greedy(engine, "a-2", "a", SHARED) != before["a"]
+    finally:
+        await engine.close()
+
+
+async def test_adapter_requests_and_loads_the_engine_cannot_serve_are_refused_by_name(tiny_model_path: Path) -> None:
+    engine = _engine(tiny_model_path)
+    static = _engine(tiny_model_path, kv_cache="static")
+    tensors = random_adapter(engine.model, 4, 1)
+    try:
+        with pytest.raises(ValueError, match=r"request 'r': adapter 'c' is not loaded on this engine \(loaded: \[\]"):
+            await _greedy(engine, "r", "c", SHARED)
+        with pytest.raises(ValueError, match="adapter must be a non-empty string or None"):
+            GenerateRequest("r", SHARED, GREEDY, adapter="")
+        with pytest.raises(ValueError, match=r"adapter 'a': 'lm_head\.weight' is not a LoRA factor"):
+            await engine.update_weights([*tensors, ("lm_head.weight", torch.zeros(1))], 1, adapter="a")
+        with pytest.raises(ValueError, match="adapter 'a': kv_cache='static' does not serve named adapters"):
+            await static.update_weights(tensors, 1, adapter="a")
+        with pytest.raises(ValueError, match="adapter 'a': kv_cache='static' does not serve named adapters"):
+            await _greedy(static, "r", "a", SHARED)
+        assert engine.version == 0
+    finally:
+        await engine.close()
+        await static.close()
