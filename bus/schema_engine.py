@@ -40,6 +40,9 @@ class EngineGenerate(Message):
     min_version: Annotated[int, doc("the oldest weights the caller may train on: an engine whose weights are older "
                                     "refuses the call at once (Error \"weights_behind\") instead of generating "
                                     "tokens the buffer would evict")] = 0
+    adapter: Annotated[str | None, doc("the LoRA adapter, loaded on the answering engine under this name, that "
+                                       "samples the request (none: the engine's own weights); an engine without it "
+                                       "refuses the call (Error \"bad_request\")")] = None
 
 
 class EngineOutput(Record):

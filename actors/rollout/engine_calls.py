@@ -15,7 +15,8 @@ def request_to_wire(request: GenerateRequest, *, min_version: int = 0) -> Engine
     return EngineGenerate(request_id=request.request_id, input_ids=list(request.input_ids),
                           max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                          n=params.n, seed=params.seed, ignore_eos=params.ignore_eos, min_version=min_version)
+                          n=params.n, seed=params.seed, ignore_eos=params.ignore_eos, min_version=min_version,
+                          adapter=request.adapter)
 
 
 def request_from_wire(call: EngineGenerate) -> GenerateRequest:
@@ -24,7 +25,8 @@ def request_from_wire(call: EngineGenerate) -> GenerateRequest:
                             max_new_tokens=call.max_new_tokens, stop=tuple(call.stop),
                             stop_token_ids=tuple(call.stop_token_ids), n=call.n, seed=call.seed,
                             ignore_eos=call.ignore_eos)
-    return GenerateRequest(request_id=call.request_id, input_ids=list(call.input_ids), params=params)
+    return GenerateRequest(request_id=call.request_id, input_ids=list(call.input_ids), params=params,
+                           adapter=call.adapter)
 
 
 def output_to_wire(output: GenerateOutput) -> EngineOutput:

@@ -175,6 +175,9 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         self._require_open()
+        if request.adapter is not None:  # running it with the run's adapter instead would sample another policy
+            raise ValueError(f"request {request.request_id!r}: adapter {request.adapter!r}: the SGLang engine does "
+                             "not serve named adapters yet (it runs every request with its run's own adapter)")
         self._ensure_health_loop()
         if request.request_id in self._inflight:
             raise ValueError(f"request {request.request_id!r} is already in flight on {self.url}")
