@@ -214,6 +214,11 @@ class TorchEngine(base.InferenceEngine):
             raise ValueError(f"update_weights: adapter must be a non-empty string or None, got {adapter!r}")
         await self._call(_UpdateWeights(named_tensors, version, adapter))
 
+    async def unload_adapter(self, adapter: str) -> None:
+        """Stop serving a named adapter, the others untouched. Refused while samples of it are in flight (their next
+        step would have no adapter to run with): abort or finish them first."""
+        await self._call(_UnloadAdapter(adapter))
+
     async def served_fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
         """Its weight for a full tensor; for a LoRA factor, the factor merged into its layer, and only if the layer
         holds that merge (an adapter received but never merged fingerprints as absent)."""
@@ -329,6 +334,18 @@ class TorchEngine(base.InferenceEngine):
         if (refusal := self._batcher.admissible(samples[0])) is not None:
             raise ValueError(f"request {rid!r}: {refusal}")
         return samples
+
+    def _unload_adapter(self, adapter: str) -> None:
+        if adapter not in self._named_adapters:
+            raise ValueError(f"unload_adapter: adapter {adapter!r} is not loaded (loaded: "
+                             f"{sorted(self._named_adapters.names)})")
+        users = sorted({sample.request_id for sample in (*self._batcher.running, *self._batcher.waiting)
+                        if sample.adapter == adapter})
+        if users:
+            raise ValueError(f"unload_adapter: adapter {adapter!r} serves {len(users)} requests in flight "
+                             f"({', '.join(map(repr, users[:3]))}{' ...' if len(users) > 3 else ''}); abort or finish "
+                             "them first")
+        self._named_adapters.remove(adapter)
 
     def _check_adapter(self, request_id: str, adapter: str) -> None:
         if self._batcher.adapters is None:
@@ -550,6 +567,8 @@ class _Submit(Command):
         request_id = self.request.request_id
         if request_id in engine._pending:
             raise ValueError(f"request {request_id!r} is already in flight on this engine")
+        if self.request.adapter is not None:  # again on this thread: it may have been unloaded since submission
+            engine._check_adapter(request_id, self.request.adapter)
         assert self.reply is not None
         engine._pending[request_id] = Pending(self.reply, self.samples)
         engine._batcher.add(self.samples)
@@ -594,6 +613,15 @@ class _UpdateWeights(Command):
             engine._load_weights(self.named_tensors, self.version)
         else:
             engine._load_named_adapter(self.adapter, list(self.named_tensors), self.version)
+        return None
+
+
+@dataclass
+class _UnloadAdapter(Command):
+    adapter: str
+
+    def apply(self, engine: TorchEngine) -> object:
+        engine._unload_adapter(self.adapter)
         return None
 
 

@@ -38,6 +38,12 @@ async def _greedy(engine: TorchEngine, request_id: str, adapter: str | None, pro
     return list(output.output_ids)
 
 
+async def _until_in_flight(engine: TorchEngine, requests: int) -> None:
+    """Until the engine holds `requests` requests (submitted; while paused, none of them steps)."""
+    while (await engine.health())["requests"] < requests:
+        await asyncio.sleep(0.01)
+
+
 async def test_a_batch_mixing_adapters_decodes_what_each_request_decodes_alone(tiny_model_path: Path) -> None:
     steps: list[StepRecord] = []
     engine = _engine(tiny_model_path, step_listener=steps.append)
@@ -50,8 +56,7 @@ async def test_a_batch_mixing_adapters_decodes_what_each_request_decodes_alone(t
         await engine.pause()
         mixed = [asyncio.create_task(_greedy(engine, f"mixed-{i}", adapter, prompt))
                  for i, (adapter, prompt) in enumerate(REQUESTS)]
-        while (await engine.health())["requests"] < len(REQUESTS):
-            await asyncio.sleep(0.01)
+        await _until_in_flight(engine, len(REQUESTS))
         await engine.resume()
         together = await asyncio.gather(*mixed)
         assert any(len(record.decoded) == len(REQUESTS) for record in steps)  # they did decode in one batch
@@ -121,5 +126,28 @@ async def test_the_sglang_engine_refuses_a_named_adapter_instead_of_running_anot
     try:
         with pytest.raises(ValueError, match="request 'r': adapter 'a': the SGLang engine does not serve named"):
             await engine.generate(GenerateRequest("r", SHARED, GREEDY, adapter="a"))
+    finally:
+        await engine.close()
+
+
+async def test_an_adapter_is_unloaded_only_once_no_request_of_it_is_in_flight(tiny_model_path: Path) -> None:
+    engine = _engine(tiny_model_path)
+    try:
+        for name, seed in (("a", 1), ("b", 2)):
+            await engine.update_weights(random_adapter(engine.model, 4, seed, scale=0.5), 1, adapter=name)
+        b_alone = await _greedy(engine, "b-0", "b", SHARED)
+        await engine.pause()
+        waiting = asyncio.create_task(_greedy(engine, "a-1", "a", SHARED))
+        await _until_in_flight(engine, 1)
+        with pytest.raises(ValueError, match=r"unload_adapter: adapter 'a' serves 1 requests in flight \('a-1'\)"):
+            await engine.unload_adapter("a")
+        await engine.resume()
+        await waiting
+        await engine.unload_adapter("a")
+        with pytest.raises(ValueError, match=r"adapter 'a' is not loaded on this engine \(loaded: \['b'\]"):
+            await _greedy(engine, "a-2", "a", SHARED)
+        with pytest.raises(ValueError, match="unload_adapter: adapter 'a' is not loaded"):
+            await engine.unload_adapter("a")
+        assert await _greedy(engine, "b-1", "b", SHARED) == b_alone
     finally:
         await engine.close()
