@@ -45,12 +45,10 @@ from engines.inference import base
 from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
-from engines.inference.lora_merge import AdapterMerger, is_adapter
-from engines.inference.multi_lora import MultiLora
 from engines.inference.prefix_cache import PrefixCache
+from engines.inference.served_weights import ServedWeights
 from engines.inference.static_batcher import StaticBatcher
-from engines.weights import layouts
-from engines.weights.fingerprint import FingerprintPlan, ServedPrints, comparable_dtype
+from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.manifest import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -118,11 +116,7 @@ class TorchEngine(base.InferenceEngine):
         self._max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._eos_token_ids = _eos_token_ids(model, tokenizer)
-        self._parameters = model.state_dict(keep_vars=True)
-        self._adapters = AdapterMerger(self._parameters, lora_scaling)
-        self._lora_scaling = lora_scaling
-        self._named_adapters = MultiLora(model, max_adapters=max_adapters)
-        self._checkpoint_views: dict[str, torch.Tensor] | None = None  # made at the first checkpoint-named load
+        self._weights = ServedWeights(model, lora_scaling=lora_scaling, max_adapters=max_adapters)
         self._release_when_idle = release_memory_when_idle
         self._recompute_kv_on_update = recompute_kv_on_update
         self._step_listener = step_listener
@@ -141,7 +135,7 @@ class TorchEngine(base.InferenceEngine):
         else:
             self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic,
                                               record_routes=record_routes, prefix_cache=prefix_cache)
-            self._batcher.adapters = self._named_adapters
+            self._batcher.adapters = self._weights.named_adapters
 
         # Written by the decode thread only; read anywhere (single attribute reads are atomic).
         self._version = version
@@ -258,7 +252,7 @@ class TorchEngine(base.InferenceEngine):
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """A copy of every weight by name: what an SGLang server that backs released weights up to the CPU keeps
         (our compatible server's stand-in for `--enable-weights-cpu-backup`). Call it while nothing generates."""
-        return [(name, tensor.detach().clone()) for name, tensor in self._parameters.items()]
+        return [(name, tensor.detach().clone()) for name, tensor in self._weights.parameters.items()]
 
     async def health(self) -> dict[str, object]:
         return {
@@ -336,16 +330,16 @@ class TorchEngine(base.InferenceEngine):
         return samples
 
     def _unload_adapter(self, adapter: str) -> None:
-        if adapter not in self._named_adapters:
-            raise ValueError(f"unload_adapter: adapter {adapter!r} is not loaded (loaded: "
-                             f"{sorted(self._named_adapters.names)})")
+        named = self._weights.named_adapters
+        if adapter not in named:
+            raise ValueError(f"unload_adapter: adapter {adapter!r} is not loaded (loaded: {sorted(named.names)})")
         users = sorted({sample.request_id for sample in (*self._batcher.running, *self._batcher.waiting)
                         if sample.adapter == adapter})
         if users:
             raise ValueError(f"unload_adapter: adapter {adapter!r} serves {len(users)} requests in flight "
                              f"({', '.join(map(repr, users[:3]))}{' ...' if len(users) > 3 else ''}); abort or finish "
                              "them first")
-        self._named_adapters.remove(adapter)
+        named.remove(adapter)
 
     def _check_adapter(self, request_id: str, adapter: str) -> None:
         if self._batcher.adapters is None:
@@ -354,9 +348,9 @@ class TorchEngine(base.InferenceEngine):
         if self._batcher.batch_invariant:
             raise ValueError(f"request {request_id!r}: adapter {adapter!r}: deterministic inference does not cover "
                              "named adapters yet")
-        if adapter not in self._named_adapters:
+        if adapter not in self._weights.named_adapters:
             raise ValueError(f"request {request_id!r}: adapter {adapter!r} is not loaded on this engine (loaded: "
-                             f"{sorted(self._named_adapters.names)})")
+                             f"{sorted(self._weights.named_adapters.names)})")
 
     # ----- decode thread -----------------------------------------------------------------------------------
 
@@ -453,73 +447,16 @@ class TorchEngine(base.InferenceEngine):
         if self._recompute_kv_on_update:
             self._batcher.drop_cache()
 
-    def _load_named_adapter(self, adapter: str, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """The adapter's factors, checked whole before any is written (`MultiLora.load`)."""
-        if self._batcher.adapters is None:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                      adapter: str | None) -> None:
+        if adapter is None:
+            self._weights.load(named_tensors)
+        elif self._batcher.adapters is None:
             raise ValueError(f"update_weights: adapter {adapter!r}: kv_cache='static' does not serve named adapters "
                              "yet; use kv_cache='dynamic'")
-        if self._lora_scaling is None:
-            raise ValueError(f"update_weights: adapter {adapter!r}: this engine was started without LoRA settings "
-                             "(--lora-rank, --lora-alpha), so it cannot scale an adapter")
-        for name, _ in named_tensors:
-            if not is_adapter(name):
-                raise ValueError(f"update_weights: adapter {adapter!r}: {name!r} is not a LoRA factor; a named "
-                                 "adapter's update holds <module>.lora_A.weight and <module>.lora_B.weight only")
-        self._named_adapters.load(adapter, named_tensors, self._lora_scaling)
+        else:
+            self._weights.load_adapter(adapter, list(named_tensors))
         self._loaded(version)
-
-    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Validate every tensor first, then copy: a bad bucket changes nothing (no half-applied update).
-
-        LoRA adapter tensors (a LoRA run's updates) are folded into their layers' weights (`lora_merge`)."""
-        updates, adapters = [], []
-        for name, tensor in named_tensors:
-            (adapters if is_adapter(name) else updates).append((name, tensor))
-        self._adapters.check(adapters)
-        for name, tensor in updates:
-            target = self._weight(name)
-            if target is None:
-                raise ValueError(f"update_weights: {name!r} is not a weight of this model")
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, expected a tensor")
-            if tensor.shape != target.shape:
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
-                )
-        with torch.no_grad():
-            for name, tensor in updates:
-                if not self._adapters.rebase(name, tensor):
-                    self._weight(name).copy_(tensor)  # type: ignore[union-attr]  # checked above
-        self._adapters.apply(adapters)
-        self._loaded(version)
-
-    def _fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
-        prints, unchecked = plan.prints(), {}
-        specs = plan.covered(specs)
-        adapters = self._adapters.served(spec.name for spec in specs if is_adapter(spec.name))
-        for spec in specs:
-            served = adapters.get(spec.name) if is_adapter(spec.name) else self._weight(spec.name)
-            if served is None:
-                continue  # absent: the sender names it as served differently
-            if not comparable_dtype(spec.dtype, served.dtype):
-                unchecked[spec.name] = f"served as {served.dtype}, sent as {spec.dtype}"
-                continue
-            prints.add(spec.name, served, spec.dtype)
-        return ServedPrints(prints.values(), unchecked)
-
-    def _weight(self, name: str) -> torch.Tensor | None:
-        """The served tensor a name loads into: the model's own name, or its checkpoint's (a stacked layer's expert
-        is a slice of its parameter), as an SGLang server takes either kind of a checkpoint's names."""
-        weight = self._parameters.get(name)
-        if weight is not None:
-            return weight
-        if self._checkpoint_views is None:
-            try:
-                self._checkpoint_views = layouts.checkpoint_views(self._model)
-            except ValueError as error:
-                logger.warning("checkpoint names will not load into this model: %s", error)
-                self._checkpoint_views = {}
-        return self._checkpoint_views.get(name)
 
     def _refuse_leftover_commands(self) -> None:
         while True:
@@ -609,10 +546,7 @@ class _UpdateWeights(Command):
     adapter: str | None = None
 
     def apply(self, engine: TorchEngine) -> object:
-        if self.adapter is None:
-            engine._load_weights(self.named_tensors, self.version)
-        else:
-            engine._load_named_adapter(self.adapter, list(self.named_tensors), self.version)
+        engine._load_weights(self.named_tensors, self.version, self.adapter)
         return None
 
 
@@ -631,7 +565,7 @@ class _Fingerprint(Command):
     plan: FingerprintPlan
 
     def apply(self, engine: TorchEngine) -> object:
-        return engine._fingerprints(self.specs, self.plan)
+        return engine._weights.fingerprints(self.specs, self.plan)
 
 
 @dataclass

@@ -228,8 +228,8 @@ def _after_load(engine: TorchEngine, sabotage: Callable[[], None]) -> None:
     """Run `sabotage` on the engine's thread right after each load: what a buggy load path would leave."""
     load = engine._load_weights
 
-    def load_then_sabotage(named: Iterator[tuple[str, Tensor]], version: int) -> None:
-        load(named, version)
+    def load_then_sabotage(named: Iterator[tuple[str, Tensor]], version: int, adapter: str | None) -> None:
+        load(named, version, adapter)
         sabotage()
 
     engine._load_weights = load_then_sabotage  # type: ignore[method-assign]

@@ -29,10 +29,10 @@ def engine_that_corrupts_one_tensor(config: RunConfig, actor_id: str | None) -> 
     if actor_id == CORRUPT_ENGINE:
         load = engine._load_weights
 
-        def load_then_corrupt(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-            load(named, version)
+        def load_then_corrupt(named: Iterable[tuple[str, torch.Tensor]], version: int, adapter: str | None) -> None:
+            load(named, version, adapter)
             if version >= 2:
-                engine._parameters[CORRUPTED].data[0, 0] += 1e-3
+                engine._weights.parameters[CORRUPTED].data[0, 0] += 1e-3
 
         engine._load_weights = load_then_corrupt
     return engine, tokenizer

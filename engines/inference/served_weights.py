@@ -1,0 +1,102 @@
+"""The weights a torch engine serves and how an update lands in them: full tensors copied in place, a one-policy
+LoRA run's adapter merged into its layers (`lora_merge.py`), named adapters served unmerged beside them
+(`multi_lora.py`), and the fingerprints of what is served now.
+
+Every load checks all of its tensors before it writes any, so a bad bucket changes nothing. The engine calls these
+from its decode thread between two steps, and then voids the keys and values computed before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from engines.inference.lora_merge import AdapterMerger, is_adapter
+from engines.inference.multi_lora import MultiLora
+from engines.weights import layouts
+from engines.weights.fingerprint import FingerprintPlan, ServedPrints, comparable_dtype
+from engines.weights.manifest import TensorSpec
+
+logger = logging.getLogger(__name__)
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+class ServedWeights:
+    """`lora_scaling`: the run's `lora_alpha / lora_rank`, None when the engine was started without LoRA settings
+    (then adapters are refused rather than applied at an unknown scale)."""
+
+    def __init__(self, model: nn.Module, *, lora_scaling: float | None, max_adapters: int) -> None:
+        self._model = model
+        self.parameters = model.state_dict(keep_vars=True)
+        self._merged = AdapterMerger(self.parameters, lora_scaling)
+        self._lora_scaling = lora_scaling
+        self.named_adapters = MultiLora(model, max_adapters=max_adapters)
+        self._checkpoint_views: dict[str, torch.Tensor] | None = None  # made at the first checkpoint-named load
+
+    def load(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """Full tensors by the model's or its checkpoint's names, and a one-policy run's LoRA factors, merged."""
+        updates, adapters = [], []
+        for name, tensor in named_tensors:
+            (adapters if is_adapter(name) else updates).append((name, tensor))
+        self._merged.check(adapters)
+        for name, tensor in updates:
+            target = self.weight(name)
+            if target is None:
+                raise ValueError(f"update_weights: {name!r} is not a weight of this model")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"update_weights: {name!r} is a {type(tensor).__name__}, expected a tensor")
+            if tensor.shape != target.shape:
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in updates:
+                if not self._merged.rebase(name, tensor):
+                    self.weight(name).copy_(tensor)  # type: ignore[union-attr]  # checked above
+        self._merged.apply(adapters)
+
+    def load_adapter(self, adapter: str, named_tensors: Sequence[NamedTensor]) -> None:
+        """The LoRA factors of the adapter named `adapter`, loaded (or updated in place) unmerged, the others
+        untouched (`MultiLora.load`)."""
+        if self._lora_scaling is None:
+            raise ValueError(f"update_weights: adapter {adapter!r}: this engine was started without LoRA settings "
+                             "(--lora-rank, --lora-alpha), so it cannot scale an adapter")
+        for name, _ in named_tensors:
+            if not is_adapter(name):
+                raise ValueError(f"update_weights: adapter {adapter!r}: {name!r} is not a LoRA factor; a named "
+                                 "adapter's update holds <module>.lora_A.weight and <module>.lora_B.weight only")
+        self.named_adapters.load(adapter, named_tensors, self._lora_scaling)
+
+    def fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
+        """What is served now under the sender's names: a weight as it is, a merged LoRA factor only where its layer
+        still equals the merge (`AdapterMerger.served`)."""
+        prints, unchecked = plan.prints(), {}
+        specs = plan.covered(specs)
+        adapters = self._merged.served(spec.name for spec in specs if is_adapter(spec.name))
+        for spec in specs:
+            served = adapters.get(spec.name) if is_adapter(spec.name) else self.weight(spec.name)
+            if served is None:
+                continue  # absent: the sender names it as served differently
+            if not comparable_dtype(spec.dtype, served.dtype):
+                unchecked[spec.name] = f"served as {served.dtype}, sent as {spec.dtype}"
+                continue
+            prints.add(spec.name, served, spec.dtype)
+        return ServedPrints(prints.values(), unchecked)
+
+    def weight(self, name: str) -> torch.Tensor | None:
+        """The served tensor a name loads into: the model's own name, or its checkpoint's (a stacked layer's expert
+        is a slice of its parameter), as an SGLang server takes either kind of a checkpoint's names."""
+        weight = self.parameters.get(name)
+        if weight is not None:
+            return weight
+        if self._checkpoint_views is None:
+            try:
+                self._checkpoint_views = layouts.checkpoint_views(self._model)
+            except ValueError as error:
+                logger.warning("checkpoint names will not load into this model: %s", error)
+                self._checkpoint_views = {}
+        return self._checkpoint_views.get(name)
