@@ -192,21 +192,25 @@ def _synthetic_batch() -> list[Sample]:
     return samples
 
 
-def _data_parallel_rank(rank: int, rendezvous: str, model: Path, steps: int, out_dir: Path) -> None:
+def _data_parallel_rank(rank: int, rendezvous: str, model: Path, out_dir: Path) -> None:
+    """Both cases of the test on one world (a fresh trainer each): 2 optimizer steps per batch, then 4."""
     torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    trainer = _trainer(model)
     try:
-        config = build_config({"hf_checkpoint": str(model), "rollout_batch_size": 4, "n_samples_per_prompt": 2,
-                               "num_steps_per_rollout": steps})
-        try:
-            TrainingStep(trainer, config).train(_synthetic_batch(), [0] * 8)
-            outcome = {"steps": [len(s) for s, _ in trainer.steps], "version": trainer.version,
-                       "weights": weights(trainer)}
-        except ValueError as error:
-            outcome = {"error": str(error)}
-        torch.save(outcome, out_dir / f"rank{rank}.pt")
+        for steps in (2, 4):
+            trainer = _trainer(model)
+            try:
+                config = build_config({"hf_checkpoint": str(model), "rollout_batch_size": 4,
+                                       "n_samples_per_prompt": 2, "num_steps_per_rollout": steps})
+                try:
+                    TrainingStep(trainer, config).train(_synthetic_batch(), [0] * 8)
+                    outcome = {"steps": [len(s) for s, _ in trainer.steps], "version": trainer.version,
+                               "weights": weights(trainer)}
+                except ValueError as error:
+                    outcome = {"error": str(error)}
+                torch.save(outcome, out_dir / f"{steps}-rank{rank}.pt")
+            finally:
+                trainer.close()
     finally:
-        trainer.close()
         torch.distributed.destroy_process_group()
 
 
@@ -214,12 +218,10 @@ def _data_parallel_rank(rank: int, rendezvous: str, model: Path, steps: int, out
 @pytest.mark.timeout(120)
 def test_data_parallel_ranks_take_the_same_steps_or_fail_together(tiny_model_path: Path, tmp_path: Path) -> None:
     """Each rank cuts its own shard; a shard too small for the steps fails every rank, none waits in a collective."""
+    torch.multiprocessing.spawn(_data_parallel_rank, args=(rendezvous_file(), tiny_model_path, tmp_path),
+                                nprocs=2, join=True)
     for steps in (2, 4):
-        out_dir = tmp_path / str(steps)
-        out_dir.mkdir()
-        torch.multiprocessing.spawn(_data_parallel_rank, args=(rendezvous_file(), tiny_model_path, steps, out_dir),
-                                    nprocs=2, join=True)
-        ranks = [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
+        ranks = [torch.load(tmp_path / f"{steps}-rank{rank}.pt") for rank in range(2)]
         if steps == 4:  # rank 1 alone could take 4 steps: without agreeing it would wait for rank 0 forever
             assert all("2 samples on some data-parallel rank (of 2) cannot make 4 optimizer steps" in outcome["error"]
                        for outcome in ranks)

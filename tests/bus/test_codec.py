@@ -22,8 +22,10 @@ ROUND_TRIP = settings(max_examples=40, deadline=None, suppress_health_check=[Hea
 @pytest.mark.parametrize("message_type", list(MESSAGE_TYPES.values()), ids=list(MESSAGE_TYPES))
 @ROUND_TRIP
 @given(data=st.data())
-def test_every_message_type_round_trips_exactly(message_type: type[Message], data: st.DataObject) -> None:
+def test_every_valid_message_of_every_type_passes_validation_unchanged_and_round_trips_exactly(
+        message_type: type[Message], data: st.DataObject) -> None:
     message = data.draw(strategy_for(message_type))
+    assert validate(message) is message
     assert messages_equal(decode(encode(message)), message)
 
 
@@ -164,15 +166,6 @@ def test_version_announcement_before_any_weight_push_decodes() -> None:
     decoded = decode(encode(VersionAnnouncement(version=7, weights_version=None, step=7)))
     assert isinstance(decoded, VersionAnnouncement)
     assert decoded.version == 7 and decoded.weights_version is None
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("message_type", list(MESSAGE_TYPES.values()), ids=list(MESSAGE_TYPES))
-@settings(ROUND_TRIP, max_examples=10)
-@given(data=st.data())
-def test_every_valid_message_passes_validation_unchanged(message_type: type[Message], data: st.DataObject) -> None:
-    message = data.draw(strategy_for(message_type))
-    assert validate(message) is message
 
 
 def _bad_sample() -> Sample:

@@ -64,15 +64,6 @@ async def miscounts_its_tools(episode: Episode) -> dict[str, Any]:
     return {"tool_calls": "three"}
 
 
-async def responses_or_anthropic(episode: Episode) -> dict[str, Any]:
-    """The example agent on the Responses API for even samples, on the Anthropic Messages API for odd ones."""
-    from examples import anthropic_agent, responses_agent
-
-    if episode.sample_index % 2 == 0:
-        return {**await responses_agent.solve(episode), "api": "responses"}
-    return {**await anthropic_agent.solve(episode), "api": "anthropic"}
-
-
 SUMMARY = "So far: the answer was checked once."
 CHECKER = "You check answers. Say yes or no."
 
@@ -98,3 +89,14 @@ async def rewrites_its_context(episode: Episode) -> dict[str, Any]:
         compacted = [*episode.messages, {"role": "user", "content": SUMMARY}]
         final = await say(compacted)
     return {"final_answer": final.get("content") or ""}
+
+
+async def every_client_or_rewrites_its_context(episode: Episode) -> dict[str, Any]:
+    """One agent per sample of a group of four: the example agent of each client library (the OpenAI client's Chat
+    Completions, its Responses API, the Anthropic client's Messages API), then `rewrites_its_context`. One run
+    shows each trains, beside episodes that are trees of segments."""
+    from examples import anthropic_agent, openai_agent, responses_agent
+
+    api, agent = (("chat", openai_agent.solve), ("responses", responses_agent.solve),
+                  ("anthropic", anthropic_agent.solve), ("rewrites", rewrites_its_context))[episode.sample_index % 4]
+    return {**await agent(episode), "api": api}

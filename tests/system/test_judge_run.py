@@ -20,7 +20,9 @@ from policies.rewards import prompt_text
 from tests.system.test_fault_tolerance import current_pid, finish, launch
 from tools.make_arithmetic_data import make_arithmetic_data
 
-STEPS = 6
+# The kill lands at judge-0-0's first verdict, while step 1 is being scored: the rest of that step and two more
+# are scored after it, with judge-0-0 dead and then restarted, which is what the run must come through.
+STEPS = 3
 JUDGES = ("--custom-actor", "judge=examples.judge.actor:Judge", "--judge-workers", "2",
           "--custom-rm-path", "examples.judge.reward:judge_reward")
 
