@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from actors.config import RunConfig
 from actors.rollout.engine_factory import load_engine
 from tests.system.test_fault_tolerance import finish, launch
 from tools.make_arithmetic_data import make_arithmetic_data
+
+if TYPE_CHECKING:  # the launcher imports this module for the engine's traits before any actor starts: not torch
+    import torch
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
 CORRUPT_ENGINE = "rollout-0-1"
