@@ -68,10 +68,11 @@ class Push:
 
 @dataclass(frozen=True)
 class Hold:
-    """A push is due but the engines are pinned on `version` until it is released: push nothing now.
-    `step_push`: it was a step's own push, owed from now on until a push reaches every engine."""
+    """A push is due but the engines are pinned on `version` until it is released, or (None) a role that pins has
+    not asked yet (`WeightCadence.expect_pins`): push nothing now. `step_push`: it was a step's own push, owed from
+    now on until a push reaches every engine."""
 
-    version: int
+    version: int | None
     step_push: bool = False
 
 
@@ -98,6 +99,8 @@ class WeightCadence:
     weights of that version or newer) and taken when such weights reach every engine (at once if they already
     serve them and no push is under way); with `final`, also on the run's last version when training ends
     (`finishing`). It lets go on `release` of that version or a later one, or `hold_timeout_s` after it was taken.
+    In a run with such a role (`expect_pins`), nothing is pushed before its first ask, so the first version it
+    asks for (a fresh run's 0) cannot have left the engines while it started.
 
     The announcement half: whether the version announced before its weights landed must be announced again.
     """
@@ -115,6 +118,7 @@ class WeightCadence:
     pinned: int | None = None  # the version the engines are held on
     released_through: int = -1  # every pin of a version up to this one is released
     pin_deadline: float = 0.0
+    first_ask_by: float | None = None  # expect_pins: no push before the first `pin`, or until this clock time
     announcing: int | None = None  # the version last announced, or tried
     announced: tuple[int, int | None] | None = None  # (version, weights version) the controller last took
 
@@ -149,9 +153,16 @@ class WeightCadence:
             return None
         return self.pinned
 
+    def holds_pushes(self) -> bool:
+        """Whether a push due now would be held: a pin, or a first ask still awaited."""
+        return self.holding() is not None or self._awaiting_first_ask()
+
+    def _awaiting_first_ask(self) -> bool:
+        return self.first_ask_by is not None and self.clock() <= self.first_ask_by
+
     def _unless_pinned(self, *, owed: bool = False, step_push: bool = False) -> Decision:
         held = self.holding()
-        if held is not None:
+        if held is not None or self._awaiting_first_ask():
             return Hold(held, step_push=step_push)
         expired = self.pinned if self.pinned is not None and self.pinned > self.released_through else None
         return Push(owed=owed, expired_hold=expired)
@@ -191,9 +202,15 @@ class WeightCadence:
         if self.armed is not None and version >= self.armed:
             self._take(version)
 
+    def expect_pins(self) -> None:
+        """A role of this run will ask for pins: push nothing until its first ask (`pin`, whatever it asks), or for
+        `hold_timeout_s` if it never comes."""
+        self.first_ask_by = self.clock() + self.hold_timeout_s
+
     def pin(self, at_least: int | None, *, final: bool = False) -> None:
         """Hold the engines on the first weights of version `at_least` or newer they get; with `final`, on the
         run's last version too. Asking again changes nothing once the pin is taken (the asker polls)."""
+        self.first_ask_by = None
         if self.pinned is not None and self.holding() is not None:
             return
         self.armed, self.armed_final = at_least, final

@@ -100,12 +100,15 @@ class Evaluator(Actor):
 
     def next_pin(self) -> int | None:
         """The version to pin next: an open round's; else the first due after every round started (or written
-        before a restart), or from the learner's version on when there is none. None until the learner answered
-        once, and for a learner that pushes nothing (rounds follow its announcements)."""
-        if self.learner_version is None or self.publishes is False:
+        before a restart), or from the learner's version on when there is none. None for a learner that pushes
+        nothing (rounds follow its announcements), and, with no round open, until the learner answered once. The
+        learner pushes nothing before this role's first ask, so a round open then still finds its version."""
+        if self.publishes is False:
             return None
-        if self.rounds.pending:
+        if self.rounds.pending:  # a fresh run's baseline round asks its version 0 in the very first request
             return min(version for version, _ in self.rounds.rounds)
+        if self.learner_version is None:
+            return None
         seen = [*self.rounds.started_versions, *([] if self.evaluated is None else [self.evaluated])]
         if seen:
             return next_due(self.config, max(seen))

@@ -16,7 +16,7 @@ import argparse
 from actors.config import RunConfig
 from actors.config.engines import engine_needs_gpu
 from actors.config.run import learner_ranks_per_node
-from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES
+from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES, runs_evaluator
 from engines.devices import visible_gpus
 
 SINGLETON_ROLES = ("controller", "buffer", "evaluator", "learner")
@@ -69,12 +69,6 @@ def node_actor_counts(args: argparse.Namespace, customs: dict[str, str], config:
     if learner_node and args.roles is None:
         counts = {"learner-ranks": 1, **counts}
     return counts
-
-
-def runs_evaluator(config: RunConfig) -> bool:
-    """Whether the run has an evaluator: it has eval sets (which need --eval-interval), and engines to generate them
-    (a replay of recorded batches, --load-debug-rollout-data, runs none)."""
-    return bool(config.eval.sets) and not config.learner.load_debug_rollout_data
 
 
 def worker_node_roles(args: argparse.Namespace, customs: dict[str, str], nodes: int | None,

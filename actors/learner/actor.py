@@ -37,6 +37,7 @@ from actors.runtime.checkpoint_pointer import (
 from actors.runtime.context import ActorContext
 from actors.runtime.handlers import serves
 from actors.runtime.metrics import MetricsWriter
+from actors.runtime.roles import has_weight_pinners
 from actors.runtime.stopping import unless_stopped
 from bus.codec import validate
 from bus.schema import Batch, Control, Roster, VersionAnnouncement, WeightPin, WeightPinState
@@ -104,6 +105,8 @@ class Learner(Actor):
                                      hold_timeout_s=config.eval.final_eval_timeout)
         if self.trained_batch == 0 and self.version == 0:  # a fresh run: the engines load these weights themselves
             self.cadence.engines_serve(0)
+        if has_weight_pinners(config):
+            self.cadence.expect_pins()
         self.pin_released = asyncio.Event()  # a push held for a pin may go now, even while a batch is awaited
         self.busy_seconds = 0.0
         self.started_at = time.monotonic()
@@ -316,11 +319,11 @@ class Learner(Actor):
     async def on_weight_pin(self, sender: str, request: WeightPin) -> WeightPinState:
         """Served once `on_start` is done (the RPC endpoint opens after it): the cadence and the training exist."""
         assert self.training is not None
-        pinned = self.cadence.holding()
+        held = self.cadence.holds_pushes()
         self.cadence.release(request.release_through)
-        if pinned is not None and self.cadence.holding() is None:
-            self.pin_released.set()
         self.cadence.pin(request.at_least, final=request.final)
+        if held and not self.cadence.holds_pushes():
+            self.pin_released.set()
         return WeightPinState(pinned=self.cadence.holding(), publishes=self.training.publishes, version=self.version)
 
     async def save_checkpoint(self) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from policies.plugins import load_object
+
+if TYPE_CHECKING:
+    from actors.config import RunConfig
 
 BUILTIN_ROLES: dict[str, str] = {
     "controller": "actors.controller.actor:Controller",
     "buffer": "actors.buffer.actor:Buffer",
-    "evaluator": "actors.evaluator.actor:Evaluator",  # only in a run with eval data (node_roles.runs_evaluator)
+    "evaluator": "actors.evaluator.actor:Evaluator",  # only in a run with eval data (runs_evaluator)
     "learner": "actors.learner.actor:Learner",
     "rollout": "actors.rollout.actor:RolloutWorker",
     "reward": "actors.reward.actor:RewardWorker",
@@ -15,6 +20,18 @@ BUILTIN_ROLES: dict[str, str] = {
     "learner-ranks": "actors.learner.remote_ranks:RemoteLearnerRanks",
 }
 HEAD_ROLES = ("controller", "buffer", "evaluator", "learner", "rollout", "reward")  # the head's, unless --roles says
+
+
+def runs_evaluator(config: RunConfig) -> bool:
+    """Whether the run has an evaluator: it has eval sets (which need --eval-interval), and engines to generate them
+    (a replay of recorded batches, --load-debug-rollout-data, runs none)."""
+    return bool(config.eval.sets) and not config.learner.load_debug_rollout_data
+
+
+def has_weight_pinners(config: RunConfig) -> bool:
+    """Whether a role of the run asks the learner to hold the engines on a version (`WeightPin`: the evaluator), so
+    the learner's first push waits for its first ask (`WeightCadence.expect_pins`)."""
+    return runs_evaluator(config)
 
 
 def resolve_actor_class(path: str) -> type:

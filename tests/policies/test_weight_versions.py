@@ -206,3 +206,35 @@ def test_weights_the_engines_load_themselves_can_be_pinned_before_any_push() -> 
     weights.push_ended(0, reached_every_engine=False)
     weights.pin(0)
     assert weights.holding() == 0 and weights.after_step(1) == Hold(0, step_push=True)
+
+
+@pytest.mark.unit
+def test_in_a_run_with_a_role_that_pins_nothing_is_pushed_before_its_first_ask() -> None:
+    """The evaluator may start after the learner's first step: its baseline round's version 0 must still be on
+    the engines when it asks, so that step's push waits for the ask (and only for the ask: `None` pins nothing)."""
+    weights = cadence()
+    weights.engines_serve(0)
+    weights.expect_pins()
+    assert weights.holds_pushes() and weights.holding() is None
+    decision = weights.after_step(1)
+    assert decision == Hold(None, step_push=True)
+    weights.acted(decision)
+    assert weights.between_steps() == Hold(None)  # the held push stays owed, and held
+    weights.pin(0)  # the first ask: the engines still serve 0, so the pin is taken at once
+    assert weights.holding() == 0 and weights.between_steps() == Hold(0)
+    weights.release(0)
+    assert not weights.holds_pushes() and weights.between_steps() == Push(owed=True)
+
+    resumed = cadence()
+    resumed.expect_pins()
+    resumed.pin(None)  # a first ask that pins nothing lets the pushes go
+    assert not resumed.holds_pushes() and resumed.after_step(5) == Push()
+
+
+@pytest.mark.unit
+def test_a_first_ask_that_never_comes_holds_the_pushes_only_until_the_pin_deadline() -> None:
+    weights = cadence()
+    weights.expect_pins()
+    assert weights.after_step(1) == Hold(None, step_push=True)
+    weights.clock.now = 61.0  # type: ignore[attr-defined]
+    assert not weights.holds_pushes() and weights.after_step(1) == Push()
