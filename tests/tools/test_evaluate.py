@@ -48,25 +48,37 @@ async def test_the_reward_sees_what_a_reward_worker_would_see(tmp_path: Path, ti
         assert inp.response == tokenizer.decode(inp.response_ids, skip_special_tokens=True)
 
 
+@pytest.fixture(scope="module")
+def scored_in_another_folder(tmp_path_factory: pytest.TempPathFactory,
+                             tiny_model_path: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One scoring run of the command, started in a folder other than the repository's with a reward module of that
+    folder: the two tests below read its output (each run loads the model, so they share one)."""
+    folder = tmp_path_factory.mktemp("evaluate")
+    (folder / "my_reward.py").write_text("def half(inp):\n    return 0.5\n", encoding="utf-8")
+    data = _slime_keyed_data(folder / "eval.jsonl")
+    scored = subprocess.run([sys.executable, "-m", "tools.evaluate", str(tiny_model_path), str(data),
+                             "--input-key", "prompt", "--label-key", "answer", "--apply-chat-template",
+                             "--reward", "my_reward:half", "--max-new-tokens", "2"],
+                            cwd=folder, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,
+                            text=True, timeout=240, check=False)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    return data, scored
+
+
 @pytest.mark.integration
 def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_input_in_a_line(
-    tmp_path: Path, tiny_model_path: Path,
+    tiny_model_path: Path, scored_in_another_folder: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
-    data = _slime_keyed_data(tmp_path / "eval.jsonl")
-
-    def evaluate(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tools.evaluate", str(tiny_model_path), str(data), *flags],
-                              cwd=REPO, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,
-                              text=True, timeout=240, check=False)
-
-    scored = evaluate("--input-key", "prompt", "--label-key", "answer", "--apply-chat-template")
-    assert scored.returncode == 0, scored.stderr[-3000:]
+    data, scored = scored_in_another_folder
     assert "prompts=2.0000 skipped=1.0000" in scored.stdout
     assert f"evaluate: skipped {data} line 3: not valid JSON" in scored.stderr
     assert "evaluate: generated 2/2 prompts in" in scored.stderr  # progress, and its last line once all are
     assert not PROGRESS_BAR.search(scored.stderr), scored.stderr
 
-    refused = evaluate("--input-key", "prompt", "--label-key", "answer", "--reward", "no_such_reward")
+    refused = subprocess.run([sys.executable, "-m", "tools.evaluate", str(tiny_model_path), str(data),
+                              "--input-key", "prompt", "--label-key", "answer", "--reward", "no_such_reward"],
+                             cwd=REPO, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,
+                             text=True, timeout=240, check=False)
     assert refused.returncode == 2
     assert refused.stderr.startswith("evaluate: unknown reward function 'no_such_reward'"), refused.stderr
     assert "Traceback" not in refused.stderr
@@ -74,16 +86,9 @@ def test_the_command_prints_its_scores_names_what_it_dropped_and_refuses_bad_inp
 
 @pytest.mark.integration
 def test_a_reward_module_in_the_working_directory_loads_as_the_launcher_loads_it(
-    tmp_path: Path, tiny_model_path: Path,
+    scored_in_another_folder: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     """The launcher's actors import plugins from the folder the run was started in, so evaluate, started in another
     folder than the repository's, must find them there too."""
-    (tmp_path / "my_reward.py").write_text("def half(inp):\n    return 0.5\n", encoding="utf-8")
-    data = _slime_keyed_data(tmp_path / "eval.jsonl")
-    scored = subprocess.run([sys.executable, "-m", "tools.evaluate", str(tiny_model_path), str(data),
-                             "--input-key", "prompt", "--label-key", "answer", "--reward", "my_reward:half",
-                             "--max-new-tokens", "2"],
-                            cwd=tmp_path, env=with_repo_on_path(env_without_quiet_switches()), capture_output=True,
-                            text=True, timeout=240, check=False)
-    assert scored.returncode == 0, scored.stderr[-3000:]
+    _, scored = scored_in_another_folder
     assert "mean_reward=0.5000 prompts=2.0000" in scored.stdout
