@@ -18,15 +18,19 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.system
 @pytest.mark.timeout(600)
 def test_gpu_check_cpu_mode_passes_every_check(tmp_path: Path) -> None:
+    """The megatron run is listed, not run: tests/system/test_megatron_run.py runs the same launcher run (megatron
+    on the CPU, TP=1, 4 steps of 4 x 4 samples, --max-staleness 1) and asserts more of it; the row's code is
+    check_run, which the torch and colocated rows run here."""
     report = tmp_path / "gpu_check.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "tools.gpu.check", "--cpu", "--quick", "--json", str(report)],
+        [sys.executable, "-m", "tools.gpu.check", "--cpu", "--quick", "--skip", "megatron", "--json", str(report)],
         cwd=REPO, capture_output=True, text=True, timeout=580, check=False, env=env_without_quiet_switches(),
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(report.read_text())["rows"]}
     assert len(rows) == 8, sorted(rows)
     assert all(row["status"] in ("ok", "skipped") for row in rows.values()), rows
+    assert rows["megatron"] == {**rows["megatron"], "status": "skipped", "result": "--skip"}, rows
     assert rows["run: torch engine + torch trainer"]["status"] == "ok"
     assert "weights over gloo" in rows["run: torch engine + torch trainer"]["result"]
     pushes = re.search(r"\((\d+) pushes, (\d+) beside a step\)", rows["run: torch engine + torch trainer"]["result"])
@@ -69,3 +73,13 @@ def test_the_train_row_runs_on_a_benchmark_model_of_another_shape() -> None:
 
     row = check_train_step("cpu", quick=True, shape="tiny")
     assert row.status == "ok" and "4 x 64 tokens" in row.result, row
+
+
+@pytest.mark.unit
+def test_a_skipped_check_that_does_not_exist_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.gpu.check import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--cpu", "--skip", "megatron", "megatorn"])
+    assert exited.value.code == 2
+    assert "--skip: no check named megatorn (the checks: tests run megatron" in capsys.readouterr().err

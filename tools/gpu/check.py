@@ -491,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                         "tools/bench/models.py (qwen2.5-0.5b: the real shape) instead of the check's own")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks: tests run megatron colocate "
                         "megatron-step engine train sync")
+    parser.add_argument("--skip", nargs="*", default=[], help="list these checks as skipped without running them "
+                        "(a CI run whose suite runs the same thing elsewhere); same names as --only")
     args = parser.parse_args(argv)
     if args.wheels is not None:
         install_wheels(args.wheels)
@@ -515,9 +517,14 @@ def main(argv: list[str] | None = None) -> int:
             "train": lambda: check_train_step(device, args.quick, args.train_shape),
             "sync": lambda: check_weight_sync(device, args.quick),
         }
+        if unknown := sorted(set(args.skip) - set(checks)):
+            parser.error(f"--skip: no check named {', '.join(unknown)} (the checks: {' '.join(checks)})")
         rows = []
         for name, check in checks.items():
             if args.only is not None and name not in args.only:
+                continue
+            if name in args.skip:
+                rows.append(Row(name, "skipped", "--skip"))
                 continue
             print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
             started = time.monotonic()
