@@ -26,15 +26,20 @@ def prompts(tmp_path: Path) -> Path:
     return data
 
 
+@pytest.fixture(scope="module")
+def teacher(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One taught teacher for both scripts: neither run writes to its folder."""
+    return taught_teacher(tiny_model_path, tmp_path_factory.mktemp("teacher"))
+
+
 def run_script(argv: list[str], entry: str, tmp_path: Path) -> list[dict]:
     argv[argv.index("--save") + 1] = str(tmp_path / "save")
     return run_slime_script(entry, argv, tmp_path / "run")[1]
 
 
 @pytest.mark.system
-def test_slimes_distillation_script_with_the_teacher_in_the_learner_trains_on_cpu(tiny_model_path: Path,
+def test_slimes_distillation_script_with_the_teacher_in_the_learner_trains_on_cpu(tiny_model_path: Path, teacher: Path,
                                                                                   tmp_path: Path) -> None:
-    teacher = taught_teacher(tiny_model_path, tmp_path / "teacher")
     entry, argv = read_slime_script(SCRIPTS / "opd-teacher-in-learner.sh", overrides={
         "MODEL_DIR": str(tiny_model_path), "TEACHER_DIR": str(teacher), "DATA_PATH": str(prompts(tmp_path))})
     steps = run_script(argv, entry, tmp_path)
@@ -45,9 +50,8 @@ def test_slimes_distillation_script_with_the_teacher_in_the_learner_trains_on_cp
 
 
 @pytest.mark.system
-def test_slimes_distillation_script_with_a_teacher_server_trains_on_cpu(tiny_model_path: Path,
+def test_slimes_distillation_script_with_a_teacher_server_trains_on_cpu(tiny_model_path: Path, teacher: Path,
                                                                          tmp_path: Path) -> None:
-    teacher = taught_teacher(tiny_model_path, tmp_path / "teacher")
     server = ServerProcess(ServerSpec(model_path=str(teacher), module="tools.standins.sglang_server",
                                       random_seed=1, extra={"torch-threads": "1"}),
                            startup_timeout=120, log_dir=tmp_path / "teacher-logs")
