@@ -47,6 +47,15 @@ def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     process.stop()
 
 
+@pytest.fixture(scope="module")
+def server_without_backup(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A memory saver that backs nothing up: released weights come back as garbage, so the test that shows it
+    comes last among this server's."""
+    process = launch(tiny_model_path, tmp_path_factory.mktemp("sglang-logs"), "enable-memory-saver")
+    yield process
+    process.stop()
+
+
 def shared_segments() -> set[str]:
     """The named shared-memory segments this process made (torch names them after the creating pid)."""
     return {name for name in os.listdir("/dev/shm") if name.startswith(f"torch_{os.getpid()}_")}
@@ -190,10 +199,10 @@ async def test_nothing_is_released_while_a_weight_load_holds_the_memory(server: 
 
 
 @pytest.mark.integration
-async def test_health_checks_leave_released_memory_alone(tiny_model_path: Path, tmp_path: Path) -> None:
+async def test_health_checks_leave_released_memory_alone(server_without_backup: ServerProcess) -> None:
     """SGLang's /health generates a token: while memory is released the loop checks /model_info instead, so a
     server that handed its memory over is neither faulted by a check nor restarted as unhealthy."""
-    process = launch(tiny_model_path, tmp_path, "enable-memory-saver")
+    process = server_without_backup
     client = SglangEngine(process.url, server=process, release_tags=KV_ONLY, health_interval=0.05)
     try:
         await client.generate(GenerateRequest("first", PROMPT, GREEDY))  # starts the health loop
@@ -207,19 +216,18 @@ async def test_health_checks_leave_released_memory_alone(tiny_model_path: Path, 
         assert client.restarts == 0 and client.memory_releases == 21
         assert (await client.generate(GenerateRequest("after", PROMPT, GREEDY)))[0].output_ids
     finally:
+        client.server = None  # the module fixture stops the server
         await client.close()
-        process.stop()
 
 
 @pytest.mark.integration
-async def test_weights_released_without_a_backup_come_back_unusable(tiny_model_path: Path, tmp_path: Path) -> None:
-    """Why a run releases weights only where the server backs them up: SGLang frees them, contents and all."""
-    process = launch(tiny_model_path, tmp_path, "enable-memory-saver")
-    client = SglangEngine(process.url, release_tags=protocol.MEMORY_TAGS)
+async def test_weights_released_without_a_backup_come_back_unusable(server_without_backup: ServerProcess) -> None:
+    """Why a run releases weights only where the server backs them up: SGLang frees them, contents and all.
+    Last in this module: the server it leaves behind serves garbage."""
+    client = SglangEngine(server_without_backup.url, release_tags=protocol.MEMORY_TAGS)
     try:
         await client.on_idle()
         with pytest.raises(protocol.ProtocolError, match="non-finite"):  # NaN weights, NaN log-probs
             await client.generate(GenerateRequest("garbage", PROMPT, GREEDY))
     finally:
         await client.close()
-        process.stop()

@@ -68,29 +68,13 @@ def test_base_gpu_id_is_passed_as_sglangs_flag_and_must_not_be_negative() -> Non
 
 
 @pytest.mark.integration
-def test_server_started_from_a_thread_that_exits_keeps_running(tiny_model_path: Path, tmp_path: Path) -> None:
-    """The parent-death signal follows the forking THREAD; a restart runs in a short-lived executor thread."""
-    process = ServerProcess(
-        ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
-                   extra={"torch-threads": "1"}),
-        startup_timeout=120,
-        log_dir=tmp_path,
-    )
-    starter = threading.Thread(target=process.start)
-    starter.start()
-    starter.join()
-    try:
-        time.sleep(1.0)
-        assert process.alive(), process.log_tail()
-    finally:
-        process.stop()
-
-
-@pytest.mark.integration
-def test_a_server_whose_port_is_taken_before_it_binds_starts_again_on_another_port(tiny_model_path: Path,
-                                                                                    tmp_path: Path) -> None:
-    """The port is free when chosen and taken when the server binds it: the first start dies of it, the second,
-    on a port chosen again, serves."""
+def test_a_server_started_from_a_thread_that_exits_keeps_running_and_one_whose_port_is_taken_starts_again(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Two claims on one start (each costs a model load). The parent-death signal follows the forking THREAD; a
+    restart runs in a short-lived executor thread, so the start here runs in one that exits. The port is free when
+    chosen and taken when the server binds it: the first start dies of it, the second, on a port chosen again,
+    serves."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -99,11 +83,17 @@ def test_a_server_whose_port_is_taken_before_it_binds_starts_again_on_another_po
         ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
                    extra={"torch-threads": "1"}),
         startup_timeout=120, log_dir=tmp_path, choose_port=lambda host: next(ports, None) or free_port(host))
+    started: list[str] = []
+    starter = threading.Thread(target=lambda: started.append(process.start()))
+    starter.start()
+    starter.join()
     try:
-        url = process.start()
+        assert started, process.log_tail()
+        time.sleep(1.0)
+        assert process.alive(), process.log_tail()
         assert process.starts == 2
         assert process.port != taken.getsockname()[1]
-        assert probe(url + "/health", timeout=5.0)
+        assert probe(started[0] + "/health", timeout=5.0)
     finally:
         process.stop()
         taken.close()

@@ -27,13 +27,16 @@ PROMPT = [3, 14, 15, 9, 26, 5]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The module's one server; its generate-based health check gives up after 1 s (SGLang's default is 20 s), for
+    the paused-server test: only /health and /health_generate read that setting."""
     spec = ServerSpec(
         model_path=str(tiny_model_path),
         module="tools.standins.sglang_server",
         random_seed=3,
         extra={"torch-threads": "1", "mem-fraction-static": "0.8", "enable-metrics": "true"},
     )
-    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"))
+    env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1"}
+    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"), env=env)
     process.start()
     yield process
     process.stop()
@@ -255,33 +258,21 @@ async def test_flush_cache_is_retried_until_the_server_is_idle_and_fails_by_name
     assert (await asyncio.wait_for(running, timeout=10))[0].finish_reason == "length"
 
 
-@pytest.fixture(scope="module")
-def quick_health_server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A compatible server whose generate-based health check gives up after 1 s (SGLang's default is 20 s)."""
-    spec = ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
-                      extra={"torch-threads": "1"})
-    env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1"}
-    process = ServerProcess(spec, startup_timeout=120, log_dir=tmp_path_factory.mktemp("sglang-logs"), env=env)
-    process.start()
-    yield process
-    process.stop()
-
-
 @pytest.mark.integration
 async def test_paused_server_fails_generate_health_checks_but_is_not_restarted(
-    quick_health_server: ServerProcess,
+    server: ServerProcess,
 ) -> None:
     """SGLang's /health generates a token, which waits out a pause: the health loop must not call that a death."""
-    client = SglangEngine(quick_health_server.url, server=quick_health_server, health_interval=0.2)
+    client = SglangEngine(server.url, server=server, health_interval=0.2)
     try:
         await client.generate(GenerateRequest("warm", PROMPT, SamplingParams(max_new_tokens=1)))  # starts the watch
         await client.pause("keep")
         for path in ("/health", "/health_generate"):
-            assert not await asyncio.to_thread(probe, quick_health_server.url + path, 5.0)
+            assert not await asyncio.to_thread(probe, server.url + path, 5.0)
         await asyncio.sleep(3.0)  # 15 health intervals
-        assert client.restarts == 0 and quick_health_server.alive()
+        assert client.restarts == 0 and server.alive()
         await client.resume()
-        assert await asyncio.to_thread(probe, quick_health_server.url + "/health", 5.0)
+        assert await asyncio.to_thread(probe, server.url + "/health", 5.0)
     finally:
         client.server = None  # the fixture stops the server
         await client.close()
