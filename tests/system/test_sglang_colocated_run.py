@@ -21,7 +21,7 @@ from tests.system.test_sglang_run import log_events
 from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 2  # stopped after step 1, the resumed run trains step 2 on rollouts from its resumed push
+STEPS = 4
 WORKERS = ("rollout-0-0", "rollout-0-1")
 
 
@@ -31,9 +31,9 @@ def launch(run_dir: Path, model: Path, data: Path, batches: int) -> None:
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
                "--rollout-max-batch-size", "4", "--rollout-workers", "2", "--reward-workers", "1", "--seed", "3",
                "--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
-               "--sglang-enable-weights-cpu-backup", "--weight-transfer-timeout", "20",
-               "--save-interval", str(STEPS // 2), "--final-eval-timeout", "0", "--torch-threads", "1",
-               "--heartbeat-interval", "0.25", "--no-progress", "--no-use-tensorboard", "--no-plots"]
+               "--sglang-enable-weights-cpu-backup", "--weight-transfer-timeout", "20", "--save-interval", "2",
+               "--final-eval-timeout", "0", "--torch-threads", "1", "--heartbeat-interval", "0.25", "--no-progress",
+               "--no-use-tensorboard", "--no-plots"]
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=150)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
 
