@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         torch.set_num_threads(1)
     if os.environ.get(SEE_GPU_ENV) != "1" and _gpu_present():
         show_gpu("gpu" in item.keywords)
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_found() -> Iterator[None]:
+    """A test that changes this process's environment (directly, or through code it calls, such as the learner
+    ranks naming GLOO_SOCKET_IFNAME for a world across nodes) would hand the change to every process the later
+    tests of this worker start: after an in-process two-node learner test set it to "lo", the two-node runs in
+    network namespaces formed their gloo worlds on loopback and never trained (CI, twice). Changes made by
+    higher-scoped fixtures are set up before this snapshot and stay."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
