@@ -144,4 +144,5 @@ def test_a_megatron_learner_splits_its_tensor_parallel_pair_across_two_nodes(
     learner = log_records(run_dir, "learner")
     pushed = [record["version"] for record in learner if record.get("event") == "weights pushed"]
     assert max(pushed) == steps, "the engines never received the final weights"
+    assert any((run_dir / "checkpoints").rglob("trainer_state.json")), "no Megatron checkpoint was written"
     assert "learner rank 1/2 ready" in (run_dir / "logs" / "learner-rank-1.log").read_text()
