@@ -123,19 +123,28 @@ class PeerRpc(_RpcLink):
         member moved (restart, new endpoint) is sent again to where it is now."""
         with _waiting(self._waits, self.role, f"the reply to {type(message).__name__}"):
             for attempt in range(3):
-                await asyncio.wait_for(self._available.wait(), timeout)
-                assert self._client is not None
+                client = await self._member(timeout)
                 try:
-                    return await self._client.call(message, timeout=timeout, retries=retries)
+                    return await client.call(message, timeout=timeout, retries=retries)
                 except RpcClosed:
                     if attempt == 2:
                         raise
         raise AssertionError("unreachable")
 
+    async def _member(self, timeout: float) -> RpcClient:
+        """The member's client, waiting up to `timeout` for one. A member that appeared and went again before this
+        task ran (a roster that said it died) leaves none: wait again, within the same deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._client is None:
+            await asyncio.wait_for(self._available.wait(), max(0.0, deadline - loop.time()))
+        return self._client
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+        self._available.clear()
 
 
 class ActorCallError(RuntimeError):
