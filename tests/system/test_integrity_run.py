@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # the launcher imports this module for the engine's traits be
     import torch
 
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
-CORRUPT_ENGINE = "rollout-0-1"
+# The run's only rollout worker: a run starts once one worker is there, and under load a second one joined after
+# all 8 steps were over (CI), so a corrupting second engine was never pushed to and nothing failed.
+CORRUPT_ENGINE = "rollout-0-0"
 
 
 def engine_that_corrupts_one_tensor(config: RunConfig, actor_id: str | None) -> tuple[object, object]:
@@ -49,7 +51,7 @@ def test_an_engine_serving_other_weights_stops_a_strict_run_naming_it_and_the_te
     run_dir = tmp_path / "run"
     engine = "tests.system.test_integrity_run:engine_that_corrupts_one_tensor"
     run = launch(run_dir, tiny_model_path, task, num_rollout=8,
-                 extra=("--check-weight-update-equal", "--rollout-engine", engine))
+                 extra=("--check-weight-update-equal", "--rollout-engine", engine, "--rollout-workers", "1"))
     output = finish(run)
     assert run.returncode != 0, output[-3000:]
     assert f"{CORRUPT_ENGINE} serves other bits in {CORRUPTED}" in output
