@@ -17,7 +17,7 @@ from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
-WORKERS = ("rollout-0-0", "rollout-0-1")
+WORKER = "rollout-0-0"  # the only one: a run starts once one worker is there, and a second may join after the end
 
 
 def log_events(run_dir: Path, actor: str, event: str) -> list[dict]:
@@ -36,7 +36,7 @@ def test_a_lora_run_on_sglang_servers_pushes_adapters_the_servers_load_by_name(
         sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
         "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
-        "--rollout-max-batch-size", "4", "--max-staleness", "1", "--rollout-workers", "2", "--reward-workers", "1",
+        "--rollout-max-batch-size", "4", "--max-staleness", "1", "--rollout-workers", "1", "--reward-workers", "1",
         "--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
         "--lora-rank", "4", "--lora-alpha", "8", "--target-modules", "q_proj", "v_proj", "--lr", "1e-3",
         "--lora-sync-dir", str(tmp_path / "adapters"), "--weight-transfer-timeout", "20",
@@ -51,10 +51,9 @@ def test_a_lora_run_on_sglang_servers_pushes_adapters_the_servers_load_by_name(
     full_megabytes = sum(t.numel() * 4 for t in load_file(str(tiny_model_path / "model.safetensors")).values()) / 1e6
     pushes = [record["mb"] for record in log_events(run_dir, "learner", "weights pushed")]
     assert pushes and max(pushes) < full_megabytes / 5  # the adapter travelled, not the model
-    for worker in WORKERS:
-        loaded = log_events(run_dir, worker, "adapter loaded by the SGLang server")
-        assert loaded and max(record["version"] for record in loaded) >= 1, f"{worker}'s server got no adapter"
-        assert all(record["adapter"].startswith(f"slipstream-v{record['version']}-") for record in loaded)
+    loaded = log_events(run_dir, WORKER, "adapter loaded by the SGLang server")
+    assert loaded and max(record["version"] for record in loaded) >= 1, "the server got no adapter"
+    assert all(record["adapter"].startswith(f"slipstream-v{record['version']}-") for record in loaded)
 
     last = decode((batches / f"batch_{STEPS:06d}.msgpack").read_bytes())
     versions = [int(sample.token_versions.min()) for sample in last.samples if sample.response_length]
