@@ -280,6 +280,8 @@ class GeneratedGroup(Message):
     samples: Annotated[list[Sample], doc("n_samples episodes, each one sample or its segments, rewards unset")]
     worker_id: Annotated[str, doc("rollout worker that generated them")]
     is_eval: Annotated[bool, doc("the PromptGroup's: scored with --eval-reward-key, without a teacher")] = False
+    policy: Annotated[str | None, doc("the policy whose buffer leased the group (its reward, its buffer) in a run of "
+                                      "several; null in a run of one")] = None
 
 
 class ScoredGroup(Message):
@@ -386,6 +388,8 @@ class VersionAnnouncement(Message):
                                                "null until the first acknowledged push")] = None
     step: Annotated[int, doc("training step counter (equals version unless steps were skipped)")] = 0
     timestamp: Annotated[float, doc("unix time the version was committed (controller clock)")] = 0.0
+    policy: Annotated[str | None, doc("whose version: the policy of the announcing learner in a run of several; "
+                                      "null in a run of one")] = None
 
 
 class WeightUpdateOrder(Message):
@@ -405,6 +409,9 @@ class WeightUpdateOrder(Message):
         ),
     ]
     timeout_s: Annotated[float, doc("give up on joining or receiving after this long")] = 120.0
+    adapter: Annotated[str | None, doc("the named LoRA adapter these weights replace on the engine, beside the others "
+                                       "it serves (a policy's, in a run of several); null: the engine's own "
+                                       "weights")] = None
 
 
 class Ack(Message):

@@ -23,6 +23,8 @@ class Member(Record):
     endpoints: Annotated[dict[str, str], doc("channel name -> zmq endpoint others connect to")]
     alive: Annotated[bool, doc("heartbeats arriving within the deadline")] = True
     incarnation: Annotated[int, doc("how many times this actor id registered (restarts)")] = 0
+    policy: Annotated[str | None, doc("the policy this actor belongs to (its buffer, learner, evaluator) in a run "
+                                      "of several; null for the shared actors and in a run of one")] = None
 
 
 RosterEventKind = Literal["joined", "died", "returned", "left"]
@@ -57,6 +59,7 @@ class Register(Message):
     meta: Annotated[dict[str, Any], doc("role-specific facts (engine kind, capacity, device)")] = msgspec.field(
         default_factory=dict
     )
+    policy: Annotated[str | None, doc("the policy the actor belongs to (Member.policy)")] = None
 
 
 class Leave(Message):

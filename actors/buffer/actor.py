@@ -238,6 +238,8 @@ class Buffer(Actor):
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
+        if announcement.policy != self.context.policy:
+            return  # another policy's learner
         self.core.note_version(step=announcement.step, version=announcement.version)
         self.versions.heard(announcement.version, announcement.weights_version)
         async with self.batch_ready:  # a prefetch waiting for this step's version can now be measured

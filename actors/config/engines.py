@@ -40,6 +40,7 @@ class EngineSpec:
     colocated_weight_transport: str | None = None  # under --colocate, when that differs
     lora_weight_transport: str | None = None  # a LoRA run's adapters, when that differs
     lora_target_check: str | None = None  # `module:attr` refusing --target-modules the engine cannot adapt
+    serves_named_adapters: bool = False  # serves several LoRA adapters at once, each request naming its own
     cpu_standin: str | None = None  # the flags that run a stand-in for it on a machine without GPUs
 
     def transport(self, *, colocate: bool, lora: bool) -> str:
@@ -55,7 +56,7 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
     "torch": EngineSpec(
         factory="actors.rollout.engine_factory:load_torch_engine", noun="the torch engine", plural="torch engines",
         shares_learner_gpu=True,  # it loads pushes over CUDA IPC from the learner's device
-        colocatable=True, records_routes=True),
+        colocatable=True, records_routes=True, serves_named_adapters=True),
     "sglang": EngineSpec(
         factory="actors.rollout.engine_factory:load_sglang_engine", noun="an SGLang server", plural="SGLang servers",
         colocatable=True, records_routes=True, serves_http=True,

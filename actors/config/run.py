@@ -11,10 +11,11 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.config.engines import engine_spec, kinds_that, train_backend_spec, train_backends_that
 from actors.config.megatron import MegatronConfig
+from actors.config.policies import override_problems
 from actors.config.router import RouterConfig
 from actors.config.sections import (
     AgentConfig,
@@ -78,6 +79,10 @@ class RunConfig(BaseModel):
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     policy: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
                                      description="advantages, loss, KL and off-policy correction")
+    policies: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="several policies co-trained in one run: name -> the flat settings it "
+        "sets for itself (prompt_data, lr, max_staleness, ...); each is a LoRA adapter on the shared engines "
+        "(actors.config.policies). Empty: one unnamed policy")
 
     @model_validator(mode="before")
     @classmethod
@@ -214,6 +219,7 @@ class RunConfig(BaseModel):
         problems.extend(_distillation_problems(self))
         problems.extend(_critic_problems(self))
         problems.extend(_routing_replay_problems(self))
+        problems.extend(_policies_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -392,3 +398,61 @@ def _routing_replay_problems(config: RunConfig) -> list[str]:
         return ["--use-routing-replay records the experts in the learner's pi_old forward, which this recipe does not "
                 "run (pi_old is the engine's log-probs): add --use-decoupled-ppo or an --off-policy-correction"]
     return []
+
+
+def policy_names(config: RunConfig) -> tuple[str, ...]:
+    """The run's policies in declaration order (actors.config.policies); () for a run of one unnamed policy."""
+    return tuple(config.policies)
+
+
+def policy_run_config(config: RunConfig, policy: str) -> RunConfig:
+    """`config` as the actors of `policy` read it: the run's settings with the policy's overrides on top."""
+    if policy not in config.policies:
+        known = ", ".join(config.policies) or "none: the run has one unnamed policy"
+        raise KeyError(f"policy {policy!r} is not one of the run's policies ({known})")
+    return _with_overrides(config, config.policies[policy])
+
+
+def _with_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    settings = {**config.model_dump(), "policies": {}}
+    loss = set(PolicyLossConfig.model_fields)  # the loss section takes no flat names (flags.py routes them): here
+    settings["policy"] = {**settings["policy"], **{k: v for k, v in overrides.items() if k in loss}}
+    return RunConfig(**settings, **{k: v for k, v in overrides.items() if k not in loss})
+
+
+def _policies_problems(config: RunConfig) -> list[str]:
+    """What makes the run's `policies` unusable; each message names the policy and the setting."""
+    if not config.policies:
+        return []
+    problems = []
+    if not config.lora.enabled:
+        problems.append(f"policies ({', '.join(config.policies)}) share the base model's engines as LoRA adapters: "
+                        "set --lora-rank (each policy trains its own adapter)")
+    spec = engine_spec(config.engine.rollout_engine)
+    if spec is None or not spec.serves_named_adapters:
+        problems.append(f"policies: --rollout-engine {config.engine.rollout_engine} does not serve several named "
+                        f"adapters at once; {kinds_that('serves_named_adapters', 'or')} do")
+    if config.placement.colocate:
+        problems.append("policies with --colocate: a colocated engine hands its memory to one learner; several "
+                        "policies' learners run beside shared engines")
+    if config.trainer.learner_ranks > 1 or config.placement.actor_num_nodes > 1:
+        problems.append(f"policies with learner_ranks {config.trainer.learner_ranks} / actor_num_nodes "
+                        f"{config.placement.actor_num_nodes}: each policy's learner is one rank for now")
+    section_of = {**OWNER, **{name: "policy" for name in PolicyLossConfig.model_fields}}
+    for name, overrides in config.policies.items():
+        found = override_problems(name, overrides, section_of)
+        problems += found
+        if found:
+            continue
+        try:
+            _with_overrides(config, overrides)
+        except ValidationError as error:
+            problems.extend(f"policies.{_where(name, item['loc'])}: {item['msg'].removeprefix('Value error, ')}"
+                            for item in error.errors())
+    return problems
+
+
+def _where(policy: str, location: tuple[Any, ...]) -> str:
+    """`policy.lr` for an error at `("trainer", "lr")`; the policy alone for a rule across sections."""
+    named = [str(part) for part in location if isinstance(part, str)]
+    return f"{policy}.{named[-1]}" if named else policy

@@ -197,7 +197,8 @@ class Controller(Actor):
             events.append(schema.RosterEvent(kind="returned", actor_id=request.actor_id, reason="registered again"))
             incarnation = previous.member.incarnation + 1
         member = schema.Member(actor_id=request.actor_id, role=request.role, node=request.node, pid=request.pid,
-                               endpoints=dict(request.endpoints), alive=True, incarnation=incarnation)
+                               endpoints=dict(request.endpoints), alive=True, incarnation=incarnation,
+                               policy=request.policy)
         self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic(), connection=sender)
         for event in events:
             self.log.info(f"member {event.kind}", member=request.actor_id, role=request.role, node=request.node,

@@ -145,6 +145,8 @@ class Evaluator(Actor):
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
         """New weights on the engines may be the ones pinned: ask now, not at the next poll. A learner that pushes
         no weights (--debug-rollout-only): its version is the round's label."""
+        if announcement.policy != self.context.policy:
+            return  # another policy's learner
         if announcement.weights_version is not None:
             self.changed.set()
         elif self.publishes is False:

@@ -250,7 +250,7 @@ class Learner(Actor):
         wire schema first: a value the schema refuses is an error named here, not a frame dropped on arrival."""
         assert self._controller is not None
         announcement = VersionAnnouncement(version=self.version, weights_version=self.weights.committed_version,
-                                           step=self.trained_batch, timestamp=time.time())
+                                           step=self.trained_batch, timestamp=time.time(), policy=self.context.policy)
         self.cadence.announcement_sent(announcement.version)
         try:
             await self._controller.call(validate(announcement), timeout=2.0, retries=2)

@@ -22,6 +22,7 @@ import structlog
 import zmq.asyncio
 
 from actors.config import CONFIG_ERRORS
+from actors.config.policies import POLICY_ROLES
 from actors.runtime.context import ActorContext
 from actors.runtime.cpu_budget import pin_process
 from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, RUN_OVER, ControllerUnreachable, RunOver, report_exit
@@ -234,15 +235,23 @@ class Actor:
         self.zmq.destroy(linger=0)
 
     # ------------------------------------------------------------------------------------------- peers
-    def peer_stream(self, role: str, endpoint_name: str = "inbox") -> PeerStream:
-        """A stream to every live member of `role`, kept in step with the roster."""
+    def peer_stream(self, role: str, endpoint_name: str = "inbox", *, policy: str | None = None) -> PeerStream:
+        """A stream to every live member of `role` (of `policy`'s, by default this actor's own for a policy's
+        role), kept in step with the roster."""
         return self._follow(PeerStream(self.zmq, sender_id=self.actor_id, role=role, endpoint_name=endpoint_name,
-                                       security=self.security, waits=self.waits))
+                                       security=self.security, waits=self.waits,
+                                       policy=policy or self._own_policy(role)))
 
-    def peer_rpc(self, role: str, endpoint_name: str = "rpc") -> PeerRpc:
-        """A request/reply client to the live member of `role`, reconnecting when it moves."""
+    def peer_rpc(self, role: str, endpoint_name: str = "rpc", *, policy: str | None = None) -> PeerRpc:
+        """A request/reply client to the live member of `role` (of `policy`'s, by default this actor's own for a
+        policy's role), reconnecting when it moves."""
         return self._follow(PeerRpc(self.zmq, client_id=self.actor_id, role=role, endpoint_name=endpoint_name,
-                                    security=self.security, waits=self.waits))
+                                    security=self.security, waits=self.waits,
+                                    policy=policy or self._own_policy(role)))
+
+    def _own_policy(self, role: str) -> str | None:
+        """A policy's actor talks to its own policy's buffer, learner and evaluator; a shared actor names one."""
+        return self.context.policy if role in POLICY_ROLES else None
 
     def calls(self, role: str) -> PeerCalls:
         """Calls by method name to the live members of `role` (a custom actor's `@method`s), spread over them; one
@@ -260,8 +269,8 @@ class Actor:
         self._peer_links.append(link)
         return link
 
-    def members(self, role: str) -> list[schema.Member]:
-        return alive_members(self.roster, role)
+    def members(self, role: str, policy: str | None = None) -> list[schema.Member]:
+        return alive_members(self.roster, role, policy or self._own_policy(role))
 
     def endpoints(self) -> dict[str, str]:
         found = {}
@@ -315,7 +324,8 @@ class Actor:
     def _registration(self) -> schema.Register:
         return schema.Register(actor_id=self.actor_id, role=self.context.role,
                                node=f"{socket.gethostname()}#{self.context.node_rank}", pid=os.getpid(),
-                               endpoints=self.endpoints(), meta={"class": self.context.actor_class})
+                               endpoints=self.endpoints(), meta={"class": self.context.actor_class},
+                               policy=self.context.policy)
 
     async def _register(self) -> None:
         if self._controller is None:

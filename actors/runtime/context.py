@@ -58,6 +58,9 @@ class ActorContext:
     # None leaves the OS's placement and --torch-threads.
     cpu_cores: tuple[int, ...] | None = None
     torch_threads: int | None = None
+    # The policy whose actor this is (its buffer, learner or evaluator) in a run of several (actors.config.policies):
+    # its settings are the policy's, and its peers of a policy's role are those of its own policy. None: shared.
+    policy: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.settings, ActorSettings):

@@ -19,22 +19,25 @@ from bus import RpcClient, RpcClosed, RpcTimeout, StreamSender
 from bus.schema import ActorCall, ActorReply, Error, Member
 
 
-def alive_members(roster: dict[str, Member], role: str) -> list[Member]:
-    return sorted((m for m in roster.values() if m.role == role and m.alive), key=lambda m: m.actor_id)
+def alive_members(roster: dict[str, Member], role: str, policy: str | None = None) -> list[Member]:
+    """The live members of `role`; with `policy`, only that policy's (a run of several has a buffer each)."""
+    found = [m for m in roster.values() if m.role == role and m.alive and (policy is None or m.policy == policy)]
+    return sorted(found, key=lambda m: m.actor_id)
 
 
 class _RoleLink:
-    """What a link to a role knows: the role, which of its members' endpoints it connects to, and where it reports
-    what it waits for (the hang detector's `Waits`)."""
+    """What a link to a role knows: the role (and the policy, where its members are one policy's), which of its
+    members' endpoints it connects to, and where it reports what it waits for (the hang detector's `Waits`)."""
 
-    def __init__(self, role: str, endpoint_name: str, waits: Waits | None) -> None:
+    def __init__(self, role: str, endpoint_name: str, waits: Waits | None, policy: str | None = None) -> None:
         self.role = role
         self.endpoint_name = endpoint_name
+        self.policy = policy
         self._waits = waits
 
     def _endpoints(self, roster: dict[str, Member]) -> dict[str, str]:
         """Actor id -> endpoint of every live member of the role that offers the endpoint, ordered by actor id."""
-        return {m.actor_id: m.endpoints[self.endpoint_name] for m in alive_members(roster, self.role)
+        return {m.actor_id: m.endpoints[self.endpoint_name] for m in alive_members(roster, self.role, self.policy)
                 if self.endpoint_name in m.endpoints}
 
 
@@ -42,8 +45,8 @@ class PeerStream(_RoleLink):
     """A stream to every live member of one role, load-balanced by the credits each receiver grants."""
 
     def __init__(self, zmq_context: zmq.asyncio.Context, *, sender_id: str, role: str, endpoint_name: str,
-                 security: Any = None, waits: Waits | None = None) -> None:
-        super().__init__(role, endpoint_name, waits)
+                 security: Any = None, waits: Waits | None = None, policy: str | None = None) -> None:
+        super().__init__(role, endpoint_name, waits, policy)
         self._sender = StreamSender(zmq_context, sender_id=sender_id, security=security)
         self._connected: dict[str, str] = {}  # actor id -> endpoint
         self._changed = asyncio.Event()
@@ -85,8 +88,8 @@ class _RpcLink(_RoleLink):
     """A link that opens request/reply clients to members of its role, as `client_id`."""
 
     def __init__(self, zmq_context: zmq.asyncio.Context, *, client_id: str, role: str, endpoint_name: str,
-                 security: Any = None, waits: Waits | None = None) -> None:
-        super().__init__(role, endpoint_name, waits)
+                 security: Any = None, waits: Waits | None = None, policy: str | None = None) -> None:
+        super().__init__(role, endpoint_name, waits, policy)
         self._zmq = zmq_context
         self._client_id = client_id
         self._security = security

@@ -149,7 +149,7 @@ async def test_foreign_actor_registers_over_rpc(zctx: zmq.asyncio.Context) -> No
     assert reply["roster"]["type"] == "Roster"
     assert reply["roster"]["members"] == [
         {"actor_id": "env-rust-0", "role": "environment", "node": "box", "pid": 4242,
-         "endpoints": {"rpc": "tcp://box:9000"}, "alive": True, "incarnation": 0}
+         "endpoints": {"rpc": "tcp://box:9000"}, "alive": True, "incarnation": 0, "policy": None}
     ]  # fmt: skip
     dealer.close(linger=0)
     server.close()
@@ -189,7 +189,8 @@ async def test_foreign_subscriber_reads_the_current_version_and_drops_replays(zc
 
     topic, message = await next_new()  # the replay of the last value, right after subscribing
     assert topic == b"version" and message == {"type": "VersionAnnouncement", "v": 1, "version": 6,
-                                               "weights_version": 6, "step": 6, "timestamp": 1.5}  # fmt: skip
+                                               "weights_version": 6, "step": 6, "timestamp": 1.5,
+                                               "policy": None}  # fmt: skip
     other = zctx.socket(zmq.SUB)  # a second subscriber makes the publisher replay version 6 to everyone
     other.setsockopt(zmq.SUBSCRIBE, b"version")
     other.connect(publisher.endpoint)

@@ -1,0 +1,54 @@
+"""Several policies in one run: their names, their actors' ids, and what each may set for itself.
+
+A policy is a set of actors (its buffer, learner and evaluator) and a version stream; the rollout and reward
+workers, the controller and the engines are shared. Each policy is a LoRA adapter of the run's base model, served
+by name beside the others on every engine (`engines.inference.multi_lora`), so the base model's engines generate
+for all of them. A policy's settings are the run's, with its own overrides on top: data, reward, loss, optimizer,
+staleness bound, eval sets. What the policies share (the base model, the engines, placement, the adapter's shape,
+the transfer mechanism) stays run-wide, and an override of it is refused, naming the policy and the setting. Each
+policy's own `RunConfig` is `actors.config.run.policy_run_config`.
+
+A run without `policies` has one unnamed policy, and nothing about it changes: its actors keep their ids
+("learner", "buffer") and its wire messages name no policy.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+POLICY_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# Sections every policy shares: one base model on shared engines, placed once, its adapters of one shape.
+SHARED_SECTIONS = ("model", "engine", "router", "weights", "placement", "controller", "logging", "megatron", "lora")
+# Trainer settings that size or place the learner: every policy's learner is placed alike.
+SHARED_TRAINER_SETTINGS = ("train_backend", "learner_ranks", "tensor_model_parallel_size",
+                           "pipeline_model_parallel_size")
+POLICY_ROLES = ("buffer", "evaluator", "learner")  # one of each per policy; the other roles are shared
+SCOPE_SEPARATOR = "@"  # a policy's actor id: "learner@solver"
+
+
+def scoped_actor_id(role: str, policy: str | None) -> str:
+    """The id of a policy's actor of `role` ("learner@solver"); the role itself in a run of one unnamed policy."""
+    return role if policy is None else f"{role}{SCOPE_SEPARATOR}{policy}"
+
+
+def override_problems(policy: str, overrides: Any, section_of: Mapping[str, str]) -> list[str]:
+    """What is wrong with `policy`'s name and the settings it overrides, before they are validated as values;
+    `section_of` maps each flat setting to the section that owns it."""
+    problems = []
+    if not POLICY_NAME.fullmatch(policy):
+        problems.append(f"policies: name {policy!r} must be lower-case letters, digits and _, starting with a "
+                        "letter, at most 32 characters (it names actors, files and adapters)")
+    if not isinstance(overrides, dict):
+        return [*problems, f"policies.{policy}: expected a mapping of settings, got {type(overrides).__name__}"]
+    for setting in overrides:
+        section = section_of.get(setting)
+        if section is None:
+            where = "a section name" if setting in section_of.values() else "not a setting"
+            problems.append(f"policies.{policy}.{setting}: {where}; a policy sets flat settings (lr, prompt_data, "
+                            "max_staleness, ...)")
+        elif section in SHARED_SECTIONS or setting in SHARED_TRAINER_SETTINGS:
+            problems.append(f"policies.{policy}.{setting}: shared by every policy (the {section} section: one base "
+                            "model on shared engines); set it for the whole run")
+    return problems

@@ -1,0 +1,91 @@
+"""Several policies in one run (actors.config.policies): each policy's settings are the run's with its own on top,
+what the policies share is refused per policy, and a policy's actors find their own policy's peers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from actors.config import RunConfig
+from actors.config.flags import add_config_flags, config_from_args
+from actors.config.policies import scoped_actor_id
+from actors.config.run import policy_names, policy_run_config
+from actors.runtime.peers import alive_members
+from bus.schema import Member
+
+pytestmark = pytest.mark.unit
+
+TWO = {"solver": {"lr": 1e-4, "max_staleness": 3, "advantage_estimator": "rloo"},
+       "proposer": {"prompt_data": "propose.jsonl", "rollout_temperature": 0.7}}
+
+
+def test_each_policy_reads_the_runs_settings_with_its_own_on_top() -> None:
+    config = RunConfig(lora_rank=4, lr=1e-5, max_staleness=1, policies=TWO)
+    solver, proposer = policy_run_config(config, "solver"), policy_run_config(config, "proposer")
+
+    assert policy_names(config) == ("solver", "proposer")
+    assert (solver.trainer.lr, solver.buffer.max_staleness, solver.policy.advantage_estimator) == (1e-4, 3, "rloo")
+    assert (proposer.trainer.lr, proposer.buffer.max_staleness, proposer.policy.advantage_estimator) == (
+        1e-5, 1, "grpo")
+    assert proposer.data.prompt_data == "propose.jsonl" and proposer.rollout.rollout_temperature == 0.7
+    assert solver.lora.lora_rank == proposer.lora.lora_rank == 4  # shared: one adapter shape on shared engines
+    assert solver.policies == {} and config.trainer.lr == 1e-5  # the run's own settings are untouched
+
+
+def test_a_run_of_one_unnamed_policy_keeps_its_actor_ids() -> None:
+    assert policy_names(RunConfig()) == ()
+    assert scoped_actor_id("learner", None) == "learner"
+    assert scoped_actor_id("learner", "solver") == "learner@solver"
+    with pytest.raises(KeyError, match="'judge' is not one of the run's policies"):
+        policy_run_config(RunConfig(lora_rank=4, policies=TWO), "judge")
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({"policies": TWO}, "share the base model's engines as LoRA adapters: set --lora-rank"),
+    ({"lora_rank": 4, "rollout_engine": "sglang", "policies": TWO},
+     "--rollout-engine sglang does not serve several named adapters at once; torch engines do"),
+    ({"lora_rank": 4, "colocate": True, "policies": TWO}, "policies with --colocate"),
+    ({"lora_rank": 4, "learner_ranks": 2, "policies": TWO}, "each policy's learner is one rank for now"),
+    ({"lora_rank": 4, "policies": {"Solver B": {}}}, "name 'Solver B' must be lower-case letters"),
+    ({"lora_rank": 4, "policies": {"a": {"hf_checkpoint": "other"}}},
+     "policies.a.hf_checkpoint: shared by every policy (the model section"),
+    ({"lora_rank": 4, "policies": {"a": {"learner_ranks": 2}}}, "policies.a.learner_ranks: shared by every policy"),
+    ({"lora_rank": 4, "policies": {"a": {"trainer": {"lr": 1}}}}, "policies.a.trainer: a section name"),
+    ({"lora_rank": 4, "policies": {"a": {"lrr": 1}}}, "policies.a.lrr: not a setting"),
+    ({"lora_rank": 4, "policies": {"a": {"lr": -1}}}, "policies.a.lr: Input should be greater than or equal to 0"),
+    ({"lora_rank": 4, "policies": {"a": {"min_lr": 1.0}}}, "policies.a: min_lr 1.0 must be in [0, lr=0.0001]"),
+    ({"lora_rank": 4, "policies": {"a": {"advantage_estimator": "nope"}}},
+     "policies.a.advantage_estimator: unknown advantage estimator 'nope'"),
+])
+def test_a_policy_setting_that_cannot_be_is_refused_naming_the_policy_and_setting(settings: dict,
+                                                                                  expected: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        RunConfig(**settings)
+    assert expected in str(refused.value)
+
+
+def test_policies_come_from_the_yaml_file_beside_flat_settings(tmp_path: Path) -> None:
+    run_yaml = tmp_path / "run.yaml"
+    settings = {"lora_rank": 4, "lr": 2e-5, "policies": TWO}
+    run_yaml.write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    config = config_from_args(parser.parse_args(["--config", str(run_yaml)]))
+
+    assert policy_names(config) == ("solver", "proposer")
+    assert policy_run_config(config, "proposer").trainer.lr == 2e-5
+
+
+def test_a_policys_actors_find_their_own_policys_members_and_shared_ones_name_one() -> None:
+    def member(actor_id: str, role: str, policy: str | None = None) -> Member:
+        return Member(actor_id=actor_id, role=role, node="n", pid=1, endpoints={}, policy=policy)
+
+    roster = {m.actor_id: m for m in (member("buffer@solver", "buffer", "solver"),
+                                      member("buffer@proposer", "buffer", "proposer"),
+                                      member("rollout-0-0", "rollout"))}
+    assert [m.actor_id for m in alive_members(roster, "buffer", "solver")] == ["buffer@solver"]
+    assert [m.actor_id for m in alive_members(roster, "buffer")] == ["buffer@proposer", "buffer@solver"]
+    assert [m.actor_id for m in alive_members(roster, "rollout")] == ["rollout-0-0"]
