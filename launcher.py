@@ -25,6 +25,7 @@ import re
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -52,6 +53,7 @@ from actors.launch.placement import (
     place_node,
     visible_devices,
 )
+from actors.launch.policy_scopes import Scope, policy_scopes, role_scopes
 from actors.launch.resume import interrupted_note, resume_command, resume_step
 from actors.launch.supervisor import Supervisor
 from actors.report.progress import ProgressStart, follow_progress
@@ -274,35 +276,38 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
             return visible_devices(placement.rollout[index], parent_visible)
         return ""  # controller, buffer, reward workers: no CUDA context on anyone's GPU
 
-    def actor_id_of(role: str, index: int) -> str:
-        return role if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
+    def actor_id_of(role: str, index: int, scope: Scope) -> str:
+        return scope.actor_id(role) if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
 
-    totals = {r: counts.get(r, 0) + other_nodes.get(r, 0) for r in {**counts, **other_nodes}}
+    # a policy's role once per policy (its settings, its own run directory), a shared one once: (role, index, scope)
+    actors = [(role, index, scope) for role in roles for index in range(counts[role])
+              for scope in role_scopes(role, config, run_dir)]
+    here = Counter(role for role, _, _ in actors)
+    totals = {r: here.get(r, 0) + other_nodes.get(r, 0) for r in {*here, *other_nodes}}
     run_members = {r: n for r, n in totals.items() if r != "controller" and n > 0}
     cores = usable_cores()
+    actor_roles = {actor_id_of(role, index, scope): role for role, index, scope in actors}
     budget = {} if config.placement.cpu_budget == "off" else plan_cpu_budget(
-        cores=cores, roles={actor_id_of(role, i): role for role in roles for i in range(counts[role])},
-        gpus=placement.gpus, learner_ranks=config.trainer.learner_ranks,
-        synchronous=config.buffer.max_staleness == 0)
+        cores=cores, roles=actor_roles, gpus=placement.gpus, learner_ranks=config.trainer.learner_ranks,
+        synchronous=all(scope.config.buffer.max_staleness == 0 for role, _, scope in actors if role == "learner"))
     contexts = []
-    for role in roles:
-        path = customs.get(role) or BUILTIN_ROLES[role]
-        for index in range(counts[role]):
-            actor_id = actor_id_of(role, index)
-            share = budget.get(actor_id, CpuShare())
-            expected = run_members if role == "controller" else {}
-            settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level, run=config,
-                                     expected_roles=expected, restart_backoff=args.restart_backoff)
-            contexts.append(ActorContext(
-                actor_id=actor_id, role=role, actor_class=path, node_rank=args.node_rank,
-                head_address=head_address, run_dir=run_dir, host=args.host, transport=args.transport,
-                curve_keys_dir=args.curve_keys, heartbeat_interval=args.heartbeat_interval, settings=settings,
-                cuda_visible_devices=devices_of(role, index), cpu_cores=share.cores, torch_threads=share.torch_threads,
-            ))
+    for role, index, scope in actors:
+        actor_id = actor_id_of(role, index, scope)
+        share = budget.get(actor_id, CpuShare())
+        expected = run_members if role == "controller" else {}
+        settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level,
+                                 run=scope.config, expected_roles=expected, restart_backoff=args.restart_backoff)
+        contexts.append(ActorContext(
+            actor_id=actor_id, role=role, actor_class=customs.get(role) or BUILTIN_ROLES[role],
+            node_rank=args.node_rank, head_address=head_address, run_dir=scope.run_dir, host=args.host,
+            transport=args.transport, curve_keys_dir=args.curve_keys, heartbeat_interval=args.heartbeat_interval,
+            settings=settings, cuda_visible_devices=devices_of(role, index), cpu_cores=share.cores,
+            torch_threads=share.torch_threads, policy=scope.policy,
+        ))
     if placement.gpus:
         print(f"placement (node {args.node_rank}): {placement.describe()}", file=sys.stderr)
     elif budget and args.console_log_level in ("debug", "info"):
-        print(describe_cpu_budget(budget, cores), file=sys.stderr)
+        print(describe_cpu_budget(budget, cores, actor_roles), file=sys.stderr)
     return contexts, config
 
 
@@ -368,6 +373,10 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     contexts, config = plan_actors(args, customs, counts, head_address, run_dir, config, other_nodes)
     # a worker node beside the head's config.yaml, in a run directory the nodes share
     write_effective_config(config, run_dir, name="config.yaml" if args.head else f"config-node{args.node_rank}.yaml")
+    for scope in policy_scopes(config, run_dir) if args.head else ():
+        if scope.policy is not None:  # a policy's own: what its actors read, where tools reading its directory look
+            scope.run_dir.mkdir(parents=True, exist_ok=True)
+            write_effective_config(scope.config, scope.run_dir)
     return contexts, args, run_dir
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 POLICY_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -26,11 +27,18 @@ SHARED_TRAINER_SETTINGS = ("train_backend", "learner_ranks", "tensor_model_paral
                            "pipeline_model_parallel_size")
 POLICY_ROLES = ("buffer", "evaluator", "learner")  # one of each per policy; the other roles are shared
 SCOPE_SEPARATOR = "@"  # a policy's actor id: "learner@solver"
+POLICIES_DIR = "policies"  # RUN_DIR/policies/<name>: a policy's own run directory
 
 
 def scoped_actor_id(role: str, policy: str | None) -> str:
     """The id of a policy's actor of `role` ("learner@solver"); the role itself in a run of one unnamed policy."""
     return role if policy is None else f"{role}{SCOPE_SEPARATOR}{policy}"
+
+
+def policy_run_dir(run_dir: Path, policy: str | None) -> Path:
+    """Where a policy's actors keep their files (logs, metrics, checkpoints, buffer log, config.yaml): laid out as a
+    run directory of its own, so every tool that reads one reads a policy's; the run's own in a run of one policy."""
+    return run_dir if policy is None else run_dir / POLICIES_DIR / policy
 
 
 def override_problems(policy: str, overrides: Any, section_of: Mapping[str, str]) -> list[str]:

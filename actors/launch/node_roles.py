@@ -16,7 +16,8 @@ import argparse
 from actors.config import RunConfig
 from actors.config.engines import engine_needs_gpu
 from actors.config.run import learner_ranks_per_node
-from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES, runs_evaluator
+from actors.launch.policy_scopes import runs_any_evaluator
+from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES
 from engines.devices import visible_gpus
 
 SINGLETON_ROLES = ("controller", "buffer", "evaluator", "learner")
@@ -64,7 +65,7 @@ def node_actor_counts(args: argparse.Namespace, customs: dict[str, str], config:
     if rollout_workers is None:
         rollout_workers = default_rollout_workers(config, head=args.head, learner_node=learner_node)
     counts = node_roles(argparse.Namespace(**{**vars(args), "rollout_workers": rollout_workers}), customs)
-    if not runs_evaluator(config):
+    if not runs_any_evaluator(config):
         counts.pop("evaluator", None)
     if learner_node and args.roles is None:
         counts = {"learner-ranks": 1, **counts}

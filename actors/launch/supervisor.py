@@ -280,9 +280,10 @@ class Supervisor:
                     child.process.kill()
 
     def _remove_stale_sockets(self) -> None:
-        sockets = ipc_sockets_dir(self.run_dir)
-        if sockets.is_dir():
-            for path in sockets.glob("*.sock"):
+        """The ipc sockets of the run's actors, in its folder and in each policy's (actors bind under their own)."""
+        folders = {ipc_sockets_dir(self.run_dir), *(ipc_sockets_dir(c.context.run_dir) for c in self.children)}
+        for sockets in folders:
+            for path in sockets.glob("*.sock") if sockets.is_dir() else ():
                 with contextlib.suppress(OSError):
                     path.unlink()
 

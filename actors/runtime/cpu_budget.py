@@ -11,6 +11,11 @@ learner's step as little CPU as any rollout worker's decode. So, with `--cpu-bud
 - synchronous (`--max-staleness 0`): generation and training take turns, so nothing is pinned and the learner
   uses every core's worth of torch threads while the engines wait for its weights.
 
+Several learners (one per policy of a run of several, actors.config.policies) split the learner's half: each
+gets its own consecutive slice of it (and the shared cores), with a torch thread per core of its slice; with fewer
+such cores than learners (2 cores, 2 policies) they all take turns on them with one thread each. A synchronous run
+gives each learner an equal part of the cores' worth of threads: the policies' steps may run at the same time.
+
 Nothing is decided on a node with GPUs, without a learner, with fewer than two usable cores, or for a learner of
 several ranks (each rank would need its own cores); `--cpu-budget off` leaves every process to the OS with
 `--torch-threads` threads.
@@ -55,21 +60,44 @@ def plan_cpu_budget(*, cores: Sequence[int], roles: dict[str, str], gpus: int, l
     if gpus or not learners or len(cores) < 2 or learner_ranks != 1:
         return {}
     if synchronous:
-        return {actor: CpuShare(torch_threads=len(cores)) for actor in learners}
+        threads = max(1, len(cores) // len(learners))
+        return {actor: CpuShare(torch_threads=threads) for actor in learners}
     own = max(1, len(cores) // 2)
-    shared = tuple(cores[:-own])
+    shared, reserved = tuple(cores[:-own]), tuple(cores[-own:])
     plan = {actor: CpuShare(cores=shared) for actor, role in roles.items() if role != "learner"}
-    plan.update({actor: CpuShare(cores=tuple(cores), torch_threads=own) for actor in learners})
+    for actor, slice_ in zip(learners, _split(reserved, len(learners)), strict=True):
+        plan[actor] = CpuShare(cores=tuple(sorted({*shared, *slice_})), torch_threads=len(slice_))
     return plan
 
 
-def describe_cpu_budget(plan: dict[str, CpuShare], cores: Sequence[int]) -> str:
-    learner = next((share for actor, share in plan.items() if actor == "learner"), None)
-    if learner is None:
+def _split(reserved: tuple[int, ...], learners: int) -> list[tuple[int, ...]]:
+    """The learners' cores in consecutive slices, one per learner (the first ones one core more where they do not
+    divide); where there are fewer cores than learners, every learner takes turns on all of them."""
+    if len(reserved) < learners:
+        return [reserved] * learners
+    size, extra = divmod(len(reserved), learners)
+    bounds = [index * size + min(index, extra) for index in range(learners + 1)]
+    return [reserved[bounds[index]:bounds[index + 1]] for index in range(learners)]
+
+
+def describe_cpu_budget(plan: dict[str, CpuShare], cores: Sequence[int], roles: dict[str, str]) -> str:
+    learners = {actor: share for actor, share in plan.items() if roles.get(actor) == "learner"}
+    if not learners:
         return ""
-    if learner.cores is None:
-        return f"cpu budget: synchronous run, the learner trains with {learner.torch_threads} threads on any core"
-    others = next((share.cores for actor, share in plan.items() if actor != "learner"), None) or ()
-    own = sorted(set(cores) - set(others))
-    return (f"cpu budget: the learner has core(s) {','.join(map(str, own))} to itself ({learner.torch_threads} "
-            f"torch threads); the other actors share core(s) {','.join(map(str, others))}")
+    one = len(learners) == 1
+    threads = next(iter(learners.values())).torch_threads
+    if all(share.cores is None for share in learners.values()):
+        who = "the learner trains" if one else f"each of its {len(learners)} learners trains"
+        return f"cpu budget: synchronous run, {who} with {threads} threads on any core"
+    others = next((share.cores for actor, share in plan.items() if actor not in learners), None) or ()
+
+    def own(share: CpuShare) -> str:
+        return ",".join(map(str, sorted(set(share.cores or ()) - set(others))))
+
+    if one:
+        learner = next(iter(learners.values()))
+        text = f"the learner has core(s) {own(learner)} to itself ({learner.torch_threads} torch threads)"
+    else:
+        text = "; ".join(f"{actor} trains on core(s) {own(share)} ({share.torch_threads} torch threads)"
+                         for actor, share in learners.items())
+    return f"cpu budget: {text}; the other actors share core(s) {','.join(map(str, others))}"

@@ -1,0 +1,51 @@
+"""Whose actor each of a node's actors is, in a run of several policies (actors.config.policies).
+
+A policy's buffer, learner and evaluator are started once per policy, each with the policy's own settings and its
+own run directory (RUN_DIR/policies/<name>), so that their code runs as it does in a run of one policy and writes
+the files it always writes where every tool that reads a run directory finds them. The shared roles (controller,
+rollout and reward workers, custom actors) are started once, with the whole run's settings and directory. A run
+without policies has one scope, the run itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors.config import RunConfig
+from actors.config.policies import POLICY_ROLES, policy_run_dir, scoped_actor_id
+from actors.config.run import policy_names, policy_run_config
+from actors.runtime.roles import runs_evaluator
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What an actor plays for: a policy (None: the whole run), the settings it reads and the directory it writes."""
+
+    policy: str | None
+    config: RunConfig
+    run_dir: Path
+
+    def actor_id(self, role: str) -> str:
+        return scoped_actor_id(role, self.policy)
+
+
+def policy_scopes(config: RunConfig, run_dir: Path) -> list[Scope]:
+    """Each policy's scope in declaration order; the run's own for a run of one unnamed policy."""
+    names = policy_names(config)
+    if not names:
+        return [Scope(None, config, run_dir)]
+    return [Scope(name, policy_run_config(config, name), policy_run_dir(run_dir, name)) for name in names]
+
+
+def role_scopes(role: str, config: RunConfig, run_dir: Path) -> list[Scope]:
+    """The scopes that run an actor of `role`: every policy for a policy's role (the evaluator only for a policy
+    with eval sets), the run itself for a shared one."""
+    if role not in POLICY_ROLES or not policy_names(config):
+        return [Scope(None, config, run_dir)]
+    return [scope for scope in policy_scopes(config, run_dir) if role != "evaluator" or runs_evaluator(scope.config)]
+
+
+def runs_any_evaluator(config: RunConfig) -> bool:
+    """Whether an evaluator runs: the run's, or some policy's (each policy's eval sets are its own)."""
+    return any(runs_evaluator(scope.config) for scope in policy_scopes(config, Path()))
