@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from actors.config.engines import engine_spec, train_backend_spec
 from actors.config.plugin_marks import PLUGIN_FOR
-from actors.config.run import RunConfig
+from actors.config.run import RunConfig, policy_run_config
 from actors.config.teachers import Teacher, run_teachers
 from policies.registry import BuiltinNames
 
@@ -62,8 +62,35 @@ HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?$")
 
 def preflight(config: RunConfig, roles: Mapping[str, int], *, hub_cache: Path | None = None) -> list[str]:
     """Every problem found, one line each; empty when all is well. `roles`: role -> its actors on this node.
-    `hub_cache`: the Hugging Face hub cache to look a model id up in (default: the one transformers uses)."""
+    `hub_cache`: the Hugging Face hub cache to look a model id up in (default: the one transformers uses).
+
+    In a run of several policies every check runs on each policy's settings (the shared roles serve each policy
+    with its own: its reward, its sampling), and a problem is named by its policy ("policies.solver: --prompt-data
+    ..."), unless every policy has it: then it is the run's, said once."""
     running = {role for role, count in roles.items() if count > 0}
+    if not config.policies:
+        return _problems(config, running, hub_cache)
+    own_configs = {name: policy_run_config(config, name) for name in config.policies}
+    found = {name: _problems(own, running, hub_cache) for name, own in own_configs.items()}
+    everyone = [problem for problem in next(iter(found.values())) if all(problem in own for own in found.values())]
+    return [*everyone, *(f"policies.{name}: {problem}" for name, own in found.items() for problem in own
+                         if problem not in everyone),
+            *(_shared_save_problems(own_configs) if "learner" in running else [])]
+
+
+def _shared_save_problems(configs: Mapping[str, RunConfig]) -> list[str]:
+    """Two policies' learners saving into one folder would overwrite each other's checkpoints and `latest`, and a
+    resumed run would load one policy's adapter into the other; by default each saves in its own run directory."""
+    savers: dict[str, list[str]] = {}
+    for name, config in configs.items():
+        if config.learner.save is not None:
+            savers.setdefault(str(Path(config.learner.save).expanduser().resolve()), []).append(name)
+    return [f"--save {folder}: policies {', '.join(names)} would save their checkpoints in the same folder; give "
+            f"each its own (policies.<name>.save) or leave --save out (each saves in RUN_DIR/policies/<name>)"
+            for folder, names in savers.items() if len(names) > 1]
+
+
+def _problems(config: RunConfig, running: set[str], hub_cache: Path | None) -> list[str]:
     return [*_data_problems(config, running), *_model_problems(config, running, hub_cache),
             *_plugin_problems(config, running), *_transport_problems(config, running)]
 

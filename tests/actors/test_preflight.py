@@ -183,3 +183,32 @@ def test_a_dynamic_sampling_filter_is_built_as_the_buffer_builds_it() -> None:
         "--dynamic-sampling-filter-path no_such_filter: unknown sample filter 'no_such_filter'; registered: "
         "no_reward_errors, nonzero_std; or give a dotted path 'package.module:attr'"]
     assert preflight(config, {"reward": 1}) == []
+
+
+@pytest.mark.unit
+def test_each_policys_own_settings_are_checked_and_its_problems_name_it(tmp_path: Path) -> None:
+    """A policy's data and its reward are its own: checked on its settings, the policy named; a problem every policy
+    has (the shared model) is the run's, said once."""
+    missing = tmp_path / "missing.jsonl"
+    config = RunConfig(lora_rank=4, hf_checkpoint=str(tmp_path / "no-model"), policies={
+        "solver": {"prompt_data": str(missing)},
+        "proposer": {"prompt_data": str(good_prompts(tmp_path)), "custom_rm_path": "no_such_package.rewards:score"},
+    })
+    assert preflight(config, HEAD) == [
+        f"--hf-checkpoint {tmp_path / 'no-model'}: not found: no such directory",
+        f"policies.solver: --prompt-data {missing}: no such file",
+        "policies.proposer: --custom-rm-path 'no_such_package.rewards:score': cannot import module "
+        "'no_such_package.rewards': ModuleNotFoundError: No module named 'no_such_package'",
+    ]
+    # the reward workers are shared, and score each policy's samples with its reward: checked where they run
+    assert preflight(config, {"reward": 1}) == [preflight(config, HEAD)[-1]]
+
+
+@pytest.mark.unit
+def test_two_policies_may_not_save_their_checkpoints_in_one_folder(tmp_path: Path, tiny_model_path: Path) -> None:
+    data = {"prompt_data": str(good_prompts(tmp_path)), "hf_checkpoint": str(tiny_model_path), "lora_rank": 4}
+    shared = RunConfig(**data, save=str(tmp_path / "ckpt"), policies={"a": {}, "b": {}, "c": {"save": "elsewhere"}})
+    assert preflight(shared, HEAD) == [
+        f"--save {tmp_path / 'ckpt'}: policies a, b would save their checkpoints in the same folder; give each its "
+        "own (policies.<name>.save) or leave --save out (each saves in RUN_DIR/policies/<name>)"]
+    assert preflight(RunConfig(**data, policies={"a": {}, "b": {}}), HEAD) == []
