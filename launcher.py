@@ -53,10 +53,10 @@ from actors.launch.placement import (
     place_node,
     visible_devices,
 )
-from actors.launch.policy_scopes import Scope, policy_scopes, role_scopes
+from actors.launch.policy_scopes import Scope, role_scopes, write_policy_configs
 from actors.launch.resume import interrupted_note, resume_command, resume_step
 from actors.launch.supervisor import Supervisor
-from actors.report.progress import ProgressStart, follow_progress
+from actors.report.progress import Followed, ProgressStart, follow_learners
 from actors.report.run_clock import RunClock
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
@@ -373,10 +373,8 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     contexts, config = plan_actors(args, customs, counts, head_address, run_dir, config, other_nodes)
     # a worker node beside the head's config.yaml, in a run directory the nodes share
     write_effective_config(config, run_dir, name="config.yaml" if args.head else f"config-node{args.node_rank}.yaml")
-    for scope in policy_scopes(config, run_dir) if args.head else ():
-        if scope.policy is not None:  # a policy's own: what its actors read, where tools reading its directory look
-            scope.run_dir.mkdir(parents=True, exist_ok=True)
-            write_effective_config(scope.config, scope.run_dir)
+    if args.head:
+        write_policy_configs(config, run_dir)
     return contexts, args, run_dir
 
 
@@ -394,13 +392,14 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda s=signum: supervisor.request_stop(f"signal {signal.Signals(s).name}",
                                                                                 signum=s))
-    runs_learner = any(c.role == "learner" for c in contexts)
+    learners = [c for c in contexts if c.role == "learner"]  # one per policy, each in its policy's directory
     stop_progress = asyncio.Event()
     progress = None
-    if runs_learner and not args.no_progress:
-        run = contexts[0].settings.run
-        start = ProgressStart.of(run_dir, resume_step(run, run_dir))  # before the learner writes a line
-        progress = asyncio.create_task(follow_progress(run_dir, run.learner.num_rollout, stop_progress, start))
+    if learners and not args.no_progress:
+        followed = [Followed(c.run_dir, c.settings.run.learner.num_rollout, policy=c.policy,
+                             start=ProgressStart.of(c.run_dir, resume_step(c.settings.run, c.run_dir)))
+                    for c in learners]  # before the learners write a line
+        progress = asyncio.create_task(follow_learners(followed, stop_progress))
     head_watch = None
     if not args.head and args.head_loss_timeout > 0 and contexts:
         head_watch = asyncio.create_task(stop_node_when_head_lost(contexts[0], args.head_loss_timeout, supervisor))
@@ -414,13 +413,14 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
         await progress  # the steps of the run's last second, before what is said about its end
     if supervisor.failure is not None:  # whole, as text: a hang report spans several lines
         print(f"launcher.py: run failed: {supervisor.failure}", file=sys.stderr)
-    if runs_learner:
+    if learners:
         from actors.buffer.accounting import prompt_verdict
         from actors.report.run_report import certify_run, report_run
 
-        certify_run(run_dir, prompts=prompt_verdict, run_failed=supervisor.failure)
-        if contexts[0].settings.run.logging.plots:
-            report_run(run_dir)
+        policies = [c.policy for c in learners if c.policy is not None]
+        certify_run(run_dir, prompts=prompt_verdict, run_failed=supervisor.failure, policies=policies)
+        if learners[0].settings.run.logging.plots:  # a shared setting
+            report_run(run_dir, policies)
     return code
 
 
@@ -450,9 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code > 128 and contexts:  # stopped by a signal (Ctrl-C, SIGTERM): say where, and how to go on
         program = sys.argv[0] if argv is None else "launcher.py"
         command = resume_command(program, arguments, run_dir, run_dir_given=args.run_dir is not None)
-        learner_here = any(context.role == "learner" for context in contexts)
-        config = contexts[0].settings.run if learner_here else None
-        print(interrupted_note(config, run_dir, code - 128, command), file=sys.stderr)
+        learners = [Scope(c.policy, c.settings.run, c.run_dir) for c in contexts if c.role == "learner"]
+        print(interrupted_note(learners, code - 128, command), file=sys.stderr)
     return code
 
 

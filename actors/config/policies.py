@@ -41,6 +41,16 @@ def policy_run_dir(run_dir: Path, policy: str | None) -> Path:
     return run_dir if policy is None else run_dir / POLICIES_DIR / policy
 
 
+def policy_of_run_dir(directory: Path) -> str | None:
+    """The policy whose run directory `directory` is (RUN_DIR/policies/<name>, in a run directory with its
+    config.yaml): what a tool given a policy's directory reads from its run's (the shared engines' accounts, the run's
+    clock). None for a run's own directory."""
+    parent = directory.parent
+    if parent.name != POLICIES_DIR or not POLICY_NAME.fullmatch(directory.name):
+        return None
+    return directory.name if (parent.parent / "config.yaml").is_file() else None
+
+
 def override_problems(policy: str, overrides: Any, section_of: Mapping[str, str]) -> list[str]:
     """What is wrong with `policy`'s name and the settings it overrides, before they are validated as values;
     `section_of` maps each flat setting to the section that owns it."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.config import RunConfig
+from actors.config import RunConfig, write_effective_config
 from actors.config.policies import POLICY_ROLES, policy_run_dir, scoped_actor_id
 from actors.config.run import policy_names, policy_run_config
 from actors.runtime.roles import runs_evaluator
@@ -49,3 +49,12 @@ def role_scopes(role: str, config: RunConfig, run_dir: Path) -> list[Scope]:
 def runs_any_evaluator(config: RunConfig) -> bool:
     """Whether an evaluator runs: the run's, or some policy's (each policy's eval sets are its own)."""
     return any(runs_evaluator(scope.config) for scope in policy_scopes(config, Path()))
+
+
+def write_policy_configs(config: RunConfig, run_dir: Path) -> None:
+    """Each policy's effective settings in its directory (RUN_DIR/policies/<name>/config.yaml): what its actors read,
+    where a tool given the policy's directory looks for them. Nothing for a run of one unnamed policy."""
+    for scope in policy_scopes(config, run_dir):
+        if scope.policy is not None:
+            scope.run_dir.mkdir(parents=True, exist_ok=True)
+            write_effective_config(scope.config, scope.run_dir)

@@ -14,15 +14,22 @@ which version, in which tensors; a mismatch later repaired by a repush still fai
 samples were generated meanwhile), `partial` (some engines or pushes could not be checked, with why) or
 `not run` (with why). `ok` is whether no check failed; the checks cover what ran, `learner_steps` of it, which for
 a run that failed (`run_failed`: why, as its launcher said) is what ran before the failure, not a finished run.
+
+A run of several policies (actors.config.policies) gets a certificate per policy, in the policy's own directory
+(RUN_DIR/policies/<name>/integrity.json, so a tool reading a policy's directory reads it as a one-policy run's): its
+learner's pushes, its buffer's prompts, and the shared engines' caches. RUN_DIR/integrity.json then holds every
+policy's certificate under `policies`, the caches check once under `checks`, and `ok` over them all: one file says
+whether the whole run is sound, one per policy says which policy is not.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from actors.config.policies import policy_of_run_dir, policy_run_dir
 from actors.runtime.metrics import read_metrics
 
 FILE = "integrity.json"
@@ -108,7 +115,7 @@ def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed:
     """The certificate; `prompts` is the buffer's account of its prompts (`actors.buffer.accounting`), which the
     caller reads from the buffer's log (this module serves every role and reads none of their files);
     `run_failed`: why the run failed, where it did."""
-    checks = {"weights": weights_verdict(run_dir), "caches": caches_verdict(run_dir),
+    checks = {"weights": weights_verdict(run_dir), "caches": caches_verdict(engines_dir(run_dir)),
               "prompts": prompts or {"verdict": "not run", "why": "no account of the buffer's prompts was given"}}
     return {"ok": all(check["verdict"] != "fail" for check in checks.values()),
             "learner_steps": max((int(r["step"]) for r in read_metrics(run_dir / TRAIN_METRICS)
@@ -116,9 +123,27 @@ def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed:
             "run_failed": run_failed, "checks": checks}
 
 
+def engines_dir(run_dir: Path) -> Path:
+    """Where the rollout workers that served `run_dir`'s learner keep their accounts: the run's directory, also for a
+    policy's (RUN_DIR/policies/<name>): the engines are shared by every policy."""
+    return run_dir.parent.parent if policy_of_run_dir(run_dir) is not None else run_dir
+
+
 def write_certificate(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed: str | None = None
                       ) -> dict[str, Any]:
     certificate = certify(run_dir, prompts=prompts, run_failed=run_failed)
+    (run_dir / FILE).write_text(json.dumps(certificate, indent=2) + "\n")
+    return certificate
+
+
+def write_policies_certificate(run_dir: Path, prompts: Mapping[str, dict[str, Any] | None], *,
+                               run_failed: str | None = None) -> dict[str, Any]:
+    """Each policy's certificate in its directory and the run's in RUN_DIR (the module docstring); `prompts`: each
+    policy's buffer's account of its prompts, by policy name (the run's policies, in their order)."""
+    policies = {name: write_certificate(policy_run_dir(run_dir, name), prompts=account, run_failed=run_failed)
+                for name, account in prompts.items()}
+    certificate = {"ok": all(own["ok"] for own in policies.values()), "run_failed": run_failed,
+                   "checks": {"caches": caches_verdict(run_dir)}, "policies": policies}
     (run_dir / FILE).write_text(json.dumps(certificate, indent=2) + "\n")
     return certificate
 
@@ -134,16 +159,19 @@ def recorded_run_failure(run_dir: Path) -> str | None:
     return failure if isinstance(failure, str) else None
 
 
-def describe(certificate: dict[str, Any]) -> list[str]:
+def describe(certificate: dict[str, Any], title: str = "integrity") -> list[str]:
     """The certificate as summary lines: one per check, culprits first. A failed run's headline says the checks
-    cover only what ran before the failure: "OK" after "run failed" read as if all was well."""
+    cover only what ran before the failure: "OK" after "run failed" read as if all was well. A run of several
+    policies: the shared caches once, then each policy's lines under its name."""
+    if "policies" in certificate:
+        return _describe_policies(certificate)
     if certificate.get("run_failed") is None:
-        headline = f"integrity: {'OK' if certificate['ok'] else 'FAILED'}"
+        headline = f"{title}: {'OK' if certificate['ok'] else 'FAILED'}"
     else:
         steps = certificate.get("learner_steps", 0)
         scope = (f"of the {steps} learner step{'' if steps == 1 else 's'} that ran before the run failed" if steps
                  else "of what ran before the run failed, before its first learner step")
-        headline = f"integrity ({scope}): {'no check failed' if certificate['ok'] else 'FAILED'}"
+        headline = f"{title} ({scope}): {'no check failed' if certificate['ok'] else 'FAILED'}"
     lines = [headline]
     for name, check in certificate["checks"].items():
         if check["verdict"] == "not run":
@@ -154,6 +182,22 @@ def describe(certificate: dict[str, Any]) -> list[str]:
             lines += _describe_caches(check)
         elif name == "prompts":
             lines += _describe_prompts(check)
+    return lines
+
+
+def _describe_policies(certificate: dict[str, Any]) -> list[str]:
+    policies = certificate["policies"]
+    if certificate.get("run_failed") is None:
+        headline = f"integrity of {len(policies)} policies: {'OK' if certificate['ok'] else 'FAILED'}"
+    else:
+        headline = (f"integrity of {len(policies)} policies (of what ran before the run failed): "
+                    f"{'no check failed' if certificate['ok'] else 'FAILED'}")
+    lines = [headline]
+    caches = certificate["checks"]["caches"]
+    lines += ([f"  caches: not run ({caches['why']})"] if caches["verdict"] == "not run" else _describe_caches(caches))
+    for name, own in policies.items():
+        alone = {**own, "checks": {check: value for check, value in own["checks"].items() if check != "caches"}}
+        lines += [f"  {line}" for line in describe(alone, title=f"policy {name}")]
     return lines
 
 

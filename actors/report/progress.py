@@ -3,7 +3,8 @@
 Actors write metrics; the launcher only reads them, so the progress display costs the run nothing and works
 the same when the learner is on another node with a shared run directory. On a terminal it is a rich progress
 bar; elsewhere (CI, a log file) it prints one plain line per learner step. A resumed run's display starts where it
-resumes: it says from which step, and shows none of the lines the run's earlier starts wrote.
+resumes: it says from which step, and shows none of the lines the run's earlier starts wrote. A run of several
+policies shows each policy's learner: a bar per policy, or its lines named by the policy.
 """
 
 from __future__ import annotations
@@ -66,45 +67,56 @@ def describe(record: dict[str, Any], accuracy: str | None = None) -> str:
             f"{number('throughput/samples_per_s', '.1f')} samples/s")
 
 
+@dataclass(frozen=True)
+class Followed:
+    """One learner the display follows: its run directory (a policy's own in a run of several), its steps, where
+    its display begins, and its policy (None: the run's one learner, shown as it always was)."""
+
+    run_dir: Path
+    total_steps: int
+    start: ProgressStart = ProgressStart()
+    policy: str | None = None
+
+
 async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event,
                           start: ProgressStart = ProgressStart()) -> None:
-    path = train_metrics(run_dir)
-    offset = start.offset
-    interactive = sys.stderr.isatty()
-    progress = task = None
-    accuracy = REWARDS_OF_ONE
-    resumed = f"resumed from step {start.resumed_from} of {total_steps}" if start.resumed_from else ""
-    if interactive:
+    await follow_learners([Followed(run_dir, total_steps, start)], stop)
+
+
+async def follow_learners(learners: list[Followed], stop: asyncio.Event) -> None:
+    """Show each learner's steps as its metrics file grows, until `stop`, and then what its last second wrote."""
+    offsets = [learner.start.offset for learner in learners]
+    accuracies = [REWARDS_OF_ONE] * len(learners)
+    progress = None
+    tasks = []
+    if sys.stderr.isatty():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.description}"), transient=False)
+        progress = Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.description}"), transient=False)
         progress.start()
-        waiting = f"{resumed}, waiting for its next batch" if resumed else "waiting for the first batch"
-        task = progress.add_task(waiting, total=total_steps, completed=start.resumed_from)
-    elif resumed:
-        print(f"[progress] {resumed}", file=sys.stderr, flush=True)
+        for learner in learners:
+            resumed = _resumed(learner)
+            waiting = f"{resumed}, waiting for its next batch" if resumed else "waiting for the first batch"
+            tasks.append(progress.add_task(waiting, total=learner.total_steps, completed=learner.start.resumed_from,
+                                           name=_named("training", learner.policy)))
+    else:
+        for learner in learners:
+            if _resumed(learner):
+                print(f"[progress] {_named('', learner.policy)}{_resumed(learner)}", file=sys.stderr, flush=True)
     try:
         while True:
             last_look = stop.is_set()  # the run is over: show what its last second wrote, then end
-            if path.exists():
-                with path.open(encoding="utf-8") as handle:
-                    handle.seek(offset)
-                    chunk = handle.read()
-                complete = chunk[: chunk.rfind("\n") + 1]
-                offset += len(complete.encode("utf-8"))
-                for line in complete.splitlines():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
+            for index, learner in enumerate(learners):
+                records, offsets[index] = _new_records(train_metrics(learner.run_dir), offsets[index])
+                for record in records:
                     if REWARD_CORRECT in record:  # from here on, as the plots show the run (train_accuracy_key)
-                        accuracy = REWARD_CORRECT
+                        accuracies[index] = REWARD_CORRECT
+                    line = describe(record, accuracies[index])
                     if progress is not None:
-                        progress.update(task, completed=record.get("step", 0),
-                                        description=describe(record, accuracy))
+                        progress.update(tasks[index], completed=record.get("step", 0), description=line)
                     else:
-                        print(f"[progress] {describe(record, accuracy)}", file=sys.stderr, flush=True)
+                        print(f"[progress] {_named('', learner.policy)}{line}", file=sys.stderr, flush=True)
             if last_look:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
@@ -112,3 +124,32 @@ async def follow_progress(run_dir: Path, total_steps: int, stop: asyncio.Event,
     finally:
         if progress is not None:
             progress.stop()
+
+
+def _new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The complete lines written to `path` after `offset`, and the offset after them."""
+    if not path.exists():
+        return [], offset
+    with path.open(encoding="utf-8") as handle:
+        handle.seek(offset)
+        chunk = handle.read()
+    complete = chunk[: chunk.rfind("\n") + 1]
+    records = []
+    for line in complete.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records, offset + len(complete.encode("utf-8"))
+
+
+def _resumed(learner: Followed) -> str:
+    start = learner.start.resumed_from
+    return f"resumed from step {start} of {learner.total_steps}" if start else ""
+
+
+def _named(text: str, policy: str | None) -> str:
+    """`text` for the run's one learner; with the policy's name for a policy's ("training solver", "solver: ")."""
+    if policy is None:
+        return text
+    return f"{text} {policy}" if text else f"{policy}: "

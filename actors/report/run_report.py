@@ -3,19 +3,21 @@
 
 RUN_DIR/plots/curves.png: the train reward (top) and the accuracies (bottom: train, the quantity the progress
 line's `acc` shows, and each eval set's as markers), against learner steps and against wall-clock;
-RUN_DIR/plots/staleness.png: the staleness of every trained sample.
+RUN_DIR/plots/staleness.png: the staleness of every trained sample. A run of several policies gets them per policy,
+in each policy's directory (RUN_DIR/policies/<name>/plots), where its learner and evaluator wrote their metrics.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.report.integrity import describe, write_certificate
+from actors.config.policies import policy_of_run_dir, policy_run_dir
+from actors.report.integrity import describe, write_certificate, write_policies_certificate
 from actors.report.progress import REWARD_CORRECT, train_accuracy_key
 from actors.report.run_clock import format_duration, run_seconds, run_starts
 from actors.runtime.metrics import read_metrics
@@ -117,7 +119,7 @@ def plot_run(run_dir: Path) -> list[Path]:
             if row == len(PANELS) - 1:
                 axis.set_xlabel(label)
             _finish_axis(axis)
-    figure.suptitle(f"{run_dir.name}: reward and accuracy")
+    figure.suptitle(f"{_title(run_dir)}: reward and accuracy")
     figure.tight_layout()
     figure.savefig(out / "curves.png", dpi=110)
     plt.close(figure)
@@ -139,13 +141,21 @@ def plot_run(run_dir: Path) -> list[Path]:
     return written
 
 
+def _title(run_dir: Path) -> str:
+    policy = policy_of_run_dir(run_dir)
+    return run_dir.name if policy is None else f"{run_dir.parent.parent.name}, policy {policy}"
+
+
 def summarize(run_dir: Path) -> str:
+    """The summary of a run's directory, or of a policy's (RUN_DIR/policies/<name>: timed by its run's clock)."""
     train = read_metrics(run_dir / "metrics" / "train.jsonl")
     evals = read_metrics(run_dir / "metrics" / "eval.jsonl")
-    lines = [f"run: {run_dir}"]
+    policy = policy_of_run_dir(run_dir)
+    lines = [f"run: {run_dir}" if policy is None else f"policy {policy}: {run_dir}"]
     if train:
         last = train[-1]
-        lines.append(f"learner steps: {last.get('step')}  wall-clock: {wall_clock(run_dir)}  "
+        clock = run_dir if policy is None else run_dir.parent.parent
+        lines.append(f"learner steps: {last.get('step')}  wall-clock: {wall_clock(clock)}  "
                      f"final train reward: {last.get('rollout/reward_mean', float('nan')):.3f}")
         counts = staleness_counts(train)
         if counts:
@@ -169,24 +179,32 @@ def wall_clock(run_dir: Path) -> str:
 
 
 def certify_run(run_dir: Path, *, prompts: Callable[[Path], dict[str, Any]] | None = None,
-                run_failed: str | None = None) -> None:
+                run_failed: str | None = None, policies: Sequence[str] = ()) -> None:
     """RUN_DIR/integrity.json, and its verdicts on the console (`actors/report/integrity.py`); `prompts` reads the
-    buffer's account of its prompts (`actors.buffer.accounting.prompt_verdict`); `run_failed`: why the run failed,
-    where it did."""
+    buffer's account of its prompts (`actors.buffer.accounting.prompt_verdict`) from a run's or a policy's directory;
+    `run_failed`: why the run failed, where it did; `policies`: the run's, for a certificate per policy."""
     try:
-        certificate = write_certificate(run_dir, prompts=prompts(run_dir) if prompts is not None else None,
-                                        run_failed=run_failed)
+        if policies:
+            accounts = {name: prompts(policy_run_dir(run_dir, name)) if prompts is not None else None
+                        for name in policies}
+            certificate = write_policies_certificate(run_dir, accounts, run_failed=run_failed)
+        else:
+            certificate = write_certificate(run_dir, prompts=prompts(run_dir) if prompts is not None else None,
+                                            run_failed=run_failed)
     except Exception as error:
         print(f"launcher.py: could not write the integrity certificate: {error!r}", file=sys.stderr)
         return
     print("\n".join(describe(certificate)), file=sys.stderr)
 
 
-def report_run(run_dir: Path) -> None:
-    """Plots and a summary at the end of a launcher's run; a failure here never changes the run's exit code."""
-    try:
-        plots = plot_run(run_dir)
-        print(summarize(run_dir), file=sys.stderr)
-        print("plots: " + ", ".join(str(p) for p in plots), file=sys.stderr)
-    except Exception as error:
-        print(f"launcher.py: could not plot the run: {error!r}", file=sys.stderr)
+def report_run(run_dir: Path, policies: Sequence[str] = ()) -> None:
+    """Plots and a summary at the end of a launcher's run, per policy for a run of several (`policies`); a failure
+    here never changes the run's exit code."""
+    for name, directory in [(f"policy {name}", policy_run_dir(run_dir, name)) for name in policies] or [
+            ("the run", run_dir)]:
+        try:
+            plots = plot_run(directory)
+            print(summarize(directory), file=sys.stderr)
+            print("plots: " + ", ".join(str(p) for p in plots), file=sys.stderr)
+        except Exception as error:
+            print(f"launcher.py: could not plot {name}: {error!r}", file=sys.stderr)
