@@ -95,7 +95,7 @@ class Learner(Actor):
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
             tensors=functools.partial(self.trainer.named_tensors, sent_layout(config)), zmq=self.zmq,
             security=self.security, client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log,
-            waits=self.waits,
+            waits=self.waits, sender_name=self.actor_id, adapter=self.context.policy,
             check_log=WeightCheckLog(self.context.run_dir / "metrics", clock_origin=self.settings.clock_origin))
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0

@@ -14,6 +14,11 @@ engines: the transfer never waits out its timeout for a process known to be gone
 
 The mechanism is chosen once, here (`transport_name`), from the run's configuration; everything after that goes
 through `engines.weights.transport`, so this module knows no mechanism by name.
+
+In a run of several policies each policy's learner pushes its own LoRA adapter to the same engines: its sender
+names itself by the learner's actor id ("learner@solver"), so an engine keeps one transfer group per learner, and
+each order names the adapter (`WeightUpdateOrder.adapter`, the policy) the tensors replace. A run of one policy
+pushes as "learner" with no adapter named.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from engines.weights.transport import (
     resolve_transport,
 )
 
-SENDER_NAME = "learner"
+SENDER_NAME = "learner"  # a one-policy run's learner: its actor id
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 ATTEMPTS = 3  # tries of one push whose group keeps losing members (a fresh generation each)
 WAITING_WARNING_S = 10.0  # a push still short of acknowledgements names the silent engines this often
@@ -117,7 +122,9 @@ class WeightPublisher:
 
     `engines()` lists the live rollout workers (`live_engines`); `tensors()` yields the weights to send (a
     generator is closed after each transfer, so one that holds a lock releases it). The sender is built on the
-    first push, from `transport`. The learner calls `roster_changed()` on every roster update.
+    first push, from `transport`. The learner calls `roster_changed()` on every roster update. `sender_name` is
+    the group's first member (the learner's actor id); `adapter`, the named adapter every order replaces (a
+    policy's), None for the engines' own weights.
     """
 
     def __init__(
@@ -136,8 +143,11 @@ class WeightPublisher:
         waits: Waits | None = None,
         weight_check: str = "off",
         check_log: WeightCheckLog | None = None,
+        sender_name: str = SENDER_NAME,
+        adapter: str | None = None,
     ) -> None:
         self.transport, self.options = transport, options
+        self.sender_name, self.adapter = sender_name, adapter
         self.engines, self.tensors = engines, tensors
         self.zmq, self.security, self.client_id = zmq, security, client_id
         self.counters, self.log, self.dtype = counters, log, dtype
@@ -233,11 +243,12 @@ class WeightPublisher:
         names = sorted(engines)
         new_group = self._group != engines
         if new_group:
-            self._spec = sender.open_group([SENDER_NAME, *names])
+            self._spec = sender.open_group([self.sender_name, *names])
             self._group = engines
         assert self._spec is not None
         group = {**self._spec.to_dict(), "transport": self.transport.name}
-        order = WeightUpdateOrder(version=version, group=group, timeout_s=self.options.timeout_s)
+        order = WeightUpdateOrder(version=version, group=group, timeout_s=self.options.timeout_s,
+                                  adapter=self.adapter)
         replies = {name: asyncio.create_task(self._order(name, engines[name].endpoint, order)) for name in names}
         self._pushing, self._lost, self._lost_signal = engines, {}, asyncio.Event()
         watch = asyncio.create_task(self._watch(sender, replies, version))
