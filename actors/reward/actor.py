@@ -13,77 +13,122 @@ The function is given what its loader says it reads (`RewardSpec.argument_of`): 
 and finish reason besides its text (`policies.rewards.reward_input`). It is called once per episode: an agent's
 episode that rewrote its context is several samples (segments, `bus.episodes`), scored on its final segment with
 every segment's messages at hand, and each segment carries that reward (or its failure).
+
+In a run of several policies the worker is shared: each group names its policy (`GeneratedGroup.policy`), which
+picks the reward it is scored with (the policy's own settings: reward function, keys, teachers, failure limit)
+and the buffer it goes to, the policy's own. Each policy's scoring is built at start, so a bad reward setting of
+any policy fails the start-up. A group naming no policy of the run is dropped, counted and logged by name.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from actors.config import RunConfig
+from actors.config.run import policy_names, policy_run_config
 from actors.config.teachers import run_teachers
 from actors.extensions.load import reward_spec
 from actors.reward.failures import RewardFailures
 from actors.runtime import chaos
 from actors.runtime.base import Actor
+from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles
+from actors.runtime.peers import PeerStream
 from bus.episodes import EpisodeKey, by_episode, episode_key, final_segment
 from bus.schema import GeneratedGroup, Sample, ScoredGroup
 from policies.failed_samples import samples_to_train
-from policies.rewards import REWARD_EXTRAS, score, score_group
+from policies.rewards import REWARD_EXTRAS, RewardSpec, score, score_group
 
 if TYPE_CHECKING:
     from actors.reward.teacher import TeacherScorer
+
+UNKNOWN_POLICY_LOGGED = 3  # groups of an unknown policy logged one by one; then every 100th
+
+
+@dataclass(eq=False)
+class PolicyScoring:
+    """How one policy's groups are scored and where they go: the policy's settings (the run's in a run of one),
+    its reward function and failure breaker, its distillation teachers (None: no teacher server) and its buffer."""
+
+    policy: str | None
+    config: RunConfig
+    reward: RewardSpec
+    failures: RewardFailures
+    buffer: PeerStream
+    teachers: TeacherScorer | None = None
 
 
 class RewardWorker(Actor):
     role = "reward"
 
+    def __init__(self, context: ActorContext) -> None:
+        super().__init__(context)
+        self.scorings: dict[str | None, PolicyScoring] = {}  # by policy; None: the run's one unnamed policy
+
     async def on_start(self) -> None:
         self.config = self.settings.run
-        self.reward = reward_spec(self.config)
-        self.failures = RewardFailures(self.log, self.reward.name, limit=self.config.reward.reward_failure_limit)
-        self.buffer = self.peer_stream("buffer")
         self.stream_concurrency["on_generated"] = self.config.reward.reward_concurrency
-        self.teachers: TeacherScorer | None = None
-        if self.config.policy.use_opd:
-            from actors.reward.teacher import TeacherScorer  # aiohttp: 0.11 s that only teacher servers need
+        policies = policy_names(self.config) or (None,)
+        self.scorings = {policy: self._scoring(policy) for policy in policies}
 
-            distillation = self.config.distillation
-            scorer = TeacherScorer(run_teachers(distillation), key=distillation.opd_teacher_key,
-                                   timeout_s=distillation.opd_teacher_timeout,
-                                   temperature=self.config.rollout.rollout_temperature)
-            self.teachers = scorer if scorer.has_servers else None
+    def _scoring(self, policy: str | None) -> PolicyScoring:
+        """`policy`'s scoring from its own settings; None: the run's single policy."""
+        config = self.config if policy is None else policy_run_config(self.config, policy)
+        log = self.log if policy is None else self.log.bind(policy=policy)
+        reward = reward_spec(config)
+        failures = RewardFailures(log, reward.name, limit=config.reward.reward_failure_limit)
+        return PolicyScoring(policy, config, reward, failures, self.peer_stream("buffer", policy=policy),
+                             _teachers(config))
 
     async def on_stop(self) -> None:
-        self.failures.flush()
-        if self.teachers is not None:
-            await self.teachers.close()
+        for scoring in self.scorings.values():
+            scoring.failures.flush()
+            if scoring.teachers is not None:
+                await scoring.teachers.close()
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
+        scoring = self.scorings.get(group.policy)
+        if scoring is None:
+            self._drop_unknown_policy(group)
+            return
         is_eval = group.is_eval  # an evaluation group: scored with --eval-reward-key, no teacher
         samples = group.samples
-        if self.teachers is not None and not is_eval:
+        if scoring.teachers is not None and not is_eval:
             with self.waits.on("distillation teacher", f"scoring group {group.group_id}"):
-                samples = await self.score_by_teachers(samples)
+                samples = await self.score_by_teachers(samples, policy=group.policy)
         with self.waits.on("reward function", f"scoring group {group.group_id}"):
-            scored = await self.score_samples(samples, is_eval=is_eval)
+            scored = await self.score_samples(samples, is_eval=is_eval, policy=group.policy)
         # Scored and not yet handed on: the same loss as a kill mid-scoring (the group's lease is still open), and
         # the one "mid" an inline reward, which never waits while it scores, has.
         chaos.reached("score.mid")
         self.counters["samples.scored"] += len(scored)
-        await self.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
-                                           worker_id=group.worker_id))
+        await scoring.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
+                                              worker_id=group.worker_id))
         self.waits.made_progress()
 
-    async def score_by_teachers(self, samples: list[Sample]) -> list[Sample]:
+    def _drop_unknown_policy(self, group: GeneratedGroup) -> None:
+        """A group no policy of the run owns has no reward and no buffer: dropped (its lease times out at whichever
+        buffer leased it), counted, and named in the log (the first few, then every 100th)."""
+        self.counters["groups.dropped.unknown_policy"] += 1
+        count = self.counters["groups.dropped.unknown_policy"]
+        if count <= UNKNOWN_POLICY_LOGGED or count % 100 == 0:
+            known = [policy for policy in self.scorings if policy is not None]
+            self.log.error("group dropped: it names no policy of this run", policy=group.policy,
+                           policies=known or "none: the run has one unnamed policy", group=group.group_id,
+                           worker=group.worker_id, dropped_so_far=int(count))
+
+    async def score_by_teachers(self, samples: list[Sample], *, policy: str | None = None) -> list[Sample]:
         """Each sample's teacher log-probs from its teacher server; one it could not get fails, named and counted."""
-        assert self.teachers is not None
-        if self._trains_on(samples) is None:
+        scoring = self.scorings[policy]
+        assert scoring.teachers is not None
+        if self._trains_on(samples, scoring) is None:
             return samples  # failed in generation: the buffer drops the group, the teacher need not score it
-        annotated = await self.teachers.annotate(samples)  # a sample that failed is passed over
+        annotated = await scoring.teachers.annotate(samples)  # a sample that failed is passed over
         failed = [sample for sample in annotated if sample.status == "failed"]
         if failed:
             self.counters["samples.teacher_failed"] += len(failed)
@@ -92,11 +137,13 @@ class RewardWorker(Actor):
         self.counters["samples.teacher_scored"] += len(samples) - len(failed)
         return annotated
 
-    async def score_samples(self, samples: list[Sample], *, is_eval: bool = False) -> list[Sample]:
-        """The episodes that did not fail in generation, scored (each on its final segment, the reward then on all
-        of its segments); those that did, as they are (none are scored when the buffer will drop the group for
-        them)."""
-        scorable = self._trains_on(samples)
+    async def score_samples(self, samples: list[Sample], *, is_eval: bool = False,
+                            policy: str | None = None) -> list[Sample]:
+        """The episodes that did not fail in generation, scored by `policy`'s reward (each on its final segment, the
+        reward then on all of its segments); those that did, as they are (none are scored when the buffer will drop
+        the group for them)."""
+        scoring = self.scorings[policy]
+        scorable = self._trains_on(samples, scoring)
         if not scorable:  # failed in generation (e.g. no room under the context cap): the buffer counts it
             return list(samples)
         episodes = by_episode(samples)
@@ -104,31 +151,33 @@ class RewardWorker(Actor):
         # A reward already set (slime's rollout functions and generate plugins may score their own samples) is kept,
         # as slime's generate_and_rm does; a group reward needs the whole group, so it rescores all if any lacks one.
         unscored = [s for s in finals if not _has_reward(s)]
-        if self.reward.is_group and unscored:
+        if scoring.reward.is_group and unscored:
             unscored = finals
         self.counters["samples.prescored"] += len(finals) - len(unscored)
-        scored = await self._score(unscored, episodes, is_eval=is_eval) if unscored else []
+        scored = await self._score(unscored, episodes, scoring, is_eval=is_eval) if unscored else []
         rescored = {episode_key(sample): sample for sample in [*finals, *scored]}  # the scored after the prescored
         return [_with_episode_reward(sample, rescored.get(episode_key(sample))) for sample in samples]
 
-    def _trains_on(self, samples: list[Sample]) -> list[Sample] | None:
-        """The samples of a group that can train, by the buffer's rule; None when it will drop the group."""
-        return samples_to_train(samples, self.config.buffer.failed_sample_policy,
+    @staticmethod
+    def _trains_on(samples: list[Sample], scoring: PolicyScoring) -> list[Sample] | None:
+        """The samples of a group that can train, by the policy's buffer's rule; None when it will drop the group."""
+        return samples_to_train(samples, scoring.config.buffer.failed_sample_policy,
                                 lambda sample: sample.status == "failed")
 
-    async def _score(self, samples: list[Sample], episodes: dict[EpisodeKey, list[Sample]], *,
-                     is_eval: bool) -> list[Sample]:
+    async def _score(self, samples: list[Sample], episodes: dict[EpisodeKey, list[Sample]], scoring: PolicyScoring,
+                     *, is_eval: bool) -> list[Sample]:
         """`samples` (one per episode, its final segment) scored, with every segment of its episode at hand."""
-        inputs = [self.reward.argument_of(s, episodes[episode_key(s)]) for s in samples]
-        reward = self.config.reward
-        key = (self.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
-        if self.reward.is_group:
-            outcomes = await score_group(self.reward.fn, inputs, timeout_s=reward.reward_timeout, key=key)
+        function = scoring.reward
+        inputs = [function.argument_of(s, episodes[episode_key(s)]) for s in samples]
+        reward = scoring.config.reward
+        key = (scoring.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
+        if function.is_group:
+            outcomes = await score_group(function.fn, inputs, timeout_s=reward.reward_timeout, key=key)
         else:
-            outcomes = await score(self.reward.fn, inputs, timeout_s=reward.reward_timeout, key=key)
+            outcomes = await score(function.fn, inputs, timeout_s=reward.reward_timeout, key=key)
         scored = []
         for sample, outcome in zip(samples, outcomes, strict=True):
-            self.failures.record(sample.sample_id, outcome)
+            scoring.failures.record(sample.sample_id, outcome)
             # Counted here, before the breaker can end the worker: the failures that trip it are among them.
             self.counters["samples.reward_failed"] += outcome.status != "ok"
             if outcome.status == "ok":
@@ -137,9 +186,23 @@ class RewardWorker(Actor):
             else:
                 scored.append(msgspec.structs.replace(sample, reward=None, status="failed",
                                                       error=f"reward: {outcome.reason}"))
-        if self.failures.tripped is not None:  # a worker that would fail the same way must not be restarted
-            await self.fail_run(self.failures.tripped)
+        tripped = scoring.failures.tripped
+        if tripped is not None:  # a worker that would fail the same way must not be restarted
+            await self.fail_run(tripped if scoring.policy is None else f"policy {scoring.policy}: {tripped}")
         return scored
+
+
+def _teachers(config: RunConfig) -> TeacherScorer | None:
+    """The distillation teacher servers `config` scores with; None without --use-opd or without a server teacher."""
+    if not config.policy.use_opd:
+        return None
+    from actors.reward.teacher import TeacherScorer  # aiohttp: 0.11 s that only teacher servers need
+
+    distillation = config.distillation
+    scorer = TeacherScorer(run_teachers(distillation), key=distillation.opd_teacher_key,
+                           timeout_s=distillation.opd_teacher_timeout,
+                           temperature=config.rollout.rollout_temperature)
+    return scorer if scorer.has_servers else None
 
 
 def _with_episode_reward(sample: Sample, final: Sample | None) -> Sample:

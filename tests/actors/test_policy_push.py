@@ -15,19 +15,16 @@ from typing import Any
 import pytest
 import torch
 
-from actors.config import RunConfig
-from actors.config.policies import scoped_actor_id
-from actors.config.run import policy_run_config
 from actors.runtime.base import Actor
-from actors.runtime.context import ActorContext, ActorSettings
+from actors.runtime.context import ActorContext
 from actors.runtime.handlers import serves
-from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.inference import GenerateRequest, SamplingParams, TorchEngine
 from engines.training.lora import LoraSettings
 from engines.weights.group import GroupSpec
 from engines.weights.torch_receiver import TorchDistributedWeightReceiver
-from tests.support.inprocess import HANG_S, ActorSystem, actor_system, write_prompts
+from tests.support.inprocess import HANG_S, actor_system, write_prompts
+from tests.support.policies import start_actor
 
 POLICY = "a"
 ADAPTER = LoraSettings(rank=4, alpha=8.0)
@@ -76,25 +73,6 @@ class AdapterEngine(Actor):
         return Ack(ok=True, error=None)
 
 
-async def _start(system: ActorSystem, role: str, kind: str | type[Actor], *, policy: str | None) -> Any:
-    """An actor as the launcher starts it in a run of policies: a policy's with its id, settings and run directory."""
-    run: RunConfig = system.config
-    actor_id = scoped_actor_id(role, policy) if policy else f"{role}-0-0"
-    path = BUILTIN_ROLES[kind] if isinstance(kind, str) else f"{kind.__module__}:{kind.__qualname__}"
-    context = ActorContext(
-        actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=system.head,
-        run_dir=system.run_dir / "policies" / policy if policy else system.run_dir, heartbeat_interval=0.5,
-        settings=ActorSettings(log_level="warning", console_log_level="error",
-                               run=policy_run_config(run, policy) if policy else run),
-        policy=policy)
-    actor = resolve_actor_class(path)(context)
-    system.actors[actor_id] = actor
-    system.tasks[actor_id] = asyncio.create_task(actor.main(), name=actor_id)
-    await system.wait_for(lambda: actor_id in system["controller"].records and actor._heartbeat is not None,
-                          HANG_S, f"{actor_id} to register")
-    return actor
-
-
 def _settings(tmp_path: Path, model: Path) -> dict[str, object]:
     return {"hf_checkpoint": str(model), "rollout_engine": "torch", "lora_rank": ADAPTER.rank,
             "lora_alpha": ADAPTER.alpha, "weight_transport": "gloo", "weight_transfer_timeout": 30.0,
@@ -107,8 +85,8 @@ def _settings(tmp_path: Path, model: Path) -> dict[str, object]:
 async def test_a_policys_learner_pushes_its_adapter_by_name_as_its_own_sender(tmp_path: Path,
                                                                              tiny_model_path: Path) -> None:
     async with actor_system(tmp_path, _settings(tmp_path, tiny_model_path), {"controller": "controller"}) as system:
-        engine = await _start(system, "rollout", AdapterEngine, policy=None)
-        learner = await _start(system, "learner", "learner", policy=POLICY)
+        engine = await start_actor(system, "rollout", AdapterEngine, policy=None)
+        learner = await start_actor(system, "learner", "learner", policy=POLICY)
         await system.wait_for(lambda: learner.weights.committed_version == 0, HANG_S, "the learner's first push")
 
         (order,) = engine.orders
