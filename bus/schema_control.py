@@ -133,10 +133,14 @@ class Control(Message):
     """Controller -> everyone (broadcast, topic "control"): change what actors are doing.
 
     "abort" ends the run as failed (every actor stops and exits with the run-failed code, so every node's launcher
-    fails with `reason`); "report" asks every actor for a StateReport (the hang detector's evidence)."""
+    fails with `reason`); "report" asks every actor for a StateReport (the hang detector's evidence). In a run of
+    several policies a policy's learner that finished sends the controller a "stop" naming its policy: the
+    controller broadcasts a stop only once every policy has finished."""
 
     command: Annotated[Literal["pause", "resume", "drain", "stop", "abort", "report"], doc("the order")]
     reason: Annotated[str, doc("human-readable why")] = ""
+    policy: Annotated[str | None, doc("with a stop sent to the controller: this policy finished training and the "
+                                      "others go on (a run of several); null: the whole run")] = None
 
 
 class RunState(Message):

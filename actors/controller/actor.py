@@ -6,6 +6,10 @@ dead and the new roster is broadcast, so peers reconnect or re-lease without ask
 keeps no training state: a restarted controller rebuilds its registry from re-registrations (actors whose
 heartbeat it does not recognise register again). It is also the run's hang detector (actors.controller.hang): a
 run in which no actor finished any work for --hang-timeout fails with a report of who waits on whom.
+
+In a run of several policies each policy's learner says when its policy finished (a "stop" naming it); the run
+stops once every policy has, and meanwhile the others train on. A stop naming no policy (an operator's, the learner
+of a run of one) and an abort end the run at once, as ever.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.config.run import policy_names
 from actors.controller.hang import HangWatch, hang_report, report_views
 from actors.controller.wandb_mirror import WandbMirror
 from actors.runtime.base import Actor
@@ -51,7 +56,9 @@ class Controller(Actor):
         self.records: dict[str, MemberRecord] = {}
         self.generation = 0
         self.publisher: Publisher | None = None
-        self.latest_version: VersionAnnouncement | None = None
+        self.latest_version: VersionAnnouncement | None = None  # the last announced, of any policy
+        self.policy_versions: dict[str, VersionAnnouncement] = {}  # the last of each policy, in a run of several
+        self.finished_policies: dict[str, str] = {}  # policy -> why its learner finished
         self.incarnation = secrets.token_hex(8)
         limits = self.settings.run.controller
         self.hang = HangWatch(limits.hang_timeout, time.monotonic(), start_timeout_s=limits.start_timeout)
@@ -81,7 +88,12 @@ class Controller(Actor):
             await self._advance_wandb(mirror, closing=True)
 
     def _write_actor_metrics(self, writer: MetricsWriter) -> None:
-        version = self.latest_version.version if self.latest_version else 0
+        """One record of every live actor's counters. Its step is the version, in a run of several policies the
+        newest any policy reached (each policy's is the controller's gauge `version.<policy>`)."""
+        if self.policy_versions:
+            version = max(announced.version for announced in self.policy_versions.values())
+        else:
+            version = self.latest_version.version if self.latest_version else 0
         writer.write(version, {f"{actor_id}/{key}": value for actor_id, record in self.records.items()
                                if record.member.alive for key, value in record.counters.items()}
                      # our own counters too: the head address and the publisher are bound sockets
@@ -157,10 +169,13 @@ class Controller(Actor):
             await asyncio.sleep(0.05)
 
     def metrics(self) -> dict[str, float]:
-        """Ours include what the broadcast publisher dropped (subscriptions that are not, topics too long)."""
+        """Ours include what the broadcast publisher dropped (subscriptions that are not, topics too long), and each
+        policy's latest version in a run of several."""
         found = super().metrics()
         if self.publisher is not None:
             found.update(self.publisher.drop_metrics("publish"))
+        found.update({f"version.{policy}": float(announced.version)
+                      for policy, announced in self.policy_versions.items()})
         return found
 
     # ------------------------------------------------------------------------------------------ handlers
@@ -254,9 +269,16 @@ class Controller(Actor):
 
     @serves(schema.Control)
     async def on_control_request(self, sender: str, request: schema.Control) -> Ack:
-        """Launchers, the learner or an operator ask for pause/resume/drain/stop; everyone hears it."""
+        """Launchers, the learner or an operator ask for pause/resume/drain/stop; everyone hears it. A policy's
+        stop is the controller's alone to hear (`_policy_finished`)."""
         assert self.publisher is not None
-        self.log.info("control", command=request.command, reason=request.reason, origin=peer_name(sender))
+        policy = {"policy": request.policy} if request.policy is not None else {}
+        self.log.info("control", command=request.command, reason=request.reason, origin=peer_name(sender), **policy)
+        if request.policy is not None and request.command == "stop":
+            return self._policy_finished(request.policy, request.reason, sender)
+        if request.policy is not None and request.command != "abort":  # an abort ends every policy's run at once
+            return Ack(ok=False, error=f"Control {request.command!r} names policy {request.policy!r}: only a stop "
+                                       "(a policy's learner finished) is per policy")
         self.publisher.publish(TOPIC_CONTROL, request)
         if request.command == "pause":
             self.hang.paused = True
@@ -268,6 +290,22 @@ class Controller(Actor):
         elif request.command in ("drain", "stop"):
             self._set_state("draining")
             self.request_stop(f"{request.command} requested by {peer_name(sender)}: {request.reason}")
+        return Ack(ok=True, error=None)
+
+    def _policy_finished(self, policy: str, reason: str, sender: str) -> Ack:
+        """A policy's learner finished: the run stops once every policy has, and the others train on till then."""
+        policies = policy_names(self.settings.run)
+        if policy not in policies:
+            known = ", ".join(policies) or "none: the run has one unnamed policy"
+            self.log.warning("a stop for an unknown policy ignored", policy=policy, origin=peer_name(sender))
+            return Ack(ok=False, error=f"policy {policy!r} is not one of the run's policies ({known})")
+        self.finished_policies[policy] = reason
+        training = [name for name in policies if name not in self.finished_policies]
+        self.log.info("policy finished", policy=policy, reason=reason, still_training=training)
+        if not training and self.run_state not in ("draining", "stopped", "failed"):
+            self._set_state("draining")
+            self.request_stop("every policy finished: " + "; ".join(
+                f"{name}: {self.finished_policies[name]}" for name in policies))
         return Ack(ok=True, error=None)
 
     @serves(schema.StateReport)
@@ -288,6 +326,8 @@ class Controller(Actor):
             return Ack(ok=False, error="version announcements are taken from registered members only")
         self.hang.progressed(time.monotonic())
         self.latest_version = request
+        if request.policy is not None:
+            self.policy_versions[request.policy] = request
         self.publisher.publish(TOPIC_VERSION, request)
         return Ack(ok=True, error=None)
 

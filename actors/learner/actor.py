@@ -349,7 +349,8 @@ class Learner(Actor):
                 self.log.info("old checkpoints deleted", paths=[path.name for path in deleted], keep=keep)
 
     async def finish(self) -> None:
-        """Make the result durable, export it, and end the run for everyone."""
+        """Make the result durable, export it, and end the run for everyone (for our policy, in a run of several:
+        this learner exits, the other policies' go on)."""
         await self.settle_push()
         if self.training.keeps_model:
             if self.checkpointed_batch < self.trained_batch:  # the last step's --save-interval may have written it
@@ -360,8 +361,9 @@ class Learner(Actor):
         await self.wait_while_pinned()
         await self.source.finish(self.progress())
         assert self._controller is not None
-        await self._controller.call(Control(command="stop", reason=f"trained {self.trained_batch} batches"),
-                                    timeout=5.0, retries=2)
+        # In a run of several policies this ends our policy only; the run stops once every policy's learner is done.
+        await self._controller.call(Control(command="stop", reason=f"trained {self.trained_batch} batches",
+                                            policy=self.context.policy), timeout=5.0, retries=2)
         self.log.info("run finished", batches=self.trained_batch, version=self.version)
 
     async def _restore(self) -> None:

@@ -73,10 +73,10 @@ class AdapterEngine(Actor):
         return Ack(ok=True, error=None)
 
 
-def _settings(tmp_path: Path, model: Path) -> dict[str, object]:
+def _settings(tmp_path: Path, model: Path, policies: dict[str, dict[str, object]]) -> dict[str, object]:
     return {"hf_checkpoint": str(model), "rollout_engine": "torch", "lora_rank": ADAPTER.rank,
             "lora_alpha": ADAPTER.alpha, "weight_transport": "gloo", "weight_transfer_timeout": 30.0,
-            "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "policies": {POLICY: {}},
+            "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "policies": policies,
             "use_tensorboard": False, "plots": False}
 
 
@@ -84,7 +84,8 @@ def _settings(tmp_path: Path, model: Path) -> dict[str, object]:
 @pytest.mark.timeout(120)
 async def test_a_policys_learner_pushes_its_adapter_by_name_as_its_own_sender(tmp_path: Path,
                                                                              tiny_model_path: Path) -> None:
-    async with actor_system(tmp_path, _settings(tmp_path, tiny_model_path), {"controller": "controller"}) as system:
+    settings = _settings(tmp_path, tiny_model_path, {POLICY: {}})
+    async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
         engine = await start_actor(system, "rollout", AdapterEngine, policy=None)
         learner = await start_actor(system, "learner", "learner", policy=POLICY)
         await system.wait_for(lambda: learner.weights.committed_version == 0, HANG_S, "the learner's first push")
@@ -107,3 +108,25 @@ async def test_a_policys_learner_pushes_its_adapter_by_name_as_its_own_sender(tm
         assert list(adapted.output_ids) == list(base.output_ids)  # a fresh adapter (B = 0) computes what the base does
         # The policy's learner writes in its own run directory.
         assert (tmp_path / "policies" / POLICY / "metrics" / "weight_checks.jsonl").is_file()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_a_policys_learner_that_finished_ends_its_policy_and_exits_while_the_run_goes_on(
+        tmp_path: Path, tiny_model_path: Path) -> None:
+    """Policy "a" has nothing to train (num_rollout 0): its learner finishes at once, tells the controller that
+    policy "a" finished, and exits; policy "b" has not finished, so the run goes on."""
+    settings = _settings(tmp_path, tiny_model_path, {POLICY: {"num_rollout": 0}, "b": {}})
+    async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
+        await start_actor(system, "rollout", AdapterEngine, policy=None)
+        await start_actor(system, "buffer", "buffer", policy=POLICY)
+        await start_actor(system, "learner", "learner", policy=POLICY)
+        learner_exit = system.tasks["learner@a"]
+        await system.wait_for(learner_exit.done, HANG_S, "the learner of policy a to exit")
+
+        controller = system["controller"]
+        assert learner_exit.result() == 0
+        assert controller.finished_policies == {POLICY: "trained 0 batches"}
+        assert not controller.stopping and controller.run_state == "running"
+        assert not system["buffer@a"].stopping and not system["rollout-0-0"].stopping
+        assert (tmp_path / "policies" / POLICY / "final_model" / "adapter").is_dir()

@@ -1,0 +1,117 @@
+"""The controller of a run of several policies: the run stops once every policy's learner said it finished, the
+others train on meanwhile; a stop naming no policy, or an abort, still ends the run at once; each policy's latest
+version is recorded in metrics/actors.jsonl.
+
+The real controller on real sockets; the policies' learners are members that say what a learner says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from actors.runtime.base import Actor
+from actors.runtime.context import ActorContext
+from actors.runtime.metrics import read_metrics
+from bus.schema import Ack, Control, VersionAnnouncement
+from tests.support.inprocess import HANG_S, ActorSystem, actor_system
+from tests.support.policies import start_actor
+
+
+class Member(Actor):
+    """A policy's learner, as far as the controller sees it: it calls the controller and hears its broadcasts."""
+
+    role = "learner"
+
+    def __init__(self, context: ActorContext) -> None:
+        super().__init__(context)
+        self.heard: list[Control] = []
+
+    async def on_control(self, control: Control) -> None:
+        self.heard.append(control)
+
+    async def tell(self, message: Control | VersionAnnouncement) -> Ack:
+        assert self._controller is not None
+        return await self._controller.call(message, timeout=5.0, retries=0)
+
+
+@contextlib.asynccontextmanager
+async def _run(tmp_path: Path) -> AsyncIterator[tuple[ActorSystem, Member, Member]]:
+    """A controller of a run of policies "a" and "b", and a learner of each."""
+    settings = {"lora_rank": 4, "policies": {"a": {}, "b": {}}}
+    async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
+        yield (system, await start_actor(system, "learner", Member, policy="a"),
+               await start_actor(system, "learner", Member, policy="b"))
+
+
+async def _broadcasts_heard(system: ActorSystem, member: Member) -> None:
+    """Until `member` heard a pause broadcast sent now: every broadcast published before it has arrived too."""
+    heard = len(member.heard)
+    assert await member.tell(Control(command="pause", reason="a marker")) == Ack(ok=True, error=None)
+    await system.wait_for(lambda: len(member.heard) > heard, HANG_S, "the marker broadcast")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_the_run_stops_once_every_policy_finished_and_not_before(tmp_path: Path) -> None:
+    with capture_logs() as logs:
+        async with _run(tmp_path) as (system, a, b):
+            controller = system["controller"]
+            assert await a.tell(Control(command="stop", reason="trained 3 batches", policy="a")) == Ack(ok=True,
+                                                                                                         error=None)
+            await _broadcasts_heard(system, b)
+            assert not controller.stopping and controller.run_state == "running"
+            assert not a.stopping and not b.stopping  # nobody heard a stop: policy b trains on
+            assert [control.command for control in b.heard] == ["pause"]
+
+            assert (await b.tell(Control(command="stop", reason="trained 5 batches", policy="b"))).ok
+            await system.wait_for(lambda: a.stopping and b.stopping, HANG_S, "the run's stop broadcast")
+            assert controller.stopping
+    finished = [(r["policy"], r["still_training"]) for r in logs if r["event"] == "policy finished"]
+    assert finished == [("a", ["b"]), ("b", [])]
+    assert controller._stop_reason == "every policy finished: a: trained 3 batches; b: trained 5 batches"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_stop_for_a_policy_the_run_has_not_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    async with _run(tmp_path) as (system, a, _b):
+        refused = await a.tell(Control(command="stop", reason="done", policy="judge"))
+        assert refused == Ack(ok=False, error="policy 'judge' is not one of the run's policies (a, b)")
+        drain = await a.tell(Control(command="drain", reason="done", policy="a"))
+        assert not drain.ok and "only a stop (a policy's learner finished) is per policy" in str(drain.error)
+        await _broadcasts_heard(system, a)
+        assert not system["controller"].stopping and system["controller"].finished_policies == {}
+        assert [control.command for control in a.heard] == ["pause"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["stop", "abort"])
+async def test_a_stop_naming_no_policy_or_an_abort_ends_a_run_of_policies_at_once(tmp_path: Path,
+                                                                                   command: str) -> None:
+    async with _run(tmp_path) as (system, a, b):
+        assert (await a.tell(Control(command=command, reason="operator"))).ok  # type: ignore[arg-type]
+        await system.wait_for(lambda: a.stopping and b.stopping, HANG_S, "the run's stop broadcast")
+        assert system["controller"].stopping
+        assert (system["controller"].run_failure is not None) == (command == "abort")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_each_policys_latest_version_is_recorded_beside_the_actors_counters(tmp_path: Path) -> None:
+    async with _run(tmp_path) as (system, a, b):
+        assert (await a.tell(VersionAnnouncement(version=3, policy="a"))).ok
+        assert (await b.tell(VersionAnnouncement(version=1, policy="b"))).ok
+        assert (await a.tell(VersionAnnouncement(version=4, policy="a"))).ok
+        assert (await b.tell(VersionAnnouncement(version=2, policy="b"))).ok
+        controller = system["controller"]
+        await system.stop()
+        await system.wait_for(lambda: system.tasks["controller"].done(), HANG_S, "the controller to stop")
+    (*_, last) = read_metrics(tmp_path / "metrics" / "actors.jsonl")
+    assert (last["step"], last["controller/version.a"], last["controller/version.b"]) == (4, 4.0, 2.0)
+    assert controller.latest_version.policy == "b"  # the last announced, of either policy
