@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.config.run import policy_names
+from actors.controller.finished import FinishedPolicies
 from actors.controller.hang import HangWatch, hang_report, report_views
 from actors.controller.wandb_mirror import WandbMirror
 from actors.runtime.base import Actor
@@ -58,7 +59,8 @@ class Controller(Actor):
         self.publisher: Publisher | None = None
         self.latest_version: VersionAnnouncement | None = None  # the last announced, of any policy
         self.policy_versions: dict[str, VersionAnnouncement] = {}  # the last of each policy, in a run of several
-        self.finished_policies: dict[str, str] = {}  # policy -> why its learner finished
+        self.finished = FinishedPolicies(policy_names(self.settings.run), context.run_dir,
+                                         self.settings.clock_origin)
         self.incarnation = secrets.token_hex(8)
         limits = self.settings.run.controller
         self.hang = HangWatch(limits.hang_timeout, time.monotonic(), start_timeout_s=limits.start_timeout)
@@ -132,6 +134,10 @@ class Controller(Actor):
         self.spawn(self.rpc_server.serve(self._dispatch_rpc), name="controller.rpc")
         self.log.info("controller listening", head=self.rpc_server.endpoint, publish=self.publisher.endpoint,
                       expected=self.expected)
+        if self.finished.reasons:  # restarted: the learners of these policies finished and are gone
+            self.log.info("policies finished before this controller started", finished=self.finished.reasons,
+                          still_training=self.finished.training)
+            self._stop_once_every_policy_finished()
 
     async def stop(self) -> None:
         self._set_state("failed" if self.run_failure else "stopped")
@@ -294,19 +300,19 @@ class Controller(Actor):
 
     def _policy_finished(self, policy: str, reason: str, sender: str) -> Ack:
         """A policy's learner finished: the run stops once every policy has, and the others train on till then."""
-        policies = policy_names(self.settings.run)
-        if policy not in policies:
-            known = ", ".join(policies) or "none: the run has one unnamed policy"
+        try:
+            self.finished.finish(policy, reason)
+        except KeyError as error:
             self.log.warning("a stop for an unknown policy ignored", policy=policy, origin=peer_name(sender))
-            return Ack(ok=False, error=f"policy {policy!r} is not one of the run's policies ({known})")
-        self.finished_policies[policy] = reason
-        training = [name for name in policies if name not in self.finished_policies]
-        self.log.info("policy finished", policy=policy, reason=reason, still_training=training)
-        if not training and self.run_state not in ("draining", "stopped", "failed"):
-            self._set_state("draining")
-            self.request_stop("every policy finished: " + "; ".join(
-                f"{name}: {self.finished_policies[name]}" for name in policies))
+            return Ack(ok=False, error=error.args[0])
+        self.log.info("policy finished", policy=policy, reason=reason, still_training=self.finished.training)
+        self._stop_once_every_policy_finished()
         return Ack(ok=True, error=None)
+
+    def _stop_once_every_policy_finished(self) -> None:
+        if self.finished.all_done and self.run_state not in ("draining", "stopped", "failed"):
+            self._set_state("draining")
+            self.request_stop(f"every policy finished: {self.finished.summary()}")
 
     @serves(schema.StateReport)
     async def on_state_report(self, sender: str, report: schema.StateReport) -> Ack:

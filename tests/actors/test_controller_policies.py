@@ -1,12 +1,13 @@
 """The controller of a run of several policies: the run stops once every policy's learner said it finished, the
-others train on meanwhile; a stop naming no policy, or an abort, still ends the run at once; each policy's latest
-version is recorded in metrics/actors.jsonl.
+others train on meanwhile, and a restarted controller remembers who finished; a stop naming no policy, or an abort,
+still ends the run at once; each policy's latest version is recorded in metrics/actors.jsonl.
 
 The real controller on real sockets; the policies' learners are members that say what a learner says.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,9 +15,14 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from actors.config import build_config
+from actors.controller.actor import Controller
 from actors.runtime.base import Actor
-from actors.runtime.context import ActorContext
+from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.metrics import read_metrics
+from actors.runtime.roles import BUILTIN_ROLES
+from bus import RpcClient
+from bus.address import free_port
 from bus.schema import Ack, Control, VersionAnnouncement
 from tests.support.inprocess import HANG_S, ActorSystem, actor_system
 from tests.support.policies import start_actor
@@ -85,7 +91,7 @@ async def test_a_stop_for_a_policy_the_run_has_not_is_refused_and_changes_nothin
         drain = await a.tell(Control(command="drain", reason="done", policy="a"))
         assert not drain.ok and "only a stop (a policy's learner finished) is per policy" in str(drain.error)
         await _broadcasts_heard(system, a)
-        assert not system["controller"].stopping and system["controller"].finished_policies == {}
+        assert not system["controller"].stopping and system["controller"].finished.reasons == {}
         assert [control.command for control in a.heard] == ["pause"]
 
 
@@ -115,3 +121,45 @@ async def test_each_policys_latest_version_is_recorded_beside_the_actors_counter
     (*_, last) = read_metrics(tmp_path / "metrics" / "actors.jsonl")
     assert (last["step"], last["controller/version.a"], last["controller/version.b"]) == (4, 4.0, 2.0)
     assert controller.latest_version.policy == "b"  # the last announced, of either policy
+
+
+def _controller(run_dir: Path, clock_origin: float) -> Controller:
+    """The head's controller of a run of policies "a" and "b", for one start of the run (its clock's origin)."""
+    settings = ActorSettings(log_level="warning", console_log_level="error", clock_origin=clock_origin,
+                             run=build_config({"lora_rank": 4, "policies": {"a": {}, "b": {}}}))
+    return Controller(ActorContext(actor_id="controller", role="controller", actor_class=BUILTIN_ROLES["controller"],
+                                   node_rank=0, head_address=f"tcp://127.0.0.1:{free_port()}", run_dir=run_dir,
+                                   heartbeat_interval=0.5, settings=settings))
+
+
+async def _stop_of(controller: Controller, policy: str, reason: str) -> Ack:
+    """What a policy's learner sends when it finished, to a controller that is up."""
+    while getattr(controller, "publisher", None) is None:  # bound in its start-up's first step
+        await asyncio.sleep(0.01)
+    client = RpcClient(controller.zmq, controller.context.head_address, client_id=f"learner@{policy}")
+    try:
+        return await client.call(Control(command="stop", reason=reason, policy=policy), timeout=5.0, retries=0)
+    finally:
+        client.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_restarted_controller_remembers_which_policies_finished_in_this_start_of_the_run(
+        tmp_path: Path) -> None:
+    """Policy a's learner finished and exited; the controller restarts: it must not wait for a forever. A later
+    start of the run (a resume, another clock origin) begins with every policy training."""
+    first = _controller(tmp_path, clock_origin=1000.0)
+    running = asyncio.create_task(first.main())
+    assert (await _stop_of(first, "a", "trained 3 batches")).ok
+    first.request_stop("killed")
+    assert await running == 0
+
+    restarted = _controller(tmp_path, clock_origin=1000.0)
+    running = asyncio.create_task(restarted.main())
+    assert restarted.finished.reasons == {"a": "trained 3 batches"} and restarted.finished.training == ["b"]
+    assert (await _stop_of(restarted, "b", "trained 5 batches")).ok
+    assert await asyncio.wait_for(running, HANG_S) == 0  # ended on its own: every policy finished
+    assert restarted._stop_reason == "every policy finished: a: trained 3 batches; b: trained 5 batches"
+
+    assert _controller(tmp_path, clock_origin=2000.0).finished.reasons == {}

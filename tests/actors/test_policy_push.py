@@ -126,7 +126,7 @@ async def test_a_policys_learner_that_finished_ends_its_policy_and_exits_while_t
 
         controller = system["controller"]
         assert learner_exit.result() == 0
-        assert controller.finished_policies == {POLICY: "trained 0 batches"}
+        assert controller.finished.reasons == {POLICY: "trained 0 batches"}
         assert not controller.stopping and controller.run_state == "running"
         assert not system["buffer@a"].stopping and not system["rollout-0-0"].stopping
         assert (tmp_path / "policies" / POLICY / "final_model" / "adapter").is_dir()
