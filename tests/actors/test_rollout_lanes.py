@@ -20,7 +20,7 @@ from actors.rollout.lanes import AdapterEngine
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus import RpcClient
-from bus.schema import Ack, VersionAnnouncement, WeightUpdateOrder
+from bus.schema import Ack, Roster, RosterEvent, VersionAnnouncement, WeightUpdateOrder
 from engines.inference import GenerateRequest, SamplingParams
 from engines.weights.transport import SenderOptions, resolve_transport
 from tests.support.adapters import random_adapter
@@ -89,6 +89,8 @@ async def test_each_policys_lane_leases_from_its_own_buffer_and_sends_its_groups
         sent = lambda policy: [group for group in recorder.groups if group.policy == policy]  # noqa: E731
         await system.wait_for(lambda: all(len(sent(policy)) >= 2 for policy in POLICIES), 60,
                               "two groups of each policy")
+        # the engine's rows hold one group: the lanes take them in turn, neither starving the other
+        assert [group.policy for group in recorder.groups[:4]] == ["a", "b", "a", "b"]
         assert [lane.policy for lane in worker.lanes] == list(POLICIES)
         assert all(isinstance(lane.engine, AdapterEngine) for lane in worker.lanes)
         for policy in POLICIES:
@@ -145,3 +147,21 @@ async def test_an_adapter_view_names_its_adapter_unless_a_request_names_one(tiny
         assert (await engine.health())["healthy"]  # closing a view closes nothing
     finally:
         await engine.close()
+
+
+@pytest.mark.timeout(120)
+async def test_groups_lost_with_a_reward_worker_go_back_to_each_policys_own_buffer(
+        tmp_path: Path, tiny_model_path: Path) -> None:
+    """The recording reward worker never scores: every group it was handed is in flight at its policy's buffer, and
+    its death sends each buffer the groups of its own policy, none of the other's."""
+    async with actor_system(tmp_path, _settings(tmp_path, tiny_model_path), {"controller": "controller"}) as system:
+        worker = await _two_policy_worker(system)
+        recorder = system["reward-0-0"]
+        await system.wait_for(lambda: all(sum(g.policy == p for g in recorder.groups) >= 2 for p in POLICIES), 60,
+                              "two groups of each policy handed to the reward worker")
+        handed = {policy: sum(group.policy == policy for group in recorder.groups) for policy in POLICIES}
+        worker.request_stop("test: no more groups")  # what it hands on from now is not counted below
+        await worker.on_roster(Roster(generation=99, members=list(worker.roster.values()),
+                                      events=[RosterEvent(kind="died", actor_id="reward-0-0", reason="test")]))
+        for policy in POLICIES:
+            assert system[scoped_actor_id("buffer", policy)].counters["groups.lost_reissued"] >= handed[policy]
