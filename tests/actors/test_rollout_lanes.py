@@ -15,16 +15,14 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from actors.config.policies import scoped_actor_id
-from actors.config.run import policy_run_config
 from actors.rollout.lanes import AdapterEngine
-from actors.runtime.context import ActorContext, ActorSettings
-from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from bus import RpcClient
 from bus.schema import Ack, Roster, RosterEvent, VersionAnnouncement, WeightUpdateOrder
 from engines.inference import GenerateRequest, SamplingParams
 from engines.weights.transport import SenderOptions, resolve_transport
 from tests.support.adapters import random_adapter
 from tests.support.inprocess import ActorSystem, GroupRecorder, actor_system, write_prompts
+from tests.support.policies import start_actor
 
 pytestmark = pytest.mark.integration
 POLICIES = ("a", "b")
@@ -38,27 +36,12 @@ def _settings(tmp_path: Path, tiny_model_path: Path, **overrides: object) -> dic
             "use_tensorboard": False, "plots": False, **overrides}
 
 
-async def _start_policy_buffer(system: ActorSystem, policy: str) -> None:
-    """What the launcher starts for a policy: its buffer, with its own id, settings and run directory."""
-    actor_id = scoped_actor_id("buffer", policy)
-    run_dir = system.run_dir / "policies" / policy
-    run_dir.mkdir(parents=True, exist_ok=True)
-    settings = ActorSettings(log_level="warning", console_log_level="error",
-                             run=policy_run_config(system.config, policy))
-    context = ActorContext(actor_id=actor_id, role="buffer", actor_class=BUILTIN_ROLES["buffer"], node_rank=0,
-                           head_address=system.head, run_dir=run_dir, heartbeat_interval=0.5, settings=settings,
-                           policy=policy)
-    actor = resolve_actor_class(BUILTIN_ROLES["buffer"])(context)
-    system.actors[actor_id] = actor
-    system.tasks[actor_id] = asyncio.create_task(actor.main(), name=actor_id)
-    await system.wait_for(lambda: actor_id in system.actors["controller"].records, 60, f"{actor_id} registered")
-
-
 async def _two_policy_worker(system: ActorSystem) -> Any:
+    """Each policy's buffer, as the launcher starts a policy's actor, then the shared reward and rollout workers."""
     for policy in POLICIES:
-        await _start_policy_buffer(system, policy)
-    await system.start("reward", GroupRecorder, "reward-0-0")
-    return await system.start("rollout", "rollout", "rollout-0-0")
+        await start_actor(system, "buffer", "buffer", policy=policy)
+    await start_actor(system, "reward", GroupRecorder, policy=None)
+    return await start_actor(system, "rollout", "rollout", policy=None)
 
 
 async def _push_adapter(worker: Any, policy: str, version: int) -> Ack | Any:
