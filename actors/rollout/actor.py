@@ -170,10 +170,10 @@ class RolloutWorker(Actor):
                 self._note_no_work(lease, lane)
                 if self.groups_in_flight == 0 and (self.engine_service is None or not self.engine_service.load()):
                     await self._hand_over_memory()
-                if all(lane.weights_too_old() for lane in self.lanes):
-                    await self._until_set([lane.weights_landed for lane in self.lanes], WEIGHTS_POLL_S)
+                if all(each.weights_too_old() for each in self.lanes):
+                    await self._until_set([each.weights_landed for each in self.lanes], WEIGHTS_POLL_S)
                 else:  # the poll stays as a backstop: a drop or a re-issue at the buffer opens work unannounced
-                    await self._until_set([lane.work_may_open for lane in self.lanes],
+                    await self._until_set([each.work_may_open for each in self.lanes],
                                           IDLE_POLL_S if lease is not None else 0.5, clear=False)
                 continue
             self.waits.end("work")
