@@ -4,6 +4,9 @@ It asks for work only when its engine has room (credit-based pull), so a slow en
 another worker could be generating. Every sample leaves tagged with the per-token policy versions and the
 engine's log-probs. Weight updates arrive as orders from the learner and are applied by the engine between
 two decode steps, so generation never stops for them.
+
+In a run of several policies the worker generates for each through its own lane (`lanes.py`: the policy's buffer,
+versions, leases and adapter); the engine's rows are shared, and the lanes lease in turn so none starves another.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import time
 
+from actors.config.run import policy_names, policy_run_config
 from actors.extensions.load import check_rollout_loop, rollout_loop
 from actors.extensions.points import RolloutLoop
 from actors.rollout.agent import AgentRunner, EpisodeLoop
@@ -19,8 +23,8 @@ from actors.rollout.choice import choose_generate_function
 from actors.rollout.engine_factory import load_engine
 from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
 from actors.rollout.generate import GenerateFunction, RolloutContext, groups_calls
-from actors.rollout.handed_off import HandedOff
 from actors.rollout.kv_cache_log import record_kv_cache
+from actors.rollout.lanes import Lane
 from actors.rollout.router import STOP_WAIT_S, EngineRouter
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
@@ -45,7 +49,6 @@ from bus.schema import (
 )
 from bus.sockets import peer_name
 from engines.inference.base import InferenceEngine
-from policies.weight_versions import LearnerVersions
 
 WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will accept its groups from
 WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for pinned work again
@@ -73,8 +76,9 @@ class RolloutWorker(Actor):
         self.config = self.settings.run
         check_rollout_loop(self.config)  # before the engine loads: a refused flag combination fails fast
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
+        self.lanes = self._open_lanes(self.engine)
+        self._turn = 0  # the lane that asks for work first next time
         self.router = self._open_router(self.engine)
-        self.buffer = self.peer_rpc("buffer")
         self.rewards = self.peer_stream("reward")
         # The engine's rows are the capacity: eight one-sample eval groups take the room of one eight-sample group.
         self.capacity_rows = max(self.config.engine.rollout_max_batch_size, self.config.rollout.n_samples_per_prompt)
@@ -88,21 +92,43 @@ class RolloutWorker(Actor):
         self._slot_seconds = 0.0  # integral of groups in flight over time: what the engine's slots were busy with
         self._slots_since = self._started
         self._send_seconds = 0.0
-        self.held_leases: dict[str, int] = {}  # lease id -> groups still generating
         self.generate_fn = choose_generate_function(self.config)
         if isinstance(self.generate_fn, AgentRunner):  # the user's agent: it talks to our OpenAI endpoint
             await self.generate_fn.start()
         # slime's --rollout-function-path: the user's generate_rollout leases and generates, this worker sends.
         self.rollout_function = rollout_loop(self)
+        if self.rollout_function is not None and len(self.lanes) > 1:
+            raise ValueError("--rollout-function-path: a run of several policies (policies:) cannot use a rollout "
+                             "function yet; it leases and sends for one policy")
         self.weights = EngineWeightReceiver(self.engine, actor_id=self.actor_id, log=self.log,
                                             plugin=self.config.weights.weight_transport)
-        self.versions = LearnerVersions()  # what this worker heard of the learner's versions and pushes
-        self._weights_landed = asyncio.Event()
-        # Set by what usually opens admission (a version announcement) or lets old weights train again (a push):
-        # a worker told "nothing now" asks again at once instead of at its next poll.
-        self._work_may_open = asyncio.Event()
-        self.handed_off = HandedOff(keep_s=self.config.buffer.lease_timeout)
         self.spawn(self._renew_leases(), name="rollout.renew")
+
+    def _open_lanes(self, engine: InferenceEngine) -> list[Lane]:
+        """One lane per policy of the run, each leasing from its policy's buffer; one of policy None otherwise."""
+        policies = policy_names(self.config)
+        if not policies:
+            return [Lane(None, self.config, self.peer_rpc("buffer"), engine)]
+        lanes = []
+        for policy in policies:
+            lane = Lane(policy, policy_run_config(self.config, policy), self.peer_rpc("buffer", policy=policy), engine)
+            lane.engine = lane.view(engine)
+            lanes.append(lane)
+        return lanes
+
+    def lane_of(self, policy: str | None) -> Lane | None:
+        """The lane of `policy` (None: a run of one unnamed policy), or None if this worker has none for it."""
+        return next((lane for lane in self.lanes if lane.policy == policy), None)
+
+    @property
+    def lane(self) -> Lane:
+        """The lane of a run of one policy: what the single-policy interface below (a rollout function's) acts on."""
+        return self.lanes[0]
+
+    @property
+    def held_leases(self) -> dict[str, int]:
+        """Every lane's leases still generating (lease id -> groups), for reading."""
+        return {lease: groups for lane in self.lanes for lease, groups in lane.held_leases.items()}
 
     def _open_router(self, engine: InferenceEngine) -> EngineRouter:
         """The router over the run's engines, and our engine served to the others' routers (unless every worker
@@ -117,7 +143,12 @@ class RolloutWorker(Actor):
                             zmq_context=self.zmq, security=self.security, service=self.engine_service, log=self.log,
                             # another engine whose weights the buffer would not take (its worker restarted and
                             # awaits the learner's next push) refuses our calls rather than generating evictions
-                            min_version=lambda: self.versions.oldest_accepted(self.config.buffer.max_staleness))
+                            min_version=self._oldest_accepted)
+
+    def _oldest_accepted(self, adapter: str | None) -> int:
+        """The oldest weights of `adapter`'s policy (None: a run of one) its buffer still takes samples of."""
+        lane = self.lane_of(adapter)
+        return 0 if lane is None else lane.oldest_accepted()
 
     def endpoints(self) -> dict[str, str]:
         found = super().endpoints()
@@ -134,26 +165,52 @@ class RolloutWorker(Actor):
             room, _ = await unless_stopped(self._wait_for_room(), self._stop_requested)
             if not room:  # a stop while the engine is full: nothing to drain here (the leases bring the groups back)
                 break
-            self._work_may_open.clear()
-            room = self.capacity_rows - self.rows_in_flight
-            # Weights too old to train on get only groups pinned to them (the buffer sees it from weights_version).
-            lease = await self.request_lease(room, max_samples=room)
+            lane, lease = await self._lease_in_turn()
             if lease is None or not lease.groups:
-                self._note_no_work(lease)
+                self._note_no_work(lease, lane)
                 if self.groups_in_flight == 0 and (self.engine_service is None or not self.engine_service.load()):
                     await self._hand_over_memory()
-                if self.weights_too_old():
-                    await self.wait_for_weights(WEIGHTS_POLL_S)
+                if all(each.weights_too_old() for each in self.lanes):
+                    await self._until_set([each.weights_landed for each in self.lanes], WEIGHTS_POLL_S)
                 else:  # the poll stays as a backstop: a drop or a re-issue at the buffer opens work unannounced
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._work_may_open.wait(), IDLE_POLL_S if lease is not None else 0.5)
+                    await self._until_set([each.work_may_open for each in self.lanes],
+                                          IDLE_POLL_S if lease is not None else 0.5, clear=False)
                 continue
             self.waits.end("work")
-            self.hold(lease)
+            self.hold(lease, lane)
             if any(group.weights_version is None for group in lease.groups):  # the others wait for their own
-                await self.wait_for_weights_of(lease)
+                await self.wait_for_weights_of(lease, lane)
             for group in lease.groups:
-                self.generate_group(lease, group)
+                self.generate_group(lease, group, lane)
+
+    async def _lease_in_turn(self) -> tuple[Lane, Lease | None]:
+        """A lease for the engine's free rows from the first lane, in turn, that has work: the lane after the one
+        served last asks first, so one policy's groups never keep another's out. The last lane's answer when none
+        has any."""
+        lease: Lease | None = None
+        for offset in range(len(self.lanes)):
+            lane = self.lanes[(self._turn + offset) % len(self.lanes)]
+            lane.work_may_open.clear()
+            room = self.capacity_rows - self.rows_in_flight
+            # Weights too old to train on get only groups pinned to them (the buffer sees it from weights_version).
+            lease = await self.request_lease(room, max_samples=room, lane=lane)
+            if lease is not None and lease.groups:
+                self._turn = (self._turn + offset + 1) % len(self.lanes)
+                return lane, lease
+        return lane, lease
+
+    @staticmethod
+    async def _until_set(events: list[asyncio.Event], timeout: float, *, clear: bool = True) -> None:
+        """Until one of `events` is set (cleared first with `clear`: only a new one counts), or `timeout`."""
+        if clear:
+            for event in events:
+                event.clear()
+        waiting = [asyncio.ensure_future(event.wait()) for event in events]
+        try:
+            await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waiting:
+                task.cancel()
 
     async def _wait_for_room(self) -> None:
         async with self._room:
@@ -168,72 +225,72 @@ class RolloutWorker(Actor):
             self.counters["engine.memory_release_failed"] += 1
             self.log.warning("engine kept its memory: the release failed", error=str(error)[:300])
 
-    def _note_no_work(self, lease: Lease | None) -> None:
+    def _note_no_work(self, lease: Lease | None, lane: Lane) -> None:
         """Keep one wait open, from the first empty answer on, for the hang report."""
-        if self.weights_too_old():
-            self.waits.begin("work", "learner", f"weights newer than version {self.engine.version} (ours are too "
-                                                "old for training groups)")
+        if lane.weights_too_old():
+            whose = "" if lane.policy is None else f" of policy {lane.policy}"
+            self.waits.begin("work", "learner", f"weights{whose} newer than version {lane.engine.version} (ours are "
+                                                "too old for training groups)")
         elif lease is None:
             self.waits.begin("work", "buffer", "an answer to a lease request")
         else:
             self.waits.begin("work", "buffer", f"a lease: none granted (learner version {lease.version})")
 
-    def weights_too_old(self) -> bool:
+    def weights_too_old(self, lane: Lane | None = None) -> bool:
         """Our weights are older than anything the buffer would accept: wait for the learner's push instead of
         generating samples that would be evicted. That is the case after a restart, and in a synchronous run from
         the moment the learner announces a version until its weights land here: leasing on the announcement
         generated whole groups with the previous weights, evicted as one version stale. A learner that never
         pushes (--debug-rollout-only: its announcements carry no weights version) has nothing to wait for."""
-        return self.versions.too_old(self.engine.version, self.config.buffer.max_staleness)
+        return (lane or self.lane).weights_too_old()
 
-    async def wait_for_weights_of(self, lease: Lease) -> None:
+    async def wait_for_weights_of(self, lease: Lease, lane: Lane) -> None:
         """A lease is admitted at the buffer's version, which may have heard the learner's announcement before we
         did: generate with weights the batch can take, waiting for them a bounded while (the buffer's check at
         consumption stays the backstop, and a learner that restarted lower must not stall us)."""
-        if not self.versions.learner_pushes:
+        if not lane.versions.learner_pushes:
             return
-        self.versions.leased_at(lease.version)
+        lane.versions.leased_at(lease.version)
         deadline = time.monotonic() + WEIGHTS_WAIT_S
-        while self.weights_too_old() and not self.stopping and time.monotonic() < deadline:
-            await self.wait_for_weights(0.2)
+        while lane.weights_too_old() and not self.stopping and time.monotonic() < deadline:
+            await self.wait_for_weights(0.2, lane)
 
-    async def wait_for_pinned_weights(self, group: PromptGroup) -> None:
+    async def wait_for_pinned_weights(self, group: PromptGroup, lane: Lane) -> None:
         """A group for weights v (an eval round's, `PromptGroup.weights_version`) is generated with v's weights. Its
         owner asked the learner to pin the engines on v, so they stay there until it is done; a worker that joined
         or restarted since may not have them yet. Weights that never come do not stall the group past a
         deadline."""
         version = group.weights_version
-        if version is None or not self.versions.learner_pushes:
+        if version is None or not lane.versions.learner_pushes:
             return
         deadline = time.monotonic() + PINNED_WEIGHTS_WAIT_S
-        while self.engine.version < version and not self.stopping and time.monotonic() < deadline:
-            await self.wait_for_weights(0.2)
-        if self.engine.version != version:
+        while lane.engine.version < version and not self.stopping and time.monotonic() < deadline:
+            await self.wait_for_weights(0.2, lane)
+        if lane.engine.version != version:
             self.counters["groups.off_pinned_weights"] += 1
             self.log.warning("group generated with other weights than those it was pinned to",
-                             group=group.group_id, weights_version=version, engine_version=self.engine.version)
+                             group=group.group_id, weights_version=version, engine_version=lane.engine.version)
 
-    async def wait_for_weights(self, timeout: float) -> None:
-        """Until the next weight update lands here, or `timeout` (a push may have landed before we asked)."""
-        self._weights_landed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._weights_landed.wait(), timeout)
+    async def wait_for_weights(self, timeout: float, lane: Lane | None = None) -> None:
+        """Until the next weight update of the lane's policy lands here, or `timeout` (a push may have landed before
+        we asked)."""
+        await self._until_set([(lane or self.lane).weights_landed], timeout)
 
-    def hold(self, lease: Lease) -> None:
+    def hold(self, lease: Lease, lane: Lane | None = None) -> None:
         """Count a new lease's groups as in flight, and renew the lease until each is released."""
         self._mark_busy(len(lease.groups), sum(group.n_samples for group in lease.groups))
-        self.held_leases[lease.lease_id] = len(lease.groups)
+        (lane or self.lane).held_leases[lease.lease_id] = len(lease.groups)
 
-    def generate_group(self, lease: Lease, group: PromptGroup) -> None:
-        self.spawn(self._rollout_group(lease, group), name=f"rollout.{group.group_id}")
+    def generate_group(self, lease: Lease, group: PromptGroup, lane: Lane | None = None) -> None:
+        self.spawn(self._rollout_group(lease, group, lane or self.lane), name=f"rollout.{group.group_id}")
 
-    async def _rollout_group(self, lease: Lease, group: PromptGroup) -> None:
+    async def _rollout_group(self, lease: Lease, group: PromptGroup, lane: Lane) -> None:
         try:
-            await self.wait_for_pinned_weights(group)
+            await self.wait_for_pinned_weights(group, lane)
             # Another role's group (an eval round's) is generated by the engine whose weights it asked for: ours.
             key = group.group_id if groups_calls(self.generate_fn) else None
             engine = self.engine if group.owner is not None or self.router is None else self.router.engine_for(key)
-            context = RolloutContext(engine=engine, tokenizer=self.tokenizer, config=self.config,
+            context = RolloutContext(engine=lane.view(engine), tokenizer=self.tokenizer, config=lane.config,
                                      worker_id=self.actor_id)
             with self.waits.on("engine", f"generating group {group.group_id}"):
                 samples = await chaos.during("generate.mid", self.generate_fn(context, group))
@@ -241,7 +298,7 @@ class RolloutWorker(Actor):
             if samples is None:
                 return  # not sent: its lease runs out and the buffer gives the group out again
             self._note_context_cuts(context, group)
-            await self.send_generated(lease.lease_id, group.group_id, samples, is_eval=group.is_eval)
+            await self.send_generated(lease.lease_id, group.group_id, samples, is_eval=group.is_eval, lane=lane)
             self.waits.made_progress()
         except asyncio.CancelledError:
             raise
@@ -250,7 +307,7 @@ class RolloutWorker(Actor):
             self.counters["groups.failed"] += 1
             self.log.exception("rollout of a group failed", group=group.group_id, error=repr(error))
         finally:
-            await self.release(lease.lease_id, group)
+            await self.release(lease.lease_id, group, lane)
 
     def _note_context_cuts(self, context: RolloutContext, group: PromptGroup) -> None:
         """A group whose responses the context cap cut short: the first is a warning, the rest are counted."""
@@ -283,8 +340,9 @@ class RolloutWorker(Actor):
         return None
 
     async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample], *,
-                             is_eval: bool = False) -> None:
+                             is_eval: bool = False, lane: Lane | None = None) -> None:
         """Hand one generated group to the reward workers, counting what was generated."""
+        lane = lane or self.lane
         self.counters["samples.generated"] += len(samples)
         no_room = [s for s in samples if s.status == "failed"]
         if no_room:  # e.g. a prompt over the context cap: the buffer leaves them out (or drops the group), counted
@@ -294,21 +352,22 @@ class RolloutWorker(Actor):
         handed = time.monotonic()
         reward_worker = await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id,
                                                                samples=samples, worker_id=self.actor_id,
-                                                               is_eval=is_eval))
+                                                               is_eval=is_eval, policy=lane.policy))
         self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
         self.counters["groups.sent"] += 1
-        self.handed_off.note(reward_worker, lease_id, group_id)
+        lane.handed_off.note(reward_worker, lease_id, group_id)
 
-    async def release(self, lease_id: str, group: PromptGroup) -> None:
+    async def release(self, lease_id: str, group: PromptGroup, lane: Lane | None = None) -> None:
         """`group` of `lease_id` is done with (sent or given up): free its rows; the last one ends renewal."""
         async with self._room:
             self._mark_busy(-1, -group.n_samples)
             self._room.notify_all()
-        remaining = self.held_leases.get(lease_id, 1) - 1
+        held = (lane or self.lane).held_leases
+        remaining = held.get(lease_id, 1) - 1
         if remaining <= 0:
-            self.held_leases.pop(lease_id, None)
+            held.pop(lease_id, None)
         else:
-            self.held_leases[lease_id] = remaining
+            held[lease_id] = remaining
 
     def _mark_busy(self, delta: int, rows: int) -> None:
         """Track the time with nothing to generate: the rollout idle fraction a user tunes staleness against."""
@@ -333,11 +392,14 @@ class RolloutWorker(Actor):
         idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
         return idle / max(now - self._started, 1e-9)
 
-    async def request_lease(self, max_groups: int, *, max_samples: int | None = None) -> Lease | None:
+    async def request_lease(self, max_groups: int, *, max_samples: int | None = None,
+                            lane: Lane | None = None) -> Lease | None:
+        """Groups from the lane's buffer, for weights of the version its policy's adapter has on our engine."""
+        lane = lane or self.lane
         try:
             request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups,
-                                   weights_version=self.engine.version, max_samples=max_samples)
-            reply = await self.buffer.call(request, timeout=5.0, retries=2)
+                                   weights_version=lane.engine.version, max_samples=max_samples)
+            reply = await lane.buffer.call(request, timeout=5.0, retries=2)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
             self.counters["lease.unanswered"] += 1
             self.log.warning("buffer did not answer a lease request", error=str(error))
@@ -351,18 +413,27 @@ class RolloutWorker(Actor):
         interval = max(0.5, self.config.buffer.lease_timeout / 3)
         while True:
             await asyncio.sleep(interval)
-            for lease_id in list(self.held_leases):
-                with contextlib.suppress(Exception):
-                    await self.buffer.call(LeaseRenew(lease_id=lease_id), timeout=2.0, retries=0)
+            for lane in self.lanes:
+                for lease_id in list(lane.held_leases):
+                    with contextlib.suppress(Exception):
+                        await lane.buffer.call(LeaseRenew(lease_id=lease_id), timeout=2.0, retries=0)
 
     @on_broadcast(TOPIC_VERSION)
     async def on_version(self, topic: str, announcement: VersionAnnouncement) -> None:
-        self.versions.heard(announcement.version, announcement.weights_version)
-        self._work_may_open.set()
+        lane = self.lane_of(announcement.policy)
+        if lane is None:  # another run's shape: a policy this worker does not generate for
+            return
+        lane.versions.heard(announcement.version, announcement.weights_version)
+        lane.work_may_open.set()
 
     @serves(WeightUpdateOrder)
     async def on_weight_update(self, sender: str, order: WeightUpdateOrder) -> Ack | Error:
-        """Join the learner's broadcast and load the new weights in place; the reply is the acknowledgement."""
+        """Join the learner's broadcast and load the new weights in place (into the adapter of the learner's policy,
+        in a run of several); the reply is the acknowledgement."""
+        lane = self.lane_of(order.adapter)
+        if lane is None:
+            return Error(reason="weight_transfer", detail=f"{self.actor_id} generates for no policy {order.adapter!r} "
+                                                          f"(its policies: {[lane.policy for lane in self.lanes]})")
         chaos.reached("weight_load.start")
         try:
             with self.waits.on(peer_name(sender), f"the weights of version {order.version} (generation paused)"):
@@ -382,14 +453,17 @@ class RolloutWorker(Actor):
         self.counters["weights.updates"] += 1
         # the certificate's account of this engine's cache
         record_kv_cache(self.context.run_dir, self.actor_id, self.engine, order.version, self.settings.clock_origin)
-        self._weights_landed.set()  # a worker waiting for these weights starts generating now
-        self._work_may_open.set()
+        lane.weights_landed.set()  # a worker waiting for these weights starts generating now
+        lane.work_may_open.set()
         return Ack(ok=True, error=None)
 
     def metrics(self) -> dict[str, float]:
         found = super().metrics()
         if self.engine is not None:
             found["engine.version"] = float(self.engine.version)
+            for lane in self.lanes:
+                if lane.policy is not None:  # each policy's adapter's
+                    found[f"engine.version.{lane.policy}"] = float(lane.engine.version)
             found["engine.memory_releases"] = float(self.engine.memory_releases)  # colocated turns
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
             found["rollout.idle_fraction"] = self.idle_fraction()
@@ -417,18 +491,23 @@ class RolloutWorker(Actor):
             member = self.roster.get(event.actor_id)
             if event.kind not in ("died", "left") or member is None or member.role != "reward":
                 continue
-            lost = self.handed_off.lost_with(event.actor_id)
-            if not lost:
-                continue
-            reason = f"{event.actor_id} {event.kind} ({event.reason}) before scoring them"
-            try:
-                await self.buffer.call(LostGroups(lease_ids=[lease for lease, _ in lost],
-                                                  group_ids=[group for _, group in lost], reason=reason),
-                                       timeout=5.0, retries=2)
-            except Exception as error:  # the leases still expire: late, but nothing is lost
-                report = self.log.info if self.stopping else self.log.warning  # at a stop the buffer may be gone
-                report("could not report groups lost with a reward worker", reward=event.actor_id,
-                       groups=len(lost), error=repr(error))
+            for lane in self.lanes:
+                await self._report_lost(lane, event.actor_id, f"{event.actor_id} {event.kind} ({event.reason}) before "
+                                                              "scoring them")
+
+    async def _report_lost(self, lane: Lane, reward_worker: str, reason: str) -> None:
+        """Tell the lane's buffer which of its groups went with `reward_worker`."""
+        lost = lane.handed_off.lost_with(reward_worker)
+        if not lost:
+            return
+        try:
+            await lane.buffer.call(LostGroups(lease_ids=[lease for lease, _ in lost],
+                                              group_ids=[group for _, group in lost], reason=reason),
+                                   timeout=5.0, retries=2)
+        except Exception as error:  # the leases still expire: late, but nothing is lost
+            report = self.log.info if self.stopping else self.log.warning  # at a stop the buffer may be gone
+            report("could not report groups lost with a reward worker", reward=reward_worker,
+                   groups=len(lost), error=repr(error))
 
     async def on_stop(self) -> None:
         """In this order: the agents' episodes cancelled (no call reaches the engine after its abort), other

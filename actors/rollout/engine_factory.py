@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
 from actors.config.engines import engine_spec
+from actors.config.run import policy_names
 from actors.rollout.generate import Tokenizer
 from engines.inference.base import InferenceEngine
 from policies.plugins import load_object
@@ -73,6 +74,8 @@ def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[Inferenc
         kv_pool_columns=kv_pool_columns(config),
         record_routes=config.trainer.use_rollout_routing_replay,
         prefix_cache_bytes=prefix_cache_bytes(config),
+        # a run of several policies: each one's adapter, served by the policy's name, fresh until its learner pushes
+        adapters=policy_names(config),
     )
     return engine, tokenizer
 

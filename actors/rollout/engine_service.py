@@ -96,10 +96,12 @@ class EngineService:
         if self.stopping:
             self.counters["engine.served_refused.stopping"] += 1
             return Error(reason="engine_stopping", detail="the worker is stopping; send the call to another engine")
-        if self.engine.version < call.min_version:  # a worker that restarted, before the learner's next push
+        served = served_version(self.engine, call.adapter)
+        if served < call.min_version:  # a worker that restarted, before the learner's next push
             self.counters["engine.served_refused.weights_behind"] += 1
-            return Error(reason="weights_behind", detail=f"this engine serves version {self.engine.version}; the "
-                                                         f"call takes version {call.min_version} or newer")
+            whose = "" if call.adapter is None else f" of adapter {call.adapter!r}"
+            return Error(reason="weights_behind", detail=f"this engine serves version {served}{whose}; the call "
+                                                         f"takes version {call.min_version} or newer")
         try:
             request = request_from_wire(call)
         except ValueError as error:
@@ -124,3 +126,10 @@ class EngineService:
         return EngineGenerated(request_id=call.request_id, outputs=[output_to_wire(output) for output in outputs],
                                engine_version=self.engine.version, load=self.engine_load(caller),
                                stopping=self.stopping)
+
+
+def served_version(engine: InferenceEngine, adapter: str | None) -> int:
+    """The version a call naming `adapter` would be generated with: the adapter's (a policy's, in a run of several),
+    or the engine's own weights'. An engine that serves no named adapters refuses such a call when it generates."""
+    adapter_version = getattr(engine, "adapter_version", None)
+    return engine.version if adapter is None or adapter_version is None else adapter_version(adapter)

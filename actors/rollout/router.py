@@ -86,9 +86,10 @@ class EngineRouter:
     def __init__(self, local: InferenceEngine, *, local_id: str, policy: str, slack: float, timeout: float,
                  zmq_context: zmq.asyncio.Context | None = None, security: Any = None,
                  service: EngineService | None = None, log: Any = None,
-                 min_version: Callable[[], int] = lambda: 0) -> None:
-        """`min_version`: the oldest weights this worker may train on now (another engine with older weights, one
-        restarted before the learner's next push, refuses the call and the call goes on)."""
+                 min_version: Callable[[str | None], int] = lambda adapter: 0) -> None:
+        """`min_version(adapter)`: the oldest weights of the adapter's policy (None: a run of one) this worker may
+        train on now (another engine with older weights, one restarted before the learner's next push, refuses the
+        call and the call goes on)."""
         if timeout <= 0:
             raise ValueError(f"router: the request timeout must be > 0 seconds, got {timeout}")
         self.local, self.local_id = local, local_id
@@ -220,8 +221,8 @@ class EngineRouter:
         if client is None or remaining <= 0:
             return FAILED
         try:
-            reply = await client.call(request_to_wire(request, min_version=self.min_version()), timeout=remaining,
-                                      retries=0)
+            call = request_to_wire(request, min_version=self.min_version(request.adapter))
+            reply = await client.call(call, timeout=remaining, retries=0)
         except (RpcClosed, RpcTimeout):  # it died, left or moved (the roster closed our client), or never answered
             return FAILED
         except asyncio.CancelledError:  # our caller gave the call up: so does the engine

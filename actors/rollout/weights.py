@@ -1,8 +1,10 @@
-"""The rollout worker's end of weight transfer: one loader per mechanism, picked by the name in each order.
+"""The rollout worker's end of weight transfer: one loader per mechanism and sender, picked by each order's group.
 
-The learner's sender names its mechanism in every group spec (`order.group["transport"]`); the loader for
-that name is built on first use and kept, since it holds the group it joined. Orders are applied one at a
-time: two loads racing into one engine would leave it serving a mix of versions.
+The learner's sender names its mechanism in every group spec (`order.group["transport"]`) and itself as the group's
+first member; the loader for that pair is built on first use and kept, since it holds the group it joined. A run of
+several policies has a learner per policy, each pushing its own adapter (`order.adapter`) in its own group, so each
+gets its own loader. Orders are applied one at a time, whoever sent them: two loads racing into one engine would
+leave it serving a mix of versions.
 
 A plugin mechanism is loaded only if it is the one this run was configured with (`--weight-transport
 module:attr`): an order names code to import, so a worker never imports a path it was not told to expect.
@@ -24,14 +26,19 @@ class EngineWeightReceiver:
         self.actor_id = actor_id
         self.log = log
         self._accepted = set(BUILTIN) | ({plugin} if plugin is not None and is_plugin(plugin) else set())
-        self._loaders: dict[str, EngineLoader] = {}
+        self._loaders: dict[tuple[str, str | None], EngineLoader] = {}  # (transport, sender) -> its loader
         self._lock = asyncio.Lock()
 
     async def apply(self, order: WeightUpdateOrder) -> None:
-        """Load `order.version` through the order's mechanism; raises what the loader raised."""
+        """Load `order.version` through the order's mechanism, into `order.adapter` where it names one; raises what
+        the loader raised."""
         async with self._lock:
             loader = await self._loader(order)
-            await loader.apply(dict(order.group), order.version, order.timeout_s)
+            if order.adapter is None:
+                await loader.apply(dict(order.group), order.version, order.timeout_s)
+            else:
+                await loader.apply(dict(order.group), order.version, order.timeout_s,  # type: ignore[call-arg]
+                                   adapter=order.adapter)
 
     async def _loader(self, order: WeightUpdateOrder) -> EngineLoader:
         name = order.group.get("transport")
@@ -40,12 +47,17 @@ class EngineWeightReceiver:
                 f"weight update order for version {order.version}: transport {name!r} is not one this worker "
                 f"accepts ({sorted(self._accepted)})"
             )
-        loader = self._loaders.get(name)
+        members = order.group.get("members")
+        sender = members[0] if isinstance(members, (list, tuple)) and members and isinstance(members[0], str) else None
+        if order.adapter is not None and not resolve_transport(name).named_adapters:
+            raise ValueError(f"weight update order for version {order.version} from {sender or 'the learner'}: "
+                             f"adapter {order.adapter!r}: the {name} transport cannot load a named adapter")
+        loader = self._loaders.get((name, sender))
         if loader is None:
             # Built in a thread: the first build imports its mechanism (torch, for a worker whose engine never
             # needed it), seconds on a busy machine, during which the worker's heartbeats must keep going or the
             # controller declares it dead.
-            loader = self._loaders[name] = await asyncio.to_thread(self._build_loader, name)
+            loader = self._loaders[name, sender] = await asyncio.to_thread(self._build_loader, name)
         return loader
 
     def _build_loader(self, name: str) -> EngineLoader:

@@ -187,6 +187,10 @@ class ContinuousBatcher:
         # named adapter). Rows with an adapter bypass the prefix cache and the shared-prefix forward: both hold keys
         # and values computed by one set of weights for every row.
         self.adapters: MultiLora | None = None
+        # Each named adapter's policy version, which its rows' tokens carry (the engine sets it at each load of it). A
+        # row whose adapter has not been loaded yet runs on the base weights, which is what a fresh adapter (LoRA
+        # B = 0) computes, and its tokens carry version 0.
+        self.adapter_versions: dict[str, int] = {}
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -194,9 +198,14 @@ class ContinuousBatcher:
     def add(self, samples: list[DecodingSequence]) -> None:
         self.waiting.extend(samples)
 
+    def row_version(self, sample: DecodingSequence, version: int) -> int:
+        """The policy version of the weights `sample`'s next token comes from: its adapter's, or `version` (the base
+        weights') for a row without one."""
+        return version if sample.adapter is None else self.adapter_versions.get(sample.adapter, 0)
+
     def step(self, version: int) -> StepResult:
         decoded = list(self.running)
-        self.stale_kv_tokens += sum(1 for sample in decoded if sample.kv_version != version)
+        self.stale_kv_tokens += sum(1 for sample in decoded if sample.kv_version != self.row_version(sample, version))
         if decoded:
             self._decode(decoded, version)
         admitted = self._admit()
@@ -257,6 +266,25 @@ class ContinuousBatcher:
         self.running = []
         self._clear_cache()
 
+    def drop_adapter_rows(self, adapter: str) -> None:
+        """`drop_cache` for the rows of one adapter, after a load of it: the others' keys and values came from weights
+        it did not change, so they keep them."""
+        dropped = [sample for sample in self.running if sample.adapter == adapter]
+        if not dropped:
+            return
+        for sample in dropped:
+            sample.kv_version = sample.kv_epoch = None
+            tokens = len(sample.prompt_ids) + len(sample.output_ids) - 1
+            sample.reprefilled_tokens += tokens
+            self.reprefilled_tokens += tokens
+        if len(dropped) == len(self.running):
+            self.running = []
+            self._clear_cache()
+        else:
+            order = self._keep_rows([row for row, sample in enumerate(self.running) if sample.adapter != adapter])
+            self.running = [self.running[row] for row in order]
+        self.waiting.extendleft(reversed(dropped))
+
     # ----- the cache: what a batcher with another KV layout replaces (static_batcher.py) -----
 
     @property
@@ -279,10 +307,11 @@ class ContinuousBatcher:
         return self.routers.tapped() if self.routers is not None else contextlib.nullcontext([])
 
     def _adapter_rows(self, adapters: list[str | None]) -> contextlib.AbstractContextManager[None]:
-        """Forwards inside run row i with `adapters[i]`."""
+        """Forwards inside run row i with `adapters[i]`; an adapter not loaded yet is a fresh one, the base weights."""
         if self.adapters is None or not any(adapters):
             return contextlib.nullcontext()
-        return self.adapters.adapter_rows(adapters, self.device)
+        loaded = self.adapters
+        return loaded.adapter_rows([name if name in loaded else None for name in adapters], self.device)
 
     def release_prefix_cache(self) -> None:
         """Give the prefix cache's memory back (a colocated engine hands its device over, or a step failed)."""
@@ -291,7 +320,7 @@ class ContinuousBatcher:
 
     def _join(self, admitted: list[DecodingSequence], version: int) -> None:
         batch, logits = self._prefill(admitted, version)
-        self.stale_kv_tokens += sum(1 for sample in admitted if sample.kv_version != version)
+        self.stale_kv_tokens += sum(1 for sample in admitted if sample.kv_version != self.row_version(sample, version))
         self._append_sampled(admitted, logits, version)
         self.kv.extend(batch)
 
@@ -382,8 +411,10 @@ class ContinuousBatcher:
                 rows[index], used[index], routes[index] = batch.rows + offset, part_used[offset], part_routes[offset]
             batch.extend(part)
             logits.append(part_logits)
-        stamps = [(version, self.weights_epoch) if not taken.length else
-                  (min(version, taken.version), min(self.weights_epoch, taken.epoch)) for taken in used]
+        row_versions = [version if adapter is None else self.adapter_versions.get(adapter, 0) for adapter in adapters]
+        stamps = [(row_version, self.weights_epoch) if not taken.length else
+                  (min(row_version, taken.version), min(self.weights_epoch, taken.epoch))
+                  for taken, row_version in zip(used, row_versions, strict=True)]
         for sample, index in zip(admitted, expand, strict=True):
             sample.kv_version, sample.kv_epoch = stamps[index]
             sample.cached_tokens += used[index].length
@@ -484,7 +515,8 @@ class ContinuousBatcher:
             tokens, log_probs = sample_padded_rows(logits, params, uniforms)
         else:
             tokens, log_probs = sample_next_tokens(logits, params, uniforms)
-        append_tokens(samples, tokens.tolist(), log_probs.tolist(), version)
+        append_tokens(samples, tokens.tolist(), log_probs.tolist(),
+                      [self.row_version(sample, version) for sample in samples])
         return tokens
 
     def _uniforms(self, samples: list[DecodingSequence], params: RowParams) -> torch.Tensor | None:
@@ -532,9 +564,10 @@ class ContinuousBatcher:
         return left
 
 
-def append_tokens(samples: list[DecodingSequence], tokens: list[int], log_probs: list[float], version: int) -> None:
+def append_tokens(samples: list[DecodingSequence], tokens: list[int], log_probs: list[float],
+                  versions: list[int]) -> None:
     """Each sample's newest token, its log-prob and the weight version that sampled it (host lists)."""
-    for sample, token, log_prob in zip(samples, tokens, log_probs, strict=True):
+    for sample, token, log_prob, version in zip(samples, tokens, log_probs, versions, strict=True):
         sample.output_ids.append(token)
         sample.log_probs.append(log_prob)
         sample.versions.append(version)

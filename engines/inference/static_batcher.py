@@ -174,7 +174,7 @@ class StaticBatcher(ContinuousBatcher):
         self.write_column += 1
         tokens = self.decoder.tokens[:rows].tolist()
         log_probs = self.decoder.log_probs[:rows].tolist()
-        append_tokens(decoded, tokens, log_probs, version)
+        append_tokens(decoded, tokens, log_probs, [version] * rows)
 
     def _mode(self, samples: list[DecodingSequence]) -> str:
         if all(sample.params.greedy for sample in samples):

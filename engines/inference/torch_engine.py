@@ -90,6 +90,7 @@ class TorchEngine(base.InferenceEngine):
         record_routes: bool = False,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         max_adapters: int = 8,
+        adapters: tuple[str, ...] = (),
     ) -> None:
         """`kv_cache`: "dynamic" (caches sized to the rows, the CPU's choice and the reference) or "static" (a pool
         allocated once, `kv_pool_columns` per row, default max_batch_tokens / max_batch_size, with each decode step
@@ -97,7 +98,10 @@ class TorchEngine(base.InferenceEngine):
         `record_routes`: an MoE model's outputs carry each token's experts (`GenerateOutput.routed_experts`), for
         rollout routing replay; the dynamic layout only. `prefix_cache_bytes`: the memory the prefix cache across
         requests may take on the model's device (0: no prefix cache). `max_adapters`: how many named LoRA adapters
-        it serves at once beside its weights (`update_weights(..., adapter=name)`, `GenerateRequest.adapter`)."""
+        it serves at once beside its weights (`update_weights(..., adapter=name)`, `GenerateRequest.adapter`).
+        `adapters`: the named adapters it serves from the start (a run of several policies: one per policy), each fresh
+        until its first load: a fresh LoRA adapter (B = 0) computes exactly what the base weights do, so its requests
+        run on them, at the adapter's version 0, with no factors to send before the learners' first push."""
         _check_supported(model)
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
@@ -108,6 +112,14 @@ class TorchEngine(base.InferenceEngine):
         if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache), got "
                              f"{prefix_cache_bytes!r}")
+        if len(set(adapters)) != len(adapters) or not all(isinstance(name, str) and name for name in adapters):
+            raise ValueError(f"adapters must be distinct non-empty names, got {adapters!r}")
+        if len(adapters) > max_adapters:
+            raise ValueError(f"{len(adapters)} adapters ({', '.join(adapters)}) exceed max_adapters={max_adapters}")
+        if adapters and (kv_cache == "static" or deterministic):
+            raise ValueError(f"adapters {list(adapters)}: named adapters need kv_cache='dynamic' and no deterministic "
+                             "inference")
+        self._fresh_adapters = frozenset(adapters)
         if deterministic:  # a sequence's logits stop depending on the batch around it (batch_invariant.py)
             make_batch_invariant(model)
         self._model = model.eval()
@@ -168,7 +180,15 @@ class TorchEngine(base.InferenceEngine):
 
     @property
     def version(self) -> int:
+        """The base weights' version: what the tokens of a request naming no adapter carry."""
         return self._version
+
+    def adapter_version(self, adapter: str) -> int:
+        """The policy version of named adapter `adapter` (its last `update_weights(..., adapter=)`): what its requests'
+        tokens carry from the next step on. 0 before its first load, like a fresh engine's `version`: a fresh adapter
+        is version 0 of its policy (the base weights exactly), and a worker compares it with the learner's versions as
+        it compares `version`."""
+        return self._batcher.adapter_versions.get(adapter, 0)
 
     @property
     def model(self) -> nn.Module:
@@ -259,6 +279,7 @@ class TorchEngine(base.InferenceEngine):
             "engine": "torch",
             "healthy": self._thread.is_alive() and not self._closing,
             "version": self._version,
+            "adapter_versions": dict(self._batcher.adapter_versions),
             "paused": self._paused,
             "running": len(self._batcher.running),
             "waiting": len(self._batcher.waiting),
@@ -340,6 +361,8 @@ class TorchEngine(base.InferenceEngine):
                              f"({', '.join(map(repr, users[:3]))}{' ...' if len(users) > 3 else ''}); abort or finish "
                              "them first")
         named.remove(adapter)
+        self._batcher.adapter_versions.pop(adapter, None)
+        self._fresh_adapters -= {adapter}
 
     def _check_adapter(self, request_id: str, adapter: str) -> None:
         if self._batcher.adapters is None:
@@ -348,7 +371,7 @@ class TorchEngine(base.InferenceEngine):
         if self._batcher.batch_invariant:
             raise ValueError(f"request {request_id!r}: adapter {adapter!r}: deterministic inference does not cover "
                              "named adapters yet")
-        if adapter not in self._weights.named_adapters:
+        if adapter not in self._weights.named_adapters and adapter not in self._fresh_adapters:
             raise ValueError(f"request {request_id!r}: adapter {adapter!r} is not loaded on this engine (loaded: "
                              f"{sorted(self._weights.named_adapters.names)})")
 
@@ -440,8 +463,15 @@ class TorchEngine(base.InferenceEngine):
         for request_id in {sample.request_id for sample in aborted}:
             self._resolve_if_done(request_id)
 
-    def _loaded(self, version: int) -> None:
-        """After a load: tokens from now on carry `version`, and keys and values of before are void."""
+    def _loaded(self, version: int, adapter: str | None) -> None:
+        """After a load: tokens from now on carry `version`, and keys and values of before are void. A named adapter's
+        load changes its own rows only: the base weights, and with them the prefix cache (which holds rows of no
+        adapter) and the other adapters' rows, are as they were."""
+        if adapter is not None:
+            self._batcher.adapter_versions[adapter] = version
+            if self._recompute_kv_on_update:
+                self._batcher.drop_adapter_rows(adapter)
+            return
         self._version = version
         self._batcher.weights_epoch += 1  # whatever the version says: prefix-cached keys and values of before are void
         if self._recompute_kv_on_update:
@@ -456,7 +486,7 @@ class TorchEngine(base.InferenceEngine):
                              "yet; use kv_cache='dynamic'")
         else:
             self._weights.load_adapter(adapter, list(named_tensors))
-        self._loaded(version)
+        self._loaded(version, adapter)
 
     def _refuse_leftover_commands(self) -> None:
         while True:

@@ -28,8 +28,10 @@ class TorchDistributedLoader:
         self.log = log
         self._receiver: TorchDistributedWeightReceiver | None = None
 
-    async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float) -> None:
-        """Join `group`'s generation if it is new to us, then receive `version` into the engine."""
+    async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float, *,
+                    adapter: str | None = None) -> None:
+        """Join `group`'s generation if it is new to us, then receive `version` into the engine: into its named
+        adapter `adapter` (a policy's, the others untouched) or, with None, into its own weights."""
         spec = GroupSpec.from_dict(dict(group))
         receiver = self._receiver
         if receiver is not None and receiver.spec.port == spec.port and spec.generation < receiver.spec.generation:
@@ -45,19 +47,22 @@ class TorchDistributedLoader:
             )
             self._receiver = receiver
         try:
-            await self._receive(receiver, version, timeout_s)
+            await self._receive(receiver, version, timeout_s, adapter)
         except Exception:
             self._drop_receiver()
             raise
 
-    async def _receive(self, receiver: TorchDistributedWeightReceiver, version: int, timeout_s: float) -> int:
+    async def _receive(self, receiver: TorchDistributedWeightReceiver, version: int, timeout_s: float,
+                       adapter: str | None) -> int:
         """One transfer into the engine; returns the version received."""
         loop = asyncio.get_running_loop()
 
         def load(named: Iterable[tuple[str, Tensor]]) -> None:
             # The engine copies in place between two decode steps; waiting here keeps the receive buffer alive
             # until it has, and makes the acknowledgement mean "loaded".
-            asyncio.run_coroutine_threadsafe(self.engine.update_weights(list(named), version), loop).result()
+            update = (self.engine.update_weights(list(named), version) if adapter is None else
+                      self.engine.update_weights(list(named), version, adapter=adapter))
+            asyncio.run_coroutine_threadsafe(update, loop).result()
 
         def fingerprint(specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints | None:
             # Still paused: what is fingerprinted is what the next decode step will use.
@@ -68,7 +73,10 @@ class TorchDistributedLoader:
             received = await asyncio.to_thread(receiver.receive, load, timeout_s, fingerprint_fn=fingerprint)
         finally:
             await self.engine.resume()
-        self.log.info("weights loaded", version=received, generation=receiver.spec.generation)
+        if adapter is None:
+            self.log.info("weights loaded", version=received, generation=receiver.spec.generation)
+        else:
+            self.log.info("weights loaded", version=received, generation=receiver.spec.generation, adapter=adapter)
         return received
 
     def _drop_receiver(self) -> None:

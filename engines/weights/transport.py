@@ -39,7 +39,10 @@ class SenderOptions:
 
 
 class EngineLoader(Protocol):
-    """The engine side of one mechanism, one per rollout worker; `group` is the sender's spec as a dict."""
+    """The engine side of one mechanism, one per rollout worker and sender; `group` is the sender's spec as a dict.
+
+    A mechanism whose transport says `named_adapters` also takes `adapter=name` (the weights are that named adapter's,
+    loaded beside the others: a run of several policies); the others are never passed one."""
 
     async def apply(self, group: Mapping[str, Any], version: int, timeout_s: float) -> None: ...
 
@@ -54,6 +57,8 @@ class WeightTransport:
     # The engines load tensors under the checkpoint's names (SGLang's `load_weights`), not transformers' in-memory
     # ones: a mixture-of-experts layer goes out one tensor per expert (`engines.weights.layouts`).
     checkpoint_names: bool = False
+    # Its loader takes `adapter=`: an update of one named adapter of a torch engine (a policy's, in a run of several).
+    named_adapters: bool = False
 
 
 def is_plugin(name: str) -> bool:
@@ -146,7 +151,8 @@ def _sglang_tensor_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
 
 
 BUILTIN: dict[str, WeightTransport] = {
-    TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader),
+    TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader,
+                                       named_adapters=True),
     SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader, checkpoint_names=True),
     SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader),
     # colocated servers (--colocate): each bucket by reference to the learner's memory

@@ -242,7 +242,7 @@ async def test_an_engine_whose_weights_the_buffer_would_not_take_turns_calls_awa
     serving = asyncio.ensure_future(service.serve())
     try:
         router = EngineRouter(local, local_id=LOCAL, policy="affinity", slack=1.0, timeout=60.0, zmq_context=context,
-                              min_version=lambda: 2)
+                              min_version=lambda adapter: 2)
         router.sync({"rollout-0-1": member("rollout-0-1", service.endpoint)})
         [output] = await router.generate(request("behind-1", [4, 5, 6], key=key_owned_by(router, "rollout-0-1")))
         router.close()
@@ -255,3 +255,37 @@ async def test_an_engine_whose_weights_the_buffer_would_not_take_turns_calls_awa
     assert service.counters["engine.served_refused.weights_behind"] == 1
     assert "engine.served_calls" not in service.counters  # nothing was generated there
     assert router.counters["router.failovers"] == 0
+
+
+async def test_a_call_is_turned_away_by_an_engine_only_where_its_own_policys_adapter_is_behind(
+        context: zmq.asyncio.Context, tiny_model_path: Path) -> None:
+    """A run of two policies: the other engine has a's version 2 but b's fresh adapter (0); a caller that may train
+    on version 2 or newer of either is served there for a, and turned away there for b."""
+    from tests.support.adapters import random_adapter
+
+    remote = TorchEngine.from_pretrained(tiny_model_path, lora_scaling=2.0, adapters=("a", "b"))
+    own = TorchEngine.from_pretrained(tiny_model_path, lora_scaling=2.0, adapters=("a", "b"))
+    service = EngineService(remote, zmq_context=context, bind=bind_address())
+    serving = asyncio.ensure_future(service.serve())
+    try:
+        await remote.update_weights(random_adapter(remote.model, 4, 1, scale=0.5), 2, adapter="a")
+        await own.update_weights(random_adapter(own.model, 4, 2, scale=0.5), 2, adapter="b")
+        router = EngineRouter(own, local_id=LOCAL, policy="affinity", slack=1.0, timeout=60.0, zmq_context=context,
+                              min_version=lambda adapter: 2)
+        router.sync({"rollout-0-1": member("rollout-0-1", service.endpoint)})
+        key = key_owned_by(router, "rollout-0-1")
+        outputs = {}
+        for adapter in ("a", "b"):
+            call = GenerateRequest(f"call-{adapter}", [4, 5, 6], request("x", [1]).params, routing_key=key,
+                                   adapter=adapter)
+            [outputs[adapter]] = await router.generate(call)
+        router.close()
+    finally:
+        service.close()
+        serving.cancel()
+        await remote.close()
+        await own.close()
+    assert (outputs["a"].versions, outputs["b"].versions) == ([2] * 8, [2] * 8)  # a's there, b's here
+    assert service.counters["engine.served_calls"] == 1
+    assert service.counters["engine.served_refused.weights_behind"] == 1
+    assert router.tallies["rollout-0-1"].refused == 1

@@ -1,0 +1,103 @@
+"""A rollout worker's lanes: one per policy it generates for, sharing its engine.
+
+In a run of several policies every engine serves each policy's LoRA adapter under the policy's name, and a worker
+generates for all of them. What is a policy's own lives in its lane: the buffer it leases from, what it heard of its
+learner's versions, whether its weights landed, its staleness bound, the leases it holds and the groups it handed to
+the reward workers, and the engine as the policy sees it (`AdapterEngine`: every request names the policy's adapter,
+and the version is the adapter's). What the lanes share is the worker's: the engine's rows, the router, the reward
+stream. A run of one unnamed policy has one lane, of policy None, whose engine is the worker's engine itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from actors.config import RunConfig
+from actors.rollout.handed_off import HandedOff
+from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, PauseMode
+from policies.weight_versions import LearnerVersions
+
+if TYPE_CHECKING:
+    import torch
+
+
+class AdapterEngine(InferenceEngine):
+    """An engine as one policy sees it: its requests name the policy's adapter (unless one names its own), its
+    version is the adapter's, and a weight update loads into the adapter. So every generate path, a plugin's or an
+    agent episode's included, samples from the policy's weights without knowing there are others. Everything else
+    (pause, abort, health, an SGLang engine's `url`) is the engine's: closing a view closes nothing."""
+
+    def __init__(self, engine: InferenceEngine, adapter: str) -> None:
+        self.engine, self.adapter = engine, adapter
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
+        if request.adapter is None:
+            request = dataclasses.replace(request, adapter=self.adapter)
+        return await self.engine.generate(request)
+
+    async def abort(self, request_id: str | None = None) -> None:
+        await self.engine.abort(request_id)
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        await self.engine.update_weights(named_tensors, version, adapter=self.adapter)  # type: ignore[call-arg]
+
+    @property
+    def version(self) -> int:
+        return self.engine.adapter_version(self.adapter)  # type: ignore[attr-defined]
+
+    async def health(self) -> dict[str, object]:
+        return await self.engine.health()
+
+    async def close(self) -> None:
+        """Nothing to close: the worker closes its engine."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # looked up before __init__ set it (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
+@dataclass(eq=False)
+class Lane:
+    """One policy's share of a rollout worker (see the module docstring). `engine` is the worker's engine as the
+    policy sees it; `config` the policy's settings (the run's own for policy None)."""
+
+    policy: str | None
+    config: RunConfig
+    buffer: Any  # the policy's buffer (a PeerRpc)
+    engine: InferenceEngine
+    versions: LearnerVersions = field(default_factory=LearnerVersions)
+    weights_landed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set by what usually opens admission (a version announcement) or lets old weights train again (a push): a lane
+    # told "nothing now" asks again at once instead of at its next poll.
+    work_may_open: asyncio.Event = field(default_factory=asyncio.Event)
+    held_leases: dict[str, int] = field(default_factory=dict)  # lease id -> groups still generating
+    handed_off: HandedOff = field(init=False)  # the groups handed to each reward worker, for LostGroups
+
+    def __post_init__(self) -> None:
+        self.handed_off = HandedOff(keep_s=self.config.buffer.lease_timeout)
+
+    @property
+    def max_staleness(self) -> int:
+        return self.config.buffer.max_staleness
+
+    def weights_too_old(self) -> bool:
+        """The policy's weights on the engine are older than anything its buffer would accept."""
+        return self.versions.too_old(self.engine.version, self.max_staleness)
+
+    def oldest_accepted(self) -> int:
+        return self.versions.oldest_accepted(self.max_staleness)
+
+    def view(self, engine: InferenceEngine) -> InferenceEngine:
+        """`engine` (the worker's own, or the router's view of the run's engines) as this policy sees it."""
+        return engine if self.policy is None else AdapterEngine(engine, self.policy)
