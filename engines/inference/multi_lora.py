@@ -18,7 +18,7 @@ adapt the Linear layer at `<module>`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +112,46 @@ class MultiLora:
                 raise KeyError(f"row {row}: adapter {name!r} is not loaded (loaded: {sorted(self._adapters)})")
         return torch.tensor(slots, dtype=torch.long, device=device)
 
+    def served(self, name: str, tensor_names: Iterable[str]) -> dict[str, Tensor]:
+        """Each factor of `tensor_names` as adapter `name` last received it, left out where its layer's slot does not
+        hold exactly what that factor writes (the factor never arrived, the slot was written since): what the
+        engine fingerprints for a push to the adapter. Each layer's slot is checked once, in full (a factor pair
+        is small)."""
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            return {}
+        holds: dict[str, bool] = {}
+        served = {}
+        for tensor_name in tensor_names:
+            module, factor = tensor_name.removesuffix(".weight").rpartition(".")[::2]
+            pair = adapter.factors.get(module)
+            if pair is None or factor not in pair:
+                continue
+            if module not in holds:
+                holds[module] = self._slot_holds(module, adapter.slot, pair, adapter.scaling)
+            if holds[module]:
+                served[tensor_name] = pair[factor]
+        return served
+
+    def _slot_holds(self, module: str, slot: int, pair: dict[str, Tensor], scaling: float) -> bool:
+        layer = self._layers.get(module)
+        if layer is None:
+            return False
+        expected_a, expected_b = self._slot_values(layer, pair, scaling)
+        rank = expected_a.shape[0]
+        with torch.no_grad():
+            return (bool(torch.equal(layer.lora_a[slot, :rank], expected_a))
+                    and bool(torch.equal(layer.lora_b[slot, :, :rank], expected_b))
+                    and not bool(layer.lora_a[slot, rank:].any()) and not bool(layer.lora_b[slot, :, rank:].any()))
+
+    @staticmethod
+    def _slot_values(layer: _Layer, pair: dict[str, Tensor], scaling: float) -> tuple[Tensor, Tensor]:
+        """What a factor pair is written into a slot as: A in the stack's dtype, B pre-scaled (`_write`)."""
+        weight = layer.linear.weight
+        lora_a = pair["lora_A"].to(weight.device, layer.lora_a.dtype)
+        lora_b = pair["lora_B"].to(weight.device, torch.float32).mul(scaling).to(layer.lora_b.dtype)
+        return lora_a, lora_b
+
     @contextlib.contextmanager
     def adapter_rows(self, adapters: Sequence[str | None], device: torch.device | str) -> Iterator[None]:
         """Forwards inside run row i with `adapters[i]`. All None (or no adapter loaded) leaves the hooks idle, so
@@ -156,7 +196,9 @@ class MultiLora:
                                  f"has {linear.out_features} outputs")
             if factor in arriving.get(module, {}):
                 raise ValueError(f"adapter {name!r}: {tensor_name!r} appears twice in one load")
-            arriving.setdefault(module, {})[factor] = tensor
+            # A copy: a loader hands over views of receive buffers it reuses for the next bucket, and a later load
+            # of the layer's other factor rewrites the slot from what is kept here.
+            arriving.setdefault(module, {})[factor] = tensor.detach().clone()
         staged = {}
         for module, factors in arriving.items():
             pair = {**(adapter.factors.get(module, {}) if adapter else {}), **factors}
@@ -168,7 +210,7 @@ class MultiLora:
             if pair["lora_A"].shape[0] != pair["lora_B"].shape[1]:
                 raise ValueError(f"adapter {name!r}: {module}: lora_A has rank {pair['lora_A'].shape[0]}, lora_B "
                                  f"rank {pair['lora_B'].shape[1]}")
-            staged[module] = {factor: tensor.detach() for factor, tensor in pair.items()}
+            staged[module] = pair
         return staged
 
     def _free_slot(self) -> int:
@@ -180,12 +222,12 @@ class MultiLora:
         rank = pair["lora_A"].shape[0]
         if rank > layer.lora_a.shape[1]:
             self._widen(layer, rank)
-        weight = layer.linear.weight
+        lora_a, lora_b = self._slot_values(layer, pair, scaling)
         with torch.no_grad():
             layer.lora_a[slot].zero_()
             layer.lora_b[slot].zero_()
-            layer.lora_a[slot, :rank].copy_(pair["lora_A"])
-            layer.lora_b[slot, :, :rank].copy_(pair["lora_B"].to(weight.device, torch.float32).mul(scaling))
+            layer.lora_a[slot, :rank].copy_(lora_a)
+            layer.lora_b[slot, :, :rank].copy_(lora_b)
 
     def _new_layer(self, module: str) -> _Layer:
         linear = self._linears[module]

@@ -71,12 +71,15 @@ class ServedWeights:
                                  "adapter's update holds <module>.lora_A.weight and <module>.lora_B.weight only")
         self.named_adapters.load(adapter, named_tensors, self._lora_scaling)
 
-    def fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
+    def fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan,
+                     adapter: str | None = None) -> ServedPrints:
         """What is served now under the sender's names: a weight as it is, a merged LoRA factor only where its layer
-        still equals the merge (`AdapterMerger.served`)."""
+        still equals the merge (`AdapterMerger.served`); with `adapter`, the named adapter's factors only where its
+        slot holds them (`MultiLora.served`)."""
         prints, unchecked = plan.prints(), {}
         specs = plan.covered(specs)
-        adapters = self._merged.served(spec.name for spec in specs if is_adapter(spec.name))
+        factors = [spec.name for spec in specs if is_adapter(spec.name)]
+        adapters = self._merged.served(factors) if adapter is None else self.named_adapters.served(adapter, factors)
         for spec in specs:
             served = adapters.get(spec.name) if is_adapter(spec.name) else self.weight(spec.name)
             if served is None:

@@ -233,10 +233,12 @@ class TorchEngine(base.InferenceEngine):
         step would have no adapter to run with): abort or finish them first."""
         await self._call(_UnloadAdapter(adapter))
 
-    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints:
+    async def served_fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan, *,
+                                  adapter: str | None = None) -> ServedPrints:
         """Its weight for a full tensor; for a LoRA factor, the factor merged into its layer, and only if the layer
-        holds that merge (an adapter received but never merged fingerprints as absent)."""
-        return await self._call(_Fingerprint(specs, plan))
+        holds that merge (an adapter received but never merged fingerprints as absent); with `adapter`, the factor
+        of that named adapter, only if its slot holds it."""
+        return await self._call(_Fingerprint(specs, plan, adapter))
 
     async def score(self, input_ids: list[int], *, start: int, temperature: float = 1.0) -> list[float]:
         """log p(input_ids[i] | input_ids[:i]) for i in [start, len): this engine as a scorer of given tokens (a
@@ -593,9 +595,10 @@ class _UnloadAdapter(Command):
 class _Fingerprint(Command):
     specs: tuple[TensorSpec, ...]
     plan: FingerprintPlan
+    adapter: str | None = None
 
     def apply(self, engine: TorchEngine) -> object:
-        return engine._weights.fingerprints(self.specs, self.plan)
+        return engine._weights.fingerprints(self.specs, self.plan, self.adapter)
 
 
 @dataclass

@@ -66,7 +66,9 @@ class TorchDistributedLoader:
 
         def fingerprint(specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints | None:
             # Still paused: what is fingerprinted is what the next decode step will use.
-            return asyncio.run_coroutine_threadsafe(self.engine.served_fingerprints(specs, plan), loop).result()
+            served = (self.engine.served_fingerprints(specs, plan) if adapter is None else
+                      self.engine.served_fingerprints(specs, plan, adapter=adapter))
+            return asyncio.run_coroutine_threadsafe(served, loop).result()
 
         await self.engine.pause("keep")
         try:

@@ -112,3 +112,35 @@ def test_bad_loads_name_the_adapter_and_the_tensor_and_change_nothing(tiny_model
                                          r"without model\.layers\.0\.self_attn\.q_proj\.lora_B\.weight"):
         served.load("b", [(q_a, torch.zeros(4, 64))], 2.0)
     assert served.names == ()
+
+
+def test_a_load_keeps_its_own_copy_of_factors_handed_over_as_reused_buffers(tiny_model_path: Path) -> None:
+    """A receiver hands over views of buffers it refills with the next bucket: A in one bucket, B in the next. The
+    slot must hold the A that arrived, not what the buffer held when B came."""
+    model = _model(tiny_model_path)
+    (a_name, a_factor), (b_name, b_factor) = random_adapter(model, 4, 1)[:2]
+    buffer = a_factor.clone()
+    served = MultiLora(model)
+    served.load("a", [(a_name, buffer), (b_name, b_factor)], 2.0)
+    buffer.fill_(7.0)  # the receiver reuses its buffer for the next bucket
+    served.load("a", [(b_name, b_factor * 3)], 2.0)  # the next bucket: B alone rewrites the slot from the kept A
+
+    held = served.served("a", [a_name, b_name])
+    assert torch.equal(held[a_name], a_factor) and torch.equal(held[b_name], b_factor * 3)
+
+
+def test_what_an_adapter_serves_is_what_its_slot_holds(tiny_model_path: Path) -> None:
+    model = _model(tiny_model_path)
+    factors = random_adapter(model, 4, 1)
+    served = MultiLora(model)
+    served.load("a", factors, 2.0)
+    served.load("b", random_adapter(model, 4, 2), 2.0)
+    names = [name for name, _ in factors]
+
+    assert served.served("a", names).keys() == set(names)
+    assert served.served("missing", names) == {}
+    layer = served._layers[names[0].removesuffix(".lora_A.weight")]
+    with torch.no_grad():
+        layer.lora_b[served._adapters["a"].slot, 0, 0] += 1.0  # the slot no longer holds what was loaded
+    assert names[0] not in served.served("a", names) and names[1] not in served.served("a", names)
+    assert served.served("b", [name for name, _ in random_adapter(model, 4, 2)])  # the other adapter's slot holds

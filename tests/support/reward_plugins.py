@@ -39,6 +39,12 @@ def digit_share(inp: RewardInput) -> float:
     return sum(character.isdigit() for character in inp.response) / max(1, len(inp.response))
 
 
+def letter_share(inp: RewardInput) -> float:
+    """The share of the response's characters that are letters: another reward that varies between an untrained
+    model's samples, for a second policy whose groups must be scored by its own reward."""
+    return sum(character.isalpha() for character in inp.response) / max(1, len(inp.response))
+
+
 def odd_first_operand(inp: RewardInput) -> float:
     """1 when the prompt's first number is odd, whatever the response: returns that a value model learns from the
     prompt alone (a critic's test), where an untrained model's answers would score all 0."""
