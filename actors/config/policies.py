@@ -20,11 +20,19 @@ from pathlib import Path
 from typing import Any
 
 POLICY_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
-# Sections every policy shares: one base model on shared engines, placed once, its adapters of one shape.
-SHARED_SECTIONS = ("model", "engine", "router", "weights", "placement", "controller", "logging", "megatron", "lora")
-# Trainer settings that size or place the learner: every policy's learner is placed alike.
-SHARED_TRAINER_SETTINGS = ("train_backend", "learner_ranks", "tensor_model_parallel_size",
-                           "pipeline_model_parallel_size")
+# Sections every policy shares: one base model on shared engines, placed once, its adapters of one shape; the
+# agent surface is served by the shared rollout workers.
+SHARED_SECTIONS = ("model", "engine", "router", "weights", "placement", "controller", "logging", "megatron", "lora",
+                   "agent")
+# Settings of other sections that every policy shares, and why.
+SHARED_SETTINGS = {
+    **dict.fromkeys(("train_backend", "learner_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size"),
+                    "every policy's learner is placed alike"),
+    **dict.fromkeys(("custom_generate_function_path", "rollout_function_path"),
+                    "the shared rollout workers run one generate function for every policy"),
+    **dict.fromkeys(("debug_rollout_only", "debug_train_only", "load_debug_rollout_data"),
+                    "a debug mode changes which actors the run starts"),
+}
 POLICY_ROLES = ("buffer", "evaluator", "learner")  # one of each per policy; the other roles are shared
 SCOPE_SEPARATOR = "@"  # a policy's actor id: "learner@solver"
 POLICIES_DIR = "policies"  # RUN_DIR/policies/<name>: a policy's own run directory
@@ -66,7 +74,10 @@ def override_problems(policy: str, overrides: Any, section_of: Mapping[str, str]
             where = "a section name" if setting in section_of.values() else "not a setting"
             problems.append(f"policies.{policy}.{setting}: {where}; a policy sets flat settings (lr, prompt_data, "
                             "max_staleness, ...)")
-        elif section in SHARED_SECTIONS or setting in SHARED_TRAINER_SETTINGS:
+        elif section in SHARED_SECTIONS:
             problems.append(f"policies.{policy}.{setting}: shared by every policy (the {section} section: one base "
                             "model on shared engines); set it for the whole run")
+        elif setting in SHARED_SETTINGS:
+            problems.append(f"policies.{policy}.{setting}: shared by every policy ({SHARED_SETTINGS[setting]}); set "
+                            "it for the whole run")
     return problems

@@ -435,6 +435,9 @@ def _policies_problems(config: RunConfig) -> list[str]:
     if config.placement.colocate:
         problems.append("policies with --colocate: a colocated engine hands its memory to one learner; several "
                         "policies' learners run beside shared engines")
+    if config.rollout.rollout_function_path is not None:
+        problems.append("policies with --rollout-function-path: a whole-rollout function leases and sends for one "
+                        "policy; give a --custom-generate-function-path, which each policy's groups go through")
     if config.trainer.learner_ranks > 1 or config.placement.actor_num_nodes > 1:
         problems.append(f"policies with learner_ranks {config.trainer.learner_ranks} / actor_num_nodes "
                         f"{config.placement.actor_num_nodes}: each policy's learner is one rank for now")

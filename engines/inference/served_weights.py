@@ -27,14 +27,23 @@ NamedTensor = tuple[str, torch.Tensor]
 
 class ServedWeights:
     """`lora_scaling`: the run's `lora_alpha / lora_rank`, None when the engine was started without LoRA settings
-    (then adapters are refused rather than applied at an unknown scale)."""
+    (then adapters are refused rather than applied at an unknown scale). `fresh_adapters`: named adapters served
+    before their first load, as the base weights (a fresh LoRA adapter's B is zero: it computes what the base does),
+    so a policy generates before its learner's first push."""
 
-    def __init__(self, model: nn.Module, *, lora_scaling: float | None, max_adapters: int) -> None:
+    def __init__(self, model: nn.Module, *, lora_scaling: float | None, max_adapters: int,
+                 fresh_adapters: Iterable[str] = ()) -> None:
         self._model = model
         self.parameters = model.state_dict(keep_vars=True)
         self._merged = AdapterMerger(self.parameters, lora_scaling)
         self._lora_scaling = lora_scaling
         self.named_adapters = MultiLora(model, max_adapters=max_adapters)
+        fresh = list(fresh_adapters)
+        if len(set(fresh)) != len(fresh) or not all(isinstance(name, str) and name for name in fresh):
+            raise ValueError(f"adapters must be distinct non-empty names, got {fresh!r}")
+        if len(fresh) > max_adapters:
+            raise ValueError(f"{len(fresh)} adapters ({', '.join(fresh)}) exceed max_adapters={max_adapters}")
+        self._fresh_adapters = frozenset(fresh)
         self._checkpoint_views: dict[str, torch.Tensor] | None = None  # made at the first checkpoint-named load
 
     def load(self, named_tensors: Iterable[NamedTensor]) -> None:
@@ -70,6 +79,22 @@ class ServedWeights:
                 raise ValueError(f"update_weights: adapter {adapter!r}: {name!r} is not a LoRA factor; a named "
                                  "adapter's update holds <module>.lora_A.weight and <module>.lora_B.weight only")
         self.named_adapters.load(adapter, named_tensors, self._lora_scaling)
+
+    def serves(self, adapter: str) -> bool:
+        """Whether a request may name `adapter`: loaded, or fresh (served as the base weights until loaded)."""
+        return adapter in self.named_adapters or adapter in self._fresh_adapters
+
+    def unload_adapter(self, adapter: str, users: Sequence[str]) -> None:
+        """Stop serving `adapter`; refused while requests (`users`, their ids) still generate with it."""
+        if adapter not in self.named_adapters:
+            raise ValueError(f"unload_adapter: adapter {adapter!r} is not loaded (loaded: "
+                             f"{sorted(self.named_adapters.names)})")
+        if users:
+            raise ValueError(f"unload_adapter: adapter {adapter!r} serves {len(users)} requests in flight "
+                             f"({', '.join(map(repr, users[:3]))}{' ...' if len(users) > 3 else ''}); abort or finish "
+                             "them first")
+        self.named_adapters.remove(adapter)
+        self._fresh_adapters -= {adapter}
 
     def fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan,
                      adapter: str | None = None) -> ServedPrints:

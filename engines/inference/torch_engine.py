@@ -45,6 +45,7 @@ from engines.inference import base
 from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
+from engines.inference.model_facts import check_supported, eos_token_ids
 from engines.inference.prefix_cache import PrefixCache
 from engines.inference.served_weights import ServedWeights
 from engines.inference.static_batcher import StaticBatcher
@@ -102,7 +103,7 @@ class TorchEngine(base.InferenceEngine):
         `adapters`: the named adapters it serves from the start (a run of several policies: one per policy), each fresh
         until its first load: a fresh LoRA adapter (B = 0) computes exactly what the base weights do, so its requests
         run on them, at the adapter's version 0, with no factors to send before the learners' first push."""
-        _check_supported(model)
+        check_supported(model)
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
         if kv_cache == "static" and deterministic:
@@ -112,14 +113,9 @@ class TorchEngine(base.InferenceEngine):
         if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache), got "
                              f"{prefix_cache_bytes!r}")
-        if len(set(adapters)) != len(adapters) or not all(isinstance(name, str) and name for name in adapters):
-            raise ValueError(f"adapters must be distinct non-empty names, got {adapters!r}")
-        if len(adapters) > max_adapters:
-            raise ValueError(f"{len(adapters)} adapters ({', '.join(adapters)}) exceed max_adapters={max_adapters}")
         if adapters and (kv_cache == "static" or deterministic):
             raise ValueError(f"adapters {list(adapters)}: named adapters need kv_cache='dynamic' and no deterministic "
                              "inference")
-        self._fresh_adapters = frozenset(adapters)
         if deterministic:  # a sequence's logits stop depending on the batch around it (batch_invariant.py)
             make_batch_invariant(model)
         self._model = model.eval()
@@ -127,8 +123,9 @@ class TorchEngine(base.InferenceEngine):
         self._limits = BatchLimits(max_batch_size, max_batch_tokens, max_prefill_tokens)
         self._max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self._vocab_size = model.get_input_embeddings().num_embeddings
-        self._eos_token_ids = _eos_token_ids(model, tokenizer)
-        self._weights = ServedWeights(model, lora_scaling=lora_scaling, max_adapters=max_adapters)
+        self._eos_token_ids = eos_token_ids(model, tokenizer)
+        self._weights = ServedWeights(model, lora_scaling=lora_scaling, max_adapters=max_adapters,
+                                      fresh_adapters=adapters)
         self._release_when_idle = release_memory_when_idle
         self._recompute_kv_on_update = recompute_kv_on_update
         self._step_listener = step_listener
@@ -353,18 +350,10 @@ class TorchEngine(base.InferenceEngine):
         return samples
 
     def _unload_adapter(self, adapter: str) -> None:
-        named = self._weights.named_adapters
-        if adapter not in named:
-            raise ValueError(f"unload_adapter: adapter {adapter!r} is not loaded (loaded: {sorted(named.names)})")
         users = sorted({sample.request_id for sample in (*self._batcher.running, *self._batcher.waiting)
                         if sample.adapter == adapter})
-        if users:
-            raise ValueError(f"unload_adapter: adapter {adapter!r} serves {len(users)} requests in flight "
-                             f"({', '.join(map(repr, users[:3]))}{' ...' if len(users) > 3 else ''}); abort or finish "
-                             "them first")
-        named.remove(adapter)
+        self._weights.unload_adapter(adapter, users)
         self._batcher.adapter_versions.pop(adapter, None)
-        self._fresh_adapters -= {adapter}
 
     def _check_adapter(self, request_id: str, adapter: str) -> None:
         if self._batcher.adapters is None:
@@ -373,7 +362,7 @@ class TorchEngine(base.InferenceEngine):
         if self._batcher.batch_invariant:
             raise ValueError(f"request {request_id!r}: adapter {adapter!r}: deterministic inference does not cover "
                              "named adapters yet")
-        if adapter not in self._weights.named_adapters and adapter not in self._fresh_adapters:
+        if not self._weights.serves(adapter):
             raise ValueError(f"request {request_id!r}: adapter {adapter!r} is not loaded on this engine (loaded: "
                              f"{sorted(self._weights.named_adapters.names)})")
 
@@ -497,28 +486,6 @@ class TorchEngine(base.InferenceEngine):
             except queue.Empty:
                 return
             command.fail(RuntimeError("torch engine is closed"))
-
-
-def _check_supported(model: nn.Module) -> None:
-    """Only full-attention decoders: sliding-window and linear-attention layers need caches we do not batch."""
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(f"{type(model).__name__} has no .config; the torch engine needs a Hugging Face model")
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise ValueError(
-            f"{type(model).__name__}: layer types {sorted(layer_types)} are not supported; the torch engine "
-            "batches full-attention KV caches only"
-        )
-
-
-def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
-    """The ids that end a sample unless ignore_eos: the model's generation config, as `generate()` uses."""
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return frozenset([eos] if isinstance(eos, int) else eos)
-    return frozenset()
 
 
 SCORE_LOGITS_ELEMENTS = 1 << 25  # float32 logits one scoring forward may hold (128 MiB)

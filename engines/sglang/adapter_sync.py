@@ -115,7 +115,9 @@ class SglangAdapterLoader(TorchDistributedLoader):
             self._root = Path(tempfile.mkdtemp(prefix=f"slipstream-lora-{self.actor_id}-", dir=base))
         return self._root
 
-    async def _receive(self, receiver: Any, version: int, timeout_s: float) -> int:
+    async def _receive(self, receiver: Any, version: int, timeout_s: float, adapter: str | None = None) -> int:
+        """`adapter` is always None: the transport serves no named adapters (`WeightTransport.named_adapters`), so
+        every push is the run's one adapter, loaded under a name of its version."""
         loop = asyncio.get_running_loop()
         received: dict[str, Tensor] = {}
 
