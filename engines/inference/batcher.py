@@ -199,9 +199,12 @@ class ContinuousBatcher:
         self.waiting.extend(samples)
 
     def row_version(self, sample: DecodingSequence, version: int) -> int:
-        """The policy version of the weights `sample`'s next token comes from: its adapter's, or `version` (the base
-        weights') for a row without one."""
-        return version if sample.adapter is None else self.adapter_versions.get(sample.adapter, 0)
+        """The policy version of the weights `sample`'s next token comes from."""
+        return self.adapter_version(sample.adapter, version)
+
+    def adapter_version(self, adapter: str | None, version: int) -> int:
+        """The version of `adapter`'s weights, or `version` (the base weights') for a row without one."""
+        return version if adapter is None else self.adapter_versions.get(adapter, 0)
 
     def step(self, version: int) -> StepResult:
         decoded = list(self.running)
@@ -411,7 +414,7 @@ class ContinuousBatcher:
                 rows[index], used[index], routes[index] = batch.rows + offset, part_used[offset], part_routes[offset]
             batch.extend(part)
             logits.append(part_logits)
-        row_versions = [version if adapter is None else self.adapter_versions.get(adapter, 0) for adapter in adapters]
+        row_versions = [self.adapter_version(adapter, version) for adapter in adapters]
         stamps = [(row_version, self.weights_epoch) if not taken.length else
                   (min(row_version, taken.version), min(self.weights_epoch, taken.epoch))
                   for taken, row_version in zip(used, row_versions, strict=True)]
