@@ -16,14 +16,14 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from engines.inference.base import FinishReason, GenerateOutput, RoutedExperts, SamplingParams
 from engines.inference.batch_invariant import sample_padded_rows
+from engines.inference.decoding_sequence import DecodingSequence, append_tokens
 from engines.inference.kv_batch import KVBatch
 from engines.inference.multi_lora import MultiLora
 from engines.inference.prefix_cache import Insert, PrefixCache, PrefixMatch
@@ -55,70 +55,6 @@ class BatchLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BatchLimits.{name} must be an int >= 1, got {value!r}")
-
-
-@dataclass(eq=False)
-class DecodingSequence:
-    """One sequence being generated: sample `sample_index` of request `request_id`.
-
-    Invariant while running: the KV cache holds every token of `prompt_ids + output_ids` except the last
-    output token, which is the next decode step's input.
-    """
-
-    request_id: str
-    sample_index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new_tokens: int  # the request's budget, clamped to the model's context
-    stop_token_ids: frozenset[int]  # the request's stop ids plus the model's EOS ids unless ignore_eos
-    generator: torch.Generator | None = None  # seeded requests only
-    seed: int | None = None  # the sample's own seed (seeded requests; the static batcher draws one for the rest)
-    adapter: str | None = None  # the LoRA adapter its forwards run with (`multi_lora.py`); None: the base weights
-    output_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    matched_stop: str | int | None = None
-    # With recorded routes: [tokens, layers, top_k] int16 chunks, one per prefill (which replaces them: it
-    # recomputes every token so far) and one per decode step (the token fed in). See `base.RoutedExperts`.
-    routes: list[torch.Tensor] = field(default_factory=list)
-    # The oldest weight version among the keys and values its cache row holds (None: not in the cache). Set by
-    # the prefill that computes them, not by whoever drops the cache, so a drop that did not happen shows.
-    kv_version: int | None = None
-    kv_epoch: int | None = None  # likewise the oldest weights epoch (`ContinuousBatcher.weights_epoch`)
-    cached_tokens: int = 0  # tokens whose keys and values its prefills took from the prefix cache
-    stale_cached_tokens: int = 0  # tokens the prefix cache held for it from older weights, prefilled again
-    reprefilled_tokens: int = 0  # tokens prefilled again because a weight update dropped its cache row
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.request_id, self.sample_index)
-
-    @property
-    def worst_case_length(self) -> int:
-        return len(self.prompt_ids) + self.max_new_tokens
-
-    def finish(self, reason: FinishReason, matched_stop: str | int | None = None) -> None:
-        self.finish_reason = reason
-        self.matched_stop = matched_stop
-
-    def to_output(self) -> GenerateOutput:
-        if self.finish_reason is None:
-            raise RuntimeError(f"sample {self.key} is still running; it has no output yet")
-        return GenerateOutput(
-            request_id=self.request_id,
-            output_ids=list(self.output_ids),
-            log_probs=list(self.log_probs),
-            versions=list(self.versions),
-            finish_reason=self.finish_reason,
-            sample_index=self.sample_index,
-            prompt_len=len(self.prompt_ids),
-            matched_stop=self.matched_stop,
-            routed_experts=routed_experts(self.routes),
-            cached_tokens=self.cached_tokens,
-            stale_cached_tokens=self.stale_cached_tokens,
-            reprefilled_tokens=self.reprefilled_tokens,
-        )
 
 
 @dataclass(frozen=True)
@@ -198,17 +134,15 @@ class ContinuousBatcher:
     def add(self, samples: list[DecodingSequence]) -> None:
         self.waiting.extend(samples)
 
-    def row_version(self, sample: DecodingSequence, version: int) -> int:
-        """The policy version of the weights `sample`'s next token comes from."""
-        return self.adapter_version(sample.adapter, version)
-
     def adapter_version(self, adapter: str | None, version: int) -> int:
-        """The version of `adapter`'s weights, or `version` (the base weights') for a row without one."""
+        """The policy version of the weights a row of `adapter` decodes with: `version` (the base weights') when it
+        has none."""
         return version if adapter is None else self.adapter_versions.get(adapter, 0)
 
     def step(self, version: int) -> StepResult:
         decoded = list(self.running)
-        self.stale_kv_tokens += sum(1 for sample in decoded if sample.kv_version != self.row_version(sample, version))
+        self.stale_kv_tokens += sum(sample.kv_version != self.adapter_version(sample.adapter, version)
+                                    for sample in decoded)
         if decoded:
             self._decode(decoded, version)
         admitted = self._admit()
@@ -323,7 +257,8 @@ class ContinuousBatcher:
 
     def _join(self, admitted: list[DecodingSequence], version: int) -> None:
         batch, logits = self._prefill(admitted, version)
-        self.stale_kv_tokens += sum(1 for sample in admitted if sample.kv_version != self.row_version(sample, version))
+        self.stale_kv_tokens += sum(sample.kv_version != self.adapter_version(sample.adapter, version)
+                                    for sample in admitted)
         self._append_sampled(admitted, logits, version)
         self.kv.extend(batch)
 
@@ -519,7 +454,7 @@ class ContinuousBatcher:
         else:
             tokens, log_probs = sample_next_tokens(logits, params, uniforms)
         append_tokens(samples, tokens.tolist(), log_probs.tolist(),
-                      [self.row_version(sample, version) for sample in samples])
+                      [self.adapter_version(sample.adapter, version) for sample in samples])
         return tokens
 
     def _uniforms(self, samples: list[DecodingSequence], params: RowParams) -> torch.Tensor | None:
@@ -567,15 +502,6 @@ class ContinuousBatcher:
         return left
 
 
-def append_tokens(samples: list[DecodingSequence], tokens: list[int], log_probs: list[float],
-                  versions: list[int]) -> None:
-    """Each sample's newest token, its log-prob and the weight version that sampled it (host lists)."""
-    for sample, token, log_prob, version in zip(samples, tokens, log_probs, versions, strict=True):
-        sample.output_ids.append(token)
-        sample.log_probs.append(log_prob)
-        sample.versions.append(version)
-
-
 def real_columns(mask: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
     """The columns that hold tokens in each row of `mask` ([rows, columns], nonzero = a token), in order; row i must
     hold `counts[i]`: a cache that holds another number of tokens than its sequence has is a bug, never cached."""
@@ -593,9 +519,3 @@ def _layer_kv(batch: KVBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def _layers_last(taps: list[RoutedLayer]) -> torch.Tensor:
     """One forward's taps, a [tokens, k] choice per layer, as int16 [tokens, layers, k] on the host."""
     return torch.stack([tap.chosen for tap in taps], dim=1).to("cpu", torch.int16)
-
-
-def routed_experts(routes: list[torch.Tensor]) -> RoutedExperts | None:
-    if not routes:
-        return None
-    return RoutedExperts.of(torch.cat(routes).numpy())

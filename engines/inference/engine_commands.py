@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.inference.batcher import DecodingSequence
+from engines.inference.decoding_sequence import DecodingSequence
 
 
 @dataclass

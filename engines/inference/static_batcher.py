@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, append_tokens
+from engines.inference.batcher import BatchLimits, ContinuousBatcher
+from engines.inference.decoding_sequence import DecodingSequence, append_tokens
 from engines.inference.kv_batch import _cache_argument
 from engines.inference.prefix_cache import PrefixCache
 from engines.inference.sampling import RowParams, counter_uniforms, sample_next_tokens

@@ -43,7 +43,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from engines.inference import base
 from engines.inference.batch_invariant import make_batch_invariant
-from engines.inference.batcher import BatchLimits, ContinuousBatcher, DecodingSequence, StepRecord
+from engines.inference.batcher import BatchLimits, ContinuousBatcher, StepRecord
+from engines.inference.decoding_sequence import DecodingSequence
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.model_facts import check_supported, eos_token_ids
 from engines.inference.prefix_cache import PrefixCache
