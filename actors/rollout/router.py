@@ -331,8 +331,8 @@ class RoutedEngine(InferenceEngine):
     def version(self) -> int:
         return self.router.local.version
 
-    def cached_prefix_tokens(self, input_ids: list[int]) -> int | None:
-        return self.router.local.cached_prefix_tokens(input_ids)
+    def cached_prefix_tokens(self, input_ids: list[int], adapter: str | None = None) -> int | None:
+        return self.router.local.cached_prefix_tokens(input_ids, adapter)
 
     async def health(self) -> dict[str, object]:
         return await self.router.local.health()

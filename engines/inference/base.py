@@ -347,9 +347,10 @@ class InferenceEngine(ABC):
         tell."""
         return None
 
-    def cached_prefix_tokens(self, input_ids: list[int]) -> int | None:
-        """How many leading tokens of `input_ids` the engine holds keys and values for at the weights it serves now:
-        what a router with session affinity weighs engines by. None: it cannot tell."""
+    def cached_prefix_tokens(self, input_ids: list[int], adapter: str | None = None) -> int | None:
+        """How many leading tokens of `input_ids` the engine holds keys and values for at the weights it serves now
+        (with LoRA adapter `adapter`'s, when named): what a router with session affinity weighs engines by. None: it
+        cannot tell."""
         return None
 
     async def on_idle(self) -> None:  # noqa: B027 - most engines have nothing to hand over

@@ -115,13 +115,16 @@ class ContinuousBatcher:
         # the engine drops the cache at every update (`drop_cache`), the count of off-policy tokens otherwise.
         self.stale_kv_tokens = 0
         self.prefix_cache = prefix_cache
-        # Counts every weight load (the engine bumps it), a repush of the same version included: the prefix cache
-        # reuses keys and values of the epoch they were computed in only.
+        # Every weight load is an epoch (`weights_loaded`), a repush of the same version included: the prefix cache
+        # reuses keys and values of the epoch they were computed in only. `weights_epoch` is the base weights' newest,
+        # `adapter_epochs` each named adapter's.
+        self.loads = 0
         self.weights_epoch = 0
+        self.adapter_epochs: dict[str, int] = {}
         self.reprefilled_tokens = 0  # in-flight tokens prefilled again after an update dropped their rows
         # Adapters served unmerged, each row's forward with its sample's adapter (the engine sets it at its first
-        # named adapter). Rows with an adapter bypass the prefix cache and the shared-prefix forward: both hold keys
-        # and values computed by one set of weights for every row.
+        # named adapter). Rows with an adapter bypass the shared-prefix forward (one set of weights computes its
+        # keys and values for every row) and use the adapter's own part of the prefix cache.
         self.adapters: MultiLora | None = None
         # Each named adapter's policy version, which its rows' tokens carry (the engine sets it at each load of it). A
         # row whose adapter has not been loaded yet runs on the base weights, which is what a fresh adapter (LoRA
@@ -133,6 +136,25 @@ class ContinuousBatcher:
 
     def add(self, samples: list[DecodingSequence]) -> None:
         self.waiting.extend(samples)
+
+    def weights_loaded(self, adapter: str | None) -> None:
+        """A load of the base weights (None) or of a named adapter: a new epoch for the keys and values it changes."""
+        self.loads += 1
+        if adapter is None:
+            self.weights_epoch = self.loads
+        else:
+            self.adapter_epochs[adapter] = self.loads
+
+    def epoch_of(self, adapter: str | None) -> int:
+        """The epoch of the weights a row of `adapter` computes keys and values with: the newest load of the base
+        weights or of the adapter."""
+        return self.weights_epoch if adapter is None else max(self.weights_epoch, self.adapter_epochs.get(adapter, 0))
+
+    def adapter_unloaded(self, adapter: str) -> None:
+        self.adapter_versions.pop(adapter, None)
+        self.adapter_epochs.pop(adapter, None)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(adapter)
 
     def adapter_version(self, adapter: str | None, version: int) -> int:
         """The policy version of the weights a row of `adapter` decodes with: `version` (the base weights') when it
@@ -314,11 +336,12 @@ class ContinuousBatcher:
         return len(tokens) - self._cached(tokens, adapter, touch=False).length
 
     def _cached(self, tokens: list[int], adapter: str | None, *, touch: bool = True) -> PrefixMatch:
-        """What the prefix cache holds of `tokens` at the served weights, leaving the last one to compute (its logits
-        give the next token). Nothing for a row with an adapter: the cache holds the base weights' keys and values."""
-        if self.prefix_cache is None or adapter is not None:
+        """What the prefix cache holds of `tokens` at the weights `adapter`'s rows are served, leaving the last one to
+        compute (its logits give the next token)."""
+        if self.prefix_cache is None:
             return PrefixMatch()
-        return self.prefix_cache.match(tokens, self.weights_epoch, limit=len(tokens) - 1, touch=touch)
+        return self.prefix_cache.match(tokens, self.epoch_of(adapter), namespace=adapter, limit=len(tokens) - 1,
+                                       touch=touch)
 
     def _prefill(self, admitted: list[DecodingSequence], version: int) -> tuple[KVBatch, torch.Tensor]:
         """Prefill each distinct token sequence once (n samples of a prompt share it), from where the prefix cache's
@@ -350,9 +373,10 @@ class ContinuousBatcher:
             batch.extend(part)
             logits.append(part_logits)
         row_versions = [self.adapter_version(adapter, version) for adapter in adapters]
-        stamps = [(row_version, self.weights_epoch) if not taken.length else
-                  (min(row_version, taken.version), min(self.weights_epoch, taken.epoch))
-                  for taken, row_version in zip(used, row_versions, strict=True)]
+        epochs = [self.epoch_of(adapter) for adapter in adapters]
+        stamps = [(row_version, epoch) if not taken.length else
+                  (min(row_version, taken.version), min(epoch, taken.epoch))
+                  for taken, row_version, epoch in zip(used, row_versions, epochs, strict=True)]
         for sample, index in zip(admitted, expand, strict=True):
             sample.kv_version, sample.kv_epoch = stamps[index]
             sample.cached_tokens += used[index].length
@@ -415,19 +439,17 @@ class ContinuousBatcher:
     def _keep_prefilled(self, batch: KVBatch, sequences: list[list[int]], rows: list[int],
                         stamps: list[tuple[int, int]], routes: list[torch.Tensor | None],
                         adapters: list[str | None]) -> None:
-        """Keep every prefilled sequence of the base weights in the prefix cache, all of its tokens (a prefill computes
-        the last one's keys and values too): a group's other samples, arriving later, start with it."""
-        assert self.prefix_cache is not None
+        """Keep every prefilled sequence in the prefix cache, all of its tokens (a prefill computes the last one's keys
+        and values too): a group's other samples, arriving later, start with it."""
         in_rows = sorted(range(len(sequences)), key=rows.__getitem__)
         columns = real_columns(batch.attention_mask, [len(sequences[index]) for index in in_rows])
-        entries = [Insert(sequences[index], rows[index], row_columns, *stamps[index], routes[index])
-                   for index, row_columns in zip(in_rows, columns, strict=True) if adapters[index] is None]
-        self.prefix_cache.insert(entries, *_layer_kv(batch), self.weights_epoch)
+        entries = [(adapters[index], Insert(sequences[index], rows[index], row_columns, *stamps[index], routes[index]))
+                   for index, row_columns in zip(in_rows, columns, strict=True)]
+        self._insert(entries, *_layer_kv(batch))
 
     def _remember_leaving(self, leaving: list[tuple[int, DecodingSequence]]) -> None:
         """Keep what leaving rows computed (prompt and output but the last token, which was never fed) in the prefix
         cache: the next turn of a conversation, or a resumed sample, starts with it."""
-        leaving = [(row, sample) for row, sample in leaving if sample.adapter is None]
         if self.prefix_cache is None or not leaving:
             return
         tokens = [sample.prompt_ids + sample.output_ids[:-1] for _, sample in leaving]
@@ -437,8 +459,17 @@ class ContinuousBatcher:
             if sample.kv_version is None or sample.kv_epoch is None:
                 continue
             routes = torch.cat(sample.routes)[: len(sequence)] if sample.routes else None
-            entries.append(Insert(sequence, row, row_columns, sample.kv_version, sample.kv_epoch, routes))
-        self.prefix_cache.insert(entries, *self._row_kv(), self.weights_epoch)
+            entries.append((sample.adapter, Insert(sequence, row, row_columns, sample.kv_version, sample.kv_epoch,
+                                                   routes)))
+        self._insert(entries, *self._row_kv())
+
+    def _insert(self, entries: list[tuple[str | None, Insert]], keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> None:
+        """Keep `entries` in the prefix cache, each in its adapter's part, at the epoch that adapter's rows serve."""
+        assert self.prefix_cache is not None
+        for adapter in dict.fromkeys(adapter for adapter, _ in entries):
+            self.prefix_cache.insert([entry for owner, entry in entries if owner == adapter], keys, values,
+                                     self.epoch_of(adapter), namespace=adapter)
 
     def _append_sampled(self, samples: list[DecodingSequence], logits: torch.Tensor, version: int) -> torch.Tensor:
         """Sample each row's next token from its logits and append it; returns the tokens (a device tensor)."""

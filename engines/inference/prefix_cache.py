@@ -23,6 +23,11 @@ and what a request would have reused from them is counted (`stale_tokens`): what
 prefilled again. Without it (SGLang's keep) old nodes are reused, and the batcher's account counts the tokens sampled
 over them, as over any older KV.
 
+Adapters: rows served with a LoRA adapter (`multi_lora.py`) compute other keys and values from the same tokens, so
+each adapter has a tree of its own (`namespace`, None for the base weights), and its epoch is the newest load of the
+base weights or of that adapter: loading one policy's adapter voids its own entries only. The pool and the eviction
+order are shared: a busy adapter may take the slots of an idle one's leaves.
+
 Thread safety: the decode thread inserts and matches; `holds` (a router asking how much of a prefix this engine has)
 may come from another thread, so the tree is changed and read under a lock.
 """
@@ -139,7 +144,9 @@ class PrefixCache:
         self.counters = PrefixCacheCounters()
         self._lock = threading.Lock()
         self._ticks = itertools.count(1)
-        self._root = _Node([], np.zeros(0, dtype=np.int64), None, epoch=-1, version=-1)
+        # One tree per namespace (None: the base weights; else an adapter's name). A root's epoch is the newest its
+        # namespace was asked about, which is the one it serves: eviction takes the other epochs' leaves first.
+        self._roots: dict[str | None, _Node] = {}
         self.keys: torch.Tensor | None = None  # [layers, capacity + 1, kv_heads, head_dim], allocated on first insert
         self.values: torch.Tensor | None = None
         self.routes: torch.Tensor | None = None  # [capacity + 1, layers, top_k] int16 on the host, when recorded
@@ -153,11 +160,13 @@ class PrefixCache:
         """Whether `node`'s keys and values may be attended by a request served at weights `epoch`."""
         return not self.same_weights_only or node.epoch == epoch
 
-    def match(self, tokens: list[int], epoch: int, *, limit: int | None = None, touch: bool = True) -> PrefixMatch:
-        """The longest run of `tokens[:limit]` the cache holds usable at `epoch`; `touch` marks it recently used."""
+    def match(self, tokens: list[int], epoch: int, *, namespace: str | None = None, limit: int | None = None,
+              touch: bool = True) -> PrefixMatch:
+        """The longest run of `tokens[:limit]` the cache holds in `namespace` usable at `epoch`; `touch` marks it
+        recently used."""
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         with self._lock:
-            node, walked, length, stale = self._root, 0, 0, 0
+            node, walked, length, stale = self._root(namespace, epoch), 0, 0, 0
             runs: list[np.ndarray] = []
             spans: list[tuple[int, int, int]] = []
             path: list[_Node] = []
@@ -184,9 +193,10 @@ class PrefixCache:
         slots = np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
         return PrefixMatch(length, slots, tuple(spans), stale)
 
-    def holds(self, tokens: list[int], epoch: int) -> int:
-        """How many leading tokens of `tokens` this cache holds usable at `epoch` (what a router asks an engine)."""
-        return self.match(tokens, epoch, touch=False).length
+    def holds(self, tokens: list[int], epoch: int, namespace: str | None = None) -> int:
+        """How many leading tokens of `tokens` this cache holds in `namespace` usable at `epoch` (what a router asks
+        an engine)."""
+        return self.match(tokens, epoch, namespace=namespace, touch=False).length
 
     def gather(self, slot_rows: list[np.ndarray]) -> CachedPast:
         """The keys and values of each row's slots, right-aligned: the past a prefill of the rest attends to."""
@@ -215,8 +225,9 @@ class PrefixCache:
 
     # ----- writing -----
 
-    def insert(self, entries: list[Insert], keys: list[torch.Tensor], values: list[torch.Tensor], epoch: int) -> None:
-        """Add what `entries` hold beyond what the cache has usable at `epoch`, copying their keys and values out of
+    def insert(self, entries: list[Insert], keys: list[torch.Tensor], values: list[torch.Tensor], epoch: int,
+               namespace: str | None = None) -> None:
+        """Add what `entries` hold beyond what `namespace` has usable at `epoch`, copying their keys and values out of
         `keys`/`values` (per layer [rows, kv_heads, columns, head_dim]). A run the cache holds from other weights is
         rewritten in place; a full pool evicts first, and what does not fit is left out."""
         if not entries:
@@ -232,7 +243,7 @@ class PrefixCache:
         with self._lock:
             tick = next(self._ticks)  # this insert's nodes carry it, and no eviction of this insert takes them
             for entry in entries:
-                for start, run in self._place(entry, epoch, tick):
+                for start, run in self._place(entry, namespace, epoch, tick):
                     rows.append(entry.row)
                     columns.append(entry.columns[start : start + len(run)])
                     slots.append(run)
@@ -248,7 +259,7 @@ class PrefixCache:
         """Forget everything and give the pool's memory back; the next insert allocates it again."""
         with self._lock:
             self.counters.evicted_tokens += self.held_tokens
-            self._root.children.clear()
+            self._roots.clear()
             self.keys = self.values = self.routes = None
             self.capacity = self._free_count = 0
             self._free = np.zeros(0, dtype=np.int64)
@@ -269,12 +280,31 @@ class PrefixCache:
         self._free = np.arange(capacity, 0, -1, dtype=np.int64)
         self._free_count = capacity
 
-    def _place(self, entry: Insert, epoch: int, tick: int) -> list[tuple[int, np.ndarray]]:
+    def forget(self, namespace: str | None) -> None:
+        """Free everything `namespace` holds (an adapter the engine no longer serves)."""
+        with self._lock:
+            root = self._roots.pop(namespace, None)
+            stack = [] if root is None else list(root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                self._release(node.slots)
+                self.counters.evicted_tokens += len(node.slots)
+
+    def _root(self, namespace: str | None, epoch: int) -> _Node:
+        """`namespace`'s tree, made at its first use; notes `epoch` as the one it serves when newer."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node([], np.zeros(0, dtype=np.int64), None, epoch=epoch, version=-1)
+        root.epoch = max(root.epoch, epoch)
+        return root
+
+    def _place(self, entry: Insert, namespace: str | None, epoch: int, tick: int) -> list[tuple[int, np.ndarray]]:
         """Walk `entry.tokens` into the tree, cutting a node where they branch off it, restamping runs of other weights
         and adding a leaf for the rest; returns (first token, slots) of each run whose keys and values to write."""
         tokens = entry.tokens
         writes: list[tuple[int, np.ndarray]] = []
-        node, position = self._root, 0
+        node, position = self._root(namespace, epoch), 0
         while position < len(tokens):
             child = node.children.get(tokens[position])
             if child is None:
@@ -293,7 +323,7 @@ class PrefixCache:
             child.last_used = tick
             node, position = child, position + common
         if position < len(tokens):
-            run = self._take(len(tokens) - position, epoch, tick)
+            run = self._take(len(tokens) - position, tick)
             if len(run):
                 leaf = _Node(tokens[position : position + len(run)], run, node, entry.epoch, entry.version, tick)
                 node.children[tokens[position]] = leaf
@@ -310,43 +340,49 @@ class PrefixCache:
         head.children[node.tokens[0]] = node
         return head
 
-    def _take(self, count: int, epoch: int, tick: int) -> np.ndarray:
+    def _take(self, count: int, tick: int) -> np.ndarray:
         """Up to `count` free slots, evicting least recently used leaves for them first."""
         if self._free_count < count:
-            self._evict(max(count, int(self.capacity * EVICTION_CHUNK)) - self._free_count, epoch, tick)
+            self._evict(max(count, int(self.capacity * EVICTION_CHUNK)) - self._free_count, tick)
         count = min(count, self._free_count)
         run = self._free[self._free_count - count : self._free_count].copy()
         self._free_count -= count
         return run
 
-    def _evict(self, wanted: int, epoch: int, tick: int) -> None:
-        """Free at least `wanted` slots if leaves allow: those of other weights first, then the least recently used;
-        never a node of the insert in progress (`tick`)."""
+    def _evict(self, wanted: int, tick: int) -> None:
+        """Free at least `wanted` slots if leaves allow: those of weights their namespace no longer serves first, then
+        the least recently used; never a node of the insert in progress (`tick`)."""
         order = itertools.count()
-        heap = [(self.usable(leaf, epoch), leaf.last_used, next(order), leaf) for leaf in self._leaves()
-                if leaf.last_used != tick]
+        heap = [(self.usable(leaf, root.epoch), leaf.last_used, next(order), leaf, root)
+                for leaf, root in self._leaves() if leaf.last_used != tick]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < wanted:
-            _, _, _, leaf = heapq.heappop(heap)
+            *_, leaf, root = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.tokens[0]]
-            self._free[self._free_count : self._free_count + len(leaf.slots)] = leaf.slots
-            self._free_count += len(leaf.slots)
+            self._release(leaf.slots)
             freed += len(leaf.slots)
-            if parent is not self._root and not parent.children and parent.last_used != tick:
-                heapq.heappush(heap, (self.usable(parent, epoch), parent.last_used, next(order), parent))
+            if parent is not root and not parent.children and parent.last_used != tick:
+                heapq.heappush(heap, (self.usable(parent, root.epoch), parent.last_used, next(order), parent, root))
         self.counters.evicted_tokens += freed
 
-    def _leaves(self) -> list[_Node]:
-        leaves, stack = [], list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                leaves.append(node)
+    def _release(self, slots: np.ndarray) -> None:
+        self._free[self._free_count : self._free_count + len(slots)] = slots
+        self._free_count += len(slots)
+
+    def _leaves(self) -> list[tuple[_Node, _Node]]:
+        """Every leaf, with the root of its namespace."""
+        leaves = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                if node.children:
+                    stack.extend(node.children.values())
+                else:
+                    leaves.append((node, root))
         return leaves
 
     def _write(self, rows: list[int], columns: list[torch.Tensor], slots: list[np.ndarray],

@@ -264,10 +264,10 @@ class TorchEngine(base.InferenceEngine):
             reprefilled_tokens=self._batcher.reprefilled_tokens, evicted_tokens=counters.evicted_tokens,
             held_tokens=cache.held_tokens, capacity_tokens=cache.capacity)
 
-    def cached_prefix_tokens(self, input_ids: list[int]) -> int | None:
+    def cached_prefix_tokens(self, input_ids: list[int], adapter: str | None = None) -> int | None:
         """Exact as of the last step boundary (the tree is read under its lock, from any thread)."""
         cache = self._batcher.prefix_cache
-        return 0 if cache is None else cache.holds(list(input_ids), self._batcher.weights_epoch)
+        return 0 if cache is None else cache.holds(list(input_ids), self._batcher.epoch_of(adapter), adapter)
 
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """A copy of every weight by name: what an SGLang server that backs released weights up to the CPU keeps
@@ -354,7 +354,7 @@ class TorchEngine(base.InferenceEngine):
         users = sorted({sample.request_id for sample in (*self._batcher.running, *self._batcher.waiting)
                         if sample.adapter == adapter})
         self._weights.unload_adapter(adapter, users)
-        self._batcher.adapter_versions.pop(adapter, None)
+        self._batcher.adapter_unloaded(adapter)
 
     def _check_adapter(self, request_id: str, adapter: str) -> None:
         if self._batcher.adapters is None:
@@ -457,15 +457,15 @@ class TorchEngine(base.InferenceEngine):
 
     def _loaded(self, version: int, adapter: str | None) -> None:
         """After a load: tokens from now on carry `version`, and keys and values of before are void. A named adapter's
-        load changes its own rows only: the base weights, and with them the prefix cache (which holds rows of no
-        adapter) and the other adapters' rows, are as they were."""
+        load changes its own rows and prefix-cache entries only: the base weights, and with them the other adapters'
+        rows and entries, are as they were."""
+        self._batcher.weights_loaded(adapter)
         if adapter is not None:
             self._batcher.adapter_versions[adapter] = version
             if self._recompute_kv_on_update:
                 self._batcher.drop_adapter_rows(adapter)
             return
         self._version = version
-        self._batcher.weights_epoch += 1  # whatever the version says: prefix-cached keys and values of before are void
         if self._recompute_kv_on_update:
             self._batcher.drop_cache()
 

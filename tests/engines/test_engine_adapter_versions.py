@@ -1,5 +1,5 @@
 """Each named adapter of a torch engine has its own policy version: its rows' tokens carry it, an update of it lands in
-its rows only, and the prefix cache never hands one policy's keys and values to another."""
+its rows only, and the prefix cache keeps each policy's keys and values for its own rows."""
 
 from __future__ import annotations
 
@@ -93,31 +93,53 @@ async def test_a_declared_adapter_is_the_base_weights_at_version_0_until_its_fir
         _engine(tiny_model_path, adapters=("a", "a"))
 
 
-async def test_no_adapter_row_takes_keys_and_values_the_base_or_another_adapter_computed(
-        tiny_model_path: Path) -> None:
-    """The prefix cache holds rows of the base weights only: a row of an adapter neither reads it nor writes it, so
-    no policy (nor one of its versions) attends to keys and values another computed; an adapter's load leaves the
-    base weights' entries usable."""
-    alone: dict[str, list[int]] = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        uncached = _engine(tiny_model_path, prefix_cache_bytes=0)
-        try:
-            await uncached.update_weights(random_adapter(uncached.model, 4, seed, scale=0.5), 1, adapter=name)
-            alone[name] = (await _one(uncached, name, name)).output_ids
-        finally:
-            await uncached.close()
+async def _alone(path: Path, adapter: str, seeds: list[int]) -> list[int]:
+    """What `adapter` decodes from PROMPT on an engine without a prefix cache, after loads of `seeds`' factors."""
+    engine = _engine(path, prefix_cache_bytes=0)
+    try:
+        for version, seed in enumerate(seeds, start=1):
+            await engine.update_weights(random_adapter(engine.model, 4, seed, scale=0.5), version, adapter=adapter)
+        return (await _one(engine, adapter, adapter)).output_ids
+    finally:
+        await engine.close()
+
+
+async def test_each_adapter_reuses_its_own_cached_prefixes_and_no_other_policys(tiny_model_path: Path) -> None:
+    """The prefix cache keeps each adapter's keys and values apart: a row of an adapter takes what that adapter's
+    rows computed at its current weights, never the base weights' nor another adapter's entries for the same tokens,
+    and a load of one adapter voids its own entries only. Every output is what the adapter decodes with no cache."""
+    cached = len(PROMPT) - 1  # the last prompt token is always computed: its logits give the first token
+    alone = {"a": await _alone(tiny_model_path, "a", [1]), "b": await _alone(tiny_model_path, "b", [2]),
+             "a2": await _alone(tiny_model_path, "a", [1, 3])}
     engine = _engine(tiny_model_path)
     try:
         await engine.update_weights(random_adapter(engine.model, 4, 1, scale=0.5), 1, adapter="a")
+        await engine.update_weights(random_adapter(engine.model, 4, 2, scale=0.5), 1, adapter="b")
         await _one(engine, "base-0", None)
         a = await _one(engine, "a-1", "a")
-        await engine.update_weights(random_adapter(engine.model, 4, 2, scale=0.5), 1, adapter="b")
         b = await _one(engine, "b-1", "b")
+        assert (a.cached_tokens, b.cached_tokens) == (0, 0)  # the base's entry and a's hold the same tokens
+        assert engine.cached_prefix_tokens(PROMPT, "a") == engine.cached_prefix_tokens(PROMPT, "b") == len(PROMPT)
         again = await _one(engine, "a-2", "a")
-        assert (a.cached_tokens, b.cached_tokens, again.cached_tokens) == (0, 0, 0)
+        assert again.cached_tokens == cached
         assert (a.output_ids, b.output_ids, again.output_ids) == (alone["a"], alone["b"], alone["a"])
+
+        await engine.update_weights(random_adapter(engine.model, 4, 3, scale=0.5), 2, adapter="a")
+        assert engine.cached_prefix_tokens(PROMPT, "a") == 0
+        a2 = await _one(engine, "a-3", "a")
+        assert (a2.cached_tokens, a2.stale_cached_tokens, a2.output_ids) == (0, cached, alone["a2"])
+        b2 = await _one(engine, "b-2", "b")
         base = await _one(engine, "base-1", None)
-        assert base.cached_tokens == len(PROMPT) - 1  # the base's own entry, still usable after two adapter loads
+        assert (b2.cached_tokens, base.cached_tokens) == (cached, cached)  # a's load left theirs usable
+        assert b2.output_ids == alone["b"]
+        assert engine.kv_cache_account().stale_kv_tokens == 0
+
+        stats = engine.prefix_cache_stats()
+        assert stats is not None
+        await engine.unload_adapter("b")
+        after = engine.prefix_cache_stats()
+        assert after is not None and after.held_tokens < stats.held_tokens
+        assert engine.cached_prefix_tokens(PROMPT, "b") == 0
     finally:
         await engine.close()
 

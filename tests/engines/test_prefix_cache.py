@@ -28,12 +28,13 @@ def _rows(*sequences: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]
     return keys, [-layer_keys for layer_keys in keys]
 
 
-def _insert(cache: PrefixCache, epoch: int, *sequences: list[int], version: int = 0) -> None:
+def _insert(cache: PrefixCache, epoch: int, *sequences: list[int], version: int = 0,
+            namespace: str | None = None) -> None:
     keys, values = _rows(*sequences)
     columns = keys[0].shape[2]
     entries = [Insert(list(sequence), row, torch.arange(columns - len(sequence), columns), version, epoch)
                for row, sequence in enumerate(sequences)]
-    cache.insert(entries, keys, values, epoch)
+    cache.insert(entries, keys, values, epoch, namespace=namespace)
 
 
 def _gathered_tokens(cache: PrefixCache, match: PrefixMatch) -> list[int]:
@@ -123,6 +124,25 @@ def test_eviction_takes_runs_of_other_weights_before_any_usable_one() -> None:
     cache.match([1, 2, 3, 4, 5, 6], epoch=0)  # recently used, but of old weights
     _insert(cache, 1, [40, 41, 42, 43])
     assert cache.holds([20, 21, 22, 23, 24, 25], epoch=1) == 6 and cache.holds([1, 2, 3], epoch=0) == 0
+
+
+@pytest.mark.unit
+def test_each_namespace_offers_only_its_own_runs_and_eviction_weighs_each_by_its_own_epoch() -> None:
+    """Namespaces are the adapters: the same tokens hold other keys and values in each, and a namespace's epoch moves
+    alone (a load of one adapter), so its old runs go first while another's equally old epoch is still current."""
+    cache = PrefixCache(12 * BYTES_PER_TOKEN)
+    _insert(cache, 0, [1, 2, 3, 4], namespace="a")
+    assert cache.holds([1, 2, 3, 4], epoch=0, namespace="a") == 4
+    assert cache.holds([1, 2, 3, 4], epoch=0) == cache.holds([1, 2, 3, 4], epoch=0, namespace="b") == 0
+    _insert(cache, 0, [1, 2, 3, 4], namespace="b")
+    _insert(cache, 1, [7, 8, 9, 10], namespace="a")  # a's weights changed: its first run is void, b's is not
+    cache.match([1, 2, 3, 4], epoch=0, namespace="a", touch=True)  # recent, but no longer usable in a
+    _insert(cache, 1, [30, 31, 32, 33])  # the base weights' run needs four slots
+    assert cache.holds([1, 2, 3, 4], epoch=0, namespace="b") == 4  # older than a's void run, kept: still usable
+    assert cache.holds([1, 2, 3, 4], epoch=0, namespace="a") == 0 and cache.counters.evicted_tokens == 4
+    assert _gathered_tokens(cache, cache.match([7, 8, 9, 10], epoch=1, namespace="a")) == [7, 8, 9, 10]
+    cache.forget("a")
+    assert cache.held_tokens == 8 and cache.holds([7, 8, 9, 10], epoch=1, namespace="a") == 0
 
 
 @pytest.mark.unit
