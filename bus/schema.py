@@ -272,6 +272,11 @@ class LostGroups(Message):
     reason: Annotated[str, doc("why they are lost, for the log")]
 
 
+HOST_GROUP = ("the group of another policy whose episode generated this one, this policy's turns in it "
+            "(docs/multi-policy.md): the policy's buffer adopts it, lease_id being the other group's lease; null: a "
+            "group this policy's buffer leased")
+
+
 class GeneratedGroup(Message):
     """Rollout worker -> reward worker (stream): the generated samples of one group, not yet scored."""
 
@@ -282,6 +287,7 @@ class GeneratedGroup(Message):
     is_eval: Annotated[bool, doc("the PromptGroup's: scored with --eval-reward-key, without a teacher")] = False
     policy: Annotated[str | None, doc("the policy whose buffer leased the group (its reward, its buffer) in a run of "
                                       "several; null in a run of one")] = None
+    host_group: Annotated[str | None, doc(HOST_GROUP)] = None
 
 
 class ScoredGroup(Message):
@@ -291,6 +297,7 @@ class ScoredGroup(Message):
     group_id: Annotated[str, doc("the group")]
     samples: Annotated[list[Sample], doc("scored samples")]
     worker_id: Annotated[str, doc("rollout worker that generated them (for lease bookkeeping)")]
+    host_group: Annotated[str | None, doc(HOST_GROUP)] = None
 
 
 class BatchRequest(Message):

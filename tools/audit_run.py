@@ -125,8 +125,8 @@ def _read_buffer_log(run_dir: Path) -> tuple[set[str], set[str], dict[int, Batch
             accepted.add(record["group_id"])
             ever_accepted.add(record["group_id"])
             payloads[record["group_id"]] = record["group"]
-        elif kind == "evict":
-            accepted.discard(record["group_id"])  # regenerated: only a later acceptance counts
+        elif kind in ("evict", "drop"):  # regenerated (only a later acceptance counts), or an adopted group dropped
+            accepted.discard(record["group_id"])
         elif kind == "snapshot" and not payloads:  # the archives before this compaction were deleted
             for raw in [*record.get("pool", []), *(g for b in record.get("served", []) for g in b["groups"])]:
                 payloads.setdefault(decode(raw).group_id, raw)

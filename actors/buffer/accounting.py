@@ -116,6 +116,8 @@ def _read(log_path: Path) -> _History:
                 for group_id in record["new"]:
                     epoch, position = (int(part) for part in group_id.split(":"))
                     history.new_positions.setdefault(epoch, set()).add(position)
+            elif kind == "adopt":  # another policy's episode made it: never leased, as many samples as one
+                history.fate(group_id).n_samples = decode(record["group"]).n_samples
             elif kind == "accept":
                 fate = history.fate(group_id)
                 samples = decode(record["group"]).samples

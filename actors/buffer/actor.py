@@ -160,7 +160,7 @@ class Buffer(Actor):
             self.spawn(self._hand_back(group), name=f"buffer.hand_back.{group.group_id}")
         elif outcome.startswith("dropped"):
             self.log.info("group dropped", group=group.group_id, reason=outcome.split(".", 1)[1])
-        elif outcome == "accepted":
+        elif outcome in ("accepted", "adopted"):
             async with self.batch_ready:
                 self.batch_ready.notify_all()
 

@@ -24,6 +24,7 @@ import numpy as np
 import structlog
 
 from actors.buffer.log import BufferLog
+from actors.buffer.owned_groups import take_guest_groups
 from actors.buffer.selection import checked_selection
 from actors.data.prompts import Cursor, PromptSource
 from actors.extensions.points import BatchSelector, GroupFilter, SelectionError
@@ -104,6 +105,9 @@ class BufferCore:
         self.reissue: deque[PromptGroup] = deque()
         self.guest_queue: deque[PromptGroup] = deque()  # groups another role owns (`add_guests`), leased first
         self.guest_owners: dict[str, str] = {}  # a scored guest group -> its owner, until handed back
+        # Groups of this policy's turns in another policy's episodes (`ScoredGroup.host_group`), taken in unleased:
+        # every one ever adopted, so one generated again (its host group re-issued) is not trained twice.
+        self.adopted: set[str] = set()
         self.in_flight: dict[str, tuple[PromptGroup, str]] = {}
         self.prompt_groups: dict[str, PromptGroup] = {}  # every training group not yet committed
         self.leases: dict[str, LeaseRecord] = {}
@@ -235,8 +239,11 @@ class BufferCore:
 
     # ------------------------------------------------------------------------------------------ results
     def accept(self, scored: ScoredGroup) -> str:
-        """Take a scored group back. Returns "accepted", "guest" (another role's group: hand it back to its
-        owner), "dropped.<reason>" or "ignored.<reason>"."""
+        """Take a scored group back. Returns "accepted", "adopted" (this policy's turns in another policy's
+        episode), "guest" (another role's group: hand it back to its owner), "dropped.<reason>" or
+        "ignored.<reason>"."""
+        if scored.host_group is not None:
+            return self._adopt(scored)
         entry = self.in_flight.get(scored.group_id)
         if entry is None or entry[1] != scored.lease_id:
             self.stats.ignored["stale_lease"] += 1
@@ -250,6 +257,28 @@ class BufferCore:
         if group.owner is not None:
             self.guest_owners[scored.group_id] = group.owner
             return "guest"
+        return self._take(scored)
+
+    def _adopt(self, scored: ScoredGroup) -> str:
+        """A group no lease of ours gave out: it starts here, as if leased and scored at once, and trains like the
+        groups of our prompts; nobody can generate it again, so staleness drops it rather than re-issuing it."""
+        if scored.group_id in self.adopted:
+            self.stats.ignored["adopted_again"] += 1
+            return "ignored.adopted_again"
+        first = scored.samples[0] if scored.samples else None
+        group = PromptGroup(group_id=scored.group_id, prompt="" if first is None else first.prompt,
+                            label=None if first is None else first.label, n_samples=self.n_samples)
+        self.adopted.add(scored.group_id)
+        self.prompt_groups[scored.group_id] = group
+        self.live_started += 1
+        self.stats.started += 1
+        if self.log is not None:
+            self.log.append("adopt", group_id=scored.group_id, group=encode(group))
+        outcome = self._take(scored)
+        return "adopted" if outcome == "accepted" else outcome
+
+    def _take(self, scored: ScoredGroup) -> str:
+        """Admit a scored group of ours into the pool, or drop it (counted and logged)."""
         trained, reason = self._admitted(scored)
         if reason is not None:
             self._drop(scored.group_id, reason)
@@ -396,6 +425,9 @@ class BufferCore:
             staleness = staleness_of_range(trains_at, self.version_ranges[group_id])
             if staleness > self.admission.max_staleness:
                 del self.pool[group_id]
+                if group_id in self.adopted:  # another policy's episode made it: nothing here can make it again
+                    self._drop(group_id, "stale_adopted")
+                    continue
                 group = self.prompt_groups[group_id]
                 self.reissue.append(group)
                 self.stats.dropped["stale_evicted"] += 1
@@ -439,6 +471,7 @@ class BufferCore:
             "pool": [encode(g) for g in self.pool.values()],
             "served": [{"batch_id": b.batch_id, "groups": [encode(g) for g in b.groups], "staleness": b.staleness,
                         "learner_version": b.learner_version} for b in self.served.values()],
+            "adopted": sorted(self.adopted),
         }
 
     def _restore_snapshot(self, record: dict[str, Any]) -> Cursor:
@@ -459,6 +492,7 @@ class BufferCore:
         self.leases = {lease_id: r for lease_id, r in self.leases.items() if r.group_ids}
         self.reissue = deque(self.prompt_groups[group_id] for group_id in record["reissue"])
         self.pool = {g.group_id: g for g in map(decode, record["pool"])}
+        self.adopted = set(record.get("adopted", ()))
         self.served = {b["batch_id"]: AssembledBatch(b["batch_id"], [decode(g) for g in b["groups"]],
                                                      list(b["staleness"]), b.get("learner_version", 0))
                        for b in record["served"]}
@@ -491,8 +525,14 @@ class BufferCore:
                 self.pool[record["group_id"]] = decode(record["group"])
                 self.stats.accepted += 1
                 self.stats.left_out_samples += left_out_episodes(record.get("left_out", ()))
+            elif kind == "adopt":
+                self.adopted.add(record["group_id"])
+                self.prompt_groups[record["group_id"]] = decode(record["group"])
+                self.live_started += 1
+                self.stats.started += 1
             elif kind == "drop":
                 self._forget_in_flight(record["group_id"])
+                self.pool.pop(record["group_id"], None)  # an adopted group dropped as stale was in the pool
                 self.prompt_groups.pop(record["group_id"], None)
                 self.live_started -= 1
                 self.stats.dropped[record["reason"]] += 1
@@ -545,29 +585,3 @@ def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> Assemb
     """A logged batch as it was first served, staleness and version included (older logs had neither)."""
     return AssembledBatch(record["batch_id"], groups, list(record.get("staleness", [])),
                           record.get("learner_version", 0))
-
-
-def take_guest_groups(queue: deque[PromptGroup], max_groups: int, weights_version: int | None,
-                      max_samples: float = float("inf")) -> list[PromptGroup]:
-    """Up to `max_groups` groups out of `queue`, in order, that the worker's weights can serve, and of at most
-    `max_samples` samples together (the first is taken whatever its size).
-
-    A group for weights v (`PromptGroup.weights_version`) goes only to a worker whose weights are v or newer (None:
-    the learner pushes none, so any). An older engine may never get v's weights: the learner holds its pushes while
-    v is pinned (an engine that joins meanwhile gets nothing until then), and it would sit on the group until its
-    deadline ran out.
-    """
-    servable = [g for g in queue if weights_version is None or (g.weights_version or 0) <= weights_version]
-    taken: list[PromptGroup] = []
-    samples = 0
-    for group in servable[:max_groups]:
-        if taken and samples + group.n_samples > max_samples:
-            break
-        taken.append(group)
-        samples += group.n_samples
-    if taken:
-        ids = {g.group_id for g in taken}
-        remaining = [g for g in queue if g.group_id not in ids]
-        queue.clear()
-        queue.extend(remaining)
-    return taken

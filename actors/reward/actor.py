@@ -108,7 +108,7 @@ class RewardWorker(Actor):
         chaos.reached("score.mid")
         self.counters["samples.scored"] += len(scored)
         await scoring.buffer.send(ScoredGroup(lease_id=group.lease_id, group_id=group.group_id, samples=scored,
-                                              worker_id=group.worker_id))
+                                              worker_id=group.worker_id, host_group=group.host_group))
         self.waits.made_progress()
 
     def _drop_unknown_policy(self, group: GeneratedGroup) -> None:

@@ -20,6 +20,7 @@ from actors.extensions.load import check_rollout_loop, rollout_loop
 from actors.extensions.points import RolloutLoop
 from actors.rollout.agent import AgentRunner, EpisodeLoop
 from actors.rollout.choice import choose_generate_function
+from actors.rollout.cross_policy import PolicyTurns, split_by_policy
 from actors.rollout.engine_factory import load_engine
 from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
 from actors.rollout.generate import GenerateFunction, RolloutContext, groups_calls
@@ -291,14 +292,20 @@ class RolloutWorker(Actor):
             key = group.group_id if groups_calls(self.generate_fn) else None
             engine = self.engine if group.owner is not None or self.router is None else self.router.engine_for(key)
             context = RolloutContext(engine=lane.view(engine), tokenizer=self.tokenizer, config=lane.config,
-                                     worker_id=self.actor_id)
+                                     worker_id=self.actor_id, policy=lane.policy,
+                                     policy_engines={other.policy: other.view(engine) for other in self.lanes
+                                                     if other.policy is not None},
+                                     policy_configs={other.policy: other.config for other in self.lanes
+                                                     if other.policy is not None})
             with self.waits.on("engine", f"generating group {group.group_id}"):
                 samples = await chaos.during("generate.mid", self.generate_fn(context, group))
                 samples = await self._unless_aborted(context, group, samples)
             if samples is None:
                 return  # not sent: its lease runs out and the buffer gives the group out again
             self._note_context_cuts(context, group)
+            samples, others = split_by_policy(context, group, samples)
             await self.send_generated(lease.lease_id, group.group_id, samples, is_eval=group.is_eval, lane=lane)
+            await self._send_other_policies(lease.lease_id, group, others, lane)
             self.waits.made_progress()
         except asyncio.CancelledError:
             raise
@@ -356,6 +363,23 @@ class RolloutWorker(Actor):
         self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
         self.counters["groups.sent"] += 1
         lane.handed_off.note(reward_worker, lease_id, group_id)
+
+    async def _send_other_policies(self, lease_id: str, group: PromptGroup, others: list[PolicyTurns],
+                                   lane: Lane) -> None:
+        """Each other policy's group in `group`'s episode to that policy's reward and buffer. The reward worker it
+        goes to holds the host group too: if it dies while the host group is still unscored, the host's buffer gives
+        the group out again, and the episode, every policy's turns in it, is generated again. An eval round's
+        episode trains no policy."""
+        if group.is_eval:
+            self.counters["other_policy_groups.eval_unsent"] += len(others)
+            return
+        for turns in others:
+            self.counters["samples.generated"] += len(turns.samples)
+            reward_worker = await self.rewards.send(GeneratedGroup(
+                lease_id=lease_id, group_id=turns.group.group_id, samples=turns.samples, worker_id=self.actor_id,
+                policy=turns.policy, host_group=group.group_id))
+            self.counters["other_policy_groups.sent"] += 1
+            lane.handed_off.note(reward_worker, lease_id, group.group_id)
 
     async def release(self, lease_id: str, group: PromptGroup, lane: Lane | None = None) -> None:
         """`group` of `lease_id` is done with (sent or given up): free its rows; the last one ends renewal."""

@@ -575,3 +575,54 @@ def test_a_lease_fills_the_samples_the_worker_has_room_for_one_sample_eval_group
     assert [g.n_samples for g in third] == [N]
     _, unbounded = core.lease("w", 100)  # no bound on samples (slime's data source): the admission's limit only
     assert len(unbounded) == (1 + 1) * B - 3
+
+
+def adopted(group_id: str, *, version: int = 0) -> ScoredGroup:
+    """A group of this policy's turns in another policy's episode, scored: it names that episode's group and lease."""
+    turns = PromptGroup(group_id=group_id, prompt="What is 2 + 3?", label="5", n_samples=N)
+    return msgspec.structs.replace(scored(turns, "the-hosts-lease", version=version), host_group="0:9")
+
+
+@pytest.mark.unit
+def test_a_group_from_another_policys_episode_is_adopted_once_batched_and_restored_so(tmp_path: Path) -> None:
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(max_staleness=2, log=BufferLog(log_path))
+    lease_id, groups = lease_all(core, max_groups=B - 1)
+    started = core.stats.started
+    assert core.accept(adopted("0:9@solver.0")) == "adopted"
+    assert core.accept(adopted("0:9@solver.0")) == "ignored.adopted_again"  # the host episode generated again
+    assert core.stats.started == started + 1 and core.stats.ignored["adopted_again"] == 1
+    for group in groups:
+        core.accept(scored(group, lease_id))
+    batch = core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    assert batch is not None
+    assert [g.group_id for g in batch.groups] == [*(g.group_id for g in groups), "0:9@solver.0"]
+    core.log.close()
+
+    revived = make_core(max_staleness=2)
+    revived.restore(log_path)
+    assert _state(revived) == _state(core)
+    assert revived.accept(adopted("0:9@solver.0")) == "ignored.adopted_again"
+    again = revived.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0)
+    assert again is not None and [g.group_id for g in again.groups] == [g.group_id for g in batch.groups]
+    revived.log = BufferLog(tmp_path / "compacted.msgpack")
+    revived.log.compact(revived.snapshot())
+    revived.log.close()
+    compacted = make_core(max_staleness=2)
+    compacted.restore(tmp_path / "compacted.msgpack")
+    assert compacted.accept(adopted("0:9@solver.0")) == "ignored.adopted_again"
+
+
+@pytest.mark.unit
+def test_an_adopted_group_past_the_staleness_bound_is_dropped_not_given_out_again(tmp_path: Path) -> None:
+    log_path = tmp_path / "log.msgpack"
+    core = make_core(max_staleness=1, log=BufferLog(log_path))
+    assert core.accept(adopted("0:9@solver.0", version=0)) == "adopted"
+    assert core.next_batch(learner_version=3, trained_batch=0, checkpointed_batch=0) is None
+    assert core.stats.dropped["stale_adopted"] == 1 and "0:9@solver.0" not in core.pool
+    _, leased = lease_all(core)
+    assert "0:9@solver.0" not in {g.group_id for g in leased}  # nobody here can generate it again
+    core.log.close()
+    revived = make_core(max_staleness=1)
+    revived.restore(log_path)
+    assert "0:9@solver.0" not in revived.pool and revived.stats.dropped["stale_adopted"] == 1

@@ -25,10 +25,12 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from actors.buffer.log import BufferLog
 from actors.runtime.metrics import read_metrics
 from bus.codec import decode
 from policies.plugins import load_object
 from policies.rewards import RewardInput
+from tests.support.cross_policy import SUMS_TURN
 from tests.system.test_fault_tolerance import current_pid
 from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data, make_sum_questions
@@ -39,6 +41,7 @@ STEPS = 3
 POLICIES = ("add", "sums")
 # Rewards that vary between an untrained model's samples (so each policy's adapter gets a gradient), one per policy.
 REWARDS = {"add": "tests.support.reward_plugins:digit_share", "sums": "tests.support.reward_plugins:letter_share"}
+CROSS_POLICY = "tests.support.cross_policy"
 
 
 def prompts_of(path: Path) -> set[str]:
@@ -150,3 +153,43 @@ def test_a_policys_learner_killed_mid_run_resumes_while_the_other_trains_on(tmp_
     for policy in POLICIES:
         report = audit(run_dir / "policies" / policy)
         assert report.ok and report.trained_batches == steps, (policy, report.problems)
+
+
+@pytest.mark.system
+@pytest.mark.timeout(300)
+def test_an_episode_of_one_policy_trains_the_other_on_its_own_turns(tmp_path: Path, tiny_model_path: Path) -> None:
+    """add's episodes call sums (tests/support/cross_policy.py): each puts add's first answer to sums, whose answers
+    form a group of sums' own. sums' buffer adopts those groups (its own prompts' groups are filtered out here, so
+    it trains on nothing else), scores them with sums' reward and trains each once; add trains on its own turns
+    only; both policies' audits and the run's certificate pass."""
+    sums_steps = 2
+    command, data = two_policy_run(tmp_path, tiny_model_path, STEPS, max_staleness=STEPS)
+    settings = yaml.safe_load((tmp_path / "run.yaml").read_text(encoding="utf-8"))
+    settings["policies"]["sums"].update(num_rollout=sums_steps,
+                                        dynamic_sampling_filter_path=f"{CROSS_POLICY}:turns_in_add_episodes_only")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
+    command += ["--custom-generate-function-path", f"{CROSS_POLICY}:add_then_sums"]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    run_dir = tmp_path / "run"
+
+    assert [row["step"] for row in trained(run_dir, "add")] == list(range(1, STEPS + 1))
+    assert [row["step"] for row in trained(run_dir, "sums")] == list(range(1, sums_steps + 1))
+    for step in range(1, STEPS + 1):
+        batch = decode((tmp_path / "add-batches" / f"batch_{step:06d}.msgpack").read_bytes())
+        assert {sample.prompt for sample in batch.samples} <= prompts_of(data["add"]), "add trained others' turns"
+    letter_share = load_object(REWARDS["sums"], what="reward")
+    for step in range(1, sums_steps + 1):
+        batch = decode((tmp_path / "sums-batches" / f"batch_{step:06d}.msgpack").read_bytes())
+        for sample in batch.samples:
+            host = sample.metadata["host_group"]
+            assert sample.group_id.startswith(f"{host}@sums.") and sample.metadata["host_policy"] == "add"
+            assert sample.prompt.startswith(SUMS_TURN), sample.prompt
+            assert sample.reward == pytest.approx(letter_share(RewardInput(prompt="", response=sample.response)))
+    adopted = [record["group_id"] for record in BufferLog.replay(run_dir / "policies" / "sums" / "buffer" /
+                                                                 "log.msgpack") if record["kind"] == "adopt"]
+    assert len(adopted) == len(set(adopted)) >= 4 * sums_steps
+    for policy in POLICIES:
+        report = audit(run_dir / "policies" / policy)
+        assert report.ok, (policy, report.problems)
+    assert json.loads((run_dir / "integrity.json").read_text())["ok"]
