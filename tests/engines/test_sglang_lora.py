@@ -32,6 +32,8 @@ from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
 from engines.weights.base import WeightTransferError
 from engines.weights.transport import SGLANG_LORA, SenderOptions, resolve_transport
+from tools.standins.sglang_server.adapters import AdapterError, AdapterRoutes
+from tools.standins.sglang_server.args import parse_args
 
 pytestmark = pytest.mark.integration
 RANK, ALPHA = 4, 8.0
@@ -350,3 +352,31 @@ async def test_a_request_naming_a_policy_the_engine_serves_no_adapter_for_is_ref
     finally:
         await policies.close()
         await plain.close()
+
+
+async def test_the_compatible_server_refuses_a_load_past_the_adapters_it_holds(tiny_model_path: Path,
+                                                                             tmp_path: Path) -> None:
+    engine = TorchEngine.from_pretrained(tiny_model_path, lora_scaling=1.0, max_adapters=1)
+    args = parse_args(["--model-path", str(tiny_model_path), "--enable-lora", "--max-lora-rank", str(RANK),
+                       "--lora-target-modules", *TARGETS, "--max-loras-per-batch", "1"])
+    registry = AdapterRoutes.for_server(engine, args).registry
+    assert registry is not None
+    for seed in (1, 2):
+        write_adapter_folder(dict(random_adapter(tiny_model_path, seed)), ALPHA, tmp_path / f"a{seed}")
+    try:
+        await registry.load("a1", str(tmp_path / "a1"))
+        with pytest.raises(AdapterError, match=r"holds at most --max-loras-per-batch 1 adapters at once"):
+            await registry.load("a2", str(tmp_path / "a2"))
+        await registry.unload("a1")
+        await registry.load("a2", str(tmp_path / "a2"))  # room again once the first is gone
+        assert registry.loaded == {"a2": str(tmp_path / "a2")}
+    finally:
+        await engine.close()
+
+
+def test_the_compatible_server_refuses_lora_with_deterministic_inference(tiny_model_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(tiny_model_path), "--enable-lora", "--max-lora-rank", str(RANK),
+                    "--lora-target-modules", *TARGETS, "--enable-deterministic-inference"])
+    assert "--enable-lora with --enable-deterministic-inference" in capsys.readouterr().err

@@ -115,6 +115,37 @@ def test_two_policies_train_their_own_adapters_on_one_shared_engine(tmp_path: Pa
 
 
 @pytest.mark.system
+@pytest.mark.timeout(240)
+def test_two_policies_train_their_own_adapters_on_one_shared_sglang_server(tmp_path: Path,
+                                                                          tiny_model_path: Path) -> None:
+    """The same on an SGLang(-compatible) server: each policy's pushes are loaded by name beside the other's, and
+    each policy's requests name its own adapter (engines/sglang/adapter_sync.py)."""
+    steps = 2
+    command, _ = two_policy_run(tmp_path, tiny_model_path, steps, max_staleness=0)
+    command += ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
+                "--lora-sync-dir", str(tmp_path / "adapters"), "--weight-transfer-timeout", "20"]
+    run_dir = tmp_path / "run"
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+    loaded = [record for record in read_metrics(run_dir / "logs" / "rollout-0-0.jsonl")
+              if record.get("event") == "adapter loaded by the SGLang server"]
+    for policy in POLICIES:
+        rows = trained(run_dir, policy)
+        assert [row["step"] for row in rows] == list(range(1, steps + 1)), policy
+        assert max(row["train_rollout_logprob_abs_diff"] for row in rows) < 1e-4, (
+            f"{policy}: the server's log-probs are not its adapter's")
+        last = decode((tmp_path / f"{policy}-batches" / f"batch_{steps:06d}.msgpack").read_bytes())
+        versions = [int(sample.token_versions.min()) for sample in last.samples if sample.response_length]
+        assert versions and min(versions) == steps - 1, f"{policy}: late samples not from its own pushed adapter"
+        names = [record["adapter"] for record in loaded if record.get("policy") == policy]
+        assert names and all(name.startswith(f"slipstream-{policy}-v") for name in names), loaded
+    assert not any((tmp_path / "adapters").rglob("adapter_model.safetensors"))  # every version retired
+    certificate = json.loads((run_dir / "integrity.json").read_text())
+    assert certificate["ok"] and set(certificate["policies"]) == set(POLICIES), certificate
+
+
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_a_policys_learner_killed_mid_run_resumes_while_the_other_trains_on(tmp_path: Path,
                                                                            tiny_model_path: Path) -> None:
