@@ -63,6 +63,7 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
         weight_transport=SGLANG,
         colocated_weight_transport=SGLANG_TENSOR,  # by reference, no broadcast
         lora_weight_transport=SGLANG_LORA,  # the server loads each adapter by name
+        serves_named_adapters=True,  # each policy's adapter versions by name, each request naming its policy's
         lora_target_check="engines.sglang.protocol:lora_target_modules",
         cpu_standin="--sglang-server-module tools.standins.sglang_server"),
 }

@@ -159,8 +159,10 @@ def sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     from engines.sglang.launch import ServerProcess, ServerSpec
 
     engine_config = config.engine
-    # A LoRA run's pushes are adapters, which the server loads by name (engines/sglang/adapter_sync.py).
-    adapters = AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir) if config.lora.enabled else None
+    # A LoRA run's pushes are adapters, which the server loads by name (engines/sglang/adapter_sync.py); a run of
+    # several policies has one per policy.
+    adapters = (AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir, policy_names(config))
+                if config.lora.enabled else None)
     release_tags = colocated_release_tags(config)
     routes = moe_routes(config)
     if engine_config.sglang_url:
@@ -242,6 +244,10 @@ def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
         extra.setdefault("dtype", "bfloat16")
     if config.lora.enabled:
         extra.update(lora_server_args(config))
+        if config.policies:  # room in a batch for every policy's adapter, the ones they replace, and the base model
+            from engines.sglang.protocol import LORAS_PER_BATCH
+
+            extra.setdefault("max-loras-per-batch", str(max(LORAS_PER_BATCH, 2 * len(config.policies) + 1)))
     if config.placement.colocate:  # the learner shares the GPU: the server hands its memory over between turns
         extra.setdefault("enable-memory-saver", "true")
     if config.trainer.use_rollout_routing_replay:

@@ -1,8 +1,13 @@
-"""SGLang's LoRA endpoints, beyond the `InferenceEngine` interface: what the adapter loader drives.
+"""SGLang's LoRA endpoints, beyond the `InferenceEngine` interface: what the adapter loaders drive.
 
 A mixin of `SglangEngine`, like `weight_endpoints.py`: loading an adapter by name, unloading one no request uses
 any more, and the bookkeeping of which adapter each request in flight named (`_take_adapter` and
 `_release_adapter`, called by the engine around every `/generate`). See `adapter_sync.py` for the protocol.
+
+Adapters are served per policy: a run of one policy has one, under policy None, which every request runs with; a
+run of several (`policies:`) has one per policy, and a request naming policy P (`GenerateRequest.adapter`) runs
+with P's newest loaded version. Before P's first load its requests run on the base model, at P's version 0, as a
+fresh LoRA adapter (B = 0) computes exactly what the base does.
 """
 
 from __future__ import annotations
@@ -19,17 +24,20 @@ from engines.sglang.protocol import Endpoint
 @dataclass(frozen=True)
 class AdapterServing:
     """What a rollout worker needs to hand its server adapters: the run's `lora_alpha` (SGLang scales each
-    adapter by `lora_alpha / r`, `r` read from the tensors) and where to write the folders (None: a temporary
-    directory; the server must be able to read it)."""
+    adapter by `lora_alpha / r`, `r` read from the tensors), where to write the folders (None: a temporary
+    directory; the server must be able to read it), and the run's policies, whose requests name their adapter
+    (none: a run of one policy)."""
 
     alpha: float
     folder: str | None = None
+    policies: tuple[str, ...] = ()
 
 
 class AdapterEndpoints:
     url: str
     _version: int
-    _adapter: tuple[str, int] | None  # (name, version) of the adapter new requests run with
+    adapters: AdapterServing | None
+    _served: dict[str | None, tuple[str, int]]  # policy (None: the run's one) -> (name, version) new requests run with
     _adapter_users: Counter[str]  # requests in flight per adapter name
     _adapter_released: asyncio.Condition | None
 
@@ -38,15 +46,29 @@ class AdapterEndpoints:
 
     @property
     def adapter(self) -> str | None:
-        """The name of the LoRA adapter new requests run with; None: the base model."""
-        return None if self._adapter is None else self._adapter[0]
+        """The name of the LoRA adapter new requests of a run of one policy run with; None: the base model."""
+        return self.adapter_name(None)
 
-    async def load_adapter(self, name: str, path: str, version: int, *, timeout: float | None = None) -> None:
-        """Load the PEFT folder `path` on the server as adapter `name`; requests sent from now on run with it and
-        their tokens are tagged `version`. Requests already in flight finish with the adapter they named."""
+    def adapter_name(self, policy: str | None) -> str | None:
+        """The name on the server of the adapter new requests of `policy` run with; None: the base model."""
+        served = self._served.get(policy)
+        return None if served is None else served[0]
+
+    def adapter_version(self, policy: str) -> int:
+        """The version of `policy`'s adapter new requests of it run with (their tokens carry it); 0 before its first
+        load, when they run on the base model (module docstring)."""
+        served = self._served.get(policy)
+        return 0 if served is None else served[1]
+
+    async def load_adapter(self, name: str, path: str, version: int, *, policy: str | None = None,
+                           timeout: float | None = None) -> None:
+        """Load the PEFT folder `path` on the server as adapter `name`, version `version` of `policy`'s adapter;
+        requests of `policy` sent from now on run with it and their tokens are tagged `version`. Requests already
+        in flight, and every other policy's, go on with the adapter they named."""
         await self._call(protocol.LOAD_LORA_ADAPTER, timeout=timeout, lora_name=name, lora_path=path)
-        self._adapter = (name, version)
-        self._version = version
+        self._served[policy] = (name, version)
+        if policy is None:  # a run of one policy: its adapter's version is the engine's
+            self._version = version
 
     async def unload_adapter(self, name: str, *, timeout: float) -> None:
         """Drop adapter `name` from the server once no request of this client that named it is in flight.
@@ -54,9 +76,11 @@ class AdapterEndpoints:
         Waiting here, not only in SGLang's unload: a request that named the adapter may still be on its way to
         the server, and one that arrives after the unload fails instead of running. TimeoutError after
         `timeout` seconds names the adapter and how many requests still use it."""
-        if self.adapter == name:
-            raise ValueError(f"{self.url}: adapter {name!r} is the one new requests run with; load its successor "
-                             "first")
+        current = [policy for policy, (served, _) in self._served.items() if served == name]
+        if current:
+            whose = "" if current[0] is None else f" of policy {current[0]!r}"
+            raise ValueError(f"{self.url}: adapter {name!r} is the one new requests{whose} run with; load its "
+                             "successor first")
         released = self._released()
         try:
             async with released:
@@ -66,6 +90,18 @@ class AdapterEndpoints:
                                f"{timeout:g}s; not unloaded") from error
         self._adapter_users.pop(name, None)
         await self._call(protocol.UNLOAD_LORA_ADAPTER, timeout=timeout, lora_name=name)
+
+    def _served_adapter(self, request_id: str, policy: str | None) -> tuple[str, int] | None:
+        """The (name, version) a request of `policy` runs with now; None: the base model. A request naming a
+        policy this engine serves no adapter for is refused, naming what it serves."""
+        if policy is not None:
+            if self.adapters is None:
+                raise ValueError(f"request {request_id!r}: adapter {policy!r}: {self.url} serves no adapters (the "
+                                 "run trains none: --lora-rank)")
+            if policy not in self.adapters.policies and policy not in self._served:
+                raise ValueError(f"request {request_id!r}: adapter {policy!r} is not one {self.url} serves (its "
+                                 f"policies: {list(self.adapters.policies)})")
+        return self._served.get(policy)
 
     def _take_adapter(self, adapter: tuple[str, int] | None) -> None:
         if adapter is not None:

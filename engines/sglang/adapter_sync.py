@@ -2,9 +2,15 @@
 
 A LoRA run changes only the adapter, tens of megabytes where the model is gigabytes, so only the adapter moves.
 SGLang serves adapters by name (`/load_lora_adapter` from a PEFT folder; a `/generate` item names its adapter in
-`lora_path`), so every load gets a name of its own: `slipstream-v<version>-<6 hex digits>`. The random part keeps
-names unique when a version is pushed twice (a push retried after another engine failed, a learner resumed from
-a checkpoint) and across rollout-worker restarts attached to the same server: SGLang refuses to load a name twice.
+`lora_path`), so every load gets a name of its own: `slipstream-v<version>-<6 hex digits>`, or in a run of several
+policies `slipstream-<policy>-v<version>-<6 hex digits>`. The random part keeps names unique when a version is
+pushed twice (a push retried after another engine failed, a learner resumed from a checkpoint) and across
+rollout-worker restarts attached to the same server: SGLang refuses to load a name twice.
+
+In a run of several policies each policy's learner pushes its own adapter (`WeightUpdateOrder.adapter`, the
+policy), and the worker keeps a loader per learner (`actors/rollout/weights.py`), so each policy's versions are
+written, loaded and retired on their own: a load of one policy's adapter neither waits for nor touches the
+requests of another's.
 
 1. The learner broadcasts the adapter's tensors to the rollout workers over gloo (the bucketed broadcast of
    `engines/weights/torch_distributed.py`, with its versions, readiness and acknowledgements). The rollout
@@ -13,10 +19,10 @@ a checkpoint) and across rollout-worker restarts attached to the same server: SG
 2. The worker writes them as a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) under
    its own directory on the server's machine, and asks its server to load that folder under the load's name.
    Only then does it acknowledge, so a committed version is one every server serves.
-3. Requests sent from then on name the new adapter; requests in flight finish with the one they named (SGLang
-   holds an adapter while a request uses it), so all of a response's tokens come from one version, and nothing
-   is paused or aborted. The previous adapter is unloaded in the background once no request uses it, and its
-   folder is deleted.
+3. Requests of the policy sent from then on name the new adapter; requests in flight finish with the one they
+   named (SGLang holds an adapter while a request uses it), so all of a response's tokens come from one version,
+   and nothing is paused or aborted. The policy's previous adapter is unloaded in the background once no request
+   uses it, and its folder is deleted.
 
 Why a folder, not `/load_lora_adapter_from_tensors`: that endpoint takes tensors pickled with torch's
 multiprocessing reductions (shared-memory or CUDA IPC handles), which only a process on the server's host that
@@ -50,9 +56,10 @@ ADAPTER_PREFIX = "slipstream-v"
 UNLOAD_TIMEOUT_S = 3600.0  # an old adapter waits for its longest request; SGLang's own request timeout is an hour
 
 
-def adapter_name(version: int) -> str:
-    """A fresh name for a load of `version` (module docstring)."""
-    return f"{ADAPTER_PREFIX}{version}-{secrets.token_hex(3)}"
+def adapter_name(version: int, policy: str | None = None) -> str:
+    """A fresh name for a load of `version` of `policy`'s adapter (None: a run of one policy; module docstring)."""
+    prefix = ADAPTER_PREFIX if policy is None else f"slipstream-{policy}-v"
+    return f"{prefix}{version}-{secrets.token_hex(3)}"
 
 
 def write_adapter_folder(tensors: Mapping[str, Tensor], alpha: float, folder: Path) -> None:
@@ -116,8 +123,8 @@ class SglangAdapterLoader(TorchDistributedLoader):
         return self._root
 
     async def _receive(self, receiver: Any, version: int, timeout_s: float, adapter: str | None = None) -> int:
-        """`adapter` is always None: the transport serves no named adapters (`WeightTransport.named_adapters`), so
-        every push is the run's one adapter, loaded under a name of its version."""
+        """`adapter`: the policy whose adapter the push is (None: a run of one policy), loaded under a name of the
+        policy and the version."""
         loop = asyncio.get_running_loop()
         received: dict[str, Tensor] = {}
 
@@ -126,24 +133,28 @@ class SglangAdapterLoader(TorchDistributedLoader):
                 received[name] = tensor.detach().clone()
 
         def serve(number: int) -> None:
-            name = adapter_name(number)
+            name = adapter_name(number, adapter)
             folder = self.root / name
             write_adapter_folder(received, self.serving.alpha, folder)
             try:
-                load = self.engine.load_adapter(name, str(folder), number, timeout=timeout_s)
+                load = self.engine.load_adapter(name, str(folder), number, policy=adapter, timeout=timeout_s)
                 asyncio.run_coroutine_threadsafe(load, loop).result()
             except BaseException:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
 
-        previous = self.engine.adapter
+        previous = self.engine.adapter_name(adapter)
         number = await asyncio.to_thread(receiver.receive, collect, timeout_s, finish_fn=serve)
-        if previous is not None and previous != self.engine.adapter:
+        loaded = self.engine.adapter_name(adapter)
+        if previous is not None and previous != loaded:
             task = asyncio.create_task(self._retire(previous))
             self._unloads.add(task)
             task.add_done_callback(self._unloads.discard)
-        self.log.info("adapter loaded by the SGLang server", version=number, adapter=self.engine.adapter,
-                      tensors=len(received))
+        if adapter is None:
+            self.log.info("adapter loaded by the SGLang server", version=number, adapter=loaded, tensors=len(received))
+        else:
+            self.log.info("adapter loaded by the SGLang server", version=number, adapter=loaded, tensors=len(received),
+                          policy=adapter)
         return number
 
     async def _retire(self, name: str) -> None:

@@ -14,9 +14,11 @@ one), which overestimates the staleness of tokens produced after a mid-request u
 it.
 
 LoRA: in a run that trains an adapter, the server serves the base model plus the adapter versions the weight
-loader loads by name (`adapter_sync.py`). Every request names the newest loaded adapter in `lora_path`, and SGLang
-keeps that adapter for the request's whole life (an unload waits for it), so all of a response's tokens come from
-that one version, which tags them; the server's own `weight_version` is the base model's and says nothing here.
+loader loads by name (`adapter_sync.py`). Every request names the newest loaded adapter of its policy in
+`lora_path` (a run of several policies has one adapter per policy, and a request names its policy in
+`GenerateRequest.adapter`; a run of one has one), and SGLang keeps that adapter for the request's whole life (an
+unload waits for it), so all of a response's tokens come from that one version, which tags them; the server's own
+`weight_version` is the base model's and says nothing here.
 
 Pausing: every pause goes on the wire as SGLang's "abort" mode (slime's choice). "retract" keeps requests in
 the scheduler's queue, and then SGLang 0.5.15 cannot flush its cache after a weight update (its weight updater
@@ -154,7 +156,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         self._limits_lock = asyncio.Lock()
         self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not known yet)
         self._warned_seed = False
-        self._adapter: tuple[str, int] | None = None  # (name, version) of the adapter requests run with
+        self._served: dict[str | None, tuple[str, int]] = {}  # per policy: the adapter its requests run with
         self._adapter_users: Counter[str] = Counter()  # requests in flight per adapter name
         self._adapter_released: asyncio.Condition | None = None  # made in the loop that uses it
         self._init_memory_turns(release_tags)
@@ -175,9 +177,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
 
     async def generate(self, request: GenerateRequest) -> list[GenerateOutput]:
         self._require_open()
-        if request.adapter is not None:  # running it with the run's adapter instead would sample another policy
-            raise ValueError(f"request {request.request_id!r}: adapter {request.adapter!r}: the SGLang engine does "
-                             "not serve named adapters yet (it runs every request with its run's own adapter)")
+        self._served_adapter(request.request_id, request.adapter)  # a policy it serves no adapter for: refused now
         self._ensure_health_loop()
         if request.request_id in self._inflight:
             raise ValueError(f"request {request.request_id!r} is already in flight on {self.url}")
@@ -312,7 +312,11 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         """One `/generate` call for `request`; returns its outputs and the "keep" pause count when it was sent.
         With `moe_routes`, each output's routes cover its tokens from `routes_from` on."""
         rids = protocol.wire_request_ids(request)
-        started_version, epoch, adapter = self._version, self._keep_epoch, self._adapter
+        started_version, epoch = self._version, self._keep_epoch
+        adapter = self._served_adapter(request.request_id, request.adapter)
+        # The adapter named is the version (the server's weight_version is the base's); a policy's request before its
+        # first load runs on the base model, its version 0.
+        tag = adapter[1] if adapter is not None else None if request.adapter is None else 0
         flight.rids.update(rids)
         self._take_adapter(adapter)
         try:
@@ -339,8 +343,8 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         for index, item in enumerate(items):
             parsed = protocol.parse_output_json(item, where=f"{self.url}/generate output {index}")
             whole = started_version if parsed.weight_version is None else min(started_version, parsed.weight_version)
-            if adapter is not None:  # the adapter named is the version: the server's weight_version is the base's
-                versions = [adapter[1]] * len(parsed.output_ids)
+            if tag is not None:
+                versions = [tag] * len(parsed.output_ids)
             elif parsed.token_versions is None:
                 versions = [whole] * len(parsed.output_ids)
             else:
@@ -502,7 +506,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         self.url = url.rstrip("/")
         self.restarts += 1
         self._version = 0
-        self._adapter = None  # a fresh server has no adapters loaded; the base model is version 0's policy
+        self._served.clear()  # a fresh server has no adapters loaded; the base model is every policy's version 0
         # A fresh server is not paused, has no session open and may have been started differently.
         self._paused = self._keep_paused = False
         self._limits, self._sessions = None, None

@@ -194,6 +194,9 @@ LORA_TARGET_MODULES: tuple[str, ...] = (
     "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head",
 )  # fmt: skip
 LORA_ALL_MODULES = "all"
+# SGLang's default `--max-loras-per-batch`: the adapters one running batch mixes, the base model's rows counting as
+# one (the same in every supported release); more wait for a place in the batch.
+LORAS_PER_BATCH = 8
 # What we read from a `/generate` item's `meta_info`; `weight_versions` only where the server sends it.
 META_FIELDS: tuple[str, ...] = ("finish_reason", "output_token_logprobs", "weight_version", "prompt_tokens")
 OPTIONAL_META_FIELDS: tuple[str, ...] = ("weight_versions",)

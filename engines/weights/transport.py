@@ -57,7 +57,7 @@ class WeightTransport:
     # The engines load tensors under the checkpoint's names (SGLang's `load_weights`), not transformers' in-memory
     # ones: a mixture-of-experts layer goes out one tensor per expert (`engines.weights.layouts`).
     checkpoint_names: bool = False
-    # Its loader takes `adapter=`: an update of one named adapter of a torch engine (a policy's, in a run of several).
+    # Its loader takes `adapter=`: an update of one named adapter of an engine (a policy's, in a run of several).
     named_adapters: bool = False
 
 
@@ -154,7 +154,8 @@ BUILTIN: dict[str, WeightTransport] = {
     TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader,
                                        named_adapters=True),
     SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader, checkpoint_names=True),
-    SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader),
+    # each policy's adapter loaded by name beside the others' (a run of several policies)
+    SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader, named_adapters=True),
     # colocated servers (--colocate): each bucket by reference to the learner's memory
     SGLANG_TENSOR: WeightTransport(SGLANG_TENSOR, _sglang_tensor_sender, _sglang_tensor_loader, checkpoint_names=True),
 }

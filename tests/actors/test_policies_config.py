@@ -45,8 +45,9 @@ def test_a_run_of_one_unnamed_policy_keeps_its_actor_ids() -> None:
 
 @pytest.mark.parametrize(("settings", "expected"), [
     ({"policies": TWO}, "share the base model's engines as LoRA adapters: set --lora-rank"),
-    ({"lora_rank": 4, "rollout_engine": "sglang", "policies": TWO},
-     "--rollout-engine sglang does not serve several named adapters at once; torch engines do"),
+    ({"lora_rank": 4, "rollout_engine": "mypkg.engines:make_engine", "policies": TWO},
+     "--rollout-engine mypkg.engines:make_engine does not serve several named adapters at once; torch engines or "
+     "SGLang servers do"),
     ({"lora_rank": 4, "colocate": True, "policies": TWO}, "policies with --colocate"),
     ({"lora_rank": 4, "learner_ranks": 2, "policies": TWO}, "each policy's learner is one rank for now"),
     ({"lora_rank": 4, "policies": {"Solver B": {}}}, "name 'Solver B' must be lower-case letters"),

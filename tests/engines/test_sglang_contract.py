@@ -354,6 +354,23 @@ def test_launch_flags_exist_and_are_not_deprecated(sglang: SglangSource) -> None
     assert not deprecated, f"sglang {sglang.version} deprecates {deprecated}"
 
 
+def test_a_run_of_several_policies_makes_room_in_a_batch_with_a_flag_sglang_has(sglang: SglangSource) -> None:
+    """Every policy's adapter, the one each replaces while its requests finish, and the base model in one batch:
+    `--max-loras-per-batch`, at least SGLang's own default."""
+    policies = {name: {} for name in ("a", "b", "c", "d", "e")}
+    extra = sglang_server_args(RunConfig(rollout_engine="sglang", lora_rank=8, policies=policies))
+    assert extra["max-loras-per-batch"] == "11"
+    command = ServerSpec(model_path="/m", extra=extra).command(port=1)
+    unknown = [flag for flag in command if flag.startswith("--") and flag[2:].replace("-", "_")
+               not in sglang.server_arg_fields]
+    assert not unknown, f"sglang {sglang.version} has no server arguments {unknown}"
+    files = [name for pattern in SERVER_ARGS_FILES for name in sglang.matching(pattern)]
+    defaults = [ast.literal_eval(node.value) for name in files for node in ast.walk(sglang.tree(name))
+                if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "max_loras_per_batch"
+                and node.value is not None]
+    assert defaults == [protocol.LORAS_PER_BATCH], defaults
+
+
 def test_pyproject_allows_exactly_the_tested_sglang_range() -> None:
     # tomllib is 3.11+ and we allow 3.10: the extra is one line of [project.optional-dependencies].
     match = re.search(r"^sglang = (\[.*\])$", (REPO / "pyproject.toml").read_text(), re.MULTILINE)

@@ -1,5 +1,6 @@
 """A LoRA run's adapter into an SGLang(-compatible) server: broadcast to the rollout worker over gloo, written as
-a PEFT folder, loaded by the server by name, and named by every request after it.
+a PEFT folder, loaded by the server by name, and named by every request after it; in a run of several policies,
+each policy's adapter, named by the requests of that policy.
 
 Real processes: the compatible server runs in its own process with SGLang's LoRA flags; the learner-side sender
 and the worker-side loader are the built-in `sglang_lora` transport. Expected outputs come from a torch engine
@@ -31,6 +32,8 @@ from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
 from engines.weights.base import WeightTransferError
 from engines.weights.transport import SGLANG_LORA, SenderOptions, resolve_transport
+from tools.standins.sglang_server.adapters import AdapterError, AdapterRoutes
+from tools.standins.sglang_server.args import parse_args
 
 pytestmark = pytest.mark.integration
 RANK, ALPHA = 4, 8.0
@@ -83,18 +86,22 @@ async def raw_generate(url: str, adapter: str) -> tuple[int, str]:
 
 
 class Learner:
-    """The learner's end of the `sglang_lora` transport, and the worker's loader beside it, in this process."""
+    """The learner's end of the `sglang_lora` transport, and the worker's loader beside it, in this process; with
+    `policy`, that policy's learner, whose pushes name its adapter (a run of several policies)."""
 
-    def __init__(self, client: SglangEngine) -> None:
+    def __init__(self, client: SglangEngine, policy: str | None = None) -> None:
         transport = resolve_transport(SGLANG_LORA)
+        self.policy = policy
         self.sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="nccl", timeout_s=20.0))
         self.loader = transport.make_loader(client, ENGINE, structlog.get_logger())
         assert isinstance(self.loader, SglangAdapterLoader)
-        self.group = self.sender.open_group(["learner", ENGINE]).to_dict()
+        name = "learner" if policy is None else f"learner@{policy}"
+        self.group = self.sender.open_group([name, ENGINE]).to_dict()
         self.joined = False
 
     async def push(self, named: list[tuple[str, Tensor]], version: int) -> None:
-        receiving = asyncio.create_task(self.loader.apply(self.group, version, 20.0))
+        named_adapter = {} if self.policy is None else {"adapter": self.policy}
+        receiving = asyncio.create_task(self.loader.apply(self.group, version, 20.0, **named_adapter))
         try:
             if not self.joined:
                 await asyncio.to_thread(self.sender.wait_for_receivers)
@@ -241,3 +248,135 @@ async def test_a_server_without_lora_says_how_to_enable_it(tiny_model_path: Path
         learner.close()
         await client.close()
         process.stop()
+
+
+# ---- a run of several policies: one adapter per policy on one server
+
+POLICIES = ("p", "q")
+
+
+def policy_request(request_id: str, policy: str, tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id, PROMPT, SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True),
+                           adapter=policy)
+
+
+async def until_running(url: str, count: int) -> None:
+    """Until the server reports `count` requests running (SGLang's gauge), 30 s at most."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3000):
+            async with session.get(f"{url}/metrics") as reply:
+                gauge = next(line for line in (await reply.text()).splitlines()
+                             if line.startswith("sglang:num_running_reqs"))
+            if float(gauge.rsplit(" ", 1)[1]) >= count:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"{url} never ran {count} requests at once")
+
+
+async def test_each_policys_requests_run_with_its_own_adapter_in_one_batch_tagged_with_its_version(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """P and Q decode side by side on one server, each token for token what its adapter alone decodes; a policy
+    before its first push decodes the base model at its version 0."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=POLICIES))
+    learners = {policy: Learner(client, policy) for policy in POLICIES}
+    adapters = {"p": random_adapter(tiny_model_path, seed=11), "q": random_adapter(tiny_model_path, seed=12)}
+    try:
+        (fresh,) = await client.generate(policy_request("fresh", "q", 12))
+        assert fresh.output_ids == await reference_greedy(tiny_model_path, None, 12)
+        assert fresh.versions == [0] * 12 and client.adapter_version("q") == 0
+
+        await learners["p"].push(adapters["p"], 1)
+        await learners["q"].push(adapters["q"], 2)
+        names = {policy: client.adapter_name(policy) for policy in POLICIES}
+        assert names["p"].startswith("slipstream-p-v1-") and names["q"].startswith("slipstream-q-v2-")
+        assert client.adapter is None and client.version == 0  # no adapter of a run of one; the base untouched
+
+        long = asyncio.create_task(client.generate(policy_request("long-p", "p", 300)))
+        await until_running(server.url, 1)
+        short = asyncio.create_task(client.generate(policy_request("short-q", "q", 40)))
+        await until_running(server.url, 2)  # both in the server's batch at once
+        (of_p,), (of_q,) = await asyncio.wait_for(asyncio.gather(long, short), 60)
+    finally:
+        for learner in learners.values():
+            learner.close()
+        await client.close()
+    assert of_p.output_ids == await reference_greedy(tiny_model_path, adapters["p"], 300)
+    assert of_q.output_ids == await reference_greedy(tiny_model_path, adapters["q"], 40)
+    assert (of_p.versions, of_q.versions) == ([1] * 300, [2] * 40)
+
+
+async def test_a_load_of_one_policys_next_version_leaves_the_others_running_request_alone(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """Q's request runs across P's push of version 2 (it is still running when aborted after it) and decodes what
+    Q's adapter alone decodes; P's requests switch to version 2, and P's version 1 is retired without waiting."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=POLICIES))
+    learners = {policy: Learner(client, policy) for policy in POLICIES}
+    of_q = random_adapter(tiny_model_path, seed=13)
+    p_next = random_adapter(tiny_model_path, seed=15)
+    try:
+        await learners["p"].push(random_adapter(tiny_model_path, seed=14), 1)
+        await learners["q"].push(of_q, 1)
+        first_p, q_name = client.adapter_name("p"), client.adapter_name("q")
+        running = asyncio.create_task(client.generate(policy_request("long-q", "q", 500)))
+        await until_running(server.url, 1)
+        await learners["p"].push(p_next, 2)
+        await learners["p"].retired()  # P's version 1 unloaded while Q's request still runs
+        (after,) = await client.generate(policy_request("after-p", "p", 12))
+        assert not running.done(), "Q's request ended before P's load and request did: nothing was tested"
+        await client.abort("long-q")
+        (output,) = await asyncio.wait_for(running, 60)
+        status, text = await raw_generate(server.url, first_p)
+    finally:
+        for learner in learners.values():
+            learner.close()
+        await client.close()
+    assert client.adapter_name("q") == q_name and client.adapter_name("p").startswith("slipstream-p-v2-")
+    assert after.output_ids == await reference_greedy(tiny_model_path, p_next, 12) and after.versions == [2] * 12
+    assert status == 400 and "not loaded" in text
+    assert output.finish_reason == "abort" and client.resumed_requests == 0 and output.output_ids
+    assert output.output_ids == (await reference_greedy(tiny_model_path, of_q, 500))[: len(output.output_ids)]
+    assert output.versions == [1] * len(output.output_ids)
+
+
+async def test_a_request_naming_a_policy_the_engine_serves_no_adapter_for_is_refused_naming_it() -> None:
+    policies = SglangEngine("http://127.0.0.1:9", adapters=AdapterServing(ALPHA, policies=POLICIES))
+    plain = SglangEngine("http://127.0.0.1:9")
+    try:
+        with pytest.raises(ValueError, match=r"request 'r': adapter 'judge' is not one .* serves \(its policies: "
+                                             r"\['p', 'q'\]\)"):
+            await policies.generate(policy_request("r", "judge", 4))
+        with pytest.raises(ValueError, match=r"adapter 'p': .* serves no adapters \(the run trains none: --lora-rank"):
+            await plain.generate(policy_request("r", "p", 4))
+    finally:
+        await policies.close()
+        await plain.close()
+
+
+async def test_the_compatible_server_refuses_a_load_past_the_adapters_it_holds(tiny_model_path: Path,
+                                                                             tmp_path: Path) -> None:
+    engine = TorchEngine.from_pretrained(tiny_model_path, lora_scaling=1.0, max_adapters=1)
+    args = parse_args(["--model-path", str(tiny_model_path), "--enable-lora", "--max-lora-rank", str(RANK),
+                       "--lora-target-modules", *TARGETS, "--max-loras-per-batch", "1"])
+    registry = AdapterRoutes.for_server(engine, args).registry
+    assert registry is not None
+    for seed in (1, 2):
+        write_adapter_folder(dict(random_adapter(tiny_model_path, seed)), ALPHA, tmp_path / f"a{seed}")
+    try:
+        await registry.load("a1", str(tmp_path / "a1"))
+        with pytest.raises(AdapterError, match=r"holds at most --max-loras-per-batch 1 adapters at once"):
+            await registry.load("a2", str(tmp_path / "a2"))
+        await registry.unload("a1")
+        await registry.load("a2", str(tmp_path / "a2"))  # room again once the first is gone
+        assert registry.loaded == {"a2": str(tmp_path / "a2")}
+    finally:
+        await engine.close()
+
+
+def test_the_compatible_server_refuses_lora_with_deterministic_inference(tiny_model_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", str(tiny_model_path), "--enable-lora", "--max-lora-rank", str(RANK),
+                    "--lora-target-modules", *TARGETS, "--enable-deterministic-inference"])
+    assert "--enable-lora with --enable-deterministic-inference" in capsys.readouterr().err

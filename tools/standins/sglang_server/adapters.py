@@ -1,18 +1,21 @@
-"""LoRA adapters in the SGLang-compatible server: SGLang's load-by-name contract over one torch engine.
+"""LoRA adapters in the SGLang-compatible server: SGLang's load-by-name contract over the torch engine's adapters.
 
-SGLang keeps many adapters on the GPU and mixes their requests in one batch. The torch engine serves one set of
-weights, with at most one adapter folded in (`engines/inference/lora_merge.py`). So this server runs the requests
-of one adapter at a time: a request for another adapter waits until the running ones are done, the engine then
-switches (one rank-r merge per adapted layer), and the waiting requests run. Slower than SGLang when adapters
-interleave, but what a client can observe is SGLang's contract, which is what the tests need:
+SGLang keeps many adapters loaded and mixes their requests in one batch. So does this server: every loaded adapter
+sits unmerged in a slot of the torch engine's named adapters (`engines/inference/multi_lora.py`), under its own
+name, and a `/generate` item runs with the adapter its `lora_path` names beside rows of other adapters and of the
+base model. A load writes the new adapter's slot only, between two decode steps, so requests of other adapters go
+on untouched. What a client can observe is SGLang's contract, which is what the tests need:
 
-* a request runs from its first token to its last with the adapter it named, and produces what a model with
-  that adapter merged in produces;
+* a request runs from its first token to its last with the adapter it named, and produces what a model with that
+  adapter alone produces;
 * an adapter loads from a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`), and is refused,
   with SGLang's words, when its name is taken, or its rank or modules exceed `--max-lora-rank` and
   `--lora-target-modules`;
 * a request that names an adapter that is not loaded fails with SGLang's message;
 * an unload refuses new requests for the adapter at once and returns when the requests still using it are done.
+
+Where it differs: SGLang keeps adapters beyond `--max-loras-per-batch` in host memory and swaps them in; here that
+many are loaded at most, and a load past them is refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -29,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from aiohttp import web
 from safetensors.torch import load_file
 from torch import Tensor
@@ -50,7 +53,7 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class Adapter:
-    """One loaded adapter, as the engine merges it: wire-named factors, B already multiplied by its scale."""
+    """One loaded adapter, as the engine serves it: wire-named factors, B already multiplied by its scale."""
 
     name: str
     path: str
@@ -94,27 +97,28 @@ def read_adapter(name: str, path: str) -> Adapter:
 
 
 class AdapterRegistry:
-    """The loaded adapters and which one the engine serves. `engine` is a TorchEngine built with
-    `lora_scaling=1.0` (each adapter's B carries its own scale); `weight_shapes` maps a module path to its
-    weight's (out, in), so switching away from an adapter can zero the layers it touched."""
+    """The loaded adapters, each served by the torch engine under its own name. `engine` is a TorchEngine built
+    with `lora_scaling=1.0` (each adapter's B carries its own scale); `weight_shapes` maps a module path to its
+    weight's (out, in), the layers an adapter may adapt."""
 
     def __init__(
         self,
-        engine: object,
+        engine: Any,
         weight_shapes: dict[str, tuple[int, int]],
         *,
         max_rank: int,
         target_modules: Iterable[str],
+        max_loaded: int,
     ) -> None:
         self.engine = engine
         self.weight_shapes = weight_shapes
         self.max_rank = max_rank
         self.target_modules = frozenset(target_modules)
+        self.max_loaded = max_loaded
         self._adapters: dict[str, Adapter] = {}
-        self._active: str | None = None  # None: the base model
-        self._running: Counter[str | None] = Counter()
-        self._waiting: Counter[str | None] = Counter()
-        self._touched: set[str] = set()  # every module an adapter was ever merged into
+        self._arriving: set[str] = set()  # names whose load is under way (not served yet)
+        self._unloading: set[str] = set()  # unloaded, but still serving the requests that named them
+        self._running: Counter[str] = Counter()
         self._changed = asyncio.Condition()
 
     @property
@@ -122,7 +126,7 @@ class AdapterRegistry:
         return {name: adapter.path for name, adapter in self._adapters.items()}
 
     async def load(self, name: str, path: str) -> None:
-        if name in self._adapters:
+        if self._taken(name):
             raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
         adapter = await asyncio.to_thread(read_adapter, name, path)
         suffixes = {module.rsplit(".", 1)[-1] for module in adapter.modules}
@@ -135,60 +139,54 @@ class AdapterRegistry:
                 "and that the target modules are included in `--lora-target-modules`."
                 + (f" (the model has no layers {unknown[:3]})" if unknown else "")
             )
-        if name in self._adapters:  # loaded meanwhile by a concurrent call
+        if self._taken(name):  # loaded meanwhile by a concurrent call
             raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
-        self._adapters[name] = adapter
+        held = len(self._adapters) + len(self._arriving) + len(self._unloading)
+        if held >= self.max_loaded:
+            raise AdapterError(f"Failed to load LoRA adapter {name}: this compatible server holds at most "
+                               f"--max-loras-per-batch {self.max_loaded} adapters at once, and {held} are loaded "
+                               f"({sorted(self._adapters)}, unloading {sorted(self._unloading)})")
+        self._arriving.add(name)
+        try:
+            await self.engine.update_weights(list(adapter.factors), self.engine.version, adapter=name)
+        except ValueError as error:
+            raise AdapterError(f"Failed to load LoRA adapter {name} from {path}: {error}") from error
+        finally:
+            self._arriving.discard(name)
+        self._adapters[name] = adapter  # served from now on: the engine holds it
 
     async def unload(self, name: str) -> None:
         """Refuse new requests for `name` now; return once the requests still using it are done."""
         if self._adapters.pop(name, None) is None:
             raise AdapterError(f"LoRA adapter {name} is not loaded")
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._running[name] == 0)
+        self._unloading.add(name)
+        try:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._running[name] == 0)
+            await self.engine.unload_adapter(name)
+        finally:
+            self._unloading.discard(name)
+            self._running.pop(name, None)
+
+    def _taken(self, name: str) -> bool:
+        return name in self._adapters or name in self._arriving or name in self._unloading
 
     @contextlib.asynccontextmanager
     async def serving(self, name: str | None) -> AsyncIterator[None]:
-        """Hold the engine on adapter `name` (None: the base model) while the body runs."""
-        self._require_loaded(name)
-        async with self._changed:
-            self._waiting[name] += 1
-            try:
-                await self._changed.wait_for(lambda: self._may_run(name))
-            finally:
-                self._waiting[name] -= 1
-            self._require_loaded(name)  # an unload may have come while this request waited
-            if self._active != name:
-                await self._switch(name)
-            self._running[name] += 1
-            self._changed.notify_all()  # fewer waiters now: a request of the active adapter may join
+        """Count a request of adapter `name` (None: the base model) as running while the body runs."""
+        if name is None:
+            yield
+            return
+        if name not in self._adapters:
+            raise AdapterError(f"The following requested LoRA adapters are not loaded: {name}\n"
+                               f"Loaded adapters: {sorted(self._adapters)}.")
+        self._running[name] += 1
         try:
             yield
         finally:
             async with self._changed:
                 self._running[name] -= 1
                 self._changed.notify_all()
-
-    def _may_run(self, name: str | None) -> bool:
-        if self._active == name:  # join the running requests, unless another adapter waits for them to end
-            return not any(count for other, count in self._waiting.items() if other != name)
-        return self._running[self._active] == 0
-
-    def _require_loaded(self, name: str | None) -> None:
-        if name is not None and name not in self._adapters:
-            raise AdapterError(f"The following requested LoRA adapters are not loaded: {name}\n"
-                               f"Loaded adapters: {sorted(self._adapters)}.")
-
-    async def _switch(self, name: str | None) -> None:
-        adapter = self._adapters.get(name) if name is not None else None
-        factors = list(adapter.factors) if adapter is not None else []
-        adapted = adapter.modules if adapter is not None else frozenset()
-        for module in sorted(self._touched - adapted):  # layers of the previous adapter go back to their base
-            out_features, in_features = self.weight_shapes[module]
-            factors += [(f"{module}.lora_A.weight", torch.zeros(1, in_features)),
-                        (f"{module}.lora_B.weight", torch.zeros(out_features, 1))]
-        await self.engine.update_weights(factors, self.engine.version)  # type: ignore[attr-defined]
-        self._touched |= adapted
-        self._active = name
 
 
 class AdapterRoutes:
@@ -209,7 +207,8 @@ class AdapterRoutes:
             if name.endswith(".weight") and tensor.dim() == 2
         }
         return cls(engine, AdapterRegistry(engine, shapes, max_rank=args.max_lora_rank,
-                                           target_modules=args.lora_target_modules))
+                                           target_modules=args.lora_target_modules,
+                                           max_loaded=args.max_loras_per_batch))
 
     async def load(self, request: web.Request) -> web.Response:
         body = await request_json(request)
@@ -238,11 +237,11 @@ class AdapterRoutes:
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": self.registry.loaded})
 
     async def generate(self, adapter: str | None, request: GenerateRequest) -> list[GenerateOutput]:
-        """`request` on the engine with `adapter` merged in (None: the base model)."""
+        """`request` on the engine with the loaded adapter `adapter` (None: the base model)."""
         if self.registry is None:
             return await self.engine.generate(request)
         async with self.registry.serving(adapter):
-            return await self.engine.generate(request)
+            return await self.engine.generate(dataclasses.replace(request, adapter=adapter))
 
 
 def _failure(message: str) -> web.Response:

@@ -64,6 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="released weights come back as they were (without it, as NaN)")
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded by name")
     parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--max-loras-per-batch", type=int, default=8,
+                        help="adapters loaded at once (SGLang's: per batch, more kept in host memory)")
     lora_modules = [*protocol.LORA_TARGET_MODULES, protocol.LORA_ALL_MODULES]
     parser.add_argument("--lora-target-modules", nargs="*", default=None, choices=lora_modules)
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -77,4 +79,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         # SGLang's own check (it also accepts initial --lora-paths, which this server does not load)
         parser.error("When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
                      "--lora-target-modules for LoRA initialization.")
+    if args.enable_lora and args.enable_deterministic_inference:
+        parser.error("--enable-lora with --enable-deterministic-inference: this compatible server serves adapters "
+                     "unmerged beside the base weights, which its batch-invariant kernels do not cover yet")
+    if args.max_loras_per_batch < 1:
+        parser.error(f"--max-loras-per-batch must be at least 1, got {args.max_loras_per_batch}")
     return args

@@ -27,8 +27,8 @@ It behaves as SGLang does where a client can get it wrong, so the tests catch su
   `/model_info`.
 * LoRA, with `--enable-lora --max-lora-rank R --lora-target-modules ...` (SGLang's flags, checked as SGLang
   checks them): `/load_lora_adapter` reads a PEFT folder, `/unload_lora_adapter` waits for the requests still
-  using the adapter, and a `/generate` item runs with the adapter its `lora_path` names (`compat_adapters.py`).
-  Without `--enable-lora` a load fails with SGLang's message.
+  using the adapter, and a `/generate` item runs with the adapter its `lora_path` names, in one batch with items
+  of other adapters (`adapters.py`). Without `--enable-lora` a load fails with SGLang's message.
 * A mixture-of-experts model takes its experts under checkpoint names (`mlp.experts.<e>.gate_proj.weight`, written
   into the stacked parameter's slice), and skips transformers' stacked names (`mlp.experts.gate_up_proj`) while
   the update still succeeds: SGLang's MoE models pass over a name they do not know without a word.
@@ -521,8 +521,9 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=context_length,
         seed=args.random_seed,
         version=protocol.parse_weight_version(args.weight_version) or 0,
-        # each adapter's B arrives multiplied by its own alpha / r (compat_adapters.py), so the merge scale is 1
+        # each adapter's B arrives multiplied by its own alpha / r (adapters.py), so the engine's scale is 1
         lora_scaling=1.0 if args.enable_lora else None,
+        max_adapters=args.max_loras_per_batch,
         deterministic=args.enable_deterministic_inference,
         record_routes=args.enable_return_routed_experts,
     )
