@@ -84,7 +84,8 @@ def caches_verdict(run_dir: Path) -> dict[str, Any]:
     totals = {engine: sum(lives.values()) for engine, lives in stale.items()}
     if not totals:
         return {"verdict": "not run", "why": "no engine of the run accounts for its KV cache (an SGLang server's is "
-                                             "flushed before every weight update instead)"}
+                                             "flushed before every weight update instead, and an adapter version is "
+                                             "loaded under a name of its own, which its prefix cache keys by)"}
     culprits = [{"engine": engine, "stale_kv_tokens": tokens}
                 for engine, tokens in sorted(totals.items()) if recomputes[engine] and tokens]
     result: dict[str, Any] = {

@@ -32,6 +32,7 @@ from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
 from engines.weights.base import WeightTransferError
 from engines.weights.transport import SGLANG_LORA, SenderOptions, resolve_transport
+from tests.support.waiting import until
 from tools.standins.sglang_server.adapters import AdapterError, AdapterRoutes
 from tools.standins.sglang_server.args import parse_args
 
@@ -200,8 +201,9 @@ async def test_a_request_in_flight_keeps_its_adapter_while_the_next_one_loads(
     long = GenerateRequest("long", PROMPT, SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True))
     try:
         await learner.push(first, 1)
+        version_1 = client.adapter
         running = asyncio.create_task(client.generate(long))
-        await asyncio.sleep(0.2)
+        await until(lambda: client._adapter_users[version_1] == 1, "the long request to name version 1's adapter")
         await learner.push(random_adapter(tiny_model_path, seed=4), 2)
         assert not running.done(), "the push waited for the request of the adapter it replaces"
         assert client.adapter is not None and client.adapter.startswith("slipstream-v2-")
