@@ -161,7 +161,7 @@ def attack_run(run: Run, mode: Mode, seed: int, rss_base_mb: float) -> Outcome:
     print(f"sent in {attack_s:.1f}s; waiting for the receivers' counters ...", flush=True)
     after = wait_until(lambda: next((line for line in reversed(run.metrics_lines())
                                      if line.get("wall", 0) >= settled), None), 30,
-                       "heartbeat record after the attack (the run may have ended: raise --steps)", run)
+                       "heartbeat record after the attack", run)
     judge(attacks, Counters(before, after), actor_ids)
     if not all(attack.ok for attack in attacks) and run.process.poll() is None:
         time.sleep(5.5)  # a receiver still working through its queue: one more record
@@ -169,6 +169,7 @@ def attack_run(run: Run, mode: Mode, seed: int, rss_base_mb: float) -> Outcome:
         if latest.get("wall", 0) > after.get("wall", 0):
             judge(attacks, Counters(before, latest), actor_ids)
     sampler.stop()
+    run.release()
     exit_code = _wait_for_exit(run)
     report = audit(run.run_dir)
     return Outcome(
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="~13k frames (CI); default: >= 100,000")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--run-dir", type=Path, help="where the run writes (default: a temporary directory)")
-    parser.add_argument("--steps", type=int, help="training steps of the run (it must outlast the attack)")
+    parser.add_argument("--steps", type=int, help="training steps of the run (its last waits for the attack's end)")
     parser.add_argument("--step-seconds", type=float, default=0.5, help="simulated time of one training step")
     parser.add_argument("--rss-base-mb", type=float, default=RSS_BASE_MB,
                         help=f"growth of an actor's resident memory accepted besides {RSS_PER_CONNECTION_KB:.0f} KiB "
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hostile: {error}", file=sys.stderr)
             return 2
         finally:
+            run.release()  # a learner held in its last step would stop only at the end of its drain timeout
             if run.process.poll() is None:
                 run.process.send_signal(signal.SIGTERM)
                 run.process.wait(timeout=60)

@@ -40,7 +40,7 @@ class Mode:
     steps: int
 
 
-QUICK = Mode("quick", scale=250, connections=4, raw_connections=8, registers=40, steps=50)
+QUICK = Mode("quick", scale=250, connections=4, raw_connections=8, registers=40, steps=24)
 FULL = Mode("full", scale=2000, connections=16, raw_connections=30, registers=200, steps=200)
 
 

@@ -52,7 +52,12 @@ class Run:
     run_dir: Path
     process: subprocess.Popen[bytes]
     steps: int
+    release_file: Path  # its last step waits for this file: the run stays up until the attack is judged
     started: float = field(default_factory=time.monotonic)
+
+    def release(self) -> None:
+        """Let the held last step train, so the run finishes."""
+        self.release_file.touch()
 
     def log_events(self, name: str) -> list[dict[str, Any]]:
         return read_metrics(self.run_dir / "logs" / f"{name}.jsonl")
@@ -98,11 +103,15 @@ class Run:
 
 
 def launch(run_dir: Path, steps: int, step_seconds: float, rollout_workers: int = 2) -> Run:
-    """A small fully-async run that trains ``steps`` steps of about ``step_seconds`` each."""
+    """A small fully-async run that trains ``steps`` steps of about ``step_seconds`` each, the last one only once
+    `Run.release` is called: however long the attack takes on a busy machine, the run outlasts it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     samples = GROUPS_PER_BATCH * SAMPLES_PER_GROUP
+    release_file = run_dir / "release-last-step"
+    release_file.unlink(missing_ok=True)
     spec = SimSpec(token_seconds=2e-4, train_sample_seconds=step_seconds / samples, length_median=16.0,
-                   length_min=4, length_max=32, warmup_batches=0, measure_seconds=1.0)
+                   length_min=4, length_max=32, warmup_batches=0, measure_seconds=1.0, hold_at_version=steps,
+                   release_file=str(release_file))
     env = with_repo_on_path(**{SPEC_ENV: str(spec.write(run_dir))})
     prompts = write_prompts(run_dir / "prompts.jsonl", count=256)
     command = [
@@ -116,7 +125,7 @@ def launch(run_dir: Path, steps: int, step_seconds: float, rollout_workers: int 
     ]  # fmt: skip
     with open(run_dir / "launcher_output.txt", "w", encoding="utf-8") as output:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
-    return Run(run_dir=run_dir, process=process, steps=steps)
+    return Run(run_dir=run_dir, process=process, steps=steps, release_file=release_file)
 
 
 def rss_mb(pid: int) -> float | None:

@@ -32,8 +32,14 @@ class SleepingTrainer(Trainer):
     data, computing, and what the learner does after (announce, publish, checkpoint).
     """
 
-    def __init__(self, train_sample_seconds: float) -> None:
+    RELEASE_POLL_S = 0.05
+
+    def __init__(self, train_sample_seconds: float, *, hold_at_version: int = 0,
+                 release_file: Path | None = None) -> None:
+        """`hold_at_version`: the step that would make this version first waits for `release_file` to exist."""
         self.train_sample_seconds = train_sample_seconds
+        self.hold_at_version = hold_at_version
+        self.release_file = release_file
         self._version = 0
 
     @property
@@ -53,6 +59,8 @@ class SleepingTrainer(Trainer):
 
     def train_step(self, samples: Sequence[TrainSample], loss: Loss, *, temperature: float,
                    with_entropy: bool = False, ends_batch: bool = True) -> StepResult:
+        if ends_batch and self.hold_at_version and self._version + 1 >= self.hold_at_version:
+            self._wait_for_release()
         cost = len(samples) * self.train_sample_seconds
         started = time.time()
         time.sleep(cost)
@@ -63,6 +71,11 @@ class SleepingTrainer(Trainer):
         metrics = {"sim/compute_start": started, "sim/compute_end": ended, "sim/timer_late_s": ended - started - cost,
                    "sequences": float(len(samples))}
         return StepResult(version=self._version, metrics=metrics, grad_norm=0.0)
+
+    def _wait_for_release(self) -> None:
+        assert self.release_file is not None  # SimSpec refuses a hold without one
+        while not self.release_file.exists():
+            time.sleep(self.RELEASE_POLL_S)
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         """One small JSON file, replaced atomically, so the learner's checkpoint and resume paths run for real."""

@@ -72,6 +72,10 @@ class SimSpec:
     measure_seconds: float = 20.0  # the benchmark stops a run once the window is this long ...
     min_measured_batches: int = 3  # ... and holds at least this many batches
     seed: int = 0
+    # The learner's step that makes this version waits until `release_file` exists (0: none waits): a tool that
+    # needs the run alive until it is done with it (tools/hostile) keeps it so without padding it with steps.
+    hold_at_version: int = 0
+    release_file: str = ""
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,6 +93,10 @@ class SimSpec:
             problems.append(f"correct_fraction must be in [0, 1], got {self.correct_fraction}")
         if self.warmup_batches < 0:
             problems.append(f"warmup_batches must be >= 0, got {self.warmup_batches}")
+        if self.hold_at_version < 0:
+            problems.append(f"hold_at_version must be >= 0, got {self.hold_at_version}")
+        if self.hold_at_version and not self.release_file:
+            problems.append(f"hold_at_version {self.hold_at_version} needs a release_file to wait for")
         if problems:
             raise ValueError("SimSpec: " + "; ".join(problems))
 
@@ -336,4 +344,6 @@ def sleeping_trainer(config: RunConfig) -> Trainer:
     """`--train-backend tools.sim.pipeline:sleeping_trainer`."""
     from tools.sim.learner import SleepingTrainer
 
-    return SleepingTrainer(SimSpec.from_env().train_sample_seconds)
+    spec = SimSpec.from_env()
+    return SleepingTrainer(spec.train_sample_seconds, hold_at_version=spec.hold_at_version,
+                           release_file=Path(spec.release_file) if spec.release_file else None)
