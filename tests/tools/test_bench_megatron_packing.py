@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.console import env_without_quiet_switches
 from tools.bench.megatron_packing import QUICK, make_samples, summarise
+from tools.gpu.check import megatron_step_command, megatron_step_row
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
@@ -31,9 +31,11 @@ def test_rows_divide_the_baselines_median_and_count_padding_from_the_real_plans(
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_quick_run_prints_one_quiet_table_and_writes_its_rows(tmp_path: Path) -> None:
+    """Run as `python -m tools.gpu.check --quick` runs it for its megatron-step row, which is made here from the
+    rows the run wrote (tests/system/test_gpu_check.py skips the row rather than run the benchmark again)."""
     output = tmp_path / "rows.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "tools.bench.megatron_packing", "--quick", "--json", str(output)],
+        megatron_step_command(output, quick=True),
         capture_output=True, text=True, timeout=170, check=False, env=env_without_quiet_switches(),
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
@@ -42,3 +44,5 @@ def test_a_quick_run_prints_one_quiet_table_and_writes_its_rows(tmp_path: Path) 
     assert all(row["seconds"] > 0 for row in rows)
     assert "packed (thd)" in completed.stdout and "padded (bshd), baseline" in completed.stdout
     assert "Warning" not in completed.stderr and "RNG" not in completed.stderr, completed.stderr[-2000:]
+    megatron_step = megatron_step_row(output)
+    assert megatron_step.status == "ok" and "of padded slots were padding" in megatron_step.result, megatron_step

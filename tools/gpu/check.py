@@ -124,20 +124,32 @@ def check_run(variant: str, cpu: bool, quick: bool, workdir: Path) -> Row:
 def check_megatron_step(cpu: bool, quick: bool, workdir: Path) -> Row:
     """One Megatron train step on packed rows (THD, the default) against padded rows: `bench_megatron_packing`,
     in its own process (a megatron world of its own, torn down with it)."""
-    name = "megatron step: packed (thd) vs padded rows"
     if missing := _megatron_missing():
-        return Row(name, "skipped", missing)
+        return Row(MEGATRON_STEP, "skipped", missing)
     out = workdir / "megatron-step.json"
-    command = [sys.executable, "-m", "tools.bench.megatron_packing", "--json", str(out),
-               *(["--quick"] if quick else ["--repeats", "3"])]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
-    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env, check=False)
+    completed = subprocess.run(megatron_step_command(out, quick), cwd=REPO, capture_output=True, text=True,
+                               timeout=600, env=env, check=False)
     if completed.returncode != 0 or not out.exists():
-        return Row(name, "FAILED", f"exit {completed.returncode}\n{completed.stderr[-1500:]}")
+        return Row(MEGATRON_STEP, "FAILED", f"exit {completed.returncode}\n{completed.stderr[-1500:]}")
+    return megatron_step_row(out)
+
+
+MEGATRON_STEP = "megatron step: packed (thd) vs padded rows"
+
+
+def megatron_step_command(out: Path, quick: bool) -> list[str]:
+    """The benchmark the row runs; CI runs the quick one once, in tests/tools/test_bench_megatron_packing.py."""
+    return [sys.executable, "-m", "tools.bench.megatron_packing", "--json", str(out),
+            *(["--quick"] if quick else ["--repeats", "3"])]
+
+
+def megatron_step_row(out: Path) -> Row:
+    """The row from the rows the benchmark wrote to `out`."""
     rows = {row["layout"]: row for row in json.loads(out.read_text(encoding="utf-8"))["rows"]}
     packed, padded = rows["thd"], rows["bshd"]
-    return Row(name, "ok", f"{packed['seconds'] * 1000:.1f} ms ({packed['speedup']:.2f}x the padded rows' tokens/s)"
-               f", {padded['padded_fraction']:.0%} of padded slots were padding",
+    return Row(MEGATRON_STEP, "ok", f"{packed['seconds'] * 1000:.1f} ms ({packed['speedup']:.2f}x the padded rows' "
+               f"tokens/s), {padded['padded_fraction']:.0%} of padded slots were padding",
                f"{padded['seconds'] * 1000:.1f} ms")
 
 
