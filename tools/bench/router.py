@@ -14,8 +14,9 @@ minus the tool reply that came since the previous answer and that answer's last 
 fed to the model); it reused what its engine took from the cache, up to that. "Own history" leaves out the prompt
 that a group's episodes share, which any engine that ran one of them holds. The passes:
 `affinity` (each episode keyed by its session: the default), `round-robin` (the baseline that ignores the cache),
-`no cache` (affinity, the engines' prefix caches off). Every pass starts fresh processes; the passes alternate in
-order per repeat and the table reports medians.
+`no cache` (affinity, the engines' prefix caches off). Every pass starts fresh processes, forked from this one
+(tools/bench/forked.py: imports done once, no engine run before); the passes alternate in order per repeat and the
+table reports medians.
 
     python -m tools.bench.router [--quick] [--json PATH] [--engines 4] [--repeats 3]
 """
@@ -26,7 +27,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.bench.forked import ForkedWorker
 from tools.bench.prefix_cache import Workload, make_workload, model_path
-
-REPO = Path(__file__).resolve().parents[2]
 
 PASSES = {"affinity": ("affinity", True), "round-robin": ("round-robin", True), "no cache": ("affinity", False)}
 
@@ -171,14 +170,11 @@ def timed_pass(name: str, model: Path, workload_path: Path, args: argparse.Names
     policy, cache = PASSES[name]
     workers = []
     for index in range(args.engines):
-        command = [sys.executable, "-m", "tools.bench.router", "--pass", name, "--pass-model", str(model),
-                   "--pass-workload", str(workload_path), "--worker", str(index), "--workers", str(args.engines),
-                   "--policy", policy, "--slack", str(args.slack), "--cache-mb", str(args.cache_mb),
-                   *(["--cache"] if cache else []), *(["--threads", str(args.threads)] if args.threads else [])]
-        errors = (workload_path.parent / f"{name}-{index}.err").open("w")  # read back if the worker fails
-        workers.append(subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=errors, text=True))
-        errors.close()
+        worker = argparse.Namespace(**{**vars(args), "pass_": name, "pass_model": model,
+                                       "pass_workload": workload_path, "worker": index, "workers": args.engines,
+                                       "policy": policy, "cache": cache})
+        errors = workload_path.parent / f"{name}-{index}.err"  # read back if the worker fails
+        workers.append(ForkedWorker(lambda worker=worker: run_pass(worker), errors))
     try:
         endpoints = {f"engine-{index}": _line(worker, name, workload_path.parent / f"{name}-{index}.err")["endpoint"]
                      for index, worker in enumerate(workers)}
@@ -204,7 +200,7 @@ def timed_pass(name: str, model: Path, workload_path: Path, args: argparse.Names
     return PassResult(seconds, episodes, dict(sorted(calls.items())))
 
 
-def _line(worker: subprocess.Popen[str], name: str, errors: Path) -> dict[str, Any]:
+def _line(worker: ForkedWorker, name: str, errors: Path) -> dict[str, Any]:
     assert worker.stdout is not None
     line = worker.stdout.readline()
     if not line:
@@ -215,7 +211,7 @@ def _line(worker: subprocess.Popen[str], name: str, errors: Path) -> dict[str, A
     return json.loads(line)
 
 
-def _send(worker: subprocess.Popen[str], line: str) -> None:
+def _send(worker: ForkedWorker, line: str) -> None:
     assert worker.stdin is not None
     worker.stdin.write(line + "\n")
     worker.stdin.flush()

@@ -1,0 +1,49 @@
+"""tools/bench/forked.py: a benchmark worker forked from its parent talks over its own stdin and stdout, and a
+failing one leaves its traceback where the parent reads it back."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.bench.forked import ForkedWorker
+
+
+def echo_twice() -> None:
+    for _ in range(2):
+        line = sys.stdin.readline()
+        print(f"echo {line.strip()}", flush=True)
+
+
+def fail() -> None:
+    raise ValueError("no such workload")
+
+
+@pytest.mark.unit
+def test_a_forked_worker_answers_on_its_own_pipes_and_exits_zero(tmp_path: Path) -> None:
+    first, second = ForkedWorker(echo_twice, tmp_path / "first.err"), ForkedWorker(echo_twice, tmp_path / "2.err")
+    for worker, word in ((second, "b"), (first, "a")):
+        worker.stdin.write(f"{word}\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline() == f"echo {word}\n"
+    for worker in (first, second):
+        worker.stdin.write("done\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline() == "echo done\n"
+        assert worker.wait(timeout=30) == 0 and worker.poll() == 0
+
+
+@pytest.mark.unit
+def test_a_failing_worker_exits_one_with_its_traceback_in_its_errors_file(tmp_path: Path) -> None:
+    worker = ForkedWorker(fail, tmp_path / "worker.err")
+    assert worker.wait(timeout=30) == 1
+    assert "ValueError: no such workload" in (tmp_path / "worker.err").read_text()
+
+
+@pytest.mark.unit
+def test_a_killed_worker_is_reaped(tmp_path: Path) -> None:
+    worker = ForkedWorker(echo_twice, tmp_path / "worker.err")
+    worker.kill()
+    assert worker.poll() == -9
