@@ -5,6 +5,10 @@ each on this machine's cores, for a pass that may take a tenth of that); forked 
 and ran no engine, it starts with them imported and a heap that no earlier pass used, as an actor forked from the
 launcher's template does (actors/launch/zygote.py). The worker's stdin, stdout and stderr are its own pipes and
 file, so the parent talks to it as to a `subprocess.Popen` with text pipes.
+
+The parent must run torch on one thread (`torch.set_num_threads(1)` before its first op): a child forked after
+the parent's OpenMP pool started hangs in its first parallel region (libgomp's pool does not survive a fork). A
+worker then sets its own thread count and starts a pool of its own.
 """
 
 from __future__ import annotations

@@ -218,8 +218,10 @@ def _send(worker: ForkedWorker, line: str) -> None:
 
 
 def benchmark(args: argparse.Namespace) -> Figures:
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    torch.set_num_threads(1)  # whatever --threads says: the workers fork from here (tools/bench/forked.py)
     path = model_path(args)
     workload = make_workload(AutoTokenizer.from_pretrained(path), args.episodes, args.group, args.turns, args.answer,
                              args.reply, args.seed)
