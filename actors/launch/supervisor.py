@@ -33,7 +33,15 @@ import structlog
 from actors.config.engines import engine_spec, train_backend_spec
 from actors.launch.zygote_client import EarlyTemplate, ForkedProcess, Zygote, ZygoteError, actor_environment
 from actors.runtime.context import ActorContext
-from actors.runtime.exits import ABORTED, EXIT_BAD_CONFIG, FINAL_EXITS, clear_exit_report, exit_report
+from actors.runtime.exits import (
+    ABORTED,
+    EXIT_BAD_CONFIG,
+    FINAL_EXITS,
+    clear_exit_report,
+    clear_joined,
+    exit_report,
+    has_joined,
+)
 from actors.runtime.restarts import RestartPolicy
 from bus.address import ipc_sockets_dir
 from engines.process import die_with_parent
@@ -163,6 +171,7 @@ class Supervisor:
     async def _start(self, child: Child) -> None:
         env = actor_environment(child.context.cuda_visible_devices)
         clear_exit_report(child.context)
+        clear_joined(child.context)
         child.process = await self._fork(child, env) or await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.runtime.main", str(child.context_path),
             start_new_session=True, preexec_fn=die_with_parent, env=env,
@@ -246,8 +255,11 @@ class Supervisor:
     async def _stop_when_requested(self) -> None:
         await self._stopping.wait()
         running = [c for c in self.children if c.process is not None and c.process.returncode is None]
-        if self._signal_after > 0 and running:
-            await asyncio.wait([asyncio.ensure_future(c.process.wait()) for c in running],  # type: ignore[union-attr]
+        # Time to leave on their own for the actors that heard the stop: one that never joined the run (still
+        # starting, or started as the run ended) never will, and would only make the run wait out the grace.
+        leaving = [c for c in running if has_joined(c.context)]
+        if self._signal_after > 0 and leaving:
+            await asyncio.wait([asyncio.ensure_future(c.process.wait()) for c in leaving],  # type: ignore[union-attr]
                                timeout=self._signal_after)
             running = [c for c in running if c.process.returncode is None]  # type: ignore[union-attr]
         for child in running:

@@ -25,7 +25,15 @@ from actors.config import CONFIG_ERRORS
 from actors.config.policies import POLICY_ROLES
 from actors.runtime.context import ActorContext
 from actors.runtime.cpu_budget import pin_process
-from actors.runtime.exits import ABORTED, EXIT_RUN_FAILED, RUN_OVER, ControllerUnreachable, RunOver, report_exit
+from actors.runtime.exits import (
+    ABORTED,
+    EXIT_RUN_FAILED,
+    RUN_OVER,
+    ControllerUnreachable,
+    RunOver,
+    report_exit,
+    report_joined,
+)
 from actors.runtime.handlers import HandlerTable, collect_handlers
 from actors.runtime.host import become_host
 from actors.runtime.metrics import MetricsWriter
@@ -358,6 +366,7 @@ class Actor:
             self.roster_generation = -1  # a new controller counts roster generations from 0 again
         await self._apply_roster(reply.roster)
         self._follow_broadcasts(reply.publish_endpoint)
+        report_joined(self.context)
         self.log.info("registered", head=self.context.head_address, members=len(self.roster))
 
     def _follow_broadcasts(self, endpoint: str) -> None:

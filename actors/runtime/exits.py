@@ -4,6 +4,10 @@ A crash is restarted. A bad configuration would only fail the same way again, an
 function fails on everything, the hang detector found no progress) must not go on, so for those two the launcher
 fails the run at once and says why, from the one-line report the actor left next to its context file
 (RUN_DIR/actors/ID.exit-reason).
+
+An actor also marks that it joined the run (RUN_DIR/actors/ID.joined, once the controller registered it): when the
+run finishes, the launcher gives the actors that heard the controller's stop time to leave on their own, and stops
+the others (still starting, they never will hear it) at once.
 """
 
 from __future__ import annotations
@@ -65,3 +69,25 @@ def clear_exit_report(context: ActorContext) -> None:
     """Before a start: a report is about the process that wrote it."""
     with contextlib.suppress(OSError):
         _report_path(context).unlink(missing_ok=True)
+
+
+def _joined_path(context: ActorContext) -> Path:
+    return context.run_dir / "actors" / f"{context.actor_id}.joined"
+
+
+def report_joined(context: ActorContext) -> None:
+    """The controller registered this actor: from now on it hears the run's stop."""
+    with contextlib.suppress(OSError):  # without the mark the launcher only stops this actor sooner, by SIGTERM
+        path = _joined_path(context)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+
+
+def has_joined(context: ActorContext) -> bool:
+    return _joined_path(context).exists()
+
+
+def clear_joined(context: ActorContext) -> None:
+    """Before a start: the mark is about the process that left it."""
+    with contextlib.suppress(OSError):
+        _joined_path(context).unlink(missing_ok=True)

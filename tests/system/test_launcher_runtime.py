@@ -220,6 +220,28 @@ async def test_a_stopping_learner_gets_the_time_its_step_and_checkpoint_take(
 
 
 @pytest.mark.system
+@pytest.mark.timeout(120)
+async def test_a_finished_run_stops_an_actor_that_never_joined_without_waiting_out_the_grace(tmp_path: Path) -> None:
+    """The grace after a run finishes is for actors that heard the controller's stop and are leaving on their own;
+    one still starting (a second rollout worker loading its model when a short run ends) never heard it, and waited
+    the whole grace (15 s) before its SIGTERM."""
+    head = f"tcp://127.0.0.1:{free_port()}"
+    quiet = ActorSettings(console_log_level="error")
+    contexts = [ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=head,
+                             run_dir=tmp_path, heartbeat_interval=0.2, settings=quiet)
+                for actor_id, role, path in (("controller", "controller", BUILTIN_ROLES["controller"]),
+                                             ("slow-0-0", "slow", "tests.support.runtime_actors:SlowToStart"))]
+    grace_s = 600.0
+    supervisor = Supervisor(contexts, run_dir=tmp_path, stop_grace_s=grace_s)
+    running = asyncio.create_task(supervisor.run())
+    await asyncio.to_thread(wait_until, (tmp_path / "slow-0-0.starting").exists, 60, "the slow actor to be starting")
+    supervisor.request_stop("the controller finished the run", grace_s=grace_s)  # as when the controller exits 0
+    assert await asyncio.wait_for(running, 90) == 0  # not the grace: at once, by SIGTERM
+    events = [record.get("event") for record in jsonl(tmp_path / "logs" / "slow-0-0.jsonl")]
+    assert "stopped while starting" in events and "registered" not in events
+
+
+@pytest.mark.system
 def test_actor_that_keeps_crashing_fails_the_run(tmp_path: Path) -> None:
     result = run_to_end("--head", "--run-dir", str(tmp_path / "run"), *FAST, NO_TEMPLATE, "--roles", "controller",
                         "--custom-actor", "boom=runtime_actors:Crasher", "--max-restarts", "2", timeout=120)
