@@ -197,6 +197,16 @@ def test_an_actor_still_starting_stops_at_the_first_signal(tmp_path: Path) -> No
     assert not [pid for started in actor_pids(run_dir).values() for pid in started if alive(pid)]
 
 
+def controller_and(run_dir: Path, actor_id: str, role: str, actor_class: str) -> list[ActorContext]:
+    """The contexts of a head with a controller and one more actor, for a Supervisor run in this process."""
+    head = f"tcp://127.0.0.1:{free_port()}"
+    quiet = ActorSettings(console_log_level="error")
+    return [ActorContext(actor_id=name, role=kind, actor_class=path, node_rank=0, head_address=head, run_dir=run_dir,
+                         heartbeat_interval=0.2, settings=quiet)
+            for name, kind, path in (("controller", "controller", BUILTIN_ROLES["controller"]),
+                                     (actor_id, role, actor_class))]
+
+
 @pytest.mark.system
 @pytest.mark.timeout(120)
 async def test_a_stopping_learner_gets_the_time_its_step_and_checkpoint_take(
@@ -204,12 +214,7 @@ async def test_a_stopping_learner_gets_the_time_its_step_and_checkpoint_take(
     """Every other actor is killed 15 s after SIGTERM (1 s here); a learner killed then lost what it trained since
     its last checkpoint (the one it writes as it stops never landed)."""
     monkeypatch.setenv("SLOW_TO_STOP_S", "2")
-    head = f"tcp://127.0.0.1:{free_port()}"
-    quiet = ActorSettings(console_log_level="error")
-    contexts = [ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=head,
-                             run_dir=tmp_path, heartbeat_interval=0.2, settings=quiet)
-                for actor_id, role, path in (("controller", "controller", BUILTIN_ROLES["controller"]),
-                                             ("learner", "learner", "tests.support.runtime_actors:SlowToStop"))]
+    contexts = controller_and(tmp_path, "learner", "learner", "tests.support.runtime_actors:SlowToStop")
     supervisor = Supervisor(contexts, run_dir=tmp_path, stop_grace_s=1.0)
     running = asyncio.create_task(supervisor.run())
     await asyncio.to_thread(wait_until, lambda: any(
@@ -225,12 +230,7 @@ async def test_a_finished_run_stops_an_actor_that_never_joined_without_waiting_o
     """The grace after a run finishes is for actors that heard the controller's stop and are leaving on their own;
     one still starting (a second rollout worker loading its model when a short run ends) never heard it, and waited
     the whole grace (15 s) before its SIGTERM."""
-    head = f"tcp://127.0.0.1:{free_port()}"
-    quiet = ActorSettings(console_log_level="error")
-    contexts = [ActorContext(actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=head,
-                             run_dir=tmp_path, heartbeat_interval=0.2, settings=quiet)
-                for actor_id, role, path in (("controller", "controller", BUILTIN_ROLES["controller"]),
-                                             ("slow-0-0", "slow", "tests.support.runtime_actors:SlowToStart"))]
+    contexts = controller_and(tmp_path, "slow-0-0", "slow", "tests.support.runtime_actors:SlowToStart")
     grace_s = 600.0
     supervisor = Supervisor(contexts, run_dir=tmp_path, stop_grace_s=grace_s)
     running = asyncio.create_task(supervisor.run())
