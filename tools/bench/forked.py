@@ -13,6 +13,7 @@ worker then sets its own thread count and starts a pool of its own.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -66,6 +67,11 @@ class ForkedWorker:
         self.stdin = os.fdopen(parent_out, "w", encoding="utf-8")
         self.stdout = os.fdopen(parent_in, "r", encoding="utf-8")
 
+    def close_stdin(self) -> None:
+        """End of its input, for a worker that reads none or all of it."""
+        _PARENT_ENDS.discard(self.stdin.fileno())
+        self.stdin.close()
+
     def poll(self) -> int | None:
         if self.returncode is None:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -95,8 +101,15 @@ class ForkedWorker:
     def _reap(self, status: int) -> None:
         self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         for stream in (self.stdin, self.stdout):
-            try:
+            if not stream.closed:
                 _PARENT_ENDS.discard(stream.fileno())
-                stream.close()
-            except (OSError, ValueError):
-                pass
+                with contextlib.suppress(OSError):  # a pipe whose other end is gone: nothing to flush into
+                    stream.close()
+
+
+def forked_output(target: Callable[[], None], errors: Path) -> tuple[int, str]:
+    """`target()` in a forked worker that reads nothing: its exit code and all it printed."""
+    worker = ForkedWorker(target, errors)
+    worker.close_stdin()
+    output = worker.stdout.read()
+    return worker.wait(), output

@@ -6,8 +6,9 @@ sends the whole conversation so far, as a chat client does (`actors/rollout/chat
 `--answer` tokens (temperature 1, seeded per episode and turn, end token ignored, so both sides generate exactly
 the same number of tokens); between turns a tool's reply of about `--reply` tokens joins the conversation.
 
-Each pass (cache on, cache off) runs in a process of its own that loads the model, warms its engine up on another
-conversation and runs the workload, for the reason tools/bench/engine.py gives; passes alternate which goes first
+Each pass (cache on, cache off) runs in a process of its own, forked from this one (tools/bench/forked.py), that
+loads the model, warms its engine up on another conversation and runs the workload, for the reason
+tools/bench/engine.py gives; passes alternate which goes first
 per repeat and the table reports medians. Prefill tokens are counted per request: its input minus what the engine
 took from its cache (`GenerateOutput.cached_tokens`). Seeded sampling makes both sides draw the same tokens unless
 rounding moves a draw across a boundary (the stock kernels round with the forward's shape, which the cache and the
@@ -24,14 +25,13 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tools.bench.forked import forked_output
 
 SYSTEM_PROMPT = ("You are an agent that solves arithmetic tasks with a calculator tool. Think step by step, call "
                  "the tool with a JSON object for every operation, check its answer, and reply with the final number "
@@ -166,22 +166,30 @@ def run_pass(args: argparse.Namespace) -> None:
     print(json.dumps(asdict(asyncio.run(measure()))))
 
 
-def timed_pass(which: str, model: Path, workload_path: Path, args: argparse.Namespace) -> PassResult:
-    command = [sys.executable, "-m", "tools.bench.prefix_cache", "--pass", which, "--pass-model", str(model),
-               "--pass-workload", str(workload_path), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
-               "--cache-mb", str(args.cache_mb), *(["--threads", str(args.threads)] if args.threads else []),
-               *(["--deterministic"] if args.deterministic else [])]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench prefix_cache: the cache-{which} pass exited with {done.returncode}:\n"
-                           f"{done.stderr[-3000:]}")
-    return PassResult(**json.loads(done.stdout.strip().splitlines()[-1]))
+def timed_pass(which: str, model: Path, workload_path: Path, args: argparse.Namespace, threads: int) -> PassResult:
+    """One side in a fresh process, forked from this one (imports done, no engine run)."""
+    import torch
+
+    one = argparse.Namespace(**{**vars(args), "pass_": which, "pass_model": model, "pass_workload": workload_path})
+
+    def side() -> None:
+        torch.set_num_threads(threads)
+        run_pass(one)
+
+    errors = workload_path.parent / f"cache-{which}.err"
+    code, output = forked_output(side, errors)
+    if code != 0:
+        raise RuntimeError(f"bench prefix_cache: the cache-{which} pass exited with {code}:\n"
+                           f"{errors.read_text()[-3000:]}")
+    return PassResult(**json.loads(output.strip().splitlines()[-1]))
 
 
 def benchmark(args: argparse.Namespace) -> Figures:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    threads = args.threads or torch.get_num_threads()  # each pass's
+    torch.set_num_threads(1)  # the passes fork from here (tools/bench/forked.py)
     path = model_path(args)
     tokenizer = AutoTokenizer.from_pretrained(path)
     workload = make_workload(tokenizer, args.episodes, args.group, args.turns, args.answer, args.reply, args.seed)
@@ -191,7 +199,7 @@ def benchmark(args: argparse.Namespace) -> Figures:
         workload_path.write_text(json.dumps(asdict(workload)))
         for repeat in range(args.repeats):
             for which in (("off", "on") if repeat % 2 == 0 else ("on", "off")):
-                passes[which].append(timed_pass(which, path, workload_path, args))
+                passes[which].append(timed_pass(which, path, workload_path, args, threads))
     turns = args.episodes * args.turns
     off_rate = statistics.median(turns / result.seconds for result in passes["off"])
     on_rate = statistics.median(turns / result.seconds for result in passes["on"])
@@ -203,7 +211,7 @@ def benchmark(args: argparse.Namespace) -> Figures:
         episodes=args.episodes, group=args.group, turns=args.turns, answer_tokens=args.answer,
         reply_tokens=statistics.mean(len(reply) for replies in workload.replies for reply in replies)
         if args.turns > 1 else 0.0,
-        threads=args.threads or torch.get_num_threads(), repeats=args.repeats, deterministic=args.deterministic,
+        threads=threads, repeats=args.repeats, deterministic=args.deterministic,
         turns_per_s_off=off_rate, turns_per_s_on=on_rate, speedup=on_rate / off_rate,
         prefill_per_turn_off=off.prefill_per_turn, prefill_per_turn_on=on.prefill_per_turn,
         input_per_turn=off.input_per_turn,
