@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.forked import ForkedWorker
+from tools.bench.forked import ForkedWorker, forked_output
 
 
 def echo_twice() -> None:
@@ -47,3 +47,14 @@ def test_a_killed_worker_is_reaped(tmp_path: Path) -> None:
     worker = ForkedWorker(echo_twice, tmp_path / "worker.err")
     worker.kill()
     assert worker.poll() == -9
+
+
+def print_a_figure() -> None:
+    print('{"seconds": 1.5}')
+
+
+@pytest.mark.unit
+def test_forked_output_is_the_exit_code_and_all_the_worker_printed(tmp_path: Path) -> None:
+    assert forked_output(print_a_figure, tmp_path / "figure.err") == (0, '{"seconds": 1.5}\n')
+    assert forked_output(fail, tmp_path / "fail.err") == (1, "")
+    assert "ValueError: no such workload" in (tmp_path / "fail.err").read_text()
