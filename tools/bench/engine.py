@@ -9,11 +9,12 @@ imposed on both sides, so both generate exactly the same number of tokens per pr
 * engine: every prompt submitted at once to a `TorchEngine(max_batch_size=--batch-size)` with
   `max_new_tokens` = the row's length and `ignore_eos`; finished rows leave and waiting prompts join.
 
-Each timed pass runs in a process of its own that loads the model, warms its side up once and generates the
-workload: an engine serves from its own process (a rollout worker), and in one shared process the second pass ran
-on what the first left of the heap (after `generate()` the engine's decode steps took 402 ms instead of 263 ms and
-its evictions 210 ms instead of 37 ms, on SmolLM2). Passes are interleaved per repeat (alternating which goes
-first) because the CPU is shared; the table reports medians. Run:
+Each timed pass runs in a process of its own, forked from this one (which loads no model: tools/bench/forked.py),
+that loads the model, warms its side up once and generates the workload: an engine serves from its own process (a
+rollout worker), and in one shared process the second pass ran on what the first left of the heap (after
+`generate()` the engine's decode steps took 402 ms instead of 263 ms and its evictions 210 ms instead of 37 ms, on
+SmolLM2). Passes are interleaved per repeat (alternating which goes first) because the CPU is shared; the table
+reports medians. Run:
 `python -m tools.bench.engine [--quick] [--json PATH]`, and on a real model or shape (`tools/bench/models.py`):
 `python -m tools.bench.engine --model smollm2 --prompts 192 --longest 1024`.
 
@@ -31,10 +32,10 @@ import json
 import random
 import statistics
 import string
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from engines.inference import GenerateRequest, SamplingParams, TorchEngine
+from tools.bench.forked import forked_output
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 BENCH_SPEC = TinyModelSpec(
@@ -177,15 +179,26 @@ def run_engine(engine: TorchEngine, workload: Workload, tag: str) -> tuple[float
     return time.perf_counter() - start, generated
 
 
-def timed_pass(which: str, model_path: Path, workload_path: Path, args: argparse.Namespace, tag: str) -> float:
-    """Seconds one side takes to generate the workload, measured in a fresh process (see the module docstring)."""
-    command = [sys.executable, "-m", "tools.bench.engine", "--pass", which, "--pass-model", str(model_path),
-               "--pass-workload", str(workload_path), "--batch-size", str(args.batch_size), "--seed",
-               str(args.seed), "--pass-tag", tag, *(["--threads", str(args.threads)] if args.threads else [])]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench_engine: the {which} pass exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+def timed_pass(which: str, model_path: Path, workload_path: Path, args: argparse.Namespace, tag: str,
+               threads: int) -> dict:
+    """What one side measured generating the workload (its seconds, and the model's shape), in a fresh process
+    forked from this one, which loads no model (see the module docstring and tools/bench/forked.py)."""
+    one = argparse.Namespace(**{**vars(args), "pass_": which, "pass_model": model_path,
+                                "pass_workload": workload_path, "pass_tag": tag})
+    return _in_fork(lambda: run_pass(one), threads, workload_path.parent / f"{which}-{tag}.err", f"the {which} pass")
+
+
+def _in_fork(side: Callable[[], None], threads: int, errors: Path, what: str) -> dict:
+    """The JSON line `side` prints last, run on `threads` threads in a process forked from this one."""
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        side()
+
+    code, output = forked_output(run, errors)
+    if code != 0:
+        raise RuntimeError(f"bench_engine: {what} exited with {code}:\n{errors.read_text()[-3000:]}")
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def run_pass(args: argparse.Namespace) -> None:
@@ -205,10 +218,12 @@ def run_pass(args: argparse.Namespace) -> None:
         asyncio.run(engine.close())
     if generated != workload.tokens:
         raise RuntimeError(f"{args.pass_} generated {generated} tokens, the workload asks for {workload.tokens}")
-    print(json.dumps({"seconds": seconds}))
+    print(json.dumps({"seconds": seconds, "model": _shape(model)}))
 
 
 def benchmark(args: argparse.Namespace) -> Figures:
+    threads = args.threads or torch.get_num_threads()  # each pass's
+    torch.set_num_threads(1)  # the passes fork from here (tools/bench/forked.py)
     spec = QUICK_SPEC if args.quick else BENCH_SPEC
     if args.model is not None:
         from tools.bench.models import bench_model
@@ -217,24 +232,21 @@ def benchmark(args: argparse.Namespace) -> Figures:
     else:
         cache_dir = Path(args.model_cache or Path(tempfile.gettempdir()) / "slipstream-bench-models")
         path = cached_tiny_model(cache_dir, spec)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if args.workload == "word-problems":
-        engine = TorchEngine(model, tokenizer, max_batch_size=args.batch_size, seed=args.seed)
-        workload = word_problem_workload(engine, tokenizer, args.prompts, args.longest, seed=args.seed)
-        asyncio.run(engine.close())
-    else:
-        workload = make_workload(tokenizer, args.prompts, args.longest, seed=args.seed)
-
     baseline_rates, engine_rates = [], []
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as scratch:
+        if args.workload == "word-problems":  # the model's answers, sampled in a process of their own as well
+            workload = Workload(**_in_fork(lambda: _print_word_problems(path, args), threads,
+                                           Path(scratch) / "word-problems.err", "sampling the word problems"))
+        else:
+            workload = make_workload(tokenizer, args.prompts, args.longest, seed=args.seed)
         workload_path = Path(scratch) / "workload.json"
         workload_path.write_text(json.dumps(asdict(workload)))
         for repeat in range(args.repeats):
             order = ("baseline", "engine") if repeat % 2 == 0 else ("engine", "baseline")
             for which in order:
-                seconds = timed_pass(which, path, workload_path, args, f"r{repeat}")
-                (baseline_rates if which == "baseline" else engine_rates).append(workload.tokens / seconds)
+                measured = timed_pass(which, path, workload_path, args, f"r{repeat}", threads)
+                (baseline_rates if which == "baseline" else engine_rates).append(workload.tokens / measured["seconds"])
 
     ratios = [e / b for e, b in zip(engine_rates, baseline_rates, strict=True)]
     return Figures(
@@ -250,15 +262,24 @@ def benchmark(args: argparse.Namespace) -> Figures:
         baseline_median=statistics.median(baseline_rates),
         engine_median=statistics.median(engine_rates),
         speedup_median=statistics.median(ratios),
-        threads=torch.get_num_threads(),
-        model=_shape(model, args.model or spec.family),
+        threads=threads,
+        model={"family": args.model or spec.family, **measured["model"]},
         workload=args.workload,
     )
 
 
-def _shape(model: torch.nn.Module, name: str) -> dict:
+def _print_word_problems(path: Path, args: argparse.Namespace) -> None:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = TorchEngine(model, tokenizer, max_batch_size=args.batch_size, seed=args.seed)
+    workload = word_problem_workload(engine, tokenizer, args.prompts, args.longest, seed=args.seed)
+    asyncio.run(engine.close())
+    print(json.dumps(asdict(workload)))
+
+
+def _shape(model: torch.nn.Module) -> dict:
     config = model.config
-    return {"family": name, "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
+    return {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
             "vocab_size": config.vocab_size, "parameters": sum(p.numel() for p in model.parameters())}
 
 
