@@ -6,12 +6,12 @@ at the edge of the solver's ability: a question the solver always or never gets 
 policy trains on its own turns only (docs/multi-policy.md, "Episodes across policies").
 
     python -m examples.policies.proposer_solver runs/data/proposer  # the proposer's prompts
-    python -m tools.make_arithmetic_data runs/data/sums --style question --second-operand two-digit
+    python -m tools.make_arithmetic_data runs/data/sums --style question
     python launcher.py --head --config examples/policies/proposer_solver.yaml --hf-checkpoint MODEL \\
         --run-dir runs/proposer-solver
 
-The solver also trains on a dataset of its own (two-digit sums); the proposer's prompts name a number to build on,
-so its questions differ.
+The solver also trains on a dataset of its own (sums of a two-digit and a one-digit number, the main demo's task);
+the proposer's prompts name a number to build on, so its questions differ.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from engines.inference.base import GenerateRequest
 from policies.rewards import RewardInput
 from policies.rewards.numbers import final_number_reward
 
-QUESTION = re.compile(r"What is (\d{1,3}) \+ (\d{1,3})\?")
+QUESTION = re.compile(r"\b(\d{1,3}) ?\+ ?(\d{1,3})\b")
 SOLVER_PROMPT = "What is {a} + {b}? Answer with just the number."
 
 
 def question_of(response: str) -> tuple[int, int] | None:
-    """The two numbers of the first "What is A + B?" in a proposer's answer; None when it wrote no such question."""
+    """The two numbers of the first sum "A + B" in a proposer's answer (of numbers below 1000); None when it wrote
+    none."""
     found = QUESTION.search(response)
     return None if found is None else (int(found.group(1)), int(found.group(2)))
 
@@ -80,8 +81,8 @@ def edge_of_ability(inp: RewardInput) -> float:
 
 
 def proposer_prompts(first: range = range(10, 100)) -> list[dict[str, Any]]:
-    return [{"input": f"Write one addition question about {n} and another two-digit number, exactly in the form "
-                      "'What is A + B?', and nothing else.", "label": ""} for n in first]
+    return [{"input": f"Write one addition question about {n} and a one-digit number, in the form 'What is A + B?', "
+                      "and nothing else.", "label": ""} for n in first]
 
 
 def main() -> None:
