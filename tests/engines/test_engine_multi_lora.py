@@ -15,7 +15,6 @@ from bus.codec import decode, encode
 from bus.schema import EngineGenerate
 from engines.inference import GenerateRequest, SamplingParams, TorchEngine
 from engines.inference.batcher import StepRecord
-from engines.sglang.client import SglangEngine
 from tests.support.adapters import random_adapter
 
 pytestmark = pytest.mark.integration
@@ -117,15 +116,6 @@ async def test_a_request_routed_to_another_workers_engine_keeps_its_adapter(tiny
         await engine.update_weights(random_adapter(engine.model, 4, 2, scale=0.5), 1, adapter="b")
         assert await _greedy(engine, "routed", received.adapter, received.input_ids) == await _greedy(
             engine, "local", "b", SHARED)
-    finally:
-        await engine.close()
-
-
-async def test_the_sglang_engine_refuses_a_named_adapter_instead_of_running_another_policy() -> None:
-    engine = SglangEngine("http://127.0.0.1:9")  # refused before any call: no server needed
-    try:
-        with pytest.raises(ValueError, match="request 'r': adapter 'a': the SGLang engine does not serve named"):
-            await engine.generate(GenerateRequest("r", SHARED, GREEDY, adapter="a"))
     finally:
         await engine.close()
 
