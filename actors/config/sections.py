@@ -430,6 +430,10 @@ class EngineConfig(Section):
         None, ge=2, description="static KV cache: the prompt + response tokens one row may hold (requests longer "
         "are refused by name; default: --rollout-max-context-len, else the longest prompt the data allows plus "
         "the longest response, at least 4096)")
+    torch_prefill_chunk_tokens: int = Field(
+        8192, ge=1, description="torch engine: the most input tokens (rows x columns) one prefill forward runs, which "
+        "bounds a prefill's activation memory; a longer prompt is prefilled chunk by chunk, one chunk per engine step "
+        "between the running rows' decode steps (a 16k-token SmolLM2 prompt on a CPU: docs/long-prompts.md)")
     torch_prefix_cache: bool = Field(
         True, description="torch engine: keep the keys and values every request computed and reuse them for any later "
         "request that starts with the same tokens (the next turn of a conversation, a group's prompt arriving in "

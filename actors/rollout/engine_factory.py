@@ -74,6 +74,7 @@ def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[Inferenc
         kv_pool_columns=kv_pool_columns(config),
         record_routes=config.trainer.use_rollout_routing_replay,
         prefix_cache_bytes=prefix_cache_bytes(config),
+        prefill_chunk_tokens=config.engine.torch_prefill_chunk_tokens,
         # a run of several policies: each one's adapter, served by the policy's name, fresh until its learner pushes
         adapters=policy_names(config),
     )

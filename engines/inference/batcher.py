@@ -6,6 +6,11 @@ forward, which also samples their first token), then evicts the rows that finish
 therefore leaves as soon as it is done and a waiting one takes its slot the very next step, instead of
 the whole batch waiting for its longest member as `model.generate()` does.
 
+A prefill longer than `BatchLimits.prefill_chunk_tokens` runs as chunks, one forward per step, between the running
+rows' decode steps (SGLang's chunked prefill does the same): a 16k-token prompt neither takes memory in proportion to
+its whole length in one forward nor stalls every running row for the seconds that forward takes. Its rows join the
+batch at the step of their last chunk, which also samples their first token.
+
 It knows nothing about threads, futures or versions beyond the number it is told to stamp on the tokens of
 a step: the engine (`torch_engine.py`) drives it from its decode thread and applies control commands
 between steps.
@@ -15,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.inference.batch_invariant import sample_padded_rows
 from engines.inference.decoding_sequence import DecodingSequence, append_tokens
-from engines.inference.kv_batch import KVBatch
+from engines.inference.kv_batch import ChunkedPrefill, KVBatch
 from engines.inference.multi_lora import MultiLora
 from engines.inference.prefix_cache import Insert, PrefixCache, PrefixMatch
 from engines.inference.sampling import RowParams, sample_next_tokens
@@ -42,16 +47,20 @@ class BatchLimits:
     `max_batch_tokens` bounds rows x columns of the padded KV cache *in the worst case*: a sample is
     admitted only if, with every running sample grown to its full `prompt + max_new_tokens`, the cache
     still fits. So the cache never outgrows the budget and nothing is ever preempted.
-    `max_prefill_tokens` bounds the padded size of one prefill forward (its activations), except that one
+    `max_prefill_tokens` bounds the padded size (rows x widest row) of the samples admitted at once, except that one
     sample is always admitted when nothing runs.
+    `prefill_chunk_tokens` bounds the padded input of one prefill forward (rows x columns), which is what bounds a
+    prefill's activations: a longer prefill runs chunk by chunk, one chunk per step (a forward is never narrower
+    than one column of every row).
     """
 
     max_batch_size: int = 64
     max_batch_tokens: int = 131_072
     max_prefill_tokens: int = 16_384
+    prefill_chunk_tokens: int = 8_192
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_tokens", "max_prefill_tokens"):
+        for name in ("max_batch_size", "max_batch_tokens", "max_prefill_tokens", "prefill_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BatchLimits.{name} must be an int >= 1, got {value!r}")
@@ -68,6 +77,29 @@ class StepRecord:
     finished: tuple[tuple[str, int], ...]  # rows that left after this step
     rows: int  # running rows after the step
     columns: int  # KV cache columns after the step
+    prefilling: tuple[tuple[str, int], ...] = ()  # rows whose chunked prefill ran a chunk and goes on next step
+
+
+@dataclass
+class _PieceRun:
+    """Sequences prefilled in one series of forwards (a piece, `ContinuousBatcher._pieces`), with what each takes from
+    the prefix cache and the routes its forwards recorded so far ([rows, columns, layers, k] per forward)."""
+
+    sequences: list[list[int]]
+    adapters: list[str | None]
+    used: list[PrefixMatch]
+    past_routes: list[torch.Tensor | None]
+    prefill: ChunkedPrefill
+    routes: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Prefilling:
+    """Samples admitted whose prefill is in progress: `forwards` runs one more forward per `next()` and finally
+    returns their cache and next-token logits."""
+
+    samples: list[DecodingSequence]
+    forwards: Generator[None, None, tuple[KVBatch, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -109,6 +141,7 @@ class ContinuousBatcher:
         self.device = next(model.parameters()).device
         self.waiting: deque[DecodingSequence] = deque()
         self.running: list[DecodingSequence] = []
+        self.prefilling: _Prefilling | None = None  # admitted, not running yet: their prefill has chunks to go
         self.kv = KVBatch.empty(self.device)
         self.steps = 0
         # Tokens sampled from a cache row whose oldest keys/values an older weight version computed: zero when
@@ -132,7 +165,11 @@ class ContinuousBatcher:
         self.adapter_versions: dict[str, int] = {}
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
+
+    def in_flight(self) -> list[DecodingSequence]:
+        """Every sample not finished yet: running, prefilling and waiting."""
+        return [*self.running, *(self.prefilling.samples if self.prefilling else ()), *self.waiting]
 
     def add(self, samples: list[DecodingSequence]) -> None:
         self.waiting.extend(samples)
@@ -167,10 +204,8 @@ class ContinuousBatcher:
                                     for sample in decoded)
         if decoded:
             self._decode(decoded, version)
-        admitted = self._admit()
-        if admitted:
-            self._join(admitted, version)
-            self.running.extend(admitted)
+        admitted = self._prefill_step(version)
+        self.running.extend(admitted)
         finished = [sample for sample in self.running if self._check_stop(sample)]
         if finished:
             self._evict(lambda sample: sample.finish_reason is not None)
@@ -183,6 +218,7 @@ class ContinuousBatcher:
             finished=tuple(sample.key for sample in finished),
             rows=len(self.running),
             columns=self.cache_columns,
+            prefilling=tuple(sample.key for sample in self.prefilling.samples) if self.prefilling else (),
         )
         return StepResult(finished=finished, new_tokens=len(decoded) + len(admitted), record=record)
 
@@ -192,6 +228,8 @@ class ContinuousBatcher:
         def doomed(sample: DecodingSequence) -> bool:
             return request_ids is None or sample.request_id in request_ids
 
+        if self.prefilling is not None and any(doomed(sample) for sample in self.prefilling.samples):
+            self._requeue_prefilling()  # the others start their prefill over
         aborted = [sample for sample in self.waiting if doomed(sample)]
         self.waiting = deque(sample for sample in self.waiting if not doomed(sample))
         aborted += self._evict(doomed)
@@ -201,6 +239,7 @@ class ContinuousBatcher:
 
     def reset(self) -> list[DecodingSequence]:
         """Abandon everything (after a failed step, when the cache may be half-updated); returns the samples."""
+        self._requeue_prefilling()
         dropped = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()
         self._clear_cache()
@@ -214,8 +253,9 @@ class ContinuousBatcher:
 
         They go back to the front of the queue with their outputs so far, so the next step recomputes their
         cache with the current weights and samples their next token from it. They were admitted already,
-        so they fit the budget again.
+        so they fit the budget again. A prefill in progress starts over behind them.
         """
+        self._requeue_prefilling()
         for sample in self.running:
             sample.kv_version = sample.kv_epoch = None
             dropped = len(sample.prompt_ids) + len(sample.output_ids) - 1
@@ -228,6 +268,8 @@ class ContinuousBatcher:
     def drop_adapter_rows(self, adapter: str) -> None:
         """`drop_cache` for the rows of one adapter, after a load of it: the others' keys and values came from weights
         it did not change, so they keep them."""
+        if self.prefilling is not None and any(sample.adapter == adapter for sample in self.prefilling.samples):
+            self._requeue_prefilling()
         dropped = [sample for sample in self.running if sample.adapter == adapter]
         if not dropped:
             return
@@ -277,8 +319,34 @@ class ContinuousBatcher:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _join(self, admitted: list[DecodingSequence], version: int) -> None:
-        batch, logits = self._prefill(admitted, version)
+    def _prefill_step(self, version: int) -> list[DecodingSequence]:
+        """Run the next forward of the prefill in progress, first starting one for the samples admitted now if none
+        is; returns the samples whose prefill that forward finished, joined to the cache with their first token."""
+        if self.prefilling is None:
+            admitted = self._admit()
+            if not admitted:
+                return []
+            self.prefilling = _Prefilling(admitted, self._prefill(admitted, version))
+        prefilling = self.prefilling
+        try:
+            next(prefilling.forwards)
+        except StopIteration as finished:
+            self.prefilling = None
+            batch, logits = finished.value
+            self._join(prefilling.samples, batch, logits, version)
+            return prefilling.samples
+        return []
+
+    def _requeue_prefilling(self) -> None:
+        """Stop the prefill in progress and put its samples back at the front of the queue: what it computed so far
+        is dropped (the weights it came from changed, one of its samples left, or a step failed)."""
+        if self.prefilling is None:
+            return
+        prefilling, self.prefilling = self.prefilling, None
+        prefilling.forwards.close()
+        self.waiting.extendleft(reversed(prefilling.samples))
+
+    def _join(self, admitted: list[DecodingSequence], batch: KVBatch, logits: torch.Tensor, version: int) -> None:
         self.stale_kv_tokens += sum(sample.kv_version != self.adapter_version(sample.adapter, version)
                                     for sample in admitted)
         self._append_sampled(admitted, logits, version)
@@ -343,10 +411,16 @@ class ContinuousBatcher:
         return self.prefix_cache.match(tokens, self.epoch_of(adapter), namespace=adapter, limit=len(tokens) - 1,
                                        touch=touch)
 
-    def _prefill(self, admitted: list[DecodingSequence], version: int) -> tuple[KVBatch, torch.Tensor]:
+    def _prefill(self, admitted: list[DecodingSequence], version: int,
+                 ) -> Generator[None, None, tuple[KVBatch, torch.Tensor]]:
         """Prefill each distinct token sequence once (n samples of a prompt share it), from where the prefix cache's
         copy of it ends; then fan rows out. Stamps each sample with the weights its keys and values depend on, keeps
-        the sequences in the prefix cache, and returns the rows' cache and their next-token logits."""
+        the sequences in the prefix cache, and returns the rows' cache and their next-token logits.
+
+        A generator: each `next()` runs one forward of at most `prefill_chunk_tokens` tokens and the last one returns.
+        Everything taken from the prefix cache is taken before the first forward (a later step's inserts may evict
+        it), and the stamps are the weights at the start: under weights that change between chunks (keys and values
+        kept across updates) a row's keys and values are as old as its first chunk's."""
         unique: dict[tuple[str | None, tuple[int, ...]], int] = {}
         sequences: list[list[int]] = []
         adapters: list[str | None] = []
@@ -360,20 +434,26 @@ class ContinuousBatcher:
                 adapters.append(sample.adapter)
             expand.append(unique[key])
         matches = [self._cached(sequence, adapter) for sequence, adapter in zip(sequences, adapters, strict=True)]
+        row_versions = [self.adapter_version(adapter, version) for adapter in adapters]
+        epochs = [self.epoch_of(adapter) for adapter in adapters]
+        pieces = self._pieces(matches)
+        runs = [self._start_piece([sequences[i] for i in piece], [matches[i] for i in piece],
+                                  [adapters[i] for i in piece]) for piece in pieces]
+        for position, run in enumerate(runs):
+            while not run.prefill.done:
+                self._advance(run)
+                if not run.prefill.done or position < len(runs) - 1:
+                    yield
         batch, logits = KVBatch.empty(self.device), []
         rows = [0] * len(sequences)  # each sequence's row in `batch`
         used = [PrefixMatch()] * len(sequences)
         routes: list[torch.Tensor | None] = [None] * len(sequences)
-        for piece in self._pieces(matches):
-            part, part_logits, part_used, part_routes = self._forward([sequences[i] for i in piece],
-                                                                      [matches[i] for i in piece],
-                                                                      [adapters[i] for i in piece])
-            for offset, index in enumerate(piece):
-                rows[index], used[index], routes[index] = batch.rows + offset, part_used[offset], part_routes[offset]
+        for piece, run in zip(pieces, runs, strict=True):
+            part, part_logits = run.prefill.result()
+            for offset, (index, part_routes) in enumerate(zip(piece, self._piece_routes(run), strict=True)):
+                rows[index], used[index], routes[index] = batch.rows + offset, run.used[offset], part_routes
             batch.extend(part)
             logits.append(part_logits)
-        row_versions = [self.adapter_version(adapter, version) for adapter in adapters]
-        epochs = [self.epoch_of(adapter) for adapter in adapters]
         stamps = [(row_version, epoch) if not taken.length else
                   (min(row_version, taken.version), min(epoch, taken.epoch))
                   for taken, row_version, epoch in zip(used, row_versions, epochs, strict=True)]
@@ -406,35 +486,48 @@ class ContinuousBatcher:
         hits = [index for index, match in enumerate(matches) if match.length]
         return [piece for piece in (misses, hits) if piece]
 
-    def _forward(self, sequences: list[list[int]], matches: list[PrefixMatch], adapters: list[str | None],
-                 ) -> tuple[KVBatch, torch.Tensor, list[PrefixMatch], list[torch.Tensor | None]]:
-        """One prefill forward of `sequences`, each from the cached past its match offers, as far as that leaves every
+    def _start_piece(self, sequences: list[list[int]], matches: list[PrefixMatch], adapters: list[str | None],
+                     ) -> _PieceRun:
+        """Set up the prefill of `sequences`, each from the cached past its match offers, as far as that leaves every
         row with a past as many own tokens as the widest row (a row then never has padding inside it, which the
         static pool and batch-invariant attention need; one with a longer past recomputes some of it instead of
-        padding, at no cost in the forward's shape). Returns the batch, the last logits, the pasts taken, and each
-        row's routes where they are recorded."""
+        padding, at no cost in the forwards' shape)."""
         width = max(len(sequence) - match.length for sequence, match in zip(sequences, matches, strict=True))
         used = [match.truncated(max(0, len(sequence) - width))
                 for sequence, match in zip(sequences, matches, strict=True)]
-        with self._tapped() as taps, self._adapter_rows(adapters):
-            if any(taken.length for taken in used):
-                assert self.prefix_cache is not None
-                past = self.prefix_cache.gather([taken.slots for taken in used])
-                own = [sequence[taken.length :] for sequence, taken in zip(sequences, used, strict=True)]
-                batch, logits = KVBatch.prefill(self.model, own, self.pad_token_id, past=past)
-            else:
-                batch, logits = KVBatch.prefill(self.model, sequences, self.pad_token_id,
-                                                share_prefix=self.share_prefix and not any(adapters))
-        routes: list[torch.Tensor | None] = [None] * len(sequences)
-        if taps:  # one forward of [rows, width] tokens (with routes recorded, no prefix runs apart)
-            table = _layers_last(taps).unflatten(0, (len(sequences), width))
-            for row, (sequence, taken) in enumerate(zip(sequences, used, strict=True)):
-                computed = table[row, width - (len(sequence) - taken.length) :]
-                if taken.length:
-                    assert self.prefix_cache is not None
-                    computed = torch.cat([self.prefix_cache.routes_of(taken.slots), computed])
-                routes[row] = computed
-        return batch, logits, used, routes
+        chunk = self.limits.prefill_chunk_tokens
+        past_routes: list[torch.Tensor | None] = [None] * len(sequences)
+        if any(taken.length for taken in used):
+            assert self.prefix_cache is not None
+            past = self.prefix_cache.gather([taken.slots for taken in used])
+            if self.routers is not None:
+                past_routes = [self.prefix_cache.routes_of(taken.slots) if taken.length else None for taken in used]
+            own = [sequence[taken.length :] for sequence, taken in zip(sequences, used, strict=True)]
+            prefill = ChunkedPrefill(self.model, own, self.pad_token_id, past=past, chunk_tokens=chunk)
+        else:
+            prefill = ChunkedPrefill(self.model, sequences, self.pad_token_id, chunk_tokens=chunk,
+                                     share_prefix=self.share_prefix and not any(adapters))
+        return _PieceRun(sequences, adapters, used, past_routes, prefill)
+
+    def _advance(self, run: _PieceRun) -> None:
+        """One forward of the piece's prefill, with its rows' adapters, keeping the routes it recorded."""
+        with self._tapped() as taps, self._adapter_rows(run.adapters):
+            forward = run.prefill.advance()
+        if taps and not forward.shared:  # with routes recorded no prefix runs apart
+            run.routes.append(_layers_last(taps).unflatten(0, (forward.rows, forward.columns)))
+
+    def _piece_routes(self, run: _PieceRun) -> list[torch.Tensor | None]:
+        """Each row's routes of every token of its sequence (None where none are recorded): the cached past's, then
+        those its forwards computed for its own tokens (the right end of the left-padded columns)."""
+        if not run.routes:
+            return [None] * len(run.sequences)
+        table = torch.cat(run.routes, dim=1)  # [rows, width, layers, k]
+        routes: list[torch.Tensor | None] = []
+        for row, (sequence, taken) in enumerate(zip(run.sequences, run.used, strict=True)):
+            computed = table[row, table.shape[1] - (len(sequence) - taken.length) :]
+            past = run.past_routes[row]
+            routes.append(computed if past is None else torch.cat([past, computed]))
+        return routes
 
     def _keep_prefilled(self, batch: KVBatch, sequences: list[list[int]], rows: list[int],
                         stamps: list[tuple[int, int]], routes: list[torch.Tensor | None],

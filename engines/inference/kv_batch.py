@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,10 +42,13 @@ class ReservedColumnsLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views of buffers with spare columns: a new token is written in
     place instead of concatenating the whole cache. Whoever replaces `keys`/`values` with other tensors (eviction,
     joining, a shared prefix expanded over rows) needs to do nothing: the next update sees they are not the views
-    it handed out and moves them into new buffers."""
+    it handed out and moves them into new buffers. `expected_columns`: how wide a chunked prefill will make the layer,
+    so its first buffer is sized for all of it (growing chunk by chunk would hold the old and the new buffer at once,
+    each a copy of the whole cache)."""
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, expected_columns: int = 0, **kwargs: object) -> None:
         super().__init__(**kwargs)
+        self.expected_columns = expected_columns
         self._keys_view: torch.Tensor | None = None
         self._values_view: torch.Tensor | None = None
 
@@ -64,7 +68,8 @@ class ReservedColumnsLayer(DynamicLayer):
         return self.keys, self.values
 
     def _move_into_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, new: int) -> None:
-        capacity = new + max(MIN_RESERVED_COLUMNS, new // 4)
+        wanted = max(new, self.expected_columns)
+        capacity = wanted + max(MIN_RESERVED_COLUMNS, wanted // 4)
         rows, heads, _, head_dim = key_states.shape
         self._key_buffer = key_states.new_empty(rows, heads, capacity, head_dim)
         self._value_buffer = value_states.new_empty(rows, heads, capacity, value_states.shape[-1])
@@ -73,9 +78,10 @@ class ReservedColumnsLayer(DynamicLayer):
             self._value_buffer[:, :, :old].copy_(self.values)
 
 
-def _new_cache() -> DynamicCache:
+def _new_cache(expected_columns: int = 0) -> DynamicCache:
     cache = DynamicCache()
-    cache.layer_class_to_replicate = ReservedColumnsLayer  # the layers are made on the first forward's updates
+    # the layers are made on the first forward's updates
+    cache.layer_class_to_replicate = functools.partial(ReservedColumnsLayer, expected_columns)
     return cache
 
 
@@ -105,8 +111,9 @@ class KVBatch:
 
     @classmethod
     def prefill(cls, model: nn.Module, sequences: list[list[int]], pad_token_id: int, *,
-                share_prefix: bool = True, past: CachedPast | None = None) -> tuple[KVBatch, torch.Tensor]:
-        """Run the sequences through the model in one left-padded forward; returns the batch and its last logits.
+                share_prefix: bool = True, past: CachedPast | None = None,
+                chunk_tokens: int | None = None) -> tuple[KVBatch, torch.Tensor]:
+        """Run the sequences through the model, left-padded; returns the batch and its last logits.
 
         The logits ([rows, vocab]) are those after each sequence's final token, i.e. the distribution of the
         next token; the batch caches every token of every sequence.
@@ -120,49 +127,14 @@ class KVBatch:
         tokens that follow row i's past, and only they run: row i holds [padding][past][padding][own tokens]. The
         caller that wants rows without padding inside them (the static pool) gives every row with a past as many own
         tokens as the widest.
+
+        `chunk_tokens` bounds each forward (`ChunkedPrefill`); None runs the whole prefill in one.
         """
-        device = model.device
-        cache = _new_cache()
-        if past is not None:
-            for keys, values in zip(past.keys, past.values, strict=True):
-                layer = ReservedColumnsLayer()
-                layer.update(keys, values)
-                cache.layers.append(layer)
-            columns = past.columns
-            past_lengths = torch.tensor(past.lengths, dtype=torch.int64)
-            past_mask = (torch.arange(columns).unsqueeze(0) >= columns - past_lengths.unsqueeze(1)).to(torch.int64)
-            suffixes = sequences
-        else:
-            prefix = _shared_prefix_length(sequences) if share_prefix else 0
-            if prefix:
-                positions = torch.arange(prefix, device=device).unsqueeze(0)
-                model(input_ids=torch.tensor([sequences[0][:prefix]], device=device), position_ids=positions,
-                      use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
-                for layer in cache.layers:  # one copy, seen by every row; the suffix forward's concatenation copies it
-                    layer.keys = layer.keys.expand(len(sequences), -1, -1, -1)
-                    layer.values = layer.values.expand(len(sequences), -1, -1, -1)
-            past_lengths = torch.full((len(sequences),), prefix, dtype=torch.int64)
-            past_mask = torch.ones((len(sequences), prefix), dtype=torch.int64)
-            suffixes = [sequence[prefix:] for sequence in sequences]
-        width = max(len(suffix) for suffix in suffixes)
-        input_ids = torch.full((len(suffixes), width), pad_token_id, dtype=torch.int64)
-        own_mask = torch.zeros((len(suffixes), width), dtype=torch.int64)
-        for row, suffix in enumerate(suffixes):
-            input_ids[row, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.int64)
-            own_mask[row, width - len(suffix) :] = 1
-        input_ids, own_mask = input_ids.to(device), own_mask.to(device)
-        position_ids = (own_mask.cumsum(dim=-1) - 1).clamp_(min=0) + past_lengths.to(device).unsqueeze(1)
-        attention_mask = torch.cat([past_mask.to(device), own_mask], dim=-1)
-        output = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{_cache_argument(model): cache},
-        )
-        batch = cls(cache, attention_mask, attention_mask.sum(dim=-1))
-        return batch, output.logits[:, -1, :]
+        run = ChunkedPrefill(model, sequences, pad_token_id, share_prefix=share_prefix, past=past,
+                             chunk_tokens=chunk_tokens)
+        while not run.done:
+            run.advance()
+        return run.result()
 
     def decode(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([rows] int64) and return the next-token logits [rows, vocab]."""
@@ -213,6 +185,123 @@ class KVBatch:
 
     def _layers(self) -> list:
         return [] if self.cache is None else list(self.cache.layers)
+
+
+@dataclass(frozen=True)
+class PrefillForward:
+    """One forward of a `ChunkedPrefill`: `rows` x `columns` input tokens; `shared` when it ran the prefix every row
+    shares (one row, no routes of its own rows)."""
+
+    rows: int
+    columns: int
+    shared: bool
+
+
+class ChunkedPrefill:
+    """`KVBatch.prefill` as a series of forwards of at most `chunk_tokens` input tokens (rows x columns) each, run one
+    `advance()` at a time, so a caller can do other work (decode steps) between them.
+
+    The padded [rows, width] input is cut into column ranges; each forward appends its columns' keys and values to the
+    cache and attends to every earlier column through it, with the same mask and positions the whole forward would
+    use, so the result is the one-forward prefill's up to float rounding (attention reduces over another split of
+    the same keys). Only the last forward's last logits are kept. What a forward holds in activations is then bounded
+    by the chunk (attention over the cache grows with the columns before it); the cache itself is allocated once at
+    its final width. A forward is never narrower than one column, so with more rows than `chunk_tokens` it runs one
+    column of every row."""
+
+    def __init__(self, model: nn.Module, sequences: list[list[int]], pad_token_id: int, *,
+                 share_prefix: bool = True, past: CachedPast | None = None, chunk_tokens: int | None = None) -> None:
+        if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+            raise ValueError(f"ChunkedPrefill: chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.rows = len(sequences)
+        device = model.device
+        if past is not None:
+            self.prefix: list[int] = []
+            prior = past.columns
+            past_lengths = torch.tensor(past.lengths, dtype=torch.int64)
+            past_mask = (torch.arange(prior).unsqueeze(0) >= prior - past_lengths.unsqueeze(1)).to(torch.int64)
+            suffixes = sequences
+        else:
+            shared = _shared_prefix_length(sequences) if share_prefix else 0
+            self.prefix = sequences[0][:shared]
+            prior = shared
+            past_lengths = torch.full((self.rows,), shared, dtype=torch.int64)
+            past_mask = torch.ones((self.rows, shared), dtype=torch.int64)
+            suffixes = [sequence[shared:] for sequence in sequences]
+        self.width = max(len(suffix) for suffix in suffixes)
+        self.prior = prior
+        self.cache = _new_cache(prior + self.width)
+        if past is not None:
+            for keys, values in zip(past.keys, past.values, strict=True):
+                layer = ReservedColumnsLayer(prior + self.width)
+                layer.update(keys, values)
+                self.cache.layers.append(layer)
+        input_ids = torch.full((self.rows, self.width), pad_token_id, dtype=torch.int64)
+        own_mask = torch.zeros((self.rows, self.width), dtype=torch.int64)
+        for row, suffix in enumerate(suffixes):
+            input_ids[row, self.width - len(suffix) :] = torch.tensor(suffix, dtype=torch.int64)
+            own_mask[row, self.width - len(suffix) :] = 1
+        self.input_ids, own_mask = input_ids.to(device), own_mask.to(device)
+        self.position_ids = (own_mask.cumsum(dim=-1) - 1).clamp_(min=0) + past_lengths.to(device).unsqueeze(1)
+        self.attention_mask = torch.cat([past_mask.to(device), own_mask], dim=-1)
+        self.prefix_done = 0  # shared-prefix tokens run
+        self.columns_done = 0  # own columns run
+        self._logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._logits is not None
+
+    @property
+    def forwards_left(self) -> int:
+        """How many more `advance()` calls finish the prefill."""
+        prefix_step = self.chunk_tokens or len(self.prefix) or 1
+        columns_step = self._columns_per_forward()
+        return (-(-(len(self.prefix) - self.prefix_done) // prefix_step)
+                + -(-(self.width - self.columns_done) // columns_step))
+
+    def advance(self) -> PrefillForward:
+        """Run the next forward (the shared prefix's first, then the rows' own columns)."""
+        if self.done:
+            raise RuntimeError("ChunkedPrefill.advance: the prefill is done")
+        argument = _cache_argument(self.model)
+        if self.prefix_done < len(self.prefix):
+            start = self.prefix_done
+            end = len(self.prefix) if self.chunk_tokens is None else min(len(self.prefix), start + self.chunk_tokens)
+            device = self.input_ids.device
+            self.model(input_ids=torch.tensor([self.prefix[start:end]], device=device),
+                       position_ids=torch.arange(start, end, device=device).unsqueeze(0), use_cache=True,
+                       logits_to_keep=1, **{argument: self.cache})
+            self.prefix_done = end
+            if end == len(self.prefix):  # one copy, seen by every row; the next update moves it into row buffers
+                for layer in self.cache.layers:
+                    layer.keys = layer.keys.expand(self.rows, -1, -1, -1)
+                    layer.values = layer.values.expand(self.rows, -1, -1, -1)
+            return PrefillForward(1, end - start, shared=True)
+        start = self.columns_done
+        end = min(self.width, start + self._columns_per_forward())
+        output = self.model(
+            input_ids=self.input_ids[:, start:end],
+            attention_mask=self.attention_mask[:, : self.prior + end],
+            position_ids=self.position_ids[:, start:end],
+            use_cache=True,
+            logits_to_keep=1,
+            **{argument: self.cache},
+        )
+        self.columns_done = end
+        if end == self.width:
+            self._logits = output.logits[:, -1, :]
+        return PrefillForward(self.rows, end - start, shared=False)
+
+    def result(self) -> tuple[KVBatch, torch.Tensor]:
+        if self._logits is None:
+            raise RuntimeError("ChunkedPrefill.result: the prefill has forwards left")
+        return KVBatch(self.cache, self.attention_mask, self.attention_mask.sum(dim=-1)), self._logits
+
+    def _columns_per_forward(self) -> int:
+        return self.width if self.chunk_tokens is None else max(1, self.chunk_tokens // self.rows)
 
 
 def _shared_prefix_length(sequences: list[list[int]]) -> int:

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.inference.batcher import BatchLimits, ContinuousBatcher
 from engines.inference.decoding_sequence import DecodingSequence, append_tokens
-from engines.inference.kv_batch import _cache_argument
+from engines.inference.kv_batch import KVBatch, _cache_argument
 from engines.inference.prefix_cache import PrefixCache
 from engines.inference.sampling import RowParams, counter_uniforms, sample_next_tokens
 from engines.inference.static_kv import KVPool, PooledCache
@@ -185,11 +185,10 @@ class StaticBatcher(ContinuousBatcher):
             return TRUNCATED
         return SAMPLED
 
-    def _join(self, admitted: list[DecodingSequence], version: int) -> None:
+    def _join(self, admitted: list[DecodingSequence], batch: KVBatch, logits: torch.Tensor, version: int) -> None:
         if not self.pool.allocated:
             self.pool.allocate()
             self.decoder.forget_graphs()
-        batch, logits = self._prefill(admitted, version)
         self.stale_kv_tokens += sum(1 for sample in admitted if sample.kv_version != version)
         width = batch.columns
         if not self.running:  # an empty pool starts over at the left

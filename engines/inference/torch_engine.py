@@ -78,6 +78,7 @@ class TorchEngine(base.InferenceEngine):
         max_batch_size: int = 64,
         max_batch_tokens: int = 131_072,
         max_prefill_tokens: int = 16_384,
+        prefill_chunk_tokens: int = 8_192,
         max_model_len: int | None = None,
         version: int = 0,
         seed: int | None = None,
@@ -94,9 +95,12 @@ class TorchEngine(base.InferenceEngine):
         max_adapters: int = 8,
         adapters: tuple[str, ...] = (),
     ) -> None:
-        """`kv_cache`: "dynamic" (caches sized to the rows, the CPU's choice and the reference) or "static" (a pool
-        allocated once, `kv_pool_columns` per row, default max_batch_tokens / max_batch_size, with each decode step
-        replayed from a CUDA graph when `cuda_graphs` and the model is on a GPU: static_batcher.py).
+        """`prefill_chunk_tokens`: the most input tokens (rows x columns) one prefill forward runs; a longer prefill
+        runs a chunk per step between the running rows' decode steps (`batcher.py`), so its activations stay bounded
+        and running rows keep decoding. `kv_cache`: "dynamic" (caches sized to the rows, the CPU's choice and the
+        reference) or "static" (a pool allocated once, `kv_pool_columns` per row, default max_batch_tokens /
+        max_batch_size, with each decode step replayed from a CUDA graph when `cuda_graphs` and the model is on a GPU:
+        static_batcher.py).
         `record_routes`: an MoE model's outputs carry each token's experts (`GenerateOutput.routed_experts`), for
         rollout routing replay; the dynamic layout only. `prefix_cache_bytes`: the memory the prefix cache across
         requests may take on the model's device (0: no prefix cache). `max_adapters`: how many named LoRA adapters
@@ -121,7 +125,7 @@ class TorchEngine(base.InferenceEngine):
             make_batch_invariant(model)
         self._model = model.eval()
         self._tokenizer = tokenizer
-        self._limits = BatchLimits(max_batch_size, max_batch_tokens, max_prefill_tokens)
+        self._limits = BatchLimits(max_batch_size, max_batch_tokens, max_prefill_tokens, prefill_chunk_tokens)
         self._max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._eos_token_ids = eos_token_ids(model, tokenizer)
@@ -282,6 +286,7 @@ class TorchEngine(base.InferenceEngine):
             "adapter_versions": dict(self._batcher.adapter_versions),
             "paused": self._paused,
             "running": len(self._batcher.running),
+            "prefilling": len(self._batcher.prefilling.samples) if self._batcher.prefilling else 0,
             "waiting": len(self._batcher.waiting),
             "requests": len(self._pending),
             "steps": self._batcher.steps,
@@ -351,8 +356,7 @@ class TorchEngine(base.InferenceEngine):
         return samples
 
     def _unload_adapter(self, adapter: str) -> None:
-        users = sorted({sample.request_id for sample in (*self._batcher.running, *self._batcher.waiting)
-                        if sample.adapter == adapter})
+        users = sorted({sample.request_id for sample in self._batcher.in_flight() if sample.adapter == adapter})
         self._weights.unload_adapter(adapter, users)
         self._batcher.adapter_unloaded(adapter)
 

@@ -300,6 +300,27 @@ def test_a_run_asking_for_the_static_kv_cache_gets_an_engine_on_the_pool(tiny_mo
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(("flags", "chunk"), [([], 8192), (["--torch-prefill-chunk-tokens", "2048"], 2048)])
+def test_the_prefill_chunk_flag_bounds_the_engines_prefill_forwards(tiny_model_path: Path, flags: list[str],
+                                                                    chunk: int) -> None:
+    import asyncio
+
+    from actors.rollout.engine_factory import load_engine
+
+    engine, _ = load_engine(parse(["--hf-checkpoint", str(tiny_model_path), *flags]), "rollout-0-0")
+    try:
+        assert engine._batcher.limits.prefill_chunk_tokens == chunk
+    finally:
+        asyncio.run(engine.close())
+
+
+@pytest.mark.unit
+def test_a_prefill_chunk_below_one_token_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"^--torch-prefill-chunk-tokens 0: must be >= 1$"):
+        parse(["--torch-prefill-chunk-tokens", "0"])
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize(("flags", "budget"), [([], 1024 << 20), (["--torch-prefix-cache-mb", "8"], 8 << 20),
                                                (["--no-torch-prefix-cache"], None),
                                                (["--sglang-disable-radix-cache", "true"], None)])
