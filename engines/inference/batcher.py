@@ -95,11 +95,12 @@ class _PieceRun:
 
 @dataclass
 class _Prefilling:
-    """Samples admitted whose prefill is in progress: `forwards` runs one more forward per `next()` and finally
-    returns their cache and next-token logits."""
+    """Samples admitted whose prefill is in progress: `forwards` runs one more forward per `next()` (yielding the
+    tokens it computed) and finally returns their cache and next-token logits."""
 
     samples: list[DecodingSequence]
-    forwards: Generator[None, None, tuple[KVBatch, torch.Tensor]]
+    forwards: Generator[int, None, tuple[KVBatch, torch.Tensor]]
+    computed_tokens: int = 0  # by the forwards that ran so far
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ class ContinuousBatcher:
         cache with the current weights and samples their next token from it. They were admitted already,
         so they fit the budget again. A prefill in progress starts over behind them.
         """
-        self._requeue_prefilling()
+        self._requeue_prefilling(new_weights=True)
         for sample in self.running:
             sample.kv_version = sample.kv_epoch = None
             dropped = len(sample.prompt_ids) + len(sample.output_ids) - 1
@@ -269,7 +270,7 @@ class ContinuousBatcher:
         """`drop_cache` for the rows of one adapter, after a load of it: the others' keys and values came from weights
         it did not change, so they keep them."""
         if self.prefilling is not None and any(sample.adapter == adapter for sample in self.prefilling.samples):
-            self._requeue_prefilling()
+            self._requeue_prefilling(new_weights=True)
         dropped = [sample for sample in self.running if sample.adapter == adapter]
         if not dropped:
             return
@@ -329,7 +330,7 @@ class ContinuousBatcher:
             self.prefilling = _Prefilling(admitted, self._prefill(admitted, version))
         prefilling = self.prefilling
         try:
-            next(prefilling.forwards)
+            prefilling.computed_tokens += next(prefilling.forwards)
         except StopIteration as finished:
             self.prefilling = None
             batch, logits = finished.value
@@ -337,14 +338,18 @@ class ContinuousBatcher:
             return prefilling.samples
         return []
 
-    def _requeue_prefilling(self) -> None:
+    def _requeue_prefilling(self, *, new_weights: bool = False) -> None:
         """Stop the prefill in progress and put its samples back at the front of the queue: what it computed so far
-        is dropped (the weights it came from changed, one of its samples left, or a step failed)."""
+        is dropped (the weights it came from changed, one of its samples left, or a step failed). Under `new_weights`
+        what it computed counts as prefilled again (`reprefilled_tokens`, the engine's count; the samples' own counts
+        are of tokens they had in the cache)."""
         if self.prefilling is None:
             return
         prefilling, self.prefilling = self.prefilling, None
         prefilling.forwards.close()
         self.waiting.extendleft(reversed(prefilling.samples))
+        if new_weights:
+            self.reprefilled_tokens += prefilling.computed_tokens
 
     def _join(self, admitted: list[DecodingSequence], batch: KVBatch, logits: torch.Tensor, version: int) -> None:
         self.stale_kv_tokens += sum(sample.kv_version != self.adapter_version(sample.adapter, version)
@@ -412,12 +417,13 @@ class ContinuousBatcher:
                                        touch=touch)
 
     def _prefill(self, admitted: list[DecodingSequence], version: int,
-                 ) -> Generator[None, None, tuple[KVBatch, torch.Tensor]]:
+                 ) -> Generator[int, None, tuple[KVBatch, torch.Tensor]]:
         """Prefill each distinct token sequence once (n samples of a prompt share it), from where the prefix cache's
         copy of it ends; then fan rows out. Stamps each sample with the weights its keys and values depend on, keeps
         the sequences in the prefix cache, and returns the rows' cache and their next-token logits.
 
-        A generator: each `next()` runs one forward of at most `prefill_chunk_tokens` tokens and the last one returns.
+        A generator: each `next()` runs one forward of at most `prefill_chunk_tokens` tokens and yields the tokens it
+        computed; the last one returns.
         Everything taken from the prefix cache is taken before the first forward (a later step's inserts may evict
         it), and the stamps are the weights at the start: under weights that change between chunks (keys and values
         kept across updates) a row's keys and values are as old as its first chunk's."""
@@ -441,9 +447,9 @@ class ContinuousBatcher:
                                   [adapters[i] for i in piece]) for piece in pieces]
         for position, run in enumerate(runs):
             while not run.prefill.done:
-                self._advance(run)
+                tokens = self._advance(run)
                 if not run.prefill.done or position < len(runs) - 1:
-                    yield
+                    yield tokens
         batch, logits = KVBatch.empty(self.device), []
         rows = [0] * len(sequences)  # each sequence's row in `batch`
         used = [PrefixMatch()] * len(sequences)
@@ -509,12 +515,14 @@ class ContinuousBatcher:
                                      share_prefix=self.share_prefix and not any(adapters))
         return _PieceRun(sequences, adapters, used, past_routes, prefill)
 
-    def _advance(self, run: _PieceRun) -> None:
-        """One forward of the piece's prefill, with its rows' adapters, keeping the routes it recorded."""
+    def _advance(self, run: _PieceRun) -> int:
+        """One forward of the piece's prefill, with its rows' adapters, keeping the routes it recorded; returns the
+        tokens it computed."""
         with self._tapped() as taps, self._adapter_rows(run.adapters):
             forward = run.prefill.advance()
         if taps and not forward.shared:  # with routes recorded no prefix runs apart
             run.routes.append(_layers_last(taps).unflatten(0, (forward.rows, forward.columns)))
+        return forward.tokens
 
     def _piece_routes(self, run: _PieceRun) -> list[torch.Tensor | None]:
         """Each row's routes of every token of its sequence (None where none are recorded): the cached past's, then

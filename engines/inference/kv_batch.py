@@ -189,11 +189,12 @@ class KVBatch:
 
 @dataclass(frozen=True)
 class PrefillForward:
-    """One forward of a `ChunkedPrefill`: `rows` x `columns` input tokens; `shared` when it ran the prefix every row
-    shares (one row, no routes of its own rows)."""
+    """One forward of a `ChunkedPrefill`: `rows` x `columns` input tokens, `tokens` of them real (not padding);
+    `shared` when it ran the prefix every row shares (one row, no routes of its own rows)."""
 
     rows: int
     columns: int
+    tokens: int
     shared: bool
 
 
@@ -279,7 +280,7 @@ class ChunkedPrefill:
                 for layer in self.cache.layers:
                     layer.keys = layer.keys.expand(self.rows, -1, -1, -1)
                     layer.values = layer.values.expand(self.rows, -1, -1, -1)
-            return PrefillForward(1, end - start, shared=True)
+            return PrefillForward(1, end - start, end - start, shared=True)
         start = self.columns_done
         end = min(self.width, start + self._columns_per_forward())
         output = self.model(
@@ -293,7 +294,8 @@ class ChunkedPrefill:
         self.columns_done = end
         if end == self.width:
             self._logits = output.logits[:, -1, :]
-        return PrefillForward(self.rows, end - start, shared=False)
+        tokens = int(self.attention_mask[:, self.prior + start : self.prior + end].sum())
+        return PrefillForward(self.rows, end - start, tokens, shared=False)
 
     def result(self) -> tuple[KVBatch, torch.Tensor]:
         if self._logits is None:

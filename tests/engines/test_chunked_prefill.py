@@ -217,7 +217,8 @@ def test_running_rows_decode_a_token_every_step_while_a_long_prompt_prefills(tin
 def test_a_prefill_interrupted_between_chunks_starts_over_and_samples_the_same(tiny_model_path: Path,
                                                                               interruption: str) -> None:
     """New weights (`drop_cache`), or an abort of one of its samples, stop a prefill in progress: the samples that
-    remain start it over, and sample what an uninterrupted prefill samples."""
+    remain start it over, and sample what an uninterrupted prefill samples. What new weights threw away is counted as
+    prefilled again: the first forward's 8 columns of both rows, the shorter row's all padding."""
     model = _model(tiny_model_path)
 
     def run(interrupt: bool) -> DecodingSequence:
@@ -228,12 +229,14 @@ def test_a_prefill_interrupted_between_chunks_starts_over_and_samples_the_same(t
             batcher.step(0)
             assert batcher.prefilling is not None and batcher.prefilling.samples == [kept, other]
             if interrupt:
+                assert batcher.prefilling.computed_tokens == 8
                 if interruption == "drop_cache":
                     batcher.drop_cache()
                 else:
                     aborted = batcher.abort({"other" if interruption == "abort_other" else "kept"})
                     assert [sample.finish_reason for sample in aborted] == ["abort"]
                 assert batcher.prefilling is None
+                assert batcher.reprefilled_tokens == (8 if interruption == "drop_cache" else 0)
             while batcher.has_work():
                 batcher.step(0)
         return other if interruption == "abort_it" else kept
