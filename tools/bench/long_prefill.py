@@ -2,8 +2,9 @@
 
 For each prompt length the engine (dynamic cache, no prefix cache, one row) prefills a prompt of random token ids
 and samples one token, once with one forward for the whole prompt (`--prefill-chunk-tokens` above the length) and
-once in chunks of `--chunk` tokens. Each measurement runs in a process of its own (tools/bench/engine.py says why),
-which loads the model and warms the engine up on a short prompt first.
+once in chunks of `--chunk` tokens. Each measurement runs in a process of its own, forked from this one
+(tools/bench/forked.py: imports done, no model loaded, a heap no earlier measurement used), which loads the model and
+warms the engine up on a short prompt first.
 
 Memory is the process's resident set: the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs after
 the warm-up) minus the resident set before the prefill, so loading transients do not hide it. It holds the KV cache
@@ -23,14 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tools.bench.forked import forked_output
+
 LONG_POSITIONS = 32_768  # the random-weights stand-in's context: room for 16k and 32k prompts
 UNCHUNKED = 1 << 30
 MIB = 1 << 20
@@ -122,40 +123,52 @@ def resident_mib(field: str) -> float:
     raise RuntimeError(f"bench long_prefill: /proc/self/status has no {field}")
 
 
-def timed_pass(model: Path, length: int, chunk: int | None, positions: int | None,
-               args: argparse.Namespace) -> PassResult:
-    command = [sys.executable, "-m", "tools.bench.long_prefill", "--pass", "prefill", "--pass-model", str(model),
-               "--pass-length", str(length), *(["--pass-chunk", str(chunk)] if chunk else []),
-               *(["--pass-positions", str(positions)] if positions else []),
-               *(["--threads", str(args.threads)] if args.threads else [])]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench long_prefill: the {length}-token {'chunked' if chunk else 'unchunked'} pass exited "
-                           f"with {done.returncode}:\n{done.stderr[-3000:]}")
-    return PassResult(**json.loads(done.stdout.strip().splitlines()[-1]))
+def timed_pass(model: Path, length: int, chunk: int | None, positions: int | None, args: argparse.Namespace,
+               threads: int, scratch: Path) -> PassResult:
+    """One prefill in a fresh process, forked from this one."""
+    import torch
+
+    one = argparse.Namespace(**{**vars(args), "pass_": "prefill", "pass_model": model, "pass_length": length,
+                                "pass_chunk": chunk, "pass_positions": positions})
+
+    def side() -> None:
+        torch.set_num_threads(threads)
+        run_pass(one)
+
+    name = f"{length}-{'chunked' if chunk else 'unchunked'}"
+    errors = scratch / f"{name}.err"
+    code, output = forked_output(side, errors)
+    if code != 0:
+        raise RuntimeError(f"bench long_prefill: the {name} pass exited with {code}:\n{errors.read_text()[-3000:]}")
+    return PassResult(**json.loads(output.strip().splitlines()[-1]))
 
 
 def benchmark(args: argparse.Namespace) -> Figures:
     import torch
     from transformers import AutoConfig
 
+    import engines.inference  # noqa: F401  (imported once here, in every forked pass already)
+
+    threads = args.threads
+    torch.set_num_threads(1)  # the passes fork from here (tools/bench/forked.py)
     path = model_path(args)
     config = AutoConfig.from_pretrained(path)
     rows = []
-    for length in args.lengths:
-        positions = None if length + 1 <= config.max_position_embeddings else max(LONG_POSITIONS, 2 * length)
-        weights = "pretrained" if positions is None else f"random, {positions} positions"
-        if args.quick:
-            weights = "tiny random" if positions is None else f"tiny random, {positions} positions"
-        unchunked = timed_pass(path, length, None, positions, args)
-        chunked = timed_pass(path, length, args.chunk, positions, args)
-        rows.append(Row(length, weights, unchunked, chunked))
+    with tempfile.TemporaryDirectory(prefix="bench-long-prefill-") as scratch:
+        for length in args.lengths:
+            positions = None if length + 1 <= config.max_position_embeddings else max(LONG_POSITIONS, 2 * length)
+            weights = "pretrained" if positions is None else f"random, {positions} positions"
+            if args.quick:
+                weights = "tiny random" if positions is None else f"tiny random, {positions} positions"
+            unchunked = timed_pass(path, length, None, positions, args, threads, Path(scratch))
+            chunked = timed_pass(path, length, args.chunk, positions, args, threads, Path(scratch))
+            rows.append(Row(length, weights, unchunked, chunked))
     return Figures(
         model={"name": "quick" if args.quick else "smollm2", "hidden_size": config.hidden_size,
                "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
                "num_key_value_heads": config.num_key_value_heads, "max_position_embeddings":
                config.max_position_embeddings},
-        chunk_tokens=args.chunk, threads=args.threads or torch.get_num_threads(), rows=rows,
+        chunk_tokens=args.chunk, threads=threads, rows=rows,
     )
 
 
