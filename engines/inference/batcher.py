@@ -28,10 +28,11 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from engines.inference.batch_invariant import sample_padded_rows
+from engines.inference.cached_prefixes import CachedPrefixes, real_columns
 from engines.inference.decoding_sequence import DecodingSequence, append_tokens
 from engines.inference.kv_batch import ChunkedPrefill, KVBatch
 from engines.inference.multi_lora import MultiLora
-from engines.inference.prefix_cache import Insert, PrefixCache, PrefixMatch
+from engines.inference.prefix_cache import PrefixCache, PrefixMatch
 from engines.inference.sampling import RowParams, sample_next_tokens
 from engines.training.moe import RoutedLayer, Routers
 
@@ -110,7 +111,7 @@ class StepResult:
     record: StepRecord
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(CachedPrefixes):
     """Continuous batching over one HF causal LM; not thread-safe (one decode thread drives it)."""
 
     def __init__(
@@ -174,19 +175,6 @@ class ContinuousBatcher:
 
     def add(self, samples: list[DecodingSequence]) -> None:
         self.waiting.extend(samples)
-
-    def weights_loaded(self, adapter: str | None) -> None:
-        """A load of the base weights (None) or of a named adapter: a new epoch for the keys and values it changes."""
-        self.loads += 1
-        if adapter is None:
-            self.weights_epoch = self.loads
-        else:
-            self.adapter_epochs[adapter] = self.loads
-
-    def epoch_of(self, adapter: str | None) -> int:
-        """The epoch of the weights a row of `adapter` computes keys and values with: the newest load of the base
-        weights or of the adapter."""
-        return self.weights_epoch if adapter is None else max(self.weights_epoch, self.adapter_epochs.get(adapter, 0))
 
     def adapter_unloaded(self, adapter: str) -> None:
         self.adapter_versions.pop(adapter, None)
@@ -315,11 +303,6 @@ class ContinuousBatcher:
         loaded = self.adapters
         return loaded.adapter_rows([name if name in loaded else None for name in adapters], self.device)
 
-    def release_prefix_cache(self) -> None:
-        """Give the prefix cache's memory back (a colocated engine hands its device over, or a step failed)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
-
     def _prefill_step(self, version: int) -> list[DecodingSequence]:
         """Run the next forward of the prefill in progress, first starting one for the samples admitted now if none
         is; returns the samples whose prefill that forward finished, joined to the cache with their first token."""
@@ -403,18 +386,6 @@ class ContinuousBatcher:
             admitted.append(self.waiting.popleft())
             worst_columns, prefill_width = columns, width
         return admitted
-
-    def _uncached_length(self, tokens: list[int], adapter: str | None) -> int:
-        """How many tokens of `tokens` a prefill would compute (what the prefix cache holds of it is not)."""
-        return len(tokens) - self._cached(tokens, adapter, touch=False).length
-
-    def _cached(self, tokens: list[int], adapter: str | None, *, touch: bool = True) -> PrefixMatch:
-        """What the prefix cache holds of `tokens` at the weights `adapter`'s rows are served, leaving the last one to
-        compute (its logits give the next token)."""
-        if self.prefix_cache is None:
-            return PrefixMatch()
-        return self.prefix_cache.match(tokens, self.epoch_of(adapter), namespace=adapter, limit=len(tokens) - 1,
-                                       touch=touch)
 
     def _prefill(self, admitted: list[DecodingSequence], version: int,
                  ) -> Generator[int, None, tuple[KVBatch, torch.Tensor]]:
@@ -537,41 +508,6 @@ class ContinuousBatcher:
             routes.append(computed if past is None else torch.cat([past, computed]))
         return routes
 
-    def _keep_prefilled(self, batch: KVBatch, sequences: list[list[int]], rows: list[int],
-                        stamps: list[tuple[int, int]], routes: list[torch.Tensor | None],
-                        adapters: list[str | None]) -> None:
-        """Keep every prefilled sequence in the prefix cache, all of its tokens (a prefill computes the last one's keys
-        and values too): a group's other samples, arriving later, start with it."""
-        in_rows = sorted(range(len(sequences)), key=rows.__getitem__)
-        columns = real_columns(batch.attention_mask, [len(sequences[index]) for index in in_rows])
-        entries = [(adapters[index], Insert(sequences[index], rows[index], row_columns, *stamps[index], routes[index]))
-                   for index, row_columns in zip(in_rows, columns, strict=True)]
-        self._insert(entries, *_layer_kv(batch))
-
-    def _remember_leaving(self, leaving: list[tuple[int, DecodingSequence]]) -> None:
-        """Keep what leaving rows computed (prompt and output but the last token, which was never fed) in the prefix
-        cache: the next turn of a conversation, or a resumed sample, starts with it."""
-        if self.prefix_cache is None or not leaving:
-            return
-        tokens = [sample.prompt_ids + sample.output_ids[:-1] for _, sample in leaving]
-        columns = self._row_columns([row for row, _ in leaving], [len(sequence) for sequence in tokens])
-        entries = []
-        for (row, sample), sequence, row_columns in zip(leaving, tokens, columns, strict=True):
-            if sample.kv_version is None or sample.kv_epoch is None:
-                continue
-            routes = torch.cat(sample.routes)[: len(sequence)] if sample.routes else None
-            entries.append((sample.adapter, Insert(sequence, row, row_columns, sample.kv_version, sample.kv_epoch,
-                                                   routes)))
-        self._insert(entries, *self._row_kv())
-
-    def _insert(self, entries: list[tuple[str | None, Insert]], keys: list[torch.Tensor],
-                values: list[torch.Tensor]) -> None:
-        """Keep `entries` in the prefix cache, each in its adapter's part, at the epoch that adapter's rows serve."""
-        assert self.prefix_cache is not None
-        for adapter in dict.fromkeys(adapter for adapter, _ in entries):
-            self.prefix_cache.insert([entry for owner, entry in entries if owner == adapter], keys, values,
-                                     self.epoch_of(adapter), namespace=adapter)
-
     def _append_sampled(self, samples: list[DecodingSequence], logits: torch.Tensor, version: int) -> torch.Tensor:
         """Sample each row's next token from its logits and append it; returns the tokens (a device tensor)."""
         params = RowParams.build(
@@ -632,20 +568,6 @@ class ContinuousBatcher:
         order = self._keep_rows(keep)
         self.running = [self.running[row] for row in order]
         return left
-
-
-def real_columns(mask: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    """The columns that hold tokens in each row of `mask` ([rows, columns], nonzero = a token), in order; row i must
-    hold `counts[i]`: a cache that holds another number of tokens than its sequence has is a bug, never cached."""
-    held = (mask != 0).sum(dim=1).tolist()
-    if held != counts:
-        raise RuntimeError(f"KV cache rows hold {held} tokens, their sequences {counts}")
-    return list(mask.nonzero()[:, 1].split(counts))
-
-
-def _layer_kv(batch: KVBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    layers = batch._layers()
-    return [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
 def _layers_last(taps: list[RoutedLayer]) -> torch.Tensor:

@@ -48,6 +48,7 @@ from engines.inference.decoding_sequence import DecodingSequence
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
 from engines.inference.model_facts import check_supported, eos_token_ids
 from engines.inference.prefix_cache import PrefixCache
+from engines.inference.scoring import score_tokens
 from engines.inference.served_weights import ServedWeights
 from engines.inference.static_batcher import StaticBatcher
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
@@ -493,9 +494,6 @@ class TorchEngine(base.InferenceEngine):
             command.fail(RuntimeError("torch engine is closed"))
 
 
-SCORE_LOGITS_ELEMENTS = 1 << 25  # float32 logits one scoring forward may hold (128 MiB)
-
-
 # ----- commands: what the async side asks the decode thread to do at the next step boundary ---------------
 
 
@@ -580,19 +578,7 @@ class _Score(Command):
     temperature: float
 
     def apply(self, engine: TorchEngine) -> object:
-        """Logits of the positions that predict the scored tokens only (`logits_to_keep`), never the prompt's, and
-        at most SCORE_LOGITS_ELEMENTS of them at once: a long answer over a large vocabulary is scored in windows,
-        each a forward of the sequence up to its last token (more compute, never [answer x vocabulary] floats)."""
-        device = next(engine._model.parameters()).device
-        ids = torch.tensor([self.input_ids], dtype=torch.long, device=device)
-        window = max(1, SCORE_LOGITS_ELEMENTS // engine._vocab_size)
-        scores: list[float] = []
-        for first in range(self.start, len(self.input_ids), window):
-            end = min(first + window, len(self.input_ids))  # scores tokens first..end-1
-            logits = engine._model(ids[:, :end], logits_to_keep=end - first + 1, use_cache=False).logits[0, :-1]
-            log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-            scores += log_probs.gather(-1, ids[0, first:end].unsqueeze(-1)).squeeze(-1).cpu().tolist()
-        return scores
+        return score_tokens(engine._model, engine._vocab_size, self.input_ids, self.start, self.temperature)
 
 
 @dataclass

@@ -263,7 +263,7 @@ def test_the_engine_scores_a_long_answer_in_windows_as_it_scores_it_whole(tiny_m
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A teacher server scoring a long answer over a large vocabulary must not hold [answer x vocabulary] logits:
     windows of a few positions give the same log-probs as one pass."""
-    from engines.inference import torch_engine
+    from engines.inference import scoring
 
     tokens = [5, 17, 23, 42, 8, 9, 31, 77, 12, 64, 3]
 
@@ -282,7 +282,7 @@ def test_the_engine_scores_a_long_answer_in_windows_as_it_scores_it_whole(tiny_m
 
     whole = asyncio.run(score())
     vocabulary = AutoConfig.from_pretrained(tiny_model_path).vocab_size
-    monkeypatch.setattr(torch_engine, "SCORE_LOGITS_ELEMENTS", 3 * vocabulary)  # windows of three positions
+    monkeypatch.setattr(scoring, "SCORE_LOGITS_ELEMENTS", 3 * vocabulary)  # windows of three positions
     head_rows.clear()
     windowed = asyncio.run(score())
     assert head_rows == [4, 4, 3]  # three windows: 8 answer tokens, each window's logits and the one before it
