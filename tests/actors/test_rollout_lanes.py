@@ -65,8 +65,11 @@ async def _push_adapter(worker: Any, policy: str, version: int) -> Ack | Any:
 @pytest.mark.timeout(120)
 async def test_each_policys_lane_leases_from_its_own_buffer_and_sends_its_groups_under_its_name(
         tmp_path: Path, tiny_model_path: Path) -> None:
-    roles = {"controller": "controller"}
-    async with actor_system(tmp_path, _settings(tmp_path, tiny_model_path), roles) as system:
+    # No learner announces a version, so each buffer starts (max_staleness + 1) * rollout_batch_size groups at most:
+    # a's bound leaves room for its groups after the push however many it started before the push was done.
+    policies = {"a": {"max_staleness": 50}, "b": {"rollout_temperature": 0.5}}
+    settings = _settings(tmp_path, tiny_model_path, policies=policies)
+    async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
         worker = await _two_policy_worker(system)
         recorder = system["reward-0-0"]
         sent = lambda policy: [group for group in recorder.groups if group.policy == policy]  # noqa: E731
@@ -86,12 +89,11 @@ async def test_each_policys_lane_leases_from_its_own_buffer_and_sends_its_groups
             1, 0, 0)
         assert worker.metrics()["engine.version.a"] == 1.0
         before = len(recorder.groups)
-        await system.wait_for(lambda: len([g for g in recorder.groups[before:] if g.policy == "a"]) >= 2, 60,
-                              "a's groups after its push")
-        later = recorder.groups[before:]
-        # a group leased before the push may mix 0 and 1; the last ones of a are all version 1, b's never move
-        assert {int(v) for s in [g for g in later if g.policy == "a"][-1].samples for v in s.token_versions} == {1}
-        assert {int(v) for g in later if g.policy == "b" for s in g.samples for v in s.token_versions} <= {0}
+        versions = lambda group: {int(v) for s in group.samples for v in s.token_versions}  # noqa: E731
+        # a group leased before the push may mix 0 and 1; a's next ones are all version 1, b's never move
+        await system.wait_for(lambda: any(versions(g) == {1} for g in recorder.groups[before:] if g.policy == "a"),
+                              60, "a group of a's generated wholly at version 1 after its push")
+        assert all(versions(g) <= {0} for g in recorder.groups[before:] if g.policy == "b")
 
 
 @pytest.mark.timeout(120)

@@ -122,6 +122,20 @@ class Learner:
         self.sender.close()
 
 
+async def release(client: SglangEngine, *learners: Learner) -> None:
+    """Close a test's learners and client and leave the module's server holding none of their adapters: the
+    server holds at most `--max-loras-per-batch` adapters, and every test on it loads some."""
+    for learner in learners:
+        await asyncio.gather(learner.retired(), return_exceptions=True)
+        learner.close()
+    names = {client.adapter_name(policy) for policy in (None, *POLICIES)} - {None}
+    async with aiohttp.ClientSession() as session:
+        for name in names:
+            async with session.post(f"{client.url}/unload_lora_adapter", json={"lora_name": name}) as reply:
+                assert reply.status == 200, await reply.text()
+    await client.close()
+
+
 def test_the_folder_a_worker_writes_loads_in_peft_as_the_learners_adapter(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
@@ -187,8 +201,7 @@ async def test_adapter_versions_reach_the_server_by_name_and_tag_the_tokens_they
         await learner.push(second, 2)  # the same version again (a retried push) loads under a name of its own
         assert client.adapter.startswith("slipstream-v2-") and learner.sender.committed_version == 2
     finally:
-        learner.close()
-        await client.close()
+        await release(client, learner)
 
 
 async def test_a_request_in_flight_keeps_its_adapter_while_the_next_one_loads(
@@ -210,8 +223,7 @@ async def test_a_request_in_flight_keeps_its_adapter_while_the_next_one_loads(
         (output,) = await asyncio.wait_for(running, 60)
         await learner.retired()
     finally:
-        learner.close()
-        await client.close()
+        await release(client, learner)
     assert output.finish_reason == "length" and client.resumed_requests == 0
     assert output.versions == [1] * 480
     assert output.output_ids == await reference_greedy(tiny_model_path, first, 480)
@@ -233,8 +245,7 @@ async def test_an_adapter_the_server_refuses_is_not_committed_and_requests_keep_
         (output,) = await client.generate(GenerateRequest("still", PROMPT, GREEDY))
         assert output.versions == [1] * GREEDY.max_new_tokens
     finally:
-        learner.close()
-        await client.close()
+        await release(client, learner)
 
 
 async def test_a_server_without_lora_says_how_to_enable_it(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -247,8 +258,7 @@ async def test_a_server_without_lora_says_how_to_enable_it(tiny_model_path: Path
             await learner.push(random_adapter(tiny_model_path, seed=7), 1)
         assert learner.sender.committed_version is None and client.adapter is None
     finally:
-        learner.close()
-        await client.close()
+        await release(client, learner)
         process.stop()
 
 
@@ -300,9 +310,7 @@ async def test_each_policys_requests_run_with_its_own_adapter_in_one_batch_tagge
         await until_running(server.url, 2)  # both in the server's batch at once
         (of_p,), (of_q,) = await asyncio.wait_for(asyncio.gather(long, short), 60)
     finally:
-        for learner in learners.values():
-            learner.close()
-        await client.close()
+        await release(client, *learners.values())
     assert of_p.output_ids == await reference_greedy(tiny_model_path, adapters["p"], 300)
     assert of_q.output_ids == await reference_greedy(tiny_model_path, adapters["q"], 40)
     assert (of_p.versions, of_q.versions) == ([1] * 300, [2] * 40)
@@ -331,9 +339,7 @@ async def test_a_load_of_one_policys_next_version_leaves_the_others_running_requ
         (output,) = await asyncio.wait_for(running, 60)
         status, text = await raw_generate(server.url, first_p)
     finally:
-        for learner in learners.values():
-            learner.close()
-        await client.close()
+        await release(client, *learners.values())
     assert client.adapter_name("q") == q_name and client.adapter_name("p").startswith("slipstream-p-v2-")
     assert after.output_ids == await reference_greedy(tiny_model_path, p_next, 12) and after.versions == [2] * 12
     assert status == 400 and "not loaded" in text
