@@ -115,7 +115,8 @@ class MegatronConfig(Section):
     moe_permute_fusion: bool | None = Field(None, description="fused token permutation")
     moe_enable_deepep: bool | None = Field(None, description="DeepEP dispatcher")
     # -- parallelism beyond --tensor/--pipeline-model-parallel-size -------------------------------------------
-    context_parallel_size: int = Field(1, ge=1, description="context parallel size (only 1 is supported)")
+    context_parallel_size: int = Field(1, ge=1, description="learner ranks each packed row is split across "
+                                       "(the torch backend; all-gather layout, docs/long-context.md)")
     expert_model_parallel_size: int = Field(1, ge=1, description="expert parallel size: experts split over this "
                                             "many data-parallel learner ranks (Megatron backend)")
     expert_tensor_parallel_size: int | None = Field(None, ge=1, description="expert tensor parallel size (Megatron: "

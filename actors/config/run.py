@@ -185,6 +185,11 @@ class RunConfig(BaseModel):
         if trainer.learner_ranks % parallel:
             problems.append(f"learner_ranks {trainer.learner_ranks} must be a positive multiple of "
                             f"tensor_model_parallel_size x pipeline_model_parallel_size = {parallel}")
+        context = self.megatron.context_parallel_size
+        if trainer.learner_ranks % context:
+            problems.append(f"learner_ranks {trainer.learner_ranks} must be a multiple of context_parallel_size "
+                            f"{context}: each row is split across that many ranks, each data-parallel replica has "
+                            "its own")
         backend = train_backend_spec(trainer.train_backend)
         model_parallel = backend is not None and backend.model_parallel
         if parallel > 1 and not model_parallel:

@@ -100,7 +100,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--only-train-params-name-list": _refused("parameter freezing is not available", "list0"),
     "--freeze-params-name-list": _refused("parameter freezing is not available", "list0"),
     "--freeze-indexer": _refused("DSA indexer models (DeepSeek-V3.2) and parameter freezing are not available"),
-    "--allgather-cp": _refused("context parallelism's all-gather layout is not available"),
+    "--allgather-cp": _explained("context parallelism (--context-parallel-size, torch backend) always gathers each "
+                                 "layer's keys and values across the group: the all-gather layout"),
     "--micro-batch-size": _owned("megatron"),
     "--padded-vocab-size": _owned("megatron"),
     "--mtp-num-layers": _owned("megatron"),

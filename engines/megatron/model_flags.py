@@ -202,9 +202,11 @@ def refuse_unsupported(flags: Mapping[str, Any], *, megatron_core: bool) -> None
         refuse("fp16", "fp16 training (loss scaling) is not implemented; use --bf16")
     if flags.get("optimizer", "adam") != "adam":
         refuse("optimizer", "only adam (AdamW) is supported")
-    if (flags.get("context_parallel_size") or 1) > 1:
-        refuse("context_parallel_size", "context parallelism is not supported: megatron-core's context-parallel "
-               "attention is transformer-engine's (CUDA only), which the CPU path and our SDPA attention lack")
+    if megatron_core and (flags.get("context_parallel_size") or 1) > 1:
+        refuse("context_parallel_size", "megatron-core 0.16 splits attention across a context-parallel group only "
+               "in Transformer Engine's attention (its local DotProductAttention asserts context_parallel_size 1), "
+               "and the Megatron backend builds the local one; --train-backend torch splits rows across learner "
+               "ranks (docs/long-context.md)")
     if not megatron_core:
         for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
             if (flags.get(name) or 1) > 1:

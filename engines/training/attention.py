@@ -64,10 +64,15 @@ def packed_sdpa_attention(
     dropout = dropout if module.training else 0.0
     if plan.varlen is not None and dropout == 0 and sliding_window is None and query.dtype in VARLEN_DTYPES:
         return _varlen_attention(query, key, value, plan.varlen, scaling), None
+    key, value = plan.keys_values(key, value)
     output: Tensor | None = None
     for call in plan.calls:
-        if isinstance(call.queries, slice):  # one plain sequence: slice views, no gather
-            q, k, v = query[:, :, call.queries], key[:, :, call.keys], value[:, :, call.keys]
+        if isinstance(call.queries, slice):  # one run of rows: slice views, no gather
+            q = query[:, :, call.queries]
+            if isinstance(call.keys, slice):
+                k, v = key[:, :, call.keys], value[:, :, call.keys]
+            else:
+                k, v = key.index_select(2, call.keys), value.index_select(2, call.keys)
         else:
             q = _rows(query[0], call.queries).transpose(0, 1)
             k, v = _rows(key[0], call.keys).transpose(0, 1), _rows(value[0], call.keys).transpose(0, 1)
@@ -131,8 +136,10 @@ def _rows(states: Tensor, index: Tensor) -> Tensor:
 class KernelCall:
     """Segments of one (prefix, length) shape: their query rows and key rows, gathered into one kernel call."""
 
-    queries: slice | Tensor  # a slice for a lone plain sequence; else [n, length] row indices
-    keys: slice | Tensor  # [n, prefix + length]: the root's first `prefix` rows, then the segment's own
+    queries: slice | Tensor  # a slice for a lone run of rows; else [n, length] row indices
+    # [n, prefix + length]: the root's first `prefix` rows, then the segment's own; with a slice of queries, a slice
+    # or the key rows' indices (a context-parallel run: rows of the gathered whole row)
+    keys: slice | Tensor
     rows: slice | Tensor  # where the outputs go in the row, flattened
 
 
@@ -161,6 +168,15 @@ class RowPlan:
             bounds = [segment.start for segment in self._segments] + [length]
             self.varlen = (torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True),
                            max(segment.end - segment.start for segment in self._segments))
+
+    def keys_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values the calls index: the row's own (a context-parallel row gathers its group's)."""
+        return key, value
+
+    def join_tokens(self, values: Tensor) -> Tensor:
+        """Per-token values of the response tokens this plan's forward computed, as the whole micro-batch's: the
+        same (a context-parallel row gathers its group's)."""
+        return values
 
     @property
     def calls(self) -> list[KernelCall]:

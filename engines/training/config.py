@@ -87,6 +87,8 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     every training forward (`engines.training.moe`); a dense model with either set is refused.
     `use_routing_replay` makes every policy `compute_log_probs` return the experts its forward chose per sample
     (`ModelOutputs.routed_experts`), for later forwards of those samples to replay.
+    `context_parallel_size` splits every packed row across that many ranks (`engines.training.context_parallel`);
+    the learner's world is then data-parallel replicas x context-parallel ranks.
     """
 
     gradient_checkpointing: bool = False
@@ -101,11 +103,30 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     moe_aux_loss_coeff: float = Field(0.0, ge=0)
     moe_z_loss_coeff: float = Field(0.0, ge=0)
     use_routing_replay: bool = False
+    context_parallel_size: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check_device(self) -> TorchTrainerConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device {self.device!r} unsupported; use 'cpu' or 'cuda[:N]'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_context_parallel(self) -> TorchTrainerConfig:
+        """What a row split across ranks does not (yet) compose with, refused before any model loads."""
+        if self.context_parallel_size == 1:
+            return self
+        unsupported = {
+            "attn_implementation": self.attn_implementation != "packed_sdpa",
+            "critic": self.critic is not None,
+            "moe_aux_loss_coeff/moe_z_loss_coeff (router losses)": self.moe_aux_loss_coeff or self.moe_z_loss_coeff,
+            "use_routing_replay (recording routes; replaying the samples' routes works)": self.use_routing_replay,
+        }
+        refused = [name for name, given in unsupported.items() if given]
+        if refused:
+            raise ValueError(f"context_parallel_size {self.context_parallel_size}: not available with "
+                             f"{', '.join(refused)}; the split row needs attn_implementation 'packed_sdpa' and "
+                             "runs no critic, router loss or route recording yet")
         return self
 
     @property

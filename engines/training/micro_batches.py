@@ -49,6 +49,9 @@ class PackedInputs:
     # where the row's runs of positions begin, read on the host while packing, so planning its attention on a
     # device reads nothing back (`attention.row_starts`)
     row_starts: attention.RowStarts | None = None
+    # this rank's part of a row split across a context-parallel group (`context_parallel.split_row`): its attention
+    # plan, and how its response tokens' outputs rejoin the micro-batch's
+    context_row: attention.RowPlan | None = None
 
     def to(self, device: torch.device | str) -> PackedInputs:
         return PackedInputs(*(value.to(device) if isinstance(value, Tensor) else value
@@ -224,7 +227,9 @@ def count_loss_tokens(samples: Sequence[TrainSample]) -> int:
 def forward_packed(model: nn.Module, inputs: PackedInputs) -> Tensor:
     """Logits [N, V] at `inputs.logit_positions` of one packed row (the only way the trainer runs the model)."""
     extra = {}  # packed_sdpa's plan of the row, made once for every layer
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.NAME:
+    if inputs.context_row is not None:
+        extra["packed_plan"] = inputs.context_row
+    elif getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.NAME:
         positions = inputs.position_ids
         extra["packed_plan"] = attention.RowPlan(positions, positions.shape[-1], positions.device,
                                                  inputs.row_starts)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -105,11 +106,17 @@ def token_outputs(network: nn.Module, inputs: PackedInputs, *, head_of: nn.Modul
     head (`output_head`) never materialises the [tokens x vocabulary] logits; any other takes the plain path."""
     head = fused_head(head_of)
     if head is None:
-        return token_log_probs(forward_packed(network, inputs), inputs.targets, temperature=temperature,
-                               with_entropy=with_entropy)
-    with hidden_states_only():
-        hidden = forward_packed(network, inputs)
-    return head_log_probs(hidden, head, inputs.targets, temperature=temperature, with_entropy=with_entropy)
+        outputs = token_log_probs(forward_packed(network, inputs), inputs.targets, temperature=temperature,
+                                  with_entropy=with_entropy)
+    else:
+        with hidden_states_only():
+            hidden = forward_packed(network, inputs)
+        outputs = head_log_probs(hidden, head, inputs.targets, temperature=temperature, with_entropy=with_entropy)
+    row = inputs.context_row  # a context-parallel rank computed its own tokens; its group gets the micro-batch's
+    if row is None:
+        return outputs
+    return replace(outputs, log_probs=row.join_tokens(outputs.log_probs),
+                   entropy=None if outputs.entropy is None else row.join_tokens(outputs.entropy))
 
 
 def head_log_probs(hidden: Tensor, head: nn.Linear, targets: Tensor, *, temperature: float,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -56,7 +55,9 @@ from engines.training.base import (
     validate_samples,
 )
 from engines.training.config import TorchTrainerConfig
+from engines.training.context_parallel import ContextParallel
 from engines.training.critic import CRITIC_DIRECTORY, ValueCritic
+from engines.training.data_parallel import summing_ddp
 from engines.training.micro_batches import (
     PackedInputs,
     check_packing_isolation,
@@ -115,9 +116,13 @@ class TorchTrainer(Trainer):
         # fused: one kernel for the whole update on a GPU instead of a few per parameter group (foreach)
         self._optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                             fused=self._device.type == "cuda" or None)
+        self._context: ContextParallel | None = None  # the ranks this one splits each row with
+        self._parallel = DataParallel(rank=_rank(), size=_world_size(), group=None)  # those with other samples
+        if config.context_parallel_size > 1:
+            self._context, self._parallel = ContextParallel.split_world(config.context_parallel_size, self._device)
         self._train_module: nn.Module = self._model
         if _world_size() > 1:
-            self._train_module = _wrap_ddp(self._model, self._device)
+            self._train_module = summing_ddp(self._model, self._device)
         self._counter = VersionCounter()
         router_settings = RouterLossSettings(config.moe_aux_loss_coeff, config.moe_z_loss_coeff)
         self._routers = (Routers(self._model, wanted_by="--moe-aux-loss-coeff/--moe-z-loss-coeff/"
@@ -169,7 +174,8 @@ class TorchTrainer(Trainer):
                 chunk = [samples[index] for index in members]
                 inputs = pack_inputs(chunk, share_prompts=self._share_prompts,
                                      with_token_positions=record or carries_routes(chunk)).to(self._device)
-                replayed = self._replayed(chunk, inputs) if model == "policy" else contextlib.nullcontext()
+                whole, inputs = inputs, self._split(inputs)
+                replayed = self._replayed(chunk, whole, inputs) if model == "policy" else contextlib.nullcontext()
                 tapped = self._routers.tapped() if record and self._routers is not None else contextlib.nullcontext()
                 with replayed, tapped as layers:
                     outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
@@ -209,10 +215,12 @@ class TorchTrainer(Trainer):
             chunk = [samples[index] for index in members]
             inputs = pack_inputs(chunk, share_prompts=self._share_prompts,
                                      with_token_positions=carries_routes(chunk)).to(self._device)
+            whole, inputs = inputs, self._split(inputs)
+            replayed = self._replayed(chunk, whole, inputs)
             batch = collate(chunk, self._device)
             synchronise = position == len(plan) - 1
             with self._gradient_sync(synchronise):
-                with self._autocast(), self._replayed(chunk, inputs), self._routed() as routed:
+                with self._autocast(), replayed, self._routed() as routed:
                     outputs = token_outputs(self._train_module, inputs, head_of=self._model,
                                             temperature=temperature, with_entropy=with_entropy)
                     value, metrics = loss(outputs, batch)
@@ -230,9 +238,11 @@ class TorchTrainer(Trainer):
         """Records the routers' outputs of the forward inside it, when the run has router losses."""
         return self._routers.tapped() if self._router_losses is not None else contextlib.nullcontext([])
 
-    def _replayed(self, chunk: Sequence[TrainSample], inputs: PackedInputs) -> contextlib.AbstractContextManager:
+    def _replayed(self, chunk: Sequence[TrainSample], inputs: PackedInputs,
+                  held: PackedInputs) -> contextlib.AbstractContextManager:
         """A policy forward of `chunk` inside it routes as the samples' `routed_experts` say, where they carry
-        them (the reference and teachers route for themselves, as slime's replay leaves them)."""
+        them (the reference and teachers route for themselves, as slime's replay leaves them). `inputs` is the
+        whole row, `held` what this rank runs of it (the same, unless the row is split across ranks)."""
         if not carries_routes(chunk):
             return contextlib.nullcontext()
         if self._routers is None:
@@ -240,7 +250,14 @@ class TorchTrainer(Trainer):
                              "carry routed_experts")
         replay = row_routes(chunk, inputs)
         assert replay is not None
+        if held.context_row is not None:  # the routes of the rows this rank holds
+            rows = held.context_row.rows
+            replay = (replay[0][rows], replay[1][rows])
         return self._routers.replaying(*replay)
+
+    def _split(self, inputs: PackedInputs) -> PackedInputs:
+        """This rank's part of the row under context parallelism; the whole row otherwise."""
+        return inputs if self._context is None else self._context.split_row(inputs)
 
     @property
     def has_critic(self) -> bool:
@@ -344,7 +361,7 @@ class TorchTrainer(Trainer):
         self._on_rank_zero(write, f"exporting {directory}")
 
     def data_parallel(self) -> DataParallel:
-        return DataParallel(rank=_rank(), size=_world_size(), group=None)
+        return self._parallel
 
     @property
     def gates_updates(self) -> bool:
@@ -442,9 +459,9 @@ class TorchTrainer(Trainer):
         """The step's (loss tokens, sequences) over every rank, for the metrics; all-reduced once, so an empty
         shard on any rank fails every rank alike instead of leaving the others in a collective (no hang)."""
         counts = torch.tensor([count_loss_tokens(samples), len(samples), int(not samples)], dtype=torch.int64)
-        if _world_size() > 1:
+        if self._parallel.size > 1:  # a context-parallel group's ranks hold the same samples: counted once
             counts = counts.to(self._device)
-            dist.all_reduce(counts)
+            dist.all_reduce(counts, group=self._parallel.group)
             counts = counts.cpu()
         loss_tokens, sequences, empty_ranks = counts.tolist()
         if empty_ranks:
@@ -452,13 +469,14 @@ class TorchTrainer(Trainer):
         return loss_tokens, sequences
 
     def _reduce_step_stats(self, stats: StepStats) -> tuple[float, bool, dict[str, float]]:
-        """Every rank runs every metric's loss terms, so the keys agree and one all-reduce sums them."""
-        if _world_size() == 1:
+        """Every rank runs every metric's loss terms, so the keys agree and one all-reduce sums them (over the
+        data-parallel ranks: a context-parallel group computes its micro-batches' loss once per rank)."""
+        if self._parallel.size == 1:
             return stats.loss_sum, stats.nonfinite, stats.metric_sums
         keys = sorted(stats.metric_sums)
         values = [stats.loss_sum, float(stats.nonfinite), *(stats.metric_sums[key] for key in keys)]
         stats = torch.tensor(values, dtype=torch.float64, device=self._device)
-        dist.all_reduce(stats)
+        dist.all_reduce(stats, group=self._parallel.group)
         reduced = stats.cpu().tolist()
         return reduced[0], reduced[1] > 0, dict(zip(keys, reduced[2:], strict=True))
 
@@ -538,33 +556,6 @@ def _param_groups(model: nn.Module, weight_decay: float) -> tuple[list[str], lis
         {"params": [p for _, p in no_decay], "weight_decay": 0.0},
     ]
     return [name for name, _ in decay + no_decay], groups
-
-
-def _wrap_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
-    ddp = DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_buffer_sync_off()
-    )
-    ddp.register_comm_hook(state=None, hook=_sum_gradients_hook)
-    return ddp
-
-
-def ddp_buffer_sync_off(ddp_init: Callable[..., None] = DistributedDataParallel.__init__) -> dict[str, bool]:
-    """DDP's flag for not broadcasting buffers before every forward (ours, the rotary tables, are the same on every
-    rank and never trained). torch 2.13 renamed it `forward_sync_buffers`; older releases, which GPU images ship,
-    know only `broadcast_buffers` and refuse the new name."""
-    if "forward_sync_buffers" in inspect.signature(ddp_init).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
-def _sum_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    """DDP's all-reduce without its division by world size (losses are already globally normalised)."""
-    work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda future: future.value()[0])
-
-
-# DDP validates a hook's annotations by identity; postponed (string) annotations would fail that check.
-_sum_gradients_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
 
 
 def _resolve_device(name: str) -> torch.device:

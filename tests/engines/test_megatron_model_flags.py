@@ -109,7 +109,9 @@ def test_vocab_size_is_compared_after_megatrons_padding(hf_config: Any) -> None:
 @pytest.mark.parametrize(
     ("argv", "reason"),
     [
-        (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not supported"),
+        (["--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+         "--context-parallel-size 2: megatron-core 0.16 splits attention across a context-parallel group only in "
+         "Transformer Engine's attention"),
         (["--expert-tensor-parallel-size", "3", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
           "--train-backend", "megatron"],
          "expert_tensor_parallel_size 3: the Megatron backend splits experts like the attention"),
@@ -149,10 +151,14 @@ def test_the_torch_backend_accepts_megatron_performance_flags_but_not_megatron_h
     perf = parse(TINY_QWEN2_MODEL_ARGS + PERF_ARGS + ["--optimizer-cpu-offload"]).megatron.set_flags()
     refuse_unsupported(perf, megatron_core=False)  # nothing to act on: accepted
     for argv, reason in [(["--custom-megatron-init-path", "m:f"], "needs --train-backend megatron"),
-                         (["--context-parallel-size", "2"], "context parallelism is not supported"),
                          (["--fp16"], "fp16 training"), (["--attention-dropout", "0.1"], "takes dropout from")]:
         with pytest.raises(ValueError, match=reason):
             refuse_unsupported(parse(argv).megatron.set_flags(), megatron_core=False)
+    # context parallelism splits rows across the torch learner's ranks, as many as there are of them at most
+    refuse_unsupported(parse(["--context-parallel-size", "2", "--actor-num-gpus-per-node", "4"]).megatron.set_flags(),
+                       megatron_core=False)
+    with pytest.raises(ValueError, match="learner_ranks 3 must be a multiple of context_parallel_size 2"):
+        parse(["--context-parallel-size", "2", "--actor-num-gpus-per-node", "3"])
     with pytest.raises(ValueError, match="keeps every expert on every rank"):
         refuse_unsupported({"expert_model_parallel_size": 2}, megatron_core=False)
     with pytest.raises(ValueError, match="expert parallelism needs --train-backend megatron"):

@@ -123,7 +123,7 @@ def _ddp_init_before_torch_2_13(self, module, device_ids=None, output_device=Non
 @pytest.mark.unit
 def test_buffer_sync_is_switched_off_by_the_name_the_installed_torch_knows() -> None:
     # The first two-rank learner on a GPU machine (torch 2.11) died on `forward_sync_buffers`, a 2.13 name.
-    from engines.training.torch_trainer import ddp_buffer_sync_off
+    from engines.training.data_parallel import ddp_buffer_sync_off
 
     assert ddp_buffer_sync_off(_ddp_init_before_torch_2_13) == {"broadcast_buffers": False}
     # The installed torch: 2.13 (CI's pin) says forward_sync_buffers; the GPU image's 2.11 says broadcast_buffers.

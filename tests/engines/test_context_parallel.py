@@ -1,0 +1,173 @@
+"""Context parallelism on the torch trainer: a row split across ranks computes what the whole row computes.
+
+The parity runs are real gloo worlds (spawned processes): CP=2, and CP=2 x DP=2, each against one process on the
+whole batch, on log-probs and entropy, the loss and its metrics, the gradient norm and every weight after a step;
+dense and mixture-of-experts models, full and LoRA training; rows whose sequences do not divide into the 2C chunks
+evenly, with shared prompts and a preamble packed once. The split itself is proven without processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training.attention import packed_segments
+from engines.training.context_parallel import ContextParallel, ContextRow, zigzag_rows
+from engines.training.lora import LoraSettings
+from engines.training.micro_batches import pack_inputs
+from tests.support.rendezvous import cpu_gloo_rank, rendezvous_file
+from tests.support.training import step_loss
+from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+TEMPERATURE = 0.9
+# (name, model family, LoRA): what each parity world trains, one trainer after another in the same processes
+CASES = {2: [("dense", "qwen2", False), ("dense-lora", "qwen2", True), ("moe", "qwen3_moe", False),
+             ("moe-lora", "qwen3_moe", True)],
+         4: [("dense", "qwen2", False)]}
+
+
+def long_rows_batch() -> list[TrainSample]:
+    """Rows of a few long samples: one alone (123 tokens), a group of three sharing a prompt, a pair sharing
+    another, every prompt opening with one 12-token preamble (packed once per row), and a 5-token straggler;
+    no sequence length divides by 4, so the zigzag chunks differ by a token."""
+    generator = torch.Generator().manual_seed(5)
+
+    def tokens(count: int) -> list[int]:
+        return torch.randint(6, 100, (count,), generator=generator).tolist()
+
+    preamble = tokens(12)
+    shapes = [(tokens(61), [62]), (tokens(29), [33, 7, 18]), (tokens(17), [25, 3]), (tokens(2), [3])]
+    batch = []
+    for prompt, responses in shapes:
+        for length in responses:
+            ids = torch.tensor(preamble + prompt + tokens(length))
+            mask = (torch.rand(length, generator=generator) > 0.2).float()
+            batch.append(TrainSample(ids, length, loss_mask=mask, advantages=torch.randn(length, generator=generator)))
+    return batch
+
+
+def data_parallel_shard(batch: list[TrainSample], rank: int, size: int) -> list[TrainSample]:
+    """Whole groups per data-parallel rank (the long sample and the pair on one, the group of three and the
+    straggler on the other)."""
+    return batch if size == 1 else [batch[i] for i in ((0, 4, 5), (1, 2, 3, 6))[rank]]
+
+
+def trainer_config(model_path: Path, lora: bool, context: int) -> TorchTrainerConfig:
+    return TorchTrainerConfig(model_path=model_path, lr=1e-2, eps=1.0, grad_clip=None, micro_batch_tokens=160,
+                              check_packing=False, lora=LoraSettings(rank=4, alpha=8.0) if lora else None,
+                              context_parallel_size=context)
+
+
+def _parity_worker(rank: int, rendezvous: str, world: int, models: dict[str, str], out_dir: Path) -> None:
+    with cpu_gloo_rank(rank, rendezvous, world):
+        for name, family, lora in CASES[world]:
+            trainer = TorchTrainer(trainer_config(Path(models[family]), lora, context=2))
+            parallel = trainer.data_parallel()
+            assert (parallel.size, parallel.rank) == (world // 2, rank // 2)
+            shard = data_parallel_shard(long_rows_batch(), parallel.rank, parallel.size)
+            outputs = trainer.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
+            result = trainer.train_step(shard, step_loss(long_rows_batch()), temperature=TEMPERATURE,
+                                        with_entropy=True)
+            save_file({"log_probs": outputs.log_probs, "entropy": outputs.entropy},
+                      str(out_dir / f"{name}-outputs-{rank}.st"))
+            if rank == 0:
+                save_file({key: tensor.contiguous() for key, tensor in trainer.named_tensors()},
+                          str(out_dir / f"{name}-weights.st"))
+                summary = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}
+                (out_dir / f"{name}-result.json").write_text(json.dumps(summary))
+            trainer.close()
+            dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_cache: Path) -> dict[str, str]:
+    return {family: str(cached_tiny_model(tiny_model_cache, TinyModelSpec(family=family)))
+            for family in ("qwen2", "qwen3_moe")}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("world", sorted(CASES), ids=lambda world: f"cp2-dp{world // 2}")
+def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
+        world: int, models: dict[str, str], tmp_path: Path) -> None:
+    mp.spawn(_parity_worker, args=(rendezvous_file(), world, models, tmp_path), nprocs=world, join=True)
+    batch = long_rows_batch()
+    for name, family, lora in CASES[world]:
+        single = TorchTrainer(trainer_config(Path(models[family]), lora, context=1))
+        for rank in range(world):
+            shard = data_parallel_shard(batch, rank // 2, world // 2)
+            expected = single.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
+            split = load_file(str(tmp_path / f"{name}-outputs-{rank}.st"))
+            torch.testing.assert_close(split["log_probs"], expected.log_probs, atol=2e-5, rtol=1e-5,
+                                       msg=f"{name} rank {rank}")
+            torch.testing.assert_close(split["entropy"], expected.entropy, atol=2e-5, rtol=1e-5)
+        result = single.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
+        parallel = json.loads((tmp_path / f"{name}-result.json").read_text())
+        assert parallel["version"] == result.version == 1
+        assert parallel["metrics"]["sequences"] == len(batch)
+        assert parallel["metrics"]["loss_tokens"] == result.metrics["loss_tokens"]
+        assert parallel["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-4)
+        assert parallel["metrics"]["loss"] == pytest.approx(result.metrics["loss"], rel=1e-5)
+        assert parallel["metrics"]["token_term"] == pytest.approx(result.metrics["token_term"], rel=1e-5)
+        weights = load_file(str(tmp_path / f"{name}-weights.st"))
+        for key, tensor in single.named_tensors():
+            torch.testing.assert_close(weights[key], tensor, atol=1e-6, rtol=1e-5, msg=f"{name}: {key}")
+        single.close()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_the_zigzag_split_gives_every_row_to_one_rank_and_each_rank_the_same_causal_work(size: int) -> None:
+    inputs = pack_inputs(long_rows_batch(), share_prompts=True)
+    length = inputs.input_ids.shape[-1]
+    segments = packed_segments(inputs.position_ids, length, inputs.row_starts)
+    held = zigzag_rows(segments, size)
+    assert sorted(row for rows in held for row in rows) == list(range(length))
+    # causal work of a query: the keys it reads (its segment's context, then its own rows up to itself)
+    work = torch.zeros(length)
+    for segment in segments:
+        context = sum(end - begin for begin, end in segment.context)
+        work[segment.start:segment.end] = context + torch.arange(1, segment.end - segment.start + 1)
+    per_rank = [float(work[rows].sum()) for rows in held]
+    # each rank within a few rows' work of the mean (one row more or less per chunk of each segment)
+    assert max(per_rank) - min(per_rank) <= 2 * len(segments) * float(work.max())
+    assert max(per_rank) / min(per_rank) < 1.1
+
+
+@pytest.mark.unit
+def test_each_rank_computes_the_response_tokens_its_rows_predict_and_attends_to_every_key_before_them() -> None:
+    inputs = pack_inputs(long_rows_batch(), share_prompts=True)
+    length = inputs.input_ids.shape[-1]
+    segments = packed_segments(inputs.position_ids, length, inputs.row_starts)
+    predicted: list[int] = []
+    for rank in range(2):
+        row = ContextRow(ContextParallel(rank, 2, group=None, reduce_scatter=False), segments, length,
+                         inputs.logit_positions, torch.device("cpu"))
+        predicted += row.tokens.tolist()
+        # the local rows predicting our tokens are those the whole row predicts them from
+        assert torch.equal(row.rows[row.logit_rows], inputs.logit_positions[row.tokens])
+        covered = torch.zeros(row.length, dtype=torch.int64)
+        for call in row.calls:
+            covered[call.queries] += 1
+            queries = row.rows[call.queries]
+            # the keys end at the run's last query, so the bottom-right causal mask is each query's own prefix
+            assert int(call.keys[-1]) == int(queries[-1])
+            segment = next(s for s in segments if s.start <= int(queries[0]) < s.end)
+            context = [r for begin, end in segment.context for r in range(begin, end)]
+            assert call.keys.tolist() == context + list(range(segment.start, int(queries[-1]) + 1))
+        assert torch.equal(covered, torch.ones(row.length, dtype=torch.int64))
+    assert sorted(predicted) == list(range(inputs.targets.numel()))
+
+
+@pytest.mark.unit
+def test_what_a_split_row_cannot_run_with_is_refused_naming_it(tiny_model_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"context_parallel_size 2: not available with attn_implementation"):
+        TorchTrainerConfig(model_path=tiny_model_path, context_parallel_size=2, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"router losses"):
+        TorchTrainerConfig(model_path=tiny_model_path, context_parallel_size=2, moe_aux_loss_coeff=0.01)
