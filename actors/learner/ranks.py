@@ -390,7 +390,9 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig, local_ran
     commands = join_command_group()
     trainer = build_trainer(config)
     step = TrainingStep(trainer, config)
-    print(f"learner rank {rank}/{world} ready", flush=True)
+    parallel = trainer.data_parallel()  # ranks that share samples (tensor or context parallel) say where they sit
+    shares = "" if parallel.size == world else f", data-parallel rank {parallel.rank}/{parallel.size}"
+    print(f"learner rank {rank}/{world} ready{shares}", flush=True)
     try:
         while True:
             box: list[Any] = [None]

@@ -88,3 +88,15 @@ def test_recorded_rollouts_replay_into_a_training_only_run(tiny_model_path: Path
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)  # observed: 5e-7
     assert not torch.equal(one["model.embed_tokens.weight"],
                            load_file(str(tiny_model_path / "model.safetensors"))["model.embed_tokens.weight"])
+
+    # Again with each row split across the two ranks (context parallelism): both train every group, each on its
+    # half of every row, and the model is again the single process's.
+    split_rows = tmp_path / "train-context-parallel"
+    run(["--run-dir", str(split_rows), "--hf-checkpoint", str(tiny_model_path), "--num-rollout", "3",
+         "--debug-train-only", "--load-debug-rollout-data", str(recording), "--rollout-workers", "0",
+         "--reward-workers", "0", "--learner-ranks", "2", "--context-parallel-size", "2", *SFT_ON_RECORDING])
+    ready = (split_rows / "logs" / "learner-rank-1.log").read_text(encoding="utf-8")
+    assert "learner rank 1/2 ready, data-parallel rank 0/1" in ready  # one replica: the two ranks split its rows
+    split = load_file(str(split_rows / "final_model" / "model.safetensors"))
+    for name in one:
+        torch.testing.assert_close(split[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
