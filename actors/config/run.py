@@ -22,7 +22,6 @@ from actors.config.sections import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
-    DistillationConfig,
     EngineConfig,
     EvalConfig,
     LearnerConfig,
@@ -37,7 +36,7 @@ from actors.config.sections import (
     WeightsConfig,
     resolve_label_key,
 )
-from actors.config.teachers import run_teachers
+from actors.config.teachers import DistillationConfig, run_teachers
 from policies.config import PolicyLossConfig
 from policies.pi_old import pi_old_source
 from policies.plugins import load_object
