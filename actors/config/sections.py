@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from actors.config.engines import engine_choices
 from actors.config.plugin_marks import plugin_for
 from actors.moved import MOVED_SERVER_MODULES
+from engines.frozen_params import check_name_lists, check_patterns
 from policies.failed_samples import FailedSamplePolicy
 from policies.registry import FILTERS, REWARDS, BuiltinNames
 
@@ -376,6 +377,33 @@ class TrainerConfig(Section):
                                              "engines record each token's experts as they generate, the samples "
                                              "carry them, and every policy forward of the learner (pi_old and "
                                              "training) routes each token where the engine did")
+    reset_optimizer_states: bool = Field(False, description="zero the optimizer's state (Adam's moments and step "
+                                         "count; the critic's too) before each rollout batch's optimizer steps, "
+                                         "as slime does")
+    only_train_params_name_list: list[str] = Field(
+        default_factory=list, description="train only the parameters whose name matches one of these Python "
+        "regular expressions (searched in the name, as slime does); the others are frozen: no gradient, no "
+        "optimizer state. Names are the backend's: Hugging Face's on torch (model.layers.0.mlp.up_proj.weight), "
+        "megatron-core's on megatron (decoder.layers.0.mlp.linear_fc1.weight)")
+    freeze_params_name_list: list[str] = Field(
+        default_factory=list, description="freeze the parameters whose name matches one of these Python regular "
+        "expressions (as --only-train-params-name-list reads them; give one of the two)")
+    ref_update_interval: int | None = Field(None, ge=1, description="the reference model becomes a copy of the "
+                                            "policy after every N rollout batches' update (slime's rule: after "
+                                            "batches N, 2N, ...), so the KL term pulls toward a recent policy; "
+                                            "needs a reference (a KL term), and is refused with LoRA, whose "
+                                            "reference is the base model under the adapter")
+
+    @field_validator("only_train_params_name_list", "freeze_params_name_list")
+    @classmethod
+    def _regular_expressions(cls, patterns: list[str], info: ValidationInfo) -> list[str]:
+        check_patterns("--" + (info.field_name or "").replace("_", "-"), patterns)
+        return patterns
+
+    @model_validator(mode="after")
+    def _one_name_list(self) -> TrainerConfig:
+        check_name_lists(self.only_train_params_name_list, self.freeze_params_name_list)
+        return self
 
 
 class LoraConfig(Section):
