@@ -7,6 +7,7 @@ naming both. What each does in the learner: tests/actors/test_learner_step.py an
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,13 @@ def test_name_lists_are_read_as_slime_writes_them() -> None:
 def test_name_lists_slime_would_refuse_or_cannot_read_are_refused_by_flag(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         configure(*argv)
+
+
+@pytest.mark.integration
+def test_a_slime_freeze_list_reaches_the_torch_trainer_the_run_builds(tiny_model_path: Path) -> None:
+    from actors.learner.trainer_factory import build_trainer
+
+    trainer = build_trainer(configure("--hf-checkpoint", str(tiny_model_path), "--train-backend", "torch",
+                                      "--freeze-params-name-list", "embed_tokens", "lm_head"))
+    frozen = {name for name, parameter in trainer._model.named_parameters() if not parameter.requires_grad}
+    assert frozen == {"model.embed_tokens.weight", "lm_head.weight"}

@@ -4,6 +4,7 @@ rank on this machine's device (megatron's CPU path here)."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,18 @@ SETTINGS = {"lr": 1e-2, "eps": 1.0, "grad_clip": None, "micro_batch_tokens": 60}
 
 
 @pytest.fixture
-def trainer(tiny_model_path: Path) -> Iterator[Any]:
-    from engines.megatron import MegatronTrainer, MegatronTrainerConfig
+def trainer(megatron_world: None, tiny_model_path: Path) -> Iterator[Any]:
+    """Built as a run builds it, from slime's flags through the trainer factory (a KL loss loads the reference)."""
+    from actors.config import add_config_flags, config_from_args
+    from actors.learner.trainer_factory import build_trainer
 
-    trainer = MegatronTrainer(MegatronTrainerConfig(model_path=tiny_model_path, ref_model_path=tiny_model_path,
-                                                    freeze_params_name_list=("word_embeddings", r"layers\.0\."),
-                                                    **SETTINGS))
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    config = config_from_args(parser.parse_args([
+        "--hf-checkpoint", str(tiny_model_path), "--train-backend", "megatron", "--lr", "0.01",
+        "--micro-batch-tokens", "60", "--use-kl-loss", "--kl-loss-coef", "0.1", "--reset-optimizer-states",
+        "--ref-update-interval", "1", "--freeze-params-name-list", "word_embeddings", r"layers\.0\."]))
+    trainer = build_trainer(config)
     try:
         yield trainer
     finally:
