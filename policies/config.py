@@ -133,6 +133,10 @@ class PolicyLossConfig(BaseModel):
         "clip against the engine's log-probs (unless --use-decoupled-ppo); how to choose: docs/policies.md "
         "(default: tis, the fully-async default; none with an sft loss, which has no behaviour policy to correct "
         "for)")
+    use_rollout_logprobs: bool = Field(False, description="pi_old is the engine's log-probs (mu), slime's cheapest "
+                                       "mode: the learner does not recompute the policy's log-probs before the "
+                                       "update; off_policy_correction is then none (a correction's weight pi_old / "
+                                       "mu would be 1, so another one given is refused, as is --use-decoupled-ppo)")
     tis_level: ISLevel = Field("token", description="tis: the weight of each token, of each sequence (the product "
                                "of its tokens' ratios) or geometric (their geometric mean, per sequence)")
     tis_clip: float = Field(2.0, gt=0, description="tis: the weight pi_old / mu is clamped to at most this; "
@@ -187,8 +191,13 @@ class PolicyLossConfig(BaseModel):
             object.__setattr__(self, "eps_clip_high", self.eps_clip)
         if self.loss_type is None:  # the estimator's own loss, else PPO's (slime picks the loss the same way)
             object.__setattr__(self, "loss_type", implied_loss(self._estimator_traits) or "ppo")
+        if self.use_rollout_logprobs and self.off_policy_correction not in (None, "none"):
+            raise ValueError(f"use_rollout_logprobs takes pi_old from the engine's log-probs (mu), so "
+                             f"off_policy_correction={self.off_policy_correction!r} would find pi_old / mu = 1 on "
+                             "every token; give one of them")
         if self.off_policy_correction is None:
-            object.__setattr__(self, "off_policy_correction", "none" if self.loss_type == "sft" else "tis")
+            plain = self.loss_type == "sft" or self.use_rollout_logprobs
+            object.__setattr__(self, "off_policy_correction", "none" if plain else "tis")
         if self.mis_lower_bound is None:
             object.__setattr__(self, "mis_lower_bound", 1.0 / self.mis_upper_bound)
 

@@ -19,7 +19,8 @@ PiOldSource = Literal["rollout", "training_forward", "separate_forward"]
 def pi_old_source(config: PolicyLossConfig, *, decoupled: bool, steps_per_batch: int = 1) -> PiOldSource:
     """Where the step's proximal policy pi_old comes from; the one rule, used by the learner step.
 
-    - ``rollout``: no decoupling and no correction: pi_old := mu, the engine's log-probs (SFT never reads it).
+    - ``rollout``: no decoupling and no correction, or ``use_rollout_logprobs`` (slime's flag, which the config
+      allows with neither): pi_old := mu, the engine's log-probs (SFT never reads it).
       mu does not change while a batch trains, so this holds for any number of optimizer steps per batch.
     - ``training_forward``: pi_old is the learner's policy before the batch's update. With one optimizer step per
       batch that is exactly the policy of the training forward, so ``sg(log pi_theta)`` of that forward IS pi_old
@@ -35,7 +36,8 @@ def pi_old_source(config: PolicyLossConfig, *, decoupled: bool, steps_per_batch:
     """
     if steps_per_batch < 1:
         raise ValueError(f"steps_per_batch must be >= 1, got {steps_per_batch}")
-    if config.loss_type == "sft" or (not decoupled and config.off_policy_correction == "none"):
+    if config.loss_type == "sft" or config.use_rollout_logprobs or (
+            not decoupled and config.off_policy_correction == "none"):
         return "rollout"
     if (config.kl_coef != 0 or config.use_opd or config.off_policy_correction not in _CORRECTIONS_WITHOUT_REJECTION
             or steps_per_batch > 1):

@@ -22,7 +22,6 @@ from actors.config.sections import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
-    DistillationConfig,
     EngineConfig,
     EvalConfig,
     LearnerConfig,
@@ -37,7 +36,7 @@ from actors.config.sections import (
     WeightsConfig,
     resolve_label_key,
 )
-from actors.config.teachers import run_teachers
+from actors.config.teachers import DistillationConfig, run_teachers
 from policies.config import PolicyLossConfig
 from policies.pi_old import pi_old_source
 from policies.plugins import load_object
@@ -224,6 +223,7 @@ class RunConfig(BaseModel):
         problems.extend(_distillation_problems(self))
         problems.extend(_critic_problems(self))
         problems.extend(_routing_replay_problems(self))
+        problems.extend(_pi_old_and_reference_problems(self))
         problems.extend(_policies_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
@@ -400,9 +400,29 @@ def _routing_replay_problems(config: RunConfig) -> list[str]:
     source = pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo,
                            steps_per_batch=config.optimizer_steps_per_batch)
     if source == "rollout":
+        remedy = ("drop --use-rollout-logprobs" if config.policy.use_rollout_logprobs
+                  else "add --use-decoupled-ppo or an --off-policy-correction")
         return ["--use-routing-replay records the experts in the learner's pi_old forward, which this recipe does not "
-                "run (pi_old is the engine's log-probs): add --use-decoupled-ppo or an --off-policy-correction"]
+                f"run (pi_old is the engine's log-probs): {remedy}"]
     return []
+
+
+def _pi_old_and_reference_problems(config: RunConfig) -> list[str]:
+    """slime's --use-rollout-logprobs against our own way of asking for a recomputed pi_old, and what
+    --ref-update-interval needs: a reference model of its own to copy the policy into."""
+    problems = []
+    if config.policy.use_rollout_logprobs and config.learner.use_decoupled_ppo:
+        problems.append("use_rollout_logprobs (pi_old is the engine's log-probs, nothing recomputed) and "
+                        "use_decoupled_ppo (pi_old recomputed before the update) contradict; give one of them")
+    interval = config.trainer.ref_update_interval
+    if interval is not None and not config.policy.needs_ref:
+        problems.append(f"ref_update_interval {interval}: this run has no reference model to refresh (one is "
+                        "loaded for a KL term: use_kl_loss, or kl_coef > 0)")
+    if interval is not None and config.lora.enabled:
+        problems.append(f"ref_update_interval {interval} with lora_rank {config.lora.lora_rank}: a LoRA run's "
+                        "reference is the base model, the policy with its adapter off, which the policy trains on; "
+                        "making it the current policy would mean merging the adapter into those base weights")
+    return problems
 
 
 def policy_names(config: RunConfig) -> tuple[str, ...]:

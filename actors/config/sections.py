@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from actors.config.engines import engine_choices
 from actors.config.plugin_marks import plugin_for
 from actors.moved import MOVED_SERVER_MODULES
+from engines.frozen_params import check_name_lists, check_patterns
 from policies.failed_samples import FailedSamplePolicy
 from policies.registry import FILTERS, REWARDS, BuiltinNames
 
@@ -376,6 +377,33 @@ class TrainerConfig(Section):
                                              "engines record each token's experts as they generate, the samples "
                                              "carry them, and every policy forward of the learner (pi_old and "
                                              "training) routes each token where the engine did")
+    reset_optimizer_states: bool = Field(False, description="zero the optimizer's state (Adam's moments and step "
+                                         "count; the critic's too) before each rollout batch's optimizer steps, "
+                                         "as slime does")
+    only_train_params_name_list: list[str] = Field(
+        default_factory=list, description="train only the parameters whose name matches one of these Python "
+        "regular expressions (searched in the name, as slime does); the others are frozen: no gradient, no "
+        "optimizer state. Names are the backend's: Hugging Face's on torch (model.layers.0.mlp.up_proj.weight), "
+        "megatron-core's on megatron (decoder.layers.0.mlp.linear_fc1.weight)")
+    freeze_params_name_list: list[str] = Field(
+        default_factory=list, description="freeze the parameters whose name matches one of these Python regular "
+        "expressions (as --only-train-params-name-list reads them; give one of the two)")
+    ref_update_interval: int | None = Field(None, ge=1, description="the reference model becomes a copy of the "
+                                            "policy after every N rollout batches' update (slime's rule: after "
+                                            "batches N, 2N, ...), so the KL term pulls toward a recent policy; "
+                                            "needs a reference (a KL term), and is refused with LoRA, whose "
+                                            "reference is the base model under the adapter")
+
+    @field_validator("only_train_params_name_list", "freeze_params_name_list")
+    @classmethod
+    def _regular_expressions(cls, patterns: list[str], info: ValidationInfo) -> list[str]:
+        check_patterns("--" + (info.field_name or "").replace("_", "-"), patterns)
+        return patterns
+
+    @model_validator(mode="after")
+    def _one_name_list(self) -> TrainerConfig:
+        check_name_lists(self.only_train_params_name_list, self.freeze_params_name_list)
+        return self
 
 
 class LoraConfig(Section):
@@ -556,42 +584,3 @@ class LoggingConfig(Section):
     wandb_group: str | None = Field(None, description="W&B group, e.g. to gather the seeds of one experiment")
     wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write RUN_DIR/wandb only, "
                                                                             "`wandb sync` it later")
-
-
-class DistillationConfig(Section):
-    """Where on-policy distillation's teachers live (its math is the policy's --use-opd / --opd-kl-coef).
-
-    A teacher is either held by the learner (a model folder, scored like the reference model, beside training) or
-    an engine of its own (an SGLang server, or ours, scoring each sample's tokens through `/generate` when the
-    reward worker scores it), so a teacher larger than the learner's memory can live on its own GPUs. Several
-    teachers: each prompt's `--opd-teacher-key` field names its teacher."""
-
-    opd_type: Literal["sglang", "megatron"] | None = Field(
-        None, description="slime's teacher placement: 'megatron' = the learner holds --opd-teacher-load, 'sglang' = "
-        "a teacher server scores during rollout (--rm-url with slime's OPD reward function, or --opd-teacher)")
-    opd_teacher_load: str | None = Field(None, description="the learner's teacher, named 'teacher': a Hugging Face "
-                                         "folder of the same tokenizer (tools/convert_checkpoint.py megatron-to-hf "
-                                         "turns slime's Megatron checkpoint into one)")
-    opd_teacher: list[str] = Field(default_factory=list, description="NAME=SOURCE ...: each SOURCE is a model "
-                                   "folder (held by the learner) or the http(s) URL of an SGLang-compatible server "
-                                   "(an engine of its own)")
-    opd_teacher_key: str | None = Field(None, description="dataset field naming each prompt's teacher (default: "
-                                        "every prompt has the one teacher)")
-    opd_teacher_timeout: float = Field(60.0, gt=0, description="seconds a teacher server may take to score one "
-                                       "sample before the sample fails")
-
-    @field_validator("opd_teacher")
-    @classmethod
-    def _named_sources(cls, entries: list[str]) -> list[str]:
-        names = [teacher_entry(entry)[0] for entry in entries]
-        if len(set(names)) != len(names):
-            raise ValueError(f"opd_teacher: a name is given twice in {entries}")
-        return entries
-
-
-def teacher_entry(entry: str) -> tuple[str, str]:
-    """`NAME=SOURCE` -> (name, source); the error names the entry and the expected form."""
-    name, equals, source = entry.partition("=")
-    if not equals or not name.strip() or not source.strip() or "/" in name:
-        raise ValueError(f"--opd-teacher {entry!r}: expected NAME=SOURCE (a model folder or an http(s) URL)")
-    return name.strip(), source.strip()

@@ -126,6 +126,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     refused: list[str] = []
     _same_name_values(args)
     _opd_teacher_server(args)
+    _rollout_logprobs_alone(args)
     for flag, row in SLIME_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is None:
@@ -158,6 +159,18 @@ def _same_name_values(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if isinstance(value, str) and "{" in value:
             setattr(args, name, os.path.dirname(value.split("{", 1)[0].rstrip("/") + "/") or ".")
+
+
+def _rollout_logprobs_alone(args: argparse.Namespace) -> None:
+    """--use-rollout-logprobs makes pi_old the engine's log-probs, so a correction's weight pi_old / mu is 1 on
+    every token: slime refuses it beside --use-tis, and a custom TIS function would have nothing to correct."""
+    if not getattr(args, "use_rollout_logprobs", None):
+        return
+    for flag in ("--use-tis", "--custom-tis-function-path"):
+        if getattr(args, _dest(flag), None) is not None:
+            raise ValueError(f"--use-rollout-logprobs and {flag} contradict: with the first, pi_old is the engine's "
+                             "log-probs, so the importance weight pi_old / mu is 1 on every token (slime refuses "
+                             "--use-tis with it too); give one of them")
 
 
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"

@@ -97,9 +97,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                          "--micro-batch-tokens", "value", int),
     "--log-probs-max-tokens-per-gpu": _explained("log-prob passes use the training token budget "
                                                  "(--micro-batch-tokens)", "value", int),
-    "--only-train-params-name-list": _refused("parameter freezing is not available", "list0"),
-    "--freeze-params-name-list": _refused("parameter freezing is not available", "list0"),
-    "--freeze-indexer": _refused("DSA indexer models (DeepSeek-V3.2) and parameter freezing are not available"),
+    "--only-train-params-name-list": _same("list0", "regular expressions searched in the backend's parameter "
+                                           "names, as slime does; one that matches nothing is an error"),
+    "--freeze-params-name-list": _same("list0", "as --only-train-params-name-list"),
+    "--freeze-indexer": _refused("DSA indexer models (DeepSeek-V3.2) are not available"),
     "--allgather-cp": _explained("context parallelism (--context-parallel-size, torch backend) always gathers each "
                                  "layer's keys and values across the group: the all-gather layout"),
     "--micro-batch-size": _owned("megatron"),
@@ -274,8 +275,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--use-kl-loss": _same("switch"),
     "--kl-loss-coef": _same(),
     "--use-unbiased-kl": _same("switch"),
-    "--ref-update-interval": _refused("refreshing the reference model during training is not available", "value",
-                                      int),
+    "--ref-update-interval": _same("value", "after rollout batches N, 2N, ... as slime; not with LoRA"),
     "--entropy-coef": _same(),
     "--gamma": _same(),
     "--lambd": _same(),
@@ -285,9 +285,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--use-rollout-entropy": _refused("entropy from the engine's distribution is not available"),
     "--get-mismatch-metrics": _explained("train/rollout log-prob mismatch is logged whenever the learner "
                                          "recomputes log-probs (--use-decoupled-ppo or an --off-policy-correction)"),
-    "--reset-optimizer-states": _refused("resetting the optimizer state each rollout is not available"),
+    "--reset-optimizer-states": _same("switch"),
     "--use-stateless-adam": _refused("stateless Adam is not available"),
-    "--use-rollout-logprobs": _refused("pi_old is chosen by --off-policy-correction / --use-decoupled-ppo here"),
+    "--use-rollout-logprobs": _same("switch", "pi_old is the engine's log-probs: --off-policy-correction none, "
+                                              "no --use-decoupled-ppo"),
     "--use-tis": _alias("-> --off-policy-correction tis", "switch"),
     "--tis-clip": _same(),
     "--tis-clip-low": _same(),

@@ -1,4 +1,5 @@
-"""The run's distillation teachers, by name, and which teacher each prompt has.
+"""The distillation section (where on-policy distillation's teachers live), the run's teachers by name, and which
+teacher each prompt has.
 
 One rule read by both the reward worker (which asks the engine teachers to score) and the learner (which scores
 with the teachers it holds), so the two never disagree about a sample's teacher.
@@ -8,11 +9,52 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from actors.config.sections import DistillationConfig, teacher_entry
+from pydantic import Field, field_validator
+
+from actors.config.sections import Section
 
 DEFAULT_TEACHER = "teacher"  # the name of slime's single teacher (--opd-teacher-load, or the --rm-url server)
+
+
+class DistillationConfig(Section):
+    """Where on-policy distillation's teachers live (its math is the policy's --use-opd / --opd-kl-coef).
+
+    A teacher is either held by the learner (a model folder, scored like the reference model, beside training) or
+    an engine of its own (an SGLang server, or ours, scoring each sample's tokens through `/generate` when the
+    reward worker scores it), so a teacher larger than the learner's memory can live on its own GPUs. Several
+    teachers: each prompt's `--opd-teacher-key` field names its teacher."""
+
+    opd_type: Literal["sglang", "megatron"] | None = Field(
+        None, description="slime's teacher placement: 'megatron' = the learner holds --opd-teacher-load, 'sglang' = "
+        "a teacher server scores during rollout (--rm-url with slime's OPD reward function, or --opd-teacher)")
+    opd_teacher_load: str | None = Field(None, description="the learner's teacher, named 'teacher': a Hugging Face "
+                                         "folder of the same tokenizer (tools/convert_checkpoint.py megatron-to-hf "
+                                         "turns slime's Megatron checkpoint into one)")
+    opd_teacher: list[str] = Field(default_factory=list, description="NAME=SOURCE ...: each SOURCE is a model "
+                                   "folder (held by the learner) or the http(s) URL of an SGLang-compatible server "
+                                   "(an engine of its own)")
+    opd_teacher_key: str | None = Field(None, description="dataset field naming each prompt's teacher (default: "
+                                        "every prompt has the one teacher)")
+    opd_teacher_timeout: float = Field(60.0, gt=0, description="seconds a teacher server may take to score one "
+                                       "sample before the sample fails")
+
+    @field_validator("opd_teacher")
+    @classmethod
+    def _named_sources(cls, entries: list[str]) -> list[str]:
+        names = [teacher_entry(entry)[0] for entry in entries]
+        if len(set(names)) != len(names):
+            raise ValueError(f"opd_teacher: a name is given twice in {entries}")
+        return entries
+
+
+def teacher_entry(entry: str) -> tuple[str, str]:
+    """`NAME=SOURCE` -> (name, source); the error names the entry and the expected form."""
+    name, equals, source = entry.partition("=")
+    if not equals or not name.strip() or not source.strip() or "/" in name:
+        raise ValueError(f"--opd-teacher {entry!r}: expected NAME=SOURCE (a model folder or an http(s) URL)")
+    return name.strip(), source.strip()
 
 
 @dataclass(frozen=True)

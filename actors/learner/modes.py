@@ -146,7 +146,8 @@ class RealTraining:
     async def prepare(self, batch: Batch) -> PreparedBatch | None:
         """The reference forward and the conversions of the next batch, on their own thread beside the current
         step, where the trainer allows it (one rank: its followers would need the prepared batch too)."""
-        if self.trainer.ranks.world > 1 or not self.trainer.local.prepares_beside_training:
+        if (self.trainer.ranks.world > 1 or not self.trainer.local.prepares_beside_training
+                or self.step.refreshes_reference):
             return None
         return await asyncio.to_thread(self.step.prepare, batch.samples, batch.staleness)
 

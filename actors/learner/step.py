@@ -80,6 +80,16 @@ class TrainingStep:
         self.critic_only_steps = config.learner.num_critic_only_steps
         if self.pi_old == "training_forward" and self.steps > 1:
             raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
+        self.reset_optimizer = config.trainer.reset_optimizer_states
+        self.ref_update_interval = config.trainer.ref_update_interval
+        _check_supported(trainer, "reset_optimizer_state", "--reset-optimizer-states", self.reset_optimizer)
+        _check_supported(trainer, "refresh_reference", "--ref-update-interval", self.ref_update_interval is not None)
+
+    @property
+    def refreshes_reference(self) -> bool:
+        """Whether the reference changes during the run: its log-probs of a batch are then taken after the
+        previous batch's refresh, never beside that batch's training (`Trainer.prepares_beside_training`)."""
+        return self.ref_update_interval is not None
 
     def train(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> StepReport:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
@@ -125,6 +135,9 @@ class TrainingStep:
         if self.trains_on_rewards:
             advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
         parts = stages.mini_batches(batch, self.steps, parallel)
+        if self.reset_optimizer:  # slime: each rollout's optimizer steps start from a never-stepped Adam
+            self.trainer.reset_optimizer_state()
+        version = self.trainer.version
         results = []
         for index, part in enumerate(parts):
             critic_metrics = self._critic_step(part, parallel) if critic else {}
@@ -133,7 +146,16 @@ class TrainingStep:
             result.metrics.update(critic_metrics)
             results.append(result)
         result = combine_steps(results)
+        if self._refreshes_after(version):
+            self.trainer.refresh_reference()
+            result.metrics["ref/refreshed"] = 1.0
         return StepReport(result=result, metrics={**result.metrics, **prepared.metrics, **advantage_metrics})
+
+    def _refreshes_after(self, version: int) -> bool:
+        """slime refreshes the reference after rollouts N, 2N, ... have trained; counted in versions here (batches
+        that applied an update, restored from a checkpoint), so a resumed run keeps the rhythm."""
+        now = self.trainer.version
+        return self.ref_update_interval is not None and now != version and now % self.ref_update_interval == 0
 
     def _teacher_name(self, sample: Sample) -> str:
         return teacher_of(sample.metadata, self.teachers, self.teacher_key).name
@@ -160,6 +182,13 @@ class TrainingStep:
                                          with_entropy=loss.needs_entropy, **extra)
         result.metrics["zero_advantage_skipped"] = float(len(part.samples) - len(trained.samples))
         return result
+
+
+def _check_supported(trainer: Trainer, method: str, flag: str, wanted: bool) -> None:
+    """A trainer that keeps `Trainer`'s refusing default for `method` is refused at start-up, not at the first
+    batch that needs it."""
+    if wanted and getattr(type(trainer), method, None) is getattr(Trainer, method):
+        raise ValueError(f"{flag}: the {type(trainer).__name__} trainer does not implement Trainer.{method}")
 
 
 CRITIC_ONLY_REASON = "critic-only warm-up (--num-critic-only-steps): the policy is not trained yet"

@@ -74,6 +74,8 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
         "micro_batch_tokens": trainer.micro_batch_tokens,
         "dtype": "bfloat16" if model.bf16 else "float32",
         "seed": config.seed,
+        "only_train_params_name_list": tuple(trainer.only_train_params_name_list),
+        "freeze_params_name_list": tuple(trainer.freeze_params_name_list),
     }
 
 

@@ -29,6 +29,13 @@ def sum_over_world(values: Tensor) -> Tensor:
     return staged.to(values.device)
 
 
+def gather_objects(mine: object) -> list[object]:
+    """Every rank's `mine` (picklable), in rank order, on every rank."""
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
 def any_rank_failed(failure: BaseException | None) -> bool:
     """Whether any rank passed a failure (every rank must call it)."""
     flag = torch.tensor([int(failure is not None)], device=parallel.world_collective_device())

@@ -193,6 +193,26 @@ def restore_group_steps(optimizer: Any) -> None:
                 group["step"] = int(group["step"])
 
 
+def reset_state(optimizer: Any) -> None:
+    """slime's --reset-optimizer-states: Adam's step count and moments back to zero, in place.
+
+    Zeroed rather than dropped: megatron's distributed optimizer and its checkpoints expect every parameter's
+    entries to exist once it has stepped (`prime`). Step 0 with zero moments is exactly a never-stepped Adam, so
+    the next step's bias correction starts over. Both kinds: the torch kind's `step` tensors, the fused kind's
+    per-group integer.
+    """
+    for torch_optimizer in torch_optimizers(optimizer):
+        for group in torch_optimizer.param_groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in torch_optimizer.state.values():
+            for key, value in state.items():
+                if key == "step" and not isinstance(value, Tensor):
+                    state[key] = 0
+                elif key in ("step", "exp_avg", "exp_avg_sq"):
+                    value.zero_()
+
+
 def after_load(optimizer: Any) -> None:
     """Every post-load repair its Adam kind needs (see `unshare_steps`, `restore_group_steps`)."""
     unshare_steps(optimizer)

@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import AutoConfig
 
+from engines import frozen_params
 from engines.megatron import collectives, optimizer, parallel
 from engines.megatron.batches import (
     MicroBatch,
@@ -67,7 +68,7 @@ from engines.megatron.experts import (
 )
 from engines.megatron.hooks import StepHooks
 from engines.megatron.logprobs import vocab_parallel_log_probs
-from engines.training import base, checkpoint
+from engines.training import base, checkpoint, reference
 from engines.training.base import Loss, ModelOutputs, ModelRole, StepResult, Trainer, TrainSample
 from engines.training.micro_batches import count_loss_tokens
 
@@ -101,6 +102,9 @@ class MegatronTrainer(Trainer):
             stage = self._bridge.build_stage()
             self._bridge.load_hf_weights([stage])
             self._stage = stage
+            # slime freezes in its model provider, before DDP and the optimizer see the parameters: so do we
+            frozen_params.freeze_by_name(stage, config.only_train_params_name_list,
+                                         config.freeze_params_name_list, gather=collectives.gather_objects)
             self._router_losses = RouterLossScale(stage, self._bridge.transformer_config)
             self._routing_replay = RoutingReplay(stage)
             self._device = next(stage.parameters()).device
@@ -110,8 +114,9 @@ class MegatronTrainer(Trainer):
             transformer_config.finalize_model_grads_func = _finalize_summed_grads
             transformer_config.no_sync_func = self._module.no_sync
             self._ref: nn.Module | None = None
+            self._ref_stage: nn.Module | None = None  # the reference's GPTModel (inside Float16Module under bf16)
             if config.ref_model_path is not None:
-                self._ref = self._build_frozen(config.ref_model_path, dtype)
+                self._ref, self._ref_stage = self._build_frozen(config.ref_model_path, dtype)
             if config.initial_checkpoint is not None:
                 self._load_weights_from(Path(config.initial_checkpoint))
 
@@ -289,6 +294,16 @@ class MegatronTrainer(Trainer):
 
         collectives.on_rank_zero(write, f"exporting {directory}")
 
+    def reset_optimizer_state(self) -> None:
+        """Zeroed in place, as slime does, so megatron's optimizer keeps the state entries its checkpoints expect."""
+        optimizer.reset_state(self._optimizer)
+
+    def refresh_reference(self) -> None:
+        """This rank's part of the policy into its part of the reference: both are split alike (TP x PP)."""
+        if self._ref_stage is None:
+            raise ValueError("--ref-update-interval: this trainer holds no reference model (it needs a KL term)")
+        reference.copy_policy_into(self._stage, self._ref_stage)
+
     def close(self) -> None:
         """Tear down megatron's groups (and the world, if this trainer created it)."""
         parallel.destroy_model_parallel()
@@ -456,12 +471,13 @@ class MegatronTrainer(Trainer):
         loaded = dist_checkpointing.load({"model": model_state}, str(directory))
         self._stage.load_state_dict(loaded["model"])
 
-    def _build_frozen(self, path: Path, dtype: torch.dtype) -> nn.Module:
+    def _build_frozen(self, path: Path, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+        """The frozen model as forwards run it, and its GPTModel stage (the same module unless bf16 wraps it)."""
         bridge = HFBridge(path, dtype=dtype, runtime=self._bridge.runtime)
         stage = bridge.build_stage()
         bridge.load_hf_weights([stage])
         stage.requires_grad_(False)
-        return _maybe_float16(stage, bridge.transformer_config)
+        return _maybe_float16(stage, bridge.transformer_config), stage
 
 
 class _StepStats(base.StepStats):

@@ -285,6 +285,17 @@ class Trainer(ABC):
         """
         return DataParallel(rank=0, size=1, group=None)
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the optimizer's history (Adam's moments and step count), the critic's too: the next step starts
+        as the first one did. slime's --reset-optimizer-states; the learner calls it before each rollout batch's
+        steps."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset its optimizer state")
+
+    def refresh_reference(self) -> None:
+        """Make the frozen reference model a copy of the policy as it is now (slime's --ref-update-interval; the
+        learner calls it every N rollout batches). Local to each rank: every rank holds its part of both models."""
+        raise NotImplementedError(f"{type(self).__name__} cannot refresh its reference model")
+
     # Set by the learner where `gates_updates` holds: `train_step` calls it right before its first write of the
     # weights, and it returns once the weight push running beside the step has read them.
     update_gate: Callable[[], None] | None = None

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engines.frozen_params import check_name_lists
 from engines.training.lora import LoraSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -23,7 +24,8 @@ class CriticSettings(BaseModel):
 
 
 class TrainerOptimizerConfig(BaseModel):
-    """What every trainer shares: the model to load, AdamW, the LR schedule, clipping, micro-batch budget, seed.
+    """What every trainer shares: the model to load, AdamW, the LR schedule, clipping, micro-batch budget, seed,
+    and which parameters train.
 
     One definition, so a schedule rule (cosine needs total_steps) cannot differ between training backends.
     """
@@ -45,6 +47,14 @@ class TrainerOptimizerConfig(BaseModel):
     micro_batch_tokens: int = Field(default=8192, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
+    # slime's parameter freezing by name (`engines.frozen_params`): at most one of the two lists
+    only_train_params_name_list: tuple[str, ...] = ()
+    freeze_params_name_list: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_name_lists(self) -> TrainerOptimizerConfig:
+        check_name_lists(self.only_train_params_name_list, self.freeze_params_name_list)
+        return self
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainerOptimizerConfig:

@@ -82,6 +82,10 @@ class ValueCritic:
                     per_sample[index] = part
         return torch.cat([part for part in per_sample if part is not None])
 
+    def reset_optimizer_state(self) -> None:
+        """The critic's AdamW forgets its moments and step count (slime resets the critic's with the actor's)."""
+        self._optimizer.state.clear()
+
     def train_step(self, samples: Sequence[TrainSample], loss: ValueLossFn, *, version: int) -> StepResult:
         """One critic update on `samples`; `version` is the policy's, reported unchanged."""
         started = time.perf_counter()

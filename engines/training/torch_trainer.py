@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from engines.training import checkpoint, lora
+from engines import frozen_params
+from engines.training import checkpoint, lora, reference
 from engines.training.attention import NAME as PACKED_ATTENTION
 from engines.training.attention import register_packed_attention
 from engines.training.base import (
@@ -112,6 +113,7 @@ class TorchTrainer(Trainer):
                 fuse_output_head(model)
         if config.gradient_checkpointing:
             _enable_activation_checkpointing(self._model)
+        frozen_params.freeze_by_name(self._model, config.only_train_params_name_list, config.freeze_params_name_list)
         self._param_names, groups = _param_groups(self._model, config.weight_decay)
         # fused: one kernel for the whole update on a GPU instead of a few per parameter group (foreach)
         self._optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
@@ -233,6 +235,18 @@ class TorchTrainer(Trainer):
             stats.add(value, metrics)
         loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(stats)
         return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started, ends_batch)
+
+    def reset_optimizer_state(self) -> None:
+        """AdamW makes a parameter's state afresh (step 0, zero moments) at its next step when it has none."""
+        self._optimizer.state.clear()
+        if self._critic is not None:
+            self._critic.reset_optimizer_state()
+
+    def refresh_reference(self) -> None:
+        if self._ref is None:
+            raise ValueError("--ref-update-interval: this trainer holds no separate reference model to refresh (with "
+                             "LoRA the reference is the policy with its adapter off)")
+        reference.copy_policy_into(self._model, self._ref)
 
     def _routed(self) -> contextlib.AbstractContextManager[list[RoutedLayer]]:
         """Records the routers' outputs of the forward inside it, when the run has router losses."""

@@ -159,3 +159,16 @@ def test_slimes_role_overrides_set_the_critics_and_the_actors_learning_rates(tmp
                      encoding="utf-8")
     with pytest.raises(ValueError, match=r"critic overrides \['tensor_model_parallel_size'\] are not available"):
         apply_slime_flags(argparse.Namespace(slime_megatron_config_path=str(roles)))
+
+
+@pytest.mark.integration
+def test_reset_optimizer_states_resets_the_critics_adam_with_the_policys(tiny_model_path: Path,
+                                                                          scored: list[Sample]) -> None:
+    """slime resets every role's optimizer at each rollout: after two batches both Adams have taken one step."""
+    config = ppo_config(tiny_model_path, reset_optimizer_states=True)
+    trainer = build_trainer(config)
+    step = TrainingStep(trainer, config)
+    for _ in range(2):
+        assert not step.train(scored, [0] * len(scored)).result.skipped
+    for adam in (trainer._optimizer, critic_of(trainer)._optimizer):
+        assert {int(state["step"]) for state in adam.state.values()} == {1}

@@ -1,0 +1,97 @@
+"""slime's learner flags read from a slime command line into our settings, with slime's meaning: the engine's
+log-probs as pi_old (`--use-rollout-logprobs`), the optimizer reset per rollout (`--reset-optimizer-states`),
+parameters frozen by name (`--only-train-params-name-list`, `--freeze-params-name-list`) and the reference model
+refreshed every N rollouts (`--ref-update-interval`); and each refused where it contradicts another flag given,
+naming both. What each does in the learner: tests/actors/test_learner_step.py and the trainers' tests."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from actors.config import config_from_args, split_sglang_args
+from actors.config.run import RunConfig
+from launcher import build_parser
+from policies.pi_old import pi_old_source
+
+
+def configure(*argv: str) -> RunConfig:
+    rest, passthrough = split_sglang_args(list(argv))
+    args: argparse.Namespace = build_parser().parse_args(["--head", *rest])
+    args.sglang_passthrough = passthrough
+    return config_from_args(args)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("entry", [[], ["--slime-entry", "train_async"]], ids=["ours", "slime-entry"])
+def test_rollout_logprobs_make_pi_old_the_engines_with_no_correction(entry: list[str]) -> None:
+    config = configure("--use-rollout-logprobs", "--advantage-estimator", "grpo", *entry)
+    assert config.policy.use_rollout_logprobs and config.policy.off_policy_correction == "none"
+    assert pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo) == "rollout"
+    # without the flag our default recomputes pi_old (tis), so the flag is what changed it
+    default = configure("--advantage-estimator", "grpo")
+    assert pi_old_source(default.policy, decoupled=False) != "rollout"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("other", "message"), [
+    (["--use-tis"], "--use-rollout-logprobs and --use-tis contradict"),
+    (["--custom-tis-function-path", "my_tis:weights"],
+     "--use-rollout-logprobs and --custom-tis-function-path contradict"),
+    (["--use-decoupled-ppo"], "use_rollout_logprobs .* and use_decoupled_ppo .* contradict"),
+    (["--off-policy-correction", "mis"], "use_rollout_logprobs .* off_policy_correction='mis'"),
+], ids=["use-tis", "custom-tis", "decoupled-ppo", "correction"])
+def test_rollout_logprobs_beside_a_recomputed_pi_old_is_refused_naming_both(other: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        configure("--use-rollout-logprobs", *other)
+
+
+@pytest.mark.unit
+def test_reset_optimizer_states_and_ref_update_interval_are_trainer_settings() -> None:
+    config = configure("--reset-optimizer-states", "--use-kl-loss", "--kl-loss-coef", "0.01",
+                       "--ref-update-interval", "5")
+    assert config.trainer.reset_optimizer_states and config.trainer.ref_update_interval == 5
+    assert not RunConfig().trainer.reset_optimizer_states and RunConfig().trainer.ref_update_interval is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--ref-update-interval", "3"], "ref_update_interval 3: this run has no reference model to refresh"),
+    (["--ref-update-interval", "3", "--use-kl-loss", "--kl-loss-coef", "0.01", "--lora-rank", "8"],
+     "ref_update_interval 3 with lora_rank 8: a LoRA run's reference is the base model"),
+    (["--ref-update-interval", "0", "--use-kl-loss", "--kl-loss-coef", "0.01"],
+     "--ref-update-interval 0: must be >= 1"),
+], ids=["no-reference", "lora", "zero"])
+def test_ref_update_interval_without_a_reference_of_its_own_is_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        configure(*argv)
+
+
+@pytest.mark.unit
+def test_name_lists_are_read_as_slime_writes_them() -> None:
+    config = configure("--only-train-params-name-list", "experts", r"layers\.2[0-3]\.")
+    assert config.trainer.only_train_params_name_list == ["experts", r"layers\.2[0-3]\."]
+    assert configure("--freeze-params-name-list").trainer.freeze_params_name_list == []  # slime's nargs=*: none
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--only-train-params-name-list", "mlp", "--freeze-params-name-list", "embed"],
+     "--only-train-params-name-list and --freeze-params-name-list were both given"),
+    (["--freeze-params-name-list", "embed", "layers.("], r"--freeze-params-name-list 'layers\.\(': not a regular"),
+], ids=["both", "bad-regex"])
+def test_name_lists_slime_would_refuse_or_cannot_read_are_refused_by_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        configure(*argv)
+
+
+@pytest.mark.integration
+def test_a_slime_freeze_list_reaches_the_torch_trainer_the_run_builds(tiny_model_path: Path) -> None:
+    from actors.learner.trainer_factory import build_trainer
+
+    trainer = build_trainer(configure("--hf-checkpoint", str(tiny_model_path), "--train-backend", "torch",
+                                      "--freeze-params-name-list", "embed_tokens", "lm_head"))
+    frozen = {name for name, parameter in trainer._model.named_parameters() if not parameter.requires_grad}
+    assert frozen == {"model.embed_tokens.weight", "lm_head.weight"}
