@@ -38,7 +38,7 @@ from engines.training.base import (
     step_result,
 )
 from engines.training.config import CriticSettings
-from engines.training.micro_batches import collate, forward_packed, pack_inputs
+from engines.training.micro_batches import PackedInputs, collate, forward_packed, pack_inputs
 
 CRITIC_DIRECTORY = "critic"  # inside a trainer checkpoint
 
@@ -49,7 +49,11 @@ class ValueCritic:
     def __init__(self, model: nn.Module, settings: CriticSettings, *, device: torch.device,
                  plan: Callable[[Sequence[TrainSample]], list[list[int]]], share_prompts: bool,
                  autocast: Callable[[], contextlib.AbstractContextManager[Any]], world_size: int,
-                 betas: tuple[float, float], eps: float, weight_decay: float, grad_clip: float | None) -> None:
+                 betas: tuple[float, float], eps: float, weight_decay: float, grad_clip: float | None,
+                 split: Callable[[PackedInputs], PackedInputs] = lambda inputs: inputs,
+                 stats_group: Any = None) -> None:
+        """`split`: the rank's part of a packed row under context parallelism (the trainer's); `stats_group`: the
+        ranks whose step counts and metrics add up (the data-parallel ones; None: every rank)."""
         head = nn.Linear(model.config.hidden_size, 1, bias=False, device=device)
         nn.init.zeros_(head.weight)
         model.set_output_embeddings(head)
@@ -61,6 +65,8 @@ class ValueCritic:
         self._share_prompts = share_prompts
         self._autocast = autocast
         self._world_size = world_size
+        self._split = split
+        self._stats_group = stats_group
         self._grad_clip = grad_clip if grad_clip is not None else float("inf")
         self._names = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
         self._optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
@@ -76,8 +82,9 @@ class ValueCritic:
         per_sample: list[Tensor | None] = [None] * len(samples)
         with torch.no_grad(), self._autocast():
             for members in self._plan(samples):
-                inputs = pack_inputs([samples[i] for i in members], share_prompts=self._share_prompts)
-                values = forward_packed(self.model, inputs.to(self._device))[:, 0].float().cpu()
+                inputs = self._split(pack_inputs([samples[i] for i in members], share_prompts=self._share_prompts)
+                                     .to(self._device))
+                values = self._token_values(inputs).cpu()
                 for index, part in zip(members, values.split(inputs.response_lengths.tolist()), strict=True):
                     per_sample[index] = part
         return torch.cat([part for part in per_sample if part is not None])
@@ -96,9 +103,9 @@ class ValueCritic:
         plan = self._plan(samples)
         for members in plan:
             chunk = [samples[i] for i in members]
-            inputs = pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device)
+            inputs = self._split(pack_inputs(chunk, share_prompts=self._share_prompts).to(self._device))
             with self._autocast():
-                predicted = forward_packed(self.model, inputs)[:, 0].float()
+                predicted = self._token_values(inputs)
                 value, metrics = loss(predicted, collate(chunk, self._device))
             check_loss(value)
             value.backward()
@@ -113,6 +120,12 @@ class ValueCritic:
         return step_result(version, metric_sums, loss=loss_sum, lr=self.settings.lr, grad_norm=grad_norm,
                            loss_tokens=tokens, sequences=len(samples), micro_batches=len(plan), started=started,
                            skip_reason=reason)
+
+    def _token_values(self, inputs: PackedInputs) -> Tensor:
+        """The value of every response token of the micro-batch (a context-parallel rank computes its own and
+        gathers its group's)."""
+        values = forward_packed(self.model, inputs)[:, 0].float()
+        return values if inputs.context_row is None else inputs.context_row.join_tokens(values)
 
     def save(self, directory: Path) -> None:
         """Weights, optimizer moments and step count under `directory` (a trainer checkpoint's staging folder)."""
@@ -149,6 +162,6 @@ class ValueCritic:
         keys = sorted(stats.metric_sums)
         summed = torch.tensor([stats.loss_sum, float(stats.nonfinite), float(tokens),
                                *(stats.metric_sums[key] for key in keys)], dtype=torch.float64, device=self._device)
-        dist.all_reduce(summed)
+        dist.all_reduce(summed, group=self._stats_group)
         values = summed.cpu().tolist()
         return values[0], values[1] > 0, dict(zip(keys, values[3:], strict=True)), int(values[2])

@@ -141,7 +141,7 @@ class TorchTrainer(Trainer):
                 _load_model(config.critic.model_path, self._device, config.attn_implementation), config.critic,
                 device=self._device, plan=self._plan, share_prompts=self._share_prompts, autocast=self._autocast,
                 world_size=_world_size(), betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-                grad_clip=config.grad_clip)
+                grad_clip=config.grad_clip, split=self._split, stats_group=self._parallel.group)
 
     # -- Trainer ---------------------------------------------------------------------------------------------
 

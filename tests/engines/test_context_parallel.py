@@ -9,6 +9,7 @@ evenly, with shared prompts and a preamble packed once. The split itself is prov
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from torch import Tensor
+from transformers import AutoConfig
 
-from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training import PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 from engines.training.attention import packed_segments
+from engines.training.config import CriticSettings
 from engines.training.context_parallel import ContextParallel, ContextRow, zigzag_rows
 from engines.training.lora import LoraSettings
 from engines.training.micro_batches import pack_inputs
@@ -27,10 +31,28 @@ from tests.support.training import step_loss
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 TEMPERATURE = 0.9
-# (name, model family, LoRA): what each parity world trains, one trainer after another in the same processes
-CASES = {2: [("dense", "qwen2", False), ("dense-lora", "qwen2", True), ("moe", "qwen3_moe", False),
-             ("moe-lora", "qwen3_moe", True)],
-         4: [("dense", "qwen2", False)]}
+# (name, model family, LoRA, activation checkpointing): what each parity world trains, one trainer after another
+# in the same processes; the recomputed forward of a checkpointed layer gathers its keys again. The dense full
+# fine-tuning trainers carry PPO's critic too, which splits its rows as the policy does.
+CASES = {2: [("dense", "qwen2", False, False), ("dense-lora", "qwen2", True, False),
+             ("moe", "qwen3_moe", False, False), ("moe-lora", "qwen3_moe", True, False)],
+         4: [("dense-recompute", "qwen2", False, True)]}
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """Squared error of the values to the advantages (as returns) over the loss tokens of the whole step."""
+
+    tokens: int
+
+    def __call__(self, values: Tensor, batch: PackedBatch) -> tuple[Tensor, dict[str, float]]:
+        assert batch.loss_mask is not None and batch.advantages is not None
+        error = ((values - batch.advantages) ** 2 * batch.loss_mask).sum() / self.tokens
+        return error, {"value_error": float(error.detach())}
+
+
+def value_loss(batch: list[TrainSample]) -> ValueLoss:
+    return ValueLoss(tokens=sum(int((s.loss_mask != 0).sum()) for s in batch))
 
 
 def long_rows_batch() -> list[TrainSample]:
@@ -59,28 +81,44 @@ def data_parallel_shard(batch: list[TrainSample], rank: int, size: int) -> list[
     return batch if size == 1 else [batch[i] for i in ((0, 4, 5), (1, 2, 3, 6))[rank]]
 
 
-def trainer_config(model_path: Path, lora: bool, context: int) -> TorchTrainerConfig:
+def trainer_config(model_path: Path, lora: bool, recompute: bool, context: int) -> TorchTrainerConfig:
+    """A dense model trained whole carries PPO's critic too."""
+    dense = AutoConfig.from_pretrained(model_path).model_type == "qwen2"
+    critic = CriticSettings(model_path=model_path, lr=1e-2) if dense and not lora else None
     return TorchTrainerConfig(model_path=model_path, lr=1e-2, eps=1.0, grad_clip=None, micro_batch_tokens=160,
                               check_packing=False, lora=LoraSettings(rank=4, alpha=8.0) if lora else None,
-                              context_parallel_size=context)
+                              gradient_checkpointing=recompute, critic=critic, context_parallel_size=context)
+
+
+def critic_step(trainer: TorchTrainer, shard: list[TrainSample]) -> tuple[dict[str, Tensor], dict]:
+    """The critic's values of `shard`, one critic step, and its values after it (which its new weights decide)."""
+    before = trainer.compute_values(shard)
+    result = trainer.train_critic(shard, value_loss(long_rows_batch()))
+    after = trainer.compute_values(shard)
+    return {"values": before, "values_after": after}, {"grad_norm": result.grad_norm, "metrics": result.metrics}
 
 
 def _parity_worker(rank: int, rendezvous: str, world: int, models: dict[str, str], out_dir: Path) -> None:
     with cpu_gloo_rank(rank, rendezvous, world):
-        for name, family, lora in CASES[world]:
-            trainer = TorchTrainer(trainer_config(Path(models[family]), lora, context=2))
+        for name, family, lora, recompute in CASES[world]:
+            trainer = TorchTrainer(trainer_config(Path(models[family]), lora, recompute, context=2))
             parallel = trainer.data_parallel()
             assert (parallel.size, parallel.rank) == (world // 2, rank // 2)
             shard = data_parallel_shard(long_rows_batch(), parallel.rank, parallel.size)
             outputs = trainer.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
             result = trainer.train_step(shard, step_loss(long_rows_batch()), temperature=TEMPERATURE,
                                         with_entropy=True)
-            save_file({"log_probs": outputs.log_probs, "entropy": outputs.entropy},
-                      str(out_dir / f"{name}-outputs-{rank}.st"))
+            tensors = {"log_probs": outputs.log_probs, "entropy": outputs.entropy}
+            critic: dict = {}
+            if trainer.has_critic:
+                values, critic = critic_step(trainer, shard)
+                tensors.update(values)
+            save_file(tensors, str(out_dir / f"{name}-outputs-{rank}.st"))
             if rank == 0:
                 save_file({key: tensor.contiguous() for key, tensor in trainer.named_tensors()},
                           str(out_dir / f"{name}-weights.st"))
-                summary = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}
+                summary = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics,
+                           "critic": critic}
                 (out_dir / f"{name}-result.json").write_text(json.dumps(summary))
             trainer.close()
             dist.barrier()
@@ -98,8 +136,8 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
         world: int, models: dict[str, str], tmp_path: Path) -> None:
     mp.spawn(_parity_worker, args=(rendezvous_file(), world, models, tmp_path), nprocs=world, join=True)
     batch = long_rows_batch()
-    for name, family, lora in CASES[world]:
-        single = TorchTrainer(trainer_config(Path(models[family]), lora, context=1))
+    for name, family, lora, recompute in CASES[world]:
+        single = TorchTrainer(trainer_config(Path(models[family]), lora, recompute, context=1))
         for rank in range(world):
             shard = data_parallel_shard(batch, rank // 2, world // 2)
             expected = single.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
@@ -109,6 +147,18 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
             torch.testing.assert_close(split["entropy"], expected.entropy, atol=2e-5, rtol=1e-5)
         result = single.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
         parallel = json.loads((tmp_path / f"{name}-result.json").read_text())
+        if single.has_critic:  # the critic's step on the whole batch, its values before and after it per shard
+            before = {rank: single.compute_values(data_parallel_shard(batch, rank // 2, world // 2))
+                      for rank in range(world)}
+            critic = single.train_critic(batch, value_loss(batch))
+            assert parallel["critic"]["grad_norm"] == pytest.approx(critic.grad_norm, rel=1e-4)
+            assert parallel["critic"]["metrics"]["value_error"] == pytest.approx(critic.metrics["value_error"],
+                                                                                rel=1e-5)
+            for rank in range(world):
+                split = load_file(str(tmp_path / f"{name}-outputs-{rank}.st"))
+                after = single.compute_values(data_parallel_shard(batch, rank // 2, world // 2))
+                torch.testing.assert_close(split["values"], before[rank], atol=2e-5, rtol=1e-5)
+                torch.testing.assert_close(split["values_after"], after, atol=2e-5, rtol=1e-5)
         assert parallel["version"] == result.version == 1
         assert parallel["metrics"]["sequences"] == len(batch)
         assert parallel["metrics"]["loss_tokens"] == result.metrics["loss_tokens"]

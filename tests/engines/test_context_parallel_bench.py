@@ -1,0 +1,33 @@
+"""The context-parallel benchmark still runs end to end, and its worlds compute the same step: the loss of the row is
+the same whether one rank or two hold it (its memory and time figures are shown by the benchmark, not tested)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.console import PROGRESS_BAR, env_without_quiet_switches
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.integration
+def test_bench_context_parallel_quick_run_prints_its_table_and_the_same_loss_at_each_size(tmp_path: Path) -> None:
+    figures_path = tmp_path / "bench.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "tools.bench.context_parallel", "--quick", "--tokens", "256", "--cp", "1", "2",
+         "--model-cache", str(tmp_path / "models"), "--json", str(figures_path)],
+        cwd=REPO, env=env_without_quiet_switches(), capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert not PROGRESS_BAR.search(completed.stderr), completed.stderr[-3000:]
+    lines = completed.stdout.splitlines()
+    assert lines[0].startswith("model: quick") and lines[1].split()[:3] == ["tokens", "CP", "peak"]
+    assert [line.split()[:2] for line in lines[2:]] == [["256", "1"], ["256", "2"]]
+    one, two = json.loads(figures_path.read_text())["rows"]
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert one["peak_mib"] > 0 and two["peak_mib"] > 0 and one["seconds"] > 0 and two["seconds"] > 0
