@@ -128,14 +128,13 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
             return self
         unsupported = {
             "attn_implementation": self.attn_implementation != "packed_sdpa",
-            "moe_aux_loss_coeff/moe_z_loss_coeff (router losses)": self.moe_aux_loss_coeff or self.moe_z_loss_coeff,
             "use_routing_replay (recording routes; replaying the samples' routes works)": self.use_routing_replay,
         }
         refused = [name for name, given in unsupported.items() if given]
         if refused:
             raise ValueError(f"context_parallel_size {self.context_parallel_size}: not available with "
                              f"{', '.join(refused)}; the split row needs attn_implementation 'packed_sdpa' and "
-                             "runs no router loss or route recording yet")
+                             "records no routes yet")
         return self
 
     @property

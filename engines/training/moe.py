@@ -29,8 +29,10 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed
 from torch import Tensor, nn
 
 from engines.training.base import TrainSample
@@ -133,10 +135,14 @@ class Routers:
 class RouterLosses:
     """Adds the router losses of `settings` to each training micro-batch (see the module docstring)."""
 
-    def __init__(self, routers: Routers, settings: RouterLossSettings, *, world_size: int) -> None:
+    def __init__(self, routers: Routers, settings: RouterLossSettings, *, world_size: int,
+                 row_group: Any = None) -> None:
+        """`world_size`: the data-parallel ranks, each with micro-batches of its own; `row_group`: the ranks each
+        row is split across (context parallelism; None: none), whose tokens make up one row's losses."""
         self.routers = routers
         self.settings = settings
         self._world_size = world_size
+        self._row_group = row_group
 
     def loss(self, layers: list[RoutedLayer], micro_batches: int) -> tuple[Tensor, dict[str, float]]:
         """This micro-batch's share of the step's router loss, and its metrics (per-layer means, unweighted by the
@@ -144,12 +150,19 @@ class RouterLosses:
         if len(layers) != len(self.routers.modules):
             raise RuntimeError(f"router losses: {len(layers)} router outputs recorded in a forward of a model with "
                                f"{len(self.routers.modules)} routers")
-        aux = torch.stack([load_balancing_loss(layer.logits, layer.chosen) for layer in layers])
-        z = torch.stack([z_loss(layer.logits) for layer in layers])
+        aux = torch.stack([load_balancing_loss(layer.logits, layer.chosen, row_group=self._row_group)
+                           for layer in layers])
+        z = torch.stack([z_loss(layer.logits, row_group=self._row_group) for layer in layers])
         total = self.settings.aux_loss_coeff * aux.sum() + self.settings.z_loss_coeff * z.sum()
         share = 1.0 / (micro_batches * self._world_size)
-        metrics = {"moe/load_balancing_loss": float(aux.detach().mean()) * share,
-                   "moe/z_loss": float(z.detach().mean()) * share}
+        means = torch.stack([aux.detach().mean(), z.detach().mean()])
+        if self._row_group is not None:  # each rank's terms are its tokens' parts of the row's losses
+            row = torch.cat([means, total.detach().reshape(1)])
+            torch.distributed.all_reduce(row, group=self._row_group)
+            means = row[:2]
+            # the row's loss in value, as every rank reports its micro-batch's; this rank's part in gradient
+            total = total + (row[2] - total).detach()
+        metrics = {"moe/load_balancing_loss": float(means[0]) * share, "moe/z_loss": float(means[1]) * share}
         return total * share, metrics
 
 
@@ -196,15 +209,29 @@ def sample_routes(layers: list[RoutedLayer], samples: Sequence[TrainSample], inp
     return [routes[:-1].to(torch.int16) for routes in per_sample]
 
 
-def load_balancing_loss(logits: Tensor, chosen: Tensor) -> Tensor:
-    """megatron's switch load-balancing loss of one layer, coefficient 1: E / (k T^2) sum_e P_e f_e."""
+def load_balancing_loss(logits: Tensor, chosen: Tensor, *, row_group: Any = None) -> Tensor:
+    """megatron's switch load-balancing loss of one layer, coefficient 1: E / (k T^2) sum_e P_e f_e.
+
+    With `row_group` (a row split across ranks), `logits` are this rank's tokens: T and the routed counts f_e are
+    the whole row's (summed over the group, no gradient), and the result is this rank's part of the sum over P_e,
+    so the group's parts add up to the row's loss and each one's gradient is the row loss's in its tokens."""
     tokens, experts = logits.shape
     probs = torch.softmax(logits.float(), dim=-1)
-    routed = torch.zeros(experts, dtype=torch.float32, device=logits.device)
+    routed = torch.zeros(experts + 1, dtype=torch.float32, device=logits.device)
     routed.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=logits.device))
-    return (probs.sum(0) * routed).sum() * (experts / (chosen.shape[-1] * tokens * tokens))
+    routed[experts] = tokens
+    if row_group is not None:
+        torch.distributed.all_reduce(routed, group=row_group)
+    tokens = float(routed[experts])
+    return (probs.sum(0) * routed[:experts]).sum() * (experts / (chosen.shape[-1] * tokens * tokens))
 
 
-def z_loss(logits: Tensor) -> Tensor:
-    """ST-MoE's router z-loss of one layer, coefficient 1: the mean of logsumexp(logits)^2 over tokens."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def z_loss(logits: Tensor, *, row_group: Any = None) -> Tensor:
+    """ST-MoE's router z-loss of one layer, coefficient 1: the mean of logsumexp(logits)^2 over tokens (with
+    `row_group`, over the whole row's: this rank's part of the mean)."""
+    squares = torch.logsumexp(logits.float(), dim=-1).square()
+    if row_group is None:
+        return squares.mean()
+    tokens = torch.tensor([float(squares.numel())], device=logits.device)
+    torch.distributed.all_reduce(tokens, group=row_group)
+    return squares.sum() / tokens[0]

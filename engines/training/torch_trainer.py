@@ -133,7 +133,8 @@ class TorchTrainer(Trainer):
                          else None)
         self._checkpoint_layout: layouts.CheckpointLayout | None = None  # `named_tensors("checkpoint")`
         self._record_routes = config.use_routing_replay
-        self._router_losses = (RouterLosses(self._routers, router_settings, world_size=_world_size())
+        self._router_losses = (RouterLosses(self._routers, router_settings, world_size=self._parallel.size,
+                                            row_group=None if self._context is None else self._context.group)
                                if self._routers is not None and router_settings.active else None)
         self._critic = None
         if config.critic is not None:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from transformers import AutoConfig
 
 from engines.training import PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
 from engines.training.attention import packed_segments
@@ -31,12 +30,27 @@ from tests.support.training import step_loss
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 TEMPERATURE = 0.9
-# (name, model family, LoRA, activation checkpointing): what each parity world trains, one trainer after another
-# in the same processes; the recomputed forward of a checkpointed layer gathers its keys again. The dense full
-# fine-tuning trainers carry PPO's critic too, which splits its rows as the policy does.
-CASES = {2: [("dense", "qwen2", False, False), ("dense-lora", "qwen2", True, False),
-             ("moe", "qwen3_moe", False, False), ("moe-lora", "qwen3_moe", True, False)],
-         4: [("dense-recompute", "qwen2", False, True)]}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A trainer each parity world builds, one after another in the same processes. Those of a dense model trained
+    whole carry PPO's critic too, which splits its rows as the policy does."""
+
+    name: str
+    family: str  # the tiny model's
+    lora: bool = False
+    recompute: bool = False  # activation checkpointing: the recomputed forward gathers its keys again
+    router_losses: bool = False  # megatron's aux and z losses of the routers, over the whole row
+
+    @property
+    def critic(self) -> bool:
+        return self.family == "qwen2" and not self.lora
+
+
+CASES = {2: [Case("dense", "qwen2"), Case("dense-lora", "qwen2", lora=True),
+             Case("moe-router-losses", "qwen3_moe", router_losses=True), Case("moe-lora", "qwen3_moe", lora=True)],
+         4: [Case("dense-recompute", "qwen2", recompute=True)]}
 
 
 @dataclass(frozen=True)
@@ -81,13 +95,14 @@ def data_parallel_shard(batch: list[TrainSample], rank: int, size: int) -> list[
     return batch if size == 1 else [batch[i] for i in ((0, 4, 5), (1, 2, 3, 6))[rank]]
 
 
-def trainer_config(model_path: Path, lora: bool, recompute: bool, context: int) -> TorchTrainerConfig:
-    """A dense model trained whole carries PPO's critic too."""
-    dense = AutoConfig.from_pretrained(model_path).model_type == "qwen2"
-    critic = CriticSettings(model_path=model_path, lr=1e-2) if dense and not lora else None
-    return TorchTrainerConfig(model_path=model_path, lr=1e-2, eps=1.0, grad_clip=None, micro_batch_tokens=160,
-                              check_packing=False, lora=LoraSettings(rank=4, alpha=8.0) if lora else None,
-                              gradient_checkpointing=recompute, critic=critic, context_parallel_size=context)
+def trainer_config(case: Case, models: dict[str, str], context: int) -> TorchTrainerConfig:
+    path = Path(models[case.family])
+    return TorchTrainerConfig(model_path=path, lr=1e-2, eps=1.0, grad_clip=None, micro_batch_tokens=160,
+                              check_packing=False, lora=LoraSettings(rank=4, alpha=8.0) if case.lora else None,
+                              gradient_checkpointing=case.recompute, context_parallel_size=context,
+                              critic=CriticSettings(model_path=path, lr=1e-2) if case.critic else None,
+                              moe_aux_loss_coeff=0.1 if case.router_losses else 0.0,
+                              moe_z_loss_coeff=0.01 if case.router_losses else 0.0)
 
 
 def critic_step(trainer: TorchTrainer, shard: list[TrainSample]) -> tuple[dict[str, Tensor], dict]:
@@ -100,8 +115,9 @@ def critic_step(trainer: TorchTrainer, shard: list[TrainSample]) -> tuple[dict[s
 
 def _parity_worker(rank: int, rendezvous: str, world: int, models: dict[str, str], out_dir: Path) -> None:
     with cpu_gloo_rank(rank, rendezvous, world):
-        for name, family, lora, recompute in CASES[world]:
-            trainer = TorchTrainer(trainer_config(Path(models[family]), lora, recompute, context=2))
+        for case in CASES[world]:
+            name = case.name
+            trainer = TorchTrainer(trainer_config(case, models, context=2))
             parallel = trainer.data_parallel()
             assert (parallel.size, parallel.rank) == (world // 2, rank // 2)
             shard = data_parallel_shard(long_rows_batch(), parallel.rank, parallel.size)
@@ -136,8 +152,9 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
         world: int, models: dict[str, str], tmp_path: Path) -> None:
     mp.spawn(_parity_worker, args=(rendezvous_file(), world, models, tmp_path), nprocs=world, join=True)
     batch = long_rows_batch()
-    for name, family, lora, recompute in CASES[world]:
-        single = TorchTrainer(trainer_config(Path(models[family]), lora, recompute, context=1))
+    for case in CASES[world]:
+        name = case.name
+        single = TorchTrainer(trainer_config(case, models, context=1))
         for rank in range(world):
             shard = data_parallel_shard(batch, rank // 2, world // 2)
             expected = single.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
@@ -165,6 +182,8 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
         assert parallel["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-4)
         assert parallel["metrics"]["loss"] == pytest.approx(result.metrics["loss"], rel=1e-5)
         assert parallel["metrics"]["token_term"] == pytest.approx(result.metrics["token_term"], rel=1e-5)
+        for metric in ("moe/load_balancing_loss", "moe/z_loss") if case.router_losses else ():
+            assert parallel["metrics"][metric] == pytest.approx(result.metrics[metric], rel=1e-5), metric
         weights = load_file(str(tmp_path / f"{name}-weights.st"))
         for key, tensor in single.named_tensors():
             torch.testing.assert_close(weights[key], tensor, atol=1e-6, rtol=1e-5, msg=f"{name}: {key}")
@@ -219,5 +238,5 @@ def test_each_rank_computes_the_response_tokens_its_rows_predict_and_attends_to_
 def test_what_a_split_row_cannot_run_with_is_refused_naming_it(tiny_model_path: Path) -> None:
     with pytest.raises(ValueError, match=r"context_parallel_size 2: not available with attn_implementation"):
         TorchTrainerConfig(model_path=tiny_model_path, context_parallel_size=2, attn_implementation="sdpa")
-    with pytest.raises(ValueError, match=r"router losses"):
-        TorchTrainerConfig(model_path=tiny_model_path, context_parallel_size=2, moe_aux_loss_coeff=0.01)
+    with pytest.raises(ValueError, match=r"use_routing_replay \(recording routes"):
+        TorchTrainerConfig(model_path=tiny_model_path, context_parallel_size=2, use_routing_replay=True)
