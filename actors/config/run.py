@@ -242,15 +242,17 @@ class RunConfig(BaseModel):
 
 def _custom_config_problems(custom: dict[str, Any]) -> list[str]:
     """slime lets its --custom-config-path YAML overwrite any of its args; here the run's settings are ours, so a
-    key that names one of them (or a slime flag, which means one or is explained away) would be a setting silently
-    not taken: refused, by name."""
+    key that names one of them (or a slime flag, which means one or is explained away, or an SGLang server
+    setting) would be a setting silently not taken: refused, by name."""
     settings = {*OWNER, *RunConfig.model_fields, *PolicyLossConfig.model_fields,
                 *(flag[2:].replace("-", "_") for flag in SLIME_FLAGS)}
-    taken = sorted(key for key in custom if key in settings)
+    # sglang_*: the SGLang server's settings (--sglang-NAME), and the attributes that point a plugin at its engine
+    taken = sorted(key for key in custom if key in settings or key.startswith("sglang_"))
     if not taken:
         return []
-    return [f"custom_config (--custom-config-path): {', '.join(taken)} name run settings or slime flags; give them "
-            "as flags (or --config keys), and keep the custom config for the plugins' own settings"]
+    return [f"custom_config (--custom-config-path): {', '.join(taken)} name run settings, slime flags or SGLang "
+            "server settings; give them as flags (or --config keys, --sglang-NAME), and keep the custom config for "
+            "the plugins' own settings"]
 
 
 def _world_address_problems(address: str) -> list[str]:

@@ -374,5 +374,6 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--ci-load-grad-norm": _explained(CI, "value"),
     # --- plugin configuration ---
     "--custom-config-path": _alias("-> custom_config: the YAML's keys appear on the args every slime-style "
-                                   "plugin receives; a key that names a run setting or a slime flag is refused"),
+                                   "plugin receives; a key that names a run setting, a slime flag or an SGLang "
+                                   "setting is refused"),
 }

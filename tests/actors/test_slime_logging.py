@@ -240,7 +240,8 @@ def test_custom_config_keys_are_attributes_of_the_plugins_args(tmp_path: Path) -
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("text", "message"), [
-    ("lr: 1.0\nmy_key: 2\nuse_tis: true\n", "lr, use_tis name run settings or slime flags"),
+    ("lr: 1.0\nmy_key: 2\nuse_tis: true\nsglang_dp_size: 2\n", "lr, sglang_dp_size, use_tis name run settings, "
+     "slime flags or SGLang server settings"),
     ("- a\n- b\n", "expected a mapping of names to values, got list"),
     ("a: [unclosed\n", "cannot read it"),
 ])
