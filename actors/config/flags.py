@@ -28,7 +28,7 @@ from actors.config.slime_table import SLIME_FLAGS
 from policies.config import PolicyLossConfig
 from policies.registry import BuiltinNames
 
-RUN_WIDE = ("seed", "torch_threads", "policies")
+RUN_WIDE = ("seed", "torch_threads", "policies", "custom_config")
 
 
 def _flag(name: str) -> str:

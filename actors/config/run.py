@@ -36,6 +36,7 @@ from actors.config.sections import (
     WeightsConfig,
     resolve_label_key,
 )
+from actors.config.slime_table import SLIME_FLAGS
 from actors.config.teachers import DistillationConfig, run_teachers
 from policies.config import PolicyLossConfig
 from policies.pi_old import pi_old_source
@@ -82,6 +83,10 @@ class RunConfig(BaseModel):
         default_factory=dict, description="several policies co-trained in one run: name -> the flat settings it "
         "sets for itself (prompt_data, lr, max_staleness, ...); each is a LoRA adapter on the shared engines "
         "(actors.config.policies). Empty: one unnamed policy")
+    custom_config: dict[str, Any] = Field(
+        default_factory=dict, description="settings of the run's own slime-style plugins, which read them as "
+        "args.<key> (slime's --custom-config-path YAML); a key that names one of our settings or slime's flags is "
+        "refused")
 
     @model_validator(mode="before")
     @classmethod
@@ -171,6 +176,7 @@ class RunConfig(BaseModel):
         if self.eval.eval_prompt_data and not self.eval.eval_interval:
             problems.append("eval_prompt_data needs eval_interval")
         problems += self._length_problems()
+        problems += _custom_config_problems(self.custom_config)
         lag = self.weights.update_weights_interval - 1
         if self.buffer.max_staleness < lag:  # engines would wait, or generate only what the buffer must evict
             problems.append(f"max_staleness {self.buffer.max_staleness} must be at least update_weights_interval - 1 "
@@ -232,6 +238,21 @@ class RunConfig(BaseModel):
     def with_settings(self, **flat: Any) -> RunConfig:
         """A validated copy with some flat settings changed (`model_copy` would skip validation and routing)."""
         return RunConfig(**{**self.model_dump(), **flat})
+
+
+def _custom_config_problems(custom: dict[str, Any]) -> list[str]:
+    """slime lets its --custom-config-path YAML overwrite any of its args; here the run's settings are ours, so a
+    key that names one of them (or a slime flag, which means one or is explained away, or an SGLang server
+    setting) would be a setting silently not taken: refused, by name."""
+    settings = {*OWNER, *RunConfig.model_fields, *PolicyLossConfig.model_fields,
+                *(flag[2:].replace("-", "_") for flag in SLIME_FLAGS)}
+    # sglang_*: the SGLang server's settings (--sglang-NAME), and the attributes that point a plugin at its engine
+    taken = sorted(key for key in custom if key in settings or key.startswith("sglang_"))
+    if not taken:
+        return []
+    return [f"custom_config (--custom-config-path): {', '.join(taken)} name run settings, slime flags or SGLang "
+            "server settings; give them as flags (or --config keys, --sglang-NAME), and keep the custom config for "
+            "the plugins' own settings"]
 
 
 def _world_address_problems(address: str) -> list[str]:

@@ -310,6 +310,9 @@ class LearnerConfig(Section):
                                               "older one is deleted once a newer one is on disk and `latest` "
                                               "names it (default: keep every checkpoint)")
     load: str | None = Field(None, description="resume from this checkpoint directory")
+    save_hf: str | None = Field(None, description="also export the model as a Hugging Face folder at every "
+                                "checkpoint, to this path; slime's {rollout_id} in it is the 0-based id of the "
+                                "batch just trained (default: only the final model, RUN_DIR/final_model)")
     skip_zero_advantage_samples: bool = Field(True, description="leave out of the forward and backward the "
                                               "samples whose advantages are all zero (a GRPO group that scored "
                                               "alike) when the loss gives them no gradient (no KL loss, no "
@@ -332,6 +335,18 @@ class LearnerConfig(Section):
                                                                   "train-data dict: the learner trains on the "
                                                                   "tokens, masks and rewards it returns",
                                                                   json_schema_extra=plugin_for("learner"))
+
+
+    @field_validator("save_hf")
+    @classmethod
+    def _rollout_id_only(cls, value: str | None) -> str | None:
+        """slime formats the path with `rollout_id` alone; any other placeholder would fail at the first export."""
+        if value is not None:
+            try:
+                value.format(rollout_id=0)
+            except (KeyError, IndexError, ValueError) as error:
+                raise ValueError(f"{value!r}: the only placeholder is {{rollout_id}} ({error!r})") from None
+        return value
 
 
 class TrainerConfig(Section):
@@ -584,3 +599,22 @@ class LoggingConfig(Section):
     wandb_group: str | None = Field(None, description="W&B group, e.g. to gather the seeds of one experiment")
     wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write RUN_DIR/wandb only, "
                                                                             "`wandb sync` it later")
+    wandb_run_id: str | None = Field(None, description="log into the W&B run of this id, resuming it where it "
+                                     "exists (default: a new run, and the same one again when this run directory "
+                                     "is resumed)")
+    log_multi_turn: bool = Field(False, description="add slime's multi-turn metrics to each batch's: response "
+                                 "lengths with and without environment tokens, and model turns per sample")
+    log_reward_category: str | None = Field(None, description="KEY of a dict reward (or of sample metadata): log "
+                                            "the share of each batch's samples per value of it "
+                                            "(rollout/error_cat/VALUE)")
+    log_correct_samples: bool = Field(False, description="add slime's metrics of the correct samples (reward 1) of "
+                                      "each batch: how their response lengths spread over the quarters of "
+                                      "--rollout-max-response-len, and their entropy estimate")
+    custom_rollout_log_function_path: str | None = Field(
+        None, description="slime's rollout log hook (rollout_id, args, samples, rollout_extra_metrics, "
+        "rollout_time) -> bool, called by the learner on each batch; True leaves the batch's default rollout "
+        "metrics out of train.jsonl", json_schema_extra=plugin_for("learner"))
+    custom_eval_rollout_log_function_path: str | None = Field(
+        None, description="slime's eval log hook (rollout_id, args, data, extra_metrics) -> bool, called by the "
+        "evaluator on each eval round; True leaves the round's default metrics out of eval.jsonl",
+        json_schema_extra=plugin_for("evaluator"))

@@ -213,6 +213,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "apply_chat_template_kwargs", value, flag)  # the JSON string; the data section parses it
     elif flag == "--megatron-config-path":
         _role_overrides(value, args)
+    elif flag == "--custom-config-path":
+        _set(args, "custom_config", _custom_config(value), flag)
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":
@@ -297,6 +299,23 @@ def _role_overrides(path: str, args: argparse.Namespace) -> None:
             setting = ROLE_OVERRIDES[role][key]
             _set(args, setting, float(value) if setting.endswith("lr") else str(value),
                  f"--megatron-config-path ({role} {key})")
+
+
+def _custom_config(path: str) -> dict[str, Any]:
+    """slime's `--custom-config-path` YAML: a mapping of settings for the run's plugins (RunConfig refuses a key
+    that names one of ours)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--custom-config-path {path}: cannot read it ({error})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict) or not all(isinstance(key, str) for key in loaded):
+        raise ValueError(f"--custom-config-path {path}: expected a mapping of names to values, got "
+                         f"{type(loaded).__name__}")
+    return loaded
 
 
 def _set(args: argparse.Namespace, name: str, value: Any, flag: str) -> None:

@@ -141,10 +141,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--rollout-function-path": _same(),
     "--custom-generate-function-path": _same(),
     "--rollout-sample-hook-path": _owned("plugins (slime rollout sample hooks)", "append"),
-    "--custom-rollout-log-function-path": _refused("custom rollout logging hooks are not available; metrics go to "
-                                                   "RUN_DIR/metrics, TensorBoard and W&B", "value"),
-    "--custom-eval-rollout-log-function-path": _refused("custom eval logging hooks are not available; eval metrics "
-                                                        "go to RUN_DIR/metrics/eval.jsonl", "value"),
+    "--custom-rollout-log-function-path": _same("value", "called by the learner on each batch, with the batch's "
+                                                "samples as slime's; True leaves out the default rollout metrics"),
+    "--custom-eval-rollout-log-function-path": _same("value", "called by the evaluator on each eval round (one "
+                                                     "dataset); True leaves out the round's default metrics"),
     "--buffer-filter-path": _same(),
     "--dynamic-sampling-filter-path": _same(),
     "--rollout-data-postprocess-path": _refused("rollout data post-process hooks are not available", "value"),
@@ -251,8 +251,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                 int),
     "--async-save": _owned("megatron", "switch"),
     "--no-save-optim": _refused("checkpoints always hold the optimizer state, so that every one is resumable"),
-    "--save-hf": _refused("periodic HF exports are not available; the final model is exported to "
-                          "RUN_DIR/final_model", "value"),
+    "--save-hf": _same("value", "an HF export at every checkpoint (--save-interval, the last batch), slime's "
+                                "{rollout_id} the batch's 0-based id; both backends"),
     "--seed": _same(),
     # --- algorithm ---
     "--lr": _same(),
@@ -317,11 +317,12 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--wandb-project": _same(),
     "--disable-wandb-random-suffix": _explained("W&B runs are named after the run directory, without a suffix"),
     "--wandb-always-use-train-step": _explained("every metric is logged against the learner step"),
-    "--wandb-run-id": _refused("resuming a W&B run by id is not available", "value"),
-    "--log-multi-turn": _refused("multi-turn rollout metrics are not available"),
+    "--wandb-run-id": _same("value", "the W&B run the controller's mirror logs into, resumed where it exists"),
+    "--log-multi-turn": _same("switch"),
     "--log-passrate": _explained("eval rounds always log pass@k (with --n-samples-per-eval-prompt > 1)"),
-    "--log-reward-category": _refused("per-category reward metrics are not available", "value"),
-    "--log-correct-samples": _refused("logging correct samples separately is not available"),
+    "--log-reward-category": _same("value", "the key is read from a dict reward's extra fields (or the sample's "
+                                            "metadata)"),
+    "--log-correct-samples": _same("switch"),
     "--use-tensorboard": _same("switch"),
     "--tb-project-name": _explained("TensorBoard events go to RUN_DIR/tensorboard", "value"),
     "--tb-experiment-name": _explained("TensorBoard events go to RUN_DIR/tensorboard", "value"),
@@ -372,6 +373,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--ci-save-grad-norm": _explained(CI, "value"),
     "--ci-load-grad-norm": _explained(CI, "value"),
     # --- plugin configuration ---
-    "--custom-config-path": _refused("slime merges this YAML into its args namespace for plugins; there is no "
-                                     "such namespace here (plugins read their own settings)", "value"),
+    "--custom-config-path": _alias("-> custom_config: the YAML's keys appear on the args every slime-style "
+                                   "plugin receives; a key that names a run setting, a slime flag or an SGLang "
+                                   "setting is refused"),
 }

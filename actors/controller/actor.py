@@ -108,7 +108,7 @@ class Controller(Actor):
         try:
             return await asyncio.to_thread(
                 WandbMirror, self.context.run_dir, project=logging.wandb_project, group=logging.wandb_group,
-                mode=logging.wandb_mode, config=self.settings.run.model_dump(mode="json"),
+                mode=logging.wandb_mode, config=self.settings.run.model_dump(mode="json"), run_id=logging.wandb_run_id,
             )
         except Exception as error:  # W&B is a view of the run, never a reason to stop it
             self.log.warning("W&B disabled: could not start the run", error=repr(error))

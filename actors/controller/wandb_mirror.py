@@ -8,7 +8,8 @@ reachable, and a W&B outage costs W&B only: the JSONL files stay complete.
 Keys are namespaced by file (`train/loss`, `eval/heldout/accuracy`, `buffer/...`), and each file gets its own
 x-axis `<file>/step` (the learner version for train and eval) via `define_metric`, so curves from files written
 at different rates line up. The W&B run id and each file's byte offset are kept in `RUN_DIR/wandb/`, so a
-restarted controller resumes the same W&B run without sending a record twice.
+restarted controller resumes the same W&B run without sending a record twice. `--wandb-run-id` names the W&B run
+instead (slime's flag): a run resumed from another run directory's checkpoint goes on in its predecessor's W&B run.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ STATE_FILE = "mirror_state.json"
 
 
 class WandbMirror:
-    def __init__(self, run_dir: Path, *, project: str, group: str | None, mode: str, config: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, *, project: str, group: str | None, mode: str, config: dict[str, Any],
+                 run_id: str | None = None) -> None:
+        """`run_id` (slime's --wandb-run-id): the W&B run to log into, resumed where it exists; without it, the run
+        this directory logged into before, or a new one."""
         import wandb
 
         self.metrics_dir = run_dir / "metrics"
@@ -34,13 +38,15 @@ class WandbMirror:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.log = structlog.get_logger("wandb_mirror")
         state = self._read_state()
-        self.offsets: dict[str, int] = state.get("offsets", {})
+        chosen = run_id or state.get("run_id") or uuid.uuid4().hex[:12]
+        # Offsets say what a W&B run already holds: another run than the one they were kept for holds nothing yet.
+        self.offsets: dict[str, int] = state.get("offsets", {}) if state.get("run_id") == chosen else {}
         self.axes: set[str] = set()
         self.run = wandb.init(
             project=project,
             group=group,
             name=run_dir.name,
-            id=state.get("run_id") or uuid.uuid4().hex[:12],
+            id=chosen,
             resume="allow",
             mode=mode,
             dir=str(self.state_dir),

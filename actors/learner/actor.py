@@ -13,6 +13,7 @@ import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 import msgspec
@@ -21,6 +22,7 @@ from actors.config import RunConfig
 from actors.learner.modes import BatchRefused, Progress, Training, pick_source, pick_training
 from actors.learner.publish import ATTEMPTS, WeightPublisher, live_engines, publisher_for, sent_layout
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks, bind_device
+from actors.learner.rollout_log import RolloutLog
 from actors.learner.step import CRITIC_ONLY_REASON, ROUTELESS_SAMPLES, PreparedBatch, StepReport, TrainingStep
 from actors.learner.trainer_factory import build_trainer
 from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
@@ -60,6 +62,7 @@ class Learner(Actor):
         self.training: Training | None = None
         self.weights: WeightPublisher | None = None
         self.metrics_writer: MetricsWriter | None = None
+        self.rollout_log: RolloutLog | None = None
         self.audit: TextIO | None = None
         self.push_in_flight: asyncio.Task[None] | None = None
         self.upcoming: asyncio.Task[tuple[Batch | None, PreparedBatch | None]] | None = None  # the next batch
@@ -90,6 +93,7 @@ class Learner(Actor):
             self.log.warning(blind)
         await self._restore()
         self.metrics_writer = self.open_metrics("train", tensorboard=config.logging.use_tensorboard)
+        self.rollout_log = RolloutLog(config, self.log, self.counters)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
         self.weights = publisher_for(
             config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
@@ -109,7 +113,8 @@ class Learner(Actor):
             self.cadence.expect_pins()
         self.pin_released = asyncio.Event()  # a push held for a pin may go now, even while a batch is awaited
         self.busy_seconds = 0.0
-        self.started_at = time.monotonic()
+        self.started_at = self.batch_arrived_at = time.monotonic()
+        self.batch_period = 0.0  # seconds between the last batch's arrival and the one before (or the start)
 
     async def run(self) -> None:
         """pull → train → act on the weight cadence → checkpoint, until num_rollout batches are trained.
@@ -175,6 +180,8 @@ class Learner(Actor):
         if batch is None:
             return None, None
         self.waits.end("batch")
+        arrived = time.monotonic()
+        self.batch_period, self.batch_arrived_at = arrived - self.batch_arrived_at, arrived
         if batch.batch_id < self.config.learner.num_rollout:  # asked as of now: version before this step
             ahead = Progress(learner_version=self.version, trained_batch=batch.batch_id,
                              checkpointed_batch=self.checkpointed_batch)
@@ -224,6 +231,7 @@ class Learner(Actor):
     async def maybe_checkpoint(self) -> None:
         if self.config.learner.save_interval and self.trained_batch % self.config.learner.save_interval == 0:
             await self.save_checkpoint()
+            await self.export_hf_copy()
 
     # --------------------------------------------------------------------------------------------- steps
     def progress(self) -> Progress:
@@ -348,6 +356,18 @@ class Learner(Actor):
             if deleted:
                 self.log.info("old checkpoints deleted", paths=[path.name for path in deleted], keep=keep)
 
+    async def export_hf_copy(self) -> None:
+        """slime's --save-hf: the checkpoint just saved, also as a Hugging Face folder (slime's `{rollout_id}`, the
+        batch's 0-based id, names one per checkpoint). Not on a stop's checkpoint: the launcher's grace before
+        SIGKILL is for the checkpoint that makes the run resumable."""
+        template = self.config.learner.save_hf
+        if template is None:
+            return
+        target = Path(template.format(rollout_id=self.trained_batch - 1))
+        with self.waits.on("disk", f"HF export {target}"):
+            await asyncio.to_thread(self.trainer.export_hf, target)
+        self.log.info("HF export saved", path=str(target), batch=self.trained_batch)
+
     async def finish(self) -> None:
         """Make the result durable, export it, and end the run for everyone (for our policy, in a run of several:
         this learner exits, the other policies' go on)."""
@@ -355,6 +375,7 @@ class Learner(Actor):
         if self.training.keeps_model:
             if self.checkpointed_batch < self.trained_batch:  # the last step's --save-interval may have written it
                 await self.save_checkpoint()
+                await self.export_hf_copy()
             await asyncio.to_thread(self.trainer.export_hf, self.context.run_dir / "final_model")
             if self.weights.committed_version != self.version:
                 await self.push_final_weights()  # the final eval round must see the final weights
@@ -394,8 +415,9 @@ class Learner(Actor):
                                    "rollout/samples_left_out": float(batch.left_out_samples),
                                    "learner/busy_fraction": self.busy_seconds / max(elapsed, 1e-9),
                                    "weights/committed_version": self.weights.committed_version}
+        metrics.update(self.rollout_log(batch, report.rollout if report is not None else {}, self.batch_period))
         if report is not None:
-            metrics.update(report.metrics)
+            metrics.update({key: value for key, value in report.metrics.items() if key not in report.rollout})
             metrics["train/grad_norm"] = report.result.grad_norm
             metrics["train/skipped"] = float(report.result.skipped)
             if report.result.skipped and CRITIC_ONLY_REASON in (report.result.skip_reason or ""):

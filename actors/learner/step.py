@@ -18,7 +18,7 @@ mini-batch with its own denominators. The policy version advances once per batch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,8 +37,12 @@ from policies.step_loss import PiOldSource, pi_old_source, zero_advantage_is_zer
 
 @dataclass
 class StepReport:
+    """`metrics`: everything the step says about the batch; `rollout`: those of them that are about generation
+    (`TrainingStep.prepare`'s), which a slime rollout log hook may ask to leave out."""
+
     result: StepResult
     metrics: dict[str, float]
+    rollout: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -149,7 +153,8 @@ class TrainingStep:
         if self._refreshes_after(version):
             self.trainer.refresh_reference()
             result.metrics["ref/refreshed"] = 1.0
-        return StepReport(result=result, metrics={**result.metrics, **prepared.metrics, **advantage_metrics})
+        return StepReport(result=result, metrics={**result.metrics, **prepared.metrics, **advantage_metrics},
+                          rollout=prepared.metrics)
 
     def _refreshes_after(self, version: int) -> bool:
         """slime refreshes the reference after rollouts N, 2N, ... have trained; counted in versions here (batches

@@ -4,7 +4,9 @@ Every setting of every section appears under its flag name (ours are slime's nam
 the attributes slime's plugins read that have no section here: ``sglang_router_ip``/``sglang_router_port`` point at
 this rollout worker's own engine server (a plugin's ``POST http://{ip}:{port}/generate`` reaches the engine that
 leased the group), and switches slime's generate path consults (``partial_rollout``, ``ci_test``, ...) take slime's
-defaults. Plugins should treat it as read-only: it is rebuilt per worker, and a write reaches no other actor.
+defaults. The keys of slime's ``--custom-config-path`` YAML (``RunConfig.custom_config``) are attributes too, as
+slime merges them into its args. Plugins should treat it as read-only: it is rebuilt per worker, and a write
+reaches no other actor.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def build_args(config: RunConfig, *, server_url: str | None = None) -> SimpleNam
             values.update(value.model_dump())
         else:
             values[name] = value
+    values.update(config.custom_config)  # slime's --custom-config-path: its keys are args attributes
     values.setdefault("rollout_max_prompt_len", None)
     values["rollout_stop"] = list(config.rollout.rollout_stop) or None
     values["rollout_top_k"] = config.rollout.rollout_top_k or -1  # slime spells "off" -1

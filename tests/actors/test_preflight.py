@@ -152,8 +152,10 @@ LOADED_BY = {
     **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path"), ("buffer",)),
     **dict.fromkeys(("custom_reward_post_process_path", "custom_advantage_function_path",
                      "custom_convert_samples_to_train_data_path", "train_backend", "custom_megatron_init_path",
-                     "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path"),
+                     "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path",
+                     "custom_rollout_log_function_path"),
                     ("learner",)),
+    "custom_eval_rollout_log_function_path": ("evaluator",),
     **dict.fromkeys(("rm_type", "custom_rm_path"), ("reward",)),
 }
 
@@ -168,7 +170,7 @@ def test_the_plugin_settings_are_read_from_the_marks_on_their_fields() -> None:
 def test_a_plugin_setting_is_imported_on_the_nodes_of_the_roles_that_load_it(setting: str) -> None:
     config = RunConfig(**{setting: "no_such_package.plugins:thing"}, hf_checkpoint=".", prompt_data=".")
     flag = f"--{setting.replace('_', '-')}"
-    for role in ("buffer", "learner", "rollout", "reward"):
+    for role in ("buffer", "learner", "rollout", "reward", "evaluator"):
         problems = [problem for problem in preflight(config, {role: 1}) if problem.startswith(flag)]
         expected = role in LOADED_BY[setting]
         assert bool(problems) == expected, f"{flag} on a {role} node: {problems}"

@@ -60,3 +60,26 @@ def test_metrics_reach_wandb_once_each_across_a_controller_restart(
     state = json.loads((run_dir / "wandb" / "mirror_state.json").read_text())
     assert state["run_id"] == run_id
     assert state["offsets"]["train"] == train.path.stat().st_size
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_wandb_run_id_names_the_run_and_that_run_gets_every_record(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """slime's --wandb-run-id: the mirror logs into the W&B run of that id (resumed where it exists), even where
+    this run directory mirrored into another run before; that run has none of the records yet, so it gets all."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    MetricsWriter(run_dir, "train").write(1, {"loss": 0.5})
+    first = open_mirror(run_dir)
+    assert first.pump() == 1
+    first.close()
+    assert first.run.id != "slime-run-7"
+
+    named = WandbMirror(run_dir, project="slipstream-test", group=None, mode="offline", config={},
+                        run_id="slime-run-7")
+    assert named.run.id == "slime-run-7"
+    assert named.pump() == 1  # the record the other run holds, sent into this one too
+    named.close()
+    assert json.loads((run_dir / "wandb" / "mirror_state.json").read_text())["run_id"] == "slime-run-7"
+    assert any(path.name == "run-slime-run-7.wandb" for path in (run_dir / "wandb").rglob("*.wandb"))

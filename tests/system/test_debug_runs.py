@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from bus.codec import decode
 from tools.make_arithmetic_data import make_arithmetic_data
@@ -61,9 +62,17 @@ def test_recorded_rollouts_replay_into_a_training_only_run(tiny_model_path: Path
     assert eval_versions == [0, 3], "the baseline and the final version are evaluated even off the interval"
 
     train_run = tmp_path / "train-only"
+    # slime's logging and export flags ride along: an HF export at each checkpoint, a rollout log hook reading its
+    # setting from the custom config, the multi-turn and correct-sample metrics, a named W&B run.
+    custom = tmp_path / "custom.yaml"
+    custom.write_text(f"hook_log: {tmp_path / 'hook.jsonl'}\n", encoding="utf-8")
+    slime_logging = ["--save-interval", "2", "--save-hf", str(tmp_path / "hf" / "iter_{rollout_id}"),
+                     "--custom-rollout-log-function-path", "tests.support.slime_log_hooks.log_rollout",
+                     "--custom-config-path", str(custom), "--log-multi-turn", "--log-correct-samples"]
+    named_wandb = ["--wandb-run-id", "slime-debug-7"] if WANDB_OFFLINE else []
     run(["--run-dir", str(train_run), "--hf-checkpoint", str(tiny_model_path), "--num-rollout", "3",
          "--debug-train-only", "--load-debug-rollout-data", str(recording), "--rollout-workers", "0",
-         "--reward-workers", "0", *SFT_ON_RECORDING, *WANDB_OFFLINE])
+         "--reward-workers", "0", *SFT_ON_RECORDING, *WANDB_OFFLINE, *named_wandb, *slime_logging])
 
     trained = {row["batch_id"]: row["sample_ids"] for row in jsonl(train_run / "metrics" / "trained_samples.jsonl")}
     assert trained == {batch_id: [s.sample_id for s in batch.samples] for batch_id, batch in recorded.items()}
@@ -74,6 +83,20 @@ def test_recorded_rollouts_replay_into_a_training_only_run(tiny_model_path: Path
     if WANDB_OFFLINE:  # the controller mirrored the learner's metrics into an offline W&B run
         mirrored = b"".join(path.read_bytes() for path in (train_run / "wandb").rglob("*.wandb"))
         assert b"train/loss" in mirrored and b"train/step" in mirrored
+        assert [path.name for path in (train_run / "wandb").rglob("*.wandb")] == ["run-slime-debug-7.wandb"]
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == ["iter_1", "iter_2"]  # batches 2 and 3
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "iter_2")
+    final = load_file(str(train_run / "final_model" / "model.safetensors"))
+    for name, tensor in exported.state_dict().items():
+        if name in final:
+            torch.testing.assert_close(tensor, final[name], msg=name)  # the last export is the final model
+    hooked = jsonl(tmp_path / "hook.jsonl")
+    assert [row["rollout_id"] for row in hooked] == [0, 1, 2]
+    assert all(row["samples"] == 4 and "rollout/reward_mean" in row["metrics"] for row in hooked)
+    rows = jsonl(train_run / "metrics" / "train.jsonl")
+    assert [row["rollout/hook_saw_samples"] for row in rows] == [4, 4, 4]  # what the hook added is logged too
+    assert all("multi_turn/wo_obs_response_length/response_length_mean" in row
+               and "rollout/correct_length/p100" in row for row in rows)
 
     # The same recording on a two-process learner: each rank trains half the groups, and the summed gradients
     # must give the single-process model.
