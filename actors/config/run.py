@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from actors.config.engine_settings import EngineConfig
 from actors.config.engines import engine_spec, kinds_that, train_backend_spec, train_backends_that
 from actors.config.megatron import MegatronConfig
 from actors.config.policies import override_problems
@@ -22,7 +23,6 @@ from actors.config.sections import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
-    EngineConfig,
     EvalConfig,
     LearnerConfig,
     LoggingConfig,

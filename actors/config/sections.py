@@ -9,14 +9,12 @@ concern one field live on the field; rules that tie sections together live on `R
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from actors.config.engines import engine_choices
 from actors.config.plugin_marks import plugin_for
-from actors.moved import MOVED_SERVER_MODULES
 from engines.frozen_params import check_name_lists, check_patterns
 from policies.failed_samples import FailedSamplePolicy
 from policies.registry import FILTERS, REWARDS, BuiltinNames
@@ -441,79 +439,6 @@ class LoraConfig(Section):
     @property
     def enabled(self) -> bool:
         return self.lora_rank > 0
-
-
-class EngineConfig(Section):
-    """The inference engine each rollout worker drives (SGLang's settings apply to --rollout-engine sglang)."""
-
-    rollout_engine: Annotated[BuiltinOrPlugin, BuiltinNames(lambda: engine_choices("rollout_engine"))] = Field(
-        "torch", description="the inference engine each rollout worker drives (a plugin: a factory (config, "
-        "actor_id) -> (InferenceEngine, tokenizer))", json_schema_extra=plugin_for("rollout"))
-    rollout_max_batch_size: int = Field(64, ge=1, description="sequences decoded together per engine")
-    rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs (tensor parallel ranks) per SGLang server")
-    sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "
-                                  "(one per rollout worker, in worker order) instead of launching them")
-    sglang_server_module: str = Field("sglang.launch_server", description="python -m module that starts a server")
-    sglang_startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for a launched server's health")
-    sglang_args: dict[str, str | list[str]] = Field(
-        default_factory=dict, description="extra SGLang server arguments; on the command line as --sglang-NAME "
-        "VALUE [VALUE ...], passed on as --NAME VALUE [VALUE ...]")
-    deterministic_inference: bool = Field(
-        False, description="batch-invariant engines: a sample's tokens and log-probs do not depend on what else its "
-        "engine decodes, so two synchronous runs with one --seed repeat bit for bit (torch engine: about 2-3x slower "
-        "decoding; sglang: starts the server with --enable-deterministic-inference, which "
-        "--sglang-enable-deterministic-inference also turns on)")
-
-    torch_kv_cache: Literal["auto", "dynamic", "static"] = Field(
-        "auto", description="the torch engine's KV cache: dynamic (caches sized to the running rows, the CPU's "
-        "choice), static (one pool allocated at start, each decode step replayed from a CUDA graph on a GPU: 8-14x "
-        "HF generate() on an H200, docs/gpu.md), auto (static on a GPU unless --deterministic-inference, else "
-        "dynamic)")
-    torch_kv_pool_columns: int | None = Field(
-        None, ge=2, description="static KV cache: the prompt + response tokens one row may hold (requests longer "
-        "are refused by name; default: --rollout-max-context-len, else the longest prompt the data allows plus "
-        "the longest response, at least 4096)")
-    torch_prefill_chunk_tokens: int = Field(
-        8192, ge=1, description="torch engine: the most input tokens (rows x columns) one prefill forward runs, which "
-        "bounds a prefill's activation memory; a longer prompt is prefilled chunk by chunk, one chunk per engine step "
-        "between the running rows' decode steps (a 16k-token SmolLM2 prompt on a CPU: docs/long-prompts.md)")
-    torch_prefix_cache: bool = Field(
-        True, description="torch engine: keep the keys and values every request computed and reuse them for any later "
-        "request that starts with the same tokens (the next turn of a conversation, a group's prompt arriving in "
-        "another batch, a shared system prompt); stamped with the weights that computed them and never reused "
-        "under others (docs/agents.md)")
-    torch_prefix_cache_mb: int = Field(
-        1024, ge=1, description="torch engine: the memory the prefix cache may take on the engine's device, in MiB "
-        "(least recently used runs are evicted beyond it)")
-
-    @field_validator("sglang_server_module")
-    @classmethod
-    def _server_module_where_it_lives(cls, module: str) -> str:
-        """The CPU stand-in server left `engines/` for `tools/standins/`; runs that name its old module still start."""
-        if module in MOVED_SERVER_MODULES:
-            warnings.warn(f"--sglang-server-module {module} moved to {MOVED_SERVER_MODULES[module]}; "
-                          "using that", FutureWarning, stacklevel=2)
-            return MOVED_SERVER_MODULES[module]
-        return module
-
-    @model_validator(mode="before")
-    @classmethod
-    def _deterministic_through_sglang_flag(cls, values: Any) -> Any:
-        """slime's spelling, `--sglang-enable-deterministic-inference`, asks for the same thing of any engine."""
-        passed = (values.get("sglang_args") or {}).get("enable-deterministic-inference") if isinstance(
-            values, dict) else None
-        if passed is not None and str(passed).lower() not in ("false", "0"):
-            return {**values, "deterministic_inference": True}
-        return values
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_prefix_cache_through_sglang_flag(cls, values: Any) -> Any:
-        """slime's `--sglang-disable-radix-cache` turns SGLang's prefix cache off; a torch engine's goes with it."""
-        passed = (values.get("sglang_args") or {}).get("disable-radix-cache") if isinstance(values, dict) else None
-        if passed is not None and str(passed).lower() not in ("false", "0"):
-            return {**values, "torch_prefix_cache": False}
-        return values
 
 
 class WeightsConfig(Section):

@@ -18,12 +18,12 @@ from collections import deque
 from pathlib import Path
 
 from actors.evaluator.rounds import EvalRounds, eval_due, next_due
+from actors.extensions.load import eval_log_hook
 from actors.runtime.base import Actor
 from actors.runtime.checkpoint_pointer import latest_checkpoint, resume_source
 from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles, on_broadcast
 from actors.runtime.metrics import MetricsWriter, read_metrics
-from actors.slime_compat.log_hooks import EvalLogHook
 from bus.schema import (
     TOPIC_VERSION,
     GuestGroups,
@@ -50,7 +50,7 @@ class Evaluator(Actor):
         self.writer = self.open_metrics("eval")
         self.queue: deque[PromptGroup] = deque()  # a started round's groups, until the buffer has them
         self.rounds = EvalRounds(self.config, self.queue, self.writer, self.log, owner=self.role,
-                                 log_hook=EvalLogHook.load(self.config, self.log, self.counters))
+                                 log_hook=eval_log_hook(self.config, self.log, self.counters))
         self.rounds.reported = written_rounds(self.context.run_dir / "metrics" / "eval.jsonl")
         self.evaluated = max((version for version, _ in self.rounds.reported), default=None)
         learner = self.config.learner

@@ -23,8 +23,8 @@ from actors.config import RunConfig
 from actors.data.prompt_tokens import prompt_length_counter
 from actors.data.prompts import PromptRecord, load_prompts
 from actors.evaluator.ids import eval_group_id, eval_round_of
+from actors.extensions.points import EvalLogHook
 from actors.runtime.metrics import MetricsWriter
-from actors.slime_compat.log_hooks import EvalLogHook
 from bus.episodes import by_episode, final_segment
 from bus.schema import PromptGroup, Sample, ScoredGroup
 from policies.rewards import REWARD_EXTRAS, extras_means

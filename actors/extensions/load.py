@@ -13,6 +13,7 @@ slime advantage adapter does.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,10 @@ from actors.extensions.points import (
     AdvantageFunction,
     BatchRewrite,
     BatchSelector,
+    EvalLogHook,
     GroupFilter,
     PolicyLossFunction,
+    RolloutLogHook,
     RolloutLoop,
 )
 from bus.schema import Sample, ScoredGroup
@@ -150,3 +153,18 @@ def rollout_loop(worker: RolloutHost) -> RolloutLoop | None:
     if not worker.config.rollout.rollout_function_path:
         return None
     return RolloutFunctionRunner.load(worker)
+
+
+def rollout_log_hook(config: RunConfig, log: Any, counters: Counter[str]) -> RolloutLogHook | None:
+    """slime's `--custom-rollout-log-function-path`, called as our hook (a raising one is reported and counted in
+    `counters`, and the default metrics are written); None without the flag."""
+    from actors.slime_compat.log_hooks import SlimeRolloutLogHook
+
+    return SlimeRolloutLogHook.load(config, log, counters)
+
+
+def eval_log_hook(config: RunConfig, log: Any, counters: Counter[str]) -> EvalLogHook | None:
+    """slime's `--custom-eval-rollout-log-function-path`, as `rollout_log_hook`."""
+    from actors.slime_compat.log_hooks import SlimeEvalLogHook
+
+    return SlimeEvalLogHook.load(config, log, counters)

@@ -5,9 +5,9 @@ Free of torch at run time: the buffer, whose process never imports it, takes its
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bus.schema import Sample, ScoredGroup
 
@@ -70,5 +70,20 @@ class RolloutLoop(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-__all__ = ["AdvantageFunction", "BatchRewrite", "BatchSelector", "GroupFilter", "PolicyLossFunction", "RolloutLoop",
-           "SelectionError"]
+class RolloutLogHook(Protocol):
+    """Called on each batch the learner trains with its samples and the rollout metrics about to be written (it may
+    add keys); True: leave those metrics out (the hook logged them its own way)."""
+
+    def __call__(self, batch_id: int, samples: Sequence[Sample], metrics: dict[str, Any],
+                 rollout_time: float) -> bool: ...
+
+
+class EvalLogHook(Protocol):
+    """Called on each finished eval round of `dataset` at `version` with its scored samples and the metrics about to
+    be written; True: leave the round's default metrics out."""
+
+    def __call__(self, version: int, dataset: str, samples: Sequence[Sample], metrics: dict[str, Any]) -> bool: ...
+
+
+__all__ = ["AdvantageFunction", "BatchRewrite", "BatchSelector", "EvalLogHook", "GroupFilter", "PolicyLossFunction",
+           "RolloutLogHook", "RolloutLoop", "SelectionError"]

@@ -8,8 +8,8 @@ from collections import Counter
 from typing import Any
 
 from actors.config import RunConfig
+from actors.extensions.load import rollout_log_hook
 from actors.learner.slime_metrics import slime_logging_metrics
-from actors.slime_compat.log_hooks import RolloutLogHook
 from bus.schema import Batch
 
 
@@ -17,7 +17,7 @@ class RolloutLog:
     def __init__(self, config: RunConfig, log: Any, counters: Counter[str]) -> None:
         self.logging = config.logging
         self.max_response_len = config.rollout.rollout_max_response_len
-        self.hook = RolloutLogHook.load(config, log, counters)
+        self.hook = rollout_log_hook(config, log, counters)
 
     def __call__(self, batch: Batch, rollout: dict[str, Any], rollout_time: float) -> dict[str, Any]:
         """The rollout metrics to write for `batch`; `rollout`: the step's (none for a batch not trained).

@@ -27,7 +27,7 @@ from actors.slime_compat.sample import from_wire
 from bus.schema import Sample as WireSample
 from policies.plugins import load_callable
 
-__all__ = ["EvalLogHook", "RolloutLogHook"]
+__all__ = ["SlimeEvalLogHook", "SlimeRolloutLogHook"]
 
 
 class _Hook:
@@ -60,7 +60,7 @@ class _Hook:
             return False
 
 
-class RolloutLogHook(_Hook):
+class SlimeRolloutLogHook(_Hook):
     setting = "custom_rollout_log_function_path"
 
     def __call__(self, batch_id: int, samples: Sequence[WireSample], metrics: dict[str, Any],
@@ -69,7 +69,7 @@ class RolloutLogHook(_Hook):
         return self._call(batch_id - 1, self.args, [from_wire(s) for s in samples], metrics, rollout_time)
 
 
-class EvalLogHook(_Hook):
+class SlimeEvalLogHook(_Hook):
     setting = "custom_eval_rollout_log_function_path"
 
     def __call__(self, version: int, dataset: str, samples: Sequence[WireSample], metrics: dict[str, Any]) -> bool:

@@ -18,10 +18,10 @@ from structlog.testing import capture_logs
 from actors.config import RunConfig, build_config
 from actors.config.settings_errors import SettingsError
 from actors.evaluator.rounds import EvalRounds
+from actors.extensions.load import eval_log_hook
 from actors.learner.rollout_log import RolloutLog
 from actors.slime_compat import Sample as SlimeSample
 from actors.slime_compat import build_args
-from actors.slime_compat.log_hooks import EvalLogHook
 from bus.schema import Batch, PromptGroup, Sample, ScoredGroup
 from policies.rewards import REWARD_EXTRAS
 from tests.actors.test_slime_flags import configure
@@ -189,7 +189,7 @@ def _eval_round(config: RunConfig) -> tuple[list[tuple[int, dict[str, Any]]], Co
     writer = Writer()
     queue: deque[PromptGroup] = deque()
     log = structlog.get_logger("test")
-    rounds = EvalRounds(config, queue, writer, log, log_hook=EvalLogHook.load(config, log, counters))  # type: ignore[arg-type]
+    rounds = EvalRounds(config, queue, writer, log, log_hook=eval_log_hook(config, log, counters))  # type: ignore[arg-type]
     rounds.start(4)
     for number, (group, rewards) in enumerate(zip(list(queue), [(1.0, 0.0), (0.0, 0.0)], strict=True)):
         samples = [sample(i, 2 + i, reward=r, status="truncated" if (number, i) == (1, 1) else "completed",
