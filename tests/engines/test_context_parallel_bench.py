@@ -26,8 +26,10 @@ def test_bench_context_parallel_quick_run_prints_its_table_and_the_same_loss_at_
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert not PROGRESS_BAR.search(completed.stderr), completed.stderr[-3000:]
     lines = completed.stdout.splitlines()
-    assert lines[0].startswith("model: quick") and lines[1].split()[:3] == ["tokens", "CP", "peak"]
-    assert [line.split()[:2] for line in lines[2:]] == [["256", "1"], ["256", "2"]]
+    assert lines[0].startswith("model: quick") and lines[1].startswith("activations: peak minus")
+    assert lines[2].split()[:4] == ["tokens", "CP", "peak", "MiB"]
+    assert [line.split()[:2] for line in lines[3:]] == [["256", "1"], ["256", "2"]]
     one, two = json.loads(figures_path.read_text())["rows"]
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    assert one["peak_mib"] > 0 and two["peak_mib"] > 0 and one["seconds"] > 0 and two["seconds"] > 0
+    for row in (one, two):
+        assert row["peak_mib"] > 0 and row["short_peak_mib"] >= 0 and row["seconds"] > 0
