@@ -125,6 +125,13 @@ class ContextRow(RowPlan):
         self._masks = {}
         self._calls = _calls(segments, own, device)
 
+    def join_rows(self, values: Tensor) -> Tensor:
+        """Per-row values of the rows this rank holds ([rows held, ...]) -> the whole row's, on every rank of the
+        group; no gradient (the experts each token was routed to, which `moe.sample_routes` reads per sample)."""
+        padding = (0, 0) * (values.dim() - 1) + (0, self.width - values.shape[0])
+        gathered = _all_gather(torch.nn.functional.pad(values, padding).contiguous(), self.context)
+        return gathered.reshape(-1, *values.shape[1:]).index_select(0, self.key_order)
+
     def keys_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Every rank's keys and values ([1, H_kv, rows held, D] each), as the whole row's, in row order."""
         heads = key.shape[1]

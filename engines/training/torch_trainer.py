@@ -184,7 +184,10 @@ class TorchTrainer(Trainer):
                     outputs = token_outputs(network, inputs, head_of=network, temperature=temperature,
                                             with_entropy=with_entropy)
                 if record:
-                    for index, routes in zip(members, sample_routes(layers, chunk, inputs), strict=True):
+                    if inputs.context_row is not None:  # each rank recorded its rows: the whole row's, per sample
+                        layers = [RoutedLayer(layer.logits, inputs.context_row.join_rows(layer.chosen))
+                                  for layer in layers]
+                    for index, routes in zip(members, sample_routes(layers, chunk, whole), strict=True):
                         recorded[index] = routes
                 lengths = inputs.response_lengths.tolist()
                 log_probs = outputs.log_probs.cpu().split(lengths)

@@ -42,6 +42,7 @@ class Case:
     lora: bool = False
     recompute: bool = False  # activation checkpointing: the recomputed forward gathers its keys again
     router_losses: bool = False  # megatron's aux and z losses of the routers, over the whole row
+    record_routes: bool = False  # pi_old's forward records each sample's routes (slime's --use-routing-replay)
 
     @property
     def critic(self) -> bool:
@@ -49,7 +50,8 @@ class Case:
 
 
 CASES = {2: [Case("dense", "qwen2"), Case("dense-lora", "qwen2", lora=True),
-             Case("moe-router-losses", "qwen3_moe", router_losses=True), Case("moe-lora", "qwen3_moe", lora=True)],
+             Case("moe-router-losses", "qwen3_moe", router_losses=True, record_routes=True),
+             Case("moe-lora", "qwen3_moe", lora=True)],
          4: [Case("dense-recompute", "qwen2", recompute=True)]}
 
 
@@ -102,7 +104,8 @@ def trainer_config(case: Case, models: dict[str, str], context: int) -> TorchTra
                               gradient_checkpointing=case.recompute, context_parallel_size=context,
                               critic=CriticSettings(model_path=path, lr=1e-2) if case.critic else None,
                               moe_aux_loss_coeff=0.1 if case.router_losses else 0.0,
-                              moe_z_loss_coeff=0.01 if case.router_losses else 0.0)
+                              moe_z_loss_coeff=0.01 if case.router_losses else 0.0,
+                              use_routing_replay=case.record_routes)
 
 
 def critic_step(trainer: TorchTrainer, shard: list[TrainSample]) -> tuple[dict[str, Tensor], dict]:
@@ -125,6 +128,8 @@ def _parity_worker(rank: int, rendezvous: str, world: int, models: dict[str, str
             result = trainer.train_step(shard, step_loss(long_rows_batch()), temperature=TEMPERATURE,
                                         with_entropy=True)
             tensors = {"log_probs": outputs.log_probs, "entropy": outputs.entropy}
+            if case.record_routes:
+                tensors["routes"] = torch.cat(outputs.routed_experts)
             critic: dict = {}
             if trainer.has_critic:
                 values, critic = critic_step(trainer, shard)
@@ -162,6 +167,8 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
             torch.testing.assert_close(split["log_probs"], expected.log_probs, atol=2e-5, rtol=1e-5,
                                        msg=f"{name} rank {rank}")
             torch.testing.assert_close(split["entropy"], expected.entropy, atol=2e-5, rtol=1e-5)
+            if case.record_routes:  # every token's experts, recorded where its row was and joined per sample
+                assert torch.equal(split["routes"], torch.cat(expected.routed_experts)), f"{name} rank {rank}"
         result = single.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
         parallel = json.loads((tmp_path / f"{name}-result.json").read_text())
         if single.has_critic:  # the critic's step on the whole batch, its values before and after it per shard
@@ -235,8 +242,7 @@ def test_each_rank_computes_the_response_tokens_its_rows_predict_and_attends_to_
 
 
 @pytest.mark.unit
-def test_what_a_split_row_cannot_run_with_is_refused_naming_it(tiny_model_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"context_parallel_size 2: not available with attn_implementation"):
+def test_a_split_row_needs_the_attention_that_gathers_its_keys(tiny_model_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"context_parallel_size 2: not available with attn_implementation 'sdpa'"):
         TorchTrainerConfig(model_path=tiny_model_path, context_parallel_size=2, attn_implementation="sdpa")
-    with pytest.raises(ValueError, match=r"use_routing_replay \(recording routes"):
-        TorchTrainerConfig(model_path=tiny_model_path, context_parallel_size=2, use_routing_replay=True)
+
