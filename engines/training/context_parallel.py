@@ -70,7 +70,15 @@ class ContextParallel:
 
 
 def zigzag_rows(segments: Sequence[Segment], size: int) -> list[list[int]]:
-    """Per rank of `size`, the row positions it holds, ascending: chunks r and 2*size-1-r of every segment."""
+    """Per rank of `size`, the row positions it holds, ascending: chunks r and 2*size-1-r of every segment.
+
+    Segments shorter than 2*size leave some chunks empty, and a row of a few short ones can leave a rank none of
+    it; such a rank takes a row from the rank holding most (a model cannot run on no tokens). A row of fewer tokens
+    than ranks cannot be split at all, and is refused naming both."""
+    length = max((segment.end for segment in segments), default=0)
+    if length < size:
+        raise ValueError(f"context parallelism: a packed row of {length} tokens cannot be split across {size} "
+                         "ranks (each needs a token); lower context_parallel_size or train longer rows")
     held: list[list[int]] = [[] for _ in range(size)]
     chunks = 2 * size
     for segment in segments:
@@ -79,6 +87,10 @@ def zigzag_rows(segments: Sequence[Segment], size: int) -> list[list[int]]:
         for rank in range(size):
             for chunk in (rank, chunks - 1 - rank):
                 held[rank].extend(range(bounds[chunk], bounds[chunk + 1]))
+    for rows in held:
+        if not rows:
+            donor = max(held, key=len)
+            rows.append(donor.pop())
     return [sorted(rows) for rows in held]
 
 

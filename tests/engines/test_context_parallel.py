@@ -1,6 +1,6 @@
 """Context parallelism on the torch trainer: a row split across ranks computes what the whole row computes.
 
-The parity runs are real gloo worlds (spawned processes): CP=2, and CP=2 x DP=2, each against one process on the
+The parity runs are real gloo worlds (spawned processes): CP=2, CP=2 x DP=2 and CP=3, each against one process on the
 whole batch, on log-probs and entropy, the loss and its metrics, the gradient norm and every weight after a step;
 dense and mixture-of-experts models, full and LoRA training; rows whose sequences do not divide into the 2C chunks
 evenly, with shared prompts and a preamble packed once. The split itself is proven without processes.
@@ -43,16 +43,25 @@ class Case:
     recompute: bool = False  # activation checkpointing: the recomputed forward gathers its keys again
     router_losses: bool = False  # megatron's aux and z losses of the routers, over the whole row
     record_routes: bool = False  # pi_old's forward records each sample's routes (slime's --use-routing-replay)
+    tiny_row: bool = False  # two 2-token samples: a row whose zigzag chunks leave one rank of three none of it
+
+    def batch(self) -> list[TrainSample]:
+        if self.tiny_row:
+            return [TrainSample(torch.tensor(tokens), 1, loss_mask=torch.ones(1), advantages=torch.tensor([advantage]))
+                    for tokens, advantage in (([7, 9], 1.0), ([11, 13], -0.5))]
+        return long_rows_batch()
 
     @property
     def critic(self) -> bool:
         return self.family == "qwen2" and not self.lora
 
 
-CASES = {2: [Case("dense", "qwen2"), Case("dense-lora", "qwen2", lora=True),
-             Case("moe-router-losses", "qwen3_moe", router_losses=True, record_routes=True),
-             Case("moe-lora", "qwen3_moe", lora=True)],
-         4: [Case("dense-recompute", "qwen2", recompute=True)]}
+# (ranks, context-parallel size) -> what that world trains
+CASES = {(2, 2): [Case("dense", "qwen2"), Case("dense-lora", "qwen2", lora=True),
+                  Case("moe-router-losses", "qwen3_moe", router_losses=True, record_routes=True),
+                  Case("moe-lora", "qwen3_moe", lora=True)],
+         (4, 2): [Case("dense-recompute", "qwen2", recompute=True)],
+         (3, 3): [Case("lora-tiny-row", "qwen2", lora=True, tiny_row=True)]}
 
 
 @dataclass(frozen=True)
@@ -116,17 +125,17 @@ def critic_step(trainer: TorchTrainer, shard: list[TrainSample]) -> tuple[dict[s
     return {"values": before, "values_after": after}, {"grad_norm": result.grad_norm, "metrics": result.metrics}
 
 
-def _parity_worker(rank: int, rendezvous: str, world: int, models: dict[str, str], out_dir: Path) -> None:
+def _parity_worker(rank: int, rendezvous: str, world: int, context: int, models: dict[str, str],
+                   out_dir: Path) -> None:
     with cpu_gloo_rank(rank, rendezvous, world):
-        for case in CASES[world]:
+        for case in CASES[world, context]:
             name = case.name
-            trainer = TorchTrainer(trainer_config(case, models, context=2))
+            trainer = TorchTrainer(trainer_config(case, models, context=context))
             parallel = trainer.data_parallel()
-            assert (parallel.size, parallel.rank) == (world // 2, rank // 2)
-            shard = data_parallel_shard(long_rows_batch(), parallel.rank, parallel.size)
+            assert (parallel.size, parallel.rank) == (world // context, rank // context)
+            shard = data_parallel_shard(case.batch(), parallel.rank, parallel.size)
             outputs = trainer.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
-            result = trainer.train_step(shard, step_loss(long_rows_batch()), temperature=TEMPERATURE,
-                                        with_entropy=True)
+            result = trainer.train_step(shard, step_loss(case.batch()), temperature=TEMPERATURE, with_entropy=True)
             tensors = {"log_probs": outputs.log_probs, "entropy": outputs.entropy}
             if case.record_routes:
                 tensors["routes"] = torch.cat(outputs.routed_experts)
@@ -152,16 +161,17 @@ def models(tiny_model_cache: Path) -> dict[str, str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("world", sorted(CASES), ids=lambda world: f"cp2-dp{world // 2}")
+@pytest.mark.parametrize(("world", "context"), sorted(CASES), ids=lambda n: str(n))
 def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
-        world: int, models: dict[str, str], tmp_path: Path) -> None:
-    mp.spawn(_parity_worker, args=(rendezvous_file(), world, models, tmp_path), nprocs=world, join=True)
-    batch = long_rows_batch()
-    for case in CASES[world]:
+        world: int, context: int, models: dict[str, str], tmp_path: Path) -> None:
+    mp.spawn(_parity_worker, args=(rendezvous_file(), world, context, models, tmp_path), nprocs=world, join=True)
+    replicas = world // context
+    for case in CASES[world, context]:
         name = case.name
+        batch = case.batch()
         single = TorchTrainer(trainer_config(case, models, context=1))
         for rank in range(world):
-            shard = data_parallel_shard(batch, rank // 2, world // 2)
+            shard = data_parallel_shard(batch, rank // context, replicas)
             expected = single.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
             split = load_file(str(tmp_path / f"{name}-outputs-{rank}.st"))
             torch.testing.assert_close(split["log_probs"], expected.log_probs, atol=2e-5, rtol=1e-5,
@@ -172,7 +182,7 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
         result = single.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
         parallel = json.loads((tmp_path / f"{name}-result.json").read_text())
         if single.has_critic:  # the critic's step on the whole batch, its values before and after it per shard
-            before = {rank: single.compute_values(data_parallel_shard(batch, rank // 2, world // 2))
+            before = {rank: single.compute_values(data_parallel_shard(batch, rank // context, replicas))
                       for rank in range(world)}
             critic = single.train_critic(batch, value_loss(batch))
             assert parallel["critic"]["grad_norm"] == pytest.approx(critic.grad_norm, rel=1e-4)
@@ -180,7 +190,7 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
                                                                                 rel=1e-5)
             for rank in range(world):
                 split = load_file(str(tmp_path / f"{name}-outputs-{rank}.st"))
-                after = single.compute_values(data_parallel_shard(batch, rank // 2, world // 2))
+                after = single.compute_values(data_parallel_shard(batch, rank // context, replicas))
                 torch.testing.assert_close(split["values"], before[rank], atol=2e-5, rtol=1e-5)
                 torch.testing.assert_close(split["values_after"], after, atol=2e-5, rtol=1e-5)
         assert parallel["version"] == result.version == 1
@@ -214,6 +224,11 @@ def test_the_zigzag_split_gives_every_row_to_one_rank_and_each_rank_the_same_cau
     # each rank within a few rows' work of the mean (one row more or less per chunk of each segment)
     assert max(per_rank) - min(per_rank) <= 2 * len(segments) * float(work.max())
     assert max(per_rank) / min(per_rank) < 1.1
+    # chunks that leave a rank none of a row: it takes a row from the rank holding most (`lora-tiny-row`)
+    two_pairs = packed_segments(torch.tensor([[0, 1, 0, 1]]), 4)
+    assert zigzag_rows(two_pairs, 3) == [[1], [3], [0, 2]]
+    with pytest.raises(ValueError, match=r"a packed row of 2 tokens cannot be split across 3 ranks"):
+        zigzag_rows(packed_segments(None, 2), 3)
 
 
 @pytest.mark.unit

@@ -128,7 +128,7 @@ def measure(model: Path, tokens: int, context: int, threads: int, checkpointing:
 def benchmark(args: argparse.Namespace) -> Figures:
     import torch
 
-    import engines.training  # noqa: F401  (imported once here, in every forked rank already)
+    from engines.training.torch_trainer import TorchTrainer  # noqa: F401  (imported here, in every forked rank)
 
     torch.set_num_threads(1)  # the ranks fork from here (tools/bench/forked.py says why)
     path = model_path(args)
