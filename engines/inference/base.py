@@ -337,6 +337,13 @@ class InferenceEngine(ABC):
         tell, and the check says so."""
         return None
 
+    def delta_target(self, name: str) -> torch.Tensor | None:
+        """The live tensor a delta push may write the changed elements of `name` into, in place, while the engine is
+        paused for the push (`engines.weights.held`): one that holds exactly what was pushed, in the pushed dtype or
+        a wider float. None: the push's receiver keeps a copy of `name` and loads it whole through
+        `update_weights`, which every engine can do."""
+        return None
+
     def kv_cache_account(self) -> KvCacheAccount | None:
         """Whether any token was sampled over a KV cache older than its weights. None: this engine cannot tell
         (its cache is not ours to see), and the certificate says the check did not run for it."""

@@ -85,6 +85,10 @@ class AdapterMerger:
         self._merge(module)
         return True
 
+    def merges(self, name: str) -> bool:
+        """Whether the weight `name` holds a merged adapter on top of its base."""
+        return name.removesuffix(".weight") in self._bases
+
     def served(self, names: Iterable[str]) -> dict[str, Tensor]:
         """Each factor of `names` as this engine last merged it, left out where its layer does not hold that merge
         (the factor never arrived, or the weight was written since): what the engine fingerprints for a LoRA

@@ -115,6 +115,13 @@ class ServedWeights:
             prints.add(spec.name, served, spec.dtype)
         return ServedPrints(prints.values(), unchecked)
 
+    def delta_target(self, name: str) -> torch.Tensor | None:
+        """The weight itself, unless an adapter is merged into it (it serves base + adapter, not what was pushed) or
+        `name` is an adapter's factor."""
+        if is_adapter(name) or self._merged.merges(name):
+            return None
+        return self.weight(name)
+
     def weight(self, name: str) -> torch.Tensor | None:
         """The served tensor a name loads into: the model's own name, or its checkpoint's (a stacked layer's expert
         is a slice of its parameter), as an SGLang server takes either kind of a checkpoint's names."""

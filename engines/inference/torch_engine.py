@@ -243,6 +243,9 @@ class TorchEngine(base.InferenceEngine):
         of that named adapter, only if its slot holds it."""
         return await self._call(_Fingerprint(specs, plan, adapter))
 
+    def delta_target(self, name: str) -> torch.Tensor | None:
+        return self._weights.delta_target(name)
+
     async def score(self, input_ids: list[int], *, start: int, temperature: float = 1.0) -> list[float]:
         """log p(input_ids[i] | input_ids[:i]) for i in [start, len): this engine as a scorer of given tokens (a
         distillation teacher), at `temperature` (0 scores at 1, as greedy rollouts report). One forward between

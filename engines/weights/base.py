@@ -40,10 +40,13 @@ class WeightsDiffer(WeightTransferError):
         super().__init__(message, check.problems())
 
 
+REPAIR = "repair after "  # how `TransferReport.full_because` starts when a push repairs engines a failed one left
+
+
 @dataclass(frozen=True)
 class TransferReport:
-    """What one successful transfer moved, and how fast (bytes per receiver, wall time to the last ack), and
-    whether the engines serve what was sent (None: not asked for, or a mechanism that cannot tell)."""
+    """What one successful transfer moved, and how fast (bytes per receiver on the wire, wall time to the last ack),
+    and whether the engines serve what was sent (None: not asked for, or a mechanism that cannot tell)."""
 
     version: int
     receivers: tuple[str, ...]
@@ -52,6 +55,9 @@ class TransferReport:
     num_bytes: int
     seconds: float
     fingerprints: FingerprintCheck | None = None
+    delta_base: int | None = None  # a delta push against this version (`num_bytes` its encoded bytes); None: full
+    full_bytes: int | None = None  # what the push would send whole, where a mechanism can send less (deltas)
+    full_because: str | None = None  # under delta sync, why this push went whole (an anchor, a repair, ...)
 
 
 def require_usable(group: object, broken: str | None, what: str) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.weights import delta
 from engines.weights.fingerprint import ALGORITHMS, FingerprintPlan
 
 # Byte offsets inside a bucket are multiples of this, so every slice can be viewed as any dtype in place.
@@ -69,6 +70,25 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
     fingerprint: str | None = None  # the algorithm both ends fingerprint the tensors with (`fingerprint.py`), if any
     fingerprint_stride: int = 1  # ... over one of this many slices of their rows (`FingerprintPlan`)
+    keep: bool = False  # the receivers keep a copy of what they hold, so later pushes may be deltas against it
+    base_version: int | None = None  # a delta push against this version; None: every tensor whole
+    changes: tuple[tuple[str, int], ...] = ()  # a delta push's (encoding, changed elements) per tensor, in order
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base_version is not None
+
+    def wire(self) -> Manifest:
+        """The manifest of the bytes that travel: this one for a full push; for a delta, each tensor's encoded bytes
+        as a uint8 tensor (`delta.py`), bucketed the same way, so the collective's plan is derived as for any push."""
+        if self.base_version is None:
+            return self
+        encoded = tuple(
+            TensorSpec(spec.name, torch.uint8,
+                       (delta.encoded_nbytes(encoding, spec.numel, count, spec.dtype.itemsize),))
+            for spec, (encoding, count) in zip(self.tensors, self.changes, strict=True))
+        return Manifest(version=self.version, bucket_bytes=self.bucket_bytes, direct_bytes=self.direct_bytes,
+                        tensors=encoded)
 
     def fingerprint_plan(self) -> FingerprintPlan | None:
         """What both ends fingerprint in this push; None: the sender asked for no fingerprints."""
@@ -96,6 +116,9 @@ class Manifest:
                 "tensors": [[s.name, _DTYPE_NAMES[s.dtype], list(s.shape)] for s in self.tensors],
                 "fingerprint": self.fingerprint,
                 "fingerprint_stride": self.fingerprint_stride,
+                "keep": self.keep,
+                "base_version": self.base_version,
+                "changes": [list(change) for change in self.changes],
             },
             separators=(",", ":"),
         ).encode()
@@ -124,6 +147,17 @@ class Manifest:
         stride = raw.get("fingerprint_stride", 1)
         if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
             raise ValueError(f"weight manifest: fingerprint_stride must be an integer >= 1, got {stride!r}")
+        keep, base_version, changes = raw.get("keep", False), raw.get("base_version"), raw.get("changes", [])
+        if not isinstance(keep, bool):
+            raise ValueError(f"weight manifest: keep must be true or false, got {keep!r}")
+        if base_version is not None and (not isinstance(base_version, int) or isinstance(base_version, bool)):
+            raise ValueError(f"weight manifest: base_version must be an integer or null, got {base_version!r}")
+        expected = len(entries) if base_version is not None else 0
+        if not isinstance(changes, list) or len(changes) != expected or not all(
+                isinstance(change, list) and len(change) == 2 and change[0] in delta.ENCODINGS
+                and isinstance(change[1], int) and change[1] >= 0 for change in changes):
+            raise ValueError(f"weight manifest: changes must list an (encoding in {delta.ENCODINGS}, count >= 0) per "
+                             f"tensor of a delta push and nothing otherwise, got {str(changes)[:120]!r}")
         specs = []
         for index, entry in enumerate(entries):
             if (
@@ -137,7 +171,8 @@ class Manifest:
                 raise ValueError(f"weight manifest: tensor entry {index} malformed: {str(entry)[:120]!r}")
             specs.append(TensorSpec(entry[0], DTYPES[entry[1]], tuple(entry[2])))
         return cls(version=version, bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, tensors=tuple(specs),
-                   fingerprint=fingerprint, fingerprint_stride=stride)
+                   fingerprint=fingerprint, fingerprint_stride=stride, keep=keep, base_version=base_version,
+                   changes=tuple((encoding, count) for encoding, count in changes))
 
 
 def plan_buckets(tensors: Sequence[TensorSpec], bucket_bytes: int, direct_bytes: int) -> list[Bucket]:

@@ -29,6 +29,7 @@ On the CPU the packing and loading copies run with one intra-op thread (`group.s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -41,6 +42,7 @@ from torch import Tensor
 from engines.weights import group as groups
 from engines.weights.base import TransferReport, WeightsDiffer, WeightSender, WeightTransferError, require_usable
 from engines.weights.fingerprint import Fingerprints, ServedPrints, algorithm_for, check_served
+from engines.weights.held import DEFAULT_ANCHOR_EVERY, SenderCopy
 from engines.weights.manifest import Bucket, Manifest, tensor_view
 from engines.weights.stream import SourceBroke, specified, wire_specs
 
@@ -74,9 +76,13 @@ class TorchDistributedWeightSender(WeightSender):
         device: torch.device | str | None = None,
         transport: str = groups.TORCH_DISTRIBUTED,
         fingerprint_stride: int = 1,
+        delta_sync: bool = False,
+        anchor_every: int = DEFAULT_ANCHOR_EVERY,
     ) -> None:
         """`fingerprint_stride`: a checked push fingerprints one of that many slices of each tensor's rows, and of
-        an adapter's layers (`FingerprintPlan`)."""
+        an adapter's layers (`FingerprintPlan`). `delta_sync`: after a full push, a push sends only what changed
+        since the version the engines hold, with a full one every `anchor_every` versions and on any doubt
+        (`held.py`); it costs a copy of the pushed weights here and on each engine."""
         if bucket_bytes <= 0 or direct_bytes <= 0:
             raise ValueError(f"bucket_bytes and direct_bytes must be positive, got {bucket_bytes}, {direct_bytes}")
         if fingerprint_stride < 1:
@@ -98,6 +104,8 @@ class TorchDistributedWeightSender(WeightSender):
         self._sequence = 0
         self._committed: int | None = None
         self._buffers: list[Tensor] = []
+        self.delta_sync = delta_sync  # public and changeable between transfers, like the bucket sizes
+        self._copy = SenderCopy(self._device, anchor_every=anchor_every)
 
     @property
     def port(self) -> int:
@@ -175,6 +183,22 @@ class TorchDistributedWeightSender(WeightSender):
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None = None,
              timeout_s: float | None = None, fingerprint: bool = False) -> TransferReport:
+        """See `_send`. Any push that does not commit (a failure, a fingerprint mismatch) leaves the engines'
+        weights unknown, so the next push is full and repairs them."""
+        if not self.delta_sync:
+            self._copy.drop()
+        try:
+            report = self._send(named_tensors, version, dtype=dtype, timeout_s=timeout_s, fingerprint=fingerprint)
+        except WeightsDiffer:
+            self._copy.forget(f"version {version}'s push was served differently (the fingerprints differ)")
+            raise
+        except BaseException as error:
+            self._copy.forget(f"version {version}'s push did not commit ({type(error).__name__})")
+            raise
+        return report
+
+    def _send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None,
+              timeout_s: float | None, fingerprint: bool) -> TransferReport:
         """Broadcast the tensors (floating ones cast to `dtype` on the way, if given) and commit `version`.
 
         `fingerprint`: each tensor is fingerprinted as it goes out (`fingerprint.py`), each engine fingerprints
@@ -199,14 +223,25 @@ class TorchDistributedWeightSender(WeightSender):
         started = time.perf_counter()
         tensors = specified(named_tensors)
         algorithm = algorithm_for(self._device) if fingerprint else None
+        specs = wire_specs(tensors.specs, dtype)
         manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.direct_bytes,
-                            tensors=wire_specs(tensors.specs, dtype), fingerprint=algorithm,
-                            fingerprint_stride=self.fingerprint_stride)
+                            tensors=specs, fingerprint=algorithm, fingerprint_stride=self.fingerprint_stride,
+                            keep=self.delta_sync)
         plan = manifest.fingerprint_plan()
         sent = plan.prints() if plan is not None else None
         covered = frozenset(spec.name for spec in plan.covered(manifest.tensors)) if plan is not None else frozenset()
         prefix = f"xfer/{self._sequence}/"
         receivers = spec.receivers
+        base, why_full = self._copy.base_for(specs, spec.generation) if self.delta_sync else (None, "")
+        stream: Iterator[tuple[str, Tensor]] = iter(tensors)
+        if base is not None:  # diffed before the manifest goes out: it says each tensor's encoding and count
+            try:
+                changes, payloads = self._copy.diff(specs, stream, sent, covered)
+            except SourceBroke as error:
+                raise self._source_broke(keys, version, error) from error
+            manifest = dataclasses.replace(manifest, base_version=base, changes=changes)
+            stream = iter(payloads)
+        wire = manifest.wire()
         keys.set(prefix + "manifest", manifest.encode())
         missing = self._await(keys, {member: f"{prefix}ready/{rank}" for rank, member in enumerate(spec.members)
                                      if rank > 0}, timeout_s)
@@ -219,16 +254,15 @@ class TorchDistributedWeightSender(WeightSender):
             raise self._give_up(keys, prefix + "go", f"weight transfer of version {version} not started", failed,
                                 why=f"not ready: {', '.join(failed)}")
         keys.set(prefix + "go", groups.STATUS_GO)
-        buckets = manifest.buckets()
+        buckets = wire.buckets()
+        keep = self._copy if self.delta_sync and base is None else None
         try:
             with groups.single_threaded_copies(self._device):
-                completed = self._broadcast_buckets(iter(tensors), manifest, buckets, sent, covered)
+                # a delta's tensors were fingerprinted as they were diffed
+                completed = self._broadcast_buckets(stream, wire, buckets, sent if base is None else None, covered,
+                                                    keep)
         except SourceBroke as error:
-            # No receiver is at fault; the ones waiting for the next bucket leave when they see the mark.
-            why = f"the learner's tensors broke mid-way: {error}"
-            keys.set(groups.ABORTED, why[:1000].encode())
-            self._broken = why
-            raise WeightTransferError(f"weight transfer of version {version} broke mid-way: {error}") from error
+            raise self._source_broke(keys, version, error) from error
         except (RuntimeError, dist.DistError) as error:
             failed = {}
             if self._aborted is None:  # the receivers still waiting leave now; those that can, say why
@@ -261,14 +295,19 @@ class TorchDistributedWeightSender(WeightSender):
         if check is not None and not check.ok:
             raise WeightsDiffer(f"weight transfer of version {version} not committed: {check.describe()}", check)
         self._committed = version
+        if self.delta_sync:
+            self._copy.committed(version, specs, spec.generation, was_delta=base is not None)
         return TransferReport(
             version=version,
             receivers=receivers,
             num_tensors=len(manifest.tensors),
             num_buckets=len(buckets),
-            num_bytes=manifest.total_bytes,
+            num_bytes=wire.total_bytes,
             seconds=time.perf_counter() - started,
             fingerprints=check,
+            delta_base=base,
+            full_bytes=manifest.total_bytes,
+            full_because=why_full if self.delta_sync and base is None else None,
         )
 
     def close_group(self) -> None:
@@ -311,6 +350,14 @@ class TorchDistributedWeightSender(WeightSender):
         keys.set(groups.ABORTED, why.encode())
         return WeightTransferError(message, failed)
 
+    def _source_broke(self, keys: dist.PrefixStore, version: int, error: SourceBroke) -> WeightTransferError:
+        """No receiver is at fault; the ones waiting for the manifest or the next bucket leave when they see the
+        mark."""
+        why = f"the learner's tensors broke mid-way: {error}"
+        keys.set(groups.ABORTED, why[:1000].encode())
+        self._broken = why
+        return WeightTransferError(f"weight transfer of version {version} broke mid-way: {error}")
+
     def _require_spec(self) -> tuple[groups.GroupSpec, dist.PrefixStore]:
         if self._spec is None or self._keys is None:
             raise WeightTransferError("no weight-transfer group is open; call open_group() first")
@@ -318,9 +365,10 @@ class TorchDistributedWeightSender(WeightSender):
 
     def _broadcast_buckets(self, stream: Iterator[tuple[str, Tensor]], manifest: Manifest,
                            buckets: list[Bucket], sent: Fingerprints | None = None,
-                           covered: frozenset[str] = frozenset()) -> bool:
+                           covered: frozenset[str] = frozenset(), keep: SenderCopy | None = None) -> bool:
         """At most IN_FLIGHT broadcasts outstanding; a packing slot is rewritten only after its last send ended.
-        The tensors of `covered` are fingerprinted into `sent` as they go out (`FingerprintPlan.covered`).
+        The tensors of `covered` are fingerprinted into `sent` as they go out (`FingerprintPlan.covered`), and every
+        tensor is kept in `keep`, when given, for the deltas of later pushes.
         A bucket's tensors are pulled from `stream` once a broadcast slot is free for it, and referenced only
         until its broadcast completed (a lone tensor is sent from its own memory).
 
@@ -339,6 +387,9 @@ class TorchDistributedWeightSender(WeightSender):
                         return self._let_go(in_flight)
                     in_flight.popleft()
                 pulled = [tensor for _, tensor in islice(stream, len(bucket.entries))]
+                if keep is not None:
+                    for (index, _), tensor in zip(bucket.entries, pulled, strict=True):
+                        keep.hold(manifest.tensors[index], tensor)
                 if bucket.nbytes == 0:
                     continue
                 payload, slot = self._direct_payload(pulled, manifest, bucket), None

@@ -72,7 +72,10 @@ class TorchDistributedLoader:
 
         await self.engine.pause("keep")
         try:
-            received = await asyncio.to_thread(receiver.receive, load, timeout_s, fingerprint_fn=fingerprint)
+            # A delta overwrites the engine's own weights where it offers them (paused, so no step sees half of it).
+            in_place = self.engine.delta_target if adapter is None else None
+            received = await asyncio.to_thread(receiver.receive, load, timeout_s, fingerprint_fn=fingerprint,
+                                               in_place=in_place)
         finally:
             await self.engine.resume()
         if adapter is None:

@@ -14,6 +14,7 @@ from torch import Tensor
 from engines.weights import group as groups
 from engines.weights.base import LoadFn, WeightReceiver, WeightTransferError
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
+from engines.weights.held import InPlace, ReceiverCopy
 from engines.weights.manifest import Bucket, Manifest, TensorSpec, bucket_views
 
 OK, ERROR_PREFIX = groups.OK, groups.ERROR_PREFIX
@@ -42,6 +43,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         self._timeout_s = timeout_s
         self._sequence = 0
         self._buffers: list[Tensor] = []
+        self._copy = ReceiverCopy(device)  # what a delta applies to (`held.py`), while the sender asks to keep one
 
     @classmethod
     def join(
@@ -106,6 +108,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         destinations: Mapping[str, Tensor] | None = None,
         finish_fn: Callable[[int], None] | None = None,
         fingerprint_fn: FingerprintFn | None = None,
+        in_place: InPlace | None = None,
     ) -> int:
         """Raises TimeoutError if no transfer starts within `timeout`; WeightTransferError if one fails.
 
@@ -117,12 +120,14 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         `fingerprint_fn(specs, plan)`, when given and the sender asks for fingerprints, then fingerprints what
         the engine serves (`fingerprint.py`); they reach the sender before the acknowledgement. Without it the
         sender reports this engine as one it could not check.
+        `in_place(name)`, when given, is the engine's live tensor a delta push may write into (`held.py`); a delta
+        that goes wholly in place still ends with one `load_fn` call of no tensors, so the engine takes the version.
         A sender that dies (its store with it) fails the receive as a WeightTransferError too, not as the store's
         network error: that is a failed transfer the caller reports in one line, not a bug.
         """
         try:
             return self._receive(load_fn, timeout, destinations=destinations, finish_fn=finish_fn,
-                                 fingerprint_fn=fingerprint_fn)
+                                 fingerprint_fn=fingerprint_fn, in_place=in_place)
         except dist.DistNetworkError as error:
             self._group = None
             raise WeightTransferError(f"{self.name}: the sender's store went away ({error}): the learner died or "
@@ -136,6 +141,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
         destinations: Mapping[str, Tensor] | None,
         finish_fn: Callable[[int], None] | None,
         fingerprint_fn: FingerprintFn | None,
+        in_place: InPlace | None,
     ) -> int:
         if self._group is None:
             raise WeightTransferError(f"{self.name}: receiver of generation {self.spec.generation} is closed/broken")
@@ -160,20 +166,26 @@ class TorchDistributedWeightReceiver(WeightReceiver):
             self._group = None
             reason = go.removeprefix(groups.ABORT_PREFIX).decode(errors="replace").strip()
             raise WeightTransferError(f"{self.name}: transfer of version {manifest.version} aborted: {reason}")
+        # A kept copy is filled through load_fn: no bucket lands straight in the engine's tensors then.
+        load = self._copy.load_fn(manifest, load_fn, in_place)
+        destinations = {} if manifest.keep else destinations
         try:
             with groups.single_threaded_copies(self._device):
-                load_error = self._receive_buckets(manifest, load_fn, destinations or {})
+                load_error = self._receive_buckets(manifest.wire(), load, destinations or {})
         except (RuntimeError, dist.DistError) as error:
             self._keys.set(f"{prefix}ack/{self.rank}", ERROR_PREFIX + f" broadcast failed: {error}".encode())
             raise WeightTransferError(f"{self.name}: transfer of version {manifest.version} broke: {error}") from error
         if self._group is None:  # the sender gave the generation up mid-way; our pending receives are parked
             self._keys.set(f"{prefix}ack/{self.rank}", ERROR_PREFIX + b" left: the sender gave the generation up")
             self._raise_if_given_up(f"during version {manifest.version}")
-        if load_error is None and finish_fn is not None:
+        if load_error is None:
             try:
-                finish_fn(manifest.version)
+                self._copy.finish(manifest, load_fn)
+                if finish_fn is not None:
+                    finish_fn(manifest.version)
             except Exception as error:  # reported in the ack, like a load_fn failure; the group stays usable
                 load_error = f"{type(error).__name__}: {error}"
+        self._copy.settle(manifest, loaded=load_error is None and self._group is not None)
         served = _served(fingerprint_fn, manifest) if load_error is None and fingerprint_fn is not None else None
         if served is not None:
             self._keys.set(f"{prefix}prints/{self.rank}", served.encode())

@@ -1,0 +1,199 @@
+"""The copies both ends of a torch.distributed push keep so a push can be a delta (`delta.py`), and the rules for
+when it may be one.
+
+The sender diffs each tensor against the values it last pushed, so it keeps them: one copy of the pushed weights in
+the wire dtype, on the transfer device (a 135M-parameter model pushed as float32: 540 MB; as bfloat16: 270 MB).
+Each engine's receiver keeps the same copy, applies a delta to it in place, and hands the engine the changed
+tensors whole, through the load path a full push takes; so what the engine serves after a delta is bit for bit what
+it would serve after a full push, whatever the engine does on load (merge an adapter, fill a stacked expert).
+
+A push is full (an anchor) unless every receiver is known to hold exactly the sender's copy: delta sync is off; no
+push committed yet in this group generation (a new generation means an engine joined, left or restarted); the
+last push failed, went uncommitted or was served differently (the fingerprint); every `anchor_every` versions; or
+the tensors' names, dtypes or shapes changed. A receiver checks the base version a delta names against the one it
+holds and refuses a delta it cannot apply, which fails the push: the next one is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from engines.training.lora import WIRE_SUFFIXES
+from engines.weights import delta
+from engines.weights.base import REPAIR, LoadFn
+from engines.weights.fingerprint import Fingerprints, comparable_dtype
+from engines.weights.manifest import Manifest, TensorSpec
+
+DEFAULT_ANCHOR_EVERY = 20
+
+
+class SenderCopy:
+    """What the sender last pushed, and whether the engines of the open generation hold it."""
+
+    def __init__(self, device: torch.device, *, anchor_every: int = DEFAULT_ANCHOR_EVERY) -> None:
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        self.anchor_every = anchor_every
+        self._device = device
+        self._held: dict[str, Tensor] = {}
+        self._specs: tuple[TensorSpec, ...] = ()
+        self._version: int | None = None  # what every receiver of `_generation` acknowledged and serves
+        self._generation = -1
+        self._deltas_since_anchor = 0
+        self._why_full = "no version pushed yet"
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the copy takes."""
+        return sum(tensor.nbytes for tensor in self._held.values())
+
+    def base_for(self, specs: Sequence[TensorSpec], generation: int) -> tuple[int | None, str]:
+        """The version a push of `specs` may be a delta against, or None and why it must be full."""
+        if self._version is None:
+            return None, self._why_full
+        if generation != self._generation:
+            return None, "a new group generation: an engine joined, left or restarted"
+        if self._deltas_since_anchor + 1 >= self.anchor_every:
+            return None, f"the anchor every {self.anchor_every} versions"
+        if tuple(specs) != self._specs:
+            return None, "the tensors' names, dtypes or shapes changed"
+        return self._version, ""
+
+    def hold(self, spec: TensorSpec, tensor: Tensor) -> None:
+        """Keep `tensor` (a full push's) as `spec` says it travels."""
+        held = self._held.get(spec.name)
+        if held is None or held.dtype != spec.dtype or tuple(held.shape) != spec.shape:
+            held = self._held[spec.name] = torch.empty(spec.shape, dtype=spec.dtype, device=self._device)
+        held.copy_(tensor)
+
+    def diff(self, specs: Sequence[TensorSpec], tensors: Iterable[tuple[str, Tensor]], sent: Fingerprints | None,
+             covered: frozenset[str]) -> tuple[tuple[tuple[str, int], ...], list[tuple[str, Tensor]]]:
+        """Each tensor's (encoding, changed count) against the copy, and its encoded bytes; the copy becomes the new
+        values and `sent` gets the fingerprints of the tensors of `covered`, as a full push's would."""
+        changes: list[tuple[str, int]] = []
+        payloads: list[tuple[str, Tensor]] = []
+        for spec, (name, tensor) in zip(specs, tensors, strict=True):
+            new = tensor.to(device=self._device, dtype=spec.dtype)
+            held = self._held[name]
+            mask = delta.changed(held, new)
+            count = delta.count(mask)
+            encoding = delta.smallest(spec.numel, count, spec.dtype.itemsize)
+            if sent is not None and name in covered:
+                sent.add(name, new)
+            payload = delta.encode(encoding, mask, new) if encoding != delta.DENSE else None
+            held.copy_(new)
+            changes.append((encoding, count))
+            payloads.append((name, delta.encode(delta.DENSE, mask, held) if payload is None else payload))
+        return tuple(changes), payloads
+
+    def committed(self, version: int, specs: Sequence[TensorSpec], generation: int, was_delta: bool) -> None:
+        self._version, self._specs, self._generation = version, tuple(specs), generation
+        self._deltas_since_anchor = self._deltas_since_anchor + 1 if was_delta else 0
+
+    def forget(self, why: str) -> None:
+        """The receivers may hold anything else now: the next push is full, and says it repairs `why`."""
+        self._version, self._why_full = None, REPAIR + why
+
+    def drop(self) -> None:
+        """Delta sync turned off: free the copy."""
+        self._held.clear()
+        self._version, self._why_full = None, "delta sync was off"
+
+
+InPlace = Callable[[str], Tensor | None]
+"""The engine's live tensor a delta may overwrite for a name, or None (`InferenceEngine.delta_target`)."""
+
+
+class ReceiverCopy:
+    """An engine's side of delta sync, while the sender's manifests say `keep`: a delta goes straight into the
+    engine's own tensors where it offers them (`in_place`), and into a kept copy for the rest, whose changed tensors
+    are then loaded whole through `load_fn`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._held: dict[str, Tensor] = {}
+        self._loaded = False
+        self.version: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the kept copy takes (nothing for the tensors the engine offers in place)."""
+        return sum(tensor.nbytes for tensor in self._held.values())
+
+    def load_fn(self, manifest: Manifest, load_fn: LoadFn, in_place: InPlace | None = None) -> LoadFn:
+        """The per-bucket load for `manifest`."""
+        self._loaded = False
+        if not manifest.keep:
+            self._held.clear()
+            self.version = None
+            return load_fn
+        target: InPlace = in_place or (lambda name: None)
+        if not manifest.is_delta:
+            return lambda named: self._keep(load_fn, list(named), target)
+        changes = {spec.name: change for spec, change in zip(manifest.tensors, manifest.changes, strict=True)}
+        specs = {spec.name: spec for spec in manifest.tensors}
+        base, held_version = manifest.base_version, self.version
+
+        def apply(named: Iterable[tuple[str, Tensor]]) -> None:
+            if held_version != base:
+                raise ValueError(f"a delta against version {base}, but this engine holds "
+                                 f"{'no kept version' if held_version is None else f'version {held_version}'}")
+            loaded = []
+            for name, payload in named:
+                (encoding, count), spec = changes[name], specs[name]
+                held = self._held.get(name)
+                if held is None:  # the engine's own tensor: in place, nothing to load
+                    live = target(name)
+                    if live is None or not self._usable(live, spec.dtype, spec.shape):
+                        raise ValueError(f"a delta for {name!r}, which neither this engine's weights nor its kept "
+                                         f"copy of version {base} hold as {spec.dtype} {list(spec.shape)}")
+                    delta.apply(encoding, payload, count, live, spec.dtype)
+                    continue
+                if held.dtype != spec.dtype or tuple(held.shape) != spec.shape:
+                    raise ValueError(f"a delta for {name!r} as {spec.dtype} {list(spec.shape)}, kept as {held.dtype} "
+                                     f"{list(held.shape)}")
+                delta.apply(encoding, payload, count, held)
+                if count or name.endswith(WIRE_SUFFIXES):  # an adapter merges from both its factors
+                    loaded.append((name, held))
+            if loaded:
+                self._load(load_fn, loaded)
+
+        return apply
+
+    def finish(self, manifest: Manifest, load_fn: LoadFn) -> None:
+        """After the last bucket of a delta that went wholly in place: an empty load, so the engine still takes the
+        version (and drops what it computed with the old weights)."""
+        if manifest.is_delta and not self._loaded:
+            self._load(load_fn, [])
+
+    def settle(self, manifest: Manifest, loaded: bool) -> None:
+        """After the push: the engine and the copy hold `manifest.version` if everything loaded, else unknown."""
+        if manifest.keep:
+            self.version = manifest.version if loaded else None
+
+    def _load(self, load_fn: LoadFn, named: list[tuple[str, Tensor]]) -> None:
+        self._loaded = True
+        load_fn(named)
+
+    def _keep(self, load_fn: LoadFn, named: list[tuple[str, Tensor]], target: InPlace) -> None:
+        """A full push's bucket: loaded, then a copy kept of each tensor the engine does not offer in place (asked
+        after the load, so an engine's tensors made by its first load count)."""
+        self._load(load_fn, named)
+        for name, tensor in named:
+            live = target(name)
+            if live is not None and self._usable(live, tensor.dtype, tuple(tensor.shape)):
+                self._held.pop(name, None)
+                continue
+            held = self._held.get(name)
+            if held is None or held.dtype != tensor.dtype or held.shape != tensor.shape:
+                held = self._held[name] = torch.empty_like(tensor)
+            held.copy_(tensor)
+
+    def _usable(self, live: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+        """A live tensor a delta can be written into exactly: the pushed shape, on this end's device, contiguous,
+        in the pushed dtype or a wider float."""
+        return (tuple(live.shape) == shape and live.device == self._device and live.is_contiguous()
+                and comparable_dtype(dtype, live.dtype))
