@@ -462,6 +462,13 @@ class WeightsConfig(Section):
         "tensors whole) and one of N adapted layers, a different one at each version: a tensor never loaded or an "
         "adapter never merged is caught at once, a corruption that stays within N pushes, at about 1/N of the cost; "
         "1 checks every byte of every push (as slime's --check-weight-update-equal does)")
+    weight_delta_sync: bool = Field(
+        False, description="after a full push, push only the elements that changed since the version the engines "
+        "hold (changed indices or a bitmap, and new values, or a tensor whole, whichever is smallest), applied bit "
+        "for bit and certified by --weight-check; a full push every --weight-delta-anchor versions and after any "
+        "failed or mismatched push. Costs a copy of the pushed weights on the learner and on each engine; pays where "
+        "the wire is slow and the push is bfloat16 (docs/weights.md). torch engines only")
+    weight_delta_anchor: int = Field(20, ge=1, description="with --weight-delta-sync, a full push every N versions")
 
     @field_validator("weight_transport")
     @classmethod

@@ -22,7 +22,7 @@ from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
 ENTRY_POINTS = ("train", "train_async")
 SPELLED_AS = "slime_spelled_as"  # args attribute: our setting -> the slime flag that set it
 _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
-    "--update-weight-mode": lambda v, a: v == "full",
+    "--update-weight-delta-encoding": lambda v, a: v == "overwrite",
     "--rollout-data-transport": lambda v, a: v == "object-store",
     "--disable-compute-advantages-and-returns": lambda v, a: SLIME_LOSS_NAMES.get(a.loss_type, a.loss_type) == "sft",
 }
@@ -245,12 +245,25 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "router_policy", _router_policy(value), flag)
     elif flag == "--sglang-server-concurrency":
         _set(args, "rollout_max_batch_size", value, flag)
+    elif flag == "--update-weight-mode":
+        if value not in ("full", "delta"):
+            raise ValueError(f"--update-weight-mode {value!r}: expected full or delta")
+        if value == "delta":
+            _set(args, "weight_delta_sync", True, flag)
+    elif flag == "--update-weight-delta-checksum":
+        if value not in SLIME_DELTA_CHECKSUMS:
+            raise ValueError(f"--update-weight-delta-checksum {value!r}: expected one of "
+                             f"{', '.join(SLIME_DELTA_CHECKSUMS)}")
+        _set(args, "weight_check_stride", 1, flag)
     elif flag == "--update-weight-transport":
         if value != "nccl":
             raise ValueError(f"--update-weight-transport {value}: {SLIME_FLAGS[flag].why.split('; ', 1)[1]}")
         _set(args, "weight_transport", "nccl", flag)
     else:  # a row marked alias without a translation is a bug of this module, never a silent drop
         raise AssertionError(f"{flag}: alias without a translation")
+
+
+SLIME_DELTA_CHECKSUMS = ("xxh3-128", "blake3", "adler32")  # slime's choices
 
 
 # slime's --sglang-router-policy (sglang-router's policies) -> ours.

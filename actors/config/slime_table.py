@@ -63,8 +63,11 @@ RAY = "Ray-only: there is no Ray here (launcher.py starts the actors; samples tr
 OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off the GPU while the engines generate and "
                           "frees the engines' memory while the learner trains (an SGLang server releases its KV "
                           "cache); without it each owns its devices and nothing needs moving between phases")
-NO_DISK_SYNC = "weight sync over disk and delta-encoded updates are not available (weights travel over gloo, " \
-               "NCCL or CUDA IPC)"
+NO_DISK_SYNC = "weight sync over disk is not available (weights travel over gloo, NCCL or CUDA IPC; " \
+               "--update-weight-mode delta sends deltas over them)"
+NO_XOR_DELTA = ("xor deltas (new ^ old) are not sent: a delta here carries the changed elements' new values (slime's "
+                "overwrite: as indices or a bitmap, or the tensor whole, whichever is smallest), which a second "
+                "application leaves unchanged; --update-weight-delta-encoding overwrite is accepted")
 NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
 NO_PROFILING = "slime's profiling and memory-snapshot hooks are not available; use torch.profiler around the learner"
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
@@ -120,14 +123,18 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--custom-megatron-before-train-step-hook-path": _owned("megatron"),
     # --- weight sync ---
     "--update-weights-interval": _same(),
-    "--update-weight-mode": _refused(NO_DISK_SYNC + " (--update-weight-mode full is accepted)", "value"),
+    "--update-weight-mode": _alias("full: every push whole (the default); delta -> --weight-delta-sync (deltas over "
+                                   "the run's broadcast; --update-weight-transport disk stays refused)"),
     "--update-weight-transport": _alias("nccl -> --weight-transport nccl; disk is refused: " + NO_DISK_SYNC),
     "--update-weight-buffer-size": _explained("weights travel in buckets sized by the transport", "value", int),
     "--release-train": _explained(OFFLOADS_WITH_COLOCATE),
     "--update-weight-disk-dir": _refused(NO_DISK_SYNC, "value"),
     "--update-weight-disk-keep-files": _refused(NO_DISK_SYNC),
-    "--update-weight-delta-encoding": _refused(NO_DISK_SYNC, "value"),
-    "--update-weight-delta-checksum": _refused(NO_DISK_SYNC, "value"),
+    "--update-weight-delta-encoding": _refused(NO_XOR_DELTA, "value"),
+    "--update-weight-delta-checksum": _alias("-> --weight-check-stride 1: the weight check fingerprints every byte "
+                                             "each engine serves after every push, as slime checksums each tensor "
+                                             "(xxh3-64 on CPUs, a weighted word sum on GPUs; the algorithm is not "
+                                             "chosen by name)"),
     "--update-weight-local-checkpoint-dir": _refused(NO_DISK_SYNC, "value"),
     "--custom-update-weight-post-write-path": _refused(NO_DISK_SYNC, "value"),
     "--keep-old-actor": _refused("a second resident actor copy for pi_old is not kept; the proximal policy is "

@@ -39,7 +39,14 @@ from actors.runtime import chaos
 from actors.runtime.waits import Waits
 from bus.schema import Ack, Error, WeightUpdateOrder
 from engines.training.base import WeightLayout
-from engines.weights.base import GroupHandle, TransferReport, WeightsDiffer, WeightSender, WeightTransferError
+from engines.weights.base import (
+    REPAIR,
+    GroupHandle,
+    TransferReport,
+    WeightsDiffer,
+    WeightSender,
+    WeightTransferError,
+)
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
@@ -95,6 +102,8 @@ def sender_options(config: RunConfig, host: str) -> SenderOptions:
         timeout_s=config.weights.weight_transfer_timeout,
         gpus_per_engine=config.engine.rollout_num_gpus_per_engine,
         fingerprint_stride=config.weights.weight_check_stride,
+        delta_sync=config.weights.weight_delta_sync,
+        delta_anchor=config.weights.weight_delta_anchor,
     )
 
 
@@ -107,8 +116,16 @@ def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublishe
     """The run's publisher: its mechanism (a plugin is imported now, so a bad path fails at start-up), the
     sender's options and the push dtype from `config`; `wiring` is the rest of `WeightPublisher`'s arguments."""
     transport = resolve_transport(transport_name(config))
-    return WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config),
-                           weight_check=config.weights.weight_check, **wiring)
+    if config.weights.weight_delta_sync and not transport.delta_sync:
+        raise ValueError(f"--weight-delta-sync: the {transport.name} weight transport sends every push whole; delta "
+                         f"pushes are built for {TORCH_DISTRIBUTED} (torch engines over gloo, NCCL or shared memory)")
+    publisher = WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config),
+                                weight_check=config.weights.weight_check, **wiring)
+    if config.weights.weight_delta_sync and push_dtype(config) is None:
+        publisher.log.warning("--weight-delta-sync pushes float32 here (no --bf16): an optimizer step changes about "
+                              "98% of float32 elements (tools/bench/weight_deltas.py), so a delta is nearly as large "
+                              "as a full push and slower to make; it pays with --bf16 pushes (about 4% change)")
+    return publisher
 
 
 def sent_layout(config: RunConfig) -> WeightLayout:
@@ -289,14 +306,22 @@ class WeightPublisher:
         self._record_check(version, report)
         self.committed_version = sender.committed_version
         self.counters["weights.pushed"] += 1
-        self.log.info(
-            "weights pushed",
-            version=version,
-            engines=len(engines),
-            seconds=round(report.seconds, 3),
-            mb=round(report.num_bytes / 1e6, 1),
-        )
+        self._say_pushed(version, len(engines), report)
         return True
+
+    def _say_pushed(self, version: int, engines: int, report: TransferReport) -> None:
+        """What went, and under delta sync whether it was a delta or why it went whole: a push that repairs engines
+        after a failed or mismatched one is a warning."""
+        detail: dict[str, Any] = {}
+        if report.delta_base is not None:
+            self.counters["weights.delta_pushes"] += 1
+            detail = {"delta_of": report.delta_base, "full_mb": round((report.full_bytes or 0) / 1e6, 1)}
+        elif report.full_because is not None:
+            detail = {"full_because": report.full_because}
+        repairs = report.full_because is not None and report.full_because.startswith(REPAIR)
+        (self.log.warning if repairs else self.log.info)(
+            "weights pushed", version=version, engines=engines, seconds=round(report.seconds, 3),
+            mb=round(report.num_bytes / 1e6, 1), **detail)
 
     @staticmethod
     async def _answers(replies: list[asyncio.Task[str | None]], lost: asyncio.Event) -> list[str | None] | None:

@@ -36,6 +36,8 @@ class SenderOptions:
     timeout_s: float  # how long a transfer waits for an engine before naming it as failed
     gpus_per_engine: int = 1  # ranks each engine occupies in the group (SGLang's tensor-parallel servers)
     fingerprint_stride: int = 1  # a checked push fingerprints 1/stride of the rows (`engines.weights.fingerprint`)
+    delta_sync: bool = False  # pushes after the first send what changed (`engines.weights.held`), where supported
+    delta_anchor: int = 20  # ... and a full one every this many versions
 
 
 class EngineLoader(Protocol):
@@ -59,6 +61,8 @@ class WeightTransport:
     checkpoint_names: bool = False
     # Its loader takes `adapter=`: an update of one named adapter of an engine (a policy's, in a run of several).
     named_adapters: bool = False
+    # Its sender honours `SenderOptions.delta_sync`: after a full push, only what changed travels.
+    delta_sync: bool = False
 
 
 def is_plugin(name: str) -> bool:
@@ -96,6 +100,8 @@ def _torch_distributed_sender(options: SenderOptions) -> WeightSender:
         backend=options.backend,  # type: ignore[arg-type]  # GroupSpec validates it
         timeout_s=options.timeout_s,
         fingerprint_stride=options.fingerprint_stride,
+        delta_sync=options.delta_sync,
+        anchor_every=options.delta_anchor,
     )
 
 
@@ -152,7 +158,7 @@ def _sglang_tensor_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
 
 BUILTIN: dict[str, WeightTransport] = {
     TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader,
-                                       named_adapters=True),
+                                       named_adapters=True, delta_sync=True),
     SGLANG: WeightTransport(SGLANG, _sglang_sender, _sglang_loader, checkpoint_names=True),
     # each policy's adapter loaded by name beside the others' (a run of several policies)
     SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader, named_adapters=True),

@@ -261,3 +261,53 @@ async def test_a_push_holds_a_gathering_trainers_tensors_a_bucket_at_a_time_and_
     failed = "weight transfer failed; will retry with the live engines"
     failures = [entry["error"] for entry in logs if entry["event"] == failed]
     assert len(failures) == 1 and "'layers.5.weight'" in failures[0] and "[512, 512]" in failures[0], failures
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_under_delta_sync_a_push_after_the_first_is_a_delta_and_a_restarted_worker_gets_a_full_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
+    use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
+    settings = {**_settings(tmp_path), "weight_delta_sync": True}
+    async with actor_system(tmp_path, settings, ROLES) as system:
+        pusher = system["pusher-0-0"]
+        publisher = pusher.weights
+        first = start_worker(system, tmp_path, "rollout-0-0", workers)
+        await registered(system, "rollout-0-0", first)
+        assert await publisher.publish(1)
+        pusher.source[0][1][0, :8] += 1.0  # the trainer moved one row's first elements
+        assert await publisher.publish(2)
+        assert pusher.counters["weights.delta_pushes"] == 1
+        kill(first)
+        second = start_worker(system, tmp_path, "rollout-0-0", workers)
+        await registered(system, "rollout-0-0", second)
+        assert await publisher.publish(3)
+        assert pusher.counters["weights.delta_pushes"] == 1, "the restarted worker holds nothing to apply a delta to"
+        assert await publisher.publish(4)
+        assert pusher.counters["weights.delta_pushes"] == 2 and publisher.committed_version == 4
+
+
+@pytest.mark.unit
+def test_delta_sync_with_a_transport_that_sends_every_push_whole_is_refused_at_start() -> None:
+    from actors.config import build_config
+
+    config = build_config({"rollout_engine": "sglang", "weight_delta_sync": True, "hf_checkpoint": "model"})
+    with pytest.raises(ValueError, match="--weight-delta-sync: the sglang weight transport sends every push whole"):
+        publisher_for(config, "127.0.0.1", engines=dict, tensors=lambda: iter(()), zmq=None, security=None,
+                      client_id="learner", counters=None, log=None)
+
+
+@pytest.mark.unit
+def test_delta_sync_over_float32_pushes_is_warned_about_at_start() -> None:
+    from actors.config import build_config
+
+    log = structlog.get_logger()
+    with structlog.testing.capture_logs() as logs:
+        publisher_for(build_config({"weight_delta_sync": True, "hf_checkpoint": "model"}), "127.0.0.1",
+                      engines=dict, tensors=lambda: iter(()), zmq=None, security=None, client_id="learner",
+                      counters=None, log=log)
+        publisher_for(build_config({"weight_delta_sync": True, "bf16": True, "hf_checkpoint": "model"}), "127.0.0.1",
+                      engines=dict, tensors=lambda: iter(()), zmq=None, security=None, client_id="learner",
+                      counters=None, log=log)
+    warned = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert len(warned) == 1 and "pushes float32 here (no --bf16)" in warned[0]["event"]

@@ -130,6 +130,22 @@ def test_explained_flags_are_accepted_and_listed_in_one_note() -> None:
 
 
 @pytest.mark.unit
+def test_slimes_delta_sync_flags_map_onto_delta_pushes_and_the_weight_check() -> None:
+    config, args = configure(["--update-weight-mode", "delta", "--update-weight-delta-encoding", "overwrite",
+                              "--update-weight-delta-checksum", "xxh3-128"])
+    assert config.weights.weight_delta_sync and config.weights.weight_check_stride == 1
+    assert "--update-weight-delta-encoding overwrite (what Slipstream does anyway)" in args.slime_translation.note()
+    full, _ = configure(["--update-weight-mode", "full"])
+    assert not full.weights.weight_delta_sync
+    with pytest.raises(ValueError, match=r"--update-weight-delta-encoding: xor deltas \(new \^ old\) are not sent"):
+        configure(["--update-weight-mode", "delta", "--update-weight-delta-encoding", "xor"])
+    with pytest.raises(ValueError, match="--update-weight-delta-checksum 'md5': expected one of xxh3-128, blake3"):
+        configure(["--update-weight-delta-checksum", "md5"])
+    with pytest.raises(ValueError, match="--update-weight-mode 'partial': expected full or delta"):
+        configure(["--update-weight-mode", "partial"])
+
+
+@pytest.mark.unit
 def test_values_that_mean_what_we_do_anyway_are_accepted() -> None:
     config, args = configure(["--no-offload-train", "--no-offload-rollout", "--update-weight-mode", "full",
                               "--rollout-data-transport", "object-store", "--rollout-top-k", "-1"])
