@@ -3,9 +3,11 @@ when it may be one.
 
 The sender diffs each tensor against the values it last pushed, so it keeps them: one copy of the pushed weights in
 the wire dtype, on the transfer device (a 135M-parameter model pushed as float32: 540 MB; as bfloat16: 270 MB).
-Each engine's receiver keeps the same copy, applies a delta to it in place, and hands the engine the changed
-tensors whole, through the load path a full push takes; so what the engine serves after a delta is bit for bit what
-it would serve after a full push, whatever the engine does on load (merge an adapter, fill a stacked expert).
+An engine that offers its own tensors (`InferenceEngine.delta_target`: ones that hold exactly what was pushed, in
+its dtype or a wider float) takes a delta straight into them and keeps nothing. For the rest the receiver keeps a
+copy, applies the delta to it, and hands the engine the changed tensors whole through the load path a full push
+takes, so whatever the engine does on load (merge an adapter, fill a stacked expert) happens as after a full push.
+Either way the engine ends bit for bit where a full push would have left it.
 
 A push is full (an anchor) unless every receiver is known to hold exactly the sender's copy: delta sync is off; no
 push committed yet in this group generation (a new generation means an engine joined, left or restarted); the

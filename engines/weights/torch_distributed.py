@@ -14,6 +14,10 @@ One transfer, keyed by its sequence number inside the group generation:
 4. Each receiver acknowledges after its last `load_fn` returned ("ok" or the error), and only when every ack
    is "ok" does the sender commit the version.
 
+With `delta_sync`, a push after a committed one may be a delta (`held.py`, `delta.py`): the manifest then says,
+per tensor, its encoding and how many elements changed, and what travels in step 3 is each tensor's encoded bytes,
+bucketed the same way (`Manifest.wire`).
+
 A receiver whose `load_fn` raises keeps receiving the remaining buckets (so the collective completes and the
 group stays usable), then reports the error in its ack. A broken collective (a member died mid-transfer)
 breaks the generation: both ends raise and the learner forms a new generation.
