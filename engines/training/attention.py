@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 
 NAME = "packed_sdpa"
@@ -76,9 +77,15 @@ def packed_sdpa_attention(
         else:
             q = _rows(query[0], call.queries).transpose(0, 1)
             k, v = _rows(key[0], call.keys).transpose(0, 1), _rows(value[0], call.keys).transpose(0, 1)
-        attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=(mask := plan.mask(q.shape[2], k.shape[2], sliding_window)), dropout_p=dropout,
-            is_causal=mask is None, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        mask = plan.mask(q.shape[2], k.shape[2], sliding_window)
+        if mask is not None and mask.numel() >= RECOMPUTED_MASK_ELEMENTS and torch.is_grad_enabled():
+            # A masked call keeps a [queries x keys] copy of its mask for the backward, per layer: O(T^2) for a
+            # context-parallel rank's last chunk of a long row. Recomputed in the backward, it keeps q, k and v.
+            attended = checkpoint(_masked_sdpa, q, k, v, mask, dropout, scaling, use_reentrant=False)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=mask is None, scale=scaling,
+                                                      enable_gqa=k.shape[1] != q.shape[1])
         if plan.single:
             return attended.transpose(1, 2).contiguous(), None
         attended = attended.transpose(0, 1).reshape(attended.shape[1], -1, attended.shape[-1])
@@ -90,6 +97,13 @@ def packed_sdpa_attention(
 
 
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)  # flash attention's; float32 rows keep SDPA
+# A masked kernel call at least this big ([queries x keys], 16 MiB as floats) is recomputed in the backward
+RECOMPUTED_MASK_ELEMENTS = 1 << 22
+
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, scaling: float | None) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 @functools.cache

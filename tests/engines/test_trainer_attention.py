@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from engines.training import attention
 from engines.training.attention import packed_sdpa_attention, register_packed_attention, sequence_spans
@@ -76,6 +77,32 @@ def test_sequences_of_equal_length_batched_together_give_each_sequences_own_atte
     torch.testing.assert_close(output, expected)
     for packed_grad, expected_grad in zip(packed_grads, expected_grads, strict=True):
         torch.testing.assert_close(packed_grad, expected_grad)
+
+
+@pytest.mark.unit
+def test_masked_calls_recomputed_in_the_backward_give_the_same_outputs_and_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large masked call (a continuation attending to its context) is recomputed in the backward rather than
+    keeping its mask: bit for bit the same outputs and q/k/v gradients as the call that keeps it."""
+    generator = torch.Generator().manual_seed(2)
+    positions = torch.cat([torch.arange(12), torch.arange(5, 12), torch.arange(9)])[None]  # a continuation at 5
+    total = int(positions.shape[1])
+    query = torch.randn(1, 4, total, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(1, 2, total, 8, generator=generator, requires_grad=True) for _ in range(2))
+    weights = torch.randn(1, total, 4, 8, generator=generator)
+
+    def attend() -> tuple[torch.Tensor, ...]:
+        output, _ = packed_sdpa_attention(nn.Module().eval(), query, key, value, None, position_ids=positions)
+        return (output, *torch.autograd.grad((output * weights).sum(), (query, key, value)))
+
+    kept = attend()
+    recomputed_calls = []
+    monkeypatch.setattr(attention, "RECOMPUTED_MASK_ELEMENTS", 1)
+    monkeypatch.setattr(attention, "checkpoint", lambda *a, **k: recomputed_calls.append(1) or checkpoint(*a, **k))
+    recomputed = attend()
+    assert recomputed_calls  # the continuation's masked call took the recomputed path
+    for got, expected in zip(recomputed, kept, strict=True):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.unit
