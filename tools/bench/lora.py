@@ -10,7 +10,7 @@ fine-tuning, the adapter's A and B matrices for LoRA, both in bfloat16 as `--bf1
 20x fewer bytes at rank 16 on a model of realistic shape.
 
 Seconds. A real push on this machine: the learner's `TorchTrainer` (full, then LoRA) sends over the gloo
-torch.distributed transfer to a spawned process whose `TorchEngine` receives it through the rollout worker's own
+torch.distributed transfer to another process whose `TorchEngine` receives it through the rollout worker's own
 loader (pause, receive, load or merge, resume), until the engine acknowledged. The full-weight push is the
 baseline; both are medians over the repeats, after one untimed warm-up each.
 
@@ -18,16 +18,26 @@ The same two pushes into an SGLang-compatible server (`tools.standins.sglang_ser
 engine, in its own process): full weights as SGLang receives them (one broadcast per tensor, per
 `/update_weights_from_distributed` call), and the adapter as a LoRA run on SGLang sends it (gloo to the rollout
 worker, a PEFT folder, `/load_lora_adapter`; `engines/sglang/adapter_sync.py`).
+
+The four receiving processes (two engines, two servers) are forked from the benchmark's process before it runs a
+torch op, and told later over their stdin what to load and which group to join (tools/bench/forked.py): each starts
+with torch and transformers imported, not as a new interpreter that imports them again.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
-import multiprocessing as mp
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +46,7 @@ import torch
 
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
 from tools.bench.engine_process import Silent, serve_pushes
+from tools.bench.forked import ForkedWorker
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,27 +105,87 @@ def bytes_rows(ranks: tuple[int, ...]) -> list[BytesRow]:
     return rows
 
 
-def sync_rows(model_path: Path, repeats: int) -> list[SyncRow]:
-    return [_timed_pushes(model_path, "full weights", None, repeats),
-            _timed_pushes(model_path, f"LoRA adapter (rank {TIMED_RANK})", _settings(TIMED_RANK), repeats)]
+@dataclass(frozen=True)
+class Receivers:
+    """The processes the timed pushes go to, one per row, each waiting for the line that says what to receive."""
+
+    workers: dict[str, ForkedWorker]  # engine-full, engine-adapter, server-full, server-adapter
+    scratch: Path  # their errors files (NAME.err) and the servers' logs (NAME.log)
+
+    @classmethod
+    def fork(cls, scratch: Path) -> Receivers:
+        """Before this process's first torch op: a child forked after its OpenMP pool started would hang in its own
+        first parallel region (tools/bench/forked.py), so torch runs on one thread until the last fork. What the
+        workers run is imported here first, once for all of them."""
+        for module in ("engines.inference", "engines.weights.torch_loader", "tools.standins.sglang_server.server"):
+            importlib.import_module(module)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        workers = {f"{side}-{update}": _waiting(target, scratch / f"{side}-{update}.err")
+                   for side, target in (("engine", _receive_pushes), ("server", _serve_sglang))
+                   for update in ("full", "adapter")}
+        torch.set_num_threads(threads)
+        return cls(workers, scratch)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            if worker.poll() is None:
+                worker.kill()
+
+
+def _waiting(target: Callable[[dict[str, Any]], None], errors: Path) -> ForkedWorker:
+    """A forked worker that reads one JSON line, its order, and runs `target` on it."""
+    return ForkedWorker(lambda: target(json.loads(sys.stdin.readline())), errors)
+
+
+def _order(worker: ForkedWorker, order: dict[str, Any]) -> None:
+    worker.stdin.write(json.dumps(order) + "\n")
+    worker.close_stdin()
+
+
+def _receive_pushes(order: dict[str, Any]) -> None:
+    serve_pushes(order["model"], order["group"], order["scaling"], order["pushes"])
+
+
+def _serve_sglang(order: dict[str, Any]) -> None:
+    """The SGLang-compatible server's own `main`, its output into its log as a server process of its own has."""
+    log = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    from tools.standins.sglang_server.server import main as serve
+
+    serve(order["argv"])
+
+
+def _worker_failed(worker: ForkedWorker, what: str, errors: Path, log: Path | None = None) -> RuntimeError:
+    worker.wait(timeout=60)
+    tail = (log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else "")
+    return RuntimeError(f"bench lora: the {what} exited with {worker.returncode}:\n{errors.read_text()[-3000:]}"
+                        f"{tail}")
+
+
+def sync_rows(model_path: Path, repeats: int, receivers: Receivers) -> list[SyncRow]:
+    return [_timed_pushes(model_path, "full weights", None, repeats, receivers, "engine-full"),
+            _timed_pushes(model_path, f"LoRA adapter (rank {TIMED_RANK})", _settings(TIMED_RANK), repeats, receivers,
+                          "engine-adapter")]
 
 
 def _settings(rank: int) -> LoraSettings:
     return LoraSettings(rank=rank, alpha=2.0 * rank)
 
 
-def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, repeats: int) -> SyncRow:
+def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, repeats: int, receivers: Receivers,
+                  name: str) -> SyncRow:
     from engines.training import TorchTrainer, TorchTrainerConfig
     from engines.weights import TorchDistributedWeightSender
 
     trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, check_packing=False, lora=adapter))
     sender = TorchDistributedWeightSender(timeout_s=300)
     spec = sender.open_group(["learner", "engine-0"])
-    context = mp.get_context("spawn")
-    scaling = adapter.scaling if adapter is not None else None
-    engine = context.Process(target=serve_pushes, args=(str(model_path), spec.to_dict(), scaling, repeats + 1),
-                             daemon=True)
-    engine.start()
+    engine = receivers.workers[name]
+    _order(engine, {"model": str(model_path), "group": spec.to_dict(), "pushes": repeats + 1,
+                    "scaling": adapter.scaling if adapter is not None else None})
     try:
         sender.wait_for_receivers()
         pushes = []
@@ -122,25 +193,24 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
             started = time.perf_counter()
             report = sender.send(trainer.named_tensors(), version=version)
             pushes.append((time.perf_counter() - started, report.num_bytes))
+        if engine.wait(timeout=120) != 0:
+            raise _worker_failed(engine, f"torch engine of the {label!r} pushes", receivers.scratch / f"{name}.err")
         return _row(label, pushes)
     finally:
-        engine.join(timeout=120)
         sender.close()
         trainer.close()
 
 
-def sglang_rows(model_path: Path, repeats: int) -> list[SyncRow]:
-    return [asyncio.run(_timed_sglang_pushes(model_path, "full weights", None, repeats)),
+def sglang_rows(model_path: Path, repeats: int, receivers: Receivers) -> list[SyncRow]:
+    return [asyncio.run(_timed_sglang_pushes(model_path, "full weights", None, repeats, receivers, "server-full")),
             asyncio.run(_timed_sglang_pushes(model_path, f"LoRA adapter (rank {TIMED_RANK})", _settings(TIMED_RANK),
-                                             repeats))]
+                                             repeats, receivers, "server-adapter"))]
 
 
-async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettings | None, repeats: int) -> SyncRow:
-    import tempfile
-
+async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettings | None, repeats: int,
+                               receivers: Receivers, name: str) -> SyncRow:
     from engines.sglang.adapter_endpoints import AdapterServing
     from engines.sglang.client import SglangEngine
-    from engines.sglang.launch import ServerProcess, ServerSpec
     from engines.training import TorchTrainer, TorchTrainerConfig
     from engines.weights.transport import SGLANG, SGLANG_LORA, SenderOptions, resolve_transport
 
@@ -148,11 +218,10 @@ async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettin
     extra: dict[str, str | list[str]] = {"torch-threads": "1", "weight-group-timeout": "300"}
     if adapter is not None:
         extra |= {"enable-lora": "true", "max-lora-rank": str(adapter.rank), "lora-target-modules": ["all"]}
-    with tempfile.TemporaryDirectory() as logs:
-        spec = ServerSpec(model_path=str(model_path), module="tools.standins.sglang_server", extra=extra)
-        server = ServerProcess(spec, startup_timeout=300, log_dir=Path(logs))
-        server.start()
-        client = SglangEngine(server.url, adapters=AdapterServing(adapter.alpha) if adapter is not None else None)
+    server = receivers.workers[name]
+    url = await asyncio.to_thread(_start_server, server, model_path, extra, receivers.scratch / name)
+    try:
+        client = SglangEngine(url, adapters=AdapterServing(adapter.alpha) if adapter is not None else None)
         transport = resolve_transport(SGLANG if adapter is None else SGLANG_LORA)
         sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=300.0))
         loader = transport.make_loader(client, "engine-0", Silent())
@@ -172,8 +241,38 @@ async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettin
             loader.close()
             sender.close()
             await client.close()
-            server.stop()
-            trainer.close()
+    finally:
+        _stop_server(server)
+        trainer.close()
+
+
+def _start_server(server: ForkedWorker, model_path: Path, extra: dict[str, str | list[str]], files: Path) -> str:
+    """Order the forked server up on a free port and wait for its health check, as `ServerProcess.start` does for a
+    server it starts as a new interpreter; its URL."""
+    from bus.address import free_port
+    from engines.sglang.launch import HEALTH_PATHS, ServerSpec, probe
+
+    spec = ServerSpec(model_path=str(model_path), module="tools.standins.sglang_server", extra=extra)
+    port = free_port(spec.host)
+    log = files.with_suffix(".log")
+    _order(server, {"argv": spec.command(port)[3:], "log": str(log)})  # its arguments, after `python -m MODULE`
+    url = f"http://{spec.host}:{port}"
+    deadline = time.monotonic() + 300
+    while not any(probe(url + path, timeout=5.0) for path in HEALTH_PATHS):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise _worker_failed(server, f"SGLang-compatible server at {url}", files.with_suffix(".err"), log)
+        time.sleep(0.1)
+    return url
+
+
+def _stop_server(server: ForkedWorker) -> None:
+    """SIGTERM, which the server answers by closing its engine and groups; SIGKILL if it has not within 30 s."""
+    if server.poll() is None:
+        os.kill(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def _row(label: str, pushes: list[tuple[float, int]]) -> SyncRow:
@@ -222,12 +321,17 @@ def main() -> None:
     from actors.runtime.logs import quiet_library_output
 
     quiet_library_output()
-    spec = QUICK_MODEL if args.quick else TIMED_MODEL
-    model_path = cached_tiny_model(REPO / ".cache" / "models", spec)
-    parameters = sum(p.numel() for p in _load(model_path).parameters())
-    byte_rows = bytes_rows(RANKS[:1] if args.quick else RANKS)
-    timed = sync_rows(model_path, 1 if args.quick else args.repeats)
-    sglang = sglang_rows(model_path, 1 if args.quick else args.repeats)
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as scratch:
+        receivers = Receivers.fork(Path(scratch))
+        try:
+            spec = QUICK_MODEL if args.quick else TIMED_MODEL
+            model_path = cached_tiny_model(REPO / ".cache" / "models", spec)
+            parameters = sum(p.numel() for p in _load(model_path).parameters())
+            byte_rows = bytes_rows(RANKS[:1] if args.quick else RANKS)
+            timed = sync_rows(model_path, 1 if args.quick else args.repeats, receivers)
+            sglang = sglang_rows(model_path, 1 if args.quick else args.repeats, receivers)
+        finally:
+            receivers.close()
     print_tables(byte_rows, timed, sglang, parameters)
     if args.json is not None:
         args.json.write_text(json.dumps({"bytes": [asdict(row) for row in byte_rows],
