@@ -1,6 +1,9 @@
 """Rollout routing replay (R3) through launcher.py: the engines record each token's experts (a torch engine, or an
 SGLang-compatible server asked with return_routed_experts), samples carry them over the bus, and the learner's
-policy forwards route there (a tiny Qwen3-MoE model)."""
+policy forwards route there (a tiny Qwen3-MoE model).
+
+Megatron's R2 (--use-routing-replay: the routes of the learner's own pi_old forward) runs in the slime MoE script's
+Megatron run, tests/system/test_slime_script_run.py, which has its two learner ranks and expert parallelism."""
 
 from __future__ import annotations
 
@@ -60,18 +63,3 @@ def test_samples_carry_the_engines_routes_to_a_learner_that_replays_them(tmp_pat
         routes = np.asarray(sample.routed_experts)
         assert routes.shape == ((len(sample.tokens) - 1) * 4,)
         assert routes.min() >= 0 and routes.max() < 4  # TinyModelSpec's four experts
-
-
-@pytest.mark.system
-@pytest.mark.timeout(300)
-def test_a_megatron_learner_replays_the_routes_of_its_own_pi_old_forward(tmp_path: Path, tiny_model_cache: Path
-                                                                         ) -> None:
-    """--use-routing-replay (slime's R2) on Megatron over two learner ranks with the experts split (EP 2): pi_old's
-    forward records each token's experts on every rank, the batch's samples carry them into both optimizer steps
-    (the second replays pi_old's routes, not the updated policy's own)."""
-    rows = tiny_moe_run(tmp_path, tiny_model_cache, "--use-routing-replay", "--use-decoupled-ppo",
-                        "--num-steps-per-rollout", "2", "--train-backend", "megatron", "--learner-ranks", "2",
-                        "--expert-model-parallel-size", "2",
-                        # a reward that differs between an untrained model's samples: the steps have gradients
-                        "--custom-rm-path", "tests.support.reward_plugins:digit_share")
-    assert len(rows) == 3 and any(row["grad_norm"] > 0 for row in rows), rows  # trained, not only ran

@@ -77,20 +77,28 @@ def test_the_moe_slime_script_trains_a_tiny_qwen3_moe_on_cpu(tiny_model_cache: P
 
 
 @pytest.mark.system
-def test_the_moe_slime_script_trains_on_megatron_with_expert_parallelism(tiny_model_cache: Path,
-                                                                          tmp_path: Path) -> None:
+def test_the_moe_slime_script_trains_on_megatron_with_expert_parallelism_replaying_pi_olds_routes(
+    tiny_model_cache: Path, tmp_path: Path
+) -> None:
     """The same script on slime's own backend and engine: two learner ranks (gloo) splitting the experts (EP 2,
     expert TP 1 as the script sets it), weights pushed every step to an SGLang(-compatible) server, which loads
     experts under checkpoint names only. Its CPU-offloaded optimizer goes (the Megatron backend refuses it by
-    name: it runs and checkpoints megatron's on-device Adam only)."""
+    name: it runs and checkpoints megatron's on-device Adam only).
+
+    With --use-routing-replay (slime's R2) and --use-decoupled-ppo over two optimizer steps a batch (global batch
+    4 of the batch's 8 samples): pi_old's forward records each token's experts on every rank, the batch's samples
+    carry them into both optimizer steps (the second replays pi_old's routes, not the updated policy's own). The
+    run is the one Megatron R2 run of the suite (tests/system/test_routing_replay_run.py runs R3)."""
     from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
     model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
-    flags = {**TINY_MOE_FLAGS, "--expert-model-parallel-size": "2", "--actor-num-gpus-per-node": "2"}
+    flags = {**TINY_MOE_FLAGS, "--expert-model-parallel-size": "2", "--actor-num-gpus-per-node": "2",
+             "--global-batch-size": "4"}
     entry, argv = _tiny_moe_script(model, tmp_path, flags)
     for offload in ("--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"):
         argv.remove(offload)
-    argv += ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server"]
+    argv += ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
+             "--use-routing-replay", "--use-decoupled-ppo"]
     _, steps = run_slime_script(entry, argv, tmp_path / "run", train_backend="megatron")
-    assert len(steps) == 3
+    assert len(steps) == 3 and all(row["optimizer_steps"] == 2 for row in steps), steps
     assert all(row["grad_norm"] > 0 for row in steps), steps
