@@ -20,6 +20,7 @@ rows show resident set sizes at turn ends, so the CPU run checks the machinery, 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing as mp
 import sys
@@ -183,8 +184,10 @@ async def _wait_for_release(engine: Any, before: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ the driver
 def run_mode(colocated: bool, model_path: str, device: str, sizes: Sizes, rounds: int) -> ModeResult:
-    """Both processes on `device`, `rounds` times: the engine generates, then the learner trains."""
-    context = mp.get_context("spawn")
+    """Both processes on `device`, `rounds` times: the engine generates, then the learner trains. On the CPU they
+    are forked from this process, which imported what they run (`main`); a GPU's are new interpreters, since a
+    process forked from one that asked CUDA anything cannot use it."""
+    context = mp.get_context("fork" if device == "cpu" else "spawn")
     ends: dict[str, Connection] = {}
     processes = []
     for role, target in (("learner", _learner), ("engine", _engine)):
@@ -251,7 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     from tools.gpu.check import gpu_model_spec
     from tools.standins.tiny_model import cached_tiny_model
 
-    if not args.cpu and not torch.cuda.is_available():
+    if args.cpu:
+        # The turns' processes fork from here (run_mode) with both roles' modules imported, and torch on one thread
+        # from before any op: a child forked after the OpenMP pool started hangs in its first parallel region
+        # (tools/bench/forked.py).
+        for module in ("engines.inference", "engines.training"):
+            importlib.import_module(module)
+        torch.set_num_threads(1)
+    elif not torch.cuda.is_available():
         raise SystemExit("bench_colocate: no CUDA device here; use --cpu to run the turns on the CPU")
     device = "cpu" if args.cpu else "cuda"
     spec = gpu_model_spec(device, args.quick)
