@@ -30,14 +30,10 @@ import argparse
 import asyncio
 import importlib
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +43,7 @@ import torch
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
 from tools.bench.engine_process import Silent, serve_pushes
 from tools.bench.forked import ForkedWorker
+from tools.bench.forked_server import ForkedServer
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,8 +106,9 @@ def bytes_rows(ranks: tuple[int, ...]) -> list[BytesRow]:
 class Receivers:
     """The processes the timed pushes go to, one per row, each waiting for the line that says what to receive."""
 
-    workers: dict[str, ForkedWorker]  # engine-full, engine-adapter, server-full, server-adapter
-    scratch: Path  # their errors files (NAME.err) and the servers' logs (NAME.log)
+    engines: dict[str, ForkedWorker]  # full, adapter
+    servers: dict[str, ForkedServer]
+    scratch: Path  # the engines' errors files (engine-NAME.err), the servers' errors files and logs
 
     @classmethod
     def fork(cls, scratch: Path) -> Receivers:
@@ -121,54 +119,28 @@ class Receivers:
             importlib.import_module(module)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        workers = {f"{side}-{update}": _waiting(target, scratch / f"{side}-{update}.err")
-                   for side, target in (("engine", _receive_pushes), ("server", _serve_sglang))
-                   for update in ("full", "adapter")}
+        updates = ("full", "adapter")
+        engines = {update: ForkedWorker(lambda: _receive_pushes(json.loads(sys.stdin.readline())),
+                                        scratch / f"engine-{update}.err") for update in updates}
+        servers = {update: ForkedServer(scratch / f"server-{update}") for update in updates}
         torch.set_num_threads(threads)
-        return cls(workers, scratch)
+        return cls(engines, servers, scratch)
 
     def close(self) -> None:
-        for worker in self.workers.values():
-            if worker.poll() is None:
-                worker.kill()
-
-
-def _waiting(target: Callable[[dict[str, Any]], None], errors: Path) -> ForkedWorker:
-    """A forked worker that reads one JSON line, its order, and runs `target` on it."""
-    return ForkedWorker(lambda: target(json.loads(sys.stdin.readline())), errors)
-
-
-def _order(worker: ForkedWorker, order: dict[str, Any]) -> None:
-    worker.stdin.write(json.dumps(order) + "\n")
-    worker.close_stdin()
+        for engine in self.engines.values():
+            engine.kill()
+        for server in self.servers.values():
+            server.kill()
 
 
 def _receive_pushes(order: dict[str, Any]) -> None:
     serve_pushes(order["model"], order["group"], order["scaling"], order["pushes"])
 
 
-def _serve_sglang(order: dict[str, Any]) -> None:
-    """The SGLang-compatible server's own `main`, its output into its log as a server process of its own has."""
-    log = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for fd in (1, 2):
-        os.dup2(log, fd)
-    os.close(log)
-    from tools.standins.sglang_server.server import main as serve
-
-    serve(order["argv"])
-
-
-def _worker_failed(worker: ForkedWorker, what: str, errors: Path, log: Path | None = None) -> RuntimeError:
-    worker.wait(timeout=60)
-    tail = (log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else "")
-    return RuntimeError(f"bench lora: the {what} exited with {worker.returncode}:\n{errors.read_text()[-3000:]}"
-                        f"{tail}")
-
-
 def sync_rows(model_path: Path, repeats: int, receivers: Receivers) -> list[SyncRow]:
-    return [_timed_pushes(model_path, "full weights", None, repeats, receivers, "engine-full"),
+    return [_timed_pushes(model_path, "full weights", None, repeats, receivers, "full"),
             _timed_pushes(model_path, f"LoRA adapter (rank {TIMED_RANK})", _settings(TIMED_RANK), repeats, receivers,
-                          "engine-adapter")]
+                          "adapter")]
 
 
 def _settings(rank: int) -> LoraSettings:
@@ -183,9 +155,10 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
     trainer = TorchTrainer(TorchTrainerConfig(model_path=model_path, check_packing=False, lora=adapter))
     sender = TorchDistributedWeightSender(timeout_s=300)
     spec = sender.open_group(["learner", "engine-0"])
-    engine = receivers.workers[name]
-    _order(engine, {"model": str(model_path), "group": spec.to_dict(), "pushes": repeats + 1,
-                    "scaling": adapter.scaling if adapter is not None else None})
+    engine = receivers.engines[name]
+    engine.stdin.write(json.dumps({"model": str(model_path), "group": spec.to_dict(), "pushes": repeats + 1,
+                                   "scaling": adapter.scaling if adapter is not None else None}) + "\n")
+    engine.close_stdin()
     try:
         sender.wait_for_receivers()
         pushes = []
@@ -194,7 +167,9 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
             report = sender.send(trainer.named_tensors(), version=version)
             pushes.append((time.perf_counter() - started, report.num_bytes))
         if engine.wait(timeout=120) != 0:
-            raise _worker_failed(engine, f"torch engine of the {label!r} pushes", receivers.scratch / f"{name}.err")
+            errors = (receivers.scratch / f"engine-{name}.err").read_text()[-3000:]
+            raise RuntimeError(f"bench lora: the torch engine of the {label!r} pushes exited with {engine.returncode}:"
+                               f"\n{errors}")
         return _row(label, pushes)
     finally:
         sender.close()
@@ -202,13 +177,13 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
 
 
 def sglang_rows(model_path: Path, repeats: int, receivers: Receivers) -> list[SyncRow]:
-    return [asyncio.run(_timed_sglang_pushes(model_path, "full weights", None, repeats, receivers, "server-full")),
+    return [asyncio.run(_timed_sglang_pushes(model_path, "full weights", None, repeats, receivers.servers["full"])),
             asyncio.run(_timed_sglang_pushes(model_path, f"LoRA adapter (rank {TIMED_RANK})", _settings(TIMED_RANK),
-                                             repeats, receivers, "server-adapter"))]
+                                             repeats, receivers.servers["adapter"]))]
 
 
 async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettings | None, repeats: int,
-                               receivers: Receivers, name: str) -> SyncRow:
+                               server: ForkedServer) -> SyncRow:
     from engines.sglang.adapter_endpoints import AdapterServing
     from engines.sglang.client import SglangEngine
     from engines.training import TorchTrainer, TorchTrainerConfig
@@ -218,8 +193,7 @@ async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettin
     extra: dict[str, str | list[str]] = {"torch-threads": "1", "weight-group-timeout": "300"}
     if adapter is not None:
         extra |= {"enable-lora": "true", "max-lora-rank": str(adapter.rank), "lora-target-modules": ["all"]}
-    server = receivers.workers[name]
-    url = await asyncio.to_thread(_start_server, server, model_path, extra, receivers.scratch / name)
+    url = await asyncio.to_thread(server.start, model_path, extra)
     try:
         client = SglangEngine(url, adapters=AdapterServing(adapter.alpha) if adapter is not None else None)
         transport = resolve_transport(SGLANG if adapter is None else SGLANG_LORA)
@@ -242,37 +216,8 @@ async def _timed_sglang_pushes(model_path: Path, label: str, adapter: LoraSettin
             sender.close()
             await client.close()
     finally:
-        _stop_server(server)
+        server.stop()
         trainer.close()
-
-
-def _start_server(server: ForkedWorker, model_path: Path, extra: dict[str, str | list[str]], files: Path) -> str:
-    """Order the forked server up on a free port and wait for its health check, as `ServerProcess.start` does for a
-    server it starts as a new interpreter; its URL."""
-    from bus.address import free_port
-    from engines.sglang.launch import HEALTH_PATHS, ServerSpec, probe
-
-    spec = ServerSpec(model_path=str(model_path), module="tools.standins.sglang_server", extra=extra)
-    port = free_port(spec.host)
-    log = files.with_suffix(".log")
-    _order(server, {"argv": spec.command(port)[3:], "log": str(log)})  # its arguments, after `python -m MODULE`
-    url = f"http://{spec.host}:{port}"
-    deadline = time.monotonic() + 300
-    while not any(probe(url + path, timeout=5.0) for path in HEALTH_PATHS):
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise _worker_failed(server, f"SGLang-compatible server at {url}", files.with_suffix(".err"), log)
-        time.sleep(0.1)
-    return url
-
-
-def _stop_server(server: ForkedWorker) -> None:
-    """SIGTERM, which the server answers by closing its engine and groups; SIGKILL if it has not within 30 s."""
-    if server.poll() is None:
-        os.kill(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def _row(label: str, pushes: list[tuple[float, int]]) -> SyncRow:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import statistics
 import tempfile
@@ -31,10 +32,10 @@ from typing import Any
 import torch
 
 from engines.sglang.client import SglangEngine
-from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.sglang.tensor_weights import SglangTensorLoader, SglangTensorSender
 from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
 from engines.weights.base import TransferReport, WeightSender
+from tools.bench.forked_server import ForkedServer
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 FULL = TinyModelSpec(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -79,15 +80,19 @@ def main() -> None:
     args = _parse_args()
     spec = QUICK if args.quick else FULL
     repeats = 1 if args.quick else args.repeats
-    model = cached_tiny_model(Path(tempfile.gettempdir()) / "slipstream-bench-models", spec)
-    server = ServerProcess(ServerSpec(model_path=str(model), module="tools.standins.sglang_server",
-                                      extra={"torch-threads": "1", "weight-group-timeout": "120"}),
-                           startup_timeout=300)
-    server.start()
-    try:
-        rows = asyncio.run(_measure(server.url, model, args.dtypes.split(","), repeats))
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="bench-sglang-colocate-") as scratch:
+        # Forked before this process's first torch op (tools/bench/forked.py), with the server's modules imported.
+        importlib.import_module("tools.standins.sglang_server.server")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        server = ForkedServer(Path(scratch) / "server")
+        torch.set_num_threads(threads)
+        try:
+            model = cached_tiny_model(Path(tempfile.gettempdir()) / "slipstream-bench-models", spec)
+            url = server.start(model, {"torch-threads": "1", "weight-group-timeout": "120"})
+            rows = asyncio.run(_measure(url, model, args.dtypes.split(","), repeats))
+        finally:
+            server.stop()
     _print_table(rows, repeats)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": str(model), "rows": [asdict(r) for r in rows]}, indent=2))
