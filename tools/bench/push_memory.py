@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
 from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender
 from engines.weights.stream import SpecifiedTensors, record_specs
-from tools.bench.weights import FULL, QUICK, ModelShape, _synthetic_tensors
+from tools.bench.weights import FULL, QUICK, ModelShape, _synthetic_tensors, receivers_context
 
 MODES = ("listed", "streamed")
 
@@ -68,6 +68,8 @@ def main() -> None:
     args = _parse_args()
     shape = QUICK if args.quick else FULL
     repeats = 1 if args.quick else args.repeats
+    if args.quick:  # a smoke run: its engine forks from here (receivers_context)
+        torch.set_num_threads(1)
     model = _synthetic_tensors(shape, torch.float32, fill=True)
     model_bytes = sum(tensor.nbytes for _, tensor in model)
     print(f"synthetic model: {shape.parameters / 1e6:.0f}M parameters, {model_bytes / 1e6:.0f} MB in float32, "
@@ -78,11 +80,12 @@ def main() -> None:
     record_seconds = time.perf_counter() - started
     record_peak = source.peak
 
-    context = mp.get_context("spawn")
-    sender = TorchDistributedWeightSender(timeout_s=300, backend="gloo")
-    spec = sender.open_group(["learner", "engine-0"])
-    engine = context.Process(target=_engine_main, args=(spec.to_dict(), shape, 2 * (repeats + 1)), daemon=True)
+    context = receivers_context(args.quick)
+    ours, theirs = context.Pipe()  # started before the sender's store and its thread exist: it learns the group here
+    engine = context.Process(target=_engine_main, args=(theirs, shape, 2 * (repeats + 1)), daemon=True)
     engine.start()
+    sender = TorchDistributedWeightSender(timeout_s=300, backend="gloo")
+    ours.send(sender.open_group(["learner", "engine-0"]).to_dict())
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     held: dict[str, int] = dict.fromkeys(MODES, 0)
     try:
@@ -109,9 +112,9 @@ def main() -> None:
              "record_specs_held_mb": record_peak / 1e6, "rows": [asdict(row) for row in rows]}, indent=2))
 
 
-def _engine_main(spec_dict: dict, shape: ModelShape, transfers: int) -> None:
+def _engine_main(conn: Connection, shape: ModelShape, transfers: int) -> None:
     torch.set_num_threads(1)
-    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(spec_dict), "engine-0", timeout_s=300)
+    receiver = TorchDistributedWeightReceiver.join(GroupSpec.from_dict(conn.recv()), "engine-0", timeout_s=300)
     live = dict(_synthetic_tensors(shape, torch.bfloat16, fill=False))
 
     def load(items) -> None:

@@ -26,7 +26,9 @@ import multiprocessing as mp
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,6 +100,8 @@ def main() -> None:
     receiver_counts = [int(n) for n in args.receivers.split(",")]
     dtypes = args.dtypes.split(",")
     repeats = 1 if args.quick else args.repeats
+    if args.quick:  # a smoke run: its receivers fork from here (receivers_context)
+        torch.set_num_threads(1)
     print(
         f"synthetic model: {shape.parameters / 1e6:.0f}M parameters in {len(shape.tensor_shapes())} tensors; "
         f"bucket {args.bucket_mb:g} MiB, alone from {args.direct_mb:g} MiB; {repeats} repeats (medians)"
@@ -107,7 +111,7 @@ def main() -> None:
         for backend in args.backends.split(",")
         for count in receiver_counts
         for row in _run_group(shape, count, dtypes, repeats, int(args.bucket_mb * 2**20),
-                              int(args.direct_mb * 2**20), backend)
+                              int(args.direct_mb * 2**20), backend, receivers_context(args.quick))
     ]
     _print_table(rows)
     if args.json:
@@ -116,21 +120,32 @@ def main() -> None:
         )
 
 
+def receivers_context(quick: bool) -> Any:
+    """How the receiving processes start. A timed run spawns new interpreters: forked, they would share this
+    process's torch thread pool setting, which must be one thread (a child forked after the OpenMP pool started
+    hangs in its first parallel region, tools/bench/forked.py), and the sender's timed conversions run here. A
+    --quick run is a smoke run on one thread: its receivers fork, with torch and the transfer already imported."""
+    return mp.get_context("fork" if quick else "spawn")
+
+
 def _run_group(
     shape: ModelShape, count: int, dtypes: list[str], repeats: int, bucket_bytes: int, direct_bytes: int,
-    backend: str,
+    backend: str, context: Any,
 ) -> list[Row]:
-    context = mp.get_context("spawn")
-    sender = TorchDistributedWeightSender(bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, timeout_s=300,
-                                          backend=backend)
     names = [f"engine-{rank}" for rank in range(count)]
-    spec = sender.open_group(["learner", *names])
-    processes = [
-        context.Process(target=_receiver_main, args=(spec.to_dict(), name, shape, dtypes, repeats), daemon=True)
-        for name in names
-    ]
+    ends, processes = [], []
+    for name in names:  # started before the sender's store and its thread exist: each learns the group on its pipe
+        ours, theirs = context.Pipe()
+        processes.append(context.Process(target=_receiver_main, args=(theirs, name, shape, dtypes, repeats),
+                                         daemon=True))
+        ends.append(ours)
     for process in processes:
         process.start()
+    sender = TorchDistributedWeightSender(bucket_bytes=bucket_bytes, direct_bytes=direct_bytes, timeout_s=300,
+                                          backend=backend)
+    spec = sender.open_group(["learner", *names])
+    for end in ends:
+        end.send(spec.to_dict())
     try:
         sender.wait_for_receivers()
         raw_group = _raw_group(sender.port, 0, count + 1)
@@ -161,8 +176,8 @@ def _run_group(
         sender.close()
 
 
-def _receiver_main(spec_dict: dict, name: str, shape: ModelShape, dtypes: list[str], repeats: int) -> None:
-    spec = GroupSpec.from_dict(spec_dict)
+def _receiver_main(conn: Connection, name: str, shape: ModelShape, dtypes: list[str], repeats: int) -> None:
+    spec = GroupSpec.from_dict(conn.recv())
     receiver = TorchDistributedWeightReceiver.join(spec, name, timeout_s=300)
     raw_group = _raw_group(spec.port, spec.rank_of(name), len(spec.members), host=spec.host)
     for variant in dtypes:
