@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from tools.bench.forked import ForkedWorker
 
 
 def serve_pushes(model_path: str, spec: dict[str, Any], scaling: float | None, pushes: int) -> None:
@@ -29,6 +34,19 @@ def serve_pushes(model_path: str, spec: dict[str, Any], scaling: float | None, p
             await engine.close()
 
     asyncio.run(serve())
+
+
+def forked_engine(errors: Path) -> ForkedWorker:
+    """`serve_pushes` in a worker forked now (before the benchmark's first torch op, or with torch on one thread:
+    tools/bench/forked.py), told later by `order_pushes` what to load and which group to join."""
+    return ForkedWorker(lambda: serve_pushes(**json.loads(sys.stdin.readline())), errors)
+
+
+def order_pushes(engine: ForkedWorker, model_path: str, spec: dict[str, Any], scaling: float | None,
+                 pushes: int) -> None:
+    engine.stdin.write(json.dumps({"model_path": model_path, "spec": spec, "scaling": scaling,
+                                   "pushes": pushes}) + "\n")
+    engine.close_stdin()
 
 
 class Silent:

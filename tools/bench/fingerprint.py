@@ -19,9 +19,10 @@ each algorithm's own speed on this machine (XXH3 over the bytes on a CPU; the de
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import multiprocessing as mp
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ import torch
 from actors.runtime.logs import quiet_library_output
 from engines.training.lora import LoraSettings
 from engines.weights.fingerprint import ALGORITHMS, fingerprint_all
-from tools.bench.engine_process import serve_pushes
+from tools.bench.engine_process import forked_engine, order_pushes
+from tools.bench.forked import ForkedWorker
 from tools.bench.models import bench_model
 
 ROWS = (("tiny", None), ("smollm2", 16), ("smollm2", None), ("qwen2.5-0.5b", None))  # (model, LoRA rank or None)
@@ -74,7 +76,7 @@ class SpeedRow:
     seconds: float
 
 
-def push_row(model: str, rank: int | None, repeats: int) -> PushRow:
+def push_row(model: str, rank: int | None, repeats: int, engine: ForkedWorker, errors: Path) -> PushRow:
     from engines.training import TorchTrainer, TorchTrainerConfig
     from engines.weights import TorchDistributedWeightSender
 
@@ -84,10 +86,7 @@ def push_row(model: str, rank: int | None, repeats: int) -> PushRow:
     sender = TorchDistributedWeightSender(timeout_s=600)
     spec = sender.open_group(["learner", "engine-0"])
     pushes = len(KINDS) * repeats + 1
-    engine = mp.get_context("spawn").Process(
-        target=serve_pushes, args=(str(path), spec.to_dict(), adapter.scaling if adapter else None, pushes),
-        daemon=True)
-    engine.start()
+    order_pushes(engine, str(path), spec.to_dict(), adapter.scaling if adapter else None, pushes)
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     spent: dict[str, list[float]] = {"sender": [], "engine-0": []}  # by each end, in default pushes
     try:
@@ -105,8 +104,11 @@ def push_row(model: str, rank: int | None, repeats: int) -> PushRow:
             if kind == "strided":
                 for end, seconds in spent.items():
                     seconds.append(report.fingerprints.seconds[end])
+        if engine.wait(timeout=300) != 0:
+            raise RuntimeError(f"bench fingerprint: the engine of the {model} row exited with {engine.returncode}:\n"
+                               f"{errors.read_text()[-3000:]}")
     finally:
-        engine.join(timeout=300)
+        engine.kill()
         sender.close()
         trainer.close()
     return PushRow(model, f"LoRA rank {rank}" if rank else "full weights", report.num_bytes / 1e6,
@@ -149,9 +151,21 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     quiet_library_output()  # the table, not a progress bar per model load
-    torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else args.repeats
-    pushes = [push_row(model, rank, repeats) for model, rank in (QUICK_ROWS if args.quick else ROWS)]
+    rows = QUICK_ROWS if args.quick else ROWS
+    with tempfile.TemporaryDirectory(prefix="bench-fingerprint-") as scratch:
+        # Each row's engine forked before this process's first torch op, with what it runs imported, and torch on
+        # one thread until the last fork (tools/bench/forked.py): not a new interpreter importing them again.
+        importlib.import_module("engines.inference")
+        torch.set_num_threads(1)
+        engines = [forked_engine(Path(scratch) / f"engine-{index}.err") for index in range(len(rows))]
+        torch.set_num_threads(args.threads)
+        try:
+            pushes = [push_row(model, rank, repeats, engine, Path(scratch) / f"engine-{index}.err")
+                      for index, (engine, (model, rank)) in enumerate(zip(engines, rows, strict=True))]
+        finally:
+            for engine in engines:
+                engine.kill()
     speeds = speed_rows(16 if args.quick else 256)
     print_tables(pushes, speeds)
     if args.json:

@@ -31,7 +31,6 @@ import asyncio
 import importlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 
 from engines.training.lora import LoraSettings, adapter_tensors, wrap
-from tools.bench.engine_process import Silent, serve_pushes
+from tools.bench.engine_process import Silent, forked_engine, order_pushes
 from tools.bench.forked import ForkedWorker
 from tools.bench.forked_server import ForkedServer
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
@@ -120,8 +119,7 @@ class Receivers:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         updates = ("full", "adapter")
-        engines = {update: ForkedWorker(lambda: _receive_pushes(json.loads(sys.stdin.readline())),
-                                        scratch / f"engine-{update}.err") for update in updates}
+        engines = {update: forked_engine(scratch / f"engine-{update}.err") for update in updates}
         servers = {update: ForkedServer(scratch / f"server-{update}") for update in updates}
         torch.set_num_threads(threads)
         return cls(engines, servers, scratch)
@@ -131,10 +129,6 @@ class Receivers:
             engine.kill()
         for server in self.servers.values():
             server.kill()
-
-
-def _receive_pushes(order: dict[str, Any]) -> None:
-    serve_pushes(order["model"], order["group"], order["scaling"], order["pushes"])
 
 
 def sync_rows(model_path: Path, repeats: int, receivers: Receivers) -> list[SyncRow]:
@@ -156,9 +150,8 @@ def _timed_pushes(model_path: Path, label: str, adapter: LoraSettings | None, re
     sender = TorchDistributedWeightSender(timeout_s=300)
     spec = sender.open_group(["learner", "engine-0"])
     engine = receivers.engines[name]
-    engine.stdin.write(json.dumps({"model": str(model_path), "group": spec.to_dict(), "pushes": repeats + 1,
-                                   "scaling": adapter.scaling if adapter is not None else None}) + "\n")
-    engine.close_stdin()
+    order_pushes(engine, str(model_path), spec.to_dict(), adapter.scaling if adapter is not None else None,
+                 repeats + 1)
     try:
         sender.wait_for_receivers()
         pushes = []
