@@ -10,11 +10,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.gguf_checkpoint import GgufConversionError, convert_gguf
+from engines.gguf_checkpoint import GgufConversionError, convert_gguf, one_read_per_file
 from engines.pretrained import SMOLLM2, ModelUnavailable, extract_gguf, fetch_wheel
 
 
@@ -62,6 +63,31 @@ def test_a_file_that_is_not_gguf_fails_by_name_and_leaves_no_folder(tmp_path: Pa
     assert not (tmp_path / "out").exists()
     with pytest.raises(GgufConversionError, match="no such GGUF file"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+
+
+@pytest.mark.unit
+def test_a_conversion_reads_each_gguf_file_once_and_builds_each_name_map_once(tmp_path: Path) -> None:
+    """transformers' loader asks for the file three times (tokenizer, config, weights) and for gguf's tensor-name
+    map once per module: inside the conversion's block each comes from the first read, and after it gguf is as it
+    was."""
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with one_read_per_file():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(tmp_path / "." / "tiny.gguf") is first  # the same file, however it is named
+        assert first.tensors[0].name == "token_embd.weight" and first.fields["llama.block_count"].contents() == 2
+        llama = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(llama, 2) is gguf.get_tensor_name_map(llama, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not first
 
 
 @pytest.mark.integration
