@@ -383,7 +383,8 @@ class TorchEngine(base.InferenceEngine):
                 busy = False
                 while not self._closed:
                     idle = self._paused or not self._batcher.has_work()
-                    if idle and busy and self._release_when_idle:
+                    # a turn's end: no work left; a pause that keeps its rows (a weight load) is none, their KV stays
+                    if busy and not self._batcher.has_work() and self._release_when_idle:
                         self._release_memory()
                     busy = not idle
                     self._apply_commands(block=idle)

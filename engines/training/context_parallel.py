@@ -82,8 +82,8 @@ def zigzag_rows(segments: Sequence[Segment], size: int) -> list[list[int]]:
     held: list[list[int]] = [[] for _ in range(size)]
     chunks = 2 * size
     for segment in segments:
-        length = segment.end - segment.start
-        bounds = [segment.start + length * index // chunks for index in range(chunks + 1)]
+        span = segment.end - segment.start
+        bounds = [segment.start + span * index // chunks for index in range(chunks + 1)]
         for rank in range(size):
             for chunk in (rank, chunks - 1 - rank):
                 held[rank].extend(range(bounds[chunk], bounds[chunk + 1]))
@@ -103,8 +103,7 @@ class ContextRow(RowPlan):
                  device: torch.device) -> None:
         self.context = context
         held = zigzag_rows(segments, context.size)
-        self.counts = [len(rows) for rows in held]
-        self.width = max(self.counts)
+        self.width = max(len(rows) for rows in held)
         own = held[context.rank]
         self.rows = torch.tensor(own, dtype=torch.long, device=device)  # this rank's rows of the whole row
         # where row t of the whole row lands in the gathered [ranks x width] keys, flattened
@@ -121,8 +120,7 @@ class ContextRow(RowPlan):
         predictors = logit_positions.cpu()
         token_owner = owner[predictors]
         tokens = [(token_owner == rank).nonzero().flatten() for rank in range(context.size)]
-        self.token_counts = [int(mine.numel()) for mine in tokens]
-        self.token_width = max(max(self.token_counts), 1)
+        self.token_width = max(max(int(mine.numel()) for mine in tokens), 1)
         order = torch.empty(predictors.numel(), dtype=torch.long)
         for rank, mine in enumerate(tokens):
             order[mine] = rank * self.token_width + torch.arange(mine.numel())

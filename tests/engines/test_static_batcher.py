@@ -12,6 +12,7 @@ from engines.inference import GenerateRequest, SamplingParams, TorchEngine
 from engines.inference.sampling import counter_uniforms
 from engines.inference.static_batcher import StaticBatcher, bucket
 from tests.engines.test_inference_engine_parity import PROMPTS, _hf_greedy_batch
+from tests.support.waiting import until
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 LENGTHS = [30, 5, 12, 20]
@@ -122,6 +123,26 @@ async def test_releasing_the_pool_between_turns_allocates_a_new_one(tiny_model_p
         assert not engine._batcher.pool.allocated
         second = await _outputs(engine, _requests(engine, greedy, "b"))
     assert first == second
+
+
+@pytest.mark.integration
+async def test_a_colocated_engine_paused_with_rows_kept_releases_nothing_and_finishes_them(
+        tiny_model_path: Path) -> None:
+    """A weight load pauses the engine keeping its rows: that is not a turn's end, and their KV pool must stay (a
+    colocated static engine used to release it under them, and its decode thread died)."""
+    params = SamplingParams(temperature=0, max_new_tokens=300, ignore_eos=True)
+    async with TorchEngine.from_pretrained(tiny_model_path, kv_cache="static",
+                                           release_memory_when_idle=True) as engine:
+        alone = await engine.generate(GenerateRequest("alone", [7, 12, 30], params))
+        running = asyncio.create_task(engine.generate(GenerateRequest("kept", [7, 12, 30], params)))
+        await until(lambda: bool(engine._batcher.running), "the request to be decoding")
+        releases = engine.memory_releases
+        await engine.pause("keep")
+        await engine.health()  # a command the decode thread takes after its turn through the paused loop
+        await engine.resume()
+        kept = await asyncio.wait_for(running, 60)
+        assert engine.memory_releases >= releases  # released after the request, not under it
+    assert kept[0].output_ids == alone[0].output_ids
 
 
 @pytest.mark.unit
