@@ -131,6 +131,14 @@ def tiny_model_path(tiny_model_cache: Path) -> Path:
     return cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen2"))
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tiny_model_cache: Path) -> Path:
+    """A tiny Qwen2.5-VL HF folder: vision tower, character tokenizer with the vision tokens, image processor."""
+    from tools.standins.tiny_vlm import cached_tiny_vlm
+
+    return cached_tiny_vlm(tiny_model_cache)
+
+
 # CI sets this: there a model that cannot be fetched fails its tests instead of skipping them.
 REQUIRE_PRETRAINED_ENV = "SLIPSTREAM_REQUIRE_PRETRAINED"
 
