@@ -90,6 +90,10 @@ STATUS_BY_FINISH: dict[str, SampleStatus] = {"stop": "completed", "length": "tru
 FINISH_BY_STATUS: dict[str, str] = {status: finish for finish, status in STATUS_BY_FINISH.items()}
 
 
+IMAGES = ("the prompt's images for a vision-language model, encoded as the data held them (PNG, JPEG, ...: never "
+          "decoded pixels), in the order of the image items in the prompt's messages")
+
+
 class Sample(Message):
     """One trajectory: a prompt and one generated response, with everything the learner needs.
 
@@ -162,6 +166,10 @@ class Sample(Message):
     ends_episode: Annotated[bool, doc(
         "this segment holds the episode's last model turn: the reward is computed here, once per episode, and "
         "every segment of the episode carries it; rollout worker")] = True
+    images: Annotated[list[bytes], doc(IMAGES + "; each placeholder in `tokens` is already expanded to the tokens its "
+                                       "image takes; copied from the group by the rollout worker")] = (
+        msgspec.field(default_factory=list)
+    )
 
     def __post_init__(self) -> None:
         self.tokens = _check_tensor("Sample", "tokens", self.tokens, _INT32, None)
