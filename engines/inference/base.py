@@ -129,13 +129,17 @@ class GenerateRequest:
     it; a router given none uses its own default (the group's id: `actors/rollout/router.py`).
 
     `adapter` names the LoRA adapter, loaded on the engine under that name, whose policy samples the request (None:
-    the engine's own weights); requests of different adapters decode in one batch (`multi_lora.py`)."""
+    the engine's own weights); requests of different adapters decode in one batch (`multi_lora.py`).
+
+    `images` (vision-language models): the prompt's images, encoded, in the order of their placeholders; `input_ids`
+    hold each placeholder already expanded to the tokens its image takes (`engines/vision/processor.py`)."""
 
     request_id: str
     input_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     routing_key: str | None = None
     adapter: str | None = None
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -153,6 +157,9 @@ class GenerateRequest:
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise ValueError(f"request {self.request_id!r}: adapter must be a non-empty string or None, got "
                              f"{self.adapter!r}")
+        if not isinstance(self.images, tuple) or not all(isinstance(image, bytes) for image in self.images):
+            raise ValueError(f"request {self.request_id!r}: images must be a tuple of encoded bytes, got "
+                             f"{type(self.images).__name__}")
 
 
 @dataclass(frozen=True)
