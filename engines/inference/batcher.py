@@ -34,6 +34,7 @@ from engines.inference.kv_batch import ChunkedPrefill, KVBatch
 from engines.inference.multi_lora import MultiLora
 from engines.inference.prefix_cache import PrefixCache, PrefixMatch
 from engines.inference.sampling import RowParams, sample_next_tokens
+from engines.inference.vision_rows import PromptVision
 from engines.training.moe import RoutedLayer, Routers
 
 # Byte-level tokenizers may spend up to 4 tokens on one character, so a stop string of k characters can
@@ -398,24 +399,27 @@ class ContinuousBatcher(CachedPrefixes):
         Everything taken from the prefix cache is taken before the first forward (a later step's inserts may evict
         it), and the stamps are the weights at the start: under weights that change between chunks (keys and values
         kept across updates) a row's keys and values are as old as its first chunk's."""
-        unique: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        unique: dict[tuple[str | None, int, tuple[int, ...]], int] = {}
         sequences: list[list[int]] = []
         adapters: list[str | None] = []
+        visions: list[PromptVision | None] = []
         expand: list[int] = []
         for sample in admitted:
             tokens = sample.prompt_ids + sample.output_ids
-            key = (sample.adapter, tuple(tokens))
+            key = (sample.adapter, id(sample.vision), tuple(tokens))  # one request's images: the same object
             if key not in unique:
                 unique[key] = len(sequences)
                 sequences.append(tokens)
                 adapters.append(sample.adapter)
+                visions.append(sample.vision)
             expand.append(unique[key])
-        matches = [self._cached(sequence, adapter) for sequence, adapter in zip(sequences, adapters, strict=True)]
+        matches = [PrefixMatch() if vision is not None else self._cached(sequence, adapter)
+                   for sequence, adapter, vision in zip(sequences, adapters, visions, strict=True)]
         row_versions = [self.adapter_version(adapter, version) for adapter in adapters]
         epochs = [self.epoch_of(adapter) for adapter in adapters]
         pieces = self._pieces(matches)
         runs = [self._start_piece([sequences[i] for i in piece], [matches[i] for i in piece],
-                                  [adapters[i] for i in piece]) for piece in pieces]
+                                  [adapters[i] for i in piece], [visions[i] for i in piece]) for piece in pieces]
         for position, run in enumerate(runs):
             while not run.prefill.done:
                 tokens = self._advance(run)
@@ -443,7 +447,11 @@ class ContinuousBatcher(CachedPrefixes):
         if self.prefix_cache is not None:
             for sequence, match, taken in zip(sequences, matches, used, strict=True):
                 self.prefix_cache.counters.prefilled(len(sequence), taken.length, match.stale)
-            self._keep_prefilled(batch, sequences, rows, stamps, routes, adapters)
+            texts = [index for index, vision in enumerate(visions) if vision is None]  # vision_rows.py: why
+            if texts:
+                self._keep_prefilled(batch, [sequences[i] for i in texts], [rows[i] for i in texts],
+                                     [stamps[i] for i in texts], [routes[i] for i in texts],
+                                     [adapters[i] for i in texts])
         order = [rows[index] for index in expand]
         logits_all = torch.cat(logits)
         if order != list(range(batch.rows)):
@@ -464,7 +472,7 @@ class ContinuousBatcher(CachedPrefixes):
         return [piece for piece in (misses, hits) if piece]
 
     def _start_piece(self, sequences: list[list[int]], matches: list[PrefixMatch], adapters: list[str | None],
-                     ) -> _PieceRun:
+                     visions: list[PromptVision | None]) -> _PieceRun:
         """Set up the prefill of `sequences`, each from the cached past its match offers, as far as that leaves every
         row with a past as many own tokens as the widest row (a row then never has padding inside it, which the
         static pool and batch-invariant attention need; one with a longer past recomputes some of it instead of
@@ -483,7 +491,7 @@ class ContinuousBatcher(CachedPrefixes):
             prefill = ChunkedPrefill(self.model, own, self.pad_token_id, past=past, chunk_tokens=chunk)
         else:
             prefill = ChunkedPrefill(self.model, sequences, self.pad_token_id, chunk_tokens=chunk,
-                                     share_prefix=self.share_prefix and not any(adapters))
+                                     share_prefix=self.share_prefix and not any(adapters), vision=visions)
         return _PieceRun(sequences, adapters, used, past_routes, prefill)
 
     def _advance(self, run: _PieceRun) -> int:

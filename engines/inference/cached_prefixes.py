@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engines.inference.base import PrefixCacheStats
 from engines.inference.decoding_sequence import DecodingSequence
 from engines.inference.kv_batch import KVBatch
 from engines.inference.prefix_cache import Insert, PrefixCache, PrefixMatch
@@ -25,6 +26,7 @@ class CachedPrefixes:
     loads: int  # weight loads so far, each an epoch
     weights_epoch: int  # the base weights' newest load
     adapter_epochs: dict[str, int]  # each named adapter's newest load
+    reprefilled_tokens: int  # in-flight tokens prefilled again after an update dropped their rows
 
     def _row_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         raise NotImplementedError
@@ -44,6 +46,17 @@ class CachedPrefixes:
         """The epoch of the weights a row of `adapter` computes keys and values with: the newest load of the base
         weights or of the adapter."""
         return self.weights_epoch if adapter is None else max(self.weights_epoch, self.adapter_epochs.get(adapter, 0))
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        counters = cache.counters
+        return PrefixCacheStats(
+            lookups=counters.lookups, hits=counters.hits, reused_tokens=counters.reused_tokens,
+            prefilled_tokens=counters.prefilled_tokens, stale_tokens=counters.stale_tokens,
+            reprefilled_tokens=self.reprefilled_tokens, evicted_tokens=counters.evicted_tokens,
+            held_tokens=cache.held_tokens, capacity_tokens=cache.capacity)
 
     def release_prefix_cache(self) -> None:
         """Give the prefix cache's memory back (a colocated engine hands its device over, or a step failed)."""
@@ -68,7 +81,10 @@ class CachedPrefixes:
         """Keep every prefilled sequence in the prefix cache, all of its tokens (a prefill computes the last one's keys
         and values too): a group's other samples, arriving later, start with it."""
         in_rows = sorted(range(len(sequences)), key=rows.__getitem__)
-        columns = real_columns(batch.attention_mask, [len(sequences[index]) for index in in_rows])
+        mask = batch.attention_mask
+        if len(sequences) < batch.rows:  # some rows are not kept (images: vision_rows.py)
+            mask = mask.index_select(0, torch.tensor(sorted(rows), dtype=torch.int64, device=mask.device))
+        columns = real_columns(mask, [len(sequences[index]) for index in in_rows])
         entries = [(adapters[index], Insert(sequences[index], rows[index], row_columns, *stamps[index], routes[index]))
                    for index, row_columns in zip(in_rows, columns, strict=True)]
         self._insert(entries, *_layer_kv(batch))
@@ -76,6 +92,7 @@ class CachedPrefixes:
     def _remember_leaving(self, leaving: list[tuple[int, DecodingSequence]]) -> None:
         """Keep what leaving rows computed (prompt and output but the last token, which was never fed) in the prefix
         cache: the next turn of a conversation, or a resumed sample, starts with it."""
+        leaving = [(row, sample) for row, sample in leaving if sample.vision is None]  # vision_rows.py: why
         if self.prefix_cache is None or not leaving:
             return
         tokens = [sample.prompt_ids + sample.output_ids[:-1] for _, sample in leaving]

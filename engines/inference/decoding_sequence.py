@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.inference.base import FinishReason, GenerateOutput, RoutedExperts, SamplingParams
+from engines.inference.vision_rows import PromptVision
 
 
 @dataclass(eq=False)
@@ -30,6 +31,7 @@ class DecodingSequence:
     generator: torch.Generator | None = None  # seeded requests only
     seed: int | None = None  # the sample's own seed (seeded requests; the static batcher draws one for the rest)
     adapter: str | None = None  # the LoRA adapter its forwards run with (`multi_lora.py`); None: the base weights
+    vision: PromptVision | None = None  # its prompt's images (vision-language models), its request's samples share it
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)

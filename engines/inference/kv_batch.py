@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from engines.inference.prefix_cache import CachedPast
+from engines.inference.vision_rows import PrefillVision, PromptVision
 
 # A prefix shared by every sequence of a prefill runs once when it is at least this long (below that, the extra
 # forward costs more than the rows it saves).
@@ -211,9 +213,17 @@ class ChunkedPrefill:
     column of every row."""
 
     def __init__(self, model: nn.Module, sequences: list[list[int]], pad_token_id: int, *,
-                 share_prefix: bool = True, past: CachedPast | None = None, chunk_tokens: int | None = None) -> None:
+                 share_prefix: bool = True, past: CachedPast | None = None, chunk_tokens: int | None = None,
+                 vision: Sequence[PromptVision | None] | None = None) -> None:
+        """`vision`: each sequence's images (None for a text row); rows with images run in one forward (an image's
+        features fill all of its tokens at once), share no prefix and take no cached past (`vision_rows.py`)."""
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
             raise ValueError(f"ChunkedPrefill: chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+        with_images = vision is not None and any(row is not None for row in vision)
+        if with_images:
+            if past is not None:
+                raise ValueError("ChunkedPrefill: rows with images take no cached past")
+            share_prefix, chunk_tokens = False, None
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.rows = len(sequences)
@@ -247,6 +257,8 @@ class ChunkedPrefill:
         self.input_ids, own_mask = input_ids.to(device), own_mask.to(device)
         self.position_ids = (own_mask.cumsum(dim=-1) - 1).clamp_(min=0) + past_lengths.to(device).unsqueeze(1)
         self.attention_mask = torch.cat([past_mask.to(device), own_mask], dim=-1)
+        self.vision = (PrefillVision.build(vision, [len(suffix) for suffix in suffixes], self.width, device)
+                       if with_images and vision is not None else None)
         self.prefix_done = 0  # shared-prefix tokens run
         self.columns_done = 0  # own columns run
         self._logits: torch.Tensor | None = None
@@ -283,12 +295,14 @@ class ChunkedPrefill:
             return PrefillForward(1, end - start, end - start, shared=True)
         start = self.columns_done
         end = min(self.width, start + self._columns_per_forward())
+        rows_inputs = ({"position_ids": self.position_ids[:, start:end]} if self.vision is None
+                       else self.vision.forward_inputs(self.model))  # one forward: the whole width
         output = self.model(
             input_ids=self.input_ids[:, start:end],
             attention_mask=self.attention_mask[:, : self.prior + end],
-            position_ids=self.position_ids[:, start:end],
             use_cache=True,
             logits_to_keep=1,
+            **rows_inputs,
             **{argument: self.cache},
         )
         self.columns_done = end
@@ -300,7 +314,8 @@ class ChunkedPrefill:
     def result(self) -> tuple[KVBatch, torch.Tensor]:
         if self._logits is None:
             raise RuntimeError("ChunkedPrefill.result: the prefill has forwards left")
-        return KVBatch(self.cache, self.attention_mask, self.attention_mask.sum(dim=-1)), self._logits
+        next_positions = self.attention_mask.sum(dim=-1) if self.vision is None else self.vision.next_positions
+        return KVBatch(self.cache, self.attention_mask, next_positions), self._logits
 
     def _columns_per_forward(self) -> int:
         return self.width if self.chunk_tokens is None else max(1, self.chunk_tokens // self.rows)

@@ -1,10 +1,15 @@
 """What the torch engine reads off a Hugging Face model before it serves it: whether its attention is one the engine
-batches, and the token ids that end a sample."""
+batches, the token ids that end a sample, its context length, and how its folder loads."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedTokenizerBase
+
+from engines.vision.processor import VisionProcessor
 
 
 def check_supported(model: nn.Module) -> None:
@@ -27,3 +32,24 @@ def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) -
         if eos is not None:
             return frozenset([eos] if isinstance(eos, int) else eos)
     return frozenset()
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The longest sequence the model was built for (a vision-language model's is its language model's)."""
+    config = getattr(model, "config", None)
+    for source in (config, getattr(config, "text_config", None)):
+        length = getattr(source, "max_position_embeddings", None)
+        if length:
+            return int(length)
+    return None
+
+
+def load_model_folder(path: Path, *, dtype: torch.dtype, device: str | torch.device,
+                      ) -> tuple[nn.Module, PreTrainedTokenizerBase, VisionProcessor | None]:
+    """A local HF folder's model, tokenizer and, for a vision-language model, its image side. A VLM loads through
+    the image-text class (`AutoModelForCausalLM` refuses their configs); its forward takes token ids as a causal LM's
+    does, plus the images' pixels on the prefill."""
+    vision = VisionProcessor.from_model_folder(path)
+    loader = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
+    model = loader.from_pretrained(path, dtype=dtype).to(device)
+    return model, AutoTokenizer.from_pretrained(path), vision

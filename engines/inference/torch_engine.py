@@ -39,18 +39,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from engines.inference import base
 from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, StepRecord
 from engines.inference.decoding_sequence import DecodingSequence
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
-from engines.inference.model_facts import check_supported, eos_token_ids
+from engines.inference.model_facts import check_supported, context_length, eos_token_ids, load_model_folder
 from engines.inference.prefix_cache import PrefixCache
 from engines.inference.scoring import score_tokens
 from engines.inference.served_weights import ServedWeights
 from engines.inference.static_batcher import StaticBatcher
+from engines.inference.vision_rows import prompt_vision
+from engines.vision.processor import VisionProcessor
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.manifest import TensorSpec
 
@@ -95,6 +97,7 @@ class TorchEngine(base.InferenceEngine):
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         max_adapters: int = 8,
         adapters: tuple[str, ...] = (),
+        vision: VisionProcessor | None = None,
     ) -> None:
         """`prefill_chunk_tokens`: the most input tokens (rows x columns) one prefill forward runs; a longer prefill
         runs a chunk per step between the running rows' decode steps (`batcher.py`), so its activations stay bounded
@@ -108,8 +111,12 @@ class TorchEngine(base.InferenceEngine):
         it serves at once beside its weights (`update_weights(..., adapter=name)`, `GenerateRequest.adapter`).
         `adapters`: the named adapters it serves from the start (a run of several policies: one per policy), each fresh
         until its first load: a fresh LoRA adapter (B = 0) computes exactly what the base weights do, so its requests
-        run on them, at the adapter's version 0, with no factors to send before the learners' first push."""
+        run on them, at the adapter's version 0, with no factors to send before the learners' first push.
+        `vision`: a vision-language model's image side (`from_pretrained` finds it); requests may then carry images,
+        on the dynamic layout without deterministic inference (`vision_rows.py`)."""
         check_supported(model)
+        if vision is not None and (kv_cache == "static" or deterministic):
+            raise ValueError("images (a vision-language model) need kv_cache='dynamic' and no deterministic inference")
         if kv_cache not in ("dynamic", "static"):
             raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
         if kv_cache == "static" and deterministic:
@@ -127,7 +134,8 @@ class TorchEngine(base.InferenceEngine):
         self._model = model.eval()
         self._tokenizer = tokenizer
         self._limits = BatchLimits(max_batch_size, max_batch_tokens, max_prefill_tokens, prefill_chunk_tokens)
-        self._max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self._max_model_len = max_model_len or context_length(model) or 1 << 30
+        self._vision = vision
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._eos_token_ids = eos_token_ids(model, tokenizer)
         self._weights = ServedWeights(model, lora_scaling=lora_scaling, max_adapters=max_adapters,
@@ -177,9 +185,8 @@ class TorchEngine(base.InferenceEngine):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json; expected a local Hugging Face model folder")
         inspect.signature(cls).bind(None, None, **options)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, **options)
+        model, tokenizer, vision = load_model_folder(path, dtype=dtype, device=device)
+        return cls(model, tokenizer, vision=vision, **options)
 
     @property
     def version(self) -> int:
@@ -262,15 +269,7 @@ class TorchEngine(base.InferenceEngine):
         return base.KvCacheAccount(self._recompute_kv_on_update, self._batcher.stale_kv_tokens)
 
     def prefix_cache_stats(self) -> base.PrefixCacheStats | None:
-        cache = self._batcher.prefix_cache
-        if cache is None:
-            return None
-        counters = cache.counters
-        return base.PrefixCacheStats(
-            lookups=counters.lookups, hits=counters.hits, reused_tokens=counters.reused_tokens,
-            prefilled_tokens=counters.prefilled_tokens, stale_tokens=counters.stale_tokens,
-            reprefilled_tokens=self._batcher.reprefilled_tokens, evicted_tokens=counters.evicted_tokens,
-            held_tokens=cache.held_tokens, capacity_tokens=cache.capacity)
+        return self._batcher.prefix_cache_stats()
 
     def cached_prefix_tokens(self, input_ids: list[int], adapter: str | None = None) -> int | None:
         """Exact as of the last step boundary (the tree is read under its lock, from any thread)."""
@@ -337,6 +336,7 @@ class TorchEngine(base.InferenceEngine):
             raise ValueError(f"request {rid!r}: stop strings need a tokenizer; this engine was built without one")
         if request.adapter is not None:
             self._check_adapter(rid, request.adapter)
+        vision = prompt_vision(self._vision, self._model, rid, prompt, request.images)
         max_new_tokens = min(params.max_new_tokens, self._max_model_len - len(prompt))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_token_ids)
         samples = [
@@ -349,6 +349,7 @@ class TorchEngine(base.InferenceEngine):
                 stop_token_ids=stop_ids,
                 seed=None if params.seed is None else base.derive_sample_seed(params.seed, index),
                 adapter=request.adapter,
+                vision=vision,
             )
             for index in range(params.n)
         ]
