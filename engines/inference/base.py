@@ -235,6 +235,7 @@ def continuation_request(
         params=params,
         routing_key=request.routing_key,
         adapter=request.adapter,
+        images=request.images,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from engines.inference import GenerateRequest, SamplingParams, TorchEngine
+from engines.inference import GenerateRequest, SamplingParams, TorchEngine, continuation_request
 from engines.vision.images import encode_png
 from engines.vision.processor import VisionProcessor
 from tests.engines.test_inference_engine_control import StepGate
@@ -135,6 +135,23 @@ async def test_a_weight_update_mid_generation_prefills_the_image_row_again_at_th
     assert output.versions == [0] * 5 + [1] * 11
     assert any(record.admitted for record in gate.records[5:]), "the update did not make the row prefill again"
     assert output.output_ids == expected
+
+
+async def test_an_image_request_aborted_mid_generation_resumes_to_the_same_greedy_answer(
+        tiny_vlm_path: Path, processor: VisionProcessor) -> None:
+    gate = StepGate(at=4)
+    images = [picture((200, 120, 0), 2)]
+    async with TorchEngine.from_pretrained(tiny_vlm_path, step_listener=gate) as engine:
+        request = GenerateRequest("r", prompt(engine, processor, images, "Count."), greedy(14), images=tuple(images))
+        generation = asyncio.ensure_future(engine.generate(request))
+        await gate.wait_reached()
+        await gate.release_after(engine.pause("abort"))
+        [partial] = await generation
+        await engine.resume()
+        [rest] = await engine.generate(continuation_request(request, partial))
+        expected = hf_greedy(engine.model, processor, request.input_ids, images, 14)
+    assert partial.finish_reason == "abort" and 0 < len(partial.output_ids) < 14
+    assert partial.output_ids + rest.output_ids == expected
 
 
 async def test_requests_whose_images_do_not_fit_are_refused_by_name(tiny_vlm_path: Path, tiny_model_path: Path,

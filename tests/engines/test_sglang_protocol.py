@@ -147,3 +147,20 @@ def test_target_modules_map_to_sglangs_names_and_ones_it_cannot_adapt_are_named(
     assert protocol.lora_target_modules(["q_proj", "down_proj"]) == ["q_proj", "down_proj"]
     with pytest.raises(ValueError, match=r"\['c_attn'\]: SGLang cannot adapt these"):
         protocol.lora_target_modules(["q_proj", "c_attn"])
+
+
+@pytest.mark.unit
+def test_a_requests_images_go_as_data_urls_per_item_and_the_server_side_reads_back_the_same_bytes() -> None:
+    png, jpeg = b"\x89PNG\r\n\x1a\n" + bytes(range(40)), b"\xff\xd8\xff\xe0" + bytes(20)
+    request = GenerateRequest("vlm", [5, 6, 6, 7], SamplingParams(temperature=0, max_new_tokens=4), images=(png, jpeg))
+    single = protocol.generate_json(request)
+    assert single["image_data"][0].startswith("data:image/png;base64,")
+    assert single["image_data"][1].startswith("data:image/jpeg;base64,")
+    items, _ = parsing.parse_generate_json(single, new_rid=lambda: "x")
+    assert [item.images for item in items] == [(png, jpeg)]
+    batch = protocol.generate_json(GenerateRequest("vlm", [5, 6, 6, 7], SamplingParams(n=3), images=(png,)))
+    items, is_batch = parsing.parse_generate_json(batch, new_rid=lambda: "x")
+    assert is_batch and [item.images for item in items] == [(png,)] * 3
+    assert "image_data" not in protocol.generate_json(GenerateRequest("text", [5], SamplingParams()))
+    with pytest.raises(protocol.ProtocolError, match="image_data of item 0 must be data: URLs"):
+        parsing.parse_generate_json({**single, "image_data": ["/etc/passwd"]}, new_rid=lambda: "x")

@@ -7,6 +7,7 @@ is in `protocol.py`, beside the table of endpoints both use.
 from __future__ import annotations
 
 import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ class GenerateItem:
     logprob_start_len: int = -1
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    images: tuple[bytes, ...] = ()  # `image_data`, decoded (a vision-language model's prompt)
 
 
 def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem], bool]:
@@ -62,6 +64,7 @@ def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem],
     logprob = _per_item(body.get("return_logprob", False), size, "return_logprob")
     adapters = _per_item(body.get("lora_path"), size, "lora_path")
     starts = _per_item(body.get("logprob_start_len", -1), size, "logprob_start_len")
+    images = _item_images(body.get("image_data"), size, batch)
     want_routes = bool(body.get("return_routed_experts", False))  # one switch for the whole request, as SGLang's
     routes_from = body.get("routed_experts_start_len", 0)
     if not isinstance(routes_from, int) or isinstance(routes_from, bool) or routes_from < 0:
@@ -96,9 +99,34 @@ def parse_generate_json(body: Any, *, new_rid: Any) -> tuple[list[GenerateItem],
                 logprob_start_len=start,
                 return_routed_experts=want_routes,
                 routed_experts_start_len=routes_from,
+                images=images[index],
             )
         )
     return items, batch
+
+
+def _item_images(image_data: Any, size: int, batch: bool) -> list[tuple[bytes, ...]]:
+    """Each item's images from SGLang's `image_data` (one item: a URL or a list; a batch: a list per item). Only
+    `data:` URLs: this server reads no file and no network."""
+    if image_data is None:
+        return [()] * size
+    per_item = image_data if batch else [image_data]
+    if not isinstance(per_item, list) or len(per_item) != size:
+        raise ProtocolError(f"/generate: image_data must give each of the {size} item(s) its images")
+    decoded = []
+    for index, item in enumerate(per_item):
+        urls = item if isinstance(item, list) else [item]
+        images = []
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+                raise ProtocolError(f"/generate: image_data of item {index} must be data: URLs with base64 "
+                                    f"images; got {str(url)[:40]!r}")
+            try:
+                images.append(base64.b64decode(url.split(",", 1)[1], validate=True))
+            except binascii.Error as error:
+                raise ProtocolError(f"/generate: image_data of item {index}: bad base64 ({error})") from None
+        decoded.append(tuple(images))
+    return decoded
 
 
 def parse_sampling_params(raw: Any, *, where: str) -> SamplingParams:

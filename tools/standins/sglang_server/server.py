@@ -472,7 +472,7 @@ class CompatServer:
             if tokenizer is None:
                 raise protocol.ProtocolError("/generate: 'text' needs a tokenizer; send input_ids")
             ids = list(tokenizer(item.text)["input_ids"])
-        return GenerateRequest(item.rid, ids, item.params)
+        return GenerateRequest(item.rid, ids, item.params, images=item.images)
 
     async def _shutdown(self, app: web.Application) -> None:
         for group in self.groups.values():
@@ -509,9 +509,10 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("ignoring SGLang arguments this server does not implement: %s", " ".join(args.ignored))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    context_length = args.context_length or getattr(
-        AutoConfig.from_pretrained(args.model_path), "max_position_embeddings", None
-    )
+    config = AutoConfig.from_pretrained(args.model_path)  # a vision-language model's length is its text config's
+    context_length = args.context_length or next(
+        (length for length in (getattr(source, "max_position_embeddings", None)
+                               for source in (config, getattr(config, "text_config", None))) if length), None)
     if not context_length:
         raise SystemExit(f"{args.model_path}: config.json has no max_position_embeddings; pass --context-length")
     engine = TorchEngine.from_pretrained(
