@@ -29,6 +29,7 @@ from torch import Tensor
 
 from engines.training.config import TrainerOptimizerConfig
 from engines.training.schedule import lr_multiplier
+from engines.vision.processor import VisionInputs
 
 ModelRole = str
 """Which network `compute_log_probs` runs: "policy", "ref" (the frozen reference), or `teacher_role(name)` (a
@@ -85,6 +86,9 @@ class TrainSample(TokenFields):
     # MoE routing replay: the experts each token but the last was routed to, [len(tokens) - 1, layers, k] (slime's
     # and SGLang's layout); a forward of the policy then routes as these say (engines.training.moe)
     routed_experts: Tensor | None = None
+    # a vision-language model's images of this sample's prompt, processed (`engines.vision`); its tokens hold their
+    # placeholders expanded
+    vision: VisionInputs | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -250,8 +254,9 @@ class Trainer(ABC):
         """The policy's weights under their Hugging Face names: what a weight transfer sends to the engines.
 
         "model": as transformers holds the model in memory (a torch engine's parameters); "checkpoint": as its
-        checkpoint stores it, for engines that load checkpoint names (SGLang). The two differ only for a
-        mixture-of-experts model, whose experts transformers stacks per layer (`engines.weights.layouts`)."""
+        checkpoint stores it, for engines that load checkpoint names (SGLang). The two differ for a
+        mixture-of-experts model, whose experts transformers stacks per layer (`engines.weights.layouts`), and for a
+        vision-language model, whose modules transformers nests differently."""
 
     @abstractmethod
     def export_hf(self, directory: str | Path) -> None:

@@ -99,6 +99,8 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     (`ModelOutputs.routed_experts`), for later forwards of those samples to replay.
     `context_parallel_size` splits every packed row across that many ranks (`engines.training.context_parallel`);
     the learner's world is then data-parallel replicas x context-parallel ranks.
+    `freeze_vision_tower` (verl's name) keeps a vision-language model's vision tower as loaded: no gradient, no
+    optimizer state, not pushed to the engines; False trains it with the language model (`engines.training.vision`).
     """
 
     gradient_checkpointing: bool = False
@@ -114,6 +116,7 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     moe_z_loss_coeff: float = Field(0.0, ge=0)
     use_routing_replay: bool = False
     context_parallel_size: int = Field(1, ge=1)
+    freeze_vision_tower: bool = True
 
     @model_validator(mode="after")
     def _check_device(self) -> TorchTrainerConfig:

@@ -54,7 +54,7 @@ class ValueCritic:
                  stats_group: Any = None) -> None:
         """`split`: the rank's part of a packed row under context parallelism (the trainer's); `stats_group`: the
         ranks whose step counts and metrics add up (the data-parallel ones; None: every rank)."""
-        head = nn.Linear(model.config.hidden_size, 1, bias=False, device=device)
+        head = nn.Linear(model.config.get_text_config().hidden_size, 1, bias=False, device=device)
         nn.init.zeros_(head.weight)
         model.set_output_embeddings(head)
         model.config.tie_word_embeddings = False  # the values' head is not the embeddings' transpose

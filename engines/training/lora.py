@@ -61,23 +61,25 @@ class LoraSettings(BaseModel):
         """What the adapter's product is multiplied by (PEFT's `lora_alpha / r`)."""
         return self.alpha / self.rank
 
-    def peft_config(self) -> Any:
+    def peft_config(self, exclude: str | None = None) -> Any:
+        """`exclude`: a regex of module names no adapter goes on (a vision-language model's vision tower)."""
         from peft import LoraConfig
 
         everything = self.target_modules == ("all-linear",)
         targets: str | list[str] = "all-linear" if everything else list(self.target_modules)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
-                          bias="none")
+                          bias="none", exclude_modules=exclude)
 
 
-def wrap(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """The model with fresh adapters (B = 0, so it computes exactly what the base did); only they train."""
+def wrap(model: nn.Module, settings: LoraSettings, *, exclude: str | None = None) -> nn.Module:
+    """The model with fresh adapters (B = 0, so it computes exactly what the base did); only they train. `exclude`:
+    see `LoraSettings.peft_config`."""
     from peft import get_peft_model
 
     try:
         with warnings.catch_warnings():  # PEFT reads a transformers attribute that transformers 5 deprecates
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            wrapped = get_peft_model(model, settings.peft_config())
+            wrapped = get_peft_model(model, settings.peft_config(exclude))
     except ValueError as error:  # PEFT's "Target modules {...} not found in the base model"
         raise ValueError(f"--target-modules {' '.join(settings.target_modules)}: {error}") from error
     if not any(True for _ in adapter_layers(wrapped)):

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from engines.training import attention
 from engines.training.base import TOKEN_FIELDS, PackedBatch, TrainSample
+from engines.vision.processor import VisionInputs
 
 # A preamble all prompts of a micro-batch share opens the row once when it is at least this long.
 MIN_SHARED_PREFIX = 8
@@ -52,10 +53,21 @@ class PackedInputs:
     # this rank's part of a row split across a context-parallel group (`context_parallel.split_row`): its attention
     # plan, and how its response tokens' outputs rejoin the micro-batch's
     context_row: attention.RowPlan | None = None
+    # a vision-language model's row: its samples' images in row order, and the 3-D rotary positions [3, 1, T] the
+    # model reads beside the text positions (`engines.training.vision`)
+    vision: VisionInputs | None = None
+    rope_positions: Tensor | None = None
 
     def to(self, device: torch.device | str) -> PackedInputs:
-        return PackedInputs(*(value.to(device) if isinstance(value, Tensor) else value
-                              for value in self.__dict__.values()))
+        return PackedInputs(*(_to(value, device) for value in self.__dict__.values()))
+
+
+def _to(value: object, device: torch.device | str) -> object:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, VisionInputs):
+        return VisionInputs(value.pixel_values.to(device), value.grid_thw.to(device), value.tokens_per_image)
+    return value
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -137,6 +149,10 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False,
     """
     if not samples:
         raise ValueError("pack_inputs needs at least one sample")
+    vision = VisionInputs.join([sample.vision for sample in samples if sample.vision is not None])
+    if share_prompts and vision is not None:
+        raise ValueError("pack_inputs: samples with images are packed without shared prompts (equal tokens may hold "
+                         "different images; engines.training.vision)")
     # Built as Python lists and turned into tensors once: a few tensor ops per sample cost more than the rest of
     # the packing on an RL batch of hundreds of short samples (7 ms of a CPU step).
     token_lists = [sample.tokens.tolist() for sample in samples]
@@ -181,6 +197,7 @@ def pack_inputs(samples: Sequence[TrainSample], *, share_prompts: bool = False,
         response_lengths=torch.tensor([sample.response_length for sample in samples], dtype=torch.long),
         token_positions=torch.tensor(token_positions, dtype=torch.long) if with_token_positions else None,
         row_starts=attention.row_starts(position_ids, len(positions)),
+        vision=vision,
     )
 
 
@@ -229,18 +246,45 @@ def forward_packed(model: nn.Module, inputs: PackedInputs) -> Tensor:
     extra = {}  # packed_sdpa's plan of the row, made once for every layer
     if inputs.context_row is not None:
         extra["packed_plan"] = inputs.context_row
-    elif getattr(getattr(model, "config", None), "_attn_implementation", None) == attention.NAME:
+    elif _attention_of(model) == attention.NAME:
         positions = inputs.position_ids
         extra["packed_plan"] = attention.RowPlan(positions, positions.shape[-1], positions.device,
                                                  inputs.row_starts)
     output = model(
         input_ids=inputs.input_ids,
-        position_ids=inputs.position_ids,
+        position_ids=_model_positions(model, inputs),
         use_cache=False,
         logits_to_keep=inputs.logit_positions,
         **extra,
+        **_image_inputs(inputs),
     )
     return output.logits[0]
+
+
+def _attention_of(model: nn.Module) -> str | None:
+    """The language model's attention implementation (a vision-language model's nested text config holds it)."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return getattr(config, "_attn_implementation", None)
+
+
+def _model_positions(model: nn.Module, inputs: PackedInputs) -> Tensor:
+    """The row's positions as the model reads them: a vision-language model takes the text positions (which mark
+    the samples) stacked on its 3-D rotary ones, [4, 1, T]; a text-only row's rotary ones are its text positions."""
+    rope = inputs.rope_positions
+    if rope is None:
+        config = getattr(getattr(model, "module", model), "config", None)  # under DDP, the wrapped model's
+        if getattr(config, "vision_config", None) is None:
+            return inputs.position_ids
+        rope = inputs.position_ids.unsqueeze(0).expand(3, -1, -1)
+    return torch.cat([inputs.position_ids.unsqueeze(0), rope])
+
+
+def _image_inputs(inputs: PackedInputs) -> dict[str, Tensor]:
+    if inputs.vision is None:
+        return {}
+    return {"pixel_values": inputs.vision.pixel_values, "image_grid_thw": inputs.vision.grid_thw}
 
 
 def padded_fraction(lengths: Sequence[int], plan: Sequence[Sequence[int]]) -> float:

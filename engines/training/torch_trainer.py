@@ -30,10 +30,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from transformers import AutoModelForCausalLM
 
 from engines import frozen_params
-from engines.training import checkpoint, lora, reference
+from engines.training import checkpoint, lora, reference, vision
 from engines.training.attention import NAME as PACKED_ATTENTION
 from engines.training.attention import register_packed_attention
 from engines.training.base import (
@@ -92,8 +91,10 @@ class TorchTrainer(Trainer):
         self._device = _resolve_device(config.device)
         torch.manual_seed(config.seed)
         self._model = _load_model(config.model_path, self._device, config.attn_implementation)
+        vision.check_supported(self._model, config)
+        vision.freeze_tower(self._model, freeze=config.freeze_vision_tower)
         if config.lora is not None:
-            self._model = lora.wrap(self._model, config.lora)
+            self._model = lora.wrap(self._model, config.lora, exclude=vision.lora_exclusions(self._model))
         self._ref = None
         # The reference of a LoRA run is its base model: the policy with the adapter off, not a second copy.
         self._ref_is_base = config.lora is not None and config.ref_model_path == config.model_path
@@ -175,8 +176,7 @@ class TorchTrainer(Trainer):
         with torch.no_grad(), self._autocast(), adapter_off:
             for members in self._plan(samples):
                 chunk = [samples[index] for index in members]
-                inputs = pack_inputs(chunk, share_prompts=self._share_prompts,
-                                     with_token_positions=record or carries_routes(chunk)).to(self._device)
+                inputs = self._pack(chunk, with_token_positions=record or carries_routes(chunk))
                 whole, inputs = inputs, self._split(inputs)
                 replayed = self._replayed(chunk, whole, inputs) if model == "policy" else contextlib.nullcontext()
                 tapped = self._routers.tapped() if record and self._routers is not None else contextlib.nullcontext()
@@ -219,8 +219,7 @@ class TorchTrainer(Trainer):
         stats = StepStats()
         for position, members in enumerate(plan):
             chunk = [samples[index] for index in members]
-            inputs = pack_inputs(chunk, share_prompts=self._share_prompts,
-                                     with_token_positions=carries_routes(chunk)).to(self._device)
+            inputs = self._pack(chunk, with_token_positions=carries_routes(chunk))
             whole, inputs = inputs, self._split(inputs)
             replayed = self._replayed(chunk, whole, inputs)
             batch = collate(chunk, self._device)
@@ -272,6 +271,12 @@ class TorchTrainer(Trainer):
             rows = held.context_row.rows
             replay = (replay[0][rows], replay[1][rows])
         return self._routers.replaying(*replay)
+
+    def _pack(self, chunk: Sequence[TrainSample], *, with_token_positions: bool) -> PackedInputs:
+        """One micro-batch's row on the device, a vision-language model's with its images and 3-D positions."""
+        inputs = pack_inputs(chunk, share_prompts=self._share_prompts and vision.sharing_allowed(chunk),
+                             with_token_positions=with_token_positions)
+        return vision.with_rope_positions(self._model, inputs, chunk).to(self._device)
 
     def _split(self, inputs: PackedInputs) -> PackedInputs:
         """This rank's part of the row under context parallelism; the whole row otherwise."""
@@ -353,14 +358,16 @@ class TorchTrainer(Trainer):
 
         Tied weights appear once (under the first name, as `named_parameters` lists them); a receiving HF model
         ties the alias itself. Cast to the engine's dtype on the way (the weight sender does it per bucket).
-        A LoRA run sends its adapter alone, under the names `engines.training.lora` gives it. In the checkpoint
+        A LoRA run sends its adapter alone, under the names `engines.training.lora` gives it; a frozen vision tower
+        is not sent (`engines.training.vision`). In the checkpoint
         layout a stacked layer of experts goes out one expert projection at a time, each a view of its stack.
         """
         if self.config.lora is not None:
             yield from lora.adapter_tensors(self._model)
             return
-        weights = ((name, parameter.detach()) for name, parameter in self._model.named_parameters())
-        if layout == "checkpoint" and layouts.holds_stacked_experts(self._model):
+        weights = vision.pushed(((name, parameter.detach()) for name, parameter in self._model.named_parameters()),
+                                tower_trains=not self.config.freeze_vision_tower)
+        if layout == "checkpoint" and layouts.renamed_in_checkpoint(self._model):
             if self._checkpoint_layout is None:  # a meta skeleton of the model: built once, not at every push
                 self._checkpoint_layout = layouts.CheckpointLayout(self._model.config)
             weights = self._checkpoint_layout(weights)
@@ -516,7 +523,7 @@ class TorchTrainer(Trainer):
             raise failure
 
     def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
-        if self._share_prompts:
+        if self._share_prompts and vision.sharing_allowed(samples):
             return plan_shared_micro_batches(samples, self.config.micro_batch_tokens)
         return plan_micro_batches([int(s.tokens.numel()) for s in samples], self.config.micro_batch_tokens)
 
@@ -539,10 +546,11 @@ def _load_model(path: Path, device: torch.device, attn_implementation: str) -> n
     register_packed_attention()
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"model path {path}: no config.json (expected a Hugging Face model folder)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-    for field_name in _DROPOUT_CONFIG_FIELDS:
-        if isinstance(getattr(model.config, field_name, None), float):
-            setattr(model.config, field_name, 0.0)
+    model = vision.from_pretrained(path, attn_implementation)
+    for config in {id(c): c for c in (model.config, vision.text_config(model.config))}.values():
+        for field_name in _DROPOUT_CONFIG_FIELDS:
+            if isinstance(getattr(config, field_name, None), float):
+                setattr(config, field_name, 0.0)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0

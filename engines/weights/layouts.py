@@ -27,14 +27,22 @@ _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 def meta_skeleton(hf_config: PretrainedConfig) -> PreTrainedModel:
     """The model transformers builds for `hf_config`, on the meta device: its names and shapes, no memory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vision_language = getattr(hf_config, "vision_config", None) is not None  # the causal-LM class refuses it
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return (AutoModelForImageTextToText if vision_language else AutoModelForCausalLM).from_config(hf_config)
 
 
 def holds_stacked_experts(model: nn.Module) -> bool:
     return any(is_stacked_expert(name) for name, _ in model.named_parameters())
+
+
+def renamed_in_checkpoint(model: nn.Module) -> bool:
+    """Whether the model's checkpoint names differ from its own: stacked experts, or a vision-language model's
+    (transformers 5 holds `model.language_model.layers` and `model.visual`, the checkpoint `model.layers` and
+    `visual`)."""
+    return holds_stacked_experts(model) or getattr(model.config, "vision_config", None) is not None
 
 
 def stacks_experts(hf_config: PretrainedConfig) -> bool:
