@@ -82,6 +82,7 @@ class TrainBackendSpec:
     routing_replay: bool = False  # replays MoE routes (its own pi_old forward's, or the engines')
     teachers_in_learner: bool = False  # holds distillation teachers in the learner's process
     no_lora_because: str | None = None  # why LoRA cannot run on it, or None where it can
+    no_images_because: str | None = None  # why it cannot train a vision-language model, or None where it can
 
     @property
     def lora(self) -> bool:
@@ -94,7 +95,10 @@ BUILTIN_TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "megatron": TrainBackendSpec(
         factory="actors.learner.trainer_factory:build_megatron_trainer", model_parallel=True, routing_replay=True,
         no_lora_because="megatron-core 0.16 and mbridge have no LoRA layers; Megatron-Bridge's PEFT needs "
-                        "Transformer Engine"),
+                        "Transformer Engine",
+        no_images_because="mbridge's Qwen2.5-VL model builds its vision tower and projection from Transformer "
+                          "Engine layers, which do not install beside this stack, and the Megatron trainer builds "
+                          "text-only GPT models; --train-backend torch trains vision-language models"),
 }
 
 

@@ -17,6 +17,7 @@ find it reports with a `ConfigError` (actors.config.errors).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -157,6 +158,8 @@ def _model_problems(config: RunConfig, running: set[str], hub_cache: Path | None
     if model.hf_checkpoint is None:
         return [f"--hf-checkpoint: required: {' and '.join(users)} load the model from it"]
     problems = [_model_folder_problem("--hf-checkpoint", model.hf_checkpoint, hub_cache)]
+    if "learner" in running:
+        problems.append(_vision_backend_problem(config))
     if model.ref_checkpoint is not None and "learner" in running and config.policy.needs_ref:
         problems.append(_model_folder_problem("--ref-checkpoint", model.ref_checkpoint, hub_cache))
     if "learner" in running and config.trainer.critic_load is not None and config.policy.needs_critic:
@@ -165,6 +168,21 @@ def _model_problems(config: RunConfig, running: set[str], hub_cache: Path | None
         problems += [_teacher_folder_problem(teacher, config.distillation.opd_teacher_load, hub_cache)
                      for teacher in run_teachers(config.distillation).values() if teacher.path is not None]
     return [problem for problem in problems if problem is not None]
+
+
+def _vision_backend_problem(config: RunConfig) -> str | None:
+    """A vision-language model (a local folder whose config has a vision tower) on a backend that cannot train one."""
+    spec = train_backend_spec(config.trainer.train_backend)
+    assert config.model.hf_checkpoint is not None
+    config_file = Path(config.model.hf_checkpoint).expanduser() / "config.json"
+    if spec is None or spec.no_images_because is None or not config_file.is_file():
+        return None
+    from engines.vision.processor import is_vision_language
+
+    if not is_vision_language(json.loads(config_file.read_text())):
+        return None
+    return (f"--train-backend {config.trainer.train_backend}: {config.model.hf_checkpoint} is a vision-language "
+            f"model, which this backend cannot train: {spec.no_images_because}")
 
 
 def _teacher_folder_problem(teacher: Teacher, teacher_load: str | None, hub_cache: Path | None) -> str | None:

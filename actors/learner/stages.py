@@ -8,6 +8,7 @@ fields of the `TrainSample`s; none of them runs the optimizer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -19,6 +20,7 @@ from actors.extensions.points import AdvantageFunction, PolicyLossFunction
 from bus.episodes import episode_id
 from bus.schema import Sample
 from engines.training.base import DataParallel, Trainer, TrainSample, teacher_role
+from engines.vision.processor import VisionInputs, VisionProcessor
 from policies.advantages import compute_advantages
 from policies.config import PolicyLossConfig
 from policies.distillation import reverse_kl_means
@@ -29,6 +31,11 @@ from policies.step_loss import (
     step_denominators,
     value_denominators,
 )
+
+logger = logging.getLogger(__name__)
+
+# The batch metric counting samples dropped because the learner could not use their images.
+BAD_IMAGE_SAMPLES = "dropped/bad_images"
 
 
 @dataclass
@@ -76,7 +83,35 @@ class StepBatch:
             setattr(sample, name, values)
 
 
-def to_train_sample(sample: Sample, *, rewarded: bool, newest_version_only: bool = False) -> TrainSample:
+def with_usable_images(samples: Sequence[Sample], processor: VisionProcessor | None
+                       ) -> tuple[list[Sample], list[VisionInputs | None]]:
+    """The samples whose images the learner can use, each with its images processed (None for a sample without).
+    One whose images do not decode, or do not match the image tokens of its `tokens`, or that brings images to a
+    model without a vision tower, is dropped with a warning naming it and why (`BAD_IMAGE_SAMPLES` counts them):
+    one corrupt sample must not stop the learner."""
+    kept: list[Sample] = []
+    inputs: list[VisionInputs | None] = []
+    for sample in samples:
+        if not sample.images:
+            kept.append(sample)
+            inputs.append(None)
+            continue
+        where = f"sample {sample.sample_id} (group {sample.group_id})"
+        try:
+            if processor is None:
+                raise ValueError(f"{where}: {len(sample.images)} image(s), but the model has no vision tower")
+            vision = processor.encode(sample.images, where=where)
+            processor.check_expanded(np.asarray(sample.tokens).tolist(), vision, where=where)
+        except ValueError as error:  # ImageProblem included
+            logger.warning("dropped a sample whose images cannot be used: %s", error)
+            continue
+        kept.append(sample)
+        inputs.append(vision)
+    return kept, inputs
+
+
+def to_train_sample(sample: Sample, *, rewarded: bool, newest_version_only: bool = False,
+                    vision: VisionInputs | None = None) -> TrainSample:
     """Copies out of the decoded frame: bus arrays are read-only views that must not outlive the message.
 
     `rewarded`: the step trains on rewards (every loss but SFT's), so the sample must have one (`trained_reward`);
@@ -97,6 +132,7 @@ def to_train_sample(sample: Sample, *, rewarded: bool, newest_version_only: bool
         teacher_log_probs=None if teacher is None else torch.tensor(np.asarray(teacher), dtype=torch.float32),
         reward=trained_reward(sample) if rewarded else None,
         routed_experts=_routes(sample),
+        vision=vision,
     )
 
 
@@ -139,11 +175,15 @@ def masked_older_tokens(samples: Sequence[Sample]) -> int:
 
 
 def to_step_batch(samples: Sequence[Sample], *, rewarded: bool, newest_version_only: bool = False,
-                  teacher_of: Callable[[Sample], str] | None = None) -> StepBatch:
+                  teacher_of: Callable[[Sample], str] | None = None,
+                  vision: Sequence[VisionInputs | None] | None = None) -> StepBatch:
     """`rewarded` and `newest_version_only`: see `to_train_sample`. `teacher_of` names each sample's distillation
-    teacher (`actors.config.teachers.teacher_of`)."""
-    return StepBatch(samples=[to_train_sample(s, rewarded=rewarded, newest_version_only=newest_version_only)
-                              for s in samples],
+    teacher (`actors.config.teachers.teacher_of`). `vision`: each sample's processed images
+    (`with_usable_images`), None for a text model's batch."""
+    images = vision if vision is not None else [None] * len(samples)
+    return StepBatch(samples=[to_train_sample(s, rewarded=rewarded, newest_version_only=newest_version_only,
+                                              vision=inputs)
+                              for s, inputs in zip(samples, images, strict=True)],
                      group_ids=[s.group_id for s in samples],
                      teachers=[teacher_of(s) for s in samples] if teacher_of is not None else [],
                      episode_ids=[episode_id(s) for s in samples])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from actors.learner.episode_metrics import episode_metrics
 from bus.episodes import final_segments
 from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
+from engines.vision.processor import VisionProcessor
 from policies.rewards import REWARD_EXTRAS, extras_means
 from policies.staleness import staleness_histogram
 from policies.step_loss import PiOldSource, pi_old_source, zero_advantage_is_zero_gradient
@@ -85,6 +87,7 @@ class TrainingStep:
         if self.pi_old == "training_forward" and self.steps > 1:
             raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
         self.reset_optimizer = config.trainer.reset_optimizer_states
+        self.images = images_of(config)  # a vision-language model's image processor, made once
         self.ref_update_interval = config.trainer.ref_update_interval
         _check_supported(trainer, "reset_optimizer_state", "--reset-optimizer-states", self.reset_optimizer)
         _check_supported(trainer, "refresh_reference", "--ref-update-interval", self.ref_update_interval is not None)
@@ -108,9 +111,13 @@ class TrainingStep:
             samples = self.rewrite_batch(list(samples))
             # the hooks give every sample a reward (`actors.slime_compat`), so none is missing here
             batch_metrics["rollout/post_processed_reward_mean"] = float(np.mean([s.reward for s in samples]))
+        arrived = len(samples)
+        samples, vision = stages.with_usable_images(samples, self.images)
+        if len(samples) < arrived or self.images is not None:
+            batch_metrics[stages.BAD_IMAGE_SAMPLES] = float(arrived - len(samples))
         batch = stages.to_step_batch(samples, rewarded=self.trains_on_rewards,
                                      newest_version_only=self.newest_version_only,
-                                     teacher_of=self._teacher_name if self.teachers else None)
+                                     teacher_of=self._teacher_name if self.teachers else None, vision=vision)
         if self.newest_version_only:
             batch_metrics["partial/masked_older_tokens"] = float(stages.masked_older_tokens(samples))
         if self.rollout_routes:
@@ -187,6 +194,15 @@ class TrainingStep:
                                          with_entropy=loss.needs_entropy, **extra)
         result.metrics["zero_advantage_skipped"] = float(len(part.samples) - len(trained.samples))
         return result
+
+
+def images_of(config: RunConfig) -> VisionProcessor | None:
+    """The image side of the run's model when its folder holds a vision-language model (None for a text model,
+    or a model the learner does not load from a local folder)."""
+    path = config.model.hf_checkpoint
+    if path is None or not (Path(path).expanduser() / "config.json").is_file():
+        return None
+    return VisionProcessor.from_model_folder(Path(path).expanduser())
 
 
 def _check_supported(trainer: Trainer, method: str, flag: str, wanted: bool) -> None:

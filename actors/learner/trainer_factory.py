@@ -128,7 +128,8 @@ def _checked_megatron_flags(config: RunConfig) -> dict[str, Any]:
     flags = config.megatron.set_flags()
     refuse_unsupported(flags, megatron_core=False)
     assert config.model.hf_checkpoint is not None  # build_trainer checked it
-    check_against_hf(flags, AutoConfig.from_pretrained(config.model.hf_checkpoint))
+    # a vision-language model's shape flags describe its language model (the nested text config)
+    check_against_hf(flags, AutoConfig.from_pretrained(config.model.hf_checkpoint).get_text_config())
     return flags
 
 
