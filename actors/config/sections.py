@@ -381,6 +381,9 @@ class TrainerConfig(Section):
     fused_output_head: bool = Field(True, description="torch backend: log-probs from hidden states a chunk of "
                                     "tokens at a time, never the whole [tokens x vocabulary] logits (the same "
                                     "values; a model that changes its logits after the head keeps the plain path)")
+    freeze_vision_tower: bool = Field(True, description="torch backend, vision-language model: keep the vision "
+                                      "tower as loaded (not trained, not pushed to the engines); false trains it "
+                                      "with the language model (verl's freeze_vision_tower)")
     use_routing_replay: bool = Field(False, description="MoE, torch or Megatron backend (R2): the pi_old forward "
                                      "records each token's experts and every training forward of the batch routes "
                                      "there (needs "

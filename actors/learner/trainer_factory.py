@@ -103,6 +103,7 @@ def build_torch_trainer(config: RunConfig) -> Trainer:
                                   offload_optimizer=config.placement.colocate,
                                   share_prompts=config.trainer.share_prompts,
                                   fused_output_head=config.trainer.fused_output_head,
+                                  freeze_vision_tower=config.trainer.freeze_vision_tower,
                                   use_routing_replay=config.trainer.use_routing_replay,
                                   context_parallel_size=config.megatron.context_parallel_size,
                                   **_router_loss_settings(flags))

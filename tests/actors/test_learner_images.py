@@ -93,3 +93,14 @@ def test_a_vision_language_model_on_the_megatron_backend_is_refused_at_preflight
     assert "Transformer Engine" in refusal and "--train-backend torch trains vision-language models" in refusal
     assert problems("torch", tiny_vlm_path) == []
     assert problems("megatron", tiny_model_path) == []
+
+
+@pytest.mark.integration
+def test_the_run_flag_trains_the_vision_tower(tiny_vlm_path: Path) -> None:
+    def tower_trains(**flags: object) -> bool:
+        trainer = build_trainer(build_config({"hf_checkpoint": str(tiny_vlm_path), **flags}))
+        return any(parameter.requires_grad for name, parameter in trainer._model.named_parameters()
+                   if name.startswith("model.visual."))
+
+    assert not tower_trains()
+    assert tower_trains(freeze_vision_tower=False)
