@@ -123,6 +123,23 @@ def test_a_step_trains_the_language_model_and_leaves_the_frozen_tower_as_loaded(
 
 
 @pytest.mark.integration
+def test_the_torch_engine_loads_what_the_trainer_pushes(tiny_vlm_path, samples) -> None:
+    """The engine's model, loaded from the same folder as the engine loads it, takes every pushed weight by its
+    name and then computes the trained policy's log-probs with the folder's vision tower."""
+    from engines.inference.model_facts import load_model_folder
+    from engines.inference.served_weights import ServedWeights
+
+    learner = trainer(tiny_vlm_path)
+    learner.train_step(samples, policy_gradient_loss, temperature=TEMPERATURE)
+    engine_model, _, _ = load_model_folder(tiny_vlm_path, dtype=torch.float32, device="cpu")
+    ServedWeights(engine_model, lora_scaling=None, max_adapters=1).load(learner.named_tensors())
+    engine_model.eval()
+    torch.testing.assert_close(torch.cat([hf_log_probs(engine_model, sample) for sample in samples]),
+                               learner.compute_log_probs(samples, temperature=TEMPERATURE).log_probs,
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.integration
 def test_an_unfrozen_tower_trains_and_is_pushed(tiny_vlm_path, samples) -> None:
     learner = trainer(tiny_vlm_path, freeze_vision_tower=False)
     before = weights(learner)
