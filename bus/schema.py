@@ -230,6 +230,9 @@ class PromptGroup(Message):
     weights_version: Annotated[int | None, doc(
         "generate with exactly these weights (None: any the staleness bound takes): leased only to a worker whose "
         "engine has them or newer, which generates it on its own engine once it has them; its owner")] = None
+    images: Annotated[list[bytes], doc(IMAGES + "; each image item of `prompt` is a bare {\"type\": \"image\"} "
+                                       "part: the bytes travel here; buffer (from the dataset's --multimodal-keys "
+                                       "column)")] = msgspec.field(default_factory=list)
 
 
 class LeaseRequest(Message):

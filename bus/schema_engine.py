@@ -43,6 +43,10 @@ class EngineGenerate(Message):
     adapter: Annotated[str | None, doc("the LoRA adapter, loaded on the answering engine under this name, that "
                                        "samples the request (none: the engine's own weights); an engine without it "
                                        "refuses the call (Error \"bad_request\")")] = None
+    images: Annotated[list[bytes], doc("the prompt's images, encoded, in the order of their placeholders; `input_ids` "
+                                       "hold each placeholder already expanded to the tokens its image takes")] = (
+        msgspec.field(default_factory=list)
+    )
 
 
 class EngineOutput(Record):

@@ -19,7 +19,7 @@ from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.waits import admission_state, batch_wait, gauges
 from actors.data.prompt_tokens import prompt_length_counter
-from actors.data.prompts import PromptSource, load_prompts
+from actors.data.prompts import PromptSource, image_field, load_prompts
 from actors.extensions.load import batch_selector, dynamic_filter
 from actors.runtime import chaos
 from actors.runtime.base import Actor
@@ -73,7 +73,8 @@ class Buffer(Actor):
                                        metadata_key=data.metadata_key, tool_key=data.tool_key,
                                        chat_template=data.apply_chat_template, skip_bad=data.skip_bad_data,
                                        max_prompt_len=max_prompt,
-                                       count_tokens=prompt_length_counter(config) if max_prompt else None)
+                                       count_tokens=prompt_length_counter(config) if max_prompt else None,
+                                       image_field=image_field(data))
         for problem in report.skipped:
             self.log.info("skipped dataset record", problem=problem)
         if report.skipped:

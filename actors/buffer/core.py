@@ -182,7 +182,7 @@ class BufferCore:
         record, cursor = self.source.next()
         return PromptGroup(group_id=f"{cursor.epoch}:{cursor.position - 1}", prompt=record.prompt,
                            label=record.label, metadata=record.metadata, tools=record.tools, n_samples=self.n_samples,
-                           data_index=record.data_index)
+                           data_index=record.data_index, images=record.images)
 
     def renew(self, lease_id: str) -> bool:
         record = self.leases.get(lease_id)

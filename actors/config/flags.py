@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from actors.config.flag_parser import near_name_hints
 from actors.config.run import OWNER, SECTIONS, RunConfig
+from actors.config.sections import JSON_FLAG
 from actors.config.settings_errors import Origin, SettingsError, located_problems
 from actors.config.slime_flags import POLICY_SWITCHES, SPELLED_AS, add_slime_flags, apply_slime_flags, policy_settings
 from actors.config.slime_table import SLIME_FLAGS
@@ -89,9 +90,13 @@ def _add_model_flags(group: Any, fields: dict[str, Any]) -> None:
             help_text += "; one of %(builtin_names)s"
         if default not in (None, [], {}) and "(default:" not in help_text:
             help_text += f" (default: {default})"
-        if typing.get_origin(annotation) is dict:
+        json_flag = isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(JSON_FLAG)
+        if typing.get_origin(annotation) is dict and not json_flag:
             continue  # set in YAML, or by a pass-through flag family (see split_sglang_args)
-        if annotation is bool and name.startswith("no_"):
+        if json_flag:  # a JSON object on the command line (slime's spelling); the section's validator reads it
+            action = group.add_argument(_flag(name), dest=name, type=str, default=None, help=help_text,
+                                        metavar="JSON")
+        elif annotation is bool and name.startswith("no_"):
             # A negative switch of Megatron's (--no-rope-fusion): BooleanOptionalAction would read the name's own
             # "--no-" as its negation and store False.
             action = group.add_argument(_flag(name), dest=name, action="store_true", default=None, help=help_text)

@@ -135,12 +135,12 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
 
 def _dataset_problem(flag: str, path: str, config: RunConfig, input_key: str, label_key: str | None,
                      tool_key: str | None) -> list[str]:
-    from actors.data.prompts import load_prompts
+    from actors.data.prompts import image_field, load_prompts
 
     try:
         load_prompts(path, input_key=input_key, label_key=label_key, metadata_key=config.data.metadata_key,
                      tool_key=tool_key, chat_template=config.data.apply_chat_template,
-                     skip_bad=config.data.skip_bad_data, max_rows=PREFIX_ROWS)
+                     skip_bad=config.data.skip_bad_data, max_rows=PREFIX_ROWS, image_field=image_field(config.data))
     except OSError as error:
         return [f"{flag} {path}: cannot read it ({error.strerror or error})"]
     except ValueError as error:  # DatasetError, or a Parquet file pyarrow cannot read

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from actors.config.engines import engine_choices
 from actors.config.plugin_marks import plugin_for
 from engines.frozen_params import check_name_lists, check_patterns
+from engines.vision.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageLimits
 from policies.failed_samples import FailedSamplePolicy
 from policies.registry import FILTERS, REWARDS, BuiltinNames
 
@@ -39,6 +40,9 @@ def _builtin_or_plugin(value: str, info: ValidationInfo) -> str:
 
 # A built-in engine name or a plugin path; which built-ins, the field's name says (engine_choices).
 BuiltinOrPlugin = Annotated[str, AfterValidator(_builtin_or_plugin)]
+
+JSON_FLAG = "json_flag"  # json_schema_extra key of a mapping setting whose flag takes a JSON object
+MEDIA_TYPES = ("image",)  # --multimodal-keys' media types that are built (slime's also names video and audio)
 
 NO_LABEL = "none"  # --label-key none: records carry no label, and none is required of them
 
@@ -93,6 +97,16 @@ class DataConfig(Section):
     apply_chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments of the tokenizer's apply_chat_template, e.g. "
         "{\"enable_thinking\": false}; on the command line a JSON object")
+    multimodal_keys: dict[str, str] | None = Field(
+        None, json_schema_extra={JSON_FLAG: True}, description="media type -> the record's field holding that "
+        "media, as a JSON object, e.g. {\"image\": \"images\"} (slime's): each image a file path (relative to the "
+        "data file's folder, or absolute), a base64 string or data: URL, or bytes (a Parquet binary column); a "
+        "prompt's '<image>' marks, or its {\"type\": \"image\"} parts, take the images in order. A missing, "
+        "unreadable or too large image skips its record (counted, named); nothing is fetched from the network")
+    max_image_bytes: int = Field(MAX_IMAGE_BYTES, ge=1, description="largest encoded image a record may hold; "
+                                 "a larger one skips its record")
+    max_image_pixels: int = Field(MAX_IMAGE_PIXELS, ge=1, description="most pixels (width x height) an image may "
+                                  "have; a larger one skips its record")
 
     @field_validator("apply_chat_template_kwargs", mode="before")
     @classmethod
@@ -106,6 +120,36 @@ class DataConfig(Section):
             if not isinstance(value, dict):
                 raise ValueError(f"expected a JSON object of keyword arguments, got {type(value).__name__}")
         return value
+
+    @field_validator("multimodal_keys", mode="before")
+    @classmethod
+    def _media_keys(cls, value: Any) -> Any:
+        """slime's JSON object (a mapping in YAML) of media type -> the record's field; images are the media built."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{value!r} is not JSON ({error.msg}); expected e.g. '{{\"image\": \"images\"}}'"
+                                 ) from None
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not all(isinstance(key, str) and key for key in value.values()):
+            raise ValueError(f"expected a JSON object of media type -> the record's field name, e.g. "
+                             f"{{\"image\": \"images\"}}; got {value!r}")
+        others = sorted(set(value) - set(MEDIA_TYPES))
+        if others:
+            raise ValueError(f"media type(s) {', '.join(map(repr, others))} not supported yet (supported: "
+                             f"{', '.join(MEDIA_TYPES)})")
+        return value or None
+
+    @property
+    def image_key(self) -> str | None:
+        """The record's field of images (--multimodal-keys' "image"), or None when records carry none."""
+        return (self.multimodal_keys or {}).get("image")
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
 
 
 class EvalConfig(Section):

@@ -214,7 +214,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--input-key": _same(),
     "--label-key": _same(),
     "--metadata-key": _same(),
-    "--multimodal-keys": _refused("multimodal inputs are not supported", "value"),
+    "--multimodal-keys": _same(),
     "--tool-key": _same(),
     "--start-rollout-id": _explained("the learner resumes its step count from the checkpoint in --load", "value",
                                      int),

@@ -7,21 +7,75 @@ with the same chat-template switch and keyword arguments (`--apply-chat-template
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
+from actors.data.prompt_images import PromptImageError
 from actors.data.tool_prompts import prompt_stating_tools
+
+if TYPE_CHECKING:
+    from engines.vision.images import ImageLimits
+    from engines.vision.processor import VisionProcessor
 
 Prompt = str | list[dict[str, Any]]
 
 
+class ImageTokens:
+    """A model's image side for prompt tokens: each image part's placeholder expanded to the tokens its image takes.
+
+    The model folder's image processor loads on the first prompt with images, once: a text run never reads it (its
+    --hf-checkpoint may not even be a local folder). A text-only model's prompts with images are refused naming it."""
+
+    def __init__(self, model: str | None, limits: ImageLimits) -> None:
+        self.model = model
+        self.limits = limits
+        self._processor: VisionProcessor | None = None
+        self._loaded = False
+
+    @classmethod
+    def of_run(cls, config: RunConfig) -> ImageTokens:
+        return cls(config.model.hf_checkpoint, config.data.image_limits)
+
+    def processor(self, where: str) -> VisionProcessor:
+        if not self._loaded:
+            self._loaded = True
+            if self.model is not None:
+                from engines.vision.processor import VisionProcessor
+
+                try:
+                    self._processor = VisionProcessor.from_model_folder(self.model, self.limits)
+                except (OSError, ValueError) as error:
+                    raise PromptImageError(f"{where}: the model {self.model} cannot read images ({error})") from None
+        if self._processor is None:
+            model = "no --hf-checkpoint" if self.model is None else f"the model {self.model}"
+            raise PromptImageError(f"{where}: the prompt has images, and {model} is a text-only model (its "
+                                   "config.json has no vision_config); images need a vision-language model")
+        return self._processor
+
+    def expand(self, token_ids: list[int], images: Sequence[bytes], *, where: str) -> list[int]:
+        """`token_ids` with each image placeholder expanded; a bad image or a count that does not match the
+        placeholders raises PromptImageError naming `where`."""
+        processor = self.processor(where)
+        try:
+            return processor.expand_placeholders(token_ids, processor.encode(images, where=where), where=where)
+        except ValueError as error:  # ImageProblem included: a bad image, or not one placeholder per image
+            raise PromptImageError(str(error)) from None
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat_template: bool,
                   chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-                  describe_ignored_tools: bool = True) -> list[int]:
+                  describe_ignored_tools: bool = True, images: Sequence[bytes] = (),
+                  image_tokens: ImageTokens | None = None, where: str = "the prompt") -> list[int]:
     """Token ids of one prompt: chat messages (or a string with `chat_template`) go through the chat template, with
     the record's `tools` (`--tool-key`); a template that leaves tools out gets them stated in the system message
-    unless `describe_ignored_tools` is off (`--no-agent-describe-tools`)."""
+    unless `describe_ignored_tools` is off (`--no-agent-describe-tools`). With `images` (the prompt's, in the order
+    of its image parts), each part's placeholder is expanded by `image_tokens` to the tokens its image takes."""
+    if images:
+        if image_tokens is None:
+            raise PromptImageError(f"{where}: the prompt has images and no model's image processor was given")
+        if not isinstance(prompt, list):
+            raise PromptImageError(f"{where}: a prompt with images must be chat messages with image parts")
     if chat_template or isinstance(prompt, list):
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         kwargs = dict(chat_template_kwargs or {})
@@ -29,7 +83,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat_template: bool,
         if tools:
             kwargs["tools"] = tools
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return image_tokens.expand(ids, images, where=where) if images and image_tokens is not None else ids
     if tools:
         raise ValueError("a prompt with tools (--tool-key) reaches the model through the chat template: give chat "
                          "messages or --apply-chat-template")
@@ -37,9 +92,10 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat_template: bool,
 
 
 def prompt_length_counter(config: RunConfig, tokenizer: Any | None = None
-                          ) -> Callable[[Prompt, list[dict[str, Any]] | None], int]:
-    """`(prompt, tools) -> token count` as the rollout workers will tokenize it; loads --hf-checkpoint's tokenizer
-    unless one is given (a prompt-length cap cannot be honoured without the model's tokenizer)."""
+                          ) -> Callable[[Prompt, list[dict[str, Any]] | None, Sequence[bytes]], int]:
+    """`(prompt, tools, images) -> token count` as the rollout workers will tokenize it (an image counts the tokens
+    it takes); loads --hf-checkpoint's tokenizer unless one is given (a prompt-length cap cannot be honoured without
+    the model's tokenizer), and its image processor at the first prompt with images."""
     if tokenizer is None:
         if config.model.hf_checkpoint is None:
             raise ValueError("--rollout-max-prompt-len / --eval-max-prompt-len count tokens and need "
@@ -48,10 +104,12 @@ def prompt_length_counter(config: RunConfig, tokenizer: Any | None = None
 
         tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
     data = config.data
+    image_tokens = ImageTokens.of_run(config)
 
-    def count(prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> int:
+    def count(prompt: Prompt, tools: list[dict[str, Any]] | None = None, images: Sequence[bytes] = ()) -> int:
         return len(encode_prompt(tokenizer, prompt, chat_template=data.apply_chat_template,
                                  chat_template_kwargs=data.apply_chat_template_kwargs, tools=tools,
-                                 describe_ignored_tools=config.agent.agent_describe_tools))
+                                 describe_ignored_tools=config.agent.agent_describe_tools, images=images,
+                                 image_tokens=image_tokens, where="its prompt"))
 
     return count

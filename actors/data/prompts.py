@@ -12,11 +12,15 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from actors.config.errors import ConfigError
+from actors.data.prompt_images import ImageField, PromptImageError, prompt_with_images, record_images
+
+if TYPE_CHECKING:
+    from actors.config.sections import DataConfig
 
 
 class DatasetError(ConfigError):
@@ -30,6 +34,7 @@ class PromptRecord:
     label: Any
     metadata: dict[str, Any]
     tools: list[dict[str, Any]] | None = None  # the row's tool definitions (--tool-key), for the chat template
+    images: list[bytes] = field(default_factory=list)  # the row's images, encoded (--multimodal-keys)
 
 
 @dataclass
@@ -91,13 +96,16 @@ def _parse_line(line: str) -> Any:
 def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str | None = "label",
                  metadata_key: str | None = "metadata", tool_key: str | None = None, chat_template: bool = False,
                  skip_bad: bool = True, max_prompt_len: int | None = None,
-                 count_tokens: Callable[[Any, Any], int] | None = None,
-                 max_rows: int | None = None) -> tuple[list[PromptRecord], LoadReport]:
+                 count_tokens: Callable[[Any, Any, list[bytes]], int] | None = None,
+                 max_rows: int | None = None,
+                 image_field: ImageField | None = None) -> tuple[list[PromptRecord], LoadReport]:
     """Read every usable record; with skip_bad=False the first bad one raises DatasetError.
 
     A record's `tool_key` entry (optional per record; a list of tool definitions, or that list as a JSON string as
     Parquet files often hold it) goes to the chat template with its prompt; `chat_template` says whether a plain-text
-    prompt goes through the template at all (one that does not cannot carry tools).
+    prompt goes through the template at all (one that does not cannot carry tools). With `image_field`
+    (--multimodal-keys), a record's images are read and checked and its prompt becomes messages with one image part
+    per image (`actors.data.prompt_images`); a record whose images cannot be used is malformed.
 
     With `max_prompt_len`, records whose prompt `count_tokens` finds longer are left out (counted in
     `report.too_long`), as slime filters long prompts when it loads a dataset. With `max_rows`, only the file's
@@ -117,21 +125,30 @@ def load_prompts(path: str | Path, *, input_key: str = "input", label_key: str |
         tools: list[dict[str, Any]] | None = None
         if problem is None and tool_key is not None:
             tools, problem = _row_tools(row, tool_key, row[input_key], chat_template)
+        prompt = row[input_key] if problem is None else None
+        images: list[bytes] = []
+        if problem is None and image_field is not None:
+            prompt, images, problem = _prompt_and_images(row, input_key, image_field, path.parent)
+        length = 0
+        if problem is None and max_prompt_len is not None and count_tokens is not None:
+            try:
+                length = count_tokens(prompt, tools, images)
+            except PromptImageError as error:  # images the model cannot take (a text-only model)
+                problem = str(error)
         if problem is not None:
             message = f"{path} {unit} {number}: {problem}"
             if not skip_bad:
                 raise DatasetError(message)
             report.skipped.append(message)
             continue
-        length = count_tokens(row[input_key], tools) if max_prompt_len is not None and count_tokens is not None else 0
         if max_prompt_len is not None and length > max_prompt_len:
             report.first_too_long = report.first_too_long or f"{unit} {number} ({length} tokens)"
             report.too_long += 1
             continue
         metadata = row.get(metadata_key) if metadata_key else None
         records.append(PromptRecord(
-            data_index=len(records), prompt=row[input_key],
-            label=row[label_key] if label_key else None, metadata=dict(metadata or {}), tools=tools,
+            data_index=len(records), prompt=prompt,
+            label=row[label_key] if label_key else None, metadata=dict(metadata or {}), tools=tools, images=images,
         ))
     report.records = len(records)
     if not records:
@@ -187,6 +204,17 @@ def _check_row(row: Any, input_key: str, label_key: str | None, metadata_key: st
     return None
 
 
+def _prompt_and_images(row: dict[str, Any], input_key: str, image_field: ImageField,
+                       folder: Path) -> tuple[Any, list[bytes], str | None]:
+    """The record's prompt as messages with its image parts, its images, or what is wrong with them."""
+    try:
+        images = record_images(row, image_field, folder)
+        return prompt_with_images(row[input_key], len(images), input_key=input_key, image_key=image_field.key), \
+            images, None
+    except PromptImageError as error:
+        return None, [], str(error)
+
+
 def _row_tools(row: dict[str, Any], tool_key: str, prompt: Any,
                chat_template: bool) -> tuple[list[dict[str, Any]] | None, str | None]:
     """The record's tool definitions (None: it has none) or what is wrong with them."""
@@ -206,6 +234,11 @@ def _row_tools(row: dict[str, Any], tool_key: str, prompt: Any,
         return None, (f"key {tool_key!r}: tools reach the model through the chat template, and this prompt is plain "
                       "text with --apply-chat-template off")
     return tools or None, None
+
+
+def image_field(data: DataConfig) -> ImageField | None:
+    """Where the run's records hold their images (--multimodal-keys), with its image limits; None: text records."""
+    return None if data.image_key is None else ImageField(data.image_key, data.image_limits)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.data.prompt_tokens import prompt_length_counter
-from actors.data.prompts import PromptRecord, load_prompts
+from actors.data.prompts import PromptRecord, image_field, load_prompts
 from actors.evaluator.ids import eval_group_id, eval_round_of
 from actors.extensions.points import EvalLogHook
 from actors.runtime.metrics import MetricsWriter
@@ -95,7 +95,8 @@ class EvalRounds:
                                            metadata_key=config.data.metadata_key, tool_key=config.eval_tool_key,
                                            chat_template=config.data.apply_chat_template,
                                            skip_bad=config.data.skip_bad_data,
-                                           max_prompt_len=max_prompt, count_tokens=count_tokens)
+                                           max_prompt_len=max_prompt, count_tokens=count_tokens,
+                                           image_field=image_field(config.data))
             self.sets[name] = records
             for problem in report.skipped:
                 log.info("skipped eval record", problem=problem)
@@ -139,6 +140,7 @@ class EvalRounds:
         return [PromptGroup(group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt,
                             label=record.label, metadata=record.metadata, tools=record.tools,
                             n_samples=self.config.eval.n_samples_per_eval_prompt, data_index=record.data_index,
+                            images=record.images,
                             is_eval=True, owner=self.owner, weights_version=self.weights_versions.get(version))
                 for record in self.sets[name]]
 

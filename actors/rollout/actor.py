@@ -16,6 +16,7 @@ import contextlib
 import time
 
 from actors.config.run import policy_names, policy_run_config
+from actors.data.prompt_tokens import ImageTokens
 from actors.extensions.load import check_rollout_loop, rollout_loop
 from actors.extensions.points import RolloutLoop
 from actors.rollout.agent import AgentRunner, EpisodeLoop
@@ -77,6 +78,7 @@ class RolloutWorker(Actor):
         self.config = self.settings.run
         check_rollout_loop(self.config)  # before the engine loads: a refused flag combination fails fast
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
+        self.image_tokens = ImageTokens.of_run(self.config)  # the image processor loads at the first image prompt
         self.lanes = self._open_lanes(self.engine)
         self._turn = 0  # the lane that asks for work first next time
         self.router = self._open_router(self.engine)
@@ -292,7 +294,7 @@ class RolloutWorker(Actor):
             key = group.group_id if groups_calls(self.generate_fn) else None
             engine = self.engine if group.owner is not None or self.router is None else self.router.engine_for(key)
             context = RolloutContext(engine=lane.view(engine), tokenizer=self.tokenizer, config=lane.config,
-                                     worker_id=self.actor_id, policy=lane.policy,
+                                     worker_id=self.actor_id, policy=lane.policy, image_tokens=self.image_tokens,
                                      policy_engines={other.policy: other.view(engine) for other in self.lanes
                                                      if other.policy is not None},
                                      policy_configs={other.policy: other.config for other in self.lanes

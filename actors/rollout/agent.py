@@ -38,7 +38,7 @@ from actors.rollout.environment import (
     guarded_step,
     make_environment,
 )
-from actors.rollout.generate import NoRoomError, RolloutContext, failed_sample
+from actors.rollout.generate import NoRoomError, RolloutContext, failed_sample, failed_samples
 from actors.rollout.tool_environment import FunctionTools
 from bus.schema import PromptGroup, Sample
 from policies.plugins import load_object
@@ -199,6 +199,10 @@ class AgentRunner:
 async def _episodes(episode: Callable[[RolloutContext, PromptGroup, int], Awaitable[list[Sample]]],
                     context: RolloutContext, group: PromptGroup) -> list[Sample]:
     """The group's episodes run at once, their samples in episode order (each episode's segments together)."""
+    if group.images:  # the chat session and the API surfaces read text; images there are not built yet
+        return failed_samples(group, [], f"group {group.group_id} has {len(group.images)} image(s), and agent "
+                              "episodes (--agent-function-path, --agent-tools-path, --agent-environment-path) take "
+                              "text prompts only: images reach the model through the default generate path")
     runs = await asyncio.gather(*(episode(context, group, index) for index in range(group.n_samples)))
     return [sample for samples in runs for sample in samples]
 

@@ -16,7 +16,7 @@ def request_to_wire(request: GenerateRequest, *, min_version: int = 0) -> Engine
                           max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                           top_k=params.top_k, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
                           n=params.n, seed=params.seed, ignore_eos=params.ignore_eos, min_version=min_version,
-                          adapter=request.adapter)
+                          adapter=request.adapter, images=list(request.images))
 
 
 def request_from_wire(call: EngineGenerate) -> GenerateRequest:
@@ -26,7 +26,7 @@ def request_from_wire(call: EngineGenerate) -> GenerateRequest:
                             stop_token_ids=tuple(call.stop_token_ids), n=call.n, seed=call.seed,
                             ignore_eos=call.ignore_eos)
     return GenerateRequest(request_id=call.request_id, input_ids=list(call.input_ids), params=params,
-                           adapter=call.adapter)
+                           adapter=call.adapter, images=tuple(call.images))
 
 
 def output_to_wire(output: GenerateOutput) -> EngineOutput:

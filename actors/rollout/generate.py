@@ -21,7 +21,8 @@ import msgspec
 import numpy as np
 
 from actors.config import RunConfig
-from actors.data.prompt_tokens import encode_prompt
+from actors.data.prompt_images import PromptImageError
+from actors.data.prompt_tokens import ImageTokens, encode_prompt
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
 from engines.inference.base import (
     ContextFull,
@@ -64,6 +65,9 @@ class RolloutContext:
     # policy samples from (`engine_of`) and builds that policy's groups with (`group_for`).
     policy_engines: Mapping[str, InferenceEngine] = field(default_factory=dict)
     policy_configs: Mapping[str, RunConfig] = field(default_factory=dict)
+    # The model's image side (one per worker, its processor loaded at the first group with images): what expands a
+    # prompt's image placeholders. None: made from `config` here, for a context built outside a worker.
+    image_tokens: ImageTokens | None = None
     engine_calls: int = field(default=0, init=False)  # sampling-params requests so far for this group
     # Each time the context cap left fewer new tokens than asked, what it left: the worker says so (a response cut
     # to a token or two by a long prompt trains as a truncated answer, and nothing else would show why).
@@ -166,12 +170,18 @@ class RolloutContext:
                                      f"tokens under {flag} {limit}")
         return min(max_new_tokens, room)
 
-    def prompt_ids(self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """A prompt's tokens; pass its group's `tools` (the dataset record's, `--tool-key`) so the model sees them."""
+    def prompt_ids(self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   images: Sequence[bytes] = (), *, where: str = "the prompt") -> list[int]:
+        """A prompt's tokens; pass its group's `tools` (the dataset record's, `--tool-key`) so the model sees them, and
+        its `images` (`group.images`), whose placeholders become the tokens each image takes (PromptImageError when
+        they cannot: a bad image, a text-only model; `where` names the prompt in it)."""
         data = self.config.data
+        if images and self.image_tokens is None:
+            self.image_tokens = ImageTokens.of_run(self.config)
         return encode_prompt(self.tokenizer, prompt, chat_template=data.apply_chat_template,
                              chat_template_kwargs=data.apply_chat_template_kwargs, tools=tools,
-                             describe_ignored_tools=self.config.agent.agent_describe_tools)
+                             describe_ignored_tools=self.config.agent.agent_describe_tools, images=images,
+                             image_tokens=self.image_tokens, where=where)
 
     def decode_response(self, token_ids: Sequence[int]) -> str:
         """The response text; --rollout-skip-special-tokens decides whether special tokens appear in it."""
@@ -197,7 +207,7 @@ def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_
         token_versions=np.asarray(versions, dtype=np.int32),
         routed_experts=routes, moe_layers=layers, moe_top_k=top_k,
         status=status, metadata={**group.metadata, "data_index": group.data_index, **(metadata or {})},
-        error=None, messages=messages,
+        error=None, messages=messages, images=group.images,
     )
 
 
@@ -227,14 +237,18 @@ def groups_calls(generate: object) -> bool:
 
 async def default_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
     """One turn: the prompt in, `n_samples` completions out."""
-    prompt_ids = context.prompt_ids(group.prompt, group.tools)
+    try:
+        prompt_ids = context.prompt_ids(group.prompt, group.tools, group.images, where=f"group {group.group_id}")
+    except PromptImageError as error:  # a bad image, or images for a text-only model: failed and counted
+        return failed_samples(group, [], str(error))
     try:
         params = context.sampling_params(group, prompt_tokens=len(prompt_ids))
     except NoRoomError as error:
         return failed_samples(group, prompt_ids, str(error))
     try:
         outputs: list[GenerateOutput] = await context.engine.generate(
-            GenerateRequest(request_id=context.request_id(group), input_ids=prompt_ids, params=params))
+            GenerateRequest(request_id=context.request_id(group), input_ids=prompt_ids, params=params,
+                            images=tuple(group.images)))
     except ContextFull as error:  # no engine of the run could take it: failed and counted, not re-issued forever
         return failed_samples(group, prompt_ids, str(error))
     return [

@@ -56,6 +56,7 @@ def samples(draw: st.DrawFn) -> Sample:
         status=draw(st.sampled_from(["pending", "completed", "truncated", "aborted", "failed"])),
         metadata=draw(st.dictionaries(TEXT, ANY, max_size=3)),
         error=draw(st.none() | TEXT),
+        images=draw(st.lists(st.binary(max_size=16), max_size=2)),
     )
 
 
@@ -84,7 +85,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
     if origin is dict:
         key, value = typing.get_args(tp)
         return st.dictionaries(strategy_for(key), strategy_for(value), max_size=3)
-    simple = {Any: ANY, str: TEXT, int: INTS, float: FLOATS, bool: st.booleans(), type(None): st.none()}
+    simple = {Any: ANY, str: TEXT, int: INTS, float: FLOATS, bool: st.booleans(), type(None): st.none(),
+              bytes: st.binary(max_size=16)}
     if tp in simple:
         return simple[tp]
     raise TypeError(f"no strategy for {tp!r}; extend tests/bus/strategies.py")
