@@ -19,11 +19,13 @@ from typing import Any
 import numpy as np
 
 from actors.config.sections import resolve_label_key
-from actors.data.prompt_tokens import encode_prompt
+from actors.data.prompt_images import ImageField
+from actors.data.prompt_tokens import ImageTokens, encode_prompt
 from actors.data.prompts import PromptRecord, load_prompts
 from actors.runtime.logs import quiet_library_output
 from engines.inference.base import GenerateOutput, GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
+from engines.vision.images import DEFAULT_LIMITS
 from policies.plugins import put_working_directory_on_path
 from policies.registry import resolve_reward
 from policies.rewards import RewardInput, prompt_text, score
@@ -59,18 +61,20 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
                          metadata_key: str | None = "metadata", tool_key: str | None = "tools",
                          apply_chat_template: bool = False,
                          chat_template_kwargs: dict[str, Any] | None = None,
-                         progress_every_s: float | None = None) -> dict[str, float]:
+                         progress_every_s: float | None = None, image_key: str | None = None) -> dict[str, float]:
     """Accuracy and mean reward over every sample; `samples_per_prompt` > 1 at a temperature gives avg@k, the
     expected accuracy of one sample, which moves smoothly with the weights where greedy answers flip. Records the
     data file cannot use are left out, named on stderr and counted (`skipped`), as a run's buffer does; a file with
     none, or a reward that does not resolve, raises EvalInputError. With `progress_every_s`, generation reports
-    its progress on stderr that often."""
+    its progress on stderr that often. `image_key`: the records' images (a vision-language model; the run's
+    --multimodal-keys '{"image": KEY}')."""
     from transformers import AutoTokenizer
 
     try:
         records, report = load_prompts(data_path, input_key=input_key, label_key=label_key,
                                        metadata_key=metadata_key, tool_key=tool_key,
-                                       chat_template=apply_chat_template)
+                                       chat_template=apply_chat_template,
+                                       image_field=None if image_key is None else ImageField(image_key))
         reward_fn = resolve_reward(reward)  # a wrong name fails before the model loads
     except ValueError as error:  # a DatasetError; an unknown reward name or a broken module:attr (PluginError)
         raise EvalInputError(str(error)) from error
@@ -80,8 +84,10 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
         print(f"evaluate: skipped {len(report.skipped) - SKIPPED_SHOWN} more record(s) of {data_path}",
               file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    image_tokens = ImageTokens(str(model_path), DEFAULT_LIMITS)
     prompts = [encode_prompt(tokenizer, r.prompt, chat_template=apply_chat_template,
-                             chat_template_kwargs=chat_template_kwargs, tools=r.tools) for r in records]
+                             chat_template_kwargs=chat_template_kwargs, tools=r.tools, images=r.images,
+                             image_tokens=image_tokens, where=f"record {r.data_index}") for r in records]
     engine = TorchEngine.from_pretrained(model_path, max_batch_size=max_batch_size)
 
     def params(index: int) -> SamplingParams:
@@ -93,7 +99,7 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
 
     async def generate(record: PromptRecord, ids: list[int]) -> list[GenerateOutput]:
         outputs = await engine.generate(GenerateRequest(request_id=f"eval-{record.data_index}", input_ids=ids,
-                                                        params=params(record.data_index)))
+                                                        params=params(record.data_index), images=tuple(record.images)))
         if progress is not None:
             progress.one_done()
         return outputs
@@ -128,6 +134,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="wrap a text prompt in the tokenizer's chat template, as the run does with this flag")
     parser.add_argument("--apply-chat-template-kwargs", type=json.loads, default=None,
                         help='JSON keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'')
+    parser.add_argument("--image-key", default=None,
+                        help="the records' images for a vision-language model (the run's --multimodal-keys "
+                             "'{\"image\": KEY}')")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--samples-per-prompt", type=int, default=1,
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, args.data, reward=args.reward, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, samples_per_prompt=args.samples_per_prompt, seed=args.seed,
             input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
-            tool_key=args.tool_key,
+            tool_key=args.tool_key, image_key=args.image_key,
             apply_chat_template=args.apply_chat_template, chat_template_kwargs=args.apply_chat_template_kwargs,
             progress_every_s=PROGRESS_EVERY_S))
     except EvalInputError as error:

@@ -92,16 +92,21 @@ def with_usable_images(samples: Sequence[Sample], processor: VisionProcessor | N
     kept: list[Sample] = []
     inputs: list[VisionInputs | None] = []
     for sample in samples:
-        if not sample.images:
+        where = f"sample {sample.sample_id} (group {sample.group_id})"
+        tokens = np.asarray(sample.tokens)
+        generated = 0 if processor is None else int((tokens[sample.prompt_tokens:] == processor.image_token_id).sum())
+        if not sample.images and not generated:
             kept.append(sample)
             inputs.append(None)
             continue
-        where = f"sample {sample.sample_id} (group {sample.group_id})"
         try:
             if processor is None:
                 raise ValueError(f"{where}: {len(sample.images)} image(s), but the model has no vision tower")
+            if generated:  # an engine that does not hold the placeholder back (ours does: vision_rows.py)
+                raise ValueError(f"{where}: its response holds {generated} image placeholder token(s) the model "
+                                 "generated; a forward would take them for image slots")
             vision = processor.encode(sample.images, where=where)
-            processor.check_expanded(np.asarray(sample.tokens).tolist(), vision, where=where)
+            processor.check_expanded(tokens[: sample.prompt_tokens].tolist(), vision, where=where)
         except ValueError as error:  # ImageProblem included
             logger.warning("dropped a sample whose images cannot be used: %s", error)
             continue

@@ -25,7 +25,7 @@ async def sft_generate(context: RolloutContext, group: PromptGroup) -> list[Samp
         raise ValueError(f"group {group.group_id}: SFT needs a label (the target response), found none")
     if isinstance(group.label, list):
         return [_episode(context, group, index) for index in range(group.n_samples)]
-    prompt_ids = context.prompt_ids(group.prompt, group.tools)
+    prompt_ids = context.prompt_ids(group.prompt, group.tools, group.images, where=f"group {group.group_id}")
     target = str(group.label)
     response_ids = list(context.tokenizer(target, add_special_tokens=False)["input_ids"])
     if context.tokenizer.eos_token_id is not None:

@@ -166,6 +166,8 @@ class ContinuousBatcher(CachedPrefixes):
         # row whose adapter has not been loaded yet runs on the base weights, which is what a fresh adapter (LoRA
         # B = 0) computes, and its tokens carry version 0.
         self.adapter_versions: dict[str, int] = {}
+        # Tokens never sampled (a vision-language model's image placeholders: vision_rows.placeholder_tokens)
+        self.held_back_tokens: torch.Tensor | None = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -525,6 +527,8 @@ class ContinuousBatcher(CachedPrefixes):
             self.device,
         )
         uniforms = self._uniforms(samples, params)
+        if self.held_back_tokens is not None:
+            logits = logits.index_fill(-1, self.held_back_tokens, float("-inf"))
         if self.batch_invariant:
             tokens, log_probs = sample_padded_rows(logits, params, uniforms)
         else:

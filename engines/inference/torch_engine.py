@@ -51,7 +51,7 @@ from engines.inference.prefix_cache import PrefixCache
 from engines.inference.scoring import score_tokens
 from engines.inference.served_weights import ServedWeights
 from engines.inference.static_batcher import StaticBatcher
-from engines.inference.vision_rows import prompt_vision
+from engines.inference.vision_rows import placeholder_tokens, prompt_vision
 from engines.vision.processor import VisionProcessor
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.manifest import TensorSpec
@@ -159,6 +159,8 @@ class TorchEngine(base.InferenceEngine):
             self._batcher = ContinuousBatcher(model, tokenizer, self._limits, rng, batch_invariant=deterministic,
                                               record_routes=record_routes, prefix_cache=prefix_cache)
             self._batcher.adapters = self._weights.named_adapters
+            if vision is not None:
+                self._batcher.held_back_tokens = torch.tensor(placeholder_tokens(model), device=self._batcher.device)
 
         # Written by the decode thread only; read anywhere (single attribute reads are atomic).
         self._version = version

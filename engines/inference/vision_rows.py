@@ -19,6 +19,17 @@ from torch import nn
 from engines.vision.processor import VisionInputs, VisionProcessor, rope_positions
 
 
+def placeholder_tokens(model: nn.Module) -> list[int]:
+    """The ids a vision-language model's forward takes for image (and video) slots. The engine never samples them:
+    a generated one would be taken for an image slot by every later forward over the sequence (a prefill after a
+    weight update, the learner's), which then finds more slots than images and fails. A trained VLM gives them
+    next to no probability; a tiny random one about 1/vocabulary, so its reported log-probs (under the distribution
+    without them, as sampled) sit that much above the learner's."""
+    config = model.config
+    return [int(token) for token in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+            if token is not None]
+
+
 @dataclass(frozen=True, eq=False)
 class PromptVision:
     """One request's processed images and its prompt's rotary positions."""

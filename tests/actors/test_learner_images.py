@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -45,6 +46,25 @@ def parts(tiny_vlm_path: Path):
     processor = VisionProcessor.from_model_folder(tiny_vlm_path)
     assert processor is not None
     return processor, AutoTokenizer.from_pretrained(tiny_vlm_path)
+
+
+@pytest.mark.integration
+def test_a_response_holding_an_image_placeholder_is_dropped_naming_it(parts, caplog: pytest.LogCaptureFixture
+                                                                       ) -> None:
+    """One from an engine that samples placeholders (SGLang, or any but ours): the learner's forward would take it
+    for an image slot, with or without images in the prompt."""
+    processor, tokenizer = parts
+    with_images = image_sample(processor, tokenizer, 0, png((200, 20, 20)))
+    tokens = np.asarray(with_images.tokens).copy()
+    tokens[-2] = processor.image_token_id
+    text = Sample(sample_id="t/0", group_id="t", index=0, prompt="p", prompt_tokens=2,
+                  tokens=np.asarray([40, 41, processor.image_token_id], dtype=np.int32), response="?",
+                  response_length=1, reward=0.0, rollout_log_probs=np.zeros(1, np.float32), status="completed")
+    generated = [msgspec.structs.replace(with_images, tokens=tokens), text]
+    with caplog.at_level(logging.WARNING, logger="actors.learner.stages"):
+        kept, _ = with_usable_images([with_images, *generated], processor)
+    assert kept == [with_images]
+    assert caplog.text.count("its response holds 1 image placeholder token(s) the model generated") == 2
 
 
 @pytest.mark.integration

@@ -12,6 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from engines.inference import GenerateRequest, SamplingParams, TorchEngine, continuation_request
+from engines.inference.vision_rows import placeholder_tokens
 from engines.vision.images import encode_png
 from engines.vision.processor import VisionProcessor
 from tests.engines.test_inference_engine_control import StepGate
@@ -35,17 +36,19 @@ def prompt(engine: TorchEngine, processor: VisionProcessor, images: list[bytes],
     return processor.expand_placeholders(ids, processor.encode(images, where="test"), where="test") if images else ids
 
 
+def vision_kwargs(processor: VisionProcessor, ids: list[int], images: list[bytes]) -> dict[str, torch.Tensor]:
+    inputs = processor.encode(images, where="reference")
+    return {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.grid_thw,
+            "mm_token_type_ids": (torch.tensor([ids]) == processor.image_token_id).int()}
+
+
 def hf_greedy(model: torch.nn.Module, processor: VisionProcessor, ids: list[int], images: list[bytes],
               tokens: int) -> list[int]:
-    extra = {}
+    extra = vision_kwargs(processor, ids, images) if images else {}
     input_ids = torch.tensor([ids])
-    if images:
-        inputs = processor.encode(images, where="reference")
-        extra = {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.grid_thw,
-                 "mm_token_type_ids": (input_ids == processor.image_token_id).int()}
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                             **extra)
+                             suppress_tokens=placeholder_tokens(model), **extra)
     return out[0, len(ids):].tolist()
 
 
@@ -53,13 +56,10 @@ def hf_log_probs(model: torch.nn.Module, processor: VisionProcessor, ids: list[i
                  output: list[int]) -> list[float]:
     """log p(output[i] | prompt, output[:i]) by one HF forward that computes its own rotary positions."""
     input_ids = torch.tensor([ids + output])
-    extra = {}
-    if images:
-        inputs = processor.encode(images, where="reference")
-        extra = {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.grid_thw,
-                 "mm_token_type_ids": (input_ids == processor.image_token_id).int()}
+    extra = vision_kwargs(processor, ids + output, images) if images else {}
     with torch.no_grad():
         logits = model(input_ids=input_ids, **extra).logits[0, len(ids) - 1 : -1]
+    logits[:, placeholder_tokens(model)] = float("-inf")  # the distribution the engine samples from
     return logits.log_softmax(-1).gather(-1, torch.tensor(output).unsqueeze(-1)).squeeze(-1).tolist()
 
 
@@ -152,6 +152,31 @@ async def test_an_image_request_aborted_mid_generation_resumes_to_the_same_greed
         expected = hf_greedy(engine.model, processor, request.input_ids, images, 14)
     assert partial.finish_reason == "abort" and 0 < len(partial.output_ids) < 14
     assert partial.output_ids + rest.output_ids == expected
+
+
+async def test_the_engine_never_samples_an_image_placeholder(tiny_vlm_path: Path, processor: VisionProcessor) -> None:
+    """A generated placeholder would be taken for an image slot by the next prefill of the row (and by the
+    learner), which would find more slots than images. Planted: the placeholder's head row made the model's top
+    choice after the prompt."""
+    images = [picture((20, 20, 220), 2)]
+    async with TorchEngine.from_pretrained(tiny_vlm_path) as engine:
+        ids = prompt(engine, processor, images, "Count.")
+        first = hf_greedy(engine.model, processor, ids, images, 1)[0]
+        head = engine.model.get_output_embeddings().weight
+        planted = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+        planted_head = next(name for name, tensor in engine.model.state_dict().items() if tensor is head
+                            or tensor.data_ptr() == head.data_ptr())
+        planted[planted_head][processor.image_token_id] = 3 * head[first].detach()
+        await engine.update_weights(planted.items(), version=1)
+        with torch.no_grad():
+            top = engine.model(input_ids=torch.tensor([ids]), **vision_kwargs(processor, ids, images)).logits[0, -1]
+        assert int(top.argmax()) == processor.image_token_id  # the premise
+        outputs = await engine.generate(GenerateRequest("r", ids, SamplingParams(temperature=1.0, max_new_tokens=12,
+                                                                                 ignore_eos=True, n=4, seed=0),
+                                                        images=tuple(images)))
+        greedy_output = await engine.generate(GenerateRequest("g", ids, greedy(4), images=tuple(images)))
+    assert all(processor.image_token_id not in output.output_ids for output in [*outputs, *greedy_output])
+    assert greedy_output[0].output_ids[0] == first
 
 
 async def test_requests_whose_images_do_not_fit_are_refused_by_name(tiny_vlm_path: Path, tiny_model_path: Path,
