@@ -14,6 +14,8 @@ explains instead of answering. The demo:
 `--task two-digit-sums` asks for sums of two two-digit numbers (it levels off near 75%: carries in the tens);
 `--task word-problems` gives SmolLM2 word problems to reason through (answers of 80-190 tokens).
 
+`--vlm` runs the vision-language demo (`tools/demo_vlm.py`): a tiny Qwen2.5-VL learns to count shapes in pictures.
+
 `--tiny` runs the earlier demo instead: a tiny Qwen2-style model with a character tokenizer, warm-started by SFT
 through the same system, then fully-async GRPO on `12+7=` sums. Every step is an ordinary command printed before
 it runs, so the demo doubles as a worked example of the flags.
@@ -171,6 +173,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help="the tiny-model demo: a character-level model, an SFT warm start, then GRPO")
+    parser.add_argument("--vlm", action="store_true",
+                        help="the vision-language demo: a tiny Qwen2.5-VL counts shapes in pictures "
+                             "(tools/demo_vlm.py; --workdir and --warm-start apply)")
     parser.add_argument("--task", choices=tuple(TASKS), default="sums",
                         help="SmolLM2's task: sums (47 + 8; answers of a dozen tokens), two-digit-sums (47 + 38; "
                              "it levels off near 75%%) or word-problems (the model reasons for 80-190 tokens before "
@@ -192,9 +197,13 @@ def main() -> None:
                         help="with --tiny: the learner's backend for SFT and GRPO (megatron: megatron-core on the "
                              "CPU, the path slime's scripts take)")
     parser.add_argument("--warm-start", type=Path, default=None,
-                        help="with --tiny: an SFT model folder from an earlier demo run: skip the SFT step")
+                        help="with --tiny or --vlm: an SFT model folder from an earlier demo run: skip the SFT step")
     args = parser.parse_args()
     quiet_library_output()  # no progress bars from building and evaluating models here, nor from the actors
+    if args.vlm:  # its own tool (which borrows this one's steps): run as itself
+        forwarded = [*(["--workdir", str(args.workdir)] if args.workdir != REPO / "runs" / "demo" else []),
+                     *(["--warm-start", str(args.warm_start)] if args.warm_start else [])]
+        os.execv(sys.executable, [sys.executable, "-m", "tools.demo_vlm", *forwarded])
     (tiny_demo if args.tiny else smollm2_demo)(args)
 
 

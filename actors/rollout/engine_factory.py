@@ -11,8 +11,10 @@ each node's command line lists its own workers' servers) or launched here as a c
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
@@ -77,6 +79,7 @@ def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[Inferenc
         prefill_chunk_tokens=config.engine.torch_prefill_chunk_tokens,
         # a run of several policies: each one's adapter, served by the policy's name, fresh until its learner pushes
         adapters=policy_names(config),
+        image_limits=config.data.image_limits,
     )
     return engine, tokenizer
 
@@ -108,8 +111,17 @@ def torch_kv_cache(config: RunConfig, device: torch.device) -> str:
     chosen = config.engine.torch_kv_cache
     if chosen != "auto":
         return chosen
-    dynamic_only = config.engine.deterministic_inference or config.trainer.use_rollout_routing_replay
+    dynamic_only = (config.engine.deterministic_inference or config.trainer.use_rollout_routing_replay
+                    or _vision_language(config.model.hf_checkpoint))
     return "static" if device.type == "cuda" and not dynamic_only else "dynamic"
+
+
+def _vision_language(checkpoint: str | None) -> bool:
+    """The checkpoint is a local vision-language folder (images run on the dynamic layout only, for now)."""
+    from engines.vision.processor import is_vision_language
+
+    config = Path(checkpoint) / "config.json" if checkpoint else None
+    return config is not None and config.is_file() and is_vision_language(json.loads(config.read_text()))
 
 
 def kv_pool_columns(config: RunConfig) -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedTokenizerBase
 
+from engines.vision.images import DEFAULT_LIMITS, ImageLimits
 from engines.vision.processor import VisionProcessor
 
 
@@ -45,11 +46,12 @@ def context_length(model: nn.Module) -> int | None:
 
 
 def load_model_folder(path: Path, *, dtype: torch.dtype, device: str | torch.device,
+                      image_limits: ImageLimits = DEFAULT_LIMITS,
                       ) -> tuple[nn.Module, PreTrainedTokenizerBase, VisionProcessor | None]:
     """A local HF folder's model, tokenizer and, for a vision-language model, its image side. A VLM loads through
     the image-text class (`AutoModelForCausalLM` refuses their configs); its forward takes token ids as a causal LM's
     does, plus the images' pixels on the prefill."""
-    vision = VisionProcessor.from_model_folder(path)
+    vision = VisionProcessor.from_model_folder(path, image_limits)
     loader = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
     model = loader.from_pretrained(path, dtype=dtype).to(device)
     return model, AutoTokenizer.from_pretrained(path), vision

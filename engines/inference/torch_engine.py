@@ -52,6 +52,7 @@ from engines.inference.scoring import score_tokens
 from engines.inference.served_weights import ServedWeights
 from engines.inference.static_batcher import StaticBatcher
 from engines.inference.vision_rows import placeholder_tokens, prompt_vision
+from engines.vision.images import DEFAULT_LIMITS, ImageLimits
 from engines.vision.processor import VisionProcessor
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.manifest import TensorSpec
@@ -178,7 +179,8 @@ class TorchEngine(base.InferenceEngine):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", **options: Any) -> TorchEngine:
+                        device: str | torch.device = "cpu", image_limits: ImageLimits = DEFAULT_LIMITS,
+                        **options: Any) -> TorchEngine:
         """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread.
 
         `options` are the constructor's keyword arguments (batch limits, `version`, `seed`, ...), passed on as they
@@ -187,7 +189,7 @@ class TorchEngine(base.InferenceEngine):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json; expected a local Hugging Face model folder")
         inspect.signature(cls).bind(None, None, **options)
-        model, tokenizer, vision = load_model_folder(path, dtype=dtype, device=device)
+        model, tokenizer, vision = load_model_folder(path, dtype=dtype, device=device, image_limits=image_limits)
         return cls(model, tokenizer, vision=vision, **options)
 
     @property

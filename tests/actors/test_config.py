@@ -265,6 +265,22 @@ def test_bf16_reaches_the_trainer_the_engine_the_push_and_a_launched_sglang_serv
 
 
 @pytest.mark.unit
+def test_a_vision_language_checkpoint_takes_the_dynamic_layout_on_a_gpu(tmp_path: Path) -> None:
+    """The static pool does not take images yet (the engine refuses them there): auto must not pick it."""
+    import json
+
+    import torch
+
+    from actors.rollout.engine_factory import torch_kv_cache
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {}}))
+    cuda = torch.device("cuda", 0)
+    assert torch_kv_cache(parse(["--hf-checkpoint", str(tmp_path)]), cuda) == "dynamic"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert torch_kv_cache(parse(["--hf-checkpoint", str(tmp_path)]), cuda) == "static"
+
+
+@pytest.mark.unit
 def test_the_torch_engine_takes_the_static_kv_pool_on_a_gpu_and_sized_by_the_runs_lengths() -> None:
     import torch
 
