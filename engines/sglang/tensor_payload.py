@@ -99,14 +99,20 @@ def start_shm_manager_off_our_output() -> None:
     with _manager:
         if _manager_started:
             return
-        sys.stderr.flush()
-        ours, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        try:
+            ours = os.dup(2)
+        except OSError:  # no stderr to keep the manager off
+            ours = None
+        devnull = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(devnull, 2)
             torch.empty(1).untyped_storage()._share_filename_cpu_()  # the manager starts with this share
         finally:
-            os.dup2(ours, 2)
-            os.close(ours)
+            if ours is not None:
+                os.dup2(ours, 2)
+                os.close(ours)
             os.close(devnull)
         _manager_started = True
 
