@@ -168,7 +168,10 @@ class RolloutWorker(Actor):
             room, _ = await unless_stopped(self._wait_for_room(), self._stop_requested)
             if not room:  # a stop while the engine is full: nothing to drain here (the leases bring the groups back)
                 break
-            lane, lease = await self._lease_in_turn()
+            answered, leased = await unless_stopped(self._lease_in_turn(), self._stop_requested)
+            if not answered:  # a stop while the buffer has not answered (one that is gone never will): what it
+                break  # leases us meanwhile comes back to it when we leave, as the groups of any lease we hold do
+            lane, lease = leased
             if lease is None or not lease.groups:
                 self._note_no_work(lease, lane)
                 if self.groups_in_flight == 0 and (self.engine_service is None or not self.engine_service.load()):

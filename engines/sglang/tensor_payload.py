@@ -22,7 +22,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import pickle
+import sys
+import threading
 from collections.abc import Iterable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -76,8 +79,42 @@ def shareable_buffer(nbytes: int, device: torch.device) -> Tensor:
     segment, not a fresh copy); on a GPU any allocation can be shared over CUDA IPC."""
     buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
     if device.type == "cpu":
+        start_shm_manager_off_our_output()
         buffer.untyped_storage()._share_filename_cpu_()
     return buffer
+
+
+_manager = threading.Lock()
+_manager_started = False
+
+
+def start_shm_manager_off_our_output() -> None:
+    """torch starts its shared-memory manager (`torch_shm_manager`) at a process's first storage shared by name,
+    and the manager inherits the process's stderr. It outlives its last client by a shutdown grace of seconds, so
+    whoever reads our output to its end (a shell pipe, a caller of the launcher, whose actors share its stderr) waits
+    for the manager as well. Started here, once, with its stderr on /dev/null: it writes there only its own fatal
+    errors, which reach us anyway as a share that fails. Another thread's stderr in the few milliseconds of the
+    manager's start is lost with it."""
+    global _manager_started
+    with _manager:
+        if _manager_started:
+            return
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        try:
+            ours = os.dup(2)
+        except OSError:  # no stderr to keep the manager off
+            ours = None
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 2)
+            torch.empty(1).untyped_storage()._share_filename_cpu_()  # the manager starts with this share
+        finally:
+            if ours is not None:
+                os.dup2(ours, 2)
+                os.close(ours)
+            os.close(devnull)
+        _manager_started = True
 
 
 class _HandlePickler(ForkingPickler):
@@ -93,6 +130,7 @@ class _HandlePickler(ForkingPickler):
 def _storage_by_name(storage: torch.UntypedStorage) -> tuple[Any, tuple[Any, ...]]:
     if storage.size() == 0:  # an empty storage cannot be mapped
         return reductions.rebuild_storage_empty, (type(storage),)
+    start_shm_manager_off_our_output()
     manager, handle, size = storage._share_filename_cpu_()
     storage._shared_incref()  # the reader's rebuild takes this reference over
     return reductions.rebuild_storage_filename, (type(storage), manager, handle, size)

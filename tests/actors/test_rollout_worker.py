@@ -260,6 +260,28 @@ async def test_weights_that_land_while_a_too_old_worker_asks_for_work_are_not_wa
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_stop_does_not_wait_for_the_answer_to_a_lease_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose buffer is gone (its node lost the head) asks for work that never comes: stopped meanwhile, it
+    waited out the request's timeouts (5 s, three times) before it noticed the stop, on the path of every launcher
+    that stops its node. The drain window here is longer than those, so only the stop itself can end the wait."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    roles = {**ROLES, "buffer": HoldsALeaseRequest}
+    async with actor_system(tmp_path, _settings(tmp_path), roles) as system:
+        worker, buffer, recorder = system["rollout-0-0"], system["buffer"], system["reward-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
+        buffer.release, buffer.asked = asyncio.Event(), asyncio.Event()
+        await asyncio.wait_for(buffer.asked.wait(), 10)  # the worker's next request, never answered
+        worker.drain_timeout = 60.0
+        worker.request_stop("node stopping: head node lost")
+        assert await asyncio.wait_for(system.tasks["rollout-0-0"], 45) == 0
+        assert worker.counters["lease.unanswered"] == 0, "the worker waited for the request to time out"
+        assert not buffer.release.is_set()
+        buffer.release.set()
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(30)
 async def test_one_sample_eval_groups_fill_every_row_of_the_engine(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

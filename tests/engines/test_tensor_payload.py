@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +69,35 @@ def test_anything_else_is_refused_by_name() -> None:
         decode_named_tensors(base64.b64encode(pickle.dumps({"x": 1})))
     with pytest.raises(PayloadError, match="cannot open the tensors"):
         decode_named_tensors(base64.b64encode(base64.b64decode(encode_named_tensors(named()))[:-20]))
+
+
+SHARER = """
+import os, sys, torch
+from engines.sglang.tensor_payload import encode_named_tensors
+encode_named_tensors([("weight", torch.ones(4))])
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.integration
+def test_torchs_shared_memory_manager_does_not_hold_the_senders_output_open() -> None:
+    """The manager torch starts at the first tensor shared by name outlives its last client by a grace of seconds:
+    holding the sender's stdout or stderr, it kept whoever reads them (a launcher's caller) waiting for EOF."""
+    sender = subprocess.Popen([sys.executable, "-c", SHARER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        line = sender.stdout.readline()
+        assert line, sender.stderr.read()[-3000:]
+        pid, proc = int(line), Path("/proc")
+        children = [int(child) for task in (proc / str(pid) / "task").iterdir()
+                    for child in (task / "children").read_text().split()]
+        managers = [child for child in children if "torch_shm_manager" in (proc / str(child) / "cmdline").read_text()]
+        assert managers, f"no torch_shm_manager among the sender's children {children}"
+        outputs = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (1, 2)}
+        held = {os.readlink(f"/proc/{manager}/fd/{fd}") for manager in managers for fd in (0, 1, 2)
+                if os.path.exists(f"/proc/{manager}/fd/{fd}")}
+        assert not outputs & held, f"the manager holds the sender's output: {outputs & held}"
+    finally:
+        sender.communicate(input="\n", timeout=60)
+    assert sender.returncode == 0

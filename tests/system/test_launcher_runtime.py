@@ -249,35 +249,56 @@ def test_actor_that_keeps_crashing_fails_the_run(tmp_path: Path) -> None:
     assert "boom-0-0 crashed 3 times" in result.stderr
 
 
+def launcher_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`launcher.py ARGS` as its `__main__` runs it (`sys.exit(main())`), in this process: its exit code, stdout
+    and stderr."""
+    import launcher
+
+    try:
+        code = launcher.main(list(args))
+    except SystemExit as exited:
+        code = exited.code if isinstance(exited.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 @pytest.mark.integration
-def test_launcher_errors_name_what_is_wrong(tmp_path: Path) -> None:
-    unknown = run_to_end("--head", "--no-such-flag")
-    assert unknown.returncode == 2 and "unrecognized arguments: --no-such-flag" in unknown.stderr
+def test_launcher_errors_name_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each refusal comes from the launcher's `main` before any actor starts, so it is called here rather than
+    in a new interpreter per case (`test_bad_settings_are_all_reported_before_any_actor_starts` runs one)."""
+    # where `runtime_actors` lives; after this tree, as in launcher_env() (tests/support/policies.py would shadow
+    # the `policies` package)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(SUPPORT)])
+    code, _, err = launcher_main(capsys, "--head", "--no-such-flag")
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in err
 
-    bad_plugin = run_to_end("--head", "--run-dir", str(tmp_path / "a"), "--roles", "controller",
-                            "--custom-actor", "x=runtime_actors:NoSuchClass")
-    assert bad_plugin.returncode == 2
-    assert "'runtime_actors' has no attribute 'NoSuchClass'" in bad_plugin.stderr
+    code, _, err = launcher_main(capsys, "--head", "--run-dir", str(tmp_path / "a"), "--roles", "controller",
+                                 "--custom-actor", "x=runtime_actors:NoSuchClass")
+    assert code == 2
+    assert "'runtime_actors' has no attribute 'NoSuchClass'" in err
 
-    missing_module = run_to_end("--head", "--run-dir", str(tmp_path / "b"), "--custom-actor", "x=nowhere.mod:A")
-    assert missing_module.returncode == 2 and "cannot import module 'nowhere.mod'" in missing_module.stderr
+    code, _, err = launcher_main(capsys, "--head", "--run-dir", str(tmp_path / "b"), "--custom-actor",
+                                 "x=nowhere.mod:A")
+    assert code == 2 and "cannot import module 'nowhere.mod'" in err
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        in_use = run_to_end("--head", "--head-address", f"tcp://127.0.0.1:{port}", "--run-dir", str(tmp_path / "c"))
-    assert in_use.returncode == 2 and "cannot bind" in in_use.stderr and str(port) in in_use.stderr
+        code, _, err = launcher_main(capsys, "--head", "--head-address", f"tcp://127.0.0.1:{port}", "--run-dir",
+                                     str(tmp_path / "c"))
+    assert code == 2 and "cannot bind" in err and str(port) in err
 
-    unreachable = run_to_end("--head-address", f"tcp://127.0.0.1:{port}", "--connect-timeout", "1",
-                             "--run-dir", str(tmp_path / "d"))
-    assert unreachable.returncode == 2 and "unreachable after 1s" in unreachable.stderr
+    code, _, err = launcher_main(capsys, "--head-address", f"tcp://127.0.0.1:{port}", "--connect-timeout", "1",
+                                 "--run-dir", str(tmp_path / "d"))
+    assert code == 2 and "unreachable after 1s" in err
 
-    help_text = run_to_end("--help")
-    assert help_text.returncode == 0
+    code, out, _ = launcher_main(capsys, "--help")
+    assert code == 0
     for flag in ("--rollout-workers", "--max-staleness", "--eps-clip-high", "--custom-actor", "--head-address"):
-        assert flag in help_text.stdout
-    assert "--num-layers" not in help_text.stdout and "--num-layers" in run_to_end("--help-all").stdout
+        assert flag in out
+    assert "--num-layers" not in out and "--num-layers" in launcher_main(capsys, "--help-all")[1]
 
 
 @pytest.mark.integration

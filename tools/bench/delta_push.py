@@ -75,11 +75,10 @@ def run(model_name: str, steps: int, dtypes: list[str], prompts: int, samples_pe
     from tools.bench.learner_step import demo_batch, random_batch
     from tools.bench.models import bench_model
 
-    model = bench_model(model_name)
-    trainer, step = trainer_and_step(model, DEMO_LR[model_name], samples_per_prompt)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    vocab = AutoConfig.from_pretrained(model).vocab_size
-    context = mp.get_context("spawn")
+    # The receivers are forked before this process runs a torch op: a new interpreter each would import torch
+    # again (seconds of CPU per receiver), and a child forked after the OpenMP pool started hangs in its first
+    # parallel region (tools/bench/forked.py).
+    context = mp.get_context("fork")
     senders: dict[tuple[str, str], TorchDistributedWeightSender] = {}
     processes = []
     for dtype in dtypes:
@@ -92,6 +91,10 @@ def run(model_name: str, steps: int, dtypes: list[str], prompts: int, samples_pe
             process.start()
             processes.append(process)
             senders[dtype, kind] = sender
+    model = bench_model(model_name)
+    trainer, step = trainer_and_step(model, DEMO_LR[model_name], samples_per_prompt)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab = AutoConfig.from_pretrained(model).vocab_size
     for sender in senders.values():
         sender.wait_for_receivers(TIMEOUT_S)
     pushes: list[Push] = []
@@ -141,7 +144,7 @@ def print_table(model_name: str, steps: int, pushes: list[Push], kept_mib: dict[
     print("delta wins below a link of: " + "; ".join(even))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="tiny, smollm2 or qwen2.5-0.5b (tools/bench/models.py)")
     parser.add_argument("--quick", action="store_true", help="the demo's tiny model")
@@ -149,7 +152,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(WIRE_DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples-per-prompt", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from actors.runtime.logs import quiet_library_output
 
     quiet_library_output()

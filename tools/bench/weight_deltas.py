@@ -111,7 +111,7 @@ def print_table(model_name: str, lr: float, steps: int, result: dict) -> None:
               + ", ".join(f"{encoding} {chosen[encoding]}" for encoding in delta.ENCODINGS))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="tiny, smollm2 or qwen2.5-0.5b (tools/bench/models.py)")
     parser.add_argument("--quick", action="store_true", help="the demo's tiny model")
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None, help="default: the demo's for the model")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from actors.runtime.logs import quiet_library_output
 
     quiet_library_output()
