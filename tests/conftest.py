@@ -139,6 +139,15 @@ def tiny_vlm_path(tiny_model_cache: Path) -> Path:
     return cached_tiny_vlm(tiny_model_cache)
 
 
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def vlm_family_path(request: pytest.FixtureRequest, tiny_model_cache: Path) -> Path:
+    """A tiny VLM of each Qwen-VL family we run (each built once per session): for the tests whose claim depends on
+    the family (its rotary layout, Qwen3-VL's deepstack features)."""
+    from tools.standins.tiny_vlm import TinyVlmSpec, cached_tiny_vlm
+
+    return cached_tiny_vlm(tiny_model_cache, TinyVlmSpec(family=request.param))
+
+
 # CI sets this: there a model that cannot be fetched fails its tests instead of skipping them.
 REQUIRE_PRETRAINED_ENV = "SLIPSTREAM_REQUIRE_PRETRAINED"
 
