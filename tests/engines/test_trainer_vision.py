@@ -48,7 +48,11 @@ def parts(tiny_vlm_path):
 
 @pytest.fixture(scope="module")
 def samples(parts) -> list[TrainSample]:
-    processor, tokenizer = parts
+    return sample_set(*parts)
+
+
+def sample_set(processor: VisionProcessor, tokenizer) -> list[TrainSample]:
+    """Two image samples (two images of two sizes; one image) around a text one, to pack in one row."""
     return [image_sample(processor, tokenizer, [png(56, 56, (200, 30, 30)), png(112, 84, (20, 200, 40))],
                          "Which is red?", "the first"),
             image_sample(processor, tokenizer, [], "Say hi", "hi there"),
@@ -74,11 +78,16 @@ def hf_log_probs(model, sample: TrainSample) -> Tensor:
 
 
 @pytest.mark.integration
-def test_packed_log_probs_with_images_equal_the_models_forward_of_each_sample_alone(tiny_vlm_path, samples) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path, dtype=torch.float32).eval()
+def test_packed_log_probs_with_images_equal_the_models_forward_of_each_sample_alone(vlm_family_path) -> None:
+    """Per family: each has its own rotary layout, and Qwen3-VL adds the tower's deepstack features to the first
+    layers' hidden states at the image tokens of the whole packed row."""
+    processor = VisionProcessor.from_model_folder(vlm_family_path)
+    assert processor is not None
+    samples = sample_set(processor, AutoTokenizer.from_pretrained(vlm_family_path))
+    model = AutoModelForImageTextToText.from_pretrained(vlm_family_path, dtype=torch.float32).eval()
     expected = torch.cat([hf_log_probs(model, sample) for sample in samples])
     for attention in ("packed_sdpa", "sdpa"):
-        learner = trainer(tiny_vlm_path, attn_implementation=attention, micro_batch_tokens=10_000)
+        learner = trainer(vlm_family_path, attn_implementation=attention, micro_batch_tokens=10_000)
         assert learner._plan(samples) == [[0, 1, 2]]  # one packed row of all three
         ours = learner.compute_log_probs(samples, temperature=TEMPERATURE).log_probs
         torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)

@@ -113,3 +113,44 @@ def test_joined_inputs_keep_prompt_order(vlm) -> None:
     assert joined is not None and joined.tokens_per_image == (4, 12)
     assert torch.equal(joined.pixel_values, torch.cat([first.pixel_values, second.pixel_values]))
     assert VisionInputs.join([empty]) is None
+
+
+@pytest.mark.integration
+def test_the_tiny_qwen3_vl_adds_its_deepstack_features_at_the_image_tokens(tiny_model_cache) -> None:
+    """The Qwen3-VL stand-in's deepstack features are live, so the engine and learner parity tests over it cover
+    them: silencing the deepstack mergers changes the logits from the first image token on, and not before it."""
+    from tools.standins.tiny_vlm import TinyVlmSpec, cached_tiny_vlm
+
+    path = cached_tiny_vlm(tiny_model_cache, TinyVlmSpec(family="qwen3_vl"))
+    processor = VisionProcessor.from_model_folder(path)
+    assert processor is not None and processor.model_type == "qwen3_vl"
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    inputs = processor.encode([png(64, 64)], where="row 0")
+    ids = torch.tensor([processor.expand_placeholders(prompt_ids(AutoTokenizer.from_pretrained(path), 1), inputs,
+                                                      where="row 0")])
+    image = ids == processor.image_token_id
+    first_image = int(image[0].nonzero()[0])
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=ids, pixel_values=inputs.pixel_values, image_grid_thw=inputs.grid_thw,
+                         mm_token_type_ids=image.int()).logits[0]
+
+    with_deepstack = logits()
+    mergers = model.model.visual.deepstack_merger_list
+    assert len(mergers) == 2  # one per deepstack layer, added after the language model's first two layers
+    with torch.no_grad():
+        for merger in mergers:
+            merger.linear_fc2.weight.zero_()
+            merger.linear_fc2.bias.zero_()
+    without = logits()
+    assert torch.equal(with_deepstack[:first_image], without[:first_image])
+    assert not torch.allclose(with_deepstack[first_image:], without[first_image:], atol=1e-4)
+
+
+@pytest.mark.unit
+def test_an_unknown_tiny_vlm_family_is_refused_naming_the_known_ones() -> None:
+    from tools.standins.tiny_vlm import TinyVlmSpec
+
+    with pytest.raises(ValueError, match=r"tiny VLM family 'llava' unknown; choose one of \['qwen2_5_vl', 'qwen2_vl'"):
+        TinyVlmSpec(family="llava")
