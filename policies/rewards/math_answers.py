@@ -14,7 +14,7 @@ from typing import Any
 from policies.registry import register_reward
 from policies.rewards.types import RewardInput
 
-__all__ = ["extract_boxed", "math_answers_match", "math_reward"]
+__all__ = ["extract_boxed", "label_text", "math_answers_match", "math_reward"]
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _MATH_VERIFY_TIMEOUT_S = 5
@@ -65,7 +65,7 @@ def math_reward(inp: RewardInput) -> float:
     predicted = extract_boxed(inp.response)
     if predicted is None:
         return 0.0
-    return 1.0 if math_answers_match(predicted, _label_text(inp.label)) else 0.0
+    return 1.0 if math_answers_match(predicted, label_text(inp.label)) else 0.0
 
 
 def _as_latex(answer: str) -> str:
@@ -74,7 +74,7 @@ def _as_latex(answer: str) -> str:
     return answer if answer.startswith("$") else f"${answer}$"
 
 
-def _label_text(label: Any) -> str:
+def label_text(label: Any) -> str:
     if isinstance(label, (int, float, str)) and not isinstance(label, bool):
         return str(label)
     raise ValueError(f"label: math reward expects a string or number answer, got {type(label).__name__}")

@@ -44,6 +44,31 @@ def test_deepscaler_requires_think_close_then_boxed_correct_answer() -> None:
     assert _score("deepscaler", "<think>\\boxed{4}</think> four", "4")["reward"] == 0.0  # box inside the thinking
 
 
+# Geometry3K's answers as its test split writes them, each with a response that boxes an equivalent spelling.
+GEO3K_ANSWERS = [("3\\sqrt{3}", "3 \\sqrt 3"), ("\\frac{40}{3}", "40/3"), ("60", "60^\\circ"),
+                 ("2\\sqrt{221}", "2\\sqrt{221}"), ("4.5", "\\frac{9}{2}"), ("16\\pi", "16 \\pi")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("label", "answer"), GEO3K_ANSWERS)
+def test_geo3k_pays_nine_tenths_for_the_answer_and_one_tenth_for_thinking_then_boxing_it(label: str,
+                                                                                      answer: str) -> None:
+    shaped = f"<think>the angles sum to 180</think> so x = \\boxed{{{answer}}}."
+    assert _score("geo3k", shaped, label) == {"reward": 1.0, "correct": True, "format_ok": True}
+    assert _score("geo3k", f"x = \\boxed{{{answer}}}", label)["reward"] == pytest.approx(0.9)  # no thinking
+    assert _score("geo3k", f"<think>x</think> x = {answer}", label)["reward"] == 0.0  # nothing boxed
+
+
+@pytest.mark.unit
+def test_geo3k_scores_the_last_box_and_pays_the_format_of_a_wrong_answer() -> None:
+    wrong = _score("geo3k", "<think>maybe \\boxed{3\\sqrt{3}}</think> no: \\boxed{\\sqrt{3}}", "3\\sqrt{3}")
+    assert wrong == {"reward": pytest.approx(0.1), "correct": False, "format_ok": True}
+    # slime's format is the whole response: thinking first, a box after it
+    boxed_in_thought = _score("geo3k", "<think>\\boxed{60}</think> so sixty", "60")
+    assert boxed_in_thought == {"reward": pytest.approx(0.9), "correct": True, "format_ok": False}
+    assert _score("geo3k", "Sure. <think>a</think> \\boxed{60}", "60")["format_ok"] is False
+
+
 @pytest.mark.unit
 def test_exact_match_normalizes_case_punctuation_and_articles() -> None:
     assert _score("exact_match", "<think>hmm</think> The Eiffel Tower.", "eiffel tower") == 1.0
