@@ -33,11 +33,11 @@ from actors.config.sections import (
     RolloutConfig,
     Section,
     TrainerConfig,
-    WeightsConfig,
     resolve_label_key,
 )
 from actors.config.slime_table import SLIME_FLAGS
 from actors.config.teachers import DistillationConfig, run_teachers
+from actors.config.weights_settings import WeightsConfig
 from policies.config import PolicyLossConfig
 from policies.pi_old import pi_old_source
 from policies.plugins import load_object

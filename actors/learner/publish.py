@@ -104,6 +104,7 @@ def sender_options(config: RunConfig, host: str) -> SenderOptions:
         fingerprint_stride=config.weights.weight_check_stride,
         delta_sync=config.weights.weight_delta_sync,
         delta_anchor=config.weights.weight_delta_anchor,
+        bucket_bytes=config.weights.weight_bucket_bytes,
     )
 
 

@@ -38,6 +38,7 @@ class SenderOptions:
     fingerprint_stride: int = 1  # a checked push fingerprints 1/stride of the rows (`engines.weights.fingerprint`)
     delta_sync: bool = False  # pushes after the first send what changed (`engines.weights.held`), where supported
     delta_anchor: int = 20  # ... and a full one every this many versions
+    bucket_bytes: int | None = None  # the most bytes one transfer coalesces (None: the mechanism's default)
 
 
 class EngineLoader(Protocol):
@@ -92,6 +93,11 @@ def resolve_transport(name: str) -> WeightTransport:
 # ---- built-ins: each imports its mechanism only when used ------------------------------------------------------
 
 
+def _bucket(options: SenderOptions) -> dict[str, int]:
+    """The bucket size asked for, else nothing: each mechanism keeps its own default (sized for its wire)."""
+    return {} if options.bucket_bytes is None else {"bucket_bytes": options.bucket_bytes}
+
+
 def _torch_distributed_sender(options: SenderOptions) -> WeightSender:
     from engines.weights.torch_distributed import TorchDistributedWeightSender
 
@@ -102,6 +108,7 @@ def _torch_distributed_sender(options: SenderOptions) -> WeightSender:
         fingerprint_stride=options.fingerprint_stride,
         delta_sync=options.delta_sync,
         anchor_every=options.delta_anchor,
+        **_bucket(options),
     )
 
 
@@ -119,6 +126,7 @@ def _sglang_sender(options: SenderOptions) -> WeightSender:
         backend=options.backend,
         gpus_per_engine=options.gpus_per_engine,
         timeout_s=options.timeout_s,
+        **_bucket(options),
     )
 
 
@@ -134,7 +142,7 @@ def _sglang_lora_sender(options: SenderOptions) -> WeightSender:
     # gloo whatever the machine: the receivers are rollout workers, whose GPUs belong to their SGLang servers, and
     # an adapter is small enough that its bytes cost little over TCP.
     return TorchDistributedWeightSender(
-        host=options.host, backend="gloo", timeout_s=options.timeout_s, transport=SGLANG_LORA
+        host=options.host, backend="gloo", timeout_s=options.timeout_s, transport=SGLANG_LORA, **_bucket(options)
     )
 
 
@@ -147,7 +155,8 @@ def _sglang_lora_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
 def _sglang_tensor_sender(options: SenderOptions) -> WeightSender:
     from engines.sglang.tensor_weights import SglangTensorSender
 
-    return SglangTensorSender(host=options.host, gpus_per_engine=options.gpus_per_engine, timeout_s=options.timeout_s)
+    return SglangTensorSender(host=options.host, gpus_per_engine=options.gpus_per_engine, timeout_s=options.timeout_s,
+                              **_bucket(options))
 
 
 def _sglang_tensor_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:

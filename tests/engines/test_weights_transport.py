@@ -4,6 +4,7 @@ torch engine, the rollout worker's loader chosen by the order's transport name, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
 from actors.config import RunConfig
-from actors.learner.publish import transfer_backend, transport_name
+from actors.learner.publish import sender_options, transfer_backend, transport_name
 from actors.learner.ranks import CollectiveTrainer, LearnerRanks
 from actors.rollout.engine_factory import lora_server_args
 from actors.rollout.weights import EngineWeightReceiver
@@ -25,6 +26,8 @@ from bus.schema import WeightUpdateOrder
 from engines.inference.torch_engine import TorchEngine
 from engines.training.config import TorchTrainerConfig
 from engines.training.torch_trainer import TorchTrainer
+from engines.weights.manifest import TensorSpec, plan_buckets
+from engines.weights.torch_distributed import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES
 from engines.weights.transport import SenderOptions, WeightTransport, resolve_transport
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +131,16 @@ def test_a_lora_run_on_sglang_adapts_only_modules_sglang_can_and_launches_its_se
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("name", ["sglang", "sglang_tensor"])
+def test_sglang_senders_take_the_runs_bucket_size_and_keep_slimes_default(name: str) -> None:
+    """One HTTP call or broadcast per bucket, as slime's --update-weight-buffer-size sizes them (512 MiB)."""
+    options = SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=5.0)
+    assert resolve_transport(name).make_sender(options).bucket_bytes == 512 * 1024 * 1024
+    sized = dataclasses.replace(options, bucket_bytes=64 * 1024 * 1024)
+    assert resolve_transport(name).make_sender(sized).bucket_bytes == 64 * 1024 * 1024
+
+
+@pytest.mark.unit
 def test_weight_transport_setting_refuses_a_name_that_is_neither_backend_nor_path() -> None:
     with pytest.raises(ValueError, match="'ncl'"):
         RunConfig(weight_transport="ncl")
@@ -143,9 +156,15 @@ def _perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tenso
 
 
 @pytest.mark.integration
-async def test_torch_distributed_transport_lands_new_weights_in_a_torch_engine(tiny_model_path: Path) -> None:
+@pytest.mark.parametrize("bucket_bytes", [None, 4096])
+async def test_torch_distributed_transport_lands_new_weights_in_a_torch_engine(tiny_model_path: Path,
+                                                                             bucket_bytes: int | None) -> None:
+    """Also with the run's bucket size (--weight-bucket-bytes, slime's --update-weight-buffer-size): a push then
+    coalesces its small tensors into buckets of at most that many bytes."""
     transport = resolve_transport("torch_distributed")
-    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=30.0))
+    options = sender_options(RunConfig(weight_bucket_bytes=bucket_bytes), "127.0.0.1")
+    sender = transport.make_sender(dataclasses.replace(options, backend="gloo", timeout_s=30.0))
+    assert sender.bucket_bytes == (bucket_bytes or DEFAULT_BUCKET_BYTES)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     pushed = _perturbed(model, seed=3)
     try:
@@ -161,6 +180,8 @@ async def test_torch_distributed_transport_lands_new_weights_in_a_torch_engine(t
                 await loading
             loader.close()
             assert sender.committed_version == 7 and report.num_tensors == len(pushed)
+            specs = [TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in pushed]
+            assert report.num_buckets == len(plan_buckets(specs, sender.bucket_bytes, DEFAULT_DIRECT_BYTES))
             assert (await engine.health())["version"] == 7
             live = model.state_dict()
             for name, tensor in pushed:
