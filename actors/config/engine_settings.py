@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from actors.config.engines import engine_choices
+from actors.config.engines import engine_choices, engine_spec
 from actors.config.plugin_marks import plugin_for
 from actors.config.sections import BuiltinOrPlugin, Section
 from actors.moved import MOVED_SERVER_MODULES
@@ -57,6 +57,14 @@ class EngineConfig(Section):
     torch_prefix_cache_mb: int = Field(
         1024, ge=1, description="torch engine: the memory the prefix cache may take on the engine's device, in MiB "
         "(least recently used runs are evicted beyond it)")
+
+    def sglang_args_without_effect(self) -> list[str]:
+        """The --sglang-NAME arguments the run's engine does not read (its spec's `reads_sglang_args`): on the torch
+        engine all but two, which spell its own settings; an SGLang server or a plugin engine receives them all."""
+        spec = engine_spec(self.rollout_engine)
+        if spec is None or spec.reads_sglang_args is None:
+            return []
+        return [name for name in self.sglang_args if name not in spec.reads_sglang_args]
 
     @field_validator("sglang_server_module")
     @classmethod

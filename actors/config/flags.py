@@ -152,6 +152,11 @@ def config_from_args(args: argparse.Namespace, *, base: dict[str, Any] | None = 
         raise SettingsError(problems + error.problems, error.usable) from None
     if problems:
         raise SettingsError(problems, config)
+    unread = config.engine.sglang_args_without_effect()
+    if unread:
+        args.slime_translation.notes.append(
+            f"{', '.join('--sglang-' + name for name in unread)} (SGLang server arguments; the rollout engine is "
+            f"{config.engine.rollout_engine}: they reach SGLang servers with --rollout-engine sglang)")
     return config
 
 

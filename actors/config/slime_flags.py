@@ -152,6 +152,8 @@ def _same_name_values(args: argparse.Namespace) -> None:
     """slime spellings of values our own flags read differently."""
     if getattr(args, "rollout_top_k", None) == -1:
         args.rollout_top_k = 0  # slime's "off"
+    if getattr(args, "train_backend", None) == "fsdp":
+        args.train_backend = "torch"  # the HF model with data parallelism, replicated per rank (FSDP shards it)
     if getattr(args, "wandb_mode", None) == "disabled":
         args.wandb_mode = None
         _set(args, "use_wandb", False, "--wandb-mode disabled")
@@ -221,6 +223,10 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "micro_batch_tokens", value, flag)
     elif flag == "--use-dynamic-batch-size":
         pass  # always on here; --max-tokens-per-gpu (or --micro-batch-tokens) sets the budget
+    elif flag == "--update-weight-buffer-size":
+        _set(args, "weight_bucket_bytes", value, flag)
+    elif flag == "--gradient-checkpointing":
+        _set(args, "recompute_granularity", "full", flag)
     elif flag == "--calculate-per-token-loss":
         _set(args, "loss_agg_mode", "token-mean", flag)
     elif flag == "--use-tis":

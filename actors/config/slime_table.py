@@ -91,7 +91,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--train-env-vars": _alias("JSON object of environment variables, set for every actor this launcher starts "
                                "(slime: the training actors)"),
     # --- training engine ---
-    "--train-backend": _same(),
+    "--train-backend": _same("value", "fsdp (slime's FSDP backend, which trains the HF model with data "
+                             "parallelism) runs on our torch backend, which does the same with DDP: every learner "
+                             "rank holds the whole model and optimizer state, where FSDP shards them over the ranks"),
     "--qwen-gdn-backend": _refused("Gated DeltaNet (Qwen3-Next) layers are not supported by our trainers", "value"),
     "--custom-model-provider-path": _owned("megatron"),
     "--recompute-loss-function": _explained("a Megatron memory saving with identical results; our trainers bound "
@@ -126,7 +128,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--update-weight-mode": _alias("full: every push whole (the default); delta -> --weight-delta-sync (deltas over "
                                    "the run's broadcast; --update-weight-transport disk stays refused)"),
     "--update-weight-transport": _alias("nccl -> --weight-transport nccl; disk is refused: " + NO_DISK_SYNC),
-    "--update-weight-buffer-size": _explained("weights travel in buckets sized by the transport", "value", int),
+    "--update-weight-buffer-size": _alias("-> --weight-bucket-bytes: the most bytes one transfer of a push "
+                                          "coalesces (as slime's buckets; over torch.distributed a tensor of 1 MiB "
+                                          "or more travels alone)", "value", int),
     "--release-train": _explained(OFFLOADS_WITH_COLOCATE),
     "--update-weight-disk-dir": _refused(NO_DISK_SYNC, "value"),
     "--update-weight-disk-keep-files": _refused(NO_DISK_SYNC),
@@ -384,3 +388,37 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                    "plugin receives; a key that names a run setting, a slime flag or an SGLang "
                                    "setting is refused"),
 }
+
+
+# slime's FSDP backend's own flags (`FSDPArgs` in slime/backends/fsdp_utils/arguments.py at 16b83e1, 2025-11-28, the
+# version of slime's Qwen3-VL FSDP script; `--fsdp-full-params` from before 9f04d49e). slime removed the backend on
+# 2026-03-04, so the 2026-08-21 snapshot above lacks them; its scripts still run here, on the torch backend
+# (`--train-backend fsdp`). The dataclass's other fields are Megatron's names, read as above or by our own flags.
+NEVER_READ = "declared by slime's FSDP backend but never read by it"
+FSDP_BACKEND_FLAGS: dict[str, SlimeFlag] = {
+    "--gradient-checkpointing": _alias("-> --recompute-granularity full: gradient checkpointing of every layer of "
+                                       "the HF model (the torch backend's recompute), as slime's FSDP asks "
+                                       "transformers for", "switch"),
+    "--attn-implementation": _explained("the torch trainer's language model attends with its own packed attention "
+                                        "(SDPA per sequence inside a packed row, what flash_attention_2/3's "
+                                        "variable-length kernels do for slime's FSDP) and a vision tower with SDPA "
+                                        "per image: the same attention, by another kernel", "value"),
+    "--fsdp-full-params": _explained("every learner rank holds whole tensors and the learner pushes them whole: "
+                                     "what slime's full and sharded state-dict modes both deliver to the engines"),
+    "--fsdp-state-dict-cpu-offload": _explained(NEVER_READ + " (where slime's FSDP gathers its state dict); weight "
+                                                "pushes here stream buckets from the learner's device"),
+    "--fsdp-cpu-offload": _refused("parameters, gradients and optimizer state offloaded to the CPU (a CPU optimizer "
+                                   "step) are not available on either backend; --colocate moves the optimizer "
+                                   "state off the GPU while the engines generate"),
+    "--fsdp-cpu-backend": _explained("the learner picks its torch.distributed backend: NCCL on GPUs, gloo on CPUs",
+                                     "value"),
+    "--warmup-ratio": _explained(NEVER_READ + " (its learning rate is --lr from the first step); "
+                                 "--lr-warmup-fraction warms up here", "value", float),
+    "--wandb-run-name": _explained(NEVER_READ + "; W&B runs are named after the run directory", "value"),
+    "--tensorboard-dir": _explained("TensorBoard events go to RUN_DIR/tensorboard", "value"),
+    "--use-pytorch-profiler": _refused(NO_PROFILING),
+    "--profile-step-start": _refused(NO_PROFILING, "value", int),
+    "--profile-step-end": _refused(NO_PROFILING, "value", int),
+    "--memory-snapshot-path": _refused(NO_PROFILING, "value"),
+}
+SLIME_FLAGS.update(FSDP_BACKEND_FLAGS)

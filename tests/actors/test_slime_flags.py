@@ -26,12 +26,23 @@ from actors.config import config_from_args, split_sglang_args
 from actors.config.flags import build_config
 from actors.config.run import RunConfig
 from actors.config.settings_errors import SettingsError
-from actors.config.slime_table import SLIME_FLAGS
+from actors.config.slime_table import FSDP_BACKEND_FLAGS, SLIME_FLAGS
 from launcher import build_parser
 from tests.support.slime_scripts import SCRIPTS, read_slime_script
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-SLIME_KINDS = dict(line.split() for line in (DATA / "slime_flags.txt").read_text().splitlines() if line.strip())
+
+
+def _kinds(name: str) -> dict[str, str]:
+    return dict(line.split() for line in (DATA / name).read_text().splitlines() if line.strip())
+
+
+HEAD_KINDS = _kinds("slime_flags.txt")
+# slime's FSDP backend's flags: the fields of `FSDPArgs` (slime/backends/fsdp_utils/arguments.py at 16b83e1, made
+# the same way: a bool field is a store_true switch, any other a value; `config` left out, the YAML its parser
+# reads) and `--fsdp-full-params` (removed from it in 9f04d49e, still named by slime's VLM script).
+FSDP_KINDS = _kinds("slime_fsdp_flags.txt")
+SLIME_KINDS = {**HEAD_KINDS, **FSDP_KINDS}
 def parse(argv: list[str]) -> argparse.Namespace:
     rest, passthrough = split_sglang_args(argv)
     args = build_parser().parse_args(["--head", *rest])
@@ -50,9 +61,19 @@ def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 
 @pytest.mark.unit
 def test_every_slime_flag_at_head_has_a_row() -> None:
-    assert len(SLIME_KINDS) == 230
-    assert sorted(set(SLIME_KINDS) - set(SLIME_FLAGS)) == []
-    assert sorted(set(SLIME_FLAGS) - set(SLIME_KINDS)) == []
+    assert len(HEAD_KINDS) == 230
+    assert sorted(set(HEAD_KINDS) - set(SLIME_FLAGS)) == []
+    assert sorted(set(SLIME_FLAGS) - set(HEAD_KINDS)) == sorted(FSDP_BACKEND_FLAGS)
+
+
+@pytest.mark.unit
+def test_every_flag_of_slimes_fsdp_backend_is_ours_or_has_a_row() -> None:
+    """Its Megatron-named fields (--lr, --adam-eps, --context-parallel-size, ...) are our own settings or rows of
+    slime's main flags; the rest are rows of FSDP_BACKEND_FLAGS, read and decided like slime's other flags."""
+    parser = build_parser()
+    own = {flag for flag in FSDP_KINDS if not _action(parser, flag).dest.startswith("slime_")}
+    assert sorted(set(FSDP_KINDS) - own - set(HEAD_KINDS)) == sorted(FSDP_BACKEND_FLAGS)
+    assert own >= {"--lr", "--adam-eps", "--weight-decay", "--context-parallel-size", "--deterministic-mode"}
 
 
 @pytest.mark.unit
@@ -359,6 +380,51 @@ def test_script_reader_expands_arrays_and_variables() -> None:
     assert argv[argv.index("--sglang-cuda-graph-bs") + 1: argv.index("--sglang-cuda-graph-bs") + 6] == [
         "1", "2", "4", "8", "16"]
     assert "mixture" not in argv  # comments inside arrays are dropped
+
+
+@pytest.mark.unit
+def test_slimes_vlm_fsdp_script_runs_on_the_torch_backend_with_each_flag_taken_or_explained() -> None:
+    """slime's Qwen3-VL FSDP script as it is: FSDP is our torch backend, gradient checkpointing its recompute, the
+    weight buffer its bucket size, geo3k a built-in reward; the attention kernel choices, and the SGLang server's
+    arguments on a torch engine, are named in the start-up note."""
+    entry, argv = read_slime_script(SCRIPTS / "vlm-qwen3-vl-8b-fsdp.sh")
+    bucket = argv.index("--update-weight-buffer-size")
+    assert argv[bucket + 1] == str(512 * 1024 * 1024)  # $((512 * 1024 * 1024))
+    graphs = argv.index("--sglang-cuda-graph-bs")
+    assert argv[graphs + 1 : graphs + 7] == ["1", "2", "4", "8", "16", "24"] and "256" in argv  # $(seq 16 8 256)
+    config, args = configure(["--slime-entry", entry, *argv])
+    assert (config.trainer.train_backend, config.megatron.recompute_granularity) == ("torch", "full")
+    assert config.weights.weight_bucket_bytes == 512 * 1024 * 1024
+    assert (config.reward.rm_type, config.eval.eval_top_p, config.placement.colocate) == ("geo3k", 0.7, True)
+    assert config.data.multimodal_keys == {"image": "images"} and config.buffer.max_staleness == 0
+    assert config.engine.sglang_args["attention-backend"] == "fa3"
+    note = args.slime_translation.note()
+    assert "--attn-implementation (the torch trainer's language model attends with its own packed attention" in note
+    assert ("--sglang-mem-fraction-static, --sglang-cuda-graph-bs, --sglang-attention-backend (SGLang server "
+            "arguments; the rollout engine is torch") in note
+    assert "--update-weight-buffer-size" not in note and "--gradient-checkpointing" not in note
+
+
+@pytest.mark.unit
+def test_sglang_server_arguments_are_noted_only_where_no_server_reads_them() -> None:
+    _, torch_engine = configure(["--sglang-attention-backend", "fa3", "--sglang-disable-radix-cache"])
+    assert torch_engine.slime_translation.note() == (
+        "slime flags accepted with no effect here: --sglang-attention-backend (SGLang server arguments; the "
+        "rollout engine is torch: they reach SGLang servers with --rollout-engine sglang)")
+    config, server = configure(["--rollout-engine", "sglang", "--sglang-attention-backend", "fa3"])
+    assert server.slime_translation.note() is None and config.engine.sglang_args == {"attention-backend": "fa3"}
+
+
+@pytest.mark.unit
+def test_train_backend_fsdp_is_the_torch_backend_and_gradient_checkpointing_its_recompute() -> None:
+    config, _ = configure(["--train-backend", "fsdp", "--gradient-checkpointing"])
+    assert (config.trainer.train_backend, config.megatron.recompute_granularity) == ("torch", "full")
+    with pytest.raises(ValueError, match="--gradient-checkpointing sets --recompute-granularity 'full', but "
+                                         "--recompute-granularity 'selective' was also given"):
+        configure(["--gradient-checkpointing", "--recompute-granularity", "selective"])
+    with pytest.raises(ValueError, match="--update-weight-buffer-size sets --weight-bucket-bytes 4096, but "
+                                         "--weight-bucket-bytes 8192 was also given"):
+        configure(["--update-weight-buffer-size", "4096", "--weight-bucket-bytes", "8192"])
 
 
 @pytest.mark.unit

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
 import shlex
 import subprocess
@@ -16,14 +18,17 @@ ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
 
 def read_slime_script(path: Path, overrides: dict[str, str] | None = None) -> tuple[str, list[str]]:
     """(entry point, argv) of a slime run script: arrays `NAME=( ... )`, plain `VAR=value` and the final
-    `python3 train.py ... ${NAME[@]}` command, expanded; `overrides` replaces variables (paths, sizes)."""
+    `python3 train.py ... ${NAME[@]}` command, expanded (`$(( ))` arithmetic and `$(seq ...)` too); `overrides`
+    replaces variables (paths, sizes)."""
     variables: dict[str, str] = {}
     arrays: dict[str, list[str]] = {}
     lines = iter(path.read_text(encoding="utf-8").splitlines())
     entry, command = "", ""
 
     def expand(text: str) -> str:
-        return re.sub(r"\$\{?([A-Z_][A-Z0-9_]*)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
+        text = re.sub(r"\$\{?([A-Z_][A-Z0-9_]*)\}?", lambda m: variables.get(m.group(1), m.group(0)), text)
+        text = re.sub(r"\$\(\(([0-9+*/() -]+)\)\)", lambda m: str(_integer_arithmetic(m.group(1))), text)
+        return re.sub(r"\$\(seq ([0-9 ]+)\)", lambda m: " ".join(map(str, _seq(m.group(1)))), text)
 
     for line in lines:
         stripped = line.strip()
@@ -49,6 +54,28 @@ def read_slime_script(path: Path, overrides: dict[str, str] | None = None) -> tu
         array = re.fullmatch(r"\$\{([A-Z_][A-Z0-9_]*)\[@\]\}", token)
         argv.extend(arrays[array.group(1)] if array else [expand(token)])
     return entry, argv
+
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv}
+
+
+def _integer_arithmetic(expression: str) -> int:
+    """bash's `$(( ))` over integers (the scripts size buffers with it: `$((512 * 1024 * 1024))`)."""
+    def value(node: ast.expr) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"$(( {expression} )): only integers with + - * / are read")
+
+    return value(ast.parse(expression.strip(), mode="eval").body)
+
+
+def _seq(operands: str) -> range:
+    """coreutils' `seq LAST`, `seq FIRST LAST` or `seq FIRST STEP LAST` (slime's CUDA-graph batch sizes)."""
+    numbers = [int(n) for n in operands.split()]
+    first, step, last = {1: (1, 1, numbers[0]), 2: (numbers[0], 1, numbers[-1]), 3: tuple(numbers)}[len(numbers)]
+    return range(first, last + 1, step)
 
 
 def run_slime_script(entry: str, argv: list[str], run_dir: Path, *, train_backend: str = "torch"

@@ -102,3 +102,51 @@ def test_the_moe_slime_script_trains_on_megatron_with_expert_parallelism_replayi
     _, steps = run_slime_script(entry, argv, tmp_path / "run", train_backend="megatron")
     assert len(steps) == 3 and all(row["optimizer_steps"] == 2 for row in steps), steps
     assert all(row["grad_norm"] > 0 for row in steps), steps
+
+
+def _geo3k_like_parquet(folder: Path) -> Path:
+    """Geometry3K's shape: a `prompt` with an <image> mark, a LaTeX `label`, and `images` as Hugging Face image
+    structs (PNG bytes) in train.parquet and test.parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image, ImageDraw
+
+    from engines.vision.images import encode_png
+
+    def figure(apex: int) -> bytes:
+        picture = Image.new("RGB", (56, 56), (255, 255, 255))
+        ImageDraw.Draw(picture).polygon([(4, 50), (50, 50), (4 + apex, 6)], outline=(0, 0, 0))
+        return encode_png(picture)
+
+    answers = ["3\\sqrt{3}", "\\frac{40}{3}", "60", "4.5"]
+    rows = {"prompt": [f"<image>Find x in triangle {i}. Put the answer in \\boxed{{}}." for i in range(8)],
+            "label": [answers[i % 4] for i in range(8)],
+            "images": [[{"bytes": figure(4 * i), "path": None}] for i in range(8)]}
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table(rows), folder / "train.parquet")
+    pq.write_table(pa.table({key: column[:2] for key, column in rows.items()}), folder / "test.parquet")
+    return folder
+
+
+@pytest.mark.system
+def test_slimes_vlm_fsdp_script_trains_a_tiny_vlm_colocated_on_cpu(tiny_vlm_path: Path, tmp_path: Path) -> None:
+    """slime's Qwen3-VL script (FSDP backend, geo3k reward, images by --multimodal-keys, --colocate, eval top-p)
+    with the tiny Qwen2.5-VL and geo3k-shaped pictures, sized to two steps and one learner rank: FSDP runs as our
+    torch backend with gradient checkpointing, the geo3k reward scores (its extras are logged), the eval rounds
+    generate from the held-out pictures."""
+    data = _geo3k_like_parquet(tmp_path / "geo3k")
+    entry, argv = read_slime_script(SCRIPTS / "vlm-qwen3-vl-8b-fsdp.sh",
+                                    overrides={"MODEL": str(tiny_vlm_path), "DATA": str(data)})
+    for flag, value in {"--num-rollout": "2", "--rollout-batch-size": "2", "--n-samples-per-prompt": "2",
+                        "--rollout-max-response-len": "8", "--global-batch-size": "4", "--eval-interval": "2",
+                        "--eval-max-response-len": "8", "--actor-num-gpus-per-node": "1"}.items():
+        argv[argv.index(flag) + 1] = value
+    completed, steps = run_slime_script(entry, argv, tmp_path / "run")
+    assert "--attn-implementation (the torch trainer" in completed.stderr
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        assert {"reward/correct", "reward/format_ok"} <= row.keys() and row["dropped/bad_images"] == 0, row
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rounds] == [0, 2]
+    assert all(row["eval/geo3k-test/failed_samples"] == 0 and "eval/geo3k-test/reward/correct" in row
+               for row in rounds)
