@@ -1,7 +1,8 @@
 """Context parallelism on the torch trainer: a row split across ranks computes what the whole row computes.
 
-The parity runs are real gloo worlds (spawned processes): CP=2, CP=2 x DP=2 and CP=3, each against one process on the
-whole batch, on log-probs and entropy, the loss and its metrics, the gradient norm and every weight after a step;
+The parity runs are real gloo worlds (ranks forked from one spawned leader that imported the trainer once:
+tests/support/world_runs.py): CP=2, CP=2 x DP=2 and CP=3, each against one process on the whole batch, on log-probs
+and entropy, the loss and its metrics, the gradient norm and every weight after a step;
 dense and mixture-of-experts models, full and LoRA training; rows whose sequences do not divide into the 2C chunks
 evenly, with shared prompts and a preamble packed once. The split itself is proven without processes.
 """
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -25,8 +25,8 @@ from engines.training.config import CriticSettings
 from engines.training.context_parallel import ContextParallel, ContextRow, zigzag_rows
 from engines.training.lora import LoraSettings
 from engines.training.micro_batches import pack_inputs
-from tests.support.rendezvous import cpu_gloo_rank, rendezvous_file
 from tests.support.training import step_loss
+from tests.support.world_runs import WorldRuns
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
 TEMPERATURE = 0.9
@@ -125,33 +125,32 @@ def critic_step(trainer: TorchTrainer, shard: list[TrainSample]) -> tuple[dict[s
     return {"values": before, "values_after": after}, {"grad_norm": result.grad_norm, "metrics": result.metrics}
 
 
-def _parity_worker(rank: int, rendezvous: str, world: int, context: int, models: dict[str, str],
-                   out_dir: Path) -> None:
-    with cpu_gloo_rank(rank, rendezvous, world):
-        for case in CASES[world, context]:
-            name = case.name
-            trainer = TorchTrainer(trainer_config(case, models, context=context))
-            parallel = trainer.data_parallel()
-            assert (parallel.size, parallel.rank) == (world // context, rank // context)
-            shard = data_parallel_shard(case.batch(), parallel.rank, parallel.size)
-            outputs = trainer.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
-            result = trainer.train_step(shard, step_loss(case.batch()), temperature=TEMPERATURE, with_entropy=True)
-            tensors = {"log_probs": outputs.log_probs, "entropy": outputs.entropy}
-            if case.record_routes:
-                tensors["routes"] = torch.cat(outputs.routed_experts)
-            critic: dict = {}
-            if trainer.has_critic:
-                values, critic = critic_step(trainer, shard)
-                tensors.update(values)
-            save_file(tensors, str(out_dir / f"{name}-outputs-{rank}.st"))
-            if rank == 0:
-                save_file({key: tensor.contiguous() for key, tensor in trainer.named_tensors()},
-                          str(out_dir / f"{name}-weights.st"))
-                summary = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics,
-                           "critic": critic}
-                (out_dir / f"{name}-result.json").write_text(json.dumps(summary))
-            trainer.close()
-            dist.barrier()
+def _parity_worker(rank: int, out_dir: Path, world: int, context: int, models: dict[str, str]) -> None:
+    """One rank of a world (`WorldRuns` joined it to the world's gloo group): every case of the world in turn."""
+    for case in CASES[world, context]:
+        name = case.name
+        trainer = TorchTrainer(trainer_config(case, models, context=context))
+        parallel = trainer.data_parallel()
+        assert (parallel.size, parallel.rank) == (world // context, rank // context)
+        shard = data_parallel_shard(case.batch(), parallel.rank, parallel.size)
+        outputs = trainer.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
+        result = trainer.train_step(shard, step_loss(case.batch()), temperature=TEMPERATURE, with_entropy=True)
+        tensors = {"log_probs": outputs.log_probs, "entropy": outputs.entropy}
+        if case.record_routes:
+            tensors["routes"] = torch.cat(outputs.routed_experts)
+        critic: dict = {}
+        if trainer.has_critic:
+            values, critic = critic_step(trainer, shard)
+            tensors.update(values)
+        save_file(tensors, str(out_dir / f"{name}-outputs-{rank}.st"))
+        if rank == 0:
+            save_file({key: tensor.contiguous() for key, tensor in trainer.named_tensors()},
+                      str(out_dir / f"{name}-weights.st"))
+            summary = {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics,
+                       "critic": critic}
+            (out_dir / f"{name}-result.json").write_text(json.dumps(summary))
+        trainer.close()
+        dist.barrier()
 
 
 @pytest.fixture(scope="module")
@@ -160,39 +159,56 @@ def models(tiny_model_cache: Path) -> dict[str, str]:
             for family in ("qwen2", "qwen3_moe")}
 
 
+def world_name(world: int, context: int) -> str:
+    return f"{world}x{context}"
+
+
+# What a rank imports to build a torch trainer, imported once in the leader that forks every world's ranks.
+TRAINER_MODULES = ("engines.training", "torch.distributed", "safetensors.torch")
+
+
+@pytest.fixture(scope="module")
+def worlds(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> WorldRuns:
+    """Each world's outputs (asking for one runs all three, forked from one leader, one world after another)."""
+    return WorldRuns(tmp_path_factory, {world_name(*key): key[0] for key in CASES}, _parity_worker,
+                     lambda name: (*next(key for key in CASES if world_name(*key) == name), models),
+                     preload=TRAINER_MODULES)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(("world", "context"), sorted(CASES), ids=lambda n: str(n))
 def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
-        world: int, context: int, models: dict[str, str], tmp_path: Path) -> None:
-    mp.spawn(_parity_worker, args=(rendezvous_file(), world, context, models, tmp_path), nprocs=world, join=True)
+        world: int, context: int, models: dict[str, str], worlds: WorldRuns) -> None:
+    out_dir = worlds[world_name(world, context)]
     replicas = world // context
     for case in CASES[world, context]:
         name = case.name
         batch = case.batch()
+        shards = [data_parallel_shard(batch, replica, replicas) for replica in range(replicas)]
         single = TorchTrainer(trainer_config(case, models, context=1))
+        # what one process computes on each data-parallel shard, held by all the context ranks of its replica
+        expected = [single.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True) for shard in shards]
         for rank in range(world):
-            shard = data_parallel_shard(batch, rank // context, replicas)
-            expected = single.compute_log_probs(shard, temperature=TEMPERATURE, with_entropy=True)
-            split = load_file(str(tmp_path / f"{name}-outputs-{rank}.st"))
-            torch.testing.assert_close(split["log_probs"], expected.log_probs, atol=2e-5, rtol=1e-5,
+            whole = expected[rank // context]
+            split = load_file(str(out_dir / f"{name}-outputs-{rank}.st"))
+            torch.testing.assert_close(split["log_probs"], whole.log_probs, atol=2e-5, rtol=1e-5,
                                        msg=f"{name} rank {rank}")
-            torch.testing.assert_close(split["entropy"], expected.entropy, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(split["entropy"], whole.entropy, atol=2e-5, rtol=1e-5)
             if case.record_routes:  # every token's experts, recorded where its row was and joined per sample
-                assert torch.equal(split["routes"], torch.cat(expected.routed_experts)), f"{name} rank {rank}"
+                assert torch.equal(split["routes"], torch.cat(whole.routed_experts)), f"{name} rank {rank}"
         result = single.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
-        parallel = json.loads((tmp_path / f"{name}-result.json").read_text())
+        parallel = json.loads((out_dir / f"{name}-result.json").read_text())
         if single.has_critic:  # the critic's step on the whole batch, its values before and after it per shard
-            before = {rank: single.compute_values(data_parallel_shard(batch, rank // context, replicas))
-                      for rank in range(world)}
+            before = [single.compute_values(shard) for shard in shards]
             critic = single.train_critic(batch, value_loss(batch))
             assert parallel["critic"]["grad_norm"] == pytest.approx(critic.grad_norm, rel=1e-4)
             assert parallel["critic"]["metrics"]["value_error"] == pytest.approx(critic.metrics["value_error"],
                                                                                 rel=1e-5)
+            after = [single.compute_values(shard) for shard in shards]
             for rank in range(world):
-                split = load_file(str(tmp_path / f"{name}-outputs-{rank}.st"))
-                after = single.compute_values(data_parallel_shard(batch, rank // context, replicas))
-                torch.testing.assert_close(split["values"], before[rank], atol=2e-5, rtol=1e-5)
-                torch.testing.assert_close(split["values_after"], after, atol=2e-5, rtol=1e-5)
+                split = load_file(str(out_dir / f"{name}-outputs-{rank}.st"))
+                torch.testing.assert_close(split["values"], before[rank // context], atol=2e-5, rtol=1e-5)
+                torch.testing.assert_close(split["values_after"], after[rank // context], atol=2e-5, rtol=1e-5)
         assert parallel["version"] == result.version == 1
         assert parallel["metrics"]["sequences"] == len(batch)
         assert parallel["metrics"]["loss_tokens"] == result.metrics["loss_tokens"]
@@ -201,7 +217,7 @@ def test_a_row_split_across_a_context_parallel_group_trains_as_the_whole_row(
         assert parallel["metrics"]["token_term"] == pytest.approx(result.metrics["token_term"], rel=1e-5)
         for metric in ("moe/load_balancing_loss", "moe/z_loss") if case.router_losses else ():
             assert parallel["metrics"][metric] == pytest.approx(result.metrics[metric], rel=1e-5), metric
-        weights = load_file(str(tmp_path / f"{name}-weights.st"))
+        weights = load_file(str(out_dir / f"{name}-weights.st"))
         for key, tensor in single.named_tensors():
             torch.testing.assert_close(weights[key], tensor, atol=1e-6, rtol=1e-5, msg=f"{name}: {key}")
         single.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import traceback
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,8 @@ from tests.support.rendezvous import cpu_gloo_rank, rendezvous_file
 # Called in every rank as `job(rank, out_dir, *args)`; a module-level function of the test, so it pickles.
 RankJob = Callable[..., None]
 Jobs = list[tuple[RankJob, tuple]]
-# What a rank imports while it builds a trainer and checkpoints it, imported once in the leader before it forks.
+# What a megatron rank imports while it builds a trainer and checkpoints it, imported once in the leader before it
+# forks (the default; a module whose ranks need other modules names them).
 PRELOADED = ("engines.megatron.trainer", "megatron.core.dist_checkpointing", "mbridge")
 # Written by the leader into each folder of a world whose ranks failed: the failure, for the tests of its layouts.
 FAILURE = "world-failed.txt"
@@ -37,13 +38,13 @@ def _run_in_world(rank: int, rendezvous: str, world: int, jobs: Jobs) -> None:
             job(rank, *args)
 
 
-def _lead_worlds(_: int, worlds: list[tuple[int, Jobs, Jobs, list[Path]]]) -> None:
+def _lead_worlds(_: int, worlds: list[tuple[int, Jobs, Jobs, list[Path]]], preload: Sequence[str]) -> None:
     """Hides the GPUs before anything can initialise CUDA (a forked child could not use it) and leaves torch one
     thread (no OpenMP pool to fork), imports what every rank needs, then forks each world's ranks in turn: its
     layouts, then (in fresh ranks) its resumes. The leader itself never joins a world, so every fork is clean."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
-    for module in PRELOADED:
+    for module in preload:
         importlib.import_module(module)
     for world, jobs, resumes, out_dirs in worlds:
         try:
@@ -58,11 +59,13 @@ def _lead_worlds(_: int, worlds: list[tuple[int, Jobs, Jobs, list[Path]]]) -> No
 class WorldRuns(dict[str, Path]):
     """Layout name -> the folder its ranks wrote. Asking for any layout runs every layout (`run(rank, out_dir,
     *args(name))`, grouped into one world per size), then `resume` for those named in `resumed`, in fresh ranks;
-    a layout whose world failed raises that failure."""
+    a layout whose world failed raises that failure. `preload`: the modules the leader imports for every rank."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory, worlds: Mapping[str, int], run: RankJob,
-                 args: Callable[[str], tuple], resume: RankJob | None = None, resumed: Collection[str] = ()) -> None:
+                 args: Callable[[str], tuple], resume: RankJob | None = None, resumed: Collection[str] = (),
+                 preload: Sequence[str] = PRELOADED) -> None:
         super().__init__()
+        self._preload = tuple(preload)
         self._tmp_path_factory = tmp_path_factory
         self._worlds = worlds
         self._run, self._resume, self._resumed = run, resume, resumed
@@ -87,7 +90,7 @@ class WorldRuns(dict[str, Path]):
             resumes = [(self._resume, (out_dirs[name], *self._args(name))) for name in names
                        if self._resume is not None and name in self._resumed]
             worlds.append((size, jobs, resumes, [out_dirs[name] for name in names]))
-        mp.spawn(_lead_worlds, args=(worlds,), nprocs=1, join=True)
+        mp.spawn(_lead_worlds, args=(worlds, self._preload), nprocs=1, join=True)
         for name, out_dir in out_dirs.items():
             if (out_dir / FAILURE).exists():
                 self._failures[name] = (out_dir / FAILURE).read_text()
