@@ -136,9 +136,9 @@ async def test_the_engine_generates_what_transformers_generates_on_smollm2(smoll
     batch, token for token, although the engine's rows leave and its cache shrinks as they finish."""
     from engines.inference import GenerateRequest, SamplingParams, TorchEngine
 
-    texts = [AutoTokenizer.from_pretrained(smollm2_path).apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        for prompt in _chat_prompts(PROMPTS)]
+    chat = AutoTokenizer.from_pretrained(smollm2_path)
+    texts = [chat.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                      add_generation_prompt=True) for prompt in _chat_prompts(PROMPTS)]
     async with TorchEngine.from_pretrained(smollm2_path, max_batch_size=64) as engine:
         tokenizer = engine.tokenizer
         prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
