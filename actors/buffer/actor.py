@@ -27,6 +27,7 @@ from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles, on_broadcast, serves
 from actors.runtime.metrics import MetricsWriter
 from actors.runtime.peers import PeerStream
+from actors.runtime.stopping import unless_stopped
 from bus.episodes import count_episodes
 from bus.schema import (
     BATCH_ORDER,
@@ -109,9 +110,12 @@ class Buffer(Actor):
         self.versions = LearnerVersions()  # whether the learner pushes weights: the engines move with it
 
     async def run(self) -> None:
-        """Expire leases as time passes; everything else is a reply to a message."""
+        """Expire leases as time passes; everything else is a reply to a message. A stop ends the wait between two
+        checks at once: the ordered stop of a run waits for the buffer before it stops the controller."""
         while not self.stopping:
-            await asyncio.sleep(min(1.0, self.config.buffer.lease_timeout / 4))
+            await unless_stopped(asyncio.sleep(min(1.0, self.config.buffer.lease_timeout / 4)), self._stop_requested)
+            if self.stopping:
+                return
             reissued = self.core.expire_leases()
             if reissued:
                 self.log.warning("leases expired; groups re-issued", groups=len(reissued))

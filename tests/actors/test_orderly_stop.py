@@ -3,6 +3,7 @@ same event during a run still warns. The console shows warnings, and a run that 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,26 @@ async def test_a_weight_update_the_learner_gave_up_is_warned_about_during_a_run_
             assert isinstance(await worker.on_weight_update("learner", orders[1]), Error)  # the run's end
     given_up = [(entry["log_level"], entry["version"]) for entry in logs if entry["event"] == "weight update given up"]
     assert given_up == [("warning", 1), ("info", 2)]
+
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_stopping_buffer_ends_at_once_not_after_its_next_lease_check(tmp_path: Path) -> None:
+    """The buffer checks for expired leases every second; asked to stop, it used to sleep until its next check and
+    make it (up to a second of every run's ordered stop, which stops the controller only after the buffer). Now
+    the stop ends the wait: no lease check runs after it."""
+    settings = {**SLEEPING, "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "lease_timeout": 20.0,
+                "use_tensorboard": False, "plots": False}
+    async with actor_system(tmp_path, settings, {"controller": "controller", "buffer": "buffer"}) as system:
+        buffer = system["buffer"]
+        check, checked_after_stop = buffer.core.expire_leases, []
+
+        def expire_leases() -> list:
+            checked_after_stop.append(buffer.stopping)
+            return check()
+
+        buffer.core.expire_leases = expire_leases
+        buffer.request_stop("test: the run stops")
+        assert await asyncio.wait_for(asyncio.shield(system.tasks["buffer"]), 30) == 0
+    assert True not in checked_after_stop
