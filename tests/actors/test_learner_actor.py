@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from actors.buffer.actor import Buffer
 from actors.config import build_config
 from actors.learner.trainer_factory import build_trainer
 from actors.runtime.exits import EXIT_RUN_FAILED, exit_report
@@ -319,6 +320,16 @@ async def test_a_stopping_learner_does_not_wait_for_a_batch_nobody_will_serve(
         assert system.tasks["learner"].result() == 0
 
 
+class CommittedThroughBatch5(Buffer):
+    """A buffer whose log says batches up to 5 are committed, as a checkpoint after batch 5 would have left it,
+    before the learner first asks (set after the start, the first ask waited out an empty long poll first)."""
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        assert self.core is not None
+        self.core.committed_batch = 5
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_a_batch_the_buffer_can_never_serve_fails_the_run_instead_of_asking_forever(
@@ -326,9 +337,8 @@ async def test_a_batch_the_buffer_can_never_serve_fails_the_run_instead_of_askin
     """A learner resumed from a checkpoint older than what the buffer committed asked again and again (each time an
     error and a traceback) until the hang detector ended the run 15 minutes later; now it fails at once, saying why."""
     use_spec(SPEC, tmp_path, monkeypatch)
-    roles = {"controller": "controller", "buffer": "buffer", "learner": "learner"}
+    roles = {"controller": "controller", "buffer": CommittedThroughBatch5, "learner": "learner"}
     async with actor_system(tmp_path, _settings(tmp_path, num_rollout=20), roles) as system:
-        system["buffer"].core.committed_batch = 5  # as a checkpoint after batch 5 would have left it
         ended = await asyncio.wait_for(asyncio.shield(system.tasks["learner"]), 30)
     assert ended == EXIT_RUN_FAILED
     report = exit_report(system["learner"].context)
