@@ -36,6 +36,7 @@ from actors.config.sections import (
     WeightsConfig,
     resolve_label_key,
 )
+from actors.config.sft import SftConfig
 from actors.config.slime_table import SLIME_FLAGS
 from actors.config.teachers import DistillationConfig, run_teachers
 from policies.config import PolicyLossConfig
@@ -48,7 +49,7 @@ SECTIONS: dict[str, type[Section]] = {
     "lora": LoraConfig, "engine": EngineConfig, "router": RouterConfig, "weights": WeightsConfig,
     "placement": PlacementConfig,
     "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
-    "distillation": DistillationConfig,
+    "distillation": DistillationConfig, "sft": SftConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -77,6 +78,7 @@ class RunConfig(BaseModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
     policy: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
                                      description="advantages, loss, KL and off-policy correction")
     policies: dict[str, dict[str, Any]] = Field(

@@ -127,6 +127,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     _same_name_values(args)
     _opd_teacher_server(args)
     _rollout_logprobs_alone(args)
+    _sft_rollout(args, result)
     for flag, row in SLIME_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is None:
@@ -171,6 +172,33 @@ def _rollout_logprobs_alone(args: argparse.Namespace) -> None:
             raise ValueError(f"--use-rollout-logprobs and {flag} contradict: with the first, pi_old is the engine's "
                              "log-probs, so the importance weight pi_old / mu is 1 on every token (slime refuses "
                              "--use-tis with it too); give one of them")
+
+
+SLIME_SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+
+
+def _sft_rollout(args: argparse.Namespace, result: SlimeTranslation) -> None:
+    """slime's SFT rollout function cuts each record's conversation by --loss-mask-type and generates nothing: that
+    is our --loss-type sft on a record whose prompt is chat messages (actors/rollout/sft.py), so the path goes.
+    Its records have no label (--label-key none unless given), its samples reward 0 as slime sets it (--rm-type
+    zero unless given), its groups one sample (slime's --n-samples-per-prompt default), and the
+    --debug-train-only slime's SFT scripts set (start no engines) is what SFT does anyway: nothing is generated."""
+    if getattr(args, "rollout_function_path", None) != SLIME_SFT_ROLLOUT:
+        return
+    loss = getattr(args, "loss_type", None)
+    if SLIME_LOSS_NAMES.get(loss, loss) != "sft":
+        raise ValueError(f"--rollout-function-path {SLIME_SFT_ROLLOUT} is slime's SFT data path: it needs "
+                         f"--loss-type sft_loss (got {loss or 'the default policy loss'})")
+    args.rollout_function_path = None
+    args.label_key = getattr(args, "label_key", None) or "none"
+    if getattr(args, "rm_type", None) is None and getattr(args, "custom_rm_path", None) is None:
+        args.rm_type = "zero"
+    if getattr(args, "n_samples_per_prompt", None) is None:
+        args.n_samples_per_prompt = 1
+    if getattr(args, "debug_train_only", None) and not getattr(args, "load_debug_rollout_data", None):
+        args.debug_train_only = None
+        result.notes.append("--debug-train-only (slime's SFT starts no engines; SFT samples here are the data's "
+                            "tokens, nothing is generated)")
 
 
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"

@@ -203,7 +203,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                                     "--sglang-startup-timeout", "value", float),
     # --- data ---
     "--num-rollout": _same(),
-    "--num-epoch": _refused("training length is given in batches: use --num-rollout", "value", int),
+    "--num-epoch": _same("value", "--num-rollout becomes num_epoch x (the records kept // --rollout-batch-size), "
+                                  "as slime derives it; a --num-rollout given as well wins"),
     "--disable-rollout-global-dataset": _refused("the buffer always owns the prompt dataset and its cursor"),
     "--data-source-path": _refused("custom data-source classes are not available; the buffer reads --prompt-data",
                                    "value"),
@@ -368,8 +369,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--fetch-trajectory-retry-times": _refused(NO_AGENT_BUFFER, "value", int),
     "--min-batch-collection-ratio": _refused(NO_AGENT_BUFFER, "value", float),
     "--rollout-task-type": _refused(NO_AGENT_BUFFER, "value"),
-    "--loss-mask-type": _refused("chat-template-specific multi-turn loss masks are not available; a generate "
-                                 "plugin sets the loss mask", "value"),
+    "--loss-mask-type": _same("value", "qwen, qwen3 and distill_qwen cut an SFT conversation as slime's do "
+                                       "(actors/rollout/loss_masks.py); qwen3_5 is refused"),
     "--data-pad-size-multiplier": _explained("packing chooses its own padding", "value", int),
     "--rollout-sample-filter-path": _refused(NO_AGENT_BUFFER, "value"),
     "--rollout-all-samples-process-path": _refused(NO_AGENT_BUFFER, "value"),

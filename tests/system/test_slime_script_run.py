@@ -102,3 +102,42 @@ def test_the_moe_slime_script_trains_on_megatron_with_expert_parallelism_replayi
     _, steps = run_slime_script(entry, argv, tmp_path / "run", train_backend="megatron")
     assert len(steps) == 3 and all(row["optimizer_steps"] == 2 for row in steps), steps
     assert all(row["grad_norm"] > 0 for row in steps), steps
+
+
+# slime's SFT script describes Qwen3-4B-Base on 8 GPUs; on CPU the tiny Qwen3 (its Megatron shape flags set to the
+# tiny model's) on one learner rank, with batches of 4 conversations so that three epochs of 16 are 12 batches.
+TINY_QWEN3_SFT_FLAGS = {
+    "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "176", "--num-attention-heads": "4",
+    "--num-query-groups": "2", "--kv-channels": "16", "--rotary-base": "10000", "--vocab-size": "102",
+    "--actor-num-gpus-per-node": "1", "--rollout-batch-size": "4", "--global-batch-size": "4", "--lr": "1e-3",
+}
+
+
+@pytest.mark.system
+def test_the_sft_slime_script_trains_a_tiny_qwen3_on_whole_conversations_and_its_loss_falls(
+    tiny_model_cache: Path, tmp_path: Path
+) -> None:
+    """slime's SFT script as it is (its rollout function, --num-epoch 3, --loss-type sft_loss, no advantages, no
+    engine), the data two-round conversations: 3 epochs of 16 conversations in batches of 4 are 12 steps, each
+    trained on exactly the assistant messages' tokens (qwen's mask: the text, <|im_end|> and the newline), and the
+    loss falls."""
+    from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+    model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3"))
+    data = tmp_path / "chats.jsonl"
+    chats = [[{"role": "system", "content": "Answer with the number."}, {"role": "user", "content": f"{a}+{b}="},
+              {"role": "assistant", "content": str(a + b)}, {"role": "user", "content": "times?"},
+              {"role": "assistant", "content": str(a * b)}] for a in range(4) for b in range(4)]
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats), encoding="utf-8")
+    entry, argv = read_slime_script(SCRIPTS / "sft-qwen3-4b-base.sh", overrides={"MODEL": str(model),
+                                                                                 "DATA": str(data)})
+    for flag, value in {**TINY_QWEN3_SFT_FLAGS, "--save": str(tmp_path / "save"),
+                        "--load": str(tmp_path / "save")}.items():
+        argv[argv.index(flag) + 1] = value
+    argv.remove("--sequence-parallel")
+    completed, steps = run_slime_script(entry, argv, tmp_path / "run")
+    assert "--debug-train-only (slime's SFT starts no engines" in completed.stderr
+    assert len(steps) == 12
+    trained = {len(chat[2]["content"]) + len(chat[4]["content"]) + 4 for chat in chats}  # 2 x (<|im_end|>, "\n")
+    assert all(min(trained) * 4 <= row["loss_tokens"] <= max(trained) * 4 for row in steps), steps
+    assert sum(row["loss"] for row in steps[-3:]) < 0.9 * sum(row["loss"] for row in steps[:3]), steps
