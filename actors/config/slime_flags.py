@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.config.eval_sets import read_slime_eval_config
 from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
 
 ENTRY_POINTS = ("train", "train_async")
@@ -243,6 +244,10 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _role_overrides(value, args)
     elif flag == "--custom-config-path":
         _set(args, "custom_config", _custom_config(value), flag)
+    elif flag == "--eval-config":
+        pairs, settings = read_slime_eval_config(value)
+        _set(args, "eval_prompt_data", pairs, flag)
+        _set(args, "eval_set_settings", settings, flag)
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":

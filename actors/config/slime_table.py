@@ -232,8 +232,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--eval-function-path": _refused("custom eval rollout functions are not available; eval rounds use the "
                                      "rollout path", "value"),
     "--eval-prompt-data": _same("list"),
-    "--eval-config": _refused("a YAML of per-dataset eval settings is not available; use --eval-prompt-data NAME "
-                              "PATH pairs", "value"),
+    "--eval-config": _alias("-> --eval-prompt-data NAME PATH per dataset and each dataset's own settings "
+                            "(eval_set_settings: sampling, sample count, record keys, reward); a key with no "
+                            "per-set meaning here is refused by name"),
     "--eval-interval": _same(),
     "--skip-eval-before-train": _same("switch"),
     "--eval-input-key": _same(),
@@ -245,8 +246,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--eval-top-k": _same("value", "-1 (slime's off) is read as 0 (off)"),
     "--eval-max-response-len": _same(),
     "--eval-max-prompt-len": _same(),
-    "--eval-min-new-tokens": _refused("a minimum response length is not available: neither the torch engine nor "
-                                      "the SGLang client's sampling parameters carry one", "value", int),
+    "--eval-min-new-tokens": _same("value", "stop and end-of-sequence tokens held back until then: SGLang's "
+                                            "min_new_tokens, the torch engine's dynamic KV cache"),
     "--eval-max-context-len": _same(),
     "--eval-reward-key": _same(),
     # --- checkpoints ---
