@@ -253,7 +253,7 @@ def _plugin_problems(config: RunConfig, running: set[str]) -> list[str]:
                 problems += _load_problem(_flag(name), value, _load_path)
     for builder, name in builders.items():
         problems += _load_problem(_flag(name), settings[name], partial(_build, builder, config))
-    for name in config.eval_sets.eval_set_settings if "reward" in running else ():  # a set's own reward
+    for name in config.eval.eval_set_settings if "reward" in running else ():  # a set's own reward
         own = config.for_eval_set(name)
         if own.reward != config.reward:
             problems += [f"eval set {name!r}: {problem}" for problem in _load_problem(

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.config.engine_settings import EngineConfig
 from actors.config.engines import engine_spec, kinds_that, train_backend_spec, train_backends_that
-from actors.config.eval_sets import EvalSetsConfig
+from actors.config.evaluation import EvalConfig
 from actors.config.megatron import MegatronConfig
 from actors.config.policies import override_problems
 from actors.config.router import RouterConfig
@@ -24,7 +24,6 @@ from actors.config.sections import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
-    EvalConfig,
     LearnerConfig,
     LoggingConfig,
     LoraConfig,
@@ -50,7 +49,7 @@ SECTIONS: dict[str, type[Section]] = {
     "lora": LoraConfig, "engine": EngineConfig, "router": RouterConfig, "weights": WeightsConfig,
     "placement": PlacementConfig,
     "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
-    "distillation": DistillationConfig, "sft": SftConfig, "eval_sets": EvalSetsConfig,
+    "distillation": DistillationConfig, "sft": SftConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -83,7 +82,6 @@ class RunConfig(BaseModel):
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     sft: SftConfig = Field(default_factory=SftConfig)
-    eval_sets: EvalSetsConfig = Field(default_factory=EvalSetsConfig)
     policy: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
                                      description="advantages, loss, KL and off-policy correction")
     policies: dict[str, dict[str, Any]] = Field(
@@ -176,7 +174,7 @@ class RunConfig(BaseModel):
     def for_eval_set(self, name: str | None) -> RunConfig:
         """This config as eval set `name` sees it: its own settings (`--eval-config`) applied; itself for a set without
         any, or for None. Raises ValueError naming the set when a value is invalid."""
-        settings = self.eval_sets.eval_set_settings.get(name) if name is not None else None
+        settings = self.eval.eval_set_settings.get(name) if name is not None else None
         if not settings:
             return self
         cached = _EVAL_SET_VIEWS.get((id(self), name))
@@ -197,21 +195,21 @@ class RunConfig(BaseModel):
     @property
     def holds_back_stops(self) -> bool:
         """Whether some eval set has a minimum response length (the engines must hold stop tokens back)."""
-        return any(self.for_eval_set(name).eval_sets.eval_min_new_tokens for name in self.eval.sets)
+        return any(self.for_eval_set(name).eval.eval_min_new_tokens for name in self.eval.sets)
 
     def _eval_set_problems(self) -> list[str]:
         """Each set's own settings name a set of the run and are valid for it; a minimum eval length needs a KV
         cache that can hold tokens back (the static pool's decode graph cannot)."""
         problems = [f"eval set {name!r} has settings but is not an eval set of this run (sets: "
                     f"{', '.join(self.eval.sets) or 'none'})"
-                    for name in self.eval_sets.eval_set_settings if name not in self.eval.sets]
+                    for name in self.eval.eval_set_settings if name not in self.eval.sets]
         for name in self.eval.sets:
             try:
                 view = self.for_eval_set(name)
             except ValueError as error:
                 problems.append(str(error))
                 continue
-            if view.eval_sets.eval_min_new_tokens and self.engine.torch_kv_cache == "static":
+            if view.eval.eval_min_new_tokens and self.engine.torch_kv_cache == "static":
                 problems.append(f"eval_min_new_tokens (eval set {name!r}): the static KV cache holds back no "
                                 "tokens; use --torch-kv-cache dynamic (or auto, which picks it)")
         return problems

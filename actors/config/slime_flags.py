@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.config.eval_sets import read_slime_eval_config
+from actors.config.evaluation import read_slime_eval_config
 from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
 
 ENTRY_POINTS = ("train", "train_async")

@@ -154,7 +154,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                                      "dataset); True leaves out the round's default metrics"),
     "--buffer-filter-path": _same(),
     "--dynamic-sampling-filter-path": _same(),
-    "--rollout-data-postprocess-path": _refused("rollout data post-process hooks are not available", "value"),
+    "--rollout-data-postprocess-path": _same("value", "fn(args, rollout_id, rollout_data) on each learner rank's "
+                                                      "samples after the advantages; the loss masks and advantages "
+                                                      "it leaves are trained"),
     "--rollout-temperature": _same(),
     "--rollout-top-p": _same(),
     "--rollout-top-k": _same("value", "-1 (slime's off) is read as 0 (off)"),

@@ -201,7 +201,7 @@ def _eval_set_rewards(config: RunConfig, reward: RewardSpec) -> dict[str, tuple[
     """Each eval set's own settings, with its own reward function where it names one (`--eval-config`'s rm_type,
     custom_rm_path); loaded at start, so a bad one fails the start-up."""
     sets = {}
-    for name in config.eval_sets.eval_set_settings:
+    for name in config.eval.eval_set_settings:
         own = config.for_eval_set(name)
         sets[name] = (own, reward_spec(own) if own.reward != config.reward else reward)
     return sets

@@ -129,7 +129,7 @@ class RolloutContext:
             max_new = evaluation.eval_max_response_len
         if prompt_tokens is not None:
             max_new = self.fit_context(group, prompt_tokens, max_new)
-        min_new = (config.eval_sets.eval_min_new_tokens or 0) if is_eval else 0
+        min_new = (config.eval.eval_min_new_tokens or 0) if is_eval else 0
         return SamplingParams(
             temperature=evaluation.eval_temperature if is_eval else rollout.rollout_temperature,
             top_p=1.0 if eval_greedy else top_p,

@@ -60,7 +60,7 @@ def sampling_params(config: RunConfig, *, evaluation: bool = False) -> dict[str,
     top_p = ev.eval_top_p if evaluation and ev.eval_top_p is not None else rollout.rollout_top_p
     top_k = ev.eval_top_k if evaluation and ev.eval_top_k is not None else rollout.rollout_top_k
     max_new = ev.eval_max_response_len if evaluation and ev.eval_max_response_len else rollout.rollout_max_response_len
-    min_new = config.eval_sets.eval_min_new_tokens if evaluation else None
+    min_new = config.eval.eval_min_new_tokens if evaluation else None
     return {
         "temperature": temperature,
         "top_p": top_p,

@@ -1,4 +1,5 @@
-"""Settings of one eval set of its own (slime's `--eval-config` YAML) and the minimum eval response length.
+"""Evaluation settings: the rounds the evaluator runs, how eval groups are sampled and scored, and the settings of
+one eval set of its own (slime's `--eval-config` YAML).
 
 An eval set's own settings are run settings of ours under their flat names (`eval_top_p`, `rm_type`, ...): the
 set's view of the run (`RunConfig.for_eval_set`) is the run's config with them applied, and every role that handles
@@ -13,7 +14,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from actors.config.sections import Section
+from actors.config.sections import NO_LABEL, Section
 
 # slime's per-dataset keys (its EvalDatasetConfig) that mean one of our settings, for that set's groups alone.
 SLIME_SET_KEYS: dict[str, str] = {
@@ -45,8 +46,32 @@ NOT_PER_SET = {
 }
 
 
-class EvalSetsConfig(Section):
-    """Per-set eval settings and the minimum eval response length."""
+class EvalConfig(Section):
+    """Evaluation rounds the evaluator role runs between training versions."""
+
+    eval_prompt_data: list[str] = Field(default_factory=list, description="NAME PATH pairs of evaluation sets")
+    eval_interval: int | None = Field(None, ge=1, description="evaluate every N learner versions")
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k uses them)")
+    eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0 = greedy)")
+    final_eval_timeout: float = Field(300.0, ge=0, description="seconds the end of a run waits for the eval round "
+                                      "of the final version, and the engines stay pinned for any round (0 = no "
+                                      "final round)")
+    skip_eval_before_train: bool = Field(False, description="no eval round for version 0 (before training)")
+    eval_input_key: str | None = Field(None, description="prompt field of eval records (default: --input-key)")
+    eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key; "
+                                       f"'{NO_LABEL}': no label)")
+    eval_tool_key: str | None = Field(None, description="tool definitions field of eval records (default: "
+                                      f"--tool-key; '{NO_LABEL}': not read)")
+    eval_top_p: float | None = Field(None, gt=0, le=1, description="eval top-p (default: --rollout-top-p)")
+    eval_top_k: int | None = Field(None, ge=-1, description="eval top-k, 0 or -1 = off (default: --rollout-top-k)")
+    eval_max_response_len: int | None = Field(None, ge=1, description="max new tokens per eval response "
+                                              "(default: --rollout-max-response-len)")
+    eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
+                                            "tokens when the set loads; counted and logged")
+    eval_max_context_len: int | None = Field(None, ge=2, description="cap on eval prompt + response tokens "
+                                             "(default: --rollout-max-context-len)")
+    eval_reward_key: str | None = Field(None, description="key of a dict reward that scores eval samples "
+                                        "(default: --reward-key)")
 
     eval_min_new_tokens: int | None = Field(
         None, ge=0, description="eval responses are at least this many tokens: the stop and end-of-sequence tokens "
@@ -54,6 +79,18 @@ class EvalSetsConfig(Section):
     eval_set_settings: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="eval set name -> its own settings (flat names: "
         f"{', '.join(sorted(SET_SETTINGS))}), for that set's groups alone; slime's --eval-config YAML sets them")
+
+    @field_validator("eval_prompt_data")
+    @classmethod
+    def _pairs(cls, value: list[str]) -> list[str]:
+        if len(value) % 2:
+            raise ValueError(f"takes NAME PATH pairs, got {len(value)} value(s)")
+        return value
+
+    @field_validator("eval_top_k")
+    @classmethod
+    def _top_k_off(cls, value: int | None) -> int | None:
+        return 0 if value == -1 else value  # slime's "off"
 
     @field_validator("eval_set_settings")
     @classmethod
@@ -64,6 +101,11 @@ class EvalSetsConfig(Section):
                 raise ValueError(f"eval set {name!r}: {unknown} cannot be set per eval set (these can: "
                                  f"{', '.join(sorted(SET_SETTINGS))})")
         return value
+
+    @property
+    def sets(self) -> dict[str, str]:
+        pairs = self.eval_prompt_data
+        return {pairs[i]: pairs[i + 1] for i in range(0, len(pairs), 2)}
 
 
 def read_slime_eval_config(path: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
