@@ -303,6 +303,9 @@ class LearnerConfig(Section):
                                     "done when --off-policy-correction is not none)")
     save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(None, ge=1, description="checkpoint every N learner steps")
+    no_save_optim: bool = Field(False, description="checkpoints leave out the optimizer state (AdamW's moments and "
+                                "step, the critic's too): smaller; a run resumed from one starts a fresh optimizer on "
+                                "the saved weights, as slime's --no-save-optim (which implies --no-load-optim) does")
     keep_last_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N checkpoints: an "
                                               "older one is deleted once a newer one is on disk and `latest` "
                                               "names it (default: keep every checkpoint)")

@@ -261,7 +261,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--ref-ckpt-step": _refused("reference checkpoints are HF folders here; there is no step to pick", "value",
                                 int),
     "--async-save": _owned("megatron", "switch"),
-    "--no-save-optim": _refused("checkpoints always hold the optimizer state, so that every one is resumable"),
+    "--no-save-optim": _same("switch", "checkpoints without the optimizer state; a resumed run starts a fresh "
+                                        "optimizer on the saved weights, as slime's --no-load-optim"),
     "--save-hf": _same("value", "an HF export at every checkpoint (--save-interval, the last batch), slime's "
                                 "{rollout_id} the batch's 0-based id; both backends"),
     "--seed": _same(),
