@@ -224,6 +224,8 @@ class PromptGroup(Message):
     epoch: Annotated[int, doc("dataset epoch the prompt was drawn in")] = 0
     is_eval: Annotated[bool, doc("evaluation prompt: sampled with the --eval-* settings and scored with "
                                  "--eval-reward-key; evaluator")] = False
+    eval_set: Annotated[str | None, doc("the eval set of an evaluation prompt, whose own settings (--eval-config) "
+                                        "sample and score it; evaluator")] = None
     owner: Annotated[str | None, doc(
         "the role whose group this is (None: the buffer's own, a training prompt); an owned group is leased ahead "
         "of training prompts, never trained on, and its ScoredGroup goes back to that role; its owner")] = None
@@ -296,6 +298,7 @@ class GeneratedGroup(Message):
     samples: Annotated[list[Sample], doc("n_samples episodes, each one sample or its segments, rewards unset")]
     worker_id: Annotated[str, doc("rollout worker that generated them")]
     is_eval: Annotated[bool, doc("the PromptGroup's: scored with --eval-reward-key, without a teacher")] = False
+    eval_set: Annotated[str | None, doc("the PromptGroup's: its eval set's own reward settings score it")] = None
     policy: Annotated[str | None, doc("the policy whose buffer leased the group (its reward, its buffer) in a run of "
                                       "several; null in a run of one")] = None
     host_group: Annotated[str | None, doc(HOST_GROUP)] = None

@@ -18,8 +18,8 @@ import numpy as np
 from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.waits import admission_state, batch_wait, gauges
-from actors.data.prompt_tokens import prompt_length_counter
-from actors.data.prompts import PromptSource, image_field, load_prompts
+from actors.data.prompt_tokens import load_training_prompts
+from actors.data.prompts import PromptSource
 from actors.extensions.load import batch_selector, dynamic_filter
 from actors.runtime import chaos
 from actors.runtime.base import Actor
@@ -66,16 +66,8 @@ class Buffer(Actor):
     async def on_start(self) -> None:
         config = self.config = self.settings.run
         data = config.data
-        if data.prompt_data is None:
-            raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
-        context = config.rollout.rollout_max_context_len
-        max_prompt = data.rollout_max_prompt_len or (context - 1 if context is not None else None)
-        records, report = load_prompts(data.prompt_data, input_key=data.input_key, label_key=data.label_key,
-                                       metadata_key=data.metadata_key, tool_key=data.tool_key,
-                                       chat_template=data.apply_chat_template, skip_bad=data.skip_bad_data,
-                                       max_prompt_len=max_prompt,
-                                       count_tokens=prompt_length_counter(config) if max_prompt else None,
-                                       image_field=image_field(data))
+        records, report = load_training_prompts(config)
+        max_prompt = data.rollout_max_prompt_len or (config.rollout.rollout_max_context_len or 0) - 1
         for problem in report.skipped:
             self.log.info("skipped dataset record", problem=problem)
         if report.skipped:

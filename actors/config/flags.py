@@ -152,12 +152,31 @@ def config_from_args(args: argparse.Namespace, *, base: dict[str, Any] | None = 
         raise SettingsError(problems + error.problems, error.usable) from None
     if problems:
         raise SettingsError(problems, config)
+    if config.sft.num_epoch is not None and "num_rollout" not in values:
+        values["num_rollout"] = config.sft.num_epoch * _batches_per_epoch(config)
+        config = build_config(values, origins=origins)
     unread = config.engine.sglang_args_without_effect()
     if unread:
         args.slime_translation.notes.append(
             f"{', '.join('--sglang-' + name for name in unread)} (SGLang server arguments; the rollout engine is "
             f"{config.engine.rollout_engine}: they reach SGLang servers with --rollout-engine sglang)")
     return config
+
+
+def _batches_per_epoch(config: RunConfig) -> int:
+    """slime's num_rollout per epoch: the whole batches in the prompts the buffer will keep."""
+    from actors.data.prompt_tokens import batches_per_epoch
+
+    try:
+        batches = batches_per_epoch(config)
+    except (OSError, ValueError) as error:  # no --prompt-data, a file that cannot be read
+        raise SettingsError([f"--num-epoch {config.sft.num_epoch} counts --prompt-data's records: {error}"],
+                            config) from None
+    if batches == 0:
+        raise SettingsError([f"--num-epoch {config.sft.num_epoch}: {config.data.prompt_data} holds fewer usable "
+                             f"records than one batch (--rollout-batch-size {config.rollout.rollout_batch_size})"],
+                            config)
+    return batches
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -128,8 +128,9 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
         problems += _dataset_problem("--prompt-data", data.prompt_data, config, data.input_key, data.label_key,
                                      data.tool_key)
     for name, path in config.eval.sets.items():
-        problems += _dataset_problem(f"--eval-prompt-data {name}", path, config, *config.eval_record_keys,
-                                     config.eval_tool_key)
+        own = config.for_eval_set(name)  # a set's own record keys (--eval-config)
+        problems += _dataset_problem(f"--eval-prompt-data {name}", path, config, *own.eval_record_keys,
+                                     own.eval_tool_key)
     return problems
 
 
@@ -252,6 +253,11 @@ def _plugin_problems(config: RunConfig, running: set[str]) -> list[str]:
                 problems += _load_problem(_flag(name), value, _load_path)
     for builder, name in builders.items():
         problems += _load_problem(_flag(name), settings[name], partial(_build, builder, config))
+    for name in config.eval.eval_set_settings if "reward" in running else ():  # a set's own reward
+        own = config.for_eval_set(name)
+        if own.reward != config.reward:
+            problems += [f"eval set {name!r}: {problem}" for problem in _load_problem(
+                "--rm-type", own.reward.custom_rm_path or own.reward.rm_type, partial(_build, "reward_spec", own))]
     return problems
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.config.engine_settings import EngineConfig
 from actors.config.engines import engine_spec, kinds_that, train_backend_spec, train_backends_that
+from actors.config.evaluation import EvalConfig
 from actors.config.megatron import MegatronConfig
 from actors.config.policies import override_problems
 from actors.config.router import RouterConfig
@@ -23,7 +24,6 @@ from actors.config.sections import (
     BufferConfig,
     ControllerConfig,
     DataConfig,
-    EvalConfig,
     LearnerConfig,
     LoggingConfig,
     LoraConfig,
@@ -35,6 +35,7 @@ from actors.config.sections import (
     TrainerConfig,
     resolve_label_key,
 )
+from actors.config.sft import SftConfig
 from actors.config.slime_table import SLIME_FLAGS
 from actors.config.teachers import DistillationConfig, run_teachers
 from actors.config.weights_settings import WeightsConfig
@@ -48,10 +49,13 @@ SECTIONS: dict[str, type[Section]] = {
     "lora": LoraConfig, "engine": EngineConfig, "router": RouterConfig, "weights": WeightsConfig,
     "placement": PlacementConfig,
     "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
-    "distillation": DistillationConfig,
+    "distillation": DistillationConfig, "sft": SftConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
+
+
+_EVAL_SET_VIEWS: dict[tuple[int, str], tuple[RunConfig, RunConfig]] = {}  # (id, set) -> (a config, its view)
 
 
 class RunConfig(BaseModel):
@@ -77,6 +81,7 @@ class RunConfig(BaseModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
     policy: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
                                      description="advantages, loss, KL and off-policy correction")
     policies: dict[str, dict[str, Any]] = Field(
@@ -166,6 +171,49 @@ class RunConfig(BaseModel):
                                 f"{limit - 1} (room for one response token)")
         return problems
 
+    def for_eval_set(self, name: str | None) -> RunConfig:
+        """This config as eval set `name` sees it: its own settings (`--eval-config`) applied; itself for a set without
+        any, or for None. Raises ValueError naming the set when a value is invalid."""
+        settings = self.eval.eval_set_settings.get(name) if name is not None else None
+        if not settings:
+            return self
+        cached = _EVAL_SET_VIEWS.get((id(self), name))
+        if cached is not None and cached[0] is self:
+            return cached[1]
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in settings.items():
+            sections.setdefault(OWNER[key], {})[key] = value
+        try:
+            updates = {section: type(getattr(self, section))(**{**getattr(self, section).model_dump(), **values})
+                       for section, values in sections.items()}
+        except ValidationError as error:
+            raise ValueError(f"eval set {name!r}: {error}") from None
+        view = self.model_copy(update=updates)
+        _EVAL_SET_VIEWS[(id(self), name)] = (self, view)
+        return view
+
+    @property
+    def holds_back_stops(self) -> bool:
+        """Whether some eval set has a minimum response length (the engines must hold stop tokens back)."""
+        return any(self.for_eval_set(name).eval.eval_min_new_tokens for name in self.eval.sets)
+
+    def _eval_set_problems(self) -> list[str]:
+        """Each set's own settings name a set of the run and are valid for it; a minimum eval length needs a KV
+        cache that can hold tokens back (the static pool's decode graph cannot)."""
+        problems = [f"eval set {name!r} has settings but is not an eval set of this run (sets: "
+                    f"{', '.join(self.eval.sets) or 'none'})"
+                    for name in self.eval.eval_set_settings if name not in self.eval.sets]
+        for name in self.eval.sets:
+            try:
+                view = self.for_eval_set(name)
+            except ValueError as error:
+                problems.append(str(error))
+                continue
+            if view.eval.eval_min_new_tokens and self.engine.torch_kv_cache == "static":
+                problems.append(f"eval_min_new_tokens (eval set {name!r}): the static KV cache holds back no "
+                                "tokens; use --torch-kv-cache dynamic (or auto, which picks it)")
+        return problems
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         """Rules that involve more than one section; each message names every setting involved."""
@@ -176,6 +224,7 @@ class RunConfig(BaseModel):
         if self.eval.eval_prompt_data and not self.eval.eval_interval:
             problems.append("eval_prompt_data needs eval_interval")
         problems += self._length_problems()
+        problems += self._eval_set_problems()
         problems += _custom_config_problems(self.custom_config)
         lag = self.weights.update_weights_interval - 1
         if self.buffer.max_staleness < lag:  # engines would wait, or generate only what the buffer must evict

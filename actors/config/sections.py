@@ -151,51 +151,6 @@ class DataConfig(Section):
         return ImageLimits(max_bytes=self.max_image_bytes, max_pixels=self.max_image_pixels)
 
 
-class EvalConfig(Section):
-    """Evaluation rounds the evaluator role runs between training versions."""
-
-    eval_prompt_data: list[str] = Field(default_factory=list, description="NAME PATH pairs of evaluation sets")
-    eval_interval: int | None = Field(None, ge=1, description="evaluate every N learner versions")
-    n_samples_per_eval_prompt: int = Field(1, ge=1, description="samples per eval prompt (pass@k uses them)")
-    eval_temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0 = greedy)")
-    final_eval_timeout: float = Field(300.0, ge=0, description="seconds the end of a run waits for the eval round "
-                                      "of the final version, and the engines stay pinned for any round (0 = no "
-                                      "final round)")
-    skip_eval_before_train: bool = Field(False, description="no eval round for version 0 (before training)")
-    eval_input_key: str | None = Field(None, description="prompt field of eval records (default: --input-key)")
-    eval_label_key: str | None = Field(None, description="label field of eval records (default: --label-key; "
-                                       f"'{NO_LABEL}': no label)")
-    eval_tool_key: str | None = Field(None, description="tool definitions field of eval records (default: "
-                                      f"--tool-key; '{NO_LABEL}': not read)")
-    eval_top_p: float | None = Field(None, gt=0, le=1, description="eval top-p (default: --rollout-top-p)")
-    eval_top_k: int | None = Field(None, ge=-1, description="eval top-k, 0 or -1 = off (default: --rollout-top-k)")
-    eval_max_response_len: int | None = Field(None, ge=1, description="max new tokens per eval response "
-                                              "(default: --rollout-max-response-len)")
-    eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
-                                            "tokens when the set loads; counted and logged")
-    eval_max_context_len: int | None = Field(None, ge=2, description="cap on eval prompt + response tokens "
-                                             "(default: --rollout-max-context-len)")
-    eval_reward_key: str | None = Field(None, description="key of a dict reward that scores eval samples "
-                                        "(default: --reward-key)")
-
-    @field_validator("eval_prompt_data")
-    @classmethod
-    def _pairs(cls, value: list[str]) -> list[str]:
-        if len(value) % 2:
-            raise ValueError(f"takes NAME PATH pairs, got {len(value)} value(s)")
-        return value
-
-    @field_validator("eval_top_k")
-    @classmethod
-    def _top_k_off(cls, value: int | None) -> int | None:
-        return 0 if value == -1 else value  # slime's "off"
-
-    @property
-    def sets(self) -> dict[str, str]:
-        pairs = self.eval_prompt_data
-        return {pairs[i]: pairs[i + 1] for i in range(0, len(pairs), 2)}
-
-
 class RolloutConfig(Section):
     """What a rollout worker generates per prompt and how it samples."""
 
@@ -347,6 +302,9 @@ class LearnerConfig(Section):
                                     "done when --off-policy-correction is not none)")
     save: str | None = Field(None, description="checkpoint directory (default: RUN_DIR/checkpoints)")
     save_interval: int | None = Field(None, ge=1, description="checkpoint every N learner steps")
+    no_save_optim: bool = Field(False, description="checkpoints leave out the optimizer state (AdamW's moments and "
+                                "step, the critic's too): smaller; a run resumed from one starts a fresh optimizer on "
+                                "the saved weights, as slime's --no-save-optim (which implies --no-load-optim) does")
     keep_last_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N checkpoints: an "
                                               "older one is deleted once a newer one is on disk and `latest` "
                                               "names it (default: keep every checkpoint)")
@@ -368,6 +326,10 @@ class LearnerConfig(Section):
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
     load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+    rollout_data_postprocess_path: str | None = Field(
+        None, description="slime's fn(args, rollout_id, rollout_data), called on each learner rank's samples after "
+        "the advantages: the loss_masks and advantages it leaves are what the step trains on",
+        json_schema_extra=plugin_for("learner"))
     custom_advantage_function_path: str | None = Field(None, description="slime's advantage hook "
                                                        "(args, rollout_data) that fills rollout_data['advantages'] "
                                                        "and ['returns'] in place of --advantage-estimator",

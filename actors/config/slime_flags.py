@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.config.evaluation import read_slime_eval_config
 from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
 
 ENTRY_POINTS = ("train", "train_async")
@@ -127,6 +128,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     _same_name_values(args)
     _opd_teacher_server(args)
     _rollout_logprobs_alone(args)
+    _sft_rollout(args, result)
     for flag, row in SLIME_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is None:
@@ -175,6 +177,33 @@ def _rollout_logprobs_alone(args: argparse.Namespace) -> None:
                              "--use-tis with it too); give one of them")
 
 
+SLIME_SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+
+
+def _sft_rollout(args: argparse.Namespace, result: SlimeTranslation) -> None:
+    """slime's SFT rollout function cuts each record's conversation by --loss-mask-type and generates nothing: that
+    is our --loss-type sft on a record whose prompt is chat messages (actors/rollout/sft.py), so the path goes.
+    Its records have no label (--label-key none unless given), its samples reward 0 as slime sets it (--rm-type
+    zero unless given), its groups one sample (slime's --n-samples-per-prompt default), and the
+    --debug-train-only slime's SFT scripts set (start no engines) is what SFT does anyway: nothing is generated."""
+    if getattr(args, "rollout_function_path", None) != SLIME_SFT_ROLLOUT:
+        return
+    loss = getattr(args, "loss_type", None)
+    if SLIME_LOSS_NAMES.get(loss, loss) != "sft":
+        raise ValueError(f"--rollout-function-path {SLIME_SFT_ROLLOUT} is slime's SFT data path: it needs "
+                         f"--loss-type sft_loss (got {loss or 'the default policy loss'})")
+    args.rollout_function_path = None
+    args.label_key = getattr(args, "label_key", None) or "none"
+    if getattr(args, "rm_type", None) is None and getattr(args, "custom_rm_path", None) is None:
+        args.rm_type = "zero"
+    if getattr(args, "n_samples_per_prompt", None) is None:
+        args.n_samples_per_prompt = 1
+    if getattr(args, "debug_train_only", None) and not getattr(args, "load_debug_rollout_data", None):
+        args.debug_train_only = None
+        result.notes.append("--debug-train-only (slime's SFT starts no engines; SFT samples here are the data's "
+                            "tokens, nothing is generated)")
+
+
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
 SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
 
@@ -217,6 +246,10 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _role_overrides(value, args)
     elif flag == "--custom-config-path":
         _set(args, "custom_config", _custom_config(value), flag)
+    elif flag == "--eval-config":
+        pairs, settings = read_slime_eval_config(value)
+        _set(args, "eval_prompt_data", pairs, flag)
+        _set(args, "eval_set_settings", settings, flag)
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":

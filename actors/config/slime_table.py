@@ -158,7 +158,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                                      "dataset); True leaves out the round's default metrics"),
     "--buffer-filter-path": _same(),
     "--dynamic-sampling-filter-path": _same(),
-    "--rollout-data-postprocess-path": _refused("rollout data post-process hooks are not available", "value"),
+    "--rollout-data-postprocess-path": _same("value", "fn(args, rollout_id, rollout_data) on each learner rank's "
+                                                      "samples after the advantages; the loss masks and advantages "
+                                                      "it leaves are trained"),
     "--rollout-temperature": _same(),
     "--rollout-top-p": _same(),
     "--rollout-top-k": _same("value", "-1 (slime's off) is read as 0 (off)"),
@@ -207,7 +209,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                                     "--sglang-startup-timeout", "value", float),
     # --- data ---
     "--num-rollout": _same(),
-    "--num-epoch": _refused("training length is given in batches: use --num-rollout", "value", int),
+    "--num-epoch": _same("value", "--num-rollout becomes num_epoch x (the records kept // --rollout-batch-size), "
+                                  "as slime derives it; a --num-rollout given as well wins"),
     "--disable-rollout-global-dataset": _refused("the buffer always owns the prompt dataset and its cursor"),
     "--data-source-path": _refused("custom data-source classes are not available; the buffer reads --prompt-data",
                                    "value"),
@@ -235,8 +238,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--eval-function-path": _refused("custom eval rollout functions are not available; eval rounds use the "
                                      "rollout path", "value"),
     "--eval-prompt-data": _same("list"),
-    "--eval-config": _refused("a YAML of per-dataset eval settings is not available; use --eval-prompt-data NAME "
-                              "PATH pairs", "value"),
+    "--eval-config": _alias("-> --eval-prompt-data NAME PATH per dataset and each dataset's own settings "
+                            "(eval_set_settings: sampling, sample count, record keys, reward); a key with no "
+                            "per-set meaning here is refused by name"),
     "--eval-interval": _same(),
     "--skip-eval-before-train": _same("switch"),
     "--eval-input-key": _same(),
@@ -248,8 +252,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--eval-top-k": _same("value", "-1 (slime's off) is read as 0 (off)"),
     "--eval-max-response-len": _same(),
     "--eval-max-prompt-len": _same(),
-    "--eval-min-new-tokens": _refused("a minimum response length is not available: neither the torch engine nor "
-                                      "the SGLang client's sampling parameters carry one", "value", int),
+    "--eval-min-new-tokens": _same("value", "stop and end-of-sequence tokens held back until then: SGLang's "
+                                            "min_new_tokens, the torch engine's dynamic KV cache"),
     "--eval-max-context-len": _same(),
     "--eval-reward-key": _same(),
     # --- checkpoints ---
@@ -261,7 +265,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--ref-ckpt-step": _refused("reference checkpoints are HF folders here; there is no step to pick", "value",
                                 int),
     "--async-save": _owned("megatron", "switch"),
-    "--no-save-optim": _refused("checkpoints always hold the optimizer state, so that every one is resumable"),
+    "--no-save-optim": _same("switch", "checkpoints without the optimizer state; a resumed run starts a fresh "
+                                        "optimizer on the saved weights, as slime's --no-load-optim"),
     "--save-hf": _same("value", "an HF export at every checkpoint (--save-interval, the last batch), slime's "
                                 "{rollout_id} the batch's 0-based id; both backends"),
     "--seed": _same(),
@@ -372,8 +377,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--fetch-trajectory-retry-times": _refused(NO_AGENT_BUFFER, "value", int),
     "--min-batch-collection-ratio": _refused(NO_AGENT_BUFFER, "value", float),
     "--rollout-task-type": _refused(NO_AGENT_BUFFER, "value"),
-    "--loss-mask-type": _refused("chat-template-specific multi-turn loss masks are not available; a generate "
-                                 "plugin sets the loss mask", "value"),
+    "--loss-mask-type": _same("value", "qwen, qwen3 and distill_qwen cut an SFT conversation as slime's do "
+                                       "(actors/rollout/loss_masks.py); qwen3_5 is refused"),
     "--data-pad-size-multiplier": _explained("packing chooses its own padding", "value", int),
     "--rollout-sample-filter-path": _refused(NO_AGENT_BUFFER, "value"),
     "--rollout-all-samples-process-path": _refused(NO_AGENT_BUFFER, "value"),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
 from actors.data.prompt_images import PromptImageError
+from actors.data.prompts import LoadReport, PromptRecord, image_field, load_prompts
 from actors.data.tool_prompts import prompt_stating_tools
 
 if TYPE_CHECKING:
@@ -113,3 +114,24 @@ def prompt_length_counter(config: RunConfig, tokenizer: Any | None = None
                                  image_tokens=image_tokens, where="its prompt"))
 
     return count
+
+
+def load_training_prompts(config: RunConfig) -> tuple[list[PromptRecord], LoadReport]:
+    """--prompt-data as the buffer serves it: malformed records and prompts over the length cap (default: the
+    context cap - 1) left out, as the report counts them."""
+    data = config.data
+    if data.prompt_data is None:
+        raise ValueError("--prompt-data is required (a .jsonl or .parquet file of prompts)")
+    context = config.rollout.rollout_max_context_len
+    max_prompt = data.rollout_max_prompt_len or (context - 1 if context is not None else None)
+    return load_prompts(data.prompt_data, input_key=data.input_key, label_key=data.label_key,
+                        metadata_key=data.metadata_key, tool_key=data.tool_key, chat_template=data.apply_chat_template,
+                        skip_bad=data.skip_bad_data, max_prompt_len=max_prompt,
+                        count_tokens=prompt_length_counter(config) if max_prompt else None,
+                        image_field=image_field(data))
+
+
+def batches_per_epoch(config: RunConfig) -> int:
+    """Whole rollout batches in one pass over the training prompts (slime's num_rollout per epoch)."""
+    records, _ = load_training_prompts(config)
+    return len(records) // config.rollout.rollout_batch_size

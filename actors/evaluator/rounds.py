@@ -90,9 +90,10 @@ class EvalRounds:
         max_prompt = config.eval.eval_max_prompt_len
         count_tokens = prompt_length_counter(config, tokenizer) if max_prompt and config.eval.sets else None
         for name, path in config.eval.sets.items():
-            input_key, label_key = config.eval_record_keys
+            own = config.for_eval_set(name)  # the set's own keys (--eval-config)
+            input_key, label_key = own.eval_record_keys
             records, report = load_prompts(path, input_key=input_key, label_key=label_key,
-                                           metadata_key=config.data.metadata_key, tool_key=config.eval_tool_key,
+                                           metadata_key=config.data.metadata_key, tool_key=own.eval_tool_key,
                                            chat_template=config.data.apply_chat_template,
                                            skip_bad=config.data.skip_bad_data,
                                            max_prompt_len=max_prompt, count_tokens=count_tokens,
@@ -139,9 +140,9 @@ class EvalRounds:
     def _round_groups(self, version: int, name: str) -> list[PromptGroup]:
         return [PromptGroup(group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt,
                             label=record.label, metadata=record.metadata, tools=record.tools,
-                            n_samples=self.config.eval.n_samples_per_eval_prompt, data_index=record.data_index,
-                            images=record.images,
-                            is_eval=True, owner=self.owner, weights_version=self.weights_versions.get(version))
+                            n_samples=self.config.for_eval_set(name).eval.n_samples_per_eval_prompt,
+                            data_index=record.data_index, images=record.images, is_eval=True, eval_set=name,
+                            owner=self.owner, weights_version=self.weights_versions.get(version))
                 for record in self.sets[name]]
 
     @property
@@ -179,7 +180,7 @@ class EvalRounds:
         del self.rounds[(current.version, current.name)]
         per_prompt = list(current.rewards.values())
         flat = [r for rewards in per_prompt for r in rewards]
-        k = self.config.eval.n_samples_per_eval_prompt
+        k = self.config.for_eval_set(current.name).eval.n_samples_per_eval_prompt
         metrics = {
             f"eval/{current.name}/mean_reward": float(np.mean(flat)) if flat else float("nan"),
             f"eval/{current.name}/accuracy": float(np.mean([r >= 1.0 for r in flat])) if flat else float("nan"),

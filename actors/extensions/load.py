@@ -35,6 +35,7 @@ from policies.registry import resolve_filter, resolve_policy_loss
 from policies.rewards import RewardSpec, build_reward
 
 if TYPE_CHECKING:
+    from actors.slime_compat.postprocess import RolloutDataPostprocess
     from actors.slime_compat.rollout_function import RolloutHost
 
 
@@ -118,6 +119,13 @@ def advantage_function(config: RunConfig) -> AdvantageFunction | None:
     from actors.slime_compat.advantages import load_custom_advantages
 
     return load_custom_advantages(config)
+
+
+def rollout_data_postprocess(config: RunConfig) -> RolloutDataPostprocess | None:
+    """slime's `--rollout-data-postprocess-path` ``fn(args, rollout_id, rollout_data)``, loaded now, or None."""
+    from actors.slime_compat.postprocess import load_rollout_data_postprocess
+
+    return load_rollout_data_postprocess(config)
 
 
 def policy_loss(config: RunConfig) -> PolicyLossFunction:

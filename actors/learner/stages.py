@@ -77,6 +77,11 @@ class StepBatch:
             return None
         return torch.cat(values)
 
+    def group_index(self) -> torch.Tensor:
+        """Each sample's group as a number (`[B]` long, in order of first appearance)."""
+        index: dict[str, int] = {}
+        return torch.tensor([index.setdefault(g, len(index)) for g in self.group_ids], dtype=torch.long)
+
     def scatter(self, name: str, packed: torch.Tensor) -> None:
         """Set a per-token field of every sample from its packed form."""
         for sample, values in zip(self.samples, torch.split(packed, self.lengths), strict=True):
@@ -288,8 +293,7 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
     group = None
     if parallel.size > 1:
         group = parallel.group if parallel.group is not None else torch.distributed.group.WORLD
-    index: dict[str, int] = {}
-    group_ids = torch.tensor([index.setdefault(g, len(index)) for g in batch.group_ids], dtype=torch.long)
+    group_ids = batch.group_index()
     episode_ids = torch.empty(len(batch.samples), dtype=torch.long)
     for number, members in enumerate(batch.episodes):
         episode_ids[members] = number

@@ -25,7 +25,7 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.config.teachers import run_teachers, teacher_of
-from actors.extensions.load import advantage_function, batch_rewrite, policy_loss
+from actors.extensions.load import advantage_function, batch_rewrite, policy_loss, rollout_data_postprocess
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
 from bus.episodes import final_segments
@@ -69,6 +69,7 @@ class TrainingStep:
         self.trains_on_rewards = self.policy.loss_type != "sft"
         self.rewrite_batch = batch_rewrite(config)
         self.custom_advantages = advantage_function(config)
+        self.postprocess = rollout_data_postprocess(config)
         self.loss_fn = policy_loss(config)
         if self.rewrite_batch is not None and self.rewrite_batch.rewards_as_given:  # as the rewrite declares
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
@@ -145,6 +146,8 @@ class TrainingStep:
         advantage_metrics = {}
         if self.trains_on_rewards:
             advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
+        if self.postprocess is not None:  # slime's hook: it may change the loss masks and advantages
+            self.postprocess(self.policy, batch.samples, batch.group_index(), self.trainer.version)
         parts = stages.mini_batches(batch, self.steps, parallel)
         if self.reset_optimizer:  # slime: each rollout's optimizer steps start from a never-stepped Adam
             self.trainer.reset_optimizer_state()

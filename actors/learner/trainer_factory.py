@@ -72,6 +72,7 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
         "min_lr_ratio": trainer.min_lr / trainer.lr if trainer.lr > 0 else 0.0,
         "grad_clip": trainer.clip_grad,
         "micro_batch_tokens": trainer.micro_batch_tokens,
+        "save_optimizer": not config.learner.no_save_optim,
         "dtype": "bfloat16" if model.bf16 else "float32",
         "seed": config.seed,
         "only_train_params_name_list": tuple(trainer.only_train_params_name_list),

@@ -23,7 +23,7 @@ any policy fails the start-up. A group naming no policy of the run is dropped, c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -60,6 +60,11 @@ class PolicyScoring:
     failures: RewardFailures
     buffer: PeerStream
     teachers: TeacherScorer | None = None
+    eval_rewards: dict[str, tuple[RunConfig, RewardSpec]] = field(default_factory=dict)  # sets of their own reward
+
+    def of_set(self, eval_set: str | None) -> tuple[RunConfig, RewardSpec]:
+        """The settings and reward a group is scored by: its eval set's own (`--eval-config`), else the policy's."""
+        return self.eval_rewards.get(eval_set, (self.config, self.reward)) if eval_set else (self.config, self.reward)
 
 
 class RewardWorker(Actor):
@@ -82,7 +87,7 @@ class RewardWorker(Actor):
         reward = reward_spec(config)
         failures = RewardFailures(log, reward.name, limit=config.reward.reward_failure_limit)
         return PolicyScoring(policy, config, reward, failures, self.peer_stream("buffer", policy=policy),
-                             _teachers(config))
+                             _teachers(config), _eval_set_rewards(config, reward))
 
     async def on_stop(self) -> None:
         for scoring in self.scorings.values():
@@ -102,7 +107,7 @@ class RewardWorker(Actor):
             with self.waits.on("distillation teacher", f"scoring group {group.group_id}"):
                 samples = await self.score_by_teachers(samples, policy=group.policy)
         with self.waits.on("reward function", f"scoring group {group.group_id}"):
-            scored = await self.score_samples(samples, is_eval=is_eval, policy=group.policy)
+            scored = await self.score_samples(samples, is_eval=is_eval, policy=group.policy, eval_set=group.eval_set)
         # Scored and not yet handed on: the same loss as a kill mid-scoring (the group's lease is still open), and
         # the one "mid" an inline reward, which never waits while it scores, has.
         chaos.reached("score.mid")
@@ -137,8 +142,8 @@ class RewardWorker(Actor):
         self.counters["samples.teacher_scored"] += len(samples) - len(failed)
         return annotated
 
-    async def score_samples(self, samples: list[Sample], *, is_eval: bool = False,
-                            policy: str | None = None) -> list[Sample]:
+    async def score_samples(self, samples: list[Sample], *, is_eval: bool = False, policy: str | None = None,
+                            eval_set: str | None = None) -> list[Sample]:
         """The episodes that did not fail in generation, scored by `policy`'s reward (each on its final segment, the
         reward then on all of its segments); those that did, as they are (none are scored when the buffer will drop
         the group for them)."""
@@ -151,10 +156,10 @@ class RewardWorker(Actor):
         # A reward already set (slime's rollout functions and generate plugins may score their own samples) is kept,
         # as slime's generate_and_rm does; a group reward needs the whole group, so it rescores all if any lacks one.
         unscored = [s for s in finals if not _has_reward(s)]
-        if scoring.reward.is_group and unscored:
+        if scoring.of_set(eval_set)[1].is_group and unscored:
             unscored = finals
         self.counters["samples.prescored"] += len(finals) - len(unscored)
-        scored = await self._score(unscored, episodes, scoring, is_eval=is_eval) if unscored else []
+        scored = await self._score(unscored, episodes, scoring, is_eval=is_eval, eval_set=eval_set) if unscored else []
         rescored = {episode_key(sample): sample for sample in [*finals, *scored]}  # the scored after the prescored
         return [_with_episode_reward(sample, rescored.get(episode_key(sample))) for sample in samples]
 
@@ -165,12 +170,12 @@ class RewardWorker(Actor):
                                 lambda sample: sample.status == "failed")
 
     async def _score(self, samples: list[Sample], episodes: dict[EpisodeKey, list[Sample]], scoring: PolicyScoring,
-                     *, is_eval: bool) -> list[Sample]:
+                     *, is_eval: bool, eval_set: str | None) -> list[Sample]:
         """`samples` (one per episode, its final segment) scored, with every segment of its episode at hand."""
-        function = scoring.reward
+        config, function = scoring.of_set(eval_set)
         inputs = [function.argument_of(s, episodes[episode_key(s)]) for s in samples]
-        reward = scoring.config.reward
-        key = (scoring.config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
+        reward = config.reward
+        key = (config.eval.eval_reward_key or reward.reward_key) if is_eval else reward.reward_key
         if function.is_group:
             outcomes = await score_group(function.fn, inputs, timeout_s=reward.reward_timeout, key=key)
         else:
@@ -190,6 +195,16 @@ class RewardWorker(Actor):
         if tripped is not None:  # a worker that would fail the same way must not be restarted
             await self.fail_run(tripped if scoring.policy is None else f"policy {scoring.policy}: {tripped}")
         return scored
+
+
+def _eval_set_rewards(config: RunConfig, reward: RewardSpec) -> dict[str, tuple[RunConfig, RewardSpec]]:
+    """Each eval set's own settings, with its own reward function where it names one (`--eval-config`'s rm_type,
+    custom_rm_path); loaded at start, so a bad one fails the start-up."""
+    sets = {}
+    for name in config.eval.eval_set_settings:
+        own = config.for_eval_set(name)
+        sets[name] = (own, reward_spec(own) if own.reward != config.reward else reward)
+    return sets
 
 
 def _teachers(config: RunConfig) -> TeacherScorer | None:

@@ -309,7 +309,8 @@ class RolloutWorker(Actor):
                 return  # not sent: its lease runs out and the buffer gives the group out again
             self._note_context_cuts(context, group)
             samples, others = split_by_policy(context, group, samples)
-            await self.send_generated(lease.lease_id, group.group_id, samples, is_eval=group.is_eval, lane=lane)
+            await self.send_generated(lease.lease_id, group.group_id, samples, is_eval=group.is_eval,
+                                      eval_set=group.eval_set, lane=lane)
             await self._send_other_policies(lease.lease_id, group, others, lane)
             self.waits.made_progress()
         except asyncio.CancelledError:
@@ -352,7 +353,8 @@ class RolloutWorker(Actor):
         return None
 
     async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample], *,
-                             is_eval: bool = False, lane: Lane | None = None) -> None:
+                             is_eval: bool = False, eval_set: str | None = None, lane: Lane | None = None
+                             ) -> None:
         """Hand one generated group to the reward workers, counting what was generated."""
         lane = lane or self.lane
         self.counters["samples.generated"] += len(samples)
@@ -364,7 +366,8 @@ class RolloutWorker(Actor):
         handed = time.monotonic()
         reward_worker = await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id,
                                                                samples=samples, worker_id=self.actor_id,
-                                                               is_eval=is_eval, policy=lane.policy))
+                                                               is_eval=is_eval, eval_set=eval_set,
+                                                               policy=lane.policy))
         self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
         self.counters["groups.sent"] += 1
         lane.handed_off.note(reward_worker, lease_id, group_id)

@@ -106,13 +106,13 @@ def prefix_cache_bytes(config: RunConfig) -> int:
 
 def torch_kv_cache(config: RunConfig, device: torch.device) -> str:
     """`--torch-kv-cache auto`: the static pool and its CUDA graphs on a GPU, where decoding is launch-bound;
-    caches sized to the rows on a CPU, where compute follows the cache (and for batch-invariant decoding and
-    recorded routes, which the static pool does not do yet)."""
+    caches sized to the rows on a CPU, where compute follows the cache (and for batch-invariant decoding, recorded
+    routes and a minimum eval length, which the static pool does not do yet)."""
     chosen = config.engine.torch_kv_cache
     if chosen != "auto":
         return chosen
     dynamic_only = (config.engine.deterministic_inference or config.trainer.use_rollout_routing_replay
-                    or _vision_language(config.model.hf_checkpoint))
+                    or _vision_language(config.model.hf_checkpoint) or config.holds_back_stops)
     return "static" if device.type == "cuda" and not dynamic_only else "dynamic"
 
 

@@ -5,6 +5,10 @@ after the prompt (for a warm start of a tool-using policy): the assistant messag
 to write, each ended by the template's end-of-turn token, and everything between them (tool results, a user's
 follow-up, the template's turn markers) is context with loss mask 0, built exactly as the tool loop builds it at
 rollout time (`actors.rollout.trajectory`), so the model is taught on the token layout it will generate into.
+
+A record without a label whose prompt is chat messages is slime's SFT layout: the whole conversation is the data,
+cut into context and trained tokens by the chat-template family of `--loss-mask-type`
+(`actors.rollout.loss_masks`); the sample's prompt is everything before the first trained token.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from actors.data.tool_prompts import prompt_stating_tools
-from actors.rollout.generate import RolloutContext, make_sample
+from actors.rollout.generate import RolloutContext, failed_sample, make_sample
+from actors.rollout.loss_masks import multi_turn_tokens
 from actors.rollout.trajectory import ChatTurns, Trajectory, render
 from bus.schema import PromptGroup, Sample
 
@@ -21,8 +26,11 @@ from bus.schema import PromptGroup, Sample
 async def sft_generate(context: RolloutContext, group: PromptGroup) -> list[Sample]:
     """Samples carry the engine's version so staleness bookkeeping stays uniform; their log-probs are zeros
     because the SFT loss never reads them."""
+    if group.label is None and isinstance(group.prompt, list):
+        return [_conversation(context, group, index) for index in range(group.n_samples)]
     if group.label is None:
-        raise ValueError(f"group {group.group_id}: SFT needs a label (the target response), found none")
+        raise ValueError(f"group {group.group_id}: SFT needs a label (the target response) or a prompt that is a "
+                         "whole conversation (chat messages), found neither")
     if isinstance(group.label, list):
         return [_episode(context, group, index) for index in range(group.n_samples)]
     prompt_ids = context.prompt_ids(group.prompt, group.tools, group.images, where=f"group {group.group_id}")
@@ -36,6 +44,21 @@ async def sft_generate(context: RolloutContext, group: PromptGroup) -> list[Samp
                     response=target, status="completed")
         for index in range(group.n_samples)
     ]
+
+
+def _conversation(context: RolloutContext, group: PromptGroup, index: int) -> Sample:
+    mask_type = context.config.sft.loss_mask_type
+    ids, mask = multi_turn_tokens(context.tokenizer, group.prompt, mask_type=mask_type, tools=group.tools,
+                                  **context.config.data.apply_chat_template_kwargs)
+    if 1 not in mask:
+        return failed_sample(group, index, ids, f"SFT conversation of {len(group.prompt)} messages has no "
+                             f"assistant message to train on (--loss-mask-type {mask_type})")
+    start = mask.index(1)
+    response = ids[start:]
+    version = context.engine.version
+    text = context.tokenizer.decode([token for token, trained in zip(ids, mask, strict=True) if trained])
+    return make_sample(group, index, ids[:start], response, [0.0] * len(response), [version] * len(response),
+                       response=text, status="completed", loss_mask=mask[start:])
 
 
 def _episode(context: RolloutContext, group: PromptGroup, index: int) -> Sample:

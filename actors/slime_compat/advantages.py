@@ -70,6 +70,7 @@ class SlimeAdvantageFunction:
     fn: Any
     args: SimpleNamespace
     path: str
+    flag: str = FLAG  # the flag that named the function, for its errors
 
     def __call__(self, policy: PolicyLossConfig, samples: Sequence[TrainSample], group_ids: Tensor, *,
                  process_group: dist.ProcessGroup | None = None) -> Tensor:
@@ -115,7 +116,7 @@ class SlimeAdvantageFunction:
         if policy.kl_coef == 0:
             return [torch.zeros(s.response_length, dtype=torch.float32) for s in samples]
         if "log_probs" not in data or "ref_log_probs" not in data:
-            raise ValueError(f"{FLAG} {self.path!r}: kl_coef={policy.kl_coef} puts a per-token KL into "
+            raise ValueError(f"{self.flag} {self.path!r}: kl_coef={policy.kl_coef} puts a per-token KL into "
                              "rollout_data['kl'], which needs the policy's and the reference model's log-probs")
         return [compute_kl(policy.kl_loss_type, lp, ref).float()
                 for lp, ref in zip(data["log_probs"], data["ref_log_probs"], strict=True)]
@@ -123,7 +124,7 @@ class SlimeAdvantageFunction:
     def _returned(self, data: dict[str, Any], key: str, lengths: Sequence[int],
                   masks: Sequence[Tensor]) -> list[Tensor]:
         """``data[key]`` as one float32 tensor per sample, or an error naming the plugin and what is wrong."""
-        where = f"{FLAG} {self.path!r}: rollout_data[{key!r}]"
+        where = f"{self.flag} {self.path!r}: rollout_data[{key!r}]"
         if key not in data:
             raise ValueError(f"{where} was not set; the function must fill rollout_data['advantages'] and "
                              "rollout_data['returns'] with one per-token tensor per sample")

@@ -60,6 +60,7 @@ def sampling_params(config: RunConfig, *, evaluation: bool = False) -> dict[str,
     top_p = ev.eval_top_p if evaluation and ev.eval_top_p is not None else rollout.rollout_top_p
     top_k = ev.eval_top_k if evaluation and ev.eval_top_k is not None else rollout.rollout_top_k
     max_new = ev.eval_max_response_len if evaluation and ev.eval_max_response_len else rollout.rollout_max_response_len
+    min_new = config.eval.eval_min_new_tokens if evaluation else None
     return {
         "temperature": temperature,
         "top_p": top_p,
@@ -70,4 +71,5 @@ def sampling_params(config: RunConfig, *, evaluation: bool = False) -> dict[str,
         "skip_special_tokens": rollout.rollout_skip_special_tokens,
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
+        **({"min_new_tokens": min(min_new, max_new)} if min_new else {}),
     }

@@ -86,13 +86,15 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
             raise RuntimeError(f"{path}: the rollout engine has no HTTP server for a slime-style generate plugin")
         args = namespaces.setdefault(url, build_args(config, server_url=url))
         start = context.engine.version
-        produced = await asyncio.gather(*(_one(args, group, index, start) for index in range(group.n_samples)))
+        sampled_by = context.config_of(group)  # an eval group's: its set's own settings
+        produced = await asyncio.gather(*(_one(args, group, index, start, sampled_by)
+                                          for index in range(group.n_samples)))
         return list(produced)
 
-    async def _one(args: Any, group: PromptGroup, index: int, start: int) -> WireSample:
+    async def _one(args: Any, group: PromptGroup, index: int, start: int, sampled_by: RunConfig) -> WireSample:
         sample = from_group(group, index)
         extra = {"evaluation": group.is_eval}
-        params = sampling_params(config, evaluation=group.is_eval)
+        params = sampling_params(sampled_by, evaluation=group.is_eval)
         result = await fn(args, sample, params, **accepted_kwargs(fn, extra))
         if not isinstance(result, Sample):
             raise TypeError(f"{path} returned {type(result).__name__}; expected one actors.slime_compat.Sample "

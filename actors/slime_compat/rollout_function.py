@@ -255,7 +255,8 @@ class RolloutFunctionRunner:
             self.source.settle(held.group.group_id)
             try:
                 wire = wire_group(held, members, start_version=start_version)
-                await worker.send_generated(held.lease_id, held.group.group_id, wire, is_eval=held.group.is_eval)
+                await worker.send_generated(held.lease_id, held.group.group_id, wire, is_eval=held.group.is_eval,
+                                            eval_set=held.group.eval_set)
             except asyncio.CancelledError:
                 raise
             except Exception as error:

@@ -68,7 +68,9 @@ class SamplingParams:
     weights: sample `i` of a request draws from its own generator derived from `(seed, i)`, independent of
     what else is in the batch. `stop` strings and `stop_token_ids` end a sample with `finish_reason="stop"`;
     the tokens that completed the match stay in the output (token-level RL needs every sampled token).
-    End-of-sequence tokens of the model stop a sample too unless `ignore_eos`.
+    End-of-sequence tokens of the model stop a sample too unless `ignore_eos`. `min_new_tokens`: the stop and
+    end-of-sequence token ids cannot be sampled before that many tokens (SGLang's and HF's meaning; a stop string
+    still ends a sample).
     """
 
     temperature: float = 1.0
@@ -80,6 +82,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     ignore_eos: bool = False
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience (they arrive from msgpack/JSON) and frozen into tuples.
@@ -102,6 +105,11 @@ class SamplingParams:
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens",
             f"must be an int >= 1, got {self.max_new_tokens!r}",
+        )
+        _check(
+            _is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            f"must be an int in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}",
         )
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an int >= 1, got {self.n!r}")
         _check(self.seed is None or _is_int(self.seed), "seed", f"must be an int or None, got {self.seed!r}")

@@ -31,6 +31,7 @@ from engines.inference.batch_invariant import sample_padded_rows
 from engines.inference.cached_prefixes import CachedPrefixes, real_columns
 from engines.inference.decoding_sequence import DecodingSequence, append_tokens
 from engines.inference.kv_batch import ChunkedPrefill, KVBatch
+from engines.inference.min_new_tokens import hold_back_stops
 from engines.inference.multi_lora import MultiLora
 from engines.inference.prefix_cache import PrefixCache, PrefixMatch
 from engines.inference.sampling import RowParams, sample_next_tokens
@@ -529,6 +530,7 @@ class ContinuousBatcher(CachedPrefixes):
         uniforms = self._uniforms(samples, params)
         if self.held_back_tokens is not None:
             logits = logits.index_fill(-1, self.held_back_tokens, float("-inf"))
+        logits = hold_back_stops(logits, samples)
         if self.batch_invariant:
             tokens, log_probs = sample_padded_rows(logits, params, uniforms)
         else:

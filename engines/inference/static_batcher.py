@@ -142,7 +142,10 @@ class StaticBatcher(ContinuousBatcher):
         return self.write_column - min(self.start_columns, default=self.write_column)
 
     def admissible(self, sample: DecodingSequence) -> str | None:
-        """Why `sample` can never run here (None if it can): a row longer than the pool's columns."""
+        """Why `sample` can never run here (None if it can): a row longer than the pool's columns, or a minimum
+        length (the decode step's graph samples every row alike)."""
+        if sample.params.min_new_tokens:
+            return "min_new_tokens needs kv_cache='dynamic' (the static pool's decode step holds back no tokens)"
         if sample.worst_case_length > self.pool.columns:
             return (f"prompt ({len(sample.prompt_ids)}) + max_new_tokens ({sample.max_new_tokens}) exceeds the static "
                     f"KV pool's {self.pool.columns} columns per row")

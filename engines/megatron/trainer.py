@@ -76,6 +76,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _HF_CONFIG_FILES = ("config.json", "generation_config.json")
 # Optimizer state stored per parameter in model space, so a checkpoint loads at any TP/PP/DP layout.
 _CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_SAVED = "optimizer_saved"  # trainer-state key: False for a checkpoint written without the optimizer
 
 
 class MegatronTrainer(Trainer):
@@ -244,18 +245,20 @@ class MegatronTrainer(Trainer):
             raise ValueError(f"{directory}: {problem}")
         from megatron.core import dist_checkpointing
 
+        with_optimizer = state.get(OPTIMIZER_SAVED, True)  # a --no-save-optim checkpoint: a fresh optimizer
         with maybe_cpu_compat():
-            optimizer.prime(self._optimizer)
             model_state = self._stage.sharded_state_dict(metadata=_CHECKPOINT_METADATA)
-            optimizer_shards = self._optimizer.sharded_state_dict(
-                model_state, is_loading=True, metadata=_CHECKPOINT_METADATA
-            )
-            sharded = {"model": model_state, "optimizer": optimizer_shards}
+            sharded = {"model": model_state}
+            if with_optimizer:
+                optimizer.prime(self._optimizer)
+                sharded["optimizer"] = self._optimizer.sharded_state_dict(
+                    model_state, is_loading=True, metadata=_CHECKPOINT_METADATA)
             loaded = dist_checkpointing.load(sharded, str(directory))
             self._stage.load_state_dict(loaded["model"])
-            with optimizer.step_tolerant_loading(self._optimizer):
-                self._optimizer.load_state_dict(loaded["optimizer"])
-            optimizer.after_load(self._optimizer)
+            if with_optimizer:
+                with optimizer.step_tolerant_loading(self._optimizer):
+                    self._optimizer.load_state_dict(loaded["optimizer"])
+                optimizer.after_load(self._optimizer)
         self._counter.restore(state)
         self._hooks.restore(state)
         return state["extra_state"]
@@ -455,11 +458,12 @@ class MegatronTrainer(Trainer):
         from megatron.core import dist_checkpointing
 
         model_state = self._stage.sharded_state_dict(metadata=_CHECKPOINT_METADATA)
-        optimizer_state = self._optimizer.sharded_state_dict(model_state, metadata=_CHECKPOINT_METADATA)
-        sharded = {"model": model_state, "optimizer": optimizer_state}
+        sharded = {"model": model_state}
+        if self.config.save_optimizer:  # else a resumed run starts a fresh optimizer (slime's --no-save-optim)
+            sharded["optimizer"] = self._optimizer.sharded_state_dict(model_state, metadata=_CHECKPOINT_METADATA)
         dist_checkpointing.save(sharded, str(staging))
         if dist.get_rank() == 0:
-            checkpoint.write_state(staging, state)
+            checkpoint.write_state(staging, {**state, OPTIMIZER_SAVED: self.config.save_optimizer})
 
     def _load_weights_from(self, directory: Path) -> None:
         """Weights only (no optimizer state, version 0): a converted HF model or another run's checkpoint."""

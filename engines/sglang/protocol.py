@@ -186,6 +186,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "stop",
     "stop_token_ids",
     "sampling_seed",
+    "min_new_tokens",
 )
 # The module names SGLang can put an adapter on (`SUPPORTED_LORA_TARGET_MODULES`, the same in every supported
 # release) and its word for all of them; a LoRA run on SGLang adapts only these.
@@ -251,6 +252,8 @@ def sampling_params_json(params: SamplingParams, *, seed: int | None) -> dict[st
         fields["stop_token_ids"] = list(params.stop_token_ids)
     if seed is not None:
         fields["sampling_seed"] = seed
+    if params.min_new_tokens:
+        fields["min_new_tokens"] = params.min_new_tokens
     return fields
 
 

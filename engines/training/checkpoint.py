@@ -84,11 +84,15 @@ def read_state(directory: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: corrupt trainer state: {error}") from error
 
 
-def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, param_names: Sequence[str]) -> dict[str, Any]:
+def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, param_names: Sequence[str],
+                   keep: bool = True) -> dict[str, Any] | None:
     """Write the optimizer's tensors to `path`; return the non-tensor part (hyper-parameters, scalars) for JSON.
+    Not `keep`: nothing is written, and None (what `load_optimizer` reads as "start afresh") returned.
 
     `param_names[i]` names the optimizer's i-th parameter (groups flattened in order), as `state_dict` numbers them.
     """
+    if not keep:
+        return None
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -108,9 +112,12 @@ def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, param_names: Se
 
 
 def load_optimizer(
-    path: Path, optimizer: torch.optim.Optimizer, param_names: Sequence[str], meta: dict[str, Any]
+    path: Path, optimizer: torch.optim.Optimizer, param_names: Sequence[str], meta: dict[str, Any] | None
 ) -> None:
-    """Inverse of `save_optimizer`; refuses a checkpoint whose parameters differ from this model's."""
+    """Inverse of `save_optimizer`; refuses a checkpoint whose parameters differ from this model's. A checkpoint
+    saved without its optimizer state (`meta` None) leaves the optimizer as it is: fresh, on a resumed run."""
+    if meta is None:
+        return
     saved_groups = meta["param_groups"]
     current = optimizer.state_dict()
     saved_names = [name for group in saved_groups for name in group["params"]]

@@ -50,6 +50,8 @@ class TrainerOptimizerConfig(BaseModel):
     # slime's parameter freezing by name (`engines.frozen_params`): at most one of the two lists
     only_train_params_name_list: tuple[str, ...] = ()
     freeze_params_name_list: tuple[str, ...] = ()
+    # False: checkpoints hold the weights without the optimizer state; loading one starts a fresh optimizer
+    save_optimizer: bool = True
 
     @model_validator(mode="after")
     def _check_name_lists(self) -> TrainerOptimizerConfig:

@@ -127,11 +127,13 @@ class ValueCritic:
         values = forward_packed(self.model, inputs)[:, 0].float()
         return values if inputs.context_row is None else inputs.context_row.join_tokens(values)
 
-    def save(self, directory: Path) -> None:
-        """Weights, optimizer moments and step count under `directory` (a trainer checkpoint's staging folder)."""
+    def save(self, directory: Path, *, keep_optimizer: bool = True) -> None:
+        """Weights, optimizer moments and step count under `directory` (a trainer checkpoint's staging folder);
+        without `keep_optimizer`, no moments (a resumed critic starts a fresh optimizer)."""
         directory.mkdir(parents=True, exist_ok=True)
         save_model(self.model, str(directory / checkpoint.WEIGHTS_FILE))
-        meta = checkpoint.save_optimizer(directory / checkpoint.OPTIMIZER_FILE, self._optimizer, self._names)
+        meta = checkpoint.save_optimizer(directory / checkpoint.OPTIMIZER_FILE, self._optimizer, self._names,
+                                         keep_optimizer)
         checkpoint.write_state(directory, {"steps": self.steps, "calls": self.calls, "optimizer": meta,
                                            "settings": self.settings.model_dump(mode="json")})
 

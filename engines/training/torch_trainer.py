@@ -314,10 +314,10 @@ class TorchTrainer(Trainer):
                 else:
                     save_model(self._model, str(staging / checkpoint.WEIGHTS_FILE))
                 optimizer_meta = checkpoint.save_optimizer(
-                    staging / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names
+                    staging / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names, self.config.save_optimizer
                 )
                 if self._critic is not None:
-                    self._critic.save(staging / CRITIC_DIRECTORY)
+                    self._critic.save(staging / CRITIC_DIRECTORY, keep_optimizer=self.config.save_optimizer)
                 checkpoint.write_state(
                     staging,
                     {

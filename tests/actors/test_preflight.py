@@ -153,7 +153,7 @@ LOADED_BY = {
     **dict.fromkeys(("custom_reward_post_process_path", "custom_advantage_function_path",
                      "custom_convert_samples_to_train_data_path", "train_backend", "custom_megatron_init_path",
                      "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path",
-                     "custom_rollout_log_function_path"),
+                     "custom_rollout_log_function_path", "rollout_data_postprocess_path"),
                     ("learner",)),
     "custom_eval_rollout_log_function_path": ("evaluator",),
     **dict.fromkeys(("rm_type", "custom_rm_path"), ("reward",)),

@@ -297,7 +297,8 @@ class Worker(CoreGroups):
     def weights_too_old(self) -> bool:
         return False
 
-    async def send_generated(self, lease_id: str, group_id: str, samples: list, *, is_eval: bool = False) -> None:
+    async def send_generated(self, lease_id: str, group_id: str, samples: list, *, is_eval: bool = False,
+                             eval_set: str | None = None) -> None:
         self.sent.append((lease_id, group_id, samples))
 
 

@@ -95,3 +95,12 @@ def test_a_slime_freeze_list_reaches_the_torch_trainer_the_run_builds(tiny_model
                                       "--freeze-params-name-list", "embed_tokens", "lm_head"))
     frozen = {name for name, parameter in trainer._model.named_parameters() if not parameter.requires_grad}
     assert frozen == {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+@pytest.mark.unit
+def test_no_save_optim_reaches_both_backends_trainer_settings() -> None:
+    from actors.learner.trainer_factory import _shared_settings
+
+    assert _shared_settings(configure("--hf-checkpoint", "m"))["save_optimizer"] is True
+    config = configure("--no-save-optim", "--hf-checkpoint", "m")
+    assert config.learner.no_save_optim and _shared_settings(config)["save_optimizer"] is False

@@ -64,8 +64,8 @@ def test_bad_option_values_are_named() -> None:
         configure(["--rollout-max-context-len", "50", "--eval-max-prompt-len", "60"])
     with pytest.raises(ValueError, match=r"--apply-chat-template-kwargs .*not JSON"):
         configure(["--apply-chat-template-kwargs", "{enable_thinking: false"])
-    with pytest.raises(ValueError, match=r"--eval-min-new-tokens: a minimum response length is not available"):
-        configure(["--eval-min-new-tokens", "4"])
+    with pytest.raises(ValueError, match=r"--eval-min-new-tokens -1: must be >= 0"):
+        configure(["--eval-min-new-tokens", "-1"])
 
 
 @pytest.mark.unit

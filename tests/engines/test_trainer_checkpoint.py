@@ -100,3 +100,24 @@ def test_exported_folder_loads_in_transformers_with_the_trained_weights(tiny_mod
         messages, tokenize=False
     )
     assert exported.encode("hi there") == original.encode("hi there")
+
+
+@pytest.mark.unit
+def test_a_checkpoint_without_the_optimizer_resumes_the_weights_with_a_fresh_optimizer(tiny_model_path: Path,
+                                                                                         tmp_path: Path) -> None:
+    """slime's --no-save-optim: no optimizer file; the resumed trainer has the saved weights and version, no
+    moments, and it trains on from there (its optimizer made afresh by the next step)."""
+    config = _config(tiny_model_path).model_copy(update={"save_optimizer": False})
+    trainer = TorchTrainer(config)
+    trainer.train_step(random_samples(0), loss_fn(random_samples(0)), temperature=1.0)
+    trainer.save_checkpoint(tmp_path / "step1", {"cursor": 3})
+    assert not (tmp_path / "step1" / "optimizer.safetensors").exists()
+    saved = {name: tensor.clone() for name, tensor in trainer.named_tensors()}
+
+    resumed = TorchTrainer(config)
+    assert resumed.load_checkpoint(tmp_path / "step1") == {"cursor": 3} and resumed.version == 1
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in resumed.named_tensors())
+    assert _optimizer_tensors(resumed) == {}
+    resumed.train_step(random_samples(1), loss_fn(random_samples(1)), temperature=1.0)
+    assert resumed.version == 2
+    assert {key.rsplit("/", 1)[1] for key in _optimizer_tensors(resumed)} >= {"exp_avg", "exp_avg_sq"}

@@ -150,3 +150,104 @@ def test_slimes_vlm_fsdp_script_trains_a_tiny_vlm_colocated_on_cpu(tiny_vlm_path
     assert [row["step"] for row in rounds] == [0, 2]
     assert all(row["eval/geo3k-test/failed_samples"] == 0 and "eval/geo3k-test/reward/correct" in row
                for row in rounds)
+
+
+# slime's SFT script describes Qwen3-4B-Base on 8 GPUs; on CPU the tiny Qwen3 (its Megatron shape flags set to the
+# tiny model's) on one learner rank, with batches of 4 conversations so that three epochs of 16 are 12 batches.
+TINY_QWEN3_SFT_FLAGS = {
+    "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "176", "--num-attention-heads": "4",
+    "--num-query-groups": "2", "--kv-channels": "16", "--rotary-base": "10000", "--vocab-size": "102",
+    "--actor-num-gpus-per-node": "1", "--rollout-batch-size": "4", "--global-batch-size": "4", "--lr": "1e-3",
+}
+
+
+@pytest.mark.system
+def test_the_sft_slime_script_trains_a_tiny_qwen3_on_whole_conversations_and_its_loss_falls(
+    tiny_model_cache: Path, tmp_path: Path
+) -> None:
+    """slime's SFT script as it is (its rollout function, --num-epoch 3, --loss-type sft_loss, no advantages, no
+    engine), the data two-round conversations: 3 epochs of 16 conversations in batches of 4 are 12 steps, each
+    trained on exactly the assistant messages' tokens (qwen's mask: the text, <|im_end|> and the newline), and the
+    loss falls."""
+    from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+    model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3"))
+    data = tmp_path / "chats.jsonl"
+    chats = [[{"role": "system", "content": "Answer with the number."}, {"role": "user", "content": f"{a}+{b}="},
+              {"role": "assistant", "content": str(a + b)}, {"role": "user", "content": "times?"},
+              {"role": "assistant", "content": str(a * b)}] for a in range(4) for b in range(4)]
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats), encoding="utf-8")
+    entry, argv = read_slime_script(SCRIPTS / "sft-qwen3-4b-base.sh", overrides={"MODEL": str(model),
+                                                                                 "DATA": str(data)})
+    for flag, value in {**TINY_QWEN3_SFT_FLAGS, "--save": str(tmp_path / "save"),
+                        "--load": str(tmp_path / "save")}.items():
+        argv[argv.index(flag) + 1] = value
+    argv.remove("--sequence-parallel")
+    completed, steps = run_slime_script(entry, argv, tmp_path / "run")
+    assert "--debug-train-only (slime's SFT starts no engines" in completed.stderr
+    assert len(steps) == 12
+    trained = {len(chat[2]["content"]) + len(chat[4]["content"]) + 4 for chat in chats}  # 2 x (<|im_end|>, "\n")
+    assert all(min(trained) * 4 <= row["loss_tokens"] <= max(trained) * 4 for row in steps), steps
+    assert sum(row["loss"] for row in steps[-3:]) < 0.9 * sum(row["loss"] for row in steps[:3]), steps
+
+
+EVAL_CONFIG = """eval:
+  defaults:
+    max_response_len: 6
+    top_p: 0.7
+  datasets:
+    - name: aime
+      path: {folder}/aime.jsonl
+      rm_type: deepscaler
+      input_key: question
+      label_key: answer
+      n_samples_per_eval_prompt: 4
+      temperature: 1.0
+    - name: arith
+      path: {folder}/arith.jsonl
+      rm_type: exact_match
+      n_samples_per_eval_prompt: 1
+      min_new_tokens: 5
+"""
+
+
+@pytest.mark.system
+def test_the_multi_task_eval_slime_script_evaluates_each_dataset_by_its_own_settings(
+    tiny_model_cache: Path, tmp_path: Path
+) -> None:
+    """slime's multi-task eval example (train.py, colocated, --eval-config) with a tiny Qwen3 and two datasets of
+    their own keys, sample counts and rewards: each is evaluated before training and after step 2, its pass@k by its
+    own sample count, and only the deepscaler set reports deepscaler's reward fields."""
+    from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+    model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3"))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(4)), encoding="utf-8")
+    (tmp_path / "aime.jsonl").write_text("".join(json.dumps({"question": f"{a}*3=", "answer": str(a * 3)}) + "\n"
+                                                 for a in range(3)), encoding="utf-8")
+    (tmp_path / "arith.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+1=", "label": str(a + 1)}) + "\n"
+                                                  for a in range(5)), encoding="utf-8")
+    config = tmp_path / "multi_task.yaml"
+    config.write_text(EVAL_CONFIG.format(folder=tmp_path), encoding="utf-8")
+    entry, argv = read_slime_script(SCRIPTS / "eval-multi-task-qwen3-4b.sh",
+                                    overrides={"MODEL": str(model), "EVAL_CONFIG_PATH": str(config)})
+    flags = {**TINY_QWEN3_SFT_FLAGS, "--tensor-model-parallel-size": "1", "--rollout-num-gpus-per-engine": "1",
+             "--num-rollout": "2", "--rollout-batch-size": "2", "--n-samples-per-prompt": "2",
+             "--global-batch-size": "4", "--rollout-max-response-len": "6", "--eval-interval": "2",
+             "--prompt-data": str(data), "--save": str(tmp_path / "save"), "--load": str(tmp_path / "save")}
+    for flag, value in flags.items():
+        argv[argv.index(flag) + 1] = value
+    argv.remove("--sequence-parallel")
+    memory = argv.index("--sglang-mem-fraction-static")
+    del argv[memory : memory + 2]
+    _, steps = run_slime_script(entry, argv, tmp_path / "run")
+    assert len(steps) == 2
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "metrics" / "eval.jsonl").read_text().splitlines()]
+    by_set = {(row["step"], next(key.split("/")[1] for key in row if key.startswith("eval/"))): row for row in rounds}
+    assert sorted(by_set) == [(0, "aime"), (0, "arith"), (2, "aime"), (2, "arith")]
+    for step in (0, 2):
+        aime, arith = by_set[(step, "aime")], by_set[(step, "arith")]
+        assert "eval/aime/pass@4" in aime and "eval/arith/pass@1" in arith
+        assert "eval/aime/reward/format_ok" in aime and not any("/reward/" in key for key in arith)
+        assert aime["eval/aime/failed_samples"] == arith["eval/arith/failed_samples"] == 0

@@ -146,6 +146,7 @@ def parse_sampling_params(raw: Any, *, where: str) -> SamplingParams:
             n=int(raw.get("n", 1)),
             seed=raw.get("sampling_seed"),
             ignore_eos=bool(raw.get("ignore_eos", False)),
+            min_new_tokens=int(raw.get("min_new_tokens") or 0),
         )
     except (TypeError, ValueError) as error:
         raise ProtocolError(f"/generate: sampling_params of {where}: {error}") from error

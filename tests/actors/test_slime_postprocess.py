@@ -1,0 +1,75 @@
+"""slime's --rollout-data-postprocess-path: fn(args, rollout_id, rollout_data) after the advantages; the loss masks
+and advantages it leaves are what the optimizer step trains on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from actors.config import build_config
+from actors.learner.step import TrainingStep
+from actors.slime_compat.postprocess import load_rollout_data_postprocess
+from bus.schema import Sample
+from tests.actors.test_learner_step import generate, groups
+from tests.actors.test_learner_steps_per_rollout import _trainer
+
+HERE = __name__
+SEEN: dict[str, Any] = {}
+
+
+def mask_the_first_token_double_the_advantages(args, rollout_id, rollout_data):
+    """slime's documented use: a loss mask from the computed values (here: the first token never trains)."""
+    SEEN.update(rollout_id=rollout_id, keys=sorted(rollout_data), advantages=[a.clone() for a in
+                                                                              rollout_data["advantages"]])
+    for mask in rollout_data["loss_masks"]:
+        mask[0] = 0
+    rollout_data["advantages"] = [2 * a for a in rollout_data["advantages"]]
+
+
+def masks_of_twos(args, rollout_id, rollout_data):
+    rollout_data["loss_masks"] = [2 * m for m in rollout_data["loss_masks"]]
+
+
+@pytest.fixture(scope="module")
+def engine_samples(tiny_model_path: Path) -> list[Sample]:
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 4,
+                           "rollout_max_response_len": 5})
+    samples = generate(tiny_model_path, config, groups(2))
+    return [msgspec.structs.replace(s, reward=float(i % 2)) for i, s in enumerate(samples)]
+
+
+def _config(model: Path, plugin: str):
+    return build_config({"hf_checkpoint": str(model), "rollout_batch_size": 2, "n_samples_per_prompt": 4,
+                         "lr": 1e-2, "rollout_data_postprocess_path": f"{HERE}:{plugin}"})
+
+
+@pytest.mark.integration
+def test_the_step_trains_on_the_loss_masks_and_advantages_the_postprocess_leaves(
+        tiny_model_path: Path, engine_samples: list[Sample]) -> None:
+    trainer = _trainer(tiny_model_path)
+    SEEN.clear()
+    TrainingStep(trainer, _config(tiny_model_path, "mask_the_first_token_double_the_advantages")).train(
+        engine_samples, [0] * len(engine_samples))
+    [(seen, _ends)] = trainer.steps
+    assert SEEN["rollout_id"] == 0  # the first batch trains from version 0
+    assert {"advantages", "returns", "loss_masks", "rewards", "tokens", "log_probs"} <= set(SEEN["keys"])
+    for wire, sample, before in zip(engine_samples, seen, SEEN["advantages"], strict=True):
+        assert sample.loss_mask.tolist() == [0.0] + [1.0] * (wire.response_length - 1)
+        expected = 2 * before * sample.loss_mask
+        assert torch.equal(sample.advantages, expected)
+    assert any(bool(a.any()) for a in SEEN["advantages"])  # the doubled advantages are not all zero
+
+
+@pytest.mark.integration
+def test_a_loss_mask_that_is_not_zeros_and_ones_is_an_error_naming_the_hook(tiny_model_path: Path,
+                                                                            engine_samples: list[Sample]) -> None:
+    trainer = _trainer(tiny_model_path)
+    with pytest.raises(ValueError, match=r"--rollout-data-postprocess-path .*masks_of_twos.*loss_masks'\]\[0\] "
+                                         "holds values other than 0 and 1"):
+        TrainingStep(trainer, _config(tiny_model_path, "masks_of_twos")).train(engine_samples,
+                                                                               [0] * len(engine_samples))
+    assert load_rollout_data_postprocess(build_config({})) is None
