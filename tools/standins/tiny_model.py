@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import string
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -127,12 +128,15 @@ def cached_tiny_model(cache_dir: str | Path, spec: TinyModelSpec = TinyModelSpec
     if spec.family not in EXPERTS_KEY:  # a dense model's folder name leaves out the expert counts it ignores
         del fields["experts"], fields["experts_per_token"]
     key = "-".join(str(value) for value in [*fields.values(), f"tok{TOKENIZER_REVISION}"])
-    path = Path(cache_dir) / f"tiny-{key}"
+    return cached_folder(Path(cache_dir) / f"tiny-{key}", lambda staging: create_tiny_model(staging, spec))
+
+
+def cached_folder(path: Path, create: Callable[[Path], object]) -> Path:
+    """`path`, made by `create(folder)` unless it holds a model already. A staging folder per process: two tools (or
+    two test workers) may build the same model at once; the first rename wins and the other copy is dropped."""
     if not (path / "config.json").exists():
-        # A staging folder per process: two tools (or two test workers) may build the same model at once; the
-        # first rename wins and the other copy is dropped.
         staging = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        create_tiny_model(staging, spec)
+        create(staging)
         try:
             staging.rename(path)
         except OSError:

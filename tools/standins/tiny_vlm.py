@@ -12,8 +12,6 @@ of `tiny_model.py` plus Qwen's four vision tokens.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import transformers
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from tools.standins.tiny_model import TOKENIZER_REVISION, build_tokenizer
+from tools.standins.tiny_model import TOKENIZER_REVISION, build_tokenizer, cached_folder
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen's layout of a message: text parts as they are, an image part as the vision placeholder the processor expands
@@ -152,22 +150,11 @@ def create_tiny_vlm(path: str | Path, spec: TinyVlmSpec = TinyVlmSpec()) -> Path
 
 
 def cached_tiny_vlm(cache_dir: str | Path, spec: TinyVlmSpec = TinyVlmSpec()) -> Path:
-    """Create the VLM once per spec under `cache_dir`; later calls reuse the folder (staged per process, as
-    `tiny_model.cached_tiny_model`)."""
+    """Create the VLM once per spec under `cache_dir`; later calls reuse the folder (`tiny_model.cached_folder`)."""
     fields = {**spec.__dict__, "patch_size": spec.patch}
     if spec.family == "qwen3_vl":  # the other families have no deepstack layers
         fields["deepstack_layers"] = "ds" + ".".join(str(layer) for layer in spec.deepstack_layers)
     else:
         del fields["deepstack_layers"]
     key = "-".join(str(value) for value in [*fields.values(), f"tok{TOKENIZER_REVISION}"])
-    path = Path(cache_dir) / f"tiny-vlm-{key}"
-    if not (path / "config.json").exists():
-        staging = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        create_tiny_vlm(staging, spec)
-        try:
-            staging.rename(path)
-        except OSError:
-            if not (path / "config.json").exists():
-                raise
-            shutil.rmtree(staging, ignore_errors=True)
-    return path
+    return cached_folder(Path(cache_dir) / f"tiny-vlm-{key}", lambda staging: create_tiny_vlm(staging, spec))
