@@ -213,7 +213,8 @@ class TorchEngine(base.InferenceEngine):
         return self._tokenizer
 
     async def generate(self, request: base.GenerateRequest) -> list[base.GenerateOutput]:
-        samples = self._samples_for(request)
+        # decoding and resizing a prompt's images is CPU work the caller's event loop (heartbeats) must not wait on
+        samples = await asyncio.to_thread(self._samples_for, request) if request.images else self._samples_for(request)
         try:
             return await self._call(_Submit(request, samples))
         except asyncio.CancelledError:
