@@ -35,9 +35,8 @@ def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None) -
     return frozenset()
 
 
-def context_length(model: nn.Module) -> int | None:
-    """The longest sequence the model was built for (a vision-language model's is its language model's)."""
-    config = getattr(model, "config", None)
+def context_length(config: object) -> int | None:
+    """The longest sequence a model config was built for (a vision-language model's is its language model's)."""
     for source in (config, getattr(config, "text_config", None)):
         length = getattr(source, "max_position_embeddings", None)
         if length:

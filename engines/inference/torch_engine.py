@@ -135,7 +135,7 @@ class TorchEngine(base.InferenceEngine):
         self._model = model.eval()
         self._tokenizer = tokenizer
         self._limits = BatchLimits(max_batch_size, max_batch_tokens, max_prefill_tokens, prefill_chunk_tokens)
-        self._max_model_len = max_model_len or context_length(model) or 1 << 30
+        self._max_model_len = max_model_len or context_length(getattr(model, "config", None)) or 1 << 30
         self._vision = vision
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._eos_token_ids = eos_token_ids(model, tokenizer)

@@ -63,6 +63,7 @@ from aiohttp import web
 from transformers import AutoConfig
 
 from engines.inference.base import GenerateRequest, SamplingParams
+from engines.inference.model_facts import context_length as model_context_length
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
 from engines.sglang.weight_group import WeightGroup, join_weight_group
@@ -509,10 +510,7 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("ignoring SGLang arguments this server does not implement: %s", " ".join(args.ignored))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    config = AutoConfig.from_pretrained(args.model_path)  # a vision-language model's length is its text config's
-    context_length = args.context_length or next(
-        (length for length in (getattr(source, "max_position_embeddings", None)
-                               for source in (config, getattr(config, "text_config", None))) if length), None)
+    context_length = args.context_length or model_context_length(AutoConfig.from_pretrained(args.model_path))
     if not context_length:
         raise SystemExit(f"{args.model_path}: config.json has no max_position_embeddings; pass --context-length")
     engine = TorchEngine.from_pretrained(
