@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from actors.config.engines import engine_spec, train_backend_spec
 from actors.config.plugin_marks import PLUGIN_FOR
+from actors.config.profiling import memory_recorder_problem
 from actors.config.run import RunConfig, policy_run_config
 from actors.config.teachers import Teacher, run_teachers
 from policies.registry import BuiltinNames
@@ -93,7 +94,17 @@ def _shared_save_problems(configs: Mapping[str, RunConfig]) -> list[str]:
 
 def _problems(config: RunConfig, running: set[str], hub_cache: Path | None) -> list[str]:
     return [*_data_problems(config, running), *_model_problems(config, running, hub_cache),
-            *_plugin_problems(config, running), *_transport_problems(config, running)]
+            *_plugin_problems(config, running), *_transport_problems(config, running),
+            *_profiling_problems(config, running)]
+
+
+def _profiling_problems(config: RunConfig, running: set[str]) -> list[str]:
+    """A memory recorder where what it records cannot exist (CUDA's allocator on a node without a GPU, memray
+    without the package): the learner would fail at its start and restart into the same failure."""
+    if "learner" not in running:
+        return []
+    problem = memory_recorder_problem(config.profiling)
+    return [problem] if problem is not None else []
 
 
 def _transport_problems(config: RunConfig, running: set[str]) -> list[str]:

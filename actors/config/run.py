@@ -18,6 +18,7 @@ from actors.config.engines import engine_spec, kinds_that, train_backend_spec, t
 from actors.config.evaluation import EvalConfig
 from actors.config.megatron import MegatronConfig
 from actors.config.policies import override_problems
+from actors.config.profiling import ProfilingConfig
 from actors.config.router import RouterConfig
 from actors.config.sections import (
     AgentConfig,
@@ -49,7 +50,7 @@ SECTIONS: dict[str, type[Section]] = {
     "lora": LoraConfig, "engine": EngineConfig, "router": RouterConfig, "weights": WeightsConfig,
     "placement": PlacementConfig,
     "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
-    "distillation": DistillationConfig, "sft": SftConfig,
+    "distillation": DistillationConfig, "sft": SftConfig, "profiling": ProfilingConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -82,6 +83,7 @@ class RunConfig(BaseModel):
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     sft: SftConfig = Field(default_factory=SftConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     policy: PolicyLossConfig = Field(default_factory=PolicyLossConfig,
                                      description="advantages, loss, KL and off-policy correction")
     policies: dict[str, dict[str, Any]] = Field(

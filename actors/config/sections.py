@@ -326,6 +326,16 @@ class LearnerConfig(Section):
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
     load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+    load_debug_rollout_data_subsample: float | None = Field(
+        None, gt=0, le=1, description="train on this fraction of each replayed batch's groups: the first half of "
+        "them from the batch's start, the rest from its end (slime's cut, by whole groups here)")
+    save_debug_train_data: str | None = Field(None, description="each learner rank writes what each step trains "
+                                              "on (tokens, masks, advantages, log-probs) to "
+                                              "DIR/train_{rollout_id:06d}_rank{R}.msgpack "
+                                              "(actors/learner/train_dump.py)")
+    dump_details: str | None = Field(None, description="everything for post-hoc analysis, as slime: the batches "
+                                     "(DIR/rollout_data, --save-debug-rollout-data), the train data "
+                                     "(DIR/train_data, --save-debug-train-data) and the tokenizer (DIR/tokenizer)")
     rollout_data_postprocess_path: str | None = Field(
         None, description="slime's fn(args, rollout_id, rollout_data), called on each learner rank's samples after "
         "the advantages: the loss_masks and advantages it leaves are what the step trains on",
@@ -339,6 +349,23 @@ class LearnerConfig(Section):
                                                                   "tokens, masks and rewards it returns",
                                                                   json_schema_extra=plugin_for("learner"))
 
+
+    @model_validator(mode="before")
+    @classmethod
+    def _detail_dumps(cls, values: Any) -> Any:
+        """slime's --dump-details: the two dumps in its folder, unless given apart."""
+        if isinstance(values, dict) and values.get("dump_details"):
+            folder = values["dump_details"]
+            values = {"save_debug_rollout_data": f"{folder}/rollout_data",
+                      "save_debug_train_data": f"{folder}/train_data",
+                      **{key: value for key, value in values.items() if value is not None}}
+        return values
+
+    @model_validator(mode="after")
+    def _subsample_needs_replay(self) -> LearnerConfig:
+        if self.load_debug_rollout_data_subsample is not None and not self.load_debug_rollout_data:
+            raise ValueError("load_debug_rollout_data_subsample needs load_debug_rollout_data (the batches it cuts)")
+        return self
 
     @field_validator("save_hf")
     @classmethod

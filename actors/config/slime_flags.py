@@ -159,7 +159,7 @@ def _same_name_values(args: argparse.Namespace) -> None:
     if getattr(args, "wandb_mode", None) == "disabled":
         args.wandb_mode = None
         _set(args, "use_wandb", False, "--wandb-mode disabled")
-    for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
+    for name in ("save_debug_rollout_data", "load_debug_rollout_data", "save_debug_train_data"):
         value = getattr(args, name, None)
         if isinstance(value, str) and "{" in value:
             setattr(args, name, os.path.dirname(value.split("{", 1)[0].rstrip("/") + "/") or ".")

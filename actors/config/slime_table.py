@@ -69,7 +69,6 @@ NO_XOR_DELTA = ("xor deltas (new ^ old) are not sent: a delta here carries the c
                 "overwrite: as indices or a bitmap, or the tensor whole, whichever is smallest), which a second "
                 "application leaves unchanged; --update-weight-delta-encoding overwrite is accepted")
 NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
-NO_PROFILING = "slime's profiling and memory-snapshot hooks are not available; use torch.profiler around the learner"
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
 
 SLIME_FLAGS: dict[str, SlimeFlag] = {
@@ -349,17 +348,25 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                        "template's folder receives batch_NNNNNN.msgpack files"),
     "--load-debug-rollout-data": _same("value", "a {rollout_id} template is read as its folder, as for "
                                        "--save-debug-rollout-data"),
-    "--load-forge-rollout-data": _refused("replaying Forge rollout dumps is not available", "value"),
-    "--load-debug-rollout-data-subsample": _refused("subsampling replayed batches is not available", "value",
-                                                    float),
-    "--save-debug-train-data": _refused("dumping the learner's train data is not available; "
-                                        "--save-debug-rollout-data records every batch", "value"),
-    "--dump-details": _refused("detail dumps are not available; use --save-debug-rollout-data", "value"),
-    "--memory-snapshot-dir": _refused(NO_PROFILING, "value"),
-    "--memory-snapshot-num-steps": _refused(NO_PROFILING, "value", int),
-    "--profile-target": _refused(NO_PROFILING, "list"),
-    "--memory-recorder": _refused(NO_PROFILING, "value"),
-    "--record-memory-history": _refused(NO_PROFILING),
+    "--load-forge-rollout-data": _refused("replaying slime's forge dumps is not available (torch pickles of slime "
+                                          "Samples that slime.rollout.forge_load replays while the engines stay "
+                                          "live, for memory tests); --load-debug-rollout-data replays our own "
+                                          "msgpack batches, without engines", "value"),
+    "--load-debug-rollout-data-subsample": _same("value", "of each replayed batch, int(groups x fraction) whole "
+                                                 "groups: half from its start, the rest from its end, as slime "
+                                                 "cuts samples"),
+    "--save-debug-train-data": _same("value", "each learner rank writes each step's train data (tokens, masks, "
+                                     "advantages, log-probs) to DIR/train_{rollout_id:06d}_rank{R}.msgpack; a "
+                                     "slime template is read as its folder"),
+    "--dump-details": _same("value", "DIR/rollout_data (the batches), DIR/train_data (the train data) and "
+                            "DIR/tokenizer, as slime"),
+    "--memory-snapshot-dir": _same("value", "default: --profile-dir (RUN_DIR/profile), not slime's '.'"),
+    "--memory-snapshot-num-steps": _same(),
+    "--profile-target": _same("list", "train_overall, train_actor (the optimizer steps), train_log_probs (the "
+                              "log-prob forwards): a chrome trace each, into --profile-dir"),
+    "--memory-recorder": _same("value", "torch needs a GPU and memray its package: preflight refuses either "
+                               "where it is missing"),
+    "--record-memory-history": _same("switch", "CUDA's allocator history (a GPU) or memray's host capture"),
     # --- network ---
     "--http-proxy": _alias("-> http_proxy / https_proxy in every actor's environment"),
     "--use-distributed-post": _explained(RAY + "; reward calls are spread over reward workers "
@@ -421,9 +428,5 @@ FSDP_BACKEND_FLAGS: dict[str, SlimeFlag] = {
                                  "--lr-warmup-fraction warms up here", "value", float),
     "--wandb-run-name": _explained(NEVER_READ + "; W&B runs are named after the run directory", "value"),
     "--tensorboard-dir": _explained("TensorBoard events go to RUN_DIR/tensorboard", "value"),
-    "--use-pytorch-profiler": _refused(NO_PROFILING),
-    "--profile-step-start": _refused(NO_PROFILING, "value", int),
-    "--profile-step-end": _refused(NO_PROFILING, "value", int),
-    "--memory-snapshot-path": _refused(NO_PROFILING, "value"),
 }
 SLIME_FLAGS.update(FSDP_BACKEND_FLAGS)

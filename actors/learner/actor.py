@@ -73,7 +73,7 @@ class Learner(Actor):
     async def on_start(self) -> None:
         import torch
 
-        self.config = config = self.settings.run
+        self.config = config = run_paths(self.settings.run, self.context.run_dir)
         torch.set_num_threads(self.context.torch_threads or config.torch_threads)  # the CPU budget's, if any
         if config.megatron.deterministic_mode:
             from engines.training.determinism import use_deterministic_kernels
@@ -87,7 +87,10 @@ class Learner(Actor):
         self.trainer = CollectiveTrainer(local_trainer, self.ranks)
         # The debug modes are these two choices, made once: where batches come from, and what training means.
         self.source = pick_source(config, self.peer_rpc("buffer"), self.counters, self.log)
-        self.training = pick_training(config, self.trainer, TrainingStep(local_trainer, config))
+        self.step = TrainingStep(local_trainer, config)
+        self.training = pick_training(config, self.trainer, self.step)
+        if config.learner.dump_details:  # slime saves the tokenizer beside its dumps, to read their tokens
+            await asyncio.to_thread(save_tokenizer, config, Path(config.learner.dump_details) / "tokenizer")
         self.checkpoint_dir = checkpoint_dir(config.learner.save, self.context.run_dir)
         if (blind := rewards_unseen_because(config)) is not None:
             self.log.warning(blind)
@@ -454,8 +457,29 @@ class Learner(Actor):
         if self.weights is not None:
             self.weights.close()
             self.weights.check_log.close()
+        if getattr(self, "step", None) is not None and self.step.profiler is not None:
+            self.step.profiler.close()  # a memory recording not yet written is written now
         if self.trainer is not None:
             await asyncio.to_thread(self.trainer.close)
+
+
+def run_paths(config: RunConfig, run_dir: Path) -> RunConfig:
+    """The run's settings with the profiler's folder made absolute in RUN_DIR, before the learner's other ranks
+    get them."""
+    profiling = config.profiling
+    if (profiling.use_pytorch_profiler or profiling.record_memory_history) and profiling.profile_dir is None:
+        return config.with_settings(profile_dir=str(run_dir / "profile"))
+    return config
+
+
+def save_tokenizer(config: RunConfig, folder: Path) -> None:
+    """The model's tokenizer, saved where `--dump-details` puts the dumps."""
+    from transformers import AutoTokenizer
+
+    path = config.model.hf_checkpoint
+    if path is None:
+        return
+    AutoTokenizer.from_pretrained(path).save_pretrained(folder)
 
 
 def rewards_unseen_because(config: RunConfig) -> str | None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
+
 from actors.config import RunConfig
 from actors.learner.ranks import CollectiveTrainer
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
@@ -76,10 +78,12 @@ class BufferSource:
 
 
 class RecordedBatches:
-    """`--load-debug-rollout-data`: batch N is `batch_{N:06d}.msgpack` in the directory; a gap is an error."""
+    """`--load-debug-rollout-data`: batch N is `batch_{N:06d}.msgpack` in the directory; a gap is an error.
+    `subsample` (`--load-debug-rollout-data-subsample`): train on that fraction of each batch (`subsampled`)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, subsample: float | None = None) -> None:
         self.directory = directory
+        self.subsample = subsample
 
     async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         batch_id = progress.trained_batch + 1
@@ -89,10 +93,22 @@ class RecordedBatches:
         batch = decode(path.read_bytes())
         if not isinstance(batch, Batch):
             raise ValueError(f"{path}: expected a Batch, found {type(batch).__name__}")
-        return batch
+        return batch if self.subsample is None else subsampled(batch, self.subsample)
 
     async def finish(self, progress: Progress) -> None:
         """Nothing to commit: the recording is read-only."""
+
+
+def subsampled(batch: Batch, fraction: float) -> Batch:
+    """slime's subsample of a replayed batch: of `int(n x fraction)` kept (at least one), the first half from
+    the batch's start and the rest from its end; counted in whole groups here, so every group's advantages still
+    have their whole group (slime cuts samples)."""
+    groups = list(dict.fromkeys(sample.group_id for sample in batch.samples))
+    keep = max(1, int(len(groups) * fraction))
+    kept = set(groups[: keep // 2] + groups[len(groups) - (keep - keep // 2):])
+    chosen = [i for i, sample in enumerate(batch.samples) if sample.group_id in kept]
+    return msgspec.structs.replace(batch, samples=[batch.samples[i] for i in chosen],
+                                   staleness=[batch.staleness[i] for i in chosen] if batch.staleness else [])
 
 
 class Recording:
@@ -147,7 +163,7 @@ class RealTraining:
         """The reference forward and the conversions of the next batch, on their own thread beside the current
         step, where the trainer allows it (one rank: its followers would need the prepared batch too)."""
         if (self.trainer.ranks.world > 1 or not self.trainer.local.prepares_beside_training
-                or self.step.refreshes_reference):
+                or self.step.refreshes_reference or self.step.profiler is not None):
             return None
         return await asyncio.to_thread(self.step.prepare, batch.samples, batch.staleness)
 
@@ -180,7 +196,8 @@ class CountingOnly:
 def pick_source(config: RunConfig, buffer: Any, counters: Counter[str], log: Any) -> BatchSource:
     source: BatchSource
     if config.learner.load_debug_rollout_data:
-        source = RecordedBatches(Path(config.learner.load_debug_rollout_data))
+        source = RecordedBatches(Path(config.learner.load_debug_rollout_data),
+                                 subsample=config.learner.load_debug_rollout_data_subsample)
     else:
         source = BufferSource(buffer, counters, log)
     if config.learner.save_debug_rollout_data:

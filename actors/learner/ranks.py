@@ -249,16 +249,19 @@ class CollectiveTrainer:
         """A data-parallel trainer's follower receives only its share of the batch, cut here at rank 0; one that
         shards itself (Megatron) gets the whole batch. Rank 0 trains its share of the whole batch, whose rollout
         metrics it reports. `prepared` (one rank only) is the batch already through `TrainingStep.prepare`."""
+        rollout_id = batch.batch_id - 1  # slime's 0-based rollout id names the step (profiler, train-data dump)
         if prepared is not None:
             if self.ranks.world > 1:
                 raise ValueError("a prepared batch is for a one-rank learner; followers would not have it")
-            return self.ranks.run("train", None, lambda: step.train_prepared(prepared))
+            return self.ranks.run("train", None, lambda: step.train_prepared(prepared, rollout_id=rollout_id))
         parallel = self.local.data_parallel()
         if parallel.size == 1 or parallel.size != self.ranks.world:
             frame = encode(batch) if self.ranks.world > 1 else None  # the followers' copy; one rank has none
-            return self.ranks.run("train", frame, lambda: step.train(batch.samples, batch.staleness))
+            return self.ranks.run("train", frame, lambda: step.train(batch.samples, batch.staleness,
+                                                                     rollout_id=rollout_id))
         shares = [encode(share) for share in data_parallel_shares(batch, parallel.size)]
-        return self.ranks.run_scattered("train_share", shares, lambda: step.train(batch.samples, batch.staleness))
+        return self.ranks.run_scattered("train_share", shares, lambda: step.train(batch.samples, batch.staleness,
+                                                                                  rollout_id=rollout_id))
 
     def save_checkpoint(self, directory: str | Path, extra_state: dict[str, Any]) -> None:
         self.ranks.run("save_checkpoint", (str(directory), extra_state),
@@ -403,12 +406,12 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig, local_ran
                 break
             if operation == "train":
                 batch = decode(payload)
-                step.train(batch.samples, batch.staleness)
+                step.train(batch.samples, batch.staleness, rollout_id=batch.batch_id - 1)
             elif operation == "train_share":
                 box = [None]
                 dist.scatter_object_list(box, None, src=0, group=commands)
                 share = decode(box[0])
-                step.train(share.samples, share.staleness, shard=False)
+                step.train(share.samples, share.staleness, shard=False, rollout_id=share.batch_id - 1)
             elif operation == "save_checkpoint":
                 trainer.save_checkpoint(payload[0], payload[1])
             elif operation == "load_checkpoint":
@@ -421,6 +424,8 @@ def follow(rank: int, world: int, init_method: str, config: RunConfig, local_ran
             else:
                 raise ValueError(f"learner rank {rank}: unknown operation {operation!r} from rank 0")
     finally:
+        if step.profiler is not None:
+            step.profiler.close()
         trainer.close()
         dist.destroy_process_group()
 

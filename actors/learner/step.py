@@ -17,17 +17,21 @@ mini-batch with its own denominators. The policy version advances once per batch
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from actors.config import RunConfig
 from actors.config.teachers import run_teachers, teacher_of
 from actors.extensions.load import advantage_function, batch_rewrite, policy_loss, rollout_data_postprocess
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
+from actors.learner.profiling import StepProfiler, profile_directory, step_part
+from actors.learner.train_dump import write_train_data
 from bus.episodes import final_segments
 from bus.schema import Sample
 from engines.training.base import DataParallel, StepResult, Trainer
@@ -90,6 +94,10 @@ class TrainingStep:
         self.reset_optimizer = config.trainer.reset_optimizer_states
         self.images = images_of(config)  # a vision-language model's image processor, made once
         self.ref_update_interval = config.trainer.ref_update_interval
+        # --use-pytorch-profiler / --record-memory-history, and --save-debug-train-data: per rank, per step
+        self.profiler = StepProfiler.for_run(config.profiling, profile_directory(config.profiling, Path(".")))
+        dump = config.learner.save_debug_train_data
+        self.train_dump_dir = Path(dump).expanduser() if dump else None
         _check_supported(trainer, "reset_optimizer_state", "--reset-optimizer-states", self.reset_optimizer)
         _check_supported(trainer, "refresh_reference", "--ref-update-interval", self.ref_update_interval is not None)
 
@@ -99,10 +107,21 @@ class TrainingStep:
         previous batch's refresh, never beside that batch's training (`Trainer.prepares_beside_training`)."""
         return self.ref_update_interval is not None
 
-    def train(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> StepReport:
+    def train(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True,
+              rollout_id: int | None = None) -> StepReport:
         """Every learner rank calls this; a data-parallel rank trains its share of the groups: cut here from the
-        whole batch, or already cut at rank 0 (`shard=False`, and the rollout metrics are then the share's)."""
-        return self.train_prepared(self.prepare(samples, staleness, shard=shard))
+        whole batch, or already cut at rank 0 (`shard=False`, and the rollout metrics are then the share's).
+        `rollout_id` (the batch's 0-based id) names the step for the profiler and the train-data dump."""
+        with self._step(rollout_id):
+            return self._train_prepared(self.prepare(samples, staleness, shard=shard), rollout_id)
+
+    def train_prepared(self, prepared: PreparedBatch, *, rollout_id: int | None = None) -> StepReport:
+        """The stages that read the policy as it is now (pi_old, advantages), then the optimizer steps."""
+        with self._step(rollout_id):
+            return self._train_prepared(prepared, rollout_id)
+
+    def _step(self, rollout_id: int | None) -> contextlib.AbstractContextManager[None]:
+        return self.profiler.step(rollout_id) if self.profiler is not None else contextlib.nullcontext()
 
     def prepare(self, samples: Sequence[Sample], staleness: Sequence[int], *, shard: bool = True) -> PreparedBatch:
         """The stages that read only the batch and the frozen reference model. A one-rank learner runs this for
@@ -126,18 +145,20 @@ class TrainingStep:
         if shard:
             batch = stages.own_shard(batch, self.trainer.data_parallel())
         if self.policy.needs_ref:
-            stages.add_ref_log_probs(self.trainer, batch, temperature=self.temperature)
+            with step_part(self.profiler, "train_log_probs"):
+                stages.add_ref_log_probs(self.trainer, batch, temperature=self.temperature)
         if self.teachers:
             held = {name for name, teacher in self.teachers.items() if teacher.in_learner}
-            stages.add_teacher_log_probs(self.trainer, batch, held, temperature=self.temperature)
+            with step_part(self.profiler, "train_log_probs"):
+                stages.add_teacher_log_probs(self.trainer, batch, held, temperature=self.temperature)
         return PreparedBatch(batch=batch, metrics=batch_metrics)
 
-    def train_prepared(self, prepared: PreparedBatch) -> StepReport:
-        """The stages that read the policy as it is now (pi_old, advantages), then the optimizer steps."""
+    def _train_prepared(self, prepared: PreparedBatch, rollout_id: int | None) -> StepReport:
         batch, parallel = prepared.batch, self.trainer.data_parallel()
         critic = self.trainer.has_critic
         if self.pi_old == "separate_forward":
-            stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
+            with step_part(self.profiler, "train_log_probs"):
+                stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
         if critic:
             stages.add_values(self.trainer, batch)
         # slime's --num-critic-only-steps: the first N batches train the critic alone (counted in critic updates,
@@ -148,6 +169,10 @@ class TrainingStep:
             advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
         if self.postprocess is not None:  # slime's hook: it may change the loss masks and advantages
             self.postprocess(self.policy, batch.samples, batch.group_index(), self.trainer.version)
+        if self.train_dump_dir is not None and rollout_id is not None:  # what the optimizer steps train on
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            write_train_data(self.train_dump_dir, rollout_id=rollout_id, rank=rank, parallel=parallel,
+                             version=self.trainer.version, samples=batch.samples, group_ids=batch.group_ids)
         parts = stages.mini_batches(batch, self.steps, parallel)
         if self.reset_optimizer:  # slime: each rollout's optimizer steps start from a never-stepped Adam
             self.trainer.reset_optimizer_state()
@@ -193,8 +218,9 @@ class TrainingStep:
                                  trained=trained if trained is not part else None, loss_fn=self.loss_fn)
         # `ends_batch` only with several steps: a trainer written for one step per batch need not know it.
         extra = {} if self.steps == 1 else {"ends_batch": last}
-        result = self.trainer.train_step(trained.samples, loss, temperature=self.temperature,
-                                         with_entropy=loss.needs_entropy, **extra)
+        with step_part(self.profiler, "train_actor"):
+            result = self.trainer.train_step(trained.samples, loss, temperature=self.temperature,
+                                             with_entropy=loss.needs_entropy, **extra)
         result.metrics["zero_advantage_skipped"] = float(len(part.samples) - len(trained.samples))
         return result
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from actors.config import build_config
-from actors.learner.modes import CountingOnly, Progress, RecordedBatches, Recording, pick_source
-from bus.schema import Batch
+from actors.learner.modes import CountingOnly, Progress, RecordedBatches, Recording, pick_source, subsampled
+from bus.schema import Batch, Sample
 
 
 class Fixed:
@@ -68,3 +68,20 @@ def test_sources_are_picked_once_from_the_debug_flags(tmp_path: Path) -> None:
     source = pick_source(config, buffer=None, counters=None, log=None)
     assert isinstance(source, Recording) and isinstance(source.inner, RecordedBatches)
     assert source.directory == tmp_path / "out" and source.inner.directory == tmp_path / "in"
+
+
+@pytest.mark.unit
+def test_a_subsampled_replay_trains_whole_groups_from_the_batchs_start_and_end(tmp_path: Path) -> None:
+    """slime's --load-debug-rollout-data-subsample keeps int(n x fraction) rows, half from the start of the batch and
+    the rest from its end; here the rows are whole groups, so each group's baseline still has its group."""
+    samples = [Sample(sample_id=f"g{g}/{i}", group_id=f"g{g}", index=i, prompt="p") for g in range(5) for i in (0, 1)]
+    recorded = Batch(batch_id=1, samples=samples, staleness=[g for g in range(5) for _ in (0, 1)])
+    asyncio.run(Recording(Fixed([recorded]), tmp_path).next(at(0)))
+    config = build_config({"hf_checkpoint": str(tmp_path), "debug_train_only": True,
+                           "load_debug_rollout_data": str(tmp_path), "load_debug_rollout_data_subsample": 0.6})
+    batch = asyncio.run(pick_source(config, buffer=None, counters=None, log=None).next(at(0)))
+    assert [s.sample_id for s in batch.samples] == ["g0/0", "g0/1", "g3/0", "g3/1", "g4/0", "g4/1"]
+    assert batch.staleness == [0, 0, 3, 3, 4, 4]  # each sample keeps its own
+    assert [s.group_id for s in subsampled(recorded, 0.01).samples] == ["g4", "g4"]  # never an empty batch
+    with pytest.raises(ValueError, match="load_debug_rollout_data_subsample needs load_debug_rollout_data"):
+        build_config({"load_debug_rollout_data_subsample": 0.5})

@@ -438,3 +438,60 @@ def test_a_reference_that_refreshes_is_never_scored_beside_the_previous_batchs_t
         training = RealTraining(collective, TrainingStep(trainer, config), publishes=False)
         prepared[interval] = asyncio.run(training.prepare(batch))
     assert prepared[None] is not None and prepared[2] is None
+
+
+def _trace_names(path: Path) -> set[str]:
+    import gzip
+    import json
+
+    with gzip.open(path, "rt") as trace:
+        return {event.get("name", "") for event in json.load(trace)["traceEvents"]}
+
+
+@pytest.mark.integration
+def test_profiled_steps_write_traces_in_their_window_and_each_step_its_train_data(tiny_model_path: Path,
+                                                                                   tmp_path: Path) -> None:
+    """slime's --use-pytorch-profiler over steps [start, end) per --profile-target, and --save-debug-train-data: what
+    each step trained on, read back from its file."""
+    from actors.learner.train_dump import read_train_data
+
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "n_samples_per_prompt": 2, "lr": 1e-2,
+                           "rollout_max_response_len": 4, "advantage_estimator": "grpo",
+                           "off_policy_correction": "mis", "use_pytorch_profiler": True, "profile_step_start": 1,
+                           "profile_step_end": 2,
+                           "profile_dir": str(tmp_path / "profile"), "save_debug_train_data": str(tmp_path / "train")})
+    samples = [s.__class__(**{**{f: getattr(s, f) for f in s.__struct_fields__}, "reward": float(i % 2)})
+               for i, s in enumerate(generate(tiny_model_path, config, groups(2)))]
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, lr=1e-2))
+    step = TrainingStep(trainer, config)
+    for rollout_id in (0, 1, 2):
+        step.train(samples, staleness=[0] * len(samples), rollout_id=rollout_id)
+    [overall] = sorted((tmp_path / "profile").iterdir())
+    assert overall.name == "train_overall_rollout000001_rank0.pt.trace.json.gz"  # step 1 only: the window [1, 2)
+    names = _trace_names(overall)
+    assert {"train_actor", "train_log_probs"} <= names and any(name.startswith("aten::") for name in names)
+    dumps = [read_train_data(tmp_path / "train" / f"train_{i:06d}_rank0.msgpack") for i in (0, 1, 2)]
+
+    parts = TrainingStep(trainer, config.with_settings(profile_target=["train_actor", "train_log_probs"],
+                                                       profile_dir=str(tmp_path / "parts")))
+    parts.train(samples, staleness=[0] * len(samples), rollout_id=1)
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [
+        "train_actor_rollout000001_rank0_1.pt.trace.json.gz",  # the optimizer step
+        "train_log_probs_rollout000001_rank0_1.pt.trace.json.gz"]  # pi_old's own forward (mis needs it first)
+
+    assert [dump["policy_version"] for dump in dumps] == [0, 1, 2]
+    first = dumps[0]
+    assert (first["rollout_id"], first["data_parallel_rank"], first["data_parallel_size"]) == (0, 0, 1)
+    assert len(first["samples"]) == len(samples)
+    by_tokens = {tuple(s.tokens.tolist()): s for s in samples}
+    for row in first["samples"]:
+        sample = by_tokens[tuple(row["tokens"])]
+        assert (row["group_id"], row["response_length"], row["reward"]) == (
+            sample.group_id, sample.response_length, sample.reward)
+        for name in ("loss_mask", "rollout_log_probs", "old_log_probs", "advantages"):
+            assert len(row[name]) == sample.response_length, name
+        assert row["ref_log_probs"] is None  # no KL: the step computed none
+    # GRPO: a group's advantages are its rewards less their mean, so each group's sum to 0 at its first token
+    for group in {row["group_id"] for row in first["samples"]}:
+        assert sum(row["advantages"][0] for row in first["samples"] if row["group_id"] == group) == pytest.approx(0)
+

@@ -131,6 +131,28 @@ def test_a_gpu_weight_transport_on_a_node_without_gpus_is_refused_before_the_lea
 
 
 @pytest.mark.unit
+def test_a_memory_recorder_is_refused_where_what_it_records_cannot_exist(tmp_path: Path,
+                                                                         tiny_model_path: Path) -> None:
+    """slime's --record-memory-history records CUDA's allocator (torch) or the host's (memray, a package): on a
+    node without a GPU, or without memray, the learner could not start recording (GPUs are hidden from tests not
+    marked gpu)."""
+    config = RunConfig(prompt_data=str(good_prompts(tmp_path)), hf_checkpoint=str(tiny_model_path),
+                       record_memory_history=True)
+    assert preflight(config, HEAD) == ["--record-memory-history (--memory-recorder torch): it records CUDA's "
+                                       "allocator, and this node has no GPU (on CPU, --memory-recorder memray "
+                                       "records host memory)"]
+    assert preflight(config, {"buffer": 1, "rollout": 1}) == []  # no learner on this node
+    memray = config.with_settings(memory_recorder="memray", memory_snapshot_num_steps=2)
+    import importlib.util
+
+    expected = [] if importlib.util.find_spec("memray") else [
+        "--record-memory-history with --memory-recorder memray: the memray package is not installed on this node "
+        "(pip install memray)"]
+    assert preflight(memray, HEAD) == expected
+    assert preflight(config.with_settings(use_pytorch_profiler=True, record_memory_history=False), HEAD) == []
+
+
+@pytest.mark.unit
 def test_a_misspelled_label_key_is_refused_before_any_actor_starts(tmp_path: Path) -> None:
     data = good_prompts(tmp_path)
     held = prompts(tmp_path / "held.jsonl", [json.dumps({"question": "2+2=", "answer": "4"})])

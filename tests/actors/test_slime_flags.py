@@ -481,3 +481,27 @@ def test_no_rollout_shuffle_leases_prompts_in_file_order(tmp_path: Path) -> None
     assert seeded != in_order and sorted(seeded) == sorted(in_order)
     assert asyncio.run(first_prompts(True, 5)) == seeded
     assert asyncio.run(first_prompts(True, 6)) != seeded
+
+
+@pytest.mark.unit
+def test_the_counts_in_docs_slime_md_are_the_tables() -> None:
+    """docs/slime.md's first table counts slime's flags by fate (same, alias, owned, explained, refused, unknown, in
+    that order); they are computed here from SLIME_FLAGS so the page cannot fall behind the table."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "slime.md").read_text(encoding="utf-8")
+    head = page.split("| slime's flags (", 1)[1]
+    total = int(head.split(")", 1)[0])
+    shown = [int(line.rsplit("|", 2)[1]) for line in head.split("\n\n", 1)[0].splitlines()[2:]]
+    fates = [row.fate for flag, row in SLIME_FLAGS.items() if flag not in FSDP_BACKEND_FLAGS]
+    counted = [fates.count(fate) for fate in ("same", "alias", "owned", "explained", "refused")]
+    assert (total, shown) == (len(HEAD_KINDS), [*counted, len(set(HEAD_KINDS) - set(SLIME_FLAGS))])
+
+
+@pytest.mark.unit
+def test_dump_details_is_slimes_pair_of_dumps_and_a_train_data_template_its_folder(tmp_path: Path) -> None:
+    config, _ = configure(["--dump-details", str(tmp_path / "d")])
+    assert (config.learner.save_debug_rollout_data, config.learner.save_debug_train_data) == (
+        f"{tmp_path}/d/rollout_data", f"{tmp_path}/d/train_data")
+    given, _ = configure(["--dump-details", str(tmp_path / "d"),
+                          "--save-debug-train-data", str(tmp_path / "t" / "{rollout_id}_{rank}.pt")])
+    assert (given.learner.save_debug_rollout_data, given.learner.save_debug_train_data) == (
+        f"{tmp_path}/d/rollout_data", f"{tmp_path}/t")  # given apart wins; slime's template is read as its folder
