@@ -60,6 +60,7 @@ class Learner(Actor):
         super().__init__(context)
         self.trainer: CollectiveTrainer | None = None
         self.training: Training | None = None
+        self.step: TrainingStep | None = None  # rank 0's; it holds the profiler a stop must close
         self.weights: WeightPublisher | None = None
         self.metrics_writer: MetricsWriter | None = None
         self.rollout_log: RolloutLog | None = None
@@ -457,7 +458,7 @@ class Learner(Actor):
         if self.weights is not None:
             self.weights.close()
             self.weights.check_log.close()
-        if getattr(self, "step", None) is not None and self.step.profiler is not None:
+        if self.step is not None and self.step.profiler is not None:
             self.step.profiler.close()  # a memory recording not yet written is written now
         if self.trainer is not None:
             await asyncio.to_thread(self.trainer.close)
