@@ -280,6 +280,10 @@ class RunConfig(BaseModel):
         problems.extend(_routing_replay_problems(self))
         problems.extend(_pi_old_and_reference_problems(self))
         problems.extend(_policies_problems(self))
+        backend = train_backend_spec(self.trainer.train_backend)
+        if self.trainer.use_stateless_adam and (backend is None or not backend.stateless_adam):
+            problems.append(f"use_stateless_adam needs {train_backends_that('stateless_adam')} (the Megatron "
+                            "backend runs megatron's own Adam)")
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -401,6 +401,9 @@ class TrainerConfig(Section):
     reset_optimizer_states: bool = Field(False, description="zero the optimizer's state (Adam's moments and step "
                                          "count; the critic's too) before each rollout batch's optimizer steps, "
                                          "as slime does")
+    use_stateless_adam: bool = Field(False, description="Adam without state (slime's): its moments start from "
+                                     "zero at every step (the critic's too), so the update is lr * g / (|g| + eps) "
+                                     "plus weight decay, and no moments are kept or checkpointed; torch backend")
     only_train_params_name_list: list[str] = Field(
         default_factory=list, description="train only the parameters whose name matches one of these Python "
         "regular expressions (searched in the name, as slime does); the others are frozen: no gradient, no "

@@ -302,7 +302,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--get-mismatch-metrics": _explained("train/rollout log-prob mismatch is logged whenever the learner "
                                          "recomputes log-probs (--use-decoupled-ppo or an --off-policy-correction)"),
     "--reset-optimizer-states": _same("switch"),
-    "--use-stateless-adam": _refused("stateless Adam is not available"),
+    "--use-stateless-adam": _same("switch", "Adam whose moments start from zero at every step, keeping none "
+                                            "(torch backend; the critic's too); slime's --no-save-optim is not "
+                                            "needed: there is nothing to save"),
     "--use-rollout-logprobs": _same("switch", "pi_old is the engine's log-probs: --off-policy-correction none, "
                                               "no --use-decoupled-ppo"),
     "--use-tis": _alias("-> --off-policy-correction tis", "switch"),
