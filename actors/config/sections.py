@@ -334,6 +334,11 @@ class LearnerConfig(Section):
                                                        "(args, rollout_data) that fills rollout_data['advantages'] "
                                                        "and ['returns'] in place of --advantage-estimator",
                                                        json_schema_extra=plugin_for("learner"))
+    custom_pg_loss_reducer_function_path: str | None = Field(
+        None, description="slime's fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> "
+        "reducer: the reducer's scalar of a micro-batch's per-token policy-gradient loss replaces the "
+        "--loss-agg-mode sum of that term (divided by the step's count as the mode's is); the KL and entropy terms "
+        "keep the mode (e.g. Dr.GRPO: divide by a constant)", json_schema_extra=plugin_for("learner"))
     custom_convert_samples_to_train_data_path: str | None = Field(None, description="slime's (args, samples) -> "
                                                                   "train-data dict: the learner trains on the "
                                                                   "tokens, masks and rewards it returns",

@@ -311,8 +311,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--tis-clip": _same(),
     "--tis-clip-low": _same(),
     "--custom-tis-function-path": _alias("-> --off-policy-correction PATH (a registered correction)"),
-    "--custom-pg-loss-reducer-function-path": _refused("custom loss reducers are not available; choose "
-                                                       "--loss-agg-mode", "value"),
+    "--custom-pg-loss-reducer-function-path": _same("value", "slime's reducer factory, called per micro-batch "
+                                                    "as slime calls it; its scalar is the policy-gradient term's "
+                                                    "numerator, divided by the step's --loss-agg-mode count"),
     "--use-routing-replay": _same("switch"),
     "--use-rollout-routing-replay": _same("switch"),
     "--use-opsm": _same("switch"),

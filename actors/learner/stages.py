@@ -24,6 +24,7 @@ from engines.vision.processor import VisionInputs, VisionProcessor
 from policies.advantages import compute_advantages
 from policies.config import PolicyLossConfig
 from policies.distillation import reverse_kl_means
+from policies.losses import PgReducer
 from policies.step_loss import (
     PolicyLoss,
     ValueLoss,
@@ -383,14 +384,15 @@ def with_gradient(batch: StepBatch) -> StepBatch:
 
 def build_loss(
     policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *, pi_old_from_forward: bool,
-    trained: StepBatch | None = None, loss_fn: PolicyLossFunction | None = None,
+    trained: StepBatch | None = None, loss_fn: PolicyLossFunction | None = None, pg_reducer: PgReducer | None = None,
 ) -> PolicyLoss:
     """One optimizer step's loss with that step's denominators: its mini-batch on every rank counts (one
     all-reduce when sharded). With several steps per rollout batch each step divides by its own counts, as slime
     normalises per step (per token of the step with --calculate-per-token-loss, else per sample of the step).
     `trained`: the part of `batch` the trainer will run (`with_gradient`); the denominators stay the whole
     batch's, the diagnostics become means over the samples trained. `loss_fn`: the loss as loaded
-    (`actors.extensions.load.policy_loss`)."""
+    (`actors.extensions.load.policy_loss`); `pg_reducer`: the policy-gradient term's numerator, as loaded
+    (`actors.extensions.load.pg_loss_reducer`)."""
     loss_mask = batch.packed("loss_mask")
     assert loss_mask is not None  # to_train_sample always sets one
     counts = step_denominators(
@@ -409,7 +411,7 @@ def build_loss(
         torch.distributed.all_reduce(counts, group=parallel.group)
         counts = counts.cpu()
     return PolicyLoss(policy, denominator=float(counts[0]), total_tokens=max(1.0, float(counts[1])),
-                      pi_old_from_forward=pi_old_from_forward, loss_fn=loss_fn)
+                      pi_old_from_forward=pi_old_from_forward, loss_fn=loss_fn, pg_reducer=pg_reducer)
 
 
 def build_value_loss(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel) -> ValueLoss:

@@ -25,7 +25,13 @@ import numpy as np
 
 from actors.config import RunConfig
 from actors.config.teachers import run_teachers, teacher_of
-from actors.extensions.load import advantage_function, batch_rewrite, policy_loss, rollout_data_postprocess
+from actors.extensions.load import (
+    advantage_function,
+    batch_rewrite,
+    pg_loss_reducer,
+    policy_loss,
+    rollout_data_postprocess,
+)
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
 from bus.episodes import final_segments
@@ -71,6 +77,7 @@ class TrainingStep:
         self.custom_advantages = advantage_function(config)
         self.postprocess = rollout_data_postprocess(config)
         self.loss_fn = policy_loss(config)
+        self.pg_reducer = pg_loss_reducer(config)
         if self.rewrite_batch is not None and self.rewrite_batch.rewards_as_given:  # as the rewrite declares
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
@@ -190,7 +197,8 @@ class TrainingStep:
     def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
         trained = stages.with_gradient(part) if self.skip_gradient_free else part
         loss = stages.build_loss(self.policy, part, parallel, pi_old_from_forward=self.pi_old == "training_forward",
-                                 trained=trained if trained is not part else None, loss_fn=self.loss_fn)
+                                 trained=trained if trained is not part else None, loss_fn=self.loss_fn,
+                                 pg_reducer=self.pg_reducer)
         # `ends_batch` only with several steps: a trainer written for one step per batch need not know it.
         extra = {} if self.steps == 1 else {"ends_batch": last}
         result = self.trainer.train_step(trained.samples, loss, temperature=self.temperature,
