@@ -326,6 +326,10 @@ class LearnerConfig(Section):
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
     load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+    use_rollout_entropy: bool = Field(False, description="slime's: the learner's forward before the step (pi_old's) "
+                                      "also takes each token's entropy, logged as rollout/entropy and handed to "
+                                      "slime's hooks as rollout_data['entropy'] (e.g. for a loss mask of "
+                                      "high-entropy tokens); a forward of its own where pi_old needs none")
     rollout_data_postprocess_path: str | None = Field(
         None, description="slime's fn(args, rollout_id, rollout_data), called on each learner rank's samples after "
         "the advantages: the loss_masks and advantages it leaves are what the step trains on",

@@ -298,7 +298,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--normalize-advantages": _same("switch"),
     "--disable-grpo-std-normalization": _same("switch"),
     "--disable-rewards-normalization": _same("switch"),
-    "--use-rollout-entropy": _refused("entropy from the engine's distribution is not available"),
+    "--use-rollout-entropy": _same("switch", "as slime: the learner's forward before the update (pi_old's, or "
+                                             "one of its own) also takes each token's entropy, for slime's hooks "
+                                             "(rollout_data['entropy']) and rollout/entropy; both backends"),
     "--get-mismatch-metrics": _explained("train/rollout log-prob mismatch is logged whenever the learner "
                                          "recomputes log-probs (--use-decoupled-ppo or an --off-policy-correction)"),
     "--reset-optimizer-states": _same("switch"),

@@ -272,13 +272,31 @@ def add_values(trainer: Trainer, batch: StepBatch) -> None:
     batch.scatter("values", trainer.compute_values(batch.samples))
 
 
-def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float) -> None:
-    """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when)."""
-    outputs = trainer.compute_log_probs(batch.samples, temperature=temperature)
+def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float, as_pi_old: bool = True,
+                      with_entropy: bool = False) -> None:
+    """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when);
+    `with_entropy` also keeps each token's entropy (slime's --use-rollout-entropy), and without `as_pi_old` that
+    is all the forward is for."""
+    outputs = trainer.compute_log_probs(batch.samples, temperature=temperature, with_entropy=with_entropy)
+    if with_entropy:
+        assert outputs.entropy is not None  # asked for
+        for sample, values in zip(batch.samples, torch.split(outputs.entropy.detach().cpu(), batch.lengths),
+                                  strict=True):
+            sample.rollout_entropy = values
+    if not as_pi_old:
+        return
     batch.scatter("old_log_probs", outputs.log_probs)
     if outputs.routed_experts is not None:  # --use-routing-replay: the training forwards route as pi_old did
         for sample, routes in zip(batch.samples, outputs.routed_experts, strict=True):
             sample.routed_experts = routes
+
+
+def rollout_entropy_metric(batch: StepBatch) -> dict[str, float]:
+    """slime's `rollout/entropy`: each sample's mean entropy over its trained tokens, averaged over the samples."""
+    means = [float((s.rollout_entropy * mask).sum() / mask.sum().clamp_min(1))
+             for s in batch.samples if s.rollout_entropy is not None
+             for mask in [s.loss_mask.float().cpu() if s.loss_mask is not None else torch.ones(s.response_length)]]
+    return {"rollout/entropy": float(np.mean(means))} if means else {}
 
 
 def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *,

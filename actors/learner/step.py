@@ -92,6 +92,7 @@ class TrainingStep:
         self.teachers = run_teachers(config.distillation) if self.policy.use_opd else {}
         self.teacher_key = config.distillation.opd_teacher_key
         self.critic_only_steps = config.learner.num_critic_only_steps
+        self.rollout_entropy = config.learner.use_rollout_entropy
         if self.pi_old == "training_forward" and self.steps > 1:
             raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
         self.reset_optimizer = config.trainer.reset_optimizer_states
@@ -143,8 +144,9 @@ class TrainingStep:
         """The stages that read the policy as it is now (pi_old, advantages), then the optimizer steps."""
         batch, parallel = prepared.batch, self.trainer.data_parallel()
         critic = self.trainer.has_critic
-        if self.pi_old == "separate_forward":
-            stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
+        if self.pi_old == "separate_forward" or self.rollout_entropy:
+            stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature,
+                                     as_pi_old=self.pi_old == "separate_forward", with_entropy=self.rollout_entropy)
         if critic:
             stages.add_values(self.trainer, batch)
         # slime's --num-critic-only-steps: the first N batches train the critic alone (counted in critic updates,
@@ -170,8 +172,8 @@ class TrainingStep:
         if self._refreshes_after(version):
             self.trainer.refresh_reference()
             result.metrics["ref/refreshed"] = 1.0
-        return StepReport(result=result, metrics={**result.metrics, **prepared.metrics, **advantage_metrics},
-                          rollout=prepared.metrics)
+        rollout = {**prepared.metrics, **stages.rollout_entropy_metric(batch)}
+        return StepReport(result=result, metrics={**result.metrics, **rollout, **advantage_metrics}, rollout=rollout)
 
     def _refreshes_after(self, version: int) -> bool:
         """slime refreshes the reference after rollouts N, 2N, ... have trained; counted in versions here (batches
