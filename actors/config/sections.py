@@ -326,6 +326,10 @@ class LearnerConfig(Section):
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
     load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+    disable_compute_advantages_and_returns: bool = Field(
+        False, description="slime's: no advantages are computed; every sample's start at zero and the "
+        "--rollout-data-postprocess-path hook sets them (or a custom loss reads what it needs itself); SFT computes "
+        "none anyway")
     use_rollout_entropy: bool = Field(False, description="slime's: the learner's forward before the step (pi_old's) "
                                       "also takes each token's entropy, logged as rollout/entropy and handed to "
                                       "slime's hooks as rollout_data['entropy'] (e.g. for a loss mask of "

@@ -25,7 +25,6 @@ SPELLED_AS = "slime_spelled_as"  # args attribute: our setting -> the slime flag
 _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
     "--update-weight-delta-encoding": lambda v, a: v == "overwrite",
     "--rollout-data-transport": lambda v, a: v == "object-store",
-    "--disable-compute-advantages-and-returns": lambda v, a: SLIME_LOSS_NAMES.get(a.loss_type, a.loss_type) == "sft",
 }
 _ENV_ALIASES = {"--wandb-key": ("WANDB_API_KEY",), "--wandb-host": ("WANDB_BASE_URL",),
                 "--wandb-team": ("WANDB_ENTITY",), "--http-proxy": ("http_proxy", "https_proxy")}

@@ -285,8 +285,11 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                           "adapted; with --loss-type custom_loss or no --loss-type)"),
     "--kl-loss-type": _same(),
     "--advantage-estimator": _same(),
-    "--disable-compute-advantages-and-returns": _refused("advantages are always computed (accepted with "
-                                                         "--loss-type sft_loss, which does not use them)"),
+    "--disable-compute-advantages-and-returns": _same("switch", "no advantages computed: they start at zero for "
+                                                               "the --rollout-data-postprocess-path hook (or a "
+                                                               "custom loss) to set, as slime leaves them to it; "
+                                                               "pi_old and reference log-probs are still taken "
+                                                               "where the loss reads them; SFT computes none"),
     "--custom-advantage-function-path": _same(),
     "--use-kl-loss": _same("switch"),
     "--kl-loss-coef": _same(),

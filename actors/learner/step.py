@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from actors.config import RunConfig
 from actors.config.teachers import run_teachers, teacher_of
@@ -73,6 +74,8 @@ class TrainingStep:
         self.policy = config.policy
         # Every loss but SFT's trains on rewards (through the advantages); SFT learns the labels and reads none.
         self.trains_on_rewards = self.policy.loss_type != "sft"
+        # slime's --disable-compute-advantages-and-returns: zeros, for a hook or a custom loss to do with as it means
+        self.computes_advantages = not config.learner.disable_compute_advantages_and_returns
         self.rewrite_batch = batch_rewrite(config)
         self.custom_advantages = advantage_function(config)
         self.postprocess = rollout_data_postprocess(config)
@@ -153,8 +156,11 @@ class TrainingStep:
         # which a checkpoint keeps, so a resumed run goes on where it was).
         warming_up = critic and self.trainer.critic_steps < self.critic_only_steps * self.steps
         advantage_metrics = {}
-        if self.trains_on_rewards:
+        if self.trains_on_rewards and self.computes_advantages:
             advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
+        elif self.trains_on_rewards:
+            for sample in batch.samples:
+                sample.advantages = torch.zeros(sample.response_length)
         if self.postprocess is not None:  # slime's hook: it may change the loss masks and advantages
             self.postprocess(self.policy, batch.samples, batch.group_index(), self.trainer.version)
         parts = stages.mini_batches(batch, self.steps, parallel)

@@ -104,3 +104,18 @@ def test_no_save_optim_reaches_both_backends_trainer_settings() -> None:
     assert _shared_settings(configure("--hf-checkpoint", "m"))["save_optimizer"] is True
     config = configure("--no-save-optim", "--hf-checkpoint", "m")
     assert config.learner.no_save_optim and _shared_settings(config)["save_optimizer"] is False
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "disable_compute_advantages_and_returns with loss_type 'ppo': its advantages would all be zero"),
+    (["--rollout-data-postprocess-path", "m:f", "--custom-advantage-function-path", "m:g"],
+     "disable_compute_advantages_and_returns and custom_advantage_function_path contradict"),
+], ids=["nothing-sets-them", "custom-advantages"])
+def test_advantages_off_with_nothing_to_set_them_is_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        configure("--disable-compute-advantages-and-returns", *argv)
+    for fine in (["--loss-type", "sft_loss"], ["--rollout-data-postprocess-path", "m:f"],
+                 ["--custom-loss-function-path", "examples.slime_style.custom_loss:reinforce_loss"]):
+        config = configure("--disable-compute-advantages-and-returns", *fine)
+        assert config.learner.disable_compute_advantages_and_returns

@@ -107,3 +107,27 @@ def test_rollout_entropy_is_the_policys_before_the_step_and_reaches_the_hooks(
     means = [float((e * (e > e.median())).sum() / max(1, int((e > e.median()).sum()))) for e in SEEN["entropy"]]
     assert report.metrics["rollout/entropy"] == pytest.approx(sum(means) / len(means))
     assert "rollout/entropy" in report.rollout
+
+
+def advantages_from_rewards(args, rollout_id, rollout_data):
+    """What a slime user writes with --disable-compute-advantages-and-returns: the advantages themselves."""
+    SEEN.update(advantages=[a.clone() for a in rollout_data["advantages"]])
+    rollout_data["advantages"] = [torch.full_like(a, reward - 0.5)
+                                  for a, reward in zip(rollout_data["advantages"], rollout_data["rewards"],
+                                                       strict=True)]
+
+
+@pytest.mark.integration
+def test_with_advantages_disabled_the_hook_gets_zeros_and_its_advantages_train(
+        tiny_model_path: Path, engine_samples: list[Sample]) -> None:
+    trainer = _trainer(tiny_model_path)
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "rollout_batch_size": 2, "n_samples_per_prompt": 4,
+                           "lr": 1e-2, "disable_compute_advantages_and_returns": True,
+                           "disable_rewards_normalization": True,
+                           "rollout_data_postprocess_path": f"{HERE}:advantages_from_rewards"})
+    SEEN.clear()
+    TrainingStep(trainer, config).train(engine_samples, [0] * len(engine_samples))
+    assert all(not bool(a.any()) for a in SEEN["advantages"])  # nothing computed: the estimator did not run
+    [(seen, _ends)] = trainer.steps
+    for wire, sample in zip(engine_samples, seen, strict=True):
+        assert sample.advantages.tolist() == [wire.reward - 0.5] * wire.response_length
