@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.config.evaluation import read_slime_eval_config
+from actors.config.sections import BufferConfig
 from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
 
 ENTRY_POINTS = ("train", "train_async")
@@ -144,6 +145,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
         else:
             refused.append(f"{flag}: {row.why}")
     _entry_point(args)
+    _keep_old_actor(args)
     if refused:
         raise ValueError("slime flag(s) not supported: " + "; ".join(refused))
     return result
@@ -253,6 +255,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":
         _set(args, "micro_batch_tokens", value, flag)
+    elif flag == "--keep-old-actor":
+        pass  # read once the entry point has set the staleness bound (_keep_old_actor)
     elif flag == "--use-dynamic-batch-size":
         pass  # always on here; --max-tokens-per-gpu (or --micro-batch-tokens) sets the budget
     elif flag == "--update-weight-buffer-size":
@@ -377,6 +381,22 @@ def _set(args: argparse.Namespace, name: str, value: Any, flag: str) -> None:
                          f"{current!r} was also given")
     setattr(args, name, value)
     vars(args).setdefault(SPELLED_AS, {})[name] = flag  # so that an error about the value names the flag typed
+
+
+def _keep_old_actor(args: argparse.Namespace) -> None:
+    """--keep-old-actor: slime's pi_old is the learner's forward under the weights that generated the batch (a
+    resident copy, swapped in). On-policy those are the learner's weights before the update, so the learner's own
+    pi_old forward (--use-decoupled-ppo) gives the same numbers; off-policy they are an older version, of which no
+    copy is kept here."""
+    if getattr(args, _dest("--keep-old-actor"), None) is None:
+        return
+    staleness = _given(args, "max_staleness", BufferConfig().max_staleness)
+    if staleness != 0:
+        raise ValueError(f"--keep-old-actor with --max-staleness {staleness}: slime's old actor is a copy of the "
+                         "weights that generated the batch; here pi_old is recomputed with the learner's weights "
+                         "before the update (--use-decoupled-ppo), which are those weights only on-policy "
+                         "(--max-staleness 0, slime's train.py), and no copies of older versions are kept")
+    _set(args, "use_decoupled_ppo", True, "--keep-old-actor")
 
 
 def _entry_point(args: argparse.Namespace) -> None:

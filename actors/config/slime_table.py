@@ -141,8 +141,11 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                              "chosen by name)"),
     "--update-weight-local-checkpoint-dir": _refused(NO_DISK_SYNC, "value"),
     "--custom-update-weight-post-write-path": _refused(NO_DISK_SYNC, "value"),
-    "--keep-old-actor": _refused("a second resident actor copy for pi_old is not kept; the proximal policy is "
-                                 "recomputed with --use-decoupled-ppo (or any --off-policy-correction)"),
+    "--keep-old-actor": _alias("-> --use-decoupled-ppo on-policy (--max-staleness 0, slime's train.py): slime's "
+                               "old actor is the weights that generated the batch, which are then the learner's "
+                               "before the update, so pi_old recomputed by the learner has the same numbers "
+                               "without a second copy; refused off-policy, where it would be an older version's "
+                               "copy, not kept here", "switch"),
     "--check-weight-update-equal": _alias("-> --weight-check strict --weight-check-stride 1: every byte of every "
                                           "push is fingerprinted on both ends, a mismatch stops the run", "switch"),
     # --- rollout ---

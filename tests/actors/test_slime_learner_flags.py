@@ -119,3 +119,17 @@ def test_advantages_off_with_nothing_to_set_them_is_refused(argv: list[str], mes
                  ["--custom-loss-function-path", "examples.slime_style.custom_loss:reinforce_loss"]):
         config = configure("--disable-compute-advantages-and-returns", *fine)
         assert config.learner.disable_compute_advantages_and_returns
+
+
+@pytest.mark.unit
+def test_keep_old_actor_on_policy_is_the_learners_own_pi_old_and_refused_off_policy() -> None:
+    """slime's old actor is the weights that generated the batch: on-policy (train.py) the learner's before the
+    update, which is the pi_old it recomputes (not the engine's log-probs, as without the flag under train.py)."""
+    config = configure("--slime-entry", "train", "--keep-old-actor")
+    assert config.learner.use_decoupled_ppo and config.buffer.max_staleness == 0
+    assert pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo) != "rollout"
+    plain = configure("--slime-entry", "train")
+    assert pi_old_source(plain.policy, decoupled=plain.learner.use_decoupled_ppo) == "rollout"
+    with pytest.raises(ValueError, match="--keep-old-actor with --max-staleness 1: slime's old actor is a copy of "
+                                         "the weights that generated the batch"):
+        configure("--slime-entry", "train_async", "--keep-old-actor")
