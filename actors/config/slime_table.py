@@ -265,8 +265,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--save-interval": _same(),
     "--ref-load": _alias("-> --ref-checkpoint (a Hugging Face folder here; slime's torch_dist folders are "
                          "Megatron-only)"),
-    "--ref-ckpt-step": _refused("reference checkpoints are HF folders here; there is no step to pick", "value",
-                                int),
+    "--ref-ckpt-step": _alias("the --ref-load folder's checkpoint of that step (Megatron's iter_NNNNNNN, as slime "
+                              "saves, or the learner's step_NNNNNN) becomes --ref-checkpoint; it must be an HF "
+                              "folder (preflight names the converter for a Megatron one)", "value", int),
     "--async-save": _owned("megatron", "switch"),
     "--no-save-optim": _same("switch", "checkpoints without the optimizer state; a resumed run starts a fresh "
                                         "optimizer on the saved weights, as slime's --no-load-optim"),
@@ -331,8 +332,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--opd-type": _same(),
     "--opd-kl-coef": _same(),
     "--opd-teacher-load": _same(),
-    "--opd-teacher-ckpt-step": _refused("the learner's teachers are Hugging Face folders here; there is no step "
-                                        "to pick", "value", int),
+    "--opd-teacher-ckpt-step": _alias("the --opd-teacher-load folder's checkpoint of that step, as "
+                                      "--ref-ckpt-step picks the reference's", "value", int),
     # --- logging ---
     "--use-wandb": _same("switch"),
     "--wandb-mode": _same("value", "'disabled' turns W&B off"),

@@ -133,3 +133,22 @@ def test_keep_old_actor_on_policy_is_the_learners_own_pi_old_and_refused_off_pol
     with pytest.raises(ValueError, match="--keep-old-actor with --max-staleness 1: slime's old actor is a copy of "
                                          "the weights that generated the batch"):
         configure("--slime-entry", "train_async", "--keep-old-actor")
+
+
+@pytest.mark.unit
+def test_ckpt_step_flags_pick_that_step_of_the_checkpoint_folder(tmp_path: Path) -> None:
+    """slime loads iteration N of --ref-load / --opd-teacher-load: Megatron's iter_NNNNNNN (slime's saves) or the
+    learner's step_NNNNNN; a step the folder lacks is an error listing the steps it has."""
+    for name in ("iter_0000005", "iter_0000010", "step_000003"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    config = configure("--ref-load", str(tmp_path), "--ref-ckpt-step", "5", "--use-kl-loss", "--use-opd",
+                       "--opd-type", "megatron", "--opd-teacher-load", str(tmp_path), "--opd-teacher-ckpt-step", "3")
+    assert config.model.ref_checkpoint == str(tmp_path / "iter_0000005")
+    assert config.distillation.opd_teacher_load == str(tmp_path / "step_000003")
+    with pytest.raises(ValueError, match=r"--ref-ckpt-step 7: .* holds no checkpoint of that step \(iter_0000007 or "
+                                         r"step_000007\); its steps: iter_0000005, iter_0000010, step_000003"):
+        configure("--ref-load", str(tmp_path), "--ref-ckpt-step", "7")
+    with pytest.raises(ValueError, match="--opd-teacher-ckpt-step 3 picks a step of --opd-teacher-load's checkpoint "
+                                         "folder, which was not given"):
+        configure("--opd-teacher-ckpt-step", "3")
