@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from policies.aggregation import aggregate
+from policies.aggregation import aggregate, global_denominator
 from policies.config import PolicyLossConfig
 from policies.corrections import CorrectionResult, mismatch_metrics, opsm_keep_mask
 from policies.kl import compute_kl
@@ -48,6 +48,7 @@ from policies.packing import (
 from policies.registry import LINEAR_IN_ADVANTAGE, register_policy_loss, resolve_correction, resolve_policy_loss
 
 __all__ = [
+    "PgReducer",
     "PolicyLossInputs",
     "PolicyLossTerms",
     "cispo_loss",
@@ -62,6 +63,9 @@ __all__ = [
 ]
 
 MAX_LOG_RATIO = 20.0  # the default of PolicyLossConfig.log_ratio_clamp
+
+# (per-token loss [T], kept-token mask [T], response lengths [B]) -> the term's numerator (a sum over samples)
+PgReducer = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,7 @@ def compute_policy_loss(
     denominator: float | Tensor | None = None,
     sample_denominators: Tensor | None = None,
     loss_fn: Callable[[PolicyLossConfig, PolicyLossInputs], PolicyLossTerms] | None = None,
+    pg_reducer: PgReducer | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The learner's loss for one (micro-)batch: ratio, off-policy correction, clipping, KL, entropy, value, agg.
 
@@ -223,6 +228,9 @@ def compute_policy_loss(
     with the correction's keep mask applied (:func:`effective_loss_mask`) so micro-batch losses sum exactly.
     ``loss_fn``: the per-token policy loss as the caller loaded it (a plugin converted from another convention);
     default: ``config.loss_type`` resolved in the registry.
+    ``pg_reducer``: the numerator of the policy-gradient term in place of ``loss_agg_mode``'s (its sum over samples
+    of the per-token loss after corrections, given the kept-token mask and the lengths); the term is that divided
+    by the mode's denominator, as the mode's own numerator is. The other terms and every metric keep the mode.
 
     Returns ``(loss, metrics)``. Loss-term metrics (``pg_loss``, ``kl_loss``, ``entropy_loss``, ``value_loss``)
     use the same denominators as the loss, so they add up across micro-batches like the loss does; every other
@@ -278,7 +286,12 @@ def compute_policy_loss(
 
     reduce = _reducer(config, mask, count_mask, lengths, denominator, sample_denominators)
 
-    pg_loss = reduce(pg_per_token)
+    if pg_reducer is None:
+        pg_loss = reduce(pg_per_token)
+    else:
+        divisor = denominator if denominator is not None else global_denominator(
+            config.loss_agg_mode, count_mask, lengths, count_empty_samples=config.count_empty_samples)
+        pg_loss = pg_reducer(pg_per_token, mask, lengths) / max(float(divisor), 1.0)
     loss = pg_loss
     metrics["pg_loss"] = pg_loss.detach()
 

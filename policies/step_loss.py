@@ -23,6 +23,7 @@ from torch import Tensor
 from policies.aggregation import global_denominator
 from policies.config import PolicyLossConfig
 from policies.losses import (
+    PgReducer,
     PolicyLossInputs,
     PolicyLossTerms,
     compute_policy_loss,
@@ -104,7 +105,8 @@ class PolicyLoss:
     ``denominator``: the aggregation denominator of the whole step (all ranks, after rejections);
     ``total_tokens``: trained tokens of the whole step, the weight of each micro-batch's diagnostic means;
     ``pi_old_from_forward``: take pi_old as ``sg(log pi_theta)`` of the training forward (see :func:`pi_old_source`);
-    ``loss_fn``: the per-token policy loss as loaded (see :func:`policies.losses.compute_policy_loss`).
+    ``loss_fn``: the per-token policy loss as loaded (see :func:`policies.losses.compute_policy_loss`);
+    ``pg_reducer``: the policy-gradient term's numerator in place of the mode's (the same function's argument).
     """
 
     config: PolicyLossConfig
@@ -112,6 +114,7 @@ class PolicyLoss:
     total_tokens: float
     pi_old_from_forward: bool = False
     loss_fn: Callable[[PolicyLossConfig, PolicyLossInputs], PolicyLossTerms] | None = None
+    pg_reducer: PgReducer | None = None
 
     @property
     def needs_entropy(self) -> bool:
@@ -126,7 +129,7 @@ class PolicyLoss:
             rollout_log_probs=None if self.config.loss_type == "sft" else batch.rollout_log_probs,
             advantages=batch.advantages, loss_mask=batch.loss_mask, response_lengths=batch.response_lengths,
             entropy=outputs.entropy, ref_log_probs=batch.ref_log_probs, denominator=self.denominator,
-            loss_fn=self.loss_fn,
+            loss_fn=self.loss_fn, pg_reducer=self.pg_reducer,
         )
         share = batch.loss_mask.sum() / max(1.0, self.total_tokens)  # a tensor: no host sync per micro-batch
         return loss, {k: (v if k in ADDITIVE_METRICS else v * share) for k, v in metrics.items()}

@@ -85,6 +85,7 @@ class TrainBackendSpec:
     critic: bool = False  # trains a value model beside the policy (PPO's GAE)
     routing_replay: bool = False  # replays MoE routes (its own pi_old forward's, or the engines')
     teachers_in_learner: bool = False  # holds distillation teachers in the learner's process
+    stateless_adam: bool = False  # trains with slime's stateless Adam (--use-stateless-adam)
     no_lora_because: str | None = None  # why LoRA cannot run on it, or None where it can
     no_images_because: str | None = None  # why it cannot train a vision-language model, or None where it can
 
@@ -95,7 +96,7 @@ class TrainBackendSpec:
 
 BUILTIN_TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
     "torch": TrainBackendSpec(factory="actors.learner.trainer_factory:build_torch_trainer", critic=True,
-                              routing_replay=True, teachers_in_learner=True),
+                              routing_replay=True, teachers_in_learner=True, stateless_adam=True),
     "megatron": TrainBackendSpec(
         factory="actors.learner.trainer_factory:build_megatron_trainer", model_parallel=True, routing_replay=True,
         no_lora_because="megatron-core 0.16 and mbridge have no LoRA layers; Megatron-Bridge's PEFT needs "

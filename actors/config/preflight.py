@@ -197,11 +197,15 @@ def _vision_backend_problem(config: RunConfig) -> str | None:
             f"model, which this backend cannot train: {spec.no_images_because}")
 
 
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"  # beside a Megatron checkpoint's iter_NNNNNNN folders
+
+
 def _teacher_folder_problem(teacher: Teacher, teacher_load: str | None, hub_cache: Path | None) -> str | None:
     """A teacher the learner loads must be a Hugging Face folder; slime's Megatron checkpoint is named as such."""
     assert teacher.path is not None
     flag = "--opd-teacher-load" if teacher.path == teacher_load else f"--opd-teacher (teacher {teacher.name!r})"
-    if (Path(teacher.path).expanduser() / "latest_checkpointed_iteration.txt").is_file():
+    folder = Path(teacher.path).expanduser()
+    if any((where / MEGATRON_LATEST).is_file() for where in (folder, folder.parent)):  # a folder, or one iteration
         return (f"{flag} {teacher.path}: a Megatron checkpoint; the learner's teachers are Hugging Face folders: "
                 f"python -m tools.convert_checkpoint megatron-to-hf --hf STUDENT_HF --megatron {teacher.path} "
                 "--out TEACHER_HF")

@@ -282,6 +282,10 @@ class RunConfig(BaseModel):
         problems.extend(_routing_replay_problems(self))
         problems.extend(_pi_old_and_reference_problems(self))
         problems.extend(_policies_problems(self))
+        backend = train_backend_spec(self.trainer.train_backend)
+        if self.trainer.use_stateless_adam and (backend is None or not backend.stateless_adam):
+            problems.append(f"use_stateless_adam needs {train_backends_that('stateless_adam')} (the Megatron "
+                            "backend runs megatron's own Adam)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -486,6 +490,7 @@ def _pi_old_and_reference_problems(config: RunConfig) -> list[str]:
     if config.policy.use_rollout_logprobs and config.learner.use_decoupled_ppo:
         problems.append("use_rollout_logprobs (pi_old is the engine's log-probs, nothing recomputed) and "
                         "use_decoupled_ppo (pi_old recomputed before the update) contradict; give one of them")
+    problems.extend(_advantages_off_problems(config))
     interval = config.trainer.ref_update_interval
     if interval is not None and not config.policy.needs_ref:
         problems.append(f"ref_update_interval {interval}: this run has no reference model to refresh (one is "
@@ -495,6 +500,23 @@ def _pi_old_and_reference_problems(config: RunConfig) -> list[str]:
                         "reference is the base model, the policy with its adapter off, which the policy trains on; "
                         "making it the current policy would mean merging the adapter into those base weights")
     return problems
+
+
+def _advantages_off_problems(config: RunConfig) -> list[str]:
+    """slime's --disable-compute-advantages-and-returns leaves the advantages to a hook or to a loss of the user's:
+    with a built-in policy-gradient loss and no hook to set them, every advantage would be zero and the step would
+    train nothing (slime fails on the missing key at the first batch); a custom advantage function would not run."""
+    learner, loss = config.learner, config.policy.loss_type
+    if not learner.disable_compute_advantages_and_returns or loss == "sft":
+        return []
+    if learner.custom_advantage_function_path is not None:
+        return ["disable_compute_advantages_and_returns and custom_advantage_function_path contradict: the function "
+                "computes the advantages the first turns off; give one of them"]
+    if learner.rollout_data_postprocess_path is None and not any(mark in loss for mark in ":."):
+        return [f"disable_compute_advantages_and_returns with loss_type {loss!r}: its advantages would all be zero, "
+                "so the step would train nothing; set them in --rollout-data-postprocess-path, or use a custom loss "
+                "(--custom-loss-function-path) or --loss-type sft_loss"]
+    return []
 
 
 def policy_names(config: RunConfig) -> tuple[str, ...]:

@@ -336,6 +336,14 @@ class LearnerConfig(Section):
     dump_details: str | None = Field(None, description="everything for post-hoc analysis, as slime: the batches "
                                      "(DIR/rollout_data, --save-debug-rollout-data), the train data "
                                      "(DIR/train_data, --save-debug-train-data) and the tokenizer (DIR/tokenizer)")
+    disable_compute_advantages_and_returns: bool = Field(
+        False, description="slime's: no advantages are computed; every sample's start at zero and the "
+        "--rollout-data-postprocess-path hook sets them (or a custom loss reads what it needs itself); SFT computes "
+        "none anyway")
+    use_rollout_entropy: bool = Field(False, description="slime's: the learner's forward before the step (pi_old's) "
+                                      "also takes each token's entropy, logged as rollout/entropy and handed to "
+                                      "slime's hooks as rollout_data['entropy'] (e.g. for a loss mask of "
+                                      "high-entropy tokens); a forward of its own where pi_old needs none")
     rollout_data_postprocess_path: str | None = Field(
         None, description="slime's fn(args, rollout_id, rollout_data), called on each learner rank's samples after "
         "the advantages: the loss_masks and advantages it leaves are what the step trains on",
@@ -344,6 +352,11 @@ class LearnerConfig(Section):
                                                        "(args, rollout_data) that fills rollout_data['advantages'] "
                                                        "and ['returns'] in place of --advantage-estimator",
                                                        json_schema_extra=plugin_for("learner"))
+    custom_pg_loss_reducer_function_path: str | None = Field(
+        None, description="slime's fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> "
+        "reducer: the reducer's scalar of a micro-batch's per-token policy-gradient loss replaces the "
+        "--loss-agg-mode sum of that term (divided by the step's count as the mode's is); the KL and entropy terms "
+        "keep the mode (e.g. Dr.GRPO: divide by a constant)", json_schema_extra=plugin_for("learner"))
     custom_convert_samples_to_train_data_path: str | None = Field(None, description="slime's (args, samples) -> "
                                                                   "train-data dict: the learner trains on the "
                                                                   "tokens, masks and rewards it returns",
@@ -428,6 +441,9 @@ class TrainerConfig(Section):
     reset_optimizer_states: bool = Field(False, description="zero the optimizer's state (Adam's moments and step "
                                          "count; the critic's too) before each rollout batch's optimizer steps, "
                                          "as slime does")
+    use_stateless_adam: bool = Field(False, description="Adam without state (slime's): its moments start from "
+                                     "zero at every step (the critic's too), so the update is lr * g / (|g| + eps) "
+                                     "plus weight decay, and no moments are kept or checkpointed; torch backend")
     only_train_params_name_list: list[str] = Field(
         default_factory=list, description="train only the parameters whose name matches one of these Python "
         "regular expressions (searched in the name, as slime does); the others are frozen: no gradient, no "

@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from actors.config.evaluation import read_slime_eval_config
+from actors.config.sections import BufferConfig
 from actors.config.slime_table import SLIME_FLAGS, SlimeFlag
+from actors.runtime.checkpoint_pointer import checkpoint_at_step
 
 ENTRY_POINTS = ("train", "train_async")
 SPELLED_AS = "slime_spelled_as"  # args attribute: our setting -> the slime flag that set it
 _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
     "--update-weight-delta-encoding": lambda v, a: v == "overwrite",
     "--rollout-data-transport": lambda v, a: v == "object-store",
-    "--disable-compute-advantages-and-returns": lambda v, a: SLIME_LOSS_NAMES.get(a.loss_type, a.loss_type) == "sft",
 }
 _ENV_ALIASES = {"--wandb-key": ("WANDB_API_KEY",), "--wandb-host": ("WANDB_BASE_URL",),
                 "--wandb-team": ("WANDB_ENTITY",), "--http-proxy": ("http_proxy", "https_proxy")}
@@ -145,6 +146,8 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
         else:
             refused.append(f"{flag}: {row.why}")
     _entry_point(args)
+    _keep_old_actor(args)
+    _checkpoint_steps(args)
     if refused:
         raise ValueError("slime flag(s) not supported: " + "; ".join(refused))
     return result
@@ -254,6 +257,10 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":
         _set(args, "micro_batch_tokens", value, flag)
+    elif flag == "--keep-old-actor":
+        pass  # read once the entry point has set the staleness bound (_keep_old_actor)
+    elif flag in CHECKPOINT_STEPS:
+        pass  # read once --ref-load and --opd-teacher-load are (_checkpoint_steps)
     elif flag == "--use-dynamic-batch-size":
         pass  # always on here; --max-tokens-per-gpu (or --micro-batch-tokens) sets the budget
     elif flag == "--update-weight-buffer-size":
@@ -378,6 +385,40 @@ def _set(args: argparse.Namespace, name: str, value: Any, flag: str) -> None:
                          f"{current!r} was also given")
     setattr(args, name, value)
     vars(args).setdefault(SPELLED_AS, {})[name] = flag  # so that an error about the value names the flag typed
+
+
+# slime's step flags: the setting whose checkpoint folder they pick a step of, and the flag that names the folder
+CHECKPOINT_STEPS = {"--ref-ckpt-step": ("ref_checkpoint", "--ref-load"),
+                    "--opd-teacher-ckpt-step": ("opd_teacher_load", "--opd-teacher-load")}
+
+
+def _checkpoint_steps(args: argparse.Namespace) -> None:
+    """slime loads iteration N of the reference's (or teacher's) checkpoint folder: so here, the folder's step N
+    becomes the model folder read (`checkpoint_at_step`)."""
+    for flag, (setting, folder_flag) in CHECKPOINT_STEPS.items():
+        step = getattr(args, _dest(flag), None)
+        if step is None:
+            continue
+        folder = getattr(args, setting, None)
+        if folder is None:
+            raise ValueError(f"{flag} {step} picks a step of {folder_flag}'s checkpoint folder, which was not given")
+        setattr(args, setting, str(checkpoint_at_step(Path(folder), step, flag)))
+
+
+def _keep_old_actor(args: argparse.Namespace) -> None:
+    """--keep-old-actor: slime's pi_old is the learner's forward under the weights that generated the batch (a
+    resident copy, swapped in). On-policy those are the learner's weights before the update, so the learner's own
+    pi_old forward (--use-decoupled-ppo) gives the same numbers; off-policy they are an older version, of which no
+    copy is kept here."""
+    if getattr(args, _dest("--keep-old-actor"), None) is None:
+        return
+    staleness = _given(args, "max_staleness", BufferConfig().max_staleness)
+    if staleness != 0:
+        raise ValueError(f"--keep-old-actor with --max-staleness {staleness}: slime's old actor is a copy of the "
+                         "weights that generated the batch; here pi_old is recomputed with the learner's weights "
+                         "before the update (--use-decoupled-ppo), which are those weights only on-policy "
+                         "(--max-staleness 0, slime's train.py), and no copies of older versions are kept")
+    _set(args, "use_decoupled_ppo", True, "--keep-old-actor")
 
 
 def _entry_point(args: argparse.Namespace) -> None:

@@ -111,7 +111,11 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--padded-vocab-size": _owned("megatron"),
     "--mtp-num-layers": _owned("megatron"),
     "--mtp-loss-scaling-factor": _owned("megatron"),
-    "--enable-mtp-training": _refused("multi-token-prediction layers are not trained here"),
+    "--enable-mtp-training": _refused("multi-token-prediction layers are not trained here: the models that carry "
+                                      "them (DeepSeek-V3, GLM-4.5/4.7, MiMo, Qwen3.5) are not built by the Megatron "
+                                      "backend's bridge (dense llama, qwen2, qwen3; megatron-core's local MTP spec "
+                                      "would need one that is), and transformers' models of them leave the MTP "
+                                      "weights out, so the torch backend has none to train"),
     "--megatron-config-path": _alias("slime's actor/critic role overrides: the critic's lr -> --critic-lr and "
                                       "load -> --critic-load, the actor's lr -> --lr; other keys are refused by "
                                       "name"),
@@ -140,8 +144,11 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                              "chosen by name)"),
     "--update-weight-local-checkpoint-dir": _refused(NO_DISK_SYNC, "value"),
     "--custom-update-weight-post-write-path": _refused(NO_DISK_SYNC, "value"),
-    "--keep-old-actor": _refused("a second resident actor copy for pi_old is not kept; the proximal policy is "
-                                 "recomputed with --use-decoupled-ppo (or any --off-policy-correction)"),
+    "--keep-old-actor": _alias("-> --use-decoupled-ppo on-policy (--max-staleness 0, slime's train.py): slime's "
+                               "old actor is the weights that generated the batch, which are then the learner's "
+                               "before the update, so pi_old recomputed by the learner has the same numbers "
+                               "without a second copy; refused off-policy, where it would be an older version's "
+                               "copy, not kept here", "switch"),
     "--check-weight-update-equal": _alias("-> --weight-check strict --weight-check-stride 1: every byte of every "
                                           "push is fingerprinted on both ends, a mismatch stops the run", "switch"),
     # --- rollout ---
@@ -261,8 +268,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--save-interval": _same(),
     "--ref-load": _alias("-> --ref-checkpoint (a Hugging Face folder here; slime's torch_dist folders are "
                          "Megatron-only)"),
-    "--ref-ckpt-step": _refused("reference checkpoints are HF folders here; there is no step to pick", "value",
-                                int),
+    "--ref-ckpt-step": _alias("the --ref-load folder's checkpoint of that step (Megatron's iter_NNNNNNN, as slime "
+                              "saves, or the learner's step_NNNNNN) becomes --ref-checkpoint; it must be an HF "
+                              "folder (preflight names the converter for a Megatron one)", "value", int),
     "--async-save": _owned("megatron", "switch"),
     "--no-save-optim": _same("switch", "checkpoints without the optimizer state; a resumed run starts a fresh "
                                         "optimizer on the saved weights, as slime's --no-load-optim"),
@@ -284,8 +292,11 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                           "adapted; with --loss-type custom_loss or no --loss-type)"),
     "--kl-loss-type": _same(),
     "--advantage-estimator": _same(),
-    "--disable-compute-advantages-and-returns": _refused("advantages are always computed (accepted with "
-                                                         "--loss-type sft_loss, which does not use them)"),
+    "--disable-compute-advantages-and-returns": _same("switch", "no advantages computed: they start at zero for "
+                                                               "the --rollout-data-postprocess-path hook (or a "
+                                                               "custom loss) to set, as slime leaves them to it; "
+                                                               "pi_old and reference log-probs are still taken "
+                                                               "where the loss reads them; SFT computes none"),
     "--custom-advantage-function-path": _same(),
     "--use-kl-loss": _same("switch"),
     "--kl-loss-coef": _same(),
@@ -297,19 +308,24 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--normalize-advantages": _same("switch"),
     "--disable-grpo-std-normalization": _same("switch"),
     "--disable-rewards-normalization": _same("switch"),
-    "--use-rollout-entropy": _refused("entropy from the engine's distribution is not available"),
+    "--use-rollout-entropy": _same("switch", "as slime: the learner's forward before the update (pi_old's, or "
+                                             "one of its own) also takes each token's entropy, for slime's hooks "
+                                             "(rollout_data['entropy']) and rollout/entropy; both backends"),
     "--get-mismatch-metrics": _explained("train/rollout log-prob mismatch is logged whenever the learner "
                                          "recomputes log-probs (--use-decoupled-ppo or an --off-policy-correction)"),
     "--reset-optimizer-states": _same("switch"),
-    "--use-stateless-adam": _refused("stateless Adam is not available"),
+    "--use-stateless-adam": _same("switch", "Adam whose moments start from zero at every step, keeping none "
+                                            "(torch backend; the critic's too); slime's --no-save-optim is not "
+                                            "needed: there is nothing to save"),
     "--use-rollout-logprobs": _same("switch", "pi_old is the engine's log-probs: --off-policy-correction none, "
                                               "no --use-decoupled-ppo"),
     "--use-tis": _alias("-> --off-policy-correction tis", "switch"),
     "--tis-clip": _same(),
     "--tis-clip-low": _same(),
     "--custom-tis-function-path": _alias("-> --off-policy-correction PATH (a registered correction)"),
-    "--custom-pg-loss-reducer-function-path": _refused("custom loss reducers are not available; choose "
-                                                       "--loss-agg-mode", "value"),
+    "--custom-pg-loss-reducer-function-path": _same("value", "slime's reducer factory, called per micro-batch "
+                                                    "as slime calls it; its scalar is the policy-gradient term's "
+                                                    "numerator, divided by the step's --loss-agg-mode count"),
     "--use-routing-replay": _same("switch"),
     "--use-rollout-routing-replay": _same("switch"),
     "--use-opsm": _same("switch"),
@@ -319,8 +335,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--opd-type": _same(),
     "--opd-kl-coef": _same(),
     "--opd-teacher-load": _same(),
-    "--opd-teacher-ckpt-step": _refused("the learner's teachers are Hugging Face folders here; there is no step "
-                                        "to pick", "value", int),
+    "--opd-teacher-ckpt-step": _alias("the --opd-teacher-load folder's checkpoint of that step, as "
+                                      "--ref-ckpt-step picks the reference's", "value", int),
     # --- logging ---
     "--use-wandb": _same("switch"),
     "--wandb-mode": _same("value", "'disabled' turns W&B off"),

@@ -37,6 +37,7 @@ from policies.rewards import RewardSpec, build_reward
 if TYPE_CHECKING:
     from actors.slime_compat.postprocess import RolloutDataPostprocess
     from actors.slime_compat.rollout_function import RolloutHost
+    from policies.losses import PgReducer
 
 
 def reward_spec(config: RunConfig) -> RewardSpec:
@@ -135,6 +136,13 @@ def policy_loss(config: RunConfig) -> PolicyLossFunction:
 
     loss = resolve_policy_loss(config.policy.loss_type)
     return adapt_loss(loss) if is_slime_loss(loss) else loss
+
+
+def pg_loss_reducer(config: RunConfig) -> PgReducer | None:
+    """slime's `--custom-pg-loss-reducer-function-path`, loaded now and adapted, or None."""
+    from actors.slime_compat.pg_reducer import load_pg_loss_reducer
+
+    return load_pg_loss_reducer(config)
 
 
 def batch_rewrite(config: RunConfig) -> BatchRewrite | None:

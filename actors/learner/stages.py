@@ -24,6 +24,7 @@ from engines.vision.processor import VisionInputs, VisionProcessor
 from policies.advantages import compute_advantages
 from policies.config import PolicyLossConfig
 from policies.distillation import reverse_kl_means
+from policies.losses import PgReducer
 from policies.step_loss import (
     PolicyLoss,
     ValueLoss,
@@ -271,13 +272,31 @@ def add_values(trainer: Trainer, batch: StepBatch) -> None:
     batch.scatter("values", trainer.compute_values(batch.samples))
 
 
-def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float) -> None:
-    """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when)."""
-    outputs = trainer.compute_log_probs(batch.samples, temperature=temperature)
+def add_old_log_probs(trainer: Trainer, batch: StepBatch, *, temperature: float, as_pi_old: bool = True,
+                      with_entropy: bool = False) -> None:
+    """pi_old by a separate no-grad forward of the policy (see `policies.step_loss.pi_old_source` for when);
+    `with_entropy` also keeps each token's entropy (slime's --use-rollout-entropy), and without `as_pi_old` that
+    is all the forward is for."""
+    outputs = trainer.compute_log_probs(batch.samples, temperature=temperature, with_entropy=with_entropy)
+    if with_entropy:
+        assert outputs.entropy is not None  # asked for
+        for sample, values in zip(batch.samples, torch.split(outputs.entropy.detach().cpu(), batch.lengths),
+                                  strict=True):
+            sample.rollout_entropy = values
+    if not as_pi_old:
+        return
     batch.scatter("old_log_probs", outputs.log_probs)
     if outputs.routed_experts is not None:  # --use-routing-replay: the training forwards route as pi_old did
         for sample, routes in zip(batch.samples, outputs.routed_experts, strict=True):
             sample.routed_experts = routes
+
+
+def rollout_entropy_metric(batch: StepBatch) -> dict[str, float]:
+    """slime's `rollout/entropy`: each sample's mean entropy over its trained tokens, averaged over the samples."""
+    means = [float((s.rollout_entropy * mask).sum() / mask.sum().clamp_min(1))
+             for s in batch.samples if s.rollout_entropy is not None
+             for mask in [s.loss_mask.float().cpu() if s.loss_mask is not None else torch.ones(s.response_length)]]
+    return {"rollout/entropy": float(np.mean(means))} if means else {}
 
 
 def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *,
@@ -383,14 +402,15 @@ def with_gradient(batch: StepBatch) -> StepBatch:
 
 def build_loss(
     policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel, *, pi_old_from_forward: bool,
-    trained: StepBatch | None = None, loss_fn: PolicyLossFunction | None = None,
+    trained: StepBatch | None = None, loss_fn: PolicyLossFunction | None = None, pg_reducer: PgReducer | None = None,
 ) -> PolicyLoss:
     """One optimizer step's loss with that step's denominators: its mini-batch on every rank counts (one
     all-reduce when sharded). With several steps per rollout batch each step divides by its own counts, as slime
     normalises per step (per token of the step with --calculate-per-token-loss, else per sample of the step).
     `trained`: the part of `batch` the trainer will run (`with_gradient`); the denominators stay the whole
     batch's, the diagnostics become means over the samples trained. `loss_fn`: the loss as loaded
-    (`actors.extensions.load.policy_loss`)."""
+    (`actors.extensions.load.policy_loss`); `pg_reducer`: the policy-gradient term's numerator, as loaded
+    (`actors.extensions.load.pg_loss_reducer`)."""
     loss_mask = batch.packed("loss_mask")
     assert loss_mask is not None  # to_train_sample always sets one
     counts = step_denominators(
@@ -409,7 +429,7 @@ def build_loss(
         torch.distributed.all_reduce(counts, group=parallel.group)
         counts = counts.cpu()
     return PolicyLoss(policy, denominator=float(counts[0]), total_tokens=max(1.0, float(counts[1])),
-                      pi_old_from_forward=pi_old_from_forward, loss_fn=loss_fn)
+                      pi_old_from_forward=pi_old_from_forward, loss_fn=loss_fn, pg_reducer=pg_reducer)
 
 
 def build_value_loss(policy: PolicyLossConfig, batch: StepBatch, parallel: DataParallel) -> ValueLoss:

@@ -27,7 +27,13 @@ import torch
 
 from actors.config import RunConfig
 from actors.config.teachers import run_teachers, teacher_of
-from actors.extensions.load import advantage_function, batch_rewrite, policy_loss, rollout_data_postprocess
+from actors.extensions.load import (
+    advantage_function,
+    batch_rewrite,
+    pg_loss_reducer,
+    policy_loss,
+    rollout_data_postprocess,
+)
 from actors.learner import stages
 from actors.learner.episode_metrics import episode_metrics
 from actors.learner.profiling import StepProfiler, profile_directory, step_part
@@ -71,10 +77,13 @@ class TrainingStep:
         self.policy = config.policy
         # Every loss but SFT's trains on rewards (through the advantages); SFT learns the labels and reads none.
         self.trains_on_rewards = self.policy.loss_type != "sft"
+        # slime's --disable-compute-advantages-and-returns: zeros, for a hook or a custom loss to do with as it means
+        self.computes_advantages = not config.learner.disable_compute_advantages_and_returns
         self.rewrite_batch = batch_rewrite(config)
         self.custom_advantages = advantage_function(config)
         self.postprocess = rollout_data_postprocess(config)
         self.loss_fn = policy_loss(config)
+        self.pg_reducer = pg_loss_reducer(config)
         if self.rewrite_batch is not None and self.rewrite_batch.rewards_as_given:  # as the rewrite declares
             self.policy = self.policy.model_copy(update={"rewards_normalization": False})
         # Greedy rollouts report log-probs at temperature 1 (the engine's convention); match them.
@@ -89,6 +98,7 @@ class TrainingStep:
         self.teachers = run_teachers(config.distillation) if self.policy.use_opd else {}
         self.teacher_key = config.distillation.opd_teacher_key
         self.critic_only_steps = config.learner.num_critic_only_steps
+        self.rollout_entropy = config.learner.use_rollout_entropy
         if self.pi_old == "training_forward" and self.steps > 1:
             raise ValueError(f"pi_old from the training forward needs one optimizer step per batch, not {self.steps}")
         self.reset_optimizer = config.trainer.reset_optimizer_states
@@ -156,17 +166,22 @@ class TrainingStep:
     def _train_prepared(self, prepared: PreparedBatch, rollout_id: int | None) -> StepReport:
         batch, parallel = prepared.batch, self.trainer.data_parallel()
         critic = self.trainer.has_critic
-        if self.pi_old == "separate_forward":
+        if self.pi_old == "separate_forward" or self.rollout_entropy:
             with step_part(self.profiler, "train_log_probs"):
-                stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature)
+                stages.add_old_log_probs(self.trainer, batch, temperature=self.temperature,
+                                         as_pi_old=self.pi_old == "separate_forward",
+                                         with_entropy=self.rollout_entropy)
         if critic:
             stages.add_values(self.trainer, batch)
         # slime's --num-critic-only-steps: the first N batches train the critic alone (counted in critic updates,
         # which a checkpoint keeps, so a resumed run goes on where it was).
         warming_up = critic and self.trainer.critic_steps < self.critic_only_steps * self.steps
         advantage_metrics = {}
-        if self.trains_on_rewards:
+        if self.trains_on_rewards and self.computes_advantages:
             advantage_metrics = stages.add_advantages(self.policy, batch, parallel, custom=self.custom_advantages)
+        elif self.trains_on_rewards:
+            for sample in batch.samples:
+                sample.advantages = torch.zeros(sample.response_length)
         if self.postprocess is not None:  # slime's hook: it may change the loss masks and advantages
             self.postprocess(self.policy, batch.samples, batch.group_index(), self.trainer.version)
         if self.train_dump_dir is not None and rollout_id is not None:  # what the optimizer steps train on
@@ -188,8 +203,8 @@ class TrainingStep:
         if self._refreshes_after(version):
             self.trainer.refresh_reference()
             result.metrics["ref/refreshed"] = 1.0
-        return StepReport(result=result, metrics={**result.metrics, **prepared.metrics, **advantage_metrics},
-                          rollout=prepared.metrics)
+        rollout = {**prepared.metrics, **stages.rollout_entropy_metric(batch)}
+        return StepReport(result=result, metrics={**result.metrics, **rollout, **advantage_metrics}, rollout=rollout)
 
     def _refreshes_after(self, version: int) -> bool:
         """slime refreshes the reference after rollouts N, 2N, ... have trained; counted in versions here (batches
@@ -215,7 +230,8 @@ class TrainingStep:
     def _optimizer_step(self, part: stages.StepBatch, parallel: DataParallel, *, last: bool) -> StepResult:
         trained = stages.with_gradient(part) if self.skip_gradient_free else part
         loss = stages.build_loss(self.policy, part, parallel, pi_old_from_forward=self.pi_old == "training_forward",
-                                 trained=trained if trained is not part else None, loss_fn=self.loss_fn)
+                                 trained=trained if trained is not part else None, loss_fn=self.loss_fn,
+                                 pg_reducer=self.pg_reducer)
         # `ends_batch` only with several steps: a trainer written for one step per batch need not know it.
         extra = {} if self.steps == 1 else {"ends_batch": last}
         with step_part(self.profiler, "train_actor"):

@@ -73,6 +73,7 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
         "grad_clip": trainer.clip_grad,
         "micro_batch_tokens": trainer.micro_batch_tokens,
         "save_optimizer": not config.learner.no_save_optim,
+        "stateless_adam": trainer.use_stateless_adam,
         "dtype": "bfloat16" if model.bf16 else "float32",
         "seed": config.seed,
         "only_train_params_name_list": tuple(trainer.only_train_params_name_list),
@@ -96,7 +97,8 @@ def build_torch_trainer(config: RunConfig) -> Trainer:
     if uses_critic(config):
         assert config.model.hf_checkpoint is not None
         critic = CriticSettings(model_path=Path(config.trainer.critic_load or config.model.hf_checkpoint),
-                                lr=config.trainer.critic_lr or config.trainer.lr)
+                                lr=config.trainer.critic_lr or config.trainer.lr,
+                                stateless_adam=config.trainer.use_stateless_adam)
     settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute,
                                   critic=critic,
                                   lora=LoraSettings.of_run(config.lora),

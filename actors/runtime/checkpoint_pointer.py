@@ -77,6 +77,21 @@ def checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def checkpoint_at_step(folder: Path, step: int, flag: str) -> Path:
+    """The checkpoint taken at `step` in a folder of checkpoints (slime's `--ref-ckpt-step`): Megatron's
+    `iter_NNNNNNN` (slime's `--save` folders) or the learner's `step_NNNNNN`. The error names the flag and lists the
+    steps the folder holds."""
+    names = (f"iter_{step:07d}", f"step_{step:06d}")
+    for name in names:
+        if (folder / name).is_dir():
+            return folder / name
+    found = sorted(path.name for path in folder.iterdir()
+                   if path.is_dir() and (path.name.startswith("iter_") or STEP_NAME.match(path.name))
+                   ) if folder.is_dir() else []
+    raise ValueError(f"{flag} {step}: {folder} holds no checkpoint of that step ({' or '.join(names)}); "
+                     f"its steps: {', '.join(found) or 'none'}")
+
+
 def _fsync_directory(directory: Path) -> None:
     """Make the renames inside `directory` durable (a power loss could otherwise undo them)."""
     descriptor = os.open(directory, os.O_RDONLY)

@@ -7,7 +7,8 @@ of its estimator; here the learner's advantages stage calls :class:`SlimeAdvanta
 post-processed as slime's rollout manager does: group-normalised for grpo/gspo/cispo/reinforce_plus_plus_baseline
 unless rewards normalisation is off, e.g. under a reward post-process or a convert hook), ``kl`` (per token,
 ``kl_loss_type`` of log_probs against ref_log_probs, zeros when ``kl_coef == 0``, unmasked as in slime),
-and, when this step has them, ``log_probs``, ``ref_log_probs`` and ``rollout_log_probs``. There is no critic, so no
+and, when this step has them, ``log_probs``, ``ref_log_probs``, ``rollout_log_probs`` and ``entropy``
+(``--use-rollout-entropy``: per token, under the policy before the step). There is no critic, so no
 ``values``. ``log_probs`` is pi_old when the step computed it (always when ``kl_coef != 0``), else the engine's
 log-probs, which is what pi_old is on that path (or what the training forward reproduces at version parity).
 
@@ -107,6 +108,9 @@ class SlimeAdvantageFunction:
             values = _per_sample(samples, field)
             if values is not None:
                 data[key] = values
+        entropy = _per_sample(samples, "rollout_entropy")  # --use-rollout-entropy
+        if entropy is not None:
+            data["entropy"] = entropy
         if "log_probs" not in data and "rollout_log_probs" in data:
             data["log_probs"] = [t.clone() for t in data["rollout_log_probs"]]
         data["kl"] = self._kl(policy, samples, data)

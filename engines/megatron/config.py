@@ -42,6 +42,9 @@ class MegatronTrainerConfig(TrainerOptimizerConfig):
     @model_validator(mode="after")
     def _refuse_unsupported_flags(self) -> MegatronTrainerConfig:
         refuse_unsupported(self.model_flags.flags, megatron_core=True)
+        if self.stateless_adam:
+            raise ValueError("stateless_adam: the Megatron trainer runs megatron's own Adam (its optimizer module's "
+                             "choices); --train-backend torch trains with stateless Adam")
         expert_tp = self.expert_tensor_parallel_size
         if expert_tp not in (None, 1, self.tensor_model_parallel_size):
             raise ValueError(f"expert_tensor_parallel_size {expert_tp}: the Megatron backend splits experts like "

@@ -89,6 +89,9 @@ class TrainSample(TokenFields):
     # a vision-language model's images of this sample's prompt, processed (`engines.vision`); its tokens hold their
     # placeholders expanded
     vision: VisionInputs | None = None
+    # slime's --use-rollout-entropy: the entropy of each response token's distribution under the policy before the
+    # step (the pi_old forward's), [response_length]; read by slime's hooks and metrics, never by a loss
+    rollout_entropy: Tensor | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -21,6 +21,7 @@ class CriticSettings(BaseModel):
 
     model_path: Path
     lr: float = Field(default=1e-6, gt=0)
+    stateless_adam: bool = False  # the policy's optimizer kind (`engines.training.optimizers`)
 
 
 class TrainerOptimizerConfig(BaseModel):
@@ -52,6 +53,8 @@ class TrainerOptimizerConfig(BaseModel):
     freeze_params_name_list: tuple[str, ...] = ()
     # False: checkpoints hold the weights without the optimizer state; loading one starts a fresh optimizer
     save_optimizer: bool = True
+    # slime's --use-stateless-adam: Adam with its moments reset before every step (`engines.training.optimizers`)
+    stateless_adam: bool = False
 
     @model_validator(mode="after")
     def _check_name_lists(self) -> TrainerOptimizerConfig:

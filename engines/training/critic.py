@@ -39,6 +39,7 @@ from engines.training.base import (
 )
 from engines.training.config import CriticSettings
 from engines.training.micro_batches import PackedInputs, collate, forward_packed, pack_inputs
+from engines.training.optimizers import build_adam
 
 CRITIC_DIRECTORY = "critic"  # inside a trainer checkpoint
 
@@ -69,8 +70,8 @@ class ValueCritic:
         self._stats_group = stats_group
         self._grad_clip = grad_clip if grad_clip is not None else float("inf")
         self._names = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
-        self._optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
-                                            betas=betas, eps=eps, weight_decay=weight_decay)
+        self._optimizer = build_adam([p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=betas,
+                                     eps=eps, weight_decay=weight_decay, stateless=settings.stateless_adam)
         self.steps = 0  # updates applied
         self.calls = 0  # updates attempted: the learner counts its critic-only warm-up in these
 

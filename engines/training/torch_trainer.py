@@ -77,6 +77,7 @@ from engines.training.moe import (
     row_routes,
     sample_routes,
 )
+from engines.training.optimizers import build_adam
 from engines.training.output_head import fuse_output_head, token_outputs
 from engines.weights import layouts
 
@@ -116,9 +117,9 @@ class TorchTrainer(Trainer):
             _enable_activation_checkpointing(self._model)
         frozen_params.freeze_by_name(self._model, config.only_train_params_name_list, config.freeze_params_name_list)
         self._param_names, groups = _param_groups(self._model, config.weight_decay)
-        # fused: one kernel for the whole update on a GPU instead of a few per parameter group (foreach)
-        self._optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
-                                            fused=self._device.type == "cuda" or None)
+        self._optimizer = build_adam(groups, lr=config.lr, betas=config.betas, eps=config.eps,
+                                     weight_decay=config.weight_decay, stateless=config.stateless_adam,
+                                     fused=self._device.type == "cuda")
         self._context: ContextParallel | None = None  # the ranks this one splits each row with
         self._parallel = DataParallel(rank=_rank(), size=_world_size(), group=None)  # those with other samples
         if config.context_parallel_size > 1:

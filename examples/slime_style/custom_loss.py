@@ -22,3 +22,18 @@ def reinforce_loss(args: Any, batch: dict[str, Any], logits: Any,
     weight = (log_probs.detach() - old).exp().clamp(max=2.0)
     loss = -sum_of_sample_mean(weight * log_probs * advantages)
     return loss, {"is_weight_mean": sum_of_sample_mean(weight).detach()}
+
+
+DR_GRPO_CONSTANT = 4096.0  # Dr.GRPO's constant: the response budget, the same for every sample
+
+
+def dr_grpo_reducer(total_lengths: list[int], response_lengths: list[int], loss_masks: list[torch.Tensor],
+                    calculate_per_token_loss: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """slime's pg_loss reducer factory (``--custom-pg-loss-reducer-function-path``): each sample's token sum over a
+    constant instead of its own length, so long and short answers weigh their tokens alike (Dr.GRPO)."""
+
+    def reduce(pg_loss: torch.Tensor) -> torch.Tensor:
+        per_sample = pg_loss.split(response_lengths)
+        return sum((x * mask).sum() / DR_GRPO_CONSTANT for x, mask in zip(per_sample, loss_masks, strict=True))
+
+    return reduce

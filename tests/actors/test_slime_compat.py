@@ -188,6 +188,59 @@ def test_slime_custom_loss_gives_slimes_scaled_loss_and_gradient() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("spelling", [":", "."], ids=["module:attr", "slime's module.attr"])
+def test_slime_pg_loss_reducer_replaces_the_pg_terms_reduction_only(spelling: str) -> None:
+    """Dr.GRPO's reducer (each sample's token sum over a constant) as slime's loss divides it: over the step's
+    samples; the KL term keeps --loss-agg-mode's per-sample token means."""
+    import torch
+
+    from actors.extensions.load import pg_loss_reducer
+    from examples.slime_style.custom_loss import DR_GRPO_CONSTANT
+    from policies.losses import compute_policy_loss
+
+    path = "examples.slime_style.custom_loss" + spelling + "dr_grpo_reducer"
+    run = build_config({"off_policy_correction": "none", "use_kl_loss": True, "kl_loss_coef": 1.0,
+                        "kl_loss_type": "k1", "custom_pg_loss_reducer_function_path": path})
+    lengths = torch.tensor([3, 2])
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])
+    log_probs = torch.tensor([-1.0, -2.0, -0.5, -0.3, -0.7], requires_grad=True)
+    advantages = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5])
+    ref = torch.tensor([-1.5, -2.0, -0.5, -0.3, -0.2])
+
+    def loss_of(reducer):
+        value, metrics = compute_policy_loss(
+            run.policy, log_probs=log_probs, old_log_probs=log_probs.detach(), rollout_log_probs=None,
+            advantages=advantages, loss_mask=mask, response_lengths=lengths, ref_log_probs=ref, denominator=2.0,
+            pg_reducer=reducer)
+        return value, metrics
+
+    loss, metrics = loss_of(pg_loss_reducer(run))
+    # ppo at ratio 1: per-token pg loss -A; Dr.GRPO sums each sample's tokens over the constant
+    pg = -((1.0 + 1.0) + (-0.5 - 0.5)) / DR_GRPO_CONSTANT / 2
+    kl = ((0.5 + 0.0) / 2 + (0.0 - 0.5) / 2) / 2  # k1 = log pi - log ref, per-sample token means (the mode's)
+    assert metrics["pg_loss"] == pytest.approx(pg)
+    assert metrics["kl_loss"] == pytest.approx(kl) and float(loss.detach()) == pytest.approx(pg + kl)
+    _, default_metrics = loss_of(None)
+    assert default_metrics["pg_loss"] == pytest.approx(-((1.0 + 1.0) / 2 + (-0.5 - 0.5) / 2) / 2)
+    assert default_metrics["kl_loss"] == pytest.approx(kl)
+
+
+@pytest.mark.unit
+def test_a_pg_loss_reducer_that_returns_no_scalar_is_named() -> None:
+    import torch
+
+    from actors.slime_compat.pg_reducer import SlimePgReducer
+
+    reducer = SlimePgReducer(factory=lambda *args: (lambda x: x), path="my:reducer", per_token=False)
+    with pytest.raises(ValueError, match=r"--custom-pg-loss-reducer-function-path 'my:reducer': the reducer "
+                                         r"returned \(3,\), expected a scalar tensor"):
+        reducer(torch.ones(3), torch.ones(3), torch.tensor([3]))
+    not_a_factory = SlimePgReducer(factory=lambda *args: 1.0, path="my:reducer", per_token=False)
+    with pytest.raises(TypeError, match="returned float, expected the reducer"):
+        not_a_factory(torch.ones(3), torch.ones(3), torch.tensor([3]))
+
+
+@pytest.mark.unit
 def test_a_loss_of_ours_loads_as_it_is_and_only_slimes_is_converted() -> None:
     from actors.extensions.load import policy_loss
     from policies.losses import ppo_loss

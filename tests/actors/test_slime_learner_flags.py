@@ -104,3 +104,51 @@ def test_no_save_optim_reaches_both_backends_trainer_settings() -> None:
     assert _shared_settings(configure("--hf-checkpoint", "m"))["save_optimizer"] is True
     config = configure("--no-save-optim", "--hf-checkpoint", "m")
     assert config.learner.no_save_optim and _shared_settings(config)["save_optimizer"] is False
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "disable_compute_advantages_and_returns with loss_type 'ppo': its advantages would all be zero"),
+    (["--rollout-data-postprocess-path", "m:f", "--custom-advantage-function-path", "m:g"],
+     "disable_compute_advantages_and_returns and custom_advantage_function_path contradict"),
+], ids=["nothing-sets-them", "custom-advantages"])
+def test_advantages_off_with_nothing_to_set_them_is_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        configure("--disable-compute-advantages-and-returns", *argv)
+    for fine in (["--loss-type", "sft_loss"], ["--rollout-data-postprocess-path", "m:f"],
+                 ["--custom-loss-function-path", "examples.slime_style.custom_loss:reinforce_loss"]):
+        config = configure("--disable-compute-advantages-and-returns", *fine)
+        assert config.learner.disable_compute_advantages_and_returns
+
+
+@pytest.mark.unit
+def test_keep_old_actor_on_policy_is_the_learners_own_pi_old_and_refused_off_policy() -> None:
+    """slime's old actor is the weights that generated the batch: on-policy (train.py) the learner's before the
+    update, which is the pi_old it recomputes (not the engine's log-probs, as without the flag under train.py)."""
+    config = configure("--slime-entry", "train", "--keep-old-actor")
+    assert config.learner.use_decoupled_ppo and config.buffer.max_staleness == 0
+    assert pi_old_source(config.policy, decoupled=config.learner.use_decoupled_ppo) != "rollout"
+    plain = configure("--slime-entry", "train")
+    assert pi_old_source(plain.policy, decoupled=plain.learner.use_decoupled_ppo) == "rollout"
+    with pytest.raises(ValueError, match="--keep-old-actor with --max-staleness 1: slime's old actor is a copy of "
+                                         "the weights that generated the batch"):
+        configure("--slime-entry", "train_async", "--keep-old-actor")
+
+
+@pytest.mark.unit
+def test_ckpt_step_flags_pick_that_step_of_the_checkpoint_folder(tmp_path: Path) -> None:
+    """slime loads iteration N of --ref-load / --opd-teacher-load: Megatron's iter_NNNNNNN (slime's saves) or the
+    learner's step_NNNNNN; a step the folder lacks is an error listing the steps it has."""
+    for name in ("iter_0000005", "iter_0000010", "step_000003"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    config = configure("--ref-load", str(tmp_path), "--ref-ckpt-step", "5", "--use-kl-loss", "--use-opd",
+                       "--opd-type", "megatron", "--opd-teacher-load", str(tmp_path), "--opd-teacher-ckpt-step", "3")
+    assert config.model.ref_checkpoint == str(tmp_path / "iter_0000005")
+    assert config.distillation.opd_teacher_load == str(tmp_path / "step_000003")
+    with pytest.raises(ValueError, match=r"--ref-ckpt-step 7: .* holds no checkpoint of that step \(iter_0000007 or "
+                                         r"step_000007\); its steps: iter_0000005, iter_0000010, step_000003"):
+        configure("--ref-load", str(tmp_path), "--ref-ckpt-step", "7")
+    with pytest.raises(ValueError, match="--opd-teacher-ckpt-step 3 picks a step of --opd-teacher-load's checkpoint "
+                                         "folder, which was not given"):
+        configure("--opd-teacher-ckpt-step", "3")

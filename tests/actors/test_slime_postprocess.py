@@ -73,3 +73,61 @@ def test_a_loss_mask_that_is_not_zeros_and_ones_is_an_error_naming_the_hook(tiny
         TrainingStep(trainer, _config(tiny_model_path, "masks_of_twos")).train(engine_samples,
                                                                                [0] * len(engine_samples))
     assert load_rollout_data_postprocess(build_config({})) is None
+
+
+def train_on_high_entropy_tokens(args, rollout_id, rollout_data):
+    """slime's use of --use-rollout-entropy: a loss mask keeping each sample's above-median-entropy tokens."""
+    SEEN.update(entropy=[e.clone() for e in rollout_data["entropy"]])
+    rollout_data["loss_masks"] = [(e > e.median()).int() for e in rollout_data["entropy"]]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pi_old", ["separate", "rollout"], ids=["with-pi-old-forward", "engine-pi-old"])
+def test_rollout_entropy_is_the_policys_before_the_step_and_reaches_the_hooks(
+        tiny_model_path: Path, engine_samples: list[Sample], pi_old: str) -> None:
+    """--use-rollout-entropy: each token's entropy under the policy before the update, in rollout_data['entropy']
+    (a loss mask made from it trains) and as rollout/entropy; taken in pi_old's forward, or one of its own where
+    pi_old is the engine's (--use-rollout-logprobs)."""
+    from engines.training.base import TrainSample
+
+    trainer = _trainer(tiny_model_path)
+    expected = trainer.compute_log_probs([TrainSample(tokens=torch.tensor(s.tokens), response_length=s.response_length)
+                                          for s in engine_samples], temperature=1.0, with_entropy=True).entropy
+    extra = {"use_rollout_logprobs": True} if pi_old == "rollout" else {"use_decoupled_ppo": True}
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "rollout_batch_size": 2, "n_samples_per_prompt": 4,
+                           "lr": 1e-2, "use_rollout_entropy": True, **extra,
+                           "rollout_data_postprocess_path": f"{HERE}:train_on_high_entropy_tokens"})
+    SEEN.clear()
+    report = TrainingStep(trainer, config).train(engine_samples, [0] * len(engine_samples))
+    torch.testing.assert_close(torch.cat(SEEN["entropy"]), expected.float())
+    [(seen, _ends)] = trainer.steps
+    for sample, entropy in zip(seen, SEEN["entropy"], strict=True):
+        assert sample.loss_mask.tolist() == (entropy > entropy.median()).float().tolist()
+    # slime logs after the hook, over the loss masks it left: each sample's mean over its kept tokens
+    means = [float((e * (e > e.median())).sum() / max(1, int((e > e.median()).sum()))) for e in SEEN["entropy"]]
+    assert report.metrics["rollout/entropy"] == pytest.approx(sum(means) / len(means))
+    assert "rollout/entropy" in report.rollout
+
+
+def advantages_from_rewards(args, rollout_id, rollout_data):
+    """What a slime user writes with --disable-compute-advantages-and-returns: the advantages themselves."""
+    SEEN.update(advantages=[a.clone() for a in rollout_data["advantages"]])
+    rollout_data["advantages"] = [torch.full_like(a, reward - 0.5)
+                                  for a, reward in zip(rollout_data["advantages"], rollout_data["rewards"],
+                                                       strict=True)]
+
+
+@pytest.mark.integration
+def test_with_advantages_disabled_the_hook_gets_zeros_and_its_advantages_train(
+        tiny_model_path: Path, engine_samples: list[Sample]) -> None:
+    trainer = _trainer(tiny_model_path)
+    config = build_config({"hf_checkpoint": str(tiny_model_path), "rollout_batch_size": 2, "n_samples_per_prompt": 4,
+                           "lr": 1e-2, "disable_compute_advantages_and_returns": True,
+                           "disable_rewards_normalization": True,
+                           "rollout_data_postprocess_path": f"{HERE}:advantages_from_rewards"})
+    SEEN.clear()
+    TrainingStep(trainer, config).train(engine_samples, [0] * len(engine_samples))
+    assert all(not bool(a.any()) for a in SEEN["advantages"])  # nothing computed: the estimator did not run
+    [(seen, _ends)] = trainer.steps
+    for wire, sample in zip(engine_samples, seen, strict=True):
+        assert sample.advantages.tolist() == [wire.reward - 0.5] * wire.response_length

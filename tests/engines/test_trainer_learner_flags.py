@@ -1,6 +1,6 @@
 """slime's learner flags inside the torch trainer: parameters frozen by name, the optimizer's state reset, and the
 reference model refreshed to the policy (`--only-train-params-name-list`, `--freeze-params-name-list`,
-`--reset-optimizer-states`, `--ref-update-interval`)."""
+`--reset-optimizer-states`, `--use-stateless-adam`, `--ref-update-interval`)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,48 @@ def test_after_a_reset_the_next_step_is_a_fresh_optimizers_first_step(tiny_model
         _step(trainer, second)
     expected = _weights(fresh)
     for name, tensor in _weights(reset).items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0, msg=name)
+    assert any(not torch.allclose(tensor, expected[name], atol=1e-4) for name, tensor in _weights(kept).items())
+
+
+@pytest.mark.unit
+def test_stateless_adam_is_a_fresh_adamw_at_every_step() -> None:
+    from engines.training.optimizers import StatelessAdamW
+
+    torch.manual_seed(0)
+    start = torch.randn(16, dtype=torch.float64)
+    grads = [torch.randn(16, dtype=torch.float64) for _ in range(3)]
+    settings = {"lr": 0.03, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.1}
+    ours = start.clone().requires_grad_(True)
+    optimizer = StatelessAdamW([ours], **settings)
+    expected = start.clone()
+    for grad in grads:
+        ours.grad = grad.clone()
+        optimizer.step()
+        fresh = expected.clone().requires_grad_(True)
+        fresh.grad = grad.clone()
+        torch.optim.AdamW([fresh], **settings).step()
+        expected = fresh.detach()
+    torch.testing.assert_close(ours.detach(), expected)
+    assert optimizer.state_dict()["state"] == {}
+
+
+@pytest.mark.integration
+def test_stateless_adam_steps_as_a_reset_adam_does_and_keeps_no_state(tiny_model_path: Path) -> None:
+    """--use-stateless-adam: every step equals --reset-optimizer-states' reset before it (a fresh AdamW's first
+    step), with no moments held; a plain AdamW's second step differs."""
+    first, second = seeded_batch()[:4], seeded_batch()[4:]
+    stateless = TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, stateless_adam=True, weight_decay=0.1,
+                                                **OPTIMIZER))
+    reset, kept = (TorchTrainer(TorchTrainerConfig(model_path=tiny_model_path, weight_decay=0.1, **OPTIMIZER))
+                   for _ in range(2))
+    for batch in (first, second):
+        reset.reset_optimizer_state()
+        for trainer in (stateless, reset, kept):
+            _step(trainer, batch)
+    assert not stateless._optimizer.state and reset._optimizer.state
+    expected = _weights(reset)
+    for name, tensor in _weights(stateless).items():
         torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=0, msg=name)
     assert any(not torch.allclose(tensor, expected[name], atol=1e-4) for name, tensor in _weights(kept).items())
 
