@@ -131,7 +131,7 @@ async def test_a_file_the_engine_cannot_read_fails_the_push_naming_it_and_the_ne
 def test_a_folder_that_cannot_be_made_is_refused_naming_it(tmp_path: Path) -> None:
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    with pytest.raises(ValueError, match="weight disk folder .*a-file/pushes.*cannot be created"):
+    with pytest.raises(ValueError, match=r"weight disk folder .*a-file/pushes.*cannot be created"):
         resolve_transport(DISK).make_sender(SenderOptions(host="127.0.0.1", backend="disk", timeout_s=5.0,
                                                           disk=DiskOptions(directory=str(blocked / "pushes"))))
 
