@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engines.weights.names import SGLANG, SGLANG_LORA, SGLANG_TENSOR, TORCH_DISTRIBUTED
+from engines.weights.names import DISK, SGLANG, SGLANG_DISK, SGLANG_LORA, SGLANG_TENSOR, TORCH_DISTRIBUTED
 from policies.plugins import load_object
 
-WeightBackend = Literal["gloo", "nccl", "cuda_ipc", "shm"]
+WeightBackend = Literal["gloo", "nccl", "cuda_ipc", "shm", "disk"]
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,20 @@ class EngineSpec:
     weight_transport: str = TORCH_DISTRIBUTED  # how pushed weights reach it (engines.weights.transport)
     colocated_weight_transport: str | None = None  # under --colocate, when that differs
     lora_weight_transport: str | None = None  # a LoRA run's adapters, when that differs
+    disk_weight_transport: str = DISK  # --weight-transport disk: through a shared folder
     lora_target_check: str | None = None  # `module:attr` refusing --target-modules the engine cannot adapt
     serves_named_adapters: bool = False  # serves several LoRA adapters at once, each request naming its own
     cpu_standin: str | None = None  # the flags that run a stand-in for it on a machine without GPUs
     # the --sglang-NAME arguments it reads (None: every one, an SGLang server's command line)
     reads_sglang_args: tuple[str, ...] | None = None
 
-    def transport(self, *, colocate: bool, lora: bool) -> str:
-        """The weight transport this engine receives a run's pushes through (a LoRA adapter wins over colocation)."""
+    def transport(self, *, colocate: bool, lora: bool, disk: bool = False) -> str:
+        """The weight transport this engine receives a run's pushes through (a LoRA adapter wins over a shared
+        folder, which wins over colocation)."""
         if lora and self.lora_weight_transport:
             return self.lora_weight_transport
+        if disk:
+            return self.disk_weight_transport
         if colocate and self.colocated_weight_transport:
             return self.colocated_weight_transport
         return self.weight_transport
@@ -67,6 +71,7 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
         weight_transport=SGLANG,
         colocated_weight_transport=SGLANG_TENSOR,  # by reference, no broadcast
         lora_weight_transport=SGLANG_LORA,  # the server loads each adapter by name
+        disk_weight_transport=SGLANG_DISK,  # each push a checkpoint its /update_weights_from_disk reads
         serves_named_adapters=True,  # each policy's adapter versions by name, each request naming its policy's
         lora_target_check="engines.sglang.protocol:lora_target_modules",
         cpu_standin="--sglang-server-module tools.standins.sglang_server"),

@@ -25,7 +25,6 @@ from actors.runtime.checkpoint_pointer import checkpoint_at_step
 ENTRY_POINTS = ("train", "train_async")
 SPELLED_AS = "slime_spelled_as"  # args attribute: our setting -> the slime flag that set it
 _EXPLAIN_WHEN = {  # refused flags whose listed values mean what Slipstream does anyway
-    "--update-weight-delta-encoding": lambda v, a: v == "overwrite",
     "--rollout-data-transport": lambda v, a: v == "object-store",
 }
 _ENV_ALIASES = {"--wandb-key": ("WANDB_API_KEY",), "--wandb-host": ("WANDB_BASE_URL",),
@@ -302,14 +301,24 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
                              f"{', '.join(SLIME_DELTA_CHECKSUMS)}")
         _set(args, "weight_check_stride", 1, flag)
     elif flag == "--update-weight-transport":
-        if value != "nccl":
-            raise ValueError(f"--update-weight-transport {value}: {SLIME_FLAGS[flag].why.split('; ', 1)[1]}")
-        _set(args, "weight_transport", "nccl", flag)
+        if value not in ("nccl", "disk"):
+            raise ValueError(f"--update-weight-transport {value!r}: expected nccl or disk")
+        _set(args, "weight_transport", value, flag)
+    elif flag in DISK_SETTINGS:
+        _set(args, DISK_SETTINGS[flag], value, flag)
+    elif flag == "--update-weight-delta-encoding":
+        if value not in ("xor", "overwrite"):
+            raise ValueError(f"--update-weight-delta-encoding {value!r}: expected xor or overwrite")
     else:  # a row marked alias without a translation is a bug of this module, never a silent drop
         raise AssertionError(f"{flag}: alias without a translation")
 
 
 SLIME_DELTA_CHECKSUMS = ("xxh3-128", "blake3", "adler32")  # slime's choices
+# slime's disk-sync flags -> our settings of the same meaning (`weights_settings.py`)
+DISK_SETTINGS = {"--update-weight-disk-dir": "weight_disk_dir",
+                 "--update-weight-disk-keep-files": "weight_disk_keep_files",
+                 "--update-weight-local-checkpoint-dir": "weight_disk_local_dir",
+                 "--custom-update-weight-post-write-path": "weight_disk_post_write_path"}
 
 
 # slime's --sglang-router-policy (sglang-router's policies) -> ours.

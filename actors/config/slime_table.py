@@ -63,11 +63,9 @@ RAY = "Ray-only: there is no Ray here (launcher.py starts the actors; samples tr
 OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off the GPU while the engines generate and "
                           "frees the engines' memory while the learner trains (an SGLang server releases its KV "
                           "cache); without it each owns its devices and nothing needs moving between phases")
-NO_DISK_SYNC = "weight sync over disk is not available (weights travel over gloo, NCCL or CUDA IPC; " \
-               "--update-weight-mode delta sends deltas over them)"
-NO_XOR_DELTA = ("xor deltas (new ^ old) are not sent: a delta here carries the changed elements' new values (slime's "
-                "overwrite: as indices or a bitmap, or the tensor whole, whichever is smallest), which a second "
-                "application leaves unchanged; --update-weight-delta-encoding overwrite is accepted")
+DISK_SYNC = ("(--weight-transport disk: each push written into a folder the learner and every engine see, "
+             "safetensors under the pushed names; torch engines load them, deltas included, SGLang servers reload "
+             "each full push with /update_weights_from_disk; docs/reliability.md)")
 NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
 
@@ -129,21 +127,35 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     # --- weight sync ---
     "--update-weights-interval": _same(),
     "--update-weight-mode": _alias("full: every push whole (the default); delta -> --weight-delta-sync (deltas over "
-                                   "the run's broadcast; --update-weight-transport disk stays refused)"),
-    "--update-weight-transport": _alias("nccl -> --weight-transport nccl; disk is refused: " + NO_DISK_SYNC),
+                                   "the run's transport, the shared folder too; torch engines: an SGLang server "
+                                   "reloads whole pushes only)"),
+    "--update-weight-transport": _alias("nccl -> --weight-transport nccl; disk -> --weight-transport disk "
+                                        + DISK_SYNC),
     "--update-weight-buffer-size": _alias("-> --weight-bucket-bytes: the most bytes one transfer of a push "
                                           "coalesces (as slime's buckets; over torch.distributed a tensor of 1 MiB "
                                           "or more travels alone)", "value", int),
     "--release-train": _explained(OFFLOADS_WITH_COLOCATE),
-    "--update-weight-disk-dir": _refused(NO_DISK_SYNC, "value"),
-    "--update-weight-disk-keep-files": _refused(NO_DISK_SYNC),
-    "--update-weight-delta-encoding": _refused(NO_XOR_DELTA, "value"),
+    "--update-weight-disk-dir": _alias("-> --weight-disk-dir: the folder of the disk transport, the same path on the "
+                                       "learner and every engine " + DISK_SYNC),
+    "--update-weight-disk-keep-files": _alias("-> --weight-disk-keep-files: each version's folder stays after its "
+                                              "push (removed once the push is over otherwise, as slime does)",
+                                              "switch"),
+    "--update-weight-delta-encoding": _alias(
+        "xor and overwrite are both served by --weight-delta-sync's own encoding: each tensor's changed elements as "
+        "new values (indices, a bitmap, or the tensor whole, whichever is smallest), applied bit for bit, and the "
+        "end state certified by the weight check; the bytes on the wire are ours either way, and unlike xor a "
+        "delta applied twice changes nothing"),
     "--update-weight-delta-checksum": _alias("-> --weight-check-stride 1: the weight check fingerprints every byte "
                                              "each engine serves after every push, as slime checksums each tensor "
                                              "(xxh3-64 on CPUs, a weighted word sum on GPUs; the algorithm is not "
                                              "chosen by name)"),
-    "--update-weight-local-checkpoint-dir": _refused(NO_DISK_SYNC, "value"),
-    "--custom-update-weight-post-write-path": _refused(NO_DISK_SYNC, "value"),
+    "--update-weight-local-checkpoint-dir": _alias("-> --weight-disk-local-dir: each engine copies a push into "
+                                                   "DIR/<engine> on its own disk and loads it from there (slime: "
+                                                   "each host, via its patched SGLang's /pull_weights)"),
+    "--custom-update-weight-post-write-path": _alias("-> --weight-disk-post-write-path: fn(args, version_dir, "
+                                                     "engines), slime's signature, called on the learner once a "
+                                                     "push's files are written and before any engine reads them "
+                                                     "(engines: the rollout workers' names)"),
     "--keep-old-actor": _alias("-> --use-decoupled-ppo on-policy (--max-staleness 0, slime's train.py): slime's "
                                "old actor is the weights that generated the batch, which are then the learner's "
                                "before the update, so pi_old recomputed by the learner has the same numbers "

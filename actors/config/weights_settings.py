@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from actors.config.plugin_marks import plugin_for
 from actors.config.sections import Section, _is_plugin_path
 
-WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc", "shm")
+WEIGHT_BACKENDS = ("auto", "gloo", "nccl", "cuda_ipc", "shm", "disk")
 
 
 class WeightsConfig(Section):
@@ -19,7 +19,9 @@ class WeightsConfig(Section):
     weight_transport: str = Field(
         "auto", description="how weights reach the engines: auto (gloo without CUDA, shm when colocated on CPUs, "
         "cuda_ipc when engines share the learner's GPU, nccl otherwise), gloo, nccl, cuda_ipc, shm (shared-memory "
-        "files: engines on the learner's host), or module:attr of a WeightTransport plugin",
+        "files: engines on the learner's host), disk (each push written into --weight-disk-dir, a folder the learner "
+        "and every engine see: no process group between them; slime's --update-weight-transport disk), or "
+        "module:attr of a WeightTransport plugin",
         json_schema_extra=plugin_for("rollout", "learner", builtins=WEIGHT_BACKENDS))
     update_weights_interval: int = Field(1, ge=1, description="push weights to engines every N learner steps")
     weight_transfer_timeout: float = Field(30.0, gt=0, description="seconds a weight transfer waits for an engine "
@@ -45,6 +47,41 @@ class WeightsConfig(Section):
         None, ge=1, description="the most bytes of weights one transfer of a push carries: tensors are coalesced into "
         "buckets up to this size (slime's --update-weight-buffer-size); over torch.distributed a tensor of 1 MiB or "
         "more travels alone. Default: the transport's own, 32 MiB over torch.distributed, 512 MiB to SGLang servers")
+
+    weight_disk_dir: str | None = Field(
+        None, description="with --weight-transport disk: the folder each push is written into (weight_vNNNNNN/, "
+        "safetensors under the pushed names) and every engine reads it from, under the same path everywhere "
+        "(slime's --update-weight-disk-dir)")
+    weight_disk_keep_files: bool = Field(
+        False, description="with --weight-transport disk: keep each version's folder after its push (by default it "
+        "is removed once the push is over; slime's --update-weight-disk-keep-files)")
+    weight_disk_local_dir: str | None = Field(
+        None, description="with --weight-transport disk: each engine copies a push into DIR/<engine> on its own disk "
+        "and reads it from there (slime's --update-weight-local-checkpoint-dir)")
+    weight_disk_post_write_path: str | None = Field(
+        None, description="with --weight-transport disk: module:attr of fn(args, version_dir, engines), called on "
+        "the learner once a push's files are written and before any engine reads them, to publish them on a "
+        "filesystem without cross-host read-after-write consistency (slime's --custom-update-weight-post-write-path "
+        "and signature; engines are the receiving rollout workers' names)")
+
+    @model_validator(mode="after")
+    def _disk_settings(self) -> WeightsConfig:
+        """The folder is what the disk transport is; its other settings mean nothing without it."""
+        disk = self.weight_transport == "disk"
+        if disk and not self.weight_disk_dir:
+            raise ValueError("--weight-transport disk needs --weight-disk-dir (a folder the learner and every engine "
+                             "see under the same path)")
+        given = [name for name, value in (("weight_disk_dir", self.weight_disk_dir),
+                                          ("weight_disk_keep_files", self.weight_disk_keep_files),
+                                          ("weight_disk_local_dir", self.weight_disk_local_dir),
+                                          ("weight_disk_post_write_path", self.weight_disk_post_write_path)) if value]
+        if given and not disk:
+            raise ValueError(f"{', '.join(given)}: only with --weight-transport disk (this run: "
+                             f"{self.weight_transport})")
+        if self.weight_disk_post_write_path and not _is_plugin_path(self.weight_disk_post_write_path):
+            raise ValueError(f"weight_disk_post_write_path {self.weight_disk_post_write_path!r}: expected "
+                             "'package.module:attr'")
+        return self
 
     @field_validator("weight_transport")
     @classmethod

@@ -129,6 +129,14 @@ def rollout_data_postprocess(config: RunConfig) -> RolloutDataPostprocess | None
     return load_rollout_data_postprocess(config)
 
 
+def weight_disk_post_write(config: RunConfig) -> Callable[[str, tuple[str, ...]], None] | None:
+    """`--weight-disk-post-write-path` (slime's ``hook(args, version_dir, rollout_engines)``) as the disk weight
+    transport calls it, ``(version_dir, engines)``, loaded now; or None."""
+    from actors.slime_compat.weight_disk import post_write_hook
+
+    return post_write_hook(config)
+
+
 def policy_loss(config: RunConfig) -> PolicyLossFunction:
     """`--loss-type`: a registered loss or a plugin of ours as it is; a slime custom loss
     (`--custom-loss-function-path`, which the flags make the loss type) converted."""

@@ -34,6 +34,7 @@ import torch
 
 from actors.config import RunConfig
 from actors.config.engines import engine_spec, weight_backend
+from actors.extensions.load import weight_disk_post_write
 from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
 from actors.runtime.waits import Waits
@@ -50,7 +51,9 @@ from engines.weights.base import (
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
+    DISK,
     TORCH_DISTRIBUTED,
+    DiskOptions,
     SenderOptions,
     WeightTransport,
     is_plugin,
@@ -80,9 +83,10 @@ def transport_name(config: RunConfig) -> str:
     if is_plugin(config.weights.weight_transport):
         return config.weights.weight_transport
     spec = engine_spec(config.engine.rollout_engine)
+    disk = config.weights.weight_transport == "disk"
     if spec is None:  # a plugin engine loads torch.distributed pushes, or names its own --weight-transport
-        return TORCH_DISTRIBUTED
-    return spec.transport(colocate=config.placement.colocate, lora=config.lora.enabled)
+        return DISK if disk else TORCH_DISTRIBUTED
+    return spec.transport(colocate=config.placement.colocate, lora=config.lora.enabled, disk=disk)
 
 
 def transfer_backend(config: RunConfig) -> str:
@@ -90,7 +94,7 @@ def transfer_backend(config: RunConfig) -> str:
 
     The launcher resolves `auto` on the head; a learner started another way decides the same way here.
     """
-    if config.weights.weight_transport in ("gloo", "nccl", "cuda_ipc", "shm"):
+    if config.weights.weight_transport in ("gloo", "nccl", "cuda_ipc", "shm", "disk"):
         return config.weights.weight_transport
     return weight_backend(cuda=torch.cuda.is_available(), shared=False, colocate=config.placement.colocate)
 
@@ -105,7 +109,17 @@ def sender_options(config: RunConfig, host: str) -> SenderOptions:
         delta_sync=config.weights.weight_delta_sync,
         delta_anchor=config.weights.weight_delta_anchor,
         bucket_bytes=config.weights.weight_bucket_bytes,
+        disk=disk_options(config),
     )
+
+
+def disk_options(config: RunConfig) -> DiskOptions | None:
+    """The folder, its settings and the post-write hook (loaded now) of a --weight-transport disk run, else None."""
+    weights = config.weights
+    if weights.weight_transport != "disk" or weights.weight_disk_dir is None:
+        return None
+    return DiskOptions(directory=weights.weight_disk_dir, keep_files=weights.weight_disk_keep_files,
+                       local_directory=weights.weight_disk_local_dir, post_write=weight_disk_post_write(config))
 
 
 def push_dtype(config: RunConfig) -> torch.dtype | None:

@@ -134,6 +134,12 @@ UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
     "POST", "/update_weights_from_tensor", "UpdateWeightsFromTensorReqInput",
     sends=("serialized_named_tensors", "load_format", "flush_cache", "weight_version"), reads=_DONE,
 )
+# A server the learner shares only a folder with (--weight-transport disk) reloads each push from it in place: the
+# folder holds safetensors files under checkpoint names (`disk_weights.py`); one call per push.
+UPDATE_WEIGHTS_FROM_DISK = Endpoint(
+    "POST", "/update_weights_from_disk", "UpdateWeightFromDiskReqInput",
+    sends=("model_path", "weight_version", "flush_cache"), reads=_DONE,
+)
 RELEASE_MEMORY = Endpoint("POST", "/release_memory_occupation", "ReleaseMemoryOccupationReqInput", sends=("tags",))
 RESUME_MEMORY = Endpoint("POST", "/resume_memory_occupation", "ResumeMemoryOccupationReqInput", sends=("tags",))
 MEMORY_WEIGHTS, MEMORY_KV_CACHE, MEMORY_CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's constants.py
@@ -168,6 +174,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     END_WEIGHT_UPDATE,
     UPDATE_WEIGHTS_FROM_DISTRIBUTED,
     UPDATE_WEIGHTS_FROM_TENSOR,
+    UPDATE_WEIGHTS_FROM_DISK,
     RELEASE_MEMORY,
     RESUME_MEMORY,
     LOAD_LORA_ADAPTER,

@@ -72,6 +72,9 @@ class SglangStoreSender(WeightSender):
                         position: int, pairs: list[tuple[str, Tensor]], where: str) -> None:
         """Say "bucket `position`" and see its `pairs` through to every server, or raise WeightTransferError."""
 
+    def _transfer_begins(self, manifest: Manifest) -> None:
+        """Before the first bucket of a push (whose plan `manifest` gives) goes out."""
+
     def _buckets_done(self) -> None:
         """After the last bucket (or a failure): let go of what only the buckets needed."""
 
@@ -127,6 +130,7 @@ class SglangStoreSender(WeightSender):
                             tensors=wire_specs(tensors.specs, dtype), fingerprint=algorithm)
         self._sent = Fingerprints(algorithm) if algorithm is not None else None
         keys = weight_store.keys_of(store, spec, version)
+        self._transfer_begins(manifest)
         try:
             weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
                                       partial(self._deliver_bucket, keys, spec, dtype, timeout_s), self._is_aborted)

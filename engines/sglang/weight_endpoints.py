@@ -86,6 +86,12 @@ class WeightUpdateEndpoints:
         await self._call(protocol.UPDATE_WEIGHTS_FROM_TENSOR, timeout=timeout, serialized_named_tensors=payloads,
                          weight_version=weight_version, flush_cache=False)
 
+    async def update_weights_from_disk(self, *, model_path: str, weight_version: str, timeout: float) -> None:
+        """A whole push from a folder the server can read (`disk_weights.py`), loaded in place; the cache is not
+        flushed (it was before the update), and the server takes `weight_version` once the load succeeded."""
+        await self._call(protocol.UPDATE_WEIGHTS_FROM_DISK, timeout=timeout, model_path=model_path,
+                         weight_version=weight_version, flush_cache=False)
+
     async def weight_checksum(self, *, timeout: float | None = None) -> protocol.WeightsChecksum | None:
         """SGLang's checksum of the weights the server serves now (`/weights_checker`, action "checksum"); None
         when the server has no such route (HTTP 404: it cannot be checked, which is no error). A refusal or an

@@ -45,6 +45,8 @@ class SglangGroupSpec:
     gpus_per_engine: int = 1
     backend: str = "gloo"
     transport: str = SGLANG  # SGLANG: servers join a broadcast group; SGLANG_TENSOR: tensors by reference
+    directory: str | None = None  # SGLANG_DISK: the folder each push is written into (`disk_weights.py`)
+    local_directory: str | None = None  # ... and where each loader copies it for its server, if anywhere
 
     @property
     def receivers(self) -> tuple[str, ...]:

@@ -179,6 +179,8 @@ class SglangWeightSender(SglangStoreSender):
 class SglangWeightLoader:
     """A rollout worker's end: joins its server to each new group and drives the per-bucket HTTP calls."""
 
+    sessions = True  # its loads run inside SGLang's weight-update session, where the server has one
+
     def __init__(self, engine: SglangEngine, engine_name: str, *, log: Any = None) -> None:
         self.engine = engine
         self.engine_name = engine_name
@@ -213,7 +215,7 @@ class SglangWeightLoader:
             try:
                 await self.engine.flush_cache(deadline_s=timeout_s)
                 await self.engine.take_back_memory([protocol.MEMORY_WEIGHTS])  # released while the learner trained
-                session = await self.engine.begin_weight_update()
+                session = await self.engine.begin_weight_update() if self.sessions else False
             except SglangError as error:
                 await asyncio.to_thread(keys.set, f"ready/{self.engine_name}", ERROR_PREFIX + str(error).encode())
                 raise WeightTransferError(

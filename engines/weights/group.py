@@ -38,7 +38,7 @@ from engines.weights.base import WeightTransferError
 from engines.weights.interruptible_store import POLL_S, InterruptibleStore, poll_keys
 from engines.weights.names import TORCH_DISTRIBUTED
 
-Backend = Literal["gloo", "nccl", "cuda_ipc", "shm"]
+Backend = Literal["gloo", "nccl", "cuda_ipc", "shm", "disk"]
 KEY_ROOT = "slipstream/weights"
 STATUS_GO = b"go"
 ABORT_PREFIX = b"abort:"
@@ -60,14 +60,20 @@ class GroupSpec:
     # The mechanism whose loader the engines build for it: this broadcast also carries mechanisms of their own,
     # which differ in what the engine does with the tensors (an SGLang server loads a LoRA adapter from them).
     transport: str = TORCH_DISTRIBUTED
+    # backend "disk": the folder the sender writes each push into and the receivers read it from (`disk.py`)
+    directory: str | None = None
+    local_directory: str | None = None  # ... and where each receiver copies a push before reading it, if anywhere
 
     def __post_init__(self) -> None:
         if len(self.members) < 2:
             raise ValueError(f"a transfer group needs the sender and at least one receiver, got {self.members}")
         if len(set(self.members)) != len(self.members):
             raise ValueError(f"transfer group member names must be unique, got {self.members}")
-        if self.backend not in ("gloo", "nccl", "cuda_ipc", "shm"):
-            raise ValueError(f"backend must be 'gloo', 'nccl', 'cuda_ipc' or 'shm', got {self.backend!r}")
+        if self.backend not in ("gloo", "nccl", "cuda_ipc", "shm", "disk"):
+            raise ValueError(f"backend must be 'gloo', 'nccl', 'cuda_ipc', 'shm' or 'disk', got {self.backend!r}")
+        if (self.backend == "disk") != (self.directory is not None):
+            raise ValueError(f"a group spec names a directory exactly when its backend is 'disk', got backend "
+                             f"{self.backend!r} with directory {self.directory!r}")
 
     @property
     def receivers(self) -> tuple[str, ...]:

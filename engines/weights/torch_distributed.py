@@ -124,11 +124,16 @@ class TorchDistributedWeightSender(WeightSender):
         self.close_group()
         self._generation += 1
         self._spec = groups.GroupSpec(
-            self._host, self.port, self._generation, tuple(members), self._backend, self._transport
+            self._host, self.port, self._generation, tuple(members), self._backend, self._transport,
+            **self._spec_extras()
         )
         self._keys = groups.generation_store(self._store, self._generation)
         self._broken, self._aborted, self._sequence = None, None, 0
         return self._spec
+
+    def _spec_extras(self) -> dict[str, str]:
+        """What a mechanism built on this protocol adds to every group spec (the disk transport: its folder)."""
+        return {}
 
     def abort(self, failed: Mapping[str, str]) -> None:
         """Give the open generation up because of `failed` (member -> why: its process died, was replaced...).
@@ -163,6 +168,10 @@ class TorchDistributedWeightSender(WeightSender):
             raise self._give_up(keys, "status", f"weight-transfer group generation {spec.generation} not formed",
                                 absent, why=f"never joined: {', '.join(absent)}")
         keys.set("status", groups.STATUS_GO)
+        self._form_group(spec, keys)
+
+    def _form_group(self, spec: groups.GroupSpec, keys: dist.PrefixStore) -> None:
+        """Every member joined and was told to go: build the process group the buckets travel over."""
         # A member can die after joining and before its group exists: abort() ends these waits too, and the
         # ABORTED mark sends the members still forming it away, instead of all of us waiting out the timeout.
         try:

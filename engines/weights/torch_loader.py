@@ -22,7 +22,10 @@ from engines.weights.torch_receiver import TorchDistributedWeightReceiver
 
 
 class TorchDistributedLoader:
-    def __init__(self, engine: Any, actor_id: str, log: Any) -> None:
+    def __init__(self, engine: Any, actor_id: str, log: Any,
+                 receiver_class: type[TorchDistributedWeightReceiver] = TorchDistributedWeightReceiver) -> None:
+        """`receiver_class`: the protocol's receiver, or one that takes the bytes another way (`disk.py`)."""
+        self.receiver_class = receiver_class
         self.engine = engine
         self.actor_id = actor_id
         self.log = log
@@ -43,7 +46,7 @@ class TorchDistributedLoader:
         if receiver is None or receiver.spec.generation != spec.generation or receiver.spec.port != spec.port:
             self._drop_receiver()
             receiver = await asyncio.to_thread(
-                TorchDistributedWeightReceiver.join, spec, self.actor_id, timeout_s=timeout_s
+                self.receiver_class.join, spec, self.actor_id, timeout_s=timeout_s
             )
             self._receiver = receiver
         try:

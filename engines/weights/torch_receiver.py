@@ -77,6 +77,14 @@ class TorchDistributedWeightReceiver(WeightReceiver):
             reason = status.removeprefix(groups.ABORT_PREFIX).decode(errors="replace").strip()
             raise WeightTransferError(f"{name}: generation {spec.generation} aborted by the sender: {reason}")
 
+        process_group = cls._form_group(spec, name, rank, keys, transfer_device, timeout_s)
+        return cls(spec, name, rank, store, process_group, transfer_device, timeout_s)
+
+    @classmethod
+    def _form_group(cls, spec: groups.GroupSpec, name: str, rank: int, keys: dist.PrefixStore,
+                    transfer_device: torch.device, timeout_s: float) -> dist.ProcessGroup:
+        """The sender said go: build this member's end of the process group the buckets travel over."""
+
         # The sender's ABORTED mark ends both waits: a member that died meanwhile is not coming.
         def sender_gave_up() -> str | None:
             return groups.aborted(keys)
@@ -98,7 +106,7 @@ class TorchDistributedWeightReceiver(WeightReceiver):
             raise WeightTransferError(
                 f"{name}: generation {spec.generation} aborted by the sender while forming: {sender_gave_up()}"
             )
-        return cls(spec, name, rank, store, process_group, transfer_device, timeout_s)
+        return process_group
 
     def receive(
         self,

@@ -17,14 +17,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engines.weights.names import SGLANG, SGLANG_LORA, SGLANG_TENSOR, TORCH_DISTRIBUTED
+from engines.weights.names import DISK, SGLANG, SGLANG_DISK, SGLANG_LORA, SGLANG_TENSOR, TORCH_DISTRIBUTED
 from policies.plugins import load_object
 
 if TYPE_CHECKING:
     from engines.weights.base import WeightSender
 
-__all__ = ["SGLANG", "SGLANG_LORA", "SGLANG_TENSOR", "TORCH_DISTRIBUTED", "EngineLoader", "SenderOptions",
-           "WeightTransport", "resolve_transport"]
+__all__ = ["DISK", "SGLANG", "SGLANG_DISK", "SGLANG_LORA", "SGLANG_TENSOR", "TORCH_DISTRIBUTED", "EngineLoader",
+           "SenderOptions", "WeightTransport", "resolve_transport"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,17 @@ class SenderOptions:
     delta_sync: bool = False  # pushes after the first send what changed (`engines.weights.held`), where supported
     delta_anchor: int = 20  # ... and a full one every this many versions
     bucket_bytes: int | None = None  # the most bytes one transfer coalesces (None: the mechanism's default)
+    disk: DiskOptions | None = None  # the disk mechanisms' folder and hook (`engines.weights.disk_files`)
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    """Where the disk mechanisms write each push, and what happens around it (slime's `--update-weight-disk-*`)."""
+
+    directory: str  # seen by the learner and every engine under this path
+    keep_files: bool = False  # leave each version's folder in place after its push
+    local_directory: str | None = None  # each engine copies a push here (its own disk) and reads it from there
+    post_write: Callable[[str, tuple[str, ...]], None] | None = None  # (version folder, engines), before they read
 
 
 class EngineLoader(Protocol):
@@ -165,6 +176,41 @@ def _sglang_tensor_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
     return SglangTensorLoader(engine, actor_id, log=log)
 
 
+def _disk(options: SenderOptions) -> dict[str, Any]:
+    if options.disk is None:
+        raise ValueError("a disk weight transport needs a folder (--weight-disk-dir)")
+    return {"directory": options.disk.directory, "keep_files": options.disk.keep_files,
+            "local_directory": options.disk.local_directory, "post_write": options.disk.post_write}
+
+
+def _disk_sender(options: SenderOptions) -> WeightSender:
+    from engines.weights.disk import DiskWeightSender
+
+    return DiskWeightSender(host=options.host, timeout_s=options.timeout_s,
+                            fingerprint_stride=options.fingerprint_stride, delta_sync=options.delta_sync,
+                            anchor_every=options.delta_anchor, **_bucket(options), **_disk(options))
+
+
+def _disk_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
+    from engines.weights.disk import DiskWeightReceiver
+    from engines.weights.torch_loader import TorchDistributedLoader
+
+    return TorchDistributedLoader(engine, actor_id, log, receiver_class=DiskWeightReceiver)
+
+
+def _sglang_disk_sender(options: SenderOptions) -> WeightSender:
+    from engines.sglang.disk_weights import SglangDiskSender
+
+    return SglangDiskSender(host=options.host, gpus_per_engine=options.gpus_per_engine, timeout_s=options.timeout_s,
+                            **_bucket(options), **_disk(options))
+
+
+def _sglang_disk_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
+    from engines.sglang.disk_weights import SglangDiskLoader
+
+    return SglangDiskLoader(engine, actor_id, log=log)
+
+
 BUILTIN: dict[str, WeightTransport] = {
     TORCH_DISTRIBUTED: WeightTransport(TORCH_DISTRIBUTED, _torch_distributed_sender, _torch_distributed_loader,
                                        named_adapters=True, delta_sync=True),
@@ -173,4 +219,8 @@ BUILTIN: dict[str, WeightTransport] = {
     SGLANG_LORA: WeightTransport(SGLANG_LORA, _sglang_lora_sender, _sglang_lora_loader, named_adapters=True),
     # colocated servers (--colocate): each bucket by reference to the learner's memory
     SGLANG_TENSOR: WeightTransport(SGLANG_TENSOR, _sglang_tensor_sender, _sglang_tensor_loader, checkpoint_names=True),
+    # through a folder both sides see (--weight-transport disk): torch engines, deltas included, and SGLang servers,
+    # each version a checkpoint their /update_weights_from_disk reads
+    DISK: WeightTransport(DISK, _disk_sender, _disk_loader, named_adapters=True, delta_sync=True),
+    SGLANG_DISK: WeightTransport(SGLANG_DISK, _sglang_disk_sender, _sglang_disk_loader, checkpoint_names=True),
 }

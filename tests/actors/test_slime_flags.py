@@ -152,14 +152,17 @@ def test_explained_flags_are_accepted_and_listed_in_one_note() -> None:
 
 @pytest.mark.unit
 def test_slimes_delta_sync_flags_map_onto_delta_pushes_and_the_weight_check() -> None:
-    config, args = configure(["--update-weight-mode", "delta", "--update-weight-delta-encoding", "overwrite",
-                              "--update-weight-delta-checksum", "xxh3-128"])
+    config, _ = configure(["--update-weight-mode", "delta", "--update-weight-delta-encoding", "overwrite",
+                           "--update-weight-delta-checksum", "xxh3-128"])
     assert config.weights.weight_delta_sync and config.weights.weight_check_stride == 1
-    assert "--update-weight-delta-encoding overwrite (what Slipstream does anyway)" in args.slime_translation.note()
     full, _ = configure(["--update-weight-mode", "full"])
     assert not full.weights.weight_delta_sync
-    with pytest.raises(ValueError, match=r"--update-weight-delta-encoding: xor deltas \(new \^ old\) are not sent"):
-        configure(["--update-weight-mode", "delta", "--update-weight-delta-encoding", "xor"])
+    # slime's default, xor, is served by our own encoding: the same end state, certified by the weight check
+    xor, _ = configure(["--update-weight-mode", "delta", "--update-weight-delta-encoding", "xor",
+                        "--update-weight-delta-checksum", "xxh3-128"])
+    assert xor.weights.weight_delta_sync and xor.weights == config.weights
+    with pytest.raises(ValueError, match="--update-weight-delta-encoding 'zstd': expected xor or overwrite"):
+        configure(["--update-weight-delta-encoding", "zstd"])
     with pytest.raises(ValueError, match="--update-weight-delta-checksum 'md5': expected one of xxh3-128, blake3"):
         configure(["--update-weight-delta-checksum", "md5"])
     with pytest.raises(ValueError, match="--update-weight-mode 'partial': expected full or delta"):
@@ -269,8 +272,27 @@ def test_slime_custom_loss_pair_becomes_our_loss_type() -> None:
 def test_alias_that_disagrees_with_our_own_flag_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"--ref-load.*--ref-checkpoint"):
         configure(["--ref-load", "/a", "--ref-checkpoint", "/b"])
-    with pytest.raises(ValueError, match="--update-weight-transport disk"):
+    with pytest.raises(ValueError, match="--update-weight-transport sets --weight-transport 'disk', but "
+                                         "--weight-transport 'gloo' was also given"):
+        configure(["--update-weight-transport", "disk", "--weight-transport", "gloo"])
+
+
+@pytest.mark.unit
+def test_slimes_disk_sync_flags_become_the_disk_transport_and_its_settings(tmp_path: Path) -> None:
+    config, _ = configure(["--update-weight-mode", "full", "--update-weight-transport", "disk",
+                           "--update-weight-disk-dir", str(tmp_path), "--update-weight-disk-keep-files",
+                           "--update-weight-local-checkpoint-dir", "/nvme/ckpt",
+                           "--custom-update-weight-post-write-path", "my_hooks:publish"])
+    weights = config.weights
+    assert (weights.weight_transport, weights.weight_disk_dir, weights.weight_disk_keep_files) == (
+        "disk", str(tmp_path), True)
+    assert (weights.weight_disk_local_dir, weights.weight_disk_post_write_path) == ("/nvme/ckpt", "my_hooks:publish")
+    with pytest.raises(ValueError, match="--weight-transport disk needs --weight-disk-dir"):
         configure(["--update-weight-transport", "disk"])
+    with pytest.raises(ValueError, match="weight_disk_keep_files: only with --weight-transport disk"):
+        configure(["--update-weight-disk-keep-files"])
+    with pytest.raises(ValueError, match="--update-weight-transport 'rdma': expected nccl or disk"):
+        configure(["--update-weight-transport", "rdma"])
 
 
 @pytest.mark.unit

@@ -1,7 +1,8 @@
 """Delta pushes over torch.distributed: after a full push, a push sends only what changed, and every engine ends bit
 for bit where a full push would have left it (plain receivers, a torch engine's weights, a LoRA-merged engine, an
 MoE model's expert slices); a wrong delta fails the fingerprint and the next push is full and repairs it; a full
-anchor every K versions, and on a new group generation (an engine that joins late)."""
+anchor every K versions, and on a new group generation (an engine that joins late). Over the shared folder
+(`engines.weights.disk`) too: the same protocol, files in place of the broadcast."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from engines.inference.torch_engine import TorchEngine
 from engines.weights import delta, layouts
 from engines.weights.base import TransferReport, WeightsDiffer, WeightTransferError
+from engines.weights.disk import DiskWeightReceiver, DiskWeightSender
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.group import GroupSpec
 from engines.weights.held import ReceiverCopy
@@ -127,7 +129,8 @@ class _Engine:
         self._thread.start()
 
     def _run(self, spec: GroupSpec, name: str, pushes: int) -> None:
-        receiver = TorchDistributedWeightReceiver.join(spec, name, timeout_s=TIMEOUT_S)
+        kind = DiskWeightReceiver if spec.backend == "disk" else TorchDistributedWeightReceiver
+        receiver = kind.join(spec, name, timeout_s=TIMEOUT_S)
         try:
             for _ in range(pushes):
                 self.loads.append([])
@@ -195,12 +198,14 @@ def _push_each(sender: TorchDistributedWeightSender, engines: list[_Engine],
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@pytest.mark.parametrize("backend", ["gloo", "shm", "disk"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_a_delta_push_leaves_every_engine_bit_for_bit_where_a_full_push_would(backend: str,
-                                                                              dtype: torch.dtype | None) -> None:
+def test_a_delta_push_leaves_every_engine_bit_for_bit_where_a_full_push_would(backend: str, dtype: torch.dtype | None,
+                                                                              tmp_path: Path) -> None:
     versions = _versions(5)
-    sender = TorchDistributedWeightSender(backend=backend, bucket_bytes=4096, direct_bytes=2048, delta_sync=True)
+    options = {"bucket_bytes": 4096, "direct_bytes": 2048, "delta_sync": True}
+    sender = (DiskWeightSender(directory=tmp_path, **options) if backend == "disk" else
+              TorchDistributedWeightSender(backend=backend, **options))
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
     engines = [_Engine(spec, name, len(versions)) for name in ("engine-0", "engine-1")]
     reports = _push_each(sender, engines, versions, dtype)
@@ -214,6 +219,7 @@ def test_a_delta_push_leaves_every_engine_bit_for_bit_where_a_full_push_would(ba
     for engine in engines:
         assert engine.outcomes == [0, 1, 2, 3, 4]
         assert _bits(engine.live.items(), None) == _bits(versions[-1], dtype)
+    assert list(tmp_path.iterdir()) == []  # each version's folder went once its push was over
 
 
 @pytest.mark.integration

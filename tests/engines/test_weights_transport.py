@@ -105,6 +105,31 @@ def test_plugin_path_to_something_else_is_a_type_error_naming_the_path(plugin: s
         resolve_transport(f"{plugin}:NOT_A_TRANSPORT")
 
 
+def record_post_write(args: object, version_dir: str, engines: list[str]) -> None:
+    """A slime post-write hook (`--custom-update-weight-post-write-path`), for the test below."""
+    POST_WRITES.append((args, version_dir, engines))
+
+
+POST_WRITES: list[tuple[object, str, list[str]]] = []
+
+
+@pytest.mark.unit
+def test_a_disk_run_picks_each_engines_folder_mechanism_and_hands_the_sender_slimes_hook(tmp_path: Path) -> None:
+    disk = {"weight_transport": "disk", "weight_disk_dir": str(tmp_path), "weight_disk_keep_files": True,
+            "weight_disk_post_write_path": f"{__name__}:record_post_write"}
+    assert transport_name(RunConfig(**disk)) == "disk"
+    assert transport_name(RunConfig(rollout_engine="sglang", **disk)) == "sglang_disk"
+    assert transport_name(RunConfig(rollout_engine="sglang", colocate=True, **disk)) == "sglang_disk"
+    assert transfer_backend(RunConfig(**disk)) == "disk"
+    options = sender_options(RunConfig(**disk, custom_config={"bucket": "b"}), "127.0.0.1")
+    assert options.disk is not None and options.disk.directory == str(tmp_path) and options.disk.keep_files
+    options.disk.post_write(str(tmp_path / "weight_v000003"), ("rollout-0", "rollout-1"))
+    args, folder, engines = POST_WRITES[-1]
+    assert (folder, engines) == (str(tmp_path / "weight_v000003"), ["rollout-0", "rollout-1"])
+    assert (args.update_weight_disk_dir, args.bucket) == (str(tmp_path), "b")  # slime's names; the custom config
+    assert sender_options(RunConfig(), "127.0.0.1").disk is None
+
+
 @pytest.mark.unit
 def test_run_config_chooses_the_mechanism_once() -> None:
     assert transport_name(RunConfig()) == "torch_distributed"

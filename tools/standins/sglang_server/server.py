@@ -55,11 +55,13 @@ import itertools
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from aiohttp import web
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from engines.inference.base import GenerateRequest, SamplingParams
@@ -112,6 +114,7 @@ class CompatServer:
             protocol.DESTROY_WEIGHTS_GROUP: self.destroy_weights_update_group,
             protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.update_weights_from_distributed,
             protocol.UPDATE_WEIGHTS_FROM_TENSOR: self.memory.update_weights_from_tensor,
+            protocol.UPDATE_WEIGHTS_FROM_DISK: self.update_weights_from_disk,
             protocol.RELEASE_MEMORY: self.memory.release,
             protocol.RESUME_MEMORY: self.memory.resume,
             protocol.LOAD_LORA_ADAPTER: self.lora.load,
@@ -384,6 +387,30 @@ class CompatServer:
                 return refused
         return await self.flush_after_update(body)
 
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """Every `*.safetensors` of `model_path` loaded in place, as SGLang's default loader reads a folder (no
+        session needed in any release); a folder without any is refused with SGLang's words."""
+        body = await parsing.request_json(request)
+        folder = body.get("model_path")
+        if not isinstance(folder, str) or not folder:
+            return _failure("/update_weights_from_disk: 'model_path' must be a non-empty string")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return _failure(f"/update_weights_from_disk: load_format {body['load_format']!r} is not supported")
+        refused = self.memory.refusal("update_weights_from_disk", needs=(protocol.MEMORY_WEIGHTS,))
+        if refused is not None:
+            return refused
+        async with self.weights_lock:
+            try:
+                tensors = await asyncio.to_thread(_read_folder, folder)
+            except (OSError, ValueError) as error:
+                return _failure(f"Failed to get weights iterator: {error}.")
+            if body.get("abort_all_requests"):
+                await self.engine.abort(None)
+            refused = await self.load(tensors, body.get("weight_version"))
+            if refused is not None:
+                return refused
+        return await self.flush_after_update(body)
+
     async def load(self, tensors: list[tuple[str, Any]], version: Any) -> web.Response | None:
         """Load a received bucket between two decode steps; a `weight_version` given becomes the server's."""
         number = protocol.parse_weight_version(version)
@@ -534,3 +561,10 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _read_folder(folder: str) -> list[tuple[str, torch.Tensor]]:
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"Cannot find any model weights with `{folder}`")
+    return [item for path in files for item in load_file(str(path)).items()]
