@@ -145,6 +145,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
         else:
             refused.append(f"{flag}: {row.why}")
     _entry_point(args)
+    _eval_without_interval(args, result)
     if refused:
         raise ValueError("slime flag(s) not supported: " + "; ".join(refused))
     return result
@@ -378,6 +379,19 @@ def _set(args: argparse.Namespace, name: str, value: Any, flag: str) -> None:
                          f"{current!r} was also given")
     setattr(args, name, value)
     vars(args).setdefault(SPELLED_AS, {})[name] = flag  # so that an error about the value names the flag typed
+
+
+def _eval_without_interval(args: argparse.Namespace, result: SlimeTranslation) -> None:
+    """slime evaluates only every --eval-interval rollouts (train.py runs no eval round without one, not even the
+    one before training), and its scripts keep --eval-prompt-data with the interval commented out. Our settings
+    refuse that pair as a mistake; under --slime-entry it means what it meant in slime: no eval rounds."""
+    if getattr(args, "slime_entry", None) is None or getattr(args, "eval_interval", None) is not None:
+        return
+    if getattr(args, "eval_prompt_data", None):
+        result.notes.append("--eval-prompt-data without --eval-interval (slime evaluates only every "
+                            "--eval-interval rollouts: no eval rounds)")
+        args.eval_prompt_data = None
+        args.eval_set_settings = None
 
 
 def _entry_point(args: argparse.Namespace) -> None:
