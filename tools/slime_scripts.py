@@ -54,7 +54,7 @@ class Row:
         return self.launcher == "ok"
 
     def markdown(self) -> str:
-        cells = (f"`{self.script}`", self.family, self.launcher, self.learner, self.notes)
+        cells = (self.script, self.family, self.launcher, self.learner, self.notes)  # slime's paths: not ours
         return "| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in cells) + " |"
 
 
@@ -96,6 +96,9 @@ def check_script(checkout: Path, script: Path, sandbox: Path, *, cache: Path) ->
     launcher, learner = launch_check(captured, substituted.argv, substituted.model, sandbox / "run")
     if launcher.startswith("error: ") and (plugin := _slime_plugin(launcher, checkout, script)) is not None:
         launcher = f"plugin: {plugin}"
+    # the table reads the same wherever it was made
+    launcher, learner = (text.replace(str(cache), "TINY_MODELS").replace(str(sandbox), "SANDBOX")
+                         for text in (launcher, learner))
     return Row(script.as_posix(), substituted.family, launcher, learner,
                "; ".join([*captured.notes, *substituted.notes]))
 

@@ -153,7 +153,7 @@ def data_rows(argv: list[str], input_key: str | None = None, label_key: str | No
     label = label_key or (values(argv, "--label-key") or ["label"])[0]
     chat = "--apply-chat-template" in argv or key == "messages"
     rows = []
-    for a in range(max(4, *(int(v) for v in values(argv, "--rollout-batch-size")[:1]))):
+    for a in range(max([4, *(int(v) for v in values(argv, "--rollout-batch-size")[:1])])):
         question = f"{a}+1="
         row: dict[str, Any] = {key: [{"role": "user", "content": question}] if chat else question, label: str(a + 1)}
         if key == "messages" or "--loss-mask-type" in argv:
@@ -204,7 +204,7 @@ def substitute(argv: list[str], family: str | None, *, checkout: Path, sandbox: 
         pairs = [(name, str(write_rows(sandbox / "data" / f"eval-{name}.jsonl", eval_rows)))
                  for name in eval_sets[::2]]
         argv = put(argv, "--eval-prompt-data", *(token for pair in pairs for token in pair))
-    if values(argv, "--eval-config"):
+    if values(argv, "--eval-config") and Path(values(argv, "--eval-config")[0]).is_file():  # else preflight says
         argv = put(argv, "--eval-config", str(_eval_config(Path(values(argv, "--eval-config")[0]), argv, sandbox)))
     return Substituted(argv=argv, family=family, model=model, notes=notes)
 
