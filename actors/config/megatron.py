@@ -146,6 +146,13 @@ class MegatronConfig(Section):
                                                 "supported)")
     # -- precision, kernels, dropout ---------------------------------------------------------------------------
     fp16: bool = Field(False, description="fp16 training with loss scaling (not supported; use --bf16)")
+    fp8_format: Literal["e4m3", "hybrid"] | None = Field(None, description="FP8 training's number format (not "
+                                                         "supported: the trainers train in --bf16)")
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] | None = Field(
+        None, description="FP8 training's scaling recipe (not supported, as --fp8-format)")
+    transformer_impl: Literal["local", "transformer_engine"] | None = Field(
+        None, description="accepted; the Megatron backend picks its layer spec itself (transformer-engine's where "
+        "it is installed, the local one otherwise)")
     accumulate_allreduce_grads_in_fp32: bool | None = Field(None, description="gradients accumulated and reduced "
                                                             "in float32 (ours: always)")
     attention_softmax_in_fp32: bool | None = Field(None, description="attention softmax in float32 (megatron-core: "

@@ -186,9 +186,9 @@ class RolloutConfig(Section):
     @field_validator("rollout_function_path")
     @classmethod
     def _default_rollout_function(cls, value: str | None) -> str | None:
-        if value == "slime.rollout.sglang_rollout.generate_rollout":
-            return None  # slime's default spelled out: our rollout workers are that function
-        return value
+        """slime's default spelled out, and its fully asynchronous rollout (a fixed pool of in-flight groups that
+        carries across batch boundaries, aborted groups re-queued): our rollout workers are both already."""
+        return None if value in SLIME_BUILTIN_ROLLOUTS else value
 
     @property
     def samples_per_batch(self) -> int:
@@ -260,6 +260,8 @@ class BufferConfig(Section):
         return "nonzero_std" if value == SLIME_NONZERO_STD_FILTER else value
 
 
+SLIME_BUILTIN_ROLLOUTS = ("slime.rollout.sglang_rollout.generate_rollout",
+                          "slime.rollout.fully_async_rollout.generate_rollout_fully_async")
 SLIME_NONZERO_STD_FILTER = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
 
 

@@ -147,6 +147,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     _entry_point(args)
     _keep_old_actor(args)
     _checkpoint_steps(args)
+    _eval_without_interval(args, result)
     if refused:
         raise ValueError("slime flag(s) not supported: " + "; ".join(refused))
     return result
@@ -428,6 +429,19 @@ def _keep_old_actor(args: argparse.Namespace) -> None:
                          "before the update (--use-decoupled-ppo), which are those weights only on-policy "
                          "(--max-staleness 0, slime's train.py), and no copies of older versions are kept")
     _set(args, "use_decoupled_ppo", True, "--keep-old-actor")
+
+
+def _eval_without_interval(args: argparse.Namespace, result: SlimeTranslation) -> None:
+    """slime evaluates only every --eval-interval rollouts (train.py runs no eval round without one, not even the
+    one before training), and its scripts keep --eval-prompt-data with the interval commented out. Our settings
+    refuse that pair as a mistake; under --slime-entry it means what it meant in slime: no eval rounds."""
+    if getattr(args, "slime_entry", None) is None or getattr(args, "eval_interval", None) is not None:
+        return
+    if getattr(args, "eval_prompt_data", None):
+        result.notes.append("--eval-prompt-data without --eval-interval (slime evaluates only every "
+                            "--eval-interval rollouts: no eval rounds)")
+        args.eval_prompt_data = None
+        args.eval_set_settings = None
 
 
 def _entry_point(args: argparse.Namespace) -> None:

@@ -200,6 +200,10 @@ def refuse_unsupported(flags: Mapping[str, Any], *, megatron_core: bool) -> None
 
     if flags.get("fp16"):
         refuse("fp16", "fp16 training (loss scaling) is not implemented; use --bf16")
+    for name in ("fp8_format", "fp8_recipe"):
+        if flags.get(name):
+            refuse(name, "FP8 training is not implemented; the trainers train in bf16 (an engine may still serve "
+                   "FP8 weights)")
     if flags.get("optimizer", "adam") != "adam":
         refuse("optimizer", "only adam (AdamW) is supported")
     if megatron_core and (flags.get("context_parallel_size") or 1) > 1:

@@ -527,3 +527,33 @@ def test_dump_details_is_slimes_pair_of_dumps_and_a_train_data_template_its_fold
                           "--save-debug-train-data", str(tmp_path / "t" / "{rollout_id}_{rank}.pt")])
     assert (given.learner.save_debug_rollout_data, given.learner.save_debug_train_data) == (
         f"{tmp_path}/d/rollout_data", f"{tmp_path}/t")  # given apart wins; slime's template is read as its folder
+
+
+def test_slimes_fully_async_rollout_function_is_our_rollout_workers() -> None:
+    """slime's fully async example names its rollout function (an in-flight pool across batch boundaries): ours."""
+    config, _ = configure(["--slime-entry", "train_async", "--rollout-function-path",
+                           "slime.rollout.fully_async_rollout.generate_rollout_fully_async"])
+    assert config.rollout.rollout_function_path is None
+
+
+@pytest.mark.unit
+def test_eval_data_without_an_interval_is_no_eval_under_a_slime_entry_and_an_error_otherwise() -> None:
+    """slime evaluates only every --eval-interval rollouts; its scripts keep the data with the interval commented."""
+    config, args = configure(["--slime-entry", "train", "--eval-prompt-data", "aime", "/data/aime.jsonl"])
+    assert config.eval.eval_prompt_data == [] and config.eval.eval_interval is None
+    assert "--eval-prompt-data without --eval-interval (slime evaluates only" in args.slime_translation.note()
+    with pytest.raises(ValueError, match="eval_prompt_data needs eval_interval"):
+        configure(["--eval-prompt-data", "aime", "/data/aime.jsonl"])
+
+
+@pytest.mark.unit
+def test_megatrons_fp8_flags_are_settings_the_learner_refuses_and_transformer_impl_is_accepted() -> None:
+    from engines.megatron.model_flags import refuse_unsupported
+
+    config, _ = configure(["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3",
+                           "--fp8-recipe", "blockwise"])
+    flags = config.megatron.set_flags()
+    assert flags["transformer_impl"] == "transformer_engine"
+    with pytest.raises(ValueError, match=r"--fp8-format e4m3: FP8 training is not implemented.*--fp8-recipe"):
+        refuse_unsupported(flags, megatron_core=True)
+    refuse_unsupported(configure(["--transformer-impl", "local"])[0].megatron.set_flags(), megatron_core=True)

@@ -126,7 +126,7 @@ MISC_ARGS=(
    --update-weights-interval 1
    --update-weight-buffer-size 536870912
    --use-fault-tolerance
-   --train-env-vars '{"NCCL_DEBUG": "WARN"}'
+   --train-env-vars '{"NCCL_DEBUG":"WARN"}'
 )
 
 python3 train.py \

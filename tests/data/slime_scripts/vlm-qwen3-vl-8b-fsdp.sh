@@ -14,7 +14,7 @@ ROLLOUT_ARGS=(
    --prompt-data ${DATA}/train.parquet
    --input-key prompt
    --label-key label
-   --multimodal-keys '{"image": "images"}'
+   --multimodal-keys '{"image":"images"}'
    --apply-chat-template
    --rollout-shuffle
    --rm-type geo3k
