@@ -18,6 +18,7 @@ from actors.config.engines import engine_spec, kinds_that, train_backend_spec, t
 from actors.config.evaluation import EvalConfig
 from actors.config.megatron import MegatronConfig
 from actors.config.policies import override_problems
+from actors.config.rollout_buffer import rollout_buffer_problems
 from actors.config.router import RouterConfig
 from actors.config.sections import (
     AgentConfig,
@@ -280,6 +281,7 @@ class RunConfig(BaseModel):
         problems.extend(_routing_replay_problems(self))
         problems.extend(_pi_old_and_reference_problems(self))
         problems.extend(_policies_problems(self))
+        problems.extend(rollout_buffer_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
         return self

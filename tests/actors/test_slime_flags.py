@@ -481,3 +481,18 @@ def test_no_rollout_shuffle_leases_prompts_in_file_order(tmp_path: Path) -> None
     assert seeded != in_order and sorted(seeded) == sorted(in_order)
     assert asyncio.run(first_prompts(True, 5)) == seeded
     assert asyncio.run(first_prompts(True, 6)) != seeded
+
+
+@pytest.mark.unit
+def test_slimes_rollout_buffer_flags_select_our_client_of_the_service() -> None:
+    example = "slime_plugins.rollout_buffer.rollout_buffer_example.generate_rollout"
+    config, args = configure(["--rollout-function-path", example, "--rollout-buffer-url", "http://svc:8889/",
+                              "--rollout-task-type", "agent", "--fetch-trajectory-retry-times", "4",
+                              "--min-batch-collection-ratio", "0.5", "--rollout-engine", "sglang",
+                              "--off-policy-correction", "none"])
+    assert config.rollout.rollout_function_path is None  # slime's client named: ours runs in its place
+    assert (config.agent.rollout_buffer_url, config.agent.rollout_task_type,
+            config.agent.fetch_trajectory_retry_times) == ("http://svc:8889", "agent", 4)
+    assert any(note.startswith("--min-batch-collection-ratio") for note in args.slime_translation.notes)
+    with pytest.raises(ValueError, match="slime's rollout-buffer client: it needs --rollout-buffer-url"):
+        configure(["--rollout-function-path", example])
