@@ -281,7 +281,9 @@ class RunConfig(BaseModel):
         problems.extend(_routing_replay_problems(self))
         problems.extend(_pi_old_and_reference_problems(self))
         problems.extend(_policies_problems(self))
-        problems.extend(rollout_buffer_problems(self))
+        problems.extend(rollout_buffer_problems(self.agent, self.rollout, self.policy,
+                                                decoupled=self.learner.use_decoupled_ppo,
+                                                steps_per_batch=self.optimizer_steps_per_batch))
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -384,7 +384,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                                "included", "value", float),
     "--rollout-task-type": _same("value", "sent to the service in /start_rollout: which of its generators runs"),
     "--loss-mask-type": _same("value", "qwen, qwen3 and distill_qwen cut an SFT conversation as slime's do "
-                                       "(actors/rollout/loss_masks.py); qwen3_5 is refused"),
+                                       "(actors/data/loss_masks.py); qwen3_5 is refused"),
     "--data-pad-size-multiplier": _explained("packing chooses its own padding", "value", int),
     "--rollout-sample-filter-path": _refused(NOT_ROLLOUT_BUFFER, "value"),
     "--rollout-all-samples-process-path": _refused(NOT_ROLLOUT_BUFFER, "value"),

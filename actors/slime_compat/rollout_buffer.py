@@ -24,8 +24,8 @@ to train on, a reward that is not a finite number, a template that fails) is a f
 reason in its metadata and the batch's metrics (`--failed-sample-policy` decides the group). Every wait has a
 deadline: a request's own timeout, `--fetch-trajectory-retry-times` failed requests per batch, and
 `--rollout-buffer-timeout` for the batch's groups; a batch that fails gives its slots back to the buffer.
-With several rollout workers, `rollout-0` starts the service with its engine's URL (the service takes one, slime
-gives it its router's) and every worker fetches.
+With several rollout workers, the first (`rollout-0-0`) starts the service with its engine's URL (the service
+takes one, slime gives it its router's) and every worker fetches.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ __all__ = ["BUILTIN", "SLIME_EXAMPLE", "RolloutBufferRollout", "ServiceClient", 
 
 SLIME_EXAMPLE = "slime_plugins.rollout_buffer.rollout_buffer_example.generate_rollout"  # slime's client, spelled out
 REQUIRED = ("uid", "instance_id", "messages", "reward", "extra_info")  # what slime's client requires of a record
-STARTER = "rollout-0"  # the worker that posts /start_rollout
+STARTER = "rollout-0-0"  # the head node's first rollout worker: it posts /start_rollout
 REQUEST_TIMEOUT_S = 30.0
 POLL_S = 1.0  # between two /get_rollout_data that brought too few groups
 
@@ -164,7 +164,7 @@ class TrajectoryStore:
 
 def to_sample(record: Any, *, tokenizer: Any, mask_type: str, version: int) -> Sample:
     """One trajectory as slime's client makes it a sample; `BadTrajectory` says why it cannot be one."""
-    from actors.rollout.loss_masks import multi_turn_tokens
+    from actors.data.loss_masks import multi_turn_tokens
 
     if not isinstance(record, dict):
         raise BadTrajectory(f"a trajectory is a JSON object, got {type(record).__name__}")

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from actors.config import build_config
 from actors.slime_compat.args import build_args
+from actors.slime_compat.data_source import LeasedDataSource
 from actors.slime_compat.rollout_buffer import RolloutBufferRollout, ServiceError
 from actors.slime_compat.rollout_function import check_rollout_function, flatten_output, sort_output, wire_group
 from tests.actors.test_rollout_function import B, N, make_source
@@ -42,17 +44,36 @@ def service() -> Iterator[tuple[RolloutBufferService, str]]:
     running.close()
 
 
-def make_args(tiny_model_path: Path, url: str, tmp_path: Path, *, worker: str = "rollout-0",
-              **settings) -> SimpleNamespace:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("")  # the service's to read; its generator has nothing to do, the test writes instead
-    config = build_config({"hf_checkpoint": str(tiny_model_path), "prompt_data": str(prompts),
-                           "rollout_engine": "sglang", "rollout_buffer_url": url, "off_policy_correction": "none",
-                           "n_samples_per_prompt": N, "rollout_batch_size": B, "loss_mask_type": "qwen",
-                           "rollout_buffer_timeout": 10.0, **settings})
-    args = build_args(config, server_url="http://10.0.0.7:30000")
-    args.rollout_worker_id = worker  # as RolloutFunctionRunner sets it
-    return args
+@pytest.fixture
+def source(loop: asyncio.AbstractEventLoop) -> LeasedDataSource:
+    """The data source a rollout function gets, leasing from a real BufferCore on the worker's loop (`loop`)."""
+    return make_source(loop, max_staleness=8)[0]
+
+
+@dataclass
+class Setup:
+    """The stand-in service and what the client's args are built from."""
+
+    stand_in: RolloutBufferService
+    url: str
+    model: Path
+    tmp_path: Path
+
+    def args(self, *, worker: str = "rollout-0-0", **settings) -> SimpleNamespace:
+        prompts = self.tmp_path / "prompts.jsonl"
+        prompts.write_text("")  # the service's to read; its generator has nothing to do, the test writes instead
+        config = build_config({"hf_checkpoint": str(self.model), "prompt_data": str(prompts),
+                               "rollout_engine": "sglang", "rollout_buffer_url": self.url,
+                               "off_policy_correction": "none", "n_samples_per_prompt": N, "rollout_batch_size": B,
+                               "loss_mask_type": "qwen", "rollout_buffer_timeout": 10.0, **settings})
+        args = build_args(config, server_url="http://10.0.0.7:30000")
+        args.rollout_worker_id = worker  # as RolloutFunctionRunner sets it
+        return args
+
+
+@pytest.fixture
+def setup(service: tuple[RolloutBufferService, str], tiny_model_path: Path, tmp_path: Path) -> Setup:
+    return Setup(*service, tiny_model_path, tmp_path)
 
 
 def trajectory(instance: int, member: int, *, answer: str = "5", reward: float = 1.0, **extra) -> dict:
@@ -85,13 +106,11 @@ def generator(stand_in: RolloutBufferService, url: str, *records: dict) -> threa
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_the_service_is_started_and_its_scored_groups_fill_the_leased_slots(loop, service, tiny_model_path: Path,
-                                                                             tmp_path: Path) -> None:
+def test_the_service_is_started_and_its_scored_groups_fill_the_leased_slots(source, setup: Setup) -> None:
     from transformers import AutoTokenizer
 
-    stand_in, url = service
-    args = make_args(tiny_model_path, url, tmp_path, rollout_task_type="math")
-    source, _ = make_source(loop, max_staleness=4)
+    stand_in, url = setup.stand_in, setup.url
+    args = setup.args(rollout_task_type="math")
     source.version = 3
     generator(stand_in, url, trajectory(9, 0),  # an incomplete group: kept for a later batch
               *(trajectory(i, m, reward=float(m), finish_reason="length" if (i, m) == (1, 1) else "stop")
@@ -103,7 +122,7 @@ def test_the_service_is_started_and_its_scored_groups_fill_the_leased_slots(loop
     assert (start["task_type"], start["remote_engine_url"], start["num_repeat_per_sample"]) == (
         "math", "http://10.0.0.7:30000", str(N))
     assert start["input_file"] == args.prompt_data and start["sampling_params"]["max_tokens"] == 32
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(setup.model)
     samples = flatten_output(output, path="client")
     ready, problems = sort_output(samples, source.held, path="client")
     assert problems == [] and len(ready) == B
@@ -126,11 +145,9 @@ def test_the_service_is_started_and_its_scored_groups_fill_the_leased_slots(loop
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_a_bad_trajectory_is_a_failed_sample_that_says_why(loop, service, tiny_model_path: Path,
-                                                           tmp_path: Path) -> None:
-    stand_in, url = service
-    args = make_args(tiny_model_path, url, tmp_path, rollout_batch_size=1)
-    source, _ = make_source(loop, max_staleness=4)
+def test_a_bad_trajectory_is_a_failed_sample_that_says_why(source, setup: Setup) -> None:
+    stand_in, url = setup.stand_in, setup.url
+    args = setup.args(rollout_batch_size=1)
     no_turn = trajectory(0, 1)
     no_turn["messages"] = no_turn["messages"][:1]
     generator(stand_in, url, trajectory(0, 0, reward=float("nan")), no_turn)
@@ -144,20 +161,16 @@ def test_a_bad_trajectory_is_a_failed_sample_that_says_why(loop, service, tiny_m
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_failed_reads_are_retried_as_fetch_trajectory_retry_times_says(loop, service, tiny_model_path: Path,
-                                                                       tmp_path: Path) -> None:
-    stand_in, url = service
-    source, _ = make_source(loop, max_staleness=8)
+def test_failed_reads_are_retried_as_fetch_trajectory_retry_times_says(source, setup: Setup) -> None:
+    stand_in, url = setup.stand_in, setup.url
     write(url, trajectory(0, 0), trajectory(0, 1))
     stand_in.fail_reads = 2
-    args = make_args(tiny_model_path, url, tmp_path, rollout_batch_size=1, fetch_trajectory_retry_times=3,
-                     worker="rollout-1")
+    args = setup.args(rollout_batch_size=1, fetch_trajectory_retry_times=3, worker="rollout-1")
     output = RolloutBufferRollout(poll_s=0.05)(args, 0, source)
     assert output.metrics["rollout_buffer/failed_requests"] == 2
 
     stand_in.fail_reads = 5
-    args = make_args(tiny_model_path, url, tmp_path, rollout_batch_size=1, fetch_trajectory_retry_times=2,
-                     worker="rollout-1")
+    args = setup.args(rollout_batch_size=1, fetch_trajectory_retry_times=2, worker="rollout-1")
     with pytest.raises(ServiceError, match=r"2 failed request\(s\) .*retry-times 2\); the last: .*"
                                            r"/get_rollout_data: HTTP 500"):
         RolloutBufferRollout(poll_s=0.05)(args, 1, source)
@@ -165,18 +178,16 @@ def test_failed_reads_are_retried_as_fetch_trajectory_retry_times_says(loop, ser
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
-def test_a_batch_the_service_does_not_fill_in_time_fails_naming_the_wait(loop, service, tiny_model_path: Path,
-                                                                         tmp_path: Path) -> None:
-    stand_in, url = service
-    args = make_args(tiny_model_path, url, tmp_path, rollout_buffer_timeout=0.5, worker="rollout-1")
-    source, _ = make_source(loop, max_staleness=4)
+def test_a_batch_the_service_does_not_fill_in_time_fails_naming_the_wait(source, setup: Setup) -> None:
+    stand_in, url = setup.stand_in, setup.url
+    args = setup.args(rollout_buffer_timeout=0.5, worker="rollout-1")
     write(url, trajectory(0, 0))
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"0 of 3 complete groups of 2 trajectories within "
                                            r"--rollout-buffer-timeout 0.5s \(partial groups: 1\)"):
         RolloutBufferRollout(poll_s=0.05)(args, 0, source)
     assert time.monotonic() - started < 5
-    assert stand_in.starts == []  # only rollout-0 starts the service: a second start would reset its buffer
+    assert stand_in.starts == []  # only rollout-0-0 starts the service: a second start would reset its buffer
 
 
 @pytest.mark.unit
