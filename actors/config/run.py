@@ -19,6 +19,7 @@ from actors.config.evaluation import EvalConfig
 from actors.config.megatron import MegatronConfig
 from actors.config.policies import override_problems
 from actors.config.profiling import ProfilingConfig
+from actors.config.rollout_buffer import rollout_buffer_problems
 from actors.config.router import RouterConfig
 from actors.config.sections import (
     AgentConfig,
@@ -286,6 +287,9 @@ class RunConfig(BaseModel):
         if self.trainer.use_stateless_adam and (backend is None or not backend.stateless_adam):
             problems.append(f"use_stateless_adam needs {train_backends_that('stateless_adam')} (the Megatron "
                             "backend runs megatron's own Adam)")
+        problems.extend(rollout_buffer_problems(self.agent, self.rollout, self.policy,
+                                                decoupled=self.learner.use_decoupled_ppo,
+                                                steps_per_batch=self.optimizer_steps_per_batch))
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -229,6 +229,24 @@ class AgentConfig(Section):
         "summarised turns, or runs a sub-agent with a fresh context): fork goes on in a new segment of the episode, "
         "its prompt the new conversation, each segment a sample that trains (docs/agents.md, Trajectory trees); "
         "refuse answers it with an error naming the first message that differs")
+    rollout_buffer_url: str | None = Field(None, description="http(s)://HOST:PORT of slime's rollout-buffer service "
+                                           "(an agent framework generating through our engine): the rollout worker "
+                                           "starts it and trains on the trajectories it returns, scored there "
+                                           "(actors/slime_compat/rollout_buffer.py)")
+    rollout_task_type: str = Field("math", description="the rollout-buffer service's generator (its TASK_TYPE)")
+    fetch_trajectory_retry_times: int = Field(-1, ge=-1, description="failed requests to the rollout-buffer "
+                                              "service one rollout batch survives before it fails (-1: no limit; "
+                                              "--rollout-buffer-timeout still bounds the batch)")
+    rollout_buffer_timeout: float = Field(600.0, gt=0, description="seconds a rollout batch waits for the "
+                                          "rollout-buffer service's trajectory groups before it fails (counted, "
+                                          "logged; its prompt slots go back to the buffer)")
+
+    @field_validator("rollout_buffer_url")
+    @classmethod
+    def _service_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r}: expected the service's http(s)://HOST:PORT")
+        return None if value is None else value.rstrip("/")
 
 
 class BufferConfig(Section):

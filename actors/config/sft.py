@@ -9,7 +9,7 @@ from pydantic import AfterValidator, Field
 
 from actors.config.sections import Section
 
-LOSS_MASK_TYPES = ("qwen", "qwen3", "distill_qwen")  # actors/rollout/loss_masks.py builds each
+LOSS_MASK_TYPES = ("qwen", "qwen3", "distill_qwen")  # actors/data/loss_masks.py builds each
 NOT_BUILT = {"qwen3_5": "slime's Qwen3.5 mask (a character-level cut of the rendered conversation) is not built: "
                         "use qwen3 for a Qwen3-style template, qwen for ChatML"}
 

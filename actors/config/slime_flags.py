@@ -129,6 +129,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     _opd_teacher_server(args)
     _rollout_logprobs_alone(args)
     _sft_rollout(args, result)
+    _rollout_buffer_example(args)
     for flag, row in SLIME_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is None:
@@ -205,6 +206,20 @@ def _sft_rollout(args: argparse.Namespace, result: SlimeTranslation) -> None:
         args.debug_train_only = None
         result.notes.append("--debug-train-only (slime's SFT starts no engines; SFT samples here are the data's "
                             "tokens, nothing is generated)")
+
+
+SLIME_ROLLOUT_BUFFER_CLIENT = "slime_plugins.rollout_buffer.rollout_buffer_example.generate_rollout"
+
+
+def _rollout_buffer_example(args: argparse.Namespace) -> None:
+    """slime's rollout-buffer example names its client as the rollout function; with --rollout-buffer-url ours is
+    that client (actors/slime_compat/rollout_buffer.py), so the path goes."""
+    if getattr(args, "rollout_function_path", None) != SLIME_ROLLOUT_BUFFER_CLIENT:
+        return
+    if not getattr(args, "rollout_buffer_url", None):
+        raise ValueError(f"--rollout-function-path {SLIME_ROLLOUT_BUFFER_CLIENT} is slime's rollout-buffer client: "
+                         "it needs --rollout-buffer-url, the service's URL")
+    args.rollout_function_path = None
 
 
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"

@@ -66,7 +66,10 @@ OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off th
 DISK_SYNC = ("(--weight-transport disk: each push written into a folder the learner and every engine see, "
              "safetensors under the pushed names; torch engines load them, deltas included, SGLang servers reload "
              "each full push with /update_weights_from_disk; docs/reliability.md)")
-NO_AGENT_BUFFER = "slime's external rollout-buffer service is not supported; write a --custom-generate-function-path"
+ROLLOUT_BUFFER = ("the rollout worker is slime's rollout-buffer client (actors/slime_compat/rollout_buffer.py, "
+                  "docs/agents.md)")
+NOT_ROLLOUT_BUFFER = ("a hook of slime's default rollout function (sglang_rollout.generate_rollout), not of the "
+                      "rollout-buffer service; our rollout workers do not call it yet")
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
 
 SLIME_FLAGS: dict[str, SlimeFlag] = {
@@ -408,15 +411,18 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--custom-reward-post-process-path": _owned("plugins (slime reward post-processing)"),
     "--custom-convert-samples-to-train-data-path": _same(),
     # --- slime's external rollout buffer (agent framework) ---
-    "--rollout-buffer-url": _refused(NO_AGENT_BUFFER, "value"),
-    "--fetch-trajectory-retry-times": _refused(NO_AGENT_BUFFER, "value", int),
-    "--min-batch-collection-ratio": _refused(NO_AGENT_BUFFER, "value", float),
-    "--rollout-task-type": _refused(NO_AGENT_BUFFER, "value"),
+    "--rollout-buffer-url": _same("value", ROLLOUT_BUFFER + ": it starts the service with its engine's URL and "
+                                  "trains on the trajectory groups the service returns, rewards as scored there"),
+    "--fetch-trajectory-retry-times": _same("value", "failed requests to the service one rollout batch survives "
+                                            "(-1: no limit; --rollout-buffer-timeout still bounds the batch)"),
+    "--min-batch-collection-ratio": _explained("declared by slime and read nowhere in it, its rollout-buffer client "
+                                               "included", "value", float),
+    "--rollout-task-type": _same("value", "sent to the service in /start_rollout: which of its generators runs"),
     "--loss-mask-type": _same("value", "qwen, qwen3 and distill_qwen cut an SFT conversation as slime's do "
-                                       "(actors/rollout/loss_masks.py); qwen3_5 is refused"),
+                                       "(actors/data/loss_masks.py); qwen3_5 is refused"),
     "--data-pad-size-multiplier": _explained("packing chooses its own padding", "value", int),
-    "--rollout-sample-filter-path": _refused(NO_AGENT_BUFFER, "value"),
-    "--rollout-all-samples-process-path": _refused(NO_AGENT_BUFFER, "value"),
+    "--rollout-sample-filter-path": _refused(NOT_ROLLOUT_BUFFER, "value"),
+    "--rollout-all-samples-process-path": _refused(NOT_ROLLOUT_BUFFER, "value"),
     # --- CI ---
     "--ci-test": _explained(CI),
     "--ci-disable-kl-checker": _explained(CI),

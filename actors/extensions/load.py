@@ -170,11 +170,12 @@ def check_rollout_loop(config: RunConfig) -> None:
 
 
 def rollout_loop(worker: RolloutHost) -> RolloutLoop | None:
-    """`--rollout-function-path` (slime's ``generate_rollout``) as the worker's loop; call on the worker's event
+    """`--rollout-function-path` (slime's ``generate_rollout``), or the client of `--rollout-buffer-url`'s service
+    (a rollout function of ours), as the worker's loop; call on the worker's event
     loop once its engine is up. None without the flag: the worker runs its own loop."""
-    from actors.slime_compat.rollout_function import RolloutFunctionRunner
+    from actors.slime_compat.rollout_function import RolloutFunctionRunner, function_path
 
-    if not worker.config.rollout.rollout_function_path:
+    if not function_path(worker.config):
         return None
     return RolloutFunctionRunner.load(worker)
 

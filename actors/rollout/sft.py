@@ -8,7 +8,7 @@ rollout time (`actors.rollout.trajectory`), so the model is taught on the token 
 
 A record without a label whose prompt is chat messages is slime's SFT layout: the whole conversation is the data,
 cut into context and trained tokens by the chat-template family of `--loss-mask-type`
-(`actors.rollout.loss_masks`); the sample's prompt is everything before the first trained token.
+(`actors.data.loss_masks`); the sample's prompt is everything before the first trained token.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from actors.data.loss_masks import multi_turn_tokens
 from actors.data.tool_prompts import prompt_stating_tools
 from actors.rollout.generate import RolloutContext, failed_sample, make_sample
-from actors.rollout.loss_masks import multi_turn_tokens
 from actors.rollout.trajectory import ChatTurns, Trajectory, render
 from bus.schema import PromptGroup, Sample
 

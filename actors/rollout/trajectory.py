@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.data.loss_masks import render
 from actors.rollout.generate import Tokenizer, make_sample
 from bus.schema import PromptGroup, Sample
 
@@ -29,16 +30,6 @@ ANCHOR_ASSISTANT = {"role": "assistant", "content": ANCHOR_TEXT}
 class TemplateNotIncremental(ValueError):
     """The chat template renders an anchor conversation differently once messages follow it: the tokens of new
     messages cannot be told apart from the ones before them."""
-
-
-def render(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-           tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template (a list, or a mapping with "input_ids")."""
-    if tools is not None:
-        template_kwargs["tools"] = list(tools)
-    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, **template_kwargs)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @dataclass(frozen=True)

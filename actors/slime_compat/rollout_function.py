@@ -45,8 +45,10 @@ from actors.slime_compat.sample import Sample, to_wire
 from bus.schema import Sample as WireSample
 from policies.plugins import load_callable
 
+ROLLOUT_BUFFER_CLIENT = "actors.slime_compat.rollout_buffer:generate_rollout"  # imported only when it runs
+
 __all__ = ["FunctionThread", "RolloutFnEvalOutput", "RolloutFnTrainOutput", "RolloutFunctionRunner",
-           "check_rollout_function", "flatten_output", "sort_output", "wire_group"]
+           "check_rollout_function", "flatten_output", "function_path", "sort_output", "wire_group"]
 
 
 
@@ -141,12 +143,22 @@ def wire_group(held: Held, samples: list[Sample], *, start_version: int) -> list
             for index, sample in enumerate(samples)]
 
 
+def function_path(config: RunConfig) -> str | None:
+    """The rollout function the run's workers call: ``--rollout-function-path``, else the rollout-buffer client
+    when ``--rollout-buffer-url`` is given (slime's own client reads that flag), else None."""
+    if config.rollout.rollout_function_path:
+        return config.rollout.rollout_function_path
+    return ROLLOUT_BUFFER_CLIENT if config.agent.rollout_buffer_url else None
+
+
 def check_rollout_function(config: RunConfig) -> None:
     """Refuse at start-up what cannot work with ``--rollout-function-path`` (before the engine loads)."""
-    path = config.rollout.rollout_function_path
+    path = function_path(config)
     if not path:
         return
-    problem = http_engine_problem(config.engine.rollout_engine, f"{FLAG} {path}: a slime rollout function")
+    what = ("--rollout-buffer-url: the service" if path == ROLLOUT_BUFFER_CLIENT
+            else f"{FLAG} {path}: a slime rollout function")
+    problem = http_engine_problem(config.engine.rollout_engine, what)
     if problem is not None:
         raise ValueError(problem)
     if config.rollout.custom_generate_function_path:
@@ -199,6 +211,7 @@ class RolloutFunctionRunner:
         self.args = build_args(config, server_url=url)
         vars(self.args).setdefault("rollout_global_dataset", True)  # slime's generate_rollout asserts it
         vars(self.args).setdefault("over_sampling_batch_size", config.rollout.rollout_batch_size)
+        vars(self.args).setdefault("rollout_worker_id", getattr(worker, "actor_id", None))
         self.source = LeasedDataSource(worker, asyncio.get_running_loop(), args=self.args, path=path,
                                        lease_timeout=config.buffer.lease_timeout)
         self.call_kwargs = accepted_kwargs(fn, {"evaluation": False})  # slime passes it only to functions that take it
@@ -209,7 +222,7 @@ class RolloutFunctionRunner:
     def load(cls, worker: RolloutHost) -> RolloutFunctionRunner:
         """The runner for ``config.rollout.rollout_function_path``; call on the worker's loop after its engine (the
         worker has already run ``check_rollout_function``, before loading the engine)."""
-        path = worker.config.rollout.rollout_function_path or ""
+        path = function_path(worker.config) or ""
         fn = load_callable(path, what=FLAG)
         return cls(worker, fn, path)
 

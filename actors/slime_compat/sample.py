@@ -155,7 +155,9 @@ def to_wire(sample: Sample, group: PromptGroup, index: int, *, start_version: in
     """A slime sample produced for ``group`` back onto the wire.
 
     ``start_version`` is the engine's version when the plugin was called: the version given to response tokens
-    whose version the plugin did not record (see the module docstring).
+    whose version the plugin did not record (see the module docstring). The sample's own prompt and label win
+    over the group's (a plugin that fills a leased slot with another task's trajectory, as the rollout-buffer
+    client does, says which task it was).
     """
     where = f"slime-style sample {group.group_id}/{index}"
     n = int(sample.response_length)
@@ -174,9 +176,11 @@ def to_wire(sample: Sample, group: PromptGroup, index: int, *, start_version: in
     status = sample.status.value if isinstance(sample.status, Sample.Status) else str(sample.status)
     reward = sample.reward.get("reward") if isinstance(sample.reward, dict) else sample.reward
     return WireSample(
-        sample_id=f"{group.group_id}/{index}", group_id=group.group_id, index=index, prompt=group.prompt,
+        sample_id=f"{group.group_id}/{index}", group_id=group.group_id, index=index,
+        prompt=sample.prompt if sample.prompt else group.prompt,
         prompt_tokens=len(sample.tokens) - n, tokens=np.asarray(sample.tokens, dtype=np.int32),
-        response=sample.response, response_length=n, label=group.label,
+        response=sample.response, response_length=n,
+        label=group.label if sample.label is None else sample.label,
         reward=None if reward is None else float(reward), loss_mask=np.asarray(mask, dtype=np.int8),
         rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32),
         token_versions=np.asarray([start_version if v is None else v for v in versions], dtype=np.int32),

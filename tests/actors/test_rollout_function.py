@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,18 +60,6 @@ class CoreGroups:
 
     async def release(self, lease_id: str, group: PromptGroup) -> None:
         self.held[lease_id] -= 1
-
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """A running event loop in its own thread: the worker's loop, while the test plays the function's thread."""
-    running = asyncio.new_event_loop()
-    thread = threading.Thread(target=running.run_forever, daemon=True)
-    thread.start()
-    yield running
-    running.call_soon_threadsafe(running.stop)
-    thread.join(5)
-    running.close()
 
 
 def make_source(loop: asyncio.AbstractEventLoop, *, max_staleness: int = 1,

@@ -1,4 +1,4 @@
-"""slime's multi-turn SFT loss masks (`--loss-mask-type`, actors/rollout/loss_masks.py) on real tokenizers: the
+"""slime's multi-turn SFT loss masks (`--loss-mask-type`, actors/data/loss_masks.py) on real tokenizers: the
 tiny models' ChatML template (no default system prompt) and SmolLM2's (ChatML with one), and the SFT generate
 path that turns a conversation into a sample."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from actors.config import build_config
+from actors.data.loss_masks import multi_turn_tokens
 from actors.rollout.generate import RolloutContext
-from actors.rollout.loss_masks import multi_turn_tokens
 from bus.schema import PromptGroup
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3="},

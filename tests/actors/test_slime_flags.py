@@ -557,3 +557,18 @@ def test_megatrons_fp8_flags_are_settings_the_learner_refuses_and_transformer_im
     with pytest.raises(ValueError, match=r"--fp8-format e4m3: FP8 training is not implemented.*--fp8-recipe"):
         refuse_unsupported(flags, megatron_core=True)
     refuse_unsupported(configure(["--transformer-impl", "local"])[0].megatron.set_flags(), megatron_core=True)
+
+
+@pytest.mark.unit
+def test_slimes_rollout_buffer_flags_select_our_client_of_the_service() -> None:
+    example = "slime_plugins.rollout_buffer.rollout_buffer_example.generate_rollout"
+    config, args = configure(["--rollout-function-path", example, "--rollout-buffer-url", "http://svc:8889/",
+                              "--rollout-task-type", "agent", "--fetch-trajectory-retry-times", "4",
+                              "--min-batch-collection-ratio", "0.5", "--rollout-engine", "sglang",
+                              "--off-policy-correction", "none"])
+    assert config.rollout.rollout_function_path is None  # slime's client named: ours runs in its place
+    assert (config.agent.rollout_buffer_url, config.agent.rollout_task_type,
+            config.agent.fetch_trajectory_retry_times) == ("http://svc:8889", "agent", 4)
+    assert any(note.startswith("--min-batch-collection-ratio") for note in args.slime_translation.notes)
+    with pytest.raises(ValueError, match="slime's rollout-buffer client: it needs --rollout-buffer-url"):
+        configure(["--rollout-function-path", example])

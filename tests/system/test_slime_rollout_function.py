@@ -1,16 +1,21 @@
-"""A short real run driven by a slime-style whole-rollout function (--rollout-function-path) over the
-SGLang-compatible CPU server: it leases, over-samples and puts a group back, generates, and scores its own samples;
-slime's samples -> train-data conversion (--custom-convert-samples-to-train-data-path) shapes the training data."""
+"""Short real runs driven by a slime-style whole-rollout function over the SGLang-compatible CPU server: one of the
+user's (--rollout-function-path), which leases, over-samples and puts a group back, generates, and scores its own
+samples, slime's samples -> train-data conversion (--custom-convert-samples-to-train-data-path) shaping the training
+data; and our client of slime's rollout-buffer service (--rollout-buffer-url), the stand-in service generating
+through the server's /v1/chat/completions and scoring."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 
 from actors.slime_compat.sample import from_wire
 from bus.codec import decode
@@ -81,3 +86,72 @@ def test_slime_rollout_function_drives_a_training_run(tmp_path: Path, tiny_model
     # back; call 1 got 0:2 first and leased 0:3. A put-back group given up instead would wait out its lease.
     generated_by = [{(s.group_id, s.metadata["rollout_id"]) for s in samples} for samples in batches]
     assert generated_by == [{("0:0", 0), ("0:1", 0)}, {("0:2", 1), ("0:3", 1)}]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _serving(url: str, service: subprocess.Popen, timeout: float) -> None:
+    """Wait until the stand-in service answers, or fail saying why."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and service.poll() is None:
+        try:
+            requests.post(f"{url}/get_rollout_data", json={}, timeout=2)
+            return
+        except requests.ConnectionError:
+            time.sleep(0.1)
+    raise AssertionError(f"the stand-in rollout-buffer service did not answer at {url} within {timeout}s "
+                         f"(exit code {service.poll()})")
+
+
+@pytest.mark.system
+@pytest.mark.timeout(150)
+def test_slimes_rollout_buffer_service_generates_through_our_engine_and_its_groups_train(
+        tmp_path: Path, tiny_model_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n"
+                               for a in range(4) for b in range(3)))
+    url = f"http://127.0.0.1:{_free_port()}"
+    service = subprocess.Popen([sys.executable, "-m", "tools.standins.rollout_buffer_service", "--port",
+                                url.rsplit(":", 1)[1]], cwd=REPO)
+    try:
+        _serving(url, service, timeout=30)
+        run_dir, debug_dir = tmp_path / "run", tmp_path / "batches"
+        command = [
+            sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
+            "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(prompts), "--input-key", "prompt",
+            "--num-rollout", str(STEPS), "--rollout-batch-size", str(GROUPS), "--n-samples-per-prompt", "2",
+            "--max-staleness", "1", "--rollout-workers", "1", "--reward-workers", "1",
+            "--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
+            "--rollout-buffer-url", url, "--rollout-task-type", "math", "--rollout-buffer-timeout", "90",
+            "--off-policy-correction", "none", "--rollout-max-response-len", "16",
+            "--save-debug-rollout-data", str(debug_dir), "--final-eval-timeout", "0", "--heartbeat-interval",
+            "0.25", "--weight-transfer-timeout", "20", "--no-progress", "--no-use-tensorboard", "--no-plots",
+        ]
+        finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=140)
+    finally:
+        service.terminate()
+        service.wait(10)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+    batches = [decode(path.read_bytes()).samples for path in sorted(debug_dir.glob("batch_*.msgpack"))]
+    assert len(batches) == STEPS
+    for samples in batches:
+        assert len(samples) == GROUPS * 2
+        for sample in samples:
+            # The service's conversation, tokenised through the chat template; its own reward, not scored again.
+            assert isinstance(sample.prompt, list) and sample.prompt[-1]["content"].endswith("=")
+            assert sample.response_length > 0 and sample.loss_mask is not None and sample.loss_mask.all()
+            assert sample.rollout_log_probs is None
+            assert sample.reward == float(sample.label in sample.response.removesuffix("<|im_end|>\n"))
+            assert {"instance_id", "uid", "timestamp"} <= set(sample.metadata)
+        by_group: dict[str, set[int]] = {}
+        for sample in samples:
+            by_group.setdefault(sample.group_id, set()).add(sample.metadata["instance_id"])
+        assert all(len(ids) == 1 for ids in by_group.values())  # one of the service's groups per slot
+    rollout, reward = _counters(run_dir, "rollout-"), _counters(run_dir, "reward-")
+    assert rollout.get("rollout_fn.failed", 0) == 0 and rollout.get("rollout_fn.groups_invalid", 0) == 0
+    assert reward["samples.prescored"] >= STEPS * GROUPS * 2

@@ -70,7 +70,7 @@ from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
 from engines.sglang.weight_group import WeightGroup, join_weight_group
 from engines.weights import layouts
-from tools.standins.sglang_server import checksum, parsing
+from tools.standins.sglang_server import checksum, openai_chat, parsing
 from tools.standins.sglang_server.adapters import AdapterRoutes
 from tools.standins.sglang_server.args import DTYPES, parse_args
 from tools.standins.sglang_server.memory import ColocationRoutes
@@ -133,6 +133,7 @@ class CompatServer:
             web.post("/flush_cache", self.flush_cache),
             web.post("/update_weight_version", self.update_weight_version),
             web.get(protocol.WEIGHTS_CHECKER.path, self.weights_checker),  # SGLang's route takes GET and POST
+            web.post("/v1/chat/completions", self.chat_completions),  # for agent frameworks outside the run
         ]
         app.add_routes(routes)
         app.on_shutdown.append(self._shutdown)
@@ -251,6 +252,12 @@ class CompatServer:
                     )
                 )
         return web.json_response(body if batch or len(body) > 1 else body[0])
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        if (refused := self.memory.refusal("/v1/chat/completions")) is not None:
+            return refused
+        return await openai_chat.chat_completions(self.engine, request, model=self.args.model_path,
+                                                  context_length=self.context_length)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """As SGLang: `abort_all`, or every request whose rid STARTS WITH `rid`, if `rid` itself is in flight."""

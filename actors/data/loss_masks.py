@@ -16,6 +16,9 @@ Each type is how one template family is cut into messages, as slime cuts it:
 - `distill_qwen`: the first message as the prompt with the generation prompt, the last message's text as the whole
   response (no end-of-turn token: the R1 distills' template ends a turn with EOS the model writes itself).
 
+Shared by the rollout worker's SFT path (`actors/rollout/sft.py`) and the client of slime's rollout-buffer service
+(`actors/slime_compat/rollout_buffer.py`), which turns the service's conversations into samples as slime does.
+
 A message with `step_loss_mask` other than 1 is context even when it is the model's. slime's `qwen3_5` type (a
 character-level cut of the rendered text) is refused by name: no model family we build uses its template.
 """
@@ -26,14 +29,24 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from actors.config.sft import check_loss_mask_type
-from actors.rollout.generate import Tokenizer
-from actors.rollout.trajectory import render
+
+Tokenizer = Any  # a Hugging Face tokenizer with a chat template (the rollout path's `Tokenizer` protocol, and more)
 
 Message = Mapping[str, Any]
 Tools = Sequence[Mapping[str, Any]] | None
 DISTILL_MARK = "<｜Assistant｜>"  # in the added vocabulary of DeepSeek-R1's Qwen distills
 _PROBE = "probe"  # a user message's text; only the length of its rendering matters
 _STAND_IN = {"role": "user", "content": "context before the message"}
+
+
+def render(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
+           tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template (a list, or a mapping with "input_ids")."""
+    if tools is not None:
+        template_kwargs["tools"] = list(tools)
+    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                        tokenize=True, **template_kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def multi_turn_tokens(tokenizer: Tokenizer, messages: Sequence[Message], *, mask_type: str, tools: Tools = None,
