@@ -20,7 +20,8 @@ from actors.buffer.log import BufferLog
 from actors.buffer.waits import admission_state, batch_wait, gauges
 from actors.data.prompt_tokens import load_training_prompts
 from actors.data.prompts import PromptSource
-from actors.extensions.load import batch_selector, dynamic_filter
+from actors.extensions.load import batch_selector, dynamic_filter, generated_groups_hook
+from actors.extensions.points import GeneratedGroupsHook
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
@@ -62,6 +63,7 @@ class Buffer(Actor):
         super().__init__(context)
         self.core: BufferCore | None = None
         self.metrics_writer: MetricsWriter | None = None
+        self.generated: GeneratedGroupsHook | None = None
 
     async def on_start(self) -> None:
         config = self.config = self.settings.run
@@ -100,6 +102,7 @@ class Buffer(Actor):
         self.owners: dict[str, PeerStream] = {}  # the role each guest group's scored group goes back to
         self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request
         self.versions = LearnerVersions()  # whether the learner pushes weights: the engines move with it
+        self.generated = generated_groups_hook(config)  # sees each batch's groups and the groups dropped beside it
 
     async def run(self) -> None:
         """Expire leases as time passes; everything else is a reply to a message. A stop ends the wait between two
@@ -156,7 +159,10 @@ class Buffer(Actor):
         if outcome == "guest":
             self.spawn(self._hand_back(group), name=f"buffer.hand_back.{group.group_id}")
         elif outcome.startswith("dropped"):
-            self.log.info("group dropped", group=group.group_id, reason=outcome.split(".", 1)[1])
+            reason = outcome.split(".", 1)[1]
+            self.log.info("group dropped", group=group.group_id, reason=reason)
+            if self.generated is not None:
+                self.generated.dropped(group, reason)
         elif outcome in ("accepted", "adopted"):
             async with self.batch_ready:
                 self.batch_ready.notify_all()
@@ -196,6 +202,8 @@ class Buffer(Actor):
             self.open_batch = None
         if assembled.replayed:
             self.counters["batches.replayed"] += 1
+        elif self.generated is not None:
+            self._tell_generated(self.generated, assembled.batch_id, assembled.groups)
         staleness = np.asarray(assembled.staleness or [0], dtype=np.int64)
         self.metrics_writer.write(assembled.batch_id, {
             **gauges(self.core), "staleness.max": float(staleness.max()), "staleness.mean": float(staleness.mean()),
@@ -203,6 +211,15 @@ class Buffer(Actor):
         return Batch(batch_id=assembled.batch_id, samples=samples, staleness=list(assembled.staleness),
                      replayed=assembled.replayed, learner_version=assembled.learner_version,
                      left_out_samples=len(assembled.groups) * self.core.n_samples - count_episodes(samples))
+
+    def _tell_generated(self, hook: GeneratedGroupsHook, batch_id: int, groups: list[ScoredGroup]) -> None:
+        """The generated-groups hook on a batch first served; a user's plugin: whatever it raises, the run goes on
+        (counted and reported)."""
+        try:
+            hook.assembled(batch_id, groups)
+        except Exception as error:
+            self.counters["generated_groups_hook.raised"] += 1
+            self.log.error("generated-groups hook raised", batch=batch_id, error=f"{type(error).__name__}: {error}")
 
     @serves(FinalCommit)
     async def on_final_commit(self, sender: str, commit: FinalCommit) -> Ack:

@@ -126,9 +126,8 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
     """The buffer reads the training prompts and the eval sets (its eval rounds), the learner a recording."""
     problems = []
     recording = config.learner.load_debug_rollout_data
-    if "learner" in running and recording is not None and not (Path(recording) / "batch_000001.msgpack").is_file():
-        problems.append(f"--load-debug-rollout-data {recording}: no recorded batch there (batch_000001.msgpack, as "
-                        "--save-debug-rollout-data writes)")
+    if "learner" in running and recording is not None:
+        problems += _recording_problem(recording)
     if "buffer" not in running:
         return problems
     data = config.data
@@ -143,6 +142,24 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
         problems += _dataset_problem(f"--eval-prompt-data {name}", path, config, *own.eval_record_keys,
                                      own.eval_tool_key)
     return problems
+
+
+def _recording_problem(recording: str) -> list[str]:
+    """A folder of our recorded batches, or slime's rollout dumps: a file, or a {rollout_id} template (its batch-1
+    file, or the 0 file every batch falls back to, `actors.slime_compat.forge`)."""
+    if "{rollout_id}" not in recording and not recording.endswith(".pt") and not Path(recording).is_file():
+        if (Path(recording) / "batch_000001.msgpack").is_file():
+            return []
+        return [f"--load-debug-rollout-data {recording}: no recorded batch there (batch_000001.msgpack, as "
+                "--save-debug-rollout-data writes)"]
+    try:
+        first = Path(recording.format(rollout_id=0)) if "{rollout_id}" in recording else Path(recording)
+    except (KeyError, IndexError, ValueError) as error:
+        return [f"--load-debug-rollout-data {recording}: the only placeholder is {{rollout_id}} ({error!r})"]
+    if first.is_file():
+        return []
+    return [f"--load-debug-rollout-data {recording}: no rollout dump {first} (slime's --load-forge-rollout-data "
+            "file, or a {rollout_id} template's 0 file)"]
 
 
 def _dataset_problem(flag: str, path: str, config: RunConfig, input_key: str, label_key: str | None,

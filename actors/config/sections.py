@@ -266,6 +266,10 @@ class BufferConfig(Section):
                                            "num_samples) -> groups: picks which finished groups form the next "
                                            "training batch (the rest are taken oldest first)",
                                            json_schema_extra=plugin_for("buffer", builtins=(SLIME_BUFFER_FILTER,)))
+    rollout_all_samples_process_path: str | None = Field(
+        None, description="slime's fn(args, all_groups, data_source), called by the buffer as each batch forms with "
+        "its groups and every group dropped since the last (the dynamic filter's too)", json_schema_extra=plugin_for(
+            "buffer", builder="generated_groups_hook"))
     failed_sample_policy: FailedSamplePolicy = Field(
         "leave_out", description="a group with failed samples (an episode that raised or overran, a reward that "
         "failed): leave_out trains it on the others, normalised over them, while at least 2 remain; drop_group "
@@ -345,7 +349,8 @@ class LearnerConfig(Section):
     debug_rollout_only: bool = Field(False, description="generate and score, never train")
     debug_train_only: bool = Field(False, description="train on --load-debug-rollout-data, no generation")
     save_debug_rollout_data: str | None = Field(None, description="write every batch to this directory")
-    load_debug_rollout_data: str | None = Field(None, description="read batches from this directory")
+    load_debug_rollout_data: str | None = Field(None, description="read batches from this directory, or from "
+                                                "slime's rollout dumps: a .pt file, or a {rollout_id} template")
     load_debug_rollout_data_subsample: float | None = Field(
         None, gt=0, le=1, description="train on this fraction of each replayed batch's groups: the first half of "
         "them from the batch's start, the rest from its end (slime's cut, by whole groups here)")
@@ -368,6 +373,10 @@ class LearnerConfig(Section):
         None, description="slime's fn(args, rollout_id, rollout_data), called on each learner rank's samples after "
         "the advantages: the loss_masks and advantages it leaves are what the step trains on",
         json_schema_extra=plugin_for("learner"))
+    rollout_sample_filter_path: str | None = Field(
+        None, description="slime's fn(args, groups) on each batch's groups: the samples it marks remove_sample train "
+        "nothing (an all-zero loss mask) and still count in their group's normalisation", json_schema_extra=plugin_for(
+            "learner", builder="batch_rewrite"))
     custom_advantage_function_path: str | None = Field(None, description="slime's advantage hook "
                                                        "(args, rollout_data) that fills rollout_data['advantages'] "
                                                        "and ['returns'] in place of --advantage-estimator",

@@ -130,6 +130,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     _rollout_logprobs_alone(args)
     _sft_rollout(args, result)
     _rollout_buffer_example(args)
+    _forge_rollout(args)
     for flag, row in SLIME_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is None:
@@ -222,6 +223,20 @@ def _rollout_buffer_example(args: argparse.Namespace) -> None:
     args.rollout_function_path = None
 
 
+SLIME_FORGE_ROLLOUT = "slime.rollout.forge_load.generate_rollout"
+
+
+def _forge_rollout(args: argparse.Namespace) -> None:
+    """slime's forge replay names its loader as the rollout function; here the learner reads the dumps
+    (--load-forge-rollout-data) in place of the buffer's batches, so the path goes."""
+    if getattr(args, "rollout_function_path", None) != SLIME_FORGE_ROLLOUT:
+        return
+    if not getattr(args, _dest("--load-forge-rollout-data"), None):
+        raise ValueError(f"--rollout-function-path {SLIME_FORGE_ROLLOUT} is slime's forge replay: it needs "
+                         "--load-forge-rollout-data, the dump's path (a .pt file or a {rollout_id} template)")
+    args.rollout_function_path = None
+
+
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
 SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
 
@@ -270,6 +285,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         _set(args, "eval_set_settings", settings, flag)
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
+    elif flag == "--load-forge-rollout-data":
+        _set(args, "load_debug_rollout_data", value, flag)  # a file or a {rollout_id} template: slime's dumps
     elif flag == "--max-tokens-per-gpu":
         _set(args, "micro_batch_tokens", value, flag)
     elif flag == "--keep-old-actor":

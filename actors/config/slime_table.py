@@ -68,8 +68,6 @@ DISK_SYNC = ("(--weight-transport disk: each push written into a folder the lear
              "each full push with /update_weights_from_disk; docs/reliability.md)")
 ROLLOUT_BUFFER = ("the rollout worker is slime's rollout-buffer client (actors/slime_compat/rollout_buffer.py, "
                   "docs/agents.md)")
-NOT_ROLLOUT_BUFFER = ("a hook of slime's default rollout function (sglang_rollout.generate_rollout), not of the "
-                      "rollout-buffer service; our rollout workers do not call it yet")
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
 
 SLIME_FLAGS: dict[str, SlimeFlag] = {
@@ -379,10 +377,11 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                        "template's folder receives batch_NNNNNN.msgpack files"),
     "--load-debug-rollout-data": _same("value", "a {rollout_id} template is read as its folder, as for "
                                        "--save-debug-rollout-data"),
-    "--load-forge-rollout-data": _refused("replaying slime's forge dumps is not available (torch pickles of slime "
-                                          "Samples that slime.rollout.forge_load replays while the engines stay "
-                                          "live, for memory tests); --load-debug-rollout-data replays our own "
-                                          "msgpack batches, without engines", "value"),
+    "--load-forge-rollout-data": _alias("-> --load-debug-rollout-data PATH: slime's rollout dumps (a .pt file "
+                                        "reused for every batch, or a {rollout_id} template falling back to its 0 "
+                                        "file) read with torch.load(weights_only=True), plain values only, in "
+                                        "place of the buffer's batches; engines still start and take every push "
+                                        "unless --debug-train-only (slime's forge_load rollout function goes)"),
     "--load-debug-rollout-data-subsample": _same("value", "of each replayed batch, int(groups x fraction) whole "
                                                  "groups: half from its start, the rest from its end, as slime "
                                                  "cuts samples"),
@@ -421,8 +420,14 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--loss-mask-type": _same("value", "qwen, qwen3 and distill_qwen cut an SFT conversation as slime's do "
                                        "(actors/data/loss_masks.py); qwen3_5 is refused"),
     "--data-pad-size-multiplier": _explained("packing chooses its own padding", "value", int),
-    "--rollout-sample-filter-path": _refused(NOT_ROLLOUT_BUFFER, "value"),
-    "--rollout-all-samples-process-path": _refused(NOT_ROLLOUT_BUFFER, "value"),
+    "--rollout-sample-filter-path": _same("value", "fn(args, groups) on each batch's groups, called by the "
+                                          "learner before the other batch hooks; a sample it marks remove_sample "
+                                          "trains with an all-zero loss mask and stays in its group's "
+                                          "normalisation, as slime"),
+    "--rollout-all-samples-process-path": _same("value", "fn(args, all_groups, data_source), called by the buffer "
+                                                "as each batch forms: its groups and every group dropped since the "
+                                                "last (the dynamic filter's too); data_source is a stand-in that "
+                                                "raises, the buffer owns the prompt cursor"),
     # --- CI ---
     "--ci-test": _explained(CI),
     "--ci-disable-kl-checker": _explained(CI),

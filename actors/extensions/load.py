@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 from actors.config import RunConfig
 from actors.extensions.points import (
     AdvantageFunction,
+    BatchReader,
     BatchRewrite,
     BatchSelector,
     EvalLogHook,
+    GeneratedGroupsHook,
     GroupFilter,
     PolicyLossFunction,
     RolloutLogHook,
@@ -155,11 +157,35 @@ def pg_loss_reducer(config: RunConfig) -> PgReducer | None:
 
 def batch_rewrite(config: RunConfig) -> BatchRewrite | None:
     """slime's whole-batch hooks: its samples -> train-data conversion, which replaces its reward post-process too
-    (with both set, only the conversion runs), or the reward post-process alone."""
+    (with both set, only the conversion runs), or the reward post-process alone; its rollout sample filter
+    (`--rollout-sample-filter-path`) first, as slime's rollout function calls it before either."""
     from actors.slime_compat.plugins import load_reward_post_process
+    from actors.slime_compat.rollout_hooks import load_sample_filter
     from actors.slime_compat.train_data import load_convert_samples
 
-    return load_convert_samples(config) or load_reward_post_process(config)
+    rewrite = load_convert_samples(config) or load_reward_post_process(config)
+    sample_filter = load_sample_filter(config)
+    if sample_filter is None:
+        return rewrite
+    if rewrite is None:
+        return BatchRewrite(sample_filter, rewards_as_given=False)
+    return BatchRewrite(lambda samples: rewrite(sample_filter(samples)), rewards_as_given=rewrite.rewards_as_given)
+
+
+def generated_groups_hook(config: RunConfig) -> GeneratedGroupsHook | None:
+    """slime's `--rollout-all-samples-process-path`, fed by the buffer with every group generated for each batch
+    (the dropped ones too), or None."""
+    from actors.slime_compat.rollout_hooks import load_all_samples_process
+
+    return load_all_samples_process(config)
+
+
+def recorded_batch_reader(config: RunConfig) -> BatchReader | None:
+    """The reader of `--load-debug-rollout-data` when it names slime's rollout dumps (a file or a {rollout_id}
+    template: slime's `--load-forge-rollout-data`), or None for a folder of our recorded batches."""
+    from actors.slime_compat.forge import dump_batch_reader
+
+    return dump_batch_reader(config)
 
 
 def check_rollout_loop(config: RunConfig) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bus.schema import Sample, ScoredGroup
+from bus.schema import Batch, Sample, ScoredGroup
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -24,6 +24,17 @@ if TYPE_CHECKING:
 BatchSelector = Callable[[list[ScoredGroup], int, int], list[str]]
 # A dynamic-sampling filter over one scored group: a drop reason, or None to keep it.
 GroupFilter = Callable[[ScoredGroup], "str | None"]
+# A recording's batch N, read for the learner at version v: (N, v) -> the batch.
+BatchReader = Callable[[int, int], Batch]
+
+
+class GeneratedGroupsHook(Protocol):
+    """Sees every group generated for each training batch, the dropped ones too: the buffer tells it each group it
+    drops (`dropped`) and, when a batch is first assembled, the groups that batch trains (`assembled`)."""
+
+    def dropped(self, group: ScoredGroup, reason: str) -> None: ...
+
+    def assembled(self, batch_id: int, groups: Sequence[ScoredGroup]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -85,5 +96,5 @@ class EvalLogHook(Protocol):
     def __call__(self, version: int, dataset: str, samples: Sequence[Sample], metrics: dict[str, Any]) -> bool: ...
 
 
-__all__ = ["AdvantageFunction", "BatchRewrite", "BatchSelector", "EvalLogHook", "GroupFilter", "PolicyLossFunction",
-           "RolloutLogHook", "RolloutLoop", "SelectionError"]
+__all__ = ["AdvantageFunction", "BatchReader", "BatchRewrite", "BatchSelector", "EvalLogHook", "GeneratedGroupsHook",
+           "GroupFilter", "PolicyLossFunction", "RolloutLogHook", "RolloutLoop", "SelectionError"]

@@ -1,9 +1,9 @@
 """Where the learner's batches come from and what training them means, as small strategies picked once.
 
-Sources: the buffer (the normal run), a directory of recorded batches (`--load-debug-rollout-data`), and a
-recorder around either (`--save-debug-rollout-data`). Trainings: the real one, and `--debug-rollout-only`'s,
-which trains nothing and only counts versions so the rest of the run (evaluation rounds, staleness) moves on.
-The learner's loop is the same whatever was picked; the debug modes live here and nowhere else.
+Sources: the buffer (the normal run), recorded batches (`--load-debug-rollout-data`: a directory of ours, or
+slime's rollout dumps), and a recorder around either (`--save-debug-rollout-data`). Trainings: the real one, and
+`--debug-rollout-only`'s, which trains nothing and only counts versions so the rest of the run (evaluation rounds,
+staleness) moves on. The learner's loop is the same whatever was picked; the debug modes live here and nowhere else.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import msgspec
 
 from actors.config import RunConfig
+from actors.extensions.load import recorded_batch_reader
+from actors.extensions.points import BatchReader
 from actors.learner.ranks import CollectiveTrainer
 from actors.learner.step import PreparedBatch, StepReport, TrainingStep
 from bus.codec import decode, encode
@@ -78,15 +80,22 @@ class BufferSource:
 
 
 class RecordedBatches:
-    """`--load-debug-rollout-data`: batch N is `batch_{N:06d}.msgpack` in the directory; a gap is an error.
-    `subsample` (`--load-debug-rollout-data-subsample`): train on that fraction of each batch (`subsampled`)."""
+    """`--load-debug-rollout-data`: batch N is `batch_{N:06d}.msgpack` in the directory; a gap is an error. Or
+    another framework's rollout dumps, batch N read at the learner's version by `read` (slime's, see
+    `actors.extensions.load.recorded_batch_reader`). `subsample` (`--load-debug-rollout-data-subsample`): train on
+    that fraction of each batch (`subsampled`)."""
 
-    def __init__(self, directory: Path, subsample: float | None = None) -> None:
+    def __init__(self, directory: Path, subsample: float | None = None, *,
+                 read: BatchReader | None = None) -> None:
         self.directory = directory
         self.subsample = subsample
+        self.read = read
 
     async def next(self, progress: Progress, *, ahead: bool = False) -> Batch | None:
         batch_id = progress.trained_batch + 1
+        if self.read is not None:
+            batch = await asyncio.to_thread(self.read, batch_id, progress.learner_version)
+            return batch if self.subsample is None else subsampled(batch, self.subsample)
         path = self.directory / f"batch_{batch_id:06d}.msgpack"
         if not path.exists():
             raise FileNotFoundError(f"--load-debug-rollout-data: {path} missing (batch {batch_id})")
@@ -197,7 +206,8 @@ def pick_source(config: RunConfig, buffer: Any, counters: Counter[str], log: Any
     source: BatchSource
     if config.learner.load_debug_rollout_data:
         source = RecordedBatches(Path(config.learner.load_debug_rollout_data),
-                                 subsample=config.learner.load_debug_rollout_data_subsample)
+                                 subsample=config.learner.load_debug_rollout_data_subsample,
+                                 read=recorded_batch_reader(config))
     else:
         source = BufferSource(buffer, counters, log)
     if config.learner.save_debug_rollout_data:

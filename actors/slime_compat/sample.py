@@ -24,7 +24,9 @@ import numpy as np
 from bus.schema import PromptGroup
 from bus.schema import Sample as WireSample
 
-__all__ = ["Sample", "from_group", "from_wire", "to_wire"]
+__all__ = ["REMOVED", "Sample", "from_group", "from_wire", "to_wire"]
+
+REMOVED = "remove_sample"  # in a wire sample's metadata: slime's remove_sample was set (its loss mask is all zero)
 
 
 @dataclass
@@ -148,6 +150,7 @@ def from_wire(sample: WireSample) -> Sample:
         weight_versions=[] if sample.token_versions is None or not len(sample.token_versions)
         else [str(int(sample.token_versions.min()))],
         status=Sample.Status(sample.status), metadata=dict(sample.metadata),
+        remove_sample=bool(sample.metadata.get(REMOVED, False)),
     )
 
 
@@ -184,6 +187,7 @@ def to_wire(sample: Sample, group: PromptGroup, index: int, *, start_version: in
         reward=None if reward is None else float(reward), loss_mask=np.asarray(mask, dtype=np.int8),
         rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32),
         token_versions=np.asarray([start_version if v is None else v for v in versions], dtype=np.int32),
-        status=status, metadata={**group.metadata, **sample.metadata, "data_index": group.data_index},
+        status=status, metadata={**group.metadata, **sample.metadata, "data_index": group.data_index,
+                                 **({REMOVED: True} if sample.remove_sample else {})},
         error=None,
     )

@@ -3,6 +3,7 @@ fill any shortfall, an unusable answer is counted and the batch taken oldest-fir
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from actors.config.flags import build_config
 from actors.data.prompts import PromptRecord, PromptSource
 from actors.slime_compat import Sample, pop_first
 from actors.slime_compat.buffer_filter import load_buffer_filter
-from bus.schema import PromptGroup, ScoredGroup
+from bus.schema import Batch, BatchRequest, PromptGroup, ScoredGroup
 from bus.schema import Sample as WireSample
 from policies.plugins import PluginError
+from tests.actors.test_buffer_core import _buffer_actor
 
 pytestmark = pytest.mark.unit
 
@@ -194,3 +196,46 @@ def test_a_filter_without_slimes_signature_is_refused_at_start_up() -> None:
     with pytest.raises(PluginError, match="--buffer-filter-path"):
         load_buffer_filter(build_config({"buffer_filter_path": f"{__name__}:no_such_filter"}))
     assert load_buffer_filter(build_config({"buffer_filter_path": "slime.rollout.data_source.pop_first"})) is None
+
+
+PROCESSED: list[dict[str, Any]] = []
+
+
+def record_all_groups(args, all_groups, data_source):
+    """slime's --rollout-all-samples-process-path: sees every group generated for the batch."""
+    PROCESSED.append({"rewards": [tuple(float(s.reward) for s in group) for group in all_groups],
+                      "data_indexes": [group[0].group_index for group in all_groups], "data_source": data_source})
+
+
+@pytest.mark.integration
+def test_the_all_samples_hook_sees_each_batch_with_the_groups_the_dynamic_filter_dropped(tmp_path: Path) -> None:
+    """Called once when batch 1 first forms (not when it is served again): its 3 groups and the 2 groups the dynamic
+    filter dropped before it, sorted by prompt as slime sorts them; slime's data_source is a stand-in that says why
+    it cannot be used."""
+    PROCESSED.clear()
+    rewards = [(1.0, 0.0), (1.0, 1.0), (0.0, 1.0), (0.0, 0.0), (0.5, 1.0)]  # the 2nd and 4th have no spread
+
+    async def scenario() -> list[Batch]:
+        buffer = _buffer_actor(tmp_path, dynamic_sampling_filter_path="nonzero_std",
+                               rollout_all_samples_process_path=f"{__name__}:record_all_groups")
+        await buffer.on_start()
+        leased = buffer.core.lease("w", len(rewards))
+        assert leased is not None
+        lease_id, groups = leased
+        for group, reward in zip(groups, rewards, strict=True):
+            await buffer.on_scored("reward-0", scored(group, lease_id, reward))
+        request = BatchRequest(learner_version=0, trained_batch=0, checkpointed_batch=0)
+        served = [await buffer.on_batch_request("learner-0", request) for _ in range(2)]  # the second: a re-ask
+        await buffer.on_stop()
+        buffer.zmq.destroy(linger=0)
+        return served
+
+    first, again = asyncio.run(scenario())
+    assert isinstance(first, Batch) and len(first.samples) == B * N and again.replayed
+    [call] = PROCESSED
+    assert sorted(call["rewards"]) == sorted(rewards)  # the 3 trained groups and the 2 dropped ones
+    assert call["data_indexes"] == sorted(call["data_indexes"])
+    with pytest.raises(RuntimeError, match="the buffer owns the prompt cursor"):
+        call["data_source"](1)
+    with pytest.raises(RuntimeError, match="the buffer owns the prompt cursor"):
+        call["data_source"].get_samples(1)

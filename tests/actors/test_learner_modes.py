@@ -85,3 +85,58 @@ def test_a_subsampled_replay_trains_whole_groups_from_the_batchs_start_and_end(t
     assert [s.group_id for s in subsampled(recorded, 0.01).samples] == ["g4", "g4"]  # never an empty batch
     with pytest.raises(ValueError, match="load_debug_rollout_data_subsample needs load_debug_rollout_data"):
         build_config({"load_debug_rollout_data_subsample": 0.5})
+
+
+def slime_sample(index: int, group_index: int, reward: object, **extra: object) -> dict[str, object]:
+    """One sample as slime's `Sample.to_dict()` writes it into a rollout dump (every field, status as its value)."""
+    return {"group_index": group_index, "index": index, "rollout_id": None, "prompt": f"{group_index}+1=",
+            "tokens": [5, 6, 7, 8, 9], "multimodal_inputs": None, "multimodal_train_inputs": None, "response": "ab",
+            "response_length": 2, "label": str(group_index + 1), "reward": reward, "loss_mask": None,
+            "weight_versions": ["3"], "rollout_log_probs": [-0.5, -0.25], "remove_sample": False,
+            "status": "completed", "metadata": {"source": "dump"}, "train_metadata": None,
+            "spec_info": {"spec_accept_token_num": 0}, "prefix_cache_info": {"cached_tokens": 0}, **extra}
+
+
+@pytest.mark.unit
+def test_slimes_rollout_dumps_replay_as_batches_of_whole_groups(tmp_path: Path) -> None:
+    """--load-forge-rollout-data: slime's torch-saved dumps, read without unpickling code; a {rollout_id} template
+    falls back to its 0 file; groups by group_index; remove_sample trains nothing; a dict reward at --reward-key;
+    tokens at the learner's version."""
+    import torch
+
+    samples = [slime_sample(0, 7, {"acc": 1.0}), slime_sample(1, 7, {"acc": 0.0}, remove_sample=True),
+               slime_sample(2, 9, {"acc": 0.5}), slime_sample(3, 9, {"acc": 0.0}, loss_mask=[0, 1])]
+    torch.save({"rollout_id": 0, "samples": samples}, tmp_path / "0.pt")
+    torch.save({"rollout_id": 1, "samples": samples[:2]}, tmp_path / "1.pt")
+    config = build_config({"hf_checkpoint": str(tmp_path), "n_samples_per_prompt": 2, "reward_key": "acc",
+                           "load_debug_rollout_data": str(tmp_path / "{rollout_id}.pt")})
+    source = pick_source(config, buffer=None, counters=None, log=None)
+    first, second, third = (asyncio.run(source.next(Progress(learner_version=v, trained_batch=v,
+                                                             checkpointed_batch=0))) for v in (0, 1, 2))
+    assert [len(b.samples) for b in (first, second, third)] == [4, 2, 4]  # batch 3 has no 2.pt: 0.pt again
+    assert [(s.group_id, s.index) for s in first.samples] == [("forge-1-0", 0), ("forge-1-0", 1), ("forge-1-1", 0),
+                                                              ("forge-1-1", 1)]
+    assert [s.reward for s in first.samples] == [1.0, 0.0, 0.5, 0.0]
+    assert [s.loss_mask.tolist() for s in first.samples] == [[1, 1], [0, 0], [1, 1], [0, 1]]
+    assert first.samples[1].metadata["remove_sample"] is True
+    assert third.samples[0].token_versions.tolist() == [2, 2] and third.staleness == [0, 0, 0, 0]
+    assert first.samples[0].prompt_tokens == 3 and first.samples[0].metadata["data_index"] == 7
+    assert first.samples[0].rollout_log_probs.tolist() == [-0.5, -0.25]
+
+
+@pytest.mark.unit
+def test_a_rollout_dump_of_pickled_objects_is_refused_not_unpickled(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    torch.save({"samples": [slime_sample(0, 0, 1.0, rollout_log_probs=np.zeros(2))]}, tmp_path / "dump.pt")
+    config = build_config({"hf_checkpoint": str(tmp_path), "n_samples_per_prompt": 1,
+                           "load_debug_rollout_data": str(tmp_path / "dump.pt")})
+    source = pick_source(config, buffer=None, counters=None, log=None)
+    with pytest.raises(ValueError, match=r"--load-forge-rollout-data .*dump\.pt: not a dump of plain values "
+                                         r"\(torch\.load weights_only=True refused it"):
+        asyncio.run(source.next(at(0)))
+    torch.save({"samples": [slime_sample(0, 0, None)]}, tmp_path / "unscored.pt")
+    config = config.with_settings(load_debug_rollout_data=str(tmp_path / "unscored.pt"))
+    with pytest.raises(ValueError, match=r"unscored\.pt: sample 0: reward None is not a number"):
+        asyncio.run(pick_source(config, buffer=None, counters=None, log=None).next(at(0)))

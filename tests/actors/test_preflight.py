@@ -115,6 +115,14 @@ def test_a_training_only_run_needs_its_recording_not_prompts(tmp_path: Path, tin
     (tmp_path / "recording").mkdir()
     (tmp_path / "recording" / "batch_000001.msgpack").write_bytes(b"")
     assert preflight(config, {"controller": 1, "buffer": 1, "learner": 1}) == []
+    dumps = str(tmp_path / "dumps" / "{rollout_id}.pt")  # slime's rollout dumps (--load-forge-rollout-data)
+    config = config.with_settings(load_debug_rollout_data=dumps)
+    assert preflight(config, {"learner": 1}) == [
+        f"--load-debug-rollout-data {dumps}: no rollout dump {tmp_path / 'dumps' / '0.pt'} (slime's "
+        "--load-forge-rollout-data file, or a {rollout_id} template's 0 file)"]
+    (tmp_path / "dumps").mkdir()
+    (tmp_path / "dumps" / "0.pt").write_bytes(b"")
+    assert preflight(config, {"learner": 1}) == []
 
 
 @pytest.mark.unit
@@ -171,12 +179,13 @@ LOADED_BY = {
                      "agent_function_path", "agent_tools_path", "agent_environment_path", "agent_tool_schemas_path",
                      "rollout_engine"), ("rollout",)),
     "weight_transport": ("rollout", "learner"),
-    **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path"), ("buffer",)),
+    **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path", "rollout_all_samples_process_path"),
+                    ("buffer",)),
     **dict.fromkeys(("custom_reward_post_process_path", "custom_advantage_function_path",
                      "custom_convert_samples_to_train_data_path", "train_backend", "custom_megatron_init_path",
                      "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path",
                      "custom_rollout_log_function_path", "rollout_data_postprocess_path",
-                     "custom_pg_loss_reducer_function_path"),
+                     "custom_pg_loss_reducer_function_path", "rollout_sample_filter_path"),
                     ("learner",)),
     "custom_eval_rollout_log_function_path": ("evaluator",),
     **dict.fromkeys(("rm_type", "custom_rm_path"), ("reward",)),

@@ -572,3 +572,20 @@ def test_slimes_rollout_buffer_flags_select_our_client_of_the_service() -> None:
     assert any(note.startswith("--min-batch-collection-ratio") for note in args.slime_translation.notes)
     with pytest.raises(ValueError, match="slime's rollout-buffer client: it needs --rollout-buffer-url"):
         configure(["--rollout-function-path", example])
+
+
+@pytest.mark.unit
+def test_slimes_forge_replay_is_our_replay_of_its_dumps_and_its_loader_goes() -> None:
+    """slime's forge pair (its loader as the rollout function, the dump's path) is the learner's replay of the
+    dumps; the loader without a dump is slime's own error; the hooks of slime's default rollout are settings."""
+    loader = "slime.rollout.forge_load.generate_rollout"
+    config, _ = configure(["--rollout-function-path", loader, "--load-forge-rollout-data", "/d/{rollout_id}.pt",
+                           "--rollout-sample-filter-path", "m:f", "--rollout-all-samples-process-path", "m:g"])
+    assert config.rollout.rollout_function_path is None
+    assert config.learner.load_debug_rollout_data == "/d/{rollout_id}.pt"  # kept a template: slime's files
+    assert (config.learner.rollout_sample_filter_path, config.buffer.rollout_all_samples_process_path) == ("m:f",
+                                                                                                         "m:g")
+    with pytest.raises(ValueError, match="slime's forge replay: it needs --load-forge-rollout-data"):
+        configure(["--rollout-function-path", loader])
+    with pytest.raises(ValueError, match="--load-forge-rollout-data sets --load-debug-rollout-data"):
+        configure(["--load-forge-rollout-data", "/d/0.pt", "--load-debug-rollout-data", "/e"])

@@ -131,3 +131,56 @@ def test_with_advantages_disabled_the_hook_gets_zeros_and_its_advantages_train(
     [(seen, _ends)] = trainer.steps
     for wire, sample in zip(engine_samples, seen, strict=True):
         assert sample.advantages.tolist() == [wire.reward - 0.5] * wire.response_length
+
+
+def remove_each_groups_last(args, groups):
+    """slime's --rollout-sample-filter-path: marks samples; slime trains nothing of them (its contract test's)."""
+    SEEN.update(groups=[[s.index for s in group] for group in groups])
+    for group in groups:
+        group[-1].remove_sample = True
+
+
+@pytest.mark.integration
+def test_the_rollout_sample_filter_removes_exactly_the_marked_samples_from_the_trained_batch(
+        tiny_model_path: Path, engine_samples: list[Sample]) -> None:
+    """The marked samples train nothing (an all-zero loss mask, so they are not in the optimizer's samples at all);
+    the others train as without the filter, advantages included: the marked ones still count in their group's
+    reward normalisation, as slime's note says."""
+    plain, filtered = _trainer(tiny_model_path), _trainer(tiny_model_path)
+    base = {"hf_checkpoint": str(tiny_model_path), "rollout_batch_size": 2, "n_samples_per_prompt": 4, "lr": 1e-2}
+    TrainingStep(plain, build_config(base)).train(engine_samples, [0] * len(engine_samples))
+    SEEN.clear()
+    report = TrainingStep(filtered, build_config({**base, "rollout_sample_filter_path": f"{HERE}:"
+                                                  "remove_each_groups_last"})).train(engine_samples,
+                                                                                      [0] * len(engine_samples))
+    by_group: dict[str, list[int]] = {}
+    for sample in engine_samples:
+        by_group.setdefault(sample.group_id, []).append(sample.index)
+    assert SEEN["groups"] == list(by_group.values()) and len(by_group) > 1  # whole groups, in the batch's order
+    [(every, _)], [(trained, _)] = plain.steps, filtered.steps
+    marked = {tuple(s.tokens.tolist()) for s in engine_samples if s.index == by_group[s.group_id][-1]}
+    trained_by_tokens = {tuple(s.tokens.tolist()): s for s in trained}
+    assert marked and not marked & set(trained_by_tokens), "a marked sample is in the optimizer's batch"
+    kept = [s for s in every if tuple(s.tokens.tolist()) not in marked]
+    assert sorted(trained_by_tokens) == sorted(tuple(s.tokens.tolist()) for s in kept)
+    for before in kept:
+        after = trained_by_tokens[tuple(before.tokens.tolist())]
+        assert torch.equal(after.loss_mask, before.loss_mask)
+        torch.testing.assert_close(after.advantages, before.advantages)
+    assert report.metrics["rollout/samples"] == len(engine_samples)
+
+
+def mark_with_a_number(args, groups):
+    groups[0][0].remove_sample = 1
+
+
+@pytest.mark.unit
+def test_a_rollout_sample_filter_that_marks_with_a_non_bool_is_an_error_naming_it(
+        engine_samples: list[Sample]) -> None:
+    from actors.extensions.load import batch_rewrite
+
+    rewrite = batch_rewrite(build_config({"rollout_sample_filter_path": f"{HERE}:mark_with_a_number"}))
+    assert rewrite is not None and not rewrite.rewards_as_given
+    with pytest.raises(TypeError, match=r"--rollout-sample-filter-path .*mark_with_a_number.*set remove_sample of "
+                                        r"sample \S+ to 1; expected True or False"):
+        rewrite(list(engine_samples))

@@ -2,7 +2,8 @@
 
 This is how a user separates "is generation right?" from "is training right?": the second run must train on
 exactly the batches the first run recorded, with no rollout worker or reward worker running. The first run
-also checks that the run waits for the final version's eval round instead of cutting it off.
+also checks that the run waits for the final version's eval round instead of cutting it off. slime's forge replay
+(its rollout dumps trained on while the engines stay up) is the same replay with engines.
 """
 
 from __future__ import annotations
@@ -123,3 +124,33 @@ def test_recorded_rollouts_replay_into_a_training_only_run(tiny_model_path: Path
     split = load_file(str(split_rows / "final_model" / "model.safetensors"))
     for name in one:
         torch.testing.assert_close(split[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def dumped_sample(index: int, group_index: int, reward: float) -> dict[str, object]:
+    """A sample as slime's `Sample.to_dict()` writes it into a rollout dump (the fields a replay reads, and two of
+    the counters it leaves out)."""
+    return {"group_index": group_index, "index": index, "prompt": f"{group_index}+1=", "tokens": [40, 41, 42, 43, 44],
+            "response": "xyz", "response_length": 3, "label": "1", "reward": reward, "loss_mask": None,
+            "rollout_log_probs": [-1.0, -1.0, -1.0], "remove_sample": False, "status": "completed", "metadata": {},
+            "spec_info": {}, "prefix_cache_info": {}}
+
+
+@pytest.mark.system
+def test_slimes_forge_replay_trains_on_its_dumps_while_the_engines_take_every_push(tiny_model_path: Path,
+                                                                                  tmp_path: Path) -> None:
+    """slime's forge pair as a slime script gives it: the learner trains on the dump (batch 2 has no 1.pt, so 0.pt
+    again), no buffer runs, and the rollout worker's engine stays up and takes both pushes, fingerprints matched."""
+    torch.save({"rollout_id": 0, "samples": [dumped_sample(0, 0, 1.0), dumped_sample(1, 0, 0.0),
+                                             dumped_sample(2, 1, 0.0), dumped_sample(3, 1, 1.0)]}, tmp_path / "0.pt")
+    forged = tmp_path / "forged"
+    run(["--run-dir", str(forged), "--hf-checkpoint", str(tiny_model_path), "--num-rollout", "2",
+         "--rollout-function-path", "slime.rollout.forge_load.generate_rollout",
+         "--load-forge-rollout-data", str(tmp_path / "{rollout_id}.pt"), "--rollout-workers", "1",
+         "--reward-workers", "0"])
+    trained = {row["batch_id"]: row["sample_ids"] for row in jsonl(forged / "metrics" / "trained_samples.jsonl")}
+    assert trained == {b: [f"forge-{b}-{g}/{i}" for g in (0, 1) for i in (0, 1)] for b in (1, 2)}
+    assert [row["version"] for row in jsonl(forged / "metrics" / "train.jsonl")] == [1, 2]
+    checks = jsonl(forged / "metrics" / "weight_checks.jsonl")
+    assert {1, 2} <= {row["version"] for row in checks}  # (and the first weights, when checked before batch 1)
+    assert all(row["matched"] == ["rollout-0-0"] and not row["differ"] for row in checks)
+    assert not (forged / "buffer").exists()
