@@ -335,7 +335,7 @@ def test_the_head_attaches_a_rollout_worker_to_each_server_its_router_lists(
         assert f"sglang-router {url} lists 2 SGLang server(s)" in said
         assert "left out as unhealthy: http://127.0.0.1:30003" in said
 
-        with pytest.raises(launcher.LaunchError, match="--rollout-workers 3, but sglang-router .* lists 2 server"):
+        with pytest.raises(launcher.LaunchError, match=r"--rollout-workers 3, but sglang-router .* lists 2 server"):
             _prepare(tmp_path, monkeypatch, 0, *slime_flags, "--rollout-workers", "3")
         router.workers.clear()
         with pytest.raises(launcher.LaunchError, match=f"sglang-router {url}: no SGLang server to attach to within "
