@@ -55,6 +55,7 @@ from actors.launch.placement import (
 )
 from actors.launch.policy_scopes import Scope, role_scopes, write_policy_configs
 from actors.launch.resume import interrupted_note, resume_command, resume_step
+from actors.launch.router_servers import attach_router_servers
 from actors.launch.supervisor import Supervisor
 from actors.report.progress import Followed, ProgressStart, follow_learners
 from actors.report.run_clock import RunClock
@@ -360,6 +361,8 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
         if args.head and config.placement.actor_num_nodes > 1 and config.placement.learner_world_address is None:
             # before any node asks for the settings: every node's learner ranks meet rank 0 here, at every restart
             config = config.with_settings(learner_world_address=f"tcp://{args.host}:{free_port(args.host)}")
+        # after the other nodes' counts: a node given the router attaches none of its servers, the head all
+        config = attach_router_servers(config, head=args.head, rollout_workers=args.rollout_workers)
     counts = node_actor_counts(args, customs, config)
     if config.learner.load_debug_rollout_data and args.roles is None:
         # a replay's learner reads its batches from disk: a buffer would have no prompts, and crash until the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -25,6 +26,12 @@ class EngineConfig(Section):
     rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs (tensor parallel ranks) per SGLang server")
     sglang_url: list[str] = Field(default_factory=list, description="attach to these running SGLang servers "
                                   "(one per rollout worker, in worker order) instead of launching them")
+    sglang_router_url: str | None = Field(
+        None, description="an sglang-router (http://HOST:PORT) whose registered SGLang servers the rollout workers "
+        "attach to, one each, as if given with --sglang-url: read once at start-up, on the node whose command line "
+        "names it; servers that join the router later are not used (docs/router.md)")
+    sglang_router_timeout: float = Field(60.0, gt=0, description="seconds to wait at start-up for --sglang-router-url "
+                                         "to list at least one server")
     sglang_server_module: str = Field("sglang.launch_server", description="python -m module that starts a server")
     sglang_startup_timeout: float = Field(600.0, gt=0, description="seconds to wait for a launched server's health")
     sglang_args: dict[str, str | list[str]] = Field(
@@ -75,6 +82,31 @@ class EngineConfig(Section):
                           "using that", FutureWarning, stacklevel=2)
             return MOVED_SERVER_MODULES[module]
         return module
+
+    @field_validator("sglang_router_url")
+    @classmethod
+    def _router_url_is_http(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            raise ValueError(f"{url!r} is not a router's address: expected http://HOST:PORT")
+        return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _servers_from_one_place(self) -> EngineConfig:
+        """The router's servers are the run's SGLang servers: given as well with --sglang-url, which would win is
+        a guess; a torch engine would attach to nothing."""
+        if self.sglang_router_url is None:
+            return self
+        if self.sglang_url:
+            raise ValueError(f"--sglang-router-url {self.sglang_router_url} and --sglang-url both name the SGLang "
+                             "servers to attach to; give one")
+        spec = engine_spec(self.rollout_engine)
+        if spec is None or not spec.attaches:
+            raise ValueError(f"--sglang-router-url {self.sglang_router_url} names SGLang servers to attach to: it "
+                             f"needs --rollout-engine sglang (got {self.rollout_engine})")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -36,6 +36,7 @@ class EngineSpec:
     loads_checkpoint: bool = True  # starts from --hf-checkpoint (weights and tokenizer)
     records_routes: bool = False  # --use-rollout-routing-replay: returns each token's routed experts
     serves_http: bool = False  # slime's plugins can call it over HTTP (args.sglang_router_ip/port)
+    attaches: bool = False  # attaches to running servers (--sglang-url, or those --sglang-router-url lists)
     weight_transport: str = TORCH_DISTRIBUTED  # how pushed weights reach it (engines.weights.transport)
     colocated_weight_transport: str | None = None  # under --colocate, when that differs
     lora_weight_transport: str | None = None  # a LoRA run's adapters, when that differs
@@ -67,7 +68,7 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
         reads_sglang_args=("enable-deterministic-inference", "disable-radix-cache")),
     "sglang": EngineSpec(
         factory="actors.rollout.engine_factory:load_sglang_engine", noun="an SGLang server", plural="SGLang servers",
-        colocatable=True, records_routes=True, serves_http=True,
+        colocatable=True, records_routes=True, serves_http=True, attaches=True,
         weight_transport=SGLANG,
         colocated_weight_transport=SGLANG_TENSOR,  # by reference, no broadcast
         lora_weight_transport=SGLANG_LORA,  # the server loads each adapter by name

@@ -146,6 +146,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
             refused.append(f"{flag}: not available yet (owned by {row.why}, which does not define it)")
         else:
             refused.append(f"{flag}: {row.why}")
+    _sglang_router(args, result)
     _entry_point(args)
     _keep_old_actor(args)
     _checkpoint_steps(args)
@@ -317,6 +318,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
     elif flag == "--rollout-external-engine-addrs":
         _set(args, "sglang_url", list(value), flag)
         _set(args, "rollout_engine", "sglang", flag)
+    elif flag in ("--sglang-router-ip", "--sglang-router-port"):
+        pass  # read as a pair once every alias is (_sglang_router): --rollout-external-engine-addrs may name servers
     elif flag == "--sglang-router-request-timeout-secs":
         _set(args, "router_request_timeout", float(value), flag)
     elif flag == "--sglang-router-policy":
@@ -358,6 +361,31 @@ DISK_SETTINGS = {"--update-weight-disk-dir": "weight_disk_dir",
 SGLANG_ROUTER_POLICIES = {"consistent_hashing": "affinity", "manual": "affinity", "cache_aware": "affinity",
                           "prefix_hash": "affinity", "round_robin": "round-robin", "random": "round-robin",
                           "power_of_two": "least-load"}
+
+
+def _sglang_router(args: argparse.Namespace, result: SlimeTranslation) -> None:
+    """slime's external router: its registered servers are the ones to attach to (--sglang-router-url). slime would
+    also register the servers it launches or is given with it; here the servers given (--rollout-external-engine-addrs,
+    --sglang-url) are attached as they are, and the router is neither asked nor told."""
+    ip, port = getattr(args, _dest("--sglang-router-ip"), None), getattr(args, _dest("--sglang-router-port"), None)
+    if ip is None:
+        if port is not None:
+            result.notes.append(f"--sglang-router-port {port} (slime's own router listens there; no router is "
+                                "started here: each rollout worker routes its own calls, docs/router.md)")
+        return
+    if port is None:
+        raise ValueError(f"--sglang-router-ip {ip} needs --sglang-router-port, the router's port")
+    if "/" in ip:
+        raise ValueError(f"--sglang-router-ip {ip}: expected the router's host name or address (slime asks "
+                         "http://IP:PORT)")
+    if getattr(args, "sglang_url", None):
+        result.notes.append("--sglang-router-ip/--sglang-router-port (the SGLang servers are given by "
+                            "--rollout-external-engine-addrs or --sglang-url: the run attaches to those and does "
+                            "not register them with the router)")
+        return
+    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip  # an IPv6 address, bracketed as slime does
+    _set(args, "sglang_router_url", f"http://{host}:{port}", "--sglang-router-ip")
+    _set(args, "rollout_engine", "sglang", "--sglang-router-ip")
 
 
 def _router_policy(value: str) -> str:

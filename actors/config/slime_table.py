@@ -54,11 +54,11 @@ def _owned(owner: str, shape: Shape = "value") -> SlimeFlag:
     return SlimeFlag("owned", shape, owner)
 
 
-ROUTER_IN_FRONT = ("a router in front of the SGLang servers would hide them from the learner, which pushes weights "
-                   "to each server, and from the rollout workers, which tag each token with its server's weight "
-                   "version: every rollout worker routes its own calls over all the engines instead (--router-policy "
-                   "affinity is slime's consistent_hashing with a load bound, docs/router.md); give the servers with "
-                   "--sglang-url")
+ROUTER_BEHIND = ("with --sglang-router-port: -> --rollout-engine sglang --sglang-router-url http://IP:PORT: the "
+                 "servers registered with that sglang-router become the run's SGLang servers, asked for once at "
+                 "start-up (GET /workers), one rollout worker attached to each as with --sglang-url, so weight pushes "
+                 "and version tags stay per server; the calls are routed by --router-policy (affinity is slime's "
+                 "consistent_hashing with a load bound), not through the router (docs/router.md)")
 RAY = "Ray-only: there is no Ray here (launcher.py starts the actors; samples travel over the bus)"
 OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off the GPU while the engines generate and "
                           "frees the engines' memory while the learner trains (an SGLang server releases its KV "
@@ -203,8 +203,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--rollout-external-engine-addrs": _alias("-> --rollout-engine sglang --sglang-url ADDR... (attach to running "
                                               "servers)", "list"),
     # --- SGLang router and engine deployment (slime's own, not the server's) ---
-    "--sglang-router-ip": _refused(ROUTER_IN_FRONT, "value"),
-    "--sglang-router-port": _refused(ROUTER_IN_FRONT, "value", int),
+    "--sglang-router-ip": _alias(ROUTER_BEHIND),
+    "--sglang-router-port": _alias("with --sglang-router-ip: the router's port (--sglang-router-ip); alone (slime: "
+                                   "the port its own router listens on) it has no effect: no router is started "
+                                   "here, each rollout worker routes its own calls", "value", int),
     "--sglang-router-request-timeout-secs": _alias("-> --router-request-timeout (seconds a generate call may take, "
                                                    "over every engine it is tried on)", "value", int),
     "--sglang-router-policy": _alias("-> --router-policy: consistent_hashing, manual, cache_aware and prefix_hash "

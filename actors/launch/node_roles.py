@@ -96,7 +96,13 @@ def default_rollout_workers(config: RunConfig, *, head: bool, learner_node: bool
     """Rollout workers on a node when --rollout-workers is not given. The head: --rollout-num-gpus /
     --rollout-num-gpus-per-engine when that is given (the rest of its GPUs train), else 1. Any other node is a
     rollout node: one engine per --rollout-num-gpus-per-engine of its GPUs, and 1 without GPUs; a node of the
-    learner (`learner_node`) counts only the GPUs its learner ranks leave, and runs no engine when none are left."""
+    learner (`learner_node`) counts only the GPUs its learner ranks leave, and runs no engine when none are left.
+    A node attached to running SGLang servers runs one worker per server (--sglang-url, or on the head the servers
+    --sglang-router-url listed); another node given that router runs none (`actors/launch/router_servers.py`)."""
+    if config.engine.sglang_url:
+        return len(config.engine.sglang_url)
+    if config.engine.sglang_router_url is not None:
+        return 0
     per_engine = config.engine.rollout_num_gpus_per_engine
     if head:
         rollout_gpus = config.placement.rollout_num_gpus

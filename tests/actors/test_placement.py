@@ -15,8 +15,10 @@ from actors.launch.cluster_env import ClusterNode
 from actors.launch.placement import PlacementError, place_node, visible_devices
 from actors.learner.publish import transport_name
 from engines.weights.names import SGLANG_LORA, SGLANG_TENSOR
+from tests.support.http_apps import served
 from tests.support.launch_inputs import minimal_inputs
 from tools.bench.pipeline import SLEEPING_FLAGS
+from tools.standins.sglang_router import RouterStandIn
 
 
 @pytest.mark.unit
@@ -301,3 +303,41 @@ def test_the_head_starts_an_evaluator_only_for_a_run_with_eval_data(
     controller = next(context for context in evaluated if context.role == "controller")
     assert controller.settings.expected_roles["evaluator"] == 1  # the run waits for it to register
     assert [context.role for context in evaluated][:4] == ["controller", "buffer", "evaluator", "learner"]
+
+
+@pytest.mark.unit
+def test_attached_servers_get_a_rollout_worker_each_and_a_node_given_the_router_none(tmp_path: Path) -> None:
+    attached = build_config({"rollout_engine": "sglang", "sglang_url": ["http://a:1", "http://b:2", "http://c:3"],
+                             "rollout_num_gpus": 8})
+    assert node_roles.default_rollout_workers(attached, head=True) == 3
+    assert node_roles.default_rollout_workers(attached, head=False) == 3
+    routed = build_config({"rollout_engine": "sglang", "sglang_router_url": "http://router:3000"})
+    assert node_roles.default_rollout_workers(routed, head=False) == 0  # the head's workers attach to them all
+
+
+@pytest.mark.integration
+def test_the_head_attaches_a_rollout_worker_to_each_server_its_router_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    router = RouterStandIn(["http://127.0.0.1:30002", "http://127.0.0.1:30001"])
+    router.register("http://127.0.0.1:30003")["is_healthy"] = False
+    with served(router.app()) as url:
+        port = url.rsplit(":", 1)[1]
+        slime_flags = ("--sglang-router-ip", "127.0.0.1", "--sglang-router-port", port, "--rollout-num-gpus", "8")
+        contexts, run_dir = _prepare(tmp_path, monkeypatch, 0, *slime_flags)
+        rollout = [context for context in contexts if context.role == "rollout"]
+        assert [context.actor_id for context in rollout] == ["rollout-0-0", "rollout-0-1"]
+        servers = ["http://127.0.0.1:30001", "http://127.0.0.1:30002"]
+        assert all(context.settings.run.engine.sglang_url == servers for context in rollout)
+        assert contexts[0].settings.run.engine.sglang_router_url is None  # the router is out of the way
+        assert "http://127.0.0.1:30001\n  - http://127.0.0.1:30002" in (run_dir / "config.yaml").read_text()
+        said = capsys.readouterr().err
+        assert f"sglang-router {url} lists 2 SGLang server(s)" in said
+        assert "left out as unhealthy: http://127.0.0.1:30003" in said
+
+        with pytest.raises(launcher.LaunchError, match=r"--rollout-workers 3, but sglang-router .* lists 2 server"):
+            _prepare(tmp_path, monkeypatch, 0, *slime_flags, "--rollout-workers", "3")
+        router.workers.clear()
+        with pytest.raises(launcher.LaunchError, match=f"sglang-router {url}: no SGLang server to attach to within "
+                                                       "0.5s: it lists no workers"):
+            _prepare(tmp_path, monkeypatch, 0, *slime_flags, "--sglang-router-timeout", "0.5")

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import requests
-from aiohttp import web
 
 from actors.config import build_config
 from actors.slime_compat.args import build_args
@@ -23,25 +22,16 @@ from actors.slime_compat.data_source import LeasedDataSource
 from actors.slime_compat.rollout_buffer import RolloutBufferRollout, ServiceError
 from actors.slime_compat.rollout_function import check_rollout_function, flatten_output, sort_output, wire_group
 from tests.actors.test_rollout_function import B, N, make_source
+from tests.support.http_apps import served
 from tools.standins.rollout_buffer_service import RolloutBufferService
 
 
 @pytest.fixture
 def service() -> Iterator[tuple[RolloutBufferService, str]]:
     """The stand-in service on a port of its own, served from its own event loop thread."""
-    running, service = asyncio.new_event_loop(), RolloutBufferService()
-    runner = web.AppRunner(service.app())
-    running.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    running.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=running.run_forever, daemon=True)
-    thread.start()
-    yield service, f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), running).result(10)
-    running.call_soon_threadsafe(running.stop)
-    thread.join(5)
-    running.close()
+    service = RolloutBufferService()
+    with served(service.app()) as url:
+        yield service, url
 
 
 @pytest.fixture

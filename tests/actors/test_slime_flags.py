@@ -311,8 +311,46 @@ def test_slimes_own_sglang_flags_are_not_forwarded_to_the_server() -> None:
     assert forwarded == {"mem-fraction-static": "0.7"}
     assert rest == ["--sglang-router-ip", "10.0.0.1", "--sglang-server-concurrency", "64", "--sglang-config",
                     "g.yaml"]
-    with pytest.raises(ValueError, match="--sglang-router-ip: a router in front of the SGLang servers"):
-        configure(["--sglang-router-ip", "10.0.0.1"])
+    config, _ = configure(["--sglang-router-ip", "10.0.0.1", "--sglang-router-port", "30000"])
+    assert config.engine.sglang_router_url == "http://10.0.0.1:30000" and config.engine.sglang_args == {}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("ip", "url"), [("10.0.0.1", "http://10.0.0.1:3000"), ("fd00::7", "http://[fd00::7]:3000"),
+                                         ("router.local", "http://router.local:3000")])
+def test_slimes_external_router_names_the_servers_to_attach_to(ip: str, url: str) -> None:
+    config, args = configure(["--sglang-router-ip", ip, "--sglang-router-port", "3000"])
+    assert config.engine.sglang_router_url == url and config.engine.rollout_engine == "sglang"
+    assert config.engine.sglang_url == [] and args.slime_translation.note() is None
+
+
+@pytest.mark.unit
+def test_slimes_router_flags_beside_given_servers_or_alone_have_no_effect_and_say_so() -> None:
+    config, args = configure(["--sglang-router-ip", "10.0.0.1", "--sglang-router-port", "3000",
+                              "--rollout-external-engine-addrs", "http://a:1", "http://b:2"])
+    assert config.engine.sglang_url == ["http://a:1", "http://b:2"] and config.engine.sglang_router_url is None
+    assert "the SGLang servers are given by --rollout-external-engine-addrs" in args.slime_translation.note()
+    config, args = configure(["--sglang-router-port", "3000"])
+    assert config.engine.sglang_router_url is None and config.engine.rollout_engine == "torch"
+    assert "--sglang-router-port 3000 (slime's own router listens there; no router is started here" in (
+        args.slime_translation.note())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--sglang-router-ip", "10.0.0.1"], "--sglang-router-ip 10.0.0.1 needs --sglang-router-port"),
+    (["--sglang-router-ip", "http://10.0.0.1", "--sglang-router-port", "3000"],
+     "expected the router's host name or address"),
+    (["--sglang-router-ip", "10.0.0.1", "--sglang-router-port", "3000", "--rollout-engine", "torch"],
+     "--sglang-router-ip sets --rollout-engine 'sglang', but --rollout-engine 'torch' was also given"),
+    (["--sglang-router-url", "http://r:3000", "--sglang-url", "http://a:1", "--rollout-engine", "sglang"],
+     "--sglang-router-url http://r:3000 and --sglang-url both name the SGLang servers"),
+    (["--sglang-router-url", "http://r:3000"], "it needs --rollout-engine sglang"),
+    (["--sglang-router-url", "r:3000", "--rollout-engine", "sglang"], "not a router's address"),
+])
+def test_a_router_given_wrong_is_an_error_naming_it(argv: list[str], error: str) -> None:
+    with pytest.raises((ValueError, SettingsError), match=re.escape(error)):
+        configure(argv)
 
 
 @pytest.mark.unit
@@ -325,10 +363,7 @@ def test_slimes_router_policy_and_timeout_map_onto_our_router(slime: str, ours: 
 
 
 @pytest.mark.unit
-def test_a_router_in_front_of_the_servers_and_a_policy_we_lack_are_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="--sglang-router-port: a router in front of the SGLang servers would hide "
-                                         "them from the learner"):
-        configure(["--sglang-router-port", "30000"])
+def test_a_router_policy_we_lack_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=r"--sglang-router-policy bucket: .*prefill/decode disaggregation"):
         configure(["--sglang-router-policy", "bucket"])
     with pytest.raises(ValueError, match="--sglang-router-policy sets --router-policy 'affinity', but "

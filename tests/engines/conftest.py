@@ -7,6 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.support.http_apps import served
+from tools.standins.sglang_router import RouterStandIn
+
 
 @pytest.fixture
 def megatron_world() -> Iterator[None]:
@@ -25,3 +28,11 @@ def megatron_world() -> Iterator[None]:
         parallel.destroy_model_parallel()
         if owns:
             torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def sglang_router() -> Iterator[tuple[RouterStandIn, str]]:
+    """The stand-in sglang-router (no workers yet) on a port of its own, served from its own event loop thread."""
+    router = RouterStandIn()
+    with served(router.app()) as url:
+        yield router, url

@@ -53,26 +53,29 @@ for _lora_path in (protocol.LOAD_LORA_ADAPTER.path, protocol.UNLOAD_LORA_ADAPTER
     PRODUCERS[_lora_path] = ("sglang/srt/managers/io_struct.py",)
 
 
-def fetch_wheel(version: str) -> Path:
-    """The wheel of sglang==`version` in .cache/sglang-wheels, downloaded by pip the first time."""
-    WHEEL_DIR.mkdir(parents=True, exist_ok=True)
-    found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+def fetch_wheel(version: str, package: str = "sglang", *, wheel_dir: Path = WHEEL_DIR,
+                platform: str = "manylinux_2_34_x86_64") -> Path:
+    """The wheel of `package`==`version` in `wheel_dir`, downloaded by pip the first time (sglang-router's contract
+    test reads its wheels through this too)."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    stem = package.replace("-", "_")
+    found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
     if found:
         return found[0]
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
         # The source is all we read; the interpreter running the tests need not be one SGLang supports.
-        "--only-binary=:all:", "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
-        f"sglang=={version}", "-d", str(WHEEL_DIR),
+        "--only-binary=:all:", "--python-version", "3.11", "--platform", platform,
+        f"{package}=={version}", "-d", str(wheel_dir),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    found = sorted(WHEEL_DIR.glob(f"sglang-{version}-*.whl"))
+    found = sorted(wheel_dir.glob(f"{stem}-{version}-*.whl"))
     if done.returncode == 0 and found:
         return found[0]
     output = done.stdout + done.stderr
     unreachable = any(marker in output for marker in UNREACHABLE_MARKERS)
     if unreachable and os.environ.get("SLIPSTREAM_REQUIRE_SGLANG_CONTRACT") != "1":
-        pytest.skip(f"pip cannot reach a package index to download sglang=={version}: {output.strip()[-300:]}")
+        pytest.skip(f"pip cannot reach a package index to download {package}=={version}: {output.strip()[-300:]}")
     raise RuntimeError(f"`{' '.join(command)}` failed (exit {done.returncode}):\n{output[-2000:]}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Callable
 
 
@@ -20,3 +21,12 @@ async def until(condition: Callable[[], object], what: str, timeout_s: float = 3
 
 async def _value(result: object) -> object:
     return await result if inspect.isawaitable(result) else result
+
+
+def until_sync(condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+    """`until` for a test without an event loop (its work runs in a thread or another process)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.005)
