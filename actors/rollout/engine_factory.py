@@ -312,12 +312,16 @@ def attached_url(urls: list[str], actor_id: str | None) -> str:
 
 
 def attached_server_version(url: str, *, timeout: float) -> int:
-    """The weight version an attached server already serves, blocking; "default" (never updated) reads as 0.
+    """The weight version an attached server already serves, blocking, once it is healthy (it may still be
+    loading); "default" (never updated) reads as 0.
 
     The reading itself is `SglangEngine.server_weight_version` (the one place that knows `/model_info`); this runs
     it on a short-lived client of its own, since the factory runs in a worker thread without an event loop.
     """
     from engines.sglang.client import SglangEngine, SglangError
+    from engines.sglang.launch import wait_for_attached_server
+
+    wait_for_attached_server(url, timeout_s=timeout)
 
     async def read() -> int | None:
         probe = SglangEngine(url, control_timeout=timeout)

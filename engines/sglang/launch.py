@@ -208,6 +208,22 @@ def _lost_its_port(start_error: str) -> bool:
     return "address already in use" in start_error.lower()
 
 
+def wait_for_attached_server(url: str, *, timeout_s: float) -> None:
+    """An attached server (`--sglang-url`, or one an sglang-router lists) may still be loading when its rollout
+    worker starts: the servers were started beside the run, or one is restarting. Its health is awaited up to the
+    start-up deadline, as a launched server's is, instead of failing the worker at its first refused call (the
+    launcher would restart it over and over while the server loads)."""
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while not any(probe(url + path, timeout=5.0) for path in HEALTH_PATHS):
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"--sglang-url {url}: not healthy after {timeout_s:g}s (--sglang-startup-timeout)")
+        if not told:
+            logger.info("waiting for the attached SGLang server %s to answer its health check", url)
+            told = True
+        time.sleep(0.25)
+
+
 def probe(url: str, timeout: float) -> bool:
     """True if GET `url` answers 200 within `timeout`."""
     try:

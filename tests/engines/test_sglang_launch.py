@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from actors.config import split_sglang_args
-from actors.rollout.engine_factory import attached_url
+from actors.rollout.engine_factory import attached_server_version, attached_url
 from bus.address import free_port
-from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError, probe
+from engines.sglang.launch import ServerProcess, ServerSpec, ServerStartError, probe, wait_for_attached_server
 
 
 @pytest.mark.unit
@@ -65,6 +65,56 @@ def test_base_gpu_id_is_passed_as_sglangs_flag_and_must_not_be_negative() -> Non
     assert "--base-gpu-id" not in ServerSpec(model_path="/m").command(port=1)
     with pytest.raises(ValueError, match="base_gpu_id"):
         ServerSpec(model_path="/m", base_gpu_id=-1)
+
+
+@pytest.mark.integration
+def test_an_attached_server_still_loading_is_awaited_and_one_that_never_answers_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rollout worker attached to a server that is not up yet waits for its health (the launcher used to restart
+    the worker at each refused call while the server loaded) and, past the deadline, fails naming it."""
+    import http.server
+    import logging
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            known = self.path in ("/health", "/health_generate", "/model_info")
+            self.send_response(200 if known else 404)
+            self.end_headers()
+            if self.path == "/model_info":
+                self.wfile.write(b'{"weight_version": "7"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(ConnectionError, match=rf"--sglang-url {url}: not healthy after 0.3s"):
+        wait_for_attached_server(url, timeout_s=0.3)
+    caplog.set_level(logging.INFO, logger="engines.sglang.launch")
+    caplog.clear()
+    outcome: list[object] = []
+
+    def attach() -> None:  # the rollout worker's engine factory, reading the version the server serves
+        try:
+            outcome.append(attached_server_version(url, timeout=60))
+        except BaseException as error:
+            outcome.append(error)
+
+    waiter = threading.Thread(target=attach)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not any("waiting for the attached SGLang server" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the worker never began to wait for the server"
+        time.sleep(0.02)
+    server = http.server.HTTPServer(("127.0.0.1", port), Healthy)  # the server comes up while the worker waits
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        waiter.join(30)
+        assert not waiter.is_alive() and outcome == [7]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.integration
