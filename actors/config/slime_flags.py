@@ -268,6 +268,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         pairs, settings = read_slime_eval_config(value)
         _set(args, "eval_prompt_data", pairs, flag)
         _set(args, "eval_set_settings", settings, flag)
+    elif flag == "--disable-rollout-global-dataset":
+        _set(args, "rollout_global_dataset", False, flag)
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--max-tokens-per-gpu":

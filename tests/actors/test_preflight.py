@@ -171,7 +171,7 @@ LOADED_BY = {
                      "agent_function_path", "agent_tools_path", "agent_environment_path", "agent_tool_schemas_path",
                      "rollout_engine"), ("rollout",)),
     "weight_transport": ("rollout", "learner"),
-    **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path"), ("buffer",)),
+    **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path", "data_source_path"), ("buffer",)),
     **dict.fromkeys(("custom_reward_post_process_path", "custom_advantage_function_path",
                      "custom_convert_samples_to_train_data_path", "train_backend", "custom_megatron_init_path",
                      "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path",
