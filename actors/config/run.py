@@ -226,8 +226,9 @@ class RunConfig(BaseModel):
         problems += self._batch_split_problems()
         if self.trainer.min_lr > self.trainer.lr:
             problems.append(f"min_lr {self.trainer.min_lr} must be in [0, lr={self.trainer.lr}]")
-        if self.eval.eval_prompt_data and not self.eval.eval_interval:
-            problems.append("eval_prompt_data needs eval_interval")
+        for name in ("eval_prompt_data", "eval_function_path"):
+            if getattr(self.eval, name) and not self.eval.eval_interval:
+                problems.append(f"{name} needs eval_interval")
         problems += self._length_problems()
         problems += self._eval_set_problems()
         problems += _custom_config_problems(self.custom_config)

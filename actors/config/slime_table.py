@@ -259,8 +259,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                        "--max-tokens-per-gpu it sets --micro-batch-tokens", "switch"),
     "--max-tokens-per-gpu": _alias("-> --micro-batch-tokens", "value", int),
     # --- eval ---
-    "--eval-function-path": _refused("custom eval rollout functions are not available; eval rounds use the "
-                                     "rollout path", "value"),
+    "--eval-function-path": _same("value", "each eval round is one call of it (evaluation=True) on a rollout "
+                                  "worker pinned at the evaluated version; its per-dataset rewards are the round's "
+                                  "eval metrics"),
     "--eval-prompt-data": _same("list"),
     "--eval-config": _alias("-> --eval-prompt-data NAME PATH per dataset and each dataset's own settings "
                             "(eval_set_settings: sampling, sample count, record keys, reward); a key with no "

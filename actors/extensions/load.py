@@ -166,9 +166,11 @@ def batch_rewrite(config: RunConfig) -> BatchRewrite | None:
 
 def check_rollout_loop(config: RunConfig) -> None:
     """Refuse at start-up, before the engine loads, a rollout loop that cannot work with the other flags."""
+    from actors.slime_compat.eval_function import check_eval_function
     from actors.slime_compat.rollout_function import check_rollout_function
 
     check_rollout_function(config)
+    check_eval_function(config)
 
 
 def rollout_loop(worker: RolloutHost) -> RolloutLoop | None:
@@ -193,6 +195,16 @@ def prompt_stream(config: RunConfig, folder: Path) -> PromptStream | None:
 
         return SlimeSourceStream.load(config, folder)
     return None if config.source.rollout_global_dataset else EmptyPrompts()
+
+
+def round_function(config: RunConfig, server_url: str | None) -> Callable[..., Awaitable[list[Sample]]] | None:
+    """slime's `--eval-function-path` as the generate function of a whole eval round's group (`WHOLE_ROUND`): one
+    call of the user's function against `server_url`, the worker's engine. None without the flag."""
+    if not config.eval.eval_function_path:
+        return None
+    from actors.slime_compat.eval_function import EvalFunctionRound
+
+    return EvalFunctionRound(config, server_url or "")
 
 
 def rollout_log_hook(config: RunConfig, log: Any, counters: Counter[str]) -> RolloutLogHook | None:
