@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.buffer.core import left_out_episodes
+from actors.buffer.left_out import left_out_episodes
 from actors.buffer.log import BufferLog, archived_logs
 from bus.codec import decode
 from bus.episodes import count_episodes

@@ -18,9 +18,10 @@ import numpy as np
 from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.waits import admission_state, batch_wait, gauges
+from actors.config import RunConfig
 from actors.data.prompt_tokens import load_training_prompts
-from actors.data.prompts import PromptSource
-from actors.extensions.load import batch_selector, dynamic_filter, generated_groups_hook
+from actors.data.prompts import PromptSource, PromptStreamError
+from actors.extensions.load import batch_selector, dynamic_filter, generated_groups_hook, prompt_stream
 from actors.extensions.points import GeneratedGroupsHook
 from actors.runtime import chaos
 from actors.runtime.base import Actor
@@ -67,23 +68,10 @@ class Buffer(Actor):
 
     async def on_start(self) -> None:
         config = self.config = self.settings.run
-        data = config.data
-        records, report = load_training_prompts(config)
-        max_prompt = data.rollout_max_prompt_len or (config.rollout.rollout_max_context_len or 0) - 1
-        for problem in report.skipped:
-            self.log.info("skipped dataset record", problem=problem)
-        if report.skipped:
-            self.log.warning(report.skipped_summary(), skipped=len(report.skipped), kept=report.records)
-        self.counters["data.skipped_records"] = len(report.skipped)
-        if report.too_long:
-            self.counters["data.skipped_long_prompts"] = report.too_long
-            self.log.warning("skipped long prompts", count=report.too_long, max_prompt_tokens=max_prompt,
-                             first=f"{data.prompt_data} {report.first_too_long}",
-                             kept=report.records)
         log_path = buffer_log_path(self.context.run_dir)
+        source = prompt_stream(config, log_path.parent / "data_source") or self._dataset(config)
         self.core = BufferCore(
-            source=PromptSource(records, seed=config.seed if data.rollout_seed is None else data.rollout_seed,
-                                shuffle=data.rollout_shuffle), n_samples=config.rollout.n_samples_per_prompt,
+            source=source, n_samples=config.rollout.n_samples_per_prompt,
             groups_per_batch=config.rollout.rollout_batch_size, max_staleness=config.buffer.max_staleness,
             lease_timeout=config.buffer.lease_timeout,
             group_filter=dynamic_filter(config),
@@ -104,6 +92,24 @@ class Buffer(Actor):
         self.versions = LearnerVersions()  # whether the learner pushes weights: the engines move with it
         self.generated = generated_groups_hook(config)  # sees each batch's groups and the groups dropped beside it
 
+    def _dataset(self, config: RunConfig) -> PromptSource:
+        """--prompt-data as the buffer serves it, what was left out of it logged and counted."""
+        data = config.data
+        records, report = load_training_prompts(config)
+        max_prompt = data.rollout_max_prompt_len or (config.rollout.rollout_max_context_len or 0) - 1
+        for problem in report.skipped:
+            self.log.info("skipped dataset record", problem=problem)
+        if report.skipped:
+            self.log.warning(report.skipped_summary(), skipped=len(report.skipped), kept=report.records)
+        self.counters["data.skipped_records"] = len(report.skipped)
+        if report.too_long:
+            self.counters["data.skipped_long_prompts"] = report.too_long
+            self.log.warning("skipped long prompts", count=report.too_long, max_prompt_tokens=max_prompt,
+                             first=f"{data.prompt_data} {report.first_too_long}",
+                             kept=report.records)
+        return PromptSource(records, seed=config.seed if data.rollout_seed is None else data.rollout_seed,
+                            shuffle=data.rollout_shuffle)
+
     async def run(self) -> None:
         """Expire leases as time passes; everything else is a reply to a message. A stop ends the wait between two
         checks at once: the ordered stop of a run waits for the buffer before it stops the controller."""
@@ -122,8 +128,12 @@ class Buffer(Actor):
         # Weights older than anything a batch takes still serve the groups pinned to them (an eval round's).
         too_old = weights_version is not None and self.versions.too_old(weights_version,
                                                                           self.config.buffer.max_staleness)
-        leased = self.core.lease(request.worker_id, request.max_groups, training=not too_old,
-                                 max_samples=request.max_samples, weights_version=weights_version)
+        try:
+            leased = self.core.lease(request.worker_id, request.max_groups, training=not too_old,
+                                     max_samples=request.max_samples, weights_version=weights_version)
+        except PromptStreamError as error:  # a user's data source answered what cannot be used: asking again cannot
+            await self.fail_run(str(error))  # help, so the run ends with what was wrong
+            leased = None
         closed = admission_state(self.core)
         if closed is None:
             self.waits.end("admission")

@@ -23,14 +23,15 @@ import msgspec
 import numpy as np
 import structlog
 
+from actors.buffer.left_out import failed, left_out_entry, left_out_episodes
 from actors.buffer.log import BufferLog
 from actors.buffer.owned_groups import take_guest_groups
 from actors.buffer.selection import checked_selection
-from actors.data.prompts import Cursor, PromptSource
+from actors.data.prompts import Cursor, PromptStream
 from actors.extensions.points import BatchSelector, GroupFilter, SelectionError
 from bus.codec import decode, encode
-from bus.episodes import count_episodes, episode_id, group_problem
-from bus.schema import PromptGroup, Sample, ScoredGroup
+from bus.episodes import count_episodes, group_problem
+from bus.schema import PromptGroup, ScoredGroup
 from policies.failed_samples import FailedSamplePolicy, samples_to_train
 from policies.staleness import AdmissionController, staleness_of_range, staleness_of_samples, version_range
 
@@ -78,7 +79,7 @@ def group_staleness(group: ScoredGroup, learner_version: int) -> list[int]:
 
 
 class BufferCore:
-    def __init__(self, *, source: PromptSource, n_samples: int, groups_per_batch: int, max_staleness: int,
+    def __init__(self, *, source: PromptStream, n_samples: int, groups_per_batch: int, max_staleness: int,
                  lease_timeout: float, group_filter: GroupFilter | None = None, log: BufferLog | None = None,
                  clock: Callable[[], float] = time.monotonic, compact_log_bytes: int = 0,
                  batch_selector: BatchSelector | None = None,
@@ -115,6 +116,7 @@ class BufferCore:
         self.served: dict[int, AssembledBatch] = {}
         self.version_ranges: dict[str, tuple[int, int] | None] = {}  # pool group -> its (oldest, newest) token
         self.committed_batch = 0
+        self.source_saved: dict[str, Any] | None = None  # the source's state at the last checkpoint
 
     # ----------------------------------------------------------------------------------------- leases
     def add_guests(self, groups: list[PromptGroup]) -> int:
@@ -152,6 +154,8 @@ class BufferCore:
         allowance = self.admission.capacity(learner_version=window, started_groups=self.live_started)
         while allowance > 0 and fits(self.n_samples):
             group = self._next_prompt_group()
+            if group is None:  # a user's source with nothing now: asked again at the next lease
+                break
             groups.append(group)
             new_groups.append(group)
             allowance -= 1
@@ -178,8 +182,11 @@ class BufferCore:
         self.in_flight[group.group_id] = (group, lease_id)
         self.leases[lease_id].group_ids.add(group.group_id)
 
-    def _next_prompt_group(self) -> PromptGroup:
-        record, cursor = self.source.next()
+    def _next_prompt_group(self) -> PromptGroup | None:
+        drawn = self.source.next()
+        if drawn is None:
+            return None
+        record, cursor = drawn
         return PromptGroup(group_id=f"{cursor.epoch}:{cursor.position - 1}", prompt=record.prompt,
                            label=record.label, metadata=record.metadata, tools=record.tools, n_samples=self.n_samples,
                            data_index=record.data_index, images=record.images)
@@ -291,7 +298,7 @@ class BufferCore:
         self.stats.left_out_samples += count_episodes(left_out)
         if self.log is not None:
             self.log.append("accept", group_id=scored.group_id, group=encode(trained),
-                            **({"left_out": [_left_out(sample) for sample in left_out]} if left_out else {}))
+                            **({"left_out": [left_out_entry(sample) for sample in left_out]} if left_out else {}))
         return "accepted"
 
     def _admitted(self, scored: ScoredGroup) -> tuple[ScoredGroup, str | None]:
@@ -299,7 +306,7 @@ class BufferCore:
         group is whole when it holds its `n_samples` episodes, each with all its segments (`bus.episodes`)."""
         if group_problem(scored.samples, self.n_samples) is not None:
             return scored, "incomplete_group"
-        kept = samples_to_train(scored.samples, self.failed_sample_policy, _failed)
+        kept = samples_to_train(scored.samples, self.failed_sample_policy, failed)
         if kept is None:
             return scored, "failed_samples"
         if len(kept) < len(scored.samples):
@@ -435,6 +442,13 @@ class BufferCore:
                     self.log.append("evict", group_id=group_id, group=encode(group), staleness=staleness)
 
     def commit_through(self, checkpointed_batch: int) -> None:
+        """Forget the batches a learner checkpoint covers; a source with state of its own saves it there, at slime's
+        rollout id of the checkpoint's last batch (batch k is rollout k - 1), and the log says where."""
+        saved = self.source.save(checkpointed_batch - 1) if checkpointed_batch > self.committed_batch else None
+        if saved is not None:
+            self.source_saved = saved
+            if self.log is not None:
+                self.log.append("source_saved", saved=saved, sync=True)
         for batch_id in sorted(b for b in self.served if b <= checkpointed_batch):
             for group in self.served.pop(batch_id).groups:
                 self.prompt_groups.pop(group.group_id, None)
@@ -472,6 +486,7 @@ class BufferCore:
             "served": [{"batch_id": b.batch_id, "groups": [encode(g) for g in b.groups], "staleness": b.staleness,
                         "learner_version": b.learner_version} for b in self.served.values()],
             "adopted": sorted(self.adopted),
+            "source_saved": self.source_saved,
         }
 
     def _restore_snapshot(self, record: dict[str, Any]) -> Cursor:
@@ -493,6 +508,7 @@ class BufferCore:
         self.reissue = deque(self.prompt_groups[group_id] for group_id in record["reissue"])
         self.pool = {g.group_id: g for g in map(decode, record["pool"])}
         self.adopted = set(record.get("adopted", ()))
+        self.source_saved = record.get("source_saved")
         self.served = {b["batch_id"]: AssembledBatch(b["batch_id"], [decode(g) for g in b["groups"]],
                                                      list(b["staleness"]), b.get("learner_version", 0))
                        for b in record["served"]}
@@ -546,6 +562,8 @@ class BufferCore:
             elif kind == "remeasure" and record["batch_id"] in self.served:
                 batch = self.served[record["batch_id"]]
                 batch.staleness, batch.learner_version = list(record["staleness"]), record["learner_version"]
+            elif kind == "source_saved":
+                self.source_saved = record["saved"]
             elif kind == "commit":
                 for group in self.served.pop(record["batch_id"], AssembledBatch(0, [], [])).groups:
                     self.prompt_groups.pop(group.group_id, None)
@@ -553,8 +571,7 @@ class BufferCore:
         # A re-issued group may have been leased again after its eviction: keep one copy in flight.
         self.reissue = deque(g for g in self.reissue if g.group_id not in self.in_flight)
         if cursor is not None:
-            self.source.cursor = cursor
-            self.source._order = self.source._permutation(cursor.epoch)
+            self.source.seek(cursor, self.source_saved)
         return dict(replayed)
 
     def _forget_in_flight(self, group_id: str) -> None:
@@ -564,21 +581,6 @@ class BufferCore:
             record.group_ids.discard(group_id)
             if not record.group_ids:
                 del self.leases[entry[1]]
-
-
-def _failed(sample: Sample) -> bool:
-    """No reward to learn from: its episode or its reward failed (a sample the reward worker passed over has none)."""
-    return sample.status == "failed" or sample.reward is None
-
-
-def _left_out(sample: Sample) -> dict[str, str]:
-    """What the log keeps of a sample left out of its group: which (and its episode), and why."""
-    return {"sample_id": sample.sample_id, "episode": episode_id(sample), "error": (sample.error or "no reward")[:300]}
-
-
-def left_out_episodes(entries: Any) -> int:
-    """The episodes an accept record's `left_out` entries name (a log written before episodes: one per entry)."""
-    return len({entry.get("episode", entry.get("sample_id")) for entry in entries})
 
 
 def _replayed_batch(record: dict[str, Any], groups: list[ScoredGroup]) -> AssembledBatch:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from actors.config.plugin_marks import plugin_for
 from actors.config.sections import NO_LABEL, Section
 
 # slime's per-dataset keys (its EvalDatasetConfig) that mean one of our settings, for that set's groups alone.
@@ -76,6 +77,11 @@ class EvalConfig(Section):
     eval_min_new_tokens: int | None = Field(
         None, ge=0, description="eval responses are at least this many tokens: the stop and end-of-sequence tokens "
         "are held back until then (SGLang's min_new_tokens; the torch engine's dynamic KV cache)")
+    eval_function_path: str | None = Field(
+        None, description="slime's eval rollout function generate_rollout(args, rollout_id, data_source, "
+        "evaluation=True): each eval round is one call of it on a rollout worker pinned at the evaluated version "
+        "(its engine's URL in args), and its per-dataset rewards are the round's metrics (eval sets of ours are "
+        "then not run; the function reads args.eval_prompt_data itself)", json_schema_extra=plugin_for("rollout"))
     eval_set_settings: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="eval set name -> its own settings (flat names: "
         f"{', '.join(sorted(SET_SETTINGS))}), for that set's groups alone; slime's --eval-config YAML sets them")
@@ -106,6 +112,11 @@ class EvalConfig(Section):
     def sets(self) -> dict[str, str]:
         pairs = self.eval_prompt_data
         return {pairs[i]: pairs[i + 1] for i in range(0, len(pairs), 2)}
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has eval rounds to run: eval sets of ours, or slime's eval function."""
+        return bool(self.sets) or self.eval_function_path is not None
 
 
 def read_slime_eval_config(path: str) -> tuple[list[str], dict[str, dict[str, Any]]]:

@@ -131,7 +131,9 @@ def _data_problems(config: RunConfig, running: set[str]) -> list[str]:
     if "buffer" not in running:
         return problems
     data = config.data
-    if data.prompt_data is None:
+    if not config.source.reads_prompt_data:
+        pass  # a source of the user's reads what it likes (args.prompt_data too), or nothing is read
+    elif data.prompt_data is None:
         if not config.learner.load_debug_rollout_data:  # a training-only run trains on its recording
             problems.append("--prompt-data: required (a .jsonl or .parquet file of prompts)")
     else:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from actors.config.data_source import SourceConfig, source_problems
 from actors.config.engine_settings import EngineConfig
 from actors.config.engines import engine_spec, kinds_that, train_backend_spec, train_backends_that
 from actors.config.evaluation import EvalConfig
@@ -51,7 +52,7 @@ SECTIONS: dict[str, type[Section]] = {
     "lora": LoraConfig, "engine": EngineConfig, "router": RouterConfig, "weights": WeightsConfig,
     "placement": PlacementConfig,
     "controller": ControllerConfig, "logging": LoggingConfig, "megatron": MegatronConfig,
-    "distillation": DistillationConfig, "sft": SftConfig, "profiling": ProfilingConfig,
+    "distillation": DistillationConfig, "sft": SftConfig, "profiling": ProfilingConfig, "source": SourceConfig,
 }
 # Flat setting name -> the section that owns it (names are unique across sections: they are the flags).
 OWNER: dict[str, str] = {field: section for section, model in SECTIONS.items() for field in model.model_fields}
@@ -67,6 +68,7 @@ class RunConfig(BaseModel):
     torch_threads: int = Field(1, ge=1, description="torch CPU threads per actor process")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    source: SourceConfig = Field(default_factory=SourceConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
@@ -224,11 +226,13 @@ class RunConfig(BaseModel):
         problems += self._batch_split_problems()
         if self.trainer.min_lr > self.trainer.lr:
             problems.append(f"min_lr {self.trainer.min_lr} must be in [0, lr={self.trainer.lr}]")
-        if self.eval.eval_prompt_data and not self.eval.eval_interval:
-            problems.append("eval_prompt_data needs eval_interval")
+        for name in ("eval_prompt_data", "eval_function_path"):
+            if getattr(self.eval, name) and not self.eval.eval_interval:
+                problems.append(f"{name} needs eval_interval")
         problems += self._length_problems()
         problems += self._eval_set_problems()
         problems += _custom_config_problems(self.custom_config)
+        problems += source_problems(self.source, self.rollout, self.agent, self.sft)
         lag = self.weights.update_weights_interval - 1
         if self.buffer.max_staleness < lag:  # engines would wait, or generate only what the buffer must evict
             problems.append(f"max_staleness {self.buffer.max_staleness} must be at least update_weights_interval - 1 "

@@ -284,6 +284,8 @@ def _translate(flag: str, value: Any, args: argparse.Namespace, result: SlimeTra
         pairs, settings = read_slime_eval_config(value)
         _set(args, "eval_prompt_data", pairs, flag)
         _set(args, "eval_set_settings", settings, flag)
+    elif flag == "--disable-rollout-global-dataset":
+        _set(args, "rollout_global_dataset", False, flag)
     elif flag == "--ref-load":
         _set(args, "ref_checkpoint", value, flag)
     elif flag == "--load-forge-rollout-data":
@@ -497,11 +499,14 @@ def _eval_without_interval(args: argparse.Namespace, result: SlimeTranslation) -
     refuse that pair as a mistake; under --slime-entry it means what it meant in slime: no eval rounds."""
     if getattr(args, "slime_entry", None) is None or getattr(args, "eval_interval", None) is not None:
         return
-    if getattr(args, "eval_prompt_data", None):
-        result.notes.append("--eval-prompt-data without --eval-interval (slime evaluates only every "
+    given = [f"--{name.replace('_', '-')}" for name in ("eval_prompt_data", "eval_function_path")
+             if getattr(args, name, None)]
+    if given:
+        result.notes.append(f"{' and '.join(given)} without --eval-interval (slime evaluates only every "
                             "--eval-interval rollouts: no eval rounds)")
         args.eval_prompt_data = None
         args.eval_set_settings = None
+        args.eval_function_path = None
 
 
 def _entry_point(args: argparse.Namespace) -> None:

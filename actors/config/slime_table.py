@@ -232,9 +232,12 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--num-rollout": _same(),
     "--num-epoch": _same("value", "--num-rollout becomes num_epoch x (the records kept // --rollout-batch-size), "
                                   "as slime derives it; a --num-rollout given as well wins"),
-    "--disable-rollout-global-dataset": _refused("the buffer always owns the prompt dataset and its cursor"),
-    "--data-source-path": _refused("custom data-source classes are not available; the buffer reads --prompt-data",
-                                   "value"),
+    "--disable-rollout-global-dataset": _alias("-> --no-rollout-global-dataset: no dataset is read, every group's "
+                                               "prompt is empty for your generate, agent or rollout function to "
+                                               "replace", "switch"),
+    "--data-source-path": _same("value", "the buffer takes each new prompt group from your DataSource's "
+                                "get_samples(1) and calls its save/load at checkpoints and on resume; slime's own "
+                                "classes are the buffer's --prompt-data reader"),
     "--prompt-data": _same(),
     "--apply-chat-template": _same("switch"),
     "--apply-chat-template-kwargs": _alias("-> apply_chat_template_kwargs (the JSON object read into the data "
@@ -256,8 +259,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                        "--max-tokens-per-gpu it sets --micro-batch-tokens", "switch"),
     "--max-tokens-per-gpu": _alias("-> --micro-batch-tokens", "value", int),
     # --- eval ---
-    "--eval-function-path": _refused("custom eval rollout functions are not available; eval rounds use the "
-                                     "rollout path", "value"),
+    "--eval-function-path": _same("value", "each eval round is one call of it (evaluation=True) on a rollout "
+                                  "worker pinned at the evaluated version; its per-dataset rewards are the round's "
+                                  "eval metrics"),
     "--eval-prompt-data": _same("list"),
     "--eval-config": _alias("-> --eval-prompt-data NAME PATH per dataset and each dataset's own settings "
                             "(eval_set_settings: sampling, sample count, record keys, reward); a key with no "

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -247,6 +247,31 @@ class Cursor:
     position: int = 0
 
 
+class PromptStreamError(ConfigError):
+    """A prompt stream's answer that cannot be used (a user's source returned a malformed group, or raised): the
+    message names the plugin and what is wrong, and the run fails with it."""
+
+
+class PromptStream(Protocol):
+    """Where the buffer's new prompt groups come from, in order: our dataset (`PromptSource`), a run without one
+    (`EmptyPrompts`), or a user's source (slime's --data-source-path, adapted in actors/slime_compat). The buffer
+    gives each prompt its group id and exactly-once accounting, and logs the cursor with every lease; a restarted
+    buffer seeks the stream back to the logged cursor, handing it what `save` returned at the last learner
+    checkpoint before that."""
+
+    cursor: Cursor
+
+    def next(self) -> tuple[PromptRecord, Cursor] | None:
+        """The next prompt and the cursor just past it; None: the stream has nothing now (asked again later)."""
+
+    def save(self, rollout_id: int) -> dict[str, Any] | None:
+        """At a learner checkpoint: keep the stream's own state, returning what `seek` needs to find it (None: the
+        cursor is all the state there is)."""
+
+    def seek(self, cursor: Cursor, saved: dict[str, Any] | None) -> None:
+        """Continue from `cursor` (a resumed buffer), from the state `save` last returned (None: never saved)."""
+
+
 class PromptSource:
     """Endless, deterministic, resumable stream of prompts over epochs."""
 
@@ -270,3 +295,30 @@ class PromptSource:
         record = self.records[int(self._order[self.cursor.position])]
         self.cursor = Cursor(self.cursor.epoch, self.cursor.position + 1)
         return record, self.cursor
+
+    def save(self, rollout_id: int) -> None:
+        """The cursor is the whole state (the order of an epoch is a function of the seed)."""
+
+    def seek(self, cursor: Cursor, saved: dict[str, Any] | None = None) -> None:
+        self.cursor = cursor
+        self._order = self._permutation(cursor.epoch)
+
+
+class EmptyPrompts:
+    """slime's --disable-rollout-global-dataset: no dataset; every group has an empty prompt, which the user's
+    generate or rollout function replaces with prompts of its own (an environment's, a generator's). Endless; the
+    cursor counts the groups."""
+
+    def __init__(self) -> None:
+        self.cursor = Cursor()
+
+    def next(self) -> tuple[PromptRecord, Cursor]:
+        record = PromptRecord(data_index=self.cursor.position, prompt="", label=None, metadata={})
+        self.cursor = Cursor(0, self.cursor.position + 1)
+        return record, self.cursor
+
+    def save(self, rollout_id: int) -> None:
+        """Nothing but the count."""
+
+    def seek(self, cursor: Cursor, saved: dict[str, Any] | None = None) -> None:
+        self.cursor = cursor

@@ -23,7 +23,7 @@ from actors.config import RunConfig
 from actors.data.prompt_tokens import prompt_length_counter
 from actors.data.prompts import PromptRecord, image_field, load_prompts
 from actors.evaluator.ids import eval_group_id, eval_round_of
-from actors.extensions.points import EvalLogHook
+from actors.extensions.points import ROUND_DATASET, ROUND_METRICS, WHOLE_ROUND, EvalLogHook
 from actors.runtime.metrics import MetricsWriter
 from bus.episodes import by_episode, final_segment
 from bus.schema import PromptGroup, Sample, ScoredGroup
@@ -42,9 +42,12 @@ class EvalRound:
     samples: list[Sample] = field(default_factory=list)  # the scored final segments, kept for a slime log hook
 
 
+FUNCTION_ROUND = "function"  # the round of slime's --eval-function-path: one group, the function's datasets in it
+
+
 def eval_due(config: RunConfig, version: int, *, final: bool = False) -> bool:
     """Whether `version` gets an evaluation round: every --eval-interval versions, and the final one."""
-    if not config.eval.sets:
+    if not config.eval.evaluates:
         return False
     interval = config.eval.eval_interval
     if version == 0 and not final and config.eval.skip_eval_before_train:
@@ -57,7 +60,7 @@ def next_due(config: RunConfig, after: int | None) -> int | None:
     to pin the first weights of that version or newer, so a version trained while the engines were pinned and
     never pushed gives its round to the next one pushed. None: no interval, only the final version gets a
     round."""
-    if not config.eval.sets:
+    if not config.eval.evaluates:
         return None
     if after is None and eval_due(config, 0):
         return 0
@@ -86,10 +89,11 @@ class EvalRounds:
         self.writer = writer
         self.log = log
         self.sets: dict[str, list[PromptRecord]] = {}
+        self.function = config.eval.eval_function_path  # slime's eval function: a round is one call of it
         self.skipped_long: dict[str, int] = {}  # eval prompts over --eval-max-prompt-len, per set
         max_prompt = config.eval.eval_max_prompt_len
         count_tokens = prompt_length_counter(config, tokenizer) if max_prompt and config.eval.sets else None
-        for name, path in config.eval.sets.items():
+        for name, path in ({} if self.function else config.eval.sets).items():
             own = config.for_eval_set(name)  # the set's own keys (--eval-config)
             input_key, label_key = own.eval_record_keys
             records, report = load_prompts(path, input_key=input_key, label_key=label_key,
@@ -119,10 +123,17 @@ class EvalRounds:
         self._start(version, weights_version=weights_version)
 
     def _start(self, version: int, *, weights_version: int | None = None) -> None:
-        if not self.sets or version in self.started_versions:
+        if not (self.sets or self.function) or version in self.started_versions:
             return
         self.started_versions.add(version)
         self.weights_versions[version] = weights_version
+        if self.function:  # one group, its results per dataset; a round written before a restart has some
+            if not any(written == version for written, _ in self.reported):
+                self.rounds[(version, FUNCTION_ROUND)] = EvalRound(version=version, name=FUNCTION_ROUND, expected=1)
+                self.queue.extend(self._round_groups(version, FUNCTION_ROUND))
+                self.log.info("eval round started", version=version, function=self.function,
+                              weights_version=weights_version)
+            return
         for name, records in self.sets.items():
             if (version, name) in self.reported:
                 continue
@@ -138,6 +149,10 @@ class EvalRounds:
                 if group.group_id not in current.rewards]
 
     def _round_groups(self, version: int, name: str) -> list[PromptGroup]:
+        if name == FUNCTION_ROUND:
+            return [PromptGroup(group_id=eval_group_id(name, version, 0), prompt="", n_samples=1, is_eval=True,
+                                owner=self.owner, weights_version=self.weights_versions.get(version),
+                                metadata={WHOLE_ROUND: version})]
         return [PromptGroup(group_id=eval_group_id(name, version, record.data_index), prompt=record.prompt,
                             label=record.label, metadata=record.metadata, tools=record.tools,
                             n_samples=self.config.for_eval_set(name).eval.n_samples_per_eval_prompt,
@@ -169,6 +184,9 @@ class EvalRounds:
         current.off_version += sum(any(np.any(np.asarray(s.token_versions) != current.version)
                                        for s in segments if s.token_versions is not None) for segments in episodes)
         current.rewards[group.group_id] = [float(r) for r in rewards]
+        if current.name == FUNCTION_ROUND:
+            self._finish_function(current, finals)
+            return
         if self.log_hook is not None:
             current.samples += [s for s in finals if s.reward is not None]
         current.extras += [s.metadata[REWARD_EXTRAS] for s in finals
@@ -196,3 +214,22 @@ class EvalRounds:
         self.writer.write(current.version, metrics)
         self.log.info("eval round done", version=current.version, set=current.name,
                       **{key.rsplit("/", 1)[1]: round(value, 4) for key, value in metrics.items()})
+
+    def _finish_function(self, current: EvalRound, samples: list[Sample]) -> None:
+        """The eval function's round: per dataset its mean reward and truncated ratio (slime's eval/<dataset> and
+        eval/<dataset>-truncated_ratio), beside the function's own metrics."""
+        del self.rounds[(current.version, current.name)]
+        metrics: dict[str, Any] = dict(samples[0].metadata.get(ROUND_METRICS) or {}) if samples else {}
+        datasets: dict[str, list[Sample]] = {}
+        for sample in samples:
+            datasets.setdefault(str(sample.metadata.get(ROUND_DATASET)), []).append(sample)
+        for name, members in datasets.items():
+            rewards = [s.reward for s in members if s.reward is not None]
+            own = {f"eval/{name}/mean_reward": float(np.mean(rewards)) if rewards else float("nan"),
+                   f"eval/{name}/truncated_ratio": float(np.mean([s.status == "truncated" for s in members])),
+                   f"eval/{name}/samples": len(members)}
+            if self.log_hook is not None and self.log_hook(current.version, name, members, own):
+                own = {key: own[key] for key in (f"eval/{name}/mean_reward",)}
+            metrics.update(own)
+        self.writer.write(current.version, metrics)
+        self.log.info("eval round done", version=current.version, function=self.function, datasets=sorted(datasets))

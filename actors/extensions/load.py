@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
@@ -37,6 +38,7 @@ from policies.registry import resolve_filter, resolve_policy_loss
 from policies.rewards import RewardSpec, build_reward
 
 if TYPE_CHECKING:
+    from actors.data.prompts import PromptStream
     from actors.slime_compat.postprocess import RolloutDataPostprocess
     from actors.slime_compat.rollout_function import RolloutHost
     from policies.losses import PgReducer
@@ -190,9 +192,11 @@ def recorded_batch_reader(config: RunConfig) -> BatchReader | None:
 
 def check_rollout_loop(config: RunConfig) -> None:
     """Refuse at start-up, before the engine loads, a rollout loop that cannot work with the other flags."""
+    from actors.slime_compat.eval_function import check_eval_function
     from actors.slime_compat.rollout_function import check_rollout_function
 
     check_rollout_function(config)
+    check_eval_function(config)
 
 
 def rollout_loop(worker: RolloutHost) -> RolloutLoop | None:
@@ -204,6 +208,29 @@ def rollout_loop(worker: RolloutHost) -> RolloutLoop | None:
     if not function_path(worker.config):
         return None
     return RolloutFunctionRunner.load(worker)
+
+
+def prompt_stream(config: RunConfig, folder: Path) -> PromptStream | None:
+    """The buffer's new prompts when they are not --prompt-data's records: slime's `--data-source-path` (a user's
+    DataSource, its state kept in `folder`), or `--disable-rollout-global-dataset` (empty prompts); None: the buffer
+    reads --prompt-data."""
+    from actors.data.prompts import EmptyPrompts
+
+    if config.source.data_source_path is not None:
+        from actors.slime_compat.prompt_source import SlimeSourceStream
+
+        return SlimeSourceStream.load(config, folder)
+    return None if config.source.rollout_global_dataset else EmptyPrompts()
+
+
+def round_function(config: RunConfig, server_url: str | None) -> Callable[..., Awaitable[list[Sample]]] | None:
+    """slime's `--eval-function-path` as the generate function of a whole eval round's group (`WHOLE_ROUND`): one
+    call of the user's function against `server_url`, the worker's engine. None without the flag."""
+    if not config.eval.eval_function_path:
+        return None
+    from actors.slime_compat.eval_function import EvalFunctionRound
+
+    return EvalFunctionRound(config, server_url or "")
 
 
 def rollout_log_hook(config: RunConfig, log: Any, counters: Counter[str]) -> RolloutLogHook | None:

@@ -36,6 +36,14 @@ class GeneratedGroupsHook(Protocol):
 
     def assembled(self, batch_id: int, groups: Sequence[ScoredGroup]) -> None: ...
 
+# A whole eval round made by one call of a function (slime's --eval-function-path). Its owner hands the buffer one
+# group with WHOLE_ROUND in its metadata (the evaluated version); the rollout worker that leases it calls the round
+# function instead of generating, and sends back one scored sample per result, each naming its dataset
+# (ROUND_DATASET in its metadata); the first carries the function's own metrics (ROUND_METRICS).
+WHOLE_ROUND = "whole_round_version"
+ROUND_DATASET = "round_dataset"
+ROUND_METRICS = "round_metrics"
+
 
 @dataclass(frozen=True)
 class BatchRewrite:
@@ -96,5 +104,6 @@ class EvalLogHook(Protocol):
     def __call__(self, version: int, dataset: str, samples: Sequence[Sample], metrics: dict[str, Any]) -> bool: ...
 
 
-__all__ = ["AdvantageFunction", "BatchReader", "BatchRewrite", "BatchSelector", "EvalLogHook", "GeneratedGroupsHook",
-           "GroupFilter", "PolicyLossFunction", "RolloutLogHook", "RolloutLoop", "SelectionError"]
+__all__ = ["ROUND_DATASET", "ROUND_METRICS", "WHOLE_ROUND", "AdvantageFunction", "BatchReader", "BatchRewrite",
+           "BatchSelector", "EvalLogHook", "GeneratedGroupsHook", "GroupFilter", "PolicyLossFunction",
+           "RolloutLogHook", "RolloutLoop", "SelectionError"]

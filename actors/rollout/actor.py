@@ -17,8 +17,8 @@ import time
 
 from actors.config.run import policy_names, policy_run_config
 from actors.data.prompt_tokens import ImageTokens
-from actors.extensions.load import check_rollout_loop, rollout_loop
-from actors.extensions.points import RolloutLoop
+from actors.extensions.load import check_rollout_loop, rollout_loop, round_function
+from actors.extensions.points import WHOLE_ROUND, RolloutLoop
 from actors.rollout.agent import AgentRunner, EpisodeLoop
 from actors.rollout.choice import choose_generate_function
 from actors.rollout.cross_policy import PolicyTurns, split_by_policy
@@ -73,6 +73,7 @@ class RolloutWorker(Actor):
         self.weights: EngineWeightReceiver | None = None
         self.generate_fn: GenerateFunction | EpisodeLoop | AgentRunner | None = None
         self.rollout_function: RolloutLoop | None = None
+        self.round_function: GenerateFunction | None = None
 
     async def on_start(self) -> None:
         self.config = self.settings.run
@@ -100,6 +101,7 @@ class RolloutWorker(Actor):
             await self.generate_fn.start()
         # slime's --rollout-function-path: the user's generate_rollout leases and generates, this worker sends.
         self.rollout_function = rollout_loop(self)
+        self.round_function = round_function(self.config, getattr(self.engine, "url", None))  # --eval-function-path
         if self.rollout_function is not None and len(self.lanes) > 1:
             raise ValueError("--rollout-function-path: a run of several policies (policies:) cannot use a rollout "
                              "function yet; it leases and sends for one policy")
@@ -303,7 +305,8 @@ class RolloutWorker(Actor):
                                      policy_configs={other.policy: other.config for other in self.lanes
                                                      if other.policy is not None})
             with self.waits.on("engine", f"generating group {group.group_id}"):
-                samples = await chaos.during("generate.mid", self.generate_fn(context, group))
+                generate = self.round_function if WHOLE_ROUND in group.metadata else self.generate_fn
+                samples = await chaos.during("generate.mid", generate(context, group))
                 samples = await self._unless_aborted(context, group, samples)
             if samples is None:
                 return  # not sent: its lease runs out and the buffer gives the group out again

@@ -25,7 +25,7 @@ HEAD_ROLES = ("controller", "buffer", "evaluator", "learner", "rollout", "reward
 def runs_evaluator(config: RunConfig) -> bool:
     """Whether the run has an evaluator: it has eval sets (which need --eval-interval), and engines to generate them
     (a replay of recorded batches, --load-debug-rollout-data, runs none)."""
-    return bool(config.eval.sets) and not config.learner.load_debug_rollout_data
+    return config.eval.evaluates and not config.learner.load_debug_rollout_data
 
 
 def has_weight_pinners(config: RunConfig) -> bool:

@@ -177,10 +177,10 @@ def test_a_misspelled_label_key_is_refused_before_any_actor_starts(tmp_path: Pat
 LOADED_BY = {
     **dict.fromkeys(("custom_generate_function_path", "rollout_function_path", "rollout_sample_hook_path",
                      "agent_function_path", "agent_tools_path", "agent_environment_path", "agent_tool_schemas_path",
-                     "rollout_engine"), ("rollout",)),
+                     "rollout_engine", "eval_function_path"), ("rollout",)),
     "weight_transport": ("rollout", "learner"),
-    **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path", "rollout_all_samples_process_path"),
-                    ("buffer",)),
+    **dict.fromkeys(("buffer_filter_path", "dynamic_sampling_filter_path", "rollout_all_samples_process_path",
+                     "data_source_path"), ("buffer",)),
     **dict.fromkeys(("custom_reward_post_process_path", "custom_advantage_function_path",
                      "custom_convert_samples_to_train_data_path", "train_backend", "custom_megatron_init_path",
                      "custom_megatron_before_log_prob_hook_path", "custom_megatron_before_train_step_hook_path",
@@ -200,7 +200,8 @@ def test_the_plugin_settings_are_read_from_the_marks_on_their_fields() -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("setting", sorted(set(LOADED_BY) - {"rm_type", "rollout_sample_hook_path"}))
 def test_a_plugin_setting_is_imported_on_the_nodes_of_the_roles_that_load_it(setting: str) -> None:
-    config = RunConfig(**{setting: "no_such_package.plugins:thing"}, hf_checkpoint=".", prompt_data=".")
+    config = RunConfig(**{setting: "no_such_package.plugins:thing"}, hf_checkpoint=".", prompt_data=".",
+                       eval_interval=1)  # eval_function_path needs one
     flag = f"--{setting.replace('_', '-')}"
     for role in ("buffer", "learner", "rollout", "reward", "evaluator"):
         problems = [problem for problem in preflight(config, {role: 1}) if problem.startswith(flag)]

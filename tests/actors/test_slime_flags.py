@@ -579,6 +579,9 @@ def test_eval_data_without_an_interval_is_no_eval_under_a_slime_entry_and_an_err
     assert "--eval-prompt-data without --eval-interval (slime evaluates only" in args.slime_translation.note()
     with pytest.raises(ValueError, match="eval_prompt_data needs eval_interval"):
         configure(["--eval-prompt-data", "aime", "/data/aime.jsonl"])
+    config, args = configure(["--slime-entry", "train", "--eval-function-path", "my.evals:generate_rollout"])
+    assert config.eval.eval_function_path is None
+    assert "--eval-function-path without --eval-interval" in args.slime_translation.note()
 
 
 @pytest.mark.unit
