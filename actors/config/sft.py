@@ -9,15 +9,11 @@ from pydantic import AfterValidator, Field
 
 from actors.config.sections import Section
 
-LOSS_MASK_TYPES = ("qwen", "qwen3", "distill_qwen")  # actors/data/loss_masks.py builds each
-NOT_BUILT = {"qwen3_5": "slime's Qwen3.5 mask (a character-level cut of the rendered conversation) is not built: "
-                        "use qwen3 for a Qwen3-style template, qwen for ChatML"}
+LOSS_MASK_TYPES = ("qwen", "qwen3", "qwen3_5", "distill_qwen")  # actors/data/loss_masks.py builds each
 
 
 def check_loss_mask_type(value: str) -> str:
-    """A built type, or an error that names the value and what to use instead."""
-    if value in NOT_BUILT:
-        raise ValueError(f"loss_mask_type {value!r}: {NOT_BUILT[value]}")
+    """A built type, or an error that names the value and the types there are."""
     if value not in LOSS_MASK_TYPES:
         raise ValueError(f"loss_mask_type {value!r}: unknown; choose one of {', '.join(LOSS_MASK_TYPES)}")
     return value
@@ -29,8 +25,9 @@ class SftConfig(Section):
     loss_mask_type: Annotated[str, AfterValidator(check_loss_mask_type)] = Field(
         "qwen", description="with --loss-type sft, a record whose prompt is a whole conversation (chat messages) "
         "and that has no label is trained on its assistant messages, cut by this chat-template family: qwen "
-        "(ChatML, each message a turn), qwen3 (each message rendered after a turn, tool results joined) or "
-        "distill_qwen (the first message the prompt, the last the response); slime's --loss-mask-type")
+        "(ChatML, each message a turn), qwen3 (each message rendered after a turn, tool results joined), qwen3_5 "
+        "(the whole conversation rendered, its assistant turns cut by characters) or distill_qwen (the first "
+        "message the prompt, the last the response); slime's --loss-mask-type")
     num_epoch: int | None = Field(
         None, ge=1, description="train for this many passes over --prompt-data: --num-rollout becomes num_epoch x "
         "(the records the buffer keeps // --rollout-batch-size), as slime derives it; a --num-rollout given "

@@ -423,8 +423,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--min-batch-collection-ratio": _explained("declared by slime and read nowhere in it, its rollout-buffer client "
                                                "included", "value", float),
     "--rollout-task-type": _same("value", "sent to the service in /start_rollout: which of its generators runs"),
-    "--loss-mask-type": _same("value", "qwen, qwen3 and distill_qwen cut an SFT conversation as slime's do "
-                                       "(actors/data/loss_masks.py); qwen3_5 is refused"),
+    "--loss-mask-type": _same("value", "qwen, qwen3, qwen3_5 and distill_qwen cut an SFT conversation as "
+                                       "slime's do (actors/data/loss_masks.py)"),
     "--data-pad-size-multiplier": _explained("packing chooses its own padding", "value", int),
     "--rollout-sample-filter-path": _same("value", "fn(args, groups) on each batch's groups, called by the "
                                           "learner before the other batch hooks; a sample it marks remove_sample "

@@ -15,12 +15,18 @@ Each type is how one template family is cut into messages, as slime cuts it:
   cut assumes a template without one, as Qwen3's is).
 - `distill_qwen`: the first message as the prompt with the generation prompt, the last message's text as the whole
   response (no end-of-turn token: the R1 distills' template ends a turn with EOS the model writes itself).
+- `qwen3_5`: the whole conversation rendered once and cut by characters, not messages: Qwen3.5's template renders an
+  assistant turn by where it stands (its reasoning kept only after the last user message), so no message renders
+  alone as it does in the conversation. In the rendered text each assistant turn runs from its header
+  (`<|im_start|>assistant\n`) to its `<|im_end|>` and the newline after it; the characters after the header (and
+  after an opening `<think>\n`, which the template writes, not the model) through that newline are trained, and a
+  token is trained when any of its characters is. It needs a fast tokenizer (character offsets) whose tokens of
+  the rendered text are the template's own.
 
 Shared by the rollout worker's SFT path (`actors/rollout/sft.py`) and the client of slime's rollout-buffer service
 (`actors/slime_compat/rollout_buffer.py`), which turns the service's conversations into samples as slime does.
 
-A message with `step_loss_mask` other than 1 is context even when it is the model's. slime's `qwen3_5` type (a
-character-level cut of the rendered text) is refused by name: no model family we build uses its template.
+A message with `step_loss_mask` other than 1 is context even when it is the model's.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ Tools = Sequence[Mapping[str, Any]] | None
 DISTILL_MARK = "<｜Assistant｜>"  # in the added vocabulary of DeepSeek-R1's Qwen distills
 _PROBE = "probe"  # a user message's text; only the length of its rendering matters
 _STAND_IN = {"role": "user", "content": "context before the message"}
+ASSISTANT_HEADER, TURN_END, THINK_OPEN = "<|im_start|>assistant\n", "<|im_end|>", "<think>\n"  # qwen3_5's marks
 
 
 def render(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
@@ -55,7 +62,8 @@ def multi_turn_tokens(tokenizer: Tokenizer, messages: Sequence[Message], *, mask
     if mask_type == "qwen" and DISTILL_MARK in tokenizer.get_added_vocab():
         mask_type = "distill_qwen"
     cut: Callable[..., tuple[list[int], list[int]]] = {
-        "qwen": _each_alone, "qwen3": _each_after_a_turn, "distill_qwen": _first_and_last}[check_loss_mask_type(
+        "qwen": _each_alone, "qwen3": _each_after_a_turn, "distill_qwen": _first_and_last,
+        "qwen3_5": _by_characters}[check_loss_mask_type(
             mask_type)]
     ids, mask = cut(tokenizer, list(messages), tools, template_kwargs)
     if len(ids) != len(mask):  # a bug of this module, never the data's
@@ -109,6 +117,43 @@ def _first_and_last(tokenizer: Tokenizer, messages: list[Message], tools: Tools,
     response = list(tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"])
     trained = 1 if messages[-1].get("step_loss_mask", 1) == 1 else 0
     return prompt + response, [0] * len(prompt) + [trained] * len(response)
+
+
+def _by_characters(tokenizer: Tokenizer, messages: list[Message], tools: Tools,
+                   kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
+    text = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=False, tokenize=False,
+                                         **({"tools": list(tools)} if tools else {}), **kwargs)
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError:  # a slow (Python) tokenizer has no character offsets
+        encoded = {}
+    offsets = encoded.get("offset_mapping")
+    if offsets is None:
+        raise ValueError(f"loss_mask_type 'qwen3_5' cuts the rendered conversation by characters and needs a fast "
+                         f"tokenizer (character offsets); {type(tokenizer).__name__} gives none")
+    ids = list(encoded["input_ids"])
+    if ids != render(tokenizer, messages, add_generation_prompt=False, tools=tools, **kwargs):
+        raise ValueError("loss_mask_type 'qwen3_5': the rendered conversation tokenises differently from the chat "
+                         "template's own tokens, so character offsets would not line up with them")
+    trained = [0] * (len(text) + 1)  # trained[i]: trained characters before position i
+    cursor = 0
+    for number, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        header = text.find(ASSISTANT_HEADER, cursor)
+        end = -1 if header < 0 else text.find(TURN_END, header + len(ASSISTANT_HEADER))
+        if end < 0:
+            raise ValueError(f"loss_mask_type 'qwen3_5': message {number} (assistant) has no "
+                             f"{ASSISTANT_HEADER!r}...{TURN_END!r} turn in the rendered conversation; the template is "
+                             "not Qwen3.5's ChatML")
+        closed = end + len(TURN_END)
+        start, cursor = header + len(ASSISTANT_HEADER), closed + text.startswith("\n", closed)
+        if message.get("step_loss_mask", 1) == 1:
+            start += len(THINK_OPEN) if text.startswith(THINK_OPEN, start) else 0
+            trained[start + 1:cursor + 1] = [1] * (cursor - start)
+    for position in range(len(text)):
+        trained[position + 1] += trained[position]
+    return ids, [int(last > first and trained[last] > trained[first]) for first, last in offsets]
 
 
 def _message_mask(message: Message, length: int, header: int) -> list[int]:

@@ -23,7 +23,7 @@ from actors.config import RunConfig
 from actors.config.engines import http_engine_problem
 from actors.extensions.points import BatchRewrite
 from actors.slime_compat.args import build_args, sampling_params
-from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire
+from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire_episode
 from bus.schema import PromptGroup
 from bus.schema import Sample as WireSample
 from policies.filters import FilterGroup, FilterVerdict
@@ -70,8 +70,10 @@ def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str,
 def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Callable[..., Any]:
     """Our ``generate(context, group)`` around a slime ``generate(args, sample, sampling_params)``.
 
-    Each of the group's ``n_samples`` responses is one plugin call, run concurrently as slime does. The plugin
-    reaches the engine over HTTP, so it needs a server: refused at start-up with ``--rollout-engine torch``.
+    Each of the group's ``n_samples`` responses is one plugin call, run concurrently as slime does. A call may
+    return one ``Sample`` or, as slime's multi-agent example does, a list of them (one per agent call): the list is
+    that response's episode, a segment per sample (``to_wire_episode``). The plugin reaches the engine over HTTP,
+    so it needs a server: refused at start-up with ``--rollout-engine torch``.
     """
     problem = http_engine_problem(config.engine.rollout_engine, f"--custom-generate-function-path {path}: a "
                                   "slime-style generate(args, sample, sampling_params)")
@@ -85,29 +87,46 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
         if url is None:
             raise RuntimeError(f"{path}: the rollout engine has no HTTP server for a slime-style generate plugin")
         args = namespaces.setdefault(url, build_args(config, server_url=url))
+        take_back_memory = getattr(context.engine, "take_back_memory", None)
+        if take_back_memory is not None:  # colocated: the server's memory, handed to the learner while it trained,
+            await take_back_memory()  # comes back first (the plugin's own requests bypass the engine's generate)
         start = context.engine.version
         sampled_by = context.config_of(group)  # an eval group's: its set's own settings
         produced = await asyncio.gather(*(_one(args, group, index, start, sampled_by)
                                           for index in range(group.n_samples)))
-        return list(produced)
+        return [sample for episode in produced for sample in episode]
 
-    async def _one(args: Any, group: PromptGroup, index: int, start: int, sampled_by: RunConfig) -> WireSample:
+    async def _one(args: Any, group: PromptGroup, index: int, start: int, sampled_by: RunConfig
+                   ) -> list[WireSample]:
         sample = from_group(group, index)
         extra = {"evaluation": group.is_eval}
         params = sampling_params(sampled_by, evaluation=group.is_eval)
-        result = await fn(args, sample, params, **accepted_kwargs(fn, extra))
-        if not isinstance(result, Sample):
-            raise TypeError(f"{path} returned {type(result).__name__}; expected one actors.slime_compat.Sample "
-                            "(several samples per call are not supported: a group holds n_samples responses)")
+        returned = _samples_of(await fn(args, sample, params, **accepted_kwargs(fn, extra)), path)
+        return to_wire_episode([await _hooked(args, one, extra) for one in returned], group, index,
+                               start_version=start)
+
+    async def _hooked(args: Any, sample: Any, extra: dict[str, Any]) -> Any:
         for hook in hooks:
-            hooked = await _maybe_await(hook(args, result, **accepted_kwargs(hook, {"rollout_id": None, **extra})))
+            hooked = await _maybe_await(hook(args, sample, **accepted_kwargs(hook, {"rollout_id": None, **extra})))
             if hooked is not None:
                 if not isinstance(hooked, Sample):
                     raise TypeError(f"--rollout-sample-hook-path {hook!r} returned {type(hooked).__name__}")
-                result = hooked
-        return to_wire(result, group, index, start_version=start)
+                sample = hooked
+        return sample
 
     return generate
+
+
+def _samples_of(result: Any, path: str) -> list[Sample]:
+    """What a slime generate call returned, as a list: one sample, or a multi-agent call's several."""
+    listed = result if isinstance(result, list) else [result]
+    strays = [type(sample).__name__ for sample in listed if not isinstance(sample, Sample)]
+    if not listed or strays:
+        what = (type(result).__name__ if not isinstance(result, list)
+                else f"a list holding {strays[0]}" if strays else "an empty list")
+        raise TypeError(f"{path} returned {what}; expected an actors.slime_compat.Sample or a non-empty list of "
+                        "them (one episode: a sample per agent call)")
+    return listed
 
 
 def load_reward_post_process(config: RunConfig) -> BatchRewrite | None:

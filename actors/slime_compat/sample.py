@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from bus.schema import PromptGroup
 from bus.schema import Sample as WireSample
 
-__all__ = ["REMOVED", "Sample", "from_group", "from_wire", "to_wire"]
+__all__ = ["REMOVED", "Sample", "from_group", "from_wire", "to_wire", "to_wire_episode"]
 
 REMOVED = "remove_sample"  # in a wire sample's metadata: slime's remove_sample was set (its loss mask is all zero)
 
@@ -191,3 +192,25 @@ def to_wire(sample: Sample, group: PromptGroup, index: int, *, start_version: in
                                  **({REMOVED: True} if sample.remove_sample else {})},
         error=None,
     )
+
+
+def to_wire_episode(samples: list[Sample], group: PromptGroup, index: int, *, start_version: int
+                    ) -> list[WireSample]:
+    """The samples one slime generate call returned for response ``index`` (a multi-agent system's, each agent's
+    call a sample of its own) as one episode of segments, in the order returned.
+
+    slime stamps such siblings with one ``rollout_id`` so that its loss reducer and step splitter count the
+    rollout once; an episode is that here (``bus.episodes``): it counts once in its group and its batch, and its
+    segments train in one step. Each segment forked from the one before it; the last ends the episode, so the
+    reward scores its response and every segment carries that reward (a reward the plugin set on the last sample
+    is kept).
+    """
+    if not samples:
+        raise ValueError(f"slime-style episode {group.group_id}/{index}: no samples")
+    wire = [to_wire(sample, group, index, start_version=start_version) for sample in samples]
+    if len(wire) == 1:
+        return wire
+    return [msgspec.structs.replace(sample, sample_id=f"{sample.sample_id}.{number}" if number else sample.sample_id,
+                                    segment=number, parent_segment=number - 1 if number else None,
+                                    segments=len(wire), ends_episode=number == len(wire) - 1)
+            for number, sample in enumerate(wire)]

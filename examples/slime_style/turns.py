@@ -26,6 +26,9 @@ def append_observation(args: Any, sample: Sample, tokenizer: Any, text: str) -> 
 
 
 def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """The prompt's token ids; chat messages rendered by the template first (transformers 5's
+    ``apply_chat_template(tokenize=True)`` returns an encoding, not the ids)."""
     if isinstance(prompt, list):
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

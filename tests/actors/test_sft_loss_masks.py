@@ -90,13 +90,47 @@ def test_distill_qwen_trains_the_last_message_after_the_first_one_as_prompt(tiny
     assert _trained_spans(tokenizer, ids, mask) == ["6"]
 
 
+# Qwen3.5's way of rendering a conversation, cut down: an assistant turn after the last user message shows its
+# reasoning in a <think> block, an earlier one only its answer; so a message renders differently alone than in place.
+QWEN3_5_LIKE = (
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_user and m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n"
+    "{% endif %}{{ m.content }}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+REASONED = [*CHAT[:4], {"role": "assistant", "content": "the answer", "reasoning_content": "think it over"},
+            {"role": "assistant", "content": "6", "reasoning_content": "2*3"}]
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize(("value", "why"), [("qwen3_5", "slime.s Qwen3.5 mask .* is not built"), ("glm", "unknown")])
-def test_loss_mask_types_not_built_are_refused_by_name(value: str, why: str) -> None:
+def test_qwen3_5_cuts_the_rendered_conversation_by_characters_and_leaves_the_think_opening_untrained(
+        tiny_qwen3: Path) -> None:
+    """Each assistant turn as it stands in the whole rendering (the earlier one without its reasoning, the two
+    after the last user message with theirs) is trained from after its header, and after `<think>\n`, through its
+    `<|im_end|>` and newline; a turn with step_loss_mask 0 is context."""
+    tokenizer = _tokenizer(tiny_qwen3)
+    tokenizer.chat_template = QWEN3_5_LIKE
+    ids, mask = multi_turn_tokens(tokenizer, REASONED, mask_type="qwen3_5")
+    assert ids == _whole(tokenizer, REASONED)
+    assert "<think>\nthink it over\n</think>" in tokenizer.decode(ids) and "think" not in tokenizer.decode(ids[:30])
+    assert _trained_spans(tokenizer, ids, mask) == [
+        "5<|im_end|>\n", "think it over\n</think>\n\nthe answer<|im_end|>\n",
+        "2*3\n</think>\n\n6<|im_end|>\n"]
+    quiet = [{**m, "step_loss_mask": 0} if m.get("content") == "the answer" else m for m in REASONED]
+    _, quiet_mask = multi_turn_tokens(tokenizer, quiet, mask_type="qwen3_5")
+    assert _trained_spans(tokenizer, ids, quiet_mask) == ["5<|im_end|>\n", "2*3\n</think>\n\n6<|im_end|>\n"]
+    tokenizer.chat_template = "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(ValueError, match=r"message 2 \(assistant\) has no .* turn in the rendered conversation"):
+        multi_turn_tokens(tokenizer, CHAT, mask_type="qwen3_5")
+
+
+@pytest.mark.unit
+def test_loss_mask_types_not_built_are_refused_by_name() -> None:
     from actors.config.settings_errors import SettingsError
 
-    with pytest.raises(SettingsError, match=f"loss_mask_type '{value}': {why}"):
-        build_config({"loss_mask_type": value})
+    with pytest.raises(SettingsError, match="loss_mask_type 'glm': unknown; choose one of qwen, qwen3, qwen3_5"):
+        build_config({"loss_mask_type": "glm"})
 
 
 @pytest.mark.integration

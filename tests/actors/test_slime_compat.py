@@ -14,8 +14,9 @@ from actors.extensions.load import group_filter
 from actors.rollout.choice import choose_generate_function
 from actors.rollout.generate import default_generate
 from actors.slime_compat import DynamicFilterOutput, Sample, build_args, is_slime_style
-from actors.slime_compat.plugins import adapt_reward
-from actors.slime_compat.sample import from_group, from_wire, to_wire
+from actors.slime_compat.plugins import _samples_of, adapt_reward
+from actors.slime_compat.sample import from_group, from_wire, to_wire, to_wire_episode
+from bus.episodes import group_problem
 from bus.schema import PromptGroup, ScoredGroup
 from bus.schema import Sample as WireSample
 from examples.slime_style import group_rm
@@ -75,6 +76,28 @@ def test_a_hand_built_sample_without_versions_gets_the_start_version_and_removed
     assert wire.token_versions.tolist() == [4, 4] and wire.loss_mask.tolist() == [0, 0]
     with pytest.raises(ValueError, match="loss_mask has 1 entries"):
         to_wire(Sample(tokens=[1, 2], response_length=2, loss_mask=[1]), GROUP, 0, start_version=0)
+
+
+@pytest.mark.unit
+def test_a_multi_agent_calls_samples_are_one_episode_of_segments_a_group_counts_once() -> None:
+    """slime's multi-agent generate returns a list per call (a sample per agent call): here each list is the
+    episode of its response, a segment per sample in the order returned, the last one ending it."""
+    def agent_call(index: int, agent: int) -> Sample:
+        return Sample(index=index, tokens=[1, 2, 3 + agent, 9], response_length=1, rollout_log_probs=[-0.5],
+                      status=Sample.Status.COMPLETED)
+
+    wire = [s for index in range(2) for s in to_wire_episode(
+        _samples_of([agent_call(index, agent) for agent in range(3)], "multi_agent"), GROUP, index, start_version=0)]
+    assert [s.sample_id for s in wire] == ["g1/0", "g1/0.1", "g1/0.2", "g1/1", "g1/1.1", "g1/1.2"]
+    assert [(s.segment, s.parent_segment, s.segments, s.ends_episode) for s in wire[:3]] == [
+        (0, None, 3, False), (1, 0, 3, False), (2, 1, 3, True)]
+    assert group_problem(wire, GROUP.n_samples) is None
+    one = to_wire_episode(_samples_of(agent_call(0, 0), "single"), GROUP, 0, start_version=0)
+    assert len(one) == 1 and one[0].segments == 1 and one[0].sample_id == "g1/0"
+    with pytest.raises(TypeError, match="multi_agent returned a list holding dict"):
+        _samples_of([agent_call(0, 0), {"tokens": []}], "multi_agent")
+    with pytest.raises(TypeError, match="multi_agent returned an empty list"):
+        _samples_of([], "multi_agent")
 
 
 @pytest.mark.unit

@@ -79,14 +79,15 @@ def test_an_eval_config_key_that_cannot_be_honoured_is_refused_with_its_dataset(
 
 @pytest.mark.unit
 def test_a_datasets_reward_that_does_not_exist_fails_the_preflight_with_its_set(tmp_path: Path) -> None:
-    """slime's example scores its third set with ifbench, a reward we do not have."""
+    """slime's example scores its third set with ifbench, a reward not built here: the problem says why."""
     from actors.config.preflight import preflight
 
     text = MULTI_TASK.replace("rm_type: gpqa", "rm_type: ifbench")
     config = _configure(["--eval-config", str(_yaml(tmp_path, text)), "--eval-interval", "5"])
     problems = preflight(config, {"reward": 1})
-    assert any(problem.startswith("eval set 'gpqa': --rm-type ifbench: unknown reward function 'ifbench'")
-               for problem in problems), problems
+    assert any(problem.startswith("eval set 'gpqa': --rm-type ifbench: reward function 'ifbench' is not built "
+                                  "here: slime's instruction-following reward runs allenai/IFBench's checkers")
+               and "--custom-rm-path" in problem for problem in problems), problems
 
 
 @pytest.mark.unit

@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from bus.codec import decode
+from bus.episodes import by_episode
 from tests.support.slime_scripts import SCRIPTS, read_slime_script, run_slime_script
 
 
@@ -49,16 +52,21 @@ TINY_MOE_FLAGS = {
 }
 
 
-def _tiny_moe_script(model: Path, tmp_path: Path, flags: dict[str, str]) -> tuple[str, list[str]]:
+def _tiny_moe_script(model: Path, tmp_path: Path, flags: dict[str, str], script: str = "moe-qwen3-30b-a3b.sh"
+                     ) -> tuple[str, list[str]]:
+    """A Qwen3-30B-A3B script's argv with the tiny Qwen3-MoE, `flags` (those the script sets) and a small prompt
+    file; its NCCL transport dropped and a reward that varies between an untrained model's samples added."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b), "metadata": {}}) + "\n"
                             for a in range(4) for b in range(4)), encoding="utf-8")
-    entry, argv = read_slime_script(SCRIPTS / "moe-qwen3-30b-a3b.sh", overrides={"MODEL": str(model)})
+    entry, argv = read_slime_script(SCRIPTS / script, overrides={"MODEL": str(model)})
     for flag, value in {**flags, "--prompt-data": str(data), "--save": str(tmp_path / "save")}.items():
         argv[argv.index(flag) + 1] = value
-    argv[argv.index("--eval-prompt-data") + 2] = str(data)
-    transport = argv.index("--update-weight-transport")
-    del argv[transport : transport + 2]
+    if "--eval-prompt-data" in argv:
+        argv[argv.index("--eval-prompt-data") + 2] = str(data)
+    if "--update-weight-transport" in argv:
+        transport = argv.index("--update-weight-transport")
+        del argv[transport : transport + 2]
     return entry, [*argv, "--custom-rm-path", "tests.support.reward_plugins:digit_share"]
 
 
@@ -102,6 +110,46 @@ def test_the_moe_slime_script_trains_on_megatron_with_expert_parallelism_replayi
     _, steps = run_slime_script(entry, argv, tmp_path / "run", train_backend="megatron")
     assert len(steps) == 3 and all(row["optimizer_steps"] == 2 for row in steps), steps
     assert all(row["grad_norm"] > 0 for row in steps), steps
+
+
+@pytest.mark.system
+def test_the_multi_agent_slime_script_trains_each_agents_sample_against_the_engines_log_probs(
+    tiny_model_cache: Path, tmp_path: Path
+) -> None:
+    """slime's multi-agent script (colocated, GRPO, --use-rollout-logprobs) with a tiny Qwen3-MoE and our own
+    slime-style multi-agent generate in place of slime's (written against slime's modules): each call's three agent
+    samples (two solvers, a judge) are one episode of three segments that share the judge's reward, every one
+    trained with the engine's log-probs as pi_old (the loss saw no difference between the two, token by token)."""
+    from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+    model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
+    flags = {flag: value for flag, value in TINY_MOE_FLAGS.items() if flag not in (
+        "--rollout-num-gpus", "--eval-max-response-len", "--eval-interval", "--n-samples-per-eval-prompt")}
+    flags.update({"--num-rollout": "2", "--rollout-batch-size": "2", "--global-batch-size": "4",
+                  "--rollout-max-context-len": "160",
+                  "--custom-generate-function-path": "examples.slime_style.multi_agent:generate"})
+    entry, argv = _tiny_moe_script(model, tmp_path, flags, script="multi-agent-qwen3-30b-a3b.sh")
+    argv.remove("--sequence-parallel")
+    debug = tmp_path / "batches"
+    argv += ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
+             "--save-debug-rollout-data", str(debug)]
+    _, steps = run_slime_script(entry, argv, tmp_path / "run")
+    assert len(steps) == 2
+    for row in steps:  # pi_old minus mu on every trained token: exactly 0 only when pi_old is mu
+        assert row["train_rollout_logprob_abs_diff"] == 0.0 and row["is_weight_abs_dev"] == 0.0, row
+    batches = sorted(debug.glob("batch_*.msgpack"))
+    assert len(batches) == 2
+    for path in batches:
+        samples = decode(path.read_bytes()).samples
+        episodes = by_episode(samples)
+        assert len(episodes) == 4 and len(samples) == 12
+        for segments in episodes.values():
+            assert [s.segment for s in segments] == [0, 1, 2] and [s.ends_episode for s in segments] == [0, 0, 1]
+            assert segments[2].prompt[0]["content"].count("Answer ") == 2  # the judge read both solvers
+            assert len({s.reward for s in segments}) == 1 and segments[0].reward is not None
+            for sample in segments:
+                assert len(sample.rollout_log_probs) == sample.response_length > 0
+                assert np.all(sample.rollout_log_probs < 0)
 
 
 def _geo3k_like_parquet(folder: Path) -> Path:
