@@ -1,8 +1,9 @@
 """Short real runs driven by a slime-style whole-rollout function over the SGLang-compatible CPU server: one of the
 user's (--rollout-function-path), which leases, over-samples and puts a group back, generates, and scores its own
 samples, slime's samples -> train-data conversion (--custom-convert-samples-to-train-data-path) shaping the training
-data; and our client of slime's rollout-buffer service (--rollout-buffer-url), the stand-in service generating
-through the server's /v1/chat/completions and scoring."""
+data, and slime's eval function (--eval-function-path) making each eval round through the same server; and our
+client of slime's rollout-buffer service (--rollout-buffer-url), the stand-in service generating through the
+server's /v1/chat/completions and scoring."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tools.make_arithmetic_data import make_arithmetic_data
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 GROUPS = 2  # --rollout-batch-size
+EVAL_PROMPTS = 10
 
 
 def _counters(run_dir: Path, actor_prefix: str) -> dict[str, float]:
@@ -40,11 +42,11 @@ def _counters(run_dir: Path, actor_prefix: str) -> dict[str, float]:
 @pytest.mark.system
 @pytest.mark.timeout(150)
 def test_slime_rollout_function_drives_a_training_run(tmp_path: Path, tiny_model_path: Path) -> None:
-    data = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=10)["train"]
+    sets = make_arithmetic_data(tmp_path / "data", max_operand=9, eval_size=EVAL_PROMPTS)
     run_dir, debug_dir = tmp_path / "run", tmp_path / "batches"
     command = [
         sys.executable, str(REPO / "launcher.py"), "--head", "--run-dir", str(run_dir),
-        "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(data), "--num-rollout", str(STEPS),
+        "--hf-checkpoint", str(tiny_model_path), "--prompt-data", str(sets["train"]), "--num-rollout", str(STEPS),
         "--rollout-batch-size", str(GROUPS), "--n-samples-per-prompt", "2", "--rollout-max-batch-size", "4",
         # The function takes one group more than it returns: the staleness bound must leave room for it.
         "--max-staleness", "1", "--rollout-workers", "1", "--reward-workers", "1",
@@ -52,7 +54,11 @@ def test_slime_rollout_function_drives_a_training_run(tmp_path: Path, tiny_model
         "--rollout-function-path", "examples.slime_style.rollout_function.generate_rollout",
         "--custom-convert-samples-to-train-data-path", "examples.slime_style.train_data.skip_truncated",
         "--rollout-max-response-len", "16", "--save-debug-rollout-data", str(debug_dir),
-        "--final-eval-timeout", "0", "--heartbeat-interval", "0.25", "--weight-transfer-timeout", "20",
+        # Each eval round (before training and of the final version) is one call of the function on the worker
+        # pinned at that version; it reads --eval-prompt-data itself and generates through the server in its args.
+        "--eval-function-path", "tests.support.slime_eval_function:over_the_server", "--eval-interval", str(STEPS),
+        "--eval-prompt-data", "arith", str(sets["eval"]), "--eval-max-response-len", "4",
+        "--final-eval-timeout", "60", "--heartbeat-interval", "0.25", "--weight-transfer-timeout", "20",
         "--no-progress", "--no-use-tensorboard", "--no-plots",
         # loss_tokens below counts every trained token: keep the groups that scored alike in the step
         "--no-skip-zero-advantage-samples",
@@ -86,6 +92,19 @@ def test_slime_rollout_function_drives_a_training_run(tmp_path: Path, tiny_model
     # back; call 1 got 0:2 first and leased 0:3. A put-back group given up instead would wait out its lease.
     generated_by = [{(s.group_id, s.metadata["rollout_id"]) for s in samples} for samples in batches]
     assert generated_by == [{("0:0", 0), ("0:1", 0)}, {("0:2", 1), ("0:3", 1)}]
+
+    # The eval function ran once per round, called with the round's version, and the server it was pointed at
+    # answered with those weights (the final version's pushed ones); every prompt's result came back per dataset,
+    # with the function's rewards (the reward worker kept them).
+    # The final version is the last row's: a step that trains no token (all its responses truncated: the sampling
+    # is not seeded) makes none, so it is 1 or 2, or 0 in a run whose two steps both trained nothing.
+    rounds = [json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rounds] == sorted({0, rows[-1]["version"]}), rounds
+    for row in rounds:
+        assert row["eval/rollout_id"] == row["eval/served_weight_version"] == row["step"], row
+        assert row["eval/arith/samples"] == EVAL_PROMPTS and 0 <= row["eval/arith/truncated_ratio"] <= 1, row
+        assert row["eval/arith/mean_reward"] == pytest.approx(row["eval/arith/function_mean_reward"]), row
+        assert row["eval/arith/mean_reward"] > 0, row
 
 
 def _free_port() -> int:
