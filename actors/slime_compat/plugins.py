@@ -23,7 +23,7 @@ from actors.config import RunConfig
 from actors.config.engines import http_engine_problem
 from actors.extensions.points import BatchRewrite
 from actors.slime_compat.args import build_args, sampling_params
-from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire_episode
+from actors.slime_compat.sample import Sample, from_group, from_wire, to_wire, to_wire_episode
 from bus.schema import PromptGroup
 from bus.schema import Sample as WireSample
 from policies.filters import FilterGroup, FilterVerdict
@@ -101,9 +101,12 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
         sample = from_group(group, index)
         extra = {"evaluation": group.is_eval}
         params = sampling_params(sampled_by, evaluation=group.is_eval)
-        returned = _samples_of(await fn(args, sample, params, **accepted_kwargs(fn, extra)), path)
-        return to_wire_episode([await _hooked(args, one, extra) for one in returned], group, index,
-                               start_version=start)
+        try:
+            returned = _samples_of(await fn(args, sample, params, **accepted_kwargs(fn, extra)), path)
+            hooked = [await _hooked(args, one, extra) for one in returned]
+        except Exception as error:  # the user's code: its response fails, counted and logged; the worker goes on
+            return [_failed(group, index, start, f"{path} raised {error!r}")]
+        return to_wire_episode(hooked, group, index, start_version=start)
 
     async def _hooked(args: Any, sample: Any, extra: dict[str, Any]) -> Any:
         for hook in hooks:
@@ -115,6 +118,15 @@ def adapt_generate(fn: Callable[..., Any], config: RunConfig, path: str) -> Call
         return sample
 
     return generate
+
+
+def _failed(group: PromptGroup, index: int, start: int, reason: str) -> WireSample:
+    """Response `index` failed with `reason`: the buffer leaves it out of its group (or drops the group,
+    `--failed-sample-policy`) and counts it. Raised instead, the group would be given out again and fail again, a
+    lease timeout each time, for as long as the run lasts."""
+    failed = from_group(group, index)
+    failed.status = Sample.Status.FAILED
+    return msgspec.structs.replace(to_wire(failed, group, index, start_version=start), error=reason)
 
 
 def _samples_of(result: Any, path: str) -> list[Sample]:

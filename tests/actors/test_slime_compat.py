@@ -33,6 +33,14 @@ async def our_generate(context, group):
     return []
 
 
+async def half_raising_generate(args, sample, sampling_params):
+    """A plugin with a bug on every other response: its first fails, its second answers."""
+    if sample.index == 0:
+        raise KeyError("reward_model")
+    sample.tokens, sample.response, sample.response_length, sample.status = [1, 2, 3], "5", 1, Sample.Status.COMPLETED
+    return sample
+
+
 def slime_filter(args, samples, **kwargs):
     rewards = [s.reward for s in samples]
     return DynamicFilterOutput(keep=len(set(rewards)) > 1, reason="same_reward")
@@ -139,6 +147,29 @@ def test_slime_generate_is_refused_on_the_embedded_torch_engine() -> None:
     assert choose_generate_function(build_config({"custom_generate_function_path": f"{__name__}:our_generate"})) \
         is our_generate
     assert choose_generate_function(build_config({})) is default_generate
+
+
+@pytest.mark.integration
+def test_a_slime_generate_that_raises_fails_that_response_naming_it_and_the_group_comes_back() -> None:
+    """The plugin's exception used to end the group's rollout: the group was given out again, failed again, a lease
+    timeout each time, for as long as the run lasted."""
+    from actors.rollout.generate import RolloutContext
+    from engines.sglang.client import SglangEngine
+
+    path = f"{__name__}:half_raising_generate"
+    config = build_config({"custom_generate_function_path": path, "rollout_engine": "sglang"})
+
+    async def generate() -> list[WireSample]:
+        engine = SglangEngine("http://127.0.0.1:9")  # the plugin never reaches it
+        try:
+            context = RolloutContext(engine=engine, tokenizer=None, config=config, worker_id="rollout-0-0")
+            return await choose_generate_function(config)(context, GROUP)
+        finally:
+            await engine.close()
+
+    failed, answered = asyncio.run(generate())
+    assert (failed.status, failed.error, failed.index) == ("failed", f"{path} raised KeyError('reward_model')", 0)
+    assert (answered.status, answered.response, answered.index) == ("completed", "5", 1)
 
 
 @pytest.mark.integration
