@@ -68,6 +68,8 @@ DISK_SYNC = ("(--weight-transport disk: each push written into a folder the lear
              "each full push with /update_weights_from_disk; docs/reliability.md)")
 ROLLOUT_BUFFER = ("the rollout worker is slime's rollout-buffer client (actors/slime_compat/rollout_buffer.py, "
                   "docs/agents.md)")
+DEEPGEMM = ("DeepGEMM's FP8 GEMMs need an NVIDIA Hopper or Blackwell GPU and the deep_gemm package, and FP8 "
+            "training is not implemented here (the trainers train in bf16)")
 CI = "slime's own CI assertions; Slipstream's checks live in its test suite"
 
 SLIME_FLAGS: dict[str, SlimeFlag] = {
@@ -92,7 +94,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--train-backend": _same("value", "fsdp (slime's FSDP backend, which trains the HF model with data "
                              "parallelism) runs on our torch backend, which does the same with DDP: every learner "
                              "rank holds the whole model and optimizer state, where FSDP shards them over the ranks"),
-    "--qwen-gdn-backend": _refused("Gated DeltaNet (Qwen3-Next) layers are not supported by our trainers", "value"),
+    "--qwen-gdn-backend": _refused("Gated DeltaNet (Qwen3-Next) layers are not built by either trainer: the Megatron "
+                                   "bridge builds dense llama, qwen2 and qwen3, and the GDN kernels (flash-linear-"
+                                   "attention, on Triton) need a GPU", "value"),
     "--custom-model-provider-path": _owned("megatron"),
     "--recompute-loss-function": _explained("a Megatron memory saving with identical results; our trainers bound "
                                             "memory with --micro-batch-tokens"),
@@ -103,7 +107,8 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--only-train-params-name-list": _same("list0", "regular expressions searched in the backend's parameter "
                                            "names, as slime does; one that matches nothing is an error"),
     "--freeze-params-name-list": _same("list0", "as --only-train-params-name-list"),
-    "--freeze-indexer": _refused("DSA indexer models (DeepSeek-V3.2) are not available"),
+    "--freeze-indexer": _refused("DSA indexer models (DeepSeek-V3.2, GLM-5) are not built by either trainer; their "
+                                 "sparse-attention kernels (DeepGEMM, FlashMLA) need Hopper GPUs"),
     "--allgather-cp": _explained("context parallelism (--context-parallel-size, torch backend) always gathers each "
                                  "layer's keys and values across the group: the all-gather layout"),
     "--micro-batch-size": _owned("megatron"),
@@ -118,10 +123,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--megatron-config-path": _alias("slime's actor/critic role overrides: the critic's lr -> --critic-lr and "
                                       "load -> --critic-load, the actor's lr -> --lr; other keys are refused by "
                                       "name"),
-    "--megatron-deepgemm-forward-layers": _refused("DeepGEMM FP8 kernels are not available", "list"),
-    "--megatron-deepgemm-forward-modules": _refused("DeepGEMM FP8 kernels are not available", "list"),
-    "--megatron-deepgemm-moe-forward-layers": _refused("DeepGEMM FP8 kernels are not available", "list"),
-    "--megatron-deepgemm-moe-forward-modules": _refused("DeepGEMM FP8 kernels are not available", "list"),
+    "--megatron-deepgemm-forward-layers": _refused(DEEPGEMM, "list"),
+    "--megatron-deepgemm-forward-modules": _refused(DEEPGEMM, "list"),
+    "--megatron-deepgemm-moe-forward-layers": _refused(DEEPGEMM, "list"),
+    "--megatron-deepgemm-moe-forward-modules": _refused(DEEPGEMM, "list"),
     "--custom-megatron-init-path": _owned("megatron"),
     "--custom-megatron-before-log-prob-hook-path": _owned("megatron"),
     "--custom-megatron-before-train-step-hook-path": _owned("megatron"),
@@ -218,7 +223,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
                                           int),
     "--sglang-config": _refused("engine groups from a YAML file (PD disaggregation, placeholders) are not "
                                 "available", "value"),
-    "--prefill-num-servers": _refused("prefill/decode disaggregation is not available", "value", int),
+    "--prefill-num-servers": _refused("prefill/decode disaggregation is not available: it needs SGLang servers "
+                                      "paired over RDMA (Mooncake or NIXL transfer engines) behind a PD router",
+                                      "value", int),
     # --- fault tolerance ---
     "--use-fault-tolerance": _explained("always on: heartbeats detect dead actors and the launcher restarts them "
                                         "(--max-restarts)"),
