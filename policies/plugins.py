@@ -53,8 +53,10 @@ def load_object(path: str, *, what: str) -> object:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure of user code is reported the same way
+        cause = exc.__cause__  # `raise ImportError("X is not installed") from error`: the error says which import
+        because = f" (from {type(cause).__name__}: {cause})" if cause is not None else ""
         raise PluginError(
-            f"{what} {path!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+            f"{what} {path!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{because}"
         ) from exc
     obj: object = module
     walked = module_name

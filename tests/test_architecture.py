@@ -362,8 +362,9 @@ def test_no_tool_shadows_a_package_when_run_by_its_path() -> None:
 
 
 # Tools run as modules from the repository (`python -m tools.FAMILY.NAME`), so none puts the repository on sys.path.
-# The one edit left is not the repository: the GPU check installs a folder of carried wheels and must import them.
-SYS_PATH_EDITS_ALLOWED = {("tools/gpu/check.py", "install_wheels")}
+# The edits left are not the repository: the GPU check installs a folder of carried wheels and must import them, and
+# the slime-scripts check puts a slime checkout's plugin folders there while it checks a script, as its PYTHONPATH.
+SYS_PATH_EDITS_ALLOWED = {("tools/gpu/check.py", "install_wheels"), ("tools/slime_scripts.py", "slime_pythonpath")}
 
 
 def sys_path_edits(tree: ast.Module) -> list[tuple[int, str]]:

@@ -12,10 +12,13 @@ SLIME_CHECKOUT is slime's repository: a work tree, or a bare git clone (its HEAD
 3. `launcher.prepare` runs on it as `python launcher.py --head --slime-entry ENTRY ...` would: the configuration
    (slime's flags read, translated, explained or refused), preflight (data, model folders, plugins) and placement,
    then the learner's model checks (`engines.megatron.model_flags`: the model flags against the checkpoint, and
-   what the train backend refuses). No actor starts and nothing trains.
+   what the train backend refuses). No actor starts and nothing trains. Its plugins are imported with the
+   checkout's `examples` and the script's folder on the path, as slime's scripts set PYTHONPATH, and without slime
+   installed: their `slime.*` imports are answered by `actors.slime_compat.imports`.
 
 A script's configuration-and-preflight result is `ok`, `refused: FLAG: reason; ...` (slime flags refused by
-`actors/config/slime_table.py`), `plugin: ...` (a plugin that is a module of slime's checkout), or `error: ...`
+`actors/config/slime_table.py`), `plugin: ...` (a plugin of slime's checkout that does not import here, and why:
+a package it needs that is not installed, a slime module not offered), or `error: ...`
 (anything else: the first problem); the learner's column is `ok`, `refused: ...` or `-` (not reached). The table
 is printed and, with --markdown, written as markdown (docs/slime.md holds the one from slime's own repository).
 """
@@ -24,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import os
+import pkgutil
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +99,8 @@ def check_script(checkout: Path, script: Path, sandbox: Path, *, cache: Path) ->
     family = family_of(captured.sourced, captured.argv)
     substituted = substitute(captured.argv, family, checkout=checkout, sandbox=sandbox, cache=cache,
                              arities=_arities())
-    launcher, learner = launch_check(captured, substituted.argv, substituted.model, sandbox / "run")
+    with slime_pythonpath(checkout, script, sandbox):
+        launcher, learner = launch_check(captured, substituted.argv, substituted.model, sandbox / "run")
     if launcher.startswith("error: ") and (plugin := _slime_plugin(launcher, checkout, script)) is not None:
         launcher = f"plugin: {plugin}"
     # the table reads the same wherever it was made
@@ -101,6 +108,34 @@ def check_script(checkout: Path, script: Path, sandbox: Path, *, cache: Path) ->
                          for text in (launcher, learner))
     return Row(script.as_posix(), substituted.family, launcher, learner,
                "; ".join([*captured.notes, *substituted.notes]))
+
+
+@contextlib.contextmanager
+def slime_pythonpath(checkout: Path, script: Path, sandbox: Path) -> Iterator[None]:
+    """What slime's run scripts put on PYTHONPATH for their plugins, for the duration of one script's check: the
+    checkout root (for its `examples` package, which joins ours: `examples/__init__.py`) and the script's folder.
+    Of the root only `examples` is put there, linked from `sandbox`: a slime user's Slipstream run has no slime
+    installed, so the plugins' `slime.*` imports are answered by `actors.slime_compat.imports`, which would rightly
+    step aside for the checkout's own `slime/`. What was imported from those folders is forgotten afterwards, so no
+    script sees another's modules."""
+    import examples
+
+    root = sandbox / "pythonpath"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "examples").symlink_to(checkout / "examples", target_is_directory=True)
+    folders = [str(root), str(checkout / script.parent)]
+    saved_path, saved_examples = list(sys.path), list(examples.__path__)
+    sys.path[1:1] = folders  # after the working directory, before the installed packages, as PYTHONPATH is
+    examples.__path__ = pkgutil.extend_path(examples.__path__, examples.__name__)  # as at a start with them there
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        examples.__path__ = saved_examples
+        for name, module in list(sys.modules.items()):
+            if str(getattr(module, "__file__", None) or "").startswith(tuple(folders)):
+                del sys.modules[name]
 
 
 def launch_check(captured: Captured, argv: list[str], model: Path, run_dir: Path) -> tuple[str, str]:
@@ -152,20 +187,18 @@ def _launch_result(message: str) -> str:
 
 
 def _slime_plugin(result: str, checkout: Path, script: Path) -> str | None:
-    """`MODULE is slime's own code (PATH)` when the plugin the launcher could not import is a module of slime's
-    checkout (beside the script, whose folder slime's scripts put on PYTHONPATH, or under its root)."""
-    missing = re.search(r"(--[a-z-]+) .*?cannot import module '([\w.]+)'", result)
+    """`FLAG MODULE (PATH in slime's checkout): WHY` when the plugin the launcher could not import is a module of
+    slime's checkout (beside the script, or under its root, both on the path as slime's scripts put them): WHY is what
+    stopped its import, a package it needs that is not installed or a slime module not offered here."""
+    missing = re.search(r"(--[a-z-]+) .*?cannot import module '([\w.]+)': (.*)", result, re.DOTALL)
     if missing is None:
         return None
-    flag, module = missing.groups()
+    flag, module, why = missing.groups()
     relative = module.replace(".", "/")
     for root in (checkout, checkout / script.parent):
         for candidate in (root / f"{relative}.py", root / relative / "__init__.py"):
             if candidate.is_file():
-                imports_slime = re.search(r"^\s*(from|import) slime\b", candidate.read_text(encoding="utf-8"), re.M)
-                return (f"{flag} {module} is a module of slime's checkout ({candidate.relative_to(checkout)})"
-                        + (", written against slime's own modules (they become actors.slime_compat's, docs/slime.md)"
-                           if imports_slime else ", not on this run's path (copy it into the project)"))
+                return f"{flag} {module} ({candidate.relative_to(checkout)} in slime's checkout): {why}"
     return None
 
 

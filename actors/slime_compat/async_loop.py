@@ -1,7 +1,7 @@
 """slime's ``run(coro)``: run a coroutine on one background event loop from synchronous code.
 
-A ported slime rollout function is synchronous and drives its requests with ``run(...)``; a plugin changes
-``from slime.utils.async_utils import run`` to ``from actors.slime_compat import run``. One loop for the process
+A ported slime rollout function is synchronous and drives its requests with ``run(...)``; its
+``from slime.utils.async_utils import run`` imports this one (`actors.slime_compat.imports`). One loop for the process
 (not ``asyncio.run`` per call) keeps one HTTP session (`actors.slime_compat.http`) alive across rollouts instead of
 leaving one behind per call.
 """

@@ -1,6 +1,6 @@
 """``post``/``get`` with the shape of slime's ``slime.utils.http_utils`` helpers, for generate plugins.
 
-A plugin changes ``from slime.utils.http_utils import post`` to ``from actors.slime_compat import post``. One
+A plugin's ``from slime.utils.http_utils import post`` imports this one (`actors.slime_compat.imports`). One
 aiohttp session per event loop; a failed request is retried a few times, then raises with the URL in the message.
 aiohttp is imported at the first request: importing it costs 0.11 s, and this package loads in every rollout
 worker, plugin or not.

@@ -6,7 +6,7 @@ filters ``(args, samples, **kw) -> DynamicFilterOutput | bool`` and rollout samp
 ``hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None``. Ours take one typed context object
 (generate: ``(context, group)``; reward: ``(RewardInput)``; filter: ``(FilterGroup)``). A function is slime-style
 when its first parameter is named ``args`` and it takes slime's count of positional parameters; anything else
-loads as ours, unchanged. A user's plugin changes only its ``slime.*`` imports to ``actors.slime_compat``.
+loads as ours, unchanged. A user's plugin keeps its ``slime.*`` imports (`actors.slime_compat.imports`).
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ METHODS = ("get_samples", "save", "load")
 
 
 class DataSource(abc.ABC):
-    """slime's data-source interface (``from slime.rollout.data_source import DataSource`` becomes
-    ``from actors.slime_compat import DataSource``); the buffer calls ``get_samples``, ``save`` and ``load``."""
+    """slime's data-source interface (what ``from slime.rollout.data_source import DataSource`` imports here);
+    the buffer calls ``get_samples``, ``save`` and ``load``."""
 
     @abc.abstractmethod
     def get_samples(self, num_samples: int) -> list[list[Sample]]:

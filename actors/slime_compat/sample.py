@@ -1,7 +1,7 @@
 """A slime-style ``Sample`` for plugins written against slime, and its conversion to and from our wire sample.
 
-A slime plugin changes one import: ``from slime.utils.types import Sample`` becomes
-``from actors.slime_compat import Sample``. The class has slime's field names, its ``Status`` enum (same values
+A slime plugin's ``from slime.utils.types import Sample`` imports this class (`actors.slime_compat.imports`),
+as ``from actors.slime_compat import Sample`` does. The class has slime's field names, its ``Status`` enum (same values
 as our wire statuses) and the helpers plugins call (``append_response_tokens``, ``get_reward_value``,
 ``effective_response_length``). It is our own class, not slime's: multimodal and top-p replay fields exist so
 plugins that set them do not break, but nothing downstream reads them.

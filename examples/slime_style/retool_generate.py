@@ -2,8 +2,8 @@
 sandboxed interpreter runs it with a timeout, and the output comes back as ``<output>...</output>`` with loss
 mask 0. Run with ``--custom-generate-function-path examples.slime_style.retool_generate:generate``.
 
-The only change from a slime plugin: ``from actors.slime_compat import Sample`` (and ``GenerateState``) instead
-of the ``slime.*`` imports.
+Written as a slime plugin; it imports ``Sample`` and ``GenerateState`` from ``actors.slime_compat``, where slime's
+``slime.*`` import lines would load the same classes (`actors.slime_compat.imports`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ rollout does: it asks for one group more than it needs and puts the spare back w
 and the next call gets that group first. A function that takes more groups than it returns needs room under the
 staleness bound (``--max-staleness 1`` or more): the buffer admits a fixed number of groups per learner version.
 
-The only change from a slime rollout function: the ``actors.slime_compat`` imports.
+Written as a slime rollout function; it imports from ``actors.slime_compat`` what slime's ``slime.*`` import
+lines would load (`actors.slime_compat.imports`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the model answers; whenever it writes ``<search>query</search>`` it gets another
 ``MAX_SEARCHES``. Run with ``--custom-generate-function-path examples.slime_style.search_generate:generate``.
 The corpus is a dataset field (``metadata["corpus"]``: a list of passages) or, without one, ``CORPUS`` below.
 
-The only change from a slime plugin: ``from actors.slime_compat import Sample`` (and ``GenerateState``).
+Written as a slime plugin; it imports ``Sample`` and ``GenerateState`` from ``actors.slime_compat``, where slime's
+``slime.*`` import lines would load the same classes (`actors.slime_compat.imports`).
 """
 
 from __future__ import annotations

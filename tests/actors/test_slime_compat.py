@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +27,7 @@ from bus.schema import Sample as WireSample
 from examples.slime_style import group_rm
 from examples.slime_style.retool_generate import run_python
 
+REPO = Path(__file__).resolve().parents[2]
 GROUP = PromptGroup(group_id="g1", prompt="2+3=", label="5", n_samples=2, data_index=7)
 
 
@@ -319,3 +325,136 @@ def test_run_keeps_one_background_loop_so_http_sessions_are_reused() -> None:
     second_loop, second_session = run(loop_and_session())
     assert first_loop is second_loop and first_session is second_session
     assert run(asyncio.sleep(0, result=42)) == 42
+
+
+@pytest.fixture
+def slime_modules() -> Iterator[None]:
+    """The `slime*` modules imported so far, put back as they were after the test (which may import others)."""
+    before = {name: module for name, module in sys.modules.items() if name == "slime" or name.startswith("slime.")}
+    yield
+    for name in [name for name in sys.modules if name == "slime" or name.startswith("slime.")]:
+        del sys.modules[name]
+    sys.modules.update(before)
+
+
+@pytest.mark.integration
+def test_a_plugin_written_with_slimes_imports_loads_through_our_loader_and_runs(slime_modules: None) -> None:
+    """slime's example plugins import slime's modules: with no slime installed they get ours, unchanged. Here each
+    agent call reaches the engine with `post`, and `batched_async_rm` scores the agents' answers by --rm-type."""
+    from aiohttp import web
+
+    from actors.rollout.generate import RolloutContext
+    from actors.slime_compat.http import close_session
+    from engines.sglang.client import SglangEngine
+    from tests.support import slime_imports_plugin as plugin
+    from tests.support.http_apps import served
+
+    async def generate_route(request: web.Request) -> web.Response:
+        assert (await request.json())["input_ids"] == plugin.PROMPT_TOKENS
+        return web.json_response({"text": "5", "meta_info": {"output_token_logprobs": [[-0.25, 20, None]],
+                                                             "finish_reason": {"type": "stop"}}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate_route)
+    config = build_config({"custom_generate_function_path": f"{plugin.__name__}.generate_with_multi_agents",
+                           "rollout_engine": "sglang", "rm_type": "exact_match"})
+    plugin.Calls.clear_instances()
+
+    async def generate(url: str) -> list[WireSample]:
+        engine = SglangEngine(url)
+        try:
+            context = RolloutContext(engine=engine, tokenizer=None, config=config, worker_id="rollout-0-0")
+            return await choose_generate_function(config)(context, GROUP)
+        finally:
+            await close_session()
+            await engine.close()
+
+    with served(app) as url:
+        samples = asyncio.run(generate(url))
+    assert sys.modules["slime.utils.types"].Sample is Sample
+    assert plugin.Calls().count == GROUP.n_samples
+    assert len(samples) == GROUP.n_samples * plugin.AGENTS  # each response an episode of one segment per agent
+    for sample in samples:
+        assert (sample.status, sample.response, sample.reward) == ("completed", "5", 1.0)
+        assert sample.tokens.tolist() == [*plugin.PROMPT_TOKENS, 20]
+        assert sample.rollout_log_probs.tolist() == [-0.25]
+
+
+def batch_rm(args, samples):
+    """A slime-style batched rm (`--custom-rm-path` with slime's batched_async_rm): one call, the whole list."""
+    return [float(sample.response == sample.label) for sample in samples]
+
+
+def raising_reward(inp):
+    raise ValueError("no label")
+
+
+@pytest.mark.unit
+def test_batched_async_rm_chooses_the_reward_as_slime_does_and_names_a_failed_one() -> None:
+    from types import SimpleNamespace
+
+    from actors.slime_compat.rm_hub import batched_async_rm
+
+    samples = [Sample(index=0, prompt="2+3=", response="5", label="5"),
+               Sample(index=1, prompt="2+3=", response="so \\boxed{5}", label="5", metadata={"rm_type": "boxed_f1"})]
+    slime_rm = SimpleNamespace(custom_rm_path=f"{__name__}.batch_rm", rm_type="exact_match")
+    assert asyncio.run(batched_async_rm(slime_rm, samples)) == [1.0, 0.0]
+    by_type = SimpleNamespace(custom_rm_path=None, rm_type="exact_match")  # the second sample's own type wins
+    assert asyncio.run(batched_async_rm(by_type, samples)) == [1.0, 1.0]
+    ours = SimpleNamespace(custom_rm_path=f"{__name__}:raising_reward", rm_type=None)
+    with pytest.raises(RuntimeError, match=r"failed for sample\(s\) 0: raised ValueError: no label; 1: raised"):
+        asyncio.run(batched_async_rm(ours, samples))
+
+
+@pytest.mark.unit
+def test_a_slime_module_not_offered_fails_naming_it_and_what_is_offered(slime_modules: None) -> None:
+    with pytest.raises(ModuleNotFoundError) as error:
+        importlib.import_module("slime.nonexistent")
+    assert error.value.name == "slime.nonexistent"
+    assert "No module named 'slime.nonexistent' here" in str(error.value)
+    assert "slime.utils.types, slime.utils.http_utils" in str(error.value) and "docs/slime.md" in str(error.value)
+    with pytest.raises(ModuleNotFoundError, match=r"No module named 'slime\.agent' here: .*E2B"):
+        importlib.import_module("slime.agent.sandbox")
+    with pytest.raises(ImportError, match=r"slime.utils.misc.exec_command is not offered here \(it has "
+                                          r"SingletonMeta, load_function"):
+        from slime.utils.misc import exec_command  # noqa: F401
+    from slime.rollout.rm_hub import batched_async_rm
+    from slime.utils.misc import load_function
+
+    assert load_function("slime.rollout.rm_hub.batched_async_rm") is batched_async_rm
+
+
+@pytest.mark.unit
+def test_the_shim_steps_aside_for_an_installed_slime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     slime_modules: None) -> None:
+    """A slime on the path (installed, or its checkout) is imported as itself, its missing modules failing as
+    Python fails them: the shim answers only where there is no slime."""
+    (tmp_path / "slime").mkdir()
+    (tmp_path / "slime" / "__init__.py").write_text("INSTALLED = True\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [name for name in sys.modules if name == "slime" or name.startswith("slime.")]:
+        del sys.modules[name]
+    import slime
+
+    assert slime.INSTALLED
+    with pytest.raises(ModuleNotFoundError) as error:
+        importlib.import_module("slime.utils.types")
+    assert str(error.value) == "No module named 'slime.utils'"
+
+
+@pytest.mark.integration
+def test_slimes_examples_join_ours_so_its_plugin_paths_resolve(tmp_path: Path) -> None:
+    """slime's plugins are `examples.<example>.<module>` of its checkout (its root on PYTHONPATH): our `examples`
+    package takes in every `examples` folder on the path, ours first."""
+    (tmp_path / "examples" / "multi_agent").mkdir(parents=True)
+    (tmp_path / "examples" / "__init__.py").write_text("raise ImportError('slime checkout first')\n", encoding="utf-8")
+    (tmp_path / "examples" / "multi_agent" / "mod.py").write_text("from slime.utils.types import Sample\n",
+                                                                  encoding="utf-8")
+    code = ("import actors, examples.multi_agent.mod as theirs, examples.slime_style as ours\n"
+            "print(theirs.__file__, ours.__file__, theirs.Sample.__module__)")
+    shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.split() == [str(tmp_path / "examples" / "multi_agent" / "mod.py"),
+                                    str(REPO / "examples" / "slime_style" / "__init__.py"),
+                                    "actors.slime_compat.sample"]

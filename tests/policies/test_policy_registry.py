@@ -52,6 +52,19 @@ def test_missing_module_error_names_the_module() -> None:
 
 
 @pytest.mark.unit
+def test_an_import_error_raised_from_another_names_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slime's retool example wraps its failed import (`raise ImportError("MathDapo is not installed") from e`):
+    the message says which import failed, not only the wrapper's words."""
+    (tmp_path / "wrapping_plugin.py").write_text(
+        "try:\n    import no_such_scorer\n"
+        "except ImportError as e:\n    raise ImportError('scorer is not installed') from e\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match=r"ImportError: scorer is not installed \(from ModuleNotFoundError: No "
+                                          r"module named 'no_such_scorer'\)"):
+        load_object("wrapping_plugin:fn", what="reward function")
+
+
+@pytest.mark.unit
 def test_missing_attribute_error_names_module_and_attribute(plugin_module: str) -> None:
     with pytest.raises(PluginError, match=r"'my_rl_plugins' has no attribute 'rewrd'"):
         resolve_reward(f"{plugin_module}:rewrd")
