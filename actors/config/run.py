@@ -231,7 +231,7 @@ class RunConfig(BaseModel):
                 problems.append(f"{name} needs eval_interval")
         problems += self._length_problems()
         problems += self._eval_set_problems()
-        problems += _custom_config_problems(self.custom_config)
+        problems += _custom_config_problems(self)
         problems += source_problems(self.source, self.rollout, self.agent, self.sft)
         lag = self.weights.update_weights_interval - 1
         if self.buffer.max_staleness < lag:  # engines would wait, or generate only what the buffer must evict
@@ -303,19 +303,27 @@ class RunConfig(BaseModel):
         return RunConfig(**{**self.model_dump(), **flat})
 
 
-def _custom_config_problems(custom: dict[str, Any]) -> list[str]:
-    """slime lets its --custom-config-path YAML overwrite any of its args; here the run's settings are ours, so a
-    key that names one of them (or a slime flag, which means one or is explained away, or an SGLang server
-    setting) would be a setting silently not taken: refused, by name."""
-    settings = {*OWNER, *RunConfig.model_fields, *PolicyLossConfig.model_fields,
-                *(flag[2:].replace("-", "_") for flag in SLIME_FLAGS)}
-    # sglang_*: the SGLang server's settings (--sglang-NAME), and the attributes that point a plugin at its engine
-    taken = sorted(key for key in custom if key in settings or key.startswith("sglang_"))
+def _custom_config_problems(config: RunConfig) -> list[str]:
+    """slime lets its --custom-config-path YAML overwrite any of its args, and so does the translation here
+    (`slime_flags._custom_config_flags`): a key that names a slime flag is that flag, one that names a setting of
+    ours sets it. A key naming a setting that the run's value disagrees with (a custom config given some other way),
+    or an SGLang server setting, would be a setting silently not taken: refused, by name."""
+    slime_flags = {flag[2:].replace("-", "_") for flag in SLIME_FLAGS}
+    taken = []
+    for key, value in config.custom_config.items():
+        if key in slime_flags:
+            continue
+        section = OWNER.get(key, "policy" if key in PolicyLossConfig.model_fields else None)
+        if section is not None:
+            if getattr(getattr(config, section), key) != value:
+                taken.append(key)
+        elif key in RunConfig.model_fields or key.startswith("sglang_"):
+            taken.append(key)
     if not taken:
         return []
-    return [f"custom_config (--custom-config-path): {', '.join(taken)} name run settings, slime flags or SGLang "
-            "server settings; give them as flags (or --config keys, --sglang-NAME), and keep the custom config for "
-            "the plugins' own settings"]
+    return [f"custom_config (--custom-config-path): {', '.join(sorted(taken))} name run settings or SGLang server "
+            "settings it does not set; give them as flags (or --config keys, --sglang-NAME), and keep the custom "
+            "config for the plugins' own settings"]
 
 
 def _world_address_problems(address: str) -> list[str]:

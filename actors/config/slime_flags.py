@@ -125,6 +125,7 @@ def apply_slime_flags(args: argparse.Namespace) -> SlimeTranslation:
     """
     result = SlimeTranslation()
     refused: list[str] = []
+    _custom_config_flags(args, result)
     _same_name_values(args)
     _opd_teacher_server(args)
     _rollout_logprobs_alone(args)
@@ -430,6 +431,24 @@ def _role_overrides(path: str, args: argparse.Namespace) -> None:
             setting = ROLE_OVERRIDES[role][key]
             _set(args, setting, float(value) if setting.endswith("lr") else str(value),
                  f"--megatron-config-path ({role} {key})")
+
+
+def _custom_config_flags(args: argparse.Namespace, result: SlimeTranslation) -> None:
+    """slime merges its --custom-config-path YAML into its args after parsing, so a key that names one of its flags
+    (slime's train/infer mismatch helper sets `use_tis: true` there) overrides that flag: here it is taken as that
+    flag given on the command line, and translated with the rest; a key that names a setting of ours (its
+    `tis_level`) sets it. Every key stays on the plugins' args too, as in slime."""
+    path = getattr(args, _dest("--custom-config-path"), None)
+    if path is None:
+        return
+    for key, value in _custom_config(path).items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or (flag not in SLIME_FLAGS and not hasattr(args, key)):
+            continue  # a plugin's own setting
+        dest = _dest(flag) if hasattr(args, _dest(flag)) else key  # a flag of ours is parsed under our name
+        if getattr(args, dest, None) not in (None, value):
+            result.notes.append(f"--custom-config-path {path}: {key}: {value!r} overrides {flag} (as in slime)")
+        setattr(args, dest, value)
 
 
 def _custom_config(path: str) -> dict[str, Any]:

@@ -449,8 +449,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--ci-load-grad-norm": _explained(CI, "value"),
     # --- plugin configuration ---
     "--custom-config-path": _alias("-> custom_config: the YAML's keys appear on the args every slime-style "
-                                   "plugin receives; a key that names a run setting, a slime flag or an SGLang "
-                                   "setting is refused"),
+                                   "plugin receives; as slime merges it into its args, a key naming a slime flag "
+                                   "is that flag and one naming a setting of ours sets it (an SGLang server "
+                                   "setting is refused: --sglang-NAME)"),
 }
 
 
