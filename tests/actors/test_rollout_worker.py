@@ -259,6 +259,41 @@ async def test_weights_that_land_while_a_too_old_worker_asks_for_work_are_not_wa
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups with version 1's weights")
 
 
+class LosesALeaseRequest(Buffer):
+    """The real buffer, except that the first lease request after `lose` is set is lost: no answer, nothing
+    cached, so the worker's retry of it is served as if it were the first to arrive."""
+
+    lose: asyncio.Event | None = None
+    lost_at: float | None = None
+    served_after: float | None = None
+
+    async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
+        loop = asyncio.get_running_loop()
+        if self.lose is not None and self.lost_at is None:
+            self.lost_at = loop.time()
+            raise asyncio.CancelledError  # as if the frame never came: the RPC server neither answers nor caches
+        if self.lost_at is not None and self.served_after is None:
+            self.served_after = loop.time() - self.lost_at
+        return await super().on_lease_request(sender, request)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_lost_lease_request_is_asked_again_within_a_second_not_after_five(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease request or its answer lost on the way (a restarting buffer; the chaos matrix's faulty bus) left the
+    worker idle for its 5 s attempt timeout, twice in one chaos run; the buffer answers at once, so a second with
+    no answer is enough to ask again."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    roles = {**ROLES, "buffer": LosesALeaseRequest}
+    async with actor_system(tmp_path, _settings(tmp_path), roles) as system:
+        buffer, recorder = system["buffer"], system["reward-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
+        buffer.lose = asyncio.Event()
+        await system.wait_for(lambda: buffer.served_after is not None, 10, "the lost request asked again")
+        assert buffer.served_after < rollout_actor.LEASE_ATTEMPT_S + 1.5, buffer.served_after
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_a_stop_does_not_wait_for_the_answer_to_a_lease_request(
