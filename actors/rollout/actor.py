@@ -59,8 +59,9 @@ PINNED_WEIGHTS_WAIT_S = 30.0  # how long a group for given weights (PromptGroup.
 ABORTED_RETRIES = 2  # a group whose generation an abort cut short is generated again this many times at most
 # The buffer answers a lease request at once, so an attempt that has no answer in a second was lost (a restarting
 # buffer, a dropped frame): asked again then, not after 5 s. A retry reuses the request id, so a slow answer is
-# still the one taken; the worker gives up after the same 15 s as before.
-LEASE_ATTEMPT_S, LEASE_RETRIES = 1.0, 14
+# still the one taken; the worker gives up after the same 15 s as before, and waits as before for a buffer to
+# exist (one restarting) before it asks.
+LEASE_ATTEMPT_S, LEASE_RETRIES, BUFFER_WAIT_S = 1.0, 14, 5.0
 
 
 class RolloutWorker(Actor):
@@ -435,7 +436,8 @@ class RolloutWorker(Actor):
         try:
             request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups,
                                    weights_version=lane.engine.version, max_samples=max_samples)
-            reply = await lane.buffer.call(request, timeout=LEASE_ATTEMPT_S, retries=LEASE_RETRIES)
+            reply = await lane.buffer.call(request, timeout=LEASE_ATTEMPT_S, retries=LEASE_RETRIES,
+                                           member_wait=BUFFER_WAIT_S)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
             self.counters["lease.unanswered"] += 1
             self.log.warning("buffer did not answer a lease request", error=str(error))
