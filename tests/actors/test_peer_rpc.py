@@ -54,3 +54,28 @@ async def test_a_member_that_appears_and_goes_before_the_caller_runs_is_waited_f
         server.close()
         await asyncio.wait_for(serving, 5)
         context.destroy(linger=0)
+
+
+@pytest.mark.integration
+async def test_a_call_with_short_attempts_waits_for_a_member_as_long_as_it_is_told() -> None:
+    """A lease request's attempts are short (a lost frame is asked again soon), but a buffer that is restarting is
+    waited for as long as before: the wait for a member is its own setting, not one attempt's timeout."""
+    context = zmq.asyncio.Context()
+
+    async def answer(client: str, request: Message) -> Message:
+        return Ack(ok=True, error="answered")
+
+    server = RpcServer(context, "tcp://127.0.0.1:0")
+    serving = asyncio.create_task(server.serve(answer))
+    link = PeerRpc(context, client_id="rollout-0-0", role="learner", endpoint_name="rpc")
+    try:
+        call = asyncio.create_task(link.call(LeaseRenew(lease_id="L"), timeout=0.1, retries=1, member_wait=30.0))
+        await asyncio.sleep(0.5)  # past the attempts' own timeout: still waiting for a member
+        assert not call.done(), call
+        link.sync(roster_with(server.endpoint))
+        assert await asyncio.wait_for(call, 5) == Ack(ok=True, error="answered")
+    finally:
+        link.close()
+        server.close()
+        await asyncio.wait_for(serving, 5)
+        context.destroy(linger=0)
