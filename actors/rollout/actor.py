@@ -210,13 +210,14 @@ class RolloutWorker(Actor):
                 return lane, lease
         return lane, lease
 
-    @staticmethod
-    async def _until_set(events: list[asyncio.Event], timeout: float, *, clear: bool = True) -> None:
-        """Until one of `events` is set (cleared first with `clear`: only a new one counts), or `timeout`."""
+    async def _until_set(self, events: list[asyncio.Event], timeout: float, *, clear: bool = True) -> None:
+        """Until one of `events` is set (cleared first with `clear`: only a new one counts), a stop, or `timeout`.
+        The stop too: the run's end waits for every worker's, and a poll that slept on through it cost the run up
+        to its timeout."""
         if clear:
             for event in events:
                 event.clear()
-        waiting = [asyncio.ensure_future(event.wait()) for event in events]
+        waiting = [asyncio.ensure_future(event.wait()) for event in [*events, self._stop_requested]]
         try:
             await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -219,6 +219,21 @@ async def test_a_worker_told_nothing_now_asks_again_as_soon_as_the_next_version_
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups, well before the next poll")
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_stop_ends_a_workers_wait_for_work_or_weights_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between leases a worker waits for an announcement, landed weights, or its poll (up to 0.5 s); a stop
+    meanwhile waited out the poll, and a run's end waits for every worker's. The wait here would be 30 s."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+        worker = system["rollout-0-0"]
+        waiting = asyncio.create_task(worker._until_set([asyncio.Event()], 30.0))
+        await asyncio.sleep(0)  # the wait has begun
+        worker.request_stop("test: the run stops")
+        await asyncio.wait_for(waiting, 5)
+
+
 class HoldsALeaseRequest(Buffer):
     """The real buffer, except that it answers the first lease request after `release` is set up only once
     `release` is set."""
