@@ -1,4 +1,4 @@
-"""Child processes that do not outlive whoever started them.
+"""Child processes that do not outlive whoever started them, and that end without finalizing what they imported.
 
 Used by every place that forks a long-lived child: the launcher's supervisor (actor processes), the learner (its
 extra ranks) and the SGLang launcher (a GPU server). It lives in `engines/` because engines may not import
@@ -7,8 +7,10 @@ extra ranks) and the SGLang launcher (a GPU server). It lives in `engines/` beca
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import os
 import signal
 import sys
 
@@ -24,3 +26,21 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def exit_now(code: int) -> None:
+    """End this process as an interpreter would, less the finalization of its modules: exit handlers first (they
+    stop what it started, e.g. a checkpoint writer's helper process, which would otherwise outlive it holding the
+    console's pipes), then the buffered output, then `os._exit`.
+
+    A process that imported torch and transformers spends ~0.7 s tearing their modules down after its work is done
+    (measured on a follower learner rank here), and whoever waits for it to end (rank 0's stop, the launcher's)
+    waits that long for nothing it needs."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(code)

@@ -27,6 +27,7 @@ from actors.controller.wandb_mirror import WandbMirror
 from actors.runtime.base import Actor
 from actors.runtime.handlers import serves
 from actors.runtime.metrics import MetricsWriter
+from actors.runtime.stopping import unless_stopped
 from bus import Publisher, RpcServer, schema
 from bus.schema import TOPIC_CONTROL, TOPIC_ROSTER, TOPIC_RUN_STATE, TOPIC_VERSION, Ack, Error, VersionAnnouncement
 from bus.sockets import peer_name
@@ -75,7 +76,11 @@ class Controller(Actor):
         last_written = time.monotonic()
         try:
             while not self.stopping:
-                await asyncio.sleep(self.context.heartbeat_interval / 2)
+                # Woken by a stop too: the launcher's end waits for ours, and a plain sleep made every run's stop
+                # wait up to half a heartbeat interval (0.5 s at the default) for this loop to look again.
+                await unless_stopped(asyncio.sleep(self.context.heartbeat_interval / 2), self._stop_requested)
+                if self.stopping:
+                    break
                 self._declare_silent_members_dead(time.monotonic())
                 if self.hang.hung(time.monotonic(), starting=self.run_state == "starting"):
                     await self._fail_hung_run()

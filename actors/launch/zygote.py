@@ -24,7 +24,6 @@ import time would leave every forked child unable to use it, and GPU start-ups a
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -37,7 +36,7 @@ from typing import Any
 
 from actors.runtime.logs import quiet_library_output
 from actors.runtime.process_title import name_process
-from engines.process import die_with_parent
+from engines.process import die_with_parent, exit_now
 
 # What every actor imports (the template is ready once these are in), and what only the model-holding ones do:
 # imported at the first order that needs them, so the controller, buffer and reward workers start meanwhile.
@@ -70,17 +69,6 @@ def become_actor(context_path: str, env: dict[str, str]) -> int:
     from actors.runtime.main import main
 
     return main([context_path])
-
-
-def leave(code: int) -> None:
-    """End a forked actor as an interpreter would end: exit handlers first (they stop what the actor started,
-    e.g. a checkpoint writer's helper process, which would otherwise outlive it holding the console's pipes)."""
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 def serve(control: socket.socket) -> None:
@@ -123,7 +111,7 @@ def serve(control: socket.socket) -> None:
                             inherited.close()
                         code = become_actor(order["context"], order["env"])
                     finally:
-                        leave(code)
+                        exit_now(code)
                 _send(control, {"spawned": order["spawn"], "pid": pid})
         _report_exits(control)
 

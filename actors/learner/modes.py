@@ -47,6 +47,13 @@ class BatchRefused(RuntimeError):
     """The buffer will never serve the batch asked for: the run cannot go on (see BATCH_ORDER)."""
 
 
+# The buffer answers a batch request within its long-poll (2 s), so an attempt with no answer in 4 s was lost (a
+# restarting buffer, a dropped frame) and is sent again then rather than after 10 s; a retry reuses the request id,
+# so a late answer is still taken and no batch is served twice. Unanswered after 20 s in all, and a buffer that is
+# restarting waited for 10 s, as before.
+BATCH_ATTEMPT_S, BATCH_RETRIES, BUFFER_WAIT_S = 4.0, 4, 10.0
+
+
 class BufferSource:
     """The buffer actor, over RPC. A buffer that does not answer is restarting: count it and ask again."""
 
@@ -59,7 +66,8 @@ class BufferSource:
         request = BatchRequest(learner_version=progress.learner_version, trained_batch=progress.trained_batch,
                                checkpointed_batch=progress.checkpointed_batch, ahead=ahead)
         try:
-            reply = await self.buffer.call(request, timeout=10.0, retries=1)
+            reply = await self.buffer.call(request, timeout=BATCH_ATTEMPT_S, retries=BATCH_RETRIES,
+                                           member_wait=BUFFER_WAIT_S)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError):
             self.counters["batch.unanswered"] += 1
             return None

@@ -50,6 +50,7 @@ from actors.learner.trainer_factory import build_trainer
 from bus.codec import decode, encode
 from bus.schema import Batch
 from engines.process import die_with_parent as _die_with_parent
+from engines.process import exit_now
 from engines.training.base import Trainer, WeightLayout
 from engines.training.determinism import use_deterministic_kernels
 from engines.weights.group import host_store, interface_of, local_address_towards, missing_keys
@@ -440,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = RunConfig(**json.loads(args.config.read_text(encoding="utf-8")))
     follow(args.rank, args.world, args.init_method, config, args.local_rank)
+    exit_now(0)  # rank 0's stop waits for this process to end, not for torch's modules to be torn down
 
 
 if __name__ == "__main__":

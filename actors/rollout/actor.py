@@ -57,6 +57,11 @@ WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push
 IDLE_POLL_S = 0.05  # after "nothing now" from the buffer, ask again this soon unless a version or weights come first
 PINNED_WEIGHTS_WAIT_S = 30.0  # how long a group for given weights (PromptGroup.weights_version) waits for them
 ABORTED_RETRIES = 2  # a group whose generation an abort cut short is generated again this many times at most
+# The buffer answers a lease request at once, so an attempt that has no answer in a second was lost (a restarting
+# buffer, a dropped frame): asked again then, not after 5 s. A retry reuses the request id, so a slow answer is
+# still the one taken; the worker gives up after the same 15 s as before, and waits as before for a buffer to
+# exist (one restarting) before it asks.
+LEASE_ATTEMPT_S, LEASE_RETRIES, BUFFER_WAIT_S = 1.0, 14, 5.0
 
 
 class RolloutWorker(Actor):
@@ -207,13 +212,14 @@ class RolloutWorker(Actor):
                 return lane, lease
         return lane, lease
 
-    @staticmethod
-    async def _until_set(events: list[asyncio.Event], timeout: float, *, clear: bool = True) -> None:
-        """Until one of `events` is set (cleared first with `clear`: only a new one counts), or `timeout`."""
+    async def _until_set(self, events: list[asyncio.Event], timeout: float, *, clear: bool = True) -> None:
+        """Until one of `events` is set (cleared first with `clear`: only a new one counts), a stop, or `timeout`.
+        The stop too: the run's end waits for every worker's, and a poll that slept on through it cost the run up
+        to its timeout."""
         if clear:
             for event in events:
                 event.clear()
-        waiting = [asyncio.ensure_future(event.wait()) for event in events]
+        waiting = [asyncio.ensure_future(event.wait()) for event in [*events, self._stop_requested]]
         try:
             await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -434,7 +440,8 @@ class RolloutWorker(Actor):
         try:
             request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups,
                                    weights_version=lane.engine.version, max_samples=max_samples)
-            reply = await lane.buffer.call(request, timeout=5.0, retries=2)
+            reply = await lane.buffer.call(request, timeout=LEASE_ATTEMPT_S, retries=LEASE_RETRIES,
+                                           member_wait=BUFFER_WAIT_S)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
             self.counters["lease.unanswered"] += 1
             self.log.warning("buffer did not answer a lease request", error=str(error))

@@ -86,6 +86,7 @@ class Actor:
         self._stop_reason = ""
         self._background: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[Any] | None = None
+        self._heartbeat_over = asyncio.Event()  # the stop ends the heartbeat (also one that swallowed its cancel)
         self._left = False  # we said goodbye: the controller forgets us on purpose
         self.stream_concurrency: dict[str, int] = {}  # handler name -> override of its declared concurrency
         self._started_at = time.monotonic()
@@ -223,6 +224,7 @@ class Actor:
         # us again; and a loop slow to end once cancelled (one waiting on a thread-bound transfer) must not keep us
         # silent past the controller's heartbeat deadline before we said goodbye: we would be recorded as dead.
         if self._heartbeat is not None:
+            self._heartbeat_over.set()
             self._heartbeat.cancel()
             await asyncio.wait([self._heartbeat], timeout=1.0)
         await self._leave()
@@ -394,8 +396,13 @@ class Actor:
         sequence = 0
         missed = 0
         answered = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
+        # Ended by `_heartbeat_over` as well as by cancellation: a cancel that lands as a reply arrives is swallowed
+        # by asyncio.wait_for on Python 3.11, and the loop then slept a whole interval on, holding up every such
+        # stop by the 1 s the stop waits for it (one rollout worker's stop in six, ending its run that much later).
+        while not self._heartbeat_over.is_set():
+            slept, _ = await unless_stopped(asyncio.sleep(interval), self._heartbeat_over)
+            if not slept:
+                return
             sequence += 1
             await self._fail_if_controller_silent(time.monotonic() - answered)
             try:

@@ -26,6 +26,7 @@ from actors.runtime.exits import EXIT_BAD_CONFIG, report_bad_config
 from actors.runtime.logs import configure_logging, quiet_library_output, route_python_warnings
 from actors.runtime.process_title import name_process
 from actors.runtime.roles import resolve_actor_class
+from engines.process import exit_now
 
 
 def _install_signal_handlers(actor: object) -> None:
@@ -97,4 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # the launcher waits for the process to end, not for torch's modules to be torn down

@@ -121,12 +121,13 @@ class PeerRpc(_RpcLink):
         self._client = self._open(endpoint)
         self._available.set()
 
-    async def call(self, message: Any, *, timeout: float = 5.0, retries: int = 3) -> Any:
-        """Call the role's member; waits up to `timeout` for one to exist first. A call cut short because the
-        member moved (restart, new endpoint) is sent again to where it is now."""
+    async def call(self, message: Any, *, timeout: float = 5.0, retries: int = 3,
+                   member_wait: float | None = None) -> Any:
+        """Call the role's member; waits up to `member_wait` (default: `timeout`, one attempt's) for one to exist
+        first. A call cut short because the member moved (restart, new endpoint) is sent again to where it is now."""
         with _waiting(self._waits, self.role, f"the reply to {type(message).__name__}"):
             for attempt in range(3):
-                client = await self._member(timeout)
+                client = await self._member(timeout if member_wait is None else member_wait)
                 try:
                     return await client.call(message, timeout=timeout, retries=retries)
                 except RpcClosed:

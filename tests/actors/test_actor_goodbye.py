@@ -56,3 +56,36 @@ async def test_a_heartbeat_that_outlives_the_goodbye_does_not_register_the_membe
             record = controller.records["custom-0-0"]
             assert record.left and not record.member.alive, "the member registered again after its goodbye"
     assert not [entry for entry in logs if entry.get("actor_id") == "custom-0-0" and entry["log_level"] == "warning"]
+
+
+class Idle(Actor):
+    role = "custom"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_heartbeat_that_swallowed_its_cancellation_sends_no_more_after_the_stop(tmp_path: Path) -> None:
+    """A cancel that lands as a heartbeat's reply arrives can be swallowed (asyncio.wait_for, Python 3.11); the loop
+    then slept an interval on and beat again, and the stop waited the 1 s it gives the heartbeat to end: one
+    rollout worker's stop in six, each holding up its run's end. Here the reply comes with the cancel every time."""
+    async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller", "custom": Idle}) as system:
+        member = system["custom-0-0"]
+        real_call, beating, beats_after_stop = member._controller.call, asyncio.Event(), []
+
+        async def call_swallowing_the_cancel(message: object, **kwargs: object) -> object:
+            if type(message).__name__ != "Heartbeat":
+                return await real_call(message, **kwargs)
+            beats_after_stop.append(member.stopping)  # an Idle member's drain is instant: none is due after it
+            beating.set()
+            reply = real_call(message, **kwargs)
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                return await reply  # the reply arrived with the cancellation, which is lost
+            raise AssertionError("unreachable")
+
+        member._controller.call = call_swallowing_the_cancel
+        await asyncio.wait_for(beating.wait(), 10)
+        member.request_stop("test: leaving on purpose")
+        assert await asyncio.wait_for(asyncio.shield(system.tasks["custom-0-0"]), 30) == 0
+    assert True not in beats_after_stop, "the heartbeat went on after the stop"

@@ -100,3 +100,24 @@ async def test_a_stopping_buffer_ends_at_once_not_after_its_next_lease_check(tmp
         buffer.request_stop("test: the run stops")
         assert await asyncio.wait_for(asyncio.shield(system.tasks["buffer"]), 30) == 0
     assert True not in checked_after_stop
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_stopping_controller_ends_at_once_not_after_its_next_liveness_check(tmp_path: Path) -> None:
+    """The controller looks at its members' liveness every half heartbeat interval; asked to stop, it used to sleep
+    until its next look and make it, and every launcher's end waits for the controller's (0.5 s at the default
+    interval, in every run). Now the stop ends the wait: no liveness check runs after it."""
+    async with actor_system(tmp_path, {"num_rollout": 1}, {"controller": "controller"}) as system:
+        controller = system["controller"]
+        check, checked_after_stop = controller._declare_silent_members_dead, []
+
+        def declare_silent_members_dead(now: float) -> None:
+            checked_after_stop.append(controller.stopping)
+            check(now)
+
+        controller._declare_silent_members_dead = declare_silent_members_dead
+        await system.wait_for(lambda: checked_after_stop, 10, "the controller's first liveness check")
+        controller.request_stop("test: the run stops")
+        assert await asyncio.wait_for(asyncio.shield(system.tasks["controller"]), 30) == 0
+    assert True not in checked_after_stop

@@ -219,6 +219,21 @@ async def test_a_worker_told_nothing_now_asks_again_as_soon_as_the_next_version_
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups, well before the next poll")
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_stop_ends_a_workers_wait_for_work_or_weights_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between leases a worker waits for an announcement, landed weights, or its poll (up to 0.5 s); a stop
+    meanwhile waited out the poll, and a run's end waits for every worker's. The wait here would be 30 s."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    async with actor_system(tmp_path, _settings(tmp_path), ROLES) as system:
+        worker = system["rollout-0-0"]
+        waiting = asyncio.create_task(worker._until_set([asyncio.Event()], 30.0))
+        await asyncio.sleep(0)  # the wait has begun
+        worker.request_stop("test: the run stops")
+        await asyncio.wait_for(waiting, 5)
+
+
 class HoldsALeaseRequest(Buffer):
     """The real buffer, except that it answers the first lease request after `release` is set up only once
     `release` is set."""
@@ -257,6 +272,41 @@ async def test_weights_that_land_while_a_too_old_worker_asks_for_work_are_not_wa
         assert isinstance(await order_weights(worker), Ack)
         buffer.release.set()  # answered after version 1's weights landed
         await system.wait_for(lambda: len(recorder.groups) >= 4, 10, "batch 2's groups with version 1's weights")
+
+
+class LosesALeaseRequest(Buffer):
+    """The real buffer, except that the first lease request after `lose` is set is lost: no answer, nothing
+    cached, so the worker's retry of it is served as if it were the first to arrive."""
+
+    lose: asyncio.Event | None = None
+    lost_at: float | None = None
+    served_after: float | None = None
+
+    async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
+        loop = asyncio.get_running_loop()
+        if self.lose is not None and self.lost_at is None:
+            self.lost_at = loop.time()
+            raise asyncio.CancelledError  # as if the frame never came: the RPC server neither answers nor caches
+        if self.lost_at is not None and self.served_after is None:
+            self.served_after = loop.time() - self.lost_at
+        return await super().on_lease_request(sender, request)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_lost_lease_request_is_asked_again_within_a_second_not_after_five(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease request or its answer lost on the way (a restarting buffer; the chaos matrix's faulty bus) left the
+    worker idle for its 5 s attempt timeout, twice in one chaos run; the buffer answers at once, so a second with
+    no answer is enough to ask again."""
+    use_spec(SimSpec(token_seconds=0.001, length_min=2, length_max=2), tmp_path, monkeypatch)
+    roles = {**ROLES, "buffer": LosesALeaseRequest}
+    async with actor_system(tmp_path, _settings(tmp_path), roles) as system:
+        buffer, recorder = system["buffer"], system["reward-0-0"]
+        await system.wait_for(lambda: len(recorder.groups) >= 2, 10, "batch 1's groups")
+        buffer.lose = asyncio.Event()
+        await system.wait_for(lambda: buffer.served_after is not None, 10, "the lost request asked again")
+        assert buffer.served_after < rollout_actor.LEASE_ATTEMPT_S + 1.5, buffer.served_after
 
 
 @pytest.mark.integration
