@@ -14,6 +14,7 @@ from actors.launch import node_roles
 from actors.launch.cluster_env import ClusterNode
 from actors.launch.placement import PlacementError, place_node, visible_devices
 from actors.learner.publish import transport_name
+from bus.address import ephemeral_port_range
 from engines.weights.names import SGLANG_LORA, SGLANG_TENSOR
 from tests.support.http_apps import served
 from tests.support.launch_inputs import minimal_inputs
@@ -241,6 +242,8 @@ def test_a_learner_on_two_nodes_takes_the_first_gpus_of_each_and_meets_at_an_add
     assert config.trainer.learner_ranks == 8
     address = config.placement.learner_world_address
     assert address is not None and address.startswith("tcp://127.0.0.1:")  # every node's settings carry it
+    # below the ports outgoing connections are given, which could take it before rank 0 binds it (at any restart)
+    assert int(address.rsplit(":", 1)[1]) < ephemeral_port_range()[0]
 
     # Node 1 of the learner: its four ranks first, then an engine per --rollout-num-gpus-per-engine of the rest.
     args = launcher.build_parser().parse_args(["--node-rank", "1", "--head-address", "tcp://127.0.0.1:1",
