@@ -63,7 +63,7 @@ from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget, usable_cores
 from actors.runtime.restarts import RestartPolicy
 from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
-from bus.address import free_port, lasting_port
+from bus.address import free_port
 from bus.security import CurveKeyError, CurveKeys
 from policies.plugins import put_working_directory_on_path
 
@@ -360,7 +360,7 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
                                         config)
         if args.head and config.placement.actor_num_nodes > 1 and config.placement.learner_world_address is None:
             # before any node asks for the settings: every node's learner ranks meet rank 0 here, at every restart
-            config = config.with_settings(learner_world_address=f"tcp://{args.host}:{lasting_port(args.host)}")
+            config = config.with_settings(learner_world_address=f"tcp://{args.host}:{free_port(args.host)}")
         # after the other nodes' counts: a node given the router attaches none of its servers, the head all
         config = attach_router_servers(config, head=args.head, rollout_workers=args.rollout_workers)
     counts = node_actor_counts(args, customs, config)

@@ -90,24 +90,6 @@ def connectable(endpoint: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def lasting_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now and below the kernel's ephemeral range, for an address fixed for a whole run
-    that another process binds later (again at each restart). A `free_port` is an ephemeral port, which any outgoing
-    connection on the node may be given meanwhile: seen taking a two-node learner's rank store port before rank 0
-    bound it, so every restart of the learner failed on it. Outgoing connections never get a port below the range."""
-    low = ephemeral_port_range()[0]
-    candidates = list(range(max(1024, low - 16384), low))
-    secrets.SystemRandom().shuffle(candidates)
-    for port in candidates[:256]:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return port
-    return free_port(host)  # no free port below the range (or none): the OS's pick, as before
-
-
 def ephemeral_port_range() -> tuple[int, int]:
     """The ports the kernel gives outgoing connections (Linux's net.ipv4.ip_local_port_range; its default
     elsewhere)."""
@@ -119,7 +101,21 @@ def ephemeral_port_range() -> tuple[int, int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the OS picks it); whoever binds it next may still race us for it."""
+    """A TCP port free on `host` now, below the kernel's ephemeral range: the callers bind it later, often in another
+    process (a run's head address, a learner's rank store, a weight group), again at each restart. An ephemeral
+    port, the OS's pick for a bind to port 0, may be given to any outgoing connection on the node meanwhile (seen:
+    a two-node learner's rank store port and a controller's head port taken before they were bound); outgoing
+    connections never get a port below the range. Whoever binds it next may still race us for it."""
+    low = ephemeral_port_range()[0]
+    candidates = list(range(max(1024, low - 16384), low))
+    secrets.SystemRandom().shuffle(candidates)
+    for port in candidates[:256]:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
+        probe.bind((host, 0))  # nothing free below the range: the OS's pick
         return probe.getsockname()[1]

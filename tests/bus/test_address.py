@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from bus.address import bind, bind_address, connectable, ipc_sockets_dir
+from bus.address import bind, bind_address, connectable, ephemeral_port_range, free_port, ipc_sockets_dir
 
 
 @pytest.fixture
@@ -30,6 +30,19 @@ def test_binding_port_zero_reports_the_port_the_os_chose() -> None:
     other = ctx.socket(zmq.DEALER)
     other.connect(endpoint)  # the reported endpoint is connectable
     ctx.destroy(linger=0)
+
+
+@pytest.mark.unit
+def test_a_free_port_is_bindable_and_below_the_ports_outgoing_connections_are_given() -> None:
+    """Its callers bind it later, in another process: an ephemeral port could be taken meanwhile by any outgoing
+    connection on the node (seen taking a learner's rank store port and a controller's head port)."""
+    import socket
+
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < ephemeral_port_range()[0] for port in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 @pytest.mark.unit
