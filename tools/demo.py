@@ -190,6 +190,9 @@ def main() -> None:
     parser.add_argument("--rollout-engine", choices=("torch", "sglang"), default="torch",
                         help="sglang: generation on SGLang-compatible HTTP servers (the CPU stand-in for SGLang), "
                         "one per rollout worker, weights through SGLang's weight-update or LoRA endpoints")
+    parser.add_argument("--rollout-fp8", action="store_true",
+                        help="the engines serve FP8 weights (SGLang's block-scaled layout; docs/fp8.md) while the "
+                             "learner trains in full precision: held-out accuracy is then the FP8 engines' too")
     parser.add_argument("--tiny-family", choices=("qwen2", "qwen3_moe", "mixtral"), default="qwen2",
                         help="with --tiny: the model's architecture; qwen3_moe and mixtral are mixtures of experts "
                              "(4 experts of the dense model's MLP width, 2 per token)")
@@ -232,7 +235,8 @@ def smollm2_demo(args: argparse.Namespace) -> None:
     run_started = time.monotonic()
     run_launcher(["--head", "--run-dir", str(run_dir), "--hf-checkpoint", str(model), "--prompt-data",
                   str(data["train"]), "--eval-prompt-data", "heldout", str(data["eval"]), *grpo, *adapter,
-                  *(SGLANG if args.rollout_engine == "sglang" else [])])
+                  *(SGLANG if args.rollout_engine == "sglang" else []),
+                  *(["--rollout-fp8"] if args.rollout_fp8 else [])])
     rounds = [row for row in read_metrics(run_dir / "metrics" / "eval.jsonl") if "eval/heldout/reward/correct" in row]
     if len(rounds) < 2:
         raise SystemExit(f"demo: the run wrote {len(rounds)} held-out eval round(s); see {run_dir / 'logs'}")

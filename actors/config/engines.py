@@ -43,6 +43,7 @@ class EngineSpec:
     disk_weight_transport: str = DISK  # --weight-transport disk: through a shared folder
     lora_target_check: str | None = None  # `module:attr` refusing --target-modules the engine cannot adapt
     serves_named_adapters: bool = False  # serves several LoRA adapters at once, each request naming its own
+    serves_fp8: bool = False  # --rollout-fp8: serves block-scaled FP8 projections and loads FP8 pushes
     cpu_standin: str | None = None  # the flags that run a stand-in for it on a machine without GPUs
     # the --sglang-NAME arguments it reads (None: every one, an SGLang server's command line)
     reads_sglang_args: tuple[str, ...] | None = None
@@ -63,7 +64,7 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
     "torch": EngineSpec(
         factory="actors.rollout.engine_factory:load_torch_engine", noun="the torch engine", plural="torch engines",
         shares_learner_gpu=True,  # it loads pushes over CUDA IPC from the learner's device
-        colocatable=True, records_routes=True, serves_named_adapters=True,
+        colocatable=True, records_routes=True, serves_named_adapters=True, serves_fp8=True,
         # slime's spellings of two of its own settings (EngineConfig's validators)
         reads_sglang_args=("enable-deterministic-inference", "disable-radix-cache")),
     "sglang": EngineSpec(

@@ -43,6 +43,12 @@ class WeightsConfig(Section):
         "failed or mismatched push. Costs a copy of the pushed weights on the learner and on each engine; pays where "
         "the wire is slow and the push is bfloat16 (docs/reliability.md). torch engines only")
     weight_delta_anchor: int = Field(20, ge=1, description="with --weight-delta-sync, a full push every N versions")
+    rollout_fp8: bool = Field(
+        False, description="the engines serve the decoder's projections in FP8 (float8_e4m3fn with a float32 scale "
+        "per 128x128 tile: SGLang's weight_scale_inv layout) and compute as SGLang's W8A8 block kernels do; the "
+        "learner trains in full precision and quantises them at each push (a LoRA run: the engines quantise the base "
+        "once and merge the adapter over it). The train/rollout mismatch this makes is what --off-policy-correction "
+        "corrects (docs/fp8.md)")
     weight_bucket_bytes: int | None = Field(
         None, ge=1, description="the most bytes of weights one transfer of a push carries: tensors are coalesced into "
         "buckets up to this size (slime's --update-weight-buffer-size); over torch.distributed a tensor of 1 MiB or "

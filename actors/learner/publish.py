@@ -48,6 +48,7 @@ from engines.weights.base import (
     WeightSender,
     WeightTransferError,
 )
+from engines.weights.fp8 import quantised_push
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SourceBroke, SpecifiedTensors, record_specs
 from engines.weights.transport import (
@@ -135,7 +136,7 @@ def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublishe
         raise ValueError(f"--weight-delta-sync: the {transport.name} weight transport sends every push whole; delta "
                          f"pushes are built for {TORCH_DISTRIBUTED} (torch engines over gloo, NCCL or shared memory)")
     publisher = WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config),
-                                weight_check=config.weights.weight_check, **wiring)
+                                weight_check=config.weights.weight_check, fp8=config.weights.rollout_fp8, **wiring)
     if config.weights.weight_delta_sync and push_dtype(config) is None:
         publisher.log.warning("--weight-delta-sync pushes float32 here (no --bf16): an optimizer step changes about "
                               "98% of float32 elements (tools/bench/weight_deltas.py), so a delta is nearly as large "
@@ -156,7 +157,8 @@ class WeightPublisher:
     generator is closed after each transfer, so one that holds a lock releases it). The sender is built on the
     first push, from `transport`. The learner calls `roster_changed()` on every roster update. `sender_name` is
     the group's first member (the learner's actor id); `adapter`, the named adapter every order replaces (a
-    policy's), None for the engines' own weights.
+    policy's), None for the engines' own weights. `fp8`: the decoder's projections travel quantised to FP8
+    (`engines.weights.fp8`, --rollout-fp8), the rest in `dtype`.
     """
 
     def __init__(
@@ -177,9 +179,10 @@ class WeightPublisher:
         check_log: WeightCheckLog | None = None,
         sender_name: str = SENDER_NAME,
         adapter: str | None = None,
+        fp8: bool = False,
     ) -> None:
         self.transport, self.options = transport, options
-        self.sender_name, self.adapter = sender_name, adapter
+        self.sender_name, self.adapter, self.fp8 = sender_name, adapter, fp8
         self.engines, self.tensors = engines, tensors
         self.zmq, self.security, self.client_id = zmq, security, client_id
         self.counters, self.log, self.dtype = counters, log, dtype
@@ -413,8 +416,11 @@ class WeightPublisher:
             if self._tensor_specs is None:
                 self._tensor_specs = record_specs(self.tensors())
             tensors = SpecifiedTensors(self._tensor_specs, self.tensors())
+            dtype = self.dtype
+            if self.fp8:  # the projections quantised, the rest cast, as they are pulled
+                tensors, dtype = quantised_push(tensors, self.dtype), None
             try:
-                return sender.send(tensors, version, dtype=self.dtype, fingerprint=self.weight_check != "off")
+                return sender.send(tensors, version, dtype=dtype, fingerprint=self.weight_check != "off")
             except WeightTransferError as error:
                 if isinstance(error.__cause__, SourceBroke):
                     self._tensor_specs = None

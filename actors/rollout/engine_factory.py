@@ -80,6 +80,7 @@ def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[Inferenc
         # a run of several policies: each one's adapter, served by the policy's name, fresh until its learner pushes
         adapters=policy_names(config),
         image_limits=config.data.image_limits,
+        fp8=config.weights.rollout_fp8,
     )
     return engine, tokenizer
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engines.inference.fp8_linear import Fp8Linear
 from engines.inference.sampling import RowParams, sample_next_tokens
 
 ATTENTION_NAME = "slipstream_batch_invariant"
@@ -162,7 +163,7 @@ def _is_padded_leaf(module: nn.Module) -> bool:
     """Linear layers, norms and activations: the leaves that reduce over, or run kernels on, a row's last dimension."""
     if any(True for _ in module.children()):
         return False
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (nn.Linear, Fp8Linear)):
         return True
     name = type(module).__name__
     if name.endswith(("RMSNorm", "LayerNorm")):

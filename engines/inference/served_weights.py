@@ -14,9 +14,10 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from engines.inference.fp8_linear import merge_targets, refresh_changed
 from engines.inference.lora_merge import AdapterMerger, is_adapter
 from engines.inference.multi_lora import MultiLora
-from engines.weights import layouts
+from engines.weights import fp8, layouts
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints, comparable_dtype
 from engines.weights.manifest import TensorSpec
 
@@ -35,7 +36,7 @@ class ServedWeights:
                  fresh_adapters: Iterable[str] = ()) -> None:
         self._model = model
         self.parameters = model.state_dict(keep_vars=True)
-        self._merged = AdapterMerger(self.parameters, lora_scaling)
+        self._merged = AdapterMerger(merge_targets(model, self.parameters), lora_scaling)
         self._lora_scaling = lora_scaling
         self.named_adapters = MultiLora(model, max_adapters=max_adapters)
         fresh = list(fresh_adapters)
@@ -62,11 +63,18 @@ class ServedWeights:
                 raise ValueError(
                     f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
                 )
+            if (tensor.dtype == fp8.FP8) != (target.dtype == fp8.FP8):  # a cast between them has no scale
+                raise ValueError(f"update_weights: {name!r} arrives as {tensor.dtype}, served as {target.dtype}: the "
+                                 "learner and this engine disagree on FP8 rollout (--rollout-fp8)")
+            if target.dtype == fp8.FP8 and self._merged.merges(name):
+                raise ValueError(f"update_weights: {name!r}: a new FP8 base under a merged LoRA adapter is not "
+                                 "supported (a LoRA run pushes its adapter only)")
         with torch.no_grad():
             for name, tensor in updates:
                 if not self._merged.rebase(name, tensor):
                     self.weight(name).copy_(tensor)  # type: ignore[union-attr]  # checked above
         self._merged.apply(adapters)
+        refresh_changed(self._model)  # FP8 layers compute with the bytes just loaded
 
     def load_adapter(self, adapter: str, named_tensors: Sequence[NamedTensor]) -> None:
         """The LoRA factors of the adapter named `adapter`, loaded (or updated in place) unmerged, the others

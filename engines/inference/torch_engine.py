@@ -4,13 +4,11 @@ It is the default on machines without CUDA and the reference the SGLang engine i
 favours exactness (greedy output equals `model.generate()`, log-probs equal the trainer's) and then speed
 (continuous batching with a KV cache, see `batcher.py`).
 
-Threading: one decode thread per engine runs every forward. torch releases the GIL inside its kernels, so
-the owning actor's asyncio loop keeps answering heartbeats and messages while the model computes. The
-async methods only put a command on a queue and await an asyncio future that the decode thread resolves
-through `loop.call_soon_threadsafe`; the thread applies commands (new requests, aborts, pause/resume,
-weight updates, close) between two steps, which is what makes "a weight update lands between two decode
-steps" literally true. The engine never calls `torch.set_num_threads`: the decode thread inherits the
-process-wide setting chosen by the caller.
+Threading: one decode thread per engine runs every forward; torch releases the GIL inside its kernels, so the
+owning actor's asyncio loop keeps answering while the model computes. The async methods put a command on a queue
+and await a future the decode thread resolves (`loop.call_soon_threadsafe`); the thread applies commands (requests,
+aborts, pause/resume, weight updates, close) between two steps: "a weight update lands between two decode steps"
+is literally true. The decode thread inherits the caller's `torch.set_num_threads`.
 
 Weight updates and the KV cache: by default (`recompute_kv_on_update=True`) an update also drops the KV
 cache, and the in-flight samples are re-prefilled with the new weights before their next token, so every
@@ -46,6 +44,7 @@ from engines.inference.batch_invariant import make_batch_invariant
 from engines.inference.batcher import BatchLimits, ContinuousBatcher, StepRecord
 from engines.inference.decoding_sequence import DecodingSequence
 from engines.inference.engine_commands import DEFERRED, Command, Pending, Reply
+from engines.inference.fp8_linear import serve_fp8
 from engines.inference.model_facts import check_supported, context_length, eos_token_ids, load_model_folder
 from engines.inference.prefix_cache import PrefixCache
 from engines.inference.scoring import score_tokens
@@ -180,16 +179,19 @@ class TorchEngine(base.InferenceEngine):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", image_limits: ImageLimits = DEFAULT_LIMITS,
-                        **options: Any) -> TorchEngine:
+                        fp8: bool = False, **options: Any) -> TorchEngine:
         """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread.
 
         `options` are the constructor's keyword arguments (batch limits, `version`, `seed`, ...), passed on as they
-        are: one list of options and defaults, the constructor's. One it does not take fails before the load."""
+        are: one list of options and defaults, the constructor's. One it does not take fails before the load.
+        `fp8`: serve the decoder's projections in FP8, quantised now and loaded in FP8 (`fp8_linear.py`)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json; expected a local Hugging Face model folder")
         inspect.signature(cls).bind(None, None, **options)
         model, tokenizer, vision = load_model_folder(path, dtype=dtype, device=device, image_limits=image_limits)
+        if fp8:
+            serve_fp8(model)
         return cls(model, tokenizer, vision=vision, **options)
 
     @property
@@ -234,9 +236,8 @@ class TorchEngine(base.InferenceEngine):
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
                              adapter: str | None = None) -> None:
-        """With `adapter`, the tensors are LoRA factors of the adapter of that name, loaded (or updated in place)
-        unmerged beside the weights and served to the requests that name it (`multi_lora.py`), the other adapters
-        untouched. Without, LoRA factors merge into the weights (`lora_merge.py`), as a one-policy LoRA run wants."""
+        """With `adapter`: LoRA factors of that named adapter, loaded unmerged beside the weights, the other adapters
+        untouched (`multi_lora.py`). Without: LoRA factors merge into the weights (`lora_merge.py`)."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
         if adapter is not None and (not isinstance(adapter, str) or not adapter):

@@ -318,9 +318,12 @@ def test_with_delta_sync_off_every_push_is_full_and_nothing_is_kept() -> None:
 
 
 # ------------------------------------------------------------------------------ pushes into torch engines
-async def _push_all(engine: TorchEngine, versions: list[list[tuple[str, Tensor]]], *, delta_sync: bool,
-                    dtype: torch.dtype | None = None) -> list[TransferReport]:
-    """Each version pushed in turn over one gloo group, fingerprinted, from this process into `engine`."""
+async def push_all(engine: TorchEngine, versions: list[list[tuple[str, Tensor]]], *, delta_sync: bool,
+                   dtype: torch.dtype | None = None, prepare: Callable[[list[tuple[str, Tensor]]],
+                                                               Iterable[tuple[str, Tensor]]] = iter,
+                   ) -> list[TransferReport]:
+    """Each version pushed in turn over one gloo group, fingerprinted, from this process into `engine`; `prepare`
+    makes a version's push of its tensors (as a learner's publisher does: FP8's quantises them)."""
     transport = resolve_transport("torch_distributed")
     sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=30.0))
     sender.delta_sync = delta_sync
@@ -332,7 +335,8 @@ async def _push_all(engine: TorchEngine, versions: list[list[tuple[str, Tensor]]
             loading = asyncio.create_task(loader.apply(group, version, 30.0))
             if version == 0:
                 await asyncio.to_thread(sender.wait_for_receivers)
-            reports.append(await asyncio.to_thread(sender.send, iter(named), version, dtype=dtype, fingerprint=True))
+            reports.append(await asyncio.to_thread(sender.send, prepare(named), version, dtype=dtype,
+                                                   fingerprint=True))
             await loading
     finally:
         loader.close()
@@ -350,7 +354,7 @@ async def _served_after(model_path: Path, versions: list[list[tuple[str, Tensor]
                         ) -> tuple[dict[str, bytes], list[TransferReport]]:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     async with TorchEngine(model, None, lora_scaling=lora_scaling) as engine:
-        reports = await _push_all(engine, versions, delta_sync=delta_sync, dtype=dtype)
+        reports = await push_all(engine, versions, delta_sync=delta_sync, dtype=dtype)
     return _bits(model.state_dict().items(), None), reports
 
 

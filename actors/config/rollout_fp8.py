@@ -1,0 +1,27 @@
+"""Which runs can roll out in FP8 (`--rollout-fp8`): the settings it depends on, checked with the rest of the run's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from actors.config.engine_settings import EngineConfig
+from actors.config.engines import engine_spec, engines_that
+from actors.config.weights_settings import WeightsConfig
+
+
+def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, policies: Sequence[str]) -> list[str]:
+    """An engine that does not serve FP8 would load quantised bytes as if they were weights; several policies'
+    adapters are served unmerged by layers the FP8 engine replaces."""
+    if not weights.rollout_fp8:
+        return []
+    problems = []
+    spec = engine_spec(engine.rollout_engine)
+    if spec is None or not spec.serves_fp8:
+        noun = spec.noun if spec is not None else f"the plugin engine {engine.rollout_engine!r}"
+        problems.append(f"--rollout-fp8: {noun} does not serve FP8 weights; --rollout-engine "
+                        f"{' or '.join(engines_that('serves_fp8'))} does")
+    if policies:
+        problems.append(f"--rollout-fp8 with several policies ({', '.join(policies)}): their adapters are served "
+                        "unmerged beside the weights, over layers FP8 serving does not adapt yet; roll out one policy "
+                        "in FP8, or several in full precision")
+    return problems
