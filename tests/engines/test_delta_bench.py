@@ -16,9 +16,9 @@ import pytest
 from tools.bench.forked import forked_output
 
 
-def _run(module: str, errors: Path) -> str:
+def _run(module: str, errors: Path, *extra: str) -> str:
     main = importlib.import_module(module).main  # here, before the fork: the next test's fork finds it imported
-    code, out = forked_output(lambda: main(["--quick", "--steps", "2"]), errors)
+    code, out = forked_output(lambda: main(["--quick", "--steps", "2", *extra]), errors)
     assert code == 0, errors.read_text()[-2000:]
     return out
 
@@ -34,6 +34,22 @@ def test_the_measurement_of_changed_elements_reports_each_wire_dtype(tmp_path: P
 
 @pytest.mark.integration
 def test_the_push_benchmark_sends_deltas_after_the_first_push_against_a_full_baseline(tmp_path: Path) -> None:
-    out = _run("tools.bench.delta_push", tmp_path / "errors")
+    out = _run("tools.bench.delta_push", tmp_path / "errors", "--dtypes", "float32", "fp8")
     assert "full (baseline)" in out and "(2 of 2 pushes were deltas)" in out
-    assert "delta wins below a link of: float32:" in out
+    assert re.search(r"^delta wins below a link of: .*float32: ", out, re.MULTILINE), out
+    fp8_rows = re.findall(r"^fp8 +(full \(baseline\)|delta) +([\d.]+)", out, re.MULTILINE)
+    float32_full = re.search(r"^float32 +full \(baseline\) +([\d.]+)", out, re.MULTILINE)
+    assert len(fp8_rows) == 2 and float32_full is not None, out
+    assert float(fp8_rows[0][1]) < float(float32_full.group(1)) / 2, "an FP8 push carries under half of float32's"
+
+
+@pytest.mark.integration
+def test_the_fp8_rollout_benchmark_compares_each_precision_with_the_full_precision_baseline(tmp_path: Path) -> None:
+    main = importlib.import_module("tools.bench.fp8_rollout").main
+    code, out = forked_output(lambda: main(["--quick", "--model", "tiny", "--prompts", "2", "--max-new-tokens", "8"]),
+                              tmp_path / "errors")
+    assert code == 0, (tmp_path / "errors").read_text()[-2000:]
+    rows = dict(re.findall(r"^(fp32 \(baseline\)|bf16|fp8|fp8 \(bf16\)) +([\d.]+) ", out, re.MULTILINE))
+    assert set(rows) == {"fp32 (baseline)", "bf16", "fp8", "fp8 (bf16)"}, out
+    assert float(rows["fp32 (baseline)"]) < 1e-3 < float(rows["fp8"]), "the baseline scores as its trainer does"
+    assert re.search(r"^tiny +\d+ +\d+ +\d+ +0\.\d+", out, re.MULTILINE), out

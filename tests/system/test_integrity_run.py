@@ -4,8 +4,9 @@ tensor named, in the log and in RUN_DIR/integrity.json; the same run with honest
 that no token was sampled over an older cache, their prefix caches across requests included.
 
 The honest run also reads a prompt file where one row in ten has no label: it must train only the labelled rows
-and say how many it left out (a label-less row would be scored as wrong every time and trained on as such). One
-run checks both, for the suite's time."""
+and say how many it left out (a label-less row would be scored as wrong every time and trained on as such). And it
+rolls out in FP8 (`--rollout-fp8`): every push quantised by the learner, loaded and certified as FP8 bytes. One run
+checks all three, for the suite's time."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ HONEST_STEPS, HONEST_BATCH = 8, 12
 
 @pytest.fixture(scope="module")
 def honest_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> HonestRun:
-    """A strict run with honest engines on a prompt file where one row in ten has no label (under another key)."""
+    """A strict run with honest engines serving FP8, on a prompt file where one row in ten has no label (under another
+    key)."""
     tmp_path = tmp_path_factory.mktemp("honest")
     rows = [{"input": f"{a}+{b}=", "label": str(a + b)} for a in range(10) for b in range(10)]
     unlabelled = {rows[i]["input"] for i in range(0, 100, 10)}
@@ -101,7 +103,7 @@ def honest_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) 
     # every labelled prompt is served at least once in 30 groups (an epoch is 90), so an unlabelled one would be too
     run = launch(run_dir, tiny_model_path, data, num_rollout=HONEST_STEPS,
                  extra=("--check-weight-update-equal", "--rollout-batch-size", str(HONEST_BATCH),
-                        "--save-debug-rollout-data", str(recorded)))
+                        "--save-debug-rollout-data", str(recorded), "--rollout-fp8"))
     output = finish(run)
     return HonestRun(run_dir, output, run.returncode, data, unlabelled, recorded)
 
@@ -130,6 +132,21 @@ def test_a_run_whose_engines_serve_what_was_pushed_certifies_every_push(honest_r
     assert prompts["verdict"] == "pass" and prompts["skipped"] == 0
     assert prompts["fates"]["trained"] == HONEST_STEPS * HONEST_BATCH
     assert "integrity: OK" in output and "prompts: pass" in output
+
+
+@pytest.mark.system
+@pytest.mark.timeout(300)
+def test_an_fp8_rollout_pushes_its_projections_in_fp8(honest_run: HonestRun, tiny_model_path: Path) -> None:
+    """Certified above as the bytes the engines serve; here, that the bytes were FP8: the projections, most of this
+    model, at one byte an element: a push carries under half the float32 model's bytes (the log rounds to 0.1 MB)."""
+    from transformers import AutoModelForCausalLM
+
+    assert honest_run.returncode == 0, honest_run.output[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    float32_mb = sum(tensor.numel() * 4 for tensor in model.parameters()) / 1e6
+    pushed = [json.loads(line) for line in (honest_run.run_dir / "logs" / "learner.jsonl").read_text().splitlines()
+              if '"weights pushed"' in line]
+    assert pushed and all(entry["mb"] < float32_mb / 2 for entry in pushed), (float32_mb, pushed[:2])
 
 
 @pytest.mark.system

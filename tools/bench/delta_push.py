@@ -3,6 +3,7 @@
     python -m tools.bench.delta_push                     # SmolLM2-135M at the demo's full-weight lr, 5 steps
     python -m tools.bench.delta_push --quick             # the demo's tiny model
     python -m tools.bench.delta_push --model qwen2.5-0.5b --steps 3 --dtypes bfloat16
+    python -m tools.bench.delta_push --dtypes bfloat16 fp8     # --rollout-fp8's pushes beside bfloat16's
 
 The learner trains (real GRPO steps, `tools/bench/weight_deltas.py`'s trainer); after each step the same weights
 are pushed by two senders over two gloo groups, one with delta sync off (the baseline: every push whole) and one
@@ -23,17 +24,20 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender
+from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender, fp8
 from engines.weights.base import TransferReport
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
 from engines.weights.manifest import TensorSpec
+from engines.weights.stream import SpecifiedTensors, record_specs
 from tools.bench.weight_deltas import DEMO_LR, WIRE_DTYPES, trainer_and_step
 
 TIMEOUT_S = 600.0
+FP8 = "fp8"
 STRIDE = 16  # the run's default --weight-check-stride
 
 
@@ -95,6 +99,7 @@ def run(model_name: str, steps: int, dtypes: list[str], prompts: int, samples_pe
     trainer, step = trainer_and_step(model, DEMO_LR[model_name], samples_per_prompt)
     tokenizer = AutoTokenizer.from_pretrained(model)
     vocab = AutoConfig.from_pretrained(model).vocab_size
+    specs = record_specs(trainer.named_tensors())
     for sender in senders.values():
         sender.wait_for_receivers(TIMEOUT_S)
     pushes: list[Push] = []
@@ -107,8 +112,8 @@ def run(model_name: str, steps: int, dtypes: list[str], prompts: int, samples_pe
             for dtype in dtypes:
                 order = ("full", "delta") if index % 2 else ("delta", "full")
                 for kind in order:
-                    report: TransferReport = senders[dtype, kind].send(
-                        trainer.named_tensors(), index, dtype=WIRE_DTYPES[dtype], fingerprint=True)
+                    tensors, wire = _push(trainer, dtype, specs)
+                    report: TransferReport = senders[dtype, kind].send(tensors, index, dtype=wire, fingerprint=True)
                     assert report.fingerprints is not None and report.fingerprints.ok, report.fingerprints
                     pushes.append(Push(dtype, index, kind, report.num_bytes / 2**20, report.seconds,
                                        report.delta_base))
@@ -119,6 +124,14 @@ def run(model_name: str, steps: int, dtypes: list[str], prompts: int, samples_pe
         for process in processes:
             process.join(60)
     return pushes
+
+
+def _push(trainer, dtype: str, specs: tuple[TensorSpec, ...]) -> tuple[Iterable, torch.dtype | None]:
+    """(The tensors, the dtype the sender casts them to) of one push in `dtype`: FP8 is quantised as the learner's
+    publisher does under --rollout-fp8 (the projections in FP8 with their scales, the rest in bfloat16)."""
+    if dtype == FP8:
+        return fp8.quantised_push(SpecifiedTensors(specs, trainer.named_tensors()), torch.bfloat16), None
+    return trainer.named_tensors(), WIRE_DTYPES[dtype]
 
 
 def print_table(model_name: str, steps: int, pushes: list[Push], kept_mib: dict[str, float]) -> None:
@@ -149,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2", help="tiny, smollm2 or qwen2.5-0.5b (tools/bench/models.py)")
     parser.add_argument("--quick", action="store_true", help="the demo's tiny model")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(WIRE_DTYPES), default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", choices=[*sorted(WIRE_DTYPES), FP8], default=["float32", "bfloat16"],
+                        help=f"{FP8}: a --rollout-fp8 push (FP8 projections, the rest bfloat16)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     args = parser.parse_args(argv)
