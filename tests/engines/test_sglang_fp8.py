@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +26,11 @@ from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol, tensor_payload
 from engines.sglang.client import SglangEngine
 from engines.sglang.fp8_serving import attached_problem, block_shape_problems, launch_checkpoint
-from engines.sglang.launch import ServerProcess
 from engines.sglang.weights import SglangWeightLoader, SglangWeightSender
 from engines.weights import fp8
 from engines.weights.base import TransferReport
 from engines.weights.fingerprint import FingerprintCheck
 from tests.engines.test_sglang_weight_checks import push
-from tests.engines.test_sglang_weights import compat_server
 from tools.standins.sglang_server import checksum
 from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
@@ -235,22 +234,38 @@ def test_fp8_tensors_and_their_scales_cross_the_disk_transport_unchanged(tmp_pat
 
 # --------------------------------------------------------------------------------------------- attached servers
 @pytest.fixture(scope="module")
-def fp8_server(converted: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from compat_server(converted, tmp_path_factory.mktemp("sglang-fp8-logs"))
+def fp8_server(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangEngine]:
+    """The stand-in as a --rollout-fp8 rollout worker launches it: on the conversion of --hf-checkpoint."""
+    from actors.config import build_config
+    from actors.rollout.engine_factory import sglang_engine
+
+    cache = os.environ.get(fp8_checkpoint.CACHE_ENV)
+    os.environ[fp8_checkpoint.CACHE_ENV] = str(tmp_path_factory.mktemp("fp8-cache"))
+    config = build_config({"rollout_fp8": True, "rollout_engine": "sglang", "hf_checkpoint": str(source),
+                           "sglang_server_module": "tools.standins.sglang_server", "weight_transfer_timeout": 20})
+    engine = sglang_engine(config, ENGINE)  # its client is used by no test: each opens its own
+    yield engine
+    assert engine.server is not None
+    engine.server.stop()
+    os.environ.pop(fp8_checkpoint.CACHE_ENV)
+    if cache is not None:
+        os.environ[fp8_checkpoint.CACHE_ENV] = cache
 
 
 @pytest.mark.integration
-def test_an_attached_server_must_serve_an_fp8_checkpoint(fp8_server: ServerProcess, converted: Path,
-                                                         source: Path) -> None:
+def test_an_attached_server_must_serve_an_fp8_checkpoint(fp8_server: SglangEngine) -> None:
+    assert fp8_server.server is not None
+    served = Path(fp8_server.server.spec.model_path)
+    assert fp8_checkpoint.is_fp8(json.loads((served / "config.json").read_text())), "launched on the conversion"
     assert attached_problem(fp8_server.url, timeout_s=10) is None
-    config = json.loads((converted / "config.json").read_text())
+    config = json.loads((served / "config.json").read_text())
     try:  # the same server now reports a folder whose config is unquantised
-        (converted / "config.json").write_text(json.dumps({k: v for k, v in config.items()
-                                                           if k != "quantization_config"}))
+        (served / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                        if k != "quantization_config"}))
         problem = attached_problem(fp8_server.url, timeout_s=10)
     finally:
-        (converted / "config.json").write_text(json.dumps(config, indent=2))
-    assert problem is not None and f"serves {converted}, an unquantised checkpoint" in problem
+        (served / "config.json").write_text(json.dumps(config, indent=2))
+    assert problem is not None and f"serves {served}, an unquantised checkpoint" in problem
     assert "python -m tools.convert_fp8" in problem
 
 
@@ -264,9 +279,9 @@ def _trained(source: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.mark.integration
 async def test_fp8_pushes_over_sglang_s_distributed_update_are_served_byte_for_byte_and_certified(
-        fp8_server: ServerProcess, converted: Path, source: Path) -> None:
+        fp8_server: SglangEngine, converted: Path, source: Path) -> None:
     """A real sender pushes three versions as a --rollout-fp8 learner does (projections quantised as they go out),
-    one broadcast per tensor into the stand-in started on the converted checkpoint: SGLang's checksum of what it
+    one broadcast per tensor into the stand-in a --rollout-fp8 worker launched: SGLang's checksum of what it
     serves certifies every push after the first, and equals, tensor by tensor, that of an engine holding exactly
     `fp8.quantise` of the last version; its greedy tokens are that engine's."""
     client = SglangEngine(fp8_server.url)
