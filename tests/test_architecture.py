@@ -342,7 +342,8 @@ def test_no_module_over_600_lines() -> None:
 
 # The tools a user runs by name stay at the top of tools/; every harness lives in its family's folder.
 USER_TOOLS = {"agent_demo", "audit_run", "convert_checkpoint", "demo", "evaluate", "keygen", "make_arithmetic_data",
-              "plot_run", "repo_env", "run_watch", "demo_policies", "demo_vlm", "make_shape_data", "slime_scripts"}
+              "plot_run", "repo_env", "run_watch", "demo_policies", "demo_vlm", "make_shape_data", "slime_scripts",
+              "convert_fp8"}
 
 
 def test_tools_are_grouped_by_family_and_user_tools_stay_at_the_top() -> None:

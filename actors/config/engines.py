@@ -44,6 +44,8 @@ class EngineSpec:
     lora_target_check: str | None = None  # `module:attr` refusing --target-modules the engine cannot adapt
     serves_named_adapters: bool = False  # serves several LoRA adapters at once, each request naming its own
     serves_fp8: bool = False  # --rollout-fp8: serves block-scaled FP8 projections and loads FP8 pushes
+    # `module:attr` (hf config, tp size, where) -> problems: the projections it cannot serve in FP8 tiles
+    fp8_shape_check: str | None = None
     cpu_standin: str | None = None  # the flags that run a stand-in for it on a machine without GPUs
     # the --sglang-NAME arguments it reads (None: every one, an SGLang server's command line)
     reads_sglang_args: tuple[str, ...] | None = None
@@ -75,6 +77,7 @@ BUILTIN_ENGINES: dict[str, EngineSpec] = {
         lora_weight_transport=SGLANG_LORA,  # the server loads each adapter by name
         disk_weight_transport=SGLANG_DISK,  # each push a checkpoint its /update_weights_from_disk reads
         serves_named_adapters=True,  # each policy's adapter versions by name, each request naming its policy's
+        serves_fp8=True, fp8_shape_check="engines.sglang.fp8_serving:block_shape_problems",  # an FP8 checkpoint
         lora_target_check="engines.sglang.protocol:lora_target_modules",
         cpu_standin="--sglang-server-module tools.standins.sglang_server"),
 }

@@ -95,7 +95,27 @@ def _shared_save_problems(configs: Mapping[str, RunConfig]) -> list[str]:
 def _problems(config: RunConfig, running: set[str], hub_cache: Path | None) -> list[str]:
     return [*_data_problems(config, running), *_model_problems(config, running, hub_cache),
             *_plugin_problems(config, running), *_transport_problems(config, running),
-            *_profiling_problems(config, running)]
+            *_profiling_problems(config, running), *_fp8_shape_problems(config, running)]
+
+
+def _fp8_shape_problems(config: RunConfig, running: set[str]) -> list[str]:
+    """--rollout-fp8 on an engine that serves FP8 in whole tiles only (SGLang): the projections of --hf-checkpoint
+    it would refuse, found before its servers are started on a conversion of it. (An attached server was started
+    already; the rollout worker checks what it serves.)"""
+    spec = engine_spec(config.engine.rollout_engine)
+    checkpoint, engine = config.model.hf_checkpoint, config.engine
+    attached = spec is not None and spec.attaches and (engine.sglang_url or engine.sglang_router_url)
+    if (not config.weights.rollout_fp8 or "rollout" not in running or spec is None or spec.fp8_shape_check is None
+            or attached or checkpoint is None):
+        return []
+    config_file = Path(checkpoint).expanduser() / "config.json"
+    if not config_file.is_file():
+        return []  # a hub id: the rollout worker checks it at its start
+    from policies.plugins import load_object
+
+    check = load_object(spec.fp8_shape_check, what="fp8_shape_check")
+    return list(check(json.loads(config_file.read_text()), config.engine.rollout_num_gpus_per_engine,
+                      f"--rollout-fp8 --hf-checkpoint {checkpoint}"))
 
 
 def _profiling_problems(config: RunConfig, running: set[str]) -> list[str]:

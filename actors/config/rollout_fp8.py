@@ -9,9 +9,11 @@ from actors.config.engines import engine_spec, engines_that
 from actors.config.weights_settings import WeightsConfig
 
 
-def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, policies: Sequence[str]) -> list[str]:
+def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, policies: Sequence[str], *,
+                         lora: bool = False) -> list[str]:
     """An engine that does not serve FP8 would load quantised bytes as if they were weights; several policies'
-    adapters are served unmerged by layers the FP8 engine replaces."""
+    adapters, and the adapter of an engine that loads adapters by name (an SGLang server), are served unmerged by
+    layers the FP8 engine replaces."""
     if not weights.rollout_fp8:
         return []
     problems = []
@@ -20,6 +22,10 @@ def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, policies:
         noun = spec.noun if spec is not None else f"the plugin engine {engine.rollout_engine!r}"
         problems.append(f"--rollout-fp8: {noun} does not serve FP8 weights; --rollout-engine "
                         f"{' or '.join(engines_that('serves_fp8'))} does")
+    elif lora and spec.lora_weight_transport is not None:
+        problems.append(f"--rollout-fp8 with LoRA on {spec.plural}: they load the adapter by name, unmerged beside "
+                        "FP8 layers that are not adapted yet; roll LoRA out in FP8 on --rollout-engine torch (which "
+                        "merges it over the FP8 base), or in full precision")
     if policies:
         problems.append(f"--rollout-fp8 with several policies ({', '.join(policies)}): their adapters are served "
                         "unmerged beside the weights, over layers FP8 serving does not adapt yet; roll out one policy "

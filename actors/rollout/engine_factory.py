@@ -170,6 +170,7 @@ def sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
 
     from engines.sglang.adapter_endpoints import AdapterServing
     from engines.sglang.client import SglangEngine
+    from engines.sglang.fp8_serving import attached_problem, launch_checkpoint
     from engines.sglang.launch import ServerProcess, ServerSpec
 
     engine_config = config.engine
@@ -184,10 +185,14 @@ def sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
                               release_tags=release_tags, moe_routes=routes)
         # An attached server may already serve updated weights (this worker restarted): start from its version.
         engine.set_version(attached_server_version(engine.url, timeout=engine_config.sglang_startup_timeout))
+        if config.weights.rollout_fp8 and (problem := attached_problem(engine.url, timeout_s=30.0)) is not None:
+            raise ValueError(problem)
         return engine
     assert config.model.hf_checkpoint is not None
     spec = ServerSpec(
-        model_path=config.model.hf_checkpoint,
+        # --rollout-fp8: SGLang serves FP8 from an FP8 checkpoint only, the conversion of --hf-checkpoint
+        model_path=str(launch_checkpoint(config.model.hf_checkpoint, engine_config.rollout_num_gpus_per_engine))
+        if config.weights.rollout_fp8 else config.model.hf_checkpoint,
         module=engine_config.sglang_server_module,
         tp_size=engine_config.rollout_num_gpus_per_engine,
         random_seed=engine_seed(config.seed, actor_id),

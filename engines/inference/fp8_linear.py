@@ -17,6 +17,8 @@ an SGLang server likewise applies a LoRA adapter in bfloat16 over its FP8 base.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,13 +88,21 @@ class Fp8Linear(nn.Module):
 
 def serve_fp8(model: nn.Module, block: int = fp8.BLOCK) -> list[str]:
     """Replace each decoder projection (`fp8.quantised`) of `model` by an Fp8Linear of its current weight, in
-    place; the names of the FP8 weights. Refuses a model with none (an architecture these names do not cover)."""
+    place; the names of the FP8 weights. Refuses a model with none (an architecture these names do not cover). A
+    model whose projections are served in FP8 already is left as it is."""
     replaced, inputs = [], RoundedInputs()
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and fp8.quantised(f"{name}.weight", module.weight.shape):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, Fp8Linear(module, block, inputs))
             replaced.append(f"{name}.weight")
+    served = {f"{name}.weight": module.block for name, module in model.named_modules()
+              if isinstance(module, Fp8Linear)}
+    if not replaced and served:  # loaded from an FP8 checkpoint (`load_fp8_checkpoint`): served already
+        if set(served.values()) != {block}:
+            raise ValueError(f"FP8 rollout: the model is served in FP8 tiles of {sorted(set(served.values()))}, "
+                             f"the pushes come in tiles of {block}")
+        return list(served)
     if not replaced:
         raise ValueError(f"FP8 rollout: {type(model).__name__} has no decoder projection this engine can serve in "
                          "FP8 (layers.N.self_attn/mlp.*_proj linear layers); serve it unquantised")
@@ -113,3 +123,34 @@ def merge_targets(model: nn.Module, parameters: dict[str, Tensor]) -> dict[str, 
         if isinstance(module, Fp8Linear):
             targets[f"{name}.weight"] = module.served
     return targets
+
+
+def load_fp8_checkpoint(folder: Path, loader: Any, dtype: torch.dtype, block: int) -> nn.Module:
+    """The model of an FP8 checkpoint (`engines.fp8_checkpoint`), its projections served with the FP8 bytes and
+    scales stored there, not quantised again, as SGLang loads them. transformers cannot load such a folder without a
+    GPU, so the model is loaded as an unquantised one (the FP8 values cast exactly into `dtype`, the scales left
+    out) and each projection then replaced and filled from the files."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    model = loader.from_pretrained(folder, config=config, dtype=dtype)
+    names = serve_fp8(model, block)
+    stored = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            stored.update({key: handle.get_tensor(key) for key in handle.keys()  # noqa: SIM118 (not a dict)
+                           if key in names or key.removesuffix(fp8.SCALE_SUFFIX) in names})
+    with torch.no_grad():
+        for name in names:
+            layer = model.get_submodule(name.removesuffix(".weight"))
+            for parameter, key in ((layer.weight, name), (layer.weight_scale_inv, fp8.scale_name(name))):
+                tensor = stored.get(key)
+                if tensor is None or tensor.dtype != parameter.dtype or tensor.shape != parameter.shape:
+                    found = "missing" if tensor is None else f"{tensor.dtype} {list(tensor.shape)}"
+                    raise ValueError(f"{folder}: FP8 checkpoint tensor {key!r} is {found}, expected "
+                                     f"{parameter.dtype} {list(parameter.shape)}")
+                parameter.copy_(tensor)
+    refresh_changed(model)
+    return model

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedTokenizerBase
 
+from engines.fp8_checkpoint import checkpoint_block, is_fp8, read_config
+from engines.inference.fp8_linear import load_fp8_checkpoint
 from engines.vision.images import DEFAULT_LIMITS, ImageLimits
 from engines.vision.processor import VisionProcessor
 
@@ -49,8 +51,12 @@ def load_model_folder(path: Path, *, dtype: torch.dtype, device: str | torch.dev
                       ) -> tuple[nn.Module, PreTrainedTokenizerBase, VisionProcessor | None]:
     """A local HF folder's model, tokenizer and, for a vision-language model, its image side. A VLM loads through
     the image-text class (`AutoModelForCausalLM` refuses their configs); its forward takes token ids as a causal LM's
-    does, plus the images' pixels on the prefill."""
+    does, plus the images' pixels on the prefill. An FP8 checkpoint's projections are served in FP8 (`fp8_linear`)."""
     vision = VisionProcessor.from_model_folder(path, image_limits)
     loader = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
-    model = loader.from_pretrained(path, dtype=dtype).to(device)
+    config = read_config(path)  # an FP8 checkpoint is served as SGLang serves it; other kinds transformers loads
+    block = checkpoint_block(config, str(path)) if is_fp8(config) else None
+    model = loader.from_pretrained(path, dtype=dtype) if block is None else load_fp8_checkpoint(path, loader, dtype,
+                                                                                                 block)
+    model = model.to(device)
     return model, AutoTokenizer.from_pretrained(path), vision

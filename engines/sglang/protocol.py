@@ -110,7 +110,7 @@ CONTINUE = Endpoint("POST", "/continue_generation", "ContinueGenerationReqInput"
 FLUSH_CACHE = Endpoint("GET", "/flush_cache")
 HEALTH = Endpoint("GET", "/health")
 HEALTH_GENERATE = Endpoint("GET", "/health_generate")
-MODEL_INFO = Endpoint("GET", "/model_info", reads=("weight_version",))
+MODEL_INFO = Endpoint("GET", "/model_info", reads=("weight_version", "model_path"))
 SERVER_INFO = Endpoint("GET", "/server_info",
                        reads=("context_length", "max_req_input_len", "enable_deterministic_inference"))
 INIT_WEIGHTS_GROUP = Endpoint(

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -114,6 +115,13 @@ def join_weight_group(
         raise GroupGivenUp(given_up_why)
     c10d._world.pg_group_ranks[group] = {member: member for member in range(world_size)}
     return WeightGroup(group_name, rank, world_size, group, store)
+
+
+def broadcastable(tensor: torch.Tensor) -> torch.Tensor:
+    """What a broadcast of `tensor` moves: FP8 tensors as a byte view of the same storage, since gloo has no FP8
+    type. On NCCL the bytes are the same either way (torch sends FP8 as 8-bit words), so a sender that always sends
+    bytes meets SGLang's receiver, which broadcasts into an FP8 tensor."""
+    return tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 and tensor.is_floating_point() else tensor
 
 
 def _bracket_ipv6(host: str) -> str:

@@ -54,7 +54,7 @@ from engines.sglang import protocol, weight_store
 from engines.sglang.checksums import ServedChecksum, ServedHistory
 from engines.sglang.client import SglangEngine, SglangError
 from engines.sglang.store_sender import DEFAULT_BUCKET_BYTES, SglangStoreSender
-from engines.sglang.weight_group import WeightGroup, join_weight_group
+from engines.sglang.weight_group import WeightGroup, broadcastable, join_weight_group
 from engines.sglang.weight_store import ABORT_PREFIX, ERROR_PREFIX, GO, OK, READY, SglangGroupSpec
 from engines.weights.base import WeightTransferError
 from engines.weights.group import collective_timeout_s, transfer_device
@@ -123,7 +123,8 @@ class SglangWeightSender(SglangStoreSender):
         wire = [_wire_tensor(tensor, dtype, self.device) for _, tensor in pairs]
         keys.set(f"bucket/{position}", GO)
         try:
-            work = [dist.broadcast(tensor, src=0, group=self._group.group, async_op=True) for tensor in wire]
+            work = [dist.broadcast(broadcastable(tensor), src=0, group=self._group.group, async_op=True)
+                    for tensor in wire]
         except (RuntimeError, dist.DistError) as error:
             failed = weight_store.early_failures(keys, spec) or dict.fromkeys(
                 spec.receivers, f"broadcast failed: {error}"

@@ -244,8 +244,11 @@ async def test_a_lora_adapter_merges_over_the_dequantised_fp8_base(tiny_model_pa
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("settings", "refusal"), [
-    ({"rollout_engine": "sglang"}, "an SGLang server does not serve FP8 weights; --rollout-engine torch"),
+    ({"rollout_engine": "tests.engines.test_fp8:no_engine"},
+     "the plugin engine 'tests.engines.test_fp8:no_engine' does not serve FP8 weights; --rollout-engine torch or "
+     "sglang does"),
     ({"policies": {"a": {}, "b": {}}, "lora_rank": 4}, "--rollout-fp8 with several policies (a, b)"),
+    ({"rollout_engine": "sglang", "lora_rank": 4}, "--rollout-fp8 with LoRA on SGLang servers: they load the adapter"),
 ])
 def test_runs_that_cannot_roll_out_in_fp8_are_refused_at_start(settings: dict[str, object], refusal: str) -> None:
     from actors.config import build_config

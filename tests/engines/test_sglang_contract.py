@@ -436,3 +436,112 @@ def test_moe_models_load_experts_under_the_checkpoint_names_the_learner_sends(sg
     sent = [name for name, _ in CheckpointLayout(hf_config)(skeleton.named_parameters()) if ".experts." in name]
     assert sent and all(any(f"experts.{name.split('.experts.')[1].split('.')[0]}.{weight}." in name
                             for weight in names.values()) for name in sent), (names, sent[:6])
+
+
+# ----------------------------------------------------------------------------------- FP8 checkpoints (--rollout-fp8)
+FP8_METHOD = "sglang/srt/layers/quantization/fp8.py"
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name)
+
+
+def test_sglang_reads_the_quantization_config_our_fp8_checkpoints_write(sglang: SglangSource) -> None:
+    """`Fp8Config.from_config` takes "fp8" in quant_method as a serialised FP8 checkpoint and reads the activation
+    scheme and tile size; `fmt` (transformers') it does not read, so it cannot disagree."""
+    from engines.weights import fp8
+
+    read = _function(sglang.tree(FP8_METHOD), "from_config")
+    keys = {ast.literal_eval(call.args[1])[0] for call in ast.walk(read) if isinstance(call, ast.Call)
+            and ast.unparse(call.func).endswith(("get_from_keys", "get_from_keys_or"))}
+    assert {"quant_method", "activation_scheme", "weight_block_size"} <= keys
+    assert set(fp8.quantization_config()) - keys == {"fmt"}
+    assert "is_checkpoint_fp8_serialized = 'fp8' in quant_method" in ast.unparse(read)
+
+
+def test_sglang_s_block_fp8_layers_take_weight_and_weight_scale_inv_in_float32(sglang: SglangSource) -> None:
+    """The names an FP8 push and checkpoint carry are the parameters SGLang's Fp8LinearMethod registers for block
+    quantisation: the FP8 `weight` and, per tile, a float32 `weight_scale_inv`."""
+    source = ast.unparse(sglang.tree(FP8_METHOD))
+    assert "torch.float8_e4m3fn if is_checkpoint_fp8_serialized" in source.replace("self.", "")
+    assert "layer.register_parameter('weight', weight)" in source
+    assert "layer.register_parameter('weight_scale_inv', scale)" in source
+    assert "scale_dtype = torch.uint8 if use_mxfp8 else torch.float32" in source.replace("self.", "")  # not MXFP8
+    assert ("scale_init((output_size_per_partition + block_n - 1) // block_n, (input_size_per_partition + block_k - 1)"
+            " // block_k, dtype=scale_dtype)") in source
+
+
+def _sglang_tile_check(sglang: SglangSource) -> Callable[..., None]:
+    """SGLang's `Fp8LinearMethod.validate_block_quant_shapes`, compiled from its wheel, callable with a layer's
+    sizes and the tensor-parallel size."""
+    from types import SimpleNamespace
+
+    function = _function(sglang.tree(FP8_METHOD), "validate_block_quant_shapes")
+    function.decorator_list = []
+    namespace: dict[str, object] = {"List": list, "print_warning_once": print}
+    exec(compile(ast.Module(body=[function], type_ignores=[]), FP8_METHOD, "exec"), namespace)
+    validate = namespace["validate_block_quant_shapes"]
+
+    def check(tp_size: int, **sizes: object) -> None:
+        quant = SimpleNamespace(weight_block_size=[128, 128])
+        namespace["get_parallel"] = lambda: SimpleNamespace(tp_size=tp_size)  # 0.5.15's source of the tp size
+        stubs = {"self": SimpleNamespace(quant_config=quant), "quant_config": quant,
+                 "layer": SimpleNamespace(tp_group=SimpleNamespace(world_size=tp_size))}
+        names = [argument.arg for argument in function.args.args]
+        validate(*(stubs[name] if name in stubs else sizes[name] for name in names if name in stubs or name in sizes))
+
+    return check
+
+
+@pytest.mark.parametrize(("shape", "tp_size"), [
+    ({"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}, 1),
+    ({"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2}, 1),
+    ({"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2}, 2),
+    ({"hidden_size": 1024, "intermediate_size": 640, "num_attention_heads": 8, "num_key_value_heads": 2}, 2),
+    ({"hidden_size": 1024, "intermediate_size": 640, "num_attention_heads": 8, "num_key_value_heads": 2}, 4),
+    ({"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4}, 8),
+])
+def test_our_fp8_tile_rule_refuses_exactly_the_layers_sglang_refuses(sglang: SglangSource, shape: dict[str, int],
+                                                                     tp_size: int) -> None:
+    """Each of a decoder layer's four linear layers, built as SGLang builds them (q/k/v and gate/up merged, o and
+    down row-parallel), through SGLang's own check; our refusal names the same layers (SmolLM2 and the 0.5B shape
+    among them)."""
+    from engines.sglang.fp8_serving import block_shape_problems
+
+    check = _sglang_tile_check(sglang)
+    hidden, width = shape["hidden_size"], shape["intermediate_size"]
+    heads, head_dim = shape["num_attention_heads"], hidden // shape["num_attention_heads"]
+    kv = 1 if tp_size >= shape["num_key_value_heads"] else shape["num_key_value_heads"] // tp_size
+    layers = {  # name: (input, input per shard, output, output parts per shard), as sglang/srt/layers/linear.py
+        ("q_proj", "k_proj", "v_proj"): (hidden, hidden, (heads // tp_size + 2 * kv) * head_dim * tp_size,
+                                         [heads // tp_size * head_dim, kv * head_dim, kv * head_dim]),
+        ("gate_proj", "up_proj"): (hidden, hidden, 2 * width, [width // tp_size] * 2),
+        ("o_proj",): (heads * head_dim, heads * head_dim // tp_size, hidden, [hidden]),
+        ("down_proj",): (width, width // tp_size, hidden, [hidden]),
+    }
+    refused_by_sglang = set()
+    for names, (inputs, input_shard, outputs, parts) in layers.items():
+        try:
+            check(tp_size, input_size=inputs, input_size_per_partition=input_shard, output_size=outputs,
+                  output_size_per_partition=sum(parts), output_partition_sizes=parts)
+        except ValueError as error:
+            assert "is not divisible by weight quantization block" in str(error)
+            refused_by_sglang.add(names)
+    ours = " ".join(block_shape_problems(shape, tp_size, "MODEL"))
+    refused_by_us = {names for names in layers if any(f".{name}.weight" in ours for name in names)}
+    assert refused_by_us == refused_by_sglang
+
+
+def test_sglang_checksums_a_block_fp8_weight_dequantised_to_bfloat16_with_its_scale(sglang: SglangSource) -> None:
+    """What the stand-in's checksum does for its FP8 layers (tools/standins/sglang_server/checksum.py)."""
+    checker = ast.unparse(sglang.tree("sglang/srt/utils/weight_checker.py"))
+    assert "checksums[name] = _hash_tensor(comparable.dequantize().data)" in checker
+    assert "scale = name.replace('weight', 'weight_scale_inv')" in checker
+    assert re.search(r"if name in scale_names:\s+continue", checker), "the scale is hashed with its weight only"
+    comparator = _function(sglang.tree("sglang/srt/utils/weight_checker_comparator.py"), "select_comparable_weight")
+    assert "quant_method.block_quant" in ast.unparse(comparator)
+    dequantize = next(node for node in ast.walk(sglang.tree("sglang/srt/utils/weight_checker_comparator.py"))
+                      if isinstance(node, ast.ClassDef) and node.name == "Fp8BlockComparable")
+    source = ast.unparse(dequantize)
+    assert "def dequantize(self, dtype: torch.dtype=torch.bfloat16)" in source
+    assert re.search(r"return block_quant_dequant\((self\.)?w_q, s, block_size, dtype=dtype\)", source)

@@ -11,8 +11,10 @@ SGLang (`utils/weight_checker.py: _compute_checksum`, `managers/mm_utils.py: ten
 * per rank, `per_gpu_checksum`: the sha256 over the names in sorted order, each name followed by its checksum;
 * per engine, `per_engine_checksum`: the sha256 over the ranks' `per_gpu_checksum` (this server is one rank).
 
-On a GPU SGLang hashes each tensor with a Triton kernel instead; the structure is the same. Quantized weights are
-hashed dequantized there; this server has none.
+On a GPU SGLang hashes each tensor with a Triton kernel instead; the structure is the same. A block-FP8 layer's
+weight (an FP8 checkpoint's projection, `Fp8LinearMethod`) is hashed dequantised to bfloat16 under the weight's name
+and its `weight_scale_inv` is not hashed on its own (`_build_quantized_set`, `Fp8BlockComparable.dequantize`), in
+both releases; so here too, and the dequantised copy this server computes with (`served`) is not SGLang's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from engines.inference.fp8_linear import Fp8Linear
 from engines.sglang import protocol
+from engines.weights import fp8
 
 # `_NON_PERSISTENT_BUFFER_PATTERNS` of each release's weight_checker.py.
 NON_PERSISTENT: dict[str, tuple[str, ...]] = {
@@ -54,8 +58,14 @@ def checked_tensors(model: nn.Module, api: str, skip: Iterable[str] = ()) -> dic
     patterns = NON_PERSISTENT[api] + tuple(skip)
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
-    return {name: tensor for name, tensor in state.items()
-            if not any(pattern in name for pattern in patterns) and not getattr(tensor, "_skip_weight_check", False)}
+    fp8_layers = {f"{name}.": module for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
+    own = {prefix + part for prefix in fp8_layers for part in ("weight", fp8.scale_name("weight"), "served")}
+    checked = {name: tensor for name, tensor in state.items() if name not in own and not any(
+        pattern in name for pattern in patterns) and not getattr(tensor, "_skip_weight_check", False)}
+    checked.update({prefix + "weight": fp8.dequantise(layer.weight, layer.weight_scale_inv, torch.bfloat16,
+                                                      layer.block)
+                    for prefix, layer in fp8_layers.items()})  # compared whatever the skip list says, as SGLang's
+    return checked
 
 
 def checksum_answer(model: nn.Module, api: str, skip: Iterable[str] = ()) -> dict[str, Any]:

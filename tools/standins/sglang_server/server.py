@@ -68,7 +68,7 @@ from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.model_facts import context_length as model_context_length
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
-from engines.sglang.weight_group import WeightGroup, join_weight_group
+from engines.sglang.weight_group import WeightGroup, broadcastable, join_weight_group
 from engines.weights import layouts
 from tools.standins.sglang_server import checksum, openai_chat, parsing
 from tools.standins.sglang_server.adapters import AdapterRoutes
@@ -520,7 +520,7 @@ def _receive(group: WeightGroup, specs: list[tuple[str, torch.dtype, tuple[int, 
     received, pending = [], []
     for name, dtype, shape in specs:
         tensor = torch.empty(shape, dtype=dtype)
-        pending.append(dist.broadcast(tensor, src=0, group=group.group, async_op=True))
+        pending.append(dist.broadcast(broadcastable(tensor), src=0, group=group.group, async_op=True))
         received.append((name, tensor))
     for work in pending:
         work.wait()

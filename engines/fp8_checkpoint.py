@@ -1,0 +1,161 @@
+"""FP8 checkpoints: a Hugging Face folder whose decoder projections are stored block-quantised (`engines.weights.fp8`).
+
+An SGLang server serves FP8 only from such a checkpoint: it reads `quantization_config` from config.json when it
+builds the model and makes each projection an FP8 layer (`weight` in float8_e4m3fn, `weight_scale_inv` per tile);
+the FP8 pushes of `--rollout-fp8` are then loaded into those layers under their own names. A server started on the
+unquantised folder would instead copy the pushed FP8 values into its bfloat16 weights without their scales. So a run
+converts `--hf-checkpoint` once (`converted`), and the server starts on the result.
+
+The conversion writes what `fp8.quantised_push` sends, byte for byte: each projection as its FP8 values and scales
+(transformers' quantiser formula, tested), every other tensor as stored, tokenizer and generation files copied, and
+config.json with `fp8.quantization_config()`. The converted folder of a source is kept in a cache keyed by the
+source's config and weight files (their sizes and modification times), so a later run, or another worker of the same
+run, starts at once; a source that changed gets a new folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engines.weights import fp8
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+CACHE_ENV = "SLIPSTREAM_FP8_CACHE"  # where converted checkpoints are kept; default ~/.cache/slipstream/fp8
+# Weight files of other formats: not copied (the converted folder's weights are its safetensors).
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+class Fp8CheckpointError(ValueError):
+    """A folder that cannot be converted or served as an FP8 checkpoint; the message names it and why."""
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / CONFIG
+    if not path.is_file():
+        raise Fp8CheckpointError(f"{folder}: no {CONFIG}; expected a local Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+def is_fp8(config: Mapping[str, Any]) -> bool:
+    """Whether SGLang takes the checkpoint of this config for an FP8 one (`Fp8Config`: "fp8" in its quant_method)."""
+    return "fp8" in str((config.get("quantization_config") or {}).get("quant_method", ""))
+
+
+def checkpoint_block(config: Mapping[str, Any], where: str) -> int | None:
+    """The tile size of an FP8 checkpoint's config (`config.json`), None for an unquantised one. Detected as SGLang's
+    model config does: a `quantization_config` whose `quant_method` contains "fp8"; ours are block-scaled, square
+    tiles, dynamic activations. Any other quantisation is refused by name."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return None
+    method = str(quantization.get("quant_method", ""))
+    if "fp8" not in method or "mxfp8" in method:
+        raise Fp8CheckpointError(f"{where}: quantization_config has quant_method {method!r}; FP8 rollout serves "
+                                 "block-scaled FP8 (quant_method 'fp8') or an unquantised checkpoint")
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1] and isinstance(block[0], int)):
+        raise Fp8CheckpointError(f"{where}: quantization_config weight_block_size is {block!r}; FP8 rollout serves "
+                                 "square tiles ([128, 128]), the layout the learner pushes")
+    if quantization.get("activation_scheme", "dynamic") != "dynamic":
+        raise Fp8CheckpointError(f"{where}: activation_scheme {quantization['activation_scheme']!r}; block-scaled FP8 "
+                                 "quantises activations dynamically")
+    return int(block[0])
+
+
+def convert(source: str | Path, target: str | Path, block: int = fp8.BLOCK) -> Path:
+    """Write `source` (an unquantised HF folder with safetensors weights) as an FP8 checkpoint at `target`, which must
+    not exist; written beside it first and renamed, so a folder at `target` is always whole."""
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(source), Path(target)
+    config = read_config(source)
+    if checkpoint_block(config, str(source)) is not None:
+        raise Fp8CheckpointError(f"{source}: already an FP8 checkpoint (its config.json has a quantization_config)")
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise Fp8CheckpointError(f"{source}: no *.safetensors weights to convert (other formats are not read)")
+    if target.exists():
+        raise Fp8CheckpointError(f"{target}: already exists; converting writes a new folder")
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        quantised, weight_map = 0, {}
+        for file in files:
+            tensors = {}
+            for name, tensor in load_file(str(file)).items():
+                for wire_name, wire in fp8.quantised_stream([(name, tensor)], None, block):
+                    tensors[wire_name] = wire.contiguous()
+                    weight_map[wire_name] = file.name
+                quantised += fp8.quantised(name, tensor.shape)
+            save_file(tensors, str(staging / file.name), metadata={"format": "pt"})
+        if not quantised:
+            raise Fp8CheckpointError(f"{source}: no decoder projection (layers.N.self_attn/mlp.*_proj.weight) to "
+                                     "quantise; this architecture cannot be served in FP8")
+        _copy_other_files(source, staging)
+        if (source / INDEX).is_file():
+            index = json.loads((source / INDEX).read_text())
+            sizes = sum((staging / file.name).stat().st_size for file in files)
+            index.update(weight_map=weight_map, metadata={**index.get("metadata", {}), "total_size": sizes})
+            (staging / INDEX).write_text(json.dumps(index, indent=2))
+        config["quantization_config"] = fp8.quantization_config(block)
+        (staging / CONFIG).write_text(json.dumps(config, indent=2))
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _copy_other_files(source: Path, target: Path) -> None:
+    """Tokenizer, chat template, generation config and the like: every top-level file but weights and config."""
+    for path in source.iterdir():
+        if (path.is_file() and path.suffix not in (".safetensors", *OTHER_WEIGHTS)
+                and path.name not in (CONFIG, INDEX)):
+            shutil.copy2(path, target / path.name)
+
+
+def cache_root() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slipstream" / "fp8"
+
+
+def source_key(source: Path) -> str:
+    """What identifies a source's contents without reading its weights: its resolved path, its config, and each
+    weight file's name, size and modification time."""
+    digest = hashlib.sha256(str(source.resolve()).encode())
+    digest.update((source / CONFIG).read_bytes())
+    for file in sorted(source.glob("*.safetensors")):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def converted(source: str | Path, cache: str | Path | None = None, block: int = fp8.BLOCK) -> Path:
+    """The FP8 checkpoint of `source`: `source` itself if it is one (in `block` tiles), else its conversion, made the
+    first time into `cache` (default `cache_root()`). Processes converting the same source at once each write their
+    own staging folder; the first rename wins and the others use its folder."""
+    source = Path(source)
+    stored = checkpoint_block(read_config(source), str(source))
+    if stored is not None:
+        if stored != block:
+            raise Fp8CheckpointError(f"{source}: FP8 tiles of {stored}, the learner pushes tiles of {block}")
+        return source
+    target = Path(cache or cache_root()) / f"{source.resolve().name}-fp8-{block}-{source_key(source)}"
+    if (target / CONFIG).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return convert(source, target, block)
+    except (Fp8CheckpointError, OSError):
+        if (target / CONFIG).is_file():  # another process converted it meanwhile
+            return target
+        raise
