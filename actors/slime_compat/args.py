@@ -45,6 +45,8 @@ def build_args(config: RunConfig, *, server_url: str | None = None) -> SimpleNam
     values["rollout_stop"] = list(config.rollout.rollout_stop) or None
     values["rollout_top_k"] = config.rollout.rollout_top_k or -1  # slime spells "off" -1
     values["sglang_enable_deterministic_inference"] = config.engine.deterministic_inference
+    # slime's name for the packed micro-batch budget: retool's generate caps a context at CP size x this
+    values["max_tokens_per_gpu"] = values.get("micro_batch_tokens")
     if server_url is not None:
         parts = urlsplit(server_url if "://" in server_url else f"http://{server_url}")
         values["sglang_router_ip"], values["sglang_router_port"] = parts.hostname, parts.port

@@ -41,6 +41,9 @@ OFFERED: dict[str, dict[str, str]] = {
     "slime.rollout.sglang_rollout": {"GenerateState": "actors.slime_compat.state:GenerateState"},
     "slime.rollout.rm_hub": {"async_rm": "actors.slime_compat.rm_hub:async_rm",
                              "batched_async_rm": "actors.slime_compat.rm_hub:batched_async_rm"},
+    "slime.rollout.rm_hub.math_dapo_utils": {
+        "compute_score": "actors.slime_compat.rm_hub:compute_score",
+        "normalize_final_answer": "policies.rewards.dapo:normalise_final_answer"},
     "slime.rollout.base_types": {"RolloutFnTrainOutput": "actors.slime_compat.rollout_function:RolloutFnTrainOutput",
                                  "RolloutFnEvalOutput": "actors.slime_compat.rollout_function:RolloutFnEvalOutput"},
     "slime.rollout.data_source": {"DataSource": "actors.slime_compat.prompt_source:DataSource",
@@ -58,8 +61,6 @@ OFFERED: dict[str, dict[str, str]] = {
 MISSING: dict[str, str] = {
     "slime.agent": "slime's coding-agent harnesses drive Claude Code or Codex in E2B cloud sandboxes, a service "
                    "this project does not bring; an agent of ours is --agent-function-path (docs/agents.md)",
-    "slime.rollout.rm_hub.math_dapo_utils": "there is no DAPO-style math scorer here; --rm-type math scores the "
-                                            "last boxed answer with math-verify",
 }
 
 

@@ -11,10 +11,16 @@ and per-token policy versions. slime records one ``weight_version`` string per e
 keep an extra ``token_versions`` list that ``append_response_tokens`` fills from the server's per-token spans.
 Where a plugin builds tokens by hand and leaves versions unset, every response token gets the engine version
 at the call's start: the oldest weights that can have produced them, so the staleness bound stays safe.
+
+An attribute a plugin sets on a sample beyond slime's fields (retool's generate counts ``sample.tool_call_count``,
+which its reward reads) reaches the reward and the filters as it would in slime's one process: it travels in the
+wire sample's metadata (`ATTRIBUTES`) when it is plain data (None, bool, number, string, and lists and string-keyed
+dicts of them); anything else (a client, a tensor) stays with the generate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -25,9 +31,10 @@ import numpy as np
 from bus.schema import PromptGroup
 from bus.schema import Sample as WireSample
 
-__all__ = ["REMOVED", "Sample", "from_group", "from_wire", "to_wire", "to_wire_episode"]
+__all__ = ["ATTRIBUTES", "REMOVED", "Sample", "from_group", "from_wire", "to_wire", "to_wire_episode"]
 
 REMOVED = "remove_sample"  # in a wire sample's metadata: slime's remove_sample was set (its loss mask is all zero)
+ATTRIBUTES = "slime_attributes"  # in a wire sample's metadata: what a plugin set on its sample beyond slime's fields
 
 
 @dataclass
@@ -141,7 +148,9 @@ def from_group(group: PromptGroup, index: int) -> Sample:
 
 def from_wire(sample: WireSample) -> Sample:
     """Our wire sample as a slime sample (for reward functions and filters): nothing is dropped."""
-    return Sample(
+    metadata = dict(sample.metadata)
+    attributes = metadata.pop(ATTRIBUTES, None)
+    restored = Sample(
         group_index=int(sample.metadata.get("data_index", 0)), index=sample.index, prompt=sample.prompt,
         tokens=sample.tokens.tolist(), response=sample.response, response_length=sample.response_length,
         label=sample.label, reward=sample.reward,
@@ -150,9 +159,13 @@ def from_wire(sample: WireSample) -> Sample:
         token_versions=None if sample.token_versions is None else sample.token_versions.tolist(),
         weight_versions=[] if sample.token_versions is None or not len(sample.token_versions)
         else [str(int(sample.token_versions.min()))],
-        status=Sample.Status(sample.status), metadata=dict(sample.metadata),
+        status=Sample.Status(sample.status), metadata=metadata,
         remove_sample=bool(sample.metadata.get(REMOVED, False)),
     )
+    for name, value in (attributes if isinstance(attributes, dict) else {}).items():
+        if _own_attribute(name):
+            setattr(restored, name, value)
+    return restored
 
 
 def to_wire(sample: Sample, group: PromptGroup, index: int, *, start_version: int) -> WireSample:
@@ -189,9 +202,30 @@ def to_wire(sample: Sample, group: PromptGroup, index: int, *, start_version: in
         rollout_log_probs=None if log_probs is None else np.asarray(log_probs, dtype=np.float32),
         token_versions=np.asarray([start_version if v is None else v for v in versions], dtype=np.int32),
         status=status, metadata={**group.metadata, **sample.metadata, "data_index": group.data_index,
-                                 **({REMOVED: True} if sample.remove_sample else {})},
+                                 **({REMOVED: True} if sample.remove_sample else {}), **_attributes(sample)},
         error=None,
     )
+
+
+_FIELDS = frozenset(spec.name for spec in dataclasses.fields(Sample))
+
+
+def _attributes(sample: Sample) -> dict[str, Any]:
+    """`ATTRIBUTES`: the plain-data attributes a plugin set on `sample` beyond slime's fields ({} when none)."""
+    carried = {name: value for name, value in vars(sample).items() if _own_attribute(name) and _plain(value)}
+    return {ATTRIBUTES: carried} if carried else {}
+
+
+def _own_attribute(name: str) -> bool:
+    return name.isidentifier() and not name.startswith("_") and name not in _FIELDS and not hasattr(Sample, name)
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(item) for item in value)
+    return isinstance(value, dict) and all(isinstance(key, str) and _plain(item) for key, item in value.items())
 
 
 def to_wire_episode(samples: list[Sample], group: PromptGroup, index: int, *, start_version: int

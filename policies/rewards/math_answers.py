@@ -14,7 +14,7 @@ from typing import Any
 from policies.registry import register_reward
 from policies.rewards.types import RewardInput
 
-__all__ = ["extract_boxed", "label_text", "math_answers_match", "math_reward"]
+__all__ = ["braced", "extract_boxed", "label_text", "math_answers_match", "math_reward"]
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _MATH_VERIFY_TIMEOUT_S = 5
@@ -34,16 +34,23 @@ def extract_boxed(text: str) -> str | None:
     if rest.startswith(" "):  # "\boxed 5": the answer runs to the next whitespace or "$"
         token = rest[1:].split("$")[0].split()
         return token[0] if token else None
-    if not rest.startswith("{"):
+    content = braced(rest)
+    return None if content is None else content.strip()
+
+
+def braced(text: str) -> str | None:
+    """What the brace that opens ``text`` holds, as written (nested braces balanced); None when ``text`` does not
+    open with one or it never closes."""
+    if not text.startswith("{"):
         return None
     depth = 0
-    for i, char in enumerate(rest):
+    for i, char in enumerate(text):
         if char == "{":
             depth += 1
         elif char == "}":
             depth -= 1
             if depth == 0:
-                return rest[1:i].strip()
+                return text[1:i]
     return None
 
 

@@ -2,11 +2,16 @@
 
 Precedence: ``custom_rm_path`` (a dotted path to the user's function) wins over ``rm_type``. With ``group_rm`` the
 function is called once per prompt group with ``list[RewardInput]``; a built-in per-sample ``rm_type`` under
-``group_rm`` is simply scored per sample (slime's group mode batches built-ins, it does not change them).
+``group_rm`` is simply scored per sample (slime's group mode batches built-ins, it does not change them). As in
+slime, ``boxed_<type>`` scores with ``<type>`` what the response's last ``\\boxed{}`` holds (an empty response
+without one), so ``boxed_f1`` compares the boxed answer only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,10 +19,13 @@ from typing import Any
 from bus.schema import Sample
 from policies.registry import GROUP_REWARDS, resolve_group_reward, resolve_reward
 from policies.rewards.inputs import reward_input
+from policies.rewards.math_answers import extract_boxed
+from policies.rewards.types import RewardInput
 
-__all__ = ["RewardSpec", "build_reward"]
+__all__ = ["BOXED_PREFIX", "RewardSpec", "boxed_only", "build_reward"]
 
 REMOTE_RM_TYPE = "remote_rm"
+BOXED_PREFIX = "boxed_"
 
 
 @dataclass(frozen=True)
@@ -56,4 +64,28 @@ def build_reward(
         return RewardSpec(name=rm_type, fn=model, is_group=False)
     if group_rm and rm_type in GROUP_REWARDS.names():
         return RewardSpec(name=rm_type, fn=resolve_group_reward(rm_type), is_group=True)
+    if rm_type.startswith(BOXED_PREFIX) and rm_type.removeprefix(BOXED_PREFIX):
+        return RewardSpec(name=rm_type, fn=boxed_only(resolve_reward(rm_type.removeprefix(BOXED_PREFIX))),
+                          is_group=False)
     return RewardSpec(name=rm_type, fn=resolve_reward(rm_type), is_group=False)
+
+
+def boxed_only(fn: Callable[[RewardInput], Any]) -> Callable[[RewardInput], Any]:
+    """`fn` given the last boxed answer as the response (slime's ``boxed_`` rm types); sync or async as `fn` is,
+    and called inline where `fn` is (`functools.wraps` carries its mark)."""
+
+    def boxed(inp: RewardInput) -> RewardInput:
+        return dataclasses.replace(inp, response=extract_boxed(inp.response) or "")
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def scored_async(inp: RewardInput) -> Any:
+            return await fn(boxed(inp))
+
+        return scored_async
+
+    @functools.wraps(fn)
+    def scored(inp: RewardInput) -> Any:
+        return fn(boxed(inp))
+
+    return scored

@@ -83,6 +83,22 @@ def test_a_slime_sample_built_with_tool_turns_reaches_the_wire_intact() -> None:
 
 
 @pytest.mark.unit
+def test_attributes_a_generate_sets_reach_the_reward_across_the_wire_when_they_are_data() -> None:
+    """slime's retool generate counts `sample.tool_call_count` and its reward reads it; here the two run in
+    different actors, so plain-data attributes travel with the sample (a client object stays behind)."""
+    from bus.codec import decode, encode
+
+    sample = Sample(tokens=[1, 2, 3], response_length=1, response="x")
+    sample.tool_call_count, sample.payload = 3, {"turns": [1, 2], "system": True}
+    sample.client = object()
+    back = from_wire(decode(encode(to_wire(sample, GROUP, 0, start_version=0))))
+    assert (back.tool_call_count, back.payload) == (3, {"turns": [1, 2], "system": True})
+    assert not hasattr(back, "client") and "slime_attributes" not in back.metadata
+    assert not hasattr(from_wire(to_wire(Sample(tokens=[1], response_length=1), GROUP, 0, start_version=0)),
+                       "tool_call_count")
+
+
+@pytest.mark.unit
 def test_a_hand_built_sample_without_versions_gets_the_start_version_and_removed_samples_train_nothing() -> None:
     sample = Sample(tokens=[1, 2, 3, 4], response_length=2, rollout_log_probs=[-1.0, -2.0], remove_sample=True,
                     status=Sample.Status.TRUNCATED)
@@ -116,10 +132,12 @@ def test_a_multi_agent_calls_samples_are_one_episode_of_segments_a_group_counts_
 
 @pytest.mark.unit
 def test_args_namespace_has_slime_names_and_points_at_the_workers_server() -> None:
-    config = build_config({"n_samples_per_prompt": 3, "rollout_max_response_len": 40})
+    config = build_config({"n_samples_per_prompt": 3, "rollout_max_response_len": 40, "micro_batch_tokens": 9216})
     args = build_args(config, server_url="http://127.0.0.1:31000")
     assert (args.sglang_router_ip, args.sglang_router_port) == ("127.0.0.1", 31000)
     assert args.n_samples_per_prompt == 3 and args.rollout_max_response_len == 40 and args.rollout_top_k == -1
+    # retool's generate caps its context at these two when --rollout-max-context-len is not given
+    assert (args.context_parallel_size, args.max_tokens_per_gpu, args.rollout_max_context_len) == (1, 9216, None)
     assert args.partial_rollout is False
 
 
@@ -422,6 +440,19 @@ def test_a_slime_module_not_offered_fails_naming_it_and_what_is_offered(slime_mo
     from slime.utils.misc import load_function
 
     assert load_function("slime.rollout.rm_hub.batched_async_rm") is batched_async_rm
+
+
+@pytest.mark.unit
+def test_slimes_dapo_scorer_is_answered_under_its_name_and_parameters(slime_modules: None) -> None:
+    """slime's retool example imports `compute_score` from `math_dapo_utils` and calls it with
+    `strict_box_verify=True` on prompt + response: slime's dict comes back (`policies.rewards.dapo` is tested)."""
+    from slime.rollout.rm_hub.math_dapo_utils import compute_score, normalize_final_answer
+
+    transcript = "<|im_start|>user\nWhat is 6 * 7?<|im_end|>\n<|im_start|>assistant\n6 * 7 = 42, so \\boxed{42}"
+    assert compute_score(transcript, "42", strict_box_verify=True) == {"score": 1.0, "acc": True, "pred": "42"}
+    assert compute_score(transcript, "42") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+    assert compute_score(transcript + "\nAnswer: $42$", "42", False, None)["acc"]
+    assert normalize_final_answer("x = 1,000 dollars") == "1000"
 
 
 @pytest.mark.unit

@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from policies.rewards import RewardInput, build_reward, runs_inline, score, score_group
+from policies.rewards.selection import boxed_only
 from policies.rewards.types import RewardOutcome
 
 
@@ -147,3 +148,29 @@ def test_build_reward_prefers_custom_path_and_requires_a_url_for_remote() -> Non
         build_reward("remote_rm")
     with pytest.raises(ValueError, match="unknown reward function 'maths'"):
         build_reward("maths")
+
+
+@pytest.mark.unit
+async def test_a_boxed_rm_type_scores_the_last_boxed_answer_with_the_type_it_prefixes() -> None:
+    """slime's `boxed_<type>`: `<type>` reads only what the last box holds (nothing without one), sync or async and
+    inline as `<type>` is; DAPO's verdict is read by slime's `--reward-key score` as by our default key."""
+    spec = build_reward("boxed_exact_match")
+    assert spec.name == "boxed_exact_match" and getattr(spec.fn, "slipstream_runs_inline", False)
+    boxed = [RewardInput(prompt="p", response=response, label="Paris")
+             for response in ("it is \\boxed{paris}", "it is paris", "\\boxed{Rome} or \\boxed{Paris}")]
+    assert [o.reward for o in await score(spec.fn, boxed)] == [1.0, 0.0, 1.0]
+    assert [o.reward for o in await score(build_reward("exact_match").fn, boxed)] == [1.0, 0.0, 1.0]
+    assert [o.reward for o in await score(build_reward("f1").fn, boxed[1:2])] == [0.5]  # "it", "paris"
+    assert [o.reward for o in await score(build_reward("boxed_f1").fn, boxed[1:2])] == [0.0]
+
+    async def seen(inp: RewardInput) -> float:
+        return float(len(inp.response))
+
+    assert [o.reward for o in await score(boxed_only(seen), _inputs("a \\boxed{xyz}", "none"))] == [3.0, 0.0]
+    dapo = [RewardInput(prompt="p", response="\\boxed{Answer: 42}", label="42")]
+    (by_box,) = await score(build_reward("boxed_dapo").fn, dapo, key="score")
+    assert by_box == RewardOutcome.ok(1.0, {"reward": 1.0, "acc": True, "pred": "42"})
+    (unboxed,) = await score(build_reward("dapo").fn, [RewardInput(prompt="p", response="42", label="42")])
+    assert unboxed == RewardOutcome.ok(-1.0, {"score": -1.0, "acc": False, "pred": "[INVALID]"})
+    with pytest.raises(ValueError, match="unknown reward function 'maths'"):
+        build_reward("boxed_maths")

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from policies.registry import resolve_reward
@@ -154,3 +156,68 @@ def test_final_number_compares_numbers_not_strings_and_refuses_a_label_that_is_n
     assert _score("final_number", "7/2", "3.5")["correct"]
     with pytest.raises(ValueError, match="label: final_number expects a number, got 'seven'"):
         _score("final_number", "7", "seven")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("response", "label", "pred", "acc"),
+    [
+        ("6 * 7 = 42.\nAnswer: 42", "42", "42", True),
+        ("6 * 7 = 41.\nAnswer: 41", "42", "41", False),
+        ("answer : 40\nno, 6 * 7 is 42.\nANSWER:42", 42, "42", True),  # the last answer line, any case, an int label
+        ("So the answer is \\boxed{42}.", "42", "[INVALID]", False),  # no "Answer:" line: wrong whatever it says
+        ("Answer: $1,000$ dollars", "1000", "1000", True),  # math span kept, unit and thousands separator dropped
+        ("Answer: x = \\boxed{42}", "42.0", "42", True),  # after the last "=", the box unwrapped; 42.0 is 42
+        ("Answer: 90^\\circ", "90", "90", True),
+        ("Answer: \\text{42 students}", "42", "42", True),
+    ],
+)
+def test_dapo_reads_the_last_answer_line_normalised_and_pays_one_or_minus_one(response: str, label: object,
+                                                                              pred: str, acc: bool) -> None:
+    assert _score("dapo", response, label) == {"reward": 1.0 if acc else -1.0, "score": 1.0 if acc else -1.0,
+                                               "acc": acc, "pred": pred}
+
+
+@pytest.mark.unit
+def test_dapo_normal_form_braces_shorthand_latex() -> None:
+    from policies.rewards.dapo import normalise_final_answer
+
+    assert normalise_final_answer("$\\frac12$") == "\\frac{1}{2}"
+    assert normalise_final_answer("y = \\sqrt3 cm") == "\\sqrt{3}"
+    assert normalise_final_answer("x \\text{ and } \\textbf{y}") == "x,y"
+    assert normalise_final_answer("12 \\text{ and } 13") == "1213"  # a list of digits reads as one number: Minerva's
+
+
+@pytest.mark.unit
+def test_dapo_reads_only_a_long_responses_last_300_characters() -> None:
+    """An answer stated early and followed by 300 more characters is not the one scored; a megabyte of reasoning
+    costs what its tail does."""
+    assert _score("dapo", "Answer: 42\n" + "x" * 300, "42")["pred"] == "[INVALID]"
+    assert _score("dapo", "Answer: 42\n" + "x" * 288, "42")["acc"]
+    assert _score("dapo", "think " * 200_000 + "\nAnswer: 42", "42")["acc"]
+
+
+@pytest.mark.unit
+def test_dapo_strict_box_compares_the_last_box_near_the_end_as_written() -> None:
+    from policies.rewards.dapo import dapo_verdict
+
+    assert dapo_verdict("so \\boxed{41}, no: \\boxed{42}", "42", strict_box=True) == {
+        "score": 1.0, "acc": True, "pred": "42"}
+    assert dapo_verdict("\\boxed{42}" + "." * 100, "42", strict_box=True)["pred"] is None  # before the window
+    assert dapo_verdict("\\boxed{ 42}", "42", strict_box=True)["pred"] == " 42"  # not normalised: wrong
+    assert dapo_verdict("Answer: 42", "42", strict_box=True) == {"score": -1.0, "acc": False, "pred": None}
+    assert dapo_verdict("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", strict_box=True)["acc"]  # any label, as written
+    # from 100 characters before the last pause token on
+    early_box = "." * 50 + "\\boxed{42}" + "." * 140
+    assert not dapo_verdict(early_box, "42", strict_box=True)["acc"]
+    assert dapo_verdict(early_box, "42", strict_box=True, pause_positions=[0, 0, 0, 150])["acc"]
+    with pytest.raises(ValueError, match=r"pause_tokens_index: 4 positions expected \(slime's\), got 1"):
+        dapo_verdict("\\boxed{42}", "42", strict_box=True, pause_positions=[3])
+
+
+@pytest.mark.unit
+def test_dapo_refuses_a_label_that_is_not_an_integer_naming_it() -> None:
+    for label in ("3.5", "\\frac{1}{2}", "seven"):
+        with pytest.raises(ValueError, match=f"label: dapo's answer line is compared with an integer label .*got "
+                                             f"{re.escape(repr(label))}"):
+            _score("dapo", "Answer: 3", label)
