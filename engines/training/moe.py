@@ -135,18 +135,18 @@ class Routers:
 class RouterLosses:
     """Adds the router losses of `settings` to each training micro-batch (see the module docstring)."""
 
-    def __init__(self, routers: Routers, settings: RouterLossSettings, *, world_size: int,
-                 row_group: Any = None) -> None:
-        """`world_size`: the data-parallel ranks, each with micro-batches of its own; `row_group`: the ranks each
-        row is split across (context parallelism; None: none), whose tokens make up one row's losses."""
+    def __init__(self, routers: Routers, settings: RouterLossSettings, *, row_group: Any = None) -> None:
+        """`row_group`: the ranks each row is split across (context parallelism; None: none), whose tokens make up
+        one row's losses."""
         self.routers = routers
         self.settings = settings
-        self._world_size = world_size
         self._row_group = row_group
 
     def loss(self, layers: list[RoutedLayer], micro_batches: int) -> tuple[Tensor, dict[str, float]]:
         """This micro-batch's share of the step's router loss, and its metrics (per-layer means, unweighted by the
-        coefficients, as megatron logs them) as sums over micro-batches, like every other additive metric."""
+        coefficients, as megatron logs them) as sums over micro-batches, like every other additive metric.
+        `micro_batches`: the step's over every data-parallel rank, which may hold different numbers of them (their
+        gradients are summed): each micro-batch weighs the same, as in one process."""
         if len(layers) != len(self.routers.modules):
             raise RuntimeError(f"router losses: {len(layers)} router outputs recorded in a forward of a model with "
                                f"{len(self.routers.modules)} routers")
@@ -154,7 +154,7 @@ class RouterLosses:
                            for layer in layers])
         z = torch.stack([z_loss(layer.logits, row_group=self._row_group) for layer in layers])
         total = self.settings.aux_loss_coeff * aux.sum() + self.settings.z_loss_coeff * z.sum()
-        share = 1.0 / (micro_batches * self._world_size)
+        share = 1.0 / micro_batches
         means = torch.stack([aux.detach().mean(), z.detach().mean()])
         if self._row_group is not None:  # each rank's terms are its tokens' parts of the row's losses
             row = torch.cat([means, total.detach().reshape(1)])

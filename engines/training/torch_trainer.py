@@ -135,7 +135,7 @@ class TorchTrainer(Trainer):
                          else None)
         self._checkpoint_layout: layouts.CheckpointLayout | None = None  # `named_tensors("checkpoint")`
         self._record_routes = config.use_routing_replay
-        self._router_losses = (RouterLosses(self._routers, router_settings, world_size=self._parallel.size,
+        self._router_losses = (RouterLosses(self._routers, router_settings,
                                             row_group=None if self._context is None else self._context.group)
                                if self._routers is not None and router_settings.active else None)
         self._critic = None
@@ -212,8 +212,8 @@ class TorchTrainer(Trainer):
     ) -> StepResult:
         started = time.perf_counter()
         validate_samples(samples)
-        counts = self._step_counts(samples)
         plan = self._plan(samples)
+        counts = self._step_counts(samples, len(plan))
         self._model.train()
         self._optimizer.zero_grad(set_to_none=True)
         self._move_optimizer_state(self._device)
@@ -231,7 +231,7 @@ class TorchTrainer(Trainer):
                                             temperature=temperature, with_entropy=with_entropy)
                     value, metrics = loss(outputs, batch)
                     if self._router_losses is not None:
-                        router_loss, router_metrics = self._router_losses.loss(routed, len(plan))
+                        router_loss, router_metrics = self._router_losses.loss(routed, counts[2])
                         value, metrics = value + router_loss, {**metrics, **router_metrics}
                 check_loss(value)
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
@@ -481,18 +481,19 @@ class TorchTrainer(Trainer):
                            loss_tokens=counts[0], sequences=counts[1], micro_batches=micro_batches,
                            started=started, skip_reason=reason)
 
-    def _step_counts(self, samples: Sequence[TrainSample]) -> tuple[int, int]:
-        """The step's (loss tokens, sequences) over every rank, for the metrics; all-reduced once, so an empty
-        shard on any rank fails every rank alike instead of leaving the others in a collective (no hang)."""
-        counts = torch.tensor([count_loss_tokens(samples), len(samples), int(not samples)], dtype=torch.int64)
+    def _step_counts(self, samples: Sequence[TrainSample], micro_batches: int) -> tuple[int, int, int]:
+        """The step's (loss tokens, sequences, micro-batches) over every data-parallel rank; all-reduced once, so an
+        empty shard on any rank fails every rank alike instead of leaving the others in a collective (no hang)."""
+        counts = torch.tensor([count_loss_tokens(samples), len(samples), micro_batches, int(not samples)],
+                              dtype=torch.int64)
         if self._parallel.size > 1:  # a context-parallel group's ranks hold the same samples: counted once
             counts = counts.to(self._device)
             dist.all_reduce(counts, group=self._parallel.group)
             counts = counts.cpu()
-        loss_tokens, sequences, empty_ranks = counts.tolist()
+        loss_tokens, sequences, micro_batches, empty_ranks = counts.tolist()
         if empty_ranks:
             raise ValueError(f"train_step: {empty_ranks} data-parallel rank(s) got no samples; every rank needs some")
-        return loss_tokens, sequences
+        return loss_tokens, sequences, micro_batches
 
     def _reduce_step_stats(self, stats: StepStats) -> tuple[float, bool, dict[str, float]]:
         """Every rank runs every metric's loss terms, so the keys agree and one all-reduce sums them (over the

@@ -44,8 +44,17 @@ class Case:
     router_losses: bool = False  # megatron's aux and z losses of the routers, over the whole row
     record_routes: bool = False  # pi_old's forward records each sample's routes (slime's --use-routing-replay)
     tiny_row: bool = False  # two 2-token samples: a row whose zigzag chunks leave one rank of three none of it
+    # three samples of 80-100 tokens, a row each (micro-batches of 160 tokens): data-parallel replicas hold two rows
+    # and one, the rows one process packs, so a loss of each micro-batch's own (the router losses) is comparable
+    one_row_each: bool = False
 
     def batch(self) -> list[TrainSample]:
+        if self.one_row_each:
+            generator = torch.Generator().manual_seed(11)
+            return [TrainSample(torch.randint(3, 100, (length,), generator=generator), length // 2,
+                                loss_mask=torch.ones(length - length // 2),
+                                advantages=torch.full((length - length // 2,), advantage))
+                    for length, advantage in ((100, 1.0), (90, -0.5), (80, 0.25))]
         if self.tiny_row:
             return [TrainSample(torch.tensor(tokens), 1, loss_mask=torch.ones(1), advantages=torch.tensor([advantage]))
                     for tokens, advantage in (([7, 9], 1.0), ([11, 13], -0.5))]
@@ -60,7 +69,8 @@ class Case:
 CASES = {(2, 2): [Case("dense", "qwen2"), Case("dense-lora", "qwen2", lora=True),
                   Case("moe-router-losses", "qwen3_moe", router_losses=True, record_routes=True),
                   Case("moe-lora", "qwen3_moe", lora=True)],
-         (4, 2): [Case("dense-recompute", "qwen2", recompute=True)],
+         (4, 2): [Case("dense-recompute", "qwen2", recompute=True), Case("moe-lora-dp", "qwen3_moe", lora=True),
+                  Case("moe-router-losses-dp", "qwen3_moe", router_losses=True, one_row_each=True)],
          (3, 3): [Case("lora-tiny-row", "qwen2", lora=True, tiny_row=True)]}
 
 
@@ -102,8 +112,10 @@ def long_rows_batch() -> list[TrainSample]:
 
 def data_parallel_shard(batch: list[TrainSample], rank: int, size: int) -> list[TrainSample]:
     """Whole groups per data-parallel rank (the long sample and the pair on one, the group of three and the
-    straggler on the other)."""
-    return batch if size == 1 else [batch[i] for i in ((0, 4, 5), (1, 2, 3, 6))[rank]]
+    straggler on the other); of three rows, two on the first and one on the second."""
+    if size == 1:
+        return batch
+    return [batch[i] for i in (((0, 1), (2,)) if len(batch) == 3 else ((0, 4, 5), (1, 2, 3, 6)))[rank]]
 
 
 def trainer_config(case: Case, models: dict[str, str], context: int) -> TorchTrainerConfig:

@@ -58,7 +58,7 @@ def test_the_losses_of_a_packed_row_and_their_gradients_are_those_of_its_sequenc
     plain_model = build_tiny_model(TinyModelSpec(family=family), build_tokenizer())
     settings = RouterLossSettings(aux_loss_coeff=0.01, z_loss_coeff=0.001)
     routers = Routers(packed_model, wanted_by="test")
-    losses = RouterLosses(routers, settings, world_size=1)
+    losses = RouterLosses(routers, settings)
     batch = samples([7, 11, 5])
     with routers.tapped() as layers:
         forward_packed(packed_model, pack_inputs(batch, share_prompts=False))
