@@ -81,12 +81,8 @@ def convert(source: str | Path, target: str | Path, block: int = fp8.BLOCK) -> P
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise Fp8CheckpointError(f"{source}: no *.safetensors weights to convert (other formats are not read)")
-    if target.exists():
-        raise Fp8CheckpointError(f"{target}: already exists; converting writes a new folder")
-    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+
+    def rewrite(staging: Path) -> dict[str, str]:
         quantised, weight_map = 0, {}
         for file in files:
             tensors = {}
@@ -99,13 +95,72 @@ def convert(source: str | Path, target: str | Path, block: int = fp8.BLOCK) -> P
         if not quantised:
             raise Fp8CheckpointError(f"{source}: no decoder projection (layers.N.self_attn/mlp.*_proj.weight) to "
                                      "quantise; this architecture cannot be served in FP8")
+        return weight_map
+
+    config["quantization_config"] = fp8.quantization_config(block)
+    return _write_folder(source, target, files, config, rewrite)
+
+
+def dequantise(source: str | Path, target: str | Path) -> Path:
+    """Write the FP8 checkpoint `source` as an unquantised float32 one at `target` (which must not exist): each
+    projection dequantised with its tile scales (`fp8.dequantise`, SGLang's arithmetic), every other tensor as stored.
+    What a learner trains from when `--hf-checkpoint` is an FP8 checkpoint, as slime's scripts give it (slime's
+    learner loads its weights from a Megatron checkpoint; this is the same weights for ours)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    source, target = Path(source), Path(target)
+    config = read_config(source)
+    block = checkpoint_block(config, str(source))
+    if block is None:
+        raise Fp8CheckpointError(f"{source}: not an FP8 checkpoint (its config.json has no quantization_config)")
+    files = sorted(source.glob("*.safetensors"))
+    scales = {}  # a projection's scales may be stored in another file than its values
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            scales.update({key: handle.get_tensor(key) for key in handle.keys()  # noqa: SIM118 (not a dict)
+                           if key.endswith(fp8.SCALE_SUFFIX)})
+    del config["quantization_config"]
+    config["torch_dtype"] = config["dtype"] = "float32"
+
+    def unquantised(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        plain = {}
+        for name, tensor in tensors.items():
+            if name.endswith(fp8.SCALE_SUFFIX):
+                continue
+            scale = scales.get(fp8.scale_name(name))
+            plain[name] = tensor if scale is None else fp8.dequantise(tensor, scale, torch.float32, block)
+        return plain
+
+    def rewrite(staging: Path) -> dict[str, str]:
+        weight_map = {}
+        for file in files:
+            tensors = unquantised(load_file(str(file)))
+            save_file(tensors, str(staging / file.name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file.name))
+        return weight_map
+
+    return _write_folder(source, target, files, config, rewrite)
+
+
+def _write_folder(source: Path, target: Path, files: list[Path], config: dict[str, Any],
+                  rewrite: Any) -> Path:
+    """`source` rewritten at `target` (which must not exist): `rewrite(staging)` writes the weight files and returns
+    the weight map; the other files are copied, the index and `config` written; built beside `target`, renamed."""
+    if target.exists():
+        raise Fp8CheckpointError(f"{target}: already exists; converting writes a new folder")
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        weight_map = rewrite(staging)
         _copy_other_files(source, staging)
         if (source / INDEX).is_file():
             index = json.loads((source / INDEX).read_text())
             sizes = sum((staging / file.name).stat().st_size for file in files)
             index.update(weight_map=weight_map, metadata={**index.get("metadata", {}), "total_size": sizes})
             (staging / INDEX).write_text(json.dumps(index, indent=2))
-        config["quantization_config"] = fp8.quantization_config(block)
         (staging / CONFIG).write_text(json.dumps(config, indent=2))
         staging.rename(target)
     finally:
@@ -141,8 +196,7 @@ def source_key(source: Path) -> str:
 
 def converted(source: str | Path, cache: str | Path | None = None, block: int = fp8.BLOCK) -> Path:
     """The FP8 checkpoint of `source`: `source` itself if it is one (in `block` tiles), else its conversion, made the
-    first time into `cache` (default `cache_root()`). Processes converting the same source at once each write their
-    own staging folder; the first rename wins and the others use its folder."""
+    first time into `cache` (default `cache_root()`)."""
     source = Path(source)
     stored = checkpoint_block(read_config(source), str(source))
     if stored is not None:
@@ -150,12 +204,28 @@ def converted(source: str | Path, cache: str | Path | None = None, block: int = 
             raise Fp8CheckpointError(f"{source}: FP8 tiles of {stored}, the learner pushes tiles of {block}")
         return source
     target = Path(cache or cache_root()) / f"{source.resolve().name}-fp8-{block}-{source_key(source)}"
+    return _made_once(target, lambda: convert(source, target, block))
+
+
+def trainable(source: str | Path, cache: str | Path | None = None) -> Path:
+    """The folder a learner loads `source` from: `source` itself unless it is a local FP8 checkpoint, whose
+    dequantised copy (`dequantise`) is made the first time into `cache` (default `cache_root()`)."""
+    source = Path(source)
+    if not (source / CONFIG).is_file() or checkpoint_block(read_config(source), str(source)) is None:
+        return source  # unquantised, or a hub id that transformers resolves
+    target = Path(cache or cache_root()) / f"{source.resolve().name}-dequantised-{source_key(source)}"
+    return _made_once(target, lambda: dequantise(source, target))
+
+
+def _made_once(target: Path, make: Any) -> Path:
+    """`target` if a folder is there, else what `make()` writes there. Processes making it at once each write their
+    own staging folder; the first rename wins and the others use its folder."""
     if (target / CONFIG).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return convert(source, target, block)
+        return make()
     except (Fp8CheckpointError, OSError):
-        if (target / CONFIG).is_file():  # another process converted it meanwhile
+        if (target / CONFIG).is_file():  # another process made it meanwhile
             return target
         raise

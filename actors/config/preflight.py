@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from actors.config.engines import engine_spec, train_backend_spec
 from actors.config.plugin_marks import PLUGIN_FOR
 from actors.config.profiling import memory_recorder_problem
+from actors.config.rollout_fp8 import rollout_fp8_problems, rolls_out_fp8
 from actors.config.run import RunConfig, policy_run_config
 from actors.config.teachers import Teacher, run_teachers
 from policies.registry import BuiltinNames
@@ -95,7 +96,21 @@ def _shared_save_problems(configs: Mapping[str, RunConfig]) -> list[str]:
 def _problems(config: RunConfig, running: set[str], hub_cache: Path | None) -> list[str]:
     return [*_data_problems(config, running), *_model_problems(config, running, hub_cache),
             *_plugin_problems(config, running), *_transport_problems(config, running),
-            *_profiling_problems(config, running), *_fp8_shape_problems(config, running)]
+            *_profiling_problems(config, running), *_fp8_shape_problems(config, running),
+            *_implied_fp8_problems(config)]
+
+
+def _implied_fp8_problems(config: RunConfig) -> list[str]:
+    """An FP8 --hf-checkpoint rolls out in FP8 without --rollout-fp8 (`rolls_out_fp8`), so the run must be one that
+    can: checked here, where the folder is read, with what --rollout-fp8 itself is checked against."""
+    weights = config.weights
+    if weights.rollout_fp8 or not rolls_out_fp8(weights, config.model.hf_checkpoint):
+        return []
+    implied = weights.model_copy(update={"rollout_fp8": True})
+    return [f"--hf-checkpoint {config.model.hf_checkpoint} is an FP8 checkpoint, so the run rolls out in FP8: "
+            + problem.removeprefix("--rollout-fp8: ")
+            for problem in rollout_fp8_problems(implied, config.engine, list(config.policies),
+                                                lora=config.lora.enabled)]
 
 
 def _fp8_shape_problems(config: RunConfig, running: set[str]) -> list[str]:
@@ -105,8 +120,8 @@ def _fp8_shape_problems(config: RunConfig, running: set[str]) -> list[str]:
     spec = engine_spec(config.engine.rollout_engine)
     checkpoint, engine = config.model.hf_checkpoint, config.engine
     attached = spec is not None and spec.attaches and (engine.sglang_url or engine.sglang_router_url)
-    if (not config.weights.rollout_fp8 or "rollout" not in running or spec is None or spec.fp8_shape_check is None
-            or attached or checkpoint is None):
+    if (not rolls_out_fp8(config.weights, checkpoint) or "rollout" not in running or spec is None
+            or spec.fp8_shape_check is None or attached or checkpoint is None):
         return []
     config_file = Path(checkpoint).expanduser() / "config.json"
     if not config_file.is_file():

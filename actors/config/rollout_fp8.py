@@ -1,12 +1,27 @@
-"""Which runs can roll out in FP8 (`--rollout-fp8`): the settings it depends on, checked with the rest of the run's."""
+"""Which runs roll out in FP8 (`--rollout-fp8`, or an FP8 `--hf-checkpoint`), and which cannot: the settings it
+depends on, checked with the rest of the run's."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from actors.config.engine_settings import EngineConfig
 from actors.config.engines import engine_spec, engines_that
 from actors.config.weights_settings import WeightsConfig
+
+
+def rolls_out_fp8(weights: WeightsConfig, hf_checkpoint: str | None) -> bool:
+    """--rollout-fp8, or an --hf-checkpoint that is an FP8 checkpoint: slime rolls out in FP8 exactly when its
+    --hf-checkpoint is one (its pushes are quantised by that config's quantization_config), and an engine serving
+    such a checkpoint can load FP8 pushes only. Read from the folder's config.json where it is a local folder."""
+    if weights.rollout_fp8:
+        return True
+    if hf_checkpoint is None or not (Path(hf_checkpoint) / "config.json").is_file():
+        return False
+    from engines.fp8_checkpoint import is_fp8, read_config
+
+    return is_fp8(read_config(hf_checkpoint))
 
 
 def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, policies: Sequence[str], *,

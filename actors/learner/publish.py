@@ -34,6 +34,7 @@ import torch
 
 from actors.config import RunConfig
 from actors.config.engines import engine_spec, weight_backend
+from actors.config.rollout_fp8 import rolls_out_fp8
 from actors.extensions.load import weight_disk_post_write
 from actors.learner.weight_checks import WeightCheckLog, WeightsCorrupted
 from actors.runtime import chaos
@@ -136,7 +137,8 @@ def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublishe
         raise ValueError(f"--weight-delta-sync: the {transport.name} weight transport sends every push whole; delta "
                          f"pushes are built for {TORCH_DISTRIBUTED} (torch engines over gloo, NCCL or shared memory)")
     publisher = WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config),
-                                weight_check=config.weights.weight_check, fp8=config.weights.rollout_fp8, **wiring)
+                                weight_check=config.weights.weight_check,
+                                fp8=rolls_out_fp8(config.weights, config.model.hf_checkpoint), **wiring)
     if config.weights.weight_delta_sync and push_dtype(config) is None:
         publisher.log.warning("--weight-delta-sync pushes float32 here (no --bf16): an optimizer step changes about "
                               "98% of float32 elements (tools/bench/weight_deltas.py), so a delta is nearly as large "

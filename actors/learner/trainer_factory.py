@@ -14,6 +14,7 @@ from typing import Any
 from actors.config import RunConfig
 from actors.config.engines import train_backend_spec
 from actors.config.teachers import run_teachers
+from engines.fp8_checkpoint import trainable
 from engines.training.base import Trainer
 from policies.plugins import load_object
 
@@ -56,8 +57,8 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
     model, trainer = config.model, config.trainer
     assert model.hf_checkpoint is not None  # build_trainer checked it
     return {
-        "model_path": Path(model.hf_checkpoint),
-        "ref_model_path": Path(model.ref_checkpoint or model.hf_checkpoint) if _needs_ref(config) else None,
+        "model_path": trainable(model.hf_checkpoint),
+        "ref_model_path": trainable(model.ref_checkpoint or model.hf_checkpoint) if _needs_ref(config) else None,
         "teacher_model_paths": {name: Path(teacher.path) for name, teacher in run_teachers(config.distillation).items()
                                 if teacher.path is not None},
         "lr": trainer.lr,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
 from actors.config.engines import engine_spec
+from actors.config.rollout_fp8 import rolls_out_fp8
 from actors.config.run import policy_names
 from actors.rollout.generate import Tokenizer
 from engines.inference.base import InferenceEngine
@@ -80,7 +81,7 @@ def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[Inferenc
         # a run of several policies: each one's adapter, served by the policy's name, fresh until its learner pushes
         adapters=policy_names(config),
         image_limits=config.data.image_limits,
-        fp8=config.weights.rollout_fp8,
+        fp8=rolls_out_fp8(config.weights, config.model.hf_checkpoint),
     )
     return engine, tokenizer
 
@@ -174,6 +175,7 @@ def sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     from engines.sglang.launch import ServerProcess, ServerSpec
 
     engine_config = config.engine
+    fp8 = rolls_out_fp8(config.weights, config.model.hf_checkpoint)
     # A LoRA run's pushes are adapters, which the server loads by name (engines/sglang/adapter_sync.py); a run of
     # several policies has one per policy.
     adapters = (AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir, policy_names(config))
@@ -185,14 +187,14 @@ def sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
                               release_tags=release_tags, moe_routes=routes)
         # An attached server may already serve updated weights (this worker restarted): start from its version.
         engine.set_version(attached_server_version(engine.url, timeout=engine_config.sglang_startup_timeout))
-        if config.weights.rollout_fp8 and (problem := attached_problem(engine.url, timeout_s=30.0)) is not None:
+        if fp8 and (problem := attached_problem(engine.url, timeout_s=30.0)) is not None:
             raise ValueError(problem)
         return engine
     assert config.model.hf_checkpoint is not None
     spec = ServerSpec(
         # --rollout-fp8: SGLang serves FP8 from an FP8 checkpoint only, the conversion of --hf-checkpoint
         model_path=str(launch_checkpoint(config.model.hf_checkpoint, engine_config.rollout_num_gpus_per_engine))
-        if config.weights.rollout_fp8 else config.model.hf_checkpoint,
+        if fp8 else config.model.hf_checkpoint,
         module=engine_config.sglang_server_module,
         tp_size=engine_config.rollout_num_gpus_per_engine,
         random_seed=engine_seed(config.seed, actor_id),

@@ -184,6 +184,47 @@ def test_preflight_refuses_an_fp8_sglang_run_of_a_model_sglang_cannot_tile(tmp_p
     assert preflight(torch_run, {"rollout": 1}) == [], "the torch engine serves ragged tiles"
 
 
+# ------------------------------------------------------------------------- an FP8 --hf-checkpoint, as slime gives it
+@pytest.mark.unit
+def test_a_learner_trains_from_an_fp8_checkpoint_dequantised_with_its_scales(
+        source: Path, converted: Path, tmp_path: Path) -> None:
+    """slime rolls out in FP8 by pointing --hf-checkpoint at an FP8 folder. transformers cannot load one without a
+    GPU (and refuses ragged tiles), so a learner trains from its dequantised copy, made once."""
+    plain = fp8_checkpoint.trainable(converted, cache=tmp_path)
+    assert plain != converted and fp8_checkpoint.trainable(converted, cache=tmp_path) == plain, "made once"
+    assert fp8_checkpoint.trainable(source, cache=tmp_path) == source, "an unquantised folder is its own"
+    assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+    stored, weights = _source_weights(converted), _source_weights(plain)
+    assert not any(name.endswith(fp8.SCALE_SUFFIX) for name in weights)
+    projection = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(weights[projection], fp8.dequantise(stored[projection], stored[fp8.scale_name(projection)],
+                                                           torch.float32))
+    assert torch.equal(weights["model.norm.weight"], stored["model.norm.weight"])
+    from actors.config import build_config
+    from actors.learner.trainer_factory import build_trainer
+
+    trainer = build_trainer(build_config({"hf_checkpoint": str(converted)}))
+    trained = dict(trainer.named_tensors())
+    assert torch.equal(trained[projection], weights[projection])
+    trainer.close()
+
+
+@pytest.mark.unit
+def test_an_fp8_checkpoint_rolls_out_in_fp8_without_the_flag_and_is_checked_as_such(
+        source: Path, converted: Path) -> None:
+    from actors.config import build_config
+    from actors.config.preflight import preflight
+    from actors.config.rollout_fp8 import rolls_out_fp8
+
+    config = build_config({"hf_checkpoint": str(converted)})
+    assert rolls_out_fp8(config.weights, str(converted)) and not rolls_out_fp8(config.weights, str(source))
+    plugin = build_config({"hf_checkpoint": str(converted), "rollout_engine": "tests.engines.test_fp8:no_engine"})
+    problems = [problem for problem in preflight(plugin, {"rollout": 1}) if "FP8" in problem]
+    assert problems == [f"--hf-checkpoint {converted} is an FP8 checkpoint, so the run rolls out in FP8: the plugin "
+                        "engine 'tests.engines.test_fp8:no_engine' does not serve FP8 weights; --rollout-engine torch "
+                        "or sglang does"], problems
+
+
 # ------------------------------------------------------------------------------------ the stand-in serving them
 @pytest.mark.unit
 def test_an_fp8_checkpoint_loads_its_stored_bytes_into_fp8_layers_not_quantised_again(converted: Path) -> None:
