@@ -9,7 +9,6 @@ launcher.py with a real model is tests/system/test_reward_failure_run.py.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +18,9 @@ from structlog.testing import capture_logs
 
 from actors.config import build_config
 from actors.rollout.failures import GenerateFailures, generation_subject
-from actors.runtime.exits import EXIT_RUN_FAILED, exit_report
-from bus.schema import PromptGroup, Sample
-from tests.support.inprocess import SLEEPING, actor_system, use_spec, write_prompts
-from tools.sim.pipeline import SimSpec
+from bus.schema import Sample
+from tests.actors.test_reward_failures import pipeline_failed_by
+from tests.support.inprocess import write_prompts
 
 PLUGIN = "tests.support.generate_plugins:fails_every_sample"
 
@@ -99,22 +97,11 @@ def test_the_breaker_names_what_generates_the_samples(flags: dict[str, object], 
 async def test_pipeline_whose_every_sample_fails_in_generation_ends_the_run_as_failed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The retool run's path: each failed group goes on to the buffer, which drops it and leases the next prompt."""
-    use_spec(SimSpec(token_seconds=1e-4, length_min=8, length_max=32), tmp_path, monkeypatch)
-    settings = {**SLEEPING, "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl", count=64)),
-                "rollout_batch_size": 2, "n_samples_per_prompt": 4, "rollout_max_batch_size": 8,
-                "custom_generate_function_path": PLUGIN, "generate_failure_limit": 40, "max_staleness": 100,
-                "use_tensorboard": False, "plots": False}
-    roles = {"controller": "controller", "buffer": "buffer", "reward": "reward", "rollout": "rollout"}
-    with capture_logs() as logs:
-        async with actor_system(tmp_path, settings, roles) as system:
-            ended = system.tasks["rollout-0-0"]
-            await asyncio.wait_for(asyncio.shield(ended), 30)
-            assert ended.result() == EXIT_RUN_FAILED  # the launcher fails the run on it, no restarts
-            worker, buffer = system["rollout-0-0"], system["buffer"]
-            dropped = buffer.core.stats.dropped["failed_samples"]
-    reason = (f"generate function {PLUGIN} failed on 40 samples in a row, none generated (--generate-failure-limit "
-              "40); last error: pkg.retool:generate raised KeyError('tool_call')")
-    assert worker.run_failure == reason and exit_report(worker.context) == reason  # what the launcher will say
-    assert worker.counters["samples.failed"] >= 40 and 1 <= dropped <= 10  # the buffer dropped what reached it
-    assert len([r for r in logs if r.get("actor_id") == "rollout-0-0" and r["log_level"] == "warning"]) <= 5 + 1 + 1
-    assert any(r["event"].startswith("ending the run") and r["reason"] == reason for r in logs)
+    worker, buffer, _ = await pipeline_failed_by(
+        "rollout-0-0", tmp_path, monkeypatch, custom_generate_function_path=PLUGIN, generate_failure_limit=40,
+        max_staleness=100, rollout_max_batch_size=8, prompt_data=str(write_prompts(tmp_path / "many.jsonl", 64)))
+    assert worker.run_failure == (f"generate function {PLUGIN} failed on 40 samples in a row, none generated "
+                                  "(--generate-failure-limit 40); last error: pkg.retool:generate raised "
+                                  "KeyError('tool_call')")
+    assert worker.counters["samples.failed"] >= 40  # the buffer dropped the groups that reached it, counted
+    assert 1 <= buffer.core.stats.dropped["failed_samples"] <= 10
