@@ -357,7 +357,6 @@ class RolloutWorker(Actor):
         # the group), counted; and so many in a row that the function must be broken end the run.
         self.counters["samples.failed"] += sum(s.status == "failed" for s in samples)
         lane.failures.record(samples)
-        await self._end_if_failing(lane)
         self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
         handed = time.monotonic()
         reward_worker = await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id,
@@ -367,6 +366,7 @@ class RolloutWorker(Actor):
         self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
         self.counters["groups.sent"] += 1
         lane.handed_off.note(reward_worker, lease_id, group_id)
+        await self._end_if_failing(lane)  # once sent: the buffer accounts for the group that tripped it too
 
     async def generation_raised(self, item: str, error: Exception, *, samples: int, lane: Lane | None = None) -> None:
         """`item` (a group, a rollout function's call) lost `samples` samples to `error`: counted and logged (the
