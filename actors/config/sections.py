@@ -182,6 +182,9 @@ class RolloutConfig(Section):
                                               "rollout worker calls it once per rollout batch, its data source "
                                               "leasing prompt groups from the buffer",
                                               json_schema_extra=plugin_for("rollout"))
+    generate_failure_limit: int = Field(200, ge=0, description="end the run as failed once this many samples in a "
+                                        "row fail in generation (the generate function, agent or engine raises, or "
+                                        "marks them failed) with none generated in between; 0 = never")
 
     @field_validator("rollout_function_path")
     @classmethod

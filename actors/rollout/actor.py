@@ -24,6 +24,7 @@ from actors.rollout.choice import choose_generate_function
 from actors.rollout.cross_policy import PolicyTurns, split_by_policy
 from actors.rollout.engine_factory import load_engine
 from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
+from actors.rollout.failures import TRANSIENT, unless_aborted
 from actors.rollout.generate import GenerateFunction, RolloutContext, groups_calls
 from actors.rollout.kv_cache_log import record_kv_cache
 from actors.rollout.lanes import Lane
@@ -56,7 +57,6 @@ WEIGHTS_WAIT_S = 5.0  # how long a new lease waits for weights the buffer will a
 WEIGHTS_POLL_S = 0.2  # weights too old to train on: how long to wait for a push before asking for pinned work again
 IDLE_POLL_S = 0.05  # after "nothing now" from the buffer, ask again this soon unless a version or weights come first
 PINNED_WEIGHTS_WAIT_S = 30.0  # how long a group for given weights (PromptGroup.weights_version) waits for them
-ABORTED_RETRIES = 2  # a group whose generation an abort cut short is generated again this many times at most
 # The buffer answers a lease request at once, so an attempt that has no answer in a second was lost (a restarting
 # buffer, a dropped frame): asked again then, not after 5 s. A retry reuses the request id, so a slow answer is
 # still the one taken; the worker gives up after the same 15 s as before, and waits as before for a buffer to
@@ -118,10 +118,11 @@ class RolloutWorker(Actor):
         """One lane per policy of the run, each leasing from its policy's buffer; one of policy None otherwise."""
         policies = policy_names(self.config)
         if not policies:
-            return [Lane(None, self.config, self.peer_rpc("buffer"), engine)]
+            return [Lane(None, self.config, self.peer_rpc("buffer"), engine, self.log)]
         lanes = []
         for policy in policies:
-            lane = Lane(policy, policy_run_config(self.config, policy), self.peer_rpc("buffer", policy=policy), engine)
+            lane = Lane(policy, policy_run_config(self.config, policy), self.peer_rpc("buffer", policy=policy), engine,
+                        self.log.bind(policy=policy))
             lane.engine = lane.view(engine)
             lanes.append(lane)
         return lanes
@@ -312,8 +313,14 @@ class RolloutWorker(Actor):
                                                      if other.policy is not None})
             with self.waits.on("engine", f"generating group {group.group_id}"):
                 generate = self.round_function if WHOLE_ROUND in group.metadata else self.generate_fn
-                samples = await chaos.during("generate.mid", generate(context, group))
-                samples = await self._unless_aborted(context, group, samples)
+                try:
+                    samples = await chaos.during("generate.mid", generate(context, group))
+                    samples = await unless_aborted(generate, context, group, samples, worker=self)
+                except Exception as error:
+                    if self.stopping or isinstance(error, TRANSIENT):
+                        raise  # said below; not a failure of the function's (the lease brings the group back)
+                    await self.generation_raised(f"group {group.group_id}", error, samples=group.n_samples, lane=lane)
+                    return  # not sent: its lease runs out and the buffer gives the group out again
             if samples is None:
                 return  # not sent: its lease runs out and the buffer gives the group out again
             self._note_context_cuts(context, group)
@@ -340,37 +347,16 @@ class RolloutWorker(Actor):
         say(f"{context.context_cuts[0]}: its responses may end truncated (later groups cut so are counted as "
             "groups.max_new_tokens_cut)", group=group.group_id, data_index=group.data_index)
 
-    async def _unless_aborted(self, context: RolloutContext, group: PromptGroup,
-                              samples: list[Sample]) -> list[Sample] | None:
-        """`samples`, or the group generated again while one of them was aborted: a sample an abort cut short (a
-        pause for a weight update that a generate plugin calling the server itself did not resume, a server
-        restart) was not generated, and trained it would be a partial or empty answer scored as wrong. After
-        ABORTED_RETRIES tries, or while stopping, None: the group is not sent, and its lease brings it back."""
-        for _ in range(ABORTED_RETRIES):
-            if not any(sample.status == "aborted" for sample in samples) or self.stopping:
-                break
-            self.counters["groups.regenerated_after_abort"] += 1
-            samples = await self.generate_fn(context, group)
-        if not any(sample.status == "aborted" for sample in samples):
-            return samples
-        if self.stopping:  # the run's own stop aborted it: expected, and the lease brings it back on a resume
-            self.counters["groups.aborted_at_stop"] += 1
-            return None
-        self.counters["groups.abandoned_after_abort"] += 1
-        self.log.warning("generation of a group kept being aborted; not sent, its lease will bring it back",
-                         group=group.group_id, tries=ABORTED_RETRIES + 1)
-        return None
-
     async def send_generated(self, lease_id: str, group_id: str, samples: list[Sample], *,
                              is_eval: bool = False, eval_set: str | None = None, lane: Lane | None = None
                              ) -> None:
         """Hand one generated group to the reward workers, counting what was generated."""
         lane = lane or self.lane
         self.counters["samples.generated"] += len(samples)
-        no_room = [s for s in samples if s.status == "failed"]
-        if no_room:  # e.g. a prompt over the context cap: the buffer leaves them out (or drops the group), counted
-            self.counters["samples.failed"] += len(no_room)
-            self.log.warning("samples failed before scoring", group=group_id, reason=no_room[0].error)
+        # A failed sample (an episode that raised, a prompt over the context cap): the buffer leaves it out (or drops
+        # the group), counted; and so many in a row that the function must be broken end the run.
+        self.counters["samples.failed"] += sum(s.status == "failed" for s in samples)
+        lane.failures.record(samples)
         self.counters["tokens.generated"] += int(sum(s.response_length for s in samples))
         handed = time.monotonic()
         reward_worker = await self.rewards.send(GeneratedGroup(lease_id=lease_id, group_id=group_id,
@@ -380,6 +366,20 @@ class RolloutWorker(Actor):
         self._send_seconds += time.monotonic() - handed  # a long wait here is a back-pressured reward stream
         self.counters["groups.sent"] += 1
         lane.handed_off.note(reward_worker, lease_id, group_id)
+        await self._end_if_failing(lane)  # once sent: the buffer accounts for the group that tripped it too
+
+    async def generation_raised(self, item: str, error: Exception, *, samples: int, lane: Lane | None = None) -> None:
+        """`item` (a group, a rollout function's call) lost `samples` samples to `error`: counted and logged (the
+        first few with their traceback), and the run ended once --generate-failure-limit of them are in a row."""
+        lane = lane or self.lane
+        self.counters["groups.failed"] += 1
+        lane.failures.raised(item, error, samples=samples)
+        await self._end_if_failing(lane)
+
+    async def _end_if_failing(self, lane: Lane) -> None:
+        tripped = lane.failures.tripped
+        if tripped is not None:  # a worker restarted would fail the same way: the run fails, with the reason
+            await self.fail_run(tripped if lane.policy is None else f"policy {lane.policy}: {tripped}")
 
     async def _send_other_policies(self, lease_id: str, group: PromptGroup, others: list[PolicyTurns],
                                    lane: Lane) -> None:
@@ -557,6 +557,8 @@ class RolloutWorker(Actor):
         move them to another engine once the answers say we stop) and our calls on other engines too, the agents'
         endpoint stopped (it waits for its calls, which the abort ended), the engine closed. The endpoint stopped
         before the abort waited on calls that only the abort ends."""
+        for lane in getattr(self, "lanes", ()):  # the failures not summarised yet
+            lane.failures.flush()
         agent = self.generate_fn if isinstance(self.generate_fn, AgentRunner) else None
         if agent is not None:
             agent.abort_episodes()

@@ -3,9 +3,10 @@
 In a run of several policies every engine serves each policy's LoRA adapter under the policy's name, and a worker
 generates for all of them. What is a policy's own lives in its lane: the buffer it leases from, what it heard of its
 learner's versions, whether its weights landed, its staleness bound, the leases it holds and the groups it handed to
-the reward workers, and the engine as the policy sees it (`AdapterEngine`: every request names the policy's adapter,
-and the version is the adapter's). What the lanes share is the worker's: the engine's rows, the router, the reward
-stream. A run of one unnamed policy has one lane, of policy None, whose engine is the worker's engine itself.
+the reward workers, its generation failures in a row (`failures.py`), and the engine as the policy sees it
+(`AdapterEngine`: every request names the policy's adapter, and the version is the adapter's). What the lanes share
+is the worker's: the engine's rows, the router, the reward stream. A run of one unnamed policy has one lane, of policy
+None, whose engine is the worker's engine itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
+from actors.rollout.failures import GenerateFailures
 from actors.rollout.handed_off import HandedOff
 from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, PauseMode
 from policies.weight_versions import LearnerVersions
@@ -76,6 +78,7 @@ class Lane:
     config: RunConfig
     buffer: Any  # the policy's buffer (a PeerRpc)
     engine: InferenceEngine
+    log: Any  # the worker's, bound to the policy in a run of several
     versions: LearnerVersions = field(default_factory=LearnerVersions)
     weights_landed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by what usually opens admission (a version announcement) or lets old weights train again (a push): a lane
@@ -83,9 +86,11 @@ class Lane:
     work_may_open: asyncio.Event = field(default_factory=asyncio.Event)
     held_leases: dict[str, int] = field(default_factory=dict)  # lease id -> groups still generating
     handed_off: HandedOff = field(init=False)  # the groups handed to each reward worker, for LostGroups
+    failures: GenerateFailures = field(init=False)  # by the policy's --generate-failure-limit
 
     def __post_init__(self) -> None:
         self.handed_off = HandedOff(keep_s=self.config.buffer.lease_timeout)
+        self.failures = GenerateFailures(self.log, self.config)
 
     @property
     def max_staleness(self) -> int:

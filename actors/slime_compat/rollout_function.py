@@ -81,6 +81,8 @@ class RolloutHost(GroupSource, Protocol):
 
     async def send_generated(self, lease_id: str, group_id: str, samples: list[WireSample]) -> None: ...
 
+    async def generation_raised(self, item: str, error: Exception, *, samples: int) -> None: ...
+
 
 def flatten_output(output: Any, *, path: str) -> list[Sample]:
     """The samples of what a rollout function returned (``RolloutFnTrainOutput`` or nested lists), in order."""
@@ -244,10 +246,11 @@ class RolloutFunctionRunner:
             except Exception as error:
                 if worker.stopping:
                     return
-                # Leases of what the call held expire and the buffer re-issues those groups.
+                # Leases of what the call held expire and the buffer re-issues those groups. The samples it held (one
+                # if none) count toward --generate-failure-limit, which ends a run whose function always raises.
                 worker.counters["rollout_fn.failed"] += 1
-                worker.log.exception("rollout function failed", path=self.path, rollout_id=rollout_id,
-                                     error=repr(error))
+                held = sum(entry.group.n_samples for entry in self.source.held.values())
+                await worker.generation_raised(f"rollout function call {rollout_id}", error, samples=held)
                 await asyncio.sleep(1.0)
             finally:
                 await self._give_up(self.source.abandoned(), rollout_id)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -157,25 +158,34 @@ def _pipeline_settings(tmp_path: Path, **overrides: object) -> dict[str, object]
             "use_tensorboard": False, "plots": False, **overrides}
 
 
+async def pipeline_failed_by(actor_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             **settings: object) -> tuple[Any, Any, list[dict]]:
+    """Run the in-process pipeline with `settings` until `actor_id` ends the run as failed (30 s at most); check it
+    did so as the launcher expects, saying why once and warning a bounded number of times. Returns the actor, the
+    buffer and the logs."""
+    use_spec(SimSpec(token_seconds=1e-4, length_min=8, length_max=32), tmp_path, monkeypatch)
+    roles = {"controller": "controller", "buffer": "buffer", "reward": "reward", "rollout": "rollout"}
+    with capture_logs() as logs:
+        async with actor_system(tmp_path, _pipeline_settings(tmp_path, **settings), roles) as system:
+            ended = system.tasks[actor_id]
+            await asyncio.wait_for(asyncio.shield(ended), 30)
+            assert ended.result() == EXIT_RUN_FAILED  # the launcher fails the run on it, no restarts
+            worker, buffer = system[actor_id], system["buffer"]
+    assert worker.run_failure is not None and exit_report(worker.context) == worker.run_failure  # the launcher's word
+    assert len(_warnings(logs, actor_id)) <= 5 + 1 + 1  # not one per failed sample
+    assert any(r["event"].startswith("ending the run") and r["reason"] == worker.run_failure for r in logs)
+    return worker, buffer, logs
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_pipeline_with_an_always_raising_reward_ends_the_run_as_failed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    use_spec(SimSpec(token_seconds=1e-4, length_min=8, length_max=32), tmp_path, monkeypatch)
-    settings = _pipeline_settings(tmp_path, custom_rm_path=RAISES, reward_failure_limit=40)
-    roles = {"controller": "controller", "buffer": "buffer", "reward": "reward", "rollout": "rollout"}
-    with capture_logs() as logs:
-        async with actor_system(tmp_path, settings, roles) as system:
-            ended = system.tasks["reward-0-0"]
-            await asyncio.wait_for(asyncio.shield(ended), 30)
-            assert ended.result() == EXIT_RUN_FAILED  # the launcher fails the run on it, no restarts
-            worker = system["reward-0-0"]
-    assert exit_report(worker.context) == worker.run_failure  # what the launcher will say
-    assert worker.run_failure is not None and RAISES in worker.run_failure
+    worker, _, _ = await pipeline_failed_by("reward-0-0", tmp_path, monkeypatch, custom_rm_path=RAISES,
+                                            reward_failure_limit=40)
+    assert RAISES in worker.run_failure
     assert "last error: raised ValueError: cannot grade label" in worker.run_failure
     assert worker.counters["samples.reward_failed"] >= 40
-    assert len(_warnings(logs, "reward-0-0")) <= 5 + 1 + 1  # not one per failed sample
-    assert any(r["event"].startswith("ending the run") and r["reason"] == worker.run_failure for r in logs)
 
 
 @pytest.mark.integration

@@ -17,6 +17,7 @@ import structlog
 from actors.buffer.core import BufferCore
 from actors.config import build_config
 from actors.data.prompts import PromptRecord, PromptSource
+from actors.rollout.failures import GenerateFailures
 from actors.slime_compat import RolloutFnEvalOutput, RolloutFnTrainOutput, Sample
 from actors.slime_compat.data_source import GROUP_KEY, Held, LeasedDataSource, WorkerStopping
 from actors.slime_compat.rollout_function import (
@@ -281,6 +282,7 @@ class Worker(CoreGroups):
         self.log = structlog.get_logger()
         self.counters: Counter[str] = Counter()
         self.sent: list[tuple[str, str, list]] = []
+        self.failures = GenerateFailures(self.log, self.config)
 
     def weights_too_old(self) -> bool:
         return False
@@ -288,6 +290,10 @@ class Worker(CoreGroups):
     async def send_generated(self, lease_id: str, group_id: str, samples: list, *, is_eval: bool = False,
                              eval_set: str | None = None) -> None:
         self.sent.append((lease_id, group_id, samples))
+        self.failures.record(samples)
+
+    async def generation_raised(self, item: str, error: Exception, *, samples: int) -> None:
+        self.failures.raised(item, error, samples=samples)
 
 
 def fails_once(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> list[list[Sample]]:
@@ -316,6 +322,9 @@ async def test_a_raising_function_is_counted_its_groups_given_up_and_the_next_ca
     worker.stopping = True
     await asyncio.wait_for(story, 10)
     assert worker.counters["rollout_fn.failed"] == 1
+    # The failed call's samples count toward --generate-failure-limit; the next call's, generated, start it again.
+    assert worker.failures.total == 2 * N and worker.failures.in_a_row == 0
+    assert worker.failures.last_error == "raised RuntimeError('the first call fails')"
     assert worker.counters["rollout_fn.groups_unreturned"] == 2  # the failed call's groups: released, not sent
     assert set(worker.held.values()) == {0}  # every group leased was released exactly once, sent or not
     sent = [group_id for _, group_id, _ in worker.sent]

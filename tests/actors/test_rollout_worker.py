@@ -21,6 +21,7 @@ from actors.buffer.actor import Buffer
 from actors.config import build_config
 from actors.rollout import actor as rollout_actor
 from actors.rollout.engine_factory import load_engine
+from actors.rollout.failures import unless_aborted
 from bus import RpcClient
 from bus.schema import Ack, Lease, LeaseRequest, PromptGroup, Sample, VersionAnnouncement, WeightUpdateOrder
 from engines.inference.base import InferenceEngine
@@ -401,11 +402,11 @@ async def test_a_group_aborted_by_the_runs_own_stop_is_dropped_without_a_warning
     aborted = [Sample(sample_id="g/0", group_id="g", index=0, prompt="1+1=", status="aborted")]
     group = PromptGroup(group_id="g", prompt="1+1=")
     worker = types.SimpleNamespace(stopping=True, counters=Counter(), log=_Log())
-    assert await rollout_actor.RolloutWorker._unless_aborted(worker, None, group, aborted) is None
+    generate = lambda context, group: asyncio.sleep(0, result=aborted)  # noqa: E731
+    assert await unless_aborted(generate, None, group, aborted, worker=worker) is None
     assert worker.log.warnings == [] and worker.counters["groups.aborted_at_stop"] == 1
     worker.stopping = False
-    worker.generate_fn = lambda context, group: asyncio.sleep(0, result=aborted)
-    assert await rollout_actor.RolloutWorker._unless_aborted(worker, None, group, aborted) is None
+    assert await unless_aborted(generate, None, group, aborted, worker=worker) is None
     assert worker.log.warnings == ["generation of a group kept being aborted; not sent, its lease will bring it back"]
 
 
