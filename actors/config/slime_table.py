@@ -65,7 +65,8 @@ OFFLOADS_WITH_COLOCATE = ("--colocate moves the learner's optimizer state off th
                           "cache); without it each owns its devices and nothing needs moving between phases")
 DISK_SYNC = ("(--weight-transport disk: each push written into a folder the learner and every engine see, "
              "safetensors under the pushed names; torch engines load them, deltas included, SGLang servers reload "
-             "each full push with /update_weights_from_disk; docs/reliability.md)")
+             "each push with /update_weights_from_disk, a delta once written into each host's local checkpoint "
+             "(--weight-disk-local-dir); docs/reliability.md)")
 ROLLOUT_BUFFER = ("the rollout worker is slime's rollout-buffer client (actors/slime_compat/rollout_buffer.py, "
                   "docs/agents.md)")
 DEEPGEMM = ("DeepGEMM's FP8 GEMMs need an NVIDIA Hopper or Blackwell GPU and the deep_gemm package, and FP8 "
@@ -133,8 +134,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     # --- weight sync ---
     "--update-weights-interval": _same(),
     "--update-weight-mode": _alias("full: every push whole (the default); delta -> --weight-delta-sync (deltas over "
-                                   "the run's transport, the shared folder too; torch engines: an SGLang server "
-                                   "reloads whole pushes only)"),
+                                   "the run's transport, the shared folder too; to SGLang servers through the folder "
+                                   "only, written into each host's --update-weight-local-checkpoint-dir copy, which "
+                                   "the server reloads, as slime does: SGLang has no delta endpoint)"),
     "--update-weight-transport": _alias("nccl -> --weight-transport nccl; disk -> --weight-transport disk "
                                         + DISK_SYNC),
     "--update-weight-buffer-size": _alias("-> --weight-bucket-bytes: the most bytes one transfer of a push "
@@ -150,13 +152,15 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
         "xor and overwrite are both served by --weight-delta-sync's own encoding: each tensor's changed elements as "
         "new values (indices, a bitmap, or the tensor whole, whichever is smallest), applied bit for bit, and the "
         "end state certified by the weight check; the bytes on the wire are ours either way, and unlike xor a "
-        "delta applied twice changes nothing"),
+        "delta applied twice changes nothing. With SGLang servers and disk transport: written into each host's "
+        "local checkpoint, which is checked against the learner's prints before the server reloads it"),
     "--update-weight-delta-checksum": _alias("-> --weight-check-stride 1: the weight check fingerprints every byte "
                                              "each engine serves after every push, as slime checksums each tensor "
                                              "(xxh3-64 on CPUs, a weighted word sum on GPUs; the algorithm is not "
                                              "chosen by name)"),
     "--update-weight-local-checkpoint-dir": _alias("-> --weight-disk-local-dir: each engine copies a push into "
-                                                   "DIR/<engine> on its own disk and loads it from there (slime: "
+                                                   "DIR/<engine> on its own disk and loads it from there; SGLang "
+                                                   "deltas are written into that copy by the rollout worker (slime: "
                                                    "each host, via its patched SGLang's /pull_weights)"),
     "--custom-update-weight-post-write-path": _alias("-> --weight-disk-post-write-path: fn(args, version_dir, "
                                                      "engines), slime's signature, called on the learner once a "

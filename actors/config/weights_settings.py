@@ -41,7 +41,9 @@ class WeightsConfig(Section):
         "hold (changed indices or a bitmap, and new values, or a tensor whole, whichever is smallest), applied bit "
         "for bit and certified by --weight-check; a full push every --weight-delta-anchor versions and after any "
         "failed or mismatched push. Costs a copy of the pushed weights on the learner and on each engine; pays where "
-        "the wire is slow and the push is bfloat16 (docs/reliability.md). torch engines only")
+        "the wire is slow and the push is bfloat16 (docs/reliability.md). torch engines over any torch transport; "
+        "SGLang servers through --weight-transport disk with --weight-disk-local-dir (each host's local checkpoint "
+        "is patched and reloaded: SGLang has no delta endpoint)")
     weight_delta_anchor: int = Field(20, ge=1, description="with --weight-delta-sync, a full push every N versions")
     rollout_fp8: bool = Field(
         False, description="the engines serve the decoder's projections in FP8 (float8_e4m3fn with a float32 scale "

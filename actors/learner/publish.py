@@ -135,7 +135,16 @@ def publisher_for(config: RunConfig, host: str, **wiring: Any) -> WeightPublishe
     transport = resolve_transport(transport_name(config))
     if config.weights.weight_delta_sync and not transport.delta_sync:
         raise ValueError(f"--weight-delta-sync: the {transport.name} weight transport sends every push whole; delta "
-                         f"pushes are built for {TORCH_DISTRIBUTED} (torch engines over gloo, NCCL or shared memory)")
+                         f"pushes are built for {TORCH_DISTRIBUTED} (torch engines over gloo, NCCL or shared memory) "
+                         f"and for the shared folder (--weight-transport disk: torch engines, and SGLang servers, "
+                         f"whose update endpoints take whole tensors only, through a local checkpoint each host "
+                         f"patches: --weight-disk-local-dir)")
+    if (config.weights.weight_delta_sync and transport.delta_needs_local_directory
+            and not config.weights.weight_disk_local_dir):
+        raise ValueError(f"--weight-delta-sync over the {transport.name} weight transport needs "
+                         "--weight-disk-local-dir (slime's --update-weight-local-checkpoint-dir): SGLang reloads "
+                         "checkpoints whole, so each rollout worker keeps the one its server reloads in that folder "
+                         "on its own disk and writes each delta into it")
     publisher = WeightPublisher(transport, sender_options(config, host), dtype=push_dtype(config),
                                 weight_check=config.weights.weight_check,
                                 fp8=rolls_out_fp8(config.weights, config.model.hf_checkpoint), **wiring)

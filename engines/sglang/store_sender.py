@@ -25,11 +25,11 @@ from torch import Tensor
 
 from engines.sglang import weight_store
 from engines.sglang.checksums import Baseline, check_checksums
-from engines.sglang.weight_store import SglangGroupSpec
+from engines.sglang.weight_store import ABORT_PREFIX, SglangGroupSpec
 from engines.weights.base import TransferReport, WeightsDiffer, WeightSender, WeightTransferError, require_usable
 from engines.weights.fingerprint import FingerprintCheck, Fingerprints, algorithm_for
 from engines.weights.manifest import Manifest
-from engines.weights.stream import specified, wire_specs
+from engines.weights.stream import SourceBroke, SpecifiedTensors, specified, wire_specs
 
 # One HTTP call per bucket: larger buckets mean fewer calls; the server allocates a bucket's tensors at once.
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -130,9 +130,10 @@ class SglangStoreSender(WeightSender):
                             tensors=wire_specs(tensors.specs, dtype), fingerprint=algorithm)
         self._sent = Fingerprints(algorithm) if algorithm is not None else None
         keys = weight_store.keys_of(store, spec, version)
-        self._transfer_begins(manifest)
         try:
-            weight_store.send_buckets(keys, spec, manifest, tensors, timeout_s,
+            manifest, stream = self._planned(keys, manifest, tensors)
+            self._transfer_begins(manifest)
+            weight_store.send_buckets(keys, spec, manifest, stream, timeout_s,
                                       partial(self._deliver_bucket, keys, spec, dtype, timeout_s), self._is_aborted)
         except WeightTransferError as error:
             # A source that broke leaves nothing pending (every earlier bucket completed), and the store must stay
@@ -151,9 +152,28 @@ class SglangStoreSender(WeightSender):
         if check is not None and not check.ok:  # the group is fine: the next push goes through it
             raise WeightsDiffer(f"weight transfer of version {version} not committed: {check.describe()}", check)
         self._committed = version
+        wire = manifest.wire()
         return TransferReport(version=version, receivers=spec.receivers, num_tensors=len(manifest.tensors),
-                              num_buckets=len(manifest.buckets()), num_bytes=manifest.total_bytes,
-                              seconds=time.perf_counter() - started, fingerprints=check)
+                              num_buckets=len(wire.buckets()), num_bytes=wire.total_bytes,
+                              seconds=time.perf_counter() - started, fingerprints=check,
+                              delta_base=manifest.base_version, full_bytes=manifest.total_bytes)
+
+    def _plan(self, manifest: Manifest, tensors: SpecifiedTensors) -> tuple[Manifest, Iterable[tuple[str, Tensor]]]:
+        """The manifest to publish and the (name, tensor) pairs its buckets carry, before anything is published: a
+        mechanism that can send less (the shared folder's deltas) turns the push into a delta here."""
+        return manifest, tensors
+
+    def _planned(self, keys: dist.Store, manifest: Manifest,
+                 tensors: SpecifiedTensors) -> tuple[Manifest, Iterable[tuple[str, Tensor]]]:
+        """`_plan`, and if the learner's tensors break while it reads them, the loaders are told so (they wait for
+        a manifest, then for "go") and a WeightTransferError says why."""
+        try:
+            return self._plan(manifest, tensors)
+        except SourceBroke as error:
+            keys.set("manifest", manifest.encode())
+            keys.set("go", ABORT_PREFIX + f" the learner's tensors broke: {error}".encode()[:500])
+            raise WeightTransferError(f"weight transfer of version {manifest.version} not started: the learner's "
+                                      f"tensors broke: {error}") from error
 
     def _check_served(self, keys: dist.Store, spec: SglangGroupSpec, version: int, *,
                       sent_in_16_bits: bool) -> FingerprintCheck | None:

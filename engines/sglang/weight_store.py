@@ -128,9 +128,10 @@ def send_buckets(keys: dist.Store, spec: SglangGroupSpec, manifest: Manifest, te
                  timeout_s: float, deliver: BucketDelivery, stop: Stop = never) -> None:
     """Open the transfer, then pull each bucket's tensors from the learner's stream (checked against its specs)
     only when it goes out, and hand it to `deliver`. If the stream breaks, or `stop` says the learner gave the
-    transfer up, "bucket i" says so, so no engine waits for it, and a WeightTransferError says why."""
+    transfer up, "bucket i" says so, so no engine waits for it, and a WeightTransferError says why. A delta push's
+    `manifest` is published whole; its buckets are those of the encoded bytes (`Manifest.wire`)."""
     open_transfer(keys, spec, manifest, timeout_s, stop)
-    buckets = manifest.buckets()
+    buckets = manifest.wire().buckets()
     stream = iter(tensors)
     for position, bucket in enumerate(buckets):
         where = f"weight transfer of version {manifest.version}, bucket {position + 1}/{len(buckets)}"

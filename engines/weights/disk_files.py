@@ -11,7 +11,9 @@ push's plan (`model-00001-of-00003.safetensors`, ...) holding the bucket's tenso
 dtype they are pushed in, plus `model.safetensors.index.json` (name -> file, as a Hugging Face checkpoint's) and the
 push's manifest (`slipstream-manifest.json`). A full push to SGLang servers is therefore a checkpoint its
 `/update_weights_from_disk` reads as is. A delta push (`held.py`) stores each tensor's encoded bytes (uint8) under its
-name instead; the manifest says each encoding, and only our own loaders read those.
+name instead; the manifest says each encoding, and only our own loaders read those (an SGLang server's rollout worker
+writes them into its local copy of the checkpoint, `local_checkpoint.py`, whose check reads the learner's prints of
+the new version from `slipstream-prints.json`).
 
 Each file is written under a temporary name and renamed, so a reader never sees half a file; after the last one the
 learner calls the post-write hook (slime's `--custom-update-weight-post-write-path`: a filesystem without cross-host
@@ -24,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from safetensors import safe_open
@@ -35,6 +37,7 @@ from engines.weights.manifest import TensorSpec
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "slipstream-manifest.json"
+PRINTS = "slipstream-prints.json"
 PostWrite = Callable[[str, tuple[str, ...]], None]
 """Called with a version's folder and the receiving engines' names once every file of the push is written, before
 any engine reads; what it raises fails the push."""
@@ -74,12 +77,16 @@ class VersionWriter:
             raise RuntimeError(f"weight disk: cannot write {self.path / name}: {error}") from error
         self._weight_map.update(dict.fromkeys(tensors, name))
 
-    def finish(self, manifest: bytes, receivers: Sequence[str], post_write: PostWrite | None) -> None:
-        """The index and the manifest, then the post-write hook: after this the engines may read."""
+    def finish(self, manifest: bytes, receivers: Sequence[str], post_write: PostWrite | None,
+               extras: Mapping[str, bytes] | None = None) -> None:
+        """The index, the manifest and `extras` (file name -> bytes), then the post-write hook: after this the
+        engines may read."""
         index = {"metadata": {"slipstream_version": self.version}, "weight_map": self._weight_map}
         try:
             _write_atomically(self.path / INDEX, json.dumps(index).encode())
             _write_atomically(self.path / MANIFEST, manifest)
+            for name, data in (extras or {}).items():
+                _write_atomically(self.path / name, data)
         except OSError as error:
             raise RuntimeError(f"weight disk: cannot write the index of {self.path}: {error}") from error
         if post_write is not None:
@@ -120,13 +127,18 @@ def localize(folder: str | os.PathLike[str], local_root: str | os.PathLike[str] 
     source = Path(folder)
     if local_root is None:
         return source
-    target = Path(local_root) / engine.replace("/", "_")
+    target = local_dir(local_root, engine)
     try:
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(source, target)
     except OSError as error:
         raise ValueError(f"weight disk: cannot copy {source} to the local folder {target}: {error}") from error
     return target
+
+
+def local_dir(local_root: str | os.PathLike[str], engine: str) -> Path:
+    """Where `engine` keeps its copy under `local_root`."""
+    return Path(local_root) / engine.replace("/", "_")
 
 
 def remove(folder: str | os.PathLike[str]) -> None:

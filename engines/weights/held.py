@@ -18,14 +18,15 @@ holds and refuses a delta it cannot apply, which fails the push: the next one is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from engines.training.lora import WIRE_SUFFIXES
 from engines.weights import delta
-from engines.weights.base import REPAIR, LoadFn
+from engines.weights.base import REPAIR, LoadFn, WeightsDiffer
 from engines.weights.fingerprint import Fingerprints, comparable_dtype
 from engines.weights.manifest import Manifest, TensorSpec
 
@@ -94,6 +95,21 @@ class SenderCopy:
     def committed(self, version: int, specs: Sequence[TensorSpec], generation: int, was_delta: bool) -> None:
         self._version, self._specs, self._generation = version, tuple(specs), generation
         self._deltas_since_anchor = self._deltas_since_anchor + 1 if was_delta else 0
+
+    @contextlib.contextmanager
+    def pushing(self, version: int, delta_sync: bool, checked_by: str = "fingerprints") -> Iterator[None]:
+        """Around one push: with delta sync off the copy is freed; a push that does not commit (a failure, a
+        mismatch the weight check's `checked_by` found) leaves the engines' weights unknown, so the next is full."""
+        if not delta_sync:
+            self.drop()
+        try:
+            yield
+        except WeightsDiffer:
+            self.forget(f"version {version}'s push was served differently (the {checked_by} differ)")
+            raise
+        except BaseException as error:
+            self.forget(f"version {version}'s push did not commit ({type(error).__name__})")
+            raise
 
     def forget(self, why: str) -> None:
         """The receivers may hold anything else now: the next push is full, and says it repairs `why`."""

@@ -198,17 +198,8 @@ class TorchDistributedWeightSender(WeightSender):
              timeout_s: float | None = None, fingerprint: bool = False) -> TransferReport:
         """See `_send`. Any push that does not commit (a failure, a fingerprint mismatch) leaves the engines'
         weights unknown, so the next push is full and repairs them."""
-        if not self.delta_sync:
-            self._copy.drop()
-        try:
-            report = self._send(named_tensors, version, dtype=dtype, timeout_s=timeout_s, fingerprint=fingerprint)
-        except WeightsDiffer:
-            self._copy.forget(f"version {version}'s push was served differently (the fingerprints differ)")
-            raise
-        except BaseException as error:
-            self._copy.forget(f"version {version}'s push did not commit ({type(error).__name__})")
-            raise
-        return report
+        with self._copy.pushing(version, self.delta_sync):
+            return self._send(named_tensors, version, dtype=dtype, timeout_s=timeout_s, fingerprint=fingerprint)
 
     def _send(self, named_tensors: Iterable[tuple[str, Tensor]], version: int, *, dtype: torch.dtype | None,
               timeout_s: float | None, fingerprint: bool) -> TransferReport:

@@ -75,6 +75,8 @@ class WeightTransport:
     named_adapters: bool = False
     # Its sender honours `SenderOptions.delta_sync`: after a full push, only what changed travels.
     delta_sync: bool = False
+    # ... into a checkpoint each engine host keeps in `DiskOptions.local_directory`, which delta sync then needs.
+    delta_needs_local_directory: bool = False
 
 
 def is_plugin(name: str) -> bool:
@@ -202,7 +204,8 @@ def _sglang_disk_sender(options: SenderOptions) -> WeightSender:
     from engines.sglang.disk_weights import SglangDiskSender
 
     return SglangDiskSender(host=options.host, gpus_per_engine=options.gpus_per_engine, timeout_s=options.timeout_s,
-                            **_bucket(options), **_disk(options))
+                            delta_sync=options.delta_sync, anchor_every=options.delta_anchor, **_bucket(options),
+                            **_disk(options))
 
 
 def _sglang_disk_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
@@ -220,7 +223,8 @@ BUILTIN: dict[str, WeightTransport] = {
     # colocated servers (--colocate): each bucket by reference to the learner's memory
     SGLANG_TENSOR: WeightTransport(SGLANG_TENSOR, _sglang_tensor_sender, _sglang_tensor_loader, checkpoint_names=True),
     # through a folder both sides see (--weight-transport disk): torch engines, deltas included, and SGLang servers,
-    # each version a checkpoint their /update_weights_from_disk reads
+    # each version a checkpoint their /update_weights_from_disk reads (a delta: patched into each host's local copy)
     DISK: WeightTransport(DISK, _disk_sender, _disk_loader, named_adapters=True, delta_sync=True),
-    SGLANG_DISK: WeightTransport(SGLANG_DISK, _sglang_disk_sender, _sglang_disk_loader, checkpoint_names=True),
+    SGLANG_DISK: WeightTransport(SGLANG_DISK, _sglang_disk_sender, _sglang_disk_loader, checkpoint_names=True,
+                                 delta_sync=True, delta_needs_local_directory=True),
 }

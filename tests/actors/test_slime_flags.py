@@ -170,6 +170,31 @@ def test_slimes_delta_sync_flags_map_onto_delta_pushes_and_the_weight_check() ->
 
 
 @pytest.mark.unit
+def test_a_slime_delta_disk_script_with_sglang_servers_gets_deltas_through_each_hosts_local_checkpoint(
+        tmp_path: Path) -> None:
+    from actors.learner.publish import publisher_for
+    from engines.sglang.disk_weights import SglangDiskSender
+    from engines.weights.names import SGLANG_DISK
+
+    argv = ["--rollout-external-engine-addrs", "http://a:1", "--bf16", "--update-weight-mode", "delta",
+            "--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "pushes"),
+            "--update-weight-delta-encoding", "overwrite", "--update-weight-delta-checksum", "xxh3-128"]
+    wiring = {"engines": dict, "tensors": lambda: iter(()), "zmq": None, "security": None, "client_id": "learner",
+              "counters": None, "log": None}
+    config, _ = configure([*argv, "--update-weight-local-checkpoint-dir", str(tmp_path / "local")])
+    publisher = publisher_for(config, "127.0.0.1", **wiring)
+    sender = publisher.transport.make_sender(publisher.options)
+    assert publisher.transport.name == SGLANG_DISK and isinstance(sender, SglangDiskSender)
+    assert sender.delta_sync and sender.local_directory == str(tmp_path / "local")
+    # slime requires the local checkpoint for disk deltas too: SGLang reloads checkpoints whole
+    without, _ = configure(argv)
+    refusal = ("--weight-delta-sync over the sglang_disk weight transport needs --weight-disk-local-dir (slime's "
+               "--update-weight-local-checkpoint-dir)")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        publisher_for(without, "127.0.0.1", **wiring)
+
+
+@pytest.mark.unit
 def test_values_that_mean_what_we_do_anyway_are_accepted() -> None:
     config, args = configure(["--no-offload-train", "--no-offload-rollout", "--update-weight-mode", "full",
                               "--rollout-data-transport", "object-store", "--rollout-top-k", "-1"])

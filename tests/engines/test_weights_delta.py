@@ -7,6 +7,7 @@ anchor every K versions, and on a new group generation (an engine that joins lat
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -14,16 +15,19 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
+from safetensors import safe_open
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from engines.inference.torch_engine import TorchEngine
-from engines.weights import delta, layouts
+from engines.weights import delta, disk_files, layouts
 from engines.weights.base import TransferReport, WeightsDiffer, WeightTransferError
 from engines.weights.disk import DiskWeightReceiver, DiskWeightSender
-from engines.weights.fingerprint import FingerprintPlan, ServedPrints
+from engines.weights.disk_files import VersionWriter
+from engines.weights.fingerprint import FingerprintPlan, ServedPrints, fingerprint_all
 from engines.weights.group import GroupSpec
 from engines.weights.held import ReceiverCopy
+from engines.weights.local_checkpoint import LocalCheckpoint, expected_prints
 from engines.weights.manifest import Manifest, TensorSpec
 from engines.weights.torch_distributed import TorchDistributedWeightSender
 from engines.weights.torch_receiver import TorchDistributedWeightReceiver
@@ -81,6 +85,43 @@ def test_a_delta_manifest_travels_and_a_malformed_one_is_refused() -> None:
     broken = manifest.encode().replace(b'["sparse",2]', b'["xor",2]')
     with pytest.raises(ValueError, match="changes must list an"):
         Manifest.decode(broken)
+
+
+@pytest.mark.unit
+def test_a_local_checkpoint_takes_a_delta_in_place_misaligned_tensors_too_and_refuses_one_against_another_version(
+        tmp_path: Path) -> None:
+    """An SGLang host's checkpoint (`local_checkpoint.py`), here a hand-made file whose float32 tensor starts at a
+    byte offset no float32 aligns to (safetensors' own writer never makes one; another writer may)."""
+    old = {"a": torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16), "b": torch.arange(4.0).reshape(2, 2)}
+    new = {"a": torch.tensor([1.0, 2.5, 3.0], dtype=torch.bfloat16), "b": torch.tensor([[0.0, 1.0], [7.0, 3.0]])}
+    header = json.dumps({"a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]},
+                         "b": {"dtype": "F32", "shape": [2, 2], "data_offsets": [6, 22]}}).encode()
+    header += b" " * (-len(header) % 8)
+    root = tmp_path / "local"
+    root.mkdir()
+    shard = disk_files.shard_name(0, 1)
+    (root / shard).write_bytes(len(header).to_bytes(8, "little") + header + b"".join(
+        old[name].view(torch.uint8).numpy().tobytes() for name in ("a", "b")))
+    (root / disk_files.INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(old, shard)}))
+    specs = tuple(TensorSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in old.items())
+    changes = []
+    for spec in specs:
+        count = delta.count(delta.changed(old[spec.name], new[spec.name]))
+        changes.append((delta.smallest(spec.numel, count, spec.dtype.itemsize), count))
+    manifest = Manifest(version=2, bucket_bytes=1024, direct_bytes=1024, tensors=specs, base_version=1,
+                        changes=tuple(changes))
+    writer = VersionWriter(tmp_path / "pushes", 2, len(manifest.wire().buckets()))
+    writer.write(0, [(spec.name, delta.encode(encoding, delta.changed(old[spec.name], new[spec.name]), new[spec.name]))
+                     for spec, (encoding, _) in zip(specs, changes, strict=True)], delta=True)
+    writer.finish(manifest.encode(), ("rollout-0",), None,
+                  {disk_files.PRINTS: expected_prints("xxh3", fingerprint_all(new.items(), "xxh3"))})
+    checkpoint = LocalCheckpoint(root)
+    checkpoint.version = 1
+    assert checkpoint.patch(writer.path, manifest) == root and checkpoint.version == 2
+    with safe_open(str(root / shard), framework="pt") as handle:
+        assert all(torch.equal(handle.get_tensor(name), tensor) for name, tensor in new.items())
+    with pytest.raises(ValueError, match=r"a delta against version 1, but the local checkpoint .* holds version 2"):
+        checkpoint.patch(writer.path, manifest)
 
 
 @pytest.mark.unit

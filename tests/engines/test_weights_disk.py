@@ -23,7 +23,7 @@ from engines.sglang.client import SglangEngine
 from engines.sglang.disk_weights import SglangDiskLoader, SglangDiskSender
 from engines.sglang.launch import ServerProcess, ServerSpec
 from engines.weights import disk_files
-from engines.weights.base import TransferReport, WeightTransferError
+from engines.weights.base import REPAIR, TransferReport, WeightTransferError
 from engines.weights.names import DISK, TORCH_DISTRIBUTED
 from engines.weights.transport import DiskOptions, SenderOptions, resolve_transport
 
@@ -174,4 +174,121 @@ async def test_an_sglang_server_reloads_each_push_from_the_folder_and_the_check_
     finally:
         sender.close()
         await reference.close()
+        await client.close()
+
+
+def _sparsely_moved(model_path: Path, seed: int, fraction: float = 0.05) -> list[tuple[str, Tensor]]:
+    """The tiny model with `fraction` of each matrix's elements moved (its norms as they are): the sparse change of
+    a bfloat16 push between two versions of full fine-tuning (docs/reliability.md)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    moved = []
+    for name, tensor in model.named_parameters():
+        if tensor.dim() >= 2:
+            mask = torch.rand(tensor.shape, generator=generator) < fraction
+            tensor = tensor.detach() + mask * (0.05 + torch.rand(tensor.shape, generator=generator))
+        moved.append((name, tensor.detach()))
+    return moved
+
+
+class _ServerPushes:
+    """A learner's sender and a rollout worker's loader of one server, pushing versions in turn (checked, bfloat16);
+    a failed push forms a new group, as the learner does."""
+
+    def __init__(self, client: SglangEngine, sender: SglangDiskSender) -> None:
+        self.loader, self.sender = SglangDiskLoader(client, ENGINE), sender
+        self.group: dict | None = None
+
+    async def push(self, versions: dict[int, list[tuple[str, Tensor]]]) -> list[TransferReport | WeightTransferError]:
+        outcomes: list[TransferReport | WeightTransferError] = []
+        for version, named in versions.items():
+            fresh = self.group is None
+            self.group = self.group or self.sender.open_group(["learner", ENGINE]).to_dict()
+            loading = asyncio.create_task(self.loader.apply(self.group, version, 20.0))
+            if fresh:
+                await asyncio.to_thread(self.sender.wait_for_receivers)
+            try:
+                outcomes.append(await asyncio.to_thread(self.sender.send, iter(named), version, dtype=torch.bfloat16,
+                                                        fingerprint=True))
+            except WeightTransferError as error:
+                outcomes.append(error)
+                self.group = None
+            await asyncio.gather(loading, return_exceptions=True)
+        return outcomes
+
+
+def _delta_sender(tmp_path: Path) -> SglangDiskSender:
+    """A learner's sender of delta pushes through `tmp_path/pushes`; each engine's checkpoint in `tmp_path/local`."""
+    return SglangDiskSender(directory=tmp_path / "pushes", bucket_bytes=64 * 1024, timeout_s=20,
+                            local_directory=str(tmp_path / "local"), delta_sync=True)
+
+
+async def test_delta_pushes_to_an_sglang_server_end_where_a_full_push_does_bit_for_bit(
+        server: ServerProcess, tiny_model_path: Path, tmp_path: Path) -> None:
+    client, sender, local = SglangEngine(server.url), _delta_sender(tmp_path), tmp_path / "local"
+    versions = {version: _sparsely_moved(tiny_model_path, 20 + version) for version in range(1, 5)}
+    try:
+        reports = await _ServerPushes(client, sender).push(versions)
+        assert all(isinstance(report, TransferReport) and report.fingerprints.ok for report in reports), reports
+        assert [report.delta_base for report in reports] == [None, 1, 2, 3]
+        full = reports[0].num_bytes
+        print("\nSGLang disk push bytes, tiny model, bfloat16, 5% of matrix elements moved: full "
+              f"{full}, deltas {[report.num_bytes for report in reports[1:]]}")
+        assert all(report.num_bytes < full / 3 and report.full_bytes == full for report in reports[1:])
+        after_deltas = await client.weight_checksum()
+        assert await client.server_weight_version() == 4
+        # The same weights pushed whole by a sender without delta sync: the server serves the same bits.
+        whole = SglangDiskSender(directory=tmp_path / "whole", bucket_bytes=64 * 1024, timeout_s=20)
+        try:
+            [report] = await _ServerPushes(client, whole).push({5: versions[4]})
+        finally:
+            whole.close()
+        assert isinstance(report, TransferReport) and report.delta_base is None
+        after_full = await client.weight_checksum()
+        assert after_deltas is not None and after_full is not None
+        assert after_deltas.tensors == after_full.tensors and after_deltas.engine == after_full.engine
+        # ... and the local checkpoint the deltas were written into holds version 4 as pushed
+        weight_map = json.loads((local / ENGINE / disk_files.INDEX).read_text())["weight_map"]
+        for name, tensor in versions[4]:
+            with safe_open(str(local / ENGINE / weight_map[name]), framework="pt") as handle:
+                stored = handle.get_tensor(name).view(torch.int16)
+                assert torch.equal(stored, tensor.to(torch.bfloat16).view(torch.int16))
+    finally:
+        sender.close()
+        await client.close()
+
+
+async def test_a_damaged_local_checkpoint_fails_the_delta_before_the_server_reloads_and_the_next_push_repairs_it(
+        server: ServerProcess, tiny_model_path: Path, tmp_path: Path) -> None:
+    client, sender, local = SglangEngine(server.url), _delta_sender(tmp_path), tmp_path / "local"
+    versions = {version: _sparsely_moved(tiny_model_path, 30 + version) for version in range(1, 5)}
+    try:
+        pushes = _ServerPushes(client, sender)
+        reports = await pushes.push({1: versions[1], 2: versions[2]})
+        assert [report.delta_base for report in reports] == [None, 1]
+        before = await client.weight_checksum()
+        # A norm (which no version moves, so no delta overwrites it) damaged on the engine's disk.
+        weight_map = json.loads((local / ENGINE / disk_files.INDEX).read_text())["weight_map"]
+        damaged = "model.norm.weight"
+        shard = local / ENGINE / weight_map[damaged]
+        with safe_open(str(shard), framework="pt") as handle:
+            stored = handle.get_tensor(damaged).clone()  # not a view of the file damaged below
+        raw = bytearray(shard.read_bytes())
+        header_bytes = int.from_bytes(raw[:8], "little")
+        position = 8 + header_bytes + json.loads(raw[8:8 + header_bytes])[damaged]["data_offsets"][0]
+        raw[position] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        [refused] = await pushes.push({3: versions[3]})
+        assert isinstance(refused, WeightTransferError) and ENGINE in refused.failed
+        assert "differs from the learner's weights in 1 tensor(s), e.g. model.norm.weight" in refused.failed[ENGINE]
+        # Refused before the server reloaded anything: it still serves version 2.
+        assert await client.server_weight_version() == 2 and await client.weight_checksum() == before
+        [repair] = await pushes.push({4: versions[4]})
+        assert isinstance(repair, TransferReport) and repair.delta_base is None and repair.fingerprints.ok
+        assert repair.full_because is not None and repair.full_because.startswith(REPAIR)
+        assert await client.server_weight_version() == 4
+        with safe_open(str(shard), framework="pt") as handle:
+            assert torch.equal(handle.get_tensor(damaged), stored)
+    finally:
+        sender.close()
         await client.close()
