@@ -109,6 +109,7 @@ BUILTIN_TRAIN_BACKENDS: dict[str, TrainBackendSpec] = {
                               routing_replay=True, teachers_in_learner=True, stateless_adam=True),
     "megatron": TrainBackendSpec(
         factory="actors.learner.trainer_factory:build_megatron_trainer", model_parallel=True, routing_replay=True,
+        teachers_in_learner=True,
         no_lora_because="megatron-core 0.16 and mbridge have no LoRA layers; Megatron-Bridge's PEFT needs "
                         "Transformer Engine",
         no_images_because="mbridge's Qwen2.5-VL model builds its vision tower and projection from Transformer "

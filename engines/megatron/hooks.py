@@ -3,7 +3,8 @@
 `--custom-megatron-before-log-prob-hook-path`: `hook(args, model, store_prefix)` once per log-prob pass (not per
 micro-batch), after the network is put in eval mode and before its first forward; `model` is the list of model
 chunks the pass runs (ours: one), `store_prefix` says which pass it is as slime names it ("" for the policy's
-old log-probs, "ref_" for the reference model's).
+old log-probs, "ref_" for the reference model's, "teacher_" for a distillation teacher's: every named teacher's,
+slime having one).
 
 `--custom-megatron-before-train-step-hook-path`: `hook(args, rollout_id, step_id, model, optimizer,
 opt_param_scheduler)` once per optimizer step, after the gradients are zeroed and before the step's first forward.
@@ -24,9 +25,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engines.megatron.model_flags import MegatronFlags
+from engines.training.base import TEACHER_ROLE_PREFIX, ModelRole
 
 LOG_PROB_FLAG = "--custom-megatron-before-log-prob-hook-path"
 TRAIN_STEP_FLAG = "--custom-megatron-before-train-step-hook-path"
+
+
+def _store_prefix(role: ModelRole) -> str:
+    """slime's name of a log-prob pass: where its rollout data keeps the pass's log-probs."""
+    if role == "ref":
+        return "ref_"
+    return "teacher_" if role.startswith(TEACHER_ROLE_PREFIX) else ""
 
 
 class HookError(RuntimeError):
@@ -61,9 +70,10 @@ class StepHooks:
         self.rollout_id = 0
         self.step_id = 0
 
-    def before_log_prob(self, model: Sequence[Any], *, ref: bool) -> None:
+    def before_log_prob(self, model: Sequence[Any], role: ModelRole) -> None:
+        """`role` is the pass's network (`compute_log_probs(model=...)`)."""
         if self._before_log_prob is not None:
-            self._before_log_prob(self._args, list(model), "ref_" if ref else "")
+            self._before_log_prob(self._args, list(model), _store_prefix(role))
 
     def before_train_step(self, model: Sequence[Any], optimizer: Any) -> None:
         if self._before_train_step is not None:

@@ -27,6 +27,11 @@ then yields the bf16 model weights the inference engines serve.
 Hooks. slime's --custom-megatron-before-log-prob-hook-path and --custom-megatron-before-train-step-hook-path run
 at slime's call points: once per log-prob pass, once per optimizer step before its first forward (`hooks`).
 
+Frozen models. The reference (`ref_model_path`) and each distillation teacher (`teacher_model_paths`, slime's
+--opd-type megatron) are GPT models built from their HF folders through the bridge at the policy's TP x PP layout,
+without gradients or optimizer state; `compute_log_probs(model="ref" | teacher_role(name))` runs them as it runs the
+policy. Checkpoints hold the policy only: the frozen models are rebuilt from their folders.
+
 Checkpoints are megatron distributed checkpoints (resharding: save at one TP/PP/DP layout, load at another) plus
 `trainer_state.json` (version, extra state), written to a staging directory and renamed into place.
 """
@@ -118,6 +123,10 @@ class MegatronTrainer(Trainer):
             self._ref_stage: nn.Module | None = None  # the reference's GPTModel (inside Float16Module under bf16)
             if config.ref_model_path is not None:
                 self._ref, self._ref_stage = self._build_frozen(config.ref_model_path, dtype)
+            # Distillation teachers (slime's --opd-type megatron): frozen like the reference and split like it, each
+            # from its own HF folder (its own shape: a larger teacher of the same tokenizer).
+            self._teachers = {name: self._build_teacher(name, path, dtype)
+                              for name, path in config.teacher_model_paths.items()}
             if config.initial_checkpoint is not None:
                 self._load_weights_from(Path(config.initial_checkpoint))
 
@@ -133,7 +142,7 @@ class MegatronTrainer(Trainer):
 
         Gathered on the model's device and summed over the world on the collective device (one copy to the CPU
         at the end), so NCCL never sees a CPU tensor."""
-        network = base.select_model(model, self._module, self._ref)
+        network = base.select_model(model, self._module, self._ref, self._teachers)
         base.validate_samples(samples)
         offsets = _response_offsets(samples)
         log_probs = torch.zeros(offsets[-1], dtype=torch.float32, device=self._device)
@@ -151,7 +160,7 @@ class MegatronTrainer(Trainer):
         recorder = self._route_recorder(samples) if self.config.use_routing_replay and model == "policy" else None
         with maybe_cpu_compat(), torch.no_grad():
             network.eval()
-            self._hooks.before_log_prob([network], ref=model == "ref")
+            self._hooks.before_log_prob([network], model)
             if samples:
                 micro_batches = self._micro_batches(samples, with_batch=False)
                 with self._routing_replay.recording() if recorder is not None else contextlib.nullcontext():
@@ -482,6 +491,16 @@ class MegatronTrainer(Trainer):
         bridge.load_hf_weights([stage])
         stage.requires_grad_(False)
         return _maybe_float16(stage, bridge.transformer_config), stage
+
+    def _build_teacher(self, name: str, path: Path, dtype: torch.dtype) -> nn.Module:
+        """A teacher is a model of its own shape, which may not load or split at the policy's layout (heads over TP,
+        layers over PP): megatron's reason, prefixed with the teacher it is about."""
+        try:
+            return self._build_frozen(path, dtype)[0]
+        except (OSError, ValueError, AssertionError) as error:
+            layout = f"TP={self.config.tensor_model_parallel_size} x PP={self.config.pipeline_model_parallel_size}"
+            raise ValueError(f"distillation teacher {name!r} ({path}) cannot be held by the Megatron trainer at "
+                             f"{layout}: {error}") from error
 
 
 class _StepStats(base.StepStats):

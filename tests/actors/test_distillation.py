@@ -88,7 +88,8 @@ def test_distillation_without_teacher_log_probs_is_a_clear_error() -> None:
     ({"use_opd": True, "opd_teacher": ["a=/a", "b=http://h:1"]}, "need --opd-teacher-key"),
     ({"use_opd": True, "opd_teacher": ["a=/a", "a=/b"]}, "given twice"),
     ({"use_opd": True, "opd_teacher": ["=/a"]}, "expected NAME=SOURCE"),
-    ({"use_opd": True, "opd_teacher_load": "/t", "train_backend": "megatron"}, "need --train-backend torch"),
+    ({"use_opd": True, "opd_teacher_load": "/t", "train_backend": "tools.sim.pipeline:sleeping_trainer"},
+     "need --train-backend torch or megatron; on tools.sim.pipeline:sleeping_trainer give the teacher as a server"),
     ({"use_opd": True, "opd_teacher_load": "/t", "custom_advantage_function_path": "m:f"}, "replaces the estimator"),
 ])
 def test_unusable_distillation_settings_are_refused_by_name(settings: dict, message: str) -> None:

@@ -18,6 +18,7 @@ from actors.config import add_config_flags, config_from_args
 from actors.learner.trainer_factory import build_trainer
 from engines.megatron.model_flags import MegatronFlags, refuse_unsupported
 from engines.training import checkpoint
+from engines.training.base import teacher_role
 from tests.support.training import seeded_batch, step_loss
 
 LOG_PROB_FLAG = "--custom-megatron-before-log-prob-hook-path"
@@ -104,24 +105,26 @@ def test_the_hooks_run_once_per_pass_and_per_step_with_slimes_arguments(
 
     (hook_dir / "recording_hooks.py").write_text(RECORDING_HOOKS, encoding="utf-8")
     trainer = build_trainer(parse(_megatron_run(
-        tiny_model_path, "--use-kl-loss", "--kl-loss-coef", "0.1",
-        LOG_PROB_FLAG, "recording_hooks:before_log_prob", TRAIN_STEP_FLAG, "recording_hooks.before_train_step",
-        "--custom-megatron-init-path", "recording_hooks:init")))
+        tiny_model_path, "--use-kl-loss", "--kl-loss-coef", "0.1", "--use-opd", "--opd-teacher-load",
+        str(tiny_model_path), LOG_PROB_FLAG, "recording_hooks:before_log_prob",
+        TRAIN_STEP_FLAG, "recording_hooks.before_train_step", "--custom-megatron-init-path", "recording_hooks:init")))
     import recording_hooks  # type: ignore[import-not-found]
 
     calls: list[dict[str, Any]] = recording_hooks.CALLS
     batch = seeded_batch()
     trainer.compute_log_probs(batch, temperature=1.0, model="ref")
+    trainer.compute_log_probs(batch, temperature=1.0, model=teacher_role("teacher"))
     trainer.compute_log_probs(batch, temperature=1.0)
     assert [(c["hook"], c["store_prefix"], c["chunks"], c["training"]) for c in calls] == [
-        ("log_prob", "ref_", 1, False), ("log_prob", "", 1, False)]  # once per pass, network in eval mode
+        ("log_prob", "ref_", 1, False), ("log_prob", "teacher_", 1, False),
+        ("log_prob", "", 1, False)]  # once per pass, network in eval mode
     assert calls[0]["lr"] == 0.01  # the run's flat settings
 
     # Rollout 0 in two optimizer steps, then rollout 1 in one: several micro-batches each, one hook call each.
     results = [trainer.train_step(part, step_loss(part), temperature=1.0, with_entropy=True, ends_batch=ends)
                for part, ends in ((batch[:3], False), (batch[3:], True), (batch, True))]
     assert all(result.metrics["micro_batches"] > 1 and not result.skipped for result in results)
-    steps = calls[2:]
+    steps = calls[3:]
     assert [(c["hook"], c["rollout_id"], c["step_id"]) for c in steps] == [
         ("train_step", 0, 0), ("train_step", 0, 1), ("train_step", 1, 0)]
     assert all(c["chunks"] == 1 and c["training"] and c["grads_zero"] for c in steps)
@@ -130,7 +133,7 @@ def test_the_hooks_run_once_per_pass_and_per_step_with_slimes_arguments(
     assert not torch.equal(steps[0]["weights"], steps[1]["weights"])
     assert not torch.equal(steps[1]["weights"], steps[2]["weights"])
     # One namespace for the run, as slime's `args`: state a hook keeps on it survives between calls.
-    assert all(c["args"] is calls[0]["args"] for c in calls) and calls[0]["args"].hook_calls == 5
+    assert all(c["args"] is calls[0]["args"] for c in calls) and calls[0]["args"].hook_calls == 6
     assert calls[0]["args"].initialised_by == "init hook"  # the init hook's args are that namespace too
 
     # The position survives a checkpoint: after a restart at rollout 2 the next step is rollout 2's first.

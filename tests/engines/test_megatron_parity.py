@@ -1,4 +1,5 @@
-"""The Megatron trainer takes the torch trainer's step: same log-probs, loss, gradient norm and updated weights.
+"""The Megatron trainer takes the torch trainer's step: same log-probs, loss, gradient norm and updated weights; and
+its distillation teacher, split as the policy is, scores as the torch trainer does.
 
 Each layout (TP=1, TP=2, PP=2, DP=2 with the distributed optimizer) runs once in spawned gloo ranks on CPU
 (megatron through `engines.megatron.cpu_compat`), writing what rank 0 saw; the layouts of one world share one
@@ -41,12 +42,13 @@ class Layout:
     dtype: str = "float32"
     resume_at_tp: int | None = None  # save after step 1; a fresh process loads at this TP size, step 2
     samples: int | None = None  # the step trains on the first `samples` of `seeded_batch()`; None: all of it
+    teacher: bool = False  # also holds a distillation teacher (`teacher_path`) and scores the batch with it
 
 
 LAYOUTS = {
     "tp1-tied": Layout(tied=True),
-    "tp2": Layout(tensor_parallel=2, world=2),
-    "pp2-tied": Layout(pipeline_parallel=2, world=2, tied=True),
+    "tp2": Layout(tensor_parallel=2, world=2, teacher=True),
+    "pp2-tied": Layout(pipeline_parallel=2, world=2, tied=True, teacher=True),
     "dp2-resume-at-tp2": Layout(world=2, resume_at_tp=2),
     "tp1-bf16": Layout(dtype="bfloat16"),
     "dp2-one-sample": Layout(world=2, samples=1),
@@ -56,11 +58,13 @@ LAYOUTS = {
 policy_loss = step_loss(seeded_batch())  # the whole batch's loss, which the torch references train on
 
 
-def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | None = None):
+def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | None = None,
+                     teacher_path: Path | None = None):
     from engines.megatron import MegatronTrainerConfig
 
     return MegatronTrainerConfig(
         model_path=model_path,
+        teacher_model_paths={} if teacher_path is None else {"teacher": teacher_path},
         tensor_model_parallel_size=tensor_parallel or layout.tensor_parallel,
         pipeline_model_parallel_size=layout.pipeline_parallel,
         micro_batch_tokens=MICRO_BATCH_TOKENS,
@@ -70,13 +74,18 @@ def _megatron_config(model_path: Path, layout: Layout, tensor_parallel: int | No
     )
 
 
-def _run_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict) -> None:
+def _run_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict, teacher_path: Path | None) -> None:
     from engines.megatron import MegatronTrainer
+    from engines.training.base import teacher_role
 
     layout = Layout(**layout_fields)
-    trainer = MegatronTrainer(_megatron_config(model_path, layout))
+    trainer = MegatronTrainer(_megatron_config(model_path, layout, teacher_path=teacher_path))
     batch = seeded_batch()[: layout.samples]
     outputs = trainer.compute_log_probs(batch, temperature=TEMPERATURE, with_entropy=True)
+    if teacher_path is not None:  # collective, like every call; rank 0 keeps it
+        teacher = trainer.compute_log_probs(batch, temperature=TEMPERATURE, model=teacher_role("teacher")).log_probs
+        if rank == 0:
+            save_file({"log_probs": teacher}, str(out_dir / "teacher.safetensors"))
     result = trainer.train_step(batch, step_loss(batch), temperature=TEMPERATURE, with_entropy=True)
     summary = {"step1": {"version": result.version, "grad_norm": result.grad_norm, "metrics": result.metrics}}
     weights = {name: tensor.contiguous().clone() for name, tensor in trainer.named_tensors()}
@@ -94,7 +103,7 @@ def _run_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict)
     trainer.close()
 
 
-def _resume_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict) -> None:
+def _resume_layout(rank: int, out_dir: Path, model_path: Path, layout_fields: dict, _: Path | None) -> None:
     """A fresh process, as after a learner restart, loads the checkpoint at `resume_at_tp` and takes step 2."""
     from engines.megatron import MegatronTrainer
 
@@ -121,11 +130,19 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_paths: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def teacher_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A distillation teacher of the student's tokenizer and its own shape (wider, four layers: two per stage)."""
+    return cached_tiny_model(tmp_path_factory.mktemp("megatron-teacher"), TinyModelSpec(
+        family="qwen2", hidden_size=96, intermediate_size=224, num_hidden_layers=4, num_attention_heads=6, seed=11))
+
+
+@pytest.fixture(scope="module")
+def runs(model_paths: dict, teacher_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each layout's run, shared by the tests that look at it (`WorldRuns`: one spawn per world)."""
     return WorldRuns(
         tmp_path_factory, {name: layout.world for name, layout in LAYOUTS.items()}, _run_layout,
-        lambda name: (model_paths[LAYOUTS[name].tied], asdict(LAYOUTS[name])), _resume_layout,
+        lambda name: (model_paths[LAYOUTS[name].tied], asdict(LAYOUTS[name]),
+                      teacher_path if LAYOUTS[name].teacher else None), _resume_layout,
         [name for name, layout in LAYOUTS.items() if layout.resume_at_tp is not None],
     )
 
@@ -155,6 +172,19 @@ def test_log_probs_and_entropy_match_the_torch_trainer(layout: str, runs: dict, 
     expected = reference[LAYOUTS[layout].tied]["outputs"]
     torch.testing.assert_close(saved["log_probs"], expected.log_probs, rtol=0, atol=2e-5)
     torch.testing.assert_close(saved["entropy"], expected.entropy, rtol=0, atol=2e-5)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["tp2", "pp2-tied"])
+def test_a_held_teachers_log_probs_match_the_torch_trainers_teacher(layout: str, runs: dict,
+                                                                    teacher_path: Path) -> None:
+    """A teacher of another shape than the policy, split over TP or PP ranks as the policy is."""
+    saved = load_file(str(runs[layout] / "teacher.safetensors"))["log_probs"]
+    trainer = TorchTrainer(TorchTrainerConfig(model_path=teacher_path, micro_batch_tokens=MICRO_BATCH_TOKENS,
+                                              check_packing=False))
+    expected = trainer.compute_log_probs(seeded_batch(), temperature=TEMPERATURE).log_probs
+    torch.testing.assert_close(saved, expected, rtol=0, atol=2e-5)
 
 
 @pytest.mark.integration
