@@ -59,8 +59,8 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
     return {
         "model_path": trainable(model.hf_checkpoint),
         "ref_model_path": trainable(model.ref_checkpoint or model.hf_checkpoint) if _needs_ref(config) else None,
-        "teacher_model_paths": {name: Path(teacher.path) for name, teacher in run_teachers(config.distillation).items()
-                                if teacher.path is not None},
+        "teacher_model_paths": {name: trainable(teacher.path) for name, teacher
+                                in run_teachers(config.distillation).items() if teacher.path is not None},
         "lr": trainer.lr,
         "betas": (trainer.adam_beta1, trainer.adam_beta2),
         "weight_decay": trainer.weight_decay,
