@@ -97,7 +97,7 @@ def build_torch_trainer(config: RunConfig) -> Trainer:
     critic = None
     if uses_critic(config):
         assert config.model.hf_checkpoint is not None
-        critic = CriticSettings(model_path=Path(config.trainer.critic_load or config.model.hf_checkpoint),
+        critic = CriticSettings(model_path=trainable(config.trainer.critic_load or config.model.hf_checkpoint),
                                 lr=config.trainer.critic_lr or config.trainer.lr,
                                 stateless_adam=config.trainer.use_stateless_adam)
     settings = TorchTrainerConfig(**_shared_settings(config), device=device, gradient_checkpointing=recompute,
