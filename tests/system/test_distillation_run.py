@@ -3,9 +3,9 @@
 (`--opd-type sglang`, `--rm-url`), here our SGLang-compatible server over the teacher model.
 
 Each script of `tests/data/slime_scripts/` runs with the tiny student and a teacher fine-tuned on the task
-substituted for its model folders, `--train-backend torch` (a Megatron-held teacher's log-probs are checked against
-the torch trainer's in tests/engines/test_megatron_learner_flags.py, at a fraction of a run's time), and its
-output folders under the test's tmp dir. The teacher's signal must reach every step: the reverse-KL metrics in train.jsonl.
+substituted for its model folders, `--train-backend torch` (a Megatron-held teacher is checked against the torch
+trainer's in tests/engines/test_megatron_learner_flags.py, in a fraction of a run's time), and its output folders
+under the test's tmp dir. The teacher's signal must reach every step: the reverse-KL metrics in train.jsonl.
 """
 
 from __future__ import annotations
