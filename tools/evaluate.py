@@ -125,8 +125,8 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
                                                    "reward": o.reward, **o.extras}) + "\n"
                                        for i, o in zip(inputs, outcomes, strict=True)), encoding="utf-8")
     return {"accuracy": float((rewards >= 1.0).mean()), "mean_reward": float(rewards.mean()),
-            "response_length_median": float(np.median(lengths)), "response_length_mean": float(lengths.mean()),
-            "prompts": float(len(records)), "skipped": float(len(report.skipped))}
+            "prompts": float(len(records)), "skipped": float(len(report.skipped)),
+            "response_length_median": float(np.median(lengths)), "response_length_mean": float(lengths.mean())}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
