@@ -115,7 +115,10 @@ SMOLLM2_WORD_PROBLEMS = {"--rollout-max-response-len": "192", "--rollout-batch-s
 # each as the result of its own sentence, then the final answer; a right answer without the working earns 0, so the
 # working (about 200 tokens) is needed, not paid for by length. SmolLM2 asked cold stated a right running count in 2
 # of 96 samples (1 of 64 with a worked example in the prompt): no signal for GRPO. So a short SFT warm start on
-# worked solutions (10 steps of 16, LoRA) teaches the form first, as the tiny demo does.
+# worked solutions (10 steps of 16, LoRA) teaches the form first, as the tiny demo does. Measured (2026-12-07, the
+# machine shared): SFT 16 min 48 s, held-out 4% (median answer 208 tokens; its misses are arithmetic slips, and one
+# slip ends the chain); then GRPO, 10 steps of 4 prompts x 8 samples, 859 s: 13% (+9 points, 2.3 standard errors of
+# the difference), median answer 208 tokens. 8 steps of 4 x 4 samples at lr 5e-4 instead went 4% -> 0%.
 SMOLLM2_LONG_ANSWERS = {"--rm-type": "worked_steps", "--rollout-max-response-len": "320",
                         "--rollout-batch-size": "4", "--num-rollout": "10", "--eval-interval": "1000",
                         "--micro-batch-tokens": "1024"}
