@@ -61,13 +61,16 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
                          metadata_key: str | None = "metadata", tool_key: str | None = "tools",
                          apply_chat_template: bool = False,
                          chat_template_kwargs: dict[str, Any] | None = None,
-                         progress_every_s: float | None = None, image_key: str | None = None) -> dict[str, float]:
+                         progress_every_s: float | None = None, image_key: str | None = None,
+                         samples_out: Path | None = None) -> dict[str, float]:
     """Accuracy and mean reward over every sample; `samples_per_prompt` > 1 at a temperature gives avg@k, the
     expected accuracy of one sample, which moves smoothly with the weights where greedy answers flip. Records the
     data file cannot use are left out, named on stderr and counted (`skipped`), as a run's buffer does; a file with
     none, or a reward that does not resolve, raises EvalInputError. With `progress_every_s`, generation reports
     its progress on stderr that often. `image_key`: the records' images (a vision-language model; the run's
-    --multimodal-keys '{"image": KEY}')."""
+    --multimodal-keys '{"image": KEY}'). The median and mean response length (tokens) come with the accuracy: a
+    reward can be gamed by dropping the reasoning it was meant to need. `samples_out`: every sample as a JSON line
+    (prompt, response, tokens, reward and its extras), to read the answers behind the numbers."""
     from transformers import AutoTokenizer
 
     try:
@@ -115,8 +118,15 @@ async def evaluate_model(model_path: Path, data_path: Path, *, reward: str = "ex
               for r, ids, out in zip(records, prompts, outputs, strict=True) for sample in out]
     outcomes = await score(reward_fn, inputs)
     rewards = np.asarray([o.reward if o.reward is not None else 0.0 for o in outcomes])
+    lengths = np.asarray([len(i.response_ids) for i in inputs])
+    if samples_out is not None:
+        samples_out.write_text("".join(json.dumps({"prompt": i.prompt, "response": i.response, "label": i.label,
+                                                   "tokens": len(i.response_ids), "finish_reason": i.finish_reason,
+                                                   "reward": o.reward, **o.extras}) + "\n"
+                                       for i, o in zip(inputs, outcomes, strict=True)), encoding="utf-8")
     return {"accuracy": float((rewards >= 1.0).mean()), "mean_reward": float(rewards.mean()),
-            "prompts": float(len(records)), "skipped": float(len(report.skipped))}
+            "prompts": float(len(records)), "skipped": float(len(report.skipped)),
+            "response_length_median": float(np.median(lengths)), "response_length_mean": float(lengths.mean())}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -142,6 +152,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--samples-per-prompt", type=int, default=1,
                         help="with a temperature: avg@k, the expected accuracy of one sample")
     parser.add_argument("--seed", type=int, default=None, help="seeded draws (each prompt its own)")
+    parser.add_argument("--samples-out", type=Path, default=None,
+                        help="write every sample (prompt, response, tokens, reward and its extras) to this JSONL")
     return parser.parse_args(argv)
 
 
@@ -158,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, args.data, reward=args.reward, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, samples_per_prompt=args.samples_per_prompt, seed=args.seed,
             input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
-            tool_key=args.tool_key, image_key=args.image_key,
+            tool_key=args.tool_key, image_key=args.image_key, samples_out=args.samples_out,
             apply_chat_template=args.apply_chat_template, chat_template_kwargs=args.apply_chat_template_kwargs,
             progress_every_s=PROGRESS_EVERY_S))
     except EvalInputError as error:

@@ -161,11 +161,13 @@ def summarize(run_dir: Path) -> str:
         if counts:
             total = sum(counts.values())
             lines.append("staleness: " + ", ".join(f"{k}: {100 * v / total:.0f}%" for k, v in sorted(counts.items())))
-    for key in sorted({k for r in evals for k in r if k.endswith("/accuracy")}):
+    # each eval set's accuracy, and its answers' median length (a reward can be won by dropping the reasoning)
+    for key in sorted({k for r in evals for k in r if k.endswith(("/accuracy", "/response_length/median"))}):
         values = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+        shown = ".0f" if key.endswith("median") else ".3f"
         if values:
-            lines.append(f"{key}: {values[0][1]:.3f} at version {values[0][0]} -> {values[-1][1]:.3f} at version "
-                         f"{values[-1][0]}")
+            lines.append(f"{key}: {values[0][1]:{shown}} at version {values[0][0]} -> {values[-1][1]:{shown}} at "
+                         f"version {values[-1][0]}")
     return "\n".join(lines)
 
 

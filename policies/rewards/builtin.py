@@ -1,5 +1,5 @@
 """Imports every built-in reward module so their ``@register_reward`` decorators run (the registry loads this)."""
 
-from policies.rewards import constant, dapo, deepscaler, episodes, geo3k, math_answers, numbers, text
+from policies.rewards import constant, dapo, deepscaler, episodes, geo3k, math_answers, numbers, text, working
 
-__all__ = ["constant", "dapo", "deepscaler", "episodes", "geo3k", "math_answers", "numbers", "text"]
+__all__ = ["constant", "dapo", "deepscaler", "episodes", "geo3k", "math_answers", "numbers", "text", "working"]

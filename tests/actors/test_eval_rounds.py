@@ -85,10 +85,10 @@ def test_next_due_counts_from_the_baseline_or_the_interval() -> None:
     assert next_due(build_config({}), None) is None  # no eval sets: nothing is ever pinned
 
 
-def _scored(group: PromptGroup, reward: float, version: int) -> ScoredGroup:
+def _scored(group: PromptGroup, reward: float | None, version: int, *, length: int = 2) -> ScoredGroup:
     sample = Sample(sample_id=f"{group.group_id}/0", group_id=group.group_id, index=0, prompt=group.prompt,
-                    reward=reward, token_versions=np.full(2, version, dtype=np.int32), response_length=2,
-                    tokens=np.zeros(4, dtype=np.int32), prompt_tokens=2)
+                    reward=reward, token_versions=np.full(length, version, dtype=np.int32), response_length=length,
+                    tokens=np.zeros(2 + length, dtype=np.int32), prompt_tokens=2)
     return ScoredGroup(lease_id="L", group_id=group.group_id, samples=[sample], worker_id="w")
 
 
@@ -105,6 +105,18 @@ def test_a_round_is_written_once_with_its_groups_scored_however_often_they_come_
     assert [(step, metrics["eval/held/accuracy"], metrics["eval/held/off_version_samples"])
             for step, metrics in writer.rows] == [(2, 0.5, 0)]
     assert not rounds.pending and rounds.done_through == 2 and rounds.groups_pending() == []
+
+
+@pytest.mark.unit
+def test_a_round_reports_the_median_and_mean_length_of_its_scored_answers(tmp_path: Path) -> None:
+    rounds, queue, writer = _rounds(_config(tmp_path, eval_prompts=4, n_samples_per_eval_prompt=1))
+    rounds.start(0, weights_version=0)
+    for group, length, reward in zip(list(queue), (10, 30, 200, 500), (1.0, 0.0, 1.0, None), strict=True):
+        rounds.record(_scored(group, reward, 0, length=length))  # the unscored 500-token answer is not counted
+    (_, metrics), = writer.rows
+    assert metrics["eval/held/response_length/median"] == 30.0
+    assert metrics["eval/held/response_length/mean"] == 80.0
+    assert metrics["eval/held/failed_samples"] == 1
 
 
 @pytest.mark.unit

@@ -27,8 +27,8 @@ def test_a_runs_metrics_become_two_pictures_and_a_summary_of_its_gain_and_stalen
         {"step": 2, "time": 21.5, "rollout/reward_mean": 0.7, "staleness/hist_1": 8},
     ])
     write_jsonl(tmp_path / "metrics" / "eval.jsonl", [
-        {"step": 0, "time": 1.0, "eval/heldout/accuracy": 0.1},
-        {"step": 2, "time": 22.0, "eval/heldout/accuracy": 0.85},
+        {"step": 0, "time": 1.0, "eval/heldout/accuracy": 0.1, "eval/heldout/response_length/median": 120.0},
+        {"step": 2, "time": 22.0, "eval/heldout/accuracy": 0.85, "eval/heldout/response_length/median": 37.0},
     ])
     written = plot_run(tmp_path)
     assert written == [tmp_path / "plots" / "curves.png", tmp_path / "plots" / "staleness.png"]
@@ -37,6 +37,7 @@ def test_a_runs_metrics_become_two_pictures_and_a_summary_of_its_gain_and_stalen
     assert "learner steps: 2  wall-clock: 22s  final train reward: 0.700" in summary
     assert "staleness: 0: 38%, 1: 62%" in summary
     assert "eval/heldout/accuracy: 0.100 at version 0 -> 0.850 at version 2" in summary
+    assert "eval/heldout/response_length/median: 120 at version 0 -> 37 at version 2" in summary  # answers shortened
 
 
 def test_an_unreadable_run_is_reported_and_does_not_raise(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

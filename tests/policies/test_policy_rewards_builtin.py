@@ -221,3 +221,44 @@ def test_dapo_refuses_a_label_that_is_not_an_integer_naming_it() -> None:
         with pytest.raises(ValueError, match=f"label: dapo's answer line is compared with an integer label .*got "
                                              f"{re.escape(repr(label))}"):
             _score("dapo", "Answer: 3", label)
+
+
+_STEPS_PROMPT = "Tom has 23 apples. Tom buys 7 more, then gives 5 away, then finds 3 more. How many apples now?"
+_STEPS_WORKED = ("Tom starts with 23 apples. He buys 7 more, so he has 23 + 7 = 30 apples. Then he gives 5 away, "
+                 "so he has 30 - 5 = 25 apples.\nThen he finds 3 more: 25 + 3 = 28.\nThe final answer is 28.")
+
+
+def _steps(response: str, finish_reason: str | None = "stop") -> dict[str, object]:
+    return resolve_reward("worked_steps")(RewardInput(prompt=_STEPS_PROMPT, response=response, label=[30, 25, 28],
+                                                      finish_reason=finish_reason))  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("response", "reward", "correct"), [
+    (_STEPS_WORKED, 1.0, True),  # every result in its own sentence, restated facts and repeats passed over
+    ("1. Tom buys 7 more: 23 + 7 = 30.\n2. He gives 5 away: 25.\n3. He finds 3: 28.\nAnswer: 28", 1.0, True),
+    ("Tom has 28 apples now.", 0.0, False),  # the right answer without the working earns nothing
+    ("Tom buys 7 more, gives 5 away and finds 3 more, so he has 23 + 7 - 5 + 3 = 28.", 0.0, False),  # one sentence
+    ("So he has 30 apples. Then 31. Then 25. Then 28.", 1 / 3, False),  # a wrong claim ends the chain
+    ("He has 30 apples. Then he has 24 apples. Then 28.", 1 / 3, False),
+    ("He has 30 apples. Then he has 25. Then he has 28. Or maybe 29.", 2 / 3, False),  # a wrong number after the end
+    ("He has 25 apples. Then 30. Then 28.", 0.0, False),  # out of order
+])
+def test_worked_steps_pays_for_each_result_stated_in_order_not_for_the_answer_alone(
+        response: str, reward: float, correct: bool) -> None:
+    scored = _steps(response)
+    assert (scored["reward"], scored["correct"]) == (pytest.approx(reward), correct)
+
+
+@pytest.mark.unit
+def test_worked_steps_says_how_much_of_the_chain_was_stated_and_pays_nothing_for_a_cut_off_answer() -> None:
+    assert _steps("He has 30 apples. Then he has 25.")["steps_stated"] == pytest.approx(2 / 3)
+    assert _steps(_STEPS_WORKED, finish_reason="length") == {"reward": 0.0, "correct": False, "steps_stated": 1.0,
+                                                             "truncated": True}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("label", ["28", [], [30, "many"]])
+def test_worked_steps_refuses_a_label_that_is_not_a_chain_of_numbers(label: object) -> None:
+    with pytest.raises(ValueError, match="label: worked_steps expects a non-empty list of numbers"):
+        _score("worked_steps", "28", label)

@@ -34,7 +34,7 @@ async def test_the_reward_sees_what_a_reward_worker_would_see(tmp_path: Path, ti
     reward_plugins.SEEN.clear()
     result = await evaluate_model(tiny_model_path, data, reward="tests.support.reward_plugins:record",
                                   input_key="prompt", label_key="answer", metadata_key="extra",
-                                  apply_chat_template=True, max_new_tokens=4)
+                                  apply_chat_template=True, max_new_tokens=4, samples_out=tmp_path / "out.jsonl")
     assert result["prompts"] == 2 and result["skipped"] == 1
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     seen = reward_plugins.SEEN
@@ -46,6 +46,10 @@ async def test_the_reward_sees_what_a_reward_worker_would_see(tmp_path: Path, ti
     for inp in seen:
         assert 0 < len(inp.response_ids) <= 4 and inp.finish_reason in ("stop", "length")
         assert inp.response == tokenizer.decode(inp.response_ids, skip_special_tokens=True)
+    written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(row["response"], row["tokens"]) for row in written] == [(i.response, len(i.response_ids)) for i in seen]
+    lengths = [len(inp.response_ids) for inp in seen]
+    assert (result["response_length_median"], result["response_length_mean"]) == (sum(lengths) / 2, sum(lengths) / 2)
 
 
 @pytest.fixture(scope="module")
