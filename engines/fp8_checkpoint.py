@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,13 +101,23 @@ def convert(source: str | Path, target: str | Path, block: int = fp8.BLOCK) -> P
     return _write_folder(source, target, files, config, rewrite)
 
 
+def stored_tensors(folder: str | Path, wanted: Callable[[str], bool]) -> dict[str, Any]:
+    """The tensors of a folder's safetensors files whose names `wanted` picks, the others left unread."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            found.update({key: handle.get_tensor(key) for key in handle.keys() if wanted(key)})  # noqa: SIM118
+    return found
+
+
 def dequantise(source: str | Path, target: str | Path) -> Path:
     """Write the FP8 checkpoint `source` as an unquantised float32 one at `target` (which must not exist): each
     projection dequantised with its tile scales (`fp8.dequantise`, SGLang's arithmetic), every other tensor as stored.
     What a learner trains from when `--hf-checkpoint` is an FP8 checkpoint, as slime's scripts give it (slime's
     learner loads its weights from a Megatron checkpoint; this is the same weights for ours)."""
     import torch
-    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     source, target = Path(source), Path(target)
@@ -116,11 +126,8 @@ def dequantise(source: str | Path, target: str | Path) -> Path:
     if block is None:
         raise Fp8CheckpointError(f"{source}: not an FP8 checkpoint (its config.json has no quantization_config)")
     files = sorted(source.glob("*.safetensors"))
-    scales = {}  # a projection's scales may be stored in another file than its values
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            scales.update({key: handle.get_tensor(key) for key in handle.keys()  # noqa: SIM118 (not a dict)
-                           if key.endswith(fp8.SCALE_SUFFIX)})
+    # a projection's scales may be stored in another file than its values
+    scales = stored_tensors(source, lambda key: key.endswith(fp8.SCALE_SUFFIX))
     del config["quantization_config"]
     config["torch_dtype"] = config["dtype"] = "float32"
 

@@ -130,18 +130,15 @@ def load_fp8_checkpoint(folder: Path, loader: Any, dtype: torch.dtype, block: in
     scales stored there, not quantised again, as SGLang loads them. transformers cannot load such a folder without a
     GPU, so the model is loaded as an unquantised one (the FP8 values cast exactly into `dtype`, the scales left
     out) and each projection then replaced and filled from the files."""
-    from safetensors import safe_open
     from transformers import AutoConfig
+
+    from engines.fp8_checkpoint import stored_tensors
 
     config = AutoConfig.from_pretrained(folder)
     del config.quantization_config
     model = loader.from_pretrained(folder, config=config, dtype=dtype)
     names = serve_fp8(model, block)
-    stored = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            stored.update({key: handle.get_tensor(key) for key in handle.keys()  # noqa: SIM118 (not a dict)
-                           if key in names or key.removesuffix(fp8.SCALE_SUFFIX) in names})
+    stored = stored_tensors(folder, lambda key: key in names or key.removesuffix(fp8.SCALE_SUFFIX) in names)
     with torch.no_grad():
         for name in names:
             layer = model.get_submodule(name.removesuffix(".weight"))
