@@ -34,6 +34,7 @@ from actors.config import RunConfig, add_config_flags, config_from_args, split_s
 from actors.config.engines import engine_needs_gpu, weight_backend
 from actors.config.flag_parser import FlagParser
 from actors.config.help import USAGE, HelpFormatter, add_help_flags
+from actors.config.policies import run_dir_policies
 from actors.config.preflight import preflight
 from actors.config.run import learner_ranks_per_node
 from actors.config.settings_errors import SettingsError
@@ -52,6 +53,15 @@ from actors.launch.placement import (
     PlacementError,
     place_node,
     visible_devices,
+)
+from actors.launch.policy_join import (
+    add_policy_flags,
+    ask_to_join,
+    ask_to_leave,
+    joining_roles,
+    leave_on_stop,
+    policy_settings,
+    with_joining_policy,
 )
 from actors.launch.policy_scopes import Scope, role_scopes, write_policy_configs
 from actors.launch.resume import interrupted_note, resume_command, resume_step
@@ -136,6 +146,7 @@ def build_parser(custom_names: Sequence[str] = ()) -> argparse.ArgumentParser:
     run.add_argument("--console-log-level", default="warning", choices=("debug", "info", "warning", "error"),
                      help="what the actors print to this terminal (their full logs are in RUN_DIR/logs)")
     run.add_argument("--no-progress", action="store_true", help="no live progress line")
+    add_policy_flags(parser)
     add_config_flags(parser)
     add_help_flags(parser)
     return parser
@@ -280,9 +291,10 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     def actor_id_of(role: str, index: int, scope: Scope) -> str:
         return scope.actor_id(role) if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
 
-    # a policy's role once per policy (its settings, its own run directory), a shared one once: (role, index, scope)
+    # a policy's role once per policy (its settings, its own run directory), a shared one once: (role, index, scope);
+    # a launcher of a policy joining the running job: that policy's only
     actors = [(role, index, scope) for role in roles for index in range(counts[role])
-              for scope in role_scopes(role, config, run_dir)]
+              for scope in role_scopes(role, config, run_dir) if args.join_policy in (None, scope.policy)]
     here = Counter(role for role, _, _ in actors)
     totals = {r: here.get(r, 0) + other_nodes.get(r, 0) for r in {*here, *other_nodes}}
     run_members = {r: n for r, n in totals.items() if r != "controller" and n > 0}
@@ -331,6 +343,11 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
     args.sglang_passthrough = sglang_passthrough
     if args.curve_keys is not None:
         check_curve_keys(args.curve_keys)
+    if args.leave_policy is not None:  # asks the controller, starts nothing
+        ask_to_leave(args.head_address or head_from_rendezvous(args), args.leave_policy,
+                     "asked by launcher.py --leave-policy", curve_keys=args.curve_keys)
+        return [], args, Path()
+    joining = policy_settings(args) if args.join_policy is not None else None
     node = place_in_job(args)
     if args.head:
         port = node.head_port if node is not None and args.rendezvous_file is None else free_port(args.host)
@@ -363,7 +380,9 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
             config = config.with_settings(learner_world_address=f"tcp://{args.host}:{free_port(args.host)}")
         # after the other nodes' counts: a node given the router attaches none of its servers, the head all
         config = attach_router_servers(config, head=args.head, rollout_workers=args.rollout_workers)
-    counts = node_actor_counts(args, customs, config)
+    if joining is not None and not problems:
+        config = with_joining_policy(config, args.join_policy, joining)
+    counts = node_actor_counts(args, customs, config) if joining is None else joining_roles(config, args.join_policy)
     if config.learner.load_debug_rollout_data and args.roles is None:
         # a replay's learner reads its batches from disk: a buffer would have no prompts, and crash until the
         # launcher gave up on it (the run failed whenever the replay took longer than its restarts)
@@ -373,11 +392,14 @@ def prepare(argv: Sequence[str]) -> tuple[list[ActorContext], argparse.Namespace
         raise LaunchError(f"{len(problems)} configuration problem(s), no actor started:\n  " + "\n  ".join(problems))
     run_dir = (args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if joining is not None:  # the controller adds the policy before its actors register
+        ask_to_join(head_address, args.join_policy, joining, curve_keys=args.curve_keys)
     contexts, config = plan_actors(args, customs, counts, head_address, run_dir, config, other_nodes)
-    # a worker node beside the head's config.yaml, in a run directory the nodes share
-    write_effective_config(config, run_dir, name="config.yaml" if args.head else f"config-node{args.node_rank}.yaml")
-    if args.head:
-        write_policy_configs(config, run_dir)
+    if joining is None:  # a worker node beside the head's config.yaml, in a run directory the nodes share
+        node_file = "config.yaml" if args.head else f"config-node{args.node_rank}.yaml"
+        write_effective_config(config, run_dir, name=node_file)
+    if args.head or joining is not None:
+        write_policy_configs(config, run_dir, only=args.join_policy)
     return contexts, args, run_dir
 
 
@@ -392,9 +414,20 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     supervisor = Supervisor(contexts, run_dir=run_dir, policy=policy, fork_from_template=fork,
                             early_template=early_template)
     loop = asyncio.get_running_loop()
+    left = []  # a joining policy's launcher: whether the policy left (it leaves once, before its actors stop)
+
+    def on_signal(signum: int) -> None:
+        if args.join_policy is not None and not left and not supervisor.stopping:
+            left.append(signum)
+            leaving = leave_on_stop(contexts[0].head_address, args.join_policy, f"its launcher got "
+                                    f"{signal.Signals(signum).name}", curve_keys=args.curve_keys)
+            asyncio.ensure_future(leaving).add_done_callback(
+                lambda _: supervisor.request_stop(f"signal {signal.Signals(signum).name}", signum=signum))
+            return
+        supervisor.request_stop(f"signal {signal.Signals(signum).name}", signum=signum)
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lambda s=signum: supervisor.request_stop(f"signal {signal.Signals(s).name}",
-                                                                                signum=s))
+        loop.add_signal_handler(signum, on_signal, signum)
     learners = [c for c in contexts if c.role == "learner"]  # one per policy, each in its policy's directory
     stop_progress = asyncio.Event()
     progress = None
@@ -407,6 +440,10 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
     if not args.head and args.head_loss_timeout > 0 and contexts:
         head_watch = asyncio.create_task(stop_node_when_head_lost(contexts[0], args.head_loss_timeout, supervisor))
     code = await supervisor.run()
+    if args.join_policy is not None and not left:  # its training finished (or failed): it takes no more groups
+        why = "its training finished" if code == 0 else f"its launcher ended (exit {code})"
+        await leave_on_stop(contexts[0].head_address, args.join_policy, why, curve_keys=args.curve_keys,
+                            quiet=True)
     if clock is not None:
         clock.stop()
     if head_watch is not None:
@@ -421,7 +458,12 @@ async def supervise(contexts: list[ActorContext], args: argparse.Namespace, run_
         from actors.report.run_report import certify_run, report_run
 
         policies = [c.policy for c in learners if c.policy is not None]
-        certify_run(run_dir, prompts=prompt_verdict, run_failed=supervisor.failure, policies=policies)
+        if args.head:  # every policy that took part, those that joined the running job too
+            certify_run(run_dir, prompts=prompt_verdict, run_failed=supervisor.failure,
+                        policies=run_dir_policies(run_dir, policies) if policies else [])
+        else:  # a joining policy's launcher: the head certifies it with the run's others
+            print(f"policy {args.join_policy}: the head's launcher certifies it at the run's end "
+                  f"({run_dir / 'integrity.json'})", file=sys.stderr)
         if learners[0].settings.run.logging.plots:  # a shared setting
             report_run(run_dir, policies)
     return code
@@ -441,8 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             early_template.close()
         print(f"launcher.py: error: {error}", file=sys.stderr)
         return 2
-    name_process(f"launcher-{args.node_rank}", node=args.node_rank, run_dir=run_dir)
-    configure_logging(role="launcher", actor_id=f"launcher-{args.node_rank}", node=args.node_rank,
+    if args.leave_policy is not None:
+        print(f"launcher.py: policy {args.leave_policy} left the run", file=sys.stderr)
+        return 0
+    name = f"launcher-{args.node_rank}" if args.join_policy is None else f"launcher-{args.join_policy}"
+    name_process(name, node=args.node_rank, run_dir=run_dir)
+    configure_logging(role="launcher", actor_id=name, node=args.node_rank,
                       log_dir=run_dir / "logs", file_level=args.log_level, console_level=args.console_log_level)
     print(f"run directory: {run_dir}  head: {contexts[0].head_address if contexts else '-'}", file=sys.stderr)
     clock = None

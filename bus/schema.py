@@ -42,6 +42,8 @@ from bus.schema_control import (
     Heartbeat,
     Leave,
     Member,
+    PolicyJoin,
+    PolicyLeave,
     Register,
     Registered,
     Roster,
@@ -71,6 +73,8 @@ __all__ = [
     "Heartbeat",
     "Leave",
     "Member",
+    "PolicyJoin",
+    "PolicyLeave",
     "Register",
     "Registered",
     "Roster",
@@ -251,6 +255,10 @@ class LeaseRequest(Message):
                         "group for newer weights is left for a worker that has them, and weights too old for "
                         "training get only owned groups (PromptGroup.owner) they can serve")
     ] = None
+    holds_none: Annotated[bool, doc(
+        "the worker's first request for this policy since it began generating for it (it started, or the policy "
+        "joined the run again): it holds none of the leases the buffer restored for it, given out again at once")
+    ] = False
 
 
 class Lease(Message):
@@ -505,6 +513,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         WeightUpdateOrder,
         Register,
         Leave,
+        PolicyJoin,
+        PolicyLeave,
         Registered,
         RunConfigQuery,
         RunConfigReply,

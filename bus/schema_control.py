@@ -46,6 +46,11 @@ class Roster(Message):
     events: Annotated[list[RosterEvent], doc("changes since the previous generation")] = msgspec.field(
         default_factory=list
     )
+    policies: Annotated[dict[str, dict[str, Any]], doc(
+        "a run of several policies: the policies in it now (declared at start or joined since, less those that "
+        "left), each with the settings it sets for itself; empty in a run of one")] = msgspec.field(
+        default_factory=dict
+    )
 
 
 class Register(Message):
@@ -67,6 +72,23 @@ class Leave(Message):
 
     actor_id: Annotated[str, doc("the leaving actor")]
     reason: Annotated[str, doc("why it stops")] = ""
+
+
+class PolicyJoin(Message):
+    """Launcher -> controller (RPC): a policy joins the running job with these settings of its own, before its
+    buffer, learner and evaluator start; reply Ack (ok=False: refused, the error says why)."""
+
+    policy: Annotated[str, doc("the policy's name (lower-case letters, digits, _)")]
+    settings: Annotated[dict[str, Any], doc("the settings the policy sets for itself, as under `policies:` in the "
+                                            "run's YAML")] = msgspec.field(default_factory=dict)
+
+
+class PolicyLeave(Message):
+    """Launcher or operator -> controller (RPC): a policy leaves the running job; its buffer, learner and evaluator
+    stop (its learner checkpoints), the shared workers stop generating for it; reply Ack."""
+
+    policy: Annotated[str, doc("the leaving policy")]
+    reason: Annotated[str, doc("why it leaves")] = ""
 
 
 class Registered(Message):

@@ -123,6 +123,9 @@ class Buffer(Actor):
 
     @serves(LeaseRequest)
     async def on_lease_request(self, sender: str, request: LeaseRequest) -> Lease:
+        if request.holds_none and (reissued := self.core.worker_started(request.worker_id)):
+            self.log.info("groups leased to this worker before it began generating for us re-issued",
+                          worker=request.worker_id, groups=len(reissued))
         # A learner that pushes no weights (--debug-rollout-only) leaves every engine on its first version.
         weights_version = request.weights_version if self.versions.learner_pushes else None
         # Weights older than anything a batch takes still serve the groups pinned to them (an eval round's).

@@ -33,6 +33,8 @@ SHARED_SETTINGS = {
     **dict.fromkeys(("debug_rollout_only", "debug_train_only", "load_debug_rollout_data"),
                     "a debug mode changes which actors the run starts"),
 }
+# How many named adapters a torch engine holds (engines.inference.multi_lora): the most policies a run can have.
+TORCH_ENGINE_ADAPTERS = 8
 POLICY_ROLES = ("buffer", "evaluator", "learner")  # one of each per policy; the other roles are shared
 SCOPE_SEPARATOR = "@"  # a policy's actor id: "learner@solver"
 POLICIES_DIR = "policies"  # RUN_DIR/policies/<name>: a policy's own run directory
@@ -81,3 +83,30 @@ def override_problems(policy: str, overrides: Any, section_of: Mapping[str, str]
             problems.append(f"policies.{policy}.{setting}: shared by every policy ({SHARED_SETTINGS[setting]}); set "
                             "it for the whole run")
     return problems
+
+
+def sglang_loras_per_batch(declared: int) -> int:
+    """--max-loras-per-batch for an SGLang server the run launches: room for every declared policy's adapter and
+    the version it replaces mid-push, the base model, and at least SGLang's default."""
+    from engines.sglang.protocol import LORAS_PER_BATCH  # imports torch: only when a policy is joining or launched
+
+    return max(LORAS_PER_BATCH, 2 * declared + 1)
+
+
+def policy_capacity(engine: str, declared: int, *, attached: bool) -> int | None:
+    """The most policies the run's engines have room for, as a join is checked (None: not known here: an attached
+    SGLang server has what it was started with)."""
+    if engine == "torch":
+        return TORCH_ENGINE_ADAPTERS
+    if engine == "sglang" and not attached:
+        return (sglang_loras_per_batch(declared) - 1) // 2
+    return None
+
+
+def run_dir_policies(run_dir: Path, declared: list[str]) -> list[str]:
+    """Every policy that took part in a run: those it declared, then those that joined it while it ran (each keeps a
+    directory of its own, RUN_DIR/policies/<name>, with its config.yaml)."""
+    root = run_dir / POLICIES_DIR
+    joined = sorted(path.name for path in root.iterdir() if POLICY_NAME.fullmatch(path.name)
+                    and (path / "config.yaml").is_file()) if root.is_dir() else []
+    return [*declared, *(name for name in joined if name not in declared)]

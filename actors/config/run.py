@@ -542,12 +542,13 @@ def policy_names(config: RunConfig) -> tuple[str, ...]:
     return tuple(config.policies)
 
 
-def policy_run_config(config: RunConfig, policy: str) -> RunConfig:
-    """`config` as the actors of `policy` read it: the run's settings with the policy's overrides on top."""
-    if policy not in config.policies:
+def policy_run_config(config: RunConfig, policy: str, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """`config` as the actors of `policy` read it: the run's settings with the policy's overrides on top (`overrides`:
+    those of a policy that joined the running job, which the run's settings do not hold)."""
+    if overrides is None and policy not in config.policies:
         known = ", ".join(config.policies) or "none: the run has one unnamed policy"
         raise KeyError(f"policy {policy!r} is not one of the run's policies ({known})")
-    return _with_overrides(config, config.policies[policy])
+    return _with_overrides(config, config.policies[policy] if overrides is None else overrides)
 
 
 def _with_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:

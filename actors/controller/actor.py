@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.config.run import policy_names
 from actors.controller.finished import FinishedPolicies
 from actors.controller.hang import HangWatch, hang_report, report_views
+from actors.controller.policy_table import PolicyRefused, PolicyTable
 from actors.controller.wandb_mirror import WandbMirror
 from actors.runtime.base import Actor
 from actors.runtime.handlers import serves
@@ -60,8 +60,8 @@ class Controller(Actor):
         self.publisher: Publisher | None = None
         self.latest_version: VersionAnnouncement | None = None  # the last announced, of any policy
         self.policy_versions: dict[str, VersionAnnouncement] = {}  # the last of each policy, in a run of several
-        self.finished = FinishedPolicies(policy_names(self.settings.run), context.run_dir,
-                                         self.settings.clock_origin)
+        self.policy_table = PolicyTable(self.settings.run, context.run_dir, self.settings.clock_origin)
+        self.finished = FinishedPolicies(tuple(self.policy_table.live), context.run_dir, self.settings.clock_origin)
         self.incarnation = secrets.token_hex(8)
         limits = self.settings.run.controller
         self.hang = HangWatch(limits.hang_timeout, time.monotonic(), start_timeout_s=limits.start_timeout)
@@ -201,6 +201,8 @@ class Controller(Actor):
             # A late joiner (a worker node that started after the run finished) would never hear the stop that
             # was broadcast before it subscribed, and would wait on a head that is leaving.
             return self._run_over()
+        if (policy_over := self._policy_over(request.policy)) is not None:
+            return policy_over
         previous = self.records.get(request.actor_id)
         if previous is not None and self._held_elsewhere(previous, sender):
             # A live process holds this name (a restarted process's predecessor is detached by the time it
@@ -258,7 +260,57 @@ class Controller(Actor):
             # broadcast is still on its way and says why
             record.told_over = True
             return self._run_over()
+        if (policy_over := self._policy_over(record.member.policy)) is not None:
+            return policy_over  # its policy left the run: it stops (a learner checkpoints first)
         return Ack(ok=True, error=None)
+
+    def _policy_over(self, policy: str | None) -> Error | None:
+        """The answer to an actor of a policy that is not in the run (it left, or never joined), else None."""
+        if policy is None or not self.policy_table.several or policy in self.policy_table.live:
+            return None
+        why = self.policy_table.left.get(policy)
+        detail = (f"policy {policy} left the run ({why})" if why is not None else
+                  f"policy {policy} is not in the run: join it with launcher.py --join-policy {policy}")
+        return Error(reason="policy_left", detail=detail)
+
+    @serves(schema.PolicyJoin)
+    async def on_policy_join(self, sender: str, request: schema.PolicyJoin) -> Ack:
+        """A policy joins the running job: from the roster that says so, the shared workers generate and score for
+        it, and its own actors may register."""
+        if self.run_state in ("draining", "stopped", "failed"):
+            return Ack(ok=False, error=f"policy {request.policy!r} cannot join: the run is {self.run_state}")
+        try:
+            new = self.policy_table.join(request.policy, dict(request.settings))
+        except PolicyRefused as error:
+            self.log.warning("policy join refused", policy=request.policy, error=str(error), origin=peer_name(sender))
+            return Ack(ok=False, error=str(error))
+        if new:
+            self.finished.add(request.policy)
+            self.log.info("policy joined", policy=request.policy, settings=dict(request.settings),
+                          policies=list(self.policy_table.live), origin=peer_name(sender))
+            self._publish_roster([])
+        return Ack(ok=True, error=None)
+
+    @serves(schema.PolicyLeave)
+    async def on_policy_leave(self, sender: str, request: schema.PolicyLeave) -> Ack:
+        """A policy leaves: the shared workers stop generating for it, its own actors stop, and the run goes on with
+        the others (it ends here when none is left training)."""
+        try:
+            self._policy_leaves(request.policy, request.reason, peer_name(sender))
+        except PolicyRefused as error:
+            return Ack(ok=False, error=str(error))
+        return Ack(ok=True, error=None)
+
+    def _policy_leaves(self, policy: str, reason: str, origin: str) -> None:
+        self.policy_table.leave(policy, reason)
+        self.finished.remove(policy)
+        self.log.info("policy left", policy=policy, reason=reason, policies=list(self.policy_table.live),
+                      origin=origin)
+        self._publish_roster([])
+        if not self.policy_table.live:
+            self.request_stop(f"every policy left the run (the last, {policy}: {reason})")
+        else:
+            self._stop_once_every_policy_finished()
 
     def _run_over(self) -> Error:
         reason = "run_failed" if self.run_state == "failed" else "run_over"
@@ -311,7 +363,10 @@ class Controller(Actor):
             self.log.warning("a stop for an unknown policy ignored", policy=policy, origin=peer_name(sender))
             return Ack(ok=False, error=error.args[0])
         self.log.info("policy finished", policy=policy, reason=reason, still_training=self.finished.training)
-        self._stop_once_every_policy_finished()
+        if policy in self.settings.run.policies:
+            self._stop_once_every_policy_finished()
+        else:  # one that joined the running job leaves with its training done: its launcher's actors stop now
+            self._policy_leaves(policy, f"its training finished ({reason})", peer_name(sender))
         return Ack(ok=True, error=None)
 
     def _stop_once_every_policy_finished(self) -> None:
@@ -407,7 +462,8 @@ class Controller(Actor):
 
     def _roster(self, events: list[schema.RosterEvent]) -> schema.Roster:
         members = [record.member for record in self.records.values()]
-        return schema.Roster(generation=self.generation, members=members, events=events)
+        policies = self.policy_table.live if self.policy_table.several else {}
+        return schema.Roster(generation=self.generation, members=members, events=events, policies=policies)
 
     def _publish_roster(self, events: list[schema.RosterEvent]) -> None:
         assert self.publisher is not None

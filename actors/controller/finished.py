@@ -19,8 +19,9 @@ FILE = "finished-policies.json"
 
 class FinishedPolicies:
     def __init__(self, policies: tuple[str, ...], run_dir: Path, clock_origin: float | None) -> None:
-        """`policies`: the run's, in declaration order; () for a run of one unnamed policy (nothing is recorded)."""
-        self.policies = policies
+        """`policies`: the run's, in declaration order; () for a run of one unnamed policy (nothing is recorded).
+        Policies that join or leave the running job are added and removed (`policy_table.py`)."""
+        self.policies = list(policies)
         self._path = run_dir / FILE
         self._origin = clock_origin
         self.reasons: dict[str, str] = self._read() if policies and clock_origin is not None else {}
@@ -30,11 +31,28 @@ class FinishedPolicies:
             known = ", ".join(self.policies) or "none: the run has one unnamed policy"
             raise KeyError(f"policy {policy!r} is not one of the run's policies ({known})")
         self.reasons[policy] = reason
+        self._write()
+
+    def _write(self) -> None:
         if self._origin is None:
             return
         partial = self._path.with_name(FILE + ".partial")
         partial.write_text(json.dumps({"clock_origin": self._origin, "finished": self.reasons}), encoding="utf-8")
         os.replace(partial, self._path)
+
+    def add(self, policy: str) -> None:
+        """A policy joined (again): it trains until its learner says it finished."""
+        if policy not in self.policies:
+            self.policies.append(policy)
+        if self.reasons.pop(policy, None) is not None:
+            self._write()
+
+    def remove(self, policy: str) -> None:
+        """A policy left: the run no longer waits for it."""
+        if policy in self.policies:
+            self.policies.remove(policy)
+        if self.reasons.pop(policy, None) is not None:
+            self._write()
 
     @property
     def training(self) -> list[str]:

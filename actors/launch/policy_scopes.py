@@ -51,10 +51,11 @@ def runs_any_evaluator(config: RunConfig) -> bool:
     return any(runs_evaluator(scope.config) for scope in policy_scopes(config, Path()))
 
 
-def write_policy_configs(config: RunConfig, run_dir: Path) -> None:
+def write_policy_configs(config: RunConfig, run_dir: Path, only: str | None = None) -> None:
     """Each policy's effective settings in its directory (RUN_DIR/policies/<name>/config.yaml): what its actors read,
-    where a tool given the policy's directory looks for them. Nothing for a run of one unnamed policy."""
+    where a tool given the policy's directory looks for them. Nothing for a run of one unnamed policy. `only`: that
+    policy's alone (one joining the running job)."""
     for scope in policy_scopes(config, run_dir):
-        if scope.policy is not None:
+        if scope.policy is not None and only in (None, scope.policy):
             scope.run_dir.mkdir(parents=True, exist_ok=True)
             write_effective_config(scope.config, scope.run_dir)

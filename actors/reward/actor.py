@@ -39,7 +39,7 @@ from actors.runtime.context import ActorContext
 from actors.runtime.handlers import handles
 from actors.runtime.peers import PeerStream
 from bus.episodes import EpisodeKey, by_episode, episode_key, final_segment
-from bus.schema import GeneratedGroup, Sample, ScoredGroup
+from bus.schema import GeneratedGroup, Roster, Sample, ScoredGroup
 from policies.failed_samples import samples_to_train
 from policies.rewards import REWARD_EXTRAS, RewardSpec, score, score_group
 
@@ -73,6 +73,7 @@ class RewardWorker(Actor):
     def __init__(self, context: ActorContext) -> None:
         super().__init__(context)
         self.scorings: dict[str | None, PolicyScoring] = {}  # by policy; None: the run's one unnamed policy
+        self.left_policies: set[str] = set()  # policies that left the running job
 
     async def on_start(self) -> None:
         self.config = self.settings.run
@@ -80,20 +81,41 @@ class RewardWorker(Actor):
         policies = policy_names(self.config) or (None,)
         self.scorings = {policy: self._scoring(policy) for policy in policies}
 
-    def _scoring(self, policy: str | None) -> PolicyScoring:
-        """`policy`'s scoring from its own settings; None: the run's single policy."""
-        config = self.config if policy is None else policy_run_config(self.config, policy)
+    def _scoring(self, policy: str | None, overrides: dict | None = None) -> PolicyScoring:
+        """`policy`'s scoring from its own settings (`overrides`: a policy that joined the running job's); None: the
+        run's single policy."""
+        config = self.config if policy is None else policy_run_config(self.config, policy, overrides)
         log = self.log if policy is None else self.log.bind(policy=policy)
         reward = reward_spec(config)
         failures = RewardFailures(log, reward.name, limit=config.reward.reward_failure_limit)
         return PolicyScoring(policy, config, reward, failures, self.peer_stream("buffer", policy=policy),
                              _teachers(config), _eval_set_rewards(config, reward))
 
+    async def on_roster(self, roster: Roster) -> None:
+        """Policies join and leave the running job (actors.controller.policy_table): a scoring for each that joined;
+        none for one that left, whose groups still on their way are dropped, counted (its buffer gives them out
+        again if it comes back)."""
+        if not roster.policies:
+            return
+        for policy in [name for name in self.scorings if name is not None and name not in roster.policies]:
+            self.left_policies.add(policy)
+            await self._close(self.scorings.pop(policy))
+            self.log.info("policy left the run: no more scoring for it", policy=policy)
+        for policy, overrides in roster.policies.items():
+            if policy not in self.scorings:
+                self.left_policies.discard(policy)
+                self.scorings[policy] = self._scoring(policy, overrides)
+                self.log.info("policy joined the run: scoring for it", policy=policy)
+
+    @staticmethod
+    async def _close(scoring: PolicyScoring) -> None:
+        scoring.failures.flush()
+        if scoring.teachers is not None:
+            await scoring.teachers.close()
+
     async def on_stop(self) -> None:
         for scoring in self.scorings.values():
-            scoring.failures.flush()
-            if scoring.teachers is not None:
-                await scoring.teachers.close()
+            await self._close(scoring)
 
     @handles(GeneratedGroup, concurrency=4)
     async def on_generated(self, sender: str, group: GeneratedGroup) -> None:
@@ -118,7 +140,11 @@ class RewardWorker(Actor):
 
     def _drop_unknown_policy(self, group: GeneratedGroup) -> None:
         """A group no policy of the run owns has no reward and no buffer: dropped (its lease times out at whichever
-        buffer leased it), counted, and named in the log (the first few, then every 100th)."""
+        buffer leased it), counted, and named in the log (the first few, then every 100th). One of a policy that
+        left the run is expected (generated as it left): counted apart."""
+        if group.policy in self.left_policies:
+            self.counters["groups.dropped.policy_left"] += 1
+            return
         self.counters["groups.dropped.unknown_policy"] += 1
         count = self.counters["groups.dropped.unknown_policy"]
         if count <= UNKNOWN_POLICY_LOGGED or count % 100 == 0:

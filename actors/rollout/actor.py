@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 
-from actors.config.run import policy_names, policy_run_config
+from actors.config.run import policy_names
 from actors.data.prompt_tokens import ImageTokens
 from actors.extensions.load import check_rollout_loop, rollout_loop, round_function
 from actors.extensions.points import WHOLE_ROUND, RolloutLoop
@@ -27,7 +27,7 @@ from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
 from actors.rollout.failures import TRANSIENT, unless_aborted
 from actors.rollout.generate import GenerateFunction, RolloutContext, groups_calls
 from actors.rollout.kv_cache_log import record_kv_cache
-from actors.rollout.lanes import Lane
+from actors.rollout.lanes import Lane, policy_lane, retire_adapter
 from actors.rollout.router import STOP_WAIT_S, EngineRouter
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
@@ -86,6 +86,7 @@ class RolloutWorker(Actor):
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.image_tokens = ImageTokens.of_run(self.config)  # the image processor loads at the first image prompt
         self.lanes = self._open_lanes(self.engine)
+        self._retiring: dict[str, asyncio.Task] = {}  # the adapters of policies that left, leaving the engine
         self._turn = 0  # the lane that asks for work first next time
         self.router = self._open_router(self.engine)
         self.rewards = self.peer_stream("reward")
@@ -116,16 +117,26 @@ class RolloutWorker(Actor):
 
     def _open_lanes(self, engine: InferenceEngine) -> list[Lane]:
         """One lane per policy of the run, each leasing from its policy's buffer; one of policy None otherwise."""
-        policies = policy_names(self.config)
-        if not policies:
-            return [Lane(None, self.config, self.peer_rpc("buffer"), engine, self.log)]
-        lanes = []
-        for policy in policies:
-            lane = Lane(policy, policy_run_config(self.config, policy), self.peer_rpc("buffer", policy=policy), engine,
-                        self.log.bind(policy=policy))
-            lane.engine = lane.view(engine)
-            lanes.append(lane)
-        return lanes
+        return [policy_lane(self.config, policy, self.peer_rpc("buffer", policy=policy), engine, self.log)
+                for policy in policy_names(self.config) or (None,)]
+
+    async def _follow_policies(self, policies: dict[str, dict]) -> None:
+        """The policies in the run now (the roster's): a lane for each that joined, its adapter served fresh until its
+        learner pushes; none for one that left (lanes.py). The last lane stays: with no policy left the run ends."""
+        if not policies or self.engine is None:
+            return
+        for lane in [lane for lane in self.lanes if lane.policy not in policies][:len(self.lanes) - 1]:
+            self.lanes.remove(lane)
+            self.log.info("policy left the run: no more groups for it", policy=lane.policy)
+            self._retiring[str(lane.policy)] = self.spawn(retire_adapter(
+                self.engine, str(lane.policy), timeout=self.config.buffer.lease_timeout, log=self.log))
+        for policy in [name for name in policies if self.lane_of(name) is None]:
+            if (retiring := self._retiring.pop(policy, None)) is not None:
+                retiring.cancel()  # back before its adapter left the engine: it stays
+            self.engine.serve_adapter(policy)  # type: ignore[attr-defined]
+            self.lanes.append(policy_lane(self.config, policy, self.peer_rpc("buffer", policy=policy), self.engine,
+                                          self.log, overrides=policies[policy]))
+            self.log.info("policy joined the run: generating for it", policy=policy)
 
     def lane_of(self, policy: str | None) -> Lane | None:
         """The lane of `policy` (None: a run of one unnamed policy), or None if this worker has none for it."""
@@ -438,8 +449,8 @@ class RolloutWorker(Actor):
         """Groups from the lane's buffer, for weights of the version its policy's adapter has on our engine."""
         lane = lane or self.lane
         try:
-            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups,
-                                   weights_version=lane.engine.version, max_samples=max_samples)
+            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, weights_version=lane.engine.version,
+                                   max_samples=max_samples, holds_none=not lane.leased_before)
             reply = await lane.buffer.call(request, timeout=LEASE_ATTEMPT_S, retries=LEASE_RETRIES,
                                            member_wait=BUFFER_WAIT_S)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
@@ -449,13 +460,14 @@ class RolloutWorker(Actor):
         if not isinstance(reply, Lease):
             self.log.warning("unexpected lease reply", reply=repr(reply)[:200])
             return None
+        lane.leased_before = True
         return reply
 
     async def _renew_leases(self) -> None:
         interval = max(0.5, self.config.buffer.lease_timeout / 3)
         while True:
             await asyncio.sleep(interval)
-            for lane in self.lanes:
+            for lane in list(self.lanes):
                 for lease_id in list(lane.held_leases):
                     with contextlib.suppress(Exception):
                         await lane.buffer.call(LeaseRenew(lease_id=lease_id), timeout=2.0, retries=0)
@@ -529,6 +541,7 @@ class RolloutWorker(Actor):
         lease of a reward worker's)."""
         if self.router is not None:
             self.router.sync(self.roster)
+        await self._follow_policies(roster.policies)
         for event in roster.events:
             member = self.roster.get(event.actor_id)
             if event.kind not in ("died", "left") or member is None or member.role != "reward":

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
 from actors.config.engines import engine_spec
+from actors.config.policies import TORCH_ENGINE_ADAPTERS, sglang_loras_per_batch
 from actors.config.rollout_fp8 import rolls_out_fp8
 from actors.config.run import policy_names
 from actors.rollout.generate import Tokenizer
@@ -80,6 +81,7 @@ def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[Inferenc
         prefill_chunk_tokens=config.engine.torch_prefill_chunk_tokens,
         # a run of several policies: each one's adapter, served by the policy's name, fresh until its learner pushes
         adapters=policy_names(config),
+        max_adapters=TORCH_ENGINE_ADAPTERS,  # what a policy joining the run may take (actors.config.policies)
         image_limits=config.data.image_limits,
         fp8=rolls_out_fp8(config.weights, config.model.hf_checkpoint),
     )
@@ -266,9 +268,7 @@ def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
     if config.lora.enabled:
         extra.update(lora_server_args(config))
         if config.policies:  # room in a batch for every policy's adapter, the ones they replace, and the base model
-            from engines.sglang.protocol import LORAS_PER_BATCH
-
-            extra.setdefault("max-loras-per-batch", str(max(LORAS_PER_BATCH, 2 * len(config.policies) + 1)))
+            extra.setdefault("max-loras-per-batch", str(sglang_loras_per_batch(len(config.policies))))
     if config.placement.colocate:  # the learner shares the GPU: the server hands its memory over between turns
         extra.setdefault("enable-memory-saver", "true")
     if config.trainer.use_rollout_routing_replay:

@@ -7,17 +7,24 @@ the reward workers, its generation failures in a row (`failures.py`), and the en
 (`AdapterEngine`: every request names the policy's adapter, and the version is the adapter's). What the lanes share
 is the worker's: the engine's rows, the router, the reward stream. A run of one unnamed policy has one lane, of policy
 None, whose engine is the worker's engine itself.
+
+Policies join and leave a running job (`actors.controller.policy_table`): the roster says which are in it, and a
+worker opens a lane for one that joined (its adapter served fresh on the engine until its learner's first push) and
+closes the lane of one that left (no more leases; what it was generating goes to the reward workers, who drop it,
+and its buffer gives those groups out again if the policy comes back; its adapter leaves the engine once idle).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
+from actors.config.run import policy_run_config
 from actors.rollout.failures import GenerateFailures
 from actors.rollout.handed_off import HandedOff
 from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, PauseMode
@@ -85,6 +92,7 @@ class Lane:
     # told "nothing now" asks again at once instead of at its next poll.
     work_may_open: asyncio.Event = field(default_factory=asyncio.Event)
     held_leases: dict[str, int] = field(default_factory=dict)  # lease id -> groups still generating
+    leased_before: bool = False  # its buffer answered a lease request: the first says we hold none of its leases
     handed_off: HandedOff = field(init=False)  # the groups handed to each reward worker, for LostGroups
     failures: GenerateFailures = field(init=False)  # by the policy's --generate-failure-limit
 
@@ -106,3 +114,42 @@ class Lane:
     def view(self, engine: InferenceEngine) -> InferenceEngine:
         """`engine` (the worker's own, or the router's view of the run's engines) as this policy sees it."""
         return engine if self.policy is None else AdapterEngine(engine, self.policy)
+
+
+def policy_lane(config: RunConfig, policy: str | None, buffer: Any, engine: InferenceEngine, log: Any,
+                overrides: dict[str, Any] | None = None) -> Lane:
+    """`policy`'s lane on the worker's `engine` (None: the run's one unnamed policy); `overrides`: the settings of a
+    policy that joined the running job."""
+    if policy is None:
+        return Lane(None, config, buffer, engine, log)
+    lane = Lane(policy, policy_run_config(config, policy, overrides), buffer, engine, log.bind(policy=policy))
+    lane.engine = lane.view(engine)
+    return lane
+
+
+async def retire_adapter(engine: InferenceEngine, policy: str, *, timeout: float, log: Any) -> None:
+    """A policy left: its adapter leaves `engine` once none of its requests is in flight, within `timeout` (its
+    slot stays taken otherwise, said in the log; a policy joining again under the name reuses it)."""
+    if hasattr(engine, "stop_serving"):  # an SGLang server: it waits for the adapter's requests itself
+        stop = engine.stop_serving(policy, timeout=timeout)
+    else:
+        stop = _unload_when_idle(engine, policy, timeout)
+    try:
+        await stop
+    except (TimeoutError, ValueError) as error:
+        log.warning("adapter of a policy that left stays on the engine", policy=policy, error=str(error)[:300])
+    else:
+        log.info("adapter of a policy that left unloaded", policy=policy)
+
+
+async def _unload_when_idle(engine: Any, policy: str, timeout: float) -> None:
+    """The torch engine refuses to unload an adapter its requests still use: ask again until they are done."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await engine.unload_adapter(policy)
+            return
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(0.5)

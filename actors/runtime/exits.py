@@ -24,7 +24,8 @@ EXIT_CONTROLLER_UNREACHABLE = 3
 EXIT_RUN_FAILED = 4  # not restarted: the run failed (the actor's report says how), every launcher fails with it
 FINAL_EXITS = (EXIT_BAD_CONFIG, EXIT_RUN_FAILED)
 ABORTED = "aborted by the controller: "  # opens the report of an actor that failed because the run was aborted
-RUN_OVER = ("run_over", "run_failed")  # the controller's answer to a member of a run that is ending
+# The controller's answer to a member of a run that is ending, or of a policy that left it (it stops, exit 0).
+RUN_OVER = ("run_over", "run_failed", "policy_left")
 
 
 class ControllerUnreachable(RuntimeError):

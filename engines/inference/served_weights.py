@@ -45,6 +45,7 @@ class ServedWeights:
         if len(fresh) > max_adapters:
             raise ValueError(f"{len(fresh)} adapters ({', '.join(fresh)}) exceed max_adapters={max_adapters}")
         self._fresh_adapters = frozenset(fresh)
+        self._max_adapters = max_adapters
         self._checkpoint_views: dict[str, torch.Tensor] | None = None  # made at the first checkpoint-named load
 
     def load(self, named_tensors: Iterable[NamedTensor]) -> None:
@@ -92,16 +93,30 @@ class ServedWeights:
         """Whether a request may name `adapter`: loaded, or fresh (served as the base weights until loaded)."""
         return adapter in self.named_adapters or adapter in self._fresh_adapters
 
+    def serve_fresh(self, adapter: str) -> None:
+        """Serve `adapter` as the base weights until its first load; nothing changes if it is served already."""
+        if not isinstance(adapter, str) or not adapter:
+            raise ValueError(f"serve_adapter: adapter must be a non-empty name, got {adapter!r}")
+        if self.serves(adapter):
+            return
+        served = sorted({*self.named_adapters.names, *self._fresh_adapters})
+        if len(served) >= self._max_adapters:
+            raise ValueError(f"serve_adapter: adapter {adapter!r}: the engine serves {len(served)} adapters "
+                             f"({', '.join(served)}), its most (max_adapters)")
+        self._fresh_adapters |= {adapter}
+
     def unload_adapter(self, adapter: str, users: Sequence[str]) -> None:
-        """Stop serving `adapter`; refused while requests (`users`, their ids) still generate with it."""
-        if adapter not in self.named_adapters:
-            raise ValueError(f"unload_adapter: adapter {adapter!r} is not loaded (loaded: "
-                             f"{sorted(self.named_adapters.names)})")
+        """Stop serving `adapter`, loaded or fresh; refused while requests (`users`, their ids) still generate with
+        it."""
+        if not self.serves(adapter):
+            raise ValueError(f"unload_adapter: adapter {adapter!r} is not served (served: "
+                             f"{sorted({*self.named_adapters.names, *self._fresh_adapters})})")
         if users:
             raise ValueError(f"unload_adapter: adapter {adapter!r} serves {len(users)} requests in flight "
                              f"({', '.join(map(repr, users[:3]))}{' ...' if len(users) > 3 else ''}); abort or finish "
                              "them first")
-        self.named_adapters.remove(adapter)
+        if adapter in self.named_adapters:
+            self.named_adapters.remove(adapter)
         self._fresh_adapters -= {adapter}
 
     def fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan,

@@ -1,14 +1,13 @@
 """The embedded torch inference engine: a Hugging Face causal LM behind the `InferenceEngine` interface.
 
-It is the default on machines without CUDA and the reference the SGLang engine is checked against, so it
-favours exactness (greedy output equals `model.generate()`, log-probs equal the trainer's) and then speed
-(continuous batching with a KV cache, see `batcher.py`).
+The default on machines without CUDA and the reference the SGLang engine is checked against, it favours exactness
+(greedy output equals `model.generate()`, log-probs equal the trainer's), then speed (`batcher.py`).
 
 Threading: one decode thread per engine runs every forward; torch releases the GIL inside its kernels, so the
 owning actor's asyncio loop keeps answering while the model computes. The async methods put a command on a queue
 and await a future the decode thread resolves (`loop.call_soon_threadsafe`); the thread applies commands (requests,
-aborts, pause/resume, weight updates, close) between two steps: "a weight update lands between two decode steps"
-is literally true. The decode thread inherits the caller's `torch.set_num_threads`.
+aborts, pause/resume, weight updates, close) between two steps, so a weight update lands between two decode steps
+exactly. The decode thread inherits the caller's `torch.set_num_threads`.
 
 Weight updates and the KV cache: by default (`recompute_kv_on_update=True`) an update also drops the KV
 cache, and the in-flight samples are re-prefilled with the new weights before their next token, so every
@@ -200,10 +199,8 @@ class TorchEngine(base.InferenceEngine):
         return self._version
 
     def adapter_version(self, adapter: str) -> int:
-        """The policy version of named adapter `adapter` (its last `update_weights(..., adapter=)`): what its requests'
-        tokens carry from the next step on. 0 before its first load, like a fresh engine's `version`: a fresh adapter
-        is version 0 of its policy (the base weights exactly), and a worker compares it with the learner's versions as
-        it compares `version`."""
+        """The policy version of named adapter `adapter`, what its requests' tokens carry: 0 before its first load,
+        as a fresh engine's `version` (a fresh adapter is its policy's version 0, the base weights exactly)."""
         return self._batcher.adapter_versions.get(adapter, 0)
 
     @property
@@ -244,9 +241,12 @@ class TorchEngine(base.InferenceEngine):
             raise ValueError(f"update_weights: adapter must be a non-empty string or None, got {adapter!r}")
         await self._call(_UpdateWeights(named_tensors, version, adapter))
 
+    def serve_adapter(self, adapter: str) -> None:
+        """One more named adapter, fresh until its first load (a policy that joined the running job)."""
+        self._weights.serve_fresh(adapter)
+
     async def unload_adapter(self, adapter: str) -> None:
-        """Stop serving a named adapter, the others untouched. Refused while samples of it are in flight (their next
-        step would have no adapter to run with): abort or finish them first."""
+        """Stop serving a named adapter, loaded or fresh, the others untouched; refused while requests use it."""
         await self._call(_UnloadAdapter(adapter))
 
     async def served_fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan, *,

@@ -13,6 +13,7 @@ fresh LoRA adapter (B = 0) computes exactly what the base does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,24 @@ class AdapterEndpoints:
         self._served[policy] = (name, version)
         if policy is None:  # a run of one policy: its adapter's version is the engine's
             self._version = version
+
+    def serve_adapter(self, policy: str) -> None:
+        """Serve one more policy's adapter (a policy that joined the running job): its requests run on the base
+        model until its first load."""
+        if self.adapters is None:
+            raise ValueError(f"serve_adapter: adapter {policy!r}: {self.url} serves no adapters (--lora-rank)")
+        if policy not in self.adapters.policies:
+            self.adapters = dataclasses.replace(self.adapters, policies=(*self.adapters.policies, policy))
+
+    async def stop_serving(self, policy: str, *, timeout: float) -> None:
+        """A policy left the run: its requests are refused from now on, and its adapter leaves the server once none
+        of its requests is in flight (`unload_adapter`'s wait)."""
+        if self.adapters is not None:
+            kept = tuple(name for name in self.adapters.policies if name != policy)
+            self.adapters = dataclasses.replace(self.adapters, policies=kept)
+        served = self._served.pop(policy, None)
+        if served is not None:
+            await self.unload_adapter(served[0], timeout=timeout)
 
     async def unload_adapter(self, name: str, *, timeout: float) -> None:
         """Drop adapter `name` from the server once no request of this client that named it is in flight.

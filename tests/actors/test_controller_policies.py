@@ -17,13 +17,14 @@ from structlog.testing import capture_logs
 
 from actors.config import build_config
 from actors.controller.actor import Controller
+from actors.controller.policy_table import PolicyRefused, PolicyTable
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext, ActorSettings
 from actors.runtime.metrics import read_metrics
 from actors.runtime.roles import BUILTIN_ROLES
 from bus import RpcClient
 from bus.address import free_port
-from bus.schema import Ack, Control, VersionAnnouncement
+from bus.schema import Ack, Control, PolicyJoin, PolicyLeave, Roster, VersionAnnouncement
 from tests.support.inprocess import HANG_S, ActorSystem, actor_system
 from tests.support.policies import start_actor
 
@@ -36,11 +37,15 @@ class Member(Actor):
     def __init__(self, context: ActorContext) -> None:
         super().__init__(context)
         self.heard: list[Control] = []
+        self.policies: dict[str, dict] = {}  # the run's policies, as the last roster said
+
+    async def on_roster(self, roster: Roster) -> None:
+        self.policies = dict(roster.policies)
 
     async def on_control(self, control: Control) -> None:
         self.heard.append(control)
 
-    async def tell(self, message: Control | VersionAnnouncement) -> Ack:
+    async def tell(self, message: Control | VersionAnnouncement | PolicyJoin | PolicyLeave) -> Ack:
         assert self._controller is not None
         return await self._controller.call(message, timeout=5.0, retries=0)
 
@@ -163,3 +168,54 @@ async def test_a_restarted_controller_remembers_which_policies_finished_in_this_
     assert restarted._stop_reason == "every policy finished: a: trained 3 batches; b: trained 5 batches"
 
     assert _controller(tmp_path, clock_origin=2000.0).finished.reasons == {}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_policies_join_and_leave_the_running_job_and_the_run_ends_when_none_trains(tmp_path: Path) -> None:
+    """A join is checked as `policies:` is at start and goes out in the roster; a policy that left has its actors'
+    heartbeats answered `policy_left` (they stop) while the others go on; a policy that joined leaves once its
+    training finished, and the run ends when no policy in it still trains."""
+    async with _run(tmp_path) as (system, a, b):
+        controller = system["controller"]
+        assert await a.tell(PolicyJoin(policy="c", settings={"lr": 1e-3})) == Ack(ok=True, error=None)
+        await system.wait_for(lambda: "c" in b.policies, HANG_S, "the roster naming c")
+        assert b.policies == {"a": {}, "b": {}, "c": {"lr": 1e-3}}
+        assert (await a.tell(PolicyJoin(policy="c", settings={"lr": 1e-3}))).ok  # asked again: the same policy
+        for name, settings, why in (
+                ("c", {"lr": 2e-3}, "is in the run already, with other settings"),
+                ("d", {"hf_checkpoint": "/elsewhere"}, "policies.d.hf_checkpoint: shared by every policy"),
+                ("d", {"lr": "fast"}, "policies.d.lr"),
+                ("D-1", {}, "name 'D-1' must be lower-case letters")):
+            refused = await a.tell(PolicyJoin(policy=name, settings=settings))
+            assert not refused.ok and why in str(refused.error), refused
+
+        assert await a.tell(PolicyLeave(policy="b", reason="done with it")) == Ack(ok=True, error=None)
+        await system.wait_for(lambda: b.stopping, HANG_S, "b's actor told its policy left")
+        assert "policy b left the run (done with it)" in b._stop_reason and not a.stopping
+        again = await a.tell(PolicyLeave(policy="b"))
+        assert not again.ok and "it left: done with it" in str(again.error)
+        assert a.policies == {"a": {}, "c": {"lr": 1e-3}}
+
+        assert (await a.tell(Control(command="stop", reason="trained 3 batches", policy="a"))).ok
+        await _broadcasts_heard(system, a)
+        assert not controller.stopping  # c, which joined, still trains
+        assert (await a.tell(Control(command="stop", reason="trained 2 batches", policy="c"))).ok
+        await system.wait_for(lambda: controller.stopping, HANG_S, "the run's end")
+        assert controller.policy_table.left == {"b": "done with it", "c": "its training finished (trained 2 batches)"}
+
+
+@pytest.mark.unit
+def test_the_policy_table_is_kept_for_a_restarted_controller_and_bounded_by_the_engines(tmp_path: Path) -> None:
+    config = build_config({"lora_rank": 4, "policies": {"a": {}, "b": {}}})
+    table = PolicyTable(config, tmp_path, clock_origin=7.0)
+    assert table.join("c", {"lr": 1e-3}) and not table.join("c", {"lr": 1e-3})
+    table.leave("a", "asked")
+    restarted = PolicyTable(config, tmp_path, clock_origin=7.0)
+    assert restarted.live == {"b": {}, "c": {"lr": 1e-3}} and restarted.left == {"a": "asked"}
+    assert PolicyTable(config, tmp_path, clock_origin=8.0).live == {"a": {}, "b": {}}  # another start of the run
+    with pytest.raises(PolicyRefused, match="this run has one unnamed policy"):
+        PolicyTable(build_config({"lora_rank": 4}), tmp_path, None).join("c", {})
+    full = PolicyTable(build_config({"lora_rank": 4, "policies": {f"p{i}": {} for i in range(8)}}), tmp_path, None)
+    with pytest.raises(PolicyRefused, match="the engines have room for 8 policies' adapters and the run has 8"):
+        full.join("late", {})

@@ -136,8 +136,36 @@ async def test_an_adapter_is_unloaded_only_once_no_request_of_it_is_in_flight(ti
         await engine.unload_adapter("a")
         with pytest.raises(ValueError, match=r"adapter 'a' is not loaded on this engine \(loaded: \['b'\]"):
             await _greedy(engine, "a-2", "a", SHARED)
-        with pytest.raises(ValueError, match="unload_adapter: adapter 'a' is not loaded"):
+        with pytest.raises(ValueError, match=r"unload_adapter: adapter 'a' is not served \(served: \['b'\]\)"):
             await engine.unload_adapter("a")
         assert await _greedy(engine, "b-1", "b", SHARED) == b_alone
+    finally:
+        await engine.close()
+
+
+async def test_an_adapter_served_at_run_time_is_the_base_model_until_loaded_and_leaves_when_unloaded(
+        tiny_model_path: Path) -> None:
+    """A policy joining a running job: its adapter is served fresh (the base weights, version 0) beside the loaded
+    ones, takes a load like any other, and a policy leaving unloads it whether or not it was ever loaded; the
+    engine's slots bound how many it serves."""
+    engine = _engine(tiny_model_path, max_adapters=2)
+    try:
+        await engine.update_weights(random_adapter(engine.model, 4, 1, scale=0.5), 1, adapter="a")
+        base = await _greedy(engine, "base", None, SHARED)
+        with pytest.raises(ValueError, match="adapter 'joined' is not loaded on this engine"):
+            await _greedy(engine, "early", "joined", SHARED)
+        engine.serve_adapter("joined")
+        engine.serve_adapter("joined")  # asked again (a roster heard twice): nothing changes
+        assert await _greedy(engine, "fresh", "joined", SHARED) == base and engine.adapter_version("joined") == 0
+        with pytest.raises(ValueError, match=r"adapter 'third': the engine serves 2 adapters \(a, joined\)"):
+            engine.serve_adapter("third")
+        await engine.update_weights(random_adapter(engine.model, 4, 3, scale=0.5), 4, adapter="joined")
+        assert engine.adapter_version("joined") == 4
+        assert await _greedy(engine, "loaded", "joined", SHARED) != base
+        await engine.unload_adapter("joined")
+        engine.serve_adapter("again")  # its slot is free again; a fresh adapter leaves as well
+        await engine.unload_adapter("again")
+        with pytest.raises(ValueError, match="adapter 'again' is not loaded on this engine"):
+            await _greedy(engine, "gone", "again", SHARED)
     finally:
         await engine.close()

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from actors.buffer.log import BufferLog
 from actors.runtime.metrics import read_metrics
+from bus.address import free_port
 from bus.codec import decode
 from policies.plugins import load_object
 from policies.rewards import RewardInput
@@ -227,3 +228,79 @@ def test_an_episode_of_one_policy_trains_the_other_on_its_own_turns(tmp_path: Pa
         report = audit(run_dir / "policies" / policy)
         assert report.ok, (policy, report.problems)
     assert json.loads((run_dir / "integrity.json").read_text())["ok"]
+
+
+def wait_for(condition: Any, what: str, processes: list[subprocess.Popen[str]], timeout: float = 150) -> None:
+    """Until `condition()` holds; fails naming `what` once a process ended or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        ended = [process.args for process in processes if process.poll() is not None]
+        assert not ended and time.monotonic() < deadline, f"waiting for {what}: ended {ended}"
+        time.sleep(0.1)
+
+
+@pytest.mark.system
+@pytest.mark.timeout(400)
+def test_a_policy_joins_leaves_and_joins_again_while_the_run_goes_on(tmp_path: Path, tiny_model_path: Path) -> None:
+    """A run that declared one policy (add). sums joins it from another launcher (--join-policy), trains, and leaves
+    when that launcher gets SIGTERM (its learner checkpoints); the same command joins it again, resumed, and it
+    trains to its end, while add trains on throughout. Then add leaves (--leave-policy) and the run ends. Each
+    policy's audit finds every accepted sample trained once, and the head certifies both."""
+    command, data = two_policy_run(tmp_path, tiny_model_path, 10**6, max_staleness=1)  # add trains until it leaves
+    settings = yaml.safe_load((tmp_path / "run.yaml").read_text(encoding="utf-8"))
+    sums_settings = {**settings["policies"].pop("sums"), "num_rollout": 6, "save_interval": 2}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
+    (tmp_path / "sums.yaml").write_text(yaml.safe_dump(sums_settings), encoding="utf-8")
+    head_address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    run_dir = tmp_path / "run"
+    join = [sys.executable, str(REPO / "launcher.py"), "--head-address", head_address, "--run-dir", str(run_dir),
+            "--join-policy", "sums", "--policy-settings", str(tmp_path / "sums.yaml"), "--heartbeat-interval", "0.25",
+            "--no-progress"]
+    head = subprocess.Popen([*command, "--head-address", head_address], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    running = [head]
+    try:
+        wait_for(lambda: trained(run_dir, "add"), "add's first step", running)
+        first = subprocess.Popen(join, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        running.append(first)
+        sums_dir = run_dir / "policies" / "sums"
+        wait_for(lambda: (sums_dir / "checkpoints" / "step_000002").is_dir(), "sums' checkpoint of step 2", running)
+        first.send_signal(signal.SIGTERM)
+        first_output, _ = first.communicate(timeout=60)
+        running.remove(first)
+        add_steps_then = len(trained(run_dir, "add"))
+
+        again = subprocess.Popen(join, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        running.append(again)
+        wait_for(lambda: len(trained(run_dir, "sums")) >= 6, "sums' last step", running[:1])
+        again_output, _ = again.communicate(timeout=60)
+        running.remove(again)
+        assert again.returncode == 0, again_output[-3000:]
+        assert len(trained(run_dir, "add")) > add_steps_then  # add trained on while sums was away and back
+        left = subprocess.run([sys.executable, str(REPO / "launcher.py"), "--head-address", head_address,
+                               "--leave-policy", "add"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert left.returncode == 0 and "policy add left the run" in left.stderr, left.stderr
+        output, _ = head.communicate(timeout=120)
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+    assert head.returncode == 0, output[-4000:]
+    assert first.returncode == 128 + signal.SIGTERM, first_output[-3000:]
+
+    controller = read_metrics(run_dir / "logs" / "controller.jsonl")
+    assert [(r["event"], r["policy"]) for r in controller if r.get("event") in ("policy joined", "policy left")] == [
+        ("policy joined", "sums"), ("policy left", "sums"), ("policy joined", "sums"), ("policy left", "sums"),
+        ("policy left", "add")]
+    resumed = [record["trained_batch"] for record in read_metrics(run_dir / "policies" / "sums" / "logs" /
+                                                                   "learner@sums.jsonl")
+               if record.get("event") == "resumed from checkpoint"]
+    assert resumed and resumed[0] >= 2, resumed
+    assert [row["step"] for row in trained(run_dir, "sums")] == list(range(1, 7))  # none lost, none repeated
+    sums_batch = decode((tmp_path / "sums-batches" / f"batch_{6:06d}.msgpack").read_bytes())
+    assert {sample.prompt for sample in sums_batch.samples} <= prompts_of(data["sums"])
+    for policy in POLICIES:
+        report = audit(run_dir / "policies" / policy)
+        assert report.ok, (policy, report.problems)
+    certificate = json.loads((run_dir / "integrity.json").read_text())
+    assert set(certificate["policies"]) == set(POLICIES), certificate
