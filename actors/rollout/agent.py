@@ -10,7 +10,8 @@ whole conversation.
 `--agent-function-path pkg.mod:agent` runs `async def agent(episode: Episode) -> dict | None` once per sample.
 The agent talks to the policy with any OpenAI client at `episode.base_url` (Chat Completions or Responses), or
 with the Anthropic client at `episode.anthropic_base_url` (Messages): the rollout worker's endpoint, whose session
-is this sample, so every call it makes lands in the sample's trajectory as tokens. A dict it returns is
+is this sample, so every call it makes lands in the sample's trajectory as tokens (a call whose `model` names another
+policy of the run lands in that policy's turns instead: `actors.rollout.cross_policy.AgentCalls`). A dict it returns is
 merged into the sample's metadata (the reward function sees it). An agent that raises or overruns
 `--agent-timeout` fails its sample, counted and logged with the agent's error; the worker goes on.
 
@@ -22,6 +23,7 @@ context makes its episode several samples, one per segment (`actors.rollout.chat
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ import msgspec
 
 from actors.config import RunConfig
 from actors.rollout.chat_session import ChatSession
+from actors.rollout.cross_policy import AgentCalls
 from actors.rollout.environment import (
     EnvironmentFactory,
     ToolsEnvironment,
@@ -56,6 +59,9 @@ class Episode:
     metadata: dict[str, Any] = field(default_factory=dict)
     sample_index: int = 0
     tools: list[dict[str, Any]] | None = None  # the dataset record's tool definitions (--tool-key), to pass on
+    # The episode's own policy in a run of several (None: a run of one). A call whose `model` names another policy
+    # is that policy's turn, which trains it (docs/multi-policy.md).
+    policy: str | None = None
 
     @property
     def anthropic_base_url(self) -> str:
@@ -164,16 +170,22 @@ class AgentRunner:
         await self.endpoint.stop()
 
     async def __call__(self, context: RolloutContext, group: PromptGroup) -> list[Sample]:
-        return await _episodes(self.episode, context, group)
+        """The group's episodes' samples, then the groups of other policies they called (`AgentCalls`), which the
+        worker sends to those policies (`cross_policy.split_by_policy`)."""
+        calls, returned = AgentCalls(context, group), {}
+        own = await _episodes(functools.partial(self.episode, calls=calls, returned=returned), context, group)
+        return own + calls.samples(returned)
 
-    async def episode(self, context: RolloutContext, group: PromptGroup, index: int) -> list[Sample]:
+    async def episode(self, context: RolloutContext, group: PromptGroup, index: int, *,
+                      calls: AgentCalls | None = None, returned: dict[int, dict[str, Any]] | None = None
+                      ) -> list[Sample]:
         """The episode's samples: one per segment (an agent that rewrote its context has several), or its one
-        failed sample."""
+        failed sample. What the agent returned goes in `returned[index]` too, for its calls to other policies."""
         session = ChatSession(context, group, index)
-        base_url = self.endpoint.open(session)
+        base_url = self.endpoint.open(session, calls)
         episode = Episode(base_url=base_url, api_key="slipstream", model=self.endpoint.model,
                           messages=prompt_messages(group.prompt), label=group.label, metadata=dict(group.metadata),
-                          sample_index=index, tools=group.tools)
+                          sample_index=index, tools=group.tools, policy=context.policy)
         task = asyncio.create_task(self.agent(episode), name=f"agent.{group.group_id}/{index}")
         self.running.add(task)
         try:
@@ -184,7 +196,10 @@ class AgentRunner:
                 return [_aborted(failed_sample(group, index, context.prompt_ids(group.prompt, group.tools),
                                                f"agent {self.path} was cancelled: the rollout worker stopped"))]
             else:
-                return session.to_samples(metadata=_agent_metadata(task.result()))
+                metadata = _agent_metadata(task.result())
+                if returned is not None:
+                    returned[index] = metadata
+                return session.to_samples(metadata=metadata)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # the user's agent: its sample fails, the worker goes on

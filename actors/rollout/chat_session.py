@@ -40,7 +40,7 @@ from actors.rollout.generate import NoRoomError, RolloutContext
 from actors.rollout.tool_calls import ParsedTurn, parse_tool_calls, tool_names
 from actors.rollout.trajectory import ChatTurns, Trajectory, render
 from bus.schema import STATUS_BY_FINISH, PromptGroup, Sample
-from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest
+from engines.inference.base import ContextFull, GenerateOutput, GenerateRequest, InferenceEngine
 
 
 class ConversationDiverged(ValueError):
@@ -83,8 +83,11 @@ class ChatSession:
     """The conversation of sample `index` of `group`: its messages as the client knows them, its tokens as the
     engine knows them, one segment per context the agent gave the model."""
 
-    def __init__(self, context: RolloutContext, group: PromptGroup, index: int) -> None:
+    def __init__(self, context: RolloutContext, group: PromptGroup, index: int, *,
+                 engine: InferenceEngine | None = None) -> None:
         self.context, self.group, self.index = context, group, index
+        # Another policy's conversation in the episode (`cross_policy.AgentCalls`) samples from that policy's view.
+        self.engine = context.engine if engine is None else engine
         self.segments: list[Segment] = []
         self.current: int | None = None  # the segment the last call continued
         self.text: str | None = None  # a text-completion session: the prompt and completions so far, as text
@@ -341,7 +344,7 @@ class ChatSession:
                                   input_ids=trajectory.prompt_ids + trajectory.response_ids, params=params,
                                   routing_key=f"{self.group.group_id}/{self.index}")
         try:
-            output: GenerateOutput = (await self.context.engine.generate(request))[0]
+            output: GenerateOutput = (await self.engine.generate(request))[0]
         except ContextFull as error:  # the conversation outgrew the model: the episode ends, not the worker
             raise NoRoomError(str(error)) from None
         trajectory.add_model(output.output_ids, output.log_probs, output.versions)

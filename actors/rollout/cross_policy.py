@@ -5,15 +5,24 @@ proposer's problem solved by a solver, the other player's moves, a judge. Each p
 so Q's turns go to Q: the episode builds them on a group of Q's (`RolloutContext.group_for`) and returns them with
 P's own. The worker sends P's group as every group, and each of Q's groups to Q's reward and buffer, which adopts it:
 it was never leased, and is trained at most once however often P's group is generated again (its id is the same).
+
+An agent episode (`--agent-function-path`) calls Q through the rollout worker's endpoint, by naming Q as a request's
+`model` (`actors.rollout.openai_endpoint`). `AgentCalls` gives those calls a conversation of Q's own, apart from the
+episode's, and turns them into Q's group of this kind when the episode ends.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from actors.rollout.generate import RolloutContext
+from actors.rollout.chat_session import ChatSession
+from actors.rollout.generate import RolloutContext, failed_sample, other_group_id
 from bus.schema import PromptGroup, Sample
+
+AGENT_KEY = "agent"  # the key of the group an agent's calls to a policy form: `HOST@POLICY.agent`
 
 
 @dataclass(frozen=True)
@@ -47,3 +56,60 @@ def split_by_policy(context: RolloutContext, group: PromptGroup,
     others = [PolicyTurns(policy, turns, by_group[group_id])
               for group_id, (policy, turns) in context.other_groups.items() if by_group.get(group_id)]
     return own, others
+
+
+class AgentCalls:
+    """The calls the agent episodes of one group make to other policies. Each policy called gets one group in the
+    episode (`group_for(policy, group, "agent")`), whose episode i is episode i's conversation with it: its calls,
+    sampled from that policy's adapter by that policy's settings, several contexts making several segments as for the
+    episode's own. So that group's n episodes are the host group's n episodes (the policies' --n-samples-per-prompt
+    must agree), and a group-relative advantage compares the policy's turns across the host's episodes of one task:
+    its prompt and label are the host group's, and its samples' conversations are in `Sample.messages`."""
+
+    def __init__(self, context: RolloutContext, group: PromptGroup) -> None:
+        self.context, self.group = context, group
+        self.groups: dict[str, PromptGroup] = {}
+        self.sessions: dict[tuple[str, int], ChatSession] = {}
+
+    def session(self, policy: str, index: int) -> ChatSession:
+        """Episode `index`'s conversation with `policy` (another policy of the run), opened at its first call."""
+        if (policy, index) not in self.sessions:
+            self.sessions[policy, index] = ChatSession(self.context, self._group(policy), index,
+                                                       engine=self.context.engine_of(policy))
+        return self.sessions[policy, index]
+
+    def samples(self, returned: Mapping[int, Mapping[str, Any]]) -> list[Sample]:
+        """Every called policy's group, episode by episode: what `returned[i]` (episode i's agent's dict, less the
+        tool counts, which are its own policy's) says on each of its samples, and a failed sample, naming why, for an
+        episode that never called that policy (its group trains on the others, `--failed-sample-policy`)."""
+        samples: list[Sample] = []
+        for policy, turns in self.groups.items():
+            for index in range(self.group.n_samples):
+                session = self.sessions.get((policy, index))
+                if session is None or not session.segments:
+                    samples.append(failed_sample(turns, index, [], (
+                        f"episode {index} of group {self.group.group_id} ({self.context.policy}) made no call to "
+                        f"policy {policy}: its group {turns.group_id} holds each episode's calls to {policy}")))
+                    continue
+                said = {key: value for key, value in (returned.get(index) or {}).items()
+                        if key not in ("tool_calls", "tool_errors")}
+                samples += session.to_samples(metadata=said)
+        return samples
+
+    def _group(self, policy: str) -> PromptGroup:
+        if policy in self.groups:
+            return self.groups[policy]
+        # By the settings, not the group: an eval round's group may be of another size, and trains nobody.
+        theirs, ours = (config.rollout.n_samples_per_prompt for config in (self.context.policy_configs[policy],
+                                                                            self.context.config))
+        if theirs != ours:
+            raise ValueError(f"policy {policy!r} has --n-samples-per-prompt {theirs} and this episode's policy "
+                             f"{self.context.policy!r} {ours}: an agent's calls to {policy} make one {policy} "
+                             f"episode of each {self.context.policy} episode, so the two must be the same")
+        # The episode generated again on this context (an abort, `unless_aborted`) opens the group it opened before.
+        opened = self.context.other_groups.get(other_group_id(self.group, policy, AGENT_KEY))
+        turns = opened[1] if opened is not None else self.context.group_for(
+            policy, self.group, AGENT_KEY, self.group.prompt, label=self.group.label,
+            metadata=dict(self.group.metadata))
+        self.groups[policy] = turns
+        return turns

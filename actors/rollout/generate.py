@@ -103,7 +103,7 @@ class RolloutContext:
                              "episode's group")
         if not key or any(mark in key for mark in "/@"):
             raise ValueError(f"group_for({policy!r}): key {key!r} must be a non-empty name without '/' or '@'")
-        group_id = f"{group.group_id}@{policy}.{key}"
+        group_id = other_group_id(group, policy, key)
         if group_id in self.other_groups:
             raise ValueError(f"group_for({policy!r}): key {key!r} is used twice in the episode of {group.group_id}")
         turns = PromptGroup(group_id=group_id, prompt=prompt, label=label,
@@ -193,6 +193,12 @@ class RolloutContext:
 
     def request_id(self, group: PromptGroup) -> str:
         return f"{self.worker_id}/{group.group_id}/{next(_request_ids)}"
+
+
+def other_group_id(group: PromptGroup, policy: str, key: str) -> str:
+    """The id of `policy`'s group `key` in the episode of `group` (`RolloutContext.group_for`): made of the host
+    group's id, so the same episode generated again makes the same group, which `policy`'s buffer trains once."""
+    return f"{group.group_id}@{policy}.{key}"
 
 
 def make_sample(group: PromptGroup, index: int, prompt_ids: list[int], response_ids: list[int],

@@ -8,6 +8,12 @@ it appends `/v1/messages` itself), so an unmodified client (or any agent framewo
 sample, and every call it makes is recorded into that sample's trajectory as tokens. A session lives on one worker,
 whose router sends all its calls to one engine while that engine lives (docs/router.md).
 
+A request's `model` says which policy answers it, as an OpenAI-compatible server's served model names do: none, the
+run's model name (`episode.model`) or the episode's own policy is the episode's own conversation; another policy of
+a run of several goes to that policy, in a conversation of its own that trains that policy only
+(`actors.rollout.cross_policy.AgentCalls`; docs/multi-policy.md). Any other name is refused (404
+`model_not_found`) naming what is served.
+
 This module is the HTTP layer: routes, sessions, one call at a time per session, server-sent events, and errors in
 the shape of the API a path belongs to (OpenAI's `{"error": {...}}`, Anthropic's `{"type": "error", "error":
 {...}}`), naming the field and what is wrong: a body that is not JSON, `n` other than 1 (a session is one sample), a
@@ -31,6 +37,7 @@ from actors.rollout.api_chat import ChatCompletions
 from actors.rollout.api_common import ErrorBody, Events, RequestError, Serve, openai_error
 from actors.rollout.api_responses import Responses
 from actors.rollout.chat_session import ChatSession, ConversationDiverged
+from actors.rollout.cross_policy import AgentCalls
 from actors.rollout.generate import NoRoomError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -53,7 +60,8 @@ class OpenAIEndpoint:
         self.host, self.model = host, model
         self.port: int | None = None
         self.sessions: dict[str, ChatSession] = {}
-        self.busy: set[str] = set()
+        self.calls: dict[str, AgentCalls] = {}  # by session: its episode's calls to other policies
+        self.busy: set[tuple[str, str | None]] = set()  # (session, policy called) with a call running
         self.runner: web.AppRunner | None = None
         self.refusing = False  # the worker stops: a call now would reach an engine already aborted
         chat, responses, messages = ChatCompletions(model), Responses(model), AnthropicMessages(model)
@@ -82,17 +90,39 @@ class OpenAIEndpoint:
         """From now on every call is refused (503); the calls already running end with the engine's abort."""
         self.refusing = True
 
-    def open(self, session: ChatSession) -> str:
-        """A new session's base URL."""
+    def open(self, session: ChatSession, calls: AgentCalls | None = None) -> str:
+        """A new session's base URL; `calls` serves the requests that name another policy of the run."""
         if self.port is None:
             raise RuntimeError("the OpenAI endpoint has not started")
         key = secrets.token_hex(8)
         self.sessions[key] = session
+        if calls is not None:
+            self.calls[key] = calls
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}/sessions/{key}/v1"
 
     def close(self, base_url: str) -> None:
-        self.sessions.pop(base_url.rstrip("/").split("/")[-2], None)
+        key = base_url.rstrip("/").split("/")[-2]
+        self.sessions.pop(key, None)
+        self.calls.pop(key, None)
+
+    def named(self, key: str, session: ChatSession, model: Any) -> tuple[ChatSession, str | None]:
+        """The conversation a request's `model` asks for, and the other policy it names (None: the episode's own)."""
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"'model' must be a string, got {type(model).__name__}")
+        context = session.context
+        if model in (None, "", self.model) or model == context.policy:
+            return session, None
+        calls = self.calls.get(key)
+        if calls is not None and model in context.policy_engines:
+            return calls.session(model, session.index), model
+        if not context.policy_engines:
+            raise RequestError(f"model {model!r} is not served here: this run has one policy, served as "
+                               f"{self.model!r} (or with no model given); an episode calls another policy in a run "
+                               "of several (docs/multi-policy.md)", 404, code="model_not_found")
+        raise RequestError(f"model {model!r} is not served here: name a policy of this run "
+                           f"{sorted(context.policy_engines)}; the episode's own, {context.policy!r}, is also served "
+                           f"as {self.model!r} or with no model given", 404, code="model_not_found")
 
     def _call(self, route: Route) -> Handler:
         """One session call: the session looked up and held for the call, every refusal an error of the route's
@@ -104,17 +134,18 @@ class OpenAIEndpoint:
                 session = self.sessions.get(key)
                 if session is None:
                     raise RequestError(f"no session {key!r}: it ended with its episode, or never existed", 404)
-                if key in self.busy:
-                    raise RequestError("a call is already running in this session: an episode is one "
-                                       "conversation, its calls one after another", 409)
                 body = await _json_body(request)
+                session, policy = self.named(key, session, body.get("model"))
+                if (key, policy) in self.busy:
+                    raise RequestError("a call is already running in this session: an episode is one "
+                                       "conversation (with each policy it calls), its calls one after another", 409)
                 if self.refusing:  # checked with no await before the engine call: the abort that follows ends it
                     raise RequestError("the rollout worker is stopping; this episode is over", 503)
-                self.busy.add(key)
+                self.busy.add((key, policy))
                 try:
                     reply = await route.serve(session, body)
                 finally:
-                    self.busy.discard(key)
+                    self.busy.discard((key, policy))
                 if isinstance(reply, Events):
                     return await _stream(request, reply)
                 return web.json_response(reply)
@@ -128,14 +159,17 @@ class OpenAIEndpoint:
         return serve
 
     async def _models(self, request: web.Request) -> web.Response:
-        """The policy, as OpenAI's model list, or Anthropic's when an Anthropic client asks."""
+        """The names a session's calls may give as `model` (the run's model name, and each policy of a run of
+        several), as OpenAI's model list, or Anthropic's when an Anthropic client asks."""
+        session = self.sessions.get(request.match_info["session"])
+        names = [self.model, *sorted(session.context.policy_engines if session is not None else ())]
         if "anthropic-version" in request.headers:
-            model = {"type": "model", "id": self.model, "display_name": self.model,
-                     "created_at": "1970-01-01T00:00:00Z"}
-            return web.json_response({"data": [model], "has_more": False, "first_id": self.model,
-                                      "last_id": self.model})
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                                              "owned_by": "slipstream"}]})
+            models = [{"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+                      for name in names]
+            return web.json_response({"data": models, "has_more": False, "first_id": names[0],
+                                      "last_id": names[-1]})
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                                              "owned_by": "slipstream"} for name in names]})
 
     @web.middleware
     async def _unserved(self, request: web.Request, handler: Handler) -> web.StreamResponse:

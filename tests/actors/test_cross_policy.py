@@ -1,34 +1,42 @@
-"""An episode that calls another policy: what the rollout context gives it (`engine_of`, `group_for`) and how the
-worker tells the policies' samples apart (`split_by_policy`). The engine is a real torch engine serving two named
-adapters; the episode is tests/support/cross_policy.py's."""
+"""An episode that calls another policy: what the rollout context gives it (`engine_of`, `group_for`), what an agent
+episode's calls naming another policy as `model` become (`AgentCalls`, through the real endpoint and OpenAI client),
+and how the worker tells the policies' samples apart (`split_by_policy`). The engine is a real torch engine serving
+two named adapters; the episodes are tests/support/cross_policy.py's."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.config import RunConfig
-from actors.rollout.cross_policy import split_by_policy
+from actors.rollout.agent import AgentRunner
+from actors.rollout.chat_session import ChatSession
+from actors.rollout.cross_policy import AgentCalls, split_by_policy
 from actors.rollout.generate import RolloutContext
 from actors.rollout.lanes import AdapterEngine
+from actors.rollout.openai_endpoint import OpenAIEndpoint
 from bus.schema import PromptGroup
 from engines.inference import GenerateRequest, TorchEngine
 from tests.support.adapters import random_adapter
 from tests.support.cross_policy import SUMS_TURN, add_then_sums
 
 pytestmark = pytest.mark.integration
+CROSS_POLICY = "tests.support.cross_policy"
 GROUP = PromptGroup(group_id="0:3", prompt="1 + 2 =", label="3", n_samples=2, data_index=3)
 
 
-def _context(engine: TorchEngine, tokenizer: object, policy: str | None = "add") -> RolloutContext:
+def _context(engine: TorchEngine, tokenizer: object, policy: str | None = "add", *, sums_samples: int = 3,
+             **settings: Any) -> RolloutContext:
     config = RunConfig(hf_checkpoint="unused", n_samples_per_prompt=2, rollout_max_response_len=6,
-                       rollout_temperature=0.0)
-    sums = RunConfig(hf_checkpoint="unused", n_samples_per_prompt=3, rollout_max_response_len=4,
-                     rollout_temperature=0.0)
+                       rollout_temperature=0.0, **settings)
+    sums = RunConfig(hf_checkpoint="unused", n_samples_per_prompt=sums_samples, rollout_max_response_len=4,
+                     rollout_temperature=0.0, **settings)
     policies = ("add", "sums") if policy is not None else ()
     return RolloutContext(engine=AdapterEngine(engine, "add") if policy else engine, tokenizer=tokenizer,
                           config=config, worker_id="rollout-0-0", policy=policy,
@@ -92,3 +100,81 @@ async def test_an_episode_is_told_what_it_cannot_do_by_name(engine: TorchEngine,
     stray = msgspec.structs.replace(samples[0], group_id="0:4", sample_id="0:4/0")
     with pytest.raises(ValueError, match=r"neither its group '0:3' nor one it opened .*\['0:4/0'\]"):
         split_by_policy(episode, GROUP, [*samples, stray])
+
+
+async def test_an_agents_call_naming_another_policy_is_that_policys_turn_in_a_group_of_its_own(
+        engine: TorchEngine, tiny_model_path: Path) -> None:
+    """add's agent answers, then puts its answer to sums by naming it as the request's model: sums' adapter answers
+    at sums' version, in a conversation of sums' own (not in add's trajectory), and the group's two episodes' calls
+    to sums make sums' group of two, which the worker tells apart from add's samples."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    context = _context(engine, tokenizer, sums_samples=2, agent_function_path=f"{CROSS_POLICY}:add_asks_sums")
+    runner = AgentRunner(context.config)
+    await runner.start()
+    try:
+        samples = await runner(context, GROUP)
+        again = await runner(context, GROUP)  # on the same context, as after an abort (`unless_aborted`)
+    finally:
+        await runner.stop()
+    assert [sample.sample_id for sample in again] == [sample.sample_id for sample in samples]
+    own, others = split_by_policy(context, GROUP, samples)
+    assert [sample.sample_id for sample in own] == ["0:3/0", "0:3/1"]
+    assert all(sample.metadata["turns"] == 1 and set(sample.token_versions.tolist()) == {2} for sample in own)
+    [turns] = others
+    assert (turns.policy, turns.group.group_id, turns.group.n_samples) == ("sums", "0:3@sums.agent", 2)
+    assert [sample.sample_id for sample in turns.samples] == ["0:3@sums.agent/0", "0:3@sums.agent/1"]
+    for mine, theirs in zip(own, turns.samples, strict=True):
+        answer = mine.messages[-1]["content"]
+        assert theirs.messages[0] == {"role": "user", "content": SUMS_TURN + answer}
+        assert (theirs.prompt, theirs.label, theirs.error) == (GROUP.prompt, GROUP.label, None)
+        assert theirs.metadata | {"host_group": "0:3", "host_policy": "add", "asked": answer} == theirs.metadata
+        assert set(theirs.token_versions.tolist()) == {5}
+        prompt_ids = theirs.tokens[: theirs.prompt_tokens].tolist()
+        [alone] = await engine.generate(GenerateRequest("alone", prompt_ids, context.sampling_params(
+            turns.group, n=1), adapter="sums"))
+        assert theirs.tokens[len(prompt_ids):].tolist() == alone.output_ids  # sums' adapter, greedy
+    assert not runner.endpoint.sessions and not runner.endpoint.calls
+
+
+async def test_an_agent_is_told_by_name_which_policies_it_can_call(engine: TorchEngine, tiny_model_path: Path) -> None:
+    """A model the run does not serve is a 404 naming what it serves (a run of one policy serves no other); a policy
+    whose groups are not as large as the episode's is a 400 naming both sizes; an episode that never called the
+    other policy is a failed sample of that policy's group, saying so."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    served = OpenAIEndpoint(model="tiny")
+    await served.start()
+    context = _context(engine, tokenizer, sums_samples=2)
+    calls = AgentCalls(context, GROUP)
+    ask = [{"role": "user", "content": "1 + 2 ="}]
+    try:
+        url = served.open(ChatSession(context, GROUP, 0), calls)
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+            assert [model.id for model in (await client.models.list()).data] == ["tiny", "add", "sums"]
+            with pytest.raises(openai.NotFoundError, match=r"model 'judge' is not served here: name a policy of "
+                                                           r"this run \['add', 'sums'\]; the episode's own, 'add'"):
+                await client.chat.completions.create(model="judge", messages=ask)
+            for own in ("tiny", "add"):
+                await client.chat.completions.create(model=own, messages=ask, max_tokens=2)
+            await client.chat.completions.create(model="sums", messages=ask)
+        mismatched = _context(engine, tokenizer, sums_samples=3)
+        url = served.open(ChatSession(mismatched, GROUP, 0), AgentCalls(mismatched, GROUP))
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.BadRequestError, match="policy 'sums' has --n-samples-per-prompt 3 and this "
+                                                             "episode's policy 'add' 2"):
+                await client.chat.completions.create(model="sums", messages=ask)
+        alone = _context(engine, tokenizer, policy=None)
+        url = served.open(ChatSession(alone, GROUP, 0), AgentCalls(alone, GROUP))
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.NotFoundError, match="model 'sums' is not served here: this run has one "
+                                                           "policy, served as 'tiny'"):
+                await client.chat.completions.create(model="sums", messages=ask)
+    finally:
+        await served.stop()
+    first, second = calls.samples({0: {"asked": "x", "tool_calls": 9}})
+    assert first.metadata["asked"] == "x" and first.metadata["tool_calls"] == 0  # the counts are sums' own
+    assert first.metadata["turns"] == 1 and first.status != "failed"
+    assert second.status == "failed" and second.error == (
+        "episode 1 of group 0:3 (add) made no call to policy sums: its group 0:3@sums.agent holds each episode's "
+        "calls to sums")
+    own = served.sessions  # every session above was left open: the episode's own conversation got add's calls only
+    assert sorted(session.model_turns for session in own.values()) == [0, 0, 2]
