@@ -206,8 +206,10 @@ class RolloutWorker(Actor):
             lane = self.lanes[(self._turn + offset) % len(self.lanes)]
             lane.work_may_open.clear()
             room = self.capacity_rows - self.rows_in_flight
-            # Weights too old to train on get only groups pinned to them (the buffer sees it from weights_version).
-            lease = await self.request_lease(room, max_samples=room, lane=lane)
+            # Weights too old to train on get only groups pinned to them (the buffer sees it from weights_version);
+            # episodes that feed a policy with no room for them wait (cross_policy.Crossing): owned groups only then.
+            held = lane.crossing.held_back({other.policy: other.crossing.room for other in self.lanes}, self.waits)
+            lease = await self.request_lease(room, max_samples=room, lane=lane, training=not held)
             if lease is not None and lease.groups:
                 self._turn = (self._turn + offset + 1) % len(self.lanes)
                 return lane, lease
@@ -396,6 +398,7 @@ class RolloutWorker(Actor):
                 lease_id=lease_id, group_id=turns.group.group_id, samples=turns.samples, worker_id=self.actor_id,
                 policy=turns.policy, host_group=group.group_id))
             self.counters["other_policy_groups.sent"] += 1
+            lane.crossing.fed.add(turns.policy)
             lane.handed_off.note(reward_worker, lease_id, group.group_id)
 
     async def release(self, lease_id: str, group: PromptGroup, lane: Lane | None = None) -> None:
@@ -433,12 +436,12 @@ class RolloutWorker(Actor):
         idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
         return idle / max(now - self._started, 1e-9)
 
-    async def request_lease(self, max_groups: int, *, max_samples: int | None = None,
-                            lane: Lane | None = None) -> Lease | None:
+    async def request_lease(self, max_groups: int, *, max_samples: int | None = None, lane: Lane | None = None,
+                            training: bool = True) -> Lease | None:
         """Groups from the lane's buffer, for weights of the version its policy's adapter has on our engine."""
         lane = lane or self.lane
         try:
-            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups,
+            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, training=training,
                                    weights_version=lane.engine.version, max_samples=max_samples)
             reply = await lane.buffer.call(request, timeout=LEASE_ATTEMPT_S, retries=LEASE_RETRIES,
                                            member_wait=BUFFER_WAIT_S)
@@ -449,6 +452,7 @@ class RolloutWorker(Actor):
         if not isinstance(reply, Lease):
             self.log.warning("unexpected lease reply", reply=repr(reply)[:200])
             return None
+        lane.crossing.room = reply.adoption_room
         return reply
 
     async def _renew_leases(self) -> None:
@@ -504,8 +508,9 @@ class RolloutWorker(Actor):
         if self.engine is not None:
             found["engine.version"] = float(self.engine.version)
             for lane in self.lanes:
-                if lane.policy is not None:  # each policy's adapter's
+                if lane.policy is not None:  # each policy's adapter's, and its episodes held back
                     found[f"engine.version.{lane.policy}"] = float(lane.engine.version)
+                    found.update(lane.crossing.metrics(lane.policy))
             found["engine.memory_releases"] = float(self.engine.memory_releases)  # colocated turns
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
             found["rollout.idle_fraction"] = self.idle_fraction()
