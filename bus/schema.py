@@ -259,6 +259,10 @@ class LeaseRequest(Message):
         "the worker's first request for this policy since it began generating for it (it started, or the policy "
         "joined the run again): it holds none of the leases the buffer restored for it, given out again at once")
     ] = False
+    training: Annotated[bool, doc(
+        "False: only groups another role owns (PromptGroup.owner: an eval round's, whose episodes feed no other "
+        "policy); the worker holds its policy's training episodes back because they feed a policy with no "
+        "Lease.adoption_room left")] = True
 
 
 class Lease(Message):
@@ -273,6 +277,10 @@ class Lease(Message):
     groups: Annotated[list[PromptGroup], doc("leased prompt groups (may be empty: nothing to do now)")]
     expires_at: Annotated[float, doc("unix time (buffer clock) after which the groups are re-issued")]
     version: Annotated[int, doc("learner version when leased (admission control reference)")]
+    adoption_room: Annotated[int | None, doc(
+        "how many more groups of this policy's turns in other policies' episodes (ScoredGroup.host_group) its "
+        "buffer takes before its --max-adopted-waiting bound; at 0 the workers hold back the episodes that feed it "
+        "(None: no bound, or the policy trains no more batches)")] = None
 
 
 class LeaseRenew(Message):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from actors.buffer.adoption import AdoptionBound, adopted_waiting
 from actors.buffer.core import BatchOrderError, BufferCore
 from actors.buffer.log import BufferLog
 from actors.buffer.waits import admission_state, batch_wait, gauges
@@ -91,6 +92,7 @@ class Buffer(Actor):
         self.open_batch: tuple[int, float] | None = None  # (batch id, since) of the learner's pending request
         self.versions = LearnerVersions()  # whether the learner pushes weights: the engines move with it
         self.generated = generated_groups_hook(config)  # sees each batch's groups and the groups dropped beside it
+        self.adoption = AdoptionBound.of(config)  # what may wait of our turns in other policies' episodes
 
     def _dataset(self, config: RunConfig) -> PromptSource:
         """--prompt-data as the buffer serves it, what was left out of it logged and counted."""
@@ -132,7 +134,7 @@ class Buffer(Actor):
         too_old = weights_version is not None and self.versions.too_old(weights_version,
                                                                           self.config.buffer.max_staleness)
         try:
-            leased = self.core.lease(request.worker_id, request.max_groups, training=not too_old,
+            leased = self.core.lease(request.worker_id, request.max_groups, training=request.training and not too_old,
                                      max_samples=request.max_samples, weights_version=weights_version)
         except PromptStreamError as error:  # a user's data source answered what cannot be used: asking again cannot
             await self.fail_run(str(error))  # help, so the run ends with what was wrong
@@ -142,12 +144,13 @@ class Buffer(Actor):
             self.waits.end("admission")
         else:  # open from the first refusal on: how long the workers have had nothing new to generate
             self.waits.begin("admission", "learner", closed)
+        room = self.adoption.room(self.core)
         if leased is None:
             return Lease(lease_id="", worker_id=request.worker_id, groups=[], expires_at=0.0,
-                         version=self.core.learner_version)
+                         version=self.core.learner_version, adoption_room=room)
         lease_id, groups = leased
         self.counters["groups.leased"] += len(groups)
-        return Lease(lease_id=lease_id, worker_id=request.worker_id, groups=groups,
+        return Lease(lease_id=lease_id, worker_id=request.worker_id, groups=groups, adoption_room=room,
                      expires_at=time.time() + self.config.buffer.lease_timeout, version=self.core.learner_version)
 
     @serves(LeaseRenew)
@@ -166,8 +169,19 @@ class Buffer(Actor):
 
     @handles(ScoredGroup)
     async def on_scored(self, sender: str, group: ScoredGroup) -> None:
+        if group.host_group is not None and self.adoption.trains_no_more(self.core):
+            self.counters["groups.ignored.after_last_batch"] += 1  # nobody would train it: not kept
+            self.log.info("group of another policy's episode ignored: this policy trains no more batches",
+                          group=group.group_id, policy=self.context.policy)
+            return
+        over = self.adoption.over(self.core, group)
         outcome = self.core.accept(group)
         self.counters[f"groups.{outcome}"] += 1
+        if over and outcome == "adopted":  # its episode ran before the workers heard the room was spent
+            self.counters["groups.adopted_over_bound"] += 1
+            self.log.info("group of another policy's episode adopted over --max-adopted-waiting",
+                          group=group.group_id, policy=self.context.policy, waiting=adopted_waiting(self.core),
+                          bound=self.adoption.limit)
         self.waits.made_progress()
         if outcome == "guest":
             self.spawn(self._hand_back(group), name=f"buffer.hand_back.{group.group_id}")

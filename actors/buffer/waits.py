@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from actors.buffer.adoption import adopted_waiting
 from actors.buffer.core import BufferCore
 from bus.schema import WaitState
 
@@ -47,6 +48,7 @@ def gauges(core: BufferCore) -> dict[str, float]:
         "buffer.accepted": float(core.stats.accepted),
         "buffer.samples_left_out": float(core.stats.left_out_samples),
         "buffer.served_uncommitted": float(len(core.served)),
+        "buffer.adopted_waiting": float(adopted_waiting(core)),  # of other policies' episodes, untrained
         **{f"buffer.dropped.{k}": float(v) for k, v in core.stats.dropped.items()},
         **{f"buffer.selection_fallback.{k}": float(v) for k, v in core.stats.selection_fallbacks.items()},
     }

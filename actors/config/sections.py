@@ -277,6 +277,9 @@ class BufferConfig(Section):
         "leave_out", description="a group with failed samples (an episode that raised or overran, a reward that "
         "failed): leave_out trains it on the others, normalised over them, while at least 2 remain; drop_group "
         "drops the whole group")
+    max_adopted_waiting: int | None = Field(None, ge=0, description="groups of this policy's turns in other policies' "
+        "episodes that may wait untrained in its buffer; at the bound those episodes wait (docs/multi-policy.md) "
+        "(default: (--max-staleness + 1) x --rollout-batch-size, what can train before it goes stale; 0 = no bound)")
 
     @field_validator("dynamic_sampling_filter_path")
     @classmethod

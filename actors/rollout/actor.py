@@ -85,8 +85,10 @@ class RolloutWorker(Actor):
         check_rollout_loop(self.config)  # before the engine loads: a refused flag combination fails fast
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.image_tokens = ImageTokens.of_run(self.config)  # the image processor loads at the first image prompt
-        self.lanes = self._open_lanes(self.engine)
-        self._retiring: dict[str, asyncio.Task] = {}  # the adapters of policies that left, leaving the engine
+        # a lane per policy of the run, each leasing from its policy's buffer; one of policy None in a run of one
+        self.lanes = [policy_lane(self.config, policy, self.peer_rpc("buffer", policy=policy), self.engine, self.log)
+                      for policy in policy_names(self.config) or (None,)]
+        self._retiring: dict[str, asyncio.Task] = {}  # policies that left: their adapters leaving the engine
         self._turn = 0  # the lane that asks for work first next time
         self.router = self._open_router(self.engine)
         self.rewards = self.peer_stream("reward")
@@ -115,14 +117,8 @@ class RolloutWorker(Actor):
                                             plugin=self.config.weights.weight_transport)
         self.spawn(self._renew_leases(), name="rollout.renew")
 
-    def _open_lanes(self, engine: InferenceEngine) -> list[Lane]:
-        """One lane per policy of the run, each leasing from its policy's buffer; one of policy None otherwise."""
-        return [policy_lane(self.config, policy, self.peer_rpc("buffer", policy=policy), engine, self.log)
-                for policy in policy_names(self.config) or (None,)]
-
     async def _follow_policies(self, policies: dict[str, dict]) -> None:
-        """The policies in the run now (the roster's): a lane for each that joined, its adapter served fresh until its
-        learner pushes; none for one that left (lanes.py). The last lane stays: with no policy left the run ends."""
+        """The roster's policies: a lane for each that joined, none for one that left (lanes.py; the last stays)."""
         if not policies or self.engine is None:
             return
         for lane in [lane for lane in self.lanes if lane.policy not in policies][:len(self.lanes) - 1]:
@@ -217,8 +213,10 @@ class RolloutWorker(Actor):
             lane = self.lanes[(self._turn + offset) % len(self.lanes)]
             lane.work_may_open.clear()
             room = self.capacity_rows - self.rows_in_flight
-            # Weights too old to train on get only groups pinned to them (the buffer sees it from weights_version).
-            lease = await self.request_lease(room, max_samples=room, lane=lane)
+            # Weights too old to train on get only groups pinned to them (the buffer sees it from weights_version);
+            # episodes that feed a policy with no room for them wait (cross_policy.Crossing): owned groups only then.
+            held = lane.crossing.held_back({other.policy: other.crossing.room for other in self.lanes}, self.waits)
+            lease = await self.request_lease(room, max_samples=room, lane=lane, training=not held)
             if lease is not None and lease.groups:
                 self._turn = (self._turn + offset + 1) % len(self.lanes)
                 return lane, lease
@@ -407,6 +405,7 @@ class RolloutWorker(Actor):
                 lease_id=lease_id, group_id=turns.group.group_id, samples=turns.samples, worker_id=self.actor_id,
                 policy=turns.policy, host_group=group.group_id))
             self.counters["other_policy_groups.sent"] += 1
+            lane.crossing.fed.add(turns.policy)
             lane.handed_off.note(reward_worker, lease_id, group.group_id)
 
     async def release(self, lease_id: str, group: PromptGroup, lane: Lane | None = None) -> None:
@@ -444,13 +443,14 @@ class RolloutWorker(Actor):
         idle = self._idle_seconds + (now - self._idle_since if self._idle_since is not None else 0.0)
         return idle / max(now - self._started, 1e-9)
 
-    async def request_lease(self, max_groups: int, *, max_samples: int | None = None,
-                            lane: Lane | None = None) -> Lease | None:
+    async def request_lease(self, max_groups: int, *, max_samples: int | None = None, lane: Lane | None = None,
+                            training: bool = True) -> Lease | None:
         """Groups from the lane's buffer, for weights of the version its policy's adapter has on our engine."""
         lane = lane or self.lane
         try:
-            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, weights_version=lane.engine.version,
-                                   max_samples=max_samples, holds_none=not lane.leased_before)
+            request = LeaseRequest(worker_id=self.actor_id, max_groups=max_groups, training=training,
+                                   weights_version=lane.engine.version, max_samples=max_samples,
+                                   holds_none=not lane.leased_before)
             reply = await lane.buffer.call(request, timeout=LEASE_ATTEMPT_S, retries=LEASE_RETRIES,
                                            member_wait=BUFFER_WAIT_S)
         except (TimeoutError, asyncio.TimeoutError, ConnectionError) as error:
@@ -461,6 +461,7 @@ class RolloutWorker(Actor):
             self.log.warning("unexpected lease reply", reply=repr(reply)[:200])
             return None
         lane.leased_before = True
+        lane.crossing.room = reply.adoption_room
         return reply
 
     async def _renew_leases(self) -> None:
@@ -516,8 +517,9 @@ class RolloutWorker(Actor):
         if self.engine is not None:
             found["engine.version"] = float(self.engine.version)
             for lane in self.lanes:
-                if lane.policy is not None:  # each policy's adapter's
+                if lane.policy is not None:  # each policy's adapter's, and its episodes held back
                     found[f"engine.version.{lane.policy}"] = float(lane.engine.version)
+                    found.update(lane.crossing.metrics(lane.policy))
             found["engine.memory_releases"] = float(self.engine.memory_releases)  # colocated turns
             found["rollout.groups_in_flight"] = float(self.groups_in_flight)
             found["rollout.idle_fraction"] = self.idle_fraction()

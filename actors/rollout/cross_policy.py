@@ -9,13 +9,17 @@ it was never leased, and is trained at most once however often P's group is gene
 An agent episode (`--agent-function-path`) calls Q through the rollout worker's endpoint, by naming Q as a request's
 `model` (`actors.rollout.openai_endpoint`). `AgentCalls` gives those calls a conversation of Q's own, apart from the
 episode's, and turns them into Q's group of this kind when the episode ends.
+
+Q may fall behind what P's episodes make of it: Q's buffer bounds the groups it adopted that wait untrained
+(`actors.buffer.adoption`), and P's lane holds its episodes back while Q has no room (`Crossing`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.rollout.chat_session import ChatSession
@@ -113,3 +117,43 @@ class AgentCalls:
             metadata=dict(self.group.metadata))
         self.groups[policy] = turns
         return turns
+@dataclass(eq=False)  # a key of the worker's open waits
+class Crossing:
+    """A lane's part in episodes across policies: the policies its episodes have fed (learned from what they sent,
+    since only the generate function knows whom it calls), its own policy's room for adopted groups (its buffer's
+    last lease answer), and while one it feeds has none, the hold-back: its training episodes wait unleased, which
+    loses nothing (the prompts stay in the data, nothing is generated to be dropped) where stopping an episode half
+    way would lose the host's turns too. Until its first episode sent something a lane holds nothing back; the
+    groups that arrive over the bound meanwhile are trained all the same (`actors.buffer.adoption`)."""
+
+    log: Any  # the lane's
+    fed: set[str] = field(default_factory=set)
+    room: int | None = None  # None: no bound (or not heard yet)
+    holds: int = 0  # how often the lane started holding back
+    held_s: float = 0.0  # for how long, the current hold included in `metrics`
+    since: float | None = None  # the current hold's start
+
+    def held_back(self, rooms: Mapping[str | None, int | None], waits: Any) -> bool:
+        """Whether the lane's training episodes wait now (`rooms`: every lane's policy -> its room); a hold's start
+        and end are logged, and it stays open in the hang report meanwhile, naming whom it waits for."""
+        full = sorted(policy for policy in self.fed if rooms.get(policy) == 0)
+        now = time.monotonic()
+        if full and self.since is None:
+            self.since, self.holds = now, self.holds + 1
+            self.log.info("episodes held back: the adopted backlog of a policy they feed is at its bound "
+                          "(--max-adopted-waiting)", feeds=full)
+        elif not full and self.since is not None:
+            self.held_s += now - self.since
+            self.since = None
+            self.log.info("episodes resume: the policies they feed have room again")
+        if full:
+            waits.begin(self, f"buffer@{full[0]}", f"room for the groups of episodes feeding {', '.join(full)} "
+                                                  "(adopted backlog at --max-adopted-waiting)")
+        else:
+            waits.end(self)
+        return bool(full)
+
+    def metrics(self, policy: str) -> dict[str, float]:
+        """How often and how long the lane of `policy` held its episodes back: why that policy slowed down."""
+        held = self.held_s + (time.monotonic() - self.since if self.since is not None else 0.0)
+        return {f"rollout.held_back.{policy}": float(self.holds), f"rollout.held_back_s.{policy}": held}

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
 from actors.config.run import policy_run_config
+from actors.rollout.cross_policy import Crossing
 from actors.rollout.failures import GenerateFailures
 from actors.rollout.handed_off import HandedOff
 from engines.inference.base import GenerateOutput, GenerateRequest, InferenceEngine, PauseMode
@@ -95,10 +96,12 @@ class Lane:
     leased_before: bool = False  # its buffer answered a lease request: the first says we hold none of its leases
     handed_off: HandedOff = field(init=False)  # the groups handed to each reward worker, for LostGroups
     failures: GenerateFailures = field(init=False)  # by the policy's --generate-failure-limit
+    crossing: Crossing = field(init=False)  # whom its episodes feed, its room for adopted groups, its hold-back
 
     def __post_init__(self) -> None:
         self.handed_off = HandedOff(keep_s=self.config.buffer.lease_timeout)
         self.failures = GenerateFailures(self.log, self.config)
+        self.crossing = Crossing(self.log)
 
     @property
     def max_staleness(self) -> int:

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from actors.buffer.actor import Buffer
+from actors.buffer.adoption import AdoptionBound, adopted_waiting
 from actors.buffer.core import BufferCore
 from actors.buffer.log import BufferLog, archived_logs
+from actors.config import build_config
 from actors.data.prompts import PromptRecord, PromptSource
 from actors.runtime.context import ActorContext
-from bus.schema import Ack, FinalCommit, PromptGroup, Sample, ScoredGroup
+from bus.schema import Ack, FinalCommit, Lease, LeaseRequest, PromptGroup, Sample, ScoredGroup
 
 N = 2  # samples per group
 B = 3  # groups per batch
@@ -626,3 +628,75 @@ def test_an_adopted_group_past_the_staleness_bound_is_dropped_not_given_out_agai
     revived = make_core(max_staleness=1)
     revived.restore(log_path)
     assert "0:9@solver.0" not in revived.pool and revived.stats.dropped["stale_adopted"] == 1
+
+
+@pytest.mark.unit
+def test_the_adopted_backlog_bound_defaults_to_what_can_train_before_it_goes_stale() -> None:
+    def bound(**settings: object) -> AdoptionBound:
+        return AdoptionBound.of(build_config({"hf_checkpoint": "m", "rollout_batch_size": 8, **settings}))
+
+    assert bound(max_staleness=1).limit == (1 + 1) * 8
+    assert bound(max_staleness=0).limit == 8  # on-policy: one batch
+    assert bound(max_adopted_waiting=3).limit == 3
+    assert bound(max_adopted_waiting=0).limit is None  # no bound
+    with pytest.raises(ValueError, match="max_adopted_waiting"):
+        bound(max_adopted_waiting=-1)
+
+
+@pytest.mark.unit
+def test_the_room_for_adopted_groups_shrinks_as_they_wait_grows_as_they_train_and_lifts_after_the_last_batch() -> None:
+    core = make_core(max_staleness=3)
+    bound = AdoptionBound(limit=2, last_batch=2)
+    assert bound.room(core) == 2
+    lease_id, groups = lease_all(core, max_groups=B)
+    for group in groups:  # the policy's own groups wait too, but do not count
+        core.accept(scored(group, lease_id))
+    assert core.accept(adopted("0:9@solver.0")) == "adopted"
+    assert bound.room(core) == 1 and not bound.over(core, adopted("0:9@solver.1"))
+    assert core.accept(adopted("0:9@solver.1")) == "adopted"
+    assert bound.room(core) == 0 and adopted_waiting(core) == 2
+    assert bound.over(core, adopted("0:9@solver.2")) and not bound.over(core, scored(groups[0], lease_id))
+    assert core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0) is not None  # the own 3
+    assert bound.room(core) == 0
+    lease_id, groups = lease_all(core, max_groups=1)
+    core.accept(scored(groups[0], lease_id))
+    batch = core.next_batch(learner_version=1, trained_batch=1, checkpointed_batch=0)  # the last batch: 2 adopted
+    assert batch is not None and {"0:9@solver.0", "0:9@solver.1"} <= {g.group_id for g in batch.groups}
+    assert bound.trains_no_more(core) and bound.room(core) is None  # nothing would drain it: no hold-back
+    assert AdoptionBound(limit=None, last_batch=9).room(make_core()) is None
+
+
+@pytest.mark.integration
+def test_the_buffer_tells_every_lease_its_room_counts_adoptions_over_it_and_ignores_them_after_its_last_batch(
+        tmp_path: Path) -> None:
+    """The Buffer actor's handlers called in-process: the room in each lease answer, a lease held back to owned
+    groups (an eval round's feeds no policy), an adoption over the bound trained and counted, and after the last
+    batch a group of another's episode ignored, counted, not kept."""
+    async def scenario() -> None:
+        buffer = _buffer_actor(tmp_path, max_adopted_waiting=1, num_rollout=1)
+        await buffer.on_start()
+        core = buffer.core
+
+        async def lease(max_groups: int, training: bool = True) -> Lease:
+            return await buffer.on_lease_request("rollout-0-0", LeaseRequest(worker_id="rollout-0-0",
+                                                                             max_groups=max_groups, training=training))
+        core.add_guests([guest("eval:probe:0:0")])
+        held = await lease(4, training=False)
+        assert [g.group_id for g in held.groups] == ["eval:probe:0:0"] and held.adoption_room == 1
+        assert (await lease(0, training=False)).groups == []  # nothing owned left: nothing at all
+        await buffer.on_scored("reward-0-0", adopted("0:9@solver.0"))
+        await buffer.on_scored("reward-0-0", adopted("0:9@solver.1"))  # an episode already running: over the bound
+        assert (await lease(0)).adoption_room == 0
+        assert buffer.counters["groups.adopted"] == 2 and buffer.counters["groups.adopted_over_bound"] == 1
+        assert adopted_waiting(core) == 2
+        own = await lease(B - 2)
+        for group in own.groups:
+            await buffer.on_scored("reward-0-0", scored(group, own.lease_id))
+        assert core.next_batch(learner_version=0, trained_batch=0, checkpointed_batch=0) is not None  # num_rollout 1
+        await buffer.on_scored("reward-0-0", adopted("0:9@solver.2"))
+        assert buffer.counters["groups.ignored.after_last_batch"] == 1 and "0:9@solver.2" not in core.adopted
+        assert (await lease(0)).adoption_room is None
+        await buffer.on_stop()
+        buffer.zmq.destroy(linger=0)
+
+    asyncio.run(scenario())

@@ -1,7 +1,9 @@
 """An episode that calls another policy: what the rollout context gives it (`engine_of`, `group_for`), what an agent
 episode's calls naming another policy as `model` become (`AgentCalls`, through the real endpoint and OpenAI client),
 and how the worker tells the policies' samples apart (`split_by_policy`). The engine is a real torch engine serving
-two named adapters; the episodes are tests/support/cross_policy.py's."""
+two named adapters; the episodes are tests/support/cross_policy.py's. And the bound on what a policy adopts: real
+actors in process (controller, each policy's buffer, the reward and rollout workers) on real sockets, where the
+rollout worker's lane holds back the episodes that feed a policy whose adopted backlog is at its bound."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from actors.buffer.adoption import adopted_waiting
 from actors.config import RunConfig
 from actors.rollout.agent import AgentRunner
 from actors.rollout.chat_session import ChatSession
@@ -21,13 +24,17 @@ from actors.rollout.cross_policy import AgentCalls, split_by_policy
 from actors.rollout.generate import RolloutContext
 from actors.rollout.lanes import AdapterEngine
 from actors.rollout.openai_endpoint import OpenAIEndpoint
-from bus.schema import PromptGroup
+from bus import RpcClient
+from bus.schema import Batch, BatchRequest, PromptGroup
 from engines.inference import GenerateRequest, TorchEngine
 from tests.support.adapters import random_adapter
 from tests.support.cross_policy import SUMS_TURN, add_then_sums
+from tests.support.inprocess import HANG_S, actor_system, write_prompts
+from tests.support.policies import start_actor
 
 pytestmark = pytest.mark.integration
 CROSS_POLICY = "tests.support.cross_policy"
+ADD_TURNS_ONLY = "tests.support.cross_policy:turns_in_add_episodes_only"
 GROUP = PromptGroup(group_id="0:3", prompt="1 + 2 =", label="3", n_samples=2, data_index=3)
 
 
@@ -178,3 +185,49 @@ async def test_an_agent_is_told_by_name_which_policies_it_can_call(engine: Torch
         "calls to sums")
     own = served.sessions  # every session above was left open: the episode's own conversation got add's calls only
     assert sorted(session.model_turns for session in own.values()) == [0, 0, 2]
+@pytest.mark.timeout(120)
+async def test_episodes_feeding_a_policy_whose_adopted_backlog_is_full_wait_until_its_learner_takes_some(
+        tmp_path: Path, tiny_model_path: Path) -> None:
+    """Every episode of "add" makes a group of sums' turns; sums trains only those (its own prompts are filtered
+    out) and may keep 2 waiting. With no learner draining sums' pool, add's lane stops leasing once sums' room is
+    spent, although add's admission allows 42 groups; a batch taken from sums' pool lets it go on."""
+    settings = {"hf_checkpoint": str(tiny_model_path), "rollout_engine": "torch", "lora_rank": 4,
+                "prompt_data": str(write_prompts(tmp_path / "prompts.jsonl")), "n_samples_per_prompt": 2,
+                "rollout_batch_size": 2, "rollout_max_batch_size": 2, "rollout_max_response_len": 4,
+                "custom_generate_function_path": "tests.support.cross_policy:add_then_sums",
+                "use_tensorboard": False, "plots": False,
+                "policies": {"add": {"max_staleness": 20},
+                             "sums": {"max_adopted_waiting": 2, "dynamic_sampling_filter_path": ADD_TURNS_ONLY}}}
+    async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
+        add = await start_actor(system, "buffer", "buffer", policy="add")
+        sums = await start_actor(system, "buffer", "buffer", policy="sums")
+        await start_actor(system, "reward", "reward", policy=None)
+        worker = await start_actor(system, "rollout", "rollout", policy=None)
+        lane = worker.lane_of("add")
+        await system.wait_for(lambda: lane.crossing.holds == 1, HANG_S, "add's lane to hold its episodes back")
+
+        def settled() -> bool:  # add's episodes in flight at the hold have reached sums' buffer
+            return not lane.held_leases and len(sums.core.adopted) == add.counters["groups.leased"]
+        await system.wait_for(settled, HANG_S, "add's last episodes to reach sums' buffer")
+        leased, own = add.counters["groups.leased"], sums.counters[f"groups.dropped.{ADD_TURNS_ONLY}"]
+        await system.wait_for(lambda: sums.counters[f"groups.dropped.{ADD_TURNS_ONLY}"] >= own + 4, HANG_S,
+                              "4 more groups of sums' own prompts generated (and filtered out)")
+        assert add.counters["groups.leased"] == leased <= 4 < (20 + 1) * 2  # the engine was free: the hold stopped add
+        assert lane.crossing.since is not None and lane.crossing.holds == 1
+        assert any(wait.on == "buffer@sums" for wait in worker.waits.snapshot())  # whom the hang report names
+        assert 2 <= adopted_waiting(sums.core) <= 2 + 2  # over only by episodes running before the room was heard
+        assert sums.counters["groups.adopted_over_bound"] == adopted_waiting(sums.core) - 2
+
+        learner = RpcClient(sums.zmq, sums.endpoints()["rpc"], client_id="learner@sums")
+        try:
+            batch = await learner.call(BatchRequest(learner_version=0, trained_batch=0, checkpointed_batch=0),
+                                       timeout=10.0, retries=0)
+        finally:
+            learner.close()
+        assert isinstance(batch, Batch) and all(s.metadata["host_policy"] == "add" for s in batch.samples)
+        await system.wait_for(lambda: add.counters["groups.leased"] > leased, HANG_S, "add's lane to lease again")
+        metrics = worker.metrics()
+        assert lane.crossing.since is None or lane.crossing.holds > 1
+        assert metrics["rollout.held_back.add"] >= 1 and metrics["rollout.held_back_s.add"] > 0
+        assert metrics["rollout.held_back.sums"] == 0  # sums' episodes feed nobody
+        assert sums.metrics()["buffer.adopted_waiting"] == adopted_waiting(sums.core)
