@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -428,8 +430,18 @@ def test_a_strands_agent_generates_through_the_stand_in_sglang_server(tiny_model
     server.start()
     try:
         samples = asyncio.run(generate_over_http(config, server.url))
+        # a later turn's request (logprob_start_len: the last token the agent already has): the log-probs of the
+        # tokens it appended (tool results) come back in input_token_logprobs; the first entry, the token it had,
+        # is None here as the stand-in's scoring path gives it, and the agent reads only the entries after it
+        body = json.dumps({"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 2,
+                           "sampling_params": {"max_new_tokens": 2}}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{server.url}/generate", data=body), timeout=60) as reply:
+            meta = json.load(reply)["meta_info"]
     finally:
         server.stop()
+    assert [entry[1] for entry in meta["input_token_logprobs"]] == [7, 8]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_token_logprobs"][1][0] <= 0.0
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] >= 1
     assert len(samples) == GROUP.n_samples
     for sample in samples:
         assert sample.status in ("completed", "truncated"), sample.error
