@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints/cpu.txt -e ".[test,dev,megatron,wandb,agent]"
+	$(PY) -m pip install --quiet -c constraints/cpu.txt -e ".[test,dev,megatron,wandb,agent,strands]"
 	touch $(STAMP)
 
 demo: $(STAMP)

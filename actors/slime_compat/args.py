@@ -4,7 +4,10 @@ Every setting of every section appears under its flag name (ours are slime's nam
 the attributes slime's plugins read that have no section here: ``sglang_router_ip``/``sglang_router_port`` point at
 this rollout worker's own engine server (a plugin's ``POST http://{ip}:{port}/generate`` reaches the engine that
 leased the group), and switches slime's generate path consults (``partial_rollout``, ``ci_test``, ...) take slime's
-defaults. The keys of slime's ``--custom-config-path`` YAML (``RunConfig.custom_config``) are attributes too, as
+defaults. ``rollout_num_gpus`` left unset (slime always has a number: with ``--colocate`` the learner's GPUs) is
+one engine's GPUs, the engine those two point at, so a client that sizes its connection pool as slime does
+(``sglang_server_concurrency * rollout_num_gpus // rollout_num_gpus_per_engine``, strands-sglang's) gets one
+engine's worth. The keys of slime's ``--custom-config-path`` YAML (``RunConfig.custom_config``) are attributes too, as
 slime merges them into its args. Plugins should treat it as read-only: it is rebuilt per worker, and a write
 reaches no other actor.
 """
@@ -27,7 +30,7 @@ _SLIME_DEFAULTS: dict[str, Any] = {
     "rollout_stop_token_ids": None, "rollout_skip_special_tokens": False,
     "sglang_server_concurrency": 512, "sglang_dp_size": None,
     "reward_key": None, "eval_reward_key": None, "rollout_sample_hook_path": [], "router_policy": None,
-    "loss_type": "policy_loss", "custom_loss_function_path": None, "rollout_num_gpus": 0,
+    "loss_type": "policy_loss", "custom_loss_function_path": None,
 }
 
 
@@ -42,6 +45,8 @@ def build_args(config: RunConfig, *, server_url: str | None = None) -> SimpleNam
             values[name] = value
     values.update(config.custom_config)  # slime's --custom-config-path: its keys are args attributes
     values.setdefault("rollout_max_prompt_len", None)
+    if values.get("rollout_num_gpus") is None:
+        values["rollout_num_gpus"] = config.engine.rollout_num_gpus_per_engine
     values["rollout_stop"] = list(config.rollout.rollout_stop) or None
     values["rollout_top_k"] = config.rollout.rollout_top_k or -1  # slime spells "off" -1
     values["sglang_enable_deterministic_inference"] = config.engine.deterministic_inference

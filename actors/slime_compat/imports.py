@@ -9,7 +9,9 @@ on the path), decided at each import, not once; and it answers a ``slime.X`` onl
 
 A ``slime.X`` not offered fails with a ModuleNotFoundError that names X, says why where we know (`MISSING`) and
 lists what is offered; a name not offered in an offered module fails the same way (an ImportError: ``from
-slime.utils.misc import exec_command`` says which names slime.utils.misc has here).
+slime.utils.misc import exec_command`` says which names slime.utils.misc has here). The other packages slime's
+examples import (`PACKAGES`) are never answered: where one is not installed (no finder before ours found it), its
+import fails with what it is and how to get it, instead of Python's bare "No module named".
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MISSING", "OFFERED", "SlimeImportFinder", "install", "offered_modules"]
+__all__ = ["MISSING", "OFFERED", "PACKAGES", "SlimeImportFinder", "install", "offered_modules"]
 
 ROOT = "slime"
 DOC = 'docs/slime.md "Plugins"'
@@ -59,8 +61,24 @@ OFFERED: dict[str, dict[str, str]] = {
 
 # Modules slime's examples import that are not offered, and why (the module or any of its submodules).
 MISSING: dict[str, str] = {
-    "slime.agent": "slime's coding-agent harnesses drive Claude Code or Codex in E2B cloud sandboxes, a service "
-                   "this project does not bring; an agent of ours is --agent-function-path (docs/agents.md)",
+    "slime.agent": "slime's coding-agent harnesses (slime.agent: sandbox, harness, adapters) run Claude Code or "
+                   "Codex inside E2B cloud sandboxes: the e2b package, an E2B_API_KEY, sandboxes that reach back to "
+                   "this host, and Node and CLI tarballs uploaded into each. That is slime's own code for a service "
+                   "this project does not bring, so it is not answered here; an agent of ours runs with "
+                   "--agent-function-path (docs/agents.md), over the official OpenAI or Anthropic clients",
+}
+
+# Other packages slime's examples import -> what they are and how to get them (said where one is not installed).
+PACKAGES: dict[str, str] = {
+    "strands": "Strands Agents (PyPI strands-agents), the agent loop of slime's strands_sglang example: "
+               "pip install -e '.[strands]' installs it with strands-sglang",
+    "strands_sglang": "strands-sglang (PyPI), the SGLang model of slime's strands_sglang example: "
+                      "pip install -e '.[strands]'",
+    "tau_bench": "sierra-research's tau-bench, which slime's tau-bench example imports, is not on PyPI: slime's "
+                 "README installs a fork from git (JD-ETH/tau-bench, branch feature/litellm-retry, pip install -e . "
+                 "--no-deps, with litellm beside it), and its rollouts need a hosted LLM as the user simulator (a "
+                 "Gemini API key in generate_with_tau.py); the example's tool parser also imports SGLang "
+                 "(pip install -e '.[sglang]', Python >= 3.11)",
 }
 
 
@@ -99,6 +117,8 @@ class SlimeImportFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
+        if fullname in PACKAGES:  # last on sys.meta_path: no finder before ours has it, so it is not installed
+            raise ModuleNotFoundError(f"No module named {fullname!r}: {PACKAGES[fullname]}", name=fullname)
         if fullname != ROOT and not fullname.startswith(ROOT + "."):
             return None
         if fullname == ROOT:

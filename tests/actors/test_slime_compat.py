@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from actors.config import RunConfig
 from actors.config.flags import build_config
 from actors.extensions.load import group_filter
 from actors.rollout.choice import choose_generate_function
@@ -139,6 +143,10 @@ def test_args_namespace_has_slime_names_and_points_at_the_workers_server() -> No
     # retool's generate caps its context at these two when --rollout-max-context-len is not given
     assert (args.context_parallel_size, args.max_tokens_per_gpu, args.rollout_max_context_len) == (1, 9216, None)
     assert args.partial_rollout is False
+    # --rollout-num-gpus unset: one engine's GPUs (the engine the args point at), as a client sizing its connection
+    # pool slime's way reads them (strands-sglang: sglang_server_concurrency * rollout_num_gpus // per engine)
+    assert (args.rollout_num_gpus, args.rollout_num_gpus_per_engine) == (1, 1)
+    assert build_args(build_config({"rollout_num_gpus": 8, "rollout_num_gpus_per_engine": 2})).rollout_num_gpus == 8
 
 
 @pytest.mark.unit
@@ -355,15 +363,28 @@ def slime_modules() -> Iterator[None]:
     sys.modules.update(before)
 
 
+async def generate_over_http(config: RunConfig, url: str) -> list[WireSample]:
+    """GROUP's samples from the config's generate function, as a rollout worker whose engine serves `url` makes
+    them."""
+    from actors.rollout.generate import RolloutContext
+    from actors.slime_compat.http import close_session
+    from engines.sglang.client import SglangEngine
+
+    engine = SglangEngine(url)
+    try:
+        context = RolloutContext(engine=engine, tokenizer=None, config=config, worker_id="rollout-0-0")
+        return await choose_generate_function(config)(context, GROUP)
+    finally:
+        await close_session()
+        await engine.close()
+
+
 @pytest.mark.integration
 def test_a_plugin_written_with_slimes_imports_loads_through_our_loader_and_runs(slime_modules: None) -> None:
     """slime's example plugins import slime's modules: with no slime installed they get ours, unchanged. Here each
     agent call reaches the engine with `post`, and `batched_async_rm` scores the agents' answers by --rm-type."""
     from aiohttp import web
 
-    from actors.rollout.generate import RolloutContext
-    from actors.slime_compat.http import close_session
-    from engines.sglang.client import SglangEngine
     from tests.support import slime_imports_plugin as plugin
     from tests.support.http_apps import served
 
@@ -378,17 +399,8 @@ def test_a_plugin_written_with_slimes_imports_loads_through_our_loader_and_runs(
                            "rollout_engine": "sglang", "rm_type": "exact_match"})
     plugin.Calls.clear_instances()
 
-    async def generate(url: str) -> list[WireSample]:
-        engine = SglangEngine(url)
-        try:
-            context = RolloutContext(engine=engine, tokenizer=None, config=config, worker_id="rollout-0-0")
-            return await choose_generate_function(config)(context, GROUP)
-        finally:
-            await close_session()
-            await engine.close()
-
     with served(app) as url:
-        samples = asyncio.run(generate(url))
+        samples = asyncio.run(generate_over_http(config, url))
     assert sys.modules["slime.utils.types"].Sample is Sample
     assert plugin.Calls().count == GROUP.n_samples
     assert len(samples) == GROUP.n_samples * plugin.AGENTS  # each response an episode of one segment per agent
@@ -396,6 +408,48 @@ def test_a_plugin_written_with_slimes_imports_loads_through_our_loader_and_runs(
         assert (sample.status, sample.response, sample.reward) == ("completed", "5", 1.0)
         assert sample.tokens.tolist() == [*plugin.PROMPT_TOKENS, 20]
         assert sample.rollout_log_probs.tolist() == [-0.25]
+
+
+@pytest.mark.integration
+def test_a_strands_agent_generates_through_the_stand_in_sglang_server(tiny_model_path: Path, tmp_path: Path,
+                                                                      slime_modules: None) -> None:
+    """slime's strands example: a Strands agent over strands-sglang's SGLangModel, which calls /generate with token
+    ids and reads SGLang's meta_info (cached_tokens, e2e_latency ...). Against the stand-in server its trajectory
+    reaches the wire with one log-prob and one mask entry per response token."""
+    pytest.importorskip("strands_sglang", reason="the strands extra (pip install -e .[strands])")
+    from engines.sglang.launch import ServerProcess, ServerSpec
+    from tests.support import strands_generate as plugin
+
+    config = build_config({"custom_generate_function_path": f"{plugin.__name__}.generate", "rollout_engine": "sglang",
+                           "hf_checkpoint": str(tiny_model_path), "rollout_max_response_len": 6,
+                           "rm_type": "exact_match"})
+    server = ServerProcess(ServerSpec(model_path=str(tiny_model_path), module="tools.standins.sglang_server",
+                                      random_seed=3, extra={"torch-threads": "1"}),
+                           startup_timeout=120, log_dir=tmp_path)
+
+    server.start()
+    try:
+        samples = asyncio.run(generate_over_http(config, server.url))
+        # a later turn's request (logprob_start_len: the last token the agent already has): the log-probs of the
+        # tokens it appended (tool results) come back in input_token_logprobs; the first entry, the token it had,
+        # is None here as the stand-in's scoring path gives it, and the agent reads only the entries after it
+        body = json.dumps({"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 2,
+                           "sampling_params": {"max_new_tokens": 2}}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"{server.url}/generate", data=body), timeout=60) as reply:
+            meta = json.load(reply)["meta_info"]
+    finally:
+        server.stop()
+    assert [entry[1] for entry in meta["input_token_logprobs"]] == [7, 8]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_token_logprobs"][1][0] <= 0.0
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] >= 1
+    assert len(samples) == GROUP.n_samples
+    for sample in samples:
+        assert sample.status in ("completed", "truncated"), sample.error
+        assert 1 <= sample.response_length <= 6  # one model turn (a random model calls no tool) of at most 6 tokens
+        assert len(sample.tokens) == sample.prompt_tokens + sample.response_length
+        assert sample.loss_mask.tolist() == [1] * sample.response_length
+        assert len(sample.rollout_log_probs) == sample.response_length
+        assert np.all(sample.rollout_log_probs <= 0.0)  # the engine's log-probs, every one a number
 
 
 def batch_rm(args, samples):
@@ -440,6 +494,16 @@ def test_a_slime_module_not_offered_fails_naming_it_and_what_is_offered(slime_mo
     from slime.utils.misc import load_function
 
     assert load_function("slime.rollout.rm_hub.batched_async_rm") is batched_async_rm
+
+
+@pytest.mark.unit
+def test_a_package_slimes_examples_import_that_is_not_installed_says_how_to_get_it() -> None:
+    """tau-bench is on no package index: its import names the fork slime installs and the hosted user model."""
+    with pytest.raises(ModuleNotFoundError, match=r"No module named 'tau_bench': .*not on PyPI.*JD-ETH/tau-bench"
+                                                  r".*hosted LLM") as error:
+        importlib.import_module("tau_bench.envs")
+    assert error.value.name == "tau_bench"
+    assert importlib.util.find_spec("not_a_package_anywhere") is None  # any other name: Python's own answer
 
 
 @pytest.mark.unit

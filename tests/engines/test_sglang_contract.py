@@ -28,11 +28,12 @@ from packaging.version import Version
 
 from actors.config import RunConfig
 from actors.rollout.engine_factory import sglang_server_args
+from engines.inference.base import GenerateOutput
 from engines.pretrained import UNREACHABLE_MARKERS
 from engines.sglang import protocol, tensor_payload
 from engines.sglang.checksums import SERVER_OWN_TENSORS
 from engines.sglang.launch import ServerSpec
-from tools.standins.sglang_server import checksum
+from tools.standins.sglang_server import checksum, parsing
 from tools.standins.sglang_server.server import CompatServer, parse_args
 
 pytestmark = pytest.mark.unit
@@ -220,6 +221,18 @@ def test_every_response_field_we_read_is_produced(sglang: SglangSource) -> None:
     generate = sglang.produced_keys([sglang.tree(name) for name in sglang.matching(PRODUCERS["/generate"][0])])
     missing = {*protocol.META_FIELDS, protocol.ROUTED_EXPERTS_META} - generate
     assert not missing, f"sglang {sglang.version} /generate meta_info never holds {sorted(missing)}"
+
+
+def test_the_stand_in_servers_generate_meta_info_holds_only_sglangs_keys(sglang: SglangSource) -> None:
+    """Agent frameworks written for SGLang read its meta_info (strands-sglang: cached_tokens, e2e_latency,
+    input_token_logprobs): the stand-in serves those under SGLang's names and invents none."""
+    output = GenerateOutput("r", [5], [-0.5], [0], "stop", prompt_len=3, matched_stop=5)
+    served = set(parsing.output_json(output, rid="r", weight_version="default", text="x")["meta_info"])
+    scored = parsing.scored_json([1, 2, 3], [-0.1, -0.2], start=0, rid="r", weight_version="default")
+    served |= set(scored["meta_info"])
+    assert {"cached_tokens", "e2e_latency", "completion_tokens", "input_token_logprobs"} <= served
+    generate = sglang.produced_keys([sglang.tree(name) for name in sglang.matching(PRODUCERS["/generate"][0])])
+    assert served <= generate, f"sglang {sglang.version} /generate meta_info never holds {sorted(served - generate)}"
 
 
 def test_the_generate_schema_of_newer_releases_knows_our_fields(sglang: SglangSource) -> None:

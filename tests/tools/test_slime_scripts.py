@@ -18,7 +18,9 @@ import pytest
 from tests.support.slime_scripts import SCRIPTS
 from tools.slime_checkout.capture import capture, export_checkout
 
-SLIME_STYLE_PLUGIN = Path(__file__).resolve().parents[1] / "support" / "slime_imports_plugin.py"
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+SLIME_STYLE_PLUGIN = SUPPORT / "slime_imports_plugin.py"
+STRANDS_PLUGIN = SUPPORT / "strands_generate.py"  # imports strands and strands_sglang: the strands extra
 
 # A model-flag file as slime's scripts/models/*.sh are: a MODEL_ARGS array of Megatron's flags.
 MODEL_FILE = """MODEL_ARGS=(
@@ -80,6 +82,11 @@ def _checkout(root: Path) -> Path:
     (root / "examples" / "multi_agent" / "__init__.py").write_text("", encoding="utf-8")
     (root / "examples" / "multi_agent" / "rollout_with_multi_agents.py").write_text(
         SLIME_STYLE_PLUGIN.read_text(encoding="utf-8"), encoding="utf-8")
+    # slime's strands generate, likewise: its Strands agent and strands-sglang model come from installed packages
+    (root / "examples" / "strands_sglang").mkdir()
+    (root / "examples" / "strands_sglang" / "__init__.py").write_text("", encoding="utf-8")
+    (root / "examples" / "strands_sglang" / "generate_with_strands.py").write_text(
+        STRANDS_PLUGIN.read_text(encoding="utf-8"), encoding="utf-8")
     for script in SCRIPTS.glob("*.sh"):
         text = script.read_text(encoding="utf-8").replace("/slime/", f"{root}/")
         text = text.replace("/configs/", f"{root}/configs/")
@@ -121,7 +128,7 @@ def test_the_captured_scripts_pass_or_fail_with_the_reason_in_the_table(tmp_path
     assert passed == {f"scripts/run-{name}.sh" for name in (
         "dense-qwen3-4b-grpo", "eval-multi-task-qwen3-4b", "fully-async-qwen2.5-0.5b", "moe-qwen3-30b-a3b",
         "multi-agent-qwen3-30b-a3b", "opd-teacher-in-learner", "opd-teacher-server", "sft-qwen3-4b-base",
-        "vlm-qwen3-vl-8b-fsdp")} | {
+        "strands-qwen3-8b", "vlm-qwen3-vl-8b-fsdp")} | {
         "examples/ray_style/run.sh"}
     # a script written for --train-backend torch (its system test gives it): the reason names the backend; the
     # learner-held teacher's script runs on megatron as slime's does
@@ -132,5 +139,7 @@ def test_the_captured_scripts_pass_or_fail_with_the_reason_in_the_table(tmp_path
     assert rows["scripts/run-sft-qwen3-4b-base.sh"].learner == "ok"
     assert rows["scripts/run-vlm-qwen3-vl-8b-fsdp.sh"].family == "vlm"
     table = markdown_table(list(rows.values()))
-    assert "10 of 11 scripts pass configuration and preflight" in table
-    assert not any(name.startswith("examples.multi_agent") for name in sys.modules)  # forgotten after its check
+    assert "11 of 12 scripts pass configuration and preflight" in table
+    assert rows["scripts/run-strands-qwen3-8b.sh"].learner == "ok"
+    assert not any(name.startswith(("examples.multi_agent", "examples.strands_sglang"))
+                   for name in sys.modules)  # forgotten after its check

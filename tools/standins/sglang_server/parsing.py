@@ -180,8 +180,11 @@ def output_json(
     text: str,
     weight_versions: list[dict[str, Any]] | None = None,
     routed_experts: str | None = None,
+    e2e_latency: float = 0.0,
 ) -> dict[str, Any]:
-    """One generated sample as SGLang's `/generate` returns it (with `return_logprob`)."""
+    """One generated sample as SGLang's `/generate` returns it (with `return_logprob`). `cached_tokens` and
+    `e2e_latency` (seconds from arrival to finish) are SGLang's too: agent frameworks that talk to its /generate
+    (strands-sglang) report them as usage and read them unconditionally."""
     finish: dict[str, Any] = {"type": output.finish_reason}
     if output.finish_reason == "stop" and output.matched_stop is not None:
         finish["matched"] = output.matched_stop
@@ -194,6 +197,8 @@ def output_json(
         "finish_reason": finish,
         "prompt_tokens": output.prompt_len,
         "completion_tokens": len(output.output_ids),
+        "cached_tokens": output.cached_tokens,
+        "e2e_latency": e2e_latency,
         "output_token_logprobs": [
             [log_prob, token, None] for log_prob, token in zip(output.log_probs, output.output_ids, strict=True)
         ],

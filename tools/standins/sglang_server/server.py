@@ -55,6 +55,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +206,7 @@ class CompatServer:
     # ---- generation control
 
     async def generate(self, request: web.Request) -> web.Response:
+        arrived = time.monotonic()
         try:
             body = await parsing.request_json(request)
             items, batch = parsing.parse_generate_json(body, new_rid=self._new_rid)
@@ -234,10 +236,11 @@ class CompatServer:
             self._inflight.difference_update(r.request_id for r in requests)
         tokenizer = self.engine.tokenizer
         body = []
-        for item, outputs in zip(items, results, strict=True):
+        for item, engine_request, outputs in zip(items, requests, results, strict=True):
             if isinstance(outputs, dict):  # a scored prompt, already in SGLang's shape
                 body.append(outputs)
                 continue
+            prompt_log_probs = await self._prompt_log_probs(item, engine_request)
             for output in outputs:
                 text = tokenizer.decode(output.output_ids) if tokenizer is not None else ""
                 names = [self._version_name(v) for v in output.versions]
@@ -248,9 +251,11 @@ class CompatServer:
                 body.append(
                     parsing.output_json(
                         output, rid=item.rid, weight_version=self.weight_version, text=text, weight_versions=spans,
-                        routed_experts=routes,
+                        routed_experts=routes, e2e_latency=time.monotonic() - arrived,
                     )
                 )
+                if prompt_log_probs is not None:
+                    body[-1]["meta_info"]["input_token_logprobs"] = prompt_log_probs
         return web.json_response(body if batch or len(body) > 1 else body[0])
 
     async def chat_completions(self, request: web.Request) -> web.Response:
@@ -499,6 +504,14 @@ class CompatServer:
         if not item.return_logprob:
             start = len(ids)
         return parsing.scored_json(ids, log_probs, start=start, rid=item.rid, weight_version=self.weight_version)
+
+    async def _prompt_log_probs(self, item: parsing.GenerateItem, request: GenerateRequest) -> list[Any] | None:
+        """A generating item's `input_token_logprobs`, as SGLang returns them beside the output when asked with
+        `logprob_start_len` >= 0: a multi-turn agent (strands-sglang) reads the log-probs of the tool results it
+        appended from them. None where not asked (or with an adapter, which the scoring path does not take)."""
+        if not item.return_logprob or item.logprob_start_len < 0 or item.lora_path is not None:
+            return None
+        return (await self._score(item, request))["meta_info"]["input_token_logprobs"]
 
     def _engine_request(self, item: parsing.GenerateItem) -> GenerateRequest:
         ids = item.input_ids
