@@ -14,6 +14,8 @@ and the samples trained per second of both setups.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -56,14 +58,28 @@ def policy_outcome(run_dir: Path) -> Outcome:
                    steps[-1]["step"], int(sum(row.get("rollout/samples", 0) for row in steps)))
 
 
-def run_launcher(arguments: list[str]) -> float:
-    """Seconds from launch to exit."""
+@dataclass
+class Spent:
+    """What a launcher run took: seconds from launch to exit, and the CPU seconds (user + system) of every process it
+    started. Their ratio is how many cores were busy: on this 2-core machine a setup that already keeps both cores
+    busy cannot go faster by sharing engines, whatever it saves on a GPU."""
+
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    def __add__(self, other: Spent) -> Spent:
+        return Spent(self.seconds + other.seconds, self.cpu_seconds + other.cpu_seconds)
+
+
+def run_launcher(arguments: list[str]) -> Spent:
     command = [sys.executable, "launcher.py", *arguments]
     print(f"\n$ {shlex.join(['python', *command[1:]])}", flush=True)
-    started = time.monotonic()
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     if subprocess.run(command, cwd=REPO, check=False).returncode != 0:
         raise SystemExit("demo: the launcher failed (its message is above)")
-    return time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the launcher's, and its actors' (each waited for)
+    return Spent(time.monotonic() - started,
+                 after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -90,41 +106,43 @@ def main() -> None:
                                     "eval_prompt_data": ["heldout", str(paths["eval"])]}
                              for name, paths in data.items()}}
     (shared_dir / "policies.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
-    shared_seconds = run_launcher(["--head", "--run-dir", str(shared_dir), "--hf-checkpoint", str(model),
+    shared_spent = run_launcher(["--head", "--run-dir", str(shared_dir), "--hf-checkpoint", str(model),
                                    "--config", str(shared_dir / "policies.yaml"), *recipe])
     shared = {name: policy_outcome(shared_dir / "policies" / name) for name in TASKS}
 
     alone: dict[str, Outcome] = {}
-    alone_seconds = 0.0
+    alone_spent = Spent()
     if args.sequential:
         for name, paths in data.items():
             run_dir = args.workdir / f"{stamp}-alone-{name}"
-            alone_seconds += run_launcher(["--head", "--run-dir", str(run_dir), "--hf-checkpoint", str(model),
+            alone_spent += run_launcher(["--head", "--run-dir", str(run_dir), "--hf-checkpoint", str(model),
                                            "--prompt-data", str(paths["train"]), "--eval-prompt-data", "heldout",
                                            str(paths["eval"]), *recipe])
             alone[name] = policy_outcome(run_dir)
-    print_table(shared, shared_seconds, alone, alone_seconds)
+    print_table(shared, shared_spent, alone, alone_spent)
 
 
-def print_table(shared: dict[str, Outcome], shared_seconds: float, alone: dict[str, Outcome],
-                alone_seconds: float) -> None:
-    print("\n" + "=" * 92)
+def print_table(shared: dict[str, Outcome], shared_spent: Spent, alone: dict[str, Outcome],
+                alone_spent: Spent) -> None:
+    print("\n" + "=" * 104)
     print(f"held-out accuracy (greedy, {SMOLLM2_EVAL_PROMPTS} prompts per task never trained on), "
           "SmolLM2-135M-Instruct")
-    print(f"{'setup':<34}" + "".join(f"{name + ' before -> after':>26}" for name in TASKS) + f"{'samples/s':>12}")
-    rows = [("two policies, shared engines", shared, shared_seconds)]
+    print(f"{'setup':<34}" + "".join(f"{name + ' before -> after':>26}" for name in TASKS)
+          + f"{'samples/s':>11}{'CPU s/sample':>14}{'cores busy':>12}")
+    rows = [("two policies, shared engines", shared, shared_spent)]
     if alone:
-        rows.append(("each alone, one after the other", alone, alone_seconds))
-    for label, outcomes, seconds in rows:
+        rows.append(("each alone, one after the other", alone, alone_spent))
+    for label, outcomes, spent in rows:
         cells = "".join(f"{f'{o.before:.0%} -> {o.after:.0%} ({o.steps} steps)':>26}" for o in outcomes.values())
-        rate = sum(o.samples for o in outcomes.values()) / seconds
-        print(f"{label:<34}{cells}{rate:>12.2f}")
+        samples = sum(o.samples for o in outcomes.values())
+        print(f"{label:<34}{cells}{samples / spent.seconds:>11.2f}{spent.cpu_seconds / samples:>14.3f}"
+              f"{spent.cpu_seconds / spent.seconds:>12.2f}")
     if alone:
-        speedup = (sum(o.samples for o in shared.values()) / shared_seconds) / (
-            sum(o.samples for o in alone.values()) / alone_seconds)
-        print(f"shared engines: {speedup:.2f}x the samples per second ({shared_seconds:.0f} s against "
-              f"{alone_seconds:.0f} s, launch to exit)")
-    print("=" * 92)
+        speedup = (sum(o.samples for o in shared.values()) / shared_spent.seconds) / (
+            sum(o.samples for o in alone.values()) / alone_spent.seconds)
+        print(f"shared engines: {speedup:.2f}x the samples per second ({shared_spent.seconds:.0f} s against "
+              f"{alone_spent.seconds:.0f} s, launch to exit), on {os.cpu_count()} cores")
+    print("=" * 104)
 
 
 if __name__ == "__main__":
