@@ -9,6 +9,7 @@ order for an older generation than the one joined (it arrived late) is refused w
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -74,6 +75,7 @@ class TorchDistributedLoader:
             return asyncio.run_coroutine_threadsafe(served, loop).result()
 
         await self.engine.pause("keep")
+        paused = time.perf_counter()
         try:
             # A delta overwrites the engine's own weights where it offers them (paused, so no step sees half of it).
             in_place = self.engine.delta_target if adapter is None else None
@@ -81,10 +83,13 @@ class TorchDistributedLoader:
                                                in_place=in_place)
         finally:
             await self.engine.resume()
+        # What generation waited for: the push's receive and load (and, today, the fingerprint).
+        paused_ms = round(1000 * (time.perf_counter() - paused), 2)
         if adapter is None:
-            self.log.info("weights loaded", version=received, generation=receiver.spec.generation)
+            self.log.info("weights loaded", version=received, generation=receiver.spec.generation, paused_ms=paused_ms)
         else:
-            self.log.info("weights loaded", version=received, generation=receiver.spec.generation, adapter=adapter)
+            self.log.info("weights loaded", version=received, generation=receiver.spec.generation, adapter=adapter,
+                          paused_ms=paused_ms)
         return received
 
     def _drop_receiver(self) -> None:
