@@ -1,7 +1,10 @@
 """The engine side of the bucketed torch.distributed broadcast: join each generation, load each transfer.
 
 The engine pauses between two decode steps for the receive ("keep": requests in flight continue afterwards with
-the new weights) and resumes whatever happens, so a failed transfer never leaves generation stopped. Any
+the new weights) and resumes whatever happens, so a failed transfer never leaves generation stopped. A checked push
+resumes it as soon as the weights are in, before the engine fingerprints them: the fingerprint reads beside
+generation what generation now uses, and the engine keeps any load from writing the weights meanwhile
+(`engines/inference/served_weights.py`), so the check costs generation no pause. Any
 failure drops the receiver: the learner forms a new generation and this loader joins it at the next order. An
 order for an older generation than the one joined (it arrived late) is refused without touching the receiver.
 """
@@ -68,8 +71,15 @@ class TorchDistributedLoader:
                       self.engine.update_weights(list(named), version, adapter=adapter))
             asyncio.run_coroutine_threadsafe(update, loop).result()
 
+        resumed: list[float] = []  # when generation resumed, once
+
+        def resume() -> None:
+            if not resumed:
+                asyncio.run_coroutine_threadsafe(self.engine.resume(), loop).result()
+                resumed.append(time.perf_counter())
+
         def fingerprint(specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints | None:
-            # Still paused: what is fingerprinted is what the next decode step will use.
+            resume()  # every bucket is loaded: generation goes on with them while they are fingerprinted
             served = (self.engine.served_fingerprints(specs, plan) if adapter is None else
                       self.engine.served_fingerprints(specs, plan, adapter=adapter))
             return asyncio.run_coroutine_threadsafe(served, loop).result()
@@ -82,9 +92,10 @@ class TorchDistributedLoader:
             received = await asyncio.to_thread(receiver.receive, load, timeout_s, fingerprint_fn=fingerprint,
                                                in_place=in_place)
         finally:
-            await self.engine.resume()
-        # What generation waited for: the push's receive and load (and, today, the fingerprint).
-        paused_ms = round(1000 * (time.perf_counter() - paused), 2)
+            if not resumed:
+                await self.engine.resume()
+                resumed.append(time.perf_counter())
+        paused_ms = round(1000 * (resumed[0] - paused), 2)  # what generation waited for: the receive and the loads
         if adapter is None:
             self.log.info("weights loaded", version=received, generation=receiver.spec.generation, paused_ms=paused_ms)
         else:
