@@ -177,7 +177,7 @@ class ServedPrints:
 
     prints: dict[str, int] = field(default_factory=dict)
     unchecked: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0  # what fingerprinting cost the engine (its generation stays paused meanwhile)
+    seconds: float = 0.0  # what fingerprinting took the engine (beside its generation, which resumed first)
 
     def encode(self) -> bytes:
         return json.dumps({"prints": self.prints, "unchecked": self.unchecked, "seconds": self.seconds},
