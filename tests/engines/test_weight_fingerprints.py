@@ -336,8 +336,8 @@ async def test_generation_goes_on_while_the_engine_fingerprints_a_push(tiny_mode
         engine._weights.fingerprints = held_prints  # type: ignore[method-assign]
         pushing = asyncio.create_task(_push(engine, _perturbed(model, seed=10)))
         assert await asyncio.to_thread(fingerprinting.wait, 30)
-        request = GenerateRequest("during", [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
-        [output] = await asyncio.wait_for(engine.generate(request), 30)
+        greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+        [output] = await asyncio.wait_for(engine.generate(GenerateRequest("during", [1, 2, 3], greedy)), 30)
         assert len(output.output_ids) == 4 and output.versions == [7] * 4  # the pushed weights
         release.set()
         report, committed = await asyncio.wait_for(pushing, 30)

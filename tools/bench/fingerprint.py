@@ -8,11 +8,14 @@ Each row pushes a trainer's weights from this process to a torch engine in its o
 run does, rotating unchecked pushes, pushes checked as runs check them by default (one of 16 slices of each
 matrix's rows, `--weight-check-stride 16`) and pushes checked byte for byte (stride 1, slime's
 --check-weight-update-equal), so all three meet the same machine; the baseline is the unchecked push, measured in
-the same run. The check's cost is the sender fingerprinting what it sends plus the engine fingerprinting what it
-serves before it acknowledges. Target: at most 2% of the push time, for the default. The difference of two push
-times moves by a few percent from run to run on a small machine, more than the default's cost, so the table also
-gives what fingerprinting took on each end, as each measured it (`FingerprintCheck.seconds`): the sender's runs
-beside its broadcasts and the engines' loads, the engine's holds its generation paused. A second table gives
+the same run. Each checked push is compared with the unchecked pushes just before and after it, so a change in
+the machine's load cancels; the table gives the median ratio and its quartiles. The check's cost is the sender
+fingerprinting what it sends plus the engine fingerprinting what it serves before it acknowledges. Target: at most
+2% of the push time, for the default. On a small shared machine the push times still move by more than that from
+push to push, so the table also gives what fingerprinting took on each end, as each measured it
+(`FingerprintCheck.seconds`): the sender's runs beside its broadcasts and the engines' loads, the engine's beside
+its generation, which resumed once the weights were in. And how long each push paused the engine's generation
+(the loader's `paused_ms`), unchecked, and for a default push over its unchecked neighbours. A second table gives
 each algorithm's own speed on this machine (XXH3 over the bytes on a CPU; the device sum is what a GPU uses).
 """
 
