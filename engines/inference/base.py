@@ -350,7 +350,8 @@ class InferenceEngine(ABC):
     ) -> ServedPrints | None:
         """Fingerprints of what the engine serves now for each pushed tensor, as `plan` says (`plan.prints()`;
         `engines.weights.fingerprint`), so the learner can check a push landed as sent. None: this engine cannot
-        tell, and the check says so."""
+        tell, and the check says so. A push's loader asks once the weights are loaded and generation has resumed,
+        so generation does not wait for the check: the engine must keep its weights from being written meanwhile."""
         return None
 
     def delta_target(self, name: str) -> torch.Tensor | None:

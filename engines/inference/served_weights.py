@@ -4,11 +4,18 @@ LoRA run's adapter merged into its layers (`lora_merge.py`), named adapters serv
 
 Every load checks all of its tensors before it writes any, so a bad bucket changes nothing. The engine calls these
 from its decode thread between two steps, and then voids the keys and values computed before.
+
+The fingerprints are taken on another thread, beside generation (a push's loader resumes generation once the
+weights are in, then asks for them): decoding only reads the weights, and every write to them here (a load, an
+adapter's load or unload) holds the same lock as a fingerprint, so none lands in the middle of one; a load that
+arrives meanwhile waits for it. The one write made elsewhere, a delta written in place into `delta_target`, is made
+by the receive of the next push from the same loader, which starts only after this push's fingerprint answered.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -47,9 +54,14 @@ class ServedWeights:
         self._fresh_adapters = frozenset(fresh)
         self._max_adapters = max_adapters
         self._checkpoint_views: dict[str, torch.Tensor] | None = None  # made at the first checkpoint-named load
+        self._writing = threading.Lock()  # held by every write to the weights and by their fingerprints
 
     def load(self, named_tensors: Iterable[NamedTensor]) -> None:
         """Full tensors by the model's or its checkpoint's names, and a one-policy run's LoRA factors, merged."""
+        with self._writing:
+            self._load(named_tensors)
+
+    def _load(self, named_tensors: Iterable[NamedTensor]) -> None:
         updates, adapters = [], []
         for name, tensor in named_tensors:
             (adapters if is_adapter(name) else updates).append((name, tensor))
@@ -87,7 +99,8 @@ class ServedWeights:
             if not is_adapter(name):
                 raise ValueError(f"update_weights: adapter {adapter!r}: {name!r} is not a LoRA factor; a named "
                                  "adapter's update holds <module>.lora_A.weight and <module>.lora_B.weight only")
-        self.named_adapters.load(adapter, named_tensors, self._lora_scaling)
+        with self._writing:
+            self.named_adapters.load(adapter, named_tensors, self._lora_scaling)
 
     def serves(self, adapter: str) -> bool:
         """Whether a request may name `adapter`: loaded, or fresh (served as the base weights until loaded)."""
@@ -115,15 +128,21 @@ class ServedWeights:
             raise ValueError(f"unload_adapter: adapter {adapter!r} serves {len(users)} requests in flight "
                              f"({', '.join(map(repr, users[:3]))}{' ...' if len(users) > 3 else ''}); abort or finish "
                              "them first")
-        if adapter in self.named_adapters:
-            self.named_adapters.remove(adapter)
-        self._fresh_adapters -= {adapter}
+        with self._writing:
+            if adapter in self.named_adapters:
+                self.named_adapters.remove(adapter)
+            self._fresh_adapters -= {adapter}
 
     def fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan,
                      adapter: str | None = None) -> ServedPrints:
         """What is served now under the sender's names: a weight as it is, a merged LoRA factor only where its layer
         still equals the merge (`AdapterMerger.served`); with `adapter`, the named adapter's factors only where its
-        slot holds them (`MultiLora.served`)."""
+        slot holds them (`MultiLora.served`). Safe beside generation, on any thread (see the module docstring)."""
+        with self._writing, torch.inference_mode():
+            return self._fingerprints(specs, plan, adapter)
+
+    def _fingerprints(self, specs: tuple[TensorSpec, ...], plan: FingerprintPlan,
+                      adapter: str | None) -> ServedPrints:
         prints, unchecked = plan.prints(), {}
         specs = plan.covered(specs)
         factors = [spec.name for spec in specs if is_adapter(spec.name)]

@@ -253,8 +253,11 @@ class TorchEngine(base.InferenceEngine):
                                   adapter: str | None = None) -> ServedPrints:
         """Its weight for a full tensor; for a LoRA factor, the factor merged into its layer, and only if the layer
         holds that merge (an adapter received but never merged fingerprints as absent); with `adapter`, the factor
-        of that named adapter, only if its slot holds it."""
-        return await self._call(_Fingerprint(specs, plan, adapter))
+        of that named adapter, only if its slot holds it. Computed on a thread of its own while the decode thread
+        keeps generating; no load can change the weights meanwhile (`served_weights.py`)."""
+        if self._closing or not self._thread.is_alive():
+            raise RuntimeError("torch engine is closed")
+        return await asyncio.to_thread(self._weights.fingerprints, specs, plan, adapter)
 
     def delta_target(self, name: str) -> torch.Tensor | None:
         return self._weights.delta_target(name)
@@ -570,16 +573,6 @@ class _UnloadAdapter(Command):
     def apply(self, engine: TorchEngine) -> object:
         engine._unload_adapter(self.adapter)
         return None
-
-
-@dataclass
-class _Fingerprint(Command):
-    specs: tuple[TensorSpec, ...]
-    plan: FingerprintPlan
-    adapter: str | None = None
-
-    def apply(self, engine: TorchEngine) -> object:
-        return engine._weights.fingerprints(self.specs, self.plan, self.adapter)
 
 
 @dataclass

@@ -8,9 +8,13 @@ with its dtype and shape: an engine that keeps a wider copy (float32 weights fed
 dtype first, which is exact; one that keeps a narrower copy cannot be compared and says so.
 
 Two algorithms, one per kind of device, so neither end copies weights to another device to fingerprint them:
-- ``xxh3`` for CPU tensors: xxHash's XXH3-64 over the raw bytes (gigabytes per second, zero copy);
+- ``xxh3`` for CPU tensors: xxHash's XXH3-64 over the raw bytes, seeded with the XXH3-64 of the dtype and shape
+  (`_header`), in one call per tensor (gigabytes per second, zero copy; the seed is cached per dtype and shape);
 - ``wsum`` for CUDA tensors: the 16-bit words of the tensor weighted by a fixed pseudo-random sequence and summed
-  modulo 2^31 - 1, chunk by chunk, all on the device; the host reads one number per tensor, all at once.
+  modulo p = 2^31 - 1 in chunks of CHUNK_WORDS, the chunks' sums folded as h * M^k + sum_c s_c * M^(k-1-c) mod p
+  (h: the CRC-32 of the header mod p, k chunks, M = _CHUNK_MIX). The device computes the sum over the chunks from
+  the tensor alone, never waiting for the host; the host reads one number per tensor, all at once, and adds the
+  header's term itself (`_fold`), so no host value is copied to the device per tensor.
 Both are exact functions of the bytes (the sum is integer arithmetic, so its order does not matter), so the
 learner and the engine agree bit for bit. Either runs on either device (slower there), so a learner and an
 engine on different kinds of device still compare.
@@ -28,6 +32,7 @@ every push (`FingerprintPlan`).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import zlib
@@ -121,7 +126,7 @@ class Fingerprints:
         self.algorithm, self.stride, self.offset = algorithm, stride, offset
         self.seconds = 0.0  # spent fingerprinting so far: what the check costs this end
         self._ready: dict[str, int] = {}
-        self._on_device: dict[str, Tensor] = {}
+        self._on_device: dict[str, tuple[Tensor, int, int]] = {}  # name -> `_wsum`'s device sum, header, chunks
 
     def add(self, name: str, tensor: Tensor, dtype: torch.dtype | None = None) -> None:
         """Fingerprint `tensor` (its rows of this push) as `dtype` (default: its own) under `name`."""
@@ -139,8 +144,9 @@ class Fingerprints:
         if self._on_device:
             started = time.perf_counter()
             names = list(self._on_device)
-            read = torch.stack([self._on_device[name] for name in names]).tolist()  # the one host read
-            self._ready.update(zip(names, read, strict=True))
+            read = torch.stack([self._on_device[name][0] for name in names]).tolist()  # the one host read
+            self._ready.update((name, _fold(value, *self._on_device[name][1:]))
+                               for name, value in zip(names, read, strict=True))
             self._on_device.clear()
             self.seconds += time.perf_counter() - started
         return dict(self._ready)
@@ -171,7 +177,7 @@ class ServedPrints:
 
     prints: dict[str, int] = field(default_factory=dict)
     unchecked: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0  # what fingerprinting cost the engine (its generation stays paused meanwhile)
+    seconds: float = 0.0  # what fingerprinting took the engine (beside its generation, which resumed first)
 
     def encode(self) -> bytes:
         return json.dumps({"prints": self.prints, "unchecked": self.unchecked, "seconds": self.seconds},
@@ -257,16 +263,21 @@ def _header(tensor: Tensor) -> bytes:
     return f"{tensor.dtype}{tuple(tensor.shape)}".encode()
 
 
-def _xxh3(tensor: Tensor) -> int:
+@functools.lru_cache(maxsize=4096)
+def _xxh3_seed(header: bytes) -> int:
     import xxhash  # here: a GPU machine fingerprinting on the device needs only torch
 
-    digest = xxhash.xxh3_64(_header(tensor))
-    if tensor.numel():
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        digest.update(memoryview(flat.numpy()))
-    return digest.intdigest() & 0x7FFF_FFFF_FFFF_FFFF  # fits msgpack's int64, like wsum's
+    return xxhash.xxh3_64_intdigest(header)
+
+
+def _xxh3(tensor: Tensor) -> int:
+    import xxhash
+
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    digest = xxhash.xxh3_64_intdigest(memoryview(flat.numpy()), _xxh3_seed(_header(tensor)))
+    return digest & 0x7FFF_FFFF_FFFF_FFFF  # fits msgpack's int64, like wsum's
 
 
 def _position_weights(device: torch.device) -> Tensor:
@@ -278,18 +289,28 @@ def _position_weights(device: torch.device) -> Tensor:
     return weights
 
 
-def _wsum(tensor: Tensor) -> Tensor:
-    """A device scalar: sum over chunks of (words · weights) mod p, folded chunk by chunk; words < 2^16 and weights
-    < 2^24 + 1 keep every partial sum of a chunk below 2^61, so int64 never overflows."""
+def _wsum(tensor: Tensor) -> tuple[Tensor, int, int]:
+    """The device's part of the print (a scalar on the tensor's device: sum_c s_c * M^(k-1-c) mod p over its k
+    chunks, each chunk's s_c = (words · weights) mod p), the header's CRC and k, for `_fold`. Words < 2^16 and
+    weights < 2^24 + 1 keep every partial sum of a chunk below 2^61, so int64 never overflows."""
     header = zlib.crc32(_header(tensor)) % _MODULUS
     flat = tensor.contiguous().reshape(-1).view(torch.uint8)
     if flat.numel() % 2:
         flat = torch.cat([flat, flat.new_zeros(1)])
     words = flat.view(torch.int16)
     weights = _position_weights(words.device)
-    total = torch.tensor(header, dtype=torch.int64, device=words.device)
+    total = None
+    chunks = 0
     for start in range(0, words.numel(), CHUNK_WORDS):
-        chunk = words[start:start + CHUNK_WORDS].to(torch.int64) & 0xFFFF
-        partial = (chunk * weights[:chunk.numel()]).sum() % _MODULUS
-        total = (total * _CHUNK_MIX + partial) % _MODULUS
-    return total
+        chunk = words[start:start + CHUNK_WORDS].to(torch.int64).bitwise_and_(0xFFFF)
+        partial = chunk.mul_(weights[:chunk.numel()]).sum().remainder_(_MODULUS)
+        total = partial if total is None else (total * _CHUNK_MIX + partial).remainder_(_MODULUS)
+        chunks += 1
+    if total is None:  # no words: the header alone
+        total = torch.zeros((), dtype=torch.int64, device=words.device)
+    return total, header, chunks
+
+
+def _fold(device_sum: int, header: int, chunks: int) -> int:
+    """A `wsum` print from its parts: the header's term, h * M^k mod p, added on the host."""
+    return (header * pow(_CHUNK_MIX, chunks, _MODULUS) + device_sum) % _MODULUS

@@ -1,7 +1,10 @@
 """The engine side of the bucketed torch.distributed broadcast: join each generation, load each transfer.
 
 The engine pauses between two decode steps for the receive ("keep": requests in flight continue afterwards with
-the new weights) and resumes whatever happens, so a failed transfer never leaves generation stopped. Any
+the new weights) and resumes whatever happens, so a failed transfer never leaves generation stopped. A checked push
+resumes it as soon as the weights are in, before the engine fingerprints them: the fingerprint reads beside
+generation what generation now uses, and the engine keeps any load from writing the weights meanwhile
+(`engines/inference/served_weights.py`), so the check costs generation no pause. Any
 failure drops the receiver: the learner forms a new generation and this loader joins it at the next order. An
 order for an older generation than the one joined (it arrived late) is refused without touching the receiver.
 """
@@ -9,6 +12,7 @@ order for an older generation than the one joined (it arrived late) is refused w
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -67,24 +71,36 @@ class TorchDistributedLoader:
                       self.engine.update_weights(list(named), version, adapter=adapter))
             asyncio.run_coroutine_threadsafe(update, loop).result()
 
+        resumed: list[float] = []  # when generation resumed, once
+
+        def resume() -> None:
+            if not resumed:
+                asyncio.run_coroutine_threadsafe(self.engine.resume(), loop).result()
+                resumed.append(time.perf_counter())
+
         def fingerprint(specs: tuple[TensorSpec, ...], plan: FingerprintPlan) -> ServedPrints | None:
-            # Still paused: what is fingerprinted is what the next decode step will use.
+            resume()  # every bucket is loaded: generation goes on with them while they are fingerprinted
             served = (self.engine.served_fingerprints(specs, plan) if adapter is None else
                       self.engine.served_fingerprints(specs, plan, adapter=adapter))
             return asyncio.run_coroutine_threadsafe(served, loop).result()
 
         await self.engine.pause("keep")
+        paused = time.perf_counter()
         try:
             # A delta overwrites the engine's own weights where it offers them (paused, so no step sees half of it).
             in_place = self.engine.delta_target if adapter is None else None
             received = await asyncio.to_thread(receiver.receive, load, timeout_s, fingerprint_fn=fingerprint,
                                                in_place=in_place)
         finally:
-            await self.engine.resume()
+            if not resumed:
+                await self.engine.resume()
+                resumed.append(time.perf_counter())
+        paused_ms = round(1000 * (resumed[0] - paused), 2)  # what generation waited for: the receive and the loads
         if adapter is None:
-            self.log.info("weights loaded", version=received, generation=receiver.spec.generation)
+            self.log.info("weights loaded", version=received, generation=receiver.spec.generation, paused_ms=paused_ms)
         else:
-            self.log.info("weights loaded", version=received, generation=receiver.spec.generation, adapter=adapter)
+            self.log.info("weights loaded", version=received, generation=receiver.spec.generation, adapter=adapter,
+                          paused_ms=paused_ms)
         return received
 
     def _drop_receiver(self) -> None:

@@ -295,6 +295,6 @@ def _served(fingerprint_fn: FingerprintFn, manifest: Manifest) -> ServedPrints |
     except Exception as error:
         reason = f"fingerprinting failed: {type(error).__name__}: {error}"[:300]
         return ServedPrints(unchecked={spec.name: reason for spec in manifest.tensors})
-    if served is not None:  # what the engine's generation waited for, the engine thread's hop included
+    if served is not None:  # what the engine's answer took, beside its generation (`torch_loader.py`)
         served.seconds = time.perf_counter() - started
     return served

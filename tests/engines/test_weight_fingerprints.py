@@ -5,16 +5,21 @@ engine and the tensor): a tensor altered after its load, an adapter never merged
 from __future__ import annotations
 
 import asyncio
+import threading
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import structlog
 import torch
+import xxhash
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.lora_merge import AdapterMerger
+from engines.inference.served_weights import ServedWeights
 from engines.inference.torch_engine import TorchEngine
 from engines.weights import fingerprint as fp
 from engines.weights.base import TransferReport, WeightsDiffer
@@ -76,6 +81,58 @@ def test_the_device_sum_folds_every_chunk_and_a_change_in_the_last_one_shows(mon
     assert fingerprint(changed, "wsum") != fingerprint(tensor, "wsum")
     halves = [tensor[:500], tensor[500:]]  # the same words split differently are a different tensor
     assert fingerprint(torch.cat(halves), "wsum") == fingerprint(tensor, "wsum")
+
+
+@pytest.mark.unit
+def test_each_print_is_its_documented_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    """XXH3-64 of the bytes seeded with the XXH3-64 of the header; the weighted words summed per chunk and folded,
+    the header's term added on the host (what both ends must compute alike, whatever the device does)."""
+    monkeypatch.setattr(fp, "CHUNK_WORDS", 4)
+    monkeypatch.setattr(fp, "_weights_cache", {})
+    tensor = torch.randn(3, 3, generator=torch.Generator().manual_seed(3))  # 36 bytes: 18 words, 5 chunks
+    header, raw = b"torch.float32(3, 3)", tensor.numpy().tobytes()
+    seeded = xxhash.xxh3_64_intdigest(raw, xxhash.xxh3_64_intdigest(header)) & 0x7FFF_FFFF_FFFF_FFFF
+    assert fingerprint(tensor, "xxh3") == seeded
+    p, words = (1 << 31) - 1, [int.from_bytes(raw[i:i + 2], "little") for i in range(0, len(raw), 2)]
+    total = zlib.crc32(header) % p
+    for start in range(0, len(words), 4):
+        chunk = sum(word * ((position * 2654435761) % (1 << 24) | 1)
+                    for position, word in enumerate(words[start:start + 4]))
+        total = (total * 1_000_003 + chunk % p) % p
+    assert fingerprint(tensor, "wsum") == total
+
+
+@pytest.mark.unit
+def test_a_load_waits_for_a_fingerprint_under_way_which_reads_the_weights_before_it(tiny_model_path: Path) -> None:
+    """The engine fingerprints beside generation, on another thread: a load that arrives meanwhile must not land
+    in the middle of it."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    served = ServedWeights(model, lora_scaling=None, max_adapters=1)
+    name = "model.layers.0.mlp.down_proj.weight"
+    specs = (TensorSpec(name, torch.float32, tuple(model.get_parameter(name).shape)),)
+    before = model.get_parameter(name).detach().clone()
+    reading, release = threading.Event(), threading.Event()
+    prints_of = served._fingerprints
+
+    def slow_prints(*args: object) -> ServedPrints:
+        reading.set()
+        assert release.wait(10)
+        return prints_of(*args)  # type: ignore[arg-type]
+
+    served._fingerprints = slow_prints  # type: ignore[method-assign]
+    answer: list[ServedPrints] = []
+    printing = threading.Thread(target=lambda: answer.append(served.fingerprints(specs, FingerprintPlan("xxh3"))))
+    printing.start()
+    assert reading.wait(10)
+    loading = threading.Thread(target=served.load, args=([(name, before + 1.0)],))
+    loading.start()
+    loading.join(0.3)
+    assert loading.is_alive()  # held back while the fingerprint reads
+    release.set()
+    printing.join(10)
+    loading.join(10)
+    assert answer[0].prints == {name: fingerprint(before, "xxh3")}
+    assert torch.equal(model.get_parameter(name), before + 1.0)
 
 
 @pytest.mark.unit
@@ -260,6 +317,31 @@ async def test_a_tensor_altered_after_its_load_fails_the_push_naming_engine_and_
     assert isinstance(outcome, WeightsDiffer) and committed is None
     assert outcome.check.differ == {"rollout-0": [target]}
     assert outcome.failed == {"rollout-0": f"serves other bits in {target}"}
+
+
+@pytest.mark.integration
+async def test_generation_goes_on_while_the_engine_fingerprints_a_push(tiny_model_path: Path) -> None:
+    """The check costs generation no pause: once the weights are in, a request completes while the engine's
+    fingerprint of them is still under way, and the push then commits."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    async with TorchEngine(model, None) as engine:
+        fingerprinting, release = threading.Event(), threading.Event()
+        prints_of = engine._weights.fingerprints
+
+        def held_prints(*args: object) -> ServedPrints:
+            fingerprinting.set()
+            assert release.wait(30)
+            return prints_of(*args)  # type: ignore[arg-type]
+
+        engine._weights.fingerprints = held_prints  # type: ignore[method-assign]
+        pushing = asyncio.create_task(_push(engine, _perturbed(model, seed=10)))
+        assert await asyncio.to_thread(fingerprinting.wait, 30)
+        greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+        [output] = await asyncio.wait_for(engine.generate(GenerateRequest("during", [1, 2, 3], greedy)), 30)
+        assert len(output.output_ids) == 4 and output.versions == [7] * 4  # the pushed weights
+        release.set()
+        report, committed = await asyncio.wait_for(pushing, 30)
+    assert isinstance(report, TransferReport) and committed == 7
 
 
 @pytest.mark.integration
