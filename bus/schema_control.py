@@ -61,8 +61,10 @@ class Register(Message):
     node: Annotated[str, doc("host name")]
     pid: Annotated[int, doc("process id")]
     endpoints: Annotated[dict[str, str], doc("channel name -> endpoint the actor bound")]
-    meta: Annotated[dict[str, Any], doc("role-specific facts (engine kind, capacity, device)")] = msgspec.field(
-        default_factory=dict
+    meta: Annotated[dict[str, Any], doc("role-specific facts (engine kind, capacity, device); a rollout worker's "
+                                        "`adapter_room` (int) and `adapter_room_why`: how many policies' adapters its "
+                                        "engine holds, which the controller checks a joining policy against")] = (
+        msgspec.field(default_factory=dict)
     )
     policy: Annotated[str | None, doc("the policy the actor belongs to (Member.policy)")] = None
 

@@ -35,6 +35,9 @@ SHARED_SETTINGS = {
 }
 # How many named adapters a torch engine holds (engines.inference.multi_lora): the most policies a run can have.
 TORCH_ENGINE_ADAPTERS = 8
+# What a rollout worker says of its engine when it registers (Register.meta): how many policies' adapters it has room
+# for, and why; the controller refuses a join past the least room (actors.controller.policy_table).
+ADAPTER_ROOM, ADAPTER_ROOM_WHY = "adapter_room", "adapter_room_why"
 POLICY_ROLES = ("buffer", "evaluator", "learner")  # one of each per policy; the other roles are shared
 SCOPE_SEPARATOR = "@"  # a policy's actor id: "learner@solver"
 POLICIES_DIR = "policies"  # RUN_DIR/policies/<name>: a policy's own run directory
@@ -94,12 +97,15 @@ def sglang_loras_per_batch(declared: int) -> int:
 
 
 def policy_capacity(engine: str, declared: int, *, attached: bool) -> int | None:
-    """The most policies the run's engines have room for, as a join is checked (None: not known here: an attached
-    SGLang server has what it was started with)."""
+    """The most policies the run's engines have room for by the run's settings, as a join is checked (None: not
+    known from them: an attached SGLang server has the room it was started with, which its rollout worker reads
+    from the server and says when it registers, `ADAPTER_ROOM`)."""
     if engine == "torch":
         return TORCH_ENGINE_ADAPTERS
     if engine == "sglang" and not attached:
-        return (sglang_loras_per_batch(declared) - 1) // 2
+        from engines.sglang.protocol import policies_room
+
+        return policies_room(sglang_loras_per_batch(declared))
     return None
 
 

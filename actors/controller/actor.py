@@ -46,6 +46,7 @@ class MemberRecord:
     waits: list[schema.WaitState] = field(default_factory=list)  # as of its last heartbeat
     left: bool = False  # it said goodbye (Leave): gone on purpose, not silent
     told_over: bool = False  # a heartbeat of its was answered "run over"; it heard it if it heartbeats no more
+    meta: dict[str, Any] = field(default_factory=dict)  # what it said of itself when it registered (Register.meta)
 
 
 class Controller(Actor):
@@ -227,7 +228,8 @@ class Controller(Actor):
         member = schema.Member(actor_id=request.actor_id, role=request.role, node=request.node, pid=request.pid,
                                endpoints=dict(request.endpoints), alive=True, incarnation=incarnation,
                                policy=request.policy)
-        self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic(), connection=sender)
+        self.records[request.actor_id] = MemberRecord(member=member, last_seen=time.monotonic(), connection=sender,
+                                                      meta=dict(request.meta))
         for event in events:
             self.log.info(f"member {event.kind}", member=request.actor_id, role=request.role, node=request.node,
                           pid=request.pid, reason=event.reason)
@@ -280,7 +282,9 @@ class Controller(Actor):
         if self.run_state in ("draining", "stopped", "failed"):
             return Ack(ok=False, error=f"policy {request.policy!r} cannot join: the run is {self.run_state}")
         try:
-            new = self.policy_table.join(request.policy, dict(request.settings))
+            rooms = {actor: record.meta for actor, record in self.records.items()
+                     if record.member.role == "rollout" and record.member.alive}
+            new = self.policy_table.join(request.policy, dict(request.settings), rooms=rooms)
         except PolicyRefused as error:
             self.log.warning("policy join refused", policy=request.policy, error=str(error), origin=peer_name(sender))
             return Ack(ok=False, error=str(error))

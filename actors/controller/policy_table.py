@@ -9,20 +9,23 @@ policy's lane and scoring, and the policy's own actors, whose heartbeats are ans
 checkpoint and its buffer from its log, so nothing it trained is trained again.
 
 A join is checked as the run's start checks `policies:` (the name, each setting a policy may set, their values), and
-against what the engines have room for. A restarted controller reads the table back from RUN_DIR, for the same
-start of the run only (the run clock's origin, as `finished.py` does): a resumed run starts from its declared
-policies, and the others join it again.
+against what the engines have room for: by the run's settings (`policy_capacity`), and by what each live rollout
+worker said of its engine when it registered (`ADAPTER_ROOM`: an SGLang server's `--max-loras-per-batch`, the one way
+to know an attached server's, which the controller cannot ask itself). A restarted controller reads the table back
+from RUN_DIR, for the same start of the run only (the run clock's origin, as `finished.py` does): a resumed run starts
+from its declared policies, and the others join it again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from actors.config import RunConfig
-from actors.config.policies import policy_capacity
+from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY, policy_capacity
 
 FILE = "policy-table.json"
 
@@ -46,9 +49,11 @@ class PolicyTable:
         """A run of several policies (a run of one unnamed policy has no table, and nothing joins it)."""
         return bool(self.config.policies)
 
-    def join(self, policy: str, settings: dict[str, Any]) -> bool:
+    def join(self, policy: str, settings: dict[str, Any], *,
+             rooms: Mapping[str, Mapping[str, Any]] | None = None) -> bool:
         """Add `policy` with `settings`; False when it is in the run already with these very settings (a launcher
-        asking again, or a node of the policy's restarting). Raises PolicyRefused."""
+        asking again, or a node of the policy's restarting). `rooms`: each live rollout worker's registration facts.
+        Raises PolicyRefused."""
         if not self.several:
             raise PolicyRefused(f"policy {policy!r} cannot join: this run has one unnamed policy; a run that policies "
                                 "join declares its first ones under `policies:` (docs/multi-policy.md)")
@@ -62,6 +67,10 @@ class PolicyTable:
         if capacity is not None and len(self.live) >= capacity:
             raise PolicyRefused(f"policy {policy!r} cannot join: the engines have room for {capacity} policies' "
                                 f"adapters and the run has {len(self.live)} ({', '.join(self.live)})")
+        if (least := least_room(rooms or {})) is not None and len(self.live) >= least[0]:
+            raise PolicyRefused(f"policy {policy!r} cannot join: {least[1]} has room for {least[0]} policies' "
+                                "adapters (each policy's, the one it replaces while a push lands, and the base model) "
+                                f"and the run has {len(self.live)} ({', '.join(self.live)})")
         try:
             self.config.with_settings(policies={**self.live, policy: settings})
         except ValueError as error:  # SettingsError or pydantic's: each problem names the policy and the setting
@@ -101,3 +110,11 @@ class PolicyTable:
             self.live = {str(k): v for k, v in live.items()}
         if isinstance(left, dict):
             self.left = {str(k): str(v) for k, v in left.items()}
+
+
+def least_room(rooms: Mapping[str, Mapping[str, Any]]) -> tuple[int, str] | None:
+    """The least adapter room the rollout workers said their engines have (actor id -> registration facts), and
+    whose it is; None when none said."""
+    said = [(facts[ADAPTER_ROOM], f"{actor}'s {facts.get(ADAPTER_ROOM_WHY) or 'engine'}")
+            for actor, facts in sorted(rooms.items()) if isinstance(facts.get(ADAPTER_ROOM), int)]
+    return min(said, key=lambda room: room[0]) if said else None

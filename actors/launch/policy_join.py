@@ -125,7 +125,7 @@ def _ask(head_address: str, message: Any, *, curve_keys: Path | None, what: str,
     if reply is None:
         raise LaunchError(f"{what}: the controller at {head_address} did not answer within {timeout:.0f}s")
     if not getattr(reply, "ok", False):
-        raise LaunchError(f"{what}: refused by the controller: {getattr(reply, 'error', None) or reply!r}")
+        raise LaunchError(f"{what}: refused by the controller: {getattr(reply, 'error', None) or repr(reply)}")
 
 
 async def _call(head_address: str, message: Any, curve_keys: Path | None, timeout: float) -> Any:

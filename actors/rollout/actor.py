@@ -27,7 +27,7 @@ from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
 from actors.rollout.failures import TRANSIENT, unless_aborted
 from actors.rollout.generate import GenerateFunction, RolloutContext, groups_calls
 from actors.rollout.kv_cache_log import record_kv_cache
-from actors.rollout.lanes import Lane, policy_lane, retire_adapter
+from actors.rollout.lanes import Lane, adapter_room, follow_policies, policy_lane
 from actors.rollout.router import STOP_WAIT_S, EngineRouter
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
@@ -79,11 +79,13 @@ class RolloutWorker(Actor):
         self.generate_fn: GenerateFunction | EpisodeLoop | AgentRunner | None = None
         self.rollout_function: RolloutLoop | None = None
         self.round_function: GenerateFunction | None = None
+        self.engine_facts: dict[str, object] = {}
 
     async def on_start(self) -> None:
         self.config = self.settings.run
         check_rollout_loop(self.config)  # before the engine loads: a refused flag combination fails fast
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
+        self.engine_facts = await adapter_room(self.engine)  # said when it registers: a join is checked on it
         self.image_tokens = ImageTokens.of_run(self.config)  # the image processor loads at the first image prompt
         # a lane per policy of the run, each leasing from its policy's buffer; one of policy None in a run of one
         self.lanes = [policy_lane(self.config, policy, self.peer_rpc("buffer", policy=policy), self.engine, self.log)
@@ -117,22 +119,9 @@ class RolloutWorker(Actor):
                                             plugin=self.config.weights.weight_transport)
         self.spawn(self._renew_leases(), name="rollout.renew")
 
-    async def _follow_policies(self, policies: dict[str, dict]) -> None:
-        """The roster's policies: a lane for each that joined, none for one that left (lanes.py; the last stays)."""
-        if not policies or self.engine is None:
-            return
-        for lane in [lane for lane in self.lanes if lane.policy not in policies][:len(self.lanes) - 1]:
-            self.lanes.remove(lane)
-            self.log.info("policy left the run: no more groups for it", policy=lane.policy)
-            self._retiring[str(lane.policy)] = self.spawn(retire_adapter(
-                self.engine, str(lane.policy), timeout=self.config.buffer.lease_timeout, log=self.log))
-        for policy in [name for name in policies if self.lane_of(name) is None]:
-            if (retiring := self._retiring.pop(policy, None)) is not None:
-                retiring.cancel()  # back before its adapter left the engine: it stays
-            self.engine.serve_adapter(policy)  # type: ignore[attr-defined]
-            self.lanes.append(policy_lane(self.config, policy, self.peer_rpc("buffer", policy=policy), self.engine,
-                                          self.log, overrides=policies[policy]))
-            self.log.info("policy joined the run: generating for it", policy=policy)
+    def registration_facts(self) -> dict[str, object]:
+        """Its engine's adapter room (lanes.py `adapter_room`): the controller refuses a join it has no room for."""
+        return self.engine_facts
 
     def lane_of(self, policy: str | None) -> Lane | None:
         """The lane of `policy` (None: a run of one unnamed policy), or None if this worker has none for it."""
@@ -543,7 +532,7 @@ class RolloutWorker(Actor):
         lease of a reward worker's)."""
         if self.router is not None:
             self.router.sync(self.roster)
-        await self._follow_policies(roster.policies)
+        await follow_policies(self, roster.policies)
         for event in roster.events:
             member = self.roster.get(event.actor_id)
             if event.kind not in ("died", "left") or member is None or member.role != "reward":

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
+from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY
 from actors.config.run import policy_run_config
 from actors.rollout.cross_policy import Crossing
 from actors.rollout.failures import GenerateFailures
@@ -130,17 +131,49 @@ def policy_lane(config: RunConfig, policy: str | None, buffer: Any, engine: Infe
     return lane
 
 
+async def follow_policies(worker: Any, policies: dict[str, dict]) -> None:
+    """The roster's `policies`, followed by the rollout `worker`: a lane for each that joined, its adapter served
+    fresh until its learner pushes; none for one that left, its adapter retired once idle. The last lane stays: with
+    no policy left the run ends."""
+    if not policies or worker.engine is None:
+        return
+    engine = worker.engine
+    for lane in [lane for lane in worker.lanes if lane.policy not in policies][:len(worker.lanes) - 1]:
+        worker.lanes.remove(lane)
+        worker.log.info("policy left the run: no more groups for it", policy=lane.policy)
+        worker._retiring[str(lane.policy)] = worker.spawn(retire_adapter(
+            engine, str(lane.policy), timeout=worker.config.buffer.lease_timeout, log=worker.log))
+    for policy in [name for name in policies if worker.lane_of(name) is None]:
+        if (retiring := worker._retiring.pop(policy, None)) is not None:
+            retiring.cancel()  # back before its adapter left the engine: it stays, and serves it again
+        engine.serve_adapter(policy)
+        worker.lanes.append(policy_lane(worker.config, policy, worker.peer_rpc("buffer", policy=policy), engine,
+                                        worker.log, overrides=policies[policy]))
+        worker.log.info("policy joined the run: generating for it", policy=policy)
+
+
+async def adapter_room(engine: InferenceEngine) -> dict[str, object]:
+    """What a worker says of its engine when it registers (`Register.meta`), which the controller checks a joining
+    policy against: how many policies' adapters it has room for, and why (an SGLang server's, launched or attached,
+    from its `/server_info`). Empty when the engine does not say: the torch engine's room is the run's setting
+    (`actors.config.policies`)."""
+    room = await engine.policy_room() if hasattr(engine, "policy_room") else None
+    return {} if room is None else {ADAPTER_ROOM: room[0], ADAPTER_ROOM_WHY: room[1]}
+
+
 async def retire_adapter(engine: InferenceEngine, policy: str, *, timeout: float, log: Any) -> None:
     """A policy left: its adapter leaves `engine` once none of its requests is in flight, within `timeout` (its
-    slot stays taken otherwise, said in the log; a policy joining again under the name reuses it)."""
+    slot stays taken otherwise, said in the log; a policy joining again under the name reuses it). Any failure is
+    said, not raised: an SGLang server that restarted or lost the adapter must not stop the worker, whose other
+    policies generate on."""
     if hasattr(engine, "stop_serving"):  # an SGLang server: it waits for the adapter's requests itself
         stop = engine.stop_serving(policy, timeout=timeout)
     else:
         stop = _unload_when_idle(engine, policy, timeout)
     try:
         await stop
-    except (TimeoutError, ValueError) as error:
-        log.warning("adapter of a policy that left stays on the engine", policy=policy, error=str(error)[:300])
+    except Exception as error:  # TimeoutError, ValueError, SglangError (the server's answer); not a cancel
+        log.warning("adapter of a policy that left not unloaded", policy=policy, error=str(error)[:300])
     else:
         log.info("adapter of a policy that left unloaded", policy=policy)
 

@@ -331,10 +331,15 @@ class Actor:
                            exc_info=error)
             self.request_stop(f"task {task.get_name()} crashed: {error!r}")
 
+    def registration_facts(self) -> dict[str, Any]:
+        """Facts of this role's own that the controller keeps with the member (`Register.meta`); none here."""
+        return {}
+
     def _registration(self) -> schema.Register:
         return schema.Register(actor_id=self.actor_id, role=self.context.role,
                                node=f"{socket.gethostname()}#{self.context.node_rank}", pid=os.getpid(),
-                               endpoints=self.endpoints(), meta={"class": self.context.actor_class},
+                               endpoints=self.endpoints(),
+                               meta={"class": self.context.actor_class, **self.registration_facts()},
                                policy=self.context.policy)
 
     async def _register(self) -> None:

@@ -8,6 +8,13 @@ Adapters are served per policy: a run of one policy has one, under policy None, 
 run of several (`policies:`) has one per policy, and a request naming policy P (`GenerateRequest.adapter`) runs
 with P's newest loaded version. Before P's first load its requests run on the base model, at P's version 0, as a
 fresh LoRA adapter (B = 0) computes exactly what the base does.
+
+Policies join and leave a running job (docs/multi-policy.md): `serve_adapter` adds one, and `stop_serving` takes one
+out as SGLang's own unload does (`TokenizerManager._unload_lora_adapter_locked` in both supported releases: the
+name is unregistered at once, so new requests naming it fail, then the unload waits for the requests that hold it).
+Here the policy's new requests are refused at once, and the wait also covers its requests still on their way to the
+server, which SGLang's count has not seen yet. Until the unload is sent the adapter is still the policy's: a wait
+that runs out, or is cancelled because the policy joined again, leaves it loaded, and a join serves it again.
 """
 
 from __future__ import annotations
@@ -39,10 +46,14 @@ class AdapterEndpoints:
     _version: int
     adapters: AdapterServing | None
     _served: dict[str | None, tuple[str, int]]  # policy (None: the run's one) -> (name, version) new requests run with
+    _left: set[str]  # policies that left the run: their new requests are refused until they join again
     _adapter_users: Counter[str]  # requests in flight per adapter name
     _adapter_released: asyncio.Condition | None
 
     async def _call(self, endpoint: Endpoint, *, timeout: float | None = None, **fields: Any) -> Any:
+        raise NotImplementedError
+
+    async def server_limits(self) -> Any:
         raise NotImplementedError
 
     @property
@@ -71,23 +82,44 @@ class AdapterEndpoints:
         if policy is None:  # a run of one policy: its adapter's version is the engine's
             self._version = version
 
+    async def policy_room(self) -> tuple[int, str] | None:
+        """How many policies' adapters the server has room for (`protocol.policies_room`) and why, read from its
+        `/server_info`; None when it serves no adapters or does not say. A policy joining the run is checked against
+        it: a server attached with --sglang-url has the room it was started with."""
+        limits = await self.server_limits() if self.adapters is not None else None
+        if limits is None or limits.loras_per_batch is None:
+            return None
+        flags = f"--max-loras-per-batch {limits.loras_per_batch}" + (
+            "" if limits.loaded_loras is None else f", --max-loaded-loras {limits.loaded_loras}")
+        room = protocol.policies_room(limits.loras_per_batch, limits.loaded_loras)
+        return room, f"SGLang server {self.url} ({flags})"
+
     def serve_adapter(self, policy: str) -> None:
         """Serve one more policy's adapter (a policy that joined the running job): its requests run on the base
-        model until its first load."""
+        model until its first load, or with its adapter if it is back before that left the server."""
         if self.adapters is None:
             raise ValueError(f"serve_adapter: adapter {policy!r}: {self.url} serves no adapters (--lora-rank)")
+        self._left.discard(policy)
         if policy not in self.adapters.policies:
             self.adapters = dataclasses.replace(self.adapters, policies=(*self.adapters.policies, policy))
 
     async def stop_serving(self, policy: str, *, timeout: float) -> None:
-        """A policy left the run: its requests are refused from now on, and its adapter leaves the server once none
-        of its requests is in flight (`unload_adapter`'s wait)."""
+        """A policy left the run: its new requests are refused from now on, and its adapter leaves the server once
+        none of its requests is in flight (module docstring). TimeoutError after `timeout` seconds names the adapter
+        and the requests still using it; the adapter then stays loaded."""
         if self.adapters is not None:
             kept = tuple(name for name in self.adapters.policies if name != policy)
             self.adapters = dataclasses.replace(self.adapters, policies=kept)
-        served = self._served.pop(policy, None)
-        if served is not None:
-            await self.unload_adapter(served[0], timeout=timeout)
+        self._left.add(policy)
+        served = self._served.get(policy)
+        if served is None:  # it never loaded one: nothing is on the server
+            return
+        await self._until_unused(served[0], timeout)
+        # A push that landed meanwhile made a newer adapter current (its loader retires the one waited for); no
+        # request can have named the newer one, so it leaves now.
+        current = self._served.pop(policy, None)
+        if current is not None:
+            await self._call(protocol.UNLOAD_LORA_ADAPTER, timeout=timeout, lora_name=current[0])
 
     async def unload_adapter(self, name: str, *, timeout: float) -> None:
         """Drop adapter `name` from the server once no request of this client that named it is in flight.
@@ -100,6 +132,11 @@ class AdapterEndpoints:
             whose = "" if current[0] is None else f" of policy {current[0]!r}"
             raise ValueError(f"{self.url}: adapter {name!r} is the one new requests{whose} run with; load its "
                              "successor first")
+        await self._until_unused(name, timeout)
+        await self._call(protocol.UNLOAD_LORA_ADAPTER, timeout=timeout, lora_name=name)
+
+    async def _until_unused(self, name: str, timeout: float) -> None:
+        """Until no request of this client that named adapter `name` is in flight; TimeoutError after `timeout`."""
         released = self._released()
         try:
             async with released:
@@ -108,7 +145,6 @@ class AdapterEndpoints:
             raise TimeoutError(f"{self.url}: adapter {name!r} still serves {self._adapter_users[name]} requests after "
                                f"{timeout:g}s; not unloaded") from error
         self._adapter_users.pop(name, None)
-        await self._call(protocol.UNLOAD_LORA_ADAPTER, timeout=timeout, lora_name=name)
 
     def _served_adapter(self, request_id: str, policy: str | None) -> tuple[str, int] | None:
         """The (name, version) a request of `policy` runs with now; None: the base model. A request naming a
@@ -117,6 +153,9 @@ class AdapterEndpoints:
             if self.adapters is None:
                 raise ValueError(f"request {request_id!r}: adapter {policy!r}: {self.url} serves no adapters (the "
                                  "run trains none: --lora-rank)")
+            if policy in self._left:
+                raise ValueError(f"request {request_id!r}: policy {policy!r} left the run: {self.url} serves its "
+                                 "adapter no more")
             if policy not in self.adapters.policies and policy not in self._served:
                 raise ValueError(f"request {request_id!r}: adapter {policy!r} is not one {self.url} serves (its "
                                  f"policies: {list(self.adapters.policies)})")

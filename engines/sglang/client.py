@@ -88,6 +88,8 @@ class ServerLimits:
     context_length: int | None
     input_limit: int | None
     deterministic: bool | None
+    loras_per_batch: int | None = None  # --max-loras-per-batch, --max-loaded-loras: the room for LoRA adapters
+    loaded_loras: int | None = None
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any]) -> ServerLimits:
@@ -100,7 +102,8 @@ class ServerLimits:
         limits = [value for value in (context, max_input) if value is not None]
         deterministic = info.get("enable_deterministic_inference")
         deterministic = deterministic if isinstance(deterministic, bool) else None
-        return cls(context, min(limits) if limits else None, deterministic)
+        return cls(context, min(limits) if limits else None, deterministic,
+                   _positive_int(info.get("max_loras_per_batch")), _positive_int(info.get("max_loaded_loras")))
 
 
 @dataclass
@@ -157,6 +160,7 @@ class SglangEngine(WeightUpdateEndpoints, AdapterEndpoints, MemoryTurns, Inferen
         self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not known yet)
         self._warned_seed = False
         self._served: dict[str | None, tuple[str, int]] = {}  # per policy: the adapter its requests run with
+        self._left: set[str] = set()  # policies that left the run (stop_serving): their requests are refused
         self._adapter_users: Counter[str] = Counter()  # requests in flight per adapter name
         self._adapter_released: asyncio.Condition | None = None  # made in the loop that uses it
         self._init_memory_turns(release_tags)

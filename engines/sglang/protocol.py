@@ -112,7 +112,8 @@ HEALTH = Endpoint("GET", "/health")
 HEALTH_GENERATE = Endpoint("GET", "/health_generate")
 MODEL_INFO = Endpoint("GET", "/model_info", reads=("weight_version", "model_path"))
 SERVER_INFO = Endpoint("GET", "/server_info",
-                       reads=("context_length", "max_req_input_len", "enable_deterministic_inference"))
+                       reads=("context_length", "max_req_input_len", "enable_deterministic_inference",
+                              "max_loras_per_batch", "max_loaded_loras"))
 INIT_WEIGHTS_GROUP = Endpoint(
     "POST", "/init_weights_update_group", "InitWeightsUpdateGroupReqInput",
     sends=("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"), reads=_DONE,
@@ -205,6 +206,16 @@ LORA_ALL_MODULES = "all"
 # SGLang's default `--max-loras-per-batch`: the adapters one running batch mixes, the base model's rows counting as
 # one (the same in every supported release); more wait for a place in the batch.
 LORAS_PER_BATCH = 8
+
+
+def policies_room(loras_per_batch: int, max_loaded_loras: int | None = None) -> int:
+    """How many policies' adapters a server started with `--max-loras-per-batch` (and `--max-loaded-loras`, which
+    caps the adapters it holds at all) has room for: each policy holds its adapter and, while a push lands, the one
+    it replaces, and the base model's rows take a place in every batch."""
+    room = (loras_per_batch - 1) // 2
+    return room if max_loaded_loras is None else min(room, max_loaded_loras // 2)
+
+
 # What we read from a `/generate` item's `meta_info`; `weight_versions` only where the server sends it.
 META_FIELDS: tuple[str, ...] = ("finish_reason", "output_token_logprobs", "weight_version", "prompt_tokens")
 OPTIONAL_META_FIELDS: tuple[str, ...] = ("weight_versions",)

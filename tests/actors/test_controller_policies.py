@@ -16,6 +16,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from actors.config import build_config
+from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY
 from actors.controller.actor import Controller
 from actors.controller.policy_table import PolicyRefused, PolicyTable
 from actors.runtime.base import Actor
@@ -48,6 +49,16 @@ class Member(Actor):
     async def tell(self, message: Control | VersionAnnouncement | PolicyJoin | PolicyLeave) -> Ack:
         assert self._controller is not None
         return await self._controller.call(message, timeout=5.0, retries=0)
+
+
+class RolloutMember(Actor):
+    """A rollout worker attached to an SGLang server, as far as the controller sees it: it says the server's
+    adapter room when it registers (actors/rollout/lanes.py `adapter_room`)."""
+
+    role = "rollout"
+
+    def registration_facts(self) -> dict[str, object]:
+        return {ADAPTER_ROOM: 2, ADAPTER_ROOM_WHY: "SGLang server http://10.0.0.7:30000 (--max-loras-per-batch 5)"}
 
 
 @contextlib.asynccontextmanager
@@ -219,3 +230,22 @@ def test_the_policy_table_is_kept_for_a_restarted_controller_and_bounded_by_the_
     full = PolicyTable(build_config({"lora_rank": 4, "policies": {f"p{i}": {} for i in range(8)}}), tmp_path, None)
     with pytest.raises(PolicyRefused, match="the engines have room for 8 policies' adapters and the run has 8"):
         full.join("late", {})
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_a_join_past_the_adapter_room_a_rollout_worker_said_its_server_has_is_refused(tmp_path: Path) -> None:
+    """An attached SGLang server's room is known only to its rollout worker, which says it when it registers: a
+    join past it is refused with whose room it is, and taken once a policy left."""
+    settings = {"lora_rank": 4, "policies": {"a": {}, "b": {}}, "rollout_engine": "sglang",
+                "sglang_url": ["http://10.0.0.7:30000"]}
+    async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
+        a = await start_actor(system, "learner", Member, policy="a")
+        await start_actor(system, "rollout", RolloutMember, policy=None)
+        refused = await a.tell(PolicyJoin(policy="c", settings={}))
+        assert not refused.ok and refused.error == (
+            "policy 'c' cannot join: rollout-0-0's SGLang server http://10.0.0.7:30000 (--max-loras-per-batch 5) has "
+            "room for 2 policies' adapters (each policy's, the one it replaces while a push lands, and the base "
+            "model) and the run has 2 (a, b)")
+        assert (await a.tell(PolicyLeave(policy="b", reason="made room"))).ok
+        assert await a.tell(PolicyJoin(policy="c", settings={})) == Ack(ok=True, error=None)

@@ -342,6 +342,24 @@ def test_lora_routes_answer_a_lora_update_output_with_the_fields_we_read(sglang:
         assert "tokenizer_manager" in ast.unparse(handler) and "result.success" in ast.unparse(handler)
 
 
+def test_an_unload_refuses_the_adapter_at_once_then_waits_for_its_requests(sglang: SglangSource) -> None:
+    """What `stop_serving` mirrors (engines/sglang/adapter_endpoints.py): SGLang's unload unregisters the name, so a
+    new request naming it fails, then waits for the requests holding the adapter, and only then unloads it from the
+    scheduler; `/v1/models` lists the registry's adapters (an unloaded one no more); `/server_info` reports the
+    arguments that bound the adapters (`policy_room`)."""
+    mixin = sglang.tree("sglang/srt/managers/tokenizer_control_mixin.py")
+    unload = next(node for node in ast.walk(mixin)
+                  if isinstance(node, ast.AsyncFunctionDef) and node.name == "_unload_lora_adapter_locked")
+    calls = sorted((node.lineno, node.col_offset, node.func.attr) for node in ast.walk(unload)
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute))
+    order = [name for _, _, name in calls
+             if name in ("unregister", "wait_for_unload", "update_lora_adapter_communicator")]
+    assert order == ["unregister", "wait_for_unload", "update_lora_adapter_communicator"], order
+    _, models = sglang.routes["/v1/models"]
+    assert "lora_registry.get_all_adapters()" in ast.unparse(models)
+    assert {"max_loras_per_batch", "max_loaded_loras"} <= sglang.server_arg_fields
+
+
 def test_the_modules_sglang_can_adapt_are_the_ones_we_allow(sglang: SglangSource) -> None:
     tree = sglang.tree("sglang/srt/utils/common.py")
     lists = {

@@ -18,10 +18,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import structlog
+import structlog.testing
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from actors.rollout.lanes import adapter_room, retire_adapter
 from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
@@ -388,3 +390,164 @@ def test_the_compatible_server_refuses_lora_with_deterministic_inference(tiny_mo
         parse_args(["--model-path", str(tiny_model_path), "--enable-lora", "--max-lora-rank", str(RANK),
                     "--lora-target-modules", *TARGETS, "--enable-deterministic-inference"])
     assert "--enable-lora with --enable-deterministic-inference" in capsys.readouterr().err
+
+
+# ---- a policy that joins the running job, leaves it, and joins again (docs/multi-policy.md)
+
+
+async def listed_adapters(url: str) -> set[str]:
+    """The adapters the server lists: `/v1/models` holds the base model's card, then one per loaded adapter."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as reply:
+        cards = (await reply.json())["data"]
+    return {card["id"] for card in cards if card.get("parent") is not None}
+
+
+async def test_a_policy_served_at_run_time_runs_on_the_base_model_until_its_first_load(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """Q joins an engine built for P alone: its requests decode the base model at Q's version 0 until its learner's
+    first push, then Q's adapter at the pushed version."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=("p",)))
+    learner = Learner(client, "q")
+    adapter = random_adapter(tiny_model_path, seed=21)
+    try:
+        with pytest.raises(ValueError, match=r"adapter 'q' is not one .* serves \(its policies: \['p'\]\)"):
+            await client.generate(policy_request("early", "q", 4))
+        client.serve_adapter("q")
+        client.serve_adapter("q")  # heard again in the next roster: nothing changes
+        assert client.adapters is not None and client.adapters.policies == ("p", "q")
+        (fresh,) = await client.generate(policy_request("fresh", "q", 12))
+        await learner.push(adapter, 3)
+        (trained,) = await client.generate(policy_request("trained", "q", 12))
+    finally:
+        await release(client, learner)
+    assert fresh.output_ids == await reference_greedy(tiny_model_path, None, 12) and fresh.versions == [0] * 12
+    assert trained.output_ids == await reference_greedy(tiny_model_path, adapter, 12)
+    assert trained.versions == [3] * 12
+
+
+async def test_a_worker_says_its_servers_adapter_room_from_its_max_loras_per_batch(server: ServerProcess) -> None:
+    """What the controller checks a join against (actors/controller/policy_table.py): the server's
+    --max-loras-per-batch (8 here) holds 3 policies' adapters, each with the one it replaces mid-push, beside the base
+    model."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=POLICIES))
+    plain = SglangEngine(server.url)  # a run that trains no adapter: nothing to say
+    try:
+        assert await adapter_room(client) == {
+            "adapter_room": 3, "adapter_room_why": f"SGLang server {server.url} (--max-loras-per-batch 8)"}
+        assert await adapter_room(plain) == {}
+    finally:
+        await client.close()
+        await plain.close()
+
+
+async def test_a_policy_that_leaves_is_refused_at_once_and_unloaded_once_its_requests_are_done(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """Q leaves while a request of Q and one of P run: Q's next request is refused naming Q; Q's adapter stays on
+    the server while Q's request runs (a wait that runs out says so and unloads nothing), and leaves it once that
+    request is done; P's adapter stays and P's request decodes what P's adapter alone decodes."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=POLICIES))
+    learners = {policy: Learner(client, policy) for policy in POLICIES}
+    adapters = {"p": random_adapter(tiny_model_path, seed=22), "q": random_adapter(tiny_model_path, seed=23)}
+    try:
+        await learners["p"].push(adapters["p"], 1)
+        await learners["q"].push(adapters["q"], 2)
+        names = {policy: client.adapter_name(policy) for policy in POLICIES}
+        assert set(names.values()) <= await listed_adapters(server.url)
+        of_q = asyncio.create_task(client.generate(policy_request("long-q", "q", 500)))
+        of_p = asyncio.create_task(client.generate(policy_request("long-p", "p", 300)))
+        await until_running(server.url, 2)
+
+        with pytest.raises(TimeoutError, match=rf"adapter {names['q']!r} still serves 1 requests after 0.2s"):
+            await client.stop_serving("q", timeout=0.2)
+        with pytest.raises(ValueError, match=r"request 'late-q': policy 'q' left the run: .* serves its adapter no "):
+            await client.generate(policy_request("late-q", "q", 4))
+        assert names["q"] in await listed_adapters(server.url)
+        stopping = asyncio.create_task(client.stop_serving("q", timeout=60))
+        assert not of_q.done(), "Q's request ended before the checks of its wait did: nothing was tested"
+        await client.abort("long-q")
+        await asyncio.wait_for(stopping, 60)
+        listed = await listed_adapters(server.url)
+        (output_q,), (output_p,) = await asyncio.wait_for(asyncio.gather(of_q, of_p), 60)
+        (after,) = await client.generate(policy_request("after-p", "p", 12))
+    finally:
+        await release(client, *learners.values())
+    assert names["q"] not in listed and names["p"] in listed
+    assert client.adapter_name("q") is None and client.adapter_name("p") == names["p"]
+    assert output_q.finish_reason == "abort" and output_q.versions == [2] * len(output_q.output_ids)
+    assert output_q.output_ids == (await reference_greedy(tiny_model_path, adapters["q"], 500))[
+        : len(output_q.output_ids)]
+    p_alone = await reference_greedy(tiny_model_path, adapters["p"], 300)
+    assert output_p.output_ids == p_alone and output_p.versions == [1] * 300
+    assert after.output_ids == p_alone[:12] and after.versions == [1] * 12
+
+
+async def test_a_policy_that_left_joins_again_on_the_base_model_and_loads_its_next_push(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=POLICIES))
+    learner = Learner(client, "q")
+    first, resumed = random_adapter(tiny_model_path, seed=24), random_adapter(tiny_model_path, seed=25)
+    try:
+        await learner.push(first, 2)
+        await client.stop_serving("q", timeout=10)
+        client.serve_adapter("q")
+        (back,) = await client.generate(policy_request("back", "q", 12))
+        await learner.push(resumed, 3)  # its learner resumed from its checkpoint pushes its next version
+        (trained,) = await client.generate(policy_request("trained", "q", 12))
+        listed = await listed_adapters(server.url)
+    finally:
+        await release(client, learner)
+    assert back.output_ids == await reference_greedy(tiny_model_path, None, 12) and back.versions == [0] * 12
+    assert trained.output_ids == await reference_greedy(tiny_model_path, resumed, 12) and trained.versions == [3] * 12
+    assert client.adapter_name("q") in listed and not any(name.startswith("slipstream-q-v2-") for name in listed)
+
+
+async def test_a_policy_back_before_its_adapter_left_is_served_that_adapter_again(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """The rollout worker cancels the retirement of a policy that joins again while its adapter waits for a request
+    (actors/rollout/lanes.py): the adapter stays, and the policy's requests run with it at its version."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=POLICIES))
+    learner = Learner(client, "q")
+    adapter = random_adapter(tiny_model_path, seed=26)
+    try:
+        await learner.push(adapter, 4)
+        name = client.adapter_name("q")
+        running = asyncio.create_task(client.generate(policy_request("long-q", "q", 500)))
+        await until_running(server.url, 1)
+        retiring = asyncio.create_task(retire_adapter(client, "q", timeout=60, log=structlog.get_logger()))
+        await until(lambda: "q" not in client.adapters.policies, "q's requests to be refused")
+        retiring.cancel()
+        client.serve_adapter("q")
+        (back,) = await client.generate(policy_request("back", "q", 12))
+        await client.abort("long-q")
+        await asyncio.wait_for(running, 60)
+        listed = await listed_adapters(server.url)
+    finally:
+        await release(client, learner)
+    assert retiring.cancelled() and client.adapter_name("q") == name and name in listed
+    assert back.output_ids == await reference_greedy(tiny_model_path, adapter, 12) and back.versions == [4] * 12
+
+
+async def test_an_adapter_the_server_no_longer_has_leaves_the_worker_running_with_a_warning(
+    server: ServerProcess, tiny_model_path: Path
+) -> None:
+    """The server lost the adapter of a policy that left (it restarted, an operator unloaded it): the retirement
+    says so in the log and returns, as a wait that ran out does; the worker goes on."""
+    client = SglangEngine(server.url, adapters=AdapterServing(ALPHA, policies=POLICIES))
+    learner = Learner(client, "q")
+    try:
+        await learner.push(random_adapter(tiny_model_path, seed=27), 1)
+        name = client.adapter_name("q")
+        async with aiohttp.ClientSession() as session, session.post(f"{server.url}/unload_lora_adapter",
+                                                                     json={"lora_name": name}) as reply:
+            assert reply.status == 200, await reply.text()
+        with structlog.testing.capture_logs() as logs:
+            await retire_adapter(client, "q", timeout=10, log=structlog.get_logger())
+    finally:
+        await release(client, learner)
+    (warning,) = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert warning["event"] == "adapter of a policy that left not unloaded" and warning["policy"] == "q"
+    assert f"LoRA with name {name} does not exist" in warning["error"]

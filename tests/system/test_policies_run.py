@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ import yaml
 from safetensors.torch import load_file
 
 from actors.buffer.log import BufferLog
+from actors.launch.node_roles import LaunchError
+from actors.launch.policy_join import ask_to_join
 from actors.runtime.metrics import read_metrics
 from bus.address import free_port
 from bus.codec import decode
@@ -132,14 +135,33 @@ def test_two_policies_train_their_own_adapters_on_one_shared_engine(tmp_path: Pa
 def test_two_policies_train_their_own_adapters_on_one_shared_sglang_server(tmp_path: Path,
                                                                           tiny_model_path: Path) -> None:
     """The same on an SGLang(-compatible) server: each policy's pushes are loaded by name beside the other's, and
-    each policy's requests name its own adapter (engines/sglang/adapter_sync.py)."""
+    each policy's requests name its own adapter (engines/sglang/adapter_sync.py). Its --max-loras-per-batch 5 holds
+    two policies' adapters: the rollout worker reads that from the server and says it when it registers, and the
+    controller refuses a third policy's join, naming that server (actors/controller/policy_table.py)."""
     steps = 2
     command, _ = two_policy_run(tmp_path, tiny_model_path, steps, max_staleness=0)
+    head_address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     command += ["--rollout-engine", "sglang", "--sglang-server-module", "tools.standins.sglang_server",
-                "--lora-sync-dir", str(tmp_path / "adapters"), "--weight-transfer-timeout", "20"]
+                "--lora-sync-dir", str(tmp_path / "adapters"), "--weight-transfer-timeout", "20",
+                "--sglang-max-loras-per-batch", "5", "--head-address", head_address]
     run_dir = tmp_path / "run"
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    head = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: any(record.get("event") == "member joined" and record.get("member") == "rollout-0-0"
+                             for record in read_metrics(run_dir / "logs" / "controller.jsonl")),
+                 "the rollout worker's registration", [head])
+        with pytest.raises(LaunchError) as refused:
+            ask_to_join(head_address, "third", {}, curve_keys=None)
+        output, _ = head.communicate(timeout=200)
+    finally:
+        if head.poll() is None:
+            head.kill()
+    assert head.returncode == 0, output[-6000:]
+    assert re.fullmatch(
+        r"join third: refused by the controller: policy 'third' cannot join: rollout-0-0's SGLang server "
+        r"http://[\w.]+:\d+ \(--max-loras-per-batch 5\) has room for 2 policies' adapters \(each policy's, the one it "
+        r"replaces while a push lands, and the base model\) and the run has 2 \(add, sums\)", str(refused.value)), (
+        refused.value)
 
     loaded = [record for record in read_metrics(run_dir / "logs" / "rollout-0-0.jsonl")
               if record.get("event") == "adapter loaded by the SGLang server"]

@@ -12,7 +12,9 @@ on untouched. What a client can observe is SGLang's contract, which is what the 
   with SGLang's words, when its name is taken, or its rank or modules exceed `--max-lora-rank` and
   `--lora-target-modules`;
 * a request that names an adapter that is not loaded fails with SGLang's message;
-* an unload refuses new requests for the adapter at once and returns when the requests still using it are done.
+* an unload refuses new requests for the adapter at once and returns when the requests still using it are done
+  (one of a name not loaded fails, with SGLang's message);
+* `/v1/models` lists the base model and every adapter loaded (not one being unloaded), as SGLang's model cards.
 
 Where it differs: SGLang keeps adapters beyond `--max-loras-per-batch` in host memory and swaps them in; here that
 many are loaded at most, and a load past them is refused with a message saying so.
@@ -158,7 +160,7 @@ class AdapterRegistry:
     async def unload(self, name: str) -> None:
         """Refuse new requests for `name` now; return once the requests still using it are done."""
         if self._adapters.pop(name, None) is None:
-            raise AdapterError(f"LoRA adapter {name} is not loaded")
+            raise AdapterError(f"LoRA with name {name} does not exist. Loaded LoRAs: {self._adapters.keys()}")
         self._unloading.add(name)
         try:
             async with self._changed:
@@ -192,15 +194,16 @@ class AdapterRegistry:
 class AdapterRoutes:
     """The compatible server's LoRA routes. `registry` is None on a server started without `--enable-lora`."""
 
-    def __init__(self, engine: Any, registry: AdapterRegistry | None) -> None:
+    def __init__(self, engine: Any, registry: AdapterRegistry | None, model: str = "") -> None:
         self.engine = engine
         self.registry = registry
+        self.model = model  # the served model's name: --model-path, as SGLang's served_model_name defaults to
 
     @classmethod
     def for_server(cls, engine: Any, args: argparse.Namespace) -> AdapterRoutes:
         """The routes for a server started with `args`: adapters within `--max-lora-rank` on the model's layers."""
         if not args.enable_lora or engine is None:
-            return cls(engine, None)
+            return cls(engine, None, args.model_path)
         shapes = {
             name.removesuffix(".weight"): (int(tensor.shape[0]), int(tensor.shape[1]))
             for name, tensor in engine.model.named_parameters()
@@ -208,7 +211,7 @@ class AdapterRoutes:
         }
         return cls(engine, AdapterRegistry(engine, shapes, max_rank=args.max_lora_rank,
                                            target_modules=args.lora_target_modules,
-                                           max_loaded=args.max_loras_per_batch))
+                                           max_loaded=args.max_loras_per_batch), args.model_path)
 
     async def load(self, request: web.Request) -> web.Response:
         body = await request_json(request)
@@ -235,6 +238,15 @@ class AdapterRoutes:
         except AdapterError as error:
             return _failure(str(error))
         return web.json_response({"success": True, "error_message": None, "loaded_adapters": self.registry.loaded})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """SGLang's OpenAI-style `/v1/models`: the base model's card, then one per loaded adapter (its `root` the
+        folder it was loaded from, its `parent` the base)."""
+        cards = [{"id": self.model, "object": "model", "owned_by": "sglang", "root": self.model}]
+        loaded = {} if self.registry is None else self.registry.loaded
+        cards += [{"id": name, "object": "model", "owned_by": "sglang", "root": path, "parent": self.model}
+                  for name, path in loaded.items()]
+        return web.json_response({"object": "list", "data": cards})
 
     async def generate(self, adapter: str | None, request: GenerateRequest) -> list[GenerateOutput]:
         """`request` on the engine with the loaded adapter `adapter` (None: the base model)."""

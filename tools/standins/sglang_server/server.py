@@ -135,6 +135,7 @@ class CompatServer:
             web.post("/update_weight_version", self.update_weight_version),
             web.get(protocol.WEIGHTS_CHECKER.path, self.weights_checker),  # SGLang's route takes GET and POST
             web.post("/v1/chat/completions", self.chat_completions),  # for agent frameworks outside the run
+            web.get("/v1/models", self.lora.models),  # the loaded adapters, as SGLang lists them
         ]
         app.add_routes(routes)
         app.on_shutdown.append(self._shutdown)
@@ -178,6 +179,8 @@ class CompatServer:
                 "max_req_input_len": self.context_length - 1 - parsing.RESERVED_INPUT_TOKENS,
                 # Reported as given, like SGLang's arguments; seeds are honoured here either way.
                 "enable_deterministic_inference": self.args.enable_deterministic_inference,
+                # LoRA room, as SGLang reports its arguments (here --max-loras-per-batch caps the loaded adapters too)
+                "max_loras_per_batch": self.args.max_loras_per_batch, "max_loaded_loras": None,
                 "version": f"{COMPAT_VERSION} ({self.args.sglang_api})",
                 "weight_version": self.weight_version,
             }
