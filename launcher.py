@@ -63,7 +63,7 @@ from actors.launch.policy_join import (
     policy_settings,
     with_joining_policy,
 )
-from actors.launch.policy_scopes import Scope, role_scopes, write_policy_configs
+from actors.launch.policy_scopes import Scope, role_actors, write_policy_configs
 from actors.launch.resume import interrupted_note, resume_command, resume_step
 from actors.launch.router_servers import attach_router_servers
 from actors.launch.supervisor import Supervisor
@@ -269,8 +269,10 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     except ValueError as error:
         raise LaunchError(f"placement: {error}") from None
     trains = "learner" in roles or "learner-ranks" in roles
+    engines = len(role_actors("rollout", counts.get("rollout", 0), config, run_dir, head=args.head)
+                  ) if "rollout" in roles else 0  # the run's shared ones and those of policies' own engines
     placement = place_actors(config, learner_ranks=learner_ranks_per_node(config) if trains else 0,
-                             rollout_workers=counts.get("rollout", 0), rollout_needs_gpu=rollout_needs_gpu)
+                             rollout_workers=engines, rollout_needs_gpu=rollout_needs_gpu)
     if args.head and config.weights.weight_transport == "auto":
         cuda = placement.gpus > 0 and rollout_needs_gpu
         # engines on other nodes cannot map this node's memory: a broadcast reaches them
@@ -289,12 +291,14 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
         return ""  # controller, buffer, reward workers: no CUDA context on anyone's GPU
 
     def actor_id_of(role: str, index: int, scope: Scope) -> str:
-        return scope.actor_id(role) if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}"
+        return scope.actor_id(role if role in SINGLETON_ROLES else f"{role}-{args.node_rank}-{index}")
 
-    # a policy's role once per policy (its settings, its own run directory), a shared one once: (role, index, scope);
-    # a launcher of a policy joining the running job: that policy's only
-    actors = [(role, index, scope) for role in roles for index in range(counts[role])
-              for scope in role_scopes(role, config, run_dir) if args.join_policy in (None, scope.policy)]
+    # a policy's role once per policy (its settings, its own run directory), a shared one once, and the rollout
+    # workers of a policy's own engines: (role, index, scope); a launcher of a policy joining the running job: that
+    # policy's only
+    actors = [(role, index, scope) for role in roles
+              for index, scope in role_actors(role, counts[role], config, run_dir, head=args.head)
+              if args.join_policy in (None, scope.policy)]
     here = Counter(role for role, _, _ in actors)
     totals = {r: here.get(r, 0) + other_nodes.get(r, 0) for r in {*here, *other_nodes}}
     run_members = {r: n for r, n in totals.items() if r != "controller" and n > 0}
@@ -303,9 +307,10 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     budget = {} if config.placement.cpu_budget == "off" else plan_cpu_budget(
         cores=cores, roles=actor_roles, gpus=placement.gpus, learner_ranks=config.trainer.learner_ranks,
         synchronous=all(scope.config.buffer.max_staleness == 0 for role, _, scope in actors if role == "learner"))
-    contexts = []
+    contexts, ordinal = [], Counter[str]()  # ordinal: an actor's place among the node's of its role (its devices)
     for role, index, scope in actors:
         actor_id = actor_id_of(role, index, scope)
+        ordinal[role] += 1
         share = budget.get(actor_id, CpuShare())
         expected = run_members if role == "controller" else {}
         settings = ActorSettings(log_level=args.log_level, console_log_level=args.console_log_level,
@@ -314,7 +319,7 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
             actor_id=actor_id, role=role, actor_class=customs.get(role) or BUILTIN_ROLES[role],
             node_rank=args.node_rank, head_address=head_address, run_dir=scope.run_dir, host=args.host,
             transport=args.transport, curve_keys_dir=args.curve_keys, heartbeat_interval=args.heartbeat_interval,
-            settings=settings, cuda_visible_devices=devices_of(role, index), cpu_cores=share.cores,
+            settings=settings, cuda_visible_devices=devices_of(role, ordinal[role] - 1), cpu_cores=share.cores,
             torch_threads=share.torch_threads, policy=scope.policy,
         ))
     if placement.gpus:

@@ -65,6 +65,11 @@ class EngineConfig(Section):
         1024, ge=1, description="torch engine: the memory the prefix cache may take on the engine's device, in MiB "
         "(least recently used runs are evicted beyond it)")
 
+    own_engines: int = Field(
+        0, ge=0, description="a policy's setting (policies.NAME.own_engines) in a run of several: the rollout workers "
+        "of its own it runs, each an engine of its own model (its --hf-checkpoint, trained in full or with its own "
+        "LoRA), instead of sharing the run's engines as a LoRA adapter; `true` is 1 (docs/multi-policy.md)")
+
     def sglang_args_without_effect(self) -> list[str]:
         """The --sglang-NAME arguments the run's engine does not read (its spec's `reads_sglang_args`): on the torch
         engine all but two, which spell its own settings; an SGLang server or a plugin engine receives them all."""

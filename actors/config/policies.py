@@ -8,6 +8,11 @@ staleness bound, eval sets. What the policies share (the base model, the engines
 the transfer mechanism) stays run-wide, and an override of it is refused, naming the policy and the setting. Each
 policy's own `RunConfig` is `actors.config.run.policy_run_config`.
 
+A policy may instead have engines of its own (`own_engines: N`): N rollout workers of its own, each with an engine
+of its own model (its own --hf-checkpoint, trained in full or with its own LoRA), which generate for it alone; it
+shares the rest (controller, reward workers, clock, run directory, certificate). Such a policy may set its model,
+engine and LoRA settings, and its workers' generate function, which the others may not.
+
 A run without `policies` has one unnamed policy, and nothing about it changes: its actors keep their ids
 ("learner", "buffer") and its wire messages name no policy.
 """
@@ -33,6 +38,11 @@ SHARED_SETTINGS = {
     **dict.fromkeys(("debug_rollout_only", "debug_train_only", "load_debug_rollout_data"),
                     "a debug mode changes which actors the run starts"),
 }
+OWN_ENGINES = "own_engines"  # the setting that gives a policy engines of its own (EngineConfig.own_engines)
+# What a policy with engines of its own also sets for itself: its model, its engines, its adapter's shape
+# (lora_rank 0: trained in full), and the generate function its own workers run.
+OWN_ENGINE_SECTIONS = ("model", "engine", "lora")
+OWN_ENGINE_SETTINGS = ("custom_generate_function_path",)
 # How many named adapters a torch engine holds (engines.inference.multi_lora): the most policies a run can have.
 TORCH_ENGINE_ADAPTERS = 8
 # What a rollout worker says of its engine when it registers (Register.meta): how many policies' adapters it has room
@@ -73,19 +83,55 @@ def override_problems(policy: str, overrides: Any, section_of: Mapping[str, str]
                         "letter, at most 32 characters (it names actors, files and adapters)")
     if not isinstance(overrides, dict):
         return [*problems, f"policies.{policy}: expected a mapping of settings, got {type(overrides).__name__}"]
+    own = own_engine_workers(overrides) > 0
     for setting in overrides:
         section = section_of.get(setting)
         if section is None:
             where = "a section name" if setting in section_of.values() else "not a setting"
             problems.append(f"policies.{policy}.{setting}: {where}; a policy sets flat settings (lr, prompt_data, "
                             "max_staleness, ...)")
+        elif setting == OWN_ENGINES or (own and (section in OWN_ENGINE_SECTIONS or setting in OWN_ENGINE_SETTINGS)):
+            continue
         elif section in SHARED_SECTIONS:
+            mine = " (or give the policy engines of its own: own_engines: true)" * (section in OWN_ENGINE_SECTIONS)
             problems.append(f"policies.{policy}.{setting}: shared by every policy (the {section} section: one base "
-                            "model on shared engines); set it for the whole run")
+                            f"model on shared engines); set it for the whole run{mine}")
         elif setting in SHARED_SETTINGS:
             problems.append(f"policies.{policy}.{setting}: shared by every policy ({SHARED_SETTINGS[setting]}); set "
                             "it for the whole run")
     return problems
+
+
+def own_engine_workers(overrides: Any) -> int:
+    """The rollout workers of its own a policy's settings ask for (`own_engines`; true is 1); 0: it shares the run's
+    engines. Read from the raw settings, before they are validated (a value that is not a count is refused then)."""
+    value = overrides.get(OWN_ENGINES, 0) if isinstance(overrides, Mapping) else 0
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return int(value) if isinstance(value, (bool, int)) and value > 0 else 0
+
+
+def sharing_engines(policies: Mapping[str, Any]) -> dict[str, Any]:
+    """The policies (name -> settings) that share the run's engines as LoRA adapters: every one without engines of
+    its own. What the shared engines load adapters for, and the shared rollout workers open lanes for."""
+    return {name: settings for name, settings in policies.items() if not own_engine_workers(settings)}
+
+
+def own_engines_problems(config: Any) -> list[str]:
+    """What is wrong with the run's (a `RunConfig`'s, with `policies`) engines of its policies' own."""
+    problems = []
+    if config.engine.own_engines:
+        problems.append(f"own_engines {config.engine.own_engines} for the whole run: a policy's setting; set it "
+                        "under policies.NAME for the policy that runs engines of its own")
+    return problems
+
+
+def joining_problem(policy: str, settings: Any) -> str | None:
+    """Why `policy` cannot join the running job with `settings`, as far as its engines go (None: it may)."""
+    if own_engine_workers(settings):
+        return (f"policies.{policy}.own_engines: a policy joining the running job shares the run's engines; one with "
+                "engines of its own is declared at the run's start (docs/multi-policy.md)")
+    return None
 
 
 def sglang_loras_per_batch(declared: int) -> int:

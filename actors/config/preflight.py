@@ -72,7 +72,9 @@ def preflight(config: RunConfig, roles: Mapping[str, int], *, hub_cache: Path | 
     ..."), unless every policy has it: then it is the run's, said once."""
     running = {role for role, count in roles.items() if count > 0}
     if not config.policies:
-        return _problems(config, running, hub_cache)
+        alone = [f"own_engines {config.engine.own_engines}: a setting of a policy in a run of several "
+                 "(policies.NAME.own_engines); a run of one policy generates on engines of its own already"]
+        return [*alone * bool(config.engine.own_engines), *_problems(config, running, hub_cache)]
     own_configs = {name: policy_run_config(config, name) for name in config.policies}
     found = {name: _problems(own, running, hub_cache) for name, own in own_configs.items()}
     everyone = [problem for problem in next(iter(found.values())) if all(problem in own for own in found.values())]

@@ -18,7 +18,7 @@ from actors.config.engine_settings import EngineConfig
 from actors.config.engines import engine_spec, kinds_that, train_backend_spec, train_backends_that
 from actors.config.evaluation import EvalConfig
 from actors.config.megatron import MegatronConfig
-from actors.config.policies import override_problems
+from actors.config.policies import override_problems, own_engines_problems, sharing_engines
 from actors.config.profiling import ProfilingConfig
 from actors.config.rollout_buffer import rollout_buffer_problems
 from actors.config.rollout_fp8 import rollout_fp8_problems
@@ -92,8 +92,8 @@ class RunConfig(BaseModel):
                                      description="advantages, loss, KL and off-policy correction")
     policies: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="several policies co-trained in one run: name -> the flat settings it "
-        "sets for itself (prompt_data, lr, max_staleness, ...); each is a LoRA adapter on the shared engines "
-        "(actors.config.policies). Empty: one unnamed policy")
+        "sets for itself (prompt_data, lr, max_staleness, ...); each is a LoRA adapter on the shared engines, or "
+        "with own_engines a model on engines of its own (actors.config.policies). Empty: one unnamed policy")
     custom_config: dict[str, Any] = Field(
         default_factory=dict, description="settings of the run's own slime-style plugins, which read them as "
         "args.<key> (slime's --custom-config-path YAML); a key that names one of our settings or slime's flags is "
@@ -562,12 +562,12 @@ def _policies_problems(config: RunConfig) -> list[str]:
     """What makes the run's `policies` unusable; each message names the policy and the setting."""
     if not config.policies:
         return []
-    problems = []
-    if not config.lora.enabled:
-        problems.append(f"policies ({', '.join(config.policies)}) share the base model's engines as LoRA adapters: "
+    problems, shared, spec = own_engines_problems(config), sharing_engines(config.policies), engine_spec(
+        config.engine.rollout_engine)  # the rules below hold for the policies on the run's engines
+    if shared and not config.lora.enabled:
+        problems.append(f"policies ({', '.join(shared)}) share the base model's engines as LoRA adapters: "
                         "set --lora-rank (each policy trains its own adapter)")
-    spec = engine_spec(config.engine.rollout_engine)
-    if spec is None or not spec.serves_named_adapters:
+    if shared and (spec is None or not spec.serves_named_adapters):
         problems.append(f"policies: --rollout-engine {config.engine.rollout_engine} does not serve several named "
                         f"adapters at once; {kinds_that('serves_named_adapters', 'or')} do")
     if config.placement.colocate:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import RunConfig
-from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY, policy_capacity
+from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY, joining_problem, policy_capacity, sharing_engines
 
 FILE = "policy-table.json"
 
@@ -62,15 +62,18 @@ class PolicyTable:
                 return False
             raise PolicyRefused(f"policy {policy!r} is in the run already, with other settings ({self.live[policy]}); "
                                 "it must leave first (--leave-policy) to join again with new ones")
-        engine = self.config.engine
-        capacity = policy_capacity(engine.rollout_engine, len(self.config.policies), attached=bool(engine.sglang_url))
-        if capacity is not None and len(self.live) >= capacity:
+        if (problem := joining_problem(policy, settings)) is not None:
+            raise PolicyRefused(f"policy {policy!r} cannot join: {problem}")
+        engine, adapters = self.config.engine, sharing_engines(self.live)  # the adapters on the run's engines
+        capacity = policy_capacity(engine.rollout_engine, len(sharing_engines(self.config.policies)),
+                                   attached=bool(engine.sglang_url))
+        if capacity is not None and len(adapters) >= capacity:
             raise PolicyRefused(f"policy {policy!r} cannot join: the engines have room for {capacity} policies' "
-                                f"adapters and the run has {len(self.live)} ({', '.join(self.live)})")
-        if (least := least_room(rooms or {})) is not None and len(self.live) >= least[0]:
+                                f"adapters and the run has {len(adapters)} ({', '.join(adapters)})")
+        if (least := least_room(rooms or {})) is not None and len(adapters) >= least[0]:
             raise PolicyRefused(f"policy {policy!r} cannot join: {least[1]} has room for {least[0]} policies' "
                                 "adapters (each policy's, the one it replaces while a push lands, and the base model) "
-                                f"and the run has {len(self.live)} ({', '.join(self.live)})")
+                                f"and the run has {len(adapters)} ({', '.join(adapters)})")
         try:
             self.config.with_settings(policies={**self.live, policy: settings})
         except ValueError as error:  # SettingsError or pydantic's: each problem names the policy and the setting

@@ -15,6 +15,7 @@ import argparse
 
 from actors.config import RunConfig
 from actors.config.engines import engine_needs_gpu
+from actors.config.policies import sharing_engines
 from actors.config.run import learner_ranks_per_node
 from actors.launch.policy_scopes import runs_any_evaluator
 from actors.runtime.roles import BUILTIN_ROLES, HEAD_ROLES
@@ -67,6 +68,8 @@ def node_actor_counts(args: argparse.Namespace, customs: dict[str, str], config:
     counts = node_roles(argparse.Namespace(**{**vars(args), "rollout_workers": rollout_workers}), customs)
     if not runs_any_evaluator(config):
         counts.pop("evaluator", None)
+    if "rollout" in counts and config.policies and not sharing_engines(config.policies):
+        counts["rollout"] = 0  # every policy generates on engines of its own (own_engines), started on the head
     if learner_node and args.roles is None:
         counts = {"learner-ranks": 1, **counts}
     return counts

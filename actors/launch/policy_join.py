@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from actors.config import RunConfig
-from actors.config.policies import POLICY_NAME
+from actors.config.policies import POLICY_NAME, joining_problem
 from actors.launch.node_roles import LaunchError
 from actors.runtime.roles import runs_evaluator
 
@@ -73,6 +73,8 @@ def with_joining_policy(config: RunConfig, policy: str, settings: dict[str, Any]
     if not config.policies:
         raise LaunchError(f"--join-policy {policy}: the run at the head has one unnamed policy; policies join a run "
                           "that declared its first ones under policies: (docs/multi-policy.md)")
+    if (problem := joining_problem(policy, settings)) is not None:
+        raise LaunchError(f"--join-policy {policy}: {problem}")
     if policy in config.policies and config.policies[policy] != settings:
         raise LaunchError(f"--join-policy {policy}: the run declared policy {policy} with other settings "
                           f"({config.policies[policy]})")

@@ -5,6 +5,10 @@ own run directory (RUN_DIR/policies/<name>), so that their code runs as it does 
 the files it always writes where every tool that reads a run directory finds them. The shared roles (controller,
 rollout and reward workers, custom actors) are started once, with the whole run's settings and directory. A run
 without policies has one scope, the run itself.
+
+A policy with engines of its own (`own_engines: N`) has N rollout workers of its own on the head, started as its
+actors ("rollout-0-1@NAME"): with its settings, in its directory, each an engine of its model that generates for it
+alone. The shared rollout workers start only where some policy shares the run's engines.
 """
 
 from __future__ import annotations
@@ -44,6 +48,20 @@ def role_scopes(role: str, config: RunConfig, run_dir: Path) -> list[Scope]:
     if role not in POLICY_ROLES or not policy_names(config):
         return [Scope(None, config, run_dir)]
     return [scope for scope in policy_scopes(config, run_dir) if role != "evaluator" or runs_evaluator(scope.config)]
+
+
+def role_actors(role: str, count: int, config: RunConfig, run_dir: Path, *, head: bool) -> list[tuple[int, Scope]]:
+    """(index, scope) of each of this node's actors of `role`, `count` being the node's count of a shared role: a
+    policy's role once per policy (`role_scopes`); rollout workers `count` times for the run's shared engines where
+    some policy shares them, then on the head each policy's own, as many as its `own_engines`."""
+    if role != "rollout":
+        return [(index, scope) for index in range(count) for scope in role_scopes(role, config, run_dir)]
+    scopes = [scope for scope in policy_scopes(config, run_dir) if scope.policy is not None]
+    shared = not scopes or any(not scope.config.engine.own_engines for scope in scopes)
+    found = [(index, Scope(None, config, run_dir)) for index in range(count)] if shared else []
+    if head:
+        found += [(index, scope) for scope in scopes for index in range(scope.config.engine.own_engines)]
+    return found
 
 
 def runs_any_evaluator(config: RunConfig) -> bool:

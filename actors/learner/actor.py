@@ -39,6 +39,7 @@ from actors.runtime.checkpoint_pointer import (
 from actors.runtime.context import ActorContext
 from actors.runtime.handlers import serves
 from actors.runtime.metrics import MetricsWriter
+from actors.runtime.peers import engine_members
 from actors.runtime.roles import has_weight_pinners
 from actors.runtime.stopping import unless_stopped
 from bus.codec import validate
@@ -70,6 +71,9 @@ class Learner(Actor):
         self.cadence = WeightCadence()  # when to push; `on_start` gives it the run's interval
         self.trained_batch = 0
         self.checkpointed_batch = 0
+        # whose engines it pushes to: the policy's own (own_engines), its weights theirs; else the run's (None), the
+        # policy's adapter on them in a run of several
+        self.engines_of = context.policy if context.settings.run.engine.own_engines else None
 
     async def on_start(self) -> None:
         import torch
@@ -100,10 +104,10 @@ class Learner(Actor):
         self.rollout_log = RolloutLog(config, self.log, self.counters)
         self.audit = open(self.context.run_dir / "metrics" / "trained_samples.jsonl", "a", buffering=1)  # noqa: SIM115
         self.weights = publisher_for(
-            config, self.context.host, engines=lambda: live_engines(self.members("rollout")),
+            config, self.context.host, engines=lambda: live_engines(engine_members(self.roster, self.engines_of)),
             tensors=functools.partial(self.trainer.named_tensors, sent_layout(config)), zmq=self.zmq,
             security=self.security, client_id=f"{self.actor_id}.weights", counters=self.counters, log=self.log,
-            waits=self.waits, sender_name=self.actor_id, adapter=self.context.policy,
+            waits=self.waits, sender_name=self.actor_id, adapter=None if self.engines_of else self.context.policy,
             check_log=WeightCheckLog(self.context.run_dir / "metrics", clock_origin=self.settings.clock_origin))
         if self.ranks.world == 1 and local_trainer.gates_updates:  # pushes run beside the next step
             gate_s = config.weights.weight_transfer_timeout * ATTEMPTS + 30.0
@@ -405,10 +409,11 @@ class Learner(Actor):
         if self.weights is not None:
             self.weights.roster_changed()  # a push waiting on a member that died or was replaced ends now
         rollouts = {e.kind: e.actor_id for e in roster.events
-                    if e.actor_id in self.roster and self.roster[e.actor_id].role == "rollout"}
+                    if e.actor_id in self.roster and self.roster[e.actor_id].role == "rollout"
+                    and self.roster[e.actor_id].policy == self.engines_of}
         if "joined" in rollouts or "returned" in rollouts:
             self.cadence.on_engine_joined()
-        if "died" in rollouts and not self.members("rollout"):
+        if "died" in rollouts and not engine_members(self.roster, self.engines_of):
             self.log.warning("no live rollout worker; generation and weight pushes wait until one (re)joins",
                              last_died=rollouts["died"])
 

@@ -17,9 +17,10 @@ a run that failed (`run_failed`: why, as its launcher said) is what ran before t
 
 A run of several policies (actors.config.policies) gets a certificate per policy, in the policy's own directory
 (RUN_DIR/policies/<name>/integrity.json, so a tool reading a policy's directory reads it as a one-policy run's): its
-learner's pushes, its buffer's prompts, and the shared engines' caches. RUN_DIR/integrity.json then holds every
-policy's certificate under `policies`, the caches check once under `checks`, and `ok` over them all: one file says
-whether the whole run is sound, one per policy says which policy is not.
+learner's pushes, its buffer's prompts, and the shared engines' caches (its own engines', for a policy that has
+some). RUN_DIR/integrity.json then holds every policy's certificate under `policies`, the shared caches check once
+under `checks`, and `ok` over them all: one file says whether the whole run is sound, one per policy says which
+policy is not.
 """
 
 from __future__ import annotations
@@ -126,8 +127,11 @@ def certify(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed:
 
 def engines_dir(run_dir: Path) -> Path:
     """Where the rollout workers that served `run_dir`'s learner keep their accounts: the run's directory, also for a
-    policy's (RUN_DIR/policies/<name>): the engines are shared by every policy."""
-    return run_dir.parent.parent if policy_of_run_dir(run_dir) is not None else run_dir
+    policy's (RUN_DIR/policies/<name>) on the engines every policy shares; a policy's own for one with engines of its
+    own (own_engines), whose workers keep them there."""
+    if policy_of_run_dir(run_dir) is None or (run_dir / KV_CACHE_LOGS).is_dir():
+        return run_dir
+    return run_dir.parent.parent
 
 
 def write_certificate(run_dir: Path, *, prompts: dict[str, Any] | None = None, run_failed: str | None = None

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 
-from actors.config.run import policy_names
+from actors.config.policies import sharing_engines
 from actors.data.prompt_tokens import ImageTokens
 from actors.extensions.load import check_rollout_loop, rollout_loop, round_function
 from actors.extensions.points import WHOLE_ROUND, RolloutLoop
@@ -27,7 +27,7 @@ from actors.rollout.engine_service import ENGINE_ENDPOINT, EngineService
 from actors.rollout.failures import TRANSIENT, unless_aborted
 from actors.rollout.generate import GenerateFunction, RolloutContext, groups_calls
 from actors.rollout.kv_cache_log import record_kv_cache
-from actors.rollout.lanes import Lane, adapter_room, follow_policies, policy_lane
+from actors.rollout.lanes import Lane, adapter_room, follow_policies, worker_lanes
 from actors.rollout.router import STOP_WAIT_S, EngineRouter
 from actors.rollout.weights import EngineWeightReceiver
 from actors.runtime import chaos
@@ -87,9 +87,9 @@ class RolloutWorker(Actor):
         self.engine, self.tokenizer = await asyncio.to_thread(load_engine, self.config, self.actor_id)
         self.engine_facts = await adapter_room(self.engine)  # said when it registers: a join is checked on it
         self.image_tokens = ImageTokens.of_run(self.config)  # the image processor loads at the first image prompt
-        # a lane per policy of the run, each leasing from its policy's buffer; one of policy None in a run of one
-        self.lanes = [policy_lane(self.config, policy, self.peer_rpc("buffer", policy=policy), self.engine, self.log)
-                      for policy in policy_names(self.config) or (None,)]
+        # a lane per policy it generates for, each leasing from its policy's buffer (lanes.py)
+        self.lanes = worker_lanes(self.config, self.context.policy, lambda name: self.peer_rpc("buffer", policy=name),
+                                  self.engine, self.log)
         self._retiring: dict[str, asyncio.Task] = {}  # policies that left: their adapters leaving the engine
         self._turn = 0  # the lane that asks for work first next time
         self.router = self._open_router(self.engine)
@@ -124,8 +124,8 @@ class RolloutWorker(Actor):
         return self.engine_facts
 
     def lane_of(self, policy: str | None) -> Lane | None:
-        """The lane of `policy` (None: a run of one unnamed policy), or None if this worker has none for it."""
-        return next((lane for lane in self.lanes if lane.policy == policy), None)
+        """The lane of `policy`, or on the engine's own weights for None (a run of one, a policy's own engine)."""
+        return next((lane for lane in self.lanes if policy in (lane.policy, lane.adapter)), None)
 
     @property
     def lane(self) -> Lane:
@@ -150,7 +150,7 @@ class RolloutWorker(Actor):
                             zmq_context=self.zmq, security=self.security, service=self.engine_service, log=self.log,
                             # another engine whose weights the buffer would not take (its worker restarted and
                             # awaits the learner's next push) refuses our calls rather than generating evictions
-                            min_version=self._oldest_accepted)
+                            min_version=self._oldest_accepted, engines_of=self.context.policy)
 
     def _oldest_accepted(self, adapter: str | None) -> int:
         """The oldest weights of `adapter`'s policy (None: a run of one) its buffer still takes samples of."""
@@ -532,7 +532,7 @@ class RolloutWorker(Actor):
         lease of a reward worker's)."""
         if self.router is not None:
             self.router.sync(self.roster)
-        await follow_policies(self, roster.policies)
+        await follow_policies(self, sharing_engines(roster.policies) if self.context.policy is None else {})
         for event in roster.events:
             member = self.roster.get(event.actor_id)
             if event.kind not in ("died", "left") or member is None or member.role != "reward":

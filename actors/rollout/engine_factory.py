@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 
 from actors.config import RunConfig
 from actors.config.engines import engine_spec
-from actors.config.policies import TORCH_ENGINE_ADAPTERS, sglang_loras_per_batch
+from actors.config.policies import TORCH_ENGINE_ADAPTERS, sglang_loras_per_batch, sharing_engines
 from actors.config.rollout_fp8 import rolls_out_fp8
-from actors.config.run import policy_names
 from actors.rollout.generate import Tokenizer
 from engines.inference.base import InferenceEngine
 from policies.plugins import load_object
@@ -80,7 +79,7 @@ def load_torch_engine(config: RunConfig, actor_id: str | None) -> tuple[Inferenc
         prefix_cache_bytes=prefix_cache_bytes(config),
         prefill_chunk_tokens=config.engine.torch_prefill_chunk_tokens,
         # a run of several policies: each one's adapter, served by the policy's name, fresh until its learner pushes
-        adapters=policy_names(config),
+        adapters=tuple(sharing_engines(config.policies)),
         max_adapters=TORCH_ENGINE_ADAPTERS,  # what a policy joining the run may take (actors.config.policies)
         image_limits=config.data.image_limits,
         fp8=rolls_out_fp8(config.weights, config.model.hf_checkpoint),
@@ -179,8 +178,9 @@ def sglang_engine(config: RunConfig, actor_id: str | None) -> SglangEngine:
     engine_config = config.engine
     fp8 = rolls_out_fp8(config.weights, config.model.hf_checkpoint)
     # A LoRA run's pushes are adapters, which the server loads by name (engines/sglang/adapter_sync.py); a run of
-    # several policies has one per policy.
-    adapters = (AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir, policy_names(config))
+    # several policies has one per policy that shares the run's engines.
+    shared = tuple(sharing_engines(config.policies))
+    adapters = (AdapterServing(config.lora.lora_alpha, config.lora.lora_sync_dir, shared)
                 if config.lora.enabled else None)
     release_tags = colocated_release_tags(config)
     routes = moe_routes(config)
@@ -267,8 +267,8 @@ def sglang_server_args(config: RunConfig) -> dict[str, str | list[str]]:
         extra.setdefault("dtype", "bfloat16")
     if config.lora.enabled:
         extra.update(lora_server_args(config))
-        if config.policies:  # room in a batch for every policy's adapter, the ones they replace, and the base model
-            extra.setdefault("max-loras-per-batch", str(sglang_loras_per_batch(len(config.policies))))
+        if shared := sharing_engines(config.policies):  # room for every adapter, those they replace and the base
+            extra.setdefault("max-loras-per-batch", str(sglang_loras_per_batch(len(shared))))
     if config.placement.colocate:  # the learner shares the GPU: the server hands its memory over between turns
         extra.setdefault("enable-memory-saver", "true")
     if config.trainer.use_rollout_routing_replay:

@@ -6,7 +6,8 @@ learner's versions, whether its weights landed, its staleness bound, the leases 
 the reward workers, its generation failures in a row (`failures.py`), and the engine as the policy sees it
 (`AdapterEngine`: every request names the policy's adapter, and the version is the adapter's). What the lanes share
 is the worker's: the engine's rows, the router, the reward stream. A run of one unnamed policy has one lane, of policy
-None, whose engine is the worker's engine itself.
+None, whose engine is the worker's engine itself. So does a rollout worker of a policy with engines of its own
+(`own_engines`), but its lane is the policy's: it leases from the policy's buffer and sends the policy's groups.
 
 Policies join and leave a running job (`actors.controller.policy_table`): the roster says which are in it, and a
 worker opens a lane for one that joined (its adapter served fresh on the engine until its learner's first push) and
@@ -19,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from actors.config import RunConfig
-from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY
+from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY, sharing_engines
 from actors.config.run import policy_run_config
 from actors.rollout.cross_policy import Crossing
 from actors.rollout.failures import GenerateFailures
@@ -88,6 +89,7 @@ class Lane:
     buffer: Any  # the policy's buffer (a PeerRpc)
     engine: InferenceEngine
     log: Any  # the worker's, bound to the policy in a run of several
+    own_engine: bool = False  # the policy's own engine (own_engines): its weights are the engine's, not an adapter
     versions: LearnerVersions = field(default_factory=LearnerVersions)
     weights_landed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by what usually opens admission (a version announcement) or lets old weights train again (a push): a lane
@@ -115,9 +117,24 @@ class Lane:
     def oldest_accepted(self) -> int:
         return self.versions.oldest_accepted(self.max_staleness)
 
+    @property
+    def adapter(self) -> str | None:
+        """The adapter the policy's weights are on the engine (what a weight update names); None: the engine's own."""
+        return None if self.own_engine else self.policy
+
     def view(self, engine: InferenceEngine) -> InferenceEngine:
         """`engine` (the worker's own, or the router's view of the run's engines) as this policy sees it."""
-        return engine if self.policy is None else AdapterEngine(engine, self.policy)
+        return engine if self.adapter is None else AdapterEngine(engine, self.adapter)
+
+
+def worker_lanes(config: RunConfig, own_policy: str | None, buffer_of: Callable[[str | None], Any],
+                 engine: InferenceEngine, log: Any) -> list[Lane]:
+    """The lanes a worker opens at its start, each leasing from `buffer_of(policy)`: one per policy on the run's
+    engines (one of policy None in a run of one), or on a policy's own engine (`own_policy`) that policy's alone."""
+    if own_policy is not None:
+        return [Lane(own_policy, config, buffer_of(own_policy), engine, log.bind(policy=own_policy), own_engine=True)]
+    return [policy_lane(config, policy, buffer_of(policy), engine, log)
+            for policy in sharing_engines(config.policies) or (None,)]
 
 
 def policy_lane(config: RunConfig, policy: str | None, buffer: Any, engine: InferenceEngine, log: Any,

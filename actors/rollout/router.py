@@ -86,15 +86,16 @@ class EngineRouter:
     def __init__(self, local: InferenceEngine, *, local_id: str, policy: str, slack: float, timeout: float,
                  zmq_context: zmq.asyncio.Context | None = None, security: Any = None,
                  service: EngineService | None = None, log: Any = None,
-                 min_version: Callable[[str | None], int] = lambda adapter: 0) -> None:
+                 min_version: Callable[[str | None], int] = lambda adapter: 0, engines_of: str | None = None) -> None:
         """`min_version(adapter)`: the oldest weights of the adapter's policy (None: a run of one) this worker may
         train on now (another engine with older weights, one restarted before the learner's next push, refuses the
-        call and the call goes on)."""
+        call and the call goes on). `engines_of`: whose engines it routes over, a policy's own (`own_engines`) or the
+        run's shared ones (None): another model's engine never answers a call of ours."""
         if timeout <= 0:
             raise ValueError(f"router: the request timeout must be > 0 seconds, got {timeout}")
         self.local, self.local_id = local, local_id
         self.policy, self.slack, self.timeout = policy, slack, timeout
-        self.min_version = min_version
+        self.min_version, self.engines_of = min_version, engines_of
         self._zmq, self._security, self._log = zmq_context, security, log
         self.service = service
         if service is not None:
@@ -116,7 +117,7 @@ class EngineRouter:
         moved is dropped (a call waiting on it raises RpcClosed and goes on elsewhere), one that joined is added."""
         wanted = {member.actor_id: member.endpoints[ENGINE_ENDPOINT] for member in roster.values()
                   if member.role == "rollout" and member.alive and ENGINE_ENDPOINT in member.endpoints
-                  and member.actor_id != self.local_id}
+                  and member.actor_id != self.local_id and member.policy == self.engines_of}
         if self.policy == "local":
             wanted = {}
         for engine, client in list(self._clients.items()):

@@ -25,6 +25,12 @@ def alive_members(roster: dict[str, Member], role: str, policy: str | None = Non
     return sorted(found, key=lambda m: m.actor_id)
 
 
+def engine_members(roster: dict[str, Member], owner: str | None) -> list[Member]:
+    """The live rollout workers whose engines are `owner`'s: a policy's own (its `own_engines`), or the run's shared
+    ones (None), which every other policy's adapter is served on."""
+    return [member for member in alive_members(roster, "rollout") if member.policy == owner]
+
+
 class _RoleLink:
     """What a link to a role knows: the role (and the policy, where its members are one policy's), which of its
     members' endpoints it connects to, and where it reports what it waits for (the hang detector's `Waits`)."""

@@ -289,3 +289,23 @@ async def test_a_call_is_turned_away_by_an_engine_only_where_its_own_policys_ada
     assert service.counters["engine.served_calls"] == 1
     assert service.counters["engine.served_refused.weights_behind"] == 1
     assert router.tallies["rollout-0-1"].refused == 1
+
+
+async def test_a_router_routes_over_its_own_models_engines_only(local: TorchEngine,
+                                                                context: zmq.asyncio.Context) -> None:
+    """A policy with engines of its own (own_engines) has another model on them: the run's shared engines and its
+    own never take each other's calls, although they are all rollout workers of one run."""
+    engines = {"rollout-0-1": None, "rollout-0-0@solver": "solver", "rollout-0-1@solver": "solver",
+               "rollout-0-0@judge": "judge"}
+    found = {name: Member(actor_id=name, role="rollout", node="test", pid=0, policy=policy,
+                          endpoints={"engine": f"tcp://127.0.0.1:{50000 + index}"})
+             for index, (name, policy) in enumerate(engines.items())}
+    shared = make_router(local, context)
+    own = EngineRouter(local, local_id="rollout-0-0@solver", policy="affinity", slack=1.0, timeout=60.0,
+                       zmq_context=context, engines_of="solver")
+    for router in (shared, own):
+        router.sync(found)
+    assert shared.engines == (LOCAL, "rollout-0-1")
+    assert own.engines == ("rollout-0-0@solver", "rollout-0-1@solver")
+    shared.close()
+    own.close()

@@ -11,9 +11,14 @@ import yaml
 
 from actors.config import RunConfig
 from actors.config.flags import add_config_flags, config_from_args
-from actors.config.policies import scoped_actor_id
+from actors.config.policies import own_engine_workers, scoped_actor_id, sharing_engines
+from actors.config.preflight import preflight
 from actors.config.run import policy_names, policy_run_config
-from actors.runtime.peers import alive_members
+from actors.controller.policy_table import PolicyRefused, PolicyTable
+from actors.launch.node_roles import LaunchError
+from actors.launch.policy_join import with_joining_policy
+from actors.launch.policy_scopes import role_actors
+from actors.runtime.peers import alive_members, engine_members
 from bus.schema import Member
 
 pytestmark = pytest.mark.unit
@@ -64,6 +69,18 @@ def test_a_run_of_one_unnamed_policy_keeps_its_actor_ids() -> None:
     ({"lora_rank": 4, "policies": {"a": {"min_lr": 1.0}}}, "policies.a: min_lr 1.0 must be in [0, lr=0.0001]"),
     ({"lora_rank": 4, "policies": {"a": {"advantage_estimator": "nope"}}},
      "policies.a.advantage_estimator: unknown advantage estimator 'nope'"),
+    ({"lora_rank": 4, "policies": {"a": {"rollout_engine": "sglang"}}},
+     "policies.a.rollout_engine: shared by every policy (the engine section: one base model on shared engines); set "
+     "it for the whole run (or give the policy engines of its own: own_engines: true)"),
+    ({"lora_rank": 4, "own_engines": 1, "policies": TWO}, "own_engines 1 for the whole run: a policy's setting"),
+    ({"policies": {"a": {}, "b": {"own_engines": True}}},
+     "policies (a) share the base model's engines as LoRA adapters: set --lora-rank"),
+    ({"lora_rank": 4, "policies": {"a": {"own_engines": 1, "learner_ranks": 2}}},
+     "policies.a.learner_ranks: shared by every policy"),
+    ({"lora_rank": 4, "policies": {"a": {"own_engines": 1, "agent_function_path": "m:f"}}},
+     "policies.a.agent_function_path: shared by every policy"),
+    ({"lora_rank": 4, "policies": {"a": {"own_engines": -1}}},
+     "policies.a.own_engines: Input should be greater than or equal to 0"),
 ])
 def test_a_policy_setting_that_cannot_be_is_refused_naming_the_policy_and_setting(settings: dict,
                                                                                   expected: str) -> None:
@@ -94,3 +111,54 @@ def test_a_policys_actors_find_their_own_policys_members_and_shared_ones_name_on
     assert [m.actor_id for m in alive_members(roster, "buffer", "solver")] == ["buffer@solver"]
     assert [m.actor_id for m in alive_members(roster, "buffer")] == ["buffer@proposer", "buffer@solver"]
     assert [m.actor_id for m in alive_members(roster, "rollout")] == ["rollout-0-0"]
+
+
+def test_a_policy_with_engines_of_its_own_sets_its_model_engines_and_lora_and_the_others_share() -> None:
+    own = {"own_engines": 2, "hf_checkpoint": "solver-1.5b", "lora_rank": 0, "rollout_max_batch_size": 8,
+           "custom_generate_function_path": "m:f", "lr": 1e-5}
+    config = RunConfig(lora_rank=4, policies={"proposer": {"lr": 1e-4}, "solver": own})
+    solver, proposer = policy_run_config(config, "solver"), policy_run_config(config, "proposer")
+
+    assert (solver.engine.own_engines, solver.model.hf_checkpoint, solver.lora.enabled) == (2, "solver-1.5b", False)
+    assert solver.engine.rollout_max_batch_size == 8 and solver.rollout.custom_generate_function_path == "m:f"
+    assert (proposer.engine.own_engines, proposer.lora.lora_rank) == (0, 4)  # an adapter on the run's engines
+    assert sharing_engines(config.policies) == {"proposer": {"lr": 1e-4}}
+    assert own_engine_workers({"own_engines": True}) == 1 and own_engine_workers({"lr": 1}) == 0
+    # every policy on engines of its own: the run itself needs no adapter
+    RunConfig(policies={"a": {"own_engines": True}, "b": {"own_engines": 1, "lora_rank": 8}})
+
+
+def test_a_policys_own_rollout_workers_start_on_the_head_as_its_actors_and_the_shared_ones_where_needed() -> None:
+    config = RunConfig(lora_rank=4, policies={"proposer": {}, "solver": {"own_engines": 2}})
+    found = role_actors("rollout", 1, config, Path("run"), head=True)
+    ids = [scope.actor_id(f"rollout-0-{index}") for index, scope in found]
+
+    assert ids == ["rollout-0-0", "rollout-0-0@solver", "rollout-0-1@solver"]
+    assert [scope.run_dir for _, scope in found][1:] == [Path("run/policies/solver")] * 2
+    assert found[1][1].config.engine.own_engines == 2 and found[0][1].config.policies == config.policies
+    assert [scope.actor_id("rollout-1-0") for _, scope in role_actors("rollout", 1, config, Path(), head=False)] == [
+        "rollout-1-0"]  # another node runs the shared workers only
+    alone = RunConfig(policies={"solver": {"own_engines": 1}})
+    assert [scope.policy for _, scope in role_actors("rollout", 1, alone, Path(), head=True)] == ["solver"]
+    assert [scope.policy for _, scope in role_actors("learner", 1, config, Path(), head=True)] == [
+        "proposer", "solver"]
+
+
+def test_a_policy_with_engines_of_its_own_is_refused_at_join_and_alone_in_a_run_of_one(tmp_path: Path) -> None:
+    config = RunConfig(lora_rank=4, policies={"proposer": {}})
+    with pytest.raises(LaunchError, match=r"policies\.solver\.own_engines: a policy joining the running job shares"):
+        with_joining_policy(config, "solver", {"own_engines": 1})
+    with pytest.raises(PolicyRefused, match=r"policies\.solver\.own_engines: a policy joining"):
+        PolicyTable(config, tmp_path, None).join("solver", {"own_engines": 1})
+    assert preflight(RunConfig(own_engines=1), {})[0].startswith(
+        "own_engines 1: a setting of a policy in a run of several (policies.NAME.own_engines)")
+
+
+def test_a_learner_finds_the_engines_it_pushes_to_by_whose_they_are() -> None:
+    def member(actor_id: str, policy: str | None = None) -> Member:
+        return Member(actor_id=actor_id, role="rollout", node="n", pid=1, endpoints={}, policy=policy)
+
+    roster = {m.actor_id: m for m in (member("rollout-0-0"), member("rollout-0-0@solver", "solver"),
+                                      member("rollout-0-1@solver", "solver"))}
+    assert [m.actor_id for m in engine_members(roster, None)] == ["rollout-0-0"]
+    assert [m.actor_id for m in engine_members(roster, "solver")] == ["rollout-0-0@solver", "rollout-0-1@solver"]

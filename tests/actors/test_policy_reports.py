@@ -70,6 +70,21 @@ def test_each_policy_is_certified_in_its_directory_and_the_run_over_them_all(
     assert certify(proposer_dir, prompts=prompt_verdict(proposer_dir))["checks"] == proposer["checks"]
 
 
+def test_a_policy_with_engines_of_its_own_is_certified_on_its_own_engines_kv_accounts(tmp_path: Path) -> None:
+    """Its rollout workers keep their accounts in its directory (they are its actors): its certificate reads those,
+    the other policy's and the run's read the shared engines'."""
+    two_policy_run(tmp_path)
+    _kv_accounts(tmp_path / "policies" / "solver", "rollout-0-0@solver", (20, True, 0), (20, True, 5))
+    certify_run(tmp_path, prompts=prompt_verdict, policies=["solver", "proposer"])
+
+    solver = json.loads((tmp_path / "policies" / "solver" / FILE).read_text())
+    proposer = json.loads((tmp_path / "policies" / "proposer" / FILE).read_text())
+    assert solver["checks"]["caches"]["culprits"] == [{"engine": "rollout-0-0@solver", "stale_kv_tokens": 5}]
+    assert proposer["checks"]["caches"]["verdict"] == "pass"
+    run = json.loads((tmp_path / FILE).read_text())
+    assert run["checks"]["caches"] == proposer["checks"]["caches"] and not run["ok"]
+
+
 def test_a_failed_run_of_several_policies_records_why_in_every_certificate(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     two_policy_run(tmp_path)

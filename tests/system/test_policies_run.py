@@ -132,6 +132,42 @@ def test_two_policies_train_their_own_adapters_on_one_shared_engine(tmp_path: Pa
 
 @pytest.mark.system
 @pytest.mark.timeout(240)
+def test_a_policy_with_its_own_full_model_trains_on_engines_of_its_own(tmp_path: Path, tiny_model_path: Path,
+                                                                      tiny_model_cache: Path) -> None:
+    """add is a LoRA adapter on the shared engine; sums has its own model, another tiny checkpoint (other shape, other
+    weights), trained in full on a rollout worker of its own (own_engines, docs/multi-policy.md). Both are on-policy
+    at float noise, each on its own engine's log-probs (a row of the other model would differ by far more); sums'
+    pushes are its full weights, fingerprinted on its own engine and no other; each audit passes."""
+    from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
+
+    other = cached_tiny_model(tiny_model_cache, TinyModelSpec(hidden_size=32, num_hidden_layers=1, seed=7))
+    command, _ = two_policy_run(tmp_path, tiny_model_path, STEPS, max_staleness=0)
+    settings = yaml.safe_load((tmp_path / "run.yaml").read_text(encoding="utf-8"))
+    settings["policies"]["sums"].update(own_engines=True, hf_checkpoint=str(other), lora_rank=0, lr=1e-3)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+    for policy in POLICIES:
+        trained_on_its_own_adapter(tmp_path, policy, STEPS)
+        assert audit(run_dir / "policies" / policy).ok, policy
+    # each learner pushed to its own engines only, every push fingerprinted as served there
+    for policy, engine in (("add", "rollout-0-0"), ("sums", "rollout-0-0@sums")):
+        checks = read_metrics(run_dir / "policies" / policy / "metrics" / "weight_checks.jsonl")
+        assert checks and all(check["matched"] == [engine] for check in checks), (policy, checks)
+    gauges = {name for row in read_metrics(run_dir / "metrics" / "actors.jsonl") for name in row}
+    assert "rollout-0-0/engine.version.add" in gauges and "rollout-0-0@sums/engine.version.sums" in gauges
+    assert "rollout-0-0/engine.version.sums" not in gauges  # the shared engine holds no adapter of sums
+    certificate = json.loads((run_dir / "integrity.json").read_text())
+    assert certificate["ok"] and set(certificate["policies"]) == set(POLICIES), certificate
+    assert certificate["policies"]["sums"]["checks"]["caches"]["engines"] == 1  # its own engine's KV accounts
+    full = load_file(str(run_dir / "policies" / "sums" / "final_model" / "model.safetensors"))
+    assert full["model.embed_tokens.weight"].shape[1] == 32  # sums' own model, trained in full
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
 def test_two_policies_train_their_own_adapters_on_one_shared_sglang_server(tmp_path: Path,
                                                                           tiny_model_path: Path) -> None:
     """The same on an SGLang(-compatible) server: each policy's pushes are loaded by name beside the other's, and
