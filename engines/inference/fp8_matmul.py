@@ -64,6 +64,7 @@ def recipe_for(device: torch.device | str, out_features: int, in_features: int, 
 
 
 def fits(recipe: Recipe, device: torch.device, out_features: int, in_features: int, block: int) -> bool:
+    """Whether a layer's shape meets `recipe`'s rules on `device` (the module's docstring says which and why)."""
     if recipe == "blockwise":
         return block == fp8.BLOCK and in_features % block == 0 and out_features % block == 0
     if device.type != "cuda":
@@ -91,7 +92,7 @@ def _probed(device: str) -> tuple[Recipe, ...]:
         expected = fp8.fake_quantise_activations(inputs) @ fp8.dequantise(values, scales, torch.float32).T
         try:
             got = scaled_linear(*fp8.quantise_activations(inputs), values, scales, fp8.BLOCK, recipe)
-        except (RuntimeError, NotImplementedError, ValueError) as error:
+        except (RuntimeError, NotImplementedError, ValueError, ImportError) as error:  # ImportError: an older torch
             logger.info("FP8 %s scaled matmul does not run on %s: %s", recipe, device, str(error).splitlines()[0])
             continue
         error = (got.float() - expected).abs().max().item()
