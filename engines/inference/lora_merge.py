@@ -12,7 +12,7 @@ layer whose weight is `<module>.weight`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -29,10 +29,14 @@ def is_adapter(name: str) -> bool:
 
 class AdapterMerger:
     """Adapters of one engine's model. `scaling` is the run's `lora_alpha / lora_rank`; None refuses adapters
-    (an engine started without LoRA settings would otherwise fold them in at an unknown scale)."""
+    (an engine started without LoRA settings would otherwise fold them in at an unknown scale). `target`: the tensor
+    an adapter merges into, by weight name, when that is not the parameter itself (an FP8 layer's dequantised
+    weight, made on first use: `fp8_linear.merge_target`); the parameters give the layers' shapes."""
 
-    def __init__(self, parameters: Mapping[str, Tensor], scaling: float | None) -> None:
+    def __init__(self, parameters: Mapping[str, Tensor], scaling: float | None,
+                 target: Callable[[str], Tensor] | None = None) -> None:
         self._parameters = parameters
+        self._target = target or parameters.__getitem__
         self._scaling = scaling
         self._bases: dict[str, Tensor] = {}  # module -> its weight before any adapter
         self._factors: dict[str, dict[str, Tensor]] = {}  # module -> {"lora_A": A, "lora_B": B}, the latest
@@ -112,7 +116,7 @@ class AdapterMerger:
         factors = self._factors.get(module, {})
         if len(factors) < 2 or module not in self._bases:
             return False
-        weight = self._parameters[f"{module}.weight"]
+        weight = self._target(f"{module}.weight")
         rows = torch.randperm(weight.shape[0], generator=self._rows)[:MERGE_CHECK_ROWS].to(weight.device)
         lora_b, lora_a = (factors[name].to(weight.device, weight.dtype) for name in ("lora_B", "lora_A"))
         with torch.no_grad():
@@ -124,7 +128,7 @@ class AdapterMerger:
 
     def _merge(self, module: str) -> None:
         assert self._scaling is not None  # check() refused adapters otherwise
-        weight = self._parameters[f"{module}.weight"]
+        weight = self._target(f"{module}.weight")
         base = self._bases.setdefault(module, weight.detach().clone())
         factors = self._factors.get(module, {})
         if len(factors) < 2:  # one factor so far: the product is still B's zeros (or A waits for its B)

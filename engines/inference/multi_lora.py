@@ -15,7 +15,7 @@ stack shapes their outputs, stay bit-identical. A stack's rank is the largest ra
 adapters are zero-padded, which adds exact zeros); a larger one reallocates the layer's stacks.
 
 Tensor names are `engines.training.lora`'s wire names: `<module>.lora_A.weight` and `<module>.lora_B.weight`
-adapt the Linear layer at `<module>`.
+adapt the Linear layer at `<module>`, or the FP8 layer serving it (`fp8_linear.Fp8Linear`, whichever its kernel).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from engines.inference.fp8_linear import Fp8Linear
 from engines.training.lora import WIRE_SUFFIXES
 
 NamedTensor = tuple[str, Tensor]
@@ -39,7 +40,7 @@ class _Layer:
     """One adapted Linear layer: its factor stacks ([slots, rank, in] and [slots, out, rank], B pre-scaled) and the
     hook that applies them."""
 
-    linear: nn.Linear
+    linear: nn.Linear | Fp8Linear
     lora_a: Tensor
     lora_b: Tensor
     hook: torch.utils.hooks.RemovableHandle | None = None
@@ -60,7 +61,8 @@ class MultiLora:
     def __init__(self, model: nn.Module, *, max_adapters: int = 8) -> None:
         if not isinstance(max_adapters, int) or max_adapters < 1:
             raise ValueError(f"max_adapters must be an int >= 1, got {max_adapters!r}")
-        self._linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+        self._linears = {name: module for name, module in model.named_modules()
+                         if isinstance(module, (nn.Linear, Fp8Linear))}
         self._max_adapters = max_adapters
         self._adapters: dict[str, _Adapter] = {}
         self._layers: dict[str, _Layer] = {}
@@ -240,8 +242,9 @@ class MultiLora:
     def _new_layer(self, module: str) -> _Layer:
         linear = self._linears[module]
         slots, weight = self._max_adapters + 1, linear.weight
-        layer = _Layer(linear, weight.new_zeros(slots, 0, linear.in_features),
-                       weight.new_zeros(slots, linear.out_features, 0))
+        dtype = linear.dtype if isinstance(linear, Fp8Linear) else weight.dtype  # an FP8 layer computes in its own
+        layer = _Layer(linear, weight.new_zeros(slots, 0, linear.in_features, dtype=dtype),
+                       weight.new_zeros(slots, linear.out_features, 0, dtype=dtype))
         layer.hook = linear.register_forward_hook(self._hook_for(layer))
         self._layers[module] = layer
         return layer

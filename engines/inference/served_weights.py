@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from engines.inference.fp8_linear import merge_targets, refresh_changed
+from engines.inference.fp8_linear import merge_target, refresh_changed
 from engines.inference.lora_merge import AdapterMerger, is_adapter
 from engines.inference.multi_lora import MultiLora
 from engines.weights import fp8, layouts
@@ -43,7 +43,7 @@ class ServedWeights:
                  fresh_adapters: Iterable[str] = ()) -> None:
         self._model = model
         self.parameters = model.state_dict(keep_vars=True)
-        self._merged = AdapterMerger(merge_targets(model, self.parameters), lora_scaling)
+        self._merged = AdapterMerger(self.parameters, lora_scaling, merge_target(model, self.parameters))
         self._lora_scaling = lora_scaling
         self.named_adapters = MultiLora(model, max_adapters=max_adapters)
         fresh = list(fresh_adapters)

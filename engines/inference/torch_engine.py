@@ -178,19 +178,19 @@ class TorchEngine(base.InferenceEngine):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", image_limits: ImageLimits = DEFAULT_LIMITS,
-                        fp8: bool = False, **options: Any) -> TorchEngine:
+                        fp8: bool | str = False, **options: Any) -> TorchEngine:
         """Load a local HF causal-LM folder (weights + tokenizer) and start the engine's decode thread.
 
         `options` are the constructor's keyword arguments (batch limits, `version`, `seed`, ...), passed on as they
         are: one list of options and defaults, the constructor's. One it does not take fails before the load.
-        `fp8`: serve the decoder's projections in FP8, quantised now and loaded in FP8 (`fp8_linear.py`)."""
+        `fp8`: serve the decoder's projections in FP8 (`fp8_linear.py`): True, or a kernel's name (`fp8_matmul`)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json; expected a local Hugging Face model folder")
         inspect.signature(cls).bind(None, None, **options)
         model, tokenizer, vision = load_model_folder(path, dtype=dtype, device=device, image_limits=image_limits)
         if fp8:
-            serve_fp8(model)
+            serve_fp8(model, kernel="auto" if fp8 is True else fp8)
         return cls(model, tokenizer, vision=vision, **options)
 
     @property

@@ -89,11 +89,30 @@ def dequantise(values: Tensor, scales: Tensor, dtype: torch.dtype, block: int = 
     return (values.to(torch.float32) * expanded).to(dtype)
 
 
+def quantise_activations(inputs: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """`inputs` (..., features) as SGLang's W8A8 block kernels quantise them: float8_e4m3fn values [tokens, features]
+    and float32 scales [tokens, groups], one per token and group of `block` features, `amax / 448`."""
+    features = inputs.shape[-1]
+    values, scales = _quantised_groups(inputs, block)
+    values = values.view(values.shape[0], -1)
+    return values[:, :features] if features % block else values, scales.view(scales.shape[0], -1)
+
+
 def fake_quantise_activations(inputs: Tensor, block: int = BLOCK) -> Tensor:
-    """`inputs` (..., features) rounded through FP8 per token and group of `block` features, in their own dtype:
-    what SGLang's W8A8 block kernels multiply the FP8 weights with. (No clamp: a group's largest value divided by
-    its scale is 448 up to a float32 rounding, which the cast rounds to 448.) Contiguous, so the matmul after it
-    takes its fast path."""
+    """`inputs` rounded through FP8 per token and group (`quantise_activations`), in their own dtype: what SGLang's
+    W8A8 block kernels multiply the FP8 weights with. Contiguous, so the matmul after it takes its fast path."""
+    features = inputs.shape[-1]
+    values, scales = _quantised_groups(inputs, block)
+    rounded = values.to(torch.float32).mul_(scales).view(values.shape[0], -1)
+    if features % block:
+        rounded = rounded[:, :features].contiguous()
+    return rounded.view(inputs.shape).to(inputs.dtype)
+
+
+def _quantised_groups(inputs: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """FP8 values [tokens, groups, block] (the last group zero-padded) and their float32 scales [tokens, groups, 1].
+    (No clamp: a group's largest value divided by its scale is 448 up to a float32 rounding, which the cast rounds
+    to 448.)"""
     features = inputs.shape[-1]
     groups = math.ceil(features / block)
     flat = inputs.reshape(-1, features).to(torch.float32)
@@ -101,10 +120,7 @@ def fake_quantise_activations(inputs: Tensor, block: int = BLOCK) -> Tensor:
         flat = torch.nn.functional.pad(flat, (0, groups * block - features))
     grouped = flat.view(flat.shape[0], groups, block)
     scale = grouped.abs().amax(dim=-1, keepdim=True).clamp_(min=ACTIVATION_EPS).div_(FP8_MAX)
-    rounded = grouped.div(scale).to(FP8).to(torch.float32).mul_(scale).view(flat.shape[0], groups * block)
-    if features % block:
-        rounded = rounded[:, :features].contiguous()
-    return rounded.view(inputs.shape).to(inputs.dtype)
+    return grouped.div(scale).to(FP8), scale
 
 
 def wire_specs(specs: Iterable[TensorSpec], rest_dtype: torch.dtype | None,

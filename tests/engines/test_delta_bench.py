@@ -1,4 +1,4 @@
-"""The delta-sync benchmarks still run end to end on the tiny model (their figures are not asserted beyond what
+"""The delta-sync and FP8 benchmarks still run end to end on the tiny model (their figures are not asserted beyond what
 the tiny model's training must show).
 
 Each runs as it does from the command line, in a process of its own, forked from this one (which imported torch
@@ -17,8 +17,12 @@ from tools.bench.forked import forked_output
 
 
 def _run(module: str, errors: Path, *extra: str) -> str:
+    return _output(module, errors, ["--quick", "--steps", "2", *extra])
+
+
+def _output(module: str, errors: Path, argv: list[str]) -> str:
     main = importlib.import_module(module).main  # here, before the fork: the next test's fork finds it imported
-    code, out = forked_output(lambda: main(["--quick", "--steps", "2", *extra]), errors)
+    code, out = forked_output(lambda: main(argv), errors)
     assert code == 0, errors.read_text()[-2000:]
     return out
 
@@ -45,11 +49,20 @@ def test_the_push_benchmark_sends_deltas_after_the_first_push_against_a_full_bas
 
 @pytest.mark.integration
 def test_the_fp8_rollout_benchmark_compares_each_precision_with_the_full_precision_baseline(tmp_path: Path) -> None:
-    main = importlib.import_module("tools.bench.fp8_rollout").main
-    code, out = forked_output(lambda: main(["--quick", "--model", "tiny", "--prompts", "2", "--max-new-tokens", "8"]),
-                              tmp_path / "errors")
-    assert code == 0, (tmp_path / "errors").read_text()[-2000:]
+    out = _output("tools.bench.fp8_rollout", tmp_path / "errors",
+                  ["--quick", "--model", "tiny", "--prompts", "2", "--max-new-tokens", "8"])
     rows = dict(re.findall(r"^(fp32 \(baseline\)|bf16|fp8|fp8 \(bf16\)) +([\d.]+) ", out, re.MULTILINE))
     assert set(rows) == {"fp32 (baseline)", "bf16", "fp8", "fp8 (bf16)"}, out
     assert float(rows["fp32 (baseline)"]) < 1e-3 < float(rows["fp8"]), "the baseline scores as its trainer does"
     assert re.search(r"^tiny +\d+ +\d+ +\d+ +0\.\d+", out, re.MULTILINE), out
+
+
+@pytest.mark.integration
+def test_the_fp8_kernel_benchmark_shows_the_scaled_matmul_keeps_fewer_bytes_and_agrees(tmp_path: Path) -> None:
+    out = _output("tools.bench.fp8_kernel", tmp_path / "errors",
+                  ["--quick", "--model", "tiny", "--prompts", "2", "--max-new-tokens", "6"])
+    resident = dict(re.findall(r"^(dequantised \(baseline\)|scaled_mm) +[\d.]+ +([\d.]+)$", out, re.MULTILINE))
+    assert float(resident["scaled_mm"]) < float(resident["dequantised (baseline)"]) / 4, out
+    assert all(float(relative) < 1e-5 for relative in re.findall(r" ([\d.e+-]+)$", out.split("\n\n")[0])[1:]), out
+    scaled = re.search(r"^scaled_mm +(\d\.\d+e[+-]\d+) ", out, re.MULTILINE)  # teacher-forced
+    assert scaled is not None and float(scaled.group(1)) < 1e-4, out

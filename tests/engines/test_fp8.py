@@ -1,7 +1,8 @@
 """FP8 rollout (`--rollout-fp8`): the block-scaled format against transformers' quantiser and SGLang's dequantiser,
 its error bound, a learner's push quantised on the way, and torch engines that serve it: loaded in place and
 certified, deltas ending bit for bit where full pushes end, a LoRA adapter merged over the FP8 base, and a push in
-the wrong precision refused by name."""
+the wrong precision refused by name. Both kernels: the scaled matmul that reads the FP8 bytes (`fp8_matmul`, no dense
+copy kept) against the dequantised copy, on SmolLM2's ragged shapes; named adapters over either."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from engines.inference import fp8_matmul
 from engines.inference.batch_invariant import _is_padded_leaf
 from engines.inference.fp8_linear import Fp8Linear, serve_fp8
+from engines.inference.multi_lora import MultiLora
 from engines.inference.torch_engine import TorchEngine
 from engines.sglang import protocol
 from engines.weights import fp8
@@ -166,6 +169,89 @@ def test_an_fp8_layer_computes_with_its_rounded_inputs_and_dequantised_weight_an
     assert torch.equal(layer.served, fp8.dequantise(values, scales, torch.float32))
 
 
+# SmolLM2-135M's projections (N, K): q/o, k/v, gate/up, down; 576 and 192 end in half tiles
+SMOLLM2_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("shape", "block"), [*((shape, 128) for shape in SMOLLM2_SHAPES), ((150, 200), 128),
+                                              ((64, 64), 32)])
+def test_the_scaled_matmul_of_the_fp8_bytes_equals_the_dequantised_product(shape: tuple[int, int],
+                                                                          block: int) -> None:
+    """Same inputs rounded the same way, same weight: the products differ by float32 summation order only
+    (measured on these shapes: at most 7e-7 of the output's largest value)."""
+    out_features, in_features = shape
+    linear = torch.nn.Linear(in_features, out_features, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(_matrix(out_features, in_features))
+    dequantised, scaled = Fp8Linear(linear, block), Fp8Linear(linear, block, kernel="scaled_mm")
+    assert scaled.served is None and scaled.recipe == "rowwise" and "served" not in dict(scaled.named_buffers())
+    for rows in (1, 5):
+        inputs = torch.randn(2, rows, in_features)
+        expected = dequantised(inputs)
+        got = scaled(inputs)
+        assert got.shape == expected.shape == (2, rows, out_features)
+        assert (got - expected).abs().max() <= 2e-6 * expected.abs().max()
+    bf16 = Fp8Linear(linear.to(torch.bfloat16), block, kernel="scaled_mm")
+    inputs = torch.randn(3, in_features).bfloat16()
+    exact = torch.nn.functional.linear(fp8.fake_quantise_activations(inputs.float(), block), fp8.dequantise(
+        bf16.weight, bf16.weight_scale_inv, torch.float32, block), bf16.bias.float())
+    got = bf16(inputs)  # float32 products rounded once to bfloat16
+    assert got.dtype == torch.bfloat16 and (got.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+
+
+@pytest.mark.unit
+def test_a_scaled_matmul_layer_computes_with_the_bytes_written_into_it() -> None:
+    layer = Fp8Linear(torch.nn.Linear(200, 150, bias=False), kernel="scaled_mm")
+    values, scales = fp8.quantise(_matrix(150, 200, seed=4))
+    with torch.no_grad():
+        layer.weight.copy_(values)
+        layer.weight_scale_inv.copy_(scales)
+    assert layer.refresh() and layer.served is None, "nothing to re-derive"
+    inputs = torch.randn(4, 200)
+    expected = fp8.fake_quantise_activations(inputs) @ fp8.dequantise(values, scales, torch.float32).T
+    assert (layer(inputs) - expected).abs().max() <= 2e-6 * expected.abs().max()
+    assert layer.use("dequantised") == "dequantised" and torch.equal(
+        layer.served, fp8.dequantise(values, scales, torch.float32))
+
+
+@pytest.mark.unit
+def test_the_kernel_is_chosen_by_what_the_device_runs() -> None:
+    """This CPU's torch runs the row-wise recipe and refuses the block-wise one; `auto` keeps the faster dequantised
+    copy on a CPU. On CUDA the operands' dimensions must be multiples of 16, and block-wise scaling needs whole
+    tiles."""
+    assert "rowwise" in fp8_matmul.recipes("cpu")
+    assert fp8_matmul.resolve("auto", "cpu") == "dequantised"
+    assert fp8_matmul.resolve("scaled_mm", "cpu") == "scaled_mm"
+    with pytest.raises(ValueError, match=r"FP8 kernel 'fast' is not one of auto, scaled_mm, dequantised"):
+        fp8_matmul.resolve("fast", "cpu")
+    cuda = torch.device("cuda")
+    assert fp8_matmul.fits("rowwise", cuda, 576, 576, 128) and fp8_matmul.fits("rowwise", cuda, 192, 1536, 128)
+    assert not fp8_matmul.fits("rowwise", cuda, 150, 200, 128), "150 outputs and a last block of 72 features"
+    assert fp8_matmul.fits("rowwise", torch.device("cpu"), 150, 200, 128)
+    assert fp8_matmul.fits("blockwise", cuda, 1536, 512, 128) and not fp8_matmul.fits("blockwise", cuda, 576, 576,
+                                                                                       128)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kernel", ["scaled_mm", "dequantised"])
+def test_a_named_adapter_adds_its_product_to_an_fp8_layers_output(tiny_model_path: Path, kernel: str) -> None:
+    model = _fp8_model(tiny_model_path, fp8.BLOCK, kernel)
+    module = "model.layers.0.mlp.up_proj"
+    layer = model.get_submodule(module)
+    generator = torch.Generator().manual_seed(5)
+    lora_a = torch.randn(4, layer.in_features, generator=generator)
+    lora_b = torch.randn(layer.out_features, 4, generator=generator)
+    adapters = MultiLora(model, max_adapters=2)
+    adapters.load("a", [(f"{module}.lora_A.weight", lora_a), (f"{module}.lora_B.weight", lora_b)], scaling=2.0)
+    inputs = torch.randn(2, 3, layer.in_features)
+    base = layer(inputs)
+    with adapters.adapter_rows(["a", None], "cpu"):
+        adapted = layer(inputs)
+    torch.testing.assert_close(adapted[0], base[0] + 2.0 * (inputs[0] @ lora_a.T) @ lora_b.T)
+    assert torch.equal(adapted[1], base[1]), "a row without the adapter gets the base output bit for bit"
+
+
 async def _push(engine: TorchEngine, versions: list[list[tuple[str, Tensor]]], *, delta_sync: bool = False,
                 block: int = fp8.BLOCK) -> list[TransferReport]:
     """Each version pushed as a learner pushes it under --rollout-fp8, over one gloo group, fingerprinted."""
@@ -179,15 +265,16 @@ def _moved(named: list[tuple[str, Tensor]], seed: int) -> list[tuple[str, Tensor
     return [(name, tensor + torch.randn(tensor.shape, generator=generator) * 1e-2) for name, tensor in named]
 
 
-def _fp8_model(path: Path, block: int) -> torch.nn.Module:
+def _fp8_model(path: Path, block: int, kernel: str = "auto") -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    serve_fp8(model, block)
+    serve_fp8(model, block, kernel)
     return model
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("kernel", ["dequantised", "scaled_mm"])
 async def test_an_fp8_engine_serves_the_pushed_bytes_certified_and_deltas_end_where_full_pushes_end(
-        tiny_model_path: Path) -> None:
+        tiny_model_path: Path, kernel: str) -> None:
     block = 32  # the tiny model's 64 features make two tiles a row
     trained = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     versions = [_source(trained)]
@@ -195,7 +282,7 @@ async def test_an_fp8_engine_serves_the_pushed_bytes_certified_and_deltas_end_wh
         versions.append(_moved(versions[-1], seed))
     served = {}
     for delta_sync in (False, True):
-        model = _fp8_model(tiny_model_path, block)
+        model = _fp8_model(tiny_model_path, block, kernel)
         async with TorchEngine(model, None) as engine:
             reports = await _push(engine, versions, delta_sync=delta_sync, block=block)
         assert all(report.fingerprints is not None and report.fingerprints.ok for report in reports)
@@ -208,7 +295,11 @@ async def test_an_fp8_engine_serves_the_pushed_bytes_certified_and_deltas_end_wh
         values, scales = fp8.quantise(last[f"{projection}.weight"], block)
         layer = model.get_submodule(projection)
         assert torch.equal(layer.weight.view(torch.uint8), values.view(torch.uint8))
-        assert torch.equal(layer.served, fp8.dequantise(values, scales, torch.float32, block)), "served the new bytes"
+        inputs = torch.randn(3, layer.in_features)
+        expected = torch.nn.functional.linear(fp8.fake_quantise_activations(inputs, block), fp8.dequantise(
+            values, scales, torch.float32, block), layer.bias)  # qwen2's k_proj has a bias
+        assert (layer(inputs) - expected).abs().max() <= 2e-6 * expected.abs().max(), "computes with the new bytes"
+        assert (layer.served is None) == (kernel == "scaled_mm")
         assert torch.equal(model.get_parameter("model.norm.weight"), last["model.norm.weight"])
     assert served[True].keys() == served[False].keys()
     assert all(torch.equal(served[True][name], served[False][name]) for name in served[False])
@@ -227,8 +318,10 @@ async def test_an_fp8_engine_refuses_a_full_precision_push_naming_the_setting(ti
 
 
 @pytest.mark.integration
-async def test_a_lora_adapter_merges_over_the_dequantised_fp8_base(tiny_model_path: Path) -> None:
-    model = _fp8_model(tiny_model_path, fp8.BLOCK)
+@pytest.mark.parametrize("kernel", ["dequantised", "scaled_mm"])
+async def test_a_lora_adapter_merges_over_the_dequantised_fp8_base(tiny_model_path: Path, kernel: str) -> None:
+    """Over the scaled matmul too: a layer an adapter merges into takes a dense copy then, the others keep none."""
+    model = _fp8_model(tiny_model_path, fp8.BLOCK, kernel)
     module = "model.layers.0.mlp.up_proj"
     layer = model.get_submodule(module)
     base = fp8.dequantise(layer.weight, layer.weight_scale_inv, torch.float32)
@@ -240,6 +333,25 @@ async def test_a_lora_adapter_merges_over_the_dequantised_fp8_base(tiny_model_pa
         await engine.update_weights([(f"{module}.lora_A.weight", lora_a), (f"{module}.lora_B.weight", lora_b)], 1)
     torch.testing.assert_close(layer.served, base + 2.0 * lora_b @ lora_a)
     assert torch.equal(layer.weight.view(torch.uint8), bytes_before), "the FP8 base is never written"
+    assert layer.recipe is None and layer.use(kernel) == "dequantised", "the merge stays where it was made"
+    other = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert (other.served is None) == (kernel == "scaled_mm")
+
+
+@pytest.mark.integration
+async def test_an_engine_on_the_scaled_matmul_decodes_what_the_dequantised_one_does(tiny_model_path: Path) -> None:
+    from engines.inference.base import GenerateRequest, SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    outputs = {}
+    for kernel in ("dequantised", "scaled_mm"):
+        async with TorchEngine.from_pretrained(tiny_model_path, fp8=kernel) as engine:
+            layers = [m for m in engine.model.modules() if isinstance(m, Fp8Linear)]
+            assert layers and all((layer.served is None) == (kernel == "scaled_mm") for layer in layers)
+            ids = engine.tokenizer.encode("12+34=")
+            outputs[kernel] = (await engine.generate(GenerateRequest("r", ids, params)))[0]
+    assert outputs["scaled_mm"].output_ids == outputs["dequantised"].output_ids
+    assert outputs["scaled_mm"].log_probs == pytest.approx(outputs["dequantised"].log_probs, abs=1e-4)
 
 
 @pytest.mark.unit
