@@ -111,8 +111,7 @@ def _implied_fp8_problems(config: RunConfig) -> list[str]:
     implied = weights.model_copy(update={"rollout_fp8": True})
     return [f"--hf-checkpoint {config.model.hf_checkpoint} is an FP8 checkpoint, so the run rolls out in FP8: "
             + problem.removeprefix("--rollout-fp8: ")
-            for problem in rollout_fp8_problems(implied, config.engine, list(config.policies),
-                                                lora=config.lora.enabled)]
+            for problem in rollout_fp8_problems(implied, config.engine, lora=config.lora.enabled)]
 
 
 def _fp8_shape_problems(config: RunConfig, running: set[str]) -> list[str]:

@@ -3,7 +3,6 @@ depends on, checked with the rest of the run's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from actors.config.engine_settings import EngineConfig
@@ -24,11 +23,10 @@ def rolls_out_fp8(weights: WeightsConfig, hf_checkpoint: str | None) -> bool:
     return is_fp8(read_config(hf_checkpoint))
 
 
-def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, policies: Sequence[str], *,
-                         lora: bool = False) -> list[str]:
-    """An engine that does not serve FP8 would load quantised bytes as if they were weights; several policies'
-    adapters, and the adapter of an engine that loads adapters by name (an SGLang server), are served unmerged by
-    layers the FP8 engine replaces."""
+def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, *, lora: bool = False) -> list[str]:
+    """An engine that does not serve FP8 would load quantised bytes as if they were weights; an engine that loads
+    adapters by name (an SGLang server: a LoRA run's, or several policies') serves them unmerged beside FP8 layers it
+    does not adapt. The torch engine adapts its FP8 layers (a merged adapter, or several policies' named ones)."""
     if not weights.rollout_fp8:
         return []
     problems = []
@@ -40,9 +38,5 @@ def rollout_fp8_problems(weights: WeightsConfig, engine: EngineConfig, policies:
     elif lora and spec.lora_weight_transport is not None:
         problems.append(f"--rollout-fp8 with LoRA on {spec.plural}: they load the adapter by name, unmerged beside "
                         "FP8 layers that are not adapted yet; roll LoRA out in FP8 on --rollout-engine torch (which "
-                        "merges it over the FP8 base), or in full precision")
-    if policies:
-        problems.append(f"--rollout-fp8 with several policies ({', '.join(policies)}): their adapters are served "
-                        "unmerged beside the weights, over layers FP8 serving does not adapt yet; roll out one policy "
-                        "in FP8, or several in full precision")
+                        "adapts its FP8 layers), or in full precision")
     return problems

@@ -234,7 +234,7 @@ class RunConfig(BaseModel):
         problems += self._eval_set_problems()
         problems += _custom_config_problems(self)
         problems += source_problems(self.source, self.rollout, self.agent, self.sft)
-        problems += rollout_fp8_problems(self.weights, self.engine, list(self.policies), lora=self.lora.enabled)
+        problems += rollout_fp8_problems(self.weights, self.engine, lora=self.lora.enabled)
         lag = self.weights.update_weights_interval - 1
         if self.buffer.max_staleness < lag:  # engines would wait, or generate only what the buffer must evict
             problems.append(f"max_staleness {self.buffer.max_staleness} must be at least update_weights_interval - 1 "

@@ -7,6 +7,7 @@ copy kept) against the dequantised copy, on SmolLM2's ragged shapes; named adapt
 from __future__ import annotations
 
 import ast
+import asyncio
 import re
 from pathlib import Path
 
@@ -359,7 +360,8 @@ async def test_an_engine_on_the_scaled_matmul_decodes_what_the_dequantised_one_d
     ({"rollout_engine": "tests.engines.test_fp8:no_engine"},
      "the plugin engine 'tests.engines.test_fp8:no_engine' does not serve FP8 weights; --rollout-engine torch or "
      "sglang does"),
-    ({"policies": {"a": {}, "b": {}}, "lora_rank": 4}, "--rollout-fp8 with several policies (a, b)"),
+    ({"policies": {"a": {}, "b": {}}, "lora_rank": 4, "rollout_engine": "sglang"},
+     "--rollout-fp8 with LoRA on SGLang servers"),
     ({"rollout_engine": "sglang", "lora_rank": 4}, "--rollout-fp8 with LoRA on SGLang servers: they load the adapter"),
 ])
 def test_runs_that_cannot_roll_out_in_fp8_are_refused_at_start(settings: dict[str, object], refusal: str) -> None:
@@ -367,3 +369,33 @@ def test_runs_that_cannot_roll_out_in_fp8_are_refused_at_start(settings: dict[st
 
     with pytest.raises(ValueError, match=re.escape(refusal)):
         build_config({"rollout_fp8": True, "hf_checkpoint": "model", **settings})
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kernel", ["dequantised", "scaled_mm"])
+async def test_an_fp8_engine_serves_several_policies_adapters_each_row_its_own(tiny_model_path: Path,
+                                                                              kernel: str) -> None:
+    """Several policies rolled out in FP8 on one torch engine: a batch mixing two named adapters and the base decodes
+    for each row what that row's adapter (or none) decodes alone, over the same FP8 layers."""
+    from engines.inference.base import GenerateRequest, SamplingParams
+    from tests.support.adapters import random_adapter
+
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    async with TorchEngine.from_pretrained(tiny_model_path, fp8=kernel, adapters=("a", "b"),
+                                           lora_scaling=2.0) as engine:
+        for name, seed in (("a", 1), ("b", 2)):
+            await engine.update_weights(random_adapter(engine.model, 4, seed, scale=0.5), 1, adapter=name)
+        ids = engine.tokenizer.encode("12+34=")
+
+        async def greedy(request_id: str, adapter: str | None) -> list[int]:
+            (output,) = await engine.generate(GenerateRequest(request_id, ids, params, adapter=adapter))
+            return list(output.output_ids)
+
+        alone = {adapter: await greedy(f"alone-{adapter}", adapter) for adapter in ("a", "b", None)}
+        await engine.pause()
+        mixed = [asyncio.ensure_future(greedy(f"mixed-{adapter}", adapter)) for adapter in ("a", "b", None)]
+        await asyncio.sleep(0)
+        await engine.resume()
+        together = dict(zip(("a", "b", None), await asyncio.gather(*mixed), strict=True))
+    assert together == alone
+    assert alone["a"] != alone[None] or alone["b"] != alone[None], "the adapters changed nothing"
