@@ -90,7 +90,7 @@ class RolloutWorker(Actor):
         # a lane per policy it generates for, each leasing from its policy's buffer (lanes.py)
         self.lanes = worker_lanes(self.config, self.context.policy, lambda name: self.peer_rpc("buffer", policy=name),
                                   self.engine, self.log)
-        self._retiring: dict[str, asyncio.Task] = {}  # policies that left: their adapters leaving the engine
+        self.retiring: dict[str, asyncio.Task] = {}  # policies that left: their adapters leaving (lanes.py)
         self._turn = 0  # the lane that asks for work first next time
         self.router = self._open_router(self.engine)
         self.rewards = self.peer_stream("reward")

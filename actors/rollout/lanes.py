@@ -158,10 +158,10 @@ async def follow_policies(worker: Any, policies: dict[str, dict]) -> None:
     for lane in [lane for lane in worker.lanes if lane.policy not in policies][:len(worker.lanes) - 1]:
         worker.lanes.remove(lane)
         worker.log.info("policy left the run: no more groups for it", policy=lane.policy)
-        worker._retiring[str(lane.policy)] = worker.spawn(retire_adapter(
+        worker.retiring[str(lane.policy)] = worker.spawn(retire_adapter(
             engine, str(lane.policy), timeout=worker.config.buffer.lease_timeout, log=worker.log))
     for policy in [name for name in policies if worker.lane_of(name) is None]:
-        if (retiring := worker._retiring.pop(policy, None)) is not None:
+        if (retiring := worker.retiring.pop(policy, None)) is not None:
             retiring.cancel()  # back before its adapter left the engine: it stays, and serves it again
         engine.serve_adapter(policy)
         worker.lanes.append(policy_lane(worker.config, policy, worker.peer_rpc("buffer", policy=policy), engine,
