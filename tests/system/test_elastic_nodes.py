@@ -5,10 +5,9 @@ way it resumes from. In order, on one run:
 2. one is killed with kill -9 of every process it had;
 3. the head node is killed the same way: the other worker node stops within --head-loss-timeout and fails,
    naming the head and the checkpoint the run resumes from;
-4. the head and that worker node are started again with their first commands (the head's told where the run now
-   ends: RESUMED_STEPS after its checkpoint): the run resumes from that checkpoint, the node joins it and then
-   leaves gracefully (SIGTERM to its launcher), the head finishes alone, and `tools/audit_run.py` finds every
-   accepted sample trained exactly once.
+4. the head and that worker node are started again with their first commands: the run resumes from that
+   checkpoint, the node joins it and then leaves gracefully (SIGTERM to its launcher), the head trains on alone
+   until it is stopped the same way, and `tools/audit_run.py` finds every accepted sample trained exactly once.
 
 Each node is a network namespace with its own address, cabled to the others through a bridge
 (tests/support/netns.py), so every byte between nodes crosses a virtual network. Where namespaces cannot be
@@ -36,12 +35,9 @@ from tools.audit_run import audit
 from tools.make_arithmetic_data import make_arithmetic_data
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 750  # the first run's length, never reached: ~24 steps/s here, the head is lost near step 250-400
-# The resumed run's length past its checkpoint: node 1 joins it (started beside the head: ~15 steps in here), trains
-# 5 steps with it and leaves (~25 steps in); the head trains the rest alone. Set once the checkpoint is known, so the
-# run ends soon after the leave instead of a guessed ~400 steps later; the test fails, saying so, if the run came
-# within 20 steps of its end before node 1 left.
-RESUMED_STEPS = 100
+# Neither run reaches its end: the first loses its head, the resumed one is stopped once node 1 has left, so no
+# phase depends on how fast the head trains (CI saw node 1 join a resumed run of 100 steps 84 steps in).
+STEPS = 100_000
 HEAD_LOSS_TIMEOUT_S = 3.0
 JOINED = ("member joined", "member returned")
 
@@ -154,7 +150,6 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
         lost.wait(timeout=30)
         wait(lambda: "member died" in controller_events(run_dir, "rollout-2-0"), "node 2's loss to be noticed")
         wait(steps_more(run_dir, 5), "five steps after node 2 was lost")
-        assert trained_steps(run_dir) < STEPS - 20, "the first run ended before its head was lost"
         # 3. The head is lost whole: the worker node fails, naming it and the checkpoint to resume from.
         head_lost_at = time.monotonic()
         head_node.kill(head, run_dir)
@@ -163,20 +158,20 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
         stopped_after_s = time.monotonic() - head_lost_at
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
         # 4. Both start again with their first commands: the run resumes; the node then leaves gracefully.
-        resumed_steps = int(latest.removeprefix("step_")) + RESUMED_STEPS
-        head, back = start_head(resumed_steps), join(first, run_dir, head_address)
+        head, back = start_head(STEPS), join(first, run_dir, head_address)
         started += [head, back]
         wait(joined(run_dir, "rollout-1-0", 2), "node 1 to join the resumed run")
         wait(steps_more(run_dir, 5), "five steps with node 1 in the resumed run")
-        assert trained_steps(run_dir) < resumed_steps - 20, "the run ended too soon to see node 1 leave mid-run"
         back.send_signal(signal.SIGTERM)
         back_output = finish(back, timeout=60)
+        wait(steps_more(run_dir, 5), "five steps of the head alone after node 1 left")
+        head.send_signal(signal.SIGTERM)
         output = finish(head)
     finally:
         for process in started:
             if process.poll() is None:
                 process.kill()
-    assert head.returncode == 0, output[-4000:]
+    assert head.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert back.returncode == 128 + signal.SIGTERM, back_output[-4000:]
     assert first_run.returncode == 1, node_output[-4000:]
     assert f"head node lost: {head_address} unreachable" in node_output, node_output[-4000:]
@@ -194,6 +189,6 @@ def test_nodes_join_and_leave_a_running_job_and_the_heads_loss_ends_it_resumably
         assert events[0] == "member joined" and "member died" in events, (member, events)
     report = audit(run_dir)
     assert report.ok, report.problems
-    assert report.trained_batches == resumed_steps
+    assert report.trained_batches == trained_steps(run_dir) > int(latest.removeprefix("step_")) + 10
     if first.namespace is not None:  # the nodes' traffic crossed the virtual network, not a shortcut
         assert first.namespace.cable_bytes() > 1_000_000
