@@ -250,24 +250,20 @@ def test_a_policys_learner_killed_mid_run_resumes_while_the_other_trains_on(tmp_
 
 @pytest.mark.system
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("episode", [["--custom-generate-function-path", f"{CROSS_POLICY}:add_then_sums"],
-                                     ["--agent-function-path", f"{CROSS_POLICY}:add_asks_sums"]],
-                         ids=["generate_function", "agent"])
-def test_an_episode_of_one_policy_trains_the_other_on_its_own_turns(tmp_path: Path, tiny_model_path: Path,
-                                                                    episode: list[str]) -> None:
-    """add's episodes call sums (tests/support/cross_policy.py): a generate function's puts add's first answer to
-    sums, whose answers form a group of sums' own; an agent's puts each episode's answer to sums over the endpoint
-    (the request's model naming sums), and the group's episodes' calls form sums' group. sums' buffer adopts those
-    groups (its own prompts' groups are filtered out here, so it trains on nothing else), scores them with sums'
-    reward and trains each once; add trains on its own turns only; both policies' audits and the run's certificate
-    pass."""
+def test_an_episode_of_one_policy_trains_the_other_on_its_own_turns(tmp_path: Path, tiny_model_path: Path) -> None:
+    """add's episodes call sums (tests/support/cross_policy.py): a generate function puts add's first answer to
+    sums, whose answers form a group of sums' own. sums' buffer adopts those groups (its own prompts' groups are
+    filtered out here, so it trains on nothing else), scores them with sums' reward and trains each once; add trains
+    on its own turns only; both policies' audits and the run's certificate pass. An agent's call naming sums over
+    the endpoint forms the same group on the rollout worker (tests/actors/test_cross_policy.py), from where the path
+    is this one."""
     sums_steps = 2
     command, data = two_policy_run(tmp_path, tiny_model_path, STEPS, max_staleness=STEPS)
     settings = yaml.safe_load((tmp_path / "run.yaml").read_text(encoding="utf-8"))
     settings["policies"]["sums"].update(num_rollout=sums_steps,
                                         dynamic_sampling_filter_path=f"{CROSS_POLICY}:turns_in_add_episodes_only")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
-    command += episode
+    command += ["--custom-generate-function-path", f"{CROSS_POLICY}:add_then_sums"]
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -284,8 +280,7 @@ def test_an_episode_of_one_policy_trains_the_other_on_its_own_turns(tmp_path: Pa
         for sample in batch.samples:
             host = sample.metadata["host_group"]
             assert sample.group_id.startswith(f"{host}@sums.") and sample.metadata["host_policy"] == "add"
-            asked = sample.prompt if sample.messages is None else sample.messages[0]["content"]  # an agent's: a chat
-            assert asked.startswith(SUMS_TURN), sample
+            assert sample.prompt.startswith(SUMS_TURN), sample
             assert sample.reward == pytest.approx(letter_share(RewardInput(prompt="", response=sample.response)))
     adopted = [record["group_id"] for record in BufferLog.replay(run_dir / "policies" / "sums" / "buffer" /
                                                                  "log.msgpack") if record["kind"] == "adopt"]
