@@ -20,7 +20,7 @@ A run without `policies` has one unnamed policy, and nothing about it changes: i
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,17 @@ def sharing_engines(policies: Mapping[str, Any]) -> dict[str, Any]:
     """The policies (name -> settings) that share the run's engines as LoRA adapters: every one without engines of
     its own. What the shared engines load adapters for, and the shared rollout workers open lanes for."""
     return {name: settings for name, settings in policies.items() if not own_engine_workers(settings)}
+
+
+def served_elsewhere(policies: Mapping[str, Any], served_here: Iterable[str | None], *,
+                     own_engine: bool) -> dict[str, str]:
+    """The run's declared policies an engine does not serve, each with where it is served instead: an episode can
+    call only the policies on its own engine (`engine_of`), and one naming another must be told why not.
+    `own_engine`: the engine is one policy's own."""
+    here = set(served_here)
+    return {name: ("on engines of its own (own_engines)" if own_engine_workers(settings)
+                   else "on the run's shared engines" if own_engine else "nowhere now: it left the run")
+            for name, settings in policies.items() if name not in here}
 
 
 def own_engines_problems(config: Any) -> list[str]:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 
-from actors.config.policies import sharing_engines
+from actors.config.policies import served_elsewhere, sharing_engines
 from actors.data.prompt_tokens import ImageTokens
 from actors.extensions.load import check_rollout_loop, rollout_loop, round_function
 from actors.extensions.points import WHOLE_ROUND, RolloutLoop
@@ -308,7 +308,10 @@ class RolloutWorker(Actor):
                                      policy_engines={other.policy: other.view(engine) for other in self.lanes
                                                      if other.policy is not None},
                                      policy_configs={other.policy: other.config for other in self.lanes
-                                                     if other.policy is not None})
+                                                     if other.policy is not None},
+                                     policies_elsewhere=served_elsewhere(
+                                         self.config.policies, [other.policy for other in self.lanes],
+                                         own_engine=lane.own_engine))
             with self.waits.on("engine", f"generating group {group.group_id}"):
                 generate = self.round_function if WHOLE_ROUND in group.metadata else self.generate_fn
                 try:

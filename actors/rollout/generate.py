@@ -65,6 +65,8 @@ class RolloutContext:
     # policy samples from (`engine_of`) and builds that policy's groups with (`group_for`).
     policy_engines: Mapping[str, InferenceEngine] = field(default_factory=dict)
     policy_configs: Mapping[str, RunConfig] = field(default_factory=dict)
+    # The run's policies this engine does not serve, each with where it is (`served_elsewhere`): why a call fails.
+    policies_elsewhere: Mapping[str, str] = field(default_factory=dict)
     # The model's image side (one per worker, its processor loaded at the first group with images): what expands a
     # prompt's image placeholders. None: made from `config` here, for a context built outside a worker.
     image_tokens: ImageTokens | None = None
@@ -86,6 +88,10 @@ class RolloutContext:
         """`policy`'s view of the engine: requests sample from that policy's adapter and its tokens carry that policy's
         versions. For an episode that calls another policy (a solver for a proposer's problem, the other player)."""
         if policy not in self.policy_engines:
+            if policy in self.policies_elsewhere:
+                raise ValueError(f"engine_of({policy!r}): {policy!r} is served {self.policies_elsewhere[policy]}, not "
+                                 f"on this episode's engine; an episode of {self.policy!r} calls only the policies "
+                                 f"served beside it: {sorted(self.policy_engines)}")
             have = sorted(self.policy_engines) or "none: this run has one unnamed policy"
             raise ValueError(f"engine_of({policy!r}): no policy {policy!r} in this run (policies: {have})")
         return self.policy_engines[policy]

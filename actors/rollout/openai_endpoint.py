@@ -120,6 +120,10 @@ class OpenAIEndpoint:
             raise RequestError(f"model {model!r} is not served here: this run has one policy, served as "
                                f"{self.model!r} (or with no model given); an episode calls another policy in a run "
                                "of several (docs/multi-policy.md)", 404, code="model_not_found")
+        if model in context.policies_elsewhere:
+            raise RequestError(f"model {model!r} is not served here: it is served {context.policies_elsewhere[model]};"
+                               f" an episode calls only the policies served beside it, "
+                               f"{sorted(context.policy_engines)}", 404, code="model_not_found")
         raise RequestError(f"model {model!r} is not served here: name a policy of this run "
                            f"{sorted(context.policy_engines)}; the episode's own, {context.policy!r}, is also served "
                            f"as {self.model!r} or with no model given", 404, code="model_not_found")

@@ -7,6 +7,7 @@ rollout worker's lane holds back the episodes that feed a policy whose adopted b
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.buffer.adoption import adopted_waiting
 from actors.config import RunConfig
+from actors.config.policies import served_elsewhere
 from actors.rollout.agent import AgentRunner
 from actors.rollout.chat_session import ChatSession
 from actors.rollout.cross_policy import AgentCalls, split_by_policy
@@ -92,6 +94,12 @@ async def test_an_episode_is_told_what_it_cannot_do_by_name(engine: TorchEngine,
     with pytest.raises(ValueError, match=r"engine_of\('judge'\): no policy 'judge' in this run \(policies: \['add', "
                                          r"'sums'\]\)"):
         context.engine_of("judge")
+    elsewhere = dataclasses.replace(context, policies_elsewhere=served_elsewhere(
+        {"add": {}, "sums": {}, "solo": {"own_engines": 1}}, ["add", "sums"], own_engine=False))
+    with pytest.raises(ValueError, match=r"engine_of\('solo'\): 'solo' is served on engines of its own "
+                                         r"\(own_engines\), not on this episode's engine; an episode of 'add' calls "
+                                         r"only the policies served beside it: \['add', 'sums'\]"):
+        elsewhere.engine_of("solo")
     with pytest.raises(ValueError, match="that is this episode's own policy"):
         context.group_for("add", GROUP, "k", "prompt")
     with pytest.raises(ValueError, match="must be a non-empty name without '/' or '@'"):
@@ -163,6 +171,13 @@ async def test_an_agent_is_told_by_name_which_policies_it_can_call(engine: Torch
             for own in ("tiny", "add"):
                 await client.chat.completions.create(model=own, messages=ask, max_tokens=2)
             await client.chat.completions.create(model="sums", messages=ask)
+        apart = dataclasses.replace(context, policies_elsewhere={"solo": "on engines of its own (own_engines)"})
+        url = served.open(ChatSession(apart, GROUP, 0), AgentCalls(apart, GROUP))
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+            with pytest.raises(openai.NotFoundError, match=r"model 'solo' is not served here: it is served on engines "
+                                                           r"of its own \(own_engines\); an episode calls only the "
+                                                           r"policies served beside it, \['add', 'sums'\]"):
+                await client.chat.completions.create(model="solo", messages=ask)
         mismatched = _context(engine, tokenizer, sums_samples=3)
         url = served.open(ChatSession(mismatched, GROUP, 0), AgentCalls(mismatched, GROUP))
         async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
@@ -184,7 +199,7 @@ async def test_an_agent_is_told_by_name_which_policies_it_can_call(engine: Torch
         "episode 1 of group 0:3 (add) made no call to policy sums: its group 0:3@sums.agent holds each episode's "
         "calls to sums")
     own = served.sessions  # every session above was left open: the episode's own conversation got add's calls only
-    assert sorted(session.model_turns for session in own.values()) == [0, 0, 2]
+    assert sorted(session.model_turns for session in own.values()) == [0, 0, 0, 2]
 @pytest.mark.timeout(120)
 async def test_episodes_feeding_a_policy_whose_adopted_backlog_is_full_wait_until_its_learner_takes_some(
         tmp_path: Path, tiny_model_path: Path) -> None:

@@ -11,7 +11,7 @@ import yaml
 
 from actors.config import RunConfig
 from actors.config.flags import add_config_flags, config_from_args
-from actors.config.policies import own_engine_workers, scoped_actor_id, sharing_engines
+from actors.config.policies import own_engine_workers, scoped_actor_id, served_elsewhere, sharing_engines
 from actors.config.preflight import preflight
 from actors.config.run import policy_names, policy_run_config
 from actors.controller.policy_table import PolicyRefused, PolicyTable
@@ -126,6 +126,13 @@ def test_a_policy_with_engines_of_its_own_sets_its_model_engines_and_lora_and_th
     assert own_engine_workers({"own_engines": True}) == 1 and own_engine_workers({"lr": 1}) == 0
     # every policy on engines of its own: the run itself needs no adapter
     RunConfig(policies={"a": {"own_engines": True}, "b": {"own_engines": 1, "lora_rank": 8}})
+    # what an episode calling a policy its engine does not serve is told, from either side
+    assert served_elsewhere(config.policies, ["proposer"], own_engine=False) == {
+        "solver": "on engines of its own (own_engines)"}
+    assert served_elsewhere(config.policies, ["solver"], own_engine=True) == {
+        "proposer": "on the run's shared engines"}
+    assert served_elsewhere(config.policies, [], own_engine=False) == {
+        "proposer": "nowhere now: it left the run", "solver": "on engines of its own (own_engines)"}
 
 
 def test_a_policys_own_rollout_workers_start_on_the_head_as_its_actors_and_the_shared_ones_where_needed() -> None:
