@@ -269,7 +269,8 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     except ValueError as error:
         raise LaunchError(f"placement: {error}") from None
     trains = "learner" in roles or "learner-ranks" in roles
-    engines = len(role_actors("rollout", counts.get("rollout", 0), config, run_dir, head=args.head)
+    engines = len(role_actors("rollout", counts.get("rollout", 0), config, run_dir, head=args.head,
+                              joining=args.join_policy)
                   ) if "rollout" in roles else 0  # the run's shared ones and those of policies' own engines
     placement = place_actors(config, learner_ranks=learner_ranks_per_node(config) if trains else 0,
                              rollout_workers=engines, rollout_needs_gpu=rollout_needs_gpu)
@@ -297,8 +298,8 @@ def plan_actors(args: argparse.Namespace, customs: dict[str, str], counts: dict[
     # workers of a policy's own engines: (role, index, scope); a launcher of a policy joining the running job: that
     # policy's only
     actors = [(role, index, scope) for role in roles
-              for index, scope in role_actors(role, counts[role], config, run_dir, head=args.head)
-              if args.join_policy in (None, scope.policy)]
+              for index, scope in role_actors(role, counts[role], config, run_dir, head=args.head,
+                                              joining=args.join_policy)]
     here = Counter(role for role, _, _ in actors)
     totals = {r: here.get(r, 0) + other_nodes.get(r, 0) for r in {*here, *other_nodes}}
     run_members = {r: n for r, n in totals.items() if r != "controller" and n > 0}

@@ -137,14 +137,6 @@ def own_engines_problems(config: Any) -> list[str]:
     return problems
 
 
-def joining_problem(policy: str, settings: Any) -> str | None:
-    """Why `policy` cannot join the running job with `settings`, as far as its engines go (None: it may)."""
-    if own_engine_workers(settings):
-        return (f"policies.{policy}.own_engines: a policy joining the running job shares the run's engines; one with "
-                "engines of its own is declared at the run's start (docs/multi-policy.md)")
-    return None
-
-
 def sglang_loras_per_batch(declared: int) -> int:
     """--max-loras-per-batch for an SGLang server the run launches: room for every declared policy's adapter and
     the version it replaces mid-push, the base model, and at least SGLang's default."""

@@ -282,8 +282,8 @@ class Controller(Actor):
         if self.run_state in ("draining", "stopped", "failed"):
             return Ack(ok=False, error=f"policy {request.policy!r} cannot join: the run is {self.run_state}")
         try:
-            rooms = {actor: record.meta for actor, record in self.records.items()
-                     if record.member.role == "rollout" and record.member.alive}
+            rooms = {actor: record.meta for actor, record in self.records.items()  # the shared engines' only
+                     if record.member.role == "rollout" and record.member.alive and record.member.policy is None}
             new = self.policy_table.join(request.policy, dict(request.settings), rooms=rooms)
         except PolicyRefused as error:
             self.log.warning("policy join refused", policy=request.policy, error=str(error), origin=peer_name(sender))

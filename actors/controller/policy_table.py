@@ -2,17 +2,19 @@
 
 Policies join and leave a running job as nodes do (docs/multi-policy.md "Policies that join and leave"). The
 controller holds the table and is the one to change it: a launcher asks it to add a policy (`PolicyJoin`) before it
-starts the policy's buffer, learner and evaluator, and anyone may ask it to take one out (`PolicyLeave`). Every
-change goes out in the roster (`Roster.policies`), so the shared rollout and reward workers open or close the
-policy's lane and scoring, and the policy's own actors, whose heartbeats are answered `policy_left` from then on, stop
-(the learner checkpoints first). A policy that left may join again under its name: its learner resumes from its
+starts the policy's buffer, learner and evaluator (and its rollout workers, for one with engines of its own), and
+anyone may ask it to take one out (`PolicyLeave`). Every change goes out in the roster (`Roster.policies`), so the
+reward workers open or close the policy's scoring and the shared rollout workers its lane (one on the run's shared
+engines only), and the policy's own actors, whose heartbeats are answered `policy_left` from then on, stop (the
+learner checkpoints first). A policy that left may join again under its name: its learner resumes from its
 checkpoint and its buffer from its log, so nothing it trained is trained again.
 
-A join is checked as the run's start checks `policies:` (the name, each setting a policy may set, their values), and
-against what the engines have room for: by the run's settings (`policy_capacity`), and by what each live rollout
-worker said of its engine when it registered (`ADAPTER_ROOM`: an SGLang server's `--max-loras-per-batch`, the one way
-to know an attached server's, which the controller cannot ask itself). A restarted controller reads the table back
-from RUN_DIR, for the same start of the run only (the run clock's origin, as `finished.py` does): a resumed run starts
+A join is checked as the run's start checks `policies:` (the name, each setting a policy may set, their values), and,
+for a policy on the run's shared engines, against what they have room for (one with engines of its own,
+`own_engines`, takes none): by the run's settings (`policy_capacity`), and by what each live shared rollout worker
+said of its engine when it registered (`ADAPTER_ROOM`: an SGLang server's `--max-loras-per-batch`, the one way to know
+an attached server's, which the controller cannot ask itself). A restarted controller reads the table back from
+RUN_DIR, for the same start of the run only (the run clock's origin, as `finished.py` does): a resumed run starts
 from its declared policies, and the others join it again.
 """
 
@@ -25,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from actors.config import RunConfig
-from actors.config.policies import ADAPTER_ROOM, ADAPTER_ROOM_WHY, joining_problem, policy_capacity, sharing_engines
+from actors.config.policies import (
+    ADAPTER_ROOM,
+    ADAPTER_ROOM_WHY,
+    own_engine_workers,
+    policy_capacity,
+    sharing_engines,
+)
 
 FILE = "policy-table.json"
 
@@ -52,8 +60,9 @@ class PolicyTable:
     def join(self, policy: str, settings: dict[str, Any], *,
              rooms: Mapping[str, Mapping[str, Any]] | None = None) -> bool:
         """Add `policy` with `settings`; False when it is in the run already with these very settings (a launcher
-        asking again, or a node of the policy's restarting). `rooms`: each live rollout worker's registration facts.
-        Raises PolicyRefused."""
+        asking again, or a node of the policy's restarting). `rooms`: each live shared rollout worker's registration
+        facts. A policy with engines of its own (`own_engines`) takes no room on the shared engines. Raises
+        PolicyRefused."""
         if not self.several:
             raise PolicyRefused(f"policy {policy!r} cannot join: this run has one unnamed policy; a run that policies "
                                 "join declares its first ones under `policies:` (docs/multi-policy.md)")
@@ -62,18 +71,8 @@ class PolicyTable:
                 return False
             raise PolicyRefused(f"policy {policy!r} is in the run already, with other settings ({self.live[policy]}); "
                                 "it must leave first (--leave-policy) to join again with new ones")
-        if (problem := joining_problem(policy, settings)) is not None:
-            raise PolicyRefused(f"policy {policy!r} cannot join: {problem}")
-        engine, adapters = self.config.engine, sharing_engines(self.live)  # the adapters on the run's engines
-        capacity = policy_capacity(engine.rollout_engine, len(sharing_engines(self.config.policies)),
-                                   attached=bool(engine.sglang_url))
-        if capacity is not None and len(adapters) >= capacity:
-            raise PolicyRefused(f"policy {policy!r} cannot join: the engines have room for {capacity} policies' "
-                                f"adapters and the run has {len(adapters)} ({', '.join(adapters)})")
-        if (least := least_room(rooms or {})) is not None and len(adapters) >= least[0]:
-            raise PolicyRefused(f"policy {policy!r} cannot join: {least[1]} has room for {least[0]} policies' "
-                                "adapters (each policy's, the one it replaces while a push lands, and the base model) "
-                                f"and the run has {len(adapters)} ({', '.join(adapters)})")
+        if not own_engine_workers(settings):  # one with engines of its own takes no room on the run's
+            self._check_room(policy, rooms or {})
         try:
             self.config.with_settings(policies={**self.live, policy: settings})
         except ValueError as error:  # SettingsError or pydantic's: each problem names the policy and the setting
@@ -82,6 +81,20 @@ class PolicyTable:
         self.left.pop(policy, None)
         self._write()
         return True
+
+    def _check_room(self, policy: str, rooms: Mapping[str, Mapping[str, Any]]) -> None:
+        """PolicyRefused when the run's shared engines hold no more adapters: by the run's settings, and by what the
+        shared rollout workers said of theirs (`rooms`)."""
+        engine, adapters = self.config.engine, sharing_engines(self.live)  # the adapters on the run's engines
+        capacity = policy_capacity(engine.rollout_engine, len(sharing_engines(self.config.policies)),
+                                   attached=bool(engine.sglang_url))
+        if capacity is not None and len(adapters) >= capacity:
+            raise PolicyRefused(f"policy {policy!r} cannot join: the engines have room for {capacity} policies' "
+                                f"adapters and the run has {len(adapters)} ({', '.join(adapters)})")
+        if (least := least_room(rooms)) is not None and len(adapters) >= least[0]:
+            raise PolicyRefused(f"policy {policy!r} cannot join: {least[1]} has room for {least[0]} policies' "
+                                "adapters (each policy's, the one it replaces while a push lands, and the base model) "
+                                f"and the run has {len(adapters)} ({', '.join(adapters)})")
 
     def leave(self, policy: str, reason: str) -> None:
         if policy not in self.live:

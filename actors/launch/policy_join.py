@@ -3,9 +3,10 @@
 `launcher.py --head-address tcp://HEAD:PORT --run-dir RUN_DIR --join-policy NAME --policy-settings FILE` asks the
 head's controller to add policy NAME with the settings in FILE (a YAML mapping of the settings the policy sets for
 itself, what would sit under `policies: NAME:` in the run's file), then starts the policy's buffer, learner and
-evaluator on this node. Stopping that launcher (SIGTERM, Ctrl-C) makes the policy leave first: its learner
-checkpoints, and the same command later joins it again, resumed. `launcher.py --head-address ... --leave-policy NAME`
-makes any policy leave, one declared at start included, and starts nothing.
+evaluator on this node, and its rollout workers where it has engines of its own (`own_engines: N`, its own model).
+Stopping that launcher (SIGTERM, Ctrl-C) makes the policy leave first: its learner checkpoints, and the same command
+later joins it again, resumed. `launcher.py --head-address ... --leave-policy NAME` makes any policy leave, one
+declared at start included, and starts nothing.
 
 The controller decides (`actors.controller.policy_table`); the checks here run first so that a mistake is one line
 on this terminal before anything is asked or started.
@@ -22,7 +23,7 @@ from typing import Any
 import yaml
 
 from actors.config import RunConfig
-from actors.config.policies import POLICY_NAME, joining_problem
+from actors.config.policies import POLICY_NAME
 from actors.launch.node_roles import LaunchError
 from actors.runtime.roles import runs_evaluator
 
@@ -35,7 +36,8 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--join-policy", default=None, metavar="NAME",
                        help="with --head-address and --run-dir: policy NAME joins the running job (a run declared "
                             "with policies:), with --policy-settings; this node runs its buffer, learner and "
-                            "evaluator, and stopping this launcher makes it leave")
+                            "evaluator (and its rollout workers if it has own_engines), and stopping this launcher "
+                            "makes it leave")
     group.add_argument("--policy-settings", type=Path, default=None, metavar="FILE",
                        help="YAML: the settings the joining policy sets for itself (prompt_data, lr, ...), as under "
                             "policies: NAME: in a run's file")
@@ -73,8 +75,6 @@ def with_joining_policy(config: RunConfig, policy: str, settings: dict[str, Any]
     if not config.policies:
         raise LaunchError(f"--join-policy {policy}: the run at the head has one unnamed policy; policies join a run "
                           "that declared its first ones under policies: (docs/multi-policy.md)")
-    if (problem := joining_problem(policy, settings)) is not None:
-        raise LaunchError(f"--join-policy {policy}: {problem}")
     if policy in config.policies and config.policies[policy] != settings:
         raise LaunchError(f"--join-policy {policy}: the run declared policy {policy} with other settings "
                           f"({config.policies[policy]})")
@@ -85,12 +85,16 @@ def with_joining_policy(config: RunConfig, policy: str, settings: dict[str, Any]
 
 
 def joining_roles(config: RunConfig, policy: str) -> dict[str, int]:
-    """The actors a joining policy's node runs: its buffer, its learner, and its evaluator if it has eval sets."""
+    """The actors a joining policy's node runs: its buffer, its learner, its evaluator if it has eval sets, and its
+    rollout workers if it has engines of its own (`own_engines`; the run's shared ones serve it otherwise)."""
     from actors.config.run import policy_run_config
 
+    own = policy_run_config(config, policy)
     roles = {"buffer": 1, "learner": 1}
-    if runs_evaluator(policy_run_config(config, policy)):
+    if runs_evaluator(own):
         roles["evaluator"] = 1
+    if own.engine.own_engines:
+        roles["rollout"] = own.engine.own_engines
     return roles
 
 

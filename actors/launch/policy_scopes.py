@@ -6,9 +6,11 @@ the files it always writes where every tool that reads a run directory finds the
 rollout and reward workers, custom actors) are started once, with the whole run's settings and directory. A run
 without policies has one scope, the run itself.
 
-A policy with engines of its own (`own_engines: N`) has N rollout workers of its own on the head, started as its
-actors ("rollout-0-1@NAME"): with its settings, in its directory, each an engine of its model that generates for it
-alone. The shared rollout workers start only where some policy shares the run's engines.
+A policy with engines of its own (`own_engines: N`) has N rollout workers of its own, started as its actors
+("rollout-0-1@NAME"): with its settings, in its directory, each an engine of its model that generates for it alone.
+The head starts those of the policies declared at the run's start; the launcher of a policy joining the running job
+starts its policy's, on its own node. The shared rollout workers start only where some policy shares the run's
+engines.
 """
 
 from __future__ import annotations
@@ -50,10 +52,15 @@ def role_scopes(role: str, config: RunConfig, run_dir: Path) -> list[Scope]:
     return [scope for scope in policy_scopes(config, run_dir) if role != "evaluator" or runs_evaluator(scope.config)]
 
 
-def role_actors(role: str, count: int, config: RunConfig, run_dir: Path, *, head: bool) -> list[tuple[int, Scope]]:
+def role_actors(role: str, count: int, config: RunConfig, run_dir: Path, *, head: bool,
+                joining: str | None = None) -> list[tuple[int, Scope]]:
     """(index, scope) of each of this node's actors of `role`, `count` being the node's count of a shared role: a
     policy's role once per policy (`role_scopes`); rollout workers `count` times for the run's shared engines where
-    some policy shares them, then on the head each policy's own, as many as its `own_engines`."""
+    some policy shares them, then on the head each policy's own, as many as its `own_engines`. `joining`: the policy
+    whose launcher joins it to the running job, which runs that policy's actors alone, its own rollout workers too."""
+    if joining is not None:
+        return [(index, scope) for index, scope in role_actors(role, count, config, run_dir, head=True)
+                if scope.policy == joining]
     if role != "rollout":
         return [(index, scope) for index in range(count) for scope in role_scopes(role, config, run_dir)]
     scopes = [scope for scope in policy_scopes(config, run_dir) if scope.policy is not None]

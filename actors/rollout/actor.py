@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 
-from actors.config.policies import served_elsewhere, sharing_engines
+from actors.config.policies import served_elsewhere
 from actors.data.prompt_tokens import ImageTokens
 from actors.extensions.load import check_rollout_loop, rollout_loop, round_function
 from actors.extensions.points import WHOLE_ROUND, RolloutLoop
@@ -535,7 +535,7 @@ class RolloutWorker(Actor):
         lease of a reward worker's)."""
         if self.router is not None:
             self.router.sync(self.roster)
-        await follow_policies(self, sharing_engines(roster.policies) if self.context.policy is None else {})
+        await follow_policies(self, roster.policies)
         for event in roster.events:
             member = self.roster.get(event.actor_id)
             if event.kind not in ("died", "left") or member is None or member.role != "reward":

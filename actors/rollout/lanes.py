@@ -10,7 +10,8 @@ None, whose engine is the worker's engine itself. So does a rollout worker of a 
 (`own_engines`), but its lane is the policy's: it leases from the policy's buffer and sends the policy's groups.
 
 Policies join and leave a running job (`actors.controller.policy_table`): the roster says which are in it, and a
-worker opens a lane for one that joined (its adapter served fresh on the engine until its learner's first push) and
+shared worker opens a lane for one that joined and shares the run's engines (its adapter served fresh on the engine
+until its learner's first push; one with engines of its own brings its own workers, `own_engines`) and
 closes the lane of one that left (no more leases; what it was generating goes to the reward workers, who drop it,
 and its buffer gives those groups out again if the policy comes back; its adapter leaves the engine once idle).
 """
@@ -149,12 +150,14 @@ def policy_lane(config: RunConfig, policy: str | None, buffer: Any, engine: Infe
 
 
 async def follow_policies(worker: Any, policies: dict[str, dict]) -> None:
-    """The roster's `policies`, followed by the rollout `worker`: a lane for each that joined, its adapter served
-    fresh until its learner pushes; none for one that left, its adapter retired once idle. The last lane stays: with
-    no policy left the run ends."""
-    if not policies or worker.engine is None:
+    """The roster's `policies`, followed by a rollout `worker` of the run's shared engines: a lane for each that
+    joined and shares them, its adapter served fresh until its learner pushes; none for one that left, its adapter
+    retired once idle. A policy with engines of its own (`own_engines`), declared or joined, has no lane here: its
+    own workers generate for it, each with the one lane it started with. The last lane stays: with no policy left
+    the run ends."""
+    if not policies or worker.engine is None or worker.context.policy is not None:
         return
-    engine = worker.engine
+    policies, engine = sharing_engines(policies), worker.engine
     for lane in [lane for lane in worker.lanes if lane.policy not in policies][:len(worker.lanes) - 1]:
         worker.lanes.remove(lane)
         worker.log.info("policy left the run: no more groups for it", policy=lane.policy)

@@ -61,6 +61,15 @@ class RolloutMember(Actor):
         return {ADAPTER_ROOM: 2, ADAPTER_ROOM_WHY: "SGLang server http://10.0.0.7:30000 (--max-loras-per-batch 5)"}
 
 
+class OwnEngineMember(Actor):
+    """A rollout worker of a policy's own SGLang server with no room for other adapters: not the shared engines'."""
+
+    role = "rollout"
+
+    def registration_facts(self) -> dict[str, object]:
+        return {ADAPTER_ROOM: 0, ADAPTER_ROOM_WHY: "SGLang server http://10.0.0.8:30000 (--max-loras-per-batch 1)"}
+
+
 @contextlib.asynccontextmanager
 async def _run(tmp_path: Path) -> AsyncIterator[tuple[ActorSystem, Member, Member]]:
     """A controller of a run of policies "a" and "b", and a learner of each."""
@@ -230,13 +239,17 @@ def test_the_policy_table_is_kept_for_a_restarted_controller_and_bounded_by_the_
     full = PolicyTable(build_config({"lora_rank": 4, "policies": {f"p{i}": {} for i in range(8)}}), tmp_path, None)
     with pytest.raises(PolicyRefused, match="the engines have room for 8 policies' adapters and the run has 8"):
         full.join("late", {})
+    assert full.join("own", {"own_engines": 1, "lora_rank": 0})  # its engines are its own: no room taken
+    with pytest.raises(PolicyRefused, match=r"the run has 8 \(p0, p1, p2, p3, p4, p5, p6, p7\)"):
+        full.join("late", {})
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 async def test_a_join_past_the_adapter_room_a_rollout_worker_said_its_server_has_is_refused(tmp_path: Path) -> None:
     """An attached SGLang server's room is known only to its rollout worker, which says it when it registers: a
-    join past it is refused with whose room it is, and taken once a policy left."""
+    join past it is refused with whose room it is, and taken once a policy left. A policy with engines of its own
+    joins past it, and neither it nor its own server's room counts for the others."""
     settings = {"lora_rank": 4, "policies": {"a": {}, "b": {}}, "rollout_engine": "sglang",
                 "sglang_url": ["http://10.0.0.7:30000"]}
     async with actor_system(tmp_path, settings, {"controller": "controller"}) as system:
@@ -247,5 +260,10 @@ async def test_a_join_past_the_adapter_room_a_rollout_worker_said_its_server_has
             "policy 'c' cannot join: rollout-0-0's SGLang server http://10.0.0.7:30000 (--max-loras-per-batch 5) has "
             "room for 2 policies' adapters (each policy's, the one it replaces while a push lands, and the base "
             "model) and the run has 2 (a, b)")
+        # a policy with engines of its own joins past the room: it takes none, nor does its own server count
+        own = {"own_engines": 1, "lora_rank": 0}
+        assert await a.tell(PolicyJoin(policy="own", settings=own)) == Ack(ok=True, error=None)
+        await start_actor(system, "rollout", OwnEngineMember, policy="own", joined=own)
+        assert (await a.tell(PolicyJoin(policy="c", settings={}))).error == refused.error
         assert (await a.tell(PolicyLeave(policy="b", reason="made room"))).ok
         assert await a.tell(PolicyJoin(policy="c", settings={})) == Ack(ok=True, error=None)

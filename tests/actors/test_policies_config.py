@@ -14,9 +14,8 @@ from actors.config.flags import add_config_flags, config_from_args
 from actors.config.policies import own_engine_workers, scoped_actor_id, served_elsewhere, sharing_engines
 from actors.config.preflight import preflight
 from actors.config.run import policy_names, policy_run_config
-from actors.controller.policy_table import PolicyRefused, PolicyTable
-from actors.launch.node_roles import LaunchError
-from actors.launch.policy_join import with_joining_policy
+from actors.controller.policy_table import PolicyTable
+from actors.launch.policy_join import joining_roles, with_joining_policy
 from actors.launch.policy_scopes import role_actors
 from actors.runtime.peers import alive_members, engine_members
 from bus.schema import Member
@@ -151,12 +150,23 @@ def test_a_policys_own_rollout_workers_start_on_the_head_as_its_actors_and_the_s
         "proposer", "solver"]
 
 
-def test_a_policy_with_engines_of_its_own_is_refused_at_join_and_alone_in_a_run_of_one(tmp_path: Path) -> None:
-    config = RunConfig(lora_rank=4, policies={"proposer": {}})
-    with pytest.raises(LaunchError, match=r"policies\.solver\.own_engines: a policy joining the running job shares"):
-        with_joining_policy(config, "solver", {"own_engines": 1})
-    with pytest.raises(PolicyRefused, match=r"policies\.solver\.own_engines: a policy joining"):
-        PolicyTable(config, tmp_path, None).join("solver", {"own_engines": 1})
+def test_a_policy_joining_with_engines_of_its_own_starts_them_on_its_node_and_alone_is_refused(tmp_path: Path) -> None:
+    """The joining launcher's node runs the policy's actors and, for one with engines of its own, its rollout workers,
+    named as the head names a declared policy's, each loading the policy's own checkpoint; the shared workers are
+    not its to start."""
+    own = {"own_engines": 2, "hf_checkpoint": "solver-1.5b", "lora_rank": 0}
+    config = with_joining_policy(RunConfig(lora_rank=4, policies={"proposer": {}}), "solver", own)
+    assert joining_roles(config, "solver") == {"buffer": 1, "learner": 1, "rollout": 2}
+    assert joining_roles(config, "proposer") == {"buffer": 1, "learner": 1}  # on the run's engines
+    found = role_actors("rollout", 2, config, Path("run"), head=False, joining="solver")
+    assert [scope.actor_id(f"rollout-0-{index}") for index, scope in found] == ["rollout-0-0@solver",
+                                                                                "rollout-0-1@solver"]
+    assert {(scope.run_dir, scope.config.model.hf_checkpoint, scope.config.lora.enabled) for _, scope in found} == {
+        (Path("run/policies/solver"), "solver-1.5b", False)}
+    assert role_actors("rollout", 1, config, Path(), head=False, joining="proposer") == []
+    assert [scope.policy for _, scope in role_actors("learner", 1, config, Path(), head=False, joining="solver")] == [
+        "solver"]
+    assert PolicyTable(RunConfig(lora_rank=4, policies={"proposer": {}}), tmp_path, None).join("solver", own)
     assert preflight(RunConfig(own_engines=1), {})[0].startswith(
         "own_engines 1: a setting of a policy in a run of several (policies.NAME.own_engines)")
 

@@ -12,6 +12,7 @@ import launcher
 from actors.config import RunConfig
 from actors.config.run import policy_run_config
 from actors.launch import node_roles
+from actors.launch.policy_join import joining_roles, with_joining_policy
 from actors.launch.supervisor import Supervisor
 from actors.runtime.context import ActorContext
 from actors.runtime.cpu_budget import CpuShare, describe_cpu_budget, plan_cpu_budget
@@ -80,6 +81,29 @@ def test_roles_on_the_head_start_those_roles_of_every_policy(tmp_path: Path, mon
     actors, _ = prepare(tmp_path, monkeypatch, "--config", str(run_file), "--roles", "controller,learner")
     assert list(actors) == ["controller", "learner@solver", "learner@proposer"]
     assert actors["controller"].settings.expected_roles == {"learner": 2}
+
+
+def test_a_policy_joining_with_engines_of_its_own_runs_its_workers_on_the_joining_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan of `launcher.py --join-policy solver` for solver with own_engines 2: its buffer and learner, then its
+    two rollout workers, named as the head names a declared policy's, loading solver's own checkpoint in solver's
+    directory; nothing of the run's shared actors or of the other policy."""
+    monkeypatch.setattr(node_roles, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: (0, 1))
+    own = {"own_engines": 2, "hf_checkpoint": str(tmp_path / "solver-model"), "lora_rank": 0}
+    config = with_joining_policy(RunConfig(lora_rank=4, policies={"proposer": {}}), "solver", own)
+    head, run_dir = "tcp://127.0.0.1:5555", tmp_path / "run"
+    args = launcher.build_parser().parse_args(["--head-address", head, "--run-dir", str(run_dir),
+                                               "--join-policy", "solver"])
+    args.host = "127.0.0.1"
+    contexts, _ = launcher.plan_actors(args, {}, joining_roles(config, "solver"), head, run_dir, config)
+
+    assert [context.actor_id for context in contexts] == ["buffer@solver", "learner@solver", "rollout-0-0@solver",
+                                                          "rollout-0-1@solver"]
+    workers = [context for context in contexts if context.role == "rollout"]
+    assert {(worker.policy, worker.run_dir, worker.settings.run.model.hf_checkpoint) for worker in workers} == {
+        ("solver", run_dir / "policies" / "solver", own["hf_checkpoint"])}
+    assert workers[0].settings.run == policy_run_config(config, "solver")  # an engine of its model, trained in full
 
 
 def test_the_supervisor_removes_the_ipc_sockets_each_policys_actors_bound_in_their_directory(

@@ -113,6 +113,22 @@ async def test_an_announcement_of_one_policy_moves_only_its_lane(tmp_path: Path,
                               "a's groups while b waits for its weights")
 
 
+@pytest.mark.timeout(120)
+async def test_a_joined_policy_gets_a_lane_on_the_shared_engine_unless_it_has_engines_of_its_own(
+        tmp_path: Path, tiny_model_path: Path) -> None:
+    """The roster names two policies that joined the running job: c, on the run's engines, gets a lane and its
+    adapter served; solo, with engines of its own (own_engines), neither: its own workers generate for it."""
+    async with actor_system(tmp_path, _settings(tmp_path, tiny_model_path), {"controller": "controller"}) as system:
+        worker = await _two_policy_worker(system)
+        joined = {**worker.config.policies, "c": {}, "solo": {"own_engines": 1, "lora_rank": 0}}
+        await worker.on_roster(Roster(generation=99, members=list(worker.roster.values()), policies=joined))
+        assert [lane.policy for lane in worker.lanes] == [*POLICIES, "c"]
+        greedy = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+        assert await worker.engine.generate(GenerateRequest("c", [3, 14, 15], greedy, adapter="c"))
+        with pytest.raises(ValueError, match="adapter 'solo' is not loaded on this engine"):
+            await worker.engine.generate(GenerateRequest("solo", [3, 14, 15], greedy, adapter="solo"))
+
+
 async def test_an_adapter_view_names_its_adapter_unless_a_request_names_one(tiny_model_path: Path) -> None:
     from engines.inference import TorchEngine
 

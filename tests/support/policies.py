@@ -14,12 +14,14 @@ from actors.runtime.roles import BUILTIN_ROLES, resolve_actor_class
 from tests.support.inprocess import HANG_S, ActorSystem
 
 
-async def start_actor(system: ActorSystem, role: str, kind: str | type[Actor], *, policy: str | None) -> Any:
+async def start_actor(system: ActorSystem, role: str, kind: str | type[Actor], *, policy: str | None,
+                      joined: dict[str, Any] | None = None) -> Any:
     """Start one actor of `role` (a built-in role's name or a class); returns once it registered. `policy`: a
-    policy's actor ("learner@a", run directory RUN_DIR/policies/a); None: a shared one ("reward-0-0")."""
+    policy's actor ("learner@a", run directory RUN_DIR/policies/a); None: a shared one ("reward-0-0"). `joined`: the
+    settings of a policy that joined the running job, which the run's settings do not hold."""
     actor_id = scoped_actor_id(role, policy) if policy else f"{role}-0-0"
     path = BUILTIN_ROLES[kind] if isinstance(kind, str) else f"{kind.__module__}:{kind.__qualname__}"
-    run = policy_run_config(system.config, policy) if policy else system.config
+    run = policy_run_config(system.config, policy, joined) if policy else system.config
     context = ActorContext(
         actor_id=actor_id, role=role, actor_class=path, node_rank=0, head_address=system.head,
         run_dir=system.run_dir / "policies" / policy if policy else system.run_dir, heartbeat_interval=0.5,

@@ -14,6 +14,7 @@ that call the other (docs/multi-policy.md, "Episodes across policies").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from safetensors.torch import load_file
 
 from actors.buffer.log import BufferLog
 from actors.launch.node_roles import LaunchError
-from actors.launch.policy_join import ask_to_join
+from actors.launch.policy_join import ask_to_join, ask_to_leave
 from actors.runtime.metrics import read_metrics
 from bus.address import free_port
 from bus.codec import decode
@@ -132,33 +134,45 @@ def test_two_policies_train_their_own_adapters_on_one_shared_engine(tmp_path: Pa
 
 @pytest.mark.system
 @pytest.mark.timeout(240)
-def test_a_policy_with_its_own_full_model_trains_on_engines_of_its_own(tmp_path: Path, tiny_model_path: Path,
-                                                                      tiny_model_cache: Path) -> None:
-    """add is a LoRA adapter on the shared engine; sums has its own model, another tiny checkpoint (other shape, other
-    weights), trained in full on a rollout worker of its own (own_engines, docs/multi-policy.md). Both are on-policy
-    at float noise, each on its own engine's log-probs (a row of the other model would differ by far more); sums'
-    pushes are its full weights, fingerprinted on its own engine and no other; each audit passes."""
+def test_a_policy_with_its_own_full_model_joins_and_trains_on_engines_of_its_own(tmp_path: Path, tiny_model_path: Path,
+                                                                                 tiny_model_cache: Path) -> None:
+    """add is a LoRA adapter on the shared engine, declared at start; sums joins the running job (--join-policy) with
+    a model of its own, another tiny checkpoint (other shape, other weights), trained in full on a rollout worker of
+    its own that the joining launcher starts (own_engines, docs/multi-policy.md). Both are on-policy at float noise,
+    each on its own engine's log-probs (a row of the other model would differ by far more); sums' pushes are its full
+    weights, fingerprinted on its own engine and no other. Its training done, sums leaves, and its worker stops with
+    its other actors (exit 0, not restarted); add leaves and the run ends. Each audit passes, and the head certifies
+    both, sums' own engine's KV accounts in its section."""
     from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
     other = cached_tiny_model(tiny_model_cache, TinyModelSpec(hidden_size=32, num_hidden_layers=1, seed=7))
-    command, _ = two_policy_run(tmp_path, tiny_model_path, STEPS, max_staleness=0)
-    settings = yaml.safe_load((tmp_path / "run.yaml").read_text(encoding="utf-8"))
-    settings["policies"]["sums"].update(own_engines=True, hf_checkpoint=str(other), lora_rank=0, lr=1e-3)
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
+    command, _ = two_policy_run(tmp_path, tiny_model_path, 10**6, max_staleness=0)  # add trains until it leaves
+    head_command, join, head_address = joining_sums(tmp_path, command, num_rollout=STEPS, own_engines=True,
+                                                    hf_checkpoint=str(other), lora_rank=0, lr=1e-3)
     run_dir = tmp_path / "run"
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=200)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    # sums joins as soon as the head answers (its launcher waits for it): both launchers start their actors at once
+    with killed_at_exit([head_command, join]) as (head, joined):
+        wait_for(lambda: joined.poll() is not None or len(trained(run_dir, "sums")) >= STEPS, "sums' last step",
+                 [head])
+        wait_for(lambda: trained(run_dir, "add"), "add's first step", [head])
+        ask_to_leave(head_address, "add", "sums trained", curve_keys=None)
+        outputs = [process.communicate(timeout=120)[0] for process in (joined, head)]
+    assert [joined.returncode, head.returncode] == [0, 0], [output[-4000:] for output in outputs]
 
+    trained_on_its_own_adapter(tmp_path, "sums", STEPS)
+    trained_on_its_own_adapter(tmp_path, "add", len(trained(run_dir, "add")))
     for policy in POLICIES:
-        trained_on_its_own_adapter(tmp_path, policy, STEPS)
         assert audit(run_dir / "policies" / policy).ok, policy
     # each learner pushed to its own engines only, every push fingerprinted as served there
     for policy, engine in (("add", "rollout-0-0"), ("sums", "rollout-0-0@sums")):
         checks = read_metrics(run_dir / "policies" / policy / "metrics" / "weight_checks.jsonl")
         assert checks and all(check["matched"] == [engine] for check in checks), (policy, checks)
     gauges = {name for row in read_metrics(run_dir / "metrics" / "actors.jsonl") for name in row}
-    assert "rollout-0-0/engine.version.add" in gauges and "rollout-0-0@sums/engine.version.sums" in gauges
+    assert "rollout-0-0/engine.version.add" in gauges  # its own worker's gauges may fall between two rows: not here
     assert "rollout-0-0/engine.version.sums" not in gauges  # the shared engine holds no adapter of sums
+    ended = [(record["event"], record["actor"], record.get("code"))
+             for record in read_metrics(run_dir / "logs" / "launcher-sums.jsonl") if "actor" in record]
+    assert ("actor exited", "rollout-0-0@sums", 0) in ended and not [e for e in ended if "restart" in e[0]], ended
     certificate = json.loads((run_dir / "integrity.json").read_text())
     assert certificate["ok"] and set(certificate["policies"]) == set(POLICIES), certificate
     assert certificate["policies"]["sums"]["checks"]["caches"]["engines"] == 1  # its own engine's KV accounts
@@ -291,6 +305,34 @@ def test_an_episode_of_one_policy_trains_the_other_on_its_own_turns(tmp_path: Pa
     assert json.loads((run_dir / "integrity.json").read_text())["ok"]
 
 
+@contextlib.contextmanager
+def killed_at_exit(commands: list[list[str]]) -> Iterator[list[subprocess.Popen[str]]]:
+    """Each command started in the repository, its output captured; those still running when the block ends are
+    killed (a failed assertion must not leave a run behind)."""
+    running = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for argv in commands]
+    try:
+        yield running
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+
+
+def joining_sums(tmp_path: Path, command: list[str], **sums: object) -> tuple[list[str], list[str], str]:
+    """`command` (`two_policy_run`'s) as a run that declares add alone, at an address of its own; the command that
+    joins sums to it (--join-policy, with its settings and `sums` on top); and that address."""
+    settings = yaml.safe_load((tmp_path / "run.yaml").read_text(encoding="utf-8"))
+    sums_settings = {**settings["policies"].pop("sums"), **sums}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
+    (tmp_path / "sums.yaml").write_text(yaml.safe_dump(sums_settings), encoding="utf-8")
+    head_address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    join = [sys.executable, str(REPO / "launcher.py"), "--head-address", head_address, "--run-dir",
+            str(tmp_path / "run"), "--join-policy", "sums", "--policy-settings", str(tmp_path / "sums.yaml"),
+            "--heartbeat-interval", "0.25", "--no-progress"]
+    return [*command, "--head-address", head_address], join, head_address
+
+
 def wait_for(condition: Any, what: str, processes: list[subprocess.Popen[str]], timeout: float = 150) -> None:
     """Until `condition()` holds; fails naming `what` once a process ended or `timeout` passed."""
     deadline = time.monotonic() + timeout
@@ -308,17 +350,9 @@ def test_a_policy_joins_leaves_and_joins_again_while_the_run_goes_on(tmp_path: P
     trains to its end, while add trains on throughout. Then add leaves (--leave-policy) and the run ends. Each
     policy's audit finds every accepted sample trained once, and the head certifies both."""
     command, data = two_policy_run(tmp_path, tiny_model_path, 10**6, max_staleness=1)  # add trains until it leaves
-    settings = yaml.safe_load((tmp_path / "run.yaml").read_text(encoding="utf-8"))
-    sums_settings = {**settings["policies"].pop("sums"), "num_rollout": 6, "save_interval": 2}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
-    (tmp_path / "sums.yaml").write_text(yaml.safe_dump(sums_settings), encoding="utf-8")
-    head_address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    head_command, join, head_address = joining_sums(tmp_path, command, num_rollout=6, save_interval=2)
     run_dir = tmp_path / "run"
-    join = [sys.executable, str(REPO / "launcher.py"), "--head-address", head_address, "--run-dir", str(run_dir),
-            "--join-policy", "sums", "--policy-settings", str(tmp_path / "sums.yaml"), "--heartbeat-interval", "0.25",
-            "--no-progress"]
-    head = subprocess.Popen([*command, "--head-address", head_address], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    head = subprocess.Popen(head_command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     running = [head]
     try:
         wait_for(lambda: trained(run_dir, "add"), "add's first step", running)
