@@ -14,8 +14,9 @@ import sys
 
 from actors.launch.zygote_client import EarlyTemplate
 
-# First, before the imports below: a head node's actor template starts now, ready when the first actor is forked.
-EARLY_TEMPLATE = EarlyTemplate.for_head(sys.argv[1:]) if __name__ == "__main__" else None
+# First, before the imports below: the actor template of a node that runs a learner (the head, a joining policy's)
+# starts now, ready when the first actor is forked.
+EARLY_TEMPLATE = EarlyTemplate.for_learner(sys.argv[1:]) if __name__ == "__main__" else None
 
 import argparse
 import asyncio
@@ -481,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.time()  # the run's clock starts with the command (model checks and loading are run time too)
     arguments = list(sys.argv[1:] if argv is None else argv)
-    early_template = EARLY_TEMPLATE if argv is None else EarlyTemplate.for_head(arguments)
+    early_template = EARLY_TEMPLATE if argv is None else EarlyTemplate.for_learner(arguments)
     try:
         contexts, args, run_dir = prepare(arguments)
     except LaunchError as error:

@@ -71,9 +71,9 @@ class ForkedProcess:
 
 
 class EarlyTemplate:
-    """A template started before the launcher's event loop: the launcher of a head node starts it first thing,
-    so its start and light imports run beside the launcher's own. `Zygote.start` adopts it; `close` ends one that
-    will not be used."""
+    """A template started before the launcher's event loop: the launcher of a head node, or of a policy joining the
+    running job, starts it first thing, so its start and light imports run beside the launcher's own. `Zygote.start`
+    adopts it; `close` ends one that will not be used."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.socket, theirs = socket.socketpair()
@@ -85,11 +85,13 @@ class EarlyTemplate:
             theirs.close()
 
     @classmethod
-    def for_head(cls, argv: Sequence[str]) -> EarlyTemplate | None:
-        """Started, on a head node (it always runs the learner) that will fork its actors; `argv` are the
-        launcher's. A node with GPU devices never forks (and is not asked here whether it has any)."""
+    def for_learner(cls, argv: Sequence[str]) -> EarlyTemplate | None:
+        """Started, by a launcher that always runs a learner (a head node's, or that of a policy joining the running
+        job) and will fork its actors; `argv` are the launcher's. A node with GPU devices never forks (and is not
+        asked here whether it has any)."""
         chosen = "--no-fork-actors" in argv or "--roles" in argv  # --roles: maybe no actor that holds a model
-        if "--head" not in argv or chosen or not sys.platform.startswith("linux") or gpu_device_nodes():
+        learner = "--head" in argv or "--join-policy" in argv
+        if not learner or chosen or not sys.platform.startswith("linux") or gpu_device_nodes():
             return None
         try:
             return cls(actor_environment())

@@ -123,13 +123,15 @@ def test_a_template_started_early_is_adopted_and_forks_light_actors_before_it_im
 
 
 @pytest.mark.unit
-def test_only_a_head_that_forks_every_actor_starts_its_template_early() -> None:
-    for argv in (["--node-rank", "1"], ["--head", "--no-fork-actors"], ["--head", "--roles", "controller"]):
-        assert EarlyTemplate.for_head(argv) is None, argv
-    early = EarlyTemplate.for_head(["--head", "--prompt-data", "x"])
-    assert early is not None and alive(early.pid)
-    early.close()
-    assert early.process.returncode is not None
+def test_only_a_launcher_that_runs_a_learner_and_forks_every_actor_starts_its_template_early() -> None:
+    for argv in (["--node-rank", "1"], ["--head", "--no-fork-actors"], ["--head", "--roles", "controller"],
+                 ["--head-address", "tcp://h:1", "--leave-policy", "sums"]):
+        assert EarlyTemplate.for_learner(argv) is None, argv
+    for argv in (["--head", "--prompt-data", "x"], ["--head-address", "tcp://h:1", "--join-policy", "sums"]):
+        early = EarlyTemplate.for_learner(argv)
+        assert early is not None and alive(early.pid), argv
+        early.close()
+        assert early.process.returncode is not None
 
 
 @pytest.mark.unit
