@@ -282,7 +282,11 @@ def smollm2_demo(args: argparse.Namespace) -> None:
     print(f"  before RL:{'':<27}{_accuracy(before, brief)}")
     kind = "colocated (on-policy) GRPO" if args.colocate else "fully-async GRPO"
     print(f"  after {after['step']} steps of {kind + ':':<{30 - len(str(after['step']))}}{_accuracy(after, brief)}   "
-          f"({100 * (after['eval/heldout/reward/correct'] - before['eval/heldout/reward/correct']):+.1f} points)")
+          f"({100 * (after['eval/heldout/reward/correct'] - before['eval/heldout/reward/correct']):+.1f} points"
+          f"{_paired(after, 'reward/correct')})")
+    if args.task == "long-answers":  # the reward is the share of the working stated right: partial credit
+        print(f"  share of the working right (mean reward): {before['eval/heldout/mean_reward']:.3f} -> "
+              f"{after['eval/heldout/mean_reward']:.3f}{_paired(after, 'mean_reward')}")
     if "eval/heldout/response_length/median" in after:
         print("  held-out answers' length (tokens, median / mean): "
               + " -> ".join(f"{row['eval/heldout/response_length/median']:.0f} / "
@@ -301,6 +305,13 @@ def _accuracy(row: dict, brief: bool) -> str:
     form = row.get("eval/heldout/reward/format_ok")
     bare = "" if form is None or not brief else f"  (answers that are the bare number: {form:.0%})"
     return f"{accuracy:6.1%} ± {error:.1%}" + bare
+
+
+def _paired(row: dict, metric: str) -> str:
+    """The round's gain since the first, in standard errors of the per-problem differences (the same problems
+    before and after: actors/evaluator/gains.py)."""
+    gain, error = row.get(f"eval/heldout/gain/{metric}"), row.get(f"eval/heldout/gain_se/{metric}")
+    return f", {gain / error:.1f} standard errors paired by problem" if gain is not None and error else ""
 
 
 def tiny_demo(args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ import contextlib
 from collections import deque
 from pathlib import Path
 
+from actors.evaluator.gains import SCORES_FILE, first_rounds
 from actors.evaluator.rounds import EvalRounds, eval_due, next_due
 from actors.extensions.load import eval_log_hook
 from actors.runtime.base import Actor
@@ -44,14 +45,18 @@ class Evaluator(Actor):
     def __init__(self, context: ActorContext) -> None:
         super().__init__(context)
         self.writer: MetricsWriter | None = None
+        self.scores_writer: MetricsWriter | None = None
 
     async def on_start(self) -> None:
         self.config = self.settings.run
         self.writer = self.open_metrics("eval")
         self.queue: deque[PromptGroup] = deque()  # a started round's groups, until the buffer has them
+        self.scores_writer = self.open_metrics(SCORES_FILE)
         self.rounds = EvalRounds(self.config, self.queue, self.writer, self.log, owner=self.role,
-                                 log_hook=eval_log_hook(self.config, self.log, self.counters))
+                                 log_hook=eval_log_hook(self.config, self.log, self.counters),
+                                 scores_writer=self.scores_writer)
         self.rounds.reported = written_rounds(self.context.run_dir / "metrics" / "eval.jsonl")
+        self.rounds.baselines = first_rounds(self.scores_writer.path)
         self.evaluated = max((version for version, _ in self.rounds.reported), default=None)
         learner = self.config.learner
         # A fresh run: the learner starts at version 0, which the engines load themselves.
@@ -160,8 +165,9 @@ class Evaluator(Actor):
             self.changed.set()
 
     async def on_stop(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for writer in (self.writer, self.scores_writer):
+            if writer is not None:
+                writer.close()
 
 
 def written_rounds(path: Path) -> set[tuple[int, str]]:

@@ -17,3 +17,8 @@ def eval_round_of(group_id: str) -> tuple[int, str] | None:
     if len(parts) == 4 and parts[0] == "eval" and parts[2].isdigit():
         return int(parts[2]), parts[1]
     return None
+
+
+def eval_prompt_of(group_id: str) -> str:
+    """The data index of an eval group's prompt, as its id spells it: rounds pair their prompts by it."""
+    return group_id.rsplit(":", 1)[1]

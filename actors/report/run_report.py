@@ -168,7 +168,24 @@ def summarize(run_dir: Path) -> str:
         if values:
             lines.append(f"{key}: {values[0][1]:{shown}} at version {values[0][0]} -> {values[-1][1]:{shown}} at "
                          f"version {values[-1][0]}")
+    lines += gain_lines(evals)
     return "\n".join(lines)
+
+
+def gain_lines(evals: list[dict]) -> list[str]:
+    """Each eval set's last gain since its first round, paired by prompt, in standard errors: whether a held-out
+    change is more than the noise of that many prompts (actors/evaluator/gains.py)."""
+    lines = []
+    for key in sorted({k for r in evals for k in r if "/gain/" in k}):
+        last = next((r for r in reversed(evals) if r.get(key) is not None), None)
+        if last is None:
+            continue
+        prefix, metric = key.split("/gain/", 1)
+        error = last.get(f"{prefix}/gain_se/{metric}")
+        spread = f" ± {error:.3f} ({last[key] / error:+.1f} SE)" if error else ""
+        lines.append(f"{prefix}/{metric} gain, version {last.get(f'{prefix}/gain_since')} -> {last['step']} "
+                     f"(paired over {last.get(f'{prefix}/gain_prompts')} prompts): {last[key]:+.3f}{spread}")
+    return lines
 
 
 def wall_clock(run_dir: Path) -> str:

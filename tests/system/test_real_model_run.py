@@ -52,6 +52,15 @@ def test_smollm2_trains_through_the_launcher_with_eval_rounds_on_the_versions_it
     for row in rounds:  # every eval sample came from the weights of the version it evaluates: the adapter arrived
         assert row["eval/heldout/failed_samples"] == 0 and row["eval/heldout/off_version_samples"] == 0
         assert "eval/heldout/reward/format_ok" in row
+    # the final round's gain since the baseline, paired over the 8 held-out prompts from their scores per prompt
+    scores = _rows(run_dir / "metrics" / "eval_scores.jsonl")
+    assert [(row["step"], row["set"], len(row["scores"])) for row in scores] == [(0, "heldout", 8),
+                                                                                  (STEPS, "heldout", 8)]
+    final, (first, last) = rounds[-1], (row["scores"] for row in scores)
+    assert final["eval/heldout/gain_prompts"] == 8 and final["eval/heldout/gain_since"] == 0
+    assert final["eval/heldout/gain/reward/correct"] == pytest.approx(
+        sum(last[key]["reward/correct"] - first[key]["reward/correct"] for key in first) / 8)
+    assert "eval/heldout/gain_se/mean_reward" in final
 
     # The exported model is the base with the adapter merged, an ordinary HF folder, and the adapter beside it.
     exported = load_file(str(run_dir / "final_model" / "model.safetensors"))
