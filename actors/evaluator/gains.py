@@ -37,7 +37,7 @@ def paired_gains(set_name: str, baseline: PromptScores, current: PromptScores) -
     """For every metric both rounds scored: `eval/SET/gain/METRIC`, the mean over the prompts both scored of
     (now - baseline), and with two or more prompts `eval/SET/gain_se/METRIC`, its standard error (the differences'
     sample deviation over the square root of their count); `eval/SET/gain_prompts`: how many prompts pair up."""
-    shared = sorted(baseline.keys() & current.keys(), key=_index_order)
+    shared = sorted(baseline.keys() & current.keys())  # a fixed order: the same sums in every process
     metrics: dict[str, float] = {}
     for metric in sorted({name for key in shared for name in current[key]}):
         differences = np.array([current[key][metric] - baseline[key][metric] for key in shared
@@ -65,7 +65,3 @@ def first_rounds(path: Path) -> dict[str, tuple[int, PromptScores]]:
         if isinstance(record, dict) and isinstance(record.get("scores"), dict):
             baselines.setdefault(str(record.get("set")), (int(record["step"]), record["scores"]))
     return baselines
-
-
-def _index_order(key: str) -> tuple[int, str]:
-    return (int(key), "") if key.isdigit() else (-1, key)
