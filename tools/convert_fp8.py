@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-size", type=int, default=None,
                         help="check that SGLang can serve it over this many tensor-parallel ranks")
     args = parser.parse_args(argv)
-    from engines.fp8_checkpoint import Fp8CheckpointError, convert, read_config
+    from engines.checkpoint_config import Fp8CheckpointError, read_config
+    from engines.fp8_checkpoint import convert
     from engines.sglang.fp8_serving import block_shape_problems
 
     try:

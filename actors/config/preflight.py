@@ -244,7 +244,7 @@ def _vision_backend_problem(config: RunConfig) -> str | None:
     config_file = Path(config.model.hf_checkpoint).expanduser() / "config.json"
     if spec is None or spec.no_images_because is None or not config_file.is_file():
         return None
-    from engines.vision.processor import is_vision_language
+    from engines.checkpoint_config import is_vision_language
 
     if not is_vision_language(json.loads(config_file.read_text())):
         return None

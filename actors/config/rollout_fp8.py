@@ -18,7 +18,7 @@ def rolls_out_fp8(weights: WeightsConfig, hf_checkpoint: str | None) -> bool:
         return True
     if hf_checkpoint is None or not (Path(hf_checkpoint) / "config.json").is_file():
         return False
-    from engines.fp8_checkpoint import is_fp8, read_config
+    from engines.checkpoint_config import is_fp8, read_config
 
     return is_fp8(read_config(hf_checkpoint))
 

@@ -121,7 +121,7 @@ def torch_kv_cache(config: RunConfig, device: torch.device) -> str:
 
 def _vision_language(checkpoint: str | None) -> bool:
     """The checkpoint is a local vision-language folder (images run on the dynamic layout only, for now)."""
-    from engines.vision.processor import is_vision_language
+    from engines.checkpoint_config import is_vision_language
 
     config = Path(checkpoint) / "config.json" if checkpoint else None
     return config is not None and config.is_file() and is_vision_language(json.loads(config.read_text()))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedTokenizerBase
 
-from engines.fp8_checkpoint import checkpoint_block, is_fp8, read_config
+from engines.checkpoint_config import checkpoint_block, is_fp8, read_config
 from engines.inference.fp8_linear import load_fp8_checkpoint
 from engines.vision.images import DEFAULT_LIMITS, ImageLimits
 from engines.vision.processor import VisionProcessor

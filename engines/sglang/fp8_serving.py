@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engines.fp8_checkpoint import Fp8CheckpointError, checkpoint_block, converted, read_config
+from engines.checkpoint_config import Fp8CheckpointError, checkpoint_block, read_config
+from engines.fp8_checkpoint import converted
 from engines.sglang import protocol
 from engines.weights import fp8
 

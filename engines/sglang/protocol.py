@@ -42,20 +42,19 @@ import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from engines.inference.base import FinishReason, GenerateRequest, SamplingParams, derive_sample_seed
 
 INITIAL_WEIGHT_VERSION = "default"
 FINISH_TYPES: tuple[str, ...] = ("stop", "length", "abort")
-# SGLang names dtypes as torch attribute names; these are the ones a weight update may carry.
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2",
-                 "int64", "int32", "int16", "int8", "uint8", "bool")
-}
+if TYPE_CHECKING:
+    import torch
+
+# SGLang names dtypes as torch attribute names; these are the ones a weight update may carry. Names, not dtypes:
+# the launcher reads this module while it checks a run's settings, before torch is imported anywhere.
+WIRE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2",
+                                "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 class ProtocolError(ValueError):
@@ -512,7 +511,9 @@ def _is_sha256(value: Any) -> bool:
 def wire_dtype(name: Any, *, where: str) -> torch.dtype:
     if name not in WIRE_DTYPES:
         raise ProtocolError(f"{where}: dtype {name!r} is not one of {sorted(WIRE_DTYPES)}")
-    return WIRE_DTYPES[name]
+    import torch
+
+    return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

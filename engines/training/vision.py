@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from engines.checkpoint_config import is_vision_language
 from engines.training.base import TrainSample
 from engines.training.micro_batches import PackedInputs
-from engines.vision.processor import is_vision_language, rope_positions
+from engines.vision.processor import rope_positions
 
 VISION_ATTENTION = "sdpa"  # the tower's attention: per image, bidirectional (see the module docstring)
 # The tower's module in the Qwen-VL families (transformers 5: `model.visual`; under PEFT with its prefix)

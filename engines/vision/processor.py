@@ -22,15 +22,11 @@ from typing import Any
 
 import torch
 
+from engines.checkpoint_config import is_vision_language
 from engines.vision.images import DEFAULT_LIMITS, ImageLimits, decode_image
 
 # Model types whose processor and positions this module knows: the Qwen-VL families slime, AReaL and verl train.
 QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-
-
-def is_vision_language(config: dict[str, Any]) -> bool:
-    """A model folder's config.json describes a vision-language model (it has a vision tower)."""
-    return "vision_config" in config
 
 
 @dataclass(frozen=True)

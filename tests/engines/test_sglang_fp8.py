@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engines import fp8_checkpoint
-from engines.fp8_checkpoint import Fp8CheckpointError
+from engines import checkpoint_config, fp8_checkpoint
+from engines.checkpoint_config import Fp8CheckpointError
 from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.fp8_linear import Fp8Linear
 from engines.inference.model_facts import load_model_folder
@@ -96,8 +96,8 @@ def test_conversion_refuses_a_quantised_source_a_folder_without_safetensors_and_
 ])
 def test_a_checkpoint_in_another_quantisation_is_refused_by_name(quantization: dict, refusal: str) -> None:
     with pytest.raises(Fp8CheckpointError, match=refusal):
-        fp8_checkpoint.checkpoint_block({"quantization_config": quantization}, "MODEL")
-    assert fp8_checkpoint.checkpoint_block({"quantization_config": fp8.quantization_config()}, "MODEL") == 128
+        checkpoint_config.checkpoint_block({"quantization_config": quantization}, "MODEL")
+    assert checkpoint_config.checkpoint_block({"quantization_config": fp8.quantization_config()}, "MODEL") == 128
 
 
 @pytest.mark.unit
@@ -297,7 +297,7 @@ def fp8_server(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_an_attached_server_must_serve_an_fp8_checkpoint(fp8_server: SglangEngine) -> None:
     assert fp8_server.server is not None
     served = Path(fp8_server.server.spec.model_path)
-    assert fp8_checkpoint.is_fp8(json.loads((served / "config.json").read_text())), "launched on the conversion"
+    assert checkpoint_config.is_fp8(json.loads((served / "config.json").read_text())), "launched on the conversion"
     assert attached_problem(fp8_server.url, timeout_s=10) is None
     config = json.loads((served / "config.json").read_text())
     try:  # the same server now reports a folder whose config is unquantised
