@@ -68,7 +68,6 @@ from transformers import AutoConfig
 from engines.inference.base import GenerateRequest, SamplingParams
 from engines.inference.model_facts import context_length as model_context_length
 from engines.inference.torch_engine import TorchEngine
-from engines.process import exit_now
 from engines.sglang import protocol
 from engines.sglang.weight_group import WeightGroup, broadcastable, join_weight_group
 from engines.weights import layouts
@@ -581,9 +580,6 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("serving %s on http://%s:%d (SGLang %s API)", args.model_path, args.host, args.port, args.sglang_api)
     # handle_signals: SIGTERM and SIGINT shut the app down, which closes the engine and the groups.
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True, shutdown_timeout=1.0)
-    # Then out, without tearing torch's and transformers' modules down: ~1 s that the worker stopping it waited, at
-    # the end of every run on these servers (its grace before SIGKILL is 1 s).
-    exit_now(0)
 
 
 if __name__ == "__main__":
