@@ -174,17 +174,24 @@ def summarize(run_dir: Path) -> str:
 
 def gain_lines(evals: list[dict]) -> list[str]:
     """Each eval set's last gain since its first round, paired by prompt, in standard errors: whether a held-out
-    change is more than the noise of that many prompts (actors/evaluator/gains.py)."""
-    lines = []
+    change is more than the noise of that many prompts (actors/evaluator/gains.py). The numbers that no prompt
+    moved share one line: a "+0.000" line of its own each said nothing, and hid the gains among them."""
+    lines, unmoved = [], {}
     for key in sorted({k for r in evals for k in r if "/gain/" in k}):
         last = next((r for r in reversed(evals) if r.get(key) is not None), None)
         if last is None:
             continue
         prefix, metric = key.split("/gain/", 1)
         error = last.get(f"{prefix}/gain_se/{metric}")
+        since = f"version {last.get(f'{prefix}/gain_since')} -> {last['step']}"
+        if last[key] == 0 and not error:
+            unmoved.setdefault((prefix, since), []).append(metric)
+            continue
         spread = f" ± {error:.3f} ({last[key] / error:+.1f} SE)" if error else ""
-        lines.append(f"{prefix}/{metric} gain, version {last.get(f'{prefix}/gain_since')} -> {last['step']} "
-                     f"(paired over {last.get(f'{prefix}/gain_prompts')} prompts): {last[key]:+.3f}{spread}")
+        lines.append(f"{prefix}/{metric} gain, {since} (paired over {last.get(f'{prefix}/gain_prompts')} prompts): "
+                     f"{last[key]:+.3f}{spread}")
+    lines += [f"{prefix}: {', '.join(metrics)} the same on every prompt, {since}"
+              for (prefix, since), metrics in unmoved.items()]
     return lines
 
 

@@ -30,7 +30,9 @@ def test_a_runs_metrics_become_two_pictures_and_a_summary_of_its_gain_and_stalen
         {"step": 0, "time": 1.0, "eval/heldout/accuracy": 0.1, "eval/heldout/response_length/median": 120.0},
         {"step": 2, "time": 22.0, "eval/heldout/accuracy": 0.85, "eval/heldout/response_length/median": 37.0,
          "eval/heldout/gain/mean_reward": 0.75, "eval/heldout/gain_se/mean_reward": 0.05,
-         "eval/heldout/gain_prompts": 100, "eval/heldout/gain_since": 0},
+         "eval/heldout/gain_prompts": 100, "eval/heldout/gain_since": 0,
+         "eval/heldout/gain/reward/format_ok": 0.0, "eval/heldout/gain_se/reward/format_ok": 0.0,
+         "eval/heldout/gain/reward/steps": 0.0, "eval/heldout/gain_se/reward/steps": 0.0},
     ])
     written = plot_run(tmp_path)
     assert written == [tmp_path / "plots" / "curves.png", tmp_path / "plots" / "staleness.png"]
@@ -42,6 +44,9 @@ def test_a_runs_metrics_become_two_pictures_and_a_summary_of_its_gain_and_stalen
     assert "eval/heldout/response_length/median: 120 at version 0 -> 37 at version 2" in summary  # answers shortened
     assert ("eval/heldout/mean_reward gain, version 0 -> 2 (paired over 100 prompts): +0.750 ± 0.050 (+15.0 SE)"
             in summary)
+    # numbers no prompt moved: one line for them all, not a "+0.000" line each
+    assert "eval/heldout: reward/format_ok, reward/steps the same on every prompt, version 0 -> 2" in summary
+    assert "format_ok gain" not in summary
 
 
 def test_an_unreadable_run_is_reported_and_does_not_raise(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
