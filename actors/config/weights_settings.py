@@ -40,11 +40,16 @@ class WeightsConfig(Section):
         False, description="after a full push, push only the elements that changed since the version the engines "
         "hold (changed indices or a bitmap, and new values, or a tensor whole, whichever is smallest), applied bit "
         "for bit and certified by --weight-check; a full push every --weight-delta-anchor versions and after any "
-        "failed or mismatched push. Costs a copy of the pushed weights on the learner and on each engine; pays where "
+        "failed or mismatched push, and for a while after a delta that was slower than a full push "
+        "(--weight-delta-backoff). Costs a copy of the pushed weights on the learner and on each engine; pays where "
         "the wire is slow and the push is bfloat16 (docs/reliability.md). torch engines over any torch transport; "
         "SGLang servers through --weight-transport disk with --weight-disk-local-dir (each host's local checkpoint "
         "is patched and reloaded: SGLang has no delta endpoint)")
     weight_delta_anchor: int = Field(20, ge=1, description="with --weight-delta-sync, a full push every N versions")
+    weight_delta_backoff: int = Field(
+        8, ge=0, description="with --weight-delta-sync, after a delta push that took longer than a full push of the "
+        "same weights (the last full push's seconds per byte), push whole for N versions, then try a delta again: a "
+        "delta pays only where the wire is slower than diffing, as across nodes; 0 keeps deltas whatever they cost")
     rollout_fp8: bool = Field(
         False, description="the engines serve the decoder's projections in FP8 (float8_e4m3fn with a float32 scale "
         "per 128x128 tile: SGLang's weight_scale_inv layout) and compute as SGLang's W8A8 block kernels do; the "

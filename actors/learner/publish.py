@@ -110,6 +110,7 @@ def sender_options(config: RunConfig, host: str) -> SenderOptions:
         fingerprint_stride=config.weights.weight_check_stride,
         delta_sync=config.weights.weight_delta_sync,
         delta_anchor=config.weights.weight_delta_anchor,
+        delta_backoff=config.weights.weight_delta_backoff,
         bucket_bytes=config.weights.weight_bucket_bytes,
         disk=disk_options(config),
     )

@@ -46,7 +46,7 @@ from engines.weights.base import TransferReport, WeightTransferError, require_us
 from engines.weights.disk import shared_directory
 from engines.weights.disk_files import PostWrite, VersionWriter
 from engines.weights.fingerprint import Fingerprints, algorithm_for
-from engines.weights.held import DEFAULT_ANCHOR_EVERY, SenderCopy
+from engines.weights.held import DEFAULT_ANCHOR_EVERY, DEFAULT_BACKOFF, SenderCopy
 from engines.weights.local_checkpoint import LocalCheckpoint, expected_prints
 from engines.weights.manifest import Manifest, TensorSpec
 from engines.weights.names import SGLANG_DISK
@@ -61,7 +61,7 @@ class SglangDiskSender(SglangStoreSender):
     def __init__(self, *, directory: str | os.PathLike[str], host: str = "127.0.0.1", gpus_per_engine: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, keep_files: bool = False,
                  local_directory: str | None = None, post_write: PostWrite | None = None, delta_sync: bool = False,
-                 anchor_every: int = DEFAULT_ANCHOR_EVERY) -> None:
+                 anchor_every: int = DEFAULT_ANCHOR_EVERY, delta_backoff: int = DEFAULT_BACKOFF) -> None:
         super().__init__(host=host, gpus_per_engine=gpus_per_engine, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         if delta_sync and local_directory is None:
             raise ValueError("delta pushes to SGLang servers through a folder need a local folder on each engine's "
@@ -69,7 +69,7 @@ class SglangDiskSender(SglangStoreSender):
         self.directory = shared_directory(directory)
         self.keep_files, self.local_directory, self.post_write = keep_files, local_directory, post_write
         self.delta_sync = delta_sync  # public and changeable between pushes, as the torch senders'
-        self._copy = SenderCopy(torch.device("cpu"), anchor_every=anchor_every)
+        self._copy = SenderCopy(torch.device("cpu"), anchor_every=anchor_every, backoff=delta_backoff)
         self._tcp_store: dist.TCPStore | None = None
         self._writer: VersionWriter | None = None
         self._published = b""
@@ -109,7 +109,8 @@ class SglangDiskSender(SglangStoreSender):
         if not self.delta_sync:
             return report
         assert self._spec is not None
-        self._copy.committed(version, self._pushed, self._spec.generation, was_delta=report.delta_base is not None)
+        self._copy.committed(version, self._pushed, self._spec.generation, was_delta=report.delta_base is not None,
+                             seconds=report.seconds, full_bytes=sum(spec.nbytes for spec in self._pushed))
         return dataclasses.replace(report, full_because=self._why_full)
 
     def _plan(self, manifest: Manifest, tensors: SpecifiedTensors) -> tuple[Manifest, Iterable[tuple[str, Tensor]]]:
@@ -119,11 +120,11 @@ class SglangDiskSender(SglangStoreSender):
         if not self.delta_sync:
             return manifest, tensors
         assert self._spec is not None
-        manifest = dataclasses.replace(manifest, keep=True)
+        manifest = dataclasses.replace(manifest, keep=self._copy.keeps())
         base, why_full = self._copy.base_for(manifest.tensors, self._spec.generation)
         if base is None:
             self._why_full = why_full
-            self._holding = {spec.name: spec for spec in manifest.tensors}
+            self._holding = {spec.name: spec for spec in manifest.tensors} if manifest.keep else {}
             return manifest, tensors
         algorithm = self._sent.algorithm if self._sent is not None else algorithm_for("cpu")
         prints = self._sent if self._sent is not None else Fingerprints(algorithm)

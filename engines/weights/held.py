@@ -14,6 +14,14 @@ push committed yet in this group generation (a new generation means an engine jo
 last push failed, went uncommitted or was served differently (the fingerprint); every `anchor_every` versions; or
 the tensors' names, dtypes or shapes changed. A receiver checks the base version a delta names against the one it
 holds and refuses a delta it cannot apply, which fails the push: the next one is full.
+
+A delta saves bytes and costs computation (the diff, the encoding, applying it), so it pays only where the wire is
+slower than that work: across nodes, not over a loopback or NVLink (tools/bench/delta_push.py). The sender weighs
+each delta push's seconds against what a full push of the same weights took (the last full push's seconds per
+byte), and after a delta that was slower, pushes whole for `backoff` versions before it tries a delta again, twice
+as many after each slower delta in a row (up to `MAX_BACKOFF_DOUBLINGS` doublings). Those full pushes keep no copy,
+at either end, but the last one before the next try: they cost what a push without delta sync costs. The choice
+changes the wire only; the engines end bit for bit where either push leaves them.
 """
 
 from __future__ import annotations
@@ -31,15 +39,22 @@ from engines.weights.fingerprint import Fingerprints, comparable_dtype
 from engines.weights.manifest import Manifest, TensorSpec
 
 DEFAULT_ANCHOR_EVERY = 20
+DEFAULT_BACKOFF = 8  # full pushes after a delta that was slower than a full one, before the next try
+MAX_BACKOFF_DOUBLINGS = 4  # ... doubled after each slower delta in a row, at most this many times
 
 
 class SenderCopy:
     """What the sender last pushed, and whether the engines of the open generation hold it."""
 
-    def __init__(self, device: torch.device, *, anchor_every: int = DEFAULT_ANCHOR_EVERY) -> None:
+    def __init__(self, device: torch.device, *, anchor_every: int = DEFAULT_ANCHOR_EVERY,
+                 backoff: int = DEFAULT_BACKOFF) -> None:
+        """`backoff`: full pushes after a delta that took longer than a full push would have (0: deltas whatever
+        they cost)."""
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
-        self.anchor_every = anchor_every
+        if backoff < 0:
+            raise ValueError(f"backoff must be >= 0, got {backoff}")
+        self.anchor_every, self.backoff = anchor_every, backoff
         self._device = device
         self._held: dict[str, Tensor] = {}
         self._specs: tuple[TensorSpec, ...] = ()
@@ -47,6 +62,10 @@ class SenderCopy:
         self._generation = -1
         self._deltas_since_anchor = 0
         self._why_full = "no version pushed yet"
+        self._full_seconds_per_byte: float | None = None  # the last full push's
+        self._full_pushes_left = 0  # after a delta slower than a full push: full ones to go before the next try
+        self._backoff_now = backoff  # how many the next slower delta sets
+        self._slower = ""  # why, while they go
 
     @property
     def nbytes(self) -> int:
@@ -59,11 +78,17 @@ class SenderCopy:
             return None, self._why_full
         if generation != self._generation:
             return None, "a new group generation: an engine joined, left or restarted"
+        if self._full_pushes_left:
+            return None, self._slower
         if self._deltas_since_anchor + 1 >= self.anchor_every:
             return None, f"the anchor every {self.anchor_every} versions"
         if tuple(specs) != self._specs:
             return None, "the tensors' names, dtypes or shapes changed"
         return self._version, ""
+
+    def keeps(self) -> bool:
+        """Whether the push about to go keeps its tensors, here and at the engines: only one a delta may follow."""
+        return self._full_pushes_left <= 1
 
     def hold(self, spec: TensorSpec, tensor: Tensor) -> None:
         """Keep `tensor` (a full push's) as `spec` says it travels."""
@@ -92,9 +117,30 @@ class SenderCopy:
             payloads.append((name, delta.encode(delta.DENSE, mask, held) if payload is None else payload))
         return tuple(changes), payloads
 
-    def committed(self, version: int, specs: Sequence[TensorSpec], generation: int, was_delta: bool) -> None:
+    def committed(self, version: int, specs: Sequence[TensorSpec], generation: int, was_delta: bool, *,
+                  seconds: float | None = None, full_bytes: int | None = None) -> None:
+        """`version` is what the engines hold; `seconds`, what its push took, and `full_bytes`, what it sends whole,
+        weigh a delta against a full push."""
         self._version, self._specs, self._generation = version, tuple(specs), generation
         self._deltas_since_anchor = self._deltas_since_anchor + 1 if was_delta else 0
+        if seconds is not None and full_bytes:
+            self._weigh(was_delta, seconds, full_bytes)
+
+    def _weigh(self, was_delta: bool, seconds: float, full_bytes: int) -> None:
+        if not was_delta:
+            self._full_seconds_per_byte = seconds / full_bytes
+            self._full_pushes_left = max(0, self._full_pushes_left - 1)
+            return
+        if not self.backoff or self._full_seconds_per_byte is None:
+            return
+        full_seconds = self._full_seconds_per_byte * full_bytes
+        if seconds <= full_seconds:
+            self._backoff_now = self.backoff
+            return
+        self._full_pushes_left = self._backoff_now
+        self._slower = (f"a delta push took {seconds:.3f} s, a full one {full_seconds:.3f} s: "
+                        f"{self._backoff_now} full pushes before the next delta")
+        self._backoff_now = min(2 * self._backoff_now, self.backoff << MAX_BACKOFF_DOUBLINGS)
 
     @contextlib.contextmanager
     def pushing(self, version: int, delta_sync: bool, checked_by: str = "fingerprints") -> Iterator[None]:

@@ -46,7 +46,7 @@ from torch import Tensor
 from engines.weights import group as groups
 from engines.weights.base import TransferReport, WeightsDiffer, WeightSender, WeightTransferError, require_usable
 from engines.weights.fingerprint import Fingerprints, ServedPrints, algorithm_for, check_served
-from engines.weights.held import DEFAULT_ANCHOR_EVERY, SenderCopy
+from engines.weights.held import DEFAULT_ANCHOR_EVERY, DEFAULT_BACKOFF, SenderCopy
 from engines.weights.manifest import Bucket, Manifest, tensor_view
 from engines.weights.stream import SourceBroke, specified, wire_specs
 
@@ -82,11 +82,13 @@ class TorchDistributedWeightSender(WeightSender):
         fingerprint_stride: int = 1,
         delta_sync: bool = False,
         anchor_every: int = DEFAULT_ANCHOR_EVERY,
+        delta_backoff: int = DEFAULT_BACKOFF,
     ) -> None:
         """`fingerprint_stride`: a checked push fingerprints one of that many slices of each tensor's rows, and of
         an adapter's layers (`FingerprintPlan`). `delta_sync`: after a full push, a push sends only what changed
-        since the version the engines hold, with a full one every `anchor_every` versions and on any doubt
-        (`held.py`); it costs a copy of the pushed weights here and on each engine."""
+        since the version the engines hold, with a full one every `anchor_every` versions and on any doubt, and
+        `delta_backoff` full ones after a delta that was slower than a full push (`held.py`); it costs a copy of
+        the pushed weights here and on each engine."""
         if bucket_bytes <= 0 or direct_bytes <= 0:
             raise ValueError(f"bucket_bytes and direct_bytes must be positive, got {bucket_bytes}, {direct_bytes}")
         if fingerprint_stride < 1:
@@ -109,7 +111,7 @@ class TorchDistributedWeightSender(WeightSender):
         self._committed: int | None = None
         self._buffers: list[Tensor] = []
         self.delta_sync = delta_sync  # public and changeable between transfers, like the bucket sizes
-        self._copy = SenderCopy(self._device, anchor_every=anchor_every)
+        self._copy = SenderCopy(self._device, anchor_every=anchor_every, backoff=delta_backoff)
 
     @property
     def port(self) -> int:
@@ -230,7 +232,7 @@ class TorchDistributedWeightSender(WeightSender):
         specs = wire_specs(tensors.specs, dtype)
         manifest = Manifest(version=version, bucket_bytes=self.bucket_bytes, direct_bytes=self.direct_bytes,
                             tensors=specs, fingerprint=algorithm, fingerprint_stride=self.fingerprint_stride,
-                            keep=self.delta_sync)
+                            keep=self.delta_sync and self._copy.keeps())
         plan = manifest.fingerprint_plan()
         sent = plan.prints() if plan is not None else None
         covered = frozenset(spec.name for spec in plan.covered(manifest.tensors)) if plan is not None else frozenset()
@@ -259,7 +261,7 @@ class TorchDistributedWeightSender(WeightSender):
                                 why=f"not ready: {', '.join(failed)}")
         keys.set(prefix + "go", groups.STATUS_GO)
         buckets = wire.buckets()
-        keep = self._copy if self.delta_sync and base is None else None
+        keep = self._copy if manifest.keep and base is None else None
         try:
             with groups.single_threaded_copies(self._device):
                 # a delta's tensors were fingerprinted as they were diffed
@@ -299,15 +301,17 @@ class TorchDistributedWeightSender(WeightSender):
         if check is not None and not check.ok:
             raise WeightsDiffer(f"weight transfer of version {version} not committed: {check.describe()}", check)
         self._committed = version
+        seconds = time.perf_counter() - started
         if self.delta_sync:
-            self._copy.committed(version, specs, spec.generation, was_delta=base is not None)
+            self._copy.committed(version, specs, spec.generation, was_delta=base is not None, seconds=seconds,
+                                 full_bytes=manifest.total_bytes)
         return TransferReport(
             version=version,
             receivers=receivers,
             num_tensors=len(manifest.tensors),
             num_buckets=len(buckets),
             num_bytes=wire.total_bytes,
-            seconds=time.perf_counter() - started,
+            seconds=seconds,
             fingerprints=check,
             delta_base=base,
             full_bytes=manifest.total_bytes,

@@ -38,6 +38,7 @@ class SenderOptions:
     fingerprint_stride: int = 1  # a checked push fingerprints 1/stride of the rows (`engines.weights.fingerprint`)
     delta_sync: bool = False  # pushes after the first send what changed (`engines.weights.held`), where supported
     delta_anchor: int = 20  # ... and a full one every this many versions
+    delta_backoff: int = 8  # ... and this many full ones after a delta that was slower than a full push
     bucket_bytes: int | None = None  # the most bytes one transfer coalesces (None: the mechanism's default)
     disk: DiskOptions | None = None  # the disk mechanisms' folder and hook (`engines.weights.disk_files`)
 
@@ -121,6 +122,7 @@ def _torch_distributed_sender(options: SenderOptions) -> WeightSender:
         fingerprint_stride=options.fingerprint_stride,
         delta_sync=options.delta_sync,
         anchor_every=options.delta_anchor,
+        delta_backoff=options.delta_backoff,
         **_bucket(options),
     )
 
@@ -190,7 +192,8 @@ def _disk_sender(options: SenderOptions) -> WeightSender:
 
     return DiskWeightSender(host=options.host, timeout_s=options.timeout_s,
                             fingerprint_stride=options.fingerprint_stride, delta_sync=options.delta_sync,
-                            anchor_every=options.delta_anchor, **_bucket(options), **_disk(options))
+                            anchor_every=options.delta_anchor, delta_backoff=options.delta_backoff,
+                            **_bucket(options), **_disk(options))
 
 
 def _disk_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:
@@ -204,8 +207,8 @@ def _sglang_disk_sender(options: SenderOptions) -> WeightSender:
     from engines.sglang.disk_weights import SglangDiskSender
 
     return SglangDiskSender(host=options.host, gpus_per_engine=options.gpus_per_engine, timeout_s=options.timeout_s,
-                            delta_sync=options.delta_sync, anchor_every=options.delta_anchor, **_bucket(options),
-                            **_disk(options))
+                            delta_sync=options.delta_sync, anchor_every=options.delta_anchor,
+                            delta_backoff=options.delta_backoff, **_bucket(options), **_disk(options))
 
 
 def _sglang_disk_loader(engine: Any, actor_id: str, log: Any) -> EngineLoader:

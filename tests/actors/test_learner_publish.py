@@ -268,7 +268,7 @@ async def test_a_push_holds_a_gathering_trainers_tensors_a_bucket_at_a_time_and_
 async def test_under_delta_sync_a_push_after_the_first_is_a_delta_and_a_restarted_worker_gets_a_full_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: list[subprocess.Popen[bytes]]) -> None:
     use_spec(SimSpec(token_seconds=1e-3, length_min=4, length_max=8), tmp_path, monkeypatch)
-    settings = {**_settings(tmp_path), "weight_delta_sync": True}
+    settings = {**_settings(tmp_path), "weight_delta_sync": True, "weight_delta_backoff": 0}
     async with actor_system(tmp_path, settings, ROLES) as system:
         pusher = system["pusher-0-0"]
         publisher = pusher.weights

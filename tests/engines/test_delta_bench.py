@@ -39,11 +39,14 @@ def test_the_measurement_of_changed_elements_reports_each_wire_dtype(tmp_path: P
 @pytest.mark.integration
 def test_the_push_benchmark_sends_deltas_after_the_first_push_against_a_full_baseline(tmp_path: Path) -> None:
     out = _run("tools.bench.delta_push", tmp_path / "errors", "--dtypes", "float32", "fp8")
-    assert "full (baseline)" in out and "(2 of 2 pushes were deltas)" in out
-    assert re.search(r"^delta wins below a link of: .*float32: ", out, re.MULTILINE), out
-    fp8_rows = re.findall(r"^fp8 +(full \(baseline\)|delta) +([\d.]+)", out, re.MULTILINE)
+    always = re.search(r"^float32 +delta, always .*\((\d) of 2 pushes were deltas\)$", out, re.MULTILINE)
+    assert "full (baseline)" in out and always is not None and always.group(1) == "2", out
+    assert re.search(r"^float32 +delta sync as run .*\(\d of 2 pushes were deltas\)$", out, re.MULTILINE), out
+    assert re.search(r"^an always-delta push wins below a link of: .*float32: ", out, re.MULTILINE), out
+    assert re.search(r"^delta sync as a run has it, .*float32: [\d.]+x", out, re.MULTILINE), out
+    fp8_rows = re.findall(r"^fp8 +(full \(baseline\)|delta, always|delta sync as run) +([\d.]+)", out, re.MULTILINE)
     float32_full = re.search(r"^float32 +full \(baseline\) +([\d.]+)", out, re.MULTILINE)
-    assert len(fp8_rows) == 2 and float32_full is not None, out
+    assert len(fp8_rows) == 3 and float32_full is not None, out
     assert float(fp8_rows[0][1]) < float(float32_full.group(1)) / 2, "an FP8 push carries under half of float32's"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from engines.weights.disk import DiskWeightReceiver, DiskWeightSender
 from engines.weights.disk_files import VersionWriter
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints, fingerprint_all
 from engines.weights.group import GroupSpec
-from engines.weights.held import ReceiverCopy
+from engines.weights.held import ReceiverCopy, SenderCopy
 from engines.weights.local_checkpoint import LocalCheckpoint, expected_prints
 from engines.weights.manifest import Manifest, TensorSpec
 from engines.weights.torch_distributed import TorchDistributedWeightSender
@@ -244,7 +245,7 @@ def _push_each(sender: TorchDistributedWeightSender, engines: list[_Engine],
 def test_a_delta_push_leaves_every_engine_bit_for_bit_where_a_full_push_would(backend: str, dtype: torch.dtype | None,
                                                                               tmp_path: Path) -> None:
     versions = _versions(5)
-    options = {"bucket_bytes": 4096, "direct_bytes": 2048, "delta_sync": True}
+    options = {"bucket_bytes": 4096, "direct_bytes": 2048, "delta_sync": True, "delta_backoff": 0}
     sender = (DiskWeightSender(directory=tmp_path, **options) if backend == "disk" else
               TorchDistributedWeightSender(backend=backend, **options))
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
@@ -269,7 +270,7 @@ def test_a_delta_goes_in_place_into_the_tensors_an_engine_offers_and_through_a_k
         wide: bool) -> None:
     versions = _versions(4, seed=5)
     offered = frozenset({"embed", "q_proj", "down_proj", "norm", "counter", "rows"})
-    sender = TorchDistributedWeightSender(delta_sync=True)
+    sender = TorchDistributedWeightSender(delta_sync=True, delta_backoff=0)
     spec = sender.open_group(["learner", "engine-0", "engine-1"])
     everything = _Engine(spec, "engine-0", len(versions), offered=offered, wide=wide)
     some = _Engine(spec, "engine-1", len(versions), offered=offered - {"q_proj", "rows"}, wide=wide)
@@ -286,7 +287,7 @@ def test_a_delta_goes_in_place_into_the_tensors_an_engine_offers_and_through_a_k
 @pytest.mark.integration
 def test_a_planted_wrong_delta_fails_the_certificate_and_the_next_push_is_full_and_repairs_it() -> None:
     versions = _versions(4, seed=1)
-    sender = TorchDistributedWeightSender(delta_sync=True)
+    sender = TorchDistributedWeightSender(delta_sync=True, delta_backoff=0)
     spec = sender.open_group(["learner", "engine-0"])
     engine = _Engine(spec, "engine-0", len(versions))
     try:
@@ -315,7 +316,7 @@ def test_a_planted_wrong_delta_fails_the_certificate_and_the_next_push_is_full_a
 @pytest.mark.integration
 def test_a_full_anchor_goes_every_k_versions() -> None:
     versions = _versions(7, seed=2)
-    sender = TorchDistributedWeightSender(delta_sync=True, anchor_every=3)
+    sender = TorchDistributedWeightSender(delta_sync=True, anchor_every=3, delta_backoff=0)
     spec = sender.open_group(["learner", "engine-0"])
     engine = _Engine(spec, "engine-0", len(versions))
     reports = _push_each(sender, [engine], versions, torch.bfloat16)
@@ -324,10 +325,64 @@ def test_a_full_anchor_goes_every_k_versions() -> None:
     assert _bits(engine.live.items(), None) == _bits(versions[-1], torch.bfloat16)
 
 
+@pytest.mark.unit
+def test_a_delta_slower_than_a_full_push_is_followed_by_full_ones_then_tried_again() -> None:
+    """Weighed by the seconds the pushes took (given here, as a sender reports them): a delta that took longer than
+    the last full push's seconds per byte say a full one would, stops deltas for `backoff` pushes, twice as many
+    after the next slower one in a row; of those full pushes only the last keeps its tensors (a delta follows it).
+    A delta that was faster changes nothing and resets the wait; `backoff` 0 keeps deltas whatever they cost."""
+    specs = (TensorSpec("w", torch.bfloat16, (500,)),)
+    copy = SenderCopy(torch.device("cpu"), backoff=2)
+
+    def full_pushes(first: int, count: int, seconds: float = 2.0) -> list[bool]:
+        kept = []
+        for version in range(first, first + count):
+            assert copy.base_for(specs, 0)[0] is None
+            kept.append(copy.keeps())
+            copy.committed(version, specs, 0, was_delta=False, seconds=seconds, full_bytes=1000)
+        return kept
+
+    copy.committed(0, specs, 0, was_delta=False, seconds=1.0, full_bytes=1000)
+    copy.committed(1, specs, 0, was_delta=True, seconds=0.9, full_bytes=1000)
+    assert copy.base_for(specs, 0) == (1, "") and copy.keeps()
+    copy.committed(2, specs, 0, was_delta=True, seconds=1.5, full_bytes=1000)
+    assert copy.base_for(specs, 0) == (None, "a delta push took 1.500 s, a full one 1.000 s: 2 full pushes before "
+                                             "the next delta")
+    assert full_pushes(3, 2) == [False, True]
+    assert copy.base_for(specs, 0) == (4, "")
+    copy.committed(5, specs, 0, was_delta=True, seconds=2.5, full_bytes=1000)  # slower again: twice the wait
+    assert full_pushes(6, 4) == [False, False, False, True]
+    copy.committed(10, specs, 0, was_delta=True, seconds=1.9, full_bytes=1000)  # faster: the wait is back to 2
+    copy.committed(11, specs, 0, was_delta=True, seconds=2.1, full_bytes=1000)
+    assert full_pushes(12, 2) == [False, True] and copy.base_for(specs, 0) == (13, "")
+    stubborn = SenderCopy(torch.device("cpu"), backoff=0)
+    stubborn.committed(0, specs, 0, was_delta=False, seconds=1.0, full_bytes=1000)
+    stubborn.committed(1, specs, 0, was_delta=True, seconds=9.0, full_bytes=1000)
+    assert stubborn.base_for(specs, 0) == (1, "") and stubborn.keeps()
+
+
+@pytest.mark.integration
+def test_after_a_slow_delta_the_full_pushes_keep_nothing_but_the_last_and_the_next_delta_lands_bit_for_bit() -> None:
+    """An engine that takes 2 s to apply version 1 (a delta): its push is slower than the full one before it, so
+    version 2 goes whole keeping no copy at either end, version 3 whole kept, version 4 a delta again against it,
+    onto the copy that version 2 dropped and version 3 refilled; every push fingerprinted, and the end state that
+    of a full push."""
+    versions = _versions(5, seed=5)
+    sender = TorchDistributedWeightSender(delta_sync=True, delta_backoff=2)
+    spec = sender.open_group(["learner", "engine-0"])
+    engine = _Engine(spec, "engine-0", len(versions))  # offers nothing in place: it applies deltas to a kept copy
+    engine.after_load = lambda version, live: time.sleep(2.0) if version == 1 else None
+    reports = _push_each(sender, [engine], versions, torch.bfloat16)
+    assert [report.delta_base for report in reports] == [None, 0, None, None, 3]
+    assert reports[2].full_because is not None and reports[2].full_because.startswith("a delta push took ")
+    assert all(report.fingerprints is not None and report.fingerprints.ok for report in reports)
+    assert _bits(engine.live.items(), None) == _bits(versions[-1], torch.bfloat16)
+
+
 @pytest.mark.integration
 def test_an_engine_that_joins_late_gets_a_full_push_and_then_deltas_with_the_others() -> None:
     versions = _versions(4, seed=3)
-    sender = TorchDistributedWeightSender(delta_sync=True)
+    sender = TorchDistributedWeightSender(delta_sync=True, delta_backoff=0)
     spec = sender.open_group(["learner", "engine-0"])
     early = _Engine(spec, "engine-0", 2)
     try:
@@ -366,7 +421,7 @@ async def push_all(engine: TorchEngine, versions: list[list[tuple[str, Tensor]]]
     """Each version pushed in turn over one gloo group, fingerprinted, from this process into `engine`; `prepare`
     makes a version's push of its tensors (as a learner's publisher does: FP8's quantises them)."""
     transport = resolve_transport("torch_distributed")
-    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=30.0))
+    sender = transport.make_sender(SenderOptions(host="127.0.0.1", backend="gloo", timeout_s=30.0, delta_backoff=0))
     sender.delta_sync = delta_sync
     loader = transport.make_loader(engine, "rollout-0", structlog.get_logger())
     reports = []

@@ -45,7 +45,7 @@ async def _push(model_path: Path, transport: str, versions: list[list[tuple[str,
     mechanism = resolve_transport(transport)
     sender = mechanism.make_sender(SenderOptions(host="127.0.0.1", backend="disk" if disk else "gloo",
                                                  timeout_s=30.0, bucket_bytes=64 * 1024, disk=disk,
-                                                 delta_sync=delta_sync))
+                                                 delta_sync=delta_sync, delta_backoff=0))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     outcomes: list[TransferReport | WeightTransferError] = []
     async with TorchEngine(model, None) as engine:
@@ -220,7 +220,7 @@ class _ServerPushes:
 def _delta_sender(tmp_path: Path) -> SglangDiskSender:
     """A learner's sender of delta pushes through `tmp_path/pushes`; each engine's checkpoint in `tmp_path/local`."""
     return SglangDiskSender(directory=tmp_path / "pushes", bucket_bytes=64 * 1024, timeout_s=20,
-                            local_directory=str(tmp_path / "local"), delta_sync=True)
+                            local_directory=str(tmp_path / "local"), delta_sync=True, delta_backoff=0)
 
 
 async def test_delta_pushes_to_an_sglang_server_end_where_a_full_push_does_bit_for_bit(

@@ -6,8 +6,10 @@
     python -m tools.bench.delta_push --dtypes bfloat16 fp8     # --rollout-fp8's pushes beside bfloat16's
 
 The learner trains (real GRPO steps, `tools/bench/weight_deltas.py`'s trainer); after each step the same weights
-are pushed by two senders over two gloo groups, one with delta sync off (the baseline: every push whole) and one
-with it on (`engines/weights/held.py`), each to a receiver in its own process that loads every push into its own
+are pushed by three senders over three gloo groups: delta sync off (the baseline: every push whole), on and sending
+every push after the first as a delta whatever it costs (`--weight-delta-backoff 0`: what a delta costs), and on as
+a run has it (`engines/weights/held.py`: full pushes for a while after a delta that was slower than a full one,
+then a delta again), each to a receiver in its own process that loads every push into its own
 tensors and offers them for deltas to write in place, as the torch engine does, and fingerprints them as the
 run's default weight check does (stride 16). The order of
 the two pushes alternates from step to step. The first push of each is full (the anchor), so the table's delta rows
@@ -32,6 +34,7 @@ import torch
 from engines.weights import GroupSpec, TorchDistributedWeightReceiver, TorchDistributedWeightSender, fp8
 from engines.weights.base import TransferReport
 from engines.weights.fingerprint import FingerprintPlan, ServedPrints
+from engines.weights.held import DEFAULT_BACKOFF
 from engines.weights.manifest import TensorSpec
 from engines.weights.stream import SpecifiedTensors, record_specs
 from tools.bench.weight_deltas import DEMO_LR, WIRE_DTYPES, trainer_and_step
@@ -39,13 +42,16 @@ from tools.bench.weight_deltas import DEMO_LR, WIRE_DTYPES, trainer_and_step
 TIMEOUT_S = 600.0
 FP8 = "fp8"
 STRIDE = 16  # the run's default --weight-check-stride
+# The senders, with their --weight-delta-backoff (None: delta sync off) and their rows' labels.
+KINDS = {"full": (None, "full (baseline)"), "delta": (0, "delta, always"),
+         "run": (DEFAULT_BACKOFF, "delta sync as run")}
 
 
 @dataclass(frozen=True)
 class Push:
     dtype: str
     step: int
-    kind: str  # "full" (baseline) or "delta"
+    kind: str  # one of KINDS
     mib: float
     seconds: float
     delta_of: int | None
@@ -86,9 +92,9 @@ def run(model_name: str, steps: int, dtypes: list[str], prompts: int, samples_pe
     senders: dict[tuple[str, str], TorchDistributedWeightSender] = {}
     processes = []
     for dtype in dtypes:
-        for kind in ("full", "delta"):
+        for kind, (backoff, _) in KINDS.items():
             sender = TorchDistributedWeightSender(timeout_s=TIMEOUT_S, fingerprint_stride=STRIDE,
-                                                  delta_sync=kind == "delta")
+                                                  delta_sync=backoff is not None, delta_backoff=backoff or 0)
             spec = sender.open_group(["learner", f"engine-{dtype}-{kind}"])
             process = context.Process(target=_receiver_main, args=(spec.to_dict(), spec.members[1], steps + 1),
                                       daemon=True)
@@ -110,8 +116,8 @@ def run(model_name: str, steps: int, dtypes: list[str], prompts: int, samples_pe
                            else random_batch(vocab, prompts, samples_per_prompt, 32, 24, seed=index))
                 step.train(samples, [0] * len(samples))
             for dtype in dtypes:
-                order = ("full", "delta") if index % 2 else ("delta", "full")
-                for kind in order:
+                kinds = list(KINDS)
+                for kind in kinds[index % 3:] + kinds[:index % 3]:  # each sender first in turn
                     tensors, wire = _push(trainer, dtype, specs)
                     report: TransferReport = senders[dtype, kind].send(tensors, index, dtype=wire, fingerprint=True)
                     assert report.fingerprints is not None and report.fingerprints.ok, report.fingerprints
@@ -137,24 +143,26 @@ def _push(trainer, dtype: str, specs: tuple[TensorSpec, ...]) -> tuple[Iterable,
 def print_table(model_name: str, steps: int, pushes: list[Push], kept_mib: dict[str, float]) -> None:
     print(f"\nmodel {model_name}: pushes of {steps} versions of real training (after the first, full, push), "
           f"gloo, one receiver each, fingerprinted at stride {STRIDE}; medians [min-max]")
-    print(f"{'wire dtype':<10} {'push':<16} {'MiB':>22} {'seconds':>22} {'sender copy MiB':>16}")
-    even = []
+    print(f"{'wire dtype':<10} {'push':<18} {'MiB':>22} {'seconds':>22} {'sender copy MiB':>16}")
+    even, run = [], []
     for dtype in sorted({push.dtype for push in pushes}, reverse=True):
         medians = {}
-        for kind, label in (("full", "full (baseline)"), ("delta", "delta")):
+        for kind, (backoff, label) in KINDS.items():
             rows = [push for push in pushes if push.dtype == dtype and push.kind == kind and push.step > 0]
             mib = [row.mib for row in rows]
             seconds = [row.seconds for row in rows]
             medians[kind] = statistics.median(mib), statistics.median(seconds)
             deltas = sum(row.delta_of is not None for row in rows)
-            kept = f"{kept_mib[dtype]:.0f}" if kind == "delta" else "0"
-            print(f"{dtype:<10} {label:<16} {statistics.median(mib):>8.1f} [{min(mib):.1f}-{max(mib):.1f}]"
+            kept = f"{kept_mib[dtype]:.0f}" if backoff is not None else "0"
+            print(f"{dtype:<10} {label:<18} {statistics.median(mib):>8.1f} [{min(mib):.1f}-{max(mib):.1f}]"
                   f" {statistics.median(seconds):>9.3f} [{min(seconds):.3f}-{max(seconds):.3f}] {kept:>16}"
-                  + (f"   ({deltas} of {len(rows)} pushes were deltas)" if kind == "delta" else ""))
+                  + (f"   ({deltas} of {len(rows)} pushes were deltas)" if backoff is not None else ""))
         saved, added = medians["full"][0] - medians["delta"][0], medians["delta"][1] - medians["full"][1]
         even.append(f"{dtype}: " + ("never (it saves no bytes)" if saved <= 0 else "always (it adds no time)"
                                     if added <= 0 else f"{saved * 2**20 * 8 / added / 1e9:.2f} Gbit/s"))
-    print("delta wins below a link of: " + "; ".join(even))
+        run.append(f"{dtype}: {medians['run'][1] / medians['full'][1]:.2f}x")
+    print("an always-delta push wins below a link of: " + "; ".join(even))
+    print("delta sync as a run has it, median seconds against the full baseline: " + "; ".join(run))
 
 
 def main(argv: list[str] | None = None) -> None:
