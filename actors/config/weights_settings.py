@@ -48,8 +48,9 @@ class WeightsConfig(Section):
     weight_delta_anchor: int = Field(20, ge=1, description="with --weight-delta-sync, a full push every N versions")
     weight_delta_backoff: int = Field(
         8, ge=0, description="with --weight-delta-sync, after a delta push that took longer than a full push of the "
-        "same weights (the last full push's seconds per byte), push whole for N versions, then try a delta again: a "
-        "delta pays only where the wire is slower than diffing, as across nodes; 0 keeps deltas whatever they cost")
+        "same weights (the last full push's seconds per byte), push whole for N versions, then try a delta again "
+        "(twice as long after each slower try in a row, up to 16 N): a delta pays only where the wire is slower than "
+        "diffing, as across nodes; 0 keeps deltas whatever they cost")
     rollout_fp8: bool = Field(
         False, description="the engines serve the decoder's projections in FP8 (float8_e4m3fn with a float32 scale "
         "per 128x128 tile: SGLang's weight_scale_inv layout) and compute as SGLang's W8A8 block kernels do; the "
