@@ -8,6 +8,7 @@ import contextlib
 import logging
 import secrets
 import sys
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -252,9 +253,11 @@ async def test_frames_that_are_not_subscriptions_are_counted(zctx: zmq.asyncio.C
 
 
 # ------------------------------------------------------------------------------------------------ fairness
+FLOOD_DROPS = 1000  # frames a receiver drops before the flood ends: enough to have starved it before the fix
+FLOOD_DEADLINE_S = 60.0
 _FLOODER = """
 import sys, time, zmq
-endpoint, rpc, count, connections = sys.argv[1], sys.argv[2] == "rpc", int(sys.argv[3]), int(sys.argv[4])
+endpoint, rpc, count, connections = sys.argv[1], sys.argv[2] == "rpc", int(sys.argv[3]) or 10**12, int(sys.argv[4])
 ctx = zmq.Context()
 socks = []
 for index in range(connections):
@@ -264,25 +267,35 @@ for index in range(connections):
     socks.append(sock)
 time.sleep(0.3)
 garbage = ([b"rid"] if rpc else []) + [b"\\xc1" * 64]
-for index in range(count):
+for index in range(count):  # count 0: until it is killed
     socks[index % connections].send_multipart(garbage)
 ctx.destroy(linger=0)
 """
 
 
-async def _longest_stall_during_flood(endpoint: str, channel: str, tick_s: float = 0.005) -> float:
-    """The longest the event loop went without running this task while another process floods ``endpoint``.
+async def _longest_stall_during_flood(endpoint: str, channel: str, dropped: Callable[[], int],
+                                      tick_s: float = 0.005) -> float:
+    """The longest the event loop went without running this task while another process floods ``endpoint``, until
+    the receiver has dropped `FLOOD_DROPS` of its frames: the flood lasts until then, however fast the machine.
 
     The flood comes from another process so that it keeps the receiver's queues full for as long as it lasts.
     """
-    flooder = await asyncio.create_subprocess_exec(sys.executable, "-c", _FLOODER, endpoint, channel, "60000", "50")
+    flooder = await asyncio.create_subprocess_exec(sys.executable, "-c", _FLOODER, endpoint, channel, "0", "50")
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + FLOOD_DEADLINE_S
     longest, last = 0.0, loop.time()
-    while flooder.returncode is None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(flooder.wait(), tick_s)
-        now = loop.time()
-        longest, last = max(longest, now - last - tick_s), now
+    try:
+        while dropped() <= FLOOD_DROPS:
+            assert flooder.returncode is None, f"the flooder exited ({flooder.returncode}) after {dropped()} drops"
+            assert loop.time() < deadline, f"{dropped()} of {FLOOD_DROPS} frames dropped in {FLOOD_DEADLINE_S:.0f}s"
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(flooder.wait(), tick_s)
+            now = loop.time()
+            longest, last = max(longest, now - last - tick_s), now
+    finally:
+        if flooder.returncode is None:
+            flooder.kill()
+        await flooder.wait()
     return longest
 
 
@@ -293,12 +306,11 @@ async def test_a_garbage_flood_does_not_starve_the_receivers_other_tasks(zctx: z
     receiver = StreamReceiver(zctx, "tcp://127.0.0.1:0")
     consumer = asyncio.create_task(receiver.recv())  # drops frame after frame, waiting for a valid one
     try:
-        stall = await _longest_stall_during_flood(receiver.endpoint, "stream")
+        stall = await _longest_stall_during_flood(receiver.endpoint, "stream", lambda: receiver.dropped["bad_msgpack"])
     finally:
         consumer.cancel()
         await asyncio.gather(consumer, return_exceptions=True)
         receiver.close()
-    assert receiver.dropped["bad_msgpack"] > 1000
     assert stall < 0.5, f"the event loop stalled {stall:.2f}s while the receiver dropped garbage"
 
 
@@ -307,11 +319,10 @@ async def test_a_request_flood_does_not_starve_the_servers_other_tasks(zctx: zmq
     server = RpcServer(zctx, "tcp://127.0.0.1:0")
     serving = asyncio.create_task(server.serve(_Counting()))
     try:
-        stall = await _longest_stall_during_flood(server.endpoint, "rpc")
+        stall = await _longest_stall_during_flood(server.endpoint, "rpc", lambda: server.dropped["bad_msgpack"])
     finally:
         server.close()
         await serving
-    assert server.dropped["bad_msgpack"] > 1000
     assert stall < 0.5, f"the event loop stalled {stall:.2f}s while the server dropped garbage"
 
 
