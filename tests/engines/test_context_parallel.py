@@ -4,7 +4,8 @@ The parity runs are real gloo worlds (ranks forked from one spawned leader that 
 tests/support/world_runs.py): CP=2, CP=2 x DP=2 and CP=3, each against one process on the whole batch, on log-probs
 and entropy, the loss and its metrics, the gradient norm and every weight after a step;
 dense and mixture-of-experts models, full and LoRA training; rows whose sequences do not divide into the 2C chunks
-evenly, with shared prompts and a preamble packed once. The split itself is proven without processes.
+evenly, with shared prompts and a preamble packed once; calls after a prefix through the masked kernel and through
+the prefix kernel. The split itself is proven without processes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from engines.training import PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample
+from engines.training import PackedBatch, TorchTrainer, TorchTrainerConfig, TrainSample, attention
 from engines.training.attention import packed_segments
 from engines.training.config import CriticSettings
 from engines.training.context_parallel import ContextParallel, ContextRow, zigzag_rows
@@ -47,6 +48,9 @@ class Case:
     # three samples of 80-100 tokens, a row each (micro-batches of 160 tokens): data-parallel replicas hold two rows
     # and one, the rows one process packs, so a loss of each micro-batch's own (the router losses) is comparable
     one_row_each: bool = False
+    # every call of queries after a prefix through the prefix kernel, as a long row's are (short ones keep the
+    # masked kernel), against one process's masked calls
+    prefix_kernel: bool = False
 
     def batch(self) -> list[TrainSample]:
         if self.one_row_each:
@@ -68,8 +72,9 @@ class Case:
 # (ranks, context-parallel size) -> what that world trains
 CASES = {(2, 2): [Case("dense", "qwen2"), Case("dense-lora", "qwen2", lora=True),
                   Case("moe-router-losses", "qwen3_moe", router_losses=True, record_routes=True),
-                  Case("moe-lora", "qwen3_moe", lora=True)],
-         (4, 2): [Case("dense-recompute", "qwen2", recompute=True), Case("moe-lora-dp", "qwen3_moe", lora=True),
+                  Case("moe-lora", "qwen3_moe", lora=True, prefix_kernel=True)],
+         (4, 2): [Case("dense-recompute", "qwen2", recompute=True, prefix_kernel=True),
+                  Case("moe-lora-dp", "qwen3_moe", lora=True),
                   Case("moe-router-losses-dp", "qwen3_moe", router_losses=True, one_row_each=True)],
          (3, 3): [Case("lora-tiny-row", "qwen2", lora=True, tiny_row=True)]}
 
@@ -139,8 +144,10 @@ def critic_step(trainer: TorchTrainer, shard: list[TrainSample]) -> tuple[dict[s
 
 def _parity_worker(rank: int, out_dir: Path, world: int, context: int, models: dict[str, str]) -> None:
     """One rank of a world (`WorldRuns` joined it to the world's gloo group): every case of the world in turn."""
+    masked_below = attention.PREFIX_KERNEL_ELEMENTS
     for case in CASES[world, context]:
         name = case.name
+        attention.PREFIX_KERNEL_ELEMENTS = 1 if case.prefix_kernel else masked_below
         trainer = TorchTrainer(trainer_config(case, models, context=context))
         parallel = trainer.data_parallel()
         assert (parallel.size, parallel.rank) == (world // context, rank // context)

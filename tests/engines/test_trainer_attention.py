@@ -82,8 +82,8 @@ def test_sequences_of_equal_length_batched_together_give_each_sequences_own_atte
 @pytest.mark.unit
 def test_masked_calls_recomputed_in_the_backward_give_the_same_outputs_and_gradients(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A large masked call (a continuation attending to its context) is recomputed in the backward rather than
-    keeping its mask: bit for bit the same outputs and q/k/v gradients as the call that keeps it."""
+    """A large masked call (a sliding window over a continuation and its context) is recomputed in the backward
+    rather than keeping its mask: bit for bit the same outputs and q/k/v gradients as the call that keeps it."""
     generator = torch.Generator().manual_seed(2)
     positions = torch.cat([torch.arange(12), torch.arange(5, 12), torch.arange(9)])[None]  # a continuation at 5
     total = int(positions.shape[1])
@@ -92,7 +92,8 @@ def test_masked_calls_recomputed_in_the_backward_give_the_same_outputs_and_gradi
     weights = torch.randn(1, total, 4, 8, generator=generator)
 
     def attend() -> tuple[torch.Tensor, ...]:
-        output, _ = packed_sdpa_attention(nn.Module().eval(), query, key, value, None, position_ids=positions)
+        output, _ = packed_sdpa_attention(nn.Module().eval(), query, key, value, None, position_ids=positions,
+                                          sliding_window=6)
         return (output, *torch.autograd.grad((output * weights).sum(), (query, key, value)))
 
     kept = attend()
@@ -100,7 +101,7 @@ def test_masked_calls_recomputed_in_the_backward_give_the_same_outputs_and_gradi
     monkeypatch.setattr(attention, "RECOMPUTED_MASK_ELEMENTS", 1)
     monkeypatch.setattr(attention, "checkpoint", lambda *a, **k: recomputed_calls.append(1) or checkpoint(*a, **k))
     recomputed = attend()
-    assert recomputed_calls  # the continuation's masked call took the recomputed path
+    assert recomputed_calls  # the windowed masked calls took the recomputed path
     for got, expected in zip(recomputed, kept, strict=True):
         assert torch.equal(got, expected)
 

@@ -19,7 +19,7 @@ each, so the machine does the same work with the same cores, and the time column
 gathers cost, not what more devices would buy.
 
     python -m tools.bench.context_parallel [--quick] [--model smollm2] [--tokens 4096 8192] [--cp 1 2 4]
-        [--gradient-checkpointing] [--threads 2] [--json PATH]
+        [--gradient-checkpointing] [--lora RANK] [--threads 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.bench.allocator import MMAP_THRESHOLD_BYTES, fix_mmap_threshold
 from tools.bench.long_prefill import reset_peak, resident_mib
 
 WARM_UP_TOKENS = 64
@@ -55,6 +56,8 @@ class Figures:
     threads: int
     gradient_checkpointing: bool
     rows: list[Measurement]
+    lora: int = 0  # the adapter's rank; 0: every weight trained
+    mmap_threshold: int | None = None  # glibc's, fixed for the measurement (None: the allocator as it was)
 
 
 @dataclass(frozen=True)
@@ -68,19 +71,21 @@ class PolicyGradientLoss:
 
 
 def rank_step(rank: int, world: int, rendezvous: str, model: str, vocabulary: int, tokens: int, threads: int,
-              checkpointing: bool, out: str) -> None:
+              checkpointing: bool, lora_rank: int, out: str) -> None:
     """One rank of a measured world: warm up, reset the high-water mark, take the long row's step, write figures."""
     import torch
     import torch.distributed as dist
 
     from engines.training import TorchTrainer, TorchTrainerConfig, TrainSample
+    from engines.training.lora import LoraSettings
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         trainer = TorchTrainer(TorchTrainerConfig(
             model_path=Path(model), lr=1e-6, check_packing=False, micro_batch_tokens=max(tokens, 8192),
-            gradient_checkpointing=checkpointing, context_parallel_size=world))
+            gradient_checkpointing=checkpointing, context_parallel_size=world,
+            lora=LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None))
         generator = torch.Generator().manual_seed(0)
 
         def row(length: int) -> list[TrainSample]:
@@ -109,7 +114,8 @@ def rank_step(rank: int, world: int, rendezvous: str, model: str, vocabulary: in
         dist.destroy_process_group()
 
 
-def measure(model: Path, tokens: int, context: int, threads: int, checkpointing: bool) -> Measurement:
+def measure(model: Path, tokens: int, context: int, threads: int, checkpointing: bool, lora_rank: int = 0,
+            ) -> Measurement:
     import torch.multiprocessing as mp
     from transformers import AutoConfig
 
@@ -117,7 +123,7 @@ def measure(model: Path, tokens: int, context: int, threads: int, checkpointing:
     with tempfile.TemporaryDirectory(prefix="bench-cp-") as out:
         rendezvous = f"file://{Path(out) / 'rendezvous'}"
         mp.start_processes(rank_step, args=(context, rendezvous, str(model), vocabulary, tokens,
-                                            max(1, threads // context), checkpointing, out),
+                                            max(1, threads // context), checkpointing, lora_rank, out),
                            nprocs=context, join=True, start_method="fork")
         ranks = [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank-*.json"))]
     largest = max(ranks, key=lambda r: r["peak_mib"])
@@ -125,7 +131,7 @@ def measure(model: Path, tokens: int, context: int, threads: int, checkpointing:
                        max(r["seconds"] for r in ranks), ranks[0]["loss"])
 
 
-def benchmark(args: argparse.Namespace) -> Figures:
+def benchmark(args: argparse.Namespace, fixed_mmap_threshold: bool) -> Figures:
     import torch
 
     from engines.training.torch_trainer import TorchTrainer  # noqa: F401  (imported here, in every forked rank)
@@ -135,11 +141,12 @@ def benchmark(args: argparse.Namespace) -> Figures:
     rows = []
     for tokens in args.tokens:
         for context in args.cp:
-            rows.append(measure(path, tokens, context, args.threads, args.gradient_checkpointing))
+            rows.append(measure(path, tokens, context, args.threads, args.gradient_checkpointing, args.lora))
             print(f"  {tokens} tokens, CP {context}: {rows[-1].peak_mib:.0f} MiB, {rows[-1].seconds:.1f} s",
                   file=sys.stderr, flush=True)
     return Figures(model="quick" if args.quick else args.model, threads=args.threads,
-                   gradient_checkpointing=args.gradient_checkpointing, rows=rows)
+                   gradient_checkpointing=args.gradient_checkpointing, rows=rows, lora=args.lora,
+                   mmap_threshold=MMAP_THRESHOLD_BYTES if fixed_mmap_threshold else None)
 
 
 def model_path(args: argparse.Namespace) -> Path:
@@ -155,9 +162,12 @@ def model_path(args: argparse.Namespace) -> Path:
 
 def print_table(figures: Figures) -> None:
     recompute = "activation checkpointing" if figures.gradient_checkpointing else "no activation checkpointing"
-    print(f"model: {figures.model} (fp32, CPU, {figures.threads} threads shared by the ranks, {recompute}) | one "
-          "training step on one row | peak: the largest rank's resident-set high-water mark above its set before "
-          "the step, MiB")
+    trained = f"a LoRA adapter of rank {figures.lora}" if figures.lora else "every weight"
+    allocator = (f"glibc mmap threshold {figures.mmap_threshold // 1024} KiB" if figures.mmap_threshold
+                 else "allocator's thresholds as they were")
+    print(f"model: {figures.model} (fp32, CPU, {figures.threads} threads shared by the ranks, {recompute}, "
+          f"{trained} trained, {allocator}) | one training step on one row | peak: the largest rank's resident-set "
+          "high-water mark above its set before the step, MiB")
     print("activations: peak minus a short row's step peak (the gradients and the optimizer's temporaries, which "
           "every rank holds whatever the row)")
     print(f"{'tokens':>7}{'CP':>4}{'peak MiB':>10}{'vs CP 1':>9}{'activations':>13}{'vs CP 1':>9}{'step s':>8}"
@@ -180,6 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="context-parallel sizes, the first is "
                         "the baseline (default 1 2)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train a LoRA adapter of this rank "
+                        "instead of every weight: a rank then holds no gradients or moments of the base model, "
+                        "which is how the Qwen2.5-0.5B shape fits four ranks in 24 GB (default 0: every weight)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads shared by a world's ranks (default 2)")
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -197,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     quiet_library_output()  # transformers' load bars otherwise interleave with the progress lines
-    figures = benchmark(args)
+    fixed = fix_mmap_threshold()  # before the model and the ranks' allocations: tools/bench/allocator.py says why
+    figures = benchmark(args, fixed)
     print_table(figures)
     if args.json:
         args.json.write_text(json.dumps(asdict(figures), indent=2))
