@@ -1,4 +1,5 @@
-"""packed_sdpa on a GPU: a row of plain sequences goes to torch's flash varlen kernel, same values as SDPA."""
+"""packed_sdpa on a GPU: a row of plain sequences goes to torch's flash varlen kernel, same values as SDPA; a call
+after a prefix goes to torch's lower-right causal bias, same values as the explicit mask."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 from engines.training import attention
+from engines.training.prefix_attention import prefix_causal_attention
+from tests.engines.test_prefix_attention import masked_attention, values_and_gradients
 
 
 @pytest.mark.gpu
@@ -44,3 +47,17 @@ def test_shared_prompt_rows_and_float32_rows_keep_the_sdpa_path() -> None:
     query = torch.randn(1, 4, 5, 16, device="cuda")  # float32: flash has no kernel for it
     output, _ = attention.packed_sdpa_attention(torch.nn.Module().eval(), query, query, query, None, packed_plan=plan)
     assert output.shape == (1, 5, 4, 16) and output.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_the_lower_right_bias_equals_the_masked_kernel(dtype: torch.dtype) -> None:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(1, 8, n, 64, device="cuda", generator=generator).to(dtype).requires_grad_()
+              for n in (300, 1000, 1000)]
+    weights = torch.randn(1, 8, 300, 64, device="cuda", generator=generator).to(dtype)
+    got = values_and_gradients(lambda q, k, v: prefix_causal_attention(q, k, v, None), leaves, weights)
+    expected = values_and_gradients(masked_attention, leaves, weights)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for value, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, reference, atol=tolerance, rtol=tolerance)

@@ -4,9 +4,8 @@ By default glibc raises its mmap threshold (up to 32 MiB) each time a large bloc
 below it from a heap that stays resident, holes and all. A step's resident high-water mark then measures how the
 allocator's heap fragmented as much as what the step held: a context-parallel rank at 16k tokens peaked at twice the
 one-rank step (4,263 against 2,027 MiB, SmolLM2) while its tensors were half, and fell below it once blocks of 64 KiB
-and up were mapped and unmapped on their own. `tools/bench/learner_step.py` fixes the threshold the same way, by
-re-executing itself with `MALLOC_MMAP_THRESHOLD_`; `mallopt` does it in the running process, which forked ranks
-inherit.
+and up were mapped and unmapped on their own. `mallopt` sets it in the running process (no re-execution with
+`MALLOC_MMAP_THRESHOLD_`), and forked ranks inherit it.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ passes of a step), fused and plain.
 
 Peak memory is the process's resident high-water mark during the measured calls above what it held before them
 (Linux `/proc/self/clear_refs`), after a warm-up call created the optimizer state. The benchmark runs with glibc's
-mmap threshold fixed at 64 KiB (it re-executes itself with `MALLOC_MMAP_THRESHOLD_`): by default glibc raises the
-threshold as large blocks are freed, serves later ones from a heap it keeps resident, and a call whose tensors fit
-in what an earlier call left behind then shows no peak at all. Rows are interleaved per repeat; the table reports
+mmap threshold fixed at 64 KiB (`tools/bench/allocator.py`): by default glibc raises the threshold as large blocks
+are freed, serves later ones from a heap it keeps resident, and a call whose tensors fit in what an earlier call left
+behind then shows no peak at all. Rows are interleaved per repeat; the table reports
 medians.
 """
 
@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,8 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tools.bench.allocator import fix_mmap_threshold
+
 REPO = Path(__file__).resolve().parents[2]
-MMAP_THRESHOLD_VARIABLE, MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_", "65536"
 
 
 @dataclass(frozen=True)
@@ -208,8 +207,7 @@ def main() -> None:
                         help="which rows to measure: a 0.5B shape's step at 1k tokens takes minutes a call")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if os.environ.get(MMAP_THRESHOLD_VARIABLE) != MMAP_THRESHOLD:  # before any large allocation: see the docstring
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_THRESHOLD_VARIABLE: MMAP_THRESHOLD})
+    fix_mmap_threshold()  # before any large allocation: see the docstring
     from actors.runtime.logs import quiet_library_output
 
     quiet_library_output()
