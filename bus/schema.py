@@ -34,6 +34,7 @@ from bus.schema_base import (
     Message,
     Record,
     _check_tensor,
+    check_graded_steps,
     doc,
     tensor,
 )
@@ -139,6 +140,9 @@ class Sample(Message):
         tensor("float32", "per response token: a distillation teacher's log-prob of the token; reward worker (a "
                "teacher server's score) or absent (the learner's teacher scores it)"),
     ] = None
+    step_ends: Annotated[np.ndarray | None, tensor("int32", "process supervision: the response token (its index "
+                         "among them) each graded step ends on, in order; reward worker, from step_rewards")] = None
+    step_rewards: Annotated[np.ndarray | None, tensor("float32", "each graded step's reward; reward worker")] = None
     routed_experts: Annotated[
         np.ndarray | None,
         tensor("int16", "MoE routing replay: per token of tokens[:-1], per MoE layer, the experts the engine routed "
@@ -195,6 +199,7 @@ class Sample(Message):
         self.rollout_log_probs = _check_tensor("Sample", "rollout_log_probs", self.rollout_log_probs, _FLOAT32, n)
         self.token_versions = _check_tensor("Sample", "token_versions", self.token_versions, _INT32, n)
         self.teacher_log_probs = _check_tensor("Sample", "teacher_log_probs", self.teacher_log_probs, _FLOAT32, n)
+        self.step_ends, self.step_rewards = check_graded_steps("Sample", self.step_ends, self.step_rewards, n)
         if self.routed_experts is not None:
             width = self.moe_layers * self.moe_top_k
             expected = max(len(self.tokens) - 1, 0) * width

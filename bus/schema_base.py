@@ -67,3 +67,24 @@ def _check_tensor(owner: str, name: str, value: Any, dtypes: tuple[np.dtype, ...
     if length is not None and len(value) != length:
         raise ValueError(f"{owner}.{name}: {len(value)} entries, expected {length} (one per response token)")
     return value
+
+
+def check_graded_steps(owner: str, ends: Any, rewards: Any, response_length: int) -> tuple[Any, Any]:
+    """Graded steps come as a pair of arrays, one entry a step (int32 ends, float32 rewards), each step ending on a
+    response token, in order, with a finite reward; returned coerced, or a ValueError naming what is wrong."""
+    if (ends is None) != (rewards is None):
+        raise ValueError(f"{owner}.step_ends and {owner}.step_rewards come together (one entry per graded step); got "
+                         f"only {'step_ends' if rewards is None else 'step_rewards'}")
+    if ends is None:
+        return None, None
+    ends = _check_tensor(owner, "step_ends", ends, (np.dtype("int32"),), None)
+    rewards = _check_tensor(owner, "step_rewards", rewards, (np.dtype("float32"),), None)
+    if len(rewards) != len(ends):
+        raise ValueError(f"{owner}.step_rewards: {len(rewards)} entries for {len(ends)} step_ends (one per graded "
+                         "step)")
+    if len(ends) and (ends[0] < 0 or ends[-1] >= response_length or bool(np.any(ends[1:] < ends[:-1]))):
+        raise ValueError(f"{owner}.step_ends: {ends.tolist()[:8]} must be response token indices in "
+                         f"0..{response_length - 1}, in order")
+    if not np.isfinite(rewards).all():
+        raise ValueError(f"{owner}.step_rewards: every step's reward must be finite")
+    return ends, rewards

@@ -7,6 +7,8 @@ Inputs (``B`` samples, ``T`` packed response tokens):
 - ``episode_ids: LongTensor[B]`` (optional): the segments of one episode share an id (an agent that rewrote its
   context trained as several samples, ``bus.episodes``); without it every sample is an episode of its own.
 - ``response_lengths: LongTensor[B]``, ``loss_mask: Tensor[T]`` (bool or float, 1 = trained).
+- ``steps: GradedSteps`` (optional, ``grpo_process`` only): the steps a reward graded (process supervision), each
+  one's sample, the response token it ends on and its reward.
 - ``values: Tensor[T]`` (critic, ``ppo`` only), ``log_probs``/``ref_log_probs: Tensor[T]`` (only when
   ``kl_coef != 0``, for the KL reward penalty), ``teacher_log_probs: Tensor[T]`` (only with ``use_opd``, beside
   ``log_probs`` as the student's).
@@ -40,6 +42,7 @@ Decisions worth knowing:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -71,6 +74,7 @@ from policies.registry import (
 
 __all__ = [
     "AdvantageInputs",
+    "GradedSteps",
     "compute_advantages",
     "gae",
     "group_normalize",
@@ -79,6 +83,39 @@ __all__ = [
     "terminal_token_rewards",
     "whiten",
 ]
+
+
+@dataclass(frozen=True)
+class GradedSteps:
+    """The steps rewards graded, over a batch: step ``s`` of sample ``samples[s]`` ends on that sample's response
+    token ``ends[s]`` (0-based within the response) and earned ``rewards[s]``; a sample's steps in order."""
+
+    samples: Tensor  # [S] long
+    ends: Tensor  # [S] long
+    rewards: Tensor  # [S]
+
+    def check(self, response_lengths: Tensor) -> None:
+        """A ValueError naming the step at fault: a sample outside the batch, an end outside its response, a
+        non-finite reward, or a sample's steps out of order."""
+        count = self.samples.numel()
+        if self.ends.shape != (count,) or self.rewards.shape != (count,) or self.samples.dim() != 1:
+            raise ValueError(f"steps: samples, ends and rewards must be 1-D of one length, got "
+                             f"{tuple(self.samples.shape)}, {tuple(self.ends.shape)}, {tuple(self.rewards.shape)}")
+        if count == 0:
+            return
+        if int(self.samples.min()) < 0 or int(self.samples.max()) >= response_lengths.numel():
+            raise ValueError(f"steps: a step names sample {int(self.samples.max())}, outside the batch of "
+                             f"{response_lengths.numel()}")
+        lengths = response_lengths[self.samples]
+        outside = (self.ends < 0) | (self.ends >= lengths)
+        if bool(outside.any()):
+            at = int(outside.nonzero()[0])
+            raise ValueError(f"steps: step {at} of sample {int(self.samples[at])} ends on token {int(self.ends[at])}, "
+                             f"outside its response of {int(lengths[at])} tokens")
+        check_finite("steps' rewards", self.rewards)
+        same = self.samples[1:] == self.samples[:-1]
+        if bool((same & (self.ends[1:] < self.ends[:-1])).any()) or bool((self.samples[1:] < self.samples[:-1]).any()):
+            raise ValueError("steps: a sample's steps must come in order, and samples in batch order")
 
 
 @dataclass(frozen=True)
@@ -96,6 +133,7 @@ class AdvantageInputs:
     token_kl: Tensor  # [T]
     values: Tensor | None  # [T]
     episode_ids: Tensor | None = None  # [B]; None: each sample is its own episode
+    steps: GradedSteps | None = None  # the steps rewards graded (process supervision); None: none did
 
 
 def compute_advantages(
@@ -111,6 +149,7 @@ def compute_advantages(
     teacher_log_probs: Tensor | None = None,
     process_group: dist.ProcessGroup | None = None,
     episode_ids: Tensor | None = None,
+    steps: GradedSteps | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the configured estimator (its group baselines over the episodes of ``episode_ids`` when given), then the
     distillation term (``use_opd``: ``log_probs`` is the student's, ``teacher_log_probs`` the teacher's, see
@@ -118,7 +157,7 @@ def compute_advantages(
     estimator's: the distillation term is not a reward."""
     inputs = _prepare_inputs(config, rewards=rewards, group_ids=group_ids, response_lengths=response_lengths,
                              loss_mask=loss_mask, values=values, log_probs=log_probs, ref_log_probs=ref_log_probs,
-                             episode_ids=episode_ids)
+                             episode_ids=episode_ids, steps=steps)
     estimator = resolve_advantage_estimator(config.advantage_estimator)
     advantages, returns = estimator(config, inputs)
     check_packed(f"advantages from estimator {config.advantage_estimator!r}", advantages, inputs.response_lengths)
@@ -150,7 +189,8 @@ def rewards_teach_single_samples(config: PolicyLossConfig) -> bool:
 
 def _prepare_inputs(config: PolicyLossConfig, *, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor,
                     loss_mask: Tensor, values: Tensor | None, log_probs: Tensor | None,
-                    ref_log_probs: Tensor | None, episode_ids: Tensor | None = None) -> AdvantageInputs:
+                    ref_log_probs: Tensor | None, episode_ids: Tensor | None = None,
+                    steps: GradedSteps | None = None) -> AdvantageInputs:
     """`compute_advantages`' arguments checked and upcast, with the KL penalty computed."""
     lengths = check_lengths(response_lengths)
     batch = lengths.numel()
@@ -180,8 +220,11 @@ def _prepare_inputs(config: PolicyLossConfig, *, rewards: Tensor, group_ids: Ten
         check_finite("ref_log_probs", ref_log_probs, None if keep_untrained else mask)
         kl = compute_kl(config.kl_loss_type, log_probs.detach(), ref_log_probs.detach()).to(dtype)
         token_kl = kl if keep_untrained else zero_masked(kl, mask)
+    if steps is not None:
+        steps.check(lengths)
+        steps = GradedSteps(samples=steps.samples.long(), ends=steps.ends.long(), rewards=steps.rewards.to(dtype))
     return AdvantageInputs(rewards=rewards, group_ids=group_ids, response_lengths=lengths, loss_mask=mask,
-                           token_kl=token_kl, values=values, episode_ids=episode_ids)
+                           token_kl=token_kl, values=values, episode_ids=episode_ids, steps=steps)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -320,6 +363,69 @@ def group_relative(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[T
                                   eps=config.reward_norm_eps, episode_ids=inputs.episode_ids)
     advantages = to_tokens(rewards, inputs.response_lengths) * inputs.loss_mask
     return advantages, advantages
+
+
+@register_advantage_estimator("grpo_process")
+def process_group_relative(config: PolicyLossConfig, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """GRPO with process supervision (DeepSeekMath, 4.1.3): every graded step's reward normalised by the mean and
+    std of all the step rewards in its group, and each token's advantage the normalised reward of the step it is
+    in plus the later steps', each ``step_discount`` times the one before it (1: DeepSeekMath's sum). A slip in the
+    fourth step then costs the fourth step's tokens more than the three right ones before it, which an outcome
+    reward cannot tell apart. Tokens after a sample's last step get 0 from the steps. A sample whose reward graded
+    no steps counts as one step, its reward, on its last trained token: with no graded steps at all this is GRPO.
+    The KL penalty (``kl_coef``) is per token, as reinforce_plus_plus_baseline's."""
+    if inputs.episode_ids is not None and torch.unique(inputs.episode_ids).numel() < inputs.episode_ids.numel():
+        raise ValueError("grpo_process grades the steps of one response; an episode of several segments (an agent "
+                         "that rewrote its context) has no single response to place them on")
+    steps = _steps_or_outcomes(inputs)
+    rewards = steps.rewards
+    if config.rewards_normalization:
+        rewards = group_normalize(rewards, inputs.group_ids[steps.samples],
+                                  divide_by_std=config.grpo_std_normalization, eps=config.reward_norm_eps)
+    advantages = _credit_steps(GradedSteps(steps.samples, steps.ends, rewards), inputs.response_lengths,
+                               config.step_discount)
+    return (advantages - config.kl_coef * inputs.token_kl) * inputs.loss_mask, advantages
+
+
+def _steps_or_outcomes(inputs: AdvantageInputs) -> GradedSteps:
+    """The graded steps, with each sample that has none as one step: its reward on its last trained token (its last
+    token when none is trained); in batch order."""
+    graded = inputs.steps
+    has_steps = torch.zeros(inputs.rewards.numel(), dtype=torch.bool, device=inputs.rewards.device)
+    if graded is not None:
+        has_steps[graded.samples] = True
+    last = last_masked_index(inputs.loss_mask, inputs.response_lengths)
+    offsets = torch.cumsum(inputs.response_lengths, 0) - inputs.response_lengths
+    # An empty response still counts in its group's statistics, as in GRPO: its step ends on no token (-1).
+    ends = torch.where(last >= 0, last - offsets, torch.full_like(last, -1))
+    outcome = (~has_steps).nonzero().flatten()
+    parts = [GradedSteps(outcome, ends[outcome], inputs.rewards[outcome])]
+    if graded is not None:
+        parts.append(graded)
+    samples = torch.cat([part.samples for part in parts])
+    order = torch.argsort(samples, stable=True)  # each part in order, one sample's steps all in one part
+    return GradedSteps(samples[order], torch.cat([part.ends for part in parts])[order],
+                       torch.cat([part.rewards for part in parts])[order])
+
+
+def _credit_steps(steps: GradedSteps, response_lengths: Tensor, discount: float) -> Tensor:
+    """``[T]``: each token's discounted sum of the rewards of its step (the first to end at or after it) and the
+    later steps of its sample; 0 after the sample's last step."""
+    advantages = torch.zeros(int(response_lengths.sum()), dtype=steps.rewards.dtype, device=steps.rewards.device)
+    offsets = (torch.cumsum(response_lengths, 0) - response_lengths).tolist()
+    bounds = torch.searchsorted(steps.samples, torch.arange(response_lengths.numel() + 1,
+                                                            device=steps.samples.device)).tolist()
+    for sample, (first, stop) in enumerate(pairwise(bounds)):
+        if first == stop:
+            continue
+        to_go = steps.rewards[first:stop].clone()
+        for index in range(to_go.numel() - 2, -1, -1):
+            to_go[index] += discount * to_go[index + 1]
+        length = int(response_lengths[sample])
+        step_of_token = torch.searchsorted(steps.ends[first:stop], torch.arange(length, device=steps.ends.device))
+        credit = torch.cat([to_go, to_go.new_zeros(1)])[step_of_token]
+        advantages[offsets[sample]:offsets[sample] + length] = credit
+    return advantages
 
 
 @register_advantage_estimator("rloo")

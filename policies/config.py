@@ -63,6 +63,10 @@ class PolicyLossConfig(BaseModel):
                          "reinforce_plus_plus)")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo): 1 gives Monte-Carlo returns, less leans on "
                          "the critic's values")
+    step_discount: float = Field(1.0, ge=0, le=1, description="grpo_process: the weight, per step, of the later "
+                                 "steps' normalised rewards in a token's advantage: 1 sums its own step's and every "
+                                 "later one's (DeepSeekMath's process supervision), 0 credits a step's tokens with "
+                                 "their own step's reward alone")
 
     # --- on-policy distillation (slime's --use-opd, --opd-kl-coef) ---
     use_opd: bool = Field(False, description="subtract opd_kl_coef x (log pi_student - log pi_teacher) from every "

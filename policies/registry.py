@@ -209,7 +209,7 @@ class BuiltinNames:
 
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry(
     "advantage estimator", ("policies.advantages",),
-    ("cispo", "grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"),
+    ("cispo", "grpo", "grpo_process", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"),
     {"ppo": (NEEDS_CRITIC,), "gspo": (implies_loss("gspo"),), "cispo": (implies_loss("cispo"),),
      "reinforce_plus_plus": (BATCH_WHITENED,), "reinforce_plus_plus_baseline": (BATCH_WHITENED,)})
 POLICY_LOSSES: Registry[Callable[..., Any]] = Registry(

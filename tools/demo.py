@@ -14,7 +14,8 @@ explains instead of answering. The demo:
 `--task two-digit-sums` asks for sums of two two-digit numbers (it levels off near 75%: carries in the tens);
 `--task word-problems` gives SmolLM2 word problems to reason through (answers of 80-190 tokens).
 `--task long-answers` gives it word problems of 4-6 steps whose every step the reward checks (`worked_steps`), after
-an SFT warm start on worked solutions (`--warm-start` skips it): answers of about 200 tokens that stay that long.
+an SFT warm start on worked solutions (`--warm-start` skips it): answers of about 200 tokens that stay that long, and
+GRPO credits each step of them apart (`--advantage-estimator grpo_process`).
 
 `--vlm` runs the vision-language demo (`tools/demo_vlm.py`): a tiny Qwen2.5-VL learns to count shapes in pictures.
 
@@ -116,12 +117,14 @@ SMOLLM2_WORD_PROBLEMS = {"--rollout-max-response-len": "192", "--rollout-batch-s
 # working (about 200 tokens) is needed, not paid for by length. SmolLM2 cold: 0 of the 100 held-out problems, its
 # answers running to the 320-token cap (median 320). So an SFT warm start on worked solutions (LoRA) teaches the form
 # first, as the tiny demo does. Measured (2026-12-07, docs/real-model.md): 10 SFT steps of 16 -> 5% held-out; 20
-# steps -> 27% (+27 points, 6.1 standard errors paired by problem; median answer 210 tokens). GRPO from there holds
-# the length (210 -> 210) but not more accuracy in 10 steps: lr 3e-4 -> 1e-4 went 27% -> 17%, lr 1e-4 -> 5e-5 with
-# warmup 27% -> 24% (-0.9 standard errors; the share of the working right +0.8). The latter is the recipe.
+# steps -> 21% and 27% (two runs; median answer 210 tokens). GRPO from there holds the length (210 -> 210) and adds
+# little accuracy in 10 steps: from the 21% start, outcome credit 21% -> 24% (+0.8 standard errors paired by
+# problem), per-step credit (grpo_process: worked_steps grades each step, and a slip costs its own step's tokens,
+# not the right steps before it) 21% -> 26% (+1.3); lr 3e-4 hurt with either. Per-step credit is the recipe.
 SMOLLM2_LONG_ANSWERS = {"--rm-type": "worked_steps", "--rollout-max-response-len": "320",
                         "--rollout-batch-size": "4", "--num-rollout": "10", "--eval-interval": "1000",
-                        "--lr": "1e-4", "--min-lr": "5e-5", "--lr-warmup-iters": "2", "--micro-batch-tokens": "1024"}
+                        "--lr": "1e-4", "--min-lr": "5e-5", "--lr-warmup-iters": "2", "--micro-batch-tokens": "1024",
+                        "--advantage-estimator": "grpo_process", "--step-discount": "0"}
 # --micro-batch-tokens 1024: at the default 8192 the SFT learner was 14.5 GB resident on these 300-token samples.
 SMOLLM2_SFT = ["--apply-chat-template", "--loss-type", "sft", "--loss-agg-mode", "token-mean",
                "--n-samples-per-prompt", "1", "--rollout-batch-size", "16", "--num-rollout", "20", "--lr", "2e-3",

@@ -21,7 +21,7 @@ from bus.episodes import episode_id
 from bus.schema import Sample
 from engines.training.base import DataParallel, Trainer, TrainSample, teacher_role
 from engines.vision.processor import VisionInputs, VisionProcessor
-from policies.advantages import compute_advantages
+from policies.advantages import GradedSteps, compute_advantages
 from policies.config import PolicyLossConfig
 from policies.distillation import reverse_kl_means
 from policies.losses import PgReducer
@@ -135,6 +135,7 @@ def to_train_sample(sample: Sample, *, rewarded: bool, newest_version_only: bool
     if newest_version_only:
         mask = mask * newest_version_tokens(sample)
     rollout, teacher = sample.rollout_log_probs, sample.teacher_log_probs
+    graded = sample.step_ends is not None and sample.step_rewards is not None
     return TrainSample(
         tokens=torch.tensor(np.asarray(sample.tokens), dtype=torch.long),
         response_length=length,
@@ -144,6 +145,8 @@ def to_train_sample(sample: Sample, *, rewarded: bool, newest_version_only: bool
         reward=trained_reward(sample) if rewarded else None,
         routed_experts=_routes(sample),
         vision=vision,
+        step_ends=torch.tensor(np.asarray(sample.step_ends), dtype=torch.long) if graded else None,
+        step_rewards=torch.tensor(np.asarray(sample.step_rewards), dtype=torch.float32) if graded else None,
     )
 
 
@@ -323,6 +326,7 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         batch.scatter("advantages", custom(policy, batch.samples, group_ids, process_group=group))
         return {}
     values = batch.packed("values")
+    steps = graded_steps(batch.samples)
     rewards = [s.reward for s in batch.samples]  # each set by `to_step_batch` for a step that trains on rewards
     advantages, returns = compute_advantages(
         policy,
@@ -336,9 +340,12 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         values=values,
         process_group=group,
         episode_ids=episode_ids,
+        steps=steps,
     )
     batch.scatter("advantages", advantages.float())
     metrics = _distillation_metrics(policy, batch, student, teacher)
+    if steps is not None:  # process supervision at work: how finely the rewards graded the responses
+        metrics["rollout/graded_steps"] = steps.samples.numel() / len(batch.samples)
     if values is not None:  # the critic's targets, and how much of them its values already explain
         batch.scatter("returns", returns.float())
         loss_mask = batch.packed("loss_mask")
@@ -348,6 +355,18 @@ def add_advantages(policy: PolicyLossConfig, batch: StepBatch, parallel: DataPar
         metrics["critic/explained_variance"] = (
             explained_variance(values, returns, loss_mask) if len(set(rewards)) > 1 else float("nan"))
     return metrics
+
+
+def graded_steps(samples: Sequence[TrainSample]) -> GradedSteps | None:
+    """The steps the samples' rewards graded (process supervision), in the estimators' form; None when none did."""
+    graded = [(index, s.step_ends, s.step_rewards) for index, s in enumerate(samples)
+              if s.step_ends is not None and s.step_rewards is not None]
+    if not graded:
+        return None
+    return GradedSteps(samples=torch.cat([torch.full((len(ends),), index, dtype=torch.long)
+                                          for index, ends, _ in graded]),
+                       ends=torch.cat([ends for _, ends, _ in graded]),
+                       rewards=torch.cat([rewards for _, _, rewards in graded]))
 
 
 def _distillation_metrics(policy: PolicyLossConfig, batch: StepBatch, student: torch.Tensor | None,

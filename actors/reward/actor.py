@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
 from actors.config import RunConfig
 from actors.config.run import policy_names, policy_run_config
 from actors.config.teachers import run_teachers
 from actors.extensions.load import reward_spec
 from actors.reward.failures import RewardFailures
+from actors.reward.step_tokens import StepPlacer
 from actors.runtime import chaos
 from actors.runtime.base import Actor
 from actors.runtime.context import ActorContext
@@ -41,7 +43,7 @@ from actors.runtime.peers import PeerStream
 from bus.episodes import EpisodeKey, by_episode, episode_key, final_segment
 from bus.schema import GeneratedGroup, Roster, Sample, ScoredGroup
 from policies.failed_samples import samples_to_train
-from policies.rewards import REWARD_EXTRAS, RewardSpec, score, score_group
+from policies.rewards import REWARD_EXTRAS, RewardOutcome, RewardSpec, score, score_group
 
 if TYPE_CHECKING:
     from actors.reward.teacher import TeacherScorer
@@ -61,6 +63,7 @@ class PolicyScoring:
     buffer: PeerStream
     teachers: TeacherScorer | None = None
     eval_rewards: dict[str, tuple[RunConfig, RewardSpec]] = field(default_factory=dict)  # sets of their own reward
+    steps: StepPlacer | None = None  # places a reward's graded steps on tokens (process supervision)
 
     def of_set(self, eval_set: str | None) -> tuple[RunConfig, RewardSpec]:
         """The settings and reward a group is scored by: its eval set's own (`--eval-config`), else the policy's."""
@@ -88,8 +91,9 @@ class RewardWorker(Actor):
         log = self.log if policy is None else self.log.bind(policy=policy)
         reward = reward_spec(config)
         failures = RewardFailures(log, reward.name, limit=config.reward.reward_failure_limit)
+        steps = StepPlacer(config.model.hf_checkpoint, skip_special_tokens=config.rollout.rollout_skip_special_tokens)
         return PolicyScoring(policy, config, reward, failures, self.peer_stream("buffer", policy=policy),
-                             _teachers(config), _eval_set_rewards(config, reward))
+                             _teachers(config), _eval_set_rewards(config, reward), steps)
 
     async def on_roster(self, roster: Roster) -> None:
         """Policies join and leave the running job (actors.controller.policy_table): a scoring for each that joined;
@@ -208,12 +212,16 @@ class RewardWorker(Actor):
             outcomes = await score(function.fn, inputs, timeout_s=reward.reward_timeout, key=key)
         scored = []
         for sample, outcome in zip(samples, outcomes, strict=True):
+            graded = _graded_steps(sample, outcome, scoring.steps) if outcome.steps and not is_eval else {}
+            if isinstance(graded, RewardOutcome):  # steps that cannot be placed: the reward's error, as a raise is
+                outcome, graded = graded, {}
             scoring.failures.record(sample.sample_id, outcome)
             # Counted here, before the breaker can end the worker: the failures that trip it are among them.
             self.counters["samples.reward_failed"] += outcome.status != "ok"
             if outcome.status == "ok":
                 metadata = {**sample.metadata, REWARD_EXTRAS: outcome.extras} if outcome.extras else sample.metadata
-                scored.append(msgspec.structs.replace(sample, reward=float(outcome.reward), metadata=metadata))
+                scored.append(msgspec.structs.replace(sample, reward=float(outcome.reward), metadata=metadata,
+                                                      **graded))
             else:
                 scored.append(msgspec.structs.replace(sample, reward=None, status="failed",
                                                       error=f"reward: {outcome.reason}"))
@@ -221,6 +229,20 @@ class RewardWorker(Actor):
         if tripped is not None:  # a worker that would fail the same way must not be restarted
             await self.fail_run(tripped if scoring.policy is None else f"policy {scoring.policy}: {tripped}")
         return scored
+
+
+def _graded_steps(sample: Sample, outcome: RewardOutcome, placer: StepPlacer | None
+                  ) -> dict[str, np.ndarray] | RewardOutcome:
+    """The sample's `step_ends` and `step_rewards` from the steps its reward graded (training groups only: an eval
+    round does not train); an error outcome naming why when they cannot be placed on its tokens."""
+    try:
+        if placer is None:
+            raise ValueError("step_rewards: this worker places no steps on tokens")
+        ends = placer.place(sample.response, np.asarray(sample.tokens)[sample.prompt_tokens:].tolist(),
+                            [end for end, _ in outcome.steps])
+    except (ValueError, OSError) as error:  # OSError: the tokenizer did not load
+        return RewardOutcome.error(str(error))
+    return {"step_ends": ends, "step_rewards": np.asarray([reward for _, reward in outcome.steps], dtype=np.float32)}
 
 
 def _eval_set_rewards(config: RunConfig, reward: RewardSpec) -> dict[str, tuple[RunConfig, RewardSpec]]:

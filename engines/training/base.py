@@ -92,6 +92,10 @@ class TrainSample(TokenFields):
     # slime's --use-rollout-entropy: the entropy of each response token's distribution under the policy before the
     # step (the pi_old forward's), [response_length]; read by slime's hooks and metrics, never by a loss
     rollout_entropy: Tensor | None = None
+    # process supervision: the response token each graded step ends on ([S] long, in order) and its reward ([S]);
+    # read by the advantages (grpo_process), never by a trainer
+    step_ends: Tensor | None = None
+    step_rewards: Tensor | None = None
 
     @property
     def prompt_length(self) -> int:

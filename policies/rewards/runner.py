@@ -19,9 +19,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from policies.rewards.types import RewardInput, RewardOutcome
+from policies.rewards.types import STEP_REWARDS, RewardInput, RewardOutcome
 
-__all__ = ["outcome_from_value", "runs_inline", "score", "score_group"]
+__all__ = ["graded_steps", "outcome_from_value", "runs_inline", "score", "score_group"]
 
 # Frames a reward's traceback starts with that are ours or asyncio's, not the reward function's.
 _RUNNER_FRAMES = (__file__, os.path.dirname(asyncio.__file__), os.path.dirname(concurrent.futures.__file__))
@@ -98,11 +98,17 @@ def outcome_from_value(value: Any, *, key: str | None = None) -> RewardOutcome:
     several scores names the one to train on; a dict without it is an error naming the key and the dict's keys.
     """
     extras: dict[str, Any] = {}
+    steps: tuple[tuple[int, float], ...] = ()
     if isinstance(value, dict):
         wanted = key or "reward"
         if wanted not in value:
             return RewardOutcome.error(f"returned a dict without {wanted!r} (keys: {sorted(map(str, value))})")
-        extras = {k: v for k, v in value.items() if k != wanted}
+        extras = {k: v for k, v in value.items() if k not in (wanted, STEP_REWARDS)}
+        if value.get(STEP_REWARDS) is not None:
+            try:
+                steps = graded_steps(value[STEP_REWARDS])
+            except ValueError as error:
+                return RewardOutcome.error(str(error))
         value = value[wanted]
     if isinstance(value, bool):
         value = float(value)
@@ -111,7 +117,30 @@ def outcome_from_value(value: Any, *, key: str | None = None) -> RewardOutcome:
     reward = float(value)
     if not math.isfinite(reward):
         return RewardOutcome.error(f"returned non-finite reward {reward}")
-    return RewardOutcome.ok(reward, extras)
+    return RewardOutcome.ok(reward, extras, steps)
+
+
+def graded_steps(value: Any) -> tuple[tuple[int, float], ...]:
+    """A reward's `STEP_REWARDS` as ``((end, reward), ...)``; a ValueError saying what is wrong with it otherwise."""
+    where = f"returned {STEP_REWARDS!r}"
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Sequence):
+        raise ValueError(f"{where} as {type(value).__name__}, expected a list of [end, reward] pairs")
+    steps = []
+    for index, pair in enumerate(value):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"{where}: step {index} is {pair!r}, expected [end, reward] (end: a character offset)")
+        end, reward = pair
+        if isinstance(end, bool) or not isinstance(end, numbers.Integral) or end < 1:
+            raise ValueError(f"{where}: step {index} ends at {end!r}, expected a character offset >= 1")
+        if isinstance(reward, bool):
+            reward = float(reward)
+        if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise ValueError(f"{where}: step {index} has reward {reward!r}, expected a finite number")
+        if steps and end < steps[-1][0]:
+            raise ValueError(f"{where}: step {index} ends at {end}, before step {index - 1} ({steps[-1][0]}): steps "
+                             "come in the order of the response")
+        steps.append((int(end), float(reward)))
+    return tuple(steps)
 
 
 async def _guarded(

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["REWARD_EXTRAS", "FinishReason", "GroupRewardFn", "RewardFn", "RewardInput", "RewardOutcome", "RewardValue",
-           "extras_means"]
+__all__ = ["REWARD_EXTRAS", "STEP_REWARDS", "FinishReason", "GroupRewardFn", "RewardFn", "RewardInput",
+           "RewardOutcome", "RewardValue", "extras_means"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -85,15 +85,23 @@ class RewardOutcome:
     reason: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
     trace: str = field(default="", compare=False)  # the function's traceback when it raised
+    # the response's steps, graded (`STEP_REWARDS`): (the character its text ends before, reward), in order
+    steps: tuple[tuple[int, float], ...] = ()
 
     @classmethod
-    def ok(cls, reward: float, extras: dict[str, Any] | None = None) -> RewardOutcome:
-        return cls(reward=reward, status="ok", extras=extras or {})
+    def ok(cls, reward: float, extras: dict[str, Any] | None = None,
+           steps: tuple[tuple[int, float], ...] = ()) -> RewardOutcome:
+        return cls(reward=reward, status="ok", extras=extras or {}, steps=steps)
 
     @classmethod
     def error(cls, reason: str, trace: str = "") -> RewardOutcome:
         return cls(reward=None, status="error", reason=reason, trace=trace)
 
+
+# The key of a reward's dict that grades the response's steps: [[end, reward], ...], `end` a character offset into
+# `RewardInput.response`, ascending (`RewardOutcome.steps`); the reward worker places each step on the token its text
+# ends in (`Sample.step_ends`).
+STEP_REWARDS = "step_rewards"
 
 # The `Sample.metadata` key a reward's extra fields travel under, from the reward worker to the learner's and the
 # eval rounds' metrics (a reward that says format and correctness apart is logged as reward/format_ok, ...).

@@ -17,6 +17,10 @@ last "=", which in worked steps may be an earlier step's).
   scores 0, as in ``final_number``.
 - extras: ``correct`` (the whole chain, and the final answer, in an ended response: the task's accuracy),
   ``steps_stated`` (the share of the chain stated in order) and ``truncated``.
+- ``step_rewards`` (for ``--advantage-estimator grpo_process``): each link of the chain but the last, stated right,
+  is a step of reward 1 ending with its sentence; the last step runs to the first wrong claim (or to the end of the
+  response) and earns 1 exactly when the answer is ``correct``. So a slip in the fourth sentence costs the fourth
+  sentence, not the three right ones before it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from policies.registry import register_reward
 from policies.rewards.math_answers import extract_boxed
 from policies.rewards.numbers import final_number, parse_number
 from policies.rewards.runner import runs_inline
-from policies.rewards.types import RewardInput
+from policies.rewards.types import STEP_REWARDS, RewardInput
 
 __all__ = ["sentence_results", "worked_steps_reward"]
 
@@ -42,12 +46,20 @@ _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 def sentence_results(text: str) -> list[Fraction]:
     """The number each sentence of `text` arrives at (list markers dropped), in order; sentences with none skipped."""
-    results = []
-    for sentence in _SENTENCE_END.split(_LIST_MARKER.sub("", text)):
-        answer = final_number(sentence)
+    return [value for _, value in _results_with_ends(text)]
+
+
+def _results_with_ends(text: str) -> list[tuple[int, Fraction]]:
+    """`sentence_results` with the character offset each sentence ends at. The list markers are blanked, not cut
+    out, so the offsets are the text's own."""
+    blanked = _LIST_MARKER.sub(lambda marker: " " * len(marker.group()), text)
+    results, start = [], 0
+    for end in [*(boundary.start() for boundary in _SENTENCE_END.finditer(blanked)), len(blanked)]:
+        answer = final_number(blanked[start:end])
         value = None if answer is None else parse_number(answer)
         if value is not None:
-            results.append(value)
+            results.append((end, value))
+        start = end
     return results
 
 
@@ -57,23 +69,32 @@ def worked_steps_reward(inp: RewardInput) -> dict[str, Any]:
     chain = _chain(inp.label)
     truncated = inp.finish_reason == "length"
     text = inp.response.rsplit("</think>", 1)[-1]
+    offset = len(inp.response) - len(text)
     given = {parse_number(n) for n in _NUMBER.findall(inp.prompt)}
-    results = sentence_results(text)
-    stated, clean = 0, True
-    for result in results:
+    results = _results_with_ends(text)
+    stated, broken_at = 0, None
+    steps: list[list[float]] = []  # [end, reward]: each link stated before the last, then the one that ends the chain
+    for end, result in results:
         if result in given or (stated and result == chain[stated - 1]):
             continue  # a restated fact of the prompt, or the result just stated said again
         if stated < len(chain) and result == chain[stated]:
             stated += 1
+            if stated < len(chain):
+                steps.append([offset + end, 1.0])
         else:
-            clean = False
+            broken_at = offset + end
             break
     boxed = extract_boxed(text)
-    answer = parse_number(boxed) if boxed is not None else results[-1] if results else None
+    answer = parse_number(boxed) if boxed is not None else results[-1][1] if results else None
     answered = answer == chain[-1]
-    correct = stated == len(chain) and clean and answered and not truncated
+    correct = stated == len(chain) and broken_at is None and answered and not truncated
     earned = 0.0 if truncated else (len(chain) if correct else min(stated, len(chain) - 1)) / len(chain)
-    return {"reward": earned, "correct": correct, "steps_stated": stated / len(chain), "truncated": truncated}
+    # The last step runs to the first wrong claim, or to the end: the final answer and whatever follows it.
+    steps.append([broken_at if broken_at is not None else len(inp.response), float(correct)])
+    if truncated:  # scored 0 as a whole, the working before the cut is still right or wrong
+        steps = [step for step in steps if step[0] < len(inp.response)] + [[len(inp.response), 0.0]]
+    return {"reward": earned, "correct": correct, "steps_stated": stated / len(chain), "truncated": truncated,
+            STEP_REWARDS: [[int(end), reward] for end, reward in steps if end >= 1]}
 
 
 def _chain(label: Any) -> list[Fraction]:

@@ -39,6 +39,8 @@ def samples(draw: st.DrawFn) -> Sample:
     """Samples honour their invariants: per-token arrays are exactly response_length long."""
     prompt_tokens, response_length = draw(st.integers(0, 6)), draw(st.integers(0, 6))
     optional = st.booleans()
+    steps = (sorted(draw(st.lists(st.integers(0, response_length - 1), max_size=3)))
+             if response_length and draw(optional) else None)
     return Sample(
         sample_id=draw(TEXT),
         group_id=draw(TEXT),
@@ -53,6 +55,9 @@ def samples(draw: st.DrawFn) -> Sample:
         loss_mask=draw(_tensor(("uint8", "bool", "float32"), response_length)) if draw(optional) else None,
         rollout_log_probs=draw(_tensor(("float32",), response_length)) if draw(optional) else None,
         token_versions=draw(_tensor(("int32",), response_length)) if draw(optional) else None,
+        step_ends=None if steps is None else np.asarray(steps, dtype=np.int32),
+        step_rewards=None if steps is None else np.asarray(
+            draw(st.lists(st.floats(-2, 2, width=32), min_size=len(steps), max_size=len(steps))), dtype=np.float32),
         status=draw(st.sampled_from(["pending", "completed", "truncated", "aborted", "failed"])),
         metadata=draw(st.dictionaries(TEXT, ANY, max_size=3)),
         error=draw(st.none() | TEXT),

@@ -121,6 +121,13 @@ def test_sample_lists_become_int32_arrays() -> None:
         ({"tokens": np.zeros(2, np.int64), "response_length": 2}, "Sample.tokens: dtype int64"),
         ({"tokens": [1, 2], "response_length": 2, "rollout_log_probs": np.zeros(1, np.float32)}, "1 entries"),
         ({"tokens": np.zeros((1, 2), np.int32), "response_length": 2}, "1-D"),
+        ({"tokens": [1, 2, 3], "response_length": 3, "step_ends": [0, 2]}, "come together"),
+        ({"tokens": [1, 2, 3], "response_length": 3, "step_ends": [0, 2], "step_rewards": [1.0]},
+         "1 entries for 2 step_ends"),
+        ({"tokens": [1, 2, 3], "response_length": 3, "step_ends": [0, 3], "step_rewards": [1.0, 0.0]},
+         r"response token indices in 0\.\.2, in order"),
+        ({"tokens": [1, 2, 3], "response_length": 3, "step_ends": [2, 1], "step_rewards": [1.0, 0.0]}, "in order"),
+        ({"tokens": [1, 2, 3], "response_length": 3, "step_ends": [2], "step_rewards": [np.nan]}, "must be finite"),
     ],
 )
 def test_sample_rejects_arrays_that_do_not_line_up(fields: dict, complaint: str) -> None:

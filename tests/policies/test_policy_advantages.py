@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from policy_reference import (
     whiten,
 )
 
-from policies.advantages import compute_advantages
+from policies.advantages import GradedSteps, compute_advantages
 from policies.config import PolicyLossConfig
 
 
@@ -368,3 +369,119 @@ def test_an_episode_split_into_segments_gives_every_token_the_advantage_it_has_w
     torch.testing.assert_close(segmented, whole, rtol=1e-10, atol=1e-10)
     counted_as_samples, _ = compute_advantages(config, **split)  # each segment a sample of its own: not the same
     assert not torch.allclose(counted_as_samples, whole)
+
+
+# ---------------------------------------------------------------- process supervision (grpo_process)
+
+
+def _random_steps(batch: Batch, seed: int) -> tuple[list[list[tuple[int, float]] | None], GradedSteps]:
+    """Graded steps for most samples (in order, two of them possibly on one token), none for every third."""
+    gen = torch.Generator().manual_seed(seed)
+    per_sample: list[list[tuple[int, float]] | None] = []
+    for index, length in enumerate(batch.lengths):
+        if index % 3 == 2:
+            per_sample.append(None)
+            continue
+        count = int(torch.randint(1, 4, (1,), generator=gen))
+        ends = sorted(int(e) for e in torch.randint(0, length, (count,), generator=gen))
+        per_sample.append([(end, float(torch.randint(0, 2, (1,), generator=gen))) for end in ends])
+    graded = [(index, end, reward) for index, steps in enumerate(per_sample) if steps for end, reward in steps]
+    return per_sample, GradedSteps(samples=torch.tensor([g[0] for g in graded]),
+                                   ends=torch.tensor([g[1] for g in graded]),
+                                   rewards=torch.tensor([g[2] for g in graded], dtype=torch.float64))
+
+
+def _process_reference(batch: Batch, rewards: list[float], steps: list[list[tuple[int, float]] | None], *,
+                       discount: float, divide_by_std: bool, eps: float) -> torch.Tensor:
+    """DeepSeekMath's process supervision, written out: every step of a group normalised together, a token's
+    advantage its step's normalised reward plus the later ones', discounted per step."""
+    own = [found if found else [(last_masked(mask), reward)]
+           for found, mask, reward in zip(steps, batch.masks, rewards, strict=True)]
+    flat_steps = [(index, end, reward) for index, sample_steps in enumerate(own) for end, reward in sample_steps]
+    normalised = group_normalize([r for _, _, r in flat_steps], [batch.groups[i] for i, _, _ in flat_steps],
+                                 divide_by_std, eps)
+    rows = []
+    for index, (length, mask) in enumerate(zip(batch.lengths, batch.masks, strict=True)):
+        mine = [(end, value) for (owner, end, _), value in zip(flat_steps, normalised, strict=True) if owner == index]
+        row = []
+        for token in range(length):
+            later = [value for end, value in mine if end >= token]
+            row.append(sum(discount**k * value for k, value in enumerate(later)) * mask[token])
+        rows.append(row)
+    return flat(rows)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("discount", [1.0, 0.5, 0.0])
+@pytest.mark.parametrize("std_normalization", [True, False])
+def test_grpo_process_matches_deepseekmath_process_supervision_written_out(discount: float,
+                                                                         std_normalization: bool) -> None:
+    batch = random_batch(21, n_groups=5)
+    rewards = _rewards(batch, 22)
+    per_sample, steps = _random_steps(batch, 23)
+    config = PolicyLossConfig(advantage_estimator="grpo_process", step_discount=discount,
+                              grpo_std_normalization=std_normalization)
+    advantages, _ = compute_advantages(config, rewards=rewards, group_ids=batch.group_ids,
+                                       response_lengths=batch.response_lengths, loss_mask=batch.loss_mask,
+                                       steps=steps)
+    expected = _process_reference(batch, rewards.tolist(), per_sample, discount=discount,
+                                  divide_by_std=std_normalization, eps=config.reward_norm_eps)
+    torch.testing.assert_close(advantages, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.unit
+def test_grpo_process_without_graded_steps_is_grpo() -> None:
+    batch = random_batch(31)
+    rewards = _rewards(batch, 32)
+    inputs = {"rewards": rewards, "group_ids": batch.group_ids, "response_lengths": batch.response_lengths,
+              "loss_mask": batch.loss_mask}
+    empty = {"rewards": torch.tensor([1.0, 0.0, 0.5]), "group_ids": torch.tensor([0, 0, 0]),  # an empty response
+             "response_lengths": torch.tensor([2, 0, 3]), "loss_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0])}
+    for batch_inputs in (inputs, empty):  # counts in its group's statistics, as in GRPO
+        process, _ = compute_advantages(PolicyLossConfig(advantage_estimator="grpo_process"), **batch_inputs)
+        grpo, _ = compute_advantages(PolicyLossConfig(advantage_estimator="grpo"), **batch_inputs)
+        torch.testing.assert_close(process, grpo, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.unit
+def test_a_slip_costs_its_own_step_not_the_right_steps_before_it() -> None:
+    # Two answers to one problem of three links: one right throughout, one right twice and then wrong. GRPO gives
+    # every token of the second the same negative advantage; per-step credit pushes its two right steps up.
+    lengths = torch.tensor([6, 6])
+    steps = GradedSteps(samples=torch.tensor([0, 0, 0, 1, 1, 1]), ends=torch.tensor([1, 3, 5, 1, 3, 5]),
+                        rewards=torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0]))
+    inputs = {"rewards": torch.tensor([1.0, 2 / 3]), "group_ids": torch.tensor([0, 0]), "response_lengths": lengths,
+              "loss_mask": torch.ones(12)}
+    grpo, _ = compute_advantages(PolicyLossConfig(advantage_estimator="grpo"), **inputs)
+    assert (grpo[6:] < 0).all()
+    own_step, _ = compute_advantages(PolicyLossConfig(advantage_estimator="grpo_process", step_discount=0.0),
+                                     steps=steps, **inputs)
+    assert (own_step[:10] > 0).all() and (own_step[10:] < 0).all()
+    to_go, _ = compute_advantages(PolicyLossConfig(advantage_estimator="grpo_process"), steps=steps, **inputs)
+    assert (to_go[6:] < 0).all() and to_go[10] < to_go[8] < to_go[6]  # the sum runs to the last step: each
+    # later right step adds to the tokens before it
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("steps", "message"), [
+    (GradedSteps(torch.tensor([0]), torch.tensor([3]), torch.tensor([1.0])),
+     "step 0 of sample 0 ends on token 3, outside its response of 3 tokens"),
+    (GradedSteps(torch.tensor([2]), torch.tensor([0]), torch.tensor([1.0])), "names sample 2, outside the batch"),
+    (GradedSteps(torch.tensor([0, 0]), torch.tensor([2, 1]), torch.tensor([1.0, 0.0])), "must come in order"),
+    (GradedSteps(torch.tensor([1, 0]), torch.tensor([0, 0]), torch.tensor([1.0, 0.0])), "must come in order"),
+    (GradedSteps(torch.tensor([0]), torch.tensor([0]), torch.tensor([float("nan")])), "steps' rewards"),
+])
+def test_graded_steps_that_do_not_fit_the_batch_are_refused_naming_the_step(steps: GradedSteps,
+                                                                            message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compute_advantages(PolicyLossConfig(advantage_estimator="grpo_process"), rewards=torch.tensor([1.0, 0.0]),
+                           group_ids=torch.tensor([0, 0]), response_lengths=torch.tensor([3, 2]),
+                           loss_mask=torch.ones(5), steps=steps)
+
+
+@pytest.mark.unit
+def test_grpo_process_refuses_an_episode_of_several_segments() -> None:
+    with pytest.raises(ValueError, match="an episode of several segments"):
+        compute_advantages(PolicyLossConfig(advantage_estimator="grpo_process"), rewards=torch.tensor([1.0, 1.0]),
+                           group_ids=torch.tensor([0, 0]), response_lengths=torch.tensor([2, 2]),
+                           loss_mask=torch.ones(4), episode_ids=torch.tensor([5, 5]))

@@ -78,7 +78,7 @@ def test_non_callable_plugin_is_rejected(plugin_module: str) -> None:
 
 @pytest.mark.unit
 def test_unknown_name_lists_registered_names() -> None:
-    with pytest.raises(ValueError, match=r"unknown advantage estimator 'grpo2'; registered: .*grpo, gspo"):
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'grpo2'; registered: .*grpo, grpo_process"):
         resolve_advantage_estimator("grpo2")
 
 
@@ -97,6 +97,7 @@ def test_every_advertised_builtin_is_selectable_by_name() -> None:
 
     assert set(registry.ADVANTAGE_ESTIMATORS.names()) == {
         "grpo",
+        "grpo_process",
         "gspo",
         "cispo",
         "rloo",

@@ -114,6 +114,19 @@ async def test_dict_result_keeps_extra_fields() -> None:
 
 
 @pytest.mark.unit
+async def test_graded_steps_are_kept_apart_from_the_extras_and_checked() -> None:
+    graded = {"reward": 0.5, "correct": False, "step_rewards": [[4, 1], (9, True), [9, 0.0]]}
+    (outcome,) = await score(lambda inp: graded, _inputs("a"))
+    assert outcome == RewardOutcome.ok(0.5, {"correct": False}, ((4, 1.0), (9, 1.0), (9, 0.0)))
+    bad = [("3 steps", "expected a list of [end, reward] pairs"), ([[4, 1, 2]], "step 0 is [4, 1, 2], expected [end"),
+           ([[0, 1]], "step 0 ends at 0, expected a character offset >= 1"), ([[2.5, 1]], "ends at 2.5"),
+           ([[3, math.nan]], "step 0 has reward nan"), ([[5, 1], [3, 0]], "step 1 ends at 3, before step 0 (5)")]
+    for steps, reason in bad:
+        (refused,) = await score(lambda inp, steps=steps: {"reward": 1.0, "step_rewards": steps}, _inputs("a"))
+        assert refused.status == "error" and reason in refused.reason, (steps, refused.reason)
+
+
+@pytest.mark.unit
 async def test_group_reward_scores_the_whole_group_in_one_call() -> None:
     calls = []
 

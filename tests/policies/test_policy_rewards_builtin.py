@@ -253,8 +253,32 @@ def test_worked_steps_pays_for_each_result_stated_in_order_not_for_the_answer_al
 @pytest.mark.unit
 def test_worked_steps_says_how_much_of_the_chain_was_stated_and_pays_nothing_for_a_cut_off_answer() -> None:
     assert _steps("He has 30 apples. Then he has 25.")["steps_stated"] == pytest.approx(2 / 3)
-    assert _steps(_STEPS_WORKED, finish_reason="length") == {"reward": 0.0, "correct": False, "steps_stated": 1.0,
-                                                             "truncated": True}
+    cut = _steps(_STEPS_WORKED, finish_reason="length")
+    assert {key: cut[key] for key in ("reward", "correct", "steps_stated", "truncated")} == {
+        "reward": 0.0, "correct": False, "steps_stated": 1.0, "truncated": True}
+
+
+def _graded(response: str, finish_reason: str = "stop") -> list[tuple[str, float]]:
+    """The steps worked_steps graded, each as the text up to its end (the last 12 characters) and its reward."""
+    return [(response[:end][-12:], reward) for end, reward in _steps(response, finish_reason)["step_rewards"]]
+
+
+@pytest.mark.unit
+def test_worked_steps_grades_each_step_where_its_sentence_ends() -> None:
+    # every link but the last ends with its sentence; the last runs to the end (the answer and what follows it)
+    assert _graded(_STEPS_WORKED) == [("= 30 apples.", 1.0), ("= 25 apples.", 1.0), ("nswer is 28.", 1.0)]
+    # a slip: the right links keep their credit, the step that breaks the chain (and ends it) earns 0
+    slipped = "So he has 23 + 7 = 30 apples. Then 30 - 5 = 26. Then 26 + 3 = 29."
+    assert _graded(slipped) == [("= 30 apples.", 1.0), ("30 - 5 = 26.", 0.0)]
+    # list markers are blanked, not cut: the offsets are the response's own
+    listed = "1. Tom buys 7 more: 23 + 7 = 30.\n2. He gives 5 away: 25.\n3. He finds 3: 28.\nAnswer: 28"
+    assert _graded(listed) == [("23 + 7 = 30.", 1.0), (" 5 away: 25.", 1.0), (".\nAnswer: 28", 1.0)]
+    # cut off at the length limit: the working before the cut is graded, the end earns 0
+    assert _graded("He has 30 apples. Then he has 25 apples. Then", "length") == [
+        ("s 30 apples.", 1.0), ("s 25 apples.", 1.0), ("apples. Then", 0.0)]
+    # after a reasoning block, offsets still count from the response's start
+    thought = "<think>23 and 7</think>He has 30 apples. Then 25. Then 28."
+    assert _graded(thought) == [("s 30 apples.", 1.0), ("es. Then 25.", 1.0), ("25. Then 28.", 1.0)]
 
 
 @pytest.mark.unit

@@ -39,6 +39,13 @@ def digit_share(inp: RewardInput) -> float:
     return sum(character.isdigit() for character in inp.response) / max(1, len(inp.response))
 
 
+def digits_graded_each(inp: RewardInput) -> dict[str, Any]:
+    """`digit_share`, with each character graded as a step of its own (1 for a digit): a process reward whose steps
+    vary within every sample, so grpo_process has something to credit whatever an untrained model writes."""
+    steps = [[end, float(character.isdigit())] for end, character in enumerate(inp.response, start=1)]
+    return {"reward": digit_share(inp), "step_rewards": steps}
+
+
 def letter_share(inp: RewardInput) -> float:
     """The share of the response's characters that are letters: another reward that varies between an untrained
     model's samples, for a second policy whose groups must be scored by its own reward."""
