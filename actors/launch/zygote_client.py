@@ -27,13 +27,22 @@ READY_TIMEOUT_S = 120.0  # importing torch and transformers on a loaded machine
 SPAWN_TIMEOUT_S = 120.0  # the first order for a model-holding actor waits for torch and transformers to import
 
 
+# glibc raises its mmap threshold (up to 32 MiB) as large blocks are freed and keeps the blocks below it in a heap
+# that stays resident, holes and all: a context-parallel rank's step on a 16k row fragmented it to twice what its
+# tensors needed, and four such ranks ran out of memory. Fixed at 8 MiB, that row peaks at 839 MiB a rank (a 64 KiB
+# threshold: 806), and `make demo` runs as fast as with glibc's own (137 s against 131-141 s); a smaller one maps
+# fresh pages for every block and costs minutes of system time (docs/long-context.md).
+ACTOR_MMAP_THRESHOLD = 8 << 20
+
+
 def actor_environment(cuda_visible_devices: str | None = None) -> dict[str, str]:
     """The environment an actor process starts in, forked from the template or not: ours, with output unbuffered
-    (an actor's lines reach the launcher's console as they are written, not when it exits) unless the user chose
-    otherwise, and only the GPUs its placement gave it. Here, not in the supervisor: the launcher starts the
-    template before it imports anything else."""
+    (an actor's lines reach the launcher's console as they are written, not when it exits) and glibc's mmap
+    threshold fixed (`ACTOR_MMAP_THRESHOLD`), each unless the user chose otherwise, and only the GPUs its placement
+    gave it. Here, not in the supervisor: the launcher starts the template before it imports anything else."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(ACTOR_MMAP_THRESHOLD))
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
     return env

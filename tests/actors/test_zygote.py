@@ -153,6 +153,16 @@ def test_an_actor_starts_unbuffered_unless_the_user_chose_and_with_only_its_plac
 
 
 @pytest.mark.unit
+def test_an_actor_starts_with_glibcs_mmap_threshold_fixed_unless_the_user_set_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert actor_environment()["MALLOC_MMAP_THRESHOLD_"] == str(8 << 20)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert actor_environment()["MALLOC_MMAP_THRESHOLD_"] == "131072"
+
+
+@pytest.mark.unit
 def test_the_template_preloads_the_model_stack_for_a_real_engine_and_trainer_and_not_for_stand_ins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,18 +20,20 @@ def test_bench_context_parallel_quick_run_prints_its_table_and_the_same_loss_at_
     figures_path = tmp_path / "bench.json"
     completed = subprocess.run(
         [sys.executable, "-m", "tools.bench.context_parallel", "--quick", "--tokens", "256", "--cp", "1", "2",
-         "--lora", "4", "--model-cache", str(tmp_path / "models"), "--json", str(figures_path)],
+         "--lora", "4", "--mmap-threshold", str(1 << 20), "--model-cache", str(tmp_path / "models"),
+         "--json", str(figures_path)],
         cwd=REPO, env=env_without_quiet_switches(), capture_output=True, text=True, timeout=240, check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert not PROGRESS_BAR.search(completed.stderr), completed.stderr[-3000:]
     lines = completed.stdout.splitlines()
     assert lines[0].startswith("model: quick") and "a LoRA adapter of rank 4 trained" in lines[0]
+    assert "glibc mmap threshold 1024 KiB" in lines[0]
     assert lines[1].startswith("activations: peak minus")
     assert lines[2].split()[:4] == ["tokens", "CP", "peak", "MiB"]
     assert [line.split()[:2] for line in lines[3:]] == [["256", "1"], ["256", "2"]]
     figures = json.loads(figures_path.read_text())
-    assert figures["lora"] == 4 and figures["mmap_threshold"] == 64 * 1024  # glibc's, fixed for the measurement
+    assert figures["lora"] == 4 and figures["mmap_threshold"] == 1 << 20  # glibc's, fixed for the measurement
     one, two = figures["rows"]
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     for row in (one, two):

@@ -3,6 +3,8 @@ failing one leaves its traceback where the parent reads it back."""
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
 from pathlib import Path
 
@@ -58,3 +60,34 @@ def test_forked_output_is_the_exit_code_and_all_the_worker_printed(tmp_path: Pat
     assert forked_output(print_a_figure, tmp_path / "figure.err") == (0, '{"seconds": 1.5}\n')
     assert forked_output(fail, tmp_path / "fail.err") == (1, "")
     assert "ValueError: no such workload" in (tmp_path / "fail.err").read_text()
+
+
+class _Finalised:
+    """Writes the pid of the process that finalises it into `record`."""
+
+    def __init__(self, record: Path) -> None:
+        self.record = record
+        self.cycle = self
+
+    def __del__(self) -> None:
+        with self.record.open("a") as handle:
+            handle.write(f"{os.getpid()}\n")
+
+
+def collect_everything() -> None:
+    gc.collect()
+    print("collected", flush=True)
+
+
+@pytest.mark.unit
+def test_a_worker_never_finalises_the_garbage_its_parent_left(tmp_path: Path) -> None:
+    record = tmp_path / "finalised"
+    gc.disable()  # the cycle below stays uncollected garbage in this process until the fork
+    try:
+        _Finalised(record)
+        assert forked_output(collect_everything, tmp_path / "worker.err") == (0, "collected\n")
+        assert not record.exists()  # the worker's collection left it alone
+    finally:
+        gc.enable()
+    gc.collect()
+    assert record.read_text() == f"{os.getpid()}\n"  # the parent's garbage, finalised by the parent

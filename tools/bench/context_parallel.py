@@ -131,7 +131,7 @@ def measure(model: Path, tokens: int, context: int, threads: int, checkpointing:
                        max(r["seconds"] for r in ranks), ranks[0]["loss"])
 
 
-def benchmark(args: argparse.Namespace, fixed_mmap_threshold: bool) -> Figures:
+def benchmark(args: argparse.Namespace, mmap_threshold: int | None) -> Figures:
     import torch
 
     from engines.training.torch_trainer import TorchTrainer  # noqa: F401  (imported here, in every forked rank)
@@ -146,7 +146,7 @@ def benchmark(args: argparse.Namespace, fixed_mmap_threshold: bool) -> Figures:
                   file=sys.stderr, flush=True)
     return Figures(model="quick" if args.quick else args.model, threads=args.threads,
                    gradient_checkpointing=args.gradient_checkpointing, rows=rows, lora=args.lora,
-                   mmap_threshold=MMAP_THRESHOLD_BYTES if fixed_mmap_threshold else None)
+                   mmap_threshold=mmap_threshold)
 
 
 def model_path(args: argparse.Namespace) -> Path:
@@ -194,8 +194,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "instead of every weight: a rank then holds no gradients or moments of the base model, "
                         "which is how the Qwen2.5-0.5B shape fits four ranks in 24 GB (default 0: every weight)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads shared by a world's ranks (default 2)")
+    parser.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD_BYTES, metavar="BYTES",
+                        help="glibc's mmap threshold, fixed before the ranks allocate (tools/bench/allocator.py); 0 "
+                        f"keeps glibc's own, which rises as blocks are freed (default {MMAP_THRESHOLD_BYTES})")
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
+    if args.mmap_threshold < 0:
+        parser.error(f"--mmap-threshold: bytes >= 0, got {args.mmap_threshold}")
     args.tokens = args.tokens or ([512] if args.quick else [4096, 8192])
     for tokens in args.tokens:
         if tokens < 4 * max(args.cp):
@@ -210,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     quiet_library_output()  # transformers' load bars otherwise interleave with the progress lines
-    fixed = fix_mmap_threshold()  # before the model and the ranks' allocations: tools/bench/allocator.py says why
-    figures = benchmark(args, fixed)
+    # before the model and the ranks' allocations: tools/bench/allocator.py says why
+    fixed = bool(args.mmap_threshold) and fix_mmap_threshold(args.mmap_threshold)
+    figures = benchmark(args, args.mmap_threshold if fixed else None)
     print_table(figures)
     if args.json:
         args.json.write_text(json.dumps(asdict(figures), indent=2))

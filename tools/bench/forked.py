@@ -6,6 +6,11 @@ and ran no engine, it starts with them imported and a heap that no earlier pass 
 launcher's template does (actors/launch/zygote.py). The worker's stdin, stdout and stderr are its own pipes and
 file, so the parent talks to it as to a `subprocess.Popen` with text pipes.
 
+The worker never collects the parent's objects: they are frozen out of the garbage collector across the fork
+(`gc.freeze`). A parent such as a test process holds whatever its earlier work left, garbage in reference cycles
+included, some of it bound to threads or native state that the fork did not copy; finalising that in the worker
+crashed it (a segfault inside the collector, CI50). The worker is short-lived: what it inherited it leaves alone.
+
 The parent must run torch on one thread (`torch.set_num_threads(1)` before its first op): a child forked after
 the parent's OpenMP pool started hangs in its first parallel region (libgomp's pool does not survive a fork). A
 worker then sets its own thread count and starts a pool of its own.
@@ -14,6 +19,7 @@ worker then sets its own thread count and starts a pool of its own.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import signal
@@ -38,7 +44,10 @@ class ForkedWorker:
         error_fd = os.open(errors, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         sys.stdout.flush()
         sys.stderr.flush()
+        gc.freeze()  # the parent's objects, garbage included, out of the worker's collections
         pid = os.fork()
+        if pid != 0:
+            gc.unfreeze()
         if pid == 0:  # the worker
             code = 1
             try:
