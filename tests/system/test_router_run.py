@@ -63,9 +63,12 @@ def test_an_engine_killed_mid_episode_leaves_the_episode_to_another_engine_and_n
     moved_group = moved[0]["request"].split("/")[1]  # request ids are WORKER/GROUP/N
     accepted = [decode(record["group"]) for record in BufferLog.replay(run_dir / "buffer" / "log.msgpack")
                 if record["kind"] == "accept" and record["group_id"] == moved_group]
-    assert accepted and accepted[0].worker_id == "rollout-0-0"
+    # The group may have been accepted before, from rollout-0-1, and evicted as too stale (--max-staleness 1) before
+    # rollout-0-0 generated it again (CI51): rollout-0-0's generations are the ones whose call moved.
+    generated_here = [group for group in accepted if group.worker_id == "rollout-0-0"]
+    assert generated_here, [group.worker_id for group in accepted]
     assert all(sample.status in ("completed", "truncated") and sample.metadata["turns"] >= 2
-               for sample in accepted[0].samples)
+               for group in generated_here for sample in group.samples)
     report = audit(run_dir)
     assert report.ok, report.problems
     assert report.trained_batches == STEPS
