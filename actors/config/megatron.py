@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from actors.config.plugin_marks import plugin_for
 from actors.config.sections import Section
@@ -63,10 +63,12 @@ class MegatronConfig(Section):
                                           "checkpoint's vocab_size")
     micro_batch_size: int = Field(1, ge=1, description="samples per micro-batch (accepted; micro-batches are packed "
                                   "by token budget instead, --micro-batch-tokens)")
-    mtp_num_layers: int | None = Field(None, ge=0, description="multi-token-prediction layers (not supported: "
-                                       "0 or unset)")
-    mtp_loss_scaling_factor: float = Field(0.2, ge=0, description="weight of the multi-token-prediction loss "
-                                           "(unused without --mtp-num-layers)")
+    mtp_num_layers: int | None = Field(None, ge=0, description="multi-token-prediction (MTP) depths, trained with "
+                                       "--enable-mtp-training (torch backend)")
+    mtp_loss_scaling_factor: float = Field(0.2, ge=0, description="weight of the MTP loss, over the depth count "
+                                           "(megatron's scale)")
+    enable_mtp_training: bool = Field(False, description="train MTP layers beside the policy, a speculative-decoding "
+                                      "draft the policy gets no gradient from (torch backend; docs/slime.md)")
     custom_model_provider_path: str | None = Field(None, description="module:function building the Megatron model "
                                                    "(not supported: the model is built from the HF checkpoint)")
     async_save: bool = Field(False, description="accepted; checkpoints are written synchronously")
@@ -188,6 +190,12 @@ class MegatronConfig(Section):
         "opt_param_scheduler) on every learner rank before each optimizer step, gradients zeroed (step_id: the "
         "step within the rollout batch; opt_param_scheduler: None, the trainer schedules the lr itself); "
         "--train-backend megatron only", json_schema_extra=plugin_for("learner"))
+
+    @model_validator(mode="after")
+    def _mtp_training_needs_depths(self) -> MegatronConfig:
+        if self.enable_mtp_training and not self.mtp_num_layers:
+            raise ValueError("--enable-mtp-training needs --mtp-num-layers N (the MTP depths to train), as in slime")
+        return self
 
     def set_flags(self) -> dict[str, object]:
         """The flags as `engines.megatron.model_flags` reads them: unset ones (None) left out."""

@@ -116,11 +116,7 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "--padded-vocab-size": _owned("megatron"),
     "--mtp-num-layers": _owned("megatron"),
     "--mtp-loss-scaling-factor": _owned("megatron"),
-    "--enable-mtp-training": _refused("multi-token-prediction layers are not trained here: the models that carry "
-                                      "them (DeepSeek-V3, GLM-4.5/4.7, MiMo, Qwen3.5) are not built by the Megatron "
-                                      "backend's bridge (dense llama, qwen2, qwen3; megatron-core's local MTP spec "
-                                      "would need one that is), and transformers' models of them leave the MTP "
-                                      "weights out, so the torch backend has none to train"),
+    "--enable-mtp-training": _owned("megatron", "switch"),
     "--megatron-config-path": _alias("slime's actor/critic role overrides: the critic's lr -> --critic-lr and "
                                       "load -> --critic-load, the actor's lr -> --lr; other keys are refused by "
                                       "name"),

@@ -93,8 +93,9 @@ class TrainingStep:
         self.rollout_routes = config.trainer.use_rollout_routing_replay
         self.pi_old = pi_old or pi_old_source(self.policy, decoupled=config.learner.use_decoupled_ppo,
                                               steps_per_batch=self.steps)
-        self.skip_gradient_free = (config.learner.skip_zero_advantage_samples
-                                   and zero_advantage_is_zero_gradient(self.policy))
+        self.skip_gradient_free = (config.learner.skip_zero_advantage_samples  # MTP layers learn from every sample
+                                   and zero_advantage_is_zero_gradient(self.policy)
+                                   and not config.megatron.enable_mtp_training)
         self.teachers = run_teachers(config.distillation) if self.policy.use_opd else {}
         self.teacher_key = config.distillation.opd_teacher_key
         self.critic_only_steps = config.learner.num_critic_only_steps

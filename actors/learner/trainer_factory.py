@@ -85,7 +85,7 @@ def _shared_settings(config: RunConfig) -> dict[str, Any]:
 def build_torch_trainer(config: RunConfig) -> Trainer:
     import torch
 
-    from engines.training.config import CriticSettings, TorchTrainerConfig
+    from engines.training.config import CriticSettings, MtpSettings, TorchTrainerConfig
     from engines.training.lora import LoraSettings
     from engines.training.torch_trainer import TorchTrainer
 
@@ -110,6 +110,9 @@ def build_torch_trainer(config: RunConfig) -> Trainer:
                                   freeze_vision_tower=config.trainer.freeze_vision_tower,
                                   use_routing_replay=config.trainer.use_routing_replay,
                                   context_parallel_size=config.megatron.context_parallel_size,
+                                  mtp=(MtpSettings(num_layers=config.megatron.mtp_num_layers,
+                                                   loss_scaling_factor=config.megatron.mtp_loss_scaling_factor)
+                                       if config.megatron.enable_mtp_training else None),
                                   **_router_loss_settings(flags))
     return TorchTrainer(settings)
 

@@ -217,8 +217,14 @@ def refuse_unsupported(flags: Mapping[str, Any], *, megatron_core: bool) -> None
                 refuse(name, "the torch backend keeps every expert on every rank; use --train-backend megatron")
     if flags.get("accumulate_allreduce_grads_in_fp32") is False:
         refuse("accumulate_allreduce_grads_in_fp32", "gradients are always accumulated and reduced in float32")
-    if flags.get("mtp_num_layers"):
-        refuse("mtp_num_layers", "multi-token-prediction training is not available")
+    if flags.get("mtp_num_layers") and megatron_core:
+        refuse("mtp_num_layers", "the Megatron backend builds no multi-token-prediction layers: megatron-core 0.16's "
+               "GPTModel computes their loss only when given labels, and then returns losses instead of the logits "
+               "this learner reads, with the MTP gradient reaching the policy (slime patches megatron-core to "
+               "detach it); --train-backend torch trains them (docs/slime.md)")
+    elif flags.get("mtp_num_layers") and not flags.get("enable_mtp_training"):
+        refuse("mtp_num_layers", "the torch backend builds MTP layers only to train them: add --enable-mtp-training, "
+               "or drop --mtp-num-layers (exports then leave the checkpoint's MTP weights out)")
     for name in ("attention_dropout", "hidden_dropout"):
         if not megatron_core and flags.get(name):
             refuse(name, "the torch backend takes dropout from the HF config; use --train-backend megatron")

@@ -24,6 +24,16 @@ class CriticSettings(BaseModel):
     stateless_adam: bool = False  # the policy's optimizer kind (`engines.training.optimizers`)
 
 
+class MtpSettings(BaseModel):
+    """Multi-token-prediction layers trained beside the policy (`engines.training.mtp`): slime's --mtp-num-layers
+    and --mtp-loss-scaling-factor, under --enable-mtp-training."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_layers: int = Field(ge=1)
+    loss_scaling_factor: float = Field(0.2, ge=0)
+
+
 class TrainerOptimizerConfig(BaseModel):
     """What every trainer shares: the model to load, AdamW, the LR schedule, clipping, micro-batch budget, seed,
     and which parameters train.
@@ -106,6 +116,8 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     the learner's world is then data-parallel replicas x context-parallel ranks.
     `freeze_vision_tower` (verl's name) keeps a vision-language model's vision tower as loaded: no gradient, no
     optimizer state, not pushed to the engines; False trains it with the language model (`engines.training.vision`).
+    `mtp` trains multi-token-prediction layers beside the policy, a speculative-decoding draft that gives the policy
+    no gradient (`engines.training.mtp`); their rows are packed unshared.
     """
 
     gradient_checkpointing: bool = False
@@ -122,6 +134,7 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
     use_routing_replay: bool = False
     context_parallel_size: int = Field(1, ge=1)
     freeze_vision_tower: bool = True
+    mtp: MtpSettings | None = None
 
     @model_validator(mode="after")
     def _check_device(self) -> TorchTrainerConfig:
@@ -135,6 +148,17 @@ class TorchTrainerConfig(TrainerOptimizerConfig):
         if self.context_parallel_size > 1 and self.attn_implementation != "packed_sdpa":
             raise ValueError(f"context_parallel_size {self.context_parallel_size}: not available with "
                              f"attn_implementation {self.attn_implementation!r}; the split row needs 'packed_sdpa'")
+        return self
+
+    @model_validator(mode="after")
+    def _check_mtp(self) -> TorchTrainerConfig:
+        """MTP layers read whole rows of the full model's hidden states: refused where either is not there."""
+        if self.mtp is not None and self.lora is not None:
+            raise ValueError("--enable-mtp-training with LoRA: the MTP layers train whole, beside a full-weight "
+                             "policy only")
+        if self.mtp is not None and self.context_parallel_size > 1:
+            raise ValueError(f"--enable-mtp-training with --context-parallel-size {self.context_parallel_size}: the "
+                             "MTP layers need each row whole on one rank")
         return self
 
     @property

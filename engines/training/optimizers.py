@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class StatelessAdamW(torch.optim.Optimizer):
@@ -59,3 +59,20 @@ def build_adam(params: Iterable[Any], *, lr: float, betas: tuple[float, float], 
         return StatelessAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              fused=fused or None)
+
+
+def param_groups(model: nn.Module, weight_decay: float, prefix: str = "") -> tuple[list[str], list[dict[str, Any]]]:
+    """Decay matrices only: decaying biases and norm gains pulls them toward 0, which no one wants.
+
+    Returns the parameter names (after `prefix`) in the optimizer's own flattened order (decay group first), which
+    is how checkpoints key the optimizer state.
+    """
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (decay if parameter.ndim >= 2 else no_decay).append((prefix + name, parameter))
+    groups = [
+        {"params": [p for _, p in decay], "weight_decay": weight_decay},
+        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+    ]
+    return [name for name, _ in decay + no_decay], groups

@@ -7,8 +7,7 @@ micro-batches of all ranks must be SUMMED; DDP averages by default, so a communi
 all-reduce with a plain sum. Only the last micro-batch of a step synchronises (`no_sync` before), so ranks may
 hold different numbers of micro-batches.
 
-Determinism of the policy: dropout is switched off at load. RL needs the learner's log-probs to be the
-behaviour policy's log-probs up to off-policyness; random masks would add noise to every importance ratio.
+Determinism of the policy: dropout is switched off at load (`engines.training.hf_models`).
 
 LoRA (`config.lora`): the model is wrapped by PEFT and only the adapter trains. The adapter is all that a
 checkpoint stores beside the optimizer, all that `named_tensors` sends, and the reference model is the policy
@@ -32,9 +31,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from engines import frozen_params
-from engines.training import checkpoint, lora, reference, vision
+from engines.training import checkpoint, hf_models, lora, mtp, reference, vision
 from engines.training.attention import NAME as PACKED_ATTENTION
-from engines.training.attention import register_packed_attention
 from engines.training.base import (
     DataParallel,
     Loss,
@@ -77,11 +75,10 @@ from engines.training.moe import (
     row_routes,
     sample_routes,
 )
-from engines.training.optimizers import build_adam
+from engines.training.mtp import MultiTokenPredictor
+from engines.training.optimizers import build_adam, param_groups
 from engines.training.output_head import fuse_output_head, token_outputs
 from engines.weights import layouts
-
-_DROPOUT_CONFIG_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
 
 
 class TorchTrainer(Trainer):
@@ -91,21 +88,24 @@ class TorchTrainer(Trainer):
         self.config = config
         self._device = _resolve_device(config.device)
         torch.manual_seed(config.seed)
-        self._model = _load_model(config.model_path, self._device, config.attn_implementation)
+        self._model = hf_models.load_model(config.model_path, self._device, config.attn_implementation)
         vision.check_supported(self._model, config)
         vision.freeze_tower(self._model, freeze=config.freeze_vision_tower)
+        # MTP depths copy the last decoder layer as loaded: before adapters or checkpointing wrap it
+        self._mtp = MultiTokenPredictor(self._model, config.mtp, config.model_path) if config.mtp else None
         if config.lora is not None:
             self._model = lora.wrap(self._model, config.lora, exclude=vision.lora_exclusions(self._model))
         self._ref = None
         # The reference of a LoRA run is its base model: the policy with the adapter off, not a second copy.
         self._ref_is_base = config.lora is not None and config.ref_model_path == config.model_path
         if config.ref_model_path is not None and not self._ref_is_base:
-            self._ref = _load_model(config.ref_model_path, self._device, config.attn_implementation)
+            self._ref = hf_models.load_model(config.ref_model_path, self._device, config.attn_implementation)
             self._ref.requires_grad_(False)
         # Distillation teachers: frozen like the reference, scored before the batch trains (`compute_log_probs`).
-        self._teachers = {name: _load_model(path, self._device, config.attn_implementation).requires_grad_(False)
-                          for name, path in config.teacher_model_paths.items()}
-        self._share_prompts = config.share_prompts and config.attn_implementation == PACKED_ATTENTION
+        self._teachers = {name: hf_models.load_model(path, self._device, config.attn_implementation)
+                          .requires_grad_(False) for name, path in config.teacher_model_paths.items()}
+        self._share_prompts = (config.share_prompts and config.attn_implementation == PACKED_ATTENTION
+                               and self._mtp is None)  # MTP reads each sample's tokens in order in the row
         if config.check_packing:
             for model in (self._model, self._ref, *self._teachers.values()):
                 if model is not None:
@@ -114,9 +114,12 @@ class TorchTrainer(Trainer):
             if model is not None and config.fused_output_head:
                 fuse_output_head(model)
         if config.gradient_checkpointing:
-            _enable_activation_checkpointing(self._model)
+            hf_models.enable_activation_checkpointing(self._model)
         frozen_params.freeze_by_name(self._model, config.only_train_params_name_list, config.freeze_params_name_list)
-        self._param_names, groups = _param_groups(self._model, config.weight_decay)
+        self._param_names, groups = param_groups(self._model, config.weight_decay)
+        if self._mtp is not None:  # the MTP layers train with the policy's optimizer settings
+            names, more = param_groups(self._mtp.module, config.weight_decay, prefix="mtp.")
+            self._param_names, groups = self._param_names + names, groups + more
         self._optimizer = build_adam(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                      weight_decay=config.weight_decay, stateless=config.stateless_adam,
                                      fused=self._device.type == "cuda")
@@ -141,7 +144,8 @@ class TorchTrainer(Trainer):
         self._critic = None
         if config.critic is not None:
             self._critic = ValueCritic(
-                _load_model(config.critic.model_path, self._device, config.attn_implementation), config.critic,
+                hf_models.load_model(config.critic.model_path, self._device, config.attn_implementation),
+                config.critic,
                 device=self._device, plan=self._plan, share_prompts=self._share_prompts, autocast=self._autocast,
                 world_size=_world_size(), betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
                 grad_clip=config.grad_clip, split=self._split, stats_group=self._parallel.group)
@@ -226,17 +230,23 @@ class TorchTrainer(Trainer):
             batch = collate(chunk, self._device)
             synchronise = position == len(plan) - 1
             with self._gradient_sync(synchronise):
-                with self._autocast(), replayed, self._routed() as routed:
+                captured = self._mtp.capturing() if self._mtp is not None else contextlib.nullcontext()
+                with self._autocast(), replayed, self._routed() as routed, captured:
                     outputs = token_outputs(self._train_module, inputs, head_of=self._model,
                                             temperature=temperature, with_entropy=with_entropy)
                     value, metrics = loss(outputs, batch)
                     if self._router_losses is not None:
                         router_loss, router_metrics = self._router_losses.loss(routed, counts[2])
                         value, metrics = value + router_loss, {**metrics, **router_metrics}
+                    if self._mtp is not None:
+                        mtp_loss, mtp_metrics = self._mtp.loss(inputs, batch.loss_mask, counts[0])
+                        value, metrics = value + mtp_loss, {**metrics, **mtp_metrics}
                 check_loss(value)
                 # Backward even on a non-finite loss: the other ranks' gradient all-reduce waits for ours.
                 value.backward()
             stats.add(value, metrics)
+        if self._mtp is not None and self._parallel.size > 1:
+            self._mtp.sum_gradients(self._parallel.group)
         loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(stats)
         return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started, ends_batch)
 
@@ -314,6 +324,8 @@ class TorchTrainer(Trainer):
                     save_file(self._trainable_weights(), str(staging / checkpoint.WEIGHTS_FILE))
                 else:
                     save_model(self._model, str(staging / checkpoint.WEIGHTS_FILE))
+                if self._mtp is not None:
+                    save_file(self._mtp.state_dict(), str(staging / mtp.WEIGHTS_FILE))
                 optimizer_meta = checkpoint.save_optimizer(
                     staging / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names, self.config.save_optimizer
                 )
@@ -346,6 +358,11 @@ class TorchTrainer(Trainer):
                     f"{weights}: weights do not match this model (missing {missing[:5]}, unexpected "
                     f"{unexpected[:5]})"
                 )
+        if self._mtp is not None:
+            if not (directory / mtp.WEIGHTS_FILE).is_file():
+                raise FileNotFoundError(f"{directory}: checkpoint has no {mtp.WEIGHTS_FILE}; it was saved by a run "
+                                        "without --enable-mtp-training (resume from an HF export of it instead)")
+            self._mtp.load_state_dict(load_file(str(directory / mtp.WEIGHTS_FILE), device=str(self._device)))
         checkpoint.load_optimizer(
             directory / checkpoint.OPTIMIZER_FILE, self._optimizer, self._param_names, state["optimizer"]
         )
@@ -380,6 +397,8 @@ class TorchTrainer(Trainer):
                 checkpoint.copy_auxiliary_files(Path(self.config.model_path), staging)
                 if self.config.lora is None:
                     self._model.save_pretrained(staging)
+                    if self._mtp is not None:
+                        self._mtp.export(staging)
                 else:  # the merged policy, loadable as any HF model, and the adapter beside it
                     lora.save_merged(self._model, staging)
                     lora.save_adapter(self._model, staging / "adapter")
@@ -464,7 +483,8 @@ class TorchTrainer(Trainer):
         """Clip, then step unless something is non-finite. The decision is identical on every rank: the loss
         flag was all-reduced and the gradient norm is computed from already-summed gradients."""
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), max_norm))
+        trained = [*self._model.parameters(), *(self._mtp.module.parameters() if self._mtp is not None else ())]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, max_norm))
         lr = scheduled_lr(self.config, self._counter.optimizer_steps)
         reason = skip_reason(nonfinite_loss, loss_sum, grad_norm, loss_tokens=counts[0])
         if reason is None:
@@ -542,48 +562,6 @@ class TorchTrainer(Trainer):
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
-
-
-def _load_model(path: Path, device: torch.device, attn_implementation: str) -> nn.Module:
-    register_packed_attention()
-    if not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"model path {path}: no config.json (expected a Hugging Face model folder)")
-    model = vision.from_pretrained(path, attn_implementation)
-    for config in {id(c): c for c in (model.config, vision.text_config(model.config))}.values():
-        for field_name in _DROPOUT_CONFIG_FIELDS:
-            if isinstance(getattr(config, field_name, None), float):
-                setattr(config, field_name, 0.0)
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    model.config.use_cache = False
-    return model.to(device)
-
-
-def _enable_activation_checkpointing(model: nn.Module) -> None:
-    """transformers 5 renamed gradient checkpointing; 4.x only has the old name."""
-    options = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> tuple[list[str], list[dict[str, Any]]]:
-    """Decay matrices only: decaying biases and norm gains pulls them toward 0, which no one wants.
-
-    Returns the parameter names in the optimizer's own flattened order (decay group first), which is how
-    checkpoints key the optimizer state.
-    """
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            (decay if parameter.ndim >= 2 else no_decay).append((name, parameter))
-    groups = [
-        {"params": [p for _, p in decay], "weight_decay": weight_decay},
-        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
-    ]
-    return [name for name, _ in decay + no_decay], groups
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -128,7 +128,8 @@ def test_vocab_size_is_compared_after_megatrons_padding(hf_config: Any) -> None:
         (["--no-accumulate-allreduce-grads-in-fp32"], "always accumulated and reduced in float32"),
         (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
         (["--recompute-method", "block"], "need --recompute-granularity full"),
-        (["--mtp-num-layers", "1"], "--mtp-num-layers 1: multi-token-prediction training is not available"),
+        (["--mtp-num-layers", "1", "--enable-mtp-training"],
+         "--mtp-num-layers 1: the Megatron backend builds no multi-token-prediction layers"),
         (["--custom-model-provider-path", "m:f"], "builds the model from the HF checkpoint"),
     ],
 )
@@ -163,6 +164,13 @@ def test_the_torch_backend_accepts_megatron_performance_flags_but_not_megatron_h
         refuse_unsupported({"expert_model_parallel_size": 2}, megatron_core=False)
     with pytest.raises(ValueError, match="expert parallelism needs --train-backend megatron"):
         parse(["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
+    # MTP layers train here, and are built only to train (slime's assert: training them needs their count)
+    refuse_unsupported(parse(["--mtp-num-layers", "1", "--enable-mtp-training"]).megatron.set_flags(),
+                       megatron_core=False)
+    with pytest.raises(ValueError, match="builds MTP layers only to train them: add --enable-mtp-training"):
+        refuse_unsupported(parse(["--mtp-num-layers", "1"]).megatron.set_flags(), megatron_core=False)
+    with pytest.raises(ValueError, match="--enable-mtp-training needs --mtp-num-layers N"):
+        parse(["--enable-mtp-training"])
 
 
 @pytest.mark.unit

@@ -73,15 +73,20 @@ def _tiny_moe_script(model: Path, tmp_path: Path, flags: dict[str, str], script:
 @pytest.mark.system
 def test_the_moe_slime_script_trains_a_tiny_qwen3_moe_on_cpu(tiny_model_cache: Path, tmp_path: Path) -> None:
     """slime's Qwen3-30B-A3B script (GSPO, dynamic sampling by slime's own filter, its MoE flags) with a tiny
-    Qwen3-MoE; a reward that varies between an untrained model's samples, so dynamic sampling keeps groups."""
+    Qwen3-MoE; a reward that varies between an untrained model's samples, so dynamic sampling keeps groups. With
+    the MTP flags of slime's GLM-4.7-30B-A3B script (the same MoE shape): a MoE MTP layer trains beside the policy
+    and every checkpoint keeps it."""
     from tools.standins.tiny_model import TinyModelSpec, cached_tiny_model
 
     model = cached_tiny_model(tiny_model_cache, TinyModelSpec(family="qwen3_moe"))
     entry, argv = _tiny_moe_script(model, tmp_path, TINY_MOE_FLAGS)
     argv.remove("--sequence-parallel")
+    argv += ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.2"]
     completed, steps = run_slime_script(entry, argv, tmp_path / "run")
     assert len(steps) == 3
     assert "dropped: zero_std" in completed.stdout + completed.stderr  # slime's filter ran as ours
+    assert all(row["mtp_loss"] == row["mtp_1_loss"] > 0 for row in steps), steps
+    assert list((tmp_path / "save").rglob("mtp.safetensors"))
 
 
 @pytest.mark.system

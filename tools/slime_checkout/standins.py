@@ -66,12 +66,16 @@ def family_of(sourced: list[str], argv: list[str]) -> str | None:
     return None
 
 
+# Set by a model-flag file but what the run trains, not a description of the checkpoint: kept with the tiny model.
+TRAINED_NOT_DESCRIBED = {"--mtp-num-layers"}
+
+
 def model_flags(checkout: Path) -> set[str]:
     """Every flag a model-flag file of slime's checkout sets (scripts/models/*.sh): the model's description."""
     flags: set[str] = set()
     for path in (checkout / "scripts" / "models").glob("*.sh"):
         flags.update(re.findall(r"^\s*(--[a-z0-9][a-z0-9-]*)", path.read_text(encoding="utf-8"), re.MULTILINE))
-    return flags
+    return flags - TRAINED_NOT_DESCRIBED
 
 
 def tiny_flags(hf_config: Any) -> list[str]:
