@@ -28,7 +28,7 @@ import contextlib
 import copy
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engines.training.config import MtpSettings
-from engines.training.micro_batches import PackedInputs
+from engines.training.micro_batches import PackedInputs, forward_packed
 from engines.training.output_head import head_log_probs
 from engines.weights import layouts
 from engines.weights.layouts import Slot
@@ -158,35 +158,54 @@ class MultiTokenPredictor:
 
     def loss(self, inputs: PackedInputs, loss_mask: Tensor | None, loss_tokens: int) -> tuple[Tensor, dict[str, Any]]:
         """This micro-batch's share of the step's MTP loss, and each depth's cross-entropy per trained token of the
-        step (sums over micro-batches and ranks, like the policy's loss terms).
-
-        Depth k predicts response token j at the row position k before the one that predicts it for the policy,
-        which belongs to the same sample when that position's text position is at least k (rows are packed
-        unshared, each sample from position 0)."""
-        if self._hidden is None or self._layer_kwargs is None:
-            raise RuntimeError("MTP loss: no policy forward was captured (run it inside `capturing()`)")
-        hidden, ids = self._hidden, inputs.input_ids
-        head = _DetachedHead(self._head.weight.detach(),
-                             None if self._head.bias is None else self._head.bias.detach())
-        at = inputs.logit_positions
+        step (sums over micro-batches and ranks, like the policy's loss terms)."""
+        head = self._detached_head()
         weights = torch.ones_like(inputs.targets, dtype=torch.float32) if loss_mask is None else loss_mask.float()
         denominator = max(loss_tokens, 1)
-        total = torch.zeros((), device=hidden.device)
+        total = torch.zeros((), device=inputs.targets.device)
         metrics: dict[str, Any] = {}
-        for depth, layer in enumerate(self.module, start=1):
-            with torch.no_grad():
-                embedded = self._embed(torch.cat([ids[:, depth:], ids.new_zeros((1, depth))], dim=1))
-            hidden = layer(hidden, embedded.to(hidden.dtype), self._layer_kwargs)
-            rows = (at - depth).clamp(min=0)
-            mask = weights * (inputs.position_ids[0, at] >= depth)
-            predicted = head_log_probs(hidden[0, rows], head, inputs.targets,  # type: ignore[arg-type]
+        for depth, predicting, same_sample in self._depth_outputs(inputs):
+            predicted = head_log_probs(predicting, head, inputs.targets,  # type: ignore[arg-type]
                                        temperature=1.0, with_entropy=False)
-            cross_entropy = -(predicted.log_probs * mask).sum() / denominator
+            cross_entropy = -(predicted.log_probs * weights * same_sample).sum() / denominator
             total = total + cross_entropy
             metrics[f"mtp_{depth}_loss"] = cross_entropy.detach()
         metrics["mtp_loss"] = total.detach()
-        self._hidden = self._layer_kwargs = None  # the row's activations go with its backward
         return total * (self.settings.loss_scaling_factor / len(self.module)), metrics
+
+    def top1_agreement(self, model: nn.Module, rows: Iterable[PackedInputs]) -> list[float]:
+        """Per depth, the share of the rows' response tokens its top-1 guess names: what greedy speculative
+        decoding would accept of that depth's proposals on these samples. Runs the policy's forward itself."""
+        head = self._detached_head()
+        hits, counts = torch.zeros(len(self.module)), torch.zeros(len(self.module))
+        with torch.no_grad():
+            for inputs in rows:
+                with self.capturing():
+                    forward_packed(model, inputs)
+                for depth, predicting, same_sample in self._depth_outputs(inputs):
+                    guesses = (predicting @ head.weight.T + (0 if head.bias is None else head.bias)).argmax(-1)
+                    hits[depth - 1] += float(((guesses == inputs.targets) & same_sample).sum())
+                    counts[depth - 1] += float(same_sample.sum())
+        return (hits / counts.clamp(min=1)).tolist()
+
+    def _depth_outputs(self, inputs: PackedInputs) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """Per depth k: its outputs at the rows that predict the row's response tokens, and which of those rows hold
+        the token's own sample. Depth k predicts response token j from the row position k before the policy's,
+        which is the same sample's when that position's text position is at least k (rows are packed unshared, each
+        sample from position 0). Reads the captured forward and lets it go."""
+        hidden, kwargs = self._hidden, self._layer_kwargs
+        if hidden is None or kwargs is None:
+            raise RuntimeError("MTP layers: no policy forward was captured (run it inside `capturing()`)")
+        self._hidden = self._layer_kwargs = None  # the row's activations go with its backward
+        ids, at = inputs.input_ids, inputs.logit_positions
+        for depth, layer in enumerate(self.module, start=1):
+            with torch.no_grad():
+                embedded = self._embed(torch.cat([ids[:, depth:], ids.new_zeros((1, depth))], dim=1))
+            hidden = layer(hidden, embedded.to(hidden.dtype), kwargs)
+            yield depth, hidden[0, (at - depth).clamp(min=0)], inputs.position_ids[0, at] >= depth
+
+    def _detached_head(self) -> _DetachedHead:
+        return _DetachedHead(self._head.weight.detach(), None if self._head.bias is None else self._head.bias.detach())
 
     def sum_gradients(self, group: dist.ProcessGroup | None) -> None:
         """Sum the depths' gradients over the data-parallel ranks (the policy's are summed by its DDP wrapper).

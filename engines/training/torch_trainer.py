@@ -250,6 +250,15 @@ class TorchTrainer(Trainer):
         loss_sum, nonfinite_loss, metric_sums = self._reduce_step_stats(stats)
         return self._apply_update(loss_sum, nonfinite_loss, metric_sums, counts, len(plan), started, ends_batch)
 
+    def mtp_agreement(self, samples: Sequence[TrainSample]) -> list[float]:
+        """Per MTP depth, how often its top-1 guess is the samples' own next-but-k token (`engines.training.mtp`)."""
+        if self._mtp is None:
+            raise ValueError("this trainer trains no MTP layers (TorchTrainerConfig.mtp)")
+        self._model.eval()
+        with self._autocast():
+            return self._mtp.top1_agreement(self._model, (self._pack([sample], with_token_positions=False)
+                                                          for sample in samples))
+
     def reset_optimizer_state(self) -> None:
         """AdamW makes a parameter's state afresh (step 0, zero moments) at its next step when it has none."""
         self._optimizer.state.clear()

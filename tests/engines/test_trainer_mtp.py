@@ -35,13 +35,14 @@ def _step(trainer: TorchTrainer, batch: list | None = None) -> dict[str, float]:
     return result.metrics
 
 
-def _reference_cross_entropy(trainer: TorchTrainer, batch: list, depth_count: int) -> list[float]:
-    """Each depth's loss written out per sample, by absolute text positions: the depth-k output at position t-1-k
-    predicts the token at t; summed over trained response tokens and divided by the step's trained tokens."""
+def _reference(trainer: TorchTrainer, batch: list, depth_count: int) -> tuple[list[float], list[float]]:
+    """Each depth's loss and top-1 agreement written out per sample, by absolute text positions: the depth-k output
+    at position t-1-k predicts the token at t. Loss: summed over trained response tokens, divided by the step's
+    trained tokens; agreement: over every response token that has such a position."""
     predictor, model = trainer._mtp, trainer._model
     assert predictor is not None
     head = model.get_output_embeddings().weight
-    totals = [0.0] * depth_count
+    totals, hits, counts = [0.0] * depth_count, [0] * depth_count, [0] * depth_count
     trained = sum(int((sample.loss_mask != 0).sum()) for sample in batch)
     with torch.no_grad():
         for sample in batch:
@@ -56,29 +57,40 @@ def _reference_cross_entropy(trainer: TorchTrainer, batch: list, depth_count: in
                 prompt = len(tokens) - sample.response_length
                 for index in range(sample.response_length):
                     position = prompt + index
-                    if position - 1 - depth >= 0 and sample.loss_mask[index] != 0:
+                    if position - 1 - depth < 0:
+                        continue
+                    hits[depth - 1] += int(log_probs[position - 1 - depth].argmax() == tokens[position])
+                    counts[depth - 1] += 1
+                    if sample.loss_mask[index] != 0:
                         totals[depth - 1] -= float(log_probs[position - 1 - depth, tokens[position]])
-    return [total / trained for total in totals]
+    return [total / trained for total in totals], [hit / count for hit, count in zip(hits, counts, strict=True)]
 
 
 @pytest.mark.integration
 def test_each_depths_loss_is_the_cross_entropy_of_the_token_it_predicts(tiny_model_path: Path) -> None:
     """Packed rows of several samples (micro-batches of whole samples) against each sample on its own, indexed by
-    absolute position: a depth that looked across a sample boundary or one token off would differ."""
+    absolute position: a depth that looked across a sample boundary or one token off would differ. Its top-1
+    agreement with the samples' tokens too (what greedy speculative decoding would accept)."""
     trainer = _trainer(tiny_model_path, micro_batch_tokens=80)
     batch = seeded_batch()
-    expected = _reference_cross_entropy(trainer, batch, 2)
+    expected, agreement = _reference(trainer, batch, 2)
+    assert trainer.mtp_agreement(batch) == pytest.approx(agreement)
     metrics = _step(trainer, batch)
     assert metrics["micro_batches"] < len(batch)  # samples were packed together
     for depth in (1, 2):
         assert metrics[f"mtp_{depth}_loss"] == pytest.approx(expected[depth - 1], rel=1e-4)
     assert metrics["mtp_loss"] == pytest.approx(sum(expected), rel=1e-4)
+    for _ in range(2):
+        _step(trainer, batch)
+    _, agreement = _reference(trainer, batch, 2)
+    assert min(agreement) > 0 and trainer.mtp_agreement(batch) == pytest.approx(agreement)
 
 
 @pytest.mark.integration
 def test_the_policy_trains_exactly_as_without_mtp_and_only_the_mtp_layers_learn(tiny_model_path: Path) -> None:
     plain, drafted = _trainer(tiny_model_path, depths=None), _trainer(tiny_model_path)
     before = {name: tensor.clone() for name, tensor in drafted._mtp.state_dict().items()}
+    agreement = drafted.mtp_agreement(seeded_batch())
     losses = [_step(drafted)["mtp_loss"]]
     _step(plain)
     for (name, expected), (_, got) in zip(plain.named_tensors(), drafted.named_tensors(), strict=True):
@@ -88,6 +100,8 @@ def test_the_policy_trains_exactly_as_without_mtp_and_only_the_mtp_layers_learn(
     for _ in range(5):
         losses.append(_step(drafted)["mtp_loss"])
     assert losses[-1] < 0.7 * losses[0], losses  # the draft learns the batch it keeps seeing
+    assert [after > first for first, after in zip(agreement, drafted.mtp_agreement(seeded_batch()), strict=True)] \
+        == [True, True]
 
 
 @pytest.mark.integration
