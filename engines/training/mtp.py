@@ -262,13 +262,15 @@ class MultiTokenPredictor:
             raise ValueError(f"--mtp-num-layers {len(self.module)}: {checkpoint} holds some MTP weights of the "
                              f"{layout.name} layout but not {missing[:5]} ({len(missing)} missing)")
         state = {name: tensor.clone() for name, tensor in self.module.state_dict().items()}
-        for stored, name, slot in entries:
-            with safe_open(str(shards[stored]), framework="pt") as handle:
-                tensor = handle.get_tensor(stored)
-            if slot is None:
-                state[name] = self._from_layout(name, tensor)
-            else:
-                slot.of(state[name]).copy_(tensor)
+        for shard in sorted(set(shards[stored] for stored, _, _ in entries)):  # each shard opened once
+            with safe_open(str(shard), framework="pt") as handle:
+                for stored, name, slot in entries:
+                    if shards[stored] != shard:
+                        continue
+                    if slot is None:
+                        state[name] = self._from_layout(name, handle.get_tensor(stored))
+                    else:
+                        slot.of(state[name]).copy_(handle.get_tensor(stored))
         self.load_state_dict(state)
         return "checkpoint"
 

@@ -75,7 +75,6 @@ from engines.training.moe import (
     row_routes,
     sample_routes,
 )
-from engines.training.mtp import MultiTokenPredictor
 from engines.training.optimizers import build_adam, param_groups
 from engines.training.output_head import fuse_output_head, token_outputs
 from engines.weights import layouts
@@ -92,7 +91,7 @@ class TorchTrainer(Trainer):
         vision.check_supported(self._model, config)
         vision.freeze_tower(self._model, freeze=config.freeze_vision_tower)
         # MTP depths copy the last decoder layer as loaded: before adapters or checkpointing wrap it
-        self._mtp = MultiTokenPredictor(self._model, config.mtp, config.model_path) if config.mtp else None
+        self._mtp = mtp.MultiTokenPredictor(self._model, config.mtp, config.model_path) if config.mtp else None
         if config.lora is not None:
             self._model = lora.wrap(self._model, config.lora, exclude=vision.lora_exclusions(self._model))
         self._ref = None
